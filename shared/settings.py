@@ -1,0 +1,180 @@
+"""moestream's one settings object.
+
+`Settings` is built once, in the command that starts the work, from (highest first)
+command-line flags, `MOESTREAM_*` environment variables, the config file
+(`$XDG_CONFIG_HOME/moestream/config.toml`, or `--config`), and the defaults below; it is
+then passed down. Nothing else reads the environment, and nothing reads it at import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+ENV_PREFIX = "MOESTREAM_"
+
+_SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+class SettingsError(ValueError):
+    """A setting has a value that cannot be used; the message names it."""
+
+
+def parse_size(text: str | int) -> int:
+    """'64G', '512MiB', '1.5g', 1024 -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGTkmgt]?)(i?[Bb])?\s*", str(text))
+    if not m:
+        raise SettingsError(f"cannot read {text!r} as a size (examples: 512M, 24G)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+
+
+def parse_capacity(text: str | float | int | None) -> float | int | None:
+    """'16' -> 16 slots per layer; '0.25' or '25%' -> a fraction of each layer's experts."""
+    if text is None or isinstance(text, (int, float)):
+        return text
+    s = str(text).strip()
+    try:
+        if s.endswith("%"):
+            value: float | int = float(s[:-1]) / 100.0
+        elif re.fullmatch(r"[0-9]+", s):
+            value = int(s)
+        else:
+            value = float(s)
+    except ValueError:
+        raise SettingsError(f"--capacity: cannot read {text!r} (a slot count like 16, or a fraction like 0.25 or 25%)") from None
+    if isinstance(value, float) and not 0.0 < value <= 1.0:
+        raise SettingsError(f"--capacity: fraction {value} must be in (0, 1]")
+    if isinstance(value, int) and value < 1:
+        raise SettingsError("--capacity: at least one slot per layer")
+    return value
+
+
+def default_runtime_dir(env: Mapping[str, str]) -> Path:
+    """Where the daemon keeps its sockets and lock: private to the user, short path."""
+    xdg = env.get("XDG_RUNTIME_DIR")
+    if xdg and sys.platform != "darwin":
+        return Path(xdg) / "moestream"
+    # macOS caps socket paths at 104 bytes, so stay under /tmp rather than the long
+    # per-user $TMPDIR; the folder is created 0700 and ownership is checked.
+    return Path("/tmp") / f"moestream-{os.getuid()}"
+
+
+def default_config_file(env: Mapping[str, str]) -> Path:
+    base = env.get("XDG_CONFIG_HOME") or str(Path(env.get("HOME", "~")).expanduser() / ".config")
+    return Path(base) / "moestream" / "config.toml"
+
+
+@dataclass(frozen=True)
+class Settings:
+    # The model: an expert store made by `moestreamctl convert`; None = the demo model.
+    model: str | None = None
+    # Pool sizing: slots per MoE layer (int), a fraction of its experts (float), or a
+    # memory budget in bytes for resident weights + pool + KV cache.
+    capacity: float | int | None = None
+    memory_budget: int | None = None
+    policy: str = "lru"
+    # Native read engine.
+    io_threads: int = 4
+    direct_io: bool = True
+    verify_checksums: bool = False
+    # Daemon.
+    runtime_dir: str | None = None
+    autopin_frac: float = 0.5
+    heat_flush_seconds: float = 5.0
+    diagnostics: bool = False
+    log_file: str | None = None
+
+    @classmethod
+    def resolve(
+        cls,
+        flags: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        config_file: str | os.PathLike | None = None,
+    ) -> "Settings":
+        """Merge flags > MOESTREAM_* variables > config file > defaults.
+
+        `flags` holds only the options the user gave (None means "not given").
+        """
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        path = Path(config_file) if config_file else default_config_file(env)
+        if path.is_file():
+            values.update(_read_config_file(path))
+        for f in fields(cls):
+            key = ENV_PREFIX + f.name.upper()
+            if key in env:
+                values[f.name] = env[key]
+        for name, value in (flags or {}).items():
+            if value is not None:
+                values[name] = value
+        return cls.from_values(values)
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any]) -> "Settings":
+        known = {f.name: f for f in fields(cls)}
+        out: dict[str, Any] = {}
+        for name, raw in values.items():
+            if name not in known:
+                raise SettingsError(f"unknown setting {name!r}")
+            out[name] = _coerce(name, raw)
+        return cls(**out)
+
+    def replace(self, **changes: Any) -> "Settings":
+        return dataclasses.replace(self, **{k: _coerce(k, v) for k, v in changes.items()})
+
+    def runtime_path(self, env: Mapping[str, str] | None = None) -> Path:
+        if self.runtime_dir:
+            return Path(self.runtime_dir)
+        return default_runtime_dir(os.environ if env is None else env)
+
+
+def _coerce(name: str, raw: Any) -> Any:
+    if raw is None:
+        return None
+    if name == "capacity":
+        return parse_capacity(raw)
+    if name == "memory_budget":
+        return parse_size(raw)
+    if name in ("direct_io", "verify_checksums", "diagnostics"):
+        if isinstance(raw, bool):
+            return raw
+        s = str(raw).strip().lower()
+        if s in ("1", "true", "yes", "on"):
+            return True
+        if s in ("0", "false", "no", "off"):
+            return False
+        raise SettingsError(f"{name}: expected true or false, got {raw!r}")
+    if name == "io_threads":
+        try:
+            n = int(raw)
+        except ValueError:
+            raise SettingsError(f"io_threads: expected a whole number, got {raw!r}") from None
+        if not 1 <= n <= 256:
+            raise SettingsError("io_threads: must be between 1 and 256")
+        return n
+    if name in ("autopin_frac", "heat_flush_seconds"):
+        try:
+            v = float(raw)
+        except ValueError:
+            raise SettingsError(f"{name}: expected a number, got {raw!r}") from None
+        if name == "autopin_frac" and not 0.0 <= v <= 1.0:
+            raise SettingsError("autopin_frac: must be between 0 and 1")
+        return v
+    return str(raw)
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    import tomllib  # Python 3.11+; config files are optional, so import only when used
+
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise SettingsError(f"config file {path}: {e}") from e
+    return {k.replace("-", "_"): v for k, v in data.items()}

@@ -1,0 +1,253 @@
+"""The on-disk expert store: its layout, and the manifest that describes it.
+
+A store is a folder:
+
+    manifest.json            this module's `Manifest`, as JSON
+    resident*.safetensors    every non-expert weight, keyed as in the mlx-lm model
+    tokenizer files          copied from the source model folder
+    experts/layer_NNN.bin    one file per MoE layer
+    pool_usage.json          routing heat, written by the heat keeper
+
+In a layer file, expert `e` occupies one block that starts at `e * stride` (a multiple
+of `EXPERT_ALIGN`), so reading one expert is one aligned read. Inside the block the
+expert's tensors (weight, scales, biases, bias of every projection, in manifest order)
+lie back to back, each at an offset that is a multiple of `TENSOR_ALIGN`. The block's
+first `length` bytes are covered by a CRC-32 (zlib polynomial); the rest is zero padding.
+
+This module imports no MLX: the client, the benchmarks and the daemon all read it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT_NAME = "moestream-store"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+POOL_USAGE_NAME = "pool_usage.json"
+EXPERTS_DIR = "experts"
+EXPERT_ALIGN = 16384
+TENSOR_ALIGN = 64
+
+# Bytes per element of the dtypes a store may hold, by their MLX/numpy names.
+DTYPE_SIZES = {
+    "uint8": 1,
+    "int8": 1,
+    "uint16": 2,
+    "int16": 2,
+    "uint32": 4,
+    "int32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+}
+
+
+class StoreError(Exception):
+    """The store is missing, malformed, or does not match what is asked of it."""
+
+
+def align_up(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One per-expert tensor of a MoE layer, e.g. `gate_proj.scales`."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # within the expert block
+    nbytes: int
+
+    @property
+    def projection(self) -> str:
+        return self.name.rsplit(".", 1)[0]
+
+
+@dataclass(frozen=True)
+class ExpertEntry:
+    offset: int  # within the layer file
+    length: int  # meaningful bytes; the checksum covers exactly these
+    crc32: int
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    """The experts of one `SwitchGLU`/`SwitchMLP` module of the model."""
+
+    ordinal: int  # position among the model's MoE layers, 0-based
+    module_path: str  # e.g. "model.layers.3.mlp.switch_mlp"
+    kind: str  # "SwitchGLU" or "SwitchMLP"
+    num_experts: int
+    file: str  # relative to the store folder
+    stride: int  # bytes between consecutive expert blocks
+    tensors: tuple[TensorSpec, ...]
+    experts: tuple[ExpertEntry, ...]
+    # Per projection ("gate_proj", ...): {"group_size", "bits", "mode"}, or None when
+    # that projection is not quantized.
+    quantization: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's tensors, padding between tensors included."""
+        last = self.tensors[-1]
+        return last.offset + last.nbytes
+
+    def tensor(self, name: str) -> TensorSpec:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise StoreError(f"layer {self.module_path} has no expert tensor {name!r}")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model_type: str
+    config: dict[str, Any]
+    resident_files: tuple[str, ...]
+    tokenizer_files: tuple[str, ...]
+    layers: tuple[MoELayer, ...]
+    source: dict[str, Any] = field(default_factory=dict)
+    alignment: int = EXPERT_ALIGN
+    version: int = FORMAT_VERSION
+
+    # ---- serialisation -------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        layers = []
+        for layer in self.layers:
+            d = asdict(layer)
+            d["tensors"] = [asdict(t) | {"shape": list(t.shape)} for t in layer.tensors]
+            d["experts"] = [[e.offset, e.length, e.crc32] for e in layer.experts]
+            layers.append(d)
+        return {
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "model_type": self.model_type,
+            "alignment": self.alignment,
+            "config": self.config,
+            "resident_files": list(self.resident_files),
+            "tokenizer_files": list(self.tokenizer_files),
+            "source": self.source,
+            "moe_layers": layers,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "manifest") -> "Manifest":
+        try:
+            if data.get("format") != FORMAT_NAME:
+                raise StoreError(f"{where}: not a moestream store manifest")
+            if data.get("version") != FORMAT_VERSION:
+                raise StoreError(
+                    f"{where}: store format version {data.get('version')} is not "
+                    f"supported (this moestream reads version {FORMAT_VERSION}); "
+                    "convert the model again"
+                )
+            layers = []
+            for d in data["moe_layers"]:
+                tensors = tuple(
+                    TensorSpec(
+                        name=t["name"],
+                        dtype=t["dtype"],
+                        shape=tuple(int(s) for s in t["shape"]),
+                        offset=int(t["offset"]),
+                        nbytes=int(t["nbytes"]),
+                    )
+                    for t in d["tensors"]
+                )
+                experts = tuple(ExpertEntry(int(o), int(n), int(c)) for o, n, c in d["experts"])
+                layers.append(
+                    MoELayer(
+                        ordinal=int(d["ordinal"]),
+                        module_path=str(d["module_path"]),
+                        kind=str(d["kind"]),
+                        num_experts=int(d["num_experts"]),
+                        file=str(d["file"]),
+                        stride=int(d["stride"]),
+                        tensors=tensors,
+                        experts=experts,
+                        quantization=dict(d.get("quantization") or {}),
+                    )
+                )
+            manifest = cls(
+                model_type=str(data["model_type"]),
+                config=dict(data["config"]),
+                resident_files=tuple(data["resident_files"]),
+                tokenizer_files=tuple(data["tokenizer_files"]),
+                layers=tuple(layers),
+                source=dict(data.get("source") or {}),
+                alignment=int(data.get("alignment", EXPERT_ALIGN)),
+                version=int(data["version"]),
+            )
+        except StoreError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise StoreError(f"{where}: malformed manifest ({type(e).__name__}: {e})") from e
+        manifest.validate(where)
+        return manifest
+
+    def validate(self, where: str = "manifest") -> None:
+        """Check the invariants the reader relies on; raise StoreError if one fails."""
+        if not self.layers:
+            raise StoreError(f"{where}: the store has no MoE layers")
+        for layer in self.layers:
+            if len(layer.experts) != layer.num_experts:
+                raise StoreError(
+                    f"{where}: layer {layer.module_path} lists {len(layer.experts)} "
+                    f"experts, expected {layer.num_experts}"
+                )
+            if layer.stride % self.alignment or layer.stride < layer.expert_bytes:
+                raise StoreError(f"{where}: layer {layer.module_path} has a bad stride")
+            for t in layer.tensors:
+                if t.dtype not in DTYPE_SIZES:
+                    raise StoreError(f"{where}: tensor {t.name} has unknown dtype {t.dtype}")
+                count = 1
+                for s in t.shape:
+                    count *= s
+                if count * DTYPE_SIZES[t.dtype] != t.nbytes or t.offset % TENSOR_ALIGN:
+                    raise StoreError(f"{where}: tensor {t.name} of {layer.module_path} is inconsistent")
+            for e, entry in enumerate(layer.experts):
+                if entry.offset != e * layer.stride or entry.length != layer.expert_bytes:
+                    raise StoreError(
+                        f"{where}: expert {e} of {layer.module_path} has offset/length "
+                        f"{entry.offset}/{entry.length}, expected "
+                        f"{e * layer.stride}/{layer.expert_bytes}"
+                    )
+
+    # ---- files ---------------------------------------------------------------------
+
+    def dump(self, store_dir: str | os.PathLike) -> None:
+        """Write manifest.json atomically (temporary file, fsync, rename)."""
+        path = Path(store_dir) / MANIFEST_NAME
+        tmp = path.with_suffix(".json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(self.to_json(), f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def load_manifest(store_dir: str | os.PathLike) -> Manifest:
+    """Read and validate a store's manifest, with errors that say what to do."""
+    store = Path(store_dir)
+    path = store / MANIFEST_NAME
+    if not store.is_dir():
+        raise StoreError(f"expert store {store} does not exist (make one with `moestreamctl convert`)")
+    if not path.is_file():
+        raise StoreError(f"{store} is not an expert store: {MANIFEST_NAME} is missing")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StoreError(f"{path}: cannot read the manifest ({e})") from e
+    return Manifest.from_json(data, where=str(path))
