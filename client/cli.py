@@ -1,2 +1,29 @@
-def main():
-    print("moestreamctl")
+"""`moestreamctl`: the command line. Imports no MLX, so `--help` and the daemon
+commands answer fast; commands that need MLX import it inside their bodies."""
+
+from __future__ import annotations
+
+import click
+
+from moestream import __version__
+from moestream.client import cmd_bench_io, cmd_bench_policy, cmd_convert
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="moestreamctl")
+def main() -> None:
+    """Run Mixture-of-Experts models larger than memory.
+
+    The non-expert weights stay resident; experts are streamed from an on-disk
+    expert store into a bounded pool. Start with `moestreamctl generate "PROMPT"`.
+    """
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks; each prints a table, or JSON with --json."""
+
+
+main.add_command(cmd_convert.convert)
+bench.add_command(cmd_bench_io.bench_io)
+bench.add_command(cmd_bench_policy.bench_policy)
