@@ -1,12 +1,44 @@
 """`moestreamctl convert`: an mlx-lm model folder -> an expert store."""
 
+from __future__ import annotations
+
+import sys
+
 import click
 
 
 @click.command()
 @click.argument("model_dir", type=click.Path(file_okay=False))
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for the expert store.")
-@click.option("--force", is_flag=True, help="Overwrite an existing store.")
+@click.option("--force", is_flag=True, help="Replace an existing store.")
 def convert(model_dir: str, out_dir: str, force: bool) -> None:
-    """Convert an mlx-lm model folder into an expert store."""
-    raise click.ClickException("not implemented yet")
+    """Convert an mlx-lm model folder into an expert store.
+
+    MODEL_DIR is a folder as mlx-lm loads it (config.json, model*.safetensors,
+    tokenizer files), e.g. a download of an mlx-community model. The experts are
+    written one MoE layer at a time, so memory stays near one layer's size.
+    """
+    from moestream.daemon.store.convert import convert_model
+    from moestream.shared.store_format import StoreError
+
+    bar = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = click.progressbar(length=total, label="writing store", file=sys.stderr, width=30)
+            bar.__enter__()
+        bar.update(done - bar.pos)
+
+    try:
+        manifest = convert_model(model_dir, out_dir, force=force, progress=progress)
+    except StoreError as e:
+        raise click.ClickException(str(e)) from e
+    finally:
+        if bar is not None:
+            bar.__exit__(None, None, None)
+    experts = sum(layer.num_experts for layer in manifest.layers)
+    click.echo(
+        f"wrote {out_dir}: {manifest.model_type}, {len(manifest.layers)} MoE layers, "
+        f"{experts} experts, {len(manifest.resident_files)} resident file(s)"
+    )

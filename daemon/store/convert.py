@@ -1,0 +1,295 @@
+"""`moestreamctl convert`: an mlx-lm model folder -> an expert store.
+
+The model is opened with mlx-lm's own loader (`load_model(lazy=True)`), so weights are
+sanitized and quantized exactly as stock mlx-lm would; nothing is read until a tensor is
+evaluated. The stacked expert tensors are then written one MoE layer at a time and
+dropped, and the resident weights go out in bounded files, so memory stays near one
+layer whatever the model's size.
+
+The store is built in a hidden sibling folder and renamed into place at the end: an
+interrupted convert leaves no half store behind, and a later run cleans up after it.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import zlib
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten, tree_map
+
+from moestream.daemon.store.layout import SwitchLayer, find_switch_layers
+from moestream.daemon.store.source import check_model_dir, tokenizer_files
+from moestream.shared.store_format import (
+    EXPERTS_DIR,
+    MANIFEST_NAME,
+    ExpertEntry,
+    Manifest,
+    MoELayer,
+    StoreError,
+)
+
+# progress(bytes_written, bytes_total)
+ProgressFn = Callable[[int, int], None]
+# disk_free(folder) -> free bytes on the file system holding folder
+DiskFreeFn = Callable[[Path], int]
+
+RESIDENT_SHARD_BYTES = 2 << 30
+DISK_MARGIN_BYTES = 64 << 20
+DISK_MARGIN_FRACTION = 0.02
+_PARTIAL = ".partial-"
+_REPLACED = ".replaced-"
+
+
+def _disk_free(folder: Path) -> int:
+    return shutil.disk_usage(folder).free
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_partials(out_dir: Path) -> None:
+    """Remove what an interrupted convert into `out_dir` left behind (its process is gone)."""
+    for kind in (_PARTIAL, _REPLACED):
+        for p in out_dir.parent.glob(f".{glob.escape(out_dir.name)}{kind}*"):
+            pid_text = p.name.rsplit("-", 1)[-1]
+            if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+                shutil.rmtree(p)
+
+
+def _check_destination(out_dir: Path, force: bool) -> None:
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise StoreError(f"{out_dir} exists and is not a folder; choose another --out")
+    if (out_dir / MANIFEST_NAME).is_file():
+        if not force:
+            raise StoreError(f"{out_dir} already holds an expert store; pass --force to replace it")
+        return
+    if any(out_dir.iterdir()):
+        # --force replaces stores, never an unrelated folder that happens to be named.
+        raise StoreError(
+            f"{out_dir} exists, is not empty and is not an expert store; "
+            "choose another --out (nothing was changed)"
+        )
+
+
+def _to_bytes_view(a: mx.array) -> np.ndarray:
+    """A numpy view of an evaluated array with the same bytes (bfloat16 included)."""
+    unsigned = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[a.itemsize]
+    return np.ascontiguousarray(np.asarray(a.view(unsigned)))
+
+
+def _write_layer(layer: SwitchLayer, path: Path, advance: Callable[[int], None]) -> list[ExpertEntry]:
+    """Write every expert block of `layer` to `path`; return offsets, lengths, CRCs."""
+    mx.eval(*layer.arrays)
+    views = [_to_bytes_view(a) for a in layer.arrays]
+    length = layer.expert_bytes
+    # Tensors land at the same offsets in every block, so one buffer serves all experts
+    # and its padding stays zero.
+    block = bytearray(layer.stride)
+    entries = []
+    with open(path, "wb") as f:
+        for e in range(layer.num_experts):
+            for spec, view in zip(layer.specs, views):
+                block[spec.offset : spec.offset + spec.nbytes] = memoryview(view[e]).cast("B")
+            entries.append(ExpertEntry(offset=e * layer.stride, length=length, crc32=zlib.crc32(memoryview(block)[:length])))
+            f.write(block)
+            advance(layer.stride)
+        f.flush()
+        os.fsync(f.fileno())
+    layer.arrays.clear()  # the only references left: free this layer before the next
+    return entries
+
+
+def _write_resident(
+    items: list[tuple[str, mx.array]], folder: Path, shard_bytes: int, advance: Callable[[int], None]
+) -> list[str]:
+    """Save resident weights into files of at most `shard_bytes` (one tensor may exceed it)."""
+    shards: list[list[tuple[str, mx.array]]] = []
+    size = 0
+    for name, a in items:
+        if not shards or (size + a.nbytes > shard_bytes and shards[-1]):
+            shards.append([])
+            size = 0
+        shards[-1].append((name, a))
+        size += a.nbytes
+    items.clear()
+    names = []
+    for i in range(len(shards)):
+        shard = dict(shards[i])
+        shards[i] = []
+        name = f"resident-{i + 1:05d}.safetensors"
+        mx.save_safetensors(str(folder / name), shard, metadata={"format": "mlx"})
+        advance(sum(a.nbytes for a in shard.values()))
+        del shard
+        names.append(name)
+    return names
+
+
+def estimate_store_bytes(layers: list[SwitchLayer], resident_bytes: int, extra_files: list[Path]) -> int:
+    """Bytes the store will take: expert files, resident weights, copied files."""
+    return sum(l.file_bytes for l in layers) + resident_bytes + sum(p.stat().st_size for p in extra_files)
+
+
+def required_free_bytes(estimate: int) -> int:
+    """Free space to insist on: the estimate plus a margin for headers and the FS."""
+    return estimate + int(estimate * DISK_MARGIN_FRACTION) + DISK_MARGIN_BYTES
+
+
+def _load(model_dir: Path):
+    from mlx_lm.utils import load_model
+
+    try:
+        return load_model(model_dir, lazy=True)
+    except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
+        raise StoreError(f"{model_dir}: mlx-lm cannot load this model ({type(e).__name__}: {e})") from e
+
+
+def convert_model(
+    model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    force: bool = False,
+    progress: ProgressFn | None = None,
+    disk_free: DiskFreeFn = _disk_free,
+    resident_shard_bytes: int = RESIDENT_SHARD_BYTES,
+) -> Manifest:
+    """Convert the mlx-lm model in `model_dir` into an expert store at `out_dir`.
+
+    Refuses (StoreError) a model with no MoE layers or an unknown expert layout, missing
+    or truncated weight files, an existing store unless `force`, and a destination
+    without enough free space (as reported by `disk_free`). `progress` is called with
+    (bytes written, bytes total) as the store is written.
+    """
+    model_dir = Path(model_dir).expanduser().resolve()
+    out_dir = Path(out_dir).expanduser().absolute()
+    check_model_dir(model_dir)
+    _check_destination(out_dir, force)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_partials(out_dir)
+
+    model, config = _load(model_dir)
+    model_type = str(config.get("model_type", "model"))
+    layers = find_switch_layers(model, model_type)
+    expert_names = {n for layer in layers for n in layer.parameter_names()}
+    flat = tree_flatten(model.parameters())
+    resident = [(n, a) for n, a in flat if n not in expert_names]
+    if len(flat) - len(resident) != len(expert_names):
+        raise StoreError(f"{model_dir}: expert tensors are not all model parameters; this layout is not supported")
+    del flat
+    # Drop the model's own references so each tensor is freed once written.
+    model.update(tree_map(lambda _: mx.array([]), model.parameters()))
+    del model
+
+    copied = tokenizer_files(model_dir)
+    resident_bytes = sum(a.nbytes for _, a in resident)
+    estimate = estimate_store_bytes(layers, resident_bytes, copied)
+    free = disk_free(out_dir.parent)
+    if free < required_free_bytes(estimate):
+        raise StoreError(
+            f"not enough free disk space in {out_dir.parent}: the store needs about "
+            f"{estimate / 2**30:.2f} GiB (plus a margin), only {free / 2**30:.2f} GiB are free; "
+            "free some space or choose another --out"
+        )
+
+    total = sum(l.file_bytes for l in layers) + resident_bytes
+    done = 0
+
+    def advance(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(done, total)
+
+    tmp = out_dir.parent / f".{out_dir.name}{_PARTIAL}{os.getpid()}"
+    tmp.mkdir()
+    try:
+        (tmp / EXPERTS_DIR).mkdir()
+        moe_layers = []
+        for ordinal, layer in enumerate(layers):
+            rel = f"{EXPERTS_DIR}/layer_{ordinal:03d}.bin"
+            entries = _write_layer(layer, tmp / rel, advance)
+            moe_layers.append(
+                MoELayer(
+                    ordinal=ordinal,
+                    module_path=layer.module_path,
+                    kind=layer.kind,
+                    num_experts=layer.num_experts,
+                    file=rel,
+                    stride=layer.stride,
+                    tensors=layer.specs,
+                    experts=tuple(entries),
+                    quantization=layer.quantization,
+                )
+            )
+        resident_files = _write_resident(resident, tmp, resident_shard_bytes, advance)
+        for src in copied:
+            shutil.copy2(src, tmp / src.name)
+        manifest = Manifest(
+            model_type=model_type,
+            config=config,
+            resident_files=tuple(resident_files),
+            tokenizer_files=tuple(p.name for p in copied),
+            layers=tuple(moe_layers),
+            source={
+                "model_dir": str(model_dir),
+                "mlx_lm": _package_version("mlx-lm"),
+                "mlx": _package_version("mlx"),
+            },
+        )
+        manifest.validate(str(tmp / MANIFEST_NAME))
+        for f in [*tmp.iterdir(), *(tmp / EXPERTS_DIR).iterdir()]:
+            if f.is_file() and f.suffix != ".bin":  # layer files were synced as written
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        _fsync_dir(tmp / EXPERTS_DIR)
+        manifest.dump(tmp)  # last, so a folder with a manifest is a complete store
+        _install(tmp, out_dir)
+    except BaseException as exc:
+        try:
+            shutil.rmtree(tmp)
+        except OSError as cleanup:
+            exc.add_note(f"could not remove the partial store {tmp}: {cleanup}; delete it by hand")
+        raise
+    return manifest
+
+
+def _install(tmp: Path, out_dir: Path) -> None:
+    """Move the finished store into place, replacing an old one only once it is complete."""
+    old = None
+    if out_dir.exists():
+        old = out_dir.parent / f".{out_dir.name}{_REPLACED}{os.getpid()}"
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    _fsync_dir(out_dir.parent)
+    if old is not None:
+        shutil.rmtree(old)

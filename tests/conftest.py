@@ -1,0 +1,26 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`tiny_model(arch, quant="4bit", seed=0, shards=1) -> Path`: a tiny model folder in
+    the mlx-community layout (see tests/tiny_models.py), built once per session and
+    shared: copy it before changing it."""
+    from tiny_models import make_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny_models")
+
+    def build(arch: str, quant: str = "4bit", seed: int = 0, shards: int = 1) -> Path:
+        path = root / f"{arch}-{quant}-seed{seed}-shards{shards}"
+        if not (path / "config.json").is_file():
+            make_tiny_model(path, arch, quant=quant, seed=seed, shards=shards)
+        return path
+
+    return build
