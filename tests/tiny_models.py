@@ -357,3 +357,21 @@ def write_tokenizer(path: str | Path) -> None:
         )
     )
     (path / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Build one tiny model from the command line (used by the README's quick start)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write a tiny random MoE model in the mlx-community layout.")
+    parser.add_argument("--arch", default="qwen3_moe", choices=MOE_ARCHS + OTHER_ARCHS)
+    parser.add_argument("--quant", default="4bit", choices=QUANTS)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True, help="Folder to write the model into.")
+    args = parser.parse_args(argv)
+    path = make_tiny_model(args.out, args.arch, quant=args.quant, seed=args.seed)
+    print(f"wrote a tiny {args.arch} model ({args.quant}) to {path}")
+
+
+if __name__ == "__main__":
+    main()
