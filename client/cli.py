@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from moestream import __version__
-from moestream.client import cmd_bench_io, cmd_bench_policy, cmd_convert
+from moestream.client import cmd_bench_decode, cmd_bench_io, cmd_bench_policy, cmd_convert, cmd_generate
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -25,5 +25,11 @@ def bench() -> None:
 
 
 main.add_command(cmd_convert.convert)
+main.add_command(cmd_generate.generate)
 bench.add_command(cmd_bench_io.bench_io)
 bench.add_command(cmd_bench_policy.bench_policy)
+bench.add_command(cmd_bench_decode.bench_decode)
+
+
+if __name__ == "__main__":
+    main()

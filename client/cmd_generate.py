@@ -1,0 +1,78 @@
+"""`moestreamctl generate`: stream text from a model."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from moestream.shared.settings import Settings, SettingsError
+
+
+def _parse_ids(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise click.BadParameter("expected comma-separated token ids, e.g. 1,2,3", param_hint="--prompt-ids") from None
+
+
+@click.command()
+@click.argument("prompt", required=False)
+@click.option("--model", "model", type=click.Path(file_okay=False), help="Expert store (made by `moestreamctl convert`).")
+@click.option("--local", is_flag=True, help="Run in this process instead of through the daemon.")
+@click.option("--prompt-ids", help="Token ids instead of a text prompt, e.g. 1,2,3.")
+@click.option("--capacity", help="Pool slots per MoE layer (16) or a fraction of its experts (0.25, 25%).")
+@click.option("--memory-budget", help="Size the pool so that weights + pool + KV cache fit, e.g. 24G.")
+@click.option("--policy", help="Eviction policy (see `moestreamctl bench policy`).")
+@click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(1, None))
+@click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0.0, None), help="Sampling temperature; 0 is greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0))
+@click.option("--seed", type=int, help="Random seed for sampling.")
+@click.option("--io-threads", type=int, help="Threads of the native read engine.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, tokens and stats.")
+def generate(prompt, model, local, prompt_ids, capacity, memory_budget, policy, max_tokens, temp, top_p, seed, io_threads, as_json) -> None:
+    """Generate text for PROMPT, streaming it to stdout."""
+    ids = _parse_ids(prompt_ids)
+    if prompt is None and ids is None:
+        raise click.UsageError("give a PROMPT or --prompt-ids")
+    try:
+        settings = Settings.resolve(
+            {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy, "io_threads": io_threads}
+        )
+    except SettingsError as e:
+        raise click.UsageError(str(e)) from None
+    if not local:
+        raise click.UsageError("only --local generation exists so far (the daemon is not built yet)")
+    if settings.model is None:
+        raise click.UsageError("no built-in demo model yet: give --model STORE")
+
+    from moestream.daemon.expert_pool import PoolCapacityError
+    from moestream.daemon.expert_reader import ExpertReadError
+    from moestream.daemon.generation import SamplingParams, encode_prompt, generate as run
+    from moestream.daemon.store.loader import load_streaming_model
+    from moestream.shared.store_format import StoreError
+
+    params = SamplingParams(max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed)
+    try:
+        sm = load_streaming_model(settings.model, settings, max_tokens=max_tokens + 4096)
+    except (StoreError, PoolCapacityError, ExpertReadError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    try:
+        prompt_tokens = encode_prompt(sm, prompt, ids)
+
+        def show(segment: str, _token: int) -> None:
+            sys.stdout.write(segment)
+            sys.stdout.flush()
+
+        result = run(sm, prompt_tokens, params, on_text=None if as_json else show)
+    except (ValueError, ExpertReadError) as e:
+        raise click.ClickException(str(e)) from None
+    finally:
+        sm.close()
+    if as_json:
+        click.echo(json.dumps({"text": result.text, "tokens": result.tokens, "stats": result.stats}))
+    else:
+        sys.stdout.write("\n")

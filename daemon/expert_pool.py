@@ -1,0 +1,219 @@
+"""The expert pool of one MoE layer: `capacity` slots per expert tensor.
+
+Invariants:
+- `slot_of[e] >= 0` exactly when expert `e` is resident, and then `expert_in[slot_of[e]] == e`;
+  a slot is either in `_free` or holds exactly one expert.
+- Pinned experts are resident and never evicted; nor is any expert that the tokens being
+  served need (`protected`), so one forward never overwrites a slot it reads.
+- Slot bytes are only written while no queued computation reads that slot: admission
+  first waits for the streams that run the model to drain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generation_stream
+
+from moestream.daemon.expert_reader import ExpertReader, ExpertReadError, ReadJob
+from moestream.daemon.policies.base import EvictionPolicy
+from moestream.shared.store_format import MoELayer
+
+
+@dataclass
+class PoolStats:
+    """Counts over unique experts per forward (one token in decode, a chunk in prefill)."""
+
+    hits_prefill: int = 0
+    hits_decode: int = 0
+    misses_prefill: int = 0
+    misses_decode: int = 0
+    evictions: int = 0
+    bytes_read: int = 0
+    host_syncs: int = 0
+    prefill_chunks: int = 0
+    # Routed (token, expert) pairs per expert since the last `take_routed()`, for heat.
+    routed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    def to_dict(self) -> dict[str, Any]:
+        hits = self.hits_prefill + self.hits_decode
+        misses = self.misses_prefill + self.misses_decode
+        return {
+            "hits_prefill": self.hits_prefill,
+            "hits_decode": self.hits_decode,
+            "misses_prefill": self.misses_prefill,
+            "misses_decode": self.misses_decode,
+            "hit_rate": hits / (hits + misses) if hits + misses else None,
+            "evictions": self.evictions,
+            "bytes_read": self.bytes_read,
+            "host_syncs": self.host_syncs,
+            "prefill_chunks": self.prefill_chunks,
+        }
+
+
+class PoolCapacityError(ValueError):
+    """The pool cannot hold what is asked of it; the message says what would fit."""
+
+
+class ExpertPool:
+    def __init__(
+        self,
+        layer: MoELayer,
+        capacity: int,
+        policy: EvictionPolicy,
+        reader: ExpertReader,
+        *,
+        top_k: int,
+        keep: bool = True,
+    ) -> None:
+        if capacity < top_k:
+            raise PoolCapacityError(
+                f"layer {layer.module_path}: capacity {capacity} is below the minimum "
+                f"{top_k} (the experts one token routes to)"
+            )
+        self.layer = layer
+        self.capacity = min(capacity, layer.num_experts)
+        self.top_k = top_k
+        self.policy = policy
+        self.reader = reader
+        # keep=False is the naive on-demand baseline of `bench decode`: nothing is
+        # reused from one forward to the next, every routed expert is read each time.
+        self.keep = keep
+        self.arrays: dict[str, mx.array] = {
+            t.name: mx.zeros((self.capacity, *t.shape), dtype=getattr(mx, t.dtype))
+            for t in layer.tensors
+        }
+        mx.eval(list(self.arrays.values()))
+        self.slot_of = np.full(layer.num_experts, -1, np.int32)
+        self.expert_in = np.full(self.capacity, -1, np.int32)
+        self._free = list(range(self.capacity - 1, -1, -1))
+        self._resident: set[int] = set()
+        self.pinned: set[int] = set()
+        self.stats = PoolStats(routed=np.zeros(layer.num_experts, np.int64))
+        # Set once every expert is resident: lookups then stay on the device.
+        self.remap: mx.array | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+    @property
+    def fully_resident(self) -> bool:
+        return self.remap is not None
+
+    # ---- admission -----------------------------------------------------------------
+
+    def load_all(self) -> None:
+        """Make every expert resident (capacity == experts); lookups become device-only."""
+        if self.capacity < self.layer.num_experts:
+            raise PoolCapacityError("load_all needs a slot for every expert")
+        self._admit([e for e in range(self.layer.num_experts) if self.slot_of[e] < 0], set())
+        self.pinned = set(range(self.layer.num_experts))
+        self.remap = mx.array(self.slot_of)
+
+    def pin(self, experts: Iterable[int]) -> int:
+        """Load and pin `experts` (hottest first); returns how many were pinned."""
+        wanted = [int(e) for e in experts if int(e) not in self.pinned]
+        room = self.capacity - self.top_k - len(self.pinned)
+        wanted = wanted[: max(room, 0)]
+        self._admit([e for e in wanted if self.slot_of[e] < 0], set(wanted) | self.pinned)
+        self.pinned.update(wanted)
+        return len(wanted)
+
+    def ensure(self, token_experts: np.ndarray, *, decode: bool) -> None:
+        """Make resident every expert routed by these tokens ([tokens, k] ids)."""
+        if not self.keep:
+            for e in list(self._resident - self.pinned):
+                self._release(e)
+                self.policy.evicted(e)
+        for row in token_experts:
+            self.policy.access(row.tolist())
+        needed = np.unique(token_experts)
+        np.add.at(self.stats.routed, token_experts.reshape(-1), 1)
+        missing = [int(e) for e in needed if self.slot_of[e] < 0]
+        hits = len(needed) - len(missing)
+        if decode:
+            self.stats.hits_decode += hits
+            self.stats.misses_decode += len(missing)
+        else:
+            self.stats.hits_prefill += hits
+            self.stats.misses_prefill += len(missing)
+        if missing:
+            self._admit(missing, set(needed.tolist()) | self.pinned)
+
+    def plan_chunks(self, token_experts: np.ndarray) -> list[tuple[int, int]]:
+        """Split tokens into consecutive ranges whose experts fit in the pool at once."""
+        room = self.capacity - len(self.pinned)
+        chunks: list[tuple[int, int]] = []
+        start = 0
+        union: set[int] = set()
+        for i, row in enumerate(token_experts):
+            row_set = {int(e) for e in row if int(e) not in self.pinned}
+            if len(union | row_set) > room:
+                chunks.append((start, i))
+                start, union = i, set()
+            union |= row_set
+        chunks.append((start, len(token_experts)))
+        return chunks
+
+    def _admit(self, missing: Sequence[int], protected: set[int]) -> None:
+        # Work queued earlier (e.g. another request's step, interleaved with this one)
+        # may still read the slots about to be overwritten: let it finish first.
+        mx.synchronize(generation_stream)
+        mx.synchronize()
+        jobs = []
+        for e in missing:
+            if self._free:
+                slot = self._free.pop()
+            else:
+                victim = self.policy.victim(self._resident, protected)
+                if victim in protected or self.slot_of[victim] < 0:
+                    raise RuntimeError(
+                        f"policy {self.policy.name} chose expert {victim} of "
+                        f"{self.layer.module_path}, which is protected or not resident"
+                    )
+                slot = int(self.slot_of[victim])
+                self.slot_of[victim] = -1
+                self._resident.discard(victim)
+                self.policy.evicted(victim)
+                self.stats.evictions += 1
+            self.slot_of[e] = slot
+            self.expert_in[slot] = e
+            self._resident.add(e)
+            jobs.append(ReadJob(self.layer, e, self._targets(slot)))
+        failed = self.reader.read(jobs)
+        failed_experts = {job.expert for job, _ in failed}
+        for e in missing:
+            if e in failed_experts:
+                self._release(e)
+            else:
+                self.policy.admitted(e)
+        self.stats.bytes_read += (len(jobs) - len(failed)) * self.layer.expert_bytes
+        if failed:
+            job, error = failed[0]
+            raise ExpertReadError(
+                f"cannot read expert {job.expert} of layer {self.layer.ordinal} "
+                f"({self.layer.module_path}): {error}"
+            )
+
+    def _release(self, expert: int) -> None:
+        slot = int(self.slot_of[expert])
+        self.slot_of[expert] = -1
+        self.expert_in[slot] = -1
+        self._resident.discard(expert)
+        self._free.append(slot)
+
+    def _targets(self, slot: int) -> list[tuple[Any, int, int, int]]:
+        return [
+            (self.arrays[t.name], slot * t.nbytes, t.offset, t.nbytes)
+            for t in self.layer.tensors
+        ]
+
+    def take_routed(self) -> np.ndarray:
+        """Per-expert routed counts since the last call (for the heat keeper)."""
+        counts = self.stats.routed
+        self.stats.routed = np.zeros_like(counts)
+        return counts

@@ -1,0 +1,97 @@
+"""Reads experts from a store's layer files into pool slots, through the native engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from moestream._native import ReadEngine
+from moestream.shared.store_format import Manifest, MoELayer
+
+
+class ExpertReadError(RuntimeError):
+    """An expert could not be read; the message names the layer, the expert and why."""
+
+
+@dataclass(frozen=True)
+class ReadJob:
+    """One expert to read, and where each of its tensors goes."""
+
+    layer: MoELayer
+    expert: int
+    # (destination buffer, byte offset in it, byte offset in the expert block, bytes)
+    targets: Sequence[tuple[Any, int, int, int]]
+
+
+class ExpertReader:
+    """Owns the native read engine and the open layer files of one store."""
+
+    def __init__(
+        self,
+        store_dir: str | Path,
+        manifest: Manifest,
+        *,
+        threads: int = 4,
+        direct: bool = True,
+        verify: bool = False,
+    ) -> None:
+        self.store_dir = Path(store_dir)
+        self.verify = verify
+        self.engine = ReadEngine(threads=threads, direct=direct, verify=verify)
+        self._fids: dict[str, int] = {}
+        self._sizes: dict[str, int] = {}
+        for layer in manifest.layers:
+            path = self.store_dir / layer.file
+            try:
+                fid = self.engine.open(str(path))
+            except OSError as e:
+                self.engine.close()
+                raise ExpertReadError(f"cannot open expert file of layer {layer.module_path}: {e}") from e
+            self._fids[layer.file] = fid
+            self._sizes[layer.file] = int(self.engine.file_info(fid)["size"])
+
+    def read(self, jobs: Sequence[ReadJob]) -> list[tuple[ReadJob, str]]:
+        """Read every job, in parallel; return the jobs that failed with their errors."""
+        failed: list[tuple[ReadJob, str]] = []
+        batch, submitted = [], []
+        for job in jobs:
+            entry = job.layer.experts[job.expert]
+            size = self._sizes[job.layer.file]
+            if entry.offset + entry.length > size:
+                failed.append(
+                    (job, f"{self.store_dir / job.layer.file} is truncated: {size} bytes, the expert "
+                          f"lies at offset {entry.offset} length {entry.length}")
+                )
+                continue
+            submitted.append(job)
+            batch.append(
+                (
+                    self._fids[job.layer.file],
+                    entry.offset,
+                    entry.length,
+                    list(job.targets),
+                    entry.crc32 if self.verify else None,
+                )
+            )
+        if not batch:
+            return failed
+        ids = self.engine.submit_batch(batch)
+        done = {c.id: c for c in self.engine.wait(ids)}
+        for rid, job in zip(ids, submitted):
+            c = done[rid]
+            if not c.ok:
+                failed.append((job, c.error))
+        return failed
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.engine.stats())
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> "ExpertReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

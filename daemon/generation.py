@@ -1,0 +1,165 @@
+"""Generation over a streaming model, with the request's statistics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import mlx.core as mx
+import psutil
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+
+from moestream.daemon.store.loader import StreamingModel
+
+_COUNTERS = ("hits_prefill", "hits_decode", "misses_prefill", "misses_decode", "evictions", "bytes_read", "host_syncs", "prefill_chunks")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temp: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class GenerationResult:
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def _counters(sm: StreamingModel) -> dict[str, int]:
+    totals = dict.fromkeys(_COUNTERS, 0)
+    for p in sm.pools:
+        for key in _COUNTERS:
+            totals[key] += getattr(p.stats, key)
+    return totals
+
+
+def encode_prompt(sm: StreamingModel, prompt: str | None, prompt_ids: Sequence[int] | None) -> list[int]:
+    if prompt_ids is not None:
+        ids = [int(t) for t in prompt_ids]
+        vocab = sm.manifest.config.get("text_config", sm.manifest.config).get("vocab_size")
+        bad = [t for t in ids if t < 0 or (vocab and t >= vocab)]
+        if bad:
+            raise ValueError(f"prompt ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
+    else:
+        ids = sm.tokenizer.encode(prompt or "")
+    if not ids:
+        raise ValueError("the prompt is empty")
+    return ids
+
+
+def generate(
+    sm: StreamingModel,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    on_text: Callable[[str, int], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> GenerationResult:
+    """Run one request to the end; `on_text(segment, token)` gets text as it appears."""
+    result = GenerationResult()
+    for segment, token in iter_generate(sm, prompt_ids, params, result, should_stop=should_stop):
+        if on_text is not None:
+            on_text(segment, token)
+    return result
+
+
+def iter_generate(
+    sm: StreamingModel,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    result: GenerationResult,
+    *,
+    should_stop: Callable[[], bool] | None = None,
+) -> Iterator[tuple[str, int]]:
+    """Yield (text segment, token id) pairs; fill `result` as it goes."""
+    if params.seed is not None:
+        mx.random.seed(params.seed)
+    tokenizer = sm.tokenizer
+    detok = tokenizer.detokenizer
+    detok.reset()
+    sampler = make_sampler(temp=params.temp, top_p=params.top_p)
+    mx.reset_peak_memory()
+    start_counts = _counters(sm)
+    tic = time.perf_counter()
+    prompt_counts = start_counts
+    prompt_seconds = 0.0
+    n = 0
+    stop_hold = max((len(s) for s in params.stop), default=0)
+    emitted = 0
+    for n, (token, _) in enumerate(
+        generate_step(mx.array(list(prompt_ids)), sm.model, max_tokens=params.max_tokens, sampler=sampler), 1
+    ):
+        token = int(token)
+        if n == 1:
+            prompt_seconds = time.perf_counter() - tic
+            prompt_counts = _counters(sm)
+            tic = time.perf_counter()
+        if token in tokenizer.eos_token_ids:
+            result.finish_reason = "stop"
+            n -= 1
+            break
+        result.tokens.append(token)
+        detok.add_token(token)
+        text = detok.text
+        if params.stop:
+            hit = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
+            if hit >= 0:
+                result.text = text[:hit]
+                if hit > emitted:
+                    yield text[emitted:hit], token
+                result.finish_reason = "stop"
+                break
+            # Hold back text that might be the start of a stop string.
+            safe = max(emitted, len(text) - stop_hold)
+        else:
+            safe = len(text)
+        if safe > emitted:
+            yield text[emitted:safe], token
+            emitted = safe
+        result.text = text
+        if should_stop is not None and should_stop():
+            result.finish_reason = "cancelled"
+            break
+    else:
+        detok.finalize()
+        text = detok.text
+        if len(text) > emitted:
+            yield text[emitted:], result.tokens[-1] if result.tokens else -1
+        result.text = text
+    decode_seconds = time.perf_counter() - tic
+    end_counts = _counters(sm)
+    decode_tokens = max(n - 1, 0)
+    prefill = {k: prompt_counts[k] - start_counts[k] for k in _COUNTERS}
+    decode = {k: end_counts[k] - prompt_counts[k] for k in _COUNTERS}
+    routed_hits = end_counts["hits_prefill"] + end_counts["hits_decode"] - start_counts["hits_prefill"] - start_counts["hits_decode"]
+    routed_misses = end_counts["misses_prefill"] + end_counts["misses_decode"] - start_counts["misses_prefill"] - start_counts["misses_decode"]
+    result.stats = {
+        "prompt_tokens": len(prompt_ids),
+        "generated_tokens": len(result.tokens),
+        "prompt_seconds": prompt_seconds,
+        "prompt_tokens_per_s": len(prompt_ids) / prompt_seconds if prompt_seconds else None,
+        "decode_seconds": decode_seconds,
+        "tokens_per_s": decode_tokens / decode_seconds if decode_seconds and decode_tokens else None,
+        # Counted by phase of the request: the prompt forward(s), then every later step.
+        "hits": {"prefill": prefill["hits_prefill"] + prefill["hits_decode"], "decode": decode["hits_prefill"] + decode["hits_decode"]},
+        "misses": {"prefill": prefill["misses_prefill"] + prefill["misses_decode"], "decode": decode["misses_prefill"] + decode["misses_decode"]},
+        "hit_rate": routed_hits / (routed_hits + routed_misses) if routed_hits + routed_misses else None,
+        "bytes_read": end_counts["bytes_read"] - start_counts["bytes_read"],
+        "evictions": end_counts["evictions"] - start_counts["evictions"],
+        # Per decode token: the pool's syncs (one per MoE layer with a partial pool)
+        # plus the one that reads the sampled token.
+        "host_syncs_per_token": (decode["host_syncs"] / decode_tokens + 1.0) if decode_tokens else None,
+        "capacity": sm.capacity,
+        "policy": sm.pools[0].policy.name if sm.pools else None,
+        "peak_memory_bytes": mx.get_peak_memory(),
+        "rss_bytes": psutil.Process().memory_info().rss,
+        "finish_reason": result.finish_reason,
+    }

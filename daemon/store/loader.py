@@ -1,0 +1,250 @@
+"""Load an expert store as a streaming mlx-lm model.
+
+The model is built by mlx-lm's own classes from the manifest's config, quantized the way
+`mlx_lm.utils.load_model` quantizes it, and given the resident weights; every
+`SwitchGLU`/`SwitchMLP` the manifest names is wrapped in a `StreamingMoE` whose expert
+tensors are the pool's slot arrays. The stacked expert tensors are never materialised.
+"""
+
+from __future__ import annotations
+
+import glob
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+from mlx_lm.utils import _get_classes, infer_quant_config, load_tokenizer
+
+from moestream.daemon.capacity import plan_capacity, top_k_of
+from moestream.daemon.expert_pool import ExpertPool
+from moestream.daemon.expert_reader import ExpertReader
+from moestream.daemon.policies import make_policy
+from moestream.daemon.streaming_moe import StreamingMoE
+from moestream.shared.settings import Settings
+from moestream.shared.store_format import Manifest, StoreError, load_manifest
+
+
+@dataclass
+class StreamingModel:
+    """A loaded store: the model, its tokenizer, and the pools that feed it."""
+
+    model: nn.Module
+    tokenizer: Any
+    manifest: Manifest
+    pools: list[ExpertPool]
+    reader: ExpertReader
+    store_dir: Path
+    capacity: int
+    resident_bytes: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(p.nbytes for p in self.pools)
+
+    def pool_stats(self) -> dict[str, Any]:
+        """Totals over layers, plus per-layer occupancy and hit rates."""
+        totals: dict[str, Any] = {}
+        per_layer = []
+        for p in self.pools:
+            d = p.stats.to_dict()
+            for key, value in d.items():
+                if isinstance(value, int):
+                    totals[key] = totals.get(key, 0) + value
+            per_layer.append(
+                {
+                    "layer": p.layer.ordinal,
+                    "resident": int((p.slot_of >= 0).sum()),
+                    "capacity": p.capacity,
+                    "pinned": len(p.pinned),
+                    "hit_rate": d["hit_rate"],
+                }
+            )
+        hits = totals.get("hits_prefill", 0) + totals.get("hits_decode", 0)
+        misses = totals.get("misses_prefill", 0) + totals.get("misses_decode", 0)
+        totals["hit_rate"] = hits / (hits + misses) if hits + misses else None
+        totals["layers"] = per_layer
+        return totals
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def _module_at(root: nn.Module, path: str) -> tuple[Any, str | int, nn.Module]:
+    """(parent, key in parent, module) for a dotted parameter path like model.layers.3.mlp.switch_mlp."""
+    parent: Any = None
+    key: str | int = ""
+    node: Any = root
+    for part in path.split("."):
+        parent = node
+        key = int(part) if part.isdigit() and isinstance(node, list) else part
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            raise StoreError(f"the model has no module {path!r} (store and mlx-lm disagree)") from None
+    return parent, key, node
+
+
+def _quantize(model: nn.Module, config: dict[str, Any], weights: dict[str, mx.array], manifest: Manifest) -> None:
+    quantization = config.get("quantization")
+    if quantization is None:
+        if config.get("quantization_config"):
+            raise StoreError(
+                "the store's config has a 'quantization_config' but no mlx 'quantization'; "
+                "convert the model again with this moestream"
+            )
+        return
+    expert_quant = {
+        f"{layer.module_path}.{proj}": q for layer in manifest.layers for proj, q in layer.quantization.items()
+    }
+
+    def predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
+        if path in quantization:
+            return quantization[path]
+        if not hasattr(module, "to_quantized"):
+            return False
+        if path in expert_quant:
+            return expert_quant[path] or False
+        if f"{path}.scales" not in weights:
+            return False
+        return infer_quant_config(path, module, weights)
+
+    nn.quantize(
+        model,
+        group_size=quantization["group_size"],
+        bits=quantization["bits"],
+        mode=quantization.get("mode", "affine"),
+        class_predicate=predicate,
+    )
+
+
+def _build_model(store: Path, manifest: Manifest) -> tuple[nn.Module, dict[str, mx.array]]:
+    """The mlx-lm model of the manifest's config, quantized, and its resident weights."""
+    config = dict(manifest.config)
+    try:
+        model_class, args_class = _get_classes(config)
+    except ValueError as e:
+        raise StoreError(f"{store}: {e} (mlx-lm {__import__('mlx_lm').__version__})") from e
+    model = model_class(args_class.from_dict(config))
+    weights: dict[str, mx.array] = {}
+    for name in manifest.resident_files:
+        path = store / name
+        if not path.is_file():
+            raise StoreError(f"{store}: resident weights file {name} is missing")
+        weights.update(mx.load(str(path)))
+    _quantize(model, config, weights, manifest)
+    return model, weights
+
+
+def _load_resident(model: nn.Module, weights: dict[str, mx.array], manifest: Manifest, store: Path) -> None:
+    expert_prefixes = tuple(layer.module_path + "." for layer in manifest.layers)
+    expected = {k for k, _ in tree_flatten(model.parameters()) if not k.startswith(expert_prefixes)}
+    missing = expected - weights.keys()
+    extra = weights.keys() - expected
+    if missing or extra:
+        raise StoreError(
+            f"{store}: resident weights do not match the model: "
+            f"missing {sorted(missing)[:5]}, unexpected {sorted(extra)[:5]}"
+        )
+    model.load_weights(list(weights.items()), strict=False)
+    model.eval()
+
+
+def load_streaming_model(
+    store_dir: str | Path, settings: Settings, *, max_tokens: int = 4096, naive: bool = False
+) -> StreamingModel:
+    """Load a store for streaming. `naive=True` is the on-demand baseline of the
+    benchmarks: a pool of top-k slots that reuses nothing between forwards."""
+    store = Path(store_dir)
+    manifest = load_manifest(store)
+    config = manifest.config
+    model, weights = _build_model(store, manifest)
+    resident_bytes = sum(v.nbytes for v in weights.values())
+    k = top_k_of(config)
+    capacity = k if naive else plan_capacity(
+        manifest,
+        capacity=settings.capacity,
+        memory_budget=settings.memory_budget,
+        resident_bytes=resident_bytes,
+        max_tokens=max_tokens,
+    )
+    reader = ExpertReader(
+        store, manifest, threads=settings.io_threads, direct=settings.direct_io, verify=settings.verify_checksums
+    )
+    pools: list[ExpertPool] = []
+    try:
+        for layer in manifest.layers:
+            parent, key, module = _module_at(model, layer.module_path)
+            if not isinstance(module, (SwitchGLU, SwitchMLP)):
+                raise StoreError(f"{layer.module_path} is a {type(module).__name__}, not a SwitchGLU/SwitchMLP")
+            _check_layout(module, layer)
+            slots = min(capacity, layer.num_experts)
+            policy = make_policy(settings.policy, layer.num_experts, slots)
+            pool = ExpertPool(layer, slots, policy, reader, top_k=k, keep=not naive)
+            parent[key] = StreamingMoE(module, pool)
+            pools.append(pool)
+        _load_resident(model, weights, manifest, store)
+        mx.eval(model.parameters())
+        for pool in pools:
+            if pool.capacity == pool.layer.num_experts and not naive:
+                pool.load_all()
+        tokenizer = load_tokenizer(store, eos_token_ids=config.get("eos_token_id"))
+    except BaseException:
+        reader.close()
+        raise
+    return StreamingModel(
+        model=model,
+        tokenizer=tokenizer,
+        manifest=manifest,
+        pools=pools,
+        reader=reader,
+        store_dir=store,
+        capacity=capacity,
+        resident_bytes=resident_bytes,
+    )
+
+
+def load_stock_model(store_dir: str | Path) -> nn.Module:
+    """The same model as stock mlx-lm holds it: every expert resident in the original
+    `SwitchGLU`/`SwitchMLP`, no streaming layer. The baseline of the benchmarks."""
+    store = Path(store_dir)
+    manifest = load_manifest(store)
+    model, weights = _build_model(store, manifest)
+    for layer in manifest.layers:
+        _, _, module = _module_at(model, layer.module_path)
+        _check_layout(module, layer)
+        raw = np.fromfile(store / layer.file, dtype=np.uint8)
+        if raw.size < layer.num_experts * layer.stride:
+            raise StoreError(f"{store / layer.file} is truncated")
+        blocks = raw[: layer.num_experts * layer.stride].reshape(layer.num_experts, layer.stride)
+        for t in layer.tensors:
+            part = np.ascontiguousarray(blocks[:, t.offset : t.offset + t.nbytes])
+            stacked = mx.array(part).view(getattr(mx, t.dtype)).reshape(layer.num_experts, *t.shape)
+            projection, param = t.name.rsplit(".", 1)
+            getattr(module, projection)[param] = stacked
+    _load_resident(model, weights, manifest, store)
+    mx.eval(model.parameters())
+    return model
+
+
+def _check_layout(module: nn.Module, layer) -> None:
+    """The store's per-expert tensors must be exactly the module's stacked tensors."""
+    params = dict(tree_flatten(module.parameters()))
+    names = {t.name for t in layer.tensors}
+    if set(params) != names:
+        raise StoreError(
+            f"{layer.module_path}: the store holds {sorted(names)} but the model expects {sorted(params)}"
+        )
+    for t in layer.tensors:
+        p = params[t.name]
+        # Dtypes are not compared: like stock loading, the file's dtype wins.
+        if tuple(p.shape) != (layer.num_experts, *t.shape):
+            raise StoreError(
+                f"{layer.module_path}.{t.name}: store has shape {list(t.shape)} per expert, "
+                f"the model expects {list(p.shape)[1:]}"
+            )

@@ -1,0 +1,119 @@
+"""Write a random-weight MoE model of a real model's shape in the mlx-community layout.
+
+Used on the GPU machine for `moestreamctl bench decode` on a Qwen3-30B-A3B-shaped model
+(48 layers, 128 experts, top-8, hidden 2048, expert width 768, 4-bit: about 17 GiB):
+
+    python tests/bench/make_random_moe.py --shape qwen3-30b-a3b --out /data/q30 --mlx-memory-limit 64G
+
+The weights are drawn lazily and evaluated one saved shard at a time, so memory stays
+near one shard. Random routers route almost uniformly: hit rates measured on such a model
+are the pessimistic case for a pool, which is why the benchmarks say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.models import qwen3_moe
+from mlx_lm.utils import quantize_model, save_config, save_model
+
+SHAPES = {
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "num_hidden_layers": 48,
+        "intermediate_size": 6144,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 768,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 151936,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 40960,
+        "norm_topk_prob": True,
+    },
+    # A small shape with the same structure, to try the script on a CPU.
+    "mini": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_experts": 32,
+        "num_experts_per_tok": 4,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 128,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 4096,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 4096,
+        "norm_topk_prob": True,
+    },
+}
+
+
+def _write_tokenizer(out: Path, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer trained on a little text, padded to the vocab size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = [Path(__file__).read_text()] * 4
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, 1024), special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(text, trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "model_max_length": 32768,
+    }))
+
+
+def make_random_moe(out: Path, shape: str, *, bits: int = 4, group_size: int = 64, seed: int = 0) -> Path:
+    config = dict(SHAPES[shape])
+    out.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(seed)
+    model = qwen3_moe.Model(qwen3_moe.ModelArgs.from_dict(config))
+    # Real checkpoints keep bf16 scales and norms; so does this one.
+    model.set_dtype(mx.bfloat16)
+    model, config = quantize_model(model, config, group_size=group_size, bits=bits, mode="affine")
+    save_model(out, model, donate_model=True)
+    save_config(config, config_path=out / "config.json")
+    _write_tokenizer(out, config["vocab_size"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mlx-memory-limit", default="64G", help="mx.set_memory_limit, e.g. 64G")
+    args = parser.parse_args(argv)
+    from moestream.shared.settings import parse_size
+
+    mx.set_memory_limit(parse_size(args.mlx_memory_limit))
+    tic = time.perf_counter()
+    path = make_random_moe(Path(args.out), args.shape, bits=args.bits, seed=args.seed)
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    print(f"wrote {args.shape} ({size / 2**30:.2f} GiB) to {path} in {time.perf_counter() - tic:.1f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

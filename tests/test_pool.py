@@ -1,0 +1,191 @@
+"""The expert pool and the streaming model: sizing, pinning, faults, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from moestream.daemon.expert_pool import PoolCapacityError
+from moestream.daemon.expert_reader import ExpertReadError
+from moestream.daemon.generation import SamplingParams, generate
+from moestream.daemon.store.convert import convert_model
+from moestream.daemon.store.loader import load_streaming_model
+from moestream.shared.settings import Settings
+from moestream.shared.store_format import load_manifest
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, request):
+    from tiny_models import make_tiny_model
+
+    root = tmp_path_factory.mktemp("pool")
+    src = make_tiny_model(root / "model", "qwen3_moe", quant="4bit", seed=3)
+    convert_model(src, root / "store")
+    return root / "store"
+
+
+def _run(sm, n_prompt=20, steps=24):
+    cache = make_prompt_cache(sm.model)
+    logits = sm.model(mx.arange(n_prompt)[None] % 500, cache=cache)[:, -1, :]
+    for _ in range(steps):
+        token = mx.argmax(logits, axis=-1)
+        logits = sm.model(token[None], cache=cache)[:, -1, :]
+    mx.eval(logits)
+
+
+def test_capacity_below_top_k_is_refused(store):
+    with pytest.raises(PoolCapacityError, match="below the minimum 4"):
+        load_streaming_model(store, Settings(capacity=3))
+
+
+def test_memory_budget_below_minimum_is_refused(store):
+    with pytest.raises(PoolCapacityError, match="below the minimum"):
+        load_streaming_model(store, Settings(memory_budget=1024))
+
+
+def test_memory_budget_sizes_the_pool(store):
+    manifest = load_manifest(store)
+    per_slot = sum(layer.expert_bytes for layer in manifest.layers)
+    resident = sum(a.nbytes for f in manifest.resident_files for a in mx.load(str(store / f)).values())
+    from moestream.daemon.capacity import kv_cache_bytes
+
+    budget = resident + kv_cache_bytes(manifest.config, 64) + 6 * per_slot + per_slot // 2
+    sm = load_streaming_model(store, Settings(memory_budget=budget), max_tokens=64)
+    try:
+        assert sm.capacity == 6
+        assert sm.resident_bytes + sm.pool_bytes <= budget
+    finally:
+        sm.close()
+
+
+def test_full_capacity_needs_no_host_sync(store):
+    sm = load_streaming_model(store, Settings())
+    try:
+        assert all(p.fully_resident for p in sm.pools)
+        _run(sm)
+        assert sm.pool_stats()["host_syncs"] == 0
+        assert sm.pool_stats()["misses_decode"] == 0
+    finally:
+        sm.close()
+
+
+def test_pinned_experts_are_never_evicted(store):
+    sm = load_streaming_model(store, Settings(capacity=8, policy="lru"))
+    try:
+        pinned = {}
+        for p in sm.pools:
+            hot = [0, 5, 9]
+            assert p.pin(hot) == 3
+            pinned[p.layer.ordinal] = {e: int(p.slot_of[e]) for e in hot}
+        _run(sm, n_prompt=60, steps=40)
+        for p in sm.pools:
+            assert p.stats.evictions > 0
+            for e, slot in pinned[p.layer.ordinal].items():
+                assert p.slot_of[e] == slot and p.expert_in[slot] == e
+    finally:
+        sm.close()
+
+
+def test_pool_invariants_hold_after_a_run(store):
+    sm = load_streaming_model(store, Settings(capacity=5, policy="predictive"))
+    try:
+        _run(sm, n_prompt=50, steps=30)
+        for p in sm.pools:
+            resident = np.flatnonzero(p.slot_of >= 0)
+            assert len(resident) <= p.capacity
+            assert all(p.expert_in[p.slot_of[e]] == e for e in resident)
+            assert len(set(p.slot_of[resident].tolist())) == len(resident)
+    finally:
+        sm.close()
+
+
+def test_truncated_expert_file_names_layer_and_expert(store, tmp_path):
+    broken = tmp_path / "store"
+    shutil.copytree(store, broken)
+    manifest = load_manifest(broken)
+    layer = manifest.layers[1]
+    path = broken / layer.file
+    path.write_bytes(path.read_bytes()[: 3 * layer.stride])  # experts 3.. are gone
+    sm = load_streaming_model(broken, Settings(capacity=4))
+    try:
+        with pytest.raises(ExpertReadError, match=r"expert \d+ of layer 1 .*layer_001"):
+            _run(sm, n_prompt=30, steps=10)
+        pool = sm.pools[1]
+        resident = np.flatnonzero(pool.slot_of >= 0)
+        assert all(e < 3 for e in resident), "an expert that failed to read was left resident"
+    finally:
+        sm.close()
+
+
+def test_checksum_mismatch_is_caught(store, tmp_path):
+    broken = tmp_path / "store"
+    shutil.copytree(store, broken)
+    layer = load_manifest(broken).layers[0]
+    path = broken / layer.file
+    data = bytearray(path.read_bytes())
+    for e in range(layer.num_experts):
+        data[e * layer.stride + 10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    sm = load_streaming_model(broken, Settings(capacity=4, verify_checksums=True))
+    try:
+        with pytest.raises(ExpertReadError, match="checksum"):
+            _run(sm)
+    finally:
+        sm.close()
+
+
+def test_missing_store_is_a_clear_error(tmp_path):
+    from moestream.shared.store_format import StoreError
+
+    with pytest.raises(StoreError, match="does not exist"):
+        load_streaming_model(tmp_path / "nope", Settings())
+
+
+def test_generate_stats(store):
+    sm = load_streaming_model(store, Settings(capacity=0.25))
+    try:
+        r = generate(sm, [1, 2, 3, 4, 5], SamplingParams(max_tokens=12))
+    finally:
+        sm.close()
+    s = r.stats
+    assert len(r.tokens) == s["generated_tokens"] <= 12
+    assert s["misses"]["prefill"] > 0 and s["hits"]["decode"] + s["misses"]["decode"] > 0
+    assert s["bytes_read"] == (s["misses"]["prefill"] + s["misses"]["decode"]) * load_manifest(store).layers[0].expert_bytes
+    n_moe = len(load_manifest(store).layers)
+    assert s["host_syncs_per_token"] == pytest.approx(n_moe + 1)
+
+
+def test_cli_generate_local_json_matches_library(store):
+    exe = Path(sys.executable).with_name("moestreamctl")
+    out = subprocess.run(
+        [str(exe), "generate", "--local", "--model", str(store), "--prompt-ids", "1,2,3,4,5",
+         "--capacity", "25%", "--max-tokens", "12", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    sm = load_streaming_model(store, Settings(capacity=0.25))
+    try:
+        want = generate(sm, [1, 2, 3, 4, 5], SamplingParams(max_tokens=12))
+    finally:
+        sm.close()
+    assert got["tokens"] == want.tokens and got["text"] == want.text
+    for key in ("hits", "misses", "bytes_read", "host_syncs_per_token", "tokens_per_s", "peak_memory_bytes", "rss_bytes"):
+        assert key in got["stats"]
+
+
+def test_cli_refuses_bad_capacity(store):
+    exe = Path(sys.executable).with_name("moestreamctl")
+    out = subprocess.run(
+        [str(exe), "generate", "--local", "--model", str(store), "--capacity", "1", "hi"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode != 0 and "below the minimum" in out.stderr
