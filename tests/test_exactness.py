@@ -22,9 +22,9 @@ from moestream.shared.settings import Settings
 from tiny_models import make_tiny_model
 
 ARCHS = ["qwen3_moe", "qwen3_5_moe", "mixtral", "deepseek_v3"]
-# MLX's CPU build runs gather_mm in float32 only, so the unquantized case is f32 here;
-# bf16 is checked on the GPU machine.
-QUANTS = ["4bit", "f32"]
+# MLX's CPU build runs gather_mm in float32 only (stock mlx-lm cannot run a bf16 MoE
+# there either), so on a CPU the unquantized case is f32; on a GPU bf16 is checked too.
+QUANTS = ["4bit", "f32"] + (["bf16"] if mx.default_device().type == mx.gpu else [])
 PROMPT_LENGTHS = [1, 7, 100]
 STEPS = 64
 

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (see ../shared/device/README.md), after MLX's CUDA build was
+# installed into /opt/mlx. One stage per device call, each under its 10-minute limit;
+# results go to $OUT and are committed under tests/bench/results/.
+#
+#   bash tests/bench/gpu_run.sh exactness     # the exactness suite on CUDA (adds bf16)
+#   bash tests/bench/gpu_run.sh make-q30      # Qwen3-30B-A3B-shaped random 4-bit model + store
+#   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it
+#   bash tests/bench/gpu_run.sh demo          # train the built-in demo model
+set -euo pipefail
+stage=${1:?stage}
+export PYTHONPATH=/opt/mlx:$PWD
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+py=python3
+ctl() { $py -m moestream.client.cli "$@"; }
+
+if ! $py -c "import moestream._native" 2>/dev/null; then
+  $py -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+fi
+$py -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
+
+case "$stage" in
+  exactness)
+    $py -m pytest -q -p no:cacheprovider tests/test_exactness.py tests/test_pool.py tests/test_native_engine.py \
+      2>&1 | tee "$OUT/exactness_cuda.txt" | tail -15
+    ;;
+  make-q30)
+    rm -rf /root/q30 && mkdir -p /root/q30
+    /usr/bin/time -v $py tests/bench/make_random_moe.py --shape qwen3-30b-a3b --out /root/q30/model --mlx-memory-limit 64G 2>&1 | grep -E "wrote|Elapsed|Maximum resident" | tee "$OUT/make_q30.txt"
+    /usr/bin/time -v $py -m moestream.client.cli convert /root/q30/model --out /root/q30/store 2>&1 | grep -E "wrote|Elapsed|Maximum resident|Error" | tee -a "$OUT/make_q30.txt"
+    rm -rf /root/q30/model
+    df -h /root | tail -1
+    ;;
+  decode-q30)
+    ctl bench decode --model /root/q30/store --capacity 1 --capacity 0.5 --capacity 0.25 --capacity 0.125 \
+      --prompt-tokens 32 --decode-tokens 32 --rounds 3 --mlx-memory-limit 64G --json >"$OUT/bench_decode_q30.json"
+    $py - "$OUT/bench_decode_q30.json" <<'EOF'
+import json, sys
+from moestream.daemon.bench_decode import format_report
+print(format_report(json.load(open(sys.argv[1]))))
+EOF
+    ;;
+  demo)
+    $py -m moestream.daemon.demo.train --out "$OUT/demo" --minutes "${DEMO_MINUTES:-7}" 2>&1 | tail -40
+    ;;
+  *)
+    echo "unknown stage $stage" >&2; exit 2 ;;
+esac
