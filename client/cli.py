@@ -6,7 +6,15 @@ from __future__ import annotations
 import click
 
 from moestream import __version__
-from moestream.client import cmd_bench_decode, cmd_bench_io, cmd_bench_policy, cmd_convert, cmd_generate
+from moestream.client import (
+    cmd_bench_decode,
+    cmd_bench_io,
+    cmd_bench_policy,
+    cmd_convert,
+    cmd_daemon,
+    cmd_generate,
+    cmd_service,
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -29,6 +37,9 @@ main.add_command(cmd_generate.generate)
 bench.add_command(cmd_bench_io.bench_io)
 bench.add_command(cmd_bench_policy.bench_policy)
 bench.add_command(cmd_bench_decode.bench_decode)
+for c in cmd_daemon.COMMANDS:
+    main.add_command(c)
+main.add_command(cmd_service.service)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,10 @@ def generate(prompt, model, local, prompt_ids, capacity, memory_budget, policy, 
     except SettingsError as e:
         raise click.UsageError(str(e)) from None
     if not local:
-        raise click.UsageError("only --local generation exists so far (the daemon is not built yet)")
+        given = {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy, "io_threads": io_threads}
+        _generate_via_daemon(settings, given, prompt, ids, as_json,
+                             dict(max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed))
+        return
     if settings.model is None:
         raise click.UsageError("no built-in demo model yet: give --model STORE")
 
@@ -76,3 +79,62 @@ def generate(prompt, model, local, prompt_ids, capacity, memory_budget, policy, 
         click.echo(json.dumps({"text": result.text, "tokens": result.tokens, "stats": result.stats}))
     else:
         sys.stdout.write("\n")
+
+
+def _generate_via_daemon(settings: Settings, given: dict, prompt: str | None, ids: list[int] | None, as_json: bool, sampling: dict) -> None:
+    """Stream from the daemon, starting it first when none runs."""
+    import os
+
+    from moestream.client.client import Client, ClientError, DaemonNotRunning, Token
+    from moestream.client.cmd_daemon import start_daemon
+    from moestream.shared.runtime_dir import RuntimeDirError, RuntimePaths
+
+    try:
+        paths = RuntimePaths.from_settings(settings)
+        paths.check_socket_path()
+    except RuntimeDirError as e:
+        raise click.ClickException(str(e)) from None
+    try:
+        client = Client(paths)
+    except DaemonNotRunning:
+        if settings.model is None:
+            raise click.UsageError("no daemon is running: give --model STORE to start one, or use --local") from None
+        click.echo(f"moestream: no daemon running; starting one for {settings.model}", err=True)
+        start_daemon(settings, given)
+        client = Client(paths)
+    with client:
+        try:
+            status = client.status()
+        except ClientError as e:
+            raise click.ClickException(str(e)) from None
+        served = status.get("model")
+        if settings.model is not None and served and os.path.realpath(settings.model) != os.path.realpath(served):
+            raise click.ClickException(
+                f"the daemon serves {served}, not {settings.model}: stop it (`moestreamctl stop`) or use --local"
+            )
+        ignored = [f"--{k.replace('_', '-')}" for k in ("capacity", "memory_budget", "policy", "io_threads")
+                   if given.get(k) is not None and status.get("settings", {}).get(k) != getattr(settings, k)]
+        if ignored:
+            click.echo(f"note: {', '.join(ignored)} ignored: the running daemon keeps its pool settings "
+                       "(`moestreamctl restart` with new flags changes them)", err=True)
+        stream = None
+        shown = 0
+        try:
+            stream = client.generate(prompt, prompt_ids=ids, **sampling)
+            for event in stream:
+                if isinstance(event, Token) and not as_json:
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+                    shown += len(event.text)
+        except KeyboardInterrupt:
+            if stream is not None and stream.done is None:
+                stream.close()
+            raise
+        except ClientError as e:
+            raise click.ClickException(str(e)) from None
+    done = stream.done
+    if as_json:
+        click.echo(json.dumps({"text": done.text, "tokens": done.tokens, "stats": done.stats}))
+    else:
+        # Text held back for stop strings never came as a token event.
+        sys.stdout.write(done.text[shown:] + "\n")

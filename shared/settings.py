@@ -90,6 +90,11 @@ class Settings:
     heat_flush_seconds: float = 5.0
     diagnostics: bool = False
     log_file: str | None = None
+    # Requests: tokens per request (prompt + generated; also sizes the KV cache when the
+    # pool comes from a memory budget), requests decoded at once, requests waiting.
+    max_context: int = 16384
+    max_active: int = 8
+    max_queued: int = 256
 
     @classmethod
     def resolve(
@@ -135,6 +140,9 @@ class Settings:
         return default_runtime_dir(os.environ if env is None else env)
 
 
+_INT_RANGES = {"max_context": (16, 2**24), "max_active": (1, 1024), "max_queued": (0, 1_000_000)}
+
+
 def _coerce(name: str, raw: Any) -> Any:
     if raw is None:
         return None
@@ -158,6 +166,15 @@ def _coerce(name: str, raw: Any) -> Any:
             raise SettingsError(f"io_threads: expected a whole number, got {raw!r}") from None
         if not 1 <= n <= 256:
             raise SettingsError("io_threads: must be between 1 and 256")
+        return n
+    if name in _INT_RANGES:
+        low, high = _INT_RANGES[name]
+        try:
+            n = int(raw)
+        except ValueError:
+            raise SettingsError(f"{name}: expected a whole number, got {raw!r}") from None
+        if not low <= n <= high:
+            raise SettingsError(f"{name}: must be between {low} and {high}")
         return n
     if name in ("autopin_frac", "heat_flush_seconds"):
         try:

@@ -189,3 +189,26 @@ def test_cli_refuses_bad_capacity(store):
         capture_output=True, text=True, timeout=120,
     )
     assert out.returncode != 0 and "below the minimum" in out.stderr
+
+
+def test_autopin_pins_the_hottest_experts_and_keeps_them(store):
+    from moestream.daemon.autopin import autopin
+
+    manifest = load_manifest(store)
+    counts = {layer.ordinal: {e: (e * 7919) % 97 + 1 for e in range(layer.num_experts)} for layer in manifest.layers}
+    counts[0] = {}  # no heat recorded for layer 0: it is skipped
+    sm = load_streaming_model(store, Settings(capacity=8))
+    try:
+        summary = autopin(sm, counts, frac=0.5)
+        assert summary.layers == len(manifest.layers) - 1 and summary.skipped_layers == 1
+        assert summary.pinned == 4 * (len(manifest.layers) - 1)
+        assert summary.bytes_read == summary.pinned * manifest.layers[0].expert_bytes
+        for p in sm.pools[1:]:
+            want = sorted(counts[p.layer.ordinal], key=lambda e: (-counts[p.layer.ordinal][e], e))[:4]
+            assert p.pinned == set(want)
+        _run(sm, n_prompt=40, steps=30)
+        for p in sm.pools[1:]:
+            assert all(p.slot_of[e] >= 0 for e in p.pinned)
+        assert not sm.pools[0].pinned
+    finally:
+        sm.close()

@@ -1,0 +1,287 @@
+"""The client side of the daemon's socket (no MLX: importing this is fast).
+
+    with Client(settings) as c:
+        for event in c.generate("Hello", max_tokens=32):
+            if isinstance(event, Token):
+                print(event.text, end="")
+
+A `Client` holds one DEALER socket; use one per thread. Replies wait at most `timeout`
+seconds; a generate stream that is silent that long (a long prompt, a cold pool) pings
+the daemon, whose I/O thread answers at once even while it computes, and keeps waiting
+while it answers. A daemon process that is gone raises `DaemonDied` within a fraction
+of a second.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+import weakref
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import zmq
+
+from moestream.shared import protocol as proto
+from moestream.shared.protocol import Done, Token
+from moestream.shared.runtime_dir import RuntimeDirError, RuntimePaths, check_private_dir, lock_is_held, pid_alive, read_pid
+from moestream.shared.settings import Settings
+
+__all__ = ["Client", "ClientError", "DaemonDied", "DaemonNotRunning", "Done", "GenerateStream", "RequestRejected", "Token"]
+
+_SLICE_S = 0.2
+
+
+class ClientError(RuntimeError):
+    """Base of the client's errors."""
+
+
+class DaemonNotRunning(ClientError):
+    """No daemon holds the runtime folder's lock."""
+
+
+class DaemonDied(ClientError):
+    """The daemon went away, or stopped answering, while a reply was awaited."""
+
+
+class RequestRejected(ClientError):
+    """The daemon answered with an `error` message."""
+
+    def __init__(self, code: str, message: str, request_id: str = "") -> None:
+        super().__init__(f"{message} ({code})")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+def runtime_paths(target: Settings | RuntimePaths | str | Path) -> RuntimePaths:
+    """The daemon's paths from settings, paths, or a runtime folder."""
+    if isinstance(target, RuntimePaths):
+        return target
+    if isinstance(target, Settings):
+        return RuntimePaths.from_settings(target)
+    return RuntimePaths.from_settings(Settings(runtime_dir=str(target)))
+
+
+class Client:
+    """A connection to the daemon. Not thread-safe: one per thread."""
+
+    def __init__(self, target: Settings | RuntimePaths | str | Path, *, timeout: float = 10.0) -> None:
+        self.paths = runtime_paths(target)
+        self.timeout = timeout
+        try:
+            endpoint = self.paths.endpoint
+            if self.paths.dir.is_dir():
+                # Whoever could make a socket there could read this client's prompts.
+                check_private_dir(self.paths.dir)
+            if not lock_is_held(self.paths):
+                raise DaemonNotRunning(
+                    f"no moestream daemon is running (runtime folder {self.paths.dir}); "
+                    "start one with `moestreamctl start --model STORE`"
+                )
+            self.pid = read_pid(self.paths)
+        except RuntimeDirError as e:
+            raise ClientError(str(e)) from None
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        self._sock = sock
+        # Closes the socket when the client is collected or closed, whichever comes first.
+        self._finalizer = weakref.finalize(self, sock.close, 0)
+        self._inbox: dict[str, deque[proto.Reply]] = {}
+
+    def close(self) -> None:
+        """Close the socket; the daemon stops this client's requests at their next token."""
+        self._finalizer()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def ping(self) -> proto.Pong:
+        """The daemon's pid, state (loading | ready | stopping) and version."""
+        return self._call(proto.Ping(id=_new_id()), proto.Pong)
+
+    def status(self) -> dict[str, Any]:
+        """Pid, uptime, model, pool occupancy, memory, clients, requests, heat, log path."""
+        return self._call(proto.Status(id=_new_id()), proto.StatusReply).status
+
+    def stats(self) -> dict[str, Any]:
+        """Pool statistics (totals and per layer), read engine counters, request counts."""
+        return self._call(proto.Stats(id=_new_id()), proto.StatsReply).stats
+
+    def shutdown(self) -> int:
+        """Ask the daemon to stop (it cancels running requests); returns its pid."""
+        return self._call(proto.Shutdown(id=_new_id()), proto.ShutdownReply).pid
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel one of this client's generate requests; False if it had already ended."""
+        return self._call(proto.Cancel(id=_new_id(), target=request_id), proto.Cancelled).found
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_ids: Sequence[int] | None = None,
+        max_tokens: int = 256,
+        temp: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        request_id: str | None = None,
+    ) -> "GenerateStream":
+        """Send a generate request now; iterate the result for `Token` events, then `Done`."""
+        msg = proto.Generate(
+            id=request_id or _new_id(),
+            prompt=prompt,
+            prompt_ids=tuple(prompt_ids) if prompt_ids is not None else None,
+            max_tokens=max_tokens,
+            temp=temp,
+            top_p=top_p,
+            seed=seed,
+            stop=tuple(stop),
+        )
+        data = proto.encode(msg)
+        try:
+            proto.decode_request(data)  # the daemon's own checks, before anything is sent
+        except proto.ProtocolError as e:
+            raise RequestRejected(e.code, e.message, msg.id) from None
+        self._send(data)
+        return GenerateStream(self, msg.id)
+
+    def complete(self, prompt: str | None = None, *, on_text: Callable[[str], None] | None = None, **kwargs: Any) -> dict[str, Any]:
+        """Run one generate request to its end: {id, text, tokens, finish_reason, stats}."""
+        stream = self.generate(prompt, **kwargs)
+        for event in stream:
+            if isinstance(event, Token) and on_text is not None:
+                on_text(event.text)
+        done = stream.done
+        return {"id": done.id, "text": done.text, "tokens": done.tokens, "finish_reason": done.finish_reason, "stats": done.stats}
+
+    # ---- plumbing ----------------------------------------------------------------------
+
+    def _call(self, msg: Any, expected: type) -> Any:
+        self._send(proto.encode(msg))
+        reply = self._next(msg.id, keep_waiting=False)
+        if not isinstance(reply, expected):
+            raise ClientError(f"expected a {expected.TYPE} reply to {msg.TYPE}, got {reply.TYPE}")
+        return reply
+
+    def _send(self, data: bytes) -> None:
+        if not self._finalizer.alive:
+            raise ClientError("this client is closed")
+        try:
+            self._sock.send(data, zmq.NOBLOCK)
+        except zmq.Again:
+            raise DaemonDied(f"cannot send to the daemon at {self.paths.socket}: its queue is full") from None
+
+    def _next(self, request_id: str, *, keep_waiting: bool) -> proto.Reply:
+        """The next message for `request_id`; an `error` reply raises `RequestRejected`.
+
+        keep_waiting: after `timeout` seconds of silence, ping; wait on while it answers.
+        """
+        box = self._inbox.setdefault(request_id, deque())
+        last = time.monotonic()
+        while not box:
+            if self._sock.poll(int(_SLICE_S * 1000), zmq.POLLIN):
+                self._receive()
+                last = time.monotonic()
+                continue
+            if self.pid is not None and not pid_alive(self.pid):
+                raise DaemonDied(f"the daemon (pid {self.pid}) exited while a reply to {request_id} was awaited")
+            if time.monotonic() - last >= self.timeout:
+                if keep_waiting and self._alive():
+                    last = time.monotonic()
+                    continue
+                raise DaemonDied(
+                    f"no reply from the daemon (pid {self.pid}) within {self.timeout:g} s; "
+                    f"see its log {self.paths.log} or `moestreamctl status`"
+                )
+        reply = box.popleft()
+        if isinstance(reply, proto.Error):
+            self._inbox.pop(request_id, None)
+            raise RequestRejected(reply.code, reply.message, request_id)
+        return reply
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                reply = proto.decode_reply(data)
+            except proto.ProtocolError as e:
+                raise ClientError(f"the daemon sent a message this client cannot read: {e.message}") from None
+            if reply.id:
+                self._inbox.setdefault(reply.id, deque()).append(reply)
+            elif isinstance(reply, proto.Error):
+                # An error the daemon could not tie to a request id: a message it could not read.
+                raise RequestRejected(reply.code, reply.message)
+
+    def _alive(self) -> bool:
+        try:
+            self.ping()
+        except DaemonDied:
+            return False
+        return True
+
+    def _forget(self, request_id: str) -> None:
+        self._inbox.pop(request_id, None)
+
+
+class GenerateStream:
+    """The events of one generate request: `Token`s, then one `Done` (kept in `.done`).
+
+    Leaving the loop early and calling `close()` cancels the request.
+    """
+
+    def __init__(self, client: Client, request_id: str) -> None:
+        self.client = client
+        self.id = request_id
+        self.done: Done | None = None
+        self._failed = False
+
+    def __iter__(self) -> Iterator[Token | Done]:
+        return self
+
+    def __next__(self) -> Token | Done:
+        if self.done is not None or self._failed:
+            raise StopIteration
+        try:
+            event = self.client._next(self.id, keep_waiting=True)
+        except RequestRejected:
+            self._failed = True
+            raise
+        if isinstance(event, Done):
+            self.done = event
+            self.client._forget(self.id)
+        elif not isinstance(event, Token):
+            raise ClientError(f"unexpected {event.TYPE} message in the stream of {self.id}")
+        return event
+
+    def cancel(self) -> bool:
+        """Ask the daemon to stop this request; the stream then ends with a `Done`."""
+        return self.client.cancel(self.id)
+
+    def close(self) -> None:
+        """Cancel the request if it is still running, and drop its remaining events."""
+        if self.done is None and not self._failed and self.client._finalizer.alive:
+            self.cancel()
+            for _ in self:
+                continue
+
+    def __enter__(self) -> "GenerateStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex

@@ -1,0 +1,301 @@
+"""`moestreamctl service install|uninstall|status`: start the daemon at login.
+
+macOS: a LaunchAgent loaded into `gui/<uid>` with launchctl. Linux: a systemd user unit
+enabled with `systemctl --user`. HOME, PATH and the settings are read when the command
+runs; the hidden `--platform` option makes either file on any system (for tests and
+for preparing a file on one machine for another).
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Mapping
+
+import click
+
+from moestream.shared import service_files as sf
+from moestream.shared.settings import ENV_PREFIX, Settings, SettingsError
+from moestream.shared.store_format import StoreError, load_manifest
+
+# launchctl and systemctl answer at once; a hung one is reported rather than waited on.
+COMMAND_TIMEOUT_S = 60.0
+
+# The settings `service install` passes to `moestreamctl start` as flags.
+START_FLAGS = ("model", "capacity", "memory_budget", "policy")
+
+
+class ManagerError(click.ClickException):
+    """The service manager is missing or refused a command; exits 1."""
+
+
+def _platform_option(f):
+    return click.option(
+        "--platform", "platform_name", type=click.Choice(sf.PLATFORMS), hidden=True,
+        help="Make the files of this system instead of the running one.",
+    )(f)
+
+
+def _dry_run_option(f):
+    return click.option("--dry-run", is_flag=True, help="Print the file and the commands; change nothing.")(f)
+
+
+def _platform(name: str | None) -> str:
+    try:
+        return name or sf.platform_of(sys.platform)
+    except sf.ServiceFileError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _home(env: Mapping[str, str]) -> Path:
+    home = env.get("HOME") or pwd.getpwuid(os.getuid()).pw_dir
+    if not home.startswith("/"):
+        raise click.ClickException(f"HOME is {home!r}, not an absolute path; set HOME to your home folder")
+    return Path(home)
+
+
+def _show(cmd: list[str]) -> str:
+    return shlex.join(cmd)
+
+
+def _run(cmd: list[str], env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run a service-manager command; ManagerError when it is missing or hangs."""
+    exe = shutil.which(cmd[0], path=env.get("PATH"))
+    if exe is None:
+        raise ManagerError(f"`{cmd[0]}` was not found on PATH, so `{_show(cmd)}` could not run")
+    try:
+        return subprocess.run([exe, *cmd[1:]], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, env=dict(env))
+    except subprocess.TimeoutExpired:
+        raise ManagerError(f"`{_show(cmd)}` did not answer within {COMMAND_TIMEOUT_S:.0f} s") from None
+
+
+def _check(cmd: list[str], env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run `cmd`; ManagerError with its output when it exits non-zero."""
+    done = _run(cmd, env)
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).strip() or "no output"
+        raise ManagerError(f"`{_show(cmd)}` exited with status {done.returncode}: {said}")
+    return done
+
+
+def _session_hint(platform: str) -> str:
+    if platform == "linux":
+        return (
+            "systemctl --user needs your user's systemd instance: log in to a desktop or ssh session "
+            "(not `su`/`sudo`), or run `loginctl enable-linger $USER` once so it runs without a login"
+        )
+    return "launchctl needs a macOS login session of this user (gui/<uid>), e.g. run it from Terminal"
+
+
+def _write_atomically(path: Path, content: bytes) -> None:
+    """Temporary file beside `path`, fsync, rename, fsync the folder: a crash leaves the
+    old file or the new one, never half of one. Mode 0644: launchd ignores plists that
+    others can write."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _loaded(platform: str, uid: int, env: Mapping[str, str]) -> bool:
+    """macOS: whether launchd knows the agent now (bootstrap refuses a loaded one)."""
+    return _run(sf.loaded_command(platform, uid), env).returncode == 0
+
+
+@click.group()
+def service() -> None:
+    """Start the daemon at login: a launchd agent (macOS) or a systemd user unit (Linux)."""
+
+
+@service.command()
+@click.option("--model", type=click.Path(exists=True, file_okay=False), help="Expert store (made by `moestreamctl convert`).")
+@click.option("--capacity", help="Pool slots per MoE layer (16) or a fraction of its experts (0.25, 25%).")
+@click.option("--memory-budget", help="Size the pool so that weights + pool + KV cache fit, e.g. 24G.")
+@click.option("--policy", help="Eviction policy (see `moestreamctl bench policy`).")
+@click.option("--no-load", is_flag=True, help="Write the service file but do not load or start it.")
+@_dry_run_option
+@_platform_option
+def install(model, capacity, memory_budget, policy, no_load, dry_run, platform_name) -> None:
+    """Install the daemon as a service and start it.
+
+    The service runs `moestreamctl start --foreground` with this Python, the flags
+    given here, and the MOESTREAM_* settings of this shell. Run it again to change
+    them; the running daemon is restarted.
+    """
+    env = dict(os.environ)
+    platform = _platform(platform_name)
+    home = _home(env)
+    if model is not None:
+        # The service starts in another folder than this shell, so relative paths break.
+        model = os.path.abspath(os.path.expanduser(model))
+    given = {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy}
+    try:
+        settings = Settings.resolve(given, env)  # a bad value fails here, not in a restart loop
+    except SettingsError as e:
+        raise click.UsageError(str(e)) from None
+    if settings.model is not None:
+        try:
+            load_manifest(settings.model)
+        except StoreError as e:
+            raise click.UsageError(f"--model: {e} (make one with `moestreamctl convert`)") from None
+    else:
+        click.echo("note: no --model or MOESTREAM_MODEL given: the daemon will start with its built-in default", err=True)
+
+    flags: list[str] = []
+    for name in START_FLAGS:
+        if given[name] is not None:
+            flags += ["--" + name.replace("_", "-"), str(given[name])]
+    python = os.path.abspath(sys.executable)  # not resolved: a venv's python is a symlink
+    try:
+        argv = sf.daemon_argv(python, flags)
+        environment = sf.service_environment(
+            env, python=python, exclude=[ENV_PREFIX + n.upper() for n in START_FLAGS if given[n] is not None]
+        )
+        rendered = sf.render_service_file(platform, home, argv, environment)
+    except sf.ServiceFileError as e:
+        raise click.ClickException(str(e)) from None
+
+    uid = os.getuid()
+    load = sf.load_commands(platform, rendered.path, uid)
+    if dry_run:
+        click.echo(f"would write {rendered.path}:")
+        click.echo(rendered.content.decode("utf-8"), nl=False)
+        if rendered.log_dir is not None:
+            click.echo(f"would create the log folder {rendered.log_dir}")
+        click.echo("would run:")
+        if platform == "darwin":
+            click.echo(f"  {_show(sf.unload_commands(platform, uid)[0])}    # only if it is loaded now")
+        for cmd in load:
+            click.echo(f"  {_show(cmd)}")
+        return
+
+    if rendered.log_dir is not None:
+        rendered.log_dir.mkdir(parents=True, exist_ok=True)  # launchd does not create it
+    _write_atomically(rendered.path, rendered.content)
+    click.echo(f"wrote {rendered.path}")
+    how = "\n".join(f"  {_show(cmd)}" for cmd in load)
+    if no_load:
+        click.echo(f"not loaded (--no-load); to load and start it:\n{how}")
+        return
+    try:
+        if platform == "darwin" and _loaded(platform, uid, env):
+            for cmd in sf.unload_commands(platform, uid):
+                _check(cmd, env)
+        for cmd in load:
+            _check(cmd, env)
+    except ManagerError as e:
+        raise ManagerError(
+            f"{rendered.path} is written, but loading it failed: {e.message}.\n"
+            f"{_session_hint(platform)}; then load it with:\n{how}"
+        ) from None
+    if platform == "darwin":
+        click.echo(f"loaded {sf.LAUNCHD_LABEL} into gui/{uid}; daemon output goes to {rendered.log_dir}")
+    else:
+        click.echo(f"enabled and started {sf.SYSTEMD_UNIT}; its output: journalctl --user -u {sf.SYSTEMD_UNIT}")
+
+
+@service.command()
+@click.option("--no-unload", is_flag=True, help="Only remove the file; do not stop or unload the service.")
+@_dry_run_option
+@_platform_option
+def uninstall(no_unload, dry_run, platform_name) -> None:
+    """Stop the service and remove its file."""
+    env = dict(os.environ)
+    platform = _platform(platform_name)
+    path = sf.service_file_path(platform, _home(env))
+    uid = os.getuid()
+    unload = [] if no_unload else sf.unload_commands(platform, uid)
+    after = [] if no_unload else sf.after_remove_commands(platform)
+    # `enable` links the unit into default.target.wants; remove a link left behind when
+    # systemctl could not disable it, so a later login does not meet a dangling link.
+    wants = path.parent / "default.target.wants" / sf.SYSTEMD_UNIT if platform == "linux" else None
+    if dry_run:
+        click.echo("would run:")
+        for cmd in unload:
+            note = "    # only if it is loaded now" if platform == "darwin" else ""
+            click.echo(f"  {_show(cmd)}{note}")
+        click.echo(f"would remove {path}" + (" (it does not exist)" if not path.exists() else ""))
+        if wants is not None and wants.is_symlink():
+            click.echo(f"would remove {wants}")
+        for cmd in after:
+            click.echo(f"  {_show(cmd)}")
+        return
+
+    if not path.exists() and not (wants is not None and wants.is_symlink()):
+        click.echo(f"not installed: {path} does not exist")
+        return
+    failure: ManagerError | None = None
+    try:
+        if platform == "darwin":
+            if unload and _loaded(platform, uid, env):
+                for cmd in unload:
+                    _check(cmd, env)
+        else:
+            for cmd in unload:
+                _check(cmd, env)
+    except ManagerError as e:
+        failure = e
+    path.unlink(missing_ok=True)
+    if wants is not None and wants.is_symlink():
+        wants.unlink()
+    click.echo(f"removed {path}")
+    if failure is None:
+        try:
+            for cmd in after:
+                _check(cmd, env)
+        except ManagerError as e:
+            failure = e
+    if failure is not None:
+        raise ManagerError(
+            f"the service file is removed, but the service manager could not be told: {failure.message}.\n"
+            f"{_session_hint(platform)}. If the daemon is still running, stop it with `moestreamctl stop`."
+        )
+    if not no_unload:
+        click.echo("the service is stopped and unloaded")
+
+
+@service.command()
+@_dry_run_option
+@_platform_option
+@click.pass_context
+def status(ctx: click.Context, dry_run, platform_name) -> None:
+    """Show whether the service is installed and what the service manager says of it.
+
+    Exits with the service manager's status: 0 when it knows the service (launchctl
+    print) or it is running (systemctl status).
+    """
+    env = dict(os.environ)
+    platform = _platform(platform_name)
+    path = sf.service_file_path(platform, _home(env))
+    cmd = sf.status_command(platform, os.getuid())
+    click.echo(f"service file: {path} ({'installed' if path.exists() else 'not installed'})")
+    if dry_run:
+        click.echo(f"would run:\n  {_show(cmd)}")
+        return
+    try:
+        done = _run(cmd, env)
+    except ManagerError as e:
+        raise ManagerError(f"{e.message}. {_session_hint(platform)}") from None
+    click.echo(done.stdout, nl=False)
+    if done.stderr:
+        click.echo(done.stderr, nl=False, err=True)
+    ctx.exit(done.returncode)

@@ -1,0 +1,498 @@
+"""The engine thread: it owns the model, the expert pool and the heat publisher.
+
+Requests are served by fair interleaving: each active request is an `iter_generate`
+generator with its own KV cache, and the loop advances them round-robin, one step each.
+Every step reads the command queue first, so a cancel or a disconnect stops a request
+before its next token. The pool waits for queued work before it overwrites a slot
+(`ExpertPool._admit`), so interleaved requests get exactly the tokens they get alone
+(greedy; with sampling, requests share MLX's global random state).
+
+Only this thread touches MLX, and it is the process's main thread: with the CPU build
+of MLX 0.32, a process whose non-main thread loaded or ran a model aborts at exit
+("terminate called without an active exception"). It talks to the I/O thread through a
+command queue (in) and an inproc PUSH socket (out: [peer, encoded event] frames, or
+[b"", b"exit"] when it ends), and publishes a status snapshot that the I/O thread reads
+without locking.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import zmq
+
+from moestream.shared import protocol as proto
+from moestream.shared.settings import Settings
+
+EXIT_FRAME = b"exit"
+SNAPSHOT_SECONDS = 0.1
+RECENT_REQUESTS = 32
+HEAT_CHECK_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class Submit:
+    peer: bytes
+    msg: proto.Generate
+
+
+@dataclass(frozen=True)
+class CancelCmd:
+    peer: bytes
+    msg: proto.Cancel
+    at: float
+
+
+@dataclass(frozen=True)
+class PeerGone:
+    """A send to this peer failed: its socket is closed, stop its requests."""
+
+    peer: bytes
+    at: float
+
+
+@dataclass(frozen=True)
+class StopCmd:
+    at: float
+
+
+@dataclass(eq=False)
+class Job:
+    """One generate request, from the queue to its `done` event."""
+
+    peer: bytes
+    msg: proto.Generate
+    received: float
+    prompt_ids: list[int] = field(default_factory=list)
+    gen: Iterator[tuple[str, int]] | None = None
+    result: Any = None
+    started: float | None = None
+    stop_reason: str | None = None  # cancelled | disconnected | shutdown
+    stop_requested_at: float | None = None
+    # When the last few tokens were made, to count those made after a stop was asked.
+    token_times: deque = field(default_factory=lambda: deque(maxlen=8))
+
+    @property
+    def key(self) -> tuple[bytes, str]:
+        return (self.peer, self.msg.id)
+
+    def tokens_after_stop(self) -> int:
+        if self.stop_requested_at is None:
+            return 0
+        return sum(1 for t in self.token_times if t > self.stop_requested_at)
+
+
+class EngineLoop:
+    """`run()` serves until stopped; `submit`/`cancel`/`peer_gone`/`stop` may be called
+    from any thread."""
+
+    def __init__(self, settings: Settings, ctx: zmq.Context, events_endpoint: str, log: logging.Logger) -> None:
+        self.settings = settings
+        self.log = log
+        self._ctx = ctx
+        self._events_endpoint = events_endpoint
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.finished = threading.Event()
+        self._events: zmq.Socket | None = None
+        self._sm: Any = None
+        self._heat: Any = None
+        self._heat_state: dict[str, Any] = {"state": "not started"}
+        self._autopin: dict[str, Any] | None = None
+        self._pending: deque[Job] = deque()
+        self._active: deque[Job] = deque()
+        self._jobs: dict[tuple[bytes, str], Job] = {}
+        self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
+        self._counters = {"requests": 0, "completed": 0, "cancelled": 0, "disconnected": 0, "failed": 0, "tokens": 0}
+        self._stopping = False
+        self._last_snapshot = 0.0
+        self._last_heat = self._last_heat_check = time.monotonic()
+        self.state = "loading"
+        self.error: str | None = None
+        # Replaced whole (never mutated) so the I/O thread can read it without a lock.
+        self.snapshot: dict[str, Any] = {"state": "loading", "at": time.monotonic()}
+
+    # ---- called from the I/O thread ------------------------------------------------
+
+    def submit(self, peer: bytes, msg: proto.Generate) -> None:
+        self._commands.put(Submit(peer, msg))
+
+    def cancel(self, peer: bytes, msg: proto.Cancel) -> None:
+        self._commands.put(CancelCmd(peer, msg, time.monotonic()))
+
+    def peer_gone(self, peer: bytes) -> None:
+        self._commands.put(PeerGone(peer, time.monotonic()))
+
+    def stop(self) -> None:
+        self._commands.put(StopCmd(time.monotonic()))
+
+    # ---- the engine's own thread ----------------------------------------------------
+
+    def run(self) -> None:
+        """Load the model and serve until `stop()`; always ends with the exit frame."""
+        self._events = self._ctx.socket(zmq.PUSH)
+        self._events.setsockopt(zmq.LINGER, 0)
+        # Never block the model on the I/O thread; events are bounded by tokens made.
+        self._events.setsockopt(zmq.SNDHWM, 0)
+        self._events.connect(self._events_endpoint)
+        try:
+            if self._load():
+                self._loop()
+        except Exception as e:  # reported to the I/O thread; the process exits non-zero
+            self.log.exception("the engine failed")
+            self.state = "failed"
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            try:
+                self._shutdown_jobs()
+                self._reject_waiting()
+                self._publish(force=True)
+            finally:
+                try:
+                    self._close_model()
+                finally:
+                    self._events.send_multipart([b"", EXIT_FRAME])
+                    self._events.close(linger=0)
+                    self.finished.set()
+
+    def _load(self) -> bool:
+        from moestream.daemon.store.loader import load_streaming_model
+
+        s = self.settings
+        if s.model is None:
+            self.state, self.error = "failed", "no model: give --model STORE (made by `moestreamctl convert`)"
+            self.log.error(self.error)
+            return False
+        tic = time.perf_counter()
+        self.log.info("loading %s (capacity %s, memory budget %s, policy %s)", s.model, s.capacity, s.memory_budget, s.policy)
+        try:
+            self._sm = load_streaming_model(s.model, s, max_tokens=s.max_context)
+        except Exception as e:
+            self.state, self.error = "failed", f"cannot load the model {s.model}: {e}"
+            self.log.error(self.error)
+            return False
+        self._start_heat()
+        self.state = "ready"
+        self.log.info(
+            "model ready in %.2f s: %d MoE layers, %d slots per layer, policy %s",
+            time.perf_counter() - tic, len(self._sm.pools), self._sm.capacity, s.policy,
+        )
+        self._publish(force=True)
+        return True
+
+    def _loop(self) -> None:
+        while True:
+            self._drain(block=not self._active and not self._pending)
+            if self._stopping:
+                return
+            self._admit()
+            if self._active:
+                job = self._active.popleft()
+                if self._step(job):
+                    self._active.append(job)
+            self._publish()
+            self._heat_tick()
+
+    def _drain(self, *, block: bool) -> None:
+        """Apply every waiting command; wait for one (a while) when there is no work."""
+        timeout = min(SNAPSHOT_SECONDS * 5, max(self.settings.heat_flush_seconds, 0.05))
+        while True:
+            try:
+                cmd = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if isinstance(cmd, Submit):
+                self._on_submit(cmd)
+            elif isinstance(cmd, CancelCmd):
+                self._on_cancel(cmd)
+            elif isinstance(cmd, PeerGone):
+                for job in [j for j in self._jobs.values() if j.peer == cmd.peer]:
+                    self._request_stop(job, "disconnected", cmd.at)
+            elif isinstance(cmd, StopCmd):
+                self._stopping = True
+                self.state = "stopping"
+                return
+
+    def _on_submit(self, cmd: Submit) -> None:
+        msg = cmd.msg
+        if (cmd.peer, msg.id) in self._jobs:
+            self._send(cmd.peer, proto.Error(msg.id, proto.DUPLICATE_ID, f"request id {msg.id!r} is already in flight"))
+            return
+        if len(self._jobs) >= self.settings.max_active + self.settings.max_queued:
+            self._send(cmd.peer, proto.Error(msg.id, proto.BUSY, f"the daemon has {len(self._pending)} requests waiting (max_queued); try again later"))
+            return
+        job = Job(cmd.peer, msg, time.monotonic())
+        self._jobs[job.key] = job
+        self._pending.append(job)
+        self._counters["requests"] += 1
+
+    def _on_cancel(self, cmd: CancelCmd) -> None:
+        job = self._jobs.get((cmd.peer, cmd.msg.target))
+        self._send(cmd.peer, proto.Cancelled(cmd.msg.id, cmd.msg.target, job is not None))
+        if job is not None:
+            self._request_stop(job, "cancelled", cmd.at)
+
+    def _request_stop(self, job: Job, reason: str, at: float) -> None:
+        # The stop takes effect now, not at the job's next turn: no further token is made.
+        if job.stop_reason is None:
+            job.stop_reason, job.stop_requested_at = reason, at
+        if job in self._pending:
+            self._pending.remove(job)
+            self._finish(job)
+        elif job in self._active:
+            self._active.remove(job)
+            self._end_generator(job)
+            self._finish(job)
+
+    def _admit(self) -> None:
+        """Move waiting requests into the active set, checking their prompts."""
+        from moestream.daemon.generation import GenerationResult, SamplingParams, encode_prompt
+
+        while self._pending and len(self._active) < self.settings.max_active:
+            job = self._pending.popleft()
+            msg = job.msg
+            try:
+                ids = encode_prompt(self._sm, msg.prompt, msg.prompt_ids)
+            except ValueError as e:
+                self._fail(job, proto.BAD_MESSAGE, str(e))
+                continue
+            if len(ids) + msg.max_tokens > self.settings.max_context:
+                self._fail(
+                    job, proto.TOO_LONG,
+                    f"prompt of {len(ids)} tokens + max_tokens {msg.max_tokens} is over the daemon's "
+                    f"context of {self.settings.max_context} tokens (setting max_context)",
+                )
+                continue
+            job.prompt_ids = ids
+            params = SamplingParams(max_tokens=msg.max_tokens, temp=msg.temp, top_p=msg.top_p, seed=msg.seed, stop=msg.stop)
+            job.result = GenerationResult()
+            job.gen = self._make_generator(job, params)
+            self._active.append(job)
+
+    def _make_generator(self, job: Job, params: Any) -> Iterator[tuple[str, int]]:
+        from moestream.daemon.generation import iter_generate
+
+        return iter_generate(self._sm, job.prompt_ids, params, job.result, should_stop=lambda: job.stop_reason is not None)
+
+    def _step(self, job: Job) -> bool:
+        """Advance one request by one step; False once it has ended."""
+        from moestream.daemon.expert_reader import ExpertReadError
+
+        if job.started is None:
+            job.started = time.monotonic()
+        try:
+            segment, token = next(job.gen)
+        except StopIteration:
+            job.gen = None
+            self._finish(job)
+            return False
+        except ExpertReadError as e:
+            self.log.error("request %s: %s", job.msg.id, e)
+            self._fail(job, proto.ENGINE, str(e))
+            return False
+        except Exception as e:  # this request fails with the reason; the daemon serves on
+            self.log.exception("request %s failed", job.msg.id)
+            self._fail(job, proto.INTERNAL, f"{type(e).__name__}: {e}")
+            return False
+        job.token_times.append(time.monotonic())
+        self._send(job.peer, proto.Token(job.msg.id, segment, token))
+        return True
+
+    def _end_generator(self, job: Job) -> None:
+        """Let a started generator see its stop flag and fill in its statistics."""
+        if job.gen is None or job.started is None:
+            return
+        end = object()
+        try:
+            # The generator resumes after its last yield, sees `should_stop` and returns
+            # without computing another token.
+            if next(job.gen, end) is not end:
+                self.log.error("request %s: the generator went on after a stop", job.msg.id)
+        except Exception:
+            self.log.exception("request %s: failed while stopping", job.msg.id)
+        job.gen = None
+
+    def _finish(self, job: Job) -> None:
+        reason = job.stop_reason or (job.result.finish_reason if job.result is not None else "cancelled")
+        result = job.result
+        text, tokens = (result.text, list(result.tokens)) if result is not None else ("", [])
+        stats = dict(result.stats) if result is not None else {}
+        stats["finish_reason"] = reason
+        stats["queued_seconds"] = (job.started or time.monotonic()) - job.received
+        self._forget(job)
+        counter = {"cancelled": "cancelled", "disconnected": "disconnected", "shutdown": "cancelled"}.get(reason, "completed")
+        self._counters[counter] += 1
+        self._counters["tokens"] += len(tokens)
+        self._remember(job, reason, len(tokens))
+        if reason != "disconnected":
+            self._send(job.peer, proto.Done(job.msg.id, text, tokens, reason, stats))
+        self._publish(force=True)
+        self._push_heat()
+
+    def _fail(self, job: Job, code: str, message: str) -> None:
+        self._forget(job)
+        self._counters["failed"] += 1
+        self._remember(job, f"error:{code}", len(job.result.tokens) if job.result is not None else 0)
+        self._send(job.peer, proto.Error(job.msg.id, code, message))
+        self._publish(force=True)
+
+    def _forget(self, job: Job) -> None:
+        self._jobs.pop(job.key, None)
+        if job in self._active:
+            self._active.remove(job)
+
+    def _remember(self, job: Job, reason: str, tokens: int) -> None:
+        self._recent.append(
+            {
+                "id": job.msg.id,
+                "finish_reason": reason,
+                "tokens": tokens,
+                "tokens_after_stop": job.tokens_after_stop(),
+                "seconds": time.monotonic() - job.received,
+            }
+        )
+
+    def _shutdown_jobs(self) -> None:
+        for job in list(self._active) + list(self._pending):
+            self._request_stop(job, "shutdown", time.monotonic())
+
+    def _reject_waiting(self) -> None:
+        """Answer the commands nobody will serve now (sent while loading or stopping)."""
+        why = self.error or "the daemon is shutting down"
+        code = proto.ENGINE if self.state == "failed" else proto.SHUTTING_DOWN
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, Submit):
+                self._send(cmd.peer, proto.Error(cmd.msg.id, code, why))
+            elif isinstance(cmd, CancelCmd):
+                self._send(cmd.peer, proto.Cancelled(cmd.msg.id, cmd.msg.target, False))
+
+    def _send(self, peer: bytes, message: proto.Reply) -> None:
+        self._events.send_multipart([peer, proto.encode(message)], copy=False)
+
+    # ---- status ----------------------------------------------------------------------
+
+    def _publish(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_snapshot < SNAPSHOT_SECONDS:
+            return
+        self._last_snapshot = now
+        snap: dict[str, Any] = {
+            "state": self.state,
+            "error": self.error,
+            "at": now,
+            "requests": {
+                "active": [self._job_info(j, now) for j in self._active],
+                "queued": len(self._pending),
+                "clients": len({j.peer for j in self._jobs.values()}),
+                "recent": list(self._recent),
+                **self._counters,
+            },
+            "heat": self._heat_health(),
+            "autopin": self._autopin,
+        }
+        sm = self._sm
+        if sm is not None:
+            import mlx.core as mx
+
+            pools = sm.pool_stats()
+            snap.update(
+                {
+                    "model": str(sm.store_dir),
+                    "capacity": sm.capacity,
+                    "policy": self.settings.policy,
+                    "moe_layers": len(sm.pools),
+                    "experts_per_layer": max((p.layer.num_experts for p in sm.pools), default=0),
+                    "resident_bytes": sm.resident_bytes,
+                    "pool_bytes": sm.pool_bytes,
+                    "pool": pools,
+                    "reader": sm.reader.stats(),
+                    "mlx_active_bytes": mx.get_active_memory(),
+                    "mlx_peak_bytes": mx.get_peak_memory(),
+                }
+            )
+        self.snapshot = snap
+
+    @staticmethod
+    def _job_info(job: Job, now: float) -> dict[str, Any]:
+        return {
+            "id": job.msg.id,
+            "tokens": len(job.result.tokens) if job.result is not None else 0,
+            "max_tokens": job.msg.max_tokens,
+            "prompt_tokens": len(job.prompt_ids),
+            "seconds": now - job.received,
+        }
+
+    # ---- heat ------------------------------------------------------------------------
+
+    def _start_heat(self) -> None:
+        """Pin each layer's hottest experts from the saved heat, then start the keeper."""
+        from moestream.daemon.autopin import autopin
+        from moestream.daemon.heat import HeatPublisher, load_usage
+        from moestream.shared.heat_file import HeatReadError
+
+        sm = self._sm
+        try:
+            usage = load_usage(sm.store_dir)
+        except HeatReadError as e:
+            self.log.error("heat: cannot read the saved heat (%s); starting without pinned experts", e)
+        else:
+            if usage.problem:
+                self.log.error("heat: %s", usage.problem)
+            summary = autopin(sm, usage.counts, self.settings.autopin_frac)
+            self._autopin = {**summary.to_dict(), "routing_counts": usage.total, "problem": usage.problem}
+            self.log.info(
+                "autopin: %d experts pinned in %d layers from %d saved routing counts (%s) in %.2f s",
+                summary.pinned, summary.layers, usage.total, usage.path, summary.seconds,
+            )
+        self._heat = HeatPublisher(
+            sm.store_dir,
+            self.settings.runtime_path(),
+            flush_seconds=self.settings.heat_flush_seconds,
+            log=self.log.getChild("heat"),
+        )
+        self._heat.start()
+
+    def _push_heat(self) -> None:
+        if self._heat is None or self._sm is None:
+            return
+        self._heat.push({p.layer.ordinal: p.take_routed() for p in self._sm.pools})
+        self._last_heat = time.monotonic()
+
+    def _heat_tick(self) -> None:
+        if self._heat is None:
+            return
+        now = time.monotonic()
+        if now - self._last_heat >= self.settings.heat_flush_seconds:
+            self._push_heat()
+        if now - self._last_heat_check >= HEAT_CHECK_SECONDS:
+            self._last_heat_check = now
+            self._heat.check()  # restarts a keeper that died
+
+    def _heat_health(self) -> dict[str, Any]:
+        if self._heat is None:
+            return dict(self._heat_state)
+        health = self._heat.health()
+        return {"state": "running" if health["alive"] else "down", **health}
+
+    def _close_model(self) -> None:
+        try:
+            if self._heat is not None:
+                self._push_heat()
+                if not self._heat.flush(5.0):
+                    self.log.error("heat: the final flush did not complete; the last counts may be lost")
+                self._heat.close(5.0)
+                self._heat_state = {"state": "closed"}
+                self._heat = None
+        finally:
+            if self._sm is not None:
+                self._sm.close()

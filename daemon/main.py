@@ -1,0 +1,115 @@
+"""The daemon process: `python -m moestream.daemon.main [flags]`.
+
+`moestreamctl start` runs this detached (or in-process with `--foreground`). Order
+matters: the single-instance lock is taken before the socket is bound, and released
+only after every socket is closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from moestream import __version__
+from moestream.shared.runtime_dir import InstanceLock, RuntimeDirError, RuntimePaths
+from moestream.shared.settings import Settings, SettingsError
+
+LOG_ROTATE_BYTES = 16 * 2**20
+LOG_FORMAT = "%(asctime)s %(levelname)s [%(threadName)s] %(message)s"
+
+# Flags of `python -m moestream.daemon.main`, which `moestreamctl start` passes on.
+DAEMON_FLAGS = ("model", "capacity", "memory_budget", "policy", "io_threads", "runtime_dir", "log_file", "max_context", "max_active", "max_queued")
+
+
+def _rotate(log_path: Path) -> None:
+    try:
+        if log_path.stat().st_size > LOG_ROTATE_BYTES:
+            os.replace(log_path, log_path.with_name(log_path.name + ".1"))
+    except FileNotFoundError:
+        return
+
+
+def open_log(paths: RuntimePaths, *, to_stderr: bool) -> logging.Logger:
+    """The daemon's logger: its log file, and stderr when running in the foreground."""
+    paths.log.parent.mkdir(parents=True, exist_ok=True)
+    _rotate(paths.log)
+    log = logging.getLogger(f"moestream.daemon.{os.getpid()}")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    handlers: list[logging.Handler] = [logging.FileHandler(paths.log, encoding="utf-8")]
+    if to_stderr:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    for h in handlers:
+        h.setFormatter(logging.Formatter(LOG_FORMAT))
+        log.addHandler(h)
+    return log
+
+
+def close_log(log: logging.Logger) -> None:
+    for h in list(log.handlers):
+        log.removeHandler(h)
+        h.close()
+
+
+def run_daemon(settings: Settings, *, log_to_stderr: bool = False, handle_signals: bool = True) -> int:
+    """Serve until shutdown; returns the exit code (0 after a clean stop)."""
+    from moestream.daemon.server import Server
+
+    paths = RuntimePaths.from_settings(settings)
+    # Everything the daemon creates (socket, pid file, log) is private to the user.
+    os.umask(0o077)
+    endpoint = paths.endpoint  # refuses a socket path the OS cannot bind, before anything starts
+    # The lock comes before the log: a refused second daemon must not rotate the log
+    # of the running one.
+    lock = InstanceLock.acquire(paths)
+    try:
+        log = open_log(paths, to_stderr=log_to_stderr)
+    except OSError as e:
+        lock.release()
+        raise RuntimeDirError(f"cannot open the log file {paths.log}: {e.strerror}") from e
+    try:
+        if lock.removed:
+            log.warning(
+                "a daemon (pid %s) did not shut down cleanly; removed its %s",
+                lock.stale_pid, ", ".join(p.name for p in lock.removed),
+            )
+        log.info("moestream daemon %s starting (pid %d, socket %s, log %s)", __version__, os.getpid(), endpoint, paths.log)
+        return Server(settings, paths, log, handle_signals=handle_signals).run()
+    except Exception:
+        log.exception("the daemon failed")
+        return 1
+    finally:
+        lock.release()
+        log.info("pid file and socket removed; lock released")
+        close_log(log)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m moestream.daemon.main", description="The moestream daemon (see `moestreamctl start`).")
+    for name in DAEMON_FLAGS:
+        p.add_argument("--" + name.replace("_", "-"), dest=name, default=None)
+    p.add_argument("--config", default=None, help="Config file (default $XDG_CONFIG_HOME/moestream/config.toml).")
+    p.add_argument("--log-to-stderr", action="store_true", help="Also log to stderr.")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    flags = {name: getattr(args, name) for name in DAEMON_FLAGS}
+    try:
+        settings = Settings.resolve(flags, config_file=args.config)
+    except SettingsError as e:
+        print(f"moestream daemon: {e}", file=sys.stderr)
+        return 2
+    try:
+        return run_daemon(settings, log_to_stderr=args.log_to_stderr)
+    except RuntimeDirError as e:
+        print(f"moestream daemon: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

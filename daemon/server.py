@@ -1,0 +1,337 @@
+"""The daemon's I/O side: the ROUTER socket, message validation, replies, shutdown.
+
+`Server.run()` runs the engine on the calling (main) thread and this I/O loop on a
+thread of its own, which never waits on the model: ping, status and stats are answered
+at once, status from the snapshot the engine publishes. Generate and cancel go to the
+engine's command queue; the engine's events come back over an inproc PULL socket and
+leave through the ROUTER.
+
+Signals: the handlers (main thread) only set a flag; `signal.set_wakeup_fd` writes the
+signal number to a socket pair that the I/O loop polls, so a stop is noticed at once
+even while the main thread is inside a long forward pass.
+
+Disconnects: the ROUTER has ROUTER_MANDATORY set, so a send to a client whose socket is
+gone fails with EHOSTUNREACH instead of vanishing; the engine is then told to stop that
+client's requests. Every active request sends an event per token, so a client that
+disconnects mid-stream is noticed at the next token.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import psutil
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from moestream import __version__
+from moestream.daemon.engine_loop import EXIT_FRAME, EngineLoop
+from moestream.shared import protocol as proto
+from moestream.shared.runtime_dir import RuntimePaths
+from moestream.shared.settings import Settings
+
+# Hard cap above the protocol's limit: up to it an oversized message gets an error
+# reply; past it ZeroMQ drops the connection without reading the message into memory.
+HARD_MAX_MESSAGE_BYTES = 16 * proto.MAX_MESSAGE_BYTES
+POLL_MS = 500
+# Bounded wait at close so the last `done` events (e.g. finish reason "shutdown") still
+# reach their clients; a stuck client cannot hold the daemon longer than this.
+CLOSE_LINGER_MS = 500
+
+
+class Server:
+    """One daemon's I/O loop. `run()` returns the process exit code."""
+
+    def __init__(self, settings: Settings, paths: RuntimePaths, log: logging.Logger, *, handle_signals: bool = True) -> None:
+        self.settings = settings
+        self.paths = paths
+        self.log = log
+        self.handle_signals = handle_signals and threading.current_thread() is threading.main_thread()
+        self.started = time.monotonic()
+        self._process = psutil.Process()
+        self._stop_requested = False
+        self._stop_sent = False
+        self._io_failed = False
+        self._clients = 0
+        self._gone: OrderedDict[bytes, None] = OrderedDict()
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        # Only a flag; the wake-up fd has already woken the I/O loop.
+        self._stop_requested = True
+
+    def run(self) -> int:
+        """Bind, load, serve until shutdown; returns the exit code (0 after a clean stop)."""
+        ctx = zmq.Context()
+        events_endpoint = f"inproc://engine-events-{id(self)}"
+        engine = EngineLoop(self.settings, ctx, events_endpoint, self.log)
+        wake_r, wake_w = socket.socketpair()
+        bound = threading.Event()
+        io = threading.Thread(target=self._io_main, args=(ctx, events_endpoint, engine, wake_r, bound), name="io")
+        old_handlers: dict[int, Any] = {}
+        old_wakeup = -1
+        try:
+            if self.handle_signals:
+                wake_w.setblocking(False)
+                old_wakeup = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    old_handlers[sig] = signal.signal(sig, self._on_signal)
+            io.start()
+            bound.wait()
+            if self._io_failed:
+                return 1
+            engine.run()  # until a stop; its last act is the exit frame for the I/O loop
+        finally:
+            engine.stop()
+            io.join()
+            if self.handle_signals:
+                for sig, handler in old_handlers.items():
+                    signal.signal(sig, handler)
+                signal.set_wakeup_fd(old_wakeup)
+            wake_r.close()
+            wake_w.close()
+            ctx.term()
+        if self._io_failed:
+            return 1
+        return self._exit_code(engine)
+
+    def _io_main(self, ctx: zmq.Context, events_endpoint: str, engine: EngineLoop, wake: socket.socket, bound: threading.Event) -> None:
+        router = ctx.socket(zmq.ROUTER)
+        pull = ctx.socket(zmq.PULL)
+        monitor = None
+        try:
+            router.setsockopt(zmq.LINGER, 0)
+            router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            router.setsockopt(zmq.MAXMSGSIZE, HARD_MAX_MESSAGE_BYTES)
+            # No send limit: a stalled client holds at most its requests' events, bounded by
+            # max_context tokens each, and a full queue would read as a disconnect.
+            router.setsockopt(zmq.SNDHWM, 0)
+            router.bind(self.paths.endpoint)
+            os.chmod(self.paths.socket, 0o600)
+            monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+            pull.setsockopt(zmq.LINGER, 0)
+            pull.setsockopt(zmq.RCVHWM, 0)
+            pull.bind(events_endpoint)
+            self.log.info("listening on %s (pid %d)", self.paths.endpoint, os.getpid())
+            bound.set()
+            self._loop(router, pull, monitor, wake, engine)
+        except Exception:
+            self.log.exception("the I/O thread failed")
+            self._io_failed = True
+            engine.stop()
+            # Until the engine has exited, its PUSH socket must stay connectable.
+            if bound.is_set():
+                engine.finished.wait()
+        finally:
+            bound.set()
+            if monitor is not None:
+                router.disable_monitor()
+                monitor.close(linger=0)
+            pull.close(linger=0)
+            router.close(linger=CLOSE_LINGER_MS)
+
+    def _loop(self, router: zmq.Socket, pull: zmq.Socket, monitor: zmq.Socket, wake: socket.socket, engine: EngineLoop) -> None:
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(pull, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        poller.register(wake.fileno(), zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll(POLL_MS))
+            if wake.fileno() in ready:
+                signals = wake.recv(4096)
+                if any(n in (signal.SIGTERM, signal.SIGINT) for n in signals):
+                    self._stop_requested = True
+            if monitor in ready:
+                self._read_monitor(monitor)
+            if pull in ready and self._forward_events(router, pull, engine):
+                return
+            if router in ready:
+                self._read_requests(router, engine)
+            if self._stop_requested and not self._stop_sent:
+                self.log.info("shutting down: cancelling %d request(s)", len(engine.snapshot.get("requests", {}).get("active", [])))
+                engine.stop()
+                self._stop_sent = True
+            if engine.finished.is_set():
+                # It sends its exit frame last: forward what is left, then go.
+                self._forward_events(router, pull, engine)
+                return
+
+    def _exit_code(self, engine: EngineLoop) -> int:
+        if engine.state == "failed":
+            self.log.error("exiting: %s", engine.error)
+            return 1
+        self.log.info("stopped cleanly")
+        return 0
+
+    # ---- engine -> clients ---------------------------------------------------------------
+
+    def _forward_events(self, router: zmq.Socket, pull: zmq.Socket, engine: EngineLoop) -> bool:
+        """Send every event the engine has queued; True once it has exited."""
+        while True:
+            try:
+                peer, data = pull.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return False
+            if peer.bytes == b"" and data.bytes == EXIT_FRAME:
+                return True
+            self._send(router, peer.bytes, data, engine)
+
+    def _send(self, router: zmq.Socket, peer: bytes, data: Any, engine: EngineLoop | None) -> None:
+        if peer in self._gone:
+            return
+        try:
+            router.send_multipart([peer, data], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                why = "disconnected"
+            elif e.errno == zmq.EAGAIN:
+                why = "not reading its replies (send queue full)"
+            else:
+                raise
+            self.log.info("client %s %s: stopping its requests", peer.hex(), why)
+            self._gone[peer] = None
+            if len(self._gone) > 4096:
+                self._gone.popitem(last=False)
+            if engine is not None:
+                engine.peer_gone(peer)
+
+    # ---- clients -> daemon ---------------------------------------------------------------
+
+    def _read_requests(self, router: zmq.Socket, engine: EngineLoop) -> None:
+        for _ in range(256):  # then let events and signals through
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            peer = frames[0]
+            self._gone.pop(peer, None)
+            if len(frames) != 2:
+                self._reply(router, peer, proto.Error("", proto.BAD_MESSAGE, f"expected one frame per message, got {len(frames) - 1}"))
+                continue
+            try:
+                msg = proto.decode_request(frames[1])
+            except proto.ProtocolError as e:
+                self.log.info("refused a message from %s: %s: %s", peer.hex(), e.code, e.message)
+                self._reply(router, peer, proto.Error(e.request_id, e.code, e.message))
+                continue
+            self._dispatch(router, peer, msg, engine)
+
+    def _dispatch(self, router: zmq.Socket, peer: bytes, msg: proto.Request, engine: EngineLoop) -> None:
+        if isinstance(msg, proto.Ping):
+            self._reply(router, peer, proto.Pong(msg.id, os.getpid(), self._state(engine), __version__))
+        elif isinstance(msg, proto.Status):
+            self._reply(router, peer, proto.StatusReply(msg.id, self.status(engine)))
+        elif isinstance(msg, proto.Stats):
+            self._reply(router, peer, proto.StatsReply(msg.id, self.stats(engine)))
+        elif isinstance(msg, proto.Shutdown):
+            self.log.info("shutdown asked by client %s", peer.hex())
+            self._reply(router, peer, proto.ShutdownReply(msg.id, os.getpid()))
+            self._stop_requested = True
+        elif isinstance(msg, proto.Generate):
+            if self._stop_requested:
+                self._reply(router, peer, proto.Error(msg.id, proto.SHUTTING_DOWN, "the daemon is shutting down"))
+            else:
+                engine.submit(peer, msg)
+        elif isinstance(msg, proto.Cancel):
+            engine.cancel(peer, msg)
+
+    def _reply(self, router: zmq.Socket, peer: bytes, message: proto.Reply) -> None:
+        self._send(router, peer, proto.encode(message), None)
+
+    def _read_monitor(self, monitor: zmq.Socket) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._clients += 1
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._clients = max(self._clients - 1, 0)
+
+    # ---- status ------------------------------------------------------------------------
+
+    def _state(self, engine: EngineLoop) -> str:
+        return "stopping" if self._stop_requested else engine.state
+
+    def status(self, engine: EngineLoop) -> dict[str, Any]:
+        """The daemon's state, built from the engine's last snapshot (never waits on it)."""
+        snap = engine.snapshot
+        now = time.monotonic()
+        pool = snap.get("pool", {})
+        requests = snap.get("requests", {})
+        s = self.settings
+        return {
+            "pid": os.getpid(),
+            "version": __version__,
+            "protocol": proto.PROTOCOL_VERSION,
+            "state": self._state(engine),
+            "error": engine.error,
+            "uptime_s": now - self.started,
+            "model": snap.get("model", s.model),
+            "capacity": snap.get("capacity"),
+            "policy": snap.get("policy", s.policy),
+            "moe_layers": snap.get("moe_layers"),
+            "experts_per_layer": snap.get("experts_per_layer"),
+            "settings": {
+                "model": s.model,
+                "capacity": s.capacity,
+                "memory_budget": s.memory_budget,
+                "policy": s.policy,
+                "io_threads": s.io_threads,
+                "max_context": s.max_context,
+                "max_active": s.max_active,
+                "max_queued": s.max_queued,
+            },
+            "pool": {
+                "hit_rate": pool.get("hit_rate"),
+                "evictions": pool.get("evictions"),
+                "bytes_read": pool.get("bytes_read"),
+                "layers": pool.get("layers", []),
+            },
+            "memory": {
+                "rss_bytes": self._process.memory_info().rss,
+                "mlx_active_bytes": snap.get("mlx_active_bytes"),
+                "mlx_peak_bytes": snap.get("mlx_peak_bytes"),
+                "resident_weights_bytes": snap.get("resident_bytes"),
+                "pool_bytes": snap.get("pool_bytes"),
+            },
+            "clients": {
+                "connected": self._clients,
+                "with_requests": requests.get("clients", 0),
+            },
+            "requests": {
+                "active": len(requests.get("active", [])),
+                "queued": requests.get("queued", 0),
+                "running": requests.get("active", []),
+                "recent": requests.get("recent", []),
+                **{k: requests[k] for k in ("requests", "completed", "cancelled", "disconnected", "failed", "tokens") if k in requests},
+            },
+            "heat": snap.get("heat", {}),
+            "autopin": snap.get("autopin"),
+            "snapshot_age_s": now - snap.get("at", now),
+            "log": str(self.paths.log),
+            "runtime_dir": str(self.paths.dir),
+            "socket": str(self.paths.socket),
+        }
+
+    def stats(self, engine: EngineLoop) -> dict[str, Any]:
+        """Pool and read-engine statistics (totals and per layer) and request counters."""
+        snap = engine.snapshot
+        return {
+            "state": self._state(engine),
+            "model": snap.get("model"),
+            "capacity": snap.get("capacity"),
+            "policy": snap.get("policy"),
+            "pool": snap.get("pool", {}),
+            "reader": snap.get("reader", {}),
+            "requests": {k: v for k, v in snap.get("requests", {}).items() if k not in ("active", "recent")},
+            "snapshot_age_s": time.monotonic() - snap.get("at", time.monotonic()),
+        }

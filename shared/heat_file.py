@@ -1,0 +1,329 @@
+"""The heat file, `<store>/pool_usage.json`: routing counts per MoE layer and expert.
+
+Format: `{"<layer>": {"<expert>": count}}`, layers and experts as canonical decimal
+strings, counts non-negative integers. Nothing else lives at the top level.
+
+Reading never trusts the file: a file that is not exactly that shape is moved aside to
+`pool_usage.json.corrupt-<UTC time>` and reported in the returned `UsageLoad`, and counting
+starts from zero. Writing is atomic (temporary file in the same folder, fsync, rename,
+fsync of the folder): after a crash at any instant the file is either the previous
+complete version or the new complete version. A failed write raises `HeatWriteError`
+and leaves the previous file untouched.
+
+One writer at a time: the heat keeper holds `lock_usage()` for its whole life, so a
+keeper that outlived its daemon finishes its last write before a new one loads the file.
+
+This module imports no MLX and no ZeroMQ.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Mapping
+
+from moestream.shared.store_format import POOL_USAGE_NAME
+
+# Ids above this are not a model's layers or experts: such a file is corrupt.
+MAX_ID = 1 << 20
+# Counts must fit an int64 so every reader (numpy included) can hold them.
+MAX_COUNT = (1 << 63) - 1
+
+UsageCounts = dict[int, dict[int, int]]
+
+
+class HeatFileError(OSError):
+    """An operating-system error while reading or writing the heat file.
+
+    `errno`, `strerror` and `filename` are those of the failing call; `str()` also says
+    what was being done and what happened to the previous file.
+    """
+
+    def __init__(self, action: str, path: Path | str, cause: OSError, consequence: str = "") -> None:
+        err = cause.errno if cause.errno is not None else errno.EIO
+        super().__init__(err, cause.strerror or os.strerror(err), str(path))
+        self.action = action
+        self.consequence = consequence
+
+    def __str__(self) -> str:
+        tail = f"; {self.consequence}" if self.consequence else ""
+        return f"[heat_file] {self.action} {self.filename}: {self.strerror} (errno {self.errno}){tail}"
+
+
+class HeatWriteError(HeatFileError):
+    """`write_usage` failed; the previous file is intact and no temporary file is left."""
+
+
+class HeatReadError(HeatFileError):
+    """The heat file exists but cannot be read (permissions, I/O error)."""
+
+
+class HeatLockTimeout(TimeoutError):
+    """Another process (another heat keeper) holds the heat file's lock."""
+
+
+@dataclass(frozen=True)
+class UsageLoad:
+    """What `read_usage` found.
+
+    `problem` is None when the file was valid or absent. When it is set the caller must
+    report it; `set_aside` is where the unusable file now lies (None if it could not be
+    moved, which `problem` then says too).
+    """
+
+    path: Path
+    counts: UsageCounts = field(default_factory=dict)
+    set_aside: Path | None = None
+    problem: str | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(sum(layer.values()) for layer in self.counts.values())
+
+
+def usage_path(store_dir: Path | str) -> Path:
+    return Path(store_dir) / POOL_USAGE_NAME
+
+
+def read_usage(path: Path | str) -> UsageLoad:
+    """Load the heat file. Missing -> empty. Corrupt -> set aside, empty, `problem` set.
+
+    Raises `HeatReadError` only when the file exists but the OS refuses to read it: that
+    is not a corrupt file, and moving it aside would hide a failing disk.
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return UsageLoad(path)
+    except OSError as e:
+        raise HeatReadError("cannot read heat file", path, e, "fix the file or its permissions, or remove it") from e
+    try:
+        counts = parse_usage(raw)
+    except ValueError as e:
+        return _set_aside(path, raw, str(e))
+    return UsageLoad(path, counts)
+
+
+def parse_usage(raw: bytes) -> UsageCounts:
+    """Parse and validate the file's bytes; `ValueError` says what is wrong."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise ValueError(f"not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"top level is a JSON {type(data).__name__}, expected an object of layers")
+    counts: UsageCounts = {}
+    for layer_key, experts in data.items():
+        layer = _parse_id(layer_key, "layer")
+        if not isinstance(experts, dict):
+            raise ValueError(f"layer {layer_key!r}: expected an object of experts, got {type(experts).__name__}")
+        layer_counts: dict[int, int] = {}
+        for expert_key, count in experts.items():
+            expert = _parse_id(expert_key, f"layer {layer_key!r} expert")
+            if type(count) is not int or not 0 <= count <= MAX_COUNT:
+                raise ValueError(f"layer {layer_key!r} expert {expert_key!r}: count {count!r} is not a non-negative integer")
+            layer_counts[expert] = count
+        counts[layer] = layer_counts
+    return counts
+
+
+def _parse_id(key: str, what: str) -> int:
+    # Canonical decimal only ("7", not "07", "+7" or " 7"), so each id has one spelling.
+    if not (key.isascii() and key.isdigit() and len(key) <= 7 and (key[0] != "0" or key == "0")) or int(key) >= MAX_ID:
+        raise ValueError(f"{what} key {key!r} is not a non-negative integer below {MAX_ID}")
+    return int(key)
+
+
+def _set_aside(path: Path, raw: bytes, why: str) -> UsageLoad:
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f".{time.time_ns() // 1000 % 1_000_000:06d}Z"
+    target = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while target.exists():
+        target = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+        n += 1
+    try:
+        os.rename(path, target)
+    except OSError as e:
+        problem = (
+            f"{path} is corrupt ({why}, {len(raw)} bytes) and could not be moved aside to {target.name}: "
+            f"{e.strerror}; counting starts from zero and the next write will replace it"
+        )
+        return UsageLoad(path, {}, None, problem)
+    problem = f"{path} was corrupt ({why}, {len(raw)} bytes); moved aside to {target}; counting starts from zero"
+    return UsageLoad(path, {}, target, problem)
+
+
+def write_usage(path: Path | str, counts: Mapping[int, Mapping[int, int]]) -> int:
+    """Write `counts` atomically to `path`; returns the bytes written.
+
+    Experts with a zero count are left out. On any OS failure the temporary file is
+    removed, the previous file is left as it was, and `HeatWriteError` is raised.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    step = "cannot create temporary file for"
+    written = 0
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            step = "cannot write"
+            for chunk in _encode(counts):
+                data = chunk.encode()
+                view = memoryview(data)
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                written += len(data)
+            step = "cannot fsync"
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        step = "cannot rename temporary file over"
+        os.replace(tmp, path)
+    except OSError as e:
+        _remove_quietly(tmp, e)
+        raise HeatWriteError(step, path, e, "the previous heat file is unchanged") from e
+    except ValueError as e:  # a bad argument, found while encoding
+        _remove_quietly(tmp, e)
+        raise
+    try:
+        _fsync_dir(path.parent)
+    except OSError as e:
+        raise HeatWriteError(
+            "cannot fsync the folder of", path, e, "the new file is in place but may not survive a power loss"
+        ) from e
+    return written
+
+
+def _encode(counts: Mapping[int, Mapping[int, int]]) -> Iterator[str]:
+    """The file's text, one chunk per layer, validated and in numeric order.
+
+    Lazy, so a large table is never held twice in memory.
+    """
+    yield "{"
+    first = True
+    for layer in sorted(counts):
+        if type(layer) is not int or not 0 <= layer < MAX_ID:
+            raise ValueError(f"[write_usage] layer {layer!r} is not an integer in [0, {MAX_ID})")
+        items = []
+        for expert in sorted(counts[layer]):
+            count = counts[layer][expert]
+            if type(expert) is not int or not 0 <= expert < MAX_ID:
+                raise ValueError(f"[write_usage] layer {layer} expert {expert!r} is not an integer in [0, {MAX_ID})")
+            if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= MAX_COUNT:
+                raise ValueError(f"[write_usage] layer {layer} expert {expert}: count {count!r} is not a non-negative int64")
+            if count:
+                items.append(f'"{expert}":{int(count)}')
+        yield ("" if first else ",") + f'"{layer}":{{' + ",".join(items) + "}"
+        first = False
+    yield "}\n"
+
+
+def _remove_quietly(tmp: Path, cause: Exception) -> None:
+    """Remove a failed write's temporary file; a failure to do so joins the raised error."""
+    try:
+        tmp.unlink()
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        cause.add_note(f"also could not remove the temporary file {tmp}: {e.strerror}")
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_files(path: Path | str) -> list[Path]:
+    """Temporary files that interrupted writes of `path` left behind."""
+    path = Path(path)
+    return sorted(path.parent.glob(f".{path.name}.*.tmp"))
+
+
+def remove_temp_files(path: Path | str) -> list[Path]:
+    """Delete what interrupted writes left behind. Only safe while holding `lock_usage`."""
+    removed = []
+    for tmp in temp_files(path):
+        try:
+            tmp.unlink()
+        except FileNotFoundError:
+            continue
+        removed.append(tmp)
+    return removed
+
+
+class UsageLock:
+    """An exclusive `flock` on `<file>.lock`, held by the one process that writes the file.
+
+    The kernel drops it when the holder dies, even by SIGKILL.
+    """
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(str(path) + ".lock")
+        self._fd: int | None = None
+
+    def acquire(self, timeout: float, should_stop: Callable[[], bool] | None = None) -> None:
+        """Wait up to `timeout` seconds; `should_stop()` returning true abandons the wait."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise HeatFileError("cannot open lock file", self.path, e, "is the store folder writable?") from e
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                stopped = should_stop is not None and should_stop()
+                if stopped or time.monotonic() >= deadline:
+                    holder = _read_pid(fd)
+                    os.close(fd)
+                    who = f"another heat keeper{f' (pid {holder})' if holder else ''}"
+                    raise HeatLockTimeout(
+                        f"[heat_file] {self.path} is held by {who}; "
+                        + ("asked to stop while waiting for it" if stopped else
+                           f"gave up after {timeout:.1f}s: is a second daemon running on this store?")
+                    ) from None
+                time.sleep(0.02)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+
+def _read_pid(fd: int) -> int | None:
+    try:
+        text = os.pread(fd, 32, 0).decode().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def hottest(counts: Mapping[int, Mapping[int, int]], layer: int, n: int) -> list[int]:
+    """The `n` most routed experts of `layer`, most routed first (ties: lower id first).
+
+    Experts never routed are not returned, so the list may be shorter than `n`.
+    """
+    if n <= 0:
+        return []
+    layer_counts = counts.get(layer, {})
+    ranked = sorted((e for e, c in layer_counts.items() if c > 0), key=lambda e: (-layer_counts[e], e))
+    return ranked[:n]

@@ -1,0 +1,454 @@
+"""The daemon with real processes and sockets: concurrent clients get exactly the local
+output, cancel and disconnect stop a request at once, status stays fast, a second daemon
+is refused, a crashed one is recovered from, and SIGTERM shuts down cleanly.
+
+One daemon (capacity 0.25, so slots are evicted while requests interleave) serves most
+tests of this module; the lifecycle test runs its own. Runtime folders live under /tmp
+with short names: ipc socket paths are limited to about 107 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from moestream.client.client import Client, ClientError, DaemonDied, DaemonNotRunning, RequestRejected, Token
+from moestream.shared import protocol as proto
+from moestream.shared.heat_file import usage_path
+from moestream.shared.runtime_dir import InstanceLock, RuntimeDirError, RuntimePaths, lock_is_held, read_pid
+from tiny_models import make_tiny_model
+
+PROMPTS = ["The farmer counted his hens", "def route(hidden, gate, k=2):", "Numbers and dates: 1, 2, 3", "In the morning"]
+LONG_PROMPT = "There was news of rain"
+N_TOKENS = 48
+LONG_TOKENS = 300
+CAPACITY = "0.25"
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment for child processes, without the developer's moestream settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOESTREAM_")}
+    env["XDG_CONFIG_HOME"] = "/nonexistent-moestream-test"
+    env.update(extra)
+    return env
+
+
+def ctl(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "moestream.client.cli", *args],
+        capture_output=True, text=True, env=env or clean_env(), timeout=timeout,
+    )
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def paths_of(rt: Path) -> RuntimePaths:
+    return RuntimePaths(dir=rt, log=rt / "daemon.log")
+
+
+def recent(client: Client) -> dict[str, dict]:
+    return {r["id"]: r for r in client.status()["requests"]["recent"]}
+
+
+@pytest.fixture(scope="module")
+def store():
+    root = Path(tempfile.mkdtemp(dir="/tmp", prefix="mss"))
+    try:
+        from moestream.daemon.store.convert import convert_model
+
+        src = make_tiny_model(root / "model", "qwen3_moe", quant="4bit", seed=11)
+        convert_model(src, root / "store")
+        yield root / "store"
+    finally:
+        shutil.rmtree(root)
+
+
+@pytest.fixture(scope="module")
+def reference(store):
+    """What `generate --local` computes in-process, prompt by prompt."""
+    from moestream.daemon.generation import SamplingParams, encode_prompt, generate
+    from moestream.daemon.store.loader import load_streaming_model
+    from moestream.shared.settings import Settings
+
+    sm = load_streaming_model(store, Settings(capacity=0.25))
+    try:
+        out = {p: generate(sm, encode_prompt(sm, p, None), SamplingParams(max_tokens=N_TOKENS)) for p in PROMPTS}
+        out[LONG_PROMPT] = generate(sm, encode_prompt(sm, LONG_PROMPT, None), SamplingParams(max_tokens=LONG_TOKENS))
+    finally:
+        sm.close()
+    # The cancel and disconnect tests need a request that would run its full length.
+    assert out[LONG_PROMPT].finish_reason == "length"
+    return out
+
+
+@pytest.fixture(scope="module")
+def daemon(store):
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msd"))
+    out = ctl("start", "--model", str(store), "--capacity", CAPACITY, "--runtime-dir", str(rt))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "daemon started" in out.stderr
+    try:
+        yield paths_of(rt)
+    finally:
+        stopped = ctl("stop", "--runtime-dir", str(rt))
+        shutil.rmtree(rt)
+        assert stopped.returncode == 0, stopped.stderr
+
+
+def collect(stream) -> tuple[str, list]:
+    streamed = "".join(e.text for e in stream if isinstance(e, Token))
+    return streamed, stream.done
+
+
+def test_four_concurrent_clients_get_the_local_output(daemon, reference):
+    results: dict[int, tuple] = {}
+    failures: list[BaseException] = []
+    barrier = threading.Barrier(4)
+
+    def run(i: int) -> None:
+        try:
+            with Client(daemon, timeout=30) as c:
+                barrier.wait()
+                stream = c.generate(PROMPTS[i], max_tokens=N_TOKENS)
+                first = None
+                for event in stream:
+                    if first is None:
+                        first = time.monotonic()
+                results[i] = (stream.done, first, time.monotonic())
+        except BaseException as e:  # reported below, in the test's thread
+            failures.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not failures, failures
+    for i, prompt in enumerate(PROMPTS):
+        done = results[i][0]
+        assert done.tokens == reference[prompt].tokens, f"client {i} differs from the local run"
+        assert done.text == reference[prompt].text
+        assert done.finish_reason == reference[prompt].finish_reason
+    # Interleaved, not one after another: every request had its first token before any ended.
+    assert max(r[1] for r in results.values()) < min(r[2] for r in results.values())
+    with Client(daemon) as c:
+        stats = c.stats()
+    assert stats["pool"]["evictions"] > 0, "capacity 0.25 should evict while serving"
+
+
+def test_status_has_its_fields_and_answers_fast_while_generating(daemon, reference):
+    with Client(daemon) as gen, Client(daemon) as c:
+        stream = gen.generate(LONG_PROMPT, max_tokens=LONG_TOKENS)
+        next(stream)
+        latencies = []
+        for _ in range(30):
+            tic = time.perf_counter()
+            status = c.status()
+            latencies.append(time.perf_counter() - tic)
+            time.sleep(0.005)
+        assert status["requests"]["active"] == 1
+        assert status["requests"]["running"][0]["id"] == stream.id
+        stream.close()
+    print(f"status round trip while generating: max {max(latencies) * 1000:.1f} ms, "
+          f"median {sorted(latencies)[len(latencies) // 2] * 1000:.1f} ms")
+    assert max(latencies) < 0.3
+
+    tic = time.perf_counter()
+    out = ctl("status", "--json", "--runtime-dir", str(daemon.dir))
+    wall = time.perf_counter() - tic
+    print(f"`moestreamctl status --json` wall time: {wall * 1000:.0f} ms")
+    assert out.returncode == 0, out.stderr
+    assert wall < 3.0  # a whole Python process; the figure itself is printed above
+    st = json.loads(out.stdout)
+    assert st["running"] is True and st["state"] == "ready"
+    assert st["pid"] == read_pid(daemon) and st["uptime_s"] > 0
+    assert Path(st["model"]).name == "store" and st["capacity"] == 4 and st["policy"] == "lru"
+    assert len(st["pool"]["layers"]) == st["moe_layers"] == 2
+    for layer in st["pool"]["layers"]:
+        assert set(layer) >= {"layer", "resident", "capacity", "pinned", "hit_rate"}
+        assert 0 < layer["resident"] <= layer["capacity"] == 4
+    assert 0.0 <= st["pool"]["hit_rate"] <= 1.0
+    assert st["memory"]["rss_bytes"] > 10 * 2**20
+    assert st["memory"]["mlx_active_bytes"] > 0 and st["memory"]["mlx_peak_bytes"] >= st["memory"]["mlx_active_bytes"]
+    assert st["clients"]["connected"] >= 1
+    assert {"active", "queued", "completed", "cancelled", "failed"} <= set(st["requests"])
+    assert st["heat"]["state"] in ("running", "down") and "dropped_counts" in st["heat"]
+    assert st["log"] == str(daemon.log) and Path(st["log"]).is_file()
+
+    human = ctl("status", "--runtime-dir", str(daemon.dir))
+    assert human.returncode == 0 and "ready" in human.stdout and str(daemon.log) in human.stdout
+    logs = ctl("logs", "-n", "3", "--runtime-dir", str(daemon.dir))
+    assert logs.returncode == 0 and f"log: {daemon.log}" in logs.stderr and len(logs.stdout.splitlines()) == 3
+    stats = json.loads(ctl("stats", "--json", "--runtime-dir", str(daemon.dir)).stdout)
+    assert stats["pool"]["bytes_read"] > 0 and len(stats["pool"]["layers"]) == 2
+
+
+def test_cancel_stops_within_one_token_while_another_client_continues(daemon, reference):
+    with Client(daemon) as a, Client(daemon) as b:
+        other = b.generate(PROMPTS[0], max_tokens=N_TOKENS)
+        stream = a.generate(LONG_PROMPT, max_tokens=LONG_TOKENS)
+        for n, _ in enumerate(stream, 1):
+            if n == 3:
+                break
+        assert stream.cancel() is True
+        rest = list(stream)
+        assert isinstance(rest[-1], proto.Done)
+        done = stream.done
+        assert done.finish_reason == "cancelled"
+        assert 3 <= len(done.tokens) < LONG_TOKENS
+        assert done.tokens == reference[LONG_PROMPT].tokens[: len(done.tokens)]
+        _, other_done = collect(other)
+        assert other_done.tokens == reference[PROMPTS[0]].tokens
+        seen = recent(b)
+    assert seen[stream.id]["finish_reason"] == "cancelled"
+    assert seen[stream.id]["tokens_after_stop"] <= 1
+    ids = list(seen)
+    assert ids.index(stream.id) < ids.index(other.id), "the other request should still have been running"
+
+
+def test_disconnect_stops_generation_while_another_client_continues(daemon, reference):
+    with Client(daemon) as b:
+        other = b.generate(PROMPTS[1], max_tokens=N_TOKENS)
+        a = Client(daemon)
+        stream = a.generate(LONG_PROMPT, max_tokens=LONG_TOKENS)
+        next(stream)
+        next(stream)
+        a.close()
+        entry = wait_for(lambda: recent(b).get(stream.id), 10, "the disconnected request to end")
+        assert entry["finish_reason"] == "disconnected"
+        assert entry["tokens"] < LONG_TOKENS
+        assert entry["tokens_after_stop"] <= 1
+        _, other_done = collect(other)
+        assert other_done.tokens == reference[PROMPTS[1]].tokens
+
+
+def test_runtime_folder_and_socket_are_private(daemon):
+    assert stat.S_IMODE(os.stat(daemon.dir).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(daemon.socket).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(daemon.pid_file).st_mode) == 0o600
+
+
+def test_a_second_daemon_is_refused_and_the_first_keeps_its_socket(daemon, store):
+    pid = read_pid(daemon)
+    out = subprocess.run(
+        [sys.executable, "-m", "moestream.daemon.main", "--model", str(store), "--runtime-dir", str(daemon.dir)],
+        capture_output=True, text=True, env=clean_env(), timeout=60,
+    )
+    assert out.returncode == 1
+    assert "already running" in out.stderr and f"pid {pid}" in out.stderr
+    again = ctl("start", "--model", str(store), "--runtime-dir", str(daemon.dir))
+    assert again.returncode == 1 and "already running" in again.stderr
+    with Client(daemon) as c:
+        assert c.ping().pid == pid
+        assert c.status()["state"] == "ready"
+
+
+def test_malformed_and_oversized_messages_get_errors_and_change_nothing(daemon, reference):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.endpoint)
+
+    def ask(*frames: bytes) -> proto.Reply:
+        sock.send_multipart(list(frames))
+        assert sock.poll(5000), "no reply"
+        return proto.decode_reply(sock.recv())
+
+    def pack(body) -> bytes:
+        return msgpack.packb(body)
+
+    try:
+        with Client(daemon) as c:
+            before = c.stats()["requests"]
+        cases = [
+            ((b"\xc1garbage",), proto.BAD_MESSAGE),
+            ((pack([1, 2, 3]),), proto.BAD_MESSAGE),
+            ((pack({"v": 99, "type": "ping", "id": "a"}),), proto.BAD_VERSION),
+            ((pack({"v": 1, "type": "launch_missiles", "id": "a"}),), proto.UNKNOWN_TYPE),
+            ((pack({"v": 1, "type": "generate", "id": "a", "prompt": "x", "max_tokens": "many"}),), proto.BAD_MESSAGE),
+            ((b"\x00" * (2 * proto.MAX_MESSAGE_BYTES),), proto.TOO_LARGE),
+            ((pack({"v": 1, "type": "ping", "id": "a"}), b"second frame"), proto.BAD_MESSAGE),
+            ((pack({"v": 1, "type": "generate", "id": "g1", "prompt_ids": [10**6]}),), proto.BAD_MESSAGE),
+            ((pack({"v": 1, "type": "generate", "id": "g2", "prompt": "hi", "max_tokens": 100_000}),), proto.TOO_LONG),
+        ]
+        for frames, code in cases:
+            reply = ask(*frames)
+            assert isinstance(reply, proto.Error), (frames[0][:20], reply)
+            assert reply.code == code, (frames[0][:20], reply)
+        reply = ask(pack({"v": 1, "type": "cancel", "id": "c", "target": "nothing-like-it"}))
+        assert isinstance(reply, proto.Cancelled) and reply.found is False
+
+        with Client(daemon) as c:
+            stats = c.stats()["requests"]
+            # Refused before the engine: no request counted, none running.
+            assert stats["requests"] - before["requests"] == 2  # the two the engine refused
+            assert stats["failed"] - before["failed"] == 2
+            assert stats["queued"] == 0
+            result = c.complete(PROMPTS[2], max_tokens=N_TOKENS)
+        assert result["tokens"] == reference[PROMPTS[2]].tokens
+    finally:
+        sock.close(linger=0)
+
+
+def test_a_duplicate_request_id_is_refused(daemon):
+    with Client(daemon) as c:
+        first = c.generate(LONG_PROMPT, max_tokens=LONG_TOKENS, request_id="same")
+        next(first)
+        with pytest.raises(RequestRejected) as info:
+            list(c.generate("x", max_tokens=2, request_id="same"))
+        assert info.value.code == proto.DUPLICATE_ID
+        first.close()
+        assert first.done.finish_reason == "cancelled"
+
+
+def test_an_unreadable_expert_fails_that_request_and_the_daemon_serves_on(daemon, store, reference):
+    from moestream.shared.store_format import load_manifest
+
+    layer = load_manifest(store).layers[0]
+    path = store / layer.file
+    original = path.read_bytes()
+    try:
+        with open(path, "r+b") as f:
+            f.truncate(layer.experts[4].offset)  # experts 4.. of layer 0 are gone
+        with Client(daemon) as c, pytest.raises(RequestRejected) as info:
+            c.complete(prompt_ids=list(range(3, 90)), max_tokens=4)
+    finally:
+        with open(path, "r+b") as f:  # same file, same inode: the daemon's open fd sees it
+            f.write(original)
+    assert info.value.code == proto.ENGINE
+    assert "layer 0" in info.value.message and "expert" in info.value.message
+    with Client(daemon) as c:
+        assert c.status()["requests"]["failed"] >= 1
+        result = c.complete(PROMPTS[3], max_tokens=N_TOKENS)
+    assert result["tokens"] == reference[PROMPTS[3]].tokens
+
+
+def test_an_open_runtime_folder_or_a_long_socket_path_is_refused():
+    folder = Path(tempfile.mkdtemp(dir="/tmp", prefix="msp"))
+    try:
+        os.chmod(folder, 0o755)
+        with pytest.raises(RuntimeDirError, match="chmod 700"):
+            InstanceLock.acquire(paths_of(folder))
+        with pytest.raises(ClientError, match="chmod 700"):
+            Client(folder)
+        os.chmod(folder, 0o700)
+        with pytest.raises(DaemonNotRunning):
+            Client(folder)
+        deep = folder / ("d" * 120)
+        with pytest.raises(RuntimeDirError, match="over this system's limit"):
+            paths_of(deep).endpoint
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_autostart_crash_recovery_restart_and_clean_sigterm(store, reference):
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msc"))
+    env = clean_env(MOESTREAM_RUNTIME_DIR=str(rt))
+    paths = paths_of(rt)
+    proc = None
+    # Its own copy of the store: a second daemon's heat keeper would wait for the lock
+    # that the module daemon's keeper holds on the store's heat file.
+    store = Path(shutil.copytree(store, rt / "store"))
+    try:
+        # `generate` without --local starts a daemon and goes through it.
+        out = ctl("generate", PROMPTS[3], "--model", str(store), "--capacity", CAPACITY,
+                  "--max-tokens", str(N_TOKENS), "--json", env=env)
+        assert out.returncode == 0, out.stderr
+        assert "starting one" in out.stderr
+        result = json.loads(out.stdout)
+        assert set(result) == {"text", "tokens", "stats"}
+        assert result["tokens"] == reference[PROMPTS[3]].tokens and result["text"] == reference[PROMPTS[3]].text
+
+        # kill -9 mid-stream: the client says the daemon died; the lock goes with the
+        # process, its socket and pid file stay behind.
+        crashed = read_pid(paths)
+        with Client(paths, timeout=2.0) as c:
+            stream = c.generate(LONG_PROMPT, max_tokens=LONG_TOKENS)
+            next(stream)
+            os.kill(crashed, signal.SIGKILL)
+            tic = time.monotonic()
+            with pytest.raises(DaemonDied):
+                list(stream)
+            assert time.monotonic() - tic < 6.0
+        wait_for(lambda: not lock_is_held(paths), 10, "the killed daemon's lock to be released")
+        assert paths.socket.exists() and paths.pid_file.exists()
+        # Its heat keeper saves the counts when it sees its parent gone.
+        wait_for(usage_path(store).exists, 20, "the crashed daemon's heat to be saved")
+
+        # The next daemon, in the foreground (as a service runs it), with room to pin.
+        log = rt / "foreground.log"
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "moestream.client.cli", "start", "--foreground", "--model", str(store), "--capacity", "0.5"],
+                stdout=f, stderr=f, env=env,
+            )
+        wait_for(lambda: _ready(paths) or proc.poll() is not None, 60, "the new daemon")
+        assert proc.poll() is None, log.read_text()
+        assert read_pid(paths) == proc.pid
+        assert f"a daemon (pid {crashed}) did not shut down cleanly" in log.read_text()
+        with Client(paths) as c:
+            st = c.status()
+        assert st["autopin"]["pinned"] > 0 and all(layer["pinned"] > 0 for layer in st["pool"]["layers"])
+
+        # SIGTERM while a client streams: it gets its `done` with reason "shutdown".
+        with Client(paths) as c:
+            stream = c.generate(LONG_PROMPT, max_tokens=LONG_TOKENS)
+            next(stream)
+            proc.send_signal(signal.SIGTERM)
+            list(stream)
+            assert stream.done.finish_reason == "shutdown"
+            assert len(stream.done.tokens) < LONG_TOKENS
+        assert proc.wait(30) == 0
+        assert not paths.pid_file.exists() and not paths.socket.exists() and not lock_is_held(paths)
+        assert "stopped cleanly" in log.read_text()
+
+        # restart keeps the model and pool settings of the running daemon.
+        assert ctl("start", "--model", str(store), "--capacity", CAPACITY, env=env).returncode == 0
+        first = read_pid(paths)
+        out = ctl("restart", env=env)
+        assert out.returncode == 0, out.stderr
+        with Client(paths) as c:
+            st = c.status()
+        assert st["pid"] != first
+        assert st["capacity"] == 4 and Path(st["model"]) == store
+        assert ctl("stop", env=env).returncode == 0
+        assert not lock_is_held(paths)
+        again = ctl("stop", env=env)
+        assert again.returncode == 0 and "no moestream daemon is running" in again.stderr
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if lock_is_held(paths):
+            os.kill(read_pid(paths), signal.SIGKILL)
+        shutil.rmtree(rt)
+
+
+def _ready(paths: RuntimePaths) -> bool:
+    if not lock_is_held(paths) or not paths.socket.exists():
+        return False
+    try:
+        with Client(paths, timeout=0.5) as c:
+            return c.ping().state == "ready"
+    except ClientError:
+        return False

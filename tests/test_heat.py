@@ -1,0 +1,529 @@
+"""Heat: the heat file, the keeper process and the daemon's publisher, with real
+processes, real ipc sockets and real files (a real full tmpfs for the disk-full case)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import random
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import msgpack
+import numpy as np
+import psutil
+import pytest
+import zmq
+
+from moestream.daemon.heat import HeatPublisher, load_usage
+from moestream.shared.heat_file import (
+    HeatWriteError,
+    UsageCounts,
+    hottest,
+    parse_usage,
+    read_usage,
+    temp_files,
+    usage_path,
+    write_usage,
+)
+
+LOG = logging.getLogger("test_heat")
+
+
+@pytest.fixture
+def dirs() -> Iterator[tuple[Path, Path]]:
+    """(store, runtime): short paths under /tmp, because ipc socket paths are limited."""
+    root = Path(tempfile.mkdtemp(prefix="ht", dir="/tmp"))
+    (root / "s").mkdir()
+    (root / "r").mkdir(mode=0o700)
+    yield root / "s", root / "r"
+    shutil.rmtree(root)
+
+
+@pytest.fixture
+def publisher() -> Iterator[Callable[..., HeatPublisher]]:
+    """`publisher(store, runtime, **kw)`; whatever a failing test leaves open is closed."""
+    made: list[HeatPublisher] = []
+
+    def make(store: Path, runtime: Path, **kw) -> HeatPublisher:
+        kw.setdefault("flush_seconds", 60.0)
+        made.append(HeatPublisher(store, runtime, log=LOG, **kw))
+        return made[-1]
+
+    yield make
+    for pub in made:
+        pub.close(5.0)
+
+
+def add(total: UsageCounts, counts: dict[int, np.ndarray]) -> None:
+    for layer, values in counts.items():
+        for expert, c in enumerate(values.tolist()):
+            if c:
+                total.setdefault(layer, {})
+                total[layer][expert] = total[layer].get(expert, 0) + c
+
+
+def nonzero(counts: UsageCounts) -> UsageCounts:
+    return {l: {e: c for e, c in d.items() if c} for l, d in counts.items() if any(d.values())}
+
+
+def total_of(counts: UsageCounts) -> int:
+    return sum(sum(d.values()) for d in counts.values())
+
+
+def file_counts(store: Path) -> UsageCounts:
+    """The heat file's counts; fails the test if the file is not valid."""
+    return parse_usage(usage_path(store).read_bytes())
+
+
+def random_counts(rng: np.random.Generator, layers: int = 6, experts: int = 32) -> dict[int, np.ndarray]:
+    return {l: rng.integers(0, 4, experts) for l in range(layers) if rng.random() < 0.8}
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str, every: Callable[[], None] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        if every is not None:
+            every()
+        time.sleep(0.005)
+
+
+def wait_ready(pub: HeatPublisher, timeout: float = 10.0) -> int:
+    wait_for(lambda: pub.health()["ready"], timeout, "the heat keeper to be ready", every=pub.check)
+    return pub.health()["pid"]
+
+
+# -- the file ---------------------------------------------------------------------
+
+
+def test_write_read_roundtrip_and_hottest(dirs):
+    store, _ = dirs
+    path = usage_path(store)
+    assert read_usage(path).counts == {} and read_usage(path).problem is None  # missing: empty, no problem
+    counts = {3: {0: 5, 7: 9, 2: 9, 4: 0}, 0: {1: 1}}
+    write_usage(path, counts)
+    assert json.loads(path.read_text()) == {"0": {"1": 1}, "3": {"0": 5, "2": 9, "7": 9}}
+    loaded = load_usage(store)
+    assert loaded.problem is None and loaded.counts == nonzero(counts) and loaded.total == 24
+    assert hottest(loaded.counts, 3, 2) == [2, 7]  # ties broken by expert id
+    assert hottest(loaded.counts, 3, 10) == [2, 7, 0]  # never-routed experts are not pinned
+    assert hottest(loaded.counts, 9, 4) == [] and hottest(loaded.counts, 3, 0) == []
+    with pytest.raises(ValueError, match="count -1"):
+        write_usage(path, {0: {1: -1}})
+    assert json.loads(path.read_text())["3"]["7"] == 9 and temp_files(path) == []
+
+
+@pytest.mark.parametrize(
+    "raw, why",
+    [
+        (b"", "not valid JSON"),
+        (b'{"0": {"1": 3}', "not valid JSON"),
+        (b"\xff\xfe{}", "not valid JSON"),
+        (b"[1, 2]", "top level is a JSON list"),
+        (b'{"0": [1, 2]}', "expected an object of experts"),
+        (b'{"0": {"1": -5}}', "not a non-negative integer"),
+        (b'{"0": {"1": 2.5}}', "not a non-negative integer"),
+        (b'{"0": {"1": true}}', "not a non-negative integer"),
+        (b'{"0": {"1": "7"}}', "not a non-negative integer"),
+        (b'{"x": {"1": 1}}', "layer key 'x'"),
+        (b'{"01": {"1": 1}}', "layer key '01'"),
+        (b'{"0": {"-1": 1}}', "expert key '-1'"),
+        (b'{"0": {"99999999": 1}}', "expert key"),
+        (b'{"0": {"1": 9223372036854775808}}', "not a non-negative integer"),
+    ],
+)
+def test_corrupt_file_is_set_aside_and_reported(dirs, raw, why):
+    store, _ = dirs
+    path = usage_path(store)
+    path.write_bytes(raw)
+    loaded = read_usage(path)
+    assert loaded.counts == {}
+    assert loaded.problem is not None and why in loaded.problem and str(path) in loaded.problem
+    assert loaded.set_aside is not None and loaded.set_aside.name.startswith("pool_usage.json.corrupt-")
+    assert loaded.set_aside.read_bytes() == raw
+    assert not path.exists()
+    assert read_usage(path).problem is None  # the next start is clean
+
+
+# -- the keeper through the publisher --------------------------------------------
+
+
+def test_counts_sum_exactly_across_flushes_and_restart(dirs, publisher):
+    store, runtime = dirs
+    rng = np.random.default_rng(0)
+    expected: UsageCounts = {}
+    pub = publisher(store, runtime)
+    assert pub.start()
+    for _ in range(3):
+        for _ in range(20):
+            c = random_counts(rng)
+            assert pub.push(c)
+            add(expected, c)
+        assert pub.flush(5.0)
+        assert file_counts(store) == nonzero(expected)
+    assert pub.close(5.0)
+    assert pub.dropped_counts == 0
+    assert list(runtime.iterdir()) == []  # socket files removed
+
+    # A new keeper continues from the file; this one also writes every 5 batches.
+    loaded_total = total_of(expected)
+    pub = publisher(store, runtime, flush_batches=5)
+    assert pub.start()
+    assert pub.health()["load_problem"] is None
+    pushed = 0
+    for i in range(12):
+        c = random_counts(rng)
+        assert pub.push(c)
+        add(expected, c)
+        pushed += int(sum(v.sum() for v in c.values()))
+        if i == 4:
+            wait_for(lambda: file_counts(store) == nonzero(expected), 5.0, "the write after 5 batches")
+    assert pub.close(5.0)
+    assert file_counts(store) == nonzero(expected)
+    h = pub.health()
+    assert h["dropped_counts"] == 0 and h["sent_counts"] == pushed and h["unconfirmed_counts"] == 0
+    assert h["keeper"]["loaded_total"] == loaded_total and h["keeper"]["writes_failed"] == 0
+
+
+def test_kill9_keeper_midrun_restarts_and_reports_drops(dirs, publisher):
+    store, runtime = dirs
+    rng = np.random.default_rng(1)
+    pub = publisher(store, runtime, backoff=(0.05, 1.0))
+    assert pub.start()
+    durable: UsageCounts = {}
+    for _ in range(10):
+        c = random_counts(rng)
+        assert pub.push(c)
+        add(durable, c)
+    assert pub.flush(5.0)
+    lost = 0
+    for _ in range(10):  # received by the keeper, never written
+        c = random_counts(rng)
+        assert pub.push(c)
+        lost += int(sum(v.sum() for v in c.values()))
+    pid = pub.health()["pid"]
+    os.kill(pid, signal.SIGKILL)
+    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # dead, left for the publisher to reap
+    assert file_counts(store) == nonzero(durable)  # never behind the last completed write
+    for _ in range(5):  # while it is down: dropped, never waited for
+        c = random_counts(rng)
+        started = time.monotonic()
+        pub.push(c)
+        assert time.monotonic() - started < 0.05
+        lost += int(sum(v.sum() for v in c.values()))
+    new_pid = wait_ready(pub)
+    assert new_pid != pid
+    h = pub.health()
+    assert h["restarts"] == 1 and h["exit_codes"] == [-9] and "killed by signal 9" in h["last_error"]
+    assert h["keeper"] == {} or h["keeper"]["pid"] == new_pid
+    for _ in range(10):
+        c = random_counts(rng)
+        assert pub.push(c)
+        add(durable, c)
+    assert pub.flush(5.0)
+    assert pub.health()["keeper"]["loaded_total"] > 0
+    assert pub.close(5.0)
+    assert file_counts(store) == nonzero(durable)
+    assert pub.dropped_counts == lost
+
+
+def test_kill9_keeper_while_it_writes_50_times(dirs, publisher):
+    store, runtime = dirs
+    path = usage_path(store)
+    rng = np.random.default_rng(2)
+    # A big file, rewritten every 2 ms while counts keep coming: most kills land mid-write.
+    seed = {l: {e: int(c) for e, c in enumerate(rng.integers(1, 10**6, 384))} for l in range(32)}
+    write_usage(path, seed)
+    seed_total = total_of(seed)
+    pub = publisher(store, runtime, flush_seconds=0.002, backoff=(0.01, 0.01))
+    assert pub.start()
+    accepted = refused = 0
+    previous = seed_total
+    mid_write = 0
+    for _ in range(50):
+        pid = wait_ready(pub)
+        until = time.monotonic() + random.uniform(0.003, 0.02)
+        while time.monotonic() < until:
+            c = {int(rng.integers(32)): rng.integers(0, 3, 384)}
+            n = int(sum(v.sum() for v in c.values()))
+            if pub.push(c):
+                accepted += n
+            else:
+                refused += n
+            time.sleep(0.0005)
+        os.kill(pid, signal.SIGKILL)
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        mid_write += bool(temp_files(path))  # the next keeper removes them
+        counts = file_counts(store)
+        assert set(counts) == set(range(32))
+        now = total_of(counts)
+        assert previous <= now <= seed_total + accepted
+        previous = now
+    wait_ready(pub)
+    assert pub.close(5.0)
+    final = total_of(file_counts(store))
+    lost = pub.dropped_counts - refused
+    assert seed_total + accepted - lost <= final <= seed_total + accepted
+    assert temp_files(path) == []
+    LOG.info("kills that landed mid-write: %d of 50", mid_write)
+    assert mid_write >= 5, f"only {mid_write} of 50 kills landed mid-write: the test is not testing what it claims"
+
+
+STAND_IN_DAEMON = """
+import logging, sys, time
+import numpy as np
+from pathlib import Path
+from moestream.daemon.heat import HeatPublisher
+store, runtime, limit = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+sys.stdin.readline()  # imports done ahead of time; start when told
+pub = HeatPublisher(store, runtime, flush_seconds=0.002, log=logging.getLogger("stand-in"))
+ready = pub.start(10.0)
+print("ready", pub.health()["pid"], int(ready), flush=True)
+message = {l: np.ones(256, np.int64) for l in range(4)}
+sent = 0
+while True:
+    if sent < limit and pub.push(message):
+        sent += 1
+        if sent % 4 == 0 and pub.flush(1.0):
+            print("durable", sent, flush=True)
+    pub.check()
+    time.sleep(0.001)
+"""
+
+
+def test_kill9_daemon_while_keeper_writes_50_times(dirs):
+    """The real path: SIGKILL the process that owns the publisher. Its keeper notices
+    (getppid), takes what was queued, writes once more and exits; the file stays valid."""
+    store, runtime = dirs
+    rng = np.random.default_rng(3)
+    write_usage(usage_path(store), {l: {e: int(c) for e, c in enumerate(rng.integers(1, 1000, 256))} for l in range(16)})
+    per_message, limit = 4 * 256, 200
+    previous = total_of(file_counts(store))
+
+    def spawn() -> subprocess.Popen:
+        cmd = [sys.executable, "-c", STAND_IN_DAEMON, str(store), str(runtime), str(limit)]
+        return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    following = spawn()
+    try:
+        for i in range(50):
+            daemon, following = following, None
+            try:
+                daemon.stdin.write("go\n")
+                daemon.stdin.flush()
+                assert select.select([daemon.stdout], [], [], 20.0)[0], "stand-in daemon did not start"
+                word, keeper_pid, ready = daemon.stdout.readline().split()
+                assert word == "ready" and ready == "1"
+                if i < 49:
+                    following = spawn()  # its imports overlap this round
+                time.sleep(random.uniform(0.005, 0.05))
+            finally:
+                daemon.kill()
+                daemon.wait()
+            keeper = psutil.Process(int(keeper_pid)) if psutil.pid_exists(int(keeper_pid)) else None
+            try:
+                wait_for(
+                    lambda: keeper is None or not keeper.is_running() or keeper.status() == psutil.STATUS_ZOMBIE,
+                    5.0,
+                    f"orphaned keeper {keeper_pid} to exit (round {i})",
+                )
+            except AssertionError:
+                keeper.kill()  # do not leave it running after the failure
+                raise
+            durable = [int(line.split()[1]) for line in daemon.stdout.read().splitlines() if line.startswith("durable")]
+            daemon.stdout.close()
+            daemon.stdin.close()
+            now = total_of(file_counts(store))
+            assert previous + per_message * max(durable, default=0) <= now <= previous + per_message * limit
+            assert temp_files(usage_path(store)) == []
+            previous = now
+    finally:
+        if following is not None:
+            following.kill()
+            following.wait()
+
+
+def test_keeper_sets_corrupt_file_aside_and_restarts_from_zero(dirs, publisher):
+    store, runtime = dirs
+    path = usage_path(store)
+    raw = b'{"0": {"1": 12}, "1": "oops"}'
+    path.write_bytes(raw)
+    pub = publisher(store, runtime)
+    assert pub.start()
+    h = pub.health()
+    assert h["load_problem"] and "corrupt" in h["load_problem"] and str(path) in h["load_problem"]
+    aside = list(store.glob("pool_usage.json.corrupt-*"))
+    assert [str(p) for p in aside] == [h["set_aside"]] and aside[0].read_bytes() == raw
+    assert pub.push({0: np.array([0, 2, 0, 1])})
+    assert pub.close(5.0)
+    assert file_counts(store) == {0: {1: 2, 3: 1}}
+
+
+@pytest.fixture
+def small_tmpfs() -> Iterator[Path]:
+    mnt = Path(tempfile.mkdtemp(prefix="hf", dir="/tmp"))
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if result.returncode:
+        mnt.rmdir()
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {result.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+        mnt.rmdir()
+
+
+def test_full_disk_fails_loudly_keeps_old_file_and_counts(small_tmpfs, publisher):
+    store = small_tmpfs / "s"
+    store.mkdir()
+    runtime = Path(tempfile.mkdtemp(prefix="hr", dir="/tmp"))
+    path = usage_path(store)
+    rng = np.random.default_rng(4)
+    seed = {l: {e: int(c) for e, c in enumerate(rng.integers(1, 1000, 64))} for l in range(8)}
+    write_usage(path, seed)
+    pub = publisher(store, runtime)
+    try:
+        assert pub.start()
+        fd = os.open(small_tmpfs / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:  # fill every free page
+            with pytest.raises(OSError) as full:
+                while True:
+                    os.write(fd, b"\0" * 4096)
+        finally:
+            os.close(fd)
+        assert full.value.errno == errno.ENOSPC
+        old = path.read_bytes()
+        expected = {l: dict(d) for l, d in seed.items()}
+        c = {l: rng.integers(1, 5, 64) for l in range(8)}
+        assert pub.push(c)
+        add(expected, c)
+
+        assert not pub.flush(5.0)
+        h = pub.health()
+        assert h["alive"] and h["last_flush_ok"] is False and h["keeper"]["writes_failed"] == 1
+        assert "No space left on device" in h["last_error"] and str(path) in h["last_error"]
+        assert path.read_bytes() == old and temp_files(path) == []
+
+        with pytest.raises(HeatWriteError) as err:  # the function itself, directly
+            write_usage(path, expected)
+        assert isinstance(err.value, OSError) and err.value.errno == errno.ENOSPC
+        assert str(path) in str(err.value) and "previous heat file is unchanged" in str(err.value)
+        assert path.read_bytes() == old and temp_files(path) == []
+
+        (small_tmpfs / "filler").unlink()
+        assert pub.flush(5.0)  # the counts stayed in memory
+        assert file_counts(store) == expected
+    finally:
+        closed = pub.close(5.0)
+        shutil.rmtree(runtime)
+    assert closed and pub.dropped_counts == 0
+    assert sorted(p.name for p in store.iterdir()) == ["pool_usage.json", "pool_usage.json.lock"]
+
+
+# -- the keeper on its own, fed by hand -------------------------------------------
+
+
+def _recv(sock: zmq.Socket, kind: str, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+        msg = msgpack.unpackb(sock.recv(), raw=False, strict_map_key=False)
+        if msg["type"] == kind:
+            return msg
+    raise AssertionError(f"no {kind!r} from the keeper within {timeout}s")
+
+
+def _pack(**msg) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def test_keeper_counts_malformed_messages_and_survives(dirs):
+    store, runtime = dirs
+    ctx = zmq.Context()
+    push, acks = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    push.bind(f"ipc://{runtime}/d.sock")
+    acks.bind(f"ipc://{runtime}/a.sock")
+    keeper_cmd = [
+        sys.executable, "-m", "moestream.daemon.heat_keeper", "--endpoint", f"ipc://{runtime}/d.sock",
+        "--ack-endpoint", f"ipc://{runtime}/a.sock", "--store", str(store), "--flush-seconds", "60",
+    ]  # fmt: skip
+    keeper = subprocess.Popen(keeper_cmd)
+    try:
+        assert _recv(acks, "hello")["pid"] == keeper.pid
+        wait_for(lambda: _try_send(push, _pack(v=1, type="ping")), 5.0, "the data pipe")
+        r = random.Random(5)
+        bad = [bytes(r.randrange(256) for _ in range(r.randrange(1, 64))) for _ in range(200)]
+        le = np.array([1, 2, 3], "<i8").tobytes()
+        bad += [
+            b"",
+            b"\x91" * 100_000,  # nested too deep
+            b"\x81\x91\x01\x02",  # a map keyed by a list
+            _pack(v=2, type="counts", seq=1, layers={0: le}),
+            _pack(v=1),
+            _pack(v=1, type="bogus"),
+            msgpack.packb([1, 2, 3]),
+            _pack(v=1, type="counts", layers={0: le}),
+            _pack(v=1, type="counts", seq=-1, layers={0: le}),
+            _pack(v=1, type="counts", seq="3", layers={0: le}),
+            _pack(v=1, type="counts", seq=1, layers=[le]),
+            _pack(v=1, type="counts", seq=1, layers={"0": le}),
+            _pack(v=1, type="counts", seq=1, layers={-1: le}),
+            _pack(v=1, type="counts", seq=1, layers={0: "abc"}),
+            _pack(v=1, type="counts", seq=1, layers={0: le[:7]}),
+            _pack(v=1, type="counts", seq=1, layers={0: np.array([1, -1], "<i8").tobytes()}),
+            _pack(v=1, type="counts", seq=1, layers={0: [1, -2]}),
+            _pack(v=1, type="counts", seq=1, layers={0: [1, 2.5]}),
+            _pack(v=1, type="counts", seq=1, layers={0: [True]}),
+            _pack(v=1, type="counts", seq=1, layers={0: [1 << 41]}),
+            _pack(v=1, type="counts", seq=1, layers={5: [4], 6: [-4]}),  # all or nothing
+            _pack(v=1, type="flush"),
+            _pack(v=1, type="flush", token="x"),
+        ]
+        for frame in bad:
+            push.send(frame)
+        push.send_multipart([_pack(v=1, type="stop"), b"extra"])  # two frames: malformed, not a stop
+        malformed = len(bad) + 1
+        push.send(_pack(v=1, type="counts", seq=1, layers={0: le, 2: [0, 0, 7]}))
+        push.send(_pack(v=1, type="flush", token=7))
+        report = _recv(acks, "report")
+        assert report["token"] == 7 and report["ok"] and keeper.poll() is None
+        assert report["stats"]["malformed"] == malformed and report["stats"]["counts_received"] == 13
+        assert file_counts(store) == {0: {0: 1, 1: 2, 2: 3}, 2: {2: 7}}
+
+        # A second keeper on the same store waits for the lock, then gives up loudly.
+        second = subprocess.run(keeper_cmd + ["--lock-timeout", "0.2"], timeout=20)
+        assert second.returncode == 2
+        fatal = _recv(acks, "fatal")
+        assert "held by another heat keeper" in fatal["error"] and str(keeper.pid) in fatal["error"]
+
+        push.send(_pack(v=1, type="counts", seq=2, layers={2: [0, 0, 1]}))
+        time.sleep(0.1)
+        keeper.send_signal(signal.SIGTERM)  # writes what it has, then exits 0
+        assert keeper.wait(10) == 0
+        assert _recv(acks, "report")["reason"] == "SIGTERM"
+        assert file_counts(store) == {0: {0: 1, 1: 2, 2: 3}, 2: {2: 8}}
+    finally:
+        if keeper.poll() is None:
+            keeper.kill()
+            keeper.wait()
+        push.close(linger=0)
+        acks.close(linger=0)
+        ctx.term()
+
+
+def _try_send(sock: zmq.Socket, frame: bytes) -> bool:
+    try:
+        sock.send(frame, zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True

@@ -1,0 +1,171 @@
+"""The wire protocol: round trips, validation of every field, and random input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moestream.shared import protocol as proto
+
+
+def pack(body) -> bytes:
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def generate_body(**fields):
+    return {"v": proto.PROTOCOL_VERSION, "type": "generate", "id": "r1", "prompt": "hi", **fields}
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        proto.Generate(id="a", prompt="hello", max_tokens=3, temp=0.5, top_p=0.9, seed=7, stop=("\n", "END")),
+        proto.Generate(id="b", prompt_ids=(1, 2, 3)),
+        proto.Cancel(id="c", target="a"),
+        proto.Status(id="s"),
+        proto.Stats(id="t"),
+        proto.Shutdown(id="x"),
+        proto.Ping(id="p"),
+    ],
+)
+def test_requests_round_trip(message):
+    assert proto.decode_request(proto.encode(message)) == message
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        proto.Token(id="a", text="hé", token=5),
+        proto.Done(id="a", text="hé", tokens=[5, 6], finish_reason="length", stats={"hit_rate": 0.5, "layers": [{"x": None}]}),
+        proto.Error(id="a", code=proto.ENGINE, message="cannot read expert 3 of layer 1"),
+        proto.Pong(id="p", pid=12, state="ready", version="0.1.0"),
+        proto.StatusReply(id="s", status={"pid": 1}),
+        proto.StatsReply(id="t", stats={"pool": {}}),
+        proto.Cancelled(id="c", target="a", found=True),
+        proto.ShutdownReply(id="x", pid=12),
+    ],
+)
+def test_replies_round_trip(message):
+    assert proto.decode_reply(proto.encode(message)) == message
+
+
+def test_numpy_scalars_travel_as_numbers():
+    import numpy as np
+
+    data = proto.encode(proto.StatsReply(id="s", stats={"n": np.int64(3), "f": np.float32(0.5)}))
+    assert proto.decode_reply(data).stats == {"n": 3, "f": 0.5}
+
+
+def code_of(data: bytes) -> str:
+    with pytest.raises(proto.ProtocolError) as info:
+        proto.decode_request(data)
+    return info.value.code
+
+
+@pytest.mark.parametrize(
+    "data, code",
+    [
+        (b"", proto.BAD_MESSAGE),
+        (b"\xc1", proto.BAD_MESSAGE),  # a reserved msgpack code
+        (b"\x92\x01", proto.BAD_MESSAGE),  # truncated array
+        (pack([1, 2]), proto.BAD_MESSAGE),  # not a map
+        (pack({1: 2}), proto.BAD_MESSAGE),  # non-string key
+        (pack({"type": "ping", "id": "a"}), proto.BAD_VERSION),
+        (pack({"v": 2, "type": "ping", "id": "a"}), proto.BAD_VERSION),
+        (pack({"v": True, "type": "ping", "id": "a"}), proto.BAD_VERSION),
+        (pack({"v": 1, "type": "launch", "id": "a"}), proto.UNKNOWN_TYPE),
+        (pack({"v": 1, "type": "ping"}), proto.BAD_MESSAGE),
+        (pack({"v": 1, "type": "ping", "id": ""}), proto.BAD_MESSAGE),
+        (pack({"v": 1, "type": "ping", "id": "x" * 65}), proto.BAD_MESSAGE),
+        (pack({"v": 1, "type": "ping", "id": "a", "extra": 1}), proto.BAD_MESSAGE),
+        (pack({"v": 1, "type": "cancel", "id": "a"}), proto.BAD_MESSAGE),
+        (pack(generate_body(prompt=None)), proto.BAD_MESSAGE),  # neither prompt nor ids
+        (pack(generate_body(prompt_ids=[1])), proto.BAD_MESSAGE),  # both
+        (pack(generate_body(prompt=b"bytes")), proto.BAD_MESSAGE),
+        (pack(generate_body(prompt=None, prompt_ids=[])), proto.BAD_MESSAGE),
+        (pack(generate_body(prompt=None, prompt_ids=[-1])), proto.BAD_MESSAGE),
+        (pack(generate_body(prompt=None, prompt_ids=[True])), proto.BAD_MESSAGE),
+        (pack(generate_body(max_tokens=0)), proto.BAD_MESSAGE),
+        (pack(generate_body(max_tokens=True)), proto.BAD_MESSAGE),
+        (pack(generate_body(max_tokens=2.0)), proto.BAD_MESSAGE),
+        (pack(generate_body(temp=-1)), proto.BAD_MESSAGE),
+        (pack(generate_body(temp=float("nan"))), proto.BAD_MESSAGE),
+        (pack(generate_body(top_p=0)), proto.BAD_MESSAGE),
+        (pack(generate_body(seed=-1)), proto.BAD_MESSAGE),
+        (pack(generate_body(stop="x")), proto.BAD_MESSAGE),
+        (pack(generate_body(stop=[""])), proto.BAD_MESSAGE),
+        (pack(generate_body(stop=["x"] * 17)), proto.BAD_MESSAGE),
+        (pack(generate_body(prompt="x" * (proto.MAX_PROMPT_CHARS + 1))), proto.TOO_LARGE),
+        (pack(generate_body(prompt=None, prompt_ids=[1] * (proto.MAX_PROMPT_IDS + 1))), proto.TOO_LARGE),
+        (b"\x00" * (proto.MAX_MESSAGE_BYTES + 1), proto.TOO_LARGE),
+    ],
+)
+def test_bad_requests_are_refused_with_a_code(data, code):
+    assert code_of(data) == code
+
+
+def test_error_keeps_the_request_id_when_it_is_readable():
+    with pytest.raises(proto.ProtocolError) as info:
+        proto.decode_request(pack(generate_body(max_tokens=0)))
+    assert info.value.request_id == "r1"
+    assert "max_tokens" in info.value.message
+
+
+def test_error_messages_stay_short_for_huge_values():
+    with pytest.raises(proto.ProtocolError) as info:
+        proto.decode_request(pack({"v": 1, "type": "x" * 100_000, "id": "a"}))
+    assert len(info.value.message) < 300
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=256))
+def test_random_bytes_never_escape_as_anything_but_protocol_error(data):
+    try:
+        proto.decode_request(data)
+    except proto.ProtocolError as e:
+        assert e.code in (proto.BAD_MESSAGE, proto.BAD_VERSION, proto.UNKNOWN_TYPE, proto.TOO_LARGE)
+
+
+values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8) | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(["v", "type", "id", "prompt", "prompt_ids", "max_tokens", "temp", "top_p", "seed", "stop", "target", "zz"]),
+        values,
+        max_size=8,
+    ),
+    st.sampled_from(sorted(proto.REQUEST_TYPES)),
+)
+def test_random_maps_are_validated(body, kind):
+    body = {"v": 1, "id": "r", "type": kind, **body}
+    try:
+        msg = proto.decode_request(pack(body))
+    except proto.ProtocolError:
+        return
+    # Whatever got through is well-typed and re-encodes to the same message.
+    assert isinstance(msg, proto.REQUEST_TYPES[kind])
+    assert proto.decode_request(proto.encode(msg)) == msg
+    if isinstance(msg, proto.Generate):
+        assert (msg.prompt is None) != (msg.prompt_ids is None)
+        assert isinstance(msg.max_tokens, int) and msg.max_tokens >= 1
+
+
+def test_client_side_imports_no_mlx():
+    code = (
+        "import sys; import moestream.client.client, moestream.client.cmd_daemon, moestream.client.cli, "
+        "moestream.shared.protocol, moestream.shared.runtime_dir; "
+        "bad = [m for m in ('mlx', 'mlx_lm', 'numpy') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
