@@ -35,6 +35,9 @@ class PoolStats:
     bytes_read: int = 0
     host_syncs: int = 0
     prefill_chunks: int = 0
+    # Routed (token, expert) pairs counted for heat; only partial pools count them, since
+    # only there are the ids on the host without an extra sync.
+    routed_total: int = 0
     # Routed (token, expert) pairs per expert since the last `take_routed()`, for heat.
     routed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
@@ -51,6 +54,7 @@ class PoolStats:
             "bytes_read": self.bytes_read,
             "host_syncs": self.host_syncs,
             "prefill_chunks": self.prefill_chunks,
+            "routed_total": self.routed_total,
         }
 
 
@@ -133,6 +137,7 @@ class ExpertPool:
             self.policy.access(row.tolist())
         needed = np.unique(token_experts)
         np.add.at(self.stats.routed, token_experts.reshape(-1), 1)
+        self.stats.routed_total += token_experts.size
         missing = [int(e) for e in needed if self.slot_of[e] < 0]
         hits = len(needed) - len(missing)
         if decode:

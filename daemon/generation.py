@@ -13,7 +13,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from moestream.daemon.store.loader import StreamingModel
 
-_COUNTERS = ("hits_prefill", "hits_decode", "misses_prefill", "misses_decode", "evictions", "bytes_read", "host_syncs", "prefill_chunks")
+_COUNTERS = ("hits_prefill", "hits_decode", "misses_prefill", "misses_decode", "evictions", "bytes_read", "host_syncs", "prefill_chunks", "routed_total")
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,28 @@ def _counters(sm: StreamingModel) -> dict[str, int]:
         for key in _COUNTERS:
             totals[key] += getattr(p.stats, key)
     return totals
+
+
+def _attributed(sm: StreamingModel, steps: Iterator, buckets: tuple[dict[str, int], dict[str, int]]) -> Iterator:
+    """Pass `steps` through, adding the pool counters that moved while each step ran to
+    buckets[0] (the prompt and the first token) or buckets[1] (every later token).
+
+    Requests interleaved on one thread only run between their own resume and yield, so
+    this attributes the shared pools' work to the request that caused it."""
+    phase = 0
+    while True:
+        before = _counters(sm)
+        try:
+            item = next(steps)
+        except StopIteration:
+            item = None
+        after = _counters(sm)
+        for key in _COUNTERS:
+            buckets[phase][key] += after[key] - before[key]
+        if item is None:
+            return
+        phase = 1
+        yield item
 
 
 def encode_prompt(sm: StreamingModel, prompt: str | None, prompt_ids: Sequence[int] | None) -> list[int]:
@@ -87,20 +109,17 @@ def iter_generate(
     detok.reset()
     sampler = make_sampler(temp=params.temp, top_p=params.top_p)
     mx.reset_peak_memory()
-    start_counts = _counters(sm)
+    prefill, decode = dict.fromkeys(_COUNTERS, 0), dict.fromkeys(_COUNTERS, 0)
     tic = time.perf_counter()
-    prompt_counts = start_counts
     prompt_seconds = 0.0
     n = 0
     stop_hold = max((len(s) for s in params.stop), default=0)
     emitted = 0
-    for n, (token, _) in enumerate(
-        generate_step(mx.array(list(prompt_ids)), sm.model, max_tokens=params.max_tokens, sampler=sampler), 1
-    ):
+    steps = generate_step(mx.array(list(prompt_ids)), sm.model, max_tokens=params.max_tokens, sampler=sampler)
+    for n, (token, _) in enumerate(_attributed(sm, steps, (prefill, decode)), 1):
         token = int(token)
         if n == 1:
             prompt_seconds = time.perf_counter() - tic
-            prompt_counts = _counters(sm)
             tic = time.perf_counter()
         if token in tokenizer.eos_token_ids:
             result.finish_reason = "stop"
@@ -135,12 +154,10 @@ def iter_generate(
             yield text[emitted:], result.tokens[-1] if result.tokens else -1
         result.text = text
     decode_seconds = time.perf_counter() - tic
-    end_counts = _counters(sm)
     decode_tokens = max(n - 1, 0)
-    prefill = {k: prompt_counts[k] - start_counts[k] for k in _COUNTERS}
-    decode = {k: end_counts[k] - prompt_counts[k] for k in _COUNTERS}
-    routed_hits = end_counts["hits_prefill"] + end_counts["hits_decode"] - start_counts["hits_prefill"] - start_counts["hits_decode"]
-    routed_misses = end_counts["misses_prefill"] + end_counts["misses_decode"] - start_counts["misses_prefill"] - start_counts["misses_decode"]
+    total = {k: prefill[k] + decode[k] for k in _COUNTERS}
+    routed_hits = total["hits_prefill"] + total["hits_decode"]
+    routed_misses = total["misses_prefill"] + total["misses_decode"]
     result.stats = {
         "prompt_tokens": len(prompt_ids),
         "generated_tokens": len(result.tokens),
@@ -148,12 +165,14 @@ def iter_generate(
         "prompt_tokens_per_s": len(prompt_ids) / prompt_seconds if prompt_seconds else None,
         "decode_seconds": decode_seconds,
         "tokens_per_s": decode_tokens / decode_seconds if decode_seconds and decode_tokens else None,
-        # Counted by phase of the request: the prompt forward(s), then every later step.
+        # By phase of the request: the prompt and the first token's forward, then the rest.
         "hits": {"prefill": prefill["hits_prefill"] + prefill["hits_decode"], "decode": decode["hits_prefill"] + decode["hits_decode"]},
         "misses": {"prefill": prefill["misses_prefill"] + prefill["misses_decode"], "decode": decode["misses_prefill"] + decode["misses_decode"]},
         "hit_rate": routed_hits / (routed_hits + routed_misses) if routed_hits + routed_misses else None,
-        "bytes_read": end_counts["bytes_read"] - start_counts["bytes_read"],
-        "evictions": end_counts["evictions"] - start_counts["evictions"],
+        "bytes_read": total["bytes_read"],
+        "evictions": total["evictions"],
+        # Routed (token, expert) pairs counted for heat (pool_usage.json), all layers.
+        "routed_experts": total["routed_total"],
         # Per decode token: the pool's syncs (one per MoE layer with a partial pool)
         # plus the one that reads the sampled token.
         "host_syncs_per_token": (decode["host_syncs"] / decode_tokens + 1.0) if decode_tokens else None,

@@ -452,3 +452,36 @@ def _ready(paths: RuntimePaths) -> bool:
             return c.ping().state == "ready"
     except ClientError:
         return False
+
+
+def test_heat_file_holds_exactly_the_routed_counts(store):
+    """After requests through a daemon, pool_usage.json sums to what they routed."""
+    from moestream.shared.heat_file import read_usage
+    from moestream.shared.store_format import load_manifest
+
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msh"))
+    own = Path(shutil.copytree(store, rt / "store"))
+    try:
+        out = ctl("start", "--model", str(own), "--capacity", CAPACITY, "--runtime-dir", str(rt))
+        assert out.returncode == 0, out.stderr
+        routed = 0
+        with Client(paths_of(rt)) as c:
+            for prompt in PROMPTS[:3]:  # one at a time: each request's stats are its own
+                routed += c.complete(prompt, max_tokens=16)["stats"]["routed_experts"]
+            # Interleaved requests are attributed per request too.
+            streams = [c.generate(p, max_tokens=12) for p in PROMPTS]
+            for s in streams:
+                list(s)
+            routed += sum(s.done.stats["routed_experts"] for s in streams)
+        assert routed > 0
+        stopped = ctl("stop", "--runtime-dir", str(rt))
+        assert stopped.returncode == 0, stopped.stderr
+        usage = read_usage(usage_path(own))
+        assert usage.problem is None
+        assert usage.total == routed
+        layers = load_manifest(own).layers
+        per_layer = [sum(usage.counts.get(layer.ordinal, {}).values()) for layer in layers]
+        assert len(set(per_layer)) == 1, "every MoE layer sees the same tokens"
+    finally:
+        ctl("stop", "--runtime-dir", str(rt))
+        shutil.rmtree(rt, ignore_errors=True)
