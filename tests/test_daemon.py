@@ -461,6 +461,7 @@ def test_heat_file_holds_exactly_the_routed_counts(store):
 
     rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msh"))
     own = Path(shutil.copytree(store, rt / "store"))
+    usage_path(own).unlink(missing_ok=True)  # the module daemon's heat, if it wrote any
     try:
         out = ctl("start", "--model", str(own), "--capacity", CAPACITY, "--runtime-dir", str(rt))
         assert out.returncode == 0, out.stderr
