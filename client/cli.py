@@ -10,6 +10,7 @@ from moestream.client import (
     cmd_bench_decode,
     cmd_bench_io,
     cmd_bench_policy,
+    cmd_bench_warmstart,
     cmd_convert,
     cmd_daemon,
     cmd_generate,
@@ -37,6 +38,7 @@ main.add_command(cmd_generate.generate)
 bench.add_command(cmd_bench_io.bench_io)
 bench.add_command(cmd_bench_policy.bench_policy)
 bench.add_command(cmd_bench_decode.bench_decode)
+bench.add_command(cmd_bench_warmstart.bench_warmstart)
 for c in cmd_daemon.COMMANDS:
     main.add_command(c)
 main.add_command(cmd_service.service)

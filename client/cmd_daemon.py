@@ -19,7 +19,7 @@ from moestream.shared.settings import Settings, SettingsError
 from moestream.shared.store_format import StoreError, load_manifest
 
 # `start` flags passed on to `python -m moestream.daemon.main` (names of Settings fields).
-START_FLAGS = ("model", "capacity", "memory_budget", "policy", "io_threads", "runtime_dir", "log_file")
+START_FLAGS = ("model", "capacity", "memory_budget", "policy", "io_threads", "autopin_frac", "runtime_dir", "log_file")
 LOG_TAIL_LINES = 40
 
 
@@ -189,6 +189,7 @@ def _start_options(f):
             click.option("--capacity", help="Pool slots per MoE layer (16) or a fraction of its experts (0.25, 25%)."),
             click.option("--policy", help="Eviction policy (see `moestreamctl bench policy`)."),
             click.option("--io-threads", type=int, help="Threads of the native read engine."),
+            click.option("--autopin-frac", type=click.FloatRange(0.0, 1.0), help="Share of each layer's slots pinned at start with its hottest experts (default 0.5)."),
             click.option("--runtime-dir", help="Folder of the socket, lock and pid file (default $XDG_RUNTIME_DIR/moestream)."),
             click.option("--log-file", help="Log file (default daemon.log in the runtime folder)."),
             click.option("--timeout", default=120.0, show_default=True, type=float, help="Seconds to wait for the daemon to be ready."),
@@ -201,10 +202,10 @@ def _start_options(f):
 @click.command()
 @_start_options
 @click.option("--foreground", is_flag=True, help="Run in this process, logging to stderr too (for launchd/systemd).")
-def start(model, memory_budget, capacity, policy, io_threads, runtime_dir, log_file, timeout, foreground) -> None:
+def start(model, memory_budget, capacity, policy, io_threads, autopin_frac, runtime_dir, log_file, timeout, foreground) -> None:
     """Start the daemon: it loads the model once and serves every client."""
     given = {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy,
-             "io_threads": io_threads, "runtime_dir": runtime_dir, "log_file": log_file}
+             "io_threads": io_threads, "autopin_frac": autopin_frac, "runtime_dir": runtime_dir, "log_file": log_file}
     settings = resolve_settings(given)
     if foreground:
         if settings.model is None:
@@ -231,9 +232,10 @@ def stop(runtime_dir, timeout) -> None:
 
 @click.command()
 @_start_options
-def restart(model, memory_budget, capacity, policy, io_threads, runtime_dir, log_file, timeout) -> None:
+def restart(model, memory_budget, capacity, policy, io_threads, autopin_frac, runtime_dir, log_file, timeout) -> None:
     """Stop the daemon and start it again; flags not given keep the running daemon's values."""
     given = {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy,
+             "autopin_frac": autopin_frac,
              "io_threads": io_threads, "runtime_dir": runtime_dir, "log_file": log_file}
     paths = _paths(resolve_settings({"runtime_dir": runtime_dir}))
     if lock_is_held(paths):
