@@ -6,6 +6,7 @@
 #   bash tests/bench/gpu_run.sh exactness     # the exactness suite on CUDA (adds bf16)
 #   bash tests/bench/gpu_run.sh make-q30      # Qwen3-30B-A3B-shaped random 4-bit model + store
 #   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it
+#   bash tests/bench/gpu_run.sh warmstart-q30 # bench warmstart on it
 #   bash tests/bench/gpu_run.sh demo          # train the built-in demo model
 set -euo pipefail
 stage=${1:?stage}
@@ -40,6 +41,10 @@ import json, sys
 from moestream.daemon.bench_decode import format_report
 print(format_report(json.load(open(sys.argv[1]))))
 EOF
+    ;;
+  warmstart-q30)
+    ctl bench warmstart --model /root/q30/store --capacity 0.25 --tokens 64 --rounds 3 --json >"$OUT/bench_warmstart_q30.json"
+    cat "$OUT/bench_warmstart_q30.json" | head -c 1500
     ;;
   demo)
     $py -m moestream.daemon.demo.train --out "$OUT/demo" --minutes "${DEMO_MINUTES:-7}" 2>&1 | tail -40
