@@ -66,6 +66,11 @@ def default_runtime_dir(env: Mapping[str, str]) -> Path:
     return Path("/tmp") / f"moestream-{os.getuid()}"
 
 
+def demo_store_path() -> Path:
+    """The expert store of the built-in demo model, shipped inside the package."""
+    return Path(__file__).resolve().parent.parent / "daemon" / "demo" / "store"
+
+
 def default_config_file(env: Mapping[str, str]) -> Path:
     base = env.get("XDG_CONFIG_HOME") or str(Path(env.get("HOME", "~")).expanduser() / ".config")
     return Path(base) / "moestream" / "config.toml"
@@ -73,7 +78,8 @@ def default_config_file(env: Mapping[str, str]) -> Path:
 
 @dataclass(frozen=True)
 class Settings:
-    # The model: an expert store made by `moestreamctl convert`; None = the demo model.
+    # The model: an expert store made by `moestreamctl convert`; `resolve` puts the
+    # built-in demo model here when none is given.
     model: str | None = None
     # Pool sizing: slots per MoE layer (int), a fraction of its experts (float), or a
     # memory budget in bytes for resident weights + pool + KV cache.
@@ -119,6 +125,8 @@ class Settings:
         for name, value in (flags or {}).items():
             if value is not None:
                 values[name] = value
+        if values.get("model") is None and demo_store_path().is_dir():
+            values["model"] = str(demo_store_path())
         return cls.from_values(values)
 
     @classmethod
