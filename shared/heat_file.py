@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
+from moestream.shared.durable import fsync_dir
 from moestream.shared.store_format import POOL_USAGE_NAME
 
 # Ids above this are not a model's layers or experts: such a file is corrupt.
@@ -194,7 +195,7 @@ def write_usage(path: Path | str, counts: Mapping[int, Mapping[int, int]]) -> in
         _remove_quietly(tmp, e)
         raise
     try:
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except OSError as e:
         raise HeatWriteError(
             "cannot fsync the folder of", path, e, "the new file is in place but may not survive a power loss"
@@ -234,14 +235,6 @@ def _remove_quietly(tmp: Path, cause: Exception) -> None:
         return
     except OSError as e:
         cause.add_note(f"also could not remove the temporary file {tmp}: {e.strerror}")
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def temp_files(path: Path | str) -> list[Path]:

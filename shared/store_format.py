@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moestream.shared.durable import fsync_dir
+
 FORMAT_NAME = "moestream-store"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -231,11 +233,7 @@ class Manifest:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(path.parent)
 
 
 def load_manifest(store_dir: str | os.PathLike) -> Manifest:

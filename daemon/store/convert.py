@@ -26,6 +26,8 @@ from mlx.utils import tree_flatten, tree_map
 
 from moestream.daemon.store.layout import SwitchLayer, find_switch_layers
 from moestream.daemon.store.source import check_model_dir, tokenizer_files
+from moestream.shared.durable import fsync_dir
+from moestream.shared.runtime_dir import pid_alive
 from moestream.shared.store_format import (
     EXPERTS_DIR,
     MANIFEST_NAME,
@@ -58,30 +60,12 @@ def _package_version(name: str) -> str | None:
         return None
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_stale_partials(out_dir: Path) -> None:
     """Remove what an interrupted convert into `out_dir` left behind (its process is gone)."""
     for kind in (_PARTIAL, _REPLACED):
         for p in out_dir.parent.glob(f".{glob.escape(out_dir.name)}{kind}*"):
             pid_text = p.name.rsplit("-", 1)[-1]
-            if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+            if pid_text.isdigit() and not pid_alive(int(pid_text)):
                 shutil.rmtree(p)
 
 
@@ -271,7 +255,7 @@ def convert_model(
             if f.is_file() and f.suffix != ".bin":  # layer files were synced as written
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
-        _fsync_dir(tmp / EXPERTS_DIR)
+        fsync_dir(tmp / EXPERTS_DIR)
         manifest.dump(tmp)  # last, so a folder with a manifest is a complete store
         _install(tmp, out_dir)
     except BaseException as exc:
@@ -290,6 +274,6 @@ def _install(tmp: Path, out_dir: Path) -> None:
         old = out_dir.parent / f".{out_dir.name}{_REPLACED}{os.getpid()}"
         os.rename(out_dir, old)
     os.rename(tmp, out_dir)
-    _fsync_dir(out_dir.parent)
+    fsync_dir(out_dir.parent)
     if old is not None:
         shutil.rmtree(old)
