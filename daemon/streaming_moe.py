@@ -11,8 +11,31 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.switch_layers import SwitchGLU, _gather_sort, _scatter_unsort
 
 from moestream.daemon.expert_pool import ExpertPool
+
+
+def _switch_forward(inner: nn.Module, x: mx.array, idx: mx.array, do_sort: bool) -> mx.array:
+    """`SwitchGLU.__call__`/`SwitchMLP.__call__` of mlx-lm with the sort decision given.
+
+    A chunk of a prefill must take the kernel path that the whole prefill takes in stock
+    mlx-lm (the sorted `gather_qmm` once the prefill has 64 or more routed pairs), even
+    though the chunk alone is smaller; the rest is their code, step for step."""
+    x = mx.expand_dims(x, (-2, -3))
+    idx = mx.stop_gradient(idx)
+    indices, inv_order = idx, None
+    if do_sort:
+        x, idx, inv_order = _gather_sort(x, indices)
+    if isinstance(inner, SwitchGLU):
+        x_up = inner.up_proj(x, idx, sorted_indices=do_sort)
+        x_gate = inner.gate_proj(x, idx, sorted_indices=do_sort)
+        x = inner.down_proj(inner.activation(x_up, x_gate), idx, sorted_indices=do_sort)
+    else:
+        x = inner.fc2(inner.activation(inner.fc1(x, idx, sorted_indices=do_sort)), idx, sorted_indices=do_sort)
+    if do_sort:
+        x = _scatter_unsort(x, inv_order, indices.shape)
+    return x.squeeze(-2)
 
 
 class StreamingMoE(nn.Module):
@@ -45,11 +68,12 @@ class StreamingMoE(nn.Module):
         # token ranges, each evaluated before the next one's admissions reuse slots.
         pool.stats.prefill_chunks += len(chunks)
         xf = x.reshape(-1, x.shape[-1])
+        do_sort = ids.size >= 64  # what stock mlx-lm decides for the whole forward
         outs = []
         for start, end in chunks:
             part = flat[start:end]
             pool.ensure(part, decode=False)
-            out = self.inner(xf[start:end][None], mx.array(pool.slot_of[part])[None])
+            out = _switch_forward(self.inner, xf[start:end][None], mx.array(pool.slot_of[part])[None], do_sort)
             mx.eval(out)
             outs.append(out)
         out = mx.concatenate(outs, axis=1)

@@ -4,6 +4,7 @@
 # results go to $OUT and are committed under tests/bench/results/.
 #
 #   bash tests/bench/gpu_run.sh exactness     # the exactness suite on CUDA (adds bf16)
+#   bash tests/bench/gpu_run.sh exactness-mini  # 4-bit and bf16 random models of CUDA-friendly size
 #   bash tests/bench/gpu_run.sh make-q30      # Qwen3-30B-A3B-shaped random 4-bit model + store
 #   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it
 #   bash tests/bench/gpu_run.sh warmstart-q30 # bench warmstart on it
@@ -25,6 +26,9 @@ case "$stage" in
   exactness)
     $py -m pytest -q -p no:cacheprovider tests/test_exactness.py tests/test_pool.py tests/test_native_engine.py \
       2>&1 | tee "$OUT/exactness_cuda.txt" | tail -15
+    ;;
+  exactness-mini)
+    $py tests/bench/gpu_exactness_check.py --out "$OUT/exactness_gpu_mini.json" --steps "${STEPS:-16}" | tail -30
     ;;
   make-q30)
     rm -rf /root/q30 && mkdir -p /root/q30

@@ -91,7 +91,8 @@ def make_random_moe(out: Path, shape: str, *, bits: int = 4, group_size: int = 6
     model = qwen3_moe.Model(qwen3_moe.ModelArgs.from_dict(config))
     # Real checkpoints keep bf16 scales and norms; so does this one.
     model.set_dtype(mx.bfloat16)
-    model, config = quantize_model(model, config, group_size=group_size, bits=bits, mode="affine")
+    if bits:  # 0 keeps the bf16 weights unquantized
+        model, config = quantize_model(model, config, group_size=group_size, bits=bits, mode="affine")
     save_model(out, model, donate_model=True)
     save_config(config, config_path=out / "config.json")
     _write_tokenizer(out, config["vocab_size"])
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument("--bits", type=int, default=4, help="4 or 8; 0 keeps bf16 weights")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mlx-memory-limit", default="64G", help="mx.set_memory_limit, e.g. 64G")
     args = parser.parse_args(argv)
