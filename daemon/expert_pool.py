@@ -34,7 +34,8 @@ class PoolStats:
     evictions: int = 0
     bytes_read: int = 0
     host_syncs: int = 0
-    prefill_chunks: int = 0
+    # Prefill forwards whose experts did not fit in the pool (served from scratch).
+    overflow_forwards: int = 0
     # Routed (token, expert) pairs counted for heat; only partial pools count them, since
     # only there are the ids on the host without an extra sync.
     routed_total: int = 0
@@ -53,7 +54,7 @@ class PoolStats:
             "evictions": self.evictions,
             "bytes_read": self.bytes_read,
             "host_syncs": self.host_syncs,
-            "prefill_chunks": self.prefill_chunks,
+            "overflow_forwards": self.overflow_forwards,
             "routed_total": self.routed_total,
         }
 
@@ -127,8 +128,9 @@ class ExpertPool:
         self.pinned.update(wanted)
         return len(wanted)
 
-    def ensure(self, token_experts: np.ndarray, *, decode: bool) -> None:
-        """Make resident every expert routed by these tokens ([tokens, k] ids)."""
+    def _account(self, token_experts: np.ndarray, *, decode: bool) -> tuple[np.ndarray, list[int]]:
+        """Tell the policy and the statistics what these tokens routed to; return the
+        unique experts they need and those of them that are not resident."""
         if not self.keep:
             for e in list(self._resident - self.pinned):
                 self._release(e)
@@ -146,23 +148,104 @@ class ExpertPool:
         else:
             self.stats.hits_prefill += hits
             self.stats.misses_prefill += len(missing)
+        return needed, missing
+
+    def ensure(self, token_experts: np.ndarray, *, decode: bool) -> None:
+        """Make resident every expert routed by these tokens ([tokens, k] ids)."""
+        needed, missing = self._account(token_experts, decode=decode)
         if missing:
             self._admit(missing, set(needed.tolist()) | self.pinned)
 
-    def plan_chunks(self, token_experts: np.ndarray) -> list[tuple[int, int]]:
-        """Split tokens into consecutive ranges whose experts fit in the pool at once."""
+    def fits(self, token_experts: np.ndarray) -> bool:
+        """Whether the experts of these tokens fit in the pool at once."""
+        needed = set(np.unique(token_experts).tolist())
+        return len(needed - self.pinned) <= self.capacity - len(self.pinned)
+
+    def gather_overflow(self, token_experts: np.ndarray) -> tuple[dict[str, mx.array], np.ndarray]:
+        """Serve a forward whose experts do not fit in the pool, as one kernel call.
+
+        Returns stacked arrays holding exactly the experts these tokens need (resident
+        ones copied from their slots, missing ones read from the store into scratch) and
+        the map expert id -> row in them. Afterwards the pool keeps the experts of the
+        latest tokens, copied from the scratch, so decoding starts warm. Memory: one
+        transient copy of this layer's needed experts.
+        """
+        needed, missing = self._account(token_experts, decode=False)
+        self.stats.overflow_forwards += 1
+        resident = [int(e) for e in needed if self.slot_of[e] >= 0]
+        scratch = self._read_scratch(missing)
+        row_of = np.full(self.layer.num_experts, -1, np.int32)
+        row_of[resident] = np.arange(len(resident), dtype=np.int32)
+        row_of[missing] = np.arange(len(resident), len(resident) + len(missing), dtype=np.int32)
+        take = mx.array(self.slot_of[resident]) if resident else None
+        stacked = {}
+        for name, pool_array in self.arrays.items():
+            parts = ([pool_array[take]] if take is not None else []) + ([scratch[name]] if missing else [])
+            stacked[name] = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+        mx.eval(list(stacked.values()))
+        self._keep_latest(token_experts, scratch, {e: j for j, e in enumerate(missing)})
+        return stacked, row_of
+
+    def _read_scratch(self, experts: Sequence[int]) -> dict[str, mx.array]:
+        if not experts:
+            return {}
+        scratch = {t.name: mx.zeros((len(experts), *t.shape), dtype=getattr(mx, t.dtype)) for t in self.layer.tensors}
+        mx.eval(list(scratch.values()))
+        jobs = [
+            ReadJob(self.layer, e, [(scratch[t.name], j * t.nbytes, t.offset, t.nbytes) for t in self.layer.tensors])
+            for j, e in enumerate(experts)
+        ]
+        failed = self.reader.read(jobs)
+        self.stats.bytes_read += (len(jobs) - len(failed)) * self.layer.expert_bytes
+        if failed:
+            job, error = failed[0]
+            raise ExpertReadError(
+                f"cannot read expert {job.expert} of layer {self.layer.ordinal} ({self.layer.module_path}): {error}"
+            )
+        return scratch
+
+    def _keep_latest(self, token_experts: np.ndarray, scratch: dict[str, mx.array], scratch_row: dict[int, int]) -> None:
+        """Admit, from the scratch, the experts of the last tokens that fit in the pool."""
         room = self.capacity - len(self.pinned)
-        chunks: list[tuple[int, int]] = []
-        start = 0
-        union: set[int] = set()
-        for i, row in enumerate(token_experts):
+        keep: set[int] = set()
+        for row in token_experts[::-1]:
             row_set = {int(e) for e in row if int(e) not in self.pinned}
-            if len(union | row_set) > room:
-                chunks.append((start, i))
-                start, union = i, set()
-            union |= row_set
-        chunks.append((start, len(token_experts)))
-        return chunks
+            if len(keep | row_set) > room:
+                break
+            keep |= row_set
+        mx.synchronize(generation_stream)
+        mx.synchronize()
+        protected = keep | self.pinned
+        views = {name: memoryview(a).cast("B") for name, a in scratch.items()}
+        for e in sorted(keep):
+            if self.slot_of[e] >= 0:
+                continue
+            slot = self._take_slot(protected)
+            j = scratch_row[e]
+            for t in self.layer.tensors:
+                pool_bytes = memoryview(self.arrays[t.name]).cast("B")
+                pool_bytes[slot * t.nbytes : (slot + 1) * t.nbytes] = views[t.name][j * t.nbytes : (j + 1) * t.nbytes]
+            self.slot_of[e] = slot
+            self.expert_in[slot] = e
+            self._resident.add(e)
+            self.policy.admitted(e)
+
+    def _take_slot(self, protected: set[int]) -> int:
+        """A free slot, or the slot of the policy's victim (never a protected expert)."""
+        if self._free:
+            return self._free.pop()
+        victim = self.policy.victim(self._resident, protected)
+        if victim in protected or self.slot_of[victim] < 0:
+            raise RuntimeError(
+                f"policy {self.policy.name} chose expert {victim} of "
+                f"{self.layer.module_path}, which is protected or not resident"
+            )
+        slot = int(self.slot_of[victim])
+        self.slot_of[victim] = -1
+        self._resident.discard(victim)
+        self.policy.evicted(victim)
+        self.stats.evictions += 1
+        return slot
 
     def _admit(self, missing: Sequence[int], protected: set[int]) -> None:
         # Work queued earlier (e.g. another request's step, interleaved with this one)
@@ -171,20 +254,7 @@ class ExpertPool:
         mx.synchronize()
         jobs = []
         for e in missing:
-            if self._free:
-                slot = self._free.pop()
-            else:
-                victim = self.policy.victim(self._resident, protected)
-                if victim in protected or self.slot_of[victim] < 0:
-                    raise RuntimeError(
-                        f"policy {self.policy.name} chose expert {victim} of "
-                        f"{self.layer.module_path}, which is protected or not resident"
-                    )
-                slot = int(self.slot_of[victim])
-                self.slot_of[victim] = -1
-                self._resident.discard(victim)
-                self.policy.evicted(victim)
-                self.stats.evictions += 1
+            slot = self._take_slot(protected)
             self.slot_of[e] = slot
             self.expert_in[slot] = e
             self._resident.add(e)

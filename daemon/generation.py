@@ -13,7 +13,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from moestream.daemon.store.loader import StreamingModel
 
-_COUNTERS = ("hits_prefill", "hits_decode", "misses_prefill", "misses_decode", "evictions", "bytes_read", "host_syncs", "prefill_chunks", "routed_total")
+_COUNTERS = ("hits_prefill", "hits_decode", "misses_prefill", "misses_decode", "evictions", "bytes_read", "host_syncs", "overflow_forwards", "routed_total")
 
 
 @dataclass(frozen=True)

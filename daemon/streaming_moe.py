@@ -4,6 +4,11 @@ The original module is kept and called as it is, with its stacked expert tensors
 for the pool's slot arrays and expert ids swapped for slot ids. So the same kernels
 (`gather_qmm`/`gather_mm`) run on the same bytes, and each output row is what stock
 mlx-lm computes: exactness comes from running their code, not from imitating it.
+
+A forward is always one call of that code: when a prefill's experts do not fit in the
+pool, the pool hands over a transient stack of exactly those experts instead of slots.
+Splitting the tokens into several calls would be exact on the CPU but not on CUDA, whose
+quantized gather kernels round differently for a different number of rows.
 """
 
 from __future__ import annotations
@@ -11,31 +16,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.switch_layers import SwitchGLU, _gather_sort, _scatter_unsort
 
 from moestream.daemon.expert_pool import ExpertPool
-
-
-def _switch_forward(inner: nn.Module, x: mx.array, idx: mx.array, do_sort: bool) -> mx.array:
-    """`SwitchGLU.__call__`/`SwitchMLP.__call__` of mlx-lm with the sort decision given.
-
-    A chunk of a prefill must take the kernel path that the whole prefill takes in stock
-    mlx-lm (the sorted `gather_qmm` once the prefill has 64 or more routed pairs), even
-    though the chunk alone is smaller; the rest is their code, step for step."""
-    x = mx.expand_dims(x, (-2, -3))
-    idx = mx.stop_gradient(idx)
-    indices, inv_order = idx, None
-    if do_sort:
-        x, idx, inv_order = _gather_sort(x, indices)
-    if isinstance(inner, SwitchGLU):
-        x_up = inner.up_proj(x, idx, sorted_indices=do_sort)
-        x_gate = inner.gate_proj(x, idx, sorted_indices=do_sort)
-        x = inner.down_proj(inner.activation(x_up, x_gate), idx, sorted_indices=do_sort)
-    else:
-        x = inner.fc2(inner.activation(inner.fc1(x, idx, sorted_indices=do_sort)), idx, sorted_indices=do_sort)
-    if do_sort:
-        x = _scatter_unsort(x, inv_order, indices.shape)
-    return x.squeeze(-2)
 
 
 class StreamingMoE(nn.Module):
@@ -43,9 +25,12 @@ class StreamingMoE(nn.Module):
         super().__init__()
         self.inner = inner
         self.pool = pool
-        for t in pool.layer.tensors:
+        self._use(pool.arrays)
+
+    def _use(self, arrays: dict[str, mx.array]) -> None:
+        for t in self.pool.layer.tensors:
             projection, param = t.name.rsplit(".", 1)
-            getattr(inner, projection)[param] = pool.arrays[t.name]
+            getattr(self.inner, projection)[param] = arrays[t.name]
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         pool = self.pool
@@ -55,26 +40,17 @@ class StreamingMoE(nn.Module):
 
         ids = np.array(indices)  # the one host sync of this layer
         pool.stats.host_syncs += 1
-        k = ids.shape[-1]
-        flat = ids.reshape(-1, k)
-        # One token per sequence is a decode step (batched or not); more is prefill.
-        decode = ids.ndim < 2 or ids.shape[-2] == 1
-        chunks = pool.plan_chunks(flat)
-        if len(chunks) == 1:
-            pool.ensure(flat, decode=decode)
+        flat = ids.reshape(-1, ids.shape[-1])
+        if pool.fits(flat):
+            # One token per sequence is a decode step (batched or not); more is prefill.
+            pool.ensure(flat, decode=ids.ndim < 2 or ids.shape[-2] == 1)
             return self.inner(x, mx.array(pool.slot_of[ids]))
 
-        # The tokens' experts do not fit in the pool at once: serve them in consecutive
-        # token ranges, each evaluated before the next one's admissions reuse slots.
-        pool.stats.prefill_chunks += len(chunks)
-        xf = x.reshape(-1, x.shape[-1])
-        do_sort = ids.size >= 64  # what stock mlx-lm decides for the whole forward
-        outs = []
-        for start, end in chunks:
-            part = flat[start:end]
-            pool.ensure(part, decode=False)
-            out = _switch_forward(self.inner, xf[start:end][None], mx.array(pool.slot_of[part])[None], do_sort)
-            mx.eval(out)
-            outs.append(out)
-        out = mx.concatenate(outs, axis=1)
-        return out.reshape(*ids.shape, out.shape[-1])
+        stacked, row_of = pool.gather_overflow(flat)
+        self._use(stacked)
+        try:
+            # The lazy graph keeps its own references to `stacked`, so the pool's
+            # arrays can be put back before it runs.
+            return self.inner(x, mx.array(row_of[ids]))
+        finally:
+            self._use(pool.arrays)
