@@ -34,8 +34,8 @@ def autopin(sm: StreamingModel, counts: Mapping[int, Mapping[int, int]], frac: f
     bytes_before = sum(p.stats.bytes_read for p in sm.pools)
     layers = pinned = skipped = 0
     for pool in sm.pools:
-        n = min(math.floor(pool.capacity * frac), pool.capacity - pool.top_k)
-        experts = hottest(counts, pool.layer.ordinal, n)
+        # `pin` itself leaves top-k slots unpinned, whatever is asked.
+        experts = hottest(counts, pool.layer.ordinal, math.floor(pool.capacity * frac))
         if pool.fully_resident or not experts:
             skipped += 1
             continue

@@ -213,8 +213,7 @@ class ExpertPool:
             if len(keep | row_set) > room:
                 break
             keep |= row_set
-        mx.synchronize(generation_stream)
-        mx.synchronize()
+        self._quiesce()
         protected = keep | self.pinned
         views = {name: memoryview(a).cast("B") for name, a in scratch.items()}
         for e in sorted(keep):
@@ -229,6 +228,13 @@ class ExpertPool:
             self.expert_in[slot] = e
             self._resident.add(e)
             self.policy.admitted(e)
+
+    @staticmethod
+    def _quiesce() -> None:
+        """Work queued earlier (e.g. another request's step, interleaved with this one)
+        may still read the slots about to be overwritten: let it finish first."""
+        mx.synchronize(generation_stream)
+        mx.synchronize()
 
     def _take_slot(self, protected: set[int]) -> int:
         """A free slot, or the slot of the policy's victim (never a protected expert)."""
@@ -248,10 +254,7 @@ class ExpertPool:
         return slot
 
     def _admit(self, missing: Sequence[int], protected: set[int]) -> None:
-        # Work queued earlier (e.g. another request's step, interleaved with this one)
-        # may still read the slots about to be overwritten: let it finish first.
-        mx.synchronize(generation_stream)
-        mx.synchronize()
+        self._quiesce()
         jobs = []
         for e in missing:
             slot = self._take_slot(protected)

@@ -9,7 +9,7 @@ tensors are the pool's slot arrays. The stacked expert tensors are never materia
 from __future__ import annotations
 
 import glob
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,6 @@ class StreamingModel:
     store_dir: Path
     capacity: int
     resident_bytes: int
-    info: dict[str, Any] = field(default_factory=dict)
 
     @property
     def pool_bytes(self) -> int:
