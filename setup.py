@@ -31,7 +31,7 @@ native = Pybind11Extension(
     include_dirs=["native"],
     cxx_std=17,
     extra_compile_args=extra_compile,
-    extra_link_args=["-pthread"] if sys.platform.startswith("linux") else [],
+    extra_link_args=["-pthread", "-ldl"] if sys.platform.startswith("linux") else [],
 )
 
 setup(

@@ -10,10 +10,13 @@ from moestream.client import (
     cmd_bench_decode,
     cmd_bench_io,
     cmd_bench_policy,
+    cmd_bench_predict,
+    cmd_bench_soak,
     cmd_bench_warmstart,
     cmd_convert,
     cmd_daemon,
     cmd_generate,
+    cmd_serve_openai,
     cmd_service,
 )
 
@@ -39,9 +42,12 @@ bench.add_command(cmd_bench_io.bench_io)
 bench.add_command(cmd_bench_policy.bench_policy)
 bench.add_command(cmd_bench_decode.bench_decode)
 bench.add_command(cmd_bench_warmstart.bench_warmstart)
+bench.add_command(cmd_bench_soak.bench_soak)
+bench.add_command(cmd_bench_predict.bench_predict)
 for c in cmd_daemon.COMMANDS:
     main.add_command(c)
 main.add_command(cmd_service.service)
+main.add_command(cmd_serve_openai.serve_openai)
 
 
 if __name__ == "__main__":

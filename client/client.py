@@ -19,7 +19,7 @@ import uuid
 import weakref
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import zmq
 
@@ -128,23 +128,40 @@ class Client:
         prompt: str | None = None,
         *,
         prompt_ids: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, str]] | None = None,
         max_tokens: int = 256,
         temp: float = 0.0,
         top_p: float = 1.0,
         seed: int | None = None,
         stop: Sequence[str] = (),
         request_id: str | None = None,
+        speculative: str | None = None,
+        draft_tokens: int | None = None,
+        draft_model: str | None = None,
+        diagnostics: bool = False,
     ) -> "GenerateStream":
-        """Send a generate request now; iterate the result for `Token` events, then `Done`."""
+        """Send a generate request now; iterate the result for `Token` events, then `Done`.
+
+        Give one of `prompt` (text), `prompt_ids` (token ids) and `messages` (a chat of
+        {"role", "content"} maps, rendered by the daemon with the model's chat template).
+        `speculative` "mtp" or "draft" (with `draft_model`, a path on the daemon's
+        machine) decodes speculatively, `draft_tokens` per round. `diagnostics=True`
+        puts this request's hot-path diagnostics into the final statistics.
+        """
         msg = proto.Generate(
             id=request_id or _new_id(),
             prompt=prompt,
             prompt_ids=tuple(prompt_ids) if prompt_ids is not None else None,
+            messages=_chat(messages),
             max_tokens=max_tokens,
             temp=temp,
             top_p=top_p,
             seed=seed,
             stop=tuple(stop),
+            speculative=speculative,
+            draft_tokens=draft_tokens,
+            draft_model=draft_model,
+            diagnostics=True if diagnostics else None,
         )
         data = proto.encode(msg)
         try:
@@ -163,11 +180,23 @@ class Client:
         done = stream.done
         return {"id": done.id, "text": done.text, "tokens": done.tokens, "finish_reason": done.finish_reason, "stats": done.stats}
 
+    def buffered(self) -> dict[str, int]:
+        """{request id: messages received and not yet read} for every id that has some.
+
+        Between requests it is empty: anything here is a message the daemon sent for a
+        request this client is not waiting on."""
+        return {rid: len(box) for rid, box in self._inbox.items() if box}
+
     # ---- plumbing ----------------------------------------------------------------------
 
     def _call(self, msg: Any, expected: type) -> Any:
         self._send(proto.encode(msg))
-        reply = self._next(msg.id, keep_waiting=False)
+        try:
+            reply = self._next(msg.id, keep_waiting=False)
+        finally:
+            # One reply per call: its inbox entry goes, or a long-lived client grows by
+            # one entry per ping, status or cancel.
+            self._forget(msg.id)
         if not isinstance(reply, expected):
             raise ClientError(f"expected a {expected.TYPE} reply to {msg.TYPE}, got {reply.TYPE}")
         return reply
@@ -281,6 +310,15 @@ class GenerateStream:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _chat(messages: Sequence[Mapping[str, str]] | None) -> tuple[proto.ChatMessage, ...] | None:
+    if messages is None:
+        return None
+    try:
+        return tuple(proto.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+    except (KeyError, TypeError):
+        raise RequestRejected(proto.BAD_MESSAGE, "each of 'messages' must be a map with 'role' and 'content'") from None
 
 
 def _new_id() -> str:

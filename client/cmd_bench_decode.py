@@ -18,17 +18,35 @@ import click
 @click.option("--no-stock", is_flag=True, help="Skip stock mlx-lm (when all experts do not fit in memory).")
 @click.option("--no-naive", is_flag=True, help="Skip the naive on-demand baseline.")
 @click.option("--mlx-memory-limit", help="Cap MLX's memory (mx.set_memory_limit), e.g. 64G; advised on CUDA.")
+@click.option("--host-cache", help="Size of a host-RAM tier (e.g. 20G): adds a '+host' run per partial capacity.")
+@click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0, None), help="0 decodes greedily; > 0 samples (same seed for every configuration).")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--speculative", type=click.Choice(["mtp", "draft"]), help="Instead: speculative vs plain decode at each capacity (default 1.0 0.25).")
+@click.option("--draft-tokens", "draft_tokens", multiple=True, type=click.IntRange(1, 8), help="K per round with --speculative (repeat); default 2.")
+@click.option("--draft-model", type=click.Path(file_okay=False), help="Draft model for --speculative draft.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds, io_threads, no_stock, no_naive, mlx_memory_limit, as_json) -> None:
-    """Decode tokens/s, hit rate, bytes read per token and the read-bandwidth bound,
-    for stock mlx-lm, moestream at each capacity and the naive on-demand baseline."""
+def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds, io_threads, no_stock, no_naive, mlx_memory_limit, host_cache, temp, seed,
+                 speculative, draft_tokens, draft_model, as_json) -> None:
+    """Decode tokens/s, hit rates, bytes moved per token per tier, admission GB/s and
+    the bandwidth bound, for stock mlx-lm, moestream at each capacity (with and without
+    the host-RAM tier) and the naive on-demand baseline."""
     from pathlib import Path
+
+    if speculative is not None or draft_tokens or draft_model:
+        _bench_speculative(store, speculative, draft_tokens, draft_model, capacities, policy, decode_tokens, rounds, io_threads,
+                           mlx_memory_limit, as_json)
+        return
 
     from moestream.daemon.bench_decode import BenchDecodeSettings, format_report, run_bench_decode
     from moestream.daemon.expert_pool import PoolCapacityError
-    from moestream.shared.settings import parse_size
+    from moestream.shared.settings import SettingsError, parse_size
     from moestream.shared.store_format import StoreError
 
+    try:
+        memory_limit = parse_size(mlx_memory_limit) if mlx_memory_limit else None
+        host_bytes = parse_size(host_cache) if host_cache else 0
+    except SettingsError as e:
+        raise click.UsageError(str(e)) from None
     settings = BenchDecodeSettings(
         store=Path(store),
         capacities=tuple(capacities) or (1.0, 0.5, 0.25),
@@ -39,10 +57,48 @@ def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds
         io_threads=io_threads,
         stock=not no_stock,
         naive=not no_naive,
-        mlx_memory_limit=parse_size(mlx_memory_limit) if mlx_memory_limit else None,
+        mlx_memory_limit=memory_limit,
+        host_cache=host_bytes,
+        temp=temp,
+        seed=seed,
     )
     try:
         report = run_bench_decode(settings)
-    except (StoreError, PoolCapacityError, ValueError, OSError) as e:
+    except (StoreError, PoolCapacityError, SettingsError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from e
     click.echo(json.dumps(report) if as_json else format_report(report))
+
+
+def _bench_speculative(store, mode, draft_tokens, draft_model, capacities, policy, decode_tokens, rounds, io_threads, mlx_memory_limit, as_json) -> None:
+    """`--speculative`: acceptance, experts read per token and tokens/s against plain decode."""
+    from pathlib import Path
+
+    from moestream.daemon.bench_speculative import BenchSpeculativeSettings, format_speculative_report, run_bench_speculative
+    from moestream.daemon.expert_pool import PoolCapacityError
+    from moestream.shared.settings import parse_size
+    from moestream.shared.store_format import StoreError
+
+    if mode is None:
+        raise click.UsageError("--draft-tokens and --draft-model go with --speculative")
+    if (mode == "draft") != (draft_model is not None):
+        raise click.UsageError("--speculative draft needs --draft-model PATH, and only it takes one")
+    import mlx.core as mx
+
+    if mlx_memory_limit:
+        mx.set_memory_limit(parse_size(mlx_memory_limit))
+    settings = BenchSpeculativeSettings(
+        store=Path(store),
+        mode=mode,
+        draft_tokens=tuple(draft_tokens) or (2,),
+        draft_model=draft_model,
+        capacities=tuple(capacities) or (1.0, 0.25),
+        decode_tokens=decode_tokens,
+        rounds=rounds,
+        policy=policy,
+        io_threads=io_threads,
+    )
+    try:
+        report = run_bench_speculative(settings)
+    except (StoreError, PoolCapacityError, ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(json.dumps(report) if as_json else format_speculative_report(report))

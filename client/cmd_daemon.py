@@ -19,7 +19,8 @@ from moestream.shared.settings import Settings, SettingsError
 from moestream.shared.store_format import StoreError, load_manifest
 
 # `start` flags passed on to `python -m moestream.daemon.main` (names of Settings fields).
-START_FLAGS = ("model", "capacity", "memory_budget", "policy", "io_threads", "autopin_frac", "runtime_dir", "log_file")
+START_FLAGS = ("model", "capacity", "memory_budget", "host_cache", "policy", "io_threads", "autopin_frac", "runtime_dir", "log_file",
+               "diagnostics", "prefetch")
 LOG_TAIL_LINES = 40
 
 
@@ -188,10 +189,13 @@ def _start_options(f):
             click.option("--memory-budget", help="Size the pool so that weights + pool + KV cache fit, e.g. 24G."),
             click.option("--capacity", help="Pool slots per MoE layer (16) or a fraction of its experts (0.25, 25%)."),
             click.option("--policy", help="Eviction policy (see `moestreamctl bench policy`)."),
+            click.option("--host-cache", help="Host RAM that caches experts between the store and the pool, e.g. 32G (default 0: off)."),
             click.option("--io-threads", type=int, help="Threads of the native read engine."),
             click.option("--autopin-frac", type=click.FloatRange(0.0, 1.0), help="Share of each layer's slots pinned at start with its hottest experts (default 0.5)."),
             click.option("--runtime-dir", help="Folder of the socket, lock and pid file (default $XDG_RUNTIME_DIR/moestream)."),
             click.option("--log-file", help="Log file (default daemon.log in the runtime folder)."),
+            click.option("--diagnostics", is_flag=True, default=None, help="Record hot-path diagnostics for every request (`moestreamctl stats`)."),
+            click.option("--prefetch", type=click.Choice(["on", "off", "auto"]), help="Prefetch of predicted experts (default auto: kept only where it pays)."),
             click.option("--timeout", default=120.0, show_default=True, type=float, help="Seconds to wait for the daemon to be ready."),
         ]
     ):
@@ -202,10 +206,12 @@ def _start_options(f):
 @click.command()
 @_start_options
 @click.option("--foreground", is_flag=True, help="Run in this process, logging to stderr too (for launchd/systemd).")
-def start(model, memory_budget, capacity, policy, io_threads, autopin_frac, runtime_dir, log_file, timeout, foreground) -> None:
+def start(model, memory_budget, capacity, policy, host_cache, io_threads, autopin_frac, runtime_dir, log_file, diagnostics, prefetch, timeout,
+          foreground) -> None:
     """Start the daemon: it loads the model once and serves every client."""
-    given = {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy,
-             "io_threads": io_threads, "autopin_frac": autopin_frac, "runtime_dir": runtime_dir, "log_file": log_file}
+    given = {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy, "host_cache": host_cache,
+             "io_threads": io_threads, "autopin_frac": autopin_frac, "runtime_dir": runtime_dir, "log_file": log_file,
+             "diagnostics": diagnostics, "prefetch": prefetch}
     settings = resolve_settings(given)
     if foreground:
         if settings.model is None:
@@ -232,10 +238,11 @@ def stop(runtime_dir, timeout) -> None:
 
 @click.command()
 @_start_options
-def restart(model, memory_budget, capacity, policy, io_threads, autopin_frac, runtime_dir, log_file, timeout) -> None:
+def restart(model, memory_budget, capacity, policy, host_cache, io_threads, autopin_frac, runtime_dir, log_file, diagnostics, prefetch,
+            timeout) -> None:
     """Stop the daemon and start it again; flags not given keep the running daemon's values."""
-    given = {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy,
-             "autopin_frac": autopin_frac,
+    given = {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy, "host_cache": host_cache,
+             "autopin_frac": autopin_frac, "diagnostics": diagnostics, "prefetch": prefetch,
              "io_threads": io_threads, "runtime_dir": runtime_dir, "log_file": log_file}
     paths = _paths(resolve_settings({"runtime_dir": runtime_dir}))
     if lock_is_held(paths):
@@ -387,6 +394,31 @@ def stats(runtime_dir, as_json) -> None:
     click.echo(f"{'layer':>5} {'resident':>9} {'capacity':>9} {'pinned':>7} {'hit rate':>9}")
     for layer in pool.get("layers", []):
         click.echo(f"{layer['layer']:>5} {layer['resident']:>9} {layer['capacity']:>9} {layer['pinned']:>7} {_rate(layer['hit_rate']):>9}")
+    _echo_prefetch(st.get("prefetch"), st.get("diagnostics"))
+
+
+def _echo_prefetch(pf: dict[str, Any] | None, diag: dict[str, Any] | None) -> None:
+    if pf:
+        auto = pf.get("auto") or {}
+        click.echo(
+            f"prefetch: {pf['mode']} ({'on' if pf['enabled'] else 'off'} now{'; ' + auto['decision'] if auto else ''}), "
+            f"{pf['submitted']} read, {pf['promoted']} promoted ({pf['waited']} waited for), {pf['dropped_unused']} dropped unused"
+        )
+    totals = (diag or {}).get("totals")
+    if not totals:
+        click.echo("diagnostics: none recorded (`moestreamctl start --diagnostics`, or `generate --diagnostics`)")
+        return
+    recall = totals["recall"]["all"]
+    click.echo("diagnostics: recall " + ", ".join(f"{k} {_rate(recall[k])}" for k in ("top_k", "top_2k", "top_4k")))
+    for phase, buckets in totals["attribution"].items():
+        click.echo(f"  {phase}: " + ", ".join(f"{k} {v}" for k, v in buckets.items()))
+    seg = totals["segments"]
+    click.echo("  ms per call: " + ", ".join(f"{k} {v['mean_ms']:.3f}" for k, v in seg.items() if v["mean_ms"] is not None))
+    if totals["window"]["mean_ms"] is not None:
+        click.echo(f"  compute window {totals['window']['mean_ms']:.3f} ms, read wait {totals['read_wait']['seconds'] * 1e3:.1f} ms in all")
+    for ordinal, layer in totals["layers"].items():
+        union = ", ".join(f"{seq}: p50 {u['p50']:.0f} p99 {u['p99']:.0f} max {u['max']}" for seq, u in layer["union"].items())
+        click.echo(f"  layer {ordinal} union by tokens per sequence: {union}")
 
 
 COMMANDS = (start, stop, restart, status, logs, stats)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -27,27 +28,41 @@ def _parse_ids(text: str | None) -> list[int] | None:
 @click.option("--capacity", help="Pool slots per MoE layer (16) or a fraction of its experts (0.25, 25%).")
 @click.option("--memory-budget", help="Size the pool so that weights + pool + KV cache fit, e.g. 24G.")
 @click.option("--policy", help="Eviction policy (see `moestreamctl bench policy`).")
+@click.option("--host-cache", help="Host RAM that caches experts between the store and the pool, e.g. 32G.")
 @click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(1, None))
 @click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0.0, None), help="Sampling temperature; 0 is greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0))
 @click.option("--seed", type=int, help="Random seed for sampling.")
 @click.option("--io-threads", type=int, help="Threads of the native read engine.")
+@click.option("--speculative", type=click.Choice(["mtp", "draft"]), help="Speculative decoding: the model's MTP head, or a draft model.")
+@click.option("--draft-tokens", type=click.IntRange(1, 8), help="Tokens drafted per round with --speculative (default 2).")
+@click.option("--draft-model", type=click.Path(file_okay=False), help="Draft model (store or mlx-lm folder) for --speculative draft.")
+@click.option("--diagnostics", is_flag=True, help="Add hot-path diagnostics (segment times, predictor recall, miss attribution) to the stats.")
+@click.option("--prefetch", type=click.Choice(["on", "off", "auto"]), help="Prefetch of predicted experts (--local; a daemon keeps its own).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, tokens and stats.")
-def generate(prompt, model, local, prompt_ids, capacity, memory_budget, policy, max_tokens, temp, top_p, seed, io_threads, as_json) -> None:
+def generate(prompt, model, local, prompt_ids, capacity, memory_budget, policy, host_cache, max_tokens, temp, top_p, seed, io_threads,
+             speculative, draft_tokens, draft_model, diagnostics, prefetch, as_json) -> None:
     """Generate text for PROMPT, streaming it to stdout."""
     ids = _parse_ids(prompt_ids)
     if prompt is None and ids is None:
         raise click.UsageError("give a PROMPT or --prompt-ids")
+    if (speculative == "draft") != (draft_model is not None):
+        raise click.UsageError("--speculative draft needs --draft-model PATH, and only it takes one")
+    if draft_tokens is not None and speculative is None:
+        raise click.UsageError("--draft-tokens needs --speculative")
+    spec = dict(speculative=speculative, draft_tokens=draft_tokens,
+                draft_model=os.path.abspath(draft_model) if draft_model else None)
     try:
         settings = Settings.resolve(
-            {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy, "io_threads": io_threads}
+            {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy, "host_cache": host_cache, "io_threads": io_threads,
+             "prefetch": prefetch}
         )
     except SettingsError as e:
         raise click.UsageError(str(e)) from None
     if not local:
-        given = {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy, "io_threads": io_threads}
+        given = {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy, "host_cache": host_cache, "io_threads": io_threads}
         _generate_via_daemon(settings, given, prompt, ids, as_json,
-                             dict(max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed))
+                             dict(max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed, diagnostics=diagnostics, **spec))
         return
     if settings.model is None:
         raise click.UsageError("no built-in demo model yet: give --model STORE")
@@ -58,7 +73,8 @@ def generate(prompt, model, local, prompt_ids, capacity, memory_budget, policy, 
     from moestream.daemon.store.loader import load_streaming_model
     from moestream.shared.store_format import StoreError
 
-    params = SamplingParams(max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed)
+    params = SamplingParams(max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed, diagnostics=diagnostics,
+                            **{**spec, "draft_tokens": draft_tokens or 2})
     try:
         sm = load_streaming_model(settings.model, settings, max_tokens=max_tokens + 4096)
     except (StoreError, PoolCapacityError, ExpertReadError, ValueError) as e:
@@ -71,7 +87,7 @@ def generate(prompt, model, local, prompt_ids, capacity, memory_budget, policy, 
             sys.stdout.flush()
 
         result = run(sm, prompt_tokens, params, on_text=None if as_json else show)
-    except (ValueError, ExpertReadError) as e:
+    except (ValueError, ExpertReadError, StoreError) as e:
         raise click.ClickException(str(e)) from None
     finally:
         sm.close()
@@ -112,7 +128,7 @@ def _generate_via_daemon(settings: Settings, given: dict, prompt: str | None, id
             raise click.ClickException(
                 f"the daemon serves {served}, not {settings.model}: stop it (`moestreamctl stop`) or use --local"
             )
-        ignored = [f"--{k.replace('_', '-')}" for k in ("capacity", "memory_budget", "policy", "io_threads")
+        ignored = [f"--{k.replace('_', '-')}" for k in ("capacity", "memory_budget", "policy", "host_cache", "io_threads")
                    if given.get(k) is not None and status.get("settings", {}).get(k) != getattr(settings, k)]
         if ignored:
             click.echo(f"note: {', '.join(ignored)} ignored: the running daemon keeps its pool settings "

@@ -1,4 +1,5 @@
-"""`moestreamctl service install|uninstall|status`: start the daemon at login.
+"""`moestreamctl service install|uninstall|status`: start the daemon at login, and with
+`--openai` the OpenAI-compatible gateway (`moestreamctl serve-openai`) as a second service.
 
 macOS: a LaunchAgent loaded into `gui/<uid>` with launchctl. Linux: a systemd user unit
 enabled with `systemctl --user`. HOME, PATH and the settings are read when the command
@@ -44,6 +45,17 @@ def _platform_option(f):
 
 def _dry_run_option(f):
     return click.option("--dry-run", is_flag=True, help="Print the file and the commands; change nothing.")(f)
+
+
+def _openai_option(f):
+    return click.option(
+        "--openai", "openai", is_flag=True,
+        help="The OpenAI-compatible gateway's service (`moestreamctl serve-openai`) instead of the daemon's.",
+    )(f)
+
+
+def _service_of(openai: bool) -> sf.Service:
+    return sf.OPENAI if openai else sf.DAEMON
 
 
 def _platform(name: str | None) -> str:
@@ -116,14 +128,16 @@ def _write_atomically(path: Path, content: bytes) -> None:
         os.close(dir_fd)
 
 
-def _loaded(platform: str, uid: int, env: Mapping[str, str]) -> bool:
+def _loaded(platform: str, uid: int, env: Mapping[str, str], svc: sf.Service = sf.DAEMON) -> bool:
     """macOS: whether launchd knows the agent now (bootstrap refuses a loaded one)."""
-    return _run(sf.loaded_command(platform, uid), env).returncode == 0
+    return _run(sf.loaded_command(platform, uid, svc), env).returncode == 0
 
 
 @click.group()
 def service() -> None:
-    """Start the daemon at login: a launchd agent (macOS) or a systemd user unit (Linux)."""
+    """Start the daemon at login: a launchd agent (macOS) or a systemd user unit (Linux).
+
+    With --openai, the same for the OpenAI-compatible gateway, a second service."""
 
 
 @service.command()
@@ -132,18 +146,40 @@ def service() -> None:
 @click.option("--memory-budget", help="Size the pool so that weights + pool + KV cache fit, e.g. 24G.")
 @click.option("--policy", help="Eviction policy (see `moestreamctl bench policy`).")
 @click.option("--no-load", is_flag=True, help="Write the service file but do not load or start it.")
+@_openai_option
+@click.option("--host", help="With --openai: the address it listens on (default 127.0.0.1).")
+@click.option("--port", type=click.IntRange(1, 65535), help="With --openai: its TCP port (default 8080).")
+@click.option(
+    "--api-key-file", type=click.Path(exists=True, dir_okay=False),
+    help="With --openai: the file holding its API key (needed beyond loopback; the key itself is never written into the service file).",
+)
 @_dry_run_option
 @_platform_option
-def install(model, capacity, memory_budget, policy, no_load, dry_run, platform_name) -> None:
+def install(model, capacity, memory_budget, policy, no_load, openai, host, port, api_key_file, dry_run, platform_name) -> None:
     """Install the daemon as a service and start it.
 
     The service runs `moestreamctl start --foreground` with this Python, the flags
     given here, and the MOESTREAM_* settings of this shell. Run it again to change
     them; the running daemon is restarted.
+
+    With --openai, installs the OpenAI-compatible gateway instead, as a second service
+    that runs `moestreamctl serve-openai` (with --host, --port, --api-key-file) and
+    talks to the daemon of the same MOESTREAM_* settings.
     """
     env = dict(os.environ)
     platform = _platform(platform_name)
     home = _home(env)
+    if openai:
+        given = {"--model": model, "--capacity": capacity, "--memory-budget": memory_budget, "--policy": policy}
+        daemon_flags = [flag for flag, value in given.items() if value is not None]
+        if daemon_flags:
+            raise click.UsageError(f"{', '.join(daemon_flags)}: the daemon's settings, not the gateway's; install the daemon without --openai")
+        argv, environment = _gateway_service(env, host, port, api_key_file)
+        _install(platform, home, env, sf.OPENAI, argv, environment, no_load=no_load, dry_run=dry_run)
+        return
+    gateway_flags = [f for f, v in (("--host", host), ("--port", port), ("--api-key-file", api_key_file)) if v is not None]
+    if gateway_flags:
+        raise click.UsageError(f"{', '.join(gateway_flags)}: only with --openai (the gateway's service)")
     if model is not None:
         # The service starts in another folder than this shell, so relative paths break.
         model = os.path.abspath(os.path.expanduser(model))
@@ -170,12 +206,47 @@ def install(model, capacity, memory_budget, policy, no_load, dry_run, platform_n
         environment = sf.service_environment(
             env, python=python, exclude=[ENV_PREFIX + n.upper() for n in START_FLAGS if given[n] is not None]
         )
-        rendered = sf.render_service_file(platform, home, argv, environment)
+    except sf.ServiceFileError as e:
+        raise click.ClickException(str(e)) from None
+    _install(platform, home, env, sf.DAEMON, argv, environment, no_load=no_load, dry_run=dry_run)
+
+
+def _gateway_service(env: Mapping[str, str], host: str | None, port: int | None, api_key_file: str | None) -> tuple[list[str], dict[str, str]]:
+    """The gateway service's command line and environment, checked as `serve-openai` checks them."""
+    from moestream.client.cmd_serve_openai import DEFAULT_HOST, DEFAULT_PORT, is_loopback, read_api_key
+
+    host = host or DEFAULT_HOST
+    if api_key_file is not None:
+        api_key_file = os.path.abspath(os.path.expanduser(api_key_file))
+        read_api_key(None, api_key_file)  # an unreadable or empty file fails here, not in a restart loop
+    elif not is_loopback(host):
+        raise click.UsageError(f"--host {host} accepts connections from other machines: give --api-key-file FILE, or use --host {DEFAULT_HOST}")
+    try:
+        Settings.resolve({}, env)  # the MOESTREAM_* settings the service will run with
+    except SettingsError as e:
+        raise click.UsageError(str(e)) from None
+    flags = ["--host", host, "--port", str(port or DEFAULT_PORT)]
+    if api_key_file is not None:
+        flags += ["--api-key-file", api_key_file]
+    python = os.path.abspath(sys.executable)
+    try:
+        return sf.gateway_argv(python, flags), sf.service_environment(env, python=python)
+    except sf.ServiceFileError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _install(
+    platform: str, home: Path, env: Mapping[str, str], svc: sf.Service, argv: list[str], environment: dict[str, str],
+    *, no_load: bool, dry_run: bool,
+) -> None:
+    """Write the service file of `svc` and load it (or say what would be done)."""
+    try:
+        rendered = sf.render_service_file(platform, home, argv, environment, svc)
     except sf.ServiceFileError as e:
         raise click.ClickException(str(e)) from None
 
     uid = os.getuid()
-    load = sf.load_commands(platform, rendered.path, uid)
+    load = sf.load_commands(platform, rendered.path, uid, svc)
     if dry_run:
         click.echo(f"would write {rendered.path}:")
         click.echo(rendered.content.decode("utf-8"), nl=False)
@@ -183,7 +254,7 @@ def install(model, capacity, memory_budget, policy, no_load, dry_run, platform_n
             click.echo(f"would create the log folder {rendered.log_dir}")
         click.echo("would run:")
         if platform == "darwin":
-            click.echo(f"  {_show(sf.unload_commands(platform, uid)[0])}    # only if it is loaded now")
+            click.echo(f"  {_show(sf.unload_commands(platform, uid, svc)[0])}    # only if it is loaded now")
         for cmd in load:
             click.echo(f"  {_show(cmd)}")
         return
@@ -197,8 +268,8 @@ def install(model, capacity, memory_budget, policy, no_load, dry_run, platform_n
         click.echo(f"not loaded (--no-load); to load and start it:\n{how}")
         return
     try:
-        if platform == "darwin" and _loaded(platform, uid, env):
-            for cmd in sf.unload_commands(platform, uid):
+        if platform == "darwin" and _loaded(platform, uid, env, svc):
+            for cmd in sf.unload_commands(platform, uid, svc):
                 _check(cmd, env)
         for cmd in load:
             _check(cmd, env)
@@ -208,26 +279,28 @@ def install(model, capacity, memory_budget, policy, no_load, dry_run, platform_n
             f"{_session_hint(platform)}; then load it with:\n{how}"
         ) from None
     if platform == "darwin":
-        click.echo(f"loaded {sf.LAUNCHD_LABEL} into gui/{uid}; daemon output goes to {rendered.log_dir}")
+        click.echo(f"loaded {svc.label} into gui/{uid}; {svc.name} output goes to {rendered.log_dir}")
     else:
-        click.echo(f"enabled and started {sf.SYSTEMD_UNIT}; its output: journalctl --user -u {sf.SYSTEMD_UNIT}")
+        click.echo(f"enabled and started {svc.unit}; its output: journalctl --user -u {svc.unit}")
 
 
 @service.command()
 @click.option("--no-unload", is_flag=True, help="Only remove the file; do not stop or unload the service.")
+@_openai_option
 @_dry_run_option
 @_platform_option
-def uninstall(no_unload, dry_run, platform_name) -> None:
+def uninstall(no_unload, openai, dry_run, platform_name) -> None:
     """Stop the service and remove its file."""
     env = dict(os.environ)
     platform = _platform(platform_name)
-    path = sf.service_file_path(platform, _home(env))
+    svc = _service_of(openai)
+    path = sf.service_file_path(platform, _home(env), svc)
     uid = os.getuid()
-    unload = [] if no_unload else sf.unload_commands(platform, uid)
+    unload = [] if no_unload else sf.unload_commands(platform, uid, svc)
     after = [] if no_unload else sf.after_remove_commands(platform)
     # `enable` links the unit into default.target.wants; remove a link left behind when
     # systemctl could not disable it, so a later login does not meet a dangling link.
-    wants = path.parent / "default.target.wants" / sf.SYSTEMD_UNIT if platform == "linux" else None
+    wants = path.parent / "default.target.wants" / svc.unit if platform == "linux" else None
     if dry_run:
         click.echo("would run:")
         for cmd in unload:
@@ -246,7 +319,7 @@ def uninstall(no_unload, dry_run, platform_name) -> None:
     failure: ManagerError | None = None
     try:
         if platform == "darwin":
-            if unload and _loaded(platform, uid, env):
+            if unload and _loaded(platform, uid, env, svc):
                 for cmd in unload:
                     _check(cmd, env)
         else:
@@ -274,10 +347,11 @@ def uninstall(no_unload, dry_run, platform_name) -> None:
 
 
 @service.command()
+@_openai_option
 @_dry_run_option
 @_platform_option
 @click.pass_context
-def status(ctx: click.Context, dry_run, platform_name) -> None:
+def status(ctx: click.Context, openai, dry_run, platform_name) -> None:
     """Show whether the service is installed and what the service manager says of it.
 
     Exits with the service manager's status: 0 when it knows the service (launchctl
@@ -285,8 +359,9 @@ def status(ctx: click.Context, dry_run, platform_name) -> None:
     """
     env = dict(os.environ)
     platform = _platform(platform_name)
-    path = sf.service_file_path(platform, _home(env))
-    cmd = sf.status_command(platform, os.getuid())
+    svc = _service_of(openai)
+    path = sf.service_file_path(platform, _home(env), svc)
+    cmd = sf.status_command(platform, os.getuid(), svc)
     click.echo(f"service file: {path} ({'installed' if path.exists() else 'not installed'})")
     if dry_run:
         click.echo(f"would run:\n  {_show(cmd)}")

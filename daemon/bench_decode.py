@@ -1,11 +1,20 @@
 """`moestreamctl bench decode`: decode speed of stock mlx-lm, moestream at each pool
-capacity, and the naive on-demand baseline, measured side by side in one run.
+capacity (with and without the host-RAM tier), and the naive on-demand baseline,
+measured side by side in one run.
 
-Every configuration decodes the same prompt greedily for the same number of tokens. The
-configurations take turns, `rounds` times, so drift of the machine hits all alike; the
-medians are reported. The bound for a configuration is the speed it would reach if its
-reads cost exactly what the engine's measured bandwidth says, on top of fully resident
-compute: 1 / (1/tps_resident + bytes_read_per_token / read_bandwidth).
+Every configuration decodes the same prompt for the same number of tokens, greedily or
+sampled with the same seed (random-weight models decode greedily into loops of repeated
+tokens, which routes far more regularly than a real model; sampling at temperature 1
+does not). The configurations take turns, `rounds` times, so drift of the machine hits
+all alike; the medians are reported. The bound for a configuration is the speed it would
+reach if moving its bytes cost exactly what the measured bandwidths say, on top of fully
+resident compute:
+
+    1 / (1/tps_resident + disk_bytes_per_token / read_bandwidth
+                        + host_to_pool_bytes_per_token / link_bandwidth)
+
+where the link bandwidth is the pinned host->GPU copy rate (CUDA) or the host's memcpy
+rate (CPU, unified memory), both measured in the same run.
 """
 
 from __future__ import annotations
@@ -21,7 +30,11 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+import numpy as np
+
 from moestream._native import ReadEngine
+from moestream.daemon.admission import Admitter, cuda_copier, make_admitter
+from moestream.daemon.expert_reader import ExpertReader
 from moestream.daemon.store.loader import StreamingModel, load_stock_model, load_streaming_model
 from moestream.shared.settings import Settings
 from moestream.shared.store_format import load_manifest
@@ -40,6 +53,10 @@ class BenchDecodeSettings:
     naive: bool = True
     seed: int = 0
     mlx_memory_limit: int | None = None
+    # Bytes of the host-RAM tier; > 0 adds a "+host" configuration per partial capacity.
+    host_cache: int = 0
+    # 0 decodes greedily; > 0 samples at this temperature (same seed for every config).
+    temp: float = 0.0
 
 
 @dataclass
@@ -51,19 +68,25 @@ class Config:
     samples: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _decode(model, prompt: list[int], steps: int, after_prefill: Callable[[], None] | None = None) -> tuple[float, list[int]]:
-    """Greedy decode with mlx-lm's pipelining (step n+1 queued before n is read);
-    returns the seconds of the decode steps alone."""
+def _decode(
+    model, prompt: list[int], steps: int, temp: float, seed: int, after_prefill: Callable[[], None] | None = None
+) -> tuple[float, list[int]]:
+    """Decode with mlx-lm's pipelining (step n+1 queued before n is read); returns the
+    seconds of the decode steps alone."""
+
+    def pick(logits: mx.array) -> mx.array:
+        return mx.argmax(logits, axis=-1) if temp == 0 else mx.random.categorical(logits * (1.0 / temp))
+
+    mx.random.seed(seed)
     cache = make_prompt_cache(model)
-    logits = model(mx.array(prompt)[None], cache=cache)[:, -1, :]
-    y = mx.argmax(logits, axis=-1)
+    y = pick(model(mx.array(prompt)[None], cache=cache)[:, -1, :])
     mx.eval(y)
     if after_prefill is not None:
         after_prefill()
     tokens = []
     tic = time.perf_counter()
     for _ in range(steps):
-        next_y = mx.argmax(model(y[None], cache=cache)[:, -1, :], axis=-1)
+        next_y = pick(model(y[None], cache=cache)[:, -1, :])
         mx.async_eval(next_y)
         tokens.append(int(y.item()))
         y = next_y
@@ -71,30 +94,55 @@ def _decode(model, prompt: list[int], steps: int, after_prefill: Callable[[], No
     return time.perf_counter() - tic, tokens
 
 
-def _pool_counters(sm: StreamingModel) -> dict[str, int]:
+def _counters(sm: StreamingModel) -> dict[str, float]:
     s = sm.pool_stats()
-    return {k: s[k] for k in ("hits_decode", "misses_decode", "bytes_read", "host_syncs")}
+    a = sm.admitter.stats()
+    return {
+        "hits_decode": s["hits_decode"],
+        "misses_decode": s["misses_decode"],
+        "host_syncs": s["host_syncs"],
+        "bytes_from_disk": a.get("bytes_from_disk", 0),
+        "bytes_to_pool": a.get("bytes_to_pool", 0),
+        "copy_seconds": a.get("copy_seconds", 0.0),
+        "tier_hits": a.get("tier_hits", 0),
+        "tier_misses": a.get("tier_misses", 0),
+    }
 
 
-def _streaming_config(name: str, capacity: float | None, settings: BenchDecodeSettings, prompt: list[int], naive: bool = False) -> Config:
+def _streaming_config(
+    name: str,
+    capacity: float | None,
+    settings: BenchDecodeSettings,
+    prompt: list[int],
+    naive: bool = False,
+    admitter: Admitter | None = None,
+) -> Config:
     sm = load_streaming_model(
         settings.store,
         Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads),
         naive=naive,
+        admitter=admitter,
     )
 
     def run() -> dict[str, Any]:
-        before: dict[str, int] = {}
-        seconds, tokens = _decode(sm.model, prompt, settings.decode_tokens, lambda: before.update(_pool_counters(sm)))
-        after = _pool_counters(sm)
+        before: dict[str, float] = {}
+        seconds, tokens = _decode(
+            sm.model, prompt, settings.decode_tokens, settings.temp, settings.seed, lambda: before.update(_counters(sm))
+        )
+        after = _counters(sm)
         d = {k: after[k] - before[k] for k in before}
+        n = settings.decode_tokens
         hits, misses = d["hits_decode"], d["misses_decode"]
+        tier = d["tier_hits"] + d["tier_misses"]
         return {
-            "tokens_per_s": settings.decode_tokens / seconds,
+            "tokens_per_s": n / seconds,
             "tokens": tokens,
             "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
-            "bytes_read_per_token": d["bytes_read"] / settings.decode_tokens,
-            "host_syncs_per_token": d["host_syncs"] / settings.decode_tokens + 1,
+            "tier_hit_rate": d["tier_hits"] / tier if tier else None,
+            "disk_bytes_per_token": d["bytes_from_disk"] / n,
+            "host_to_pool_bytes_per_token": d["bytes_to_pool"] / n,
+            "admission_bytes_per_s": d["bytes_to_pool"] / d["copy_seconds"] if d["copy_seconds"] > 0 else None,
+            "host_syncs_per_token": d["host_syncs"] / n + 1,
         }
 
     return Config(name, capacity, run, sm.close)
@@ -104,8 +152,17 @@ def _stock_config(settings: BenchDecodeSettings, prompt: list[int]) -> Config:
     model = load_stock_model(settings.store)
 
     def run() -> dict[str, Any]:
-        seconds, tokens = _decode(model, prompt, settings.decode_tokens)
-        return {"tokens_per_s": settings.decode_tokens / seconds, "tokens": tokens, "hit_rate": 1.0, "bytes_read_per_token": 0.0, "host_syncs_per_token": 1.0}
+        seconds, tokens = _decode(model, prompt, settings.decode_tokens, settings.temp, settings.seed)
+        return {
+            "tokens_per_s": settings.decode_tokens / seconds,
+            "tokens": tokens,
+            "hit_rate": 1.0,
+            "tier_hit_rate": None,
+            "disk_bytes_per_token": 0.0,
+            "host_to_pool_bytes_per_token": 0.0,
+            "admission_bytes_per_s": None,
+            "host_syncs_per_token": 1.0,
+        }
 
     return Config("stock-mlx-lm", None, run, lambda: None)
 
@@ -131,6 +188,40 @@ def measure_read_bandwidth(store: Path, threads: int, samples: int = 128, seed: 
     return sum(c.nbytes for c in done) / seconds
 
 
+def measure_link_bandwidth() -> tuple[float, str, dict[str, Any]]:
+    """Bytes/s of host -> pool copies at their best: pinned DMA on CUDA, else memcpy."""
+    copier, _ = cuda_copier()
+    if copier is not None:
+        probe = copier.probe(1 << 30, 5)
+        return probe["pinned_bytes_per_s"], "pinned host->GPU (cudaMemcpyAsync)", dict(probe)
+    src = np.ones(256 << 20, np.uint8)
+    dst = np.empty_like(src)
+    rates = []
+    for _ in range(5):
+        tic = time.perf_counter()
+        np.copyto(dst, src)
+        rates.append(src.nbytes / (time.perf_counter() - tic))
+    return statistics.median(rates), "host memcpy", {}
+
+
+def measure_admission(admitter: Admitter, manifest, experts: int = 64) -> dict[str, Any]:
+    """Bytes/s of admitting `experts` experts of the first layer from the host tier into
+    pool rows in one batch (a first fill loads the tier; the second is timed)."""
+    layer = manifest.layers[0]
+    n = min(experts, layer.num_experts)
+    rows = {t.name: mx.zeros((n, *t.shape), dtype=getattr(mx, t.dtype)) for t in layer.tensors}
+    mx.eval(list(rows.values()))
+    admitter.prepare(rows)
+    placements = [(e, e) for e in range(n)]
+    admitter.fill(layer, placements, rows)
+    before = admitter.stats()
+    admitter.fill(layer, placements, rows)
+    after = admitter.stats()
+    moved = after["bytes_to_pool"] - before["bytes_to_pool"]
+    seconds = after["copy_seconds"] - before["copy_seconds"]
+    return {"experts": n, "bytes": moved, "seconds": seconds, "bytes_per_s": moved / seconds if seconds else None}
+
+
 def run_bench_decode(settings: BenchDecodeSettings) -> dict[str, Any]:
     if settings.mlx_memory_limit:
         mx.set_memory_limit(settings.mlx_memory_limit)
@@ -140,42 +231,78 @@ def run_bench_decode(settings: BenchDecodeSettings) -> dict[str, Any]:
     prompt = [rng.randrange(vocab) for _ in range(settings.prompt_tokens)]
 
     configs: list[Config] = []
+    shared_reader: ExpertReader | None = None
     try:
         if settings.stock:
             configs.append(_stock_config(settings, prompt))
+        tier = None
+        if settings.host_cache:
+            # One host tier for every "+host" configuration: they run in turn, and a
+            # machine would hold one such tier, not one per pool size.
+            shared_reader = ExpertReader(settings.store, manifest, threads=settings.io_threads)
+            tier, _ = make_admitter(shared_reader, manifest, settings.host_cache)
         for c in settings.capacities:
             configs.append(_streaming_config(f"moestream@{c:g}", c, settings, prompt))
+            if tier is not None and c < 1:
+                configs.append(_streaming_config(f"moestream@{c:g}+host", c, settings, prompt, admitter=tier))
         if settings.naive:
             configs.append(_streaming_config("naive-on-demand", None, settings, prompt, naive=True))
-        for c in configs:  # warm-up: kernels, page tables, first reads
+        for c in configs:  # warm-up: kernels, page tables, first reads, the host tier
             c.run()
         for _ in range(settings.rounds):
             for c in configs:
                 gc.collect()
                 c.samples.append(c.run())
+        admission = measure_admission(tier, manifest) if tier is not None else None
     finally:
         for c in configs:
             c.close()
+        if shared_reader is not None:
+            shared_reader.close()
     bandwidth = measure_read_bandwidth(settings.store, settings.io_threads, seed=settings.seed)
+    link, link_kind, link_probe = measure_link_bandwidth()
 
     rows = []
     reference_tokens = configs[0].samples[0]["tokens"] if configs else None
     for c in configs:
         row: dict[str, Any] = {"name": c.name, "capacity": c.capacity}
-        for key in ("tokens_per_s", "hit_rate", "bytes_read_per_token", "host_syncs_per_token"):
-            row[key] = statistics.median(s[key] for s in c.samples)
+        for key in (
+            "tokens_per_s",
+            "hit_rate",
+            "tier_hit_rate",
+            "disk_bytes_per_token",
+            "host_to_pool_bytes_per_token",
+            "admission_bytes_per_s",
+            "host_syncs_per_token",
+        ):
+            values = [s[key] for s in c.samples if s[key] is not None]
+            row[key] = statistics.median(values) if values else None
         row["tokens_per_s_runs"] = [s["tokens_per_s"] for s in c.samples]
         row["same_tokens_as_first"] = all(s["tokens"] == reference_tokens for s in c.samples)
+        if row["admission_bytes_per_s"] is not None:
+            row["admission_vs_link"] = row["admission_bytes_per_s"] / link
         rows.append(row)
     resident = next((r for r in rows if r["name"] == "stock-mlx-lm"), None) or next(
         (r for r in rows if r["capacity"] == 1.0), None
     )
+    naive = next((r for r in rows if r["name"] == "naive-on-demand"), None)
     for row in rows:
         if resident is not None:
             row["vs_resident"] = row["tokens_per_s"] / resident["tokens_per_s"]
-            bound = 1.0 / (1.0 / resident["tokens_per_s"] + row["bytes_read_per_token"] / bandwidth)
-            row["bound_tokens_per_s"] = bound
-            row["fraction_of_bound"] = row["tokens_per_s"] / bound
+            # The same ratio taken round by round (configs run in turn), whose median
+            # is steadier than the ratio of medians on a noisy machine.
+            row["vs_resident_paired"] = statistics.median(
+                a / b for a, b in zip(row["tokens_per_s_runs"], resident["tokens_per_s_runs"])
+            )
+            seconds = (
+                1.0 / resident["tokens_per_s"]
+                + row["disk_bytes_per_token"] / bandwidth
+                + row["host_to_pool_bytes_per_token"] / link
+            )
+            row["bound_tokens_per_s"] = 1.0 / seconds
+            row["fraction_of_bound"] = row["tokens_per_s"] / row["bound_tokens_per_s"]
+        if naive is not None:
+            row["vs_naive"] = row["tokens_per_s"] / naive["tokens_per_s"]
     return {
         "store": str(settings.store),
         "model_type": manifest.model_type,
@@ -185,24 +312,38 @@ def run_bench_decode(settings: BenchDecodeSettings) -> dict[str, Any]:
         "policy": settings.policy,
         "prompt_tokens": settings.prompt_tokens,
         "decode_tokens": settings.decode_tokens,
+        "temp": settings.temp,
         "rounds": settings.rounds,
+        "host_cache_bytes": settings.host_cache,
         "read_bandwidth_bytes_per_s": bandwidth,
+        "link_bandwidth_bytes_per_s": link,
+        "link_kind": link_kind,
+        "link_probe": link_probe,
+        "admission_probe": admission,
+        "admission_probe_vs_link": admission["bytes_per_s"] / link if admission and admission["bytes_per_s"] else None,
         "device": str(mx.default_device()),
         "results": rows,
     }
 
 
 def format_report(report: dict[str, Any]) -> str:
+    def num(v: Any, fmt: str) -> str:
+        return format(v, fmt) if v is not None else "-"
+
     lines = [
         f"{report['model_type']}: {report['moe_layers']} MoE layers x {report['experts_per_layer']} experts, "
-        f"{report['decode_tokens']} decode tokens, median of {report['rounds']}, "
-        f"read bandwidth {report['read_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s",
-        f"{'config':<18} {'tok/s':>9} {'x resident':>10} {'hit rate':>9} {'MB/token':>9} {'syncs/tok':>9} {'bound':>9} {'of bound':>8}",
+        f"{report['decode_tokens']} decode tokens (temp {report['temp']}), median of {report['rounds']}; "
+        f"disk {report['read_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, "
+        f"{report['link_kind']} {report['link_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s",
+        f"{'config':<22} {'tok/s':>8} {'x stock':>8} {'hit':>6} {'tier hit':>8} {'disk MB/t':>9} "
+        f"{'h2d MB/t':>9} {'adm GB/s':>8} {'syncs/t':>7} {'bound':>7} {'of bound':>8}",
     ]
     for r in report["results"]:
+        adm = r["admission_bytes_per_s"] / 1e9 if r["admission_bytes_per_s"] else None
         lines.append(
-            f"{r['name']:<18} {r['tokens_per_s']:>9.1f} {r.get('vs_resident', float('nan')):>10.3f} "
-            f"{r['hit_rate']:>9.3f} {r['bytes_read_per_token'] / 1e6:>9.3f} {r['host_syncs_per_token']:>9.1f} "
-            f"{r.get('bound_tokens_per_s', float('nan')):>9.1f} {r.get('fraction_of_bound', float('nan')):>8.2f}"
+            f"{r['name']:<22} {r['tokens_per_s']:>8.1f} {num(r.get('vs_resident'), '8.3f')} {r['hit_rate']:>6.3f} "
+            f"{num(r['tier_hit_rate'], '8.3f')} {r['disk_bytes_per_token'] / 1e6:>9.2f} "
+            f"{r['host_to_pool_bytes_per_token'] / 1e6:>9.2f} {num(adm, '8.1f')} {r['host_syncs_per_token']:>7.1f} "
+            f"{num(r.get('bound_tokens_per_s'), '7.1f')} {num(r.get('fraction_of_bound'), '8.2f')}"
         )
     return "\n".join(lines)

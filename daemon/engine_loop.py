@@ -110,6 +110,7 @@ class EngineLoop:
         self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
         self._counters = {"requests": 0, "completed": 0, "cancelled": 0, "disconnected": 0, "failed": 0, "tokens": 0}
         self._stopping = False
+        self._prefetch_logged = False
         self._last_snapshot = 0.0
         self._last_heat = self._last_heat_check = time.monotonic()
         self.state = "loading"
@@ -258,7 +259,7 @@ class EngineLoop:
             job = self._pending.popleft()
             msg = job.msg
             try:
-                ids = encode_prompt(self._sm, msg.prompt, msg.prompt_ids)
+                ids = encode_prompt(self._sm, msg.prompt, msg.prompt_ids, msg.messages)
             except ValueError as e:
                 self._fail(job, proto.BAD_MESSAGE, str(e))
                 continue
@@ -270,7 +271,11 @@ class EngineLoop:
                 )
                 continue
             job.prompt_ids = ids
-            params = SamplingParams(max_tokens=msg.max_tokens, temp=msg.temp, top_p=msg.top_p, seed=msg.seed, stop=msg.stop)
+            params = SamplingParams(
+                max_tokens=msg.max_tokens, temp=msg.temp, top_p=msg.top_p, seed=msg.seed, stop=msg.stop,
+                speculative=msg.speculative, draft_tokens=msg.draft_tokens or 2, draft_model=msg.draft_model,
+                diagnostics=bool(msg.diagnostics),
+            )
             job.result = GenerationResult()
             job.gen = self._make_generator(job, params)
             self._active.append(job)
@@ -330,10 +335,20 @@ class EngineLoop:
         self._counters[counter] += 1
         self._counters["tokens"] += len(tokens)
         self._remember(job, reason, len(tokens))
+        # Publish first, so a client that asks for status on its done event sees this request.
+        self._publish(force=True)
         if reason != "disconnected":
             self._send(job.peer, proto.Done(job.msg.id, text, tokens, reason, stats))
-        self._publish(force=True)
         self._push_heat()
+        self._log_prefetch_decision()
+
+    def _log_prefetch_decision(self) -> None:
+        """Say once what `prefetch = auto` decided (it is in `stats` too)."""
+        pf = self._sm.prefetcher if self._sm is not None else None
+        if self._prefetch_logged or pf is None or pf.governor is None or not pf.governor.decided:
+            return
+        self._prefetch_logged = True
+        self.log.info("prefetch auto: %s", pf.governor.reason)
 
     def _fail(self, job: Job, code: str, message: str) -> None:
         self._forget(job)
@@ -416,6 +431,11 @@ class EngineLoop:
                     "pool_bytes": sm.pool_bytes,
                     "pool": pools,
                     "reader": sm.reader.stats(),
+                    "prefetch": sm.prefetcher.stats() if sm.prefetcher is not None else None,
+                    "diagnostics": {
+                        "default": sm.diagnostics.default,
+                        "totals": sm.diagnostics.totals(),
+                    } if sm.diagnostics is not None else None,
                     "mlx_active_bytes": mx.get_active_memory(),
                     "mlx_peak_bytes": mx.get_peak_memory(),
                 }

@@ -11,16 +11,23 @@ Invariants:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generation_stream
 
-from moestream.daemon.expert_reader import ExpertReader, ExpertReadError, ReadJob
+from moestream.daemon.admission import Admitter
+from moestream.daemon.expert_reader import ExpertReadError
 from moestream.daemon.policies.base import EvictionPolicy
 from moestream.shared.store_format import MoELayer
+
+if TYPE_CHECKING:
+    from moestream.daemon.diagnostics import Diagnostics, Recorder
+    from moestream.daemon.predictor import Prediction
+    from moestream.daemon.prefetch import Prefetcher
 
 
 @dataclass
@@ -69,7 +76,7 @@ class ExpertPool:
         layer: MoELayer,
         capacity: int,
         policy: EvictionPolicy,
-        reader: ExpertReader,
+        admitter: Admitter,
         *,
         top_k: int,
         keep: bool = True,
@@ -83,7 +90,7 @@ class ExpertPool:
         self.capacity = min(capacity, layer.num_experts)
         self.top_k = top_k
         self.policy = policy
-        self.reader = reader
+        self.admitter = admitter
         # keep=False is the naive on-demand baseline of `bench decode`: nothing is
         # reused from one forward to the next, every routed expert is read each time.
         self.keep = keep
@@ -92,6 +99,7 @@ class ExpertPool:
             for t in layer.tensors
         }
         mx.eval(list(self.arrays.values()))
+        admitter.prepare(self.arrays)
         self.slot_of = np.full(layer.num_experts, -1, np.int32)
         self.expert_in = np.full(self.capacity, -1, np.int32)
         self._free = list(range(self.capacity - 1, -1, -1))
@@ -100,6 +108,21 @@ class ExpertPool:
         self.stats = PoolStats(routed=np.zeros(layer.num_experts, np.int64))
         # Set once every expert is resident: lookups then stay on the device.
         self.remap: mx.array | None = None
+        self.identity = False
+        # The lowest MoE layers' pools (lowest first), whose routing of the same tokens
+        # some policies use as a hint (they route first in a forward); and this
+        # forward's routing.
+        self.lower: list[ExpertPool] = []
+        self.last_rows: np.ndarray | None = None
+        # When a list, a fully resident pool's forwards append their (device) expert ids
+        # here; speculative decoding counts the experts a verify reads from them.
+        self.route_log: list[mx.array] | None = None
+        # Set by the streaming layer / predictor.install: the diagnostics switch, the
+        # prefetcher whose buffer may hold this layer's experts, and the previous
+        # layer's prediction for this forward (consumed by the next ensure).
+        self.hub: Diagnostics | None = None
+        self.prefetcher: Prefetcher | None = None
+        self.prediction: Prediction | None = None
 
     @property
     def nbytes(self) -> int:
@@ -118,6 +141,7 @@ class ExpertPool:
         self._admit([e for e in range(self.layer.num_experts) if self.slot_of[e] < 0], set())
         self.pinned = set(range(self.layer.num_experts))
         self.remap = mx.array(self.slot_of)
+        self.identity = bool(np.array_equal(self.slot_of, np.arange(self.layer.num_experts)))
 
     def pin(self, experts: Iterable[int]) -> int:
         """Load and pin `experts` (hottest first); returns how many were pinned."""
@@ -135,8 +159,13 @@ class ExpertPool:
             for e in list(self._resident - self.pinned):
                 self._release(e)
                 self.policy.evicted(e)
-        for row in token_experts:
+        # Only rows of this forward count (a resident layer records none).
+        lower = [p.last_rows for p in self.lower if p.last_rows is not None and len(p.last_rows) == len(token_experts)]
+        for i, row in enumerate(token_experts):
+            if lower:
+                self.policy.observe_lower([rows[i].tolist() for rows in lower])
             self.policy.access(row.tolist())
+        self.last_rows = token_experts
         needed = np.unique(token_experts)
         np.add.at(self.stats.routed, token_experts.reshape(-1), 1)
         self.stats.routed_total += token_experts.size
@@ -151,10 +180,43 @@ class ExpertPool:
         return needed, missing
 
     def ensure(self, token_experts: np.ndarray, *, decode: bool) -> None:
-        """Make resident every expert routed by these tokens ([tokens, k] ids)."""
+        """Make resident every expert routed by these tokens ([tokens, k] ids),
+        promoting what the prefetcher has read for them."""
+        prediction, self.prediction = self.prediction, None
+        rec = self.hub.rec if self.hub is not None else None
+        if rec is not None:
+            tic = time.perf_counter()
         needed, missing = self._account(token_experts, decode=decode)
+        if rec is not None:
+            rec.segment(self.layer.ordinal, "lookup", time.perf_counter() - tic)
+            self._diagnose(rec, needed, missing, prediction, decode, promotable=True)
         if missing:
-            self._admit(missing, set(needed.tolist()) | self.pinned)
+            self._admit(missing, set(needed.tolist()) | self.pinned, rec=rec)
+
+    def _diagnose(self, rec: Recorder, needed: np.ndarray, missing: list[int], prediction: Prediction | None,
+                  decode: bool, *, promotable: bool) -> None:
+        """Attribute each needed expert to a bucket; recall and compute window."""
+        o = self.layer.ordinal
+        pf = self.prefetcher
+        rec.attribute(o, decode, "resident_hit", len(needed) - len(missing))
+        named = set(prediction.named.tolist()) if prediction is not None else ()
+        for e in missing:
+            state = pf.state(o, e) if pf is not None else "none"
+            if promotable and state == "done":
+                bucket = "prefetched"
+            elif promotable and state == "pending":
+                bucket = "predicted_not_finished"
+            elif e in named:
+                bucket = "predicted_evicted" if state == "dropped" else "predicted_not_read"
+            else:
+                bucket = "not_predicted"
+            rec.attribute(o, decode, bucket)
+        if pf is not None:
+            pf.forget_dropped(o)
+        if prediction is not None:
+            rec.recall(o, decode, self.top_k, needed, prediction.ranked)
+            if prediction.submitted:
+                rec.window(o, time.perf_counter() - prediction.submitted_at)
 
     def fits(self, token_experts: np.ndarray) -> bool:
         """Whether the experts of these tokens fit in the pool at once."""
@@ -170,7 +232,11 @@ class ExpertPool:
         latest tokens, copied from the scratch, so decoding starts warm. Memory: one
         transient copy of this layer's needed experts.
         """
+        prediction, self.prediction = self.prediction, None
         needed, missing = self._account(token_experts, decode=False)
+        rec = self.hub.rec if self.hub is not None else None
+        if rec is not None:
+            self._diagnose(rec, needed, missing, prediction, False, promotable=False)
         self.stats.overflow_forwards += 1
         resident = [int(e) for e in needed if self.slot_of[e] >= 0]
         scratch = self._read_scratch(missing)
@@ -191,17 +257,10 @@ class ExpertPool:
             return {}
         scratch = {t.name: mx.zeros((len(experts), *t.shape), dtype=getattr(mx, t.dtype)) for t in self.layer.tensors}
         mx.eval(list(scratch.values()))
-        jobs = [
-            ReadJob(self.layer, e, [(scratch[t.name], j * t.nbytes, t.offset, t.nbytes) for t in self.layer.tensors])
-            for j, e in enumerate(experts)
-        ]
-        failed = self.reader.read(jobs)
-        self.stats.bytes_read += (len(jobs) - len(failed)) * self.layer.expert_bytes
+        failed = self.admitter.fill(self.layer, [(e, j) for j, e in enumerate(experts)], scratch)
+        self.stats.bytes_read += (len(experts) - len(failed)) * self.layer.expert_bytes
         if failed:
-            job, error = failed[0]
-            raise ExpertReadError(
-                f"cannot read expert {job.expert} of layer {self.layer.ordinal} ({self.layer.module_path}): {error}"
-            )
+            self._raise(failed)
         return scratch
 
     def _keep_latest(self, token_experts: np.ndarray, scratch: dict[str, mx.array], scratch_row: dict[int, int]) -> None:
@@ -215,19 +274,17 @@ class ExpertPool:
             keep |= row_set
         self._quiesce()
         protected = keep | self.pinned
-        views = {name: memoryview(a).cast("B") for name, a in scratch.items()}
+        rows = []
         for e in sorted(keep):
             if self.slot_of[e] >= 0:
                 continue
             slot = self._take_slot(protected)
-            j = scratch_row[e]
-            for t in self.layer.tensors:
-                pool_bytes = memoryview(self.arrays[t.name]).cast("B")
-                pool_bytes[slot * t.nbytes : (slot + 1) * t.nbytes] = views[t.name][j * t.nbytes : (j + 1) * t.nbytes]
+            rows.append((slot, scratch_row[e]))
             self.slot_of[e] = slot
             self.expert_in[slot] = e
             self._resident.add(e)
             self.policy.admitted(e)
+        self.admitter.copy_rows(self.layer, self.arrays, scratch, rows)
 
     @staticmethod
     def _quiesce() -> None:
@@ -253,29 +310,53 @@ class ExpertPool:
         self.stats.evictions += 1
         return slot
 
-    def _admit(self, missing: Sequence[int], protected: set[int]) -> None:
+    def _admit(self, missing: Sequence[int], protected: set[int], rec: Recorder | None = None) -> None:
+        if rec is not None:
+            tic = time.perf_counter()
         self._quiesce()
-        jobs = []
+        placements = []
         for e in missing:
             slot = self._take_slot(protected)
             self.slot_of[e] = slot
             self.expert_in[slot] = e
             self._resident.add(e)
-            jobs.append(ReadJob(self.layer, e, self._targets(slot)))
-        failed = self.reader.read(jobs)
-        failed_experts = {job.expert for job, _ in failed}
+            placements.append((e, slot))
+        if rec is not None:
+            t_read = time.perf_counter()
+            rec.segment(self.layer.ordinal, "admit", t_read - tic)
+        pf = self.prefetcher
+        to_read = placements
+        if pf is not None:
+            buffered = [(e, slot) for e, slot in placements if pf.has(self.layer.ordinal, e)]
+            if buffered:
+                times = [0.0, 0.0, 0.0, 0.0] if rec is not None else None
+                left, _ = pf.promote(self.layer, buffered, self.arrays, times)
+                done = {e for e, _ in buffered} - {e for e, _ in left}
+                to_read = [p for p in placements if p[0] not in done]
+                if rec is not None:
+                    o = self.layer.ordinal
+                    rec.host(o, "promote_take", times[0])
+                    rec.host(o, "promote_route", times[1])
+                    rec.host(o, "promote_place", times[2])
+                    rec.read_wait(o, times[3])
+        failed = self.admitter.fill(self.layer, to_read, self.arrays) if to_read else []
+        if rec is not None:
+            rec.segment(self.layer.ordinal, "read", time.perf_counter() - t_read)
+        failed_experts = {e for e, _ in failed}
         for e in missing:
             if e in failed_experts:
                 self._release(e)
             else:
                 self.policy.admitted(e)
-        self.stats.bytes_read += (len(jobs) - len(failed)) * self.layer.expert_bytes
+        self.stats.bytes_read += (len(placements) - len(failed)) * self.layer.expert_bytes
         if failed:
-            job, error = failed[0]
-            raise ExpertReadError(
-                f"cannot read expert {job.expert} of layer {self.layer.ordinal} "
-                f"({self.layer.module_path}): {error}"
-            )
+            self._raise(failed)
+
+    def _raise(self, failed: Sequence[tuple[int, str]]) -> None:
+        expert, error = failed[0]
+        raise ExpertReadError(
+            f"cannot read expert {expert} of layer {self.layer.ordinal} ({self.layer.module_path}): {error}"
+        )
 
     def _release(self, expert: int) -> None:
         slot = int(self.slot_of[expert])
@@ -283,12 +364,6 @@ class ExpertPool:
         self.expert_in[slot] = -1
         self._resident.discard(expert)
         self._free.append(slot)
-
-    def _targets(self, slot: int) -> list[tuple[Any, int, int, int]]:
-        return [
-            (self.arrays[t.name], slot * t.nbytes, t.offset, t.nbytes)
-            for t in self.layer.tensors
-        ]
 
     def take_routed(self) -> np.ndarray:
         """Per-expert routed counts since the last call (for the heat keeper)."""

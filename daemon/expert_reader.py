@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -51,6 +52,10 @@ class ExpertReader:
             self._fids[layer.file] = fid
             self._sizes[layer.file] = int(self.engine.file_info(fid)["size"])
 
+    def file_id(self, layer: MoELayer) -> int:
+        """The engine's id of this layer's expert file (for reads submitted directly)."""
+        return self._fids[layer.file]
+
     def read(self, jobs: Sequence[ReadJob]) -> list[tuple[ReadJob, str]]:
         """Read every job, in parallel; return the jobs that failed with their errors."""
         failed: list[tuple[ReadJob, str]] = []
@@ -58,6 +63,8 @@ class ExpertReader:
         for job in jobs:
             entry = job.layer.experts[job.expert]
             size = self._sizes[job.layer.file]
+            if entry.offset + entry.length > size:
+                size = self._reopen_if_grown(job.layer.file)
             if entry.offset + entry.length > size:
                 failed.append(
                     (job, f"{self.store_dir / job.layer.file} is truncated: {size} bytes, the expert "
@@ -83,6 +90,26 @@ class ExpertReader:
             if not c.ok:
                 failed.append((job, c.error))
         return failed
+
+    def _reopen_if_grown(self, name: str) -> int:
+        """A file that was short when opened may have been repaired since (rewritten in
+        place or replaced): if it is now longer, read it through a fresh descriptor, since
+        the engine keeps the size it saw at open. Returns the size to check against."""
+        path = self.store_dir / name
+        try:
+            grown = os.stat(path).st_size > self._sizes[name]
+        except OSError:
+            return self._sizes[name]
+        if grown:
+            try:
+                fid = self.engine.open(str(path))
+            except OSError:
+                return self._sizes[name]
+            # The old descriptor stays open in the engine (it has no per-file close); one
+            # per repair.
+            self._fids[name] = fid
+            self._sizes[name] = int(self.engine.file_info(fid)["size"])
+        return self._sizes[name]
 
     def stats(self) -> dict[str, Any]:
         return dict(self.engine.stats())

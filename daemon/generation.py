@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 import psutil
+from jinja2 import TemplateError
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
@@ -23,6 +24,13 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # Speculative decoding (daemon/speculative.py): None, "mtp" or "draft".
+    speculative: str | None = None
+    draft_tokens: int = 2
+    draft_model: str | None = None
+    # Record hot-path diagnostics for this request (daemon/diagnostics.py); the daemon's
+    # `--diagnostics` turns them on for every request.
+    diagnostics: bool = False
 
 
 @dataclass
@@ -41,19 +49,31 @@ def _counters(sm: StreamingModel) -> dict[str, int]:
     return totals
 
 
-def _attributed(sm: StreamingModel, steps: Iterator, buckets: tuple[dict[str, int], dict[str, int]]) -> Iterator:
+def _attributed(sm: StreamingModel, steps: Iterator, buckets: tuple[dict[str, int], dict[str, int]], rec: Any = None) -> Iterator:
     """Pass `steps` through, adding the pool counters that moved while each step ran to
-    buckets[0] (the prompt and the first token) or buckets[1] (every later token).
+    buckets[0] (the prompt and the first token) or buckets[1] (every later token), and
+    pointing the diagnostics at this request's recorder `rec` (None: off) meanwhile.
 
     Requests interleaved on one thread only run between their own resume and yield, so
-    this attributes the shared pools' work to the request that caused it."""
+    this attributes the shared pools' work to the request that caused it. Decode steps
+    are timed for the prefetch governor (`prefetch = auto`)."""
     phase = 0
+    hub = sm.diagnostics
+    governor = sm.prefetcher.governor if sm.prefetcher is not None else None
     while True:
         before = _counters(sm)
+        if hub is not None:
+            hub.rec = rec
+        tic = time.perf_counter()
         try:
             item = next(steps)
         except StopIteration:
             item = None
+        finally:
+            if hub is not None:
+                hub.rec = None
+        if phase == 1 and item is not None and governor is not None and rec is None:
+            governor.observe(time.perf_counter() - tic)
         after = _counters(sm)
         for key in _COUNTERS:
             buckets[phase][key] += after[key] - before[key]
@@ -63,8 +83,33 @@ def _attributed(sm: StreamingModel, steps: Iterator, buckets: tuple[dict[str, in
         yield item
 
 
-def encode_prompt(sm: StreamingModel, prompt: str | None, prompt_ids: Sequence[int] | None) -> list[int]:
-    if prompt_ids is not None:
+def render_chat(tokenizer: Any, messages: Sequence[Any]) -> str:
+    """A chat ({role, content} maps or objects with .role/.content) as the prompt text the
+    model's chat template makes of it, ending where the assistant's answer starts.
+
+    Raises ValueError when the tokenizer has no chat template or the template refuses
+    the messages (e.g. roles that do not alternate)."""
+    if not getattr(tokenizer, "has_chat_template", False):
+        raise ValueError(
+            "the model's tokenizer has no chat template, so it cannot take chat messages; "
+            "send a text prompt instead (POST /v1/completions, or `prompt`)"
+        )
+    chat = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
+    try:
+        return tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    except (TemplateError, ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"the model's chat template refused these messages: {type(e).__name__}: {e}") from None
+
+
+def encode_prompt(
+    sm: StreamingModel, prompt: str | None, prompt_ids: Sequence[int] | None, messages: Sequence[Any] | None = None
+) -> list[int]:
+    """Token ids of a text prompt, of token ids (checked against the vocabulary), or of a
+    chat rendered with the model's chat template (its special tokens are in the template,
+    so none are added, as mlx-lm's generate does)."""
+    if messages is not None:
+        ids = sm.tokenizer.encode(render_chat(sm.tokenizer, messages), add_special_tokens=False)
+    elif prompt_ids is not None:
         ids = [int(t) for t in prompt_ids]
         vocab = sm.manifest.config.get("text_config", sm.manifest.config).get("vocab_size")
         bad = [t for t in ids if t < 0 or (vocab and t >= vocab)]
@@ -115,8 +160,17 @@ def iter_generate(
     n = 0
     stop_hold = max((len(s) for s in params.stop), default=0)
     emitted = 0
-    steps = generate_step(mx.array(list(prompt_ids)), sm.model, max_tokens=params.max_tokens, sampler=sampler)
-    for n, (token, _) in enumerate(_attributed(sm, steps, (prefill, decode)), 1):
+    spec_stats = None
+    if params.speculative:
+        from moestream.daemon.speculative import SpeculativeParams, SpeculativeStats, speculative_steps
+
+        spec = SpeculativeParams(mode=params.speculative, draft_tokens=params.draft_tokens, draft_model=params.draft_model)
+        spec_stats = SpeculativeStats(mode=spec.mode, draft_tokens_requested=spec.draft_tokens)
+        steps = speculative_steps(sm, prompt_ids, sampler=sampler, max_tokens=params.max_tokens, spec=spec, stats=spec_stats)
+    else:
+        steps = generate_step(mx.array(list(prompt_ids)), sm.model, max_tokens=params.max_tokens, sampler=sampler)
+    rec = sm.diagnostics.new_recorder(params.diagnostics) if sm.diagnostics is not None else None
+    for n, (token, _) in enumerate(_attributed(sm, steps, (prefill, decode), rec), 1):
         token = int(token)
         if n == 1:
             prompt_seconds = time.perf_counter() - tic
@@ -182,3 +236,10 @@ def iter_generate(
         "rss_bytes": psutil.Process().memory_info().rss,
         "finish_reason": result.finish_reason,
     }
+    if spec_stats is not None:
+        result.stats["speculative"] = spec_stats.to_dict()
+    if sm.prefetcher is not None:
+        result.stats["prefetch"] = sm.prefetcher.stats()
+    if rec is not None:
+        sm.diagnostics.finish(rec)
+        result.stats["diagnostics"] = rec.to_dict()

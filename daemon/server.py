@@ -289,6 +289,8 @@ class Server:
                 "max_context": s.max_context,
                 "max_active": s.max_active,
                 "max_queued": s.max_queued,
+                "diagnostics": s.diagnostics,
+                "prefetch": s.prefetch,
             },
             "pool": {
                 "hit_rate": pool.get("hit_rate"),
@@ -332,6 +334,8 @@ class Server:
             "policy": snap.get("policy"),
             "pool": snap.get("pool", {}),
             "reader": snap.get("reader", {}),
+            "prefetch": snap.get("prefetch"),
+            "diagnostics": snap.get("diagnostics"),
             "requests": {k: v for k, v in snap.get("requests", {}).items() if k not in ("active", "recent")},
             "snapshot_age_s": time.monotonic() - snap.get("at", time.monotonic()),
         }

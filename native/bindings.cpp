@@ -19,6 +19,8 @@
 namespace py = pybind11;
 using namespace moestream;
 
+void bind_device_copy(py::module_& m);  // device_copy_bindings.cpp
+
 namespace {
 
 constexpr size_t kCrcReleaseGil = 256 * 1024;  // below this, releasing the GIL costs more than it saves
@@ -403,4 +405,6 @@ PYBIND11_MODULE(_native, m) {
                ", direct=" + (e.options().direct ? "True" : "False") +
                ", verify=" + (e.options().verify ? "True" : "False") + (e.closed() ? ", closed" : "") + ")";
       });
+
+  bind_device_copy(m);
 }

@@ -4,13 +4,18 @@ Every message is one ZeroMQ frame holding a msgpack map with `v` (PROTOCOL_VERSI
 `type` and `id` (the request id a reply or event belongs to; chosen by the client,
 1 to 64 characters, unique among its own requests). Client -> daemon:
 
-  generate  prompt | prompt_ids, max_tokens, temp, top_p, seed, stop   -> token*, done
+  generate  prompt | prompt_ids | messages, max_tokens, temp, top_p, seed, stop,
+            [speculative, draft_tokens, draft_model, diagnostics]           -> token*, done
   cancel    target (the id of one of this client's generate requests)  -> cancelled
   status / stats / ping / shutdown                                     -> status / stats / pong / shutdown
 
 Any request may instead get `error` {code, message}. Limits: a message is at most
 MAX_MESSAGE_BYTES; a text prompt at most MAX_PROMPT_CHARS characters, a token prompt at
-most MAX_PROMPT_IDS ids (the daemon also refuses prompt + max_tokens over its context).
+most MAX_PROMPT_IDS ids, a chat (`messages`: a list of {role, content} maps that the
+daemon renders with the model's chat template) at most MAX_MESSAGES messages and
+MAX_PROMPT_CHARS characters of content in all (the daemon also refuses prompt +
+max_tokens over its context). `messages` is left out of the encoding when it is None, so
+a daemon that predates it still reads every other generate request.
 A malformed, oversized, wrongly versioned or unknown message gets an `error` reply and
 changes nothing else. Validation lives here, in `decode_request`, and nowhere else.
 """
@@ -31,6 +36,11 @@ MAX_ID_CHARS = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_TOKENS_LIMIT = 1 << 24
+SPECULATIVE_MODES = ("mtp", "draft")
+MAX_DRAFT_TOKENS = 8
+MAX_PATH_CHARS = 4096
+MAX_MESSAGES = 1024
+MAX_ROLE_CHARS = 32
 
 # Error codes of `error` replies.
 BAD_MESSAGE = "bad_message"  # not one msgpack map, or a field of the wrong type or range
@@ -60,16 +70,34 @@ class ProtocolError(ValueError):
 
 
 @dataclass(frozen=True)
+class ChatMessage:
+    """One message of a chat; on the wire a {role, content} map."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
 class Generate:
     TYPE: ClassVar[str] = "generate"
+    # Fields sent only when they are not None (added after version 1 first shipped).
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("messages", "speculative", "draft_tokens", "draft_model", "diagnostics")
     id: str
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] | None = None
     max_tokens: int = 256
     temp: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # Speculative decoding: "mtp" (the model's MTP head) or "draft" (draft_model, a
+    # store or mlx-lm folder on the daemon's machine); draft_tokens K per round.
+    speculative: str | None = None
+    draft_tokens: int | None = None
+    draft_model: str | None = None
+    # True: the done event's stats carry this request's hot-path diagnostics.
+    diagnostics: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -201,6 +229,9 @@ def encode(message: Request | Reply) -> bytes:
     """One message as msgpack bytes."""
     body = {"v": PROTOCOL_VERSION, "type": message.TYPE}
     body.update(asdict(message))
+    for name in getattr(message, "OPTIONAL", ()):
+        if body[name] is None:
+            del body[name]
     return msgpack.packb(body, use_bin_type=True, default=_plain)
 
 
@@ -253,9 +284,38 @@ def _is_number(x: Any) -> bool:
     return (_is_int(x) or isinstance(x, float)) and math.isfinite(x)
 
 
+def _messages_field(messages: Any, rid: str) -> tuple[ChatMessage, ...]:
+    _check(
+        isinstance(messages, list) and 0 < len(messages) <= MAX_MESSAGES,
+        rid, f"'messages' must be a list of 1 to {MAX_MESSAGES} {{role, content}} maps",
+    )
+    out = []
+    chars = 0
+    for i, m in enumerate(messages):
+        _check(
+            isinstance(m, dict) and set(m) == {"role", "content"},
+            rid, f"messages[{i}] must be a map with exactly the keys 'role' and 'content'",
+        )
+        role, content = m["role"], m["content"]
+        _check(
+            isinstance(role, str) and 0 < len(role) <= MAX_ROLE_CHARS,
+            rid, f"messages[{i}].role must be a string of 1 to {MAX_ROLE_CHARS} characters",
+        )
+        _check(isinstance(content, str), rid, f"messages[{i}].content must be a string")
+        chars += len(content)
+        out.append(ChatMessage(role=role, content=content))
+    _check(chars <= MAX_PROMPT_CHARS, rid, f"messages of {chars} characters are over the limit of {MAX_PROMPT_CHARS}", TOO_LARGE)
+    return tuple(out)
+
+
 def _generate_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
-    prompt, ids = body.get("prompt"), body.get("prompt_ids")
-    _check((prompt is None) != (ids is None), rid, "give exactly one of 'prompt' (text) and 'prompt_ids'")
+    prompt, ids, messages = body.get("prompt"), body.get("prompt_ids"), body.get("messages")
+    _check(
+        sum(x is not None for x in (prompt, ids, messages)) == 1,
+        rid, "give exactly one of 'prompt' (text), 'prompt_ids' and 'messages' (a chat)",
+    )
+    if messages is not None:
+        messages = _messages_field(messages, rid)
     if prompt is not None:
         _check(isinstance(prompt, str), rid, "'prompt' must be a string")
         _check(len(prompt) <= MAX_PROMPT_CHARS, rid, f"prompt of {len(prompt)} characters is over the limit of {MAX_PROMPT_CHARS}", TOO_LARGE)
@@ -283,12 +343,34 @@ def _generate_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
     return {
         "prompt": prompt,
         "prompt_ids": ids,
+        "messages": messages,
         "max_tokens": max_tokens,
         "temp": float(temp),
         "top_p": float(top_p),
         "seed": seed,
         "stop": tuple(stop),
+        **_speculative_fields(body, rid),
+        "diagnostics": _diagnostics_field(body, rid),
     }
+
+
+def _diagnostics_field(body: dict[str, Any], rid: str) -> bool | None:
+    value = body.get("diagnostics")
+    _check(value is None or isinstance(value, bool), rid, "'diagnostics' must be null, true or false")
+    return value
+
+
+def _speculative_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
+    mode, k, draft = body.get("speculative"), body.get("draft_tokens"), body.get("draft_model")
+    _check(mode is None or mode in SPECULATIVE_MODES, rid, f"'speculative' must be null or one of {list(SPECULATIVE_MODES)}")
+    _check(k is None or (_is_int(k) and 1 <= k <= MAX_DRAFT_TOKENS), rid, f"'draft_tokens' must be null or a whole number in 1..{MAX_DRAFT_TOKENS}")
+    _check(
+        draft is None or (isinstance(draft, str) and 0 < len(draft) <= MAX_PATH_CHARS),
+        rid, f"'draft_model' must be null or a path of 1 to {MAX_PATH_CHARS} characters",
+    )
+    _check((mode == "draft") == (draft is not None), rid, "'draft_model' goes with speculative 'draft', and only with it")
+    _check(mode is not None or k is None, rid, "'draft_tokens' needs 'speculative'")
+    return {"speculative": mode, "draft_tokens": k, "draft_model": draft}
 
 
 def _cancel_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:

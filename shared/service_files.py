@@ -1,5 +1,7 @@
 """Service files that start the daemon at login: a launchd LaunchAgent on macOS, a
-systemd user unit on Linux.
+systemd user unit on Linux. The OpenAI-compatible gateway (`moestreamctl serve-openai`)
+can be installed as a second service beside it (`OPENAI`); functions take the
+`Service` they are about, the daemon's (`DAEMON`) by default.
 
 The templates ship in the package (`moestream/launchd/*.in`) and are filled here: the
 plist is parsed with plistlib, filled as a dict and written back with plistlib; the unit
@@ -26,6 +28,9 @@ LAUNCHD_LABEL = "dev.moestream.daemon"
 SYSTEMD_UNIT = "moestream.service"
 PLIST_TEMPLATE = "moestream.plist.in"
 UNIT_TEMPLATE = "moestream.service.in"
+OPENAI_LAUNCHD_LABEL = "dev.moestream.openai"
+OPENAI_SYSTEMD_UNIT = "moestream-openai.service"
+OPENAI_UNIT_TEMPLATE = "moestream-openai.service.in"
 CLI_MODULE = "moestream.client.cli"
 
 # Used when the installing shell has no PATH at all; launchd's own default is this short.
@@ -41,6 +46,25 @@ _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 class ServiceFileError(ValueError):
     """A service file cannot be made as asked; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Service:
+    """One service moestream installs: its launchd label, systemd unit and templates."""
+
+    name: str  # in messages: "daemon" or "OpenAI gateway"
+    label: str
+    unit: str
+    plist_template: str
+    unit_template: str
+    log_stem: str  # launchd log files: <log_stem>.out.log / .err.log
+    flag: str = ""  # what `moestreamctl service ...` is given to name this service
+
+
+DAEMON = Service("daemon", LAUNCHD_LABEL, SYSTEMD_UNIT, PLIST_TEMPLATE, UNIT_TEMPLATE, "daemon")
+# The plist template has nothing daemon-specific (its comments are not kept); the unit
+# has its own description and starts after the daemon's unit.
+OPENAI = Service("OpenAI gateway", OPENAI_LAUNCHD_LABEL, OPENAI_SYSTEMD_UNIT, PLIST_TEMPLATE, OPENAI_UNIT_TEMPLATE, "openai", " --openai")
 
 
 @dataclass(frozen=True)
@@ -74,6 +98,14 @@ def daemon_argv(python: str, start_flags: Sequence[str] = ()) -> list[str]:
     return [python, "-m", CLI_MODULE, "start", "--foreground", *start_flags]
 
 
+def gateway_argv(python: str, flags: Sequence[str] = ()) -> list[str]:
+    """The OpenAI gateway's command line: this interpreter, `serve-openai` with `flags`
+    (it never daemonizes itself either)."""
+    if not python.startswith("/"):
+        raise ServiceFileError(f"the interpreter path must be absolute, got {python!r}")
+    return [python, "-m", CLI_MODULE, "serve-openai", *flags]
+
+
 def setting_variables() -> tuple[str, ...]:
     """The `MOESTREAM_*` names that `Settings.resolve` reads."""
     return tuple(ENV_PREFIX + f.name.upper() for f in fields(Settings))
@@ -94,12 +126,12 @@ def service_environment(env: Mapping[str, str], *, python: str, exclude: Iterabl
     return out
 
 
-def service_file_path(platform: str, home: Path) -> Path:
+def service_file_path(platform: str, home: Path, service: Service = DAEMON) -> Path:
     """Where the service file of `platform` lives for the user whose home is `home`."""
     if platform == "darwin":
-        return home / "Library" / "LaunchAgents" / f"{LAUNCHD_LABEL}.plist"
+        return home / "Library" / "LaunchAgents" / f"{service.label}.plist"
     if platform == "linux":
-        return home / ".config" / "systemd" / "user" / SYSTEMD_UNIT
+        return home / ".config" / "systemd" / "user" / service.unit
     raise ServiceFileError(f"unknown platform {platform!r} (expected one of {', '.join(PLATFORMS)})")
 
 
@@ -172,18 +204,21 @@ def environment_line(name: str, value: str) -> str:
     return f'Environment="{text}"'
 
 
-def render_unit(*, argv: Sequence[str], environment: Mapping[str, str], template: str | None = None) -> str:
+def render_unit(
+    *, argv: Sequence[str], environment: Mapping[str, str], template: str | None = None, template_name: str = UNIT_TEMPLATE,
+    flag: str = "",
+) -> str:
     """The systemd user unit: the template with ExecStart and Environment= lines filled."""
-    text = load_template(UNIT_TEMPLATE) if template is None else template
+    text = load_template(template_name) if template is None else template
     lines = text.splitlines()
     for placeholder in (_EXEC_PLACEHOLDER, _ENV_PLACEHOLDER):
         if sum(line.strip() == placeholder for line in lines) != 1:
-            raise ServiceFileError(f"template {UNIT_TEMPLATE} must hold the line {placeholder!r} exactly once")
+            raise ServiceFileError(f"template {template_name} must hold the line {placeholder!r} exactly once")
     if not argv:
         raise ServiceFileError("the daemon command line is empty")
     out = [
-        "# Written by `moestreamctl service install`; run it again to change the settings,",
-        "# `moestreamctl service uninstall` to remove the service.",
+        f"# Written by `moestreamctl service install{flag}`; run it again to change the settings,",
+        f"# `moestreamctl service uninstall{flag}` to remove the service.",
     ]
     started = False  # the template's leading comments describe the template, not the unit
     for line in lines:
@@ -200,52 +235,55 @@ def render_unit(*, argv: Sequence[str], environment: Mapping[str, str], template
     return "\n".join(out) + "\n"
 
 
-def render_service_file(platform: str, home: Path, argv: Sequence[str], environment: Mapping[str, str]) -> ServiceFile:
+def render_service_file(
+    platform: str, home: Path, argv: Sequence[str], environment: Mapping[str, str], service: Service = DAEMON
+) -> ServiceFile:
     """The service file for `platform` under `home`, ready to be written."""
-    path = service_file_path(platform, home)
+    path = service_file_path(platform, home, service)
     if platform == "darwin":
         logs = launchd_log_dir(home)
         content = render_plist(
-            label=LAUNCHD_LABEL, argv=argv, environment=environment,
-            stdout_path=logs / "daemon.out.log", stderr_path=logs / "daemon.err.log",
+            label=service.label, argv=argv, environment=environment,
+            stdout_path=logs / f"{service.log_stem}.out.log", stderr_path=logs / f"{service.log_stem}.err.log",
         )
         return ServiceFile(platform, path, content, logs)
-    return ServiceFile(platform, path, render_unit(argv=argv, environment=environment).encode("utf-8"))
+    unit = render_unit(argv=argv, environment=environment, template_name=service.unit_template, flag=service.flag)
+    return ServiceFile(platform, path, unit.encode("utf-8"))
 
 
 # The service manager's command lines. `uid` is the user's id: LaunchAgents live in
 # the per-user GUI domain `gui/<uid>`.
 
 
-def launchd_target(uid: int) -> str:
-    return f"gui/{uid}/{LAUNCHD_LABEL}"
+def launchd_target(uid: int, service: Service = DAEMON) -> str:
+    return f"gui/{uid}/{service.label}"
 
 
-def load_commands(platform: str, path: Path, uid: int) -> list[list[str]]:
+def load_commands(platform: str, path: Path, uid: int, service: Service = DAEMON) -> list[list[str]]:
     """What loads and starts an installed service file. On macOS a loaded agent must be
     booted out first (see `loaded_command`); `enable` clears an earlier `disable`."""
     if platform == "darwin":
-        return [["launchctl", "enable", launchd_target(uid)], ["launchctl", "bootstrap", f"gui/{uid}", str(path)]]
+        return [["launchctl", "enable", launchd_target(uid, service)], ["launchctl", "bootstrap", f"gui/{uid}", str(path)]]
     # restart rather than start: a reinstall must apply the new settings to a running daemon.
     return [
         ["systemctl", "--user", "daemon-reload"],
-        ["systemctl", "--user", "enable", SYSTEMD_UNIT],
-        ["systemctl", "--user", "restart", SYSTEMD_UNIT],
+        ["systemctl", "--user", "enable", service.unit],
+        ["systemctl", "--user", "restart", service.unit],
     ]
 
 
-def loaded_command(platform: str, uid: int) -> list[str]:
+def loaded_command(platform: str, uid: int, service: Service = DAEMON) -> list[str]:
     """Exits 0 when the service is known to the manager (launchd only)."""
     if platform != "darwin":
         raise ServiceFileError("only launchd needs a loaded check")
-    return ["launchctl", "print", launchd_target(uid)]
+    return ["launchctl", "print", launchd_target(uid, service)]
 
 
-def unload_commands(platform: str, uid: int) -> list[list[str]]:
+def unload_commands(platform: str, uid: int, service: Service = DAEMON) -> list[list[str]]:
     """What stops the service and unloads it (macOS: only run when it is loaded)."""
     if platform == "darwin":
-        return [["launchctl", "bootout", launchd_target(uid)]]
-    return [["systemctl", "--user", "disable", "--now", SYSTEMD_UNIT]]
+        return [["launchctl", "bootout", launchd_target(uid, service)]]
+    return [["systemctl", "--user", "disable", "--now", service.unit]]
 
 
 def after_remove_commands(platform: str) -> list[list[str]]:
@@ -253,7 +291,7 @@ def after_remove_commands(platform: str) -> list[list[str]]:
     return [] if platform == "darwin" else [["systemctl", "--user", "daemon-reload"]]
 
 
-def status_command(platform: str, uid: int) -> list[str]:
+def status_command(platform: str, uid: int, service: Service = DAEMON) -> list[str]:
     if platform == "darwin":
-        return ["launchctl", "print", launchd_target(uid)]
-    return ["systemctl", "--user", "status", "--no-pager", SYSTEMD_UNIT]
+        return ["launchctl", "print", launchd_target(uid, service)]
+    return ["systemctl", "--user", "status", "--no-pager", service.unit]

@@ -86,6 +86,8 @@ class Settings:
     capacity: float | int | None = None
     memory_budget: int | None = None
     policy: str = "lru"
+    # Bytes of host memory that cache experts between the store and the pool (0: off).
+    host_cache: int = 0
     # Native read engine.
     io_threads: int = 4
     direct_io: bool = True
@@ -95,6 +97,9 @@ class Settings:
     autopin_frac: float = 0.5
     heat_flush_seconds: float = 5.0
     diagnostics: bool = False
+    # Prefetch of predicted experts: on, off, or auto (measure decode both ways at the
+    # start of the run and keep it only where it is faster).
+    prefetch: str = "auto"
     log_file: str | None = None
     # Requests: tokens per request (prompt + generated; also sizes the KV cache when the
     # pool comes from a memory budget), requests decoded at once, requests waiting.
@@ -156,7 +161,7 @@ def _coerce(name: str, raw: Any) -> Any:
         return None
     if name == "capacity":
         return parse_capacity(raw)
-    if name == "memory_budget":
+    if name in ("memory_budget", "host_cache"):
         return parse_size(raw)
     if name in ("direct_io", "verify_checksums", "diagnostics"):
         if isinstance(raw, bool):
@@ -167,6 +172,11 @@ def _coerce(name: str, raw: Any) -> Any:
         if s in ("0", "false", "no", "off"):
             return False
         raise SettingsError(f"{name}: expected true or false, got {raw!r}")
+    if name == "prefetch":
+        s = str(raw).strip().lower()
+        if s not in ("on", "off", "auto"):
+            raise SettingsError(f"prefetch: expected on, off or auto, got {raw!r}")
+        return s
     if name == "io_threads":
         try:
             n = int(raw)

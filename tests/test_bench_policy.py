@@ -79,6 +79,12 @@ def test_json_on_the_real_trace_folder() -> None:
             )
         # On real routing, MIN is well above LRU at these capacities.
         assert best["hit_rate"] > policies["lru"]["hit_rate"]
+        # Recalling what followed a repeated step (with the lower layers' hint) helps on
+        # real routing: induction beats the predictive policy it extends.
+        assert policies["induction"]["hit_rate"] > policies["predictive"]["hit_rate"]
+        # Similar (not only identical) earlier steps vote too: recall beats induction.
+        assert policies["recall"]["hit_rate"] > policies["induction"]["hit_rate"]
+    assert "lower traced layers" in report["cross_layer"]
 
 
 def test_table_and_capacities_on_both_real_traces() -> None:

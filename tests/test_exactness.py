@@ -108,3 +108,56 @@ def test_logits_identical_at_every_capacity(converted, policy):
                     assert (p.slot_of >= 0).sum() <= p.capacity
         finally:
             sm.close()
+
+
+def test_logits_identical_through_the_host_tier(converted):
+    """Experts that reach the pool through a host-RAM tier (small enough to evict)
+    give the same bytes, hence the same logits."""
+    from moestream.daemon.admission import expert_stride
+    from moestream.shared.store_format import load_manifest
+
+    store, prompts = converted
+    manifest = load_manifest(store)
+    total = sum(layer.num_experts for layer in manifest.layers)
+    tier_bytes = expert_stride(manifest) * (total // 3)
+    for label, slots in _capacities(store)[:2]:
+        sm = load_streaming_model(store, Settings(capacity=slots, host_cache=tier_bytes))
+        try:
+            for n, (prompt, (want_tokens, want_logits)) in prompts.items():
+                got_tokens, got_logits = greedy_logits(sm.model, prompt, STEPS)
+                assert got_tokens == want_tokens, f"{label} prompt={n}: tokens differ"
+                for step, (a, b) in enumerate(zip(got_logits, want_logits)):
+                    assert np.array_equal(a, b), f"{label} prompt={n} step={step}: logits differ"
+            tier = sm.pool_stats()["admission"]
+            assert tier["mode"] == "host-tier"
+            assert tier["tier_hits"] > 0 and tier["tier_evictions"] > 0
+            assert tier["tier_resident_experts"] <= tier["tier_capacity_experts"] == total // 3
+            # Every byte that reached a pool came from the tier; the disk only filled it.
+            assert tier["bytes_from_disk"] < tier["bytes_to_pool"]
+        finally:
+            sm.close()
+
+
+def test_logits_identical_with_prefetch(converted):
+    """Prefetched experts land in the same slots with the same bytes: with prefetch on
+    (and, at top-k capacity, diagnostics recording too) every logit is unchanged, and
+    prefetch did serve some of the misses."""
+    from moestream.daemon.diagnostics import Recorder
+
+    store, prompts = converted
+    for label, slots in _capacities(store)[:2]:
+        sm = load_streaming_model(store, Settings(capacity=slots, prefetch="on"))
+        rec = Recorder() if label == "topk" else None
+        sm.diagnostics.rec = rec
+        try:
+            for n, (prompt, (want_tokens, want_logits)) in prompts.items():
+                got_tokens, got_logits = greedy_logits(sm.model, prompt, STEPS)
+                assert got_tokens == want_tokens, f"{label} prompt={n}: tokens differ with prefetch"
+                for step, (a, b) in enumerate(zip(got_logits, want_logits)):
+                    assert np.array_equal(a, b), f"{label} prompt={n} step={step}: logits differ with prefetch"
+            assert sm.prefetcher.stats()["promoted"] > 0
+            if rec is not None:
+                assert rec.to_dict()["attribution"]["decode"]["prefetched"] > 0
+        finally:
+            sm.diagnostics.rec = None
+            sm.close()

@@ -35,6 +35,7 @@ from moestream.shared.heat_file import (
     usage_path,
     write_usage,
 )
+from tmpfs import mounted_tmpfs
 
 LOG = logging.getLogger("test_heat")
 
@@ -280,28 +281,6 @@ def test_kill9_keeper_while_it_writes_50_times(dirs, publisher):
     assert mid_write >= 5, f"only {mid_write} of 50 kills landed mid-write: the test is not testing what it claims"
 
 
-STAND_IN_DAEMON = """
-import logging, sys, time
-import numpy as np
-from pathlib import Path
-from moestream.daemon.heat import HeatPublisher
-store, runtime, limit = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
-sys.stdin.readline()  # imports done ahead of time; start when told
-pub = HeatPublisher(store, runtime, flush_seconds=0.002, log=logging.getLogger("stand-in"))
-ready = pub.start(10.0)
-print("ready", pub.health()["pid"], int(ready), flush=True)
-message = {l: np.ones(256, np.int64) for l in range(4)}
-sent = 0
-while True:
-    if sent < limit and pub.push(message):
-        sent += 1
-        if sent % 4 == 0 and pub.flush(1.0):
-            print("durable", sent, flush=True)
-    pub.check()
-    time.sleep(0.001)
-"""
-
-
 def test_kill9_daemon_while_keeper_writes_50_times(dirs):
     """The real path: SIGKILL the process that owns the publisher. Its keeper notices
     (getppid), takes what was queued, writes once more and exits; the file stays valid."""
@@ -312,7 +291,8 @@ def test_kill9_daemon_while_keeper_writes_50_times(dirs):
     previous = total_of(file_counts(store))
 
     def spawn() -> subprocess.Popen:
-        cmd = [sys.executable, "-c", STAND_IN_DAEMON, str(store), str(runtime), str(limit)]
+        # The stand-in daemon: the daemon's heat publisher alone (shared with `bench soak`).
+        cmd = [sys.executable, "-m", "moestream.daemon.soak_heat", str(store), str(runtime), str(limit)]
         return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     following = spawn()
@@ -384,16 +364,8 @@ def test_keeper_sets_corrupt_file_aside_and_restarts_from_zero(dirs, publisher):
 
 @pytest.fixture
 def small_tmpfs() -> Iterator[Path]:
-    mnt = Path(tempfile.mkdtemp(prefix="hf", dir="/tmp"))
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if result.returncode:
-        mnt.rmdir()
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {result.stderr.strip()}")
-    try:
+    with mounted_tmpfs(64 * 1024, "hf") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
-        mnt.rmdir()
 
 
 def test_full_disk_fails_loudly_keeps_old_file_and_counts(small_tmpfs, publisher):

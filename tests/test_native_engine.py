@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from moestream._native import DIRECT_ALIGN, ReadEngine, crc32
-from moestream.shared.store_format import Manifest, load_manifest
+from moestream.shared.store_format import Manifest
 from synthetic_store import QWEN3_30B_A3B_4BIT_TENSORS, expert_block, make_synthetic_store, tensor_bytes
 
 MX_DTYPES = {"uint32": mx.uint32, "float16": mx.float16, "bfloat16": mx.bfloat16, "uint8": mx.uint8}

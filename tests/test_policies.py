@@ -24,10 +24,12 @@ from moestream.daemon.policies.evaluate import (
     leave_one_out_priors,
     replay,
 )
+from moestream.daemon.policies.induction import InductionPolicy
 from moestream.daemon.policies.lfu import LFUPolicy
 from moestream.daemon.policies.lfuda import LFUDAPolicy
 from moestream.daemon.policies.lru import LRUPolicy
 from moestream.daemon.policies.predictive import PredictivePolicy
+from moestream.daemon.policies.recall import RecallPolicy
 from moestream.daemon.policies.trace import TraceError, load_trace
 from moestream.daemon.policies.victims import NoVictimError
 
@@ -232,19 +234,6 @@ def test_predictive_learns_a_sequence_lru_thrashes_on() -> None:
     assert best.hit_rate() >= pred.hit_rate()
 
 
-def test_predictive_scores_use_only_the_past() -> None:
-    rng = random.Random(3)
-    past = [rng.sample(range(16), 3) for _ in range(40)]
-    a, b = PredictivePolicy(16, 5), PredictivePolicy(16, 5)
-    for p in (a, b):
-        for s in past:
-            p.access(s)
-    np.testing.assert_array_equal(a.predicted(), b.predicted())
-    a.access([0, 1, 2])
-    b.access([7, 8, 9])
-    assert not np.array_equal(a.predicted(), b.predicted())
-
-
 def test_predictive_bookkeeping_invariants() -> None:
     rng = random.Random(5)
     p = PredictivePolicy(20, 6, context_tokens=3, context_decay=0.5)
@@ -266,6 +255,91 @@ def test_predictive_prior_ranks_a_cold_pool() -> None:
     assert p.victim(resident | {3}, protected={3}) == 1
     with pytest.raises(ValueError, match="6 non-negative counts"):
         p.set_prior([1.0, 2.0])
+
+
+# ---- induction -------------------------------------------------------------------------
+
+
+def phrase_text(seed: int, n: int = 32, k: int = 2) -> tuple[list[list[int]], list[list[int]]]:
+    """Two layers of a text made of phrases that change every 150 tokens: the lower
+    layer routes by token only, the upper one by token and previous token."""
+    rng = random.Random(seed)
+    emb = [rng.sample(range(n), k) for _ in range(60)]
+    tokens: list[int] = []
+    for _ in range(4):
+        phrases = [[rng.randrange(60) for _ in range(10)] for _ in range(3)]
+        segment: list[int] = []
+        while len(segment) < 150:
+            repeat = rng.random() < 0.6
+            segment += phrases[rng.randrange(3)] if repeat else [rng.randrange(60)]
+        tokens += segment[:150]
+    lower = [emb[t] for t in tokens]
+    upper = []
+    for prev, t in zip([0, *tokens], tokens):
+        a, b = emb[t][0], (emb[prev][1] + 7) % n
+        upper.append([a, b] if a != b else [a, (b + 1) % n])
+    return lower, upper
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_induction_recalls_what_followed_a_repeated_step(seed: int) -> None:
+    lower, _ = phrase_text(seed)
+    phases = ["decode"] * len(lower)
+    pred = replay(PredictivePolicy(32, 8), lower, phases).hit_rate()
+    ind = replay(InductionPolicy(32, 8), lower, phases).hit_rate()
+    best = replay(BeladyMIN(32, 8, lower), lower, phases).hit_rate()
+    assert pred is not None and ind is not None and best is not None
+    assert pred + 0.02 < ind <= best
+
+
+def test_induction_matches_on_the_lower_layer_hint() -> None:
+    p = InductionPolicy(16, 6)
+    for step, low in [([0, 1], [9]), ([2, 3], [8]), ([4, 5], [7]), ([6, 7], [9])]:
+        p.observe_lower([low, [15]])
+        p.access(step)
+    cols = np.zeros((16, 2))
+    p._fill_extra(cols)
+    # Own set [6, 7] never came before; the lowest layer's [9] did, at step 0, and
+    # steps 1..3 followed it (the horizon weights 1, 0.8, 0.64).
+    np.testing.assert_array_equal(cols[:, 0], 0.0)
+    np.testing.assert_allclose(cols[[2, 3, 4, 5, 6, 7], 1], [1, 1, 0.8, 0.8, 0.64, 0.64])
+    assert cols[[0, 1], 1].sum() == 0.0
+    # A hint is for one token: without one, the second key is this layer's set, which
+    # no earlier hint matches; the own key finds step 1, followed by steps 2..4.
+    p.access([2, 3])
+    p._fill_extra(cols)
+    np.testing.assert_allclose(cols[[4, 5, 6, 7, 2, 3], 0], [1, 1, 0.8, 0.8, 0.64, 0.64])
+    np.testing.assert_array_equal(cols[:, 1], 0.0)
+
+
+def test_induction_memory_stays_bounded() -> None:
+    rng = random.Random(2)
+    p = InductionPolicy(24, 6, memory=16)
+    steps = [rng.sample(range(24), 3) for _ in range(300)]
+    drive(p, steps, pinned=set())
+    assert len(p._hist) == 16 and p._hist[-1] == sorted(steps[-1])
+    assert all(len(seen) <= 2 * 16 + 1 for seen in p._seen)
+    with pytest.raises(ValueError, match="memory"):
+        InductionPolicy(24, 6, memory=1)
+
+
+@pytest.mark.parametrize("cls", [PredictivePolicy, InductionPolicy])
+def test_learned_scores_use_only_the_past(cls: type[PredictivePolicy]) -> None:
+    rng = random.Random(3)
+    past = [rng.sample(range(16), 3) for _ in range(40)]
+    a, b = cls(16, 5), cls(16, 5)
+    for p in (a, b):
+        for s in past:
+            p.access(s)
+    np.testing.assert_array_equal(a.predicted(), b.predicted())
+    a.access([0, 1, 2])
+    b.access([7, 8, 9])
+    assert not np.array_equal(a.predicted(), b.predicted())
+
+
+def test_predictive_target_is_checked() -> None:
+    with pytest.raises(ValueError, match="next_use"):
+        PredictivePolicy(8, 3, target="future")
 
 
 # ---- Belady's MIN ---------------------------------------------------------------------
@@ -372,6 +446,36 @@ def test_evaluator_counts_are_consistent(tmp_path: Path) -> None:
     assert [r["slots"] for r in report["results"]] == [k, 6]
 
 
+class HintRecorder(LRUPolicy):
+    """LRU that keeps every cross-layer hint it is given."""
+
+    def __init__(self, num_experts: int, capacity: int) -> None:
+        super().__init__(num_experts, capacity)
+        self.hints: list[list[list[int]]] = []
+
+    def observe_lower(self, lower: Sequence[Sequence[int]]) -> None:
+        self.hints.append([list(layer) for layer in lower])
+
+
+def test_evaluator_gives_each_layer_the_lower_layers_of_the_same_step(tmp_path: Path) -> None:
+    records = synthetic_records(4, 12, 3, 3)
+    trace = load_trace(write_trace(tmp_path / "t", records, num_experts=12, top_k=3))
+    made: list[HintRecorder] = []
+
+    def factory(name: str, n: int, cap: int) -> EvictionPolicy:
+        made.append(HintRecorder(n, cap))
+        return made[-1]
+
+    report = evaluate(trace, [0.5], policies=["lru"], factory=factory)
+    assert "lower traced layers" in report["cross_layer"]
+    assert len(made) == 3  # one per layer
+    for i, policy in enumerate(made):
+        assert policy.hints == [[list(x) for x in r["layers"][:i]] for r in records]
+    made.clear()
+    report = evaluate(trace, [0.5], policies=["lru"], factory=factory, lower=False)
+    assert report["cross_layer"] == "none" and all(not p.hints for p in made)
+
+
 def test_replay_splits_hits_by_phase() -> None:
     steps = [[0, 1], [0, 1], [0, 2], [0, 1]]
     phases = ["prefill", "prefill", "decode", "decode"]
@@ -421,3 +525,98 @@ def test_trace_without_meta_is_refused(tmp_path: Path) -> None:
     (tmp_path / "trace.jsonl").write_text("")
     with pytest.raises(TraceError, match="meta.json"):
         load_trace(tmp_path / "trace.jsonl")
+
+
+# ---- recall ----------------------------------------------------------------------------
+
+
+def noisy_phrases(seed: int, n: int = 32, k: int = 4, vocab: int = 40) -> list[list[int]]:
+    """Phrases of tokens that recur, each token routed to its own k experts, but half
+    the time one of them is swapped for another: a repeat is similar, rarely identical."""
+    rng = random.Random(seed)
+    emb = [rng.sample(range(n), k) for _ in range(vocab)]
+    phrases = [[rng.randrange(vocab) for _ in range(8)] for _ in range(4)]
+    tokens: list[int] = []
+    while len(tokens) < 400:
+        tokens += phrases[rng.randrange(4)] if rng.random() < 0.6 else [rng.randrange(vocab)]
+    steps = []
+    for t in tokens[:400]:
+        s = list(emb[t])
+        if rng.random() < 0.5:
+            s[rng.randrange(k)] = rng.choice([e for e in range(n) if e not in s])
+        steps.append(s)
+    return steps
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_recall_beats_exact_induction_on_inexact_repeats(seed: int) -> None:
+    steps = noisy_phrases(seed)
+    phases = ["decode"] * len(steps)
+    ind = replay(InductionPolicy(32, 10), steps, phases).hit_rate()
+    rec = replay(RecallPolicy(32, 10), steps, phases).hit_rate()
+    best = replay(BeladyMIN(32, 10, steps), steps, phases).hit_rate()
+    assert ind is not None and rec is not None and best is not None
+    assert ind + 0.01 < rec <= best
+
+
+def test_recall_weights_voters_by_how_much_they_share() -> None:
+    p = RecallPolicy(16, 6, induction_horizon=1)
+    for step in ([0, 1, 2, 3], [8], [0, 1, 2, 5], [9]):
+        p.access(step)
+    assert not p.recalled().any()  # [9] shares nothing with any earlier step
+    p.access([0, 1, 2, 3])
+    # Step 0 shares all 4 ids (weight 1) and was followed by [8]; step 2 shares 3 of 4
+    # (weight (3/4)^4) and was followed by [9]; the current step never votes.
+    w = 0.75**4
+    expected = np.zeros(16)
+    expected[8], expected[9] = 1 / (1 + w), w / (1 + w)
+    np.testing.assert_allclose(p.recalled(), expected)
+    strict = RecallPolicy(16, 6, induction_horizon=1, min_shared=4)
+    for step in ([0, 1, 2, 5], [9], [0, 1, 2, 3]):
+        strict.access(step)
+    assert not strict.recalled().any()
+
+
+def test_recall_fingerprint_keeps_lower_layers_apart() -> None:
+    p = RecallPolicy(16, 6, induction_horizon=2, min_shared=2)
+    p.observe_lower([[5, 6]])
+    p.access([0, 1])
+    p.access([9])
+    p.observe_lower([[5, 6]])
+    p.access([2, 3])
+    # Only the lower layer's [5, 6] is shared with step 0 (followed by [9], [2, 3]).
+    expected = np.zeros(16)
+    expected[9], expected[[2, 3]] = 1.0, 0.8
+    np.testing.assert_allclose(p.recalled(), expected)
+    # This layer's [5, 6] is not the lower layer's [5, 6]: no earlier step matches.
+    p.access([5, 6])
+    assert not p.recalled().any()
+
+
+def test_recall_memory_stays_bounded() -> None:
+    rng = random.Random(4)
+    p = RecallPolicy(24, 6, memory=16)
+    for _ in range(300):
+        p.observe_lower([rng.sample(range(24), 3), rng.sample(range(24), 3)])
+        p.access(rng.sample(range(24), 3))
+    t = 299
+    assert p._ring.shape == (16, 3)
+    assert all(len(steps) <= 16 for steps in p._postings)
+    for i in p._fingerprint.tolist():
+        assert all(t - 16 < s <= t for s in p._postings[i])
+    assert len(p._postings) == 24 * (1 + p.key_layers)
+    with pytest.raises(ValueError, match="min_shared"):
+        RecallPolicy(24, 6, min_shared=0)
+
+
+def test_recall_uses_only_the_past() -> None:
+    rng = random.Random(3)
+    past = [rng.sample(range(16), 3) for _ in range(40)]
+    a, b = RecallPolicy(16, 5), RecallPolicy(16, 5)
+    for p in (a, b):
+        for s in past:
+            p.access(s)
+    np.testing.assert_array_equal(a.recalled(), b.recalled())
+    a.access(past[5])
+    b.access([13, 14, 15])
+    assert not np.array_equal(a.recalled(), b.recalled())

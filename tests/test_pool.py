@@ -212,3 +212,29 @@ def test_autopin_pins_the_hottest_experts_and_keeps_them(store):
         assert not sm.pools[0].pinned
     finally:
         sm.close()
+
+
+def test_host_tier_reads_each_expert_from_disk_at_most_once(store):
+    """A tier that holds every expert: the pool (a quarter of the experts) keeps
+    missing, but after the first pass nothing more comes from the disk."""
+    manifest = load_manifest(store)
+    experts = sum(layer.num_experts for layer in manifest.layers)
+    sm = load_streaming_model(store, Settings(capacity=0.25, host_cache=64 << 20))
+    try:
+        _run(sm)
+        first = sm.pool_stats()["admission"]
+        _run(sm)
+        second = sm.pool_stats()["admission"]
+        assert second["bytes_to_pool"] > first["bytes_to_pool"], "the pool kept missing"
+        assert second["bytes_from_disk"] == first["bytes_from_disk"]
+        assert second["tier_misses"] == first["tier_misses"] <= experts
+        assert second["tier_evictions"] == 0
+    finally:
+        sm.close()
+
+
+def test_host_cache_below_one_expert_is_refused(store):
+    from moestream.shared.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="below one expert"):
+        load_streaming_model(store, Settings(capacity=0.25, host_cache=1000))

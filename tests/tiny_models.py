@@ -236,12 +236,14 @@ def make_tiny_model(
     seed: int = 0,
     shards: int = 1,
     group_size: int = GROUP_SIZE,
+    mtp: bool = False,
 ) -> Path:
     """Write a tiny `arch` model in the mlx-community layout to `path`; return `path`.
 
     quant: "4bit" or "8bit" (affine, `group_size`, via mlx-lm's `quantize_model`),
     "bf16" (as mlx-community ships unquantized models) or "f32". shards > 1 splits
-    the weights into that many files with an index.
+    the weights into that many files with an index. mtp=True (qwen3_next only) adds
+    random `mtp.*` tensors of a Qwen3-Next MTP head, in mlx layout and quantized alike.
     """
     from mlx_lm.utils import quantize_model, save_config, save_model
 
@@ -258,11 +260,45 @@ def make_tiny_model(
             model, config = quantize_model(model, config, group_size, int(quant[0]), mode="affine")
     config["eos_token_id"] = SPECIAL_TOKENS.index(EOS_TOKEN)
     save_model(path, model)
+    if mtp:
+        _add_mtp(path, config, quant, seed=seed, group_size=group_size)
     save_config(config, path / "config.json")
     if shards > 1:
         _reshard(path, shards)
     write_tokenizer(path)
     return path
+
+
+def _add_mtp(path: Path, config: dict[str, Any], quant: str, *, seed: int, group_size: int) -> None:
+    """Append random Qwen3-Next `mtp.*` tensors to the saved model.safetensors."""
+    from mlx_lm.models.qwen3_next import ModelArgs
+
+    from moestream.daemon.mtp_head import Qwen3NextMTP
+
+    if config["model_type"] != "qwen3_next":
+        raise ValueError("mtp=True needs arch qwen3_next")
+    head = Qwen3NextMTP(ModelArgs.from_dict(copy.deepcopy(config)))
+    init_weights(head, seed + 1)
+    if quant != "f32":
+        _cast_bf16(head)
+    if quant in ("4bit", "8bit"):
+        def predicate(p: str, m: nn.Module) -> bool | dict[str, Any]:
+            if not hasattr(m, "to_quantized") or m.weight.shape[-1] % group_size:
+                return False
+            if p.endswith("mlp.gate") or p.endswith("shared_expert_gate"):
+                return {"group_size": 64, "bits": 8}  # as mlx-lm's qwen3_next quant_predicate
+            return True
+
+        nn.quantize(head, group_size, int(quant[0]), class_predicate=predicate)
+    file = path / "model.safetensors"
+    weights = dict(mx.load(str(file)))
+    added = {"mtp." + k: v for k, v in tree_flatten(head.parameters())}
+    mx.save_safetensors(str(file), weights | added, metadata={"format": "mlx"})
+    index_path = path / "model.safetensors.index.json"
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+        index["weight_map"] = dict(sorted((index["weight_map"] | dict.fromkeys(added, file.name)).items()))
+        index_path.write_text(json.dumps(index, indent=4))
 
 
 # ---- tokenizer -------------------------------------------------------------------

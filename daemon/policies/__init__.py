@@ -11,15 +11,24 @@ from types import MappingProxyType
 from typing import Mapping
 
 from moestream.daemon.policies.base import EvictionPolicy
+from moestream.daemon.policies.induction import InductionPolicy
 from moestream.daemon.policies.lfu import LFUPolicy
 from moestream.daemon.policies.lfuda import LFUDAPolicy
 from moestream.daemon.policies.lru import LRUPolicy
 from moestream.daemon.policies.predictive import PredictivePolicy
+from moestream.daemon.policies.recall import RecallPolicy
 
 POLICIES: Mapping[str, type[EvictionPolicy]] = MappingProxyType(
     {
         cls.name: cls
-        for cls in (LRUPolicy, LFUPolicy, LFUDAPolicy, PredictivePolicy)
+        for cls in (
+            LRUPolicy,
+            LFUPolicy,
+            LFUDAPolicy,
+            PredictivePolicy,
+            InductionPolicy,
+            RecallPolicy,
+        )
     }
 )
 

@@ -6,6 +6,7 @@ evaluator (`moestreamctl bench policy`) drives the very same objects with a rout
 trace, so what is measured offline is what runs online.
 
 Call order, per token (or per forward, for prefill):
+    observe_lower(lower)         optional: the same token's routing in the lower MoE layers
     access(experts)              every routed expert, hits and misses alike
     victim(...) / evicted(e)     for each miss, while the pool is full
     admitted(e)                  for each miss, once it holds a slot
@@ -40,6 +41,13 @@ class EvictionPolicy(ABC):
 
     def evicted(self, expert: int) -> None:
         """`expert` lost its slot."""
+
+    def observe_lower(self, lower: Sequence[Sequence[int]]) -> None:
+        """Optional cross-layer hint, called right before `access` for the same token:
+        the experts that token routed to in each lower MoE layer, lowest layer first
+        (they route before this one in the forward, so this is known online). A caller
+        may pass only some lower layers, but always the same ones for one policy; an
+        empty sequence means no hint. The default ignores it."""
 
     def set_prior(self, heat: Sequence[float]) -> None:
         """Per-expert routing counts from earlier runs (pool_usage.json); optional."""

@@ -9,6 +9,10 @@ decode steps are both replayed, one token per step. Belady's MIN, replayed under
 rules, is the optimum that the gap closed by each policy is measured against:
 (policy - LRU) / (MIN - LRU), on the mean hit rate over layers.
 
+Cross-layer hint: before each `access`, a policy gets `observe_lower` with the same
+step's experts in every lower traced layer (in a forward they route first, so a pool
+can know them online); `lower=False` in `evaluate` withholds it.
+
 Heat prior: with `prior="loo"` (leave-one-out), at the first step of each request every
 policy gets `set_prior` with that layer's routing counts over all *other* requests of
 the trace, so nothing a policy is scored on is in its prior. With `prior="none"` no
@@ -65,9 +69,11 @@ def replay(
     phases: Sequence[str],
     *,
     priors: dict[int, Sequence[float]] | None = None,
+    lower: Sequence[Sequence[Sequence[int]]] | None = None,
 ) -> ReplayCounts:
     """Drive `policy` through `steps` as the pool would, with `policy.capacity` slots.
-    `priors` maps a step index to the heat prior given to the policy before that step.
+    `priors` maps a step index to the heat prior given to the policy before that step;
+    `lower[t]`, when given, is step t's experts in the lower layers (`observe_lower`).
     Raises RuntimeError if the policy picks a protected or non-resident victim."""
     resident: set[int] = set()
     counts = ReplayCounts()
@@ -75,6 +81,8 @@ def replay(
         if priors and t in priors:
             policy.set_prior(priors[t])
         protected = set(experts)
+        if lower is not None:
+            policy.observe_lower(lower[t])
         policy.access(experts)
         misses = [e for e in experts if e not in resident]
         counts.hits[phases[t]] += len(protected) - len(misses)
@@ -135,10 +143,12 @@ def evaluate(
     *,
     policies: Sequence[str] | None = None,
     prior: str = "loo",
+    lower: bool = True,
     factory: Callable[[str, int, int], EvictionPolicy] = make_policy,
 ) -> dict[str, Any]:
     """Hit rates of every policy (all registered ones by default) and of MIN on `trace`,
-    per capacity fraction; a JSON-ready dict (see `moestreamctl bench policy --json`)."""
+    per capacity fraction; a JSON-ready dict (see `moestreamctl bench policy --json`).
+    `lower`: give each layer's policies the same step's lower-layer routing."""
     if prior not in PRIORS:
         raise ValueError(f"prior {prior!r}: valid values are {', '.join(PRIORS)}")
     names = list(POLICIES) if policies is None else list(policies)
@@ -160,7 +170,10 @@ def evaluate(
                     policy: EvictionPolicy = BeladyMIN(trace.num_experts, slots, steps)
                 else:
                     policy = factory(name, trace.num_experts, slots)
-                per_layer.append(replay(policy, steps, trace.phases, priors=priors[i]))
+                below = [step[:i] for step in trace.steps] if lower else None
+                per_layer.append(
+                    replay(policy, steps, trace.phases, priors=priors[i], lower=below)
+                )
             by_policy[name] = _policy_result(per_layer)
         lru, best = by_policy[BASELINE]["hit_rate"], by_policy[OPTIMUM]["hit_rate"]
         for r in by_policy.values():
@@ -184,6 +197,10 @@ def evaluate(
         "requests": requests,
         "phase_steps": {p: phase_steps[p] for p in PHASES},
         "prior": prior_text,
+        "cross_layer": (
+            "each policy sees the same step's experts of the lower traced layers "
+            "(observe_lower) before its access" if lower else "none"
+        ),
         "replay": (
             "one pool per layer, empty at start and carried across requests; the "
             "current step's experts protected; prefill and decode replayed per token"

@@ -22,6 +22,10 @@ are trained on); residents are then ranked once (O(capacity log capacity) in num
 further victims of the step are taken in that order at O(1) each. Features cost
 O(context experts x experts) per scored step.
 
+Subclasses add feature columns through `_extra_features` / `_fill_extra` (they sit
+between the built-in ones and the bias column) and may train on `target="next_use"`
+(the horizon weight of each expert's first use) instead of the discounted use count.
+
 What must stay true: features at a step use only routing up to that step (the policy
 never sees the future); a feature row is trained on only once its `horizon` following
 steps have been seen; `_rows[y]` is the sum of row y of `_trans`; `_ctx` is the decayed
@@ -42,6 +46,11 @@ from moestream.daemon.policies.victims import fallback_victim
 
 # Additive smoothing (in pseudo-counts spread over all experts) of every probability.
 _SMOOTH = 0.5
+# What the mix is fitted to, over the next `horizon` steps, per expert.
+_TARGETS = {
+    "uses": "discounted number of uses",
+    "next_use": "discount of the first use (0 when unused): Belady's criterion",
+}
 
 
 class PredictivePolicy(EvictionPolicy):
@@ -60,6 +69,7 @@ class PredictivePolicy(EvictionPolicy):
         refit_every: int = 4,
         ridge: float = 1.0,
         prior_weight: float = 4096.0,
+        target: str = "uses",
     ) -> None:
         super().__init__(num_experts, capacity)
         if context_tokens < 1 or horizon < 1 or refit_every < 1:
@@ -68,12 +78,17 @@ class PredictivePolicy(EvictionPolicy):
             )
         if not 0.0 < context_decay <= 1.0 or not 0.0 < horizon_decay <= 1.0:
             raise ValueError("[predictive] decays must be in (0, 1]")
+        if target not in _TARGETS:
+            raise ValueError(
+                f"[{self.name}] target {target!r}: valid values are {', '.join(_TARGETS)}"
+            )
         if any(h <= 0 for h in half_lives):
             raise ValueError(f"[predictive] half_lives {half_lives} must be > 0")
         n = num_experts
         self.horizon = horizon
         self.refit_every = refit_every
         self.prior_weight = prior_weight
+        self.target = target
         # Context: decayed counts of the experts of the last `context_tokens` steps.
         self._decay = context_decay
         self._fade = context_decay**context_tokens  # weight of the step leaving it
@@ -91,7 +106,8 @@ class PredictivePolicy(EvictionPolicy):
         self._per_step = 0.0  # mean experts per step, to normalise rates
         self._steps = 0
         # Ridge regression: features -> discounted uses over the next `horizon` steps.
-        nf = 3 + len(half_lives)
+        self._extra_at = 2 + len(half_lives)
+        nf = self._extra_at + self._extra_features() + 1
         self._horizon_w = horizon_decay ** np.arange(horizon)
         self._x = np.zeros((horizon + 1, n, nf))  # feature rows of the last steps
         self._x[:, :, -1] = 1.0
@@ -204,9 +220,15 @@ class PredictivePolicy(EvictionPolicy):
         x = self._x[slot]
         self._since_refit += 1
         steps = list(self._recent_steps)[-self.horizon :]
-        uses = np.concatenate(steps)
-        weight = np.repeat(self._horizon_w, [len(s) for s in steps])
-        y = np.bincount(uses, weights=weight, minlength=self.num_experts)
+        if self.target == "next_use":
+            # Later steps first, so each expert keeps the weight of its first use.
+            y = np.zeros(self.num_experts)
+            for i in range(len(steps) - 1, -1, -1):
+                y[steps[i]] = self._horizon_w[i]
+        else:
+            uses = np.concatenate(steps)
+            weight = np.repeat(self._horizon_w, [len(s) for s in steps])
+            y = np.bincount(uses, weights=weight, minlength=self.num_experts)
         self._gram += x.T @ x
         self._rhs += x.T @ y
 
@@ -222,4 +244,15 @@ class PredictivePolicy(EvictionPolicy):
         else:
             x[:, 1] = 0.0
         per_step = max(self._per_step, 1.0)
-        x[:, 2:-1] = (self._recent * ((1.0 - self._keep) * n / per_step)).T
+        x[:, 2 : self._extra_at] = (self._recent * ((1.0 - self._keep) * n / per_step)).T
+        if self._extra_features():
+            self._fill_extra(x[:, self._extra_at : -1])
+
+    # ---- hooks for subclasses --------------------------------------------------------
+
+    def _extra_features(self) -> int:
+        """How many feature columns a subclass adds (fixed for the object's life)."""
+        return 0
+
+    def _fill_extra(self, x: np.ndarray) -> None:
+        """Write the subclass's columns (a view of experts x `_extra_features()`)."""

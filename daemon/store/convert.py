@@ -149,11 +149,13 @@ def required_free_bytes(estimate: int) -> int:
     return estimate + int(estimate * DISK_MARGIN_FRACTION) + DISK_MARGIN_BYTES
 
 
-def _load(model_dir: Path):
+def _load(model_dir: Path, mtp_sink: dict[str, mx.array]):
     from mlx_lm.utils import load_model
 
+    from moestream.daemon.mtp_head import classes_keeping_mtp
+
     try:
-        return load_model(model_dir, lazy=True)
+        return load_model(model_dir, lazy=True, get_model_classes=classes_keeping_mtp(mtp_sink))
     except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
         raise StoreError(f"{model_dir}: mlx-lm cannot load this model ({type(e).__name__}: {e})") from e
 
@@ -172,7 +174,9 @@ def convert_model(
     Refuses (StoreError) a model with no MoE layers or an unknown expert layout, missing
     or truncated weight files, an existing store unless `force`, and a destination
     without enough free space (as reported by `disk_free`). `progress` is called with
-    (bytes written, bytes total) as the store is written.
+    (bytes written, bytes total) as the store is written. A Qwen3-Next checkpoint's
+    `mtp.*` tensors, which stock mlx-lm drops, go to the store's `mtp.safetensors`
+    (daemon/mtp_head.py).
     """
     model_dir = Path(model_dir).expanduser().resolve()
     out_dir = Path(out_dir).expanduser().absolute()
@@ -181,7 +185,8 @@ def convert_model(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(out_dir)
 
-    model, config = _load(model_dir)
+    mtp: dict[str, mx.array] = {}  # mtp.* tensors, which stock mlx-lm drops
+    model, config = _load(model_dir, mtp)
     model_type = str(config.get("model_type", "model"))
     layers = find_switch_layers(model, model_type)
     expert_names = {n for layer in layers for n in layer.parameter_names()}
@@ -196,7 +201,7 @@ def convert_model(
 
     copied = tokenizer_files(model_dir)
     resident_bytes = sum(a.nbytes for _, a in resident)
-    estimate = estimate_store_bytes(layers, resident_bytes, copied)
+    estimate = estimate_store_bytes(layers, resident_bytes + sum(a.nbytes for a in mtp.values()), copied)
     free = disk_free(out_dir.parent)
     if free < required_free_bytes(estimate):
         raise StoreError(
@@ -238,6 +243,11 @@ def convert_model(
         resident_files = _write_resident(resident, tmp, resident_shard_bytes, advance)
         for src in copied:
             shutil.copy2(src, tmp / src.name)
+        if mtp:
+            from moestream.daemon.mtp_head import MTP_FILE, save_qwen3_next_mtp
+
+            save_qwen3_next_mtp(tmp / MTP_FILE, mtp)
+            mtp.clear()
         manifest = Manifest(
             model_type=model_type,
             config=config,

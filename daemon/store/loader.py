@@ -8,8 +8,7 @@ tensors are the pool's slot arrays. The stacked expert tensors are never materia
 
 from __future__ import annotations
 
-import glob
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +19,18 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes, infer_quant_config, load_tokenizer
 
+from moestream.daemon.admission import Admitter, make_admitter
 from moestream.daemon.capacity import plan_capacity, top_k_of
 from moestream.daemon.expert_pool import ExpertPool
 from moestream.daemon.expert_reader import ExpertReader
 from moestream.daemon.policies import make_policy
+from moestream.daemon.predictor import install as install_predictor
 from moestream.daemon.streaming_moe import StreamingMoE
 from moestream.shared.settings import Settings
 from moestream.shared.store_format import Manifest, StoreError, load_manifest
+
+# How many of the lowest MoE layers' routing a pool hands its policy as a hint.
+LOWER_HINT_LAYERS = 4
 
 
 @dataclass
@@ -38,9 +42,22 @@ class StreamingModel:
     manifest: Manifest
     pools: list[ExpertPool]
     reader: ExpertReader
+    # How experts reach the pools (straight from the store, or through host memory).
+    admitter: Admitter
+    admission_note: dict[str, Any]
     store_dir: Path
     capacity: int
     resident_bytes: int
+    # False when the reader came with a shared admitter (benchmarks share one host tier).
+    owns_reader: bool = True
+    # Loaded on the first speculative request that needs them (daemon/speculative.py):
+    # the store's MTP head, and draft models by path.
+    mtp: Any = None
+    draft_models: dict[str, Any] = field(default_factory=dict)
+    # The diagnostics switch and totals (daemon/diagnostics.py), and the prefetcher of
+    # predicted experts (daemon/prefetch.py; None where every pool is full).
+    diagnostics: Any = None
+    prefetcher: Any = None
 
     @property
     def pool_bytes(self) -> int:
@@ -68,10 +85,14 @@ class StreamingModel:
         misses = totals.get("misses_prefill", 0) + totals.get("misses_decode", 0)
         totals["hit_rate"] = hits / (hits + misses) if hits + misses else None
         totals["layers"] = per_layer
+        totals["admission"] = self.admitter.stats() | self.admission_note
         return totals
 
     def close(self) -> None:
-        self.reader.close()
+        if self.prefetcher is not None:
+            self.prefetcher.drain()
+        if self.owns_reader:
+            self.reader.close()
 
 
 def _module_at(root: nn.Module, path: str) -> tuple[Any, str | int, nn.Module]:
@@ -155,10 +176,17 @@ def _load_resident(model: nn.Module, weights: dict[str, mx.array], manifest: Man
 
 
 def load_streaming_model(
-    store_dir: str | Path, settings: Settings, *, max_tokens: int = 4096, naive: bool = False
+    store_dir: str | Path,
+    settings: Settings,
+    *,
+    max_tokens: int = 4096,
+    naive: bool = False,
+    admitter: Admitter | None = None,
 ) -> StreamingModel:
     """Load a store for streaming. `naive=True` is the on-demand baseline of the
-    benchmarks: a pool of top-k slots that reuses nothing between forwards."""
+    benchmarks: a pool of top-k slots that reuses nothing between forwards. An
+    `admitter` (with its reader) may be shared between models of the same store; the
+    model then leaves closing its reader to the caller."""
     store = Path(store_dir)
     manifest = load_manifest(store)
     config = manifest.config
@@ -172,11 +200,21 @@ def load_streaming_model(
         resident_bytes=resident_bytes,
         max_tokens=max_tokens,
     )
-    reader = ExpertReader(
-        store, manifest, threads=settings.io_threads, direct=settings.direct_io, verify=settings.verify_checksums
-    )
+    owns_reader = admitter is None
+    if admitter is None:
+        reader = ExpertReader(
+            store, manifest, threads=settings.io_threads, direct=settings.direct_io, verify=settings.verify_checksums
+        )
+    else:
+        reader = admitter.reader
     pools: list[ExpertPool] = []
+    moes: list[StreamingMoE] = []
+    blocks: list[Any] = []
     try:
+        if admitter is None:
+            admitter, note = make_admitter(reader, manifest, settings.host_cache)
+        else:
+            note = {"shared": True}
         for layer in manifest.layers:
             parent, key, module = _module_at(model, layer.module_path)
             if not isinstance(module, (SwitchGLU, SwitchMLP)):
@@ -184,17 +222,26 @@ def load_streaming_model(
             _check_layout(module, layer)
             slots = min(capacity, layer.num_experts)
             policy = make_policy(settings.policy, layer.num_experts, slots)
-            pool = ExpertPool(layer, slots, policy, reader, top_k=k, keep=not naive)
+            pool = ExpertPool(layer, slots, policy, admitter, top_k=k, keep=not naive)
             parent[key] = StreamingMoE(module, pool)
             pools.append(pool)
+            moes.append(parent[key])
+            blocks.append(parent)
+        for i, pool in enumerate(pools):
+            pool.lower = pools[: min(i, LOWER_HINT_LAYERS)]
         _load_resident(model, weights, manifest, store)
         mx.eval(model.parameters())
         for pool in pools:
             if pool.capacity == pool.layer.num_experts and not naive:
                 pool.load_all()
+        diagnostics, prefetcher = install_predictor(
+            moes, blocks, reader=reader, manifest=manifest, admitter=admitter, top_k=k,
+            prefetch=settings.prefetch, diagnostics=settings.diagnostics, predict=not naive,
+        )
         tokenizer = load_tokenizer(store, eos_token_ids=config.get("eos_token_id"))
     except BaseException:
-        reader.close()
+        if owns_reader:
+            reader.close()
         raise
     return StreamingModel(
         model=model,
@@ -202,9 +249,14 @@ def load_streaming_model(
         manifest=manifest,
         pools=pools,
         reader=reader,
+        admitter=admitter,
+        admission_note=note,
         store_dir=store,
         capacity=capacity,
         resident_bytes=resident_bytes,
+        owns_reader=owns_reader,
+        diagnostics=diagnostics,
+        prefetcher=prefetcher,
     )
 
 

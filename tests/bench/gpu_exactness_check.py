@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import tempfile
 from pathlib import Path
@@ -59,12 +58,13 @@ def main() -> None:
         rng = np.random.default_rng(0)
         prompts = {n: rng.integers(0, 4096, n).tolist() for n in (1, 7, 100)}
         want = {n: greedy(model, p, args.steps) for n, p in prompts.items()}
-        for slots in (4, 8, 16, 32):
-            sm = load_streaming_model(store, Settings(capacity=slots))
+        for slots, host_cache in [(4, 0), (8, 0), (16, 0), (32, 0), (4, 1 << 26), (8, 1 << 26)]:
+            sm = load_streaming_model(store, Settings(capacity=slots, host_cache=host_cache))
+            mode = sm.pool_stats()["admission"]["mode"]
             for n, p in prompts.items():
                 toks, rows = greedy(sm.model, p, args.steps)
                 diffs = [float(np.nanmax(np.abs(a - b))) if not np.array_equal(a, b) else 0.0 for a, b in zip(rows, want[n][1])]
-                r = {"weights": "4bit" if bits else "bf16", "capacity": slots, "prompt": n,
+                r = {"weights": "4bit" if bits else "bf16", "capacity": slots, "admission": mode, "prompt": n,
                      "tokens_equal": toks == want[n][0], "logits_equal_steps": sum(d == 0.0 for d in diffs),
                      "steps": len(diffs), "max_abs_diff": max(diffs), "first_diff_step": next((i for i, d in enumerate(diffs) if d), None),
                      "stock_has_nan": bool(any(np.isnan(w).any() for w in want[n][1]))}

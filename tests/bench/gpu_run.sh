@@ -4,14 +4,19 @@
 # results go to $OUT and are committed under tests/bench/results/.
 #
 #   bash tests/bench/gpu_run.sh exactness     # the exactness suite on CUDA (adds bf16)
+#   bash tests/bench/gpu_run.sh copy-check    # the CUDA copier: exact bytes, memory kinds, H2D GB/s
+#   bash tests/bench/gpu_run.sh residency-q30 # copy streams; 100% vs stock per round; zero-copy reads
 #   bash tests/bench/gpu_run.sh exactness-mini  # 4-bit and bf16 random models of CUDA-friendly size
 #   bash tests/bench/gpu_run.sh make-q30      # Qwen3-30B-A3B-shaped random 4-bit model + store
-#   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it
+#   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it (host tier on/off, sampled)
 #   bash tests/bench/gpu_run.sh warmstart-q30 # bench warmstart on it
 #   bash tests/bench/gpu_run.sh demo          # train the built-in demo model
+#   bash tests/bench/gpu_run.sh spec-demo     # bench decode --speculative mtp on the demo model
 set -euo pipefail
 stage=${1:?stage}
 export PYTHONPATH=/opt/mlx:$PWD
+# A native abort then prints the Python stack of every thread.
+export PYTHONFAULTHANDLER=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 py=python3
@@ -27,8 +32,15 @@ case "$stage" in
     $py -m pytest -q -p no:cacheprovider tests/test_exactness.py tests/test_pool.py tests/test_native_engine.py \
       2>&1 | tee "$OUT/exactness_cuda.txt" | tail -15
     ;;
+  copy-check)
+    $py tests/bench/gpu_copy_check.py --out "$OUT/copy_check.json"
+    ;;
+  residency-q30)
+    $py tests/bench/gpu_residency_probe.py --store /root/q30/store --out "$OUT/residency_q30.json" 2>&1 | tail -40
+    ;;
   exactness-mini)
-    $py tests/bench/gpu_exactness_check.py --out "$OUT/exactness_gpu_mini.json" --steps "${STEPS:-16}" | tail -30
+    $py tests/bench/gpu_exactness_check.py --out "$OUT/exactness_gpu_mini.json" --steps "${STEPS:-16}" >"$OUT/exactness_gpu_mini.log" 2>&1 || { tail -60 "$OUT/exactness_gpu_mini.log"; exit 1; }
+    tail -3 "$OUT/exactness_gpu_mini.log"
     ;;
   make-q30)
     rm -rf /root/q30 && mkdir -p /root/q30
@@ -38,8 +50,11 @@ case "$stage" in
     df -h /root | tail -1
     ;;
   decode-q30)
+    # Sampled at temperature 1: random weights decode greedily into loops that route far
+    # more regularly than a real model. One host tier of 20 GB holds every expert (16.3 GB).
     ctl bench decode --model /root/q30/store --capacity 1 --capacity 0.5 --capacity 0.25 --capacity 0.125 \
-      --prompt-tokens 32 --decode-tokens 32 --rounds 3 --mlx-memory-limit 64G --json >"$OUT/bench_decode_q30.json"
+      --host-cache 20G --temp 1 --prompt-tokens 32 --decode-tokens ${DECODE_TOKENS:-32} --rounds ${ROUNDS:-5} --mlx-memory-limit 64G \
+      --json >"$OUT/bench_decode_q30.json"
     $py - "$OUT/bench_decode_q30.json" <<'EOF'
 import json, sys
 from moestream.daemon.bench_decode import format_report
@@ -49,6 +64,17 @@ EOF
   warmstart-q30)
     ctl bench warmstart --model /root/q30/store --capacity 0.25 --tokens 64 --rounds 3 --json >"$OUT/bench_warmstart_q30.json"
     cat "$OUT/bench_warmstart_q30.json" | head -c 1500
+    ;;
+  spec-demo)
+    # Speculative decoding with the demo's MTP head against plain decode, K = 1..3.
+    ctl bench decode --model daemon/demo/store --speculative mtp --draft-tokens 1 --draft-tokens 2 --draft-tokens 3 \
+      --capacity 1 --capacity 0.25 --decode-tokens ${DECODE_TOKENS:-128} --rounds ${ROUNDS:-3} --mlx-memory-limit 32G \
+      --json >"$OUT/bench_spec_demo_h200.json"
+    $py - "$OUT/bench_spec_demo_h200.json" <<'EOF'
+import json, sys
+from moestream.daemon.bench_speculative import format_speculative_report
+print(format_speculative_report(json.load(open(sys.argv[1]))))
+EOF
     ;;
   demo)
     $py -m moestream.daemon.demo.train --out "$OUT/demo" --minutes "${DEMO_MINUTES:-7}" 2>&1 | tail -40

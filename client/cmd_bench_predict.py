@@ -1,0 +1,59 @@
+"""`moestreamctl bench predict`: predictor recall and decode speed with prefetch off/on."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.command("predict")
+@click.option("--model", "store", required=True, type=click.Path(file_okay=False), help="Expert store.")
+@click.option("--capacity", "capacities", multiple=True, type=click.FloatRange(0.0, 1.0, min_open=True),
+              help="Pool fractions to measure (repeat); default 0.25 0.5.")
+@click.option("--policy", default="lru", show_default=True)
+@click.option("--prompt-tokens", default=32, show_default=True, type=click.IntRange(1, None))
+@click.option("--decode-tokens", default=64, show_default=True, type=click.IntRange(1, None))
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(1, None), help="Off/on runs taking turns; medians are reported.")
+@click.option("--io-threads", default=4, show_default=True, type=click.IntRange(1, 256))
+@click.option("--host-cache", help="Size of a host-RAM tier (e.g. 20G) under the pool; default none.")
+@click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0, None), help="0 decodes greedily; > 0 samples (same seed everywhere).")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--width", default=1, show_default=True, type=click.IntRange(1, 4), help="Experts prefetched per token, in multiples of top-k.")
+@click.option("--mlx-memory-limit", help="Cap MLX's memory (mx.set_memory_limit), e.g. 64G; advised on CUDA.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench_predict(store, capacities, policy, prompt_tokens, decode_tokens, rounds, io_threads, host_cache, temp, seed, width, mlx_memory_limit,
+                  as_json) -> None:
+    """Recall of the next-layer predictor at top-k, 2k and 4k, and decode tokens/s with
+    prefetch off and on (and what `--prefetch auto` decides) at each capacity."""
+    from pathlib import Path
+
+    from moestream.daemon.bench_predict import BenchPredictSettings, format_report, run_bench_predict
+    from moestream.daemon.expert_pool import PoolCapacityError
+    from moestream.shared.settings import SettingsError, parse_size
+    from moestream.shared.store_format import StoreError
+
+    try:
+        memory_limit = parse_size(mlx_memory_limit) if mlx_memory_limit else None
+        host_bytes = parse_size(host_cache) if host_cache else 0
+    except SettingsError as e:
+        raise click.UsageError(str(e)) from None
+    settings = BenchPredictSettings(
+        store=Path(store),
+        capacities=tuple(capacities) or (0.25, 0.5),
+        prompt_tokens=prompt_tokens,
+        decode_tokens=decode_tokens,
+        rounds=rounds,
+        policy=policy,
+        io_threads=io_threads,
+        host_cache=host_bytes,
+        temp=temp,
+        seed=seed,
+        width=width,
+        mlx_memory_limit=memory_limit,
+    )
+    try:
+        report = run_bench_predict(settings)
+    except (StoreError, PoolCapacityError, SettingsError, ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(json.dumps(report) if as_json else format_report(report))

@@ -1,0 +1,270 @@
+"""The OpenAI HTTP API's shapes: request validation and response objects (no MLX, no I/O).
+
+A request body becomes an `ApiRequest` holding the keyword arguments of
+`Client.generate`; anything wrong raises `ApiError`, which carries the HTTP status and
+the OpenAI-style error object `{"error": {"message", "type", "param", "code"}}`.
+
+Accepted, beyond what every client sends: `max_tokens` or `max_completion_tokens`
+(default DEFAULT_MAX_TOKENS), `temperature` (default 1.0, as OpenAI's), `top_p`, `seed`,
+`stop` (a string or up to `protocol.MAX_STOP_STRINGS` strings), `stream`,
+`stream_options.include_usage`. Parameters that would change the answer in a way this
+server cannot honour (n > 1, logprobs, tools, penalties, logit_bias, JSON response
+formats, echo, suffix, best_of > 1) are refused with a 400 rather than ignored; other
+unknown fields (user, metadata, ...) are ignored.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from moestream.shared import protocol as proto
+
+DEFAULT_MAX_TOKENS = 512
+DEFAULT_TEMPERATURE = 1.0
+MAX_TEMPERATURE = 2.0
+
+
+class ApiError(Exception):
+    """An HTTP error answered as OpenAI does: `status` and an error object."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    """One validated completion request."""
+
+    chat: bool  # /v1/chat/completions (messages) or /v1/completions (prompt)
+    model: str | None  # as the client named it; None when it gave none
+    stream: bool
+    include_usage: bool
+    generate: dict[str, Any] = field(default_factory=dict)  # keyword arguments of Client.generate
+
+
+# ---- requests ------------------------------------------------------------------------
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _number(body: dict[str, Any], name: str, default: float, low: float, high: float, *, low_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    ok = ok and (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+        raise bad_request(f"'{name}' must be a number in {bound}, got {value!r}", name)
+    return float(value)
+
+
+def _max_tokens(body: dict[str, Any]) -> int:
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if not _is_int(value) or not 1 <= value <= proto.MAX_TOKENS_LIMIT:
+            raise bad_request(f"'{name}' must be a whole number in 1..{proto.MAX_TOKENS_LIMIT}, got {value!r}", name)
+        return value
+    return DEFAULT_MAX_TOKENS
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not (
+        isinstance(stop, list)
+        and len(stop) <= proto.MAX_STOP_STRINGS
+        and all(isinstance(s, str) and 0 < len(s) <= proto.MAX_STOP_CHARS for s in stop)
+    ):
+        raise bad_request(
+            f"'stop' must be a string or a list of at most {proto.MAX_STOP_STRINGS} non-empty strings "
+            f"of at most {proto.MAX_STOP_CHARS} characters",
+            "stop",
+        )
+    return stop
+
+
+# (name, the values that leave the answer unchanged): anything else is refused.
+_UNSUPPORTED: tuple[tuple[str, tuple[Any, ...]], ...] = (
+    ("n", (None, 1)),
+    ("best_of", (None, 1)),
+    ("logprobs", (None, False, 0)),
+    ("top_logprobs", (None, 0)),
+    ("echo", (None, False)),
+    ("suffix", (None, "")),
+    ("presence_penalty", (None, 0, 0.0)),
+    ("frequency_penalty", (None, 0, 0.0)),
+    ("logit_bias", (None, {})),
+    ("tools", (None, [])),
+    ("functions", (None, [])),
+    ("tool_choice", (None, "none")),
+    ("function_call", (None, "none")),
+)
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name, neutral in _UNSUPPORTED:
+        value = body.get(name)
+        # Same type as well as equal: True == 1 must not pass for n = 1.
+        if not any(value is v or (type(value) is type(v) and value == v) for v in neutral):
+            raise bad_request(f"'{name}' = {body[name]!r} is not supported by this server", name, "unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise bad_request("only 'response_format' {\"type\": \"text\"} is supported by this server", "response_format", "unsupported_parameter")
+
+
+def _content(value: Any, i: int) -> str:
+    """A message's content: a string, null, or a list of text parts."""
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return ""
+    if isinstance(value, list):
+        texts = []
+        for j, part in enumerate(value):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise bad_request(f"messages[{i}].content[{j}]: only text parts are supported", f"messages[{i}].content")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad_request(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if messages is None:
+        raise bad_request("'messages' is required: a list of {role, content} objects", "messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list of {role, content} objects", "messages")
+    if len(messages) > proto.MAX_MESSAGES:
+        raise bad_request(f"{len(messages)} messages are over the limit of {proto.MAX_MESSAGES}", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad_request(f"messages[{i}] must be an object with 'role' and 'content'", "messages")
+        role = m.get("role")
+        if not isinstance(role, str) or not 0 < len(role) <= proto.MAX_ROLE_CHARS:
+            raise bad_request(f"messages[{i}].role must be a string such as 'system', 'user' or 'assistant'", f"messages[{i}].role")
+        out.append({"role": role, "content": _content(m.get("content"), i)})
+    return out
+
+
+def _prompt(body: dict[str, Any]) -> dict[str, Any]:
+    """`prompt` as Client.generate's prompt= or prompt_ids= (one prompt per request)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("'prompt' is empty", "prompt")
+        return {"prompt": prompt}
+    if isinstance(prompt, list) and prompt and all(_is_int(t) and 0 <= t < 2**31 for t in prompt):
+        return {"prompt_ids": prompt}
+    if prompt is None:
+        raise bad_request("'prompt' is required: a string (or a list of token ids)", "prompt")
+    raise bad_request("'prompt' must be one string or one non-empty list of token ids (several prompts per request are not supported)", "prompt")
+
+
+def parse_request(body: Any, *, chat: bool) -> ApiRequest:
+    """Validate a decoded JSON body of /v1/chat/completions (chat) or /v1/completions."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string", "model")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad_request("'stream' must be true or false", "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    include_usage = bool(options and options.get("include_usage"))
+    _refuse_unsupported(body)
+    seed = body.get("seed")
+    if seed is not None and not (_is_int(seed) and 0 <= seed < 2**63):
+        raise bad_request(f"'seed' must be a whole number in 0..2^63-1, got {seed!r}", "seed")
+    kwargs: dict[str, Any] = {"messages": _messages(body)} if chat else _prompt(body)
+    kwargs.update(
+        max_tokens=_max_tokens(body),
+        temp=_number(body, "temperature", DEFAULT_TEMPERATURE, 0.0, MAX_TEMPERATURE),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        seed=seed,
+        stop=_stop(body),
+    )
+    return ApiRequest(chat=chat, model=model, stream=stream, include_usage=include_usage, generate=kwargs)
+
+
+# ---- responses -----------------------------------------------------------------------
+
+
+def finish_reason(daemon_reason: str) -> str:
+    """OpenAI's finish_reason for the daemon's (length | stop; a cancel ends as stop)."""
+    return "length" if daemon_reason == "length" else "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass(frozen=True)
+class Shaper:
+    """Makes the response objects of one request."""
+
+    chat: bool
+    id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def complete(self, text: str, reason: str, use: dict[str, int]) -> dict[str, Any]:
+        """The whole answer of a non-streaming request."""
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
+            return self._base("chat.completion") | {"choices": [choice], "usage": use}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        return self._base("text_completion") | {"choices": [choice], "usage": use}
+
+    def chunk(self, text: str | None, reason: str | None = None, *, first: bool = False, with_usage: bool = False) -> dict[str, Any]:
+        """One streamed piece; `first` (chat) carries the assistant role."""
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            out = self._base("chat.completion.chunk") | {"choices": [choice]}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            out = self._base("text_completion") | {"choices": [choice]}
+        if with_usage:
+            out["usage"] = None  # OpenAI sends null on every chunk but the usage chunk
+        return out
+
+    def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
+        """The last chunk when stream_options.include_usage: no choices, the usage."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._base(obj) | {"choices": [], "usage": use}

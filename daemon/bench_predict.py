@@ -1,0 +1,191 @@
+"""`moestreamctl bench predict`: how well the predictor names the next layer's experts,
+and whether prefetching them makes decode faster.
+
+At each pool capacity (fractions of a layer's experts; 25% and 50% by default):
+
+1. recall: one decode with diagnostics on; recall at top-k, top-2k and top-4k (routed
+   experts the predictor had named / routed experts), the attribution of every routed
+   expert, the compute window and the expert-matmul time per call with prefetch on and
+   off (reads must not slow the layer that computes while they run);
+2. speed: decode tokens/s with prefetch off and on, the two taking turns `rounds` times
+   on the same model (so the pool's state and the machine's drift hit both alike);
+   medians are reported, and the ratio on/off;
+3. auto: what `prefetch = auto` decides on this machine, through the generation loop the
+   daemon runs.
+
+Every run decodes the same prompt, greedily or sampled with the same seed.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from moestream.daemon.diagnostics import Recorder
+from moestream.daemon.generation import SamplingParams, generate
+from moestream.daemon.prefetch import PrefetchGovernor
+from moestream.daemon.store.loader import StreamingModel, load_streaming_model
+from moestream.shared.settings import Settings
+from moestream.shared.store_format import load_manifest
+
+
+@dataclass(frozen=True)
+class BenchPredictSettings:
+    store: Path
+    capacities: tuple[float, ...] = (0.25, 0.5)
+    prompt_tokens: int = 32
+    decode_tokens: int = 64
+    rounds: int = 3
+    policy: str = "lru"
+    io_threads: int = 4
+    host_cache: int = 0
+    temp: float = 0.0
+    seed: int = 0
+    mlx_memory_limit: int | None = None
+    # Experts prefetched per token, as a multiple of top-k.
+    width: int = 1
+
+
+def _decode(sm: StreamingModel, prompt: list[int], steps: int, temp: float, seed: int) -> float:
+    """Seconds of `steps` decode steps after the prompt, with mlx-lm's pipelining."""
+
+    def pick(logits: mx.array) -> mx.array:
+        return mx.argmax(logits, axis=-1) if temp == 0 else mx.random.categorical(logits * (1.0 / temp))
+
+    mx.random.seed(seed)
+    cache = make_prompt_cache(sm.model)
+    y = pick(sm.model(mx.array(prompt)[None], cache=cache)[:, -1, :])
+    mx.eval(y)
+    tic = time.perf_counter()
+    for _ in range(steps):
+        next_y = pick(sm.model(y[None], cache=cache)[:, -1, :])
+        mx.async_eval(next_y)
+        y.item()
+        y = next_y
+    mx.eval(y)
+    return time.perf_counter() - tic
+
+
+def _diagnosed(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettings, prefetch: bool) -> dict[str, Any]:
+    sm.prefetcher.enabled = prefetch
+    rec = Recorder()
+    sm.diagnostics.rec = rec
+    try:
+        _decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed)
+    finally:
+        sm.diagnostics.rec = None
+    return rec.to_dict()
+
+
+def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[int]) -> dict[str, Any]:
+    sm = load_streaming_model(
+        settings.store,
+        Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads,
+                 host_cache=settings.host_cache, prefetch="on"),
+        max_tokens=settings.prompt_tokens + settings.decode_tokens + 512,
+    )
+    try:
+        if sm.prefetcher is None:
+            raise ValueError(f"capacity {capacity:g}: every expert fits in the pool, so there is nothing to prefetch")
+        sm.prefetcher.width = settings.width * sm.prefetcher.top_k
+        on = _diagnosed(sm, prompt, settings, True)
+        off = _diagnosed(sm, prompt, settings, False)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        _decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed)  # warm up
+        for _ in range(settings.rounds):
+            for enabled in (False, True):
+                sm.prefetcher.enabled = enabled
+                times[enabled].append(_decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed))
+        tps = {k: settings.decode_tokens / statistics.median(v) for k, v in times.items()}
+        auto = _auto(sm, prompt, settings)
+        pf = sm.prefetcher.stats()
+    finally:
+        sm.close()
+    return {
+        "capacity": capacity,
+        "slots": sm.capacity,
+        "recall": on["recall"],
+        "attribution": on["attribution"],
+        "window_ms": on["window"]["mean_ms"],
+        "read_wait_ms_per_call": on["read_wait"]["mean_ms"],
+        "matmul_ms_per_call": {"prefetch_on": on["segments"]["matmul"]["mean_ms"],
+                                "prefetch_off": off["segments"]["matmul"]["mean_ms"]},
+        "host_ms_per_call": {k: v["mean_ms"] for k, v in on["host"].items()},
+        "tokens_per_s_off": tps[False],
+        "tokens_per_s_on": tps[True],
+        "speedup": tps[True] / tps[False],
+        "auto": auto,
+        "prefetch": {k: pf[k] for k in ("submitted", "promoted", "waited", "dropped_unused", "used_fraction")},
+    }
+
+
+def _auto(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettings) -> dict[str, Any]:
+    """Run the daemon's generation loop with `prefetch = auto` until the governor decides."""
+    pf = sm.prefetcher
+    pf.mode, pf.enabled = "auto", True
+    pf.governor = governor = PrefetchGovernor(pf)
+    needed = 2 * governor.trials * governor.window
+    # Sampled even when the bench is greedy: a request that ends on an end-of-sequence
+    # token before the governor decides is then followed by a different one.
+    params = SamplingParams(max_tokens=needed + 2, temp=settings.temp if settings.temp else 1.0, seed=settings.seed)
+    for attempt in range(8):  # a request can end early on an end-of-sequence token
+        generate(sm, prompt, SamplingParams(**{**params.__dict__, "seed": settings.seed + attempt}))
+        if governor.decided:
+            break
+    return governor.to_dict()
+
+
+def run_bench_predict(settings: BenchPredictSettings) -> dict[str, Any]:
+    if settings.mlx_memory_limit:
+        mx.set_memory_limit(settings.mlx_memory_limit)
+    manifest = load_manifest(settings.store)
+    config = manifest.config
+    vocab = config.get("text_config", config)["vocab_size"]
+    rng = random.Random(settings.seed)
+    prompt = [rng.randrange(vocab) for _ in range(settings.prompt_tokens)]
+    results = [_capacity_run(settings, c, prompt) for c in settings.capacities]
+    return {
+        "store": str(settings.store),
+        "model_type": manifest.model_type,
+        "moe_layers": len(manifest.layers),
+        "experts_per_layer": manifest.layers[0].num_experts if manifest.layers else 0,
+        "device": str(mx.default_device()),
+        "prompt_tokens": settings.prompt_tokens,
+        "decode_tokens": settings.decode_tokens,
+        "rounds": settings.rounds,
+        "temp": settings.temp,
+        "policy": settings.policy,
+        "host_cache": settings.host_cache,
+        "prefetch_width": f"{settings.width}k",
+        "results": results,
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    def num(v: Any, fmt: str) -> str:
+        return format(v, fmt) if v is not None else "-"
+
+    lines = [
+        f"{report['model_type']}: {report['moe_layers']} MoE layers x {report['experts_per_layer']} experts on "
+        f"{report['device']}, {report['decode_tokens']} decode tokens (temp {report['temp']}), median of {report['rounds']}, "
+        f"prefetch width {report.get('prefetch_width', '1k')}",
+        f"{'capacity':>8} {'recall@k':>8} {'@2k':>6} {'@4k':>6} {'off tok/s':>9} {'on tok/s':>9} {'on/off':>6} "
+        f"{'window ms':>9} {'mm on/off ms':>13}  auto",
+    ]
+    for r in report["results"]:
+        rc = r["recall"]["decode"]
+        mm = r["matmul_ms_per_call"]
+        lines.append(
+            f"{r['capacity']:>8.0%} {num(rc['top_k'], '8.3f')} {num(rc['top_2k'], '6.3f')} {num(rc['top_4k'], '6.3f')} "
+            f"{r['tokens_per_s_off']:>9.1f} {r['tokens_per_s_on']:>9.1f} {r['speedup']:>6.2f} "
+            f"{num(r['window_ms'], '9.3f')} {num(mm['prefetch_on'], '6.3f')}/{num(mm['prefetch_off'], '6.3f')}  "
+            f"{r['auto']['decision']}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""The predictor: which experts will the next MoE layer want?
+
+While layer L runs, layer L+1's router is applied to layer L's input hidden state: the
+residual stream changes little from one layer to the next, so L+1's router scores on it
+rank the experts L+1 will route to nearly as L+1 itself will. The scores come out of the
+same graph evaluation as layer L's own expert ids, so predicting costs one small matmul
+on the device and no extra host sync.
+
+`install` wires the predictor, the prefetcher and the diagnostics switch into the
+streaming layers of a loaded model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from moestream.daemon.diagnostics import Diagnostics
+from moestream.daemon.prefetch import Prefetcher
+
+if TYPE_CHECKING:
+    from moestream.daemon.expert_pool import ExpertPool
+    from moestream.daemon.streaming_moe import StreamingMoE
+
+
+class NextRouter:
+    """Router scores of one MoE layer, computable on another layer's hidden state.
+
+    Knows the gates of mlx-lm's MoE blocks: a plain or quantized Linear (Qwen3-MoE,
+    Qwen3-Next / Qwen3.5-MoE, Mixtral, ...) and DeepSeek-V3's `MoEGate` (sigmoid scores
+    plus the correction bias; its group limit is left out, which can only widen the
+    ranking a little)."""
+
+    def __init__(self, gate: Any, num_experts: int) -> None:
+        self.num_experts = num_experts
+        if isinstance(gate, nn.Module) and hasattr(gate, "e_score_correction_bias") and "weight" in gate:
+            self._kind = "sigmoid_bias"
+        elif isinstance(gate, (nn.Linear, nn.QuantizedLinear)):
+            self._kind = "linear"
+        else:
+            raise TypeError(f"no predictor for a router of type {type(gate).__name__}")
+        # Held in a plain object (never an attribute of an nn.Module), so the gate's
+        # weights are not counted twice in the model's parameters.
+        self._gate = gate
+
+    def scores(self, x: mx.array) -> mx.array:
+        g = self._gate
+        if self._kind == "linear":
+            return g(x)
+        return mx.sigmoid((x @ g.weight.T).astype(mx.float32)) + g.e_score_correction_bias
+
+    def ranked(self, x: mx.array, k: int, *, ordered: bool) -> mx.array:
+        """[..., k] expert ids with the highest scores: best first when `ordered`, else
+        in no particular order (argpartition, cheaper)."""
+        s = self.scores(x)
+        k = min(k, self.num_experts)
+        if ordered:
+            return mx.argsort(-s, axis=-1)[..., :k]
+        if k == self.num_experts:
+            return mx.broadcast_to(mx.arange(k), s.shape)
+        return mx.argpartition(-s, kth=k - 1, axis=-1)[..., :k]
+
+
+@dataclass(eq=False)
+class Prediction:
+    """What layer L named for layer L+1 in this forward."""
+
+    # [tokens, n] expert ids per token (best first when diagnostics are on).
+    ranked: np.ndarray
+    # The unique experts prefetch was asked for (the top k' of each token).
+    named: np.ndarray
+    # perf_counter() when the prefetch was submitted (diagnostics only), else 0.
+    submitted_at: float = 0.0
+    submitted: bool = False
+
+
+@dataclass(eq=False)
+class NextLayer:
+    """Layer L+1 as seen from layer L: its pool and its router."""
+
+    pool: "ExpertPool"
+    router: NextRouter
+
+
+def install(
+    moes: Sequence["StreamingMoE"],
+    blocks: Sequence[Any],
+    *,
+    reader: Any,
+    manifest: Any,
+    admitter: Any,
+    top_k: int,
+    prefetch: str,
+    diagnostics: bool,
+    predict: bool = True,
+    prefetch_slots: int | None = None,
+) -> tuple[Diagnostics, Prefetcher | None]:
+    """Give the streaming layers (in forward order) a shared diagnostics switch, and,
+    where pools are partial, the next layer's router and a prefetcher. `blocks[i]` is the
+    MoE block that holds `moes[i]` (its `gate` is layer i's router)."""
+    hub = Diagnostics(default=diagnostics)
+    for m in moes:
+        m.set_hub(hub)
+    partial = any(not m.pool.fully_resident for m in moes)
+    routers: list[NextRouter | None] = []
+    for block, m in zip(blocks, moes):
+        gate = getattr(block, "gate", None) if block is not None else None
+        try:
+            routers.append(NextRouter(gate, m.pool.layer.num_experts) if gate is not None else None)
+        except TypeError:
+            routers.append(None)
+    if not predict or not partial or len(moes) < 2 or all(r is None for r in routers[1:]):
+        return hub, None
+    copier = getattr(admitter, "copier", None)
+    tier = getattr(admitter, "tier", None) if getattr(admitter, "keep", False) else None
+    largest = max(m.pool.layer.num_experts for m in moes)
+    # Room for a few layers' predictions of a batch; with prefetch off the buffer only
+    # has to exist (predictions still feed the diagnostics).
+    slots = prefetch_slots or (top_k if prefetch == "off" else min(16 * top_k, 4 * largest))
+    prefetcher = Prefetcher(reader, manifest, copier, slots=slots, top_k=top_k, mode=prefetch, tier=tier)
+    for m, nxt, router in zip(moes, moes[1:], routers[1:]):
+        if router is not None:
+            m.set_next(NextLayer(nxt.pool, router), prefetcher)
+    for m in moes:
+        m.pool.prefetcher = prefetcher
+    return hub, prefetcher

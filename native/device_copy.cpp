@@ -1,0 +1,191 @@
+// The CUDA runtime, loaded at run time; see device_copy.h.
+#include "device_copy.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+
+namespace moestream {
+
+namespace {
+
+// The few runtime ABI details used here (stable since CUDA 11).
+constexpr int kSuccess = 0;
+constexpr int kMemcpyDefault = 4;
+constexpr unsigned kStreamNonBlocking = 1;
+constexpr int kAdviseSetPreferredLocation = 3;
+constexpr int kAdviseSetAccessedBy = 5;
+constexpr int kLocationDevice = 1;
+constexpr int kLocationHost = 2;
+constexpr int kCpuDeviceId = -1;
+
+struct MemLocation {  // cudaMemLocation
+  int type;
+  int id;
+};
+
+// Sonames tried in order; MLX's CUDA 13 build brings libcudart.so.13.
+const char* const kLibraries[] = {"libcudart.so.13", "libcudart.so.12", "libcudart.so", "libcudart.dylib"};
+
+}  // namespace
+
+struct CudaRuntime::Api {
+  int (*GetDeviceCount)(int*) = nullptr;
+  int (*RuntimeGetVersion)(int*) = nullptr;
+  const char* (*GetErrorString)(int) = nullptr;
+  int (*HostAlloc)(void**, size_t, unsigned) = nullptr;
+  int (*FreeHost)(void*) = nullptr;
+  int (*Malloc)(void**, size_t) = nullptr;
+  int (*Free)(void*) = nullptr;
+  int (*StreamCreateWithFlags)(void**, unsigned) = nullptr;
+  int (*StreamDestroy)(void*) = nullptr;
+  int (*StreamSynchronize)(void*) = nullptr;
+  int (*MemcpyAsync)(void*, const void*, size_t, int, void*) = nullptr;
+  int (*PointerGetAttributes)(void*, const void*) = nullptr;
+  // Prefetch and advise changed signature in CUDA 13 (a location instead of a device);
+  // 12.2+ has the new form as *_v2. Exactly one pair is set.
+  int (*PrefetchLoc)(const void*, size_t, MemLocation, unsigned, void*) = nullptr;
+  int (*AdviseLoc)(const void*, size_t, int, MemLocation) = nullptr;
+  int (*PrefetchDev)(const void*, size_t, int, void*) = nullptr;
+  int (*AdviseDev)(const void*, size_t, int, int) = nullptr;
+};
+
+std::unique_ptr<CudaRuntime> CudaRuntime::load(int streams) {
+  if (streams < 1 || streams > 16) throw CudaError("streams must be between 1 and 16");
+  std::unique_ptr<CudaRuntime> rt(new CudaRuntime());
+  rt->api_ = std::make_unique<Api>();
+  std::string tried;
+  for (int pass = 0; pass < 2 && !rt->handle_; ++pass) {
+    // First the runtime already in the process (the one MLX uses), then any.
+    const int flags = RTLD_NOW | RTLD_LOCAL | (pass == 0 ? RTLD_NOLOAD : 0);
+    for (const char* name : kLibraries) {
+      rt->handle_ = ::dlopen(name, flags);
+      if (rt->handle_) {
+        rt->library_ = name;
+        break;
+      }
+    }
+  }
+  if (!rt->handle_) throw CudaError("no CUDA runtime (libcudart) could be loaded");
+
+  auto sym = [&](const char* name, bool required) -> void* {
+    void* p = ::dlsym(rt->handle_, name);
+    if (!p && required) throw CudaError(rt->library_ + " has no symbol " + name);
+    return p;
+  };
+  Api& a = *rt->api_;
+  a.GetDeviceCount = reinterpret_cast<decltype(a.GetDeviceCount)>(sym("cudaGetDeviceCount", true));
+  a.RuntimeGetVersion = reinterpret_cast<decltype(a.RuntimeGetVersion)>(sym("cudaRuntimeGetVersion", true));
+  a.GetErrorString = reinterpret_cast<decltype(a.GetErrorString)>(sym("cudaGetErrorString", true));
+  a.HostAlloc = reinterpret_cast<decltype(a.HostAlloc)>(sym("cudaHostAlloc", true));
+  a.FreeHost = reinterpret_cast<decltype(a.FreeHost)>(sym("cudaFreeHost", true));
+  a.Malloc = reinterpret_cast<decltype(a.Malloc)>(sym("cudaMalloc", true));
+  a.Free = reinterpret_cast<decltype(a.Free)>(sym("cudaFree", true));
+  a.StreamCreateWithFlags = reinterpret_cast<decltype(a.StreamCreateWithFlags)>(sym("cudaStreamCreateWithFlags", true));
+  a.StreamDestroy = reinterpret_cast<decltype(a.StreamDestroy)>(sym("cudaStreamDestroy", true));
+  a.StreamSynchronize = reinterpret_cast<decltype(a.StreamSynchronize)>(sym("cudaStreamSynchronize", true));
+  a.MemcpyAsync = reinterpret_cast<decltype(a.MemcpyAsync)>(sym("cudaMemcpyAsync", true));
+  a.PointerGetAttributes = reinterpret_cast<decltype(a.PointerGetAttributes)>(sym("cudaPointerGetAttributes", true));
+
+  a.RuntimeGetVersion(&rt->runtime_version_);
+  if (rt->runtime_version_ >= 13000) {
+    a.PrefetchLoc = reinterpret_cast<decltype(a.PrefetchLoc)>(sym("cudaMemPrefetchAsync", true));
+    a.AdviseLoc = reinterpret_cast<decltype(a.AdviseLoc)>(sym("cudaMemAdvise", true));
+  } else if (sym("cudaMemPrefetchAsync_v2", false) && sym("cudaMemAdvise_v2", false)) {
+    a.PrefetchLoc = reinterpret_cast<decltype(a.PrefetchLoc)>(sym("cudaMemPrefetchAsync_v2", true));
+    a.AdviseLoc = reinterpret_cast<decltype(a.AdviseLoc)>(sym("cudaMemAdvise_v2", true));
+  } else {
+    a.PrefetchDev = reinterpret_cast<decltype(a.PrefetchDev)>(sym("cudaMemPrefetchAsync", true));
+    a.AdviseDev = reinterpret_cast<decltype(a.AdviseDev)>(sym("cudaMemAdvise", true));
+  }
+
+  int devices = 0;
+  int err = a.GetDeviceCount(&devices);
+  if (err != kSuccess) throw CudaError(std::string("CUDA has no usable device: ") + a.GetErrorString(err));
+  if (devices < 1) throw CudaError("CUDA reports no device");
+  for (int i = 0; i < streams; ++i) {
+    void* stream = nullptr;
+    rt->check(a.StreamCreateWithFlags(&stream, kStreamNonBlocking), "cudaStreamCreateWithFlags");
+    rt->streams_.push_back(stream);
+  }
+  return rt;
+}
+
+CudaRuntime::~CudaRuntime() {
+  // The library stays loaded: MLX (or the driver) may still use it.
+  if (api_)
+    for (void* stream : streams_) api_->StreamDestroy(stream);
+}
+
+void CudaRuntime::check(int err, const char* what) const {
+  if (err != kSuccess) throw CudaError(std::string(what) + " failed: " + api_->GetErrorString(err));
+}
+
+void* CudaRuntime::alloc_host(size_t n) {
+  void* p = nullptr;
+  check(api_->HostAlloc(&p, n, 0), "cudaHostAlloc");
+  return p;
+}
+
+void CudaRuntime::free_host(void* p) noexcept {
+  if (p) api_->FreeHost(p);
+}
+
+void* CudaRuntime::alloc_device(size_t n) {
+  void* p = nullptr;
+  check(api_->Malloc(&p, n), "cudaMalloc");
+  return p;
+}
+
+void CudaRuntime::free_device(void* p) noexcept {
+  if (p) api_->Free(p);
+}
+
+double CudaRuntime::copy(std::vector<CopySpan> spans) {
+  const auto start = std::chrono::steady_clock::now();
+  std::stable_sort(spans.begin(), spans.end(), [](const CopySpan& a, const CopySpan& b) { return a.n > b.n; });
+  const size_t k = streams_.size();
+  std::vector<size_t> load(k, 0);
+  for (const CopySpan& s : spans) {
+    if (s.n == 0) continue;
+    const size_t i = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    load[i] += s.n;
+    check(api_->MemcpyAsync(s.dst, s.src, s.n, kMemcpyDefault, streams_[i]), "cudaMemcpyAsync");
+  }
+  for (size_t i = 0; i < k; ++i)
+    if (load[i]) check(api_->StreamSynchronize(streams_[i]), "cudaStreamSynchronize");
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+void CudaRuntime::place(const void* p, size_t n, bool on_device) {
+  const Api& a = *api_;
+  const MemLocation gpu{kLocationDevice, 0};
+  const MemLocation where = on_device ? gpu : MemLocation{kLocationHost, 0};
+  const int where_dev = on_device ? 0 : kCpuDeviceId;
+  if (a.AdviseLoc) {
+    check(a.AdviseLoc(p, n, kAdviseSetPreferredLocation, where), "cudaMemAdvise");
+    check(a.AdviseLoc(p, n, kAdviseSetAccessedBy, gpu), "cudaMemAdvise");
+    check(a.PrefetchLoc(p, n, where, 0, streams_[0]), "cudaMemPrefetchAsync");
+  } else {
+    check(a.AdviseDev(p, n, kAdviseSetPreferredLocation, where_dev), "cudaMemAdvise");
+    check(a.AdviseDev(p, n, kAdviseSetAccessedBy, 0), "cudaMemAdvise");
+    check(a.PrefetchDev(p, n, where_dev, streams_[0]), "cudaMemPrefetchAsync");
+  }
+  check(a.StreamSynchronize(streams_[0]), "cudaStreamSynchronize");
+}
+
+MemoryKind CudaRuntime::kind_of(const void* p) {
+  // cudaPointerAttributes starts with {int type; int device; ...}; room to spare for
+  // fields later runtimes add.
+  alignas(16) unsigned char attrs[256];
+  std::memset(attrs, 0, sizeof attrs);
+  check(api_->PointerGetAttributes(attrs, p), "cudaPointerGetAttributes");
+  int type = 0;
+  std::memcpy(&type, attrs, sizeof type);
+  return static_cast<MemoryKind>(type);
+}
+
+}  // namespace moestream

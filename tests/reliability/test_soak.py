@@ -1,0 +1,38 @@
+"""Soak with cancellations and disconnects (small counts; `moestreamctl bench soak`
+runs 8 clients × 200 requests): every completed response is exact, nothing is lost or
+crossed between clients, the daemon's counters add up, and its RSS stays flat."""
+
+from __future__ import annotations
+
+from moestream.client.client import Client
+from moestream.daemon.soak import run_soak
+
+
+def test_soak_with_cancels_and_disconnects(rel_store, start_daemon, rel_reference):
+    daemon = start_daemon(rel_store)
+    report = run_soak(daemon, rel_reference, clients=4, requests=12, cancel_frac=0.3, seed=3)
+    print({k: report[k] for k in ("requests", "exact", "cancelled", "disconnected_seen_by_daemon", "lost_responses",
+                                  "rss_growth_pct", "seconds")})
+    assert report["failures"] == [] and report["client_errors"] == []
+    assert report["requests"] == 48 and report["lost_responses"] == 0 and report["stray_messages"] == 0
+    assert report["mismatched"] == 0 and report["exact"] == report["completed"] + report["cancelled"]
+    assert report["counters_add_up"], report["daemon_counters"]
+    assert report["cancel_asked"] + report["disconnect_asked"] > 0, "the seed must exercise cancels and disconnects"
+    assert report["rss_growth_pct"] < 5.0
+    assert report["ok"]
+
+
+def test_a_long_lived_client_does_not_grow(rel_store, start_daemon):
+    """Regression: every ping, status and cancel left an empty entry in the client's
+    inbox, so a client that polls status grew without bound."""
+    daemon = start_daemon(rel_store)
+    with Client(daemon.paths) as c:
+        for _ in range(200):
+            c.ping()
+            c.status()
+        stream = c.generate("In the morning", max_tokens=8)
+        next(stream)
+        stream.cancel()
+        list(stream)
+        assert c._inbox == {}  # noqa: SLF001 - the leak lived exactly here
+        assert c.buffered() == {}

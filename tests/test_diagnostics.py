@@ -1,0 +1,152 @@
+"""Hot-path diagnostics: every figure present and self-consistent, and nothing changed
+(output, host syncs per token) when they are off."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from moestream.daemon.diagnostics import BUCKETS, SEGMENTS
+from moestream.daemon.generation import SamplingParams, generate
+from moestream.daemon.store.loader import load_streaming_model
+from moestream.shared.settings import Settings, demo_store_path
+from test_daemon import clean_env, ctl, paths_of, wait_for
+
+PROMPT = list(range(5, 29))  # 24 tokens: a prefill that overflows a 25% pool
+TOKENS = 24
+
+
+def _run(prefetch: str, diagnostics: bool, capacity: float = 0.25):
+    sm = load_streaming_model(demo_store_path(), Settings(capacity=capacity, prefetch=prefetch))
+    try:
+        result = generate(sm, PROMPT, SamplingParams(max_tokens=TOKENS, diagnostics=diagnostics))
+        return result, sm.pool_stats(), sm.diagnostics
+    finally:
+        sm.close()
+
+
+@pytest.fixture(scope="module")
+def diagnosed():
+    return _run("on", True)
+
+
+def test_every_diagnostic_is_present_and_consistent(diagnosed):
+    result, pool, hub = diagnosed
+    d = result.stats["diagnostics"]
+    k = 8  # the demo model's top-k
+    # Attribution covers every routed expert exactly once, by the pool's own phases.
+    for phase in ("prefill", "decode"):
+        buckets = d["attribution"][phase]
+        assert set(buckets) == set(BUCKETS)
+        assert sum(buckets.values()) == pool[f"hits_{phase}"] + pool[f"misses_{phase}"] > 0
+        assert buckets["resident_hit"] == pool[f"hits_{phase}"]
+    assert d["attribution"]["decode"]["prefetched"] > 0
+    assert d["attribution"]["prefill"]["prefetched"] == 0  # prefills are not prefetched
+    for phase, recall in d["recall"].items():
+        values = [recall["top_k"], recall["top_2k"], recall["top_4k"]]
+        assert all(0.0 <= v <= 1.0 for v in values), (phase, recall)
+        assert values == sorted(values)
+        assert recall["routed"] > 0
+    for name in SEGMENTS:
+        assert d["segments"][name]["count"] > 0 and d["segments"][name]["seconds"] > 0, name
+    for name in ("predict", "submit", "promote_take", "promote_route", "promote_place"):
+        assert d["host"][name]["count"] > 0, name
+    assert d["window"]["count"] > 0 and d["window"]["mean_ms"] > 0
+    layers = d["layers"]
+    assert len(layers) == 5
+    for ordinal, layer in layers.items():
+        union = layer["union"]
+        # mlx-lm prefills all but the prompt's last token, which goes with the decode steps.
+        chunk = str(len(PROMPT) - 1)
+        assert set(union) == {"1", chunk}
+        decode = union["1"]
+        assert decode["forwards"] >= TOKENS
+        assert k <= decode["p50"] <= decode["p99"] <= decode["max"] <= k  # one token: exactly k
+        prefill = union[chunk]
+        assert prefill["forwards"] == 1 and k <= prefill["max"] <= 64
+    # The first MoE layer has no layer before it to predict it.
+    assert layers["0"]["recall"]["decode"]["routed"] == 0
+    assert layers["1"]["recall"]["decode"]["routed"] > 0
+    # The request's recorder went into the totals, and the switch is off again.
+    assert hub.rec is None
+    assert hub.totals()["attribution"] == d["attribution"]
+    # Promoted: finished reads, and those still in flight that the layer waited for.
+    decode = d["attribution"]["decode"]
+    assert result.stats["prefetch"]["promoted"] == decode["prefetched"] + decode["predicted_not_finished"]
+    assert result.stats["prefetch"]["waited"] <= decode["predicted_not_finished"]
+    json.dumps(result.stats)  # travels as plain data
+
+
+def test_off_changes_neither_output_nor_syncs(diagnosed):
+    on_result, _, _ = diagnosed
+    plain, plain_pool, hub = _run("off", False)
+    prefetched, _, hub_pf = _run("on", False)
+    assert plain.tokens == prefetched.tokens == on_result.tokens
+    # Prefetch adds no host sync: its prediction is read in the layer's one sync.
+    assert plain.stats["host_syncs_per_token"] == prefetched.stats["host_syncs_per_token"] == 5 + 1
+    assert plain_pool["host_syncs"] % 5 == 0
+    assert "diagnostics" not in plain.stats and "diagnostics" not in prefetched.stats
+    assert hub.totals() is None and hub_pf.totals() is None and hub.rec is None
+
+
+def test_daemon_reports_diagnostics_per_request_and_in_stats():
+    from moestream.client.client import Client
+
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msdg"))
+    env = clean_env()
+    out = ctl("start", "--model", str(demo_store_path()), "--capacity", "0.25", "--prefetch", "on",
+              "--runtime-dir", str(rt), env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    try:
+        with Client(paths_of(rt)) as c:
+            plain = c.complete(prompt_ids=PROMPT, max_tokens=8)
+            assert "diagnostics" not in plain["stats"]
+            assert c.stats()["diagnostics"]["totals"] is None
+            done = c.complete(prompt_ids=PROMPT, max_tokens=8, diagnostics=True)
+            assert done["tokens"] == plain["tokens"]
+            d = done["stats"]["diagnostics"]
+            assert sum(d["attribution"]["decode"].values()) > 0
+            # The status snapshot is published just after the done event.
+            st = wait_for(lambda: (lambda s: s if s["diagnostics"]["totals"] else None)(c.stats()), 10, "diagnostics in stats")
+        assert st["prefetch"]["mode"] == "on" and st["prefetch"]["submitted"] > 0
+        assert st["diagnostics"]["totals"]["attribution"] == d["attribution"]
+        text = ctl("stats", "--runtime-dir", str(rt), env=env)
+        assert text.returncode == 0, text.stderr
+        assert "prefetch: on" in text.stdout and "diagnostics: recall top_k" in text.stdout
+        assert "union by tokens per sequence: 1: p50 8" in text.stdout
+    finally:
+        stopped = ctl("stop", "--runtime-dir", str(rt), env=env)
+        shutil.rmtree(rt)
+        assert stopped.returncode == 0, stopped.stderr
+
+
+def test_the_request_flag_is_checked_and_left_out_when_unset():
+    import msgpack
+
+    from moestream.shared import protocol as proto
+
+    plain = proto.encode(proto.Generate(id="a", prompt="hi"))
+    assert "diagnostics" not in msgpack.unpackb(plain)
+    assert proto.decode_request(plain).diagnostics is None
+    flagged = proto.decode_request(proto.encode(proto.Generate(id="a", prompt="hi", diagnostics=True)))
+    assert flagged.diagnostics is True
+    body = msgpack.unpackb(plain) | {"diagnostics": "yes"}
+    with pytest.raises(proto.ProtocolError, match="'diagnostics' must be"):
+        proto.decode_request(msgpack.packb(body))
+
+
+def test_the_daemon_wide_switch_records_every_request():
+    sm = load_streaming_model(demo_store_path(), Settings(capacity=0.25, diagnostics=True, prefetch="off"))
+    try:
+        result = generate(sm, PROMPT, SamplingParams(max_tokens=4))
+        d = result.stats["diagnostics"]
+        # Prefetch off: predictions still feed recall and attribution, nothing is read.
+        assert d["attribution"]["decode"]["prefetched"] == 0
+        assert d["recall"]["decode"]["routed"] > 0
+        assert result.stats["prefetch"]["submitted"] == 0
+    finally:
+        sm.close()

@@ -1,0 +1,130 @@
+"""The next-layer predictor, the prefetcher and the prefetch governor."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from moestream.daemon.prefetch import PrefetchGovernor, Prefetcher
+from moestream.daemon.store.convert import convert_model
+from moestream.daemon.store.loader import load_streaming_model
+from moestream.shared.settings import Settings, SettingsError, demo_store_path
+from tiny_models import make_tiny_model
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "mixtral", "qwen3_5_moe"])
+def test_next_router_ranks_as_the_layers_own_router(arch, tmp_path):
+    """On the same hidden state, the predictor's top-k is what the next layer's own
+    router picks (DeepSeek's group limit aside, so a superset check there)."""
+    src = make_tiny_model(tmp_path / "m", arch, quant="4bit", seed=3)
+    convert_model(src, tmp_path / "s")
+    sm = load_streaming_model(tmp_path / "s", Settings(capacity=0.25, prefetch="on"))
+    try:
+        moes = sorted((m for _, m in sm.model.named_modules() if type(m).__name__ == "StreamingMoE"),
+                      key=lambda m: m.pool.layer.ordinal)
+        assert len(moes) >= 2 and sm.prefetcher is not None
+        wired = [m for m in moes if m.next is not None]
+        assert len(wired) == len(moes) - 1 and moes[-1].next is None
+        nxt = wired[0].next
+        block = next(b for _, b in sm.model.named_modules() if getattr(b, "switch_mlp", None) is moes[1])
+        k = nxt.pool.top_k
+        config = sm.manifest.config.get("text_config", sm.manifest.config)
+        x = mx.random.normal((1, 5, config["hidden_size"]), key=mx.random.key(0))
+        ranked = np.array(nxt.router.ranked(x, 4 * k, ordered=True))
+        if arch == "deepseek_v3":
+            inds, _ = block.gate(x)
+            own = np.array(inds)
+            assert all(set(own[0, t]) <= set(ranked[0, t, : 4 * k]) for t in range(5))
+        else:
+            own = np.array(mx.argpartition(-block.gate(x), kth=k - 1, axis=-1)[..., :k])
+            assert all(set(own[0, t]) == set(ranked[0, t, :k]) for t in range(5))
+        unordered = np.array(nxt.router.ranked(x, k, ordered=False))
+        assert all(set(unordered[0, t]) == set(ranked[0, t, :k]) for t in range(5))
+    finally:
+        sm.close()
+
+
+def test_a_fully_resident_model_gets_no_prefetcher():
+    sm = load_streaming_model(demo_store_path(), Settings(capacity=1.0, prefetch="on"))
+    try:
+        assert sm.prefetcher is None and sm.diagnostics is not None
+    finally:
+        sm.close()
+
+
+def test_prefetched_bytes_are_the_store_bytes_and_a_full_buffer_drops_the_oldest():
+    sm = load_streaming_model(demo_store_path(), Settings(capacity=0.25, prefetch="off"))
+    try:
+        layer = sm.manifest.layers[2]
+        pf = Prefetcher(sm.reader, sm.manifest, None, slots=3, top_k=8, mode="on")
+        assert pf.submit(layer, [1, 2, 3]) == 3
+        assert pf.submit(layer, [1, 2]) == 0  # already buffered
+        pf.drain()
+        assert [pf.state(layer.ordinal, e) for e in (1, 2, 3, 4)] == ["done", "done", "done", "none"]
+        # A fourth expert takes the least recently used slot: expert 3 (1 and 2 were
+        # touched again by the second submit).
+        assert pf.submit(layer, [4]) == 1
+        assert pf.state(layer.ordinal, 3) == "dropped" and pf.s.dropped_unused == 1
+        # Promote into rows of fresh arrays: the bytes equal the expert block in the store.
+        arrays = {t.name: mx.zeros((2, *t.shape), dtype=getattr(mx, t.dtype)) for t in layer.tensors}
+        mx.eval(list(arrays.values()))
+        left, waited = pf.promote(layer, [(4, 0), (1, 1)], arrays)
+        assert left == [] and waited <= 1
+        raw = np.fromfile(sm.store_dir / layer.file, dtype=np.uint8)
+        for e, row in ((4, 0), (1, 1)):
+            entry = layer.experts[e]
+            for t in layer.tensors:
+                got = np.frombuffer(memoryview(arrays[t.name]).cast("B"), np.uint8)[row * t.nbytes : (row + 1) * t.nbytes]
+                want = raw[entry.offset + t.offset : entry.offset + t.offset + t.nbytes]
+                assert np.array_equal(got, want), (e, t.name)
+        assert not pf.has(layer.ordinal, 4) and pf.has(layer.ordinal, 2)
+        assert pf.stats()["promoted"] == 2
+        pf.drain()
+    finally:
+        sm.close()
+
+
+class _Switch:
+    """What the governor switches: a prefetcher's `enabled`."""
+
+    enabled = True
+
+
+@pytest.mark.parametrize("on_ms,off_ms,keep", [(10.0, 14.0, True), (14.0, 10.0, False), (10.0, 10.1, False)])
+def test_the_governor_keeps_prefetch_only_where_it_pays(on_ms, off_ms, keep):
+    switch = _Switch()
+    g = PrefetchGovernor(switch, window=4, trials=3)
+    seen = []
+    while not g.decided:
+        seen.append(switch.enabled)
+        g.observe((on_ms if switch.enabled else off_ms) / 1e3)
+    assert switch.enabled is keep
+    assert seen.count(True) == seen.count(False) == 12  # alternating windows, both states
+    d = g.to_dict()
+    assert d["decided"] and d["speedup"] == pytest.approx(off_ms / on_ms)
+    assert ("does not pay" in d["decision"]) is (not keep)
+    g.observe(1.0)  # decided: nothing changes any more
+    assert switch.enabled is keep
+
+
+def test_prefetch_setting_is_checked():
+    assert Settings.from_values({"prefetch": "AUTO"}).prefetch == "auto"
+    with pytest.raises(SettingsError, match="prefetch"):
+        Settings.from_values({"prefetch": "sometimes"})
+
+
+def test_a_wider_prefetch_reads_more_and_changes_no_token():
+    from moestream.daemon.generation import SamplingParams, generate
+
+    prompt, out = list(range(40, 52)), {}
+    for width in (1, 2):
+        sm = load_streaming_model(demo_store_path(), Settings(capacity=0.25, prefetch="on"))
+        try:
+            sm.prefetcher.width = width * sm.prefetcher.top_k
+            result = generate(sm, prompt, SamplingParams(max_tokens=16))
+            out[width] = (result.tokens, result.stats["prefetch"])
+        finally:
+            sm.close()
+    assert out[1][0] == out[2][0]
+    assert out[2][1]["width"] == 16 and out[2][1]["submitted"] > out[1][1]["submitted"] > 0
