@@ -5,6 +5,8 @@
 #
 #   bash tests/bench/gpu_run.sh exactness     # the exactness suite on CUDA (adds bf16)
 #   bash tests/bench/gpu_run.sh copy-check    # the CUDA copier: exact bytes, memory kinds, H2D GB/s
+#   bash tests/bench/gpu_run.sh mapped-q30    # full residency: managed vs device copies; a mapped pool; routing readback
+#   bash tests/bench/gpu_run.sh predict-q30   # bench predict (recall, prefetch on/off at 25/50%)
 #   bash tests/bench/gpu_run.sh residency-q30 # copy streams; 100% vs stock per round; zero-copy reads
 #   bash tests/bench/gpu_run.sh exactness-mini  # 4-bit and bf16 random models of CUDA-friendly size
 #   bash tests/bench/gpu_run.sh make-q30      # Qwen3-30B-A3B-shaped random 4-bit model + store
@@ -34,6 +36,17 @@ case "$stage" in
     ;;
   copy-check)
     $py tests/bench/gpu_copy_check.py --out "$OUT/copy_check.json"
+    ;;
+  mapped-q30)
+    $py tests/bench/gpu_mapped_probe.py --store /root/q30/store --out "$OUT/mapped_q30.json" 2>&1 | tail -40
+    ;;
+  predict-q30)
+    ctl bench predict --model /root/q30/store --temp 1 --mlx-memory-limit 64G --json >"$OUT/bench_predict_q30_h200.json"
+    $py - "$OUT/bench_predict_q30_h200.json" <<'EOF'
+import json, sys
+from moestream.daemon.bench_predict import format_report
+print(format_report(json.load(open(sys.argv[1]))))
+EOF
     ;;
   residency-q30)
     $py tests/bench/gpu_residency_probe.py --store /root/q30/store --out "$OUT/residency_q30.json" 2>&1 | tail -40
