@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -10,7 +11,7 @@ import mlx.core as mx
 import psutil
 from jinja2 import TemplateError
 from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.sample_utils import apply_top_p, make_sampler
 
 from moestream.daemon.store.loader import StreamingModel
 
@@ -138,6 +139,26 @@ def generate(
     return result
 
 
+def request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
+    """mlx-lm's sampling (temperature, top-p) drawing from the request's own key.
+
+    MLX's global random state is shared by every request the daemon interleaves, so a
+    seeded request would give different text when another request runs beside it; a
+    key per request (split once per token) makes its draws its own."""
+    if params.temp == 0:
+        return make_sampler(temp=0.0)
+    seed = params.seed if params.seed is not None else secrets.randbits(63)
+    state = [mx.random.key(seed)]
+
+    def sample(logprobs: mx.array) -> mx.array:
+        if 0 < params.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, params.top_p)
+        state[0], key = mx.random.split(state[0])
+        return mx.random.categorical(logprobs * (1 / params.temp), key=key)
+
+    return sample
+
+
 def iter_generate(
     sm: StreamingModel,
     prompt_ids: Sequence[int],
@@ -147,12 +168,10 @@ def iter_generate(
     should_stop: Callable[[], bool] | None = None,
 ) -> Iterator[tuple[str, int]]:
     """Yield (text segment, token id) pairs; fill `result` as it goes."""
-    if params.seed is not None:
-        mx.random.seed(params.seed)
     tokenizer = sm.tokenizer
     detok = tokenizer.detokenizer
     detok.reset()
-    sampler = make_sampler(temp=params.temp, top_p=params.top_p)
+    sampler = request_sampler(params)
     mx.reset_peak_memory()
     prefill, decode = dict.fromkeys(_COUNTERS, 0), dict.fromkeys(_COUNTERS, 0)
     tic = time.perf_counter()

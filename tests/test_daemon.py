@@ -157,6 +157,48 @@ def test_four_concurrent_clients_get_the_local_output(daemon, reference):
     assert stats["pool"]["evictions"] > 0, "capacity 0.25 should evict while serving"
 
 
+def test_a_seeded_sampled_request_is_the_same_beside_another(daemon, store):
+    """Sampling draws from the request's own key: a seeded request gives the text it
+    gives alone (in-process), while another sampled request is interleaved with it."""
+    from moestream.daemon.generation import SamplingParams, encode_prompt, generate
+    from moestream.daemon.store.loader import load_streaming_model
+    from moestream.shared.settings import Settings
+
+    mine = dict(max_tokens=N_TOKENS, temp=0.9, top_p=0.95, seed=5)
+    sm = load_streaming_model(store, Settings(capacity=0.25))
+    try:
+        alone = generate(sm, encode_prompt(sm, PROMPTS[0], None), SamplingParams(**mine))
+    finally:
+        sm.close()
+    results: dict[str, object] = {}
+    failures: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def run(name: str, prompt: str, params: dict) -> None:
+        try:
+            with Client(daemon, timeout=30) as c:
+                barrier.wait()
+                stream = c.generate(prompt, **params)
+                for _ in stream:
+                    pass
+                results[name] = stream.done
+        except BaseException as e:  # reported below, in the test's thread
+            failures.append(e)
+
+    other = dict(max_tokens=N_TOKENS, temp=1.0, seed=7)
+    threads = [
+        threading.Thread(target=run, args=("mine", PROMPTS[0], mine)),
+        threading.Thread(target=run, args=("other", PROMPTS[1], other)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not failures, failures
+    assert results["mine"].tokens == alone.tokens, "another request changed a seeded request's draws"
+    assert results["mine"].text == alone.text
+
+
 def test_status_has_its_fields_and_answers_fast_while_generating(daemon, reference):
     with Client(daemon) as gen, Client(daemon) as c:
         stream = gen.generate(LONG_PROMPT, max_tokens=LONG_TOKENS)
