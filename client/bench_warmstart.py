@@ -65,7 +65,8 @@ def run_bench_warmstart(
     store: Path, *, capacity: str = "0.25", autopin_frac: float = 0.5, prompt: str = "def fibonacci(n):",
     tokens: int = 64, rounds: int = 3, io_threads: int = 4,
 ) -> dict[str, Any]:
-    usage = store / POOL_USAGE_NAME
+    # The daemons it starts resolve the heat folder from the same environment and config.
+    usage = Settings.resolve({"model": str(store)}).heat_folder(store) / POOL_USAGE_NAME
     saved = usage.read_bytes() if usage.exists() else None
     try:
         usage.unlink(missing_ok=True)

@@ -461,8 +461,14 @@ class EngineLoop:
         from moestream.shared.heat_file import HeatReadError
 
         sm = self._sm
+        heat_dir = self.settings.heat_folder(sm.store_dir)
         try:
-            usage = load_usage(sm.store_dir)
+            heat_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as e:
+            # The keeper will fail its writes and say so in `status`; serving goes on.
+            self.log.error("heat: cannot create the heat folder %s: %s", heat_dir, e)
+        try:
+            usage = load_usage(heat_dir)
         except HeatReadError as e:
             self.log.error("heat: cannot read the saved heat (%s); starting without pinned experts", e)
         else:
@@ -475,7 +481,7 @@ class EngineLoop:
                 summary.pinned, summary.layers, usage.total, usage.path, summary.seconds,
             )
         self._heat = HeatPublisher(
-            sm.store_dir,
+            heat_dir,
             self.settings.runtime_path(),
             flush_seconds=self.settings.heat_flush_seconds,
             log=self.log.getChild("heat"),

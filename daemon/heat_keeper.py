@@ -335,7 +335,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m moestream.daemon.heat_keeper", description=__doc__.split("\n\n")[0])
     p.add_argument("--endpoint", required=True, help="the daemon's PUSH endpoint (connected, not bound)")
     p.add_argument("--ack-endpoint", required=True, help="the daemon's PULL endpoint for replies")
-    p.add_argument("--store", required=True, type=Path, help="expert store folder holding pool_usage.json")
+    p.add_argument("--store", required=True, type=Path, help="the folder holding pool_usage.json (the store's, or the user's heat folder)")
     p.add_argument("--flush-seconds", type=float, default=5.0)
     p.add_argument("--flush-batches", type=int, default=0, help="also write after this many counts messages (0: off)")
     p.add_argument("--parent-pid", type=int, default=0, help="exit (after a final write) when this process is gone")

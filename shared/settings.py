@@ -9,6 +9,7 @@ then passed down. Nothing else reads the environment, and nothing reads it at im
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import re
 import sys
@@ -71,6 +72,12 @@ def demo_store_path() -> Path:
     return Path(__file__).resolve().parent.parent / "daemon" / "demo" / "store"
 
 
+def default_state_dir(env: Mapping[str, str]) -> Path:
+    """The user's state folder for moestream ($XDG_STATE_HOME/moestream)."""
+    base = env.get("XDG_STATE_HOME") or str(Path(env.get("HOME", "~")).expanduser() / ".local" / "state")
+    return Path(base) / "moestream"
+
+
 def default_config_file(env: Mapping[str, str]) -> Path:
     base = env.get("XDG_CONFIG_HOME") or str(Path(env.get("HOME", "~")).expanduser() / ".config")
     return Path(base) / "moestream" / "config.toml"
@@ -95,6 +102,9 @@ class Settings:
     # Daemon.
     runtime_dir: str | None = None
     autopin_frac: float = 0.5
+    # Folder of the heat file (pool_usage.json) that autopin reads: beside the store by
+    # default; see `heat_folder`.
+    heat_dir: str | None = None
     heat_flush_seconds: float = 5.0
     diagnostics: bool = False
     # Prefetch of predicted experts: on, off, or auto (measure decode both ways at the
@@ -146,6 +156,19 @@ class Settings:
 
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **{k: _coerce(k, v) for k, v in changes.items()})
+
+    def heat_folder(self, store: str | os.PathLike, env: Mapping[str, str] | None = None) -> Path:
+        """Where the heat of `store` is kept: `heat_dir` when set; else beside the store,
+        except for the built-in demo store or a store this user cannot write, whose heat
+        goes to a folder of their own under the state folder (never into the installed
+        package)."""
+        if self.heat_dir:
+            return Path(self.heat_dir)
+        folder = Path(store).resolve()
+        if folder != demo_store_path() and os.access(folder, os.W_OK):
+            return folder
+        digest = hashlib.sha256(str(folder).encode()).hexdigest()[:12]
+        return default_state_dir(os.environ if env is None else env) / "heat" / f"{folder.name}-{digest}"
 
     def runtime_path(self, env: Mapping[str, str] | None = None) -> Path:
         if self.runtime_dir:

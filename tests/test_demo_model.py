@@ -82,3 +82,41 @@ def test_generate_uses_the_demo_model_and_writes_python(tmp_path):
     text = result["text"]
     # Trained on the standard library: the continuation looks like Python source.
     assert any(word in text for word in ("return", "self", "def ", "if ", "import", '"""', "    ")), text
+
+
+def test_the_demo_models_heat_goes_to_the_users_state_folder(tmp_path):
+    """The demo store lives inside the installed package: its pool_usage.json is kept
+    in the user's state folder, never written into the package."""
+    from moestream.shared.settings import Settings, demo_store_path
+    from moestream.shared.store_format import POOL_USAGE_NAME
+
+    in_package = demo_store_path() / POOL_USAGE_NAME
+    before = in_package.stat().st_mtime_ns if in_package.exists() else None
+    exe = Path(sys.executable).with_name("moestreamctl")
+    env = {"PATH": str(exe.parent), "HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg"),
+           "XDG_STATE_HOME": str(tmp_path / "state"), "MOESTREAM_RUNTIME_DIR": str(tmp_path / "rt")}
+    rt = tmp_path / "rt"
+    out = subprocess.run([str(exe), "generate", "--max-tokens", "8", "def f(x):"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    try:
+        assert out.returncode == 0, out.stderr
+    finally:
+        stopped = subprocess.run([str(exe), "stop", "--runtime-dir", str(rt)], capture_output=True, text=True, timeout=60, env=env)
+    assert stopped.returncode == 0, stopped.stderr
+    folder = Settings().heat_folder(demo_store_path(), env)
+    assert folder.is_relative_to(tmp_path / "state" / "moestream" / "heat")
+    assert (folder / POOL_USAGE_NAME).is_file(), "the daemon flushes the heat when it stops"
+    after = in_package.stat().st_mtime_ns if in_package.exists() else None
+    assert after == before, "heat was written into the installed package"
+
+
+def test_heat_folder_rules(tmp_path):
+    from moestream.shared.settings import Settings, demo_store_path
+
+    store = tmp_path / "store"
+    store.mkdir()
+    env = {"XDG_STATE_HOME": str(tmp_path / "state")}
+    assert Settings().heat_folder(store, env) == store.resolve()
+    assert Settings(heat_dir=str(tmp_path / "mine")).heat_folder(store, env) == tmp_path / "mine"
+    demo = Settings().heat_folder(demo_store_path(), env)
+    assert demo.parent == tmp_path / "state" / "moestream" / "heat" and demo.name.startswith("store-")
