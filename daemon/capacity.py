@@ -56,13 +56,27 @@ def plan_capacity(
     per_slot = sum(layer.expert_bytes for layer in manifest.layers)
     kv = kv_cache_bytes(manifest.config, max_tokens)
     spare = memory_budget - resident_bytes - kv
-    slots = spare // per_slot if spare > 0 else 0
+    if spare >= most * per_slot:
+        return most
+    # A partial pool of c slots serves a prefill whose experts do not fit from a
+    # transient stack of up to all E experts of one layer plus scratch for the up to
+    # E - c it lacks: keep room for c * per_slot + (2E - c) * expert.
+    expert = max(layer.expert_bytes for layer in manifest.layers)
+    slots = (spare - 2 * most * expert) // (per_slot - expert) if per_slot > expert else 0
     if slots < k:
-        need = resident_bytes + kv + k * per_slot
+        need = resident_bytes + kv + k * per_slot + overflow_reserve_bytes(manifest, k)
         raise PoolCapacityError(
             f"--memory-budget {memory_budget / 2**30:.2f} GiB is below the minimum "
             f"{need / 2**30:.2f} GiB: resident weights {resident_bytes / 2**30:.2f} GiB + "
             f"KV cache for {max_tokens} tokens {kv / 2**30:.2f} GiB + top-{k} experts "
-            f"per layer {k * per_slot / 2**30:.2f} GiB"
+            f"per layer {k * per_slot / 2**30:.2f} GiB + room for a long prompt's experts "
+            f"{overflow_reserve_bytes(manifest, k) / 2**30:.2f} GiB"
         )
     return min(int(slots), most)
+
+
+def overflow_reserve_bytes(manifest: Manifest, slots: int) -> int:
+    """Transient memory of a prefill whose experts do not fit in a pool of `slots` slots:
+    at most every expert of one layer, stacked, plus scratch for those it lacks."""
+    most = max(layer.num_experts for layer in manifest.layers)
+    return (2 * most - slots) * max(layer.expert_bytes for layer in manifest.layers)

@@ -51,19 +51,46 @@ def test_memory_budget_below_minimum_is_refused(store):
         load_streaming_model(store, Settings(memory_budget=1024))
 
 
-def test_memory_budget_sizes_the_pool(store):
+def _budget_parts(store):
+    from moestream.daemon.capacity import kv_cache_bytes
+
     manifest = load_manifest(store)
     per_slot = sum(layer.expert_bytes for layer in manifest.layers)
     resident = sum(a.nbytes for f in manifest.resident_files for a in mx.load(str(store / f)).values())
-    from moestream.daemon.capacity import kv_cache_bytes
+    return manifest, per_slot, resident + kv_cache_bytes(manifest.config, 64)
 
-    budget = resident + kv_cache_bytes(manifest.config, 64) + 6 * per_slot + per_slot // 2
+
+def test_memory_budget_sizes_the_pool():
+    """Weights + KV cache + pool + room for a long prompt's transient stack of experts
+    fit the budget (the demo store: 5 MoE layers of 64 experts)."""
+    from moestream.daemon.capacity import overflow_reserve_bytes
+    from moestream.shared.settings import demo_store_path
+
+    store = demo_store_path()
+    manifest, per_slot, fixed = _budget_parts(store)
+    expert = manifest.layers[0].expert_bytes
+    overflow = overflow_reserve_bytes(manifest, 12)
+    budget = fixed + 12 * per_slot + overflow + (per_slot - expert) // 2
     sm = load_streaming_model(store, Settings(memory_budget=budget), max_tokens=64)
     try:
-        assert sm.capacity == 6
-        assert sm.resident_bytes + sm.pool_bytes <= budget
+        assert sm.capacity == 12
+        assert fixed + sm.pool_bytes + overflow <= budget
     finally:
         sm.close()
+
+
+def test_a_budget_that_holds_every_expert_needs_no_room_for_overflow(store):
+    """With 2 MoE layers a partial pool plus its overflow room costs more than all
+    experts: a budget for all of them gives a full pool."""
+    manifest, per_slot, fixed = _budget_parts(store)
+    experts = manifest.layers[0].num_experts
+    sm = load_streaming_model(store, Settings(memory_budget=fixed + experts * per_slot), max_tokens=64)
+    try:
+        assert sm.capacity == experts
+    finally:
+        sm.close()
+    with pytest.raises(PoolCapacityError, match="room for a long prompt"):
+        load_streaming_model(store, Settings(memory_budget=fixed + experts * per_slot - 1), max_tokens=64)
 
 
 def test_full_capacity_needs_no_host_sync(store):
