@@ -19,7 +19,6 @@ This module imports no MLX and no ZeroMQ.
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
 import secrets
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
 from moestream.shared.durable import fsync_dir
+from moestream.shared.file_lock import lock_exclusive
 from moestream.shared.store_format import POOL_USAGE_NAME
 
 # Ids above this are not a model's layers or experts: such a file is corrupt.
@@ -271,23 +271,16 @@ class UsageLock:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
             raise HeatFileError("cannot open lock file", self.path, e, "is the store folder writable?") from e
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                stopped = should_stop is not None and should_stop()
-                if stopped or time.monotonic() >= deadline:
-                    holder = _read_pid(fd)
-                    os.close(fd)
-                    who = f"another heat keeper{f' (pid {holder})' if holder else ''}"
-                    raise HeatLockTimeout(
-                        f"[heat_file] {self.path} is held by {who}; "
-                        + ("asked to stop while waiting for it" if stopped else
-                           f"gave up after {timeout:.1f}s: is a second daemon running on this store?")
-                    ) from None
-                time.sleep(0.02)
+        if not lock_exclusive(fd, timeout, should_stop):
+            stopped = should_stop is not None and should_stop()
+            holder = _read_pid(fd)
+            os.close(fd)
+            who = f"another heat keeper{f' (pid {holder})' if holder else ''}"
+            raise HeatLockTimeout(
+                f"[heat_file] {self.path} is held by {who}; "
+                + ("asked to stop while waiting for it" if stopped else
+                   f"gave up after {timeout:.1f}s: is a second daemon running on this store?")
+            )
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd

@@ -18,10 +18,11 @@ import fcntl
 import os
 import stat
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
+
+from moestream.shared.file_lock import lock_exclusive
 
 SOCKET_NAME = "moestream.sock"
 LOCK_NAME = "daemon.lock"
@@ -180,22 +181,16 @@ class InstanceLock:
             fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise RuntimeDirError(f"cannot open the lock file {paths.lock}: {e.strerror}") from e
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                # A client's `lock_is_held` probe holds a shared lock for an instant;
-                # a running daemon holds it for good.
-                if time.monotonic() < deadline:
-                    time.sleep(0.02)
-                    continue
-                os.close(fd)
-                raise DaemonAlreadyRunning(read_pid(paths), paths.dir) from None
-            except OSError as e:
-                os.close(fd)
-                raise RuntimeDirError(f"cannot lock {paths.lock}: {e.strerror}") from e
+        try:
+            # A client's `lock_is_held` probe holds a shared lock for an instant; a
+            # running daemon holds it for good.
+            locked = lock_exclusive(fd, wait)
+        except OSError as e:
+            os.close(fd)
+            raise RuntimeDirError(f"cannot lock {paths.lock}: {e.strerror}") from e
+        if not locked:
+            os.close(fd)
+            raise DaemonAlreadyRunning(read_pid(paths), paths.dir)
         try:
             stale_pid = read_pid(paths)
             removed = []
