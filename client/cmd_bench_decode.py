@@ -21,11 +21,12 @@ import click
 @click.option("--host-cache", help="Size of a host-RAM tier (e.g. 20G): adds a '+host' run per partial capacity.")
 @click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0, None), help="0 decodes greedily; > 0 samples (same seed for every configuration).")
 @click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--mapped", is_flag=True, help="Also run a '+mapped' configuration per partial capacity: every expert addressable, the hottest in GPU memory, the rest read over the link (experimental, NVIDIA GPUs).")
 @click.option("--speculative", type=click.Choice(["mtp", "draft"]), help="Instead: speculative vs plain decode at each capacity (default 1.0 0.25).")
 @click.option("--draft-tokens", "draft_tokens", multiple=True, type=click.IntRange(1, 8), help="K per round with --speculative (repeat); default 2.")
 @click.option("--draft-model", type=click.Path(file_okay=False), help="Draft model for --speculative draft.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds, io_threads, no_stock, no_naive, mlx_memory_limit, host_cache, temp, seed,
+def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds, io_threads, no_stock, no_naive, mlx_memory_limit, host_cache, temp, seed, mapped,
                  speculative, draft_tokens, draft_model, as_json) -> None:
     """Decode tokens/s, hit rates, bytes moved per token per tier, admission GB/s and
     the bandwidth bound, for stock mlx-lm, moestream at each capacity (with and without
@@ -61,6 +62,7 @@ def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds
         host_cache=host_bytes,
         temp=temp,
         seed=seed,
+        mapped=mapped,
     )
     try:
         report = run_bench_decode(settings)

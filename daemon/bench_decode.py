@@ -57,6 +57,8 @@ class BenchDecodeSettings:
     host_cache: int = 0
     # 0 decodes greedily; > 0 samples at this temperature (same seed for every config).
     temp: float = 0.0
+    # Adds a "+mapped" configuration per partial capacity (daemon/placement.py).
+    mapped: bool = False
 
 
 @dataclass
@@ -69,7 +71,13 @@ class Config:
 
 
 def _decode(
-    model, prompt: list[int], steps: int, temp: float, seed: int, after_prefill: Callable[[], None] | None = None
+    model,
+    prompt: list[int],
+    steps: int,
+    temp: float,
+    seed: int,
+    after_prefill: Callable[[], None] | None = None,
+    after_token: Callable[[], None] | None = None,
 ) -> tuple[float, list[int]]:
     """Decode with mlx-lm's pipelining (step n+1 queued before n is read); returns the
     seconds of the decode steps alone."""
@@ -89,6 +97,8 @@ def _decode(
         next_y = pick(model(y[None], cache=cache)[:, -1, :])
         mx.async_eval(next_y)
         tokens.append(int(y.item()))
+        if after_token is not None:
+            after_token()
         y = next_y
     mx.eval(y)
     return time.perf_counter() - tic, tokens
@@ -106,6 +116,9 @@ def _counters(sm: StreamingModel) -> dict[str, float]:
         "copy_seconds": a.get("copy_seconds", 0.0),
         "tier_hits": a.get("tier_hits", 0),
         "tier_misses": a.get("tier_misses", 0),
+        "placed_routed": s.get("placement", {}).get("routed", 0),
+        "placed_on_gpu": s.get("placement", {}).get("routed_on_gpu", 0),
+        "placement_moves": s.get("placement", {}).get("moves", 0),
     }
 
 
@@ -116,24 +129,30 @@ def _streaming_config(
     prompt: list[int],
     naive: bool = False,
     admitter: Admitter | None = None,
+    mapped: bool = False,
 ) -> Config:
     sm = load_streaming_model(
         settings.store,
         Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads),
         naive=naive,
         admitter=admitter,
+        mapped=mapped,
     )
+    tick = sm.placement.tick if sm.placement is not None else None
 
     def run() -> dict[str, Any]:
         before: dict[str, float] = {}
         seconds, tokens = _decode(
-            sm.model, prompt, settings.decode_tokens, settings.temp, settings.seed, lambda: before.update(_counters(sm))
+            sm.model, prompt, settings.decode_tokens, settings.temp, settings.seed, lambda: before.update(_counters(sm)), tick
         )
         after = _counters(sm)
         d = {k: after[k] - before[k] for k in before}
         n = settings.decode_tokens
         hits, misses = d["hits_decode"], d["misses_decode"]
         tier = d["tier_hits"] + d["tier_misses"]
+        if sm.placement is not None:
+            # Routed experts that were in GPU memory (the rest were read over the link).
+            hits, misses = d["placed_on_gpu"], d["placed_routed"] - d["placed_on_gpu"]
         return {
             "tokens_per_s": n / seconds,
             "tokens": tokens,
@@ -143,6 +162,7 @@ def _streaming_config(
             "host_to_pool_bytes_per_token": d["bytes_to_pool"] / n,
             "admission_bytes_per_s": d["bytes_to_pool"] / d["copy_seconds"] if d["copy_seconds"] > 0 else None,
             "host_syncs_per_token": d["host_syncs"] / n + 1,
+            "placement_moves_per_token": d["placement_moves"] / n if sm.placement is not None else None,
         }
 
     return Config(name, capacity, run, sm.close)
@@ -162,6 +182,7 @@ def _stock_config(settings: BenchDecodeSettings, prompt: list[int]) -> Config:
             "host_to_pool_bytes_per_token": 0.0,
             "admission_bytes_per_s": None,
             "host_syncs_per_token": 1.0,
+            "placement_moves_per_token": None,
         }
 
     return Config("stock-mlx-lm", None, run, lambda: None)
@@ -245,6 +266,8 @@ def run_bench_decode(settings: BenchDecodeSettings) -> dict[str, Any]:
             configs.append(_streaming_config(f"moestream@{c:g}", c, settings, prompt))
             if tier is not None and c < 1:
                 configs.append(_streaming_config(f"moestream@{c:g}+host", c, settings, prompt, admitter=tier))
+            if settings.mapped and c < 1:
+                configs.append(_streaming_config(f"moestream@{c:g}+mapped", c, settings, prompt, mapped=True))
         if settings.naive:
             configs.append(_streaming_config("naive-on-demand", None, settings, prompt, naive=True))
         for c in configs:  # warm-up: kernels, page tables, first reads, the host tier
@@ -274,6 +297,7 @@ def run_bench_decode(settings: BenchDecodeSettings) -> dict[str, Any]:
             "host_to_pool_bytes_per_token",
             "admission_bytes_per_s",
             "host_syncs_per_token",
+            "placement_moves_per_token",
         ):
             values = [s[key] for s in c.samples if s[key] is not None]
             row[key] = statistics.median(values) if values else None
@@ -315,6 +339,7 @@ def run_bench_decode(settings: BenchDecodeSettings) -> dict[str, Any]:
         "temp": settings.temp,
         "rounds": settings.rounds,
         "host_cache_bytes": settings.host_cache,
+        "mapped": settings.mapped,
         "read_bandwidth_bytes_per_s": bandwidth,
         "link_bandwidth_bytes_per_s": link,
         "link_kind": link_kind,

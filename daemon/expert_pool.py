@@ -80,6 +80,7 @@ class ExpertPool:
         *,
         top_k: int,
         keep: bool = True,
+        host_memory: bool = False,
     ) -> None:
         if capacity < top_k:
             raise PoolCapacityError(
@@ -94,8 +95,11 @@ class ExpertPool:
         # keep=False is the naive on-demand baseline of `bench decode`: nothing is
         # reused from one forward to the next, every routed expert is read each time.
         self.keep = keep
+        # host_memory=True (a mapped pool, daemon/placement.py): made on the CPU stream,
+        # the arrays are allocated where the host writes them (managed memory on CUDA)
+        # rather than as GPU memory the size of every expert.
         self.arrays: dict[str, mx.array] = {
-            t.name: mx.zeros((self.capacity, *t.shape), dtype=getattr(mx, t.dtype))
+            t.name: mx.zeros((self.capacity, *t.shape), dtype=getattr(mx, t.dtype), stream=mx.cpu if host_memory else None)
             for t in layer.tensors
         }
         mx.eval(list(self.arrays.values()))

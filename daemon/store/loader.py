@@ -19,10 +19,11 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes, infer_quant_config, load_tokenizer
 
-from moestream.daemon.admission import Admitter, make_admitter
+from moestream.daemon.admission import Admitter, DirectAdmitter, cuda_copier, make_admitter
 from moestream.daemon.capacity import plan_capacity, top_k_of
 from moestream.daemon.expert_pool import ExpertPool
 from moestream.daemon.expert_reader import ExpertReader
+from moestream.daemon.placement import CountingMover, Placement
 from moestream.daemon.policies import make_policy
 from moestream.daemon.predictor import install as install_predictor
 from moestream.daemon.streaming_moe import StreamingMoE
@@ -58,6 +59,8 @@ class StreamingModel:
     # predicted experts (daemon/prefetch.py; None where every pool is full).
     diagnostics: Any = None
     prefetcher: Any = None
+    # A mapped pool's placement of experts in GPU memory (experimental), else None.
+    placement: Placement | None = None
 
     @property
     def pool_bytes(self) -> int:
@@ -86,11 +89,15 @@ class StreamingModel:
         totals["hit_rate"] = hits / (hits + misses) if hits + misses else None
         totals["layers"] = per_layer
         totals["admission"] = self.admitter.stats() | self.admission_note
+        if self.placement is not None:
+            totals["placement"] = self.placement.stats.to_dict()
         return totals
 
     def close(self) -> None:
         if self.prefetcher is not None:
             self.prefetcher.drain()
+        if self.placement is not None:
+            self.placement.close()
         if self.owns_reader:
             self.reader.close()
 
@@ -182,6 +189,7 @@ def load_streaming_model(
     max_tokens: int = 4096,
     naive: bool = False,
     admitter: Admitter | None = None,
+    mapped: bool = False,
 ) -> StreamingModel:
     """Load a store for streaming. `naive=True` is the on-demand baseline of the
     benchmarks: a pool of top-k slots that reuses nothing between forwards. An
@@ -211,7 +219,9 @@ def load_streaming_model(
     moes: list[StreamingMoE] = []
     blocks: list[Any] = []
     try:
-        if admitter is None:
+        if mapped:
+            admitter, note = DirectAdmitter(reader), {"mapped": True}
+        elif admitter is None:
             admitter, note = make_admitter(reader, manifest, settings.host_cache)
         else:
             note = {"shared": True}
@@ -220,9 +230,9 @@ def load_streaming_model(
             if not isinstance(module, (SwitchGLU, SwitchMLP)):
                 raise StoreError(f"{layer.module_path} is a {type(module).__name__}, not a SwitchGLU/SwitchMLP")
             _check_layout(module, layer)
-            slots = min(capacity, layer.num_experts)
+            slots = layer.num_experts if mapped else min(capacity, layer.num_experts)
             policy = make_policy(settings.policy, layer.num_experts, slots)
-            pool = ExpertPool(layer, slots, policy, admitter, top_k=k, keep=not naive)
+            pool = ExpertPool(layer, slots, policy, admitter, top_k=k, keep=not naive, host_memory=mapped)
             parent[key] = StreamingMoE(module, pool)
             pools.append(pool)
             moes.append(parent[key])
@@ -238,6 +248,7 @@ def load_streaming_model(
             moes, blocks, reader=reader, manifest=manifest, admitter=admitter, top_k=k,
             prefetch=settings.prefetch, diagnostics=settings.diagnostics, predict=not naive,
         )
+        placement = _place(pools, capacity, settings.policy) if mapped else None
         tokenizer = load_tokenizer(store, eos_token_ids=config.get("eos_token_id"))
     except BaseException:
         if owns_reader:
@@ -257,7 +268,15 @@ def load_streaming_model(
         owns_reader=owns_reader,
         diagnostics=diagnostics,
         prefetcher=prefetcher,
+        placement=placement,
     )
+
+
+def _place(pools: list[ExpertPool], gpu_slots: int, policy: str) -> Placement:
+    copier, _ = cuda_copier()
+    placement = Placement(pools, gpu_slots, copier if copier is not None else CountingMover(), policy)
+    placement.place_initial()
+    return placement
 
 
 def load_stock_model(store_dir: str | Path) -> nn.Module:

@@ -11,6 +11,7 @@
 #   bash tests/bench/gpu_run.sh exactness-mini  # 4-bit and bf16 random models of CUDA-friendly size
 #   bash tests/bench/gpu_run.sh make-q30      # Qwen3-30B-A3B-shaped random 4-bit model + store
 #   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it (host tier on/off, sampled)
+#   bash tests/bench/gpu_run.sh decode-q30-mapped # the mapped pool against the slot pool (experimental)
 #   bash tests/bench/gpu_run.sh warmstart-q30 # bench warmstart on it
 #   bash tests/bench/gpu_run.sh demo          # train the built-in demo model
 #   bash tests/bench/gpu_run.sh spec-demo     # bench decode --speculative mtp on the demo model
@@ -74,13 +75,25 @@ from moestream.daemon.bench_decode import format_report
 print(format_report(json.load(open(sys.argv[1]))))
 EOF
     ;;
+  decode-q30-mapped)
+    # The mapped pool (experimental): every expert addressable, the hottest share in GPU
+    # memory, the rest read over the link; against the slot pool at the same shares.
+    ctl bench decode --model /root/q30/store --capacity 1 --capacity 0.25 --capacity 0.125 --mapped \
+      --temp 1 --prompt-tokens 32 --decode-tokens ${DECODE_TOKENS:-32} --rounds ${ROUNDS:-4} --mlx-memory-limit 64G \
+      --json >"$OUT/bench_decode_q30_mapped.json"
+    $py - "$OUT/bench_decode_q30_mapped.json" <<'EOF'
+import json, sys
+from moestream.daemon.bench_decode import format_report
+print(format_report(json.load(open(sys.argv[1]))))
+EOF
+    ;;
   warmstart-q30)
     ctl bench warmstart --model /root/q30/store --capacity 0.25 --tokens 64 --rounds 3 --json >"$OUT/bench_warmstart_q30.json"
     cat "$OUT/bench_warmstart_q30.json" | head -c 1500
     ;;
   spec-demo)
     # Speculative decoding with the demo's MTP head against plain decode, K = 1..3.
-    ctl bench decode --model daemon/demo/store --speculative mtp --draft-tokens 1 --draft-tokens 2 --draft-tokens 3 \
+    ctl bench decode --model daemon/demo/store --speculative mtp --draft-tokens 1 --draft-tokens 2 --draft-tokens 3 --draft-tokens 4 \
       --capacity 1 --capacity 0.25 --decode-tokens ${DECODE_TOKENS:-128} --rounds ${ROUNDS:-3} --mlx-memory-limit 32G \
       --json >"$OUT/bench_spec_demo_h200.json"
     $py - "$OUT/bench_spec_demo_h200.json" <<'EOF'

@@ -1,0 +1,74 @@
+"""The mapped pool (daemon/placement.py): every expert addressable, a placement of the
+hottest in GPU memory. Here (CPU) nothing moves; the output and the bookkeeping are
+what can be checked: exact tokens, no host sync per layer, placements within budget."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from moestream.daemon.placement import READBACK_LAG, CountingMover, _runs
+from moestream.daemon.store.convert import convert_model
+from moestream.daemon.store.loader import load_stock_model, load_streaming_model
+from moestream.shared.settings import Settings
+from tiny_models import make_tiny_model
+
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mapped")
+    src = make_tiny_model(root / "model", "qwen3_moe", quant="4bit", seed=5)
+    convert_model(src, root / "store")
+    return root / "store"
+
+
+def decode(model, steps: int, tick=None) -> list[int]:
+    cache = make_prompt_cache(model)
+    y = mx.argmax(model(mx.arange(20)[None] % 300, cache=cache)[:, -1, :], axis=-1)
+    out = []
+    for _ in range(steps):
+        next_y = mx.argmax(model(y[None], cache=cache)[:, -1, :], axis=-1)
+        mx.async_eval(next_y)
+        out.append(int(y.item()))
+        if tick is not None:
+            tick()
+        y = next_y
+    return out
+
+
+def test_runs_split_flags_into_maximal_runs():
+    assert _runs(np.array([True, True, False, True])) == [(0, 2, True), (2, 3, False), (3, 4, True)]
+    assert _runs(np.array([False])) == [(0, 1, False)]
+
+
+def test_mapped_pool_is_exact_syncs_never_and_keeps_its_budget(store):
+    want = decode(load_stock_model(store), STEPS)
+    sm = load_streaming_model(store, Settings(capacity=0.25), mapped=True)
+    try:
+        placement = sm.placement
+        assert isinstance(placement.mover, CountingMover)  # no CUDA here
+        slots = placement.gpu_slots
+        experts = sm.pools[0].layer.num_experts
+        assert slots == max(sm.pools[0].top_k, int(np.ceil(0.25 * experts)))
+        assert all(p.fully_resident and p.capacity == experts for p in sm.pools)
+        assert all(len(s) == slots for s in placement.on_gpu), "initial placement fills the budget"
+
+        got = decode(sm.model, STEPS, placement.tick)
+        assert got == want
+        stats = sm.pool_stats()
+        assert stats["host_syncs"] == 0, "a mapped pool never syncs per layer"
+        p = stats["placement"]
+        top_k, layers = sm.pools[0].top_k, len(sm.pools)
+        # Routing is read two forwards late: the prefill and all but the last two decode steps.
+        assert p["routed"] >= (STEPS - READBACK_LAG) * top_k * layers
+        assert 0 < p["routed_on_gpu"] < p["routed"]
+        assert p["moves"] > 0 and placement.mover.calls == p["place_calls"]
+        assert all(len(s) <= slots for s in placement.on_gpu)
+        assert all(len(pool.route_log) <= READBACK_LAG for pool in sm.pools)
+    finally:
+        sm.close()
+    assert all(pool.route_log is None for pool in sm.pools)
