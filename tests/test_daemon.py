@@ -29,7 +29,7 @@ from moestream.client.client import Client, ClientError, DaemonDied, DaemonNotRu
 from moestream.shared import protocol as proto
 from moestream.shared.heat_file import usage_path
 from moestream.shared.runtime_dir import InstanceLock, RuntimeDirError, RuntimePaths, lock_is_held, read_pid
-from tiny_models import make_tiny_model
+from tiny_models import tiny_store
 
 PROMPTS = ["The farmer counted his hens", "def route(hidden, gate, k=2):", "Numbers and dates: 1, 2, 3", "In the morning"]
 LONG_PROMPT = "There was news of rain"
@@ -73,15 +73,8 @@ def recent(client: Client) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def store():
-    root = Path(tempfile.mkdtemp(dir="/tmp", prefix="mss"))
-    try:
-        from moestream.daemon.store.convert import convert_model
-
-        src = make_tiny_model(root / "model", "qwen3_moe", quant="4bit", seed=11)
-        convert_model(src, root / "store")
-        yield root / "store"
-    finally:
-        shutil.rmtree(root)
+    with tiny_store("mss") as path:
+        yield path
 
 
 @pytest.fixture(scope="module")

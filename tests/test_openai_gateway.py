@@ -28,7 +28,7 @@ import pytest
 
 from moestream.client.client import Client
 from moestream.shared.runtime_dir import RuntimePaths
-from tiny_models import make_tiny_model
+from tiny_models import tiny_store
 
 KEY = "sk-test-0123456789"
 PROMPT = "The farmer counted his hens"
@@ -103,15 +103,8 @@ class Gateway:
 
 @pytest.fixture(scope="module")
 def store():
-    root = Path(tempfile.mkdtemp(dir="/tmp", prefix="mso"))
-    try:
-        from moestream.daemon.store.convert import convert_model
-
-        src = make_tiny_model(root / "model", "qwen3_moe", quant="4bit", seed=11)
-        convert_model(src, root / "store")
-        yield root / "store"
-    finally:
-        shutil.rmtree(root)
+    with tiny_store("mso") as path:
+        yield path
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import io
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -394,6 +394,24 @@ def write_tokenizer(path: str | Path) -> None:
     )
     (path / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
 
+
+
+@contextlib.contextmanager
+def tiny_store(prefix: str, arch: str = "qwen3_moe", *, seed: int = 11) -> Iterator[Path]:
+    """A tiny `arch` model converted to an expert store in a short /tmp folder (daemon
+    sockets live near it), removed afterwards."""
+    import shutil
+    import tempfile
+
+    from moestream.daemon.store.convert import convert_model
+
+    root = Path(tempfile.mkdtemp(dir="/tmp", prefix=prefix))
+    try:
+        src = make_tiny_model(root / "model", arch, quant="4bit", seed=seed)
+        convert_model(src, root / "store")
+        yield root / "store"
+    finally:
+        shutil.rmtree(root)
 
 def main(argv: list[str] | None = None) -> None:
     """Build one tiny model from the command line (used by the README's quick start)."""
