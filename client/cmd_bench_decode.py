@@ -77,17 +77,17 @@ def _bench_speculative(store, mode, draft_tokens, draft_model, capacities, polic
 
     from moestream.daemon.bench_speculative import BenchSpeculativeSettings, format_speculative_report, run_bench_speculative
     from moestream.daemon.expert_pool import PoolCapacityError
-    from moestream.shared.settings import parse_size
+    from moestream.shared.settings import SettingsError, parse_size
     from moestream.shared.store_format import StoreError
 
     if mode is None:
         raise click.UsageError("--draft-tokens and --draft-model go with --speculative")
     if (mode == "draft") != (draft_model is not None):
         raise click.UsageError("--speculative draft needs --draft-model PATH, and only it takes one")
-    import mlx.core as mx
-
-    if mlx_memory_limit:
-        mx.set_memory_limit(parse_size(mlx_memory_limit))
+    try:
+        memory_limit = parse_size(mlx_memory_limit) if mlx_memory_limit else None
+    except SettingsError as e:
+        raise click.UsageError(str(e)) from None
     settings = BenchSpeculativeSettings(
         store=Path(store),
         mode=mode,
@@ -98,6 +98,7 @@ def _bench_speculative(store, mode, draft_tokens, draft_model, capacities, polic
         rounds=rounds,
         policy=policy,
         io_threads=io_threads,
+        mlx_memory_limit=memory_limit,
     )
     try:
         report = run_bench_speculative(settings)

@@ -41,6 +41,7 @@ class BenchSpeculativeSettings:
     rounds: int = 3
     policy: str = "lru"
     io_threads: int = 4
+    mlx_memory_limit: int | None = None
 
 
 def _greedy(logprobs: mx.array) -> mx.array:
@@ -108,6 +109,8 @@ def _spec_run(sm: StreamingModel, prompt: list[int], n: int, spec: SpeculativePa
 
 def run_bench_speculative(settings: BenchSpeculativeSettings) -> dict[str, Any]:
     """Measure plain vs speculative decode at each capacity; return the report."""
+    if settings.mlx_memory_limit:
+        mx.set_memory_limit(settings.mlx_memory_limit)
     rows: list[dict[str, Any]] = []
     model_type = None
     for capacity in settings.capacities:
