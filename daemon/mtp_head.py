@@ -106,7 +106,8 @@ def load_mtp_head(store: str | Path, config: dict[str, Any]) -> LoadedMTP:
 
 def _load_qwen3_next(path: Path, config: dict[str, Any]) -> Qwen3NextMTP:
     from mlx_lm.models.qwen3_next import ModelArgs
-    from mlx_lm.utils import infer_quant_config
+
+    from moestream.daemon.store.loader import quantize_like_weights
 
     if config.get("model_type") != QWEN3_NEXT:
         raise StoreError(f"{path} holds a Qwen3-Next MTP head but the store's model is {config.get('model_type')!r}")
@@ -114,18 +115,7 @@ def _load_qwen3_next(path: Path, config: dict[str, Any]) -> Qwen3NextMTP:
     head = Qwen3NextMTP(ModelArgs.from_dict(config))
     quantization = config.get("quantization")
     if quantization:
-        def predicate(p: str, m: nn.Module) -> bool | dict[str, Any]:
-            if not hasattr(m, "to_quantized") or f"{p}.scales" not in weights:
-                return False
-            return infer_quant_config(p, m, weights)
-
-        nn.quantize(
-            head,
-            group_size=quantization["group_size"],
-            bits=quantization["bits"],
-            mode=quantization.get("mode", "affine"),
-            class_predicate=predicate,
-        )
+        quantize_like_weights(head, quantization, weights)
     expected = {k for k, _ in tree_flatten(head.parameters())}
     if expected != set(weights):
         raise StoreError(

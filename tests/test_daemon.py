@@ -29,6 +29,7 @@ from moestream.client.client import Client, ClientError, DaemonDied, DaemonNotRu
 from moestream.shared import protocol as proto
 from moestream.shared.heat_file import usage_path
 from moestream.shared.runtime_dir import InstanceLock, RuntimeDirError, RuntimePaths, lock_is_held, read_pid
+from daemon_cli import clean_env, ctl, wait_for
 from tiny_models import tiny_store
 
 PROMPTS = ["The farmer counted his hens", "def route(hidden, gate, k=2):", "Numbers and dates: 1, 2, 3", "In the morning"]
@@ -36,31 +37,6 @@ LONG_PROMPT = "There was news of rain"
 N_TOKENS = 48
 LONG_TOKENS = 300
 CAPACITY = "0.25"
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """The environment for child processes, without the developer's moestream settings."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MOESTREAM_")}
-    env["XDG_CONFIG_HOME"] = "/nonexistent-moestream-test"
-    env.update(extra)
-    return env
-
-
-def ctl(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "moestream.client.cli", *args],
-        capture_output=True, text=True, env=env or clean_env(), timeout=timeout,
-    )
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def paths_of(rt: Path) -> RuntimePaths:

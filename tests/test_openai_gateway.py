@@ -28,6 +28,7 @@ import pytest
 
 from moestream.client.client import Client
 from moestream.shared.runtime_dir import RuntimePaths
+from daemon_cli import clean_env, ctl, wait_for
 from tiny_models import tiny_store
 
 KEY = "sk-test-0123456789"
@@ -37,27 +38,6 @@ CHAT = [{"role": "system", "content": "You answer questions."}, {"role": "user",
 N = 32
 LONG = 400  # never reached: the requests that ask for it are cancelled
 BUSY = 120  # tokens per request when three run at once
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MOESTREAM_")}
-    env["XDG_CONFIG_HOME"] = "/nonexistent-moestream-test"
-    env.update(extra)
-    return env
-
-
-def ctl(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moestream.client.cli", *args], capture_output=True, text=True, env=env or clean_env(), timeout=timeout)
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 class Gateway:

@@ -126,23 +126,30 @@ def _quantize(model: nn.Module, config: dict[str, Any], weights: dict[str, mx.ar
                 "convert the model again with this moestream"
             )
         return
-    expert_quant = {
-        f"{layer.module_path}.{proj}": q for layer in manifest.layers for proj, q in layer.quantization.items()
-    }
+    fixed = {k: v for k, v in quantization.items() if isinstance(v, (dict, bool))}
+    fixed.update(
+        {f"{layer.module_path}.{proj}": q or False for layer in manifest.layers for proj, q in layer.quantization.items()}
+    )
+    quantize_like_weights(model, quantization, weights, fixed)
 
-    def predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
-        if path in quantization:
-            return quantization[path]
-        if not hasattr(module, "to_quantized"):
+
+def quantize_like_weights(
+    module: nn.Module, quantization: dict[str, Any], weights: dict[str, mx.array], fixed: dict[str, Any] | None = None
+) -> None:
+    """Quantize `module` the way mlx-lm's loading does: a layer is quantized where the
+    weights carry its scales, with the group size and bits they imply; `fixed` maps paths
+    to a given quantization (or False) first."""
+    fixed = fixed or {}
+
+    def predicate(path: str, m: nn.Module) -> bool | dict[str, Any]:
+        if path in fixed:
+            return fixed[path]
+        if not hasattr(m, "to_quantized") or f"{path}.scales" not in weights:
             return False
-        if path in expert_quant:
-            return expert_quant[path] or False
-        if f"{path}.scales" not in weights:
-            return False
-        return infer_quant_config(path, module, weights)
+        return infer_quant_config(path, m, weights)
 
     nn.quantize(
-        model,
+        module,
         group_size=quantization["group_size"],
         bits=quantization["bits"],
         mode=quantization.get("mode", "affine"),

@@ -1,0 +1,34 @@
+"""Running `moestreamctl` as a child process in tests, with none of the developer's
+moestream settings (environment or config file), and waiting for what it does."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+from moestream.daemon.soak import child_env
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment for child processes, without the developer's moestream settings."""
+    return child_env(extra)
+
+
+def ctl(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "moestream.client.cli", *args],
+        capture_output=True, text=True, env=env or clean_env(), timeout=timeout,
+    )
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll `predicate` until it returns something true; fail the test after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
