@@ -43,6 +43,15 @@ def greedy_logits(model, prompt: list[int], steps: int) -> tuple[list[int], list
     return tokens, rows
 
 
+def assert_same_as_stock(sm, prompts, label: str) -> None:
+    """Every prompt's greedy tokens and every step's logits equal stock mlx-lm's."""
+    for n, (prompt, (want_tokens, want_logits)) in prompts.items():
+        got_tokens, got_logits = greedy_logits(sm.model, prompt, STEPS)
+        assert got_tokens == want_tokens, f"{label} prompt={n}: tokens differ"
+        for step, (a, b) in enumerate(zip(got_logits, want_logits)):
+            assert np.array_equal(a, b), f"{label} prompt={n} step={step}: logits differ (max |d|={np.abs(a - b).max()})"
+
+
 @pytest.fixture(scope="module", params=[(a, q) for a in ARCHS for q in QUANTS], ids=lambda p: f"{p[0]}-{p[1]}")
 def converted(request, tmp_path_factory):
     arch, quant = request.param
@@ -91,11 +100,7 @@ def test_logits_identical_at_every_capacity(converted, policy):
             continue  # a full pool never evicts, so the policy plays no part
         sm = load_streaming_model(store, Settings(capacity=slots, policy=policy, direct_io=True))
         try:
-            for n, (prompt, (want_tokens, want_logits)) in prompts.items():
-                got_tokens, got_logits = greedy_logits(sm.model, prompt, STEPS)
-                assert got_tokens == want_tokens, f"{label} prompt={n}: tokens differ"
-                for step, (a, b) in enumerate(zip(got_logits, want_logits)):
-                    assert np.array_equal(a, b), f"{label} prompt={n} step={step}: logits differ (max |d|={np.abs(a - b).max()})"
+            assert_same_as_stock(sm, prompts, label)
             stats = sm.pool_stats()
             if label == "topk":
                 # The 100-token prompt's experts cannot fit: the overflow path ran.
@@ -123,11 +128,7 @@ def test_logits_identical_through_the_host_tier(converted):
     for label, slots in _capacities(store)[:2]:
         sm = load_streaming_model(store, Settings(capacity=slots, host_cache=tier_bytes))
         try:
-            for n, (prompt, (want_tokens, want_logits)) in prompts.items():
-                got_tokens, got_logits = greedy_logits(sm.model, prompt, STEPS)
-                assert got_tokens == want_tokens, f"{label} prompt={n}: tokens differ"
-                for step, (a, b) in enumerate(zip(got_logits, want_logits)):
-                    assert np.array_equal(a, b), f"{label} prompt={n} step={step}: logits differ"
+            assert_same_as_stock(sm, prompts, label)
             tier = sm.pool_stats()["admission"]
             assert tier["mode"] == "host-tier"
             assert tier["tier_hits"] > 0 and tier["tier_evictions"] > 0
@@ -150,11 +151,7 @@ def test_logits_identical_with_prefetch(converted):
         rec = Recorder() if label == "topk" else None
         sm.diagnostics.rec = rec
         try:
-            for n, (prompt, (want_tokens, want_logits)) in prompts.items():
-                got_tokens, got_logits = greedy_logits(sm.model, prompt, STEPS)
-                assert got_tokens == want_tokens, f"{label} prompt={n}: tokens differ with prefetch"
-                for step, (a, b) in enumerate(zip(got_logits, want_logits)):
-                    assert np.array_equal(a, b), f"{label} prompt={n} step={step}: logits differ with prefetch"
+            assert_same_as_stock(sm, prompts, f"{label} with prefetch")
             assert sm.prefetcher.stats()["promoted"] > 0
             if rec is not None:
                 assert rec.to_dict()["attribution"]["decode"]["prefetched"] > 0

@@ -35,7 +35,7 @@ from moestream.shared.heat_file import (
     usage_path,
     write_usage,
 )
-from tmpfs import mounted_tmpfs
+from tmpfs import fill, mounted_tmpfs
 
 LOG = logging.getLogger("test_heat")
 
@@ -379,14 +379,7 @@ def test_full_disk_fails_loudly_keeps_old_file_and_counts(small_tmpfs, publisher
     pub = publisher(store, runtime)
     try:
         assert pub.start()
-        fd = os.open(small_tmpfs / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
-        try:  # fill every free page
-            with pytest.raises(OSError) as full:
-                while True:
-                    os.write(fd, b"\0" * 4096)
-        finally:
-            os.close(fd)
-        assert full.value.errno == errno.ENOSPC
+        fill(small_tmpfs)  # every free page
         old = path.read_bytes()
         expected = {l: dict(d) for l, d in seed.items()}
         c = {l: rng.integers(1, 5, 64) for l in range(8)}

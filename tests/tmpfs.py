@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import subprocess
 import tempfile
 from contextlib import contextmanager
@@ -23,3 +25,15 @@ def mounted_tmpfs(size_bytes: int, prefix: str) -> Iterator[Path]:
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=True)
         mnt.rmdir()
+
+
+def fill(folder: Path) -> None:
+    """Write a file in `folder` until the filesystem is full (ENOSPC)."""
+    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        with pytest.raises(OSError) as full:
+            while True:
+                os.write(fd, b"\0" * 4096)
+    finally:
+        os.close(fd)
+    assert full.value.errno == errno.ENOSPC
