@@ -119,6 +119,8 @@ def _counters(sm: StreamingModel) -> dict[str, float]:
         "placed_routed": s.get("placement", {}).get("routed", 0),
         "placed_on_gpu": s.get("placement", {}).get("routed_on_gpu", 0),
         "placement_moves": s.get("placement", {}).get("moves", 0),
+        # Host time of the decode thread (read-back, policy); the moves run on a worker.
+        "placement_seconds": s.get("placement", {}).get("decide_seconds", 0.0) + s.get("placement", {}).get("readback_seconds", 0.0),
     }
 
 
@@ -139,30 +141,37 @@ def _streaming_config(
         mapped=mapped,
     )
     tick = sm.placement.tick if sm.placement is not None else None
+    expert_bytes = sm.manifest.layers[0].expert_bytes
 
     def run() -> dict[str, Any]:
         before: dict[str, float] = {}
         seconds, tokens = _decode(
             sm.model, prompt, settings.decode_tokens, settings.temp, settings.seed, lambda: before.update(_counters(sm)), tick
         )
+        if sm.placement is not None:
+            sm.placement.drain()  # moves still running would slow the next configuration
         after = _counters(sm)
         d = {k: after[k] - before[k] for k in before}
         n = settings.decode_tokens
         hits, misses = d["hits_decode"], d["misses_decode"]
         tier = d["tier_hits"] + d["tier_misses"]
+        link_bytes = d["bytes_to_pool"]
         if sm.placement is not None:
-            # Routed experts that were in GPU memory (the rest were read over the link).
+            # Routed experts that were in GPU memory; the kernels read the rest over the
+            # link, and each move to GPU memory copies one expert over it too.
             hits, misses = d["placed_on_gpu"], d["placed_routed"] - d["placed_on_gpu"]
+            link_bytes = (misses + d["placement_moves"]) * expert_bytes
         return {
             "tokens_per_s": n / seconds,
             "tokens": tokens,
             "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
             "tier_hit_rate": d["tier_hits"] / tier if tier else None,
             "disk_bytes_per_token": d["bytes_from_disk"] / n,
-            "host_to_pool_bytes_per_token": d["bytes_to_pool"] / n,
+            "host_to_pool_bytes_per_token": link_bytes / n,
             "admission_bytes_per_s": d["bytes_to_pool"] / d["copy_seconds"] if d["copy_seconds"] > 0 else None,
             "host_syncs_per_token": d["host_syncs"] / n + 1,
             "placement_moves_per_token": d["placement_moves"] / n if sm.placement is not None else None,
+            "placement_ms_per_token": 1e3 * d["placement_seconds"] / n if sm.placement is not None else None,
         }
 
     return Config(name, capacity, run, sm.close)
@@ -183,6 +192,7 @@ def _stock_config(settings: BenchDecodeSettings, prompt: list[int]) -> Config:
             "admission_bytes_per_s": None,
             "host_syncs_per_token": 1.0,
             "placement_moves_per_token": None,
+            "placement_ms_per_token": None,
         }
 
     return Config("stock-mlx-lm", None, run, lambda: None)
@@ -298,6 +308,7 @@ def run_bench_decode(settings: BenchDecodeSettings) -> dict[str, Any]:
             "admission_bytes_per_s",
             "host_syncs_per_token",
             "placement_moves_per_token",
+            "placement_ms_per_token",
         ):
             values = [s[key] for s in c.samples if s[key] is not None]
             row[key] = statistics.median(values) if values else None

@@ -10,37 +10,49 @@ finished (read two forwards late, so the pipeline never waits for it) through th
 eviction policies as the slot pool, and moves at most `max_moves` experts per layer per
 token. Output is unchanged by construction: the bytes never change, only where they live.
 
+The host's share of each token is kept small, since decode on a GPU is as fast as the
+host can queue work: the routing of a forward is gathered into one array on the device
+(one read-back per forward instead of one per layer), and the moves are handed to a
+worker thread whose driver calls run without the GIL and without waiting for the
+migrations they start.
+
 On the CPU and on unified memory there is nothing to move; the same bookkeeping runs
 with a mover that only counts, which is what the tests here exercise.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
+import mlx.core as mx
 import numpy as np
 
 from moestream.daemon.expert_pool import ExpertPool
 from moestream.daemon.policies import make_policy
 
-# Forwards whose routing is read back: older than this many forwards, so already computed.
+# Forwards whose routing is read back: older than this many ticks, so already computed.
 READBACK_LAG = 2
+
+# (buffer, "device" | "host", offset, nbytes)
+Span = tuple[Any, str, int, int]
 
 
 class Mover(Protocol):
-    def place(self, buffer: Any, where: str, offset: int, nbytes: int) -> None: ...
+    def place_many(self, spans: Sequence[Span], map_for_gpu: bool = False, wait: bool = False) -> None: ...
 
 
 class CountingMover:
-    """Where memory is one (CPU, Apple Silicon): nothing moves; calls are counted."""
+    """Where memory is one (CPU, Apple Silicon): nothing moves; ranges are counted."""
 
     def __init__(self) -> None:
         self.calls = 0
 
-    def place(self, buffer: Any, where: str, offset: int, nbytes: int) -> None:
-        self.calls += 1
+    def place_many(self, spans: Sequence[Span], map_for_gpu: bool = False, wait: bool = False) -> None:
+        self.calls += len(spans)
 
 
 @dataclass
@@ -50,6 +62,8 @@ class PlacementStats:
     moves: int = 0
     place_calls: int = 0
     readback_seconds: float = 0.0
+    decide_seconds: float = 0.0
+    # Spent by the worker thread in the driver, off the decode thread.
     place_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -60,8 +74,57 @@ class PlacementStats:
             "moves": self.moves,
             "place_calls": self.place_calls,
             "readback_seconds": self.readback_seconds,
+            "decide_seconds": self.decide_seconds,
             "place_seconds": self.place_seconds,
         }
+
+
+class _MoveWorker:
+    """Runs the mover's calls in order on one thread; a failure is raised to the caller
+    at its next `submit` or at `close`."""
+
+    def __init__(self, mover: Mover, stats: PlacementStats) -> None:
+        self.mover = mover
+        self.stats = stats
+        self.error: BaseException | None = None
+        self._queue: queue.SimpleQueue[list[Span] | threading.Event | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="moestream-placement", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (spans := self._queue.get()) is not None:
+            if isinstance(spans, threading.Event):
+                spans.set()
+                continue
+            if self.error is not None:
+                continue  # already failed: drop the rest, the caller is told
+            tic = time.perf_counter()
+            try:
+                self.mover.place_many(spans, False, False)
+            except BaseException as e:  # handed to the decode thread, which raises it
+                self.error = e
+            self.stats.place_seconds += time.perf_counter() - tic
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"moving experts between host and GPU memory failed: {self.error}") from self.error
+
+    def submit(self, spans: list[Span]) -> None:
+        self._raise()
+        if spans:
+            self._queue.put(spans)
+
+    def drain(self) -> None:
+        """Wait until every call submitted so far has been made."""
+        done = threading.Event()
+        self._queue.put(done)
+        done.wait()
+        self._raise()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self._raise()
 
 
 class Placement:
@@ -79,70 +142,107 @@ class Placement:
             if not p.fully_resident:
                 raise ValueError(f"layer {p.layer.module_path}: a mapped pool must hold every expert")
             p.route_log = []
+        # Per tick: the routing of the forwards since the previous tick, all layers in
+        # one device array [layers, rows, k] each, read back READBACK_LAG ticks later.
+        self._pending: list[list[mx.array]] = []
+        self._worker = _MoveWorker(mover, self.stats)
 
     def place_initial(self, hottest: Sequence[Sequence[int]] | None = None) -> None:
         """Put each layer's first `gpu_slots` experts of `hottest` (default: 0, 1, ...)
-        in GPU memory and the rest in host memory."""
+        in GPU memory and the rest in host memory, mapped for the GPU; returns when the
+        bytes are there."""
         tic = time.perf_counter()
+        spans: list[Span] = []
         for i, pool in enumerate(self.pools):
             n = pool.layer.num_experts
-            order = list(hottest[i]) if hottest is not None else []
-            order += [e for e in range(n) if e not in set(order)]
+            order = [int(e) for e in (hottest[i] if hottest is not None else [])]
+            seen = set(order)
+            order += [e for e in range(n) if e not in seen]
             chosen = set(order[: self.gpu_slots])
             flags = np.array([e in chosen for e in range(n)])
             for start, stop, on_gpu in _runs(flags):
-                self._place_rows(pool, start, stop, "device" if on_gpu else "host")
+                spans += self._spans(pool, start, stop, "device" if on_gpu else "host")
             self.on_gpu[i] = chosen
             for e in sorted(chosen):
                 self.policies[i].admitted(e)
+        self.mover.place_many(spans, True, True)
         self.stats.place_seconds += time.perf_counter() - tic
 
     def tick(self) -> None:
-        """After a token: read the routing of forwards that are surely done, tell the
-        policies, and move what they say (at most `max_moves` experts per layer)."""
-        for i, pool in enumerate(self.pools):
-            log = pool.route_log
-            if log is None or len(log) <= READBACK_LAG:
-                continue
-            ready, pool.route_log = log[:-READBACK_LAG], log[-READBACK_LAG:]
-            tic = time.perf_counter()
-            rows = [np.array(a).reshape(-1, a.shape[-1]) for a in ready]
-            self.stats.readback_seconds += time.perf_counter() - tic
-            for token_experts in rows:
-                self._observe(i, token_experts)
+        """After a token is queued: gather the routing of the forwards just queued into
+        one device array, read back the routing of forwards surely done, tell the
+        policies, and hand the moves they ask for (at most `max_moves` experts per layer
+        per forward) to the worker."""
+        logs = [p.route_log for p in self.pools]
+        forwards = len(logs[0]) if logs[0] is not None else 0
+        if forwards:
+            batch = [mx.stack([log[j].reshape(-1, log[j].shape[-1]) for log in logs]) for j in range(forwards)]
+            mx.async_eval(batch)
+            self._pending.append(batch)
+            for p in self.pools:
+                p.route_log = []
+        if len(self._pending) > READBACK_LAG:
+            self._consume(self._pending.pop(0))
 
-    def _observe(self, i: int, token_experts: np.ndarray) -> None:
+    def settle(self) -> None:
+        """Account every forward queued so far (at the end of a request, when the last
+        token has been read and nothing is left to overlap with)."""
+        self.tick()
+        while self._pending:
+            self._consume(self._pending.pop(0))
+
+    def _consume(self, ready: list[mx.array]) -> None:
+        tic = time.perf_counter()
+        rows = [np.array(a) for a in ready]
+        t1 = time.perf_counter()
+        self.stats.readback_seconds += t1 - tic
+        spans: list[Span] = []
+        for forward in rows:
+            for i in range(len(self.pools)):
+                spans += self._observe(i, forward[i])
+        self.stats.decide_seconds += time.perf_counter() - t1
+        self._worker.submit(spans)
+
+    def _observe(self, i: int, token_experts: np.ndarray) -> list[Span]:
         pool, policy, on_gpu = self.pools[i], self.policies[i], self.on_gpu[i]
+        spans: list[Span] = []
         moves = 0
+        # The pool's routing counts feed the heat keeper, as the slot pool's do.
+        np.add.at(pool.stats.routed, token_experts.reshape(-1), 1)
+        pool.stats.routed_total += token_experts.size
         for row in token_experts:
-            experts = [int(e) for e in row]
+            experts = row.tolist()
             policy.access(experts)
             self.stats.routed += len(experts)
             self.stats.routed_on_gpu += sum(e in on_gpu for e in experts)
             for e in experts:
                 if e in on_gpu or moves >= self.max_moves:
                     continue
-                tic = time.perf_counter()
                 if len(on_gpu) >= self.gpu_slots:
                     victim = policy.victim(on_gpu, set(experts))
                     on_gpu.discard(victim)
                     policy.evicted(victim)
-                    self._place_rows(pool, victim, victim + 1, "host")
+                    spans += self._spans(pool, victim, victim + 1, "host")
                 on_gpu.add(e)
                 policy.admitted(e)
-                self._place_rows(pool, e, e + 1, "device")
-                self.stats.place_seconds += time.perf_counter() - tic
+                spans += self._spans(pool, e, e + 1, "device")
                 self.stats.moves += 1
                 moves += 1
+        return spans
 
-    def _place_rows(self, pool: ExpertPool, start: int, stop: int, where: str) -> None:
-        for t in pool.layer.tensors:
-            self.mover.place(pool.arrays[t.name], where, start * t.nbytes, (stop - start) * t.nbytes)
-            self.stats.place_calls += 1
+    def _spans(self, pool: ExpertPool, start: int, stop: int, where: str) -> list[Span]:
+        self.stats.place_calls += len(pool.layer.tensors)
+        return [(pool.arrays[t.name], where, start * t.nbytes, (stop - start) * t.nbytes) for t in pool.layer.tensors]
+
+    def drain(self) -> None:
+        """Wait until the worker has made every move decided so far."""
+        self._worker.drain()
 
     def close(self) -> None:
         for p in self.pools:
             p.route_log = None
+        self._pending.clear()
+        self._worker.close()
 
 
 def _runs(flags: np.ndarray) -> list[tuple[int, int, bool]]:
@@ -153,4 +253,3 @@ def _runs(flags: np.ndarray) -> list[tuple[int, int, bool]]:
             out.append((start, j, bool(flags[start])))
             start = j
     return out
-

@@ -160,21 +160,26 @@ double CudaRuntime::copy(std::vector<CopySpan> spans) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-void CudaRuntime::place(const void* p, size_t n, bool on_device) {
+void CudaRuntime::place(const void* p, size_t n, bool on_device) { place_many({{p, n, on_device}}, true, true); }
+
+void CudaRuntime::place_many(const std::vector<PlaceSpan>& spans, bool map_for_gpu, bool wait) {
   const Api& a = *api_;
   const MemLocation gpu{kLocationDevice, 0};
-  const MemLocation where = on_device ? gpu : MemLocation{kLocationHost, 0};
-  const int where_dev = on_device ? 0 : kCpuDeviceId;
-  if (a.AdviseLoc) {
-    check(a.AdviseLoc(p, n, kAdviseSetPreferredLocation, where), "cudaMemAdvise");
-    check(a.AdviseLoc(p, n, kAdviseSetAccessedBy, gpu), "cudaMemAdvise");
-    check(a.PrefetchLoc(p, n, where, 0, streams_[0]), "cudaMemPrefetchAsync");
-  } else {
-    check(a.AdviseDev(p, n, kAdviseSetPreferredLocation, where_dev), "cudaMemAdvise");
-    check(a.AdviseDev(p, n, kAdviseSetAccessedBy, 0), "cudaMemAdvise");
-    check(a.PrefetchDev(p, n, where_dev, streams_[0]), "cudaMemPrefetchAsync");
+  for (const PlaceSpan& s : spans) {
+    if (s.n == 0) continue;
+    const MemLocation where = s.on_device ? gpu : MemLocation{kLocationHost, 0};
+    const int where_dev = s.on_device ? 0 : kCpuDeviceId;
+    if (a.AdviseLoc) {
+      check(a.AdviseLoc(s.p, s.n, kAdviseSetPreferredLocation, where), "cudaMemAdvise");
+      if (map_for_gpu) check(a.AdviseLoc(s.p, s.n, kAdviseSetAccessedBy, gpu), "cudaMemAdvise");
+      check(a.PrefetchLoc(s.p, s.n, where, 0, streams_[0]), "cudaMemPrefetchAsync");
+    } else {
+      check(a.AdviseDev(s.p, s.n, kAdviseSetPreferredLocation, where_dev), "cudaMemAdvise");
+      if (map_for_gpu) check(a.AdviseDev(s.p, s.n, kAdviseSetAccessedBy, 0), "cudaMemAdvise");
+      check(a.PrefetchDev(s.p, s.n, where_dev, streams_[0]), "cudaMemPrefetchAsync");
+    }
   }
-  check(a.StreamSynchronize(streams_[0]), "cudaStreamSynchronize");
+  if (wait) check(a.StreamSynchronize(streams_[0]), "cudaStreamSynchronize");
 }
 
 MemoryKind CudaRuntime::kind_of(const void* p) {

@@ -29,6 +29,13 @@ struct CopySpan {
   size_t n;
 };
 
+// A byte range of managed memory and where it should live.
+struct PlaceSpan {
+  const void* p;
+  size_t n;
+  bool on_device;
+};
+
 // What cudaPointerGetAttributes says about an address.
 enum class MemoryKind { kUnregistered = 0, kHost = 1, kDevice = 2, kManaged = 3 };
 
@@ -57,6 +64,11 @@ class CudaRuntime {
   // Migrate managed memory to the GPU (or to host memory, still mapped for the GPU to
   // read over the link) and ask the driver to keep it there.
   void place(const void* p, size_t n, bool on_device);
+  // The same for many ranges, queued on one stream. `map_for_gpu` also maps each range
+  // into the GPU's page tables (needed once per range: later moves keep the mapping);
+  // `wait` waits for the migrations, else they finish while the caller goes on (the
+  // bytes never change, so kernels reading a range while it moves read the same bytes).
+  void place_many(const std::vector<PlaceSpan>& spans, bool map_for_gpu, bool wait);
   MemoryKind kind_of(const void* p);
 
  private:

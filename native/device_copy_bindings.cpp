@@ -145,6 +145,25 @@ class CudaCopier {
     rt_->place(static_cast<const char*>(v->buf) + offset, n, where == "device");
   }
 
+  void place_many(py::iterable items, bool map_for_gpu, bool wait) {
+    Exports exports;
+    std::vector<PlaceSpan> spans;
+    for (py::handle item : items) {
+      const std::string what = "[place_many] ";
+      py::sequence s = py::reinterpret_borrow<py::sequence>(item);
+      if (s.size() != 4) throw py::value_error(what + "expected (buffer, where, offset, nbytes)");
+      Py_buffer* v = exports.of(s[0], false, what + "buffer");
+      const std::string where = s[1].cast<std::string>();
+      if (where != "device" && where != "host") throw py::value_error(what + "where must be 'device' or 'host'");
+      const size_t off = as_size(s[2], what + "offset");
+      const size_t n = as_size(s[3], what + "nbytes");
+      if (off + n > static_cast<size_t>(v->len)) throw py::value_error(what + "range out of bounds");
+      spans.push_back({static_cast<const char*>(v->buf) + off, n, where == "device"});
+    }
+    py::gil_scoped_release nogil;
+    rt_->place_many(spans, map_for_gpu, wait);
+  }
+
   std::string memory_kind(py::handle obj) {
     Exports exports;
     Py_buffer* v = exports.of(obj, false, "[memory_kind] buffer");
@@ -225,6 +244,11 @@ void bind_device_copy(py::module_& m) {
            "Migrate (a byte range of) a managed buffer, such as an MLX CUDA array, to the GPU or to "
            "host memory, and advise the driver to keep it there; on the host it stays mapped for "
            "the GPU, whose kernels then read it over the link.")
+      .def("place_many", &CudaCopier::place_many, py::arg("spans"), py::arg("map_for_gpu") = false, py::arg("wait") = false,
+           "place_many([(buffer, 'device'|'host', offset, nbytes), ...], map_for_gpu=False, wait=False)\n\n"
+           "`place` for many ranges at once, queued on one stream. The GPU's mapping of a range is "
+           "made by `place` or by map_for_gpu=True and kept by later moves; without `wait` the "
+           "migrations finish after the call returns (the bytes never change meanwhile).")
       .def("memory_kind", &CudaCopier::memory_kind, py::arg("buffer"),
            "memory_kind(buffer) -> 'device' | 'managed' | 'pinned' | 'pageable'")
       .def("probe", &CudaCopier::probe, py::arg("nbytes") = size_t{1} << 30, py::arg("repeats") = 3,

@@ -59,6 +59,7 @@ def test_mapped_pool_is_exact_syncs_never_and_keeps_its_budget(store):
 
         got = decode(sm.model, STEPS, placement.tick)
         assert got == want
+        placement.drain()
         stats = sm.pool_stats()
         assert stats["host_syncs"] == 0, "a mapped pool never syncs per layer"
         p = stats["placement"]

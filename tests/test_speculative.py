@@ -94,8 +94,9 @@ def test_generate_with_mtp_reports_speculation_and_falls_back_only_on_measuremen
     sm = load_streaming_model(demo_store_path(), Settings(capacity=1.0))
     try:
         prompt = encode_prompt(sm, DEMO_PROMPT, None)
-        want = plain_tokens(sm, prompt, 48)  # the probe takes at most 3 pairs of 4 tokens
-        result = generate(sm, prompt, SamplingParams(max_tokens=48, speculative="mtp", draft_tokens=2))
+        # The probe takes at most 3 pairs of blocks of 9 tokens (3 rounds of K + 1).
+        want = plain_tokens(sm, prompt, 64)
+        result = generate(sm, prompt, SamplingParams(max_tokens=64, speculative="mtp", draft_tokens=2))
         assert result.tokens == want
         spec = result.stats["speculative"]
         assert spec["mode"] == "mtp" and spec["draft_tokens"] == 2

@@ -39,7 +39,7 @@ case "$stage" in
     $py tests/bench/gpu_copy_check.py --out "$OUT/copy_check.json"
     ;;
   mapped-q30)
-    $py tests/bench/gpu_mapped_probe.py --store /root/q30/store --out "$OUT/mapped_q30.json" 2>&1 | tail -40
+    $py tests/bench/gpu_mapped_probe.py --store /root/q30/store --parts "${PARTS:-full,mapped}" --out "$OUT/mapped_q30.json" 2>&1 | tail -40
     ;;
   predict-q30)
     ctl bench predict --model /root/q30/store --temp 1 --mlx-memory-limit 64G --json >"$OUT/bench_predict_q30_h200.json"
@@ -78,8 +78,8 @@ EOF
   decode-q30-mapped)
     # The mapped pool (experimental): every expert addressable, the hottest share in GPU
     # memory, the rest read over the link; against the slot pool at the same shares.
-    ctl bench decode --model /root/q30/store --capacity 1 --capacity 0.25 --capacity 0.125 --mapped \
-      --temp 1 --prompt-tokens 32 --decode-tokens ${DECODE_TOKENS:-32} --rounds ${ROUNDS:-4} --mlx-memory-limit 64G \
+    ctl bench decode --model /root/q30/store --capacity 1 --capacity 0.25 --capacity 0.125 --mapped --host-cache 20G --no-naive \
+      --temp 1 --prompt-tokens 32 --decode-tokens ${DECODE_TOKENS:-32} --rounds ${ROUNDS:-3} --mlx-memory-limit 64G \
       --json >"$OUT/bench_decode_q30_mapped.json"
     $py - "$OUT/bench_decode_q30_mapped.json" <<'EOF'
 import json, sys
