@@ -43,10 +43,13 @@ def _timed_request(paths: RuntimePaths, prompt: str, tokens: int) -> dict[str, A
     }
 
 
-def _one_daemon(store: Path, capacity: str, autopin_frac: float, io_threads: int, prompt: str, tokens: int) -> dict[str, Any]:
+def _one_daemon(store: Path, capacity: str, autopin_frac: float, io_threads: int, prompt: str, tokens: int,
+                mapped: bool) -> dict[str, Any]:
     runtime = Path(tempfile.mkdtemp(dir="/tmp", prefix="mswarm"))
-    given = {"model": str(store), "capacity": capacity, "autopin_frac": autopin_frac, "io_threads": io_threads,
-             "runtime_dir": str(runtime)}
+    given: dict[str, Any] = {"model": str(store), "capacity": capacity, "autopin_frac": autopin_frac,
+                             "io_threads": io_threads, "runtime_dir": str(runtime)}
+    if mapped:
+        given["mapped"] = True
     settings = Settings.resolve(given)
     paths = RuntimePaths.from_settings(settings)
     try:
@@ -63,18 +66,18 @@ def _one_daemon(store: Path, capacity: str, autopin_frac: float, io_threads: int
 
 def run_bench_warmstart(
     store: Path, *, capacity: str = "0.25", autopin_frac: float = 0.5, prompt: str = "def fibonacci(n):",
-    tokens: int = 64, rounds: int = 3, io_threads: int = 4,
+    tokens: int = 64, rounds: int = 3, io_threads: int = 4, mapped: bool = False,
 ) -> dict[str, Any]:
     # The daemons it starts resolve the heat folder from the same environment and config.
     usage = Settings.resolve({"model": str(store)}).heat_folder(store) / POOL_USAGE_NAME
     saved = usage.read_bytes() if usage.exists() else None
     try:
         usage.unlink(missing_ok=True)
-        heat_run = _one_daemon(store, capacity, 0.0, io_threads, prompt, tokens)
+        heat_run = _one_daemon(store, capacity, 0.0, io_threads, prompt, tokens, mapped)
         cold, pinned = [], []
         for _ in range(rounds):
-            cold.append(_one_daemon(store, capacity, 0.0, io_threads, prompt, tokens))
-            pinned.append(_one_daemon(store, capacity, autopin_frac, io_threads, prompt, tokens))
+            cold.append(_one_daemon(store, capacity, 0.0, io_threads, prompt, tokens, mapped))
+            pinned.append(_one_daemon(store, capacity, autopin_frac, io_threads, prompt, tokens, mapped))
     finally:
         if saved is None:
             usage.unlink(missing_ok=True)
@@ -98,6 +101,7 @@ def run_bench_warmstart(
     return {
         "store": str(store),
         "capacity": capacity,
+        "mapped": mapped,
         "autopin_frac": autopin_frac,
         "prompt": prompt,
         "tokens": tokens,
@@ -111,7 +115,8 @@ def run_bench_warmstart(
 
 def format_report(r: dict[str, Any]) -> str:
     lines = [
-        f"time to the first {r['tokens']} tokens after a restart, capacity {r['capacity']}, median of {r['rounds']}",
+        f"time to the first {r['tokens']} tokens after a restart, capacity {r['capacity']}"
+        f"{' (mapped pool)' if r.get('mapped') else ''}, median of {r['rounds']}",
         f"{'':8} {'seconds':>9} {'ready in':>9} {'hit rate':>9} {'MB read':>9}",
     ]
     for name in ("cold", "pinned"):

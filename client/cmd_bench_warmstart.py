@@ -15,8 +15,9 @@ import click
 @click.option("--tokens", default=64, show_default=True, type=click.IntRange(1, None))
 @click.option("--rounds", default=3, show_default=True, type=click.IntRange(1, None))
 @click.option("--io-threads", default=4, show_default=True, type=click.IntRange(1, 256))
+@click.option("--mapped", is_flag=True, help="Both daemons run a mapped pool (see `start --mapped`): autopin places the hottest experts in GPU memory.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_warmstart(store, capacity, autopin_frac, prompt, tokens, rounds, io_threads, as_json) -> None:
+def bench_warmstart(store, capacity, autopin_frac, prompt, tokens, rounds, io_threads, mapped, as_json) -> None:
     """Time to the first TOKENS tokens after a daemon restart, cold vs pinned.
 
     Starts real daemons (each in its own runtime folder) and leaves the store's
@@ -28,7 +29,7 @@ def bench_warmstart(store, capacity, autopin_frac, prompt, tokens, rounds, io_th
 
     try:
         report = run_bench_warmstart(Path(store), capacity=capacity, autopin_frac=autopin_frac, prompt=prompt,
-                                     tokens=tokens, rounds=rounds, io_threads=io_threads)
+                                     tokens=tokens, rounds=rounds, io_threads=io_threads, mapped=mapped)
     except ClientError as e:
         raise click.ClickException(str(e)) from e
     click.echo(json.dumps(report) if as_json else format_report(report))

@@ -19,7 +19,7 @@ from moestream.shared.settings import Settings, SettingsError
 from moestream.shared.store_format import StoreError, load_manifest
 
 # `start` flags passed on to `python -m moestream.daemon.main` (names of Settings fields).
-START_FLAGS = ("model", "capacity", "memory_budget", "host_cache", "policy", "io_threads", "autopin_frac", "runtime_dir", "log_file",
+START_FLAGS = ("model", "capacity", "memory_budget", "host_cache", "mapped", "policy", "io_threads", "autopin_frac", "runtime_dir", "log_file",
                "diagnostics", "prefetch")
 LOG_TAIL_LINES = 40
 
@@ -190,8 +190,9 @@ def _start_options(f):
             click.option("--capacity", help="Pool slots per MoE layer (16) or a fraction of its experts (0.25, 25%)."),
             click.option("--policy", help="Eviction policy (see `moestreamctl bench policy`)."),
             click.option("--host-cache", help="Host RAM that caches experts between the store and the pool, e.g. 32G (default 0: off)."),
+            click.option("--mapped", is_flag=True, default=None, help="A mapped pool: every expert in host RAM, --capacity/--memory-budget of them per layer in GPU memory (experimental, NVIDIA GPUs; needs host RAM for every expert)."),
             click.option("--io-threads", type=int, help="Threads of the native read engine."),
-            click.option("--autopin-frac", type=click.FloatRange(0.0, 1.0), help="Share of each layer's slots pinned at start with its hottest experts (default 0.5)."),
+            click.option("--autopin-frac", type=click.FloatRange(0.0, 1.0), help="Share of each layer's slots pinned at start with its hottest experts (default 0.5; with --mapped, any share but 0 places the hottest in GPU memory)."),
             click.option("--runtime-dir", help="Folder of the socket, lock and pid file (default $XDG_RUNTIME_DIR/moestream)."),
             click.option("--log-file", help="Log file (default daemon.log in the runtime folder)."),
             click.option("--diagnostics", is_flag=True, default=None, help="Record hot-path diagnostics for every request (`moestreamctl stats`)."),
@@ -206,11 +207,11 @@ def _start_options(f):
 @click.command()
 @_start_options
 @click.option("--foreground", is_flag=True, help="Run in this process, logging to stderr too (for launchd/systemd).")
-def start(model, memory_budget, capacity, policy, host_cache, io_threads, autopin_frac, runtime_dir, log_file, diagnostics, prefetch, timeout,
-          foreground) -> None:
+def start(model, memory_budget, capacity, policy, host_cache, mapped, io_threads, autopin_frac, runtime_dir, log_file, diagnostics, prefetch,
+          timeout, foreground) -> None:
     """Start the daemon: it loads the model once and serves every client."""
     given = {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy, "host_cache": host_cache,
-             "io_threads": io_threads, "autopin_frac": autopin_frac, "runtime_dir": runtime_dir, "log_file": log_file,
+             "mapped": mapped, "io_threads": io_threads, "autopin_frac": autopin_frac, "runtime_dir": runtime_dir, "log_file": log_file,
              "diagnostics": diagnostics, "prefetch": prefetch}
     settings = resolve_settings(given)
     if foreground:
@@ -238,10 +239,11 @@ def stop(runtime_dir, timeout) -> None:
 
 @click.command()
 @_start_options
-def restart(model, memory_budget, capacity, policy, host_cache, io_threads, autopin_frac, runtime_dir, log_file, diagnostics, prefetch,
-            timeout) -> None:
+def restart(model, memory_budget, capacity, policy, host_cache, mapped, io_threads, autopin_frac, runtime_dir, log_file, diagnostics,
+            prefetch, timeout) -> None:
     """Stop the daemon and start it again; flags not given keep the running daemon's values."""
     given = {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy, "host_cache": host_cache,
+             "mapped": mapped,
              "autopin_frac": autopin_frac, "diagnostics": diagnostics, "prefetch": prefetch,
              "io_threads": io_threads, "runtime_dir": runtime_dir, "log_file": log_file}
     paths = _paths(resolve_settings({"runtime_dir": runtime_dir}))
@@ -316,6 +318,10 @@ def _format_status(st: dict[str, Any]) -> str:
         f"  log        {st['log']}",
         f"  socket     {st['socket']}",
     ]
+    placement = pool.get("placement")
+    if pool.get("mapped") and placement:
+        lines.insert(3, f"  mapped     every expert in host memory, {placement['gpu_slots']} per layer in GPU memory; "
+                        f"GPU hit rate {_rate(placement.get('gpu_hit_rate'))}, {placement['moves']} moves")
     if st.get("error"):
         lines.insert(1, f"  error      {st['error']}")
     return "\n".join(lines)
@@ -388,6 +394,13 @@ def stats(runtime_dir, as_json) -> None:
         f"(prefill+decode), misses {pool.get('misses_prefill', 0)}+{pool.get('misses_decode', 0)}, "
         f"evictions {pool.get('evictions', 0)}, read {_size(pool.get('bytes_read'))}"
     )
+    placement = pool.get("placement")
+    if placement:
+        click.echo(
+            f"mapped pool: {placement['gpu_slots']} experts per layer in GPU memory, GPU hit rate {_rate(placement['gpu_hit_rate'])} "
+            f"({placement['routed_on_gpu']} of {placement['routed']} routed), {placement['moves']} moves, "
+            f"read-back {placement['readback_seconds']:.3f} s, decide {placement['decide_seconds']:.3f} s, place {placement['place_seconds']:.3f} s"
+        )
     click.echo(f"requests: {json.dumps(req)}")
     if reader:
         click.echo("read engine: " + ", ".join(f"{k} {v}" for k, v in reader.items() if isinstance(v, (int, float))))

@@ -29,6 +29,7 @@ def _parse_ids(text: str | None) -> list[int] | None:
 @click.option("--memory-budget", help="Size the pool so that weights + pool + KV cache fit, e.g. 24G.")
 @click.option("--policy", help="Eviction policy (see `moestreamctl bench policy`).")
 @click.option("--host-cache", help="Host RAM that caches experts between the store and the pool, e.g. 32G.")
+@click.option("--mapped", is_flag=True, default=None, help="A mapped pool: every expert in host RAM, --capacity/--memory-budget of them per layer in GPU memory (experimental, NVIDIA GPUs).")
 @click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(1, None))
 @click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0.0, None), help="Sampling temperature; 0 is greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0))
@@ -40,7 +41,7 @@ def _parse_ids(text: str | None) -> list[int] | None:
 @click.option("--diagnostics", is_flag=True, help="Add hot-path diagnostics (segment times, predictor recall, miss attribution) to the stats.")
 @click.option("--prefetch", type=click.Choice(["on", "off", "auto"]), help="Prefetch of predicted experts (--local; a daemon keeps its own).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, tokens and stats.")
-def generate(prompt, model, local, prompt_ids, capacity, memory_budget, policy, host_cache, max_tokens, temp, top_p, seed, io_threads,
+def generate(prompt, model, local, prompt_ids, capacity, memory_budget, policy, host_cache, mapped, max_tokens, temp, top_p, seed, io_threads,
              speculative, draft_tokens, draft_model, diagnostics, prefetch, as_json) -> None:
     """Generate text for PROMPT, streaming it to stdout."""
     ids = _parse_ids(prompt_ids)
@@ -54,13 +55,14 @@ def generate(prompt, model, local, prompt_ids, capacity, memory_budget, policy, 
                 draft_model=os.path.abspath(draft_model) if draft_model else None)
     try:
         settings = Settings.resolve(
-            {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy, "host_cache": host_cache, "io_threads": io_threads,
-             "prefetch": prefetch}
+            {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy, "host_cache": host_cache, "mapped": mapped,
+             "io_threads": io_threads, "prefetch": prefetch}
         )
     except SettingsError as e:
         raise click.UsageError(str(e)) from None
     if not local:
-        given = {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy, "host_cache": host_cache, "io_threads": io_threads}
+        given = {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy, "host_cache": host_cache, "mapped": mapped,
+                 "io_threads": io_threads}
         _generate_via_daemon(settings, given, prompt, ids, as_json,
                              dict(max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed, diagnostics=diagnostics, **spec))
         return
@@ -128,7 +130,7 @@ def _generate_via_daemon(settings: Settings, given: dict, prompt: str | None, id
             raise click.ClickException(
                 f"the daemon serves {served}, not {settings.model}: stop it (`moestreamctl stop`) or use --local"
             )
-        ignored = [f"--{k.replace('_', '-')}" for k in ("capacity", "memory_budget", "policy", "host_cache", "io_threads")
+        ignored = [f"--{k.replace('_', '-')}" for k in ("capacity", "memory_budget", "policy", "host_cache", "mapped", "io_threads")
                    if given.get(k) is not None and status.get("settings", {}).get(k) != getattr(settings, k)]
         if ignored:
             click.echo(f"note: {', '.join(ignored)} ignored: the running daemon keeps its pool settings "

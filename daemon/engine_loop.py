@@ -170,7 +170,8 @@ class EngineLoop:
             self.log.error(self.error)
             return False
         tic = time.perf_counter()
-        self.log.info("loading %s (capacity %s, memory budget %s, policy %s)", s.model, s.capacity, s.memory_budget, s.policy)
+        self.log.info("loading %s (capacity %s, memory budget %s, policy %s%s)", s.model, s.capacity, s.memory_budget, s.policy,
+                      ", mapped" if s.mapped else "")
         try:
             self._sm = load_streaming_model(s.model, s, max_tokens=s.max_context)
         except Exception as e:
@@ -180,8 +181,9 @@ class EngineLoop:
         self._start_heat()
         self.state = "ready"
         self.log.info(
-            "model ready in %.2f s: %d MoE layers, %d slots per layer, policy %s",
-            time.perf_counter() - tic, len(self._sm.pools), self._sm.capacity, s.policy,
+            "model ready in %.2f s: %d MoE layers, %d %s per layer, policy %s",
+            time.perf_counter() - tic, len(self._sm.pools), self._sm.capacity,
+            "experts in GPU memory (mapped pool)" if self._sm.placement is not None else "slots", s.policy,
         )
         self._publish(force=True)
         return True
@@ -477,8 +479,10 @@ class EngineLoop:
             summary = autopin(sm, usage.counts, self.settings.autopin_frac)
             self._autopin = {**summary.to_dict(), "routing_counts": usage.total, "problem": usage.problem}
             self.log.info(
-                "autopin: %d experts pinned in %d layers from %d saved routing counts (%s) in %.2f s",
-                summary.pinned, summary.layers, usage.total, usage.path, summary.seconds,
+                "autopin: %d experts %s in %d layers from %d saved routing counts (%s) in %.2f s",
+                summary.placed if summary.mapped else summary.pinned,
+                "placed in GPU memory" if summary.mapped else "pinned",
+                summary.layers, usage.total, usage.path, summary.seconds,
             )
         self._heat = HeatPublisher(
             heat_dir,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 import psutil
@@ -15,7 +15,12 @@ from mlx_lm.sample_utils import apply_top_p, make_sampler
 
 from moestream.daemon.store.loader import StreamingModel
 
+if TYPE_CHECKING:
+    from moestream.daemon.placement import Placement
+
 _COUNTERS = ("hits_prefill", "hits_decode", "misses_prefill", "misses_decode", "evictions", "bytes_read", "host_syncs", "overflow_forwards", "routed_total")
+# A mapped pool's placement counters (daemon/placement.py), taken per request the same way.
+_PLACEMENT_COUNTERS = ("routed", "routed_on_gpu", "moves", "place_calls", "readback_seconds", "decide_seconds")
 
 
 @dataclass(frozen=True)
@@ -42,15 +47,40 @@ class GenerationResult:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-def _counters(sm: StreamingModel) -> dict[str, int]:
-    totals = dict.fromkeys(_COUNTERS, 0)
+def _counters(sm: StreamingModel) -> dict[str, float]:
+    totals: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
     for p in sm.pools:
         for key in _COUNTERS:
             totals[key] += getattr(p.stats, key)
+    if sm.placement is not None:
+        for key in _PLACEMENT_COUNTERS:
+            totals["placement_" + key] = getattr(sm.placement.stats, key)
     return totals
 
 
-def _attributed(sm: StreamingModel, steps: Iterator, buckets: tuple[dict[str, int], dict[str, int]], rec: Any = None) -> Iterator:
+def _add(bucket: dict[str, float], before: dict[str, float], after: dict[str, float]) -> None:
+    for key, value in after.items():
+        bucket[key] = bucket.get(key, 0) + value - before[key]
+
+
+def _ticked(steps: Iterator, placement: Placement) -> Iterator:
+    """Pass `steps` through, letting a mapped pool's placement account the forwards
+    queued for each token (`Placement.tick`) before the token is handed on, so that
+    its work counts for the step that caused it."""
+    for item in steps:
+        placement.tick()
+        yield item
+
+
+def _placement_stats(counts: dict[str, float], gpu_slots: int) -> dict[str, Any]:
+    """A request's share of the placement's work, as `PlacementStats.to_dict` names it."""
+    out: dict[str, Any] = {key: counts.get("placement_" + key, 0) for key in _PLACEMENT_COUNTERS}
+    out["gpu_hit_rate"] = out["routed_on_gpu"] / out["routed"] if out["routed"] else None
+    out["gpu_slots"] = gpu_slots
+    return out
+
+
+def _attributed(sm: StreamingModel, steps: Iterator, buckets: tuple[dict[str, float], dict[str, float]], rec: Any = None) -> Iterator:
     """Pass `steps` through, adding the pool counters that moved while each step ran to
     buckets[0] (the prompt and the first token) or buckets[1] (every later token), and
     pointing the diagnostics at this request's recorder `rec` (None: off) meanwhile.
@@ -75,9 +105,7 @@ def _attributed(sm: StreamingModel, steps: Iterator, buckets: tuple[dict[str, in
                 hub.rec = None
         if phase == 1 and item is not None and governor is not None and rec is None:
             governor.observe(time.perf_counter() - tic)
-        after = _counters(sm)
-        for key in _COUNTERS:
-            buckets[phase][key] += after[key] - before[key]
+        _add(buckets[phase], before, _counters(sm))
         if item is None:
             return
         phase = 1
@@ -188,6 +216,8 @@ def iter_generate(
         steps = speculative_steps(sm, prompt_ids, sampler=sampler, max_tokens=params.max_tokens, spec=spec, stats=spec_stats)
     else:
         steps = generate_step(mx.array(list(prompt_ids)), sm.model, max_tokens=params.max_tokens, sampler=sampler)
+    if sm.placement is not None:
+        steps = _ticked(steps, sm.placement)
     rec = sm.diagnostics.new_recorder(params.diagnostics) if sm.diagnostics is not None else None
     for n, (token, _) in enumerate(_attributed(sm, steps, (prefill, decode), rec), 1):
         token = int(token)
@@ -227,8 +257,14 @@ def iter_generate(
             yield text[emitted:], result.tokens[-1] if result.tokens else -1
         result.text = text
     decode_seconds = time.perf_counter() - tic
+    if sm.placement is not None:
+        # Account what is still pending (this request's last forwards, and those of
+        # requests interleaved with it), so that its statistics and the heat include it.
+        before = _counters(sm)
+        sm.placement.settle()
+        _add(decode, before, _counters(sm))
     decode_tokens = max(n - 1, 0)
-    total = {k: prefill[k] + decode[k] for k in _COUNTERS}
+    total = {k: prefill.get(k, 0) + decode.get(k, 0) for k in prefill.keys() | decode.keys()}
     routed_hits = total["hits_prefill"] + total["hits_decode"]
     routed_misses = total["misses_prefill"] + total["misses_decode"]
     result.stats = {
@@ -250,11 +286,14 @@ def iter_generate(
         # plus the one that reads the sampled token.
         "host_syncs_per_token": (decode["host_syncs"] / decode_tokens + 1.0) if decode_tokens else None,
         "capacity": sm.capacity,
+        "mapped": sm.placement is not None,
         "policy": sm.pools[0].policy.name if sm.pools else None,
         "peak_memory_bytes": mx.get_peak_memory(),
         "rss_bytes": psutil.Process().memory_info().rss,
         "finish_reason": result.finish_reason,
     }
+    if sm.placement is not None:
+        result.stats["placement"] = _placement_stats(total, sm.placement.gpu_slots)
     if spec_stats is not None:
         result.stats["speculative"] = spec_stats.to_dict()
     if sm.prefetcher is not None:

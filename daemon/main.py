@@ -22,7 +22,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s [%(threadName)s] %(message)s"
 
 # Flags of `python -m moestream.daemon.main`, which `moestreamctl start` passes on.
 DAEMON_FLAGS = ("model", "capacity", "memory_budget", "host_cache", "policy", "io_threads", "autopin_frac", "runtime_dir", "log_file", "max_context", "max_active", "max_queued",
-                "diagnostics", "prefetch")
+                "diagnostics", "prefetch", "mapped")
 
 
 def _rotate(log_path: Path) -> None:

@@ -162,9 +162,12 @@ class Placement:
             flags = np.array([e in chosen for e in range(n)])
             for start, stop, on_gpu in _runs(flags):
                 spans += self._spans(pool, start, stop, "device" if on_gpu else "host")
-            self.on_gpu[i] = chosen
-            for e in sorted(chosen):
+            # A second placement (autopin after the loader's) tells the policy what left.
+            for e in sorted(self.on_gpu[i] - chosen):
+                self.policies[i].evicted(e)
+            for e in sorted(chosen - self.on_gpu[i]):
                 self.policies[i].admitted(e)
+            self.on_gpu[i] = chosen
         self.mover.place_many(spans, True, True)
         self.stats.place_seconds += time.perf_counter() - tic
 

@@ -285,6 +285,8 @@ class Server:
                 "capacity": s.capacity,
                 "memory_budget": s.memory_budget,
                 "policy": s.policy,
+                "host_cache": s.host_cache,
+                "mapped": s.mapped,
                 "io_threads": s.io_threads,
                 "max_context": s.max_context,
                 "max_active": s.max_active,
@@ -297,6 +299,8 @@ class Server:
                 "evictions": pool.get("evictions"),
                 "bytes_read": pool.get("bytes_read"),
                 "layers": pool.get("layers", []),
+                "mapped": pool.get("mapped", False),
+                "placement": pool.get("placement"),
             },
             "memory": {
                 "rss_bytes": self._process.memory_info().rss,

@@ -351,31 +351,42 @@ class _ExpertCounter:
     """Experts a verify reads, summed over MoE layers: from the pool's counters for
     partial pools (their ids are on the host anyway), on the device for fully resident
     pools (the ids they log while `route_log` is set). Plain steps are not counted: one
-    token routes exactly top_k distinct experts per MoE layer."""
+    token routes exactly top_k distinct experts per MoE layer.
+
+    A mapped pool's placement (daemon/placement.py) keeps `route_log` set and takes its
+    entries at each tick; then only the entries a verify appends are read, and the list
+    is left as it is."""
 
     def __init__(self, sm: StreamingModel) -> None:
         self.pools = sm.pools
+        self.shared = sm.placement is not None
         self._host_before = 0
+        self._marks = [0] * len(self.pools)
 
     def _host(self) -> int:
         return sum(p.stats.hits_prefill + p.stats.hits_decode + p.stats.misses_prefill + p.stats.misses_decode
                    for p in self.pools if not p.fully_resident)
 
     def start(self) -> None:
-        for p in self.pools:
-            p.route_log = [] if p.fully_resident else None
+        for i, p in enumerate(self.pools):
+            if self.shared:
+                self._marks[i] = len(p.route_log) if p.route_log is not None else 0
+            else:
+                p.route_log = [] if p.fully_resident else None
         self._host_before = self._host()
 
     def stop(self) -> tuple[mx.array | None, int]:
         """Stop logging; return (the device count, lazy, to evaluate with the forward, or
         None; the host count, final: partial pools count while the forward is built)."""
         device = []
-        for p in self.pools:
-            if p.route_log:
+        for i, p in enumerate(self.pools):
+            logged = p.route_log[self._marks[i] :] if self.shared and p.route_log is not None else p.route_log
+            if logged:
                 experts = mx.arange(p.layer.num_experts)
-                for ids in p.route_log:
+                for ids in logged:
                     device.append((ids.reshape(-1)[None, :] == experts[:, None]).any(axis=1).sum())
-            p.route_log = None
+            if not self.shared:
+                p.route_log = None
         return (mx.sum(mx.stack(device)) if device else None), self._host() - self._host_before
 
 

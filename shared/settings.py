@@ -95,6 +95,9 @@ class Settings:
     policy: str = "lru"
     # Bytes of host memory that cache experts between the store and the pool (0: off).
     host_cache: int = 0
+    # A mapped pool (daemon/placement.py): every expert in host memory, addressable by
+    # the kernels, with `capacity` (or `memory_budget`) experts per layer in GPU memory.
+    mapped: bool = False
     # Native read engine.
     io_threads: int = 4
     direct_io: bool = True
@@ -186,7 +189,7 @@ def _coerce(name: str, raw: Any) -> Any:
         return parse_capacity(raw)
     if name in ("memory_budget", "host_cache"):
         return parse_size(raw)
-    if name in ("direct_io", "verify_checksums", "diagnostics"):
+    if name in ("direct_io", "verify_checksums", "diagnostics", "mapped"):
         if isinstance(raw, bool):
             return raw
         s = str(raw).strip().lower()

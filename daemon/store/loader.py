@@ -15,13 +15,14 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+import psutil
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes, infer_quant_config, load_tokenizer
 
 from moestream.daemon.admission import Admitter, DirectAdmitter, cuda_copier, make_admitter
 from moestream.daemon.capacity import plan_capacity, top_k_of
-from moestream.daemon.expert_pool import ExpertPool
+from moestream.daemon.expert_pool import ExpertPool, PoolCapacityError
 from moestream.daemon.expert_reader import ExpertReader
 from moestream.daemon.placement import CountingMover, Placement
 from moestream.daemon.policies import make_policy
@@ -32,6 +33,9 @@ from moestream.shared.store_format import Manifest, StoreError, load_manifest
 
 # How many of the lowest MoE layers' routing a pool hands its policy as a hint.
 LOWER_HINT_LAYERS = 4
+# Host memory a mapped pool leaves free beyond its experts: the resident weights are
+# read through it, and the rest of the process and the system need room too.
+MAPPED_HOST_MARGIN = 2 * 2**30
 
 
 @dataclass
@@ -70,27 +74,29 @@ class StreamingModel:
         """Totals over layers, plus per-layer occupancy and hit rates."""
         totals: dict[str, Any] = {}
         per_layer = []
-        for p in self.pools:
+        for i, p in enumerate(self.pools):
             d = p.stats.to_dict()
             for key, value in d.items():
                 if isinstance(value, int):
                     totals[key] = totals.get(key, 0) + value
-            per_layer.append(
-                {
-                    "layer": p.layer.ordinal,
-                    "resident": int((p.slot_of >= 0).sum()),
-                    "capacity": p.capacity,
-                    "pinned": len(p.pinned),
-                    "hit_rate": d["hit_rate"],
-                }
-            )
+            layer = {
+                "layer": p.layer.ordinal,
+                "resident": int((p.slot_of >= 0).sum()),
+                "capacity": p.capacity,
+                "pinned": len(p.pinned),
+                "hit_rate": d["hit_rate"],
+            }
+            if self.placement is not None:
+                layer["on_gpu"] = len(self.placement.on_gpu[i])
+            per_layer.append(layer)
         hits = totals.get("hits_prefill", 0) + totals.get("hits_decode", 0)
         misses = totals.get("misses_prefill", 0) + totals.get("misses_decode", 0)
         totals["hit_rate"] = hits / (hits + misses) if hits + misses else None
         totals["layers"] = per_layer
         totals["admission"] = self.admitter.stats() | self.admission_note
+        totals["mapped"] = self.placement is not None
         if self.placement is not None:
-            totals["placement"] = self.placement.stats.to_dict()
+            totals["placement"] = {"gpu_slots": self.placement.gpu_slots, **self.placement.stats.to_dict()}
         return totals
 
     def close(self) -> None:
@@ -197,13 +203,26 @@ def load_streaming_model(
     naive: bool = False,
     admitter: Admitter | None = None,
     mapped: bool = False,
+    host_available: int | None = None,
 ) -> StreamingModel:
     """Load a store for streaming. `naive=True` is the on-demand baseline of the
     benchmarks: a pool of top-k slots that reuses nothing between forwards. An
     `admitter` (with its reader) may be shared between models of the same store; the
-    model then leaves closing its reader to the caller."""
+    model then leaves closing its reader to the caller.
+
+    `mapped` (or `settings.mapped`) makes a mapped pool (daemon/placement.py): every
+    expert in host memory, `capacity` experts per layer in GPU memory. It is refused
+    before anything is allocated when host memory (`host_available` bytes, default what
+    the system reports available) cannot hold every expert."""
     store = Path(store_dir)
     manifest = load_manifest(store)
+    mapped = mapped or settings.mapped
+    if mapped:
+        if settings.host_cache:
+            raise PoolCapacityError(
+                "--mapped keeps every expert in host memory already, so --host-cache adds nothing: give one of them"
+            )
+        check_mapped_host_memory(manifest, psutil.virtual_memory().available if host_available is None else host_available)
     config = manifest.config
     model, weights = _build_model(store, manifest)
     resident_bytes = sum(v.nbytes for v in weights.values())
@@ -277,6 +296,23 @@ def load_streaming_model(
         prefetcher=prefetcher,
         placement=placement,
     )
+
+
+def mapped_host_bytes(manifest: Manifest) -> int:
+    """Host memory a mapped pool takes: every expert of every MoE layer."""
+    return sum(layer.num_experts * layer.expert_bytes for layer in manifest.layers)
+
+
+def check_mapped_host_memory(manifest: Manifest, available: int, margin: int = MAPPED_HOST_MARGIN) -> None:
+    """Raise `PoolCapacityError` when `available` bytes of host memory cannot hold every
+    expert of the store plus `margin`."""
+    need = mapped_host_bytes(manifest)
+    if available < need + margin:
+        raise PoolCapacityError(
+            f"--mapped keeps every expert in host memory: the store's experts take {need / 2**30:.2f} GiB "
+            f"(+ {margin / 2**30:.2f} GiB to spare), but only {available / 2**30:.2f} GiB is available; "
+            "use --host-cache SIZE (a cache of the hottest experts in host memory) or drop --mapped"
+        )
 
 
 def _place(pools: list[ExpertPool], gpu_slots: int, policy: str) -> Placement:

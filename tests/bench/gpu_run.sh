@@ -13,6 +13,7 @@
 #   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it (host tier on/off, sampled)
 #   bash tests/bench/gpu_run.sh decode-q30-mapped # the mapped pool against the slot pool (experimental)
 #   bash tests/bench/gpu_run.sh warmstart-q30 # bench warmstart on it
+#   bash tests/bench/gpu_run.sh warmstart-q30-mapped # the same with mapped pools
 #   bash tests/bench/gpu_run.sh demo          # train the built-in demo model
 #   bash tests/bench/gpu_run.sh spec-demo     # bench decode --speculative mtp on the demo model
 set -euo pipefail
@@ -65,9 +66,10 @@ EOF
     ;;
   decode-q30)
     # Sampled at temperature 1: random weights decode greedily into loops that route far
-    # more regularly than a real model. One host tier of 20 GB holds every expert (16.3 GB).
+    # more regularly than a real model. One host tier of 20 GB holds every expert (16.3 GB);
+    # the mapped pool holds every expert in host memory too, the hottest share on the GPU.
     ctl bench decode --model /root/q30/store --capacity 1 --capacity 0.5 --capacity 0.25 --capacity 0.125 \
-      --host-cache 20G --temp 1 --prompt-tokens 32 --decode-tokens ${DECODE_TOKENS:-32} --rounds ${ROUNDS:-5} --mlx-memory-limit 64G \
+      --host-cache 20G --mapped --temp 1 --prompt-tokens 32 --decode-tokens ${DECODE_TOKENS:-32} --rounds ${ROUNDS:-5} --mlx-memory-limit 64G \
       --json >"$OUT/bench_decode_q30.json"
     $py - "$OUT/bench_decode_q30.json" <<'EOF'
 import json, sys
@@ -91,9 +93,17 @@ EOF
     ctl bench warmstart --model /root/q30/store --capacity 0.25 --tokens 64 --rounds 3 --json >"$OUT/bench_warmstart_q30.json"
     cat "$OUT/bench_warmstart_q30.json" | head -c 1500
     ;;
+  warmstart-q30-mapped)
+    ctl bench warmstart --model /root/q30/store --capacity 0.25 --tokens 64 --rounds ${ROUNDS:-2} --mapped --json >"$OUT/bench_warmstart_q30_mapped.json"
+    $py - "$OUT/bench_warmstart_q30_mapped.json" <<'EOF'
+import json, sys
+from moestream.client.bench_warmstart import format_report
+print(format_report(json.load(open(sys.argv[1]))))
+EOF
+    ;;
   spec-demo)
     # Speculative decoding with the demo's MTP head against plain decode, K = 1..3.
-    ctl bench decode --model daemon/demo/store --speculative mtp --draft-tokens 1 --draft-tokens 2 --draft-tokens 3 --draft-tokens 4 \
+    ctl bench decode --model daemon/demo/store --speculative mtp $(for k in ${DRAFT:-1 2 3 4}; do echo --draft-tokens $k; done) \
       --capacity 1 --capacity 0.25 --decode-tokens ${DECODE_TOKENS:-128} --rounds ${ROUNDS:-3} --mlx-memory-limit 32G \
       --json >"$OUT/bench_spec_demo_h200.json"
     $py - "$OUT/bench_spec_demo_h200.json" <<'EOF'

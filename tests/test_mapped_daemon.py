@@ -1,0 +1,249 @@
+"""The mapped pool (daemon/placement.py) as a mode of `generate --local` and of the
+daemon: greedy tokens are stock mlx-lm's; the placement statistics reach the request's
+stats, `status` and `stats`; the heat file holds exactly the routed counts of the
+requests; autopin places each layer's hottest experts in GPU memory; speculative
+decoding counts its experts without taking the placement's routing log; and a host too
+small for every expert is refused before anything is loaded."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load_tokenizer
+
+from moestream.client.client import Client
+from moestream.daemon.autopin import autopin
+from moestream.daemon.expert_pool import PoolCapacityError
+from moestream.daemon.generation import SamplingParams, encode_prompt, generate
+from moestream.daemon.speculative import SpeculativeParams, SpeculativeStats, speculative_steps
+from moestream.daemon.store.loader import (
+    MAPPED_HOST_MARGIN,
+    check_mapped_host_memory,
+    load_stock_model,
+    load_streaming_model,
+    mapped_host_bytes,
+)
+from moestream.shared.heat_file import read_usage, usage_path, write_usage
+from moestream.shared.runtime_dir import RuntimePaths
+from moestream.shared.settings import Settings, demo_store_path
+from moestream.shared.store_format import load_manifest
+from daemon_cli import clean_env, ctl
+from tiny_models import tiny_store
+
+PROMPTS = ["The farmer counted his hens", "def route(hidden, gate, k=2):", "Numbers and dates: 1, 2, 3"]
+N_TOKENS = 24
+CAPACITY = "0.25"
+SLOTS = 4  # 25% of the tiny model's 16 experts (its top-k is 4)
+
+
+@pytest.fixture(scope="module")
+def store():
+    with tiny_store("msmp") as path:
+        yield path
+
+
+@pytest.fixture(scope="module")
+def reference(store):
+    """What `generate --local` computes in-process without --mapped, prompt by prompt."""
+    sm = load_streaming_model(store, Settings(capacity=0.25))
+    try:
+        return {p: generate(sm, encode_prompt(sm, p, None), SamplingParams(max_tokens=N_TOKENS)) for p in PROMPTS}
+    finally:
+        sm.close()
+
+
+def hot_counts(store: Path) -> dict[int, dict[int, int]]:
+    """Heat whose hottest experts are not the default placement's (0, 1, 2, ...)."""
+    counts = {}
+    for layer in load_manifest(store).layers:
+        n = layer.num_experts
+        counts[layer.ordinal] = {(n - 1 - 3 * i) % n: 1000 - i for i in range(n)}
+    return counts
+
+
+def hottest_first(counts: dict[int, int]) -> list[int]:
+    return sorted(counts, key=lambda e: (-counts[e], e))
+
+
+def test_local_mapped_generate_is_stock_mlx_lm(store, reference):
+    prompt = PROMPTS[0]
+    out = ctl("generate", prompt, "--local", "--mapped", "--model", str(store), "--capacity", CAPACITY,
+              "--max-tokens", str(N_TOKENS), "--json")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["tokens"] == reference[prompt].tokens and got["text"] == reference[prompt].text
+
+    stock = load_stock_model(store)
+    ids = load_tokenizer(store).encode(prompt)
+    steps = generate_step(mx.array(ids), stock, max_tokens=N_TOKENS, sampler=lambda x: mx.argmax(x, axis=-1))
+    want = [int(t) for t, _ in steps]
+    assert got["tokens"] == want[: len(got["tokens"])] and len(got["tokens"]) > 0
+
+    stats = got["stats"]
+    assert stats["mapped"] is True and stats["capacity"] == SLOTS
+    placement = stats["placement"]
+    # Every routed (token, expert) pair was accounted by the end of the request: as
+    # many as the slot pool counts on the host for the same request.
+    assert placement["routed"] == stats["routed_experts"] == reference[prompt].stats["routed_experts"] > 0
+    assert 0 < placement["routed_on_gpu"] < placement["routed"] and placement["gpu_slots"] == SLOTS
+    assert placement["gpu_hit_rate"] == placement["routed_on_gpu"] / placement["routed"]
+    # No sync per layer: the only one per token reads the sampled token.
+    assert stats["host_syncs_per_token"] == 1.0
+
+
+def test_daemon_mapped_serves_local_output_reports_placement_and_keeps_exact_heat(store, reference):
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msmd"))
+    own = Path(shutil.copytree(store, rt / "store"))
+    counts = hot_counts(own)
+    write_usage(usage_path(own), counts)
+    saved = read_usage(usage_path(own)).total
+    env = clean_env(MOESTREAM_RUNTIME_DIR=str(rt))
+    paths = RuntimePaths(dir=rt, log=rt / "daemon.log")
+    layers = load_manifest(own).layers
+    try:
+        # `generate --mapped` starts a mapped daemon when none runs.
+        out = ctl("generate", PROMPTS[0], "--mapped", "--model", str(own), "--capacity", CAPACITY,
+                  "--max-tokens", str(N_TOKENS), "--json", env=env)
+        assert out.returncode == 0, out.stderr
+        assert "starting one" in out.stderr
+        first = json.loads(out.stdout)
+        assert first["tokens"] == reference[PROMPTS[0]].tokens
+        routed = first["stats"]["routed_experts"]
+        assert routed == reference[PROMPTS[0]].stats["routed_experts"]
+
+        with Client(paths) as c:
+            # Interleaved on the engine thread: each gets the tokens it gets alone.
+            streams = [c.generate(p, max_tokens=N_TOKENS) for p in PROMPTS]
+            for s in streams:
+                list(s)
+        for p, s in zip(PROMPTS, streams):
+            assert s.done.tokens == reference[p].tokens, p
+            assert s.done.stats["mapped"] is True and s.done.stats["placement"]["routed"] > 0
+        # A request's last ticks may account another's forwards, but none is lost.
+        interleaved = sum(s.done.stats["routed_experts"] for s in streams)
+        assert interleaved == sum(reference[p].stats["routed_experts"] for p in PROMPTS)
+        routed += interleaved
+        assert routed == first["stats"]["placement"]["routed"] + sum(s.done.stats["placement"]["routed"] for s in streams)
+
+        st = json.loads(ctl("status", "--json", env=env).stdout)
+        assert st["settings"]["mapped"] is True and st["pool"]["mapped"] is True
+        placement = st["pool"]["placement"]
+        assert placement["routed"] == routed > 0 and placement["gpu_slots"] == SLOTS
+        assert all(layer["on_gpu"] == SLOTS for layer in st["pool"]["layers"])
+        # Autopin placed the saved heat's hottest experts in GPU memory, pinning none.
+        auto = st["autopin"]
+        assert auto["mapped"] is True and auto["pinned"] == 0
+        assert auto["layers"] == len(layers) and auto["placed"] == SLOTS * len(layers)
+        assert "mapped" in ctl("status", env=env).stdout
+        stats = json.loads(ctl("stats", "--json", env=env).stdout)
+        assert stats["pool"]["placement"]["routed"] == routed
+        assert "GPU hit rate" in ctl("stats", env=env).stdout
+
+        stopped = ctl("stop", env=env)
+        assert stopped.returncode == 0, stopped.stderr
+        usage = read_usage(usage_path(own))
+        assert usage.problem is None
+        assert usage.total == saved + routed
+        added = [sum(usage.counts[layer.ordinal].values()) - sum(counts[layer.ordinal].values()) for layer in layers]
+        assert len(set(added)) == 1, "every MoE layer sees the same tokens"
+    finally:
+        ctl("stop", env=env)
+        shutil.rmtree(rt, ignore_errors=True)
+
+
+def test_autopin_places_the_hottest_experts_and_the_budget_holds(store, reference):
+    counts = hot_counts(store)
+    counts[load_manifest(store).layers[0].ordinal] = {}  # no heat: the default placement stays
+    sm = load_streaming_model(store, Settings(capacity=0.25, mapped=True))
+    try:
+        placement = sm.placement
+        assert all(s == set(range(SLOTS)) for s in placement.on_gpu)
+        summary = autopin(sm, counts, frac=0.5)
+        assert summary.mapped and summary.pinned == 0 and summary.bytes_read == 0
+        assert summary.layers == len(sm.pools) - 1 and summary.skipped_layers == 1
+        assert summary.placed == SLOTS * (len(sm.pools) - 1)
+        assert placement.on_gpu[0] == set(range(SLOTS))
+        for i, pool in enumerate(sm.pools[1:], 1):
+            assert placement.on_gpu[i] == set(hottest_first(counts[pool.layer.ordinal])[:SLOTS])
+        # The placement keeps its budget as routing moves experts afterwards (the
+        # policies forgot the experts the heat displaced).
+        for p in PROMPTS:
+            result = generate(sm, encode_prompt(sm, p, None), SamplingParams(max_tokens=N_TOKENS))
+            assert result.tokens == reference[p].tokens
+        assert sm.placement.stats.moves > 0
+        assert all(len(s) == SLOTS for s in placement.on_gpu)
+    finally:
+        sm.close()
+    cold = load_streaming_model(store, Settings(capacity=0.25, mapped=True))
+    try:
+        summary = autopin(cold, counts, frac=0.0)
+        assert summary.placed == 0 and all(s == set(range(SLOTS)) for s in cold.placement.on_gpu)
+    finally:
+        cold.close()
+
+
+def test_speculative_decoding_on_a_mapped_pool_leaves_the_routing_log_to_the_placement():
+    demo = demo_store_path()
+    slots = load_streaming_model(demo, Settings(capacity=0.25))
+    sm = load_streaming_model(demo, Settings(capacity=0.25, mapped=True))
+    try:
+        prompt = encode_prompt(sm, "def read_lines(path):\n    ", None)
+        plain = generate(slots, prompt, SamplingParams(max_tokens=N_TOKENS)).tokens
+
+        # Through generation: a tick per token, settled at the end.
+        result = generate(sm, prompt, SamplingParams(max_tokens=N_TOKENS, speculative="mtp", draft_tokens=2))
+        assert result.tokens == plain
+        assert result.stats["speculative"]["rounds"] > 0
+        assert result.stats["placement"]["routed"] == result.stats["routed_experts"] > 0
+
+        # The same rounds on a slot pool (which counts routing on the host, forward by
+        # forward) and on the mapped pool: the verifies read as many experts, and every
+        # forward's routing, verifies included, reached the placement.
+        spec = SpeculativeParams("mtp", draft_tokens=2, fallback=False)
+        got = {}
+        for name, model in (("slots", slots), ("mapped", sm)):
+            before = sum(p.stats.routed_total for p in model.pools)
+            stats = SpeculativeStats(mode="mtp", draft_tokens_requested=2)
+            tokens = []
+            for t, _ in speculative_steps(model, prompt, sampler=lambda x: mx.argmax(x, axis=-1), max_tokens=N_TOKENS, spec=spec, stats=stats):
+                tokens.append(t)
+                if model.placement is not None:
+                    model.placement.tick()
+            if model.placement is not None:
+                model.placement.settle()
+                assert all(p.route_log is not None for p in model.pools), "the placement's routing log was taken"
+            got[name] = (tokens, stats.rounds, stats.spec_experts, sum(p.stats.routed_total for p in model.pools) - before)
+        assert got["mapped"] == got["slots"]
+        assert got["mapped"][0] == plain and got["mapped"][2] > 0
+    finally:
+        sm.close()
+        slots.close()
+
+
+def test_a_host_without_room_for_every_expert_is_refused_before_loading(store, tmp_path):
+    manifest = load_manifest(store)
+    need = mapped_host_bytes(manifest)
+    assert need == sum(layer.num_experts * layer.expert_bytes for layer in manifest.layers) > 0
+    check_mapped_host_memory(manifest, need + MAPPED_HOST_MARGIN)
+    with pytest.raises(PoolCapacityError) as e:
+        check_mapped_host_memory(manifest, need + MAPPED_HOST_MARGIN - 1)
+    message = str(e.value)
+    assert f"{need / 2**30:.2f} GiB" in message and f"{(need + MAPPED_HOST_MARGIN - 1) / 2**30:.2f} GiB is available" in message
+    assert "--host-cache" in message and "drop --mapped" in message
+
+    # Refused before the resident weights are read: a store without them fails on the
+    # host check, not on the missing file.
+    broken = Path(shutil.copytree(store, tmp_path / "store"))
+    for name in manifest.resident_files:
+        (broken / name).unlink()
+    with pytest.raises(PoolCapacityError, match="--mapped keeps every expert in host memory"):
+        load_streaming_model(broken, Settings(capacity=0.25, mapped=True), host_available=1 << 20)
+    with pytest.raises(PoolCapacityError, match="--host-cache adds nothing"):
+        load_streaming_model(store, Settings(capacity=0.25, mapped=True, host_cache=1 << 20))
+    assert Settings.resolve({}, env={"MOESTREAM_MAPPED": "1"}, config_file=tmp_path / "none.toml").mapped is True
