@@ -37,7 +37,8 @@ def _timed_request(paths: RuntimePaths, prompt: str, tokens: int) -> dict[str, A
         "seconds": seconds,
         "tokens": len(result["tokens"]),
         "token_ids": result["tokens"],
-        "hit_rate": stats.get("hit_rate"),
+        # A mapped pool's hits are the routed experts that were in GPU memory.
+        "hit_rate": stats["placement"]["gpu_hit_rate"] if stats.get("mapped") else stats.get("hit_rate"),
         "bytes_read": stats.get("bytes_read"),
         "autopin": status.get("autopin"),
     }

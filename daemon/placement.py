@@ -142,6 +142,9 @@ class Placement:
             if not p.fully_resident:
                 raise ValueError(f"layer {p.layer.module_path}: a mapped pool must hold every expert")
             p.route_log = []
+        # Byte views of the pool arrays, taken here on the decode thread: the worker
+        # hands the driver these, never touching an MLX array itself.
+        self._views = [{t.name: memoryview(p.arrays[t.name]).cast("B") for t in p.layer.tensors} for p in self.pools]
         # Per tick: the routing of the forwards since the previous tick, all layers in
         # one device array [layers, rows, k] each, read back READBACK_LAG ticks later.
         self._pending: list[list[mx.array]] = []
@@ -161,7 +164,7 @@ class Placement:
             chosen = set(order[: self.gpu_slots])
             flags = np.array([e in chosen for e in range(n)])
             for start, stop, on_gpu in _runs(flags):
-                spans += self._spans(pool, start, stop, "device" if on_gpu else "host")
+                spans += self._spans(i, start, stop, "device" if on_gpu else "host")
             # A second placement (autopin after the loader's) tells the policy what left.
             for e in sorted(self.on_gpu[i] - chosen):
                 self.policies[i].evicted(e)
@@ -225,17 +228,19 @@ class Placement:
                     victim = policy.victim(on_gpu, set(experts))
                     on_gpu.discard(victim)
                     policy.evicted(victim)
-                    spans += self._spans(pool, victim, victim + 1, "host")
+                    spans += self._spans(i, victim, victim + 1, "host")
                 on_gpu.add(e)
                 policy.admitted(e)
-                spans += self._spans(pool, e, e + 1, "device")
+                spans += self._spans(i, e, e + 1, "device")
                 self.stats.moves += 1
                 moves += 1
         return spans
 
-    def _spans(self, pool: ExpertPool, start: int, stop: int, where: str) -> list[Span]:
-        self.stats.place_calls += len(pool.layer.tensors)
-        return [(pool.arrays[t.name], where, start * t.nbytes, (stop - start) * t.nbytes) for t in pool.layer.tensors]
+    def _spans(self, i: int, start: int, stop: int, where: str) -> list[Span]:
+        tensors = self.pools[i].layer.tensors
+        self.stats.place_calls += len(tensors)
+        views = self._views[i]
+        return [(views[t.name], where, start * t.nbytes, (stop - start) * t.nbytes) for t in tensors]
 
     def drain(self) -> None:
         """Wait until the worker has made every move decided so far."""
