@@ -65,7 +65,7 @@ def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds
         mapped=mapped,
     )
     try:
-        report = run_bench_decode(settings)
+        report = run_bench_decode(settings, progress=lambda line: click.echo(line, err=True))
     except (StoreError, PoolCapacityError, SettingsError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from e
     click.echo(json.dumps(report) if as_json else format_report(report))

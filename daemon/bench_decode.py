@@ -253,7 +253,15 @@ def measure_admission(admitter: Admitter, manifest, experts: int = 64) -> dict[s
     return {"experts": n, "bytes": moved, "seconds": seconds, "bytes_per_s": moved / seconds if seconds else None}
 
 
-def run_bench_decode(settings: BenchDecodeSettings) -> dict[str, Any]:
+def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run every configuration; `progress` gets one line per model loaded and per run
+    (so that a run cut short still shows what it measured)."""
+    start = time.perf_counter()
+
+    def say(line: str) -> None:
+        if progress is not None:
+            progress(f"[{time.perf_counter() - start:7.1f} s] {line}")
+
     if settings.mlx_memory_limit:
         mx.set_memory_limit(settings.mlx_memory_limit)
     manifest = load_manifest(settings.store)
@@ -280,12 +288,16 @@ def run_bench_decode(settings: BenchDecodeSettings) -> dict[str, Any]:
                 configs.append(_streaming_config(f"moestream@{c:g}+mapped", c, settings, prompt, mapped=True))
         if settings.naive:
             configs.append(_streaming_config("naive-on-demand", None, settings, prompt, naive=True))
+        say(f"loaded {len(configs)} configurations: {', '.join(c.name for c in configs)}")
         for c in configs:  # warm-up: kernels, page tables, first reads, the host tier
             c.run()
-        for _ in range(settings.rounds):
+            say(f"warm-up {c.name}")
+        for r in range(settings.rounds):
             for c in configs:
                 gc.collect()
                 c.samples.append(c.run())
+                sample = c.samples[-1]
+                say(f"round {r + 1}/{settings.rounds} {c.name}: {sample['tokens_per_s']:.2f} tok/s, hit {sample['hit_rate']:.3f}")
         admission = measure_admission(tier, manifest) if tier is not None else None
     finally:
         for c in configs:
