@@ -37,7 +37,9 @@ forward when speculation resumes, and the block is timed from its first token on
 plain decode runs in steady state. A speculative block is likewise timed from the end of
 its first round (which carries that catch-up), and blocks hold at least three rounds'
 tokens (3 (K+1)), since the first version, with 4-token blocks timed whole, read
-speculation as 0.66-0.96x plain on an H200 where it ran 1.07-1.56x.
+speculation as 0.66-0.96x plain on an H200 where it ran 1.07-1.56x. Kept speculation
+stays watched (`_Watch`): two windows in a row slower than the probe's plain decode
+make the request fall back as well. Nothing ever switches plain decode back.
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ class SpeculativeParams:
     probe_tokens: int = 4
     probe_pairs: int = 3
     alternate: bool = False
+    # After the probe keeps speculation: tokens per window of the watch that falls back
+    # when speculation keeps running slower than the probe's plain decode (0: no watch).
+    watch_tokens: int = 32
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -88,6 +93,8 @@ class SpeculativeParams:
             raise ValueError("--speculative draft needs --draft-model PATH, and only it takes one")
         if self.probe_tokens < 1 or self.probe_pairs < 1:
             raise ValueError(f"probe_tokens and probe_pairs must be >= 1, not {self.probe_tokens} and {self.probe_pairs}")
+        if self.watch_tokens < 0:
+            raise ValueError(f"watch_tokens must be >= 0, not {self.watch_tokens}")
 
 
 @dataclass
@@ -113,6 +120,8 @@ class SpeculativeStats:
     # (tokens, busy seconds) when the probe decided, and the latest such pair.
     decided_at: tuple[int, float] | None = None
     latest: tuple[int, float] = (0, 0.0)
+    # The watch's windows after the probe kept speculation: speed / the probe's plain speed.
+    watch_ratios: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         p = self.probe
@@ -139,6 +148,7 @@ class SpeculativeStats:
             "replays": self.replays,
             # Tokens/s of the generator itself after the probe decided (speculative or plain).
             "tokens_per_s_after_decision": after,
+            "watch_speed_ratios": list(self.watch_ratios),
             "fell_back": self.fell_back,
             "reason": self.reason,
         }
@@ -420,7 +430,8 @@ class _Probe:
     pooled speeds of all probe blocks both say it is faster: a tie or a split verdict
     falls back, since plain decode is exact and costs nothing to keep. After two pairs
     the probe stops early when every ratio is beyond `margin` on the same side.
-    Invariant: once `probing` is False the decision never changes for the request."""
+    Invariant: once `probing` is False the probe's decision never changes; only the
+    watch may still turn speculation off."""
 
     def __init__(self, spec: SpeculativeParams, margin: float = 1.25) -> None:
         self.pairs = spec.probe_pairs
@@ -455,6 +466,32 @@ class _Probe:
         if len(ratios) >= self.pairs or clear:
             self.probing = False
             _decide(stats)
+
+
+class _Watch:
+    """Speculation kept by the probe, checked window by window: the probe measured a
+    short stretch, and a request can drift into text the drafter predicts badly, or the
+    device into a slower regime. When `strikes` windows in a row run below `margin` times
+    the probe's plain speed, the request falls back for good, as after a probe that lost.
+    One slow window alone (a compile, a page fault storm) does not."""
+
+    def __init__(self, plain_tps: float, margin: float = 0.9, strikes: int = 2) -> None:
+        self.plain_tps = plain_tps
+        self.margin = margin
+        self.strikes = strikes
+        self._slow = 0
+
+    def record(self, tokens: int, seconds: float, stats: SpeculativeStats) -> None:
+        ratio = tokens / max(seconds, 1e-9) / self.plain_tps
+        stats.watch_ratios.append(ratio)
+        self._slow = self._slow + 1 if ratio < self.margin else 0
+        if self._slow >= self.strikes:
+            stats.fell_back = True
+            recent = ", ".join(f"{r:.2f}" for r in stats.watch_ratios[-self.strikes :])
+            stats.reason = (
+                f"speculation ran slower than plain decode after the probe kept it ({recent} of the probe's plain "
+                f"{self.plain_tps:.1f} tokens/s in the last {self.strikes} windows): decoding without speculation"
+            )
 
 
 def _decide(stats: SpeculativeStats) -> None:
@@ -530,10 +567,13 @@ def speculative_steps(
         # it catches up in one forward when speculation resumes, not at every plain step.
         pending: tuple[mx.array | None, mx.array] | None = None
         kind_before = "spec"
+        watch: _Watch | None = None
         while emitted < max_tokens:
             measuring = probe is not None and probe.probing
             kind = "plain" if stats.fell_back else (probe.block() if measuring else "spec")
             budget = min(spec.probe_tokens, max_tokens - emitted) if measuring else max_tokens - emitted
+            if watch is not None and kind == "spec":
+                budget = min(max(spec.watch_tokens, 3 * (k + 1)), max_tokens - emitted)
             if kind != kind_before:
                 stats.switches += 1
                 kind_before = kind
@@ -602,6 +642,13 @@ def speculative_steps(
                 probe.record(kind, measured, seconds, stats)
                 if not probe.probing:
                     stats.decided_at = (emitted, clock.busy)
+                    p = stats.probe
+                    if not stats.fell_back and spec.watch_tokens and p["plain_s"]:
+                        watch = _Watch(p["plain_tokens"] / p["plain_s"])
+            elif watch is not None and kind == "spec" and measured:
+                watch.record(measured, seconds, stats)
+                if stats.fell_back:
+                    watch = None
 
 
 def _spec_round(

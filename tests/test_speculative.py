@@ -18,7 +18,7 @@ import pytest
 
 from moestream.daemon.generation import SamplingParams, encode_prompt, generate
 from moestream.daemon.mtp_head import has_mtp, load_mtp_head
-from moestream.daemon.speculative import SpeculativeParams, SpeculativeStats, _Probe, effective_draft_tokens, speculative_steps
+from moestream.daemon.speculative import SpeculativeParams, SpeculativeStats, _Probe, _Watch, effective_draft_tokens, speculative_steps
 from moestream.daemon.store.convert import convert_model
 from moestream.daemon.store.loader import load_streaming_model
 from moestream.shared import protocol as proto
@@ -237,6 +237,20 @@ def test_probe_decides_on_the_median_and_never_keeps_a_slower_speculation():
     split = _probe_decides([(101, 100), (102, 100), (10, 100)])
     assert sorted(split.probe_ratios)[1] > 1 and split.fell_back
     assert _probe_decides([(120, 100)], pairs=1).fell_back is False
+
+
+def test_watch_falls_back_after_two_slow_windows_in_a_row_only():
+    stats = SpeculativeStats(mode="mtp", draft_tokens_requested=3)
+    watch = _Watch(plain_tps=100.0)
+    for tps in (150, 80, 140, 85, 120):  # slow windows, never two in a row
+        watch.record(32, 32 / tps, stats)
+    assert not stats.fell_back and stats.reason is None
+    assert [round(r, 2) for r in stats.watch_ratios] == [1.5, 0.8, 1.4, 0.85, 1.2]
+    watch.record(32, 32 / 70, stats)
+    assert not stats.fell_back
+    watch.record(32, 32 / 60, stats)
+    assert stats.fell_back and "slower than plain decode after the probe" in stats.reason
+    assert "0.70, 0.60" in stats.reason
 
 
 def test_draft_model_is_token_identical(tiny_stores):
