@@ -45,8 +45,8 @@ def _paths(settings: Settings) -> RuntimePaths:
     return paths
 
 
-def _absolute(given: dict[str, Any]) -> dict[str, Any]:
-    # The detached daemon runs in "/", so relative paths must be made absolute here.
+def absolute_paths(given: dict[str, Any]) -> dict[str, Any]:
+    """`given` with its path settings made absolute: a detached daemon or a service runs in "/"."""
     out = dict(given)
     for key in ("model", "runtime_dir", "log_file"):
         if out.get(key) is not None:
@@ -76,7 +76,7 @@ def start_daemon(settings: Settings, given: dict[str, Any], *, timeout: float = 
         load_manifest(settings.model)  # a wrong folder fails here, not in the daemon's log
     except StoreError as e:
         raise click.UsageError(f"--model: {e} (make one with `moestreamctl convert`)") from None
-    given = _absolute(given)
+    given = absolute_paths(given)
     paths = _paths(settings)
     if lock_is_held(paths):
         raise click.ClickException(f"a moestream daemon is already running (pid {read_pid(paths)}); see `moestreamctl status`")
@@ -182,26 +182,34 @@ def _client(settings: Settings, timeout: float = 10.0) -> Client:
         raise click.ClickException(str(e)) from None
 
 
-def _start_options(f):
-    for option in reversed(
-        [
-            click.option("--model", type=click.Path(exists=True, file_okay=False), help="Expert store (made by `moestreamctl convert`)."),
-            click.option("--memory-budget", help="Size the pool so that weights + pool + KV cache fit, e.g. 24G."),
-            click.option("--capacity", help="Pool slots per MoE layer (16) or a fraction of its experts (0.25, 25%)."),
-            click.option("--policy", help="Eviction policy (see `moestreamctl bench policy`)."),
-            click.option("--host-cache", help="Host RAM that caches experts between the store and the pool, e.g. 32G (default 0: off)."),
-            click.option("--mapped", is_flag=True, default=None, help="A mapped pool: every expert in host RAM, --capacity/--memory-budget of them per layer in GPU memory (experimental, NVIDIA GPUs; needs host RAM for every expert)."),
-            click.option("--io-threads", type=int, help="Threads of the native read engine."),
-            click.option("--autopin-frac", type=click.FloatRange(0.0, 1.0), help="Share of each layer's slots pinned at start with its hottest experts (default 0.5; with --mapped, any share but 0 places the hottest in GPU memory)."),
-            click.option("--runtime-dir", help="Folder of the socket, lock and pid file (default $XDG_RUNTIME_DIR/moestream)."),
-            click.option("--log-file", help="Log file (default daemon.log in the runtime folder)."),
-            click.option("--diagnostics", is_flag=True, default=None, help="Record hot-path diagnostics for every request (`moestreamctl stats`)."),
-            click.option("--prefetch", type=click.Choice(["on", "off", "auto"]), help="Prefetch of predicted experts (default auto: kept only where it pays)."),
-            click.option("--timeout", default=120.0, show_default=True, type=float, help="Seconds to wait for the daemon to be ready."),
-        ]
-    ):
+# The daemon's settings as options, defined once: `start`, `restart` and `service install`
+# take exactly these. Each option's name is the Settings field it sets (START_FLAGS).
+DAEMON_SETTING_OPTIONS = (
+    click.option("--model", type=click.Path(exists=True, file_okay=False), help="Expert store (made by `moestreamctl convert`)."),
+    click.option("--memory-budget", help="Size the pool so that weights + pool + KV cache fit, e.g. 24G."),
+    click.option("--capacity", help="Pool slots per MoE layer (16) or a fraction of its experts (0.25, 25%)."),
+    click.option("--policy", help="Eviction policy (see `moestreamctl bench policy`)."),
+    click.option("--host-cache", help="Host RAM that caches experts between the store and the pool, e.g. 32G (default 0: off)."),
+    click.option("--mapped", is_flag=True, default=None, help="A mapped pool: every expert in host RAM, --capacity/--memory-budget of them per layer in GPU memory (experimental, NVIDIA GPUs; needs host RAM for every expert)."),
+    click.option("--io-threads", type=int, help="Threads of the native read engine."),
+    click.option("--autopin-frac", type=click.FloatRange(0.0, 1.0), help="Share of each layer's slots pinned at start with its hottest experts (default 0.5; with --mapped, any share but 0 places the hottest in GPU memory)."),
+    click.option("--runtime-dir", help="Folder of the socket, lock and pid file (default $XDG_RUNTIME_DIR/moestream)."),
+    click.option("--log-file", help="Log file (default daemon.log in the runtime folder)."),
+    click.option("--diagnostics", is_flag=True, default=None, help="Record hot-path diagnostics for every request (`moestreamctl stats`)."),
+    click.option("--prefetch", type=click.Choice(["on", "off", "auto"]), help="Prefetch of predicted experts (default auto: kept only where it pays)."),
+)
+
+
+def daemon_setting_options(f):
+    """Give a command the options of DAEMON_SETTING_OPTIONS, in that order in --help."""
+    for option in reversed(DAEMON_SETTING_OPTIONS):
         f = option(f)
     return f
+
+
+def _start_options(f):
+    f = click.option("--timeout", default=120.0, show_default=True, type=float, help="Seconds to wait for the daemon to be ready.")(f)
+    return daemon_setting_options(f)
 
 
 @click.command()

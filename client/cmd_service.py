@@ -17,19 +17,17 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Iterable, Mapping
 
 import click
 
+from moestream.client.cmd_daemon import START_FLAGS, absolute_paths, daemon_setting_options
 from moestream.shared import service_files as sf
 from moestream.shared.settings import ENV_PREFIX, Settings, SettingsError
 from moestream.shared.store_format import StoreError, load_manifest
 
 # launchctl and systemctl answer at once; a hung one is reported rather than waited on.
 COMMAND_TIMEOUT_S = 60.0
-
-# The settings `service install` passes to `moestreamctl start` as flags.
-START_FLAGS = ("model", "capacity", "memory_budget", "policy")
 
 
 class ManagerError(click.ClickException):
@@ -141,10 +139,7 @@ def service() -> None:
 
 
 @service.command()
-@click.option("--model", type=click.Path(exists=True, file_okay=False), help="Expert store (made by `moestreamctl convert`).")
-@click.option("--capacity", help="Pool slots per MoE layer (16) or a fraction of its experts (0.25, 25%).")
-@click.option("--memory-budget", help="Size the pool so that weights + pool + KV cache fit, e.g. 24G.")
-@click.option("--policy", help="Eviction policy (see `moestreamctl bench policy`).")
+@daemon_setting_options
 @click.option("--no-load", is_flag=True, help="Write the service file but do not load or start it.")
 @_openai_option
 @click.option("--host", help="With --openai: the address it listens on (default 127.0.0.1).")
@@ -155,12 +150,13 @@ def service() -> None:
 )
 @_dry_run_option
 @_platform_option
-def install(model, capacity, memory_budget, policy, no_load, openai, host, port, api_key_file, dry_run, platform_name) -> None:
+@click.pass_context
+def install(ctx: click.Context, no_load, openai, host, port, api_key_file, dry_run, platform_name, **daemon_given: Any) -> None:
     """Install the daemon as a service and start it.
 
-    The service runs `moestreamctl start --foreground` with this Python, the flags
-    given here, and the MOESTREAM_* settings of this shell. Run it again to change
-    them; the running daemon is restarted.
+    The service runs `moestreamctl start --foreground` with this Python, the daemon
+    settings given here (the same options as `moestreamctl start`), and the MOESTREAM_*
+    settings of this shell. Run it again to change them; the running daemon is restarted.
 
     With --openai, installs the OpenAI-compatible gateway instead, as a second service
     that runs `moestreamctl serve-openai` (with --host, --port, --api-key-file) and
@@ -169,9 +165,9 @@ def install(model, capacity, memory_budget, policy, no_load, openai, host, port,
     env = dict(os.environ)
     platform = _platform(platform_name)
     home = _home(env)
+    setting_options = [p for p in ctx.command.params if p.name in START_FLAGS]
     if openai:
-        given = {"--model": model, "--capacity": capacity, "--memory-budget": memory_budget, "--policy": policy}
-        daemon_flags = [flag for flag, value in given.items() if value is not None]
+        daemon_flags = [p.opts[0] for p in setting_options if daemon_given[p.name] is not None]
         if daemon_flags:
             raise click.UsageError(f"{', '.join(daemon_flags)}: the daemon's settings, not the gateway's; install the daemon without --openai")
         argv, environment = _gateway_service(env, host, port, api_key_file)
@@ -180,14 +176,16 @@ def install(model, capacity, memory_budget, policy, no_load, openai, host, port,
     gateway_flags = [f for f, v in (("--host", host), ("--port", port), ("--api-key-file", api_key_file)) if v is not None]
     if gateway_flags:
         raise click.UsageError(f"{', '.join(gateway_flags)}: only with --openai (the gateway's service)")
-    if model is not None:
-        # The service starts in another folder than this shell, so relative paths break.
-        model = os.path.abspath(os.path.expanduser(model))
-    given = {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy}
+    # The service starts in another folder than this shell, so relative paths break.
+    given = absolute_paths(daemon_given)
     try:
         settings = Settings.resolve(given, env)  # a bad value fails here, not in a restart loop
     except SettingsError as e:
         raise click.UsageError(str(e)) from None
+    if settings.mapped and settings.host_cache:
+        # The daemon refuses this pair when it loads the model (daemon/store/loader.py);
+        # refusing it here keeps the service from failing and restarting every RestartSec.
+        raise click.UsageError("--mapped keeps every expert in host memory already, so --host-cache adds nothing: give one of them")
     if settings.model is not None:
         try:
             load_manifest(settings.model)
@@ -196,19 +194,31 @@ def install(model, capacity, memory_budget, policy, no_load, openai, host, port,
     else:
         click.echo("note: no --model or MOESTREAM_MODEL given: the daemon will start with its built-in default", err=True)
 
-    flags: list[str] = []
-    for name in START_FLAGS:
-        if given[name] is not None:
-            flags += ["--" + name.replace("_", "-"), str(given[name])]
     python = os.path.abspath(sys.executable)  # not resolved: a venv's python is a symlink
     try:
-        argv = sf.daemon_argv(python, flags)
+        argv = sf.daemon_argv(python, start_flags(setting_options, given))
         environment = sf.service_environment(
-            env, python=python, exclude=[ENV_PREFIX + n.upper() for n in START_FLAGS if given[n] is not None]
+            env, python=python, exclude=[ENV_PREFIX + name.upper() for name, value in given.items() if value is not None]
         )
     except sf.ServiceFileError as e:
         raise click.ClickException(str(e)) from None
     _install(platform, home, env, sf.DAEMON, argv, environment, no_load=no_load, dry_run=dry_run)
+
+
+def start_flags(options: Iterable[click.Parameter], given: Mapping[str, Any]) -> list[str]:
+    """The `moestreamctl start` flags that set `given` (Settings field -> value, None =
+    not given), spelled as `options` (the shared daemon setting options) spell them."""
+    flags: list[str] = []
+    for option in options:
+        value = given.get(option.name)
+        if value is None:
+            continue
+        if getattr(option, "is_flag", False):
+            if value:  # `start` has no --no-mapped: a flag not given is left to env/config
+                flags.append(option.opts[0])
+        else:
+            flags += [option.opts[0], str(value)]
+    return flags
 
 
 def _gateway_service(env: Mapping[str, str], host: str | None, port: int | None, api_key_file: str | None) -> tuple[list[str], dict[str, str]]:
@@ -248,6 +258,7 @@ def _install(
     uid = os.getuid()
     load = sf.load_commands(platform, rendered.path, uid, svc)
     if dry_run:
+        click.echo(f"the {svc.name} would run as: {_show(argv)}")
         click.echo(f"would write {rendered.path}:")
         click.echo(rendered.content.decode("utf-8"), nl=False)
         if rendered.log_dir is not None:

@@ -1,6 +1,7 @@
 """`moestreamctl service`: the launchd plist and the systemd unit it writes, parsed back
 with plistlib / configparser / a POSIX shell splitter, checked by systemd's own
-verifier where it exists, and run as a real daemon that answers ping.
+verifier where it exists, and run as a real daemon whose `status --json` shows the
+settings given to `service install`.
 
 Every command runs with a temporary HOME and a forced platform, so nothing here touches
 the real user's services: loading is either skipped (--no-load) or pointed at a
@@ -10,6 +11,7 @@ service manager that cannot be reached.
 from __future__ import annotations
 
 import configparser
+import json
 import os
 import plistlib
 import shlex
@@ -26,6 +28,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from moestream.client.cmd_daemon import START_FLAGS, start
 from moestream.client.cmd_service import service
 from moestream.shared import service_files as sf
 
@@ -110,6 +113,34 @@ def parse_unit(text: str) -> tuple[configparser.ConfigParser, list[str], dict[st
 def expected_argv(store: Path) -> list[str]:
     return [PYTHON, "-m", "moestream.client.cli", "start", "--foreground",
             "--model", str(store), "--memory-budget", "24G", "--policy", "lfu"]
+
+
+def start_params(argv: list[str]) -> dict[str, object]:
+    """The daemon settings `moestreamctl start` itself parses from a service command line."""
+    assert argv[:5] == [PYTHON, "-m", "moestream.client.cli", "start", "--foreground"]
+    ctx = start.make_context("start", list(argv[4:]))
+    assert ctx.params["foreground"] is True
+    return {k: v for k, v in ctx.params.items() if k in START_FLAGS and v is not None}
+
+
+def service_file_of(platform: str, content: bytes) -> tuple[list[str], dict[str, str]]:
+    """(command line, environment) of a rendered plist or unit."""
+    if platform == "darwin":
+        doc = plistlib.loads(content)
+        return doc["ProgramArguments"], doc["EnvironmentVariables"]
+    _, argv, environment = parse_unit(content.decode())
+    return argv, environment
+
+
+def dry_run_of(platform: str, output: str, path: Path) -> tuple[str, list[str], dict[str, str]]:
+    """(the "would run as" line, command line, environment) of `install --dry-run` output."""
+    shown = output.split("would run as: ", 1)[1].split("\n", 1)[0]
+    content = output.split(f"would write {path}:\n", 1)[1]
+    if platform == "darwin":
+        content = content[: content.index("</plist>") + len("</plist>\n")]
+    else:
+        content = content.split("would run:", 1)[0]
+    return shown, *service_file_of(platform, content.encode())
 
 
 def test_plist_has_every_key(store: Path, tmp_path: Path) -> None:
@@ -231,6 +262,54 @@ def test_dry_run_writes_nothing(store: Path, tmp_path: Path) -> None:
     assert files_under(home) == []
 
 
+def test_install_takes_the_same_daemon_options_as_start() -> None:
+    def options(command: click.Command) -> dict[str, dict]:
+        return {p.name: p.to_info_dict() for p in command.params if p.name in START_FLAGS}
+
+    theirs = options(start)
+    assert set(theirs) == set(START_FLAGS)  # every setting start passes on is an option
+    assert options(service.commands["install"]) == theirs  # names, help, types, defaults
+
+
+# A log file and a runtime folder named with what systemd and XML treat specially.
+ODD = "x 100% $HOME ${X} \"dq\" 'sq' back\\slash &<>;"
+
+
+@pytest.mark.parametrize("platform", sf.PLATFORMS)
+@pytest.mark.parametrize("pool", ["host-cache", "mapped"])
+def test_every_daemon_setting_reaches_the_service(platform: str, pool: str, store: Path, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    log_file, runtime_dir = tmp_path / ODD / "daemon.log", tmp_path / f"run {ODD}"
+    args = ["--model", str(store), "--capacity", "25%", "--memory-budget", "24G", "--policy", "lfu",
+            "--prefetch", "off", "--autopin-frac", "0.3", "--diagnostics", "--io-threads", "3",
+            "--log-file", str(log_file), "--runtime-dir", str(runtime_dir)]
+    args += ["--host-cache", "20G"] if pool == "host-cache" else ["--mapped"]
+    expected = {"model": str(store), "capacity": "25%", "memory_budget": "24G", "policy": "lfu", "prefetch": "off",
+                "autopin_frac": 0.3, "diagnostics": True, "io_threads": 3, "log_file": str(log_file), "runtime_dir": str(runtime_dir)}
+    expected |= {"host_cache": "20G"} if pool == "host-cache" else {"mapped": True}
+    # Variables of settings given as flags are left out (the flags win); the others travel.
+    env = clean_env(home, PATH=str(tmp_path / "no-tools"), MOESTREAM_PREFETCH="on", MOESTREAM_IO_THREADS="7",
+                    MOESTREAM_MAX_ACTIVE="3")
+    path = sf.service_file_path(platform, home)
+
+    result = invoke(["install", "--platform", platform, "--dry-run", *args], env)
+    assert result.exit_code == 0, result.output
+    shown, argv, environment = dry_run_of(platform, result.output, path)
+    assert start_params(argv) == expected
+    assert shlex.split(shown) == argv
+    assert environment["MOESTREAM_MAX_ACTIVE"] == "3"
+    assert "MOESTREAM_PREFETCH" not in environment and "MOESTREAM_IO_THREADS" not in environment
+    assert files_under(home) == []
+
+    result = invoke(["install", "--platform", platform, "--no-load", *args], env)
+    assert result.exit_code == 0, result.output
+    assert service_file_of(platform, path.read_bytes()) == (argv, environment)
+    verify = shutil.which("systemd-analyze")
+    if platform == "linux" and verify is not None:
+        done = subprocess.run([verify, "verify", str(path)], capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0 and "moestream.service" not in done.stderr, done.stderr
+
+
 def test_install_when_the_service_manager_fails_keeps_the_file_and_says_how(store: Path, tmp_path: Path) -> None:
     home = tmp_path / "home"
     # No reachable systemd user instance: the real systemctl fails (or is missing) here
@@ -300,12 +379,21 @@ def test_bad_settings_are_refused_before_writing(store: Path, tmp_path: Path) ->
         (["--model", str(tmp_path)], "not an expert store"),
         (["--model", str(tmp_path / "missing")], "does not exist"),
         (["--model", str(store), "--capacity", "0"], "at least one slot"),
+        (["--model", str(store), "--host-cache", "lots"], "cannot read 'lots' as a size"),
+        (["--model", str(store), "--io-threads", "0"], "io_threads: must be between 1 and 256"),
+        (["--model", str(store), "--prefetch", "maybe"], "'maybe' is not one of 'on', 'off', 'auto'"),
+        (["--model", str(store), "--autopin-frac", "1.5"], "1.5 is not in the range 0.0<=x<=1.0"),
+        (["--model", str(store), "--mapped", "--host-cache", "1G"], "--mapped keeps every expert in host memory"),
+        (["--openai", "--host-cache", "1G", "--diagnostics"], "--host-cache, --diagnostics: the daemon's settings"),
     ]
     for args, message in cases:
         result = invoke(["install", "--platform", "linux", "--dry-run", *args], env)
         assert result.exit_code == 2 and message in result.output, result.output
     result = invoke(["install", "--platform", "linux", "--no-load"], clean_env(home, MOESTREAM_IO_THREADS="many"))
     assert result.exit_code == 2 and "io_threads" in result.output
+    # The pair is refused wherever its halves come from, as the daemon would refuse it.
+    result = invoke(["install", "--platform", "linux", "--no-load", "--host-cache", "1G"], clean_env(home, MOESTREAM_MAPPED="1"))
+    assert result.exit_code == 2 and "--mapped keeps every expert" in result.output
     assert files_under(home) == []
 
 
@@ -333,16 +421,47 @@ def test_client_side_imports_no_mlx() -> None:
     assert done.stdout.strip() == "False"
 
 
-@pytest.mark.parametrize("platform", sf.PLATFORMS)
-def test_service_command_starts_a_daemon_that_answers_ping(platform: str, store: Path, tmp_path: Path) -> None:
-    # NEEDS THE DAEMON (moestream.client.client and `moestreamctl start --foreground`),
-    # written in parallel by another engineer. Until it lands this test FAILS at this
-    # import; that is intended, do not skip it.
-    from moestream.client.client import Client, DaemonDied, DaemonNotRunning
+# What the service of each platform is given (flags, variables of the installing shell)
+# and what the daemon it starts must report in `status --json` settings: linux a host
+# cache, darwin a mapped pool (the two do not combine), each with its pool settings.
+RUN_CASES = {
+    "linux": (
+        ["--capacity", "0.5", "--host-cache", "20G", "--prefetch", "off", "--diagnostics", "--io-threads", "2", "--autopin-frac", "0.25"],
+        {"MOESTREAM_HOST_CACHE": "1G", "MOESTREAM_POLICY": "lru"},
+        {"capacity": 0.5, "host_cache": 20 * 2**30, "mapped": False, "prefetch": "off", "diagnostics": True, "io_threads": 2,
+         "policy": "lfu"},
+    ),
+    "darwin": (
+        ["--capacity", "0.25", "--mapped", "--prefetch", "off", "--policy", "lru"],
+        {"MOESTREAM_MAPPED": "0", "MOESTREAM_IO_THREADS": "3"},
+        {"capacity": 0.25, "host_cache": 0, "mapped": True, "prefetch": "off", "diagnostics": False, "io_threads": 3,
+         "policy": "lru"},
+    ),
+}
 
+
+@pytest.mark.parametrize("platform", sf.PLATFORMS)
+def test_service_command_starts_a_daemon_with_its_settings(platform: str, store: Path, tmp_path: Path) -> None:
+    from moestream.client.client import Client, DaemonDied, DaemonNotRunning
+    from moestream.shared.heat_file import usage_path, write_usage
+    from moestream.shared.store_format import load_manifest
+
+    from daemon_cli import ctl
+    from daemon_cli import clean_env as child_env
+
+    flags, shell_env, expected = RUN_CASES[platform]
     home = tmp_path / "home"
-    args = ["install", "--platform", platform, "--no-load", "--model", str(store), "--policy", "lru"]
-    result = invoke(args, clean_env(home, MOESTREAM_IO_THREADS="2"))
+    # Short path: the socket lives here and macOS caps socket paths at 104 bytes.
+    runtime = Path(tempfile.mkdtemp(prefix="mssvc-", dir="/tmp"))
+    log_file = tmp_path / "logs 100% $HOME" / "daemon.log"
+    flags = [*flags, "--log-file", str(log_file)]
+    if platform == "darwin":
+        flags += ["--runtime-dir", str(runtime)]  # linux: MOESTREAM_RUNTIME_DIR, below
+    args = ["install", "--platform", platform, "--no-load", "--model", str(store), "--policy", "lfu", *flags]
+    if platform == "darwin":
+        args.remove("lfu")
+        args.remove("--policy")
+    result = invoke(args, clean_env(home, MOESTREAM_MAX_CONTEXT="4096", **shell_env))
     assert result.exit_code == 0, result.output
     path = sf.service_file_path(platform, home)
     if platform == "darwin":
@@ -350,31 +469,54 @@ def test_service_command_starts_a_daemon_that_answers_ping(platform: str, store:
         argv, environment = doc["ProgramArguments"], doc["EnvironmentVariables"]
     else:
         _, argv, environment = parse_unit(path.read_text())
-    assert environment["MOESTREAM_IO_THREADS"] == "2"
+    assert environment["MOESTREAM_MAX_CONTEXT"] == "4096"  # a setting `start` has no flag for
 
-    # Short path: the socket lives here and macOS caps socket paths at 104 bytes.
-    runtime = Path(tempfile.mkdtemp(prefix="mssvc-", dir="/tmp"))
+    # Heat that names each layer's hottest experts, so --autopin-frac shows in the pins.
+    heat = tmp_path / "heat"
+    heat.mkdir()
+    write_usage(usage_path(heat), {layer.ordinal: {e: 100 - e for e in range(layer.num_experts)}
+                                   for layer in load_manifest(store).layers})
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOESTREAM_") and k != "XDG_CONFIG_HOME"}
-    env |= environment | {"HOME": str(home), "MOESTREAM_RUNTIME_DIR": str(runtime)}
-    log_path = tmp_path / "daemon.log"
-    with open(log_path, "wb") as log:
+    env |= environment | {"HOME": str(home), "MOESTREAM_HEAT_DIR": str(heat)}
+    if platform == "linux":
+        env["MOESTREAM_RUNTIME_DIR"] = str(runtime)
+    out_path = tmp_path / "daemon.out"
+    with open(out_path, "wb") as out:
         # cwd "/": launchd starts agents there, so nothing may depend on this checkout.
-        proc = subprocess.Popen(argv, env=env, cwd="/", stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, env=env, cwd="/", stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60.0
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"the daemon exited with {proc.returncode} before answering ping:\n{log_path.read_text()}")
+                pytest.fail(f"the daemon exited with {proc.returncode} before it was ready:\n{out_path.read_text()}")
             try:
                 with Client(str(runtime), timeout=2.0) as client:
-                    client.ping()
-                break
+                    if client.ping().state == "ready":
+                        break
             except (DaemonNotRunning, DaemonDied):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"no ping answer within 60 s:\n{log_path.read_text()}")
-                time.sleep(0.2)
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"not ready within 60 s:\n{out_path.read_text()}")
+            time.sleep(0.2)
+
+        done = ctl("status", "--json", "--runtime-dir", str(runtime), env=child_env(HOME=str(home)), timeout=60)
+        assert done.returncode == 0, done.stderr
+        status = json.loads(done.stdout)
+        assert status["state"] == "ready" and status["model"] == str(store)
+        assert {k: status["settings"][k] for k in expected} == expected
+        assert status["settings"]["max_context"] == 4096
+        assert status["log"] == str(log_file) and log_file.stat().st_size > 0
+        assert status["runtime_dir"] == str(runtime)
+        assert status["pool"]["mapped"] is expected["mapped"]
+        if expected["mapped"]:
+            assert status["pool"]["placement"] is not None
+        else:
+            # autopin pins floor(slots x frac) of each layer's hottest experts: 8 slots x 0.25.
+            layers = status["pool"]["layers"]
+            assert layers and all(layer["capacity"] == 8 and layer["pinned"] == 2 for layer in layers), layers
+
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0, log_path.read_text()  # a clean exit: the service stays down
+        assert proc.wait(timeout=30) == 0, out_path.read_text()  # a clean exit: the service stays down
     finally:
         if proc.poll() is None:
             proc.kill()
