@@ -219,17 +219,30 @@ def check_one(dealer: Dealer, case: FuzzCase) -> str | None:
     if want.reply is proto.Done:
         # A valid generate: tokens then done, or an error the engine gives (unknown token
         # ids, too long). Cancel after the first token; the stream still ends with done.
+        # Each cancel gets its own reply, which may come after the stream's end: all are
+        # awaited here, so that none is taken for the next case's reply on a slow machine.
+        cancel_id = "c" + want.request_id[:60]
+        cancels = acks = 0
         while isinstance(reply, proto.Token):
-            dealer.sock.send(proto.encode(proto.Cancel(id="c" + want.request_id[:60], target=want.request_id)))
+            dealer.sock.send(proto.encode(proto.Cancel(id=cancel_id, target=want.request_id)))
+            cancels += 1
             while True:
                 reply = dealer.recv(REPLY_WAIT_S)
                 if reply is None:
                     return f"{case.kind}: generate {want.request_id!r} never ended"
-                if reply.id == want.request_id and not isinstance(reply, proto.Token):
+                if reply.id == cancel_id:
+                    acks += 1
+                elif reply.id == want.request_id and not isinstance(reply, proto.Token):
                     break
         if not isinstance(reply, (proto.Done, proto.Error)):
             return f"{case.kind}: a generate ended with {reply.TYPE}"
-        _drain(dealer, 0.05)  # the cancel's own reply, if it was sent
+        while acks < cancels:
+            reply = dealer.recv(REPLY_WAIT_S)
+            if reply is None:
+                return f"{case.kind}: no reply to cancel {cancel_id!r} within {REPLY_WAIT_S:g} s"
+            if reply.id != cancel_id:
+                return f"{case.kind}: a reply for {reply.id!r}, expected the reply to cancel {cancel_id!r}"
+            acks += 1
         return None
     if not isinstance(reply, want.reply):
         return f"{case.kind}: expected {want.reply.TYPE}, got {reply.TYPE} ({getattr(reply, 'message', '')})"
