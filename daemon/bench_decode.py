@@ -119,8 +119,10 @@ def _counters(sm: StreamingModel) -> dict[str, float]:
         "placed_routed": s.get("placement", {}).get("routed", 0),
         "placed_on_gpu": s.get("placement", {}).get("routed_on_gpu", 0),
         "placement_moves": s.get("placement", {}).get("moves", 0),
-        # Host time of the decode thread (read-back, policy); the moves run on a worker.
-        "placement_seconds": s.get("placement", {}).get("decide_seconds", 0.0) + s.get("placement", {}).get("readback_seconds", 0.0),
+        # Host time of the decode thread (read-back, counts), and of the placement's
+        # worker thread (policies, driver calls), which runs beside it.
+        "placement_seconds": s.get("placement", {}).get("readback_seconds", 0.0),
+        "placement_worker_seconds": s.get("placement", {}).get("decide_seconds", 0.0) + s.get("placement", {}).get("place_seconds", 0.0),
     }
 
 
@@ -172,6 +174,7 @@ def _streaming_config(
             "host_syncs_per_token": d["host_syncs"] / n + 1,
             "placement_moves_per_token": d["placement_moves"] / n if sm.placement is not None else None,
             "placement_ms_per_token": 1e3 * d["placement_seconds"] / n if sm.placement is not None else None,
+            "placement_worker_ms_per_token": 1e3 * d["placement_worker_seconds"] / n if sm.placement is not None else None,
         }
 
     return Config(name, capacity, run, sm.close)
@@ -193,6 +196,7 @@ def _stock_config(settings: BenchDecodeSettings, prompt: list[int]) -> Config:
             "host_syncs_per_token": 1.0,
             "placement_moves_per_token": None,
             "placement_ms_per_token": None,
+            "placement_worker_ms_per_token": None,
         }
 
     return Config("stock-mlx-lm", None, run, lambda: None)
@@ -321,6 +325,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             "host_syncs_per_token",
             "placement_moves_per_token",
             "placement_ms_per_token",
+            "placement_worker_ms_per_token",
         ):
             values = [s[key] for s in c.samples if s[key] is not None]
             row[key] = statistics.median(values) if values else None

@@ -12,9 +12,10 @@ token. Output is unchanged by construction: the bytes never change, only where t
 
 The host's share of each token is kept small, since decode on a GPU is as fast as the
 host can queue work: the routing of a forward is gathered into one array on the device
-(one read-back per forward instead of one per layer), and the moves are handed to a
-worker thread whose driver calls run without the GIL and without waiting for the
-migrations they start.
+(one read-back per forward instead of one per layer), and the policies' work and the
+moves go to a worker thread: its Python runs while the decode thread waits for the
+device (MLX releases the GIL there), and its driver calls neither hold the GIL nor wait
+for the migrations they start.
 
 On the CPU and on unified memory there is nothing to move; the same bookkeeping runs
 with a mover that only counts, which is what the tests here exercise.
@@ -26,7 +27,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -79,43 +80,36 @@ class PlacementStats:
         }
 
 
-class _MoveWorker:
-    """Runs the mover's calls in order on one thread; a failure is raised to the caller
-    at its next `submit` or at `close`."""
+class _Worker:
+    """Runs jobs in order on one thread; a failure is raised to the caller at its next
+    `submit`, `drain` or `close`, and the jobs after it are dropped."""
 
-    def __init__(self, mover: Mover, stats: PlacementStats) -> None:
-        self.mover = mover
-        self.stats = stats
+    def __init__(self) -> None:
         self.error: BaseException | None = None
-        self._queue: queue.SimpleQueue[list[Span] | threading.Event | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Callable[[], None] | threading.Event | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="moestream-placement", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while (spans := self._queue.get()) is not None:
-            if isinstance(spans, threading.Event):
-                spans.set()
-                continue
-            if self.error is not None:
-                continue  # already failed: drop the rest, the caller is told
-            tic = time.perf_counter()
-            try:
-                self.mover.place_many(spans, False, False)
-            except BaseException as e:  # handed to the decode thread, which raises it
-                self.error = e
-            self.stats.place_seconds += time.perf_counter() - tic
+        while (job := self._queue.get()) is not None:
+            if isinstance(job, threading.Event):
+                job.set()
+            elif self.error is None:
+                try:
+                    job()
+                except BaseException as e:  # handed to the decode thread, which raises it
+                    self.error = e
 
     def _raise(self) -> None:
         if self.error is not None:
-            raise RuntimeError(f"moving experts between host and GPU memory failed: {self.error}") from self.error
+            raise RuntimeError(f"placing experts between host and GPU memory failed: {self.error}") from self.error
 
-    def submit(self, spans: list[Span]) -> None:
+    def submit(self, job: Callable[[], None]) -> None:
         self._raise()
-        if spans:
-            self._queue.put(spans)
+        self._queue.put(job)
 
     def drain(self) -> None:
-        """Wait until every call submitted so far has been made."""
+        """Wait until every job submitted so far has run."""
         done = threading.Event()
         self._queue.put(done)
         done.wait()
@@ -148,12 +142,13 @@ class Placement:
         # Per tick: the routing of the forwards since the previous tick, all layers in
         # one device array [layers, rows, k] each, read back READBACK_LAG ticks later.
         self._pending: list[list[mx.array]] = []
-        self._worker = _MoveWorker(mover, self.stats)
+        self._worker = _Worker()
 
     def place_initial(self, hottest: Sequence[Sequence[int]] | None = None) -> None:
         """Put each layer's first `gpu_slots` experts of `hottest` (default: 0, 1, ...)
         in GPU memory and the rest in host memory, mapped for the GPU; returns when the
         bytes are there."""
+        self._worker.drain()  # the policies and `on_gpu` are the worker's while it runs
         tic = time.perf_counter()
         spans: list[Span] = []
         for i, pool in enumerate(self.pools):
@@ -191,36 +186,53 @@ class Placement:
             self._consume(self._pending.pop(0))
 
     def settle(self) -> None:
-        """Account every forward queued so far (at the end of a request, when the last
-        token has been read and nothing is left to overlap with)."""
+        """Account every forward queued so far and wait for the worker (at the end of a
+        request, when the last token has been read and nothing is left to overlap with)."""
         self.tick()
         while self._pending:
             self._consume(self._pending.pop(0))
+        self._worker.drain()
 
     def _consume(self, ready: list[mx.array]) -> None:
+        """Read back forwards that are done, count their routing for the heat, and hand
+        the policies' work and the moves to the worker: the decode thread waits for the
+        device most of a token (MLX lets go of the GIL meanwhile), and that is when the
+        worker's Python runs."""
         tic = time.perf_counter()
         rows = [np.array(a) for a in ready]
-        t1 = time.perf_counter()
-        self.stats.readback_seconds += t1 - tic
+        for forward in rows:
+            for i, pool in enumerate(self.pools):
+                flat = forward[i].reshape(-1)
+                # The pool's routing counts feed the heat keeper, as the slot pool's do;
+                # counted here, so that each request's statistics get their own.
+                np.add.at(pool.stats.routed, flat, 1)
+                pool.stats.routed_total += flat.size
+                on_gpu = self.on_gpu[i]
+                self.stats.routed += flat.size
+                self.stats.routed_on_gpu += sum(e in on_gpu for e in flat.tolist())
+        self.stats.readback_seconds += time.perf_counter() - tic
+        self._worker.submit(lambda: self._decide(rows))
+
+    def _decide(self, rows: list[np.ndarray]) -> None:
+        """On the worker: policies, GPU hit counts, and the moves they ask for."""
+        tic = time.perf_counter()
         spans: list[Span] = []
         for forward in rows:
             for i in range(len(self.pools)):
                 spans += self._observe(i, forward[i])
-        self.stats.decide_seconds += time.perf_counter() - t1
-        self._worker.submit(spans)
+        t1 = time.perf_counter()
+        self.stats.decide_seconds += t1 - tic
+        if spans:
+            self.mover.place_many(spans, False, False)
+        self.stats.place_seconds += time.perf_counter() - t1
 
     def _observe(self, i: int, token_experts: np.ndarray) -> list[Span]:
-        pool, policy, on_gpu = self.pools[i], self.policies[i], self.on_gpu[i]
+        policy, on_gpu = self.policies[i], self.on_gpu[i]
         spans: list[Span] = []
         moves = 0
-        # The pool's routing counts feed the heat keeper, as the slot pool's do.
-        np.add.at(pool.stats.routed, token_experts.reshape(-1), 1)
-        pool.stats.routed_total += token_experts.size
         for row in token_experts:
             experts = row.tolist()
             policy.access(experts)
-            self.stats.routed += len(experts)
-            self.stats.routed_on_gpu += sum(e in on_gpu for e in experts)
             for e in experts:
                 if e in on_gpu or moves >= self.max_moves:
                     continue
@@ -243,7 +255,7 @@ class Placement:
         return [(views[t.name], where, start * t.nbytes, (stop - start) * t.nbytes) for t in tensors]
 
     def drain(self) -> None:
-        """Wait until the worker has made every move decided so far."""
+        """Wait until the worker has decided and made every move handed to it so far."""
         self._worker.drain()
 
     def close(self) -> None:
