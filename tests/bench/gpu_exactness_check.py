@@ -4,8 +4,10 @@ enough for MLX's CUDA kernels (the CPU suite's tiny shapes hit kernels CUDA lack
     python tests/bench/gpu_exactness_check.py --out $OUT/exactness_gpu.json
 
 For a 4-bit and a bf16 random qwen3_moe ("mini" shape of make_random_moe.py), each prompt
-length and each capacity from top-k to all experts, compares the logits of every step of
-greedy decoding, bit for bit, and reports the largest difference where they differ.
+length and each capacity from top-k to all experts (slot pools with and without a host
+tier, and mapped pools moving experts between host and GPU memory as they decode),
+compares the logits of every step of greedy decoding, bit for bit, and reports the
+largest difference where they differ.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from moestream.daemon.store.loader import load_streaming_model  # noqa: E402
 from moestream.shared.settings import Settings  # noqa: E402
 
 
-def greedy(model, prompt, steps):
+def greedy(model, prompt, steps, tick=None):
     cache = make_prompt_cache(model)
     logits = model(mx.array(prompt)[None], cache=cache)[:, -1, :]
     tokens, rows = [], []
@@ -37,6 +39,8 @@ def greedy(model, prompt, steps):
         token = mx.argmax(logits, axis=-1)
         rows.append(np.array(logits.astype(mx.float32)))
         tokens.append(int(token.item()))
+        if tick is not None:
+            tick()  # a mapped pool moves experts between host and GPU memory meanwhile
         logits = model(token[None], cache=cache)[:, -1, :]
     return tokens, rows
 
@@ -58,11 +62,14 @@ def main() -> None:
         rng = np.random.default_rng(0)
         prompts = {n: rng.integers(0, 4096, n).tolist() for n in (1, 7, 100)}
         want = {n: greedy(model, p, args.steps) for n, p in prompts.items()}
-        for slots, host_cache in [(4, 0), (8, 0), (16, 0), (32, 0), (4, 1 << 26), (8, 1 << 26)]:
-            sm = load_streaming_model(store, Settings(capacity=slots, host_cache=host_cache))
-            mode = sm.pool_stats()["admission"]["mode"]
+        cases = [(4, 0, False), (8, 0, False), (16, 0, False), (32, 0, False), (4, 1 << 26, False), (8, 1 << 26, False),
+                 (4, 0, True), (8, 0, True)]
+        for slots, host_cache, mapped in cases:
+            sm = load_streaming_model(store, Settings(capacity=slots, host_cache=host_cache, mapped=mapped))
+            mode = "mapped" if mapped else sm.pool_stats()["admission"]["mode"]
+            tick = sm.placement.tick if sm.placement is not None else None
             for n, p in prompts.items():
-                toks, rows = greedy(sm.model, p, args.steps)
+                toks, rows = greedy(sm.model, p, args.steps, tick)
                 diffs = [float(np.nanmax(np.abs(a - b))) if not np.array_equal(a, b) else 0.0 for a, b in zip(rows, want[n][1])]
                 r = {"weights": "4bit" if bits else "bf16", "capacity": slots, "admission": mode, "prompt": n,
                      "tokens_equal": toks == want[n][0], "logits_equal_steps": sum(d == 0.0 for d in diffs),
