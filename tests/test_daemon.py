@@ -30,7 +30,7 @@ from moestream.shared import protocol as proto
 from moestream.shared.heat_file import usage_path
 from moestream.shared.runtime_dir import InstanceLock, RuntimeDirError, RuntimePaths, lock_is_held, read_pid
 from daemon_cli import clean_env, ctl, wait_for
-from tiny_models import tiny_store
+from tiny_models import local_outputs, tiny_store
 
 PROMPTS = ["The farmer counted his hens", "def route(hidden, gate, k=2):", "Numbers and dates: 1, 2, 3", "In the morning"]
 LONG_PROMPT = "There was news of rain"
@@ -56,16 +56,7 @@ def store():
 @pytest.fixture(scope="module")
 def reference(store):
     """What `generate --local` computes in-process, prompt by prompt."""
-    from moestream.daemon.generation import SamplingParams, encode_prompt, generate
-    from moestream.daemon.store.loader import load_streaming_model
-    from moestream.shared.settings import Settings
-
-    sm = load_streaming_model(store, Settings(capacity=0.25))
-    try:
-        out = {p: generate(sm, encode_prompt(sm, p, None), SamplingParams(max_tokens=N_TOKENS)) for p in PROMPTS}
-        out[LONG_PROMPT] = generate(sm, encode_prompt(sm, LONG_PROMPT, None), SamplingParams(max_tokens=LONG_TOKENS))
-    finally:
-        sm.close()
+    out = local_outputs(store, {**dict.fromkeys(PROMPTS, N_TOKENS), LONG_PROMPT: LONG_TOKENS})
     # The cancel and disconnect tests need a request that would run its full length.
     assert out[LONG_PROMPT].finish_reason == "length"
     return out

@@ -34,7 +34,7 @@ from moestream.shared.runtime_dir import RuntimePaths
 from moestream.shared.settings import Settings, demo_store_path
 from moestream.shared.store_format import load_manifest
 from daemon_cli import clean_env, ctl
-from tiny_models import tiny_store
+from tiny_models import local_outputs, tiny_store
 
 PROMPTS = ["The farmer counted his hens", "def route(hidden, gate, k=2):", "Numbers and dates: 1, 2, 3"]
 N_TOKENS = 24
@@ -51,11 +51,7 @@ def store():
 @pytest.fixture(scope="module")
 def reference(store):
     """What `generate --local` computes in-process without --mapped, prompt by prompt."""
-    sm = load_streaming_model(store, Settings(capacity=0.25))
-    try:
-        return {p: generate(sm, encode_prompt(sm, p, None), SamplingParams(max_tokens=N_TOKENS)) for p in PROMPTS}
-    finally:
-        sm.close()
+    return local_outputs(store, dict.fromkeys(PROMPTS, N_TOKENS))
 
 
 def hot_counts(store: Path) -> dict[int, dict[int, int]]:

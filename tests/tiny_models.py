@@ -429,3 +429,17 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def local_outputs(store: Path, prompts: dict[str, int], capacity: float = 0.25) -> dict[str, Any]:
+    """What `generate --local` computes in-process (greedy), for each prompt with its
+    number of tokens: the reference the daemon tests compare with."""
+    from moestream.daemon.generation import SamplingParams, encode_prompt, generate
+    from moestream.daemon.store.loader import load_streaming_model
+    from moestream.shared.settings import Settings
+
+    sm = load_streaming_model(store, Settings(capacity=capacity))
+    try:
+        return {p: generate(sm, encode_prompt(sm, p, None), SamplingParams(max_tokens=n)) for p, n in prompts.items()}
+    finally:
+        sm.close()
