@@ -214,7 +214,7 @@ class Placement:
         self._worker.submit(lambda: self._decide(rows))
 
     def _decide(self, rows: list[np.ndarray]) -> None:
-        """On the worker: policies, GPU hit counts, and the moves they ask for."""
+        """On the worker: the policies, and the moves they ask for."""
         tic = time.perf_counter()
         spans: list[Span] = []
         for forward in rows:
