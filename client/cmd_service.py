@@ -214,8 +214,11 @@ def start_flags(options: Iterable[click.Parameter], given: Mapping[str, Any]) ->
         if value is None:
             continue
         if getattr(option, "is_flag", False):
-            if value:  # `start` has no --no-mapped: a flag not given is left to env/config
+            # --mapped / --no-mapped: a flag not given is left to the environment and config.
+            if value:
                 flags.append(option.opts[0])
+            elif option.secondary_opts:
+                flags.append(option.secondary_opts[0])
         else:
             flags += [option.opts[0], str(value)]
     return flags

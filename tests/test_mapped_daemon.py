@@ -93,6 +93,16 @@ def test_local_mapped_generate_is_stock_mlx_lm(store, reference):
     assert stats["host_syncs_per_token"] == 1.0
 
 
+def test_no_mapped_overrides_the_environment(store, reference):
+    prompt = PROMPTS[0]
+    out = ctl("generate", prompt, "--local", "--no-mapped", "--model", str(store), "--capacity", CAPACITY,
+              "--max-tokens", str(N_TOKENS), "--json", env=clean_env(MOESTREAM_MAPPED="1"))
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["stats"]["mapped"] is False and "placement" not in got["stats"]
+    assert got["tokens"] == reference[prompt].tokens
+
+
 def test_daemon_mapped_serves_local_output_reports_placement_and_keeps_exact_heat(store, reference):
     rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msmd"))
     own = Path(shutil.copytree(store, rt / "store"))

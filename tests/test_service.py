@@ -283,10 +283,11 @@ def test_every_daemon_setting_reaches_the_service(platform: str, pool: str, stor
     args = ["--model", str(store), "--capacity", "25%", "--memory-budget", "24G", "--policy", "lfu",
             "--prefetch", "off", "--autopin-frac", "0.3", "--diagnostics", "--io-threads", "3",
             "--log-file", str(log_file), "--runtime-dir", str(runtime_dir)]
-    args += ["--host-cache", "20G"] if pool == "host-cache" else ["--mapped"]
+    # --no-mapped switches off a mapped pool that the environment or config would ask for.
+    args += ["--host-cache", "20G", "--no-mapped"] if pool == "host-cache" else ["--mapped"]
     expected = {"model": str(store), "capacity": "25%", "memory_budget": "24G", "policy": "lfu", "prefetch": "off",
                 "autopin_frac": 0.3, "diagnostics": True, "io_threads": 3, "log_file": str(log_file), "runtime_dir": str(runtime_dir)}
-    expected |= {"host_cache": "20G"} if pool == "host-cache" else {"mapped": True}
+    expected |= {"host_cache": "20G", "mapped": False} if pool == "host-cache" else {"mapped": True}
     # Variables of settings given as flags are left out (the flags win); the others travel.
     env = clean_env(home, PATH=str(tmp_path / "no-tools"), MOESTREAM_PREFETCH="on", MOESTREAM_IO_THREADS="7",
                     MOESTREAM_MAX_ACTIVE="3")
