@@ -16,6 +16,7 @@
 #   bash tests/bench/gpu_run.sh warmstart-q30-mapped # the same with mapped pools
 #   bash tests/bench/gpu_run.sh demo          # train the built-in demo model
 #   bash tests/bench/gpu_run.sh spec-demo     # bench decode --speculative mtp on the demo model
+#   bash tests/bench/gpu_run.sh chain S1 S2 ...  # stages in turn, each under STAGE_TIMEOUT s
 set -euo pipefail
 stage=${1:?stage}
 export PYTHONPATH=/opt/mlx:$PWD
@@ -32,6 +33,16 @@ fi
 $py -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
 
 case "$stage" in
+  chain)
+    # Several stages in one device call, each under its own limit (STAGE_TIMEOUT seconds,
+    # default 400), so that one that overruns costs its own figures, not the others':
+    #   bash tests/bench/gpu_run.sh chain make-q30 exactness-mini decode-q30
+    shift
+    for s in "$@"; do
+      echo "== $s"
+      timeout "${STAGE_TIMEOUT:-400}" bash "$0" "$s" || echo "== $s failed or timed out (exit $?)"
+    done
+    ;;
   exactness)
     $py -m pytest -q -p no:cacheprovider tests/test_exactness.py tests/test_pool.py tests/test_native_engine.py \
       2>&1 | tee "$OUT/exactness_cuda.txt" | tail -15
