@@ -109,7 +109,7 @@ print(format_report(json.load(open(sys.argv[1]))))
 EOF
     ;;
   warmstart-q30)
-    ctl bench warmstart --model /root/q30/store --capacity 0.25 --tokens 64 --rounds 3 --json >"$OUT/bench_warmstart_q30.json"
+    ctl bench warmstart --model /root/q30/store --capacity 0.25 --tokens 64 --rounds ${ROUNDS:-3} --json >"$OUT/bench_warmstart_q30.json"
     cat "$OUT/bench_warmstart_q30.json" | head -c 1500
     ;;
   warmstart-q30-mapped)
