@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from moestream.daemon.placement import READBACK_LAG, CountingMover, _runs
+from moestream.daemon.placement import READBACK_LAG, CountingMover, Placement, _runs
 from moestream.daemon.store.convert import convert_model
 from moestream.daemon.store.loader import load_stock_model, load_streaming_model
 from moestream.shared.settings import Settings
@@ -73,3 +73,27 @@ def test_mapped_pool_is_exact_syncs_never_and_keeps_its_budget(store):
     finally:
         sm.close()
     assert all(pool.route_log is None for pool in sm.pools)
+
+
+class FailingMover(CountingMover):
+    """A driver that refuses every move after the initial placement."""
+
+    def place_many(self, spans, map_for_gpu=False, wait=False) -> None:
+        if not map_for_gpu:
+            raise OSError("cudaMemPrefetchAsync: invalid argument")
+        super().place_many(spans, map_for_gpu, wait)
+
+
+def test_a_failed_move_is_raised_on_the_decode_thread_and_at_close(store):
+    sm = load_streaming_model(store, Settings(capacity=0.25), mapped=True)
+    slots = sm.placement.gpu_slots
+    sm.placement.close()
+    placement = sm.placement = Placement(sm.pools, slots, FailingMover(), "lru")
+    placement.place_initial()
+    with pytest.raises(RuntimeError, match="placing experts between host and GPU memory failed: cudaMemPrefetchAsync"):
+        decode(sm.model, STEPS, placement.tick)
+    with pytest.raises(RuntimeError, match="cudaMemPrefetchAsync"):
+        sm.close()
+    # The reader was closed all the same.
+    with pytest.raises(RuntimeError, match="engine is closed"):
+        sm.reader.engine.submit_batch([])

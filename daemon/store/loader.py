@@ -100,12 +100,14 @@ class StreamingModel:
         return totals
 
     def close(self) -> None:
-        if self.prefetcher is not None:
-            self.prefetcher.drain()
-        if self.placement is not None:
-            self.placement.close()
-        if self.owns_reader:
-            self.reader.close()
+        try:
+            if self.prefetcher is not None:
+                self.prefetcher.drain()
+            if self.placement is not None:
+                self.placement.close()  # raises what its worker failed with, if anything
+        finally:
+            if self.owns_reader:
+                self.reader.close()
 
 
 def _module_at(root: nn.Module, path: str) -> tuple[Any, str | int, nn.Module]:
