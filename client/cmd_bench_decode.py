@@ -6,6 +6,8 @@ import json
 
 import click
 
+from moestream.client.cli_values import size_option
+
 
 @click.command("decode")
 @click.option("--model", "store", required=True, type=click.Path(file_okay=False), help="Expert store.")
@@ -40,14 +42,11 @@ def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds
 
     from moestream.daemon.bench_decode import BenchDecodeSettings, format_report, run_bench_decode
     from moestream.daemon.expert_pool import PoolCapacityError
-    from moestream.shared.settings import SettingsError, parse_size
+    from moestream.shared.settings import SettingsError
     from moestream.shared.store_format import StoreError
 
-    try:
-        memory_limit = parse_size(mlx_memory_limit) if mlx_memory_limit else None
-        host_bytes = parse_size(host_cache) if host_cache else 0
-    except SettingsError as e:
-        raise click.UsageError(str(e)) from None
+    memory_limit = size_option(mlx_memory_limit, "--mlx-memory-limit")
+    host_bytes = size_option(host_cache, "--host-cache") or 0
     settings = BenchDecodeSettings(
         store=Path(store),
         capacities=tuple(capacities) or (1.0, 0.5, 0.25),
@@ -77,17 +76,13 @@ def _bench_speculative(store, mode, draft_tokens, draft_model, capacities, polic
 
     from moestream.daemon.bench_speculative import BenchSpeculativeSettings, format_speculative_report, run_bench_speculative
     from moestream.daemon.expert_pool import PoolCapacityError
-    from moestream.shared.settings import SettingsError, parse_size
     from moestream.shared.store_format import StoreError
 
     if mode is None:
         raise click.UsageError("--draft-tokens and --draft-model go with --speculative")
     if (mode == "draft") != (draft_model is not None):
         raise click.UsageError("--speculative draft needs --draft-model PATH, and only it takes one")
-    try:
-        memory_limit = parse_size(mlx_memory_limit) if mlx_memory_limit else None
-    except SettingsError as e:
-        raise click.UsageError(str(e)) from None
+    memory_limit = size_option(mlx_memory_limit, "--mlx-memory-limit")
     settings = BenchSpeculativeSettings(
         store=Path(store),
         mode=mode,

@@ -6,6 +6,8 @@ import json
 
 import click
 
+from moestream.client.cli_values import size_option
+
 
 @click.command("predict")
 @click.option("--model", "store", required=True, type=click.Path(file_okay=False), help="Expert store.")
@@ -30,14 +32,11 @@ def bench_predict(store, capacities, policy, prompt_tokens, decode_tokens, round
 
     from moestream.daemon.bench_predict import BenchPredictSettings, format_report, run_bench_predict
     from moestream.daemon.expert_pool import PoolCapacityError
-    from moestream.shared.settings import SettingsError, parse_size
+    from moestream.shared.settings import SettingsError
     from moestream.shared.store_format import StoreError
 
-    try:
-        memory_limit = parse_size(mlx_memory_limit) if mlx_memory_limit else None
-        host_bytes = parse_size(host_cache) if host_cache else 0
-    except SettingsError as e:
-        raise click.UsageError(str(e)) from None
+    memory_limit = size_option(mlx_memory_limit, "--mlx-memory-limit")
+    host_bytes = size_option(host_cache, "--host-cache") or 0
     settings = BenchPredictSettings(
         store=Path(store),
         capacities=tuple(capacities) or (0.25, 0.5),

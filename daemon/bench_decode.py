@@ -379,10 +379,13 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
     }
 
 
-def format_report(report: dict[str, Any]) -> str:
-    def num(v: Any, fmt: str) -> str:
-        return format(v, fmt) if v is not None else "-"
+def format_or_dash(value: Any, fmt: str) -> str:
+    """A report cell: `value` formatted, or "-" where there is none."""
+    return format(value, fmt) if value is not None else "-"
 
+
+def format_report(report: dict[str, Any]) -> str:
+    num = format_or_dash
     lines = [
         f"{report['model_type']}: {report['moe_layers']} MoE layers x {report['experts_per_layer']} experts, "
         f"{report['decode_tokens']} decode tokens (temp {report['temp']}), median of {report['rounds']}; "

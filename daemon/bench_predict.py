@@ -28,6 +28,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from moestream.daemon.bench_decode import format_or_dash
 from moestream.daemon.diagnostics import Recorder
 from moestream.daemon.generation import SamplingParams, generate
 from moestream.daemon.prefetch import PrefetchGovernor
@@ -169,9 +170,7 @@ def run_bench_predict(settings: BenchPredictSettings) -> dict[str, Any]:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    def num(v: Any, fmt: str) -> str:
-        return format(v, fmt) if v is not None else "-"
-
+    num = format_or_dash
     lines = [
         f"{report['model_type']}: {report['moe_layers']} MoE layers x {report['experts_per_layer']} experts on "
         f"{report['device']}, {report['decode_tokens']} decode tokens (temp {report['temp']}), median of {report['rounds']}, "

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
+from moestream.daemon.bench_decode import format_or_dash
 from moestream.daemon.speculative import SpeculativeParams, SpeculativeStats, speculative_steps
 from moestream.daemon.store.loader import StreamingModel, load_streaming_model
 from moestream.shared.settings import Settings
@@ -192,10 +193,7 @@ def format_speculative_report(report: dict[str, Any]) -> str:
     ]
     for r in report["results"]:
         s = r.get("speculative") or {}
-
-        def num(v: Any, fmt: str) -> str:
-            return format(v, fmt) if v is not None else "-"
-
+        num = format_or_dash
         lines.append(
             f"{r['capacity']:>8g} {r['name']:<12} {num(s.get('draft_tokens'), '>2')} {r['tokens_per_s']:>8.1f} "
             f"{r['speed_vs_plain']:>8.3f} {num(s.get('acceptance_rate'), '>7.2f')} "

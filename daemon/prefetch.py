@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from moestream._native import CudaCopier, HostBuffer
+from moestream.daemon.admission import expert_stride
 from moestream.daemon.expert_reader import ExpertReader
 from moestream.shared.store_format import Manifest, MoELayer
 
@@ -65,8 +66,7 @@ class Prefetcher:
                  mode: str = "auto", tier: Any = None) -> None:
         if mode not in PREFETCH_MODES:
             raise ValueError(f"prefetch mode {mode!r}: use one of {', '.join(PREFETCH_MODES)}")
-        longest = max(entry.length for layer in manifest.layers for entry in layer.experts)
-        self.stride = (longest + 4095) // 4096 * 4096
+        self.stride = expert_stride(manifest)
         self.slots = slots
         self.top_k = top_k
         # Experts named per token and prefetched (k' in the predictor's terms).
