@@ -143,13 +143,17 @@ class Placement:
         # one device array [layers, rows, k] each, read back READBACK_LAG ticks later.
         self._pending: list[list[mx.array]] = []
         self._worker = _Worker()
+        # Whether place_initial has mapped every range for the GPU yet.
+        self._placed = False
 
     def place_initial(self, hottest: Sequence[Sequence[int]] | None = None) -> None:
         """Put each layer's first `gpu_slots` experts of `hottest` (default: 0, 1, ...)
         in GPU memory and the rest in host memory, mapped for the GPU; returns when the
-        bytes are there."""
+        bytes are there. A later call (autopin after the loader's) moves only the
+        experts whose place changes."""
         self._worker.drain()  # the policies and `on_gpu` are the worker's while it runs
         tic = time.perf_counter()
+        first = not self._placed
         spans: list[Span] = []
         for i, pool in enumerate(self.pools):
             n = pool.layer.num_experts
@@ -157,16 +161,23 @@ class Placement:
             seen = set(order)
             order += [e for e in range(n) if e not in seen]
             chosen = set(order[: self.gpu_slots])
-            flags = np.array([e in chosen for e in range(n)])
-            for start, stop, on_gpu in _runs(flags):
-                spans += self._spans(i, start, stop, "device" if on_gpu else "host")
-            # A second placement (autopin after the loader's) tells the policy what left.
-            for e in sorted(self.on_gpu[i] - chosen):
+            before = self.on_gpu[i]
+            if first:
+                flags = np.array([e in chosen for e in range(n)])
+                for start, stop, on_gpu in _runs(flags):
+                    spans += self._spans(i, start, stop, "device" if on_gpu else "host")
+            else:
+                for e in sorted(before - chosen):
+                    spans += self._spans(i, e, e + 1, "host")
+                for e in sorted(chosen - before):
+                    spans += self._spans(i, e, e + 1, "device")
+            for e in sorted(before - chosen):
                 self.policies[i].evicted(e)
-            for e in sorted(chosen - self.on_gpu[i]):
+            for e in sorted(chosen - before):
                 self.policies[i].admitted(e)
             self.on_gpu[i] = chosen
-        self.mover.place_many(spans, True, True)
+        self.mover.place_many(spans, first, True)
+        self._placed = True
         self.stats.place_seconds += time.perf_counter() - tic
 
     def tick(self) -> None:

@@ -97,3 +97,19 @@ def test_a_failed_move_is_raised_on_the_decode_thread_and_at_close(store):
     # The reader was closed all the same.
     with pytest.raises(RuntimeError, match="engine is closed"):
         sm.reader.engine.submit_batch([])
+
+
+def test_a_second_placement_moves_only_the_experts_whose_place_changes(store):
+    sm = load_streaming_model(store, Settings(capacity=0.25), mapped=True)
+    try:
+        placement = sm.placement
+        slots, tensors = placement.gpu_slots, len(sm.pools[0].layer.tensors)
+        before = placement.mover.calls
+        # Each layer swaps one expert: the last of the default placement for expert n-1.
+        orders = [[*range(slots - 1), p.layer.num_experts - 1] for p in sm.pools]
+        placement.place_initial(orders)
+        assert placement.mover.calls - before == 2 * tensors * len(sm.pools)
+        assert all(s == set(o) for s, o in zip(placement.on_gpu, orders))
+        assert placement.mover.calls == placement.stats.place_calls
+    finally:
+        sm.close()
