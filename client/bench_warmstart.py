@@ -4,7 +4,8 @@ with and without pinning the hottest experts (AUTOPIN).
 One run first routes the prompt so that the store has heat for it. Then, `rounds` times,
 a daemon is started with `--autopin-frac 0` (cold: every expert comes from disk on
 demand) and one with the given fraction (pinned: the hottest experts are read before the
-daemon reports ready), each answers the same greedy request and is stopped. The store's
+daemon reports ready, into the pool and, with `host_cache`, into the host-RAM tier),
+each answers the same greedy request and is stopped. The store's
 own `pool_usage.json` is put back as it was at the end.
 
 Imports no MLX: it drives real daemons through the client library.
@@ -45,12 +46,14 @@ def _timed_request(paths: RuntimePaths, prompt: str, tokens: int) -> dict[str, A
 
 
 def _one_daemon(store: Path, capacity: str, autopin_frac: float, io_threads: int, prompt: str, tokens: int,
-                mapped: bool) -> dict[str, Any]:
+                mapped: bool, host_cache: str | None) -> dict[str, Any]:
     runtime = Path(tempfile.mkdtemp(dir="/tmp", prefix="mswarm"))
     given: dict[str, Any] = {"model": str(store), "capacity": capacity, "autopin_frac": autopin_frac,
                              "io_threads": io_threads, "runtime_dir": str(runtime)}
     if mapped:
         given["mapped"] = True
+    if host_cache:
+        given["host_cache"] = host_cache
     settings = Settings.resolve(given)
     paths = RuntimePaths.from_settings(settings)
     try:
@@ -67,18 +70,18 @@ def _one_daemon(store: Path, capacity: str, autopin_frac: float, io_threads: int
 
 def run_bench_warmstart(
     store: Path, *, capacity: str = "0.25", autopin_frac: float = 0.5, prompt: str = "def fibonacci(n):",
-    tokens: int = 64, rounds: int = 3, io_threads: int = 4, mapped: bool = False,
+    tokens: int = 64, rounds: int = 3, io_threads: int = 4, mapped: bool = False, host_cache: str | None = None,
 ) -> dict[str, Any]:
     # The daemons it starts resolve the heat folder from the same environment and config.
     usage = Settings.resolve({"model": str(store)}).heat_folder(store) / POOL_USAGE_NAME
     saved = usage.read_bytes() if usage.exists() else None
     try:
         usage.unlink(missing_ok=True)
-        heat_run = _one_daemon(store, capacity, 0.0, io_threads, prompt, tokens, mapped)
+        heat_run = _one_daemon(store, capacity, 0.0, io_threads, prompt, tokens, mapped, host_cache)
         cold, pinned = [], []
         for _ in range(rounds):
-            cold.append(_one_daemon(store, capacity, 0.0, io_threads, prompt, tokens, mapped))
-            pinned.append(_one_daemon(store, capacity, autopin_frac, io_threads, prompt, tokens, mapped))
+            cold.append(_one_daemon(store, capacity, 0.0, io_threads, prompt, tokens, mapped, host_cache))
+            pinned.append(_one_daemon(store, capacity, autopin_frac, io_threads, prompt, tokens, mapped, host_cache))
     finally:
         if saved is None:
             usage.unlink(missing_ok=True)
@@ -103,6 +106,7 @@ def run_bench_warmstart(
         "store": str(store),
         "capacity": capacity,
         "mapped": mapped,
+        "host_cache": host_cache,
         "autopin_frac": autopin_frac,
         "prompt": prompt,
         "tokens": tokens,
@@ -117,7 +121,7 @@ def run_bench_warmstart(
 def format_report(r: dict[str, Any]) -> str:
     lines = [
         f"time to the first {r['tokens']} tokens after a restart, capacity {r['capacity']}"
-        f"{' (mapped pool)' if r.get('mapped') else ''}, median of {r['rounds']}",
+        f"{' (mapped pool)' if r.get('mapped') else ''}{' with a host tier of ' + r['host_cache'] if r.get('host_cache') else ''}, median of {r['rounds']}",
         f"{'':8} {'seconds':>9} {'ready in':>9} {'hit rate':>9} {'MB read':>9}",
     ]
     for name in ("cold", "pinned"):

@@ -6,6 +6,8 @@ import json
 
 import click
 
+from moestream.client.cli_values import size_option
+
 
 @click.command("warmstart")
 @click.option("--model", "store", required=True, type=click.Path(exists=True, file_okay=False), help="Expert store.")
@@ -16,8 +18,9 @@ import click
 @click.option("--rounds", default=3, show_default=True, type=click.IntRange(1, None))
 @click.option("--io-threads", default=4, show_default=True, type=click.IntRange(1, 256))
 @click.option("--mapped", is_flag=True, help="Both daemons run a mapped pool (see `start --mapped`): autopin places the hottest experts in GPU memory.")
+@click.option("--host-cache", help="Both daemons keep a host-RAM tier of this size (e.g. 20G); the pinned one fills it with the hottest experts before it is ready.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_warmstart(store, capacity, autopin_frac, prompt, tokens, rounds, io_threads, mapped, as_json) -> None:
+def bench_warmstart(store, capacity, autopin_frac, prompt, tokens, rounds, io_threads, mapped, host_cache, as_json) -> None:
     """Time to the first TOKENS tokens after a daemon restart, cold vs pinned.
 
     Starts real daemons (each in its own runtime folder) and leaves the store's
@@ -27,9 +30,11 @@ def bench_warmstart(store, capacity, autopin_frac, prompt, tokens, rounds, io_th
     from moestream.client.bench_warmstart import format_report, run_bench_warmstart
     from moestream.client.client import ClientError
 
+    size_option(host_cache, "--host-cache")  # a clear error before any daemon starts
     try:
         report = run_bench_warmstart(Path(store), capacity=capacity, autopin_frac=autopin_frac, prompt=prompt,
-                                     tokens=tokens, rounds=rounds, io_threads=io_threads, mapped=mapped)
+                                     tokens=tokens, rounds=rounds, io_threads=io_threads, mapped=mapped,
+                                     host_cache=host_cache)
     except ClientError as e:
         raise click.ClickException(str(e)) from e
     click.echo(json.dumps(report) if as_json else format_report(report))

@@ -50,6 +50,16 @@ class Admitter(Protocol):
     def prepare(self, arrays: dict[str, mx.array]) -> None:
         """Get newly allocated destination arrays ready for admission."""
 
+    def held(self, layer: MoELayer, experts: Sequence[int]) -> list[int]:
+        """Those of `experts` that are in host memory already (a copy away, no read)."""
+
+    def prestage(self, layer: MoELayer, placements: Sequence[Placement], arrays: dict[str, mx.array]) -> None:
+        """Start copying held experts into their rows without waiting for the copies;
+        `settle` waits. Until then nothing may read those rows."""
+
+    def settle(self) -> None:
+        """Wait for the copies `prestage` started."""
+
     def stats(self) -> dict[str, Any]: ...
 
 
@@ -62,6 +72,14 @@ def _memcpy_rows(layer: MoELayer, dst: dict[str, mx.array], src: dict[str, mx.ar
         d, s = _bytes_of(dst[t.name]), _bytes_of(src[t.name])
         for dr, sr in rows:
             d[dr * t.nbytes : (dr + 1) * t.nbytes] = s[sr * t.nbytes : (sr + 1) * t.nbytes]
+
+
+def _memcpy_spans(spans: Sequence[tuple[Any, int, Any, int, int]]) -> None:
+    views: dict[int, memoryview] = {}
+    for dst, doff, src, soff, n in spans:
+        d = views.setdefault(id(dst), _bytes_of(dst))
+        s = views.setdefault(id(src), memoryview(src).cast("B"))
+        d[doff : doff + n] = s[soff : soff + n]
 
 
 class DirectAdmitter:
@@ -86,6 +104,16 @@ class DirectAdmitter:
     def prepare(self, arrays: dict[str, mx.array]) -> None:
         return None
 
+    def held(self, layer: MoELayer, experts: Sequence[int]) -> list[int]:
+        return []
+
+    def prestage(self, layer: MoELayer, placements: Sequence[Placement], arrays: dict[str, mx.array]) -> None:
+        if placements:
+            raise ValueError("a direct admitter holds no expert in host memory to prestage")
+
+    def settle(self) -> None:
+        return None
+
     def stats(self) -> dict[str, Any]:
         return {"mode": "direct", "bytes_from_disk": self.bytes_from_disk}
 
@@ -98,6 +126,11 @@ class TierStats:
     bytes_from_disk: int = 0
     bytes_to_pool: int = 0
     copy_seconds: float = 0.0
+    # Prefetch straight into pool rows (`prestage`): experts, and seconds the layer that
+    # needed them waited for their copies.
+    prestaged: int = 0
+    prestage_bytes: int = 0
+    prestage_wait_seconds: float = 0.0
 
 
 class HostTier:
@@ -143,6 +176,10 @@ class HostTier:
         self._slot_of.clear()
         self._free = list(range(self.slots - 1, -1, -1))
 
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
     def holds(self, key: tuple[int, int]) -> bool:
         """Whether `key` is in the tier (without touching its LRU order)."""
         return key in self._slot_of
@@ -160,8 +197,12 @@ class TieredAdmitter:
         self.copier = copier
         self.keep = keep
         self.s = TierStats()
+        # Whether copies queued by `prestage` may still be running: until `settle`, the
+        # tier slots they read must not be reused, nor the rows they write read.
+        self._in_flight = False
 
     def fill(self, layer: MoELayer, placements: Sequence[Placement], arrays: dict[str, mx.array]) -> list[Failure]:
+        self.settle()
         failures: list[Failure] = []
         step = self.tier.slots
         for i in range(0, len(placements), step):
@@ -209,16 +250,71 @@ class TieredAdmitter:
             seconds = self.copier.copy(spans)
         else:
             tic = time.perf_counter()
-            views: dict[int, memoryview] = {}
-            for dst, doff, src, soff, n in spans:
-                d = views.setdefault(id(dst), _bytes_of(dst))
-                s = views.setdefault(id(src), memoryview(src).cast("B"))
-                d[doff : doff + n] = s[soff : soff + n]
+            _memcpy_spans(spans)
             seconds = time.perf_counter() - tic
         self.s.copy_seconds += seconds
         self.s.bytes_to_pool += sum(span[4] for span in spans)
 
+    def held(self, layer: MoELayer, experts: Sequence[int]) -> list[int]:
+        if not self.keep:
+            return []
+        return [e for e in experts if self.tier.holds((layer.ordinal, e))]
+
+    def prestage(self, layer: MoELayer, placements: Sequence[Placement], arrays: dict[str, mx.array]) -> None:
+        """Copy held experts into their rows. With the CUDA copier the copies are only
+        queued, so they run while the GPU computes; elsewhere they are done on return."""
+        spans = []
+        for e, row in placements:
+            slot = self.tier.lookup((layer.ordinal, e)) if self.keep else None
+            if slot is None:
+                raise ValueError(f"expert {e} of layer {layer.ordinal} is not in the host tier")
+            base = slot * self.tier.stride
+            spans += [(arrays[t.name], row * t.nbytes, self.tier.buffer, base + t.offset, t.nbytes) for t in layer.tensors]
+        if not spans:
+            return
+        self.s.prestaged += len(placements)
+        # Counted apart from bytes_to_pool: these copies overlap compute, so they have
+        # no copy time of their own to measure bandwidth by.
+        self.s.prestage_bytes += sum(span[4] for span in spans)
+        if self.copier is None:
+            _memcpy_spans(spans)
+            return
+        self.copier.copy(spans, wait=False)
+        self._in_flight = True
+
+    def warm(self, layers: Sequence[MoELayer], keys: Sequence[tuple[int, int]], batch: int = 256) -> int:
+        """Read these (layer ordinal, expert) keys, hottest first, into free tier slots
+        (never evicting), in parallel batches: a warm start's tier then serves them
+        without the disk. Unreadable experts are left out. Returns the bytes read."""
+        if not self.keep:
+            return 0
+        self.settle()
+        layer_of = {layer.ordinal: layer for layer in layers}
+        todo = [k for k in dict.fromkeys(keys) if not self.tier.holds(k)][: self.tier.free_slots]
+        read = 0
+        # Coldest first, so that the hottest end up most recently used (evicted last).
+        todo.reverse()
+        for i in range(0, len(todo), batch):
+            jobs = []
+            for key in todo[i : i + batch]:
+                slot, _ = self.tier.assign(key, set())
+                layer = layer_of[key[0]]
+                jobs.append(ReadJob(layer, key[1], [(self.tier.buffer, slot * self.tier.stride, 0, layer.experts[key[1]].length)]))
+            failed = {(job.layer.ordinal, job.expert) for job, _ in self.reader.read(jobs)}
+            for key in failed:
+                self.tier.forget(key)
+            done = sum(job.layer.experts[job.expert].length for job in jobs if (job.layer.ordinal, job.expert) not in failed)
+            read += done
+        self.s.bytes_from_disk += read
+        return read
+
+    def settle(self) -> None:
+        if self._in_flight:
+            self._in_flight = False
+            self.s.prestage_wait_seconds += self.copier.sync()
+
     def copy_rows(self, layer: MoELayer, dst: dict[str, mx.array], src: dict[str, mx.array], rows: Sequence[tuple[int, int]]) -> None:
+        self.settle()
         spans = [
             (dst[t.name], dr * t.nbytes, src[t.name], sr * t.nbytes, t.nbytes) for dr, sr in rows for t in layer.tensors
         ]
@@ -252,6 +348,9 @@ class TieredAdmitter:
             "bytes_to_pool": s.bytes_to_pool,
             "copy_seconds": s.copy_seconds,
             "admission_bytes_per_s": s.bytes_to_pool / s.copy_seconds if s.copy_seconds > 0 else None,
+            "prestaged": s.prestaged,
+            "prestage_bytes": s.prestage_bytes,
+            "prestage_wait_seconds": s.prestage_wait_seconds,
         }
 
 

@@ -59,6 +59,9 @@ class BenchDecodeSettings:
     temp: float = 0.0
     # Adds a "+mapped" configuration per partial capacity (daemon/placement.py).
     mapped: bool = False
+    # Prefetch in the partial slot pools: "on" or "off" (the daemon's "auto" measures
+    # both while it serves, which would mix the two into one configuration's figures).
+    prefetch: str = "on"
 
 
 @dataclass
@@ -111,8 +114,11 @@ def _counters(sm: StreamingModel) -> dict[str, float]:
         "hits_decode": s["hits_decode"],
         "misses_decode": s["misses_decode"],
         "host_syncs": s["host_syncs"],
+        "prestaged": s["prestaged"],
+        "prestaged_used": s["prestaged_used"],
         "bytes_from_disk": a.get("bytes_from_disk", 0),
         "bytes_to_pool": a.get("bytes_to_pool", 0),
+        "prestage_bytes": a.get("prestage_bytes", 0),
         "copy_seconds": a.get("copy_seconds", 0.0),
         "tier_hits": a.get("tier_hits", 0),
         "tier_misses": a.get("tier_misses", 0),
@@ -137,7 +143,7 @@ def _streaming_config(
 ) -> Config:
     sm = load_streaming_model(
         settings.store,
-        Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads),
+        Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads, prefetch=settings.prefetch),
         naive=naive,
         admitter=admitter,
         mapped=mapped,
@@ -157,7 +163,8 @@ def _streaming_config(
         n = settings.decode_tokens
         hits, misses = d["hits_decode"], d["misses_decode"]
         tier = d["tier_hits"] + d["tier_misses"]
-        link_bytes = d["bytes_to_pool"]
+        # Prefetched experts cross the link too, while the GPU computes.
+        link_bytes = d["bytes_to_pool"] + d["prestage_bytes"]
         if sm.placement is not None:
             # Routed experts that were in GPU memory; the kernels read the rest over the
             # link, and each move to GPU memory copies one expert over it too.
@@ -172,6 +179,10 @@ def _streaming_config(
             "host_to_pool_bytes_per_token": link_bytes / n,
             "admission_bytes_per_s": d["bytes_to_pool"] / d["copy_seconds"] if d["copy_seconds"] > 0 else None,
             "host_syncs_per_token": d["host_syncs"] / n + 1,
+            # Experts copied ahead into the next layer's slots (prefetch from the host
+            # tier), and those of them routed: counted among the hits.
+            "prestaged_per_token": d["prestaged"] / n,
+            "prestaged_used_per_token": d["prestaged_used"] / n,
             "placement_moves_per_token": d["placement_moves"] / n if sm.placement is not None else None,
             "placement_ms_per_token": 1e3 * d["placement_seconds"] / n if sm.placement is not None else None,
             "placement_worker_ms_per_token": 1e3 * d["placement_worker_seconds"] / n if sm.placement is not None else None,
@@ -194,6 +205,8 @@ def _stock_config(settings: BenchDecodeSettings, prompt: list[int]) -> Config:
             "host_to_pool_bytes_per_token": 0.0,
             "admission_bytes_per_s": None,
             "host_syncs_per_token": 1.0,
+            "prestaged_per_token": None,
+            "prestaged_used_per_token": None,
             "placement_moves_per_token": None,
             "placement_ms_per_token": None,
             "placement_worker_ms_per_token": None,
@@ -323,6 +336,8 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             "host_to_pool_bytes_per_token",
             "admission_bytes_per_s",
             "host_syncs_per_token",
+            "prestaged_per_token",
+            "prestaged_used_per_token",
             "placement_moves_per_token",
             "placement_ms_per_token",
             "placement_worker_ms_per_token",
@@ -368,6 +383,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         "rounds": settings.rounds,
         "host_cache_bytes": settings.host_cache,
         "mapped": settings.mapped,
+        "prefetch": settings.prefetch,
         "read_bandwidth_bytes_per_s": bandwidth,
         "link_bandwidth_bytes_per_s": link,
         "link_kind": link_kind,
@@ -392,7 +408,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"disk {report['read_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, "
         f"{report['link_kind']} {report['link_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s",
         f"{'config':<22} {'tok/s':>8} {'x stock':>8} {'hit':>6} {'tier hit':>8} {'disk MB/t':>9} "
-        f"{'h2d MB/t':>9} {'adm GB/s':>8} {'syncs/t':>7} {'bound':>7} {'of bound':>8}",
+        f"{'h2d MB/t':>9} {'adm GB/s':>8} {'syncs/t':>7} {'bound':>7} {'of bound':>8} {'x naive':>7}",
     ]
     for r in report["results"]:
         adm = r["admission_bytes_per_s"] / 1e9 if r["admission_bytes_per_s"] else None
@@ -400,6 +416,6 @@ def format_report(report: dict[str, Any]) -> str:
             f"{r['name']:<22} {r['tokens_per_s']:>8.1f} {num(r.get('vs_resident'), '8.3f')} {r['hit_rate']:>6.3f} "
             f"{num(r['tier_hit_rate'], '8.3f')} {r['disk_bytes_per_token'] / 1e6:>9.2f} "
             f"{r['host_to_pool_bytes_per_token'] / 1e6:>9.2f} {num(adm, '8.1f')} {r['host_syncs_per_token']:>7.1f} "
-            f"{num(r.get('bound_tokens_per_s'), '7.1f')} {num(r.get('fraction_of_bound'), '8.2f')}"
+            f"{num(r.get('bound_tokens_per_s'), '7.1f')} {num(r.get('fraction_of_bound'), '8.2f')} {num(r.get('vs_naive'), '7.1f')}"
         )
     return "\n".join(lines)

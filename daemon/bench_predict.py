@@ -107,6 +107,7 @@ def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[
         tps = {k: settings.decode_tokens / statistics.median(v) for k, v in times.items()}
         auto = _auto(sm, prompt, settings)
         pf = sm.prefetcher.stats()
+        pools = sm.pool_stats()
     finally:
         sm.close()
     return {
@@ -124,6 +125,11 @@ def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[
         "speedup": tps[True] / tps[False],
         "auto": auto,
         "prefetch": {k: pf[k] for k in ("submitted", "promoted", "waited", "dropped_unused", "used_fraction")},
+        # With a host tier, predicted experts it holds are copied straight into the next
+        # layer's slots (no read): how many, how many were then routed, and the seconds
+        # layers waited for those copies.
+        "prestaged": {"experts": pools["prestaged"], "used": pools["prestaged_used"],
+                      "wait_seconds": pools["admission"].get("prestage_wait_seconds", 0.0)},
     }
 
 

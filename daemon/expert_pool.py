@@ -43,6 +43,10 @@ class PoolStats:
     host_syncs: int = 0
     # Prefill forwards whose experts did not fit in the pool (served from scratch).
     overflow_forwards: int = 0
+    # Experts copied in ahead of use from host memory (`prestage`), and how many of
+    # them the next forward routed to (counted among the hits).
+    prestaged: int = 0
+    prestaged_used: int = 0
     # Routed (token, expert) pairs counted for heat; only partial pools count them, since
     # only there are the ids on the host without an extra sync.
     routed_total: int = 0
@@ -62,6 +66,8 @@ class PoolStats:
             "bytes_read": self.bytes_read,
             "host_syncs": self.host_syncs,
             "overflow_forwards": self.overflow_forwards,
+            "prestaged": self.prestaged,
+            "prestaged_used": self.prestaged_used,
             "routed_total": self.routed_total,
         }
 
@@ -127,6 +133,11 @@ class ExpertPool:
         self.hub: Diagnostics | None = None
         self.prefetcher: Prefetcher | None = None
         self.prediction: Prediction | None = None
+        # Experts `prestage` admitted since this layer's last forward; their copies may
+        # still be running until `_settle`.
+        self._prestaged: set[int] = set()
+        # How many of the last forward's routed experts were resident thanks to prestage.
+        self.last_prestaged_used = 0
 
     @property
     def nbytes(self) -> int:
@@ -156,9 +167,78 @@ class ExpertPool:
         self.pinned.update(wanted)
         return len(wanted)
 
+    def preload(self, experts: Sequence[int]) -> int:
+        """Admit `experts` (hottest first), unpinned, into the free slots only (nothing
+        is evicted): a warm start fills the pool beyond its pinned part. Returns how many
+        were admitted."""
+        if self.fully_resident:
+            return 0
+        wanted = [int(e) for e in experts if self.slot_of[int(e)] < 0][: len(self._free)]
+        if wanted:
+            # Coldest first, so that recency-based policies evict the hottest last.
+            self._admit(wanted[::-1], set(wanted) | self.pinned)
+        return len(wanted)
+
+    def prestage(self, experts: np.ndarray) -> int:
+        """Admit those of `experts` (the next forward's prediction) that are missing here
+        but held in host memory, copying them into their slots without waiting: the
+        copies run while the device computes the layers before this one, and the next
+        `ensure` waits for them. Victims are never pinned or among `experts`. Returns how
+        many were admitted.
+
+        Safe to call only between this layer's forwards, while no queued computation
+        reads this pool: after a host sync of the same forward at a lower layer (every
+        earlier computation has run), with only that layer's work queued since."""
+        if not self.keep or self.fully_resident:
+            return 0
+        named = {int(e) for e in experts}
+        missing = self.admitter.held(self.layer, [e for e in sorted(named) if self.slot_of[e] < 0])
+        protected = named | self.pinned
+        room = len(self._free) + len(self._resident - protected)
+        missing = missing[:room]
+        if not missing:
+            return 0
+        placements = []
+        for e in missing:
+            slot = self._take_slot(protected)
+            self.slot_of[e] = slot
+            self.expert_in[slot] = e
+            self._resident.add(e)
+            self.policy.admitted(e)
+            placements.append((e, slot))
+        # An expert evicted here and prestaged before (unused) simply leaves the set.
+        self._prestaged = {e for e in self._prestaged if self.slot_of[e] >= 0} | set(missing)
+        try:
+            self.admitter.prestage(self.layer, placements, self.arrays)
+        except Exception:
+            self._drop_prestaged()
+            raise
+        self.stats.prestaged += len(missing)
+        self.stats.bytes_read += len(missing) * self.layer.expert_bytes
+        return len(missing)
+
+    def _settle(self) -> None:
+        """Wait for prestaged copies before this pool's slots are read or rewritten."""
+        if not self._prestaged:
+            return
+        try:
+            self.admitter.settle()
+        except Exception:
+            self._drop_prestaged()
+            raise
+
+    def _drop_prestaged(self) -> None:
+        # Their bytes may never have arrived: make them missing again.
+        for e in self._prestaged:
+            if self.slot_of[e] >= 0:
+                self._release(e)
+                self.policy.evicted(e)
+        self._prestaged = set()
+
     def _account(self, token_experts: np.ndarray, *, decode: bool) -> tuple[np.ndarray, list[int]]:
         """Tell the policy and the statistics what these tokens routed to; return the
         unique experts they need and those of them that are not resident."""
+        self._settle()
         if not self.keep:
             for e in list(self._resident - self.pinned):
                 self._release(e)
@@ -175,6 +255,12 @@ class ExpertPool:
         self.stats.routed_total += token_experts.size
         missing = [int(e) for e in needed if self.slot_of[e] < 0]
         hits = len(needed) - len(missing)
+        if self._prestaged:
+            self.last_prestaged_used = sum(1 for e in needed if int(e) in self._prestaged)
+            self.stats.prestaged_used += self.last_prestaged_used
+            self._prestaged = set()
+        else:
+            self.last_prestaged_used = 0
         if decode:
             self.stats.hits_decode += hits
             self.stats.misses_decode += len(missing)
@@ -202,7 +288,8 @@ class ExpertPool:
         """Attribute each needed expert to a bucket; recall and compute window."""
         o = self.layer.ordinal
         pf = self.prefetcher
-        rec.attribute(o, decode, "resident_hit", len(needed) - len(missing))
+        rec.attribute(o, decode, "resident_hit", len(needed) - len(missing) - self.last_prestaged_used)
+        rec.attribute(o, decode, "prefetched", self.last_prestaged_used)
         named = set(prediction.named.tolist()) if prediction is not None else ()
         for e in missing:
             state = pf.state(o, e) if pf is not None else "none"

@@ -139,7 +139,13 @@ class StreamingMoE(nn.Module):
             t1 = time.perf_counter()
             rec.host(nxt.pool.layer.ordinal, "predict", t1 - tic)
         if missing.size:
-            pf.submit(nxt.pool.layer, missing.tolist())
+            # What host memory holds goes straight into layer L+1's slots (this layer's
+            # sync ran every earlier computation, and what it queued since reads only
+            # this layer's pool); the rest is read from the store into the buffer.
+            if nxt.pool.prestage(named):
+                missing = missing[nxt.pool.slot_of[missing] < 0]
+            if missing.size:
+                pf.submit(nxt.pool.layer, missing.tolist())
         prediction.submitted = True
         if rec is not None:
             now = time.perf_counter()

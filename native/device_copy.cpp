@@ -144,7 +144,7 @@ void CudaRuntime::free_device(void* p) noexcept {
   if (p) api_->Free(p);
 }
 
-double CudaRuntime::copy(std::vector<CopySpan> spans) {
+double CudaRuntime::copy(std::vector<CopySpan> spans, bool wait) {
   const auto start = std::chrono::steady_clock::now();
   std::stable_sort(spans.begin(), spans.end(), [](const CopySpan& a, const CopySpan& b) { return a.n > b.n; });
   const size_t k = streams_.size();
@@ -155,8 +155,15 @@ double CudaRuntime::copy(std::vector<CopySpan> spans) {
     load[i] += s.n;
     check(api_->MemcpyAsync(s.dst, s.src, s.n, kMemcpyDefault, streams_[i]), "cudaMemcpyAsync");
   }
+  if (!wait) return 0.0;
   for (size_t i = 0; i < k; ++i)
     if (load[i]) check(api_->StreamSynchronize(streams_[i]), "cudaStreamSynchronize");
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+double CudaRuntime::sync() {
+  const auto start = std::chrono::steady_clock::now();
+  for (void* s : streams_) check(api_->StreamSynchronize(s), "cudaStreamSynchronize");
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 

@@ -57,9 +57,11 @@ class CudaRuntime {
   void free_device(void* p) noexcept;
 
   // Enqueue every span on the copy streams (largest first, spread over the streams so
-  // that several copy engines work at once), then wait for all of them. Returns the
-  // seconds from the first enqueue to the end of the wait.
-  double copy(std::vector<CopySpan> spans);
+  // that several copy engines work at once), then, with `wait`, wait for all of them.
+  // Returns the seconds from the first enqueue to the end of the wait (0 without it).
+  double copy(std::vector<CopySpan> spans, bool wait = true);
+  // Wait for every copy queued so far; returns the seconds waited.
+  double sync();
   int streams() const { return static_cast<int>(streams_.size()); }
   // Migrate managed memory to the GPU (or to host memory, still mapped for the GPU to
   // read over the link) and ask the driver to keep it there.

@@ -110,7 +110,7 @@ class CudaCopier {
   std::shared_ptr<CudaRuntime> runtime() const { return rt_; }
 
   // spans: [(dst, dst_offset, src, src_offset, nbytes)]; returns seconds spent.
-  double copy(const py::sequence& spans) {
+  double copy(const py::sequence& spans, bool wait) {
     Exports exports;
     std::vector<CopySpan> out;
     out.reserve(spans.size());
@@ -131,7 +131,12 @@ class CudaCopier {
       out.push_back({static_cast<char*>(dst->buf) + doff, static_cast<const char*>(src->buf) + soff, n});
     }
     py::gil_scoped_release nogil;
-    return rt_->copy(out);
+    return rt_->copy(out, wait);
+  }
+
+  double sync() {
+    py::gil_scoped_release nogil;
+    return rt_->sync();
   }
 
   void place(py::handle obj, const std::string& where, size_t offset, py::object nbytes) {
@@ -234,10 +239,13 @@ void bind_device_copy(py::module_& m) {
                          "for them, so the bytes are in place when it returns.")
       .def(py::init<int>(), py::arg("streams") = 4)
       .def_property_readonly("streams", [](const CudaCopier& c) { return c.runtime()->streams(); })
-      .def("copy", &CudaCopier::copy, py::arg("spans"),
-           "copy([(dst, dst_offset, src, src_offset, nbytes), ...]) -> float\n\n"
+      .def("copy", &CudaCopier::copy, py::arg("spans"), py::arg("wait") = true,
+           "copy([(dst, dst_offset, src, src_offset, nbytes), ...], wait=True) -> float\n\n"
            "Copy every span (buffers: HostBuffer, numpy or MLX arrays) and wait; returns the "
-           "seconds from the first copy queued to the last one done.")
+           "seconds from the first copy queued to the last one done. With wait=False it only "
+           "queues the copies and returns 0: the caller keeps every buffer alive and unchanged "
+           "until `sync()` returns.")
+      .def("sync", &CudaCopier::sync, "sync() -> float: wait for every copy queued so far; returns the seconds waited.")
       .def("place", &CudaCopier::place, py::arg("buffer"), py::arg("where") = "device", py::arg("offset") = 0,
            py::arg("nbytes") = py::none(),
            "place(buffer, where='device', offset=0, nbytes=None)\n\n"

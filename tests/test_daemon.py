@@ -456,6 +456,31 @@ def _ready(paths: RuntimePaths) -> bool:
         return False
 
 
+def test_bench_warmstart_restarts_real_daemons_and_puts_the_heat_back(store):
+    """`bench warmstart` with a host tier: the pinned daemon filled its pools and its
+    tier from the heat before it was ready, both daemons produced the same tokens, and
+    the store's own heat file is left as it was."""
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msw"))
+    own = Path(shutil.copytree(store, rt / "store"))
+    usage_path(own).write_text('{"0": {"1": 5}}')
+    try:
+        # Half the experts: room to pin some beyond the top-k slots that stay unpinned.
+        out = ctl("bench", "warmstart", "--model", str(own), "--capacity", "0.5", "--tokens", "8", "--rounds", "1",
+                  "--host-cache", "64M", "--json", timeout=300)
+        assert out.returncode == 0, out.stderr
+        r = json.loads(out.stdout)
+        assert r["same_tokens_every_run"] and r["host_cache"] == "64M"
+        cold, pinned = r["cold"]["autopin"], r["pinned"]["autopin"]
+        assert cold["pinned"] == cold["preloaded"] == cold["tier_warmed_bytes"] == 0
+        assert pinned["pinned"] > 0 and pinned["preloaded"] > 0 and pinned["tier_warmed_bytes"] > 0, r
+        assert r["pinned_over_cold"] == r["pinned"]["seconds_to_tokens"] / r["cold"]["seconds_to_tokens"]
+        assert usage_path(own).read_text() == '{"0": {"1": 5}}'
+        bad = ctl("bench", "warmstart", "--model", str(own), "--host-cache", "lots")
+        assert bad.returncode != 0 and "--host-cache" in bad.stderr
+    finally:
+        shutil.rmtree(rt, ignore_errors=True)
+
+
 def test_heat_file_holds_exactly_the_routed_counts(store):
     """After requests through a daemon, pool_usage.json sums to what they routed."""
     from moestream.shared.heat_file import read_usage

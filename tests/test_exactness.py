@@ -158,3 +158,39 @@ def test_logits_identical_with_prefetch(converted):
         finally:
             sm.diagnostics.rec = None
             sm.close()
+
+
+def test_logits_identical_with_prefetch_from_the_host_tier(converted):
+    """Predicted experts that the host tier holds are copied straight into the next
+    layer's slots while this layer computes (`prestage`): same logits as stock, and
+    some routed experts were resident only thanks to that (attributed as prefetched,
+    the buckets still summing to the routed experts)."""
+    from moestream.daemon.admission import expert_stride
+    from moestream.daemon.diagnostics import Recorder
+    from moestream.shared.store_format import load_manifest
+
+    store, prompts = converted
+    manifest = load_manifest(store)
+    total = sum(layer.num_experts for layer in manifest.layers)
+    for label, slots in _capacities(store)[:2]:
+        sm = load_streaming_model(store, Settings(capacity=slots, host_cache=expert_stride(manifest) * total, prefetch="on"))
+        rec = Recorder() if label == "topk" else None
+        sm.diagnostics.rec = rec
+        try:
+            assert_same_as_stock(sm, prompts, f"{label} with prefetch from the tier")
+            stats = sm.pool_stats()
+            assert stats["prestaged"] > 0 and 0 < stats["prestaged_used"] <= stats["prestaged"]
+            assert stats["admission"]["prestaged"] == stats["prestaged"]
+            for p in sm.pools:
+                assert (p.slot_of >= 0).sum() <= p.capacity
+                resident = np.flatnonzero(p.slot_of >= 0)
+                assert sorted(p.expert_in[p.slot_of[resident]].tolist()) == resident.tolist()
+            if rec is not None:
+                d = rec.to_dict()
+                decode = d["attribution"]["decode"]
+                assert decode["prefetched"] > 0
+                routed = stats["hits_decode"] + stats["misses_decode"]
+                assert sum(decode.values()) == routed
+        finally:
+            sm.diagnostics.rec = None
+            sm.close()

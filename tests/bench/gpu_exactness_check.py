@@ -5,8 +5,9 @@ enough for MLX's CUDA kernels (the CPU suite's tiny shapes hit kernels CUDA lack
 
 For a 4-bit and a bf16 random qwen3_moe ("mini" shape of make_random_moe.py), each prompt
 length and each capacity from top-k to all experts (slot pools with and without a host
-tier, and mapped pools moving experts between host and GPU memory as they decode),
-compares the logits of every step of greedy decoding, bit for bit, and reports the
+tier, with prefetch on, so the tier's predicted experts are copied into the next layer's
+slots while the GPU computes; and mapped pools moving experts between host and GPU memory
+as they decode), compares the logits of every step of greedy decoding, bit for bit, and reports the
 largest difference where they differ.
 """
 
@@ -65,7 +66,9 @@ def main() -> None:
         cases = [(4, 0, False), (8, 0, False), (16, 0, False), (32, 0, False), (4, 1 << 26, False), (8, 1 << 26, False),
                  (4, 0, True), (8, 0, True)]
         for slots, host_cache, mapped in cases:
-            sm = load_streaming_model(store, Settings(capacity=slots, host_cache=host_cache, mapped=mapped))
+            # Prefetch on: with a host tier, predicted experts are copied into the next
+            # layer's slots on the copier's streams while the GPU computes (prestage).
+            sm = load_streaming_model(store, Settings(capacity=slots, host_cache=host_cache, mapped=mapped, prefetch="on"))
             mode = "mapped" if mapped else sm.pool_stats()["admission"]["mode"]
             tick = sm.placement.tick if sm.placement is not None else None
             for n, p in prompts.items():
@@ -74,7 +77,8 @@ def main() -> None:
                 r = {"weights": "4bit" if bits else "bf16", "capacity": slots, "admission": mode, "prompt": n,
                      "tokens_equal": toks == want[n][0], "logits_equal_steps": sum(d == 0.0 for d in diffs),
                      "steps": len(diffs), "max_abs_diff": max(diffs), "first_diff_step": next((i for i, d in enumerate(diffs) if d), None),
-                     "stock_has_nan": bool(any(np.isnan(w).any() for w in want[n][1]))}
+                     "stock_has_nan": bool(any(np.isnan(w).any() for w in want[n][1])),
+                     "prestaged_so_far": sm.pool_stats()["prestaged"]}
                 results.append(r)
                 print(json.dumps(r), flush=True)
             sm.close()

@@ -14,6 +14,7 @@
 #   bash tests/bench/gpu_run.sh decode-q30-table # 50% and 12.5% (+host, +mapped)
 #   bash tests/bench/gpu_run.sh warmstart-q30 # bench warmstart on it
 #   bash tests/bench/gpu_run.sh warmstart-q30-mapped # the same with mapped pools
+#   bash tests/bench/gpu_run.sh warmstart-q30-host # the same with a host tier of 20G
 #   bash tests/bench/gpu_run.sh demo          # train the built-in demo model
 #   bash tests/bench/gpu_run.sh spec-demo     # bench decode --speculative mtp on the demo model
 #   bash tests/bench/gpu_run.sh chain S1 S2 ...  # stages in turn, each under STAGE_TIMEOUT s
@@ -54,7 +55,10 @@ case "$stage" in
     $py tests/bench/gpu_mapped_probe.py --store /root/q30/store --parts "${PARTS:-full,mapped}" --out "$OUT/mapped_q30.json" 2>&1 | tail -40
     ;;
   predict-q30)
-    ctl bench predict --model /root/q30/store --temp 1 --mlx-memory-limit 64G --json >"$OUT/bench_predict_q30_h200.json"
+    # With a host tier that holds every expert (HOST_CACHE=0 for none): predicted experts
+    # are then copied into the next layer's slots while the GPU computes.
+    ctl bench predict --model /root/q30/store --temp 1 --host-cache ${HOST_CACHE:-20G} --width ${WIDTH:-1} \
+      --prompt-tokens ${PROMPT_TOKENS:-8} --decode-tokens ${DECODE_TOKENS:-48} --mlx-memory-limit 64G --json >"$OUT/bench_predict_q30_h200.json"
     $py - "$OUT/bench_predict_q30_h200.json" <<'EOF'
 import json, sys
 from moestream.daemon.bench_predict import format_report
@@ -110,7 +114,21 @@ EOF
     ;;
   warmstart-q30)
     ctl bench warmstart --model /root/q30/store --capacity 0.25 --tokens 64 --rounds ${ROUNDS:-3} --json >"$OUT/bench_warmstart_q30.json"
-    cat "$OUT/bench_warmstart_q30.json" | head -c 1500
+    $py - "$OUT/bench_warmstart_q30.json" <<'EOF'
+import json, sys
+from moestream.client.bench_warmstart import format_report
+print(format_report(json.load(open(sys.argv[1]))))
+EOF
+    ;;
+  warmstart-q30-host)
+    # Both daemons with a host tier that holds every expert; the pinned one fills it
+    # from the heat before it is ready.
+    ctl bench warmstart --model /root/q30/store --capacity 0.25 --tokens 64 --rounds ${ROUNDS:-2} --host-cache 20G --json >"$OUT/bench_warmstart_q30_host.json"
+    $py - "$OUT/bench_warmstart_q30_host.json" <<'EOF'
+import json, sys
+from moestream.client.bench_warmstart import format_report
+print(format_report(json.load(open(sys.argv[1]))))
+EOF
     ;;
   warmstart-q30-mapped)
     ctl bench warmstart --model /root/q30/store --capacity 0.25 --tokens 64 --rounds ${ROUNDS:-2} --mapped --json >"$OUT/bench_warmstart_q30_mapped.json"
