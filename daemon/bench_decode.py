@@ -62,6 +62,9 @@ class BenchDecodeSettings:
     # Prefetch in the partial slot pools: "on" or "off" (the daemon's "auto" measures
     # both while it serves, which would mix the two into one configuration's figures).
     prefetch: str = "on"
+    # Moves per layer per placement turn of the "+mapped" configurations, one
+    # configuration each (see Settings.mapped_moves).
+    mapped_moves: tuple[int, ...] = (2,)
 
 
 @dataclass
@@ -110,12 +113,16 @@ def _decode(
 def _counters(sm: StreamingModel) -> dict[str, float]:
     s = sm.pool_stats()
     a = sm.admitter.stats()
+    pf = sm.prefetcher.stats() if sm.prefetcher is not None else None
     return {
         "hits_decode": s["hits_decode"],
         "misses_decode": s["misses_decode"],
         "host_syncs": s["host_syncs"],
         "prestaged": s["prestaged"],
         "prestaged_used": s["prestaged_used"],
+        # The prefetcher's own reads (into its buffer) and promotions into pools.
+        "prefetch_bytes_read": pf["bytes_read"] if pf else 0,
+        "prefetch_promoted": pf["promoted"] if pf else 0,
         "bytes_from_disk": a.get("bytes_from_disk", 0),
         "bytes_to_pool": a.get("bytes_to_pool", 0),
         "prestage_bytes": a.get("prestage_bytes", 0),
@@ -140,10 +147,12 @@ def _streaming_config(
     naive: bool = False,
     admitter: Admitter | None = None,
     mapped: bool = False,
+    mapped_moves: int = 2,
 ) -> Config:
     sm = load_streaming_model(
         settings.store,
-        Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads, prefetch=settings.prefetch),
+        Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads, prefetch=settings.prefetch,
+                 mapped_moves=mapped_moves),
         naive=naive,
         admitter=admitter,
         mapped=mapped,
@@ -163,8 +172,10 @@ def _streaming_config(
         n = settings.decode_tokens
         hits, misses = d["hits_decode"], d["misses_decode"]
         tier = d["tier_hits"] + d["tier_misses"]
-        # Prefetched experts cross the link too, while the GPU computes.
-        link_bytes = d["bytes_to_pool"] + d["prestage_bytes"]
+        # Prefetched experts cross the link too: copied ahead from the tier while the
+        # GPU computes, or promoted from the prefetcher's buffer (read from disk).
+        link_bytes = d["bytes_to_pool"] + d["prestage_bytes"] + d["prefetch_promoted"] * expert_bytes
+        disk_bytes = d["bytes_from_disk"] + d["prefetch_bytes_read"]
         if sm.placement is not None:
             # Routed experts that were in GPU memory; the kernels read the rest over the
             # link, and each move to GPU memory copies one expert over it too.
@@ -175,7 +186,8 @@ def _streaming_config(
             "tokens": tokens,
             "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
             "tier_hit_rate": d["tier_hits"] / tier if tier else None,
-            "disk_bytes_per_token": d["bytes_from_disk"] / n,
+            "disk_bytes_per_token": disk_bytes / n,
+            "prefetch_promoted_per_token": d["prefetch_promoted"] / n,
             "host_to_pool_bytes_per_token": link_bytes / n,
             "admission_bytes_per_s": d["bytes_to_pool"] / d["copy_seconds"] if d["copy_seconds"] > 0 else None,
             "host_syncs_per_token": d["host_syncs"] / n + 1,
@@ -207,6 +219,7 @@ def _stock_config(settings: BenchDecodeSettings, prompt: list[int]) -> Config:
             "host_syncs_per_token": 1.0,
             "prestaged_per_token": None,
             "prestaged_used_per_token": None,
+            "prefetch_promoted_per_token": None,
             "placement_moves_per_token": None,
             "placement_ms_per_token": None,
             "placement_worker_ms_per_token": None,
@@ -302,7 +315,10 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             if tier is not None and c < 1:
                 configs.append(_streaming_config(f"moestream@{c:g}+host", c, settings, prompt, admitter=tier))
             if settings.mapped and c < 1:
-                configs.append(_streaming_config(f"moestream@{c:g}+mapped", c, settings, prompt, mapped=True))
+                for m in settings.mapped_moves:
+                    suffix = "" if len(settings.mapped_moves) == 1 else f":m{m}"
+                    configs.append(_streaming_config(f"moestream@{c:g}+mapped{suffix}", c, settings, prompt, mapped=True,
+                                                     mapped_moves=m))
         if settings.naive:
             configs.append(_streaming_config("naive-on-demand", None, settings, prompt, naive=True))
         say(f"loaded {len(configs)} configurations: {', '.join(c.name for c in configs)}")
@@ -338,6 +354,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             "host_syncs_per_token",
             "prestaged_per_token",
             "prestaged_used_per_token",
+            "prefetch_promoted_per_token",
             "placement_moves_per_token",
             "placement_ms_per_token",
             "placement_worker_ms_per_token",
@@ -384,6 +401,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         "host_cache_bytes": settings.host_cache,
         "mapped": settings.mapped,
         "prefetch": settings.prefetch,
+        "mapped_moves": list(settings.mapped_moves) if settings.mapped else None,
         "read_bandwidth_bytes_per_s": bandwidth,
         "link_bandwidth_bytes_per_s": link,
         "link_kind": link_kind,
@@ -407,13 +425,13 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['decode_tokens']} decode tokens (temp {report['temp']}), median of {report['rounds']}; "
         f"disk {report['read_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, "
         f"{report['link_kind']} {report['link_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s",
-        f"{'config':<22} {'tok/s':>8} {'x stock':>8} {'hit':>6} {'tier hit':>8} {'disk MB/t':>9} "
+        f"{'config':<26} {'tok/s':>8} {'x stock':>8} {'hit':>6} {'tier hit':>8} {'disk MB/t':>9} "
         f"{'h2d MB/t':>9} {'adm GB/s':>8} {'syncs/t':>7} {'bound':>7} {'of bound':>8} {'x naive':>7}",
     ]
     for r in report["results"]:
         adm = r["admission_bytes_per_s"] / 1e9 if r["admission_bytes_per_s"] else None
         lines.append(
-            f"{r['name']:<22} {r['tokens_per_s']:>8.1f} {num(r.get('vs_resident'), '8.3f')} {r['hit_rate']:>6.3f} "
+            f"{r['name']:<26} {r['tokens_per_s']:>8.1f} {num(r.get('vs_resident'), '8.3f')} {r['hit_rate']:>6.3f} "
             f"{num(r['tier_hit_rate'], '8.3f')} {r['disk_bytes_per_token'] / 1e6:>9.2f} "
             f"{r['host_to_pool_bytes_per_token'] / 1e6:>9.2f} {num(adm, '8.1f')} {r['host_syncs_per_token']:>7.1f} "
             f"{num(r.get('bound_tokens_per_s'), '7.1f')} {num(r.get('fraction_of_bound'), '8.2f')} {num(r.get('vs_naive'), '7.1f')}"

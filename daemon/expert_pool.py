@@ -420,6 +420,8 @@ class ExpertPool:
         if pf is not None:
             buffered = [(e, slot) for e, slot in placements if pf.has(self.layer.ordinal, e)]
             if buffered:
+                # Promotion may also write the host tier: no tier copy may be in flight.
+                self.admitter.settle()
                 times = [0.0, 0.0, 0.0, 0.0] if rec is not None else None
                 left, _ = pf.promote(self.layer, buffered, self.arrays, times)
                 done = {e for e, _ in buffered} - {e for e, _ in left}

@@ -7,15 +7,19 @@ memory are read at its speed, and the others are read by the kernels over the li
 (zero-copy) from host memory. The host's only job is placement: which `gpu_slots`
 experts per layer live in GPU memory. It learns that from the routing of tokens already
 finished (read two forwards late, so the pipeline never waits for it) through the same
-eviction policies as the slot pool, and moves at most `max_moves` experts per layer per
-token. Output is unchanged by construction: the bytes never change, only where they live.
+eviction policies as the slot pool, and moves at most `max_moves` experts per layer each
+time it decides. Output is unchanged by construction: the bytes never change, only where
+they live.
 
 The host's share of each token is kept small, since decode on a GPU is as fast as the
 host can queue work: the routing of a forward is gathered into one array on the device
 (one read-back per forward instead of one per layer), and the policies' work and the
 moves go to a worker thread: its Python runs while the decode thread waits for the
 device (MLX releases the GIL there), and its driver calls neither hold the GIL nor wait
-for the migrations they start.
+for the migrations they start. Each move is two driver calls per expert tensor, which
+can take longer than a token: routing read back while the worker is busy waits in one
+backlog, and the worker's next turn takes all of it at once (the policies see every
+forward, the moves are capped per turn), so the worker never falls further behind.
 
 On the CPU and on unified memory there is nothing to move; the same bookkeeping runs
 with a mover that only counts, which is what the tests here exercise.
@@ -62,6 +66,8 @@ class PlacementStats:
     routed_on_gpu: int = 0
     moves: int = 0
     place_calls: int = 0
+    # Worker turns: each takes every forward read back since the previous one.
+    turns: int = 0
     readback_seconds: float = 0.0
     decide_seconds: float = 0.0
     # Spent by the worker thread in the driver, off the decode thread.
@@ -74,6 +80,7 @@ class PlacementStats:
             "gpu_hit_rate": self.routed_on_gpu / self.routed if self.routed else None,
             "moves": self.moves,
             "place_calls": self.place_calls,
+            "turns": self.turns,
             "readback_seconds": self.readback_seconds,
             "decide_seconds": self.decide_seconds,
             "place_seconds": self.place_seconds,
@@ -143,6 +150,11 @@ class Placement:
         # one device array [layers, rows, k] each, read back READBACK_LAG ticks later.
         self._pending: list[list[mx.array]] = []
         self._worker = _Worker()
+        # Routing read back but not yet seen by the worker, and whether a worker turn
+        # that will take it is queued (both under the lock).
+        self._backlog: list[np.ndarray] = []
+        self._turn_queued = False
+        self._lock = threading.Lock()
         # Whether place_initial has mapped every range for the GPU yet.
         self._placed = False
 
@@ -184,7 +196,7 @@ class Placement:
         """After a token is queued: gather the routing of the forwards just queued into
         one device array, read back the routing of forwards surely done, tell the
         policies, and hand the moves they ask for (at most `max_moves` experts per layer
-        per forward) to the worker."""
+        per worker turn) to the worker."""
         logs = [p.route_log for p in self.pools]
         forwards = len(logs[0]) if logs[0] is not None else 0
         if forwards:
@@ -222,26 +234,35 @@ class Placement:
                 self.stats.routed += flat.size
                 self.stats.routed_on_gpu += sum(e in on_gpu for e in flat.tolist())
         self.stats.readback_seconds += time.perf_counter() - tic
-        self._worker.submit(lambda: self._decide(rows))
+        with self._lock:
+            self._backlog += rows
+            if self._turn_queued:
+                return
+            self._turn_queued = True
+        self._worker.submit(self._decide)
 
-    def _decide(self, rows: list[np.ndarray]) -> None:
-        """On the worker: the policies, and the moves they ask for."""
+    def _decide(self) -> None:
+        """On the worker: the policies over every forward of the backlog, and at most
+        `max_moves` moves per layer."""
+        with self._lock:
+            rows, self._backlog = self._backlog, []
+            self._turn_queued = False
+        self.stats.turns += 1
         tic = time.perf_counter()
         spans: list[Span] = []
-        for forward in rows:
-            for i in range(len(self.pools)):
-                spans += self._observe(i, forward[i])
+        for i in range(len(self.pools)):
+            spans += self._observe(i, [forward[i] for forward in rows])
         t1 = time.perf_counter()
         self.stats.decide_seconds += t1 - tic
         if spans:
             self.mover.place_many(spans, False, False)
         self.stats.place_seconds += time.perf_counter() - t1
 
-    def _observe(self, i: int, token_experts: np.ndarray) -> list[Span]:
+    def _observe(self, i: int, forwards: Sequence[np.ndarray]) -> list[Span]:
         policy, on_gpu = self.policies[i], self.on_gpu[i]
         spans: list[Span] = []
         moves = 0
-        for row in token_experts:
+        for row in (row for token_experts in forwards for row in token_experts):
             experts = row.tolist()
             policy.access(experts)
             for e in experts:

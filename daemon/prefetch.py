@@ -77,7 +77,8 @@ class Prefetcher:
         # not prefetched (reaching the pool from it is a copy, not a read).
         self.tier = tier
         self.buffer = HostBuffer(slots * self.stride, copier)
-        self._view = memoryview(self.buffer).cast("B") if copier is None else None
+        self._view = memoryview(self.buffer).cast("B")
+        self._tier_view = memoryview(tier.buffer).cast("B") if tier is not None else None
         self._entries: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
         self._free = list(range(slots - 1, -1, -1))
         self._dropped: set[tuple[int, int]] = set()
@@ -203,12 +204,14 @@ class Prefetcher:
             if entry.state != DONE:
                 left.append((e, row))
             else:
-                served.append(entry)
+                served.append((e, entry))
                 base = entry.slot * self.stride
                 spans += [(arrays[t.name], row * t.nbytes, base + t.offset, t.nbytes) for t in layer.tensors]
             self._free.append(entry.slot)
         t2 = time.perf_counter()
         self._copy(spans)
+        if self.tier is not None:
+            self._keep_in_tier(layer, served)
         self.s.promoted += len(served)
         if times is not None:
             times[0] += t1 - t0
@@ -216,6 +219,19 @@ class Prefetcher:
             times[2] += time.perf_counter() - t2
             times[3] += wait_s
         return left, waited
+
+    def _keep_in_tier(self, layer: MoELayer, served: Sequence[tuple[int, _Entry]]) -> None:
+        """Copy what was read for the pool into the host tier too, so that an expert
+        prefetched once comes from host memory the next time, not from the disk again.
+        The caller has waited for the tier's copies in flight, so any slot may be taken."""
+        tier, view, stride = self.tier, self._tier_view, self.stride
+        for e, entry in served:
+            key = (layer.ordinal, e)
+            if tier.holds(key):
+                continue
+            slot, _ = tier.assign(key, set())
+            n = layer.experts[e].length
+            view[slot * tier.stride : slot * tier.stride + n] = self._view[entry.slot * stride : entry.slot * stride + n]
 
     def _copy(self, spans: list[tuple[mx.array, int, int, int]]) -> None:
         if not spans:

@@ -98,6 +98,10 @@ class Settings:
     # A mapped pool (daemon/placement.py): every expert in host memory, addressable by
     # the kernels, with `capacity` (or `memory_budget`) experts per layer in GPU memory.
     mapped: bool = False
+    # A mapped pool's placement moves at most this many experts per layer into GPU
+    # memory each time it runs (once per token, or less often when it falls behind);
+    # 0 keeps the initial placement (the heat's hottest experts) for good.
+    mapped_moves: int = 2
     # Native read engine.
     io_threads: int = 4
     direct_io: bool = True
@@ -179,7 +183,7 @@ class Settings:
         return default_runtime_dir(os.environ if env is None else env)
 
 
-_INT_RANGES = {"max_context": (16, 2**24), "max_active": (1, 1024), "max_queued": (0, 1_000_000)}
+_INT_RANGES = {"max_context": (16, 2**24), "max_active": (1, 1024), "max_queued": (0, 1_000_000), "mapped_moves": (0, 4096)}
 
 
 def _coerce(name: str, raw: Any) -> Any:

@@ -4,6 +4,8 @@ what can be checked: exact tokens, no host sync per layer, placements within bud
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -111,5 +113,52 @@ def test_a_second_placement_moves_only_the_experts_whose_place_changes(store):
         assert placement.mover.calls - before == 2 * tensors * len(sm.pools)
         assert all(s == set(o) for s, o in zip(placement.on_gpu, orders))
         assert placement.mover.calls == placement.stats.place_calls
+    finally:
+        sm.close()
+
+
+class SlowMover(CountingMover):
+    """A driver whose moves take longer than a token."""
+
+    def place_many(self, spans, map_for_gpu=False, wait=False) -> None:
+        if not map_for_gpu:
+            time.sleep(0.05)
+        super().place_many(spans, map_for_gpu, wait)
+
+
+def test_a_worker_that_falls_behind_takes_the_backlog_in_one_turn(store):
+    """Moves slower than tokens: the worker's turns take several forwards each, so it
+    makes fewer turns than there are forwards, never more than `max_moves` moves per
+    layer per turn, and the tokens stay exact."""
+    want = decode(load_stock_model(store), STEPS)
+    sm = load_streaming_model(store, Settings(capacity=0.25), mapped=True)
+    slots = sm.placement.gpu_slots
+    sm.placement.close()
+    placement = sm.placement = Placement(sm.pools, slots, SlowMover(), "lru", max_moves=1)
+    try:
+        placement.place_initial()
+        for pool in sm.pools:
+            pool.route_log = []
+        got = decode(sm.model, STEPS, placement.tick)
+        placement.settle()
+        assert got == want
+        p = placement.stats.to_dict()
+        forwards = STEPS + 1  # the 20-token prefill, then one per step
+        assert p["routed"] == (20 + STEPS) * sm.pools[0].top_k * len(sm.pools)
+        assert 0 < p["turns"] < forwards
+        assert 0 < p["moves"] <= p["turns"] * len(sm.pools)
+    finally:
+        sm.close()
+
+
+def test_mapped_moves_zero_keeps_the_initial_placement(store):
+    want = decode(load_stock_model(store), STEPS)
+    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_moves=0), mapped=True)
+    try:
+        before = [set(s) for s in sm.placement.on_gpu]
+        assert decode(sm.model, STEPS, sm.placement.tick) == want
+        sm.placement.settle()
+        assert sm.placement.stats.moves == 0 and sm.placement.on_gpu == before
+        assert sm.placement.stats.routed > 0
     finally:
         sm.close()
