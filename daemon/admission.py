@@ -135,7 +135,8 @@ class TierStats:
 
 class HostTier:
     """Expert blocks in host memory: `slots` slots of `stride` bytes, LRU over
-    (layer, expert) keys. Only the admitter that owns it touches it."""
+    (layer, expert) keys. Touched only on the decode thread: by the admitter that owns
+    it, and by the prefetcher, which adds the experts it read from disk."""
 
     def __init__(self, slots: int, stride: int, copier: CudaCopier | None) -> None:
         self.slots = slots

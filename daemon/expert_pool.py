@@ -198,14 +198,9 @@ class ExpertPool:
         missing = missing[:room]
         if not missing:
             return 0
-        placements = []
+        placements = self._assign_slots(missing, protected)
         for e in missing:
-            slot = self._take_slot(protected)
-            self.slot_of[e] = slot
-            self.expert_in[slot] = e
-            self._resident.add(e)
             self.policy.admitted(e)
-            placements.append((e, slot))
         # An expert evicted here and prestaged before (unused) simply leaves the set.
         self._prestaged = {e for e in self._prestaged if self.slot_of[e] >= 0} | set(missing)
         try:
@@ -401,10 +396,9 @@ class ExpertPool:
         self.stats.evictions += 1
         return slot
 
-    def _admit(self, missing: Sequence[int], protected: set[int], rec: Recorder | None = None) -> None:
-        if rec is not None:
-            tic = time.perf_counter()
-        self._quiesce()
+    def _assign_slots(self, missing: Sequence[int], protected: set[int]) -> list[tuple[int, int]]:
+        """A slot for each of `missing` (evicting unprotected experts where none is
+        free), recorded as resident; returns the (expert, slot) placements."""
         placements = []
         for e in missing:
             slot = self._take_slot(protected)
@@ -412,6 +406,13 @@ class ExpertPool:
             self.expert_in[slot] = e
             self._resident.add(e)
             placements.append((e, slot))
+        return placements
+
+    def _admit(self, missing: Sequence[int], protected: set[int], rec: Recorder | None = None) -> None:
+        if rec is not None:
+            tic = time.perf_counter()
+        self._quiesce()
+        placements = self._assign_slots(missing, protected)
         if rec is not None:
             t_read = time.perf_counter()
             rec.segment(self.layer.ordinal, "admit", t_read - tic)

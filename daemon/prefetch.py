@@ -6,6 +6,11 @@ queued work that reads it has drained (`ExpertPool._quiesce`), which is what the
 that uses the expert does anyway. So prefetch changes where the bytes come from, never
 which bytes land in which slot, and the output stays exact.
 
+With a host-RAM tier (`--host-cache`), experts the tier holds are not read at all: the
+next layer's pool copies them into its slots straight away (`ExpertPool.prestage`, safe
+because nothing queued reads that pool yet), and what this buffer promotes is copied into
+the tier as well, so that no expert is read from disk twice while the tier keeps it.
+
 Buffer entries are LRU over (layer, expert). An entry is pending (its read is queued or
 running on the engine's threads), done, or failed; a pending entry is never reused. An
 entry leaves the buffer when it is promoted into a pool (`promote`) or dropped for a newer
