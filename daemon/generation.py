@@ -18,7 +18,8 @@ from moestream.daemon.store.loader import StreamingModel
 if TYPE_CHECKING:
     from moestream.daemon.placement import Placement
 
-_COUNTERS = ("hits_prefill", "hits_decode", "misses_prefill", "misses_decode", "evictions", "bytes_read", "host_syncs", "overflow_forwards", "routed_total")
+_COUNTERS = ("hits_prefill", "hits_decode", "misses_prefill", "misses_decode", "evictions", "bytes_read", "host_syncs", "overflow_forwards", "routed_total",
+             "prestaged", "prestaged_used")
 # A mapped pool's placement counters (daemon/placement.py), taken per request the same way.
 _PLACEMENT_COUNTERS = ("routed", "routed_on_gpu", "moves", "place_calls", "readback_seconds", "decide_seconds")
 
@@ -280,6 +281,10 @@ def iter_generate(
         "hit_rate": routed_hits / (routed_hits + routed_misses) if routed_hits + routed_misses else None,
         "bytes_read": total["bytes_read"],
         "evictions": total["evictions"],
+        # Experts prefetch copied into the next layer's slots ahead of use, and those of
+        # them routed (counted among the hits).
+        "prestaged": total["prestaged"],
+        "prestaged_used": total["prestaged_used"],
         # Routed (token, expert) pairs counted for heat (pool_usage.json), all layers.
         "routed_experts": total["routed_total"],
         # Per decode token: the pool's syncs (one per MoE layer with a partial pool)

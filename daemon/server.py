@@ -299,6 +299,10 @@ class Server:
                 "hit_rate": pool.get("hit_rate"),
                 "evictions": pool.get("evictions"),
                 "bytes_read": pool.get("bytes_read"),
+                # Experts prefetch copied into a layer's slots ahead of use, and of them
+                # those the layer then routed to (counted among the hits).
+                "prestaged": pool.get("prestaged", 0),
+                "prestaged_used": pool.get("prestaged_used", 0),
                 "layers": pool.get("layers", []),
                 "mapped": pool.get("mapped", False),
                 "placement": pool.get("placement"),

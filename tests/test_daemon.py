@@ -117,6 +117,29 @@ def test_four_concurrent_clients_get_the_local_output(daemon, reference):
     assert stats["pool"]["evictions"] > 0, "capacity 0.25 should evict while serving"
 
 
+def test_prefetch_from_the_host_tier_under_concurrent_clients_changes_no_token(store, reference):
+    """A daemon with a host tier and prefetch on copies predicted experts into the next
+    layer's slots while requests decode together: each client still gets exactly the
+    local output."""
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msp"))
+    out = ctl("start", "--model", str(store), "--capacity", CAPACITY, "--host-cache", "64M", "--prefetch", "on",
+              "--runtime-dir", str(rt))
+    assert out.returncode == 0, out.stdout + out.stderr
+    try:
+        with Client(paths_of(rt), timeout=60) as c:
+            streams = [c.generate(p, max_tokens=N_TOKENS) for p in PROMPTS]
+            for s in streams:
+                list(s)
+            pool = c.status()["pool"]
+        for prompt, s in zip(PROMPTS, streams):
+            assert s.done.tokens == reference[prompt].tokens, f"{prompt!r} differs from the local run"
+        assert pool["prestaged"] >= pool["prestaged_used"] > 0
+        assert sum(s.done.stats["prestaged"] for s in streams) > 0
+    finally:
+        ctl("stop", "--runtime-dir", str(rt))
+        shutil.rmtree(rt, ignore_errors=True)
+
+
 def test_a_seeded_sampled_request_is_the_same_beside_another(daemon, store):
     """Sampling draws from the request's own key: a seeded request gives the text it
     gives alone (in-process), while another sampled request is interleaved with it."""
