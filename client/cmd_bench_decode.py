@@ -25,7 +25,7 @@ from moestream.client.cli_values import size_option
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--mapped", is_flag=True, help="Also run a '+mapped' configuration per partial capacity: every expert addressable, the hottest in GPU memory, the rest read over the link (experimental, NVIDIA GPUs).")
 @click.option("--mapped-moves", "mapped_moves", multiple=True, type=click.IntRange(0, 4096),
-              help="With --mapped: experts moved into GPU memory per layer per placement turn; repeat for one '+mapped' run each (default 2).")
+              help="With --mapped: experts moved into GPU memory per layer per placement turn; repeat for one '+mapped' run each (default 0: the initial placement stays).")
 @click.option("--prefetch", type=click.Choice(["on", "off"]), default="on", show_default=True,
               help="Prefetch of the predicted next-layer experts in the partial-pool runs (with a host tier: copied into the next layer's slots while the GPU computes).")
 @click.option("--speculative", type=click.Choice(["mtp", "draft"]), help="Instead: speculative vs plain decode at each capacity (default 1.0 0.25).")
@@ -67,7 +67,7 @@ def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds
         seed=seed,
         mapped=mapped,
         prefetch=prefetch,
-        mapped_moves=tuple(mapped_moves) or (2,),
+        mapped_moves=tuple(mapped_moves) or (0,),
     )
     try:
         report = run_bench_decode(settings, progress=lambda line: click.echo(line, err=True))

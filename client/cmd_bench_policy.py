@@ -103,6 +103,13 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{_pct(p['gap_closed']):>7}{'':{col - 22}}"
             )
         lines.append(f"{name:12}{cells}")
+    if all("static_hottest" in r for r in results):
+        cells = "".join(
+            f"{_rate(r['static_hottest']['hit_rate']):>6} {_rate(r['static_hottest']['decode_hit_rate']):>7} {'':>7}{'':{col - 22}}"
+            for r in results
+        )
+        lines.append(f"{'static':12}{cells}")
+        lines.append("static: the prior's hottest experts, fixed per request and never moved (a mapped pool, no moves)")
     lines.append("")
     lines.append(
         "hit: mean over layers of hits / routed experts; gap: (policy - lru) / (min - lru)"

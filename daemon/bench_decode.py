@@ -64,7 +64,7 @@ class BenchDecodeSettings:
     prefetch: str = "on"
     # Moves per layer per placement turn of the "+mapped" configurations, one
     # configuration each (see Settings.mapped_moves).
-    mapped_moves: tuple[int, ...] = (2,)
+    mapped_moves: tuple[int, ...] = (0,)
 
 
 @dataclass
@@ -147,7 +147,7 @@ def _streaming_config(
     naive: bool = False,
     admitter: Admitter | None = None,
     mapped: bool = False,
-    mapped_moves: int = 2,
+    mapped_moves: int = 0,
 ) -> Config:
     sm = load_streaming_model(
         settings.store,

@@ -131,7 +131,7 @@ class _Worker:
 class Placement:
     """Which experts of each fully addressable pool live in GPU memory."""
 
-    def __init__(self, pools: Sequence[ExpertPool], gpu_slots: int, mover: Mover, policy: str, *, max_moves: int = 2) -> None:
+    def __init__(self, pools: Sequence[ExpertPool], gpu_slots: int, mover: Mover, policy: str, *, max_moves: int = 0) -> None:
         self.pools = list(pools)
         self.gpu_slots = gpu_slots
         self.mover = mover

@@ -287,6 +287,7 @@ class Server:
                 "policy": s.policy,
                 "host_cache": s.host_cache,
                 "mapped": s.mapped,
+                "mapped_moves": s.mapped_moves,
                 "autopin_frac": s.autopin_frac,
                 "io_threads": s.io_threads,
                 "max_context": s.max_context,

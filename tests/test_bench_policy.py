@@ -84,7 +84,24 @@ def test_json_on_the_real_trace_folder() -> None:
         assert policies["induction"]["hit_rate"] > policies["predictive"]["hit_rate"]
         # Similar (not only identical) earlier steps vote too: recall beats induction.
         assert policies["recall"]["hit_rate"] > policies["induction"]["hit_rate"]
+        # The prior's hottest, held fixed: counted over the same routed experts; on
+        # real routing better than LRU, and never better than MIN.
+        static = result["static_hottest"]
+        assert static["hits"] + static["misses"] == static["accesses"] == len(records) * k * layers
+        assert policies["lru"]["hit_rate"] < static["hit_rate"] < best["hit_rate"]
     assert "lower traced layers" in report["cross_layer"]
+
+
+def test_static_hits_hold_each_requests_prior_hottest() -> None:
+    from moestream.daemon.policies.evaluate import static_hits
+
+    steps = [(0, 1), (1, 2), (2, 3), (0, 3)]
+    phases = ["prefill", "decode", "prefill", "decode"]
+    # Request one (steps 0-1) holds {1, 2}; request two (steps 2-3) holds {0, 3}.
+    priors = {0: [0, 5, 4, 1], 2: [3, 0, 1, 3]}
+    counts = static_hits(steps, phases, priors, slots=2)
+    assert (counts.hits["prefill"], counts.misses["prefill"]) == (1 + 1, 1 + 1)
+    assert (counts.hits["decode"], counts.misses["decode"]) == (2 + 2, 0)
 
 
 def test_table_and_capacities_on_both_real_traces() -> None:

@@ -166,7 +166,7 @@ def test_daemon_mapped_serves_local_output_reports_placement_and_keeps_exact_hea
 def test_autopin_places_the_hottest_experts_and_the_budget_holds(store, reference):
     counts = hot_counts(store)
     counts[load_manifest(store).layers[0].ordinal] = {}  # no heat: the default placement stays
-    sm = load_streaming_model(store, Settings(capacity=0.25, mapped=True))
+    sm = load_streaming_model(store, Settings(capacity=0.25, mapped=True, mapped_moves=2))
     try:
         placement = sm.placement
         assert all(s == set(range(SLOTS)) for s in placement.on_gpu)

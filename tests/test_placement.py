@@ -49,7 +49,7 @@ def test_runs_split_flags_into_maximal_runs():
 
 def test_mapped_pool_is_exact_syncs_never_and_keeps_its_budget(store):
     want = decode(load_stock_model(store), STEPS)
-    sm = load_streaming_model(store, Settings(capacity=0.25), mapped=True)
+    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_moves=2), mapped=True)
     try:
         placement = sm.placement
         assert isinstance(placement.mover, CountingMover)  # no CUDA here
@@ -90,7 +90,7 @@ def test_a_failed_move_is_raised_on_the_decode_thread_and_at_close(store):
     sm = load_streaming_model(store, Settings(capacity=0.25), mapped=True)
     slots = sm.placement.gpu_slots
     sm.placement.close()
-    placement = sm.placement = Placement(sm.pools, slots, FailingMover(), "lru")
+    placement = sm.placement = Placement(sm.pools, slots, FailingMover(), "lru", max_moves=2)
     placement.place_initial()
     with pytest.raises(RuntimeError, match="placing experts between host and GPU memory failed: cudaMemPrefetchAsync"):
         decode(sm.model, STEPS, placement.tick)

@@ -16,7 +16,9 @@ can know them online); `lower=False` in `evaluate` withholds it.
 Heat prior: with `prior="loo"` (leave-one-out), at the first step of each request every
 policy gets `set_prior` with that layer's routing counts over all *other* requests of
 the trace, so nothing a policy is scored on is in its prior. With `prior="none"` no
-policy gets one.
+policy gets one. With the prior, each capacity also reports `static_hottest`: the hit
+rate of the prior's hottest experts held fixed for the request and never moved (a
+mapped pool's GPU memory with autopin and `mapped_moves = 0`).
 """
 
 from __future__ import annotations
@@ -119,6 +121,24 @@ def leave_one_out_priors(trace: Trace, layer: int) -> dict[int, list[float]]:
     return priors
 
 
+def static_hits(steps: Sequence[Sequence[int]], phases: Sequence[str], priors: dict[int, Sequence[float]], slots: int) -> ReplayCounts:
+    """Hits of a placement fixed per request: from each request's first step on, the
+    `slots` experts its heat prior ranks hottest (ties: lower id), never moved; what a
+    mapped pool with autopin and no moves keeps in GPU memory."""
+    counts = ReplayCounts()
+    hot: set[int] = set()
+    for t, experts in enumerate(steps):
+        if t in priors:
+            prior = priors[t]
+            hot = set(sorted(range(len(prior)), key=lambda e: (-prior[e], e))[:slots])
+        for e in set(experts):
+            if e in hot:
+                counts.hits[phases[t]] += 1
+            else:
+                counts.misses[phases[t]] += 1
+    return counts
+
+
 def _policy_result(per_layer: list[ReplayCounts]) -> dict[str, Any]:
     def mean(values: Iterable[float | None]) -> float | None:
         vals = [v for v in values if v is not None]
@@ -179,9 +199,13 @@ def evaluate(
         for r in by_policy.values():
             gap = best - lru
             r["gap_closed"] = (r["hit_rate"] - lru) / gap if gap > 1e-12 else None
-        results.append(
-            {"capacity_fraction": fraction, "slots": slots, "policies": by_policy}
-        )
+        result = {"capacity_fraction": fraction, "slots": slots, "policies": by_policy}
+        if prior == "loo" and len(set(trace.requests)) > 1:
+            # Not an eviction policy (misses are not admitted), so apart from them.
+            result["static_hottest"] = _policy_result(
+                [static_hits(trace.layer(i), trace.phases, priors[i], slots) for i in range(trace.num_layers)]
+            )
+        results.append(result)
     phase_steps = Counter(trace.phases)
     requests = len(set(trace.requests))
     prior_text = PRIORS[prior]
