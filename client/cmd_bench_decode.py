@@ -26,6 +26,8 @@ from moestream.client.cli_values import size_option
 @click.option("--mapped", is_flag=True, help="Also run a '+mapped' configuration per partial capacity: every expert addressable, the hottest in GPU memory, the rest read over the link (experimental, NVIDIA GPUs).")
 @click.option("--mapped-moves", "mapped_moves", multiple=True, type=click.IntRange(0, 4096),
               help="With --mapped: experts moved into GPU memory per layer per placement turn; repeat for one '+mapped' run each (default 0: the initial placement stays).")
+@click.option("--mapped-rebalance-tokens", default=256, show_default=True, type=click.IntRange(0, None),
+              help="With --mapped: tokens between rebalances (each layer's most routed experts into GPU memory); 0 never.")
 @click.option("--prefetch", type=click.Choice(["on", "off"]), default="on", show_default=True,
               help="Prefetch of the predicted next-layer experts in the partial-pool runs (with a host tier: copied into the next layer's slots while the GPU computes).")
 @click.option("--speculative", type=click.Choice(["mtp", "draft"]), help="Instead: speculative vs plain decode at each capacity (default 1.0 0.25).")
@@ -33,7 +35,7 @@ from moestream.client.cli_values import size_option
 @click.option("--draft-model", type=click.Path(file_okay=False), help="Draft model for --speculative draft.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds, io_threads, no_stock, no_naive, mlx_memory_limit, host_cache, temp, seed, mapped,
-                 mapped_moves, prefetch, speculative, draft_tokens, draft_model, as_json) -> None:
+                 mapped_moves, mapped_rebalance_tokens, prefetch, speculative, draft_tokens, draft_model, as_json) -> None:
     """Decode tokens/s, hit rates, bytes moved per token per tier, admission GB/s and
     the bandwidth bound, for stock mlx-lm, moestream at each capacity (with and without
     the host-RAM tier) and the naive on-demand baseline."""
@@ -68,6 +70,7 @@ def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds
         mapped=mapped,
         prefetch=prefetch,
         mapped_moves=tuple(mapped_moves) or (0,),
+        mapped_rebalance_tokens=mapped_rebalance_tokens,
     )
     try:
         report = run_bench_decode(settings, progress=lambda line: click.echo(line, err=True))

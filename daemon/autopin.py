@@ -84,5 +84,7 @@ def _place_hottest(sm: StreamingModel, counts: Mapping[int, Mapping[int, int]], 
     if not layers:
         return AutopinSummary(0, 0, len(sm.pools), time.perf_counter() - tic, 0, mapped=True)
     placement.place_initial(orders)
+    # Later rebalancing goes by the same heat plus what is routed from now on.
+    placement.seed_counts([counts.get(pool.layer.ordinal, {}) for pool in sm.pools])
     placed = sum(min(len(order), placement.gpu_slots) for order in orders)
     return AutopinSummary(layers, 0, len(sm.pools) - layers, time.perf_counter() - tic, 0, placed=placed, mapped=True)

@@ -65,6 +65,8 @@ class BenchDecodeSettings:
     # Moves per layer per placement turn of the "+mapped" configurations, one
     # configuration each (see Settings.mapped_moves).
     mapped_moves: tuple[int, ...] = (0,)
+    # Tokens between rebalances of the "+mapped" configurations (Settings).
+    mapped_rebalance_tokens: int = 256
 
 
 @dataclass
@@ -152,7 +154,7 @@ def _streaming_config(
     sm = load_streaming_model(
         settings.store,
         Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads, prefetch=settings.prefetch,
-                 mapped_moves=mapped_moves),
+                 mapped_moves=mapped_moves, mapped_rebalance_tokens=settings.mapped_rebalance_tokens),
         naive=naive,
         admitter=admitter,
         mapped=mapped,
@@ -402,6 +404,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         "mapped": settings.mapped,
         "prefetch": settings.prefetch,
         "mapped_moves": list(settings.mapped_moves) if settings.mapped else None,
+        "mapped_rebalance_tokens": settings.mapped_rebalance_tokens if settings.mapped else None,
         "read_bandwidth_bytes_per_s": bandwidth,
         "link_bandwidth_bytes_per_s": link,
         "link_kind": link_kind,

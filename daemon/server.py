@@ -288,6 +288,7 @@ class Server:
                 "host_cache": s.host_cache,
                 "mapped": s.mapped,
                 "mapped_moves": s.mapped_moves,
+                "mapped_rebalance_tokens": s.mapped_rebalance_tokens,
                 "autopin_frac": s.autopin_frac,
                 "io_threads": s.io_threads,
                 "max_context": s.max_context,

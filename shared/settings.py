@@ -105,6 +105,11 @@ class Settings:
     # without against 21.6 with 2, varied routing), and on the real Qwen1.5-MoE trace the
     # heat's hottest held fixed hit more than LRU does (0.338 against 0.301 at 25%).
     mapped_moves: int = 0
+    # Every this many tokens routed, a mapped pool sets each layer's GPU share to its
+    # most routed experts so far (the saved heat included): a few moves now and then,
+    # instead of a placement that a first start without heat would keep for good.
+    # 0: never.
+    mapped_rebalance_tokens: int = 256
     # Native read engine.
     io_threads: int = 4
     direct_io: bool = True
@@ -186,7 +191,7 @@ class Settings:
         return default_runtime_dir(os.environ if env is None else env)
 
 
-_INT_RANGES = {"max_context": (16, 2**24), "max_active": (1, 1024), "max_queued": (0, 1_000_000), "mapped_moves": (0, 4096)}
+_INT_RANGES = {"max_context": (16, 2**24), "max_active": (1, 1024), "max_queued": (0, 1_000_000), "mapped_moves": (0, 4096), "mapped_rebalance_tokens": (0, 2**31)}
 
 
 def _coerce(name: str, raw: Any) -> Any:

@@ -162,3 +162,44 @@ def test_mapped_moves_zero_keeps_the_initial_placement(store):
         assert sm.placement.stats.routed > 0
     finally:
         sm.close()
+
+
+def test_rebalancing_puts_each_layers_most_routed_experts_in_gpu_memory(store):
+    """No per-token moves, a rebalance every 8 tokens: the tokens stay exact, rebalances
+    happen as routing goes, and after a last one every expert in GPU memory was routed
+    at least as often as any expert left in host memory."""
+    want = decode(load_stock_model(store), STEPS)
+    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_moves=0, mapped_rebalance_tokens=8), mapped=True)
+    try:
+        placement = sm.placement
+        assert decode(sm.model, STEPS, placement.tick) == want
+        placement.settle()
+        assert placement.stats.rebalances >= 2 and placement.stats.moves > 0
+        placement.rebalance()
+        for pool, on_gpu in zip(sm.pools, placement.on_gpu):
+            routed = pool.stats.routed  # every token's routing (no heat keeper here)
+            off = [e for e in range(len(routed)) if e not in on_gpu]
+            assert len(on_gpu) == placement.gpu_slots
+            assert min(routed[list(on_gpu)]) >= max(routed[off])
+    finally:
+        sm.close()
+
+
+def test_rebalancing_weighs_the_heat_autopin_seeded(store):
+    """Seeded heat that dwarfs a few tokens' routing decides the placement."""
+    from moestream.daemon.autopin import autopin
+
+    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_rebalance_tokens=0), mapped=True)
+    try:
+        placement = sm.placement
+        n = sm.pools[0].layer.num_experts
+        counts = {p.layer.ordinal: {e: 10_000 * (e + 1) for e in range(n)} for p in sm.pools}
+        autopin(sm, counts, frac=0.5)
+        want = [set(range(n - placement.gpu_slots, n)) for _ in sm.pools]
+        assert placement.on_gpu == want
+        decode(sm.model, 4, placement.tick)
+        placement.settle()
+        placement.rebalance()
+        assert placement.on_gpu == want
+    finally:
+        sm.close()

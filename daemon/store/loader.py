@@ -276,7 +276,7 @@ def load_streaming_model(
             moes, blocks, reader=reader, manifest=manifest, admitter=admitter, top_k=k,
             prefetch=settings.prefetch, diagnostics=settings.diagnostics, predict=not naive,
         )
-        placement = _place(pools, capacity, settings.policy, settings.mapped_moves) if mapped else None
+        placement = _place(pools, capacity, settings) if mapped else None
         tokenizer = load_tokenizer(store, eos_token_ids=config.get("eos_token_id"))
     except BaseException:
         if owns_reader:
@@ -317,9 +317,10 @@ def check_mapped_host_memory(manifest: Manifest, available: int, margin: int = M
         )
 
 
-def _place(pools: list[ExpertPool], gpu_slots: int, policy: str, max_moves: int) -> Placement:
+def _place(pools: list[ExpertPool], gpu_slots: int, settings: Settings) -> Placement:
     copier, _ = cuda_copier()
-    placement = Placement(pools, gpu_slots, copier if copier is not None else CountingMover(), policy, max_moves=max_moves)
+    placement = Placement(pools, gpu_slots, copier if copier is not None else CountingMover(), settings.policy,
+                          max_moves=settings.mapped_moves, rebalance_tokens=settings.mapped_rebalance_tokens)
     placement.place_initial()
     return placement
 

@@ -96,10 +96,12 @@ EOF
     # reads nearly every expert it routes (a 32-token prompt: about 14 GB), so keep the
     # prompt short. With 32-token prompts and all four capacities the run did not finish
     # in 540 s (session 3); this one is estimated at 4-5 min.
-    # Mapped pools with 2, 1 and 0 moves per layer per placement turn (MAPPED_MOVES):
-    # each holds every expert in host memory (16 GB, outside the GPU's memory).
+    # Mapped pools with 2 and 0 moves per layer per placement turn (MAPPED_MOVES), each
+    # rebalanced every REBALANCE tokens (short, so that the short runs see it): each
+    # holds every expert in host memory (16 GB, outside the GPU's memory).
     ctl bench decode --model /root/q30/store --capacity 1 --capacity 0.25 \
-      --host-cache 20G --mapped $(for m in ${MAPPED_MOVES:-2 1 0}; do echo --mapped-moves $m; done) --temp 1 \
+      --host-cache 20G --mapped $(for m in ${MAPPED_MOVES:-2 0}; do echo --mapped-moves $m; done) \
+      --mapped-rebalance-tokens ${REBALANCE:-32} --temp 1 \
       --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-24} --rounds ${ROUNDS:-3} --mlx-memory-limit 100G \
       --json >"$OUT/bench_decode_q30.json"
     $py - "$OUT/bench_decode_q30.json" <<'EOF'
