@@ -50,8 +50,8 @@ def _one_daemon(store: Path, capacity: str, autopin_frac: float, io_threads: int
     runtime = Path(tempfile.mkdtemp(dir="/tmp", prefix="mswarm"))
     given: dict[str, Any] = {"model": str(store), "capacity": capacity, "autopin_frac": autopin_frac,
                              "io_threads": io_threads, "runtime_dir": str(runtime)}
-    if mapped:
-        given["mapped"] = True
+    # Said either way: the daemon's default (auto) could pick a mapped pool on its own.
+    given["mapped"] = mapped
     if host_cache:
         given["host_cache"] = host_cache
     settings = Settings.resolve(given)

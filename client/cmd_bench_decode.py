@@ -23,7 +23,7 @@ from moestream.client.cli_values import size_option
 @click.option("--host-cache", help="Size of a host-RAM tier (e.g. 20G): adds a '+host' run per partial capacity.")
 @click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0, None), help="0 decodes greedily; > 0 samples (same seed for every configuration).")
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--mapped", is_flag=True, help="Also run a '+mapped' configuration per partial capacity: every expert addressable, the hottest in GPU memory, the rest read over the link (experimental, NVIDIA GPUs).")
+@click.option("--mapped", is_flag=True, help="Also run a '+mapped' configuration per partial capacity: every expert addressable, the hottest in GPU memory, the rest read over the link (NVIDIA GPUs).")
 @click.option("--mapped-moves", "mapped_moves", multiple=True, type=click.IntRange(0, 4096),
               help="With --mapped: experts moved into GPU memory per layer per placement turn; repeat for one '+mapped' run each (default 0: the initial placement stays).")
 @click.option("--mapped-rebalance-tokens", default=256, show_default=True, type=click.IntRange(0, None),

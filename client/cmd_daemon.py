@@ -190,7 +190,7 @@ DAEMON_SETTING_OPTIONS = (
     click.option("--capacity", help="Pool slots per MoE layer (16) or a fraction of its experts (0.25, 25%)."),
     click.option("--policy", help="Eviction policy (see `moestreamctl bench policy`)."),
     click.option("--host-cache", help="Host RAM that caches experts between the store and the pool, e.g. 32G (default 0: off)."),
-    click.option("--mapped/--no-mapped", default=None, help="A mapped pool: every expert in host RAM, --capacity/--memory-budget of them per layer in GPU memory (experimental, NVIDIA GPUs; needs host RAM for every expert)."),
+    click.option("--mapped/--no-mapped", default=None, help="A mapped pool: every expert in host RAM, --capacity/--memory-budget of them per layer in GPU memory (NVIDIA GPUs; needs host RAM for every expert). Default auto: mapped where that holds and no --host-cache is given."),
     click.option("--io-threads", type=int, help="Threads of the native read engine."),
     click.option("--autopin-frac", type=click.FloatRange(0.0, 1.0), help="Share of each layer's slots pinned at start with its hottest experts (default 0.5; with --mapped, any share but 0 places the hottest in GPU memory)."),
     click.option("--runtime-dir", help="Folder of the socket, lock and pid file (default $XDG_RUNTIME_DIR/moestream)."),

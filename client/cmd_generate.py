@@ -29,7 +29,7 @@ def _parse_ids(text: str | None) -> list[int] | None:
 @click.option("--memory-budget", help="Size the pool so that weights + pool + KV cache fit, e.g. 24G.")
 @click.option("--policy", help="Eviction policy (see `moestreamctl bench policy`).")
 @click.option("--host-cache", help="Host RAM that caches experts between the store and the pool, e.g. 32G.")
-@click.option("--mapped/--no-mapped", default=None, help="A mapped pool: every expert in host RAM, --capacity/--memory-budget of them per layer in GPU memory (experimental, NVIDIA GPUs).")
+@click.option("--mapped/--no-mapped", default=None, help="A mapped pool: every expert in host RAM, --capacity/--memory-budget of them per layer in GPU memory (NVIDIA GPUs). Default auto: mapped where host RAM holds every expert and no --host-cache is given.")
 @click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(1, None))
 @click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0.0, None), help="Sampling temperature; 0 is greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0))

@@ -89,7 +89,7 @@ def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[
     sm = load_streaming_model(
         settings.store,
         Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads,
-                 host_cache=settings.host_cache, prefetch="on"),
+                 host_cache=settings.host_cache, prefetch="on", mapped=False),
         max_tokens=settings.prompt_tokens + settings.decode_tokens + 512,
     )
     try:

@@ -116,7 +116,8 @@ def run_bench_speculative(settings: BenchSpeculativeSettings) -> dict[str, Any]:
     model_type = None
     for capacity in settings.capacities:
         sm = load_streaming_model(
-            settings.store, Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads)
+            # The slot pool (what auto would choose on CPU and Apple Silicon), on every machine.
+            settings.store, Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads, mapped=False)
         )
         try:
             model_type = sm.manifest.model_type

@@ -170,14 +170,16 @@ class EngineLoop:
             self.log.error(self.error)
             return False
         tic = time.perf_counter()
-        self.log.info("loading %s (capacity %s, memory budget %s, policy %s%s)", s.model, s.capacity, s.memory_budget, s.policy,
-                      ", mapped" if s.mapped else "")
+        self.log.info("loading %s (capacity %s, memory budget %s, policy %s, mapped %s)", s.model, s.capacity, s.memory_budget, s.policy,
+                      "auto" if s.mapped is None else s.mapped)
         try:
             self._sm = load_streaming_model(s.model, s, max_tokens=s.max_context)
         except Exception as e:
             self.state, self.error = "failed", f"cannot load the model {s.model}: {e}"
             self.log.error(self.error)
             return False
+        if "mapped_auto" in self._sm.admission_note:
+            self.log.info("mapped pool (auto): %s", self._sm.admission_note["mapped_auto"])
         self._start_heat()
         self.state = "ready"
         self.log.info(

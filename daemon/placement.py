@@ -1,4 +1,4 @@
-"""A mapped pool: every expert addressable, the hot ones in GPU memory (experimental).
+"""A mapped pool: every expert addressable, the hot ones in GPU memory.
 
 Where host RAM holds every expert and the GPU is an NVIDIA card, the pool can span all
 experts in managed memory instead of `capacity` slots: the kernels run as at full

@@ -286,7 +286,7 @@ class Server:
                 "memory_budget": s.memory_budget,
                 "policy": s.policy,
                 "host_cache": s.host_cache,
-                "mapped": s.mapped,
+                "mapped": "auto" if s.mapped is None else s.mapped,
                 "mapped_moves": s.mapped_moves,
                 "mapped_rebalance_tokens": s.mapped_rebalance_tokens,
                 "autopin_frac": s.autopin_frac,

@@ -97,7 +97,10 @@ class Settings:
     host_cache: int = 0
     # A mapped pool (daemon/placement.py): every expert in host memory, addressable by
     # the kernels, with `capacity` (or `memory_budget`) experts per layer in GPU memory.
-    mapped: bool = False
+    # None is auto: mapped where it measured fastest and is safe (an NVIDIA GPU, a
+    # partial pool, no --host-cache, host RAM for every expert; see
+    # daemon/store/loader.py `choose_mapped`), else the slot pool.
+    mapped: bool | None = None
     # A mapped pool's placement moves at most this many experts per layer into GPU
     # memory each time it runs (once per token, or less often when it falls behind);
     # 0 keeps the initial placement (autopin's hottest experts of the saved heat). 0 by
@@ -205,11 +208,13 @@ def _coerce(name: str, raw: Any) -> Any:
         if isinstance(raw, bool):
             return raw
         s = str(raw).strip().lower()
+        if name == "mapped" and s == "auto":
+            return None
         if s in ("1", "true", "yes", "on"):
             return True
         if s in ("0", "false", "no", "off"):
             return False
-        raise SettingsError(f"{name}: expected true or false, got {raw!r}")
+        raise SettingsError(f"{name}: expected true or false{' or auto' if name == 'mapped' else ''}, got {raw!r}")
     if name == "prefetch":
         s = str(raw).strip().lower()
         if s not in ("on", "off", "auto"):

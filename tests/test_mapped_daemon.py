@@ -253,3 +253,27 @@ def test_a_host_without_room_for_every_expert_is_refused_before_loading(store, t
     with pytest.raises(PoolCapacityError, match="--host-cache adds nothing"):
         load_streaming_model(store, Settings(capacity=0.25, mapped=True, host_cache=1 << 20))
     assert Settings.resolve({}, env={"MOESTREAM_MAPPED": "1"}, config_file=tmp_path / "none.toml").mapped is True
+
+
+def test_mapped_auto_chooses_by_gpu_pool_tier_and_host_ram(store):
+    """`mapped = auto` (the default): a mapped pool only with a CUDA copier, a partial
+    pool, no host tier asked for and host RAM for every expert; here (CPU) the slot
+    pool, saying why."""
+    from moestream.daemon.store.loader import MAPPED_HOST_MARGIN, choose_mapped, mapped_host_bytes
+
+    manifest = load_manifest(store)
+    need = mapped_host_bytes(manifest) + MAPPED_HOST_MARGIN
+    auto = Settings()
+    assert auto.mapped is None and Settings.from_values({"mapped": "auto"}).mapped is None
+    assert choose_mapped(manifest, 4, auto, need, gpu_copier=True) == (True, "on: an NVIDIA GPU, a partial pool and host RAM for every expert")
+    assert choose_mapped(manifest, 4, auto, need, gpu_copier=False)[0] is False
+    assert choose_mapped(manifest, 4, auto, need - 1, gpu_copier=True)[1].startswith("off: host RAM")
+    assert "host-cache" in choose_mapped(manifest, 4, auto.replace(host_cache=1 << 30), need, gpu_copier=True)[1]
+    assert "every expert fits" in choose_mapped(manifest, 16, auto, need, gpu_copier=True)[1]
+    assert choose_mapped(manifest, 4, auto, need, gpu_copier=True, naive=True)[0] is False
+    sm = load_streaming_model(store, Settings(capacity=0.25))
+    try:
+        assert sm.placement is None and sm.pool_stats()["mapped"] is False
+        assert sm.admission_note["mapped_auto"] == "off: MLX runs on the CPU"
+    finally:
+        sm.close()
