@@ -307,6 +307,8 @@ class Server:
                 "prestaged_used": pool.get("prestaged_used", 0),
                 "layers": pool.get("layers", []),
                 "mapped": pool.get("mapped", False),
+                # With `mapped = auto`: what it chose and why.
+                "mapped_auto": pool.get("admission", {}).get("mapped_auto"),
                 "placement": pool.get("placement"),
             },
             "memory": {

@@ -277,3 +277,14 @@ def test_mapped_auto_chooses_by_gpu_pool_tier_and_host_ram(store):
         assert sm.admission_note["mapped_auto"] == "off: MLX runs on the CPU"
     finally:
         sm.close()
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msa"))
+    try:
+        assert ctl("start", "--model", str(store), "--capacity", CAPACITY, "--runtime-dir", str(rt)).returncode == 0
+        with Client(RuntimePaths(dir=rt, log=rt / "daemon.log")) as c:
+            st = c.status()
+        assert st["settings"]["mapped"] == "auto" and st["pool"]["mapped"] is False
+        assert st["pool"]["mapped_auto"] == "off: MLX runs on the CPU"
+        assert "mapped pool (auto): off: MLX runs on the CPU" in (rt / "daemon.log").read_text()
+    finally:
+        ctl("stop", "--runtime-dir", str(rt))
+        shutil.rmtree(rt, ignore_errors=True)
