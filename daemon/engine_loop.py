@@ -481,10 +481,11 @@ class EngineLoop:
             summary = autopin(sm, usage.counts, self.settings.autopin_frac)
             self._autopin = {**summary.to_dict(), "routing_counts": usage.total, "problem": usage.problem}
             self.log.info(
-                "autopin: %d experts %s in %d layers from %d saved routing counts (%s) in %.2f s",
+                "autopin: %d experts %s in %d layers (%d more loaded unpinned, %.0f MB read into the host tier) "
+                "from %d saved routing counts (%s) in %.2f s",
                 summary.placed if summary.mapped else summary.pinned,
                 "placed in GPU memory" if summary.mapped else "pinned",
-                summary.layers, usage.total, usage.path, summary.seconds,
+                summary.layers, summary.preloaded, summary.tier_warmed_bytes / 1e6, usage.total, usage.path, summary.seconds,
             )
         self._heat = HeatPublisher(
             heat_dir,
