@@ -330,6 +330,9 @@ def _format_status(st: dict[str, Any]) -> str:
     if pool.get("mapped") and placement:
         lines.insert(3, f"  mapped     every expert in host memory, {placement['gpu_slots']} per layer in GPU memory; "
                         f"GPU hit rate {_rate(placement.get('gpu_hit_rate'))}, {placement['moves']} moves")
+    if pool.get("mapped_auto"):
+        # What `mapped = auto` chose, and why (daemon/store/loader.py choose_mapped).
+        lines.insert(3, f"  mapped     auto, {pool['mapped_auto']}")
     if st.get("error"):
         lines.insert(1, f"  error      {st['error']}")
     return "\n".join(lines)

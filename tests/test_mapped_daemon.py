@@ -285,6 +285,8 @@ def test_mapped_auto_chooses_by_gpu_pool_tier_and_host_ram(store):
         assert st["settings"]["mapped"] == "auto" and st["pool"]["mapped"] is False
         assert st["pool"]["mapped_auto"] == "off: MLX runs on the CPU"
         assert "mapped pool (auto): off: MLX runs on the CPU" in (rt / "daemon.log").read_text()
+        text = ctl("status", "--runtime-dir", str(rt))
+        assert text.returncode == 0 and "mapped     auto, off: MLX runs on the CPU" in text.stdout
     finally:
         ctl("stop", "--runtime-dir", str(rt))
         shutil.rmtree(rt, ignore_errors=True)
