@@ -304,8 +304,7 @@ class TieredAdmitter:
             failed = {(job.layer.ordinal, job.expert) for job, _ in self.reader.read(jobs)}
             for key in failed:
                 self.tier.forget(key)
-            done = sum(job.layer.experts[job.expert].length for job in jobs if (job.layer.ordinal, job.expert) not in failed)
-            read += done
+            read += sum(job.layer.experts[job.expert].length for job in jobs if (job.layer.ordinal, job.expert) not in failed)
         self.s.bytes_from_disk += read
         return read
 

@@ -54,9 +54,8 @@ def autopin(sm: StreamingModel, counts: Mapping[int, Mapping[int, int]], frac: f
     tier_warmed_bytes = 0
     warm = getattr(sm.admitter, "warm", None)
     if frac > 0 and warm is not None and not all(p.fully_resident for p in sm.pools):
-        ranked = sorted(
-            ((-c, ordinal, e) for ordinal, layer_counts in counts.items() for e, c in layer_counts.items() if c > 0),
-        )
+        # Hottest first over all layers (ties: lower layer, then lower id).
+        ranked = sorted((-c, ordinal, e) for ordinal, layer_counts in counts.items() for e, c in layer_counts.items() if c > 0)
         known = {p.layer.ordinal: p.layer.num_experts for p in sm.pools}
         keys = [(ordinal, e) for _, ordinal, e in ranked if 0 <= e < known.get(ordinal, 0)]
         tier_warmed_bytes = warm([p.layer for p in sm.pools], keys)
