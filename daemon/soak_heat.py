@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import select
 import signal
 import subprocess
@@ -131,6 +132,20 @@ def keeper_kills(store: Path, runtime: Path, n: int, rng: random.Random) -> dict
     }
 
 
+def _say(line: str) -> None:
+    """One line to the parent in one write: print() writes its pieces separately, and
+    with PYTHONUNBUFFERED set each piece is its own syscall, so a SIGKILL between them
+    would leave the parent half a line."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def durable_marks(output: str) -> list[int]:
+    """The counts the stand-in reported durable, from what it printed. Only complete lines
+    count: the process is killed at a random moment."""
+    return [int(m.group(1)) for m in re.finditer(r"^durable (\d+)\n", output, re.MULTILINE)]
+
+
 def _stand_in(store: Path, runtime: Path, limit: int) -> None:
     """The daemon's heat path, alone: push, flush every 4 messages, print what is durable."""
     from moestream.daemon.heat import HeatPublisher
@@ -138,14 +153,14 @@ def _stand_in(store: Path, runtime: Path, limit: int) -> None:
     sys.stdin.readline()  # imports done ahead of time; start when told
     pub = HeatPublisher(store, runtime, flush_seconds=0.002, log=LOG)
     ready = pub.start(10.0)
-    print("ready", pub.health()["pid"], int(ready), flush=True)
+    _say(f"ready {pub.health()['pid']} {int(ready)}")
     message = {l: np.ones(256, np.int64) for l in range(4)}
     sent = 0
     while True:
         if sent < limit and pub.push(message):
             sent += 1
             if sent % 4 == 0 and pub.flush(1.0):
-                print("durable", sent, flush=True)
+                _say(f"durable {sent}")
         pub.check()
         time.sleep(0.001)
 
@@ -189,7 +204,7 @@ def stand_in_kills(store: Path, runtime: Path, n: int, rng: random.Random) -> di
                 os.kill(int(keeper_pid), signal.SIGKILL)
                 raise
             keeper_exit_s.append(time.monotonic() - killed)
-            durable = [int(line.split()[1]) for line in proc.stdout.read().splitlines() if line.startswith("durable")]
+            durable = durable_marks(proc.stdout.read())
             proc.stdout.close()
             proc.stdin.close()
             now = _file_total(store)

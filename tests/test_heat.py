@@ -25,6 +25,7 @@ import pytest
 import zmq
 
 from moestream.daemon.heat import HeatPublisher, load_usage
+from moestream.daemon.soak_heat import durable_marks
 from moestream.shared.heat_file import (
     HeatWriteError,
     UsageCounts,
@@ -333,7 +334,7 @@ def test_kill9_daemon_while_keeper_writes_50_times(dirs):
             except AssertionError:
                 keeper.kill()  # do not leave it running after the failure
                 raise
-            durable = [int(line.split()[1]) for line in daemon.stdout.read().splitlines() if line.startswith("durable")]
+            durable = durable_marks(daemon.stdout.read())
             daemon.stdout.close()
             daemon.stdin.close()
             now = total_of(file_counts(store))
