@@ -40,6 +40,8 @@ def _timed_request(paths: RuntimePaths, prompt: str, tokens: int) -> dict[str, A
         "token_ids": result["tokens"],
         # A mapped pool's hits are the routed experts that were in GPU memory.
         "hit_rate": stats["placement"]["gpu_hit_rate"] if stats.get("mapped") else stats.get("hit_rate"),
+        # Bytes admitted into the pool, from the host tier or the disk (the pool's
+        # `bytes_read`): with a tier, not all of it came from the disk.
         "bytes_read": stats.get("bytes_read"),
         "autopin": status.get("autopin"),
     }
@@ -122,12 +124,12 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [
         f"time to the first {r['tokens']} tokens after a restart, capacity {r['capacity']}"
         f"{' (mapped pool)' if r.get('mapped') else ''}{' with a host tier of ' + r['host_cache'] if r.get('host_cache') else ''}, median of {r['rounds']}",
-        f"{'':8} {'seconds':>9} {'ready in':>9} {'hit rate':>9} {'MB read':>9}",
+        f"{'':8} {'seconds':>9} {'ready in':>9} {'hit rate':>9} {'MB admitted':>12}",
     ]
     for name in ("cold", "pinned"):
         s = r[name]
         lines.append(
-            f"{name:8} {s['seconds_to_tokens']:>9.3f} {s['start_to_ready_seconds']:>9.2f} {s['hit_rate']:>9.3f} {s['bytes_read'] / 1e6:>9.2f}"
+            f"{name:8} {s['seconds_to_tokens']:>9.3f} {s['start_to_ready_seconds']:>9.2f} {s['hit_rate']:>9.3f} {s['bytes_read'] / 1e6:>12.2f}"
         )
     lines.append(f"pinned / cold: {r['pinned_over_cold']:.3f}; same tokens in every run: {r['same_tokens_every_run']}")
     return "\n".join(lines)
