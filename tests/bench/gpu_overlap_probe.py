@@ -16,6 +16,9 @@ same gather_qmm over pool A of Qwen3-30B-A3B's expert shape:
    writes a pool and then the layer reads it);
 4. over pool B right after an overlapped copy into it was waited for (the way the next
    layer reads what prefetch copied into it);
+5. after a copy into pool A followed by advising and prefetching the copied rows to the
+   GPU again (does the DMA leave pages the kernel must fault back?);
+6. over a pool MLX allocated and never exported (the memory MLX's own weights live in);
 
 each the median of many calls, side by side.
 """
@@ -87,6 +90,20 @@ def main() -> None:
         copier.copy(spans_into(a))
         return matmul(a)
 
+    def after_copy_here_placed() -> float:
+        # The same copy, then the copied rows advised and prefetched to the GPU again: if
+        # this is fast where `after_copy_here` is slow, the DMA left those pages
+        # somewhere the kernel has to fault them back from.
+        spans = spans_into(a)
+        copier.copy(spans)
+        copier.place_many([(t, "device", off, n) for t, off, _, _, n in spans], wait=True)
+        return matmul(a)
+
+    fresh = pool(3)  # MLX's own memory, never exported to the copier
+
+    def alone_unexported() -> float:
+        return matmul(fresh)
+
     def after_overlapped_copy_there() -> float:
         copier.copy(spans_into(b), wait=False)
         matmul(a)
@@ -94,13 +111,15 @@ def main() -> None:
         return matmul(b)
 
     for _ in range(20):  # warm-up: kernels compiled, pages placed
-        matmul(a), matmul(b)
+        matmul(a), matmul(b), matmul(fresh)
     out = {}
-    for case in (alone, overlapped, after_copy_here, after_overlapped_copy_there):
+    for case in (alone, alone_unexported, overlapped, after_copy_here, after_copy_here_placed, after_overlapped_copy_there):
         times = [case() for _ in range(args.calls)]
         out[case.__name__] = {"median_ms": 1e3 * statistics.median(times), "p90_ms": 1e3 * sorted(times)[int(0.9 * len(times))]}
         print(case.__name__, out[case.__name__], flush=True)
     out["copy_bytes"] = TOP_K * per_expert
+    # Asked only now: asking exports the buffer, which may change its kind.
+    out["memory_kind"] = {"pool": copier.memory_kind(a[0]), "unexported_pool_when_asked": copier.memory_kind(fresh[0])}
     out["device"] = str(mx.default_device())
     Path(args.out).write_text(json.dumps(out, indent=1))
 
