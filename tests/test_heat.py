@@ -282,6 +282,14 @@ def test_kill9_keeper_while_it_writes_50_times(dirs, publisher):
     assert mid_write >= 5, f"only {mid_write} of 50 kills landed mid-write: the test is not testing what it claims"
 
 
+def test_durable_marks_take_only_complete_lines():
+    """A stand-in killed mid-write leaves a partial last line; it must not count (nor
+    break the parse, as it once did in CI)."""
+    assert durable_marks("ready 12 1\ndurable 4\ndurable 8\ndurable") == [4, 8]
+    assert durable_marks("durable 4\ndurable 1") == [4]
+    assert durable_marks("durable \n") == []
+
+
 def test_kill9_daemon_while_keeper_writes_50_times(dirs):
     """The real path: SIGKILL the process that owns the publisher. Its keeper notices
     (getppid), takes what was queued, writes once more and exits; the file stays valid."""
