@@ -183,21 +183,12 @@ class Placement:
             seen = set(order)
             order += [e for e in range(n) if e not in seen]
             chosen = set(order[: self.gpu_slots])
-            before = self.on_gpu[i]
             if first:
+                # Every range gets a place (and is mapped for the GPU), in runs.
                 flags = np.array([e in chosen for e in range(n)])
                 for start, stop, on_gpu in _runs(flags):
                     spans += self._spans(i, start, stop, "device" if on_gpu else "host")
-            else:
-                for e in sorted(before - chosen):
-                    spans += self._spans(i, e, e + 1, "host")
-                for e in sorted(chosen - before):
-                    spans += self._spans(i, e, e + 1, "device")
-            for e in sorted(before - chosen):
-                self.policies[i].evicted(e)
-            for e in sorted(chosen - before):
-                self.policies[i].admitted(e)
-            self.on_gpu[i] = chosen
+            spans += self._reassign(i, chosen, spans=not first)
         self.mover.place_many(spans, first, True)
         self._placed = True
         self.stats.place_seconds += time.perf_counter() - tic
@@ -306,16 +297,27 @@ class Placement:
             # then the lower id.
             order = np.lexsort((np.arange(n), ~here, -counts))
             chosen = {int(e) for e in order[: self.gpu_slots]}
-            for e in sorted(on_gpu - chosen):
-                on_gpu.discard(e)
-                self.policies[i].evicted(e)
-                spans += self._spans(i, e, e + 1, "host")
-            for e in sorted(chosen - on_gpu):
-                on_gpu.add(e)
-                self.policies[i].admitted(e)
-                spans += self._spans(i, e, e + 1, "device")
-                self.stats.moves += 1
+            self.stats.moves += len(chosen - on_gpu)
+            spans += self._reassign(i, chosen)
         return spans
+
+    def _reassign(self, i: int, chosen: set[int], *, spans: bool = True) -> list[Span]:
+        """Make `chosen` layer i's experts in GPU memory: update `on_gpu` and its policy,
+        and return the spans that move each expert whose place changes (none when
+        `spans` is False: the caller places whole ranges itself)."""
+        on_gpu, policy = self.on_gpu[i], self.policies[i]
+        out: list[Span] = []
+        for e in sorted(on_gpu - chosen):
+            on_gpu.discard(e)
+            policy.evicted(e)
+            if spans:
+                out += self._spans(i, e, e + 1, "host")
+        for e in sorted(chosen - on_gpu):
+            on_gpu.add(e)
+            policy.admitted(e)
+            if spans:
+                out += self._spans(i, e, e + 1, "device")
+        return out
 
     def _observe(self, i: int, forwards: Sequence[np.ndarray]) -> list[Span]:
         policy, on_gpu = self.policies[i], self.on_gpu[i]
