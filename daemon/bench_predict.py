@@ -96,10 +96,15 @@ def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[
         if sm.prefetcher is None:
             raise ValueError(f"capacity {capacity:g}: every expert fits in the pool, so there is nothing to prefetch")
         sm.prefetcher.width = settings.width * sm.prefetcher.top_k
+        # Warm-up, both ways, before anything is timed: kernels compiled (on CUDA the
+        # first calls JIT-compile them), the host tier filled, prediction's reads done
+        # once. Without it the first diagnosed run pays for all of that in its segments.
+        for enabled in (True, False):
+            sm.prefetcher.enabled = enabled
+            _decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed)
         on = _diagnosed(sm, prompt, settings, True)
         off = _diagnosed(sm, prompt, settings, False)
         times: dict[bool, list[float]] = {False: [], True: []}
-        _decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed)  # warm up
         for _ in range(settings.rounds):
             for enabled in (False, True):
                 sm.prefetcher.enabled = enabled
@@ -120,6 +125,9 @@ def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[
         "matmul_ms_per_call": {"prefetch_on": on["segments"]["matmul"]["mean_ms"],
                                 "prefetch_off": off["segments"]["matmul"]["mean_ms"]},
         "host_ms_per_call": {k: v["mean_ms"] for k, v in on["host"].items()},
+        # Where a diagnosed run's time went: each segment's seconds summed over the MoE
+        # layers, per forward (prompt and decode steps), with prefetch on and off.
+        "segment_ms_per_forward": {name: _per_forward(run, settings) for name, run in (("prefetch_on", on), ("prefetch_off", off))},
         "tokens_per_s_off": tps[False],
         "tokens_per_s_on": tps[True],
         "speedup": tps[True] / tps[False],
@@ -131,6 +139,11 @@ def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[
         "prestaged": {"experts": pools["prestaged"], "used": pools["prestaged_used"],
                       "wait_seconds": pools["admission"].get("prestage_wait_seconds", 0.0)},
     }
+
+
+def _per_forward(diagnosed: dict[str, Any], settings: BenchPredictSettings) -> dict[str, float]:
+    forwards = settings.decode_tokens + 1  # the prompt's forward and each decode step
+    return {k: 1e3 * v["seconds"] / forwards for k, v in diagnosed["segments"].items()}
 
 
 def _auto(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettings) -> dict[str, Any]:

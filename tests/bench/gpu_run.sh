@@ -8,6 +8,7 @@
 #   bash tests/bench/gpu_run.sh mapped-q30    # full residency: managed vs device copies; a mapped pool; routing readback
 #   bash tests/bench/gpu_run.sh predict-q30   # bench predict (recall, prefetch on/off at 25/50%)
 #   bash tests/bench/gpu_run.sh overlap       # expert matmul beside DMA copies into managed memory
+#   bash tests/bench/gpu_run.sh shape         # forwards at new vs seen key lengths (per-shape costs)
 #   bash tests/bench/gpu_run.sh residency-q30 # copy streams; 100% vs stock per round; zero-copy reads
 #   bash tests/bench/gpu_run.sh exactness-mini  # 4-bit and bf16 random models of CUDA-friendly size
 #   bash tests/bench/gpu_run.sh make-q30      # Qwen3-30B-A3B-shaped random 4-bit model + store
@@ -69,6 +70,9 @@ EOF
   overlap)
     # Expert matmul alone vs beside / after DMA copies into managed pool memory.
     $py tests/bench/gpu_overlap_probe.py --out "$OUT/overlap_h200.json" 2>&1 | tail -8
+    ;;
+  shape)
+    $py tests/bench/gpu_shape_probe.py --store daemon/demo/store --out "$OUT/shape_probe_h200.json" 2>&1 | tail -12
     ;;
   residency-q30)
     $py tests/bench/gpu_residency_probe.py --store /root/q30/store --out "$OUT/residency_q30.json" 2>&1 | tail -40
