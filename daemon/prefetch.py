@@ -284,10 +284,13 @@ class Prefetcher:
 class PrefetchGovernor:
     """`prefetch = auto`: measure decode with prefetch on and off, keep what is faster.
 
-    Decode steps are timed in alternating windows (`window` steps on, `window` off, ...);
-    the first step of each window is not counted (it pays for the switch). After `trials`
-    windows of each, prefetch stays on only if its median step time is at least `margin`
-    faster than without; the decision holds for the rest of the run (the daemon's life)."""
+    Decode steps are timed in windows of `window` steps, on and off in ABBA order (on,
+    off, off, on, on, off, ...), so that a drift over the measurement (a host tier still
+    filling, the pool warming up) weighs on both alike; the first step after a switch is
+    not counted (it pays for the switch). After `trials` windows of each, prefetch stays
+    on only if its median step time is at least `margin` faster than without; the
+    decision holds for the rest of the run (the daemon's life). Each window's median is
+    kept for `stats`, to show how steady the two were."""
 
     prefetcher: Prefetcher
     window: int = 8
@@ -296,25 +299,36 @@ class PrefetchGovernor:
     decided: bool = False
     on_steps: list[float] = field(default_factory=list)
     off_steps: list[float] = field(default_factory=list)
+    # (on or off, median ms) of each window, in order.
+    window_medians: list[tuple[str, float]] = field(default_factory=list)
     _in_window: int = 0
     _windows: int = 0
+    _current: list[float] = field(default_factory=list)
+    # Whether the current window began with a switch; the first window counts as one
+    # (prefetch was just turned on for the measurement).
+    _switched: bool = True
     reason: str = "measuring"
 
     def observe(self, seconds: float) -> None:
         """One decode step took `seconds` (with prefetch as it is now)."""
         if self.decided:
             return
-        if self._in_window > 0:  # the first step of a window pays for the switch
+        if not (self._switched and self._in_window == 0):  # this step paid for the switch
             (self.on_steps if self.prefetcher.enabled else self.off_steps).append(seconds)
+            self._current.append(seconds)
         self._in_window += 1
         if self._in_window < self.window:
             return
-        self._in_window = 0
+        self.window_medians.append(("on" if self.prefetcher.enabled else "off", 1e3 * statistics.median(self._current)))
+        self._in_window, self._current = 0, []
         self._windows += 1
         if self._windows >= 2 * self.trials:
             self._decide()
-        else:
-            self.prefetcher.enabled = not self.prefetcher.enabled
+            return
+        # ABBA: windows 0 and 3 of every four on, 1 and 2 off.
+        enabled = self._windows % 4 in (0, 3)
+        self._switched = enabled != self.prefetcher.enabled
+        self.prefetcher.enabled = enabled
 
     def _decide(self) -> None:
         on, off = statistics.median(self.on_steps), statistics.median(self.off_steps)
@@ -337,4 +351,5 @@ class PrefetchGovernor:
             "tokens_per_s_off": 1 / off if off else None,
             "speedup": off / on if on and off else None,
             "steps_measured": len(self.on_steps) + len(self.off_steps),
+            "window_medians_ms": [[state, round(ms, 3)] for state, ms in self.window_medians],
         }

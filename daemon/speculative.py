@@ -56,6 +56,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
+from moestream.daemon.kv_buckets import bucketed, default_key_bucket
 from moestream.daemon.store.loader import StreamingModel
 
 MODES = ("mtp", "draft")
@@ -83,6 +84,10 @@ class SpeculativeParams:
     # After the probe keeps speculation: tokens per window of the watch that falls back
     # when speculation keeps running slower than the probe's plain decode (0: no watch).
     watch_tokens: int = 32
+    # Attention key lengths of short multi-token forwards (verify, the head's catch-up)
+    # padded to multiples of this (daemon/kv_buckets.py); None: where it was measured to
+    # pay (CUDA), 0: never.
+    key_bucket: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -95,6 +100,8 @@ class SpeculativeParams:
             raise ValueError(f"probe_tokens and probe_pairs must be >= 1, not {self.probe_tokens} and {self.probe_pairs}")
         if self.watch_tokens < 0:
             raise ValueError(f"watch_tokens must be >= 0, not {self.watch_tokens}")
+        if self.key_bucket is not None and self.key_bucket < 0:
+            raise ValueError(f"key_bucket must be >= 0, not {self.key_bucket}")
 
 
 @dataclass
@@ -104,6 +111,7 @@ class SpeculativeStats:
     mode: str
     draft_tokens_requested: int
     draft_tokens: int = 0
+    key_bucket: int = 0
     rounds: int = 0
     proposed: int = 0
     accepted: int = 0
@@ -132,6 +140,7 @@ class SpeculativeStats:
             "mode": self.mode,
             "draft_tokens": self.draft_tokens,
             "draft_tokens_requested": self.draft_tokens_requested,
+            "key_bucket": self.key_bucket,
             "rounds": self.rounds,
             "acceptance_rate": self.accepted / self.proposed if self.proposed else None,
             "tokens_per_round": self.spec_tokens / self.rounds if self.rounds else None,
@@ -182,8 +191,8 @@ def _needs_hidden_model(model: nn.Module, why: str) -> None:
 class _MainCache:
     """The main model's cache, with the rewind that a rejected draft needs."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.layers = make_prompt_cache(model)
+    def __init__(self, model: nn.Module, key_bucket: int = 0) -> None:
+        self.layers = bucketed(make_prompt_cache(model), key_bucket)
         self.recurrent = [c for c in self.layers if not c.is_trimmable()]
         odd = [type(c).__name__ for c in self.recurrent if not isinstance(c, ArraysCache)]
         if odd:
@@ -214,11 +223,11 @@ class MTPDrafter:
 
     need_hidden = True
 
-    def __init__(self, model: nn.Module, loaded: Any) -> None:
+    def __init__(self, model: nn.Module, loaded: Any, key_bucket: int = 0) -> None:
         _needs_hidden_model(model, "--speculative mtp")
         self.model = model
         self.head = loaded.head
-        self.cache = loaded.make_cache()
+        self.cache = bucketed([loaded.make_cache()], key_bucket)[0]
         self.chained = 0  # cache entries of chained drafts, trimmed at the next observe
         self.last: mx.array | None = None
 
@@ -253,9 +262,9 @@ class ModelDrafter:
 
     need_hidden = False
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, key_bucket: int = 0) -> None:
         self.model = model
-        self.cache = make_prompt_cache(model)
+        self.cache = bucketed(make_prompt_cache(model), key_bucket)
         if not all(c.is_trimmable() for c in self.cache):
             kinds = sorted({type(c).__name__ for c in self.cache if not c.is_trimmable()})
             raise ValueError(f"the draft model's cache ({kinds}) cannot be trimmed; choose a draft model with attention only")
@@ -306,14 +315,14 @@ def load_draft_model(path: str | Path) -> nn.Module:
     raise ValueError(f"draft model {path} is neither an expert store nor an mlx-lm model folder")
 
 
-def make_drafter(sm: StreamingModel, spec: SpeculativeParams) -> MTPDrafter | ModelDrafter:
+def make_drafter(sm: StreamingModel, spec: SpeculativeParams, key_bucket: int = 0) -> MTPDrafter | ModelDrafter:
     """The drafter of `spec` for `sm`, loading (once per `sm`) the MTP head or draft model."""
     if spec.mode == "mtp":
         if sm.mtp is None:
             from moestream.daemon.mtp_head import load_mtp_head
 
             sm.mtp = load_mtp_head(sm.store_dir, sm.manifest.config)
-        return MTPDrafter(sm.model, sm.mtp)
+        return MTPDrafter(sm.model, sm.mtp, key_bucket)
     key = str(Path(spec.draft_model).resolve())
     if key not in sm.draft_models:
         model = load_draft_model(key)
@@ -322,7 +331,7 @@ def make_drafter(sm: StreamingModel, spec: SpeculativeParams) -> MTPDrafter | Mo
         if main_vocab is not None and draft_vocab is not None and draft_vocab != main_vocab:
             raise ValueError(f"draft model {spec.draft_model} has a vocabulary of {draft_vocab}, the model {main_vocab}")
         sm.draft_models[key] = model
-    return ModelDrafter(sm.draft_models[key])
+    return ModelDrafter(sm.draft_models[key], key_bucket)
 
 
 def _vocab_size(model: nn.Module) -> int | None:
@@ -531,13 +540,15 @@ def speculative_steps(
     recording what it did in `stats`. `drafter` replaces the one `spec` names (any
     object with `need_hidden`, `begin`, `observe` and `propose` as `MTPDrafter` has)."""
     model = sm.model
-    drafter = drafter if drafter is not None else make_drafter(sm, spec)
+    bucket = spec.key_bucket if spec.key_bucket is not None else default_key_bucket()
+    stats.key_bucket = bucket
+    drafter = drafter if drafter is not None else make_drafter(sm, spec, bucket)
     k, stats.reason = effective_draft_tokens(sm, spec.draft_tokens) if spec.fallback else (spec.draft_tokens, None)
     stats.draft_tokens = k
     stats.plain_experts_per_token = sm.pools[0].top_k * len(sm.pools) if sm.pools else None
     if k == 0:
         stats.fell_back = True
-    cache = _MainCache(model)
+    cache = _MainCache(model, bucket)
     counter = _ExpertCounter(sm)
     clock = _Clock()
     probe = _Probe(spec) if k and (spec.fallback or spec.alternate) else None

@@ -100,9 +100,14 @@ def test_the_governor_keeps_prefetch_only_where_it_pays(on_ms, off_ms, keep):
         seen.append(switch.enabled)
         g.observe((on_ms if switch.enabled else off_ms) / 1e3)
     assert switch.enabled is keep
-    assert seen.count(True) == seen.count(False) == 12  # alternating windows, both states
+    assert seen.count(True) == seen.count(False) == 12  # both states alike
+    # ABBA windows of 4 steps: on, off, off, on, on, off.
+    assert seen == [w % 4 in (0, 3) for w in range(6) for _ in range(4)]
     d = g.to_dict()
     assert d["decided"] and d["speedup"] == pytest.approx(off_ms / on_ms)
+    # The first step, and the first after each of the 3 switches, are left out.
+    assert d["steps_measured"] == 24 - 4
+    assert d["window_medians_ms"] == [["on" if w % 4 in (0, 3) else "off", on_ms if w % 4 in (0, 3) else off_ms] for w in range(6)]
     assert ("does not pay" in d["decision"]) is (not keep)
     g.observe(1.0)  # decided: nothing changes any more
     assert switch.enabled is keep

@@ -253,6 +253,25 @@ def test_watch_falls_back_after_two_slow_windows_in_a_row_only():
     assert "0.70, 0.60" in stats.reason
 
 
+@pytest.mark.parametrize("name,capacity", [("demo", 1.0), ("demo", 0.25), ("next", 0.5), ("moe", 1.0)])
+def test_bucketed_key_lengths_keep_the_output(tiny_stores, name, capacity):
+    """Keys padded to buckets of 8 (the CUDA default is 256; 8 makes forwards cross
+    bucket boundaries often): every drafter and cache kind stays token-identical."""
+    store = demo_store_path() if name == "demo" else tiny_stores[name]
+    sm = load_streaming_model(store, Settings(capacity=capacity))
+    try:
+        prompt = encode_prompt(sm, DEMO_PROMPT if name == "demo" else TINY_PROMPT, None)
+        want = plain_tokens(sm, prompt)
+        mode = dict(mode="draft", draft_model=str(store)) if name == "moe" else dict(mode="mtp")
+        for alternate in (False, True):
+            spec = SpeculativeParams(**mode, draft_tokens=3, fallback=False, probe_tokens=2, alternate=alternate, key_bucket=8)
+            got, stats = spec_tokens(sm, prompt, spec)
+            assert got == want, alternate
+            assert stats.to_dict()["key_bucket"] == 8 and stats.rounds > 0
+    finally:
+        sm.close()
+
+
 def test_draft_model_is_token_identical(tiny_stores):
     sm = load_streaming_model(tiny_stores["moe"], Settings(capacity=0.5))
     try:

@@ -13,7 +13,9 @@ used before and then again at the same lengths:
 1. `mx.fast.scaled_dot_product_attention` alone, query lengths 1 (decode) and 2..5
    (verify of K = 1..4 drafts), causal mask as mlx-lm passes it;
 2. a whole forward of the model in the store (capacity 1: every expert resident) with
-   the same query lengths, by trimming the KV cache back and running again.
+   the same query lengths, by trimming the KV cache back and running again;
+3. the same with the cache speculation uses on CUDA (daemon/kv_buckets.py: keys padded
+   to multiples of 256, so a new key length is mostly not a new shape).
 
 Each figure is the median over the key lengths; "first" at a new length, "again" at a
 length just used.
@@ -30,6 +32,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from moestream.daemon.kv_buckets import CUDA_KEY_BUCKET, bucketed
 from moestream.daemon.store.loader import load_streaming_model
 from moestream.shared.settings import Settings
 
@@ -63,13 +66,13 @@ def sdpa_probe(heads: int, kv_heads: int, dim: int, start: int, lengths: int) ->
     return out
 
 
-def forward_probe(store: Path, lengths: int) -> dict:
+def forward_probe(store: Path, lengths: int, bucket: int = 0) -> dict:
     sm = load_streaming_model(store, Settings(capacity=1.0, mapped=False))
     try:
         model = sm.model
         out = {}
         for q_len in (1, 2, 3, 4, 5):
-            cache = make_prompt_cache(model)
+            cache = bucketed(make_prompt_cache(model), bucket)
             tokens = mx.array([[1 + (i % 50) for i in range(64 + 13 * q_len)]])
             mx.eval(model(tokens, cache=cache))
             step = mx.array([[3 + i for i in range(q_len)]])
@@ -81,7 +84,7 @@ def forward_probe(store: Path, lengths: int) -> dict:
                 again.append(_ms(lambda: mx.eval(model(step, cache=cache))))
             out[f"q{q_len}"] = {"first_ms": statistics.median(first), "again_ms": statistics.median(again),
                                 "first_max_ms": max(first)}
-            print("forward", q_len, out[f"q{q_len}"], flush=True)
+            print("forward", bucket, q_len, out[f"q{q_len}"], flush=True)
         return out
     finally:
         sm.close()
@@ -101,6 +104,7 @@ def main() -> None:
         "mlx": mx.__version__,
         "sdpa": sdpa_probe(16, 4, 128, 200, args.lengths),
         "forward": forward_probe(args.store, args.lengths),
+        "forward_bucketed": forward_probe(args.store, args.lengths, CUDA_KEY_BUCKET),
     }
     Path(args.out).write_text(json.dumps(result, indent=1))
 

@@ -1,0 +1,82 @@
+"""Attention caches whose key length moves in buckets for short multi-token forwards.
+
+Why: on MLX's CUDA backend, `mx.fast.scaled_dot_product_attention` with more than one
+query costs about 40 ms the first time it meets a key length, against 0.2-0.4 ms again
+(tests/bench/results/shape_probe_h200.json: a cuDNN graph is built per shape). A
+speculative verify forwards K+1 tokens, and the MTP head the tokens it accepted, each
+round at a key length never seen before, so every round paid that: speculation ran at a
+tenth of plain decode's speed. Padding the keys up to a multiple of `bucket`, with an
+explicit mask that hides the padding, keeps the shape fixed for `bucket` tokens.
+
+Only forwards of 2..`max_query` tokens are padded: a decode step (one query) and a long
+prefill keep mlx-lm's own path, so plain decode is exactly stock mlx-lm's. Padded keys
+are zeros or entries of trimmed (rejected) tokens; the mask gives them weight zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+# Key lengths grow in steps of this many tokens; one shape is built per step.
+CUDA_KEY_BUCKET = 256
+# The longest forward that is padded: a verify (K+1 <= 9) and the MTP head's catch-up on
+# a plain block of the fallback probe, well above both.
+MAX_PADDED_QUERY = 64
+
+
+def default_key_bucket() -> int:
+    """The bucket where per-shape costs were measured (CUDA), else 0 (no padding)."""
+    return CUDA_KEY_BUCKET if mx.default_device() == mx.gpu and mx.cuda.is_available() else 0
+
+
+class BucketedKVCache(KVCache):
+    """mlx-lm's KVCache, returning keys padded to a multiple of `bucket` (and the mask
+    that matches them) for forwards of 2..`max_query` tokens."""
+
+    def __init__(self, bucket: int, max_query: int = MAX_PADDED_QUERY) -> None:
+        if bucket < 1:
+            raise ValueError(f"bucket must be >= 1, not {bucket}")
+        super().__init__()
+        self.bucket = bucket
+        self.max_query = max_query
+
+    def _pads(self, n: int) -> bool:
+        return 1 < n <= self.max_query
+
+    def _padded(self, end: int) -> int:
+        return -(-end // self.bucket) * self.bucket
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        if window_size is not None or not self._pads(n):
+            return super().make_mask(n, return_array=return_array, window_size=window_size)
+        # Called before the forward's keys are added: they will span [offset, offset + n).
+        end = self.offset + n
+        return mx.arange(self.offset, end)[:, None] >= mx.arange(self._padded(end))[None]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        k, v = super().update_and_fetch(keys, values)
+        if not self._pads(keys.shape[2]):
+            return k, v
+        padded = self._padded(self.offset)
+        short = padded - self.keys.shape[2]
+        if short > 0:  # the buffer grows in steps of its own, which need not line up
+            b, h, _, dk = self.keys.shape
+            self.keys = mx.concatenate([self.keys, mx.zeros((b, h, short, dk), self.keys.dtype)], axis=2)
+            self.values = mx.concatenate(
+                [self.values, mx.zeros((b, h, short, self.values.shape[3]), self.values.dtype)], axis=2
+            )
+        return self.keys[..., :padded, :], self.values[..., :padded, :]
+
+
+def bucketed(caches: list[Any], bucket: int) -> list[Any]:
+    """`caches` (fresh, from `make_prompt_cache`) with every KVCache bucketed, when that is
+    all the attention caches there are; else unchanged (a sliding-window or quantized
+    cache builds its own mask, which would not match padded keys)."""
+    if not bucket or not all(type(c) is KVCache or isinstance(c, ArraysCache) for c in caches):
+        return caches
+    if any(type(c) is KVCache and not c.empty() for c in caches):
+        raise ValueError("only an empty cache can be bucketed")
+    return [BucketedKVCache(bucket) if type(c) is KVCache else c for c in caches]
