@@ -192,11 +192,14 @@ class HostTier:
 class TieredAdmitter:
     """Store -> host tier -> pool rows. `keep=False` makes the tier a staging area only."""
 
-    def __init__(self, reader: ExpertReader, tier: HostTier, copier: CudaCopier | None, *, keep: bool) -> None:
+    def __init__(self, reader: ExpertReader, tier: HostTier, copier: CudaCopier | None, *, keep: bool,
+                 batch: bool = False) -> None:
         self.reader = reader
         self.tier = tier
         self.copier = copier
         self.keep = keep
+        # The copier's calls queue their copies in batches (Settings.copy_batch).
+        self.batch = batch
         self.s = TierStats()
         # Whether copies queued by `prestage` may still be running: until `settle`, the
         # tier slots they read must not be reused, nor the rows they write read.
@@ -248,7 +251,7 @@ class TieredAdmitter:
         if not spans:
             return
         if self.copier is not None:
-            seconds = self.copier.copy(spans)
+            seconds = self.copier.copy(spans, batch=self.batch)
         else:
             tic = time.perf_counter()
             _memcpy_spans(spans)
@@ -280,7 +283,7 @@ class TieredAdmitter:
         if self.copier is None:
             _memcpy_spans(spans)
             return
-        self.copier.copy(spans, wait=False)
+        self.copier.copy(spans, wait=False, batch=self.batch)
         self._in_flight = True
 
     def warm(self, layers: Sequence[MoELayer], keys: Sequence[tuple[int, int]], batch: int = 256) -> int:
@@ -319,6 +322,8 @@ class TieredAdmitter:
             (dst[t.name], dr * t.nbytes, src[t.name], sr * t.nbytes, t.nbytes) for dr, sr in rows for t in layer.tensors
         ]
         if self.copier is not None:
+            # Not batched: a batch's location hints say host to GPU, and these copies
+            # run from GPU to GPU (and only on the rare overflow path).
             self.copier.copy(spans)
         else:
             _memcpy_rows(layer, dst, src, rows)
@@ -351,7 +356,7 @@ class TieredAdmitter:
             "prestaged": s.prestaged,
             "prestage_bytes": s.prestage_bytes,
             "prestage_wait_seconds": s.prestage_wait_seconds,
-        }
+        } | ({"copier": self.copier.counters()} if self.copier is not None else {})
 
 
 def expert_stride(manifest: Manifest) -> int:
@@ -375,9 +380,12 @@ def cuda_copier() -> tuple[CudaCopier | None, str]:
 STAGING_EXPERTS = 64
 
 
-def make_admitter(reader: ExpertReader, manifest: Manifest, host_cache_bytes: int) -> tuple[Admitter, dict[str, Any]]:
-    """The admitter for this machine and settings, and a note of what was chosen and why."""
+def make_admitter(reader: ExpertReader, manifest: Manifest, host_cache_bytes: int,
+                  copy_batch: bool = False) -> tuple[Admitter, dict[str, Any]]:
+    """The admitter for this machine and settings, and a note of what was chosen and why.
+    `copy_batch` (Settings.copy_batch) is honoured where the CUDA runtime has batches."""
     copier, why_not = cuda_copier()
+    batch = copy_batch and copier is not None and copier.has_batch
     stride = expert_stride(manifest)
     if host_cache_bytes:
         slots = host_cache_bytes // stride
@@ -387,9 +395,10 @@ def make_admitter(reader: ExpertReader, manifest: Manifest, host_cache_bytes: in
             )
         total = sum(layer.num_experts for layer in manifest.layers)
         slots = min(slots, total)
-        return TieredAdmitter(reader, HostTier(slots, stride, copier), copier, keep=True), {"cuda": why_not or "on"}
+        admitter = TieredAdmitter(reader, HostTier(slots, stride, copier), copier, keep=True, batch=batch)
+        return admitter, {"cuda": why_not or "on", "copy_batch": batch}
     if copier is not None:
         largest = max(layer.num_experts for layer in manifest.layers)
         tier = HostTier(min(STAGING_EXPERTS, largest), stride, copier)
-        return TieredAdmitter(reader, tier, copier, keep=False), {"cuda": "on"}
+        return TieredAdmitter(reader, tier, copier, keep=False, batch=batch), {"cuda": "on", "copy_batch": batch}
     return DirectAdmitter(reader), {"cuda": why_not}

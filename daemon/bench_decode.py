@@ -67,6 +67,8 @@ class BenchDecodeSettings:
     mapped_moves: tuple[int, ...] = (0,)
     # Tokens between rebalances of the "+mapped" configurations (Settings).
     mapped_rebalance_tokens: int = 256
+    # The CUDA copier queues in batches (Settings.copy_batch).
+    copy_batch: bool = False
 
 
 @dataclass
@@ -154,7 +156,8 @@ def _streaming_config(
     sm = load_streaming_model(
         settings.store,
         Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads, prefetch=settings.prefetch,
-                 mapped_moves=mapped_moves, mapped_rebalance_tokens=settings.mapped_rebalance_tokens),
+                 mapped_moves=mapped_moves, mapped_rebalance_tokens=settings.mapped_rebalance_tokens,
+                 copy_batch=settings.copy_batch),
         naive=naive,
         admitter=admitter,
         mapped=mapped,
@@ -311,7 +314,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             # One host tier for every "+host" configuration: they run in turn, and a
             # machine would hold one such tier, not one per pool size.
             shared_reader = ExpertReader(settings.store, manifest, threads=settings.io_threads)
-            tier, _ = make_admitter(shared_reader, manifest, settings.host_cache)
+            tier, _ = make_admitter(shared_reader, manifest, settings.host_cache, settings.copy_batch)
         for c in settings.capacities:
             configs.append(_streaming_config(f"moestream@{c:g}", c, settings, prompt))
             if tier is not None and c < 1:
@@ -403,6 +406,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         "host_cache_bytes": settings.host_cache,
         "mapped": settings.mapped,
         "prefetch": settings.prefetch,
+        "copy_batch": settings.copy_batch,
         "mapped_moves": list(settings.mapped_moves) if settings.mapped else None,
         "mapped_rebalance_tokens": settings.mapped_rebalance_tokens if settings.mapped else None,
         "read_bandwidth_bytes_per_s": bandwidth,

@@ -52,6 +52,8 @@ class BenchPredictSettings:
     mlx_memory_limit: int | None = None
     # Experts prefetched per token, as a multiple of top-k.
     width: int = 1
+    # The CUDA copier queues in batches (Settings.copy_batch).
+    copy_batch: bool = False
 
 
 def _decode(sm: StreamingModel, prompt: list[int], steps: int, temp: float, seed: int) -> float:
@@ -78,18 +80,38 @@ def _diagnosed(sm: StreamingModel, prompt: list[int], settings: BenchPredictSett
     sm.prefetcher.enabled = prefetch
     rec = Recorder()
     sm.diagnostics.rec = rec
+    copier = getattr(sm.admitter, "copier", None)
+    before = copier.counters() if copier is not None else None
     try:
         _decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed)
     finally:
         sm.diagnostics.rec = None
-    return rec.to_dict()
+    out = rec.to_dict()
+    if copier is not None:
+        out["copier"] = _copier_per_forward(before, copier.counters(), settings)
+    return out
+
+
+def _copier_per_forward(before: dict[str, Any], after: dict[str, Any], settings: BenchPredictSettings) -> dict[str, float]:
+    """The CUDA copier's work per forward: copy calls and spans, and the host ms spent
+    reading spans and exporting buffers (bind), queuing (enqueue) and waiting (wait)."""
+    forwards = settings.decode_tokens + 1
+    d = {k: after[k] - before[k] for k in after}
+    return {
+        "calls": d["calls"] / forwards,
+        "spans": d["spans"] / forwards,
+        "bind_ms": 1e3 * d["bind_seconds"] / forwards,
+        "enqueue_ms": 1e3 * d["enqueue_seconds"] / forwards,
+        "wait_ms": 1e3 * d["wait_seconds"] / forwards,
+        "us_per_span": 1e6 * (d["bind_seconds"] + d["enqueue_seconds"]) / d["spans"] if d["spans"] else None,
+    }
 
 
 def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[int]) -> dict[str, Any]:
     sm = load_streaming_model(
         settings.store,
         Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads,
-                 host_cache=settings.host_cache, prefetch="on", mapped=False),
+                 host_cache=settings.host_cache, prefetch="on", mapped=False, copy_batch=settings.copy_batch),
         max_tokens=settings.prompt_tokens + settings.decode_tokens + 512,
     )
     try:
@@ -128,6 +150,8 @@ def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[
         # Where a diagnosed run's time went: each segment's seconds summed over the MoE
         # layers, per forward (prompt and decode steps), with prefetch on and off.
         "segment_ms_per_forward": {name: _per_forward(run, settings) for name, run in (("prefetch_on", on), ("prefetch_off", off))},
+        # Where the CUDA copier's host time goes (absent without it).
+        "copier_per_forward": {name: run.get("copier") for name, run in (("prefetch_on", on), ("prefetch_off", off))},
         "tokens_per_s_off": tps[False],
         "tokens_per_s_on": tps[True],
         "speedup": tps[True] / tps[False],
@@ -184,6 +208,7 @@ def run_bench_predict(settings: BenchPredictSettings) -> dict[str, Any]:
         "policy": settings.policy,
         "host_cache": settings.host_cache,
         "prefetch_width": f"{settings.width}k",
+        "copy_batch": settings.copy_batch,
         "results": results,
     }
 

@@ -121,7 +121,8 @@ def install(
     # Room for a few layers' predictions of a batch; with prefetch off the buffer only
     # has to exist (predictions still feed the diagnostics).
     slots = prefetch_slots or (top_k if prefetch == "off" else min(16 * top_k, 4 * largest))
-    prefetcher = Prefetcher(reader, manifest, copier, slots=slots, top_k=top_k, mode=prefetch, tier=tier)
+    prefetcher = Prefetcher(reader, manifest, copier, slots=slots, top_k=top_k, mode=prefetch, tier=tier,
+                            batch=getattr(admitter, "batch", False))
     for m, nxt, router in zip(moes, moes[1:], routers[1:]):
         if router is not None:
             m.set_next(NextLayer(nxt.pool, router), prefetcher)

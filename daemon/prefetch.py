@@ -68,7 +68,7 @@ class Prefetcher:
     """Async reads of predicted experts into host memory, and their promotion into pools."""
 
     def __init__(self, reader: ExpertReader, manifest: Manifest, copier: CudaCopier | None, *, slots: int, top_k: int,
-                 mode: str = "auto", tier: Any = None) -> None:
+                 mode: str = "auto", tier: Any = None, batch: bool = False) -> None:
         if mode not in PREFETCH_MODES:
             raise ValueError(f"prefetch mode {mode!r}: use one of {', '.join(PREFETCH_MODES)}")
         self.stride = expert_stride(manifest)
@@ -78,6 +78,7 @@ class Prefetcher:
         self.width = top_k
         self.reader = reader
         self.copier = copier
+        self.batch = batch  # the copier queues in batches (Settings.copy_batch)
         # The host-RAM tier of `--host-cache`, when there is one: experts it holds are
         # not prefetched (reaching the pool from it is a copy, not a read).
         self.tier = tier
@@ -242,7 +243,7 @@ class Prefetcher:
         if not spans:
             return
         if self.copier is not None:
-            self.copier.copy([(dst, doff, self.buffer, soff, n) for dst, doff, soff, n in spans])
+            self.copier.copy([(dst, doff, self.buffer, soff, n) for dst, doff, soff, n in spans], batch=self.batch)
             return
         views: dict[int, memoryview] = {}
         src = self._view

@@ -9,6 +9,7 @@
 // DMA from page-locked host memory runs at the link's speed (55 GB/s measured on an H200).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -36,6 +37,16 @@ struct PlaceSpan {
   bool on_device;
 };
 
+// Totals of `CudaRuntime::copy` since the runtime was loaded: where the host's time
+// goes when it queues many small copies (each cudaMemcpyAsync costs microseconds of it).
+struct CopyCounters {
+  uint64_t calls = 0;
+  uint64_t spans = 0;
+  uint64_t bytes = 0;
+  double enqueue_seconds = 0;  // queuing the copies
+  double wait_seconds = 0;     // waiting for them, in calls that wait
+};
+
 // What cudaPointerGetAttributes says about an address.
 enum class MemoryKind { kUnregistered = 0, kHost = 1, kDevice = 2, kManaged = 3 };
 
@@ -59,7 +70,11 @@ class CudaRuntime {
   // Enqueue every span on the copy streams (largest first, spread over the streams so
   // that several copy engines work at once), then, with `wait`, wait for all of them.
   // Returns the seconds from the first enqueue to the end of the wait (0 without it).
-  double copy(std::vector<CopySpan> spans, bool wait = true);
+  // `batch` queues each stream's share with one cudaMemcpyBatchAsync (CUDA 13 runtimes;
+  // see has_batch) instead of one cudaMemcpyAsync per span; its location hints say host
+  // memory to GPU memory, so use it for those copies only.
+  double copy(std::vector<CopySpan> spans, bool wait = true, bool batch = false);
+  bool has_batch() const;
   // Wait for every copy queued so far; returns the seconds waited.
   double sync();
   int streams() const { return static_cast<int>(streams_.size()); }
@@ -72,6 +87,7 @@ class CudaRuntime {
   // bytes never change, so kernels reading a range while it moves read the same bytes).
   void place_many(const std::vector<PlaceSpan>& spans, bool map_for_gpu, bool wait);
   MemoryKind kind_of(const void* p);
+  CopyCounters counters() const;
 
  private:
   CudaRuntime() = default;
@@ -83,6 +99,8 @@ class CudaRuntime {
   std::vector<void*> streams_;
   std::string library_;
   int runtime_version_ = 0;
+  // Updated by `copy`, which may run on several threads at once.
+  std::atomic<uint64_t> calls_{0}, spans_{0}, bytes_{0}, enqueue_ns_{0}, wait_ns_{0};
 };
 
 }  // namespace moestream

@@ -116,6 +116,11 @@ class Settings:
     # Native read engine.
     io_threads: int = 4
     direct_io: bool = True
+    # The CUDA copier queues each call's copies with one cudaMemcpyBatchAsync per stream
+    # (CUDA 13 runtimes) instead of one cudaMemcpyAsync per tensor of each expert, which
+    # costs microseconds of host time apiece on the path the GPU waits on. Off until it
+    # is measured on the GPU machine (tests/bench/gpu_copy_check.py).
+    copy_batch: bool = False
     verify_checksums: bool = False
     # Daemon.
     runtime_dir: str | None = None
@@ -204,7 +209,7 @@ def _coerce(name: str, raw: Any) -> Any:
         return parse_capacity(raw)
     if name in ("memory_budget", "host_cache"):
         return parse_size(raw)
-    if name in ("direct_io", "verify_checksums", "diagnostics", "mapped"):
+    if name in ("direct_io", "verify_checksums", "diagnostics", "mapped", "copy_batch"):
         if isinstance(raw, bool):
             return raw
         s = str(raw).strip().lower()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -117,6 +119,24 @@ def test_prefetch_setting_is_checked():
     assert Settings.from_values({"prefetch": "AUTO"}).prefetch == "auto"
     with pytest.raises(SettingsError, match="prefetch"):
         Settings.from_values({"prefetch": "sometimes"})
+
+
+def test_copy_batch_setting_and_env():
+    assert Settings().copy_batch is False  # off until measured on the GPU machine
+    assert Settings.resolve(env={"MOESTREAM_COPY_BATCH": "1"}, config_file="/nonexistent").copy_batch is True
+    with pytest.raises(SettingsError, match="copy_batch"):
+        Settings.from_values({"copy_batch": "maybe"})
+
+
+def test_copier_figures_are_per_forward():
+    from moestream.daemon.bench_predict import BenchPredictSettings, _copier_per_forward
+
+    before = {"calls": 10, "spans": 100, "bytes": 0, "bind_seconds": 1.0, "enqueue_seconds": 2.0, "wait_seconds": 3.0}
+    after = {"calls": 30, "spans": 500, "bytes": 9, "bind_seconds": 1.1, "enqueue_seconds": 2.3, "wait_seconds": 3.5}
+    d = _copier_per_forward(before, after, BenchPredictSettings(store=Path("."), decode_tokens=3))  # 4 forwards
+    assert d["calls"] == 5 and d["spans"] == 100
+    assert d["bind_ms"] == pytest.approx(25) and d["enqueue_ms"] == pytest.approx(75) and d["wait_ms"] == pytest.approx(125)
+    assert d["us_per_span"] == pytest.approx(1e6 * 0.4 / 400)
 
 
 def test_a_wider_prefetch_reads_more_and_changes_no_token():

@@ -256,7 +256,7 @@ def load_streaming_model(
         if mapped:
             admitter, note = DirectAdmitter(reader), {"mapped": True}
         elif admitter is None:
-            admitter, note = make_admitter(reader, manifest, settings.host_cache)
+            admitter, note = make_admitter(reader, manifest, settings.host_cache, settings.copy_batch)
         else:
             note = {"shared": True}
         if auto_note is not None:

@@ -4,7 +4,7 @@
 # results go to $OUT and are committed under tests/bench/results/.
 #
 #   bash tests/bench/gpu_run.sh exactness     # the exactness suite on CUDA (adds bf16)
-#   bash tests/bench/gpu_run.sh copy-check    # the CUDA copier: exact bytes, memory kinds, H2D GB/s
+#   bash tests/bench/gpu_run.sh copy-check    # the CUDA copier: exact bytes, memory kinds, H2D GB/s, batched vs per-span queuing
 #   bash tests/bench/gpu_run.sh mapped-q30    # full residency: managed vs device copies; a mapped pool; routing readback
 #   bash tests/bench/gpu_run.sh predict-q30   # bench predict (recall, prefetch on/off at 25/50%)
 #   bash tests/bench/gpu_run.sh overlap       # expert matmul beside DMA copies into managed memory
@@ -59,9 +59,12 @@ case "$stage" in
   predict-q30)
     # With a host tier that holds every expert (HOST_CACHE=0 for none): predicted experts
     # are then copied into the next layer's slots while the GPU computes.
+    # CAPACITY=0.25 measures one capacity only; COPY_BATCH=1 queues copies in batches.
+    f="$OUT/bench_predict_q30${COPY_BATCH:+_batch}_h200.json"
     ctl bench predict --model /root/q30/store --temp 1 --host-cache ${HOST_CACHE:-20G} --width ${WIDTH:-1} \
-      --prompt-tokens ${PROMPT_TOKENS:-8} --decode-tokens ${DECODE_TOKENS:-48} --mlx-memory-limit 64G --json >"$OUT/bench_predict_q30_h200.json"
-    $py - "$OUT/bench_predict_q30_h200.json" <<'EOF'
+      ${CAPACITY:+--capacity $CAPACITY} ${COPY_BATCH:+--copy-batch} \
+      --prompt-tokens ${PROMPT_TOKENS:-8} --decode-tokens ${DECODE_TOKENS:-48} --mlx-memory-limit 64G --json >"$f"
+    $py - "$f" <<'EOF'
 import json, sys
 from moestream.daemon.bench_predict import format_report
 print(format_report(json.load(open(sys.argv[1]))))
@@ -103,12 +106,14 @@ EOF
     # Mapped pools with 2 and 0 moves per layer per placement turn (MAPPED_MOVES), each
     # rebalanced every REBALANCE tokens (short, so that the short runs see it): each
     # holds every expert in host memory (16 GB, outside the GPU's memory).
+    # COPY_BATCH=1: the copier queues in batches.
+    f="$OUT/bench_decode_q30${COPY_BATCH:+_batch}.json"
     ctl bench decode --model /root/q30/store --capacity 1 --capacity 0.25 \
       --host-cache 20G --mapped $(for m in ${MAPPED_MOVES:-2 0}; do echo --mapped-moves $m; done) \
-      --mapped-rebalance-tokens ${REBALANCE:-32} --temp 1 \
+      --mapped-rebalance-tokens ${REBALANCE:-32} --temp 1 ${COPY_BATCH:+--copy-batch} \
       --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-24} --rounds ${ROUNDS:-3} --mlx-memory-limit 100G \
-      --json >"$OUT/bench_decode_q30.json"
-    $py - "$OUT/bench_decode_q30.json" <<'EOF'
+      --json >"$f"
+    $py - "$f" <<'EOF'
 import json, sys
 from moestream.daemon.bench_decode import format_report
 print(format_report(json.load(open(sys.argv[1]))))
