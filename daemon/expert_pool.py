@@ -6,7 +6,8 @@ Invariants:
 - Pinned experts are resident and never evicted; nor is any expert that the tokens being
   served need (`protected`), so one forward never overwrites a slot it reads.
 - Slot bytes are only written while no queued computation reads that slot: admission
-  first waits for the streams that run the model to drain.
+  first waits for the streams that run the model to drain, unless the forward has just
+  synced on the one stream every read of this pool was queued on (`ensure`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class PoolStats:
     evictions: int = 0
     bytes_read: int = 0
     host_syncs: int = 0
+    # Waits for the model's streams before writing slots (`_quiesce`): each costs a
+    # round trip to the device even when the streams are idle.
+    quiesces: int = 0
     # Prefill forwards whose experts did not fit in the pool (served from scratch).
     overflow_forwards: int = 0
     # Experts copied in ahead of use from host memory (`prestage`), and how many of
@@ -65,6 +69,7 @@ class PoolStats:
             "evictions": self.evictions,
             "bytes_read": self.bytes_read,
             "host_syncs": self.host_syncs,
+            "quiesces": self.quiesces,
             "overflow_forwards": self.overflow_forwards,
             "prestaged": self.prestaged,
             "prestaged_used": self.prestaged_used,
@@ -138,6 +143,8 @@ class ExpertPool:
         self._prestaged: set[int] = set()
         # How many of the last forward's routed experts were resident thanks to prestage.
         self.last_prestaged_used = 0
+        # The stream of the forward that last queued a read of this pool's slots.
+        self._reader_stream: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -264,10 +271,18 @@ class ExpertPool:
             self.stats.misses_prefill += len(missing)
         return needed, missing
 
-    def ensure(self, token_experts: np.ndarray, *, decode: bool) -> None:
+    def ensure(self, token_experts: np.ndarray, *, decode: bool, synced: bool = False) -> None:
         """Make resident every expert routed by these tokens ([tokens, k] ids),
-        promoting what the prefetcher has read for them."""
+        promoting what the prefetcher has read for them; the caller then queues the
+        forward's read of the slots on the current stream.
+
+        `synced`: this forward has just synced a computation on the current stream (its
+        router). A stream runs its work in order, so every read of the slots queued on it
+        before has run too; when every earlier read was queued on this stream, slots may
+        be written without waiting for the streams again (the same order that `prestage`
+        relies on)."""
         prediction, self.prediction = self.prediction, None
+        stream = str(mx.default_stream(mx.default_device()))
         rec = self.hub.rec if self.hub is not None else None
         if rec is not None:
             tic = time.perf_counter()
@@ -276,7 +291,9 @@ class ExpertPool:
             rec.segment(self.layer.ordinal, "lookup", time.perf_counter() - tic)
             self._diagnose(rec, needed, missing, prediction, decode, promotable=True)
         if missing:
-            self._admit(missing, set(needed.tolist()) | self.pinned, rec=rec)
+            drained = synced and self._reader_stream in (None, stream)
+            self._admit(missing, set(needed.tolist()) | self.pinned, rec=rec, drained=drained)
+        self._reader_stream = stream
 
     def _diagnose(self, rec: Recorder, needed: np.ndarray, missing: list[int], prediction: Prediction | None,
                   decode: bool, *, promotable: bool) -> None:
@@ -372,10 +389,10 @@ class ExpertPool:
             self.policy.admitted(e)
         self.admitter.copy_rows(self.layer, self.arrays, scratch, rows)
 
-    @staticmethod
-    def _quiesce() -> None:
+    def _quiesce(self) -> None:
         """Work queued earlier (e.g. another request's step, interleaved with this one)
         may still read the slots about to be overwritten: let it finish first."""
+        self.stats.quiesces += 1
         mx.synchronize(generation_stream)
         mx.synchronize()
 
@@ -408,10 +425,12 @@ class ExpertPool:
             placements.append((e, slot))
         return placements
 
-    def _admit(self, missing: Sequence[int], protected: set[int], rec: Recorder | None = None) -> None:
+    def _admit(self, missing: Sequence[int], protected: set[int], rec: Recorder | None = None,
+               drained: bool = False) -> None:
         if rec is not None:
             tic = time.perf_counter()
-        self._quiesce()
+        if not drained:
+            self._quiesce()
         placements = self._assign_slots(missing, protected)
         if rec is not None:
             t_read = time.perf_counter()

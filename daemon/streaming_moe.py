@@ -97,7 +97,7 @@ class StreamingMoE(nn.Module):
             rec.union(ordinal, seq, int(np.unique(flat).size))
         if pool.fits(flat):
             # One token per sequence is a decode step (batched or not); more is prefill.
-            pool.ensure(flat, decode=decode)
+            pool.ensure(flat, decode=decode, synced=True)  # the route's sync above
             y = self.inner(x, mx.array(pool.slot_of[ids]))
             if rec is not None:
                 self._time_experts(y, indices, rec)

@@ -134,6 +134,47 @@ def test_pool_invariants_hold_after_a_run(store):
         sm.close()
 
 
+def _logits_run(sm, stream=None, n_prompt=1, steps=16) -> list[np.ndarray]:
+    """Greedy logits of a short decode, on `stream` (default: the default stream). A
+    one-token prompt's experts fit a pool of 5 (top-4): no overflow."""
+    out = []
+    with mx.stream(stream if stream is not None else mx.default_stream(mx.default_device())):
+        cache = make_prompt_cache(sm.model)
+        logits = sm.model(mx.arange(n_prompt)[None] % 500, cache=cache)[:, -1, :]
+        for _ in range(steps):
+            out.append(np.array(logits.astype(mx.float32)))
+            logits = sm.model(mx.argmax(logits, axis=-1)[None], cache=cache)[:, -1, :]
+    return out
+
+
+def test_admission_waits_for_the_streams_only_when_a_read_may_be_in_flight(store):
+    """A forward's router sync drains its stream, so admission needs no wait of its own
+    while every read of a pool was queued on that stream; a read queued on another
+    stream makes the next admission wait. The logits stay those of a fully resident
+    model either way."""
+    full = load_streaming_model(store, Settings(capacity=1.0))
+    sm = load_streaming_model(store, Settings(capacity=5, prefetch="off"))
+    try:
+        want = _logits_run(full)
+        got = _logits_run(sm)
+        stats = sm.pool_stats()
+        assert stats["misses_decode"] > 0 and stats["overflow_forwards"] == 0 and stats["quiesces"] == 0
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        # Another stream: each pool's first admission there waits once, then no more.
+        other = mx.new_stream(mx.default_device())
+        got = _logits_run(sm, stream=other)
+        waited = sm.pool_stats()["quiesces"]
+        assert 0 < waited <= len(sm.pools)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        _logits_run(sm, stream=other)
+        assert sm.pool_stats()["quiesces"] == waited
+    finally:
+        sm.close()
+        full.close()
+
+
 def test_truncated_expert_file_names_layer_and_expert(store, tmp_path):
     broken = tmp_path / "store"
     shutil.copytree(store, broken)
