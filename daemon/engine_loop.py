@@ -4,7 +4,8 @@ Requests are served by fair interleaving: each active request is an `iter_genera
 generator with its own KV cache, and the loop advances them round-robin, one step each.
 Every step reads the command queue first, so a cancel or a disconnect stops a request
 before its next token. The pool waits for queued work before it overwrites a slot
-(`ExpertPool._admit`), so interleaved requests get exactly the tokens they get alone
+(`ExpertPool._admit`, or the forward's own router sync where a stream runs in order:
+`ExpertPool.ensure`), so interleaved requests get exactly the tokens they get alone
 (greedy; with sampling, requests share MLX's global random state).
 
 Only this thread touches MLX, and it is the process's main thread: with the CPU build

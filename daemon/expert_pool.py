@@ -145,6 +145,11 @@ class ExpertPool:
         self.last_prestaged_used = 0
         # The stream of the forward that last queued a read of this pool's slots.
         self._reader_stream: str | None = None
+        # Whether a sync on a stream means that everything queued on it before has run:
+        # so on CUDA (one CUDA stream per MLX stream) and on the CPU (one worker per
+        # stream). Not relied on with Metal, whose command buffers of one queue may
+        # overlap when they share no tracked buffer (another request's last layer).
+        self._ordered_streams = not mx.metal.is_available()
 
     @property
     def nbytes(self) -> int:
@@ -277,10 +282,9 @@ class ExpertPool:
         forward's read of the slots on the current stream.
 
         `synced`: this forward has just synced a computation on the current stream (its
-        router). A stream runs its work in order, so every read of the slots queued on it
-        before has run too; when every earlier read was queued on this stream, slots may
-        be written without waiting for the streams again (the same order that `prestage`
-        relies on)."""
+        router). Where a stream runs its work in order (`_ordered_streams`), every read of
+        the slots queued on it before has run too; when every earlier read was queued on
+        this stream, slots may be written without waiting for the streams again."""
         prediction, self.prediction = self.prediction, None
         stream = str(mx.default_stream(mx.default_device()))
         rec = self.hub.rec if self.hub is not None else None
@@ -291,7 +295,7 @@ class ExpertPool:
             rec.segment(self.layer.ordinal, "lookup", time.perf_counter() - tic)
             self._diagnose(rec, needed, missing, prediction, decode, promotable=True)
         if missing:
-            drained = synced and self._reader_stream in (None, stream)
+            drained = synced and self._ordered_streams and self._reader_stream in (None, stream)
             self._admit(missing, set(needed.tolist()) | self.pinned, rec=rec, drained=drained)
         self._reader_stream = stream
 
