@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from moestream.daemon.kv_buckets import BucketedKVCache, bucketed, default_key_bucket
+from moestream.daemon.kv_buckets import BucketedKVCache, bucketed
 
 HEADS, DIM = 2, 16
 
@@ -61,7 +61,3 @@ def test_bucketed_swaps_only_plain_caches_of_empty_lists():
         bucketed([used], 32)
     with pytest.raises(ValueError, match="bucket"):
         BucketedKVCache(0)
-
-
-def test_no_padding_by_default_off_cuda():
-    assert default_key_bucket() == (256 if mx.default_device() == mx.gpu and mx.cuda.is_available() else 0)
