@@ -77,6 +77,10 @@ class PoolStats:
         }
 
 
+def _current_stream() -> str:
+    return str(mx.default_stream(mx.default_device()))
+
+
 class PoolCapacityError(ValueError):
     """The pool cannot hold what is asked of it; the message says what would fit."""
 
@@ -198,9 +202,10 @@ class ExpertPool:
         `ensure` waits for them. Victims are never pinned or among `experts`. Returns how
         many were admitted.
 
-        Safe to call only between this layer's forwards, while no queued computation
-        reads this pool: after a host sync of the same forward at a lower layer (every
-        earlier computation has run), with only that layer's work queued since."""
+        Called between this layer's forwards, after a host sync of the same forward at a
+        lower layer with only that layer's work queued since: where streams run in order
+        and every read of this pool was queued on the current stream, no queued
+        computation reads it any more; elsewhere it waits for the streams first."""
         if not self.keep or self.fully_resident:
             return 0
         named = {int(e) for e in experts}
@@ -210,6 +215,8 @@ class ExpertPool:
         missing = missing[:room]
         if not missing:
             return 0
+        if not self._reads_drained():
+            self._quiesce()
         placements = self._assign_slots(missing, protected)
         for e in missing:
             self.policy.admitted(e)
@@ -286,7 +293,6 @@ class ExpertPool:
         the slots queued on it before has run too; when every earlier read was queued on
         this stream, slots may be written without waiting for the streams again."""
         prediction, self.prediction = self.prediction, None
-        stream = str(mx.default_stream(mx.default_device()))
         rec = self.hub.rec if self.hub is not None else None
         if rec is not None:
             tic = time.perf_counter()
@@ -295,9 +301,8 @@ class ExpertPool:
             rec.segment(self.layer.ordinal, "lookup", time.perf_counter() - tic)
             self._diagnose(rec, needed, missing, prediction, decode, promotable=True)
         if missing:
-            drained = synced and self._ordered_streams and self._reader_stream in (None, stream)
-            self._admit(missing, set(needed.tolist()) | self.pinned, rec=rec, drained=drained)
-        self._reader_stream = stream
+            self._admit(missing, set(needed.tolist()) | self.pinned, rec=rec, drained=synced and self._reads_drained())
+        self._reader_stream = _current_stream()
 
     def _diagnose(self, rec: Recorder, needed: np.ndarray, missing: list[int], prediction: Prediction | None,
                   decode: bool, *, promotable: bool) -> None:
@@ -392,6 +397,11 @@ class ExpertPool:
             self._resident.add(e)
             self.policy.admitted(e)
         self.admitter.copy_rows(self.layer, self.arrays, scratch, rows)
+
+    def _reads_drained(self) -> bool:
+        """After a sync on the current stream: whether every read of this pool queued
+        before has run (see `ensure`)."""
+        return self._ordered_streams and self._reader_stream in (None, _current_stream())
 
     def _quiesce(self) -> None:
         """Work queued earlier (e.g. another request's step, interleaved with this one)
