@@ -69,6 +69,9 @@ class BenchDecodeSettings:
     mapped_rebalance_tokens: int = 256
     # The CUDA copier queues in batches (Settings.copy_batch).
     copy_batch: bool = False
+    # Untimed runs of every configuration before the timed rounds; more than one lets a
+    # mapped pool's rebalance (every mapped_rebalance_tokens) happen before timing.
+    warmup_rounds: int = 1
 
 
 @dataclass
@@ -327,9 +330,10 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         if settings.naive:
             configs.append(_streaming_config("naive-on-demand", None, settings, prompt, naive=True))
         say(f"loaded {len(configs)} configurations: {', '.join(c.name for c in configs)}")
-        for c in configs:  # warm-up: kernels, page tables, first reads, the host tier
-            c.run()
-            say(f"warm-up {c.name}")
+        for w in range(settings.warmup_rounds):  # kernels, page tables, first reads, the host tier
+            for c in configs:
+                c.run()
+                say(f"warm-up {w + 1}/{settings.warmup_rounds} {c.name}")
         for r in range(settings.rounds):
             for c in configs:
                 gc.collect()
@@ -403,6 +407,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         "decode_tokens": settings.decode_tokens,
         "temp": settings.temp,
         "rounds": settings.rounds,
+        "warmup_rounds": settings.warmup_rounds,
         "host_cache_bytes": settings.host_cache,
         "mapped": settings.mapped,
         "prefetch": settings.prefetch,

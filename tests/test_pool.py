@@ -372,3 +372,26 @@ def test_host_cache_below_one_expert_is_refused(store):
 
     with pytest.raises(SettingsError, match="below one expert"):
         load_streaming_model(store, Settings(capacity=0.25, host_cache=1000))
+
+
+def test_bench_decode_reports_every_configuration_side_by_side(store):
+    """`bench decode` on a tiny store: each configuration decodes the same tokens in every
+    round, the warm-up rounds are run and recorded, and the bound and ratios are there."""
+    from moestream.daemon.bench_decode import BenchDecodeSettings, run_bench_decode
+
+    lines: list[str] = []
+    report = run_bench_decode(
+        BenchDecodeSettings(store=store, capacities=(1.0, 0.5), prompt_tokens=3, decode_tokens=4, rounds=2,
+                            warmup_rounds=2, host_cache=1 << 20, temp=1.0),
+        progress=lines.append,
+    )
+    names = [r["name"] for r in report["results"]]
+    assert names == ["stock-mlx-lm", "moestream@1", "moestream@0.5", "moestream@0.5+host", "naive-on-demand"]
+    assert report["warmup_rounds"] == 2
+    assert sum("warm-up 2/2" in line for line in lines) == len(names)
+    for r in report["results"]:
+        assert len(r["tokens_per_s_runs"]) == 2 and r["same_tokens_as_first"], r["name"]
+        assert r["bound_tokens_per_s"] > 0 and r["vs_naive"] > 0
+    rows = {r["name"]: r for r in report["results"]}
+    assert rows["moestream@1"]["hit_rate"] == 1.0 and rows["naive-on-demand"]["hit_rate"] == 0.0
+    assert rows["moestream@0.5+host"]["tier_hit_rate"] is not None

@@ -12,7 +12,7 @@
 #   bash tests/bench/gpu_run.sh residency-q30 # copy streams; 100% vs stock per round; zero-copy reads
 #   bash tests/bench/gpu_run.sh exactness-mini  # 4-bit and bf16 random models of CUDA-friendly size
 #   bash tests/bench/gpu_run.sh make-q30      # Qwen3-30B-A3B-shaped random 4-bit model + store
-#   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it: stock, 100%, 25% (+host, +mapped), naive
+#   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it: stock, 100%, 25% (+host, +mapped), naive (WARMUP=2, COPY_BATCH=1)
 #   bash tests/bench/gpu_run.sh decode-q30-table # 50% and 12.5% (+host, +mapped)
 #   bash tests/bench/gpu_run.sh warmstart-q30 # bench warmstart on it
 #   bash tests/bench/gpu_run.sh warmstart-q30-mapped # the same with mapped pools
@@ -110,7 +110,7 @@ EOF
     f="$OUT/bench_decode_q30${COPY_BATCH:+_batch}.json"
     ctl bench decode --model /root/q30/store --capacity 1 --capacity 0.25 \
       --host-cache 20G --mapped $(for m in ${MAPPED_MOVES:-2 0}; do echo --mapped-moves $m; done) \
-      --mapped-rebalance-tokens ${REBALANCE:-32} --temp 1 ${COPY_BATCH:+--copy-batch} \
+      --mapped-rebalance-tokens ${REBALANCE:-32} --temp 1 ${COPY_BATCH:+--copy-batch} ${WARMUP:+--warmup-rounds $WARMUP} \
       --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-24} --rounds ${ROUNDS:-3} --mlx-memory-limit 100G \
       --json >"$f"
     $py - "$f" <<'EOF'
