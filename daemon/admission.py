@@ -380,11 +380,12 @@ def cuda_copier() -> tuple[CudaCopier | None, str]:
 STAGING_EXPERTS = 64
 
 
-def make_admitter(reader: ExpertReader, manifest: Manifest, host_cache_bytes: int,
-                  copy_batch: bool = False) -> tuple[Admitter, dict[str, Any]]:
+def make_admitter(reader: ExpertReader, manifest: Manifest, host_cache_bytes: int, copy_batch: bool = False, *,
+                  cuda: tuple[CudaCopier | None, str] | None = None) -> tuple[Admitter, dict[str, Any]]:
     """The admitter for this machine and settings, and a note of what was chosen and why.
-    `copy_batch` (Settings.copy_batch) is honoured where the CUDA runtime has batches."""
-    copier, why_not = cuda_copier()
+    `copy_batch` (Settings.copy_batch) is honoured where the CUDA runtime has batches;
+    `cuda` is what `cuda_copier()` gave the caller already (else it is asked here)."""
+    copier, why_not = cuda if cuda is not None else cuda_copier()
     batch = copy_batch and copier is not None and copier.has_batch
     stride = expert_stride(manifest)
     if host_cache_bytes:

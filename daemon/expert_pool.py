@@ -215,7 +215,7 @@ class ExpertPool:
         missing = missing[:room]
         if not missing:
             return 0
-        if not self._reads_drained():
+        if not self._reads_drained(_current_stream()):
             self._quiesce()
         placements = self._assign_slots(missing, protected)
         for e in missing:
@@ -300,9 +300,10 @@ class ExpertPool:
         if rec is not None:
             rec.segment(self.layer.ordinal, "lookup", time.perf_counter() - tic)
             self._diagnose(rec, needed, missing, prediction, decode, promotable=True)
+        stream = _current_stream()
         if missing:
-            self._admit(missing, set(needed.tolist()) | self.pinned, rec=rec, drained=synced and self._reads_drained())
-        self._reader_stream = _current_stream()
+            self._admit(missing, set(needed.tolist()) | self.pinned, rec=rec, drained=synced and self._reads_drained(stream))
+        self._reader_stream = stream
 
     def _diagnose(self, rec: Recorder, needed: np.ndarray, missing: list[int], prediction: Prediction | None,
                   decode: bool, *, promotable: bool) -> None:
@@ -398,10 +399,10 @@ class ExpertPool:
             self.policy.admitted(e)
         self.admitter.copy_rows(self.layer, self.arrays, scratch, rows)
 
-    def _reads_drained(self) -> bool:
-        """After a sync on the current stream: whether every read of this pool queued
-        before has run (see `ensure`)."""
-        return self._ordered_streams and self._reader_stream in (None, _current_stream())
+    def _reads_drained(self, stream: str) -> bool:
+        """After a sync on `stream` (the current one): whether every read of this pool
+        queued before has run (see `ensure`)."""
+        return self._ordered_streams and self._reader_stream in (None, stream)
 
     def _quiesce(self) -> None:
         """Work queued earlier (e.g. another request's step, interleaved with this one)

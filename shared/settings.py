@@ -104,9 +104,10 @@ class Settings:
     # A mapped pool's placement moves at most this many experts per layer into GPU
     # memory each time it runs (once per token, or less often when it falls behind);
     # 0 keeps the initial placement (autopin's hottest experts of the saved heat). 0 by
-    # default: on the H200 moves cost more than they saved in every round (24.3 tok/s
-    # without against 21.6 with 2, varied routing), and on the real Qwen1.5-MoE trace the
-    # heat's hottest held fixed hit more than LRU does (0.338 against 0.301 at 25%).
+    # default: on the H200 moves cost more than they saved (varied routing, 25%: 24.3
+    # tok/s without against 21.6 with 2 in session 4, 31.5 against 26.7 in session 6;
+    # tests/bench/results/bench_decode_q30_*h200.json), and on the real Qwen1.5-MoE trace
+    # the heat's hottest held fixed hit more than LRU does (0.338 against 0.301 at 25%).
     mapped_moves: int = 0
     # Every this many tokens routed, a mapped pool sets each layer's GPU share to its
     # most routed experts so far (the saved heat included): a few moves now and then,

@@ -265,12 +265,12 @@ def test_mapped_auto_chooses_by_gpu_pool_tier_and_host_ram(store):
     need = mapped_host_bytes(manifest) + MAPPED_HOST_MARGIN
     auto = Settings()
     assert auto.mapped is None and Settings.from_values({"mapped": "auto"}).mapped is None
-    assert choose_mapped(manifest, 4, auto, need, gpu_copier=True) == (True, "on: an NVIDIA GPU, a partial pool and host RAM for every expert")
-    assert choose_mapped(manifest, 4, auto, need, gpu_copier=False)[0] is False
-    assert choose_mapped(manifest, 4, auto, need - 1, gpu_copier=True)[1].startswith("off: host RAM")
-    assert "host-cache" in choose_mapped(manifest, 4, auto.replace(host_cache=1 << 30), need, gpu_copier=True)[1]
-    assert "every expert fits" in choose_mapped(manifest, 16, auto, need, gpu_copier=True)[1]
-    assert choose_mapped(manifest, 4, auto, need, gpu_copier=True, naive=True)[0] is False
+    assert choose_mapped(manifest, 4, auto, need, "") == (True, "on: an NVIDIA GPU, a partial pool and host RAM for every expert")
+    assert choose_mapped(manifest, 4, auto, need, "MLX runs on the CPU")[0] is False
+    assert choose_mapped(manifest, 4, auto, need - 1, "")[1].startswith("off: host RAM")
+    assert "host-cache" in choose_mapped(manifest, 4, auto.replace(host_cache=1 << 30), need, "")[1]
+    assert "every expert fits" in choose_mapped(manifest, 16, auto, need, "")[1]
+    assert choose_mapped(manifest, 4, auto, need, "", naive=True)[0] is False
     sm = load_streaming_model(store, Settings(capacity=0.25))
     try:
         assert sm.placement is None and sm.pool_stats()["mapped"] is False
