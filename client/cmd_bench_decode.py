@@ -30,6 +30,8 @@ from moestream.client.cli_values import size_option
               help="With --mapped: experts moved into GPU memory per layer per placement turn; repeat for one '+mapped' run each (default 0: the initial placement stays).")
 @click.option("--mapped-rebalance-tokens", default=256, show_default=True, type=click.IntRange(0, None),
               help="With --mapped: tokens between rebalances (each layer's most routed experts into GPU memory); 0 never.")
+@click.option("--mapped-gather", type=click.Choice(["off", "on", "both"]), default="off", show_default=True,
+              help="With --mapped: decode steps copy the routed experts into a stack in GPU memory first (setting mapped_gather); 'both' runs each '+mapped' configuration both ways (':g' marks gathering).")
 @click.option("--prefetch", type=click.Choice(["on", "off"]), default="on", show_default=True,
               help="Prefetch of the predicted next-layer experts in the partial-pool runs (with a host tier: copied into the next layer's slots while the GPU computes).")
 @click.option("--copy-batch", is_flag=True, help="The CUDA copier queues each call's copies in one cudaMemcpyBatchAsync per stream (CUDA 13; setting copy_batch).")
@@ -38,7 +40,7 @@ from moestream.client.cli_values import size_option
 @click.option("--draft-model", type=click.Path(file_okay=False), help="Draft model for --speculative draft.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds, warmup_rounds, io_threads, no_stock, no_naive, mlx_memory_limit, host_cache, temp, seed, mapped,
-                 mapped_moves, mapped_rebalance_tokens, prefetch, copy_batch, speculative, draft_tokens, draft_model, as_json) -> None:
+                 mapped_moves, mapped_rebalance_tokens, mapped_gather, prefetch, copy_batch, speculative, draft_tokens, draft_model, as_json) -> None:
     """Decode tokens/s, hit rates, bytes moved per token per tier, admission GB/s and
     the bandwidth bound, for stock mlx-lm, moestream at each capacity (with and without
     the host-RAM tier) and the naive on-demand baseline."""
@@ -75,6 +77,7 @@ def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds
         prefetch=prefetch,
         mapped_moves=tuple(mapped_moves) or (0,),
         mapped_rebalance_tokens=mapped_rebalance_tokens,
+        mapped_gather={"off": (False,), "on": (True,), "both": (False, True)}[mapped_gather],
         copy_batch=copy_batch,
     )
     try:

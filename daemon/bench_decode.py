@@ -69,6 +69,9 @@ class BenchDecodeSettings:
     mapped_rebalance_tokens: int = 256
     # The CUDA copier queues in batches (Settings.copy_batch).
     copy_batch: bool = False
+    # A mapped pool's decode steps copy the routed experts into a stack first
+    # (Settings.mapped_gather): one configuration per value, ":g" marks those that do.
+    mapped_gather: tuple[bool, ...] = (False,)
     # Untimed runs of every configuration before the timed rounds; more than one lets a
     # mapped pool's rebalance (every mapped_rebalance_tokens) happen before timing.
     warmup_rounds: int = 1
@@ -155,12 +158,13 @@ def _streaming_config(
     admitter: Admitter | None = None,
     mapped: bool = False,
     mapped_moves: int = 0,
+    mapped_gather: bool = False,
 ) -> Config:
     sm = load_streaming_model(
         settings.store,
         Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads, prefetch=settings.prefetch,
                  mapped_moves=mapped_moves, mapped_rebalance_tokens=settings.mapped_rebalance_tokens,
-                 copy_batch=settings.copy_batch),
+                 copy_batch=settings.copy_batch, mapped_gather=mapped_gather),
         naive=naive,
         admitter=admitter,
         mapped=mapped,
@@ -324,9 +328,10 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
                 configs.append(_streaming_config(f"moestream@{c:g}+host", c, settings, prompt, admitter=tier))
             if settings.mapped and c < 1:
                 for m in settings.mapped_moves:
-                    suffix = "" if len(settings.mapped_moves) == 1 else f":m{m}"
-                    configs.append(_streaming_config(f"moestream@{c:g}+mapped{suffix}", c, settings, prompt, mapped=True,
-                                                     mapped_moves=m))
+                    for g in settings.mapped_gather:
+                        suffix = ("" if len(settings.mapped_moves) == 1 else f":m{m}") + (":g" if g else "")
+                        configs.append(_streaming_config(f"moestream@{c:g}+mapped{suffix}", c, settings, prompt, mapped=True,
+                                                         mapped_moves=m, mapped_gather=g))
         if settings.naive:
             configs.append(_streaming_config("naive-on-demand", None, settings, prompt, naive=True))
         say(f"loaded {len(configs)} configurations: {', '.join(c.name for c in configs)}")
@@ -414,6 +419,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         "copy_batch": settings.copy_batch,
         "mapped_moves": list(settings.mapped_moves) if settings.mapped else None,
         "mapped_rebalance_tokens": settings.mapped_rebalance_tokens if settings.mapped else None,
+        "mapped_gather": list(settings.mapped_gather) if settings.mapped else None,
         "read_bandwidth_bytes_per_s": bandwidth,
         "link_bandwidth_bytes_per_s": link,
         "link_kind": link_kind,

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from moestream.daemon.diagnostics import Diagnostics, Recorder
     from moestream.daemon.predictor import Prediction
     from moestream.daemon.prefetch import Prefetcher
+    from moestream.daemon.row_gather import RowGather
 
 
 @dataclass
@@ -128,6 +129,9 @@ class ExpertPool:
         # Set once every expert is resident: lookups then stay on the device.
         self.remap: mx.array | None = None
         self.identity = False
+        # A mapped pool's copy of routed experts into a stack before small forwards
+        # (Settings.mapped_gather; set by the loader), else None.
+        self.gather: RowGather | None = None
         # The lowest MoE layers' pools (lowest first), whose routing of the same tokens
         # some policies use as a hint (they route first in a forward); and this
         # forward's routing.

@@ -29,6 +29,7 @@ from moestream.daemon.diagnostics import Diagnostics, Recorder
 from moestream.daemon.expert_pool import ExpertPool
 from moestream.daemon.predictor import NextLayer, Prediction
 from moestream.daemon.prefetch import MAX_PREFETCH_TOKENS, Prefetcher
+from moestream.daemon.row_gather import MAX_GATHERED
 
 
 class StreamingMoE(nn.Module):
@@ -66,7 +67,10 @@ class StreamingMoE(nn.Module):
             # case) this is exactly stock mlx-lm's call; else ids map to slots on the device.
             if pool.route_log is not None:
                 pool.route_log.append(indices)
-            return self.inner(x, indices if pool.identity else pool.remap[indices])
+            ids = indices if pool.identity else pool.remap[indices]
+            if pool.gather is not None and indices.size <= MAX_GATHERED:
+                return self._gathered(x, ids)
+            return self.inner(x, ids)
 
         ordinal = pool.layer.ordinal
         if rec is not None:
@@ -122,6 +126,19 @@ class StreamingMoE(nn.Module):
         if ranked_np is not None:
             self._predict_next(ranked_np, seq, rec)
         return y
+
+    def _gathered(self, x: mx.array, ids: mx.array) -> mx.array:
+        """mlx-lm's call on a stack of just the routed experts' rows (a mapped pool's
+        small forwards, daemon/row_gather.py), with ids 0..n-1 in the routing's shape."""
+        pool = self.pool
+        names = [t.name for t in pool.layer.tensors]
+        rows = pool.gather([pool.arrays[name] for name in names], ids)
+        self._use(dict(zip(names, rows)))
+        try:
+            # As with an overflow stack, the lazy graph holds its own references.
+            return self.inner(x, mx.arange(ids.size, dtype=ids.dtype).reshape(ids.shape))
+        finally:
+            self._use(pool.arrays)
 
     def _predict_next(self, ranked: np.ndarray, seq: int, rec: Recorder | None) -> None:
         """Hand layer L+1 this forward's prediction and start reading what it lacks."""

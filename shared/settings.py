@@ -114,6 +114,11 @@ class Settings:
     # instead of a placement that a first start without heat would keep for good.
     # 0: never.
     mapped_rebalance_tokens: int = 256
+    # A mapped pool's decode steps first copy the routed experts into a small stack in
+    # GPU memory (one copy kernel per layer, wide loads) and run the expert kernels on
+    # that, instead of letting the kernels read host memory over the link as they go
+    # (daemon/row_gather.py). Off until it is measured on the GPU machine.
+    mapped_gather: bool = False
     # Native read engine.
     io_threads: int = 4
     direct_io: bool = True
@@ -210,7 +215,7 @@ def _coerce(name: str, raw: Any) -> Any:
         return parse_capacity(raw)
     if name in ("memory_budget", "host_cache"):
         return parse_size(raw)
-    if name in ("direct_io", "verify_checksums", "diagnostics", "mapped", "copy_batch"):
+    if name in ("direct_io", "verify_checksums", "diagnostics", "mapped", "copy_batch", "mapped_gather"):
         if isinstance(raw, bool):
             return raw
         s = str(raw).strip().lower()

@@ -12,6 +12,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from moestream.daemon.placement import READBACK_LAG, CountingMover, Placement, _runs
+from moestream.daemon.row_gather import MAX_GATHERED, RowGather
 from moestream.daemon.store.convert import convert_model
 from moestream.daemon.store.loader import load_stock_model, load_streaming_model
 from moestream.shared.settings import Settings
@@ -201,5 +202,64 @@ def test_rebalancing_weighs_the_heat_autopin_seeded(store):
         placement.settle()
         placement.rebalance()
         assert placement.on_gpu == want
+    finally:
+        sm.close()
+
+
+class CountingGather:
+    """Passes gathers on to a RowGather and records how many ids each one took."""
+
+    def __init__(self, inner: RowGather) -> None:
+        self.inner = inner
+        self.sizes: list[int] = []
+
+    def __call__(self, arrays, ids):
+        self.sizes.append(ids.size)
+        return self.inner(arrays, ids)
+
+
+def test_row_gather_copies_the_rows_it_is_given():
+    a = mx.arange(5 * 6 * 4, dtype=mx.uint32).reshape(5, 6, 4)
+    b = mx.random.normal((5, 3)).astype(mx.bfloat16)
+    ids = mx.array([[3, 0, 3]], dtype=mx.uint32)
+    got = RowGather(use_kernel=False)([a, b], ids)
+    assert [g.shape for g in got] == [(3, 6, 4), (3, 3)]
+    assert mx.array_equal(got[0], a[mx.array([3, 0, 3])]) and mx.array_equal(got[1], b[mx.array([3, 0, 3])])
+
+
+def test_mapped_gather_gives_stock_logits_and_gathers_only_small_forwards(store):
+    """With mapped_gather, decode steps run mlx-lm's expert call on a stack of the routed
+    rows: logits bit-equal to stock mlx-lm's at every step; the prefill (more routed ids
+    than MAX_GATHERED) keeps the pool's own call."""
+    stock = load_stock_model(store)
+    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_gather=True), mapped=True)
+    try:
+        shared = sm.pools[0].gather
+        assert isinstance(shared, RowGather) and all(p.gather is shared for p in sm.pools)
+        counting = CountingGather(shared)
+        for pool in sm.pools:
+            pool.gather = counting
+        prompt = mx.arange(20)[None] % 300
+        caches = make_prompt_cache(stock), make_prompt_cache(sm.model)
+        want, got = stock(prompt, cache=caches[0]), sm.model(prompt, cache=caches[1])
+        assert mx.array_equal(want, got)
+        assert counting.sizes == [], "20 tokens x top-k ids is a prefill: not gathered"
+        k = sm.pools[0].top_k
+        assert 20 * k > MAX_GATHERED
+        y = mx.argmax(want[:, -1, :], axis=-1)
+        for _ in range(6):
+            want, got = stock(y[None], cache=caches[0]), sm.model(y[None], cache=caches[1])
+            assert mx.array_equal(want, got)
+            y = mx.argmax(want[:, -1, :], axis=-1)
+        assert counting.sizes == [k] * (6 * len(sm.pools))
+    finally:
+        sm.close()
+
+
+def test_mapped_gather_is_off_by_default_and_only_for_mapped_pools(store):
+    assert Settings().mapped_gather is False
+    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_gather=True), mapped=False)
+    try:
+        assert all(p.gather is None for p in sm.pools)
     finally:
         sm.close()

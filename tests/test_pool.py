@@ -382,11 +382,12 @@ def test_bench_decode_reports_every_configuration_side_by_side(store):
     lines: list[str] = []
     report = run_bench_decode(
         BenchDecodeSettings(store=store, capacities=(1.0, 0.5), prompt_tokens=3, decode_tokens=4, rounds=2,
-                            warmup_rounds=2, host_cache=1 << 20, temp=1.0),
+                            warmup_rounds=2, host_cache=1 << 20, temp=1.0, mapped=True, mapped_gather=(False, True)),
         progress=lines.append,
     )
     names = [r["name"] for r in report["results"]]
-    assert names == ["stock-mlx-lm", "moestream@1", "moestream@0.5", "moestream@0.5+host", "naive-on-demand"]
+    assert names == ["stock-mlx-lm", "moestream@1", "moestream@0.5", "moestream@0.5+host", "moestream@0.5+mapped",
+                     "moestream@0.5+mapped:g", "naive-on-demand"]
     assert report["warmup_rounds"] == 2
     assert sum("warm-up 2/2" in line for line in lines) == len(names)
     for r in report["results"]:
@@ -395,3 +396,5 @@ def test_bench_decode_reports_every_configuration_side_by_side(store):
     rows = {r["name"]: r for r in report["results"]}
     assert rows["moestream@1"]["hit_rate"] == 1.0 and rows["naive-on-demand"]["hit_rate"] == 0.0
     assert rows["moestream@0.5+host"]["tier_hit_rate"] is not None
+    assert report["mapped_gather"] == [False, True]
+    assert rows["moestream@0.5+mapped:g"]["host_syncs_per_token"] == 1.0  # the sampled token alone

@@ -27,6 +27,7 @@ from moestream.daemon.expert_pool import ExpertPool, PoolCapacityError
 from moestream.daemon.expert_reader import ExpertReader
 from moestream.daemon.placement import CountingMover, Placement
 from moestream.daemon.policies import make_policy
+from moestream.daemon.row_gather import RowGather
 from moestream.daemon.predictor import install as install_predictor
 from moestream.daemon.streaming_moe import StreamingMoE
 from moestream.shared.settings import Settings
@@ -255,6 +256,7 @@ def load_streaming_model(
         reader = admitter.reader
     pools: list[ExpertPool] = []
     moes: list[StreamingMoE] = []
+    gather = RowGather(use_kernel=RowGather.kernel_available()) if mapped and settings.mapped_gather else None
     blocks: list[Any] = []
     try:
         if mapped:
@@ -274,6 +276,7 @@ def load_streaming_model(
             slots = layer.num_experts if mapped else min(capacity, layer.num_experts)
             policy = make_policy(settings.policy, layer.num_experts, slots)
             pool = ExpertPool(layer, slots, policy, admitter, top_k=k, keep=not naive, host_memory=mapped)
+            pool.gather = gather
             parent[key] = StreamingMoE(module, pool)
             pools.append(pool)
             moes.append(parent[key])

@@ -7,7 +7,8 @@ For a 4-bit and a bf16 random qwen3_moe ("mini" shape of make_random_moe.py), ea
 length and each capacity from top-k to all experts (slot pools with and without a host
 tier, with prefetch on, so the tier's predicted experts are copied into the next layer's
 slots while the GPU computes; and mapped pools moving experts between host and GPU memory
-as they decode), compares the logits of every step of greedy decoding, bit for bit, and reports the
+as they decode, with and without the copy of routed experts into a stack, mapped_gather),
+compares the logits of every step of greedy decoding, bit for bit, and reports the
 largest difference where they differ.
 """
 
@@ -63,13 +64,16 @@ def main() -> None:
         rng = np.random.default_rng(0)
         prompts = {n: rng.integers(0, 4096, n).tolist() for n in (1, 7, 100)}
         want = {n: greedy(model, p, args.steps) for n, p in prompts.items()}
-        cases = [(4, 0, False), (8, 0, False), (16, 0, False), (32, 0, False), (4, 1 << 26, False), (8, 1 << 26, False),
-                 (4, 0, True), (8, 0, True)]
-        for slots, host_cache, mapped in cases:
+        # (slots, host tier bytes, mapped, mapped_gather)
+        cases = [(4, 0, False, False), (8, 0, False, False), (16, 0, False, False), (32, 0, False, False),
+                 (4, 1 << 26, False, False), (8, 1 << 26, False, False), (4, 0, True, False), (8, 0, True, False),
+                 (4, 0, True, True), (8, 0, True, True)]
+        for slots, host_cache, mapped, gather in cases:
             # Prefetch on: with a host tier, predicted experts are copied into the next
             # layer's slots on the copier's streams while the GPU computes (prestage).
-            sm = load_streaming_model(store, Settings(capacity=slots, host_cache=host_cache, mapped=mapped, prefetch="on"))
-            mode = "mapped" if mapped else sm.pool_stats()["admission"]["mode"]
+            sm = load_streaming_model(store, Settings(capacity=slots, host_cache=host_cache, mapped=mapped, prefetch="on",
+                                                      mapped_gather=gather))
+            mode = ("mapped+gather" if gather else "mapped") if mapped else sm.pool_stats()["admission"]["mode"]
             tick = sm.placement.tick if sm.placement is not None else None
             for n, p in prompts.items():
                 toks, rows = greedy(sm.model, p, args.steps, tick)

@@ -10,6 +10,7 @@
 #   bash tests/bench/gpu_run.sh overlap       # expert matmul beside DMA copies into managed memory
 #   bash tests/bench/gpu_run.sh shape         # forwards at new vs seen key lengths (per-shape costs)
 #   bash tests/bench/gpu_run.sh residency-q30 # copy streams; 100% vs stock per round; zero-copy reads
+#   bash tests/bench/gpu_run.sh gather-q30    # one mapped layer: zero-copy expert call vs copying the routed experts first
 #   bash tests/bench/gpu_run.sh exactness-mini  # 4-bit and bf16 random models of CUDA-friendly size
 #   bash tests/bench/gpu_run.sh make-q30      # Qwen3-30B-A3B-shaped random 4-bit model + store
 #   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it: stock, 100%, 25% (+host, +mapped), naive (WARMUP=2, COPY_BATCH=1)
@@ -80,6 +81,9 @@ EOF
   residency-q30)
     $py tests/bench/gpu_residency_probe.py --store /root/q30/store --out "$OUT/residency_q30.json" 2>&1 | tail -40
     ;;
+  gather-q30)
+    $py tests/bench/gpu_gather_probe.py --store /root/q30/store --out "$OUT/gather_probe_h200.json" 2>&1 | tail -4
+    ;;
   exactness-mini)
     $py tests/bench/gpu_exactness_check.py --out "$OUT/exactness_gpu_mini.json" --steps "${STEPS:-16}" >"$OUT/exactness_gpu_mini.log" 2>&1 || { tail -60 "$OUT/exactness_gpu_mini.log"; exit 1; }
     tail -3 "$OUT/exactness_gpu_mini.log"
@@ -106,10 +110,11 @@ EOF
     # Mapped pools with 2 and 0 moves per layer per placement turn (MAPPED_MOVES), each
     # rebalanced every REBALANCE tokens (short, so that the short runs see it): each
     # holds every expert in host memory (16 GB, outside the GPU's memory).
-    # COPY_BATCH=1: the copier queues in batches.
+    # COPY_BATCH=1: the copier queues in batches. GATHER=on|both: mapped decode steps copy
+    # the routed experts into a stack first (both: each mapped configuration both ways).
     f="$OUT/bench_decode_q30${COPY_BATCH:+_batch}.json"
     ctl bench decode --model /root/q30/store --capacity 1 --capacity 0.25 \
-      --host-cache 20G --mapped $(for m in ${MAPPED_MOVES:-2 0}; do echo --mapped-moves $m; done) \
+      --host-cache 20G --mapped $(for m in ${MAPPED_MOVES:-2 0}; do echo --mapped-moves $m; done) --mapped-gather ${GATHER:-off} \
       --mapped-rebalance-tokens ${REBALANCE:-32} --temp 1 ${COPY_BATCH:+--copy-batch} ${WARMUP:+--warmup-rounds $WARMUP} \
       --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-24} --rounds ${ROUNDS:-3} --mlx-memory-limit 100G \
       --json >"$f"
