@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -52,6 +53,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--bits", default="4,0", help="weights to test: 4 = 4-bit, 0 = bf16 (GPU only)")
+    parser.add_argument("--only", default="", help="run only the cases whose label (e.g. 32-slots, 4-tier, 8-mapped+gather) matches this regex")
     args = parser.parse_args()
     mx.set_memory_limit(32 * 2**30)
     results = []
@@ -69,6 +71,9 @@ def main() -> None:
                  (4, 1 << 26, False, False), (8, 1 << 26, False, False), (4, 0, True, False), (8, 0, True, False),
                  (4, 0, True, True), (8, 0, True, True)]
         for slots, host_cache, mapped, gather in cases:
+            label = f"{slots}-" + ("tier" if host_cache else ("mapped+gather" if gather else "mapped") if mapped else "slots")
+            if not re.search(args.only, label):
+                continue
             # Prefetch on: with a host tier, predicted experts are copied into the next
             # layer's slots on the copier's streams while the GPU computes (prestage).
             sm = load_streaming_model(store, Settings(capacity=slots, host_cache=host_cache, mapped=mapped, prefetch="on",

@@ -85,8 +85,11 @@ EOF
     $py tests/bench/gpu_gather_probe.py --store /root/q30/store --out "$OUT/gather_probe_h200.json" 2>&1 | tail -4
     ;;
   exactness-mini)
-    $py tests/bench/gpu_exactness_check.py --out "$OUT/exactness_gpu_mini.json" --steps "${STEPS:-16}" >"$OUT/exactness_gpu_mini.log" 2>&1 || { tail -60 "$OUT/exactness_gpu_mini.log"; exit 1; }
-    tail -3 "$OUT/exactness_gpu_mini.log"
+    # ONLY=regex runs the matching cases (labels like 32-slots, 4-tier, 8-mapped+gather);
+    # TAG names the output files of one such run.
+    $py tests/bench/gpu_exactness_check.py --out "$OUT/exactness_gpu_mini${TAG:+_$TAG}.json" --steps "${STEPS:-16}" \
+      --bits "${BITS:-4,0}" --only "${ONLY:-}" >"$OUT/exactness_gpu_mini${TAG:+_$TAG}.log" 2>&1 || { tail -30 "$OUT/exactness_gpu_mini${TAG:+_$TAG}.log"; exit 1; }
+    tail -3 "$OUT/exactness_gpu_mini${TAG:+_$TAG}.log"
     ;;
   make-q30)
     rm -rf /root/q30 && mkdir -p /root/q30
