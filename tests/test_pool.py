@@ -393,8 +393,27 @@ def test_bench_decode_reports_every_configuration_side_by_side(store):
     for r in report["results"]:
         assert len(r["tokens_per_s_runs"]) == 2 and r["same_tokens_as_first"], r["name"]
         assert r["bound_tokens_per_s"] > 0 and r["vs_naive"] > 0
+        # The strictest bound is the fastest resident round's.
+        assert r["best_bound_tokens_per_s"] >= r["bound_tokens_per_s"]
+        assert r["fraction_of_best_bound"] <= r["fraction_of_bound"] and r["fraction_of_bound_paired"] > 0
     rows = {r["name"]: r for r in report["results"]}
     assert rows["moestream@1"]["hit_rate"] == 1.0 and rows["naive-on-demand"]["hit_rate"] == 0.0
     assert rows["moestream@0.5+host"]["tier_hit_rate"] is not None
     assert report["mapped_gather"] == [False, True]
     assert rows["moestream@0.5+mapped:g"]["host_syncs_per_token"] == 1.0  # the sampled token alone
+
+
+def test_bound_is_reported_against_the_median_each_round_and_the_fastest_round():
+    from moestream.daemon.bench_decode import add_bound
+
+    resident = {"tokens_per_s": 75.0, "tokens_per_s_runs": [50.0, 100.0]}
+    # 10 ms per token over the link on top of resident compute.
+    row = {"tokens_per_s": 25.0, "tokens_per_s_runs": [20.0, 30.0], "disk_bytes_per_token": 0.0,
+           "host_to_pool_bytes_per_token": 1e9}
+    add_bound(row, resident, read_bandwidth=1e9, link_bandwidth=1e11)
+    assert row["bound_tokens_per_s"] == pytest.approx(1 / (1 / 75 + 0.01))
+    assert row["fraction_of_bound"] == pytest.approx(25 * (1 / 75 + 0.01))
+    assert row["fraction_of_bound_paired"] == pytest.approx(0.6)  # 20 of 33.3, 30 of 50
+    assert row["best_bound_tokens_per_s"] == pytest.approx(50.0)
+    assert row["fraction_of_best_bound"] == pytest.approx(0.5)
+    assert row["vs_resident_paired"] == pytest.approx(0.35)  # median of 0.4 and 0.3

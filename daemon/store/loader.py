@@ -339,8 +339,8 @@ def choose_mapped(manifest: Manifest, capacity: int, settings: Settings, host_av
     fastest and is safe: an NVIDIA GPU (the pool's misses are read over the link; on
     unified memory and the CPU there is nothing to place), a partial pool, no host tier
     asked for, and host RAM for every expert plus the margin. On the H200 at 25% it ran
-    31.5 tok/s against 12.0 for the slot pool with a host tier and 2.4 without
-    (tests/bench/results/bench_decode_q30_h200.json). `cuda_why_not` is what
+    37.7 tok/s against 12.0 for the slot pool with a host tier and 2.5 without
+    (tests/bench/results/bench_decode_q30_h200.json, session 7). `cuda_why_not` is what
     `cuda_copier` said: empty where the CUDA copier is available, else why not."""
     if naive:
         return False, "off: a benchmark's own pool"

@@ -29,7 +29,12 @@ def plot(report: dict, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(10, 4.8))
     x = range(len(rows))
     ax.bar(x, tps, color=colors, yerr=[lows, highs], capsize=3, label="tokens/s (median, range of runs)")
-    ax.scatter(x, bounds, marker="_", s=600, color="black", zorder=3, label="bound (compute + bytes / measured bandwidths)")
+    ax.scatter(x, bounds, marker="_", s=600, color="black", zorder=3, label="bound (resident median + bytes / measured bandwidths)")
+    best = [r.get("best_bound_tokens_per_s") for r in rows]
+    if any(b is not None for b in best):
+        ax.scatter(x, [b if b is not None else float("nan") for b in best], marker="_", s=600, color="tab:orange", zorder=3,
+                   label="bound from the fastest resident round (strictest)")
+        bounds = bounds + best
     for i, r in enumerate(rows):
         ax.annotate(f"{r['hit_rate']:.3f}", (i, tps[i]), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7)
     ax.set_xticks(list(x), names, rotation=30, ha="right")
