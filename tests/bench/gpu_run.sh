@@ -11,6 +11,7 @@
 #   bash tests/bench/gpu_run.sh shape         # forwards at new vs seen key lengths (per-shape costs)
 #   bash tests/bench/gpu_run.sh residency-q30 # copy streams; 100% vs stock per round; zero-copy reads
 #   bash tests/bench/gpu_run.sh gather-q30    # one mapped layer: zero-copy expert call vs copying the routed experts first
+#   bash tests/bench/gpu_run.sh block         # one block per pool slot: gather_qmm on strided views, copies per expert
 #   bash tests/bench/gpu_run.sh exactness-mini  # 4-bit and bf16 random models of CUDA-friendly size
 #   bash tests/bench/gpu_run.sh make-q30      # Qwen3-30B-A3B-shaped random 4-bit model + store
 #   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it: stock, 100%, 25% (+host, +mapped), naive (WARMUP=2, COPY_BATCH=1)
@@ -80,6 +81,9 @@ EOF
     ;;
   residency-q30)
     $py tests/bench/gpu_residency_probe.py --store /root/q30/store --out "$OUT/residency_q30.json" 2>&1 | tail -40
+    ;;
+  block)
+    $py tests/bench/gpu_block_probe.py --out "$OUT/block_probe_h200.json" 2>&1 | tail -30
     ;;
   gather-q30)
     $py tests/bench/gpu_gather_probe.py --store /root/q30/store --out "$OUT/gather_probe_h200.json" 2>&1 | tail -4
