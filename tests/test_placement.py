@@ -154,7 +154,7 @@ def test_a_worker_that_falls_behind_takes_the_backlog_in_one_turn(store):
 
 def test_mapped_moves_zero_keeps_the_initial_placement(store):
     want = decode(load_stock_model(store), STEPS)
-    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_moves=0), mapped=True)
+    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_moves=0, mapped_rebalance_tokens=0), mapped=True)
     try:
         before = [set(s) for s in sm.placement.on_gpu]
         assert decode(sm.model, STEPS, sm.placement.tick) == want
@@ -261,5 +261,21 @@ def test_mapped_gather_is_off_by_default_and_only_for_mapped_pools(store):
     sm = load_streaming_model(store, Settings(capacity=0.25, mapped_gather=True), mapped=False)
     try:
         assert all(p.gather is None for p in sm.pools)
+    finally:
+        sm.close()
+
+
+def test_rebalances_come_sooner_at_first(store):
+    """Intervals of an eighth, a quarter, a half of mapped_rebalance_tokens, then all of
+    it: with 64, the 20-token prompt brings the first rebalance (8 tokens due), 16 decode
+    tokens the second, and the next 32 are not there yet after 24 steps."""
+    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_moves=0, mapped_rebalance_tokens=64), mapped=True)
+    try:
+        placement = sm.placement
+        decode(sm.model, STEPS, placement.tick)
+        placement.settle()
+        routed_tokens = 20 + STEPS - READBACK_LAG  # the prompt and the decode steps read back
+        assert routed_tokens < 64, "without the ramp there would be no rebalance at all"
+        assert placement.stats.rebalances == 2
     finally:
         sm.close()
