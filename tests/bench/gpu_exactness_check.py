@@ -76,8 +76,9 @@ def main() -> None:
                 continue
             # Prefetch on: with a host tier, predicted experts are copied into the next
             # layer's slots on the copier's streams while the GPU computes (prestage).
+            # mapped_gather only where asked, so that the script runs on trees older than it.
             sm = load_streaming_model(store, Settings(capacity=slots, host_cache=host_cache, mapped=mapped, prefetch="on",
-                                                      mapped_gather=gather))
+                                                      **({"mapped_gather": True} if gather else {})))
             mode = ("mapped+gather" if gather else "mapped") if mapped else sm.pool_stats()["admission"]["mode"]
             tick = sm.placement.tick if sm.placement is not None else None
             for n, p in prompts.items():

@@ -13,6 +13,7 @@
 #   bash tests/bench/gpu_run.sh gather-q30    # one mapped layer: zero-copy expert call vs copying the routed experts first
 #   bash tests/bench/gpu_run.sh block         # one block per pool slot: gather_qmm on strided views, copies per expert
 #   bash tests/bench/gpu_run.sh exactness-mini  # 4-bit and bf16 random models of CUDA-friendly size
+#   bash tests/bench/gpu_run.sh exactness-old # the same cases on an older tree (OLD_TAR), to bisect a failure
 #   bash tests/bench/gpu_run.sh make-q30      # Qwen3-30B-A3B-shaped random 4-bit model + store
 #   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it: stock, 100%, 25% (+host, +mapped), naive (WARMUP=2, COPY_BATCH=1)
 #   bash tests/bench/gpu_run.sh decode-q30-table # 50% and 12.5% (+host, +mapped)
@@ -94,6 +95,17 @@ EOF
     $py tests/bench/gpu_exactness_check.py --out "$OUT/exactness_gpu_mini${TAG:+_$TAG}.json" --steps "${STEPS:-16}" \
       --bits "${BITS:-4,0}" --only "${ONLY:-}" >"$OUT/exactness_gpu_mini${TAG:+_$TAG}.log" 2>&1 || { tail -30 "$OUT/exactness_gpu_mini${TAG:+_$TAG}.log"; exit 1; }
     tail -3 "$OUT/exactness_gpu_mini${TAG:+_$TAG}.log"
+    ;;
+  exactness-old)
+    # The exactness check's cases (ONLY, default the slot pools) on an older tree, to
+    # tell whether a failure predates the changes since: OLD_TAR is
+    # `git archive REV --prefix=moestream/ -o .gpu/old.tar`, carried to the device.
+    rm -rf /tmp/old && mkdir -p /tmp/old && tar -xf "${OLD_TAR:-.gpu/old.tar}" -C /tmp/old
+    (cd /tmp/old/moestream && $py setup.py build_ext --inplace >"$OUT/old_build.log" 2>&1) || { tail -20 "$OUT/old_build.log"; exit 1; }
+    PYTHONPATH=/opt/mlx:/tmp/old $py -c "import moestream, sys; print('moestream from', moestream.__file__)"
+    PYTHONPATH=/opt/mlx:/tmp/old $py tests/bench/gpu_exactness_check.py --out "$OUT/exactness_old.json" --steps "${STEPS:-16}" \
+      --bits "${BITS:-4}" --only "${ONLY:-slots}" >"$OUT/exactness_old.log" 2>&1 || { tail -8 "$OUT/exactness_old.log"; exit 1; }
+    tail -3 "$OUT/exactness_old.log"
     ;;
   make-q30)
     rm -rf /root/q30 && mkdir -p /root/q30
