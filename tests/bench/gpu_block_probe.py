@@ -16,6 +16,13 @@ the Qwen3-30B-A3B expert shape, on the current device:
    per tensor) against 8 (one per block), with the native copier.
 
     python tests/bench/gpu_block_probe.py --out $OUT/block_probe_h200.json
+
+Expected on CUDA: not equal. MLX's CUDA `gather_qmv` (mlx/backend/cuda/quantized/qmm/
+qmv.cu upstream) finds expert i's rows at `w + (row + n * i) * bytes_per_row`, that is,
+it assumes the experts lie back to back, and `GatherQMM::eval_gpu` passes `w` on without
+making it contiguous. The CPU honours the strides (equal, same speed here), and Metal's
+`GatherQMM` makes only the last two dimensions contiguous. So on CUDA the copies would
+have to be cut another way (see gpu_copy_cost_probe.py).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@
 #   bash tests/bench/gpu_run.sh shape         # forwards at new vs seen key lengths (per-shape costs)
 #   bash tests/bench/gpu_run.sh residency-q30 # copy streams; 100% vs stock per round; zero-copy reads
 #   bash tests/bench/gpu_run.sh gather-q30    # one mapped layer: zero-copy expert call vs copying the routed experts first
+#   bash tests/bench/gpu_run.sh copy-cost     # host us per cudaMemcpyAsync into device vs managed memory
 #   bash tests/bench/gpu_run.sh block         # one block per pool slot: gather_qmm on strided views, copies per expert
 #   bash tests/bench/gpu_run.sh exactness-mini  # 4-bit and bf16 random models of CUDA-friendly size
 #   bash tests/bench/gpu_run.sh exactness-old # the same cases on an older tree (OLD_TAR), to bisect a failure
@@ -82,6 +83,9 @@ EOF
     ;;
   residency-q30)
     $py tests/bench/gpu_residency_probe.py --store /root/q30/store --out "$OUT/residency_q30.json" 2>&1 | tail -40
+    ;;
+  copy-cost)
+    $py tests/bench/gpu_copy_cost_probe.py --out "$OUT/copy_cost_probe_h200.json" 2>&1 | tail -30
     ;;
   block)
     $py tests/bench/gpu_block_probe.py --out "$OUT/block_probe_h200.json" 2>&1 | tail -30
