@@ -252,6 +252,11 @@ def test_mapped_gather_gives_stock_logits_and_gathers_only_small_forwards(store)
             assert mx.array_equal(want, got)
             y = mx.argmax(want[:, -1, :], axis=-1)
         assert counting.sizes == [k] * (6 * len(sm.pools))
+        # A speculative verify's few tokens are gathered too (3 x top-k ids).
+        three = mx.array([[5, 17, 250]])
+        want, got = stock(three, cache=caches[0]), sm.model(three, cache=caches[1])
+        assert mx.array_equal(want, got)
+        assert counting.sizes[-len(sm.pools):] == [3 * k] * len(sm.pools)
     finally:
         sm.close()
 
