@@ -21,6 +21,7 @@ from moestream.client.cli_values import size_option
 @click.option("--io-threads", default=4, show_default=True, type=click.IntRange(1, 256))
 @click.option("--no-stock", is_flag=True, help="Skip stock mlx-lm (when all experts do not fit in memory).")
 @click.option("--no-naive", is_flag=True, help="Skip the naive on-demand baseline.")
+@click.option("--no-slot-pool", is_flag=True, help="Skip the plain slot pool at each capacity (keep its '+host' and '+mapped' variants).")
 @click.option("--mlx-memory-limit", help="Cap MLX's memory (mx.set_memory_limit), e.g. 64G; advised on CUDA.")
 @click.option("--host-cache", help="Size of a host-RAM tier (e.g. 20G): adds a '+host' run per partial capacity.")
 @click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0, None), help="0 decodes greedily; > 0 samples (same seed for every configuration).")
@@ -32,6 +33,8 @@ from moestream.client.cli_values import size_option
               help="With --mapped: tokens between rebalances (each layer's most routed experts into GPU memory); 0 never.")
 @click.option("--mapped-gather", type=click.Choice(["off", "on", "both"]), default="off", show_default=True,
               help="With --mapped: decode steps copy the routed experts into a stack in GPU memory first (setting mapped_gather); 'both' runs each '+mapped' configuration both ways (':g' marks gathering).")
+@click.option("--mapped-prefetch", type=click.Choice(["off", "on", "both"]), default="off", show_default=True,
+              help="With --mapped-gather: also stage the next layer's predicted experts while each layer computes (daemon/mapped_prefetch.py); 'both' runs each gathering configuration both ways (':p' marks prefetch).")
 @click.option("--prefetch", type=click.Choice(["on", "off"]), default="on", show_default=True,
               help="Prefetch of the predicted next-layer experts in the partial-pool runs (with a host tier: copied into the next layer's slots while the GPU computes).")
 @click.option("--copy-batch", is_flag=True, help="The CUDA copier queues each call's copies in one cudaMemcpyBatchAsync per stream (CUDA 13; setting copy_batch).")
@@ -39,8 +42,8 @@ from moestream.client.cli_values import size_option
 @click.option("--draft-tokens", "draft_tokens", multiple=True, type=click.IntRange(1, 8), help="K per round with --speculative (repeat); default 2.")
 @click.option("--draft-model", type=click.Path(file_okay=False), help="Draft model for --speculative draft.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds, warmup_rounds, io_threads, no_stock, no_naive, mlx_memory_limit, host_cache, temp, seed, mapped,
-                 mapped_moves, mapped_rebalance_tokens, mapped_gather, prefetch, copy_batch, speculative, draft_tokens, draft_model, as_json) -> None:
+def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds, warmup_rounds, io_threads, no_stock, no_naive, no_slot_pool, mlx_memory_limit, host_cache, temp, seed, mapped,
+                 mapped_moves, mapped_rebalance_tokens, mapped_gather, mapped_prefetch, prefetch, copy_batch, speculative, draft_tokens, draft_model, as_json) -> None:
     """Decode tokens/s, hit rates, bytes moved per token per tier, admission GB/s and
     the bandwidth bound, for stock mlx-lm, moestream at each capacity (with and without
     the host-RAM tier) and the naive on-demand baseline."""
@@ -69,6 +72,7 @@ def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds
         io_threads=io_threads,
         stock=not no_stock,
         naive=not no_naive,
+        slot_pool=not no_slot_pool,
         mlx_memory_limit=memory_limit,
         host_cache=host_bytes,
         temp=temp,
@@ -78,6 +82,7 @@ def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds
         mapped_moves=tuple(mapped_moves) or (0,),
         mapped_rebalance_tokens=mapped_rebalance_tokens,
         mapped_gather={"off": (False,), "on": (True,), "both": (False, True)}[mapped_gather],
+        mapped_prefetch={"off": (False,), "on": (True,), "both": (False, True)}[mapped_prefetch],
         copy_batch=copy_batch,
     )
     try:

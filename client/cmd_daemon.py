@@ -424,10 +424,12 @@ def stats(runtime_dir, as_json) -> None:
 def _echo_prefetch(pf: dict[str, Any] | None, diag: dict[str, Any] | None) -> None:
     if pf:
         auto = pf.get("auto") or {}
-        click.echo(
-            f"prefetch: {pf['mode']} ({'on' if pf['enabled'] else 'off'} now{'; ' + auto['decision'] if auto else ''}), "
-            f"{pf['submitted']} read, {pf['promoted']} promoted ({pf['waited']} waited for), {pf['dropped_unused']} dropped unused"
-        )
+        state = f"prefetch: {pf['mode']} ({'on' if pf['enabled'] else 'off'} now{'; ' + auto['decision'] if auto else ''}), "
+        if pf.get("kind") == "mapped":  # daemon/mapped_prefetch.py: copies on the device, no reads
+            click.echo(state + f"{pf['staged']} experts staged ahead in {pf['forwards']} forwards")
+        else:
+            click.echo(state + f"{pf['submitted']} read, {pf['promoted']} promoted ({pf['waited']} waited for), "
+                       f"{pf['dropped_unused']} dropped unused")
     totals = (diag or {}).get("totals")
     if not totals:
         click.echo("diagnostics: none recorded (`moestreamctl start --diagnostics`, or `generate --diagnostics`)")

@@ -51,6 +51,8 @@ class BenchDecodeSettings:
     io_threads: int = 4
     stock: bool = True
     naive: bool = True
+    # The slot pool at each capacity (off: only its "+host" and "+mapped" variants).
+    slot_pool: bool = True
     seed: int = 0
     mlx_memory_limit: int | None = None
     # Bytes of the host-RAM tier; > 0 adds a "+host" configuration per partial capacity.
@@ -61,6 +63,7 @@ class BenchDecodeSettings:
     mapped: bool = False
     # Prefetch in the partial slot pools: "on" or "off" (the daemon's "auto" measures
     # both while it serves, which would mix the two into one configuration's figures).
+    # The mapped configurations follow mapped_prefetch instead.
     prefetch: str = "on"
     # Moves per layer per placement turn of the "+mapped" configurations, one
     # configuration each (see Settings.mapped_moves).
@@ -72,6 +75,9 @@ class BenchDecodeSettings:
     # A mapped pool's decode steps copy the routed experts into a stack first
     # (Settings.mapped_gather): one configuration per value, ":g" marks those that do.
     mapped_gather: tuple[bool, ...] = (False,)
+    # Mapped pools that gather also stage the next layer's predicted experts
+    # (daemon/mapped_prefetch.py): one configuration per value, ":p" marks those that do.
+    mapped_prefetch: tuple[bool, ...] = (False,)
     # Untimed runs of every configuration before the timed rounds; more than one lets a
     # mapped pool's rebalance (every mapped_rebalance_tokens) happen before timing.
     warmup_rounds: int = 1
@@ -131,8 +137,10 @@ def _counters(sm: StreamingModel) -> dict[str, float]:
         "prestaged": s["prestaged"],
         "prestaged_used": s["prestaged_used"],
         # The prefetcher's own reads (into its buffer) and promotions into pools.
-        "prefetch_bytes_read": pf["bytes_read"] if pf else 0,
-        "prefetch_promoted": pf["promoted"] if pf else 0,
+        "prefetch_bytes_read": pf.get("bytes_read", 0) if pf else 0,
+        "prefetch_promoted": pf.get("promoted", 0) if pf else 0,
+        # A mapped pool's prefetch: experts copied ahead into the next layer's stack.
+        "prefetch_staged": pf.get("staged", 0) if pf else 0,
         "bytes_from_disk": a.get("bytes_from_disk", 0),
         "bytes_to_pool": a.get("bytes_to_pool", 0),
         "prestage_bytes": a.get("prestage_bytes", 0),
@@ -159,10 +167,12 @@ def _streaming_config(
     mapped: bool = False,
     mapped_moves: int = 0,
     mapped_gather: bool = False,
+    prefetch: str | None = None,
 ) -> Config:
     sm = load_streaming_model(
         settings.store,
-        Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads, prefetch=settings.prefetch,
+        Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads,
+                 prefetch=prefetch or settings.prefetch,
                  mapped_moves=mapped_moves, mapped_rebalance_tokens=settings.mapped_rebalance_tokens,
                  copy_batch=settings.copy_batch, mapped_gather=mapped_gather),
         naive=naive,
@@ -200,6 +210,7 @@ def _streaming_config(
             "tier_hit_rate": d["tier_hits"] / tier if tier else None,
             "disk_bytes_per_token": disk_bytes / n,
             "prefetch_promoted_per_token": d["prefetch_promoted"] / n,
+            "prefetch_staged_per_token": d["prefetch_staged"] / n,
             "host_to_pool_bytes_per_token": link_bytes / n,
             "admission_bytes_per_s": d["bytes_to_pool"] / d["copy_seconds"] if d["copy_seconds"] > 0 else None,
             "host_syncs_per_token": d["host_syncs"] / n + 1,
@@ -232,6 +243,7 @@ def _stock_config(settings: BenchDecodeSettings, prompt: list[int]) -> Config:
             "prestaged_per_token": None,
             "prestaged_used_per_token": None,
             "prefetch_promoted_per_token": None,
+            "prefetch_staged_per_token": None,
             "placement_moves_per_token": None,
             "placement_ms_per_token": None,
             "placement_worker_ms_per_token": None,
@@ -323,15 +335,17 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             shared_reader = ExpertReader(settings.store, manifest, threads=settings.io_threads)
             tier, _ = make_admitter(shared_reader, manifest, settings.host_cache, settings.copy_batch)
         for c in settings.capacities:
-            configs.append(_streaming_config(f"moestream@{c:g}", c, settings, prompt))
+            if settings.slot_pool:
+                configs.append(_streaming_config(f"moestream@{c:g}", c, settings, prompt))
             if tier is not None and c < 1:
                 configs.append(_streaming_config(f"moestream@{c:g}+host", c, settings, prompt, admitter=tier))
             if settings.mapped and c < 1:
                 for m in settings.mapped_moves:
                     for g in settings.mapped_gather:
-                        suffix = ("" if len(settings.mapped_moves) == 1 else f":m{m}") + (":g" if g else "")
-                        configs.append(_streaming_config(f"moestream@{c:g}+mapped{suffix}", c, settings, prompt, mapped=True,
-                                                         mapped_moves=m, mapped_gather=g))
+                        for pf in settings.mapped_prefetch if g else (False,):
+                            suffix = ("" if len(settings.mapped_moves) == 1 else f":m{m}") + (":g" if g else "") + (":p" if pf else "")
+                            configs.append(_streaming_config(f"moestream@{c:g}+mapped{suffix}", c, settings, prompt, mapped=True,
+                                                             mapped_moves=m, mapped_gather=g, prefetch="on" if pf else "off"))
         if settings.naive:
             configs.append(_streaming_config("naive-on-demand", None, settings, prompt, naive=True))
         say(f"loaded {len(configs)} configurations: {', '.join(c.name for c in configs)}")
@@ -369,6 +383,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             "prestaged_per_token",
             "prestaged_used_per_token",
             "prefetch_promoted_per_token",
+            "prefetch_staged_per_token",
             "placement_moves_per_token",
             "placement_ms_per_token",
             "placement_worker_ms_per_token",
@@ -408,6 +423,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         "mapped_moves": list(settings.mapped_moves) if settings.mapped else None,
         "mapped_rebalance_tokens": settings.mapped_rebalance_tokens if settings.mapped else None,
         "mapped_gather": list(settings.mapped_gather) if settings.mapped else None,
+        "mapped_prefetch": list(settings.mapped_prefetch) if settings.mapped else None,
         "read_bandwidth_bytes_per_s": bandwidth,
         "link_bandwidth_bytes_per_s": link,
         "link_kind": link_kind,

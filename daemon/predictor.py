@@ -86,6 +86,19 @@ class NextLayer:
     router: NextRouter
 
 
+def routers_of(moes: Sequence["StreamingMoE"], blocks: Sequence[Any]) -> list[NextRouter | None]:
+    """Each streaming layer's router as a NextRouter (None where its gate is of a kind
+    the predictor does not know). `blocks[i]` is the MoE block that holds `moes[i]`."""
+    routers: list[NextRouter | None] = []
+    for block, m in zip(blocks, moes):
+        gate = getattr(block, "gate", None) if block is not None else None
+        try:
+            routers.append(NextRouter(gate, m.pool.layer.num_experts) if gate is not None else None)
+        except TypeError:
+            routers.append(None)
+    return routers
+
+
 def install(
     moes: Sequence["StreamingMoE"],
     blocks: Sequence[Any],
@@ -106,13 +119,7 @@ def install(
     for m in moes:
         m.set_hub(hub)
     partial = any(not m.pool.fully_resident for m in moes)
-    routers: list[NextRouter | None] = []
-    for block, m in zip(blocks, moes):
-        gate = getattr(block, "gate", None) if block is not None else None
-        try:
-            routers.append(NextRouter(gate, m.pool.layer.num_experts) if gate is not None else None)
-        except TypeError:
-            routers.append(None)
+    routers = routers_of(moes, blocks)
     if not predict or not partial or len(moes) < 2 or all(r is None for r in routers[1:]):
         return hub, None
     copier = getattr(admitter, "copier", None)

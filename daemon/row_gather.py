@@ -36,20 +36,32 @@ def _take_rows(arrays: Sequence[mx.array], ids: mx.array) -> list[mx.array]:
     return [mx.take(a, ids, axis=0) for a in arrays]
 
 
-def _kernel_source(count: int) -> str:
+# `pos` of a routed expert that the staged stack does not hold.
+MISS = 0xFFFFFFFF
+
+
+def _kernel_source(count: int, staged: bool) -> str:
     """Body of the copy kernel for `count` tensors: block (x, y) copies part of row
     ids[y] of every tensor into row y of its output; 16-byte words when both pointers
-    allow it (they do for MLX's allocations), else bytes."""
-    parts = [
-        "const unsigned long long row = (unsigned long long)ids[blockIdx.y];",
+    allow it (they do for MLX's allocations), else bytes. `staged`: where pos[y] is not
+    MISS, the row comes from row pos[y] of the stack (s0, s1, ...) instead."""
+    if staged:
+        parts = [
+            f"const bool hit = pos[blockIdx.y] != {MISS}u;",
+            "const unsigned long long row = hit ? (unsigned long long)pos[blockIdx.y] : (unsigned long long)ids[blockIdx.y];",
+        ]
+    else:
+        parts = ["const unsigned long long row = (unsigned long long)ids[blockIdx.y];"]
+    parts += [
         "const unsigned long long slot = blockIdx.y;",
         "const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;",
         "const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;",
     ]
     for j in range(count):
+        base = f"(hit ? s{j} : t{j})" if staged else f"t{j}"
         parts.append(
             f"""{{
-  const char* src = reinterpret_cast<const char*>(t{j}) + row * B{j};
+  const char* src = reinterpret_cast<const char*>({base}) + row * B{j};
   char* dst = reinterpret_cast<char*>(o{j}) + slot * B{j};
   if (((reinterpret_cast<unsigned long long>(src) | reinterpret_cast<unsigned long long>(dst)) & 15) == 0
       && B{j} % 16 == 0) {{
@@ -65,12 +77,13 @@ def _kernel_source(count: int) -> str:
 
 
 class RowGather:
-    """Gathers rows `ids` of a layer's expert tensors (all of one pool, fixed shapes)."""
+    """Gathers rows `ids` of a layer's expert tensors (all of one pool, fixed shapes),
+    optionally taking those a staged stack holds from it (`staged`)."""
 
     def __init__(self, use_kernel: bool) -> None:
         self._use_kernel = use_kernel
-        # Kernels by tensor count (one per model in practice: every layer has the same).
-        self._kernels: dict[int, Callable] = {}
+        # Kernels by (tensor count, staged): one or two per model in practice.
+        self._kernels: dict[tuple[int, bool], Callable] = {}
 
     @staticmethod
     def kernel_available() -> bool:
@@ -81,22 +94,40 @@ class RowGather:
         ids = ids.reshape(-1).astype(mx.uint32)
         if not self._use_kernel:
             return _take_rows(arrays, ids)
-        count = len(arrays)
-        kernel = self._kernels.get(count)
+        return self._run(arrays, [], ids, None)
+
+    def staged(self, arrays: Sequence[mx.array], stacks: Sequence[mx.array], ids: mx.array, pos: mx.array) -> list[mx.array]:
+        """Rows `ids` of `arrays`, except that where `pos` is not MISS the row is row
+        `pos` of the matching stack (which holds the same expert's bytes)."""
+        ids = ids.reshape(-1).astype(mx.uint32)
+        pos = pos.reshape(-1).astype(mx.uint32)
+        if not self._use_kernel:
+            hit = pos != MISS
+            safe = mx.where(hit, pos, 0)
+            return [
+                mx.where(hit.reshape(-1, *([1] * (a.ndim - 1))), mx.take(st, safe, axis=0), mx.take(a, ids, axis=0))
+                for a, st in zip(arrays, stacks)
+            ]
+        return self._run(arrays, stacks, ids, pos)
+
+    def _run(self, arrays: Sequence[mx.array], stacks: Sequence[mx.array], ids: mx.array, pos: mx.array | None) -> list[mx.array]:
+        count, staged = len(arrays), pos is not None
+        kernel = self._kernels.get((count, staged))
         if kernel is None:
             kernel = mx.fast.cuda_kernel(
-                name=f"moestream_gather_rows_{count}",
-                input_names=["ids", *[f"t{j}" for j in range(count)]],
+                name=f"moestream_gather_rows_{count}{'_staged' if staged else ''}",
+                input_names=["ids", *(["pos"] if staged else []), *[f"t{j}" for j in range(count)],
+                             *([f"s{j}" for j in range(count)] if staged else [])],
                 output_names=[f"o{j}" for j in range(count)],
-                source=_kernel_source(count),
+                source=_kernel_source(count, staged),
             )
-            self._kernels[count] = kernel
+            self._kernels[(count, staged)] = kernel
         n = ids.shape[0]
         row_bytes = [a.nbytes // a.shape[0] for a in arrays]
         # Enough blocks per row to keep the link busy, no more than a row has words.
         blocks = max(1, min(_MAX_BLOCKS_PER_ROW, -(-max(row_bytes) // (16 * _THREADS))))
         return kernel(
-            inputs=[ids, *arrays],
+            inputs=[ids, *([pos] if staged else []), *arrays, *stacks],
             template=[(f"B{j}", b) for j, b in enumerate(row_bytes)],
             grid=(blocks * _THREADS, n, 1),
             threadgroup=(_THREADS, 1, 1),

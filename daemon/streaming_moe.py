@@ -20,6 +20,7 @@ test when off; when on they sync around each segment to time it.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,7 +30,10 @@ from moestream.daemon.diagnostics import Diagnostics, Recorder
 from moestream.daemon.expert_pool import ExpertPool
 from moestream.daemon.predictor import NextLayer, Prediction
 from moestream.daemon.prefetch import MAX_PREFETCH_TOKENS, Prefetcher
-from moestream.daemon.row_gather import MAX_GATHERED
+from moestream.daemon.row_gather import MAX_GATHERED, MISS
+
+if TYPE_CHECKING:
+    from moestream.daemon.mapped_prefetch import StageNext
 
 
 class StreamingMoE(nn.Module):
@@ -41,6 +45,8 @@ class StreamingMoE(nn.Module):
         self.hub = Diagnostics()
         self.next: NextLayer | None = None
         self.prefetcher: Prefetcher | None = None
+        # A mapped pool's prefetch of the next layer (daemon/mapped_prefetch.py).
+        self.stage_next: StageNext | None = None
         pool.hub = self.hub
         self._use(pool.arrays)
 
@@ -69,7 +75,15 @@ class StreamingMoE(nn.Module):
                 pool.route_log.append(indices)
             ids = indices if pool.identity else pool.remap[indices]
             if pool.gather is not None and indices.size <= MAX_GATHERED:
-                return self._gathered(x, ids)
+                # What the previous layer staged for this one, if anything (any forward's:
+                # a mapped pool's bytes never change, so an old stack is as good).
+                staged, pool.staged = pool.staged, None
+                predicted = self._stage_next(x)
+                if predicted is not None:
+                    # The prediction first, so that the next layer's copy can start
+                    # while this layer's experts run, not after them.
+                    ids = mx.depends(ids, predicted)
+                return self._gathered(x, ids, staged)
             return self.inner(x, ids)
 
         ordinal = pool.layer.ordinal
@@ -127,18 +141,47 @@ class StreamingMoE(nn.Module):
             self._predict_next(ranked_np, seq, rec)
         return y
 
-    def _gathered(self, x: mx.array, ids: mx.array) -> mx.array:
+    def _gathered(self, x: mx.array, ids: mx.array, staged: tuple[mx.array, list[mx.array]] | None = None) -> mx.array:
         """mlx-lm's call on a stack of just the routed experts' rows (a mapped pool's
-        small forwards, daemon/row_gather.py), with ids 0..n-1 in the routing's shape."""
+        small forwards, daemon/row_gather.py), with ids 0..n-1 in the routing's shape.
+        `staged` (expert ids, their rows) was copied ahead by the previous layer: routed
+        experts among those ids are taken from it."""
         pool = self.pool
         names = [t.name for t in pool.layer.tensors]
-        rows = pool.gather([pool.arrays[name] for name in names], ids)
+        arrays = [pool.arrays[name] for name in names]
+        if staged is None:
+            rows = pool.gather(arrays, ids)
+        else:
+            staged_ids, stack = staged
+            match = ids.reshape(-1, 1) == staged_ids.reshape(1, -1)
+            pos = mx.where(match.any(axis=1), mx.argmax(match, axis=1).astype(mx.uint32), MISS)
+            rows = pool.gather.staged(arrays, stack, ids, pos)
         self._use(dict(zip(names, rows)))
         try:
             # As with an overflow stack, the lazy graph holds its own references.
             return self.inner(x, mx.arange(ids.size, dtype=ids.dtype).reshape(ids.shape))
         finally:
             self._use(pool.arrays)
+
+    def _stage_next(self, x: mx.array) -> mx.array | None:
+        """Start copying the experts the next layer's router ranks highest on this
+        layer's input into a stack, on the prefetch stream, for the next layer to take;
+        returns the prediction (None when nothing was staged)."""
+        st = self.stage_next
+        if st is None or not st.prefetch.enabled:
+            return None
+        nxt = st.moe.pool
+        predicted = st.router.ranked(x, st.prefetch.width, ordered=False)
+        if predicted.size > MAX_GATHERED:
+            return None
+        ids = (predicted if nxt.identity else nxt.remap[predicted]).reshape(-1).astype(mx.uint32)
+        arrays = [nxt.arrays[t.name] for t in nxt.layer.tensors]
+        with mx.stream(st.prefetch.stream):
+            stack = nxt.gather(arrays, ids)
+        nxt.staged = (ids, stack)
+        st.prefetch.s.forwards += 1
+        st.prefetch.s.staged += int(ids.size)
+        return ids
 
     def _predict_next(self, ranked: np.ndarray, seq: int, rec: Recorder | None) -> None:
         """Hand layer L+1 this forward's prediction and start reading what it lacks."""

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
+from moestream.daemon.mapped_prefetch import MappedPrefetch
 from moestream.daemon.placement import READBACK_LAG, CountingMover, Placement, _runs
 from moestream.daemon.row_gather import MAX_GATHERED, RowGather
 from moestream.daemon.store.convert import convert_model
@@ -232,7 +233,7 @@ def test_mapped_gather_gives_stock_logits_and_gathers_only_small_forwards(store)
     rows: logits bit-equal to stock mlx-lm's at every step; the prefill (more routed ids
     than MAX_GATHERED) keeps the pool's own call."""
     stock = load_stock_model(store)
-    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_gather=True), mapped=True)
+    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_gather=True, prefetch="off"), mapped=True)
     try:
         shared = sm.pools[0].gather
         assert isinstance(shared, RowGather) and all(p.gather is shared for p in sm.pools)
@@ -284,3 +285,68 @@ def test_rebalances_come_sooner_at_first(store):
         assert placement.stats.rebalances == 2
     finally:
         sm.close()
+
+
+def test_a_staged_stack_serves_the_routed_experts_it_holds(store):
+    """The next layer takes a routed expert from the stack copied ahead when the stack
+    holds it, from the pool when not: right bytes give stock output; zeroed stack rows
+    change it (so they were read); ids not routed are ignored."""
+    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_gather=True, prefetch="off"), mapped=True)
+    try:
+        moe = next(m for _, m in sm.model.named_modules() if type(m).__name__ == "StreamingMoE")
+        pool = moe.pool
+        hidden = sm.manifest.config["hidden_size"]
+        x = mx.random.normal((1, 1, hidden), key=mx.random.key(3))
+        ids = mx.array([[[7, 2, 11, 5]]], dtype=mx.uint32)[..., : pool.top_k]
+        want = moe.inner(x, ids)
+        arrays = [pool.arrays[t.name] for t in pool.layer.tensors]
+        staged_ids = mx.array([2, 30, 5], dtype=mx.uint32)  # two routed, one not
+        stack = RowGather(use_kernel=False)(arrays, staged_ids)
+        assert mx.array_equal(moe._gathered(x, ids, (staged_ids, stack)), want)
+        zeroed = [mx.zeros_like(s) for s in stack]
+        assert not mx.array_equal(moe._gathered(x, ids, (staged_ids, zeroed)), want)
+        not_routed = mx.array([30], dtype=mx.uint32)
+        assert mx.array_equal(moe._gathered(x, ids, (not_routed, [z[1:2] for z in zeroed])), want)
+    finally:
+        sm.close()
+
+
+def test_mapped_prefetch_stages_each_next_layer_and_keeps_stock_logits(store):
+    stock = load_stock_model(store)
+    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_gather=True, prefetch="on"), mapped=True)
+    try:
+        pf = sm.prefetcher
+        assert isinstance(pf, MappedPrefetch) and pf.enabled and pf.stats()["kind"] == "mapped"
+        layers, k = len(sm.pools), sm.pools[0].top_k
+        prompt = mx.arange(20)[None] % 300
+        caches = make_prompt_cache(stock), make_prompt_cache(sm.model)
+        want, got = stock(prompt, cache=caches[0]), sm.model(prompt, cache=caches[1])
+        assert mx.array_equal(want, got)
+        assert pf.s.forwards == 0, "a prefill stages nothing"
+        y = mx.argmax(want[:, -1, :], axis=-1)
+        for _ in range(6):
+            want, got = stock(y[None], cache=caches[0]), sm.model(y[None], cache=caches[1])
+            assert mx.array_equal(want, got)
+            y = mx.argmax(want[:, -1, :], axis=-1)
+        # Every layer but the last stages the next one's top k each step.
+        assert pf.s.forwards == 6 * (layers - 1) and pf.s.staged == 6 * (layers - 1) * k
+        # Each stack was taken by the layer it was made for.
+        assert all(p.staged is None for p in sm.pools)
+    finally:
+        sm.close()
+
+
+def test_mapped_prefetch_needs_gathering_and_follows_the_prefetch_setting(store):
+    for settings, expect in (
+        (Settings(capacity=0.25, mapped_gather=False, prefetch="on"), None),
+        (Settings(capacity=0.25, mapped_gather=True, prefetch="off"), None),
+        (Settings(capacity=0.25, mapped_gather=True, prefetch="auto"), "auto"),
+    ):
+        sm = load_streaming_model(store, settings, mapped=True)
+        try:
+            if expect is None:
+                assert sm.prefetcher is None
+            else:
+                assert isinstance(sm.prefetcher, MappedPrefetch) and sm.prefetcher.governor is not None
+        finally:
+            sm.close()

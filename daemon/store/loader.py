@@ -25,6 +25,7 @@ from moestream.daemon.admission import Admitter, DirectAdmitter, cuda_copier, ma
 from moestream.daemon.capacity import plan_capacity, top_k_of
 from moestream.daemon.expert_pool import ExpertPool, PoolCapacityError
 from moestream.daemon.expert_reader import ExpertReader
+from moestream.daemon.mapped_prefetch import install as install_mapped_prefetch
 from moestream.daemon.placement import CountingMover, Placement
 from moestream.daemon.policies import make_policy
 from moestream.daemon.row_gather import RowGather
@@ -62,7 +63,8 @@ class StreamingModel:
     mtp: Any = None
     draft_models: dict[str, Any] = field(default_factory=dict)
     # The diagnostics switch and totals (daemon/diagnostics.py), and the prefetcher of
-    # predicted experts (daemon/prefetch.py; None where every pool is full).
+    # predicted experts (daemon/prefetch.py; for mapped pools that gather,
+    # daemon/mapped_prefetch.py; None where every pool is full).
     diagnostics: Any = None
     prefetcher: Any = None
     # A mapped pool's placement of experts in GPU memory (experimental), else None.
@@ -292,6 +294,8 @@ def load_streaming_model(
             moes, blocks, reader=reader, manifest=manifest, admitter=admitter, top_k=k,
             prefetch=settings.prefetch, diagnostics=settings.diagnostics, predict=not naive,
         )
+        if mapped and prefetcher is None:
+            prefetcher = install_mapped_prefetch(moes, blocks, top_k=k, mode=settings.prefetch)
         placement = _place(pools, capacity, settings, copier) if mapped else None
         tokenizer = load_tokenizer(store, eos_token_ids=config.get("eos_token_id"))
     except BaseException:

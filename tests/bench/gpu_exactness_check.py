@@ -7,7 +7,8 @@ For a 4-bit and a bf16 random qwen3_moe ("mini" shape of make_random_moe.py), ea
 length and each capacity from top-k to all experts (slot pools with and without a host
 tier, with prefetch on, so the tier's predicted experts are copied into the next layer's
 slots while the GPU computes; and mapped pools moving experts between host and GPU memory
-as they decode, with and without the copy of routed experts into a stack, mapped_gather),
+as they decode, with and without the copy of routed experts into a stack, mapped_gather,
+and with the next layer's experts staged ahead, mapped prefetch),
 compares the logits of every step of greedy decoding, bit for bit, and reports the
 largest difference where they differ.
 """
@@ -66,20 +67,26 @@ def main() -> None:
         rng = np.random.default_rng(0)
         prompts = {n: rng.integers(0, 4096, n).tolist() for n in (1, 7, 100)}
         want = {n: greedy(model, p, args.steps) for n, p in prompts.items()}
-        # (slots, host tier bytes, mapped, mapped_gather)
-        cases = [(4, 0, False, False), (8, 0, False, False), (16, 0, False, False), (32, 0, False, False),
-                 (4, 1 << 26, False, False), (8, 1 << 26, False, False), (4, 0, True, False), (8, 0, True, False),
-                 (4, 0, True, True), (8, 0, True, True)]
-        for slots, host_cache, mapped, gather in cases:
-            label = f"{slots}-" + ("tier" if host_cache else ("mapped+gather" if gather else "mapped") if mapped else "slots")
+        # (slots, host tier bytes, mode): slot pools, a host tier, mapped pools reading
+        # host memory in the kernels, gathering the routed experts first, and gathering
+        # with the next layer's experts staged ahead (mapped prefetch).
+        cases = [(4, 0, "slots"), (8, 0, "slots"), (16, 0, "slots"), (32, 0, "slots"), (4, 1 << 26, "tier"), (8, 1 << 26, "tier"),
+                 (4, 0, "mapped"), (8, 0, "mapped"), (4, 0, "mapped+gather"), (8, 0, "mapped+gather"),
+                 (4, 0, "mapped+gather+prefetch"), (8, 0, "mapped+gather+prefetch")]
+        for slots, host_cache, mode in cases:
+            label = f"{slots}-{mode}"
             if not re.search(args.only, label):
                 continue
-            # Prefetch on: with a host tier, predicted experts are copied into the next
-            # layer's slots on the copier's streams while the GPU computes (prestage).
+            mapped, gather = mode.startswith("mapped"), "gather" in mode
+            # Prefetch on for the slot pools: with a host tier, predicted experts are
+            # copied into the next layer's slots on the copier's streams while the GPU
+            # computes (prestage); for mapped pools only where the mode says so.
             # mapped_gather only where asked, so that the script runs on trees older than it.
-            sm = load_streaming_model(store, Settings(capacity=slots, host_cache=host_cache, mapped=mapped, prefetch="on",
+            prefetch = "on" if not mapped or mode.endswith("prefetch") else "off"
+            sm = load_streaming_model(store, Settings(capacity=slots, host_cache=host_cache, mapped=mapped, prefetch=prefetch,
                                                       **({"mapped_gather": True} if gather else {})))
-            mode = ("mapped+gather" if gather else "mapped") if mapped else sm.pool_stats()["admission"]["mode"]
+            if not mapped:
+                mode = sm.pool_stats()["admission"]["mode"]
             tick = sm.placement.tick if sm.placement is not None else None
             for n, p in prompts.items():
                 toks, rows = greedy(sm.model, p, args.steps, tick)

@@ -17,6 +17,7 @@
 #   bash tests/bench/gpu_run.sh exactness-old # the same cases on an older tree (OLD_TAR), to bisect a failure
 #   bash tests/bench/gpu_run.sh make-q30      # Qwen3-30B-A3B-shaped random 4-bit model + store
 #   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it: stock, 100%, 25% (+host, +mapped), naive (WARMUP=2, COPY_BATCH=1)
+#   bash tests/bench/gpu_run.sh mapped-prefetch-q30 # mapped pools at 25%: zero-copy, gathered, gathered + prefetch
 #   bash tests/bench/gpu_run.sh decode-q30-table # 50% and 12.5% (+host, +mapped)
 #   bash tests/bench/gpu_run.sh warmstart-q30 # bench warmstart on it
 #   bash tests/bench/gpu_run.sh warmstart-q30-mapped # the same with mapped pools
@@ -138,9 +139,24 @@ EOF
     f="$OUT/bench_decode_q30${COPY_BATCH:+_batch}.json"
     ctl bench decode --model /root/q30/store --capacity 1 --capacity 0.25 \
       --host-cache 20G --mapped $(for m in ${MAPPED_MOVES:-2 0}; do echo --mapped-moves $m; done) --mapped-gather ${GATHER:-off} \
+      --mapped-prefetch ${MAPPED_PREFETCH:-off} \
       --mapped-rebalance-tokens ${REBALANCE:-32} --temp 1 ${COPY_BATCH:+--copy-batch} ${WARMUP:+--warmup-rounds $WARMUP} \
       --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-24} --rounds ${ROUNDS:-3} --mlx-memory-limit 100G \
       --json >"$f"
+    $py - "$f" <<'EOF'
+import json, sys
+from moestream.daemon.bench_decode import format_report
+print(format_report(json.load(open(sys.argv[1]))))
+EOF
+    ;;
+  mapped-prefetch-q30)
+    # Mapped pools alone at 25%, side by side: reading host memory in the kernels,
+    # gathering the routed experts first, and gathering with the next layer's experts
+    # staged ahead (prefetch on/off for the mapped pool); stock for the bound.
+    f="$OUT/bench_decode_q30_mapped_prefetch.json"
+    ctl bench decode --model /root/q30/store --capacity 0.25 --no-slot-pool --no-naive --mapped \
+      --mapped-gather both --mapped-prefetch both --mapped-rebalance-tokens 32 --temp 1 --warmup-rounds 2 \
+      --prompt-tokens 4 --decode-tokens ${DECODE_TOKENS:-32} --rounds ${ROUNDS:-7} --mlx-memory-limit 100G --json >"$f"
     $py - "$f" <<'EOF'
 import json, sys
 from moestream.daemon.bench_decode import format_report

@@ -1,0 +1,98 @@
+"""Prefetch for mapped pools: the next layer's likely experts, copied while this one computes.
+
+A mapped pool's small forwards copy their routed experts into a stack in GPU memory
+before the expert kernels run (daemon/row_gather.py). The experts not in GPU memory come
+over the link then, and the GPU waits for them. With prefetch, layer L also applies layer
+L+1's router to its own input (as the slot pool's predictor does, daemon/predictor.py:
+on the H200 that names 0.915 of the experts L+1 routes to among its top k) and copies
+those experts into a stack on a second stream, so the copy runs while layer L computes;
+layer L+1 then takes each routed expert from that stack where it is there, and from the
+pool (over the link) where not. Nothing waits on the host: the prediction, the copy and
+the choice all stay on the device.
+
+Output is unchanged: a stack row holds the same expert's bytes as its pool row, and a
+stale stack (a forward cut short) is as good as a fresh one, since a mapped pool's bytes
+never change. `prefetch = auto` measures decode both ways and keeps the faster, as for
+the slot pool (PrefetchGovernor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import mlx.core as mx
+
+from moestream.daemon.predictor import NextRouter, routers_of
+from moestream.daemon.prefetch import PREFETCH_MODES, PrefetchGovernor
+
+if TYPE_CHECKING:
+    from moestream.daemon.streaming_moe import StreamingMoE
+
+
+@dataclass
+class MappedPrefetchStats:
+    # Forwards of a layer that staged the next layer's predicted experts, and how many
+    # experts they copied (stack rows).
+    forwards: int = 0
+    staged: int = 0
+
+
+class MappedPrefetch:
+    """The switch, the second stream and the counts of mapped-pool prefetch (shared by
+    every layer of a model); the same face as the slot pool's Prefetcher to the code that
+    drives and reports prefetch (`enabled`, `governor`, `stats`, `drain`)."""
+
+    def __init__(self, top_k: int, mode: str) -> None:
+        if mode not in PREFETCH_MODES:
+            raise ValueError(f"prefetch mode {mode!r}: use one of {', '.join(PREFETCH_MODES)}")
+        self.top_k = top_k
+        # Experts staged per token: the next router's top k.
+        self.width = top_k
+        self.mode = mode
+        self.enabled = mode != "off"
+        self.governor = PrefetchGovernor(self) if mode == "auto" else None
+        # The copies run here, beside the layer's own work on the default stream.
+        self.stream = mx.new_stream(mx.default_device())
+        self.s = MappedPrefetchStats()
+
+    def drain(self) -> None:
+        """Nothing of it runs on the host: the copies are device work, finished with
+        the forwards that read them."""
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "kind": "mapped",
+            "mode": self.mode,
+            "enabled": self.enabled,
+            "width": self.width,
+            "forwards": self.s.forwards,
+            "staged": self.s.staged,
+        }
+        if self.governor is not None:
+            out["auto"] = self.governor.to_dict()
+        return out
+
+
+@dataclass(eq=False)
+class StageNext:
+    """Layer L+1 as layer L stages it: its streaming layer, its router, the switch."""
+
+    moe: "StreamingMoE"
+    router: NextRouter
+    prefetch: MappedPrefetch
+
+
+def install(moes: Sequence["StreamingMoE"], blocks: Sequence[Any], *, top_k: int, mode: str) -> MappedPrefetch | None:
+    """Wire mapped-pool prefetch into the streaming layers (in forward order), where
+    every pool gathers (Settings.mapped_gather) and routers are known; else None."""
+    if mode == "off" or len(moes) < 2 or any(m.pool.gather is None for m in moes):
+        return None
+    routers = routers_of(moes, blocks)
+    if all(r is None for r in routers[1:]):
+        return None
+    prefetch = MappedPrefetch(top_k, mode)
+    for m, nxt, router in zip(moes, moes[1:], routers[1:]):
+        if router is not None:
+            m.stage_next = StageNext(nxt, router, prefetch)
+    return prefetch
