@@ -35,21 +35,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from probe_timing import median_ms
 
 HIDDEN, WIDTH, EXPERTS, TOP_K, GROUP, BITS = 2048, 768, 128, 8, 64, 4
 ALIGN = 64
-
-
-def timed(fn, reps: int) -> float:
-    for _ in range(3):
-        mx.eval(fn())
-    out = []
-    for _ in range(reps):
-        mx.synchronize()
-        tic = time.perf_counter()
-        mx.eval(fn())
-        out.append(time.perf_counter() - tic)
-    return 1e3 * statistics.median(out)
 
 
 def main() -> None:
@@ -109,8 +98,8 @@ def main() -> None:
         got = glu(views, x, idx, sort)
         rows[label] = {
             "equal": bool(mx.array_equal(want, got)),
-            "contiguous_ms": timed(lambda: glu(tensors, x, idx, sort), args.reps),
-            "views_ms": timed(lambda: glu(views, x, idx, sort), args.reps),
+            "contiguous_ms": median_ms(lambda: glu(tensors, x, idx, sort), args.reps),
+            "views_ms": median_ms(lambda: glu(views, x, idx, sort), args.reps),
         }
         print(label, json.dumps(rows[label]), flush=True)
     out = {"device": str(mx.default_device()), "stride": stride, "same_bytes": same_bytes, "gather_qmm": rows}

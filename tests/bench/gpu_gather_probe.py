@@ -13,27 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import mlx.core as mx
+from probe_timing import median_ms
 
 from moestream.daemon.row_gather import RowGather
 from moestream.daemon.store.loader import load_streaming_model
 from moestream.shared.settings import Settings
-
-
-def timed(fn, reps: int) -> float:
-    for _ in range(3):
-        mx.eval(fn())
-    out = []
-    for _ in range(reps):
-        mx.synchronize()
-        tic = time.perf_counter()
-        mx.eval(fn())
-        out.append(time.perf_counter() - tic)
-    return 1e3 * statistics.median(out)
 
 
 def main() -> None:
@@ -76,11 +63,11 @@ def main() -> None:
         want = zero_copy()
         r = {
             "host_experts": host,
-            "zero_copy_ms": timed(zero_copy, args.reps),
-            "kernel_gather_ms": timed(gathered(kernel), args.reps),
-            "take_gather_ms": timed(gathered(take), args.reps),
-            "kernel_copy_only_ms": timed(lambda: kernel(arrays, ids), args.reps),
-            "take_copy_only_ms": timed(lambda: take(arrays, ids), args.reps),
+            "zero_copy_ms": median_ms(zero_copy, args.reps),
+            "kernel_gather_ms": median_ms(gathered(kernel), args.reps),
+            "take_gather_ms": median_ms(gathered(take), args.reps),
+            "kernel_copy_only_ms": median_ms(lambda: kernel(arrays, ids), args.reps),
+            "take_copy_only_ms": median_ms(lambda: take(arrays, ids), args.reps),
             "kernel_equal": bool(mx.array_equal(want, gathered(kernel)())),
             "take_equal": bool(mx.array_equal(want, gathered(take)())),
             "host_bytes": host * expert_bytes,
