@@ -14,7 +14,10 @@ resident compute:
                         + host_to_pool_bytes_per_token / link_bandwidth)
 
 where the link bandwidth is the pinned host->GPU copy rate (CUDA) or the host's memcpy
-rate (CPU, unified memory), both measured in the same run.
+rate (CPU, unified memory), both measured in the same run. A mapped pool's link bytes are
+its routed experts not in GPU memory (and its moves); with mapped prefetch (":p") the
+predicted experts that were not routed cross the link too and are not counted, which
+makes its bound higher than the bytes it really moved imply (the fraction lower).
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ the ids first and would take another path.
 
 On CUDA the copy is one custom kernel per layer (every tensor of the routed experts, 16
 bytes per load); elsewhere `mx.take` does the same copy, which is what the tests here
-run. On unified memory there is nothing to gain, and the setting stays off.
+run. On unified memory there is nothing to gain, and the setting stays off. With
+mapped-pool prefetch (daemon/mapped_prefetch.py) the same kernel takes the experts that
+the previous layer staged from its stack instead (`staged`).
 """
 
 from __future__ import annotations
@@ -27,17 +29,16 @@ import mlx.core as mx
 
 # Largest number of routed ids gathered (SwitchGLU sorts at 64 and above).
 MAX_GATHERED = 48
-# 16-byte words each thread block copies per pass; blocks per expert row follow.
+# `pos` of a routed expert that a staged stack does not hold (see `RowGather.staged`).
+MISS = 0xFFFFFFFF
+# Threads per block (each copies 16 bytes per pass), and at most this many blocks per
+# expert row.
 _THREADS = 256
 _MAX_BLOCKS_PER_ROW = 64
 
 
 def _take_rows(arrays: Sequence[mx.array], ids: mx.array) -> list[mx.array]:
     return [mx.take(a, ids, axis=0) for a in arrays]
-
-
-# `pos` of a routed expert that the staged stack does not hold.
-MISS = 0xFFFFFFFF
 
 
 def _kernel_source(count: int, staged: bool) -> str:
