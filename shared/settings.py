@@ -112,7 +112,7 @@ class Settings:
     # Every this many tokens routed, a mapped pool sets each layer's GPU share to its
     # most routed experts so far (the saved heat included): a few moves now and then,
     # instead of a placement that a first start without heat would keep for good. The
-    # first ones come sooner (after 32, 64 and 128 tokens at 256). 0: never.
+    # first intervals are shorter (32, 64 and 128 tokens at 256). 0: never.
     mapped_rebalance_tokens: int = 256
     # A mapped pool's decode steps first copy the routed experts into a small stack in
     # GPU memory (one copy kernel per layer, wide loads) and run the expert kernels on
