@@ -26,11 +26,10 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 # Largest number of routed ids gathered (SwitchGLU sorts at 64 and above).
 MAX_GATHERED = 48
-# `pos` of a routed expert that a staged stack does not hold (see `RowGather.staged`).
-MISS = 0xFFFFFFFF
 # Threads per block (each copies 16 bytes per pass), and at most this many blocks per
 # expert row.
 _THREADS = 256
@@ -44,12 +43,16 @@ def _take_rows(arrays: Sequence[mx.array], ids: mx.array) -> list[mx.array]:
 def _kernel_source(count: int, staged: bool) -> str:
     """Body of the copy kernel for `count` tensors: block (x, y) copies part of row
     ids[y] of every tensor into row y of its output; 16-byte words when both pointers
-    allow it (they do for MLX's allocations), else bytes. `staged`: where pos[y] is not
-    MISS, the row comes from row pos[y] of the stack (s0, s1, ...) instead."""
+    allow it (they do for MLX's allocations), else bytes. `staged`: where ids[y] is
+    among the NS ids `sids` the stack (s0, s1, ...) was made of, the row comes from the
+    stack instead (looked up here, so the layer needs no other kernel to find it)."""
     if staged:
         parts = [
-            f"const bool hit = pos[blockIdx.y] != {MISS}u;",
-            "const unsigned long long row = hit ? (unsigned long long)pos[blockIdx.y] : (unsigned long long)ids[blockIdx.y];",
+            "const unsigned int want = ids[blockIdx.y];",
+            "unsigned int at = NS;",
+            "for (unsigned int i = 0; i < NS; ++i) { if (sids[i] == want) { at = i; break; } }",
+            "const bool hit = at < NS;",
+            "const unsigned long long row = hit ? (unsigned long long)at : (unsigned long long)want;",
         ]
     else:
         parts = ["const unsigned long long row = (unsigned long long)ids[blockIdx.y];"]
@@ -85,6 +88,8 @@ class RowGather:
         self._use_kernel = use_kernel
         # Kernels by (tensor count, staged): one or two per model in practice.
         self._kernels: dict[tuple[int, bool], Callable] = {}
+        # `positions` by (shape, dtype).
+        self._positions: dict[tuple[tuple[int, ...], mx.Dtype], mx.array] = {}
 
     @staticmethod
     def kernel_available() -> bool:
@@ -97,27 +102,39 @@ class RowGather:
             return _take_rows(arrays, ids)
         return self._run(arrays, [], ids, None)
 
-    def staged(self, arrays: Sequence[mx.array], stacks: Sequence[mx.array], ids: mx.array, pos: mx.array) -> list[mx.array]:
-        """Rows `ids` of `arrays`, except that where `pos` is not MISS the row is row
-        `pos` of the matching stack (which holds the same expert's bytes)."""
+    def staged(self, arrays: Sequence[mx.array], stacks: Sequence[mx.array], ids: mx.array, staged_ids: mx.array) -> list[mx.array]:
+        """Rows `ids` of `arrays`, except that an id among `staged_ids` (the ids whose
+        rows `stacks` hold, in order) is taken from the stack: the same expert's bytes."""
         ids = ids.reshape(-1).astype(mx.uint32)
-        pos = pos.reshape(-1).astype(mx.uint32)
+        staged_ids = staged_ids.reshape(-1).astype(mx.uint32)
         if not self._use_kernel:
-            hit = pos != MISS
-            safe = mx.where(hit, pos, 0)
+            match = ids.reshape(-1, 1) == staged_ids.reshape(1, -1)
+            hit, at = match.any(axis=1), mx.argmax(match, axis=1)
             return [
-                mx.where(hit.reshape(-1, *([1] * (a.ndim - 1))), mx.take(st, safe, axis=0), mx.take(a, ids, axis=0))
+                mx.where(hit.reshape(-1, *([1] * (a.ndim - 1))), mx.take(st, at, axis=0), mx.take(a, ids, axis=0))
                 for a, st in zip(arrays, stacks)
             ]
-        return self._run(arrays, stacks, ids, pos)
+        return self._run(arrays, stacks, ids, staged_ids)
 
-    def _run(self, arrays: Sequence[mx.array], stacks: Sequence[mx.array], ids: mx.array, pos: mx.array | None) -> list[mx.array]:
-        count, staged = len(arrays), pos is not None
+    def positions(self, shape: Sequence[int], dtype: mx.Dtype) -> mx.array:
+        """0..n-1 in `shape`: the ids of a stack's rows for the expert call (made once
+        per shape, so a layer adds no kernel for them)."""
+        key = (tuple(shape), dtype)
+        out = self._positions.get(key)
+        if out is None:
+            out = mx.arange(int(np.prod(shape)), dtype=dtype).reshape(shape)
+            mx.eval(out)
+            self._positions[key] = out
+        return out
+
+    def _run(self, arrays: Sequence[mx.array], stacks: Sequence[mx.array], ids: mx.array,
+             staged_ids: mx.array | None) -> list[mx.array]:
+        count, staged = len(arrays), staged_ids is not None
         kernel = self._kernels.get((count, staged))
         if kernel is None:
             kernel = mx.fast.cuda_kernel(
                 name=f"moestream_gather_rows_{count}{'_staged' if staged else ''}",
-                input_names=["ids", *(["pos"] if staged else []), *[f"t{j}" for j in range(count)],
+                input_names=["ids", *(["sids"] if staged else []), *[f"t{j}" for j in range(count)],
                              *([f"s{j}" for j in range(count)] if staged else [])],
                 output_names=[f"o{j}" for j in range(count)],
                 source=_kernel_source(count, staged),
@@ -128,8 +145,8 @@ class RowGather:
         # Enough blocks per row to keep the link busy, no more than a row has words.
         blocks = max(1, min(_MAX_BLOCKS_PER_ROW, -(-max(row_bytes) // (16 * _THREADS))))
         return kernel(
-            inputs=[ids, *([pos] if staged else []), *arrays, *stacks],
-            template=[(f"B{j}", b) for j, b in enumerate(row_bytes)],
+            inputs=[ids, *([staged_ids] if staged else []), *arrays, *stacks],
+            template=[(f"B{j}", b) for j, b in enumerate(row_bytes)] + ([("NS", staged_ids.shape[0])] if staged else []),
             grid=(blocks * _THREADS, n, 1),
             threadgroup=(_THREADS, 1, 1),
             output_shapes=[(n, *a.shape[1:]) for a in arrays],

@@ -30,7 +30,7 @@ from moestream.daemon.diagnostics import Diagnostics, Recorder
 from moestream.daemon.expert_pool import ExpertPool
 from moestream.daemon.predictor import NextLayer, Prediction
 from moestream.daemon.prefetch import MAX_PREFETCH_TOKENS, Prefetcher
-from moestream.daemon.row_gather import MAX_GATHERED, MISS
+from moestream.daemon.row_gather import MAX_GATHERED
 
 if TYPE_CHECKING:
     from moestream.daemon.mapped_prefetch import StageNext
@@ -153,13 +153,11 @@ class StreamingMoE(nn.Module):
             rows = pool.gather(arrays, ids)
         else:
             staged_ids, stack = staged
-            match = ids.reshape(-1, 1) == staged_ids.reshape(1, -1)
-            pos = mx.where(match.any(axis=1), mx.argmax(match, axis=1).astype(mx.uint32), MISS)
-            rows = pool.gather.staged(arrays, stack, ids, pos)
+            rows = pool.gather.staged(arrays, stack, ids, staged_ids)
         self._use(dict(zip(names, rows)))
         try:
             # As with an overflow stack, the lazy graph holds its own references.
-            return self.inner(x, mx.arange(ids.size, dtype=ids.dtype).reshape(ids.shape))
+            return self.inner(x, pool.gather.positions(ids.shape, ids.dtype))
         finally:
             self._use(pool.arrays)
 

@@ -218,6 +218,9 @@ class CountingGather:
         self.sizes.append(ids.size)
         return self.inner(arrays, ids)
 
+    def __getattr__(self, name):  # the rest of RowGather, as it is
+        return getattr(self.inner, name)
+
 
 def test_row_gather_copies_the_rows_it_is_given():
     a = mx.arange(5 * 6 * 4, dtype=mx.uint32).reshape(5, 6, 4)
@@ -226,6 +229,14 @@ def test_row_gather_copies_the_rows_it_is_given():
     got = RowGather(use_kernel=False)([a, b], ids)
     assert [g.shape for g in got] == [(3, 6, 4), (3, 3)]
     assert mx.array_equal(got[0], a[mx.array([3, 0, 3])]) and mx.array_equal(got[1], b[mx.array([3, 0, 3])])
+    # Rows of ids the stack holds come from it (here: marked), the others from the arrays.
+    gather = RowGather(use_kernel=False)
+    stack = [mx.full((2, 6, 4), 7, dtype=mx.uint32), mx.full((2, 3), 9, dtype=mx.bfloat16)]
+    mixed = gather.staged([a, b], stack, ids, mx.array([0, 4], dtype=mx.uint32))
+    assert mx.array_equal(mixed[0][0], a[3]) and mx.all(mixed[0][1] == 7).item() and mx.array_equal(mixed[0][2], a[3])
+    assert mx.all(mixed[1][1] == 9).item() and mx.array_equal(mixed[1][0], b[3])
+    positions = gather.positions((1, 3), mx.uint32)
+    assert positions.tolist() == [[0, 1, 2]] and gather.positions((1, 3), mx.uint32) is positions
 
 
 def test_mapped_gather_gives_stock_logits_and_gathers_only_small_forwards(store):
