@@ -54,6 +54,10 @@ class BenchPredictSettings:
     width: int = 1
     # The CUDA copier queues in batches (Settings.copy_batch).
     copy_batch: bool = False
+    # Measure a mapped pool's prefetch instead (gathering, daemon/mapped_prefetch.py):
+    # decode tokens/s off and on and what auto decides; recall is the slot pool's run's
+    # (the same predictor), not repeated.
+    mapped: bool = False
 
 
 def _decode(sm: StreamingModel, prompt: list[int], steps: int, temp: float, seed: int) -> float:
@@ -107,7 +111,58 @@ def _copier_per_forward(before: dict[str, Any], after: dict[str, Any], settings:
     }
 
 
+def _speeds(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettings) -> dict[bool, float]:
+    """Decode tokens/s with prefetch off and on, taking turns `rounds` times (medians)."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(settings.rounds):
+        for enabled in (False, True):
+            sm.prefetcher.enabled = enabled
+            times[enabled].append(_decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed))
+    return {k: settings.decode_tokens / statistics.median(v) for k, v in times.items()}
+
+
+def _mapped_run(settings: BenchPredictSettings, capacity: float, prompt: list[int]) -> dict[str, Any]:
+    """A mapped pool that gathers, its prefetch (staging the next layer's experts on a
+    second stream) off and on: speeds, what auto decides, experts staged per token."""
+    sm = load_streaming_model(
+        settings.store,
+        Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads, prefetch="on",
+                 mapped=True, mapped_gather=True),
+        max_tokens=settings.prompt_tokens + settings.decode_tokens + 512,
+    )
+    try:
+        if sm.prefetcher is None:
+            raise ValueError(f"capacity {capacity:g}: no mapped prefetch here (every expert fits, or the model's routers are unknown)")
+        sm.prefetcher.width = settings.width * sm.prefetcher.top_k
+        for enabled in (True, False):  # kernels compiled, the placement settled, both ways
+            sm.prefetcher.enabled = enabled
+            _decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed)
+        staged_before = sm.prefetcher.s.staged
+        tps = _speeds(sm, prompt, settings)
+        staged = sm.prefetcher.s.staged - staged_before
+        auto = _auto(sm, prompt, settings)
+        gpu_hit_rate = sm.pool_stats().get("placement", {}).get("gpu_hit_rate")
+    finally:
+        sm.close()
+    return {
+        "capacity": capacity,
+        "slots": sm.capacity,
+        "pool": "mapped",
+        "recall": None,
+        "gpu_hit_rate": gpu_hit_rate,
+        # Experts copied ahead per decode step with prefetch on (each run's prompt
+        # forward, which stages too, counted in).
+        "staged_per_step": staged / (settings.rounds * settings.decode_tokens),
+        "tokens_per_s_off": tps[False],
+        "tokens_per_s_on": tps[True],
+        "speedup": tps[True] / tps[False],
+        "auto": auto,
+    }
+
+
 def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[int]) -> dict[str, Any]:
+    if settings.mapped:
+        return _mapped_run(settings, capacity, prompt)
     sm = load_streaming_model(
         settings.store,
         Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads,
@@ -126,12 +181,7 @@ def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[
             _decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed)
         on = _diagnosed(sm, prompt, settings, True)
         off = _diagnosed(sm, prompt, settings, False)
-        times: dict[bool, list[float]] = {False: [], True: []}
-        for _ in range(settings.rounds):
-            for enabled in (False, True):
-                sm.prefetcher.enabled = enabled
-                times[enabled].append(_decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed))
-        tps = {k: settings.decode_tokens / statistics.median(v) for k, v in times.items()}
+        tps = _speeds(sm, prompt, settings)
         auto = _auto(sm, prompt, settings)
         pf = sm.prefetcher.stats()
         pools = sm.pool_stats()
@@ -140,6 +190,7 @@ def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[
     return {
         "capacity": capacity,
         "slots": sm.capacity,
+        "pool": "slots",
         "recall": on["recall"],
         "attribution": on["attribution"],
         "window_ms": on["window"]["mean_ms"],
@@ -209,6 +260,7 @@ def run_bench_predict(settings: BenchPredictSettings) -> dict[str, Any]:
         "host_cache": settings.host_cache,
         "prefetch_width": f"{settings.width}k",
         "copy_batch": settings.copy_batch,
+        "mapped": settings.mapped,
         "results": results,
     }
 
@@ -223,6 +275,13 @@ def format_report(report: dict[str, Any]) -> str:
         f"{'window ms':>9} {'mm on/off ms':>13}  auto",
     ]
     for r in report["results"]:
+        if r.get("pool") == "mapped":
+            lines.append(
+                f"{r['capacity']:>8.0%} {'-':>8} {'-':>6} {'-':>6} {r['tokens_per_s_off']:>9.1f} {r['tokens_per_s_on']:>9.1f} "
+                f"{r['speedup']:>6.2f} {'-':>9} {'-':>13}  {r['auto']['decision']} (mapped pool, "
+                f"{r['staged_per_step']:.0f} experts staged per step)"
+            )
+            continue
         rc = r["recall"]["decode"]
         mm = r["matmul_ms_per_call"]
         lines.append(

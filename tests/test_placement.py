@@ -17,6 +17,7 @@ from moestream.daemon.row_gather import MAX_GATHERED, RowGather
 from moestream.daemon.store.convert import convert_model
 from moestream.daemon.store.loader import load_stock_model, load_streaming_model
 from moestream.shared.settings import Settings
+from moestream.shared.store_format import load_manifest
 from tiny_models import make_tiny_model
 
 STEPS = 24
@@ -361,3 +362,23 @@ def test_mapped_prefetch_needs_gathering_and_follows_the_prefetch_setting(store)
                 assert isinstance(sm.prefetcher, MappedPrefetch) and sm.prefetcher.governor is not None
         finally:
             sm.close()
+
+
+def test_bench_predict_measures_both_pools_prefetch(store):
+    """`bench predict`: the slot pool's run (recall, speeds, auto) and, with `mapped`,
+    the mapped pool's prefetch off and on, each with auto's decision."""
+    from moestream.daemon.bench_predict import BenchPredictSettings, format_report, run_bench_predict
+
+    common = dict(store=store, capacities=(0.25,), prompt_tokens=4, decode_tokens=6, rounds=1, temp=1.0)
+    slots = run_bench_predict(BenchPredictSettings(**common))["results"][0]
+    assert slots["pool"] == "slots" and 0 <= slots["recall"]["decode"]["top_k"] <= 1
+    mapped_report = run_bench_predict(BenchPredictSettings(**common, mapped=True))
+    mapped = mapped_report["results"][0]
+    assert mapped["pool"] == "mapped" and mapped["recall"] is None
+    manifest = load_manifest(store)
+    k, layers = manifest.config["num_experts_per_tok"], len(manifest.layers)
+    assert mapped["staged_per_step"] >= (layers - 1) * k  # every decode step stages the next layers
+    for r in (slots, mapped):
+        assert r["tokens_per_s_off"] > 0 and r["tokens_per_s_on"] > 0
+        assert r["auto"]["decided"] and r["auto"]["decision"].startswith(("on:", "off:"))
+    assert "mapped pool" in format_report(mapped_report)

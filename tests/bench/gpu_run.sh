@@ -7,6 +7,7 @@
 #   bash tests/bench/gpu_run.sh copy-check    # the CUDA copier: exact bytes, memory kinds, H2D GB/s, batched vs per-span queuing
 #   bash tests/bench/gpu_run.sh mapped-q30    # full residency: managed vs device copies; a mapped pool; routing readback
 #   bash tests/bench/gpu_run.sh predict-q30   # bench predict (recall, prefetch on/off at 25/50%)
+#   bash tests/bench/gpu_run.sh predict-mapped-q30 # bench predict --mapped: the mapped pool's prefetch off/on at 25%
 #   bash tests/bench/gpu_run.sh overlap       # expert matmul beside DMA copies into managed memory
 #   bash tests/bench/gpu_run.sh shape         # forwards at new vs seen key lengths (per-shape costs)
 #   bash tests/bench/gpu_run.sh residency-q30 # copy streams; 100% vs stock per round; zero-copy reads
@@ -68,6 +69,18 @@ case "$stage" in
     f="$OUT/bench_predict_q30${COPY_BATCH:+_batch}_h200.json"
     ctl bench predict --model /root/q30/store --temp 1 --host-cache ${HOST_CACHE:-20G} --width ${WIDTH:-1} \
       ${CAPACITY:+--capacity $CAPACITY} ${COPY_BATCH:+--copy-batch} \
+      --prompt-tokens ${PROMPT_TOKENS:-8} --decode-tokens ${DECODE_TOKENS:-48} --mlx-memory-limit 64G --json >"$f"
+    $py - "$f" <<'EOF'
+import json, sys
+from moestream.daemon.bench_predict import format_report
+print(format_report(json.load(open(sys.argv[1]))))
+EOF
+    ;;
+  predict-mapped-q30)
+    # Prefetch for the mapped pool (staging the next layer's experts on a second stream)
+    # off and on at 25%, and what auto decides; recall is predict-q30's (same predictor).
+    f="$OUT/bench_predict_q30_mapped_h200.json"
+    ctl bench predict --model /root/q30/store --mapped --temp 1 --capacity ${CAPACITY:-0.25} --rounds ${ROUNDS:-5} \
       --prompt-tokens ${PROMPT_TOKENS:-8} --decode-tokens ${DECODE_TOKENS:-48} --mlx-memory-limit 64G --json >"$f"
     $py - "$f" <<'EOF'
 import json, sys
