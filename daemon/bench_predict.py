@@ -111,6 +111,15 @@ def _copier_per_forward(before: dict[str, Any], after: dict[str, Any], settings:
     }
 
 
+def _warm_up(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettings) -> None:
+    """One decode each way before anything is timed: kernels compiled (on CUDA the first
+    calls JIT-compile them), a host tier filled, a mapped pool placed, prediction's reads
+    done once. Without it the first timed run pays for all of that."""
+    for enabled in (True, False):
+        sm.prefetcher.enabled = enabled
+        _decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed)
+
+
 def _speeds(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettings) -> dict[bool, float]:
     """Decode tokens/s with prefetch off and on, taking turns `rounds` times (medians)."""
     times: dict[bool, list[float]] = {False: [], True: []}
@@ -134,9 +143,7 @@ def _mapped_run(settings: BenchPredictSettings, capacity: float, prompt: list[in
         if sm.prefetcher is None:
             raise ValueError(f"capacity {capacity:g}: no mapped prefetch here (every expert fits, or the model's routers are unknown)")
         sm.prefetcher.width = settings.width * sm.prefetcher.top_k
-        for enabled in (True, False):  # kernels compiled, the placement settled, both ways
-            sm.prefetcher.enabled = enabled
-            _decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed)
+        _warm_up(sm, prompt, settings)
         staged_before = sm.prefetcher.s.staged
         tps = _speeds(sm, prompt, settings)
         staged = sm.prefetcher.s.staged - staged_before
@@ -173,12 +180,7 @@ def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[
         if sm.prefetcher is None:
             raise ValueError(f"capacity {capacity:g}: every expert fits in the pool, so there is nothing to prefetch")
         sm.prefetcher.width = settings.width * sm.prefetcher.top_k
-        # Warm-up, both ways, before anything is timed: kernels compiled (on CUDA the
-        # first calls JIT-compile them), the host tier filled, prediction's reads done
-        # once. Without it the first diagnosed run pays for all of that in its segments.
-        for enabled in (True, False):
-            sm.prefetcher.enabled = enabled
-            _decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed)
+        _warm_up(sm, prompt, settings)
         on = _diagnosed(sm, prompt, settings, True)
         off = _diagnosed(sm, prompt, settings, False)
         tps = _speeds(sm, prompt, settings)

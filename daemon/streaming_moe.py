@@ -178,7 +178,7 @@ class StreamingMoE(nn.Module):
             stack = nxt.gather(arrays, ids)
         nxt.staged = (ids, stack)
         st.prefetch.s.forwards += 1
-        st.prefetch.s.staged += int(ids.size)
+        st.prefetch.s.staged += ids.size
         return ids
 
     def _predict_next(self, ranked: np.ndarray, seq: int, rec: Recorder | None) -> None:

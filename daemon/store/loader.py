@@ -28,8 +28,8 @@ from moestream.daemon.expert_reader import ExpertReader
 from moestream.daemon.mapped_prefetch import install as install_mapped_prefetch
 from moestream.daemon.placement import CountingMover, Placement
 from moestream.daemon.policies import make_policy
-from moestream.daemon.row_gather import RowGather
 from moestream.daemon.predictor import install as install_predictor
+from moestream.daemon.row_gather import RowGather
 from moestream.daemon.streaming_moe import StreamingMoE
 from moestream.shared.settings import Settings
 from moestream.shared.store_format import Manifest, StoreError, load_manifest
