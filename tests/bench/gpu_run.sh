@@ -109,9 +109,10 @@ EOF
     ;;
   exactness-mini)
     # ONLY=regex runs the matching cases (labels like 32-slots, 4-tier, 8-mapped+gather);
-    # TAG names the output files of one such run.
+    # TAG names the output files of one such run. COLLECT=1 releases each model before
+    # the next loads (see the crash notes in tests/bench/results/exactness_gpu_mini_session8_h200.json).
     $py tests/bench/gpu_exactness_check.py --out "$OUT/exactness_gpu_mini${TAG:+_$TAG}.json" --steps "${STEPS:-16}" \
-      --bits "${BITS:-4,0}" --only "${ONLY:-}" >"$OUT/exactness_gpu_mini${TAG:+_$TAG}.log" 2>&1 || { tail -30 "$OUT/exactness_gpu_mini${TAG:+_$TAG}.log"; exit 1; }
+      --bits "${BITS:-4,0}" --only="${ONLY:-}" ${COLLECT:+--collect} >"$OUT/exactness_gpu_mini${TAG:+_$TAG}.log" 2>&1 || { tail -30 "$OUT/exactness_gpu_mini${TAG:+_$TAG}.log"; exit 1; }
     tail -3 "$OUT/exactness_gpu_mini${TAG:+_$TAG}.log"
     ;;
   exactness-old)
@@ -122,7 +123,7 @@ EOF
     (cd /tmp/old/moestream && $py setup.py build_ext --inplace >"$OUT/old_build.log" 2>&1) || { tail -20 "$OUT/old_build.log"; exit 1; }
     PYTHONPATH=/opt/mlx:/tmp/old $py -c "import moestream, sys; print('moestream from', moestream.__file__)"
     PYTHONPATH=/opt/mlx:/tmp/old $py tests/bench/gpu_exactness_check.py --out "$OUT/exactness_old.json" --steps "${STEPS:-16}" \
-      --bits "${BITS:-4}" --only "${ONLY:-slots}" >"$OUT/exactness_old.log" 2>&1 || { tail -8 "$OUT/exactness_old.log"; exit 1; }
+      --bits "${BITS:-4}" --only="${ONLY:-slots}" >"$OUT/exactness_old.log" 2>&1 || { tail -8 "$OUT/exactness_old.log"; exit 1; }
     tail -3 "$OUT/exactness_old.log"
     ;;
   make-q30)
