@@ -31,8 +31,8 @@ from moestream.client.cli_values import size_option
               help="With --mapped: experts moved into GPU memory per layer per placement turn; repeat for one '+mapped' run each (default 0: the initial placement stays).")
 @click.option("--mapped-rebalance-tokens", default=256, show_default=True, type=click.IntRange(0, None),
               help="With --mapped: tokens between rebalances (each layer's most routed experts into GPU memory); 0 never.")
-@click.option("--mapped-gather", type=click.Choice(["off", "on", "both"]), default="off", show_default=True,
-              help="With --mapped: decode steps copy the routed experts into a stack in GPU memory first (setting mapped_gather); 'both' runs each '+mapped' configuration both ways (':g' marks gathering).")
+@click.option("--mapped-gather", type=click.Choice(["auto", "off", "on", "both"]), default="auto", show_default=True,
+              help="With --mapped: decode steps copy the routed experts into a stack in GPU memory first (setting mapped_gather; auto: where MLX's CUDA build runs); 'both' runs each '+mapped' configuration both ways (':g' marks gathering).")
 @click.option("--mapped-prefetch", type=click.Choice(["off", "on", "both"]), default="off", show_default=True,
               help="With --mapped-gather: also stage the next layer's predicted experts while each layer computes (daemon/mapped_prefetch.py); 'both' runs each gathering configuration both ways (':p' marks prefetch).")
 @click.option("--prefetch", type=click.Choice(["on", "off"]), default="on", show_default=True,
@@ -81,7 +81,7 @@ def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds
         prefetch=prefetch,
         mapped_moves=tuple(mapped_moves) or (0,),
         mapped_rebalance_tokens=mapped_rebalance_tokens,
-        mapped_gather={"off": (False,), "on": (True,), "both": (False, True)}[mapped_gather],
+        mapped_gather={"auto": (None,), "off": (False,), "on": (True,), "both": (False, True)}[mapped_gather],
         mapped_prefetch={"off": (False,), "on": (True,), "both": (False, True)}[mapped_prefetch],
         copy_batch=copy_batch,
     )

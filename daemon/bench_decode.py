@@ -38,6 +38,7 @@ import numpy as np
 from moestream._native import ReadEngine
 from moestream.daemon.admission import Admitter, cuda_copier, make_admitter
 from moestream.daemon.expert_reader import ExpertReader
+from moestream.daemon.row_gather import RowGather
 from moestream.daemon.store.loader import StreamingModel, load_stock_model, load_streaming_model
 from moestream.shared.settings import Settings
 from moestream.shared.store_format import load_manifest
@@ -76,8 +77,9 @@ class BenchDecodeSettings:
     # The CUDA copier queues in batches (Settings.copy_batch).
     copy_batch: bool = False
     # A mapped pool's decode steps copy the routed experts into a stack first
-    # (Settings.mapped_gather): one configuration per value, ":g" marks those that do.
-    mapped_gather: tuple[bool, ...] = (False,)
+    # (Settings.mapped_gather): one configuration per value, ":g" marks those that do;
+    # None is the setting's auto.
+    mapped_gather: tuple[bool | None, ...] = (None,)
     # Mapped pools that gather also stage the next layer's predicted experts
     # (daemon/mapped_prefetch.py): one configuration per value, ":p" marks those that do.
     mapped_prefetch: tuple[bool, ...] = (False,)
@@ -326,6 +328,8 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
     rng = random.Random(settings.seed)
     prompt = [rng.randrange(vocab) for _ in range(settings.prompt_tokens)]
 
+    # The mapped configurations' gather settings, auto resolved as the loader would.
+    gathers = [RowGather.kernel_available() if g is None else g for g in settings.mapped_gather]
     configs: list[Config] = []
     shared_reader: ExpertReader | None = None
     try:
@@ -344,7 +348,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
                 configs.append(_streaming_config(f"moestream@{c:g}+host", c, settings, prompt, admitter=tier))
             if settings.mapped and c < 1:
                 for m in settings.mapped_moves:
-                    for g in settings.mapped_gather:
+                    for g in gathers:
                         for pf in settings.mapped_prefetch if g else (False,):
                             suffix = ("" if len(settings.mapped_moves) == 1 else f":m{m}") + (":g" if g else "") + (":p" if pf else "")
                             configs.append(_streaming_config(f"moestream@{c:g}+mapped{suffix}", c, settings, prompt, mapped=True,
@@ -425,7 +429,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         "copy_batch": settings.copy_batch,
         "mapped_moves": list(settings.mapped_moves) if settings.mapped else None,
         "mapped_rebalance_tokens": settings.mapped_rebalance_tokens if settings.mapped else None,
-        "mapped_gather": list(settings.mapped_gather) if settings.mapped else None,
+        "mapped_gather": gathers if settings.mapped else None,
         "mapped_prefetch": list(settings.mapped_prefetch) if settings.mapped else None,
         "read_bandwidth_bytes_per_s": bandwidth,
         "link_bandwidth_bytes_per_s": link,

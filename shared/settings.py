@@ -117,8 +117,12 @@ class Settings:
     # A mapped pool's decode steps first copy the routed experts into a small stack in
     # GPU memory (one copy kernel per layer, wide loads) and run the expert kernels on
     # that, instead of letting the kernels read host memory over the link as they go
-    # (daemon/row_gather.py). Off until it is measured on the GPU machine.
-    mapped_gather: bool = False
+    # (daemon/row_gather.py). None is auto: on where that copy kernel runs (MLX's CUDA
+    # build on its GPU), off elsewhere (on unified memory there is no link to wait on).
+    # On the H200 at 25%, side by side over 7 rounds: 56.7 against 39.4 tok/s, 1.16x to
+    # 1.59x in every round (tests/bench/results/bench_decode_q30_mapped_prefetch_h200.json;
+    # session 7's run, with one more kernel per layer, was even at 1.02x).
+    mapped_gather: bool | None = None
     # Native read engine.
     io_threads: int = 4
     direct_io: bool = True
@@ -219,13 +223,13 @@ def _coerce(name: str, raw: Any) -> Any:
         if isinstance(raw, bool):
             return raw
         s = str(raw).strip().lower()
-        if name == "mapped" and s == "auto":
+        if name in ("mapped", "mapped_gather") and s == "auto":
             return None
         if s in ("1", "true", "yes", "on"):
             return True
         if s in ("0", "false", "no", "off"):
             return False
-        raise SettingsError(f"{name}: expected true or false{' or auto' if name == 'mapped' else ''}, got {raw!r}")
+        raise SettingsError(f"{name}: expected true or false{' or auto' if name in ('mapped', 'mapped_gather') else ''}, got {raw!r}")
     if name == "prefetch":
         s = str(raw).strip().lower()
         if s not in ("on", "off", "auto"):

@@ -258,11 +258,13 @@ def load_streaming_model(
         reader = admitter.reader
     pools: list[ExpertPool] = []
     moes: list[StreamingMoE] = []
-    gather = RowGather(use_kernel=RowGather.kernel_available()) if mapped and settings.mapped_gather else None
+    # mapped_gather auto: where the CUDA copy kernel runs (measured there; see Settings).
+    use_gather = RowGather.kernel_available() if settings.mapped_gather is None else settings.mapped_gather
+    gather = RowGather(use_kernel=RowGather.kernel_available()) if mapped and use_gather else None
     blocks: list[Any] = []
     try:
         if mapped:
-            admitter, note = DirectAdmitter(reader), {"mapped": True}
+            admitter, note = DirectAdmitter(reader), {"mapped": True, "gather": gather is not None}
         elif admitter is None:
             admitter, note = make_admitter(reader, manifest, settings.host_cache, settings.copy_batch,
                                            cuda=(copier, cuda_why_not))

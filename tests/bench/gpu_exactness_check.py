@@ -16,6 +16,7 @@ largest difference where they differ.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import re
 import sys
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--bits", default="4,0", help="weights to test: 4 = 4-bit, 0 = bf16 (GPU only)")
     parser.add_argument("--only", default="", help="run only the cases whose label (e.g. 32-slots, 4-tier, 8-mapped+gather) matches this regex")
+    parser.add_argument("--collect", action="store_true", help="after each streaming model: collect garbage, synchronize, clear MLX's cache")
     args = parser.parse_args()
     mx.set_memory_limit(32 * 2**30)
     results = []
@@ -81,10 +83,11 @@ def main() -> None:
             # Prefetch on for the slot pools: with a host tier, predicted experts are
             # copied into the next layer's slots on the copier's streams while the GPU
             # computes (prestage); for mapped pools only where the mode says so.
-            # mapped_gather only where asked, so that the script runs on trees older than it.
+            # mapped_gather given (its auto gathers on CUDA) only on trees that know it,
+            # so that the script runs on older ones.
             prefetch = "on" if not mapped or mode.endswith("prefetch") else "off"
             sm = load_streaming_model(store, Settings(capacity=slots, host_cache=host_cache, mapped=mapped, prefetch=prefetch,
-                                                      **({"mapped_gather": True} if gather else {})))
+                                                      **({"mapped_gather": gather} if "mapped_gather" in Settings.__dataclass_fields__ else {})))
             if not mapped:
                 mode = sm.pool_stats()["admission"]["mode"]
             tick = sm.placement.tick if sm.placement is not None else None
@@ -99,6 +102,11 @@ def main() -> None:
                 results.append(r)
                 print(json.dumps(r), flush=True)
             sm.close()
+            if args.collect:
+                del sm
+                gc.collect()
+                mx.synchronize()
+                mx.clear_cache()
     Path(args.out).write_text(json.dumps({"device": str(mx.default_device()), "results": results}, indent=1))
     bad = [r for r in results if not r["tokens_equal"] or r["logits_equal_steps"] != r["steps"]]
     print(f"{len(results) - len(bad)} of {len(results)} cases bit-identical")
