@@ -16,6 +16,8 @@
 #   bash tests/bench/gpu_run.sh block         # one block per pool slot: gather_qmm on strided views, copies per expert
 #   bash tests/bench/gpu_run.sh exactness-mini  # 4-bit and bf16 random models of CUDA-friendly size
 #   bash tests/bench/gpu_run.sh exactness-old # the same cases on an older tree (OLD_TAR), to bisect a failure
+#   bash tests/bench/gpu_run.sh crash-matrix  # the slot-pool crash, REPS runs per VARIANTS (default collect only32)
+#   bash tests/bench/gpu_run.sh stream-edge   # what a dependency between two MLX streams costs in one evaluation
 #   bash tests/bench/gpu_run.sh make-q30      # Qwen3-30B-A3B-shaped random 4-bit model + store
 #   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it: stock, 100%, 25% (+host, +mapped), naive (WARMUP=2, COPY_BATCH=1)
 #   bash tests/bench/gpu_run.sh mapped-prefetch-q30 # mapped pools at 25%: zero-copy, gathered, gathered + prefetch
@@ -125,6 +127,26 @@ EOF
     PYTHONPATH=/opt/mlx:/tmp/old $py tests/bench/gpu_exactness_check.py --out "$OUT/exactness_old.json" --steps "${STEPS:-16}" \
       --bits "${BITS:-4}" --only="${ONLY:-slots}" >"$OUT/exactness_old.log" 2>&1 || { tail -8 "$OUT/exactness_old.log"; exit 1; }
     tail -3 "$OUT/exactness_old.log"
+    ;;
+  crash-matrix)
+    # The slot-pool crash (exactness_gpu_mini_session8_h200.json), REPS runs per
+    # variant, 4-bit, 16 steps: the four slot pools in turn (default); each model released
+    # before the next loads (collect); the fully resident 32-slot model alone (only32).
+    for v in ${VARIANTS:-default collect only32}; do
+      for i in $(seq "${REPS:-6}"); do
+        case $v in
+          default) extra=(--only='-slots$') ;;
+          collect) extra=(--only='-slots$' --collect) ;;
+          only32) extra=(--only='^32-slots$') ;;
+        esac
+        timeout 90 $py tests/bench/gpu_exactness_check.py --out "$OUT/crash_${v}_$i.json" --steps 16 --bits 4 "${extra[@]}" >"$OUT/crash_${v}_$i.log" 2>&1
+        echo "$v $i rc=$? cases=$(grep -c tokens_equal "$OUT/crash_${v}_$i.log") $(grep -o 'illegal memory access' "$OUT/crash_${v}_$i.log" | head -1)" | tee -a "$OUT/crash_matrix.txt"
+        rm -f "$OUT/crash_${v}_$i.json"; grep -q illegal "$OUT/crash_${v}_$i.log" || rm -f "$OUT/crash_${v}_$i.log"
+      done
+    done
+    ;;
+  stream-edge)
+    $py tests/bench/gpu_stream_edge_probe.py --out "$OUT/stream_edge_probe_h200.json" 2>&1 | tail -16
     ;;
   make-q30)
     rm -rf /root/q30 && mkdir -p /root/q30
