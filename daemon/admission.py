@@ -381,12 +381,16 @@ STAGING_EXPERTS = 64
 
 
 def make_admitter(reader: ExpertReader, manifest: Manifest, host_cache_bytes: int, copy_batch: bool = False, *,
-                  cuda: tuple[CudaCopier | None, str] | None = None) -> tuple[Admitter, dict[str, Any]]:
+                  cuda: tuple[CudaCopier | None, str] | None = None, copy_kernel: bool = False) -> tuple[Admitter, dict[str, Any]]:
     """The admitter for this machine and settings, and a note of what was chosen and why.
-    `copy_batch` (Settings.copy_batch) is honoured where the CUDA runtime has batches;
-    `cuda` is what `cuda_copier()` gave the caller already (else it is asked here)."""
+    `copy_batch` (Settings.copy_batch) is honoured where the CUDA runtime has batches,
+    `copy_kernel` (Settings.copy_kernel) where there is a CUDA copier at all; `cuda` is
+    what `cuda_copier()` gave the caller already (else it is asked here)."""
     copier, why_not = cuda if cuda is not None else cuda_copier()
     batch = copy_batch and copier is not None and copier.has_batch
+    if copier is not None:
+        # Every copy through this copier (the tier's, the prefetcher's) goes that way.
+        copier.kernel = copy_kernel
     stride = expert_stride(manifest)
     if host_cache_bytes:
         slots = host_cache_bytes // stride
@@ -397,9 +401,9 @@ def make_admitter(reader: ExpertReader, manifest: Manifest, host_cache_bytes: in
         total = sum(layer.num_experts for layer in manifest.layers)
         slots = min(slots, total)
         admitter = TieredAdmitter(reader, HostTier(slots, stride, copier), copier, keep=True, batch=batch)
-        return admitter, {"cuda": why_not or "on", "copy_batch": batch}
+        return admitter, {"cuda": why_not or "on", "copy_batch": batch, "copy_kernel": copy_kernel and copier is not None}
     if copier is not None:
         largest = max(layer.num_experts for layer in manifest.layers)
         tier = HostTier(min(STAGING_EXPERTS, largest), stride, copier)
-        return TieredAdmitter(reader, tier, copier, keep=False, batch=batch), {"cuda": "on", "copy_batch": batch}
+        return TieredAdmitter(reader, tier, copier, keep=False, batch=batch), {"cuda": "on", "copy_batch": batch, "copy_kernel": copy_kernel}
     return DirectAdmitter(reader), {"cuda": why_not}

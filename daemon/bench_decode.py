@@ -76,6 +76,8 @@ class BenchDecodeSettings:
     mapped_rebalance_tokens: int = 256
     # The CUDA copier queues in batches (Settings.copy_batch).
     copy_batch: bool = False
+    # The CUDA copier copies with its copy kernel (Settings.copy_kernel).
+    copy_kernel: bool = False
     # A mapped pool's decode steps copy the routed experts into a stack first
     # (Settings.mapped_gather): one configuration per value, ":g" marks those that do;
     # None is the setting's auto.
@@ -179,7 +181,7 @@ def _streaming_config(
         Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads,
                  prefetch=prefetch or settings.prefetch,
                  mapped_moves=mapped_moves, mapped_rebalance_tokens=settings.mapped_rebalance_tokens,
-                 copy_batch=settings.copy_batch, mapped_gather=mapped_gather),
+                 copy_batch=settings.copy_batch, copy_kernel=settings.copy_kernel, mapped_gather=mapped_gather),
         naive=naive,
         admitter=admitter,
         mapped=mapped,
@@ -340,7 +342,8 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             # One host tier for every "+host" configuration: they run in turn, and a
             # machine would hold one such tier, not one per pool size.
             shared_reader = ExpertReader(settings.store, manifest, threads=settings.io_threads)
-            tier, _ = make_admitter(shared_reader, manifest, settings.host_cache, settings.copy_batch)
+            tier, _ = make_admitter(shared_reader, manifest, settings.host_cache, settings.copy_batch,
+                                    copy_kernel=settings.copy_kernel)
         for c in settings.capacities:
             if settings.slot_pool:
                 configs.append(_streaming_config(f"moestream@{c:g}", c, settings, prompt))
@@ -427,6 +430,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         "mapped": settings.mapped,
         "prefetch": settings.prefetch,
         "copy_batch": settings.copy_batch,
+        "copy_kernel": settings.copy_kernel,
         "mapped_moves": list(settings.mapped_moves) if settings.mapped else None,
         "mapped_rebalance_tokens": settings.mapped_rebalance_tokens if settings.mapped else None,
         "mapped_gather": gathers if settings.mapped else None,

@@ -54,6 +54,8 @@ class BenchPredictSettings:
     width: int = 1
     # The CUDA copier queues in batches (Settings.copy_batch).
     copy_batch: bool = False
+    # The CUDA copier copies with its copy kernel (Settings.copy_kernel).
+    copy_kernel: bool = False
     # Measure a mapped pool's prefetch instead (gathering, daemon/mapped_prefetch.py):
     # decode tokens/s off and on and what auto decides; recall is the slot pool's run's
     # (the same predictor), not repeated.
@@ -97,13 +99,15 @@ def _diagnosed(sm: StreamingModel, prompt: list[int], settings: BenchPredictSett
 
 
 def _copier_per_forward(before: dict[str, Any], after: dict[str, Any], settings: BenchPredictSettings) -> dict[str, float]:
-    """The CUDA copier's work per forward: copy calls and spans, and the host ms spent
-    reading spans and exporting buffers (bind), queuing (enqueue) and waiting (wait)."""
+    """The CUDA copier's work per forward: copy calls, spans and copy-kernel launches,
+    and the host ms spent reading spans and exporting buffers (bind), queuing (enqueue)
+    and waiting (wait)."""
     forwards = settings.decode_tokens + 1
     d = {k: after[k] - before[k] for k in after}
     return {
         "calls": d["calls"] / forwards,
         "spans": d["spans"] / forwards,
+        "kernel_launches": d["kernel_launches"] / forwards,
         "bind_ms": 1e3 * d["bind_seconds"] / forwards,
         "enqueue_ms": 1e3 * d["enqueue_seconds"] / forwards,
         "wait_ms": 1e3 * d["wait_seconds"] / forwards,
@@ -173,7 +177,8 @@ def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[
     sm = load_streaming_model(
         settings.store,
         Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads,
-                 host_cache=settings.host_cache, prefetch="on", mapped=False, copy_batch=settings.copy_batch),
+                 host_cache=settings.host_cache, prefetch="on", mapped=False, copy_batch=settings.copy_batch,
+                 copy_kernel=settings.copy_kernel),
         max_tokens=settings.prompt_tokens + settings.decode_tokens + 512,
     )
     try:
@@ -262,6 +267,7 @@ def run_bench_predict(settings: BenchPredictSettings) -> dict[str, Any]:
         "host_cache": settings.host_cache,
         "prefetch_width": f"{settings.width}k",
         "copy_batch": settings.copy_batch,
+        "copy_kernel": settings.copy_kernel,
         "mapped": settings.mapped,
         "results": results,
     }

@@ -1,6 +1,8 @@
 // The CUDA runtime, loaded at run time; see device_copy.h.
 #include "device_copy.h"
 
+#include "copy_kernel_ptx.h"
+
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -38,6 +40,19 @@ constexpr int kSrcAccessOrderStream = 1;  // the source is read in stream order
 // Sonames tried in order; MLX's CUDA 13 build brings libcudart.so.13.
 const char* const kLibraries[] = {"libcudart.so.13", "libcudart.so.12", "libcudart.so", "libcudart.dylib"};
 
+// The copy kernel's parameter, laid out as its `Spans` (native/gen_copy_kernel.py).
+struct KernelSpan {
+  uint64_t dst, src, n;
+};
+struct KernelSpans {
+  uint64_t count;
+  KernelSpan s[kCopyKernelMaxSpans];
+};
+static_assert(sizeof(KernelSpans) == 8 + 24 * kCopyKernelMaxSpans, "the kernel's parameter layout");
+constexpr unsigned kCopyThreads = 256;
+// At most this many blocks per span: enough 16-byte loads in flight to fill the link.
+constexpr size_t kCopyMaxBlocksPerSpan = 64;
+
 }  // namespace
 
 struct CudaRuntime::Api {
@@ -62,6 +77,25 @@ struct CudaRuntime::Api {
   int (*AdviseLoc)(const void*, size_t, int, MemLocation) = nullptr;
   int (*PrefetchDev)(const void*, size_t, int, void*) = nullptr;
   int (*AdviseDev)(const void*, size_t, int, int) = nullptr;
+};
+
+// The CUDA driver API, for the copy kernel only: the runtime API cannot load PTX.
+struct CudaRuntime::Driver {
+  void* handle = nullptr;
+  int (*CtxGetCurrent)(void**) = nullptr;
+  int (*ModuleLoadData)(void**, const void*) = nullptr;
+  int (*ModuleGetFunction)(void**, void*, const char*) = nullptr;
+  int (*LaunchKernel)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**,
+                      void**) = nullptr;
+  int (*GetErrorString)(int, const char**) = nullptr;
+  void* function = nullptr;
+
+  void check(int err, const char* what) const {
+    if (err == kSuccess) return;
+    const char* text = nullptr;
+    if (GetErrorString) GetErrorString(err, &text);
+    throw CudaError(std::string(what) + " failed: " + (text ? text : std::to_string(err)));
+  }
 };
 
 std::unique_ptr<CudaRuntime> CudaRuntime::load(int streams) {
@@ -128,7 +162,8 @@ std::unique_ptr<CudaRuntime> CudaRuntime::load(int streams) {
 }
 
 CudaRuntime::~CudaRuntime() {
-  // The library stays loaded: MLX (or the driver) may still use it.
+  // The libraries stay loaded, and so does the copy kernel's module (it lives as long as
+  // the CUDA context): MLX (or the driver) may still use them.
   if (api_)
     for (void* stream : streams_) api_->StreamDestroy(stream);
 }
@@ -159,7 +194,68 @@ void CudaRuntime::free_device(void* p) noexcept {
 
 bool CudaRuntime::has_batch() const { return api_->MemcpyBatchAsync != nullptr; }
 
-double CudaRuntime::copy(std::vector<CopySpan> spans, bool wait, bool batch) {
+void* CudaRuntime::copy_kernel() {
+  std::lock_guard<std::mutex> lock(driver_mutex_);
+  if (driver_) return driver_->function;
+  auto d = std::make_unique<Driver>();
+  for (int pass = 0; pass < 2 && !d->handle; ++pass)
+    d->handle = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | (pass == 0 ? RTLD_NOLOAD : 0));
+  if (!d->handle) throw CudaError("the copy kernel needs the CUDA driver (libcuda.so.1), which could not be loaded");
+  auto sym = [&](const char* name) -> void* {
+    void* p = ::dlsym(d->handle, name);
+    if (!p) throw CudaError(std::string("libcuda.so.1 has no symbol ") + name);
+    return p;
+  };
+  d->CtxGetCurrent = reinterpret_cast<decltype(d->CtxGetCurrent)>(sym("cuCtxGetCurrent"));
+  d->ModuleLoadData = reinterpret_cast<decltype(d->ModuleLoadData)>(sym("cuModuleLoadData"));
+  d->ModuleGetFunction = reinterpret_cast<decltype(d->ModuleGetFunction)>(sym("cuModuleGetFunction"));
+  d->LaunchKernel = reinterpret_cast<decltype(d->LaunchKernel)>(sym("cuLaunchKernel"));
+  d->GetErrorString = reinterpret_cast<decltype(d->GetErrorString)>(sym("cuGetErrorString"));
+  // The module goes into the runtime's (primary) context; a runtime call makes it
+  // current on this thread if nothing has yet.
+  void* ctx = nullptr;
+  d->check(d->CtxGetCurrent(&ctx), "cuCtxGetCurrent");
+  if (!ctx) {
+    check(api_->Free(nullptr), "cudaFree");
+    d->check(d->CtxGetCurrent(&ctx), "cuCtxGetCurrent");
+    if (!ctx) throw CudaError("no CUDA context is current for the copy kernel");
+  }
+  void* module = nullptr;
+  d->check(d->ModuleLoadData(&module, kCopyKernelPtx), "cuModuleLoadData (the copy kernel's PTX)");
+  d->check(d->ModuleGetFunction(&d->function, module, kCopyKernelName), "cuModuleGetFunction");
+  driver_ = std::move(d);
+  return driver_->function;
+}
+
+void CudaRuntime::launch_copies(const std::vector<CopySpan>& spans, void* stream) {
+  void* function = copy_kernel();
+  // The driver launches in the calling thread's current context, which a thread that
+  // has made no runtime call yet lacks: a runtime call binds the runtime's context.
+  void* ctx = nullptr;
+  driver_->check(driver_->CtxGetCurrent(&ctx), "cuCtxGetCurrent");
+  if (!ctx) check(api_->Free(nullptr), "cudaFree");
+  // The parameter is copied at launch, so one on the stack serves every launch.
+  KernelSpans params{};
+  for (size_t first = 0; first < spans.size(); first += kCopyKernelMaxSpans) {
+    const size_t count = std::min(spans.size() - first, static_cast<size_t>(kCopyKernelMaxSpans));
+    size_t largest = 0;
+    for (size_t j = 0; j < count; ++j) {
+      const CopySpan& s = spans[first + j];
+      params.s[j] = {reinterpret_cast<uint64_t>(s.dst), reinterpret_cast<uint64_t>(s.src), s.n};
+      largest = std::max(largest, s.n);
+    }
+    params.count = count;
+    const size_t blocks = std::clamp<size_t>((largest + 16 * kCopyThreads - 1) / (16 * kCopyThreads), 1,
+                                             kCopyMaxBlocksPerSpan);
+    void* args[] = {&params};
+    driver_->check(driver_->LaunchKernel(function, static_cast<unsigned>(blocks), static_cast<unsigned>(count), 1,
+                                         kCopyThreads, 1, 1, 0, stream, args, nullptr),
+                   "cuLaunchKernel (the copy kernel)");
+    launches_ += 1;
+  }
+}
+
+double CudaRuntime::copy(std::vector<CopySpan> spans, bool wait, bool batch, bool kernel) {
   if (batch && !has_batch())
     throw CudaError("cudaMemcpyBatchAsync needs a CUDA 13 runtime; " + library_ + " is " +
                     std::to_string(runtime_version_));
@@ -168,6 +264,25 @@ double CudaRuntime::copy(std::vector<CopySpan> spans, bool wait, bool batch) {
   const size_t k = streams_.size();
   std::vector<size_t> load(k, 0);
   size_t queued = 0, bytes = 0;
+  if (kernel) {
+    // The kernel's share, all on the first stream (one launch moves them all at once);
+    // the rest below, spread over the streams as usual.
+    std::vector<CopySpan> through_kernel;
+    std::vector<CopySpan> rest;
+    for (const CopySpan& s : spans) {
+      if (s.n == 0) continue;
+      (s.gpu_visible ? through_kernel : rest).push_back(s);
+    }
+    if (!through_kernel.empty()) {
+      launch_copies(through_kernel, streams_[0]);
+      for (const CopySpan& s : through_kernel) {
+        load[0] += s.n;
+        ++queued;
+        bytes += s.n;
+      }
+    }
+    spans = std::move(rest);
+  }
   // With `batch`: each stream's share, queued below in one call per stream.
   std::vector<std::vector<const void*>> dsts(batch ? k : 0), srcs(batch ? k : 0);
   std::vector<std::vector<size_t>> sizes(batch ? k : 0);
@@ -215,6 +330,7 @@ CopyCounters CudaRuntime::counters() const {
   c.calls = calls_.load();
   c.spans = spans_.load();
   c.bytes = bytes_.load();
+  c.kernel_launches = launches_.load();
   c.enqueue_seconds = enqueue_ns_.load() * 1e-9;
   c.wait_seconds = wait_ns_.load() * 1e-9;
   return c;

@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -24,10 +25,13 @@ struct CudaError : std::runtime_error {
 };
 
 // One copy: `n` bytes from `src` to `dst` (any mix of host, pinned, device, managed).
+// `gpu_visible`: both ends are memory a kernel can address (pinned, device or managed,
+// not pageable), so the span may go through the copy kernel (see `copy`).
 struct CopySpan {
   void* dst;
   const void* src;
   size_t n;
+  bool gpu_visible = false;
 };
 
 // A byte range of managed memory and where it should live.
@@ -43,6 +47,7 @@ struct CopyCounters {
   uint64_t calls = 0;
   uint64_t spans = 0;
   uint64_t bytes = 0;
+  uint64_t kernel_launches = 0;  // launches of the copy kernel (Settings.copy_kernel)
   double enqueue_seconds = 0;  // queuing the copies
   double wait_seconds = 0;     // waiting for them, in calls that wait
 };
@@ -73,7 +78,11 @@ class CudaRuntime {
   // `batch` queues each stream's share with one cudaMemcpyBatchAsync (CUDA 13 runtimes;
   // see has_batch) instead of one cudaMemcpyAsync per span; its location hints say host
   // memory to GPU memory, so use it for those copies only.
-  double copy(std::vector<CopySpan> spans, bool wait = true, bool batch = false);
+  // `kernel` copies the gpu_visible spans with one launch of a copy kernel per up to
+  // kCopyKernelMaxSpans spans (PTX loaded through the CUDA driver on first use) instead
+  // of one cudaMemcpyAsync each, which costs microseconds of host time apiece; the
+  // other spans go as before.
+  double copy(std::vector<CopySpan> spans, bool wait = true, bool batch = false, bool kernel = false);
   bool has_batch() const;
   // Wait for every copy queued so far; returns the seconds waited.
   double sync();
@@ -92,6 +101,13 @@ class CudaRuntime {
  private:
   CudaRuntime() = default;
   void check(int err, const char* what) const;
+  // The copy kernel, loaded once (the driver API and the module); throws CudaError.
+  void* copy_kernel();
+  void launch_copies(const std::vector<CopySpan>& spans, void* stream);
+
+  struct Driver;
+  std::unique_ptr<Driver> driver_;
+  std::mutex driver_mutex_;
 
   struct Api;
   void* handle_ = nullptr;
@@ -100,7 +116,7 @@ class CudaRuntime {
   std::string library_;
   int runtime_version_ = 0;
   // Updated by `copy`, which may run on several threads at once.
-  std::atomic<uint64_t> calls_{0}, spans_{0}, bytes_{0}, enqueue_ns_{0}, wait_ns_{0};
+  std::atomic<uint64_t> calls_{0}, spans_{0}, bytes_{0}, launches_{0}, enqueue_ns_{0}, wait_ns_{0};
 };
 
 }  // namespace moestream

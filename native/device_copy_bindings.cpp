@@ -110,9 +110,18 @@ class CudaCopier {
   std::shared_ptr<CudaRuntime> runtime() const { return rt_; }
 
   // spans: [(dst, dst_offset, src, src_offset, nbytes)]; returns seconds spent.
-  double copy(const py::sequence& spans, bool wait, bool batch) {
+  // kernel: None is the copier's own setting (`kernel`).
+  double copy(const py::sequence& spans, bool wait, bool batch, py::object kernel) {
     const auto start = std::chrono::steady_clock::now();
+    const bool use_kernel = kernel.is_none() ? kernel_ : kernel.cast<bool>();
     Exports exports;
+    // Per buffer (by its address): whether a kernel can address it.
+    std::unordered_map<const void*, bool> visible;
+    auto gpu_visible = [&](const void* p) {
+      auto it = visible.find(p);
+      if (it == visible.end()) it = visible.emplace(p, rt_->kind_of(p) != MemoryKind::kUnregistered).first;
+      return it->second;
+    };
     std::vector<CopySpan> out;
     out.reserve(spans.size());
     size_t i = 0;
@@ -129,13 +138,16 @@ class CudaCopier {
         throw py::value_error(what + "out of bounds: dst " + std::to_string(doff) + "+" + std::to_string(n) + " of " +
                               std::to_string(dst->len) + ", src " + std::to_string(soff) + "+" + std::to_string(n) +
                               " of " + std::to_string(src->len));
-      out.push_back({static_cast<char*>(dst->buf) + doff, static_cast<const char*>(src->buf) + soff, n});
+      out.push_back({static_cast<char*>(dst->buf) + doff, static_cast<const char*>(src->buf) + soff, n,
+                     use_kernel && gpu_visible(dst->buf) && gpu_visible(src->buf)});
     }
     // The Python side of the call: reading the spans and exporting the buffers.
     bind_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     py::gil_scoped_release nogil;
-    return rt_->copy(out, wait, batch);
+    return rt_->copy(out, wait, batch, use_kernel);
   }
+
+  bool kernel_ = false;  // copies go through the copy kernel unless a call says otherwise
 
   py::dict counters() const {
     const CopyCounters c = rt_->counters();
@@ -143,6 +155,7 @@ class CudaCopier {
     d["calls"] = c.calls;
     d["spans"] = c.spans;
     d["bytes"] = c.bytes;
+    d["kernel_launches"] = c.kernel_launches;
     d["bind_seconds"] = bind_seconds_;
     d["enqueue_seconds"] = c.enqueue_seconds;
     d["wait_seconds"] = c.wait_seconds;
@@ -256,13 +269,20 @@ void bind_device_copy(py::module_& m) {
       .def(py::init<int>(), py::arg("streams") = 4)
       .def_property_readonly("streams", [](const CudaCopier& c) { return c.runtime()->streams(); })
       .def("copy", &CudaCopier::copy, py::arg("spans"), py::arg("wait") = true, py::arg("batch") = false,
-           "copy([(dst, dst_offset, src, src_offset, nbytes), ...], wait=True, batch=False) -> float\n\n"
+           py::arg("kernel") = py::none(),
+           "copy([(dst, dst_offset, src, src_offset, nbytes), ...], wait=True, batch=False, kernel=None) -> float\n\n"
            "Copy every span (buffers: HostBuffer, numpy or MLX arrays) and wait; returns the "
            "seconds from the first copy queued to the last one done. With wait=False it only "
            "queues the copies and returns 0: the caller keeps every buffer alive and unchanged "
            "until `sync()` returns. batch=True (for copies from host memory into GPU memory: "
            "the batch tells the driver so) queues them with one cudaMemcpyBatchAsync per "
-           "stream (CUDA 13 runtimes: `has_batch`) instead of one cudaMemcpyAsync per span.")
+           "stream (CUDA 13 runtimes: `has_batch`) instead of one cudaMemcpyAsync per span. "
+           "kernel=True (None: the copier's `kernel`) copies the spans whose both ends a kernel "
+           "can address (pinned, device or managed memory) with one copy-kernel launch per 160 "
+           "spans, loaded through the CUDA driver on first use; pageable spans still go by "
+           "cudaMemcpyAsync.")
+      .def_readwrite("kernel", &CudaCopier::kernel_,
+                     "Whether `copy` uses the copy kernel when a call does not say (Settings.copy_kernel).")
       .def_property_readonly("has_batch", [](const CudaCopier& c) { return c.runtime()->has_batch(); })
       .def("counters", &CudaCopier::counters,
            "counters() -> dict: copy calls, spans and bytes since the copier was made, and the host "

@@ -131,6 +131,12 @@ class Settings:
     # costs microseconds of host time apiece on the path the GPU waits on. Off until it
     # is measured on the GPU machine (tests/bench/gpu_copy_check.py).
     copy_batch: bool = False
+    # The CUDA copier copies each call's spans (from the pinned host tier into pool rows)
+    # with one launch of a copy kernel per 160 spans, loaded as PTX through the CUDA
+    # driver (native/gen_copy_kernel.py), instead of one cudaMemcpyAsync per tensor of
+    # each expert: about 2,700 calls per token at 7 us of host time each on the H200
+    # (tests/bench/results/bench_predict_q30_h200.json). Off until it is measured there.
+    copy_kernel: bool = False
     verify_checksums: bool = False
     # Daemon.
     runtime_dir: str | None = None
@@ -219,7 +225,7 @@ def _coerce(name: str, raw: Any) -> Any:
         return parse_capacity(raw)
     if name in ("memory_budget", "host_cache"):
         return parse_size(raw)
-    if name in ("direct_io", "verify_checksums", "diagnostics", "mapped", "copy_batch", "mapped_gather"):
+    if name in ("direct_io", "verify_checksums", "diagnostics", "mapped", "copy_batch", "copy_kernel", "mapped_gather"):
         if isinstance(raw, bool):
             return raw
         s = str(raw).strip().lower()

@@ -267,7 +267,7 @@ def load_streaming_model(
             admitter, note = DirectAdmitter(reader), {"mapped": True, "gather": gather is not None}
         elif admitter is None:
             admitter, note = make_admitter(reader, manifest, settings.host_cache, settings.copy_batch,
-                                           cuda=(copier, cuda_why_not))
+                                           cuda=(copier, cuda_why_not), copy_kernel=settings.copy_kernel)
         else:
             note = {"shared": True}
         if auto_note is not None:

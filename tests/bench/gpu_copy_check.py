@@ -7,7 +7,10 @@ compares on the GPU; reports the memory kinds MLX's arrays have before and after
 host->GPU bandwidth from pinned and from pageable memory. Then what queuing one layer's
 prefetch costs the host: 8 experts of Qwen3-30B-A3B's shape (9 tensors each, 72 spans)
 into pool arrays, one cudaMemcpyAsync per span against one cudaMemcpyBatchAsync per
-stream (CUDA 13), each checked for exact bytes.
+stream (CUDA 13) and against the copy kernel (one launch for all 72, Settings.copy_kernel),
+each checked for exact bytes. The kernel is also checked on the pattern, on spans of odd
+offsets and lengths (its byte loop), and with a pageable source (which goes by
+cudaMemcpyAsync instead).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def main() -> None:
     mx.eval(b)
     seconds = copier.copy(spans[:1])
     report["copy_exact_after_use"] = bool(mx.array_equal(a[0], want[0]).item())
+    report["kernel"] = kernel_checks(copier, host, pattern, rows, cols)
     report["probe"] = copier.probe(1 << 30, 5)
     report["has_batch"] = copier.has_batch
     report["layer_prefetch"] = {"per_span": layer_prefetch(copier, batch=False)}
@@ -58,14 +62,40 @@ def main() -> None:
             report["layer_prefetch"]["batch"] = layer_prefetch(copier, batch=True)
         except RuntimeError as e:  # the runtime refused the batch: say so, keep the rest
             report["layer_prefetch"]["batch"] = {"error": str(e), "exact": False}
+    report["layer_prefetch"]["kernel"] = layer_prefetch(copier, batch=False, kernel=True)
     print(json.dumps(report, indent=1))
     Path(args.out).write_text(json.dumps(report, indent=1))
-    exact = [report["copy_exact"], report["copy_exact_after_use"]] + [m["exact"] for m in report["layer_prefetch"].values()]
+    exact = [report["copy_exact"], report["copy_exact_after_use"], *report["kernel"].values()]
+    exact += [m["exact"] for m in report["layer_prefetch"].values()]
     if not all(exact):
         raise SystemExit("copy check FAILED")
 
 
-def layer_prefetch(copier: CudaCopier, *, batch: bool, experts: int = 8, slots: int = 32, repeats: int = 50) -> dict:
+def kernel_checks(copier: CudaCopier, host: HostBuffer, pattern: np.ndarray, rows: int, cols: int) -> dict[str, bool]:
+    """The copy kernel moves exactly the bytes cudaMemcpyAsync would: the reversed rows of
+    the pattern; spans of odd offsets and lengths; a pageable (numpy) source."""
+    out: dict[str, bool] = {}
+    a = mx.zeros((rows, cols), dtype=mx.uint32)
+    mx.eval(a)
+    copier.place(a, "device")
+    copier.copy([(a, r * cols * 4, host, (rows - 1 - r) * cols * 4, cols * 4) for r in range(rows)], kernel=True)
+    out["rows_exact"] = bool(mx.array_equal(a, mx.array(pattern.reshape(rows, cols)[::-1].copy())).item())
+    b = mx.zeros((1 << 20,), dtype=mx.uint8)
+    mx.eval(b)
+    copier.place(b, "device")
+    raw = np.frombuffer(host, np.uint8)
+    odd = [(3, 101, 1001), (5000, 7, 4093), (20000, 16, 160)]  # (dst offset, src offset, bytes)
+    copier.copy([(b, d, host, o, n) for d, o, n in odd], kernel=True)
+    got = np.array(b)
+    out["odd_spans_exact"] = all(np.array_equal(got[d : d + n], raw[o : o + n]) for d, o, n in odd)
+    pageable = np.arange(4096, dtype=np.uint8)
+    copier.copy([(b, 65536, pageable, 0, 4096)], kernel=True)
+    out["pageable_source_exact"] = bool(np.array_equal(np.array(b)[65536 : 65536 + 4096], pageable))
+    return out
+
+
+def layer_prefetch(copier: CudaCopier, *, batch: bool, kernel: bool = False, experts: int = 8, slots: int = 32,
+                   repeats: int = 50) -> dict:
     """Queue 8 experts into 9 pool arrays (Qwen3-30B-A3B, 4-bit): host ms of the call
     that queues them and of the whole copy, medians; and whether the bytes are exact."""
     shapes = [((slots, 768, 256), mx.uint32), ((slots, 768, 32), mx.bfloat16), ((slots, 768, 32), mx.bfloat16)] * 3
@@ -88,7 +118,7 @@ def layer_prefetch(copier: CudaCopier, *, batch: bool, experts: int = 8, slots: 
     queue, total = [], []
     for _ in range(repeats):
         tic = time.perf_counter()
-        copier.copy(spans, wait=False, batch=batch)
+        copier.copy(spans, wait=False, batch=batch, kernel=kernel)
         queued = time.perf_counter()
         copier.sync()
         queue.append(queued - tic)

@@ -6,7 +6,8 @@ enough for MLX's CUDA kernels (the CPU suite's tiny shapes hit kernels CUDA lack
 For a 4-bit and a bf16 random qwen3_moe ("mini" shape of make_random_moe.py), each prompt
 length and each capacity from top-k to all experts (slot pools with and without a host
 tier, with prefetch on, so the tier's predicted experts are copied into the next layer's
-slots while the GPU computes; and mapped pools moving experts between host and GPU memory
+slots while the GPU computes; both also with the copier's copy kernel, copy_kernel; and
+mapped pools moving experts between host and GPU memory
 as they decode, with and without the copy of routed experts into a stack, mapped_gather,
 and with the next layer's experts staged ahead, mapped prefetch),
 compares the logits of every step of greedy decoding, bit for bit, and reports the
@@ -73,13 +74,14 @@ def main() -> None:
         # host memory in the kernels, gathering the routed experts first, and gathering
         # with the next layer's experts staged ahead (mapped prefetch).
         cases = [(4, 0, "slots"), (8, 0, "slots"), (16, 0, "slots"), (32, 0, "slots"), (4, 1 << 26, "tier"), (8, 1 << 26, "tier"),
+                 (4, 0, "slots+kernel"), (4, 1 << 26, "tier+kernel"), (8, 1 << 26, "tier+kernel"),
                  (4, 0, "mapped"), (8, 0, "mapped"), (4, 0, "mapped+gather"), (8, 0, "mapped+gather"),
                  (4, 0, "mapped+gather+prefetch"), (8, 0, "mapped+gather+prefetch")]
         for slots, host_cache, mode in cases:
             label = f"{slots}-{mode}"
             if not re.search(args.only, label):
                 continue
-            mapped, gather = mode.startswith("mapped"), "gather" in mode
+            mapped, gather, kernel = mode.startswith("mapped"), "gather" in mode, mode.endswith("+kernel")
             # Prefetch on for the slot pools: with a host tier, predicted experts are
             # copied into the next layer's slots on the copier's streams while the GPU
             # computes (prestage); for mapped pools only where the mode says so.
@@ -87,9 +89,10 @@ def main() -> None:
             # so that the script runs on older ones.
             prefetch = "on" if not mapped or mode.endswith("prefetch") else "off"
             sm = load_streaming_model(store, Settings(capacity=slots, host_cache=host_cache, mapped=mapped, prefetch=prefetch,
-                                                      **({"mapped_gather": gather} if "mapped_gather" in Settings.__dataclass_fields__ else {})))
+                                                      **({"mapped_gather": gather} if "mapped_gather" in Settings.__dataclass_fields__ else {}),
+                                                      **({"copy_kernel": True} if kernel else {})))
             if not mapped:
-                mode = sm.pool_stats()["admission"]["mode"]
+                mode = sm.pool_stats()["admission"]["mode"] + ("+kernel" if kernel else "")
             tick = sm.placement.tick if sm.placement is not None else None
             for n, p in prompts.items():
                 toks, rows = greedy(sm.model, p, args.steps, tick)

@@ -19,7 +19,7 @@
 #   bash tests/bench/gpu_run.sh crash-matrix  # the slot-pool crash, REPS runs per VARIANTS (default collect only32)
 #   bash tests/bench/gpu_run.sh stream-edge   # what a dependency between two MLX streams costs in one evaluation
 #   bash tests/bench/gpu_run.sh make-q30      # Qwen3-30B-A3B-shaped random 4-bit model + store
-#   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it: stock, 100%, 25% (+host, +mapped), naive (WARMUP=2, COPY_BATCH=1)
+#   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it: stock, 100%, 25% (+host, +mapped), naive (WARMUP=2, COPY_BATCH=1, COPY_KERNEL=1)
 #   bash tests/bench/gpu_run.sh mapped-prefetch-q30 # mapped pools at 25%: zero-copy, gathered, gathered + prefetch
 #   bash tests/bench/gpu_run.sh decode-q30-table # 50% and 12.5% (+host, +mapped)
 #   bash tests/bench/gpu_run.sh warmstart-q30 # bench warmstart on it
@@ -67,10 +67,11 @@ case "$stage" in
   predict-q30)
     # With a host tier that holds every expert (HOST_CACHE=0 for none): predicted experts
     # are then copied into the next layer's slots while the GPU computes.
-    # CAPACITY=0.25 measures one capacity only; COPY_BATCH=1 queues copies in batches.
-    f="$OUT/bench_predict_q30${COPY_BATCH:+_batch}_h200.json"
+    # CAPACITY=0.25 measures one capacity only; COPY_BATCH=1 queues copies in batches;
+    # COPY_KERNEL=1 copies with the copy kernel.
+    f="$OUT/bench_predict_q30${COPY_BATCH:+_batch}${COPY_KERNEL:+_kernel}_h200.json"
     ctl bench predict --model /root/q30/store --temp 1 --host-cache ${HOST_CACHE:-20G} --width ${WIDTH:-1} \
-      ${CAPACITY:+--capacity $CAPACITY} ${COPY_BATCH:+--copy-batch} \
+      ${CAPACITY:+--capacity $CAPACITY} ${COPY_BATCH:+--copy-batch} ${COPY_KERNEL:+--copy-kernel} \
       --prompt-tokens ${PROMPT_TOKENS:-8} --decode-tokens ${DECODE_TOKENS:-48} --mlx-memory-limit 64G --json >"$f"
     $py - "$f" <<'EOF'
 import json, sys
@@ -170,13 +171,14 @@ EOF
     # Mapped pools with 2 and 0 moves per layer per placement turn (MAPPED_MOVES), each
     # rebalanced every REBALANCE tokens (short, so that the short runs see it): each
     # holds every expert in host memory (16 GB, outside the GPU's memory).
-    # COPY_BATCH=1: the copier queues in batches. GATHER=on|both: mapped decode steps copy
-    # the routed experts into a stack first (both: each mapped configuration both ways).
-    f="$OUT/bench_decode_q30${COPY_BATCH:+_batch}.json"
+    # COPY_BATCH=1: the copier queues in batches; COPY_KERNEL=1: it copies with its copy
+    # kernel. GATHER=auto|on|off|both: mapped decode steps copy the routed experts into a
+    # stack first (auto: on with MLX's CUDA build; both: each mapped configuration both ways).
+    f="$OUT/bench_decode_q30${COPY_BATCH:+_batch}${COPY_KERNEL:+_kernel}.json"
     ctl bench decode --model /root/q30/store --capacity 1 --capacity 0.25 \
-      --host-cache 20G --mapped $(for m in ${MAPPED_MOVES:-2 0}; do echo --mapped-moves $m; done) --mapped-gather ${GATHER:-off} \
+      --host-cache 20G --mapped $(for m in ${MAPPED_MOVES:-2 0}; do echo --mapped-moves $m; done) --mapped-gather ${GATHER:-auto} \
       --mapped-prefetch ${MAPPED_PREFETCH:-off} \
-      --mapped-rebalance-tokens ${REBALANCE:-32} --temp 1 ${COPY_BATCH:+--copy-batch} ${WARMUP:+--warmup-rounds $WARMUP} \
+      --mapped-rebalance-tokens ${REBALANCE:-32} --temp 1 ${COPY_BATCH:+--copy-batch} ${COPY_KERNEL:+--copy-kernel} ${WARMUP:+--warmup-rounds $WARMUP} \
       --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-24} --rounds ${ROUNDS:-3} --mlx-memory-limit 100G \
       --json >"$f"
     $py - "$f" <<'EOF'

@@ -10,10 +10,10 @@ evaluated at once, four ways: the chain alone; with a side copy per layer on the
 stream; with the side copy on a second stream that the next layer waits for (two
 cross-stream edges per layer, as mapped prefetch has); and the same with a side copy
 that nothing waits for until the end (one edge per layer, and one at the end). Milliseconds per evaluation,
-median of `--reps`. Where MLX's CUDA backend signals such edges through its slow
-shared event (a spin-wait kernel on managed memory, mlx/backend/cuda/event.cu, used
-whenever an event's value is above 1, as the per-stream counters of one evaluation are)
-the cross-stream rows cost far more per edge than the same-stream row.
+median of `--reps`. MLX's CUDA backend resolves such an edge within one evaluation
+with a fence (mlx/backend/cuda/fence.cu): both streams' pending work is committed and
+the waiting stream runs a kernel spinning on an atomic in managed memory; if that is
+what costs, the cross-stream rows cost far more per edge than the same-stream row.
 """
 
 from __future__ import annotations
