@@ -82,6 +82,8 @@ def main() -> None:
             if not re.search(args.only, label):
                 continue
             mapped, gather, kernel = mode.startswith("mapped"), "gather" in mode, mode.endswith("+kernel")
+            if kernel and "copy_kernel" not in Settings.__dataclass_fields__:
+                continue  # a tree older than the copy kernel
             # Prefetch on for the slot pools: with a host tier, predicted experts are
             # copied into the next layer's slots on the copier's streams while the GPU
             # computes (prestage); for mapped pools only where the mode says so.
