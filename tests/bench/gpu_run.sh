@@ -19,7 +19,7 @@
 #   bash tests/bench/gpu_run.sh crash-matrix  # the slot-pool crash, REPS runs per VARIANTS (default collect only32)
 #   bash tests/bench/gpu_run.sh stream-edge   # what a dependency between two MLX streams costs in one evaluation
 #   bash tests/bench/gpu_run.sh make-q30      # Qwen3-30B-A3B-shaped random 4-bit model + store
-#   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it: stock, 100%, 25% (+host, +mapped), naive (WARMUP=2, COPY_BATCH=1, COPY_KERNEL=1)
+#   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it: stock, 100%, 25% (+host, +mapped), naive (WARMUP=2 by default, COPY_BATCH=1, COPY_KERNEL=1)
 #   bash tests/bench/gpu_run.sh mapped-prefetch-q30 # mapped pools at 25%: zero-copy, gathered, gathered + prefetch
 #   bash tests/bench/gpu_run.sh decode-q30-table # 50% and 12.5% (+host, +mapped)
 #   bash tests/bench/gpu_run.sh warmstart-q30 # bench warmstart on it
@@ -171,6 +171,8 @@ EOF
     # Mapped pools with 2 and 0 moves per layer per placement turn (MAPPED_MOVES), each
     # rebalanced every REBALANCE tokens (short, so that the short runs see it): each
     # holds every expert in host memory (16 GB, outside the GPU's memory).
+    # Two untimed rounds by default (WARMUP): session 8 timed one and caught the pools still
+    # warming up (bench_decode_q30_short_h200.json).
     # COPY_BATCH=1: the copier queues in batches; COPY_KERNEL=1: it copies with its copy
     # kernel. GATHER=auto|on|off|both: mapped decode steps copy the routed experts into a
     # stack first (auto: on with MLX's CUDA build; both: each mapped configuration both ways).
@@ -178,7 +180,7 @@ EOF
     ctl bench decode --model /root/q30/store --capacity 1 --capacity 0.25 \
       --host-cache 20G --mapped $(for m in ${MAPPED_MOVES:-2 0}; do echo --mapped-moves $m; done) --mapped-gather ${GATHER:-auto} \
       --mapped-prefetch ${MAPPED_PREFETCH:-off} \
-      --mapped-rebalance-tokens ${REBALANCE:-32} --temp 1 ${COPY_BATCH:+--copy-batch} ${COPY_KERNEL:+--copy-kernel} ${WARMUP:+--warmup-rounds $WARMUP} \
+      --mapped-rebalance-tokens ${REBALANCE:-32} --temp 1 ${COPY_BATCH:+--copy-batch} ${COPY_KERNEL:+--copy-kernel} --warmup-rounds ${WARMUP:-2} \
       --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-24} --rounds ${ROUNDS:-3} --mlx-memory-limit 100G \
       --json >"$f"
     $py - "$f" <<'EOF'
@@ -205,7 +207,8 @@ EOF
     # The rest of the table: 50% and 12.5% with the host tier on and off and mapped. Every
     # configuration stays loaded (about 68 GB of MLX memory with the two mapped pools).
     ctl bench decode --model /root/q30/store --capacity 0.5 --capacity 0.125 --no-naive \
-      --host-cache 20G --mapped --temp 1 --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-24} --rounds ${ROUNDS:-3} --mlx-memory-limit 96G \
+      --host-cache 20G --mapped --mapped-rebalance-tokens ${REBALANCE:-32} --temp 1 ${COPY_KERNEL:+--copy-kernel} --warmup-rounds ${WARMUP:-2} \
+      --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-24} --rounds ${ROUNDS:-3} --mlx-memory-limit 96G \
       --json >"$OUT/bench_decode_q30_table.json"
     $py - "$OUT/bench_decode_q30_table.json" <<'EOF'
 import json, sys
