@@ -15,7 +15,7 @@ constexpr const char* kCopyKernelPtx =
 "// Based on NVVM 7.0.1\n"
 "//\n"
 "\n"
-".version 8.8\n"
+".version 7.0\n"
 ".target sm_70\n"
 ".address_size 64\n"
 "\n"

@@ -7,12 +7,15 @@ driver compiles for the GPU at hand the first time the copier launches it
     pip download --no-deps nvidia-cuda-nvrtc-cu12 && unzip nvidia_cuda_nvrtc_cu12-*.whl -d /tmp/nvrtc
     python native/gen_copy_kernel.py /tmp/nvrtc/nvidia/cuda_nvrtc/lib/libnvrtc.so.12
 
-compute_70 PTX runs on every GPU from Volta on (the driver JIT-compiles it forward).
+compute_70 PTX runs on every GPU from Volta on (the driver JIT-compiles it forward). The
+PTX ISA version NVRTC stamps is that of its own CUDA release, which older drivers refuse;
+the kernel uses nothing newer than ISA 7.0 (CUDA 11.0), so that is the version written.
 """
 
 from __future__ import annotations
 
 import ctypes
+import re
 import sys
 from pathlib import Path
 
@@ -68,6 +71,7 @@ def compile_ptx(nvrtc_path: str) -> str:
 
 def main() -> None:
     ptx = compile_ptx(sys.argv[1])
+    ptx = re.sub(r"^\.version \d+\.\d+$", ".version 7.0", ptx, count=1, flags=re.MULTILINE)
     out = Path(__file__).with_name("copy_kernel_ptx.h")
     lines = "".join('"' + line.replace("\\", "\\\\").replace('"', '\\"') + '\\n"\n' for line in ptx.splitlines())
     out.write_text(
