@@ -134,15 +134,19 @@ def _speeds(sm: StreamingModel, prompt: list[int], settings: BenchPredictSetting
     return {k: settings.decode_tokens / statistics.median(v) for k, v in times.items()}
 
 
+def _load(settings: BenchPredictSettings, capacity: float, **pool: Any) -> StreamingModel:
+    """The model at `capacity` with prefetch on; `pool` names the kind of pool."""
+    return load_streaming_model(
+        settings.store,
+        Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads, prefetch="on", **pool),
+        max_tokens=settings.prompt_tokens + settings.decode_tokens + 512,
+    )
+
+
 def _mapped_run(settings: BenchPredictSettings, capacity: float, prompt: list[int]) -> dict[str, Any]:
     """A mapped pool that gathers, its prefetch (staging the next layer's experts on a
     second stream) off and on: speeds, what auto decides, experts staged per token."""
-    sm = load_streaming_model(
-        settings.store,
-        Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads, prefetch="on",
-                 mapped=True, mapped_gather=True),
-        max_tokens=settings.prompt_tokens + settings.decode_tokens + 512,
-    )
+    sm = _load(settings, capacity, mapped=True, mapped_gather=True)
     try:
         if sm.prefetcher is None:
             raise ValueError(f"capacity {capacity:g}: no mapped prefetch here (every expert fits, or the model's routers are unknown)")
@@ -174,13 +178,8 @@ def _mapped_run(settings: BenchPredictSettings, capacity: float, prompt: list[in
 def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[int]) -> dict[str, Any]:
     if settings.mapped:
         return _mapped_run(settings, capacity, prompt)
-    sm = load_streaming_model(
-        settings.store,
-        Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads,
-                 host_cache=settings.host_cache, prefetch="on", mapped=False, copy_batch=settings.copy_batch,
-                 copy_kernel=settings.copy_kernel),
-        max_tokens=settings.prompt_tokens + settings.decode_tokens + 512,
-    )
+    sm = _load(settings, capacity, host_cache=settings.host_cache, mapped=False, copy_batch=settings.copy_batch,
+               copy_kernel=settings.copy_kernel)
     try:
         if sm.prefetcher is None:
             raise ValueError(f"capacity {capacity:g}: every expert fits in the pool, so there is nothing to prefetch")

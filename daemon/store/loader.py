@@ -259,8 +259,9 @@ def load_streaming_model(
     pools: list[ExpertPool] = []
     moes: list[StreamingMoE] = []
     # mapped_gather auto: where the CUDA copy kernel runs (measured there; see Settings).
-    use_gather = RowGather.kernel_available() if settings.mapped_gather is None else settings.mapped_gather
-    gather = RowGather(use_kernel=RowGather.kernel_available()) if mapped and use_gather else None
+    kernel = RowGather.kernel_available()
+    use_gather = kernel if settings.mapped_gather is None else settings.mapped_gather
+    gather = RowGather(use_kernel=kernel) if mapped and use_gather else None
     blocks: list[Any] = []
     try:
         if mapped:
