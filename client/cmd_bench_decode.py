@@ -23,16 +23,18 @@ from moestream.client.cli_values import size_option
 @click.option("--no-naive", is_flag=True, help="Skip the naive on-demand baseline.")
 @click.option("--no-slot-pool", is_flag=True, help="Skip the plain slot pool at each capacity (keep its '+host' and '+mapped' variants).")
 @click.option("--mlx-memory-limit", help="Cap MLX's memory (mx.set_memory_limit), e.g. 64G; advised on CUDA.")
-@click.option("--host-cache", help="Size of a host-RAM tier (e.g. 20G): adds a '+host' run per partial capacity.")
+@click.option("--host-cache", help="Size of a host-RAM tier (e.g. 20G): adds a '+host' run per partial capacity, made as the daemon makes it (a tier that holds every expert is a mapped pool on NVIDIA GPUs, with the slot pool's tier beside it as '+host:slots').")
+@click.option("--host-tier", type=click.Choice(["auto", "mapped", "slots"]), default="auto", show_default=True,
+              help="With --host-cache: make the '+host' runs as the daemon would (auto), as mapped pools (the tier must hold every expert; '+host:slots' beside them), or as slot pools with the tier.")
 @click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0, None), help="0 decodes greedily; > 0 samples (same seed for every configuration).")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--mapped", is_flag=True, help="Also run a '+mapped' configuration per partial capacity: every expert addressable, the hottest in GPU memory, the rest read over the link (NVIDIA GPUs).")
 @click.option("--mapped-moves", "mapped_moves", multiple=True, type=click.IntRange(0, 4096),
-              help="With --mapped: experts moved into GPU memory per layer per placement turn; repeat for one '+mapped' run each (default 0: the initial placement stays).")
+              help="With --mapped (and a mapped '+host'): experts moved into GPU memory per layer per placement turn; repeat for one '+mapped' run each (default 0: the initial placement stays).")
 @click.option("--mapped-rebalance-tokens", default=256, show_default=True, type=click.IntRange(0, None),
-              help="With --mapped: tokens between rebalances (each layer's most routed experts into GPU memory); 0 never.")
+              help="With --mapped (and a mapped '+host'): tokens between rebalances (each layer's most routed experts into GPU memory); 0 never.")
 @click.option("--mapped-gather", type=click.Choice(["auto", "off", "on", "both"]), default="auto", show_default=True,
-              help="With --mapped: decode steps copy the routed experts into a stack in GPU memory first (setting mapped_gather; auto: where MLX's CUDA build runs); 'both' runs each '+mapped' configuration both ways (':g' marks gathering).")
+              help="With --mapped (and a mapped '+host'): decode steps copy the routed experts into a stack in GPU memory first (setting mapped_gather; auto: where MLX's CUDA build runs); 'both' runs each '+mapped' configuration both ways (':g' marks gathering).")
 @click.option("--mapped-prefetch", type=click.Choice(["off", "on", "both"]), default="off", show_default=True,
               help="With --mapped-gather: also stage the next layer's predicted experts while each layer computes (daemon/mapped_prefetch.py); 'both' runs each gathering configuration both ways (':p' marks prefetch).")
 @click.option("--prefetch", type=click.Choice(["on", "off"]), default="on", show_default=True,
@@ -43,7 +45,7 @@ from moestream.client.cli_values import size_option
 @click.option("--draft-tokens", "draft_tokens", multiple=True, type=click.IntRange(1, 8), help="K per round with --speculative (repeat); default 2.")
 @click.option("--draft-model", type=click.Path(file_okay=False), help="Draft model for --speculative draft.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds, warmup_rounds, io_threads, no_stock, no_naive, no_slot_pool, mlx_memory_limit, host_cache, temp, seed, mapped,
+def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds, warmup_rounds, io_threads, no_stock, no_naive, no_slot_pool, mlx_memory_limit, host_cache, host_tier, temp, seed, mapped,
                  mapped_moves, mapped_rebalance_tokens, mapped_gather, mapped_prefetch, prefetch, copy_batch, copy_kernel, speculative, draft_tokens, draft_model, as_json) -> None:
     """Decode tokens/s, hit rates, bytes moved per token per tier, admission GB/s and
     the bandwidth bound, for stock mlx-lm, moestream at each capacity (with and without
@@ -76,6 +78,7 @@ def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds
         slot_pool=not no_slot_pool,
         mlx_memory_limit=memory_limit,
         host_cache=host_bytes,
+        host_tier=host_tier,
         temp=temp,
         seed=seed,
         mapped=mapped,

@@ -182,15 +182,17 @@ def install(ctx: click.Context, no_load, openai, host, port, api_key_file, dry_r
         settings = Settings.resolve(given, env)  # a bad value fails here, not in a restart loop
     except SettingsError as e:
         raise click.UsageError(str(e)) from None
-    if settings.mapped and settings.host_cache:
-        # The daemon refuses this pair when it loads the model (daemon/store/loader.py);
-        # refusing it here keeps the service from failing and restarting every RestartSec.
-        raise click.UsageError("--mapped keeps every expert in host memory already, so --host-cache adds nothing: give one of them")
     if settings.model is not None:
         try:
-            load_manifest(settings.model)
+            manifest = load_manifest(settings.model)
         except StoreError as e:
             raise click.UsageError(f"--model: {e} (make one with `moestreamctl convert`)") from None
+        need = manifest.expert_bytes_total
+        if settings.mapped and 0 < settings.host_cache < need:
+            # The daemon refuses this pair when it loads the model (daemon/store/loader.py);
+            # refusing it here keeps the service from failing and restarting every RestartSec.
+            raise click.UsageError(f"--mapped keeps every expert ({need / 2**30:.2f} GiB) in host memory, more than "
+                                   f"--host-cache {settings.host_cache / 2**30:.2f} GiB: give a larger one or drop one of them")
     else:
         click.echo("note: no --model or MOESTREAM_MODEL given: the daemon will start with its built-in default", err=True)
 

@@ -31,15 +31,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
-
 import numpy as np
+import psutil
+from mlx_lm.models.cache import make_prompt_cache
 
 from moestream._native import ReadEngine
 from moestream.daemon.admission import Admitter, cuda_copier, make_admitter
 from moestream.daemon.expert_reader import ExpertReader
 from moestream.daemon.row_gather import RowGather
-from moestream.daemon.store.loader import StreamingModel, load_stock_model, load_streaming_model
+from moestream.daemon.store.loader import StreamingModel, choose_mapped, load_stock_model, load_streaming_model
 from moestream.shared.settings import Settings
 from moestream.shared.store_format import load_manifest
 
@@ -59,8 +59,13 @@ class BenchDecodeSettings:
     slot_pool: bool = True
     seed: int = 0
     mlx_memory_limit: int | None = None
-    # Bytes of the host-RAM tier; > 0 adds a "+host" configuration per partial capacity.
+    # Bytes of the host-RAM tier; > 0 adds a "+host" configuration per partial capacity,
+    # made as the daemon would make it: where the tier holds every expert and the loader
+    # makes it a mapped pool (`choose_mapped`), "+host" is that mapped pool and
+    # "+host:slots" the slot pool with the tier beside it.
     host_cache: int = 0
+    # "auto" makes "+host" as just said; "mapped" or "slots" makes it that way.
+    host_tier: str = "auto"
     # 0 decodes greedily; > 0 samples at this temperature (same seed for every config).
     temp: float = 0.0
     # Adds a "+mapped" configuration per partial capacity (daemon/placement.py).
@@ -175,11 +180,12 @@ def _streaming_config(
     mapped_moves: int = 0,
     mapped_gather: bool = False,
     prefetch: str | None = None,
+    host_cache: int = 0,
 ) -> Config:
     sm = load_streaming_model(
         settings.store,
         Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads,
-                 prefetch=prefetch or settings.prefetch,
+                 prefetch=prefetch or settings.prefetch, host_cache=host_cache,
                  mapped_moves=mapped_moves, mapped_rebalance_tokens=settings.mapped_rebalance_tokens,
                  copy_batch=settings.copy_batch, copy_kernel=settings.copy_kernel, mapped_gather=mapped_gather),
         naive=naive,
@@ -188,6 +194,8 @@ def _streaming_config(
     )
     tick = sm.placement.tick if sm.placement is not None else None
     expert_bytes = sm.manifest.layers[0].expert_bytes
+    # Where the configuration keeps experts in host memory besides the store's files.
+    host_tier = "mapped" if sm.placement is not None else "slots" if admitter is not None or host_cache else None
 
     def run() -> dict[str, Any]:
         before: dict[str, float] = {}
@@ -213,6 +221,7 @@ def _streaming_config(
         return {
             "tokens_per_s": n / seconds,
             "tokens": tokens,
+            "host_tier": host_tier,
             "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
             "tier_hit_rate": d["tier_hits"] / tier if tier else None,
             "disk_bytes_per_token": disk_bytes / n,
@@ -241,6 +250,7 @@ def _stock_config(settings: BenchDecodeSettings, prompt: list[int]) -> Config:
         return {
             "tokens_per_s": settings.decode_tokens / seconds,
             "tokens": tokens,
+            "host_tier": None,
             "hit_rate": 1.0,
             "tier_hit_rate": None,
             "disk_bytes_per_token": 0.0,
@@ -337,18 +347,32 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
     try:
         if settings.stock:
             configs.append(_stock_config(settings, prompt))
-        tier = None
+        tier, tier_mapped, tier_note = None, False, None
         if settings.host_cache:
-            # One host tier for every "+host" configuration: they run in turn, and a
-            # machine would hold one such tier, not one per pool size.
+            # One host tier for every slot pool's "+host" configuration: they run in
+            # turn, and a machine would hold one such tier, not one per pool size.
             shared_reader = ExpertReader(settings.store, manifest, threads=settings.io_threads)
             tier, _ = make_admitter(shared_reader, manifest, settings.host_cache, settings.copy_batch,
                                     copy_kernel=settings.copy_kernel)
+            # What the loader makes of such a tier at a partial capacity (capacity 0
+            # stands for any partial one): the mapped pool where it holds every expert
+            # on an NVIDIA GPU, else the slot pool with the tier.
+            if settings.host_tier == "auto":
+                tier_mapped, tier_note = choose_mapped(manifest, 0, Settings(host_cache=settings.host_cache),
+                                                       psutil.virtual_memory().available, cuda_copier()[1])
+            else:
+                tier_mapped, tier_note = settings.host_tier == "mapped", f"{settings.host_tier}: --host-tier"
+            say(f"host tier of {settings.host_cache / 2**30:.1f} GiB: mapped pool {tier_note}")
         for c in settings.capacities:
             if settings.slot_pool:
                 configs.append(_streaming_config(f"moestream@{c:g}", c, settings, prompt))
             if tier is not None and c < 1:
-                configs.append(_streaming_config(f"moestream@{c:g}+host", c, settings, prompt, admitter=tier))
+                if tier_mapped:
+                    configs.append(_streaming_config(f"moestream@{c:g}+host", c, settings, prompt, mapped=True,
+                                                     mapped_moves=settings.mapped_moves[0], mapped_gather=gathers[0],
+                                                     prefetch="off", host_cache=settings.host_cache))
+                configs.append(_streaming_config(f"moestream@{c:g}+host{':slots' if tier_mapped else ''}", c, settings,
+                                                 prompt, admitter=tier))
             if settings.mapped and c < 1:
                 for m in settings.mapped_moves:
                     for g in gathers:
@@ -381,7 +405,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
     rows = []
     reference_tokens = configs[0].samples[0]["tokens"] if configs else None
     for c in configs:
-        row: dict[str, Any] = {"name": c.name, "capacity": c.capacity}
+        row: dict[str, Any] = {"name": c.name, "capacity": c.capacity, "host_tier": c.samples[0]["host_tier"]}
         for key in (
             "tokens_per_s",
             "hit_rate",
@@ -427,6 +451,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         "rounds": settings.rounds,
         "warmup_rounds": settings.warmup_rounds,
         "host_cache_bytes": settings.host_cache,
+        "host_tier_mapped": tier_note,
         "mapped": settings.mapped,
         "prefetch": settings.prefetch,
         "copy_batch": settings.copy_batch,

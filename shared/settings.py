@@ -94,12 +94,13 @@ class Settings:
     memory_budget: int | None = None
     policy: str = "lru"
     # Bytes of host memory that cache experts between the store and the pool (0: off).
+    # One that holds every expert is made as a mapped pool where `mapped` is auto.
     host_cache: int = 0
     # A mapped pool (daemon/placement.py): every expert in host memory, addressable by
     # the kernels, with `capacity` (or `memory_budget`) experts per layer in GPU memory.
     # None is auto: mapped where it measured fastest and is safe (an NVIDIA GPU, a
-    # partial pool, no --host-cache, host RAM for every expert; see
-    # daemon/store/loader.py `choose_mapped`), else the slot pool.
+    # partial pool, host RAM for every expert, no --host-cache or one that holds every
+    # expert; see daemon/store/loader.py `choose_mapped`), else the slot pool.
     mapped: bool | None = None
     # A mapped pool's placement moves at most this many experts per layer into GPU
     # memory each time it runs (once per token, or less often when it falls behind);
@@ -135,7 +136,10 @@ class Settings:
     # with one launch of a copy kernel per 160 spans, loaded as PTX through the CUDA
     # driver (native/gen_copy_kernel.py), instead of one cudaMemcpyAsync per tensor of
     # each expert: about 2,700 calls per token at 7 us of host time each on the H200
-    # (tests/bench/results/bench_predict_q30_h200.json). Off until it is measured there.
+    # (tests/bench/results/bench_predict_q30_h200.json). Measured there in session 9: exact,
+    # a layer's copies queued in a tenth of the time, but decode barely moved (1.05x with
+    # prefetch; the host sync per layer bounds the slot pool). Off: a driver that refused
+    # its PTX would fail the copies instead of falling back.
     copy_kernel: bool = False
     verify_checksums: bool = False
     # Daemon.

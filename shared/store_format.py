@@ -119,6 +119,11 @@ class Manifest:
     alignment: int = EXPERT_ALIGN
     version: int = FORMAT_VERSION
 
+    @property
+    def expert_bytes_total(self) -> int:
+        """Bytes of every expert of every MoE layer: what host memory needs to hold them all."""
+        return sum(layer.num_experts * layer.expert_bytes for layer in self.layers)
+
     # ---- serialisation -------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:

@@ -27,7 +27,6 @@ from moestream.daemon.store.loader import (
     check_mapped_host_memory,
     load_stock_model,
     load_streaming_model,
-    mapped_host_bytes,
 )
 from moestream.shared.heat_file import read_usage, usage_path, write_usage
 from moestream.shared.runtime_dir import RuntimePaths
@@ -232,9 +231,9 @@ def test_speculative_decoding_on_a_mapped_pool_leaves_the_routing_log_to_the_pla
         slots.close()
 
 
-def test_a_host_without_room_for_every_expert_is_refused_before_loading(store, tmp_path):
+def test_a_host_without_room_for_every_expert_is_refused_before_loading(store, reference, tmp_path):
     manifest = load_manifest(store)
-    need = mapped_host_bytes(manifest)
+    need = manifest.expert_bytes_total
     assert need == sum(layer.num_experts * layer.expert_bytes for layer in manifest.layers) > 0
     check_mapped_host_memory(manifest, need + MAPPED_HOST_MARGIN)
     with pytest.raises(PoolCapacityError) as e:
@@ -250,8 +249,18 @@ def test_a_host_without_room_for_every_expert_is_refused_before_loading(store, t
         (broken / name).unlink()
     with pytest.raises(PoolCapacityError, match="--mapped keeps every expert in host memory"):
         load_streaming_model(broken, Settings(capacity=0.25, mapped=True), host_available=1 << 20)
-    with pytest.raises(PoolCapacityError, match="--host-cache adds nothing"):
-        load_streaming_model(store, Settings(capacity=0.25, mapped=True, host_cache=1 << 20))
+    # A host tier given with --mapped must hold every expert (the mapped pool is then
+    # that tier); a smaller one is refused, before loading, naming both sizes.
+    with pytest.raises(PoolCapacityError) as e:
+        load_streaming_model(broken, Settings(capacity=0.25, mapped=True, host_cache=need - 1))
+    assert f"({need / 2**30:.2f} GiB)" in str(e.value) and "--host-cache" in str(e.value)
+    sm = load_streaming_model(store, Settings(capacity=0.25, mapped=True, host_cache=need))
+    try:
+        assert sm.placement is not None and sm.admission_note["host_tier"].startswith("mapped")
+        got = generate(sm, encode_prompt(sm, PROMPTS[0], None), SamplingParams(max_tokens=N_TOKENS))
+        assert got.tokens == reference[PROMPTS[0]].tokens
+    finally:
+        sm.close()
     assert Settings.resolve({}, env={"MOESTREAM_MAPPED": "1"}, config_file=tmp_path / "none.toml").mapped is True
 
 
@@ -259,16 +268,24 @@ def test_mapped_auto_chooses_by_gpu_pool_tier_and_host_ram(store):
     """`mapped = auto` (the default): a mapped pool only with a CUDA copier, a partial
     pool, no host tier asked for and host RAM for every expert; here (CPU) the slot
     pool, saying why."""
-    from moestream.daemon.store.loader import MAPPED_HOST_MARGIN, choose_mapped, mapped_host_bytes
+    from moestream.daemon.store.loader import MAPPED_HOST_MARGIN, choose_mapped
 
     manifest = load_manifest(store)
-    need = mapped_host_bytes(manifest) + MAPPED_HOST_MARGIN
+    need = manifest.expert_bytes_total + MAPPED_HOST_MARGIN
     auto = Settings()
     assert auto.mapped is None and Settings.from_values({"mapped": "auto"}).mapped is None
     assert choose_mapped(manifest, 4, auto, need, "") == (True, "on: an NVIDIA GPU, a partial pool and host RAM for every expert")
     assert choose_mapped(manifest, 4, auto, need, "MLX runs on the CPU")[0] is False
     assert choose_mapped(manifest, 4, auto, need - 1, "")[1].startswith("off: host RAM")
-    assert "host-cache" in choose_mapped(manifest, 4, auto.replace(host_cache=1 << 30), need, "")[1]
+    # A host tier that holds every expert is made as a mapped pool; a smaller one keeps
+    # the slot pool (which reads what the tier lacks from disk).
+    experts = manifest.expert_bytes_total
+    assert choose_mapped(manifest, 4, auto.replace(host_cache=experts), need, "") == (
+        True, "on: an NVIDIA GPU, a partial pool and a host tier that holds every expert, read in place")
+    assert choose_mapped(manifest, 4, auto.replace(host_cache=experts), need - 1, "")[1].startswith("off: host RAM")
+    assert choose_mapped(manifest, 4, auto.replace(host_cache=experts), need, "MLX runs on the CPU")[0] is False
+    small = choose_mapped(manifest, 4, auto.replace(host_cache=experts - 1), need, "")
+    assert small[0] is False and "--host-cache" in small[1] and "holds part of the experts" in small[1]
     assert "every expert fits" in choose_mapped(manifest, 16, auto, need, "")[1]
     assert choose_mapped(manifest, 4, auto, need, "", naive=True)[0] is False
     sm = load_streaming_model(store, Settings(capacity=0.25))

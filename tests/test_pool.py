@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -406,6 +407,31 @@ def test_bench_decode_reports_every_configuration_side_by_side(store):
     assert rows["moestream@0.5+mapped:g"]["prefetch_staged_per_token"] == 0
     assert rows["moestream@0.5+mapped:g:p"]["prefetch_staged_per_token"] > 0
     assert rows["moestream@0.5+mapped:g:p"]["host_syncs_per_token"] == 1.0
+    assert rows["moestream@0.5+host"]["host_tier"] == "slots" and rows["moestream@0.5+mapped"]["host_tier"] == "mapped"
+    assert rows["moestream@0.5"]["host_tier"] is None and rows["stock-mlx-lm"]["host_tier"] is None
+    # Here (MLX on the CPU) the loader keeps a host tier in the slot pool, and says why.
+    assert report["host_tier_mapped"] == "off: MLX runs on the CPU"
+
+
+def test_bench_decode_makes_a_tier_that_holds_every_expert_a_mapped_pool(store):
+    """`--host-tier mapped` (what auto does on an NVIDIA GPU when the tier holds every
+    expert): "+host" is then the mapped pool, one host sync per token, with the slot
+    pool's tier beside it as "+host:slots"; a tier too small for that is refused."""
+    from moestream.daemon.bench_decode import BenchDecodeSettings, run_bench_decode
+    from moestream.shared.store_format import load_manifest
+
+    every = load_manifest(store).expert_bytes_total
+    base = BenchDecodeSettings(store=store, capacities=(0.5,), prompt_tokens=3, decode_tokens=4, rounds=1, warmup_rounds=1,
+                               host_cache=every, host_tier="mapped", temp=1.0, stock=False, naive=False, slot_pool=False)
+    report = run_bench_decode(base)
+    rows = {r["name"]: r for r in report["results"]}
+    assert list(rows) == ["moestream@0.5+host", "moestream@0.5+host:slots"]
+    assert rows["moestream@0.5+host"]["host_tier"] == "mapped" and rows["moestream@0.5+host"]["host_syncs_per_token"] == 1.0
+    assert rows["moestream@0.5+host:slots"]["host_tier"] == "slots" and rows["moestream@0.5+host:slots"]["tier_hit_rate"] is not None
+    assert rows["moestream@0.5+host"]["same_tokens_as_first"] and rows["moestream@0.5+host:slots"]["same_tokens_as_first"]
+    assert report["host_tier_mapped"] == "mapped: --host-tier"
+    with pytest.raises(PoolCapacityError, match="--host-cache"):
+        run_bench_decode(dataclasses.replace(base, host_cache=every - 1))
 
 
 def test_bound_is_reported_against_the_median_each_round_and_the_fastest_round():

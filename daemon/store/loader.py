@@ -219,18 +219,16 @@ def load_streaming_model(
     `mapped` (default `settings.mapped`) makes a mapped pool (daemon/placement.py):
     every expert in host memory, `capacity` experts per layer in GPU memory. It is
     refused before anything is allocated when host memory (`host_available` bytes,
-    default what the system reports available) cannot hold every expert. None (auto)
-    decides by `choose_mapped` once the capacity is known."""
+    default what the system reports available), or a host tier given with it, cannot
+    hold every expert. None (auto) decides by `choose_mapped` once the capacity is
+    known: a host tier that holds every expert is then made as a mapped pool."""
     store = Path(store_dir)
     manifest = load_manifest(store)
     if host_available is None:
         host_available = psutil.virtual_memory().available
     mapped = settings.mapped if mapped is None else mapped
     if mapped:
-        if settings.host_cache:
-            raise PoolCapacityError(
-                "--mapped keeps every expert in host memory already, so --host-cache adds nothing: give one of them"
-            )
+        check_mapped_host_cache(manifest, settings.host_cache)
         check_mapped_host_memory(manifest, host_available)
     config = manifest.config
     model, weights = _build_model(store, manifest)
@@ -266,6 +264,8 @@ def load_streaming_model(
     try:
         if mapped:
             admitter, note = DirectAdmitter(reader), {"mapped": True, "gather": gather is not None}
+            if settings.host_cache:
+                note["host_tier"] = "mapped: it holds every expert, read in place"
         elif admitter is None:
             admitter, note = make_admitter(reader, manifest, settings.host_cache, settings.copy_batch,
                                            cuda=(copier, cuda_why_not), copy_kernel=settings.copy_kernel)
@@ -323,15 +323,10 @@ def load_streaming_model(
     )
 
 
-def mapped_host_bytes(manifest: Manifest) -> int:
-    """Host memory a mapped pool takes: every expert of every MoE layer."""
-    return sum(layer.num_experts * layer.expert_bytes for layer in manifest.layers)
-
-
 def check_mapped_host_memory(manifest: Manifest, available: int, margin: int = MAPPED_HOST_MARGIN) -> None:
     """Raise `PoolCapacityError` when `available` bytes of host memory cannot hold every
     expert of the store plus `margin`."""
-    need = mapped_host_bytes(manifest)
+    need = manifest.expert_bytes_total
     if available < need + margin:
         raise PoolCapacityError(
             f"--mapped keeps every expert in host memory: the store's experts take {need / 2**30:.2f} GiB "
@@ -340,26 +335,56 @@ def check_mapped_host_memory(manifest: Manifest, available: int, margin: int = M
         )
 
 
+def check_mapped_host_cache(manifest: Manifest, host_cache: int) -> None:
+    """A host tier given with `--mapped` must hold every expert: the mapped pool is then
+    that tier. A smaller one asks for the slot pool's tier, which `--mapped` is not."""
+    need = manifest.expert_bytes_total
+    if host_cache and host_cache < need:
+        raise PoolCapacityError(
+            f"--mapped keeps every expert ({need / 2**30:.2f} GiB) in host memory, more than --host-cache "
+            f"{host_cache / 2**30:.2f} GiB: give a --host-cache of at least that, or drop --mapped "
+            "(the slot pool then keeps a tier of that size)"
+        )
+
+
+def host_tier_mapped(manifest: Manifest, host_cache: int) -> bool:
+    """Whether a host tier of `host_cache` bytes holds every expert, so that `mapped =
+    auto` makes it a mapped pool (`choose_mapped`)."""
+    return 0 < manifest.expert_bytes_total <= host_cache
+
+
 def choose_mapped(manifest: Manifest, capacity: int, settings: Settings, host_available: int, cuda_why_not: str, *,
                   naive: bool = False) -> tuple[bool, str]:
     """`mapped = auto`: whether to make a mapped pool, and why. Mapped where it measured
     fastest and is safe: an NVIDIA GPU (the pool's misses are read over the link; on
-    unified memory and the CPU there is nothing to place), a partial pool, no host tier
-    asked for, and host RAM for every expert plus the margin. On the H200 at 25% it ran
-    37.7 tok/s against 12.0 for the slot pool with a host tier and 2.5 without
-    (tests/bench/results/bench_decode_q30_h200.json, session 7). `cuda_why_not` is what
-    `cuda_copier` said: empty where the CUDA copier is available, else why not."""
+    unified memory and the CPU there is nothing to place), a partial pool, host RAM for
+    every expert plus the margin, and no host tier asked for or one that holds every
+    expert. On the H200 at 25% it ran 37.7 tok/s against 12.0 for the slot pool with a
+    host tier and 2.5 without (tests/bench/results/bench_decode_q30_h200.json, session 7).
+
+    A host tier that holds every expert is made as a mapped pool: the same experts in
+    host memory, but read in place by the kernels (gathered first where the copy kernel
+    runs) instead of copied into slots after the routing of each layer is read back,
+    one host sync per layer that keeps the slot pool's tier at 12 to 13 tok/s at every
+    capacity (tests/bench/results/bench_decode_q30_table_h200.json, session 9). A
+    smaller tier keeps the slot pool, which reads the experts the tier lacks from disk.
+    `cuda_why_not` is what `cuda_copier` said: empty where the CUDA copier is
+    available, else why not."""
     if naive:
         return False, "off: a benchmark's own pool"
     if cuda_why_not:
         return False, f"off: {cuda_why_not}"
     if all(capacity >= layer.num_experts for layer in manifest.layers):
         return False, "off: every expert fits in the pool"
-    if settings.host_cache:
-        return False, "off: --host-cache asks for the slot pool with a host tier"
-    need = mapped_host_bytes(manifest) + MAPPED_HOST_MARGIN
+    need_tier = manifest.expert_bytes_total
+    if settings.host_cache and not host_tier_mapped(manifest, settings.host_cache):
+        return False, (f"off: --host-cache {settings.host_cache / 2**30:.1f} GiB holds part of the experts "
+                       f"({need_tier / 2**30:.1f} GiB): the slot pool with a host tier")
+    need = need_tier + MAPPED_HOST_MARGIN
     if host_available < need:
         return False, f"off: host RAM {host_available / 2**30:.1f} GiB available, every expert needs {need / 2**30:.1f} GiB"
+    if settings.host_cache:
+        return True, "on: an NVIDIA GPU, a partial pool and a host tier that holds every expert, read in place"
     return True, "on: an NVIDIA GPU, a partial pool and host RAM for every expert"
 
 

@@ -25,7 +25,7 @@ def plot(report: dict, out: Path) -> None:
     highs = [max(r["tokens_per_s_runs"]) - r["tokens_per_s"] for r in rows]
     bounds = [r.get("bound_tokens_per_s") for r in rows]
     colors = ["tab:gray" if n.startswith("stock") else "tab:red" if n.startswith("naive") else
-              "tab:green" if n.endswith("+host") else "tab:purple" if "+mapped" in n else "tab:blue" for n in names]
+              "tab:green" if n.endswith("+host") else "tab:cyan" if n.endswith("+host:slots") else "tab:purple" if "+mapped" in n else "tab:blue" for n in names]
     fig, ax = plt.subplots(figsize=(10, 4.8))
     x = range(len(rows))
     ax.bar(x, tps, color=colors, yerr=[lows, highs], capsize=3, label="tokens/s (median, range of runs)")
