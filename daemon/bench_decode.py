@@ -90,6 +90,9 @@ class BenchDecodeSettings:
     # Mapped pools that gather also stage the next layer's predicted experts
     # (daemon/mapped_prefetch.py): one configuration per value, ":p" marks those that do.
     mapped_prefetch: tuple[bool, ...] = (False,)
+    # Where those that stage copy (Settings.mapped_prefetch_stream): one configuration
+    # per value, ":ps" marks the layer's own stream.
+    mapped_prefetch_stream: tuple[str, ...] = ("second",)
     # Untimed runs of every configuration before the timed rounds; more than one lets a
     # mapped pool's rebalance (every mapped_rebalance_tokens) happen before timing.
     warmup_rounds: int = 1
@@ -181,13 +184,15 @@ def _streaming_config(
     mapped_gather: bool = False,
     prefetch: str | None = None,
     host_cache: int = 0,
+    mapped_prefetch_stream: str = "second",
 ) -> Config:
     sm = load_streaming_model(
         settings.store,
         Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads,
                  prefetch=prefetch or settings.prefetch, host_cache=host_cache,
                  mapped_moves=mapped_moves, mapped_rebalance_tokens=settings.mapped_rebalance_tokens,
-                 copy_batch=settings.copy_batch, copy_kernel=settings.copy_kernel, mapped_gather=mapped_gather),
+                 copy_batch=settings.copy_batch, copy_kernel=settings.copy_kernel, mapped_gather=mapped_gather,
+                 mapped_prefetch_stream=mapped_prefetch_stream),
         naive=naive,
         admitter=admitter,
         mapped=mapped,
@@ -376,10 +381,13 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             if settings.mapped and c < 1:
                 for m in settings.mapped_moves:
                     for g in gathers:
-                        for pf in settings.mapped_prefetch if g else (False,):
-                            suffix = ("" if len(settings.mapped_moves) == 1 else f":m{m}") + (":g" if g else "") + (":p" if pf else "")
+                        for pf, stream in [(p, s) for p in (settings.mapped_prefetch if g else (False,))
+                                           for s in (settings.mapped_prefetch_stream if p else ("second",))]:
+                            suffix = (("" if len(settings.mapped_moves) == 1 else f":m{m}") + (":g" if g else "")
+                                      + ((":ps" if stream == "same" else ":p") if pf else ""))
                             configs.append(_streaming_config(f"moestream@{c:g}+mapped{suffix}", c, settings, prompt, mapped=True,
-                                                             mapped_moves=m, mapped_gather=g, prefetch="on" if pf else "off"))
+                                                             mapped_moves=m, mapped_gather=g, prefetch="on" if pf else "off",
+                                                             mapped_prefetch_stream=stream))
         if settings.naive:
             configs.append(_streaming_config("naive-on-demand", None, settings, prompt, naive=True))
         say(f"loaded {len(configs)} configurations: {', '.join(c.name for c in configs)}")
@@ -460,6 +468,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         "mapped_rebalance_tokens": settings.mapped_rebalance_tokens if settings.mapped else None,
         "mapped_gather": gathers if settings.mapped else None,
         "mapped_prefetch": list(settings.mapped_prefetch) if settings.mapped else None,
+        "mapped_prefetch_stream": list(settings.mapped_prefetch_stream) if settings.mapped else None,
         "read_bandwidth_bytes_per_s": bandwidth,
         "link_bandwidth_bytes_per_s": link,
         "link_kind": link_kind,

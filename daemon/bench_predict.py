@@ -60,6 +60,8 @@ class BenchPredictSettings:
     # decode tokens/s off and on and what auto decides; recall is the slot pool's run's
     # (the same predictor), not repeated.
     mapped: bool = False
+    # Where the mapped pool's prefetch copies (Settings.mapped_prefetch_stream).
+    mapped_prefetch_stream: str = "second"
 
 
 def _decode(sm: StreamingModel, prompt: list[int], steps: int, temp: float, seed: int) -> float:
@@ -146,7 +148,7 @@ def _load(settings: BenchPredictSettings, capacity: float, **pool: Any) -> Strea
 def _mapped_run(settings: BenchPredictSettings, capacity: float, prompt: list[int]) -> dict[str, Any]:
     """A mapped pool that gathers, its prefetch (staging the next layer's experts on a
     second stream) off and on: speeds, what auto decides, experts staged per token."""
-    sm = _load(settings, capacity, mapped=True, mapped_gather=True)
+    sm = _load(settings, capacity, mapped=True, mapped_gather=True, mapped_prefetch_stream=settings.mapped_prefetch_stream)
     try:
         if sm.prefetcher is None:
             raise ValueError(f"capacity {capacity:g}: no mapped prefetch here (every expert fits, or the model's routers are unknown)")
@@ -163,6 +165,7 @@ def _mapped_run(settings: BenchPredictSettings, capacity: float, prompt: list[in
         "capacity": capacity,
         "slots": sm.capacity,
         "pool": "mapped",
+        "stream": settings.mapped_prefetch_stream,
         "recall": None,
         "gpu_hit_rate": gpu_hit_rate,
         # Experts copied ahead per decode step with prefetch on (each run's prompt

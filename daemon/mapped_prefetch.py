@@ -5,10 +5,18 @@ before the expert kernels run (daemon/row_gather.py). The experts not in GPU mem
 over the link then, and the GPU waits for them. With prefetch, layer L also applies layer
 L+1's router to its own input (as the slot pool's predictor does, daemon/predictor.py:
 on the H200 that names 0.915 of the experts L+1 routes to among its top k) and copies
-those experts into a stack on a second stream, so the copy runs while layer L computes;
-layer L+1 then takes each routed expert from that stack where it is there, and from the
+those experts into a stack while layer L computes; layer L+1 then takes each routed expert from that stack where it is there, and from the
 pool (over the link) where not. Nothing waits on the host: the prediction, the copy and
 the choice all stay on the device.
+
+Where the copy runs (`Settings.mapped_prefetch_stream`): on a second MLX stream
+("second"), or on the layer's own stream ("same"). MLX's CUDA backend builds each
+stream's work into CUDA graphs whose nodes depend on each other through the buffers they
+share (mlx/backend/cuda/device.cpp), so on the same stream the copy, which shares no
+buffer with layer L's expert kernels, may still run beside them within a graph, without
+the fence a dependency between two streams costs. On the H200 the second stream made
+decode slower (0.54x of gathering alone; the fences themselves cost only about 1.4 ms of
+the 15 ms per token it lost, tests/bench/results/stream_edge_probe_h200.json).
 
 Output is unchanged: a stack row holds the same expert's bytes as its pool row, and a
 stale stack (a forward cut short) is as good as a fresh one, since a mapped pool's bytes
@@ -25,6 +33,9 @@ import mlx.core as mx
 
 from moestream.daemon.predictor import NextRouter, routers_of
 from moestream.daemon.prefetch import PREFETCH_MODES, PrefetchGovernor
+
+# Where mapped prefetch copies: a second stream, or the layer's own (see above).
+PREFETCH_STREAMS = ("second", "same")
 
 if TYPE_CHECKING:
     from moestream.daemon.streaming_moe import StreamingMoE
@@ -43,17 +54,21 @@ class MappedPrefetch:
     every layer of a model); the same face as the slot pool's Prefetcher to the code that
     drives and reports prefetch (`enabled`, `governor`, `stats`, `drain`)."""
 
-    def __init__(self, top_k: int, mode: str) -> None:
+    def __init__(self, top_k: int, mode: str, stream: str = "second") -> None:
         if mode not in PREFETCH_MODES:
             raise ValueError(f"prefetch mode {mode!r}: use one of {', '.join(PREFETCH_MODES)}")
+        if stream not in PREFETCH_STREAMS:
+            raise ValueError(f"mapped prefetch stream {stream!r}: use one of {', '.join(PREFETCH_STREAMS)}")
         self.top_k = top_k
         # Experts staged per token: the next router's top k.
         self.width = top_k
         self.mode = mode
         self.enabled = mode != "off"
         self.governor = PrefetchGovernor(self) if mode == "auto" else None
-        # The copies run here, beside the layer's own work on the default stream.
-        self.stream = mx.new_stream(mx.default_device())
+        # Where the copies run: a second stream beside the layer's own work, or None
+        # for the layer's own stream.
+        self.stream_kind = stream
+        self.stream = mx.new_stream(mx.default_device()) if stream == "second" else None
         self.s = MappedPrefetchStats()
 
     def drain(self) -> None:
@@ -66,6 +81,7 @@ class MappedPrefetch:
             "mode": self.mode,
             "enabled": self.enabled,
             "width": self.width,
+            "stream": self.stream_kind,
             "forwards": self.s.forwards,
             "staged": self.s.staged,
         }
@@ -83,7 +99,8 @@ class StageNext:
     prefetch: MappedPrefetch
 
 
-def install(moes: Sequence["StreamingMoE"], blocks: Sequence[Any], *, top_k: int, mode: str) -> MappedPrefetch | None:
+def install(moes: Sequence["StreamingMoE"], blocks: Sequence[Any], *, top_k: int, mode: str,
+            stream: str = "second") -> MappedPrefetch | None:
     """Wire mapped-pool prefetch into the streaming layers (in forward order), where
     every pool gathers (Settings.mapped_gather) and routers are known; else None."""
     if mode == "off" or len(moes) < 2 or any(m.pool.gather is None for m in moes):
@@ -91,7 +108,7 @@ def install(moes: Sequence["StreamingMoE"], blocks: Sequence[Any], *, top_k: int
     routers = routers_of(moes, blocks)
     if all(r is None for r in routers[1:]):
         return None
-    prefetch = MappedPrefetch(top_k, mode)
+    prefetch = MappedPrefetch(top_k, mode, stream)
     for m, nxt, router in zip(moes, moes[1:], routers[1:]):
         if router is not None:
             m.stage_next = StageNext(nxt, router, prefetch)

@@ -163,7 +163,8 @@ class StreamingMoE(nn.Module):
 
     def _stage_next(self, x: mx.array) -> mx.array | None:
         """Start copying the experts the next layer's router ranks highest on this
-        layer's input into a stack, on the prefetch stream, for the next layer to take;
+        layer's input into a stack, on the prefetch's stream (or this layer's own), for
+        the next layer to take;
         returns the prediction (None when nothing was staged)."""
         st = self.stage_next
         if st is None or not st.prefetch.enabled:
@@ -174,8 +175,11 @@ class StreamingMoE(nn.Module):
             return None
         ids = (predicted if nxt.identity else nxt.remap[predicted]).reshape(-1).astype(mx.uint32)
         arrays = [nxt.arrays[t.name] for t in nxt.layer.tensors]
-        with mx.stream(st.prefetch.stream):
+        if st.prefetch.stream is None:
             stack = nxt.gather(arrays, ids)
+        else:
+            with mx.stream(st.prefetch.stream):
+                stack = nxt.gather(arrays, ids)
         nxt.staged = (ids, stack)
         st.prefetch.s.forwards += 1
         st.prefetch.s.staged += ids.size

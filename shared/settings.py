@@ -124,6 +124,12 @@ class Settings:
     # 1.59x in every round (tests/bench/results/bench_decode_q30_mapped_prefetch_h200.json;
     # session 7's run, with one more kernel per layer, was even at 1.02x).
     mapped_gather: bool | None = None
+    # Where a mapped pool's prefetch copies the next layer's experts: "second", a second
+    # MLX stream (measured 0.54x of gathering alone on the H200, session 8), or "same",
+    # the layer's own stream, beside its expert kernels inside one CUDA graph
+    # (daemon/mapped_prefetch.py; not yet measured there). `prefetch = auto` keeps
+    # either only where it is faster.
+    mapped_prefetch_stream: str = "second"
     # Native read engine.
     io_threads: int = 4
     direct_io: bool = True
@@ -240,6 +246,11 @@ def _coerce(name: str, raw: Any) -> Any:
         if s in ("0", "false", "no", "off"):
             return False
         raise SettingsError(f"{name}: expected true or false{' or auto' if name in ('mapped', 'mapped_gather') else ''}, got {raw!r}")
+    if name == "mapped_prefetch_stream":
+        s = str(raw).strip().lower()
+        if s not in ("second", "same"):
+            raise SettingsError(f"mapped_prefetch_stream: expected second or same, got {raw!r}")
+        return s
     if name == "prefetch":
         s = str(raw).strip().lower()
         if s not in ("on", "off", "auto"):

@@ -16,7 +16,7 @@ from moestream.daemon.placement import READBACK_LAG, CountingMover, Placement, _
 from moestream.daemon.row_gather import MAX_GATHERED, RowGather
 from moestream.daemon.store.convert import convert_model
 from moestream.daemon.store.loader import load_stock_model, load_streaming_model
-from moestream.shared.settings import Settings
+from moestream.shared.settings import Settings, SettingsError
 from moestream.shared.store_format import load_manifest
 from tiny_models import make_tiny_model
 
@@ -334,12 +334,17 @@ def test_a_staged_stack_serves_the_routed_experts_it_holds(store):
         sm.close()
 
 
-def test_mapped_prefetch_stages_each_next_layer_and_keeps_stock_logits(store):
+@pytest.mark.parametrize("stream", ["second", "same"])
+def test_mapped_prefetch_stages_each_next_layer_and_keeps_stock_logits(store, stream):
+    """On a second stream or on each layer's own (mapped_prefetch_stream), the stacks
+    staged ahead leave the logits stock mlx-lm's, bit for bit."""
     stock = load_stock_model(store)
-    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_gather=True, prefetch="on"), mapped=True)
+    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_gather=True, prefetch="on", mapped_prefetch_stream=stream),
+                              mapped=True)
     try:
         pf = sm.prefetcher
         assert isinstance(pf, MappedPrefetch) and pf.enabled and pf.stats()["kind"] == "mapped"
+        assert pf.stats()["stream"] == stream and (pf.stream is None) == (stream == "same")
         layers, k = len(sm.pools), sm.pools[0].top_k
         prompt = mx.arange(20)[None] % 300
         caches = make_prompt_cache(stock), make_prompt_cache(sm.model)
@@ -373,6 +378,13 @@ def test_mapped_prefetch_needs_gathering_and_follows_the_prefetch_setting(store)
                 assert isinstance(sm.prefetcher, MappedPrefetch) and sm.prefetcher.governor is not None
         finally:
             sm.close()
+    # Where it copies is a setting, read from the environment like the others; a value
+    # it does not know is refused by name.
+    assert Settings.resolve({}, env={"MOESTREAM_MAPPED_PREFETCH_STREAM": "Same"}, config_file="/nonexistent").mapped_prefetch_stream == "same"
+    with pytest.raises(SettingsError, match="mapped_prefetch_stream"):
+        Settings.from_values({"mapped_prefetch_stream": "third"})
+    with pytest.raises(ValueError, match="stream 'third'"):
+        MappedPrefetch(2, "on", "third")
 
 
 def test_bench_predict_measures_both_pools_prefetch(store):

@@ -298,7 +298,8 @@ def load_streaming_model(
             prefetch=settings.prefetch, diagnostics=settings.diagnostics, predict=not naive,
         )
         if mapped and prefetcher is None:
-            prefetcher = install_mapped_prefetch(moes, blocks, top_k=k, mode=settings.prefetch)
+            prefetcher = install_mapped_prefetch(moes, blocks, top_k=k, mode=settings.prefetch,
+                                                 stream=settings.mapped_prefetch_stream)
         placement = _place(pools, capacity, settings, copier) if mapped else None
         tokenizer = load_tokenizer(store, eos_token_ids=config.get("eos_token_id"))
     except BaseException:

@@ -9,7 +9,8 @@ tier, with prefetch on, so the tier's predicted experts are copied into the next
 slots while the GPU computes; both also with the copier's copy kernel, copy_kernel; and
 mapped pools moving experts between host and GPU memory
 as they decode, with and without the copy of routed experts into a stack, mapped_gather,
-and with the next layer's experts staged ahead, mapped prefetch),
+and with the next layer's experts staged ahead, mapped prefetch, on a second stream or
+on each layer's own),
 compares the logits of every step of greedy decoding, bit for bit, and reports the
 largest difference where they differ.
 """
@@ -76,23 +77,27 @@ def main() -> None:
         cases = [(4, 0, "slots"), (8, 0, "slots"), (16, 0, "slots"), (32, 0, "slots"), (4, 1 << 26, "tier"), (8, 1 << 26, "tier"),
                  (4, 0, "slots+kernel"), (4, 1 << 26, "tier+kernel"), (8, 1 << 26, "tier+kernel"),
                  (4, 0, "mapped"), (8, 0, "mapped"), (4, 0, "mapped+gather"), (8, 0, "mapped+gather"),
-                 (4, 0, "mapped+gather+prefetch"), (8, 0, "mapped+gather+prefetch")]
+                 (4, 0, "mapped+gather+prefetch"), (8, 0, "mapped+gather+prefetch"),
+                 (4, 0, "mapped+gather+prefetch+same"), (8, 0, "mapped+gather+prefetch+same")]
         for slots, host_cache, mode in cases:
             label = f"{slots}-{mode}"
             if not re.search(args.only, label):
                 continue
             mapped, gather, kernel = mode.startswith("mapped"), "gather" in mode, mode.endswith("+kernel")
-            if kernel and "copy_kernel" not in Settings.__dataclass_fields__:
-                continue  # a tree older than the copy kernel
+            same = mode.endswith("+same")  # mapped prefetch on each layer's own stream
+            if (kernel and "copy_kernel" not in Settings.__dataclass_fields__) or (
+                    same and "mapped_prefetch_stream" not in Settings.__dataclass_fields__):
+                continue  # a tree older than the setting
             # Prefetch on for the slot pools: with a host tier, predicted experts are
             # copied into the next layer's slots on the copier's streams while the GPU
             # computes (prestage); for mapped pools only where the mode says so.
             # mapped_gather given (its auto gathers on CUDA) only on trees that know it,
             # so that the script runs on older ones.
-            prefetch = "on" if not mapped or mode.endswith("prefetch") else "off"
+            prefetch = "on" if not mapped or "prefetch" in mode else "off"
             sm = load_streaming_model(store, Settings(capacity=slots, host_cache=host_cache, mapped=mapped, prefetch=prefetch,
                                                       **({"mapped_gather": gather} if "mapped_gather" in Settings.__dataclass_fields__ else {}),
-                                                      **({"copy_kernel": True} if kernel else {})))
+                                                      **({"copy_kernel": True} if kernel else {}),
+                                                      **({"mapped_prefetch_stream": "same"} if same else {})))
             if not mapped:
                 mode = sm.pool_stats()["admission"]["mode"] + ("+kernel" if kernel else "")
             tick = sm.placement.tick if sm.placement is not None else None

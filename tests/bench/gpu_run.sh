@@ -22,7 +22,7 @@
 #   bash tests/bench/gpu_run.sh stream-edge   # what a dependency between two MLX streams costs in one evaluation
 #   bash tests/bench/gpu_run.sh make-q30      # Qwen3-30B-A3B-shaped random 4-bit model + store
 #   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it: stock, 100%, 25% (+host, +host:slots), naive (WARMUP=2 by default, COPY_BATCH=1, COPY_KERNEL=1, MAPPED=1)
-#   bash tests/bench/gpu_run.sh mapped-prefetch-q30 # mapped pools at 25%: zero-copy, gathered, gathered + prefetch
+#   bash tests/bench/gpu_run.sh mapped-prefetch-q30 # mapped pools at 25%: zero-copy, gathered, gathered + prefetch (second stream, own stream)
 #   bash tests/bench/gpu_run.sh decode-q30-table # 50% and 12.5% (+host, +host:slots)
 #   bash tests/bench/gpu_run.sh warmstart-q30 # bench warmstart on it
 #   bash tests/bench/gpu_run.sh warmstart-q30-mapped # the same with mapped pools
@@ -67,11 +67,13 @@ case "$stage" in
     $py tests/bench/gpu_mapped_probe.py --store /root/q30/store --parts "${PARTS:-full,mapped}" --out "$OUT/mapped_q30.json" 2>&1 | tail -40
     ;;
   predict-q30)
-    # With a host tier that holds every expert (HOST_CACHE=0 for none): predicted experts
-    # are then copied into the next layer's slots while the GPU computes.
+    # With a host tier that holds every expert (HOST_CACHE=0 for none, or a size that
+    # holds part of them, e.g. 8G: predicted experts it lacks are then read from disk
+    # while the GPU computes): predicted experts in the tier are copied into the next
+    # layer's slots while the GPU computes.
     # CAPACITY=0.25 measures one capacity only; COPY_BATCH=1 queues copies in batches;
     # COPY_KERNEL=1 copies with the copy kernel.
-    f="$OUT/bench_predict_q30${COPY_BATCH:+_batch}${COPY_KERNEL:+_kernel}_h200.json"
+    f="$OUT/bench_predict_q30${HOST_CACHE:+_host$HOST_CACHE}${COPY_BATCH:+_batch}${COPY_KERNEL:+_kernel}_h200.json"
     ctl bench predict --model /root/q30/store --temp 1 --host-cache ${HOST_CACHE:-20G} --width ${WIDTH:-1} \
       ${CAPACITY:+--capacity $CAPACITY} ${COPY_BATCH:+--copy-batch} ${COPY_KERNEL:+--copy-kernel} \
       --prompt-tokens ${PROMPT_TOKENS:-8} --decode-tokens ${DECODE_TOKENS:-48} --mlx-memory-limit 64G --json >"$f" 2> >(tee "$f.progress" >&2)
@@ -84,8 +86,9 @@ EOF
   predict-mapped-q30)
     # Prefetch for the mapped pool (staging the next layer's experts on a second stream)
     # off and on at 25%, and what auto decides; recall is predict-q30's (same predictor).
-    f="$OUT/bench_predict_q30_mapped_h200.json"
-    ctl bench predict --model /root/q30/store --mapped --temp 1 --capacity ${CAPACITY:-0.25} --rounds ${ROUNDS:-5} \
+    # PF_STREAM=same stages on each layer's own stream instead of a second one.
+    f="$OUT/bench_predict_q30_mapped${PF_STREAM:+_$PF_STREAM}_h200.json"
+    ctl bench predict --model /root/q30/store --mapped --mapped-prefetch-stream ${PF_STREAM:-second} --temp 1 --capacity ${CAPACITY:-0.25} --rounds ${ROUNDS:-5} \
       --prompt-tokens ${PROMPT_TOKENS:-8} --decode-tokens ${DECODE_TOKENS:-48} --mlx-memory-limit 64G --json >"$f" 2> >(tee "$f.progress" >&2)
     $py - "$f" <<'EOF'
 import json, sys
@@ -196,10 +199,11 @@ EOF
   mapped-prefetch-q30)
     # Mapped pools alone at 25%, side by side: reading host memory in the kernels,
     # gathering the routed experts first, and gathering with the next layer's experts
-    # staged ahead (prefetch on/off for the mapped pool); stock for the bound.
+    # staged ahead (prefetch on/off for the mapped pool) on a second stream (":p") and on
+    # each layer's own (":ps"; PF_STREAM=second|same|both); stock for the bound.
     f="$OUT/bench_decode_q30_mapped_prefetch.json"
     ctl bench decode --model /root/q30/store --capacity 0.25 --no-slot-pool --no-naive --mapped \
-      --mapped-gather both --mapped-prefetch both --mapped-rebalance-tokens 32 --temp 1 --warmup-rounds 2 \
+      --mapped-gather both --mapped-prefetch both --mapped-prefetch-stream ${PF_STREAM:-both} --mapped-rebalance-tokens 32 --temp 1 --warmup-rounds 2 \
       --prompt-tokens 4 --decode-tokens ${DECODE_TOKENS:-32} --rounds ${ROUNDS:-7} --mlx-memory-limit 100G --json >"$f" 2> >(tee "$f.progress" >&2)
     $py - "$f" <<'EOF'
 import json, sys
