@@ -96,11 +96,13 @@ class RowGather:
         """Whether the CUDA copy kernel can run here (MLX's CUDA build on its GPU)."""
         return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
-    def __call__(self, arrays: Sequence[mx.array], ids: mx.array) -> list[mx.array]:
+    def __call__(self, arrays: Sequence[mx.array], ids: mx.array, max_blocks: int = _MAX_BLOCKS_PER_ROW) -> list[mx.array]:
+        """Rows `ids` of `arrays`. `max_blocks` caps the copy kernel's blocks per row:
+        fewer leave more of the GPU to kernels running beside a copy made ahead of use."""
         ids = ids.reshape(-1).astype(mx.uint32)
         if not self._use_kernel:
             return _take_rows(arrays, ids)
-        return self._run(arrays, [], ids, None)
+        return self._run(arrays, [], ids, None, max_blocks)
 
     def staged(self, arrays: Sequence[mx.array], stacks: Sequence[mx.array], ids: mx.array, staged_ids: mx.array) -> list[mx.array]:
         """Rows `ids` of `arrays`, except that an id among `staged_ids` (the ids whose
@@ -114,7 +116,7 @@ class RowGather:
                 mx.where(hit.reshape(-1, *([1] * (a.ndim - 1))), mx.take(st, at, axis=0), mx.take(a, ids, axis=0))
                 for a, st in zip(arrays, stacks)
             ]
-        return self._run(arrays, stacks, ids, staged_ids)
+        return self._run(arrays, stacks, ids, staged_ids, _MAX_BLOCKS_PER_ROW)
 
     def positions(self, shape: Sequence[int], dtype: mx.Dtype) -> mx.array:
         """0..n-1 in `shape`: the ids of a stack's rows for the expert call (made once
@@ -128,7 +130,7 @@ class RowGather:
         return out
 
     def _run(self, arrays: Sequence[mx.array], stacks: Sequence[mx.array], ids: mx.array,
-             staged_ids: mx.array | None) -> list[mx.array]:
+             staged_ids: mx.array | None, max_blocks: int) -> list[mx.array]:
         count, staged = len(arrays), staged_ids is not None
         kernel = self._kernels.get((count, staged))
         if kernel is None:
@@ -143,7 +145,7 @@ class RowGather:
         n = ids.shape[0]
         row_bytes = [a.nbytes // a.shape[0] for a in arrays]
         # Enough blocks per row to keep the link busy, no more than a row has words.
-        blocks = max(1, min(_MAX_BLOCKS_PER_ROW, -(-max(row_bytes) // (16 * _THREADS))))
+        blocks = max(1, min(max_blocks, -(-max(row_bytes) // (16 * _THREADS))))
         return kernel(
             inputs=[ids, *([staged_ids] if staged else []), *arrays, *stacks],
             template=[(f"B{j}", b) for j, b in enumerate(row_bytes)] + ([("NS", staged_ids.shape[0])] if staged else []),

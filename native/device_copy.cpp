@@ -50,8 +50,8 @@ struct KernelSpans {
 };
 static_assert(sizeof(KernelSpans) == 8 + 24 * kCopyKernelMaxSpans, "the kernel's parameter layout");
 constexpr unsigned kCopyThreads = 256;
-// At most this many blocks per span: enough 16-byte loads in flight to fill the link.
-constexpr size_t kCopyMaxBlocksPerSpan = 64;
+// The most `set_kernel_blocks` takes: a span's blocks are one row of the launch's grid.
+constexpr size_t kCopyMaxBlocksPerSpan = 1024;
 
 }  // namespace
 
@@ -246,13 +246,19 @@ void CudaRuntime::launch_copies(const std::vector<CopySpan>& spans, void* stream
     }
     params.count = count;
     const size_t blocks = std::clamp<size_t>((largest + 16 * kCopyThreads - 1) / (16 * kCopyThreads), 1,
-                                             kCopyMaxBlocksPerSpan);
+                                             kernel_blocks_.load());
     void* args[] = {&params};
     driver_->check(driver_->LaunchKernel(function, static_cast<unsigned>(blocks), static_cast<unsigned>(count), 1,
                                          kCopyThreads, 1, 1, 0, stream, args, nullptr),
                    "cuLaunchKernel (the copy kernel)");
     launches_ += 1;
   }
+}
+
+void CudaRuntime::set_kernel_blocks(size_t blocks) {
+  if (blocks < 1 || blocks > kCopyMaxBlocksPerSpan)
+    throw CudaError("kernel_blocks must be between 1 and " + std::to_string(kCopyMaxBlocksPerSpan));
+  kernel_blocks_ = blocks;
 }
 
 double CudaRuntime::copy(std::vector<CopySpan> spans, bool wait, bool batch, bool kernel) {

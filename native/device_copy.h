@@ -97,6 +97,11 @@ class CudaRuntime {
   void place_many(const std::vector<PlaceSpan>& spans, bool map_for_gpu, bool wait);
   MemoryKind kind_of(const void* p);
   CopyCounters counters() const;
+  // The most blocks of the copy kernel per span (default 64, enough 16-byte loads in
+  // flight to fill the link on their own). Fewer leave more of the GPU to the kernels
+  // that run beside a copy queued ahead of use (prefetch), at the risk of a slower copy.
+  size_t kernel_blocks() const { return kernel_blocks_.load(); }
+  void set_kernel_blocks(size_t blocks);
 
  private:
   CudaRuntime() = default;
@@ -117,6 +122,7 @@ class CudaRuntime {
   int runtime_version_ = 0;
   // Updated by `copy`, which may run on several threads at once.
   std::atomic<uint64_t> calls_{0}, spans_{0}, bytes_{0}, launches_{0}, enqueue_ns_{0}, wait_ns_{0};
+  std::atomic<size_t> kernel_blocks_{64};
 };
 
 }  // namespace moestream

@@ -283,6 +283,17 @@ void bind_device_copy(py::module_& m) {
            "cudaMemcpyAsync.")
       .def_readwrite("kernel", &CudaCopier::kernel_,
                      "Whether `copy` uses the copy kernel when a call does not say (Settings.copy_kernel).")
+      .def_property(
+          "kernel_blocks", [](const CudaCopier& c) { return c.runtime()->kernel_blocks(); },
+          [](CudaCopier& c, size_t blocks) {
+            try {
+              c.runtime()->set_kernel_blocks(blocks);
+            } catch (const CudaError& e) {
+              throw py::value_error(e.what());
+            }
+          },
+          "The most blocks of the copy kernel per span (default 64): fewer leave more of the GPU to "
+          "kernels running beside a copy queued ahead of use.")
       .def_property_readonly("has_batch", [](const CudaCopier& c) { return c.runtime()->has_batch(); })
       .def("counters", &CudaCopier::counters,
            "counters() -> dict: copy calls, spans and bytes since the copier was made, and the host "

@@ -20,6 +20,7 @@
 #   bash tests/bench/gpu_run.sh exactness-old # the same cases on an older tree (OLD_TAR), to bisect a failure
 #   bash tests/bench/gpu_run.sh crash-matrix  # the slot-pool crash, REPS runs per VARIANTS (default collect only32)
 #   bash tests/bench/gpu_run.sh stream-edge   # what a dependency between two MLX streams costs in one evaluation
+#   bash tests/bench/gpu_run.sh background-copy # a copy made ahead of use beside a layer's kernels, by blocks per row/span (needs make-q30)
 #   bash tests/bench/gpu_run.sh make-q30      # Qwen3-30B-A3B-shaped random 4-bit model + store
 #   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it: stock, 100%, 25% (+host, +host:slots), naive (WARMUP=2 by default, COPY_BATCH=1, COPY_KERNEL=1, MAPPED=1)
 #   bash tests/bench/gpu_run.sh mapped-prefetch-q30 # mapped pools at 25%: zero-copy, gathered, gathered + prefetch (second stream, own stream)
@@ -151,6 +152,9 @@ EOF
         rm -f "$OUT/crash_${v}_$i.json"; grep -q illegal "$OUT/crash_${v}_$i.log" || rm -f "$OUT/crash_${v}_$i.log"
       done
     done
+    ;;
+  background-copy)
+    $py tests/bench/gpu_background_copy_probe.py --store /root/q30/store --out "$OUT/background_copy_probe_h200.json" 2>&1 | tail -12
     ;;
   stream-edge)
     $py tests/bench/gpu_stream_edge_probe.py --out "$OUT/stream_edge_probe_h200.json" 2>&1 | tail -16
