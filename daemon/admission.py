@@ -193,13 +193,16 @@ class TieredAdmitter:
     """Store -> host tier -> pool rows. `keep=False` makes the tier a staging area only."""
 
     def __init__(self, reader: ExpertReader, tier: HostTier, copier: CudaCopier | None, *, keep: bool,
-                 batch: bool = False) -> None:
+                 batch: bool = False, ahead_blocks: int | None = None) -> None:
         self.reader = reader
         self.tier = tier
         self.copier = copier
         self.keep = keep
         # The copier's calls queue their copies in batches (Settings.copy_batch).
         self.batch = batch
+        # Blocks per span of the copy kernel for `prestage`'s copies, which run beside
+        # the GPU's work (Settings.prefetch_copy_blocks; None: the copier's own).
+        self.ahead_blocks = ahead_blocks
         self.s = TierStats()
         # Whether copies queued by `prestage` may still be running: until `settle`, the
         # tier slots they read must not be reused, nor the rows they write read.
@@ -283,7 +286,7 @@ class TieredAdmitter:
         if self.copier is None:
             _memcpy_spans(spans)
             return
-        self.copier.copy(spans, wait=False, batch=self.batch)
+        self.copier.copy(spans, wait=False, batch=self.batch, blocks=self.ahead_blocks)
         self._in_flight = True
 
     def warm(self, layers: Sequence[MoELayer], keys: Sequence[tuple[int, int]], batch: int = 256) -> int:
@@ -381,11 +384,13 @@ STAGING_EXPERTS = 64
 
 
 def make_admitter(reader: ExpertReader, manifest: Manifest, host_cache_bytes: int, copy_batch: bool = False, *,
-                  cuda: tuple[CudaCopier | None, str] | None = None, copy_kernel: bool = False) -> tuple[Admitter, dict[str, Any]]:
+                  cuda: tuple[CudaCopier | None, str] | None = None, copy_kernel: bool = False,
+                  ahead_blocks: int | None = None) -> tuple[Admitter, dict[str, Any]]:
     """The admitter for this machine and settings, and a note of what was chosen and why.
     `copy_batch` (Settings.copy_batch) is honoured where the CUDA runtime has batches,
     `copy_kernel` (Settings.copy_kernel) where there is a CUDA copier at all; `cuda` is
-    what `cuda_copier()` gave the caller already (else it is asked here)."""
+    what `cuda_copier()` gave the caller already (else it is asked here); `ahead_blocks`
+    (Settings.prefetch_copy_blocks) caps the copy kernel for copies queued ahead of use."""
     copier, why_not = cuda if cuda is not None else cuda_copier()
     batch = copy_batch and copier is not None and copier.has_batch
     if copier is not None:
@@ -400,7 +405,8 @@ def make_admitter(reader: ExpertReader, manifest: Manifest, host_cache_bytes: in
             )
         total = sum(layer.num_experts for layer in manifest.layers)
         slots = min(slots, total)
-        admitter = TieredAdmitter(reader, HostTier(slots, stride, copier), copier, keep=True, batch=batch)
+        admitter = TieredAdmitter(reader, HostTier(slots, stride, copier), copier, keep=True, batch=batch,
+                                  ahead_blocks=ahead_blocks)
         return admitter, {"cuda": why_not or "on", "copy_batch": batch, "copy_kernel": copy_kernel and copier is not None}
     if copier is not None:
         largest = max(layer.num_experts for layer in manifest.layers)

@@ -93,6 +93,8 @@ class BenchDecodeSettings:
     # Where those that stage copy (Settings.mapped_prefetch_stream): one configuration
     # per value, ":ps" marks the layer's own stream.
     mapped_prefetch_stream: tuple[str, ...] = ("second",)
+    # Blocks of the copy kernels that copy ahead of use (Settings.prefetch_copy_blocks).
+    prefetch_copy_blocks: int = 64
     # Untimed runs of every configuration before the timed rounds; more than one lets a
     # mapped pool's rebalance (every mapped_rebalance_tokens) happen before timing.
     warmup_rounds: int = 1
@@ -192,7 +194,7 @@ def _streaming_config(
                  prefetch=prefetch or settings.prefetch, host_cache=host_cache,
                  mapped_moves=mapped_moves, mapped_rebalance_tokens=settings.mapped_rebalance_tokens,
                  copy_batch=settings.copy_batch, copy_kernel=settings.copy_kernel, mapped_gather=mapped_gather,
-                 mapped_prefetch_stream=mapped_prefetch_stream),
+                 mapped_prefetch_stream=mapped_prefetch_stream, prefetch_copy_blocks=settings.prefetch_copy_blocks),
         naive=naive,
         admitter=admitter,
         mapped=mapped,
@@ -358,7 +360,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             # turn, and a machine would hold one such tier, not one per pool size.
             shared_reader = ExpertReader(settings.store, manifest, threads=settings.io_threads)
             tier, _ = make_admitter(shared_reader, manifest, settings.host_cache, settings.copy_batch,
-                                    copy_kernel=settings.copy_kernel)
+                                    copy_kernel=settings.copy_kernel, ahead_blocks=settings.prefetch_copy_blocks)
             # What the loader makes of such a tier at a partial capacity (capacity 0
             # stands for any partial one): the mapped pool where it holds every expert
             # on an NVIDIA GPU, else the slot pool with the tier.
@@ -464,6 +466,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         "prefetch": settings.prefetch,
         "copy_batch": settings.copy_batch,
         "copy_kernel": settings.copy_kernel,
+        "prefetch_copy_blocks": settings.prefetch_copy_blocks,
         "mapped_moves": list(settings.mapped_moves) if settings.mapped else None,
         "mapped_rebalance_tokens": settings.mapped_rebalance_tokens if settings.mapped else None,
         "mapped_gather": gathers if settings.mapped else None,

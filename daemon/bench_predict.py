@@ -62,6 +62,8 @@ class BenchPredictSettings:
     mapped: bool = False
     # Where the mapped pool's prefetch copies (Settings.mapped_prefetch_stream).
     mapped_prefetch_stream: str = "second"
+    # Blocks of the copy kernels that copy ahead of use (Settings.prefetch_copy_blocks).
+    prefetch_copy_blocks: int = 64
 
 
 def _decode(sm: StreamingModel, prompt: list[int], steps: int, temp: float, seed: int) -> float:
@@ -140,7 +142,8 @@ def _load(settings: BenchPredictSettings, capacity: float, **pool: Any) -> Strea
     """The model at `capacity` with prefetch on; `pool` names the kind of pool."""
     return load_streaming_model(
         settings.store,
-        Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads, prefetch="on", **pool),
+        Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads, prefetch="on",
+                 prefetch_copy_blocks=settings.prefetch_copy_blocks, **pool),
         max_tokens=settings.prompt_tokens + settings.decode_tokens + 512,
     )
 
@@ -270,6 +273,7 @@ def run_bench_predict(settings: BenchPredictSettings) -> dict[str, Any]:
         "prefetch_width": f"{settings.width}k",
         "copy_batch": settings.copy_batch,
         "copy_kernel": settings.copy_kernel,
+        "prefetch_copy_blocks": settings.prefetch_copy_blocks,
         "mapped": settings.mapped,
         "results": results,
     }

@@ -54,7 +54,7 @@ class MappedPrefetch:
     every layer of a model); the same face as the slot pool's Prefetcher to the code that
     drives and reports prefetch (`enabled`, `governor`, `stats`, `drain`)."""
 
-    def __init__(self, top_k: int, mode: str, stream: str = "second") -> None:
+    def __init__(self, top_k: int, mode: str, stream: str = "second", blocks: int = 64) -> None:
         if mode not in PREFETCH_MODES:
             raise ValueError(f"prefetch mode {mode!r}: use one of {', '.join(PREFETCH_MODES)}")
         if stream not in PREFETCH_STREAMS:
@@ -69,6 +69,8 @@ class MappedPrefetch:
         # for the layer's own stream.
         self.stream_kind = stream
         self.stream = mx.new_stream(mx.default_device()) if stream == "second" else None
+        # The copy kernel's blocks per expert row (Settings.prefetch_copy_blocks).
+        self.blocks = blocks
         self.s = MappedPrefetchStats()
 
     def drain(self) -> None:
@@ -82,6 +84,7 @@ class MappedPrefetch:
             "enabled": self.enabled,
             "width": self.width,
             "stream": self.stream_kind,
+            "blocks": self.blocks,
             "forwards": self.s.forwards,
             "staged": self.s.staged,
         }
@@ -100,7 +103,7 @@ class StageNext:
 
 
 def install(moes: Sequence["StreamingMoE"], blocks: Sequence[Any], *, top_k: int, mode: str,
-            stream: str = "second") -> MappedPrefetch | None:
+            stream: str = "second", copy_blocks: int = 64) -> MappedPrefetch | None:
     """Wire mapped-pool prefetch into the streaming layers (in forward order), where
     every pool gathers (Settings.mapped_gather) and routers are known; else None."""
     if mode == "off" or len(moes) < 2 or any(m.pool.gather is None for m in moes):
@@ -108,7 +111,7 @@ def install(moes: Sequence["StreamingMoE"], blocks: Sequence[Any], *, top_k: int
     routers = routers_of(moes, blocks)
     if all(r is None for r in routers[1:]):
         return None
-    prefetch = MappedPrefetch(top_k, mode, stream)
+    prefetch = MappedPrefetch(top_k, mode, stream, copy_blocks)
     for m, nxt, router in zip(moes, moes[1:], routers[1:]):
         if router is not None:
             m.stage_next = StageNext(nxt, router, prefetch)

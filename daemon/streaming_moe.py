@@ -176,10 +176,10 @@ class StreamingMoE(nn.Module):
         ids = (predicted if nxt.identity else nxt.remap[predicted]).reshape(-1).astype(mx.uint32)
         arrays = [nxt.arrays[t.name] for t in nxt.layer.tensors]
         if st.prefetch.stream is None:
-            stack = nxt.gather(arrays, ids)
+            stack = nxt.gather(arrays, ids, max_blocks=st.prefetch.blocks)
         else:
             with mx.stream(st.prefetch.stream):
-                stack = nxt.gather(arrays, ids)
+                stack = nxt.gather(arrays, ids, max_blocks=st.prefetch.blocks)
         nxt.staged = (ids, stack)
         st.prefetch.s.forwards += 1
         st.prefetch.s.staged += ids.size

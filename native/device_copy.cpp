@@ -50,8 +50,6 @@ struct KernelSpans {
 };
 static_assert(sizeof(KernelSpans) == 8 + 24 * kCopyKernelMaxSpans, "the kernel's parameter layout");
 constexpr unsigned kCopyThreads = 256;
-// The most `set_kernel_blocks` takes: a span's blocks are one row of the launch's grid.
-constexpr size_t kCopyMaxBlocksPerSpan = 1024;
 
 }  // namespace
 
@@ -227,7 +225,7 @@ void* CudaRuntime::copy_kernel() {
   return driver_->function;
 }
 
-void CudaRuntime::launch_copies(const std::vector<CopySpan>& spans, void* stream) {
+void CudaRuntime::launch_copies(const std::vector<CopySpan>& spans, void* stream, size_t max_blocks) {
   void* function = copy_kernel();
   // The driver launches in the calling thread's current context, which a thread that
   // has made no runtime call yet lacks: a runtime call binds the runtime's context.
@@ -245,8 +243,7 @@ void CudaRuntime::launch_copies(const std::vector<CopySpan>& spans, void* stream
       largest = std::max(largest, s.n);
     }
     params.count = count;
-    const size_t blocks = std::clamp<size_t>((largest + 16 * kCopyThreads - 1) / (16 * kCopyThreads), 1,
-                                             kernel_blocks_.load());
+    const size_t blocks = std::clamp<size_t>((largest + 16 * kCopyThreads - 1) / (16 * kCopyThreads), 1, max_blocks);
     void* args[] = {&params};
     driver_->check(driver_->LaunchKernel(function, static_cast<unsigned>(blocks), static_cast<unsigned>(count), 1,
                                          kCopyThreads, 1, 1, 0, stream, args, nullptr),
@@ -256,12 +253,14 @@ void CudaRuntime::launch_copies(const std::vector<CopySpan>& spans, void* stream
 }
 
 void CudaRuntime::set_kernel_blocks(size_t blocks) {
-  if (blocks < 1 || blocks > kCopyMaxBlocksPerSpan)
-    throw CudaError("kernel_blocks must be between 1 and " + std::to_string(kCopyMaxBlocksPerSpan));
+  if (blocks < 1 || blocks > kCopyKernelMaxBlocks)
+    throw CudaError("kernel_blocks must be between 1 and " + std::to_string(kCopyKernelMaxBlocks));
   kernel_blocks_ = blocks;
 }
 
-double CudaRuntime::copy(std::vector<CopySpan> spans, bool wait, bool batch, bool kernel) {
+double CudaRuntime::copy(std::vector<CopySpan> spans, bool wait, bool batch, bool kernel, size_t kernel_blocks) {
+  if (kernel_blocks > kCopyKernelMaxBlocks)
+    throw CudaError("kernel_blocks must be between 1 and " + std::to_string(kCopyKernelMaxBlocks));
   if (batch && !has_batch())
     throw CudaError("cudaMemcpyBatchAsync needs a CUDA 13 runtime; " + library_ + " is " +
                     std::to_string(runtime_version_));
@@ -280,7 +279,7 @@ double CudaRuntime::copy(std::vector<CopySpan> spans, bool wait, bool batch, boo
       (s.gpu_visible ? through_kernel : rest).push_back(s);
     }
     if (!through_kernel.empty()) {
-      launch_copies(through_kernel, streams_[0]);
+      launch_copies(through_kernel, streams_[0], kernel_blocks ? kernel_blocks : kernel_blocks_.load());
       for (const CopySpan& s : through_kernel) {
         load[0] += s.n;
         ++queued;

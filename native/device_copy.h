@@ -53,6 +53,9 @@ struct CopyCounters {
 };
 
 // What cudaPointerGetAttributes says about an address.
+// The most blocks per span the copy kernel is launched with (`kernel_blocks`).
+constexpr size_t kCopyKernelMaxBlocks = 1024;
+
 enum class MemoryKind { kUnregistered = 0, kHost = 1, kDevice = 2, kManaged = 3 };
 
 class CudaRuntime {
@@ -82,7 +85,9 @@ class CudaRuntime {
   // kCopyKernelMaxSpans spans (PTX loaded through the CUDA driver on first use) instead
   // of one cudaMemcpyAsync each, which costs microseconds of host time apiece; the
   // other spans go as before.
-  double copy(std::vector<CopySpan> spans, bool wait = true, bool batch = false, bool kernel = false);
+  // `kernel_blocks` caps the kernel's blocks per span for this call (0: kernel_blocks()).
+  double copy(std::vector<CopySpan> spans, bool wait = true, bool batch = false, bool kernel = false,
+              size_t kernel_blocks = 0);
   bool has_batch() const;
   // Wait for every copy queued so far; returns the seconds waited.
   double sync();
@@ -108,7 +113,7 @@ class CudaRuntime {
   void check(int err, const char* what) const;
   // The copy kernel, loaded once (the driver API and the module); throws CudaError.
   void* copy_kernel();
-  void launch_copies(const std::vector<CopySpan>& spans, void* stream);
+  void launch_copies(const std::vector<CopySpan>& spans, void* stream, size_t max_blocks);
 
   struct Driver;
   std::unique_ptr<Driver> driver_;

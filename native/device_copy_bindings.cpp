@@ -111,7 +111,7 @@ class CudaCopier {
 
   // spans: [(dst, dst_offset, src, src_offset, nbytes)]; returns seconds spent.
   // kernel: None is the copier's own setting (`kernel`).
-  double copy(const py::sequence& spans, bool wait, bool batch, py::object kernel) {
+  double copy(const py::sequence& spans, bool wait, bool batch, py::object kernel, py::object blocks) {
     const auto start = std::chrono::steady_clock::now();
     const bool use_kernel = kernel.is_none() ? kernel_ : kernel.cast<bool>();
     Exports exports;
@@ -143,8 +143,11 @@ class CudaCopier {
     }
     // The Python side of the call: reading the spans and exporting the buffers.
     bind_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const size_t kernel_blocks = blocks.is_none() ? 0 : as_size(blocks, "[copy] blocks");
+    if (!blocks.is_none() && (kernel_blocks < 1 || kernel_blocks > kCopyKernelMaxBlocks))
+      throw py::value_error("[copy] blocks: between 1 and " + std::to_string(kCopyKernelMaxBlocks));
     py::gil_scoped_release nogil;
-    return rt_->copy(out, wait, batch, use_kernel);
+    return rt_->copy(out, wait, batch, use_kernel, kernel_blocks);
   }
 
   bool kernel_ = false;  // copies go through the copy kernel unless a call says otherwise
@@ -269,8 +272,8 @@ void bind_device_copy(py::module_& m) {
       .def(py::init<int>(), py::arg("streams") = 4)
       .def_property_readonly("streams", [](const CudaCopier& c) { return c.runtime()->streams(); })
       .def("copy", &CudaCopier::copy, py::arg("spans"), py::arg("wait") = true, py::arg("batch") = false,
-           py::arg("kernel") = py::none(),
-           "copy([(dst, dst_offset, src, src_offset, nbytes), ...], wait=True, batch=False, kernel=None) -> float\n\n"
+           py::arg("kernel") = py::none(), py::arg("blocks") = py::none(),
+           "copy([(dst, dst_offset, src, src_offset, nbytes), ...], wait=True, batch=False, kernel=None, blocks=None) -> float\n\n"
            "Copy every span (buffers: HostBuffer, numpy or MLX arrays) and wait; returns the "
            "seconds from the first copy queued to the last one done. With wait=False it only "
            "queues the copies and returns 0: the caller keeps every buffer alive and unchanged "
@@ -280,7 +283,8 @@ void bind_device_copy(py::module_& m) {
            "kernel=True (None: the copier's `kernel`) copies the spans whose both ends a kernel "
            "can address (pinned, device or managed memory) with one copy-kernel launch per 160 "
            "spans, loaded through the CUDA driver on first use; pageable spans still go by "
-           "cudaMemcpyAsync.")
+           "cudaMemcpyAsync. blocks caps the kernel's blocks per span for this call (None: "
+           "`kernel_blocks`).")
       .def_readwrite("kernel", &CudaCopier::kernel_,
                      "Whether `copy` uses the copy kernel when a call does not say (Settings.copy_kernel).")
       .def_property(

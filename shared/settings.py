@@ -130,6 +130,12 @@ class Settings:
     # (daemon/mapped_prefetch.py; not yet measured there). `prefetch = auto` keeps
     # either only where it is faster.
     mapped_prefetch_stream: str = "second"
+    # The most blocks per expert row (mapped prefetch's staging) or per span (the slot
+    # pool's prefetch copies with copy_kernel) of the copy kernels that copy ahead of use:
+    # 64, as for copies the GPU waits on, fills the link alone but may crowd out the
+    # kernels the copy runs beside; fewer leave them room
+    # (tests/bench/gpu_background_copy_probe.py measures both).
+    prefetch_copy_blocks: int = 64
     # Native read engine.
     io_threads: int = 4
     direct_io: bool = True
@@ -225,7 +231,8 @@ class Settings:
         return default_runtime_dir(os.environ if env is None else env)
 
 
-_INT_RANGES = {"max_context": (16, 2**24), "max_active": (1, 1024), "max_queued": (0, 1_000_000), "mapped_moves": (0, 4096), "mapped_rebalance_tokens": (0, 2**31)}
+_INT_RANGES = {"max_context": (16, 2**24), "max_active": (1, 1024), "max_queued": (0, 1_000_000), "mapped_moves": (0, 4096), "mapped_rebalance_tokens": (0, 2**31),
+               "prefetch_copy_blocks": (1, 1024)}
 
 
 def _coerce(name: str, raw: Any) -> Any:

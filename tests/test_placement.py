@@ -334,17 +334,19 @@ def test_a_staged_stack_serves_the_routed_experts_it_holds(store):
         sm.close()
 
 
-@pytest.mark.parametrize("stream", ["second", "same"])
-def test_mapped_prefetch_stages_each_next_layer_and_keeps_stock_logits(store, stream):
-    """On a second stream or on each layer's own (mapped_prefetch_stream), the stacks
-    staged ahead leave the logits stock mlx-lm's, bit for bit."""
+@pytest.mark.parametrize("stream,blocks", [("second", 64), ("same", 2)])
+def test_mapped_prefetch_stages_each_next_layer_and_keeps_stock_logits(store, stream, blocks):
+    """On a second stream or on each layer's own (mapped_prefetch_stream), with the copy
+    kernel's blocks capped or not (prefetch_copy_blocks), the stacks staged ahead leave
+    the logits stock mlx-lm's, bit for bit."""
     stock = load_stock_model(store)
-    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_gather=True, prefetch="on", mapped_prefetch_stream=stream),
-                              mapped=True)
+    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_gather=True, prefetch="on", mapped_prefetch_stream=stream,
+                                              prefetch_copy_blocks=blocks), mapped=True)
     try:
         pf = sm.prefetcher
         assert isinstance(pf, MappedPrefetch) and pf.enabled and pf.stats()["kind"] == "mapped"
         assert pf.stats()["stream"] == stream and (pf.stream is None) == (stream == "same")
+        assert pf.stats()["blocks"] == blocks
         layers, k = len(sm.pools), sm.pools[0].top_k
         prompt = mx.arange(20)[None] % 300
         caches = make_prompt_cache(stock), make_prompt_cache(sm.model)
@@ -385,6 +387,8 @@ def test_mapped_prefetch_needs_gathering_and_follows_the_prefetch_setting(store)
         Settings.from_values({"mapped_prefetch_stream": "third"})
     with pytest.raises(ValueError, match="stream 'third'"):
         MappedPrefetch(2, "on", "third")
+    with pytest.raises(SettingsError, match="prefetch_copy_blocks: must be between 1 and 1024"):
+        Settings.from_values({"prefetch_copy_blocks": "0"})
 
 
 def test_bench_predict_measures_both_pools_prefetch(store):

@@ -268,7 +268,8 @@ def load_streaming_model(
                 note["host_tier"] = "mapped: it holds every expert, read in place"
         elif admitter is None:
             admitter, note = make_admitter(reader, manifest, settings.host_cache, settings.copy_batch,
-                                           cuda=(copier, cuda_why_not), copy_kernel=settings.copy_kernel)
+                                           cuda=(copier, cuda_why_not), copy_kernel=settings.copy_kernel,
+                                           ahead_blocks=settings.prefetch_copy_blocks)
         else:
             note = {"shared": True}
         if auto_note is not None:
@@ -299,7 +300,8 @@ def load_streaming_model(
         )
         if mapped and prefetcher is None:
             prefetcher = install_mapped_prefetch(moes, blocks, top_k=k, mode=settings.prefetch,
-                                                 stream=settings.mapped_prefetch_stream)
+                                                 stream=settings.mapped_prefetch_stream,
+                                                 copy_blocks=settings.prefetch_copy_blocks)
         placement = _place(pools, capacity, settings, copier) if mapped else None
         tokenizer = load_tokenizer(store, eos_token_ids=config.get("eos_token_id"))
     except BaseException:

@@ -78,15 +78,19 @@ def main() -> None:
                  (4, 0, "slots+kernel"), (4, 1 << 26, "tier+kernel"), (8, 1 << 26, "tier+kernel"),
                  (4, 0, "mapped"), (8, 0, "mapped"), (4, 0, "mapped+gather"), (8, 0, "mapped+gather"),
                  (4, 0, "mapped+gather+prefetch"), (8, 0, "mapped+gather+prefetch"),
-                 (4, 0, "mapped+gather+prefetch+same"), (8, 0, "mapped+gather+prefetch+same")]
+                 (4, 0, "mapped+gather+prefetch+same"), (8, 0, "mapped+gather+prefetch+same"),
+                 (4, 1 << 26, "tier+kernel+b4"), (8, 0, "mapped+gather+prefetch+same+b4")]
         for slots, host_cache, mode in cases:
             label = f"{slots}-{mode}"
             if not re.search(args.only, label):
                 continue
-            mapped, gather, kernel = mode.startswith("mapped"), "gather" in mode, mode.endswith("+kernel")
-            same = mode.endswith("+same")  # mapped prefetch on each layer's own stream
+            mapped, gather, kernel = mode.startswith("mapped"), "gather" in mode, "+kernel" in mode
+            # "+bN": copies made ahead of use with at most N blocks per row or span.
+            blocks = int(mode.rsplit("+b", 1)[1]) if "+b" in mode else None
+            same = "+same" in mode  # mapped prefetch on each layer's own stream
             if (kernel and "copy_kernel" not in Settings.__dataclass_fields__) or (
-                    same and "mapped_prefetch_stream" not in Settings.__dataclass_fields__):
+                    same and "mapped_prefetch_stream" not in Settings.__dataclass_fields__) or (
+                    blocks and "prefetch_copy_blocks" not in Settings.__dataclass_fields__):
                 continue  # a tree older than the setting
             # Prefetch on for the slot pools: with a host tier, predicted experts are
             # copied into the next layer's slots on the copier's streams while the GPU
@@ -97,9 +101,10 @@ def main() -> None:
             sm = load_streaming_model(store, Settings(capacity=slots, host_cache=host_cache, mapped=mapped, prefetch=prefetch,
                                                       **({"mapped_gather": gather} if "mapped_gather" in Settings.__dataclass_fields__ else {}),
                                                       **({"copy_kernel": True} if kernel else {}),
-                                                      **({"mapped_prefetch_stream": "same"} if same else {})))
+                                                      **({"mapped_prefetch_stream": "same"} if same else {}),
+                                                      **({"prefetch_copy_blocks": blocks} if blocks else {})))
             if not mapped:
-                mode = sm.pool_stats()["admission"]["mode"] + ("+kernel" if kernel else "")
+                mode = sm.pool_stats()["admission"]["mode"] + ("+kernel" if kernel else "") + (f"+b{blocks}" if blocks else "")
             tick = sm.placement.tick if sm.placement is not None else None
             for n, p in prompts.items():
                 toks, rows = greedy(sm.model, p, args.steps, tick)

@@ -73,10 +73,11 @@ case "$stage" in
     # while the GPU computes): predicted experts in the tier are copied into the next
     # layer's slots while the GPU computes.
     # CAPACITY=0.25 measures one capacity only; COPY_BATCH=1 queues copies in batches;
-    # COPY_KERNEL=1 copies with the copy kernel.
-    f="$OUT/bench_predict_q30${HOST_CACHE:+_host$HOST_CACHE}${COPY_BATCH:+_batch}${COPY_KERNEL:+_kernel}_h200.json"
+    # COPY_KERNEL=1 copies with the copy kernel; PF_BLOCKS=N caps it at N blocks per span
+    # for prefetch's copies (default 64; see gpu_background_copy_probe.py).
+    f="$OUT/bench_predict_q30${HOST_CACHE:+_host$HOST_CACHE}${COPY_BATCH:+_batch}${COPY_KERNEL:+_kernel}${PF_BLOCKS:+_b$PF_BLOCKS}_h200.json"
     ctl bench predict --model /root/q30/store --temp 1 --host-cache ${HOST_CACHE:-20G} --width ${WIDTH:-1} \
-      ${CAPACITY:+--capacity $CAPACITY} ${COPY_BATCH:+--copy-batch} ${COPY_KERNEL:+--copy-kernel} \
+      ${CAPACITY:+--capacity $CAPACITY} ${COPY_BATCH:+--copy-batch} ${COPY_KERNEL:+--copy-kernel} --prefetch-copy-blocks ${PF_BLOCKS:-64} \
       --prompt-tokens ${PROMPT_TOKENS:-8} --decode-tokens ${DECODE_TOKENS:-48} --mlx-memory-limit 64G --json >"$f" 2> >(tee "$f.progress" >&2)
     $py - "$f" <<'EOF'
 import json, sys
@@ -88,8 +89,8 @@ EOF
     # Prefetch for the mapped pool (staging the next layer's experts on a second stream)
     # off and on at 25%, and what auto decides; recall is predict-q30's (same predictor).
     # PF_STREAM=same stages on each layer's own stream instead of a second one.
-    f="$OUT/bench_predict_q30_mapped${PF_STREAM:+_$PF_STREAM}_h200.json"
-    ctl bench predict --model /root/q30/store --mapped --mapped-prefetch-stream ${PF_STREAM:-second} --temp 1 --capacity ${CAPACITY:-0.25} --rounds ${ROUNDS:-5} \
+    f="$OUT/bench_predict_q30_mapped${PF_STREAM:+_$PF_STREAM}${PF_BLOCKS:+_b$PF_BLOCKS}_h200.json"
+    ctl bench predict --model /root/q30/store --mapped --mapped-prefetch-stream ${PF_STREAM:-second} --prefetch-copy-blocks ${PF_BLOCKS:-64} --temp 1 --capacity ${CAPACITY:-0.25} --rounds ${ROUNDS:-5} \
       --prompt-tokens ${PROMPT_TOKENS:-8} --decode-tokens ${DECODE_TOKENS:-48} --mlx-memory-limit 64G --json >"$f" 2> >(tee "$f.progress" >&2)
     $py - "$f" <<'EOF'
 import json, sys
@@ -205,9 +206,9 @@ EOF
     # gathering the routed experts first, and gathering with the next layer's experts
     # staged ahead (prefetch on/off for the mapped pool) on a second stream (":p") and on
     # each layer's own (":ps"; PF_STREAM=second|same|both); stock for the bound.
-    f="$OUT/bench_decode_q30_mapped_prefetch.json"
+    f="$OUT/bench_decode_q30_mapped_prefetch${PF_BLOCKS:+_b$PF_BLOCKS}.json"
     ctl bench decode --model /root/q30/store --capacity 0.25 --no-slot-pool --no-naive --mapped \
-      --mapped-gather both --mapped-prefetch both --mapped-prefetch-stream ${PF_STREAM:-both} --mapped-rebalance-tokens 32 --temp 1 --warmup-rounds 2 \
+      --mapped-gather both --mapped-prefetch both --mapped-prefetch-stream ${PF_STREAM:-both} --prefetch-copy-blocks ${PF_BLOCKS:-64} --mapped-rebalance-tokens 32 --temp 1 --warmup-rounds 2 \
       --prompt-tokens 4 --decode-tokens ${DECODE_TOKENS:-32} --rounds ${ROUNDS:-7} --mlx-memory-limit 100G --json >"$f" 2> >(tee "$f.progress" >&2)
     $py - "$f" <<'EOF'
 import json, sys
