@@ -28,7 +28,6 @@ pair hid: (alone + alone - together) / shorter, 1 = fully overlapped, 0 = serial
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -36,12 +35,11 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from probe_setup import mapped_quarter, store_probe_args
 from probe_timing import median_ms
 
 from moestream.daemon.admission import cuda_copier
 from moestream.daemon.row_gather import RowGather
-from moestream.daemon.store.loader import load_streaming_model
-from moestream.shared.settings import Settings
 
 BLOCKS = (64, 16, 4, 1)
 
@@ -51,14 +49,8 @@ def hidden_fraction(a: float, b: float, both: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--store", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--reps", type=int, default=30)
-    args = parser.parse_args()
-    mx.set_memory_limit(64 * 2**30)
-    sm = load_streaming_model(args.store, Settings(capacity=0.25, mapped_moves=0, mapped_rebalance_tokens=0), mapped=True)
-    moes = [m for _, m in sm.model.named_modules() if type(m).__name__ == "StreamingMoE"]
+    args = store_probe_args()
+    sm, moes = mapped_quarter(args.store)
     first, second_layer = moes[0], moes[1]
     k = first.pool.top_k
     hidden = sm.manifest.config.get("text_config", sm.manifest.config)["hidden_size"]

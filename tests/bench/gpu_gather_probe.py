@@ -11,27 +11,20 @@ For 0, 4 and 8 of the 8 routed experts in host memory: milliseconds per call (me
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import mlx.core as mx
+from probe_setup import mapped_quarter, store_probe_args
 from probe_timing import median_ms
 
 from moestream.daemon.row_gather import RowGather
-from moestream.daemon.store.loader import load_streaming_model
-from moestream.shared.settings import Settings
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--store", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--reps", type=int, default=30)
-    args = parser.parse_args()
-    mx.set_memory_limit(64 * 2**30)
-    sm = load_streaming_model(args.store, Settings(capacity=0.25, mapped_moves=0, mapped_rebalance_tokens=0), mapped=True)
-    moe = next(m for _, m in sm.model.named_modules() if type(m).__name__ == "StreamingMoE")
+    args = store_probe_args()
+    sm, moes = mapped_quarter(args.store)
+    moe = moes[0]
     pool = moe.pool
     on_gpu = sorted(sm.placement.on_gpu[0])
     off_gpu = [e for e in range(pool.layer.num_experts) if e not in sm.placement.on_gpu[0]]
