@@ -44,7 +44,8 @@ from moestream.client.cli_values import size_option
 @click.option("--prefetch", type=click.Choice(["on", "off"]), default="on", show_default=True,
               help="Prefetch of the predicted next-layer experts in the partial-pool runs (with a host tier: copied into the next layer's slots while the GPU computes).")
 @click.option("--copy-batch", is_flag=True, help="The CUDA copier queues each call's copies in one cudaMemcpyBatchAsync per stream (CUDA 13; setting copy_batch).")
-@click.option("--copy-kernel", is_flag=True, help="The CUDA copier copies with one copy-kernel launch per 160 spans instead of one cudaMemcpyAsync each (setting copy_kernel).")
+@click.option("--copy-kernel/--no-copy-kernel", default=True, show_default=True,
+              help="The CUDA copier copies with one copy-kernel launch per 160 spans instead of one cudaMemcpyAsync each (setting copy_kernel).")
 @click.option("--speculative", type=click.Choice(["mtp", "draft"]), help="Instead: speculative vs plain decode at each capacity (default 1.0 0.25).")
 @click.option("--draft-tokens", "draft_tokens", multiple=True, type=click.IntRange(1, 8), help="K per round with --speculative (repeat); default 2.")
 @click.option("--draft-model", type=click.Path(file_okay=False), help="Draft model for --speculative draft.")

@@ -24,7 +24,8 @@ from moestream.client.cli_values import size_option
 @click.option("--width", default=1, show_default=True, type=click.IntRange(1, 4), help="Experts prefetched per token, in multiples of top-k.")
 @click.option("--mlx-memory-limit", help="Cap MLX's memory (mx.set_memory_limit), e.g. 64G; advised on CUDA.")
 @click.option("--copy-batch", is_flag=True, help="The CUDA copier queues each call's copies in one cudaMemcpyBatchAsync per stream (CUDA 13; setting copy_batch).")
-@click.option("--copy-kernel", is_flag=True, help="The CUDA copier copies with one copy-kernel launch per 160 spans instead of one cudaMemcpyAsync each (setting copy_kernel).")
+@click.option("--copy-kernel/--no-copy-kernel", default=True, show_default=True,
+              help="The CUDA copier copies with one copy-kernel launch per 160 spans instead of one cudaMemcpyAsync each (setting copy_kernel).")
 @click.option("--mapped", is_flag=True, help="Measure a mapped pool's prefetch instead (gathering; it stages the next layer's experts on a second stream): speeds off/on and auto's decision, no recall.")
 @click.option("--mapped-prefetch-stream", type=click.Choice(["second", "same"]), default="second", show_default=True,
               help="With --mapped: copy on a second MLX stream, or on each layer's own (setting mapped_prefetch_stream).")

@@ -81,8 +81,8 @@ class BenchDecodeSettings:
     mapped_rebalance_tokens: int = 256
     # The CUDA copier queues in batches (Settings.copy_batch).
     copy_batch: bool = False
-    # The CUDA copier copies with its copy kernel (Settings.copy_kernel).
-    copy_kernel: bool = False
+    # The CUDA copier copies with its copy kernel (Settings.copy_kernel, on by default).
+    copy_kernel: bool = True
     # A mapped pool's decode steps copy the routed experts into a stack first
     # (Settings.mapped_gather): one configuration per value, ":g" marks those that do;
     # None is the setting's auto.

@@ -54,8 +54,8 @@ class BenchPredictSettings:
     width: int = 1
     # The CUDA copier queues in batches (Settings.copy_batch).
     copy_batch: bool = False
-    # The CUDA copier copies with its copy kernel (Settings.copy_kernel).
-    copy_kernel: bool = False
+    # The CUDA copier copies with its copy kernel (Settings.copy_kernel, on by default).
+    copy_kernel: bool = True
     # Measure a mapped pool's prefetch instead (gathering, daemon/mapped_prefetch.py):
     # decode tokens/s off and on and what auto decides; recall is the slot pool's run's
     # (the same predictor), not repeated.

@@ -269,7 +269,7 @@ double CudaRuntime::copy(std::vector<CopySpan> spans, bool wait, bool batch, boo
   const size_t k = streams_.size();
   std::vector<size_t> load(k, 0);
   size_t queued = 0, bytes = 0;
-  if (kernel) {
+  if (kernel && !kernel_failed_.load()) {
     // The kernel's share, all on the first stream (one launch moves them all at once);
     // the rest below, spread over the streams as usual.
     std::vector<CopySpan> through_kernel;
@@ -279,11 +279,24 @@ double CudaRuntime::copy(std::vector<CopySpan> spans, bool wait, bool batch, boo
       (s.gpu_visible ? through_kernel : rest).push_back(s);
     }
     if (!through_kernel.empty()) {
-      launch_copies(through_kernel, streams_[0], kernel_blocks ? kernel_blocks : kernel_blocks_.load());
-      for (const CopySpan& s : through_kernel) {
-        load[0] += s.n;
-        ++queued;
-        bytes += s.n;
+      try {
+        launch_copies(through_kernel, streams_[0], kernel_blocks ? kernel_blocks : kernel_blocks_.load());
+        for (const CopySpan& s : through_kernel) {
+          load[0] += s.n;
+          ++queued;
+          bytes += s.n;
+        }
+      } catch (const CudaError& e) {
+        // A driver without libcuda, or one that cannot read the PTX: copy these spans,
+        // and every later call's, the way the runtime does, and say why in the counters.
+        // Spans an earlier launch of this call already copied are copied again, with
+        // the same bytes.
+        {
+          std::lock_guard<std::mutex> lock(driver_mutex_);
+          kernel_error_ = e.what();
+        }
+        kernel_failed_ = true;
+        rest.insert(rest.end(), through_kernel.begin(), through_kernel.end());
       }
     }
     spans = std::move(rest);
@@ -338,6 +351,10 @@ CopyCounters CudaRuntime::counters() const {
   c.kernel_launches = launches_.load();
   c.enqueue_seconds = enqueue_ns_.load() * 1e-9;
   c.wait_seconds = wait_ns_.load() * 1e-9;
+  if (kernel_failed_.load()) {
+    std::lock_guard<std::mutex> lock(driver_mutex_);
+    c.kernel_error = kernel_error_;
+  }
   return c;
 }
 

@@ -50,11 +50,15 @@ struct CopyCounters {
   uint64_t kernel_launches = 0;  // launches of the copy kernel (Settings.copy_kernel)
   double enqueue_seconds = 0;  // queuing the copies
   double wait_seconds = 0;     // waiting for them, in calls that wait
+  // Why the copy kernel could not be launched (then every copy goes by cudaMemcpyAsync),
+  // empty while it works.
+  std::string kernel_error;
 };
 
-// What cudaPointerGetAttributes says about an address.
 // The most blocks per span the copy kernel is launched with (`kernel_blocks`).
 constexpr size_t kCopyKernelMaxBlocks = 1024;
+
+// What cudaPointerGetAttributes says about an address.
 
 enum class MemoryKind { kUnregistered = 0, kHost = 1, kDevice = 2, kManaged = 3 };
 
@@ -117,7 +121,7 @@ class CudaRuntime {
 
   struct Driver;
   std::unique_ptr<Driver> driver_;
-  std::mutex driver_mutex_;
+  mutable std::mutex driver_mutex_;
 
   struct Api;
   void* handle_ = nullptr;
@@ -128,6 +132,9 @@ class CudaRuntime {
   // Updated by `copy`, which may run on several threads at once.
   std::atomic<uint64_t> calls_{0}, spans_{0}, bytes_{0}, launches_{0}, enqueue_ns_{0}, wait_ns_{0};
   std::atomic<size_t> kernel_blocks_{64};
+  // Set once when the driver refuses the copy kernel (guarded by driver_mutex_).
+  std::string kernel_error_;
+  std::atomic<bool> kernel_failed_{false};
 };
 
 }  // namespace moestream

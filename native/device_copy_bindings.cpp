@@ -159,6 +159,7 @@ class CudaCopier {
     d["spans"] = c.spans;
     d["bytes"] = c.bytes;
     d["kernel_launches"] = c.kernel_launches;
+    d["kernel_error"] = c.kernel_error;
     d["bind_seconds"] = bind_seconds_;
     d["enqueue_seconds"] = c.enqueue_seconds;
     d["wait_seconds"] = c.wait_seconds;

@@ -148,11 +148,13 @@ class Settings:
     # with one launch of a copy kernel per 160 spans, loaded as PTX through the CUDA
     # driver (native/gen_copy_kernel.py), instead of one cudaMemcpyAsync per tensor of
     # each expert: about 2,700 calls per token at 7 us of host time each on the H200
-    # (tests/bench/results/bench_predict_q30_h200.json). Measured there in session 9: exact,
-    # a layer's copies queued in a tenth of the time, but decode barely moved (1.05x with
-    # prefetch; the host sync per layer bounds the slot pool). Off: a driver that refused
-    # its PTX would fail the copies instead of falling back.
-    copy_kernel: bool = False
+    # (tests/bench/results/bench_predict_q30_h200.json). Measured there in session 9:
+    # bit-identical (90 of 90 cases), a layer's copies queued in a tenth of the time, and
+    # admission from the tier at 0.92 of the pinned link against 0.73 (decode itself
+    # barely moved: the host sync per layer bounds the slot pool). On by default; a
+    # driver that refuses the kernel makes the copier fall back to cudaMemcpyAsync, and
+    # its counters say why. Nothing changes without a CUDA copier.
+    copy_kernel: bool = True
     verify_checksums: bool = False
     # Daemon.
     runtime_dir: str | None = None

@@ -73,7 +73,8 @@ case "$stage" in
     # while the GPU computes): predicted experts in the tier are copied into the next
     # layer's slots while the GPU computes.
     # CAPACITY=0.25 measures one capacity only; COPY_BATCH=1 queues copies in batches;
-    # COPY_KERNEL=1 copies with the copy kernel; PF_BLOCKS=N caps it at N blocks per span
+    # COPY_KERNEL=1 copies with the copy kernel (the default since session 9; kept so
+    # that the file names say so); PF_BLOCKS=N caps it at N blocks per span
     # for prefetch's copies (default 64; see gpu_background_copy_probe.py).
     f="$OUT/bench_predict_q30${HOST_CACHE:+_host$HOST_CACHE}${COPY_BATCH:+_batch}${COPY_KERNEL:+_kernel}${PF_BLOCKS:+_b$PF_BLOCKS}_h200.json"
     ctl bench predict --model /root/q30/store --temp 1 --host-cache ${HOST_CACHE:-20G} --width ${WIDTH:-1} \
