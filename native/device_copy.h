@@ -59,7 +59,6 @@ struct CopyCounters {
 constexpr size_t kCopyKernelMaxBlocks = 1024;
 
 // What cudaPointerGetAttributes says about an address.
-
 enum class MemoryKind { kUnregistered = 0, kHost = 1, kDevice = 2, kManaged = 3 };
 
 class CudaRuntime {
