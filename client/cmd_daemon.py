@@ -15,7 +15,7 @@ import click
 
 from moestream.client.client import Client, ClientError, DaemonDied, DaemonNotRunning
 from moestream.shared.runtime_dir import RuntimeDirError, RuntimePaths, ensure_private_dir, lock_is_held, read_pid
-from moestream.shared.settings import Settings, SettingsError
+from moestream.shared.settings import Settings, SettingsError, format_size
 from moestream.shared.store_format import StoreError, load_manifest
 
 # `start` flags passed on to `python -m moestream.daemon.main` (names of Settings fields).
@@ -295,13 +295,7 @@ def status(runtime_dir, as_json) -> None:
 
 
 def _size(n: Any) -> str:
-    if not isinstance(n, (int, float)):
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+    return format_size(n) if isinstance(n, (int, float)) else "-"
 
 
 def _rate(x: Any) -> str:

@@ -23,7 +23,7 @@ import click
 
 from moestream.client.cmd_daemon import START_FLAGS, absolute_paths, daemon_setting_options
 from moestream.shared import service_files as sf
-from moestream.shared.settings import ENV_PREFIX, Settings, SettingsError
+from moestream.shared.settings import ENV_PREFIX, Settings, SettingsError, format_size
 from moestream.shared.store_format import StoreError, load_manifest
 
 # launchctl and systemctl answer at once; a hung one is reported rather than waited on.
@@ -191,8 +191,8 @@ def install(ctx: click.Context, no_load, openai, host, port, api_key_file, dry_r
         if settings.mapped and 0 < settings.host_cache < need:
             # The daemon refuses this pair when it loads the model (daemon/store/loader.py);
             # refusing it here keeps the service from failing and restarting every RestartSec.
-            raise click.UsageError(f"--mapped keeps every expert ({need / 2**30:.2f} GiB) in host memory, more than "
-                                   f"--host-cache {settings.host_cache / 2**30:.2f} GiB: give a larger one or drop one of them")
+            raise click.UsageError(f"--mapped keeps every expert ({format_size(need)}) in host memory, more than "
+                                   f"--host-cache {format_size(settings.host_cache)}: give a larger one or drop one of them")
     else:
         click.echo("note: no --model or MOESTREAM_MODEL given: the daemon will start with its built-in default", err=True)
 

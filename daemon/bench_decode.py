@@ -40,7 +40,7 @@ from moestream.daemon.admission import Admitter, cuda_copier, make_admitter
 from moestream.daemon.expert_reader import ExpertReader
 from moestream.daemon.row_gather import RowGather
 from moestream.daemon.store.loader import StreamingModel, choose_mapped, load_stock_model, load_streaming_model
-from moestream.shared.settings import Settings
+from moestream.shared.settings import Settings, format_size
 from moestream.shared.store_format import load_manifest
 
 
@@ -369,7 +369,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
                                                        psutil.virtual_memory().available, cuda_copier()[1])
             else:
                 tier_mapped, tier_note = settings.host_tier == "mapped", f"{settings.host_tier}: --host-tier"
-            say(f"host tier of {settings.host_cache / 2**30:.1f} GiB: mapped pool {tier_note}")
+            say(f"host tier of {format_size(settings.host_cache)}: mapped pool {tier_note}")
         for c in settings.capacities:
             if settings.slot_pool:
                 configs.append(_streaming_config(f"moestream@{c:g}", c, settings, prompt))

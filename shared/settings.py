@@ -36,6 +36,15 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
 
 
+def format_size(n: int | float) -> str:
+    """Bytes for people: 512 B, 4.0 KiB, 16.3 GiB (the units parse_size reads back)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 def parse_capacity(text: str | float | int | None) -> float | int | None:
     """'16' -> 16 slots per layer; '0.25' or '25%' -> a fraction of each layer's experts."""
     if text is None or isinstance(text, (int, float)):

@@ -30,7 +30,7 @@ from moestream.daemon.store.loader import (
 )
 from moestream.shared.heat_file import read_usage, usage_path, write_usage
 from moestream.shared.runtime_dir import RuntimePaths
-from moestream.shared.settings import Settings, demo_store_path
+from moestream.shared.settings import Settings, demo_store_path, format_size
 from moestream.shared.store_format import load_manifest
 from daemon_cli import clean_env, ctl
 from tiny_models import local_outputs, tiny_store
@@ -253,7 +253,7 @@ def test_a_host_without_room_for_every_expert_is_refused_before_loading(store, r
     # that tier); a smaller one is refused, before loading, naming both sizes.
     with pytest.raises(PoolCapacityError) as e:
         load_streaming_model(broken, Settings(capacity=0.25, mapped=True, host_cache=need - 1))
-    assert f"({need / 2**30:.2f} GiB)" in str(e.value) and "--host-cache" in str(e.value)
+    assert f"({format_size(need)})" in str(e.value) and f"--host-cache {format_size(need - 1)}" in str(e.value)
     sm = load_streaming_model(store, Settings(capacity=0.25, mapped=True, host_cache=need))
     try:
         assert sm.placement is not None and sm.admission_note["host_tier"].startswith("mapped")

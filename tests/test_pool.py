@@ -368,6 +368,16 @@ def test_host_tier_reads_each_expert_from_disk_at_most_once(varied_store):
         sm.close()
 
 
+def test_sizes_print_in_units_that_parse_back():
+    """Messages name sizes as people read them (a tiny store's experts are not "0.00
+    GiB"), in units --host-cache and --memory-budget accept."""
+    from moestream.shared.settings import format_size, parse_size
+
+    assert format_size(512) == "512 B" and format_size(4096) == "4.0 KiB" and format_size(int(16.3 * 2**30)) == "16.3 GiB"
+    for n in (0, 512, 4096, 3 * 2**20 + 7, int(16.3 * 2**30), 5 * 2**40):
+        assert abs(parse_size(format_size(n)) - n) <= 0.05 * n
+
+
 def test_host_cache_below_one_expert_is_refused(store):
     from moestream.shared.settings import SettingsError
 

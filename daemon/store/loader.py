@@ -31,7 +31,7 @@ from moestream.daemon.policies import make_policy
 from moestream.daemon.predictor import install as install_predictor
 from moestream.daemon.row_gather import RowGather
 from moestream.daemon.streaming_moe import StreamingMoE
-from moestream.shared.settings import Settings
+from moestream.shared.settings import Settings, format_size
 from moestream.shared.store_format import Manifest, StoreError, load_manifest
 
 # How many of the lowest MoE layers' routing a pool hands its policy as a hint.
@@ -344,8 +344,8 @@ def check_mapped_host_cache(manifest: Manifest, host_cache: int) -> None:
     need = manifest.expert_bytes_total
     if host_cache and host_cache < need:
         raise PoolCapacityError(
-            f"--mapped keeps every expert ({need / 2**30:.2f} GiB) in host memory, more than --host-cache "
-            f"{host_cache / 2**30:.2f} GiB: give a --host-cache of at least that, or drop --mapped "
+            f"--mapped keeps every expert ({format_size(need)}) in host memory, more than --host-cache "
+            f"{format_size(host_cache)}: give a --host-cache of at least that, or drop --mapped "
             "(the slot pool then keeps a tier of that size)"
         )
 
@@ -381,8 +381,8 @@ def choose_mapped(manifest: Manifest, capacity: int, settings: Settings, host_av
         return False, "off: every expert fits in the pool"
     need_tier = manifest.expert_bytes_total
     if settings.host_cache and not host_tier_mapped(manifest, settings.host_cache):
-        return False, (f"off: --host-cache {settings.host_cache / 2**30:.1f} GiB holds part of the experts "
-                       f"({need_tier / 2**30:.1f} GiB): the slot pool with a host tier")
+        return False, (f"off: --host-cache {format_size(settings.host_cache)} holds part of the experts "
+                       f"({format_size(need_tier)}): the slot pool with a host tier")
     need = need_tier + MAPPED_HOST_MARGIN
     if host_available < need:
         return False, f"off: host RAM {host_available / 2**30:.1f} GiB available, every expert needs {need / 2**30:.1f} GiB"
