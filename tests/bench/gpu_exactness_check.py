@@ -59,7 +59,13 @@ def main() -> None:
     parser.add_argument("--bits", default="4,0", help="weights to test: 4 = 4-bit, 0 = bf16 (GPU only)")
     parser.add_argument("--only", default="", help="run only the cases whose label (e.g. 32-slots, 4-tier, 8-mapped+gather) matches this regex")
     parser.add_argument("--collect", action="store_true", help="after each streaming model: collect garbage, synchronize, clear MLX's cache")
+    parser.add_argument("--between", default="", help="after each streaming model, some of: release (drop it and collect "
+                        "garbage before the next loads), sync (mx.synchronize), clear (mx.clear_cache), comma-separated; "
+                        "--collect is all three (to tell which of them keeps the slot-pool crash away)")
     args = parser.parse_args()
+    between = {"release", "sync", "clear"} if args.collect else {s for s in args.between.split(",") if s}
+    if between - {"release", "sync", "clear"}:
+        parser.error(f"--between: unknown {sorted(between - {'release', 'sync', 'clear'})}")
     mx.set_memory_limit(32 * 2**30)
     results = []
     root = Path(tempfile.mkdtemp(prefix="gpuexact"))
@@ -119,10 +125,12 @@ def main() -> None:
                 results.append(r)
                 print(json.dumps(r), flush=True)
             sm.close()
-            if args.collect:
+            if "release" in between:
                 del sm
                 gc.collect()
+            if "sync" in between:
                 mx.synchronize()
+            if "clear" in between:
                 mx.clear_cache()
     Path(args.out).write_text(json.dumps({"device": str(mx.default_device()), "results": results}, indent=1))
     bad = [r for r in results if not r["tokens_equal"] or r["logits_equal_steps"] != r["steps"]]

@@ -140,13 +140,17 @@ EOF
   crash-matrix)
     # The slot-pool crash (exactness_gpu_mini_session8_h200.json), REPS runs per
     # variant, 4-bit, 16 steps: the four slot pools in turn (default); each model released
-    # before the next loads (collect); the fully resident 32-slot model alone (only32).
+    # before the next loads (collect); the fully resident 32-slot model alone (only32);
+    # and collect's three steps one at a time (release: dropped before the next loads;
+    # sync: mx.synchronize; clear: mx.clear_cache), to tell which keeps the crash away.
     for v in ${VARIANTS:-default collect only32}; do
       for i in $(seq "${REPS:-6}"); do
         case $v in
           default) extra=(--only='-slots$') ;;
           collect) extra=(--only='-slots$' --collect) ;;
           only32) extra=(--only='^32-slots$') ;;
+          release|sync|clear) extra=(--only='-slots$' --between=$v) ;;
+          *) echo "crash-matrix: unknown variant $v" >&2; exit 2 ;;
         esac
         rc=0
         timeout 90 $py tests/bench/gpu_exactness_check.py --out "$OUT/crash_${v}_$i.json" --steps 16 --bits 4 "${extra[@]}" >"$OUT/crash_${v}_$i.log" 2>&1 || rc=$?
