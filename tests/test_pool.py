@@ -443,6 +443,16 @@ def test_bench_decode_makes_a_tier_that_holds_every_expert_a_mapped_pool(store):
     assert report["host_tier_mapped"] == "mapped: --host-tier"
     with pytest.raises(PoolCapacityError, match="--host-cache"):
         run_bench_decode(dataclasses.replace(base, host_cache=every - 1))
+    # The capacity plot puts each row on its family's line, by its host tier where the
+    # name alone ("+host") no longer says (tests/bench/plot_capacity.py).
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+    from plot_capacity import family
+
+    assert family(rows["moestream@0.5+host"]) == "mapped pool (host RAM holds every expert)"
+    assert family(rows["moestream@0.5+host:slots"]) == "slot pool + host tier"
+    assert family({"name": "moestream@0.25+host"}) == "slot pool + host tier"  # a report from before session 9
+    assert family({"name": "moestream@0.25"}) == "slot pool" and family({"name": "stock-mlx-lm"}) is None
+    assert family({"name": "moestream@0.25+mapped:g:p"}) == "+mapped:g:p"
 
 
 def test_bound_is_reported_against_the_median_each_round_and_the_fastest_round():
