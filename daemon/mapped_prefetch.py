@@ -5,9 +5,10 @@ before the expert kernels run (daemon/row_gather.py). The experts not in GPU mem
 over the link then, and the GPU waits for them. With prefetch, layer L also applies layer
 L+1's router to its own input (as the slot pool's predictor does, daemon/predictor.py:
 on the H200 that names 0.915 of the experts L+1 routes to among its top k) and copies
-those experts into a stack while layer L computes; layer L+1 then takes each routed expert from that stack where it is there, and from the
-pool (over the link) where not. Nothing waits on the host: the prediction, the copy and
-the choice all stay on the device.
+those experts into a stack while layer L computes; layer L+1 then takes each routed
+expert from that stack where it is there, and from the pool (over the link) where not.
+Nothing waits on the host: the prediction, the copy and the choice all stay on the
+device.
 
 Where the copy runs (`Settings.mapped_prefetch_stream`): on a second MLX stream
 ("second"), or on the layer's own stream ("same"). MLX's CUDA backend builds each
@@ -33,9 +34,7 @@ import mlx.core as mx
 
 from moestream.daemon.predictor import NextRouter, routers_of
 from moestream.daemon.prefetch import PREFETCH_MODES, PrefetchGovernor
-
-# Where mapped prefetch copies: a second stream, or the layer's own (see above).
-PREFETCH_STREAMS = ("second", "same")
+from moestream.shared.settings import MAPPED_PREFETCH_STREAMS
 
 if TYPE_CHECKING:
     from moestream.daemon.streaming_moe import StreamingMoE
@@ -57,8 +56,8 @@ class MappedPrefetch:
     def __init__(self, top_k: int, mode: str, stream: str = "second", blocks: int = 64) -> None:
         if mode not in PREFETCH_MODES:
             raise ValueError(f"prefetch mode {mode!r}: use one of {', '.join(PREFETCH_MODES)}")
-        if stream not in PREFETCH_STREAMS:
-            raise ValueError(f"mapped prefetch stream {stream!r}: use one of {', '.join(PREFETCH_STREAMS)}")
+        if stream not in MAPPED_PREFETCH_STREAMS:
+            raise ValueError(f"mapped prefetch stream {stream!r}: use one of {', '.join(MAPPED_PREFETCH_STREAMS)}")
         self.top_k = top_k
         # Experts staged per token: the next router's top k.
         self.width = top_k
@@ -67,7 +66,6 @@ class MappedPrefetch:
         self.governor = PrefetchGovernor(self) if mode == "auto" else None
         # Where the copies run: a second stream beside the layer's own work, or None
         # for the layer's own stream.
-        self.stream_kind = stream
         self.stream = mx.new_stream(mx.default_device()) if stream == "second" else None
         # The copy kernel's blocks per expert row (Settings.prefetch_copy_blocks).
         self.blocks = blocks
@@ -83,7 +81,7 @@ class MappedPrefetch:
             "mode": self.mode,
             "enabled": self.enabled,
             "width": self.width,
-            "stream": self.stream_kind,
+            "stream": "same" if self.stream is None else "second",
             "blocks": self.blocks,
             "forwards": self.s.forwards,
             "staged": self.s.staged,

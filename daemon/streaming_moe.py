@@ -20,6 +20,7 @@ test when off; when on they sync around each segment to time it.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -164,8 +165,7 @@ class StreamingMoE(nn.Module):
     def _stage_next(self, x: mx.array) -> mx.array | None:
         """Start copying the experts the next layer's router ranks highest on this
         layer's input into a stack, on the prefetch's stream (or this layer's own), for
-        the next layer to take;
-        returns the prediction (None when nothing was staged)."""
+        the next layer to take; returns the prediction (None when nothing was staged)."""
         st = self.stage_next
         if st is None or not st.prefetch.enabled:
             return None
@@ -175,11 +175,8 @@ class StreamingMoE(nn.Module):
             return None
         ids = (predicted if nxt.identity else nxt.remap[predicted]).reshape(-1).astype(mx.uint32)
         arrays = [nxt.arrays[t.name] for t in nxt.layer.tensors]
-        if st.prefetch.stream is None:
+        with mx.stream(st.prefetch.stream) if st.prefetch.stream is not None else nullcontext():
             stack = nxt.gather(arrays, ids, max_blocks=st.prefetch.blocks)
-        else:
-            with mx.stream(st.prefetch.stream):
-                stack = nxt.gather(arrays, ids, max_blocks=st.prefetch.blocks)
         nxt.staged = (ids, stack)
         st.prefetch.s.forwards += 1
         st.prefetch.s.staged += ids.size

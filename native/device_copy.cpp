@@ -252,15 +252,9 @@ void CudaRuntime::launch_copies(const std::vector<CopySpan>& spans, void* stream
   }
 }
 
-void CudaRuntime::set_kernel_blocks(size_t blocks) {
-  if (blocks < 1 || blocks > kCopyKernelMaxBlocks)
-    throw CudaError("kernel_blocks must be between 1 and " + std::to_string(kCopyKernelMaxBlocks));
-  kernel_blocks_ = blocks;
-}
-
 double CudaRuntime::copy(std::vector<CopySpan> spans, bool wait, bool batch, bool kernel, size_t kernel_blocks) {
   if (kernel_blocks > kCopyKernelMaxBlocks)
-    throw CudaError("kernel_blocks must be between 1 and " + std::to_string(kCopyKernelMaxBlocks));
+    throw CudaError("kernel_blocks must be at most " + std::to_string(kCopyKernelMaxBlocks));
   if (batch && !has_batch())
     throw CudaError("cudaMemcpyBatchAsync needs a CUDA 13 runtime; " + library_ + " is " +
                     std::to_string(runtime_version_));
@@ -280,7 +274,7 @@ double CudaRuntime::copy(std::vector<CopySpan> spans, bool wait, bool batch, boo
     }
     if (!through_kernel.empty()) {
       try {
-        launch_copies(through_kernel, streams_[0], kernel_blocks ? kernel_blocks : kernel_blocks_.load());
+        launch_copies(through_kernel, streams_[0], kernel_blocks ? kernel_blocks : kCopyKernelDefaultBlocks);
         for (const CopySpan& s : through_kernel) {
           load[0] += s.n;
           ++queued;

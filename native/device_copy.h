@@ -55,7 +55,11 @@ struct CopyCounters {
   std::string kernel_error;
 };
 
-// The most blocks per span the copy kernel is launched with (`kernel_blocks`).
+// Blocks per span of the copy kernel: at most this many unless a call says otherwise
+// (enough 16-byte loads in flight to fill the link on their own), and at most the
+// second for any call. Fewer leave more of the GPU to the kernels that run beside a copy
+// queued ahead of use (prefetch), at the risk of a slower copy.
+constexpr size_t kCopyKernelDefaultBlocks = 64;
 constexpr size_t kCopyKernelMaxBlocks = 1024;
 
 // What cudaPointerGetAttributes says about an address.
@@ -88,7 +92,7 @@ class CudaRuntime {
   // kCopyKernelMaxSpans spans (PTX loaded through the CUDA driver on first use) instead
   // of one cudaMemcpyAsync each, which costs microseconds of host time apiece; the
   // other spans go as before.
-  // `kernel_blocks` caps the kernel's blocks per span for this call (0: kernel_blocks()).
+  // `kernel_blocks` caps the kernel's blocks per span for this call (0: the default).
   double copy(std::vector<CopySpan> spans, bool wait = true, bool batch = false, bool kernel = false,
               size_t kernel_blocks = 0);
   bool has_batch() const;
@@ -105,11 +109,6 @@ class CudaRuntime {
   void place_many(const std::vector<PlaceSpan>& spans, bool map_for_gpu, bool wait);
   MemoryKind kind_of(const void* p);
   CopyCounters counters() const;
-  // The most blocks of the copy kernel per span (default 64, enough 16-byte loads in
-  // flight to fill the link on their own). Fewer leave more of the GPU to the kernels
-  // that run beside a copy queued ahead of use (prefetch), at the risk of a slower copy.
-  size_t kernel_blocks() const { return kernel_blocks_.load(); }
-  void set_kernel_blocks(size_t blocks);
 
  private:
   CudaRuntime() = default;
@@ -130,7 +129,6 @@ class CudaRuntime {
   int runtime_version_ = 0;
   // Updated by `copy`, which may run on several threads at once.
   std::atomic<uint64_t> calls_{0}, spans_{0}, bytes_{0}, launches_{0}, enqueue_ns_{0}, wait_ns_{0};
-  std::atomic<size_t> kernel_blocks_{64};
   // Set once when the driver refuses the copy kernel (guarded by driver_mutex_).
   std::string kernel_error_;
   std::atomic<bool> kernel_failed_{false};

@@ -284,21 +284,10 @@ void bind_device_copy(py::module_& m) {
            "kernel=True (None: the copier's `kernel`) copies the spans whose both ends a kernel "
            "can address (pinned, device or managed memory) with one copy-kernel launch per 160 "
            "spans, loaded through the CUDA driver on first use; pageable spans still go by "
-           "cudaMemcpyAsync. blocks caps the kernel's blocks per span for this call (None: "
-           "`kernel_blocks`).")
+           "cudaMemcpyAsync. blocks caps the kernel's blocks per span for this call (None: 64; "
+           "fewer leave more of the GPU to kernels running beside a copy queued ahead of use).")
       .def_readwrite("kernel", &CudaCopier::kernel_,
                      "Whether `copy` uses the copy kernel when a call does not say (Settings.copy_kernel).")
-      .def_property(
-          "kernel_blocks", [](const CudaCopier& c) { return c.runtime()->kernel_blocks(); },
-          [](CudaCopier& c, size_t blocks) {
-            try {
-              c.runtime()->set_kernel_blocks(blocks);
-            } catch (const CudaError& e) {
-              throw py::value_error(e.what());
-            }
-          },
-          "The most blocks of the copy kernel per span (default 64): fewer leave more of the GPU to "
-          "kernels running beside a copy queued ahead of use.")
       .def_property_readonly("has_batch", [](const CudaCopier& c) { return c.runtime()->has_batch(); })
       .def("counters", &CudaCopier::counters,
            "counters() -> dict: copy calls, spans and bytes since the copier was made, and the host "

@@ -66,6 +66,10 @@ def parse_capacity(text: str | float | int | None) -> float | int | None:
     return value
 
 
+# Where a mapped pool's prefetch copies (Settings.mapped_prefetch_stream).
+MAPPED_PREFETCH_STREAMS = ("second", "same")
+
+
 def default_runtime_dir(env: Mapping[str, str]) -> Path:
     """Where the daemon keeps its sockets and lock: private to the user, short path."""
     xdg = env.get("XDG_RUNTIME_DIR")
@@ -266,8 +270,8 @@ def _coerce(name: str, raw: Any) -> Any:
         raise SettingsError(f"{name}: expected true or false{' or auto' if name in ('mapped', 'mapped_gather') else ''}, got {raw!r}")
     if name == "mapped_prefetch_stream":
         s = str(raw).strip().lower()
-        if s not in ("second", "same"):
-            raise SettingsError(f"mapped_prefetch_stream: expected second or same, got {raw!r}")
+        if s not in MAPPED_PREFETCH_STREAMS:
+            raise SettingsError(f"mapped_prefetch_stream: expected {' or '.join(MAPPED_PREFETCH_STREAMS)}, got {raw!r}")
         return s
     if name == "prefetch":
         s = str(raw).strip().lower()

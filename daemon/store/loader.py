@@ -350,12 +350,6 @@ def check_mapped_host_cache(manifest: Manifest, host_cache: int) -> None:
         )
 
 
-def host_tier_mapped(manifest: Manifest, host_cache: int) -> bool:
-    """Whether a host tier of `host_cache` bytes holds every expert, so that `mapped =
-    auto` makes it a mapped pool (`choose_mapped`)."""
-    return 0 < manifest.expert_bytes_total <= host_cache
-
-
 def choose_mapped(manifest: Manifest, capacity: int, settings: Settings, host_available: int, cuda_why_not: str, *,
                   naive: bool = False) -> tuple[bool, str]:
     """`mapped = auto`: whether to make a mapped pool, and why. Mapped where it measured
@@ -380,7 +374,7 @@ def choose_mapped(manifest: Manifest, capacity: int, settings: Settings, host_av
     if all(capacity >= layer.num_experts for layer in manifest.layers):
         return False, "off: every expert fits in the pool"
     need_tier = manifest.expert_bytes_total
-    if settings.host_cache and not host_tier_mapped(manifest, settings.host_cache):
+    if settings.host_cache and settings.host_cache < need_tier:
         return False, (f"off: --host-cache {format_size(settings.host_cache)} holds part of the experts "
                        f"({format_size(need_tier)}): the slot pool with a host tier")
     need = need_tier + MAPPED_HOST_MARGIN

@@ -127,27 +127,24 @@ def main() -> None:
                 out.append(time.perf_counter() - tic)
             return 1e3 * statistics.median(out)
 
-        def beside(kernel: bool) -> None:
-            copier.copy(spans, wait=False, kernel=kernel)
+        def beside(kernel: bool, blocks: int | None) -> None:
+            copier.copy(spans, wait=False, kernel=kernel, blocks=blocks)
             mx.eval(compute())
             copier.sync()
 
         crows = []
         for kernel, blocks in [(False, None)] + [(True, b) for b in BLOCKS]:
-            if blocks is not None:
-                copier.kernel_blocks = blocks
-            alone = timed(lambda: copier.copy(spans, wait=True, kernel=kernel), args.reps)
-            both = timed(lambda: beside(kernel), args.reps)
+            alone = timed(lambda: copier.copy(spans, wait=True, kernel=kernel, blocks=blocks), args.reps)
+            both = timed(lambda: beside(kernel, blocks), args.reps)
             dst[:] = 0  # a fresh copy for the check: every byte must come from the source
             mx.eval(dst)
-            copier.copy(spans, wait=True, kernel=kernel)
+            copier.copy(spans, wait=True, kernel=kernel, blocks=blocks)
             r = {"way": "kernel" if kernel else "cudaMemcpyAsync", "blocks_per_span": blocks, "copy_ms": alone,
                  "exact": bool(mx.array_equal(dst, expect)),
                  "beside_compute_ms": both, "hidden": hidden_fraction(c, alone, both),
                  "copy_GBps": n / alone / 1e6}
             crows.append(r)
             print(json.dumps(r), flush=True)
-        copier.kernel_blocks = 64
         report["copier"] = crows
     sm.close()
     Path(args.out).write_text(json.dumps(report, indent=1))
