@@ -102,12 +102,13 @@ def _diagnosed(sm: StreamingModel, prompt: list[int], settings: BenchPredictSett
     return out
 
 
-def _copier_per_forward(before: dict[str, Any], after: dict[str, Any], settings: BenchPredictSettings) -> dict[str, float]:
+def _copier_per_forward(before: dict[str, Any], after: dict[str, Any], settings: BenchPredictSettings) -> dict[str, Any]:
     """The CUDA copier's work per forward: copy calls, spans and copy-kernel launches,
     and the host ms spent reading spans and exporting buffers (bind), queuing (enqueue)
-    and waiting (wait)."""
+    and waiting (wait); and why the driver refused the copy kernel, if it did."""
     forwards = settings.decode_tokens + 1
-    d = {k: after[k] - before[k] for k in after}
+    # Counters are numbers, except kernel_error (why the driver refused the kernel).
+    d = {k: after[k] - before[k] for k in after if isinstance(after[k], (int, float))}
     return {
         "calls": d["calls"] / forwards,
         "spans": d["spans"] / forwards,
@@ -116,6 +117,7 @@ def _copier_per_forward(before: dict[str, Any], after: dict[str, Any], settings:
         "enqueue_ms": 1e3 * d["enqueue_seconds"] / forwards,
         "wait_ms": 1e3 * d["wait_seconds"] / forwards,
         "us_per_span": 1e6 * (d["bind_seconds"] + d["enqueue_seconds"]) / d["spans"] if d["spans"] else None,
+        "kernel_error": after.get("kernel_error") or None,
     }
 
 

@@ -132,13 +132,17 @@ def test_copier_figures_are_per_forward():
     from moestream.daemon.bench_predict import BenchPredictSettings, _copier_per_forward
 
     before = {"calls": 10, "spans": 100, "bytes": 0, "kernel_launches": 2, "bind_seconds": 1.0, "enqueue_seconds": 2.0,
-              "wait_seconds": 3.0}
+              "wait_seconds": 3.0, "kernel_error": ""}
     after = {"calls": 30, "spans": 500, "bytes": 9, "kernel_launches": 10, "bind_seconds": 1.1, "enqueue_seconds": 2.3,
-             "wait_seconds": 3.5}
+             "wait_seconds": 3.5, "kernel_error": ""}
     d = _copier_per_forward(before, after, BenchPredictSettings(store=Path("."), decode_tokens=3))  # 4 forwards
     assert d["calls"] == 5 and d["spans"] == 100 and d["kernel_launches"] == 2
     assert d["bind_ms"] == pytest.approx(25) and d["enqueue_ms"] == pytest.approx(75) and d["wait_ms"] == pytest.approx(125)
     assert d["us_per_span"] == pytest.approx(1e6 * 0.4 / 400)
+    assert d["kernel_error"] is None
+    # The copier's counters carry one string, the driver's reason for refusing the kernel.
+    refused = _copier_per_forward(before, {**after, "kernel_error": "no kernel image"}, BenchPredictSettings(store=Path(".")))
+    assert refused["kernel_error"] == "no kernel image"
 
 
 def test_a_wider_prefetch_reads_more_and_changes_no_token():

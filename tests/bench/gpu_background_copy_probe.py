@@ -110,10 +110,16 @@ def main() -> None:
         pattern = np.frombuffer(src, np.uint8)
         pattern[:] = (np.arange(n, dtype=np.uint64) * 2654435761 >> 13).astype(np.uint8)
         expect = mx.array(pattern)
-        dst = mx.zeros((n,), dtype=mx.uint8)
-        mx.eval(dst)
-        spans = [(dst, e * layer.expert_bytes + t.offset, src, e * layer.expert_bytes + t.offset, t.nbytes)
-                 for e in range(k) for t in layer.tensors]
+        def spans_into(dst: mx.array) -> list:
+            return [(dst, e * layer.expert_bytes + t.offset, src, e * layer.expert_bytes + t.offset, t.nbytes)
+                    for e in range(k) for t in layer.tensors]
+
+        def zeros() -> mx.array:
+            out = mx.zeros((n,), dtype=mx.uint8)
+            mx.eval(out)
+            return out
+
+        spans = spans_into(zeros())
 
         def timed(fn, reps: int) -> float:
             for _ in range(3):
@@ -136,9 +142,10 @@ def main() -> None:
         for kernel, blocks in [(False, None)] + [(True, b) for b in BLOCKS]:
             alone = timed(lambda: copier.copy(spans, wait=True, kernel=kernel, blocks=blocks), args.reps)
             both = timed(lambda: beside(kernel, blocks), args.reps)
-            dst[:] = 0  # a fresh copy for the check: every byte must come from the source
-            mx.eval(dst)
-            copier.copy(spans, wait=True, kernel=kernel, blocks=blocks)
+            # A fresh destination for the check (every byte must come from the source);
+            # on the H200 the copier refused an updated one (`dst[:] = 0`) as not C-contiguous.
+            dst = zeros()
+            copier.copy(spans_into(dst), wait=True, kernel=kernel, blocks=blocks)
             r = {"way": "kernel" if kernel else "cudaMemcpyAsync", "blocks_per_span": blocks, "copy_ms": alone,
                  "exact": bool(mx.array_equal(dst, expect)),
                  "beside_compute_ms": both, "hidden": hidden_fraction(c, alone, both),
