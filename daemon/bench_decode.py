@@ -98,6 +98,11 @@ class BenchDecodeSettings:
     # Untimed runs of every configuration before the timed rounds; more than one lets a
     # mapped pool's rebalance (every mapped_rebalance_tokens) happen before timing.
     warmup_rounds: int = 1
+    # A configuration's round repeats its decode until this many seconds of decoding
+    # have passed (0: once). Fast configurations then time seconds instead of a few
+    # hundred milliseconds, which one hiccup of a shared machine skews; slow ones still
+    # decode once.
+    min_round_seconds: float = 0.0
 
 
 @dataclass
@@ -276,6 +281,33 @@ def _stock_config(settings: BenchDecodeSettings, prompt: list[int]) -> Config:
     return Config("stock-mlx-lm", None, run, lambda: None)
 
 
+def timed_round(run: Callable[[], dict[str, Any]], tokens: int, min_seconds: float) -> dict[str, Any]:
+    """One timed round of a configuration: `run` (one decode of `tokens` tokens),
+    repeated until `min_seconds` of decoding have passed. Tokens/s is all tokens over all
+    decoding seconds; the per-token figures are the decodes' mean (each decodes the same
+    number of tokens); `tokens` are the first decode's, or None where a repeat decoded
+    others (same prompt and seed, so they must not differ)."""
+    runs = [run()]
+    seconds = tokens / runs[0]["tokens_per_s"]
+    while seconds < min_seconds:
+        runs.append(run())
+        seconds += tokens / runs[-1]["tokens_per_s"]
+    if len(runs) == 1:
+        return {**runs[0], "repeats": 1}
+    out: dict[str, Any] = {}
+    for key, value in runs[0].items():
+        values = [r[key] for r in runs]
+        if key == "tokens":
+            out[key] = value if all(v == value for v in values) else None
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and all(v is not None for v in values):
+            out[key] = statistics.fmean(values)
+        else:
+            out[key] = value
+    out["tokens_per_s"] = len(runs) * tokens / seconds
+    out["repeats"] = len(runs)
+    return out
+
+
 def measure_read_bandwidth(store: Path, threads: int, samples: int = 128, seed: int = 0) -> float:
     """Bytes/s of random whole-expert reads through the engine (direct I/O)."""
     manifest = load_manifest(store)
@@ -400,9 +432,10 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         for r in range(settings.rounds):
             for c in configs:
                 gc.collect()
-                c.samples.append(c.run())
+                c.samples.append(timed_round(c.run, settings.decode_tokens, settings.min_round_seconds))
                 sample = c.samples[-1]
-                say(f"round {r + 1}/{settings.rounds} {c.name}: {sample['tokens_per_s']:.2f} tok/s, hit {sample['hit_rate']:.3f}")
+                repeats = f" ({sample['repeats']} decodes)" if sample["repeats"] > 1 else ""
+                say(f"round {r + 1}/{settings.rounds} {c.name}: {sample['tokens_per_s']:.2f} tok/s{repeats}, hit {sample['hit_rate']:.3f}")
         admission = measure_admission(tier, manifest) if tier is not None else None
     finally:
         for c in configs:
@@ -435,6 +468,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             values = [s[key] for s in c.samples if s[key] is not None]
             row[key] = statistics.median(values) if values else None
         row["tokens_per_s_runs"] = [s["tokens_per_s"] for s in c.samples]
+        row["decodes_per_round"] = [s["repeats"] for s in c.samples]
         row["same_tokens_as_first"] = all(s["tokens"] == reference_tokens for s in c.samples)
         if row["admission_bytes_per_s"] is not None:
             row["admission_vs_link"] = row["admission_bytes_per_s"] / link
@@ -460,6 +494,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         "temp": settings.temp,
         "rounds": settings.rounds,
         "warmup_rounds": settings.warmup_rounds,
+        "min_round_seconds": settings.min_round_seconds,
         "host_cache_bytes": settings.host_cache,
         "host_tier_mapped": tier_note,
         "mapped": settings.mapped,
@@ -517,7 +552,8 @@ def format_report(report: dict[str, Any]) -> str:
     num = format_or_dash
     lines = [
         f"{report['model_type']}: {report['moe_layers']} MoE layers x {report['experts_per_layer']} experts, "
-        f"{report['decode_tokens']} decode tokens (temp {report['temp']}), median of {report['rounds']}; "
+        f"{report['decode_tokens']} decode tokens (temp {report['temp']}), median of {report['rounds']}"
+        + (f" rounds of at least {report['min_round_seconds']:g} s" if report.get("min_round_seconds") else "") + "; "
         f"disk {report['read_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, "
         f"{report['link_kind']} {report['link_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s",
         f"{'config':<26} {'tok/s':>8} {'x stock':>8} {'hit':>6} {'tier hit':>8} {'disk MB/t':>9} "

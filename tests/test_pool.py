@@ -455,6 +455,44 @@ def test_bench_decode_makes_a_tier_that_holds_every_expert_a_mapped_pool(store):
     assert family({"name": "moestream@0.25+mapped:g:p"}) == "+mapped:g:p"
 
 
+def test_a_round_repeats_its_decode_until_the_minimum_time_has_passed():
+    """`--min-round-seconds`: fast configurations decode again within a round; tokens/s
+    is all tokens over all seconds, per-token figures the mean, and a repeat that
+    decoded other tokens leaves none to compare (so `same_tokens_as_first` fails)."""
+    from moestream.daemon.bench_decode import timed_round
+
+    speeds = iter([8.0, 4.0, 8.0, 100.0])  # 4 tokens: 0.5 s, 1 s, 0.5 s
+    calls = []
+
+    def run():
+        calls.append(1)
+        return {"tokens_per_s": next(speeds), "tokens": [1, 2], "hit_rate": 0.5 * len(calls), "host_tier": "slots",
+                "admission_bytes_per_s": None}
+
+    r = timed_round(run, tokens=4, min_seconds=1.8)
+    assert r["repeats"] == 3 and len(calls) == 3
+    assert r["tokens_per_s"] == pytest.approx(12 / 2.0)
+    assert r["hit_rate"] == pytest.approx(1.0) and r["tokens"] == [1, 2]
+    assert r["host_tier"] == "slots" and r["admission_bytes_per_s"] is None
+    once = timed_round(lambda: {"tokens_per_s": 2.0, "tokens": [3]}, tokens=4, min_seconds=1.0)
+    assert once == {"tokens_per_s": 2.0, "tokens": [3], "repeats": 1}
+    toks = iter([[1], [2]])
+    differing = timed_round(lambda: {"tokens_per_s": 8.0, "tokens": next(toks)}, tokens=4, min_seconds=0.9)
+    assert differing["repeats"] == 2 and differing["tokens"] is None
+
+
+def test_bench_decode_rounds_of_a_minimum_time(store):
+    from moestream.daemon.bench_decode import BenchDecodeSettings, format_report, run_bench_decode
+
+    report = run_bench_decode(BenchDecodeSettings(store=store, capacities=(1.0,), prompt_tokens=3, decode_tokens=2, rounds=2,
+                                                  temp=1.0, naive=False, min_round_seconds=0.2))
+    assert report["min_round_seconds"] == 0.2
+    for r in report["results"]:
+        # Two tokens of a tiny model take milliseconds, so every round decoded again.
+        assert all(n > 1 for n in r["decodes_per_round"]) and r["same_tokens_as_first"], r
+    assert "rounds of at least 0.2 s" in format_report(report)
+
+
 def test_bound_is_reported_against_the_median_each_round_and_the_fastest_round():
     from moestream.daemon.bench_decode import add_bound
 

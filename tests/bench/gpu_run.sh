@@ -22,7 +22,7 @@
 #   bash tests/bench/gpu_run.sh stream-edge   # what a dependency between two MLX streams costs in one evaluation
 #   bash tests/bench/gpu_run.sh background-copy # a copy made ahead of use beside a layer's kernels, by blocks per row/span (needs make-q30)
 #   bash tests/bench/gpu_run.sh make-q30      # Qwen3-30B-A3B-shaped random 4-bit model + store
-#   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it: stock, 100%, 25% (+host, +host:slots), naive (WARMUP=2 by default, COPY_BATCH=1, COPY_KERNEL=1, MAPPED=1)
+#   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it: stock, 100%, 25% (+host, +host:slots), naive (WARMUP=2 by default, MIN_ROUND_S=2, COPY_BATCH=1, COPY_KERNEL=1, MAPPED=1)
 #   bash tests/bench/gpu_run.sh mapped-prefetch-q30 # mapped pools at 25%: zero-copy, gathered, gathered + prefetch (second stream, own stream)
 #   bash tests/bench/gpu_run.sh decode-q30-table # 50% and 12.5% (+host, +host:slots)
 #   bash tests/bench/gpu_run.sh warmstart-q30 # bench warmstart on it
@@ -190,6 +190,9 @@ EOF
     # with MAPPED_MOVES moves per layer per placement turn (the same pool as "+host" at 0).
     # Two untimed rounds by default (WARMUP): session 8 timed one and caught the pools still
     # warming up (bench_decode_q30_short_h200.json).
+    # Each configuration's round decodes again until MIN_ROUND_S seconds of decoding
+    # have passed (default 2): a round of 24 tokens at 70 tok/s lasts 0.35 s, and
+    # session 10's stock rounds swung from 50 to 87 tok/s.
     # COPY_BATCH=1: the copier queues in batches; COPY_KERNEL=1: it copies with its copy
     # kernel. GATHER=auto|on|off|both: mapped decode steps copy the routed experts into a
     # stack first (auto: on with MLX's CUDA build; both: each mapped configuration both ways).
@@ -198,7 +201,7 @@ EOF
       --host-cache 20G ${MAPPED:+--mapped $(for m in ${MAPPED_MOVES:-2 0}; do echo --mapped-moves $m; done)} --mapped-gather ${GATHER:-auto} \
       --mapped-prefetch ${MAPPED_PREFETCH:-off} \
       --mapped-rebalance-tokens ${REBALANCE:-32} --temp 1 ${COPY_BATCH:+--copy-batch} ${COPY_KERNEL:+--copy-kernel} --warmup-rounds ${WARMUP:-2} \
-      --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-24} --rounds ${ROUNDS:-3} --mlx-memory-limit 100G \
+      --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-24} --rounds ${ROUNDS:-3} --min-round-seconds ${MIN_ROUND_S:-2} --mlx-memory-limit 100G \
       --json >"$f" 2> >(tee "$f.progress" >&2)
     $py - "$f" <<'EOF'
 import json, sys
@@ -227,7 +230,7 @@ EOF
     # configuration stays loaded (about 68 GB of MLX memory with the two mapped pools).
     ctl bench decode --model /root/q30/store --capacity 0.5 --capacity 0.125 --no-naive \
       --host-cache 20G --mapped-rebalance-tokens ${REBALANCE:-32} --temp 1 ${COPY_KERNEL:+--copy-kernel} --warmup-rounds ${WARMUP:-2} \
-      --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-24} --rounds ${ROUNDS:-3} --mlx-memory-limit 96G \
+      --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-24} --rounds ${ROUNDS:-3} --min-round-seconds ${MIN_ROUND_S:-2} --mlx-memory-limit 96G \
       --json >"$OUT/bench_decode_q30_table.json" 2> >(tee "$OUT/bench_decode_q30_table.progress" >&2)
     $py - "$OUT/bench_decode_q30_table.json" <<'EOF'
 import json, sys
