@@ -21,6 +21,7 @@
 #   bash tests/bench/gpu_run.sh crash-matrix  # the slot-pool crash, REPS runs per VARIANTS (default collect only32)
 #   bash tests/bench/gpu_run.sh stream-edge   # what a dependency between two MLX streams costs in one evaluation
 #   bash tests/bench/gpu_run.sh background-copy # a copy made ahead of use beside a layer's kernels, by blocks per row/span (needs make-q30)
+#   bash tests/bench/gpu_run.sh graph-ops     # predict-mapped-q30 at MLX_MAX_OPS_PER_BUFFER 20/60/120/240 (OPS=...)
 #   bash tests/bench/gpu_run.sh make-q30      # Qwen3-30B-A3B-shaped random 4-bit model + store
 #   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it: stock, 100%, 25% (+host, +host:slots), naive (WARMUP=2 by default, MIN_ROUND_S=2, COPY_BATCH=1, COPY_KERNEL=1, MAPPED=1)
 #   bash tests/bench/gpu_run.sh mapped-prefetch-q30 # mapped pools at 25%: zero-copy, gathered, gathered + prefetch (second stream, own stream)
@@ -76,7 +77,7 @@ case "$stage" in
     # COPY_KERNEL=1 copies with the copy kernel (the default since session 9; kept so
     # that the file names say so); PF_BLOCKS=N caps it at N blocks per span
     # for prefetch's copies (default 64; see gpu_background_copy_probe.py).
-    f="$OUT/bench_predict_q30${HOST_CACHE:+_host$HOST_CACHE}${COPY_BATCH:+_batch}${COPY_KERNEL:+_kernel}${PF_BLOCKS:+_b$PF_BLOCKS}_h200.json"
+    f="$OUT/bench_predict_q30${HOST_CACHE:+_host$HOST_CACHE}${COPY_BATCH:+_batch}${COPY_KERNEL:+_kernel}${PF_BLOCKS:+_b$PF_BLOCKS}${MLX_MAX_OPS_PER_BUFFER:+_ops$MLX_MAX_OPS_PER_BUFFER}_h200.json"
     ctl bench predict --model /root/q30/store --temp 1 --host-cache ${HOST_CACHE:-20G} --width ${WIDTH:-1} \
       ${CAPACITY:+--capacity $CAPACITY} ${COPY_BATCH:+--copy-batch} ${COPY_KERNEL:+--copy-kernel} --prefetch-copy-blocks ${PF_BLOCKS:-64} \
       --prompt-tokens ${PROMPT_TOKENS:-8} --decode-tokens ${DECODE_TOKENS:-48} --mlx-memory-limit 64G --json >"$f" 2> >(tee "$f.progress" >&2)
@@ -90,7 +91,7 @@ EOF
     # Prefetch for the mapped pool (staging the next layer's experts on a second stream)
     # off and on at 25%, and what auto decides; recall is predict-q30's (same predictor).
     # PF_STREAM=same stages on each layer's own stream instead of a second one.
-    f="$OUT/bench_predict_q30_mapped${PF_STREAM:+_$PF_STREAM}${PF_BLOCKS:+_b$PF_BLOCKS}_h200.json"
+    f="$OUT/bench_predict_q30_mapped${PF_STREAM:+_$PF_STREAM}${PF_BLOCKS:+_b$PF_BLOCKS}${MLX_MAX_OPS_PER_BUFFER:+_ops$MLX_MAX_OPS_PER_BUFFER}_h200.json"
     ctl bench predict --model /root/q30/store --mapped --mapped-prefetch-stream ${PF_STREAM:-second} --prefetch-copy-blocks ${PF_BLOCKS:-64} --temp 1 --capacity ${CAPACITY:-0.25} --rounds ${ROUNDS:-5} \
       --prompt-tokens ${PROMPT_TOKENS:-8} --decode-tokens ${DECODE_TOKENS:-48} --mlx-memory-limit 64G --json >"$f" 2> >(tee "$f.progress" >&2)
     $py - "$f" <<'EOF'
@@ -98,6 +99,18 @@ import json, sys
 from moestream.daemon.bench_predict import format_report
 print(format_report(json.load(open(sys.argv[1]))))
 EOF
+    ;;
+  graph-ops)
+    # Mapped prefetch against the size of MLX's CUDA graphs. MLX commits a stream's graph
+    # every MLX_MAX_OPS_PER_BUFFER nodes (20 by default; mlx/backend/cuda/eval.cpp, read
+    # once per process), a decode layer is about 28 nodes, and graphs launched on one
+    # stream run in turn: a staging copy can only run beside the kernels of its own graph.
+    # The background-copy probe (one small graph) overlapped 0.47 of it; whole decode
+    # gained 1.03x. One predict-mapped-q30 run per value of OPS (own stream, PF_BLOCKS 4).
+    for n in ${OPS:-20 60 120 240}; do
+      MLX_MAX_OPS_PER_BUFFER=$n PF_STREAM=${PF_STREAM:-same} PF_BLOCKS=${PF_BLOCKS:-4} timeout "${STAGE_TIMEOUT:-150}" bash "$0" predict-mapped-q30 \
+        || echo "graph-ops: $n failed or timed out (exit $?)"
+    done
     ;;
   overlap)
     # Expert matmul alone vs beside / after DMA copies into managed pool memory.
@@ -196,7 +209,7 @@ EOF
     # COPY_BATCH=1: the copier queues in batches; COPY_KERNEL=1: it copies with its copy
     # kernel. GATHER=auto|on|off|both: mapped decode steps copy the routed experts into a
     # stack first (auto: on with MLX's CUDA build; both: each mapped configuration both ways).
-    f="$OUT/bench_decode_q30${COPY_BATCH:+_batch}${COPY_KERNEL:+_kernel}.json"
+    f="$OUT/bench_decode_q30${COPY_BATCH:+_batch}${COPY_KERNEL:+_kernel}${MLX_MAX_OPS_PER_BUFFER:+_ops$MLX_MAX_OPS_PER_BUFFER}.json"
     ctl bench decode --model /root/q30/store --capacity 1 --capacity 0.25 \
       --host-cache 20G ${MAPPED:+--mapped $(for m in ${MAPPED_MOVES:-2 0}; do echo --mapped-moves $m; done)} --mapped-gather ${GATHER:-auto} \
       --mapped-prefetch ${MAPPED_PREFETCH:-off} \
