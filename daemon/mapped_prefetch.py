@@ -17,7 +17,14 @@ share (mlx/backend/cuda/device.cpp), so on the same stream the copy, which share
 buffer with layer L's expert kernels, may still run beside them within a graph, without
 the fence a dependency between two streams costs. On the H200 the second stream made
 decode slower (0.54x of gathering alone; the fences themselves cost only about 1.4 ms of
-the 15 ms per token it lost, tests/bench/results/stream_edge_probe_h200.json).
+the 15 ms per token it lost, tests/bench/results/stream_edge_probe_h200.json), and the
+layer's own stream measured 1.03x with the copy capped at 4 blocks per row and 0.76x
+with 16 (bench_predict_q30_mapped_same_b4_h200.json, ..._b16_...), although alone, in
+one small graph, 4 blocks overlapped about half of the copy with a layer's expert calls
+(background_copy_probe_h200.json). Within a graph only: MLX commits a stream's graph
+every MLX_MAX_OPS_PER_BUFFER nodes (20 by default) and launches them in turn, and a
+decode layer is roughly 30 kernels, so the copy and the kernels it should run beside often
+fall into different graphs (`gpu_run.sh graph-ops` measures decode at larger sizes).
 
 Output is unchanged: a stack row holds the same expert's bytes as its pool row, and a
 stale stack (a forward cut short) is as good as a fresh one, since a mapped pool's bytes

@@ -103,7 +103,7 @@ EOF
   graph-ops)
     # Mapped prefetch against the size of MLX's CUDA graphs. MLX commits a stream's graph
     # every MLX_MAX_OPS_PER_BUFFER nodes (20 by default; mlx/backend/cuda/eval.cpp, read
-    # once per process), a decode layer is about 28 nodes, and graphs launched on one
+    # once per process), a decode layer is roughly 30 kernels, and graphs launched on one
     # stream run in turn: a staging copy can only run beside the kernels of its own graph.
     # The background-copy probe (one small graph) overlapped 0.47 of it; whole decode
     # gained 1.03x. One predict-mapped-q30 run per value of OPS (own stream, PF_BLOCKS 4).
