@@ -20,6 +20,8 @@ from moestream.client.cli_values import size_option
               help="Untimed runs of every configuration first (more let a mapped pool rebalance before timing).")
 @click.option("--min-round-seconds", default=0.0, show_default=True, type=click.FloatRange(0, 600),
               help="Repeat each configuration's decode within a round until this many seconds of decoding have passed (0: once); steadies the fast configurations on a noisy machine.")
+@click.option("--generation-loop", is_flag=True,
+              help="Also time each streaming configuration through the daemon's own generation loop (in process): what a client of the daemon gets, against the bench's tight loop.")
 @click.option("--io-threads", default=4, show_default=True, type=click.IntRange(1, 256))
 @click.option("--no-stock", is_flag=True, help="Skip stock mlx-lm (when all experts do not fit in memory).")
 @click.option("--no-naive", is_flag=True, help="Skip the naive on-demand baseline.")
@@ -52,7 +54,7 @@ from moestream.client.cli_values import size_option
 @click.option("--draft-tokens", "draft_tokens", multiple=True, type=click.IntRange(1, 8), help="K per round with --speculative (repeat); default 2.")
 @click.option("--draft-model", type=click.Path(file_okay=False), help="Draft model for --speculative draft.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds, warmup_rounds, min_round_seconds, io_threads, no_stock, no_naive, no_slot_pool, mlx_memory_limit, host_cache, host_tier, temp, seed, mapped,
+def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds, warmup_rounds, min_round_seconds, generation_loop, io_threads, no_stock, no_naive, no_slot_pool, mlx_memory_limit, host_cache, host_tier, temp, seed, mapped,
                  mapped_moves, mapped_rebalance_tokens, mapped_gather, mapped_prefetch, mapped_prefetch_stream, prefetch_copy_blocks, prefetch, copy_batch, copy_kernel, speculative, draft_tokens, draft_model, as_json) -> None:
     """Decode tokens/s, hit rates, bytes moved per token per tier, admission GB/s and
     the bandwidth bound, for stock mlx-lm, moestream at each capacity (with and without
@@ -79,6 +81,7 @@ def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds
         rounds=rounds,
         warmup_rounds=warmup_rounds,
         min_round_seconds=min_round_seconds,
+        generation_loop=generation_loop,
         policy=policy,
         io_threads=io_threads,
         stock=not no_stock,

@@ -38,6 +38,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from moestream._native import ReadEngine
 from moestream.daemon.admission import Admitter, cuda_copier, make_admitter
 from moestream.daemon.expert_reader import ExpertReader
+from moestream.daemon.generation import SamplingParams, generate
 from moestream.daemon.row_gather import RowGather
 from moestream.daemon.store.loader import StreamingModel, choose_mapped, load_stock_model, load_streaming_model
 from moestream.shared.settings import Settings, format_size
@@ -103,6 +104,10 @@ class BenchDecodeSettings:
     # hundred milliseconds, which one hiccup of a shared machine skews; slow ones still
     # decode once.
     min_round_seconds: float = 0.0
+    # Also time each streaming configuration (but the naive reader) through the daemon's
+    # own generation loop (`generate`, in process, without the socket): mlx-lm's
+    # generate_step with the daemon's sampling, counters and placement ticks around it.
+    generation_loop: bool = False
 
 
 @dataclass
@@ -112,6 +117,9 @@ class Config:
     run: Callable[[], dict[str, Any]]
     close: Callable[[], None]
     samples: list[dict[str, Any]] = field(default_factory=list)
+    # The same configuration through the daemon's generation loop (generation_loop).
+    run_generate: Callable[[], dict[str, Any]] | None = None
+    generate_samples: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _decode(
@@ -251,7 +259,15 @@ def _streaming_config(
             "placement_worker_ms_per_token": 1e3 * d["placement_worker_seconds"] / n if sm.placement is not None else None,
         }
 
-    return Config(name, capacity, run, sm.close)
+    def run_generate() -> dict[str, Any]:
+        # One more token than the bench loop decodes: the first comes with the prompt.
+        result = generate(sm, prompt, SamplingParams(max_tokens=settings.decode_tokens + 1, temp=settings.temp, seed=settings.seed))
+        decoded = len(result.tokens) - 1
+        if decoded < 1:
+            raise RuntimeError(f"{name}: the generation loop stopped after {len(result.tokens)} token(s) ({result.finish_reason})")
+        return {"tokens_per_s": decoded / result.stats["decode_seconds"], "tokens": result.tokens[: settings.decode_tokens]}
+
+    return Config(name, capacity, run, sm.close, run_generate=run_generate if settings.generation_loop and not naive else None)
 
 
 def _stock_config(settings: BenchDecodeSettings, prompt: list[int]) -> Config:
@@ -428,6 +444,8 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         for w in range(settings.warmup_rounds):  # kernels, page tables, first reads, the host tier
             for c in configs:
                 c.run()
+                if c.run_generate is not None:
+                    c.run_generate()
                 say(f"warm-up {w + 1}/{settings.warmup_rounds} {c.name}")
         for r in range(settings.rounds):
             for c in configs:
@@ -436,6 +454,10 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
                 sample = c.samples[-1]
                 repeats = f" ({sample['repeats']} decodes)" if sample["repeats"] > 1 else ""
                 say(f"round {r + 1}/{settings.rounds} {c.name}: {sample['tokens_per_s']:.2f} tok/s{repeats}, hit {sample['hit_rate']:.3f}")
+                if c.run_generate is not None:
+                    gc.collect()
+                    c.generate_samples.append(timed_round(c.run_generate, settings.decode_tokens, settings.min_round_seconds))
+                    say(f"round {r + 1}/{settings.rounds} {c.name} through generate: {c.generate_samples[-1]['tokens_per_s']:.2f} tok/s")
         admission = measure_admission(tier, manifest) if tier is not None else None
     finally:
         for c in configs:
@@ -469,6 +491,16 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             row[key] = statistics.median(values) if values else None
         row["tokens_per_s_runs"] = [s["tokens_per_s"] for s in c.samples]
         row["decodes_per_round"] = [s["repeats"] for s in c.samples]
+        if c.generate_samples:
+            gen = [s["tokens_per_s"] for s in c.generate_samples]
+            row["generate_tokens_per_s"] = statistics.median(gen)
+            row["generate_tokens_per_s_runs"] = gen
+            # Round by round against the bench loop, which ran just before it.
+            row["generate_vs_bench_paired"] = statistics.median(g / b for g, b in zip(gen, row["tokens_per_s_runs"]))
+            # Greedy, both loops must decode the same tokens; sampled, the daemon draws
+            # from each request's own key (generation.request_sampler), so they differ.
+            row["generate_same_tokens"] = (all(s["tokens"] == c.samples[0]["tokens"] for s in c.generate_samples)
+                                           if settings.temp == 0 else None)
         row["same_tokens_as_first"] = all(s["tokens"] == reference_tokens for s in c.samples)
         if row["admission_bytes_per_s"] is not None:
             row["admission_vs_link"] = row["admission_bytes_per_s"] / link
@@ -495,6 +527,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         "rounds": settings.rounds,
         "warmup_rounds": settings.warmup_rounds,
         "min_round_seconds": settings.min_round_seconds,
+        "generation_loop": settings.generation_loop,
         "host_cache_bytes": settings.host_cache,
         "host_tier_mapped": tier_note,
         "mapped": settings.mapped,
@@ -568,4 +601,10 @@ def format_report(report: dict[str, Any]) -> str:
             f"{num(r.get('bound_tokens_per_s'), '7.1f')} {num(r.get('fraction_of_bound'), '8.2f')} "
             f"{num(r.get('fraction_of_bound_paired'), '6.2f')} {num(r.get('fraction_of_best_bound'), '7.2f')} {num(r.get('vs_naive'), '7.1f')}"
         )
+    looped = [r for r in report["results"] if r.get("generate_tokens_per_s") is not None]
+    if looped:
+        lines.append("through the daemon's generation loop (in process):")
+        for r in looped:
+            lines.append(f"{r['name']:<26} {r['generate_tokens_per_s']:>8.1f} tok/s, {r['generate_vs_bench_paired']:.2f}x the bench loop (paired)"
+                         + (", other tokens than the bench loop" if r["generate_same_tokens"] is False else ""))
     return "\n".join(lines)

@@ -493,6 +493,25 @@ def test_bench_decode_rounds_of_a_minimum_time(store):
     assert "rounds of at least 0.2 s" in format_report(report)
 
 
+def test_bench_decode_times_the_daemons_generation_loop_beside_its_own(store):
+    """`--generation-loop`: each streaming configuration is also timed through the
+    daemon's generation loop, round by round; greedy, both loops decode the same tokens."""
+    from moestream.daemon.bench_decode import BenchDecodeSettings, format_report, run_bench_decode
+
+    report = run_bench_decode(BenchDecodeSettings(store=store, capacities=(1.0, 0.5), prompt_tokens=3, decode_tokens=4, rounds=2,
+                                                  generation_loop=True))
+    rows = {r["name"]: r for r in report["results"]}
+    assert report["generation_loop"] is True
+    for name in ("moestream@1", "moestream@0.5"):
+        r = rows[name]
+        assert len(r["generate_tokens_per_s_runs"]) == 2 and r["generate_tokens_per_s"] > 0
+        assert r["generate_vs_bench_paired"] > 0 and r["generate_same_tokens"] is True, r
+    # Stock mlx-lm and the naive reader have no daemon loop to time.
+    assert "generate_tokens_per_s" not in rows["stock-mlx-lm"] and "generate_tokens_per_s" not in rows["naive-on-demand"]
+    text = format_report(report)
+    assert "through the daemon's generation loop" in text and "other tokens" not in text
+
+
 def test_bound_is_reported_against_the_median_each_round_and_the_fastest_round():
     from moestream.daemon.bench_decode import add_bound
 

@@ -23,7 +23,7 @@
 #   bash tests/bench/gpu_run.sh background-copy # a copy made ahead of use beside a layer's kernels, by blocks per row/span (needs make-q30)
 #   bash tests/bench/gpu_run.sh graph-ops     # predict-mapped-q30 at MLX_MAX_OPS_PER_BUFFER 20/60/120/240 (OPS=...)
 #   bash tests/bench/gpu_run.sh make-q30      # Qwen3-30B-A3B-shaped random 4-bit model + store
-#   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it: stock, 100%, 25% (+host, +host:slots), naive (WARMUP=2 by default, MIN_ROUND_S=2, COPY_BATCH=1, COPY_KERNEL=1, MAPPED=1)
+#   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it: stock, 100%, 25% (+host, +host:slots), naive (WARMUP=2 by default, MIN_ROUND_S=2, GEN_LOOP=1, COPY_BATCH=1, COPY_KERNEL=1, MAPPED=1)
 #   bash tests/bench/gpu_run.sh mapped-prefetch-q30 # mapped pools at 25%: zero-copy, gathered, gathered + prefetch (second stream, own stream)
 #   bash tests/bench/gpu_run.sh decode-q30-table # 50% and 12.5% (+host, +host:slots)
 #   bash tests/bench/gpu_run.sh warmstart-q30 # bench warmstart on it
@@ -206,6 +206,9 @@ EOF
     # Each configuration's round decodes again until MIN_ROUND_S seconds of decoding
     # have passed (default 2): a round of 24 tokens at 70 tok/s lasts 0.35 s, and
     # session 10's stock rounds swung from 50 to 87 tok/s.
+    # GEN_LOOP=1 also times each streaming configuration through the daemon's own
+    # generation loop (session 10: prefetch's auto windows, timed there, ran the mapped
+    # pool at 17-30 tok/s while the bench loop ran it at 27-44).
     # COPY_BATCH=1: the copier queues in batches; COPY_KERNEL=1: it copies with its copy
     # kernel. GATHER=auto|on|off|both: mapped decode steps copy the routed experts into a
     # stack first (auto: on with MLX's CUDA build; both: each mapped configuration both ways).
@@ -214,7 +217,7 @@ EOF
       --host-cache 20G ${MAPPED:+--mapped $(for m in ${MAPPED_MOVES:-2 0}; do echo --mapped-moves $m; done)} --mapped-gather ${GATHER:-auto} \
       --mapped-prefetch ${MAPPED_PREFETCH:-off} \
       --mapped-rebalance-tokens ${REBALANCE:-32} --temp 1 ${COPY_BATCH:+--copy-batch} ${COPY_KERNEL:+--copy-kernel} --warmup-rounds ${WARMUP:-2} \
-      --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-24} --rounds ${ROUNDS:-3} --min-round-seconds ${MIN_ROUND_S:-2} --mlx-memory-limit 100G \
+      --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-24} --rounds ${ROUNDS:-3} --min-round-seconds ${MIN_ROUND_S:-2} ${GEN_LOOP:+--generation-loop} --mlx-memory-limit 100G \
       --json >"$f" 2> >(tee "$f.progress" >&2)
     $py - "$f" <<'EOF'
 import json, sys
