@@ -26,6 +26,7 @@
 #   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it: stock, 100%, 25% (+host, +host:slots), naive (WARMUP=2 by default, MIN_ROUND_S=2, GEN_LOOP=1, COPY_BATCH=1, COPY_KERNEL=1, MAPPED=1)
 #   bash tests/bench/gpu_run.sh mapped-prefetch-q30 # mapped pools at 25%: zero-copy, gathered, gathered + prefetch (second stream, own stream)
 #   bash tests/bench/gpu_run.sh decode-q30-table # 50% and 12.5% (+host, +host:slots)
+#   bash tests/bench/gpu_run.sh gen-demo      # the daemon's generation loop vs the bench loop on the demo model
 #   bash tests/bench/gpu_run.sh warmstart-q30 # bench warmstart on it
 #   bash tests/bench/gpu_run.sh warmstart-q30-mapped # the same with mapped pools
 #   bash tests/bench/gpu_run.sh warmstart-q30-host # the same with a host tier of 20G
@@ -234,6 +235,20 @@ EOF
     ctl bench decode --model /root/q30/store --capacity 0.25 --no-slot-pool --no-naive --mapped \
       --mapped-gather both --mapped-prefetch both --mapped-prefetch-stream ${PF_STREAM:-both} --prefetch-copy-blocks ${PF_BLOCKS:-64} --mapped-rebalance-tokens 32 --temp 1 --warmup-rounds 2 \
       --prompt-tokens 4 --decode-tokens ${DECODE_TOKENS:-32} --rounds ${ROUNDS:-7} --mlx-memory-limit 100G --json >"$f" 2> >(tee "$f.progress" >&2)
+    $py - "$f" <<'EOF'
+import json, sys
+from moestream.daemon.bench_decode import format_report
+print(format_report(json.load(open(sys.argv[1]))))
+EOF
+    ;;
+  gen-demo)
+    # The daemon's generation loop against the bench's tight loop on the built-in demo
+    # model (7 MB, so host work, not bytes, sets the pace): 100%, 25%, and 25% with a host
+    # tier (a mapped pool on an NVIDIA GPU), greedy, so both loops must decode the same tokens.
+    f="$OUT/bench_decode_demo_genloop_h200.json"
+    ctl bench decode --model daemon/demo/store --capacity 1 --capacity 0.25 --host-cache 64M --no-naive --generation-loop \
+      --min-round-seconds 1 --rounds ${ROUNDS:-3} --decode-tokens 64 --prompt-tokens 8 --temp 0 --mlx-memory-limit 16G \
+      --json >"$f" 2> >(tee "$f.progress" >&2)
     $py - "$f" <<'EOF'
 import json, sys
 from moestream.daemon.bench_decode import format_report
