@@ -105,6 +105,10 @@ class StreamingModel:
 
     def close(self) -> None:
         try:
+            # Copies the CUDA copier queued without waiting (a host tier's prestage into
+            # the next layer's slots) write into this model's pools: they must land
+            # before the pools can be freed and their memory handed to other arrays.
+            self.admitter.settle()
             if self.prefetcher is not None:
                 self.prefetcher.drain()
             if self.placement is not None:
