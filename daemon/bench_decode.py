@@ -262,10 +262,9 @@ def _streaming_config(
     def run_generate() -> dict[str, Any]:
         # One more token than the bench loop decodes: the first comes with the prompt.
         result = generate(sm, prompt, SamplingParams(max_tokens=settings.decode_tokens + 1, temp=settings.temp, seed=settings.seed))
-        decoded = len(result.tokens) - 1
-        if decoded < 1:
+        if result.stats["tokens_per_s"] is None:
             raise RuntimeError(f"{name}: the generation loop stopped after {len(result.tokens)} token(s) ({result.finish_reason})")
-        return {"tokens_per_s": decoded / result.stats["decode_seconds"], "tokens": result.tokens[: settings.decode_tokens]}
+        return {"tokens_per_s": result.stats["tokens_per_s"], "tokens": result.tokens[: settings.decode_tokens]}
 
     return Config(name, capacity, run, sm.close, run_generate=run_generate if settings.generation_loop and not naive else None)
 

@@ -151,8 +151,9 @@ def _load(settings: BenchPredictSettings, capacity: float, **pool: Any) -> Strea
 
 
 def _mapped_run(settings: BenchPredictSettings, capacity: float, prompt: list[int]) -> dict[str, Any]:
-    """A mapped pool that gathers, its prefetch (staging the next layer's experts on a
-    second stream) off and on: speeds, what auto decides, experts staged per token."""
+    """A mapped pool that gathers, its prefetch (staging the next layer's experts on the
+    stream `mapped_prefetch_stream` says) off and on: speeds, what auto decides, experts
+    staged per token."""
     sm = _load(settings, capacity, mapped=True, mapped_gather=True, mapped_prefetch_stream=settings.mapped_prefetch_stream)
     try:
         if sm.prefetcher is None:

@@ -140,8 +140,8 @@ class Settings:
     # Where a mapped pool's prefetch copies the next layer's experts: "second", a second
     # MLX stream (measured 0.54x of gathering alone on the H200, session 8), or "same",
     # the layer's own stream, beside its expert kernels inside one CUDA graph
-    # (daemon/mapped_prefetch.py; not yet measured there). `prefetch = auto` keeps
-    # either only where it is faster.
+    # (daemon/mapped_prefetch.py; 1.03x with 4 blocks per row, 0.76x with 16, session
+    # 10). `prefetch = auto` keeps either only where it is faster.
     mapped_prefetch_stream: str = "second"
     # The most blocks per expert row (mapped prefetch's staging) or per span (the slot
     # pool's prefetch copies with copy_kernel) of the copy kernels that copy ahead of use:
