@@ -13,6 +13,7 @@
 #   bash tests/bench/gpu_run.sh overlap       # expert matmul beside DMA copies into managed memory
 #   bash tests/bench/gpu_run.sh shape         # forwards at new vs seen key lengths (per-shape costs)
 #   bash tests/bench/gpu_run.sh residency-q30 # copy streams; 100% vs stock per round; zero-copy reads
+#   bash tests/bench/gpu_run.sh full-residency # 100% vs stock: the streaming layer's Python vs the pool's memory, host time split; ABBA=N: N blocks of A B B A decodes
 #   bash tests/bench/gpu_run.sh gather-q30    # one mapped layer: zero-copy expert call vs copying the routed experts first
 #   bash tests/bench/gpu_run.sh copy-cost     # host us per cudaMemcpyAsync into device vs managed memory
 #   bash tests/bench/gpu_run.sh block         # one block per pool slot: gather_qmm on strided views, copies per expert
@@ -122,6 +123,9 @@ EOF
     ;;
   residency-q30)
     $py tests/bench/gpu_residency_probe.py --store /root/q30/store --out "$OUT/residency_q30.json" 2>&1 | tail -40
+    ;;
+  full-residency)
+    $py tests/bench/gpu_full_residency_probe.py --store /root/q30/store --rounds "${ROUNDS:-5}" --abba "${ABBA:-0}" --out "$OUT/full_residency_q30${ABBA:+_abba}_h200.json" 2>&1 | tail -60
     ;;
   copy-cost)
     $py tests/bench/gpu_copy_cost_probe.py --out "$OUT/copy_cost_probe_h200.json" 2>&1 | tail -30
