@@ -20,6 +20,8 @@ from moestream.client.cli_values import size_option
               help="Untimed runs of every configuration first (more let a mapped pool rebalance before timing).")
 @click.option("--min-round-seconds", default=0.0, show_default=True, type=click.FloatRange(0, 600),
               help="Repeat each configuration's decode within a round until this many seconds of decoding have passed (0: once); steadies the fast configurations on a noisy machine.")
+@click.option("--paired-blocks", default=0, show_default=True, type=click.IntRange(0, 1000),
+              help="After the rounds, time stock against each 100% configuration in this many blocks of four decodes, A B B A, which cancel a drift of the machine's speed; reports the ratio's median and 95% interval (0: off, else at least 2).")
 @click.option("--generation-loop", is_flag=True,
               help="Also time each streaming configuration through the daemon's own generation loop (in process): what a client of the daemon gets, against the bench's tight loop.")
 @click.option("--io-threads", default=4, show_default=True, type=click.IntRange(1, 256))
@@ -54,7 +56,7 @@ from moestream.client.cli_values import size_option
 @click.option("--draft-tokens", "draft_tokens", multiple=True, type=click.IntRange(1, 8), help="K per round with --speculative (repeat); default 2.")
 @click.option("--draft-model", type=click.Path(file_okay=False), help="Draft model for --speculative draft.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds, warmup_rounds, min_round_seconds, generation_loop, io_threads, no_stock, no_naive, no_slot_pool, mlx_memory_limit, host_cache, host_tier, temp, seed, mapped,
+def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds, warmup_rounds, min_round_seconds, paired_blocks, generation_loop, io_threads, no_stock, no_naive, no_slot_pool, mlx_memory_limit, host_cache, host_tier, temp, seed, mapped,
                  mapped_moves, mapped_rebalance_tokens, mapped_gather, mapped_prefetch, mapped_prefetch_stream, prefetch_copy_blocks, prefetch, copy_batch, copy_kernel, speculative, draft_tokens, draft_model, as_json) -> None:
     """Decode tokens/s, hit rates, bytes moved per token per tier, admission GB/s and
     the bandwidth bound, for stock mlx-lm, moestream at each capacity (with and without
@@ -71,6 +73,8 @@ def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds
     from moestream.shared.settings import SettingsError
     from moestream.shared.store_format import StoreError
 
+    if paired_blocks == 1:
+        raise click.BadParameter("0 (off) or at least 2, for an interval", param_hint="--paired-blocks")
     memory_limit = size_option(mlx_memory_limit, "--mlx-memory-limit")
     host_bytes = size_option(host_cache, "--host-cache") or 0
     settings = BenchDecodeSettings(
@@ -82,6 +86,7 @@ def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds
         warmup_rounds=warmup_rounds,
         min_round_seconds=min_round_seconds,
         generation_loop=generation_loop,
+        paired_blocks=paired_blocks,
         policy=policy,
         io_threads=io_threads,
         stock=not no_stock,

@@ -23,6 +23,7 @@ makes its bound higher than the bytes it really moved imply (the fraction lower)
 from __future__ import annotations
 
 import gc
+import math
 import random
 import statistics
 import time
@@ -108,6 +109,12 @@ class BenchDecodeSettings:
     # own generation loop (`generate`, in process, without the socket): mlx-lm's
     # generate_step with the daemon's sampling, counters and placement ticks around it.
     generation_loop: bool = False
+    # After the rounds, stock and each fully resident configuration also decode in this
+    # many blocks of four, A B B A (stock, it, it, stock). On the H200 decode is bound by
+    # the host, whose speed swings by up to 1.5x from one second to the next
+    # (tests/bench/results/full_residency_q30_h200.json); a drift within a block
+    # cancels, so the ratio per block measures the code, not the moment.
+    paired_blocks: int = 0
 
 
 @dataclass
@@ -130,9 +137,14 @@ def _decode(
     seed: int,
     after_prefill: Callable[[], None] | None = None,
     after_token: Callable[[], None] | None = None,
+    split: dict[str, float] | None = None,
 ) -> tuple[float, list[int]]:
     """Decode with mlx-lm's pipelining (step n+1 queued before n is read); returns the
-    seconds of the decode steps alone."""
+    seconds of the decode steps alone. `split`, where given, gets the host's seconds in
+    the model's call (building the graph, and any host sync a layer makes), in launching
+    the graph (`mx.async_eval`) and in waiting for the previous token: on a GPU, where the
+    wait is near zero, decode is bound by the host, not by the device. (MLX's CPU
+    backend computes within the launch, so there the split says little.)"""
 
     def pick(logits: mx.array) -> mx.array:
         return mx.argmax(logits, axis=-1) if temp == 0 else mx.random.categorical(logits * (1.0 / temp))
@@ -144,16 +156,34 @@ def _decode(
     if after_prefill is not None:
         after_prefill()
     tokens = []
+    call = launch = wait = 0.0
     tic = time.perf_counter()
     for _ in range(steps):
+        t0 = time.perf_counter()
         next_y = pick(model(y[None], cache=cache)[:, -1, :])
+        t1 = time.perf_counter()
         mx.async_eval(next_y)
+        t2 = time.perf_counter()
         tokens.append(int(y.item()))
+        t3 = time.perf_counter()
+        call, launch, wait = call + t1 - t0, launch + t2 - t1, wait + t3 - t2
         if after_token is not None:
             after_token()
         y = next_y
     mx.eval(y)
-    return time.perf_counter() - tic, tokens
+    seconds = time.perf_counter() - tic
+    if split is not None:
+        split.update(call_s=call, launch_s=launch, wait_s=wait)
+    return seconds, tokens
+
+
+def host_split_per_token(split: dict[str, float], steps: int) -> dict[str, float]:
+    """A decode's `split` as milliseconds per token (the rows' host_*_ms_per_token)."""
+    return {
+        "host_call_ms_per_token": 1e3 * split["call_s"] / steps,
+        "host_launch_ms_per_token": 1e3 * split["launch_s"] / steps,
+        "host_wait_ms_per_token": 1e3 * split["wait_s"] / steps,
+    }
 
 
 def _counters(sm: StreamingModel) -> dict[str, float]:
@@ -219,8 +249,10 @@ def _streaming_config(
 
     def run() -> dict[str, Any]:
         before: dict[str, float] = {}
+        split: dict[str, float] = {}
         seconds, tokens = _decode(
-            sm.model, prompt, settings.decode_tokens, settings.temp, settings.seed, lambda: before.update(_counters(sm)), tick
+            sm.model, prompt, settings.decode_tokens, settings.temp, settings.seed, lambda: before.update(_counters(sm)), tick,
+            split,
         )
         if sm.placement is not None:
             sm.placement.drain()  # moves still running would slow the next configuration
@@ -257,6 +289,7 @@ def _streaming_config(
             "placement_moves_per_token": d["placement_moves"] / n if sm.placement is not None else None,
             "placement_ms_per_token": 1e3 * d["placement_seconds"] / n if sm.placement is not None else None,
             "placement_worker_ms_per_token": 1e3 * d["placement_worker_seconds"] / n if sm.placement is not None else None,
+            **host_split_per_token(split, n),
         }
 
     def run_generate() -> dict[str, Any]:
@@ -273,7 +306,8 @@ def _stock_config(settings: BenchDecodeSettings, prompt: list[int]) -> Config:
     model = load_stock_model(settings.store)
 
     def run() -> dict[str, Any]:
-        seconds, tokens = _decode(model, prompt, settings.decode_tokens, settings.temp, settings.seed)
+        split: dict[str, float] = {}
+        seconds, tokens = _decode(model, prompt, settings.decode_tokens, settings.temp, settings.seed, split=split)
         return {
             "tokens_per_s": settings.decode_tokens / seconds,
             "tokens": tokens,
@@ -291,6 +325,7 @@ def _stock_config(settings: BenchDecodeSettings, prompt: list[int]) -> Config:
             "placement_moves_per_token": None,
             "placement_ms_per_token": None,
             "placement_worker_ms_per_token": None,
+            **host_split_per_token(split, settings.decode_tokens),
         }
 
     return Config("stock-mlx-lm", None, run, lambda: None)
@@ -321,6 +356,34 @@ def timed_round(run: Callable[[], dict[str, Any]], tokens: int, min_seconds: flo
     out["tokens_per_s"] = len(runs) * tokens / seconds
     out["repeats"] = len(runs)
     return out
+
+
+def paired_blocks(stock: Callable[[], dict[str, Any]], ours: Callable[[], dict[str, Any]], blocks: int) -> dict[str, Any]:
+    """`blocks` blocks of four decodes, stock / ours / ours / stock, and the ratio of ours
+    to stock per block (each side's two decodes' tokens over their seconds). A drift of
+    the machine's speed that is linear within a block hits both sides alike. The summary:
+    median and quartiles of the ratios, and the geometric mean with its 95% interval
+    (normal approximation of the mean log ratio)."""
+    if blocks < 2:
+        raise ValueError("paired blocks: at least 2, for an interval")
+    ratios, rows = [], []
+    for _ in range(blocks):
+        a1, b1, b2, a2 = stock(), ours(), ours(), stock()
+        a = 2 / (1 / a1["tokens_per_s"] + 1 / a2["tokens_per_s"])
+        b = 2 / (1 / b1["tokens_per_s"] + 1 / b2["tokens_per_s"])
+        rows.append({"stock_tokens_per_s": a, "tokens_per_s": b})
+        ratios.append(b / a)
+    logs = [math.log(r) for r in ratios]
+    mean, half = statistics.fmean(logs), 1.96 * statistics.stdev(logs) / math.sqrt(len(logs))
+    q = statistics.quantiles(ratios, n=4)
+    return {
+        "blocks": rows,
+        "ratios": ratios,
+        "median": statistics.median(ratios),
+        "quartiles": [q[0], q[2]],
+        "geometric_mean": math.exp(mean),
+        "interval_95": [math.exp(mean - half), math.exp(mean + half)],
+    }
 
 
 def measure_read_bandwidth(store: Path, threads: int, samples: int = 128, seed: int = 0) -> float:
@@ -457,6 +520,15 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
                     gc.collect()
                     c.generate_samples.append(timed_round(c.run_generate, settings.decode_tokens, settings.min_round_seconds))
                     say(f"round {r + 1}/{settings.rounds} {c.name} through generate: {c.generate_samples[-1]['tokens_per_s']:.2f} tok/s")
+        paired: dict[str, dict[str, Any]] = {}
+        if settings.paired_blocks and settings.stock:
+            for c in configs:
+                if c.capacity == 1.0:
+                    gc.collect()
+                    paired[c.name] = paired_blocks(configs[0].run, c.run, settings.paired_blocks)
+                    say(f"{c.name} against stock in {settings.paired_blocks} A B B A blocks: median "
+                        f"{paired[c.name]['median']:.3f}, 95% interval {paired[c.name]['interval_95'][0]:.3f}"
+                        f"-{paired[c.name]['interval_95'][1]:.3f}")
         admission = measure_admission(tier, manifest) if tier is not None else None
     finally:
         for c in configs:
@@ -485,6 +557,9 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             "placement_moves_per_token",
             "placement_ms_per_token",
             "placement_worker_ms_per_token",
+            "host_call_ms_per_token",
+            "host_launch_ms_per_token",
+            "host_wait_ms_per_token",
         ):
             values = [s[key] for s in c.samples if s[key] is not None]
             row[key] = statistics.median(values) if values else None
@@ -501,6 +576,8 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             row["generate_same_tokens"] = (all(s["tokens"] == c.samples[0]["tokens"] for s in c.generate_samples)
                                            if settings.temp == 0 else None)
         row["same_tokens_as_first"] = all(s["tokens"] == reference_tokens for s in c.samples)
+        if c.name in paired:
+            row["paired_blocks"] = paired[c.name]
         if row["admission_bytes_per_s"] is not None:
             row["admission_vs_link"] = row["admission_bytes_per_s"] / link
         rows.append(row)
@@ -527,6 +604,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         "warmup_rounds": settings.warmup_rounds,
         "min_round_seconds": settings.min_round_seconds,
         "generation_loop": settings.generation_loop,
+        "paired_blocks": settings.paired_blocks,
         "host_cache_bytes": settings.host_cache,
         "host_tier_mapped": tier_note,
         "mapped": settings.mapped,
@@ -600,6 +678,17 @@ def format_report(report: dict[str, Any]) -> str:
             f"{num(r.get('bound_tokens_per_s'), '7.1f')} {num(r.get('fraction_of_bound'), '8.2f')} "
             f"{num(r.get('fraction_of_bound_paired'), '6.2f')} {num(r.get('fraction_of_best_bound'), '7.2f')} {num(r.get('vs_naive'), '7.1f')}"
         )
+    lines.append("host ms per token: model call / launch / wait for the token (on a GPU, a wait near 0 means bound by the host)")
+    for r in report["results"]:
+        if r.get("host_call_ms_per_token") is not None:
+            lines.append(f"{r['name']:<26} {r['host_call_ms_per_token']:>8.2f} {r['host_launch_ms_per_token']:>8.2f} "
+                         f"{r['host_wait_ms_per_token']:>8.2f}")
+    for r in report["results"]:
+        pb = r.get("paired_blocks")
+        if pb is not None:
+            lines.append(f"{r['name']} against stock in {len(pb['ratios'])} A B B A blocks: median {pb['median']:.3f} "
+                         f"(quartiles {pb['quartiles'][0]:.3f}-{pb['quartiles'][1]:.3f}), geometric mean "
+                         f"{pb['geometric_mean']:.3f} (95% interval {pb['interval_95'][0]:.3f}-{pb['interval_95'][1]:.3f})")
     looped = [r for r in report["results"] if r.get("generate_tokens_per_s") is not None]
     if looped:
         lines.append("through the daemon's generation loop (in process):")

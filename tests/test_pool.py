@@ -493,6 +493,53 @@ def test_bench_decode_rounds_of_a_minimum_time(store):
     assert "rounds of at least 0.2 s" in format_report(report)
 
 
+def test_paired_blocks_run_a_b_b_a_and_cancel_a_linear_drift():
+    """`--paired-blocks`: each block runs stock, ours, ours, stock; with the machine
+    slowing down linearly and ours exactly as fast as stock at each moment, every block's
+    ratio is 1 (within the harmonic mean's curvature), where a plain A B order would
+    favour stock."""
+    from moestream.daemon.bench_decode import paired_blocks
+
+    order, clock = [], iter(range(1000))
+
+    def at(name):
+        def run():
+            order.append(name)
+            return {"tokens_per_s": 100.0 - 0.5 * next(clock)}
+        return run
+
+    r = paired_blocks(at("stock"), at("ours"), 5)
+    assert order[:8] == ["stock", "ours", "ours", "stock"] * 2 and len(order) == 20
+    assert len(r["ratios"]) == 5 and all(x == pytest.approx(1.0, abs=1e-3) for x in r["ratios"])
+    assert r["interval_95"][0] <= r["geometric_mean"] <= r["interval_95"][1]
+    assert r["quartiles"][0] <= r["median"] <= r["quartiles"][1]
+    # Ours twice as fast: the ratio says so.
+    fast = paired_blocks(lambda: {"tokens_per_s": 10.0}, lambda: {"tokens_per_s": 20.0}, 3)
+    assert fast["median"] == pytest.approx(2.0) and fast["interval_95"] == pytest.approx([2.0, 2.0])
+    with pytest.raises(ValueError):
+        paired_blocks(at("stock"), at("ours"), 1)
+
+
+def test_bench_decode_pairs_full_residency_with_stock_and_splits_host_time(store):
+    """The 100% configuration gets its A B B A blocks against stock; every row says where
+    the host spent each token (call, launch, wait), which adds up to no more than the
+    decode's time per token."""
+    from moestream.daemon.bench_decode import BenchDecodeSettings, format_report, run_bench_decode
+
+    report = run_bench_decode(BenchDecodeSettings(store=store, capacities=(1.0, 0.5), prompt_tokens=3, decode_tokens=3, rounds=1,
+                                                  paired_blocks=3))
+    rows = {r["name"]: r for r in report["results"]}
+    pb = rows["moestream@1"]["paired_blocks"]
+    assert report["paired_blocks"] == 3 and len(pb["ratios"]) == 3 and all(x > 0 for x in pb["ratios"])
+    assert "paired_blocks" not in rows["moestream@0.5"] and "paired_blocks" not in rows["stock-mlx-lm"]
+    for r in rows.values():
+        parts = [r["host_call_ms_per_token"], r["host_launch_ms_per_token"], r["host_wait_ms_per_token"]]
+        assert all(p >= 0 for p in parts) and r["host_call_ms_per_token"] > 0, r
+        assert sum(parts) <= 1e3 / r["tokens_per_s"] * 1.001, r
+    text = format_report(report)
+    assert "moestream@1 against stock in 3 A B B A blocks" in text and "host ms per token" in text
+
+
 def test_bench_decode_times_the_daemons_generation_loop_beside_its_own(store):
     """`--generation-loop`: each streaming configuration is also timed through the
     daemon's generation loop, round by round; greedy, both loops decode the same tokens."""

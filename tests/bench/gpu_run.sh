@@ -211,6 +211,9 @@ EOF
     # Each configuration's round decodes again until MIN_ROUND_S seconds of decoding
     # have passed (default 2): a round of 24 tokens at 70 tok/s lasts 0.35 s, and
     # session 10's stock rounds swung from 50 to 87 tok/s.
+    # Then stock and 100% decode in PAIRED_BLOCKS blocks of A B B A (default 24, about
+    # 35 s): decode here is bound by the host, whose speed drifts by 1.5x within seconds
+    # (session 11's full-residency probe), and a block cancels that drift.
     # GEN_LOOP=1 also times each streaming configuration through the daemon's own
     # generation loop (session 10: prefetch's auto windows, timed there, ran the mapped
     # pool at 17-30 tok/s while the bench loop ran it at 27-44).
@@ -222,7 +225,7 @@ EOF
       --host-cache 20G ${MAPPED:+--mapped $(for m in ${MAPPED_MOVES:-2 0}; do echo --mapped-moves $m; done)} --mapped-gather ${GATHER:-auto} \
       --mapped-prefetch ${MAPPED_PREFETCH:-off} \
       --mapped-rebalance-tokens ${REBALANCE:-32} --temp 1 ${COPY_BATCH:+--copy-batch} ${COPY_KERNEL:+--copy-kernel} --warmup-rounds ${WARMUP:-2} \
-      --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-24} --rounds ${ROUNDS:-3} --min-round-seconds ${MIN_ROUND_S:-2} ${GEN_LOOP:+--generation-loop} --mlx-memory-limit 100G \
+      --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-24} --rounds ${ROUNDS:-3} --min-round-seconds ${MIN_ROUND_S:-2} --paired-blocks ${PAIRED_BLOCKS:-24} ${GEN_LOOP:+--generation-loop} --mlx-memory-limit 100G \
       --json >"$f" 2> >(tee "$f.progress" >&2)
     $py - "$f" <<'EOF'
 import json, sys
