@@ -16,7 +16,7 @@ from moestream.client.cli_values import size_option
 @click.option("--policy", default="lru", show_default=True)
 @click.option("--prompt-tokens", default=32, show_default=True, type=click.IntRange(1, None))
 @click.option("--decode-tokens", default=64, show_default=True, type=click.IntRange(1, None))
-@click.option("--rounds", default=3, show_default=True, type=click.IntRange(1, None), help="Off/on runs taking turns; medians are reported.")
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(1, None), help="Blocks of four decodes, prefetch off / on / on / off (one round: a single off and on); medians and the ratio per block are reported.")
 @click.option("--io-threads", default=4, show_default=True, type=click.IntRange(1, 256))
 @click.option("--host-cache", help="Size of a host-RAM tier (e.g. 20G) under the pool; default none.")
 @click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0, None), help="0 decodes greedily; > 0 samples (same seed everywhere).")

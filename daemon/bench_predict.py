@@ -7,9 +7,10 @@ At each pool capacity (fractions of a layer's experts; 25% and 50% by default):
    experts the predictor had named / routed experts), the attribution of every routed
    expert, the compute window and the expert-matmul time per call with prefetch on and
    off (reads must not slow the layer that computes while they run);
-2. speed: decode tokens/s with prefetch off and on, the two taking turns `rounds` times
-   on the same model (so the pool's state and the machine's drift hit both alike);
-   medians are reported, and the ratio on/off;
+2. speed: decode tokens/s with prefetch off and on on the same model, in `rounds` blocks
+   of off / on / on / off (so the pool's state and the machine's drift hit both alike):
+   the medians, their ratio on/off, the ratio per block with its median and 95%
+   interval, and where the host's time per token went (model call, launch, wait);
 3. auto: what `prefetch = auto` decides on this machine, through the generation loop the
    daemon runs.
 
@@ -20,15 +21,14 @@ from __future__ import annotations
 
 import random
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
-from moestream.daemon.bench_decode import format_or_dash
+from moestream.daemon.bench_decode import _decode as decode_steps
+from moestream.daemon.bench_decode import format_or_dash, host_split_per_token, paired_blocks
 from moestream.daemon.diagnostics import Recorder
 from moestream.daemon.generation import SamplingParams, generate
 from moestream.daemon.prefetch import PrefetchGovernor
@@ -66,24 +66,11 @@ class BenchPredictSettings:
     prefetch_copy_blocks: int = 64
 
 
-def _decode(sm: StreamingModel, prompt: list[int], steps: int, temp: float, seed: int) -> float:
-    """Seconds of `steps` decode steps after the prompt, with mlx-lm's pipelining."""
-
-    def pick(logits: mx.array) -> mx.array:
-        return mx.argmax(logits, axis=-1) if temp == 0 else mx.random.categorical(logits * (1.0 / temp))
-
-    mx.random.seed(seed)
-    cache = make_prompt_cache(sm.model)
-    y = pick(sm.model(mx.array(prompt)[None], cache=cache)[:, -1, :])
-    mx.eval(y)
-    tic = time.perf_counter()
-    for _ in range(steps):
-        next_y = pick(sm.model(y[None], cache=cache)[:, -1, :])
-        mx.async_eval(next_y)
-        y.item()
-        y = next_y
-    mx.eval(y)
-    return time.perf_counter() - tic
+def _decode(sm: StreamingModel, prompt: list[int], steps: int, temp: float, seed: int,
+            split: dict[str, float] | None = None) -> float:
+    """Seconds of `steps` decode steps after the prompt, with mlx-lm's pipelining (the
+    loop of `bench decode`, which also fills `split`)."""
+    return decode_steps(sm.model, prompt, steps, temp, seed, split=split)[0]
 
 
 def _diagnosed(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettings, prefetch: bool) -> dict[str, Any]:
@@ -130,14 +117,52 @@ def _warm_up(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettin
         _decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed)
 
 
-def _speeds(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettings) -> dict[bool, float]:
-    """Decode tokens/s with prefetch off and on, taking turns `rounds` times (medians)."""
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(settings.rounds):
-        for enabled in (False, True):
+def _speeds(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettings) -> dict[str, Any]:
+    """Decode tokens/s with prefetch off and on, in `rounds` blocks of off / on / on / off
+    (so that a drift of the machine within a block hits both alike): the medians of
+    each, the ratio on/off per block (`paired`, with rounds >= 2), and the host's time per
+    token (model call, launch, wait; `bench decode`'s split), median over the decodes."""
+    speeds: dict[bool, list[float]] = {False: [], True: []}
+    splits: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+
+    def run(enabled: bool):
+        def decode() -> dict[str, float]:
             sm.prefetcher.enabled = enabled
-            times[enabled].append(_decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed))
-    return {k: settings.decode_tokens / statistics.median(v) for k, v in times.items()}
+            split: dict[str, float] = {}
+            tps = settings.decode_tokens / _decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed, split)
+            speeds[enabled].append(tps)
+            splits[enabled].append(host_split_per_token(split, settings.decode_tokens))
+            return {"tokens_per_s": tps}
+        return decode
+
+    if settings.rounds >= 2:
+        paired = paired_blocks(run(False), run(True), settings.rounds)
+    else:
+        paired = None
+        run(False)()
+        run(True)()
+    host = {
+        f"prefetch_{'on' if enabled else 'off'}": {k: statistics.median(s[k] for s in splits[enabled]) for k in splits[enabled][0]}
+        for enabled in (False, True)
+    }
+    return {"tps": {k: statistics.median(v) for k, v in speeds.items()}, "paired": paired, "host": host}
+
+
+def _paired_fields(speeds: dict[str, Any]) -> dict[str, Any]:
+    """A result's speed fields from `_speeds`."""
+    tps, paired = speeds["tps"], speeds["paired"]
+    return {
+        "tokens_per_s_off": tps[False],
+        "tokens_per_s_on": tps[True],
+        # The ratio of the medians, and the median of the ratios per block with the 95%
+        # interval of their geometric mean.
+        "speedup": tps[True] / tps[False],
+        "speedup_paired": paired["median"] if paired else None,
+        "speedup_interval_95": paired["interval_95"] if paired else None,
+        "speedup_per_block": paired["ratios"] if paired else None,
+        # Where the host's time per token went with prefetch off and on.
+        "host_ms_per_token": speeds["host"],
+    }
 
 
 def _load(settings: BenchPredictSettings, capacity: float, **pool: Any) -> StreamingModel:
@@ -161,7 +186,7 @@ def _mapped_run(settings: BenchPredictSettings, capacity: float, prompt: list[in
         sm.prefetcher.width = settings.width * sm.prefetcher.top_k
         _warm_up(sm, prompt, settings)
         staged_before = sm.prefetcher.s.staged
-        tps = _speeds(sm, prompt, settings)
+        speeds = _speeds(sm, prompt, settings)
         staged = sm.prefetcher.s.staged - staged_before
         auto = _auto(sm, prompt, settings)
         gpu_hit_rate = sm.pool_stats().get("placement", {}).get("gpu_hit_rate")
@@ -176,10 +201,9 @@ def _mapped_run(settings: BenchPredictSettings, capacity: float, prompt: list[in
         "gpu_hit_rate": gpu_hit_rate,
         # Experts copied ahead per decode step with prefetch on (each run's prompt
         # forward, which stages too, counted in).
-        "staged_per_step": staged / (settings.rounds * settings.decode_tokens),
-        "tokens_per_s_off": tps[False],
-        "tokens_per_s_on": tps[True],
-        "speedup": tps[True] / tps[False],
+        "staged_per_step": staged / (len(speeds["paired"]["ratios"]) * 2 * settings.decode_tokens if speeds["paired"]
+                                     else settings.decode_tokens),
+        **_paired_fields(speeds),
         "auto": auto,
     }
 
@@ -196,7 +220,7 @@ def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[
         _warm_up(sm, prompt, settings)
         on = _diagnosed(sm, prompt, settings, True)
         off = _diagnosed(sm, prompt, settings, False)
-        tps = _speeds(sm, prompt, settings)
+        speeds = _speeds(sm, prompt, settings)
         auto = _auto(sm, prompt, settings)
         pf = sm.prefetcher.stats()
         pools = sm.pool_stats()
@@ -218,9 +242,7 @@ def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[
         "segment_ms_per_forward": {name: _per_forward(run, settings) for name, run in (("prefetch_on", on), ("prefetch_off", off))},
         # Where the CUDA copier's host time goes (absent without it).
         "copier_per_forward": {name: run.get("copier") for name, run in (("prefetch_on", on), ("prefetch_off", off))},
-        "tokens_per_s_off": tps[False],
-        "tokens_per_s_on": tps[True],
-        "speedup": tps[True] / tps[False],
+        **_paired_fields(speeds),
         "auto": auto,
         "prefetch": {k: pf[k] for k in ("submitted", "promoted", "waited", "dropped_unused", "used_fraction")},
         # With a host tier, predicted experts it holds are copied straight into the next
@@ -286,16 +308,17 @@ def format_report(report: dict[str, Any]) -> str:
     num = format_or_dash
     lines = [
         f"{report['model_type']}: {report['moe_layers']} MoE layers x {report['experts_per_layer']} experts on "
-        f"{report['device']}, {report['decode_tokens']} decode tokens (temp {report['temp']}), median of {report['rounds']}, "
+        f"{report['device']}, {report['decode_tokens']} decode tokens (temp {report['temp']}), median of {report['rounds']}"
+        f"{' blocks off/on/on/off' if report['rounds'] >= 2 else ''}, "
         f"prefetch width {report.get('prefetch_width', '1k')}",
-        f"{'capacity':>8} {'recall@k':>8} {'@2k':>6} {'@4k':>6} {'off tok/s':>9} {'on tok/s':>9} {'on/off':>6} "
+        f"{'capacity':>8} {'recall@k':>8} {'@2k':>6} {'@4k':>6} {'off tok/s':>9} {'on tok/s':>9} {'on/off':>6} {'paired':>6} "
         f"{'window ms':>9} {'mm on/off ms':>13}  auto",
     ]
     for r in report["results"]:
         if r.get("pool") == "mapped":
             lines.append(
                 f"{r['capacity']:>8.0%} {'-':>8} {'-':>6} {'-':>6} {r['tokens_per_s_off']:>9.1f} {r['tokens_per_s_on']:>9.1f} "
-                f"{r['speedup']:>6.2f} {'-':>9} {'-':>13}  {r['auto']['decision']} (mapped pool, "
+                f"{r['speedup']:>6.2f} {num(r.get('speedup_paired'), '6.2f')} {'-':>9} {'-':>13}  {r['auto']['decision']} (mapped pool, "
                 f"{r['staged_per_step']:.0f} experts staged per step)"
             )
             continue
@@ -303,8 +326,16 @@ def format_report(report: dict[str, Any]) -> str:
         mm = r["matmul_ms_per_call"]
         lines.append(
             f"{r['capacity']:>8.0%} {num(rc['top_k'], '8.3f')} {num(rc['top_2k'], '6.3f')} {num(rc['top_4k'], '6.3f')} "
-            f"{r['tokens_per_s_off']:>9.1f} {r['tokens_per_s_on']:>9.1f} {r['speedup']:>6.2f} "
+            f"{r['tokens_per_s_off']:>9.1f} {r['tokens_per_s_on']:>9.1f} {r['speedup']:>6.2f} {num(r.get('speedup_paired'), '6.2f')} "
             f"{num(r['window_ms'], '9.3f')} {num(mm['prefetch_on'], '6.3f')}/{num(mm['prefetch_off'], '6.3f')}  "
             f"{r['auto']['decision']}"
         )
+    for r in report["results"]:
+        iv = r.get("speedup_interval_95")
+        host = r.get("host_ms_per_token")
+        if host:
+            parts = [f"{name[len('prefetch_'):]} {h['host_call_ms_per_token']:.2f}/{h['host_launch_ms_per_token']:.2f}/"
+                     f"{h['host_wait_ms_per_token']:.2f}" for name, h in host.items()]
+            lines.append(f"{r['capacity']:>8.0%} host ms per token, model call/launch/wait: {', '.join(parts)}"
+                         + (f"; on/off per block: 95% interval {iv[0]:.2f}-{iv[1]:.2f}" if iv else ""))
     return "\n".join(lines)

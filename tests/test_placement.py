@@ -397,11 +397,22 @@ def test_bench_predict_measures_both_pools_prefetch(store):
     from moestream.daemon.bench_predict import BenchPredictSettings, format_report, run_bench_predict
 
     common = dict(store=store, capacities=(0.25,), prompt_tokens=4, decode_tokens=6, rounds=1, temp=1.0)
-    slots = run_bench_predict(BenchPredictSettings(**common))["results"][0]
+    slots_report = run_bench_predict(BenchPredictSettings(**{**common, "rounds": 2}))
+    slots = slots_report["results"][0]
     assert slots["pool"] == "slots" and 0 <= slots["recall"]["decode"]["top_k"] <= 1
+    # Two blocks of off / on / on / off: a ratio per block, their median and interval,
+    # and the host's time per token both ways.
+    assert len(slots["speedup_per_block"]) == 2 and slots["speedup_paired"] > 0
+    lo, hi = slots["speedup_interval_95"]
+    assert lo <= hi and min(slots["speedup_per_block"]) <= slots["speedup_paired"] <= max(slots["speedup_per_block"])
+    for way in ("prefetch_off", "prefetch_on"):
+        h = slots["host_ms_per_token"][way]
+        assert h["host_call_ms_per_token"] > 0 and h["host_launch_ms_per_token"] >= 0 and h["host_wait_ms_per_token"] >= 0
+    assert "host ms per token, model call/launch/wait" in format_report(slots_report)
     mapped_report = run_bench_predict(BenchPredictSettings(**common, mapped=True))
     mapped = mapped_report["results"][0]
     assert mapped["pool"] == "mapped" and mapped["recall"] is None
+    assert mapped["speedup_paired"] is None and mapped["speedup_per_block"] is None  # one round: no blocks
     manifest = load_manifest(store)
     k, layers = manifest.config["num_experts_per_tok"], len(manifest.layers)
     assert mapped["staged_per_step"] >= (layers - 1) * k  # every decode step stages the next layers
