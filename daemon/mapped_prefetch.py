@@ -24,7 +24,11 @@ one small graph, 4 blocks overlapped about half of the copy with a layer's exper
 (background_copy_probe_h200.json). Within a graph only: MLX commits a stream's graph
 every MLX_MAX_OPS_PER_BUFFER nodes (20 by default) and launches them in turn, and a
 decode layer is roughly 30 kernels, so the copy and the kernels it should run beside often
-fall into different graphs (`gpu_run.sh graph-ops` measures decode at larger sizes).
+fall into different graphs. Larger graphs did not help (session 11, `gpu_run.sh
+graph-ops`: 0.77x, 0.71x, 0.84x at 20, 120, 400 nodes): decode there is bound by the
+host, which builds and launches each token's graph while the GPU waits
+(tests/bench/gpu_full_residency_probe.py), so a copy made earlier on the GPU saves
+nothing while the prefetch's own kernels add to the host's work.
 
 Output is unchanged: a stack row holds the same expert's bytes as its pool row, and a
 stale stack (a forward cut short) is as good as a fresh one, since a mapped pool's bytes

@@ -109,6 +109,7 @@ EOF
     # stream run in turn: a staging copy can only run beside the kernels of its own graph.
     # The background-copy probe (one small graph) overlapped 0.47 of it; whole decode
     # gained 1.03x. One predict-mapped-q30 run per value of OPS (own stream, PF_BLOCKS 4).
+    # Session 11 (OPS="20 120 400"): 0.77x, 0.71x, 0.84x; decode is bound by the host.
     for n in ${OPS:-20 60 120 240}; do
       MLX_MAX_OPS_PER_BUFFER=$n PF_STREAM=${PF_STREAM:-same} PF_BLOCKS=${PF_BLOCKS:-4} timeout "${STAGE_TIMEOUT:-150}" bash "$0" predict-mapped-q30 \
         || echo "graph-ops: $n failed or timed out (exit $?)"
