@@ -74,6 +74,13 @@ SHAPES = {
         "norm_topk_prob": True,
     },
 }
+# A shape whose expert reads and expert compute take about as long on the developer
+# machine's CPU and disk (float32 experts of 144 KiB, 8 of 64 routed per layer): where
+# prefetch has reads to hide behind compute, unlike the demo model (its experts are a
+# few KiB) and unlike the H200 (whose decode is bound by the host). Use --dtype float32
+# --bits 0: MLX's CPU build runs gather_mm on float32 only.
+SHAPES["balanced-cpu"] = dict(SHAPES["mini"], num_hidden_layers=8, num_experts=64, num_experts_per_tok=8,
+                              moe_intermediate_size=48)
 
 
 def _write_tokenizer(out: Path, vocab_size: int) -> None:
@@ -94,17 +101,19 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
 
 
 def make_random_moe(out: Path, shape: str, *, bits: int = 4, group_size: int = 64, seed: int = 0,
-                    embed_scale: float = 1.0) -> Path:
+                    embed_scale: float = 1.0, dtype: str = "bfloat16", expert_width: int | None = None) -> Path:
     config = dict(SHAPES[shape])
+    if expert_width is not None:
+        config["moe_intermediate_size"] = expert_width
     out.mkdir(parents=True, exist_ok=True)
     mx.random.seed(seed)
     model = qwen3_moe.Model(qwen3_moe.ModelArgs.from_dict(config))
     if embed_scale != 1.0:
         embed = model.model.embed_tokens
         embed.weight = embed.weight * embed_scale
-    # Real checkpoints keep bf16 scales and norms; so does this one.
-    model.set_dtype(mx.bfloat16)
-    if bits:  # 0 keeps the bf16 weights unquantized
+    # Real checkpoints keep bf16 scales and norms; so does this one by default.
+    model.set_dtype(getattr(mx, dtype))
+    if bits:  # 0 keeps the weights unquantized
         model, config = quantize_model(model, config, group_size=group_size, bits=bits, mode="affine")
     save_model(out, model, donate_model=True)
     save_config(config, config_path=out / "config.json")
@@ -116,8 +125,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--bits", type=int, default=4, help="4 or 8; 0 keeps bf16 weights")
+    parser.add_argument("--bits", type=int, default=4, help="4 or 8; 0 keeps the weights unquantized")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="of the weights (unquantized), scales and norms; float32 for unquantized models on MLX's CPU build")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--expert-width", type=int, help="the shape's moe_intermediate_size, replaced")
     parser.add_argument("--embed-scale", type=float, default=1.0,
                         help="multiply token embeddings (64: routing about as varied as a real model's; see above)")
     parser.add_argument("--mlx-memory-limit", default="64G", help="mx.set_memory_limit, e.g. 64G")
@@ -126,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
 
     mx.set_memory_limit(parse_size(args.mlx_memory_limit))
     tic = time.perf_counter()
-    path = make_random_moe(Path(args.out), args.shape, bits=args.bits, seed=args.seed, embed_scale=args.embed_scale)
+    path = make_random_moe(Path(args.out), args.shape, bits=args.bits, seed=args.seed, embed_scale=args.embed_scale,
+                           dtype=args.dtype, expert_width=args.expert_width)
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     print(f"wrote {args.shape} ({size / 2**30:.2f} GiB) to {path} in {time.perf_counter() - tic:.1f} s", file=sys.stderr)
 
