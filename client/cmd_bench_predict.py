@@ -22,6 +22,8 @@ from moestream.client.cli_values import size_option
 @click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0, None), help="0 decodes greedily; > 0 samples (same seed everywhere).")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--width", default=1, show_default=True, type=click.IntRange(1, 4), help="Experts prefetched per token, in multiples of top-k.")
+@click.option("--depth", default=1, show_default=True, type=click.IntRange(1, 4),
+              help="MoE layers ahead whose predicted experts the slot pool's prefetch reads (setting prefetch_depth).")
 @click.option("--mlx-memory-limit", help="Cap MLX's memory (mx.set_memory_limit), e.g. 64G; advised on CUDA.")
 @click.option("--copy-batch", is_flag=True, help="The CUDA copier queues each call's copies in one cudaMemcpyBatchAsync per stream (CUDA 13; setting copy_batch).")
 @click.option("--copy-kernel/--no-copy-kernel", default=True, show_default=True,
@@ -32,7 +34,7 @@ from moestream.client.cli_values import size_option
 @click.option("--prefetch-copy-blocks", default=64, show_default=True, type=click.IntRange(1, 1024),
               help="Blocks per expert row or span of the copy kernels that copy ahead of use (setting prefetch_copy_blocks).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_predict(store, capacities, policy, prompt_tokens, decode_tokens, rounds, io_threads, host_cache, temp, seed, width, mlx_memory_limit,
+def bench_predict(store, capacities, policy, prompt_tokens, decode_tokens, rounds, io_threads, host_cache, temp, seed, width, depth, mlx_memory_limit,
                   copy_batch, copy_kernel, mapped, mapped_prefetch_stream, prefetch_copy_blocks, as_json) -> None:
     """Recall of the next-layer predictor at top-k, 2k and 4k, and decode tokens/s with
     prefetch off and on (and what `--prefetch auto` decides) at each capacity."""
@@ -57,6 +59,7 @@ def bench_predict(store, capacities, policy, prompt_tokens, decode_tokens, round
         temp=temp,
         seed=seed,
         width=width,
+        depth=depth,
         mlx_memory_limit=memory_limit,
         copy_batch=copy_batch,
         copy_kernel=copy_kernel,

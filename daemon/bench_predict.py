@@ -64,6 +64,8 @@ class BenchPredictSettings:
     mapped_prefetch_stream: str = "second"
     # Blocks of the copy kernels that copy ahead of use (Settings.prefetch_copy_blocks).
     prefetch_copy_blocks: int = 64
+    # MoE layers ahead whose experts the slot pool's prefetch reads (Settings.prefetch_depth).
+    depth: int = 1
 
 
 def _decode(sm: StreamingModel, prompt: list[int], steps: int, temp: float, seed: int,
@@ -170,7 +172,7 @@ def _load(settings: BenchPredictSettings, capacity: float, **pool: Any) -> Strea
     return load_streaming_model(
         settings.store,
         Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads, prefetch="on",
-                 prefetch_copy_blocks=settings.prefetch_copy_blocks, **pool),
+                 prefetch_copy_blocks=settings.prefetch_copy_blocks, prefetch_depth=settings.depth, **pool),
         max_tokens=settings.prompt_tokens + settings.decode_tokens + 512,
     )
 
@@ -296,6 +298,7 @@ def run_bench_predict(settings: BenchPredictSettings) -> dict[str, Any]:
         "policy": settings.policy,
         "host_cache": settings.host_cache,
         "prefetch_width": f"{settings.width}k",
+        "prefetch_depth": settings.depth,
         "copy_batch": settings.copy_batch,
         "copy_kernel": settings.copy_kernel,
         "prefetch_copy_blocks": settings.prefetch_copy_blocks,
@@ -310,7 +313,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['model_type']}: {report['moe_layers']} MoE layers x {report['experts_per_layer']} experts on "
         f"{report['device']}, {report['decode_tokens']} decode tokens (temp {report['temp']}), median of {report['rounds']}"
         f"{' blocks off/on/on/off' if report['rounds'] >= 2 else ''}, "
-        f"prefetch width {report.get('prefetch_width', '1k')}",
+        f"prefetch width {report.get('prefetch_width', '1k')}, depth {report.get('prefetch_depth', 1)}",
         f"{'capacity':>8} {'recall@k':>8} {'@2k':>6} {'@4k':>6} {'off tok/s':>9} {'on tok/s':>9} {'on/off':>6} {'paired':>6} "
         f"{'window ms':>9} {'mm on/off ms':>13}  auto",
     ]

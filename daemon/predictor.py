@@ -12,7 +12,7 @@ streaming layers of a loaded model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 import mlx.core as mx
@@ -80,10 +80,13 @@ class Prediction:
 
 @dataclass(eq=False)
 class NextLayer:
-    """Layer L+1 as seen from layer L: its pool and its router."""
+    """Layer L+1 as seen from layer L: its pool and its router; with a prefetch depth
+    above 1, also the layers after it whose experts layer L reads ahead (`ahead`: L+2,
+    ...), those of them with a router the predictor knows."""
 
     pool: "ExpertPool"
     router: NextRouter
+    ahead: list["NextLayer"] = field(default_factory=list)
 
 
 def routers_of(moes: Sequence["StreamingMoE"], blocks: Sequence[Any]) -> list[NextRouter | None]:
@@ -111,10 +114,12 @@ def install(
     diagnostics: bool,
     predict: bool = True,
     prefetch_slots: int | None = None,
+    depth: int = 1,
 ) -> tuple[Diagnostics, Prefetcher | None]:
     """Give the streaming layers (in forward order) a shared diagnostics switch, and,
     where pools are partial, the next layer's router and a prefetcher. `blocks[i]` is the
-    MoE block that holds `moes[i]` (its `gate` is layer i's router)."""
+    MoE block that holds `moes[i]` (its `gate` is layer i's router). `depth`
+    (Settings.prefetch_depth): how many layers ahead each layer reads."""
     hub = Diagnostics(default=diagnostics)
     for m in moes:
         m.set_hub(hub)
@@ -125,14 +130,17 @@ def install(
     copier = getattr(admitter, "copier", None)
     tier = getattr(admitter, "tier", None) if getattr(admitter, "keep", False) else None
     largest = max(m.pool.layer.num_experts for m in moes)
-    # Room for a few layers' predictions of a batch; with prefetch off the buffer only
-    # has to exist (predictions still feed the diagnostics).
-    slots = prefetch_slots or (top_k if prefetch == "off" else min(16 * top_k, 4 * largest))
+    # Room for a few layers' predictions of a batch (more when reading further ahead);
+    # with prefetch off the buffer only has to exist (predictions still feed the
+    # diagnostics).
+    slots = prefetch_slots or (top_k if prefetch == "off" else min(16 * depth * top_k, 4 * depth * largest))
     prefetcher = Prefetcher(reader, manifest, copier, slots=slots, top_k=top_k, mode=prefetch, tier=tier,
                             batch=getattr(admitter, "batch", False))
-    for m, nxt, router in zip(moes, moes[1:], routers[1:]):
+    for i, (m, nxt, router) in enumerate(zip(moes, moes[1:], routers[1:])):
         if router is not None:
-            m.set_next(NextLayer(nxt.pool, router), prefetcher)
+            ahead = [NextLayer(a.pool, r) for a, r in zip(moes[i + 2 : i + 1 + depth], routers[i + 2 : i + 1 + depth])
+                     if r is not None]
+            m.set_next(NextLayer(nxt.pool, router, ahead), prefetcher)
     for m in moes:
         m.pool.prefetcher = prefetcher
     return hub, prefetcher

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -96,15 +96,21 @@ class StreamingMoE(nn.Module):
         seq = indices.shape[-2] if indices.ndim >= 2 else 1
         nxt, pf = self.next, self.prefetcher
         ranked_np = None
+        ahead: list[tuple[NextLayer, np.ndarray]] = []
         if nxt is not None and not nxt.pool.fully_resident and (
             rec is not None or (pf.enabled and seq <= MAX_PREFETCH_TOKENS)
         ):
             # Diagnostics rank 4k experts best first (recall at k, 2k, 4k); prefetch
             # alone needs only the top k' (its width), in any order.
             ranked = nxt.router.ranked(x, max(4 * pf.top_k, pf.width) if rec is not None else pf.width, ordered=rec is not None)
-            mx.eval(indices, ranked)  # the one host sync of this layer, for both
+            # With a prefetch depth above 1, the layers after the next, ranked on the
+            # same input: their reads get more than one layer's compute to finish in.
+            later = [a for a in nxt.ahead if not a.pool.fully_resident] if pf.enabled and seq <= MAX_PREFETCH_TOKENS else []
+            later_ranked = [a.router.ranked(x, pf.width, ordered=False) for a in later]
+            mx.eval(indices, ranked, *later_ranked)  # the one host sync of this layer, for all
             ids = np.array(indices)
             ranked_np = np.array(ranked).reshape(-1, ranked.shape[-1])
+            ahead = [(a, np.array(r).reshape(-1, r.shape[-1])) for a, r in zip(later, later_ranked)]
         else:
             ids = np.array(indices)  # the one host sync of this layer
         pool.stats.host_syncs += 1
@@ -125,7 +131,7 @@ class StreamingMoE(nn.Module):
                 # router, the next sync) while the device computes this one.
                 mx.async_eval(y)
             if ranked_np is not None:
-                self._predict_next(ranked_np, seq, rec)
+                self._predict_next(ranked_np, seq, rec, ahead)
             return y
 
         stacked, row_of = pool.gather_overflow(flat)
@@ -139,7 +145,7 @@ class StreamingMoE(nn.Module):
         if rec is not None:
             self._time_experts(y, indices, rec)
         if ranked_np is not None:
-            self._predict_next(ranked_np, seq, rec)
+            self._predict_next(ranked_np, seq, rec, ahead)
         return y
 
     def _gathered(self, x: mx.array, ids: mx.array, staged: tuple[mx.array, list[mx.array]] | None = None) -> mx.array:
@@ -182,8 +188,10 @@ class StreamingMoE(nn.Module):
         st.prefetch.s.staged += ids.size
         return ids
 
-    def _predict_next(self, ranked: np.ndarray, seq: int, rec: Recorder | None) -> None:
-        """Hand layer L+1 this forward's prediction and start reading what it lacks."""
+    def _predict_next(self, ranked: np.ndarray, seq: int, rec: Recorder | None,
+                      ahead: Sequence[tuple[NextLayer, np.ndarray]] = ()) -> None:
+        """Hand layer L+1 this forward's prediction and start reading what it lacks; then
+        what the layers `ahead` (L+2, ..., each with its ranking) lack, after L+1's reads."""
         nxt, pf = self.next, self.prefetcher
         tic = time.perf_counter() if rec is not None else 0.0
         named = np.unique(ranked[:, : pf.width])
@@ -205,6 +213,14 @@ class StreamingMoE(nn.Module):
                 missing = missing[nxt.pool.slot_of[missing] < 0]
             if missing.size:
                 pf.submit(nxt.pool.layer, missing.tolist())
+        for layer, later in ahead:
+            # Only reads: no prestage into those pools, whose slots may be taken by the
+            # layers in between. Experts the tier holds are skipped by submit and copied
+            # when their layer is next.
+            named_later = np.unique(later)
+            missing_later = named_later[layer.pool.slot_of[named_later] < 0]
+            if missing_later.size:
+                pf.submit(layer.pool.layer, missing_later.tolist())
         prediction.submitted = True
         if rec is not None:
             now = time.perf_counter()

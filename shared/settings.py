@@ -149,6 +149,12 @@ class Settings:
     # kernels the copy runs beside; fewer leave them room
     # (tests/bench/gpu_background_copy_probe.py measures both).
     prefetch_copy_blocks: int = 64
+    # MoE layers ahead whose predicted experts the slot pool's prefetch reads from the
+    # store: 1 reads layer L+1's while layer L computes; 2 also layer L+2's (ranked by
+    # its router on layer L's input), so that a read that takes longer than one layer's
+    # compute has two layers' time. Each layer further costs one router matmul on the
+    # device per layer and reads of its mispredictions.
+    prefetch_depth: int = 1
     # Native read engine.
     io_threads: int = 4
     direct_io: bool = True
@@ -247,7 +253,7 @@ class Settings:
 
 
 _INT_RANGES = {"max_context": (16, 2**24), "max_active": (1, 1024), "max_queued": (0, 1_000_000), "mapped_moves": (0, 4096), "mapped_rebalance_tokens": (0, 2**31),
-               "prefetch_copy_blocks": (1, 1024)}
+               "prefetch_copy_blocks": (1, 1024), "prefetch_depth": (1, 4)}
 
 
 def _coerce(name: str, raw: Any) -> Any:

@@ -142,16 +142,18 @@ def test_logits_identical_through_the_host_tier(converted):
 def test_logits_identical_with_prefetch(converted):
     """Prefetched experts land in the same slots with the same bytes: with prefetch on
     (and, at top-k capacity, diagnostics recording too) every logit is unchanged, and
-    prefetch did serve some of the misses."""
+    prefetch did serve some of the misses; also when it reads two layers ahead
+    (`prefetch_depth = 2`)."""
     from moestream.daemon.diagnostics import Recorder
 
     store, prompts = converted
-    for label, slots in _capacities(store)[:2]:
-        sm = load_streaming_model(store, Settings(capacity=slots, prefetch="on"))
-        rec = Recorder() if label == "topk" else None
+    (topk, topk_slots), second = _capacities(store)[:2]
+    for (label, slots), depth in (((topk, topk_slots), 1), (second, 1), ((topk, topk_slots), 2)):
+        sm = load_streaming_model(store, Settings(capacity=slots, prefetch="on", prefetch_depth=depth))
+        rec = Recorder() if label == "topk" and depth == 1 else None
         sm.diagnostics.rec = rec
         try:
-            assert_same_as_stock(sm, prompts, f"{label} with prefetch")
+            assert_same_as_stock(sm, prompts, f"{label} with prefetch (depth {depth})")
             assert sm.prefetcher.stats()["promoted"] > 0
             if rec is not None:
                 assert rec.to_dict()["attribution"]["decode"]["prefetched"] > 0

@@ -159,3 +159,34 @@ def test_a_wider_prefetch_reads_more_and_changes_no_token():
             sm.close()
     assert out[1][0] == out[2][0]
     assert out[2][1]["width"] == 16 and out[2][1]["submitted"] > out[1][1]["submitted"] > 0
+
+
+def test_a_deeper_prefetch_reads_layers_further_ahead_and_changes_no_token():
+    """`prefetch_depth = 2`: layer L also reads what layer L+2's router names on L's
+    input. The layers are wired two ahead (the last but one has only L+1), the buffer
+    serves reads for a layer two on (promoted there), and the tokens are the same."""
+    from moestream.daemon.generation import SamplingParams, generate
+
+    prompt, out = list(range(40, 52)), {}
+    for depth in (1, 2):
+        sm = load_streaming_model(demo_store_path(), Settings(capacity=0.25, prefetch="on", prefetch_depth=depth))
+        try:
+            moes = sorted((m for _, m in sm.model.named_modules() if type(m).__name__ == "StreamingMoE"),
+                          key=lambda m: m.pool.layer.ordinal)
+            assert [len(m.next.ahead) for m in moes[:-1]] == [depth - 1] * (len(moes) - 2) + [0]
+            if depth == 2:
+                assert moes[0].next.ahead[0].pool is moes[2].pool
+            result = generate(sm, prompt, SamplingParams(max_tokens=16))
+            out[depth] = (result.tokens, result.stats["prefetch"])
+        finally:
+            sm.close()
+    assert out[1][0] == out[2][0]
+    assert out[2][1]["submitted"] > out[1][1]["submitted"] > 0 and out[2][1]["promoted"] > 0
+
+
+def test_prefetch_depth_setting_is_checked():
+    assert Settings().prefetch_depth == 1
+    assert Settings.resolve(env={"MOESTREAM_PREFETCH_DEPTH": "2"}, config_file="/nonexistent").prefetch_depth == 2
+    for bad in ("0", "5", "deep"):
+        with pytest.raises(SettingsError, match="prefetch_depth"):
+            Settings.from_values({"prefetch_depth": bad})

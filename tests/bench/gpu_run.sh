@@ -22,6 +22,7 @@
 #   bash tests/bench/gpu_run.sh crash-matrix  # the slot-pool crash, REPS runs per VARIANTS (default collect only32)
 #   bash tests/bench/gpu_run.sh stream-edge   # what a dependency between two MLX streams costs in one evaluation
 #   bash tests/bench/gpu_run.sh background-copy # a copy made ahead of use beside a layer's kernels, by blocks per row/span (needs make-q30)
+#   bash tests/bench/gpu_run.sh predict-depth-q30 # bench predict at 25% without a host tier (disk-bound), prefetch depth 1/2/3
 #   bash tests/bench/gpu_run.sh graph-ops     # predict-mapped-q30 at MLX_MAX_OPS_PER_BUFFER 20/60/120/240 (OPS=...)
 #   bash tests/bench/gpu_run.sh make-q30      # Qwen3-30B-A3B-shaped random 4-bit model + store
 #   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it: stock, 100%, 25% (+host, +host:slots), naive (WARMUP=2 by default, MIN_ROUND_S=2, GEN_LOOP=1, COPY_BATCH=1, COPY_KERNEL=1, MAPPED=1)
@@ -78,9 +79,10 @@ case "$stage" in
     # CAPACITY=0.25 measures one capacity only; COPY_BATCH=1 queues copies in batches;
     # COPY_KERNEL=1 copies with the copy kernel (the default since session 9; kept so
     # that the file names say so); PF_BLOCKS=N caps it at N blocks per span
-    # for prefetch's copies (default 64; see gpu_background_copy_probe.py).
-    f="$OUT/bench_predict_q30${HOST_CACHE:+_host$HOST_CACHE}${COPY_BATCH:+_batch}${COPY_KERNEL:+_kernel}${PF_BLOCKS:+_b$PF_BLOCKS}${MLX_MAX_OPS_PER_BUFFER:+_ops$MLX_MAX_OPS_PER_BUFFER}_h200.json"
-    ctl bench predict --model /root/q30/store --temp 1 --host-cache ${HOST_CACHE:-20G} --width ${WIDTH:-1} \
+    # for prefetch's copies (default 64; see gpu_background_copy_probe.py). DEPTH=N reads
+    # N layers ahead (setting prefetch_depth); ROUNDS=N blocks of off/on/on/off (default 3).
+    f="$OUT/bench_predict_q30${HOST_CACHE:+_host$HOST_CACHE}${COPY_BATCH:+_batch}${COPY_KERNEL:+_kernel}${PF_BLOCKS:+_b$PF_BLOCKS}${DEPTH:+_d$DEPTH}${MLX_MAX_OPS_PER_BUFFER:+_ops$MLX_MAX_OPS_PER_BUFFER}_h200.json"
+    ctl bench predict --model /root/q30/store --temp 1 --host-cache ${HOST_CACHE:-20G} --width ${WIDTH:-1} --depth ${DEPTH:-1} --rounds ${ROUNDS:-3} \
       ${CAPACITY:+--capacity $CAPACITY} ${COPY_BATCH:+--copy-batch} ${COPY_KERNEL:+--copy-kernel} --prefetch-copy-blocks ${PF_BLOCKS:-64} \
       --prompt-tokens ${PROMPT_TOKENS:-8} --decode-tokens ${DECODE_TOKENS:-48} --mlx-memory-limit 64G --json >"$f" 2> >(tee "$f.progress" >&2)
     $py - "$f" <<'EOF'
@@ -101,6 +103,16 @@ import json, sys
 from moestream.daemon.bench_predict import format_report
 print(format_report(json.load(open(sys.argv[1]))))
 EOF
+    ;;
+  predict-depth-q30)
+    # Prefetch where the disk is the bound (no host tier, 25%): reads of one layer's
+    # misses take longer than a layer's compute, so depth 1 starts them too late
+    # (session 10, 8 GB tier: half the prefetched experts still in flight when used).
+    # DEPTHS="1 2 3" by default, 16 tokens a decode, 3 blocks each.
+    for d in ${DEPTHS:-1 2 3}; do
+      HOST_CACHE=0 CAPACITY=0.25 DEPTH=$d DECODE_TOKENS=${DECODE_TOKENS:-16} timeout "${STAGE_TIMEOUT:-200}" bash "$0" predict-q30 \
+        || echo "predict-depth-q30: depth $d failed or timed out (exit $?)"
+    done
     ;;
   graph-ops)
     # Mapped prefetch against the size of MLX's CUDA graphs. MLX commits a stream's graph
