@@ -30,40 +30,23 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
+from moestream.daemon.bench_decode import _decode
 from moestream.daemon.store.loader import _module_at, load_stock_model, load_streaming_model
 from moestream.shared.settings import Settings
 from moestream.shared.store_format import load_manifest
 
 
 def decode_split(model, prompt: list[int], steps: int) -> dict[str, float]:
-    """mlx-lm's pipelined greedy decode, timing each step's parts on the host."""
-    cache = make_prompt_cache(model)
-    y = mx.argmax(model(mx.array(prompt)[None], cache=cache)[:, -1, :], axis=-1)
-    mx.eval(y)
-    build = launch = wait = 0.0
-    tic0 = time.perf_counter()
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        next_y = mx.argmax(model(y[None], cache=cache)[:, -1, :], axis=-1)
-        t1 = time.perf_counter()
-        mx.async_eval(next_y)
-        t2 = time.perf_counter()
-        y.item()
-        t3 = time.perf_counter()
-        build += t1 - t0
-        launch += t2 - t1
-        wait += t3 - t2
-        y = next_y
-    mx.eval(y)
-    total = time.perf_counter() - tic0
-    return {"seconds": total, "build_s": build, "launch_s": launch, "wait_s": wait}
+    """mlx-lm's pipelined greedy decode (`bench decode`'s loop), timing each step's parts
+    on the host: building the graph (the model's call), launching it, waiting."""
+    split: dict[str, float] = {}
+    seconds, _ = _decode(model, prompt, steps, 0.0, 0, split=split)
+    return {"seconds": seconds, "build_s": split["call_s"], "launch_s": split["launch_s"], "wait_s": split["wait_s"]}
 
 
 def timed(run: Callable[[], dict[str, float]], steps: int, min_seconds: float) -> dict[str, float]:
