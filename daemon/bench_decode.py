@@ -129,7 +129,7 @@ class Config:
     generate_samples: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _decode(
+def timed_decode(
     model,
     prompt: list[int],
     steps: int,
@@ -250,7 +250,7 @@ def _streaming_config(
     def run() -> dict[str, Any]:
         before: dict[str, float] = {}
         split: dict[str, float] = {}
-        seconds, tokens = _decode(
+        seconds, tokens = timed_decode(
             sm.model, prompt, settings.decode_tokens, settings.temp, settings.seed, lambda: before.update(_counters(sm)), tick,
             split,
         )
@@ -307,7 +307,7 @@ def _stock_config(settings: BenchDecodeSettings, prompt: list[int]) -> Config:
 
     def run() -> dict[str, Any]:
         split: dict[str, float] = {}
-        seconds, tokens = _decode(model, prompt, settings.decode_tokens, settings.temp, settings.seed, split=split)
+        seconds, tokens = timed_decode(model, prompt, settings.decode_tokens, settings.temp, settings.seed, split=split)
         return {
             "tokens_per_s": settings.decode_tokens / seconds,
             "tokens": tokens,

@@ -27,7 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from moestream.daemon.bench_decode import _decode as decode_steps
+from moestream.daemon.bench_decode import timed_decode
 from moestream.daemon.bench_decode import format_or_dash, host_split_per_token, paired_blocks
 from moestream.daemon.diagnostics import Recorder
 from moestream.daemon.generation import SamplingParams, generate
@@ -72,7 +72,7 @@ def _decode(sm: StreamingModel, prompt: list[int], steps: int, temp: float, seed
             split: dict[str, float] | None = None) -> float:
     """Seconds of `steps` decode steps after the prompt, with mlx-lm's pipelining (the
     loop of `bench decode`, which also fills `split`)."""
-    return decode_steps(sm.model, prompt, steps, temp, seed, split=split)[0]
+    return timed_decode(sm.model, prompt, steps, temp, seed, split=split)[0]
 
 
 def _diagnosed(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettings, prefetch: bool) -> dict[str, Any]:

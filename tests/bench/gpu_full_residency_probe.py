@@ -35,7 +35,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from moestream.daemon.bench_decode import _decode
+from moestream.daemon.bench_decode import timed_decode
 from moestream.daemon.store.loader import _module_at, load_stock_model, load_streaming_model
 from moestream.shared.settings import Settings
 from moestream.shared.store_format import load_manifest
@@ -45,7 +45,7 @@ def decode_split(model, prompt: list[int], steps: int) -> dict[str, float]:
     """mlx-lm's pipelined greedy decode (`bench decode`'s loop), timing each step's parts
     on the host: building the graph (the model's call), launching it, waiting."""
     split: dict[str, float] = {}
-    seconds, _ = _decode(model, prompt, steps, 0.0, 0, split=split)
+    seconds, _ = timed_decode(model, prompt, steps, 0.0, 0, split=split)
     return {"seconds": seconds, "build_s": split["call_s"], "launch_s": split["launch_s"], "wait_s": split["wait_s"]}
 
 

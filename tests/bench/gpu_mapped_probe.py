@@ -27,7 +27,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from moestream._native import CudaCopier
-from moestream.daemon.bench_decode import _decode
+from moestream.daemon.bench_decode import timed_decode
 from moestream.daemon.store.loader import load_stock_model, load_streaming_model
 from moestream.shared.settings import Settings
 
@@ -51,14 +51,14 @@ def full_residency(store: Path, rounds: int, tokens: int) -> dict:
         mx.eval(list(pool.arrays.values()))
         moe._use(pool.arrays)
     configs = {"stock": stock, "managed": managed.model, "device_copy": dev.model}
-    want = _decode(stock, prompt, tokens, 0.0, 0)[1]
-    same = {name: _decode(m, prompt, tokens, 0.0, 0)[1] == want for name, m in configs.items()}
+    want = timed_decode(stock, prompt, tokens, 0.0, 0)[1]
+    same = {name: timed_decode(m, prompt, tokens, 0.0, 0)[1] == want for name, m in configs.items()}
     identity = all(m.pool.identity for m in _moes(managed.model))
     build = {name: _graph_build_seconds(m, prompt) for name, m in configs.items()}
     runs: dict[str, list[float]] = {k: [] for k in configs}
     for _ in range(rounds):
         for name, m in configs.items():
-            seconds, _ = _decode(m, prompt, tokens, 0.0, 0)
+            seconds, _ = timed_decode(m, prompt, tokens, 0.0, 0)
             runs[name].append(tokens / seconds)
     out = {"same_tokens_as_stock": same, "identity_slots": identity, "graph_build_ms_per_token": build, "runs": runs}
     for name in ("managed", "device_copy"):

@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from moestream._native import CudaCopier, HostBuffer
 from moestream.daemon.admission import expert_stride
-from moestream.daemon.bench_decode import _decode
+from moestream.daemon.bench_decode import timed_decode
 from moestream.daemon.store.loader import load_stock_model, load_streaming_model
 from moestream.shared.settings import Settings
 from moestream.shared.store_format import load_manifest
@@ -58,11 +58,11 @@ def decode_rates(store: Path, rounds: int, tokens: int) -> dict:
     copier = CudaCopier(1)
     configs = {"stock": stock, "moestream@1": sm.model}
     for m in configs.values():
-        _decode(m, prompt, tokens, 0.0, 0)
+        timed_decode(m, prompt, tokens, 0.0, 0)
     runs: dict[str, list[float]] = {k: [] for k in configs}
     for _ in range(rounds):
         for name, m in configs.items():
-            seconds, _ = _decode(m, prompt, tokens, 0.0, 0)
+            seconds, _ = timed_decode(m, prompt, tokens, 0.0, 0)
             runs[name].append(tokens / seconds)
     ratios = [a / b for a, b in zip(runs["moestream@1"], runs["stock"])]
     out = {"runs": runs, "ratio_per_round": ratios, "ratio_median": statistics.median(ratios)}
@@ -78,10 +78,10 @@ def decode_rates(store: Path, rounds: int, tokens: int) -> dict:
                     copier.place(a, "device")
                     if first < n:
                         copier.place(a, "host", first * t.nbytes, (n - first) * t.nbytes)
-            _decode(sm.model, prompt, tokens, 0.0, 0)
+            timed_decode(sm.model, prompt, tokens, 0.0, 0)
             rates = []
             for _ in range(3):
-                seconds, _ = _decode(sm.model, prompt, tokens, 0.0, 0)
+                seconds, _ = timed_decode(sm.model, prompt, tokens, 0.0, 0)
                 rates.append(tokens / seconds)
             out[f"zero_copy_{share:g}"] = {"tokens_per_s": statistics.median(rates), "runs": rates}
         except RuntimeError as e:
