@@ -153,7 +153,8 @@ class Settings:
     # store: 1 reads layer L+1's while layer L computes; 2 also layer L+2's (ranked by
     # its router on layer L's input), so that a read that takes longer than one layer's
     # compute has two layers' time. Each layer further costs one router matmul on the
-    # device per layer and reads of its mispredictions.
+    # device per layer, reads of its mispredictions, and the prefetch buffer (host
+    # memory, 16 x top-k experts per layer of depth) grows with it.
     prefetch_depth: int = 1
     # Native read engine.
     io_threads: int = 4
