@@ -422,7 +422,8 @@ def _echo_prefetch(pf: dict[str, Any] | None, diag: dict[str, Any] | None) -> No
         if pf.get("kind") == "mapped":  # daemon/mapped_prefetch.py: copies on the device, no reads
             click.echo(state + f"{pf['staged']} experts staged ahead in {pf['forwards']} forwards")
         else:
-            click.echo(state + f"{pf['submitted']} read, {pf['promoted']} promoted ({pf['waited']} waited for), "
+            ahead = f", {pf['depth']} layers ahead" if pf.get("depth", 1) > 1 else ""
+            click.echo(state + f"{pf['submitted']} read{ahead}, {pf['promoted']} promoted ({pf['waited']} waited for), "
                        f"{pf['dropped_unused']} dropped unused")
     totals = (diag or {}).get("totals")
     if not totals:

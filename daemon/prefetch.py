@@ -68,7 +68,7 @@ class Prefetcher:
     """Async reads of predicted experts into host memory, and their promotion into pools."""
 
     def __init__(self, reader: ExpertReader, manifest: Manifest, copier: CudaCopier | None, *, slots: int, top_k: int,
-                 mode: str = "auto", tier: Any = None, batch: bool = False) -> None:
+                 mode: str = "auto", tier: Any = None, batch: bool = False, depth: int = 1) -> None:
         if mode not in PREFETCH_MODES:
             raise ValueError(f"prefetch mode {mode!r}: use one of {', '.join(PREFETCH_MODES)}")
         self.stride = expert_stride(manifest)
@@ -76,6 +76,8 @@ class Prefetcher:
         self.top_k = top_k
         # Experts named per token and prefetched (k' in the predictor's terms).
         self.width = top_k
+        # MoE layers ahead each layer reads for (Settings.prefetch_depth; for `stats`).
+        self.depth = depth
         self.reader = reader
         self.copier = copier
         self.batch = batch  # the copier queues in batches (Settings.copy_batch)
@@ -264,6 +266,7 @@ class Prefetcher:
             "mode": self.mode,
             "enabled": self.enabled,
             "width": self.width,
+            "depth": self.depth,
             "buffer_experts": self.slots,
             "buffer_bytes": self.slots * self.stride,
             "submitted": s.submitted,

@@ -161,7 +161,7 @@ def test_a_wider_prefetch_reads_more_and_changes_no_token():
     assert out[2][1]["width"] == 16 and out[2][1]["submitted"] > out[1][1]["submitted"] > 0
 
 
-def test_a_deeper_prefetch_reads_layers_further_ahead_and_changes_no_token():
+def test_a_deeper_prefetch_reads_layers_further_ahead_and_changes_no_token(capsys):
     """`prefetch_depth = 2`: layer L also reads what layer L+2's router names on L's
     input. The layers are wired two ahead (the last but one has only L+1), the buffer
     serves reads for a layer two on (promoted there), and the tokens are the same."""
@@ -182,6 +182,11 @@ def test_a_deeper_prefetch_reads_layers_further_ahead_and_changes_no_token():
             sm.close()
     assert out[1][0] == out[2][0]
     assert out[2][1]["submitted"] > out[1][1]["submitted"] > 0 and out[2][1]["promoted"] > 0
+    assert (out[1][1]["depth"], out[2][1]["depth"]) == (1, 2)  # and the request's stats say so
+    from moestream.client.cmd_daemon import _echo_prefetch
+
+    _echo_prefetch(out[2][1], None)
+    assert f"{out[2][1]['submitted']} read, 2 layers ahead" in capsys.readouterr().out
 
 
 def test_prefetch_depth_setting_is_checked():
