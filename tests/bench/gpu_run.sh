@@ -22,7 +22,7 @@
 #   bash tests/bench/gpu_run.sh crash-matrix  # the slot-pool crash, REPS runs per VARIANTS (default collect only32)
 #   bash tests/bench/gpu_run.sh stream-edge   # what a dependency between two MLX streams costs in one evaluation
 #   bash tests/bench/gpu_run.sh background-copy # a copy made ahead of use beside a layer's kernels, by blocks per row/span (needs make-q30)
-#   bash tests/bench/gpu_run.sh predict-depth-q30 # bench predict at 25% without a host tier (disk-bound), prefetch depth 1/2/3
+#   bash tests/bench/gpu_run.sh predict-depth-q30 # bench predict at 25% without a host tier (disk-bound), prefetch depth 1 and 2 (DEPTHS)
 #   bash tests/bench/gpu_run.sh graph-ops     # predict-mapped-q30 at MLX_MAX_OPS_PER_BUFFER 20/60/120/240 (OPS=...)
 #   bash tests/bench/gpu_run.sh make-q30      # Qwen3-30B-A3B-shaped random 4-bit model + store
 #   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it: stock, 100%, 25% (+host, +host:slots), naive (WARMUP=2 by default, MIN_ROUND_S=2, GEN_LOOP=1, COPY_BATCH=1, COPY_KERNEL=1, MAPPED=1)
@@ -108,9 +108,11 @@ EOF
     # Prefetch where the disk is the bound (no host tier, 25%): reads of one layer's
     # misses take longer than a layer's compute, so depth 1 starts them too late
     # (session 10, 8 GB tier: half the prefetched experts still in flight when used).
-    # DEPTHS="1 2 3" by default, 16 tokens a decode, 3 blocks each.
-    for d in ${DEPTHS:-1 2 3}; do
-      HOST_CACHE=0 CAPACITY=0.25 DEPTH=$d DECODE_TOKENS=${DECODE_TOKENS:-16} timeout "${STAGE_TIMEOUT:-200}" bash "$0" predict-q30 \
+    # DEPTHS="1 2" by default, 16 tokens a decode after a 4-token prompt (each decode's
+    # prompt reads a few GB at 25%), 3 blocks each: about 4 minutes per depth.
+    for d in ${DEPTHS:-1 2}; do
+      HOST_CACHE=0 CAPACITY=0.25 DEPTH=$d DECODE_TOKENS=${DECODE_TOKENS:-16} PROMPT_TOKENS=${PROMPT_TOKENS:-4} \
+        timeout "${STAGE_TIMEOUT:-280}" bash "$0" predict-q30 \
         || echo "predict-depth-q30: depth $d failed or timed out (exit $?)"
     done
     ;;
