@@ -358,12 +358,14 @@ def timed_round(run: Callable[[], dict[str, Any]], tokens: int, min_seconds: flo
     return out
 
 
-def paired_blocks(stock: Callable[[], dict[str, Any]], ours: Callable[[], dict[str, Any]], blocks: int) -> dict[str, Any]:
+def paired_blocks(stock: Callable[[], dict[str, Any]], ours: Callable[[], dict[str, Any]], blocks: int,
+                  on_block: Callable[[list[dict[str, float]], list[float]], None] | None = None) -> dict[str, Any]:
     """`blocks` blocks of four decodes, stock / ours / ours / stock, and the ratio of ours
     to stock per block (each side's two decodes' tokens over their seconds). A drift of
     the machine's speed that is linear within a block hits both sides alike. The summary:
     median and quartiles of the ratios, and the geometric mean with its 95% interval
-    (normal approximation of the mean log ratio)."""
+    (normal approximation of the mean log ratio). `on_block` gets the blocks so far and
+    their ratios after each block (so that a run cut short can keep them)."""
     if blocks < 2:
         raise ValueError("paired blocks: at least 2, for an interval")
     ratios, rows = [], []
@@ -373,6 +375,8 @@ def paired_blocks(stock: Callable[[], dict[str, Any]], ours: Callable[[], dict[s
         b = 2 / (1 / b1["tokens_per_s"] + 1 / b2["tokens_per_s"])
         rows.append({"stock_tokens_per_s": a, "tokens_per_s": b})
         ratios.append(b / a)
+        if on_block is not None:
+            on_block(rows, ratios)
     logs = [math.log(r) for r in ratios]
     mean, half = statistics.fmean(logs), 1.96 * statistics.stdev(logs) / math.sqrt(len(logs))
     q = statistics.quantiles(ratios, n=4)

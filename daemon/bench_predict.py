@@ -147,7 +147,8 @@ def _speeds(sm: StreamingModel, prompt: list[int], settings: BenchPredictSetting
         f"prefetch_{'on' if enabled else 'off'}": {k: statistics.median(s[k] for s in splits[enabled]) for k in splits[enabled][0]}
         for enabled in (False, True)
     }
-    return {"tps": {k: statistics.median(v) for k, v in speeds.items()}, "paired": paired, "host": host}
+    return {"tps": {k: statistics.median(v) for k, v in speeds.items()}, "paired": paired, "host": host,
+            "on_decodes": len(speeds[True])}
 
 
 def _paired_fields(speeds: dict[str, Any]) -> dict[str, Any]:
@@ -203,8 +204,7 @@ def _mapped_run(settings: BenchPredictSettings, capacity: float, prompt: list[in
         "gpu_hit_rate": gpu_hit_rate,
         # Experts copied ahead per decode step with prefetch on (each run's prompt
         # forward, which stages too, counted in).
-        "staged_per_step": staged / (len(speeds["paired"]["ratios"]) * 2 * settings.decode_tokens if speeds["paired"]
-                                     else settings.decode_tokens),
+        "staged_per_step": staged / (speeds["on_decodes"] * settings.decode_tokens),
         **_paired_fields(speeds),
         "auto": auto,
     }

@@ -31,58 +31,23 @@ import argparse
 import json
 import statistics
 from pathlib import Path
-from typing import Callable
 
 import mlx.core as mx
 
-from moestream.daemon.bench_decode import timed_decode
+from moestream.daemon.bench_decode import host_split_per_token, paired_blocks, timed_decode, timed_round
 from moestream.daemon.store.loader import _module_at, load_stock_model, load_streaming_model
 from moestream.shared.settings import Settings
 from moestream.shared.store_format import load_manifest
 
 
 def decode_split(model, prompt: list[int], steps: int) -> dict[str, float]:
-    """mlx-lm's pipelined greedy decode (`bench decode`'s loop), timing each step's parts
-    on the host: building the graph (the model's call), launching it, waiting."""
+    """mlx-lm's pipelined greedy decode (`bench decode`'s loop): tokens/s, and the host's
+    ms per token building the graph (the model's call), launching it and waiting."""
     split: dict[str, float] = {}
     seconds, _ = timed_decode(model, prompt, steps, 0.0, 0, split=split)
-    return {"seconds": seconds, "build_s": split["call_s"], "launch_s": split["launch_s"], "wait_s": split["wait_s"]}
-
-
-def timed(run: Callable[[], dict[str, float]], steps: int, min_seconds: float) -> dict[str, float]:
-    acc = {"seconds": 0.0, "build_s": 0.0, "launch_s": 0.0, "wait_s": 0.0}
-    tokens = 0
-    while True:
-        r = run()
-        for k in acc:
-            acc[k] += r[k]
-        tokens += steps
-        if acc["seconds"] >= min_seconds:
-            break
-    return {
-        "tokens_per_s": tokens / acc["seconds"],
-        "build_ms": 1e3 * acc["build_s"] / tokens,
-        "launch_ms": 1e3 * acc["launch_s"] / tokens,
-        "wait_ms": 1e3 * acc["wait_s"] / tokens,
-    }
-
-
-def abba(stock: Callable[[], dict[str, float]], ours: Callable[[], dict[str, float]], blocks: int, tokens: int,
-         out: str, report: dict) -> dict:
-    """Blocks of A B B A decodes (A stock, B moestream@1): the ratio of their tokens/s per
-    block. Written to `out` after every block, so that a run cut off keeps its blocks."""
-    ratios, rows = [], []
-    for i in range(blocks):
-        a1, b1, b2, a2 = stock(), ours(), ours(), stock()
-        a_s, b_s = a1["seconds"] + a2["seconds"], b1["seconds"] + b2["seconds"]
-        rows.append({"stock_tokens_per_s": 2 * tokens / a_s, "moestream_tokens_per_s": 2 * tokens / b_s})
-        ratios.append(a_s / b_s)
-        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-        result = {"blocks": rows, "ratios": ratios, "median": statistics.median(ratios), "quartiles": [q[0], q[2]]}
-        report["abba"] = result
-        Path(out).write_text(json.dumps(report, indent=1))
-        print(json.dumps({"block": i + 1, **rows[-1], "ratio": round(ratios[-1], 4), "median": round(result["median"], 4)}), flush=True)
-    return result
+    ms = host_split_per_token(split, steps)
+    return {"tokens_per_s": steps / seconds, "build_ms": ms["host_call_ms_per_token"],
+            "launch_ms": ms["host_launch_ms_per_token"], "wait_ms": ms["host_wait_ms_per_token"]}
 
 
 def main() -> None:
@@ -134,11 +99,19 @@ def main() -> None:
         runs[n]()
         runs[n]()
     report: dict = {"tokens": args.tokens, "min_seconds": args.min_seconds}
+
+    def keep(rows: list[dict[str, float]], ratios: list[float]) -> None:
+        # Written after every block, so that a run cut off keeps its blocks.
+        report["abba"] = {"blocks": rows, "ratios": ratios}
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        print(json.dumps({"block": len(ratios), **rows[-1], "ratio": round(ratios[-1], 4),
+                          "median": round(statistics.median(ratios), 4)}), flush=True)
+
     if args.abba:
-        report["abba"] = abba(runs["stock"], runs["moestream@1"], args.abba, args.tokens, args.out, report)
+        report["abba"] = paired_blocks(runs["stock"], runs["moestream@1"], args.abba, keep)
     rounds: list[dict[str, dict[str, float]]] = []
     for i in range(args.rounds):
-        row = {n: timed(runs[n], args.tokens, args.min_seconds) for n in names}
+        row = {n: timed_round(runs[n], args.tokens, args.min_seconds) for n in names}
         rounds.append(row)
         print(json.dumps({"round": i + 1, **{n: {k: round(v, 3) for k, v in r.items()} for n, r in row.items()}}), flush=True)
     summary = {}
