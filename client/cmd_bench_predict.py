@@ -24,6 +24,7 @@ from moestream.client.cli_values import size_option
 @click.option("--width", default=1, show_default=True, type=click.IntRange(1, 4), help="Experts prefetched per token, in multiples of top-k.")
 @click.option("--depth", default=1, show_default=True, type=click.IntRange(1, 4),
               help="MoE layers ahead whose predicted experts the slot pool's prefetch reads (setting prefetch_depth).")
+@click.option("--prefetch-buffer", help="Host memory for the slot pool's prefetch buffer, e.g. 4G (setting prefetch_buffer); default 16 x top-k experts per layer of depth.")
 @click.option("--mlx-memory-limit", help="Cap MLX's memory (mx.set_memory_limit), e.g. 64G; advised on CUDA.")
 @click.option("--copy-batch", is_flag=True, help="The CUDA copier queues each call's copies in one cudaMemcpyBatchAsync per stream (CUDA 13; setting copy_batch).")
 @click.option("--copy-kernel/--no-copy-kernel", default=True, show_default=True,
@@ -34,7 +35,7 @@ from moestream.client.cli_values import size_option
 @click.option("--prefetch-copy-blocks", default=64, show_default=True, type=click.IntRange(1, 1024),
               help="Blocks per expert row or span of the copy kernels that copy ahead of use (setting prefetch_copy_blocks).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_predict(store, capacities, policy, prompt_tokens, decode_tokens, rounds, io_threads, host_cache, temp, seed, width, depth, mlx_memory_limit,
+def bench_predict(store, capacities, policy, prompt_tokens, decode_tokens, rounds, io_threads, host_cache, temp, seed, width, depth, prefetch_buffer, mlx_memory_limit,
                   copy_batch, copy_kernel, mapped, mapped_prefetch_stream, prefetch_copy_blocks, as_json) -> None:
     """Recall of the next-layer predictor at top-k, 2k and 4k, and decode tokens/s with
     prefetch off and on (and what `--prefetch auto` decides) at each capacity."""
@@ -47,6 +48,7 @@ def bench_predict(store, capacities, policy, prompt_tokens, decode_tokens, round
 
     memory_limit = size_option(mlx_memory_limit, "--mlx-memory-limit")
     host_bytes = size_option(host_cache, "--host-cache") or 0
+    buffer_bytes = size_option(prefetch_buffer, "--prefetch-buffer") or 0
     settings = BenchPredictSettings(
         store=Path(store),
         capacities=tuple(capacities) or (0.25, 0.5),
@@ -60,6 +62,7 @@ def bench_predict(store, capacities, policy, prompt_tokens, decode_tokens, round
         seed=seed,
         width=width,
         depth=depth,
+        prefetch_buffer=buffer_bytes,
         mlx_memory_limit=memory_limit,
         copy_batch=copy_batch,
         copy_kernel=copy_kernel,

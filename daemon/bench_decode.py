@@ -186,7 +186,9 @@ def host_split_per_token(split: dict[str, float], steps: int) -> dict[str, float
     }
 
 
-def _counters(sm: StreamingModel) -> dict[str, float]:
+def decode_counters(sm: StreamingModel) -> dict[str, float]:
+    """A streaming model's cumulative counters that decode figures are taken from (as
+    differences over a decode)."""
     s = sm.pool_stats()
     a = sm.admitter.stats()
     pf = sm.prefetcher.stats() if sm.prefetcher is not None else None
@@ -251,12 +253,12 @@ def _streaming_config(
         before: dict[str, float] = {}
         split: dict[str, float] = {}
         seconds, tokens = timed_decode(
-            sm.model, prompt, settings.decode_tokens, settings.temp, settings.seed, lambda: before.update(_counters(sm)), tick,
+            sm.model, prompt, settings.decode_tokens, settings.temp, settings.seed, lambda: before.update(decode_counters(sm)), tick,
             split,
         )
         if sm.placement is not None:
             sm.placement.drain()  # moves still running would slow the next configuration
-        after = _counters(sm)
+        after = decode_counters(sm)
         d = {k: after[k] - before[k] for k in before}
         n = settings.decode_tokens
         hits, misses = d["hits_decode"], d["misses_decode"]

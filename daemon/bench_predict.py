@@ -10,7 +10,10 @@ At each pool capacity (fractions of a layer's experts; 25% and 50% by default):
 2. speed: decode tokens/s with prefetch off and on on the same model, in `rounds` blocks
    of off / on / on / off (so the pool's state and the machine's drift hit both alike):
    the medians, their ratio on/off, the ratio per block with its median and 95%
-   interval, and where the host's time per token went (model call, launch, wait);
+   interval, and where the host's time per token went (model call, launch, wait); and
+   the bytes read from the store per decode token both ways, against the read bandwidth
+   measured at the start: where reads are the bound, decode can at most reach that
+   bandwidth, which caps what prefetch can gain (`disk`);
 3. auto: what `prefetch = auto` decides on this machine, through the generation loop the
    daemon runs.
 
@@ -27,8 +30,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from moestream.daemon.bench_decode import timed_decode
-from moestream.daemon.bench_decode import format_or_dash, host_split_per_token, paired_blocks
+from moestream.daemon.bench_decode import (decode_counters, format_or_dash, host_split_per_token, measure_read_bandwidth,
+                                           paired_blocks, timed_decode)
 from moestream.daemon.diagnostics import Recorder
 from moestream.daemon.generation import SamplingParams, generate
 from moestream.daemon.prefetch import PrefetchGovernor
@@ -66,13 +69,24 @@ class BenchPredictSettings:
     prefetch_copy_blocks: int = 64
     # MoE layers ahead whose experts the slot pool's prefetch reads (Settings.prefetch_depth).
     depth: int = 1
+    # Bytes of the slot pool's prefetch buffer (Settings.prefetch_buffer; 0: the default).
+    prefetch_buffer: int = 0
 
 
 def _decode(sm: StreamingModel, prompt: list[int], steps: int, temp: float, seed: int,
-            split: dict[str, float] | None = None) -> float:
+            split: dict[str, float] | None = None, disk: list[int] | None = None) -> float:
     """Seconds of `steps` decode steps after the prompt, with mlx-lm's pipelining (the
-    loop of `bench decode`, which also fills `split`)."""
-    return timed_decode(sm.model, prompt, steps, temp, seed, split=split)[0]
+    loop of `bench decode`, which also fills `split`). `disk`, where given, gets the
+    bytes read from the store during the decode steps appended: the pools' demand reads
+    and the prefetcher's reads, counted as they complete (so a read the prompt started
+    and the first step finished counts, and one still running at the end does not)."""
+    before: dict[str, float] = {}
+    seconds = timed_decode(sm.model, prompt, steps, temp, seed, after_prefill=lambda: before.update(decode_counters(sm)),
+                           split=split)[0]
+    if disk is not None:
+        after = decode_counters(sm)
+        disk.append(int(sum(after[k] - before[k] for k in ("bytes_from_disk", "prefetch_bytes_read"))))
+    return seconds
 
 
 def _diagnosed(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettings, prefetch: bool) -> dict[str, Any]:
@@ -122,16 +136,19 @@ def _warm_up(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettin
 def _speeds(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettings) -> dict[str, Any]:
     """Decode tokens/s with prefetch off and on, in `rounds` blocks of off / on / on / off
     (so that a drift of the machine within a block hits both alike): the medians of
-    each, the ratio on/off per block (`paired`, with rounds >= 2), and the host's time per
-    token (model call, launch, wait; `bench decode`'s split), median over the decodes."""
+    each, the ratio on/off per block (`paired`, with rounds >= 2), the host's time per
+    token (model call, launch, wait; `bench decode`'s split) and the bytes read from the
+    store per token, median over the decodes."""
     speeds: dict[bool, list[float]] = {False: [], True: []}
     splits: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    disk: dict[bool, list[int]] = {False: [], True: []}
 
     def run(enabled: bool):
         def decode() -> dict[str, float]:
             sm.prefetcher.enabled = enabled
             split: dict[str, float] = {}
-            tps = settings.decode_tokens / _decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed, split)
+            tps = settings.decode_tokens / _decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed, split,
+                                                   disk[enabled])
             speeds[enabled].append(tps)
             splits[enabled].append(host_split_per_token(split, settings.decode_tokens))
             return {"tokens_per_s": tps}
@@ -148,7 +165,28 @@ def _speeds(sm: StreamingModel, prompt: list[int], settings: BenchPredictSetting
         for enabled in (False, True)
     }
     return {"tps": {k: statistics.median(v) for k, v in speeds.items()}, "paired": paired, "host": host,
-            "on_decodes": len(speeds[True])}
+            "on_decodes": len(speeds[True]),
+            "disk_bytes_per_token": {k: statistics.median(v) / settings.decode_tokens for k, v in disk.items()}}
+
+
+def disk_figures(tps: dict[bool, float], disk_bytes_per_token: dict[bool, float], read_bandwidth: float) -> dict[str, Any]:
+    """Decode against the store's read bandwidth, prefetch off (False) and on (True):
+    bytes read per token, the tokens/s that reading them alone would allow (`bound`), the
+    share of that bound reached, and `speedup_ceiling`: the on/off ratio if decode with
+    prefetch ran at the read bandwidth, every other cost hidden (None where prefetch
+    read nothing from the store: a host tier served it)."""
+    def bound(nbytes: float) -> float | None:
+        return read_bandwidth / nbytes if nbytes > 0 else None
+
+    out: dict[str, Any] = {"read_bandwidth_bytes_per_s": read_bandwidth}
+    for enabled in (False, True):
+        way = f"prefetch_{'on' if enabled else 'off'}"
+        b = bound(disk_bytes_per_token[enabled])
+        out[way] = {"bytes_per_token": disk_bytes_per_token[enabled], "bound_tokens_per_s": b,
+                    "of_bound": tps[enabled] / b if b else None}
+    b_on = out["prefetch_on"]["bound_tokens_per_s"]
+    out["speedup_ceiling"] = b_on / tps[False] if b_on else None
+    return out
 
 
 def _paired_fields(speeds: dict[str, Any]) -> dict[str, Any]:
@@ -168,12 +206,17 @@ def _paired_fields(speeds: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _disk_fields(speeds: dict[str, Any], read_bandwidth: float) -> dict[str, Any]:
+    return {"disk": disk_figures(speeds["tps"], speeds["disk_bytes_per_token"], read_bandwidth)}
+
+
 def _load(settings: BenchPredictSettings, capacity: float, **pool: Any) -> StreamingModel:
     """The model at `capacity` with prefetch on; `pool` names the kind of pool."""
     return load_streaming_model(
         settings.store,
         Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads, prefetch="on",
-                 prefetch_copy_blocks=settings.prefetch_copy_blocks, prefetch_depth=settings.depth, **pool),
+                 prefetch_copy_blocks=settings.prefetch_copy_blocks, prefetch_depth=settings.depth,
+                 prefetch_buffer=settings.prefetch_buffer, **pool),
         max_tokens=settings.prompt_tokens + settings.decode_tokens + 512,
     )
 
@@ -210,7 +253,7 @@ def _mapped_run(settings: BenchPredictSettings, capacity: float, prompt: list[in
     }
 
 
-def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[int]) -> dict[str, Any]:
+def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[int], read_bandwidth: float) -> dict[str, Any]:
     if settings.mapped:
         return _mapped_run(settings, capacity, prompt)
     sm = _load(settings, capacity, host_cache=settings.host_cache, mapped=False, copy_batch=settings.copy_batch,
@@ -245,8 +288,10 @@ def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[
         # Where the CUDA copier's host time goes (absent without it).
         "copier_per_forward": {name: run.get("copier") for name, run in (("prefetch_on", on), ("prefetch_off", off))},
         **_paired_fields(speeds),
+        **_disk_fields(speeds, read_bandwidth),
         "auto": auto,
-        "prefetch": {k: pf[k] for k in ("submitted", "promoted", "waited", "dropped_unused", "used_fraction")},
+        "prefetch": {k: pf[k] for k in ("submitted", "promoted", "waited", "dropped_unused", "no_room", "used_fraction",
+                                        "buffer_experts", "buffer_bytes")},
         # With a host tier, predicted experts it holds are copied straight into the next
         # layer's slots (no read): how many, how many were then routed, and the seconds
         # layers waited for those copies.
@@ -276,6 +321,17 @@ def _auto(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettings)
     return governor.to_dict()
 
 
+def _read_bandwidth(settings: BenchPredictSettings, manifest: Any) -> float:
+    """What decode could read from the store per second at best, for the bound of the
+    reads it makes: random whole-expert reads through the engine at the bench's thread
+    count, about 512 MB three times, the fastest (a shared disk's rate wanders by a third
+    between probes of 128 reads)."""
+    expert_bytes = max(manifest.layers[0].expert_bytes, 1) if manifest.layers else 1 << 20
+    samples = min(max(128, (512 << 20) // expert_bytes), 4096)
+    return max(measure_read_bandwidth(settings.store, settings.io_threads, samples=samples, seed=settings.seed + i)
+               for i in range(3))
+
+
 def run_bench_predict(settings: BenchPredictSettings) -> dict[str, Any]:
     if settings.mlx_memory_limit:
         mx.set_memory_limit(settings.mlx_memory_limit)
@@ -284,7 +340,8 @@ def run_bench_predict(settings: BenchPredictSettings) -> dict[str, Any]:
     vocab = config.get("text_config", config)["vocab_size"]
     rng = random.Random(settings.seed)
     prompt = [rng.randrange(vocab) for _ in range(settings.prompt_tokens)]
-    results = [_capacity_run(settings, c, prompt) for c in settings.capacities]
+    read_bandwidth = _read_bandwidth(settings, manifest)
+    results = [_capacity_run(settings, c, prompt, read_bandwidth) for c in settings.capacities]
     return {
         "store": str(settings.store),
         "model_type": manifest.model_type,
@@ -299,6 +356,8 @@ def run_bench_predict(settings: BenchPredictSettings) -> dict[str, Any]:
         "host_cache": settings.host_cache,
         "prefetch_width": f"{settings.width}k",
         "prefetch_depth": settings.depth,
+        "prefetch_buffer": settings.prefetch_buffer,
+        "read_bandwidth_bytes_per_s": read_bandwidth,
         "copy_batch": settings.copy_batch,
         "copy_kernel": settings.copy_kernel,
         "prefetch_copy_blocks": settings.prefetch_copy_blocks,
@@ -341,4 +400,13 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{h['host_wait_ms_per_token']:.2f}" for name, h in host.items()]
             lines.append(f"{r['capacity']:>8.0%} host ms per token, model call/launch/wait: {', '.join(parts)}"
                          + (f"; on/off per block: 95% interval {iv[0]:.2f}-{iv[1]:.2f}" if iv else ""))
+        disk = r.get("disk")
+        if disk:
+            off, on = disk["prefetch_off"], disk["prefetch_on"]
+            lines.append(
+                f"{r['capacity']:>8.0%} read from the store per token off/on: {off['bytes_per_token'] / 1e6:.1f}/"
+                f"{on['bytes_per_token'] / 1e6:.1f} MB at {disk['read_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s: "
+                f"of that bound off {num(off['of_bound'], '.2f')}, on {num(on['of_bound'], '.2f')}; "
+                f"prefetch could give at most {num(disk['speedup_ceiling'], '.2f')}x"
+            )
     return "\n".join(lines)

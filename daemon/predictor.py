@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from moestream.daemon.admission import expert_stride
 from moestream.daemon.diagnostics import Diagnostics
 from moestream.daemon.prefetch import Prefetcher
 
@@ -115,11 +116,13 @@ def install(
     predict: bool = True,
     prefetch_slots: int | None = None,
     depth: int = 1,
+    buffer_bytes: int = 0,
 ) -> tuple[Diagnostics, Prefetcher | None]:
     """Give the streaming layers (in forward order) a shared diagnostics switch, and,
     where pools are partial, the next layer's router and a prefetcher. `blocks[i]` is the
     MoE block that holds `moes[i]` (its `gate` is layer i's router). `depth`
-    (Settings.prefetch_depth): how many layers ahead each layer reads."""
+    (Settings.prefetch_depth): how many layers ahead each layer reads; `buffer_bytes`
+    (Settings.prefetch_buffer): the prefetch buffer's size, 0 for the default."""
     hub = Diagnostics(default=diagnostics)
     for m in moes:
         m.set_hub(hub)
@@ -134,6 +137,13 @@ def install(
     # with prefetch off the buffer only has to exist (predictions still feed the
     # diagnostics).
     slots = prefetch_slots or (top_k if prefetch == "off" else min(16 * depth * top_k, 4 * depth * largest))
+    if buffer_bytes:
+        stride = expert_stride(manifest)
+        if buffer_bytes < top_k * stride:
+            raise ValueError(f"prefetch_buffer of {buffer_bytes} bytes holds fewer experts than one token routes "
+                             f"({top_k} of {stride} bytes): give at least {top_k * stride}, or 0 for the default")
+        if not prefetch_slots and prefetch != "off":
+            slots = buffer_bytes // stride
     prefetcher = Prefetcher(reader, manifest, copier, slots=slots, top_k=top_k, mode=prefetch, tier=tier,
                             batch=getattr(admitter, "batch", False), depth=depth)
     for i, (m, nxt, router) in enumerate(zip(moes, moes[1:], routers[1:])):

@@ -409,6 +409,18 @@ def test_bench_predict_measures_both_pools_prefetch(store):
         h = slots["host_ms_per_token"][way]
         assert h["host_call_ms_per_token"] > 0 and h["host_launch_ms_per_token"] >= 0 and h["host_wait_ms_per_token"] >= 0
     assert "host ms per token, model call/launch/wait" in format_report(slots_report)
+    # The store's read bandwidth, measured at the start, and the bytes read per decode
+    # token both ways: at 25% of a store on disk, decode reads, and its bound follows.
+    disk = slots["disk"]
+    assert disk["read_bandwidth_bytes_per_s"] == slots_report["read_bandwidth_bytes_per_s"] > 0
+    assert disk["prefetch_off"]["bytes_per_token"] > 0
+    for way, enabled in (("prefetch_off", False), ("prefetch_on", True)):
+        d = disk[way]
+        if d["bytes_per_token"]:
+            assert d["bound_tokens_per_s"] == pytest.approx(disk["read_bandwidth_bytes_per_s"] / d["bytes_per_token"])
+            tps = slots["tokens_per_s_on"] if enabled else slots["tokens_per_s_off"]
+            assert d["of_bound"] == pytest.approx(tps / d["bound_tokens_per_s"])
+    assert "read from the store per token off/on" in format_report(slots_report)
     mapped_report = run_bench_predict(BenchPredictSettings(**common, mapped=True))
     mapped = mapped_report["results"][0]
     assert mapped["pool"] == "mapped" and mapped["recall"] is None

@@ -12,6 +12,7 @@ from moestream.daemon.prefetch import PrefetchGovernor, Prefetcher
 from moestream.daemon.store.convert import convert_model
 from moestream.daemon.store.loader import load_streaming_model
 from moestream.shared.settings import Settings, SettingsError, demo_store_path
+from moestream.shared.store_format import load_manifest
 from tiny_models import make_tiny_model
 
 
@@ -195,3 +196,53 @@ def test_prefetch_depth_setting_is_checked():
     for bad in ("0", "5", "deep"):
         with pytest.raises(SettingsError, match="prefetch_depth"):
             Settings.from_values({"prefetch_depth": bad})
+
+
+def test_prefetch_buffer_setting_sizes_the_buffer():
+    """`prefetch_buffer` (bytes) sets how many experts the prefetch buffer holds; one
+    too small for a token's experts is refused with the size it needs; with prefetch off
+    the buffer stays minimal."""
+    from moestream.daemon.admission import expert_stride
+
+    store = demo_store_path()
+    stride = expert_stride(load_manifest(store))
+    assert Settings().prefetch_buffer == 0
+    assert Settings.resolve(env={"MOESTREAM_PREFETCH_BUFFER": "3M"}, config_file="/nonexistent").prefetch_buffer == 3 << 20
+    with pytest.raises(SettingsError):
+        Settings.from_values({"prefetch_buffer": "lots"})
+    default = load_streaming_model(store, Settings(capacity=0.25, prefetch="on"))
+    try:
+        k = default.prefetcher.top_k
+        default_slots = default.prefetcher.slots
+    finally:
+        default.close()
+    wanted = default_slots + 37
+    sm = load_streaming_model(store, Settings(capacity=0.25, prefetch="on", prefetch_buffer=wanted * stride + stride // 2))
+    try:
+        assert sm.prefetcher.slots == wanted
+        assert sm.prefetcher.stats()["buffer_bytes"] == wanted * stride
+    finally:
+        sm.close()
+    off = load_streaming_model(store, Settings(capacity=0.25, prefetch="off", prefetch_buffer=wanted * stride))
+    try:
+        assert off.prefetcher.slots == k
+    finally:
+        off.close()
+    with pytest.raises(ValueError, match=f"give at least {k * stride}"):
+        load_streaming_model(store, Settings(capacity=0.25, prefetch="on", prefetch_buffer=k * stride - 1))
+
+
+def test_disk_figures_bound_decode_by_the_read_bandwidth():
+    """`bench predict`'s read bound: bytes per token over the read bandwidth, the share
+    of it each way reached, and the most prefetch could gain (decode with prefetch at
+    the read bandwidth, against prefetch off); none where prefetch read nothing."""
+    from moestream.daemon.bench_predict import disk_figures
+
+    d = disk_figures({False: 2.0, True: 3.0}, {False: 500e6, True: 550e6}, read_bandwidth=2.2e9)
+    assert d["prefetch_off"]["bound_tokens_per_s"] == pytest.approx(4.4)
+    assert d["prefetch_on"]["bound_tokens_per_s"] == pytest.approx(4.0)
+    assert d["prefetch_off"]["of_bound"] == pytest.approx(2.0 / 4.4) and d["prefetch_on"]["of_bound"] == pytest.approx(0.75)
+    assert d["speedup_ceiling"] == pytest.approx(2.0)  # 4.0 tok/s at best with prefetch, against 2.0 without
+    served = disk_figures({False: 10.0, True: 12.0}, {False: 0.0, True: 0.0}, read_bandwidth=2.2e9)
+    assert served["prefetch_on"]["bound_tokens_per_s"] is None and served["prefetch_on"]["of_bound"] is None
+    assert served["speedup_ceiling"] is None

@@ -301,7 +301,7 @@ def load_streaming_model(
         diagnostics, prefetcher = install_predictor(
             moes, blocks, reader=reader, manifest=manifest, admitter=admitter, top_k=k,
             prefetch=settings.prefetch, diagnostics=settings.diagnostics, predict=not naive,
-            depth=settings.prefetch_depth,
+            depth=settings.prefetch_depth, buffer_bytes=settings.prefetch_buffer,
         )
         if mapped and prefetcher is None:
             prefetcher = install_mapped_prefetch(moes, blocks, top_k=k, mode=settings.prefetch,

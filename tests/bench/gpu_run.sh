@@ -80,9 +80,12 @@ case "$stage" in
     # COPY_KERNEL=1 copies with the copy kernel (the default since session 9; kept so
     # that the file names say so); PF_BLOCKS=N caps it at N blocks per span
     # for prefetch's copies (default 64; see gpu_background_copy_probe.py). DEPTH=N reads
-    # N layers ahead (setting prefetch_depth); ROUNDS=N blocks of off/on/on/off (default 3).
-    f="$OUT/bench_predict_q30${HOST_CACHE:+_host$HOST_CACHE}${COPY_BATCH:+_batch}${COPY_KERNEL:+_kernel}${PF_BLOCKS:+_b$PF_BLOCKS}${DEPTH:+_d$DEPTH}${MLX_MAX_OPS_PER_BUFFER:+_ops$MLX_MAX_OPS_PER_BUFFER}_h200.json"
+    # N layers ahead (setting prefetch_depth); ROUNDS=N blocks of off/on/on/off (default 3);
+    # PF_BUFFER=SIZE sizes the prefetch buffer (setting prefetch_buffer); WIDTH=N names
+    # N x top-k experts per token.
+    f="$OUT/bench_predict_q30${HOST_CACHE:+_host$HOST_CACHE}${COPY_BATCH:+_batch}${COPY_KERNEL:+_kernel}${PF_BLOCKS:+_b$PF_BLOCKS}${DEPTH:+_d$DEPTH}${PF_BUFFER:+_buf$PF_BUFFER}${WIDTH:+_w$WIDTH}${ROUNDS:+_r$ROUNDS}${MLX_MAX_OPS_PER_BUFFER:+_ops$MLX_MAX_OPS_PER_BUFFER}_h200.json"
     ctl bench predict --model /root/q30/store --temp 1 --host-cache ${HOST_CACHE:-20G} --width ${WIDTH:-1} --depth ${DEPTH:-1} --rounds ${ROUNDS:-3} \
+      ${PF_BUFFER:+--prefetch-buffer $PF_BUFFER} \
       ${CAPACITY:+--capacity $CAPACITY} ${COPY_BATCH:+--copy-batch} ${COPY_KERNEL:+--copy-kernel} --prefetch-copy-blocks ${PF_BLOCKS:-64} \
       --prompt-tokens ${PROMPT_TOKENS:-8} --decode-tokens ${DECODE_TOKENS:-48} --mlx-memory-limit 64G --json >"$f" 2> >(tee "$f.progress" >&2)
     $py - "$f" <<'EOF'
@@ -110,10 +113,18 @@ EOF
     # (session 10, 8 GB tier: half the prefetched experts still in flight when used).
     # DEPTHS="1 2" by default, 16 tokens a decode after a 4-token prompt (each decode's
     # prompt reads a few GB at 25%), 3 blocks each: about 4 minutes per depth.
+    # Session 12: 1.05x, 1.18x, 1.15x at depths 1, 2, 3; at depth 3 prefetch read at about
+    # 0.95 of the disk's bandwidth, 10 to 12% of it for experts never routed. BUFFERS="0 4G"
+    # runs each depth with each prefetch buffer size (0: the default), to see whether a
+    # buffer that keeps unrouted reads longer lets later tokens use them; HOST_CACHE=8G
+    # puts a host tier under the pool instead of none.
     for d in ${DEPTHS:-1 2}; do
-      HOST_CACHE=0 CAPACITY=0.25 DEPTH=$d DECODE_TOKENS=${DECODE_TOKENS:-16} PROMPT_TOKENS=${PROMPT_TOKENS:-4} \
+     for b in ${BUFFERS:-0}; do
+      pf_buffer=$b; [ "$b" = 0 ] && pf_buffer=
+      HOST_CACHE=${HOST_CACHE:-0} CAPACITY=0.25 DEPTH=$d PF_BUFFER=$pf_buffer DECODE_TOKENS=${DECODE_TOKENS:-16} PROMPT_TOKENS=${PROMPT_TOKENS:-4} \
         timeout "${STAGE_TIMEOUT:-280}" bash "$0" predict-q30 \
-        || echo "predict-depth-q30: depth $d failed or timed out (exit $?)"
+        || echo "predict-depth-q30: depth $d, buffer $b failed or timed out (exit $?)"
+     done
     done
     ;;
   graph-ops)
