@@ -82,10 +82,11 @@ case "$stage" in
     # for prefetch's copies (default 64; see gpu_background_copy_probe.py). DEPTH=N reads
     # N layers ahead (setting prefetch_depth); ROUNDS=N blocks of off/on/on/off (default 3);
     # PF_BUFFER=SIZE sizes the prefetch buffer (setting prefetch_buffer); WIDTH=N names
-    # N x top-k experts per token.
-    f="$OUT/bench_predict_q30${HOST_CACHE:+_host$HOST_CACHE}${COPY_BATCH:+_batch}${COPY_KERNEL:+_kernel}${PF_BLOCKS:+_b$PF_BLOCKS}${DEPTH:+_d$DEPTH}${PF_BUFFER:+_buf$PF_BUFFER}${WIDTH:+_w$WIDTH}${ROUNDS:+_r$ROUNDS}${MLX_MAX_OPS_PER_BUFFER:+_ops$MLX_MAX_OPS_PER_BUFFER}_h200.json"
+    # N x top-k experts per token; POLICY=lfu|lfuda|predictive evicts by another policy
+    # than LRU (fewer misses leave prefetch a larger share of the time to hide).
+    f="$OUT/bench_predict_q30${HOST_CACHE:+_host$HOST_CACHE}${COPY_BATCH:+_batch}${COPY_KERNEL:+_kernel}${PF_BLOCKS:+_b$PF_BLOCKS}${DEPTH:+_d$DEPTH}${PF_BUFFER:+_buf$PF_BUFFER}${WIDTH:+_w$WIDTH}${ROUNDS:+_r$ROUNDS}${POLICY:+_$POLICY}${MLX_MAX_OPS_PER_BUFFER:+_ops$MLX_MAX_OPS_PER_BUFFER}_h200.json"
     ctl bench predict --model /root/q30/store --temp 1 --host-cache ${HOST_CACHE:-20G} --width ${WIDTH:-1} --depth ${DEPTH:-1} --rounds ${ROUNDS:-3} \
-      ${PF_BUFFER:+--prefetch-buffer $PF_BUFFER} \
+      ${PF_BUFFER:+--prefetch-buffer $PF_BUFFER} --policy ${POLICY:-lru} \
       ${CAPACITY:+--capacity $CAPACITY} ${COPY_BATCH:+--copy-batch} ${COPY_KERNEL:+--copy-kernel} --prefetch-copy-blocks ${PF_BLOCKS:-64} \
       --prompt-tokens ${PROMPT_TOKENS:-8} --decode-tokens ${DECODE_TOKENS:-48} --mlx-memory-limit 64G --json >"$f" 2> >(tee "$f.progress" >&2)
     $py - "$f" <<'EOF'
