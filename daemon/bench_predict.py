@@ -81,8 +81,8 @@ def _decode(sm: StreamingModel, prompt: list[int], steps: int, temp: float, seed
     and the prefetcher's reads, counted as they complete (so a read the prompt started
     and the first step finished counts, and one still running at the end does not)."""
     before: dict[str, float] = {}
-    seconds = timed_decode(sm.model, prompt, steps, temp, seed, after_prefill=lambda: before.update(decode_counters(sm)),
-                           split=split)[0]
+    snapshot = (lambda: before.update(decode_counters(sm))) if disk is not None else None
+    seconds = timed_decode(sm.model, prompt, steps, temp, seed, after_prefill=snapshot, split=split)[0]
     if disk is not None:
         after = decode_counters(sm)
         disk.append(int(sum(after[k] - before[k] for k in ("bytes_from_disk", "prefetch_bytes_read"))))
@@ -206,9 +206,6 @@ def _paired_fields(speeds: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _disk_fields(speeds: dict[str, Any], read_bandwidth: float) -> dict[str, Any]:
-    return {"disk": disk_figures(speeds["tps"], speeds["disk_bytes_per_token"], read_bandwidth)}
-
 
 def _load(settings: BenchPredictSettings, capacity: float, **pool: Any) -> StreamingModel:
     """The model at `capacity` with prefetch on; `pool` names the kind of pool."""
@@ -288,7 +285,7 @@ def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[
         # Where the CUDA copier's host time goes (absent without it).
         "copier_per_forward": {name: run.get("copier") for name, run in (("prefetch_on", on), ("prefetch_off", off))},
         **_paired_fields(speeds),
-        **_disk_fields(speeds, read_bandwidth),
+        "disk": disk_figures(speeds["tps"], speeds["disk_bytes_per_token"], read_bandwidth),
         "auto": auto,
         "prefetch": {k: pf[k] for k in ("submitted", "promoted", "waited", "dropped_unused", "no_room", "used_fraction",
                                         "buffer_experts", "buffer_bytes")},

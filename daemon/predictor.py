@@ -136,14 +136,18 @@ def install(
     # Room for a few layers' predictions of a batch (more when reading further ahead);
     # with prefetch off the buffer only has to exist (predictions still feed the
     # diagnostics).
-    slots = prefetch_slots or (top_k if prefetch == "off" else min(16 * depth * top_k, 4 * depth * largest))
-    if buffer_bytes:
-        stride = expert_stride(manifest)
-        if buffer_bytes < top_k * stride:
-            raise ValueError(f"prefetch_buffer of {buffer_bytes} bytes holds fewer experts than one token routes "
-                             f"({top_k} of {stride} bytes): give at least {top_k * stride}, or 0 for the default")
-        if not prefetch_slots and prefetch != "off":
-            slots = buffer_bytes // stride
+    stride = expert_stride(manifest)
+    if buffer_bytes and buffer_bytes < top_k * stride:
+        raise ValueError(f"prefetch_buffer of {buffer_bytes} bytes holds fewer experts than one token routes "
+                         f"({top_k} of {stride} bytes): give at least {top_k * stride}, or 0 for the default")
+    if prefetch_slots:
+        slots = prefetch_slots
+    elif prefetch == "off":
+        slots = top_k
+    elif buffer_bytes:
+        slots = buffer_bytes // stride
+    else:
+        slots = min(16 * depth * top_k, 4 * depth * largest)
     prefetcher = Prefetcher(reader, manifest, copier, slots=slots, top_k=top_k, mode=prefetch, tier=tier,
                             batch=getattr(admitter, "batch", False), depth=depth)
     for i, (m, nxt, router) in enumerate(zip(moes, moes[1:], routers[1:])):

@@ -97,15 +97,14 @@ class StreamingMoE(nn.Module):
         nxt, pf = self.next, self.prefetcher
         ranked_np = None
         ahead: list[tuple[NextLayer, np.ndarray]] = []
-        if nxt is not None and not nxt.pool.fully_resident and (
-            rec is not None or (pf.enabled and seq <= MAX_PREFETCH_TOKENS)
-        ):
+        reading = pf is not None and pf.enabled and seq <= MAX_PREFETCH_TOKENS
+        if nxt is not None and not nxt.pool.fully_resident and (rec is not None or reading):
             # Diagnostics rank 4k experts best first (recall at k, 2k, 4k); prefetch
             # alone needs only the top k' (its width), in any order.
             ranked = nxt.router.ranked(x, max(4 * pf.top_k, pf.width) if rec is not None else pf.width, ordered=rec is not None)
             # With a prefetch depth above 1, the layers after the next, ranked on the
             # same input: their reads get more than one layer's compute to finish in.
-            later = [a for a in nxt.ahead if not a.pool.fully_resident] if pf.enabled and seq <= MAX_PREFETCH_TOKENS else []
+            later = [a for a in nxt.ahead if not a.pool.fully_resident] if reading else []
             later_ranked = [a.router.ranked(x, pf.width, ordered=False) for a in later]
             mx.eval(indices, ranked, *later_ranked)  # the one host sync of this layer, for all
             ids = np.array(indices)
