@@ -160,7 +160,9 @@ class Settings:
     # per layer of depth, at most 4 x a layer's experts per layer of depth). Entries
     # stay until newer reads need their room, so a larger buffer also keeps experts that
     # were read but not routed for a later token that routes them: on the H200 at depth
-    # 2 and 3, 10 to 12% of the reads went unused with the default.
+    # 2 and 3, 10 to 12% of the reads went unused with the default, none with 4 GB (which
+    # took prefetch at 25% from 1.16x to 1.21-1.25x; memory the pool or a host tier would
+    # use better where they can have it: README, "Prefetch").
     prefetch_buffer: int = 0
     # Native read engine.
     io_threads: int = 4
