@@ -406,4 +406,21 @@ def format_report(report: dict[str, Any]) -> str:
                 f"of that bound off {num(off['of_bound'], '.2f')}, on {num(on['of_bound'], '.2f')}; "
                 f"prefetch could give at most {num(disk['speedup_ceiling'], '.2f')}x"
             )
+        pf = r.get("prefetch")
+        if pf and pf["submitted"] and "buffer_experts" in pf:  # reports before session 12 lack the buffer
+            lines.append(f"{r['capacity']:>8.0%} {_buffer_line(pf)}")
     return "\n".join(lines)
+
+
+# Unrouted reads dropped beyond this share of prefetch's reads cost disk time that a
+# larger buffer gives back (the H200 at depth 2: 11% with 256 experts, none with 4 GB).
+_DROPPED_HINT_SHARE = 0.05
+
+
+def _buffer_line(pf: dict[str, Any]) -> str:
+    dropped = pf["dropped_unused"] / pf["submitted"]
+    line = (f"prefetch buffer {pf['buffer_experts']} experts ({pf['buffer_bytes'] / 1e9:.2f} GB): "
+            f"{dropped:.1%} of its reads dropped before any token routed them")
+    if dropped > _DROPPED_HINT_SHARE:
+        line += "; a larger --prefetch-buffer keeps them for a later token"
+    return line

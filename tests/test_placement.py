@@ -421,6 +421,15 @@ def test_bench_predict_measures_both_pools_prefetch(store):
             tps = slots["tokens_per_s_on"] if enabled else slots["tokens_per_s_off"]
             assert d["of_bound"] == pytest.approx(tps / d["bound_tokens_per_s"])
     assert "read from the store per token off/on" in format_report(slots_report)
+    # The prefetch buffer's size and the share of its reads dropped unrouted, with the
+    # hint to enlarge it only where that share is large.
+    pf = slots["prefetch"]
+    assert pf["buffer_bytes"] > 0 and 0 <= pf["dropped_unused"] <= pf["submitted"]
+    assert f"prefetch buffer {pf['buffer_experts']} experts" in format_report(slots_report)
+    hinted = {**slots_report, "results": [{**slots, "prefetch": {**pf, "submitted": 100, "dropped_unused": 11}}]}
+    quiet = {**slots_report, "results": [{**slots, "prefetch": {**pf, "submitted": 100, "dropped_unused": 0}}]}
+    assert "11.0% of its reads dropped" in format_report(hinted) and "larger --prefetch-buffer" in format_report(hinted)
+    assert "0.0% of its reads dropped" in format_report(quiet) and "larger --prefetch-buffer" not in format_report(quiet)
     mapped_report = run_bench_predict(BenchPredictSettings(**common, mapped=True))
     mapped = mapped_report["results"][0]
     assert mapped["pool"] == "mapped" and mapped["recall"] is None
