@@ -206,7 +206,6 @@ def _paired_fields(speeds: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-
 def _load(settings: BenchPredictSettings, capacity: float, **pool: Any) -> StreamingModel:
     """The model at `capacity` with prefetch on; `pool` names the kind of pool."""
     return load_streaming_model(
