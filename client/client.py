@@ -24,11 +24,11 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import zmq
 
 from moestream.shared import protocol as proto
-from moestream.shared.protocol import Done, Token
+from moestream.shared.protocol import Done, Progress, Token
 from moestream.shared.runtime_dir import RuntimeDirError, RuntimePaths, check_private_dir, lock_is_held, pid_alive, read_pid
 from moestream.shared.settings import Settings
 
-__all__ = ["Client", "ClientError", "DaemonDied", "DaemonNotRunning", "Done", "GenerateStream", "RequestRejected", "Token"]
+__all__ = ["Client", "ClientError", "DaemonDied", "DaemonNotRunning", "Done", "GenerateStream", "Progress", "RequestRejected", "Token"]
 
 _SLICE_S = 0.2
 
@@ -139,6 +139,7 @@ class Client:
         draft_tokens: int | None = None,
         draft_model: str | None = None,
         diagnostics: bool = False,
+        progress: bool = False,
     ) -> "GenerateStream":
         """Send a generate request now; iterate the result for `Token` events, then `Done`.
 
@@ -147,6 +148,8 @@ class Client:
         `speculative` "mtp" or "draft" (with `draft_model`, a path on the daemon's
         machine) decodes speculatively, `draft_tokens` per round. `diagnostics=True`
         puts this request's hot-path diagnostics into the final statistics.
+        `progress=True` adds `Progress` events (prompt tokens processed, of how many)
+        while the prompt is prefilled.
         """
         msg = proto.Generate(
             id=request_id or _new_id(),
@@ -162,6 +165,7 @@ class Client:
             draft_tokens=draft_tokens,
             draft_model=draft_model,
             diagnostics=True if diagnostics else None,
+            progress=True if progress else None,
         )
         data = proto.encode(msg)
         try:
@@ -265,7 +269,8 @@ class Client:
 
 
 class GenerateStream:
-    """The events of one generate request: `Token`s, then one `Done` (kept in `.done`).
+    """The events of one generate request: `Progress` events if asked for, `Token`s, then
+    one `Done` (kept in `.done`).
 
     Leaving the loop early and calling `close()` cancels the request.
     """
@@ -276,10 +281,10 @@ class GenerateStream:
         self.done: Done | None = None
         self._failed = False
 
-    def __iter__(self) -> Iterator[Token | Done]:
+    def __iter__(self) -> Iterator[Progress | Token | Done]:
         return self
 
-    def __next__(self) -> Token | Done:
+    def __next__(self) -> Progress | Token | Done:
         if self.done is not None or self._failed:
             raise StopIteration
         try:
@@ -290,7 +295,7 @@ class GenerateStream:
         if isinstance(event, Done):
             self.done = event
             self.client._forget(self.id)
-        elif not isinstance(event, Token):
+        elif not isinstance(event, (Token, Progress)):
             raise ClientError(f"unexpected {event.TYPE} message in the stream of {self.id}")
         return event
 

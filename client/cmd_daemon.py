@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from moestream.client.cli_values import capacity_note
 from moestream.client.client import Client, ClientError, DaemonDied, DaemonNotRunning
 from moestream.shared.runtime_dir import RuntimeDirError, RuntimePaths, ensure_private_dir, lock_is_held, read_pid
 from moestream.shared.settings import Settings, SettingsError, format_size
@@ -34,6 +35,20 @@ def resolve_settings(given: dict[str, Any]) -> Settings:
         return Settings.resolve(given)
     except SettingsError as e:
         raise click.UsageError(str(e)) from None
+
+
+def resolve_lenient(given: dict[str, Any]) -> Settings:
+    """Settings for the commands that only find a running daemon (`status`, `stop`,
+    `logs`, `stats`): a bad value in the config file or the environment is left out with
+    a warning, so that they still work when it would stop the daemon from starting."""
+    problems: list[str] = []
+    try:
+        settings = Settings.resolve(given, problems=problems)
+    except SettingsError as e:
+        raise click.UsageError(str(e)) from None
+    for problem in problems:
+        click.echo(f"warning: {problem}", err=True)
+    return settings
 
 
 def _paths(settings: Settings) -> RuntimePaths:
@@ -64,6 +79,14 @@ def _tail(path: Path, lines: int, *, start: int = 0) -> str:
     return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
 
 
+def check_store(model: str) -> None:
+    """A usage error naming `model` unless it is an expert store whose manifest reads."""
+    try:
+        load_manifest(model)
+    except StoreError as e:
+        raise click.UsageError(f"--model: {e}") from None
+
+
 def start_daemon(settings: Settings, given: dict[str, Any], *, timeout: float = 120.0, echo: bool = True) -> int:
     """Start a detached daemon and wait until it answers as ready; returns its pid.
 
@@ -72,10 +95,7 @@ def start_daemon(settings: Settings, given: dict[str, Any], *, timeout: float = 
     """
     if settings.model is None:
         raise click.UsageError("give --model STORE (an expert store made by `moestreamctl convert`), or set MOESTREAM_MODEL")
-    try:
-        load_manifest(settings.model)  # a wrong folder fails here, not in the daemon's log
-    except StoreError as e:
-        raise click.UsageError(f"--model: {e} (make one with `moestreamctl convert`)") from None
+    check_store(settings.model)  # a wrong folder fails here, not in the daemon's log
     given = absolute_paths(given)
     paths = _paths(settings)
     if lock_is_held(paths):
@@ -222,6 +242,9 @@ def start(model, memory_budget, capacity, policy, host_cache, mapped, io_threads
              "mapped": mapped, "io_threads": io_threads, "autopin_frac": autopin_frac, "runtime_dir": runtime_dir, "log_file": log_file,
              "diagnostics": diagnostics, "prefetch": prefetch}
     settings = resolve_settings(given)
+    note = capacity_note(settings)
+    if note:
+        click.echo(f"note: {note}", err=True)
     if foreground:
         if settings.model is None:
             raise click.UsageError("give --model STORE (an expert store made by `moestreamctl convert`), or set MOESTREAM_MODEL")
@@ -240,7 +263,7 @@ def start(model, memory_budget, capacity, policy, host_cache, mapped, io_threads
 @click.option("--timeout", default=30.0, show_default=True, type=float, help="Seconds to wait before SIGTERM, then again before giving up.")
 def stop(runtime_dir, timeout) -> None:
     """Stop the daemon: running requests end with finish reason "shutdown"."""
-    paths = _paths(resolve_settings({"runtime_dir": runtime_dir}))
+    paths = _paths(resolve_lenient({"runtime_dir": runtime_dir}))
     pid = stop_daemon(paths, timeout=timeout)
     click.echo("no moestream daemon is running" if pid is None else f"moestream daemon stopped (pid {pid})", err=True)
 
@@ -267,7 +290,11 @@ def restart(model, memory_budget, capacity, policy, host_cache, mapped, io_threa
         if given.get("log_file") is None and running.get("log"):
             given["log_file"] = running["log"]
         stop_daemon(paths, timeout=30.0)
-    start_daemon(resolve_settings(given), given, timeout=timeout)
+    settings = resolve_settings(given)
+    note = capacity_note(settings)
+    if note:
+        click.echo(f"note: {note}", err=True)
+    start_daemon(settings, given, timeout=timeout)
 
 
 @click.command()
@@ -275,7 +302,7 @@ def restart(model, memory_budget, capacity, policy, host_cache, mapped, io_threa
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def status(runtime_dir, as_json) -> None:
     """Is the daemon running, and how is its pool doing."""
-    settings = resolve_settings({"runtime_dir": runtime_dir})
+    settings = resolve_lenient({"runtime_dir": runtime_dir})
     paths = _paths(settings)
     if not lock_is_held(paths):
         if as_json:
@@ -304,32 +331,52 @@ def _rate(x: Any) -> str:
 
 def _format_status(st: dict[str, Any]) -> str:
     mem, req, pool, heat = st["memory"], st["requests"], st["pool"], st.get("heat", {})
-    layers = pool.get("layers", [])
-    resident = sum(layer["resident"] for layer in layers)
-    slots = sum(layer["capacity"] for layer in layers)
-    pinned = sum(layer["pinned"] for layer in layers)
     lines = [
         f"moestream daemon {st['version']}: {st['state']} (pid {st['pid']}, up {st['uptime_s']:.0f} s)",
         f"  model      {st['model']}",
-        f"  pool       {st['capacity']} slots x {st.get('moe_layers')} layers of {st.get('experts_per_layer')} experts, "
-        f"policy {st['policy']}; {resident}/{slots} slots used, {pinned} pinned; hit rate {_rate(pool.get('hit_rate'))}",
+    ]
+    if st.get("error"):
+        lines.append(f"  error      {st['error']}")
+    if st.get("capacity") is None:
+        lines.append("  pool       not loaded yet" if st["state"] == "loading" else "  pool       none")
+    else:
+        layers = pool.get("layers", [])
+        resident = sum(layer["resident"] for layer in layers)
+        slots = sum(layer["capacity"] for layer in layers)
+        pinned = sum(layer["pinned"] for layer in layers)
+        lines.append(
+            f"  pool       {st['capacity']} slots x {st.get('moe_layers')} layers of {st.get('experts_per_layer')} experts, "
+            f"policy {st['policy']}; {resident}/{slots} slots used, {pinned} pinned; hit rate {_rate(pool.get('hit_rate'))}"
+        )
+    if pool.get("mapped_auto"):
+        # What `mapped = auto` chose, and why (daemon/store/loader.py choose_mapped).
+        lines.append(f"  mapped     auto, {pool['mapped_auto']}")
+    placement = pool.get("placement")
+    if pool.get("mapped") and placement:
+        lines.append(f"  mapped     every expert in host memory, {placement['gpu_slots']} per layer in GPU memory; "
+                     f"GPU hit rate {_rate(placement.get('gpu_hit_rate'))}, {placement['moves']} moves")
+    ended = ", ".join(f"{req.get(k, 0)} {k}" for k in ("completed", "cancelled", "disconnected", "failed"))
+    lines += [
         f"  memory     RSS {_size(mem['rss_bytes'])}, MLX active {_size(mem['mlx_active_bytes'])}, peak {_size(mem['mlx_peak_bytes'])}",
         f"  requests   {req['active']} active, {req['queued']} queued, {st['clients']['connected']} clients connected; "
-        f"{req.get('completed', 0)} completed, {req.get('cancelled', 0)} cancelled, {req.get('failed', 0)} failed, {req.get('tokens', 0)} tokens",
+        f"{req.get('requests', 0)} received: {ended}; {req.get('tokens', 0)} tokens made",
+    ]
+    for job in req.get("running", []):
+        lines.append(f"    {job['id']}: {_job_state(job)}, {job['seconds']:.0f} s")
+    lines += [
         f"  heat       {heat.get('state', '-')}" + (f" ({heat['note']})" if heat.get("note") else ""),
         f"  log        {st['log']}",
         f"  socket     {st['socket']}",
     ]
-    placement = pool.get("placement")
-    if pool.get("mapped") and placement:
-        lines.insert(3, f"  mapped     every expert in host memory, {placement['gpu_slots']} per layer in GPU memory; "
-                        f"GPU hit rate {_rate(placement.get('gpu_hit_rate'))}, {placement['moves']} moves")
-    if pool.get("mapped_auto"):
-        # What `mapped = auto` chose, and why (daemon/store/loader.py choose_mapped).
-        lines.insert(3, f"  mapped     auto, {pool['mapped_auto']}")
-    if st.get("error"):
-        lines.insert(1, f"  error      {st['error']}")
     return "\n".join(lines)
+
+
+def _job_state(job: dict[str, Any]) -> str:
+    done = job.get("prefilled_tokens")
+    if done is not None:
+        total = job["prompt_tokens"]
+        return f"prefill {done}/{total} prompt tokens ({100 * done // max(total, 1)}%)"
+    return f"{job['tokens']}/{job['max_tokens']} tokens after a prompt of {job['prompt_tokens']}"
 
 
 @click.command()
@@ -339,7 +386,7 @@ def _format_status(st: dict[str, Any]) -> str:
 @click.option("-f", "follow", is_flag=True, help="Keep printing new lines (Ctrl-C to end).")
 def logs(runtime_dir, log_file, lines, follow) -> None:
     """Print the daemon's log path and its last lines."""
-    settings = resolve_settings({"runtime_dir": runtime_dir, "log_file": log_file})
+    settings = resolve_lenient({"runtime_dir": runtime_dir, "log_file": log_file})
     paths = _paths(settings)
     path = paths.log
     if log_file is None and lock_is_held(paths):
@@ -383,7 +430,7 @@ def _follow(path: Path) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def stats(runtime_dir, as_json) -> None:
     """The pool's statistics: hits, misses, evictions and bytes read, per layer."""
-    settings = resolve_settings({"runtime_dir": runtime_dir})
+    settings = resolve_lenient({"runtime_dir": runtime_dir})
     try:
         with _client(settings, timeout=5.0) as c:
             st = c.stats()
@@ -406,7 +453,9 @@ def stats(runtime_dir, as_json) -> None:
             f"({placement['routed_on_gpu']} of {placement['routed']} routed), {placement['moves']} moves, "
             f"read-back {placement['readback_seconds']:.3f} s, decide {placement['decide_seconds']:.3f} s, place {placement['place_seconds']:.3f} s"
         )
-    click.echo(f"requests: {json.dumps(req)}")
+    click.echo(f"requests: {req.get('requests', 0)} received: " + ", ".join(
+        f"{req.get(k, 0)} {k}" for k in ("completed", "cancelled", "disconnected", "failed"))
+        + f"; {req.get('tokens', 0)} tokens made, {req.get('queued', 0)} queued")
     if reader:
         click.echo("read engine: " + ", ".join(f"{k} {v}" for k, v in reader.items() if isinstance(v, (int, float))))
     click.echo(f"{'layer':>5} {'resident':>9} {'capacity':>9} {'pinned':>7} {'hit rate':>9}")
@@ -429,17 +478,23 @@ def _echo_prefetch(pf: dict[str, Any] | None, diag: dict[str, Any] | None) -> No
     if not totals:
         click.echo("diagnostics: none recorded (`moestreamctl start --diagnostics`, or `generate --diagnostics`)")
         return
-    recall = totals["recall"]["all"]
-    click.echo("diagnostics: recall " + ", ".join(f"{k} {_rate(recall[k])}" for k in ("top_k", "top_2k", "top_4k")))
-    for phase, buckets in totals["attribution"].items():
-        click.echo(f"  {phase}: " + ", ".join(f"{k} {v}" for k, v in buckets.items()))
-    seg = totals["segments"]
-    click.echo("  ms per call: " + ", ".join(f"{k} {v['mean_ms']:.3f}" for k, v in seg.items() if v["mean_ms"] is not None))
-    if totals["window"]["mean_ms"] is not None:
-        click.echo(f"  compute window {totals['window']['mean_ms']:.3f} ms, read wait {totals['read_wait']['seconds'] * 1e3:.1f} ms in all")
-    for ordinal, layer in totals["layers"].items():
-        union = ", ".join(f"{seq}: p50 {u['p50']:.0f} p99 {u['p99']:.0f} max {u['max']}" for seq, u in layer["union"].items())
-        click.echo(f"  layer {ordinal} union by tokens per sequence: {union}")
+    for line in diagnostics_lines(totals):
+        click.echo(line)
 
+
+def diagnostics_lines(d: dict[str, Any]) -> list[str]:
+    """Hot-path diagnostics (a request's, or the daemon's totals) for people."""
+    recall = d["recall"]["all"]
+    lines = ["diagnostics: recall " + ", ".join(f"{k} {_rate(recall[k])}" for k in ("top_k", "top_2k", "top_4k"))]
+    for phase, buckets in d["attribution"].items():
+        lines.append(f"  {phase}: " + ", ".join(f"{k} {v}" for k, v in buckets.items()))
+    seg = d["segments"]
+    lines.append("  ms per call: " + ", ".join(f"{k} {v['mean_ms']:.3f}" for k, v in seg.items() if v["mean_ms"] is not None))
+    if d["window"]["mean_ms"] is not None:
+        lines.append(f"  compute window {d['window']['mean_ms']:.3f} ms, read wait {d['read_wait']['seconds'] * 1e3:.1f} ms in all")
+    for ordinal, layer in d["layers"].items():
+        union = ", ".join(f"{seq}: p50 {u['p50']:.0f} p99 {u['p99']:.0f} max {u['max']}" for seq, u in layer["union"].items())
+        lines.append(f"  layer {ordinal} union by tokens per sequence: {union}")
+    return lines
 
 COMMANDS = (start, stop, restart, status, logs, stats)

@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from moestream.daemon.expert_pool import PoolCapacityError
+from moestream.shared.settings import format_size
 from moestream.shared.store_format import Manifest
 
 
@@ -66,11 +67,11 @@ def plan_capacity(
     if slots < k:
         need = resident_bytes + kv + k * per_slot + overflow_reserve_bytes(manifest, k)
         raise PoolCapacityError(
-            f"--memory-budget {memory_budget / 2**30:.2f} GiB is below the minimum "
-            f"{need / 2**30:.2f} GiB: resident weights {resident_bytes / 2**30:.2f} GiB + "
-            f"KV cache for {max_tokens} tokens {kv / 2**30:.2f} GiB + top-{k} experts "
-            f"per layer {k * per_slot / 2**30:.2f} GiB + room for a long prompt's experts "
-            f"{overflow_reserve_bytes(manifest, k) / 2**30:.2f} GiB"
+            f"--memory-budget {format_size(memory_budget)} is below the minimum "
+            f"{format_size(need)}: resident weights {format_size(resident_bytes)} + "
+            f"KV cache for {max_tokens} tokens {format_size(kv)} + top-{k} experts "
+            f"per layer {format_size(k * per_slot)} + room for a long prompt's experts "
+            f"{format_size(overflow_reserve_bytes(manifest, k))}"
         )
     return min(int(slots), most)
 

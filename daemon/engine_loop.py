@@ -76,6 +76,8 @@ class Job:
     started: float | None = None
     stop_reason: str | None = None  # cancelled | disconnected | shutdown
     stop_requested_at: float | None = None
+    # (prompt tokens prefilled, of how many) until the first token; None before and after.
+    prefill: tuple[int, int] | None = None
     # When the last few tokens were made, to count those made after a stop was asked.
     token_times: deque = field(default_factory=lambda: deque(maxlen=8))
 
@@ -198,9 +200,11 @@ class EngineLoop:
                 return
             self._admit()
             if self._active:
-                job = self._active.popleft()
+                # The job stays in the active set while it steps, so that a status
+                # published meanwhile (a long prompt's prefill) shows it.
+                job = self._active[0]
                 if self._step(job):
-                    self._active.append(job)
+                    self._active.rotate(-1)
             self._publish()
             self._heat_tick()
 
@@ -288,7 +292,16 @@ class EngineLoop:
     def _make_generator(self, job: Job, params: Any) -> Iterator[tuple[str, int]]:
         from moestream.daemon.generation import iter_generate
 
-        return iter_generate(self._sm, job.prompt_ids, params, job.result, should_stop=lambda: job.stop_reason is not None)
+        return iter_generate(self._sm, job.prompt_ids, params, job.result, should_stop=lambda: job.stop_reason is not None,
+                             on_prompt_progress=lambda done, total: self._on_prefill(job, done, total))
+
+    def _on_prefill(self, job: Job, done: int, total: int) -> None:
+        """Called between prefill chunks, inside the request's step: `status` and a client
+        that asked for progress see how far a long prompt has come."""
+        job.prefill = (done, total) if done < total else None
+        if job.msg.progress:
+            self._send(job.peer, proto.Progress(job.msg.id, done, total))
+        self._publish(force=True)
 
     def _step(self, job: Job) -> bool:
         """Advance one request by one step; False once it has ended."""
@@ -454,6 +467,7 @@ class EngineLoop:
             "tokens": len(job.result.tokens) if job.result is not None else 0,
             "max_tokens": job.msg.max_tokens,
             "prompt_tokens": len(job.prompt_ids),
+            "prefilled_tokens": job.prefill[0] if job.prefill is not None else None,
             "seconds": now - job.received,
         }
 

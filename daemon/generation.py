@@ -159,10 +159,12 @@ def generate(
     *,
     on_text: Callable[[str, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    on_prompt_progress: Callable[[int, int], None] | None = None,
 ) -> GenerationResult:
     """Run one request to the end; `on_text(segment, token)` gets text as it appears."""
     result = GenerationResult()
-    for segment, token in iter_generate(sm, prompt_ids, params, result, should_stop=should_stop):
+    steps = iter_generate(sm, prompt_ids, params, result, should_stop=should_stop, on_prompt_progress=on_prompt_progress)
+    for segment, token in steps:
         if on_text is not None:
             on_text(segment, token)
     return result
@@ -195,8 +197,12 @@ def iter_generate(
     result: GenerationResult,
     *,
     should_stop: Callable[[], bool] | None = None,
+    on_prompt_progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[tuple[str, int]]:
-    """Yield (text segment, token id) pairs; fill `result` as it goes."""
+    """Yield (text segment, token id) pairs; fill `result` as it goes.
+
+    `on_prompt_progress(done, total)` is called as the prompt is prefilled: at its start
+    and after each prefill chunk (mlx-lm's prefill step), on this thread."""
     tokenizer = sm.tokenizer
     detok = tokenizer.detokenizer
     detok.reset()
@@ -214,9 +220,11 @@ def iter_generate(
 
         spec = SpeculativeParams(mode=params.speculative, draft_tokens=params.draft_tokens, draft_model=params.draft_model)
         spec_stats = SpeculativeStats(mode=spec.mode, draft_tokens_requested=spec.draft_tokens)
-        steps = speculative_steps(sm, prompt_ids, sampler=sampler, max_tokens=params.max_tokens, spec=spec, stats=spec_stats)
+        steps = speculative_steps(sm, prompt_ids, sampler=sampler, max_tokens=params.max_tokens, spec=spec, stats=spec_stats,
+                                  on_prompt_progress=on_prompt_progress)
     else:
-        steps = generate_step(mx.array(list(prompt_ids)), sm.model, max_tokens=params.max_tokens, sampler=sampler)
+        steps = generate_step(mx.array(list(prompt_ids)), sm.model, max_tokens=params.max_tokens, sampler=sampler,
+                              prompt_progress_callback=on_prompt_progress)
     if sm.placement is not None:
         steps = _ticked(steps, sm.placement)
     rec = sm.diagnostics.new_recorder(params.diagnostics) if sm.diagnostics is not None else None

@@ -217,13 +217,15 @@ def check_one(dealer: Dealer, case: FuzzCase) -> str | None:
     if reply.id != want.request_id:
         return f"{case.kind}: a reply for {reply.id!r}, expected one for {want.request_id!r}"
     if want.reply is proto.Done:
-        # A valid generate: tokens then done, or an error the engine gives (unknown token
-        # ids, too long). Cancel after the first token; the stream still ends with done.
+        # A valid generate: tokens (after progress events, if it asked) then done, or an
+        # error the engine gives (unknown token ids, too long). Cancel after the first
+        # event; the stream still ends with done.
         # Each cancel gets its own reply, which may come after the stream's end: all are
         # awaited here, so that none is taken for the next case's reply on a slow machine.
         cancel_id = "c" + want.request_id[:60]
         cancels = acks = 0
-        while isinstance(reply, proto.Token):
+        stream_events = (proto.Token, proto.Progress)
+        while isinstance(reply, stream_events):
             dealer.sock.send(proto.encode(proto.Cancel(id=cancel_id, target=want.request_id)))
             cancels += 1
             while True:
@@ -232,7 +234,7 @@ def check_one(dealer: Dealer, case: FuzzCase) -> str | None:
                     return f"{case.kind}: generate {want.request_id!r} never ended"
                 if reply.id == cancel_id:
                     acks += 1
-                elif reply.id == want.request_id and not isinstance(reply, proto.Token):
+                elif reply.id == want.request_id and not isinstance(reply, stream_events):
                     break
         if not isinstance(reply, (proto.Done, proto.Error)):
             return f"{case.kind}: a generate ended with {reply.TYPE}"

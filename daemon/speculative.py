@@ -535,9 +535,11 @@ def speculative_steps(
     spec: SpeculativeParams,
     stats: SpeculativeStats,
     drafter: Any = None,
+    on_prompt_progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[tuple[int, None]]:
     """Yield (token, None) like mlx-lm's `generate_step`, speculating per `spec` and
-    recording what it did in `stats`. `drafter` replaces the one `spec` names (any
+    recording what it did in `stats`; `on_prompt_progress(done, total)` follows the
+    prompt's prefill, as `generate_step`'s `prompt_progress_callback` does. `drafter` replaces the one `spec` names (any
     object with `need_hidden`, `begin`, `observe` and `propose` as `MTPDrafter` has)."""
     model = sm.model
     bucket = spec.key_bucket if spec.key_bucket is not None else default_key_bucket()
@@ -557,6 +559,8 @@ def speculative_steps(
         ids = mx.array(list(prompt), mx.uint32)
         drafter.begin(prompt)
         n_prompt = ids.size
+        progress = on_prompt_progress or (lambda done, total: None)
+        progress(0, n_prompt)
         for start in range(0, n_prompt - 1, PREFILL_STEP):
             end = min(start + PREFILL_STEP, n_prompt - 1)
             chunk = ids[start:end][None]
@@ -564,6 +568,7 @@ def speculative_steps(
             drafter.observe(hidden, ids[start + 1 : end + 1])
             last = getattr(drafter, "last", None)  # bound the MTP head's lazy graph too
             mx.eval([c.state for c in cache.layers], [] if last is None else last)
+            progress(end, n_prompt)
         hidden, logits = _forward(model, ids[-1:], cache.layers, drafter.need_hidden)
         y = _sample_one(sampler, logits)
         if not stats.fell_back:

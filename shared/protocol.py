@@ -5,7 +5,7 @@ Every message is one ZeroMQ frame holding a msgpack map with `v` (PROTOCOL_VERSI
 1 to 64 characters, unique among its own requests). Client -> daemon:
 
   generate  prompt | prompt_ids | messages, max_tokens, temp, top_p, seed, stop,
-            [speculative, draft_tokens, draft_model, diagnostics]           -> token*, done
+            [speculative, draft_tokens, draft_model, diagnostics, progress] -> progress*, token*, done
   cancel    target (the id of one of this client's generate requests)  -> cancelled
   status / stats / ping / shutdown                                     -> status / stats / pong / shutdown
 
@@ -15,7 +15,9 @@ most MAX_PROMPT_IDS ids, a chat (`messages`: a list of {role, content} maps that
 daemon renders with the model's chat template) at most MAX_MESSAGES messages and
 MAX_PROMPT_CHARS characters of content in all (the daemon also refuses prompt +
 max_tokens over its context). `messages` is left out of the encoding when it is None, so
-a daemon that predates it still reads every other generate request.
+a daemon that predates it still reads every other generate request. `progress` events
+(prompt tokens processed so far, of how many) come only to a request that asks for them
+with `progress: true`, so a client that predates them never sees one.
 A malformed, oversized, wrongly versioned or unknown message gets an `error` reply and
 changes nothing else. Validation lives here, in `decode_request`, and nowhere else.
 """
@@ -81,7 +83,7 @@ class ChatMessage:
 class Generate:
     TYPE: ClassVar[str] = "generate"
     # Fields sent only when they are not None (added after version 1 first shipped).
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("messages", "speculative", "draft_tokens", "draft_model", "diagnostics")
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("messages", "speculative", "draft_tokens", "draft_model", "diagnostics", "progress")
     id: str
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None
@@ -98,6 +100,8 @@ class Generate:
     draft_model: str | None = None
     # True: the done event's stats carry this request's hot-path diagnostics.
     diagnostics: bool | None = None
+    # True: `progress` events report the prompt's prefill before the first token.
+    progress: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,16 @@ class Token:
     id: str
     text: str
     token: int
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far the prompt's prefill has come (sent only when the request asked)."""
+
+    TYPE: ClassVar[str] = "progress"
+    id: str
+    done: int
+    total: int
 
 
 @dataclass(frozen=True)
@@ -204,11 +218,11 @@ class ShutdownReply:
     pid: int
 
 
-Reply = Union[Token, Done, Error, Pong, StatusReply, StatsReply, Cancelled, ShutdownReply]
+Reply = Union[Token, Progress, Done, Error, Pong, StatusReply, StatsReply, Cancelled, ShutdownReply]
 
 REQUEST_TYPES: dict[str, type] = {c.TYPE: c for c in (Generate, Cancel, Status, Stats, Shutdown, Ping)}
 REPLY_TYPES: dict[str, type] = {
-    c.TYPE: c for c in (Token, Done, Error, Pong, StatusReply, StatsReply, Cancelled, ShutdownReply)
+    c.TYPE: c for c in (Token, Progress, Done, Error, Pong, StatusReply, StatsReply, Cancelled, ShutdownReply)
 }
 
 
@@ -350,13 +364,14 @@ def _generate_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
         "seed": seed,
         "stop": tuple(stop),
         **_speculative_fields(body, rid),
-        "diagnostics": _diagnostics_field(body, rid),
+        "diagnostics": _flag_field(body, "diagnostics", rid),
+        "progress": _flag_field(body, "progress", rid),
     }
 
 
-def _diagnostics_field(body: dict[str, Any], rid: str) -> bool | None:
-    value = body.get("diagnostics")
-    _check(value is None or isinstance(value, bool), rid, "'diagnostics' must be null, true or false")
+def _flag_field(body: dict[str, Any], name: str, rid: str) -> bool | None:
+    value = body.get(name)
+    _check(value is None or isinstance(value, bool), rid, f"'{name}' must be null, true or false")
     return value
 
 

@@ -9,6 +9,7 @@ then passed down. Nothing else reads the environment, and nothing reads it at im
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import os
 import re
@@ -65,6 +66,10 @@ def parse_capacity(text: str | float | int | None) -> float | int | None:
         raise SettingsError("--capacity: at least one slot per layer")
     return value
 
+
+# The online eviction policies' names (daemon/policies POLICIES, which a test holds to
+# this list): checked here, so a bad name fails in the command, before any daemon runs.
+POLICY_NAMES = ("lru", "lfu", "lfuda", "predictive", "induction", "recall")
 
 # Where a mapped pool's prefetch copies (Settings.mapped_prefetch_stream).
 MAPPED_PREFETCH_STREAMS = ("second", "same")
@@ -208,35 +213,58 @@ class Settings:
         flags: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
         config_file: str | os.PathLike | None = None,
+        *,
+        problems: list[str] | None = None,
     ) -> "Settings":
         """Merge flags > MOESTREAM_* variables > config file > defaults.
 
-        `flags` holds only the options the user gave (None means "not given").
+        `flags` holds only the options the user gave (None means "not given"). A bad
+        value raises `SettingsError` naming where it came from (the variable, or the
+        config file and line); with a `problems` list, bad values from the environment
+        or the config file are left out and described there instead, so that commands
+        such as `status` and `stop` still work.
         """
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
+        where: dict[str, str] = {}
         path = Path(config_file) if config_file else default_config_file(env)
         if path.is_file():
-            values.update(_read_config_file(path))
+            for name, (value, line) in _read_config_file(path).items():
+                values[name], where[name] = value, f"config file {path}, line {line}"
         for f in fields(cls):
             key = ENV_PREFIX + f.name.upper()
             if key in env:
-                values[f.name] = env[key]
+                values[f.name], where[f.name] = env[key], f"environment variable {key}"
         for name, value in (flags or {}).items():
             if value is not None:
                 values[name] = value
+                where.pop(name, None)
         if values.get("model") is None and demo_store_path().is_dir():
             values["model"] = str(demo_store_path())
-        return cls.from_values(values)
+        if problems is not None:
+            for name in [n for n in values if n in where]:
+                try:
+                    cls.from_values({name: values[name]}, where)
+                except SettingsError as e:
+                    problems.append(f"{e}; ignored")
+                    del values[name]
+        return cls.from_values(values, where)
 
     @classmethod
-    def from_values(cls, values: Mapping[str, Any]) -> "Settings":
+    def from_values(cls, values: Mapping[str, Any], where: Mapping[str, str] | None = None) -> "Settings":
+        """Settings from raw values; `where` names the source of each (for messages)."""
         known = {f.name: f for f in fields(cls)}
         out: dict[str, Any] = {}
         for name, raw in values.items():
+            source = f"{where[name]}: " if where and name in where else ""
             if name not in known:
-                raise SettingsError(f"unknown setting {name!r}")
-            out[name] = _coerce(name, raw)
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else f" (settings: {', '.join(known)})"
+                raise SettingsError(f"{source}unknown setting {name!r}{hint}")
+            try:
+                out[name] = _coerce(name, raw)
+            except SettingsError as e:
+                raise SettingsError(f"{source}{e}") from None
         return cls(**out)
 
     def replace(self, **changes: Any) -> "Settings":
@@ -288,6 +316,10 @@ def _coerce(name: str, raw: Any) -> Any:
         if s not in MAPPED_PREFETCH_STREAMS:
             raise SettingsError(f"mapped_prefetch_stream: expected {' or '.join(MAPPED_PREFETCH_STREAMS)}, got {raw!r}")
         return s
+    if name == "policy":
+        if str(raw) not in POLICY_NAMES:
+            raise SettingsError(f"policy: unknown eviction policy {raw!r}; valid names: {', '.join(POLICY_NAMES)}")
+        return str(raw)
     if name == "prefetch":
         s = str(raw).strip().lower()
         if s not in ("on", "off", "auto"):
@@ -321,11 +353,20 @@ def _coerce(name: str, raw: Any) -> Any:
     return str(raw)
 
 
-def _read_config_file(path: Path) -> dict[str, Any]:
+def _read_config_file(path: Path) -> dict[str, tuple[Any, int]]:
+    """{setting: (value, line number)} of a TOML config file."""
     import tomllib  # Python 3.11+; config files are optional, so import only when used
 
     try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
+        text = path.read_text()
+        data = tomllib.loads(text)
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise SettingsError(f"config file {path}: {e}") from e
-    return {k.replace("-", "_"): v for k, v in data.items()}
+    lines = text.splitlines()
+
+    def line_of(key: str) -> int:
+        # tomllib keeps no positions: the first line that assigns the key.
+        pattern = re.compile(rf"\s*[\"']?{re.escape(key)}[\"']?\s*=")
+        return next((i for i, line in enumerate(lines, 1) if pattern.match(line)), 0)
+
+    return {k.replace("-", "_"): (v, line_of(k)) for k, v in data.items()}

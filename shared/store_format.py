@@ -248,7 +248,7 @@ def load_manifest(store_dir: str | os.PathLike) -> Manifest:
     if not store.is_dir():
         raise StoreError(f"expert store {store} does not exist (make one with `moestreamctl convert`)")
     if not path.is_file():
-        raise StoreError(f"{store} is not an expert store: {MANIFEST_NAME} is missing")
+        raise StoreError(f"{store} is not an expert store: {MANIFEST_NAME} is missing (make one with `moestreamctl convert`)")
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -1,13 +1,12 @@
 """`moestreamctl bench policy` on the real routing traces.
 
-The traces are found in $MOESTREAM_TRACE_DIR, else in /work/shared/traces (where the
-project keeps them); without them these tests fail and say where to put them.
+The traces ship with the tests (tests/data/traces, with their provenance in each
+`meta.json`), so a fresh clone runs these tests as they are.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,18 +18,7 @@ from moestream.client.cli import main as cli
 from moestream.daemon.policies import POLICIES
 
 REAL_TRACES = ("qwen15moe_gsm8k_dev", "granite31_decode")
-
-
-def trace_root() -> Path:
-    # The project's shared/ folder lies beside the checkout (for developers and for CI).
-    beside = Path(__file__).resolve().parents[2] / "shared" / "traces"
-    for candidate in (os.environ.get("MOESTREAM_TRACE_DIR"), str(beside)):
-        if candidate and Path(candidate, REAL_TRACES[0], "trace.jsonl").is_file():
-            return Path(candidate)
-    pytest.fail(
-        "no routing traces: set MOESTREAM_TRACE_DIR to the folder holding "
-        f"{', '.join(REAL_TRACES)} (each with trace.jsonl and meta.json)"
-    )
+TRACES = Path(__file__).resolve().parent / "data" / "traces"
 
 
 def moestreamctl() -> list[str]:
@@ -41,7 +29,7 @@ def moestreamctl() -> list[str]:
 
 
 def test_json_on_the_real_trace_folder() -> None:
-    folder = trace_root() / REAL_TRACES[0]
+    folder = TRACES / REAL_TRACES[0]
     meta = json.loads((folder / "meta.json").read_text())
     records = [json.loads(line) for line in (folder / "trace.jsonl").read_text().splitlines()]
     run = subprocess.run(
@@ -107,7 +95,7 @@ def test_static_hits_hold_each_requests_prior_hottest() -> None:
 def test_table_and_capacities_on_both_real_traces() -> None:
     runner = CliRunner()
     for name in REAL_TRACES:
-        trace = trace_root() / name / "trace.jsonl"
+        trace = TRACES / name / "trace.jsonl"
         result = runner.invoke(
             cli, ["bench", "policy", "--trace", str(trace), "--capacity", "0.5",
                   "--capacity", "0.75", "--prior", "none"]
@@ -130,7 +118,7 @@ def test_table_and_capacities_on_both_real_traces() -> None:
     ],
 )
 def test_bad_options_are_refused(args: list[str], message: str) -> None:
-    trace = trace_root() / REAL_TRACES[1]
+    trace = TRACES / REAL_TRACES[1]
     result = CliRunner().invoke(cli, ["bench", "policy", "--trace", str(trace), *args])
     assert result.exit_code != 0 and message in result.output
 

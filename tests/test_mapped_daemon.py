@@ -239,7 +239,7 @@ def test_a_host_without_room_for_every_expert_is_refused_before_loading(store, r
     with pytest.raises(PoolCapacityError) as e:
         check_mapped_host_memory(manifest, need + MAPPED_HOST_MARGIN - 1)
     message = str(e.value)
-    assert f"{need / 2**30:.2f} GiB" in message and f"{(need + MAPPED_HOST_MARGIN - 1) / 2**30:.2f} GiB is available" in message
+    assert f"take {format_size(need)} " in message and f"only {format_size(need + MAPPED_HOST_MARGIN - 1)} is available" in message
     assert "--host-cache" in message and "drop --mapped" in message
 
     # Refused before the resident weights are read: a store without them fails on the

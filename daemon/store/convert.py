@@ -28,6 +28,7 @@ from moestream.daemon.store.layout import SwitchLayer, find_switch_layers
 from moestream.daemon.store.source import check_model_dir, tokenizer_files
 from moestream.shared.durable import fsync_dir
 from moestream.shared.runtime_dir import pid_alive
+from moestream.shared.settings import format_size
 from moestream.shared.store_format import (
     EXPERTS_DIR,
     MANIFEST_NAME,
@@ -206,7 +207,7 @@ def convert_model(
     if free < required_free_bytes(estimate):
         raise StoreError(
             f"not enough free disk space in {out_dir.parent}: the store needs about "
-            f"{estimate / 2**30:.2f} GiB (plus a margin), only {free / 2**30:.2f} GiB are free; "
+            f"{format_size(estimate)} (plus a margin), only {format_size(free)} are free; "
             "free some space or choose another --out"
         )
 

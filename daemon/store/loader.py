@@ -337,8 +337,8 @@ def check_mapped_host_memory(manifest: Manifest, available: int, margin: int = M
     need = manifest.expert_bytes_total
     if available < need + margin:
         raise PoolCapacityError(
-            f"--mapped keeps every expert in host memory: the store's experts take {need / 2**30:.2f} GiB "
-            f"(+ {margin / 2**30:.2f} GiB to spare), but only {available / 2**30:.2f} GiB is available; "
+            f"--mapped keeps every expert in host memory: the store's experts take {format_size(need)} "
+            f"(+ {format_size(margin)} to spare), but only {format_size(available)} is available; "
             "use --host-cache SIZE (a cache of the hottest experts in host memory) or drop --mapped"
         )
 
@@ -384,7 +384,7 @@ def choose_mapped(manifest: Manifest, capacity: int, settings: Settings, host_av
                        f"({format_size(need_tier)}): the slot pool with a host tier")
     need = need_tier + MAPPED_HOST_MARGIN
     if host_available < need:
-        return False, f"off: host RAM {host_available / 2**30:.1f} GiB available, every expert needs {need / 2**30:.1f} GiB"
+        return False, f"off: host RAM {format_size(host_available)} available, every expert needs {format_size(need)}"
     if settings.host_cache:
         return True, "on: an NVIDIA GPU, a partial pool and a host tier that holds every expert, read in place"
     return True, "on: an NVIDIA GPU, a partial pool and host RAM for every expert"

@@ -12,7 +12,7 @@ Routing. With mlx-lm's initialisation a deep random model routes almost the same
 for every token: random attention averages over the context, so the residual stream is
 nearly the same from one token to the next, and an LRU pool of 25% hits about 0.95 of the
 routed experts (48 layers, hidden 2048, 64 tokens sampled at temperature 1). Real models
-do not: on the real Qwen1.5-MoE trace (../shared/traces) LRU at 25% hits 0.30.
+do not: on the real Qwen1.5-MoE trace (tests/data/traces) LRU at 25% hits 0.30.
 `--embed-scale S` multiplies the token embeddings by S, so that the token itself dominates
 the residual stream and routing varies from token to token: at hidden 2048, S = 16, 48, 64
 and 96 give an LRU hit rate at 25% of 0.85, 0.40, 0.29 and 0.24 (measured on a narrow

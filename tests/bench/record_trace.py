@@ -1,4 +1,4 @@
-"""Record a routing trace from an expert store, in the format of ../shared/traces/README.md.
+"""Record a routing trace from an expert store, in the format of tests/data/traces/README.md.
 
     python tests/bench/record_trace.py --model daemon/demo/store --out daemon/demo/trace
 

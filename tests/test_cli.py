@@ -1,0 +1,278 @@
+"""The command line as a new user meets it: prompts from files and standard input, the
+progress of a long prompt, messages that say what is wrong, and flags that are checked
+or said to be changed rather than silently dropped.
+
+One daemon (a tiny store, its own runtime folder) serves the tests that need one.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+from click.testing import CliRunner
+
+from moestream.client.cli import main as cli
+from moestream.client.client import Client, Progress, Token
+from moestream.client.cmd_daemon import _format_status
+from moestream.client.cmd_generate import PrefillProgress
+from moestream.daemon.engine_loop import EngineLoop
+from moestream.daemon.policies import POLICIES
+from moestream.daemon.server import Server
+from moestream.shared.runtime_dir import RuntimePaths
+from moestream.shared.settings import POLICY_NAMES, Settings, SettingsError
+from daemon_cli import clean_env, ctl, wait_for
+from tiny_models import tiny_store
+
+PROMPT = "The farmer counted his hens"
+# Longer than one prefill chunk of mlx-lm (2048 tokens), so that progress is reported
+# between chunks; ids within the tiny vocabulary, none of them a special token.
+LONG_IDS = [5 + (i * 7) % 90 for i in range(2048 + 600)]
+
+
+@pytest.fixture(scope="module")
+def store():
+    with tiny_store("mscli") as path:
+        yield path
+
+
+@pytest.fixture(scope="module")
+def daemon(store):
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="mscl"))
+    out = ctl("start", "--model", str(store), "--capacity", "0.5", "--runtime-dir", str(rt))
+    assert out.returncode == 0, out.stdout + out.stderr
+    try:
+        yield RuntimePaths(dir=rt, log=rt / "daemon.log")
+    finally:
+        stopped = ctl("stop", "--runtime-dir", str(rt))
+        shutil.rmtree(rt)
+        assert stopped.returncode == 0, stopped.stderr
+
+
+def invoke(args: list[str], *, input: str | None = None, env: dict[str, str] | None = None):
+    return CliRunner().invoke(cli, args, input=input, env=env or {}, catch_exceptions=False)
+
+
+def tokens_of(result) -> list[int]:
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)["tokens"]
+
+
+# ---- prompts from files and standard input ------------------------------------------
+
+
+def test_a_prompt_from_standard_input_or_a_file_is_the_same_prompt(store, tmp_path):
+    base = ["generate", "--local", "--model", str(store), "--max-tokens", "6", "--json"]
+    inline = tokens_of(invoke([*base, PROMPT]))
+    assert tokens_of(invoke([*base, "-"], input=PROMPT)) == inline
+    (tmp_path / "prompt.txt").write_text(PROMPT)
+    assert tokens_of(invoke([*base, "--prompt-file", str(tmp_path / "prompt.txt")])) == inline
+    assert tokens_of(invoke([*base, "--prompt-file", "-"], input=PROMPT)) == inline
+
+    ids = "11,12,13,14"
+    by_ids = tokens_of(invoke([*base, "--prompt-ids", ids]))
+    (tmp_path / "ids.txt").write_text("11 12\n13, 14\n")
+    assert tokens_of(invoke([*base, "--prompt-ids", "@" + str(tmp_path / "ids.txt")])) == by_ids
+    assert tokens_of(invoke([*base, "--prompt-ids", "-"], input="11,12,13,14")) == by_ids
+
+
+def test_prompt_options_that_clash_or_cannot_be_read_are_refused(store, tmp_path):
+    base = ["generate", "--local", "--model", str(store)]
+    both = invoke([*base, "text", "--prompt-ids", "1,2"])
+    assert both.exit_code == 2 and "give one prompt: PROMPT and --prompt-ids were both given" in both.output
+    assert "chat" not in both.output
+    none = invoke(base)
+    assert none.exit_code == 2 and "give a PROMPT (`-` reads it from standard input)" in none.output
+    missing = invoke([*base, "--prompt-ids", "@" + str(tmp_path / "nope.txt")])
+    assert missing.exit_code == 2 and "cannot read" in missing.output and "nope.txt" in missing.output
+    bad = invoke([*base, "--prompt-ids", "1,x"])
+    assert bad.exit_code == 2 and "expected token ids" in bad.output
+
+
+def test_a_prompt_too_long_for_the_command_line_goes_through_standard_input(daemon, store):
+    """Tens of thousands of tokens fail as an argument (`Argument list too long`); on
+    standard input they reach the daemon, which measures them against its context."""
+    text = "word " * 40_000
+    out = ctl("generate", "-", "--model", str(store), "--runtime-dir", str(daemon.dir), "--max-tokens", "1", input_text=text)
+    assert out.returncode == 1
+    assert "+ max_tokens 1 is over the daemon's context of 16384 tokens" in out.stderr
+
+
+# ---- the progress of a long prompt ----------------------------------------------------
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_prefill_progress_is_drawn_on_a_terminal_and_cleared_for_the_text():
+    term = _Terminal()
+    shown = PrefillProgress(term)
+    shown.update(0, 3000)
+    shown.update(2048, 3000)
+    shown.clear()
+    out = term.getvalue()
+    assert "prefill 0/3000 tokens (0%)" in out and "prefill 2048/3000 tokens (68%)" in out
+    assert out.endswith("\r\033[K")
+    piped = io.StringIO()
+    quiet = PrefillProgress(piped)
+    quiet.update(2048, 3000)
+    quiet.clear()
+    assert piped.getvalue() == "" and quiet.on is False
+
+
+def test_a_long_prompt_reports_its_prefill_to_the_client_and_in_status(daemon):
+    seen: list[int | None] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        with Client(daemon) as c:
+            while not stop.is_set():
+                for job in c.status()["requests"]["running"]:
+                    seen.append(job["prefilled_tokens"])
+                time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with Client(daemon) as c:
+            events = list(c.generate(prompt_ids=LONG_IDS, max_tokens=3, progress=True))
+            quiet = list(c.generate(prompt_ids=LONG_IDS[:100], max_tokens=3))
+    finally:
+        stop.set()
+        watcher.join()
+    progress = [(e.done, e.total) for e in events if isinstance(e, Progress)]
+    n = len(LONG_IDS)
+    # mlx-lm's generate_step: at the start, after each chunk of 2048, and at the first token.
+    assert progress == [(0, n), (2048, n), (n - 1, n), (n, n)]
+    first_token = next(i for i, e in enumerate(events) if isinstance(e, Token))
+    assert all(isinstance(e, Progress) for e in events[:first_token])
+    assert not any(isinstance(e, Progress) for e in quiet)  # only a request that asks gets them
+    assert 0 in seen and 2048 in seen, seen
+    assert set(seen) <= {0, 2048, n - 1, None}
+
+
+def test_status_while_loading_and_its_request_counts_read_plainly(tmp_path):
+    paths = RuntimePaths(dir=tmp_path, log=tmp_path / "daemon.log")
+    settings = Settings(model="/some/store")
+    log = logging.getLogger("test")
+    ctx = zmq.Context()
+    try:
+        engine = EngineLoop(settings, ctx, "inproc://unused", log)  # not started: still loading
+        st = Server(settings, paths, log, handle_signals=False).status(engine)
+    finally:
+        ctx.term()
+    text = _format_status(st)
+    assert "loading" in text and "pool       not loaded yet" in text
+    assert "None" not in text and "0/0 slots" not in text
+
+    st["requests"].update(requests=3, completed=0, cancelled=1, disconnected=2, failed=0, active=0,
+                          running=[{"id": "abc", "tokens": 0, "max_tokens": 8, "prompt_tokens": 3000,
+                                    "prefilled_tokens": 2048, "seconds": 41.0}])
+    text = _format_status(st)
+    assert "3 received: 0 completed, 1 cancelled, 2 disconnected, 0 failed" in text
+    assert "abc: prefill 2048/3000 prompt tokens (68%), 41 s" in text
+
+
+def test_status_and_stats_of_a_serving_daemon_name_every_request(daemon, store):
+    with Client(daemon) as c:
+        c.complete(PROMPT, max_tokens=2)
+    st = ctl("status", "--runtime-dir", str(daemon.dir))
+    assert st.returncode == 0, st.stderr
+    assert " completed, " in st.stdout and " disconnected, " in st.stdout
+    stats = ctl("stats", "--runtime-dir", str(daemon.dir))
+    assert stats.returncode == 0, stats.stderr
+    line = next(line for line in stats.stdout.splitlines() if line.startswith("requests:"))
+    assert "{" not in line and " completed" in line and "tokens made" in line
+
+
+# ---- messages that say what is wrong --------------------------------------------------
+
+
+def test_a_tiny_memory_budget_is_said_in_units_that_show_it(store):
+    out = invoke(["generate", "--local", "--model", str(store), "--memory-budget", "1M", "x"])
+    assert out.exit_code == 1
+    assert "--memory-budget 1.0 MiB is below the minimum" in out.output
+    assert "0.00 GiB" not in out.output
+
+
+def test_a_missing_model_is_refused_before_a_daemon_is_started(tmp_path):
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="mscn"))
+    try:
+        out = ctl("generate", "--model", str(tmp_path / "nope"), "--runtime-dir", str(rt), "x")
+    finally:
+        shutil.rmtree(rt)
+    assert out.returncode == 2
+    assert "starting one" not in out.stderr
+    assert f"expert store {tmp_path / 'nope'} does not exist" in out.stderr
+    assert out.stderr.count("moestreamctl convert") == 1
+
+
+def test_a_typo_in_the_config_file_is_named_and_status_and_stop_still_work(store, tmp_path):
+    config = tmp_path / "moestream" / "config.toml"
+    config.parent.mkdir()
+    config.write_text('capacity = 0.5\npolcy = "lru"\n')
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="mscc"))
+    env = clean_env(XDG_CONFIG_HOME=str(tmp_path))
+    try:
+        start = ctl("start", "--model", str(store), "--runtime-dir", str(rt), env=env)
+        assert start.returncode == 2
+        assert f"config file {config}, line 2: unknown setting 'polcy' (did you mean 'policy'?)" in start.stderr
+        status = ctl("status", "--runtime-dir", str(rt), env=env)
+        assert status.returncode == 1 and "not running" in status.stdout
+        assert f"warning: config file {config}, line 2: unknown setting 'polcy'" in status.stderr
+        stop = ctl("stop", "--runtime-dir", str(rt), env=env)
+        assert stop.returncode == 0 and "no moestream daemon is running" in stop.stderr
+    finally:
+        shutil.rmtree(rt)
+
+
+def test_bad_values_name_the_variable_or_the_line_they_came_from(tmp_path):
+    config = tmp_path / "config.toml"
+    config.write_text("\n\nio_threads = 9999\n")
+    with pytest.raises(SettingsError, match=rf"config file {config}, line 3: io_threads: must be between 1 and 256"):
+        Settings.resolve({}, {}, config)
+    with pytest.raises(SettingsError, match="environment variable MOESTREAM_PREFETCH: prefetch: expected on, off or auto"):
+        Settings.resolve({}, {"MOESTREAM_PREFETCH": "sometimes"}, tmp_path / "none.toml")
+    problems: list[str] = []
+    settings = Settings.resolve({"policy": "lfu"}, {"MOESTREAM_PREFETCH": "sometimes"}, config, problems=problems)
+    assert settings.policy == "lfu" and settings.io_threads == Settings().io_threads and settings.prefetch == "auto"
+    assert len(problems) == 2 and all(p.endswith("; ignored") for p in problems)
+
+
+# ---- flags that are checked, or said to be changed ------------------------------------
+
+
+def test_the_policy_names_checked_by_the_settings_are_the_policies():
+    assert POLICY_NAMES == tuple(POLICIES)
+
+
+def test_a_bad_policy_is_refused_also_with_a_daemon_running(daemon, store):
+    out = ctl("generate", "--model", str(store), "--runtime-dir", str(daemon.dir), "--policy", "bogus", "x")
+    assert out.returncode == 2
+    assert "unknown eviction policy 'bogus'; valid names: lru, lfu" in out.stderr
+
+
+def test_a_capacity_above_the_experts_is_said_to_hold_them_all(store):
+    out = CliRunner().invoke(cli, ["generate", "--local", "--model", str(store), "--capacity", "1000", "--max-tokens", "2",
+                                   "--json", "x"], catch_exceptions=False)
+    assert out.exit_code == 0, out.output
+    assert "note: --capacity 1000 is more than the 16 experts of a layer: the pool holds all 16 (100%)" in out.output
+    assert json.loads(out.output.splitlines()[-1])["stats"]["capacity"] == 16
+
+
+def test_diagnostics_without_json_print_a_summary(daemon, store):
+    out = ctl("generate", "--model", str(store), "--runtime-dir", str(daemon.dir), "--max-tokens", "3", "--diagnostics", PROMPT)
+    assert out.returncode == 0, out.stderr
+    assert "diagnostics: recall top_k" in out.stderr and "ms per call:" in out.stderr
+    plain = ctl("generate", "--model", str(store), "--runtime-dir", str(daemon.dir), "--max-tokens", "3", PROMPT)
+    assert plain.returncode == 0 and "diagnostics" not in plain.stderr
