@@ -29,7 +29,7 @@ from moestream.daemon.policies import POLICIES
 from moestream.daemon.server import Server
 from moestream.shared.runtime_dir import RuntimePaths
 from moestream.shared.settings import POLICY_NAMES, Settings, SettingsError
-from daemon_cli import clean_env, ctl, wait_for
+from daemon_cli import clean_env, ctl
 from tiny_models import tiny_store
 
 PROMPT = "The farmer counted his hens"
