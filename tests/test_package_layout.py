@@ -25,3 +25,15 @@ def test_no_mlx_import_in(folder):
     assert files
     bad = [hit for f in files for hit in _mlx_imports(f)]
     assert bad == [], f"{folder}/ imports MLX: {bad}"
+
+
+def test_nothing_reads_a_folder_beside_the_checkout():
+    """A user's clone is the whole project: no code or test reaches for `../shared` or
+    another folder outside the repository (the traces the tests need are in tests/data)."""
+    outside = ("../shared", "/work/shared", 'parents[2] / "shared"')
+    files = [f for top in ("client", "daemon", "shared", "native", "tests") for f in (ROOT / top).rglob("*")
+             if f.suffix in (".py", ".cpp", ".h") and f.is_file()]
+    assert files
+    this = Path(__file__).resolve()
+    bad = [f"{f.relative_to(ROOT)}: {s}" for f in files if f.resolve() != this for s in outside if s in f.read_text()]
+    assert bad == [], bad
