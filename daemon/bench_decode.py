@@ -42,6 +42,7 @@ from moestream.daemon.expert_reader import ExpertReader
 from moestream.daemon.generation import SamplingParams, generate
 from moestream.daemon.row_gather import RowGather
 from moestream.daemon.store.loader import StreamingModel, choose_mapped, load_stock_model, load_streaming_model
+from moestream.shared.progress import timed_progress
 from moestream.shared.settings import Settings, format_size
 from moestream.shared.store_format import load_manifest
 
@@ -450,12 +451,7 @@ def measure_admission(admitter: Admitter, manifest, experts: int = 64) -> dict[s
 def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run every configuration; `progress` gets one line per model loaded and per run
     (so that a run cut short still shows what it measured)."""
-    start = time.perf_counter()
-
-    def say(line: str) -> None:
-        if progress is not None:
-            progress(f"[{time.perf_counter() - start:7.1f} s] {line}")
-
+    say = timed_progress(progress)
     if settings.mlx_memory_limit:
         mx.set_memory_limit(settings.mlx_memory_limit)
     manifest = load_manifest(settings.store)
