@@ -26,7 +26,7 @@ import random
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 
@@ -36,6 +36,7 @@ from moestream.daemon.diagnostics import Recorder
 from moestream.daemon.generation import SamplingParams, generate
 from moestream.daemon.prefetch import PrefetchGovernor
 from moestream.daemon.store.loader import StreamingModel, load_streaming_model
+from moestream.shared.progress import timed_progress
 from moestream.shared.settings import Settings, format_size
 from moestream.shared.store_format import load_manifest
 
@@ -133,7 +134,8 @@ def _warm_up(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettin
         _decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed)
 
 
-def _speeds(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettings) -> dict[str, Any]:
+def _speeds(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettings,
+            say: Callable[[str], None]) -> dict[str, Any]:
     """Decode tokens/s with prefetch off and on, in `rounds` blocks of off / on / on / off
     (so that a drift of the machine within a block hits both alike): the medians of
     each, the ratio on/off per block (`paired`, with rounds >= 2), the host's time per
@@ -154,12 +156,17 @@ def _speeds(sm: StreamingModel, prompt: list[int], settings: BenchPredictSetting
             return {"tokens_per_s": tps}
         return decode
 
+    def on_block(blocks: list[dict[str, float]], ratios: list[float]) -> None:
+        say(f"speed block {len(blocks)}/{settings.rounds}: off {blocks[-1]['stock_tokens_per_s']:.1f} tok/s, "
+            f"on {blocks[-1]['tokens_per_s']:.1f} ({ratios[-1]:.2f}x)")
+
     if settings.rounds >= 2:
-        paired = paired_blocks(run(False), run(True), settings.rounds)
+        paired = paired_blocks(run(False), run(True), settings.rounds, on_block)
     else:
         paired = None
         run(False)()
         run(True)()
+        say(f"speed: off {speeds[False][0]:.1f} tok/s, on {speeds[True][0]:.1f}")
     host = {
         f"prefetch_{'on' if enabled else 'off'}": {k: statistics.median(s[k] for s in splits[enabled]) for k in splits[enabled][0]}
         for enabled in (False, True)
@@ -237,7 +244,8 @@ def _load(settings: BenchPredictSettings, capacity: float, **pool: Any) -> Strea
     )
 
 
-def _mapped_run(settings: BenchPredictSettings, capacity: float, prompt: list[int]) -> dict[str, Any]:
+def _mapped_run(settings: BenchPredictSettings, capacity: float, prompt: list[int],
+                say: Callable[[str], None]) -> dict[str, Any]:
     """A mapped pool that gathers, its prefetch (staging the next layer's experts on the
     stream `mapped_prefetch_stream` says) off and on: speeds, what auto decides, experts
     staged per token."""
@@ -246,11 +254,15 @@ def _mapped_run(settings: BenchPredictSettings, capacity: float, prompt: list[in
         if sm.prefetcher is None:
             raise ValueError(f"capacity {capacity:g}: no mapped prefetch here (every expert fits, or the model's routers are unknown)")
         sm.prefetcher.width = settings.width * sm.prefetcher.top_k
+        say("warm-up: one decode with prefetch on and one off")
         _warm_up(sm, prompt, settings)
         staged_before = sm.prefetcher.s.staged
-        speeds = _speeds(sm, prompt, settings)
+        say(_speed_stage(settings))
+        speeds = _speeds(sm, prompt, settings, say)
         staged = sm.prefetcher.s.staged - staged_before
+        say("auto: the generation loop with prefetch = auto until it decides")
         auto = _auto(sm, prompt, settings)
+        say(f"auto decided {auto['decision']}")
         gpu_hit_rate = sm.pool_stats().get("placement", {}).get("gpu_hit_rate")
     finally:
         sm.close()
@@ -269,21 +281,34 @@ def _mapped_run(settings: BenchPredictSettings, capacity: float, prompt: list[in
     }
 
 
+def _speed_stage(settings: BenchPredictSettings) -> str:
+    """The progress line that starts the timed decodes."""
+    if settings.rounds >= 2:
+        return f"speed: {settings.rounds} blocks of decodes with prefetch off / on / on / off"
+    return "speed: one decode with prefetch off, one on"
+
+
 def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[int], read_bandwidth: float,
-                  page_cache: str | None) -> dict[str, Any]:
+                  page_cache: str | None, say: Callable[[str], None]) -> dict[str, Any]:
     if settings.mapped:
-        return _mapped_run(settings, capacity, prompt)
+        return _mapped_run(settings, capacity, prompt, say)
     sm = _load(settings, capacity, host_cache=settings.host_cache, mapped=False, copy_batch=settings.copy_batch,
                copy_kernel=settings.copy_kernel)
     try:
         if sm.prefetcher is None:
             raise ValueError(f"capacity {capacity:g}: every expert fits in the pool, so there is nothing to prefetch")
         sm.prefetcher.width = settings.width * sm.prefetcher.top_k
+        say("warm-up: one decode with prefetch on and one off")
         _warm_up(sm, prompt, settings)
+        say("recall: one diagnosed decode with prefetch on and one off")
         on = _diagnosed(sm, prompt, settings, True)
         off = _diagnosed(sm, prompt, settings, False)
-        speeds = _speeds(sm, prompt, settings)
+        say(f"recall at top-k {format_or_dash(on['recall'].get('decode', {}).get('top_k'), '.3f')}")
+        say(_speed_stage(settings))
+        speeds = _speeds(sm, prompt, settings, say)
+        say("auto: the generation loop with prefetch = auto until it decides")
         auto = _auto(sm, prompt, settings)
+        say(f"auto decided {auto['decision']}")
         pf = sm.prefetcher.stats()
         pools = sm.pool_stats()
     finally:
@@ -338,6 +363,11 @@ def _auto(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettings)
     return governor.to_dict()
 
 
+def _prefixed(say: Callable[[str], None], prefix: str) -> Callable[[str], None]:
+    """`say` with `prefix` before every line (the capacity a stage belongs to)."""
+    return lambda line: say(prefix + line)
+
+
 def _read_bandwidth(settings: BenchPredictSettings, manifest: Any) -> float:
     """What decode could read from the store per second at best, for the bound of the
     reads it makes: random whole-expert reads through the engine at the bench's thread
@@ -349,7 +379,10 @@ def _read_bandwidth(settings: BenchPredictSettings, manifest: Any) -> float:
                for i in range(3))
 
 
-def run_bench_predict(settings: BenchPredictSettings) -> dict[str, Any]:
+def run_bench_predict(settings: BenchPredictSettings, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Measure every capacity; `progress` gets a line as each stage starts and ends (as
+    `bench decode`'s does), so that a long run shows where it is."""
+    say = timed_progress(progress)
     if settings.mlx_memory_limit:
         mx.set_memory_limit(settings.mlx_memory_limit)
     manifest = load_manifest(settings.store)
@@ -357,9 +390,18 @@ def run_bench_predict(settings: BenchPredictSettings) -> dict[str, Any]:
     vocab = config.get("text_config", config)["vocab_size"]
     rng = random.Random(settings.seed)
     prompt = [rng.randrange(vocab) for _ in range(settings.prompt_tokens)]
+    say("measuring the store's read bandwidth")
     read_bandwidth = _read_bandwidth(settings, manifest)
     page_cache = page_cache_reason(settings.store)
-    results = [_capacity_run(settings, c, prompt, read_bandwidth, page_cache) for c in settings.capacities]
+    say(f"read {format_size(read_bandwidth)}/s{' through the page cache' if page_cache else ''}")
+    results = []
+    for c in settings.capacities:
+        pool = "mapped pool" if settings.mapped else "slot pool"
+        say(f"capacity {c:.0%} ({pool}): loading the model")
+        at = _prefixed(say, f"capacity {c:.0%}: ")
+        results.append(_capacity_run(settings, c, prompt, read_bandwidth, page_cache, at))
+        say(f"capacity {c:.0%}: done, decode {results[-1]['tokens_per_s_off']:.1f} tok/s with prefetch off, "
+            f"{results[-1]['tokens_per_s_on']:.1f} on")
     return {
         "store": str(settings.store),
         "model_type": manifest.model_type,
