@@ -18,10 +18,11 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from moestream.client.client import Client
 from moestream.client.cmd_daemon import start_daemon, stop_daemon
+from moestream.shared.progress import timed_progress
 from moestream.shared.runtime_dir import RuntimePaths
 from moestream.shared.settings import Settings
 from moestream.shared.store_format import POOL_USAGE_NAME
@@ -48,7 +49,7 @@ def _timed_request(paths: RuntimePaths, prompt: str, tokens: int) -> dict[str, A
 
 
 def _one_daemon(store: Path, capacity: str, autopin_frac: float, io_threads: int, prompt: str, tokens: int,
-                mapped: bool, host_cache: str | None) -> dict[str, Any]:
+                mapped: bool, host_cache: str | None, say: Callable[[str], None], label: str) -> dict[str, Any]:
     runtime = Path(tempfile.mkdtemp(dir="/tmp", prefix="mswarm"))
     given: dict[str, Any] = {"model": str(store), "capacity": capacity, "autopin_frac": autopin_frac,
                              "io_threads": io_threads, "runtime_dir": str(runtime)}
@@ -59,11 +60,13 @@ def _one_daemon(store: Path, capacity: str, autopin_frac: float, io_threads: int
     settings = Settings.resolve(given)
     paths = RuntimePaths.from_settings(settings)
     try:
+        say(f"{label}: starting a daemon (autopin {autopin_frac:g})")
         tic = time.perf_counter()
         start_daemon(settings, given, timeout=600.0, echo=False)
         ready = time.perf_counter() - tic
         run = _timed_request(paths, prompt, tokens)
         run["start_to_ready_seconds"] = ready
+        say(f"{label}: ready in {ready:.2f} s, {run['tokens']} tokens in {run['seconds']:.3f} s")
         return run
     finally:
         stop_daemon(paths, timeout=60.0)
@@ -73,17 +76,22 @@ def _one_daemon(store: Path, capacity: str, autopin_frac: float, io_threads: int
 def run_bench_warmstart(
     store: Path, *, capacity: str = "0.25", autopin_frac: float = 0.5, prompt: str = "def fibonacci(n):",
     tokens: int = 64, rounds: int = 3, io_threads: int = 4, mapped: bool = False, host_cache: str | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
+    """Time the cold and pinned daemons; `progress` gets a line as each daemon starts
+    and when it has answered (as `bench decode`'s does)."""
+    say = timed_progress(progress)
     # The daemons it starts resolve the heat folder from the same environment and config.
     usage = Settings.resolve({"model": str(store)}).heat_folder(store) / POOL_USAGE_NAME
     saved = usage.read_bytes() if usage.exists() else None
     try:
         usage.unlink(missing_ok=True)
-        heat_run = _one_daemon(store, capacity, 0.0, io_threads, prompt, tokens, mapped, host_cache)
+        common = (io_threads, prompt, tokens, mapped, host_cache, say)
+        heat_run = _one_daemon(store, capacity, 0.0, *common, "heat (routes the prompt once)")
         cold, pinned = [], []
-        for _ in range(rounds):
-            cold.append(_one_daemon(store, capacity, 0.0, io_threads, prompt, tokens, mapped, host_cache))
-            pinned.append(_one_daemon(store, capacity, autopin_frac, io_threads, prompt, tokens, mapped, host_cache))
+        for r in range(rounds):
+            cold.append(_one_daemon(store, capacity, 0.0, *common, f"round {r + 1}/{rounds} cold"))
+            pinned.append(_one_daemon(store, capacity, autopin_frac, *common, f"round {r + 1}/{rounds} pinned"))
     finally:
         if saved is None:
             usage.unlink(missing_ok=True)

@@ -73,7 +73,7 @@ def bench_predict(store, capacities, policy, prompt_tokens, decode_tokens, round
     if mapped and host_bytes:
         raise click.UsageError("--mapped keeps every expert in host memory already: drop --host-cache")
     try:
-        report = run_bench_predict(settings)
+        report = run_bench_predict(settings, progress=lambda line: click.echo(line, err=True))
     except (StoreError, PoolCapacityError, SettingsError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from e
     click.echo(json.dumps(report) if as_json else format_report(report))

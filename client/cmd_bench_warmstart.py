@@ -34,7 +34,7 @@ def bench_warmstart(store, capacity, autopin_frac, prompt, tokens, rounds, io_th
     try:
         report = run_bench_warmstart(Path(store), capacity=capacity, autopin_frac=autopin_frac, prompt=prompt,
                                      tokens=tokens, rounds=rounds, io_threads=io_threads, mapped=mapped,
-                                     host_cache=host_cache)
+                                     host_cache=host_cache, progress=lambda line: click.echo(line, err=True))
     except ClientError as e:
         raise click.ClickException(str(e)) from e
     click.echo(json.dumps(report) if as_json else format_report(report))

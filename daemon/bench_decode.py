@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import math
 import random
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from moestream.daemon.expert_reader import ExpertReader
 from moestream.daemon.generation import SamplingParams, generate
 from moestream.daemon.row_gather import RowGather
 from moestream.daemon.store.loader import StreamingModel, choose_mapped, load_stock_model, load_streaming_model
+from moestream.shared.progress import timed_progress
 from moestream.shared.settings import Settings, format_size
 from moestream.shared.store_format import load_manifest
 
@@ -413,6 +415,20 @@ def measure_read_bandwidth(store: Path, threads: int, samples: int = 128, seed: 
     return sum(c.nbytes for c in done) / seconds
 
 
+def page_cache_reason(store: Path) -> str | None:
+    """Why the store's reads go through the page cache (the read engine's fallback where
+    the filesystem refuses direct I/O), or None where they bypass it. Through the page
+    cache a read costs what its cached pages cost, which the measured read bandwidth, a
+    mix of cache and disk, does not give."""
+    manifest = load_manifest(store)
+    with ReadEngine(threads=1, direct=True) as engine:
+        for file in sorted({layer.file for layer in manifest.layers}):
+            info = engine.file_info(engine.open(str(store / file)))
+            if not info["direct"]:
+                return info["fallback_reason"] or "buffered reads"
+    return None
+
+
 def measure_link_bandwidth() -> tuple[float, str, dict[str, Any]]:
     """Bytes/s of host -> pool copies at their best: pinned DMA on CUDA, else memcpy."""
     copier, _ = cuda_copier()
@@ -450,12 +466,7 @@ def measure_admission(admitter: Admitter, manifest, experts: int = 64) -> dict[s
 def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run every configuration; `progress` gets one line per model loaded and per run
     (so that a run cut short still shows what it measured)."""
-    start = time.perf_counter()
-
-    def say(line: str) -> None:
-        if progress is not None:
-            progress(f"[{time.perf_counter() - start:7.1f} s] {line}")
-
+    say = timed_progress(progress)
     if settings.mlx_memory_limit:
         mx.set_memory_limit(settings.mlx_memory_limit)
     manifest = load_manifest(settings.store)
@@ -541,8 +552,12 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             c.close()
         if shared_reader is not None:
             shared_reader.close()
+    say("measuring the store's read bandwidth and the host->pool link")
     bandwidth = measure_read_bandwidth(settings.store, settings.io_threads, seed=settings.seed)
+    page_cache = page_cache_reason(settings.store)
     link, link_kind, link_probe = measure_link_bandwidth()
+    say(f"read {format_size(bandwidth)}/s{' through the page cache' if page_cache else ''}, "
+        f"{link_kind} {format_size(link)}/s")
 
     rows = []
     reference_tokens = configs[0].samples[0]["tokens"] if configs else None
@@ -593,7 +608,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
     naive = next((r for r in rows if r["name"] == "naive-on-demand"), None)
     for row in rows:
         if resident is not None:
-            add_bound(row, resident, bandwidth, link)
+            add_bound(row, resident, bandwidth, link, page_cache)
         if naive is not None:
             row["vs_naive"] = row["tokens_per_s"] / naive["tokens_per_s"]
     return {
@@ -624,6 +639,8 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         "mapped_prefetch": list(settings.mapped_prefetch) if settings.mapped else None,
         "mapped_prefetch_stream": list(settings.mapped_prefetch_stream) if settings.mapped else None,
         "read_bandwidth_bytes_per_s": bandwidth,
+        # Why the store was read through the page cache (None: direct I/O).
+        "read_page_cache": page_cache,
         "link_bandwidth_bytes_per_s": link,
         "link_kind": link_kind,
         "link_probe": link_probe,
@@ -634,7 +651,28 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
     }
 
 
-def add_bound(row: dict[str, Any], resident: dict[str, Any], read_bandwidth: float, link_bandwidth: float) -> None:
+# Below this share of a token's time spent moving its bytes at the measured bandwidths,
+# the bound is the resident speed within the noise of measuring it: a ratio to it says
+# no more than "x stock" does, and lands above 1 as often as below.
+BOUND_MIN_MOVE_SHARE = 0.05
+
+
+def bound_why_not(move_share: float, disk_bytes_per_token: float, page_cache: str | None) -> str | None:
+    """Why a configuration's bound does not apply, or None where it does:
+    "no_bytes" (it moves none: the bound is the resident speed itself), "page_cache" (its
+    reads come through the page cache, whose speed the read bandwidth does not give) or
+    "few_bytes" (moving them takes under BOUND_MIN_MOVE_SHARE of a token)."""
+    if move_share == 0:
+        return "no_bytes"
+    if page_cache is not None and disk_bytes_per_token > 0:
+        return "page_cache"
+    if move_share < BOUND_MIN_MOVE_SHARE:
+        return "few_bytes"
+    return None
+
+
+def add_bound(row: dict[str, Any], resident: dict[str, Any], read_bandwidth: float, link_bandwidth: float,
+              page_cache: str | None = None) -> None:
     """Add to a result row its ratio to the resident configuration and its bound (see
     the module docstring), three ways, since resident decode on a shared machine swings
     between rounds (stock 44 to 93 tok/s in one H200 run):
@@ -642,7 +680,11 @@ def add_bound(row: dict[str, Any], resident: dict[str, Any], read_bandwidth: flo
     - `fraction_of_bound_paired`: round by round (the configurations run in turn, so
       each round's resident speed is the machine's state then), the median ratio;
     - `fraction_of_best_bound`: against the bound of the fastest resident round, the
-      strictest."""
+      strictest;
+    and whether the bound applies (`bound_applies`; `bound_why_not` says why not, see
+    `bound_why_not`), from `bound_move_share`, the share of a token that moving its
+    bytes takes on top of resident compute. `page_cache` is why the store was read
+    through the page cache (None: direct I/O)."""
 
     def bound(resident_tps: float) -> float:
         return 1.0 / (1.0 / resident_tps + row["disk_bytes_per_token"] / read_bandwidth
@@ -657,11 +699,32 @@ def add_bound(row: dict[str, Any], resident: dict[str, Any], read_bandwidth: flo
     row["fraction_of_bound_paired"] = statistics.median(a / bound(b) for a, b in zip(runs, resident_runs))
     row["best_bound_tokens_per_s"] = bound(max(resident_runs))
     row["fraction_of_best_bound"] = row["tokens_per_s"] / row["best_bound_tokens_per_s"]
+    move = row["disk_bytes_per_token"] / read_bandwidth + row["host_to_pool_bytes_per_token"] / link_bandwidth
+    row["bound_move_share"] = move / (move + 1.0 / resident["tokens_per_s"])
+    row["bound_why_not"] = bound_why_not(row["bound_move_share"], row["disk_bytes_per_token"], page_cache)
+    row["bound_applies"] = row["bound_why_not"] is None
 
 
 def format_or_dash(value: Any, fmt: str) -> str:
-    """A report cell: `value` formatted, or "-" where there is none."""
-    return format(value, fmt) if value is not None else "-"
+    """A report cell: `value` formatted, or "-" where there is none, padded to the width
+    `fmt` gives (so that a column with gaps stays aligned); right-aligned, as numbers
+    are, unless `fmt` aligns otherwise."""
+    if value is not None:
+        return format(value, fmt)
+    spec = re.match(r"(?:.?([<>=^]))?[-+ ]?z?#?0?(\d*)", fmt)
+    align = spec.group(1) if spec.group(1) in ("<", "^") else ">"
+    return format("-", f"{align}{spec.group(2)}")
+
+
+def _bound_note(why: str, report: dict[str, Any]) -> str:
+    """The footnote of a table's rows whose bound does not apply, for one reason."""
+    if why == "no_bytes":
+        return "no bytes moved per token, so the bound is the resident speed itself (x stock compares them)"
+    if why == "page_cache":
+        return (f"the store was read through the page cache ({report.get('read_page_cache')}), whose speed the "
+                f"measured read bandwidth does not give")
+    return (f"moving their bytes takes under {BOUND_MIN_MOVE_SHARE:.0%} of a token at the measured bandwidths, so "
+            f"the bound is the resident speed within its noise (x stock compares them)")
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -670,20 +733,33 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['model_type']}: {report['moe_layers']} MoE layers x {report['experts_per_layer']} experts, "
         f"{report['decode_tokens']} decode tokens (temp {report['temp']}), median of {report['rounds']}"
         + (f" rounds of at least {report['min_round_seconds']:g} s" if report.get("min_round_seconds") else "") + "; "
-        f"disk {report['read_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, "
-        f"{report['link_kind']} {report['link_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s",
+        f"disk {format_size(report['read_bandwidth_bytes_per_s'])}/s"
+        f"{' (through the page cache)' if report.get('read_page_cache') else ''}, "
+        f"{report['link_kind']} {format_size(report['link_bandwidth_bytes_per_s'])}/s",
         f"{'config':<26} {'tok/s':>8} {'x stock':>8} {'hit':>6} {'tier hit':>8} {'disk MB/t':>9} "
         f"{'h2d MB/t':>9} {'adm GB/s':>8} {'syncs/t':>7} {'bound':>7} {'of bound':>8} {'paired':>6} {'of best':>7} {'x naive':>7}",
     ]
+    # The rows whose bound does not apply, by reason (reports before bound_why_not have none).
+    not_applied: dict[str, list[str]] = {}
+    for r in report["results"]:
+        if r.get("bound_why_not"):
+            not_applied.setdefault(r["bound_why_not"], []).append(r["name"])
+    marks = {why: f"n/a {i + 1}" for i, why in enumerate(not_applied)}
     for r in report["results"]:
         adm = r["admission_bytes_per_s"] / 1e9 if r["admission_bytes_per_s"] else None
+        if r.get("bound_why_not"):
+            bound = f"{marks[r['bound_why_not']]:>7} {'-':>8} {'-':>6} {'-':>7}"
+        else:
+            bound = (f"{num(r.get('bound_tokens_per_s'), '7.1f')} {num(r.get('fraction_of_bound'), '8.2f')} "
+                     f"{num(r.get('fraction_of_bound_paired'), '6.2f')} {num(r.get('fraction_of_best_bound'), '7.2f')}")
         lines.append(
             f"{r['name']:<26} {r['tokens_per_s']:>8.1f} {num(r.get('vs_resident'), '8.3f')} {r['hit_rate']:>6.3f} "
             f"{num(r['tier_hit_rate'], '8.3f')} {r['disk_bytes_per_token'] / 1e6:>9.2f} "
             f"{r['host_to_pool_bytes_per_token'] / 1e6:>9.2f} {num(adm, '8.1f')} {r['host_syncs_per_token']:>7.1f} "
-            f"{num(r.get('bound_tokens_per_s'), '7.1f')} {num(r.get('fraction_of_bound'), '8.2f')} "
-            f"{num(r.get('fraction_of_bound_paired'), '6.2f')} {num(r.get('fraction_of_best_bound'), '7.2f')} {num(r.get('vs_naive'), '7.1f')}"
+            f"{bound} {num(r.get('vs_naive'), '7.1f')}"
         )
+    for why, names in not_applied.items():
+        lines.append(f"{marks[why]}: {', '.join(names)}: {_bound_note(why, report)}")
     lines.append("host ms per token: model call / launch / wait for the token (on a GPU, a wait near 0 means bound by the host)")
     for r in report["results"]:
         if r.get("host_call_ms_per_token") is not None:

@@ -26,17 +26,18 @@ import random
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 
-from moestream.daemon.bench_decode import (decode_counters, format_or_dash, host_split_per_token, measure_read_bandwidth,
-                                           paired_blocks, timed_decode)
+from moestream.daemon.bench_decode import (BOUND_MIN_MOVE_SHARE, decode_counters, format_or_dash, host_split_per_token,
+                                           measure_read_bandwidth, page_cache_reason, paired_blocks, timed_decode)
 from moestream.daemon.diagnostics import Recorder
 from moestream.daemon.generation import SamplingParams, generate
 from moestream.daemon.prefetch import PrefetchGovernor
 from moestream.daemon.store.loader import StreamingModel, load_streaming_model
-from moestream.shared.settings import Settings
+from moestream.shared.progress import timed_progress
+from moestream.shared.settings import Settings, format_size
 from moestream.shared.store_format import load_manifest
 
 
@@ -133,7 +134,8 @@ def _warm_up(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettin
         _decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed)
 
 
-def _speeds(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettings) -> dict[str, Any]:
+def _speeds(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettings,
+            say: Callable[[str], None]) -> dict[str, Any]:
     """Decode tokens/s with prefetch off and on, in `rounds` blocks of off / on / on / off
     (so that a drift of the machine within a block hits both alike): the medians of
     each, the ratio on/off per block (`paired`, with rounds >= 2), the host's time per
@@ -154,12 +156,17 @@ def _speeds(sm: StreamingModel, prompt: list[int], settings: BenchPredictSetting
             return {"tokens_per_s": tps}
         return decode
 
+    def on_block(blocks: list[dict[str, float]], ratios: list[float]) -> None:
+        say(f"speed block {len(blocks)}/{settings.rounds}: off {blocks[-1]['stock_tokens_per_s']:.1f} tok/s, "
+            f"on {blocks[-1]['tokens_per_s']:.1f} ({ratios[-1]:.2f}x)")
+
     if settings.rounds >= 2:
-        paired = paired_blocks(run(False), run(True), settings.rounds)
+        paired = paired_blocks(run(False), run(True), settings.rounds, on_block)
     else:
         paired = None
         run(False)()
         run(True)()
+        say(f"speed: off {speeds[False][0]:.1f} tok/s, on {speeds[True][0]:.1f}")
     host = {
         f"prefetch_{'on' if enabled else 'off'}": {k: statistics.median(s[k] for s in splits[enabled]) for k in splits[enabled][0]}
         for enabled in (False, True)
@@ -169,12 +176,21 @@ def _speeds(sm: StreamingModel, prompt: list[int], settings: BenchPredictSetting
             "disk_bytes_per_token": {k: statistics.median(v) / settings.decode_tokens for k, v in disk.items()}}
 
 
-def disk_figures(tps: dict[bool, float], disk_bytes_per_token: dict[bool, float], read_bandwidth: float) -> dict[str, Any]:
+def disk_figures(tps: dict[bool, float], disk_bytes_per_token: dict[bool, float], read_bandwidth: float,
+                 page_cache: str | None = None) -> dict[str, Any]:
     """Decode against the store's read bandwidth, prefetch off (False) and on (True):
     bytes read per token, the tokens/s that reading them alone would allow (`bound`), the
-    share of that bound reached, and `speedup_ceiling`: the on/off ratio if decode with
+    share of that bound reached (also the share of a token that reading its bytes at
+    that bandwidth takes), and `speedup_ceiling`: the on/off ratio if decode with
     prefetch ran at the read bandwidth, every other cost hidden (None where prefetch
-    read nothing from the store: a host tier served it)."""
+    read nothing from the store: a host tier served it).
+
+    `bound_applies` says whether the read bound means anything here; where not,
+    `bound_why_not` says why: "no_reads" (nothing read), "page_cache" (`page_cache` says
+    why the store was read through the page cache, whose speed the bandwidth does not
+    give) or "few_reads" (reading takes under BOUND_MIN_MOVE_SHARE of a token both ways,
+    so the bound, and the ceiling taken from it, lie far above any speed that compute
+    allows)."""
     def bound(nbytes: float) -> float | None:
         return read_bandwidth / nbytes if nbytes > 0 else None
 
@@ -186,6 +202,17 @@ def disk_figures(tps: dict[bool, float], disk_bytes_per_token: dict[bool, float]
                     "of_bound": tps[enabled] / b if b else None}
     b_on = out["prefetch_on"]["bound_tokens_per_s"]
     out["speedup_ceiling"] = b_on / tps[False] if b_on else None
+    share = max(out[way]["of_bound"] or 0.0 for way in ("prefetch_off", "prefetch_on"))
+    if share == 0:
+        out["bound_why_not"] = "no_reads"
+    elif page_cache is not None:
+        out["bound_why_not"] = "page_cache"
+    elif share < BOUND_MIN_MOVE_SHARE:
+        out["bound_why_not"] = "few_reads"
+    else:
+        out["bound_why_not"] = None
+    out["bound_applies"] = out["bound_why_not"] is None
+    out["page_cache"] = page_cache
     return out
 
 
@@ -217,7 +244,8 @@ def _load(settings: BenchPredictSettings, capacity: float, **pool: Any) -> Strea
     )
 
 
-def _mapped_run(settings: BenchPredictSettings, capacity: float, prompt: list[int]) -> dict[str, Any]:
+def _mapped_run(settings: BenchPredictSettings, capacity: float, prompt: list[int],
+                say: Callable[[str], None]) -> dict[str, Any]:
     """A mapped pool that gathers, its prefetch (staging the next layer's experts on the
     stream `mapped_prefetch_stream` says) off and on: speeds, what auto decides, experts
     staged per token."""
@@ -226,11 +254,15 @@ def _mapped_run(settings: BenchPredictSettings, capacity: float, prompt: list[in
         if sm.prefetcher is None:
             raise ValueError(f"capacity {capacity:g}: no mapped prefetch here (every expert fits, or the model's routers are unknown)")
         sm.prefetcher.width = settings.width * sm.prefetcher.top_k
+        say("warm-up: one decode with prefetch on and one off")
         _warm_up(sm, prompt, settings)
         staged_before = sm.prefetcher.s.staged
-        speeds = _speeds(sm, prompt, settings)
+        say(_speed_stage(settings))
+        speeds = _speeds(sm, prompt, settings, say)
         staged = sm.prefetcher.s.staged - staged_before
+        say("auto: the generation loop with prefetch = auto until it decides")
         auto = _auto(sm, prompt, settings)
+        say(f"auto decided {auto['decision']}")
         gpu_hit_rate = sm.pool_stats().get("placement", {}).get("gpu_hit_rate")
     finally:
         sm.close()
@@ -249,20 +281,34 @@ def _mapped_run(settings: BenchPredictSettings, capacity: float, prompt: list[in
     }
 
 
-def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[int], read_bandwidth: float) -> dict[str, Any]:
+def _speed_stage(settings: BenchPredictSettings) -> str:
+    """The progress line that starts the timed decodes."""
+    if settings.rounds >= 2:
+        return f"speed: {settings.rounds} blocks of decodes with prefetch off / on / on / off"
+    return "speed: one decode with prefetch off, one on"
+
+
+def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[int], read_bandwidth: float,
+                  page_cache: str | None, say: Callable[[str], None]) -> dict[str, Any]:
     if settings.mapped:
-        return _mapped_run(settings, capacity, prompt)
+        return _mapped_run(settings, capacity, prompt, say)
     sm = _load(settings, capacity, host_cache=settings.host_cache, mapped=False, copy_batch=settings.copy_batch,
                copy_kernel=settings.copy_kernel)
     try:
         if sm.prefetcher is None:
             raise ValueError(f"capacity {capacity:g}: every expert fits in the pool, so there is nothing to prefetch")
         sm.prefetcher.width = settings.width * sm.prefetcher.top_k
+        say("warm-up: one decode with prefetch on and one off")
         _warm_up(sm, prompt, settings)
+        say("recall: one diagnosed decode with prefetch on and one off")
         on = _diagnosed(sm, prompt, settings, True)
         off = _diagnosed(sm, prompt, settings, False)
-        speeds = _speeds(sm, prompt, settings)
+        say(f"recall at top-k {format_or_dash(on['recall'].get('decode', {}).get('top_k'), '.3f')}")
+        say(_speed_stage(settings))
+        speeds = _speeds(sm, prompt, settings, say)
+        say("auto: the generation loop with prefetch = auto until it decides")
         auto = _auto(sm, prompt, settings)
+        say(f"auto decided {auto['decision']}")
         pf = sm.prefetcher.stats()
         pools = sm.pool_stats()
     finally:
@@ -284,7 +330,7 @@ def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[
         # Where the CUDA copier's host time goes (absent without it).
         "copier_per_forward": {name: run.get("copier") for name, run in (("prefetch_on", on), ("prefetch_off", off))},
         **_paired_fields(speeds),
-        "disk": disk_figures(speeds["tps"], speeds["disk_bytes_per_token"], read_bandwidth),
+        "disk": disk_figures(speeds["tps"], speeds["disk_bytes_per_token"], read_bandwidth, page_cache),
         "auto": auto,
         "prefetch": {k: pf[k] for k in ("submitted", "promoted", "waited", "dropped_unused", "no_room", "used_fraction",
                                         "buffer_experts", "buffer_bytes")},
@@ -317,6 +363,11 @@ def _auto(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettings)
     return governor.to_dict()
 
 
+def _prefixed(say: Callable[[str], None], prefix: str) -> Callable[[str], None]:
+    """`say` with `prefix` before every line (the capacity a stage belongs to)."""
+    return lambda line: say(prefix + line)
+
+
 def _read_bandwidth(settings: BenchPredictSettings, manifest: Any) -> float:
     """What decode could read from the store per second at best, for the bound of the
     reads it makes: random whole-expert reads through the engine at the bench's thread
@@ -328,7 +379,10 @@ def _read_bandwidth(settings: BenchPredictSettings, manifest: Any) -> float:
                for i in range(3))
 
 
-def run_bench_predict(settings: BenchPredictSettings) -> dict[str, Any]:
+def run_bench_predict(settings: BenchPredictSettings, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Measure every capacity; `progress` gets a line as each stage starts and ends (as
+    `bench decode`'s does), so that a long run shows where it is."""
+    say = timed_progress(progress)
     if settings.mlx_memory_limit:
         mx.set_memory_limit(settings.mlx_memory_limit)
     manifest = load_manifest(settings.store)
@@ -336,8 +390,18 @@ def run_bench_predict(settings: BenchPredictSettings) -> dict[str, Any]:
     vocab = config.get("text_config", config)["vocab_size"]
     rng = random.Random(settings.seed)
     prompt = [rng.randrange(vocab) for _ in range(settings.prompt_tokens)]
+    say("measuring the store's read bandwidth")
     read_bandwidth = _read_bandwidth(settings, manifest)
-    results = [_capacity_run(settings, c, prompt, read_bandwidth) for c in settings.capacities]
+    page_cache = page_cache_reason(settings.store)
+    say(f"read {format_size(read_bandwidth)}/s{' through the page cache' if page_cache else ''}")
+    results = []
+    for c in settings.capacities:
+        pool = "mapped pool" if settings.mapped else "slot pool"
+        say(f"capacity {c:.0%} ({pool}): loading the model")
+        at = _prefixed(say, f"capacity {c:.0%}: ")
+        results.append(_capacity_run(settings, c, prompt, read_bandwidth, page_cache, at))
+        say(f"capacity {c:.0%}: done, decode {results[-1]['tokens_per_s_off']:.1f} tok/s with prefetch off, "
+            f"{results[-1]['tokens_per_s_on']:.1f} on")
     return {
         "store": str(settings.store),
         "model_type": manifest.model_type,
@@ -354,6 +418,8 @@ def run_bench_predict(settings: BenchPredictSettings) -> dict[str, Any]:
         "prefetch_depth": settings.depth,
         "prefetch_buffer": settings.prefetch_buffer,
         "read_bandwidth_bytes_per_s": read_bandwidth,
+        # Why the store was read through the page cache (None: direct I/O).
+        "read_page_cache": page_cache,
         "copy_batch": settings.copy_batch,
         "copy_kernel": settings.copy_kernel,
         "prefetch_copy_blocks": settings.prefetch_copy_blocks,
@@ -398,13 +464,7 @@ def format_report(report: dict[str, Any]) -> str:
                          + (f"; on/off per block: 95% interval {iv[0]:.2f}-{iv[1]:.2f}" if iv else ""))
         disk = r.get("disk")
         if disk:
-            off, on = disk["prefetch_off"], disk["prefetch_on"]
-            lines.append(
-                f"{r['capacity']:>8.0%} read from the store per token off/on: {off['bytes_per_token'] / 1e6:.1f}/"
-                f"{on['bytes_per_token'] / 1e6:.1f} MB at {disk['read_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s: "
-                f"of that bound off {num(off['of_bound'], '.2f')}, on {num(on['of_bound'], '.2f')}; "
-                f"prefetch could give at most {num(disk['speedup_ceiling'], '.2f')}x"
-            )
+            lines.append(f"{r['capacity']:>8.0%} {_disk_line(disk)}")
         pf = r.get("prefetch")
         if pf and pf["submitted"] and "buffer_experts" in pf:  # reports before session 12 lack the buffer
             lines.append(f"{r['capacity']:>8.0%} {_buffer_line(pf)}")
@@ -416,9 +476,30 @@ def format_report(report: dict[str, Any]) -> str:
 _DROPPED_HINT_SHARE = 0.05
 
 
+def _disk_line(disk: dict[str, Any]) -> str:
+    """The reads per token against the read bound, or why that bound does not apply
+    (`disk_figures`; reports from before bound_why_not always take the bound)."""
+    off, on = disk["prefetch_off"], disk["prefetch_on"]
+    line = (f"read from the store per token off/on: {format_size(off['bytes_per_token'])}/"
+            f"{format_size(on['bytes_per_token'])} at {format_size(disk['read_bandwidth_bytes_per_s'])}/s: ")
+    why = disk.get("bound_why_not")
+    if why == "no_reads":
+        return line + "nothing read (a host tier served the pool), so no read bound"
+    if why == "page_cache":
+        return line + (f"the store was read through the page cache ({disk['page_cache']}), whose speed that "
+                       f"bandwidth does not give, so no read bound")
+    if why == "few_reads":
+        share = max(off["of_bound"] or 0.0, on["of_bound"] or 0.0)
+        return line + (f"reading them takes {share:.1%} of a token at that bandwidth, so no read bound applies "
+                       f"(under {BOUND_MIN_MOVE_SHARE:.0%}: the disk's bandwidth is not what limits decode here)")
+    num = format_or_dash
+    return line + (f"of that bound off {num(off['of_bound'], '.2f')}, on {num(on['of_bound'], '.2f')}; "
+                   f"prefetch could give at most {num(disk['speedup_ceiling'], '.2f')}x")
+
+
 def _buffer_line(pf: dict[str, Any]) -> str:
     dropped = pf["dropped_unused"] / pf["submitted"]
-    line = (f"prefetch buffer {pf['buffer_experts']} experts ({pf['buffer_bytes'] / 1e9:.2f} GB): "
+    line = (f"prefetch buffer {pf['buffer_experts']} experts ({format_size(pf['buffer_bytes'])}): "
             f"{dropped:.1%} of its reads dropped before any token routed them")
     if dropped > _DROPPED_HINT_SHARE:
         line += "; a larger --prefetch-buffer keeps them for a later token"

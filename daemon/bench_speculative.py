@@ -186,19 +186,32 @@ def run_bench_speculative(settings: BenchSpeculativeSettings) -> dict[str, Any]:
 
 
 def format_speculative_report(report: dict[str, Any]) -> str:
-    lines = [
-        f"{report['model_type']} ({report['device']}): speculative {report['mode']} vs plain, "
-        f"{report['decode_tokens']} greedy tokens, median of {report['rounds']}",
-        f"{'capacity':>8} {'config':<12} {'K':>2} {'tok/s':>8} {'x plain':>8} {'accept':>7} {'exp/tok':>8} "
-        f"{'plain exp/tok':>13} {'same':>5} {'after':>6} fell back",
-    ]
+    num = format_or_dash
+    header = ["capacity", "config", "K", "tok/s", "x plain", "accept", "exp/tok", "plain exp/tok", "same", "after",
+              "note"]
+    rows = []
     for r in report["results"]:
         s = r.get("speculative") or {}
-        num = format_or_dash
-        lines.append(
-            f"{r['capacity']:>8g} {r['name']:<12} {num(s.get('draft_tokens'), '>2')} {r['tokens_per_s']:>8.1f} "
-            f"{r['speed_vs_plain']:>8.3f} {num(s.get('acceptance_rate'), '>7.2f')} "
-            f"{num(s.get('experts_read_per_accepted_token'), '>8.1f')} {num(r.get('plain_experts_read_per_token'), '>13')} "
-            f"{'True' if r['same_tokens_as_plain'] else '@' + str(r['first_diff']):>5} {num(r.get('after_decision_vs_plain'), '>6.3f')} {s.get('reason') or ''}"
-        )
-    return "\n".join(lines)
+        rows.append([
+            f"{r['capacity']:g}", r["name"], num(s.get("draft_tokens"), ""), f"{r['tokens_per_s']:.1f}",
+            f"{r['speed_vs_plain']:.3f}", num(s.get("acceptance_rate"), ".2f"),
+            num(s.get("experts_read_per_accepted_token"), ".1f"), num(r.get("plain_experts_read_per_token"), ""),
+            "True" if r["same_tokens_as_plain"] else f"@{r['first_diff']}",
+            num(r.get("after_decision_vs_plain"), ".3f"),
+            s.get("reason") or "",  # why it fell back to plain decode, or shrank K
+        ])
+    title = (f"{report['model_type']} ({report['device']}): speculative {report['mode']} vs plain, "
+             f"{report['decode_tokens']} greedy tokens, median of {report['rounds']}")
+    return "\n".join([title, *aligned_table(header, rows, left=("config", "note"))])
+
+
+def aligned_table(header: list[str], rows: list[list[str]], left: tuple[str, ...] = ()) -> list[str]:
+    """The lines of a table whose columns are as wide as their widest cell, header
+    included: numbers right-aligned, the columns named in `left` left-aligned; no
+    trailing spaces."""
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
+    lines = []
+    for cells in (header, *rows):
+        padded = [cell.ljust(w) if name in left else cell.rjust(w) for name, cell, w in zip(header, cells, widths)]
+        lines.append(" ".join(padded).rstrip())
+    return lines

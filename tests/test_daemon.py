@@ -491,8 +491,13 @@ def test_bench_warmstart_restarts_real_daemons_and_puts_the_heat_back(store):
         out = ctl("bench", "warmstart", "--model", str(own), "--capacity", "0.5", "--tokens", "8", "--rounds", "1",
                   "--host-cache", "64M", "--json", timeout=300)
         assert out.returncode == 0, out.stderr
-        r = json.loads(out.stdout)
+        r = json.loads(out.stdout)  # progress goes to stderr, so stdout is the JSON alone
         assert r["same_tokens_every_run"] and r["host_cache"] == "64M"
+        progress = out.stderr.splitlines()
+        for stage in ("heat (routes the prompt once): starting", "round 1/1 cold: starting a daemon (autopin 0)",
+                      "round 1/1 cold: ready in", "round 1/1 pinned: starting a daemon (autopin 0.5)",
+                      "round 1/1 pinned: ready in"):
+            assert any(stage in line for line in progress), (stage, out.stderr)
         cold, pinned = r["cold"]["autopin"], r["pinned"]["autopin"]
         assert cold["pinned"] == cold["preloaded"] == cold["tier_warmed_bytes"] == 0
         assert pinned["pinned"] > 0 and pinned["preloaded"] > 0 and pinned["tier_warmed_bytes"] > 0, r

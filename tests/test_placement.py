@@ -391,6 +391,29 @@ def test_mapped_prefetch_needs_gathering_and_follows_the_prefetch_setting(store)
         Settings.from_values({"prefetch_copy_blocks": "0"})
 
 
+def test_bench_predict_reports_progress_on_stderr_and_json_on_stdout(store):
+    """`bench predict --json`: a line on stderr as each stage starts and ends (seconds
+    since the start first, as `bench decode` prints them), one JSON object on stdout."""
+    import json
+
+    from click.testing import CliRunner
+
+    from moestream.client.cli import main as cli
+
+    result = CliRunner().invoke(cli, ["bench", "predict", "--model", str(store), "--capacity", "0.25",
+                                      "--prompt-tokens", "4", "--decode-tokens", "4", "--rounds", "1", "--temp", "1",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["results"][0]["disk"]["bound_applies"] in (True, False)
+    progress = result.stderr.splitlines()
+    assert all(line.startswith("[") and " s] " in line for line in progress), progress
+    for stage in ("measuring the store's read bandwidth", "capacity 25% (slot pool): loading the model",
+                  "capacity 25%: warm-up", "capacity 25%: recall:", "capacity 25%: speed: one decode",
+                  "capacity 25%: speed: off", "capacity 25%: auto decided", "capacity 25%: done"):
+        assert any(stage in line for line in progress), (stage, progress)
+
+
 def test_bench_predict_measures_both_pools_prefetch(store):
     """`bench predict`: the slot pool's run (recall, speeds, auto) and, with `mapped`,
     the mapped pool's prefetch off and on, each with auto's decision."""

@@ -559,6 +559,86 @@ def test_bench_decode_times_the_daemons_generation_loop_beside_its_own(store):
     assert "through the daemon's generation loop" in text and "other tokens" not in text
 
 
+def _decode_row(name: str, capacity: float | None, tps: float, disk: float, link: float = 0.0) -> dict:
+    """A `bench decode` result row as run_bench_decode builds it, before add_bound."""
+    return {"name": name, "capacity": capacity, "host_tier": None, "tokens_per_s": tps, "tokens_per_s_runs": [tps, tps],
+            "hit_rate": 1.0, "tier_hit_rate": None, "disk_bytes_per_token": disk, "host_to_pool_bytes_per_token": link,
+            "admission_bytes_per_s": None, "host_syncs_per_token": 1.0, "vs_naive": None}
+
+
+def _decode_report(page_cache: str | None) -> dict:
+    """A report of four rows, stock at 20 tok/s (50 ms a token), 1 GB/s from the store."""
+    from moestream.daemon.bench_decode import add_bound
+
+    stock = _decode_row("stock-mlx-lm", None, 20.0, 0.0)
+    rows = [
+        stock,
+        _decode_row("moestream@1", 1.0, 24.0, 0.0),  # faster than stock this time: 1.2 of its "bound"
+        _decode_row("moestream@0.5", 0.5, 21.0, 0.2e6, 0.1e6),  # 0.2 ms of reads in a 50 ms token
+        _decode_row("moestream@0.25", 0.25, 8.0, 50e6),  # 50 ms of reads: a bound of 10 tok/s
+    ]
+    for r in rows:
+        add_bound(r, stock, read_bandwidth=1e9, link_bandwidth=1e10, page_cache=page_cache)
+    return {"model_type": "qwen3_moe", "moe_layers": 5, "experts_per_layer": 64, "decode_tokens": 16, "temp": 0.0,
+            "rounds": 2, "read_bandwidth_bytes_per_s": 1e9, "read_page_cache": page_cache, "link_kind": "host memcpy",
+            "link_bandwidth_bytes_per_s": 1e10, "results": rows}
+
+
+def _up_to(table: list[str], line: str, column: str) -> str:
+    """`line` up to the end of a right-aligned column, where the header's name ends."""
+    return line[: table[0].index(column) + len(column)]
+
+
+def _cell(table: list[str], line: str, column: str) -> str:
+    """The (one-word) text of a right-aligned column's cell in `line`."""
+    return _up_to(table, line, column).split(" ")[-1]
+
+
+def test_bench_decode_says_where_its_bound_does_not_apply():
+    """A configuration that moves no bytes, or too few for the bandwidths to matter (the
+    demo model's), or that reads through the page cache, gets "n/a" and a footnote that
+    says why instead of a ratio to a bound that is only the resident speed (and lands
+    above 1 as often as below); the JSON keeps the numbers and says whether it applies."""
+    from moestream.daemon.bench_decode import BOUND_MIN_MOVE_SHARE, format_report
+
+    report = _decode_report(page_cache=None)
+    rows = {r["name"]: r for r in report["results"]}
+    assert [r["bound_why_not"] for r in report["results"]] == ["no_bytes", "no_bytes", "few_bytes", None]
+    assert [r["bound_applies"] for r in report["results"]] == [False, False, False, True]
+    assert rows["moestream@1"]["fraction_of_bound"] == pytest.approx(1.2)  # kept, not shown
+    assert 0 < rows["moestream@0.5"]["bound_move_share"] < BOUND_MIN_MOVE_SHARE
+    assert rows["moestream@0.25"]["bound_move_share"] == pytest.approx(0.5)
+    lines = format_report(report).splitlines()
+    table = lines[1:6]
+    # Every column lines up: cells without a value are padded like the rest.
+    assert len({len(line) for line in table}) == 1, table
+    by_name = {line.split()[0]: line for line in table[1:]}
+    for name in ("stock-mlx-lm", "moestream@1"):
+        assert _up_to(table, by_name[name], "bound").endswith(" n/a 1")
+    assert _up_to(table, by_name["moestream@0.5"], "bound").endswith(" n/a 2")
+    for line in table[1:]:
+        for column in ("of bound", "paired", "of best"):
+            cell = _cell(table, line, column)
+            assert cell == "-" or float(cell) <= 1.0, (column, line)
+    row = by_name["moestream@0.25"]
+    assert _cell(table, row, "bound") == "10.0" and _cell(table, row, "of bound") == "0.80" and "n/a" not in row
+    assert lines[6].startswith("n/a 1: stock-mlx-lm, moestream@1: no bytes moved per token")
+    assert lines[7].startswith("n/a 2: moestream@0.5: moving their bytes takes under 5% of a token")
+    # Through the page cache, the read bandwidth says nothing about the reads: no bound
+    # where the store was read, the link's still where only the link moved bytes.
+    cached = _decode_report(page_cache="the filesystem refuses direct I/O")
+    assert [r["bound_why_not"] for r in cached["results"]] == ["no_bytes", "no_bytes", "page_cache", "page_cache"]
+    text = format_report(cached)
+    assert "disk 953.7 MiB/s (through the page cache)" in text.splitlines()[0]
+    assert ("n/a 2: moestream@0.5, moestream@0.25: the store was read through the page cache (the filesystem "
+            "refuses direct I/O)") in text
+    link_only = _decode_row("moestream@0.5+host", 0.5, 10.0, 0.0, 1e9)
+    from moestream.daemon.bench_decode import add_bound
+
+    add_bound(link_only, cached["results"][0], read_bandwidth=1e9, link_bandwidth=1e10, page_cache="refused")
+    assert link_only["bound_applies"]
+
+
 def test_bound_is_reported_against_the_median_each_round_and_the_fastest_round():
     from moestream.daemon.bench_decode import add_bound
 
@@ -573,3 +653,4 @@ def test_bound_is_reported_against_the_median_each_round_and_the_fastest_round()
     assert row["best_bound_tokens_per_s"] == pytest.approx(50.0)
     assert row["fraction_of_best_bound"] == pytest.approx(0.5)
     assert row["vs_resident_paired"] == pytest.approx(0.35)  # median of 0.4 and 0.3
+    assert row["bound_applies"] and row["bound_why_not"] is None  # 10 ms of link in a 23 ms token

@@ -246,3 +246,50 @@ def test_disk_figures_bound_decode_by_the_read_bandwidth():
     served = disk_figures({False: 10.0, True: 12.0}, {False: 0.0, True: 0.0}, read_bandwidth=2.2e9)
     assert served["prefetch_on"]["bound_tokens_per_s"] is None and served["prefetch_on"]["of_bound"] is None
     assert served["speedup_ceiling"] is None
+    assert d["bound_applies"] and d["bound_why_not"] is None and not served["bound_applies"]
+
+
+def _predict_report(*disks: dict) -> dict:
+    """A `bench predict` report with one slot-pool row per `disk` (disk_figures)."""
+    rows = [{"capacity": 0.25, "pool": "slots", "recall": {"decode": {"top_k": 0.78, "top_2k": 0.95, "top_4k": 0.99}},
+             "tokens_per_s_off": 15.0, "tokens_per_s_on": 12.0, "speedup": 0.8, "speedup_paired": None,
+             "speedup_interval_95": None, "window_ms": 5.5,
+             "matmul_ms_per_call": {"prefetch_on": 6.5, "prefetch_off": 10.5},
+             "host_ms_per_token": None, "auto": {"decision": "off: does not pay"}, "disk": disk,
+             "prefetch": {"submitted": 100, "dropped_unused": 0, "buffer_experts": 128, "buffer_bytes": 128 * 16384}}
+            for disk in disks]
+    return {"model_type": "qwen3_moe", "moe_layers": 5, "experts_per_layer": 64, "device": "cpu", "decode_tokens": 16,
+            "temp": 0.0, "rounds": 1, "prefetch_width": "1k", "prefetch_depth": 1, "results": rows}
+
+
+def test_bench_predict_says_where_the_read_bound_does_not_apply():
+    """Where decode reads a few hundred KiB per token (the demo model) the read bound is
+    far above any speed compute allows, so the report says it does not apply instead of
+    "prefetch could give at most 138x"; the same where a host tier served every read or
+    the store is read through the page cache. Sizes are format_size's, never "0.00 GB"."""
+    from moestream.daemon.bench_predict import disk_figures, format_report
+    from moestream.shared.settings import format_size
+
+    tps = {False: 15.0, True: 12.0}
+    demo = disk_figures(tps, {False: 352e3, True: 352e3}, read_bandwidth=340e6)
+    assert demo["bound_why_not"] == "few_reads" and not demo["bound_applies"]
+    assert demo["speedup_ceiling"] > 50  # the number is kept in the JSON
+    disk_bound = disk_figures(tps, {False: 20e6, True: 22e6}, read_bandwidth=340e6)
+    cached = disk_figures(tps, {False: 20e6, True: 22e6}, read_bandwidth=340e6, page_cache="O_DIRECT refused")
+    served = disk_figures(tps, {False: 0.0, True: 0.0}, read_bandwidth=340e6)
+    assert disk_bound["bound_applies"]
+    assert cached["bound_why_not"] == "page_cache" and served["bound_why_not"] == "no_reads"
+    lines = format_report(_predict_report(demo, disk_bound, cached, served)).splitlines()
+    reads = [line for line in lines if "read from the store per token" in line]
+    assert len(reads) == 4
+    size = f"{format_size(352e3)}/{format_size(352e3)} at {format_size(340e6)}/s"
+    assert size == "343.8 KiB/343.8 KiB at 324.2 MiB/s" and size in reads[0]
+    assert "reading them takes 1.6% of a token at that bandwidth, so no read bound applies" in reads[0]
+    assert "could give at most" not in reads[0] and "of that bound" not in reads[0]
+    assert "19.1 MiB/21.0 MiB" in reads[1] and "of that bound off 0.88, on 0.78" in reads[1]
+    assert "prefetch could give at most 1.03x" in reads[1]
+    assert "through the page cache (O_DIRECT refused)" in reads[2] and "could give" not in reads[2]
+    assert "0 B/0 B" in reads[3] and "nothing read" in reads[3] and "could give" not in reads[3]
+    buffers = [line for line in lines if "prefetch buffer" in line]
+    assert len(buffers) == 4 and all("prefetch buffer 128 experts (2.0 MiB)" in line for line in buffers)
+    assert not any(unit in line for line in lines for unit in (" GB", " MB"))

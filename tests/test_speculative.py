@@ -361,3 +361,48 @@ def test_hf_layout_mtp_tensors_are_stacked_and_their_norms_shifted(tiny_stores):
     assert set(back) == set(mlx_layout)
     for k, v in mlx_layout.items():
         assert mx.allclose(back[k], v, atol=1e-6).item(), k
+
+
+def test_speculative_report_columns_line_up():
+    """`bench decode --speculative`'s table: each column is as wide as its widest cell,
+    so every row's cells sit under the header's names (right-aligned numbers end where
+    the name ends, the left-aligned names start where it starts), also where a cell is
+    "-" or a note runs long."""
+    from moestream.daemon.bench_speculative import format_speculative_report
+
+    spec = {"draft_tokens": 1, "acceptance_rate": 0.75, "experts_read_per_accepted_token": 41.25,
+            "reason": "draft_tokens shrunk from 2 to 1: the pool holds 16 experts per layer"}
+    rows = [
+        {"capacity": 1.0, "name": "plain", "tokens_per_s": 20.06, "speed_vs_plain": 1.0,
+         "plain_experts_read_per_token": 40, "same_tokens_as_plain": True, "first_diff": None},
+        {"capacity": 0.25, "name": "mtp-k2-auto", "tokens_per_s": 123.4, "speed_vs_plain": 0.85,
+         "plain_experts_read_per_token": 40, "same_tokens_as_plain": False, "first_diff": 17, "speculative": spec,
+         "after_decision_vs_plain": 0.9},
+        {"capacity": 0.25, "name": "mtp-k3", "tokens_per_s": 7.0, "speed_vs_plain": 0.473,
+         "plain_experts_read_per_token": None, "same_tokens_as_plain": True, "first_diff": None,
+         "speculative": {**spec, "draft_tokens": 3, "reason": None}},
+    ]
+    report = {"model_type": "qwen3_moe", "device": "cpu", "mode": "mtp", "decode_tokens": 16, "rounds": 1,
+              "results": rows}
+    header, *lines = format_speculative_report(report).splitlines()[1:]
+    names = ["capacity", "config", "K", "tok/s", "x plain", "accept", "exp/tok", "plain exp/tok", "same", "after",
+             "note"]
+    starts, at = [], 0
+    for name in names:  # in order, so that "exp/tok" is not found inside "plain exp/tok"
+        at = header.index(name, at)
+        starts.append(at)
+        at += len(name)
+    for line in lines:
+        for name, start in zip(names, starts):
+            if name in ("config", "note"):
+                if name == "note" and len(line) <= start:
+                    continue  # no note: the line ends before it
+                assert line[start - 1] == " " and line[start] != " ", (name, line)
+            else:
+                end = start + len(name)
+                assert line[end - 1] != " " and line[end : end + 1] in ("", " "), (name, line)
+    cells = [line.split() for line in lines]
+    assert [c[1] for c in cells] == ["plain", "mtp-k2-auto", "mtp-k3"]
+    assert cells[0][2:10] == ["-", "20.1", "1.000", "-", "-", "40", "True", "-"] and len(cells[0]) == 10
+    assert cells[1][2:10] == ["1", "123.4", "0.850", "0.75", "41.2", "40", "@17", "0.900"]
+    assert lines[1].endswith(" 0.900 " + spec["reason"]) and not lines[2].endswith(" ")
