@@ -386,6 +386,29 @@ def test_an_interrupted_convert_leaves_no_store(tiny_model, tmp_path):
     assert not stale.exists() and load_manifest(out).layers
 
 
+def test_a_config_out_of_step_with_the_layer_files_says_what_differs(converted, tmp_path):
+    from moestream.daemon.store.loader import load_stock_model, load_streaming_model
+    from moestream.shared.settings import Settings
+
+    _, out = converted("qwen3_moe", "4bit")
+    store = Path(shutil.copytree(out, tmp_path / "edited"))
+    data = json.loads((store / MANIFEST_NAME).read_text())
+    experts = data["config"]["num_experts"]
+    data["config"]["num_experts"] = experts // 2
+    (store / MANIFEST_NAME).write_text(json.dumps(data))
+    layer = load_manifest(store).layers[0]
+    message = (
+        f"{store}: layer {layer.module_path} holds {experts} experts in {layer.file}, but the manifest's config "
+        f"gives num_experts = {experts // 2}: the config does not match the store's layer files "
+        "(was it edited? convert the model again)"
+    )
+    with pytest.raises(StoreError) as streaming:
+        load_streaming_model(store, Settings())
+    with pytest.raises(StoreError) as stock:
+        load_stock_model(store)
+    assert str(streaming.value) == str(stock.value) == message
+
+
 # ---- the command line ------------------------------------------------------------------
 
 
