@@ -310,7 +310,7 @@ def _format_status(st: dict[str, Any]) -> str:
     pinned = sum(layer["pinned"] for layer in layers)
     lines = [
         f"moestream daemon {st['version']}: {st['state']} (pid {st['pid']}, up {st['uptime_s']:.0f} s)",
-        f"  model      {st['model']}",
+        f"  model      {st['model']}" + (f" (store id {st['store_id']})" if st.get("store_id") else ""),
         f"  pool       {st['capacity']} slots x {st.get('moe_layers')} layers of {st.get('experts_per_layer')} experts, "
         f"policy {st['policy']}; {resident}/{slots} slots used, {pinned} pinned; hit rate {_rate(pool.get('hit_rate'))}",
         f"  memory     RSS {_size(mem['rss_bytes'])}, MLX active {_size(mem['mlx_active_bytes'])}, peak {_size(mem['mlx_peak_bytes'])}",

@@ -99,10 +99,32 @@ def generate(prompt, model, local, prompt_ids, capacity, memory_budget, policy, 
         sys.stdout.write("\n")
 
 
+def _check_served_store(model: str, status: dict) -> None:
+    """Refuse when the daemon serves another store than `model`. Stores are compared by
+    their ids, not their paths: two copies of a store (the demo installed twice) are one."""
+    from moestream.shared.store_format import StoreError, load_manifest
+
+    served = status.get("model")
+    if not served:
+        return
+    try:
+        wanted = load_manifest(model).store_id
+    except StoreError as e:
+        raise click.UsageError(f"--model: {e}") from None
+    served_id = status.get("store_id")
+    if served_id is None:  # a daemon still loading does not know its store's id yet
+        same = os.path.realpath(model) == os.path.realpath(served)
+    else:
+        same = served_id == wanted
+    if not same:
+        raise click.ClickException(
+            f"the daemon serves the store {served} (id {served_id or 'not known yet'}), not {model} "
+            f"(id {wanted}): stop it (`moestreamctl stop`) or use --local"
+        )
+
+
 def _generate_via_daemon(settings: Settings, given: dict, prompt: str | None, ids: list[int] | None, as_json: bool, sampling: dict) -> None:
     """Stream from the daemon, starting it first when none runs."""
-    import os
-
     from moestream.client.client import Client, ClientError, DaemonNotRunning, Token
     from moestream.client.cmd_daemon import start_daemon
     from moestream.shared.runtime_dir import RuntimeDirError, RuntimePaths
@@ -125,11 +147,8 @@ def _generate_via_daemon(settings: Settings, given: dict, prompt: str | None, id
             status = client.status()
         except ClientError as e:
             raise click.ClickException(str(e)) from None
-        served = status.get("model")
-        if settings.model is not None and served and os.path.realpath(settings.model) != os.path.realpath(served):
-            raise click.ClickException(
-                f"the daemon serves {served}, not {settings.model}: stop it (`moestreamctl stop`) or use --local"
-            )
+        if settings.model is not None:
+            _check_served_store(settings.model, status)
         ignored = [f"--{k.replace('_', '-')}" for k in ("capacity", "memory_budget", "policy", "host_cache", "mapped", "io_threads")
                    if given.get(k) is not None and status.get("settings", {}).get(k) != getattr(settings, k)]
         if ignored:

@@ -428,6 +428,7 @@ class EngineLoop:
             snap.update(
                 {
                     "model": str(sm.store_dir),
+                    "store_id": sm.manifest.store_id,
                     "capacity": sm.capacity,
                     "policy": self.settings.policy,
                     "moe_layers": len(sm.pools),

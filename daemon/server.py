@@ -276,6 +276,7 @@ class Server:
             "error": engine.error,
             "uptime_s": now - self.started,
             "model": snap.get("model", s.model),
+            "store_id": snap.get("store_id"),
             "capacity": snap.get("capacity"),
             "policy": snap.get("policy", s.policy),
             "moe_layers": snap.get("moe_layers"),

@@ -33,8 +33,10 @@ from moestream.shared.store_format import (
     MANIFEST_NAME,
     TENSOR_ALIGN,
     StoreError,
+    content_store_id,
     load_manifest,
 )
+from moestream.shared.settings import demo_store_path
 from tiny_models import MOE_ARCHS, make_tiny_model
 
 CASES = [(a, "4bit") for a in MOE_ARCHS] + [(a, "bf16") for a in MOE_ARCHS] + [("mixtral", "8bit"), ("qwen3_moe", "f32")]
@@ -384,6 +386,32 @@ def test_an_interrupted_convert_leaves_no_store(tiny_model, tmp_path):
     (stale / "experts").mkdir(parents=True)
     convert_model(src, out)
     assert not stale.exists() and load_manifest(out).layers
+
+
+def test_a_store_id_is_fresh_from_convert_and_comes_from_the_content_of_an_older_store(converted, tiny_model, tmp_path):
+    _, out = converted("qwen3_moe", "4bit")
+    first = load_manifest(out)
+    again = convert_model(tiny_model("qwen3_moe", "4bit"), tmp_path / "again")
+    assert first.store_id and again.store_id != first.store_id  # one model converted twice: two stores
+    assert load_manifest(shutil.copytree(out, tmp_path / "copy")).store_id == first.store_id
+    # Stores written before ids existed: each copy gets the same id from its manifest's
+    # content, however the JSON is laid out.
+    older = []
+    for name, indent in (("old1", None), ("old2", 2)):
+        folder = Path(shutil.copytree(out, tmp_path / name))
+        data = json.loads((folder / MANIFEST_NAME).read_text())
+        del data["store_id"]
+        (folder / MANIFEST_NAME).write_text(json.dumps(data, indent=indent))
+        older.append(load_manifest(folder).store_id)
+    assert older[0] == older[1] == content_store_id(data) != first.store_id
+    # The demo store's committed id is its content's: a demo installed before ids existed
+    # is the same store.
+    demo = json.loads((demo_store_path() / MANIFEST_NAME).read_text())
+    assert demo["store_id"] == content_store_id(demo) == load_manifest(demo_store_path()).store_id
+    bad = {**data, "store_id": 7}
+    (tmp_path / "old1" / MANIFEST_NAME).write_text(json.dumps(bad))
+    with pytest.raises(StoreError, match="malformed manifest .*store_id is a int, not a string"):
+        load_manifest(tmp_path / "old1")
 
 
 def test_a_config_out_of_step_with_the_layer_files_says_what_differs(converted, tmp_path):

@@ -536,3 +536,34 @@ def test_heat_file_holds_exactly_the_routed_counts(store):
     finally:
         ctl("stop", "--runtime-dir", str(rt))
         shutil.rmtree(rt, ignore_errors=True)
+
+
+def test_generate_knows_the_daemons_store_by_its_id_not_its_path(store):
+    """The demo installed twice is one store: a daemon on one copy of it serves `generate`
+    given another copy; a store with another id is refused, both stores named."""
+    from moestream.shared.settings import demo_store_path
+    from moestream.shared.store_format import load_manifest
+
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msi"))
+    env = clean_env(MOESTREAM_RUNTIME_DIR=str(rt))
+    first = Path(shutil.copytree(demo_store_path(), rt / "a" / "store"))
+    second = Path(shutil.copytree(demo_store_path(), rt / "b" / "store"))
+    demo_id, other_id = load_manifest(demo_store_path()).store_id, load_manifest(store).store_id
+    try:
+        out = ctl("start", "--model", str(first), "--capacity", "0.25", env=env)
+        assert out.returncode == 0, out.stderr
+        st = json.loads(ctl("status", "--json", env=env).stdout)
+        assert st["model"] == str(first) and st["store_id"] == demo_id
+        assert f"(store id {demo_id})" in ctl("status", env=env).stdout
+
+        out = ctl("generate", "def f(", "--model", str(second), "--max-tokens", "4", "--json", env=env)
+        assert out.returncode == 0, out.stderr
+        assert 0 < len(json.loads(out.stdout)["tokens"]) <= 4
+
+        out = ctl("generate", "def f(", "--model", str(store), "--max-tokens", "4", env=env)
+        assert out.returncode == 1 and "Traceback" not in out.stderr
+        assert (f"the daemon serves the store {first} (id {demo_id}), not {store} (id {other_id}): "
+                "stop it (`moestreamctl stop`) or use --local") in out.stderr
+    finally:
+        ctl("stop", env=env)
+        shutil.rmtree(rt)

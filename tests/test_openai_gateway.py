@@ -172,6 +172,19 @@ def test_listening_beyond_loopback_needs_a_key(tmp_path):
     assert out.returncode == 2 and "is empty" in out.stderr
 
 
+def test_a_copy_of_the_demo_store_anywhere_is_named_the_demo(tmp_path):
+    """By its store id: after a reinstall the daemon may serve the demo from another path."""
+    from moestream.client.openai_gateway import DEMO_MODEL_ID, GatewayConfig, model_id
+    from moestream.shared.settings import demo_store_path
+    from moestream.shared.store_format import load_manifest
+
+    demo = load_manifest(demo_store_path()).store_id
+    assert GatewayConfig(paths=RuntimePaths(dir=tmp_path, log=tmp_path / "log")).demo_store_id == demo
+    old_install = "/old/site-packages/moestream/daemon/demo/store"
+    assert model_id({"model": old_install, "store_id": demo}, demo) == DEMO_MODEL_ID
+    assert model_id({"model": "/home/me/stores/qwen", "store_id": "0" * 32}, demo) == "qwen"
+
+
 def test_health_is_503_without_a_daemon_and_completions_say_why(tmp_path):
     rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msn"))
     gateway = Gateway(rt, tmp_path / "gateway.log")

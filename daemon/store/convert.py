@@ -35,6 +35,7 @@ from moestream.shared.store_format import (
     Manifest,
     MoELayer,
     StoreError,
+    new_store_id,
 )
 
 # progress(bytes_written, bytes_total)
@@ -259,6 +260,7 @@ def convert_model(
                 "mlx_lm": _package_version("mlx-lm"),
                 "mlx": _package_version("mlx"),
             },
+            store_id=new_store_id(),
         )
         manifest.validate(str(tmp / MANIFEST_NAME))
         for f in [*tmp.iterdir(), *(tmp / EXPERTS_DIR).iterdir()]:
