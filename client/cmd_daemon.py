@@ -327,6 +327,8 @@ def _format_status(st: dict[str, Any]) -> str:
     if pool.get("mapped_auto"):
         # What `mapped = auto` chose, and why (daemon/store/loader.py choose_mapped).
         lines.insert(3, f"  mapped     auto, {pool['mapped_auto']}")
+    if st.get("store_problem"):
+        lines.insert(1, f"  warning    {st['store_problem']}")
     if st.get("error"):
         lines.insert(1, f"  error      {st['error']}")
     return "\n".join(lines)

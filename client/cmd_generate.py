@@ -117,9 +117,10 @@ def _check_served_store(model: str, status: dict) -> None:
     else:
         same = served_id == wanted
     if not same:
+        why = f" ({status['store_problem']})" if status.get("store_problem") else ""
         raise click.ClickException(
             f"the daemon serves the store {served} (id {served_id or 'not known yet'}), not {model} "
-            f"(id {wanted}): stop it (`moestreamctl stop`) or use --local"
+            f"(id {wanted}){why}: stop it (`moestreamctl stop`) or use --local"
         )
 
 
@@ -149,6 +150,8 @@ def _generate_via_daemon(settings: Settings, given: dict, prompt: str | None, id
             raise click.ClickException(str(e)) from None
         if settings.model is not None:
             _check_served_store(settings.model, status)
+        if status.get("store_problem"):
+            click.echo(f"warning: {status['store_problem']}", err=True)
         ignored = [f"--{k.replace('_', '-')}" for k in ("capacity", "memory_budget", "policy", "host_cache", "mapped", "io_threads")
                    if given.get(k) is not None and status.get("settings", {}).get(k) != getattr(settings, k)]
         if ignored:

@@ -281,6 +281,8 @@ class Gateway:
             state = st.get("state")
             if state != "ready":
                 return 503, {"status": "unavailable", "daemon": state}
+            if st.get("store_problem"):  # it serves on from open files, but needs a restart
+                return 503, {"status": "unavailable", "daemon": state, "reason": st["store_problem"]}
             return 200, {"status": "ok", "daemon": state, "model": model_id(st, self.config.demo_store_id)}
 
         status, body = await anyio.to_thread.run_sync(probe)

@@ -251,6 +251,32 @@ class Manifest:
         fsync_dir(path.parent)
 
 
+def manifest_stamp(store_dir: str | os.PathLike) -> tuple[int, int, int, int]:
+    """(device, inode, size, mtime) of the store's manifest: what changes when the store at
+    that path is replaced or its manifest edited. Raises OSError when it cannot be read."""
+    st = os.stat(Path(store_dir) / MANIFEST_NAME)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def vanished_store_problem(store_dir: str | os.PathLike, stamp: tuple[int, int, int, int] | None) -> str | None:
+    """Why the store loaded from `store_dir` (its manifest then had `stamp`) is not there
+    as it was, or None. Costs a stat or two: a daemon asks it per `status`."""
+    store = Path(store_dir)
+    restart = "restart the daemon with `moestreamctl restart --model STORE`"
+    try:
+        now = manifest_stamp(store)
+    except FileNotFoundError:
+        if not store.is_dir():
+            return f"the model folder {store} no longer exists: {restart}"
+        return f"the model folder {store} no longer holds a store ({MANIFEST_NAME} is gone): {restart}"
+    except OSError as e:
+        return f"the model folder {store} cannot be read ({e.strerror or e}): {restart}"
+    if stamp is not None and now != stamp:
+        return (f"the store in the model folder {store} was replaced or its manifest changed since the daemon "
+                "loaded it: restart the daemon (`moestreamctl restart`) to serve what is there now")
+    return None
+
+
 def new_store_id() -> str:
     """A fresh store id, for a store just written."""
     return uuid.uuid4().hex
