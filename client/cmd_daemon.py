@@ -13,10 +13,10 @@ from typing import Any
 
 import click
 
+from moestream.client.cli_values import store_option
 from moestream.client.client import Client, ClientError, DaemonDied, DaemonNotRunning
 from moestream.shared.runtime_dir import RuntimeDirError, RuntimePaths, ensure_private_dir, lock_is_held, read_pid
 from moestream.shared.settings import Settings, SettingsError, format_size
-from moestream.shared.store_format import StoreError, load_manifest
 
 # `start` flags passed on to `python -m moestream.daemon.main` (names of Settings fields).
 START_FLAGS = ("model", "capacity", "memory_budget", "host_cache", "mapped", "policy", "io_threads", "autopin_frac", "runtime_dir", "log_file",
@@ -72,10 +72,7 @@ def start_daemon(settings: Settings, given: dict[str, Any], *, timeout: float = 
     """
     if settings.model is None:
         raise click.UsageError("give --model STORE (an expert store made by `moestreamctl convert`), or set MOESTREAM_MODEL")
-    try:
-        load_manifest(settings.model)  # a wrong folder fails here, not in the daemon's log
-    except StoreError as e:
-        raise click.UsageError(f"--model: {e} (make one with `moestreamctl convert`)") from None
+    store_option(settings.model)  # a wrong folder fails here, not in the daemon's log
     given = absolute_paths(given)
     paths = _paths(settings)
     if lock_is_held(paths):

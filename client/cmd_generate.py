@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from moestream.client.cli_values import store_option
 from moestream.shared.settings import Settings, SettingsError
 
 
@@ -102,15 +103,10 @@ def generate(prompt, model, local, prompt_ids, capacity, memory_budget, policy, 
 def _check_served_store(model: str, status: dict) -> None:
     """Refuse when the daemon serves another store than `model`. Stores are compared by
     their ids, not their paths: two copies of a store (the demo installed twice) are one."""
-    from moestream.shared.store_format import StoreError, load_manifest
-
     served = status.get("model")
     if not served:
         return
-    try:
-        wanted = load_manifest(model).store_id
-    except StoreError as e:
-        raise click.UsageError(f"--model: {e}") from None
+    wanted = store_option(model).store_id
     served_id = status.get("store_id")
     if served_id is None:  # a daemon still loading does not know its store's id yet
         same = os.path.realpath(model) == os.path.realpath(served)

@@ -437,6 +437,28 @@ def test_a_config_out_of_step_with_the_layer_files_says_what_differs(converted, 
     assert str(streaming.value) == str(stock.value) == message
 
 
+def test_an_output_folder_that_cannot_be_made_or_written_is_one_clean_error(tiny_model, tmp_path, monkeypatch):
+    src = tiny_model("qwen3_moe", "4bit")
+    (tmp_path / "afile").write_text("x")
+    r = CliRunner().invoke(cli, ["convert", str(src), "--out", str(tmp_path / "afile" / "store")])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit)
+    assert (f"cannot make the store {tmp_path}/afile/store: {tmp_path}/afile is not a folder; "
+            "choose another --out") in r.stderr
+
+    import moestream.daemon.store.convert as convert
+
+    def full(items, folder: Path, *args):
+        raise OSError(28, "No space left on device", str(folder / "resident-00001.safetensors"))
+
+    monkeypatch.setattr(convert, "_write_resident", full)
+    out = tmp_path / "store"
+    r = CliRunner().invoke(cli, ["convert", str(src), "--out", str(out)])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit)
+    full_disk = f"cannot write the store {out}: {out}/resident-00001.safetensors: No space left on device"
+    assert f"Error: {full_disk}\n" in r.stderr
+    assert not out.exists() and not leftovers(out)
+
+
 # ---- the command line ------------------------------------------------------------------
 
 
