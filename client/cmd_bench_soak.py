@@ -24,13 +24,21 @@ import click
 def bench_soak(store, capacity, clients, requests, cancel_frac, kills, fuzz, seed, as_json) -> None:
     """Reliability figures: messages fuzzed, crashes, lost responses, RSS growth after
     warm-up, kills survived and invalid heat files. Exits 1 if any check fails."""
-    from moestream.daemon.soak_bench import format_report, run_bench_soak
-    from moestream.shared.settings import demo_store_path
+    from moestream.daemon.soak_bench import SoakSetupError, format_report, run_bench_soak
+    from moestream.shared.settings import SettingsError, demo_store_path, parse_capacity
 
-    report = run_bench_soak(
-        store or demo_store_path(), capacity=capacity, clients=clients, requests=requests, cancel_frac=cancel_frac,
-        kills=kills, fuzz=fuzz, seed=seed, echo=(lambda line: None) if as_json else (lambda line: click.echo(line, err=True)),
-    )
+    store = store or str(demo_store_path())
+    try:
+        parse_capacity(capacity)
+    except SettingsError as e:
+        raise click.UsageError(str(e)) from None
+    try:
+        report = run_bench_soak(
+            store, capacity=capacity, clients=clients, requests=requests, cancel_frac=cancel_frac, kills=kills,
+            fuzz=fuzz, seed=seed, echo=(lambda line: None) if as_json else (lambda line: click.echo(line, err=True)),
+        )
+    except SoakSetupError as e:
+        raise click.ClickException(str(e)) from None
     click.echo(json.dumps(report, indent=1) if as_json else format_report(report))
     if not report["ok"]:
         raise SystemExit(1)

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from moestream.client.cli_values import size_option
+from moestream.client.cli_values import size_option, store_option
 
 
 @click.command("warmstart")
@@ -30,7 +30,9 @@ def bench_warmstart(store, capacity, autopin_frac, prompt, tokens, rounds, io_th
     from moestream.client.bench_warmstart import format_report, run_bench_warmstart
     from moestream.client.client import ClientError
 
-    size_option(host_cache, "--host-cache")  # a clear error before any daemon starts
+    # Clear errors before the store's heat is set aside or any daemon starts.
+    store_option(store)
+    size_option(host_cache, "--host-cache")
     try:
         report = run_bench_warmstart(Path(store), capacity=capacity, autopin_frac=autopin_frac, prompt=prompt,
                                      tokens=tokens, rounds=rounds, io_threads=io_threads, mapped=mapped,

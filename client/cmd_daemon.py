@@ -13,11 +13,10 @@ from typing import Any
 
 import click
 
-from moestream.client.cli_values import capacity_note
+from moestream.client.cli_values import capacity_note, store_option
 from moestream.client.client import Client, ClientError, DaemonDied, DaemonNotRunning
 from moestream.shared.runtime_dir import RuntimeDirError, RuntimePaths, ensure_private_dir, lock_is_held, read_pid
 from moestream.shared.settings import Settings, SettingsError, format_size
-from moestream.shared.store_format import StoreError, load_manifest
 
 # `start` flags passed on to `python -m moestream.daemon.main` (names of Settings fields).
 START_FLAGS = ("model", "capacity", "memory_budget", "host_cache", "mapped", "policy", "io_threads", "autopin_frac", "runtime_dir", "log_file",
@@ -79,14 +78,6 @@ def _tail(path: Path, lines: int, *, start: int = 0) -> str:
     return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
 
 
-def check_store(model: str) -> None:
-    """A usage error naming `model` unless it is an expert store whose manifest reads."""
-    try:
-        load_manifest(model)
-    except StoreError as e:
-        raise click.UsageError(f"--model: {e}") from None
-
-
 def start_daemon(settings: Settings, given: dict[str, Any], *, timeout: float = 120.0, echo: bool = True) -> int:
     """Start a detached daemon and wait until it answers as ready; returns its pid.
 
@@ -95,7 +86,7 @@ def start_daemon(settings: Settings, given: dict[str, Any], *, timeout: float = 
     """
     if settings.model is None:
         raise click.UsageError("give --model STORE (an expert store made by `moestreamctl convert`), or set MOESTREAM_MODEL")
-    check_store(settings.model)  # a wrong folder fails here, not in the daemon's log
+    store_option(settings.model)  # a wrong folder fails here, not in the daemon's log
     given = absolute_paths(given)
     paths = _paths(settings)
     if lock_is_held(paths):
@@ -333,10 +324,12 @@ def _format_status(st: dict[str, Any]) -> str:
     mem, req, pool, heat = st["memory"], st["requests"], st["pool"], st.get("heat", {})
     lines = [
         f"moestream daemon {st['version']}: {st['state']} (pid {st['pid']}, up {st['uptime_s']:.0f} s)",
-        f"  model      {st['model']}",
+        f"  model      {st['model']}" + (f" (store id {st['store_id']})" if st.get("store_id") else ""),
     ]
     if st.get("error"):
         lines.append(f"  error      {st['error']}")
+    if st.get("store_problem"):
+        lines.append(f"  warning    {st['store_problem']}")
     if st.get("capacity") is None:
         lines.append("  pool       not loaded yet" if st["state"] == "loading" else "  pool       none")
     else:

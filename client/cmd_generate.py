@@ -10,7 +10,7 @@ from typing import Any, TextIO
 
 import click
 
-from moestream.client.cli_values import capacity_note
+from moestream.client.cli_values import capacity_note, store_option
 from moestream.shared.settings import Settings, SettingsError
 
 
@@ -184,11 +184,31 @@ def _report(text: str, tokens: list[int], stats: dict[str, Any], as_json: bool, 
             click.echo(line, err=True)
 
 
+def _check_served_store(model: str, status: dict) -> None:
+    """Refuse when the daemon serves another store than `model`. Stores are compared by
+    their ids, not their paths: two copies of a store (the demo installed twice) are one."""
+    served = status.get("model")
+    if not served:
+        return
+    wanted = store_option(model).store_id
+    served_id = status.get("store_id")
+    if served_id is None:  # a daemon still loading does not know its store's id yet
+        same = os.path.realpath(model) == os.path.realpath(served)
+    else:
+        same = served_id == wanted
+    if not same:
+        why = f" ({status['store_problem']})" if status.get("store_problem") else ""
+        raise click.ClickException(
+            f"the daemon serves the store {served} (id {served_id or 'not known yet'}), not {model} "
+            f"(id {wanted}){why}: stop it (`moestreamctl stop`) or use --local"
+        )
+
+
 def _generate_via_daemon(settings: Settings, given: dict, prompt: str | None, ids: list[int] | None, as_json: bool,
                          progress: PrefillProgress, sampling: dict) -> Any:
     """Stream from the daemon, starting it first when none runs; returns the `Done` event."""
     from moestream.client.client import Client, ClientError, DaemonNotRunning, Progress, Token
-    from moestream.client.cmd_daemon import check_store, start_daemon
+    from moestream.client.cmd_daemon import start_daemon
     from moestream.shared.runtime_dir import RuntimeDirError, RuntimePaths
 
     try:
@@ -201,7 +221,7 @@ def _generate_via_daemon(settings: Settings, given: dict, prompt: str | None, id
     except DaemonNotRunning:
         if settings.model is None:
             raise click.UsageError("no daemon is running: give --model STORE to start one, or use --local") from None
-        check_store(settings.model)
+        store_option(settings.model)
         click.echo(f"moestream: no daemon running; starting one for {settings.model}", err=True)
         start_daemon(settings, given)
         client = Client(paths)
@@ -210,11 +230,10 @@ def _generate_via_daemon(settings: Settings, given: dict, prompt: str | None, id
             status = client.status()
         except ClientError as e:
             raise click.ClickException(str(e)) from None
-        served = status.get("model")
-        if settings.model is not None and served and os.path.realpath(settings.model) != os.path.realpath(served):
-            raise click.ClickException(
-                f"the daemon serves {served}, not {settings.model}: stop it (`moestreamctl stop`) or use --local"
-            )
+        if settings.model is not None:
+            _check_served_store(settings.model, status)
+        if status.get("store_problem"):
+            click.echo(f"warning: {status['store_problem']}", err=True)
         ignored = [f"--{k.replace('_', '-')}" for k in ("capacity", "memory_budget", "policy", "host_cache", "mapped", "io_threads")
                    if given.get(k) is not None and status.get("settings", {}).get(k) != getattr(settings, k)]
         if ignored:

@@ -23,11 +23,10 @@ import asyncio
 import hmac
 import json
 import logging
-import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable
 
@@ -45,6 +44,7 @@ from moestream.shared import protocol as proto
 from moestream.shared.protocol import Done
 from moestream.shared.runtime_dir import RuntimePaths
 from moestream.shared.settings import demo_store_path
+from moestream.shared.store_format import StoreError, load_manifest
 
 # The protocol's own message limit: a body this size holds any prompt the daemon takes.
 MAX_BODY_BYTES = proto.MAX_MESSAGE_BYTES
@@ -68,6 +68,14 @@ log = logging.getLogger("moestream.openai")
 _GONE = object()  # what `Gateway._unless_gone` returns when the HTTP client has left
 
 
+def _demo_store_id() -> str | None:
+    try:
+        return load_manifest(demo_store_path()).store_id
+    except StoreError as e:  # a package built without the demo: no store is named the demo
+        log.info("no built-in demo store: %s", e)
+        return None
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     """What the gateway needs: where the daemon is, and the API key (None: no key)."""
@@ -78,17 +86,19 @@ class GatewayConfig:
     max_concurrent: int = MAX_CONCURRENT
     # Seconds a daemon reply may take before the client pings it (see Client).
     daemon_timeout: float = 10.0
+    # The built-in demo store's id: a daemon serving a store with it serves the demo.
+    demo_store_id: str | None = field(default_factory=_demo_store_id)
 
 
-def model_id(store: str | None) -> str:
-    """The model's id in the API: the store folder's name ("moestream-demo" for the
-    built-in demo model)."""
+def model_id(st: dict[str, Any], demo_store_id: str | None) -> str:
+    """The model's id in the API, from the daemon's status: the store folder's name, or
+    "moestream-demo" for the built-in demo model wherever its store lies (its id says so)."""
+    store = st.get("model")
     if not store:
         return MODEL_ALIAS
-    path = Path(store)
-    if os.path.realpath(path) == os.path.realpath(demo_store_path()):
+    if demo_store_id is not None and st.get("store_id") == demo_store_id:
         return DEMO_MODEL_ID
-    return path.name
+    return Path(store).name
 
 
 def _daemon_error(e: RequestRejected) -> ApiError:
@@ -113,9 +123,9 @@ def ready_status(client: Client) -> dict[str, Any]:
     return st
 
 
-def check_model(st: dict[str, Any], asked: str | None) -> str:
+def check_model(st: dict[str, Any], asked: str | None, demo_store_id: str | None) -> str:
     """The served model's id; ApiError 404 when the client asked for another model."""
-    served = model_id(st.get("model"))
+    served = model_id(st, demo_store_id)
     if asked is not None and asked not in (served, MODEL_ALIAS, st.get("model")):
         raise ApiError(
             404, f"The model {asked!r} does not exist: this server serves {served!r} (also reachable as {MODEL_ALIAS!r})",
@@ -161,7 +171,7 @@ class DaemonRequest:
     def _run(self) -> None:
         try:
             with Client(self._config.paths, timeout=self._config.daemon_timeout) as client:
-                self._put(check_model(ready_status(client), self._req.model))
+                self._put(check_model(ready_status(client), self._req.model, self._config.demo_store_id))
                 if self._stop.is_set():
                     return
                 stream = client.generate(request_id=self._id, **self._req.generate)
@@ -271,7 +281,9 @@ class Gateway:
             state = st.get("state")
             if state != "ready":
                 return 503, {"status": "unavailable", "daemon": state}
-            return 200, {"status": "ok", "daemon": state, "model": model_id(st.get("model"))}
+            if st.get("store_problem"):  # it serves on from open files, but needs a restart
+                return 503, {"status": "unavailable", "daemon": state, "reason": st["store_problem"]}
+            return 200, {"status": "ok", "daemon": state, "model": model_id(st, self.config.demo_store_id)}
 
         status, body = await anyio.to_thread.run_sync(probe)
         return JSONResponse(body, status_code=status)
@@ -286,10 +298,10 @@ class Gateway:
 
         return await anyio.to_thread.run_sync(call)
 
-    @staticmethod
-    def _model_object(st: dict[str, Any]) -> dict[str, Any]:
+    def _model_object(self, st: dict[str, Any]) -> dict[str, Any]:
         created = int(time.time() - float(st.get("uptime_s") or 0.0))
-        return {"id": model_id(st.get("model")), "object": "model", "created": created, "owned_by": "moestream"}
+        return {"id": model_id(st, self.config.demo_store_id), "object": "model", "created": created,
+                "owned_by": "moestream"}
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
@@ -299,7 +311,7 @@ class Gateway:
     async def model(self, request: Request) -> Response:
         self._authorize(request)
         st = await self._status()
-        check_model(st, request.path_params["model"])
+        check_model(st, request.path_params["model"], self.config.demo_store_id)
         return JSONResponse(self._model_object(st))
 
     async def chat_completions(self, request: Request) -> Response:

@@ -107,6 +107,8 @@ class EngineLoop:
         self._heat: Any = None
         self._heat_state: dict[str, Any] = {"state": "not started"}
         self._autopin: dict[str, Any] | None = None
+        # The served manifest's stat when it was loaded: `status` compares it with the file's now.
+        self._store_stamp: tuple[int, int, int, int] | None = None
         self._pending: deque[Job] = deque()
         self._active: deque[Job] = deque()
         self._jobs: dict[tuple[bytes, str], Job] = {}
@@ -166,6 +168,7 @@ class EngineLoop:
 
     def _load(self) -> bool:
         from moestream.daemon.store.loader import load_streaming_model
+        from moestream.shared.store_format import manifest_stamp
 
         s = self.settings
         if s.model is None:
@@ -175,6 +178,11 @@ class EngineLoop:
         tic = time.perf_counter()
         self.log.info("loading %s (capacity %s, memory budget %s, policy %s, mapped %s)", s.model, s.capacity, s.memory_budget, s.policy,
                       "auto" if s.mapped is None else s.mapped)
+        try:
+            # Before the load reads it, so a manifest replaced meanwhile differs from this.
+            self._store_stamp = manifest_stamp(s.model)
+        except OSError:
+            self._store_stamp = None  # the load says what is wrong
         try:
             self._sm = load_streaming_model(s.model, s, max_tokens=s.max_context)
         except Exception as e:
@@ -441,6 +449,8 @@ class EngineLoop:
             snap.update(
                 {
                     "model": str(sm.store_dir),
+                    "store_id": sm.manifest.store_id,
+                    "store_stamp": self._store_stamp,
                     "capacity": sm.capacity,
                     "policy": self.settings.policy,
                     "moe_layers": len(sm.pools),

@@ -30,7 +30,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
 from moestream.daemon.demo.mtp import MTP_FILE, load_mtp
-from moestream.shared.store_format import StoreError
+from moestream.shared.store_format import StoreError, vanished_store_problem
 
 QWEN3_NEXT = "qwen3_next"
 MTP_PREFIX = "mtp."
@@ -90,6 +90,9 @@ def load_mtp_head(store: str | Path, config: dict[str, Any]) -> LoadedMTP:
     """The MTP head of the store at `store` (whose manifest config is `config`)."""
     path = Path(store) / MTP_FILE
     if not path.is_file():
+        gone = vanished_store_problem(store, None)  # the model folder itself went away
+        if gone:
+            raise StoreError(gone)
         raise StoreError(
             f"{store} has no MTP head ({MTP_FILE}); speculative decoding with --speculative mtp needs one "
             "(convert a Qwen3-Next checkpoint that carries mtp.* tensors, or use --speculative draft)"

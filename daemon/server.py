@@ -36,6 +36,7 @@ from moestream.daemon.engine_loop import EXIT_FRAME, EngineLoop
 from moestream.shared import protocol as proto
 from moestream.shared.runtime_dir import RuntimePaths
 from moestream.shared.settings import Settings
+from moestream.shared.store_format import vanished_store_problem
 
 # Hard cap above the protocol's limit: up to it an oversized message gets an error
 # reply; past it ZeroMQ drops the connection without reading the message into memory.
@@ -268,6 +269,8 @@ class Server:
         pool = snap.get("pool", {})
         requests = snap.get("requests", {})
         s = self.settings
+        # Set when the model folder has gone or changed under the loaded model.
+        problem = vanished_store_problem(snap["model"], snap.get("store_stamp")) if "model" in snap else None
         return {
             "pid": os.getpid(),
             "version": __version__,
@@ -276,6 +279,8 @@ class Server:
             "error": engine.error,
             "uptime_s": now - self.started,
             "model": snap.get("model", s.model),
+            "store_id": snap.get("store_id"),
+            "store_problem": problem,
             "capacity": snap.get("capacity"),
             "policy": snap.get("policy", s.policy),
             "moe_layers": snap.get("moe_layers"),

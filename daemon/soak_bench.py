@@ -16,11 +16,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 from moestream.daemon import soak_heat
+from moestream.daemon.expert_reader import ExpertReadError
 from moestream.daemon.soak import DaemonProcess, reference_outputs, run_soak, soak_cases
 from moestream.daemon.soak_fuzz import exact_request, run_fuzz
+from moestream.shared.store_format import StoreError, load_manifest
 
 RSS_LIMIT_PCT = 5.0
 MAX_REAL_DAEMON_KILLS = 20
+
+
+class SoakSetupError(Exception):
+    """The store cannot be soaked; the message names it as the caller gave it, never its copy."""
 
 
 def run_bench_soak(
@@ -35,15 +41,27 @@ def run_bench_soak(
     seed: int = 0,
     echo: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
-    """Run everything; returns the report (see `format_report`)."""
+    """Run everything; returns the report (see `format_report`). A store that cannot be
+    loaded raises `SoakSetupError`."""
+    try:
+        load_manifest(store)  # before any copy: a folder that is no store is named as given
+    except StoreError as e:
+        raise SoakSetupError(str(e)) from e
     root = Path(tempfile.mkdtemp(dir="/tmp", prefix="mssoak"))
     rng = random.Random(seed)
     report: dict[str, Any] = {"store": str(store), "capacity": capacity, "seed": seed}
     tic = time.perf_counter()
     try:
-        own = Path(shutil.copytree(store, root / "store", ignore=shutil.ignore_patterns("pool_usage.json*")))
+        try:
+            own = Path(shutil.copytree(store, root / "store", ignore=shutil.ignore_patterns("pool_usage.json*")))
+        except OSError as e:
+            raise SoakSetupError(f"cannot copy the store {store} into {root}: {e}") from e
         echo("reference outputs (in-process, greedy)...")
-        reference = reference_outputs(own, capacity, soak_cases())
+        try:
+            reference = reference_outputs(own, capacity, soak_cases())
+        except (StoreError, ExpertReadError, ValueError) as e:
+            # The first load of the copy is where a broken store shows: say which store it is.
+            raise SoakSetupError(str(e).replace(str(own), str(store))) from e
         with DaemonProcess.start(own, root / "rt", capacity=capacity) as daemon:
             if fuzz:
                 echo(f"fuzz: {fuzz} messages...")

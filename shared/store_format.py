@@ -19,8 +19,10 @@ This module imports no MLX: the client, the benchmarks and the daemon all read i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,6 +120,9 @@ class Manifest:
     source: dict[str, Any] = field(default_factory=dict)
     alignment: int = EXPERT_ALIGN
     version: int = FORMAT_VERSION
+    # Names the store wherever it lies: two copies of one store have the same id. `convert`
+    # writes a fresh one; a store written before ids existed gets one from its content.
+    store_id: str | None = None
 
     @property
     def expert_bytes_total(self) -> int:
@@ -133,9 +138,11 @@ class Manifest:
             d["tensors"] = [asdict(t) | {"shape": list(t.shape)} for t in layer.tensors]
             d["experts"] = [[e.offset, e.length, e.crc32] for e in layer.experts]
             layers.append(d)
+        head: dict[str, Any] = {"format": FORMAT_NAME, "version": self.version}
+        if self.store_id is not None:
+            head["store_id"] = self.store_id
         return {
-            "format": FORMAT_NAME,
-            "version": self.version,
+            **head,
             "model_type": self.model_type,
             "alignment": self.alignment,
             "config": self.config,
@@ -191,6 +198,7 @@ class Manifest:
                 source=dict(data.get("source") or {}),
                 alignment=int(data.get("alignment", EXPERT_ALIGN)),
                 version=int(data["version"]),
+                store_id=_store_id_of(data),
             )
         except StoreError:
             raise
@@ -201,6 +209,8 @@ class Manifest:
 
     def validate(self, where: str = "manifest") -> None:
         """Check the invariants the reader relies on; raise StoreError if one fails."""
+        if self.store_id is not None and (not isinstance(self.store_id, str) or not self.store_id.strip()):
+            raise StoreError(f"{where}: the store id {self.store_id!r} is not a non-empty string")
         if not self.layers:
             raise StoreError(f"{where}: the store has no MoE layers")
         for layer in self.layers:
@@ -239,6 +249,54 @@ class Manifest:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(path.parent)
+
+
+def manifest_stamp(store_dir: str | os.PathLike) -> tuple[int, int, int, int]:
+    """(device, inode, size, mtime) of the store's manifest: what changes when the store at
+    that path is replaced or its manifest edited. Raises OSError when it cannot be read."""
+    st = os.stat(Path(store_dir) / MANIFEST_NAME)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def vanished_store_problem(store_dir: str | os.PathLike, stamp: tuple[int, int, int, int] | None) -> str | None:
+    """Why the store loaded from `store_dir` (its manifest then had `stamp`) is not there
+    as it was, or None. Costs a stat or two: a daemon asks it per `status`."""
+    store = Path(store_dir)
+    restart = "restart the daemon with `moestreamctl restart --model STORE`"
+    try:
+        now = manifest_stamp(store)
+    except FileNotFoundError:
+        if not store.is_dir():
+            return f"the model folder {store} no longer exists: {restart}"
+        return f"the model folder {store} no longer holds a store ({MANIFEST_NAME} is gone): {restart}"
+    except OSError as e:
+        return f"the model folder {store} cannot be read ({e.strerror or e}): {restart}"
+    if stamp is not None and now != stamp:
+        return (f"the store in the model folder {store} was replaced or its manifest changed since the daemon "
+                "loaded it: restart the daemon (`moestreamctl restart`) to serve what is there now")
+    return None
+
+
+def new_store_id() -> str:
+    """A fresh store id, for a store just written."""
+    return uuid.uuid4().hex
+
+
+def content_store_id(data: dict[str, Any]) -> str:
+    """The id of a manifest (as JSON data) that has none: a hash of its canonical JSON,
+    so that every copy of such a store, read by any moestream, gets the same id."""
+    body = {k: v for k, v in data.items() if k != "store_id"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def _store_id_of(data: dict[str, Any]) -> str:
+    given = data.get("store_id")
+    if given is None:
+        return content_store_id(data)
+    if not isinstance(given, str):
+        raise TypeError(f"store_id is a {type(given).__name__}, not a string")
+    return given
 
 
 def load_manifest(store_dir: str | os.PathLike) -> Manifest:

@@ -138,7 +138,8 @@ def test_a_long_prompt_reports_its_prefill_to_the_client_and_in_status(daemon):
         with Client(daemon) as c:
             while not stop.is_set():
                 for job in c.status()["requests"]["running"]:
-                    seen.append(job["prefilled_tokens"])
+                    if job["prompt_tokens"] == len(LONG_IDS):
+                        seen.append(job["prefilled_tokens"])
                 time.sleep(0.02)
 
     watcher = threading.Thread(target=watch)

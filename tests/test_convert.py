@@ -33,8 +33,10 @@ from moestream.shared.store_format import (
     MANIFEST_NAME,
     TENSOR_ALIGN,
     StoreError,
+    content_store_id,
     load_manifest,
 )
+from moestream.shared.settings import demo_store_path
 from tiny_models import MOE_ARCHS, make_tiny_model
 
 CASES = [(a, "4bit") for a in MOE_ARCHS] + [(a, "bf16") for a in MOE_ARCHS] + [("mixtral", "8bit"), ("qwen3_moe", "f32")]
@@ -384,6 +386,77 @@ def test_an_interrupted_convert_leaves_no_store(tiny_model, tmp_path):
     (stale / "experts").mkdir(parents=True)
     convert_model(src, out)
     assert not stale.exists() and load_manifest(out).layers
+
+
+def test_a_store_id_is_fresh_from_convert_and_comes_from_the_content_of_an_older_store(converted, tiny_model, tmp_path):
+    _, out = converted("qwen3_moe", "4bit")
+    first = load_manifest(out)
+    again = convert_model(tiny_model("qwen3_moe", "4bit"), tmp_path / "again")
+    assert first.store_id and again.store_id != first.store_id  # one model converted twice: two stores
+    assert load_manifest(shutil.copytree(out, tmp_path / "copy")).store_id == first.store_id
+    # Stores written before ids existed: each copy gets the same id from its manifest's
+    # content, however the JSON is laid out.
+    older = []
+    for name, indent in (("old1", None), ("old2", 2)):
+        folder = Path(shutil.copytree(out, tmp_path / name))
+        data = json.loads((folder / MANIFEST_NAME).read_text())
+        del data["store_id"]
+        (folder / MANIFEST_NAME).write_text(json.dumps(data, indent=indent))
+        older.append(load_manifest(folder).store_id)
+    assert older[0] == older[1] == content_store_id(data) != first.store_id
+    # The demo store's committed id is its content's: a demo installed before ids existed
+    # is the same store.
+    demo = json.loads((demo_store_path() / MANIFEST_NAME).read_text())
+    assert demo["store_id"] == content_store_id(demo) == load_manifest(demo_store_path()).store_id
+    bad = {**data, "store_id": 7}
+    (tmp_path / "old1" / MANIFEST_NAME).write_text(json.dumps(bad))
+    with pytest.raises(StoreError, match="malformed manifest .*store_id is a int, not a string"):
+        load_manifest(tmp_path / "old1")
+
+
+def test_a_config_out_of_step_with_the_layer_files_says_what_differs(converted, tmp_path):
+    from moestream.daemon.store.loader import load_stock_model, load_streaming_model
+    from moestream.shared.settings import Settings
+
+    _, out = converted("qwen3_moe", "4bit")
+    store = Path(shutil.copytree(out, tmp_path / "edited"))
+    data = json.loads((store / MANIFEST_NAME).read_text())
+    experts = data["config"]["num_experts"]
+    data["config"]["num_experts"] = experts // 2
+    (store / MANIFEST_NAME).write_text(json.dumps(data))
+    layer = load_manifest(store).layers[0]
+    message = (
+        f"{store}: layer {layer.module_path} holds {experts} experts in {layer.file}, but the manifest's config "
+        f"gives num_experts = {experts // 2}: the config does not match the store's layer files "
+        "(was it edited? convert the model again)"
+    )
+    with pytest.raises(StoreError) as streaming:
+        load_streaming_model(store, Settings())
+    with pytest.raises(StoreError) as stock:
+        load_stock_model(store)
+    assert str(streaming.value) == str(stock.value) == message
+
+
+def test_an_output_folder_that_cannot_be_made_or_written_is_one_clean_error(tiny_model, tmp_path, monkeypatch):
+    src = tiny_model("qwen3_moe", "4bit")
+    (tmp_path / "afile").write_text("x")
+    r = CliRunner().invoke(cli, ["convert", str(src), "--out", str(tmp_path / "afile" / "store")])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit)
+    assert (f"cannot make the store {tmp_path}/afile/store: {tmp_path}/afile is not a folder; "
+            "choose another --out") in r.stderr
+
+    import moestream.daemon.store.convert as convert
+
+    def full(items, folder: Path, *args):
+        raise OSError(28, "No space left on device", str(folder / "resident-00001.safetensors"))
+
+    monkeypatch.setattr(convert, "_write_resident", full)
+    out = tmp_path / "store"
+    r = CliRunner().invoke(cli, ["convert", str(src), "--out", str(out)])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit)
+    full_disk = f"cannot write the store {out}: {out}/resident-00001.safetensors: No space left on device"
+    assert f"Error: {full_disk}\n" in r.stderr
+    assert not out.exists() and not leftovers(out)
 
 
 # ---- the command line ------------------------------------------------------------------

@@ -541,3 +541,70 @@ def test_heat_file_holds_exactly_the_routed_counts(store):
     finally:
         ctl("stop", "--runtime-dir", str(rt))
         shutil.rmtree(rt, ignore_errors=True)
+
+
+def test_generate_knows_the_daemons_store_by_its_id_not_its_path(store):
+    """The demo installed twice is one store: a daemon on one copy of it serves `generate`
+    given another copy; a store with another id is refused, both stores named."""
+    from moestream.shared.settings import demo_store_path
+    from moestream.shared.store_format import load_manifest
+
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msi"))
+    env = clean_env(MOESTREAM_RUNTIME_DIR=str(rt))
+    first = Path(shutil.copytree(demo_store_path(), rt / "a" / "store"))
+    second = Path(shutil.copytree(demo_store_path(), rt / "b" / "store"))
+    demo_id, other_id = load_manifest(demo_store_path()).store_id, load_manifest(store).store_id
+    try:
+        out = ctl("start", "--model", str(first), "--capacity", "0.25", env=env)
+        assert out.returncode == 0, out.stderr
+        st = json.loads(ctl("status", "--json", env=env).stdout)
+        assert st["model"] == str(first) and st["store_id"] == demo_id
+        assert f"(store id {demo_id})" in ctl("status", env=env).stdout
+
+        out = ctl("generate", "def f(", "--model", str(second), "--max-tokens", "4", "--json", env=env)
+        assert out.returncode == 0, out.stderr
+        assert 0 < len(json.loads(out.stdout)["tokens"]) <= 4
+
+        out = ctl("generate", "def f(", "--model", str(store), "--max-tokens", "4", env=env)
+        assert out.returncode == 1 and "Traceback" not in out.stderr
+        assert (f"the daemon serves the store {first} (id {demo_id}), not {store} (id {other_id}): "
+                "stop it (`moestreamctl stop`) or use --local") in out.stderr
+    finally:
+        ctl("stop", env=env)
+        shutil.rmtree(rt)
+
+
+def test_a_bad_store_gets_one_clean_line_naming_the_path_given(store):
+    """`bench soak` works on a temporary copy of the store: a folder that is no store, a
+    corrupt manifest or a config edited out of step with the layer files is reported in
+    one line that names the folder given, not the copy; other commands say it as cleanly."""
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msb"))
+    try:
+        nostore = rt / "photos"
+        nostore.mkdir()
+        (nostore / "cat.jpg").write_bytes(b"\xff\xd8")
+        corrupt = Path(shutil.copytree(store, rt / "corrupt"))
+        (corrupt / "manifest.json").write_text('{"format": "moestream-store", "vers')
+        edited = Path(shutil.copytree(store, rt / "edited"))
+        data = json.loads((edited / "manifest.json").read_text())
+        data["config"]["num_experts"] = 8
+        (edited / "manifest.json").write_text(json.dumps(data))
+        layer = data["moe_layers"][0]
+        expected = {
+            nostore: f"Error: {nostore} is not an expert store: manifest.json is missing (make one with `moestreamctl convert`)\n",
+            corrupt: f"Error: {corrupt}/manifest.json: cannot read the manifest (Unterminated string",
+            edited: (f"Error: {edited}: layer {layer['module_path']} holds 16 experts in {layer['file']}, but the "
+                     "manifest's config gives num_experts = 8: the config does not match the store's layer files"),
+        }
+        soak = ("bench", "soak", "--kills", "0", "--fuzz", "0", "--clients", "1", "--requests", "1", "--model")
+        for path, message in expected.items():
+            out = ctl(*soak, str(path))
+            assert out.returncode == 1, out.stdout + out.stderr
+            assert message in out.stderr, out.stderr
+            assert "Traceback" not in out.stderr and "mssoak" not in out.stderr
+        for command in (("start", "--runtime-dir", str(rt / "rt")), ("bench", "warmstart")):
+            out = ctl(*command, "--model", str(corrupt))
+            assert out.returncode != 0 and "Traceback" not in out.stderr
+            assert f"{corrupt}/manifest.json: cannot read the manifest" in out.stderr, (command, out.stderr)
+    finally:
+        shutil.rmtree(rt)

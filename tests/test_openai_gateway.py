@@ -172,6 +172,19 @@ def test_listening_beyond_loopback_needs_a_key(tmp_path):
     assert out.returncode == 2 and "is empty" in out.stderr
 
 
+def test_a_copy_of_the_demo_store_anywhere_is_named_the_demo(tmp_path):
+    """By its store id: after a reinstall the daemon may serve the demo from another path."""
+    from moestream.client.openai_gateway import DEMO_MODEL_ID, GatewayConfig, model_id
+    from moestream.shared.settings import demo_store_path
+    from moestream.shared.store_format import load_manifest
+
+    demo = load_manifest(demo_store_path()).store_id
+    assert GatewayConfig(paths=RuntimePaths(dir=tmp_path, log=tmp_path / "log")).demo_store_id == demo
+    old_install = "/old/site-packages/moestream/daemon/demo/store"
+    assert model_id({"model": old_install, "store_id": demo}, demo) == DEMO_MODEL_ID
+    assert model_id({"model": "/home/me/stores/qwen", "store_id": "0" * 32}, demo) == "qwen"
+
+
 def test_health_is_503_without_a_daemon_and_completions_say_why(tmp_path):
     rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msn"))
     gateway = Gateway(rt, tmp_path / "gateway.log")
@@ -536,3 +549,49 @@ def test_service_install_openai_writes_a_second_service_that_serves(tmp_path):
     result = service("uninstall", "--openai", "--platform", "linux", "--no-unload")
     assert result.exit_code == 0 and not sf.service_file_path("linux", home, sf.OPENAI).exists()
     assert sf.service_file_path("darwin", home, sf.OPENAI).exists()
+
+
+def test_a_daemon_whose_model_folder_is_gone_says_so_in_status_and_health(store):
+    """The daemon serves on from the files it holds open, but `status` (text and JSON)
+    and the gateway's /health say that its model folder went away, or was replaced."""
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msv"))
+    own = Path(shutil.copytree(store, rt / "model" / "store", ignore=shutil.ignore_patterns("pool_usage.json*")))
+    paths = RuntimePaths(dir=rt, log=rt / "daemon.log")
+    gateway = None
+
+    def problem() -> str | None:
+        with Client(paths) as c:
+            return c.status()["store_problem"]
+
+    try:
+        out = ctl("start", "--model", str(own), "--capacity", "0.25", "--runtime-dir", str(rt))
+        assert out.returncode == 0, out.stdout + out.stderr
+        gateway = Gateway(rt, rt / "gateway.log")
+        assert httpx.get(gateway.url + "/health").status_code == 200
+        assert problem() is None
+
+        restart = "restart the daemon with `moestreamctl restart --model STORE`"
+        (own / "manifest.json").unlink()
+        assert problem() == f"the model folder {own} no longer holds a store (manifest.json is gone): {restart}"
+        shutil.rmtree(own)
+        gone = f"the model folder {own} no longer exists: {restart}"
+        out = ctl("status", "--json", "--runtime-dir", str(rt))
+        st = json.loads(out.stdout)
+        assert out.returncode == 0 and st["state"] == "ready" and st["store_problem"] == gone
+        text = ctl("status", "--runtime-dir", str(rt))
+        assert text.returncode == 0 and ": ready (pid" in text.stdout and f"\n  warning    {gone}\n" in text.stdout
+        r = httpx.get(gateway.url + "/health")
+        assert r.status_code == 503 and r.json() == {"status": "unavailable", "daemon": "ready", "reason": gone}
+        with Client(paths) as c:
+            assert c.complete(PROMPT, max_tokens=8)["tokens"]  # what it loaded, it still serves
+
+        shutil.copytree(store, own, ignore=shutil.ignore_patterns("pool_usage.json*"))
+        assert problem() == (
+            f"the store in the model folder {own} was replaced or its manifest changed since the daemon loaded it: "
+            "restart the daemon (`moestreamctl restart`) to serve what is there now"
+        )
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        ctl("stop", "--runtime-dir", str(rt))
+        shutil.rmtree(rt)

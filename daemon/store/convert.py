@@ -36,6 +36,7 @@ from moestream.shared.store_format import (
     Manifest,
     MoELayer,
     StoreError,
+    new_store_id,
 )
 
 # progress(bytes_written, bytes_total)
@@ -183,7 +184,11 @@ def convert_model(
     out_dir = Path(out_dir).expanduser().absolute()
     check_model_dir(model_dir)
     _check_destination(out_dir, force)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = f"{e.filename} is not a folder" if isinstance(e, FileExistsError) else f"{e.filename}: {e.strerror or e}"
+        raise StoreError(f"cannot make the store {out_dir}: {why}; choose another --out") from e
     _remove_stale_partials(out_dir)
 
     mtp: dict[str, mx.array] = {}  # mtp.* tensors, which stock mlx-lm drops
@@ -221,7 +226,10 @@ def convert_model(
             progress(done, total)
 
     tmp = out_dir.parent / f".{out_dir.name}{_PARTIAL}{os.getpid()}"
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        raise StoreError(f"cannot write the store {out_dir}: {e.strerror or e}") from e
     try:
         (tmp / EXPERTS_DIR).mkdir()
         moe_layers = []
@@ -260,6 +268,7 @@ def convert_model(
                 "mlx_lm": _package_version("mlx-lm"),
                 "mlx": _package_version("mlx"),
             },
+            store_id=new_store_id(),
         )
         manifest.validate(str(tmp / MANIFEST_NAME))
         for f in [*tmp.iterdir(), *(tmp / EXPERTS_DIR).iterdir()]:
@@ -270,10 +279,19 @@ def convert_model(
         manifest.dump(tmp)  # last, so a folder with a manifest is a complete store
         _install(tmp, out_dir)
     except BaseException as exc:
+        note = None
         try:
             shutil.rmtree(tmp)
         except OSError as cleanup:
-            exc.add_note(f"could not remove the partial store {tmp}: {cleanup}; delete it by hand")
+            note = f"could not remove the partial store {tmp}: {cleanup}; delete it by hand"
+        if isinstance(exc, OSError):
+            # A full or read-only disk, say: one line that names the store, not its partial folder.
+            where = str(exc.filename).replace(str(tmp), str(out_dir)) if exc.filename else str(out_dir)
+            error = StoreError(f"cannot write the store {out_dir}: {where}: {exc.strerror or exc}"
+                               + (f"; {note}" if note else ""))
+            raise error from exc
+        if note:
+            exc.add_note(note)
         raise
     return manifest
 

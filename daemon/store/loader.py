@@ -282,7 +282,7 @@ def load_streaming_model(
             parent, key, module = _module_at(model, layer.module_path)
             if not isinstance(module, (SwitchGLU, SwitchMLP)):
                 raise StoreError(f"{layer.module_path} is a {type(module).__name__}, not a SwitchGLU/SwitchMLP")
-            _check_layout(module, layer)
+            _check_layout(module, layer, store, manifest.config)
             slots = layer.num_experts if mapped else min(capacity, layer.num_experts)
             policy = make_policy(settings.policy, layer.num_experts, slots)
             pool = ExpertPool(layer, slots, policy, admitter, top_k=k, keep=not naive, host_memory=mapped)
@@ -405,7 +405,7 @@ def load_stock_model(store_dir: str | Path) -> nn.Module:
     model, weights = _build_model(store, manifest)
     for layer in manifest.layers:
         _, _, module = _module_at(model, layer.module_path)
-        _check_layout(module, layer)
+        _check_layout(module, layer, store, manifest.config)
         raw = np.fromfile(store / layer.file, dtype=np.uint8)
         if raw.size < layer.num_experts * layer.stride:
             raise StoreError(f"{store / layer.file} is truncated")
@@ -420,19 +420,35 @@ def load_stock_model(store_dir: str | Path) -> nn.Module:
     return model
 
 
-def _check_layout(module: nn.Module, layer) -> None:
+# Config keys that give the experts per MoE layer, by model family.
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _check_layout(module: nn.Module, layer, store: Path, config: dict[str, Any]) -> None:
     """The store's per-expert tensors must be exactly the module's stacked tensors."""
     params = dict(tree_flatten(module.parameters()))
     names = {t.name for t in layer.tensors}
     if set(params) != names:
         raise StoreError(
-            f"{layer.module_path}: the store holds {sorted(names)} but the model expects {sorted(params)}"
+            f"{store}: layer {layer.module_path}: the store holds {sorted(names)}, "
+            f"but the model expects {sorted(params)}"
         )
     for t in layer.tensors:
         p = params[t.name]
+        if p.shape[0] != layer.num_experts:
+            # The model is built from the manifest's config, the layer files hold what was
+            # converted: a differing count means the config was edited or belongs elsewhere.
+            scope = config.get("text_config") or config
+            key = next((k for k in EXPERT_COUNT_KEYS if k in scope or k in config), None)
+            says = f"gives {key} = {p.shape[0]}" if key else f"makes a model of {p.shape[0]} experts per layer"
+            raise StoreError(
+                f"{store}: layer {layer.module_path} holds {layer.num_experts} experts in {layer.file}, but the "
+                f"manifest's config {says}: the config does not match the store's layer files "
+                "(was it edited? convert the model again)"
+            )
         # Dtypes are not compared: like stock loading, the file's dtype wins.
         if tuple(p.shape) != (layer.num_experts, *t.shape):
             raise StoreError(
-                f"{layer.module_path}.{t.name}: store has shape {list(t.shape)} per expert, "
-                f"the model expects {list(p.shape)[1:]}"
+                f"{store}: layer {layer.module_path}, tensor {t.name}: the store has shape {list(t.shape)} per "
+                f"expert, the model built from its config expects {list(p.shape)[1:]}"
             )
