@@ -167,7 +167,7 @@ class EngineLoop:
                     self.finished.set()
 
     def _load(self) -> bool:
-        from moestream.daemon.store.loader import load_streaming_model
+        from moestream.daemon.model.streaming_model import load_streaming_model
         from moestream.shared.store_format import manifest_stamp
 
         s = self.settings
@@ -196,7 +196,7 @@ class EngineLoop:
         self.log.info(
             "model ready in %.2f s: %d MoE layers, %d %s per layer, policy %s",
             time.perf_counter() - tic, len(self._sm.pools), self._sm.capacity,
-            "experts in GPU memory (mapped pool)" if self._sm.placement is not None else "slots", s.policy,
+            "experts in GPU memory (mapped pool)" if self._sm.mapped_pool is not None else "slots", s.policy,
         )
         self._publish(force=True)
         return True
@@ -270,7 +270,7 @@ class EngineLoop:
 
     def _admit(self) -> None:
         """Move waiting requests into the active set, checking their prompts."""
-        from moestream.daemon.generation import GenerationResult, SamplingParams, encode_prompt
+        from moestream.daemon.model.generation import GenerationResult, SamplingParams, encode_prompt
 
         while self._pending and len(self._active) < self.settings.max_active:
             job = self._pending.popleft()
@@ -298,7 +298,7 @@ class EngineLoop:
             self._active.append(job)
 
     def _make_generator(self, job: Job, params: Any) -> Iterator[tuple[str, int]]:
-        from moestream.daemon.generation import iter_generate
+        from moestream.daemon.model.generation import iter_generate
 
         return iter_generate(self._sm, job.prompt_ids, params, job.result, should_stop=lambda: job.stop_reason is not None,
                              on_prompt_progress=lambda done, total: self._on_prefill(job, done, total))
@@ -313,7 +313,7 @@ class EngineLoop:
 
     def _step(self, job: Job) -> bool:
         """Advance one request by one step; False once it has ended."""
-        from moestream.daemon.expert_reader import ExpertReadError
+        from moestream.daemon.pool.expert_reader import ExpertReadError
 
         if job.started is None:
             job.started = time.monotonic()
@@ -485,8 +485,8 @@ class EngineLoop:
 
     def _start_heat(self) -> None:
         """Pin each layer's hottest experts from the saved heat, then start the keeper."""
-        from moestream.daemon.autopin import autopin
-        from moestream.daemon.heat import HeatPublisher, load_usage
+        from moestream.daemon.pool.autopin import autopin
+        from moestream.daemon.heat_publisher import HeatPublisher, load_usage
         from moestream.shared.heat_file import HeatReadError
 
         sm = self._sm

@@ -314,7 +314,7 @@ class Server:
                 "mapped": pool.get("mapped", False),
                 # With `mapped = auto`: what it chose and why.
                 "mapped_auto": pool.get("admission", {}).get("mapped_auto"),
-                "placement": pool.get("placement"),
+                "mapped_pool": pool.get("mapped_pool"),
             },
             "memory": {
                 "rss_bytes": self._process.memory_info().rss,

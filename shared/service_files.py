@@ -7,7 +7,7 @@ The templates ship in the package (`moestream/launchd/*.in`) and are filled here
 plist is parsed with plistlib, filled as a dict and written back with plistlib; the unit
 is filled line by line with values quoted for systemd (`%` is a specifier there and `$`
 expands variables in ExecStart, so both are doubled). This module only renders text and
-names paths and commands; `moestream.client.cmd_service` writes files and runs them.
+names paths and commands; `moestream.client.cli.service` writes files and runs them.
 It imports no MLX and reads no environment of its own: callers pass `env` and `home`.
 """
 

@@ -114,11 +114,11 @@ class Settings:
     # Bytes of host memory that cache experts between the store and the pool (0: off).
     # One that holds every expert is made as a mapped pool where `mapped` is auto.
     host_cache: int = 0
-    # A mapped pool (daemon/placement.py): every expert in host memory, addressable by
+    # A mapped pool (daemon/mapped/mapped_pool.py): every expert in host memory, addressable by
     # the kernels, with `capacity` (or `memory_budget`) experts per layer in GPU memory.
     # None is auto: mapped where it measured fastest and is safe (an NVIDIA GPU, a
     # partial pool, host RAM for every expert, no --host-cache or one that holds every
-    # expert; see daemon/store/loader.py `choose_mapped`), else the slot pool.
+    # expert; see daemon/model/streaming_model.py `choose_mapped`), else the slot pool.
     mapped: bool | None = None
     # A mapped pool's placement moves at most this many experts per layer into GPU
     # memory each time it runs (once per token, or less often when it falls behind);
@@ -136,7 +136,7 @@ class Settings:
     # A mapped pool's decode steps first copy the routed experts into a small stack in
     # GPU memory (one copy kernel per layer, wide loads) and run the expert kernels on
     # that, instead of letting the kernels read host memory over the link as they go
-    # (daemon/row_gather.py). None is auto: on where that copy kernel runs (MLX's CUDA
+    # (daemon/mapped/row_gather.py). None is auto: on where that copy kernel runs (MLX's CUDA
     # build on its GPU), off elsewhere (on unified memory there is no link to wait on).
     # On the H200 at 25%, side by side over 7 rounds: 56.7 against 39.4 tok/s, 1.16x to
     # 1.59x in every round (tests/bench/results/bench_decode_q30_mapped_prefetch_h200.json;
@@ -145,7 +145,7 @@ class Settings:
     # Where a mapped pool's prefetch copies the next layer's experts: "second", a second
     # MLX stream (measured 0.54x of gathering alone on the H200, session 8), or "same",
     # the layer's own stream, beside its expert kernels inside one CUDA graph
-    # (daemon/mapped_prefetch.py; 1.03x with 4 blocks per row, 0.76x with 16, session
+    # (daemon/mapped/mapped_prefetch.py; 1.03x with 4 blocks per row, 0.76x with 16, session
     # 10). `prefetch = auto` keeps either only where it is faster.
     mapped_prefetch_stream: str = "second"
     # The most blocks per expert row (mapped prefetch's staging) or per span (the slot

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from moestream.daemon.soak import child_env
+from moestream.daemon.bench.soak.driver import child_env
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -81,7 +81,7 @@ def test_json_on_the_real_trace_folder() -> None:
 
 
 def test_static_hits_hold_each_requests_prior_hottest() -> None:
-    from moestream.daemon.policies.evaluate import static_hits
+    from moestream.daemon.bench.policy.replay import static_hits
 
     steps = [(0, 1), (1, 2), (2, 3), (0, 3)]
     phases = ["prefill", "decode", "prefill", "decode"]

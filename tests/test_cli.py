@@ -22,8 +22,8 @@ from click.testing import CliRunner
 
 from moestream.client.cli import main as cli
 from moestream.client.client import Client, Progress, Token
-from moestream.client.cmd_daemon import _format_status
-from moestream.client.cmd_generate import PrefillProgress
+from moestream.client.cli.daemon import _format_status
+from moestream.client.cli.generate import PrefillProgress
 from moestream.daemon.engine_loop import EngineLoop
 from moestream.daemon.policies import POLICIES
 from moestream.daemon.server import Server

@@ -415,7 +415,7 @@ def test_a_store_id_is_fresh_from_convert_and_comes_from_the_content_of_an_older
 
 
 def test_a_config_out_of_step_with_the_layer_files_says_what_differs(converted, tmp_path):
-    from moestream.daemon.store.loader import load_stock_model, load_streaming_model
+    from moestream.daemon.model.streaming_model import load_stock_model, load_streaming_model
     from moestream.shared.settings import Settings
 
     _, out = converted("qwen3_moe", "4bit")

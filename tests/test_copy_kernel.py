@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from moestream._native import CudaCopier
-from moestream.daemon.store.loader import load_streaming_model
+from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.shared.settings import Settings, SettingsError
 
 NATIVE = Path(__file__).resolve().parent.parent / "native"

@@ -143,8 +143,8 @@ def test_prefetch_from_the_host_tier_under_concurrent_clients_changes_no_token(s
 def test_a_seeded_sampled_request_is_the_same_beside_another(daemon, store):
     """Sampling draws from the request's own key: a seeded request gives the text it
     gives alone (in-process), while another sampled request is interleaved with it."""
-    from moestream.daemon.generation import SamplingParams, encode_prompt, generate
-    from moestream.daemon.store.loader import load_streaming_model
+    from moestream.daemon.model.generation import SamplingParams, encode_prompt, generate
+    from moestream.daemon.model.streaming_model import load_streaming_model
     from moestream.shared.settings import Settings
 
     mine = dict(max_tokens=N_TOKENS, temp=0.9, top_p=0.95, seed=5)

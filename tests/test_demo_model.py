@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from moestream.daemon.capacity import top_k_of
-from moestream.daemon.store.loader import load_stock_model, load_streaming_model
+from moestream.daemon.pool.capacity import top_k_of
+from moestream.daemon.model.streaming_model import load_stock_model, load_streaming_model
 from moestream.shared.settings import Settings, demo_store_path
 from moestream.shared.store_format import load_manifest
 

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from moestream.daemon.demo.data import collect_corpus, source_files
-from moestream.daemon.demo.model import (
+from demo_recipe.data import collect_corpus, source_files
+from demo_recipe.model import (
     FULL,
     STORE_BUDGET_BYTES,
     STORE_WITH_MTP_BUDGET_BYTES,
@@ -32,8 +32,11 @@ from moestream.daemon.demo.model import (
     over_budget,
     store_size_estimate,
 )
-from moestream.daemon.demo.mtp import MTP_FILE, MTPHead, load_mtp
+from moestream.daemon.model.demo_mtp import MTP_FILE, MTPHead, load_mtp
 from moestream.shared.store_format import load_manifest
+
+# The recipe lives outside the package (tests/bench/demo_recipe); it runs from its parent.
+RECIPE_PARENT = Path(__file__).resolve().parent / "bench"
 
 STEPS = 40
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", MTP_FILE)
@@ -43,10 +46,11 @@ MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("demo") / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "moestream.daemon.demo.train", "--out", str(out), "--tiny", "--steps", str(STEPS)],
+        [sys.executable, "-m", "demo_recipe.train", "--out", str(out), "--tiny", "--steps", str(STEPS)],
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=RECIPE_PARENT,
     )
     assert proc.returncode == 0, f"train --tiny failed:\n{proc.stdout}\n{proc.stderr}"
     return out, proc.stdout
@@ -70,7 +74,7 @@ def test_outputs_exist(run: tuple[Path, str]) -> None:
 
         assert (out / "loss.png").stat().st_size > 1000
     except ModuleNotFoundError:
-        assert "loss.png skipped" in log and "moestream.daemon.demo.plot" in log
+        assert "loss.png skipped" in log and "demo_recipe.plot" in log
         assert not (out / "loss.png").exists()
 
 
@@ -227,10 +231,11 @@ def test_corpus_rules(tmp_path: Path) -> None:
 
 def test_bad_steps_refused(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "moestream.daemon.demo.train", "--out", str(tmp_path), "--steps", "0"],
+        [sys.executable, "-m", "demo_recipe.train", "--out", str(tmp_path), "--steps", "0"],
         capture_output=True,
         text=True,
         timeout=60,
+        cwd=RECIPE_PARENT,
     )
     assert proc.returncode == 2 and "--steps must be at least 1" in proc.stderr
 
@@ -239,10 +244,11 @@ def test_plot_command(run: tuple[Path, str], tmp_path: Path) -> None:
     out, _ = run
     png = tmp_path / "loss.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "moestream.daemon.demo.plot", str(out / "metrics.json"), str(png)],
+        [sys.executable, "-m", "demo_recipe.plot", str(out / "metrics.json"), str(png)],
         capture_output=True,
         text=True,
         timeout=120,
+        cwd=RECIPE_PARENT,
     )
     try:
         import matplotlib  # noqa: F401
@@ -255,8 +261,8 @@ def test_plot_command(run: tuple[Path, str], tmp_path: Path) -> None:
 
 
 def test_step_count_is_planned_from_the_time_budget(tmp_path: Path) -> None:
-    from moestream.daemon.demo.mtp import MTPHead as Head
-    from moestream.daemon.demo.train import TrainSettings, Trainee, train_loop
+    from moestream.daemon.model.demo_mtp import MTPHead as Head
+    from demo_recipe.train import TrainSettings, Trainee, train_loop
 
     settings = TrainSettings.tiny_preset(str(tmp_path), steps=None, minutes=0.08, warmup_steps=8, eval_every=10_000)
     model, _ = build_model(TINY, seed=0)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from moestream.daemon.diagnostics import BUCKETS, SEGMENTS
-from moestream.daemon.generation import SamplingParams, generate
-from moestream.daemon.store.loader import load_streaming_model
+from moestream.daemon.model.diagnostics import BUCKETS, SEGMENTS
+from moestream.daemon.model.generation import SamplingParams, generate
+from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.shared.settings import Settings, demo_store_path
 from test_daemon import clean_env, ctl, paths_of, wait_for
 

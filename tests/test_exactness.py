@@ -17,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from moestream.daemon.policies import POLICIES
 from moestream.daemon.store.convert import convert_model
-from moestream.daemon.store.loader import load_streaming_model
+from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.shared.settings import Settings
 from tiny_models import make_tiny_model
 
@@ -78,7 +78,7 @@ def _vocab(model_dir) -> int:
 
 
 def _capacities(store) -> list[tuple[str, int]]:
-    from moestream.daemon.capacity import top_k_of
+    from moestream.daemon.pool.capacity import top_k_of
     from moestream.shared.store_format import load_manifest
 
     manifest = load_manifest(store)
@@ -118,7 +118,7 @@ def test_logits_identical_at_every_capacity(converted, policy):
 def test_logits_identical_through_the_host_tier(converted):
     """Experts that reach the pool through a host-RAM tier (small enough to evict)
     give the same bytes, hence the same logits."""
-    from moestream.daemon.admission import expert_stride
+    from moestream.daemon.pool.admission import expert_stride
     from moestream.shared.store_format import load_manifest
 
     store, prompts = converted
@@ -144,7 +144,7 @@ def test_logits_identical_with_prefetch(converted):
     (and, at top-k capacity, diagnostics recording too) every logit is unchanged, and
     prefetch did serve some of the misses; also when it reads two layers ahead
     (`prefetch_depth = 2`)."""
-    from moestream.daemon.diagnostics import Recorder
+    from moestream.daemon.model.diagnostics import Recorder
 
     store, prompts = converted
     (topk, topk_slots), second = _capacities(store)[:2]
@@ -167,8 +167,8 @@ def test_logits_identical_with_prefetch_from_the_host_tier(converted):
     layer's slots while this layer computes (`prestage`): same logits as stock, and
     some routed experts were resident only thanks to that (attributed as prefetched,
     the buckets still summing to the routed experts)."""
-    from moestream.daemon.admission import expert_stride
-    from moestream.daemon.diagnostics import Recorder
+    from moestream.daemon.pool.admission import expert_stride
+    from moestream.daemon.model.diagnostics import Recorder
     from moestream.shared.store_format import load_manifest
 
     store, prompts = converted

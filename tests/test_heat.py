@@ -24,8 +24,8 @@ import psutil
 import pytest
 import zmq
 
-from moestream.daemon.heat import HeatPublisher, load_usage
-from moestream.daemon.soak_heat import durable_marks
+from moestream.daemon.heat_publisher import HeatPublisher, load_usage
+from moestream.daemon.bench.soak.heat_kills import durable_marks
 from moestream.shared.heat_file import (
     HeatWriteError,
     UsageCounts,
@@ -301,7 +301,7 @@ def test_kill9_daemon_while_keeper_writes_50_times(dirs):
 
     def spawn() -> subprocess.Popen:
         # The stand-in daemon: the daemon's heat publisher alone (shared with `bench soak`).
-        cmd = [sys.executable, "-m", "moestream.daemon.soak_heat", str(store), str(runtime), str(limit)]
+        cmd = [sys.executable, "-m", "moestream.daemon.bench.soak.heat_kills", str(store), str(runtime), str(limit)]
         return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     following = spawn()

@@ -1,4 +1,4 @@
-"""Bucketed attention caches (daemon/kv_buckets.py): padded keys and their mask give the
+"""Bucketed attention caches (daemon/model/kv_buckets.py): padded keys and their mask give the
 attention of the unpadded ones; the key length of short multi-token forwards moves only
 at bucket boundaries; decode steps and long prefills keep mlx-lm's own path."""
 
@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from moestream.daemon.kv_buckets import BucketedKVCache, bucketed
+from moestream.daemon.model.kv_buckets import BucketedKVCache, bucketed
 
 HEADS, DIM = 2, 16
 

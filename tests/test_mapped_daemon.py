@@ -1,4 +1,4 @@
-"""The mapped pool (daemon/placement.py) as a mode of `generate --local` and of the
+"""The mapped pool (daemon/mapped/mapped_pool.py) as a mode of `generate --local` and of the
 daemon: greedy tokens are stock mlx-lm's; the placement statistics reach the request's
 stats, `status` and `stats`; the heat file holds exactly the routed counts of the
 requests; autopin places each layer's hottest experts in GPU memory; speculative
@@ -18,11 +18,11 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_tokenizer
 
 from moestream.client.client import Client
-from moestream.daemon.autopin import autopin
-from moestream.daemon.expert_pool import PoolCapacityError
-from moestream.daemon.generation import SamplingParams, encode_prompt, generate
-from moestream.daemon.speculative import SpeculativeParams, SpeculativeStats, speculative_steps
-from moestream.daemon.store.loader import (
+from moestream.daemon.pool.autopin import autopin
+from moestream.daemon.pool.expert_pool import PoolCapacityError
+from moestream.daemon.model.generation import SamplingParams, encode_prompt, generate
+from moestream.daemon.model.speculative import SpeculativeParams, SpeculativeStats, speculative_steps
+from moestream.daemon.model.streaming_model import (
     MAPPED_HOST_MARGIN,
     check_mapped_host_memory,
     load_stock_model,
@@ -82,7 +82,7 @@ def test_local_mapped_generate_is_stock_mlx_lm(store, reference):
 
     stats = got["stats"]
     assert stats["mapped"] is True and stats["capacity"] == SLOTS
-    placement = stats["placement"]
+    placement = stats["mapped_pool"]
     # Every routed (token, expert) pair was accounted by the end of the request: as
     # many as the slot pool counts on the host for the same request.
     assert placement["routed"] == stats["routed_experts"] == reference[prompt].stats["routed_experts"] > 0
@@ -98,7 +98,7 @@ def test_no_mapped_overrides_the_environment(store, reference):
               "--max-tokens", str(N_TOKENS), "--json", env=clean_env(MOESTREAM_MAPPED="1"))
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
-    assert got["stats"]["mapped"] is False and "placement" not in got["stats"]
+    assert got["stats"]["mapped"] is False and "mapped_pool" not in got["stats"]
     assert got["tokens"] == reference[prompt].tokens
 
 
@@ -129,16 +129,16 @@ def test_daemon_mapped_serves_local_output_reports_placement_and_keeps_exact_hea
                 list(s)
         for p, s in zip(PROMPTS, streams):
             assert s.done.tokens == reference[p].tokens, p
-            assert s.done.stats["mapped"] is True and s.done.stats["placement"]["routed"] > 0
+            assert s.done.stats["mapped"] is True and s.done.stats["mapped_pool"]["routed"] > 0
         # A request's last ticks may account another's forwards, but none is lost.
         interleaved = sum(s.done.stats["routed_experts"] for s in streams)
         assert interleaved == sum(reference[p].stats["routed_experts"] for p in PROMPTS)
         routed += interleaved
-        assert routed == first["stats"]["placement"]["routed"] + sum(s.done.stats["placement"]["routed"] for s in streams)
+        assert routed == first["stats"]["mapped_pool"]["routed"] + sum(s.done.stats["mapped_pool"]["routed"] for s in streams)
 
         st = json.loads(ctl("status", "--json", env=env).stdout)
         assert st["settings"]["mapped"] is True and st["pool"]["mapped"] is True
-        placement = st["pool"]["placement"]
+        placement = st["pool"]["mapped_pool"]
         assert placement["routed"] == routed > 0 and placement["gpu_slots"] == SLOTS
         assert all(layer["on_gpu"] == SLOTS for layer in st["pool"]["layers"])
         # Autopin placed the saved heat's hottest experts in GPU memory, pinning none.
@@ -147,7 +147,7 @@ def test_daemon_mapped_serves_local_output_reports_placement_and_keeps_exact_hea
         assert auto["layers"] == len(layers) and auto["placed"] == SLOTS * len(layers)
         assert "mapped" in ctl("status", env=env).stdout
         stats = json.loads(ctl("stats", "--json", env=env).stdout)
-        assert stats["pool"]["placement"]["routed"] == routed
+        assert stats["pool"]["mapped_pool"]["routed"] == routed
         assert "GPU hit rate" in ctl("stats", env=env).stdout
 
         stopped = ctl("stop", env=env)
@@ -167,7 +167,7 @@ def test_autopin_places_the_hottest_experts_and_the_budget_holds(store, referenc
     counts[load_manifest(store).layers[0].ordinal] = {}  # no heat: the default placement stays
     sm = load_streaming_model(store, Settings(capacity=0.25, mapped=True, mapped_moves=2))
     try:
-        placement = sm.placement
+        placement = sm.mapped_pool
         assert all(s == set(range(SLOTS)) for s in placement.on_gpu)
         summary = autopin(sm, counts, frac=0.5)
         assert summary.mapped and summary.pinned == 0 and summary.bytes_read == 0
@@ -181,14 +181,14 @@ def test_autopin_places_the_hottest_experts_and_the_budget_holds(store, referenc
         for p in PROMPTS:
             result = generate(sm, encode_prompt(sm, p, None), SamplingParams(max_tokens=N_TOKENS))
             assert result.tokens == reference[p].tokens
-        assert sm.placement.stats.moves > 0
+        assert sm.mapped_pool.stats.moves > 0
         assert all(len(s) == SLOTS for s in placement.on_gpu)
     finally:
         sm.close()
     cold = load_streaming_model(store, Settings(capacity=0.25, mapped=True))
     try:
         summary = autopin(cold, counts, frac=0.0)
-        assert summary.placed == 0 and all(s == set(range(SLOTS)) for s in cold.placement.on_gpu)
+        assert summary.placed == 0 and all(s == set(range(SLOTS)) for s in cold.mapped_pool.on_gpu)
     finally:
         cold.close()
 
@@ -205,7 +205,7 @@ def test_speculative_decoding_on_a_mapped_pool_leaves_the_routing_log_to_the_pla
         result = generate(sm, prompt, SamplingParams(max_tokens=N_TOKENS, speculative="mtp", draft_tokens=2))
         assert result.tokens == plain
         assert result.stats["speculative"]["rounds"] > 0
-        assert result.stats["placement"]["routed"] == result.stats["routed_experts"] > 0
+        assert result.stats["mapped_pool"]["routed"] == result.stats["routed_experts"] > 0
 
         # The same rounds on a slot pool (which counts routing on the host, forward by
         # forward) and on the mapped pool: the verifies read as many experts, and every
@@ -218,10 +218,10 @@ def test_speculative_decoding_on_a_mapped_pool_leaves_the_routing_log_to_the_pla
             tokens = []
             for t, _ in speculative_steps(model, prompt, sampler=lambda x: mx.argmax(x, axis=-1), max_tokens=N_TOKENS, spec=spec, stats=stats):
                 tokens.append(t)
-                if model.placement is not None:
-                    model.placement.tick()
-            if model.placement is not None:
-                model.placement.settle()
+                if model.mapped_pool is not None:
+                    model.mapped_pool.tick()
+            if model.mapped_pool is not None:
+                model.mapped_pool.settle()
                 assert all(p.route_log is not None for p in model.pools), "the placement's routing log was taken"
             got[name] = (tokens, stats.rounds, stats.spec_experts, sum(p.stats.routed_total for p in model.pools) - before)
         assert got["mapped"] == got["slots"]
@@ -256,7 +256,7 @@ def test_a_host_without_room_for_every_expert_is_refused_before_loading(store, r
     assert f"({format_size(need)})" in str(e.value) and f"--host-cache {format_size(need - 1)}" in str(e.value)
     sm = load_streaming_model(store, Settings(capacity=0.25, mapped=True, host_cache=need))
     try:
-        assert sm.placement is not None and sm.admission_note["host_tier"].startswith("mapped")
+        assert sm.mapped_pool is not None and sm.admission_note["host_tier"].startswith("mapped")
         got = generate(sm, encode_prompt(sm, PROMPTS[0], None), SamplingParams(max_tokens=N_TOKENS))
         assert got.tokens == reference[PROMPTS[0]].tokens
     finally:
@@ -268,7 +268,7 @@ def test_mapped_auto_chooses_by_gpu_pool_tier_and_host_ram(store):
     """`mapped = auto` (the default): a mapped pool only with a CUDA copier, a partial
     pool, no host tier asked for and host RAM for every expert; here (CPU) the slot
     pool, saying why."""
-    from moestream.daemon.store.loader import MAPPED_HOST_MARGIN, choose_mapped
+    from moestream.daemon.model.streaming_model import MAPPED_HOST_MARGIN, choose_mapped
 
     manifest = load_manifest(store)
     need = manifest.expert_bytes_total + MAPPED_HOST_MARGIN
@@ -290,7 +290,7 @@ def test_mapped_auto_chooses_by_gpu_pool_tier_and_host_ram(store):
     assert choose_mapped(manifest, 4, auto, need, "", naive=True)[0] is False
     sm = load_streaming_model(store, Settings(capacity=0.25))
     try:
-        assert sm.placement is None and sm.pool_stats()["mapped"] is False
+        assert sm.mapped_pool is None and sm.pool_stats()["mapped"] is False
         assert sm.admission_note["mapped_auto"] == "off: MLX runs on the CPU"
     finally:
         sm.close()
@@ -312,7 +312,7 @@ def test_mapped_auto_chooses_by_gpu_pool_tier_and_host_ram(store):
 def test_stats_prints_a_mapped_pools_prefetch(store, capsys):
     """`moestreamctl stats` for a daemon whose mapped pool stages experts ahead: the
     prefetch line says what it did (the slot pool's read counters do not apply)."""
-    from moestream.client.cmd_daemon import _echo_prefetch
+    from moestream.client.cli.daemon import _echo_prefetch
 
     sm = load_streaming_model(store, Settings(capacity=0.25, mapped=True, mapped_gather=True, prefetch="on"))
     try:

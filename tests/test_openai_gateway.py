@@ -151,14 +151,14 @@ def sse_events(response: httpx.Response):
 
 
 def test_the_gateway_imports_no_mlx():
-    code = "import sys, moestream.client.openai_gateway, moestream.client.cmd_serve_openai; print(sorted(m for m in sys.modules if m.startswith('mlx')))"
+    code = "import sys, moestream.client.openai_api.gateway, moestream.client.cli.serve_openai; print(sorted(m for m in sys.modules if m.startswith('mlx')))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
 
 
 def test_listening_beyond_loopback_needs_a_key(tmp_path):
-    from moestream.client.cmd_serve_openai import is_loopback
+    from moestream.client.cli.serve_openai import is_loopback
 
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost") and is_loopback("127.0.0.2")
     assert not is_loopback("0.0.0.0") and not is_loopback("::") and not is_loopback("192.168.1.4") and not is_loopback("example.org")
@@ -174,7 +174,7 @@ def test_listening_beyond_loopback_needs_a_key(tmp_path):
 
 def test_a_copy_of_the_demo_store_anywhere_is_named_the_demo(tmp_path):
     """By its store id: after a reinstall the daemon may serve the demo from another path."""
-    from moestream.client.openai_gateway import DEMO_MODEL_ID, GatewayConfig, model_id
+    from moestream.client.openai_api.gateway import DEMO_MODEL_ID, GatewayConfig, model_id
     from moestream.shared.settings import demo_store_path
     from moestream.shared.store_format import load_manifest
 
@@ -232,7 +232,7 @@ def test_chat_messages_travel_in_the_generate_request():
 def test_a_tokenizer_without_a_chat_template_is_refused_clearly():
     from mlx_lm.utils import load_tokenizer
 
-    from moestream.daemon.generation import render_chat
+    from moestream.daemon.model.generation import render_chat
     from moestream.shared.settings import demo_store_path
 
     tokenizer = load_tokenizer(demo_store_path())

@@ -1,4 +1,4 @@
-"""The mapped pool (daemon/placement.py): every expert addressable, a placement of the
+"""The mapped pool (daemon/mapped/mapped_pool.py): every expert addressable, a placement of the
 hottest in GPU memory. Here (CPU) nothing moves; the output and the bookkeeping are
 what can be checked: exact tokens, no host sync per layer, placements within budget."""
 
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from moestream.daemon.mapped_prefetch import MappedPrefetch
-from moestream.daemon.placement import READBACK_LAG, CountingMover, Placement, _runs
-from moestream.daemon.row_gather import MAX_GATHERED, RowGather
+from moestream.daemon.mapped.mapped_prefetch import MappedPrefetch
+from moestream.daemon.mapped.mapped_pool import READBACK_LAG, CountingMover, MappedPool, _runs
+from moestream.daemon.mapped.row_gather import MAX_GATHERED, RowGather
 from moestream.daemon.store.convert import convert_model
-from moestream.daemon.store.loader import load_stock_model, load_streaming_model
+from moestream.daemon.model.streaming_model import load_stock_model, load_streaming_model
 from moestream.shared.settings import Settings, SettingsError
 from moestream.shared.store_format import load_manifest
 from tiny_models import make_tiny_model
@@ -54,7 +54,7 @@ def test_mapped_pool_is_exact_syncs_never_and_keeps_its_budget(store):
     want = decode(load_stock_model(store), STEPS)
     sm = load_streaming_model(store, Settings(capacity=0.25, mapped_moves=2), mapped=True)
     try:
-        placement = sm.placement
+        placement = sm.mapped_pool
         assert isinstance(placement.mover, CountingMover)  # no CUDA here
         slots = placement.gpu_slots
         experts = sm.pools[0].layer.num_experts
@@ -67,7 +67,7 @@ def test_mapped_pool_is_exact_syncs_never_and_keeps_its_budget(store):
         placement.drain()
         stats = sm.pool_stats()
         assert stats["host_syncs"] == 0, "a mapped pool never syncs per layer"
-        p = stats["placement"]
+        p = stats["mapped_pool"]
         top_k, layers = sm.pools[0].top_k, len(sm.pools)
         # Routing is read two forwards late: the prefill and all but the last two decode steps.
         assert p["routed"] >= (STEPS - READBACK_LAG) * top_k * layers
@@ -91,9 +91,9 @@ class FailingMover(CountingMover):
 
 def test_a_failed_move_is_raised_on_the_decode_thread_and_at_close(store):
     sm = load_streaming_model(store, Settings(capacity=0.25), mapped=True)
-    slots = sm.placement.gpu_slots
-    sm.placement.close()
-    placement = sm.placement = Placement(sm.pools, slots, FailingMover(), "lru", max_moves=2)
+    slots = sm.mapped_pool.gpu_slots
+    sm.mapped_pool.close()
+    placement = sm.mapped_pool = MappedPool(sm.pools, slots, FailingMover(), "lru", max_moves=2)
     placement.place_initial()
     with pytest.raises(RuntimeError, match="placing experts between host and GPU memory failed: cudaMemPrefetchAsync"):
         decode(sm.model, STEPS, placement.tick)
@@ -107,7 +107,7 @@ def test_a_failed_move_is_raised_on_the_decode_thread_and_at_close(store):
 def test_a_second_placement_moves_only_the_experts_whose_place_changes(store):
     sm = load_streaming_model(store, Settings(capacity=0.25), mapped=True)
     try:
-        placement = sm.placement
+        placement = sm.mapped_pool
         slots, tensors = placement.gpu_slots, len(sm.pools[0].layer.tensors)
         before = placement.mover.calls
         # Each layer swaps one expert: the last of the default placement for expert n-1.
@@ -135,9 +135,9 @@ def test_a_worker_that_falls_behind_takes_the_backlog_in_one_turn(store):
     layer per turn, and the tokens stay exact."""
     want = decode(load_stock_model(store), STEPS)
     sm = load_streaming_model(store, Settings(capacity=0.25), mapped=True)
-    slots = sm.placement.gpu_slots
-    sm.placement.close()
-    placement = sm.placement = Placement(sm.pools, slots, SlowMover(), "lru", max_moves=1)
+    slots = sm.mapped_pool.gpu_slots
+    sm.mapped_pool.close()
+    placement = sm.mapped_pool = MappedPool(sm.pools, slots, SlowMover(), "lru", max_moves=1)
     try:
         placement.place_initial()
         for pool in sm.pools:
@@ -158,11 +158,11 @@ def test_mapped_moves_zero_keeps_the_initial_placement(store):
     want = decode(load_stock_model(store), STEPS)
     sm = load_streaming_model(store, Settings(capacity=0.25, mapped_moves=0, mapped_rebalance_tokens=0), mapped=True)
     try:
-        before = [set(s) for s in sm.placement.on_gpu]
-        assert decode(sm.model, STEPS, sm.placement.tick) == want
-        sm.placement.settle()
-        assert sm.placement.stats.moves == 0 and sm.placement.on_gpu == before
-        assert sm.placement.stats.routed > 0
+        before = [set(s) for s in sm.mapped_pool.on_gpu]
+        assert decode(sm.model, STEPS, sm.mapped_pool.tick) == want
+        sm.mapped_pool.settle()
+        assert sm.mapped_pool.stats.moves == 0 and sm.mapped_pool.on_gpu == before
+        assert sm.mapped_pool.stats.routed > 0
     finally:
         sm.close()
 
@@ -174,7 +174,7 @@ def test_rebalancing_puts_each_layers_most_routed_experts_in_gpu_memory(store):
     want = decode(load_stock_model(store), STEPS)
     sm = load_streaming_model(store, Settings(capacity=0.25, mapped_moves=0, mapped_rebalance_tokens=8), mapped=True)
     try:
-        placement = sm.placement
+        placement = sm.mapped_pool
         assert decode(sm.model, STEPS, placement.tick) == want
         placement.settle()
         assert placement.stats.rebalances >= 2 and placement.stats.moves > 0
@@ -190,11 +190,11 @@ def test_rebalancing_puts_each_layers_most_routed_experts_in_gpu_memory(store):
 
 def test_rebalancing_weighs_the_heat_autopin_seeded(store):
     """Seeded heat that dwarfs a few tokens' routing decides the placement."""
-    from moestream.daemon.autopin import autopin
+    from moestream.daemon.pool.autopin import autopin
 
     sm = load_streaming_model(store, Settings(capacity=0.25, mapped_rebalance_tokens=0), mapped=True)
     try:
-        placement = sm.placement
+        placement = sm.mapped_pool
         n = sm.pools[0].layer.num_experts
         counts = {p.layer.ordinal: {e: 10_000 * (e + 1) for e in range(n)} for p in sm.pools}
         autopin(sm, counts, frac=0.5)
@@ -300,7 +300,7 @@ def test_rebalances_come_sooner_at_first(store):
     tokens the second, and the next 32 are not there yet after 24 steps."""
     sm = load_streaming_model(store, Settings(capacity=0.25, mapped_moves=0, mapped_rebalance_tokens=64), mapped=True)
     try:
-        placement = sm.placement
+        placement = sm.mapped_pool
         decode(sm.model, STEPS, placement.tick)
         placement.settle()
         routed_tokens = 20 + STEPS - READBACK_LAG  # the prompt and the decode steps read back
@@ -417,7 +417,7 @@ def test_bench_predict_reports_progress_on_stderr_and_json_on_stdout(store):
 def test_bench_predict_measures_both_pools_prefetch(store):
     """`bench predict`: the slot pool's run (recall, speeds, auto) and, with `mapped`,
     the mapped pool's prefetch off and on, each with auto's decision."""
-    from moestream.daemon.bench_predict import BenchPredictSettings, format_report, run_bench_predict
+    from moestream.daemon.bench.predict import BenchPredictSettings, format_report, run_bench_predict
 
     common = dict(store=store, capacities=(0.25,), prompt_tokens=4, decode_tokens=6, rounds=1, temp=1.0)
     slots_report = run_bench_predict(BenchPredictSettings(**{**common, "rounds": 2}))

@@ -17,8 +17,8 @@ import pytest
 
 from moestream.daemon.policies import POLICIES, make_policy
 from moestream.daemon.policies.base import EvictionPolicy
-from moestream.daemon.policies.belady import BeladyMIN
-from moestream.daemon.policies.evaluate import (
+from moestream.daemon.bench.policy.belady import BeladyMIN
+from moestream.daemon.bench.policy.replay import (
     capacity_slots,
     evaluate,
     leave_one_out_priors,
@@ -30,7 +30,7 @@ from moestream.daemon.policies.lfuda import LFUDAPolicy
 from moestream.daemon.policies.lru import LRUPolicy
 from moestream.daemon.policies.predictive import PredictivePolicy
 from moestream.daemon.policies.recall import RecallPolicy
-from moestream.daemon.policies.trace import TraceError, load_trace
+from moestream.daemon.bench.policy.trace import TraceError, load_trace
 from moestream.daemon.policies.victims import NoVictimError
 
 

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from moestream.daemon.expert_pool import PoolCapacityError
-from moestream.daemon.expert_reader import ExpertReadError
-from moestream.daemon.generation import SamplingParams, generate
+from moestream.daemon.pool.expert_pool import PoolCapacityError
+from moestream.daemon.pool.expert_reader import ExpertReadError
+from moestream.daemon.model.generation import SamplingParams, generate
 from moestream.daemon.store.convert import convert_model
-from moestream.daemon.store.loader import load_streaming_model
+from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.shared.settings import Settings
 from moestream.shared.store_format import load_manifest
 
@@ -53,7 +53,7 @@ def test_memory_budget_below_minimum_is_refused(store):
 
 
 def _budget_parts(store):
-    from moestream.daemon.capacity import kv_cache_bytes
+    from moestream.daemon.pool.capacity import kv_cache_bytes
 
     manifest = load_manifest(store)
     per_slot = sum(layer.expert_bytes for layer in manifest.layers)
@@ -64,7 +64,7 @@ def _budget_parts(store):
 def test_memory_budget_sizes_the_pool():
     """Weights + KV cache + pool + room for a long prompt's transient stack of experts
     fit the budget (the demo store: 5 MoE layers of 64 experts)."""
-    from moestream.daemon.capacity import overflow_reserve_bytes
+    from moestream.daemon.pool.capacity import overflow_reserve_bytes
     from moestream.shared.settings import demo_store_path
 
     store = demo_store_path()
@@ -264,7 +264,7 @@ def test_cli_refuses_bad_capacity(store):
 
 
 def test_autopin_pins_the_hottest_experts_and_keeps_them(store):
-    from moestream.daemon.autopin import autopin
+    from moestream.daemon.pool.autopin import autopin
 
     manifest = load_manifest(store)
     counts = {layer.ordinal: {e: (e * 7919) % 97 + 1 for e in range(layer.num_experts)} for layer in manifest.layers}
@@ -295,8 +295,8 @@ def test_a_warm_start_fills_the_host_tier_with_the_hottest_experts_first(store):
     """A tier with room for two thirds of the experts: autopin reads the hottest of all
     layers into it before serving, and the pools' warm-up then comes from the tier;
     a cold start (frac 0) reads nothing."""
-    from moestream.daemon.admission import expert_stride
-    from moestream.daemon.autopin import autopin
+    from moestream.daemon.pool.admission import expert_stride
+    from moestream.daemon.pool.autopin import autopin
 
     manifest = load_manifest(store)
     total = sum(layer.num_experts for layer in manifest.layers)
@@ -388,7 +388,7 @@ def test_host_cache_below_one_expert_is_refused(store):
 def test_bench_decode_reports_every_configuration_side_by_side(store):
     """`bench decode` on a tiny store: each configuration decodes the same tokens in every
     round, the warm-up rounds are run and recorded, and the bound and ratios are there."""
-    from moestream.daemon.bench_decode import BenchDecodeSettings, run_bench_decode
+    from moestream.daemon.bench.decode import BenchDecodeSettings, run_bench_decode
 
     lines: list[str] = []
     report = run_bench_decode(
@@ -428,7 +428,7 @@ def test_bench_decode_makes_a_tier_that_holds_every_expert_a_mapped_pool(store):
     """`--host-tier mapped` (what auto does on an NVIDIA GPU when the tier holds every
     expert): "+host" is then the mapped pool, one host sync per token, with the slot
     pool's tier beside it as "+host:slots"; a tier too small for that is refused."""
-    from moestream.daemon.bench_decode import BenchDecodeSettings, run_bench_decode
+    from moestream.daemon.bench.decode import BenchDecodeSettings, run_bench_decode
     from moestream.shared.store_format import load_manifest
 
     every = load_manifest(store).expert_bytes_total
@@ -459,7 +459,7 @@ def test_a_round_repeats_its_decode_until_the_minimum_time_has_passed():
     """`--min-round-seconds`: fast configurations decode again within a round; tokens/s
     is all tokens over all seconds, per-token figures the mean, and a repeat that
     decoded other tokens leaves none to compare (so `same_tokens_as_first` fails)."""
-    from moestream.daemon.bench_decode import timed_round
+    from moestream.daemon.bench.decode import timed_round
 
     speeds = iter([8.0, 4.0, 8.0, 100.0])  # 4 tokens: 0.5 s, 1 s, 0.5 s
     calls = []
@@ -482,7 +482,7 @@ def test_a_round_repeats_its_decode_until_the_minimum_time_has_passed():
 
 
 def test_bench_decode_rounds_of_a_minimum_time(store):
-    from moestream.daemon.bench_decode import BenchDecodeSettings, format_report, run_bench_decode
+    from moestream.daemon.bench.decode import BenchDecodeSettings, format_report, run_bench_decode
 
     report = run_bench_decode(BenchDecodeSettings(store=store, capacities=(1.0,), prompt_tokens=3, decode_tokens=2, rounds=2,
                                                   temp=1.0, naive=False, min_round_seconds=0.2))
@@ -498,7 +498,7 @@ def test_paired_blocks_run_a_b_b_a_and_cancel_a_linear_drift():
     slowing down linearly and ours exactly as fast as stock at each moment, every block's
     ratio is 1 (within the harmonic mean's curvature), where a plain A B order would
     favour stock."""
-    from moestream.daemon.bench_decode import paired_blocks
+    from moestream.daemon.bench.decode import paired_blocks
 
     order, clock = [], iter(range(1000))
 
@@ -524,7 +524,7 @@ def test_bench_decode_pairs_full_residency_with_stock_and_splits_host_time(store
     """The 100% configuration gets its A B B A blocks against stock; every row says where
     the host spent each token (call, launch, wait), which adds up to no more than the
     decode's time per token."""
-    from moestream.daemon.bench_decode import BenchDecodeSettings, format_report, run_bench_decode
+    from moestream.daemon.bench.decode import BenchDecodeSettings, format_report, run_bench_decode
 
     report = run_bench_decode(BenchDecodeSettings(store=store, capacities=(1.0, 0.5), prompt_tokens=3, decode_tokens=3, rounds=1,
                                                   paired_blocks=3))
@@ -543,7 +543,7 @@ def test_bench_decode_pairs_full_residency_with_stock_and_splits_host_time(store
 def test_bench_decode_times_the_daemons_generation_loop_beside_its_own(store):
     """`--generation-loop`: each streaming configuration is also timed through the
     daemon's generation loop, round by round; greedy, both loops decode the same tokens."""
-    from moestream.daemon.bench_decode import BenchDecodeSettings, format_report, run_bench_decode
+    from moestream.daemon.bench.decode import BenchDecodeSettings, format_report, run_bench_decode
 
     report = run_bench_decode(BenchDecodeSettings(store=store, capacities=(1.0, 0.5), prompt_tokens=3, decode_tokens=4, rounds=2,
                                                   generation_loop=True))
@@ -568,7 +568,7 @@ def _decode_row(name: str, capacity: float | None, tps: float, disk: float, link
 
 def _decode_report(page_cache: str | None) -> dict:
     """A report of four rows, stock at 20 tok/s (50 ms a token), 1 GB/s from the store."""
-    from moestream.daemon.bench_decode import add_bound
+    from moestream.daemon.bench.decode import add_bound
 
     stock = _decode_row("stock-mlx-lm", None, 20.0, 0.0)
     rows = [
@@ -599,7 +599,7 @@ def test_bench_decode_says_where_its_bound_does_not_apply():
     demo model's), or that reads through the page cache, gets "n/a" and a footnote that
     says why instead of a ratio to a bound that is only the resident speed (and lands
     above 1 as often as below); the JSON keeps the numbers and says whether it applies."""
-    from moestream.daemon.bench_decode import BOUND_MIN_MOVE_SHARE, format_report
+    from moestream.daemon.bench.decode import BOUND_MIN_MOVE_SHARE, format_report
 
     report = _decode_report(page_cache=None)
     rows = {r["name"]: r for r in report["results"]}
@@ -633,14 +633,14 @@ def test_bench_decode_says_where_its_bound_does_not_apply():
     assert ("n/a 2: moestream@0.5, moestream@0.25: the store was read through the page cache (the filesystem "
             "refuses direct I/O)") in text
     link_only = _decode_row("moestream@0.5+host", 0.5, 10.0, 0.0, 1e9)
-    from moestream.daemon.bench_decode import add_bound
+    from moestream.daemon.bench.decode import add_bound
 
     add_bound(link_only, cached["results"][0], read_bandwidth=1e9, link_bandwidth=1e10, page_cache="refused")
     assert link_only["bound_applies"]
 
 
 def test_bound_is_reported_against_the_median_each_round_and_the_fastest_round():
-    from moestream.daemon.bench_decode import add_bound
+    from moestream.daemon.bench.decode import add_bound
 
     resident = {"tokens_per_s": 75.0, "tokens_per_s_runs": [50.0, 100.0]}
     # 10 ms per token over the link on top of resident compute.

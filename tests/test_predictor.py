@@ -8,9 +8,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from moestream.daemon.prefetch import PrefetchGovernor, Prefetcher
+from moestream.daemon.prefetch.prefetcher import PrefetchGovernor, Prefetcher
 from moestream.daemon.store.convert import convert_model
-from moestream.daemon.store.loader import load_streaming_model
+from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.shared.settings import Settings, SettingsError, demo_store_path
 from moestream.shared.store_format import load_manifest
 from tiny_models import make_tiny_model
@@ -130,7 +130,7 @@ def test_copy_batch_setting_and_env():
 
 
 def test_copier_figures_are_per_forward():
-    from moestream.daemon.bench_predict import BenchPredictSettings, _copier_per_forward
+    from moestream.daemon.bench.predict import BenchPredictSettings, _copier_per_forward
 
     before = {"calls": 10, "spans": 100, "bytes": 0, "kernel_launches": 2, "bind_seconds": 1.0, "enqueue_seconds": 2.0,
               "wait_seconds": 3.0, "kernel_error": ""}
@@ -147,7 +147,7 @@ def test_copier_figures_are_per_forward():
 
 
 def test_a_wider_prefetch_reads_more_and_changes_no_token():
-    from moestream.daemon.generation import SamplingParams, generate
+    from moestream.daemon.model.generation import SamplingParams, generate
 
     prompt, out = list(range(40, 52)), {}
     for width in (1, 2):
@@ -166,7 +166,7 @@ def test_a_deeper_prefetch_reads_layers_further_ahead_and_changes_no_token(capsy
     """`prefetch_depth = 2`: layer L also reads what layer L+2's router names on L's
     input. The layers are wired two ahead (the last but one has only L+1), the buffer
     serves reads for a layer two on (promoted there), and the tokens are the same."""
-    from moestream.daemon.generation import SamplingParams, generate
+    from moestream.daemon.model.generation import SamplingParams, generate
 
     prompt, out = list(range(40, 52)), {}
     for depth in (1, 2):
@@ -184,7 +184,7 @@ def test_a_deeper_prefetch_reads_layers_further_ahead_and_changes_no_token(capsy
     assert out[1][0] == out[2][0]
     assert out[2][1]["submitted"] > out[1][1]["submitted"] > 0 and out[2][1]["promoted"] > 0
     assert (out[1][1]["depth"], out[2][1]["depth"]) == (1, 2)  # and the request's stats say so
-    from moestream.client.cmd_daemon import _echo_prefetch
+    from moestream.client.cli.daemon import _echo_prefetch
 
     _echo_prefetch(out[2][1], None)
     assert f"{out[2][1]['submitted']} read, 2 layers ahead" in capsys.readouterr().out
@@ -202,7 +202,7 @@ def test_prefetch_buffer_setting_sizes_the_buffer():
     """`prefetch_buffer` (bytes) sets how many experts the prefetch buffer holds; one
     too small for a token's experts is refused with the size it needs; with prefetch off
     the buffer stays minimal."""
-    from moestream.daemon.admission import expert_stride
+    from moestream.daemon.pool.admission import expert_stride
 
     store = demo_store_path()
     stride = expert_stride(load_manifest(store))
@@ -236,7 +236,7 @@ def test_disk_figures_bound_decode_by_the_read_bandwidth():
     """`bench predict`'s read bound: bytes per token over the read bandwidth, the share
     of it each way reached, and the most prefetch could gain (decode with prefetch at
     the read bandwidth, against prefetch off); none where prefetch read nothing."""
-    from moestream.daemon.bench_predict import disk_figures
+    from moestream.daemon.bench.predict import disk_figures
 
     d = disk_figures({False: 2.0, True: 3.0}, {False: 500e6, True: 550e6}, read_bandwidth=2.2e9)
     assert d["prefetch_off"]["bound_tokens_per_s"] == pytest.approx(4.4)
@@ -267,7 +267,7 @@ def test_bench_predict_says_where_the_read_bound_does_not_apply():
     far above any speed compute allows, so the report says it does not apply instead of
     "prefetch could give at most 138x"; the same where a host tier served every read or
     the store is read through the page cache. Sizes are format_size's, never "0.00 GB"."""
-    from moestream.daemon.bench_predict import disk_figures, format_report
+    from moestream.daemon.bench.predict import disk_figures, format_report
     from moestream.shared.settings import format_size
 
     tps = {False: 15.0, True: 12.0}

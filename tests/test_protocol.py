@@ -163,7 +163,7 @@ def test_random_maps_are_validated(body, kind):
 
 def test_client_side_imports_no_mlx():
     code = (
-        "import sys; import moestream.client.client, moestream.client.cmd_daemon, moestream.client.cli, "
+        "import sys; import moestream.client.client, moestream.client.cli.daemon, moestream.client.cli, "
         "moestream.shared.protocol, moestream.shared.runtime_dir; "
         "bad = [m for m in ('mlx', 'mlx_lm', 'numpy') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )

@@ -28,8 +28,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from moestream.client.cmd_daemon import START_FLAGS, start
-from moestream.client.cmd_service import service
+from moestream.client.cli.daemon import START_FLAGS, start
+from moestream.client.cli.service import service
 from moestream.shared import service_files as sf
 
 # A store folder name with everything systemd and XML treat specially.
@@ -39,7 +39,7 @@ PYTHON = os.path.abspath(sys.executable)
 
 @click.group()
 def cli() -> None:
-    """Stands in for `moestreamctl`, which the lead wires up in client/cli.py."""
+    """Stands in for `moestreamctl`, which the lead wires up in client/cli/__init__.py."""
 
 
 cli.add_command(service)
@@ -419,7 +419,7 @@ def test_templates_ship_as_package_data() -> None:
 
 
 def test_client_side_imports_no_mlx() -> None:
-    code = "import sys, moestream.client.cmd_service, moestream.shared.service_files; print('mlx' in sys.modules)"
+    code = "import sys, moestream.client.cli.service, moestream.shared.service_files; print('mlx' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
@@ -514,7 +514,7 @@ def test_service_command_starts_a_daemon_with_its_settings(platform: str, store:
         assert status["runtime_dir"] == str(runtime)
         assert status["pool"]["mapped"] is (expected["mapped"] is True)
         if expected["mapped"] is True:
-            assert status["pool"]["placement"] is not None
+            assert status["pool"]["mapped_pool"] is not None
         else:
             # autopin pins floor(slots x frac) of each layer's hottest experts: 8 slots x 0.25.
             layers = status["pool"]["layers"]

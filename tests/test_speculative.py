@@ -1,4 +1,4 @@
-"""Speculative decoding (daemon/speculative.py): greedy output is token-identical to plain
+"""Speculative decoding (daemon/model/speculative.py): greedy output is token-identical to plain
 decode at every pool capacity, for the demo model's MTP head, a tiny Qwen3-Next with an
 MTP head converted from `mtp.*` tensors, a draft model, and a drafter that is right and
 wrong on purpose (accept, reject and the recurrent-state replay), also when speculative
@@ -16,11 +16,11 @@ from typing import Sequence
 import mlx.core as mx
 import pytest
 
-from moestream.daemon.generation import SamplingParams, encode_prompt, generate
-from moestream.daemon.mtp_head import has_mtp, load_mtp_head
-from moestream.daemon.speculative import SpeculativeParams, SpeculativeStats, _Probe, _Watch, effective_draft_tokens, speculative_steps
+from moestream.daemon.model.generation import SamplingParams, encode_prompt, generate
+from moestream.daemon.model.mtp_head import has_mtp, load_mtp_head
+from moestream.daemon.model.speculative import SpeculativeParams, SpeculativeStats, _Probe, _Watch, effective_draft_tokens, speculative_steps
 from moestream.daemon.store.convert import convert_model
-from moestream.daemon.store.loader import load_streaming_model
+from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.shared import protocol as proto
 from moestream.shared.settings import Settings, demo_store_path
 from moestream.shared.store_format import load_manifest
@@ -345,7 +345,7 @@ def test_generate_cli_speculative_flags():
 
 
 def test_hf_layout_mtp_tensors_are_stacked_and_their_norms_shifted(tiny_stores):
-    from moestream.daemon.mtp_head import MTP_FILE, sanitize_mtp_weights
+    from moestream.daemon.model.mtp_head import MTP_FILE, sanitize_mtp_weights
 
     mlx_layout = mx.load(str(tiny_stores["next"] / MTP_FILE))
     hf = {}
@@ -368,7 +368,7 @@ def test_speculative_report_columns_line_up():
     so every row's cells sit under the header's names (right-aligned numbers end where
     the name ends, the left-aligned names start where it starts), also where a cell is
     "-" or a note runs long."""
-    from moestream.daemon.bench_speculative import format_speculative_report
+    from moestream.daemon.bench.speculative import format_speculative_report
 
     spec = {"draft_tokens": 1, "acceptance_rate": 0.75, "experts_read_per_accepted_token": 41.25,
             "reason": "draft_tokens shrunk from 2 to 1: the pool holds 16 experts per layer"}

@@ -273,7 +273,7 @@ def _add_mtp(path: Path, config: dict[str, Any], quant: str, *, seed: int, group
     """Append random Qwen3-Next `mtp.*` tensors to the saved model.safetensors."""
     from mlx_lm.models.qwen3_next import ModelArgs
 
-    from moestream.daemon.mtp_head import Qwen3NextMTP
+    from moestream.daemon.model.mtp_head import Qwen3NextMTP
 
     if config["model_type"] != "qwen3_next":
         raise ValueError("mtp=True needs arch qwen3_next")
@@ -434,8 +434,8 @@ if __name__ == "__main__":
 def local_outputs(store: Path, prompts: dict[str, int], capacity: float = 0.25) -> dict[str, Any]:
     """What `generate --local` computes in-process (greedy), for each prompt with its
     number of tokens: the reference the daemon tests compare with."""
-    from moestream.daemon.generation import SamplingParams, encode_prompt, generate
-    from moestream.daemon.store.loader import load_streaming_model
+    from moestream.daemon.model.generation import SamplingParams, encode_prompt, generate
+    from moestream.daemon.model.streaming_model import load_streaming_model
     from moestream.shared.settings import Settings
 
     sm = load_streaming_model(store, Settings(capacity=capacity))

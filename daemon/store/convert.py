@@ -154,7 +154,7 @@ def required_free_bytes(estimate: int) -> int:
 def _load(model_dir: Path, mtp_sink: dict[str, mx.array]):
     from mlx_lm.utils import load_model
 
-    from moestream.daemon.mtp_head import classes_keeping_mtp
+    from moestream.daemon.model.mtp_head import classes_keeping_mtp
 
     try:
         return load_model(model_dir, lazy=True, get_model_classes=classes_keeping_mtp(mtp_sink))
@@ -178,7 +178,7 @@ def convert_model(
     without enough free space (as reported by `disk_free`). `progress` is called with
     (bytes written, bytes total) as the store is written. A Qwen3-Next checkpoint's
     `mtp.*` tensors, which stock mlx-lm drops, go to the store's `mtp.safetensors`
-    (daemon/mtp_head.py).
+    (daemon/model/mtp_head.py).
     """
     model_dir = Path(model_dir).expanduser().resolve()
     out_dir = Path(out_dir).expanduser().absolute()
@@ -253,7 +253,7 @@ def convert_model(
         for src in copied:
             shutil.copy2(src, tmp / src.name)
         if mtp:
-            from moestream.daemon.mtp_head import MTP_FILE, save_qwen3_next_mtp
+            from moestream.daemon.model.mtp_head import MTP_FILE, save_qwen3_next_mtp
 
             save_qwen3_next_mtp(tmp / MTP_FILE, mtp)
             mtp.clear()

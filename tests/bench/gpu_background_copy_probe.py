@@ -13,7 +13,7 @@ probe measures it on one Q30-shaped layer:
 
 1. `compute`: the expert call of a decode token on 8 experts in GPU memory, four times in
    a chain (about a layer's work);
-2. `mapped`: the row-gather kernel (daemon/row_gather.py) copying 8 experts held in host
+2. `mapped`: the row-gather kernel (daemon/mapped/row_gather.py) copying 8 experts held in host
    memory into a stack, with at most B blocks per row, alone, and beside `compute` in
    one evaluation on the same stream (MLX's CUDA graphs run nodes that share no buffer
    side by side) and on a second stream;
@@ -38,8 +38,8 @@ import numpy as np
 from probe_setup import mapped_quarter, store_probe_args
 from probe_timing import median_ms
 
-from moestream.daemon.admission import cuda_copier
-from moestream.daemon.row_gather import RowGather
+from moestream.daemon.pool.admission import cuda_copier
+from moestream.daemon.mapped.row_gather import RowGather
 
 BLOCKS = (64, 16, 4, 1)
 
@@ -54,8 +54,8 @@ def main() -> None:
     first, second_layer = moes[0], moes[1]
     k = first.pool.top_k
     hidden = sm.manifest.config.get("text_config", sm.manifest.config)["hidden_size"]
-    on_gpu = sorted(sm.placement.on_gpu[0])[:k]
-    off_gpu = [e for e in range(second_layer.pool.layer.num_experts) if e not in sm.placement.on_gpu[1]][:k]
+    on_gpu = sorted(sm.mapped_pool.on_gpu[0])[:k]
+    off_gpu = [e for e in range(second_layer.pool.layer.num_experts) if e not in sm.mapped_pool.on_gpu[1]][:k]
     ids_gpu = mx.array(on_gpu, dtype=mx.uint32).reshape(1, 1, k)
     ids_host = mx.array(off_gpu, dtype=mx.uint32)
     arrays_next = [second_layer.pool.arrays[t.name] for t in second_layer.pool.layer.tensors]

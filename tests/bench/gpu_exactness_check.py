@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_random_moe import make_random_moe  # noqa: E402
 
 from moestream.daemon.store.convert import convert_model  # noqa: E402
-from moestream.daemon.store.loader import load_streaming_model  # noqa: E402
+from moestream.daemon.model.streaming_model import load_streaming_model  # noqa: E402
 from moestream.shared.settings import Settings  # noqa: E402
 
 
@@ -113,7 +113,7 @@ def main() -> None:
                                                       **({"prefetch_copy_blocks": blocks} if blocks else {})))
             if not mapped:
                 mode = sm.pool_stats()["admission"]["mode"] + ("+kernel" if kernel else "") + (f"+b{blocks}" if blocks else "")
-            tick = sm.placement.tick if sm.placement is not None else None
+            tick = sm.mapped_pool.tick if sm.mapped_pool is not None else None
             for n, p in prompts.items():
                 toks, rows = greedy(sm.model, p, args.steps, tick)
                 diffs = [float(np.nanmax(np.abs(a - b))) if not np.array_equal(a, b) else 0.0 for a, b in zip(rows, want[n][1])]

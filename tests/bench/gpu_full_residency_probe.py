@@ -34,8 +34,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from moestream.daemon.bench_decode import host_split_per_token, paired_blocks, timed_decode, timed_round
-from moestream.daemon.store.loader import _module_at, load_stock_model, load_streaming_model
+from moestream.daemon.bench.decode import host_split_per_token, paired_blocks, timed_decode, timed_round
+from moestream.daemon.model.streaming_model import _module_at, load_stock_model, load_streaming_model
 from moestream.shared.settings import Settings
 from moestream.shared.store_format import load_manifest
 

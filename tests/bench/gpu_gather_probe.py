@@ -1,6 +1,6 @@
 """One MoE layer of a mapped pool on the GPU machine: the expert call reading host memory
 over the link as it computes (zero-copy) against a copy of the routed experts into a
-stack first (daemon/row_gather.py), by the CUDA copy kernel or by `mx.take`.
+stack first (daemon/mapped/row_gather.py), by the CUDA copy kernel or by `mx.take`.
 
     python tests/bench/gpu_gather_probe.py --store /root/q30/store --out $OUT/gather_probe_h200.json
 
@@ -18,7 +18,7 @@ import mlx.core as mx
 from probe_setup import mapped_quarter, store_probe_args
 from probe_timing import median_ms
 
-from moestream.daemon.row_gather import RowGather
+from moestream.daemon.mapped.row_gather import RowGather
 
 
 def main() -> None:
@@ -26,8 +26,8 @@ def main() -> None:
     sm, moes = mapped_quarter(args.store)
     moe = moes[0]
     pool = moe.pool
-    on_gpu = sorted(sm.placement.on_gpu[0])
-    off_gpu = [e for e in range(pool.layer.num_experts) if e not in sm.placement.on_gpu[0]]
+    on_gpu = sorted(sm.mapped_pool.on_gpu[0])
+    off_gpu = [e for e in range(pool.layer.num_experts) if e not in sm.mapped_pool.on_gpu[0]]
     k = pool.top_k
     hidden = sm.manifest.config.get("text_config", sm.manifest.config)["hidden_size"]
     names = [t.name for t in pool.layer.tensors]

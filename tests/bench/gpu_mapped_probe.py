@@ -27,8 +27,8 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from moestream._native import CudaCopier
-from moestream.daemon.bench_decode import timed_decode
-from moestream.daemon.store.loader import load_stock_model, load_streaming_model
+from moestream.daemon.bench.decode import timed_decode
+from moestream.daemon.model.streaming_model import load_stock_model, load_streaming_model
 from moestream.shared.settings import Settings
 
 _SAME_WIDTH_UINT = {2: mx.uint16, 4: mx.uint32, 1: mx.uint8}
@@ -84,7 +84,7 @@ def _graph_build_seconds(model, prompt: list[int], steps: int = 16) -> float:
 
 
 def _moes(model):
-    from moestream.daemon.streaming_moe import StreamingMoE
+    from moestream.daemon.model.streaming_moe import StreamingMoE
 
     return [m for _, m in model.named_modules() if isinstance(m, StreamingMoE)]
 

@@ -91,7 +91,7 @@ case "$stage" in
       --prompt-tokens ${PROMPT_TOKENS:-8} --decode-tokens ${DECODE_TOKENS:-48} --mlx-memory-limit 64G --json >"$f" 2> >(tee "$f.progress" >&2)
     $py - "$f" <<'EOF'
 import json, sys
-from moestream.daemon.bench_predict import format_report
+from moestream.daemon.bench.predict import format_report
 print(format_report(json.load(open(sys.argv[1]))))
 EOF
     ;;
@@ -104,7 +104,7 @@ EOF
       --prompt-tokens ${PROMPT_TOKENS:-8} --decode-tokens ${DECODE_TOKENS:-48} --mlx-memory-limit 64G --json >"$f" 2> >(tee "$f.progress" >&2)
     $py - "$f" <<'EOF'
 import json, sys
-from moestream.daemon.bench_predict import format_report
+from moestream.daemon.bench.predict import format_report
 print(format_report(json.load(open(sys.argv[1]))))
 EOF
     ;;
@@ -257,7 +257,7 @@ EOF
       --json >"$f" 2> >(tee "$f.progress" >&2)
     $py - "$f" <<'EOF'
 import json, sys
-from moestream.daemon.bench_decode import format_report
+from moestream.daemon.bench.decode import format_report
 print(format_report(json.load(open(sys.argv[1]))))
 EOF
     ;;
@@ -272,7 +272,7 @@ EOF
       --prompt-tokens 4 --decode-tokens ${DECODE_TOKENS:-32} --rounds ${ROUNDS:-7} --mlx-memory-limit 100G --json >"$f" 2> >(tee "$f.progress" >&2)
     $py - "$f" <<'EOF'
 import json, sys
-from moestream.daemon.bench_decode import format_report
+from moestream.daemon.bench.decode import format_report
 print(format_report(json.load(open(sys.argv[1]))))
 EOF
     ;;
@@ -286,7 +286,7 @@ EOF
       --json >"$f" 2> >(tee "$f.progress" >&2)
     $py - "$f" <<'EOF'
 import json, sys
-from moestream.daemon.bench_decode import format_report
+from moestream.daemon.bench.decode import format_report
 print(format_report(json.load(open(sys.argv[1]))))
 EOF
     ;;
@@ -300,7 +300,7 @@ EOF
       --json >"$OUT/bench_decode_q30_table.json" 2> >(tee "$OUT/bench_decode_q30_table.progress" >&2)
     $py - "$OUT/bench_decode_q30_table.json" <<'EOF'
 import json, sys
-from moestream.daemon.bench_decode import format_report
+from moestream.daemon.bench.decode import format_report
 print(format_report(json.load(open(sys.argv[1]))))
 EOF
     ;;
@@ -308,7 +308,7 @@ EOF
     ctl bench warmstart --model /root/q30/store --capacity 0.25 --tokens 64 --rounds ${ROUNDS:-3} --json >"$OUT/bench_warmstart_q30.json"
     $py - "$OUT/bench_warmstart_q30.json" <<'EOF'
 import json, sys
-from moestream.client.bench_warmstart import format_report
+from moestream.daemon.bench.warmstart import format_report
 print(format_report(json.load(open(sys.argv[1]))))
 EOF
     ;;
@@ -318,7 +318,7 @@ EOF
     ctl bench warmstart --model /root/q30/store --capacity 0.25 --tokens 64 --rounds ${ROUNDS:-2} --host-cache 20G --json >"$OUT/bench_warmstart_q30_host.json"
     $py - "$OUT/bench_warmstart_q30_host.json" <<'EOF'
 import json, sys
-from moestream.client.bench_warmstart import format_report
+from moestream.daemon.bench.warmstart import format_report
 print(format_report(json.load(open(sys.argv[1]))))
 EOF
     ;;
@@ -326,7 +326,7 @@ EOF
     ctl bench warmstart --model /root/q30/store --capacity 0.25 --tokens 64 --rounds ${ROUNDS:-2} --mapped --json >"$OUT/bench_warmstart_q30_mapped.json"
     $py - "$OUT/bench_warmstart_q30_mapped.json" <<'EOF'
 import json, sys
-from moestream.client.bench_warmstart import format_report
+from moestream.daemon.bench.warmstart import format_report
 print(format_report(json.load(open(sys.argv[1]))))
 EOF
     ;;
@@ -337,12 +337,12 @@ EOF
       --json >"$OUT/bench_spec_demo_h200.json"
     $py - "$OUT/bench_spec_demo_h200.json" <<'EOF'
 import json, sys
-from moestream.daemon.bench_speculative import format_speculative_report
+from moestream.daemon.bench.speculative import format_speculative_report
 print(format_speculative_report(json.load(open(sys.argv[1]))))
 EOF
     ;;
   demo)
-    $py -m moestream.daemon.demo.train --out "$OUT/demo" --minutes "${DEMO_MINUTES:-7}" 2>&1 | tail -40
+    $py -m demo_recipe.train --out "$OUT/demo" --minutes "${DEMO_MINUTES:-7}" 2>&1 | tail -40
     ;;
   *)
     echo "unknown stage $stage" >&2; exit 2 ;;

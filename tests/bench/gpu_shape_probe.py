@@ -14,7 +14,7 @@ used before and then again at the same lengths:
    (verify of K = 1..4 drafts), causal mask as mlx-lm passes it;
 2. a whole forward of the model in the store (capacity 1: every expert resident) with
    the same query lengths, by trimming the KV cache back and running again;
-3. the same with the cache speculation uses on CUDA (daemon/kv_buckets.py: keys padded
+3. the same with the cache speculation uses on CUDA (daemon/model/kv_buckets.py: keys padded
    to multiples of 256, so a new key length is mostly not a new shape).
 
 Each figure is the median over the key lengths; "first" at a new length, "again" at a
@@ -32,8 +32,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from moestream.daemon.kv_buckets import CUDA_KEY_BUCKET, bucketed
-from moestream.daemon.store.loader import load_streaming_model
+from moestream.daemon.model.kv_buckets import CUDA_KEY_BUCKET, bucketed
+from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.shared.settings import Settings
 
 

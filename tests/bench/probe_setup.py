@@ -8,7 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from moestream.daemon.store.loader import StreamingModel, load_streaming_model
+from moestream.daemon.model.streaming_model import StreamingModel, load_streaming_model
 from moestream.shared.settings import Settings
 
 

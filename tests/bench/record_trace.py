@@ -20,8 +20,8 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_tokenizer
 
-from moestream.daemon.capacity import top_k_of
-from moestream.daemon.store.loader import _module_at, load_stock_model
+from moestream.daemon.pool.capacity import top_k_of
+from moestream.daemon.model.streaming_model import _module_at, load_stock_model
 from moestream.shared.store_format import load_manifest
 
 PROMPTS = [

@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from moestream.daemon.soak import DaemonProcess, Reference, reference_outputs, soak_cases
+from moestream.daemon.bench.soak.driver import DaemonProcess, Reference, reference_outputs, soak_cases
 
 CAPACITY = "0.25"
 # A small slice of the soak cases keeps the reference quick to compute.

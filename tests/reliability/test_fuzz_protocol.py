@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moestream.daemon.soak import DaemonProcess
-from moestream.daemon.soak_fuzz import FuzzCase, check_one, Dealer, exact_request, run_fuzz
+from moestream.daemon.bench.soak.driver import DaemonProcess
+from moestream.daemon.bench.soak.fuzz import FuzzCase, check_one, Dealer, exact_request, run_fuzz
 
 from .conftest import CAPACITY
 

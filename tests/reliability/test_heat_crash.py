@@ -18,7 +18,7 @@ from typing import Iterator
 import pytest
 
 from moestream.client.client import Client
-from moestream.daemon import soak_heat
+from moestream.daemon.bench.soak import heat_kills
 from moestream.shared.heat_file import parse_usage, temp_files, usage_path
 from tmpfs import fill, mounted_tmpfs
 
@@ -34,16 +34,16 @@ def heat_dirs(workdir: Path) -> tuple[Path, Path]:
 
 def test_kill9_keeper_and_stand_in_daemon(heat_dirs):
     store, runtime = heat_dirs
-    k = soak_heat.keeper_kills(store, runtime, 10, random.Random(11))
+    k = heat_kills.keeper_kills(store, runtime, 10, random.Random(11))
     assert k["invalid_files"] == 0 and k["violations"] == 0, k["examples"]
     assert k["final_write_ok"] and k["temp_files_left"] == 0
     assert k["counts_lost"] <= k["counts_lost_reported"]  # the daemon never under-reports a loss
-    s = soak_heat.stand_in_kills(store, runtime, 6, random.Random(12))
+    s = heat_kills.stand_in_kills(store, runtime, 6, random.Random(12))
     assert s["invalid_files"] == 0 and s["violations"] == 0, s["examples"]
 
 
 def test_kill9_real_daemon_while_serving(store_copy, workdir):
-    r = soak_heat.daemon_kills(store_copy, workdir / "rk", 2, random.Random(13))
+    r = heat_kills.daemon_kills(store_copy, workdir / "rk", 2, random.Random(13))
     assert r["invalid_files"] == 0 and r["violations"] == 0, r["examples"]
     assert r["final_total"] > 0, "the killed daemons' routing counts must reach the file"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from moestream.daemon.soak import DaemonProcess, child_env
+from moestream.daemon.bench.soak.driver import DaemonProcess, child_env
 
 NOBODY = 65534
 

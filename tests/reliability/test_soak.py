@@ -5,7 +5,7 @@ crossed between clients, the daemon's counters add up, and its RSS stays flat.""
 from __future__ import annotations
 
 from moestream.client.client import Client
-from moestream.daemon.soak import run_soak
+from moestream.daemon.bench.soak.driver import run_soak
 
 
 def test_soak_with_cancels_and_disconnects(rel_store, start_daemon, rel_reference):

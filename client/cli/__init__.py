@@ -1,0 +1,33 @@
+"""`moestreamctl`: the command line. Imports no MLX, so `--help` and the daemon
+commands answer fast; commands that need MLX import it inside their bodies."""
+
+from __future__ import annotations
+
+import click
+
+from moestream import __version__
+from moestream.client.cli import convert, daemon, generate, serve_openai, service
+from moestream.client.cli.bench import bench
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="moestreamctl")
+def main() -> None:
+    """Run Mixture-of-Experts models larger than memory.
+
+    The non-expert weights stay resident; experts are streamed from an on-disk
+    expert store into a bounded pool. Start with `moestreamctl generate "PROMPT"`.
+    """
+
+
+main.add_command(convert.convert)
+main.add_command(generate.generate)
+main.add_command(bench)
+for c in daemon.COMMANDS:
+    main.add_command(c)
+main.add_command(service.service)
+main.add_command(serve_openai.serve_openai)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+"""`moestreamctl bench ...`: one module per benchmark; the drivers live in
+`moestream.daemon.bench`, imported inside each command so that `--help` needs no MLX."""
+
+from __future__ import annotations
+
+import click
+
+from moestream.client.cli.bench import decode, io, policy, predict, soak, warmstart
+
+
+@click.group()
+def bench() -> None:
+    """Benchmarks; each prints a table, or JSON with --json."""
+
+
+for module in (io, policy, decode, warmstart, soak, predict):
+    bench.add_command(getattr(module, "bench_" + module.__name__.rsplit(".", 1)[1]))

@@ -1,0 +1,147 @@
+"""`moestreamctl bench decode`: stock mlx-lm vs moestream at each capacity vs naive reads."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from moestream.client.cli.values import size_option
+
+
+@click.command("decode")
+@click.option("--model", "store", required=True, type=click.Path(file_okay=False), help="Expert store.")
+@click.option("--capacity", "capacities", multiple=True, type=float, help="Pool fractions to measure (repeat); default 1.0 0.5 0.25.")
+@click.option("--policy", default="lru", show_default=True)
+@click.option("--prompt-tokens", default=32, show_default=True, type=click.IntRange(1, None))
+@click.option("--decode-tokens", default=64, show_default=True, type=click.IntRange(1, None))
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(1, None), help="Interleaved timed runs; medians are reported.")
+@click.option("--warmup-rounds", default=1, show_default=True, type=click.IntRange(1, None),
+              help="Untimed runs of every configuration first (more let a mapped pool rebalance before timing).")
+@click.option("--min-round-seconds", default=0.0, show_default=True, type=click.FloatRange(0, 600),
+              help="Repeat each configuration's decode within a round until this many seconds of decoding have passed (0: once); steadies the fast configurations on a noisy machine.")
+@click.option("--paired-blocks", default=0, show_default=True, type=click.IntRange(0, 1000),
+              help="After the rounds, time stock against each 100% configuration in this many blocks of four decodes, A B B A, which cancel a drift of the machine's speed; reports the ratio's median and 95% interval (0: off, else at least 2).")
+@click.option("--generation-loop", is_flag=True,
+              help="Also time each streaming configuration through the daemon's own generation loop (in process): what a client of the daemon gets, against the bench's tight loop.")
+@click.option("--io-threads", default=4, show_default=True, type=click.IntRange(1, 256))
+@click.option("--no-stock", is_flag=True, help="Skip stock mlx-lm (when all experts do not fit in memory).")
+@click.option("--no-naive", is_flag=True, help="Skip the naive on-demand baseline.")
+@click.option("--no-slot-pool", is_flag=True, help="Skip the plain slot pool at each capacity (keep its '+host' and '+mapped' variants).")
+@click.option("--mlx-memory-limit", help="Cap MLX's memory (mx.set_memory_limit), e.g. 64G; advised on CUDA.")
+@click.option("--host-cache", help="Size of a host-RAM tier (e.g. 20G): adds a '+host' run per partial capacity, made as the daemon makes it (a tier that holds every expert is a mapped pool on NVIDIA GPUs, with the slot pool's tier beside it as '+host:slots').")
+@click.option("--host-tier", type=click.Choice(["auto", "mapped", "slots"]), default="auto", show_default=True,
+              help="With --host-cache: make the '+host' runs as the daemon would (auto), as mapped pools (the tier must hold every expert; '+host:slots' beside them), or as slot pools with the tier.")
+@click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0, None), help="0 decodes greedily; > 0 samples (same seed for every configuration).")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--mapped", is_flag=True, help="Also run a '+mapped' configuration per partial capacity: every expert addressable, the hottest in GPU memory, the rest read over the link (NVIDIA GPUs).")
+@click.option("--mapped-moves", "mapped_moves", multiple=True, type=click.IntRange(0, 4096),
+              help="With --mapped (and a mapped '+host'): experts moved into GPU memory per layer per placement turn; repeat for one '+mapped' run each (default 0: the initial placement stays).")
+@click.option("--mapped-rebalance-tokens", default=256, show_default=True, type=click.IntRange(0, None),
+              help="With --mapped (and a mapped '+host'): tokens between rebalances (each layer's most routed experts into GPU memory); 0 never.")
+@click.option("--mapped-gather", type=click.Choice(["auto", "off", "on", "both"]), default="auto", show_default=True,
+              help="With --mapped (and a mapped '+host'): decode steps copy the routed experts into a stack in GPU memory first (setting mapped_gather; auto: where MLX's CUDA build runs); 'both' runs each '+mapped' configuration both ways (':g' marks gathering).")
+@click.option("--mapped-prefetch", type=click.Choice(["off", "on", "both"]), default="off", show_default=True,
+              help="With --mapped-gather: also stage the next layer's predicted experts while each layer computes (daemon/mapped/mapped_prefetch.py); 'both' runs each gathering configuration both ways (':p' marks prefetch).")
+@click.option("--mapped-prefetch-stream", type=click.Choice(["second", "same", "both"]), default="second", show_default=True,
+              help="With --mapped-prefetch: stage on a second MLX stream or on each layer's own (setting mapped_prefetch_stream); 'both' runs each prefetching configuration both ways (':ps' marks the layer's own).")
+@click.option("--prefetch-copy-blocks", default=64, show_default=True, type=click.IntRange(1, 1024),
+              help="Blocks per expert row or span of the copy kernels that copy ahead of use (setting prefetch_copy_blocks): fewer leave the GPU's other kernels more room.")
+@click.option("--prefetch", type=click.Choice(["on", "off"]), default="on", show_default=True,
+              help="Prefetch of the predicted next-layer experts in the partial-pool runs (with a host tier: copied into the next layer's slots while the GPU computes).")
+@click.option("--copy-batch", is_flag=True, help="The CUDA copier queues each call's copies in one cudaMemcpyBatchAsync per stream (CUDA 13; setting copy_batch).")
+@click.option("--copy-kernel/--no-copy-kernel", default=True, show_default=True,
+              help="The CUDA copier copies with one copy-kernel launch per 160 spans instead of one cudaMemcpyAsync each (setting copy_kernel).")
+@click.option("--speculative", type=click.Choice(["mtp", "draft"]), help="Instead: speculative vs plain decode at each capacity (default 1.0 0.25).")
+@click.option("--draft-tokens", "draft_tokens", multiple=True, type=click.IntRange(1, 8), help="K per round with --speculative (repeat); default 2.")
+@click.option("--draft-model", type=click.Path(file_okay=False), help="Draft model for --speculative draft.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds, warmup_rounds, min_round_seconds, paired_blocks, generation_loop, io_threads, no_stock, no_naive, no_slot_pool, mlx_memory_limit, host_cache, host_tier, temp, seed, mapped,
+                 mapped_moves, mapped_rebalance_tokens, mapped_gather, mapped_prefetch, mapped_prefetch_stream, prefetch_copy_blocks, prefetch, copy_batch, copy_kernel, speculative, draft_tokens, draft_model, as_json) -> None:
+    """Decode tokens/s, hit rates, bytes moved per token per tier, admission GB/s and
+    the bandwidth bound, for stock mlx-lm, moestream at each capacity (with and without
+    the host-RAM tier) and the naive on-demand baseline."""
+    from pathlib import Path
+
+    if speculative is not None or draft_tokens or draft_model:
+        _bench_speculative(store, speculative, draft_tokens, draft_model, capacities, policy, decode_tokens, rounds, io_threads,
+                           mlx_memory_limit, as_json)
+        return
+
+    from moestream.daemon.bench.decode import BenchDecodeSettings, format_report, run_bench_decode
+    from moestream.daemon.pool.expert_pool import PoolCapacityError
+    from moestream.shared.settings import SettingsError
+    from moestream.shared.store_format import StoreError
+
+    if paired_blocks == 1:
+        raise click.BadParameter("0 (off) or at least 2, for an interval", param_hint="--paired-blocks")
+    memory_limit = size_option(mlx_memory_limit, "--mlx-memory-limit")
+    host_bytes = size_option(host_cache, "--host-cache") or 0
+    settings = BenchDecodeSettings(
+        store=Path(store),
+        capacities=tuple(capacities) or (1.0, 0.5, 0.25),
+        prompt_tokens=prompt_tokens,
+        decode_tokens=decode_tokens,
+        rounds=rounds,
+        warmup_rounds=warmup_rounds,
+        min_round_seconds=min_round_seconds,
+        generation_loop=generation_loop,
+        paired_blocks=paired_blocks,
+        policy=policy,
+        io_threads=io_threads,
+        stock=not no_stock,
+        naive=not no_naive,
+        slot_pool=not no_slot_pool,
+        mlx_memory_limit=memory_limit,
+        host_cache=host_bytes,
+        host_tier=host_tier,
+        temp=temp,
+        seed=seed,
+        mapped=mapped,
+        prefetch=prefetch,
+        mapped_moves=tuple(mapped_moves) or (0,),
+        mapped_rebalance_tokens=mapped_rebalance_tokens,
+        mapped_gather={"auto": (None,), "off": (False,), "on": (True,), "both": (False, True)}[mapped_gather],
+        mapped_prefetch={"off": (False,), "on": (True,), "both": (False, True)}[mapped_prefetch],
+        mapped_prefetch_stream={"second": ("second",), "same": ("same",), "both": ("second", "same")}[mapped_prefetch_stream],
+        prefetch_copy_blocks=prefetch_copy_blocks,
+        copy_batch=copy_batch,
+        copy_kernel=copy_kernel,
+    )
+    try:
+        report = run_bench_decode(settings, progress=lambda line: click.echo(line, err=True))
+    except (StoreError, PoolCapacityError, SettingsError, ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(json.dumps(report) if as_json else format_report(report))
+
+
+def _bench_speculative(store, mode, draft_tokens, draft_model, capacities, policy, decode_tokens, rounds, io_threads, mlx_memory_limit, as_json) -> None:
+    """`--speculative`: acceptance, experts read per token and tokens/s against plain decode."""
+    from pathlib import Path
+
+    from moestream.daemon.bench.speculative import BenchSpeculativeSettings, format_speculative_report, run_bench_speculative
+    from moestream.daemon.pool.expert_pool import PoolCapacityError
+    from moestream.shared.store_format import StoreError
+
+    if mode is None:
+        raise click.UsageError("--draft-tokens and --draft-model go with --speculative")
+    if (mode == "draft") != (draft_model is not None):
+        raise click.UsageError("--speculative draft needs --draft-model PATH, and only it takes one")
+    memory_limit = size_option(mlx_memory_limit, "--mlx-memory-limit")
+    settings = BenchSpeculativeSettings(
+        store=Path(store),
+        mode=mode,
+        draft_tokens=tuple(draft_tokens) or (2,),
+        draft_model=draft_model,
+        capacities=tuple(capacities) or (1.0, 0.25),
+        decode_tokens=decode_tokens,
+        rounds=rounds,
+        policy=policy,
+        io_threads=io_threads,
+        mlx_memory_limit=memory_limit,
+    )
+    try:
+        report = run_bench_speculative(settings)
+    except (StoreError, PoolCapacityError, ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(json.dumps(report) if as_json else format_speculative_report(report))

@@ -1,0 +1,44 @@
+"""`moestreamctl bench soak`: fuzz, soak with cancellations, and kill -9 of heat writers,
+at full counts, against real daemons on a copy of a store; prints the figures."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.command("soak")
+@click.option("--model", "store", default=None, type=click.Path(exists=True, file_okay=False),
+              help="Expert store (default: the built-in demo model). A copy is used; the store is not touched.")
+@click.option("--capacity", default="0.25", show_default=True, help="Pool capacity of the daemons.")
+@click.option("--clients", default=8, show_default=True, type=click.IntRange(1, 256))
+@click.option("--requests", default=200, show_default=True, type=click.IntRange(1, None), help="Requests per client.")
+@click.option("--cancel-frac", default=0.2, show_default=True, type=click.FloatRange(0.0, 1.0),
+              help="Fraction of requests cancelled or disconnected mid-stream (half each).")
+@click.option("--kills", default=500, show_default=True, type=click.IntRange(0, None),
+              help="kill -9 rounds: about half of the heat keeper, half of a publisher process, and up to 20 of the real daemon.")
+@click.option("--fuzz", "fuzz", default=5000, show_default=True, type=click.IntRange(0, None), help="Fuzzed messages.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench_soak(store, capacity, clients, requests, cancel_frac, kills, fuzz, seed, as_json) -> None:
+    """Reliability figures: messages fuzzed, crashes, lost responses, RSS growth after
+    warm-up, kills survived and invalid heat files. Exits 1 if any check fails."""
+    from moestream.daemon.bench.soak.run import SoakSetupError, format_report, run_bench_soak
+    from moestream.shared.settings import SettingsError, demo_store_path, parse_capacity
+
+    store = store or str(demo_store_path())
+    try:
+        parse_capacity(capacity)
+    except SettingsError as e:
+        raise click.UsageError(str(e)) from None
+    try:
+        report = run_bench_soak(
+            store, capacity=capacity, clients=clients, requests=requests, cancel_frac=cancel_frac, kills=kills,
+            fuzz=fuzz, seed=seed, echo=(lambda line: None) if as_json else (lambda line: click.echo(line, err=True)),
+        )
+    except SoakSetupError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(json.dumps(report, indent=1) if as_json else format_report(report))
+    if not report["ok"]:
+        raise SystemExit(1)

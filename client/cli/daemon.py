@@ -1,0 +1,493 @@
+"""`moestreamctl start | stop | restart | status | logs | stats`: the daemon's lifecycle."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from moestream.client.cli.values import capacity_note, store_option
+from moestream.client.client import Client, ClientError, DaemonDied, DaemonNotRunning
+from moestream.shared.runtime_dir import RuntimeDirError, RuntimePaths, ensure_private_dir, lock_is_held, read_pid
+from moestream.shared.settings import Settings, SettingsError, format_size
+
+# `start` flags passed on to `python -m moestream.daemon.main` (names of Settings fields).
+START_FLAGS = ("model", "capacity", "memory_budget", "host_cache", "mapped", "policy", "io_threads", "autopin_frac", "runtime_dir", "log_file",
+               "diagnostics", "prefetch")
+LOG_TAIL_LINES = 40
+
+
+class StartError(click.ClickException):
+    """The daemon could not be started; the message includes its log's tail."""
+
+
+def resolve_settings(given: dict[str, Any]) -> Settings:
+    """Settings from the flags given (None = not given), MOESTREAM_* and the config file."""
+    try:
+        return Settings.resolve(given)
+    except SettingsError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def resolve_lenient(given: dict[str, Any]) -> Settings:
+    """Settings for the commands that only find a running daemon (`status`, `stop`,
+    `logs`, `stats`): a bad value in the config file or the environment is left out with
+    a warning, so that they still work when it would stop the daemon from starting."""
+    problems: list[str] = []
+    try:
+        settings = Settings.resolve(given, problems=problems)
+    except SettingsError as e:
+        raise click.UsageError(str(e)) from None
+    for problem in problems:
+        click.echo(f"warning: {problem}", err=True)
+    return settings
+
+
+def _paths(settings: Settings) -> RuntimePaths:
+    try:
+        paths = RuntimePaths.from_settings(settings)
+        paths.check_socket_path()
+    except RuntimeDirError as e:
+        raise click.ClickException(str(e)) from None
+    return paths
+
+
+def absolute_paths(given: dict[str, Any]) -> dict[str, Any]:
+    """`given` with its path settings made absolute: a detached daemon or a service runs in "/"."""
+    out = dict(given)
+    for key in ("model", "runtime_dir", "log_file"):
+        if out.get(key) is not None:
+            out[key] = os.path.abspath(os.path.expanduser(str(out[key])))
+    return out
+
+
+def _tail(path: Path, lines: int, *, start: int = 0) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read()
+    except FileNotFoundError:
+        return f"(no log at {path})"
+    return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+
+
+def start_daemon(settings: Settings, given: dict[str, Any], *, timeout: float = 120.0, echo: bool = True) -> int:
+    """Start a detached daemon and wait until it answers as ready; returns its pid.
+
+    `given` holds the flags the user gave (they are passed on; the daemon resolves the
+    environment and config file itself). Raises `StartError` with its log's tail.
+    """
+    if settings.model is None:
+        raise click.UsageError("give --model STORE (an expert store made by `moestreamctl convert`), or set MOESTREAM_MODEL")
+    store_option(settings.model)  # a wrong folder fails here, not in the daemon's log
+    given = absolute_paths(given)
+    paths = _paths(settings)
+    if lock_is_held(paths):
+        raise click.ClickException(f"a moestream daemon is already running (pid {read_pid(paths)}); see `moestreamctl status`")
+    try:
+        ensure_private_dir(paths.dir)
+        paths.log.parent.mkdir(parents=True, exist_ok=True)
+    except (RuntimeDirError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    argv = [sys.executable, "-m", "moestream.daemon.main"]
+    for name in START_FLAGS:
+        if given.get(name) is not None:
+            argv += ["--" + name.replace("_", "-"), str(given[name])]
+    offset = paths.log.stat().st_size if paths.log.exists() else 0
+    old_umask = os.umask(0o077)
+    try:
+        log = open(paths.log, "ab")
+    finally:
+        os.umask(old_umask)
+    with log:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True, cwd="/"
+        )
+    deadline = time.monotonic() + timeout
+    tic = time.monotonic()
+    while True:
+        code = proc.poll()
+        if code is not None:
+            raise StartError(
+                f"the daemon exited with code {code} while starting; log {paths.log}:\n"
+                + _tail(paths.log, LOG_TAIL_LINES, start=offset)
+            )
+        try:
+            state = _ping_state(paths)
+        except ClientError as e:
+            raise StartError(f"the daemon (pid {proc.pid}) answers, but not as expected: {e}") from None
+        if state == "ready":
+            break
+        if time.monotonic() > deadline:
+            raise StartError(
+                f"the daemon (pid {proc.pid}) is not ready after {timeout:g} s (state {state}); "
+                f"it keeps running; log {paths.log}:\n" + _tail(paths.log, LOG_TAIL_LINES, start=offset)
+            )
+        time.sleep(0.05)
+    if echo:
+        click.echo(
+            f"moestream daemon started (pid {proc.pid}, {time.monotonic() - tic:.1f} s): "
+            f"model {settings.model}, socket {paths.socket}, log {paths.log}",
+            err=True,
+        )
+    return proc.pid
+
+
+def _ping_state(paths: RuntimePaths) -> str:
+    if not paths.socket.exists():
+        return "starting"
+    try:
+        with Client(paths, timeout=0.5) as c:
+            return c.ping().state
+    except (DaemonNotRunning, DaemonDied):
+        return "starting"
+
+
+def stop_daemon(paths: RuntimePaths, *, timeout: float = 30.0) -> int | None:
+    """Stop the running daemon: a shutdown message, then SIGTERM if it does not answer.
+    Returns its pid, or None when none was running."""
+    if not lock_is_held(paths):
+        return None
+    pid = read_pid(paths)
+    asked = False
+    try:
+        with Client(paths, timeout=5.0) as c:
+            c.shutdown()
+            asked = True
+    except ClientError as e:
+        click.echo(f"the daemon did not answer the shutdown message ({e})", err=True)
+    if not asked or not _wait_unlocked(paths, timeout):
+        if pid is None:
+            raise click.ClickException(f"the daemon does not stop and its pid file {paths.pid_file} is missing")
+        click.echo(f"sending SIGTERM to pid {pid}", err=True)
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return pid
+        if not _wait_unlocked(paths, timeout):
+            raise click.ClickException(f"the daemon (pid {pid}) did not stop within {timeout:g} s of SIGTERM; `kill -9 {pid}` ends it")
+    return pid
+
+
+def _wait_unlocked(paths: RuntimePaths, timeout: float) -> bool:
+    # The lock is released after the sockets are closed and the pid file is removed.
+    deadline = time.monotonic() + timeout
+    while lock_is_held(paths):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _client(settings: Settings, timeout: float = 10.0) -> Client:
+    try:
+        return Client(_paths(settings), timeout=timeout)
+    except DaemonNotRunning as e:
+        raise click.ClickException(str(e)) from None
+
+
+# The daemon's settings as options, defined once: `start`, `restart` and `service install`
+# take exactly these. Each option's name is the Settings field it sets (START_FLAGS).
+DAEMON_SETTING_OPTIONS = (
+    click.option("--model", type=click.Path(exists=True, file_okay=False), help="Expert store (made by `moestreamctl convert`)."),
+    click.option("--memory-budget", help="Size the pool so that weights + pool + KV cache fit, e.g. 24G."),
+    click.option("--capacity", help="Pool slots per MoE layer (16) or a fraction of its experts (0.25, 25%)."),
+    click.option("--policy", help="Eviction policy (see `moestreamctl bench policy`)."),
+    click.option("--host-cache", help="Host RAM that caches experts between the store and the pool, e.g. 32G (default 0: off). On an NVIDIA GPU a tier that holds every expert is made as a mapped pool (see --mapped)."),
+    click.option("--mapped/--no-mapped", default=None, help="A mapped pool: every expert in host RAM, --capacity/--memory-budget of them per layer in GPU memory (NVIDIA GPUs; needs host RAM for every expert). Default auto: mapped where that holds, unless a --host-cache too small for every expert is given."),
+    click.option("--io-threads", type=int, help="Threads of the native read engine."),
+    click.option("--autopin-frac", type=click.FloatRange(0.0, 1.0), help="Share of each layer's slots pinned at start with its hottest experts (default 0.5; with --mapped, any share but 0 places the hottest in GPU memory)."),
+    click.option("--runtime-dir", help="Folder of the socket, lock and pid file (default $XDG_RUNTIME_DIR/moestream)."),
+    click.option("--log-file", help="Log file (default daemon.log in the runtime folder)."),
+    click.option("--diagnostics/--no-diagnostics", default=None, help="Record hot-path diagnostics for every request (`moestreamctl stats`)."),
+    click.option("--prefetch", type=click.Choice(["on", "off", "auto"]), help="Prefetch of predicted experts (default auto: kept only where it pays)."),
+)
+
+
+def daemon_setting_options(f):
+    """Give a command the options of DAEMON_SETTING_OPTIONS, in that order in --help."""
+    for option in reversed(DAEMON_SETTING_OPTIONS):
+        f = option(f)
+    return f
+
+
+def _start_options(f):
+    f = click.option("--timeout", default=120.0, show_default=True, type=float, help="Seconds to wait for the daemon to be ready.")(f)
+    return daemon_setting_options(f)
+
+
+@click.command()
+@_start_options
+@click.option("--foreground", is_flag=True, help="Run in this process, logging to stderr too (for launchd/systemd).")
+def start(model, memory_budget, capacity, policy, host_cache, mapped, io_threads, autopin_frac, runtime_dir, log_file, diagnostics, prefetch,
+          timeout, foreground) -> None:
+    """Start the daemon: it loads the model once and serves every client."""
+    given = {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy, "host_cache": host_cache,
+             "mapped": mapped, "io_threads": io_threads, "autopin_frac": autopin_frac, "runtime_dir": runtime_dir, "log_file": log_file,
+             "diagnostics": diagnostics, "prefetch": prefetch}
+    settings = resolve_settings(given)
+    note = capacity_note(settings)
+    if note:
+        click.echo(f"note: {note}", err=True)
+    if foreground:
+        if settings.model is None:
+            raise click.UsageError("give --model STORE (an expert store made by `moestreamctl convert`), or set MOESTREAM_MODEL")
+        from moestream.daemon.main import run_daemon
+
+        try:
+            code = run_daemon(settings, log_to_stderr=True)
+        except RuntimeDirError as e:
+            raise click.ClickException(str(e)) from None
+        sys.exit(code)
+    start_daemon(settings, given, timeout=timeout)
+
+
+@click.command()
+@click.option("--runtime-dir", help="The daemon's runtime folder.")
+@click.option("--timeout", default=30.0, show_default=True, type=float, help="Seconds to wait before SIGTERM, then again before giving up.")
+def stop(runtime_dir, timeout) -> None:
+    """Stop the daemon: running requests end with finish reason "shutdown"."""
+    paths = _paths(resolve_lenient({"runtime_dir": runtime_dir}))
+    pid = stop_daemon(paths, timeout=timeout)
+    click.echo("no moestream daemon is running" if pid is None else f"moestream daemon stopped (pid {pid})", err=True)
+
+
+@click.command()
+@_start_options
+def restart(model, memory_budget, capacity, policy, host_cache, mapped, io_threads, autopin_frac, runtime_dir, log_file, diagnostics,
+            prefetch, timeout) -> None:
+    """Stop the daemon and start it again; flags not given keep the running daemon's values."""
+    given = {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy, "host_cache": host_cache,
+             "mapped": mapped,
+             "autopin_frac": autopin_frac, "diagnostics": diagnostics, "prefetch": prefetch,
+             "io_threads": io_threads, "runtime_dir": runtime_dir, "log_file": log_file}
+    paths = _paths(resolve_settings({"runtime_dir": runtime_dir}))
+    if lock_is_held(paths):
+        try:
+            with Client(paths, timeout=5.0) as c:
+                running = c.status()
+        except ClientError as e:
+            raise click.ClickException(f"cannot ask the running daemon for its settings: {e}") from None
+        for name, value in running.get("settings", {}).items():
+            if name in given and given[name] is None and value is not None:
+                given[name] = value
+        if given.get("log_file") is None and running.get("log"):
+            given["log_file"] = running["log"]
+        stop_daemon(paths, timeout=30.0)
+    settings = resolve_settings(given)
+    note = capacity_note(settings)
+    if note:
+        click.echo(f"note: {note}", err=True)
+    start_daemon(settings, given, timeout=timeout)
+
+
+@click.command()
+@click.option("--runtime-dir", help="The daemon's runtime folder.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def status(runtime_dir, as_json) -> None:
+    """Is the daemon running, and how is its pool doing."""
+    settings = resolve_lenient({"runtime_dir": runtime_dir})
+    paths = _paths(settings)
+    if not lock_is_held(paths):
+        if as_json:
+            click.echo(json.dumps({"running": False, "runtime_dir": str(paths.dir), "log": str(paths.log)}))
+        else:
+            click.echo(f"not running (runtime folder {paths.dir}); last log: {paths.log}")
+        sys.exit(1)
+    try:
+        with Client(paths, timeout=5.0) as c:
+            st = c.status()
+    except ClientError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps({"running": True, **st}))
+        return
+    click.echo(_format_status(st))
+
+
+def _size(n: Any) -> str:
+    return format_size(n) if isinstance(n, (int, float)) else "-"
+
+
+def _rate(x: Any) -> str:
+    return f"{100 * x:.1f}%" if isinstance(x, (int, float)) else "-"
+
+
+def _format_status(st: dict[str, Any]) -> str:
+    mem, req, pool, heat = st["memory"], st["requests"], st["pool"], st.get("heat", {})
+    lines = [
+        f"moestream daemon {st['version']}: {st['state']} (pid {st['pid']}, up {st['uptime_s']:.0f} s)",
+        f"  model      {st['model']}" + (f" (store id {st['store_id']})" if st.get("store_id") else ""),
+    ]
+    if st.get("error"):
+        lines.append(f"  error      {st['error']}")
+    if st.get("store_problem"):
+        lines.append(f"  warning    {st['store_problem']}")
+    if st.get("capacity") is None:
+        lines.append("  pool       not loaded yet" if st["state"] == "loading" else "  pool       none")
+    else:
+        layers = pool.get("layers", [])
+        resident = sum(layer["resident"] for layer in layers)
+        slots = sum(layer["capacity"] for layer in layers)
+        pinned = sum(layer["pinned"] for layer in layers)
+        lines.append(
+            f"  pool       {st['capacity']} slots x {st.get('moe_layers')} layers of {st.get('experts_per_layer')} experts, "
+            f"policy {st['policy']}; {resident}/{slots} slots used, {pinned} pinned; hit rate {_rate(pool.get('hit_rate'))}"
+        )
+    if pool.get("mapped_auto"):
+        # What `mapped = auto` chose, and why (daemon/model/streaming_model.py choose_mapped).
+        lines.append(f"  mapped     auto, {pool['mapped_auto']}")
+    placement = pool.get("mapped_pool")
+    if pool.get("mapped") and placement:
+        lines.append(f"  mapped     every expert in host memory, {placement['gpu_slots']} per layer in GPU memory; "
+                     f"GPU hit rate {_rate(placement.get('gpu_hit_rate'))}, {placement['moves']} moves")
+    ended = ", ".join(f"{req.get(k, 0)} {k}" for k in ("completed", "cancelled", "disconnected", "failed"))
+    lines += [
+        f"  memory     RSS {_size(mem['rss_bytes'])}, MLX active {_size(mem['mlx_active_bytes'])}, peak {_size(mem['mlx_peak_bytes'])}",
+        f"  requests   {req['active']} active, {req['queued']} queued, {st['clients']['connected']} clients connected; "
+        f"{req.get('requests', 0)} received: {ended}; {req.get('tokens', 0)} tokens made",
+    ]
+    for job in req.get("running", []):
+        lines.append(f"    {job['id']}: {_job_state(job)}, {job['seconds']:.0f} s")
+    lines += [
+        f"  heat       {heat.get('state', '-')}" + (f" ({heat['note']})" if heat.get("note") else ""),
+        f"  log        {st['log']}",
+        f"  socket     {st['socket']}",
+    ]
+    return "\n".join(lines)
+
+
+def _job_state(job: dict[str, Any]) -> str:
+    done = job.get("prefilled_tokens")
+    if done is not None:
+        total = job["prompt_tokens"]
+        return f"prefill {done}/{total} prompt tokens ({100 * done // max(total, 1)}%)"
+    return f"{job['tokens']}/{job['max_tokens']} tokens after a prompt of {job['prompt_tokens']}"
+
+
+@click.command()
+@click.option("--runtime-dir", help="The daemon's runtime folder.")
+@click.option("--log-file", help="The log file (default: the running daemon's, else daemon.log in the runtime folder).")
+@click.option("-n", "lines", default=50, show_default=True, type=click.IntRange(0, None), help="Lines to print.")
+@click.option("-f", "follow", is_flag=True, help="Keep printing new lines (Ctrl-C to end).")
+def logs(runtime_dir, log_file, lines, follow) -> None:
+    """Print the daemon's log path and its last lines."""
+    settings = resolve_lenient({"runtime_dir": runtime_dir, "log_file": log_file})
+    paths = _paths(settings)
+    path = paths.log
+    if log_file is None and lock_is_held(paths):
+        try:
+            with Client(paths, timeout=2.0) as c:
+                path = Path(c.status()["log"])
+        except ClientError as e:
+            click.echo(f"(the daemon did not say where it logs: {e})", err=True)
+    click.echo(f"log: {path}", err=True)
+    if not path.exists():
+        raise click.ClickException(f"{path} does not exist yet")
+    if lines:
+        click.echo(_tail(path, lines))
+    if follow:
+        _follow(path)
+
+
+def _follow(path: Path) -> None:
+    """Print lines as they are appended, following the file across a log rotation."""
+    f = open(path, "rb")
+    try:
+        f.seek(0, os.SEEK_END)
+        while True:
+            chunk = f.read()
+            if chunk:
+                sys.stdout.write(chunk.decode("utf-8", "replace"))
+                sys.stdout.flush()
+                continue
+            time.sleep(0.2)
+            if path.exists() and os.stat(path).st_ino != os.fstat(f.fileno()).st_ino:
+                f.close()
+                f = open(path, "rb")
+    except KeyboardInterrupt:
+        return
+    finally:
+        f.close()
+
+
+@click.command()
+@click.option("--runtime-dir", help="The daemon's runtime folder.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def stats(runtime_dir, as_json) -> None:
+    """The pool's statistics: hits, misses, evictions and bytes read, per layer."""
+    settings = resolve_lenient({"runtime_dir": runtime_dir})
+    try:
+        with _client(settings, timeout=5.0) as c:
+            st = c.stats()
+    except ClientError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps(st))
+        return
+    pool, reader, req = st.get("pool", {}), st.get("reader", {}), st.get("requests", {})
+    click.echo(f"model {st.get('model')}: {st.get('capacity')} slots per layer, policy {st.get('policy')}")
+    click.echo(
+        f"total: hit rate {_rate(pool.get('hit_rate'))}, hits {pool.get('hits_prefill', 0)}+{pool.get('hits_decode', 0)} "
+        f"(prefill+decode), misses {pool.get('misses_prefill', 0)}+{pool.get('misses_decode', 0)}, "
+        f"evictions {pool.get('evictions', 0)}, read {_size(pool.get('bytes_read'))}"
+    )
+    placement = pool.get("mapped_pool")
+    if placement:
+        click.echo(
+            f"mapped pool: {placement['gpu_slots']} experts per layer in GPU memory, GPU hit rate {_rate(placement['gpu_hit_rate'])} "
+            f"({placement['routed_on_gpu']} of {placement['routed']} routed), {placement['moves']} moves, "
+            f"read-back {placement['readback_seconds']:.3f} s, decide {placement['decide_seconds']:.3f} s, place {placement['place_seconds']:.3f} s"
+        )
+    click.echo(f"requests: {req.get('requests', 0)} received: " + ", ".join(
+        f"{req.get(k, 0)} {k}" for k in ("completed", "cancelled", "disconnected", "failed"))
+        + f"; {req.get('tokens', 0)} tokens made, {req.get('queued', 0)} queued")
+    if reader:
+        click.echo("read engine: " + ", ".join(f"{k} {v}" for k, v in reader.items() if isinstance(v, (int, float))))
+    click.echo(f"{'layer':>5} {'resident':>9} {'capacity':>9} {'pinned':>7} {'hit rate':>9}")
+    for layer in pool.get("layers", []):
+        click.echo(f"{layer['layer']:>5} {layer['resident']:>9} {layer['capacity']:>9} {layer['pinned']:>7} {_rate(layer['hit_rate']):>9}")
+    _echo_prefetch(st.get("prefetch"), st.get("diagnostics"))
+
+
+def _echo_prefetch(pf: dict[str, Any] | None, diag: dict[str, Any] | None) -> None:
+    if pf:
+        auto = pf.get("auto") or {}
+        state = f"prefetch: {pf['mode']} ({'on' if pf['enabled'] else 'off'} now{'; ' + auto['decision'] if auto else ''}), "
+        if pf.get("kind") == "mapped":  # daemon/mapped/mapped_prefetch.py: copies on the device, no reads
+            click.echo(state + f"{pf['staged']} experts staged ahead in {pf['forwards']} forwards")
+        else:
+            ahead = f", {pf['depth']} layers ahead" if pf.get("depth", 1) > 1 else ""
+            click.echo(state + f"{pf['submitted']} read{ahead}, {pf['promoted']} promoted ({pf['waited']} waited for), "
+                       f"{pf['dropped_unused']} dropped unused")
+    totals = (diag or {}).get("totals")
+    if not totals:
+        click.echo("diagnostics: none recorded (`moestreamctl start --diagnostics`, or `generate --diagnostics`)")
+        return
+    for line in diagnostics_lines(totals):
+        click.echo(line)
+
+
+def diagnostics_lines(d: dict[str, Any]) -> list[str]:
+    """Hot-path diagnostics (a request's, or the daemon's totals) for people."""
+    recall = d["recall"]["all"]
+    lines = ["diagnostics: recall " + ", ".join(f"{k} {_rate(recall[k])}" for k in ("top_k", "top_2k", "top_4k"))]
+    for phase, buckets in d["attribution"].items():
+        lines.append(f"  {phase}: " + ", ".join(f"{k} {v}" for k, v in buckets.items()))
+    seg = d["segments"]
+    lines.append("  ms per call: " + ", ".join(f"{k} {v['mean_ms']:.3f}" for k, v in seg.items() if v["mean_ms"] is not None))
+    if d["window"]["mean_ms"] is not None:
+        lines.append(f"  compute window {d['window']['mean_ms']:.3f} ms, read wait {d['read_wait']['seconds'] * 1e3:.1f} ms in all")
+    for ordinal, layer in d["layers"].items():
+        union = ", ".join(f"{seq}: p50 {u['p50']:.0f} p99 {u['p99']:.0f} max {u['max']}" for seq, u in layer["union"].items())
+        lines.append(f"  layer {ordinal} union by tokens per sequence: {union}")
+    return lines
+
+COMMANDS = (start, stop, restart, status, logs, stats)

@@ -1,0 +1,267 @@
+"""`moestreamctl generate`: stream text from a model."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+import click
+
+from moestream.client.cli.values import capacity_note, store_option
+from moestream.shared.settings import Settings, SettingsError
+
+
+def _read_source(spec: str, what: str) -> str:
+    """The text of `spec`: a file's path, or `-` for standard input."""
+    if spec == "-":
+        if sys.stdin.isatty():
+            click.echo(f"reading {what} from standard input (end with Ctrl-D)", err=True)
+        return sys.stdin.read()
+    try:
+        with open(spec, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise click.BadParameter(f"cannot read {spec}: {e}", param_hint=what) from None
+
+
+def _parse_ids(text: str | None) -> list[int] | None:
+    """Token ids given inline (1,2,3), in a file (@FILE) or on standard input (-);
+    separated by commas, spaces or newlines."""
+    if text is None:
+        return None
+    if text == "-" or text.startswith("@"):
+        text = _read_source("-" if text == "-" else text[1:], "--prompt-ids")
+    try:
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise click.BadParameter("expected token ids separated by commas or spaces, e.g. 1,2,3", param_hint="--prompt-ids") from None
+    if not ids:
+        raise click.BadParameter("no token ids given", param_hint="--prompt-ids")
+    return ids
+
+
+def _prompt_text(prompt: str | None, prompt_file: str | None, prompt_ids: str | None) -> str | None:
+    """The text prompt from PROMPT (`-`: standard input) or --prompt-file; None with --prompt-ids."""
+    given = [name for name, value in (("PROMPT", prompt), ("--prompt-file", prompt_file), ("--prompt-ids", prompt_ids)) if value is not None]
+    if not given:
+        raise click.UsageError("give a PROMPT (`-` reads it from standard input), --prompt-file FILE or --prompt-ids")
+    if len(given) > 1:
+        raise click.UsageError(f"give one prompt: {' and '.join(given)} were both given")
+    if prompt_file is not None:
+        return _read_source(prompt_file, "--prompt-file")
+    if prompt == "-":
+        return _read_source("-", "PROMPT")
+    return prompt
+
+
+class PrefillProgress:
+    """`prefill 2048/3000 tokens (68%), 41 s` on a terminal while a long prompt is read,
+    cleared when the first token comes; silent where the output is not a terminal."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.on = out.isatty()
+        self.tic = time.monotonic()
+        self.shown = False
+
+    def update(self, done: int, total: int) -> None:
+        if not self.on or total < 2:
+            return
+        pct = 100 * done // total
+        self.out.write(f"\r\033[Kprefill {done}/{total} tokens ({pct}%), {time.monotonic() - self.tic:.0f} s")
+        self.out.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            self.out.write("\r\033[K")
+            self.out.flush()
+            self.shown = False
+
+
+@click.command()
+@click.argument("prompt", required=False)
+@click.option("--prompt-file", type=click.Path(dir_okay=False, allow_dash=True), help="Read the prompt from a file (`-`: standard input).")
+@click.option("--prompt-ids", help="Token ids instead of a text prompt: 1,2,3, @FILE, or - (standard input).")
+@click.option("--model", "model", type=click.Path(file_okay=False), help="Expert store (made by `moestreamctl convert`).")
+@click.option("--local", is_flag=True, help="Run in this process instead of through the daemon.")
+@click.option("--capacity", help="Pool slots per MoE layer (16) or a fraction of its experts (0.25, 25%).")
+@click.option("--memory-budget", help="Size the pool so that weights + pool + KV cache fit, e.g. 24G.")
+@click.option("--policy", help="Eviction policy (see `moestreamctl bench policy`).")
+@click.option("--host-cache", help="Host RAM that caches experts between the store and the pool, e.g. 32G.")
+@click.option("--mapped/--no-mapped", default=None, help="A mapped pool: every expert in host RAM, --capacity/--memory-budget of them per layer in GPU memory (NVIDIA GPUs). Default auto: mapped where host RAM holds every expert and no --host-cache is given.")
+@click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(1, None))
+@click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0.0, None), help="Sampling temperature; 0 is greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0))
+@click.option("--seed", type=int, help="Random seed for sampling.")
+@click.option("--io-threads", type=int, help="Threads of the native read engine.")
+@click.option("--speculative", type=click.Choice(["mtp", "draft"]), help="Speculative decoding: the model's MTP head, or a draft model.")
+@click.option("--draft-tokens", type=click.IntRange(1, 8), help="Tokens drafted per round with --speculative (default 2).")
+@click.option("--draft-model", type=click.Path(file_okay=False), help="Draft model (store or mlx-lm folder) for --speculative draft.")
+@click.option("--diagnostics", is_flag=True, help="Add hot-path diagnostics (segment times, predictor recall, miss attribution) to the stats; without --json, a summary on stderr.")
+@click.option("--prefetch", type=click.Choice(["on", "off", "auto"]), help="Prefetch of predicted experts (--local; a daemon keeps its own).")
+@click.option("--runtime-dir", help="The daemon's runtime folder (default $XDG_RUNTIME_DIR/moestream).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, tokens and stats.")
+def generate(prompt, prompt_file, prompt_ids, model, local, capacity, memory_budget, policy, host_cache, mapped, max_tokens, temp, top_p, seed,
+             io_threads, speculative, draft_tokens, draft_model, diagnostics, prefetch, runtime_dir, as_json) -> None:
+    """Generate text for PROMPT, streaming it to stdout.
+
+    PROMPT `-` reads the prompt from standard input (`cat notes.txt | moestreamctl
+    generate -`), as does `--prompt-file -`; a long prompt shows its prefill's progress
+    on a terminal.
+    """
+    text = _prompt_text(prompt, prompt_file, prompt_ids)
+    ids = _parse_ids(prompt_ids)
+    if (speculative == "draft") != (draft_model is not None):
+        raise click.UsageError("--speculative draft needs --draft-model PATH, and only it takes one")
+    if draft_tokens is not None and speculative is None:
+        raise click.UsageError("--draft-tokens needs --speculative")
+    spec = dict(speculative=speculative, draft_tokens=draft_tokens,
+                draft_model=os.path.abspath(draft_model) if draft_model else None)
+    given = {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy, "host_cache": host_cache, "mapped": mapped,
+             "io_threads": io_threads, "runtime_dir": runtime_dir}
+    try:
+        settings = Settings.resolve({**given, "prefetch": prefetch})
+    except SettingsError as e:
+        raise click.UsageError(str(e)) from None
+    note = capacity_note(settings)
+    if note:
+        click.echo(f"note: {note}", err=True)
+    progress = PrefillProgress(sys.stderr)
+    if not local:
+        done = _generate_via_daemon(settings, given, text, ids, as_json, progress,
+                                    dict(max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed, diagnostics=diagnostics, **spec))
+        _report(done.text, done.tokens, done.stats, as_json, diagnostics)
+        return
+    if settings.model is None:
+        raise click.UsageError("no built-in demo model: give --model STORE")
+
+    from moestream.daemon.pool.expert_pool import PoolCapacityError
+    from moestream.daemon.pool.expert_reader import ExpertReadError
+    from moestream.daemon.model.generation import SamplingParams, encode_prompt, generate as run
+    from moestream.daemon.model.streaming_model import load_streaming_model
+    from moestream.shared.store_format import StoreError
+
+    params = SamplingParams(max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed, diagnostics=diagnostics,
+                            **{**spec, "draft_tokens": draft_tokens or 2})
+    try:
+        sm = load_streaming_model(settings.model, settings, max_tokens=max_tokens + 4096)
+    except (StoreError, PoolCapacityError, ExpertReadError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    try:
+        prompt_tokens = encode_prompt(sm, text, ids)
+
+        def show(segment: str, _token: int) -> None:
+            progress.clear()
+            sys.stdout.write(segment)
+            sys.stdout.flush()
+
+        result = run(sm, prompt_tokens, params, on_text=None if as_json else show, on_prompt_progress=progress.update)
+    except (ValueError, ExpertReadError, StoreError) as e:
+        raise click.ClickException(str(e)) from None
+    finally:
+        progress.clear()
+        sm.close()
+    if not as_json:
+        sys.stdout.write("\n")
+    _report(result.text, result.tokens, result.stats, as_json, diagnostics)
+
+
+def _report(text: str, tokens: list[int], stats: dict[str, Any], as_json: bool, diagnostics: bool) -> None:
+    """The JSON object, or (text already streamed) a diagnostics summary on stderr."""
+    if as_json:
+        click.echo(json.dumps({"text": text, "tokens": tokens, "stats": stats}))
+        return
+    if diagnostics:
+        from moestream.client.cli.daemon import diagnostics_lines
+
+        d = stats.get("diagnostics")
+        lines = diagnostics_lines(d) if d else ["diagnostics: none recorded for this request"]
+        for line in lines:
+            click.echo(line, err=True)
+
+
+def _check_served_store(model: str, status: dict) -> None:
+    """Refuse when the daemon serves another store than `model`. Stores are compared by
+    their ids, not their paths: two copies of a store (the demo installed twice) are one."""
+    served = status.get("model")
+    if not served:
+        return
+    wanted = store_option(model).store_id
+    served_id = status.get("store_id")
+    if served_id is None:  # a daemon still loading does not know its store's id yet
+        same = os.path.realpath(model) == os.path.realpath(served)
+    else:
+        same = served_id == wanted
+    if not same:
+        why = f" ({status['store_problem']})" if status.get("store_problem") else ""
+        raise click.ClickException(
+            f"the daemon serves the store {served} (id {served_id or 'not known yet'}), not {model} "
+            f"(id {wanted}){why}: stop it (`moestreamctl stop`) or use --local"
+        )
+
+
+def _generate_via_daemon(settings: Settings, given: dict, prompt: str | None, ids: list[int] | None, as_json: bool,
+                         progress: PrefillProgress, sampling: dict) -> Any:
+    """Stream from the daemon, starting it first when none runs; returns the `Done` event."""
+    from moestream.client.client import Client, ClientError, DaemonNotRunning, Progress, Token
+    from moestream.client.cli.daemon import start_daemon
+    from moestream.shared.runtime_dir import RuntimeDirError, RuntimePaths
+
+    try:
+        paths = RuntimePaths.from_settings(settings)
+        paths.check_socket_path()
+    except RuntimeDirError as e:
+        raise click.ClickException(str(e)) from None
+    try:
+        client = Client(paths)
+    except DaemonNotRunning:
+        if settings.model is None:
+            raise click.UsageError("no daemon is running: give --model STORE to start one, or use --local") from None
+        store_option(settings.model)
+        click.echo(f"moestream: no daemon running; starting one for {settings.model}", err=True)
+        start_daemon(settings, given)
+        client = Client(paths)
+    with client:
+        try:
+            status = client.status()
+        except ClientError as e:
+            raise click.ClickException(str(e)) from None
+        if settings.model is not None:
+            _check_served_store(settings.model, status)
+        if status.get("store_problem"):
+            click.echo(f"warning: {status['store_problem']}", err=True)
+        ignored = [f"--{k.replace('_', '-')}" for k in ("capacity", "memory_budget", "policy", "host_cache", "mapped", "io_threads")
+                   if given.get(k) is not None and status.get("settings", {}).get(k) != getattr(settings, k)]
+        if ignored:
+            click.echo(f"note: {', '.join(ignored)} ignored: the running daemon keeps its pool settings "
+                       "(`moestreamctl restart` with new flags changes them)", err=True)
+        stream = None
+        shown = 0
+        try:
+            stream = client.generate(prompt, prompt_ids=ids, progress=progress.on, **sampling)
+            for event in stream:
+                if isinstance(event, Progress):
+                    progress.update(event.done, event.total)
+                elif isinstance(event, Token) and not as_json:
+                    progress.clear()
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+                    shown += len(event.text)
+        except KeyboardInterrupt:
+            progress.clear()
+            if stream is not None and stream.done is None:
+                stream.close()
+            raise
+        except ClientError as e:
+            raise click.ClickException(str(e)) from None
+        finally:
+            progress.clear()
+    done = stream.done
+    if not as_json:
+        # Text held back for stop strings never came as a token event.
+        sys.stdout.write(done.text[shown:] + "\n")
+    return done

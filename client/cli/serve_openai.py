@@ -1,0 +1,125 @@
+"""`moestreamctl serve-openai`: the OpenAI-compatible HTTP gateway to the daemon."""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import os
+import socket
+import stat
+from pathlib import Path
+
+import click
+
+from moestream.shared.runtime_dir import RuntimeDirError, RuntimePaths
+from moestream.shared.settings import Settings, SettingsError
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
+
+
+def read_api_key(api_key: str | None, api_key_file: str | None) -> str | None:
+    """The key from --api-key or the first line of --api-key-file (None: no key)."""
+    if api_key is not None and api_key_file is not None:
+        raise click.UsageError("give --api-key or --api-key-file, not both")
+    if api_key_file is not None:
+        path = Path(api_key_file).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8")
+            mode = path.stat().st_mode
+        except (OSError, UnicodeDecodeError) as e:
+            raise click.UsageError(f"--api-key-file: cannot read {path}: {e}") from None
+        if stat.S_IMODE(mode) & 0o077:
+            click.echo(f"warning: {path} can be read by other users; `chmod 600 {path}`", err=True)
+        lines = text.strip().splitlines()
+        api_key = lines[0].strip() if lines else ""
+        if not api_key:
+            raise click.UsageError(f"--api-key-file: {path} is empty")
+    elif api_key is not None and not api_key.strip():
+        raise click.UsageError("--api-key is empty")
+    return api_key.strip() if api_key is not None else None
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: any free port)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        hint = "; another server uses this port: pick another with --port" if e.errno == errno.EADDRINUSE else ""
+        raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}") from None
+    return sock
+
+
+@click.command("serve-openai")
+@click.option("--host", default=DEFAULT_HOST, show_default=True, help="Address to listen on; anything but loopback needs an API key.")
+@click.option("--port", default=DEFAULT_PORT, show_default=True, type=click.IntRange(0, 65535), help="TCP port (0: any free port).")
+@click.option("--api-key", help="Clients must send `Authorization: Bearer KEY` (visible in `ps`: prefer --api-key-file).")
+@click.option("--api-key-file", type=click.Path(dir_okay=False), help="File whose first line is the API key.")
+@click.option("--runtime-dir", help="The daemon's runtime folder (default $XDG_RUNTIME_DIR/moestream).")
+@click.option("--log-level", default="info", show_default=True, type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+def serve_openai(host, port, api_key, api_key_file, runtime_dir, log_level) -> None:
+    """Serve the OpenAI HTTP API (chat, completions, models, health) from the daemon.
+
+    A thin client of the running daemon: it translates HTTP into the daemon's protocol,
+    so every app shares the daemon's warm pool. It does not start the daemon: /health
+    answers 503 until one runs (`moestreamctl start`, or `service install`).
+    """
+    key = read_api_key(api_key, api_key_file)
+    if key is None and not is_loopback(host):
+        raise click.UsageError(
+            f"--host {host} accepts connections from other machines: give --api-key-file FILE (or --api-key KEY), "
+            f"or listen on loopback (--host {DEFAULT_HOST})"
+        )
+    try:
+        settings = Settings.resolve({"runtime_dir": runtime_dir})
+        paths = RuntimePaths.from_settings(settings)
+        paths.check_socket_path()
+    except (SettingsError, RuntimeDirError) as e:
+        raise click.UsageError(str(e)) from None
+
+    import logging
+
+    import uvicorn
+
+    # uvicorn configures its own loggers only; this shows the gateway's (moestream.openai).
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)-9s %(name)s: %(message)s")
+
+    from moestream.client.openai_api.gateway import GatewayConfig, create_app
+
+    sock = bind(host, port)
+    actual = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(
+        f"moestream OpenAI API on http://{shown}:{actual}/v1 (daemon runtime folder {paths.dir}; "
+        f"API key {'required' if key else 'not required'}; pid {os.getpid()})",
+        err=True,
+    )
+    app = create_app(GatewayConfig(paths=paths, api_key=key))
+    config = uvicorn.Config(
+        app, host=host, port=actual, log_level=log_level, lifespan="off", server_header=False,
+        # Streams still open after this many seconds of a shutdown are cancelled, and with
+        # them their daemon requests.
+        timeout_graceful_shutdown=5,
+    )
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()

@@ -1,0 +1,392 @@
+"""`moestreamctl service install|uninstall|status`: start the daemon at login, and with
+`--openai` the OpenAI-compatible gateway (`moestreamctl serve-openai`) as a second service.
+
+macOS: a LaunchAgent loaded into `gui/<uid>` with launchctl. Linux: a systemd user unit
+enabled with `systemctl --user`. HOME, PATH and the settings are read when the command
+runs; the hidden `--platform` option makes either file on any system (for tests and
+for preparing a file on one machine for another).
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import click
+
+from moestream.client.cli.daemon import START_FLAGS, absolute_paths, daemon_setting_options
+from moestream.shared import service_files as sf
+from moestream.shared.settings import ENV_PREFIX, Settings, SettingsError, format_size
+from moestream.shared.store_format import StoreError, load_manifest
+
+# launchctl and systemctl answer at once; a hung one is reported rather than waited on.
+COMMAND_TIMEOUT_S = 60.0
+
+
+class ManagerError(click.ClickException):
+    """The service manager is missing or refused a command; exits 1."""
+
+
+def _platform_option(f):
+    return click.option(
+        "--platform", "platform_name", type=click.Choice(sf.PLATFORMS), hidden=True,
+        help="Make the files of this system instead of the running one.",
+    )(f)
+
+
+def _dry_run_option(f):
+    return click.option("--dry-run", is_flag=True, help="Print the file and the commands; change nothing.")(f)
+
+
+def _openai_option(f):
+    return click.option(
+        "--openai", "openai", is_flag=True,
+        help="The OpenAI-compatible gateway's service (`moestreamctl serve-openai`) instead of the daemon's.",
+    )(f)
+
+
+def _service_of(openai: bool) -> sf.Service:
+    return sf.OPENAI if openai else sf.DAEMON
+
+
+def _platform(name: str | None) -> str:
+    try:
+        return name or sf.platform_of(sys.platform)
+    except sf.ServiceFileError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _home(env: Mapping[str, str]) -> Path:
+    home = env.get("HOME") or pwd.getpwuid(os.getuid()).pw_dir
+    if not home.startswith("/"):
+        raise click.ClickException(f"HOME is {home!r}, not an absolute path; set HOME to your home folder")
+    return Path(home)
+
+
+def _show(cmd: list[str]) -> str:
+    return shlex.join(cmd)
+
+
+def _run(cmd: list[str], env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run a service-manager command; ManagerError when it is missing or hangs."""
+    exe = shutil.which(cmd[0], path=env.get("PATH"))
+    if exe is None:
+        raise ManagerError(f"`{cmd[0]}` was not found on PATH, so `{_show(cmd)}` could not run")
+    try:
+        return subprocess.run([exe, *cmd[1:]], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, env=dict(env))
+    except subprocess.TimeoutExpired:
+        raise ManagerError(f"`{_show(cmd)}` did not answer within {COMMAND_TIMEOUT_S:.0f} s") from None
+
+
+def _check(cmd: list[str], env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run `cmd`; ManagerError with its output when it exits non-zero."""
+    done = _run(cmd, env)
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).strip() or "no output"
+        raise ManagerError(f"`{_show(cmd)}` exited with status {done.returncode}: {said}")
+    return done
+
+
+def _session_hint(platform: str) -> str:
+    if platform == "linux":
+        return (
+            "systemctl --user needs your user's systemd instance: log in to a desktop or ssh session "
+            "(not `su`/`sudo`), or run `loginctl enable-linger $USER` once so it runs without a login"
+        )
+    return "launchctl needs a macOS login session of this user (gui/<uid>), e.g. run it from Terminal"
+
+
+def _write_atomically(path: Path, content: bytes) -> None:
+    """Temporary file beside `path`, fsync, rename, fsync the folder: a crash leaves the
+    old file or the new one, never half of one. Mode 0644: launchd ignores plists that
+    others can write."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _loaded(platform: str, uid: int, env: Mapping[str, str], svc: sf.Service = sf.DAEMON) -> bool:
+    """macOS: whether launchd knows the agent now (bootstrap refuses a loaded one)."""
+    return _run(sf.loaded_command(platform, uid, svc), env).returncode == 0
+
+
+@click.group()
+def service() -> None:
+    """Start the daemon at login: a launchd agent (macOS) or a systemd user unit (Linux).
+
+    With --openai, the same for the OpenAI-compatible gateway, a second service."""
+
+
+@service.command()
+@daemon_setting_options
+@click.option("--no-load", is_flag=True, help="Write the service file but do not load or start it.")
+@_openai_option
+@click.option("--host", help="With --openai: the address it listens on (default 127.0.0.1).")
+@click.option("--port", type=click.IntRange(1, 65535), help="With --openai: its TCP port (default 8080).")
+@click.option(
+    "--api-key-file", type=click.Path(exists=True, dir_okay=False),
+    help="With --openai: the file holding its API key (needed beyond loopback; the key itself is never written into the service file).",
+)
+@_dry_run_option
+@_platform_option
+@click.pass_context
+def install(ctx: click.Context, no_load, openai, host, port, api_key_file, dry_run, platform_name, **daemon_given: Any) -> None:
+    """Install the daemon as a service and start it.
+
+    The service runs `moestreamctl start --foreground` with this Python, the daemon
+    settings given here (the same options as `moestreamctl start`), and the MOESTREAM_*
+    settings of this shell. Run it again to change them; the running daemon is restarted.
+
+    With --openai, installs the OpenAI-compatible gateway instead, as a second service
+    that runs `moestreamctl serve-openai` (with --host, --port, --api-key-file) and
+    talks to the daemon of the same MOESTREAM_* settings.
+    """
+    env = dict(os.environ)
+    platform = _platform(platform_name)
+    home = _home(env)
+    setting_options = [p for p in ctx.command.params if p.name in START_FLAGS]
+    if openai:
+        daemon_flags = [p.opts[0] for p in setting_options if daemon_given[p.name] is not None]
+        if daemon_flags:
+            raise click.UsageError(f"{', '.join(daemon_flags)}: the daemon's settings, not the gateway's; install the daemon without --openai")
+        argv, environment = _gateway_service(env, host, port, api_key_file)
+        _install(platform, home, env, sf.OPENAI, argv, environment, no_load=no_load, dry_run=dry_run)
+        return
+    gateway_flags = [f for f, v in (("--host", host), ("--port", port), ("--api-key-file", api_key_file)) if v is not None]
+    if gateway_flags:
+        raise click.UsageError(f"{', '.join(gateway_flags)}: only with --openai (the gateway's service)")
+    # The service starts in another folder than this shell, so relative paths break.
+    given = absolute_paths(daemon_given)
+    try:
+        settings = Settings.resolve(given, env)  # a bad value fails here, not in a restart loop
+    except SettingsError as e:
+        raise click.UsageError(str(e)) from None
+    if settings.model is not None:
+        try:
+            manifest = load_manifest(settings.model)
+        except StoreError as e:
+            raise click.UsageError(f"--model: {e} (make one with `moestreamctl convert`)") from None
+        need = manifest.expert_bytes_total
+        if settings.mapped and 0 < settings.host_cache < need:
+            # The daemon refuses this pair when it loads the model (daemon/model/streaming_model.py);
+            # refusing it here keeps the service from failing and restarting every RestartSec.
+            raise click.UsageError(f"--mapped keeps every expert ({format_size(need)}) in host memory, more than "
+                                   f"--host-cache {format_size(settings.host_cache)}: give a larger one or drop one of them")
+    else:
+        click.echo("note: no --model or MOESTREAM_MODEL given: the daemon will start with its built-in default", err=True)
+
+    python = os.path.abspath(sys.executable)  # not resolved: a venv's python is a symlink
+    try:
+        argv = sf.daemon_argv(python, start_flags(setting_options, given))
+        environment = sf.service_environment(
+            env, python=python, exclude=[ENV_PREFIX + name.upper() for name, value in given.items() if value is not None]
+        )
+    except sf.ServiceFileError as e:
+        raise click.ClickException(str(e)) from None
+    _install(platform, home, env, sf.DAEMON, argv, environment, no_load=no_load, dry_run=dry_run)
+
+
+def start_flags(options: Iterable[click.Parameter], given: Mapping[str, Any]) -> list[str]:
+    """The `moestreamctl start` flags that set `given` (Settings field -> value, None =
+    not given), spelled as `options` (the shared daemon setting options) spell them."""
+    flags: list[str] = []
+    for option in options:
+        value = given.get(option.name)
+        if value is None:
+            continue
+        if getattr(option, "is_flag", False):
+            # --mapped / --no-mapped: a flag not given is left to the environment and config.
+            if value:
+                flags.append(option.opts[0])
+            elif option.secondary_opts:
+                flags.append(option.secondary_opts[0])
+        else:
+            flags += [option.opts[0], str(value)]
+    return flags
+
+
+def _gateway_service(env: Mapping[str, str], host: str | None, port: int | None, api_key_file: str | None) -> tuple[list[str], dict[str, str]]:
+    """The gateway service's command line and environment, checked as `serve-openai` checks them."""
+    from moestream.client.cli.serve_openai import DEFAULT_HOST, DEFAULT_PORT, is_loopback, read_api_key
+
+    host = host or DEFAULT_HOST
+    if api_key_file is not None:
+        api_key_file = os.path.abspath(os.path.expanduser(api_key_file))
+        read_api_key(None, api_key_file)  # an unreadable or empty file fails here, not in a restart loop
+    elif not is_loopback(host):
+        raise click.UsageError(f"--host {host} accepts connections from other machines: give --api-key-file FILE, or use --host {DEFAULT_HOST}")
+    try:
+        Settings.resolve({}, env)  # the MOESTREAM_* settings the service will run with
+    except SettingsError as e:
+        raise click.UsageError(str(e)) from None
+    flags = ["--host", host, "--port", str(port or DEFAULT_PORT)]
+    if api_key_file is not None:
+        flags += ["--api-key-file", api_key_file]
+    python = os.path.abspath(sys.executable)
+    try:
+        return sf.gateway_argv(python, flags), sf.service_environment(env, python=python)
+    except sf.ServiceFileError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _install(
+    platform: str, home: Path, env: Mapping[str, str], svc: sf.Service, argv: list[str], environment: dict[str, str],
+    *, no_load: bool, dry_run: bool,
+) -> None:
+    """Write the service file of `svc` and load it (or say what would be done)."""
+    try:
+        rendered = sf.render_service_file(platform, home, argv, environment, svc)
+    except sf.ServiceFileError as e:
+        raise click.ClickException(str(e)) from None
+
+    uid = os.getuid()
+    load = sf.load_commands(platform, rendered.path, uid, svc)
+    if dry_run:
+        click.echo(f"the {svc.name} would run as: {_show(argv)}")
+        click.echo(f"would write {rendered.path}:")
+        click.echo(rendered.content.decode("utf-8"), nl=False)
+        if rendered.log_dir is not None:
+            click.echo(f"would create the log folder {rendered.log_dir}")
+        click.echo("would run:")
+        if platform == "darwin":
+            click.echo(f"  {_show(sf.unload_commands(platform, uid, svc)[0])}    # only if it is loaded now")
+        for cmd in load:
+            click.echo(f"  {_show(cmd)}")
+        return
+
+    if rendered.log_dir is not None:
+        rendered.log_dir.mkdir(parents=True, exist_ok=True)  # launchd does not create it
+    _write_atomically(rendered.path, rendered.content)
+    click.echo(f"wrote {rendered.path}")
+    how = "\n".join(f"  {_show(cmd)}" for cmd in load)
+    if no_load:
+        click.echo(f"not loaded (--no-load); to load and start it:\n{how}")
+        return
+    try:
+        if platform == "darwin" and _loaded(platform, uid, env, svc):
+            for cmd in sf.unload_commands(platform, uid, svc):
+                _check(cmd, env)
+        for cmd in load:
+            _check(cmd, env)
+    except ManagerError as e:
+        raise ManagerError(
+            f"{rendered.path} is written, but loading it failed: {e.message}.\n"
+            f"{_session_hint(platform)}; then load it with:\n{how}"
+        ) from None
+    if platform == "darwin":
+        click.echo(f"loaded {svc.label} into gui/{uid}; {svc.name} output goes to {rendered.log_dir}")
+    else:
+        click.echo(f"enabled and started {svc.unit}; its output: journalctl --user -u {svc.unit}")
+
+
+@service.command()
+@click.option("--no-unload", is_flag=True, help="Only remove the file; do not stop or unload the service.")
+@_openai_option
+@_dry_run_option
+@_platform_option
+def uninstall(no_unload, openai, dry_run, platform_name) -> None:
+    """Stop the service and remove its file."""
+    env = dict(os.environ)
+    platform = _platform(platform_name)
+    svc = _service_of(openai)
+    path = sf.service_file_path(platform, _home(env), svc)
+    uid = os.getuid()
+    unload = [] if no_unload else sf.unload_commands(platform, uid, svc)
+    after = [] if no_unload else sf.after_remove_commands(platform)
+    # `enable` links the unit into default.target.wants; remove a link left behind when
+    # systemctl could not disable it, so a later login does not meet a dangling link.
+    wants = path.parent / "default.target.wants" / svc.unit if platform == "linux" else None
+    if dry_run:
+        click.echo("would run:")
+        for cmd in unload:
+            note = "    # only if it is loaded now" if platform == "darwin" else ""
+            click.echo(f"  {_show(cmd)}{note}")
+        click.echo(f"would remove {path}" + (" (it does not exist)" if not path.exists() else ""))
+        if wants is not None and wants.is_symlink():
+            click.echo(f"would remove {wants}")
+        for cmd in after:
+            click.echo(f"  {_show(cmd)}")
+        return
+
+    if not path.exists() and not (wants is not None and wants.is_symlink()):
+        click.echo(f"not installed: {path} does not exist")
+        return
+    failure: ManagerError | None = None
+    try:
+        if platform == "darwin":
+            if unload and _loaded(platform, uid, env, svc):
+                for cmd in unload:
+                    _check(cmd, env)
+        else:
+            for cmd in unload:
+                _check(cmd, env)
+    except ManagerError as e:
+        failure = e
+    path.unlink(missing_ok=True)
+    if wants is not None and wants.is_symlink():
+        wants.unlink()
+    click.echo(f"removed {path}")
+    if failure is None:
+        try:
+            for cmd in after:
+                _check(cmd, env)
+        except ManagerError as e:
+            failure = e
+    if failure is not None:
+        raise ManagerError(
+            f"the service file is removed, but the service manager could not be told: {failure.message}.\n"
+            f"{_session_hint(platform)}. If the daemon is still running, stop it with `moestreamctl stop`."
+        )
+    if not no_unload:
+        click.echo("the service is stopped and unloaded")
+
+
+@service.command()
+@_openai_option
+@_dry_run_option
+@_platform_option
+@click.pass_context
+def status(ctx: click.Context, openai, dry_run, platform_name) -> None:
+    """Show whether the service is installed and what the service manager says of it.
+
+    Exits with the service manager's status: 0 when it knows the service (launchctl
+    print) or it is running (systemctl status).
+    """
+    env = dict(os.environ)
+    platform = _platform(platform_name)
+    svc = _service_of(openai)
+    path = sf.service_file_path(platform, _home(env), svc)
+    cmd = sf.status_command(platform, os.getuid(), svc)
+    click.echo(f"service file: {path} ({'installed' if path.exists() else 'not installed'})")
+    if dry_run:
+        click.echo(f"would run:\n  {_show(cmd)}")
+        return
+    try:
+        done = _run(cmd, env)
+    except ManagerError as e:
+        raise ManagerError(f"{e.message}. {_session_hint(platform)}") from None
+    click.echo(done.stdout, nl=False)
+    if done.stderr:
+        click.echo(done.stderr, nl=False, err=True)
+    ctx.exit(done.returncode)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP gateway: a separate process in front of the daemon."""

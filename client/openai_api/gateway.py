@@ -1,0 +1,453 @@
+"""The OpenAI-compatible HTTP gateway: a Starlette app that is one more thin client.
+
+    POST /v1/chat/completions   messages through the model's chat template (the daemon applies it)
+    POST /v1/completions        a text prompt (or one list of token ids)
+    GET  /v1/models             the daemon's model, and /v1/models/{id}
+    GET  /health                200 when the daemon answers as ready, else 503
+
+Every request talks to the daemon only through `moestream.client.Client`. A Client is
+not thread-safe, so each completion runs on a thread of its own (`DaemonRequest`) that
+owns its Client and hands the daemon's events to the event loop through a queue. When
+the HTTP client goes away, a disconnect watcher (until the answer starts) or the
+streaming response itself (once it has) sets the thread's stop flag; the thread sees it
+at the daemon's next event and sends `cancel`, which the daemon applies before its next
+step: at most one token is made after the disconnect.
+
+Errors are OpenAI's error object `{"error": {"message", "type", "param", "code"}}` with
+the HTTP status that says what went wrong (see `schema.ApiError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable
+
+import anyio.to_thread
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from moestream.client.client import Client, ClientError, DaemonNotRunning, RequestRejected, Token
+from moestream.client.openai_api.schema import ApiError, ApiRequest, Shaper, finish_reason, parse_request, usage
+from moestream.shared import protocol as proto
+from moestream.shared.protocol import Done
+from moestream.shared.runtime_dir import RuntimePaths
+from moestream.shared.settings import demo_store_path
+from moestream.shared.store_format import StoreError, load_manifest
+
+# The protocol's own message limit: a body this size holds any prompt the daemon takes.
+MAX_BODY_BYTES = proto.MAX_MESSAGE_BYTES
+MAX_CONCURRENT = 64
+MODEL_ALIAS = "moestream"
+DEMO_MODEL_ID = "moestream-demo"
+
+# Daemon error codes -> (HTTP status, OpenAI error type).
+_DAEMON_ERRORS: dict[str, tuple[int, str]] = {
+    proto.BAD_MESSAGE: (400, "invalid_request_error"),
+    proto.TOO_LARGE: (400, "invalid_request_error"),
+    proto.TOO_LONG: (400, "invalid_request_error"),
+    proto.DUPLICATE_ID: (400, "invalid_request_error"),
+    proto.BUSY: (429, "rate_limit_error"),
+    proto.SHUTTING_DOWN: (503, "server_error"),
+    proto.ENGINE: (500, "server_error"),
+    proto.INTERNAL: (500, "server_error"),
+}
+
+log = logging.getLogger("moestream.openai")
+_GONE = object()  # what `Gateway._unless_gone` returns when the HTTP client has left
+
+
+def _demo_store_id() -> str | None:
+    try:
+        return load_manifest(demo_store_path()).store_id
+    except StoreError as e:  # a package built without the demo: no store is named the demo
+        log.info("no built-in demo store: %s", e)
+        return None
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """What the gateway needs: where the daemon is, and the API key (None: no key)."""
+
+    paths: RuntimePaths
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_concurrent: int = MAX_CONCURRENT
+    # Seconds a daemon reply may take before the client pings it (see Client).
+    daemon_timeout: float = 10.0
+    # The built-in demo store's id: a daemon serving a store with it serves the demo.
+    demo_store_id: str | None = field(default_factory=_demo_store_id)
+
+
+def model_id(st: dict[str, Any], demo_store_id: str | None) -> str:
+    """The model's id in the API, from the daemon's status: the store folder's name, or
+    "moestream-demo" for the built-in demo model wherever its store lies (its id says so)."""
+    store = st.get("model")
+    if not store:
+        return MODEL_ALIAS
+    if demo_store_id is not None and st.get("store_id") == demo_store_id:
+        return DEMO_MODEL_ID
+    return Path(store).name
+
+
+def _daemon_error(e: RequestRejected) -> ApiError:
+    status, kind = _DAEMON_ERRORS.get(e.code, (500, "server_error"))
+    code = "context_length_exceeded" if e.code == proto.TOO_LONG else e.code
+    return ApiError(status, e.message, type=kind, code=code)
+
+
+def _unavailable(e: ClientError) -> ApiError:
+    if isinstance(e, DaemonNotRunning):
+        return ApiError(503, "no moestream daemon is running; start it with `moestreamctl start`", type="server_error", code="daemon_not_running")
+    return ApiError(503, f"the moestream daemon is not available: {e}", type="server_error", code="daemon_unavailable")
+
+
+def ready_status(client: Client) -> dict[str, Any]:
+    """The daemon's status; ApiError 503 unless it is ready to serve."""
+    st = client.status()
+    state = st.get("state")
+    if state != "ready":
+        why = f" ({st['error']})" if st.get("error") else ""
+        raise ApiError(503, f"the moestream daemon is {state}{why}; try again shortly", type="server_error", code=f"daemon_{state}")
+    return st
+
+
+def check_model(st: dict[str, Any], asked: str | None, demo_store_id: str | None) -> str:
+    """The served model's id; ApiError 404 when the client asked for another model."""
+    served = model_id(st, demo_store_id)
+    if asked is not None and asked not in (served, MODEL_ALIAS, st.get("model")):
+        raise ApiError(
+            404, f"The model {asked!r} does not exist: this server serves {served!r} (also reachable as {MODEL_ALIAS!r})",
+            param="model", code="model_not_found",
+        )
+    return served
+
+
+class DaemonRequest:
+    """One generate request on a thread of its own, which owns its Client.
+
+    The event loop reads `next()`: first the model id (a str), then `Token`s, then one
+    `Done`; or an `ApiError` at any point, which ends it. `cancel()` may be called from
+    the event loop at any time; the thread cancels the daemon's request at its next event.
+    """
+
+    def __init__(self, config: GatewayConfig, req: ApiRequest, request_id: str, slots: threading.BoundedSemaphore) -> None:
+        self._config = config
+        self._req = req
+        self._id = request_id
+        self._slots = slots
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"daemon-request-{request_id}", daemon=True)
+
+    def start(self) -> None:
+        """Start the thread; the caller has taken one of `slots`, which the thread returns."""
+        self._thread.start()
+
+    def cancel(self) -> None:
+        self._stop.set()
+
+    async def next(self) -> Any:
+        return await self._queue.get()
+
+    def _put(self, item: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop has closed: nobody reads this request any more
+            self._stop.set()
+
+    def _run(self) -> None:
+        try:
+            with Client(self._config.paths, timeout=self._config.daemon_timeout) as client:
+                self._put(check_model(ready_status(client), self._req.model, self._config.demo_store_id))
+                if self._stop.is_set():
+                    return
+                stream = client.generate(request_id=self._id, **self._req.generate)
+                for event in stream:
+                    if self._stop.is_set():
+                        if stream.done is None:
+                            stream.close()  # cancel, then read up to its `done`
+                            log.info("request %s: the HTTP client went away; cancelled in the daemon", self._id)
+                        return
+                    self._put(event)
+        except ApiError as e:
+            self._put(e)
+        except RequestRejected as e:
+            self._put(_daemon_error(e))
+        except ClientError as e:
+            self._put(_unavailable(e))
+        except Exception as e:  # the HTTP client gets a 500 with the reason; the gateway serves on
+            log.exception("request %s failed", self._id)
+            self._put(ApiError(500, f"the gateway failed: {type(e).__name__}: {e}", type="server_error"))
+        finally:
+            self._slots.release()
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that cancel their daemon request however the response ends
+    (finished, client disconnected, server shutting down)."""
+
+    def __init__(self, content: AsyncIterator[str], request: DaemonRequest) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._request = request
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._request.cancel()
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the HTTP client has gone (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class Gateway:
+    """The app's endpoints and their shared, immutable configuration."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self._slots = threading.BoundedSemaphore(config.max_concurrent)
+
+    # ---- checks --------------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(
+                401, "Incorrect or missing API key: send the header `Authorization: Bearer <key>` with this server's key",
+                code="invalid_api_key",
+            )
+
+    async def _read_json(self, request: Request) -> Any:
+        limit = self.config.max_body_bytes
+        too_large = ApiError(413, f"the request body is over this server's limit of {limit} bytes", code="request_too_large")
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise ApiError(400, f"Content-Length {declared!r} is not a number")
+            if int(declared) > limit:
+                raise too_large
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ApiError(499, "the client left while sending its request") from None
+        try:
+            return json.loads(b"".join(chunks))
+        except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep
+            raise ApiError(400, f"the request body is not valid JSON: {type(e).__name__}: {e}", code="invalid_json") from None
+
+    # ---- endpoints ---------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        """200 when the daemon answers as ready; 503 (with its state) otherwise. No key needed."""
+
+        def probe() -> tuple[int, dict[str, Any]]:
+            try:
+                with Client(self.config.paths, timeout=2.0) as client:
+                    st = client.status()
+            except DaemonNotRunning:
+                return 503, {"status": "unavailable", "daemon": "not running"}
+            except ClientError:
+                return 503, {"status": "unavailable", "daemon": "not answering"}
+            state = st.get("state")
+            if state != "ready":
+                return 503, {"status": "unavailable", "daemon": state}
+            if st.get("store_problem"):  # it serves on from open files, but needs a restart
+                return 503, {"status": "unavailable", "daemon": state, "reason": st["store_problem"]}
+            return 200, {"status": "ok", "daemon": state, "model": model_id(st, self.config.demo_store_id)}
+
+        status, body = await anyio.to_thread.run_sync(probe)
+        return JSONResponse(body, status_code=status)
+
+    async def _status(self) -> dict[str, Any]:
+        def call() -> dict[str, Any]:
+            try:
+                with Client(self.config.paths, timeout=self.config.daemon_timeout) as client:
+                    return ready_status(client)
+            except ClientError as e:
+                raise _unavailable(e) from None
+
+        return await anyio.to_thread.run_sync(call)
+
+    def _model_object(self, st: dict[str, Any]) -> dict[str, Any]:
+        created = int(time.time() - float(st.get("uptime_s") or 0.0))
+        return {"id": model_id(st, self.config.demo_store_id), "object": "model", "created": created,
+                "owned_by": "moestream"}
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        st = await self._status()
+        return JSONResponse({"object": "list", "data": [self._model_object(st)]})
+
+    async def model(self, request: Request) -> Response:
+        self._authorize(request)
+        st = await self._status()
+        check_model(st, request.path_params["model"], self.config.demo_store_id)
+        return JSONResponse(self._model_object(st))
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: Request, *, chat: bool) -> Response:
+        self._authorize(request)
+        req = parse_request(await self._read_json(request), chat=chat)
+        if not self._slots.acquire(blocking=False):
+            raise ApiError(429, f"the gateway already serves {self.config.max_concurrent} requests; try again shortly", type="rate_limit_error", code="busy")
+        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        daemon = DaemonRequest(self.config, req, request_id, self._slots)
+        daemon.start()
+        model = await self._unless_gone(request, daemon, daemon.next())
+        if model is _GONE:
+            return Response(status_code=499)  # nobody is there to read an answer
+        if isinstance(model, ApiError):
+            raise model
+        shaper = Shaper(chat=chat, id=request_id, model=model)
+        if not req.stream:
+            whole = await self._unless_gone(request, daemon, self._collect(daemon))
+            if whole is _GONE:
+                return Response(status_code=499)
+            text, done = whole
+            if done.finish_reason == "shutdown":
+                raise _shutdown_error()
+            return JSONResponse(shaper.complete(text, finish_reason(done.finish_reason), _usage(done)))
+        # The status line waits for the daemon's first event, so that a request the daemon
+        # refuses (no chat template, over the context, busy) gets its own HTTP status.
+        head = await self._unless_gone(request, daemon, daemon.next())
+        if head is _GONE:
+            return Response(status_code=499)
+        if isinstance(head, ApiError):
+            raise head
+        return _EventStream(self._events(daemon, shaper, req, head), daemon)
+
+    @staticmethod
+    async def _unless_gone(request: Request, daemon: DaemonRequest, work: Awaitable[Any]) -> Any:
+        """`work`'s result, or _GONE when the HTTP client leaves first; either way, a
+        request that will not be answered is cancelled in the daemon."""
+        task = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled: the server is shutting down
+            task.cancel()
+            daemon.cancel()
+            raise
+        finally:
+            gone.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        daemon.cancel()
+        return _GONE
+
+    @staticmethod
+    async def _collect(daemon: DaemonRequest) -> tuple[str, Done]:
+        while True:
+            event = await daemon.next()
+            if isinstance(event, ApiError):
+                raise event
+            if isinstance(event, Done):
+                return event.text, event
+
+    @staticmethod
+    async def _events(daemon: DaemonRequest, shaper: Shaper, req: ApiRequest, event: Any) -> AsyncIterator[str]:
+        """The SSE body from the daemon's first `event` on: a role chunk (chat), text
+        chunks, the finish chunk, usage, [DONE]."""
+        extra = req.include_usage
+        if shaper.chat:
+            yield _sse(shaper.chunk("", first=True, with_usage=extra))
+        sent: list[str] = []
+        while True:
+            if isinstance(event, ApiError):
+                yield _sse(event.body())  # as OpenAI reports an error after the stream began
+                return
+            if isinstance(event, Token):
+                if event.text:
+                    sent.append(event.text)
+                    yield _sse(shaper.chunk(event.text, with_usage=extra))
+            elif isinstance(event, Done):
+                break
+            event = await daemon.next()
+        if event.finish_reason == "shutdown":
+            yield _sse(_shutdown_error().body())
+            return
+        # Text held back for a possible stop string comes only with `done`.
+        streamed = "".join(sent)
+        rest = event.text[len(streamed):] if event.text.startswith(streamed) else ""
+        if rest:
+            yield _sse(shaper.chunk(rest, with_usage=extra))
+        yield _sse(shaper.chunk(None, finish_reason(event.finish_reason), with_usage=extra))
+        if extra:
+            yield _sse(shaper.usage_chunk(_usage(event)))
+        yield "data: [DONE]\n\n"
+
+
+def _shutdown_error() -> ApiError:
+    return ApiError(503, "the moestream daemon shut down during this request", type="server_error", code="daemon_shutdown")
+
+
+def _usage(done: Done) -> dict[str, int]:
+    return usage(int(done.stats.get("prompt_tokens", 0)), len(done.tokens))
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    body = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code).body()
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+    body = ApiError(500, f"the gateway failed: {type(exc).__name__}", type="server_error").body()
+    return JSONResponse(body, status_code=500)
+
+
+def create_app(config: GatewayConfig) -> Starlette:
+    """The ASGI app of the gateway for the daemon at `config.paths`."""
+    gw = Gateway(config)
+    routes = [
+        Route("/v1/chat/completions", gw.chat_completions, methods=["POST"]),
+        Route("/v1/completions", gw.completions, methods=["POST"]),
+        Route("/v1/models", gw.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", gw.model, methods=["GET"]),
+        Route("/health", gw.health, methods=["GET"]),
+    ]
+    handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
+    return Starlette(routes=routes, exception_handlers=handlers)

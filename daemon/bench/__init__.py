@@ -1,0 +1,1 @@
+"""Everything behind `moestreamctl bench`: drivers, their shared timing, policy replay, the soak."""

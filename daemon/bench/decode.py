@@ -1,0 +1,780 @@
+"""`moestreamctl bench decode`: decode speed of stock mlx-lm, moestream at each pool
+capacity (with and without the host-RAM tier), and the naive on-demand baseline,
+measured side by side in one run.
+
+Every configuration decodes the same prompt for the same number of tokens, greedily or
+sampled with the same seed (random-weight models decode greedily into loops of repeated
+tokens, which routes far more regularly than a real model; sampling at temperature 1
+does not). The configurations take turns, `rounds` times, so drift of the machine hits
+all alike; the medians are reported. The bound for a configuration is the speed it would
+reach if moving its bytes cost exactly what the measured bandwidths say, on top of fully
+resident compute:
+
+    1 / (1/tps_resident + disk_bytes_per_token / read_bandwidth
+                        + host_to_pool_bytes_per_token / link_bandwidth)
+
+where the link bandwidth is the pinned host->GPU copy rate (CUDA) or the host's memcpy
+rate (CPU, unified memory), both measured in the same run. A mapped pool's link bytes are
+its routed experts not in GPU memory (and its moves); with mapped prefetch (":p") the
+predicted experts that were not routed cross the link too and are not counted, which
+makes its bound higher than the bytes it really moved imply (the fraction lower).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import random
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+import numpy as np
+import psutil
+from mlx_lm.models.cache import make_prompt_cache
+
+from moestream._native import ReadEngine
+from moestream.daemon.pool.admission import Admitter, cuda_copier, make_admitter
+from moestream.daemon.pool.expert_reader import ExpertReader
+from moestream.daemon.model.generation import SamplingParams, generate
+from moestream.daemon.mapped.row_gather import RowGather
+from moestream.daemon.model.streaming_model import StreamingModel, choose_mapped, load_stock_model, load_streaming_model
+from moestream.shared.progress import timed_progress
+from moestream.shared.settings import Settings, format_size
+from moestream.shared.store_format import load_manifest
+
+
+@dataclass(frozen=True)
+class BenchDecodeSettings:
+    store: Path
+    capacities: tuple[float, ...] = (1.0, 0.5, 0.25)
+    prompt_tokens: int = 32
+    decode_tokens: int = 64
+    rounds: int = 3
+    policy: str = "lru"
+    io_threads: int = 4
+    stock: bool = True
+    naive: bool = True
+    # The slot pool at each capacity (off: only its "+host" and "+mapped" variants).
+    slot_pool: bool = True
+    seed: int = 0
+    mlx_memory_limit: int | None = None
+    # Bytes of the host-RAM tier; > 0 adds a "+host" configuration per partial capacity,
+    # made as the daemon would make it: where the tier holds every expert and the loader
+    # makes it a mapped pool (`choose_mapped`), "+host" is that mapped pool and
+    # "+host:slots" the slot pool with the tier beside it.
+    host_cache: int = 0
+    # "auto" makes "+host" as just said; "mapped" or "slots" makes it that way.
+    host_tier: str = "auto"
+    # 0 decodes greedily; > 0 samples at this temperature (same seed for every config).
+    temp: float = 0.0
+    # Adds a "+mapped" configuration per partial capacity (daemon/mapped/mapped_pool.py).
+    mapped: bool = False
+    # Prefetch in the partial slot pools: "on" or "off" (the daemon's "auto" measures
+    # both while it serves, which would mix the two into one configuration's figures).
+    # The mapped configurations follow mapped_prefetch instead.
+    prefetch: str = "on"
+    # Moves per layer per placement turn of the "+mapped" configurations, one
+    # configuration each (see Settings.mapped_moves).
+    mapped_moves: tuple[int, ...] = (0,)
+    # Tokens between rebalances of the "+mapped" configurations (Settings).
+    mapped_rebalance_tokens: int = 256
+    # The CUDA copier queues in batches (Settings.copy_batch).
+    copy_batch: bool = False
+    # The CUDA copier copies with its copy kernel (Settings.copy_kernel, on by default).
+    copy_kernel: bool = True
+    # A mapped pool's decode steps copy the routed experts into a stack first
+    # (Settings.mapped_gather): one configuration per value, ":g" marks those that do;
+    # None is the setting's auto.
+    mapped_gather: tuple[bool | None, ...] = (None,)
+    # Mapped pools that gather also stage the next layer's predicted experts
+    # (daemon/mapped/mapped_prefetch.py): one configuration per value, ":p" marks those that do.
+    mapped_prefetch: tuple[bool, ...] = (False,)
+    # Where those that stage copy (Settings.mapped_prefetch_stream): one configuration
+    # per value, ":ps" marks the layer's own stream.
+    mapped_prefetch_stream: tuple[str, ...] = ("second",)
+    # Blocks of the copy kernels that copy ahead of use (Settings.prefetch_copy_blocks).
+    prefetch_copy_blocks: int = 64
+    # Untimed runs of every configuration before the timed rounds; more than one lets a
+    # mapped pool's rebalance (every mapped_rebalance_tokens) happen before timing.
+    warmup_rounds: int = 1
+    # A configuration's round repeats its decode until this many seconds of decoding
+    # have passed (0: once). Fast configurations then time seconds instead of a few
+    # hundred milliseconds, which one hiccup of a shared machine skews; slow ones still
+    # decode once.
+    min_round_seconds: float = 0.0
+    # Also time each streaming configuration (but the naive reader) through the daemon's
+    # own generation loop (`generate`, in process, without the socket): mlx-lm's
+    # generate_step with the daemon's sampling, counters and placement ticks around it.
+    generation_loop: bool = False
+    # After the rounds, stock and each fully resident configuration also decode in this
+    # many blocks of four, A B B A (stock, it, it, stock). On the H200 decode is bound by
+    # the host, whose speed swings by up to 1.5x from one second to the next
+    # (tests/bench/results/full_residency_q30_h200.json); a drift within a block
+    # cancels, so the ratio per block measures the code, not the moment.
+    paired_blocks: int = 0
+
+
+@dataclass
+class Config:
+    name: str
+    capacity: float | None
+    run: Callable[[], dict[str, Any]]
+    close: Callable[[], None]
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    # The same configuration through the daemon's generation loop (generation_loop).
+    run_generate: Callable[[], dict[str, Any]] | None = None
+    generate_samples: list[dict[str, Any]] = field(default_factory=list)
+
+
+def timed_decode(
+    model,
+    prompt: list[int],
+    steps: int,
+    temp: float,
+    seed: int,
+    after_prefill: Callable[[], None] | None = None,
+    after_token: Callable[[], None] | None = None,
+    split: dict[str, float] | None = None,
+) -> tuple[float, list[int]]:
+    """Decode with mlx-lm's pipelining (step n+1 queued before n is read); returns the
+    seconds of the decode steps alone. `split`, where given, gets the host's seconds in
+    the model's call (building the graph, and any host sync a layer makes), in launching
+    the graph (`mx.async_eval`) and in waiting for the previous token: on a GPU, where the
+    wait is near zero, decode is bound by the host, not by the device. (MLX's CPU
+    backend computes within the launch, so there the split says little.)"""
+
+    def pick(logits: mx.array) -> mx.array:
+        return mx.argmax(logits, axis=-1) if temp == 0 else mx.random.categorical(logits * (1.0 / temp))
+
+    mx.random.seed(seed)
+    cache = make_prompt_cache(model)
+    y = pick(model(mx.array(prompt)[None], cache=cache)[:, -1, :])
+    mx.eval(y)
+    if after_prefill is not None:
+        after_prefill()
+    tokens = []
+    call = launch = wait = 0.0
+    tic = time.perf_counter()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        next_y = pick(model(y[None], cache=cache)[:, -1, :])
+        t1 = time.perf_counter()
+        mx.async_eval(next_y)
+        t2 = time.perf_counter()
+        tokens.append(int(y.item()))
+        t3 = time.perf_counter()
+        call, launch, wait = call + t1 - t0, launch + t2 - t1, wait + t3 - t2
+        if after_token is not None:
+            after_token()
+        y = next_y
+    mx.eval(y)
+    seconds = time.perf_counter() - tic
+    if split is not None:
+        split.update(call_s=call, launch_s=launch, wait_s=wait)
+    return seconds, tokens
+
+
+def host_split_per_token(split: dict[str, float], steps: int) -> dict[str, float]:
+    """A decode's `split` as milliseconds per token (the rows' host_*_ms_per_token)."""
+    return {
+        "host_call_ms_per_token": 1e3 * split["call_s"] / steps,
+        "host_launch_ms_per_token": 1e3 * split["launch_s"] / steps,
+        "host_wait_ms_per_token": 1e3 * split["wait_s"] / steps,
+    }
+
+
+def decode_counters(sm: StreamingModel) -> dict[str, float]:
+    """A streaming model's cumulative counters that decode figures are taken from (as
+    differences over a decode)."""
+    s = sm.pool_stats()
+    a = sm.admitter.stats()
+    pf = sm.prefetcher.stats() if sm.prefetcher is not None else None
+    return {
+        "hits_decode": s["hits_decode"],
+        "misses_decode": s["misses_decode"],
+        "host_syncs": s["host_syncs"],
+        "prestaged": s["prestaged"],
+        "prestaged_used": s["prestaged_used"],
+        # The prefetcher's own reads (into its buffer) and promotions into pools.
+        "prefetch_bytes_read": pf.get("bytes_read", 0) if pf else 0,
+        "prefetch_promoted": pf.get("promoted", 0) if pf else 0,
+        # A mapped pool's prefetch: experts copied ahead into the next layer's stack.
+        "prefetch_staged": pf.get("staged", 0) if pf else 0,
+        "bytes_from_disk": a.get("bytes_from_disk", 0),
+        "bytes_to_pool": a.get("bytes_to_pool", 0),
+        "prestage_bytes": a.get("prestage_bytes", 0),
+        "copy_seconds": a.get("copy_seconds", 0.0),
+        "tier_hits": a.get("tier_hits", 0),
+        "tier_misses": a.get("tier_misses", 0),
+        "placed_routed": s.get("mapped_pool", {}).get("routed", 0),
+        "placed_on_gpu": s.get("mapped_pool", {}).get("routed_on_gpu", 0),
+        "placement_moves": s.get("mapped_pool", {}).get("moves", 0),
+        # Host time of the decode thread (read-back, counts), and of the placement's
+        # worker thread (policies, driver calls), which runs beside it.
+        "placement_seconds": s.get("mapped_pool", {}).get("readback_seconds", 0.0),
+        "placement_worker_seconds": s.get("mapped_pool", {}).get("decide_seconds", 0.0) + s.get("mapped_pool", {}).get("place_seconds", 0.0),
+    }
+
+
+def _streaming_config(
+    name: str,
+    capacity: float | None,
+    settings: BenchDecodeSettings,
+    prompt: list[int],
+    naive: bool = False,
+    admitter: Admitter | None = None,
+    mapped: bool = False,
+    mapped_moves: int = 0,
+    mapped_gather: bool = False,
+    prefetch: str | None = None,
+    host_cache: int = 0,
+    mapped_prefetch_stream: str = "second",
+) -> Config:
+    sm = load_streaming_model(
+        settings.store,
+        Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads,
+                 prefetch=prefetch or settings.prefetch, host_cache=host_cache,
+                 mapped_moves=mapped_moves, mapped_rebalance_tokens=settings.mapped_rebalance_tokens,
+                 copy_batch=settings.copy_batch, copy_kernel=settings.copy_kernel, mapped_gather=mapped_gather,
+                 mapped_prefetch_stream=mapped_prefetch_stream, prefetch_copy_blocks=settings.prefetch_copy_blocks),
+        naive=naive,
+        admitter=admitter,
+        mapped=mapped,
+    )
+    tick = sm.mapped_pool.tick if sm.mapped_pool is not None else None
+    expert_bytes = sm.manifest.layers[0].expert_bytes
+    # Where the configuration keeps experts in host memory besides the store's files.
+    host_tier = "mapped" if sm.mapped_pool is not None else "slots" if admitter is not None or host_cache else None
+
+    def run() -> dict[str, Any]:
+        before: dict[str, float] = {}
+        split: dict[str, float] = {}
+        seconds, tokens = timed_decode(
+            sm.model, prompt, settings.decode_tokens, settings.temp, settings.seed, lambda: before.update(decode_counters(sm)), tick,
+            split,
+        )
+        if sm.mapped_pool is not None:
+            sm.mapped_pool.drain()  # moves still running would slow the next configuration
+        after = decode_counters(sm)
+        d = {k: after[k] - before[k] for k in before}
+        n = settings.decode_tokens
+        hits, misses = d["hits_decode"], d["misses_decode"]
+        tier = d["tier_hits"] + d["tier_misses"]
+        # Prefetched experts cross the link too: copied ahead from the tier while the
+        # GPU computes, or promoted from the prefetcher's buffer (read from disk).
+        link_bytes = d["bytes_to_pool"] + d["prestage_bytes"] + d["prefetch_promoted"] * expert_bytes
+        disk_bytes = d["bytes_from_disk"] + d["prefetch_bytes_read"]
+        if sm.mapped_pool is not None:
+            # Routed experts that were in GPU memory; the kernels read the rest over the
+            # link, and each move to GPU memory copies one expert over it too.
+            hits, misses = d["placed_on_gpu"], d["placed_routed"] - d["placed_on_gpu"]
+            link_bytes = (misses + d["placement_moves"]) * expert_bytes
+        return {
+            "tokens_per_s": n / seconds,
+            "tokens": tokens,
+            "host_tier": host_tier,
+            "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
+            "tier_hit_rate": d["tier_hits"] / tier if tier else None,
+            "disk_bytes_per_token": disk_bytes / n,
+            "prefetch_promoted_per_token": d["prefetch_promoted"] / n,
+            "prefetch_staged_per_token": d["prefetch_staged"] / n,
+            "host_to_pool_bytes_per_token": link_bytes / n,
+            "admission_bytes_per_s": d["bytes_to_pool"] / d["copy_seconds"] if d["copy_seconds"] > 0 else None,
+            "host_syncs_per_token": d["host_syncs"] / n + 1,
+            # Experts copied ahead into the next layer's slots (prefetch from the host
+            # tier), and those of them routed: counted among the hits.
+            "prestaged_per_token": d["prestaged"] / n,
+            "prestaged_used_per_token": d["prestaged_used"] / n,
+            "placement_moves_per_token": d["placement_moves"] / n if sm.mapped_pool is not None else None,
+            "placement_ms_per_token": 1e3 * d["placement_seconds"] / n if sm.mapped_pool is not None else None,
+            "placement_worker_ms_per_token": 1e3 * d["placement_worker_seconds"] / n if sm.mapped_pool is not None else None,
+            **host_split_per_token(split, n),
+        }
+
+    def run_generate() -> dict[str, Any]:
+        # One more token than the bench loop decodes: the first comes with the prompt.
+        result = generate(sm, prompt, SamplingParams(max_tokens=settings.decode_tokens + 1, temp=settings.temp, seed=settings.seed))
+        if result.stats["tokens_per_s"] is None:
+            raise RuntimeError(f"{name}: the generation loop stopped after {len(result.tokens)} token(s) ({result.finish_reason})")
+        return {"tokens_per_s": result.stats["tokens_per_s"], "tokens": result.tokens[: settings.decode_tokens]}
+
+    return Config(name, capacity, run, sm.close, run_generate=run_generate if settings.generation_loop and not naive else None)
+
+
+def _stock_config(settings: BenchDecodeSettings, prompt: list[int]) -> Config:
+    model = load_stock_model(settings.store)
+
+    def run() -> dict[str, Any]:
+        split: dict[str, float] = {}
+        seconds, tokens = timed_decode(model, prompt, settings.decode_tokens, settings.temp, settings.seed, split=split)
+        return {
+            "tokens_per_s": settings.decode_tokens / seconds,
+            "tokens": tokens,
+            "host_tier": None,
+            "hit_rate": 1.0,
+            "tier_hit_rate": None,
+            "disk_bytes_per_token": 0.0,
+            "host_to_pool_bytes_per_token": 0.0,
+            "admission_bytes_per_s": None,
+            "host_syncs_per_token": 1.0,
+            "prestaged_per_token": None,
+            "prestaged_used_per_token": None,
+            "prefetch_promoted_per_token": None,
+            "prefetch_staged_per_token": None,
+            "placement_moves_per_token": None,
+            "placement_ms_per_token": None,
+            "placement_worker_ms_per_token": None,
+            **host_split_per_token(split, settings.decode_tokens),
+        }
+
+    return Config("stock-mlx-lm", None, run, lambda: None)
+
+
+def timed_round(run: Callable[[], dict[str, Any]], tokens: int, min_seconds: float) -> dict[str, Any]:
+    """One timed round of a configuration: `run` (one decode of `tokens` tokens),
+    repeated until `min_seconds` of decoding have passed. Tokens/s is all tokens over all
+    decoding seconds; the per-token figures are the decodes' mean (each decodes the same
+    number of tokens); `tokens` are the first decode's, or None where a repeat decoded
+    others (same prompt and seed, so they must not differ)."""
+    runs = [run()]
+    seconds = tokens / runs[0]["tokens_per_s"]
+    while seconds < min_seconds:
+        runs.append(run())
+        seconds += tokens / runs[-1]["tokens_per_s"]
+    if len(runs) == 1:
+        return {**runs[0], "repeats": 1}
+    out: dict[str, Any] = {}
+    for key, value in runs[0].items():
+        values = [r[key] for r in runs]
+        if key == "tokens":
+            out[key] = value if all(v == value for v in values) else None
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and all(v is not None for v in values):
+            out[key] = statistics.fmean(values)
+        else:
+            out[key] = value
+    out["tokens_per_s"] = len(runs) * tokens / seconds
+    out["repeats"] = len(runs)
+    return out
+
+
+def paired_blocks(stock: Callable[[], dict[str, Any]], ours: Callable[[], dict[str, Any]], blocks: int,
+                  on_block: Callable[[list[dict[str, float]], list[float]], None] | None = None) -> dict[str, Any]:
+    """`blocks` blocks of four decodes, stock / ours / ours / stock, and the ratio of ours
+    to stock per block (each side's two decodes' tokens over their seconds). A drift of
+    the machine's speed that is linear within a block hits both sides alike. The summary:
+    median and quartiles of the ratios, and the geometric mean with its 95% interval
+    (normal approximation of the mean log ratio). `on_block` gets the blocks so far and
+    their ratios after each block (so that a run cut short can keep them)."""
+    if blocks < 2:
+        raise ValueError("paired blocks: at least 2, for an interval")
+    ratios, rows = [], []
+    for _ in range(blocks):
+        a1, b1, b2, a2 = stock(), ours(), ours(), stock()
+        a = 2 / (1 / a1["tokens_per_s"] + 1 / a2["tokens_per_s"])
+        b = 2 / (1 / b1["tokens_per_s"] + 1 / b2["tokens_per_s"])
+        rows.append({"stock_tokens_per_s": a, "tokens_per_s": b})
+        ratios.append(b / a)
+        if on_block is not None:
+            on_block(rows, ratios)
+    logs = [math.log(r) for r in ratios]
+    mean, half = statistics.fmean(logs), 1.96 * statistics.stdev(logs) / math.sqrt(len(logs))
+    q = statistics.quantiles(ratios, n=4)
+    return {
+        "blocks": rows,
+        "ratios": ratios,
+        "median": statistics.median(ratios),
+        "quartiles": [q[0], q[2]],
+        "geometric_mean": math.exp(mean),
+        "interval_95": [math.exp(mean - half), math.exp(mean + half)],
+    }
+
+
+def measure_read_bandwidth(store: Path, threads: int, samples: int = 128, seed: int = 0) -> float:
+    """Bytes/s of random whole-expert reads through the engine (direct I/O)."""
+    manifest = load_manifest(store)
+    rng = random.Random(seed)
+    with ReadEngine(threads=threads, direct=True) as engine:
+        fids = {layer.file: engine.open(str(store / layer.file)) for layer in manifest.layers}
+        batch = []
+        for _ in range(samples):
+            layer = rng.choice(manifest.layers)
+            e = layer.experts[rng.randrange(layer.num_experts)]
+            batch.append((fids[layer.file], e.offset, e.length, [], None))
+        tic = time.perf_counter()
+        ids = engine.submit_batch(batch)
+        done = engine.wait(ids)
+        seconds = time.perf_counter() - tic
+    bad = [c.error for c in done if not c.ok]
+    if bad:
+        raise OSError(f"reading the store failed: {bad[0]}")
+    return sum(c.nbytes for c in done) / seconds
+
+
+def page_cache_reason(store: Path) -> str | None:
+    """Why the store's reads go through the page cache (the read engine's fallback where
+    the filesystem refuses direct I/O), or None where they bypass it. Through the page
+    cache a read costs what its cached pages cost, which the measured read bandwidth, a
+    mix of cache and disk, does not give."""
+    manifest = load_manifest(store)
+    with ReadEngine(threads=1, direct=True) as engine:
+        for file in sorted({layer.file for layer in manifest.layers}):
+            info = engine.file_info(engine.open(str(store / file)))
+            if not info["direct"]:
+                return info["fallback_reason"] or "buffered reads"
+    return None
+
+
+def measure_link_bandwidth() -> tuple[float, str, dict[str, Any]]:
+    """Bytes/s of host -> pool copies at their best: pinned DMA on CUDA, else memcpy."""
+    copier, _ = cuda_copier()
+    if copier is not None:
+        probe = copier.probe(1 << 30, 5)
+        return probe["pinned_bytes_per_s"], "pinned host->GPU (cudaMemcpyAsync)", dict(probe)
+    src = np.ones(256 << 20, np.uint8)
+    dst = np.empty_like(src)
+    rates = []
+    for _ in range(5):
+        tic = time.perf_counter()
+        np.copyto(dst, src)
+        rates.append(src.nbytes / (time.perf_counter() - tic))
+    return statistics.median(rates), "host memcpy", {}
+
+
+def measure_admission(admitter: Admitter, manifest, experts: int = 64) -> dict[str, Any]:
+    """Bytes/s of admitting `experts` experts of the first layer from the host tier into
+    pool rows in one batch (a first fill loads the tier; the second is timed)."""
+    layer = manifest.layers[0]
+    n = min(experts, layer.num_experts)
+    rows = {t.name: mx.zeros((n, *t.shape), dtype=getattr(mx, t.dtype)) for t in layer.tensors}
+    mx.eval(list(rows.values()))
+    admitter.prepare(rows)
+    placements = [(e, e) for e in range(n)]
+    admitter.fill(layer, placements, rows)
+    before = admitter.stats()
+    admitter.fill(layer, placements, rows)
+    after = admitter.stats()
+    moved = after["bytes_to_pool"] - before["bytes_to_pool"]
+    seconds = after["copy_seconds"] - before["copy_seconds"]
+    return {"experts": n, "bytes": moved, "seconds": seconds, "bytes_per_s": moved / seconds if seconds else None}
+
+
+def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run every configuration; `progress` gets one line per model loaded and per run
+    (so that a run cut short still shows what it measured)."""
+    say = timed_progress(progress)
+    if settings.mlx_memory_limit:
+        mx.set_memory_limit(settings.mlx_memory_limit)
+    manifest = load_manifest(settings.store)
+    vocab = manifest.config.get("text_config", manifest.config)["vocab_size"]
+    rng = random.Random(settings.seed)
+    prompt = [rng.randrange(vocab) for _ in range(settings.prompt_tokens)]
+
+    # The mapped configurations' gather settings, auto resolved as the loader would.
+    gathers = [RowGather.kernel_available() if g is None else g for g in settings.mapped_gather]
+    configs: list[Config] = []
+    shared_reader: ExpertReader | None = None
+    try:
+        if settings.stock:
+            configs.append(_stock_config(settings, prompt))
+        tier, tier_mapped, tier_note = None, False, None
+        if settings.host_cache:
+            # One host tier for every slot pool's "+host" configuration: they run in
+            # turn, and a machine would hold one such tier, not one per pool size.
+            shared_reader = ExpertReader(settings.store, manifest, threads=settings.io_threads)
+            tier, _ = make_admitter(shared_reader, manifest, settings.host_cache, settings.copy_batch,
+                                    copy_kernel=settings.copy_kernel, ahead_blocks=settings.prefetch_copy_blocks)
+            # What the loader makes of such a tier at a partial capacity (capacity 0
+            # stands for any partial one): the mapped pool where it holds every expert
+            # on an NVIDIA GPU, else the slot pool with the tier.
+            if settings.host_tier == "auto":
+                tier_mapped, tier_note = choose_mapped(manifest, 0, Settings(host_cache=settings.host_cache),
+                                                       psutil.virtual_memory().available, cuda_copier()[1])
+            else:
+                tier_mapped, tier_note = settings.host_tier == "mapped", f"{settings.host_tier}: --host-tier"
+            say(f"host tier of {format_size(settings.host_cache)}: mapped pool {tier_note}")
+        for c in settings.capacities:
+            if settings.slot_pool:
+                configs.append(_streaming_config(f"moestream@{c:g}", c, settings, prompt))
+            if tier is not None and c < 1:
+                if tier_mapped:
+                    configs.append(_streaming_config(f"moestream@{c:g}+host", c, settings, prompt, mapped=True,
+                                                     mapped_moves=settings.mapped_moves[0], mapped_gather=gathers[0],
+                                                     prefetch="off", host_cache=settings.host_cache))
+                configs.append(_streaming_config(f"moestream@{c:g}+host{':slots' if tier_mapped else ''}", c, settings,
+                                                 prompt, admitter=tier))
+            if settings.mapped and c < 1:
+                for m in settings.mapped_moves:
+                    for g in gathers:
+                        for pf, stream in [(p, s) for p in (settings.mapped_prefetch if g else (False,))
+                                           for s in (settings.mapped_prefetch_stream if p else ("second",))]:
+                            suffix = (("" if len(settings.mapped_moves) == 1 else f":m{m}") + (":g" if g else "")
+                                      + ((":ps" if stream == "same" else ":p") if pf else ""))
+                            configs.append(_streaming_config(f"moestream@{c:g}+mapped{suffix}", c, settings, prompt, mapped=True,
+                                                             mapped_moves=m, mapped_gather=g, prefetch="on" if pf else "off",
+                                                             mapped_prefetch_stream=stream))
+        if settings.naive:
+            configs.append(_streaming_config("naive-on-demand", None, settings, prompt, naive=True))
+        say(f"loaded {len(configs)} configurations: {', '.join(c.name for c in configs)}")
+        for w in range(settings.warmup_rounds):  # kernels, page tables, first reads, the host tier
+            for c in configs:
+                c.run()
+                if c.run_generate is not None:
+                    c.run_generate()
+                say(f"warm-up {w + 1}/{settings.warmup_rounds} {c.name}")
+        for r in range(settings.rounds):
+            for c in configs:
+                gc.collect()
+                c.samples.append(timed_round(c.run, settings.decode_tokens, settings.min_round_seconds))
+                sample = c.samples[-1]
+                repeats = f" ({sample['repeats']} decodes)" if sample["repeats"] > 1 else ""
+                say(f"round {r + 1}/{settings.rounds} {c.name}: {sample['tokens_per_s']:.2f} tok/s{repeats}, hit {sample['hit_rate']:.3f}")
+                if c.run_generate is not None:
+                    gc.collect()
+                    c.generate_samples.append(timed_round(c.run_generate, settings.decode_tokens, settings.min_round_seconds))
+                    say(f"round {r + 1}/{settings.rounds} {c.name} through generate: {c.generate_samples[-1]['tokens_per_s']:.2f} tok/s")
+        paired: dict[str, dict[str, Any]] = {}
+        if settings.paired_blocks and settings.stock:
+            for c in configs:
+                if c.capacity == 1.0:
+                    gc.collect()
+                    paired[c.name] = paired_blocks(configs[0].run, c.run, settings.paired_blocks)
+                    say(f"{c.name} against stock in {settings.paired_blocks} A B B A blocks: median "
+                        f"{paired[c.name]['median']:.3f}, 95% interval {paired[c.name]['interval_95'][0]:.3f}"
+                        f"-{paired[c.name]['interval_95'][1]:.3f}")
+        admission = measure_admission(tier, manifest) if tier is not None else None
+    finally:
+        for c in configs:
+            c.close()
+        if shared_reader is not None:
+            shared_reader.close()
+    say("measuring the store's read bandwidth and the host->pool link")
+    bandwidth = measure_read_bandwidth(settings.store, settings.io_threads, seed=settings.seed)
+    page_cache = page_cache_reason(settings.store)
+    link, link_kind, link_probe = measure_link_bandwidth()
+    say(f"read {format_size(bandwidth)}/s{' through the page cache' if page_cache else ''}, "
+        f"{link_kind} {format_size(link)}/s")
+
+    rows = []
+    reference_tokens = configs[0].samples[0]["tokens"] if configs else None
+    for c in configs:
+        row: dict[str, Any] = {"name": c.name, "capacity": c.capacity, "host_tier": c.samples[0]["host_tier"]}
+        for key in (
+            "tokens_per_s",
+            "hit_rate",
+            "tier_hit_rate",
+            "disk_bytes_per_token",
+            "host_to_pool_bytes_per_token",
+            "admission_bytes_per_s",
+            "host_syncs_per_token",
+            "prestaged_per_token",
+            "prestaged_used_per_token",
+            "prefetch_promoted_per_token",
+            "prefetch_staged_per_token",
+            "placement_moves_per_token",
+            "placement_ms_per_token",
+            "placement_worker_ms_per_token",
+            "host_call_ms_per_token",
+            "host_launch_ms_per_token",
+            "host_wait_ms_per_token",
+        ):
+            values = [s[key] for s in c.samples if s[key] is not None]
+            row[key] = statistics.median(values) if values else None
+        row["tokens_per_s_runs"] = [s["tokens_per_s"] for s in c.samples]
+        row["decodes_per_round"] = [s["repeats"] for s in c.samples]
+        if c.generate_samples:
+            gen = [s["tokens_per_s"] for s in c.generate_samples]
+            row["generate_tokens_per_s"] = statistics.median(gen)
+            row["generate_tokens_per_s_runs"] = gen
+            # Round by round against the bench loop, which ran just before it.
+            row["generate_vs_bench_paired"] = statistics.median(g / b for g, b in zip(gen, row["tokens_per_s_runs"]))
+            # Greedy, both loops must decode the same tokens; sampled, the daemon draws
+            # from each request's own key (generation.request_sampler), so they differ.
+            row["generate_same_tokens"] = (all(s["tokens"] == c.samples[0]["tokens"] for s in c.generate_samples)
+                                           if settings.temp == 0 else None)
+        row["same_tokens_as_first"] = all(s["tokens"] == reference_tokens for s in c.samples)
+        if c.name in paired:
+            row["paired_blocks"] = paired[c.name]
+        if row["admission_bytes_per_s"] is not None:
+            row["admission_vs_link"] = row["admission_bytes_per_s"] / link
+        rows.append(row)
+    resident = next((r for r in rows if r["name"] == "stock-mlx-lm"), None) or next(
+        (r for r in rows if r["capacity"] == 1.0), None
+    )
+    naive = next((r for r in rows if r["name"] == "naive-on-demand"), None)
+    for row in rows:
+        if resident is not None:
+            add_bound(row, resident, bandwidth, link, page_cache)
+        if naive is not None:
+            row["vs_naive"] = row["tokens_per_s"] / naive["tokens_per_s"]
+    return {
+        "store": str(settings.store),
+        "model_type": manifest.model_type,
+        "experts_per_layer": manifest.layers[0].num_experts,
+        "moe_layers": len(manifest.layers),
+        "expert_bytes": manifest.layers[0].expert_bytes,
+        "policy": settings.policy,
+        "prompt_tokens": settings.prompt_tokens,
+        "decode_tokens": settings.decode_tokens,
+        "temp": settings.temp,
+        "rounds": settings.rounds,
+        "warmup_rounds": settings.warmup_rounds,
+        "min_round_seconds": settings.min_round_seconds,
+        "generation_loop": settings.generation_loop,
+        "paired_blocks": settings.paired_blocks,
+        "host_cache_bytes": settings.host_cache,
+        "host_tier_mapped": tier_note,
+        "mapped": settings.mapped,
+        "prefetch": settings.prefetch,
+        "copy_batch": settings.copy_batch,
+        "copy_kernel": settings.copy_kernel,
+        "prefetch_copy_blocks": settings.prefetch_copy_blocks,
+        "mapped_moves": list(settings.mapped_moves) if settings.mapped else None,
+        "mapped_rebalance_tokens": settings.mapped_rebalance_tokens if settings.mapped else None,
+        "mapped_gather": gathers if settings.mapped else None,
+        "mapped_prefetch": list(settings.mapped_prefetch) if settings.mapped else None,
+        "mapped_prefetch_stream": list(settings.mapped_prefetch_stream) if settings.mapped else None,
+        "read_bandwidth_bytes_per_s": bandwidth,
+        # Why the store was read through the page cache (None: direct I/O).
+        "read_page_cache": page_cache,
+        "link_bandwidth_bytes_per_s": link,
+        "link_kind": link_kind,
+        "link_probe": link_probe,
+        "admission_probe": admission,
+        "admission_probe_vs_link": admission["bytes_per_s"] / link if admission and admission["bytes_per_s"] else None,
+        "device": str(mx.default_device()),
+        "results": rows,
+    }
+
+
+# Below this share of a token's time spent moving its bytes at the measured bandwidths,
+# the bound is the resident speed within the noise of measuring it: a ratio to it says
+# no more than "x stock" does, and lands above 1 as often as below.
+BOUND_MIN_MOVE_SHARE = 0.05
+
+
+def bound_why_not(move_share: float, disk_bytes_per_token: float, page_cache: str | None) -> str | None:
+    """Why a configuration's bound does not apply, or None where it does:
+    "no_bytes" (it moves none: the bound is the resident speed itself), "page_cache" (its
+    reads come through the page cache, whose speed the read bandwidth does not give) or
+    "few_bytes" (moving them takes under BOUND_MIN_MOVE_SHARE of a token)."""
+    if move_share == 0:
+        return "no_bytes"
+    if page_cache is not None and disk_bytes_per_token > 0:
+        return "page_cache"
+    if move_share < BOUND_MIN_MOVE_SHARE:
+        return "few_bytes"
+    return None
+
+
+def add_bound(row: dict[str, Any], resident: dict[str, Any], read_bandwidth: float, link_bandwidth: float,
+              page_cache: str | None = None) -> None:
+    """Add to a result row its ratio to the resident configuration and its bound (see
+    the module docstring), three ways, since resident decode on a shared machine swings
+    between rounds (stock 44 to 93 tok/s in one H200 run):
+    - `fraction_of_bound`: against the bound of the resident median;
+    - `fraction_of_bound_paired`: round by round (the configurations run in turn, so
+      each round's resident speed is the machine's state then), the median ratio;
+    - `fraction_of_best_bound`: against the bound of the fastest resident round, the
+      strictest;
+    and whether the bound applies (`bound_applies`; `bound_why_not` says why not, see
+    `bound_why_not`), from `bound_move_share`, the share of a token that moving its
+    bytes takes on top of resident compute. `page_cache` is why the store was read
+    through the page cache (None: direct I/O)."""
+
+    def bound(resident_tps: float) -> float:
+        return 1.0 / (1.0 / resident_tps + row["disk_bytes_per_token"] / read_bandwidth
+                      + row["host_to_pool_bytes_per_token"] / link_bandwidth)
+
+    runs, resident_runs = row["tokens_per_s_runs"], resident["tokens_per_s_runs"]
+    row["vs_resident"] = row["tokens_per_s"] / resident["tokens_per_s"]
+    # The same ratio taken round by round, steadier than the ratio of medians.
+    row["vs_resident_paired"] = statistics.median(a / b for a, b in zip(runs, resident_runs))
+    row["bound_tokens_per_s"] = bound(resident["tokens_per_s"])
+    row["fraction_of_bound"] = row["tokens_per_s"] / row["bound_tokens_per_s"]
+    row["fraction_of_bound_paired"] = statistics.median(a / bound(b) for a, b in zip(runs, resident_runs))
+    row["best_bound_tokens_per_s"] = bound(max(resident_runs))
+    row["fraction_of_best_bound"] = row["tokens_per_s"] / row["best_bound_tokens_per_s"]
+    move = row["disk_bytes_per_token"] / read_bandwidth + row["host_to_pool_bytes_per_token"] / link_bandwidth
+    row["bound_move_share"] = move / (move + 1.0 / resident["tokens_per_s"])
+    row["bound_why_not"] = bound_why_not(row["bound_move_share"], row["disk_bytes_per_token"], page_cache)
+    row["bound_applies"] = row["bound_why_not"] is None
+
+
+def format_or_dash(value: Any, fmt: str) -> str:
+    """A report cell: `value` formatted, or "-" where there is none, padded to the width
+    `fmt` gives (so that a column with gaps stays aligned); right-aligned, as numbers
+    are, unless `fmt` aligns otherwise."""
+    if value is not None:
+        return format(value, fmt)
+    spec = re.match(r"(?:.?([<>=^]))?[-+ ]?z?#?0?(\d*)", fmt)
+    align = spec.group(1) if spec.group(1) in ("<", "^") else ">"
+    return format("-", f"{align}{spec.group(2)}")
+
+
+def _bound_note(why: str, report: dict[str, Any]) -> str:
+    """The footnote of a table's rows whose bound does not apply, for one reason."""
+    if why == "no_bytes":
+        return "no bytes moved per token, so the bound is the resident speed itself (x stock compares them)"
+    if why == "page_cache":
+        return (f"the store was read through the page cache ({report.get('read_page_cache')}), whose speed the "
+                f"measured read bandwidth does not give")
+    return (f"moving their bytes takes under {BOUND_MIN_MOVE_SHARE:.0%} of a token at the measured bandwidths, so "
+            f"the bound is the resident speed within its noise (x stock compares them)")
+
+
+def format_report(report: dict[str, Any]) -> str:
+    num = format_or_dash
+    lines = [
+        f"{report['model_type']}: {report['moe_layers']} MoE layers x {report['experts_per_layer']} experts, "
+        f"{report['decode_tokens']} decode tokens (temp {report['temp']}), median of {report['rounds']}"
+        + (f" rounds of at least {report['min_round_seconds']:g} s" if report.get("min_round_seconds") else "") + "; "
+        f"disk {format_size(report['read_bandwidth_bytes_per_s'])}/s"
+        f"{' (through the page cache)' if report.get('read_page_cache') else ''}, "
+        f"{report['link_kind']} {format_size(report['link_bandwidth_bytes_per_s'])}/s",
+        f"{'config':<26} {'tok/s':>8} {'x stock':>8} {'hit':>6} {'tier hit':>8} {'disk MB/t':>9} "
+        f"{'h2d MB/t':>9} {'adm GB/s':>8} {'syncs/t':>7} {'bound':>7} {'of bound':>8} {'paired':>6} {'of best':>7} {'x naive':>7}",
+    ]
+    # The rows whose bound does not apply, by reason (reports before bound_why_not have none).
+    not_applied: dict[str, list[str]] = {}
+    for r in report["results"]:
+        if r.get("bound_why_not"):
+            not_applied.setdefault(r["bound_why_not"], []).append(r["name"])
+    marks = {why: f"n/a {i + 1}" for i, why in enumerate(not_applied)}
+    for r in report["results"]:
+        adm = r["admission_bytes_per_s"] / 1e9 if r["admission_bytes_per_s"] else None
+        if r.get("bound_why_not"):
+            bound = f"{marks[r['bound_why_not']]:>7} {'-':>8} {'-':>6} {'-':>7}"
+        else:
+            bound = (f"{num(r.get('bound_tokens_per_s'), '7.1f')} {num(r.get('fraction_of_bound'), '8.2f')} "
+                     f"{num(r.get('fraction_of_bound_paired'), '6.2f')} {num(r.get('fraction_of_best_bound'), '7.2f')}")
+        lines.append(
+            f"{r['name']:<26} {r['tokens_per_s']:>8.1f} {num(r.get('vs_resident'), '8.3f')} {r['hit_rate']:>6.3f} "
+            f"{num(r['tier_hit_rate'], '8.3f')} {r['disk_bytes_per_token'] / 1e6:>9.2f} "
+            f"{r['host_to_pool_bytes_per_token'] / 1e6:>9.2f} {num(adm, '8.1f')} {r['host_syncs_per_token']:>7.1f} "
+            f"{bound} {num(r.get('vs_naive'), '7.1f')}"
+        )
+    for why, names in not_applied.items():
+        lines.append(f"{marks[why]}: {', '.join(names)}: {_bound_note(why, report)}")
+    lines.append("host ms per token: model call / launch / wait for the token (on a GPU, a wait near 0 means bound by the host)")
+    for r in report["results"]:
+        if r.get("host_call_ms_per_token") is not None:
+            lines.append(f"{r['name']:<26} {r['host_call_ms_per_token']:>8.2f} {r['host_launch_ms_per_token']:>8.2f} "
+                         f"{r['host_wait_ms_per_token']:>8.2f}")
+    for r in report["results"]:
+        pb = r.get("paired_blocks")
+        if pb is not None:
+            lines.append(f"{r['name']} against stock in {len(pb['ratios'])} A B B A blocks: median {pb['median']:.3f} "
+                         f"(quartiles {pb['quartiles'][0]:.3f}-{pb['quartiles'][1]:.3f}), geometric mean "
+                         f"{pb['geometric_mean']:.3f} (95% interval {pb['interval_95'][0]:.3f}-{pb['interval_95'][1]:.3f})")
+    looped = [r for r in report["results"] if r.get("generate_tokens_per_s") is not None]
+    if looped:
+        lines.append("through the daemon's generation loop (in process):")
+        for r in looped:
+            lines.append(f"{r['name']:<26} {r['generate_tokens_per_s']:>8.1f} tok/s, {r['generate_vs_bench_paired']:.2f}x the bench loop (paired)"
+                         + (", other tokens than the bench loop" if r["generate_same_tokens"] is False else ""))
+    return "\n".join(lines)

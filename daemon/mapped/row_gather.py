@@ -1,0 +1,156 @@
+"""Copy the routed experts of a mapped pool into a compact stack before the matmul.
+
+A mapped pool (daemon/mapped/mapped_pool.py) keeps most experts in host memory, where the expert
+kernels read them over the link as they compute. Those kernels keep too few reads in
+flight to fill the link: on the H200, decode with every row in host memory moved about
+32 GB/s against 55 GB/s for pinned DMA (tests/bench/results/residency_q30_h200.json).
+A copy kernel that does nothing but wide loads from every block keeps many more reads in
+flight. So for small forwards (decode, a speculative verify) the layer first copies the
+rows of its routed experts, wherever they live, into a stack of `n` rows in GPU memory,
+and then runs mlx-lm's own call on that stack with ids 0..n-1.
+
+Output is unchanged: each output row of the quantized gather kernels is computed from
+its own expert's bytes and the token's input alone, and the bytes are the same; only the
+row the kernel finds them at differs. Kept below 64 routed ids, where SwitchGLU sorts
+the ids first and would take another path.
+
+On CUDA the copy is one custom kernel per layer (every tensor of the routed experts, 16
+bytes per load); elsewhere `mx.take` does the same copy, which is what the tests here
+run. On unified memory there is nothing to gain, and the setting stays off. With
+mapped-pool prefetch (daemon/mapped/mapped_prefetch.py) the same kernel takes the experts that
+the previous layer staged from its stack instead (`staged`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+# Largest number of routed ids gathered (SwitchGLU sorts at 64 and above).
+MAX_GATHERED = 48
+# Threads per block (each copies 16 bytes per pass), and at most this many blocks per
+# expert row.
+_THREADS = 256
+_MAX_BLOCKS_PER_ROW = 64
+
+
+def _take_rows(arrays: Sequence[mx.array], ids: mx.array) -> list[mx.array]:
+    return [mx.take(a, ids, axis=0) for a in arrays]
+
+
+def _kernel_source(count: int, staged: bool) -> str:
+    """Body of the copy kernel for `count` tensors: block (x, y) copies part of row
+    ids[y] of every tensor into row y of its output; 16-byte words when both pointers
+    allow it (they do for MLX's allocations), else bytes. `staged`: where ids[y] is
+    among the NS ids `sids` the stack (s0, s1, ...) was made of, the row comes from the
+    stack instead (looked up here, so the layer needs no other kernel to find it)."""
+    if staged:
+        parts = [
+            "const unsigned int want = ids[blockIdx.y];",
+            "unsigned int at = NS;",
+            "for (unsigned int i = 0; i < NS; ++i) { if (sids[i] == want) { at = i; break; } }",
+            "const bool hit = at < NS;",
+            "const unsigned long long row = hit ? (unsigned long long)at : (unsigned long long)want;",
+        ]
+    else:
+        parts = ["const unsigned long long row = (unsigned long long)ids[blockIdx.y];"]
+    parts += [
+        "const unsigned long long slot = blockIdx.y;",
+        "const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;",
+        "const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;",
+    ]
+    for j in range(count):
+        base = f"(hit ? s{j} : t{j})" if staged else f"t{j}"
+        parts.append(
+            f"""{{
+  const char* src = reinterpret_cast<const char*>({base}) + row * B{j};
+  char* dst = reinterpret_cast<char*>(o{j}) + slot * B{j};
+  if (((reinterpret_cast<unsigned long long>(src) | reinterpret_cast<unsigned long long>(dst)) & 15) == 0
+      && B{j} % 16 == 0) {{
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    for (unsigned long long w = first; w < B{j} / 16; w += step) d[w] = s[w];
+  }} else {{
+    for (unsigned long long w = first; w < B{j}; w += step) dst[w] = src[w];
+  }}
+}}"""
+        )
+    return "\n".join(parts)
+
+
+class RowGather:
+    """Gathers rows `ids` of a layer's expert tensors (all of one pool, fixed shapes),
+    optionally taking those a staged stack holds from it (`staged`)."""
+
+    def __init__(self, use_kernel: bool) -> None:
+        self._use_kernel = use_kernel
+        # Kernels by (tensor count, staged): one or two per model in practice.
+        self._kernels: dict[tuple[int, bool], Callable] = {}
+        # `positions` by (shape, dtype).
+        self._positions: dict[tuple[tuple[int, ...], mx.Dtype], mx.array] = {}
+
+    @staticmethod
+    def kernel_available() -> bool:
+        """Whether the CUDA copy kernel can run here (MLX's CUDA build on its GPU)."""
+        return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+    def __call__(self, arrays: Sequence[mx.array], ids: mx.array, max_blocks: int = _MAX_BLOCKS_PER_ROW) -> list[mx.array]:
+        """Rows `ids` of `arrays`. `max_blocks` caps the copy kernel's blocks per row:
+        fewer leave more of the GPU to kernels running beside a copy made ahead of use."""
+        ids = ids.reshape(-1).astype(mx.uint32)
+        if not self._use_kernel:
+            return _take_rows(arrays, ids)
+        return self._run(arrays, [], ids, None, max_blocks)
+
+    def staged(self, arrays: Sequence[mx.array], stacks: Sequence[mx.array], ids: mx.array, staged_ids: mx.array) -> list[mx.array]:
+        """Rows `ids` of `arrays`, except that an id among `staged_ids` (the ids whose
+        rows `stacks` hold, in order) is taken from the stack: the same expert's bytes."""
+        ids = ids.reshape(-1).astype(mx.uint32)
+        staged_ids = staged_ids.reshape(-1).astype(mx.uint32)
+        if not self._use_kernel:
+            match = ids.reshape(-1, 1) == staged_ids.reshape(1, -1)
+            hit, at = match.any(axis=1), mx.argmax(match, axis=1)
+            return [
+                mx.where(hit.reshape(-1, *([1] * (a.ndim - 1))), mx.take(st, at, axis=0), mx.take(a, ids, axis=0))
+                for a, st in zip(arrays, stacks)
+            ]
+        return self._run(arrays, stacks, ids, staged_ids, _MAX_BLOCKS_PER_ROW)
+
+    def positions(self, shape: Sequence[int], dtype: mx.Dtype) -> mx.array:
+        """0..n-1 in `shape`: the ids of a stack's rows for the expert call (made once
+        per shape, so a layer adds no kernel for them)."""
+        key = (tuple(shape), dtype)
+        out = self._positions.get(key)
+        if out is None:
+            out = mx.arange(int(np.prod(shape)), dtype=dtype).reshape(shape)
+            mx.eval(out)
+            self._positions[key] = out
+        return out
+
+    def _run(self, arrays: Sequence[mx.array], stacks: Sequence[mx.array], ids: mx.array,
+             staged_ids: mx.array | None, max_blocks: int) -> list[mx.array]:
+        count, staged = len(arrays), staged_ids is not None
+        kernel = self._kernels.get((count, staged))
+        if kernel is None:
+            kernel = mx.fast.cuda_kernel(
+                name=f"moestream_gather_rows_{count}{'_staged' if staged else ''}",
+                input_names=["ids", *(["sids"] if staged else []), *[f"t{j}" for j in range(count)],
+                             *([f"s{j}" for j in range(count)] if staged else [])],
+                output_names=[f"o{j}" for j in range(count)],
+                source=_kernel_source(count, staged),
+            )
+            self._kernels[(count, staged)] = kernel
+        n = ids.shape[0]
+        row_bytes = [a.nbytes // a.shape[0] for a in arrays]
+        # Enough blocks per row to keep the link busy, no more than a row has words.
+        blocks = max(1, min(max_blocks, -(-max(row_bytes) // (16 * _THREADS))))
+        return kernel(
+            inputs=[ids, *([staged_ids] if staged else []), *arrays, *stacks],
+            template=[(f"B{j}", b) for j, b in enumerate(row_bytes)] + ([("NS", staged_ids.shape[0])] if staged else []),
+            grid=(blocks * _THREADS, n, 1),
+            threadgroup=(_THREADS, 1, 1),
+            output_shapes=[(n, *a.shape[1:]) for a in arrays],
+            output_dtypes=[a.dtype for a in arrays],
+        )

@@ -1,0 +1,316 @@
+"""Generation over a streaming model, with the request's statistics."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+
+import mlx.core as mx
+import psutil
+from jinja2 import TemplateError
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import apply_top_p, make_sampler
+
+from moestream.daemon.model.streaming_model import StreamingModel
+
+if TYPE_CHECKING:
+    from moestream.daemon.mapped.mapped_pool import MappedPool
+
+_COUNTERS = ("hits_prefill", "hits_decode", "misses_prefill", "misses_decode", "evictions", "bytes_read", "host_syncs", "overflow_forwards", "routed_total",
+             "prestaged", "prestaged_used")
+# A mapped pool's placement counters (daemon/mapped/mapped_pool.py), taken per request the same way.
+_PLACEMENT_COUNTERS = ("routed", "routed_on_gpu", "moves", "place_calls", "readback_seconds", "decide_seconds")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temp: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    # Speculative decoding (daemon/model/speculative.py): None, "mtp" or "draft".
+    speculative: str | None = None
+    draft_tokens: int = 2
+    draft_model: str | None = None
+    # Record hot-path diagnostics for this request (daemon/model/diagnostics.py); the daemon's
+    # `--diagnostics` turns them on for every request.
+    diagnostics: bool = False
+
+
+@dataclass
+class GenerationResult:
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def _counters(sm: StreamingModel) -> dict[str, float]:
+    totals: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
+    for p in sm.pools:
+        for key in _COUNTERS:
+            totals[key] += getattr(p.stats, key)
+    if sm.mapped_pool is not None:
+        for key in _PLACEMENT_COUNTERS:
+            totals["placement_" + key] = getattr(sm.mapped_pool.stats, key)
+    return totals
+
+
+def _add(bucket: dict[str, float], before: dict[str, float], after: dict[str, float]) -> None:
+    for key, value in after.items():
+        bucket[key] = bucket.get(key, 0) + value - before[key]
+
+
+def _ticked(steps: Iterator, placement: MappedPool) -> Iterator:
+    """Pass `steps` through, letting a mapped pool's placement account the forwards
+    queued for each token (`MappedPool.tick`) before the token is handed on, so that
+    its work counts for the step that caused it."""
+    for item in steps:
+        placement.tick()
+        yield item
+
+
+def _placement_stats(counts: dict[str, float], gpu_slots: int) -> dict[str, Any]:
+    """A request's share of the placement's work, as `MappedPoolStats.to_dict` names it."""
+    out: dict[str, Any] = {key: counts.get("placement_" + key, 0) for key in _PLACEMENT_COUNTERS}
+    out["gpu_hit_rate"] = out["routed_on_gpu"] / out["routed"] if out["routed"] else None
+    out["gpu_slots"] = gpu_slots
+    return out
+
+
+def _attributed(sm: StreamingModel, steps: Iterator, buckets: tuple[dict[str, float], dict[str, float]], rec: Any = None) -> Iterator:
+    """Pass `steps` through, adding the pool counters that moved while each step ran to
+    buckets[0] (the prompt and the first token) or buckets[1] (every later token), and
+    pointing the diagnostics at this request's recorder `rec` (None: off) meanwhile.
+
+    Requests interleaved on one thread only run between their own resume and yield, so
+    this attributes the shared pools' work to the request that caused it. Decode steps
+    are timed for the prefetch governor (`prefetch = auto`)."""
+    phase = 0
+    hub = sm.diagnostics
+    governor = sm.prefetcher.governor if sm.prefetcher is not None else None
+    while True:
+        before = _counters(sm)
+        if hub is not None:
+            hub.rec = rec
+        tic = time.perf_counter()
+        try:
+            item = next(steps)
+        except StopIteration:
+            item = None
+        finally:
+            if hub is not None:
+                hub.rec = None
+        if phase == 1 and item is not None and governor is not None and rec is None:
+            governor.observe(time.perf_counter() - tic)
+        _add(buckets[phase], before, _counters(sm))
+        if item is None:
+            return
+        phase = 1
+        yield item
+
+
+def render_chat(tokenizer: Any, messages: Sequence[Any]) -> str:
+    """A chat ({role, content} maps or objects with .role/.content) as the prompt text the
+    model's chat template makes of it, ending where the assistant's answer starts.
+
+    Raises ValueError when the tokenizer has no chat template or the template refuses
+    the messages (e.g. roles that do not alternate)."""
+    if not getattr(tokenizer, "has_chat_template", False):
+        raise ValueError(
+            "the model's tokenizer has no chat template, so it cannot take chat messages; "
+            "send a text prompt instead (POST /v1/completions, or `prompt`)"
+        )
+    chat = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
+    try:
+        return tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    except (TemplateError, ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"the model's chat template refused these messages: {type(e).__name__}: {e}") from None
+
+
+def encode_prompt(
+    sm: StreamingModel, prompt: str | None, prompt_ids: Sequence[int] | None, messages: Sequence[Any] | None = None
+) -> list[int]:
+    """Token ids of a text prompt, of token ids (checked against the vocabulary), or of a
+    chat rendered with the model's chat template (its special tokens are in the template,
+    so none are added, as mlx-lm's generate does)."""
+    if messages is not None:
+        ids = sm.tokenizer.encode(render_chat(sm.tokenizer, messages), add_special_tokens=False)
+    elif prompt_ids is not None:
+        ids = [int(t) for t in prompt_ids]
+        vocab = sm.manifest.config.get("text_config", sm.manifest.config).get("vocab_size")
+        bad = [t for t in ids if t < 0 or (vocab and t >= vocab)]
+        if bad:
+            raise ValueError(f"prompt ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
+    else:
+        ids = sm.tokenizer.encode(prompt or "")
+    if not ids:
+        raise ValueError("the prompt is empty")
+    return ids
+
+
+def generate(
+    sm: StreamingModel,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    on_text: Callable[[str, int], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    on_prompt_progress: Callable[[int, int], None] | None = None,
+) -> GenerationResult:
+    """Run one request to the end; `on_text(segment, token)` gets text as it appears."""
+    result = GenerationResult()
+    steps = iter_generate(sm, prompt_ids, params, result, should_stop=should_stop, on_prompt_progress=on_prompt_progress)
+    for segment, token in steps:
+        if on_text is not None:
+            on_text(segment, token)
+    return result
+
+
+def request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
+    """mlx-lm's sampling (temperature, top-p) drawing from the request's own key.
+
+    MLX's global random state is shared by every request the daemon interleaves, so a
+    seeded request would give different text when another request runs beside it; a
+    key per request (split once per token) makes its draws its own."""
+    if params.temp == 0:
+        return make_sampler(temp=0.0)
+    seed = params.seed if params.seed is not None else secrets.randbits(63)
+    state = [mx.random.key(seed)]
+
+    def sample(logprobs: mx.array) -> mx.array:
+        if 0 < params.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, params.top_p)
+        state[0], key = mx.random.split(state[0])
+        return mx.random.categorical(logprobs * (1 / params.temp), key=key)
+
+    return sample
+
+
+def iter_generate(
+    sm: StreamingModel,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    result: GenerationResult,
+    *,
+    should_stop: Callable[[], bool] | None = None,
+    on_prompt_progress: Callable[[int, int], None] | None = None,
+) -> Iterator[tuple[str, int]]:
+    """Yield (text segment, token id) pairs; fill `result` as it goes.
+
+    `on_prompt_progress(done, total)` is called as the prompt is prefilled: at its start
+    and after each prefill chunk (mlx-lm's prefill step), on this thread."""
+    tokenizer = sm.tokenizer
+    detok = tokenizer.detokenizer
+    detok.reset()
+    sampler = request_sampler(params)
+    mx.reset_peak_memory()
+    prefill, decode = dict.fromkeys(_COUNTERS, 0), dict.fromkeys(_COUNTERS, 0)
+    tic = time.perf_counter()
+    prompt_seconds = 0.0
+    n = 0
+    stop_hold = max((len(s) for s in params.stop), default=0)
+    emitted = 0
+    spec_stats = None
+    if params.speculative:
+        from moestream.daemon.model.speculative import SpeculativeParams, SpeculativeStats, speculative_steps
+
+        spec = SpeculativeParams(mode=params.speculative, draft_tokens=params.draft_tokens, draft_model=params.draft_model)
+        spec_stats = SpeculativeStats(mode=spec.mode, draft_tokens_requested=spec.draft_tokens)
+        steps = speculative_steps(sm, prompt_ids, sampler=sampler, max_tokens=params.max_tokens, spec=spec, stats=spec_stats,
+                                  on_prompt_progress=on_prompt_progress)
+    else:
+        steps = generate_step(mx.array(list(prompt_ids)), sm.model, max_tokens=params.max_tokens, sampler=sampler,
+                              prompt_progress_callback=on_prompt_progress)
+    if sm.mapped_pool is not None:
+        steps = _ticked(steps, sm.mapped_pool)
+    rec = sm.diagnostics.new_recorder(params.diagnostics) if sm.diagnostics is not None else None
+    for n, (token, _) in enumerate(_attributed(sm, steps, (prefill, decode), rec), 1):
+        token = int(token)
+        if n == 1:
+            prompt_seconds = time.perf_counter() - tic
+            tic = time.perf_counter()
+        if token in tokenizer.eos_token_ids:
+            result.finish_reason = "stop"
+            n -= 1
+            break
+        result.tokens.append(token)
+        detok.add_token(token)
+        text = detok.text
+        if params.stop:
+            hit = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
+            if hit >= 0:
+                result.text = text[:hit]
+                if hit > emitted:
+                    yield text[emitted:hit], token
+                result.finish_reason = "stop"
+                break
+            # Hold back text that might be the start of a stop string.
+            safe = max(emitted, len(text) - stop_hold)
+        else:
+            safe = len(text)
+        if safe > emitted:
+            yield text[emitted:safe], token
+            emitted = safe
+        result.text = text
+        if should_stop is not None and should_stop():
+            result.finish_reason = "cancelled"
+            break
+    else:
+        detok.finalize()
+        text = detok.text
+        if len(text) > emitted:
+            yield text[emitted:], result.tokens[-1] if result.tokens else -1
+        result.text = text
+    decode_seconds = time.perf_counter() - tic
+    if sm.mapped_pool is not None:
+        # Account what is still pending (this request's last forwards, and those of
+        # requests interleaved with it), so that its statistics and the heat include it.
+        before = _counters(sm)
+        sm.mapped_pool.settle()
+        _add(decode, before, _counters(sm))
+    decode_tokens = max(n - 1, 0)
+    total = {k: prefill.get(k, 0) + decode.get(k, 0) for k in prefill.keys() | decode.keys()}
+    routed_hits = total["hits_prefill"] + total["hits_decode"]
+    routed_misses = total["misses_prefill"] + total["misses_decode"]
+    result.stats = {
+        "prompt_tokens": len(prompt_ids),
+        "generated_tokens": len(result.tokens),
+        "prompt_seconds": prompt_seconds,
+        "prompt_tokens_per_s": len(prompt_ids) / prompt_seconds if prompt_seconds else None,
+        "decode_seconds": decode_seconds,
+        "tokens_per_s": decode_tokens / decode_seconds if decode_seconds and decode_tokens else None,
+        # By phase of the request: the prompt and the first token's forward, then the rest.
+        "hits": {"prefill": prefill["hits_prefill"] + prefill["hits_decode"], "decode": decode["hits_prefill"] + decode["hits_decode"]},
+        "misses": {"prefill": prefill["misses_prefill"] + prefill["misses_decode"], "decode": decode["misses_prefill"] + decode["misses_decode"]},
+        "hit_rate": routed_hits / (routed_hits + routed_misses) if routed_hits + routed_misses else None,
+        "bytes_read": total["bytes_read"],
+        "evictions": total["evictions"],
+        # Experts prefetch copied into the next layer's slots ahead of use, and those of
+        # them routed (counted among the hits).
+        "prestaged": total["prestaged"],
+        "prestaged_used": total["prestaged_used"],
+        # Routed (token, expert) pairs counted for heat (pool_usage.json), all layers.
+        "routed_experts": total["routed_total"],
+        # Per decode token: the pool's syncs (one per MoE layer with a partial pool)
+        # plus the one that reads the sampled token.
+        "host_syncs_per_token": (decode["host_syncs"] / decode_tokens + 1.0) if decode_tokens else None,
+        "capacity": sm.capacity,
+        "mapped": sm.mapped_pool is not None,
+        "policy": sm.pools[0].policy.name if sm.pools else None,
+        "peak_memory_bytes": mx.get_peak_memory(),
+        "rss_bytes": psutil.Process().memory_info().rss,
+        "finish_reason": result.finish_reason,
+    }
+    if sm.mapped_pool is not None:
+        result.stats["mapped_pool"] = _placement_stats(total, sm.mapped_pool.gpu_slots)
+    if spec_stats is not None:
+        result.stats["speculative"] = spec_stats.to_dict()
+    if sm.prefetcher is not None:
+        result.stats["prefetch"] = sm.prefetcher.stats()
+    if rec is not None:
+        sm.diagnostics.finish(rec)
+        result.stats["diagnostics"] = rec.to_dict()

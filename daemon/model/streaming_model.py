@@ -1,0 +1,454 @@
+"""Load an expert store as a streaming mlx-lm model.
+
+The model is built by mlx-lm's own classes from the manifest's config, quantized the way
+`mlx_lm.utils.load_model` quantizes it, and given the resident weights; every
+`SwitchGLU`/`SwitchMLP` the manifest names is wrapped in a `StreamingMoE` whose expert
+tensors are the pool's slot arrays. The stacked expert tensors are never materialised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import psutil
+from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+from mlx_lm.utils import _get_classes, infer_quant_config, load_tokenizer
+
+from moestream._native import CudaCopier
+from moestream.daemon.pool.admission import Admitter, DirectAdmitter, cuda_copier, make_admitter
+from moestream.daemon.pool.capacity import plan_capacity, top_k_of
+from moestream.daemon.pool.expert_pool import ExpertPool, PoolCapacityError
+from moestream.daemon.pool.expert_reader import ExpertReader
+from moestream.daemon.mapped.mapped_prefetch import install as install_mapped_prefetch
+from moestream.daemon.mapped.mapped_pool import CountingMover, MappedPool
+from moestream.daemon.policies import make_policy
+from moestream.daemon.prefetch.predictor import install as install_predictor
+from moestream.daemon.mapped.row_gather import RowGather
+from moestream.daemon.model.streaming_moe import StreamingMoE
+from moestream.shared.settings import Settings, format_size
+from moestream.shared.store_format import Manifest, StoreError, load_manifest
+
+# How many of the lowest MoE layers' routing a pool hands its policy as a hint.
+LOWER_HINT_LAYERS = 4
+# Host memory a mapped pool leaves free beyond its experts: the resident weights are
+# read through it, and the rest of the process and the system need room too.
+MAPPED_HOST_MARGIN = 2 * 2**30
+
+
+@dataclass
+class StreamingModel:
+    """A loaded store: the model, its tokenizer, and the pools that feed it."""
+
+    model: nn.Module
+    tokenizer: Any
+    manifest: Manifest
+    pools: list[ExpertPool]
+    reader: ExpertReader
+    # How experts reach the pools (straight from the store, or through host memory).
+    admitter: Admitter
+    admission_note: dict[str, Any]
+    store_dir: Path
+    capacity: int
+    resident_bytes: int
+    # False when the reader came with a shared admitter (benchmarks share one host tier).
+    owns_reader: bool = True
+    # Loaded on the first speculative request that needs them (daemon/model/speculative.py):
+    # the store's MTP head, and draft models by path.
+    mtp: Any = None
+    draft_models: dict[str, Any] = field(default_factory=dict)
+    # The diagnostics switch and totals (daemon/model/diagnostics.py), and the prefetcher of
+    # predicted experts (daemon/prefetch/prefetcher.py; for mapped pools that gather,
+    # daemon/mapped/mapped_prefetch.py; None where every pool is full).
+    diagnostics: Any = None
+    prefetcher: Any = None
+    # The mapped pool (every expert in host memory, the hottest in GPU memory), else None.
+    mapped_pool: MappedPool | None = None
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(p.nbytes for p in self.pools)
+
+    def pool_stats(self) -> dict[str, Any]:
+        """Totals over layers, plus per-layer occupancy and hit rates."""
+        totals: dict[str, Any] = {}
+        per_layer = []
+        for i, p in enumerate(self.pools):
+            d = p.stats.to_dict()
+            for key, value in d.items():
+                if isinstance(value, int):
+                    totals[key] = totals.get(key, 0) + value
+            layer = {
+                "layer": p.layer.ordinal,
+                "resident": int((p.slot_of >= 0).sum()),
+                "capacity": p.capacity,
+                "pinned": len(p.pinned),
+                "hit_rate": d["hit_rate"],
+            }
+            if self.mapped_pool is not None:
+                layer["on_gpu"] = len(self.mapped_pool.on_gpu[i])
+            per_layer.append(layer)
+        hits = totals.get("hits_prefill", 0) + totals.get("hits_decode", 0)
+        misses = totals.get("misses_prefill", 0) + totals.get("misses_decode", 0)
+        totals["hit_rate"] = hits / (hits + misses) if hits + misses else None
+        totals["layers"] = per_layer
+        totals["admission"] = self.admitter.stats() | self.admission_note
+        totals["mapped"] = self.mapped_pool is not None
+        if self.mapped_pool is not None:
+            totals["mapped_pool"] = {"gpu_slots": self.mapped_pool.gpu_slots, **self.mapped_pool.stats.to_dict()}
+        return totals
+
+    def close(self) -> None:
+        try:
+            # Copies the CUDA copier queued without waiting (a host tier's prestage into
+            # the next layer's slots) write into this model's pools: they must land
+            # before the pools can be freed and their memory handed to other arrays.
+            self.admitter.settle()
+            if self.prefetcher is not None:
+                self.prefetcher.drain()
+            if self.mapped_pool is not None:
+                self.mapped_pool.close()  # raises what its worker failed with, if anything
+        finally:
+            if self.owns_reader:
+                self.reader.close()
+
+
+def _module_at(root: nn.Module, path: str) -> tuple[Any, str | int, nn.Module]:
+    """(parent, key in parent, module) for a dotted parameter path like model.layers.3.mlp.switch_mlp."""
+    parent: Any = None
+    key: str | int = ""
+    node: Any = root
+    for part in path.split("."):
+        parent = node
+        key = int(part) if part.isdigit() and isinstance(node, list) else part
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            raise StoreError(f"the model has no module {path!r} (store and mlx-lm disagree)") from None
+    return parent, key, node
+
+
+def _quantize(model: nn.Module, config: dict[str, Any], weights: dict[str, mx.array], manifest: Manifest) -> None:
+    quantization = config.get("quantization")
+    if quantization is None:
+        if config.get("quantization_config"):
+            raise StoreError(
+                "the store's config has a 'quantization_config' but no mlx 'quantization'; "
+                "convert the model again with this moestream"
+            )
+        return
+    fixed = {k: v for k, v in quantization.items() if isinstance(v, (dict, bool))}
+    fixed.update(
+        {f"{layer.module_path}.{proj}": q or False for layer in manifest.layers for proj, q in layer.quantization.items()}
+    )
+    quantize_like_weights(model, quantization, weights, fixed)
+
+
+def quantize_like_weights(
+    module: nn.Module, quantization: dict[str, Any], weights: dict[str, mx.array], fixed: dict[str, Any] | None = None
+) -> None:
+    """Quantize `module` the way mlx-lm's loading does: a layer is quantized where the
+    weights carry its scales, with the group size and bits they imply; `fixed` maps paths
+    to a given quantization (or False) first."""
+    fixed = fixed or {}
+
+    def predicate(path: str, m: nn.Module) -> bool | dict[str, Any]:
+        if path in fixed:
+            return fixed[path]
+        if not hasattr(m, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        return infer_quant_config(path, m, weights)
+
+    nn.quantize(
+        module,
+        group_size=quantization["group_size"],
+        bits=quantization["bits"],
+        mode=quantization.get("mode", "affine"),
+        class_predicate=predicate,
+    )
+
+
+def _build_model(store: Path, manifest: Manifest) -> tuple[nn.Module, dict[str, mx.array]]:
+    """The mlx-lm model of the manifest's config, quantized, and its resident weights."""
+    config = dict(manifest.config)
+    try:
+        model_class, args_class = _get_classes(config)
+    except ValueError as e:
+        raise StoreError(f"{store}: {e} (mlx-lm {__import__('mlx_lm').__version__})") from e
+    model = model_class(args_class.from_dict(config))
+    weights: dict[str, mx.array] = {}
+    for name in manifest.resident_files:
+        path = store / name
+        if not path.is_file():
+            raise StoreError(f"{store}: resident weights file {name} is missing")
+        weights.update(mx.load(str(path)))
+    _quantize(model, config, weights, manifest)
+    return model, weights
+
+
+def _load_resident(model: nn.Module, weights: dict[str, mx.array], manifest: Manifest, store: Path) -> None:
+    expert_prefixes = tuple(layer.module_path + "." for layer in manifest.layers)
+    expected = {k for k, _ in tree_flatten(model.parameters()) if not k.startswith(expert_prefixes)}
+    missing = expected - weights.keys()
+    extra = weights.keys() - expected
+    if missing or extra:
+        raise StoreError(
+            f"{store}: resident weights do not match the model: "
+            f"missing {sorted(missing)[:5]}, unexpected {sorted(extra)[:5]}"
+        )
+    model.load_weights(list(weights.items()), strict=False)
+    model.eval()
+
+
+def load_streaming_model(
+    store_dir: str | Path,
+    settings: Settings,
+    *,
+    max_tokens: int = 4096,
+    naive: bool = False,
+    admitter: Admitter | None = None,
+    mapped: bool | None = None,
+    host_available: int | None = None,
+) -> StreamingModel:
+    """Load a store for streaming. `naive=True` is the on-demand baseline of the
+    benchmarks: a pool of top-k slots that reuses nothing between forwards. An
+    `admitter` (with its reader) may be shared between models of the same store; the
+    model then leaves closing its reader to the caller.
+
+    `mapped` (default `settings.mapped`) makes a mapped pool (daemon/mapped/mapped_pool.py):
+    every expert in host memory, `capacity` experts per layer in GPU memory. It is
+    refused before anything is allocated when host memory (`host_available` bytes,
+    default what the system reports available), or a host tier given with it, cannot
+    hold every expert. None (auto) decides by `choose_mapped` once the capacity is
+    known: a host tier that holds every expert is then made as a mapped pool."""
+    store = Path(store_dir)
+    manifest = load_manifest(store)
+    if host_available is None:
+        host_available = psutil.virtual_memory().available
+    mapped = settings.mapped if mapped is None else mapped
+    if mapped:
+        check_mapped_host_cache(manifest, settings.host_cache)
+        check_mapped_host_memory(manifest, host_available)
+    config = manifest.config
+    model, weights = _build_model(store, manifest)
+    resident_bytes = sum(v.nbytes for v in weights.values())
+    k = top_k_of(config)
+    capacity = k if naive else plan_capacity(
+        manifest,
+        capacity=settings.capacity,
+        memory_budget=settings.memory_budget,
+        resident_bytes=resident_bytes,
+        max_tokens=max_tokens,
+    )
+    # One copier for the whole load: the admitter's copies and a mapped pool's moves.
+    copier, cuda_why_not = cuda_copier()
+    auto_note = None
+    if mapped is None:
+        mapped, auto_note = choose_mapped(manifest, capacity, settings, host_available, cuda_why_not,
+                                          naive=naive or admitter is not None)
+    owns_reader = admitter is None
+    if admitter is None:
+        reader = ExpertReader(
+            store, manifest, threads=settings.io_threads, direct=settings.direct_io, verify=settings.verify_checksums
+        )
+    else:
+        reader = admitter.reader
+    pools: list[ExpertPool] = []
+    moes: list[StreamingMoE] = []
+    # mapped_gather auto: where the CUDA copy kernel runs (measured there; see Settings).
+    kernel = RowGather.kernel_available()
+    use_gather = kernel if settings.mapped_gather is None else settings.mapped_gather
+    gather = RowGather(use_kernel=kernel) if mapped and use_gather else None
+    blocks: list[Any] = []
+    try:
+        if mapped:
+            admitter, note = DirectAdmitter(reader), {"mapped": True, "gather": gather is not None}
+            if settings.host_cache:
+                note["host_tier"] = "mapped: it holds every expert, read in place"
+        elif admitter is None:
+            admitter, note = make_admitter(reader, manifest, settings.host_cache, settings.copy_batch,
+                                           cuda=(copier, cuda_why_not), copy_kernel=settings.copy_kernel,
+                                           ahead_blocks=settings.prefetch_copy_blocks)
+        else:
+            note = {"shared": True}
+        if auto_note is not None:
+            note["mapped_auto"] = auto_note
+        for layer in manifest.layers:
+            parent, key, module = _module_at(model, layer.module_path)
+            if not isinstance(module, (SwitchGLU, SwitchMLP)):
+                raise StoreError(f"{layer.module_path} is a {type(module).__name__}, not a SwitchGLU/SwitchMLP")
+            _check_layout(module, layer, store, manifest.config)
+            slots = layer.num_experts if mapped else min(capacity, layer.num_experts)
+            policy = make_policy(settings.policy, layer.num_experts, slots)
+            pool = ExpertPool(layer, slots, policy, admitter, top_k=k, keep=not naive, host_memory=mapped)
+            pool.gather = gather
+            parent[key] = StreamingMoE(module, pool)
+            pools.append(pool)
+            moes.append(parent[key])
+            blocks.append(parent)
+        for i, pool in enumerate(pools):
+            pool.lower = pools[: min(i, LOWER_HINT_LAYERS)]
+        _load_resident(model, weights, manifest, store)
+        mx.eval(model.parameters())
+        for pool in pools:
+            if pool.capacity == pool.layer.num_experts and not naive:
+                pool.load_all()
+        diagnostics, prefetcher = install_predictor(
+            moes, blocks, reader=reader, manifest=manifest, admitter=admitter, top_k=k,
+            prefetch=settings.prefetch, diagnostics=settings.diagnostics, predict=not naive,
+            depth=settings.prefetch_depth, buffer_bytes=settings.prefetch_buffer,
+        )
+        if mapped and prefetcher is None:
+            prefetcher = install_mapped_prefetch(moes, blocks, top_k=k, mode=settings.prefetch,
+                                                 stream=settings.mapped_prefetch_stream,
+                                                 copy_blocks=settings.prefetch_copy_blocks)
+        mapped_pool = _place(pools, capacity, settings, copier) if mapped else None
+        tokenizer = load_tokenizer(store, eos_token_ids=config.get("eos_token_id"))
+    except BaseException:
+        if owns_reader:
+            reader.close()
+        raise
+    return StreamingModel(
+        model=model,
+        tokenizer=tokenizer,
+        manifest=manifest,
+        pools=pools,
+        reader=reader,
+        admitter=admitter,
+        admission_note=note,
+        store_dir=store,
+        capacity=capacity,
+        resident_bytes=resident_bytes,
+        owns_reader=owns_reader,
+        diagnostics=diagnostics,
+        prefetcher=prefetcher,
+        mapped_pool=mapped_pool,
+    )
+
+
+def check_mapped_host_memory(manifest: Manifest, available: int, margin: int = MAPPED_HOST_MARGIN) -> None:
+    """Raise `PoolCapacityError` when `available` bytes of host memory cannot hold every
+    expert of the store plus `margin`."""
+    need = manifest.expert_bytes_total
+    if available < need + margin:
+        raise PoolCapacityError(
+            f"--mapped keeps every expert in host memory: the store's experts take {format_size(need)} "
+            f"(+ {format_size(margin)} to spare), but only {format_size(available)} is available; "
+            "use --host-cache SIZE (a cache of the hottest experts in host memory) or drop --mapped"
+        )
+
+
+def check_mapped_host_cache(manifest: Manifest, host_cache: int) -> None:
+    """A host tier given with `--mapped` must hold every expert: the mapped pool is then
+    that tier. A smaller one asks for the slot pool's tier, which `--mapped` is not."""
+    need = manifest.expert_bytes_total
+    if host_cache and host_cache < need:
+        raise PoolCapacityError(
+            f"--mapped keeps every expert ({format_size(need)}) in host memory, more than --host-cache "
+            f"{format_size(host_cache)}: give a --host-cache of at least that, or drop --mapped "
+            "(the slot pool then keeps a tier of that size)"
+        )
+
+
+def choose_mapped(manifest: Manifest, capacity: int, settings: Settings, host_available: int, cuda_why_not: str, *,
+                  naive: bool = False) -> tuple[bool, str]:
+    """`mapped = auto`: whether to make a mapped pool, and why. Mapped where it measured
+    fastest and is safe: an NVIDIA GPU (the pool's misses are read over the link; on
+    unified memory and the CPU there is nothing to place), a partial pool, host RAM for
+    every expert plus the margin, and no host tier asked for or one that holds every
+    expert. On the H200 at 25% it ran 37.7 tok/s against 12.0 for the slot pool with a
+    host tier and 2.5 without (tests/bench/results/bench_decode_q30_h200.json, session 7).
+
+    A host tier that holds every expert is made as a mapped pool: the same experts in
+    host memory, but read in place by the kernels (gathered first where the copy kernel
+    runs) instead of copied into slots after the routing of each layer is read back,
+    one host sync per layer that keeps the slot pool's tier at 12 to 13 tok/s at every
+    capacity (tests/bench/results/bench_decode_q30_table_h200.json, session 9). A
+    smaller tier keeps the slot pool, which reads the experts the tier lacks from disk.
+    `cuda_why_not` is what `cuda_copier` said: empty where the CUDA copier is
+    available, else why not."""
+    if naive:
+        return False, "off: a benchmark's own pool"
+    if cuda_why_not:
+        return False, f"off: {cuda_why_not}"
+    if all(capacity >= layer.num_experts for layer in manifest.layers):
+        return False, "off: every expert fits in the pool"
+    need_tier = manifest.expert_bytes_total
+    if settings.host_cache and settings.host_cache < need_tier:
+        return False, (f"off: --host-cache {format_size(settings.host_cache)} holds part of the experts "
+                       f"({format_size(need_tier)}): the slot pool with a host tier")
+    need = need_tier + MAPPED_HOST_MARGIN
+    if host_available < need:
+        return False, f"off: host RAM {format_size(host_available)} available, every expert needs {format_size(need)}"
+    if settings.host_cache:
+        return True, "on: an NVIDIA GPU, a partial pool and a host tier that holds every expert, read in place"
+    return True, "on: an NVIDIA GPU, a partial pool and host RAM for every expert"
+
+
+def _place(pools: list[ExpertPool], gpu_slots: int, settings: Settings, copier: CudaCopier | None) -> MappedPool:
+    placement = MappedPool(pools, gpu_slots, copier if copier is not None else CountingMover(), settings.policy,
+                          max_moves=settings.mapped_moves, rebalance_tokens=settings.mapped_rebalance_tokens)
+    placement.place_initial()
+    return placement
+
+
+def load_stock_model(store_dir: str | Path) -> nn.Module:
+    """The same model as stock mlx-lm holds it: every expert resident in the original
+    `SwitchGLU`/`SwitchMLP`, no streaming layer. The baseline of the benchmarks."""
+    store = Path(store_dir)
+    manifest = load_manifest(store)
+    model, weights = _build_model(store, manifest)
+    for layer in manifest.layers:
+        _, _, module = _module_at(model, layer.module_path)
+        _check_layout(module, layer, store, manifest.config)
+        raw = np.fromfile(store / layer.file, dtype=np.uint8)
+        if raw.size < layer.num_experts * layer.stride:
+            raise StoreError(f"{store / layer.file} is truncated")
+        blocks = raw[: layer.num_experts * layer.stride].reshape(layer.num_experts, layer.stride)
+        for t in layer.tensors:
+            part = np.ascontiguousarray(blocks[:, t.offset : t.offset + t.nbytes])
+            stacked = mx.array(part).view(getattr(mx, t.dtype)).reshape(layer.num_experts, *t.shape)
+            projection, param = t.name.rsplit(".", 1)
+            getattr(module, projection)[param] = stacked
+    _load_resident(model, weights, manifest, store)
+    mx.eval(model.parameters())
+    return model
+
+
+# Config keys that give the experts per MoE layer, by model family.
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _check_layout(module: nn.Module, layer, store: Path, config: dict[str, Any]) -> None:
+    """The store's per-expert tensors must be exactly the module's stacked tensors."""
+    params = dict(tree_flatten(module.parameters()))
+    names = {t.name for t in layer.tensors}
+    if set(params) != names:
+        raise StoreError(
+            f"{store}: layer {layer.module_path}: the store holds {sorted(names)}, "
+            f"but the model expects {sorted(params)}"
+        )
+    for t in layer.tensors:
+        p = params[t.name]
+        if p.shape[0] != layer.num_experts:
+            # The model is built from the manifest's config, the layer files hold what was
+            # converted: a differing count means the config was edited or belongs elsewhere.
+            scope = config.get("text_config") or config
+            key = next((k for k in EXPERT_COUNT_KEYS if k in scope or k in config), None)
+            says = f"gives {key} = {p.shape[0]}" if key else f"makes a model of {p.shape[0]} experts per layer"
+            raise StoreError(
+                f"{store}: layer {layer.module_path} holds {layer.num_experts} experts in {layer.file}, but the "
+                f"manifest's config {says}: the config does not match the store's layer files "
+                "(was it edited? convert the model again)"
+            )
+        # Dtypes are not compared: like stock loading, the file's dtype wins.
+        if tuple(p.shape) != (layer.num_experts, *t.shape):
+            raise StoreError(
+                f"{store}: layer {layer.module_path}, tensor {t.name}: the store has shape {list(t.shape)} per "
+                f"expert, the model built from its config expects {list(p.shape)[1:]}"
+            )

@@ -1,0 +1,83 @@
+"""Pool sizing: slots per MoE layer from `--capacity` or from `--memory-budget`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from moestream.daemon.pool.expert_pool import PoolCapacityError
+from moestream.shared.settings import format_size
+from moestream.shared.store_format import Manifest
+
+
+def top_k_of(config: dict[str, Any]) -> int:
+    """Experts each token routes to, read from the model config."""
+    cfg = config.get("text_config", config)
+    for key in ("num_experts_per_tok", "moe_top_k", "top_k", "num_experts_per_token"):
+        if key in cfg:
+            return int(cfg[key])
+    raise PoolCapacityError("cannot find the router's top-k in the model config")
+
+
+def kv_cache_bytes(config: dict[str, Any], tokens: int) -> int:
+    """Upper estimate of the KV cache for `tokens` tokens (all layers, 2 bytes/elem)."""
+    cfg = config.get("text_config", config)
+    layers = int(cfg.get("num_hidden_layers", 0))
+    heads = int(cfg.get("num_key_value_heads") or cfg.get("num_attention_heads") or 0)
+    head_dim = int(cfg.get("head_dim") or (cfg.get("hidden_size", 0) // max(int(cfg.get("num_attention_heads", 1)), 1)))
+    if cfg.get("kv_lora_rank"):  # MLA caches the latent plus the rope part
+        per_token = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim", 0))
+        return layers * tokens * per_token * 2 * 2
+    return layers * tokens * 2 * heads * head_dim * 2
+
+
+def plan_capacity(
+    manifest: Manifest,
+    *,
+    capacity: float | int | None,
+    memory_budget: int | None,
+    resident_bytes: int,
+    max_tokens: int = 4096,
+) -> int:
+    """Slots per layer (the same for every layer, clamped to its expert count)."""
+    k = top_k_of(manifest.config)
+    most = max(layer.num_experts for layer in manifest.layers)
+    if capacity is not None and memory_budget is not None:
+        raise PoolCapacityError("give either --capacity or --memory-budget, not both")
+    if capacity is None and memory_budget is None:
+        return most
+    if capacity is not None:
+        slots = math.ceil(capacity * most) if isinstance(capacity, float) else int(capacity)
+        if slots < k:
+            raise PoolCapacityError(
+                f"--capacity {capacity} gives {slots} slots per layer, below the minimum "
+                f"{k} (top-k: the experts one token routes to)"
+            )
+        return min(slots, most)
+    per_slot = sum(layer.expert_bytes for layer in manifest.layers)
+    kv = kv_cache_bytes(manifest.config, max_tokens)
+    spare = memory_budget - resident_bytes - kv
+    if spare >= most * per_slot:
+        return most
+    # A partial pool of c slots serves a prefill whose experts do not fit from a
+    # transient stack of up to all E experts of one layer plus scratch for the up to
+    # E - c it lacks: keep room for c * per_slot + (2E - c) * expert.
+    expert = max(layer.expert_bytes for layer in manifest.layers)
+    slots = (spare - 2 * most * expert) // (per_slot - expert) if per_slot > expert else 0
+    if slots < k:
+        need = resident_bytes + kv + k * per_slot + overflow_reserve_bytes(manifest, k)
+        raise PoolCapacityError(
+            f"--memory-budget {format_size(memory_budget)} is below the minimum "
+            f"{format_size(need)}: resident weights {format_size(resident_bytes)} + "
+            f"KV cache for {max_tokens} tokens {format_size(kv)} + top-{k} experts "
+            f"per layer {format_size(k * per_slot)} + room for a long prompt's experts "
+            f"{format_size(overflow_reserve_bytes(manifest, k))}"
+        )
+    return min(int(slots), most)
+
+
+def overflow_reserve_bytes(manifest: Manifest, slots: int) -> int:
+    """Transient memory of a prefill whose experts do not fit in a pool of `slots` slots:
+    at most every expert of one layer, stacked, plus scratch for those it lacks."""
+    most = max(layer.num_experts for layer in manifest.layers)
+    return (2 * most - slots) * max(layer.expert_bytes for layer in manifest.layers)

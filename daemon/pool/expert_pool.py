@@ -1,0 +1,507 @@
+"""The expert pool of one MoE layer: `capacity` slots per expert tensor.
+
+Invariants:
+- `slot_of[e] >= 0` exactly when expert `e` is resident, and then `expert_in[slot_of[e]] == e`;
+  a slot is either in `_free` or holds exactly one expert.
+- Pinned experts are resident and never evicted; nor is any expert that the tokens being
+  served need (`protected`), so one forward never overwrites a slot it reads.
+- Slot bytes are only written while no queued computation reads that slot: admission
+  first waits for the streams that run the model to drain, unless the forward has just
+  synced on the one stream every read of this pool was queued on (`ensure`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generation_stream
+
+from moestream.daemon.pool.admission import Admitter
+from moestream.daemon.pool.expert_reader import ExpertReadError
+from moestream.daemon.policies.base import EvictionPolicy
+from moestream.shared.store_format import MoELayer
+
+if TYPE_CHECKING:
+    from moestream.daemon.model.diagnostics import Diagnostics, Recorder
+    from moestream.daemon.prefetch.predictor import Prediction
+    from moestream.daemon.prefetch.prefetcher import Prefetcher
+    from moestream.daemon.mapped.row_gather import RowGather
+
+
+@dataclass
+class PoolStats:
+    """Counts over unique experts per forward (one token in decode, a chunk in prefill)."""
+
+    hits_prefill: int = 0
+    hits_decode: int = 0
+    misses_prefill: int = 0
+    misses_decode: int = 0
+    evictions: int = 0
+    bytes_read: int = 0
+    host_syncs: int = 0
+    # Waits for the model's streams before writing slots (`_quiesce`): each costs a
+    # round trip to the device even when the streams are idle.
+    quiesces: int = 0
+    # Prefill forwards whose experts did not fit in the pool (served from scratch).
+    overflow_forwards: int = 0
+    # Experts copied in ahead of use from host memory (`prestage`), and how many of
+    # them the next forward routed to (counted among the hits).
+    prestaged: int = 0
+    prestaged_used: int = 0
+    # Routed (token, expert) pairs counted for heat; only partial pools count them, since
+    # only there are the ids on the host without an extra sync.
+    routed_total: int = 0
+    # Routed (token, expert) pairs per expert since the last `take_routed()`, for heat.
+    routed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    def to_dict(self) -> dict[str, Any]:
+        hits = self.hits_prefill + self.hits_decode
+        misses = self.misses_prefill + self.misses_decode
+        return {
+            "hits_prefill": self.hits_prefill,
+            "hits_decode": self.hits_decode,
+            "misses_prefill": self.misses_prefill,
+            "misses_decode": self.misses_decode,
+            "hit_rate": hits / (hits + misses) if hits + misses else None,
+            "evictions": self.evictions,
+            "bytes_read": self.bytes_read,
+            "host_syncs": self.host_syncs,
+            "quiesces": self.quiesces,
+            "overflow_forwards": self.overflow_forwards,
+            "prestaged": self.prestaged,
+            "prestaged_used": self.prestaged_used,
+            "routed_total": self.routed_total,
+        }
+
+
+def _current_stream() -> str:
+    return str(mx.default_stream(mx.default_device()))
+
+
+class PoolCapacityError(ValueError):
+    """The pool cannot hold what is asked of it; the message says what would fit."""
+
+
+class ExpertPool:
+    def __init__(
+        self,
+        layer: MoELayer,
+        capacity: int,
+        policy: EvictionPolicy,
+        admitter: Admitter,
+        *,
+        top_k: int,
+        keep: bool = True,
+        host_memory: bool = False,
+    ) -> None:
+        if capacity < top_k:
+            raise PoolCapacityError(
+                f"layer {layer.module_path}: capacity {capacity} is below the minimum "
+                f"{top_k} (the experts one token routes to)"
+            )
+        self.layer = layer
+        self.capacity = min(capacity, layer.num_experts)
+        self.top_k = top_k
+        self.policy = policy
+        self.admitter = admitter
+        # keep=False is the naive on-demand baseline of `bench decode`: nothing is
+        # reused from one forward to the next, every routed expert is read each time.
+        self.keep = keep
+        # host_memory=True (a mapped pool, daemon/mapped/mapped_pool.py): made on the CPU stream,
+        # the arrays are allocated where the host writes them (managed memory on CUDA)
+        # rather than as GPU memory the size of every expert.
+        self.arrays: dict[str, mx.array] = {
+            t.name: mx.zeros((self.capacity, *t.shape), dtype=getattr(mx, t.dtype), stream=mx.cpu if host_memory else None)
+            for t in layer.tensors
+        }
+        mx.eval(list(self.arrays.values()))
+        admitter.prepare(self.arrays)
+        self.slot_of = np.full(layer.num_experts, -1, np.int32)
+        self.expert_in = np.full(self.capacity, -1, np.int32)
+        self._free = list(range(self.capacity - 1, -1, -1))
+        self._resident: set[int] = set()
+        self.pinned: set[int] = set()
+        self.stats = PoolStats(routed=np.zeros(layer.num_experts, np.int64))
+        # Set once every expert is resident: lookups then stay on the device.
+        self.remap: mx.array | None = None
+        self.identity = False
+        # A mapped pool's copy of routed experts into a stack before small forwards
+        # (Settings.mapped_gather; set by the loader), else None.
+        self.gather: RowGather | None = None
+        # With mapped-pool prefetch: (expert ids, their rows) the previous layer copied
+        # ahead for this one's next forward (daemon/mapped/mapped_prefetch.py), else None.
+        self.staged: tuple[mx.array, list[mx.array]] | None = None
+        # The lowest MoE layers' pools (lowest first), whose routing of the same tokens
+        # some policies use as a hint (they route first in a forward); and this
+        # forward's routing.
+        self.lower: list[ExpertPool] = []
+        self.last_rows: np.ndarray | None = None
+        # When a list, a fully resident pool's forwards append their (device) expert ids
+        # here; speculative decoding counts the experts a verify reads from them.
+        self.route_log: list[mx.array] | None = None
+        # Set by the streaming layer / predictor.install: the diagnostics switch, the
+        # prefetcher whose buffer may hold this layer's experts, and the previous
+        # layer's prediction for this forward (consumed by the next ensure).
+        self.hub: Diagnostics | None = None
+        self.prefetcher: Prefetcher | None = None
+        self.prediction: Prediction | None = None
+        # Experts `prestage` admitted since this layer's last forward; their copies may
+        # still be running until `_settle`.
+        self._prestaged: set[int] = set()
+        # How many of the last forward's routed experts were resident thanks to prestage.
+        self.last_prestaged_used = 0
+        # The stream of the forward that last queued a read of this pool's slots.
+        self._reader_stream: str | None = None
+        # Whether a sync on a stream means that everything queued on it before has run:
+        # so on CUDA (one CUDA stream per MLX stream) and on the CPU (one worker per
+        # stream). Not relied on with Metal, whose command buffers of one queue may
+        # overlap when they share no tracked buffer (another request's last layer).
+        self._ordered_streams = not mx.metal.is_available()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+    @property
+    def fully_resident(self) -> bool:
+        return self.remap is not None
+
+    # ---- admission -----------------------------------------------------------------
+
+    def load_all(self) -> None:
+        """Make every expert resident (capacity == experts); lookups become device-only."""
+        if self.capacity < self.layer.num_experts:
+            raise PoolCapacityError("load_all needs a slot for every expert")
+        self._admit([e for e in range(self.layer.num_experts) if self.slot_of[e] < 0], set())
+        self.pinned = set(range(self.layer.num_experts))
+        self.remap = mx.array(self.slot_of)
+        self.identity = bool(np.array_equal(self.slot_of, np.arange(self.layer.num_experts)))
+
+    def pin(self, experts: Iterable[int]) -> int:
+        """Load and pin `experts` (hottest first); returns how many were pinned."""
+        wanted = [int(e) for e in experts if int(e) not in self.pinned]
+        room = self.capacity - self.top_k - len(self.pinned)
+        wanted = wanted[: max(room, 0)]
+        self._admit([e for e in wanted if self.slot_of[e] < 0], set(wanted) | self.pinned)
+        self.pinned.update(wanted)
+        return len(wanted)
+
+    def preload(self, experts: Sequence[int]) -> int:
+        """Admit `experts` (hottest first), unpinned, into the free slots only (nothing
+        is evicted): a warm start fills the pool beyond its pinned part. Returns how many
+        were admitted."""
+        if self.fully_resident:
+            return 0
+        wanted = [int(e) for e in experts if self.slot_of[int(e)] < 0][: len(self._free)]
+        if wanted:
+            # Coldest first, so that recency-based policies evict the hottest last.
+            self._admit(wanted[::-1], set(wanted) | self.pinned)
+        return len(wanted)
+
+    def prestage(self, experts: np.ndarray) -> int:
+        """Admit those of `experts` (the next forward's prediction) that are missing here
+        but held in host memory, copying them into their slots without waiting: the
+        copies run while the device computes the layers before this one, and the next
+        `ensure` waits for them. Victims are never pinned or among `experts`. Returns how
+        many were admitted.
+
+        Called between this layer's forwards, after a host sync of the same forward at a
+        lower layer with only that layer's work queued since: where streams run in order
+        and every read of this pool was queued on the current stream, no queued
+        computation reads it any more; elsewhere it waits for the streams first."""
+        if not self.keep or self.fully_resident:
+            return 0
+        named = {int(e) for e in experts}
+        missing = self.admitter.held(self.layer, [e for e in sorted(named) if self.slot_of[e] < 0])
+        protected = named | self.pinned
+        room = len(self._free) + len(self._resident - protected)
+        missing = missing[:room]
+        if not missing:
+            return 0
+        if not self._reads_drained(_current_stream()):
+            self._quiesce()
+        placements = self._assign_slots(missing, protected)
+        for e in missing:
+            self.policy.admitted(e)
+        # An expert evicted here and prestaged before (unused) simply leaves the set.
+        self._prestaged = {e for e in self._prestaged if self.slot_of[e] >= 0} | set(missing)
+        try:
+            self.admitter.prestage(self.layer, placements, self.arrays)
+        except Exception:
+            self._drop_prestaged()
+            raise
+        self.stats.prestaged += len(missing)
+        self.stats.bytes_read += len(missing) * self.layer.expert_bytes
+        return len(missing)
+
+    def _settle(self) -> None:
+        """Wait for prestaged copies before this pool's slots are read or rewritten."""
+        if not self._prestaged:
+            return
+        try:
+            self.admitter.settle()
+        except Exception:
+            self._drop_prestaged()
+            raise
+
+    def _drop_prestaged(self) -> None:
+        # Their bytes may never have arrived: make them missing again.
+        for e in self._prestaged:
+            if self.slot_of[e] >= 0:
+                self._release(e)
+                self.policy.evicted(e)
+        self._prestaged = set()
+
+    def _account(self, token_experts: np.ndarray, *, decode: bool) -> tuple[np.ndarray, list[int]]:
+        """Tell the policy and the statistics what these tokens routed to; return the
+        unique experts they need and those of them that are not resident."""
+        self._settle()
+        if not self.keep:
+            for e in list(self._resident - self.pinned):
+                self._release(e)
+                self.policy.evicted(e)
+        # Only rows of this forward count (a resident layer records none).
+        lower = [p.last_rows for p in self.lower if p.last_rows is not None and len(p.last_rows) == len(token_experts)]
+        for i, row in enumerate(token_experts):
+            if lower:
+                self.policy.observe_lower([rows[i].tolist() for rows in lower])
+            self.policy.access(row.tolist())
+        self.last_rows = token_experts
+        needed = np.unique(token_experts)
+        np.add.at(self.stats.routed, token_experts.reshape(-1), 1)
+        self.stats.routed_total += token_experts.size
+        missing = [int(e) for e in needed if self.slot_of[e] < 0]
+        hits = len(needed) - len(missing)
+        if self._prestaged:
+            self.last_prestaged_used = sum(1 for e in needed if int(e) in self._prestaged)
+            self.stats.prestaged_used += self.last_prestaged_used
+            self._prestaged = set()
+        else:
+            self.last_prestaged_used = 0
+        if decode:
+            self.stats.hits_decode += hits
+            self.stats.misses_decode += len(missing)
+        else:
+            self.stats.hits_prefill += hits
+            self.stats.misses_prefill += len(missing)
+        return needed, missing
+
+    def ensure(self, token_experts: np.ndarray, *, decode: bool, synced: bool = False) -> None:
+        """Make resident every expert routed by these tokens ([tokens, k] ids),
+        promoting what the prefetcher has read for them; the caller then queues the
+        forward's read of the slots on the current stream.
+
+        `synced`: this forward has just synced a computation on the current stream (its
+        router). Where a stream runs its work in order (`_ordered_streams`), every read of
+        the slots queued on it before has run too; when every earlier read was queued on
+        this stream, slots may be written without waiting for the streams again."""
+        prediction, self.prediction = self.prediction, None
+        rec = self.hub.rec if self.hub is not None else None
+        if rec is not None:
+            tic = time.perf_counter()
+        needed, missing = self._account(token_experts, decode=decode)
+        if rec is not None:
+            rec.segment(self.layer.ordinal, "lookup", time.perf_counter() - tic)
+            self._diagnose(rec, needed, missing, prediction, decode, promotable=True)
+        stream = _current_stream()
+        if missing:
+            self._admit(missing, set(needed.tolist()) | self.pinned, rec=rec, drained=synced and self._reads_drained(stream))
+        self._reader_stream = stream
+
+    def _diagnose(self, rec: Recorder, needed: np.ndarray, missing: list[int], prediction: Prediction | None,
+                  decode: bool, *, promotable: bool) -> None:
+        """Attribute each needed expert to a bucket; recall and compute window."""
+        o = self.layer.ordinal
+        pf = self.prefetcher
+        rec.attribute(o, decode, "resident_hit", len(needed) - len(missing) - self.last_prestaged_used)
+        rec.attribute(o, decode, "prefetched", self.last_prestaged_used)
+        named = set(prediction.named.tolist()) if prediction is not None else ()
+        for e in missing:
+            state = pf.state(o, e) if pf is not None else "none"
+            if promotable and state == "done":
+                bucket = "prefetched"
+            elif promotable and state == "pending":
+                bucket = "predicted_not_finished"
+            elif e in named:
+                bucket = "predicted_evicted" if state == "dropped" else "predicted_not_read"
+            else:
+                bucket = "not_predicted"
+            rec.attribute(o, decode, bucket)
+        if pf is not None:
+            pf.forget_dropped(o)
+        if prediction is not None:
+            rec.recall(o, decode, self.top_k, needed, prediction.ranked)
+            if prediction.submitted:
+                rec.window(o, time.perf_counter() - prediction.submitted_at)
+
+    def fits(self, token_experts: np.ndarray) -> bool:
+        """Whether the experts of these tokens fit in the pool at once."""
+        needed = set(np.unique(token_experts).tolist())
+        return len(needed - self.pinned) <= self.capacity - len(self.pinned)
+
+    def gather_overflow(self, token_experts: np.ndarray) -> tuple[dict[str, mx.array], np.ndarray]:
+        """Serve a forward whose experts do not fit in the pool, as one kernel call.
+
+        Returns stacked arrays holding exactly the experts these tokens need (resident
+        ones copied from their slots, missing ones read from the store into scratch) and
+        the map expert id -> row in them. Afterwards the pool keeps the experts of the
+        latest tokens, copied from the scratch, so decoding starts warm. Memory: one
+        transient copy of this layer's needed experts.
+        """
+        prediction, self.prediction = self.prediction, None
+        needed, missing = self._account(token_experts, decode=False)
+        rec = self.hub.rec if self.hub is not None else None
+        if rec is not None:
+            self._diagnose(rec, needed, missing, prediction, False, promotable=False)
+        self.stats.overflow_forwards += 1
+        resident = [int(e) for e in needed if self.slot_of[e] >= 0]
+        scratch = self._read_scratch(missing)
+        row_of = np.full(self.layer.num_experts, -1, np.int32)
+        row_of[resident] = np.arange(len(resident), dtype=np.int32)
+        row_of[missing] = np.arange(len(resident), len(resident) + len(missing), dtype=np.int32)
+        take = mx.array(self.slot_of[resident]) if resident else None
+        stacked = {}
+        for name, pool_array in self.arrays.items():
+            parts = ([pool_array[take]] if take is not None else []) + ([scratch[name]] if missing else [])
+            stacked[name] = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+        mx.eval(list(stacked.values()))
+        self._keep_latest(token_experts, scratch, {e: j for j, e in enumerate(missing)})
+        return stacked, row_of
+
+    def _read_scratch(self, experts: Sequence[int]) -> dict[str, mx.array]:
+        if not experts:
+            return {}
+        scratch = {t.name: mx.zeros((len(experts), *t.shape), dtype=getattr(mx, t.dtype)) for t in self.layer.tensors}
+        mx.eval(list(scratch.values()))
+        failed = self.admitter.fill(self.layer, [(e, j) for j, e in enumerate(experts)], scratch)
+        self.stats.bytes_read += (len(experts) - len(failed)) * self.layer.expert_bytes
+        if failed:
+            self._raise(failed)
+        return scratch
+
+    def _keep_latest(self, token_experts: np.ndarray, scratch: dict[str, mx.array], scratch_row: dict[int, int]) -> None:
+        """Admit, from the scratch, the experts of the last tokens that fit in the pool."""
+        room = self.capacity - len(self.pinned)
+        keep: set[int] = set()
+        for row in token_experts[::-1]:
+            row_set = {int(e) for e in row if int(e) not in self.pinned}
+            if len(keep | row_set) > room:
+                break
+            keep |= row_set
+        self._quiesce()
+        protected = keep | self.pinned
+        rows = []
+        for e in sorted(keep):
+            if self.slot_of[e] >= 0:
+                continue
+            slot = self._take_slot(protected)
+            rows.append((slot, scratch_row[e]))
+            self.slot_of[e] = slot
+            self.expert_in[slot] = e
+            self._resident.add(e)
+            self.policy.admitted(e)
+        self.admitter.copy_rows(self.layer, self.arrays, scratch, rows)
+
+    def _reads_drained(self, stream: str) -> bool:
+        """After a sync on `stream` (the current one): whether every read of this pool
+        queued before has run (see `ensure`)."""
+        return self._ordered_streams and self._reader_stream in (None, stream)
+
+    def _quiesce(self) -> None:
+        """Work queued earlier (e.g. another request's step, interleaved with this one)
+        may still read the slots about to be overwritten: let it finish first."""
+        self.stats.quiesces += 1
+        mx.synchronize(generation_stream)
+        mx.synchronize()
+
+    def _take_slot(self, protected: set[int]) -> int:
+        """A free slot, or the slot of the policy's victim (never a protected expert)."""
+        if self._free:
+            return self._free.pop()
+        victim = self.policy.victim(self._resident, protected)
+        if victim in protected or self.slot_of[victim] < 0:
+            raise RuntimeError(
+                f"policy {self.policy.name} chose expert {victim} of "
+                f"{self.layer.module_path}, which is protected or not resident"
+            )
+        slot = int(self.slot_of[victim])
+        self.slot_of[victim] = -1
+        self._resident.discard(victim)
+        self.policy.evicted(victim)
+        self.stats.evictions += 1
+        return slot
+
+    def _assign_slots(self, missing: Sequence[int], protected: set[int]) -> list[tuple[int, int]]:
+        """A slot for each of `missing` (evicting unprotected experts where none is
+        free), recorded as resident; returns the (expert, slot) placements."""
+        placements = []
+        for e in missing:
+            slot = self._take_slot(protected)
+            self.slot_of[e] = slot
+            self.expert_in[slot] = e
+            self._resident.add(e)
+            placements.append((e, slot))
+        return placements
+
+    def _admit(self, missing: Sequence[int], protected: set[int], rec: Recorder | None = None,
+               drained: bool = False) -> None:
+        if rec is not None:
+            tic = time.perf_counter()
+        if not drained:
+            self._quiesce()
+        placements = self._assign_slots(missing, protected)
+        if rec is not None:
+            t_read = time.perf_counter()
+            rec.segment(self.layer.ordinal, "admit", t_read - tic)
+        pf = self.prefetcher
+        to_read = placements
+        if pf is not None:
+            buffered = [(e, slot) for e, slot in placements if pf.has(self.layer.ordinal, e)]
+            if buffered:
+                # Promotion may also write the host tier: no tier copy may be in flight.
+                self.admitter.settle()
+                times = [0.0, 0.0, 0.0, 0.0] if rec is not None else None
+                left, _ = pf.promote(self.layer, buffered, self.arrays, times)
+                done = {e for e, _ in buffered} - {e for e, _ in left}
+                to_read = [p for p in placements if p[0] not in done]
+                if rec is not None:
+                    o = self.layer.ordinal
+                    rec.host(o, "promote_take", times[0])
+                    rec.host(o, "promote_route", times[1])
+                    rec.host(o, "promote_place", times[2])
+                    rec.read_wait(o, times[3])
+        failed = self.admitter.fill(self.layer, to_read, self.arrays) if to_read else []
+        if rec is not None:
+            rec.segment(self.layer.ordinal, "read", time.perf_counter() - t_read)
+        failed_experts = {e for e, _ in failed}
+        for e in missing:
+            if e in failed_experts:
+                self._release(e)
+            else:
+                self.policy.admitted(e)
+        self.stats.bytes_read += (len(placements) - len(failed)) * self.layer.expert_bytes
+        if failed:
+            self._raise(failed)
+
+    def _raise(self, failed: Sequence[tuple[int, str]]) -> None:
+        expert, error = failed[0]
+        raise ExpertReadError(
+            f"cannot read expert {expert} of layer {self.layer.ordinal} ({self.layer.module_path}): {error}"
+        )
+
+    def _release(self, expert: int) -> None:
+        slot = int(self.slot_of[expert])
+        self.slot_of[expert] = -1
+        self.expert_in[slot] = -1
+        self._resident.discard(expert)
+        self._free.append(slot)
+
+    def take_routed(self) -> np.ndarray:
+        """Per-expert routed counts since the last call (for the heat keeper)."""
+        counts = self.stats.routed
+        self.stats.routed = np.zeros_like(counts)
+        return counts

@@ -1,0 +1,1 @@
+"""Prefetch: the next-layer predictor and the prefetcher that reads its experts ahead."""

@@ -1,0 +1,160 @@
+"""The predictor: which experts will the next MoE layer want?
+
+While layer L runs, layer L+1's router is applied to layer L's input hidden state: the
+residual stream changes little from one layer to the next, so L+1's router scores on it
+rank the experts L+1 will route to nearly as L+1 itself will. The scores come out of the
+same graph evaluation as layer L's own expert ids, so predicting costs one small matmul
+on the device and no extra host sync.
+
+`install` wires the predictor, the prefetcher and the diagnostics switch into the
+streaming layers of a loaded model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from moestream.daemon.pool.admission import expert_stride
+from moestream.daemon.model.diagnostics import Diagnostics
+from moestream.daemon.prefetch.prefetcher import Prefetcher
+
+if TYPE_CHECKING:
+    from moestream.daemon.pool.expert_pool import ExpertPool
+    from moestream.daemon.model.streaming_moe import StreamingMoE
+
+
+class NextRouter:
+    """Router scores of one MoE layer, computable on another layer's hidden state.
+
+    Knows the gates of mlx-lm's MoE blocks: a plain or quantized Linear (Qwen3-MoE,
+    Qwen3-Next / Qwen3.5-MoE, Mixtral, ...) and DeepSeek-V3's `MoEGate` (sigmoid scores
+    plus the correction bias; its group limit is left out, which can only widen the
+    ranking a little)."""
+
+    def __init__(self, gate: Any, num_experts: int) -> None:
+        self.num_experts = num_experts
+        if isinstance(gate, nn.Module) and hasattr(gate, "e_score_correction_bias") and "weight" in gate:
+            self._kind = "sigmoid_bias"
+        elif isinstance(gate, (nn.Linear, nn.QuantizedLinear)):
+            self._kind = "linear"
+        else:
+            raise TypeError(f"no predictor for a router of type {type(gate).__name__}")
+        # Held in a plain object (never an attribute of an nn.Module), so the gate's
+        # weights are not counted twice in the model's parameters.
+        self._gate = gate
+
+    def scores(self, x: mx.array) -> mx.array:
+        g = self._gate
+        if self._kind == "linear":
+            return g(x)
+        return mx.sigmoid((x @ g.weight.T).astype(mx.float32)) + g.e_score_correction_bias
+
+    def ranked(self, x: mx.array, k: int, *, ordered: bool) -> mx.array:
+        """[..., k] expert ids with the highest scores: best first when `ordered`, else
+        in no particular order (argpartition, cheaper)."""
+        s = self.scores(x)
+        k = min(k, self.num_experts)
+        if ordered:
+            return mx.argsort(-s, axis=-1)[..., :k]
+        if k == self.num_experts:
+            return mx.broadcast_to(mx.arange(k), s.shape)
+        return mx.argpartition(-s, kth=k - 1, axis=-1)[..., :k]
+
+
+@dataclass(eq=False)
+class Prediction:
+    """What layer L named for layer L+1 in this forward."""
+
+    # [tokens, n] expert ids per token (best first when diagnostics are on).
+    ranked: np.ndarray
+    # The unique experts prefetch was asked for (the top k' of each token).
+    named: np.ndarray
+    # perf_counter() when the prefetch was submitted (diagnostics only), else 0.
+    submitted_at: float = 0.0
+    submitted: bool = False
+
+
+@dataclass(eq=False)
+class NextLayer:
+    """Layer L+1 as seen from layer L: its pool and its router; with a prefetch depth
+    above 1, also the layers after it whose experts layer L reads ahead (`ahead`: L+2,
+    ...), those of them with a router the predictor knows."""
+
+    pool: "ExpertPool"
+    router: NextRouter
+    ahead: list["NextLayer"] = field(default_factory=list)
+
+
+def routers_of(moes: Sequence["StreamingMoE"], blocks: Sequence[Any]) -> list[NextRouter | None]:
+    """Each streaming layer's router as a NextRouter (None where its gate is of a kind
+    the predictor does not know). `blocks[i]` is the MoE block that holds `moes[i]`."""
+    routers: list[NextRouter | None] = []
+    for block, m in zip(blocks, moes):
+        gate = getattr(block, "gate", None) if block is not None else None
+        try:
+            routers.append(NextRouter(gate, m.pool.layer.num_experts) if gate is not None else None)
+        except TypeError:
+            routers.append(None)
+    return routers
+
+
+def install(
+    moes: Sequence["StreamingMoE"],
+    blocks: Sequence[Any],
+    *,
+    reader: Any,
+    manifest: Any,
+    admitter: Any,
+    top_k: int,
+    prefetch: str,
+    diagnostics: bool,
+    predict: bool = True,
+    prefetch_slots: int | None = None,
+    depth: int = 1,
+    buffer_bytes: int = 0,
+) -> tuple[Diagnostics, Prefetcher | None]:
+    """Give the streaming layers (in forward order) a shared diagnostics switch, and,
+    where pools are partial, the next layer's router and a prefetcher. `blocks[i]` is the
+    MoE block that holds `moes[i]` (its `gate` is layer i's router). `depth`
+    (Settings.prefetch_depth): how many layers ahead each layer reads; `buffer_bytes`
+    (Settings.prefetch_buffer): the prefetch buffer's size, 0 for the default."""
+    hub = Diagnostics(default=diagnostics)
+    for m in moes:
+        m.set_hub(hub)
+    partial = any(not m.pool.fully_resident for m in moes)
+    routers = routers_of(moes, blocks)
+    if not predict or not partial or len(moes) < 2 or all(r is None for r in routers[1:]):
+        return hub, None
+    copier = getattr(admitter, "copier", None)
+    tier = getattr(admitter, "tier", None) if getattr(admitter, "keep", False) else None
+    largest = max(m.pool.layer.num_experts for m in moes)
+    # Room for a few layers' predictions of a batch (more when reading further ahead);
+    # with prefetch off the buffer only has to exist (predictions still feed the
+    # diagnostics).
+    stride = expert_stride(manifest)
+    if buffer_bytes and buffer_bytes < top_k * stride:
+        raise ValueError(f"prefetch_buffer of {buffer_bytes} bytes holds fewer experts than one token routes "
+                         f"({top_k} of {stride} bytes): give at least {top_k * stride}, or 0 for the default")
+    if prefetch_slots:
+        slots = prefetch_slots
+    elif prefetch == "off":
+        slots = top_k
+    elif buffer_bytes:
+        slots = buffer_bytes // stride
+    else:
+        slots = min(16 * depth * top_k, 4 * depth * largest)
+    prefetcher = Prefetcher(reader, manifest, copier, slots=slots, top_k=top_k, mode=prefetch, tier=tier,
+                            batch=getattr(admitter, "batch", False), depth=depth)
+    for i, (m, nxt, router) in enumerate(zip(moes, moes[1:], routers[1:])):
+        if router is not None:
+            ahead = [NextLayer(a.pool, r) for a, r in zip(moes[i + 2 : i + 1 + depth], routers[i + 2 : i + 1 + depth])
+                     if r is not None]
+            m.set_next(NextLayer(nxt.pool, router, ahead), prefetcher)
+    for m in moes:
+        m.pool.prefetcher = prefetcher
+    return hub, prefetcher

@@ -1,0 +1,97 @@
+"""Writing out a trained demo model: float and 4-bit mlx-lm folders (the MTP head in its
+own file), the expert store, and sample text from the saved 4-bit model."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import shutil
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map
+
+from demo_recipe.data import tokenizer_file_names
+from demo_recipe.model import DemoShape
+from moestream.daemon.model.demo_mtp import MTP_FILE, MTPHead, quantize_mtp, save_mtp
+
+SAMPLE_PROMPT = "def fibonacci(n):"
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    for name in tokenizer_file_names():
+        shutil.copy2(src / name, dst / name)
+
+
+def _cast(module: nn.Module, dtype: mx.Dtype) -> None:
+    module.update(
+        tree_map(lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a, module.parameters())
+    )
+
+
+def save_float(
+    lm: nn.Module, head: MTPHead, config: dict[str, Any], shape: DemoShape, tokenizer_dir: Path, folder: Path
+) -> None:
+    """An mlx-lm model folder with the weights as they are (float32 after training)."""
+    from mlx_lm.utils import save_config, save_model
+
+    save_model(folder, lm)
+    save_config(dict(config), folder / "config.json")
+    _copy_tokenizer(tokenizer_dir, folder)
+    save_mtp(
+        folder / MTP_FILE, head, model_config=config, intermediate_size=shape.mtp_intermediate_size, quantization=None
+    )
+
+
+def save_quantized(
+    lm: nn.Module, head: MTPHead, config: dict[str, Any], shape: DemoShape, tokenizer_dir: Path, folder: Path
+) -> None:
+    """Cast to bfloat16 and quantize (as mlx-community ships models), then save.
+
+    Changes `lm` and `head` in place: call it after everything that needs the float model.
+    """
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    _cast(lm, mx.bfloat16)
+    _cast(head, mx.bfloat16)
+    with contextlib.redirect_stdout(io.StringIO()):  # quantize_model prints bits per weight
+        lm, qconfig = quantize_model(lm, dict(config), shape.group_size, shape.bits, mode="affine")
+    quant = quantize_mtp(head, group_size=shape.group_size, bits=shape.bits)
+    save_model(folder, lm)
+    save_config(qconfig, folder / "config.json")
+    _copy_tokenizer(tokenizer_dir, folder)
+    save_mtp(
+        folder / MTP_FILE, head, model_config=config, intermediate_size=shape.mtp_intermediate_size, quantization=quant
+    )
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of every file under `folder`."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def make_store(model_dir: Path, store_dir: Path) -> dict[str, int]:
+    """`moestreamctl convert` of `model_dir` into `store_dir`, with the MTP head copied
+    beside it; returns {"store", "mtp", "total"} in bytes."""
+    from moestream.daemon.store.convert import convert_model
+
+    convert_model(model_dir, store_dir, force=True)
+    shutil.copy2(model_dir / MTP_FILE, store_dir / MTP_FILE)
+    total = folder_bytes(store_dir)
+    mtp = (store_dir / MTP_FILE).stat().st_size
+    return {"store": total - mtp, "mtp": mtp, "total": total}
+
+
+def sample_text(model_dir: Path, *, seed: int, max_tokens: int, prompt: str = SAMPLE_PROMPT) -> dict[str, str]:
+    """Greedy and sampled (temperature 0.7, top-p 0.95) continuations of `prompt` by
+    the model saved in `model_dir`, loaded with stock mlx-lm."""
+    from mlx_lm import generate, load
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = load(str(model_dir))
+    greedy = generate(model, tokenizer, prompt, max_tokens=max_tokens)
+    mx.random.seed(seed)
+    sampled = generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=make_sampler(temp=0.7, top_p=0.95))
+    return {"prompt": prompt, "greedy": greedy, "sampled_t0.7": sampled}
