@@ -7,20 +7,15 @@
 #
 #   bash tests/bench/gpu_run.sh exactness     # the exactness suite on CUDA (adds bf16)
 #   bash tests/bench/gpu_run.sh copy-check    # the CUDA copier: exact bytes, memory kinds, H2D GB/s, batched vs per-span queuing
-#   bash tests/bench/gpu_run.sh mapped-q30    # full residency: managed vs device copies; a mapped pool; routing readback
 #   bash tests/bench/gpu_run.sh predict-q30   # bench predict (recall, prefetch on/off at 25/50%)
 #   bash tests/bench/gpu_run.sh predict-mapped-q30 # bench predict --mapped: the mapped pool's prefetch off/on at 25%
-#   bash tests/bench/gpu_run.sh overlap       # expert matmul beside DMA copies into managed memory
 #   bash tests/bench/gpu_run.sh shape         # forwards at new vs seen key lengths (per-shape costs)
 #   bash tests/bench/gpu_run.sh residency-q30 # copy streams; 100% vs stock per round; zero-copy reads
 #   bash tests/bench/gpu_run.sh full-residency # 100% vs stock: the streaming layer's Python vs the pool's memory, host time split; ABBA=N: N blocks of A B B A decodes
 #   bash tests/bench/gpu_run.sh gather-q30    # one mapped layer: zero-copy expert call vs copying the routed experts first
-#   bash tests/bench/gpu_run.sh copy-cost     # host us per cudaMemcpyAsync into device vs managed memory
-#   bash tests/bench/gpu_run.sh block         # one block per pool slot: gather_qmm on strided views, copies per expert
 #   bash tests/bench/gpu_run.sh exactness-mini  # 4-bit and bf16 random models of CUDA-friendly size
 #   bash tests/bench/gpu_run.sh exactness-old # the same cases on an older tree (OLD_TAR), to bisect a failure
 #   bash tests/bench/gpu_run.sh crash-matrix  # the slot-pool crash, REPS runs per VARIANTS (default collect only32)
-#   bash tests/bench/gpu_run.sh stream-edge   # what a dependency between two MLX streams costs in one evaluation
 #   bash tests/bench/gpu_run.sh background-copy # a copy made ahead of use beside a layer's kernels, by blocks per row/span (needs make-q30)
 #   bash tests/bench/gpu_run.sh predict-depth-q30 # bench predict at 25% without a host tier (disk-bound), prefetch depth 1 and 2 (DEPTHS)
 #   bash tests/bench/gpu_run.sh graph-ops     # predict-mapped-q30 at MLX_MAX_OPS_PER_BUFFER 20/60/120/240 (OPS=...)
@@ -67,9 +62,6 @@ case "$stage" in
     ;;
   copy-check)
     $py tests/bench/gpu_copy_check.py --out "$OUT/copy_check.json"
-    ;;
-  mapped-q30)
-    $py tests/bench/gpu_mapped_probe.py --store /root/q30/store --parts "${PARTS:-full,mapped}" --out "$OUT/mapped_q30.json" 2>&1 | tail -40
     ;;
   predict-q30)
     # With a host tier that holds every expert (HOST_CACHE=0 for none, or a size that
@@ -142,10 +134,6 @@ EOF
         || echo "graph-ops: $n failed or timed out (exit $?)"
     done
     ;;
-  overlap)
-    # Expert matmul alone vs beside / after DMA copies into managed pool memory.
-    $py tests/bench/gpu_overlap_probe.py --out "$OUT/overlap_h200.json" 2>&1 | tail -8
-    ;;
   shape)
     $py tests/bench/gpu_shape_probe.py --store daemon/demo/store --out "$OUT/shape_probe_h200.json" 2>&1 | tail -12
     ;;
@@ -154,12 +142,6 @@ EOF
     ;;
   full-residency)
     $py tests/bench/gpu_full_residency_probe.py --store /root/q30/store --rounds "${ROUNDS:-5}" --abba "${ABBA:-0}" --out "$OUT/full_residency_q30${ABBA:+_abba}_h200.json" 2>&1 | tail -60
-    ;;
-  copy-cost)
-    $py tests/bench/gpu_copy_cost_probe.py --out "$OUT/copy_cost_probe_h200.json" 2>&1 | tail -30
-    ;;
-  block)
-    $py tests/bench/gpu_block_probe.py --out "$OUT/block_probe_h200.json" 2>&1 | tail -30
     ;;
   gather-q30)
     $py tests/bench/gpu_gather_probe.py --store /root/q30/store --out "$OUT/gather_probe_h200.json" 2>&1 | tail -4
@@ -207,9 +189,6 @@ EOF
     ;;
   background-copy)
     $py tests/bench/gpu_background_copy_probe.py --store /root/q30/store --out "$OUT/background_copy_probe_h200.json" 2>&1 | tail -12
-    ;;
-  stream-edge)
-    $py tests/bench/gpu_stream_edge_probe.py --out "$OUT/stream_edge_probe_h200.json" 2>&1 | tail -16
     ;;
   make-q30)
     rm -rf /root/q30 && mkdir -p /root/q30
