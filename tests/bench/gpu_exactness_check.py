@@ -106,7 +106,7 @@ def main() -> None:
             prefetch = "on" if not mapped or "prefetch" in mode else "off"
             sm = load_streaming_model(store, Settings(capacity=slots, host_cache=host_cache, mapped=mapped, prefetch=prefetch,
                                                       **({"mapped_gather": gather} if "mapped_gather" in Settings.__dataclass_fields__ else {}),
-                                                      # The kernel is the default since session 9: the other
+                                                      # The kernel is the default: the other
                                                       # cases say off, so that both ways stay checked.
                                                       **({"copy_kernel": kernel} if "copy_kernel" in Settings.__dataclass_fields__ else {}),
                                                       **({"mapped_prefetch_stream": "same"} if same else {}),

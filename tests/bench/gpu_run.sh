@@ -1,47 +1,63 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (see ../shared/device/README.md), after MLX's CUDA build was
-# installed into /opt/mlx. One stage per device call, each under its 10-minute limit;
-# results go to $OUT and are committed under tests/bench/results/. The bench stages also
-# write their progress lines beside their JSON (NAME.progress): a run cut off by the
-# device's time limit still tells how far it got and what it measured on the way.
+# GPU benchmark stages, run from the repository root on an NVIDIA machine with MLX's
+# CUDA build installed from its wheels (into /opt/mlx here, which goes on PYTHONPATH).
+# Usage: bash tests/bench/gpu_run.sh STAGE (no STAGE, or help: this table).
 #
-#   bash tests/bench/gpu_run.sh exactness     # the exactness suite on CUDA (adds bf16)
-#   bash tests/bench/gpu_run.sh copy-check    # the CUDA copier: exact bytes, memory kinds, H2D GB/s, batched vs per-span queuing
-#   bash tests/bench/gpu_run.sh mapped-q30    # full residency: managed vs device copies; a mapped pool; routing readback
-#   bash tests/bench/gpu_run.sh predict-q30   # bench predict (recall, prefetch on/off at 25/50%)
-#   bash tests/bench/gpu_run.sh predict-mapped-q30 # bench predict --mapped: the mapped pool's prefetch off/on at 25%
-#   bash tests/bench/gpu_run.sh overlap       # expert matmul beside DMA copies into managed memory
-#   bash tests/bench/gpu_run.sh shape         # forwards at new vs seen key lengths (per-shape costs)
-#   bash tests/bench/gpu_run.sh residency-q30 # copy streams; 100% vs stock per round; zero-copy reads
-#   bash tests/bench/gpu_run.sh full-residency # 100% vs stock: the streaming layer's Python vs the pool's memory, host time split; ABBA=N: N blocks of A B B A decodes
-#   bash tests/bench/gpu_run.sh gather-q30    # one mapped layer: zero-copy expert call vs copying the routed experts first
-#   bash tests/bench/gpu_run.sh copy-cost     # host us per cudaMemcpyAsync into device vs managed memory
-#   bash tests/bench/gpu_run.sh block         # one block per pool slot: gather_qmm on strided views, copies per expert
-#   bash tests/bench/gpu_run.sh exactness-mini  # 4-bit and bf16 random models of CUDA-friendly size
-#   bash tests/bench/gpu_run.sh exactness-old # the same cases on an older tree (OLD_TAR), to bisect a failure
-#   bash tests/bench/gpu_run.sh crash-matrix  # the slot-pool crash, REPS runs per VARIANTS (default collect only32)
-#   bash tests/bench/gpu_run.sh stream-edge   # what a dependency between two MLX streams costs in one evaluation
-#   bash tests/bench/gpu_run.sh background-copy # a copy made ahead of use beside a layer's kernels, by blocks per row/span (needs make-q30)
-#   bash tests/bench/gpu_run.sh predict-depth-q30 # bench predict at 25% without a host tier (disk-bound), prefetch depth 1 and 2 (DEPTHS)
-#   bash tests/bench/gpu_run.sh graph-ops     # predict-mapped-q30 at MLX_MAX_OPS_PER_BUFFER 20/60/120/240 (OPS=...)
-#   bash tests/bench/gpu_run.sh make-q30      # Qwen3-30B-A3B-shaped random 4-bit model + store
-#   bash tests/bench/gpu_run.sh decode-q30    # bench decode on it: stock, 100%, 25% (+host, +host:slots), naive (WARMUP=2 by default, MIN_ROUND_S=2, GEN_LOOP=1, COPY_BATCH=1, COPY_KERNEL=1, MAPPED=1)
-#   bash tests/bench/gpu_run.sh mapped-prefetch-q30 # mapped pools at 25%: zero-copy, gathered, gathered + prefetch (second stream, own stream)
-#   bash tests/bench/gpu_run.sh decode-q30-table # 50% and 12.5% (+host, +host:slots)
-#   bash tests/bench/gpu_run.sh gen-demo      # the daemon's generation loop vs the bench loop on the demo model
-#   bash tests/bench/gpu_run.sh warmstart-q30 # bench warmstart on it
-#   bash tests/bench/gpu_run.sh warmstart-q30-mapped # the same with mapped pools
-#   bash tests/bench/gpu_run.sh warmstart-q30-host # the same with a host tier of 20G
-#   bash tests/bench/gpu_run.sh demo          # train the built-in demo model
-#   bash tests/bench/gpu_run.sh spec-demo     # bench decode --speculative mtp on the demo model
-#   bash tests/bench/gpu_run.sh chain S1 S2 ...  # stages in turn, each under STAGE_TIMEOUT s
+# Results go to $OUT (default /tmp/out); the ones kept are committed under
+# tests/bench/results/. Bench stages also write their progress lines beside their JSON
+# (NAME.progress), so a run cut off by a time limit still says what it measured. Each
+# stage is meant to finish within 10 minutes; stages marked q30 need make-q30 first
+# (its model and store are in /root/q30).
+# Environment variables that vary a stage are described at the stage below.
+#
+# setup
+#   make-q30             Qwen3-30B-A3B-shaped random 4-bit model (realistic routing) and its store
+#   chain S1 S2 ...      stages in turn, each under STAGE_TIMEOUT seconds (default 400)
+# exactness
+#   exactness-mini       GPU exactness check: streaming vs stock mlx-lm bit for bit, every pool kind, 4-bit and bf16
+#   exactness-old        the same cases on an older tree (OLD_TAR), to tell whether a failure predates a change
+#   crash-matrix         the slot-pool illegal-memory-access crash, REPS runs per VARIANTS
+#   exactness            the CPU test suite under MLX's CUDA build (CUDA kernels differ: see tests/bench/README.md)
+# decode (bench decode)
+#   decode-q30           q30: stock, 100%, 25% (+host mapped, +host:slots), naive; 100% vs stock in A B B A blocks
+#   decode-q30-table     q30: 50% and 12.5%, with and without the host tier
+#   mapped-prefetch-q30  q30: mapped pools at 25%: zero-copy, gathered, gathered + prefetch (second, own stream)
+#   gen-demo             the daemon's generation loop against the bench loop, demo model
+#   spec-demo            speculative decoding with the demo's MTP head against plain decode
+# prefetch (bench predict)
+#   predict-q30          q30: predictor recall; prefetch off/on with a host tier (HOST_CACHE, CAPACITY, DEPTH, ...)
+#   predict-mapped-q30   q30: the mapped pool's prefetch off/on at 25%
+#   predict-depth-q30    q30: prefetch where the disk is the bound (25%, no host tier) by depth and buffer
+#   graph-ops            q30: predict-mapped-q30 at several MLX_MAX_OPS_PER_BUFFER (CUDA graph sizes)
+# warm start (bench warmstart)
+#   warmstart-q30        q30: time to 64 tokens after a restart at 25%, cold vs autopinned
+#   warmstart-q30-host   the same with a 20G host tier filled from the heat before ready
+#   warmstart-q30-mapped the same with mapped pools
+# probes (scripts in tests/bench)
+#   copy-check           the CUDA copier: exact bytes, memory kinds, host->GPU GB/s, per-span vs batched vs kernel
+#   shape                attention and forwards at new vs seen key lengths (why speculation pads them), demo model
+#   residency-q30        q30: admission copies by CUDA streams; 100% vs stock; kernels reading host memory (zero-copy)
+#   full-residency       q30: where 100% could lose to stock (host time split; ABBA=N blocks of A B B A)
+#   gather-q30           q30: one mapped layer, zero-copy expert call vs gathering the routed experts first
+#   background-copy      q30: how much of a copy made ahead of use hides beside a layer's kernels, by blocks
+# demo
+#   demo                 train the built-in demo model (tests/bench/demo_recipe, DEMO_MINUTES)
 set -euo pipefail
-stage=${1:?stage}
+stage=${1:-help}
+if [ "$stage" = help ] || [ "$stage" = -h ] || [ "$stage" = --help ]; then
+  # The table is the header above: print it, not a copy that could drift.
+  sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"
+  exit 0
+fi
+if ! grep -qE "^#   $stage( |\$)" "$0"; then
+  echo "unknown stage $stage (bash $0 help lists them)" >&2; exit 2
+fi
 export PYTHONPATH=/opt/mlx:$PWD
 # A native abort then prints the Python stack of every thread.
 export PYTHONFAULTHANDLER=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: the demo stage runs from tests/bench
 py=python3
 ctl() { $py -m moestream.client.cli "$@"; }
 
@@ -68,18 +84,15 @@ case "$stage" in
   copy-check)
     $py tests/bench/gpu_copy_check.py --out "$OUT/copy_check.json"
     ;;
-  mapped-q30)
-    $py tests/bench/gpu_mapped_probe.py --store /root/q30/store --parts "${PARTS:-full,mapped}" --out "$OUT/mapped_q30.json" 2>&1 | tail -40
-    ;;
   predict-q30)
     # With a host tier that holds every expert (HOST_CACHE=0 for none, or a size that
     # holds part of them, e.g. 8G: predicted experts it lacks are then read from disk
     # while the GPU computes): predicted experts in the tier are copied into the next
     # layer's slots while the GPU computes.
     # CAPACITY=0.25 measures one capacity only; COPY_BATCH=1 queues copies in batches;
-    # COPY_KERNEL=1 copies with the copy kernel (the default since session 9; kept so
-    # that the file names say so); PF_BLOCKS=N caps it at N blocks per span
-    # for prefetch's copies (default 64; see gpu_background_copy_probe.py). DEPTH=N reads
+    # COPY_KERNEL=1 copies with the copy kernel (the default now; kept so that the
+    # file names say so); PF_BLOCKS=N caps it at N blocks per span for prefetch's
+    # copies (default 64; see gpu_background_copy_probe.py). DEPTH=N reads
     # N layers ahead (setting prefetch_depth); ROUNDS=N blocks of off/on/on/off (default 3);
     # PF_BUFFER=SIZE sizes the prefetch buffer (setting prefetch_buffer); WIDTH=N names
     # N x top-k experts per token; POLICY=lfu|lfuda|predictive evicts by another policy
@@ -111,15 +124,15 @@ EOF
   predict-depth-q30)
     # Prefetch where the disk is the bound (no host tier, 25%): reads of one layer's
     # misses take longer than a layer's compute, so depth 1 starts them too late
-    # (session 10, 8 GB tier: half the prefetched experts still in flight when used).
+    # (with an 8 GB tier, half the prefetched experts were still in flight when used).
     # DEPTHS="1 2" by default, 16 tokens a decode after a 4-token prompt (each decode's
     # prompt reads a few GB at 25%), 3 blocks each: about 4 minutes per depth.
-    # Session 12: 1.05x, 1.18x, 1.15x at depths 1, 2, 3; at depth 3 prefetch read at about
-    # 0.95 of the disk's bandwidth, 10 to 12% of it for experts never routed. BUFFERS="0 4G"
-    # runs each depth with each prefetch buffer size (0: the default); a buffer that keeps
-    # unrouted reads until a later token routes them (session 13: 4G at depth 2, none
-    # dropped) gave 1.25x and 1.21x. HOST_CACHE=8G puts a host tier under the pool instead
-    # of none.
+    # Measured 1.05x, 1.18x, 1.15x at depths 1, 2, 3 (bench_predict_q30_depth*_h200.json);
+    # at depth 3 prefetch read at about 0.95 of the disk's bandwidth, 10 to 12% of it for
+    # experts never routed. BUFFERS="0 4G" runs each depth with each prefetch buffer size
+    # (0: the default); a buffer that keeps unrouted reads until a later token routes
+    # them (4G at depth 2: none dropped) gave 1.25x and 1.21x. HOST_CACHE=8G puts a host
+    # tier under the pool instead of none.
     for d in ${DEPTHS:-1 2}; do
      for b in ${BUFFERS:-0}; do
       pf_buffer=$b; [ "$b" = 0 ] && pf_buffer=
@@ -136,15 +149,12 @@ EOF
     # stream run in turn: a staging copy can only run beside the kernels of its own graph.
     # The background-copy probe (one small graph) overlapped 0.47 of it; whole decode
     # gained 1.03x. One predict-mapped-q30 run per value of OPS (own stream, PF_BLOCKS 4).
-    # Session 11 (OPS="20 120 400"): 0.77x, 0.71x, 0.84x; decode is bound by the host.
+    # OPS="20 120 400" measured 0.77x, 0.71x, 0.84x (bench_predict_q30_mapped_same_b4_ops*);
+    # decode is bound by the host.
     for n in ${OPS:-20 60 120 240}; do
       MLX_MAX_OPS_PER_BUFFER=$n PF_STREAM=${PF_STREAM:-same} PF_BLOCKS=${PF_BLOCKS:-4} timeout "${STAGE_TIMEOUT:-150}" bash "$0" predict-mapped-q30 \
         || echo "graph-ops: $n failed or timed out (exit $?)"
     done
-    ;;
-  overlap)
-    # Expert matmul alone vs beside / after DMA copies into managed pool memory.
-    $py tests/bench/gpu_overlap_probe.py --out "$OUT/overlap_h200.json" 2>&1 | tail -8
     ;;
   shape)
     $py tests/bench/gpu_shape_probe.py --store daemon/demo/store --out "$OUT/shape_probe_h200.json" 2>&1 | tail -12
@@ -154,12 +164,6 @@ EOF
     ;;
   full-residency)
     $py tests/bench/gpu_full_residency_probe.py --store /root/q30/store --rounds "${ROUNDS:-5}" --abba "${ABBA:-0}" --out "$OUT/full_residency_q30${ABBA:+_abba}_h200.json" 2>&1 | tail -60
-    ;;
-  copy-cost)
-    $py tests/bench/gpu_copy_cost_probe.py --out "$OUT/copy_cost_probe_h200.json" 2>&1 | tail -30
-    ;;
-  block)
-    $py tests/bench/gpu_block_probe.py --out "$OUT/block_probe_h200.json" 2>&1 | tail -30
     ;;
   gather-q30)
     $py tests/bench/gpu_gather_probe.py --store /root/q30/store --out "$OUT/gather_probe_h200.json" 2>&1 | tail -4
@@ -208,9 +212,6 @@ EOF
   background-copy)
     $py tests/bench/gpu_background_copy_probe.py --store /root/q30/store --out "$OUT/background_copy_probe_h200.json" 2>&1 | tail -12
     ;;
-  stream-edge)
-    $py tests/bench/gpu_stream_edge_probe.py --out "$OUT/stream_edge_probe_h200.json" 2>&1 | tail -16
-    ;;
   make-q30)
     rm -rf /root/q30 && mkdir -p /root/q30
     # EMBED_SCALE=64 routes about as varied as a real model (LRU hits 0.29 at 25%); 1 keeps
@@ -229,22 +230,22 @@ EOF
     # without the tier, naive) read 0.7-1 GB per token at 1.9 GB/s, and a prefill at 25%
     # reads nearly every expert it routes (a 32-token prompt: about 14 GB), so keep the
     # prompt short. With 32-token prompts and all four capacities the run did not finish
-    # in 540 s (session 3); this one is estimated at 4-5 min.
+    # in 540 s; this one is estimated at 4-5 min.
     # The host tier holds every expert, so "+host" is made as the daemon makes it: a
     # mapped pool, rebalanced every REBALANCE tokens (short, so that the short runs see
     # it); "+host:slots" is the slot pool with the tier. MAPPED=1 adds "+mapped" runs
     # with MAPPED_MOVES moves per layer per placement turn (the same pool as "+host" at 0).
-    # Two untimed rounds by default (WARMUP): session 8 timed one and caught the pools still
+    # Two untimed rounds by default (WARMUP): a run that timed one caught the pools still
     # warming up (bench_decode_q30_short_h200.json).
     # Each configuration's round decodes again until MIN_ROUND_S seconds of decoding
     # have passed (default 2): a round of 24 tokens at 70 tok/s lasts 0.35 s, and
-    # session 10's stock rounds swung from 50 to 87 tok/s.
+    # stock's rounds of one run have swung from 50 to 87 tok/s.
     # Then stock and 100% decode in PAIRED_BLOCKS blocks of A B B A (default 24, about
     # 35 s): decode here is bound by the host, whose speed drifts by 1.5x within seconds
-    # (session 11's full-residency probe), and a block cancels that drift.
+    # (full_residency_q30_h200.json), and a block cancels that drift.
     # GEN_LOOP=1 also times each streaming configuration through the daemon's own
-    # generation loop (session 10: prefetch's auto windows, timed there, ran the mapped
-    # pool at 17-30 tok/s while the bench loop ran it at 27-44).
+    # generation loop (prefetch's auto windows, timed there, once ran the mapped pool at
+    # 17-30 tok/s while the bench loop ran it at 27-44).
     # COPY_BATCH=1: the copier queues in batches; COPY_KERNEL=1: it copies with its copy
     # kernel. GATHER=auto|on|off|both: mapped decode steps copy the routed experts into a
     # stack first (auto: on with MLX's CUDA build; both: each mapped configuration both ways).
@@ -342,8 +343,9 @@ print(format_speculative_report(json.load(open(sys.argv[1]))))
 EOF
     ;;
   demo)
-    $py -m demo_recipe.train --out "$OUT/demo" --minutes "${DEMO_MINUTES:-7}" 2>&1 | tail -40
+    # The recipe is outside the package and runs from its parent folder.
+    cd tests/bench && $py -m demo_recipe.train --out "$OUT/demo" --minutes "${DEMO_MINUTES:-7}" 2>&1 | tail -40
     ;;
   *)
-    echo "unknown stage $stage" >&2; exit 2 ;;
+    echo "unknown stage $stage (bash $0 help lists them)" >&2; exit 2 ;;
 esac

@@ -1,6 +1,6 @@
 """Record a routing trace from an expert store, in the format of tests/data/traces/README.md.
 
-    python tests/bench/record_trace.py --model daemon/demo/store --out daemon/demo/trace
+    python tests/bench/record_trace.py --model daemon/demo/store --out tests/data/traces/demo_stdlib
 
 Runs the model with every expert resident (mlx-lm's own MoE modules, wrapped only to copy
 the router's choices), prefilling each prompt and then decoding greedily, and writes
