@@ -307,20 +307,3 @@ def test_mapped_auto_chooses_by_gpu_pool_tier_and_host_ram(store):
     finally:
         ctl("stop", "--runtime-dir", str(rt))
         shutil.rmtree(rt, ignore_errors=True)
-
-
-def test_stats_prints_a_mapped_pools_prefetch(store, capsys):
-    """`moestreamctl stats` for a daemon whose mapped pool stages experts ahead: the
-    prefetch line says what it did (the slot pool's read counters do not apply)."""
-    from moestream.client.cli.daemon import _echo_prefetch
-
-    sm = load_streaming_model(store, Settings(capacity=0.25, mapped=True, mapped_gather=True, prefetch="on"))
-    try:
-        generate(sm, encode_prompt(sm, PROMPTS[0], None), SamplingParams(max_tokens=4))
-        pf = json.loads(json.dumps(sm.prefetcher.stats()))  # as it crosses the socket
-    finally:
-        sm.close()
-    _echo_prefetch(pf, None)
-    line = capsys.readouterr().out.splitlines()[0]
-    assert line.startswith("prefetch: on (on now), ") and f"{pf['staged']} experts staged ahead" in line
-    assert pf["staged"] > 0
