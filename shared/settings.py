@@ -117,14 +117,6 @@ class Settings:
     # partial pool, host RAM for every expert, no --host-cache or one that holds every
     # expert; see daemon/model/streaming_model.py `choose_mapped`), else the slot pool.
     mapped: bool | None = None
-    # A mapped pool's placement moves at most this many experts per layer into GPU
-    # memory each time it runs (once per token, or less often when it falls behind);
-    # 0 keeps the initial placement (autopin's hottest experts of the saved heat). 0 by
-    # default: on the H200 moves cost more than they saved (varied routing, 25%: 24.3
-    # tok/s without against 21.6 with 2 in session 4, 31.5 against 26.7 in session 6;
-    # tests/bench/results/bench_decode_q30_*h200.json), and on the real Qwen1.5-MoE trace
-    # the heat's hottest held fixed hit more than LRU does (0.338 against 0.301 at 25%).
-    mapped_moves: int = 0
     # Every this many tokens routed, a mapped pool sets each layer's GPU share to its
     # most routed experts so far (the saved heat included): a few moves now and then,
     # instead of a placement that a first start without heat would keep for good. The
@@ -280,7 +272,7 @@ class Settings:
         return default_runtime_dir(os.environ if env is None else env)
 
 
-_INT_RANGES = {"max_context": (16, 2**24), "max_active": (1, 1024), "max_queued": (0, 1_000_000), "mapped_moves": (0, 4096), "mapped_rebalance_tokens": (0, 2**31),
+_INT_RANGES = {"max_context": (16, 2**24), "max_active": (1, 1024), "max_queued": (0, 1_000_000), "mapped_rebalance_tokens": (0, 2**31),
                "prefetch_copy_blocks": (1, 1024), "prefetch_depth": (1, 4)}
 
 

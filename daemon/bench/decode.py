@@ -76,9 +76,6 @@ class BenchDecodeSettings:
     # both while it serves, which would mix the two into one configuration's figures).
     # Mapped pools have no prefetch.
     prefetch: str = "on"
-    # Moves per layer per placement turn of the "+mapped" configurations, one
-    # configuration each (see Settings.mapped_moves).
-    mapped_moves: tuple[int, ...] = (0,)
     # Tokens between rebalances of the "+mapped" configurations (Settings).
     mapped_rebalance_tokens: int = 256
     # The CUDA copier queues in batches (Settings.copy_batch).
@@ -219,7 +216,6 @@ def _streaming_config(
     naive: bool = False,
     admitter: Admitter | None = None,
     mapped: bool = False,
-    mapped_moves: int = 0,
     mapped_gather: bool = False,
     host_cache: int = 0,
 ) -> Config:
@@ -227,7 +223,7 @@ def _streaming_config(
         settings.store,
         Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads,
                  prefetch=settings.prefetch, host_cache=host_cache,
-                 mapped_moves=mapped_moves, mapped_rebalance_tokens=settings.mapped_rebalance_tokens,
+                 mapped_rebalance_tokens=settings.mapped_rebalance_tokens,
                  copy_batch=settings.copy_batch, copy_kernel=settings.copy_kernel, mapped_gather=mapped_gather,
                  prefetch_copy_blocks=settings.prefetch_copy_blocks),
         naive=naive,
@@ -489,16 +485,13 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             if tier is not None and c < 1:
                 if tier_mapped:
                     configs.append(_streaming_config(f"moestream@{c:g}+host", c, settings, prompt, mapped=True,
-                                                     mapped_moves=settings.mapped_moves[0], mapped_gather=gathers[0],
-                                                     host_cache=settings.host_cache))
+                                                     mapped_gather=gathers[0], host_cache=settings.host_cache))
                 configs.append(_streaming_config(f"moestream@{c:g}+host{':slots' if tier_mapped else ''}", c, settings,
                                                  prompt, admitter=tier))
             if settings.mapped and c < 1:
-                for m in settings.mapped_moves:
-                    for g in gathers:
-                        suffix = ("" if len(settings.mapped_moves) == 1 else f":m{m}") + (":g" if g else "")
-                        configs.append(_streaming_config(f"moestream@{c:g}+mapped{suffix}", c, settings, prompt,
-                                                         mapped=True, mapped_moves=m, mapped_gather=g))
+                for g in gathers:
+                    configs.append(_streaming_config(f"moestream@{c:g}+mapped{':g' if g else ''}", c, settings, prompt,
+                                                     mapped=True, mapped_gather=g))
         if settings.naive:
             configs.append(_streaming_config("naive-on-demand", None, settings, prompt, naive=True))
         say(f"loaded {len(configs)} configurations: {', '.join(c.name for c in configs)}")
@@ -614,7 +607,6 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         "copy_batch": settings.copy_batch,
         "copy_kernel": settings.copy_kernel,
         "prefetch_copy_blocks": settings.prefetch_copy_blocks,
-        "mapped_moves": list(settings.mapped_moves) if settings.mapped else None,
         "mapped_rebalance_tokens": settings.mapped_rebalance_tokens if settings.mapped else None,
         "mapped_gather": gathers if settings.mapped else None,
         "read_bandwidth_bytes_per_s": bandwidth,

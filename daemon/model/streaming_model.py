@@ -386,8 +386,8 @@ def choose_mapped(manifest: Manifest, capacity: int, settings: Settings, host_av
 
 
 def _place(pools: list[ExpertPool], gpu_slots: int, settings: Settings, copier: CudaCopier | None) -> MappedPool:
-    placement = MappedPool(pools, gpu_slots, copier if copier is not None else CountingMover(), settings.policy,
-                          max_moves=settings.mapped_moves, rebalance_tokens=settings.mapped_rebalance_tokens)
+    placement = MappedPool(pools, gpu_slots, copier if copier is not None else CountingMover(),
+                          rebalance_tokens=settings.mapped_rebalance_tokens)
     placement.place_initial()
     return placement
 

@@ -35,8 +35,6 @@ from moestream.client.cli.values import size_option
 @click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0, None), help="0 decodes greedily; > 0 samples (same seed for every configuration).")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--mapped", is_flag=True, help="Also run a '+mapped' configuration per partial capacity: every expert addressable, the hottest in GPU memory, the rest read over the link (NVIDIA GPUs).")
-@click.option("--mapped-moves", "mapped_moves", multiple=True, type=click.IntRange(0, 4096),
-              help="With --mapped (and a mapped '+host'): experts moved into GPU memory per layer per placement turn; repeat for one '+mapped' run each (default 0: the initial placement stays).")
 @click.option("--mapped-rebalance-tokens", default=256, show_default=True, type=click.IntRange(0, None),
               help="With --mapped (and a mapped '+host'): tokens between rebalances (each layer's most routed experts into GPU memory); 0 never.")
 @click.option("--mapped-gather", type=click.Choice(["auto", "off", "on", "both"]), default="auto", show_default=True,
@@ -54,7 +52,7 @@ from moestream.client.cli.values import size_option
 @click.option("--draft-model", type=click.Path(file_okay=False), help="Draft model for --speculative draft.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds, warmup_rounds, min_round_seconds, paired_blocks, generation_loop, io_threads, no_stock, no_naive, no_slot_pool, mlx_memory_limit, host_cache, host_tier, temp, seed, mapped,
-                 mapped_moves, mapped_rebalance_tokens, mapped_gather, prefetch_copy_blocks, prefetch, copy_batch,
+                 mapped_rebalance_tokens, mapped_gather, prefetch_copy_blocks, prefetch, copy_batch,
                  copy_kernel, speculative, draft_tokens, draft_model, as_json) -> None:
     """Decode tokens/s, hit rates, bytes moved per token per tier, admission GB/s and
     the bandwidth bound, for stock mlx-lm, moestream at each capacity (with and without
@@ -97,7 +95,6 @@ def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds
         seed=seed,
         mapped=mapped,
         prefetch=prefetch,
-        mapped_moves=tuple(mapped_moves) or (0,),
         mapped_rebalance_tokens=mapped_rebalance_tokens,
         mapped_gather={"auto": (None,), "off": (False,), "on": (True,), "both": (False, True)}[mapped_gather],
         prefetch_copy_blocks=prefetch_copy_blocks,
