@@ -55,8 +55,6 @@ class BenchPredictSettings:
     temp: float = 0.0
     seed: int = 0
     mlx_memory_limit: int | None = None
-    # Experts prefetched per token, as a multiple of top-k.
-    width: int = 1
     # The CUDA copier queues in batches (Settings.copy_batch).
     copy_batch: bool = False
     # The CUDA copier copies with its copy kernel (Settings.copy_kernel, on by default).
@@ -253,7 +251,6 @@ def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[
     try:
         if sm.prefetcher is None:
             raise ValueError(f"capacity {capacity:g}: every expert fits in the pool, so there is nothing to prefetch")
-        sm.prefetcher.width = settings.width * sm.prefetcher.top_k
         say("warm-up: one decode with prefetch on and one off")
         _warm_up(sm, prompt, settings)
         say("recall: one diagnosed decode with prefetch on and one off")
@@ -369,7 +366,6 @@ def run_bench_predict(settings: BenchPredictSettings, progress: Callable[[str], 
         "temp": settings.temp,
         "policy": settings.policy,
         "host_cache": settings.host_cache,
-        "prefetch_width": f"{settings.width}k",
         "prefetch_depth": settings.depth,
         "prefetch_buffer": settings.prefetch_buffer,
         "read_bandwidth_bytes_per_s": read_bandwidth,
@@ -388,7 +384,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['model_type']}: {report['moe_layers']} MoE layers x {report['experts_per_layer']} experts on "
         f"{report['device']}, {report['decode_tokens']} decode tokens (temp {report['temp']}), median of {report['rounds']}"
         f"{' blocks off/on/on/off' if report['rounds'] >= 2 else ''}, "
-        f"prefetch width {report.get('prefetch_width', '1k')}, depth {report.get('prefetch_depth', 1)}",
+        f"prefetch depth {report.get('prefetch_depth', 1)}",
         f"{'capacity':>8} {'recall@k':>8} {'@2k':>6} {'@4k':>6} {'off tok/s':>9} {'on tok/s':>9} {'on/off':>6} {'paired':>6} "
         f"{'window ms':>9} {'mm on/off ms':>13}  auto",
     ]

@@ -86,12 +86,12 @@ class StreamingMoE(nn.Module):
         reading = pf is not None and pf.enabled and seq <= MAX_PREFETCH_TOKENS
         if nxt is not None and not nxt.pool.fully_resident and (rec is not None or reading):
             # Diagnostics rank 4k experts best first (recall at k, 2k, 4k); prefetch
-            # alone needs only the top k' (its width), in any order.
-            ranked = nxt.router.ranked(x, max(4 * pf.top_k, pf.width) if rec is not None else pf.width, ordered=rec is not None)
+            # alone needs only the top k, in any order.
+            ranked = nxt.router.ranked(x, 4 * pf.top_k if rec is not None else pf.top_k, ordered=rec is not None)
             # With a prefetch depth above 1, the layers after the next, ranked on the
             # same input: their reads get more than one layer's compute to finish in.
             later = [a for a in nxt.ahead if not a.pool.fully_resident] if reading else []
-            later_ranked = [a.router.ranked(x, pf.width, ordered=False) for a in later]
+            later_ranked = [a.router.ranked(x, pf.top_k, ordered=False) for a in later]
             mx.eval(indices, ranked, *later_ranked)  # the one host sync of this layer, for all
             ids = np.array(indices)
             ranked_np = np.array(ranked).reshape(-1, ranked.shape[-1])
@@ -152,7 +152,7 @@ class StreamingMoE(nn.Module):
         what the layers `ahead` (L+2, ..., each with its ranking) lack, after L+1's reads."""
         nxt, pf = self.next, self.prefetcher
         tic = time.perf_counter() if rec is not None else 0.0
-        named = np.unique(ranked[:, : pf.width])
+        named = np.unique(ranked[:, : pf.top_k])
         prediction = Prediction(ranked=ranked, named=named)
         nxt.pool.prediction = prediction
         if not (pf.enabled and seq <= MAX_PREFETCH_TOKENS):

@@ -21,7 +21,6 @@ from moestream.client.cli.values import size_option
 @click.option("--host-cache", help="Size of a host-RAM tier (e.g. 20G) under the pool; default none.")
 @click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0, None), help="0 decodes greedily; > 0 samples (same seed everywhere).")
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--width", default=1, show_default=True, type=click.IntRange(1, 4), help="Experts prefetched per token, in multiples of top-k.")
 @click.option("--depth", default=1, show_default=True, type=click.IntRange(1, 4),
               help="MoE layers ahead whose predicted experts the slot pool's prefetch reads (setting prefetch_depth).")
 @click.option("--prefetch-buffer", help="Host memory for the slot pool's prefetch buffer, e.g. 4G (setting prefetch_buffer); default 16 x top-k experts per layer of depth.")
@@ -32,7 +31,7 @@ from moestream.client.cli.values import size_option
 @click.option("--prefetch-copy-blocks", default=64, show_default=True, type=click.IntRange(1, 1024),
               help="Blocks per expert row or span of the copy kernels that copy ahead of use (setting prefetch_copy_blocks).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_predict(store, capacities, policy, prompt_tokens, decode_tokens, rounds, io_threads, host_cache, temp, seed, width, depth, prefetch_buffer, mlx_memory_limit,
+def bench_predict(store, capacities, policy, prompt_tokens, decode_tokens, rounds, io_threads, host_cache, temp, seed, depth, prefetch_buffer, mlx_memory_limit,
                   copy_batch, copy_kernel, prefetch_copy_blocks, as_json) -> None:
     """Recall of the next-layer predictor at top-k, 2k and 4k, and decode tokens/s with
     prefetch off and on (and what `--prefetch auto` decides) at each capacity."""
@@ -57,7 +56,6 @@ def bench_predict(store, capacities, policy, prompt_tokens, decode_tokens, round
         host_cache=host_bytes,
         temp=temp,
         seed=seed,
-        width=width,
         depth=depth,
         prefetch_buffer=buffer_bytes,
         mlx_memory_limit=memory_limit,
