@@ -292,7 +292,6 @@ class Server:
                 "policy": s.policy,
                 "host_cache": s.host_cache,
                 "mapped": "auto" if s.mapped is None else s.mapped,
-                "mapped_moves": s.mapped_moves,
                 "mapped_rebalance_tokens": s.mapped_rebalance_tokens,
                 "autopin_frac": s.autopin_frac,
                 "io_threads": s.io_threads,

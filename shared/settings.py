@@ -71,9 +71,6 @@ def parse_capacity(text: str | float | int | None) -> float | int | None:
 # this list): checked here, so a bad name fails in the command, before any daemon runs.
 POLICY_NAMES = ("lru", "lfu", "lfuda", "predictive", "induction", "recall")
 
-# Where a mapped pool's prefetch copies (Settings.mapped_prefetch_stream).
-MAPPED_PREFETCH_STREAMS = ("second", "same")
-
 
 def default_runtime_dir(env: Mapping[str, str]) -> Path:
     """Where the daemon keeps its sockets and lock: private to the user, short path."""
@@ -120,14 +117,6 @@ class Settings:
     # partial pool, host RAM for every expert, no --host-cache or one that holds every
     # expert; see daemon/model/streaming_model.py `choose_mapped`), else the slot pool.
     mapped: bool | None = None
-    # A mapped pool's placement moves at most this many experts per layer into GPU
-    # memory each time it runs (once per token, or less often when it falls behind);
-    # 0 keeps the initial placement (autopin's hottest experts of the saved heat). 0 by
-    # default: on the H200 moves cost more than they saved (varied routing, 25%: 24.3
-    # tok/s without against 21.6 with 2 in session 4, 31.5 against 26.7 in session 6;
-    # tests/bench/results/bench_decode_q30_*h200.json), and on the real Qwen1.5-MoE trace
-    # the heat's hottest held fixed hit more than LRU does (0.338 against 0.301 at 25%).
-    mapped_moves: int = 0
     # Every this many tokens routed, a mapped pool sets each layer's GPU share to its
     # most routed experts so far (the saved heat included): a few moves now and then,
     # instead of a placement that a first start without heat would keep for good. The
@@ -142,12 +131,6 @@ class Settings:
     # 1.59x in every round (tests/bench/results/bench_decode_q30_mapped_prefetch_h200.json;
     # session 7's run, with one more kernel per layer, was even at 1.02x).
     mapped_gather: bool | None = None
-    # Where a mapped pool's prefetch copies the next layer's experts: "second", a second
-    # MLX stream (measured 0.54x of gathering alone on the H200, session 8), or "same",
-    # the layer's own stream, beside its expert kernels inside one CUDA graph
-    # (daemon/mapped/mapped_prefetch.py; 1.03x with 4 blocks per row, 0.76x with 16, session
-    # 10). `prefetch = auto` keeps either only where it is faster.
-    mapped_prefetch_stream: str = "second"
     # The most blocks per expert row (mapped prefetch's staging) or per span (the slot
     # pool's prefetch copies with copy_kernel) of the copy kernels that copy ahead of use:
     # 64, as for copies the GPU waits on, fills the link alone but may crowd out the
@@ -289,7 +272,7 @@ class Settings:
         return default_runtime_dir(os.environ if env is None else env)
 
 
-_INT_RANGES = {"max_context": (16, 2**24), "max_active": (1, 1024), "max_queued": (0, 1_000_000), "mapped_moves": (0, 4096), "mapped_rebalance_tokens": (0, 2**31),
+_INT_RANGES = {"max_context": (16, 2**24), "max_active": (1, 1024), "max_queued": (0, 1_000_000), "mapped_rebalance_tokens": (0, 2**31),
                "prefetch_copy_blocks": (1, 1024), "prefetch_depth": (1, 4)}
 
 
@@ -311,11 +294,6 @@ def _coerce(name: str, raw: Any) -> Any:
         if s in ("0", "false", "no", "off"):
             return False
         raise SettingsError(f"{name}: expected true or false{' or auto' if name in ('mapped', 'mapped_gather') else ''}, got {raw!r}")
-    if name == "mapped_prefetch_stream":
-        s = str(raw).strip().lower()
-        if s not in MAPPED_PREFETCH_STREAMS:
-            raise SettingsError(f"mapped_prefetch_stream: expected {' or '.join(MAPPED_PREFETCH_STREAMS)}, got {raw!r}")
-        return s
     if name == "policy":
         if str(raw) not in POLICY_NAMES:
             raise SettingsError(f"policy: unknown eviction policy {raw!r}; valid names: {', '.join(POLICY_NAMES)}")

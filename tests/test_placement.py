@@ -11,13 +11,11 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from moestream.daemon.mapped.mapped_prefetch import MappedPrefetch
 from moestream.daemon.mapped.mapped_pool import READBACK_LAG, CountingMover, MappedPool, _runs
 from moestream.daemon.mapped.row_gather import MAX_GATHERED, RowGather
 from moestream.daemon.store.convert import convert_model
 from moestream.daemon.model.streaming_model import load_stock_model, load_streaming_model
 from moestream.shared.settings import Settings, SettingsError
-from moestream.shared.store_format import load_manifest
 from tiny_models import make_tiny_model
 
 STEPS = 24
@@ -52,7 +50,8 @@ def test_runs_split_flags_into_maximal_runs():
 
 def test_mapped_pool_is_exact_syncs_never_and_keeps_its_budget(store):
     want = decode(load_stock_model(store), STEPS)
-    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_moves=2), mapped=True)
+    # Rebalancing soon and often, so that experts move while it decodes.
+    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_rebalance_tokens=8), mapped=True)
     try:
         placement = sm.mapped_pool
         assert isinstance(placement.mover, CountingMover)  # no CUDA here
@@ -93,7 +92,7 @@ def test_a_failed_move_is_raised_on_the_decode_thread_and_at_close(store):
     sm = load_streaming_model(store, Settings(capacity=0.25), mapped=True)
     slots = sm.mapped_pool.gpu_slots
     sm.mapped_pool.close()
-    placement = sm.mapped_pool = MappedPool(sm.pools, slots, FailingMover(), "lru", max_moves=2)
+    placement = sm.mapped_pool = MappedPool(sm.pools, slots, FailingMover(), rebalance_tokens=8)
     placement.place_initial()
     with pytest.raises(RuntimeError, match="placing experts between host and GPU memory failed: cudaMemPrefetchAsync"):
         decode(sm.model, STEPS, placement.tick)
@@ -131,13 +130,12 @@ class SlowMover(CountingMover):
 
 def test_a_worker_that_falls_behind_takes_the_backlog_in_one_turn(store):
     """Moves slower than tokens: the worker's turns take several forwards each, so it
-    makes fewer turns than there are forwards, never more than `max_moves` moves per
-    layer per turn, and the tokens stay exact."""
+    makes fewer turns than there are forwards, and the tokens stay exact."""
     want = decode(load_stock_model(store), STEPS)
     sm = load_streaming_model(store, Settings(capacity=0.25), mapped=True)
     slots = sm.mapped_pool.gpu_slots
     sm.mapped_pool.close()
-    placement = sm.mapped_pool = MappedPool(sm.pools, slots, SlowMover(), "lru", max_moves=1)
+    placement = sm.mapped_pool = MappedPool(sm.pools, slots, SlowMover(), rebalance_tokens=8)
     try:
         placement.place_initial()
         for pool in sm.pools:
@@ -149,14 +147,14 @@ def test_a_worker_that_falls_behind_takes_the_backlog_in_one_turn(store):
         forwards = STEPS + 1  # the 20-token prefill, then one per step
         assert p["routed"] == (20 + STEPS) * sm.pools[0].top_k * len(sm.pools)
         assert 0 < p["turns"] < forwards
-        assert 0 < p["moves"] <= p["turns"] * len(sm.pools)
+        assert p["moves"] > 0
     finally:
         sm.close()
 
 
-def test_mapped_moves_zero_keeps_the_initial_placement(store):
+def test_no_rebalancing_keeps_the_initial_placement(store):
     want = decode(load_stock_model(store), STEPS)
-    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_moves=0, mapped_rebalance_tokens=0), mapped=True)
+    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_rebalance_tokens=0), mapped=True)
     try:
         before = [set(s) for s in sm.mapped_pool.on_gpu]
         assert decode(sm.model, STEPS, sm.mapped_pool.tick) == want
@@ -168,11 +166,11 @@ def test_mapped_moves_zero_keeps_the_initial_placement(store):
 
 
 def test_rebalancing_puts_each_layers_most_routed_experts_in_gpu_memory(store):
-    """No per-token moves, a rebalance every 8 tokens: the tokens stay exact, rebalances
-    happen as routing goes, and after a last one every expert in GPU memory was routed
-    at least as often as any expert left in host memory."""
+    """A rebalance every 8 tokens: the tokens stay exact, rebalances happen as routing
+    goes, and after a last one every expert in GPU memory was routed at least as often
+    as any expert left in host memory."""
     want = decode(load_stock_model(store), STEPS)
-    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_moves=0, mapped_rebalance_tokens=8), mapped=True)
+    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_rebalance_tokens=8), mapped=True)
     try:
         placement = sm.mapped_pool
         assert decode(sm.model, STEPS, placement.tick) == want
@@ -227,15 +225,10 @@ def test_row_gather_copies_the_rows_it_is_given():
     a = mx.arange(5 * 6 * 4, dtype=mx.uint32).reshape(5, 6, 4)
     b = mx.random.normal((5, 3)).astype(mx.bfloat16)
     ids = mx.array([[3, 0, 3]], dtype=mx.uint32)
-    got = RowGather(use_kernel=False)([a, b], ids)
+    gather = RowGather(use_kernel=False)
+    got = gather([a, b], ids)
     assert [g.shape for g in got] == [(3, 6, 4), (3, 3)]
     assert mx.array_equal(got[0], a[mx.array([3, 0, 3])]) and mx.array_equal(got[1], b[mx.array([3, 0, 3])])
-    # Rows of ids the stack holds come from it (here: marked), the others from the arrays.
-    gather = RowGather(use_kernel=False)
-    stack = [mx.full((2, 6, 4), 7, dtype=mx.uint32), mx.full((2, 3), 9, dtype=mx.bfloat16)]
-    mixed = gather.staged([a, b], stack, ids, mx.array([0, 4], dtype=mx.uint32))
-    assert mx.array_equal(mixed[0][0], a[3]) and mx.all(mixed[0][1] == 7).item() and mx.array_equal(mixed[0][2], a[3])
-    assert mx.all(mixed[1][1] == 9).item() and mx.array_equal(mixed[1][0], b[3])
     positions = gather.positions((1, 3), mx.uint32)
     assert positions.tolist() == [[0, 1, 2]] and gather.positions((1, 3), mx.uint32) is positions
 
@@ -298,7 +291,7 @@ def test_rebalances_come_sooner_at_first(store):
     """Intervals of an eighth, a quarter, a half of mapped_rebalance_tokens, then all of
     it: with 64, the 20-token prompt brings the first rebalance (8 tokens due), 16 decode
     tokens the second, and the next 32 are not there yet after 24 steps."""
-    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_moves=0, mapped_rebalance_tokens=64), mapped=True)
+    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_rebalance_tokens=64), mapped=True)
     try:
         placement = sm.mapped_pool
         decode(sm.model, STEPS, placement.tick)
@@ -310,83 +303,14 @@ def test_rebalances_come_sooner_at_first(store):
         sm.close()
 
 
-def test_a_staged_stack_serves_the_routed_experts_it_holds(store):
-    """The next layer takes a routed expert from the stack copied ahead when the stack
-    holds it, from the pool when not: right bytes give stock output; zeroed stack rows
-    change it (so they were read); ids not routed are ignored."""
-    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_gather=True, prefetch="off"), mapped=True)
-    try:
-        moe = next(m for _, m in sm.model.named_modules() if type(m).__name__ == "StreamingMoE")
-        pool = moe.pool
-        hidden = sm.manifest.config["hidden_size"]
-        x = mx.random.normal((1, 1, hidden), key=mx.random.key(3))
-        ids = mx.array([[[7, 2, 11, 5]]], dtype=mx.uint32)[..., : pool.top_k]
-        want = moe.inner(x, ids)
-        arrays = [pool.arrays[t.name] for t in pool.layer.tensors]
-        staged_ids = mx.array([2, 30, 5], dtype=mx.uint32)  # two routed, one not
-        stack = RowGather(use_kernel=False)(arrays, staged_ids)
-        assert mx.array_equal(moe._gathered(x, ids, (staged_ids, stack)), want)
-        zeroed = [mx.zeros_like(s) for s in stack]
-        assert not mx.array_equal(moe._gathered(x, ids, (staged_ids, zeroed)), want)
-        not_routed = mx.array([30], dtype=mx.uint32)
-        assert mx.array_equal(moe._gathered(x, ids, (not_routed, [z[1:2] for z in zeroed])), want)
-    finally:
-        sm.close()
-
-
-@pytest.mark.parametrize("stream,blocks", [("second", 64), ("same", 2)])
-def test_mapped_prefetch_stages_each_next_layer_and_keeps_stock_logits(store, stream, blocks):
-    """On a second stream or on each layer's own (mapped_prefetch_stream), with the copy
-    kernel's blocks capped or not (prefetch_copy_blocks), the stacks staged ahead leave
-    the logits stock mlx-lm's, bit for bit."""
-    stock = load_stock_model(store)
-    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_gather=True, prefetch="on", mapped_prefetch_stream=stream,
-                                              prefetch_copy_blocks=blocks), mapped=True)
-    try:
-        pf = sm.prefetcher
-        assert isinstance(pf, MappedPrefetch) and pf.enabled and pf.stats()["kind"] == "mapped"
-        assert pf.stats()["stream"] == stream and (pf.stream is None) == (stream == "same")
-        assert pf.stats()["blocks"] == blocks
-        layers, k = len(sm.pools), sm.pools[0].top_k
-        prompt = mx.arange(20)[None] % 300
-        caches = make_prompt_cache(stock), make_prompt_cache(sm.model)
-        want, got = stock(prompt, cache=caches[0]), sm.model(prompt, cache=caches[1])
-        assert mx.array_equal(want, got)
-        assert pf.s.forwards == 0, "a prefill stages nothing"
-        y = mx.argmax(want[:, -1, :], axis=-1)
-        for _ in range(6):
-            want, got = stock(y[None], cache=caches[0]), sm.model(y[None], cache=caches[1])
-            assert mx.array_equal(want, got)
-            y = mx.argmax(want[:, -1, :], axis=-1)
-        # Every layer but the last stages the next one's top k each step.
-        assert pf.s.forwards == 6 * (layers - 1) and pf.s.staged == 6 * (layers - 1) * k
-        # Each stack was taken by the layer it was made for.
-        assert all(p.staged is None for p in sm.pools)
-    finally:
-        sm.close()
-
-
-def test_mapped_prefetch_needs_gathering_and_follows_the_prefetch_setting(store):
-    for settings, expect in (
-        (Settings(capacity=0.25, mapped_gather=False, prefetch="on"), None),
-        (Settings(capacity=0.25, mapped_gather=True, prefetch="off"), None),
-        (Settings(capacity=0.25, mapped_gather=True, prefetch="auto"), "auto"),
-    ):
-        sm = load_streaming_model(store, settings, mapped=True)
+def test_a_mapped_pool_has_no_prefetch_whatever_the_setting(store):
+    """Prefetch reads into a slot pool; a mapped pool holds every expert and has none."""
+    for prefetch in ("on", "auto"):
+        sm = load_streaming_model(store, Settings(capacity=0.25, mapped_gather=True, prefetch=prefetch), mapped=True)
         try:
-            if expect is None:
-                assert sm.prefetcher is None
-            else:
-                assert isinstance(sm.prefetcher, MappedPrefetch) and sm.prefetcher.governor is not None
+            assert sm.prefetcher is None
         finally:
             sm.close()
-    # Where it copies is a setting, read from the environment like the others; a value
-    # it does not know is refused by name.
-    assert Settings.resolve({}, env={"MOESTREAM_MAPPED_PREFETCH_STREAM": "Same"}, config_file="/nonexistent").mapped_prefetch_stream == "same"
-    with pytest.raises(SettingsError, match="mapped_prefetch_stream"):
-        Settings.from_values({"mapped_prefetch_stream": "third"})
-    with pytest.raises(ValueError, match="stream 'third'"):
-        MappedPrefetch(2, "on", "third")
     with pytest.raises(SettingsError, match="prefetch_copy_blocks: must be between 1 and 1024"):
         Settings.from_values({"prefetch_copy_blocks": "0"})
 
@@ -414,13 +338,12 @@ def test_bench_predict_reports_progress_on_stderr_and_json_on_stdout(store):
         assert any(stage in line for line in progress), (stage, progress)
 
 
-def test_bench_predict_measures_both_pools_prefetch(store):
-    """`bench predict`: the slot pool's run (recall, speeds, auto) and, with `mapped`,
-    the mapped pool's prefetch off and on, each with auto's decision."""
+def test_bench_predict_measures_the_slot_pools_prefetch(store):
+    """`bench predict`: the slot pool's run (recall, speeds, auto's decision)."""
     from moestream.daemon.bench.predict import BenchPredictSettings, format_report, run_bench_predict
 
-    common = dict(store=store, capacities=(0.25,), prompt_tokens=4, decode_tokens=6, rounds=1, temp=1.0)
-    slots_report = run_bench_predict(BenchPredictSettings(**{**common, "rounds": 2}))
+    slots_report = run_bench_predict(BenchPredictSettings(store=store, capacities=(0.25,), prompt_tokens=4,
+                                                          decode_tokens=6, rounds=2, temp=1.0))
     slots = slots_report["results"][0]
     assert slots["pool"] == "slots" and 0 <= slots["recall"]["decode"]["top_k"] <= 1
     # Two blocks of off / on / on / off: a ratio per block, their median and interval,
@@ -453,14 +376,5 @@ def test_bench_predict_measures_both_pools_prefetch(store):
     quiet = {**slots_report, "results": [{**slots, "prefetch": {**pf, "submitted": 100, "dropped_unused": 0}}]}
     assert "11.0% of its reads dropped" in format_report(hinted) and "larger --prefetch-buffer" in format_report(hinted)
     assert "0.0% of its reads dropped" in format_report(quiet) and "larger --prefetch-buffer" not in format_report(quiet)
-    mapped_report = run_bench_predict(BenchPredictSettings(**common, mapped=True))
-    mapped = mapped_report["results"][0]
-    assert mapped["pool"] == "mapped" and mapped["recall"] is None
-    assert mapped["speedup_paired"] is None and mapped["speedup_per_block"] is None  # one round: no blocks
-    manifest = load_manifest(store)
-    k, layers = manifest.config["num_experts_per_tok"], len(manifest.layers)
-    assert mapped["staged_per_step"] >= (layers - 1) * k  # every decode step stages the next layers
-    for r in (slots, mapped):
-        assert r["tokens_per_s_off"] > 0 and r["tokens_per_s_on"] > 0
-        assert r["auto"]["decided"] and r["auto"]["decision"].startswith(("on:", "off:"))
-    assert "mapped pool" in format_report(mapped_report)
+    assert slots["tokens_per_s_off"] > 0 and slots["tokens_per_s_on"] > 0
+    assert slots["auto"]["decided"] and slots["auto"]["decision"].startswith(("on:", "off:"))

@@ -146,22 +146,6 @@ def test_copier_figures_are_per_forward():
     assert refused["kernel_error"] == "no kernel image"
 
 
-def test_a_wider_prefetch_reads_more_and_changes_no_token():
-    from moestream.daemon.model.generation import SamplingParams, generate
-
-    prompt, out = list(range(40, 52)), {}
-    for width in (1, 2):
-        sm = load_streaming_model(demo_store_path(), Settings(capacity=0.25, prefetch="on"))
-        try:
-            sm.prefetcher.width = width * sm.prefetcher.top_k
-            result = generate(sm, prompt, SamplingParams(max_tokens=16))
-            out[width] = (result.tokens, result.stats["prefetch"])
-        finally:
-            sm.close()
-    assert out[1][0] == out[2][0]
-    assert out[2][1]["width"] == 16 and out[2][1]["submitted"] > out[1][1]["submitted"] > 0
-
-
 def test_a_deeper_prefetch_reads_layers_further_ahead_and_changes_no_token(capsys):
     """`prefetch_depth = 2`: layer L also reads what layer L+2's router names on L's
     input. The layers are wired two ahead (the last but one has only L+1), the buffer
@@ -259,7 +243,7 @@ def _predict_report(*disks: dict) -> dict:
              "prefetch": {"submitted": 100, "dropped_unused": 0, "buffer_experts": 128, "buffer_bytes": 128 * 16384}}
             for disk in disks]
     return {"model_type": "qwen3_moe", "moe_layers": 5, "experts_per_layer": 64, "device": "cpu", "decode_tokens": 16,
-            "temp": 0.0, "rounds": 1, "prefetch_width": "1k", "prefetch_depth": 1, "results": rows}
+            "temp": 0.0, "rounds": 1, "prefetch_depth": 1, "results": rows}
 
 
 def test_bench_predict_says_where_the_read_bound_does_not_apply():

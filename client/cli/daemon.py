@@ -207,7 +207,9 @@ DAEMON_SETTING_OPTIONS = (
     click.option("--runtime-dir", help="Folder of the socket, lock and pid file (default $XDG_RUNTIME_DIR/moestream)."),
     click.option("--log-file", help="Log file (default daemon.log in the runtime folder)."),
     click.option("--diagnostics/--no-diagnostics", default=None, help="Record hot-path diagnostics for every request (`moestreamctl stats`)."),
-    click.option("--prefetch", type=click.Choice(["on", "off", "auto"]), help="Prefetch of predicted experts (default auto: kept only where it pays)."),
+    click.option("--prefetch", type=click.Choice(["on", "off", "auto"]),
+                 help="Prefetch of predicted experts into a slot pool (default auto: kept only where it pays); "
+                      "a mapped pool has none."),
 )
 
 
@@ -461,12 +463,9 @@ def _echo_prefetch(pf: dict[str, Any] | None, diag: dict[str, Any] | None) -> No
     if pf:
         auto = pf.get("auto") or {}
         state = f"prefetch: {pf['mode']} ({'on' if pf['enabled'] else 'off'} now{'; ' + auto['decision'] if auto else ''}), "
-        if pf.get("kind") == "mapped":  # daemon/mapped/mapped_prefetch.py: copies on the device, no reads
-            click.echo(state + f"{pf['staged']} experts staged ahead in {pf['forwards']} forwards")
-        else:
-            ahead = f", {pf['depth']} layers ahead" if pf.get("depth", 1) > 1 else ""
-            click.echo(state + f"{pf['submitted']} read{ahead}, {pf['promoted']} promoted ({pf['waited']} waited for), "
-                       f"{pf['dropped_unused']} dropped unused")
+        ahead = f", {pf['depth']} layers ahead" if pf.get("depth", 1) > 1 else ""
+        click.echo(state + f"{pf['submitted']} read{ahead}, {pf['promoted']} promoted ({pf['waited']} waited for), "
+                   f"{pf['dropped_unused']} dropped unused")
     totals = (diag or {}).get("totals")
     if not totals:
         click.echo("diagnostics: none recorded (`moestreamctl start --diagnostics`, or `generate --diagnostics`)")

@@ -15,9 +15,7 @@ resident compute:
 
 where the link bandwidth is the pinned host->GPU copy rate (CUDA) or the host's memcpy
 rate (CPU, unified memory), both measured in the same run. A mapped pool's link bytes are
-its routed experts not in GPU memory (and its moves); with mapped prefetch (":p") the
-predicted experts that were not routed cross the link too and are not counted, which
-makes its bound higher than the bytes it really moved imply (the fraction lower).
+its routed experts not in GPU memory (and its moves).
 """
 
 from __future__ import annotations
@@ -76,11 +74,8 @@ class BenchDecodeSettings:
     mapped: bool = False
     # Prefetch in the partial slot pools: "on" or "off" (the daemon's "auto" measures
     # both while it serves, which would mix the two into one configuration's figures).
-    # The mapped configurations follow mapped_prefetch instead.
+    # Mapped pools have no prefetch.
     prefetch: str = "on"
-    # Moves per layer per placement turn of the "+mapped" configurations, one
-    # configuration each (see Settings.mapped_moves).
-    mapped_moves: tuple[int, ...] = (0,)
     # Tokens between rebalances of the "+mapped" configurations (Settings).
     mapped_rebalance_tokens: int = 256
     # The CUDA copier queues in batches (Settings.copy_batch).
@@ -91,12 +86,6 @@ class BenchDecodeSettings:
     # (Settings.mapped_gather): one configuration per value, ":g" marks those that do;
     # None is the setting's auto.
     mapped_gather: tuple[bool | None, ...] = (None,)
-    # Mapped pools that gather also stage the next layer's predicted experts
-    # (daemon/mapped/mapped_prefetch.py): one configuration per value, ":p" marks those that do.
-    mapped_prefetch: tuple[bool, ...] = (False,)
-    # Where those that stage copy (Settings.mapped_prefetch_stream): one configuration
-    # per value, ":ps" marks the layer's own stream.
-    mapped_prefetch_stream: tuple[str, ...] = ("second",)
     # Blocks of the copy kernels that copy ahead of use (Settings.prefetch_copy_blocks).
     prefetch_copy_blocks: int = 64
     # Untimed runs of every configuration before the timed rounds; more than one lets a
@@ -203,8 +192,6 @@ def decode_counters(sm: StreamingModel) -> dict[str, float]:
         # The prefetcher's own reads (into its buffer) and promotions into pools.
         "prefetch_bytes_read": pf.get("bytes_read", 0) if pf else 0,
         "prefetch_promoted": pf.get("promoted", 0) if pf else 0,
-        # A mapped pool's prefetch: experts copied ahead into the next layer's stack.
-        "prefetch_staged": pf.get("staged", 0) if pf else 0,
         "bytes_from_disk": a.get("bytes_from_disk", 0),
         "bytes_to_pool": a.get("bytes_to_pool", 0),
         "prestage_bytes": a.get("prestage_bytes", 0),
@@ -229,19 +216,16 @@ def _streaming_config(
     naive: bool = False,
     admitter: Admitter | None = None,
     mapped: bool = False,
-    mapped_moves: int = 0,
     mapped_gather: bool = False,
-    prefetch: str | None = None,
     host_cache: int = 0,
-    mapped_prefetch_stream: str = "second",
 ) -> Config:
     sm = load_streaming_model(
         settings.store,
         Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads,
-                 prefetch=prefetch or settings.prefetch, host_cache=host_cache,
-                 mapped_moves=mapped_moves, mapped_rebalance_tokens=settings.mapped_rebalance_tokens,
+                 prefetch=settings.prefetch, host_cache=host_cache,
+                 mapped_rebalance_tokens=settings.mapped_rebalance_tokens,
                  copy_batch=settings.copy_batch, copy_kernel=settings.copy_kernel, mapped_gather=mapped_gather,
-                 mapped_prefetch_stream=mapped_prefetch_stream, prefetch_copy_blocks=settings.prefetch_copy_blocks),
+                 prefetch_copy_blocks=settings.prefetch_copy_blocks),
         naive=naive,
         admitter=admitter,
         mapped=mapped,
@@ -282,7 +266,6 @@ def _streaming_config(
             "tier_hit_rate": d["tier_hits"] / tier if tier else None,
             "disk_bytes_per_token": disk_bytes / n,
             "prefetch_promoted_per_token": d["prefetch_promoted"] / n,
-            "prefetch_staged_per_token": d["prefetch_staged"] / n,
             "host_to_pool_bytes_per_token": link_bytes / n,
             "admission_bytes_per_s": d["bytes_to_pool"] / d["copy_seconds"] if d["copy_seconds"] > 0 else None,
             "host_syncs_per_token": d["host_syncs"] / n + 1,
@@ -325,7 +308,6 @@ def _stock_config(settings: BenchDecodeSettings, prompt: list[int]) -> Config:
             "prestaged_per_token": None,
             "prestaged_used_per_token": None,
             "prefetch_promoted_per_token": None,
-            "prefetch_staged_per_token": None,
             "placement_moves_per_token": None,
             "placement_ms_per_token": None,
             "placement_worker_ms_per_token": None,
@@ -503,20 +485,13 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             if tier is not None and c < 1:
                 if tier_mapped:
                     configs.append(_streaming_config(f"moestream@{c:g}+host", c, settings, prompt, mapped=True,
-                                                     mapped_moves=settings.mapped_moves[0], mapped_gather=gathers[0],
-                                                     prefetch="off", host_cache=settings.host_cache))
+                                                     mapped_gather=gathers[0], host_cache=settings.host_cache))
                 configs.append(_streaming_config(f"moestream@{c:g}+host{':slots' if tier_mapped else ''}", c, settings,
                                                  prompt, admitter=tier))
             if settings.mapped and c < 1:
-                for m in settings.mapped_moves:
-                    for g in gathers:
-                        for pf, stream in [(p, s) for p in (settings.mapped_prefetch if g else (False,))
-                                           for s in (settings.mapped_prefetch_stream if p else ("second",))]:
-                            suffix = (("" if len(settings.mapped_moves) == 1 else f":m{m}") + (":g" if g else "")
-                                      + ((":ps" if stream == "same" else ":p") if pf else ""))
-                            configs.append(_streaming_config(f"moestream@{c:g}+mapped{suffix}", c, settings, prompt, mapped=True,
-                                                             mapped_moves=m, mapped_gather=g, prefetch="on" if pf else "off",
-                                                             mapped_prefetch_stream=stream))
+                for g in gathers:
+                    configs.append(_streaming_config(f"moestream@{c:g}+mapped{':g' if g else ''}", c, settings, prompt,
+                                                     mapped=True, mapped_gather=g))
         if settings.naive:
             configs.append(_streaming_config("naive-on-demand", None, settings, prompt, naive=True))
         say(f"loaded {len(configs)} configurations: {', '.join(c.name for c in configs)}")
@@ -574,7 +549,6 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             "prestaged_per_token",
             "prestaged_used_per_token",
             "prefetch_promoted_per_token",
-            "prefetch_staged_per_token",
             "placement_moves_per_token",
             "placement_ms_per_token",
             "placement_worker_ms_per_token",
@@ -633,11 +607,8 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         "copy_batch": settings.copy_batch,
         "copy_kernel": settings.copy_kernel,
         "prefetch_copy_blocks": settings.prefetch_copy_blocks,
-        "mapped_moves": list(settings.mapped_moves) if settings.mapped else None,
         "mapped_rebalance_tokens": settings.mapped_rebalance_tokens if settings.mapped else None,
         "mapped_gather": gathers if settings.mapped else None,
-        "mapped_prefetch": list(settings.mapped_prefetch) if settings.mapped else None,
-        "mapped_prefetch_stream": list(settings.mapped_prefetch_stream) if settings.mapped else None,
         "read_bandwidth_bytes_per_s": bandwidth,
         # Why the store was read through the page cache (None: direct I/O).
         "read_page_cache": page_cache,

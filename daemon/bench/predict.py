@@ -1,7 +1,8 @@
 """`moestreamctl bench predict`: how well the predictor names the next layer's experts,
 and whether prefetching them makes decode faster.
 
-At each pool capacity (fractions of a layer's experts; 25% and 50% by default):
+At each capacity of a slot pool (fractions of a layer's experts; 25% and 50% by default;
+a mapped pool has no prefetch to measure):
 
 1. recall: one decode with diagnostics on; recall at top-k, top-2k and top-4k (routed
    experts the predictor had named / routed experts), the attribution of every routed
@@ -54,18 +55,10 @@ class BenchPredictSettings:
     temp: float = 0.0
     seed: int = 0
     mlx_memory_limit: int | None = None
-    # Experts prefetched per token, as a multiple of top-k.
-    width: int = 1
     # The CUDA copier queues in batches (Settings.copy_batch).
     copy_batch: bool = False
     # The CUDA copier copies with its copy kernel (Settings.copy_kernel, on by default).
     copy_kernel: bool = True
-    # Measure a mapped pool's prefetch instead (gathering, daemon/mapped/mapped_prefetch.py):
-    # decode tokens/s off and on and what auto decides; recall is the slot pool's run's
-    # (the same predictor), not repeated.
-    mapped: bool = False
-    # Where the mapped pool's prefetch copies (Settings.mapped_prefetch_stream).
-    mapped_prefetch_stream: str = "second"
     # Blocks of the copy kernels that copy ahead of use (Settings.prefetch_copy_blocks).
     prefetch_copy_blocks: int = 64
     # MoE layers ahead whose experts the slot pool's prefetch reads (Settings.prefetch_depth).
@@ -127,8 +120,8 @@ def _copier_per_forward(before: dict[str, Any], after: dict[str, Any], settings:
 
 def _warm_up(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettings) -> None:
     """One decode each way before anything is timed: kernels compiled (on CUDA the first
-    calls JIT-compile them), a host tier filled, a mapped pool placed, prediction's reads
-    done once. Without it the first timed run pays for all of that."""
+    calls JIT-compile them), a host tier filled, prediction's reads done once. Without it
+    the first timed run pays for all of that."""
     for enabled in (True, False):
         sm.prefetcher.enabled = enabled
         _decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed)
@@ -244,43 +237,6 @@ def _load(settings: BenchPredictSettings, capacity: float, **pool: Any) -> Strea
     )
 
 
-def _mapped_run(settings: BenchPredictSettings, capacity: float, prompt: list[int],
-                say: Callable[[str], None]) -> dict[str, Any]:
-    """A mapped pool that gathers, its prefetch (staging the next layer's experts on the
-    stream `mapped_prefetch_stream` says) off and on: speeds, what auto decides, experts
-    staged per token."""
-    sm = _load(settings, capacity, mapped=True, mapped_gather=True, mapped_prefetch_stream=settings.mapped_prefetch_stream)
-    try:
-        if sm.prefetcher is None:
-            raise ValueError(f"capacity {capacity:g}: no mapped prefetch here (every expert fits, or the model's routers are unknown)")
-        sm.prefetcher.width = settings.width * sm.prefetcher.top_k
-        say("warm-up: one decode with prefetch on and one off")
-        _warm_up(sm, prompt, settings)
-        staged_before = sm.prefetcher.s.staged
-        say(_speed_stage(settings))
-        speeds = _speeds(sm, prompt, settings, say)
-        staged = sm.prefetcher.s.staged - staged_before
-        say("auto: the generation loop with prefetch = auto until it decides")
-        auto = _auto(sm, prompt, settings)
-        say(f"auto decided {auto['decision']}")
-        gpu_hit_rate = sm.pool_stats().get("mapped_pool", {}).get("gpu_hit_rate")
-    finally:
-        sm.close()
-    return {
-        "capacity": capacity,
-        "slots": sm.capacity,
-        "pool": "mapped",
-        "stream": settings.mapped_prefetch_stream,
-        "recall": None,
-        "gpu_hit_rate": gpu_hit_rate,
-        # Experts copied ahead per decode step with prefetch on (each run's prompt
-        # forward, which stages too, counted in).
-        "staged_per_step": staged / (speeds["on_decodes"] * settings.decode_tokens),
-        **_paired_fields(speeds),
-        "auto": auto,
-    }
-
-
 def _speed_stage(settings: BenchPredictSettings) -> str:
     """The progress line that starts the timed decodes."""
     if settings.rounds >= 2:
@@ -290,14 +246,11 @@ def _speed_stage(settings: BenchPredictSettings) -> str:
 
 def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[int], read_bandwidth: float,
                   page_cache: str | None, say: Callable[[str], None]) -> dict[str, Any]:
-    if settings.mapped:
-        return _mapped_run(settings, capacity, prompt, say)
     sm = _load(settings, capacity, host_cache=settings.host_cache, mapped=False, copy_batch=settings.copy_batch,
                copy_kernel=settings.copy_kernel)
     try:
         if sm.prefetcher is None:
             raise ValueError(f"capacity {capacity:g}: every expert fits in the pool, so there is nothing to prefetch")
-        sm.prefetcher.width = settings.width * sm.prefetcher.top_k
         say("warm-up: one decode with prefetch on and one off")
         _warm_up(sm, prompt, settings)
         say("recall: one diagnosed decode with prefetch on and one off")
@@ -396,8 +349,7 @@ def run_bench_predict(settings: BenchPredictSettings, progress: Callable[[str], 
     say(f"read {format_size(read_bandwidth)}/s{' through the page cache' if page_cache else ''}")
     results = []
     for c in settings.capacities:
-        pool = "mapped pool" if settings.mapped else "slot pool"
-        say(f"capacity {c:.0%} ({pool}): loading the model")
+        say(f"capacity {c:.0%} (slot pool): loading the model")
         at = _prefixed(say, f"capacity {c:.0%}: ")
         results.append(_capacity_run(settings, c, prompt, read_bandwidth, page_cache, at))
         say(f"capacity {c:.0%}: done, decode {results[-1]['tokens_per_s_off']:.1f} tok/s with prefetch off, "
@@ -414,7 +366,6 @@ def run_bench_predict(settings: BenchPredictSettings, progress: Callable[[str], 
         "temp": settings.temp,
         "policy": settings.policy,
         "host_cache": settings.host_cache,
-        "prefetch_width": f"{settings.width}k",
         "prefetch_depth": settings.depth,
         "prefetch_buffer": settings.prefetch_buffer,
         "read_bandwidth_bytes_per_s": read_bandwidth,
@@ -423,7 +374,6 @@ def run_bench_predict(settings: BenchPredictSettings, progress: Callable[[str], 
         "copy_batch": settings.copy_batch,
         "copy_kernel": settings.copy_kernel,
         "prefetch_copy_blocks": settings.prefetch_copy_blocks,
-        "mapped": settings.mapped,
         "results": results,
     }
 
@@ -434,18 +384,11 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['model_type']}: {report['moe_layers']} MoE layers x {report['experts_per_layer']} experts on "
         f"{report['device']}, {report['decode_tokens']} decode tokens (temp {report['temp']}), median of {report['rounds']}"
         f"{' blocks off/on/on/off' if report['rounds'] >= 2 else ''}, "
-        f"prefetch width {report.get('prefetch_width', '1k')}, depth {report.get('prefetch_depth', 1)}",
+        f"prefetch depth {report.get('prefetch_depth', 1)}",
         f"{'capacity':>8} {'recall@k':>8} {'@2k':>6} {'@4k':>6} {'off tok/s':>9} {'on tok/s':>9} {'on/off':>6} {'paired':>6} "
         f"{'window ms':>9} {'mm on/off ms':>13}  auto",
     ]
     for r in report["results"]:
-        if r.get("pool") == "mapped":
-            lines.append(
-                f"{r['capacity']:>8.0%} {'-':>8} {'-':>6} {'-':>6} {r['tokens_per_s_off']:>9.1f} {r['tokens_per_s_on']:>9.1f} "
-                f"{r['speedup']:>6.2f} {num(r.get('speedup_paired'), '6.2f')} {'-':>9} {'-':>13}  {r['auto']['decision']} (mapped pool, "
-                f"{r['staged_per_step']:.0f} experts staged per step)"
-            )
-            continue
         rc = r["recall"]["decode"]
         mm = r["matmul_ms_per_call"]
         lines.append(

@@ -5,24 +5,23 @@ experts in managed memory instead of `capacity` slots: the kernels run as at ful
 residency (no host sync per layer, stock mlx-lm's own call), experts placed in GPU
 memory are read at its speed, and the others are read by the kernels over the link
 (zero-copy) from host memory. The host's only job is placement: which `gpu_slots`
-experts per layer live in GPU memory. It learns that from the routing of tokens already
-finished (read two forwards late, so the pipeline never waits for it) through the same
-eviction policies as the slot pool, and moves at most `max_moves` experts per layer each
-time it decides; and every `rebalance_tokens` tokens (sooner at first) it sets each
-layer's GPU share to its most routed experts so far (seeded with the saved heat), which
-on measured routing holds more of what is routed than per-token moves do, for a
-fraction of the moves. Output is unchanged by construction: the bytes never change,
-only where they live.
+experts per layer live in GPU memory. It counts the routing of tokens already finished
+(read two forwards late, so the pipeline never waits for it), and every
+`rebalance_tokens` tokens (sooner at first) it sets each layer's GPU share to its most
+routed experts so far (seeded with the saved heat): on measured routing that holds more
+of what is routed than moving experts per token did, for a fraction of the moves (per-
+token moves measured slower on the H200 and were removed; tests/bench/RESULTS.md).
+Output is unchanged by construction: the bytes never change, only where they live.
 
 The host's share of each token is kept small, since decode on a GPU is as fast as the
 host can queue work: the routing of a forward is gathered into one array on the device
-(one read-back per forward instead of one per layer), and the policies' work and the
-moves go to a worker thread: its Python runs while the decode thread waits for the
-device (MLX releases the GIL there), and its driver calls neither hold the GIL nor wait
-for the migrations they start. Each move is two driver calls per expert tensor, which
-can take longer than a token: routing read back while the worker is busy waits in one
-backlog, and the worker's next turn takes all of it at once (the policies see every
-forward, the moves are capped per turn), so the worker never falls further behind.
+(one read-back per forward instead of one per layer), and the counting and the moves
+go to a worker thread: its Python runs while the decode thread waits for the device
+(MLX releases the GIL there), and its driver calls neither hold the GIL nor wait for the
+migrations they start. Each move is two driver calls per expert tensor, which can take
+longer than a token: routing read back while the worker is busy waits in one backlog,
+and the worker's next turn takes all of it at once, so the worker never falls further
+behind.
 
 On the CPU and on unified memory there is nothing to move; the same bookkeeping runs
 with a mover that only counts, which is what the tests here exercise.
@@ -40,7 +39,6 @@ import mlx.core as mx
 import numpy as np
 
 from moestream.daemon.pool.expert_pool import ExpertPool
-from moestream.daemon.policies import make_policy
 
 # Forwards whose routing is read back: older than this many ticks, so already computed.
 READBACK_LAG = 2
@@ -139,12 +137,10 @@ class _Worker:
 class MappedPool:
     """Which experts of each fully addressable pool live in GPU memory."""
 
-    def __init__(self, pools: Sequence[ExpertPool], gpu_slots: int, mover: Mover, policy: str, *, max_moves: int = 0,
-                 rebalance_tokens: int = 0) -> None:
+    def __init__(self, pools: Sequence[ExpertPool], gpu_slots: int, mover: Mover, *, rebalance_tokens: int = 0) -> None:
         self.pools = list(pools)
         self.gpu_slots = gpu_slots
         self.mover = mover
-        self.max_moves = max_moves
         # Every `rebalance_tokens` tokens routed (0: never), each layer's GPU share is
         # set to its most routed experts so far (plus the heat autopin seeded). The first
         # intervals are shorter (an eighth, a quarter, a half of it, then all of it): a
@@ -155,7 +151,6 @@ class MappedPool:
         self._rebalance_interval = max(1, rebalance_tokens // REBALANCE_RAMP)
         self._counts = [np.zeros(p.layer.num_experts, np.float64) for p in self.pools]
         self._tokens_since_rebalance = 0
-        self.policies = [make_policy(policy, p.layer.num_experts, gpu_slots) for p in self.pools]
         self.on_gpu: list[set[int]] = [set() for _ in self.pools]
         self.stats = MappedPoolStats()
         for p in self.pools:
@@ -182,7 +177,7 @@ class MappedPool:
         in GPU memory and the rest in host memory, mapped for the GPU; returns when the
         bytes are there. A later call (autopin after the loader's) moves only the
         experts whose place changes."""
-        self._worker.drain()  # the policies and `on_gpu` are the worker's while it runs
+        self._worker.drain()  # the counts and `on_gpu` are the worker's while it runs
         tic = time.perf_counter()
         first = not self._placed
         spans: list[Span] = []
@@ -204,9 +199,8 @@ class MappedPool:
 
     def tick(self) -> None:
         """After a token is queued: gather the routing of the forwards just queued into
-        one device array, read back the routing of forwards surely done, tell the
-        policies, and hand the moves they ask for (at most `max_moves` experts per layer
-        per worker turn) to the worker."""
+        one device array, read back the routing of forwards surely done, and hand it to
+        the worker, which counts it and rebalances when one is due."""
         logs = [p.route_log for p in self.pools]
         forwards = len(logs[0]) if logs[0] is not None else 0
         if forwards:
@@ -228,7 +222,7 @@ class MappedPool:
 
     def _consume(self, ready: list[mx.array]) -> None:
         """Read back forwards that are done, count their routing for the heat, and hand
-        the policies' work and the moves to the worker: the decode thread waits for the
+        the rebalancing's counts and moves to the worker: the decode thread waits for the
         device most of a token (MLX lets go of the GIL meanwhile), and that is when the
         worker's Python runs."""
         tic = time.perf_counter()
@@ -252,17 +246,14 @@ class MappedPool:
         self._worker.submit(self._decide)
 
     def _decide(self) -> None:
-        """On the worker: the policies over every forward of the backlog, and at most
-        `max_moves` moves per layer."""
+        """On the worker: count every forward of the backlog, and rebalance when one is
+        due."""
         with self._lock:
             rows, self._backlog = self._backlog, []
             self._turn_queued = False
         self.stats.turns += 1
         tic = time.perf_counter()
         spans: list[Span] = []
-        if self.max_moves:
-            for i in range(len(self.pools)):
-                spans += self._observe(i, [forward[i] for forward in rows])
         if self.rebalance_tokens:
             for forward in rows:
                 for i, counts in enumerate(self._counts):
@@ -312,44 +303,20 @@ class MappedPool:
         return spans
 
     def _reassign(self, i: int, chosen: set[int], *, spans: bool = True) -> list[Span]:
-        """Make `chosen` layer i's experts in GPU memory: update `on_gpu` and its policy,
-        and return the spans that move each expert whose place changes (none when
-        `spans` is False: the caller places whole ranges itself)."""
-        on_gpu, policy = self.on_gpu[i], self.policies[i]
+        """Make `chosen` layer i's experts in GPU memory: update `on_gpu`, and return the
+        spans that move each expert whose place changes (none when `spans` is False: the
+        caller places whole ranges itself)."""
+        on_gpu = self.on_gpu[i]
         out: list[Span] = []
         for e in sorted(on_gpu - chosen):
             on_gpu.discard(e)
-            policy.evicted(e)
             if spans:
                 out += self._spans(i, e, e + 1, "host")
         for e in sorted(chosen - on_gpu):
             on_gpu.add(e)
-            policy.admitted(e)
             if spans:
                 out += self._spans(i, e, e + 1, "device")
         return out
-
-    def _observe(self, i: int, forwards: Sequence[np.ndarray]) -> list[Span]:
-        policy, on_gpu = self.policies[i], self.on_gpu[i]
-        spans: list[Span] = []
-        moves = 0
-        for row in (row for token_experts in forwards for row in token_experts):
-            experts = row.tolist()
-            policy.access(experts)
-            for e in experts:
-                if e in on_gpu or moves >= self.max_moves:
-                    continue
-                if len(on_gpu) >= self.gpu_slots:
-                    victim = policy.victim(on_gpu, set(experts))
-                    on_gpu.discard(victim)
-                    policy.evicted(victim)
-                    spans += self._spans(i, victim, victim + 1, "host")
-                on_gpu.add(e)
-                policy.admitted(e)
-                spans += self._spans(i, e, e + 1, "device")
-                self.stats.moves += 1
-                moves += 1
-        return spans
 
     def _spans(self, i: int, start: int, stop: int, where: str) -> list[Span]:
         tensors = self.pools[i].layer.tensors

@@ -16,9 +16,7 @@ the ids first and would take another path.
 
 On CUDA the copy is one custom kernel per layer (every tensor of the routed experts, 16
 bytes per load); elsewhere `mx.take` does the same copy, which is what the tests here
-run. On unified memory there is nothing to gain, and the setting stays off. With
-mapped-pool prefetch (daemon/mapped/mapped_prefetch.py) the same kernel takes the experts that
-the previous layer staged from its stack instead (`staged`).
+run. On unified memory there is nothing to gain, and the setting stays off.
 """
 
 from __future__ import annotations
@@ -40,32 +38,20 @@ def _take_rows(arrays: Sequence[mx.array], ids: mx.array) -> list[mx.array]:
     return [mx.take(a, ids, axis=0) for a in arrays]
 
 
-def _kernel_source(count: int, staged: bool) -> str:
+def _kernel_source(count: int) -> str:
     """Body of the copy kernel for `count` tensors: block (x, y) copies part of row
     ids[y] of every tensor into row y of its output; 16-byte words when both pointers
-    allow it (they do for MLX's allocations), else bytes. `staged`: where ids[y] is
-    among the NS ids `sids` the stack (s0, s1, ...) was made of, the row comes from the
-    stack instead (looked up here, so the layer needs no other kernel to find it)."""
-    if staged:
-        parts = [
-            "const unsigned int want = ids[blockIdx.y];",
-            "unsigned int at = NS;",
-            "for (unsigned int i = 0; i < NS; ++i) { if (sids[i] == want) { at = i; break; } }",
-            "const bool hit = at < NS;",
-            "const unsigned long long row = hit ? (unsigned long long)at : (unsigned long long)want;",
-        ]
-    else:
-        parts = ["const unsigned long long row = (unsigned long long)ids[blockIdx.y];"]
-    parts += [
+    allow it (they do for MLX's allocations), else bytes."""
+    parts = [
+        "const unsigned long long row = (unsigned long long)ids[blockIdx.y];",
         "const unsigned long long slot = blockIdx.y;",
         "const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;",
         "const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;",
     ]
     for j in range(count):
-        base = f"(hit ? s{j} : t{j})" if staged else f"t{j}"
         parts.append(
             f"""{{
-  const char* src = reinterpret_cast<const char*>({base}) + row * B{j};
+  const char* src = reinterpret_cast<const char*>(t{j}) + row * B{j};
   char* dst = reinterpret_cast<char*>(o{j}) + slot * B{j};
   if (((reinterpret_cast<unsigned long long>(src) | reinterpret_cast<unsigned long long>(dst)) & 15) == 0
       && B{j} % 16 == 0) {{
@@ -81,13 +67,12 @@ def _kernel_source(count: int, staged: bool) -> str:
 
 
 class RowGather:
-    """Gathers rows `ids` of a layer's expert tensors (all of one pool, fixed shapes),
-    optionally taking those a staged stack holds from it (`staged`)."""
+    """Gathers rows `ids` of a layer's expert tensors (all of one pool, fixed shapes)."""
 
     def __init__(self, use_kernel: bool) -> None:
         self._use_kernel = use_kernel
-        # Kernels by (tensor count, staged): one or two per model in practice.
-        self._kernels: dict[tuple[int, bool], Callable] = {}
+        # Kernels by tensor count: one per model in practice.
+        self._kernels: dict[int, Callable] = {}
         # `positions` by (shape, dtype).
         self._positions: dict[tuple[tuple[int, ...], mx.Dtype], mx.array] = {}
 
@@ -96,27 +81,15 @@ class RowGather:
         """Whether the CUDA copy kernel can run here (MLX's CUDA build on its GPU)."""
         return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
-    def __call__(self, arrays: Sequence[mx.array], ids: mx.array, max_blocks: int = _MAX_BLOCKS_PER_ROW) -> list[mx.array]:
+    def __call__(self, arrays: Sequence[mx.array], ids: mx.array,
+                 max_blocks: int = _MAX_BLOCKS_PER_ROW) -> list[mx.array]:
         """Rows `ids` of `arrays`. `max_blocks` caps the copy kernel's blocks per row:
-        fewer leave more of the GPU to kernels running beside a copy made ahead of use."""
+        fewer leave more of the GPU to kernels running beside the copy (what
+        tests/bench/gpu_background_copy_probe.py measures)."""
         ids = ids.reshape(-1).astype(mx.uint32)
         if not self._use_kernel:
             return _take_rows(arrays, ids)
-        return self._run(arrays, [], ids, None, max_blocks)
-
-    def staged(self, arrays: Sequence[mx.array], stacks: Sequence[mx.array], ids: mx.array, staged_ids: mx.array) -> list[mx.array]:
-        """Rows `ids` of `arrays`, except that an id among `staged_ids` (the ids whose
-        rows `stacks` hold, in order) is taken from the stack: the same expert's bytes."""
-        ids = ids.reshape(-1).astype(mx.uint32)
-        staged_ids = staged_ids.reshape(-1).astype(mx.uint32)
-        if not self._use_kernel:
-            match = ids.reshape(-1, 1) == staged_ids.reshape(1, -1)
-            hit, at = match.any(axis=1), mx.argmax(match, axis=1)
-            return [
-                mx.where(hit.reshape(-1, *([1] * (a.ndim - 1))), mx.take(st, at, axis=0), mx.take(a, ids, axis=0))
-                for a, st in zip(arrays, stacks)
-            ]
-        return self._run(arrays, stacks, ids, staged_ids, _MAX_BLOCKS_PER_ROW)
+        return self._run(arrays, ids, max_blocks)
 
     def positions(self, shape: Sequence[int], dtype: mx.Dtype) -> mx.array:
         """0..n-1 in `shape`: the ids of a stack's rows for the expert call (made once
@@ -129,26 +102,24 @@ class RowGather:
             self._positions[key] = out
         return out
 
-    def _run(self, arrays: Sequence[mx.array], stacks: Sequence[mx.array], ids: mx.array,
-             staged_ids: mx.array | None, max_blocks: int) -> list[mx.array]:
-        count, staged = len(arrays), staged_ids is not None
-        kernel = self._kernels.get((count, staged))
+    def _run(self, arrays: Sequence[mx.array], ids: mx.array, max_blocks: int) -> list[mx.array]:
+        count = len(arrays)
+        kernel = self._kernels.get(count)
         if kernel is None:
             kernel = mx.fast.cuda_kernel(
-                name=f"moestream_gather_rows_{count}{'_staged' if staged else ''}",
-                input_names=["ids", *(["sids"] if staged else []), *[f"t{j}" for j in range(count)],
-                             *([f"s{j}" for j in range(count)] if staged else [])],
+                name=f"moestream_gather_rows_{count}",
+                input_names=["ids", *[f"t{j}" for j in range(count)]],
                 output_names=[f"o{j}" for j in range(count)],
-                source=_kernel_source(count, staged),
+                source=_kernel_source(count),
             )
-            self._kernels[(count, staged)] = kernel
+            self._kernels[count] = kernel
         n = ids.shape[0]
         row_bytes = [a.nbytes // a.shape[0] for a in arrays]
         # Enough blocks per row to keep the link busy, no more than a row has words.
         blocks = max(1, min(max_blocks, -(-max(row_bytes) // (16 * _THREADS))))
         return kernel(
-            inputs=[ids, *([staged_ids] if staged else []), *arrays, *stacks],
-            template=[(f"B{j}", b) for j, b in enumerate(row_bytes)] + ([("NS", staged_ids.shape[0])] if staged else []),
+            inputs=[ids, *arrays],
+            template=[(f"B{j}", b) for j, b in enumerate(row_bytes)],
             grid=(blocks * _THREADS, n, 1),
             threadgroup=(_THREADS, 1, 1),
             output_shapes=[(n, *a.shape[1:]) for a in arrays],

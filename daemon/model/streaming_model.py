@@ -25,7 +25,6 @@ from moestream.daemon.pool.admission import Admitter, DirectAdmitter, cuda_copie
 from moestream.daemon.pool.capacity import plan_capacity, top_k_of
 from moestream.daemon.pool.expert_pool import ExpertPool, PoolCapacityError
 from moestream.daemon.pool.expert_reader import ExpertReader
-from moestream.daemon.mapped.mapped_prefetch import install as install_mapped_prefetch
 from moestream.daemon.mapped.mapped_pool import CountingMover, MappedPool
 from moestream.daemon.policies import make_policy
 from moestream.daemon.prefetch.predictor import install as install_predictor
@@ -63,8 +62,8 @@ class StreamingModel:
     mtp: Any = None
     draft_models: dict[str, Any] = field(default_factory=dict)
     # The diagnostics switch and totals (daemon/model/diagnostics.py), and the prefetcher of
-    # predicted experts (daemon/prefetch/prefetcher.py; for mapped pools that gather,
-    # daemon/mapped/mapped_prefetch.py; None where every pool is full).
+    # predicted experts (daemon/prefetch/prefetcher.py; None where every pool is full,
+    # which a mapped pool's are: it has no prefetch).
     diagnostics: Any = None
     prefetcher: Any = None
     # The mapped pool (every expert in host memory, the hottest in GPU memory), else None.
@@ -303,10 +302,6 @@ def load_streaming_model(
             prefetch=settings.prefetch, diagnostics=settings.diagnostics, predict=not naive,
             depth=settings.prefetch_depth, buffer_bytes=settings.prefetch_buffer,
         )
-        if mapped and prefetcher is None:
-            prefetcher = install_mapped_prefetch(moes, blocks, top_k=k, mode=settings.prefetch,
-                                                 stream=settings.mapped_prefetch_stream,
-                                                 copy_blocks=settings.prefetch_copy_blocks)
         mapped_pool = _place(pools, capacity, settings, copier) if mapped else None
         tokenizer = load_tokenizer(store, eos_token_ids=config.get("eos_token_id"))
     except BaseException:
@@ -391,8 +386,8 @@ def choose_mapped(manifest: Manifest, capacity: int, settings: Settings, host_av
 
 
 def _place(pools: list[ExpertPool], gpu_slots: int, settings: Settings, copier: CudaCopier | None) -> MappedPool:
-    placement = MappedPool(pools, gpu_slots, copier if copier is not None else CountingMover(), settings.policy,
-                          max_moves=settings.mapped_moves, rebalance_tokens=settings.mapped_rebalance_tokens)
+    placement = MappedPool(pools, gpu_slots, copier if copier is not None else CountingMover(),
+                          rebalance_tokens=settings.mapped_rebalance_tokens)
     placement.place_initial()
     return placement
 

@@ -20,8 +20,7 @@ test when off; when on they sync around each segment to time it.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,9 +32,6 @@ from moestream.daemon.prefetch.predictor import NextLayer, Prediction
 from moestream.daemon.prefetch.prefetcher import MAX_PREFETCH_TOKENS, Prefetcher
 from moestream.daemon.mapped.row_gather import MAX_GATHERED
 
-if TYPE_CHECKING:
-    from moestream.daemon.mapped.mapped_prefetch import StageNext
-
 
 class StreamingMoE(nn.Module):
     def __init__(self, inner: nn.Module, pool: ExpertPool) -> None:
@@ -46,8 +42,6 @@ class StreamingMoE(nn.Module):
         self.hub = Diagnostics()
         self.next: NextLayer | None = None
         self.prefetcher: Prefetcher | None = None
-        # A mapped pool's prefetch of the next layer (daemon/mapped/mapped_prefetch.py).
-        self.stage_next: StageNext | None = None
         pool.hub = self.hub
         self._use(pool.arrays)
 
@@ -76,15 +70,7 @@ class StreamingMoE(nn.Module):
                 pool.route_log.append(indices)
             ids = indices if pool.identity else pool.remap[indices]
             if pool.gather is not None and indices.size <= MAX_GATHERED:
-                # What the previous layer staged for this one, if anything (any forward's:
-                # a mapped pool's bytes never change, so an old stack is as good).
-                staged, pool.staged = pool.staged, None
-                predicted = self._stage_next(x)
-                if predicted is not None:
-                    # The prediction first, so that the next layer's copy can start
-                    # while this layer's experts run, not after them.
-                    ids = mx.depends(ids, predicted)
-                return self._gathered(x, ids, staged)
+                return self._gathered(x, ids)
             return self.inner(x, ids)
 
         ordinal = pool.layer.ordinal
@@ -100,12 +86,12 @@ class StreamingMoE(nn.Module):
         reading = pf is not None and pf.enabled and seq <= MAX_PREFETCH_TOKENS
         if nxt is not None and not nxt.pool.fully_resident and (rec is not None or reading):
             # Diagnostics rank 4k experts best first (recall at k, 2k, 4k); prefetch
-            # alone needs only the top k' (its width), in any order.
-            ranked = nxt.router.ranked(x, max(4 * pf.top_k, pf.width) if rec is not None else pf.width, ordered=rec is not None)
+            # alone needs only the top k, in any order.
+            ranked = nxt.router.ranked(x, 4 * pf.top_k if rec is not None else pf.top_k, ordered=rec is not None)
             # With a prefetch depth above 1, the layers after the next, ranked on the
             # same input: their reads get more than one layer's compute to finish in.
             later = [a for a in nxt.ahead if not a.pool.fully_resident] if reading else []
-            later_ranked = [a.router.ranked(x, pf.width, ordered=False) for a in later]
+            later_ranked = [a.router.ranked(x, pf.top_k, ordered=False) for a in later]
             mx.eval(indices, ranked, *later_ranked)  # the one host sync of this layer, for all
             ids = np.array(indices)
             ranked_np = np.array(ranked).reshape(-1, ranked.shape[-1])
@@ -147,19 +133,12 @@ class StreamingMoE(nn.Module):
             self._predict_next(ranked_np, seq, rec, ahead)
         return y
 
-    def _gathered(self, x: mx.array, ids: mx.array, staged: tuple[mx.array, list[mx.array]] | None = None) -> mx.array:
+    def _gathered(self, x: mx.array, ids: mx.array) -> mx.array:
         """mlx-lm's call on a stack of just the routed experts' rows (a mapped pool's
-        small forwards, daemon/mapped/row_gather.py), with ids 0..n-1 in the routing's shape.
-        `staged` (expert ids, their rows) was copied ahead by the previous layer: routed
-        experts among those ids are taken from it."""
+        small forwards, daemon/mapped/row_gather.py), with ids 0..n-1 in the routing's shape."""
         pool = self.pool
         names = [t.name for t in pool.layer.tensors]
-        arrays = [pool.arrays[name] for name in names]
-        if staged is None:
-            rows = pool.gather(arrays, ids)
-        else:
-            staged_ids, stack = staged
-            rows = pool.gather.staged(arrays, stack, ids, staged_ids)
+        rows = pool.gather([pool.arrays[name] for name in names], ids)
         self._use(dict(zip(names, rows)))
         try:
             # As with an overflow stack, the lazy graph holds its own references.
@@ -167,33 +146,13 @@ class StreamingMoE(nn.Module):
         finally:
             self._use(pool.arrays)
 
-    def _stage_next(self, x: mx.array) -> mx.array | None:
-        """Start copying the experts the next layer's router ranks highest on this
-        layer's input into a stack, on the prefetch's stream (or this layer's own), for
-        the next layer to take; returns the prediction (None when nothing was staged)."""
-        st = self.stage_next
-        if st is None or not st.prefetch.enabled:
-            return None
-        nxt = st.moe.pool
-        predicted = st.router.ranked(x, st.prefetch.width, ordered=False)
-        if predicted.size > MAX_GATHERED:
-            return None
-        ids = (predicted if nxt.identity else nxt.remap[predicted]).reshape(-1).astype(mx.uint32)
-        arrays = [nxt.arrays[t.name] for t in nxt.layer.tensors]
-        with mx.stream(st.prefetch.stream) if st.prefetch.stream is not None else nullcontext():
-            stack = nxt.gather(arrays, ids, max_blocks=st.prefetch.blocks)
-        nxt.staged = (ids, stack)
-        st.prefetch.s.forwards += 1
-        st.prefetch.s.staged += ids.size
-        return ids
-
     def _predict_next(self, ranked: np.ndarray, seq: int, rec: Recorder | None,
                       ahead: Sequence[tuple[NextLayer, np.ndarray]] = ()) -> None:
         """Hand layer L+1 this forward's prediction and start reading what it lacks; then
         what the layers `ahead` (L+2, ..., each with its ranking) lack, after L+1's reads."""
         nxt, pf = self.next, self.prefetcher
         tic = time.perf_counter() if rec is not None else 0.0
-        named = np.unique(ranked[:, : pf.width])
+        named = np.unique(ranked[:, : pf.top_k])
         prediction = Prediction(ranked=ranked, named=named)
         nxt.pool.prediction = prediction
         if not (pf.enabled and seq <= MAX_PREFETCH_TOKENS):

@@ -132,9 +132,6 @@ class ExpertPool:
         # A mapped pool's copy of routed experts into a stack before small forwards
         # (Settings.mapped_gather; set by the loader), else None.
         self.gather: RowGather | None = None
-        # With mapped-pool prefetch: (expert ids, their rows) the previous layer copied
-        # ahead for this one's next forward (daemon/mapped/mapped_prefetch.py), else None.
-        self.staged: tuple[mx.array, list[mx.array]] | None = None
         # The lowest MoE layers' pools (lowest first), whose routing of the same tokens
         # some policies use as a hint (they route first in a forward); and this
         # forward's routing.

@@ -72,7 +72,7 @@ class Prediction:
 
     # [tokens, n] expert ids per token (best first when diagnostics are on).
     ranked: np.ndarray
-    # The unique experts prefetch was asked for (the top k' of each token).
+    # The unique experts prefetch was asked for (the top k of each token).
     named: np.ndarray
     # perf_counter() when the prefetch was submitted (diagnostics only), else 0.
     submitted_at: float = 0.0

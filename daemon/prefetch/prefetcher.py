@@ -73,9 +73,8 @@ class Prefetcher:
             raise ValueError(f"prefetch mode {mode!r}: use one of {', '.join(PREFETCH_MODES)}")
         self.stride = expert_stride(manifest)
         self.slots = slots
+        # Experts named per token and prefetched: the next router's top k.
         self.top_k = top_k
-        # Experts named per token and prefetched (k' in the predictor's terms).
-        self.width = top_k
         # MoE layers ahead each layer reads for (Settings.prefetch_depth; for `stats`).
         self.depth = depth
         self.reader = reader
@@ -265,7 +264,6 @@ class Prefetcher:
         out = {
             "mode": self.mode,
             "enabled": self.enabled,
-            "width": self.width,
             "depth": self.depth,
             "buffer_experts": self.slots,
             "buffer_bytes": self.slots * self.stride,

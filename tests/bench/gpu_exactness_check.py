@@ -8,9 +8,7 @@ length and each capacity from top-k to all experts (slot pools with and without 
 tier, with prefetch on, so the tier's predicted experts are copied into the next layer's
 slots while the GPU computes; both also with the copier's copy kernel, copy_kernel; and
 mapped pools moving experts between host and GPU memory
-as they decode, with and without the copy of routed experts into a stack, mapped_gather,
-and with the next layer's experts staged ahead, mapped prefetch, on a second stream or
-on each layer's own),
+as they decode, with and without the copy of routed experts into a stack, mapped_gather),
 compares the logits of every step of greedy decoding, bit for bit, and reports the
 largest difference where they differ.
 """
@@ -78,38 +76,32 @@ def main() -> None:
         prompts = {n: rng.integers(0, 4096, n).tolist() for n in (1, 7, 100)}
         want = {n: greedy(model, p, args.steps) for n, p in prompts.items()}
         # (slots, host tier bytes, mode): slot pools, a host tier, mapped pools reading
-        # host memory in the kernels, gathering the routed experts first, and gathering
-        # with the next layer's experts staged ahead (mapped prefetch).
+        # host memory in the kernels, and gathering the routed experts first.
         cases = [(4, 0, "slots"), (8, 0, "slots"), (16, 0, "slots"), (32, 0, "slots"), (4, 1 << 26, "tier"), (8, 1 << 26, "tier"),
                  (4, 0, "slots+kernel"), (4, 1 << 26, "tier+kernel"), (8, 1 << 26, "tier+kernel"),
                  (4, 0, "mapped"), (8, 0, "mapped"), (4, 0, "mapped+gather"), (8, 0, "mapped+gather"),
-                 (4, 0, "mapped+gather+prefetch"), (8, 0, "mapped+gather+prefetch"),
-                 (4, 0, "mapped+gather+prefetch+same"), (8, 0, "mapped+gather+prefetch+same"),
-                 (4, 1 << 26, "tier+kernel+b4"), (8, 0, "mapped+gather+prefetch+same+b4")]
+                 (4, 1 << 26, "tier+kernel+b4")]
         for slots, host_cache, mode in cases:
             label = f"{slots}-{mode}"
             if not re.search(args.only, label):
                 continue
             mapped, gather, kernel = mode.startswith("mapped"), "gather" in mode, "+kernel" in mode
-            # "+bN": copies made ahead of use with at most N blocks per row or span.
+            # "+bN": copies made ahead of use with at most N blocks per span.
             blocks = int(mode.rsplit("+b", 1)[1]) if "+b" in mode else None
-            same = "+same" in mode  # mapped prefetch on each layer's own stream
             if (kernel and "copy_kernel" not in Settings.__dataclass_fields__) or (
-                    same and "mapped_prefetch_stream" not in Settings.__dataclass_fields__) or (
                     blocks and "prefetch_copy_blocks" not in Settings.__dataclass_fields__):
                 continue  # a tree older than the setting
             # Prefetch on for the slot pools: with a host tier, predicted experts are
             # copied into the next layer's slots on the copier's streams while the GPU
-            # computes (prestage); for mapped pools only where the mode says so.
+            # computes (prestage). Mapped pools have no prefetch (off, for older trees that had one).
             # mapped_gather given (its auto gathers on CUDA) only on trees that know it,
             # so that the script runs on older ones.
-            prefetch = "on" if not mapped or "prefetch" in mode else "off"
+            prefetch = "off" if mapped else "on"
             sm = load_streaming_model(store, Settings(capacity=slots, host_cache=host_cache, mapped=mapped, prefetch=prefetch,
                                                       **({"mapped_gather": gather} if "mapped_gather" in Settings.__dataclass_fields__ else {}),
                                                       # The kernel is the default: the other
                                                       # cases say off, so that both ways stay checked.
                                                       **({"copy_kernel": kernel} if "copy_kernel" in Settings.__dataclass_fields__ else {}),
-                                                      **({"mapped_prefetch_stream": "same"} if same else {}),
                                                       **({"prefetch_copy_blocks": blocks} if blocks else {})))
             if not mapped:
                 mode = sm.pool_stats()["admission"]["mode"] + ("+kernel" if kernel else "") + (f"+b{blocks}" if blocks else "")

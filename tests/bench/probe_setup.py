@@ -25,5 +25,5 @@ def mapped_quarter(store: str) -> tuple[StreamingModel, list[Any]]:
     """The store as a mapped pool with 25% of each layer in GPU memory, placed once and
     never moved (so the probe knows where each expert is), and its streaming layers."""
     mx.set_memory_limit(64 * 2**30)
-    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_moves=0, mapped_rebalance_tokens=0), mapped=True)
+    sm = load_streaming_model(store, Settings(capacity=0.25, mapped_rebalance_tokens=0), mapped=True)
     return sm, [m for _, m in sm.model.named_modules() if type(m).__name__ == "StreamingMoE"]

@@ -35,20 +35,15 @@ from moestream.client.cli.values import size_option
 @click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0, None), help="0 decodes greedily; > 0 samples (same seed for every configuration).")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--mapped", is_flag=True, help="Also run a '+mapped' configuration per partial capacity: every expert addressable, the hottest in GPU memory, the rest read over the link (NVIDIA GPUs).")
-@click.option("--mapped-moves", "mapped_moves", multiple=True, type=click.IntRange(0, 4096),
-              help="With --mapped (and a mapped '+host'): experts moved into GPU memory per layer per placement turn; repeat for one '+mapped' run each (default 0: the initial placement stays).")
 @click.option("--mapped-rebalance-tokens", default=256, show_default=True, type=click.IntRange(0, None),
               help="With --mapped (and a mapped '+host'): tokens between rebalances (each layer's most routed experts into GPU memory); 0 never.")
 @click.option("--mapped-gather", type=click.Choice(["auto", "off", "on", "both"]), default="auto", show_default=True,
               help="With --mapped (and a mapped '+host'): decode steps copy the routed experts into a stack in GPU memory first (setting mapped_gather; auto: where MLX's CUDA build runs); 'both' runs each '+mapped' configuration both ways (':g' marks gathering).")
-@click.option("--mapped-prefetch", type=click.Choice(["off", "on", "both"]), default="off", show_default=True,
-              help="With --mapped-gather: also stage the next layer's predicted experts while each layer computes (daemon/mapped/mapped_prefetch.py); 'both' runs each gathering configuration both ways (':p' marks prefetch).")
-@click.option("--mapped-prefetch-stream", type=click.Choice(["second", "same", "both"]), default="second", show_default=True,
-              help="With --mapped-prefetch: stage on a second MLX stream or on each layer's own (setting mapped_prefetch_stream); 'both' runs each prefetching configuration both ways (':ps' marks the layer's own).")
 @click.option("--prefetch-copy-blocks", default=64, show_default=True, type=click.IntRange(1, 1024),
               help="Blocks per expert row or span of the copy kernels that copy ahead of use (setting prefetch_copy_blocks): fewer leave the GPU's other kernels more room.")
 @click.option("--prefetch", type=click.Choice(["on", "off"]), default="on", show_default=True,
-              help="Prefetch of the predicted next-layer experts in the partial-pool runs (with a host tier: copied into the next layer's slots while the GPU computes).")
+              help="Prefetch of the predicted next-layer experts in the partial slot-pool runs (with a host tier: "
+                   "copied into the next layer's slots while the GPU computes); mapped pools have no prefetch.")
 @click.option("--copy-batch", is_flag=True, help="The CUDA copier queues each call's copies in one cudaMemcpyBatchAsync per stream (CUDA 13; setting copy_batch).")
 @click.option("--copy-kernel/--no-copy-kernel", default=True, show_default=True,
               help="The CUDA copier copies with one copy-kernel launch per 160 spans instead of one cudaMemcpyAsync each (setting copy_kernel).")
@@ -57,7 +52,8 @@ from moestream.client.cli.values import size_option
 @click.option("--draft-model", type=click.Path(file_okay=False), help="Draft model for --speculative draft.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds, warmup_rounds, min_round_seconds, paired_blocks, generation_loop, io_threads, no_stock, no_naive, no_slot_pool, mlx_memory_limit, host_cache, host_tier, temp, seed, mapped,
-                 mapped_moves, mapped_rebalance_tokens, mapped_gather, mapped_prefetch, mapped_prefetch_stream, prefetch_copy_blocks, prefetch, copy_batch, copy_kernel, speculative, draft_tokens, draft_model, as_json) -> None:
+                 mapped_rebalance_tokens, mapped_gather, prefetch_copy_blocks, prefetch, copy_batch,
+                 copy_kernel, speculative, draft_tokens, draft_model, as_json) -> None:
     """Decode tokens/s, hit rates, bytes moved per token per tier, admission GB/s and
     the bandwidth bound, for stock mlx-lm, moestream at each capacity (with and without
     the host-RAM tier) and the naive on-demand baseline."""
@@ -99,11 +95,8 @@ def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds
         seed=seed,
         mapped=mapped,
         prefetch=prefetch,
-        mapped_moves=tuple(mapped_moves) or (0,),
         mapped_rebalance_tokens=mapped_rebalance_tokens,
         mapped_gather={"auto": (None,), "off": (False,), "on": (True,), "both": (False, True)}[mapped_gather],
-        mapped_prefetch={"off": (False,), "on": (True,), "both": (False, True)}[mapped_prefetch],
-        mapped_prefetch_stream={"second": ("second",), "same": ("same",), "both": ("second", "same")}[mapped_prefetch_stream],
         prefetch_copy_blocks=prefetch_copy_blocks,
         copy_batch=copy_batch,
         copy_kernel=copy_kernel,

@@ -21,7 +21,6 @@ from moestream.client.cli.values import size_option
 @click.option("--host-cache", help="Size of a host-RAM tier (e.g. 20G) under the pool; default none.")
 @click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0, None), help="0 decodes greedily; > 0 samples (same seed everywhere).")
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--width", default=1, show_default=True, type=click.IntRange(1, 4), help="Experts prefetched per token, in multiples of top-k.")
 @click.option("--depth", default=1, show_default=True, type=click.IntRange(1, 4),
               help="MoE layers ahead whose predicted experts the slot pool's prefetch reads (setting prefetch_depth).")
 @click.option("--prefetch-buffer", help="Host memory for the slot pool's prefetch buffer, e.g. 4G (setting prefetch_buffer); default 16 x top-k experts per layer of depth.")
@@ -29,14 +28,11 @@ from moestream.client.cli.values import size_option
 @click.option("--copy-batch", is_flag=True, help="The CUDA copier queues each call's copies in one cudaMemcpyBatchAsync per stream (CUDA 13; setting copy_batch).")
 @click.option("--copy-kernel/--no-copy-kernel", default=True, show_default=True,
               help="The CUDA copier copies with one copy-kernel launch per 160 spans instead of one cudaMemcpyAsync each (setting copy_kernel).")
-@click.option("--mapped", is_flag=True, help="Measure a mapped pool's prefetch instead (gathering; it stages the next layer's experts on a second stream): speeds off/on and auto's decision, no recall.")
-@click.option("--mapped-prefetch-stream", type=click.Choice(["second", "same"]), default="second", show_default=True,
-              help="With --mapped: copy on a second MLX stream, or on each layer's own (setting mapped_prefetch_stream).")
 @click.option("--prefetch-copy-blocks", default=64, show_default=True, type=click.IntRange(1, 1024),
               help="Blocks per expert row or span of the copy kernels that copy ahead of use (setting prefetch_copy_blocks).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_predict(store, capacities, policy, prompt_tokens, decode_tokens, rounds, io_threads, host_cache, temp, seed, width, depth, prefetch_buffer, mlx_memory_limit,
-                  copy_batch, copy_kernel, mapped, mapped_prefetch_stream, prefetch_copy_blocks, as_json) -> None:
+def bench_predict(store, capacities, policy, prompt_tokens, decode_tokens, rounds, io_threads, host_cache, temp, seed, depth, prefetch_buffer, mlx_memory_limit,
+                  copy_batch, copy_kernel, prefetch_copy_blocks, as_json) -> None:
     """Recall of the next-layer predictor at top-k, 2k and 4k, and decode tokens/s with
     prefetch off and on (and what `--prefetch auto` decides) at each capacity."""
     from pathlib import Path
@@ -60,18 +56,13 @@ def bench_predict(store, capacities, policy, prompt_tokens, decode_tokens, round
         host_cache=host_bytes,
         temp=temp,
         seed=seed,
-        width=width,
         depth=depth,
         prefetch_buffer=buffer_bytes,
         mlx_memory_limit=memory_limit,
         copy_batch=copy_batch,
         copy_kernel=copy_kernel,
-        mapped=mapped,
-        mapped_prefetch_stream=mapped_prefetch_stream,
         prefetch_copy_blocks=prefetch_copy_blocks,
     )
-    if mapped and host_bytes:
-        raise click.UsageError("--mapped keeps every expert in host memory already: drop --host-cache")
     try:
         report = run_bench_predict(settings, progress=lambda line: click.echo(line, err=True))
     except (StoreError, PoolCapacityError, SettingsError, ValueError, OSError) as e:

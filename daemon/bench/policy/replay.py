@@ -18,7 +18,7 @@ policy gets `set_prior` with that layer's routing counts over all *other* reques
 the trace, so nothing a policy is scored on is in its prior. With `prior="none"` no
 policy gets one. With the prior, each capacity also reports `static_hottest`: the hit
 rate of the prior's hottest experts held fixed for the request and never moved (a
-mapped pool's GPU memory with autopin and `mapped_moves = 0`).
+mapped pool's GPU memory with autopin and no rebalance).
 """
 
 from __future__ import annotations
