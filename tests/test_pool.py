@@ -444,7 +444,7 @@ def test_bench_decode_makes_a_tier_that_holds_every_expert_a_mapped_pool(store):
 
     assert family(rows["moestream@0.5+host"]) == "mapped pool (host RAM holds every expert)"
     assert family(rows["moestream@0.5+host:slots"]) == "slot pool + host tier"
-    assert family({"name": "moestream@0.25+host"}) == "slot pool + host tier"  # a report from before session 9
+    assert family({"name": "moestream@0.25+host"}) == "slot pool + host tier"  # a report older than the mapped pool
     assert family({"name": "moestream@0.25"}) == "slot pool" and family({"name": "stock-mlx-lm"}) is None
     assert family({"name": "moestream@0.25+mapped:g:p"}) == "+mapped:g:p"
 

@@ -409,7 +409,7 @@ def format_report(report: dict[str, Any]) -> str:
         if disk:
             lines.append(f"{r['capacity']:>8.0%} {_disk_line(disk)}")
         pf = r.get("prefetch")
-        if pf and pf["submitted"] and "buffer_experts" in pf:  # reports before session 12 lack the buffer
+        if pf and pf["submitted"] and "buffer_experts" in pf:  # older reports lack the buffer
             lines.append(f"{r['capacity']:>8.0%} {_buffer_line(pf)}")
     return "\n".join(lines)
 
