@@ -172,11 +172,6 @@ class Settings:
     # Native read engine.
     io_threads: int = 4
     direct_io: bool = True
-    # The CUDA copier queues each call's copies with one cudaMemcpyBatchAsync per stream
-    # (CUDA 13 runtimes) instead of one cudaMemcpyAsync per tensor of each expert, which
-    # costs microseconds of host time apiece on the path the GPU waits on. Off until it
-    # is measured on the GPU machine (tests/bench/gpu_copy_check.py).
-    copy_batch: bool = False
     # The CUDA copier copies each call's spans (from the pinned host tier into pool rows)
     # with one launch of a copy kernel per 160 spans, loaded as PTX through the CUDA
     # driver (native/gen_copy_kernel.py), instead of one cudaMemcpyAsync per tensor of
@@ -300,7 +295,7 @@ def _coerce(name: str, raw: Any) -> Any:
         return parse_capacity(raw)
     if name in ("memory_budget", "host_cache", "prefetch_buffer"):
         return parse_size(raw)
-    if name in ("direct_io", "verify_checksums", "diagnostics", "mapped", "copy_batch", "copy_kernel", "mapped_gather"):
+    if name in ("direct_io", "verify_checksums", "diagnostics", "mapped", "copy_kernel", "mapped_gather"):
         if isinstance(raw, bool):
             return raw
         s = str(raw).strip().lower()

@@ -83,8 +83,6 @@ class BenchDecodeSettings:
     mapped_moves: tuple[int, ...] = (0,)
     # Tokens between rebalances of the "+mapped" configurations (Settings).
     mapped_rebalance_tokens: int = 256
-    # The CUDA copier queues in batches (Settings.copy_batch).
-    copy_batch: bool = False
     # The CUDA copier copies with its copy kernel (Settings.copy_kernel, on by default).
     copy_kernel: bool = True
     # A mapped pool's decode steps copy the routed experts into a stack first
@@ -240,7 +238,7 @@ def _streaming_config(
         Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads,
                  prefetch=prefetch or settings.prefetch, host_cache=host_cache,
                  mapped_moves=mapped_moves, mapped_rebalance_tokens=settings.mapped_rebalance_tokens,
-                 copy_batch=settings.copy_batch, copy_kernel=settings.copy_kernel, mapped_gather=mapped_gather,
+                 copy_kernel=settings.copy_kernel, mapped_gather=mapped_gather,
                  mapped_prefetch_stream=mapped_prefetch_stream, prefetch_copy_blocks=settings.prefetch_copy_blocks),
         naive=naive,
         admitter=admitter,
@@ -486,7 +484,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             # One host tier for every slot pool's "+host" configuration: they run in
             # turn, and a machine would hold one such tier, not one per pool size.
             shared_reader = ExpertReader(settings.store, manifest, threads=settings.io_threads)
-            tier, _ = make_admitter(shared_reader, manifest, settings.host_cache, settings.copy_batch,
+            tier, _ = make_admitter(shared_reader, manifest, settings.host_cache,
                                     copy_kernel=settings.copy_kernel, ahead_blocks=settings.prefetch_copy_blocks)
             # What the loader makes of such a tier at a partial capacity (capacity 0
             # stands for any partial one): the mapped pool where it holds every expert
@@ -630,7 +628,6 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         "host_tier_mapped": tier_note,
         "mapped": settings.mapped,
         "prefetch": settings.prefetch,
-        "copy_batch": settings.copy_batch,
         "copy_kernel": settings.copy_kernel,
         "prefetch_copy_blocks": settings.prefetch_copy_blocks,
         "mapped_moves": list(settings.mapped_moves) if settings.mapped else None,

@@ -56,8 +56,6 @@ class BenchPredictSettings:
     mlx_memory_limit: int | None = None
     # Experts prefetched per token, as a multiple of top-k.
     width: int = 1
-    # The CUDA copier queues in batches (Settings.copy_batch).
-    copy_batch: bool = False
     # The CUDA copier copies with its copy kernel (Settings.copy_kernel, on by default).
     copy_kernel: bool = True
     # Measure a mapped pool's prefetch instead (gathering, daemon/mapped/mapped_prefetch.py):
@@ -292,7 +290,7 @@ def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[
                   page_cache: str | None, say: Callable[[str], None]) -> dict[str, Any]:
     if settings.mapped:
         return _mapped_run(settings, capacity, prompt, say)
-    sm = _load(settings, capacity, host_cache=settings.host_cache, mapped=False, copy_batch=settings.copy_batch,
+    sm = _load(settings, capacity, host_cache=settings.host_cache, mapped=False,
                copy_kernel=settings.copy_kernel)
     try:
         if sm.prefetcher is None:
@@ -420,7 +418,6 @@ def run_bench_predict(settings: BenchPredictSettings, progress: Callable[[str], 
         "read_bandwidth_bytes_per_s": read_bandwidth,
         # Why the store was read through the page cache (None: direct I/O).
         "read_page_cache": page_cache,
-        "copy_batch": settings.copy_batch,
         "copy_kernel": settings.copy_kernel,
         "prefetch_copy_blocks": settings.prefetch_copy_blocks,
         "mapped": settings.mapped,

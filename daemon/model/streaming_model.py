@@ -271,7 +271,7 @@ def load_streaming_model(
             if settings.host_cache:
                 note["host_tier"] = "mapped: it holds every expert, read in place"
         elif admitter is None:
-            admitter, note = make_admitter(reader, manifest, settings.host_cache, settings.copy_batch,
+            admitter, note = make_admitter(reader, manifest, settings.host_cache,
                                            cuda=(copier, cuda_why_not), copy_kernel=settings.copy_kernel,
                                            ahead_blocks=settings.prefetch_copy_blocks)
         else:

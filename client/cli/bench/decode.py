@@ -49,7 +49,6 @@ from moestream.client.cli.values import size_option
               help="Blocks per expert row or span of the copy kernels that copy ahead of use (setting prefetch_copy_blocks): fewer leave the GPU's other kernels more room.")
 @click.option("--prefetch", type=click.Choice(["on", "off"]), default="on", show_default=True,
               help="Prefetch of the predicted next-layer experts in the partial-pool runs (with a host tier: copied into the next layer's slots while the GPU computes).")
-@click.option("--copy-batch", is_flag=True, help="The CUDA copier queues each call's copies in one cudaMemcpyBatchAsync per stream (CUDA 13; setting copy_batch).")
 @click.option("--copy-kernel/--no-copy-kernel", default=True, show_default=True,
               help="The CUDA copier copies with one copy-kernel launch per 160 spans instead of one cudaMemcpyAsync each (setting copy_kernel).")
 @click.option("--speculative", type=click.Choice(["mtp", "draft"]), help="Instead: speculative vs plain decode at each capacity (default 1.0 0.25).")
@@ -57,7 +56,8 @@ from moestream.client.cli.values import size_option
 @click.option("--draft-model", type=click.Path(file_okay=False), help="Draft model for --speculative draft.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds, warmup_rounds, min_round_seconds, paired_blocks, generation_loop, io_threads, no_stock, no_naive, no_slot_pool, mlx_memory_limit, host_cache, host_tier, temp, seed, mapped,
-                 mapped_moves, mapped_rebalance_tokens, mapped_gather, mapped_prefetch, mapped_prefetch_stream, prefetch_copy_blocks, prefetch, copy_batch, copy_kernel, speculative, draft_tokens, draft_model, as_json) -> None:
+                 mapped_moves, mapped_rebalance_tokens, mapped_gather, mapped_prefetch, mapped_prefetch_stream,
+                 prefetch_copy_blocks, prefetch, copy_kernel, speculative, draft_tokens, draft_model, as_json) -> None:
     """Decode tokens/s, hit rates, bytes moved per token per tier, admission GB/s and
     the bandwidth bound, for stock mlx-lm, moestream at each capacity (with and without
     the host-RAM tier) and the naive on-demand baseline."""
@@ -105,7 +105,6 @@ def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds
         mapped_prefetch={"off": (False,), "on": (True,), "both": (False, True)}[mapped_prefetch],
         mapped_prefetch_stream={"second": ("second",), "same": ("same",), "both": ("second", "same")}[mapped_prefetch_stream],
         prefetch_copy_blocks=prefetch_copy_blocks,
-        copy_batch=copy_batch,
         copy_kernel=copy_kernel,
     )
     try:

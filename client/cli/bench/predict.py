@@ -26,7 +26,6 @@ from moestream.client.cli.values import size_option
               help="MoE layers ahead whose predicted experts the slot pool's prefetch reads (setting prefetch_depth).")
 @click.option("--prefetch-buffer", help="Host memory for the slot pool's prefetch buffer, e.g. 4G (setting prefetch_buffer); default 16 x top-k experts per layer of depth.")
 @click.option("--mlx-memory-limit", help="Cap MLX's memory (mx.set_memory_limit), e.g. 64G; advised on CUDA.")
-@click.option("--copy-batch", is_flag=True, help="The CUDA copier queues each call's copies in one cudaMemcpyBatchAsync per stream (CUDA 13; setting copy_batch).")
 @click.option("--copy-kernel/--no-copy-kernel", default=True, show_default=True,
               help="The CUDA copier copies with one copy-kernel launch per 160 spans instead of one cudaMemcpyAsync each (setting copy_kernel).")
 @click.option("--mapped", is_flag=True, help="Measure a mapped pool's prefetch instead (gathering; it stages the next layer's experts on a second stream): speeds off/on and auto's decision, no recall.")
@@ -36,7 +35,7 @@ from moestream.client.cli.values import size_option
               help="Blocks per expert row or span of the copy kernels that copy ahead of use (setting prefetch_copy_blocks).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_predict(store, capacities, policy, prompt_tokens, decode_tokens, rounds, io_threads, host_cache, temp, seed, width, depth, prefetch_buffer, mlx_memory_limit,
-                  copy_batch, copy_kernel, mapped, mapped_prefetch_stream, prefetch_copy_blocks, as_json) -> None:
+                  copy_kernel, mapped, mapped_prefetch_stream, prefetch_copy_blocks, as_json) -> None:
     """Recall of the next-layer predictor at top-k, 2k and 4k, and decode tokens/s with
     prefetch off and on (and what `--prefetch auto` decides) at each capacity."""
     from pathlib import Path
@@ -64,7 +63,6 @@ def bench_predict(store, capacities, policy, prompt_tokens, decode_tokens, round
         depth=depth,
         prefetch_buffer=buffer_bytes,
         mlx_memory_limit=memory_limit,
-        copy_batch=copy_batch,
         copy_kernel=copy_kernel,
         mapped=mapped,
         mapped_prefetch_stream=mapped_prefetch_stream,
