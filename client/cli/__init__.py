@@ -28,6 +28,3 @@ for c in daemon.COMMANDS:
 main.add_command(service.service)
 main.add_command(serve_openai.serve_openai)
 
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,5 @@
+"""`python -m moestream.client.cli`: the same as `moestreamctl`."""
+
+from moestream.client.cli import main
+
+main(prog_name="moestreamctl")
