@@ -44,7 +44,7 @@ from moestream.daemon.model.generation import SamplingParams, generate
 from moestream.daemon.mapped.row_gather import RowGather
 from moestream.daemon.model.streaming_model import StreamingModel, choose_mapped, load_stock_model, load_streaming_model
 from moestream.shared.progress import timed_progress
-from moestream.shared.settings import Settings, format_size
+from moestream.shared.settings import Settings, default_of, format_size
 from moestream.shared.store_format import load_manifest
 
 
@@ -55,8 +55,8 @@ class BenchDecodeSettings:
     prompt_tokens: int = 32
     decode_tokens: int = 64
     rounds: int = 3
-    policy: str = "lru"
-    io_threads: int = 4
+    policy: str = default_of("policy")
+    io_threads: int = default_of("io_threads")
     stock: bool = True
     naive: bool = True
     # The slot pool at each capacity (off: only its "+host" and "+mapped" variants).
@@ -67,7 +67,7 @@ class BenchDecodeSettings:
     # made as the daemon would make it: where the tier holds every expert and the loader
     # makes it a mapped pool (`choose_mapped`), "+host" is that mapped pool and
     # "+host:slots" the slot pool with the tier beside it.
-    host_cache: int = 0
+    host_cache: int = default_of("host_cache")
     # "auto" makes "+host" as just said; "mapped" or "slots" makes it that way.
     host_tier: str = "auto"
     # 0 decodes greedily; > 0 samples at this temperature (same seed for every config).
@@ -80,23 +80,23 @@ class BenchDecodeSettings:
     prefetch: str = "on"
     # Moves per layer per placement turn of the "+mapped" configurations, one
     # configuration each (see Settings.mapped_moves).
-    mapped_moves: tuple[int, ...] = (0,)
+    mapped_moves: tuple[int, ...] = (default_of("mapped_moves"),)
     # Tokens between rebalances of the "+mapped" configurations (Settings).
-    mapped_rebalance_tokens: int = 256
+    mapped_rebalance_tokens: int = default_of("mapped_rebalance_tokens")
     # The CUDA copier copies with its copy kernel (Settings.copy_kernel, on by default).
-    copy_kernel: bool = True
+    copy_kernel: bool = default_of("copy_kernel")
     # A mapped pool's decode steps copy the routed experts into a stack first
     # (Settings.mapped_gather): one configuration per value, ":g" marks those that do;
     # None is the setting's auto.
-    mapped_gather: tuple[bool | None, ...] = (None,)
+    mapped_gather: tuple[bool | None, ...] = (default_of("mapped_gather"),)
     # Mapped pools that gather also stage the next layer's predicted experts
     # (daemon/mapped/mapped_prefetch.py): one configuration per value, ":p" marks those that do.
     mapped_prefetch: tuple[bool, ...] = (False,)
     # Where those that stage copy (Settings.mapped_prefetch_stream): one configuration
     # per value, ":ps" marks the layer's own stream.
-    mapped_prefetch_stream: tuple[str, ...] = ("second",)
+    mapped_prefetch_stream: tuple[str, ...] = (default_of("mapped_prefetch_stream"),)
     # Blocks of the copy kernels that copy ahead of use (Settings.prefetch_copy_blocks).
-    prefetch_copy_blocks: int = 64
+    prefetch_copy_blocks: int = default_of("prefetch_copy_blocks")
     # Untimed runs of every configuration before the timed rounds; more than one lets a
     # mapped pool's rebalance (every mapped_rebalance_tokens) happen before timing.
     warmup_rounds: int = 1

@@ -37,7 +37,7 @@ from moestream.daemon.model.generation import SamplingParams, generate
 from moestream.daemon.prefetch.prefetcher import PrefetchGovernor
 from moestream.daemon.model.streaming_model import StreamingModel, load_streaming_model
 from moestream.shared.progress import timed_progress
-from moestream.shared.settings import Settings, format_size
+from moestream.shared.settings import Settings, default_of, format_size
 from moestream.shared.store_format import load_manifest
 
 
@@ -48,28 +48,28 @@ class BenchPredictSettings:
     prompt_tokens: int = 32
     decode_tokens: int = 64
     rounds: int = 3
-    policy: str = "lru"
-    io_threads: int = 4
-    host_cache: int = 0
+    policy: str = default_of("policy")
+    io_threads: int = default_of("io_threads")
+    host_cache: int = default_of("host_cache")
     temp: float = 0.0
     seed: int = 0
     mlx_memory_limit: int | None = None
     # Experts prefetched per token, as a multiple of top-k.
     width: int = 1
     # The CUDA copier copies with its copy kernel (Settings.copy_kernel, on by default).
-    copy_kernel: bool = True
+    copy_kernel: bool = default_of("copy_kernel")
     # Measure a mapped pool's prefetch instead (gathering, daemon/mapped/mapped_prefetch.py):
     # decode tokens/s off and on and what auto decides; recall is the slot pool's run's
     # (the same predictor), not repeated.
     mapped: bool = False
     # Where the mapped pool's prefetch copies (Settings.mapped_prefetch_stream).
-    mapped_prefetch_stream: str = "second"
+    mapped_prefetch_stream: str = default_of("mapped_prefetch_stream")
     # Blocks of the copy kernels that copy ahead of use (Settings.prefetch_copy_blocks).
-    prefetch_copy_blocks: int = 64
+    prefetch_copy_blocks: int = default_of("prefetch_copy_blocks")
     # MoE layers ahead whose experts the slot pool's prefetch reads (Settings.prefetch_depth).
-    depth: int = 1
+    depth: int = default_of("prefetch_depth")
     # Bytes of the slot pool's prefetch buffer (Settings.prefetch_buffer; 0: the default).
-    prefetch_buffer: int = 0
+    prefetch_buffer: int = default_of("prefetch_buffer")
 
 
 def _decode(sm: StreamingModel, prompt: list[int], steps: int, temp: float, seed: int,
