@@ -15,14 +15,14 @@ from pathlib import Path
 
 from moestream import __version__
 from moestream.shared.runtime_dir import InstanceLock, RuntimeDirError, RuntimePaths
-from moestream.shared.settings import Settings, SettingsError
+from moestream.shared.settings import SETTINGS, Settings, SettingsError
 
 LOG_ROTATE_BYTES = 16 * 2**20
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(threadName)s] %(message)s"
 
-# Flags of `python -m moestream.daemon.main`, which `moestreamctl start` passes on.
-DAEMON_FLAGS = ("model", "capacity", "memory_budget", "host_cache", "policy", "io_threads", "autopin_frac", "runtime_dir", "log_file", "max_context", "max_active", "max_queued",
-                "diagnostics", "prefetch", "mapped")
+# Flags of `python -m moestream.daemon.main`: every setting, `--name VALUE` (a bool's as
+# true/false/auto), so that `moestreamctl start` and `restart` can pass any of them on.
+DAEMON_FLAGS = tuple(d.name for d in SETTINGS)
 
 
 def _rotate(log_path: Path) -> None:
@@ -89,9 +89,11 @@ def run_daemon(settings: Settings, *, log_to_stderr: bool = False, handle_signal
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moestream.daemon.main", description="The moestream daemon (see `moestreamctl start`).")
-    for name in DAEMON_FLAGS:
-        p.add_argument("--" + name.replace("_", "-"), dest=name, default=None)
+    p = argparse.ArgumentParser(prog="python -m moestream.daemon.main",
+                                description="The moestream daemon (see `moestreamctl start`).")
+    for d in SETTINGS:
+        # argparse %-formats help texts.
+        p.add_argument(d.flag, dest=d.name, default=None, metavar="VALUE", help=d.help.replace("%", "%%"))
     p.add_argument("--config", default=None, help="Config file (default $XDG_CONFIG_HOME/moestream/config.toml).")
     p.add_argument("--log-to-stderr", action="store_true", help="Also log to stderr.")
     return p

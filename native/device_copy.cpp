@@ -29,13 +29,6 @@ struct MemLocation {  // cudaMemLocation
   int id;
 };
 
-struct MemcpyAttributes {  // cudaMemcpyAttributes (CUDA 12.8+)
-  int src_access_order;
-  MemLocation src_hint;
-  MemLocation dst_hint;
-  unsigned flags;
-};
-constexpr int kSrcAccessOrderStream = 1;  // the source is read in stream order
 
 // Sonames tried in order; MLX's CUDA 13 build brings libcudart.so.13.
 const char* const kLibraries[] = {"libcudart.so.13", "libcudart.so.12", "libcudart.so", "libcudart.dylib"};
@@ -65,9 +58,6 @@ struct CudaRuntime::Api {
   int (*StreamDestroy)(void*) = nullptr;
   int (*StreamSynchronize)(void*) = nullptr;
   int (*MemcpyAsync)(void*, const void*, size_t, int, void*) = nullptr;
-  // CUDA 13's form (12.8 and 12.9 had a failIdx argument before the stream): not used there.
-  int (*MemcpyBatchAsync)(const void**, const void**, const size_t*, size_t, MemcpyAttributes*, size_t*, size_t,
-                          void*) = nullptr;
   int (*PointerGetAttributes)(void*, const void*) = nullptr;
   // Prefetch and advise changed signature in CUDA 13 (a location instead of a device);
   // 12.2+ has the new form as *_v2. Exactly one pair is set.
@@ -134,8 +124,6 @@ std::unique_ptr<CudaRuntime> CudaRuntime::load(int streams) {
   a.PointerGetAttributes = reinterpret_cast<decltype(a.PointerGetAttributes)>(sym("cudaPointerGetAttributes", true));
 
   a.RuntimeGetVersion(&rt->runtime_version_);
-  if (rt->runtime_version_ >= 13000)
-    a.MemcpyBatchAsync = reinterpret_cast<decltype(a.MemcpyBatchAsync)>(sym("cudaMemcpyBatchAsync", false));
   if (rt->runtime_version_ >= 13000) {
     a.PrefetchLoc = reinterpret_cast<decltype(a.PrefetchLoc)>(sym("cudaMemPrefetchAsync", true));
     a.AdviseLoc = reinterpret_cast<decltype(a.AdviseLoc)>(sym("cudaMemAdvise", true));
@@ -189,8 +177,6 @@ void* CudaRuntime::alloc_device(size_t n) {
 void CudaRuntime::free_device(void* p) noexcept {
   if (p) api_->Free(p);
 }
-
-bool CudaRuntime::has_batch() const { return api_->MemcpyBatchAsync != nullptr; }
 
 void* CudaRuntime::copy_kernel() {
   std::lock_guard<std::mutex> lock(driver_mutex_);
@@ -252,12 +238,9 @@ void CudaRuntime::launch_copies(const std::vector<CopySpan>& spans, void* stream
   }
 }
 
-double CudaRuntime::copy(std::vector<CopySpan> spans, bool wait, bool batch, bool kernel, size_t kernel_blocks) {
+double CudaRuntime::copy(std::vector<CopySpan> spans, bool wait, bool kernel, size_t kernel_blocks) {
   if (kernel_blocks > kCopyKernelMaxBlocks)
     throw CudaError("kernel_blocks must be at most " + std::to_string(kCopyKernelMaxBlocks));
-  if (batch && !has_batch())
-    throw CudaError("cudaMemcpyBatchAsync needs a CUDA 13 runtime; " + library_ + " is " +
-                    std::to_string(runtime_version_));
   const auto start = std::chrono::steady_clock::now();
   std::stable_sort(spans.begin(), spans.end(), [](const CopySpan& a, const CopySpan& b) { return a.n > b.n; });
   const size_t k = streams_.size();
@@ -295,31 +278,13 @@ double CudaRuntime::copy(std::vector<CopySpan> spans, bool wait, bool batch, boo
     }
     spans = std::move(rest);
   }
-  // With `batch`: each stream's share, queued below in one call per stream.
-  std::vector<std::vector<const void*>> dsts(batch ? k : 0), srcs(batch ? k : 0);
-  std::vector<std::vector<size_t>> sizes(batch ? k : 0);
   for (const CopySpan& s : spans) {
     if (s.n == 0) continue;
     const size_t i = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
     load[i] += s.n;
-    if (batch) {
-      dsts[i].push_back(s.dst);
-      srcs[i].push_back(s.src);
-      sizes[i].push_back(s.n);
-    } else {
-      check(api_->MemcpyAsync(s.dst, s.src, s.n, kMemcpyDefault, streams_[i]), "cudaMemcpyAsync");
-    }
+    check(api_->MemcpyAsync(s.dst, s.src, s.n, kMemcpyDefault, streams_[i]), "cudaMemcpyAsync");
     ++queued;
     bytes += s.n;
-  }
-  for (size_t i = 0; batch && i < k; ++i) {
-    if (sizes[i].empty()) continue;
-    // One set of attributes for every copy of the call: host source, GPU destination.
-    MemcpyAttributes attrs{kSrcAccessOrderStream, {kLocationHost, 0}, {kLocationDevice, 0}, 0};
-    size_t first = 0;
-    check(api_->MemcpyBatchAsync(dsts[i].data(), srcs[i].data(), sizes[i].data(), sizes[i].size(), &attrs, &first, 1,
-                                 streams_[i]),
-          "cudaMemcpyBatchAsync");
   }
   const auto enqueued = std::chrono::steady_clock::now();
   auto ns = [](std::chrono::steady_clock::duration d) {

@@ -85,17 +85,12 @@ class CudaRuntime {
   // Enqueue every span on the copy streams (largest first, spread over the streams so
   // that several copy engines work at once), then, with `wait`, wait for all of them.
   // Returns the seconds from the first enqueue to the end of the wait (0 without it).
-  // `batch` queues each stream's share with one cudaMemcpyBatchAsync (CUDA 13 runtimes;
-  // see has_batch) instead of one cudaMemcpyAsync per span; its location hints say host
-  // memory to GPU memory, so use it for those copies only.
   // `kernel` copies the gpu_visible spans with one launch of a copy kernel per up to
   // kCopyKernelMaxSpans spans (PTX loaded through the CUDA driver on first use) instead
   // of one cudaMemcpyAsync each, which costs microseconds of host time apiece; the
   // other spans go as before.
   // `kernel_blocks` caps the kernel's blocks per span for this call (0: the default).
-  double copy(std::vector<CopySpan> spans, bool wait = true, bool batch = false, bool kernel = false,
-              size_t kernel_blocks = 0);
-  bool has_batch() const;
+  double copy(std::vector<CopySpan> spans, bool wait = true, bool kernel = false, size_t kernel_blocks = 0);
   // Wait for every copy queued so far; returns the seconds waited.
   double sync();
   int streams() const { return static_cast<int>(streams_.size()); }

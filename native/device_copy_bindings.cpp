@@ -111,7 +111,7 @@ class CudaCopier {
 
   // spans: [(dst, dst_offset, src, src_offset, nbytes)]; returns seconds spent.
   // kernel: None is the copier's own setting (`kernel`).
-  double copy(const py::sequence& spans, bool wait, bool batch, py::object kernel, py::object blocks) {
+  double copy(const py::sequence& spans, bool wait, py::object kernel, py::object blocks) {
     const auto start = std::chrono::steady_clock::now();
     const bool use_kernel = kernel.is_none() ? kernel_ : kernel.cast<bool>();
     Exports exports;
@@ -147,7 +147,7 @@ class CudaCopier {
     if (!blocks.is_none() && (kernel_blocks < 1 || kernel_blocks > kCopyKernelMaxBlocks))
       throw py::value_error("[copy] blocks: between 1 and " + std::to_string(kCopyKernelMaxBlocks));
     py::gil_scoped_release nogil;
-    return rt_->copy(out, wait, batch, use_kernel, kernel_blocks);
+    return rt_->copy(out, wait, use_kernel, kernel_blocks);
   }
 
   bool kernel_ = false;  // copies go through the copy kernel unless a call says otherwise
@@ -272,23 +272,19 @@ void bind_device_copy(py::module_& m) {
                          "for them, so the bytes are in place when it returns.")
       .def(py::init<int>(), py::arg("streams") = 4)
       .def_property_readonly("streams", [](const CudaCopier& c) { return c.runtime()->streams(); })
-      .def("copy", &CudaCopier::copy, py::arg("spans"), py::arg("wait") = true, py::arg("batch") = false,
-           py::arg("kernel") = py::none(), py::arg("blocks") = py::none(),
-           "copy([(dst, dst_offset, src, src_offset, nbytes), ...], wait=True, batch=False, kernel=None, blocks=None) -> float\n\n"
+      .def("copy", &CudaCopier::copy, py::arg("spans"), py::arg("wait") = true, py::arg("kernel") = py::none(),
+           py::arg("blocks") = py::none(),
+           "copy([(dst, dst_offset, src, src_offset, nbytes), ...], wait=True, kernel=None, blocks=None) -> float\n\n"
            "Copy every span (buffers: HostBuffer, numpy or MLX arrays) and wait; returns the "
            "seconds from the first copy queued to the last one done. With wait=False it only "
            "queues the copies and returns 0: the caller keeps every buffer alive and unchanged "
-           "until `sync()` returns. batch=True (for copies from host memory into GPU memory: "
-           "the batch tells the driver so) queues them with one cudaMemcpyBatchAsync per "
-           "stream (CUDA 13 runtimes: `has_batch`) instead of one cudaMemcpyAsync per span. "
-           "kernel=True (None: the copier's `kernel`) copies the spans whose both ends a kernel "
+           "until `sync()` returns. kernel=True (None: the copier's `kernel`) copies the spans whose both ends a kernel "
            "can address (pinned, device or managed memory) with one copy-kernel launch per 160 "
            "spans, loaded through the CUDA driver on first use; pageable spans still go by "
            "cudaMemcpyAsync. blocks caps the kernel's blocks per span for this call (None: 64; "
            "fewer leave more of the GPU to kernels running beside a copy queued ahead of use).")
       .def_readwrite("kernel", &CudaCopier::kernel_,
                      "Whether `copy` uses the copy kernel when a call does not say (Settings.copy_kernel).")
-      .def_property_readonly("has_batch", [](const CudaCopier& c) { return c.runtime()->has_batch(); })
       .def("counters", &CudaCopier::counters,
            "counters() -> dict: copy calls, spans and bytes since the copier was made, and the host "
            "seconds spent reading spans and exporting buffers (bind), queuing the copies (enqueue) "

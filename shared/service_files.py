@@ -16,12 +16,12 @@ from __future__ import annotations
 import plistlib
 import re
 from xml.parsers.expat import ExpatError
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from moestream.shared.settings import ENV_PREFIX, Settings
+from moestream.shared.settings import SETTINGS
 
 PLATFORMS = ("darwin", "linux")
 LAUNCHD_LABEL = "dev.moestream.daemon"
@@ -108,7 +108,7 @@ def gateway_argv(python: str, flags: Sequence[str] = ()) -> list[str]:
 
 def setting_variables() -> tuple[str, ...]:
     """The `MOESTREAM_*` names that `Settings.resolve` reads."""
-    return tuple(ENV_PREFIX + f.name.upper() for f in fields(Settings))
+    return tuple(d.env for d in SETTINGS)
 
 
 def service_environment(env: Mapping[str, str], *, python: str, exclude: Iterable[str] = ()) -> dict[str, str]:

@@ -4,6 +4,13 @@
 command-line flags, `MOESTREAM_*` environment variables, the config file
 (`$XDG_CONFIG_HOME/moestream/config.toml`, or `--config`), and the defaults below; it is
 then passed down. Nothing else reads the environment, and nothing reads it at import.
+
+Each field carries its own definition (`setting(...)`): its kind, range or choices,
+help, and the commands that take it as an option (`scope`). The coercion, the options
+of `start`, `restart`, `service install` and `generate`, the daemon's own flags, the
+settings `status` reports and the README's table are all made from it.
+
+    python -m moestream.shared.settings --markdown    # the README's settings table
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import hashlib
 import os
 import re
 import sys
+import types
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -21,6 +29,27 @@ from typing import Any, Mapping
 ENV_PREFIX = "MOESTREAM_"
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+# Which commands take a setting as an option. Every setting is also a flag of the
+# daemon process itself (`python -m moestream.daemon.main`), and every one can be set
+# by its MOESTREAM_* variable or in the config file.
+DAEMON = "daemon"  # `start`, `restart` and `service install`, passed on to the daemon
+GENERATE = "generate"  # `generate`, passed on to a daemon it starts
+LOCAL = "local"  # `generate`, only with --local: a running daemon keeps its own
+SCOPES = (DAEMON, GENERATE, LOCAL)
+
+# The kinds of value a setting takes; each has one coercion (`Definition.coerce`).
+KINDS = (
+    "size",  # bytes: 512M, 24G, or a number
+    "capacity",  # slots per layer (16) or a fraction of its experts (0.25, 25%)
+    "bool",  # true/false, 1/0, yes/no, on/off
+    "auto_bool",  # the same, or auto (None)
+    "int",  # a whole number in [low, high]
+    "float",  # a number in [low, high]
+    "choice",  # one of `choices`
+    "path",  # a file or folder; made absolute where a daemon runs elsewhere
+    "text",
+)
 
 
 class SettingsError(ValueError):
@@ -46,30 +75,183 @@ def format_size(n: int | float) -> str:
     return f"{n:.1f} TiB"
 
 
+def _capacity(text: str | float | int) -> float | int:
+    """A capacity, or SettingsError saying what is wrong with it (not naming the setting)."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value: float | int = text
+    else:
+        s = str(text).strip()
+        try:
+            if s.endswith("%"):
+                value = float(s[:-1]) / 100.0
+            elif re.fullmatch(r"[0-9]+", s):
+                value = int(s)
+            else:
+                value = float(s)
+        except ValueError:
+            raise SettingsError(
+                f"cannot read {text!r} (a slot count like 16, or a fraction like 0.25 or 25%)") from None
+    if isinstance(value, float) and not 0.0 < value <= 1.0:
+        raise SettingsError(f"fraction {value} must be in (0, 1]")
+    if isinstance(value, int) and value < 1:
+        raise SettingsError("at least one slot per layer")
+    return value
+
+
 def parse_capacity(text: str | float | int | None) -> float | int | None:
     """'16' -> 16 slots per layer; '0.25' or '25%' -> a fraction of each layer's experts."""
-    if text is None or isinstance(text, (int, float)):
-        return text
-    s = str(text).strip()
+    if text is None:
+        return None
     try:
-        if s.endswith("%"):
-            value: float | int = float(s[:-1]) / 100.0
-        elif re.fullmatch(r"[0-9]+", s):
-            value = int(s)
-        else:
-            value = float(s)
-    except ValueError:
-        raise SettingsError(f"--capacity: cannot read {text!r} (a slot count like 16, or a fraction like 0.25 or 25%)") from None
-    if isinstance(value, float) and not 0.0 < value <= 1.0:
-        raise SettingsError(f"--capacity: fraction {value} must be in (0, 1]")
-    if isinstance(value, int) and value < 1:
-        raise SettingsError("--capacity: at least one slot per layer")
-    return value
+        return _capacity(text)
+    except SettingsError as e:
+        raise SettingsError(f"--capacity: {e}") from None
 
 
 # The online eviction policies' names (daemon/policies POLICIES, which a test holds to
 # this list): checked here, so a bad name fails in the command, before any daemon runs.
 POLICY_NAMES = ("lru", "lfu", "lfuda", "predictive", "induction", "recall")
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _number(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def _either(words: tuple[str, ...] | list[str]) -> str:
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+@dataclass(frozen=True)
+class Definition:
+    """What a setting is: everything but its name comes from `setting(...)`."""
+
+    kind: str
+    help: str
+    default: Any
+    scope: frozenset[str] = frozenset()
+    low: float | None = None
+    high: float | None = None
+    choices: tuple[str, ...] = ()
+    # A choice's message names what is chosen ("unknown eviction policy 'x'") where set.
+    noun: str | None = None
+    # The default as people read it, where the value does not say it (a None that
+    # stands for a folder found at run time, say).
+    shown_default: str | None = None
+    name: str = ""
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def switch(self) -> str:
+        """The flag as commands spell it: --x/--no-x for a bool's."""
+        if self.kind in ("bool", "auto_bool"):
+            return f"{self.flag}/--no-{self.flag[2:]}"
+        return self.flag
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    def coerce(self, raw: Any) -> Any:
+        """The value of `raw` (a flag's, a variable's or a config file's); SettingsError
+        says what is wrong without naming the setting (the caller says where it came from)."""
+        if raw is None:
+            return None
+        kind = self.kind
+        if kind == "size":
+            return parse_size(raw)
+        if kind == "capacity":
+            return _capacity(raw)
+        if kind in ("bool", "auto_bool"):
+            if isinstance(raw, bool):
+                return raw
+            s = str(raw).strip().lower()
+            if kind == "auto_bool" and s == "auto":
+                return None
+            if s in _TRUE:
+                return True
+            if s in _FALSE:
+                return False
+            raise SettingsError(f"expected true or false{' or auto' if kind == 'auto_bool' else ''}, got {raw!r}")
+        if kind in ("int", "float"):
+            what = "a whole number" if kind == "int" else "a number"
+            try:
+                # A config file's 2.5 is no whole number, and its booleans are no numbers.
+                if isinstance(raw, bool) or (kind == "int" and isinstance(raw, float) and not raw.is_integer()):
+                    raise ValueError(raw)
+                n = int(raw) if kind == "int" else float(raw)
+            except (TypeError, ValueError):
+                raise SettingsError(f"expected {what}, got {raw!r}") from None
+            if n != n:  # NaN passes no range check
+                raise SettingsError(f"expected {what}, got {raw!r}")
+            if self.low is not None and self.high is not None and not self.low <= n <= self.high:
+                raise SettingsError(f"must be between {_number(self.low)} and {_number(self.high)}")
+            if self.low is not None and self.high is None and n < self.low:
+                raise SettingsError(f"must be at least {_number(self.low)}")
+            return n
+        if kind == "choice":
+            s = str(raw).strip().lower()
+            if s not in self.choices:
+                if self.noun:
+                    raise SettingsError(f"unknown {self.noun} {raw!r}; valid names: {', '.join(self.choices)}")
+                raise SettingsError(f"expected {_either(self.choices)}, got {raw!r}")
+            return s
+        return str(raw)
+
+    def flag_value(self, value: Any) -> Any:
+        """`value` as its flag reads it back: auto for an auto_bool's None."""
+        return "auto" if self.kind == "auto_bool" and value is None else value
+
+    def default_text(self) -> str:
+        """The default, as `--help` and the README say it."""
+        if self.shown_default is not None:
+            return self.shown_default
+        d = self.default
+        if self.kind in ("bool", "auto_bool"):
+            return "auto" if d is None else "on" if d else "off"
+        if self.kind == "size" and d:
+            return format_size(d)
+        return "none" if d is None else str(d)
+
+    def range_text(self) -> str:
+        """The range of a number ("1 to 256", "at least 0"), or ""."""
+        if self.low is None:
+            return ""
+        if self.high is None:
+            return f"at least {_number(self.low)}"
+        return f"{_number(self.low)} to {_number(self.high)}"
+
+    def commands(self) -> list[str]:
+        """The commands that take this setting as an option."""
+        out = []
+        if DAEMON in self.scope:
+            out.append("start")
+        if GENERATE in self.scope:
+            out.append("generate")
+        elif LOCAL in self.scope:
+            out.append("generate --local")
+        return out
+
+
+def setting(default: Any, *, kind: str, help: str, scope: tuple[str, ...] = (), low: float | None = None,
+            high: float | None = None, choices: tuple[str, ...] = (), noun: str | None = None,
+            shown_default: str | None = None) -> Any:
+    """A Settings field with its definition (see `Definition`) in its metadata."""
+    if kind not in KINDS:
+        raise ValueError(f"setting kind {kind!r}: use one of {', '.join(KINDS)}")
+    if set(scope) - set(SCOPES):
+        raise ValueError(f"setting scope {scope!r}: use {', '.join(SCOPES)}")
+    if kind == "choice" and default not in choices:
+        raise ValueError(f"the default {default!r} is not one of {choices!r}")
+    definition = Definition(kind=kind, help=help, default=default, scope=frozenset(scope), low=low, high=high,
+                            choices=choices, noun=noun, shown_default=shown_default)
+    return dataclasses.field(default=default, metadata={"setting": definition})
 
 
 def default_runtime_dir(env: Mapping[str, str]) -> Path:
@@ -98,97 +280,126 @@ def default_config_file(env: Mapping[str, str]) -> Path:
     return Path(base) / "moestream" / "config.toml"
 
 
-@dataclass(frozen=True)
+_BOTH = (DAEMON, GENERATE)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Settings:
-    # The model: an expert store made by `moestreamctl convert`; `resolve` puts the
-    # built-in demo model here when none is given.
-    model: str | None = None
-    # Pool sizing: slots per MoE layer (int), a fraction of its experts (float), or a
-    # memory budget in bytes for resident weights + pool + KV cache.
-    capacity: float | int | None = None
-    memory_budget: int | None = None
-    policy: str = "lru"
-    # Bytes of host memory that cache experts between the store and the pool (0: off).
-    # One that holds every expert is made as a mapped pool where `mapped` is auto.
-    host_cache: int = 0
-    # A mapped pool (daemon/mapped/mapped_pool.py): every expert in host memory, addressable by
-    # the kernels, with `capacity` (or `memory_budget`) experts per layer in GPU memory.
-    # None is auto: mapped where it measured fastest and is safe (an NVIDIA GPU, a
-    # partial pool, host RAM for every expert, no --host-cache or one that holds every
-    # expert; see daemon/model/streaming_model.py `choose_mapped`), else the slot pool.
-    mapped: bool | None = None
-    # Every this many tokens routed, a mapped pool sets each layer's GPU share to its
-    # most routed experts so far (the saved heat included): a few moves now and then,
-    # instead of a placement that a first start without heat would keep for good. The
-    # first intervals are shorter (32, 64 and 128 tokens at 256). 0: never.
-    mapped_rebalance_tokens: int = 256
-    # A mapped pool's decode steps first copy the routed experts into a small stack in
-    # GPU memory (one copy kernel per layer, wide loads) and run the expert kernels on
-    # that, instead of letting the kernels read host memory over the link as they go
-    # (daemon/mapped/row_gather.py). None is auto: on where that copy kernel runs (MLX's CUDA
-    # build on its GPU), off elsewhere (on unified memory there is no link to wait on).
-    # On the H200 at 25%, side by side over 7 rounds: 56.7 against 39.4 tok/s, 1.16x to
-    # 1.59x in every round (tests/bench/results/bench_decode_q30_mapped_prefetch_h200.json;
-    # session 7's run, with one more kernel per layer, was even at 1.02x).
-    mapped_gather: bool | None = None
-    # The most blocks per expert row (mapped prefetch's staging) or per span (the slot
-    # pool's prefetch copies with copy_kernel) of the copy kernels that copy ahead of use:
+    # ---- the model and its pool
+    # `resolve` puts the built-in demo model here when none is given.
+    model: str | None = setting(
+        None, kind="path", scope=_BOTH, shown_default="the built-in demo model",
+        help="Expert store (made by `moestreamctl convert`).")
+    capacity: float | int | None = setting(
+        None, kind="capacity", scope=_BOTH, shown_default="every expert of each layer",
+        help="Pool slots per MoE layer (16) or a fraction of each layer's experts (0.25, 25%).")
+    memory_budget: int | None = setting(
+        None, kind="size", scope=_BOTH,
+        help="Size the pool so that resident weights, pool and KV cache fit in this much memory, e.g. 24G.")
+    policy: str = setting(
+        "lru", kind="choice", choices=POLICY_NAMES, noun="eviction policy", scope=_BOTH,
+        help="Eviction policy of the pool (`moestreamctl bench policy` compares them).")
+    host_cache: int = setting(
+        0, kind="size", scope=_BOTH, shown_default="0 (off)",
+        help="Host RAM that caches experts between the store and the pool, e.g. 32G; on an NVIDIA GPU one that "
+             "holds every expert is made as a mapped pool where --mapped is auto.")
+    # Auto is mapped only where it measured fastest and is safe (daemon/model/streaming_model.py
+    # `choose_mapped`): a mapped pool reads host memory in place instead of waiting on a
+    # host sync per layer for copies into slots.
+    mapped: bool | None = setting(
+        None, kind="auto_bool", scope=_BOTH,
+        help="A mapped pool: every expert in host RAM, read in place by the kernels, --capacity (or "
+             "--memory-budget) of them per layer in GPU memory. Auto: mapped on an NVIDIA GPU with a partial "
+             "pool, host RAM for every expert and no --host-cache smaller than every expert, else the slot pool.")
+    autopin_frac: float = setting(
+        0.5, kind="float", low=0.0, high=1.0, scope=(DAEMON,),
+        help="Share of each layer's slots pinned at start with its hottest experts of the saved heat (with a "
+             "mapped pool, any share but 0 places the hottest in GPU memory).")
+    # Auto because prefetch pays on some machines and pools and costs on others.
+    prefetch: str = setting(
+        "auto", kind="choice", choices=("on", "off", "auto"), scope=(DAEMON, LOCAL),
+        help="Prefetch of predicted experts; auto measures decode both ways at the start of the run and keeps "
+             "it only where it is faster.")
+    # Each layer further ahead gives a read that takes longer than one layer's compute
+    # more time, but costs a router matmul per layer, the reads of its mispredictions,
+    # and prefetch buffer.
+    prefetch_depth: int = setting(
+        1, kind="int", low=1, high=4,
+        help="MoE layers ahead whose predicted experts the slot pool's prefetch reads from the store (1: layer "
+             "L+1's while layer L computes).")
+    # A larger buffer also keeps experts read but not yet routed, for a later token that
+    # routes them; memory the pool or a host tier would use better where they can have it.
+    prefetch_buffer: int = setting(
+        0, kind="size", shown_default="0 (16 x top-k experts per layer of depth)",
+        help="Host memory for the slot pool's prefetch buffer (0: 16 x top-k experts per layer of depth, at "
+             "most 4 x a layer's experts).")
+
+    # ---- the daemon
+    runtime_dir: str | None = setting(
+        None, kind="path", scope=_BOTH, shown_default="$XDG_RUNTIME_DIR/moestream (macOS: /tmp/moestream-UID)",
+        help="Folder of the daemon's socket, lock and pid file.")
+    log_file: str | None = setting(
+        None, kind="path", scope=(DAEMON,), shown_default="daemon.log in the runtime folder",
+        help="The daemon's log file.")
+    diagnostics: bool = setting(
+        False, kind="bool", scope=(DAEMON,),
+        help="Record hot-path diagnostics (segment times, predictor recall, miss attribution) for every "
+             "request (`moestreamctl stats`).")
+    # Beside the store by default; see `heat_folder` for the stores that cannot have it there.
+    heat_dir: str | None = setting(
+        None, kind="path", shown_default="beside the store, or under $XDG_STATE_HOME/moestream/heat",
+        help="Folder of the heat file (pool_usage.json): the routing counts that autopin reads at start.")
+    heat_flush_seconds: float = setting(
+        5.0, kind="float", low=0.0,
+        help="Seconds between saves of the routing counts to the heat file.")
+    # Requests: the KV cache is sized for max_context when the pool comes from a memory budget.
+    max_context: int = setting(
+        16384, kind="int", low=16, high=2**24,
+        help="Tokens per request, prompt and generated.")
+    max_active: int = setting(
+        8, kind="int", low=1, high=1024,
+        help="Requests decoded at once.")
+    max_queued: int = setting(
+        256, kind="int", low=0, high=1_000_000,
+        help="Requests waiting for a turn; more are refused as busy.")
+
+    # ---- reading the store
+    io_threads: int = setting(
+        4, kind="int", low=1, high=256, scope=_BOTH,
+        help="Threads of the native read engine.")
+    direct_io: bool = setting(
+        True, kind="bool",
+        help="Read the store around the page cache (O_DIRECT on Linux, F_NOCACHE on macOS).")
+    verify_checksums: bool = setting(
+        False, kind="bool",
+        help="Check each expert's checksum as it is read.")
+
+    # ---- the CUDA copier
+    # A cudaMemcpyAsync per tensor of each expert costs microseconds of host time apiece
+    # on the path the GPU waits on; the kernel queues a layer's copies in a fraction of that.
+    copy_kernel: bool = setting(
+        True, kind="bool",
+        help="Copy from the pinned host tier into pool rows with one copy-kernel launch per 160 spans instead "
+             "of one cudaMemcpyAsync per tensor; a driver that refuses the kernel falls back to cudaMemcpyAsync.")
     # 64, as for copies the GPU waits on, fills the link alone but may crowd out the
-    # kernels the copy runs beside; fewer leave them room
-    # (tests/bench/gpu_background_copy_probe.py measures both).
-    prefetch_copy_blocks: int = 64
-    # MoE layers ahead whose predicted experts the slot pool's prefetch reads from the
-    # store: 1 reads layer L+1's while layer L computes; 2 also layer L+2's (ranked by
-    # its router on layer L's input), so that a read that takes longer than one layer's
-    # compute has two layers' time. Each layer further costs one router matmul on the
-    # device per layer, reads of its mispredictions, and the prefetch buffer (host
-    # memory, 16 x top-k experts per layer of depth) grows with it.
-    prefetch_depth: int = 1
-    # Bytes of host memory for the slot pool's prefetch buffer (0: 16 x top-k experts
-    # per layer of depth, at most 4 x a layer's experts per layer of depth). Entries
-    # stay until newer reads need their room, so a larger buffer also keeps experts that
-    # were read but not routed for a later token that routes them: on the H200 at depth
-    # 2 and 3, 10 to 12% of the reads went unused with the default, none with 4 GB (which
-    # took prefetch at 25% from 1.16x to 1.21-1.25x; memory the pool or a host tier would
-    # use better where they can have it: README, "Prefetch").
-    prefetch_buffer: int = 0
-    # Native read engine.
-    io_threads: int = 4
-    direct_io: bool = True
-    # The CUDA copier queues each call's copies with one cudaMemcpyBatchAsync per stream
-    # (CUDA 13 runtimes) instead of one cudaMemcpyAsync per tensor of each expert, which
-    # costs microseconds of host time apiece on the path the GPU waits on. Off until it
-    # is measured on the GPU machine (tests/bench/gpu_copy_check.py).
-    copy_batch: bool = False
-    # The CUDA copier copies each call's spans (from the pinned host tier into pool rows)
-    # with one launch of a copy kernel per 160 spans, loaded as PTX through the CUDA
-    # driver (native/gen_copy_kernel.py), instead of one cudaMemcpyAsync per tensor of
-    # each expert: about 2,700 calls per token at 7 us of host time each on the H200
-    # (tests/bench/results/bench_predict_q30_h200.json). Measured there in session 9:
-    # bit-identical (90 of 90 cases), a layer's copies queued in a tenth of the time, and
-    # admission from the tier at 0.92 of the pinned link against 0.73 (decode itself
-    # barely moved: the host sync per layer bounds the slot pool). On by default; a
-    # driver that refuses the kernel makes the copier fall back to cudaMemcpyAsync, and
-    # its counters say why. Nothing changes without a CUDA copier.
-    copy_kernel: bool = True
-    verify_checksums: bool = False
-    # Daemon.
-    runtime_dir: str | None = None
-    autopin_frac: float = 0.5
-    # Folder of the heat file (pool_usage.json) that autopin reads: beside the store by
-    # default; see `heat_folder`.
-    heat_dir: str | None = None
-    heat_flush_seconds: float = 5.0
-    diagnostics: bool = False
-    # Prefetch of predicted experts: on, off, or auto (measure decode both ways at the
-    # start of the run and keep it only where it is faster).
-    prefetch: str = "auto"
-    log_file: str | None = None
-    # Requests: tokens per request (prompt + generated; also sizes the KV cache when the
-    # pool comes from a memory budget), requests decoded at once, requests waiting.
-    max_context: int = 16384
-    max_active: int = 8
-    max_queued: int = 256
+    # kernels a copy ahead of use runs beside (tests/bench/gpu_background_copy_probe.py).
+    prefetch_copy_blocks: int = setting(
+        64, kind="int", low=1, high=1024,
+        help="Most blocks per span of the copy kernel when the slot pool's prefetch copies ahead of use; "
+             "fewer leave the kernels they run beside more room.")
+
+    # ---- the mapped pool (daemon/mapped/mapped_pool.py)
+    # Instead of a placement that a first start without heat would keep for good.
+    mapped_rebalance_tokens: int = setting(
+        256, kind="int", low=0, high=2**31,
+        help="Every this many tokens routed, a mapped pool sets each layer's GPU share to its most routed "
+             "experts so far (the first intervals shorter: 32, 64, 128); 0: never.")
+    # Off on unified memory, where there is no link to wait on.
+    mapped_gather: bool | None = setting(
+        None, kind="auto_bool",
+        help="A mapped pool's decode steps first copy the routed experts into a small stack in GPU memory "
+             "(daemon/mapped/row_gather.py) instead of reading host memory over the link. Auto: on where that "
+             "copy kernel runs (MLX's CUDA build).")
 
     @classmethod
     def resolve(
@@ -214,10 +425,9 @@ class Settings:
         if path.is_file():
             for name, (value, line) in _read_config_file(path).items():
                 values[name], where[name] = value, f"config file {path}, line {line}"
-        for f in fields(cls):
-            key = ENV_PREFIX + f.name.upper()
-            if key in env:
-                values[f.name], where[f.name] = env[key], f"environment variable {key}"
+        for d in SETTINGS:
+            if d.env in env:
+                values[d.name], where[d.name] = env[d.env], f"environment variable {d.env}"
         for name, value in (flags or {}).items():
             if value is not None:
                 values[name] = value
@@ -236,14 +446,9 @@ class Settings:
     @classmethod
     def from_values(cls, values: Mapping[str, Any], where: Mapping[str, str] | None = None) -> "Settings":
         """Settings from raw values; `where` names the source of each (for messages)."""
-        known = {f.name: f for f in fields(cls)}
         out: dict[str, Any] = {}
         for name, raw in values.items():
             source = f"{where[name]}: " if where and name in where else ""
-            if name not in known:
-                close = difflib.get_close_matches(name, known, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else f" (settings: {', '.join(known)})"
-                raise SettingsError(f"{source}unknown setting {name!r}{hint}")
             try:
                 out[name] = _coerce(name, raw)
             except SettingsError as e:
@@ -252,6 +457,11 @@ class Settings:
 
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **{k: _coerce(k, v) for k, v in changes.items()})
+
+    def flag_values(self) -> dict[str, Any]:
+        """Every setting, as its flag reads it back (None: not set; auto for an auto_bool's
+        None): what the daemon's `status` reports, and `restart` passes back."""
+        return {d.name: d.flag_value(getattr(self, d.name)) for d in SETTINGS}
 
     def heat_folder(self, store: str | os.PathLike, env: Mapping[str, str] | None = None) -> Path:
         """Where the heat of `store` is kept: `heat_dir` when set; else beside the store,
@@ -272,63 +482,40 @@ class Settings:
         return default_runtime_dir(os.environ if env is None else env)
 
 
-_INT_RANGES = {"max_context": (16, 2**24), "max_active": (1, 1024), "max_queued": (0, 1_000_000), "mapped_rebalance_tokens": (0, 2**31),
-               "prefetch_copy_blocks": (1, 1024), "prefetch_depth": (1, 4)}
+# Every setting's definition, in the order of the fields (the order of --help and of the
+# README's table). Tuples and a read-only mapping: nothing here changes after import.
+SETTINGS: tuple[Definition, ...] = tuple(
+    dataclasses.replace(f.metadata["setting"], name=f.name) for f in fields(Settings)
+)
+_BY_NAME = types.MappingProxyType({d.name: d for d in SETTINGS})
+
+
+def definition(name: str) -> Definition:
+    """The definition of setting `name`; SettingsError, with a close name, for one that is none."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        close = difflib.get_close_matches(name, _BY_NAME, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else f" (settings: {', '.join(_BY_NAME)})"
+        raise SettingsError(f"unknown setting {name!r}{hint}") from None
+
+
+def in_scope(*scopes: str) -> tuple[Definition, ...]:
+    """The settings that the commands of any of `scopes` take as options, in field order."""
+    return tuple(d for d in SETTINGS if d.scope & set(scopes))
+
+
+def default_of(name: str) -> Any:
+    """The default of setting `name` (for the benches, whose settings start from the daemon's)."""
+    return definition(name).default
 
 
 def _coerce(name: str, raw: Any) -> Any:
-    if raw is None:
-        return None
-    if name == "capacity":
-        return parse_capacity(raw)
-    if name in ("memory_budget", "host_cache", "prefetch_buffer"):
-        return parse_size(raw)
-    if name in ("direct_io", "verify_checksums", "diagnostics", "mapped", "copy_batch", "copy_kernel", "mapped_gather"):
-        if isinstance(raw, bool):
-            return raw
-        s = str(raw).strip().lower()
-        if name in ("mapped", "mapped_gather") and s == "auto":
-            return None
-        if s in ("1", "true", "yes", "on"):
-            return True
-        if s in ("0", "false", "no", "off"):
-            return False
-        raise SettingsError(f"{name}: expected true or false{' or auto' if name in ('mapped', 'mapped_gather') else ''}, got {raw!r}")
-    if name == "policy":
-        if str(raw) not in POLICY_NAMES:
-            raise SettingsError(f"policy: unknown eviction policy {raw!r}; valid names: {', '.join(POLICY_NAMES)}")
-        return str(raw)
-    if name == "prefetch":
-        s = str(raw).strip().lower()
-        if s not in ("on", "off", "auto"):
-            raise SettingsError(f"prefetch: expected on, off or auto, got {raw!r}")
-        return s
-    if name == "io_threads":
-        try:
-            n = int(raw)
-        except ValueError:
-            raise SettingsError(f"io_threads: expected a whole number, got {raw!r}") from None
-        if not 1 <= n <= 256:
-            raise SettingsError("io_threads: must be between 1 and 256")
-        return n
-    if name in _INT_RANGES:
-        low, high = _INT_RANGES[name]
-        try:
-            n = int(raw)
-        except ValueError:
-            raise SettingsError(f"{name}: expected a whole number, got {raw!r}") from None
-        if not low <= n <= high:
-            raise SettingsError(f"{name}: must be between {low} and {high}")
-        return n
-    if name in ("autopin_frac", "heat_flush_seconds"):
-        try:
-            v = float(raw)
-        except ValueError:
-            raise SettingsError(f"{name}: expected a number, got {raw!r}") from None
-        if name == "autopin_frac" and not 0.0 <= v <= 1.0:
-            raise SettingsError("autopin_frac: must be between 0 and 1")
-        return v
-    return str(raw)
+    d = definition(name)
+    try:
+        return d.coerce(raw)
+    except SettingsError as e:
+        raise SettingsError(f"{name}: {e}") from None
 
 
 def _read_config_file(path: Path) -> dict[str, tuple[Any, int]]:
@@ -348,3 +535,35 @@ def _read_config_file(path: Path) -> dict[str, tuple[Any, int]]:
         return next((i for i, line in enumerate(lines, 1) if pattern.match(line)), 0)
 
     return {k.replace("-", "_"): (v, line_of(k)) for k, v in data.items()}
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def settings_table_markdown() -> str:
+    """The README's table of every setting, made from the definitions."""
+    rows = ["| setting | flag | environment variable | default | what it does |", "| --- | --- | --- | --- | --- |"]
+    for d in SETTINGS:
+        commands = d.commands()
+        flag = f"`{d.switch}` ({', '.join(commands)})" if commands else "-"
+        rows.append(f"| `{d.name}` | {_cell(flag)} | `{d.env}` | {_cell(d.default_text())} | {_cell(d.help)} |")
+    return "\n".join(rows) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m moestream.shared.settings", description="moestream's settings.")
+    parser.add_argument("--markdown", action="store_true", help="Print the README's settings table.")
+    args = parser.parse_args(argv)
+    if args.markdown:
+        sys.stdout.write(settings_table_markdown())
+    else:
+        for d in SETTINGS:
+            print(f"{d.name} = {d.default_text()}  ({d.env})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

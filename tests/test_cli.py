@@ -263,6 +263,15 @@ def test_a_bad_policy_is_refused_also_with_a_daemon_running(daemon, store):
     assert "unknown eviction policy 'bogus'; valid names: lru, lfu" in out.stderr
 
 
+def test_pool_settings_a_running_daemon_keeps_are_said_to_be_ignored(daemon, store):
+    base = ["generate", "--model", str(store), "--runtime-dir", str(daemon.dir), "--max-tokens", "1"]
+    changed = ctl(*base, "--capacity", "0.25", "--policy", "lru", "--prefetch", "off", PROMPT)
+    assert changed.returncode == 0, changed.stderr
+    assert "note: --capacity, --prefetch ignored: the running daemon keeps its pool settings" in changed.stderr
+    same = ctl(*base, "--capacity", "50%", PROMPT)  # the daemon's own, spelled another way
+    assert same.returncode == 0 and "ignored" not in same.stderr, same.stderr
+
+
 def test_a_capacity_above_the_experts_is_said_to_hold_them_all(store):
     out = CliRunner().invoke(cli, ["generate", "--local", "--model", str(store), "--capacity", "1000", "--max-tokens", "2",
                                    "--json", "x"], catch_exceptions=False)

@@ -44,7 +44,7 @@ def test_the_carried_ptx_matches_its_generator_and_the_cpp_layout():
 
 
 def test_copy_kernel_setting_parses_and_is_harmless_without_cuda(tmp_path: Path):
-    assert Settings().copy_kernel is True  # measured on the H200 (session 9); no copier, no effect
+    assert Settings().copy_kernel is True  # faster on the H200 (RESULTS.md); no copier, no effect
     assert Settings.resolve(env={"MOESTREAM_COPY_KERNEL": "off"}, config_file=tmp_path / "none.toml").copy_kernel is False
     assert Settings.resolve(env={"MOESTREAM_COPY_KERNEL": "on"}, config_file=tmp_path / "none.toml").copy_kernel is True
     with pytest.raises(SettingsError, match="copy_kernel"):

@@ -448,14 +448,20 @@ def test_autostart_crash_recovery_restart_and_clean_sigterm(store, reference):
         assert "stopped cleanly" in log.read_text()
 
         # restart keeps the model and pool settings of the running daemon.
-        assert ctl("start", "--model", str(store), "--capacity", CAPACITY, env=env).returncode == 0
+        assert ctl("start", "--model", str(store), "--capacity", CAPACITY, "--no-diagnostics", env=env).returncode == 0
         first = read_pid(paths)
+        with Client(paths) as c:
+            before = c.status()["settings"]
         out = ctl("restart", env=env)
         assert out.returncode == 0, out.stderr
         with Client(paths) as c:
             st = c.status()
         assert st["pid"] != first
         assert st["capacity"] == 4 and Path(st["model"]) == store
+        # Every setting as before (the log file, left to its default before, is now named).
+        assert {k: v for k, v in st["settings"].items() if k != "log_file"} == {
+            k: v for k, v in before.items() if k != "log_file"}
+        assert st["settings"]["mapped"] == "auto" and st["settings"]["log_file"] == st["log"]
         assert ctl("stop", env=env).returncode == 0
         assert not lock_is_held(paths)
         again = ctl("stop", env=env)

@@ -122,11 +122,11 @@ def test_prefetch_setting_is_checked():
         Settings.from_values({"prefetch": "sometimes"})
 
 
-def test_copy_batch_setting_and_env():
-    assert Settings().copy_batch is False  # off until measured on the GPU machine
-    assert Settings.resolve(env={"MOESTREAM_COPY_BATCH": "1"}, config_file="/nonexistent").copy_batch is True
-    with pytest.raises(SettingsError, match="copy_batch"):
-        Settings.from_values({"copy_batch": "maybe"})
+def test_copy_batch_is_no_setting_any_more():
+    # Measured not fast enough (tests/bench/RESULTS.md), so removed with its native path.
+    assert not hasattr(Settings(), "copy_batch")
+    with pytest.raises(SettingsError, match="unknown setting 'copy_batch'"):
+        Settings.from_values({"copy_batch": "1"})
 
 
 def test_copier_figures_are_per_forward():

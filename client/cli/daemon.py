@@ -13,14 +13,16 @@ from typing import Any
 
 import click
 
-from moestream.client.cli.values import capacity_note, store_option
+from moestream.client.cli.values import capacity_note, setting_options, store_option
 from moestream.client.client import Client, ClientError, DaemonDied, DaemonNotRunning
 from moestream.shared.runtime_dir import RuntimeDirError, RuntimePaths, ensure_private_dir, lock_is_held, read_pid
-from moestream.shared.settings import Settings, SettingsError, format_size
+from moestream.shared.settings import DAEMON, SETTINGS, Settings, SettingsError, format_size, in_scope
 
-# `start` flags passed on to `python -m moestream.daemon.main` (names of Settings fields).
-START_FLAGS = ("model", "capacity", "memory_budget", "host_cache", "mapped", "policy", "io_threads", "autopin_frac", "runtime_dir", "log_file",
-               "diagnostics", "prefetch")
+# The settings `start`, `restart` and `service install` take as options, passed on to
+# `python -m moestream.daemon.main` (names of Settings fields).
+START_FLAGS = tuple(d.name for d in in_scope(DAEMON))
+# Settings that name files or folders.
+PATH_SETTINGS = tuple(d.name for d in SETTINGS if d.kind == "path")
 LOG_TAIL_LINES = 40
 
 
@@ -62,7 +64,7 @@ def _paths(settings: Settings) -> RuntimePaths:
 def absolute_paths(given: dict[str, Any]) -> dict[str, Any]:
     """`given` with its path settings made absolute: a detached daemon or a service runs in "/"."""
     out = dict(given)
-    for key in ("model", "runtime_dir", "log_file"):
+    for key in PATH_SETTINGS:
         if out.get(key) is not None:
             out[key] = os.path.abspath(os.path.expanduser(str(out[key])))
     return out
@@ -193,47 +195,22 @@ def _client(settings: Settings, timeout: float = 10.0) -> Client:
         raise click.ClickException(str(e)) from None
 
 
-# The daemon's settings as options, defined once: `start`, `restart` and `service install`
-# take exactly these. Each option's name is the Settings field it sets (START_FLAGS).
-DAEMON_SETTING_OPTIONS = (
-    click.option("--model", type=click.Path(exists=True, file_okay=False), help="Expert store (made by `moestreamctl convert`)."),
-    click.option("--memory-budget", help="Size the pool so that weights + pool + KV cache fit, e.g. 24G."),
-    click.option("--capacity", help="Pool slots per MoE layer (16) or a fraction of its experts (0.25, 25%)."),
-    click.option("--policy", help="Eviction policy (see `moestreamctl bench policy`)."),
-    click.option("--host-cache", help="Host RAM that caches experts between the store and the pool, e.g. 32G (default 0: off). On an NVIDIA GPU a tier that holds every expert is made as a mapped pool (see --mapped)."),
-    click.option("--mapped/--no-mapped", default=None, help="A mapped pool: every expert in host RAM, --capacity/--memory-budget of them per layer in GPU memory (NVIDIA GPUs; needs host RAM for every expert). Default auto: mapped where that holds, unless a --host-cache too small for every expert is given."),
-    click.option("--io-threads", type=int, help="Threads of the native read engine."),
-    click.option("--autopin-frac", type=click.FloatRange(0.0, 1.0), help="Share of each layer's slots pinned at start with its hottest experts (default 0.5; with --mapped, any share but 0 places the hottest in GPU memory)."),
-    click.option("--runtime-dir", help="Folder of the socket, lock and pid file (default $XDG_RUNTIME_DIR/moestream)."),
-    click.option("--log-file", help="Log file (default daemon.log in the runtime folder)."),
-    click.option("--diagnostics/--no-diagnostics", default=None, help="Record hot-path diagnostics for every request (`moestreamctl stats`)."),
-    click.option("--prefetch", type=click.Choice(["on", "off", "auto"]),
-                 help="Prefetch of predicted experts into a slot pool (default auto: kept only where it pays); "
-                      "a mapped pool has none."),
-)
-
-
-def daemon_setting_options(f):
-    """Give a command the options of DAEMON_SETTING_OPTIONS, in that order in --help."""
-    for option in reversed(DAEMON_SETTING_OPTIONS):
-        f = option(f)
-    return f
+# The daemon's settings as options: `start`, `restart` and `service install` take exactly
+# these (START_FLAGS), and hand them on as `given`.
+daemon_setting_options = setting_options(DAEMON)
 
 
 def _start_options(f):
-    f = click.option("--timeout", default=120.0, show_default=True, type=float, help="Seconds to wait for the daemon to be ready.")(f)
+    f = click.option("--timeout", default=120.0, show_default=True, type=float,
+                     help="Seconds to wait for the daemon to be ready.")(f)
     return daemon_setting_options(f)
 
 
 @click.command()
 @_start_options
 @click.option("--foreground", is_flag=True, help="Run in this process, logging to stderr too (for launchd/systemd).")
-def start(model, memory_budget, capacity, policy, host_cache, mapped, io_threads, autopin_frac, runtime_dir, log_file, diagnostics, prefetch,
-          timeout, foreground) -> None:
+def start(given, timeout, foreground) -> None:
     """Start the daemon: it loads the model once and serves every client."""
-    given = {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy, "host_cache": host_cache,
-             "mapped": mapped, "io_threads": io_threads, "autopin_frac": autopin_frac, "runtime_dir": runtime_dir, "log_file": log_file,
-             "diagnostics": diagnostics, "prefetch": prefetch}
     settings = resolve_settings(given)
     note = capacity_note(settings)
     if note:
@@ -241,6 +218,7 @@ def start(model, memory_budget, capacity, policy, host_cache, mapped, io_threads
     if foreground:
         if settings.model is None:
             raise click.UsageError("give --model STORE (an expert store made by `moestreamctl convert`), or set MOESTREAM_MODEL")
+        store_option(settings.model)  # a wrong folder fails here, not in the daemon's log
         from moestream.daemon.main import run_daemon
 
         try:
@@ -263,14 +241,9 @@ def stop(runtime_dir, timeout) -> None:
 
 @click.command()
 @_start_options
-def restart(model, memory_budget, capacity, policy, host_cache, mapped, io_threads, autopin_frac, runtime_dir, log_file, diagnostics,
-            prefetch, timeout) -> None:
+def restart(given, timeout) -> None:
     """Stop the daemon and start it again; flags not given keep the running daemon's values."""
-    given = {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy, "host_cache": host_cache,
-             "mapped": mapped,
-             "autopin_frac": autopin_frac, "diagnostics": diagnostics, "prefetch": prefetch,
-             "io_threads": io_threads, "runtime_dir": runtime_dir, "log_file": log_file}
-    paths = _paths(resolve_settings({"runtime_dir": runtime_dir}))
+    paths = _paths(resolve_settings({"runtime_dir": given["runtime_dir"]}))
     if lock_is_held(paths):
         try:
             with Client(paths, timeout=5.0) as c:
@@ -463,9 +436,12 @@ def _echo_prefetch(pf: dict[str, Any] | None, diag: dict[str, Any] | None) -> No
     if pf:
         auto = pf.get("auto") or {}
         state = f"prefetch: {pf['mode']} ({'on' if pf['enabled'] else 'off'} now{'; ' + auto['decision'] if auto else ''}), "
-        ahead = f", {pf['depth']} layers ahead" if pf.get("depth", 1) > 1 else ""
-        click.echo(state + f"{pf['submitted']} read{ahead}, {pf['promoted']} promoted ({pf['waited']} waited for), "
-                   f"{pf['dropped_unused']} dropped unused")
+        if pf.get("kind") == "mapped":  # daemon/mapped/mapped_prefetch.py: copies on the device, no reads
+            click.echo(state + f"{pf['staged']} experts staged ahead in {pf['forwards']} forwards")
+        else:
+            ahead = f", {pf['depth']} layers ahead" if pf.get("depth", 1) > 1 else ""
+            click.echo(state + f"{pf['submitted']} read{ahead}, {pf['promoted']} promoted ({pf['waited']} waited for), "
+                       f"{pf['dropped_unused']} dropped unused")
     totals = (diag or {}).get("totals")
     if not totals:
         click.echo("diagnostics: none recorded (`moestreamctl start --diagnostics`, or `generate --diagnostics`)")

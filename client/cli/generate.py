@@ -10,8 +10,12 @@ from typing import Any, TextIO
 
 import click
 
-from moestream.client.cli.values import capacity_note, store_option
-from moestream.shared.settings import Settings, SettingsError
+from moestream.client.cli.values import capacity_note, setting_options, store_option
+from moestream.shared.settings import GENERATE, LOCAL, Settings, SettingsError, definition, in_scope
+
+# Settings of `generate` that a running daemon does not take from it: `model` is checked
+# against the store it serves, and `runtime_dir` picks the daemon.
+_NOT_KEPT = ("model", "runtime_dir")
 
 
 def _read_source(spec: str, what: str) -> str:
@@ -86,27 +90,19 @@ class PrefillProgress:
 @click.argument("prompt", required=False)
 @click.option("--prompt-file", type=click.Path(dir_okay=False, allow_dash=True), help="Read the prompt from a file (`-`: standard input).")
 @click.option("--prompt-ids", help="Token ids instead of a text prompt: 1,2,3, @FILE, or - (standard input).")
-@click.option("--model", "model", type=click.Path(file_okay=False), help="Expert store (made by `moestreamctl convert`).")
 @click.option("--local", is_flag=True, help="Run in this process instead of through the daemon.")
-@click.option("--capacity", help="Pool slots per MoE layer (16) or a fraction of its experts (0.25, 25%).")
-@click.option("--memory-budget", help="Size the pool so that weights + pool + KV cache fit, e.g. 24G.")
-@click.option("--policy", help="Eviction policy (see `moestreamctl bench policy`).")
-@click.option("--host-cache", help="Host RAM that caches experts between the store and the pool, e.g. 32G.")
-@click.option("--mapped/--no-mapped", default=None, help="A mapped pool: every expert in host RAM, --capacity/--memory-budget of them per layer in GPU memory (NVIDIA GPUs). Default auto: mapped where host RAM holds every expert and no --host-cache is given.")
+@setting_options(GENERATE, LOCAL)
 @click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(1, None))
 @click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0.0, None), help="Sampling temperature; 0 is greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0))
 @click.option("--seed", type=int, help="Random seed for sampling.")
-@click.option("--io-threads", type=int, help="Threads of the native read engine.")
 @click.option("--speculative", type=click.Choice(["mtp", "draft"]), help="Speculative decoding: the model's MTP head, or a draft model.")
 @click.option("--draft-tokens", type=click.IntRange(1, 8), help="Tokens drafted per round with --speculative (default 2).")
 @click.option("--draft-model", type=click.Path(file_okay=False), help="Draft model (store or mlx-lm folder) for --speculative draft.")
 @click.option("--diagnostics", is_flag=True, help="Add hot-path diagnostics (segment times, predictor recall, miss attribution) to the stats; without --json, a summary on stderr.")
-@click.option("--prefetch", type=click.Choice(["on", "off", "auto"]), help="Prefetch of predicted experts (--local; a daemon keeps its own).")
-@click.option("--runtime-dir", help="The daemon's runtime folder (default $XDG_RUNTIME_DIR/moestream).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, tokens and stats.")
-def generate(prompt, prompt_file, prompt_ids, model, local, capacity, memory_budget, policy, host_cache, mapped, max_tokens, temp, top_p, seed,
-             io_threads, speculative, draft_tokens, draft_model, diagnostics, prefetch, runtime_dir, as_json) -> None:
+def generate(prompt, prompt_file, prompt_ids, local, given, max_tokens, temp, top_p, seed, speculative, draft_tokens,
+             draft_model, diagnostics, as_json) -> None:
     """Generate text for PROMPT, streaming it to stdout.
 
     PROMPT `-` reads the prompt from standard input (`cat notes.txt | moestreamctl
@@ -121,10 +117,8 @@ def generate(prompt, prompt_file, prompt_ids, model, local, capacity, memory_bud
         raise click.UsageError("--draft-tokens needs --speculative")
     spec = dict(speculative=speculative, draft_tokens=draft_tokens,
                 draft_model=os.path.abspath(draft_model) if draft_model else None)
-    given = {"model": model, "capacity": capacity, "memory_budget": memory_budget, "policy": policy, "host_cache": host_cache, "mapped": mapped,
-             "io_threads": io_threads, "runtime_dir": runtime_dir}
     try:
-        settings = Settings.resolve({**given, "prefetch": prefetch})
+        settings = Settings.resolve(given)
     except SettingsError as e:
         raise click.UsageError(str(e)) from None
     note = capacity_note(settings)
@@ -138,6 +132,7 @@ def generate(prompt, prompt_file, prompt_ids, model, local, capacity, memory_bud
         return
     if settings.model is None:
         raise click.UsageError("no built-in demo model: give --model STORE")
+    store_option(settings.model)  # a wrong folder is a usage error naming --model
 
     from moestream.daemon.pool.expert_pool import PoolCapacityError
     from moestream.daemon.pool.expert_reader import ExpertReadError
@@ -206,7 +201,9 @@ def _check_served_store(model: str, status: dict) -> None:
 
 def _generate_via_daemon(settings: Settings, given: dict, prompt: str | None, ids: list[int] | None, as_json: bool,
                          progress: PrefillProgress, sampling: dict) -> Any:
-    """Stream from the daemon, starting it first when none runs; returns the `Done` event."""
+    """Stream from the daemon, starting it first when none runs; returns the `Done` event.
+    `given`: the settings given as options; a daemon started here gets those of its
+    scope (GENERATE), not the --local ones."""
     from moestream.client.client import Client, ClientError, DaemonNotRunning, Progress, Token
     from moestream.client.cli.daemon import start_daemon
     from moestream.shared.runtime_dir import RuntimeDirError, RuntimePaths
@@ -223,7 +220,7 @@ def _generate_via_daemon(settings: Settings, given: dict, prompt: str | None, id
             raise click.UsageError("no daemon is running: give --model STORE to start one, or use --local") from None
         store_option(settings.model)
         click.echo(f"moestream: no daemon running; starting one for {settings.model}", err=True)
-        start_daemon(settings, given)
+        start_daemon(settings, {d.name: given[d.name] for d in in_scope(GENERATE)})
         client = Client(paths)
     with client:
         try:
@@ -234,8 +231,9 @@ def _generate_via_daemon(settings: Settings, given: dict, prompt: str | None, id
             _check_served_store(settings.model, status)
         if status.get("store_problem"):
             click.echo(f"warning: {status['store_problem']}", err=True)
-        ignored = [f"--{k.replace('_', '-')}" for k in ("capacity", "memory_budget", "policy", "host_cache", "mapped", "io_threads")
-                   if given.get(k) is not None and status.get("settings", {}).get(k) != getattr(settings, k)]
+        running = status.get("settings", {})
+        ignored = [definition(k).flag for k, v in given.items() if v is not None and k not in _NOT_KEPT
+                   and running.get(k) != definition(k).flag_value(getattr(settings, k))]
         if ignored:
             click.echo(f"note: {', '.join(ignored)} ignored: the running daemon keeps its pool settings "
                        "(`moestreamctl restart` with new flags changes them)", err=True)

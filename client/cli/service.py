@@ -17,13 +17,14 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Mapping
 
 import click
 
-from moestream.client.cli.daemon import START_FLAGS, absolute_paths, daemon_setting_options
+from moestream.client.cli.daemon import absolute_paths, daemon_setting_options
+from moestream.client.cli.values import setting_flags
 from moestream.shared import service_files as sf
-from moestream.shared.settings import ENV_PREFIX, Settings, SettingsError, format_size
+from moestream.shared.settings import Settings, SettingsError, definition, format_size
 from moestream.shared.store_format import StoreError, load_manifest
 
 # launchctl and systemctl answer at once; a hung one is reported rather than waited on.
@@ -150,8 +151,7 @@ def service() -> None:
 )
 @_dry_run_option
 @_platform_option
-@click.pass_context
-def install(ctx: click.Context, no_load, openai, host, port, api_key_file, dry_run, platform_name, **daemon_given: Any) -> None:
+def install(given, no_load, openai, host, port, api_key_file, dry_run, platform_name) -> None:
     """Install the daemon as a service and start it.
 
     The service runs `moestreamctl start --foreground` with this Python, the daemon
@@ -165,9 +165,8 @@ def install(ctx: click.Context, no_load, openai, host, port, api_key_file, dry_r
     env = dict(os.environ)
     platform = _platform(platform_name)
     home = _home(env)
-    setting_options = [p for p in ctx.command.params if p.name in START_FLAGS]
     if openai:
-        daemon_flags = [p.opts[0] for p in setting_options if daemon_given[p.name] is not None]
+        daemon_flags = [definition(name).flag for name, value in given.items() if value is not None]
         if daemon_flags:
             raise click.UsageError(f"{', '.join(daemon_flags)}: the daemon's settings, not the gateway's; install the daemon without --openai")
         argv, environment = _gateway_service(env, host, port, api_key_file)
@@ -177,7 +176,7 @@ def install(ctx: click.Context, no_load, openai, host, port, api_key_file, dry_r
     if gateway_flags:
         raise click.UsageError(f"{', '.join(gateway_flags)}: only with --openai (the gateway's service)")
     # The service starts in another folder than this shell, so relative paths break.
-    given = absolute_paths(daemon_given)
+    given = absolute_paths(given)
     try:
         settings = Settings.resolve(given, env)  # a bad value fails here, not in a restart loop
     except SettingsError as e:
@@ -198,32 +197,13 @@ def install(ctx: click.Context, no_load, openai, host, port, api_key_file, dry_r
 
     python = os.path.abspath(sys.executable)  # not resolved: a venv's python is a symlink
     try:
-        argv = sf.daemon_argv(python, start_flags(setting_options, given))
+        argv = sf.daemon_argv(python, setting_flags(given))
         environment = sf.service_environment(
-            env, python=python, exclude=[ENV_PREFIX + name.upper() for name, value in given.items() if value is not None]
+            env, python=python, exclude=[definition(name).env for name, value in given.items() if value is not None]
         )
     except sf.ServiceFileError as e:
         raise click.ClickException(str(e)) from None
     _install(platform, home, env, sf.DAEMON, argv, environment, no_load=no_load, dry_run=dry_run)
-
-
-def start_flags(options: Iterable[click.Parameter], given: Mapping[str, Any]) -> list[str]:
-    """The `moestreamctl start` flags that set `given` (Settings field -> value, None =
-    not given), spelled as `options` (the shared daemon setting options) spell them."""
-    flags: list[str] = []
-    for option in options:
-        value = given.get(option.name)
-        if value is None:
-            continue
-        if getattr(option, "is_flag", False):
-            # --mapped / --no-mapped: a flag not given is left to the environment and config.
-            if value:
-                flags.append(option.opts[0])
-            elif option.secondary_opts:
-                flags.append(option.secondary_opts[0])
-        else:
-            flags += [option.opts[0], str(value)]
-    return flags
 
 
 def _gateway_service(env: Mapping[str, str], host: str | None, port: int | None, api_key_file: str | None) -> tuple[list[str], dict[str, str]]:

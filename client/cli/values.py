@@ -1,13 +1,92 @@
-"""Option values the commands read the same way."""
+"""Option values the commands read the same way, and the settings' options."""
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import Any, Callable, Mapping
 
 import click
 
-from moestream.shared.settings import Settings, SettingsError, parse_size
+from moestream.shared.settings import (
+    GENERATE,
+    LOCAL,
+    Definition,
+    Settings,
+    SettingsError,
+    definition,
+    in_scope,
+    parse_size,
+)
 from moestream.shared.store_format import Manifest, StoreError, load_manifest
+
+# What --help shows as a setting's value, by kind (a choice lists its choices).
+_METAVARS = {"size": "SIZE", "capacity": "N|F", "int": "N", "float": "X", "path": "PATH", "text": "TEXT"}
+
+
+class SettingType(click.ParamType):
+    """A setting's value on the command line, checked as the environment's and the config
+    file's are (Definition.coerce), with the message naming the option."""
+
+    def __init__(self, d: Definition) -> None:
+        self.d = d
+        self.name = d.kind
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        try:
+            coerced = self.d.coerce(value)
+        except SettingsError as e:
+            self.fail(str(e), param, ctx)
+        # Sizes and capacities are passed on as spelled (24G, 25%), so that a service
+        # file or a daemon's command line reads as the user wrote it.
+        return value if self.d.kind in ("size", "capacity") else coerced
+
+
+def setting_option(d: Definition, *, local_only: bool = False) -> Callable:
+    """The click option of setting `d`; not given is None (the environment, the config file
+    or the default then decide)."""
+    text = d.help + (" With --local only: a running daemon keeps its own." if local_only else "")
+    text += f" [default: {d.default_text()}{d.range_text() and '; ' + d.range_text()}]"
+    if d.kind in ("bool", "auto_bool"):
+        return click.option(d.switch, d.name, default=None, help=text)
+    metavar = f"[{'|'.join(d.choices)}]" if d.kind == "choice" else _METAVARS[d.kind]
+    return click.option(d.flag, d.name, type=SettingType(d), default=None, metavar=metavar, help=text)
+
+
+def setting_options(*scopes: str) -> Callable:
+    """Give a command the options of the settings of `scopes`, in field order in --help,
+    and hand it `given`: {setting: value, None for not given} of those options."""
+    defs = in_scope(*scopes)
+
+    def decorate(f: Callable) -> Callable:
+        @functools.wraps(f)
+        def command(*args: Any, **kwargs: Any) -> Any:
+            given = {d.name: kwargs.pop(d.name) for d in defs}
+            return f(*args, given=given, **kwargs)
+
+        for d in reversed(defs):
+            local_only = GENERATE in scopes and LOCAL in d.scope and GENERATE not in d.scope
+            command = setting_option(d, local_only=local_only)(command)
+        return command
+
+    return decorate
+
+
+def setting_flags(given: Mapping[str, Any]) -> list[str]:
+    """The command-line options that set `given` (None = not given), as `setting_options`
+    spells them: --x or --no-x for a bool, else --x VALUE."""
+    flags: list[str] = []
+    for name, value in given.items():
+        if value is None:
+            continue
+        d = definition(name)
+        if d.kind in ("bool", "auto_bool"):
+            value = d.coerce(value)
+            if value is not None:  # auto: not given
+                flags.append(d.flag if value else f"--no-{d.flag[2:]}")
+        else:
+            flags += [d.flag, str(value)]
+    return flags
 
 
 def size_option(text: str | None, flag: str) -> int | None:

@@ -42,7 +42,7 @@ from moestream.daemon.model.generation import SamplingParams, generate
 from moestream.daemon.mapped.row_gather import RowGather
 from moestream.daemon.model.streaming_model import StreamingModel, choose_mapped, load_stock_model, load_streaming_model
 from moestream.shared.progress import timed_progress
-from moestream.shared.settings import Settings, format_size
+from moestream.shared.settings import Settings, default_of, format_size
 from moestream.shared.store_format import load_manifest
 
 
@@ -53,8 +53,8 @@ class BenchDecodeSettings:
     prompt_tokens: int = 32
     decode_tokens: int = 64
     rounds: int = 3
-    policy: str = "lru"
-    io_threads: int = 4
+    policy: str = default_of("policy")
+    io_threads: int = default_of("io_threads")
     stock: bool = True
     naive: bool = True
     # The slot pool at each capacity (off: only its "+host" and "+mapped" variants).
@@ -65,7 +65,7 @@ class BenchDecodeSettings:
     # made as the daemon would make it: where the tier holds every expert and the loader
     # makes it a mapped pool (`choose_mapped`), "+host" is that mapped pool and
     # "+host:slots" the slot pool with the tier beside it.
-    host_cache: int = 0
+    host_cache: int = default_of("host_cache")
     # "auto" makes "+host" as just said; "mapped" or "slots" makes it that way.
     host_tier: str = "auto"
     # 0 decodes greedily; > 0 samples at this temperature (same seed for every config).
@@ -77,17 +77,15 @@ class BenchDecodeSettings:
     # Mapped pools have no prefetch.
     prefetch: str = "on"
     # Tokens between rebalances of the "+mapped" configurations (Settings).
-    mapped_rebalance_tokens: int = 256
-    # The CUDA copier queues in batches (Settings.copy_batch).
-    copy_batch: bool = False
+    mapped_rebalance_tokens: int = default_of("mapped_rebalance_tokens")
     # The CUDA copier copies with its copy kernel (Settings.copy_kernel, on by default).
-    copy_kernel: bool = True
+    copy_kernel: bool = default_of("copy_kernel")
     # A mapped pool's decode steps copy the routed experts into a stack first
     # (Settings.mapped_gather): one configuration per value, ":g" marks those that do;
     # None is the setting's auto.
-    mapped_gather: tuple[bool | None, ...] = (None,)
+    mapped_gather: tuple[bool | None, ...] = (default_of("mapped_gather"),)
     # Blocks of the copy kernels that copy ahead of use (Settings.prefetch_copy_blocks).
-    prefetch_copy_blocks: int = 64
+    prefetch_copy_blocks: int = default_of("prefetch_copy_blocks")
     # Untimed runs of every configuration before the timed rounds; more than one lets a
     # mapped pool's rebalance (every mapped_rebalance_tokens) happen before timing.
     warmup_rounds: int = 1
@@ -224,7 +222,7 @@ def _streaming_config(
         Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads,
                  prefetch=settings.prefetch, host_cache=host_cache,
                  mapped_rebalance_tokens=settings.mapped_rebalance_tokens,
-                 copy_batch=settings.copy_batch, copy_kernel=settings.copy_kernel, mapped_gather=mapped_gather,
+                 copy_kernel=settings.copy_kernel, mapped_gather=mapped_gather,
                  prefetch_copy_blocks=settings.prefetch_copy_blocks),
         naive=naive,
         admitter=admitter,
@@ -468,7 +466,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             # One host tier for every slot pool's "+host" configuration: they run in
             # turn, and a machine would hold one such tier, not one per pool size.
             shared_reader = ExpertReader(settings.store, manifest, threads=settings.io_threads)
-            tier, _ = make_admitter(shared_reader, manifest, settings.host_cache, settings.copy_batch,
+            tier, _ = make_admitter(shared_reader, manifest, settings.host_cache,
                                     copy_kernel=settings.copy_kernel, ahead_blocks=settings.prefetch_copy_blocks)
             # What the loader makes of such a tier at a partial capacity (capacity 0
             # stands for any partial one): the mapped pool where it holds every expert
@@ -604,7 +602,6 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         "host_tier_mapped": tier_note,
         "mapped": settings.mapped,
         "prefetch": settings.prefetch,
-        "copy_batch": settings.copy_batch,
         "copy_kernel": settings.copy_kernel,
         "prefetch_copy_blocks": settings.prefetch_copy_blocks,
         "mapped_rebalance_tokens": settings.mapped_rebalance_tokens if settings.mapped else None,

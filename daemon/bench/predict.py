@@ -38,7 +38,7 @@ from moestream.daemon.model.generation import SamplingParams, generate
 from moestream.daemon.prefetch.prefetcher import PrefetchGovernor
 from moestream.daemon.model.streaming_model import StreamingModel, load_streaming_model
 from moestream.shared.progress import timed_progress
-from moestream.shared.settings import Settings, format_size
+from moestream.shared.settings import Settings, default_of, format_size
 from moestream.shared.store_format import load_manifest
 
 
@@ -49,22 +49,20 @@ class BenchPredictSettings:
     prompt_tokens: int = 32
     decode_tokens: int = 64
     rounds: int = 3
-    policy: str = "lru"
-    io_threads: int = 4
-    host_cache: int = 0
+    policy: str = default_of("policy")
+    io_threads: int = default_of("io_threads")
+    host_cache: int = default_of("host_cache")
     temp: float = 0.0
     seed: int = 0
     mlx_memory_limit: int | None = None
-    # The CUDA copier queues in batches (Settings.copy_batch).
-    copy_batch: bool = False
     # The CUDA copier copies with its copy kernel (Settings.copy_kernel, on by default).
-    copy_kernel: bool = True
+    copy_kernel: bool = default_of("copy_kernel")
     # Blocks of the copy kernels that copy ahead of use (Settings.prefetch_copy_blocks).
-    prefetch_copy_blocks: int = 64
+    prefetch_copy_blocks: int = default_of("prefetch_copy_blocks")
     # MoE layers ahead whose experts the slot pool's prefetch reads (Settings.prefetch_depth).
-    depth: int = 1
+    depth: int = default_of("prefetch_depth")
     # Bytes of the slot pool's prefetch buffer (Settings.prefetch_buffer; 0: the default).
-    prefetch_buffer: int = 0
+    prefetch_buffer: int = default_of("prefetch_buffer")
 
 
 def _decode(sm: StreamingModel, prompt: list[int], steps: int, temp: float, seed: int,
@@ -246,7 +244,7 @@ def _speed_stage(settings: BenchPredictSettings) -> str:
 
 def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[int], read_bandwidth: float,
                   page_cache: str | None, say: Callable[[str], None]) -> dict[str, Any]:
-    sm = _load(settings, capacity, host_cache=settings.host_cache, mapped=False, copy_batch=settings.copy_batch,
+    sm = _load(settings, capacity, host_cache=settings.host_cache, mapped=False,
                copy_kernel=settings.copy_kernel)
     try:
         if sm.prefetcher is None:
@@ -371,7 +369,6 @@ def run_bench_predict(settings: BenchPredictSettings, progress: Callable[[str], 
         "read_bandwidth_bytes_per_s": read_bandwidth,
         # Why the store was read through the page cache (None: direct I/O).
         "read_page_cache": page_cache,
-        "copy_batch": settings.copy_batch,
         "copy_kernel": settings.copy_kernel,
         "prefetch_copy_blocks": settings.prefetch_copy_blocks,
         "results": results,

@@ -25,7 +25,7 @@ from mlx_lm.generate import generate_step
 from moestream.daemon.bench.decode import format_or_dash
 from moestream.daemon.model.speculative import SpeculativeParams, SpeculativeStats, speculative_steps
 from moestream.daemon.model.streaming_model import StreamingModel, load_streaming_model
-from moestream.shared.settings import Settings
+from moestream.shared.settings import Settings, default_of
 
 DEFAULT_PROMPT = "import os\nimport sys\n\n\ndef read_lines(path):\n    \"\"\"Return the lines of the file at path.\"\"\"\n"
 
@@ -40,8 +40,8 @@ class BenchSpeculativeSettings:
     prompt: str = DEFAULT_PROMPT
     decode_tokens: int = 128
     rounds: int = 3
-    policy: str = "lru"
-    io_threads: int = 4
+    policy: str = default_of("policy")
+    io_threads: int = default_of("io_threads")
     mlx_memory_limit: int | None = None
 
 

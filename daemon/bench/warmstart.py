@@ -24,7 +24,7 @@ from moestream.client.client import Client
 from moestream.client.cli.daemon import start_daemon, stop_daemon
 from moestream.shared.progress import timed_progress
 from moestream.shared.runtime_dir import RuntimePaths
-from moestream.shared.settings import Settings
+from moestream.shared.settings import Settings, default_of
 from moestream.shared.store_format import POOL_USAGE_NAME
 
 
@@ -74,8 +74,9 @@ def _one_daemon(store: Path, capacity: str, autopin_frac: float, io_threads: int
 
 
 def run_bench_warmstart(
-    store: Path, *, capacity: str = "0.25", autopin_frac: float = 0.5, prompt: str = "def fibonacci(n):",
-    tokens: int = 64, rounds: int = 3, io_threads: int = 4, mapped: bool = False, host_cache: str | None = None,
+    store: Path, *, capacity: str = "0.25", autopin_frac: float = default_of("autopin_frac"),
+    prompt: str = "def fibonacci(n):", tokens: int = 64, rounds: int = 3, io_threads: int = default_of("io_threads"),
+    mapped: bool = False, host_cache: str | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Time the cold and pinned daemons; `progress` gets a line as each daemon starts

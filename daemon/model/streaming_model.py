@@ -270,7 +270,7 @@ def load_streaming_model(
             if settings.host_cache:
                 note["host_tier"] = "mapped: it holds every expert, read in place"
         elif admitter is None:
-            admitter, note = make_admitter(reader, manifest, settings.host_cache, settings.copy_batch,
+            admitter, note = make_admitter(reader, manifest, settings.host_cache,
                                            cuda=(copier, cuda_why_not), copy_kernel=settings.copy_kernel,
                                            ahead_blocks=settings.prefetch_copy_blocks)
         else:
@@ -356,14 +356,12 @@ def choose_mapped(manifest: Manifest, capacity: int, settings: Settings, host_av
     fastest and is safe: an NVIDIA GPU (the pool's misses are read over the link; on
     unified memory and the CPU there is nothing to place), a partial pool, host RAM for
     every expert plus the margin, and no host tier asked for or one that holds every
-    expert. On the H200 at 25% it ran 37.7 tok/s against 12.0 for the slot pool with a
-    host tier and 2.5 without (tests/bench/results/bench_decode_q30_h200.json, session 7).
+    expert (tests/bench/RESULTS.md, "The mapped pool", has the figures).
 
     A host tier that holds every expert is made as a mapped pool: the same experts in
     host memory, but read in place by the kernels (gathered first where the copy kernel
     runs) instead of copied into slots after the routing of each layer is read back,
-    one host sync per layer that keeps the slot pool's tier at 12 to 13 tok/s at every
-    capacity (tests/bench/results/bench_decode_q30_table_h200.json, session 9). A
+    one host sync per layer that bounds the slot pool's tier at every capacity. A
     smaller tier keeps the slot pool, which reads the experts the tier lacks from disk.
     `cuda_why_not` is what `cuda_copier` said: empty where the CUDA copier is
     available, else why not."""

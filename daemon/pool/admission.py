@@ -193,13 +193,11 @@ class TieredAdmitter:
     """Store -> host tier -> pool rows. `keep=False` makes the tier a staging area only."""
 
     def __init__(self, reader: ExpertReader, tier: HostTier, copier: CudaCopier | None, *, keep: bool,
-                 batch: bool = False, ahead_blocks: int | None = None) -> None:
+                 ahead_blocks: int | None = None) -> None:
         self.reader = reader
         self.tier = tier
         self.copier = copier
         self.keep = keep
-        # The copier's calls queue their copies in batches (Settings.copy_batch).
-        self.batch = batch
         # Blocks per span of the copy kernel for `prestage`'s copies, which run beside
         # the GPU's work (Settings.prefetch_copy_blocks; None: the copier's own).
         self.ahead_blocks = ahead_blocks
@@ -254,7 +252,7 @@ class TieredAdmitter:
         if not spans:
             return
         if self.copier is not None:
-            seconds = self.copier.copy(spans, batch=self.batch)
+            seconds = self.copier.copy(spans)
         else:
             tic = time.perf_counter()
             _memcpy_spans(spans)
@@ -286,7 +284,7 @@ class TieredAdmitter:
         if self.copier is None:
             _memcpy_spans(spans)
             return
-        self.copier.copy(spans, wait=False, batch=self.batch, blocks=self.ahead_blocks)
+        self.copier.copy(spans, wait=False, blocks=self.ahead_blocks)
         self._in_flight = True
 
     def warm(self, layers: Sequence[MoELayer], keys: Sequence[tuple[int, int]], batch: int = 256) -> int:
@@ -383,16 +381,14 @@ def cuda_copier() -> tuple[CudaCopier | None, str]:
 STAGING_EXPERTS = 64
 
 
-def make_admitter(reader: ExpertReader, manifest: Manifest, host_cache_bytes: int, copy_batch: bool = False, *,
+def make_admitter(reader: ExpertReader, manifest: Manifest, host_cache_bytes: int, *,
                   cuda: tuple[CudaCopier | None, str] | None = None, copy_kernel: bool = False,
                   ahead_blocks: int | None = None) -> tuple[Admitter, dict[str, Any]]:
     """The admitter for this machine and settings, and a note of what was chosen and why.
-    `copy_batch` (Settings.copy_batch) is honoured where the CUDA runtime has batches,
-    `copy_kernel` (Settings.copy_kernel) where there is a CUDA copier at all; `cuda` is
+    `copy_kernel` (Settings.copy_kernel) is honoured where there is a CUDA copier; `cuda` is
     what `cuda_copier()` gave the caller already (else it is asked here); `ahead_blocks`
     (Settings.prefetch_copy_blocks) caps the copy kernel for copies queued ahead of use."""
     copier, why_not = cuda if cuda is not None else cuda_copier()
-    batch = copy_batch and copier is not None and copier.has_batch
     if copier is not None:
         # Every copy through this copier (the tier's, the prefetcher's) goes that way.
         copier.kernel = copy_kernel
@@ -405,11 +401,11 @@ def make_admitter(reader: ExpertReader, manifest: Manifest, host_cache_bytes: in
             )
         total = sum(layer.num_experts for layer in manifest.layers)
         slots = min(slots, total)
-        admitter = TieredAdmitter(reader, HostTier(slots, stride, copier), copier, keep=True, batch=batch,
+        admitter = TieredAdmitter(reader, HostTier(slots, stride, copier), copier, keep=True,
                                   ahead_blocks=ahead_blocks)
-        return admitter, {"cuda": why_not or "on", "copy_batch": batch, "copy_kernel": copy_kernel and copier is not None}
+        return admitter, {"cuda": why_not or "on", "copy_kernel": copy_kernel and copier is not None}
     if copier is not None:
         largest = max(layer.num_experts for layer in manifest.layers)
         tier = HostTier(min(STAGING_EXPERTS, largest), stride, copier)
-        return TieredAdmitter(reader, tier, copier, keep=False, batch=batch), {"cuda": "on", "copy_batch": batch, "copy_kernel": copy_kernel}
+        return TieredAdmitter(reader, tier, copier, keep=False), {"cuda": "on", "copy_kernel": copy_kernel}
     return DirectAdmitter(reader), {"cuda": why_not}

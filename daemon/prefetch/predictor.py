@@ -148,8 +148,7 @@ def install(
         slots = buffer_bytes // stride
     else:
         slots = min(16 * depth * top_k, 4 * depth * largest)
-    prefetcher = Prefetcher(reader, manifest, copier, slots=slots, top_k=top_k, mode=prefetch, tier=tier,
-                            batch=getattr(admitter, "batch", False), depth=depth)
+    prefetcher = Prefetcher(reader, manifest, copier, slots=slots, top_k=top_k, mode=prefetch, tier=tier, depth=depth)
     for i, (m, nxt, router) in enumerate(zip(moes, moes[1:], routers[1:])):
         if router is not None:
             ahead = [NextLayer(a.pool, r) for a, r in zip(moes[i + 2 : i + 1 + depth], routers[i + 2 : i + 1 + depth])

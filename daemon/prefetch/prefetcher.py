@@ -68,7 +68,7 @@ class Prefetcher:
     """Async reads of predicted experts into host memory, and their promotion into pools."""
 
     def __init__(self, reader: ExpertReader, manifest: Manifest, copier: CudaCopier | None, *, slots: int, top_k: int,
-                 mode: str = "auto", tier: Any = None, batch: bool = False, depth: int = 1) -> None:
+                 mode: str = "auto", tier: Any = None, depth: int = 1) -> None:
         if mode not in PREFETCH_MODES:
             raise ValueError(f"prefetch mode {mode!r}: use one of {', '.join(PREFETCH_MODES)}")
         self.stride = expert_stride(manifest)
@@ -79,7 +79,6 @@ class Prefetcher:
         self.depth = depth
         self.reader = reader
         self.copier = copier
-        self.batch = batch  # the copier queues in batches (Settings.copy_batch)
         # The host-RAM tier of `--host-cache`, when there is one: experts it holds are
         # not prefetched (reaching the pool from it is a copy, not a read).
         self.tier = tier
@@ -244,7 +243,7 @@ class Prefetcher:
         if not spans:
             return
         if self.copier is not None:
-            self.copier.copy([(dst, doff, self.buffer, soff, n) for dst, doff, soff, n in spans], batch=self.batch)
+            self.copier.copy([(dst, doff, self.buffer, soff, n) for dst, doff, soff, n in spans])
             return
         views: dict[int, memoryview] = {}
         src = self._view

@@ -6,8 +6,8 @@ Copies a known pattern from a pinned HostBuffer into an MLX array kept on the de
 compares on the GPU; reports the memory kinds MLX's arrays have before and after, and the
 host->GPU bandwidth from pinned and from pageable memory. Then what queuing one layer's
 prefetch costs the host: 8 experts of Qwen3-30B-A3B's shape (9 tensors each, 72 spans)
-into pool arrays, one cudaMemcpyAsync per span against one cudaMemcpyBatchAsync per
-stream (CUDA 13) and against the copy kernel (one launch for all 72, Settings.copy_kernel),
+into pool arrays, one cudaMemcpyAsync per span against the copy kernel (one launch for
+all 72, Settings.copy_kernel),
 each checked for exact bytes. The kernel is also checked on the pattern, on spans of odd
 offsets and lengths (its byte loop), and with a pageable source (which goes by
 cudaMemcpyAsync instead).
@@ -61,15 +61,9 @@ def main() -> None:
     if counters["kernel_error"]:
         report["kernel_error"] = counters["kernel_error"]
     report["probe"] = copier.probe(1 << 30, 5)
-    report["has_batch"] = copier.has_batch
-    report["layer_prefetch"] = {"per_span": layer_prefetch(copier, batch=False)}
-    if copier.has_batch:
-        try:
-            report["layer_prefetch"]["batch"] = layer_prefetch(copier, batch=True)
-        except RuntimeError as e:  # the runtime refused the batch: say so, keep the rest
-            report["layer_prefetch"]["batch"] = {"error": str(e), "exact": False}
+    report["layer_prefetch"] = {"per_span": layer_prefetch(copier)}
     if "kernel_error" not in report:
-        report["layer_prefetch"]["kernel"] = layer_prefetch(copier, batch=False, kernel=True)
+        report["layer_prefetch"]["kernel"] = layer_prefetch(copier, kernel=True)
     print(json.dumps(report, indent=1))
     Path(args.out).write_text(json.dumps(report, indent=1))
     exact = [report["copy_exact"], report["copy_exact_after_use"], *report["kernel"].values()]
@@ -101,7 +95,7 @@ def kernel_checks(copier: CudaCopier, host: HostBuffer, pattern: np.ndarray, row
     return out
 
 
-def layer_prefetch(copier: CudaCopier, *, batch: bool, kernel: bool = False, experts: int = 8, slots: int = 32,
+def layer_prefetch(copier: CudaCopier, *, kernel: bool = False, experts: int = 8, slots: int = 32,
                    repeats: int = 50) -> dict:
     """Queue 8 experts into 9 pool arrays (Qwen3-30B-A3B, 4-bit): host ms of the call
     that queues them and of the whole copy, medians; and whether the bytes are exact."""
@@ -125,7 +119,7 @@ def layer_prefetch(copier: CudaCopier, *, batch: bool, kernel: bool = False, exp
     queue, total = [], []
     for _ in range(repeats):
         tic = time.perf_counter()
-        copier.copy(spans, wait=False, batch=batch, kernel=kernel)
+        copier.copy(spans, wait=False, kernel=kernel)
         queued = time.perf_counter()
         copier.sync()
         queue.append(queued - tic)

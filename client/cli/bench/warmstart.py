@@ -7,16 +7,17 @@ import json
 import click
 
 from moestream.client.cli.values import size_option, store_option
+from moestream.shared.settings import default_of
 
 
 @click.command("warmstart")
 @click.option("--model", "store", required=True, type=click.Path(exists=True, file_okay=False), help="Expert store.")
 @click.option("--capacity", default="0.25", show_default=True, help="Pool capacity of both daemons.")
-@click.option("--autopin-frac", default=0.5, show_default=True, type=click.FloatRange(0.0, 1.0))
+@click.option("--autopin-frac", default=default_of("autopin_frac"), show_default=True, type=click.FloatRange(0.0, 1.0))
 @click.option("--prompt", default="def fibonacci(n):", show_default=True)
 @click.option("--tokens", default=64, show_default=True, type=click.IntRange(1, None))
 @click.option("--rounds", default=3, show_default=True, type=click.IntRange(1, None))
-@click.option("--io-threads", default=4, show_default=True, type=click.IntRange(1, 256))
+@click.option("--io-threads", default=default_of("io_threads"), show_default=True, type=click.IntRange(1, 256))
 @click.option("--mapped", is_flag=True, help="Both daemons run a mapped pool (see `start --mapped`): autopin places the hottest experts in GPU memory.")
 @click.option("--host-cache", help="Both daemons keep a host-RAM tier of this size (e.g. 20G); the pinned one fills it with the hottest experts before it is ready.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
