@@ -150,3 +150,32 @@ def test_the_daemon_wide_switch_records_every_request():
         assert result.stats["prefetch"]["submitted"] == 0
     finally:
         sm.close()
+
+
+def test_off_the_hot_path_records_into_a_recorder_that_does_nothing():
+    """The layers record through `Diagnostics.recorder` either way: off, the null
+    recorder, whose `with` blocks are one shared object (nothing made per call)."""
+    from moestream.daemon.model.diagnostics import Diagnostics, NullRecorder, Recorder
+
+    hub = Diagnostics()
+    assert hub.rec is None and isinstance(hub.recorder, NullRecorder) and not hub.recorder.active
+    assert hub.recorder.segment(0, "read") is hub.recorder.host(1, "predict")
+    rec = Recorder()
+    hub.rec = rec
+    assert hub.rec is rec and hub.recorder is rec and rec.active
+    hub.rec = None
+    assert hub.rec is None and isinstance(hub.recorder, NullRecorder)
+
+
+def test_a_fully_resident_pool_records_the_same_figures_and_tokens():
+    """At full residency diagnostics read the routing back for the union (the only
+    sync they add there) and time the expert call; the tokens are those without."""
+    plain, _, _ = _run("off", False, capacity=1.0)
+    diagnosed, pool, _ = _run("off", True, capacity=1.0)
+    assert diagnosed.tokens == plain.tokens
+    assert pool["host_syncs"] == 0
+    d = diagnosed.stats["diagnostics"]
+    for name in ("outside", "route", "matmul", "combine"):
+        assert d["segments"][name]["count"] > 0, name
+    for layer in d["layers"].values():
+        assert layer["union"]["1"]["max"] == 8  # one token: exactly k

@@ -24,17 +24,26 @@ The measurements (all per MoE layer):
   verify, a chunk = prefill), with p50, p99 and max: the lower bound of a layer's capacity.
 
 A `Recorder` holds one request's figures (or a benchmark's); `Diagnostics` is the switch
-the streaming layers read (`rec` is None when off: one attribute test on the hot path and
-nothing else) and keeps the totals of every recorder merged into it.
+the streaming layers read and keeps the totals of every recorder merged into it. The hot
+path records into `Diagnostics.recorder` the same way whether diagnostics are on or off:
+off, that is the `NullRecorder`, whose methods do nothing (no MLX work, no host sync, no
+allocation: `segment` and `host` hand back one shared context manager), so that the
+code of a forward reads the same either way and costs a few empty calls per layer.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
+import mlx.core as mx
 import numpy as np
+
+if TYPE_CHECKING:
+    from moestream.daemon.prefetch.predictor import Prediction
+    from moestream.daemon.prefetch.prefetcher import Prefetcher
 
 SEGMENTS = ("outside", "route", "lookup", "read", "admit", "matmul", "combine")
 HOST_TIMES = ("predict", "submit", "promote_take", "promote_route", "promote_place")
@@ -162,8 +171,46 @@ def _recall(by_k: dict[int, list[int]]) -> dict[str, Any]:
     return out
 
 
+class _Timed:
+    """Adds the seconds its `with` block took to a timer."""
+
+    __slots__ = ("_timer", "_tic")
+
+    def __init__(self, timer: _Timer) -> None:
+        self._timer = timer
+        self._tic = 0.0
+
+    def __enter__(self) -> None:
+        self._tic = time.perf_counter()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._timer.add(time.perf_counter() - self._tic)
+
+
+class _Untimed:
+    """A `with` block that records nothing (explicit `__exit__` arguments: no tuple per
+    exit)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        return None
+
+
+_UNTIMED = _Untimed()
+
+
 class Recorder:
-    """Diagnostics of one request or benchmark run, per MoE layer (by ordinal)."""
+    """Diagnostics of one request or benchmark run, per MoE layer (by ordinal).
+
+    The recording methods are what the streaming layers call on every forward, on this
+    or on the `NullRecorder` alike; those that time device work evaluate it (a sync)."""
+
+    # Diagnostics are on: the layers also rank 4k experts for recall (`ranked_width`).
+    active = True
 
     def __init__(self) -> None:
         self.layers: dict[int, LayerDiagnostics] = {}
@@ -174,23 +221,92 @@ class Recorder:
             d = self.layers[ordinal] = LayerDiagnostics()
         return d
 
-    # ---- recording (called only while diagnostics are on) ----------------------------
+    # ---- recording -------------------------------------------------------------------
 
-    def segment(self, ordinal: int, name: str, seconds: float) -> None:
-        self.layer(ordinal).segments[name].add(seconds)
+    def segment(self, ordinal: int, name: str) -> _Timed:
+        """A `with` block timed as segment `name` (host clock)."""
+        return _Timed(self.layer(ordinal).segments[name])
 
-    def host(self, ordinal: int, name: str, seconds: float) -> None:
-        self.layer(ordinal).host[name].add(seconds)
+    def host(self, ordinal: int, name: str) -> _Timed:
+        """A `with` block timed as host time `name` (HOST_TIMES)."""
+        return _Timed(self.layer(ordinal).host[name])
 
-    def union(self, ordinal: int, seq_len: int, experts: int) -> None:
+    def wait_for(self, ordinal: int, name: str, x: mx.array) -> None:
+        """Evaluate `x` and time that as segment `name`: what was queued before it (for
+        `outside`, everything since the previous MoE layer)."""
+        tic = time.perf_counter()
+        mx.eval(x)
+        self.layer(ordinal).segments[name].add(time.perf_counter() - tic)
+
+    def experts(self, ordinal: int, y: mx.array, indices: Any) -> None:
+        """Time the expert call `y` (`matmul`) and, on an output of its shape, the block's
+        combine, a weighted sum over the routed experts (`combine`); `indices` has the
+        routing's shape."""
+        segments = self.layer(ordinal).segments
+        tic = time.perf_counter()
+        mx.eval(y)
+        segments["matmul"].add(time.perf_counter() - tic)
+        weights = mx.ones(indices.shape, dtype=y.dtype)
+        mx.eval(weights)
+        tic = time.perf_counter()
+        mx.eval((y * weights[..., None]).sum(axis=-2))
+        segments["combine"].add(time.perf_counter() - tic)
+
+    def read_routes(self, ordinal: int, indices: mx.array) -> None:
+        """A fully resident layer's routing, which never leaves the device otherwise:
+        read it back (a sync, timed as `route`) for the union of its experts."""
+        tic = time.perf_counter()
+        ids = np.array(indices)
+        self.layer(ordinal).segments["route"].add(time.perf_counter() - tic)
+        self.union(ordinal, indices.shape[-2] if indices.ndim >= 2 else 1, ids)
+
+    def union(self, ordinal: int, seq_len: int, token_experts: np.ndarray) -> None:
+        """The experts one forward of `seq_len` tokens per sequence routed to
+        (`token_experts`: their ids, any shape), counted once each."""
         layer = self.layer(ordinal)
         u = layer.union.get(seq_len)
         if u is None:
             u = layer.union[seq_len] = _Union()
-        u.add(experts)
+        u.add(int(np.unique(token_experts).size))
 
-    def attribute(self, ordinal: int, decode: bool, bucket: str, n: int = 1) -> None:
-        self.layer(ordinal).attribution[_phase(decode)][bucket] += n
+    def ranked_width(self, top_k: int) -> int:
+        """How many experts per token a layer ranks for the next: 4k (recall at k, 2k
+        and 4k), best first (`active`)."""
+        return 4 * top_k
+
+    def now(self) -> float:
+        """The clock of the compute window (`attribute`)."""
+        return time.perf_counter()
+
+    def attribute(self, ordinal: int, decode: bool, needed: np.ndarray, missing: Sequence[int], prestaged_used: int,
+                  prediction: Prediction | None, prefetcher: Prefetcher | None, top_k: int, *,
+                  promotable: bool) -> None:
+        """Attribute each expert a forward needed to a bucket (BUCKETS), and record the
+        prediction's recall and compute window. `needed`: the forward's unique experts;
+        `missing`: those of them not resident; `prestaged_used`: resident only thanks to
+        prestage; `prefetcher`: whose buffer may hold the missing ones (`promotable`:
+        the forward promotes from it; an overflow forward reads every miss itself)."""
+        count = self.layer(ordinal).attribution[_phase(decode)]
+        count["resident_hit"] += len(needed) - len(missing) - prestaged_used
+        count["prefetched"] += prestaged_used
+        named = set(prediction.named.tolist()) if prediction is not None else ()
+        for e in missing:
+            state = prefetcher.state(ordinal, e) if prefetcher is not None else "none"
+            if promotable and state == "done":
+                bucket = "prefetched"
+            elif promotable and state == "pending":
+                bucket = "predicted_not_finished"
+            elif e in named:
+                bucket = "predicted_evicted" if state == "dropped" else "predicted_not_read"
+            else:
+                bucket = "not_predicted"
+            count[bucket] += 1
+        if prefetcher is not None:
+            prefetcher.forget_dropped(ordinal)
+        if prediction is not None:
+            self.recall(ordinal, decode, top_k, needed, prediction.ranked)
+            if prediction.submitted:
+                self.window(ordinal, time.perf_counter() - prediction.submitted_at)
 
     def recall(self, ordinal: int, decode: bool, top_k: int, routed: np.ndarray, ranked: np.ndarray) -> None:
         """`routed`: the unique experts the layer needed; `ranked`: [tokens, >= 4k] the
@@ -207,6 +323,7 @@ class Recorder:
         layer.window_total.add(seconds)
 
     def read_wait(self, ordinal: int, seconds: float) -> None:
+        """Seconds a layer waited for prefetch reads that had not finished."""
         self.layer(ordinal).read_wait.add(seconds)
 
     # ---- results ---------------------------------------------------------------------
@@ -254,18 +371,77 @@ class Recorder:
         }
 
 
+class NullRecorder:
+    """What the streaming layers record into while diagnostics are off: the recording
+    methods of `Recorder`, each doing nothing (no MLX work, no host sync, no allocation)."""
+
+    __slots__ = ()
+
+    active = False
+
+    def segment(self, ordinal: int, name: str) -> _Untimed:
+        return _UNTIMED
+
+    def host(self, ordinal: int, name: str) -> _Untimed:
+        return _UNTIMED
+
+    def wait_for(self, ordinal: int, name: str, x: mx.array) -> None:
+        return None
+
+    def experts(self, ordinal: int, y: mx.array, indices: Any) -> None:
+        return None
+
+    def read_routes(self, ordinal: int, indices: mx.array) -> None:
+        return None
+
+    def union(self, ordinal: int, seq_len: int, token_experts: np.ndarray) -> None:
+        return None
+
+    def ranked_width(self, top_k: int) -> int:
+        """Prefetch alone needs the next layer's top k, in any order."""
+        return top_k
+
+    def now(self) -> float:
+        return 0.0
+
+    def attribute(self, ordinal: int, decode: bool, needed: np.ndarray, missing: Sequence[int], prestaged_used: int,
+                  prediction: Prediction | None, prefetcher: Prefetcher | None, top_k: int, *,
+                  promotable: bool) -> None:
+        return None
+
+    def read_wait(self, ordinal: int, seconds: float) -> None:
+        return None
+
+
+# It holds nothing, so one serves every model.
+NULL_RECORDER = NullRecorder()
+
+# What a forward records into: a request's recorder, or the null one.
+AnyRecorder = Recorder | NullRecorder
+
+
 class Diagnostics:
     """The switch the streaming layers read, and the totals over finished recorders.
 
-    `rec` is the recorder of the work running now, or None (diagnostics off). `default`
-    is the daemon's `--diagnostics`: every request records when it is set."""
+    `rec` is the recorder of the work running now, or None (diagnostics off); the hot
+    path reads `recorder`, the same recorder or else the `NullRecorder`. `default` is the
+    daemon's `--diagnostics`: every request records when it is set."""
 
     def __init__(self, default: bool = False) -> None:
         self.default = default
-        self.rec: Recorder | None = None
+        self.recorder: AnyRecorder = NULL_RECORDER
         self.total = Recorder()
         self.version = 0
         self._cached: tuple[int, dict[str, Any]] | None = None
+
+    @property
+    def rec(self) -> Recorder | None:
+        r = self.recorder
+        return r if isinstance(r, Recorder) else None
+
+    @rec.setter
+    def rec(self, rec: Recorder | None) -> None:
+        self.recorder = NULL_RECORDER if rec is None else rec
 
     def new_recorder(self, requested: bool) -> Recorder | None:
         """A recorder for a request that asked for diagnostics (or any, when on by default)."""

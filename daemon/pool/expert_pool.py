@@ -12,7 +12,6 @@ Invariants:
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
@@ -20,13 +19,13 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generation_stream
 
+from moestream.daemon.model.diagnostics import NULL_RECORDER, AnyRecorder
 from moestream.daemon.pool.admission import Admitter
 from moestream.daemon.pool.expert_reader import ExpertReadError
 from moestream.daemon.policies.base import EvictionPolicy
 from moestream.shared.store_format import MoELayer
 
 if TYPE_CHECKING:
-    from moestream.daemon.model.diagnostics import Diagnostics, Recorder
     from moestream.daemon.prefetch.predictor import Prediction
     from moestream.daemon.prefetch.prefetcher import Prefetcher
     from moestream.daemon.mapped.row_gather import RowGather
@@ -140,10 +139,9 @@ class ExpertPool:
         # When a list, a fully resident pool's forwards append their (device) expert ids
         # here; speculative decoding counts the experts a verify reads from them.
         self.route_log: list[mx.array] | None = None
-        # Set by the streaming layer / predictor.install: the diagnostics switch, the
-        # prefetcher whose buffer may hold this layer's experts, and the previous
-        # layer's prediction for this forward (consumed by the next ensure).
-        self.hub: Diagnostics | None = None
+        # Set by predictor.install / the previous layer's forward: the prefetcher whose
+        # buffer may hold this layer's experts, and the previous layer's prediction for
+        # this forward (consumed by the next ensure).
         self.prefetcher: Prefetcher | None = None
         self.prediction: Prediction | None = None
         # Experts `prestage` admitted since this layer's last forward; their copies may
@@ -287,73 +285,48 @@ class ExpertPool:
             self.stats.misses_prefill += len(missing)
         return needed, missing
 
-    def ensure(self, token_experts: np.ndarray, *, decode: bool, synced: bool = False) -> None:
+    def ensure(self, token_experts: np.ndarray, *, decode: bool, synced: bool = False,
+               rec: AnyRecorder = NULL_RECORDER) -> None:
         """Make resident every expert routed by these tokens ([tokens, k] ids),
         promoting what the prefetcher has read for them; the caller then queues the
-        forward's read of the slots on the current stream.
+        forward's read of the slots on the current stream. `rec`: the forward's
+        diagnostics (daemon/model/diagnostics.py).
 
         `synced`: this forward has just synced a computation on the current stream (its
         router). Where a stream runs its work in order (`_ordered_streams`), every read of
         the slots queued on it before has run too; when every earlier read was queued on
         this stream, slots may be written without waiting for the streams again."""
         prediction, self.prediction = self.prediction, None
-        rec = self.hub.rec if self.hub is not None else None
-        if rec is not None:
-            tic = time.perf_counter()
-        needed, missing = self._account(token_experts, decode=decode)
-        if rec is not None:
-            rec.segment(self.layer.ordinal, "lookup", time.perf_counter() - tic)
-            self._diagnose(rec, needed, missing, prediction, decode, promotable=True)
+        ordinal = self.layer.ordinal
+        with rec.segment(ordinal, "lookup"):
+            needed, missing = self._account(token_experts, decode=decode)
+        rec.attribute(ordinal, decode, needed, missing, self.last_prestaged_used, prediction, self.prefetcher,
+                      self.top_k, promotable=True)
         stream = _current_stream()
         if missing:
-            self._admit(missing, set(needed.tolist()) | self.pinned, rec=rec, drained=synced and self._reads_drained(stream))
+            self._admit(missing, set(needed.tolist()) | self.pinned, rec=rec,
+                        drained=synced and self._reads_drained(stream))
         self._reader_stream = stream
-
-    def _diagnose(self, rec: Recorder, needed: np.ndarray, missing: list[int], prediction: Prediction | None,
-                  decode: bool, *, promotable: bool) -> None:
-        """Attribute each needed expert to a bucket; recall and compute window."""
-        o = self.layer.ordinal
-        pf = self.prefetcher
-        rec.attribute(o, decode, "resident_hit", len(needed) - len(missing) - self.last_prestaged_used)
-        rec.attribute(o, decode, "prefetched", self.last_prestaged_used)
-        named = set(prediction.named.tolist()) if prediction is not None else ()
-        for e in missing:
-            state = pf.state(o, e) if pf is not None else "none"
-            if promotable and state == "done":
-                bucket = "prefetched"
-            elif promotable and state == "pending":
-                bucket = "predicted_not_finished"
-            elif e in named:
-                bucket = "predicted_evicted" if state == "dropped" else "predicted_not_read"
-            else:
-                bucket = "not_predicted"
-            rec.attribute(o, decode, bucket)
-        if pf is not None:
-            pf.forget_dropped(o)
-        if prediction is not None:
-            rec.recall(o, decode, self.top_k, needed, prediction.ranked)
-            if prediction.submitted:
-                rec.window(o, time.perf_counter() - prediction.submitted_at)
 
     def fits(self, token_experts: np.ndarray) -> bool:
         """Whether the experts of these tokens fit in the pool at once."""
         needed = set(np.unique(token_experts).tolist())
         return len(needed - self.pinned) <= self.capacity - len(self.pinned)
 
-    def gather_overflow(self, token_experts: np.ndarray) -> tuple[dict[str, mx.array], np.ndarray]:
+    def gather_overflow(self, token_experts: np.ndarray,
+                        rec: AnyRecorder = NULL_RECORDER) -> tuple[dict[str, mx.array], np.ndarray]:
         """Serve a forward whose experts do not fit in the pool, as one kernel call.
 
         Returns stacked arrays holding exactly the experts these tokens need (resident
         ones copied from their slots, missing ones read from the store into scratch) and
         the map expert id -> row in them. Afterwards the pool keeps the experts of the
         latest tokens, copied from the scratch, so decoding starts warm. Memory: one
-        transient copy of this layer's needed experts.
+        transient copy of this layer's needed experts. `rec`: the forward's diagnostics.
         """
         prediction, self.prediction = self.prediction, None
         needed, missing = self._account(token_experts, decode=False)
-        rec = self.hub.rec if self.hub is not None else None
-        if rec is not None:
-            self._diagnose(rec, needed, missing, prediction, False, promotable=False)
+        rec.attribute(self.layer.ordinal, False, needed, missing, self.last_prestaged_used, prediction,
+                      self.prefetcher, self.top_k, promotable=False)
         self.stats.overflow_forwards += 1
         resident = [int(e) for e in needed if self.slot_of[e] >= 0]
         scratch = self._read_scratch(missing)
@@ -444,36 +417,25 @@ class ExpertPool:
             placements.append((e, slot))
         return placements
 
-    def _admit(self, missing: Sequence[int], protected: set[int], rec: Recorder | None = None,
+    def _admit(self, missing: Sequence[int], protected: set[int], rec: AnyRecorder = NULL_RECORDER,
                drained: bool = False) -> None:
-        if rec is not None:
-            tic = time.perf_counter()
-        if not drained:
-            self._quiesce()
-        placements = self._assign_slots(missing, protected)
-        if rec is not None:
-            t_read = time.perf_counter()
-            rec.segment(self.layer.ordinal, "admit", t_read - tic)
-        pf = self.prefetcher
-        to_read = placements
-        if pf is not None:
-            buffered = [(e, slot) for e, slot in placements if pf.has(self.layer.ordinal, e)]
-            if buffered:
-                # Promotion may also write the host tier: no tier copy may be in flight.
-                self.admitter.settle()
-                times = [0.0, 0.0, 0.0, 0.0] if rec is not None else None
-                left, _ = pf.promote(self.layer, buffered, self.arrays, times)
-                done = {e for e, _ in buffered} - {e for e, _ in left}
-                to_read = [p for p in placements if p[0] not in done]
-                if rec is not None:
-                    o = self.layer.ordinal
-                    rec.host(o, "promote_take", times[0])
-                    rec.host(o, "promote_route", times[1])
-                    rec.host(o, "promote_place", times[2])
-                    rec.read_wait(o, times[3])
-        failed = self.admitter.fill(self.layer, to_read, self.arrays) if to_read else []
-        if rec is not None:
-            rec.segment(self.layer.ordinal, "read", time.perf_counter() - t_read)
+        ordinal = self.layer.ordinal
+        with rec.segment(ordinal, "admit"):
+            if not drained:
+                self._quiesce()
+            placements = self._assign_slots(missing, protected)
+        with rec.segment(ordinal, "read"):
+            pf = self.prefetcher
+            to_read = placements
+            if pf is not None:
+                buffered = [(e, slot) for e, slot in placements if pf.has(ordinal, e)]
+                if buffered:
+                    # Promotion may also write the host tier: no tier copy may be in flight.
+                    self.admitter.settle()
+                    left, _ = pf.promote(self.layer, buffered, self.arrays, rec)
+                    done = {e for e, _ in buffered} - {e for e, _ in left}
+                    to_read = [p for p in placements if p[0] not in done]
+            failed = self.admitter.fill(self.layer, to_read, self.arrays) if to_read else []
         failed_experts = {e for e, _ in failed}
         for e in missing:
             if e in failed_experts:

@@ -34,6 +34,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from moestream._native import CudaCopier, HostBuffer
+from moestream.daemon.model.diagnostics import NULL_RECORDER, AnyRecorder
 from moestream.daemon.pool.admission import expert_stride
 from moestream.daemon.pool.expert_reader import ExpertReader
 from moestream.shared.store_format import Manifest, MoELayer
@@ -182,48 +183,44 @@ class Prefetcher:
             self._dropped = {k for k in self._dropped if k[0] != ordinal}
 
     def promote(self, layer: MoELayer, placements: Sequence[tuple[int, int]], arrays: dict[str, mx.array],
-                times: list[float] | None = None) -> tuple[list[tuple[int, int]], int]:
+                rec: AnyRecorder = NULL_RECORDER) -> tuple[list[tuple[int, int]], int]:
         """Copy buffered experts into pool rows ((expert, row) pairs), waiting for reads
         still in flight. Returns the placements it could not serve (failed reads) and how
-        many it waited for. `times`, when given, gets [take, route, place, of which
-        waiting for reads] seconds added."""
-        t0 = time.perf_counter()
-        engine = self.reader.engine
+        many it waited for. `rec` (diagnostics) gets the host seconds of taking the reads
+        (waiting for those in flight, also given apart as `read_wait`), routing and
+        placing them."""
+        ordinal = layer.ordinal
         waited, wait_s = 0, 0.0
-        pending = [self._entries[(layer.ordinal, e)] for e, _ in placements
-                   if self._entries[(layer.ordinal, e)].state == PENDING]
-        rest = [en for en in pending if not self._poll(en)]
-        if rest:
-            tic = time.perf_counter()
-            for en, c in zip(rest, engine.wait([en.rid for en in rest])):
-                self._complete(en, c)
-            wait_s = time.perf_counter() - tic
-            self.s.wait_seconds += wait_s
-            waited = len(rest)
-            self.s.waited += waited
-        t1 = time.perf_counter()
-        spans, left = [], []
-        served = []
-        for e, row in placements:
-            key = (layer.ordinal, e)
-            entry = self._entries.pop(key)
-            if entry.state != DONE:
-                left.append((e, row))
-            else:
-                served.append((e, entry))
-                base = entry.slot * self.stride
-                spans += [(arrays[t.name], row * t.nbytes, base + t.offset, t.nbytes) for t in layer.tensors]
-            self._free.append(entry.slot)
-        t2 = time.perf_counter()
-        self._copy(spans)
-        if self.tier is not None:
-            self._keep_in_tier(layer, served)
+        with rec.host(ordinal, "promote_take"):
+            pending = [self._entries[(ordinal, e)] for e, _ in placements
+                       if self._entries[(ordinal, e)].state == PENDING]
+            rest = [en for en in pending if not self._poll(en)]
+            if rest:
+                tic = time.perf_counter()
+                for en, c in zip(rest, self.reader.engine.wait([en.rid for en in rest])):
+                    self._complete(en, c)
+                wait_s = time.perf_counter() - tic
+                self.s.wait_seconds += wait_s
+                waited = len(rest)
+                self.s.waited += waited
+        rec.read_wait(ordinal, wait_s)
+        with rec.host(ordinal, "promote_route"):
+            spans, left = [], []
+            served = []
+            for e, row in placements:
+                entry = self._entries.pop((ordinal, e))
+                if entry.state != DONE:
+                    left.append((e, row))
+                else:
+                    served.append((e, entry))
+                    base = entry.slot * self.stride
+                    spans += [(arrays[t.name], row * t.nbytes, base + t.offset, t.nbytes) for t in layer.tensors]
+                self._free.append(entry.slot)
+        with rec.host(ordinal, "promote_place"):
+            self._copy(spans)
+            if self.tier is not None:
+                self._keep_in_tier(layer, served)
         self.s.promoted += len(served)
-        if times is not None:
-            times[0] += t1 - t0
-            times[1] += t2 - t1
-            times[2] += time.perf_counter() - t2
-            times[3] += wait_s
         return left, waited
 
     def _keep_in_tier(self, layer: MoELayer, served: Sequence[tuple[int, _Entry]]) -> None:
