@@ -3,12 +3,17 @@ moestream settings (environment or config file), and waiting for what it does.""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
-from typing import Any, Callable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 from moestream.daemon.bench.soak.driver import child_env
+from moestream.shared.runtime_dir import RuntimePaths
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -32,3 +37,19 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
             return value
         time.sleep(0.02)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@contextmanager
+def started_daemon(store: Path, prefix: str, *flags: str) -> Iterator[RuntimePaths]:
+    """`moestreamctl start` on `store` in a fresh short runtime folder under /tmp (ipc
+    socket paths are limited to about 107 bytes); stopped and removed afterwards."""
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix=prefix))
+    out = ctl("start", "--model", str(store), "--runtime-dir", str(rt), *flags)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "daemon started" in out.stderr
+    try:
+        yield RuntimePaths(dir=rt, log=rt / "daemon.log")
+    finally:
+        stopped = ctl("stop", "--runtime-dir", str(rt))
+        shutil.rmtree(rt)
+        assert stopped.returncode == 0, stopped.stderr

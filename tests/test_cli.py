@@ -29,7 +29,7 @@ from moestream.daemon.policies import POLICIES
 from moestream.daemon.server import Server
 from moestream.shared.runtime_dir import RuntimePaths
 from moestream.shared.settings import POLICY_NAMES, Settings, SettingsError
-from daemon_cli import clean_env, ctl
+from daemon_cli import clean_env, ctl, started_daemon
 from tiny_models import tiny_store
 
 PROMPT = "The farmer counted his hens"
@@ -46,15 +46,8 @@ def store():
 
 @pytest.fixture(scope="module")
 def daemon(store):
-    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="mscl"))
-    out = ctl("start", "--model", str(store), "--capacity", "0.5", "--runtime-dir", str(rt))
-    assert out.returncode == 0, out.stdout + out.stderr
-    try:
-        yield RuntimePaths(dir=rt, log=rt / "daemon.log")
-    finally:
-        stopped = ctl("stop", "--runtime-dir", str(rt))
-        shutil.rmtree(rt)
-        assert stopped.returncode == 0, stopped.stderr
+    with started_daemon(store, "mscl", "--capacity", "0.5") as paths:
+        yield paths
 
 
 def invoke(args: list[str], *, input: str | None = None, env: dict[str, str] | None = None):

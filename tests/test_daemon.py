@@ -29,7 +29,7 @@ from moestream.client.client import Client, ClientError, DaemonDied, DaemonNotRu
 from moestream.shared import protocol as proto
 from moestream.shared.heat_file import usage_path
 from moestream.shared.runtime_dir import InstanceLock, RuntimeDirError, RuntimePaths, lock_is_held, read_pid
-from daemon_cli import clean_env, ctl, wait_for
+from daemon_cli import clean_env, ctl, started_daemon, wait_for
 from tiny_models import local_outputs, tiny_store
 
 PROMPTS = ["The farmer counted his hens", "def route(hidden, gate, k=2):", "Numbers and dates: 1, 2, 3", "In the morning"]
@@ -64,16 +64,8 @@ def reference(store):
 
 @pytest.fixture(scope="module")
 def daemon(store):
-    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msd"))
-    out = ctl("start", "--model", str(store), "--capacity", CAPACITY, "--runtime-dir", str(rt))
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "daemon started" in out.stderr
-    try:
-        yield paths_of(rt)
-    finally:
-        stopped = ctl("stop", "--runtime-dir", str(rt))
-        shutil.rmtree(rt)
-        assert stopped.returncode == 0, stopped.stderr
+    with started_daemon(store, "msd", "--capacity", CAPACITY) as paths:
+        yield paths
 
 
 def collect(stream) -> tuple[str, list]:

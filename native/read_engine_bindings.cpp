@@ -1,4 +1,5 @@
-// Python bindings of the native read engine (moestream._native).
+// Python bindings of the native read engine (moestream._native; the module is made in
+// module.cpp).
 //
 // The GIL is released around every call that can block (open, submit, wait, close,
 // crc32 of a large buffer). Destinations are held as buffer exports (Py_buffer) from
@@ -18,8 +19,6 @@
 
 namespace py = pybind11;
 using namespace moestream;
-
-void bind_device_copy(py::module_& m);  // device_copy_bindings.cpp
 
 namespace {
 
@@ -291,11 +290,7 @@ uint32_t py_crc32(py::handle data, py::handle value) {
 
 }  // namespace
 
-PYBIND11_MODULE(_native, m) {
-  m.doc() =
-      "moestream native read engine: a C++ thread pool that reads whole expert blocks with "
-      "pread, bypassing the page cache, into caller-owned buffers.";
-
+void bind_read_engine(py::module_& m) {
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -405,6 +400,4 @@ PYBIND11_MODULE(_native, m) {
                ", direct=" + (e.options().direct ? "True" : "False") +
                ", verify=" + (e.options().verify ? "True" : "False") + (e.closed() ? ", closed" : "") + ")";
       });
-
-  bind_device_copy(m);
 }
