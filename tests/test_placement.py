@@ -139,7 +139,7 @@ def test_a_worker_that_falls_behind_takes_the_backlog_in_one_turn(store):
     try:
         placement.place_initial()
         for pool in sm.pools:
-            pool.route_log = []
+            pool.start_route_log()
         got = decode(sm.model, STEPS, placement.tick)
         placement.settle()
         assert got == want

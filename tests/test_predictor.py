@@ -277,3 +277,25 @@ def test_bench_predict_says_where_the_read_bound_does_not_apply():
     buffers = [line for line in lines if "prefetch buffer" in line]
     assert len(buffers) == 4 and all("prefetch buffer 128 experts (2.0 MiB)" in line for line in buffers)
     assert not any(unit in line for line in lines for unit in (" GB", " MB"))
+
+
+def test_the_loader_hands_each_layer_its_collaborators():
+    """Pools and streaming layers get what they work with when they are made: the
+    prefetcher, the lowest layers' pools (the policies' hint), the next layer to predict
+    for and the model's diagnostics switch."""
+    from moestream.daemon.model.streaming_model import LOWER_HINT_LAYERS
+
+    sm = load_streaming_model(demo_store_path(), Settings(capacity=0.25, prefetch="on"))
+    try:
+        moes = [m for _, m in sm.model.named_modules() if type(m).__name__ == "StreamingMoE"]
+        moes.sort(key=lambda m: m.ordinal)
+        assert [m.pool for m in moes] == sm.pools
+        for i, (m, pool) in enumerate(zip(moes, sm.pools)):
+            assert pool.prefetcher is sm.prefetcher and m.hub is sm.diagnostics
+            assert pool.lower == sm.pools[: min(i, LOWER_HINT_LAYERS)]
+            if i + 1 < len(sm.pools):
+                assert m.next.pool is sm.pools[i + 1] and m.prefetcher is sm.prefetcher
+            else:
+                assert m.next is None
+    finally:
+        sm.close()

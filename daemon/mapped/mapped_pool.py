@@ -156,7 +156,7 @@ class MappedPool:
         for p in self.pools:
             if not p.fully_resident:
                 raise ValueError(f"layer {p.layer.module_path}: a mapped pool must hold every expert")
-            p.route_log = []
+            p.start_route_log()
         # Byte views of the pool arrays, taken here on the decode thread: the worker
         # hands the driver these, never touching an MLX array itself.
         self._views = [{t.name: memoryview(p.arrays[t.name]).cast("B") for t in p.layer.tensors} for p in self.pools]
@@ -201,14 +201,12 @@ class MappedPool:
         """After a token is queued: gather the routing of the forwards just queued into
         one device array, read back the routing of forwards surely done, and hand it to
         the worker, which counts it and rebalances when one is due."""
-        logs = [p.route_log for p in self.pools]
-        forwards = len(logs[0]) if logs[0] is not None else 0
+        logs = [p.take_route_log() for p in self.pools]
+        forwards = len(logs[0])
         if forwards:
             batch = [mx.stack([log[j].reshape(-1, log[j].shape[-1]) for log in logs]) for j in range(forwards)]
             mx.async_eval(batch)
             self._pending.append(batch)
-            for p in self.pools:
-                p.route_log = []
         if len(self._pending) > READBACK_LAG:
             self._consume(self._pending.pop(0))
 
@@ -330,7 +328,7 @@ class MappedPool:
 
     def close(self) -> None:
         for p in self.pools:
-            p.route_log = None
+            p.stop_route_log()
         self._pending.clear()
         self._worker.close()
 

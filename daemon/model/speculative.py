@@ -390,8 +390,10 @@ class _ExpertCounter:
         for i, p in enumerate(self.pools):
             if self.shared:
                 self._marks[i] = len(p.route_log) if p.route_log is not None else 0
+            elif p.fully_resident:
+                p.start_route_log()
             else:
-                p.route_log = [] if p.fully_resident else None
+                p.stop_route_log()
         self._host_before = self._host()
 
     def stop(self) -> tuple[mx.array | None, int]:
@@ -405,7 +407,7 @@ class _ExpertCounter:
                 for ids in logged:
                     device.append((ids.reshape(-1)[None, :] == experts[:, None]).any(axis=1).sum())
             if not self.shared:
-                p.route_log = None
+                p.stop_route_log()
         return (mx.sum(mx.stack(device)) if device else None), self._host() - self._host_before
 
 

@@ -27,7 +27,8 @@ from moestream.daemon.pool.expert_pool import ExpertPool, PoolCapacityError
 from moestream.daemon.pool.expert_reader import ExpertReader
 from moestream.daemon.mapped.mapped_pool import CountingMover, MappedPool
 from moestream.daemon.policies import make_policy
-from moestream.daemon.prefetch.predictor import install as install_predictor
+from moestream.daemon.model.diagnostics import Diagnostics
+from moestream.daemon.prefetch.predictor import make_prefetcher, next_layers, routers_of
 from moestream.daemon.mapped.row_gather import RowGather
 from moestream.daemon.model.streaming_moe import StreamingMoE
 from moestream.shared.settings import Settings, format_size
@@ -258,12 +259,10 @@ def load_streaming_model(
     else:
         reader = admitter.reader
     pools: list[ExpertPool] = []
-    moes: list[StreamingMoE] = []
     # mapped_gather auto: where the CUDA copy kernel runs (measured there; see Settings).
     kernel = RowGather.kernel_available()
     use_gather = kernel if settings.mapped_gather is None else settings.mapped_gather
     gather = RowGather(use_kernel=kernel) if mapped and use_gather else None
-    blocks: list[Any] = []
     try:
         if mapped:
             admitter, note = DirectAdmitter(reader), {"mapped": True, "gather": gather is not None}
@@ -277,31 +276,33 @@ def load_streaming_model(
             note = {"shared": True}
         if auto_note is not None:
             note["mapped_auto"] = auto_note
-        for layer in manifest.layers:
-            parent, key, module = _module_at(model, layer.module_path)
+        found = [_module_at(model, layer.module_path) for layer in manifest.layers]
+        for layer, (_, _, module) in zip(manifest.layers, found):
             if not isinstance(module, (SwitchGLU, SwitchMLP)):
                 raise StoreError(f"{layer.module_path} is a {type(module).__name__}, not a SwitchGLU/SwitchMLP")
             _check_layout(module, layer, store, manifest.config)
-            slots = layer.num_experts if mapped else min(capacity, layer.num_experts)
-            policy = make_policy(settings.policy, layer.num_experts, slots)
-            pool = ExpertPool(layer, slots, policy, admitter, top_k=k, keep=not naive, host_memory=mapped)
-            pool.gather = gather
-            parent[key] = StreamingMoE(module, pool)
-            pools.append(pool)
-            moes.append(parent[key])
-            blocks.append(parent)
-        for i, pool in enumerate(pools):
-            pool.lower = pools[: min(i, LOWER_HINT_LAYERS)]
+        slots = [layer.num_experts if mapped else min(capacity, layer.num_experts) for layer in manifest.layers]
+        # Every pool with a slot per expert loads them all (but the naive baseline's).
+        resident = [not naive and n == layer.num_experts for n, layer in zip(slots, manifest.layers)]
+        # The MoE block that holds each layer's experts has its router (`gate`).
+        routers = routers_of(manifest.layers, [parent for parent, _, _ in found])
+        diagnostics = Diagnostics(default=settings.diagnostics)
+        prefetcher = make_prefetcher(
+            manifest.layers, routers, resident, reader=reader, manifest=manifest, admitter=admitter, top_k=k,
+            prefetch=settings.prefetch, predict=not naive, depth=settings.prefetch_depth,
+            buffer_bytes=settings.prefetch_buffer,
+        )
+        for layer, n in zip(manifest.layers, slots):
+            policy = make_policy(settings.policy, layer.num_experts, n)
+            pools.append(ExpertPool(layer, n, policy, admitter, top_k=k, keep=not naive, host_memory=mapped,
+                                    gather=gather, lower=pools[:LOWER_HINT_LAYERS], prefetcher=prefetcher))
+        for (parent, key, module), pool, nxt in zip(found, pools, next_layers(pools, routers, settings.prefetch_depth)):
+            parent[key] = StreamingMoE(module, pool, diagnostics, nxt, prefetcher)
         _load_resident(model, weights, manifest, store)
         mx.eval(model.parameters())
-        for pool in pools:
-            if pool.capacity == pool.layer.num_experts and not naive:
+        for pool, full in zip(pools, resident):
+            if full:
                 pool.load_all()
-        diagnostics, prefetcher = install_predictor(
-            moes, blocks, reader=reader, manifest=manifest, admitter=admitter, top_k=k,
-            prefetch=settings.prefetch, diagnostics=settings.diagnostics, predict=not naive,
-            depth=settings.prefetch_depth, buffer_bytes=settings.prefetch_buffer,
-        )
         mapped_pool = _place(pools, capacity, settings, copier) if mapped else None
         tokenizer = load_tokenizer(store, eos_token_ids=config.get("eos_token_id"))
     except BaseException:

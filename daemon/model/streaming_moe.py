@@ -39,24 +39,21 @@ from moestream.daemon.prefetch.prefetcher import MAX_PREFETCH_TOKENS, Prefetcher
 
 
 class StreamingMoE(nn.Module):
-    def __init__(self, inner: nn.Module, pool: ExpertPool) -> None:
+    def __init__(self, inner: nn.Module, pool: ExpertPool, hub: Diagnostics, nxt: NextLayer | None = None,
+                 prefetcher: Prefetcher | None = None) -> None:
+        """`inner`: mlx-lm's module; `hub`: the model's diagnostics switch; `nxt`: the next
+        layer as this one predicts for it, with the `prefetcher` that reads its experts
+        (both None without prediction)."""
         super().__init__()
         self.inner = inner
         self.pool = pool
-        # Plain attributes (not modules): set by predictor.install.
-        self.hub = Diagnostics()
-        self.next: NextLayer | None = None
-        self.prefetcher: Prefetcher | None = None
+        # Plain attributes (not modules).
+        self.hub = hub
+        self.next = nxt if prefetcher is not None else None
+        self.prefetcher = prefetcher if nxt is not None else None
         # What every recording of this layer is filed under.
         self.ordinal = pool.layer.ordinal
         self._use(pool.arrays)
-
-    def set_hub(self, hub: Diagnostics) -> None:
-        self.hub = hub
-
-    def set_next(self, nxt: NextLayer, prefetcher: Prefetcher) -> None:
-        self.next = nxt
-        self.prefetcher = prefetcher
 
     def _use(self, arrays: dict[str, mx.array]) -> None:
         for t in self.pool.layer.tensors:
@@ -172,7 +169,7 @@ class StreamingMoE(nn.Module):
         with rec.host(ordinal, "predict"):
             named = np.unique(ranked[:, : pf.top_k])
             prediction = Prediction(ranked=ranked, named=named)
-            nxt.pool.prediction = prediction
+            nxt.pool.expect(prediction)
             if not (pf.enabled and seq <= MAX_PREFETCH_TOKENS):
                 return
             missing = named[nxt.pool.slot_of[named] < 0]

@@ -96,6 +96,9 @@ class ExpertPool:
         top_k: int,
         keep: bool = True,
         host_memory: bool = False,
+        gather: RowGather | None = None,
+        lower: Sequence[ExpertPool] = (),
+        prefetcher: Prefetcher | None = None,
     ) -> None:
         if capacity < top_k:
             raise PoolCapacityError(
@@ -129,20 +132,21 @@ class ExpertPool:
         self.remap: mx.array | None = None
         self.identity = False
         # A mapped pool's copy of routed experts into a stack before small forwards
-        # (Settings.mapped_gather; set by the loader), else None.
-        self.gather: RowGather | None = None
+        # (Settings.mapped_gather), else None.
+        self.gather = gather
         # The lowest MoE layers' pools (lowest first), whose routing of the same tokens
         # some policies use as a hint (they route first in a forward); and this
         # forward's routing.
-        self.lower: list[ExpertPool] = []
+        self.lower = list(lower)
         self.last_rows: np.ndarray | None = None
-        # When a list, a fully resident pool's forwards append their (device) expert ids
-        # here; speculative decoding counts the experts a verify reads from them.
+        # While a list (`start_route_log`), a fully resident pool's forwards append their
+        # (device) expert ids here: a mapped pool's placement and speculative decoding
+        # count the experts routed from them.
         self.route_log: list[mx.array] | None = None
-        # Set by predictor.install / the previous layer's forward: the prefetcher whose
-        # buffer may hold this layer's experts, and the previous layer's prediction for
-        # this forward (consumed by the next ensure).
-        self.prefetcher: Prefetcher | None = None
+        # The prefetcher whose buffer may hold this layer's experts (None without
+        # prediction), and the previous layer's prediction for this forward (`expect`,
+        # consumed by the next ensure).
+        self.prefetcher = prefetcher
         self.prediction: Prediction | None = None
         # Experts `prestage` admitted since this layer's last forward; their copies may
         # still be running until `_settle`.
@@ -164,6 +168,26 @@ class ExpertPool:
     @property
     def fully_resident(self) -> bool:
         return self.remap is not None
+
+    # ---- what other layers hand this one --------------------------------------------
+
+    def expect(self, prediction: Prediction) -> None:
+        """The previous layer's prediction for this layer's next forward."""
+        self.prediction = prediction
+
+    def start_route_log(self) -> None:
+        """Log the expert ids of every forward of a fully resident pool from now on."""
+        self.route_log = []
+
+    def take_route_log(self) -> list[mx.array]:
+        """The ids logged since the last take (logging goes on); none when not logging."""
+        if self.route_log is None:
+            return []
+        logged, self.route_log = self.route_log, []
+        return logged
+
+    def stop_route_log(self) -> None:
+        self.route_log = None
 
     # ---- admission -----------------------------------------------------------------
 

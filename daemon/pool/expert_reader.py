@@ -91,6 +91,23 @@ class ExpertReader:
                 failed.append((job, c.error))
         return failed
 
+    # ---- reads that run while the caller goes on (the prefetcher's) ------------------
+
+    def submit(self, batch: Sequence[tuple[int, int, int, list[tuple[Any, int, int, int]], int | None]]) -> list[int]:
+        """Start these reads ((file id, offset, length, targets, crc32 or None) each) on
+        the engine's threads and return their ids, without waiting. Raises ValueError for
+        a read the engine refuses (beyond its file's end)."""
+        return self.engine.submit_batch(batch)
+
+    def poll(self, rid: int) -> Any:
+        """The completion of read `rid` (its `ok`, `nbytes`, `error`) if it has ended,
+        else None."""
+        return self.engine.take(rid)
+
+    def wait(self, rids: Sequence[int]) -> list[Any]:
+        """Wait for these reads; their completions, in order."""
+        return self.engine.wait(list(rids))
+
     def _reopen_if_grown(self, name: str) -> int:
         """A file that was short when opened may have been repaired since (rewritten in
         place or replaced): if it is now longer, read it through a fresh descriptor, since

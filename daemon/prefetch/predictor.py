@@ -6,8 +6,9 @@ rank the experts L+1 will route to nearly as L+1 itself will. The scores come ou
 same graph evaluation as layer L's own expert ids, so predicting costs one small matmul
 on the device and no extra host sync.
 
-`install` wires the predictor, the prefetcher and the diagnostics switch into the
-streaming layers of a loaded model.
+The loader (daemon/model/streaming_model.py) builds them before the streaming layers:
+`routers_of` each layer's router, `make_prefetcher` the prefetcher where some pool is
+partial, and `next_layers` what each layer predicts for.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from moestream.daemon.pool.admission import expert_stride
-from moestream.daemon.model.diagnostics import Diagnostics
+from moestream.daemon.pool.admission import Admitter, expert_stride
+from moestream.daemon.pool.expert_reader import ExpertReader
 from moestream.daemon.prefetch.prefetcher import Prefetcher
+from moestream.shared.store_format import Manifest, MoELayer
 
 if TYPE_CHECKING:
     from moestream.daemon.pool.expert_pool import ExpertPool
-    from moestream.daemon.model.streaming_moe import StreamingMoE
 
 
 class NextRouter:
@@ -90,49 +91,44 @@ class NextLayer:
     ahead: list["NextLayer"] = field(default_factory=list)
 
 
-def routers_of(moes: Sequence["StreamingMoE"], blocks: Sequence[Any]) -> list[NextRouter | None]:
-    """Each streaming layer's router as a NextRouter (None where its gate is of a kind
-    the predictor does not know). `blocks[i]` is the MoE block that holds `moes[i]`."""
+def routers_of(layers: Sequence[MoELayer], blocks: Sequence[Any]) -> list[NextRouter | None]:
+    """Each MoE layer's router as a NextRouter (None where its gate is of a kind the
+    predictor does not know). `blocks[i]` is the MoE block that holds `layers[i]`."""
     routers: list[NextRouter | None] = []
-    for block, m in zip(blocks, moes):
+    for block, layer in zip(blocks, layers):
         gate = getattr(block, "gate", None) if block is not None else None
         try:
-            routers.append(NextRouter(gate, m.pool.layer.num_experts) if gate is not None else None)
+            routers.append(NextRouter(gate, layer.num_experts) if gate is not None else None)
         except TypeError:
             routers.append(None)
     return routers
 
 
-def install(
-    moes: Sequence["StreamingMoE"],
-    blocks: Sequence[Any],
+def make_prefetcher(
+    layers: Sequence[MoELayer],
+    routers: Sequence[NextRouter | None],
+    resident: Sequence[bool],
     *,
-    reader: Any,
-    manifest: Any,
-    admitter: Any,
+    reader: ExpertReader,
+    manifest: Manifest,
+    admitter: Admitter,
     top_k: int,
     prefetch: str,
-    diagnostics: bool,
     predict: bool = True,
-    prefetch_slots: int | None = None,
     depth: int = 1,
     buffer_bytes: int = 0,
-) -> tuple[Diagnostics, Prefetcher | None]:
-    """Give the streaming layers (in forward order) a shared diagnostics switch, and,
-    where pools are partial, the next layer's router and a prefetcher. `blocks[i]` is the
-    MoE block that holds `moes[i]` (its `gate` is layer i's router). `depth`
-    (Settings.prefetch_depth): how many layers ahead each layer reads; `buffer_bytes`
-    (Settings.prefetch_buffer): the prefetch buffer's size, 0 for the default."""
-    hub = Diagnostics(default=diagnostics)
-    for m in moes:
-        m.set_hub(hub)
-    partial = any(not m.pool.fully_resident for m in moes)
-    routers = routers_of(moes, blocks)
-    if not predict or not partial or len(moes) < 2 or all(r is None for r in routers[1:]):
-        return hub, None
+) -> Prefetcher | None:
+    """The prefetcher of a model's streaming layers (in forward order), or None where
+    nothing is predicted: every pool fully resident (`resident[i]`: layer i's will be),
+    fewer than two MoE layers, no router the predictor knows after the first, or
+    `predict` False. `depth` (Settings.prefetch_depth): how many layers ahead each layer
+    reads; `buffer_bytes` (Settings.prefetch_buffer): the prefetch buffer's size, 0 for
+    the default."""
+    if not predict or all(resident) or len(layers) < 2 or all(r is None for r in routers[1:]):
+        return None
     copier = getattr(admitter, "copier", None)
     tier = getattr(admitter, "tier", None) if getattr(admitter, "keep", False) else None
-    largest = max(m.pool.layer.num_experts for m in moes)
+    largest = max(layer.num_experts for layer in layers)
     # Room for a few layers' predictions of a batch (more when reading further ahead);
     # with prefetch off the buffer only has to exist (predictions still feed the
     # diagnostics).
@@ -140,20 +136,27 @@ def install(
     if buffer_bytes and buffer_bytes < top_k * stride:
         raise ValueError(f"prefetch_buffer of {buffer_bytes} bytes holds fewer experts than one token routes "
                          f"({top_k} of {stride} bytes): give at least {top_k * stride}, or 0 for the default")
-    if prefetch_slots:
-        slots = prefetch_slots
-    elif prefetch == "off":
+    if prefetch == "off":
         slots = top_k
     elif buffer_bytes:
         slots = buffer_bytes // stride
     else:
         slots = min(16 * depth * top_k, 4 * depth * largest)
-    prefetcher = Prefetcher(reader, manifest, copier, slots=slots, top_k=top_k, mode=prefetch, tier=tier, depth=depth)
-    for i, (m, nxt, router) in enumerate(zip(moes, moes[1:], routers[1:])):
-        if router is not None:
-            ahead = [NextLayer(a.pool, r) for a, r in zip(moes[i + 2 : i + 1 + depth], routers[i + 2 : i + 1 + depth])
-                     if r is not None]
-            m.set_next(NextLayer(nxt.pool, router, ahead), prefetcher)
-    for m in moes:
-        m.pool.prefetcher = prefetcher
-    return hub, prefetcher
+    return Prefetcher(reader, manifest, copier, slots=slots, top_k=top_k, mode=prefetch, tier=tier, depth=depth)
+
+
+def next_layers(pools: Sequence["ExpertPool"], routers: Sequence[NextRouter | None],
+                depth: int = 1) -> list[NextLayer | None]:
+    """What each layer predicts for: layer i+1 with its router, and the layers after it
+    up to `depth` ahead that have a router the predictor knows; None for the last layer
+    and where layer i+1's router is unknown."""
+    out: list[NextLayer | None] = []
+    for i in range(len(pools)):
+        router = routers[i + 1] if i + 1 < len(pools) else None
+        if router is None:
+            out.append(None)
+            continue
+        ahead = [NextLayer(p, r) for p, r in zip(pools[i + 2 : i + 1 + depth], routers[i + 2 : i + 1 + depth])
+                 if r is not None]
+        out.append(NextLayer(pools[i + 1], router, ahead))
+    return out

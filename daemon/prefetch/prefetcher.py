@@ -99,7 +99,6 @@ class Prefetcher:
     def submit(self, layer: MoELayer, experts: Sequence[int]) -> int:
         """Start reading these experts of `layer` (those not already buffered); never
         waits. Returns how many reads were started."""
-        engine = self.reader.engine
         batch, keys = [], []
         fid = self.reader.file_id(layer)
         for e in experts:
@@ -121,7 +120,7 @@ class Prefetcher:
         if not batch:
             return 0
         try:
-            ids = engine.submit_batch(batch)
+            ids = self.reader.submit(batch)
         except ValueError:
             # A bound the engine refuses (a truncated file): leave it to the demand read,
             # which says what is wrong.
@@ -148,7 +147,7 @@ class Prefetcher:
 
     def _poll(self, entry: _Entry) -> bool:
         """Whether a pending read has ended (and take its completion)."""
-        c = self.reader.engine.take(entry.rid)
+        c = self.reader.poll(entry.rid)
         if c is None:
             return False
         self._complete(entry, c)
@@ -197,7 +196,7 @@ class Prefetcher:
             rest = [en for en in pending if not self._poll(en)]
             if rest:
                 tic = time.perf_counter()
-                for en, c in zip(rest, self.reader.engine.wait([en.rid for en in rest])):
+                for en, c in zip(rest, self.reader.wait([en.rid for en in rest])):
                     self._complete(en, c)
                 wait_s = time.perf_counter() - tic
                 self.s.wait_seconds += wait_s
@@ -252,7 +251,7 @@ class Prefetcher:
         """Wait for every read in flight (before the buffer or the engine goes away)."""
         pending = [en for en in self._entries.values() if en.state == PENDING]
         if pending:
-            for en, c in zip(pending, self.reader.engine.wait([en.rid for en in pending])):
+            for en, c in zip(pending, self.reader.wait([en.rid for en in pending])):
                 self._complete(en, c)
 
     def stats(self) -> dict[str, Any]:
