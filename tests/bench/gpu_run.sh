@@ -21,20 +21,17 @@
 # decode (bench decode)
 #   decode-q30           q30: stock, 100%, 25% (+host mapped, +host:slots), naive; 100% vs stock in A B B A blocks
 #   decode-q30-table     q30: 50% and 12.5%, with and without the host tier
-#   mapped-prefetch-q30  q30: mapped pools at 25%: zero-copy, gathered, gathered + prefetch (second, own stream)
 #   gen-demo             the daemon's generation loop against the bench loop, demo model
 #   spec-demo            speculative decoding with the demo's MTP head against plain decode
 # prefetch (bench predict)
 #   predict-q30          q30: predictor recall; prefetch off/on with a host tier (HOST_CACHE, CAPACITY, DEPTH, ...)
-#   predict-mapped-q30   q30: the mapped pool's prefetch off/on at 25%
 #   predict-depth-q30    q30: prefetch where the disk is the bound (25%, no host tier) by depth and buffer
-#   graph-ops            q30: predict-mapped-q30 at several MLX_MAX_OPS_PER_BUFFER (CUDA graph sizes)
 # warm start (bench warmstart)
 #   warmstart-q30        q30: time to 64 tokens after a restart at 25%, cold vs autopinned
 #   warmstart-q30-host   the same with a 20G host tier filled from the heat before ready
 #   warmstart-q30-mapped the same with mapped pools
 # probes (scripts in tests/bench)
-#   copy-check           the CUDA copier: exact bytes, memory kinds, host->GPU GB/s, per-span vs batched vs kernel
+#   copy-check           the CUDA copier: exact bytes, memory kinds, host->GPU GB/s, per-span vs kernel
 #   shape                attention and forwards at new vs seen key lengths (why speculation pads them), demo model
 #   residency-q30        q30: admission copies by CUDA streams; 100% vs stock; kernels reading host memory (zero-copy)
 #   full-residency       q30: where 100% could lose to stock (host time split; ABBA=N blocks of A B B A)
@@ -89,31 +86,17 @@ case "$stage" in
     # holds part of them, e.g. 8G: predicted experts it lacks are then read from disk
     # while the GPU computes): predicted experts in the tier are copied into the next
     # layer's slots while the GPU computes.
-    # CAPACITY=0.25 measures one capacity only; COPY_BATCH=1 queues copies in batches;
+    # CAPACITY=0.25 measures one capacity only;
     # COPY_KERNEL=1 copies with the copy kernel (the default now; kept so that the
     # file names say so); PF_BLOCKS=N caps it at N blocks per span for prefetch's
     # copies (default 64; see gpu_background_copy_probe.py). DEPTH=N reads
     # N layers ahead (setting prefetch_depth); ROUNDS=N blocks of off/on/on/off (default 3);
-    # PF_BUFFER=SIZE sizes the prefetch buffer (setting prefetch_buffer); WIDTH=N names
-    # N x top-k experts per token; POLICY=lfu|lfuda|predictive evicts by another policy
+    # PF_BUFFER=SIZE sizes the prefetch buffer (setting prefetch_buffer); POLICY=lfu|lfuda|predictive evicts by another policy
     # than LRU (fewer misses leave prefetch a larger share of the time to hide).
-    f="$OUT/bench_predict_q30${HOST_CACHE:+_host$HOST_CACHE}${COPY_BATCH:+_batch}${COPY_KERNEL:+_kernel}${PF_BLOCKS:+_b$PF_BLOCKS}${DEPTH:+_d$DEPTH}${PF_BUFFER:+_buf$PF_BUFFER}${WIDTH:+_w$WIDTH}${ROUNDS:+_r$ROUNDS}${POLICY:+_$POLICY}${MLX_MAX_OPS_PER_BUFFER:+_ops$MLX_MAX_OPS_PER_BUFFER}_h200.json"
-    ctl bench predict --model /root/q30/store --temp 1 --host-cache ${HOST_CACHE:-20G} --width ${WIDTH:-1} --depth ${DEPTH:-1} --rounds ${ROUNDS:-3} \
+    f="$OUT/bench_predict_q30${HOST_CACHE:+_host$HOST_CACHE}${COPY_KERNEL:+_kernel}${PF_BLOCKS:+_b$PF_BLOCKS}${DEPTH:+_d$DEPTH}${PF_BUFFER:+_buf$PF_BUFFER}${ROUNDS:+_r$ROUNDS}${POLICY:+_$POLICY}${MLX_MAX_OPS_PER_BUFFER:+_ops$MLX_MAX_OPS_PER_BUFFER}_h200.json"
+    ctl bench predict --model /root/q30/store --temp 1 --host-cache ${HOST_CACHE:-20G} --depth ${DEPTH:-1} --rounds ${ROUNDS:-3} \
       ${PF_BUFFER:+--prefetch-buffer $PF_BUFFER} --policy ${POLICY:-lru} \
-      ${CAPACITY:+--capacity $CAPACITY} ${COPY_BATCH:+--copy-batch} ${COPY_KERNEL:+--copy-kernel} --prefetch-copy-blocks ${PF_BLOCKS:-64} \
-      --prompt-tokens ${PROMPT_TOKENS:-8} --decode-tokens ${DECODE_TOKENS:-48} --mlx-memory-limit 64G --json >"$f" 2> >(tee "$f.progress" >&2)
-    $py - "$f" <<'EOF'
-import json, sys
-from moestream.daemon.bench.predict import format_report
-print(format_report(json.load(open(sys.argv[1]))))
-EOF
-    ;;
-  predict-mapped-q30)
-    # Prefetch for the mapped pool (staging the next layer's experts on a second stream)
-    # off and on at 25%, and what auto decides; recall is predict-q30's (same predictor).
-    # PF_STREAM=same stages on each layer's own stream instead of a second one.
-    f="$OUT/bench_predict_q30_mapped${PF_STREAM:+_$PF_STREAM}${PF_BLOCKS:+_b$PF_BLOCKS}${MLX_MAX_OPS_PER_BUFFER:+_ops$MLX_MAX_OPS_PER_BUFFER}_h200.json"
-    ctl bench predict --model /root/q30/store --mapped --mapped-prefetch-stream ${PF_STREAM:-second} --prefetch-copy-blocks ${PF_BLOCKS:-64} --temp 1 --capacity ${CAPACITY:-0.25} --rounds ${ROUNDS:-5} \
+      ${CAPACITY:+--capacity $CAPACITY} ${COPY_KERNEL:+--copy-kernel} --prefetch-copy-blocks ${PF_BLOCKS:-64} \
       --prompt-tokens ${PROMPT_TOKENS:-8} --decode-tokens ${DECODE_TOKENS:-48} --mlx-memory-limit 64G --json >"$f" 2> >(tee "$f.progress" >&2)
     $py - "$f" <<'EOF'
 import json, sys
@@ -140,20 +123,6 @@ EOF
         timeout "${STAGE_TIMEOUT:-280}" bash "$0" predict-q30 \
         || echo "predict-depth-q30: depth $d, buffer $b failed or timed out (exit $?)"
      done
-    done
-    ;;
-  graph-ops)
-    # Mapped prefetch against the size of MLX's CUDA graphs. MLX commits a stream's graph
-    # every MLX_MAX_OPS_PER_BUFFER nodes (20 by default; mlx/backend/cuda/eval.cpp, read
-    # once per process), a decode layer is roughly 30 kernels, and graphs launched on one
-    # stream run in turn: a staging copy can only run beside the kernels of its own graph.
-    # The background-copy probe (one small graph) overlapped 0.47 of it; whole decode
-    # gained 1.03x. One predict-mapped-q30 run per value of OPS (own stream, PF_BLOCKS 4).
-    # OPS="20 120 400" measured 0.77x, 0.71x, 0.84x (bench_predict_q30_mapped_same_b4_ops*);
-    # decode is bound by the host.
-    for n in ${OPS:-20 60 120 240}; do
-      MLX_MAX_OPS_PER_BUFFER=$n PF_STREAM=${PF_STREAM:-same} PF_BLOCKS=${PF_BLOCKS:-4} timeout "${STAGE_TIMEOUT:-150}" bash "$0" predict-mapped-q30 \
-        || echo "graph-ops: $n failed or timed out (exit $?)"
     done
     ;;
   shape)
@@ -246,31 +215,14 @@ EOF
     # GEN_LOOP=1 also times each streaming configuration through the daemon's own
     # generation loop (prefetch's auto windows, timed there, once ran the mapped pool at
     # 17-30 tok/s while the bench loop ran it at 27-44).
-    # COPY_BATCH=1: the copier queues in batches; COPY_KERNEL=1: it copies with its copy
-    # kernel. GATHER=auto|on|off|both: mapped decode steps copy the routed experts into a
+    # COPY_KERNEL=1: the copier copies with its copy kernel. GATHER=auto|on|off|both: mapped decode steps copy the routed experts into a
     # stack first (auto: on with MLX's CUDA build; both: each mapped configuration both ways).
-    f="$OUT/bench_decode_q30${COPY_BATCH:+_batch}${COPY_KERNEL:+_kernel}${MLX_MAX_OPS_PER_BUFFER:+_ops$MLX_MAX_OPS_PER_BUFFER}.json"
+    f="$OUT/bench_decode_q30${COPY_KERNEL:+_kernel}${MLX_MAX_OPS_PER_BUFFER:+_ops$MLX_MAX_OPS_PER_BUFFER}.json"
     ctl bench decode --model /root/q30/store --capacity 1 --capacity 0.25 \
-      --host-cache 20G ${MAPPED:+--mapped $(for m in ${MAPPED_MOVES:-2 0}; do echo --mapped-moves $m; done)} --mapped-gather ${GATHER:-auto} \
-      --mapped-prefetch ${MAPPED_PREFETCH:-off} \
-      --mapped-rebalance-tokens ${REBALANCE:-32} --temp 1 ${COPY_BATCH:+--copy-batch} ${COPY_KERNEL:+--copy-kernel} --warmup-rounds ${WARMUP:-2} \
+      --host-cache 20G ${MAPPED:+--mapped} --mapped-gather ${GATHER:-auto} \
+      --mapped-rebalance-tokens ${REBALANCE:-32} --temp 1 ${COPY_KERNEL:+--copy-kernel} --warmup-rounds ${WARMUP:-2} \
       --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-24} --rounds ${ROUNDS:-3} --min-round-seconds ${MIN_ROUND_S:-2} --paired-blocks ${PAIRED_BLOCKS:-24} ${GEN_LOOP:+--generation-loop} --mlx-memory-limit 100G \
       --json >"$f" 2> >(tee "$f.progress" >&2)
-    $py - "$f" <<'EOF'
-import json, sys
-from moestream.daemon.bench.decode import format_report
-print(format_report(json.load(open(sys.argv[1]))))
-EOF
-    ;;
-  mapped-prefetch-q30)
-    # Mapped pools alone at 25%, side by side: reading host memory in the kernels,
-    # gathering the routed experts first, and gathering with the next layer's experts
-    # staged ahead (prefetch on/off for the mapped pool) on a second stream (":p") and on
-    # each layer's own (":ps"; PF_STREAM=second|same|both); stock for the bound.
-    f="$OUT/bench_decode_q30_mapped_prefetch${PF_BLOCKS:+_b$PF_BLOCKS}.json"
-    ctl bench decode --model /root/q30/store --capacity 0.25 --no-slot-pool --no-naive --mapped \
-      --mapped-gather both --mapped-prefetch both --mapped-prefetch-stream ${PF_STREAM:-both} --prefetch-copy-blocks ${PF_BLOCKS:-64} --mapped-rebalance-tokens 32 --temp 1 --warmup-rounds 2 \
-      --prompt-tokens 4 --decode-tokens ${DECODE_TOKENS:-32} --rounds ${ROUNDS:-7} --mlx-memory-limit 100G --json >"$f" 2> >(tee "$f.progress" >&2)
     $py - "$f" <<'EOF'
 import json, sys
 from moestream.daemon.bench.decode import format_report
