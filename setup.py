@@ -25,9 +25,7 @@ if sys.platform == "darwin":
 
 native = Pybind11Extension(
     "moestream._native",
-    sources=sorted(
-        str(p) for p in __import__("pathlib").Path("native").glob("*.cpp")
-    ),
+    sources=sorted(str(p) for p in __import__("pathlib").Path("native").glob("*.cpp")),
     include_dirs=["native"],
     cxx_std=17,
     extra_compile_args=extra_compile,

@@ -25,10 +25,27 @@ import zmq
 
 from moestream.shared import protocol as proto
 from moestream.shared.protocol import Done, Progress, Token
-from moestream.shared.runtime_dir import RuntimeDirError, RuntimePaths, check_private_dir, lock_is_held, pid_alive, read_pid
+from moestream.shared.runtime_dir import (
+    RuntimeDirError,
+    RuntimePaths,
+    check_private_dir,
+    lock_is_held,
+    pid_alive,
+    read_pid,
+)
 from moestream.shared.settings import Settings
 
-__all__ = ["Client", "ClientError", "DaemonDied", "DaemonNotRunning", "Done", "GenerateStream", "Progress", "RequestRejected", "Token"]
+__all__ = [
+    "Client",
+    "ClientError",
+    "DaemonDied",
+    "DaemonNotRunning",
+    "Done",
+    "GenerateStream",
+    "Progress",
+    "RequestRejected",
+    "Token",
+]
 
 _SLICE_S = 0.2
 
@@ -175,14 +192,22 @@ class Client:
         self._send(data)
         return GenerateStream(self, msg.id)
 
-    def complete(self, prompt: str | None = None, *, on_text: Callable[[str], None] | None = None, **kwargs: Any) -> dict[str, Any]:
+    def complete(
+        self, prompt: str | None = None, *, on_text: Callable[[str], None] | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
         """Run one generate request to its end: {id, text, tokens, finish_reason, stats}."""
         stream = self.generate(prompt, **kwargs)
         for event in stream:
             if isinstance(event, Token) and on_text is not None:
                 on_text(event.text)
         done = stream.done
-        return {"id": done.id, "text": done.text, "tokens": done.tokens, "finish_reason": done.finish_reason, "stats": done.stats}
+        return {
+            "id": done.id,
+            "text": done.text,
+            "tokens": done.tokens,
+            "finish_reason": done.finish_reason,
+            "stats": done.stats,
+        }
 
     def buffered(self) -> dict[str, int]:
         """{request id: messages received and not yet read} for every id that has some.

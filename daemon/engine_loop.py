@@ -176,8 +176,14 @@ class EngineLoop:
             self.log.error(self.error)
             return False
         tic = time.perf_counter()
-        self.log.info("loading %s (capacity %s, memory budget %s, policy %s, mapped %s)", s.model, s.capacity, s.memory_budget, s.policy,
-                      "auto" if s.mapped is None else s.mapped)
+        self.log.info(
+            "loading %s (capacity %s, memory budget %s, policy %s, mapped %s)",
+            s.model,
+            s.capacity,
+            s.memory_budget,
+            s.policy,
+            "auto" if s.mapped is None else s.mapped,
+        )
         try:
             # Before the load reads it, so a manifest replaced meanwhile differs from this.
             self._store_stamp = manifest_stamp(s.model)
@@ -195,8 +201,11 @@ class EngineLoop:
         self.state = "ready"
         self.log.info(
             "model ready in %.2f s: %d MoE layers, %d %s per layer, policy %s",
-            time.perf_counter() - tic, len(self._sm.pools), self._sm.capacity,
-            "experts in GPU memory (mapped pool)" if self._sm.mapped_pool is not None else "slots", s.policy,
+            time.perf_counter() - tic,
+            len(self._sm.pools),
+            self._sm.capacity,
+            "experts in GPU memory (mapped pool)" if self._sm.mapped_pool is not None else "slots",
+            s.policy,
         )
         self._publish(force=True)
         return True
@@ -243,7 +252,14 @@ class EngineLoop:
             self._send(cmd.peer, proto.Error(msg.id, proto.DUPLICATE_ID, f"request id {msg.id!r} is already in flight"))
             return
         if len(self._jobs) >= self.settings.max_active + self.settings.max_queued:
-            self._send(cmd.peer, proto.Error(msg.id, proto.BUSY, f"the daemon has {len(self._pending)} requests waiting (max_queued); try again later"))
+            self._send(
+                cmd.peer,
+                proto.Error(
+                    msg.id,
+                    proto.BUSY,
+                    f"the daemon has {len(self._pending)} requests waiting (max_queued); try again later",
+                ),
+            )
             return
         job = Job(cmd.peer, msg, time.monotonic())
         self._jobs[job.key] = job
@@ -282,15 +298,22 @@ class EngineLoop:
                 continue
             if len(ids) + msg.max_tokens > self.settings.max_context:
                 self._fail(
-                    job, proto.TOO_LONG,
+                    job,
+                    proto.TOO_LONG,
                     f"prompt of {len(ids)} tokens + max_tokens {msg.max_tokens} is over the daemon's "
                     f"context of {self.settings.max_context} tokens (setting max_context)",
                 )
                 continue
             job.prompt_ids = ids
             params = SamplingParams(
-                max_tokens=msg.max_tokens, temp=msg.temp, top_p=msg.top_p, seed=msg.seed, stop=msg.stop,
-                speculative=msg.speculative, draft_tokens=msg.draft_tokens or 2, draft_model=msg.draft_model,
+                max_tokens=msg.max_tokens,
+                temp=msg.temp,
+                top_p=msg.top_p,
+                seed=msg.seed,
+                stop=msg.stop,
+                speculative=msg.speculative,
+                draft_tokens=msg.draft_tokens or 2,
+                draft_model=msg.draft_model,
                 diagnostics=bool(msg.diagnostics),
             )
             job.result = GenerationResult()
@@ -300,8 +323,14 @@ class EngineLoop:
     def _make_generator(self, job: Job, params: Any) -> Iterator[tuple[str, int]]:
         from moestream.daemon.model.generation import iter_generate
 
-        return iter_generate(self._sm, job.prompt_ids, params, job.result, should_stop=lambda: job.stop_reason is not None,
-                             on_prompt_progress=lambda done, total: self._on_prefill(job, done, total))
+        return iter_generate(
+            self._sm,
+            job.prompt_ids,
+            params,
+            job.result,
+            should_stop=lambda: job.stop_reason is not None,
+            on_prompt_progress=lambda done, total: self._on_prefill(job, done, total),
+        )
 
     def _on_prefill(self, job: Job, done: int, total: int) -> None:
         """Called between prefill chunks, inside the request's step: `status` and a client
@@ -357,7 +386,9 @@ class EngineLoop:
         stats["finish_reason"] = reason
         stats["queued_seconds"] = (job.started or time.monotonic()) - job.received
         self._forget(job)
-        counter = {"cancelled": "cancelled", "disconnected": "disconnected", "shutdown": "cancelled"}.get(reason, "completed")
+        counter = {"cancelled": "cancelled", "disconnected": "disconnected", "shutdown": "cancelled"}.get(
+            reason, "completed"
+        )
         self._counters[counter] += 1
         self._counters["tokens"] += len(tokens)
         self._remember(job, reason, len(tokens))
@@ -463,7 +494,9 @@ class EngineLoop:
                     "diagnostics": {
                         "default": sm.diagnostics.default,
                         "totals": sm.diagnostics.totals(),
-                    } if sm.diagnostics is not None else None,
+                    }
+                    if sm.diagnostics is not None
+                    else None,
                     "mlx_active_bytes": mx.get_active_memory(),
                     "mlx_peak_bytes": mx.get_peak_memory(),
                 }
@@ -485,8 +518,8 @@ class EngineLoop:
 
     def _start_heat(self) -> None:
         """Pin each layer's hottest experts from the saved heat, then start the keeper."""
-        from moestream.daemon.pool.autopin import autopin
         from moestream.daemon.heat_publisher import HeatPublisher, load_usage
+        from moestream.daemon.pool.autopin import autopin
         from moestream.shared.heat_file import HeatReadError
 
         sm = self._sm
@@ -510,7 +543,12 @@ class EngineLoop:
                 "from %d saved routing counts (%s) in %.2f s",
                 summary.placed if summary.mapped else summary.pinned,
                 "placed in GPU memory" if summary.mapped else "pinned",
-                summary.layers, summary.preloaded, summary.tier_warmed_bytes / 1e6, usage.total, usage.path, summary.seconds,
+                summary.layers,
+                summary.preloaded,
+                summary.tier_warmed_bytes / 1e6,
+                usage.total,
+                usage.path,
+                summary.seconds,
             )
         self._heat = HeatPublisher(
             heat_dir,

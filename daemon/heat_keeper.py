@@ -299,8 +299,13 @@ class HeatKeeper:
         except HeatFileError as e:
             st.writes_failed += 1
             st.last_error = str(e)
-            log.error("heat write #%d failed (%s): %s; %d counts kept in memory for the next attempt",
-                      st.writes_failed, reason, e, received - self.durable_counts)
+            log.error(
+                "heat write #%d failed (%s): %s; %d counts kept in memory for the next attempt",
+                st.writes_failed,
+                reason,
+                e,
+                received - self.durable_counts,
+            )
             ok = False
         else:
             st.writes_ok += 1
@@ -335,7 +340,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m moestream.daemon.heat_keeper", description=__doc__.split("\n\n")[0])
     p.add_argument("--endpoint", required=True, help="the daemon's PUSH endpoint (connected, not bound)")
     p.add_argument("--ack-endpoint", required=True, help="the daemon's PULL endpoint for replies")
-    p.add_argument("--store", required=True, type=Path, help="the folder holding pool_usage.json (the store's, or the user's heat folder)")
+    p.add_argument(
+        "--store",
+        required=True,
+        type=Path,
+        help="the folder holding pool_usage.json (the store's, or the user's heat folder)",
+    )
     p.add_argument("--flush-seconds", type=float, default=5.0)
     p.add_argument("--flush-batches", type=int, default=0, help="also write after this many counts messages (0: off)")
     p.add_argument("--parent-pid", type=int, default=0, help="exit (after a final write) when this process is gone")

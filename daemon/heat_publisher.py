@@ -59,7 +59,9 @@ def encode_counts(counts: Mapping[int, np.ndarray]) -> tuple[dict[int, bytes], i
     arrays = [np.asarray(v) for v in counts.values()]
     for layer, a in zip(keys, arrays):
         if a.ndim != 1 or a.dtype.kind not in "iu":
-            raise TypeError(f"[HeatPublisher.push] layer {layer}: expected a 1-D integer array, got {a.dtype} {a.shape}")
+            raise TypeError(
+                f"[HeatPublisher.push] layer {layer}: expected a 1-D integer array, got {a.dtype} {a.shape}"
+            )
     if not arrays:
         return {}, 0
     if len({a.shape for a in arrays}) == 1:  # the usual case: one pass over all layers
@@ -172,7 +174,9 @@ class HeatPublisher:
         except zmq.ZMQError as e:
             data.close(linger=0)
             ack.close(linger=0)
-            raise OSError(e.errno, f"[HeatPublisher] cannot bind {self.data_endpoint} / {self.ack_endpoint}: {e}") from e
+            raise OSError(
+                e.errno, f"[HeatPublisher] cannot bind {self.data_endpoint} / {self.ack_endpoint}: {e}"
+            ) from e
         self._data, self._ack = data, ack
         self._spawn()
         deadline = time.monotonic() + timeout
@@ -304,8 +308,11 @@ class HeatPublisher:
                 self._dropped += lost
                 self._proc = None
             if not ok:
-                self.log.error("heat keeper's final write is not confirmed (%s); %d routed counts not saved",
-                               self._last_error or f"exit status {proc.returncode}", lost)
+                self.log.error(
+                    "heat keeper's final write is not confirmed (%s); %d routed counts not saved",
+                    self._last_error or f"exit status {proc.returncode}",
+                    lost,
+                )
             elif lost:
                 self.log.warning("%d routed counts were lost on the way to the heat keeper", lost)
         bound = self._data is not None

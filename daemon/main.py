@@ -75,9 +75,12 @@ def run_daemon(settings: Settings, *, log_to_stderr: bool = False, handle_signal
         if lock.removed:
             log.warning(
                 "a daemon (pid %s) did not shut down cleanly; removed its %s",
-                lock.stale_pid, ", ".join(p.name for p in lock.removed),
+                lock.stale_pid,
+                ", ".join(p.name for p in lock.removed),
             )
-        log.info("moestream daemon %s starting (pid %d, socket %s, log %s)", __version__, os.getpid(), endpoint, paths.log)
+        log.info(
+            "moestream daemon %s starting (pid %d, socket %s, log %s)", __version__, os.getpid(), endpoint, paths.log
+        )
         return Server(settings, paths, log, handle_signals=handle_signals).run()
     except Exception:
         log.exception("the daemon failed")
@@ -89,8 +92,9 @@ def run_daemon(settings: Settings, *, log_to_stderr: bool = False, handle_signal
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moestream.daemon.main",
-                                description="The moestream daemon (see `moestreamctl start`).")
+    p = argparse.ArgumentParser(
+        prog="python -m moestream.daemon.main", description="The moestream daemon (see `moestreamctl start`)."
+    )
     for d in SETTINGS:
         # argparse %-formats help texts.
         p.add_argument(d.flag, dest=d.name, default=None, metavar="VALUE", help=d.help.replace("%", "%%"))

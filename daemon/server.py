@@ -50,7 +50,9 @@ CLOSE_LINGER_MS = 500
 class Server:
     """One daemon's I/O loop. `run()` returns the process exit code."""
 
-    def __init__(self, settings: Settings, paths: RuntimePaths, log: logging.Logger, *, handle_signals: bool = True) -> None:
+    def __init__(
+        self, settings: Settings, paths: RuntimePaths, log: logging.Logger, *, handle_signals: bool = True
+    ) -> None:
         self.settings = settings
         self.paths = paths
         self.log = log
@@ -102,7 +104,9 @@ class Server:
             return 1
         return self._exit_code(engine)
 
-    def _io_main(self, ctx: zmq.Context, events_endpoint: str, engine: EngineLoop, wake: socket.socket, bound: threading.Event) -> None:
+    def _io_main(
+        self, ctx: zmq.Context, events_endpoint: str, engine: EngineLoop, wake: socket.socket, bound: threading.Event
+    ) -> None:
         router = ctx.socket(zmq.ROUTER)
         pull = ctx.socket(zmq.PULL)
         monitor = None
@@ -137,7 +141,9 @@ class Server:
             pull.close(linger=0)
             router.close(linger=CLOSE_LINGER_MS)
 
-    def _loop(self, router: zmq.Socket, pull: zmq.Socket, monitor: zmq.Socket, wake: socket.socket, engine: EngineLoop) -> None:
+    def _loop(
+        self, router: zmq.Socket, pull: zmq.Socket, monitor: zmq.Socket, wake: socket.socket, engine: EngineLoop
+    ) -> None:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
@@ -156,7 +162,10 @@ class Server:
             if router in ready:
                 self._read_requests(router, engine)
             if self._stop_requested and not self._stop_sent:
-                self.log.info("shutting down: cancelling %d request(s)", len(engine.snapshot.get("requests", {}).get("active", [])))
+                self.log.info(
+                    "shutting down: cancelling %d request(s)",
+                    len(engine.snapshot.get("requests", {}).get("active", [])),
+                )
                 engine.stop()
                 self._stop_sent = True
             if engine.finished.is_set():
@@ -214,7 +223,11 @@ class Server:
             peer = frames[0]
             self._gone.pop(peer, None)
             if len(frames) != 2:
-                self._reply(router, peer, proto.Error("", proto.BAD_MESSAGE, f"expected one frame per message, got {len(frames) - 1}"))
+                self._reply(
+                    router,
+                    peer,
+                    proto.Error("", proto.BAD_MESSAGE, f"expected one frame per message, got {len(frames) - 1}"),
+                )
                 continue
             try:
                 msg = proto.decode_request(frames[1])
@@ -317,7 +330,11 @@ class Server:
                 "queued": requests.get("queued", 0),
                 "running": requests.get("active", []),
                 "recent": requests.get("recent", []),
-                **{k: requests[k] for k in ("requests", "completed", "cancelled", "disconnected", "failed", "tokens") if k in requests},
+                **{
+                    k: requests[k]
+                    for k in ("requests", "completed", "cancelled", "disconnected", "failed", "tokens")
+                    if k in requests
+                },
             },
             "heat": snap.get("heat", {}),
             "autopin": snap.get("autopin"),

@@ -24,7 +24,8 @@ from pathlib import Path
 # (x, y) copies part of span y: 16-byte words where both addresses and the length
 # allow it (they do for the pool's and the host tier's rows), else bytes.
 MAX_SPANS = 160
-KERNEL = r"""
+KERNEL = (
+    r"""
 struct Span { unsigned long long dst, src, n; };
 struct Spans { unsigned long long count; Span s[%d]; };
 
@@ -43,7 +44,9 @@ extern "C" __global__ void moestream_copy_spans(const Spans spans) {
     for (unsigned long long w = first; w < sp.n; w += step) d[w] = s[w];
   }
 }
-""" % MAX_SPANS
+"""
+    % MAX_SPANS
+)
 
 
 def compile_ptx(nvrtc_path: str) -> str:
@@ -58,7 +61,10 @@ def compile_ptx(nvrtc_path: str) -> str:
             lib.nvrtcGetProgramLog(prog, log)
             raise RuntimeError(f"{what} failed ({code}): {log.value.decode()}")
 
-    check(lib.nvrtcCreateProgram(ctypes.byref(prog), KERNEL.encode(), b"copy_spans.cu", 0, None, None), "nvrtcCreateProgram")
+    check(
+        lib.nvrtcCreateProgram(ctypes.byref(prog), KERNEL.encode(), b"copy_spans.cu", 0, None, None),
+        "nvrtcCreateProgram",
+    )
     opts = [b"--gpu-architecture=compute_70", b"-default-device"]
     check(lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)), "nvrtcCompileProgram")
     size = ctypes.c_size_t()

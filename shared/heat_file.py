@@ -129,7 +129,9 @@ def parse_usage(raw: bytes) -> UsageCounts:
         for expert_key, count in experts.items():
             expert = _parse_id(expert_key, f"layer {layer_key!r} expert")
             if type(count) is not int or not 0 <= count <= MAX_COUNT:
-                raise ValueError(f"layer {layer_key!r} expert {expert_key!r}: count {count!r} is not a non-negative integer")
+                raise ValueError(
+                    f"layer {layer_key!r} expert {expert_key!r}: count {count!r} is not a non-negative integer"
+                )
             layer_counts[expert] = count
         counts[layer] = layer_counts
     return counts
@@ -219,7 +221,9 @@ def _encode(counts: Mapping[int, Mapping[int, int]]) -> Iterator[str]:
             if type(expert) is not int or not 0 <= expert < MAX_ID:
                 raise ValueError(f"[write_usage] layer {layer} expert {expert!r} is not an integer in [0, {MAX_ID})")
             if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= MAX_COUNT:
-                raise ValueError(f"[write_usage] layer {layer} expert {expert}: count {count!r} is not a non-negative int64")
+                raise ValueError(
+                    f"[write_usage] layer {layer} expert {expert}: count {count!r} is not a non-negative int64"
+                )
             if count:
                 items.append(f'"{expert}":{int(count)}')
         yield ("" if first else ",") + f'"{layer}":{{' + ",".join(items) + "}"
@@ -278,8 +282,11 @@ class UsageLock:
             who = f"another heat keeper{f' (pid {holder})' if holder else ''}"
             raise HeatLockTimeout(
                 f"[heat_file] {self.path} is held by {who}; "
-                + ("asked to stop while waiting for it" if stopped else
-                   f"gave up after {timeout:.1f}s: is a second daemon running on this store?")
+                + (
+                    "asked to stop while waiting for it"
+                    if stopped
+                    else f"gave up after {timeout:.1f}s: is a second daemon running on this store?"
+                )
             )
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

@@ -83,7 +83,14 @@ class ChatMessage:
 class Generate:
     TYPE: ClassVar[str] = "generate"
     # Fields sent only when they are not None (added after version 1 first shipped).
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("messages", "speculative", "draft_tokens", "draft_model", "diagnostics", "progress")
+    OPTIONAL: ClassVar[tuple[str, ...]] = (
+        "messages",
+        "speculative",
+        "draft_tokens",
+        "draft_model",
+        "diagnostics",
+        "progress",
+    )
     id: str
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None
@@ -274,14 +281,20 @@ def _header(body: dict[str, Any], types: Mapping[str, type]) -> tuple[type, str]
     version = body.get("v")
     if version != PROTOCOL_VERSION or isinstance(version, bool):
         raise ProtocolError(
-            BAD_VERSION, f"protocol version {_short(version)} is not supported (this side speaks {PROTOCOL_VERSION})", rid
+            BAD_VERSION,
+            f"protocol version {_short(version)} is not supported (this side speaks {PROTOCOL_VERSION})",
+            rid,
         )
     kind = body.get("type")
     if not isinstance(kind, str) or kind not in types:
-        raise ProtocolError(UNKNOWN_TYPE, f"unknown message type {_short(kind)} (known: {', '.join(sorted(types))})", rid)
+        raise ProtocolError(
+            UNKNOWN_TYPE, f"unknown message type {_short(kind)} (known: {', '.join(sorted(types))})", rid
+        )
     # Only an error may lack an id: the one answering a message whose id was unreadable.
     if not rid and not (kind == Error.TYPE and body.get("id") == ""):
-        raise ProtocolError(BAD_MESSAGE, f"'id' must be a string of 1 to {MAX_ID_CHARS} characters, got {_short(body.get('id'))}")
+        raise ProtocolError(
+            BAD_MESSAGE, f"'id' must be a string of 1 to {MAX_ID_CHARS} characters, got {_short(body.get('id'))}"
+        )
     return types[kind], rid
 
 
@@ -301,24 +314,32 @@ def _is_number(x: Any) -> bool:
 def _messages_field(messages: Any, rid: str) -> tuple[ChatMessage, ...]:
     _check(
         isinstance(messages, list) and 0 < len(messages) <= MAX_MESSAGES,
-        rid, f"'messages' must be a list of 1 to {MAX_MESSAGES} {{role, content}} maps",
+        rid,
+        f"'messages' must be a list of 1 to {MAX_MESSAGES} {{role, content}} maps",
     )
     out = []
     chars = 0
     for i, m in enumerate(messages):
         _check(
             isinstance(m, dict) and set(m) == {"role", "content"},
-            rid, f"messages[{i}] must be a map with exactly the keys 'role' and 'content'",
+            rid,
+            f"messages[{i}] must be a map with exactly the keys 'role' and 'content'",
         )
         role, content = m["role"], m["content"]
         _check(
             isinstance(role, str) and 0 < len(role) <= MAX_ROLE_CHARS,
-            rid, f"messages[{i}].role must be a string of 1 to {MAX_ROLE_CHARS} characters",
+            rid,
+            f"messages[{i}].role must be a string of 1 to {MAX_ROLE_CHARS} characters",
         )
         _check(isinstance(content, str), rid, f"messages[{i}].content must be a string")
         chars += len(content)
         out.append(ChatMessage(role=role, content=content))
-    _check(chars <= MAX_PROMPT_CHARS, rid, f"messages of {chars} characters are over the limit of {MAX_PROMPT_CHARS}", TOO_LARGE)
+    _check(
+        chars <= MAX_PROMPT_CHARS,
+        rid,
+        f"messages of {chars} characters are over the limit of {MAX_PROMPT_CHARS}",
+        TOO_LARGE,
+    )
     return tuple(out)
 
 
@@ -326,26 +347,43 @@ def _generate_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
     prompt, ids, messages = body.get("prompt"), body.get("prompt_ids"), body.get("messages")
     _check(
         sum(x is not None for x in (prompt, ids, messages)) == 1,
-        rid, "give exactly one of 'prompt' (text), 'prompt_ids' and 'messages' (a chat)",
+        rid,
+        "give exactly one of 'prompt' (text), 'prompt_ids' and 'messages' (a chat)",
     )
     if messages is not None:
         messages = _messages_field(messages, rid)
     if prompt is not None:
         _check(isinstance(prompt, str), rid, "'prompt' must be a string")
-        _check(len(prompt) <= MAX_PROMPT_CHARS, rid, f"prompt of {len(prompt)} characters is over the limit of {MAX_PROMPT_CHARS}", TOO_LARGE)
+        _check(
+            len(prompt) <= MAX_PROMPT_CHARS,
+            rid,
+            f"prompt of {len(prompt)} characters is over the limit of {MAX_PROMPT_CHARS}",
+            TOO_LARGE,
+        )
     if ids is not None:
         _check(isinstance(ids, list) and len(ids) > 0, rid, "'prompt_ids' must be a non-empty list of token ids")
-        _check(len(ids) <= MAX_PROMPT_IDS, rid, f"prompt of {len(ids)} ids is over the limit of {MAX_PROMPT_IDS}", TOO_LARGE)
+        _check(
+            len(ids) <= MAX_PROMPT_IDS,
+            rid,
+            f"prompt of {len(ids)} ids is over the limit of {MAX_PROMPT_IDS}",
+            TOO_LARGE,
+        )
         _check(all(_is_int(t) and 0 <= t < 2**31 for t in ids), rid, "'prompt_ids' must hold token ids in 0..2^31-1")
         ids = tuple(ids)
     max_tokens = body.get("max_tokens", 256)
-    _check(_is_int(max_tokens) and 1 <= max_tokens <= MAX_TOKENS_LIMIT, rid, f"'max_tokens' must be a whole number in 1..{MAX_TOKENS_LIMIT}")
+    _check(
+        _is_int(max_tokens) and 1 <= max_tokens <= MAX_TOKENS_LIMIT,
+        rid,
+        f"'max_tokens' must be a whole number in 1..{MAX_TOKENS_LIMIT}",
+    )
     temp = body.get("temp", 0.0)
     _check(_is_number(temp) and 0.0 <= temp <= 100.0, rid, "'temp' must be a number in 0..100")
     top_p = body.get("top_p", 1.0)
     _check(_is_number(top_p) and 0.0 < top_p <= 1.0, rid, "'top_p' must be a number in (0, 1]")
     seed = body.get("seed")
-    _check(seed is None or (_is_int(seed) and 0 <= seed < 2**63), rid, "'seed' must be null or a whole number in 0..2^63-1")
+    _check(
+        seed is None or (_is_int(seed) and 0 <= seed < 2**63), rid, "'seed' must be null or a whole number in 0..2^63-1"
+    )
     stop = body.get("stop", [])
     _check(
         isinstance(stop, list)
@@ -377,20 +415,35 @@ def _flag_field(body: dict[str, Any], name: str, rid: str) -> bool | None:
 
 def _speculative_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
     mode, k, draft = body.get("speculative"), body.get("draft_tokens"), body.get("draft_model")
-    _check(mode is None or mode in SPECULATIVE_MODES, rid, f"'speculative' must be null or one of {list(SPECULATIVE_MODES)}")
-    _check(k is None or (_is_int(k) and 1 <= k <= MAX_DRAFT_TOKENS), rid, f"'draft_tokens' must be null or a whole number in 1..{MAX_DRAFT_TOKENS}")
+    _check(
+        mode is None or mode in SPECULATIVE_MODES,
+        rid,
+        f"'speculative' must be null or one of {list(SPECULATIVE_MODES)}",
+    )
+    _check(
+        k is None or (_is_int(k) and 1 <= k <= MAX_DRAFT_TOKENS),
+        rid,
+        f"'draft_tokens' must be null or a whole number in 1..{MAX_DRAFT_TOKENS}",
+    )
     _check(
         draft is None or (isinstance(draft, str) and 0 < len(draft) <= MAX_PATH_CHARS),
-        rid, f"'draft_model' must be null or a path of 1 to {MAX_PATH_CHARS} characters",
+        rid,
+        f"'draft_model' must be null or a path of 1 to {MAX_PATH_CHARS} characters",
     )
-    _check((mode == "draft") == (draft is not None), rid, "'draft_model' goes with speculative 'draft', and only with it")
+    _check(
+        (mode == "draft") == (draft is not None), rid, "'draft_model' goes with speculative 'draft', and only with it"
+    )
     _check(mode is not None or k is None, rid, "'draft_tokens' needs 'speculative'")
     return {"speculative": mode, "draft_tokens": k, "draft_model": draft}
 
 
 def _cancel_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
     target = body.get("target")
-    _check(isinstance(target, str) and 0 < len(target) <= MAX_ID_CHARS, rid, "'target' must be the id of a generate request")
+    _check(
+        isinstance(target, str) and 0 < len(target) <= MAX_ID_CHARS,
+        rid,
+        "'target' must be the id of a generate request",
+    )
     return {"target": target}
 
 

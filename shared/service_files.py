@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import plistlib
 import re
-from xml.parsers.expat import ExpatError
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
+from xml.parsers.expat import ExpatError
 
 from moestream.shared.settings import SETTINGS
 
@@ -64,7 +64,15 @@ class Service:
 DAEMON = Service("daemon", LAUNCHD_LABEL, SYSTEMD_UNIT, PLIST_TEMPLATE, UNIT_TEMPLATE, "daemon")
 # The plist template has nothing daemon-specific (its comments are not kept); the unit
 # has its own description and starts after the daemon's unit.
-OPENAI = Service("OpenAI gateway", OPENAI_LAUNCHD_LABEL, OPENAI_SYSTEMD_UNIT, PLIST_TEMPLATE, OPENAI_UNIT_TEMPLATE, "openai", " --openai")
+OPENAI = Service(
+    "OpenAI gateway",
+    OPENAI_LAUNCHD_LABEL,
+    OPENAI_SYSTEMD_UNIT,
+    PLIST_TEMPLATE,
+    OPENAI_UNIT_TEMPLATE,
+    "openai",
+    " --openai",
+)
 
 
 @dataclass(frozen=True)
@@ -157,7 +165,12 @@ def _check_value(what: str, value: str) -> None:
 
 
 def render_plist(
-    *, label: str, argv: Sequence[str], environment: Mapping[str, str], stdout_path: Path, stderr_path: Path,
+    *,
+    label: str,
+    argv: Sequence[str],
+    environment: Mapping[str, str],
+    stdout_path: Path,
+    stderr_path: Path,
     template: str | None = None,
 ) -> bytes:
     """The LaunchAgent plist: the template with its placeholders filled."""
@@ -205,7 +218,11 @@ def environment_line(name: str, value: str) -> str:
 
 
 def render_unit(
-    *, argv: Sequence[str], environment: Mapping[str, str], template: str | None = None, template_name: str = UNIT_TEMPLATE,
+    *,
+    argv: Sequence[str],
+    environment: Mapping[str, str],
+    template: str | None = None,
+    template_name: str = UNIT_TEMPLATE,
     flag: str = "",
 ) -> str:
     """The systemd user unit: the template with ExecStart and Environment= lines filled."""
@@ -243,8 +260,11 @@ def render_service_file(
     if platform == "darwin":
         logs = launchd_log_dir(home)
         content = render_plist(
-            label=service.label, argv=argv, environment=environment,
-            stdout_path=logs / f"{service.log_stem}.out.log", stderr_path=logs / f"{service.log_stem}.err.log",
+            label=service.label,
+            argv=argv,
+            environment=environment,
+            stdout_path=logs / f"{service.log_stem}.out.log",
+            stderr_path=logs / f"{service.log_stem}.err.log",
         )
         return ServiceFile(platform, path, content, logs)
     unit = render_unit(argv=argv, environment=environment, template_name=service.unit_template, flag=service.flag)
@@ -263,7 +283,10 @@ def load_commands(platform: str, path: Path, uid: int, service: Service = DAEMON
     """What loads and starts an installed service file. On macOS a loaded agent must be
     booted out first (see `loaded_command`); `enable` clears an earlier `disable`."""
     if platform == "darwin":
-        return [["launchctl", "enable", launchd_target(uid, service)], ["launchctl", "bootstrap", f"gui/{uid}", str(path)]]
+        return [
+            ["launchctl", "enable", launchd_target(uid, service)],
+            ["launchctl", "bootstrap", f"gui/{uid}", str(path)],
+        ]
     # restart rather than start: a reinstall must apply the new settings to a running daemon.
     return [
         ["systemctl", "--user", "daemon-reload"],

@@ -90,7 +90,8 @@ def _capacity(text: str | float | int) -> float | int:
                 value = float(s)
         except ValueError:
             raise SettingsError(
-                f"cannot read {text!r} (a slot count like 16, or a fraction like 0.25 or 25%)") from None
+                f"cannot read {text!r} (a slot count like 16, or a fraction like 0.25 or 25%)"
+            ) from None
     if isinstance(value, float) and not 0.0 < value <= 1.0:
         raise SettingsError(f"fraction {value} must be in (0, 1]")
     if isinstance(value, int) and value < 1:
@@ -239,9 +240,18 @@ class Definition:
         return out
 
 
-def setting(default: Any, *, kind: str, help: str, scope: tuple[str, ...] = (), low: float | None = None,
-            high: float | None = None, choices: tuple[str, ...] = (), noun: str | None = None,
-            shown_default: str | None = None) -> Any:
+def setting(
+    default: Any,
+    *,
+    kind: str,
+    help: str,
+    scope: tuple[str, ...] = (),
+    low: float | None = None,
+    high: float | None = None,
+    choices: tuple[str, ...] = (),
+    noun: str | None = None,
+    shown_default: str | None = None,
+) -> Any:
     """A Settings field with its definition (see `Definition`) in its metadata."""
     if kind not in KINDS:
         raise ValueError(f"setting kind {kind!r}: use one of {', '.join(KINDS)}")
@@ -249,8 +259,17 @@ def setting(default: Any, *, kind: str, help: str, scope: tuple[str, ...] = (), 
         raise ValueError(f"setting scope {scope!r}: use {', '.join(SCOPES)}")
     if kind == "choice" and default not in choices:
         raise ValueError(f"the default {default!r} is not one of {choices!r}")
-    definition = Definition(kind=kind, help=help, default=default, scope=frozenset(scope), low=low, high=high,
-                            choices=choices, noun=noun, shown_default=shown_default)
+    definition = Definition(
+        kind=kind,
+        help=help,
+        default=default,
+        scope=frozenset(scope),
+        low=low,
+        high=high,
+        choices=choices,
+        noun=noun,
+        shown_default=shown_default,
+    )
     return dataclasses.field(default=default, metadata={"setting": definition})
 
 
@@ -288,118 +307,175 @@ class Settings:
     # ---- the model and its pool
     # `resolve` puts the built-in demo model here when none is given.
     model: str | None = setting(
-        None, kind="path", scope=_BOTH, shown_default="the built-in demo model",
-        help="Expert store (made by `moestreamctl convert`).")
+        None,
+        kind="path",
+        scope=_BOTH,
+        shown_default="the built-in demo model",
+        help="Expert store (made by `moestreamctl convert`).",
+    )
     capacity: float | int | None = setting(
-        None, kind="capacity", scope=_BOTH, shown_default="every expert of each layer",
-        help="Pool slots per MoE layer (16) or a fraction of each layer's experts (0.25, 25%).")
+        None,
+        kind="capacity",
+        scope=_BOTH,
+        shown_default="every expert of each layer",
+        help="Pool slots per MoE layer (16) or a fraction of each layer's experts (0.25, 25%).",
+    )
     memory_budget: int | None = setting(
-        None, kind="size", scope=_BOTH,
-        help="Size the pool so that resident weights, pool and KV cache fit in this much memory, e.g. 24G.")
+        None,
+        kind="size",
+        scope=_BOTH,
+        help="Size the pool so that resident weights, pool and KV cache fit in this much memory, e.g. 24G.",
+    )
     policy: str = setting(
-        "lru", kind="choice", choices=POLICY_NAMES, noun="eviction policy", scope=_BOTH,
-        help="Eviction policy of the pool (`moestreamctl bench policy` compares them).")
+        "lru",
+        kind="choice",
+        choices=POLICY_NAMES,
+        noun="eviction policy",
+        scope=_BOTH,
+        help="Eviction policy of the pool (`moestreamctl bench policy` compares them).",
+    )
     host_cache: int = setting(
-        0, kind="size", scope=_BOTH, shown_default="0 (off)",
+        0,
+        kind="size",
+        scope=_BOTH,
+        shown_default="0 (off)",
         help="Host RAM that caches experts between the store and the pool, e.g. 32G; on an NVIDIA GPU one that "
-             "holds every expert is made as a mapped pool where --mapped is auto.")
+        "holds every expert is made as a mapped pool where --mapped is auto.",
+    )
     # Auto is mapped only where it measured fastest and is safe (daemon/model/streaming_model.py
     # `choose_mapped`): a mapped pool reads host memory in place instead of waiting on a
     # host sync per layer for copies into slots.
     mapped: bool | None = setting(
-        None, kind="auto_bool", scope=_BOTH,
+        None,
+        kind="auto_bool",
+        scope=_BOTH,
         help="A mapped pool: every expert in host RAM, read in place by the kernels, --capacity (or "
-             "--memory-budget) of them per layer in GPU memory. Auto: mapped on an NVIDIA GPU with a partial "
-             "pool, host RAM for every expert and no --host-cache smaller than every expert, else the slot pool.")
+        "--memory-budget) of them per layer in GPU memory. Auto: mapped on an NVIDIA GPU with a partial "
+        "pool, host RAM for every expert and no --host-cache smaller than every expert, else the slot pool.",
+    )
     autopin_frac: float = setting(
-        0.5, kind="float", low=0.0, high=1.0, scope=(DAEMON,),
+        0.5,
+        kind="float",
+        low=0.0,
+        high=1.0,
+        scope=(DAEMON,),
         help="Share of each layer's slots pinned at start with its hottest experts of the saved heat (with a "
-             "mapped pool, any share but 0 places the hottest in GPU memory).")
+        "mapped pool, any share but 0 places the hottest in GPU memory).",
+    )
     # Auto because prefetch pays on some machines and pools and costs on others.
     prefetch: str = setting(
-        "auto", kind="choice", choices=("on", "off", "auto"), scope=(DAEMON, LOCAL),
+        "auto",
+        kind="choice",
+        choices=("on", "off", "auto"),
+        scope=(DAEMON, LOCAL),
         help="Prefetch of predicted experts; auto measures decode both ways at the start of the run and keeps "
-             "it only where it is faster.")
+        "it only where it is faster.",
+    )
     # Each layer further ahead gives a read that takes longer than one layer's compute
     # more time, but costs a router matmul per layer, the reads of its mispredictions,
     # and prefetch buffer.
     prefetch_depth: int = setting(
-        1, kind="int", low=1, high=4,
+        1,
+        kind="int",
+        low=1,
+        high=4,
         help="MoE layers ahead whose predicted experts the slot pool's prefetch reads from the store (1: layer "
-             "L+1's while layer L computes).")
+        "L+1's while layer L computes).",
+    )
     # A larger buffer also keeps experts read but not yet routed, for a later token that
     # routes them; memory the pool or a host tier would use better where they can have it.
     prefetch_buffer: int = setting(
-        0, kind="size", shown_default="0 (16 x top-k experts per layer of depth)",
+        0,
+        kind="size",
+        shown_default="0 (16 x top-k experts per layer of depth)",
         help="Host memory for the slot pool's prefetch buffer (0: 16 x top-k experts per layer of depth, at "
-             "most 4 x a layer's experts).")
+        "most 4 x a layer's experts).",
+    )
 
     # ---- the daemon
     runtime_dir: str | None = setting(
-        None, kind="path", scope=_BOTH, shown_default="$XDG_RUNTIME_DIR/moestream (macOS: /tmp/moestream-UID)",
-        help="Folder of the daemon's socket, lock and pid file.")
+        None,
+        kind="path",
+        scope=_BOTH,
+        shown_default="$XDG_RUNTIME_DIR/moestream (macOS: /tmp/moestream-UID)",
+        help="Folder of the daemon's socket, lock and pid file.",
+    )
     log_file: str | None = setting(
-        None, kind="path", scope=(DAEMON,), shown_default="daemon.log in the runtime folder",
-        help="The daemon's log file.")
+        None,
+        kind="path",
+        scope=(DAEMON,),
+        shown_default="daemon.log in the runtime folder",
+        help="The daemon's log file.",
+    )
     diagnostics: bool = setting(
-        False, kind="bool", scope=(DAEMON,),
+        False,
+        kind="bool",
+        scope=(DAEMON,),
         help="Record hot-path diagnostics (segment times, predictor recall, miss attribution) for every "
-             "request (`moestreamctl stats`).")
+        "request (`moestreamctl stats`).",
+    )
     # Beside the store by default; see `heat_folder` for the stores that cannot have it there.
     heat_dir: str | None = setting(
-        None, kind="path", shown_default="beside the store, or under $XDG_STATE_HOME/moestream/heat",
-        help="Folder of the heat file (pool_usage.json): the routing counts that autopin reads at start.")
+        None,
+        kind="path",
+        shown_default="beside the store, or under $XDG_STATE_HOME/moestream/heat",
+        help="Folder of the heat file (pool_usage.json): the routing counts that autopin reads at start.",
+    )
     heat_flush_seconds: float = setting(
-        5.0, kind="float", low=0.0,
-        help="Seconds between saves of the routing counts to the heat file.")
+        5.0, kind="float", low=0.0, help="Seconds between saves of the routing counts to the heat file."
+    )
     # Requests: the KV cache is sized for max_context when the pool comes from a memory budget.
-    max_context: int = setting(
-        16384, kind="int", low=16, high=2**24,
-        help="Tokens per request, prompt and generated.")
-    max_active: int = setting(
-        8, kind="int", low=1, high=1024,
-        help="Requests decoded at once.")
+    max_context: int = setting(16384, kind="int", low=16, high=2**24, help="Tokens per request, prompt and generated.")
+    max_active: int = setting(8, kind="int", low=1, high=1024, help="Requests decoded at once.")
     max_queued: int = setting(
-        256, kind="int", low=0, high=1_000_000,
-        help="Requests waiting for a turn; more are refused as busy.")
+        256, kind="int", low=0, high=1_000_000, help="Requests waiting for a turn; more are refused as busy."
+    )
 
     # ---- reading the store
-    io_threads: int = setting(
-        4, kind="int", low=1, high=256, scope=_BOTH,
-        help="Threads of the native read engine.")
+    io_threads: int = setting(4, kind="int", low=1, high=256, scope=_BOTH, help="Threads of the native read engine.")
     direct_io: bool = setting(
-        True, kind="bool",
-        help="Read the store around the page cache (O_DIRECT on Linux, F_NOCACHE on macOS).")
-    verify_checksums: bool = setting(
-        False, kind="bool",
-        help="Check each expert's checksum as it is read.")
+        True, kind="bool", help="Read the store around the page cache (O_DIRECT on Linux, F_NOCACHE on macOS)."
+    )
+    verify_checksums: bool = setting(False, kind="bool", help="Check each expert's checksum as it is read.")
 
     # ---- the CUDA copier
     # A cudaMemcpyAsync per tensor of each expert costs microseconds of host time apiece
     # on the path the GPU waits on; the kernel queues a layer's copies in a fraction of that.
     copy_kernel: bool = setting(
-        True, kind="bool",
+        True,
+        kind="bool",
         help="Copy from the pinned host tier into pool rows with one copy-kernel launch per 160 spans instead "
-             "of one cudaMemcpyAsync per tensor; a driver that refuses the kernel falls back to cudaMemcpyAsync.")
+        "of one cudaMemcpyAsync per tensor; a driver that refuses the kernel falls back to cudaMemcpyAsync.",
+    )
     # 64, as for copies the GPU waits on, fills the link alone but may crowd out the
     # kernels a copy ahead of use runs beside (tests/bench/gpu_background_copy_probe.py).
     prefetch_copy_blocks: int = setting(
-        64, kind="int", low=1, high=1024,
+        64,
+        kind="int",
+        low=1,
+        high=1024,
         help="Most blocks per span of the copy kernel when the slot pool's prefetch copies ahead of use; "
-             "fewer leave the kernels they run beside more room.")
+        "fewer leave the kernels they run beside more room.",
+    )
 
     # ---- the mapped pool (daemon/mapped/mapped_pool.py)
     # Instead of a placement that a first start without heat would keep for good.
     mapped_rebalance_tokens: int = setting(
-        256, kind="int", low=0, high=2**31,
+        256,
+        kind="int",
+        low=0,
+        high=2**31,
         help="Every this many tokens routed, a mapped pool sets each layer's GPU share to its most routed "
-             "experts so far (the first intervals shorter: 32, 64, 128); 0: never.")
+        "experts so far (the first intervals shorter: 32, 64, 128); 0: never.",
+    )
     # Off on unified memory, where there is no link to wait on.
     mapped_gather: bool | None = setting(
-        None, kind="auto_bool",
+        None,
+        kind="auto_bool",
         help="A mapped pool's decode steps first copy the routed experts into a small stack in GPU memory "
-             "(daemon/mapped/row_gather.py) instead of reading host memory over the link. Auto: on where that "
-             "copy kernel runs (MLX's CUDA build).")
+        "(daemon/mapped/row_gather.py) instead of reading host memory over the link. Auto: on where that "
+        "copy kernel runs (MLX's CUDA build).",
+    )
 
     @classmethod
     def resolve(

@@ -272,8 +272,10 @@ def vanished_store_problem(store_dir: str | os.PathLike, stamp: tuple[int, int, 
     except OSError as e:
         return f"the model folder {store} cannot be read ({e.strerror or e}): {restart}"
     if stamp is not None and now != stamp:
-        return (f"the store in the model folder {store} was replaced or its manifest changed since the daemon "
-                "loaded it: restart the daemon (`moestreamctl restart`) to serve what is there now")
+        return (
+            f"the store in the model folder {store} was replaced or its manifest changed since the daemon "
+            "loaded it: restart the daemon (`moestreamctl restart`) to serve what is there now"
+        )
     return None
 
 
@@ -306,7 +308,9 @@ def load_manifest(store_dir: str | os.PathLike) -> Manifest:
     if not store.is_dir():
         raise StoreError(f"expert store {store} does not exist (make one with `moestreamctl convert`)")
     if not path.is_file():
-        raise StoreError(f"{store} is not an expert store: {MANIFEST_NAME} is missing (make one with `moestreamctl convert`)")
+        raise StoreError(
+            f"{store} is not an expert store: {MANIFEST_NAME} is missing (make one with `moestreamctl convert`)"
+        )
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

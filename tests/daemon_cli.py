@@ -21,10 +21,16 @@ def clean_env(**extra: str) -> dict[str, str]:
     return child_env(extra)
 
 
-def ctl(*args: str, env: dict[str, str] | None = None, timeout: float = 120, input_text: str | None = None) -> subprocess.CompletedProcess:
+def ctl(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120, input_text: str | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "moestream.client.cli", *args],
-        capture_output=True, text=True, env=env or clean_env(), timeout=timeout, input=input_text,
+        capture_output=True,
+        text=True,
+        env=env or clean_env(),
+        timeout=timeout,
+        input=input_text,
     )
 
 

@@ -78,7 +78,9 @@ def _tensor_specs(tensors: Sequence[TensorDef]) -> tuple[TensorSpec, ...]:
             count *= int(s)
         nbytes = count * DTYPE_SIZES[dtype]
         offset = align_up(offset, TENSOR_ALIGN)
-        specs.append(TensorSpec(name=name, dtype=dtype, shape=tuple(int(s) for s in shape), offset=offset, nbytes=nbytes))
+        specs.append(
+            TensorSpec(name=name, dtype=dtype, shape=tuple(int(s) for s in shape), offset=offset, nbytes=nbytes)
+        )
         offset += nbytes
     return tuple(specs)
 
@@ -184,7 +186,10 @@ def _main() -> None:
     a = p.parse_args()
     m = make_synthetic_store(a.out, layers=a.layers, experts=a.experts, tensors=PRESETS[a.preset], seed=a.seed)
     total = sum(layer.stride * layer.num_experts for layer in m.layers)
-    print(f"{a.out}: {len(m.layers)} layers x {a.experts} experts of {m.layers[0].expert_bytes} bytes, {total / 2**30:.2f} GiB")
+    print(
+        f"{a.out}: {len(m.layers)} layers x {a.experts} experts of {m.layers[0].expert_bytes} bytes, "
+        f"{total / 2**30:.2f} GiB"
+    )
 
 
 if __name__ == "__main__":

@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
-from moestream.client.cli import main as cli
 from synthetic_store import make_synthetic_store
 
-needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (apt-get install fio / brew install fio)")
+from moestream.client.cli import main as cli
+
+needs_fio = pytest.mark.skipif(
+    shutil.which("fio") is None, reason="fio is not installed (apt-get install fio / brew install fio)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +59,9 @@ def test_bench_io_table(small_store: Path) -> None:
     assert result.output.count("direct") >= 1 and "fio " in result.output
 
 
-def test_bench_io_without_fio_says_how_to_install_it(small_store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bench_io_without_fio_says_how_to_install_it(
+    small_store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # a PATH with no fio on it
     result = CliRunner().invoke(cli, ["bench", "io", "--store", str(small_store), "--json"])
     assert result.exit_code != 0

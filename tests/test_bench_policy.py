@@ -54,17 +54,23 @@ def test_json_on_the_real_trace_folder() -> None:
         assert set(policies) == set(POLICIES) | {"min"}
         best = policies["min"]
         for name, r in policies.items():
-            for field in ("hit_rate", "decode_hit_rate", "per_layer", "decode_per_layer",
-                          "hits", "misses", "accesses", "gap_closed"):
+            for field in (
+                "hit_rate",
+                "decode_hit_rate",
+                "per_layer",
+                "decode_per_layer",
+                "hits",
+                "misses",
+                "accesses",
+                "gap_closed",
+            ):
                 assert field in r, (name, field)
             assert len(r["per_layer"]) == layers
             assert r["hits"] + r["misses"] == r["accesses"] == len(records) * k * layers
             assert r["hit_rate"] <= best["hit_rate"] + 1e-12, name
             assert all(a <= b + 1e-12 for a, b in zip(r["per_layer"], best["per_layer"]))
             lru = policies["lru"]["hit_rate"]
-            assert r["gap_closed"] == pytest.approx(
-                (r["hit_rate"] - lru) / (best["hit_rate"] - lru)
-            )
+            assert r["gap_closed"] == pytest.approx((r["hit_rate"] - lru) / (best["hit_rate"] - lru))
         # On real routing, MIN is well above LRU at these capacities.
         assert best["hit_rate"] > policies["lru"]["hit_rate"]
         # Recalling what followed a repeated step (with the lower layers' hint) helps on
@@ -97,8 +103,8 @@ def test_table_and_capacities_on_both_real_traces() -> None:
     for name in REAL_TRACES:
         trace = TRACES / name / "trace.jsonl"
         result = runner.invoke(
-            cli, ["bench", "policy", "--trace", str(trace), "--capacity", "0.5",
-                  "--capacity", "0.75", "--prior", "none"]
+            cli,
+            ["bench", "policy", "--trace", str(trace), "--capacity", "0.5", "--capacity", "0.75", "--prior", "none"],
         )
         assert result.exit_code == 0, result.output
         out = result.output

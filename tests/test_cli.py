@@ -19,18 +19,18 @@ from pathlib import Path
 import pytest
 import zmq
 from click.testing import CliRunner
+from daemon_cli import clean_env, ctl, started_daemon
+from tiny_models import tiny_store
 
 from moestream.client.cli import main as cli
-from moestream.client.client import Client, Progress, Token
 from moestream.client.cli.daemon import _format_status
 from moestream.client.cli.generate import PrefillProgress
+from moestream.client.client import Client, Progress, Token
 from moestream.daemon.engine_loop import EngineLoop
 from moestream.daemon.policies import POLICIES
 from moestream.daemon.server import Server
 from moestream.shared.runtime_dir import RuntimePaths
 from moestream.shared.settings import POLICY_NAMES, Settings, SettingsError
-from daemon_cli import clean_env, ctl, started_daemon
-from tiny_models import tiny_store
 
 PROMPT = "The farmer counted his hens"
 # Longer than one prefill chunk of mlx-lm (2048 tokens), so that progress is reported
@@ -94,7 +94,9 @@ def test_a_prompt_too_long_for_the_command_line_goes_through_standard_input(daem
     """Tens of thousands of tokens fail as an argument (`Argument list too long`); on
     standard input they reach the daemon, which measures them against its context."""
     text = "word " * 40_000
-    out = ctl("generate", "-", "--model", str(store), "--runtime-dir", str(daemon.dir), "--max-tokens", "1", input_text=text)
+    out = ctl(
+        "generate", "-", "--model", str(store), "--runtime-dir", str(daemon.dir), "--max-tokens", "1", input_text=text
+    )
     assert out.returncode == 1
     assert "+ max_tokens 1 is over the daemon's context of 16384 tokens" in out.stderr
 
@@ -169,9 +171,24 @@ def test_status_while_loading_and_its_request_counts_read_plainly(tmp_path):
     assert "loading" in text and "pool       not loaded yet" in text
     assert "None" not in text and "0/0 slots" not in text
 
-    st["requests"].update(requests=3, completed=0, cancelled=1, disconnected=2, failed=0, active=0,
-                          running=[{"id": "abc", "tokens": 0, "max_tokens": 8, "prompt_tokens": 3000,
-                                    "prefilled_tokens": 2048, "seconds": 41.0}])
+    st["requests"].update(
+        requests=3,
+        completed=0,
+        cancelled=1,
+        disconnected=2,
+        failed=0,
+        active=0,
+        running=[
+            {
+                "id": "abc",
+                "tokens": 0,
+                "max_tokens": 8,
+                "prompt_tokens": 3000,
+                "prefilled_tokens": 2048,
+                "seconds": 41.0,
+            }
+        ],
+    )
     text = _format_status(st)
     assert "3 received: 0 completed, 1 cancelled, 2 disconnected, 0 failed" in text
     assert "abc: prefill 2048/3000 prompt tokens (68%), 41 s" in text
@@ -235,7 +252,9 @@ def test_bad_values_name_the_variable_or_the_line_they_came_from(tmp_path):
     config.write_text("\n\nio_threads = 9999\n")
     with pytest.raises(SettingsError, match=rf"config file {config}, line 3: io_threads: must be between 1 and 256"):
         Settings.resolve({}, {}, config)
-    with pytest.raises(SettingsError, match="environment variable MOESTREAM_PREFETCH: prefetch: expected on, off or auto"):
+    with pytest.raises(
+        SettingsError, match="environment variable MOESTREAM_PREFETCH: prefetch: expected on, off or auto"
+    ):
         Settings.resolve({}, {"MOESTREAM_PREFETCH": "sometimes"}, tmp_path / "none.toml")
     problems: list[str] = []
     settings = Settings.resolve({"policy": "lfu"}, {"MOESTREAM_PREFETCH": "sometimes"}, config, problems=problems)
@@ -266,15 +285,28 @@ def test_pool_settings_a_running_daemon_keeps_are_said_to_be_ignored(daemon, sto
 
 
 def test_a_capacity_above_the_experts_is_said_to_hold_them_all(store):
-    out = CliRunner().invoke(cli, ["generate", "--local", "--model", str(store), "--capacity", "1000", "--max-tokens", "2",
-                                   "--json", "x"], catch_exceptions=False)
+    out = CliRunner().invoke(
+        cli,
+        ["generate", "--local", "--model", str(store), "--capacity", "1000", "--max-tokens", "2", "--json", "x"],
+        catch_exceptions=False,
+    )
     assert out.exit_code == 0, out.output
     assert "note: --capacity 1000 is more than the 16 experts of a layer: the pool holds all 16 (100%)" in out.output
     assert json.loads(out.output.splitlines()[-1])["stats"]["capacity"] == 16
 
 
 def test_diagnostics_without_json_print_a_summary(daemon, store):
-    out = ctl("generate", "--model", str(store), "--runtime-dir", str(daemon.dir), "--max-tokens", "3", "--diagnostics", PROMPT)
+    out = ctl(
+        "generate",
+        "--model",
+        str(store),
+        "--runtime-dir",
+        str(daemon.dir),
+        "--max-tokens",
+        "3",
+        "--diagnostics",
+        PROMPT,
+    )
     assert out.returncode == 0, out.stderr
     assert "diagnostics: recall top_k" in out.stderr and "ms per call:" in out.stderr
     plain = ctl("generate", "--model", str(store), "--runtime-dir", str(daemon.dir), "--max-tokens", "3", PROMPT)

@@ -24,10 +24,12 @@ from click.testing import CliRunner
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear, SwitchMLP
 from mlx_lm.utils import _get_classes, load_config
+from tiny_models import MOE_ARCHS, make_tiny_model
 
 from moestream.client.cli import main as cli
 from moestream.daemon.store.convert import convert_model, required_free_bytes
 from moestream.daemon.store.layout import describe_switch
+from moestream.shared.settings import demo_store_path
 from moestream.shared.store_format import (
     EXPERT_ALIGN,
     MANIFEST_NAME,
@@ -36,10 +38,10 @@ from moestream.shared.store_format import (
     content_store_id,
     load_manifest,
 )
-from moestream.shared.settings import demo_store_path
-from tiny_models import MOE_ARCHS, make_tiny_model
 
-CASES = [(a, "4bit") for a in MOE_ARCHS] + [(a, "bf16") for a in MOE_ARCHS] + [("mixtral", "8bit"), ("qwen3_moe", "f32")]
+CASES = (
+    [(a, "4bit") for a in MOE_ARCHS] + [(a, "bf16") for a in MOE_ARCHS] + [("mixtral", "8bit"), ("qwen3_moe", "f32")]
+)
 
 
 def raw(a: mx.array) -> bytes:
@@ -220,12 +222,18 @@ def test_flipped_byte_changes_the_checksum(converted):
 def test_sharded_source_and_several_resident_files(tiny_model, tmp_path):
     src = tiny_model("deepseek_v3", "4bit", shards=2)
     reports: list[tuple[int, int]] = []
-    manifest = convert_model(src, tmp_path / "store", resident_shard_bytes=64 << 10, progress=lambda d, t: reports.append((d, t)))
+    manifest = convert_model(
+        src, tmp_path / "store", resident_shard_bytes=64 << 10, progress=lambda d, t: reports.append((d, t))
+    )
     assert len(manifest.resident_files) > 2
     assert [r[0] for r in reports] == sorted(r[0] for r in reports)
-    assert reports[-1][0] == reports[-1][1] == sum(l.num_experts * l.stride for l in manifest.layers) + sum(
-        (tmp_path / "store" / f).stat().st_size for f in manifest.resident_files
-    ) - sum(_safetensors_header_bytes(tmp_path / "store" / f) for f in manifest.resident_files)
+    assert (
+        reports[-1][0]
+        == reports[-1][1]
+        == sum(l.num_experts * l.stride for l in manifest.layers)
+        + sum((tmp_path / "store" / f).stat().st_size for f in manifest.resident_files)
+        - sum(_safetensors_header_bytes(tmp_path / "store" / f) for f in manifest.resident_files)
+    )
     model, _ = mlx_lm.load(str(src))
     params = dict(tree_flatten(model.parameters()))
     resident = {}
@@ -320,7 +328,9 @@ def small_tmpfs(tmp_path):
     def mount(size: str) -> Path:
         point = tmp_path / f"tmpfs-{size}"
         point.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], capture_output=True, text=True)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], capture_output=True, text=True
+        )
         if r.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); the injected check above covers the logic")
         mounted.append(point)
@@ -442,8 +452,9 @@ def test_an_output_folder_that_cannot_be_made_or_written_is_one_clean_error(tiny
     (tmp_path / "afile").write_text("x")
     r = CliRunner().invoke(cli, ["convert", str(src), "--out", str(tmp_path / "afile" / "store")])
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit)
-    assert (f"cannot make the store {tmp_path}/afile/store: {tmp_path}/afile is not a folder; "
-            "choose another --out") in r.stderr
+    assert (
+        f"cannot make the store {tmp_path}/afile/store: {tmp_path}/afile is not a folder; choose another --out"
+    ) in r.stderr
 
     import moestream.daemon.store.convert as convert
 

@@ -45,7 +45,9 @@ def test_the_carried_ptx_matches_its_generator_and_the_cpp_layout():
 
 def test_copy_kernel_setting_parses_and_is_harmless_without_cuda(tmp_path: Path):
     assert Settings().copy_kernel is True  # faster on the H200 (RESULTS.md); no copier, no effect
-    assert Settings.resolve(env={"MOESTREAM_COPY_KERNEL": "off"}, config_file=tmp_path / "none.toml").copy_kernel is False
+    assert (
+        Settings.resolve(env={"MOESTREAM_COPY_KERNEL": "off"}, config_file=tmp_path / "none.toml").copy_kernel is False
+    )
     assert Settings.resolve(env={"MOESTREAM_COPY_KERNEL": "on"}, config_file=tmp_path / "none.toml").copy_kernel is True
     with pytest.raises(SettingsError, match="copy_kernel"):
         Settings.resolve(env={"MOESTREAM_COPY_KERNEL": "sometimes"}, config_file=tmp_path / "none.toml")
@@ -55,6 +57,7 @@ def test_copy_kernel_setting_parses_and_is_harmless_without_cuda(tmp_path: Path)
 
 def test_a_model_loads_with_copy_kernel_where_there_is_no_copier(tmp_path: Path):
     from tiny_models import make_tiny_model
+
     from moestream.daemon.store.convert import convert_model
 
     src = make_tiny_model(tmp_path / "m", "qwen3_moe")

@@ -24,15 +24,20 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
+from daemon_cli import clean_env, ctl, started_daemon, wait_for
+from tiny_models import local_outputs, tiny_store
 
 from moestream.client.client import Client, ClientError, DaemonDied, DaemonNotRunning, RequestRejected, Token
 from moestream.shared import protocol as proto
 from moestream.shared.heat_file import usage_path
 from moestream.shared.runtime_dir import InstanceLock, RuntimeDirError, RuntimePaths, lock_is_held, read_pid
-from daemon_cli import clean_env, ctl, started_daemon, wait_for
-from tiny_models import local_outputs, tiny_store
 
-PROMPTS = ["The farmer counted his hens", "def route(hidden, gate, k=2):", "Numbers and dates: 1, 2, 3", "In the morning"]
+PROMPTS = [
+    "The farmer counted his hens",
+    "def route(hidden, gate, k=2):",
+    "Numbers and dates: 1, 2, 3",
+    "In the morning",
+]
 LONG_PROMPT = "There was news of rain"
 N_TOKENS = 48
 LONG_TOKENS = 300
@@ -114,8 +119,19 @@ def test_prefetch_from_the_host_tier_under_concurrent_clients_changes_no_token(s
     layer's slots while requests decode together: each client still gets exactly the
     local output."""
     rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msp"))
-    out = ctl("start", "--model", str(store), "--capacity", CAPACITY, "--host-cache", "64M", "--prefetch", "on",
-              "--runtime-dir", str(rt))
+    out = ctl(
+        "start",
+        "--model",
+        str(store),
+        "--capacity",
+        CAPACITY,
+        "--host-cache",
+        "64M",
+        "--prefetch",
+        "on",
+        "--runtime-dir",
+        str(rt),
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     try:
         with Client(paths_of(rt), timeout=60) as c:
@@ -187,8 +203,10 @@ def test_status_has_its_fields_and_answers_fast_while_generating(daemon, referen
         assert status["requests"]["active"] == 1
         assert status["requests"]["running"][0]["id"] == stream.id
         stream.close()
-    print(f"status round trip while generating: max {max(latencies) * 1000:.1f} ms, "
-          f"median {sorted(latencies)[len(latencies) // 2] * 1000:.1f} ms")
+    print(
+        f"status round trip while generating: max {max(latencies) * 1000:.1f} ms, "
+        f"median {sorted(latencies)[len(latencies) // 2] * 1000:.1f} ms"
+    )
     assert max(latencies) < 0.3
 
     tic = time.perf_counter()
@@ -270,7 +288,10 @@ def test_a_second_daemon_is_refused_and_the_first_keeps_its_socket(daemon, store
     pid = read_pid(daemon)
     out = subprocess.run(
         [sys.executable, "-m", "moestream.daemon.main", "--model", str(store), "--runtime-dir", str(daemon.dir)],
-        capture_output=True, text=True, env=clean_env(), timeout=60,
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=60,
     )
     assert out.returncode == 1
     assert "already running" in out.stderr and f"pid {pid}" in out.stderr
@@ -388,8 +409,18 @@ def test_autostart_crash_recovery_restart_and_clean_sigterm(store, reference):
     store = Path(shutil.copytree(store, rt / "store"))
     try:
         # `generate` without --local starts a daemon and goes through it.
-        out = ctl("generate", PROMPTS[3], "--model", str(store), "--capacity", CAPACITY,
-                  "--max-tokens", str(N_TOKENS), "--json", env=env)
+        out = ctl(
+            "generate",
+            PROMPTS[3],
+            "--model",
+            str(store),
+            "--capacity",
+            CAPACITY,
+            "--max-tokens",
+            str(N_TOKENS),
+            "--json",
+            env=env,
+        )
         assert out.returncode == 0, out.stderr
         assert "starting one" in out.stderr
         result = json.loads(out.stdout)
@@ -416,8 +447,20 @@ def test_autostart_crash_recovery_restart_and_clean_sigterm(store, reference):
         log = rt / "foreground.log"
         with open(log, "wb") as f:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "moestream.client.cli", "start", "--foreground", "--model", str(store), "--capacity", "0.5"],
-                stdout=f, stderr=f, env=env,
+                [
+                    sys.executable,
+                    "-m",
+                    "moestream.client.cli",
+                    "start",
+                    "--foreground",
+                    "--model",
+                    str(store),
+                    "--capacity",
+                    "0.5",
+                ],
+                stdout=f,
+                stderr=f,
+                env=env,
             )
         wait_for(lambda: _ready(paths) or proc.poll() is not None, 60, "the new daemon")
         assert proc.poll() is None, log.read_text()
@@ -452,7 +495,8 @@ def test_autostart_crash_recovery_restart_and_clean_sigterm(store, reference):
         assert st["capacity"] == 4 and Path(st["model"]) == store
         # Every setting as before (the log file, left to its default before, is now named).
         assert {k: v for k, v in st["settings"].items() if k != "log_file"} == {
-            k: v for k, v in before.items() if k != "log_file"}
+            k: v for k, v in before.items() if k != "log_file"
+        }
         assert st["settings"]["mapped"] == "auto" and st["settings"]["log_file"] == st["log"]
         assert ctl("stop", env=env).returncode == 0
         assert not lock_is_held(paths)
@@ -486,15 +530,33 @@ def test_bench_warmstart_restarts_real_daemons_and_puts_the_heat_back(store):
     usage_path(own).write_text('{"0": {"1": 5}}')
     try:
         # Half the experts: room to pin some beyond the top-k slots that stay unpinned.
-        out = ctl("bench", "warmstart", "--model", str(own), "--capacity", "0.5", "--tokens", "8", "--rounds", "1",
-                  "--host-cache", "64M", "--json", timeout=300)
+        out = ctl(
+            "bench",
+            "warmstart",
+            "--model",
+            str(own),
+            "--capacity",
+            "0.5",
+            "--tokens",
+            "8",
+            "--rounds",
+            "1",
+            "--host-cache",
+            "64M",
+            "--json",
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr
         r = json.loads(out.stdout)  # progress goes to stderr, so stdout is the JSON alone
         assert r["same_tokens_every_run"] and r["host_cache"] == "64M"
         progress = out.stderr.splitlines()
-        for stage in ("heat (routes the prompt once): starting", "round 1/1 cold: starting a daemon (autopin 0)",
-                      "round 1/1 cold: ready in", "round 1/1 pinned: starting a daemon (autopin 0.5)",
-                      "round 1/1 pinned: ready in"):
+        for stage in (
+            "heat (routes the prompt once): starting",
+            "round 1/1 cold: starting a daemon (autopin 0)",
+            "round 1/1 cold: ready in",
+            "round 1/1 pinned: starting a daemon (autopin 0.5)",
+            "round 1/1 pinned: ready in",
+        ):
             assert any(stage in line for line in progress), (stage, out.stderr)
         cold, pinned = r["cold"]["autopin"], r["pinned"]["autopin"]
         assert cold["pinned"] == cold["preloaded"] == cold["tier_warmed_bytes"] == 0
@@ -565,8 +627,10 @@ def test_generate_knows_the_daemons_store_by_its_id_not_its_path(store):
 
         out = ctl("generate", "def f(", "--model", str(store), "--max-tokens", "4", env=env)
         assert out.returncode == 1 and "Traceback" not in out.stderr
-        assert (f"the daemon serves the store {first} (id {demo_id}), not {store} (id {other_id}): "
-                "stop it (`moestreamctl stop`) or use --local") in out.stderr
+        assert (
+            f"the daemon serves the store {first} (id {demo_id}), not {store} (id {other_id}): "
+            "stop it (`moestreamctl stop`) or use --local"
+        ) in out.stderr
     finally:
         ctl("stop", env=env)
         shutil.rmtree(rt)
@@ -589,10 +653,13 @@ def test_a_bad_store_gets_one_clean_line_naming_the_path_given(store):
         (edited / "manifest.json").write_text(json.dumps(data))
         layer = data["moe_layers"][0]
         expected = {
-            nostore: f"Error: {nostore} is not an expert store: manifest.json is missing (make one with `moestreamctl convert`)\n",
+            nostore: f"Error: {nostore} is not an expert store: manifest.json is missing "
+            "(make one with `moestreamctl convert`)\n",
             corrupt: f"Error: {corrupt}/manifest.json: cannot read the manifest (Unterminated string",
-            edited: (f"Error: {edited}: layer {layer['module_path']} holds 16 experts in {layer['file']}, but the "
-                     "manifest's config gives num_experts = 8: the config does not match the store's layer files"),
+            edited: (
+                f"Error: {edited}: layer {layer['module_path']} holds 16 experts in {layer['file']}, but the "
+                "manifest's config gives num_experts = 8: the config does not match the store's layer files"
+            ),
         }
         soak = ("bench", "soak", "--kills", "0", "--fuzz", "0", "--clients", "1", "--requests", "1", "--model")
         for path, message in expected.items():

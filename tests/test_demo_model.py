@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from moestream.daemon.pool.capacity import top_k_of
 from moestream.daemon.model.streaming_model import load_stock_model, load_streaming_model
+from moestream.daemon.pool.capacity import top_k_of
 from moestream.shared.settings import Settings, demo_store_path
 from moestream.shared.store_format import load_manifest
 
@@ -72,9 +72,25 @@ def test_generate_uses_the_demo_model_and_writes_python(tmp_path):
     exe = Path(sys.executable).with_name("moestreamctl")
     env = {"PATH": str(exe.parent), "HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
     out = subprocess.run(
-        [str(exe), "generate", "--local", "--max-tokens", "48", "--temp", "0.6", "--top-p", "0.9", "--seed", "2",
-         "--json", "def fibonacci(n):"],
-        capture_output=True, text=True, timeout=120, env=env,
+        [
+            str(exe),
+            "generate",
+            "--local",
+            "--max-tokens",
+            "48",
+            "--temp",
+            "0.6",
+            "--top-p",
+            "0.9",
+            "--seed",
+            "2",
+            "--json",
+            "def fibonacci(n):",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
@@ -93,15 +109,23 @@ def test_the_demo_models_heat_goes_to_the_users_state_folder(tmp_path):
     in_package = demo_store_path() / POOL_USAGE_NAME
     before = in_package.stat().st_mtime_ns if in_package.exists() else None
     exe = Path(sys.executable).with_name("moestreamctl")
-    env = {"PATH": str(exe.parent), "HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg"),
-           "XDG_STATE_HOME": str(tmp_path / "state"), "MOESTREAM_RUNTIME_DIR": str(tmp_path / "rt")}
+    env = {
+        "PATH": str(exe.parent),
+        "HOME": str(tmp_path),
+        "XDG_CONFIG_HOME": str(tmp_path / "cfg"),
+        "XDG_STATE_HOME": str(tmp_path / "state"),
+        "MOESTREAM_RUNTIME_DIR": str(tmp_path / "rt"),
+    }
     rt = tmp_path / "rt"
-    out = subprocess.run([str(exe), "generate", "--max-tokens", "8", "def f(x):"],
-                         capture_output=True, text=True, timeout=120, env=env)
+    out = subprocess.run(
+        [str(exe), "generate", "--max-tokens", "8", "def f(x):"], capture_output=True, text=True, timeout=120, env=env
+    )
     try:
         assert out.returncode == 0, out.stderr
     finally:
-        stopped = subprocess.run([str(exe), "stop", "--runtime-dir", str(rt)], capture_output=True, text=True, timeout=60, env=env)
+        stopped = subprocess.run(
+            [str(exe), "stop", "--runtime-dir", str(rt)], capture_output=True, text=True, timeout=60, env=env
+        )
     assert stopped.returncode == 0, stopped.stderr
     folder = Settings().heat_folder(demo_store_path(), env)
     assert folder.is_relative_to(tmp_path / "state" / "moestream" / "heat")

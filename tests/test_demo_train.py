@@ -18,8 +18,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
-
 from demo_recipe.data import collect_corpus, source_files
 from demo_recipe.model import (
     FULL,
@@ -32,6 +30,8 @@ from demo_recipe.model import (
     over_budget,
     store_size_estimate,
 )
+from mlx.utils import tree_flatten
+
 from moestream.daemon.model.demo_mtp import MTP_FILE, MTPHead, load_mtp
 from moestream.shared.store_format import load_manifest
 
@@ -164,7 +164,9 @@ def test_store_matches_estimate(run: tuple[Path, str], metrics: dict) -> None:
 def test_full_shape_fits_the_budget() -> None:
     estimate = store_size_estimate(FULL, tokenizer_bytes=300_000)
     assert over_budget(estimate["store"], estimate["mtp"]) is None
-    assert estimate["store"] <= STORE_BUDGET_BYTES and estimate["store"] + estimate["mtp"] <= STORE_WITH_MTP_BUDGET_BYTES
+    assert (
+        estimate["store"] <= STORE_BUDGET_BYTES and estimate["store"] + estimate["mtp"] <= STORE_WITH_MTP_BUDGET_BYTES
+    )
     bigger = store_size_estimate(replace(FULL, num_hidden_layers=8), tokenizer_bytes=300_000)
     assert "over the budget" in over_budget(bigger["store"], bigger["mtp"])
 
@@ -187,7 +189,11 @@ def test_unchosen_experts_get_no_gradient() -> None:
     block = model.model.layers[0].mlp
     x = mx.random.normal((1, 3, TINY.hidden_size), key=mx.random.key(0))
     probs = mx.softmax(block.gate(x), axis=-1)
-    chosen = set(np.asarray(mx.argpartition(probs, kth=-TINY.num_experts_per_tok, axis=-1)[..., -TINY.num_experts_per_tok :]).ravel().tolist())
+    chosen = set(
+        np.asarray(mx.argpartition(probs, kth=-TINY.num_experts_per_tok, axis=-1)[..., -TINY.num_experts_per_tok :])
+        .ravel()
+        .tolist()
+    )
 
     def loss(params: dict) -> mx.array:
         block.update(params)
@@ -261,8 +267,9 @@ def test_plot_command(run: tuple[Path, str], tmp_path: Path) -> None:
 
 
 def test_step_count_is_planned_from_the_time_budget(tmp_path: Path) -> None:
+    from demo_recipe.train import Trainee, TrainSettings, train_loop
+
     from moestream.daemon.model.demo_mtp import MTPHead as Head
-    from demo_recipe.train import TrainSettings, Trainee, train_loop
 
     settings = TrainSettings.tiny_preset(str(tmp_path), steps=None, minutes=0.08, warmup_steps=8, eval_every=10_000)
     model, _ = build_model(TINY, seed=0)

@@ -9,12 +9,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from test_daemon import clean_env, ctl, paths_of, wait_for
 
 from moestream.daemon.model.diagnostics import BUCKETS, SEGMENTS
 from moestream.daemon.model.generation import SamplingParams, generate
 from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.shared.settings import Settings, demo_store_path
-from test_daemon import clean_env, ctl, paths_of, wait_for
 
 PROMPT = list(range(5, 29))  # 24 tokens: a prefill that overflows a 25% pool
 TOKENS = 24
@@ -98,8 +98,18 @@ def test_daemon_reports_diagnostics_per_request_and_in_stats():
 
     rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msdg"))
     env = clean_env()
-    out = ctl("start", "--model", str(demo_store_path()), "--capacity", "0.25", "--prefetch", "on",
-              "--runtime-dir", str(rt), env=env)
+    out = ctl(
+        "start",
+        "--model",
+        str(demo_store_path()),
+        "--capacity",
+        "0.25",
+        "--prefetch",
+        "on",
+        "--runtime-dir",
+        str(rt),
+        env=env,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     try:
         with Client(paths_of(rt)) as c:
@@ -111,7 +121,9 @@ def test_daemon_reports_diagnostics_per_request_and_in_stats():
             d = done["stats"]["diagnostics"]
             assert sum(d["attribution"]["decode"].values()) > 0
             # The status snapshot is published just after the done event.
-            st = wait_for(lambda: (lambda s: s if s["diagnostics"]["totals"] else None)(c.stats()), 10, "diagnostics in stats")
+            st = wait_for(
+                lambda: (lambda s: s if s["diagnostics"]["totals"] else None)(c.stats()), 10, "diagnostics in stats"
+            )
         assert st["prefetch"]["mode"] == "on" and st["prefetch"]["submitted"] > 0
         assert st["diagnostics"]["totals"]["attribution"] == d["attribution"]
         text = ctl("stats", "--runtime-dir", str(rt), env=env)

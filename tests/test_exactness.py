@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from mlx_lm import load as stock_load
 from mlx_lm.models.cache import make_prompt_cache
+from tiny_models import make_tiny_model
 
+from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.daemon.policies import POLICIES
 from moestream.daemon.store.convert import convert_model
-from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.shared.settings import Settings
-from tiny_models import make_tiny_model
 
 ARCHS = ["qwen3_moe", "qwen3_5_moe", "mixtral", "deepseek_v3"]
 # MLX's CPU build runs gather_mm in float32 only (stock mlx-lm cannot run a bf16 MoE
@@ -49,7 +49,9 @@ def assert_same_as_stock(sm, prompts, label: str) -> None:
         got_tokens, got_logits = greedy_logits(sm.model, prompt, STEPS)
         assert got_tokens == want_tokens, f"{label} prompt={n}: tokens differ"
         for step, (a, b) in enumerate(zip(got_logits, want_logits)):
-            assert np.array_equal(a, b), f"{label} prompt={n} step={step}: logits differ (max |d|={np.abs(a - b).max()})"
+            assert np.array_equal(a, b), (
+                f"{label} prompt={n} step={step}: logits differ (max |d|={np.abs(a - b).max()})"
+            )
 
 
 @pytest.fixture(scope="module", params=[(a, q) for a in ARCHS for q in QUANTS], ids=lambda p: f"{p[0]}-{p[1]}")
@@ -167,15 +169,17 @@ def test_logits_identical_with_prefetch_from_the_host_tier(converted):
     layer's slots while this layer computes (`prestage`): same logits as stock, and
     some routed experts were resident only thanks to that (attributed as prefetched,
     the buckets still summing to the routed experts)."""
-    from moestream.daemon.pool.admission import expert_stride
     from moestream.daemon.model.diagnostics import Recorder
+    from moestream.daemon.pool.admission import expert_stride
     from moestream.shared.store_format import load_manifest
 
     store, prompts = converted
     manifest = load_manifest(store)
     total = sum(layer.num_experts for layer in manifest.layers)
     for label, slots in _capacities(store)[:2]:
-        sm = load_streaming_model(store, Settings(capacity=slots, host_cache=expert_stride(manifest) * total, prefetch="on"))
+        sm = load_streaming_model(
+            store, Settings(capacity=slots, host_cache=expert_stride(manifest) * total, prefetch="on")
+        )
         rec = Recorder() if label == "topk" else None
         sm.diagnostics.rec = rec
         try:

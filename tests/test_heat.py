@@ -23,9 +23,10 @@ import numpy as np
 import psutil
 import pytest
 import zmq
+from tmpfs import fill, mounted_tmpfs
 
-from moestream.daemon.heat_publisher import HeatPublisher, load_usage
 from moestream.daemon.bench.soak.heat_kills import durable_marks
+from moestream.daemon.heat_publisher import HeatPublisher, load_usage
 from moestream.shared.heat_file import (
     HeatWriteError,
     UsageCounts,
@@ -36,7 +37,6 @@ from moestream.shared.heat_file import (
     usage_path,
     write_usage,
 )
-from tmpfs import fill, mounted_tmpfs
 
 LOG = logging.getLogger("test_heat")
 
@@ -295,7 +295,9 @@ def test_kill9_daemon_while_keeper_writes_50_times(dirs):
     (getppid), takes what was queued, writes once more and exits; the file stays valid."""
     store, runtime = dirs
     rng = np.random.default_rng(3)
-    write_usage(usage_path(store), {l: {e: int(c) for e, c in enumerate(rng.integers(1, 1000, 256))} for l in range(16)})
+    write_usage(
+        usage_path(store), {l: {e: int(c) for e, c in enumerate(rng.integers(1, 1000, 256))} for l in range(16)}
+    )
     per_message, limit = 4 * 256, 200
     previous = total_of(file_counts(store))
 

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from daemon_cli import clean_env, ctl
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_tokenizer
+from tiny_models import local_outputs, tiny_store
 
 from moestream.client.client import Client
-from moestream.daemon.pool.autopin import autopin
-from moestream.daemon.pool.expert_pool import PoolCapacityError
 from moestream.daemon.model.generation import SamplingParams, encode_prompt, generate
 from moestream.daemon.model.speculative import SpeculativeParams, SpeculativeStats, speculative_steps
 from moestream.daemon.model.streaming_model import (
@@ -28,12 +28,12 @@ from moestream.daemon.model.streaming_model import (
     load_stock_model,
     load_streaming_model,
 )
+from moestream.daemon.pool.autopin import autopin
+from moestream.daemon.pool.expert_pool import PoolCapacityError
 from moestream.shared.heat_file import read_usage, usage_path, write_usage
 from moestream.shared.runtime_dir import RuntimePaths
 from moestream.shared.settings import Settings, demo_store_path, format_size
 from moestream.shared.store_format import load_manifest
-from daemon_cli import clean_env, ctl
-from tiny_models import local_outputs, tiny_store
 
 PROMPTS = ["The farmer counted his hens", "def route(hidden, gate, k=2):", "Numbers and dates: 1, 2, 3"]
 N_TOKENS = 24
@@ -68,8 +68,19 @@ def hottest_first(counts: dict[int, int]) -> list[int]:
 
 def test_local_mapped_generate_is_stock_mlx_lm(store, reference):
     prompt = PROMPTS[0]
-    out = ctl("generate", prompt, "--local", "--mapped", "--model", str(store), "--capacity", CAPACITY,
-              "--max-tokens", str(N_TOKENS), "--json")
+    out = ctl(
+        "generate",
+        prompt,
+        "--local",
+        "--mapped",
+        "--model",
+        str(store),
+        "--capacity",
+        CAPACITY,
+        "--max-tokens",
+        str(N_TOKENS),
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["tokens"] == reference[prompt].tokens and got["text"] == reference[prompt].text
@@ -94,8 +105,20 @@ def test_local_mapped_generate_is_stock_mlx_lm(store, reference):
 
 def test_no_mapped_overrides_the_environment(store, reference):
     prompt = PROMPTS[0]
-    out = ctl("generate", prompt, "--local", "--no-mapped", "--model", str(store), "--capacity", CAPACITY,
-              "--max-tokens", str(N_TOKENS), "--json", env=clean_env(MOESTREAM_MAPPED="1"))
+    out = ctl(
+        "generate",
+        prompt,
+        "--local",
+        "--no-mapped",
+        "--model",
+        str(store),
+        "--capacity",
+        CAPACITY,
+        "--max-tokens",
+        str(N_TOKENS),
+        "--json",
+        env=clean_env(MOESTREAM_MAPPED="1"),
+    )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["stats"]["mapped"] is False and "mapped_pool" not in got["stats"]
@@ -113,8 +136,19 @@ def test_daemon_mapped_serves_local_output_reports_placement_and_keeps_exact_hea
     layers = load_manifest(own).layers
     try:
         # `generate --mapped` starts a mapped daemon when none runs.
-        out = ctl("generate", PROMPTS[0], "--mapped", "--model", str(own), "--capacity", CAPACITY,
-                  "--max-tokens", str(N_TOKENS), "--json", env=env)
+        out = ctl(
+            "generate",
+            PROMPTS[0],
+            "--mapped",
+            "--model",
+            str(own),
+            "--capacity",
+            CAPACITY,
+            "--max-tokens",
+            str(N_TOKENS),
+            "--json",
+            env=env,
+        )
         assert out.returncode == 0, out.stderr
         assert "starting one" in out.stderr
         first = json.loads(out.stdout)
@@ -134,7 +168,9 @@ def test_daemon_mapped_serves_local_output_reports_placement_and_keeps_exact_hea
         interleaved = sum(s.done.stats["routed_experts"] for s in streams)
         assert interleaved == sum(reference[p].stats["routed_experts"] for p in PROMPTS)
         routed += interleaved
-        assert routed == first["stats"]["mapped_pool"]["routed"] + sum(s.done.stats["mapped_pool"]["routed"] for s in streams)
+        assert routed == first["stats"]["mapped_pool"]["routed"] + sum(
+            s.done.stats["mapped_pool"]["routed"] for s in streams
+        )
 
         st = json.loads(ctl("status", "--json", env=env).stdout)
         assert st["settings"]["mapped"] is True and st["pool"]["mapped"] is True
@@ -216,14 +252,21 @@ def test_speculative_decoding_on_a_mapped_pool_leaves_the_routing_log_to_the_pla
             before = sum(p.stats.routed_total for p in model.pools)
             stats = SpeculativeStats(mode="mtp", draft_tokens_requested=2)
             tokens = []
-            for t, _ in speculative_steps(model, prompt, sampler=lambda x: mx.argmax(x, axis=-1), max_tokens=N_TOKENS, spec=spec, stats=stats):
+            for t, _ in speculative_steps(
+                model, prompt, sampler=lambda x: mx.argmax(x, axis=-1), max_tokens=N_TOKENS, spec=spec, stats=stats
+            ):
                 tokens.append(t)
                 if model.mapped_pool is not None:
                     model.mapped_pool.tick()
             if model.mapped_pool is not None:
                 model.mapped_pool.settle()
                 assert all(p.route_log is not None for p in model.pools), "the placement's routing log was taken"
-            got[name] = (tokens, stats.rounds, stats.spec_experts, sum(p.stats.routed_total for p in model.pools) - before)
+            got[name] = (
+                tokens,
+                stats.rounds,
+                stats.spec_experts,
+                sum(p.stats.routed_total for p in model.pools) - before,
+            )
         assert got["mapped"] == got["slots"]
         assert got["mapped"][0] == plain and got["mapped"][2] > 0
     finally:
@@ -239,7 +282,10 @@ def test_a_host_without_room_for_every_expert_is_refused_before_loading(store, r
     with pytest.raises(PoolCapacityError) as e:
         check_mapped_host_memory(manifest, need + MAPPED_HOST_MARGIN - 1)
     message = str(e.value)
-    assert f"take {format_size(need)} " in message and f"only {format_size(need + MAPPED_HOST_MARGIN - 1)} is available" in message
+    assert (
+        f"take {format_size(need)} " in message
+        and f"only {format_size(need + MAPPED_HOST_MARGIN - 1)} is available" in message
+    )
     assert "--host-cache" in message and "drop --mapped" in message
 
     # Refused before the resident weights are read: a store without them fails on the
@@ -274,14 +320,19 @@ def test_mapped_auto_chooses_by_gpu_pool_tier_and_host_ram(store):
     need = manifest.expert_bytes_total + MAPPED_HOST_MARGIN
     auto = Settings()
     assert auto.mapped is None and Settings.from_values({"mapped": "auto"}).mapped is None
-    assert choose_mapped(manifest, 4, auto, need, "") == (True, "on: an NVIDIA GPU, a partial pool and host RAM for every expert")
+    assert choose_mapped(manifest, 4, auto, need, "") == (
+        True,
+        "on: an NVIDIA GPU, a partial pool and host RAM for every expert",
+    )
     assert choose_mapped(manifest, 4, auto, need, "MLX runs on the CPU")[0] is False
     assert choose_mapped(manifest, 4, auto, need - 1, "")[1].startswith("off: host RAM")
     # A host tier that holds every expert is made as a mapped pool; a smaller one keeps
     # the slot pool (which reads what the tier lacks from disk).
     experts = manifest.expert_bytes_total
     assert choose_mapped(manifest, 4, auto.replace(host_cache=experts), need, "") == (
-        True, "on: an NVIDIA GPU, a partial pool and a host tier that holds every expert, read in place")
+        True,
+        "on: an NVIDIA GPU, a partial pool and a host tier that holds every expert, read in place",
+    )
     assert choose_mapped(manifest, 4, auto.replace(host_cache=experts), need - 1, "")[1].startswith("off: host RAM")
     assert choose_mapped(manifest, 4, auto.replace(host_cache=experts), need, "MLX runs on the CPU")[0] is False
     small = choose_mapped(manifest, 4, auto.replace(host_cache=experts - 1), need, "")

@@ -26,10 +26,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from synthetic_store import QWEN3_30B_A3B_4BIT_TENSORS, expert_block, make_synthetic_store, tensor_bytes
 
 from moestream._native import DIRECT_ALIGN, ReadEngine, crc32
 from moestream.shared.store_format import Manifest
-from synthetic_store import QWEN3_30B_A3B_4BIT_TENSORS, expert_block, make_synthetic_store, tensor_bytes
 
 MX_DTYPES = {"uint32": mx.uint32, "float16": mx.float16, "bfloat16": mx.bfloat16, "uint8": mx.uint8}
 
@@ -252,7 +252,10 @@ def test_reads_into_mlx_arrays_that_mlx_then_computes_with(store: tuple[Path, Ma
     s = pool["gate_proj.scales"][0]
     b = pool["gate_proj.biases"][0]
     x = mx.ones((1, 128), dtype=mx.float16)
-    copy = [mx.array(np.frombuffer(tensor_bytes(path, 1, 5, f"gate_proj.{n}"), dtype=d).reshape(v.shape)) for n, d, v in (("weight", np.uint32, w), ("scales", np.float16, s), ("biases", np.float16, b))]
+    copy = [
+        mx.array(np.frombuffer(tensor_bytes(path, 1, 5, f"gate_proj.{n}"), dtype=d).reshape(v.shape))
+        for n, d, v in (("weight", np.uint32, w), ("scales", np.float16, s), ("biases", np.float16, b))
+    ]
     got = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4)
     want = mx.quantized_matmul(x, *copy, transpose=True, group_size=64, bits=4)
     assert np.array_equal(np.array(got), np.array(want), equal_nan=True)

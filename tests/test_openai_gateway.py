@@ -25,16 +25,19 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from daemon_cli import clean_env, ctl, wait_for
+from tiny_models import tiny_store
 
 from moestream.client.client import Client
 from moestream.shared.runtime_dir import RuntimePaths
-from daemon_cli import clean_env, ctl, wait_for
-from tiny_models import tiny_store
 
 KEY = "sk-test-0123456789"
 PROMPT = "The farmer counted his hens"
 PROMPTS = ["In the morning", "def route(hidden, gate, k=2):", "Numbers and dates: 1, 2, 3"]
-CHAT = [{"role": "system", "content": "You answer questions."}, {"role": "user", "content": "What is the capital of France?"}]
+CHAT = [
+    {"role": "system", "content": "You answer questions."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
 N = 32
 LONG = 400  # never reached: the requests that ask for it are cancelled
 BUSY = 120  # tokens per request when three run at once
@@ -47,8 +50,20 @@ class Gateway:
         self.log = log
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "moestream.client.cli", "serve-openai", "--port", "0", "--runtime-dir", str(runtime), *args],
-                stdout=f, stderr=subprocess.STDOUT, env=clean_env(),
+                [
+                    sys.executable,
+                    "-m",
+                    "moestream.client.cli",
+                    "serve-openai",
+                    "--port",
+                    "0",
+                    "--runtime-dir",
+                    str(runtime),
+                    *args,
+                ],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env=clean_env(),
             )
         line = wait_for(self._address, 30, "the gateway to listen")
         self.url = line
@@ -129,7 +144,9 @@ def model_name(api) -> str:
 
 
 def generate_json(store: Path, paths: RuntimePaths, prompt: str, *args: str) -> dict:
-    out = ctl("generate", prompt, "--model", str(store), "--json", *args, env=clean_env(MOESTREAM_RUNTIME_DIR=str(paths.dir)))
+    out = ctl(
+        "generate", prompt, "--model", str(store), "--json", *args, env=clean_env(MOESTREAM_RUNTIME_DIR=str(paths.dir))
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -143,7 +160,7 @@ def sse_events(response: httpx.Response):
     """The JSON objects of a server-sent event stream, then the string "[DONE]"."""
     for line in response.iter_lines():
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             yield data if data == "[DONE]" else json.loads(data)
 
 
@@ -151,7 +168,10 @@ def sse_events(response: httpx.Response):
 
 
 def test_the_gateway_imports_no_mlx():
-    code = "import sys, moestream.client.openai_api.gateway, moestream.client.cli.serve_openai; print(sorted(m for m in sys.modules if m.startswith('mlx')))"
+    code = (
+        "import sys, moestream.client.openai_api.gateway, moestream.client.cli.serve_openai; "
+        "print(sorted(m for m in sys.modules if m.startswith('mlx')))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
@@ -161,7 +181,12 @@ def test_listening_beyond_loopback_needs_a_key(tmp_path):
     from moestream.client.cli.serve_openai import is_loopback
 
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost") and is_loopback("127.0.0.2")
-    assert not is_loopback("0.0.0.0") and not is_loopback("::") and not is_loopback("192.168.1.4") and not is_loopback("example.org")
+    assert (
+        not is_loopback("0.0.0.0")
+        and not is_loopback("::")
+        and not is_loopback("192.168.1.4")
+        and not is_loopback("example.org")
+    )
     for host in ("0.0.0.0", "::", "my-host.example"):
         out = ctl("serve-openai", "--host", host, "--port", "0")
         assert out.returncode == 2, out.stderr
@@ -193,7 +218,9 @@ def test_health_is_503_without_a_daemon_and_completions_say_why(tmp_path):
         assert r.status_code == 503 and r.json() == {"status": "unavailable", "daemon": "not running"}
         r = httpx.post(gateway.url + "/v1/completions", json={"model": "x", "prompt": "hi"})
         assert r.status_code == 503
-        assert r.json()["error"]["code"] == "daemon_not_running" and "moestreamctl start" in r.json()["error"]["message"]
+        assert (
+            r.json()["error"]["code"] == "daemon_not_running" and "moestreamctl start" in r.json()["error"]["message"]
+        )
     finally:
         gateway.stop()
         shutil.rmtree(rt)
@@ -204,7 +231,9 @@ def test_chat_messages_travel_in_the_generate_request():
 
     from moestream.shared import protocol as proto
 
-    msg = proto.Generate(id="a", messages=(proto.ChatMessage("system", "Be brief."), proto.ChatMessage("user", "hé")), max_tokens=3)
+    msg = proto.Generate(
+        id="a", messages=(proto.ChatMessage("system", "Be brief."), proto.ChatMessage("user", "hé")), max_tokens=3
+    )
     assert proto.decode_request(proto.encode(msg)) == msg
     body = msgpack.unpackb(proto.encode(msg))
     assert body["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hé"}]
@@ -273,7 +302,16 @@ def test_greedy_completions_equal_generate_json(api, served, store, model_name):
     assert out.usage.prompt_tokens == ref["stats"]["prompt_tokens"] > 0
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
 
-    chunks = list(api.completions.create(model="moestream", prompt=PROMPT, max_tokens=N, temperature=0, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        api.completions.create(
+            model="moestream",
+            prompt=PROMPT,
+            max_tokens=N,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ref["text"]
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == [out.choices[0].finish_reason]
@@ -319,7 +357,11 @@ def test_sampling_parameters_seed_and_stop_reach_the_daemon(api, served, model_n
     expected = text[: text.index(stop)]
     out = api.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=N, temperature=0, stop=stop)
     assert out.choices[0].text == expected and out.choices[0].finish_reason == "stop"
-    chunks = list(api.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=N, temperature=0, stop=[stop], stream=True))
+    chunks = list(
+        api.completions.create(
+            model=model_name, prompt=PROMPTS[0], max_tokens=N, temperature=0, stop=[stop], stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
 
@@ -336,17 +378,49 @@ def test_bad_requests_get_openai_errors_and_the_gateway_serves_on(served, model_
         ("missing messages", chat, {"model": model_name}, auth, 400, None, "messages"),
         ("empty messages", chat, {**ok_body, "messages": []}, auth, 400, None, "messages"),
         ("bad role", chat, {**ok_body, "messages": [{"content": "hi"}]}, auth, 400, None, "messages[0].role"),
-        ("image part", chat, {**ok_body, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, auth, 400, None, "messages[0].content"),
+        (
+            "image part",
+            chat,
+            {**ok_body, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            auth,
+            400,
+            None,
+            "messages[0].content",
+        ),
         ("temperature", chat, {**ok_body, "temperature": 7}, auth, 400, None, "temperature"),
         ("max_tokens", chat, {**ok_body, "max_tokens": 0}, auth, 400, None, "max_tokens"),
         ("n=2", chat, {**ok_body, "n": 2}, auth, 400, "unsupported_parameter", "n"),
         ("over the context", chat, {**ok_body, "max_tokens": 1 << 20}, auth, 400, "context_length_exceeded", None),
         # Streaming waits for the daemon's first event, so its refusal keeps its status.
-        ("over the context, streaming", chat, {**ok_body, "max_tokens": 1 << 20, "stream": True}, auth, 400, "context_length_exceeded", None),
-        ("oversized body", chat, {**ok_body, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}, auth, 413, "request_too_large", None),
+        (
+            "over the context, streaming",
+            chat,
+            {**ok_body, "max_tokens": 1 << 20, "stream": True},
+            auth,
+            400,
+            "context_length_exceeded",
+            None,
+        ),
+        (
+            "oversized body",
+            chat,
+            {**ok_body, "messages": [{"role": "user", "content": "x" * (2 << 20)}]},
+            auth,
+            413,
+            "request_too_large",
+            None,
+        ),
         ("wrong key", chat, ok_body, {"Authorization": "Bearer sk-wrong"}, 401, "invalid_api_key", None),
         ("no key", chat, ok_body, {}, 401, "invalid_api_key", None),
-        ("prompt list", url + "/v1/completions", {"model": model_name, "prompt": ["a", "b"]}, auth, 400, None, "prompt"),
+        (
+            "prompt list",
+            url + "/v1/completions",
+            {"model": model_name, "prompt": ["a", "b"]},
+            auth,
+            400,
+            None,
+            "prompt",
+        ),
     ]
     with httpx.Client(timeout=30) as http:
         for what, target, body, headers, status, code, param in cases:
@@ -384,12 +458,16 @@ def test_two_gateway_clients_and_generate_at_once_get_their_exact_outputs(api, s
 
     def gateway_stream() -> None:
         barrier.wait()
-        chunks = api.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=BUSY, temperature=0, stream=True)
+        chunks = api.completions.create(
+            model=model_name, prompt=PROMPTS[0], max_tokens=BUSY, temperature=0, stream=True
+        )
         results["stream"] = "".join(c.choices[0].text for c in chunks)
 
     def gateway_whole() -> None:
         barrier.wait()
-        results["whole"] = api.completions.create(model=model_name, prompt=PROMPTS[1], max_tokens=BUSY, temperature=0).choices[0].text
+        results["whole"] = (
+            api.completions.create(model=model_name, prompt=PROMPTS[1], max_tokens=BUSY, temperature=0).choices[0].text
+        )
 
     def cli() -> None:
         barrier.wait()
@@ -421,7 +499,9 @@ def test_a_client_that_disconnects_cancels_its_request_within_a_token(served, mo
     paths, gateway, _ = served
     body = {"model": model_name, "prompt": PROMPTS[0], "max_tokens": LONG, "temperature": 0, "stream": True}
     with httpx.Client(timeout=30) as http:
-        with http.stream("POST", gateway.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+        with http.stream(
+            "POST", gateway.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+        ) as r:
             assert r.status_code == 200
             events = sse_events(r)
             first = next(events)
@@ -440,12 +520,17 @@ def test_a_client_that_disconnects_cancels_its_request_within_a_token(served, mo
     try:
         sock.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(raw)}\r\n\r\n".encode() + raw
+            + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(raw)}\r\n\r\n".encode()
+            + raw
         )
 
         def running() -> str | None:
             with Client(paths) as c:
-                ids = [r["id"] for r in c.status()["requests"]["running"] if r["id"].startswith("cmpl-") and r["tokens"] >= 2]
+                ids = [
+                    r["id"]
+                    for r in c.status()["requests"]["running"]
+                    if r["id"].startswith("cmpl-") and r["tokens"] >= 2
+                ]
             return ids[0] if ids else None
 
         rid = wait_for(running, 10, "the non-streaming request to run")
@@ -469,10 +554,10 @@ def test_service_install_openai_writes_a_second_service_that_serves(tmp_path):
     import plistlib
 
     from click.testing import CliRunner
+    from test_service import parse_unit
 
     from moestream.client.cli import main
     from moestream.shared import service_files as sf
-    from test_service import parse_unit
 
     home = tmp_path / "home"
     key = tmp_path / "key"
@@ -480,9 +565,12 @@ def test_service_install_openai_writes_a_second_service_that_serves(tmp_path):
     key.chmod(0o600)
     runtime = Path(tempfile.mkdtemp(dir="/tmp", prefix="mss"))
     env = {k: None for k in os.environ if k.startswith("MOESTREAM_")} | {
-        "XDG_CONFIG_HOME": None, "HOME": str(home), "MOESTREAM_RUNTIME_DIR": str(runtime),
+        "XDG_CONFIG_HOME": None,
+        "HOME": str(home),
+        "MOESTREAM_RUNTIME_DIR": str(runtime),
         # No systemd user instance can be reached from here, so nothing real is touched.
-        "XDG_RUNTIME_DIR": str(tmp_path / "none"), "DBUS_SESSION_BUS_ADDRESS": f"unix:path={tmp_path}/none",
+        "XDG_RUNTIME_DIR": str(tmp_path / "none"),
+        "DBUS_SESSION_BUS_ADDRESS": f"unix:path={tmp_path}/none",
     }
 
     def service(*args: str):
@@ -490,9 +578,22 @@ def test_service_install_openai_writes_a_second_service_that_serves(tmp_path):
 
     port = _free_port()
     python = os.path.abspath(sys.executable)
-    expected = [python, "-m", "moestream.client.cli", "serve-openai", "--host", "127.0.0.1", "--port", str(port), "--api-key-file", str(key)]
+    expected = [
+        python,
+        "-m",
+        "moestream.client.cli",
+        "serve-openai",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--api-key-file",
+        str(key),
+    ]
     for platform in sf.PLATFORMS:
-        result = service("install", "--openai", "--platform", platform, "--no-load", "--port", str(port), "--api-key-file", str(key))
+        result = service(
+            "install", "--openai", "--platform", platform, "--no-load", "--port", str(port), "--api-key-file", str(key)
+        )
         assert result.exit_code == 0, result.output
         path = sf.service_file_path(platform, home, sf.OPENAI)
         assert f"wrote {path}" in result.output and KEY not in path.read_text()
@@ -516,7 +617,13 @@ def test_service_install_openai_writes_a_second_service_that_serves(tmp_path):
         assert not sf.service_file_path(platform, home).exists(), "the daemon's own service file is another file"
 
     # What the unit runs, run as the service manager would: it serves, with the key.
-    proc = subprocess.Popen(argv, env=clean_env(**environment, HOME=str(home)), cwd="/", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        argv,
+        env=clean_env(**environment, HOME=str(home)),
+        cwd="/",
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
 
@@ -529,7 +636,10 @@ def test_service_install_openai_writes_a_second_service_that_serves(tmp_path):
 
         assert wait_for(health, 30, "the gateway service").status_code == 503  # no daemon in that runtime folder
         assert httpx.get(url + "/v1/models").status_code == 401
-        assert httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["error"]["code"] == "daemon_not_running"
+        assert (
+            httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["error"]["code"]
+            == "daemon_not_running"
+        )
     finally:
         proc.terminate()
         proc.wait(15)

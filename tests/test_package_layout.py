@@ -15,7 +15,13 @@ ROOT = Path(__file__).resolve().parent.parent
 def _mlx_imports(path: Path) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom)
+            else []
+        )
         found += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n.split(".")[0] in ("mlx", "mlx_lm")]
     return found
 
@@ -32,8 +38,12 @@ def test_nothing_reads_a_folder_beside_the_checkout():
     """A user's clone is the whole project: no code or test reaches for `../shared` or
     another folder outside the repository (the traces the tests need are in tests/data)."""
     outside = ("../shared", "/work/shared", 'parents[2] / "shared"')
-    files = [f for top in ("client", "daemon", "shared", "native", "tests") for f in (ROOT / top).rglob("*")
-             if f.suffix in (".py", ".cpp", ".h") and f.is_file()]
+    files = [
+        f
+        for top in ("client", "daemon", "shared", "native", "tests")
+        for f in (ROOT / top).rglob("*")
+        if f.suffix in (".py", ".cpp", ".h") and f.is_file()
+    ]
     assert files
     this = Path(__file__).resolve()
     bad = [f"{f.relative_to(ROOT)}: {s}" for f in files if f.resolve() != this for s in outside if s in f.read_text()]
@@ -41,7 +51,9 @@ def test_nothing_reads_a_folder_beside_the_checkout():
 
 
 def _code_files(*tops: str, suffixes: tuple[str, ...] = (".py",)) -> list[Path]:
-    return sorted(f for top in tops for f in (ROOT / top).rglob("*") if f.suffix in suffixes and "__pycache__" not in f.parts)
+    return sorted(
+        f for top in tops for f in (ROOT / top).rglob("*") if f.suffix in suffixes and "__pycache__" not in f.parts
+    )
 
 
 def test_the_maintainers_map_names_every_module():
@@ -63,8 +75,11 @@ def test_the_maintainers_map_names_every_module():
 def test_no_benchmark_soak_or_command_module_beside_engine_code():
     """Benchmarks live under daemon/bench/ and commands under client/cli/, not beside the
     engine's modules under names like bench_*.py, soak_*.py or cmd_*.py."""
-    bad = [str(f.relative_to(ROOT)) for f in _code_files("daemon", "client", "shared")
-           if f.name.startswith(("bench_", "soak_", "cmd_"))]
+    bad = [
+        str(f.relative_to(ROOT))
+        for f in _code_files("daemon", "client", "shared")
+        if f.name.startswith(("bench_", "soak_", "cmd_"))
+    ]
     assert bad == []
 
 
@@ -73,6 +88,10 @@ def test_code_says_why_and_leaves_the_history_to_the_results():
     code: no comment or docstring names a session of work."""
     pattern = re.compile(r"\bsessions? \d+", re.IGNORECASE)
     files = _code_files("daemon", "client", "shared", "native", "tests", suffixes=(".py", ".cpp", ".h", ".sh"))
-    bad = [f"{f.relative_to(ROOT)}:{i}" for f in files for i, line in enumerate(f.read_text().splitlines(), 1)
-           if pattern.search(line)]
+    bad = [
+        f"{f.relative_to(ROOT)}:{i}"
+        for f in files
+        for i, line in enumerate(f.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert bad == [], bad

@@ -10,13 +10,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
+from tiny_models import make_tiny_model
 
 from moestream.daemon.mapped.mapped_pool import READBACK_LAG, CountingMover, MappedPool, _runs
 from moestream.daemon.mapped.row_gather import MAX_GATHERED, RowGather
-from moestream.daemon.store.convert import convert_model
 from moestream.daemon.model.streaming_model import load_stock_model, load_streaming_model
+from moestream.daemon.store.convert import convert_model
 from moestream.shared.settings import Settings, SettingsError
-from tiny_models import make_tiny_model
 
 STEPS = 24
 
@@ -262,7 +262,7 @@ def test_mapped_gather_gives_stock_logits_and_gathers_only_small_forwards(store)
         three = mx.array([[5, 17, 250]])
         want, got = stock(three, cache=caches[0]), sm.model(three, cache=caches[1])
         assert mx.array_equal(want, got)
-        assert counting.sizes[-len(sm.pools):] == [3 * k] * len(sm.pools)
+        assert counting.sizes[-len(sm.pools) :] == [3 * k] * len(sm.pools)
     finally:
         sm.close()
 
@@ -324,17 +324,41 @@ def test_bench_predict_reports_progress_on_stderr_and_json_on_stdout(store):
 
     from moestream.client.cli import main as cli
 
-    result = CliRunner().invoke(cli, ["bench", "predict", "--model", str(store), "--capacity", "0.25",
-                                      "--prompt-tokens", "4", "--decode-tokens", "4", "--rounds", "1", "--temp", "1",
-                                      "--json"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "bench",
+            "predict",
+            "--model",
+            str(store),
+            "--capacity",
+            "0.25",
+            "--prompt-tokens",
+            "4",
+            "--decode-tokens",
+            "4",
+            "--rounds",
+            "1",
+            "--temp",
+            "1",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["results"][0]["disk"]["bound_applies"] in (True, False)
     progress = result.stderr.splitlines()
     assert all(line.startswith("[") and " s] " in line for line in progress), progress
-    for stage in ("measuring the store's read bandwidth", "capacity 25% (slot pool): loading the model",
-                  "capacity 25%: warm-up", "capacity 25%: recall:", "capacity 25%: speed: one decode",
-                  "capacity 25%: speed: off", "capacity 25%: auto decided", "capacity 25%: done"):
+    for stage in (
+        "measuring the store's read bandwidth",
+        "capacity 25% (slot pool): loading the model",
+        "capacity 25%: warm-up",
+        "capacity 25%: recall:",
+        "capacity 25%: speed: one decode",
+        "capacity 25%: speed: off",
+        "capacity 25%: auto decided",
+        "capacity 25%: done",
+    ):
         assert any(stage in line for line in progress), (stage, progress)
 
 
@@ -342,8 +366,9 @@ def test_bench_predict_measures_the_slot_pools_prefetch(store):
     """`bench predict`: the slot pool's run (recall, speeds, auto's decision)."""
     from moestream.daemon.bench.predict import BenchPredictSettings, format_report, run_bench_predict
 
-    slots_report = run_bench_predict(BenchPredictSettings(store=store, capacities=(0.25,), prompt_tokens=4,
-                                                          decode_tokens=6, rounds=2, temp=1.0))
+    slots_report = run_bench_predict(
+        BenchPredictSettings(store=store, capacities=(0.25,), prompt_tokens=4, decode_tokens=6, rounds=2, temp=1.0)
+    )
     slots = slots_report["results"][0]
     assert slots["pool"] == "slots" and 0 <= slots["recall"]["decode"]["top_k"] <= 1
     # Two blocks of off / on / on / off: a ratio per block, their median and interval,
@@ -353,7 +378,9 @@ def test_bench_predict_measures_the_slot_pools_prefetch(store):
     assert lo <= hi and min(slots["speedup_per_block"]) <= slots["speedup_paired"] <= max(slots["speedup_per_block"])
     for way in ("prefetch_off", "prefetch_on"):
         h = slots["host_ms_per_token"][way]
-        assert h["host_call_ms_per_token"] > 0 and h["host_launch_ms_per_token"] >= 0 and h["host_wait_ms_per_token"] >= 0
+        assert (
+            h["host_call_ms_per_token"] > 0 and h["host_launch_ms_per_token"] >= 0 and h["host_wait_ms_per_token"] >= 0
+        )
     assert "host ms per token, model call/launch/wait" in format_report(slots_report)
     # The store's read bandwidth, measured at the start, and the bytes read per decode
     # token both ways: at 25% of a store on disk, decode reads, and its bound follows.
@@ -375,6 +402,8 @@ def test_bench_predict_measures_the_slot_pools_prefetch(store):
     hinted = {**slots_report, "results": [{**slots, "prefetch": {**pf, "submitted": 100, "dropped_unused": 11}}]}
     quiet = {**slots_report, "results": [{**slots, "prefetch": {**pf, "submitted": 100, "dropped_unused": 0}}]}
     assert "11.0% of its reads dropped" in format_report(hinted) and "larger --prefetch-buffer" in format_report(hinted)
-    assert "0.0% of its reads dropped" in format_report(quiet) and "larger --prefetch-buffer" not in format_report(quiet)
+    assert "0.0% of its reads dropped" in format_report(quiet) and "larger --prefetch-buffer" not in format_report(
+        quiet
+    )
     assert slots["tokens_per_s_off"] > 0 and slots["tokens_per_s_on"] > 0
     assert slots["auto"]["decided"] and slots["auto"]["decision"].startswith(("on:", "off:"))

@@ -15,8 +15,6 @@ from typing import Sequence
 import numpy as np
 import pytest
 
-from moestream.daemon.policies import POLICIES, make_policy
-from moestream.daemon.policies.base import EvictionPolicy
 from moestream.daemon.bench.policy.belady import BeladyMIN
 from moestream.daemon.bench.policy.replay import (
     capacity_slots,
@@ -24,13 +22,15 @@ from moestream.daemon.bench.policy.replay import (
     leave_one_out_priors,
     replay,
 )
+from moestream.daemon.bench.policy.trace import TraceError, load_trace
+from moestream.daemon.policies import POLICIES, make_policy
+from moestream.daemon.policies.base import EvictionPolicy
 from moestream.daemon.policies.induction import InductionPolicy
 from moestream.daemon.policies.lfu import LFUPolicy
 from moestream.daemon.policies.lfuda import LFUDAPolicy
 from moestream.daemon.policies.lru import LRUPolicy
 from moestream.daemon.policies.predictive import PredictivePolicy
 from moestream.daemon.policies.recall import RecallPolicy
-from moestream.daemon.bench.policy.trace import TraceError, load_trace
 from moestream.daemon.policies.victims import NoVictimError
 
 
@@ -410,10 +410,7 @@ def synthetic_records(seed: int, n: int, k: int, layers: int) -> list[dict]:
                     "req": req,
                     "pos": pos,
                     "phase": phase,
-                    "layers": [
-                        rng.sample(hot if rng.random() < 0.5 else range(n), k)
-                        for _ in range(layers)
-                    ],
+                    "layers": [rng.sample(hot if rng.random() < 0.5 else range(n), k) for _ in range(layers)],
                 }
             )
     return records

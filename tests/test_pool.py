@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
+from moestream.daemon.model.generation import SamplingParams, generate
+from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.daemon.pool.expert_pool import PoolCapacityError
 from moestream.daemon.pool.expert_reader import ExpertReadError
-from moestream.daemon.model.generation import SamplingParams, generate
 from moestream.daemon.store.convert import convert_model
-from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.shared.settings import Settings
 from moestream.shared.store_format import load_manifest
 
@@ -230,7 +230,10 @@ def test_generate_stats(store):
     s = r.stats
     assert len(r.tokens) == s["generated_tokens"] <= 12
     assert s["misses"]["prefill"] > 0 and s["hits"]["decode"] + s["misses"]["decode"] > 0
-    assert s["bytes_read"] == (s["misses"]["prefill"] + s["misses"]["decode"]) * load_manifest(store).layers[0].expert_bytes
+    assert (
+        s["bytes_read"]
+        == (s["misses"]["prefill"] + s["misses"]["decode"]) * load_manifest(store).layers[0].expert_bytes
+    )
     n_moe = len(load_manifest(store).layers)
     assert s["host_syncs_per_token"] == pytest.approx(n_moe + 1)
 
@@ -238,9 +241,23 @@ def test_generate_stats(store):
 def test_cli_generate_local_json_matches_library(store):
     exe = Path(sys.executable).with_name("moestreamctl")
     out = subprocess.run(
-        [str(exe), "generate", "--local", "--model", str(store), "--prompt-ids", "1,2,3,4,5",
-         "--capacity", "25%", "--max-tokens", "12", "--json"],
-        capture_output=True, text=True, timeout=120,
+        [
+            str(exe),
+            "generate",
+            "--local",
+            "--model",
+            str(store),
+            "--prompt-ids",
+            "1,2,3,4,5",
+            "--capacity",
+            "25%",
+            "--max-tokens",
+            "12",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
@@ -250,7 +267,15 @@ def test_cli_generate_local_json_matches_library(store):
     finally:
         sm.close()
     assert got["tokens"] == want.tokens and got["text"] == want.text
-    for key in ("hits", "misses", "bytes_read", "host_syncs_per_token", "tokens_per_s", "peak_memory_bytes", "rss_bytes"):
+    for key in (
+        "hits",
+        "misses",
+        "bytes_read",
+        "host_syncs_per_token",
+        "tokens_per_s",
+        "peak_memory_bytes",
+        "rss_bytes",
+    ):
         assert key in got["stats"]
 
 
@@ -258,7 +283,9 @@ def test_cli_refuses_bad_capacity(store):
     exe = Path(sys.executable).with_name("moestreamctl")
     out = subprocess.run(
         [str(exe), "generate", "--local", "--model", str(store), "--capacity", "1", "hi"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode != 0 and "below the minimum" in out.stderr
 
@@ -301,7 +328,10 @@ def test_a_warm_start_fills_the_host_tier_with_the_hottest_experts_first(store):
     manifest = load_manifest(store)
     total = sum(layer.num_experts for layer in manifest.layers)
     room = total * 2 // 3
-    counts = {layer.ordinal: {e: 1000 * (layer.ordinal + 1) + e for e in range(layer.num_experts)} for layer in manifest.layers}
+    counts = {
+        layer.ordinal: {e: 1000 * (layer.ordinal + 1) + e for e in range(layer.num_experts)}
+        for layer in manifest.layers
+    }
     ranked = sorted(((c, o, e) for o, lc in counts.items() for e, c in lc.items()), reverse=True)
     settings = Settings(capacity=8, host_cache=expert_stride(manifest) * room)
     cold = load_streaming_model(store, settings)
@@ -373,7 +403,9 @@ def test_sizes_print_in_units_that_parse_back():
     GiB"), in units --host-cache and --memory-budget accept."""
     from moestream.shared.settings import format_size, parse_size
 
-    assert format_size(512) == "512 B" and format_size(4096) == "4.0 KiB" and format_size(int(16.3 * 2**30)) == "16.3 GiB"
+    assert (
+        format_size(512) == "512 B" and format_size(4096) == "4.0 KiB" and format_size(int(16.3 * 2**30)) == "16.3 GiB"
+    )
     for n in (0, 512, 4096, 3 * 2**20 + 7, int(16.3 * 2**30), 5 * 2**40):
         assert abs(parse_size(format_size(n)) - n) <= 0.05 * n
 
@@ -392,13 +424,30 @@ def test_bench_decode_reports_every_configuration_side_by_side(store):
 
     lines: list[str] = []
     report = run_bench_decode(
-        BenchDecodeSettings(store=store, capacities=(1.0, 0.5), prompt_tokens=3, decode_tokens=4, rounds=2,
-                            warmup_rounds=2, host_cache=1 << 20, temp=1.0, mapped=True, mapped_gather=(False, True)),
+        BenchDecodeSettings(
+            store=store,
+            capacities=(1.0, 0.5),
+            prompt_tokens=3,
+            decode_tokens=4,
+            rounds=2,
+            warmup_rounds=2,
+            host_cache=1 << 20,
+            temp=1.0,
+            mapped=True,
+            mapped_gather=(False, True),
+        ),
         progress=lines.append,
     )
     names = [r["name"] for r in report["results"]]
-    assert names == ["stock-mlx-lm", "moestream@1", "moestream@0.5", "moestream@0.5+host", "moestream@0.5+mapped",
-                     "moestream@0.5+mapped:g", "naive-on-demand"]
+    assert names == [
+        "stock-mlx-lm",
+        "moestream@1",
+        "moestream@0.5",
+        "moestream@0.5+host",
+        "moestream@0.5+mapped",
+        "moestream@0.5+mapped:g",
+        "naive-on-demand",
+    ]
     assert report["warmup_rounds"] == 2
     assert sum("warm-up 2/2" in line for line in lines) == len(names)
     for r in report["results"]:
@@ -426,14 +475,34 @@ def test_bench_decode_makes_a_tier_that_holds_every_expert_a_mapped_pool(store):
     from moestream.shared.store_format import load_manifest
 
     every = load_manifest(store).expert_bytes_total
-    base = BenchDecodeSettings(store=store, capacities=(0.5,), prompt_tokens=3, decode_tokens=4, rounds=1, warmup_rounds=1,
-                               host_cache=every, host_tier="mapped", temp=1.0, stock=False, naive=False, slot_pool=False)
+    base = BenchDecodeSettings(
+        store=store,
+        capacities=(0.5,),
+        prompt_tokens=3,
+        decode_tokens=4,
+        rounds=1,
+        warmup_rounds=1,
+        host_cache=every,
+        host_tier="mapped",
+        temp=1.0,
+        stock=False,
+        naive=False,
+        slot_pool=False,
+    )
     report = run_bench_decode(base)
     rows = {r["name"]: r for r in report["results"]}
     assert list(rows) == ["moestream@0.5+host", "moestream@0.5+host:slots"]
-    assert rows["moestream@0.5+host"]["host_tier"] == "mapped" and rows["moestream@0.5+host"]["host_syncs_per_token"] == 1.0
-    assert rows["moestream@0.5+host:slots"]["host_tier"] == "slots" and rows["moestream@0.5+host:slots"]["tier_hit_rate"] is not None
-    assert rows["moestream@0.5+host"]["same_tokens_as_first"] and rows["moestream@0.5+host:slots"]["same_tokens_as_first"]
+    assert (
+        rows["moestream@0.5+host"]["host_tier"] == "mapped"
+        and rows["moestream@0.5+host"]["host_syncs_per_token"] == 1.0
+    )
+    assert (
+        rows["moestream@0.5+host:slots"]["host_tier"] == "slots"
+        and rows["moestream@0.5+host:slots"]["tier_hit_rate"] is not None
+    )
+    assert (
+        rows["moestream@0.5+host"]["same_tokens_as_first"] and rows["moestream@0.5+host:slots"]["same_tokens_as_first"]
+    )
     assert report["host_tier_mapped"] == "mapped: --host-tier"
     with pytest.raises(PoolCapacityError, match="--host-cache"):
         run_bench_decode(dataclasses.replace(base, host_cache=every - 1))
@@ -460,8 +529,13 @@ def test_a_round_repeats_its_decode_until_the_minimum_time_has_passed():
 
     def run():
         calls.append(1)
-        return {"tokens_per_s": next(speeds), "tokens": [1, 2], "hit_rate": 0.5 * len(calls), "host_tier": "slots",
-                "admission_bytes_per_s": None}
+        return {
+            "tokens_per_s": next(speeds),
+            "tokens": [1, 2],
+            "hit_rate": 0.5 * len(calls),
+            "host_tier": "slots",
+            "admission_bytes_per_s": None,
+        }
 
     r = timed_round(run, tokens=4, min_seconds=1.8)
     assert r["repeats"] == 3 and len(calls) == 3
@@ -478,8 +552,18 @@ def test_a_round_repeats_its_decode_until_the_minimum_time_has_passed():
 def test_bench_decode_rounds_of_a_minimum_time(store):
     from moestream.daemon.bench.decode import BenchDecodeSettings, format_report, run_bench_decode
 
-    report = run_bench_decode(BenchDecodeSettings(store=store, capacities=(1.0,), prompt_tokens=3, decode_tokens=2, rounds=2,
-                                                  temp=1.0, naive=False, min_round_seconds=0.2))
+    report = run_bench_decode(
+        BenchDecodeSettings(
+            store=store,
+            capacities=(1.0,),
+            prompt_tokens=3,
+            decode_tokens=2,
+            rounds=2,
+            temp=1.0,
+            naive=False,
+            min_round_seconds=0.2,
+        )
+    )
     assert report["min_round_seconds"] == 0.2
     for r in report["results"]:
         # Two tokens of a tiny model take milliseconds, so every round decoded again.
@@ -500,6 +584,7 @@ def test_paired_blocks_run_a_b_b_a_and_cancel_a_linear_drift():
         def run():
             order.append(name)
             return {"tokens_per_s": 100.0 - 0.5 * next(clock)}
+
         return run
 
     r = paired_blocks(at("stock"), at("ours"), 5)
@@ -520,8 +605,11 @@ def test_bench_decode_pairs_full_residency_with_stock_and_splits_host_time(store
     decode's time per token."""
     from moestream.daemon.bench.decode import BenchDecodeSettings, format_report, run_bench_decode
 
-    report = run_bench_decode(BenchDecodeSettings(store=store, capacities=(1.0, 0.5), prompt_tokens=3, decode_tokens=3, rounds=1,
-                                                  paired_blocks=3))
+    report = run_bench_decode(
+        BenchDecodeSettings(
+            store=store, capacities=(1.0, 0.5), prompt_tokens=3, decode_tokens=3, rounds=1, paired_blocks=3
+        )
+    )
     rows = {r["name"]: r for r in report["results"]}
     pb = rows["moestream@1"]["paired_blocks"]
     assert report["paired_blocks"] == 3 and len(pb["ratios"]) == 3 and all(x > 0 for x in pb["ratios"])
@@ -539,8 +627,11 @@ def test_bench_decode_times_the_daemons_generation_loop_beside_its_own(store):
     daemon's generation loop, round by round; greedy, both loops decode the same tokens."""
     from moestream.daemon.bench.decode import BenchDecodeSettings, format_report, run_bench_decode
 
-    report = run_bench_decode(BenchDecodeSettings(store=store, capacities=(1.0, 0.5), prompt_tokens=3, decode_tokens=4, rounds=2,
-                                                  generation_loop=True))
+    report = run_bench_decode(
+        BenchDecodeSettings(
+            store=store, capacities=(1.0, 0.5), prompt_tokens=3, decode_tokens=4, rounds=2, generation_loop=True
+        )
+    )
     rows = {r["name"]: r for r in report["results"]}
     assert report["generation_loop"] is True
     for name in ("moestream@1", "moestream@0.5"):
@@ -548,16 +639,29 @@ def test_bench_decode_times_the_daemons_generation_loop_beside_its_own(store):
         assert len(r["generate_tokens_per_s_runs"]) == 2 and r["generate_tokens_per_s"] > 0
         assert r["generate_vs_bench_paired"] > 0 and r["generate_same_tokens"] is True, r
     # Stock mlx-lm and the naive reader have no daemon loop to time.
-    assert "generate_tokens_per_s" not in rows["stock-mlx-lm"] and "generate_tokens_per_s" not in rows["naive-on-demand"]
+    assert (
+        "generate_tokens_per_s" not in rows["stock-mlx-lm"] and "generate_tokens_per_s" not in rows["naive-on-demand"]
+    )
     text = format_report(report)
     assert "through the daemon's generation loop" in text and "other tokens" not in text
 
 
 def _decode_row(name: str, capacity: float | None, tps: float, disk: float, link: float = 0.0) -> dict:
     """A `bench decode` result row as run_bench_decode builds it, before add_bound."""
-    return {"name": name, "capacity": capacity, "host_tier": None, "tokens_per_s": tps, "tokens_per_s_runs": [tps, tps],
-            "hit_rate": 1.0, "tier_hit_rate": None, "disk_bytes_per_token": disk, "host_to_pool_bytes_per_token": link,
-            "admission_bytes_per_s": None, "host_syncs_per_token": 1.0, "vs_naive": None}
+    return {
+        "name": name,
+        "capacity": capacity,
+        "host_tier": None,
+        "tokens_per_s": tps,
+        "tokens_per_s_runs": [tps, tps],
+        "hit_rate": 1.0,
+        "tier_hit_rate": None,
+        "disk_bytes_per_token": disk,
+        "host_to_pool_bytes_per_token": link,
+        "admission_bytes_per_s": None,
+        "host_syncs_per_token": 1.0,
+        "vs_naive": None,
+    }
 
 
 def _decode_report(page_cache: str | None) -> dict:
@@ -573,9 +677,19 @@ def _decode_report(page_cache: str | None) -> dict:
     ]
     for r in rows:
         add_bound(r, stock, read_bandwidth=1e9, link_bandwidth=1e10, page_cache=page_cache)
-    return {"model_type": "qwen3_moe", "moe_layers": 5, "experts_per_layer": 64, "decode_tokens": 16, "temp": 0.0,
-            "rounds": 2, "read_bandwidth_bytes_per_s": 1e9, "read_page_cache": page_cache, "link_kind": "host memcpy",
-            "link_bandwidth_bytes_per_s": 1e10, "results": rows}
+    return {
+        "model_type": "qwen3_moe",
+        "moe_layers": 5,
+        "experts_per_layer": 64,
+        "decode_tokens": 16,
+        "temp": 0.0,
+        "rounds": 2,
+        "read_bandwidth_bytes_per_s": 1e9,
+        "read_page_cache": page_cache,
+        "link_kind": "host memcpy",
+        "link_bandwidth_bytes_per_s": 1e10,
+        "results": rows,
+    }
 
 
 def _up_to(table: list[str], line: str, column: str) -> str:
@@ -624,8 +738,10 @@ def test_bench_decode_says_where_its_bound_does_not_apply():
     assert [r["bound_why_not"] for r in cached["results"]] == ["no_bytes", "no_bytes", "page_cache", "page_cache"]
     text = format_report(cached)
     assert "disk 953.7 MiB/s (through the page cache)" in text.splitlines()[0]
-    assert ("n/a 2: moestream@0.5, moestream@0.25: the store was read through the page cache (the filesystem "
-            "refuses direct I/O)") in text
+    assert (
+        "n/a 2: moestream@0.5, moestream@0.25: the store was read through the page cache (the filesystem "
+        "refuses direct I/O)"
+    ) in text
     link_only = _decode_row("moestream@0.5+host", 0.5, 10.0, 0.0, 1e9)
     from moestream.daemon.bench.decode import add_bound
 
@@ -638,8 +754,12 @@ def test_bound_is_reported_against_the_median_each_round_and_the_fastest_round()
 
     resident = {"tokens_per_s": 75.0, "tokens_per_s_runs": [50.0, 100.0]}
     # 10 ms per token over the link on top of resident compute.
-    row = {"tokens_per_s": 25.0, "tokens_per_s_runs": [20.0, 30.0], "disk_bytes_per_token": 0.0,
-           "host_to_pool_bytes_per_token": 1e9}
+    row = {
+        "tokens_per_s": 25.0,
+        "tokens_per_s_runs": [20.0, 30.0],
+        "disk_bytes_per_token": 0.0,
+        "host_to_pool_bytes_per_token": 1e9,
+    }
     add_bound(row, resident, read_bandwidth=1e9, link_bandwidth=1e11)
     assert row["bound_tokens_per_s"] == pytest.approx(1 / (1 / 75 + 0.01))
     assert row["fraction_of_bound"] == pytest.approx(25 * (1 / 75 + 0.01))

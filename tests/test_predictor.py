@@ -7,13 +7,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from tiny_models import make_tiny_model
 
-from moestream.daemon.prefetch.prefetcher import PrefetchGovernor, Prefetcher
-from moestream.daemon.store.convert import convert_model
 from moestream.daemon.model.streaming_model import load_streaming_model
+from moestream.daemon.prefetch.prefetcher import Prefetcher, PrefetchGovernor
+from moestream.daemon.store.convert import convert_model
 from moestream.shared.settings import Settings, SettingsError, demo_store_path
 from moestream.shared.store_format import load_manifest
-from tiny_models import make_tiny_model
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "mixtral", "qwen3_5_moe"])
@@ -24,8 +24,10 @@ def test_next_router_ranks_as_the_layers_own_router(arch, tmp_path):
     convert_model(src, tmp_path / "s")
     sm = load_streaming_model(tmp_path / "s", Settings(capacity=0.25, prefetch="on"))
     try:
-        moes = sorted((m for _, m in sm.model.named_modules() if type(m).__name__ == "StreamingMoE"),
-                      key=lambda m: m.pool.layer.ordinal)
+        moes = sorted(
+            (m for _, m in sm.model.named_modules() if type(m).__name__ == "StreamingMoE"),
+            key=lambda m: m.pool.layer.ordinal,
+        )
         assert len(moes) >= 2 and sm.prefetcher is not None
         wired = [m for m in moes if m.next is not None]
         assert len(wired) == len(moes) - 1 and moes[-1].next is None
@@ -78,7 +80,9 @@ def test_prefetched_bytes_are_the_store_bytes_and_a_full_buffer_drops_the_oldest
         for e, row in ((4, 0), (1, 1)):
             entry = layer.experts[e]
             for t in layer.tensors:
-                got = np.frombuffer(memoryview(arrays[t.name]).cast("B"), np.uint8)[row * t.nbytes : (row + 1) * t.nbytes]
+                got = np.frombuffer(memoryview(arrays[t.name]).cast("B"), np.uint8)[
+                    row * t.nbytes : (row + 1) * t.nbytes
+                ]
                 want = raw[entry.offset + t.offset : entry.offset + t.offset + t.nbytes]
                 assert np.array_equal(got, want), (e, t.name)
         assert not pf.has(layer.ordinal, 4) and pf.has(layer.ordinal, 2)
@@ -110,7 +114,9 @@ def test_the_governor_keeps_prefetch_only_where_it_pays(on_ms, off_ms, keep):
     assert d["decided"] and d["speedup"] == pytest.approx(off_ms / on_ms)
     # The first step, and the first after each of the 3 switches, are left out.
     assert d["steps_measured"] == 24 - 4
-    assert d["window_medians_ms"] == [["on" if w % 4 in (0, 3) else "off", on_ms if w % 4 in (0, 3) else off_ms] for w in range(6)]
+    assert d["window_medians_ms"] == [
+        ["on" if w % 4 in (0, 3) else "off", on_ms if w % 4 in (0, 3) else off_ms] for w in range(6)
+    ]
     assert ("does not pay" in d["decision"]) is (not keep)
     g.observe(1.0)  # decided: nothing changes any more
     assert switch.enabled is keep
@@ -132,17 +138,39 @@ def test_copy_batch_is_no_setting_any_more():
 def test_copier_figures_are_per_forward():
     from moestream.daemon.bench.predict import BenchPredictSettings, _copier_per_forward
 
-    before = {"calls": 10, "spans": 100, "bytes": 0, "kernel_launches": 2, "bind_seconds": 1.0, "enqueue_seconds": 2.0,
-              "wait_seconds": 3.0, "kernel_error": ""}
-    after = {"calls": 30, "spans": 500, "bytes": 9, "kernel_launches": 10, "bind_seconds": 1.1, "enqueue_seconds": 2.3,
-             "wait_seconds": 3.5, "kernel_error": ""}
+    before = {
+        "calls": 10,
+        "spans": 100,
+        "bytes": 0,
+        "kernel_launches": 2,
+        "bind_seconds": 1.0,
+        "enqueue_seconds": 2.0,
+        "wait_seconds": 3.0,
+        "kernel_error": "",
+    }
+    after = {
+        "calls": 30,
+        "spans": 500,
+        "bytes": 9,
+        "kernel_launches": 10,
+        "bind_seconds": 1.1,
+        "enqueue_seconds": 2.3,
+        "wait_seconds": 3.5,
+        "kernel_error": "",
+    }
     d = _copier_per_forward(before, after, BenchPredictSettings(store=Path("."), decode_tokens=3))  # 4 forwards
     assert d["calls"] == 5 and d["spans"] == 100 and d["kernel_launches"] == 2
-    assert d["bind_ms"] == pytest.approx(25) and d["enqueue_ms"] == pytest.approx(75) and d["wait_ms"] == pytest.approx(125)
+    assert (
+        d["bind_ms"] == pytest.approx(25)
+        and d["enqueue_ms"] == pytest.approx(75)
+        and d["wait_ms"] == pytest.approx(125)
+    )
     assert d["us_per_span"] == pytest.approx(1e6 * 0.4 / 400)
     assert d["kernel_error"] is None
     # The copier's counters carry one string, the driver's reason for refusing the kernel.
-    refused = _copier_per_forward(before, {**after, "kernel_error": "no kernel image"}, BenchPredictSettings(store=Path(".")))
+    refused = _copier_per_forward(
+        before, {**after, "kernel_error": "no kernel image"}, BenchPredictSettings(store=Path("."))
+    )
     assert refused["kernel_error"] == "no kernel image"
 
 
@@ -156,8 +184,10 @@ def test_a_deeper_prefetch_reads_layers_further_ahead_and_changes_no_token(capsy
     for depth in (1, 2):
         sm = load_streaming_model(demo_store_path(), Settings(capacity=0.25, prefetch="on", prefetch_depth=depth))
         try:
-            moes = sorted((m for _, m in sm.model.named_modules() if type(m).__name__ == "StreamingMoE"),
-                          key=lambda m: m.pool.layer.ordinal)
+            moes = sorted(
+                (m for _, m in sm.model.named_modules() if type(m).__name__ == "StreamingMoE"),
+                key=lambda m: m.pool.layer.ordinal,
+            )
             assert [len(m.next.ahead) for m in moes[:-1]] == [depth - 1] * (len(moes) - 2) + [0]
             if depth == 2:
                 assert moes[0].next.ahead[0].pool is moes[2].pool
@@ -191,7 +221,9 @@ def test_prefetch_buffer_setting_sizes_the_buffer():
     store = demo_store_path()
     stride = expert_stride(load_manifest(store))
     assert Settings().prefetch_buffer == 0
-    assert Settings.resolve(env={"MOESTREAM_PREFETCH_BUFFER": "3M"}, config_file="/nonexistent").prefetch_buffer == 3 << 20
+    assert (
+        Settings.resolve(env={"MOESTREAM_PREFETCH_BUFFER": "3M"}, config_file="/nonexistent").prefetch_buffer == 3 << 20
+    )
     with pytest.raises(SettingsError):
         Settings.from_values({"prefetch_buffer": "lots"})
     default = load_streaming_model(store, Settings(capacity=0.25, prefetch="on"))
@@ -201,7 +233,9 @@ def test_prefetch_buffer_setting_sizes_the_buffer():
     finally:
         default.close()
     wanted = default_slots + 37
-    sm = load_streaming_model(store, Settings(capacity=0.25, prefetch="on", prefetch_buffer=wanted * stride + stride // 2))
+    sm = load_streaming_model(
+        store, Settings(capacity=0.25, prefetch="on", prefetch_buffer=wanted * stride + stride // 2)
+    )
     try:
         assert sm.prefetcher.slots == wanted
         assert sm.prefetcher.stats()["buffer_bytes"] == wanted * stride
@@ -225,7 +259,9 @@ def test_disk_figures_bound_decode_by_the_read_bandwidth():
     d = disk_figures({False: 2.0, True: 3.0}, {False: 500e6, True: 550e6}, read_bandwidth=2.2e9)
     assert d["prefetch_off"]["bound_tokens_per_s"] == pytest.approx(4.4)
     assert d["prefetch_on"]["bound_tokens_per_s"] == pytest.approx(4.0)
-    assert d["prefetch_off"]["of_bound"] == pytest.approx(2.0 / 4.4) and d["prefetch_on"]["of_bound"] == pytest.approx(0.75)
+    assert d["prefetch_off"]["of_bound"] == pytest.approx(2.0 / 4.4) and d["prefetch_on"]["of_bound"] == pytest.approx(
+        0.75
+    )
     assert d["speedup_ceiling"] == pytest.approx(2.0)  # 4.0 tok/s at best with prefetch, against 2.0 without
     served = disk_figures({False: 10.0, True: 12.0}, {False: 0.0, True: 0.0}, read_bandwidth=2.2e9)
     assert served["prefetch_on"]["bound_tokens_per_s"] is None and served["prefetch_on"]["of_bound"] is None
@@ -235,15 +271,36 @@ def test_disk_figures_bound_decode_by_the_read_bandwidth():
 
 def _predict_report(*disks: dict) -> dict:
     """A `bench predict` report with one slot-pool row per `disk` (disk_figures)."""
-    rows = [{"capacity": 0.25, "pool": "slots", "recall": {"decode": {"top_k": 0.78, "top_2k": 0.95, "top_4k": 0.99}},
-             "tokens_per_s_off": 15.0, "tokens_per_s_on": 12.0, "speedup": 0.8, "speedup_paired": None,
-             "speedup_interval_95": None, "window_ms": 5.5,
-             "matmul_ms_per_call": {"prefetch_on": 6.5, "prefetch_off": 10.5},
-             "host_ms_per_token": None, "auto": {"decision": "off: does not pay"}, "disk": disk,
-             "prefetch": {"submitted": 100, "dropped_unused": 0, "buffer_experts": 128, "buffer_bytes": 128 * 16384}}
-            for disk in disks]
-    return {"model_type": "qwen3_moe", "moe_layers": 5, "experts_per_layer": 64, "device": "cpu", "decode_tokens": 16,
-            "temp": 0.0, "rounds": 1, "prefetch_depth": 1, "results": rows}
+    rows = [
+        {
+            "capacity": 0.25,
+            "pool": "slots",
+            "recall": {"decode": {"top_k": 0.78, "top_2k": 0.95, "top_4k": 0.99}},
+            "tokens_per_s_off": 15.0,
+            "tokens_per_s_on": 12.0,
+            "speedup": 0.8,
+            "speedup_paired": None,
+            "speedup_interval_95": None,
+            "window_ms": 5.5,
+            "matmul_ms_per_call": {"prefetch_on": 6.5, "prefetch_off": 10.5},
+            "host_ms_per_token": None,
+            "auto": {"decision": "off: does not pay"},
+            "disk": disk,
+            "prefetch": {"submitted": 100, "dropped_unused": 0, "buffer_experts": 128, "buffer_bytes": 128 * 16384},
+        }
+        for disk in disks
+    ]
+    return {
+        "model_type": "qwen3_moe",
+        "moe_layers": 5,
+        "experts_per_layer": 64,
+        "device": "cpu",
+        "decode_tokens": 16,
+        "temp": 0.0,
+        "rounds": 1,
+        "prefetch_depth": 1,
+        "results": rows,
+    }
 
 
 def test_bench_predict_says_where_the_read_bound_does_not_apply():

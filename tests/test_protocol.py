@@ -41,7 +41,9 @@ def test_requests_round_trip(message):
     "message",
     [
         proto.Token(id="a", text="hé", token=5),
-        proto.Done(id="a", text="hé", tokens=[5, 6], finish_reason="length", stats={"hit_rate": 0.5, "layers": [{"x": None}]}),
+        proto.Done(
+            id="a", text="hé", tokens=[5, 6], finish_reason="length", stats={"hit_rate": 0.5, "layers": [{"x": None}]}
+        ),
         proto.Error(id="a", code=proto.ENGINE, message="cannot read expert 3 of layer 1"),
         proto.Pong(id="p", pid=12, state="ready", version="0.1.0"),
         proto.StatusReply(id="s", status={"pid": 1}),
@@ -132,7 +134,12 @@ def test_random_bytes_never_escape_as_anything_but_protocol_error(data):
 
 
 values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8) | st.binary(max_size=8),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
     max_leaves=12,
 )
@@ -141,7 +148,9 @@ values = st.recursive(
 @settings(max_examples=300, deadline=None)
 @given(
     st.dictionaries(
-        st.sampled_from(["v", "type", "id", "prompt", "prompt_ids", "max_tokens", "temp", "top_p", "seed", "stop", "target", "zz"]),
+        st.sampled_from(
+            ["v", "type", "id", "prompt", "prompt_ids", "max_tokens", "temp", "top_p", "seed", "stop", "target", "zz"]
+        ),
         values,
         max_size=8,
     ),

@@ -111,8 +111,19 @@ def parse_unit(text: str) -> tuple[configparser.ConfigParser, list[str], dict[st
 
 
 def expected_argv(store: Path) -> list[str]:
-    return [PYTHON, "-m", "moestream.client.cli", "start", "--foreground",
-            "--model", str(store), "--memory-budget", "24G", "--policy", "lfu"]
+    return [
+        PYTHON,
+        "-m",
+        "moestream.client.cli",
+        "start",
+        "--foreground",
+        "--model",
+        str(store),
+        "--memory-budget",
+        "24G",
+        "--policy",
+        "lfu",
+    ]
 
 
 def start_params(argv: list[str]) -> dict[str, object]:
@@ -146,7 +157,18 @@ def dry_run_of(platform: str, output: str, path: Path) -> tuple[str, list[str], 
 def test_plist_has_every_key(store: Path, tmp_path: Path) -> None:
     home = tmp_path / "home"
     result = invoke(
-        ["install", "--platform", "darwin", "--no-load", "--model", str(store), "--memory-budget", "24G", "--policy", "lfu"],
+        [
+            "install",
+            "--platform",
+            "darwin",
+            "--no-load",
+            "--model",
+            str(store),
+            "--memory-budget",
+            "24G",
+            "--policy",
+            "lfu",
+        ],
         clean_env(home, MOESTREAM_IO_THREADS="3", MOESTREAM_POLICY="lru"),
     )
     assert result.exit_code == 0, result.output
@@ -176,8 +198,19 @@ def test_plist_has_every_key(store: Path, tmp_path: Path) -> None:
 def test_unit_has_every_key_and_passes_systemd_verify(store: Path, tmp_path: Path) -> None:
     home = tmp_path / "home"
     result = invoke(
-        ["install", "--platform", "linux", "--no-load", "--model", str(store), "--memory-budget", "24G", "--policy", "lfu"],
-        clean_env(home, MOESTREAM_IO_THREADS="3", MOESTREAM_LOG_FILE="/tmp/100% $HOME/\"x\".log"),
+        [
+            "install",
+            "--platform",
+            "linux",
+            "--no-load",
+            "--model",
+            str(store),
+            "--memory-budget",
+            "24G",
+            "--policy",
+            "lfu",
+        ],
+        clean_env(home, MOESTREAM_IO_THREADS="3", MOESTREAM_LOG_FILE='/tmp/100% $HOME/"x".log'),
     )
     assert result.exit_code == 0, result.output
     path = home / ".config" / "systemd" / "user" / "moestream.service"
@@ -191,7 +224,7 @@ def test_unit_has_every_key_and_passes_systemd_verify(store: Path, tmp_path: Pat
     assert unit["Install"]["WantedBy"] == "default.target"
     assert argv == expected_argv(store)
     assert environment["MOESTREAM_IO_THREADS"] == "3"
-    assert environment["MOESTREAM_LOG_FILE"] == "/tmp/100% $HOME/\"x\".log"
+    assert environment["MOESTREAM_LOG_FILE"] == '/tmp/100% $HOME/"x".log'
     assert environment["PATH"].split(":")[0] == os.path.dirname(PYTHON)
     assert "@EXEC_START@" not in text and "@ENVIRONMENT@" not in text
 
@@ -219,7 +252,9 @@ def test_systemd_verify_catches_what_the_quoting_prevents(tmp_path: Path) -> Non
     assert subprocess.run([verify, "verify", str(bad)], capture_output=True, timeout=30).returncode == 0
 
 
-@pytest.mark.parametrize("word", ["", " ", "a b", "%", "%%i", "$", "$$", "${HOME}", '"', "'", "\\", "\\\"", ";", "\t", "é ü"])
+@pytest.mark.parametrize(
+    "word", ["", " ", "a b", "%", "%%i", "$", "$$", "${HOME}", '"', "'", "\\", '\\"', ";", "\t", "é ü"]
+)
 def test_exec_words_round_trip(word: str) -> None:
     line = " ".join(sf.quote_exec_arg(w) for w in ["/bin/x", word, "tail"])
     assert systemd_words(line, expands_variables=True) == ["/bin/x", word, "tail"]
@@ -280,17 +315,50 @@ ODD = "x 100% $HOME ${X} \"dq\" 'sq' back\\slash &<>;"
 def test_every_daemon_setting_reaches_the_service(platform: str, pool: str, store: Path, tmp_path: Path) -> None:
     home = tmp_path / "home"
     log_file, runtime_dir = tmp_path / ODD / "daemon.log", tmp_path / f"run {ODD}"
-    args = ["--model", str(store), "--capacity", "25%", "--memory-budget", "24G", "--policy", "lfu",
-            "--prefetch", "off", "--autopin-frac", "0.3", "--diagnostics", "--io-threads", "3",
-            "--log-file", str(log_file), "--runtime-dir", str(runtime_dir)]
+    args = [
+        "--model",
+        str(store),
+        "--capacity",
+        "25%",
+        "--memory-budget",
+        "24G",
+        "--policy",
+        "lfu",
+        "--prefetch",
+        "off",
+        "--autopin-frac",
+        "0.3",
+        "--diagnostics",
+        "--io-threads",
+        "3",
+        "--log-file",
+        str(log_file),
+        "--runtime-dir",
+        str(runtime_dir),
+    ]
     # --no-mapped switches off a mapped pool that the environment or config would ask for.
     args += ["--host-cache", "20G", "--no-mapped"] if pool == "host-cache" else ["--mapped"]
-    expected = {"model": str(store), "capacity": "25%", "memory_budget": "24G", "policy": "lfu", "prefetch": "off",
-                "autopin_frac": 0.3, "diagnostics": True, "io_threads": 3, "log_file": str(log_file), "runtime_dir": str(runtime_dir)}
+    expected = {
+        "model": str(store),
+        "capacity": "25%",
+        "memory_budget": "24G",
+        "policy": "lfu",
+        "prefetch": "off",
+        "autopin_frac": 0.3,
+        "diagnostics": True,
+        "io_threads": 3,
+        "log_file": str(log_file),
+        "runtime_dir": str(runtime_dir),
+    }
     expected |= {"host_cache": "20G", "mapped": False} if pool == "host-cache" else {"mapped": True}
     # Variables of settings given as flags are left out (the flags win); the others travel.
-    env = clean_env(home, PATH=str(tmp_path / "no-tools"), MOESTREAM_PREFETCH="on", MOESTREAM_IO_THREADS="7",
-                    MOESTREAM_MAX_ACTIVE="3")
+    env = clean_env(
+        home,
+        PATH=str(tmp_path / "no-tools"),
+        MOESTREAM_PREFETCH="on",
+        MOESTREAM_IO_THREADS="7",
+        MOESTREAM_MAX_ACTIVE="3",
+    )
     path = sf.service_file_path(platform, home)
 
     result = invoke(["install", "--platform", platform, "--dry-run", *args], env)
@@ -315,7 +383,10 @@ def test_install_when_the_service_manager_fails_keeps_the_file_and_says_how(stor
     home = tmp_path / "home"
     # No reachable systemd user instance: the real systemctl fails (or is missing) here
     # and on any machine, so a developer's own session is never touched.
-    unreachable = {"XDG_RUNTIME_DIR": str(tmp_path / "no-runtime"), "DBUS_SESSION_BUS_ADDRESS": f"unix:path={tmp_path}/no-bus"}
+    unreachable = {
+        "XDG_RUNTIME_DIR": str(tmp_path / "no-runtime"),
+        "DBUS_SESSION_BUS_ADDRESS": f"unix:path={tmp_path}/no-bus",
+    }
     result = invoke(["install", "--platform", "linux", "--model", str(store)], clean_env(home, **unreachable))
     assert result.exit_code == 1, result.output
     assert (home / ".config" / "systemd" / "user" / "moestream.service").is_file()
@@ -382,10 +453,14 @@ def test_bad_settings_are_refused_before_writing(store: Path, tmp_path: Path) ->
         (["--model", str(store), "--capacity", "0"], "at least one slot"),
         (["--model", str(store), "--host-cache", "lots"], "cannot read 'lots' as a size"),
         (["--model", str(store), "--io-threads", "0"], "Invalid value for '--io-threads': must be between 1 and 256"),
-        (["--model", str(store), "--prefetch", "maybe"],
-         "Invalid value for '--prefetch': expected on, off or auto, got 'maybe'"),
-        (["--model", str(store), "--autopin-frac", "1.5"],
-         "Invalid value for '--autopin-frac': must be between 0 and 1"),
+        (
+            ["--model", str(store), "--prefetch", "maybe"],
+            "Invalid value for '--prefetch': expected on, off or auto, got 'maybe'",
+        ),
+        (
+            ["--model", str(store), "--autopin-frac", "1.5"],
+            "Invalid value for '--autopin-frac': must be between 0 and 1",
+        ),
         (["--model", str(store), "--mapped", "--host-cache", "4K"], "--mapped keeps every expert"),
         (["--openai", "--host-cache", "1G", "--diagnostics"], "--host-cache, --diagnostics: the daemon's settings"),
     ]
@@ -395,11 +470,15 @@ def test_bad_settings_are_refused_before_writing(store: Path, tmp_path: Path) ->
     result = invoke(["install", "--platform", "linux", "--no-load"], clean_env(home, MOESTREAM_IO_THREADS="many"))
     assert result.exit_code == 2 and "io_threads" in result.output
     # The pair is refused wherever its halves come from, as the daemon would refuse it.
-    result = invoke(["install", "--platform", "linux", "--no-load", "--host-cache", "4K"], clean_env(home, MOESTREAM_MAPPED="1"))
+    result = invoke(
+        ["install", "--platform", "linux", "--no-load", "--host-cache", "4K"], clean_env(home, MOESTREAM_MAPPED="1")
+    )
     assert result.exit_code == 2 and "--mapped keeps every expert" in result.output
     assert files_under(home) == []
     # A tier that holds every expert is what a mapped pool keeps anyway: accepted.
-    result = invoke(["install", "--platform", "linux", "--dry-run", "--model", str(store), "--mapped", "--host-cache", "1G"], env)
+    result = invoke(
+        ["install", "--platform", "linux", "--dry-run", "--model", str(store), "--mapped", "--host-cache", "1G"], env
+    )
     assert result.exit_code == 0, result.output
 
 
@@ -432,29 +511,55 @@ def test_client_side_imports_no_mlx() -> None:
 # cache, darwin a mapped pool (the two do not combine), each with its pool settings.
 RUN_CASES = {
     "linux": (
-        ["--capacity", "0.5", "--host-cache", "20G", "--prefetch", "off", "--diagnostics", "--io-threads", "2", "--autopin-frac", "0.25"],
+        [
+            "--capacity",
+            "0.5",
+            "--host-cache",
+            "20G",
+            "--prefetch",
+            "off",
+            "--diagnostics",
+            "--io-threads",
+            "2",
+            "--autopin-frac",
+            "0.25",
+        ],
         {"MOESTREAM_HOST_CACHE": "1G", "MOESTREAM_POLICY": "lru"},
         # mapped not given: auto, which with a host tier (and on this CPU) is the slot pool.
-        {"capacity": 0.5, "host_cache": 20 * 2**30, "mapped": "auto", "prefetch": "off", "diagnostics": True, "io_threads": 2,
-         "policy": "lfu"},
+        {
+            "capacity": 0.5,
+            "host_cache": 20 * 2**30,
+            "mapped": "auto",
+            "prefetch": "off",
+            "diagnostics": True,
+            "io_threads": 2,
+            "policy": "lfu",
+        },
     ),
     "darwin": (
         ["--capacity", "0.25", "--mapped", "--prefetch", "off", "--policy", "lru"],
         {"MOESTREAM_MAPPED": "0", "MOESTREAM_IO_THREADS": "3"},
-        {"capacity": 0.25, "host_cache": 0, "mapped": True, "prefetch": "off", "diagnostics": False, "io_threads": 3,
-         "policy": "lru"},
+        {
+            "capacity": 0.25,
+            "host_cache": 0,
+            "mapped": True,
+            "prefetch": "off",
+            "diagnostics": False,
+            "io_threads": 3,
+            "policy": "lru",
+        },
     ),
 }
 
 
 @pytest.mark.parametrize("platform", sf.PLATFORMS)
 def test_service_command_starts_a_daemon_with_its_settings(platform: str, store: Path, tmp_path: Path) -> None:
+    from daemon_cli import clean_env as child_env
+    from daemon_cli import ctl
+
     from moestream.client.client import Client, DaemonDied, DaemonNotRunning
     from moestream.shared.heat_file import usage_path, write_usage
     from moestream.shared.store_format import load_manifest
-
-    from daemon_cli import ctl
-    from daemon_cli import clean_env as child_env
 
     flags, shell_env, expected = RUN_CASES[platform]
     home = tmp_path / "home"
@@ -481,8 +586,10 @@ def test_service_command_starts_a_daemon_with_its_settings(platform: str, store:
     # Heat that names each layer's hottest experts, so --autopin-frac shows in the pins.
     heat = tmp_path / "heat"
     heat.mkdir()
-    write_usage(usage_path(heat), {layer.ordinal: {e: 100 - e for e in range(layer.num_experts)}
-                                   for layer in load_manifest(store).layers})
+    write_usage(
+        usage_path(heat),
+        {layer.ordinal: {e: 100 - e for e in range(layer.num_experts)} for layer in load_manifest(store).layers},
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOESTREAM_") and k != "XDG_CONFIG_HOME"}
     env |= environment | {"HOME": str(home), "MOESTREAM_HEAT_DIR": str(heat)}
     if platform == "linux":

@@ -87,12 +87,15 @@ def _flags_in_help(args: list[str]) -> set[str]:
     return {d.flag for d in SETTINGS if re.search(rf"{re.escape(d.flag)}(?![\w-])", out.output)}
 
 
-@pytest.mark.parametrize("args, command, scopes, skip", [
-    (["start"], start, (DAEMON,), set()),
-    (["restart"], restart, (DAEMON,), set()),
-    (["service", "install"], INSTALL, (DAEMON,), set()),
-    (["generate"], generate, (GENERATE, LOCAL), GENERATE_REQUEST_OPTIONS),
-])
+@pytest.mark.parametrize(
+    "args, command, scopes, skip",
+    [
+        (["start"], start, (DAEMON,), set()),
+        (["restart"], restart, (DAEMON,), set()),
+        (["service", "install"], INSTALL, (DAEMON,), set()),
+        (["generate"], generate, (GENERATE, LOCAL), GENERATE_REQUEST_OPTIONS),
+    ],
+)
 def test_commands_take_exactly_the_settings_of_their_scopes(args, command, scopes, skip):
     wanted = [d.name for d in in_scope(*scopes)]
     assert _setting_params(command, skip) == wanted  # in field order
@@ -157,8 +160,15 @@ def test_a_flag_a_variable_and_a_config_key_mean_the_same(d, tmp_path):
 
 @pytest.mark.parametrize("d", SETTINGS, ids=[d.name for d in SETTINGS])
 def test_a_bad_value_is_named_by_its_source(d, tmp_path):
-    bad = {"size": "lots", "capacity": "0", "bool": "maybe", "auto_bool": "maybe", "int": "many",
-           "float": "much", "choice": "bogus"}.get(d.kind)
+    bad = {
+        "size": "lots",
+        "capacity": "0",
+        "bool": "maybe",
+        "auto_bool": "maybe",
+        "int": "many",
+        "float": "much",
+        "choice": "bogus",
+    }.get(d.kind)
     if bad is None:
         return  # any text is a path
     with pytest.raises(SettingsError, match=rf"^environment variable {d.env}: {d.name}: "):
@@ -208,8 +218,12 @@ def test_status_reports_every_setting_as_restart_passes_it_back(tmp_path):
         if settings.mapped is None:
             assert reported["mapped"] == "auto" and reported["mapped_gather"] == "auto"
         # As `restart` and a detached `start` pass them on: --name VALUE to the daemon.
-        argv = [w for name, value in reported.items() if value is not None for w in (f"--{name.replace('_', '-')}",
-                                                                                     str(value))]
+        argv = [
+            w
+            for name, value in reported.items()
+            if value is not None
+            for w in (f"--{name.replace('_', '-')}", str(value))
+        ]
         args = build_parser().parse_args(argv)
         again = Settings.resolve({name: getattr(args, name) for name in DAEMON_FLAGS}, {}, tmp_path / "none.toml")
         assert again == settings

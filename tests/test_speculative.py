@@ -15,16 +15,23 @@ from typing import Sequence
 
 import mlx.core as mx
 import pytest
+from tiny_models import make_tiny_model
 
 from moestream.daemon.model.generation import SamplingParams, encode_prompt, generate
 from moestream.daemon.model.mtp_head import has_mtp, load_mtp_head
-from moestream.daemon.model.speculative import SpeculativeParams, SpeculativeStats, _Probe, _Watch, effective_draft_tokens, speculative_steps
-from moestream.daemon.store.convert import convert_model
+from moestream.daemon.model.speculative import (
+    SpeculativeParams,
+    SpeculativeStats,
+    _Probe,
+    _Watch,
+    effective_draft_tokens,
+    speculative_steps,
+)
 from moestream.daemon.model.streaming_model import load_streaming_model
+from moestream.daemon.store.convert import convert_model
 from moestream.shared import protocol as proto
 from moestream.shared.settings import Settings, demo_store_path
 from moestream.shared.store_format import load_manifest
-from tiny_models import make_tiny_model
 
 N = 32
 DEMO_PROMPT = "def read_lines(path):\n    "
@@ -35,7 +42,9 @@ def _greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
-def spec_tokens(sm, prompt: list[int], spec: SpeculativeParams, n: int = N, drafter=None) -> tuple[list[int], SpeculativeStats]:
+def spec_tokens(
+    sm, prompt: list[int], spec: SpeculativeParams, n: int = N, drafter=None
+) -> tuple[list[int], SpeculativeStats]:
     stats = SpeculativeStats(mode=spec.mode, draft_tokens_requested=spec.draft_tokens)
     steps = speculative_steps(sm, prompt, sampler=_greedy, max_tokens=n, spec=spec, stats=stats, drafter=drafter)
     return [t for t, _ in steps], stats
@@ -50,7 +59,11 @@ def tiny_stores():
     root = Path(tempfile.mkdtemp(prefix="msspec"))
     try:
         stores = {}
-        for name, arch, quant, mtp in (("next", "qwen3_next", "f32", True), ("next4", "qwen3_next", "4bit", True), ("moe", "qwen3_moe", "f32", False)):
+        for name, arch, quant, mtp in (
+            ("next", "qwen3_next", "f32", True),
+            ("next4", "qwen3_next", "4bit", True),
+            ("moe", "qwen3_moe", "f32", False),
+        ):
             src = make_tiny_model(root / f"{name}-model", arch, quant=quant, seed=3, mtp=mtp)
             convert_model(src, root / name)
             stores[name] = root / name
@@ -105,7 +118,10 @@ def test_generate_with_mtp_reports_speculation_and_falls_back_only_on_measuremen
         # The ABBA probe measured both; the decision follows the measurement.
         ratios = spec["probe_speed_ratios"]
         assert 2 <= len(ratios) <= 3
-        faster = sorted(ratios)[len(ratios) // 2] > 1 and spec["probe_tokens_per_s_speculative"] > spec["probe_tokens_per_s_plain"]
+        faster = (
+            sorted(ratios)[len(ratios) // 2] > 1
+            and spec["probe_tokens_per_s_speculative"] > spec["probe_tokens_per_s_plain"]
+        )
         assert spec["fell_back"] == (not faster)
         assert (spec["reason"] is not None) == (not faster)
     finally:
@@ -155,7 +171,9 @@ def test_qwen3_next_mtp_is_token_identical_to_plain_decode(tiny_stores, capacity
         # A random head is mostly wrong: rejected drafts restore the linear-attention state.
         assert stats.rounds > 0 and stats.replays > 0
         for probe_tokens in (1, 2):
-            alternating = SpeculativeParams("mtp", draft_tokens=2, fallback=False, probe_tokens=probe_tokens, alternate=True)
+            alternating = SpeculativeParams(
+                "mtp", draft_tokens=2, fallback=False, probe_tokens=probe_tokens, alternate=True
+            )
             got, stats = spec_tokens(sm, prompt, alternating)
             assert got == want, probe_tokens
             assert stats.switches >= N // (2 * probe_tokens + 3) and stats.replays > 0
@@ -264,7 +282,9 @@ def test_bucketed_key_lengths_keep_the_output(tiny_stores, name, capacity):
         want = plain_tokens(sm, prompt)
         mode = dict(mode="draft", draft_model=str(store)) if name == "moe" else dict(mode="mtp")
         for alternate in (False, True):
-            spec = SpeculativeParams(**mode, draft_tokens=3, fallback=False, probe_tokens=2, alternate=alternate, key_bucket=8)
+            spec = SpeculativeParams(
+                **mode, draft_tokens=3, fallback=False, probe_tokens=2, alternate=alternate, key_bucket=8
+            )
             got, stats = spec_tokens(sm, prompt, spec)
             assert got == want, alternate
             assert stats.to_dict()["key_bucket"] == 8 and stats.rounds > 0
@@ -296,7 +316,12 @@ def test_protocol_speculative_fields():
     assert proto.decode_request(proto.encode(msg)) == msg
     plain = proto.encode(proto.Generate(id="b", prompt="x"))
     assert b"speculative" not in plain  # older daemons still read it
-    for bad in (dict(speculative="eagle"), dict(speculative="draft"), dict(speculative="mtp", draft_tokens=9), dict(draft_tokens=2)):
+    for bad in (
+        dict(speculative="eagle"),
+        dict(speculative="draft"),
+        dict(speculative="mtp", draft_tokens=9),
+        dict(draft_tokens=2),
+    ):
         with pytest.raises(proto.ProtocolError):
             proto.decode_request(proto.encode(proto.Generate(id="c", prompt="x", **bad)))
 
@@ -307,7 +332,9 @@ def test_daemon_serves_speculative_requests():
     from moestream.client.client import Client
 
     rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msq"))
-    out = ctl("start", "--model", str(demo_store_path()), "--capacity", "0.25", "--runtime-dir", str(rt), env=clean_env())
+    out = ctl(
+        "start", "--model", str(demo_store_path()), "--capacity", "0.25", "--runtime-dir", str(rt), env=clean_env()
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     try:
         with Client(paths_of(rt)) as client:
@@ -370,23 +397,66 @@ def test_speculative_report_columns_line_up():
     "-" or a note runs long."""
     from moestream.daemon.bench.speculative import format_speculative_report
 
-    spec = {"draft_tokens": 1, "acceptance_rate": 0.75, "experts_read_per_accepted_token": 41.25,
-            "reason": "draft_tokens shrunk from 2 to 1: the pool holds 16 experts per layer"}
+    spec = {
+        "draft_tokens": 1,
+        "acceptance_rate": 0.75,
+        "experts_read_per_accepted_token": 41.25,
+        "reason": "draft_tokens shrunk from 2 to 1: the pool holds 16 experts per layer",
+    }
     rows = [
-        {"capacity": 1.0, "name": "plain", "tokens_per_s": 20.06, "speed_vs_plain": 1.0,
-         "plain_experts_read_per_token": 40, "same_tokens_as_plain": True, "first_diff": None},
-        {"capacity": 0.25, "name": "mtp-k2-auto", "tokens_per_s": 123.4, "speed_vs_plain": 0.85,
-         "plain_experts_read_per_token": 40, "same_tokens_as_plain": False, "first_diff": 17, "speculative": spec,
-         "after_decision_vs_plain": 0.9},
-        {"capacity": 0.25, "name": "mtp-k3", "tokens_per_s": 7.0, "speed_vs_plain": 0.473,
-         "plain_experts_read_per_token": None, "same_tokens_as_plain": True, "first_diff": None,
-         "speculative": {**spec, "draft_tokens": 3, "reason": None}},
+        {
+            "capacity": 1.0,
+            "name": "plain",
+            "tokens_per_s": 20.06,
+            "speed_vs_plain": 1.0,
+            "plain_experts_read_per_token": 40,
+            "same_tokens_as_plain": True,
+            "first_diff": None,
+        },
+        {
+            "capacity": 0.25,
+            "name": "mtp-k2-auto",
+            "tokens_per_s": 123.4,
+            "speed_vs_plain": 0.85,
+            "plain_experts_read_per_token": 40,
+            "same_tokens_as_plain": False,
+            "first_diff": 17,
+            "speculative": spec,
+            "after_decision_vs_plain": 0.9,
+        },
+        {
+            "capacity": 0.25,
+            "name": "mtp-k3",
+            "tokens_per_s": 7.0,
+            "speed_vs_plain": 0.473,
+            "plain_experts_read_per_token": None,
+            "same_tokens_as_plain": True,
+            "first_diff": None,
+            "speculative": {**spec, "draft_tokens": 3, "reason": None},
+        },
     ]
-    report = {"model_type": "qwen3_moe", "device": "cpu", "mode": "mtp", "decode_tokens": 16, "rounds": 1,
-              "results": rows}
+    report = {
+        "model_type": "qwen3_moe",
+        "device": "cpu",
+        "mode": "mtp",
+        "decode_tokens": 16,
+        "rounds": 1,
+        "results": rows,
+    }
     header, *lines = format_speculative_report(report).splitlines()[1:]
-    names = ["capacity", "config", "K", "tok/s", "x plain", "accept", "exp/tok", "plain exp/tok", "same", "after",
-             "note"]
+    names = [
+        "capacity",
+        "config",
+        "K",
+        "tok/s",
+        "x plain",
+        "accept",
+        "exp/tok",
+        "plain exp/tok",
+        "same",
+        "after",
+        "note",
+    ]
     starts, at = [], 0
     for name in names:  # in order, so that "exp/tok" is not found inside "plain exp/tok"
         at = header.index(name, at)

@@ -58,49 +58,63 @@ def tiny_config(arch: str) -> dict[str, Any]:
     """The HF-style config.json of a tiny model of `arch` (before quantization)."""
     common = {"model_type": arch, "vocab_size": VOCAB_SIZE, "hidden_size": HIDDEN, "rms_norm_eps": 1e-6}
     if arch == "qwen3_moe":
-        return common | _ATTN | {
-            "num_hidden_layers": 3,
-            "intermediate_size": 128,
-            "num_experts": 16,
-            "num_experts_per_tok": 4,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [1],  # one dense layer between two MoE layers
-            "moe_intermediate_size": 32,
-            "rope_theta": 10000.0,
-            "tie_word_embeddings": False,
-            "max_position_embeddings": 512,
-            "norm_topk_prob": True,
-        }
+        return (
+            common
+            | _ATTN
+            | {
+                "num_hidden_layers": 3,
+                "intermediate_size": 128,
+                "num_experts": 16,
+                "num_experts_per_tok": 4,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [1],  # one dense layer between two MoE layers
+                "moe_intermediate_size": 32,
+                "rope_theta": 10000.0,
+                "tie_word_embeddings": False,
+                "max_position_embeddings": 512,
+                "norm_topk_prob": True,
+            }
+        )
     if arch == "qwen3_next":
-        return common | _ATTN | _LINEAR_ATTN | {
-            "num_hidden_layers": 4,
-            "intermediate_size": 128,
-            "num_experts": 8,
-            "num_experts_per_tok": 2,
-            "decoder_sparse_step": 1,
-            "shared_expert_intermediate_size": 64,
-            "mlp_only_layers": [],
-            "moe_intermediate_size": 32,
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.25,
-            "max_position_embeddings": 512,
-            "norm_topk_prob": True,
-            "full_attention_interval": 2,
-        }
+        return (
+            common
+            | _ATTN
+            | _LINEAR_ATTN
+            | {
+                "num_hidden_layers": 4,
+                "intermediate_size": 128,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "decoder_sparse_step": 1,
+                "shared_expert_intermediate_size": 64,
+                "mlp_only_layers": [],
+                "moe_intermediate_size": 32,
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
+                "max_position_embeddings": 512,
+                "norm_topk_prob": True,
+                "full_attention_interval": 2,
+            }
+        )
     if arch == "qwen3_5_moe":
-        text = common | _ATTN | _LINEAR_ATTN | {
-            "model_type": "qwen3_5_moe_text",
-            "num_hidden_layers": 2,
-            "intermediate_size": 128,
-            "num_experts": 8,
-            "num_experts_per_tok": 2,
-            "shared_expert_intermediate_size": 64,
-            "moe_intermediate_size": 32,
-            "max_position_embeddings": 512,
-            "full_attention_interval": 2,
-            "tie_word_embeddings": False,
-            "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-        }
+        text = (
+            common
+            | _ATTN
+            | _LINEAR_ATTN
+            | {
+                "model_type": "qwen3_5_moe_text",
+                "num_hidden_layers": 2,
+                "intermediate_size": 128,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "shared_expert_intermediate_size": 64,
+                "moe_intermediate_size": 32,
+                "max_position_embeddings": 512,
+                "full_attention_interval": 2,
+                "tie_word_embeddings": False,
+                "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+            }
+        )
         return {"model_type": arch, "text_config": text, "tie_word_embeddings": False}
     if arch == "mixtral":
         return common | {
@@ -139,13 +153,17 @@ def tiny_config(arch: str) -> dict[str, Any]:
             "rope_theta": 10000.0,
         }
     if arch == "qwen3":
-        return common | _ATTN | {
-            "num_hidden_layers": 2,
-            "intermediate_size": 128,
-            "max_position_embeddings": 512,
-            "rope_theta": 10000.0,
-            "tie_word_embeddings": True,
-        }
+        return (
+            common
+            | _ATTN
+            | {
+                "num_hidden_layers": 2,
+                "intermediate_size": 128,
+                "max_position_embeddings": 512,
+                "rope_theta": 10000.0,
+                "tie_word_embeddings": True,
+            }
+        )
     if arch == "dbrx":
         return {
             "model_type": arch,
@@ -282,6 +300,7 @@ def _add_mtp(path: Path, config: dict[str, Any], quant: str, *, seed: int, group
     if quant != "f32":
         _cast_bf16(head)
     if quant in ("4bit", "8bit"):
+
         def predicate(p: str, m: nn.Module) -> bool | dict[str, Any]:
             if not hasattr(m, "to_quantized") or m.weight.shape[-1] % group_size:
                 return False
@@ -395,7 +414,6 @@ def write_tokenizer(path: str | Path) -> None:
     (path / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
 
 
-
 @contextlib.contextmanager
 def tiny_store(prefix: str, arch: str = "qwen3_moe", *, seed: int = 11) -> Iterator[Path]:
     """A tiny `arch` model converted to an expert store in a short /tmp folder (daemon
@@ -412,6 +430,7 @@ def tiny_store(prefix: str, arch: str = "qwen3_moe", *, seed: int = 11) -> Itera
         yield root / "store"
     finally:
         shutil.rmtree(root)
+
 
 def main(argv: list[str] | None = None) -> None:
     """Build one tiny model from the command line (used by the README's quick start)."""

@@ -16,7 +16,9 @@ import pytest
 @contextmanager
 def mounted_tmpfs(size_bytes: int, prefix: str) -> Iterator[Path]:
     mnt = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(mnt)], capture_output=True, text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if result.returncode:
         mnt.rmdir()
         pytest.skip(f"cannot mount a small tmpfs here (needs root): {result.stderr.strip()}")

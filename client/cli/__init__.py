@@ -27,4 +27,3 @@ for c in daemon.COMMANDS:
     main.add_command(c)
 main.add_command(service.service)
 main.add_command(serve_openai.serve_openai)
-

@@ -87,12 +87,16 @@ def start_daemon(settings: Settings, given: dict[str, Any], *, timeout: float = 
     environment and config file itself). Raises `StartError` with its log's tail.
     """
     if settings.model is None:
-        raise click.UsageError("give --model STORE (an expert store made by `moestreamctl convert`), or set MOESTREAM_MODEL")
+        raise click.UsageError(
+            "give --model STORE (an expert store made by `moestreamctl convert`), or set MOESTREAM_MODEL"
+        )
     store_option(settings.model)  # a wrong folder fails here, not in the daemon's log
     given = absolute_paths(given)
     paths = _paths(settings)
     if lock_is_held(paths):
-        raise click.ClickException(f"a moestream daemon is already running (pid {read_pid(paths)}); see `moestreamctl status`")
+        raise click.ClickException(
+            f"a moestream daemon is already running (pid {read_pid(paths)}); see `moestreamctl status`"
+        )
     try:
         ensure_private_dir(paths.dir)
         paths.log.parent.mkdir(parents=True, exist_ok=True)
@@ -174,7 +178,9 @@ def stop_daemon(paths: RuntimePaths, *, timeout: float = 30.0) -> int | None:
         except ProcessLookupError:
             return pid
         if not _wait_unlocked(paths, timeout):
-            raise click.ClickException(f"the daemon (pid {pid}) did not stop within {timeout:g} s of SIGTERM; `kill -9 {pid}` ends it")
+            raise click.ClickException(
+                f"the daemon (pid {pid}) did not stop within {timeout:g} s of SIGTERM; `kill -9 {pid}` ends it"
+            )
     return pid
 
 
@@ -201,8 +207,9 @@ daemon_setting_options = setting_options(DAEMON)
 
 
 def _start_options(f):
-    f = click.option("--timeout", default=120.0, show_default=True, type=float,
-                     help="Seconds to wait for the daemon to be ready.")(f)
+    f = click.option(
+        "--timeout", default=120.0, show_default=True, type=float, help="Seconds to wait for the daemon to be ready."
+    )(f)
     return daemon_setting_options(f)
 
 
@@ -217,7 +224,9 @@ def start(given, timeout, foreground) -> None:
         click.echo(f"note: {note}", err=True)
     if foreground:
         if settings.model is None:
-            raise click.UsageError("give --model STORE (an expert store made by `moestreamctl convert`), or set MOESTREAM_MODEL")
+            raise click.UsageError(
+                "give --model STORE (an expert store made by `moestreamctl convert`), or set MOESTREAM_MODEL"
+            )
         store_option(settings.model)  # a wrong folder fails here, not in the daemon's log
         from moestream.daemon.main import run_daemon
 
@@ -231,7 +240,13 @@ def start(given, timeout, foreground) -> None:
 
 @click.command()
 @click.option("--runtime-dir", help="The daemon's runtime folder.")
-@click.option("--timeout", default=30.0, show_default=True, type=float, help="Seconds to wait before SIGTERM, then again before giving up.")
+@click.option(
+    "--timeout",
+    default=30.0,
+    show_default=True,
+    type=float,
+    help="Seconds to wait before SIGTERM, then again before giving up.",
+)
 def stop(runtime_dir, timeout) -> None:
     """Stop the daemon: running requests end with finish reason "shutdown"."""
     paths = _paths(resolve_lenient({"runtime_dir": runtime_dir}))
@@ -313,19 +328,24 @@ def _format_status(st: dict[str, Any]) -> str:
         slots = sum(layer["capacity"] for layer in layers)
         pinned = sum(layer["pinned"] for layer in layers)
         lines.append(
-            f"  pool       {st['capacity']} slots x {st.get('moe_layers')} layers of {st.get('experts_per_layer')} experts, "
-            f"policy {st['policy']}; {resident}/{slots} slots used, {pinned} pinned; hit rate {_rate(pool.get('hit_rate'))}"
+            f"  pool       {st['capacity']} slots x {st.get('moe_layers')} layers of {st.get('experts_per_layer')} "
+            "experts, "
+            f"policy {st['policy']}; {resident}/{slots} slots used, {pinned} pinned; hit rate "
+            f"{_rate(pool.get('hit_rate'))}"
         )
     if pool.get("mapped_auto"):
         # What `mapped = auto` chose, and why (daemon/model/streaming_model.py choose_mapped).
         lines.append(f"  mapped     auto, {pool['mapped_auto']}")
     placement = pool.get("mapped_pool")
     if pool.get("mapped") and placement:
-        lines.append(f"  mapped     every expert in host memory, {placement['gpu_slots']} per layer in GPU memory; "
-                     f"GPU hit rate {_rate(placement.get('gpu_hit_rate'))}, {placement['moves']} moves")
+        lines.append(
+            f"  mapped     every expert in host memory, {placement['gpu_slots']} per layer in GPU memory; "
+            f"GPU hit rate {_rate(placement.get('gpu_hit_rate'))}, {placement['moves']} moves"
+        )
     ended = ", ".join(f"{req.get(k, 0)} {k}" for k in ("completed", "cancelled", "disconnected", "failed"))
     lines += [
-        f"  memory     RSS {_size(mem['rss_bytes'])}, MLX active {_size(mem['mlx_active_bytes'])}, peak {_size(mem['mlx_peak_bytes'])}",
+        f"  memory     RSS {_size(mem['rss_bytes'])}, MLX active {_size(mem['mlx_active_bytes'])}, peak "
+        f"{_size(mem['mlx_peak_bytes'])}",
         f"  requests   {req['active']} active, {req['queued']} queued, {st['clients']['connected']} clients connected; "
         f"{req.get('requests', 0)} received: {ended}; {req.get('tokens', 0)} tokens made",
     ]
@@ -410,38 +430,46 @@ def stats(runtime_dir, as_json) -> None:
     pool, reader, req = st.get("pool", {}), st.get("reader", {}), st.get("requests", {})
     click.echo(f"model {st.get('model')}: {st.get('capacity')} slots per layer, policy {st.get('policy')}")
     click.echo(
-        f"total: hit rate {_rate(pool.get('hit_rate'))}, hits {pool.get('hits_prefill', 0)}+{pool.get('hits_decode', 0)} "
+        f"total: hit rate {_rate(pool.get('hit_rate'))}, hits "
+        f"{pool.get('hits_prefill', 0)}+{pool.get('hits_decode', 0)} "
         f"(prefill+decode), misses {pool.get('misses_prefill', 0)}+{pool.get('misses_decode', 0)}, "
         f"evictions {pool.get('evictions', 0)}, read {_size(pool.get('bytes_read'))}"
     )
     placement = pool.get("mapped_pool")
     if placement:
         click.echo(
-            f"mapped pool: {placement['gpu_slots']} experts per layer in GPU memory, GPU hit rate {_rate(placement['gpu_hit_rate'])} "
+            f"mapped pool: {placement['gpu_slots']} experts per layer in GPU memory, GPU hit rate "
+            f"{_rate(placement['gpu_hit_rate'])} "
             f"({placement['routed_on_gpu']} of {placement['routed']} routed), {placement['moves']} moves, "
-            f"read-back {placement['readback_seconds']:.3f} s, decide {placement['decide_seconds']:.3f} s, place {placement['place_seconds']:.3f} s"
+            f"read-back {placement['readback_seconds']:.3f} s, decide {placement['decide_seconds']:.3f} s, place "
+            f"{placement['place_seconds']:.3f} s"
         )
-    click.echo(f"requests: {req.get('requests', 0)} received: " + ", ".join(
-        f"{req.get(k, 0)} {k}" for k in ("completed", "cancelled", "disconnected", "failed"))
-        + f"; {req.get('tokens', 0)} tokens made, {req.get('queued', 0)} queued")
+    click.echo(
+        f"requests: {req.get('requests', 0)} received: "
+        + ", ".join(f"{req.get(k, 0)} {k}" for k in ("completed", "cancelled", "disconnected", "failed"))
+        + f"; {req.get('tokens', 0)} tokens made, {req.get('queued', 0)} queued"
+    )
     if reader:
         click.echo("read engine: " + ", ".join(f"{k} {v}" for k, v in reader.items() if isinstance(v, (int, float))))
     click.echo(f"{'layer':>5} {'resident':>9} {'capacity':>9} {'pinned':>7} {'hit rate':>9}")
     for layer in pool.get("layers", []):
-        click.echo(f"{layer['layer']:>5} {layer['resident']:>9} {layer['capacity']:>9} {layer['pinned']:>7} {_rate(layer['hit_rate']):>9}")
+        click.echo(
+            f"{layer['layer']:>5} {layer['resident']:>9} {layer['capacity']:>9} {layer['pinned']:>7} "
+            f"{_rate(layer['hit_rate']):>9}"
+        )
     _echo_prefetch(st.get("prefetch"), st.get("diagnostics"))
 
 
 def _echo_prefetch(pf: dict[str, Any] | None, diag: dict[str, Any] | None) -> None:
     if pf:
         auto = pf.get("auto") or {}
-        state = f"prefetch: {pf['mode']} ({'on' if pf['enabled'] else 'off'} now{'; ' + auto['decision'] if auto else ''}), "
-        if pf.get("kind") == "mapped":  # daemon/mapped/mapped_prefetch.py: copies on the device, no reads
-            click.echo(state + f"{pf['staged']} experts staged ahead in {pf['forwards']} forwards")
-        else:
-            ahead = f", {pf['depth']} layers ahead" if pf.get("depth", 1) > 1 else ""
-            click.echo(state + f"{pf['submitted']} read{ahead}, {pf['promoted']} promoted ({pf['waited']} waited for), "
-                       f"{pf['dropped_unused']} dropped unused")
+        decision = "; " + auto["decision"] if auto else ""
+        state = f"prefetch: {pf['mode']} ({'on' if pf['enabled'] else 'off'} now{decision}), "
+        ahead = f", {pf['depth']} layers ahead" if pf.get("depth", 1) > 1 else ""
+        click.echo(
+            state + f"{pf['submitted']} read{ahead}, {pf['promoted']} promoted ({pf['waited']} waited for), "
+            f"{pf['dropped_unused']} dropped unused"
+        )
     totals = (diag or {}).get("totals")
     if not totals:
         click.echo("diagnostics: none recorded (`moestreamctl start --diagnostics`, or `generate --diagnostics`)")
@@ -457,12 +485,20 @@ def diagnostics_lines(d: dict[str, Any]) -> list[str]:
     for phase, buckets in d["attribution"].items():
         lines.append(f"  {phase}: " + ", ".join(f"{k} {v}" for k, v in buckets.items()))
     seg = d["segments"]
-    lines.append("  ms per call: " + ", ".join(f"{k} {v['mean_ms']:.3f}" for k, v in seg.items() if v["mean_ms"] is not None))
+    lines.append(
+        "  ms per call: " + ", ".join(f"{k} {v['mean_ms']:.3f}" for k, v in seg.items() if v["mean_ms"] is not None)
+    )
     if d["window"]["mean_ms"] is not None:
-        lines.append(f"  compute window {d['window']['mean_ms']:.3f} ms, read wait {d['read_wait']['seconds'] * 1e3:.1f} ms in all")
+        lines.append(
+            f"  compute window {d['window']['mean_ms']:.3f} ms, read wait {d['read_wait']['seconds'] * 1e3:.1f} ms in "
+            "all"
+        )
     for ordinal, layer in d["layers"].items():
-        union = ", ".join(f"{seq}: p50 {u['p50']:.0f} p99 {u['p99']:.0f} max {u['max']}" for seq, u in layer["union"].items())
+        union = ", ".join(
+            f"{seq}: p50 {u['p50']:.0f} p99 {u['p99']:.0f} max {u['max']}" for seq, u in layer["union"].items()
+        )
         lines.append(f"  layer {ordinal} union by tokens per sequence: {union}")
     return lines
+
 
 COMMANDS = (start, stop, restart, status, logs, stats)

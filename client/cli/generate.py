@@ -41,7 +41,9 @@ def _parse_ids(text: str | None) -> list[int] | None:
     try:
         ids = [int(t) for t in text.replace(",", " ").split()]
     except ValueError:
-        raise click.BadParameter("expected token ids separated by commas or spaces, e.g. 1,2,3", param_hint="--prompt-ids") from None
+        raise click.BadParameter(
+            "expected token ids separated by commas or spaces, e.g. 1,2,3", param_hint="--prompt-ids"
+        ) from None
     if not ids:
         raise click.BadParameter("no token ids given", param_hint="--prompt-ids")
     return ids
@@ -49,7 +51,11 @@ def _parse_ids(text: str | None) -> list[int] | None:
 
 def _prompt_text(prompt: str | None, prompt_file: str | None, prompt_ids: str | None) -> str | None:
     """The text prompt from PROMPT (`-`: standard input) or --prompt-file; None with --prompt-ids."""
-    given = [name for name, value in (("PROMPT", prompt), ("--prompt-file", prompt_file), ("--prompt-ids", prompt_ids)) if value is not None]
+    given = [
+        name
+        for name, value in (("PROMPT", prompt), ("--prompt-file", prompt_file), ("--prompt-ids", prompt_ids))
+        if value is not None
+    ]
     if not given:
         raise click.UsageError("give a PROMPT (`-` reads it from standard input), --prompt-file FILE or --prompt-ids")
     if len(given) > 1:
@@ -88,21 +94,60 @@ class PrefillProgress:
 
 @click.command()
 @click.argument("prompt", required=False)
-@click.option("--prompt-file", type=click.Path(dir_okay=False, allow_dash=True), help="Read the prompt from a file (`-`: standard input).")
+@click.option(
+    "--prompt-file",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    help="Read the prompt from a file (`-`: standard input).",
+)
 @click.option("--prompt-ids", help="Token ids instead of a text prompt: 1,2,3, @FILE, or - (standard input).")
 @click.option("--local", is_flag=True, help="Run in this process instead of through the daemon.")
 @setting_options(GENERATE, LOCAL)
 @click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(1, None))
-@click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0.0, None), help="Sampling temperature; 0 is greedy.")
+@click.option(
+    "--temp",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0.0, None),
+    help="Sampling temperature; 0 is greedy.",
+)
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0))
 @click.option("--seed", type=int, help="Random seed for sampling.")
-@click.option("--speculative", type=click.Choice(["mtp", "draft"]), help="Speculative decoding: the model's MTP head, or a draft model.")
-@click.option("--draft-tokens", type=click.IntRange(1, 8), help="Tokens drafted per round with --speculative (default 2).")
-@click.option("--draft-model", type=click.Path(file_okay=False), help="Draft model (store or mlx-lm folder) for --speculative draft.")
-@click.option("--diagnostics", is_flag=True, help="Add hot-path diagnostics (segment times, predictor recall, miss attribution) to the stats; without --json, a summary on stderr.")
+@click.option(
+    "--speculative",
+    type=click.Choice(["mtp", "draft"]),
+    help="Speculative decoding: the model's MTP head, or a draft model.",
+)
+@click.option(
+    "--draft-tokens", type=click.IntRange(1, 8), help="Tokens drafted per round with --speculative (default 2)."
+)
+@click.option(
+    "--draft-model",
+    type=click.Path(file_okay=False),
+    help="Draft model (store or mlx-lm folder) for --speculative draft.",
+)
+@click.option(
+    "--diagnostics",
+    is_flag=True,
+    help="Add hot-path diagnostics (segment times, predictor recall, miss attribution) to the stats; without --json, "
+    "a summary on stderr.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, tokens and stats.")
-def generate(prompt, prompt_file, prompt_ids, local, given, max_tokens, temp, top_p, seed, speculative, draft_tokens,
-             draft_model, diagnostics, as_json) -> None:
+def generate(
+    prompt,
+    prompt_file,
+    prompt_ids,
+    local,
+    given,
+    max_tokens,
+    temp,
+    top_p,
+    seed,
+    speculative,
+    draft_tokens,
+    draft_model,
+    diagnostics,
+    as_json,
+) -> None:
     """Generate text for PROMPT, streaming it to stdout.
 
     PROMPT `-` reads the prompt from standard input (`cat notes.txt | moestreamctl
@@ -115,8 +160,11 @@ def generate(prompt, prompt_file, prompt_ids, local, given, max_tokens, temp, to
         raise click.UsageError("--speculative draft needs --draft-model PATH, and only it takes one")
     if draft_tokens is not None and speculative is None:
         raise click.UsageError("--draft-tokens needs --speculative")
-    spec = dict(speculative=speculative, draft_tokens=draft_tokens,
-                draft_model=os.path.abspath(draft_model) if draft_model else None)
+    spec = dict(
+        speculative=speculative,
+        draft_tokens=draft_tokens,
+        draft_model=os.path.abspath(draft_model) if draft_model else None,
+    )
     try:
         settings = Settings.resolve(given)
     except SettingsError as e:
@@ -126,22 +174,36 @@ def generate(prompt, prompt_file, prompt_ids, local, given, max_tokens, temp, to
         click.echo(f"note: {note}", err=True)
     progress = PrefillProgress(sys.stderr)
     if not local:
-        done = _generate_via_daemon(settings, given, text, ids, as_json, progress,
-                                    dict(max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed, diagnostics=diagnostics, **spec))
+        done = _generate_via_daemon(
+            settings,
+            given,
+            text,
+            ids,
+            as_json,
+            progress,
+            dict(max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed, diagnostics=diagnostics, **spec),
+        )
         _report(done.text, done.tokens, done.stats, as_json, diagnostics)
         return
     if settings.model is None:
         raise click.UsageError("no built-in demo model: give --model STORE")
     store_option(settings.model)  # a wrong folder is a usage error naming --model
 
+    from moestream.daemon.model.generation import SamplingParams, encode_prompt
+    from moestream.daemon.model.generation import generate as run
+    from moestream.daemon.model.streaming_model import load_streaming_model
     from moestream.daemon.pool.expert_pool import PoolCapacityError
     from moestream.daemon.pool.expert_reader import ExpertReadError
-    from moestream.daemon.model.generation import SamplingParams, encode_prompt, generate as run
-    from moestream.daemon.model.streaming_model import load_streaming_model
     from moestream.shared.store_format import StoreError
 
-    params = SamplingParams(max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed, diagnostics=diagnostics,
-                            **{**spec, "draft_tokens": draft_tokens or 2})
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temp=temp,
+        top_p=top_p,
+        seed=seed,
+        diagnostics=diagnostics,
+        **{**spec, "draft_tokens": draft_tokens or 2},
+    )
     try:
         sm = load_streaming_model(settings.model, settings, max_tokens=max_tokens + 4096)
     except (StoreError, PoolCapacityError, ExpertReadError, ValueError) as e:
@@ -199,13 +261,20 @@ def _check_served_store(model: str, status: dict) -> None:
         )
 
 
-def _generate_via_daemon(settings: Settings, given: dict, prompt: str | None, ids: list[int] | None, as_json: bool,
-                         progress: PrefillProgress, sampling: dict) -> Any:
+def _generate_via_daemon(
+    settings: Settings,
+    given: dict,
+    prompt: str | None,
+    ids: list[int] | None,
+    as_json: bool,
+    progress: PrefillProgress,
+    sampling: dict,
+) -> Any:
     """Stream from the daemon, starting it first when none runs; returns the `Done` event.
     `given`: the settings given as options; a daemon started here gets those of its
     scope (GENERATE), not the --local ones."""
-    from moestream.client.client import Client, ClientError, DaemonNotRunning, Progress, Token
     from moestream.client.cli.daemon import start_daemon
+    from moestream.client.client import Client, ClientError, DaemonNotRunning, Progress, Token
     from moestream.shared.runtime_dir import RuntimeDirError, RuntimePaths
 
     try:
@@ -232,11 +301,17 @@ def _generate_via_daemon(settings: Settings, given: dict, prompt: str | None, id
         if status.get("store_problem"):
             click.echo(f"warning: {status['store_problem']}", err=True)
         running = status.get("settings", {})
-        ignored = [definition(k).flag for k, v in given.items() if v is not None and k not in _NOT_KEPT
-                   and running.get(k) != definition(k).flag_value(getattr(settings, k))]
+        ignored = [
+            definition(k).flag
+            for k, v in given.items()
+            if v is not None and k not in _NOT_KEPT and running.get(k) != definition(k).flag_value(getattr(settings, k))
+        ]
         if ignored:
-            click.echo(f"note: {', '.join(ignored)} ignored: the running daemon keeps its pool settings "
-                       "(`moestreamctl restart` with new flags changes them)", err=True)
+            click.echo(
+                f"note: {', '.join(ignored)} ignored: the running daemon keeps its pool settings "
+                "(`moestreamctl restart` with new flags changes them)",
+                err=True,
+            )
         stream = None
         shown = 0
         try:

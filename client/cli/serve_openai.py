@@ -53,7 +53,9 @@ def read_api_key(api_key: str | None, api_key_file: str | None) -> str | None:
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on host:port (port 0: any free port)."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
         sock = socket.socket(family, kind, proto)
     except OSError as e:
         raise click.ClickException(f"cannot listen on {host}:{port}: {e}") from None
@@ -69,12 +71,30 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 @click.command("serve-openai")
-@click.option("--host", default=DEFAULT_HOST, show_default=True, help="Address to listen on; anything but loopback needs an API key.")
-@click.option("--port", default=DEFAULT_PORT, show_default=True, type=click.IntRange(0, 65535), help="TCP port (0: any free port).")
-@click.option("--api-key", help="Clients must send `Authorization: Bearer KEY` (visible in `ps`: prefer --api-key-file).")
+@click.option(
+    "--host",
+    default=DEFAULT_HOST,
+    show_default=True,
+    help="Address to listen on; anything but loopback needs an API key.",
+)
+@click.option(
+    "--port",
+    default=DEFAULT_PORT,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="TCP port (0: any free port).",
+)
+@click.option(
+    "--api-key", help="Clients must send `Authorization: Bearer KEY` (visible in `ps`: prefer --api-key-file)."
+)
 @click.option("--api-key-file", type=click.Path(dir_okay=False), help="File whose first line is the API key.")
 @click.option("--runtime-dir", help="The daemon's runtime folder (default $XDG_RUNTIME_DIR/moestream).")
-@click.option("--log-level", default="info", show_default=True, type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+@click.option(
+    "--log-level",
+    default="info",
+    show_default=True,
+    type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+)
 def serve_openai(host, port, api_key, api_key_file, runtime_dir, log_level) -> None:
     """Serve the OpenAI HTTP API (chat, completions, models, health) from the daemon.
 
@@ -114,7 +134,12 @@ def serve_openai(host, port, api_key, api_key_file, runtime_dir, log_level) -> N
     )
     app = create_app(GatewayConfig(paths=paths, api_key=key))
     config = uvicorn.Config(
-        app, host=host, port=actual, log_level=log_level, lifespan="off", server_header=False,
+        app,
+        host=host,
+        port=actual,
+        log_level=log_level,
+        lifespan="off",
+        server_header=False,
         # Streams still open after this many seconds of a shutdown are cancelled, and with
         # them their daemon requests.
         timeout_graceful_shutdown=5,

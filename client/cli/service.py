@@ -37,7 +37,10 @@ class ManagerError(click.ClickException):
 
 def _platform_option(f):
     return click.option(
-        "--platform", "platform_name", type=click.Choice(sf.PLATFORMS), hidden=True,
+        "--platform",
+        "platform_name",
+        type=click.Choice(sf.PLATFORMS),
+        hidden=True,
         help="Make the files of this system instead of the running one.",
     )(f)
 
@@ -48,7 +51,9 @@ def _dry_run_option(f):
 
 def _openai_option(f):
     return click.option(
-        "--openai", "openai", is_flag=True,
+        "--openai",
+        "openai",
+        is_flag=True,
         help="The OpenAI-compatible gateway's service (`moestreamctl serve-openai`) instead of the daemon's.",
     )(f)
 
@@ -146,8 +151,10 @@ def service() -> None:
 @click.option("--host", help="With --openai: the address it listens on (default 127.0.0.1).")
 @click.option("--port", type=click.IntRange(1, 65535), help="With --openai: its TCP port (default 8080).")
 @click.option(
-    "--api-key-file", type=click.Path(exists=True, dir_okay=False),
-    help="With --openai: the file holding its API key (needed beyond loopback; the key itself is never written into the service file).",
+    "--api-key-file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="With --openai: the file holding its API key (needed beyond loopback; the key itself is never written into "
+    "the service file).",
 )
 @_dry_run_option
 @_platform_option
@@ -168,11 +175,16 @@ def install(given, no_load, openai, host, port, api_key_file, dry_run, platform_
     if openai:
         daemon_flags = [definition(name).flag for name, value in given.items() if value is not None]
         if daemon_flags:
-            raise click.UsageError(f"{', '.join(daemon_flags)}: the daemon's settings, not the gateway's; install the daemon without --openai")
+            raise click.UsageError(
+                f"{', '.join(daemon_flags)}: the daemon's settings, not the gateway's; install the daemon without "
+                "--openai"
+            )
         argv, environment = _gateway_service(env, host, port, api_key_file)
         _install(platform, home, env, sf.OPENAI, argv, environment, no_load=no_load, dry_run=dry_run)
         return
-    gateway_flags = [f for f, v in (("--host", host), ("--port", port), ("--api-key-file", api_key_file)) if v is not None]
+    gateway_flags = [
+        f for f, v in (("--host", host), ("--port", port), ("--api-key-file", api_key_file)) if v is not None
+    ]
     if gateway_flags:
         raise click.UsageError(f"{', '.join(gateway_flags)}: only with --openai (the gateway's service)")
     # The service starts in another folder than this shell, so relative paths break.
@@ -190,10 +202,14 @@ def install(given, no_load, openai, host, port, api_key_file, dry_run, platform_
         if settings.mapped and 0 < settings.host_cache < need:
             # The daemon refuses this pair when it loads the model (daemon/model/streaming_model.py);
             # refusing it here keeps the service from failing and restarting every RestartSec.
-            raise click.UsageError(f"--mapped keeps every expert ({format_size(need)}) in host memory, more than "
-                                   f"--host-cache {format_size(settings.host_cache)}: give a larger one or drop one of them")
+            raise click.UsageError(
+                f"--mapped keeps every expert ({format_size(need)}) in host memory, more than "
+                f"--host-cache {format_size(settings.host_cache)}: give a larger one or drop one of them"
+            )
     else:
-        click.echo("note: no --model or MOESTREAM_MODEL given: the daemon will start with its built-in default", err=True)
+        click.echo(
+            "note: no --model or MOESTREAM_MODEL given: the daemon will start with its built-in default", err=True
+        )
 
     python = os.path.abspath(sys.executable)  # not resolved: a venv's python is a symlink
     try:
@@ -206,7 +222,9 @@ def install(given, no_load, openai, host, port, api_key_file, dry_run, platform_
     _install(platform, home, env, sf.DAEMON, argv, environment, no_load=no_load, dry_run=dry_run)
 
 
-def _gateway_service(env: Mapping[str, str], host: str | None, port: int | None, api_key_file: str | None) -> tuple[list[str], dict[str, str]]:
+def _gateway_service(
+    env: Mapping[str, str], host: str | None, port: int | None, api_key_file: str | None
+) -> tuple[list[str], dict[str, str]]:
     """The gateway service's command line and environment, checked as `serve-openai` checks them."""
     from moestream.client.cli.serve_openai import DEFAULT_HOST, DEFAULT_PORT, is_loopback, read_api_key
 
@@ -215,7 +233,10 @@ def _gateway_service(env: Mapping[str, str], host: str | None, port: int | None,
         api_key_file = os.path.abspath(os.path.expanduser(api_key_file))
         read_api_key(None, api_key_file)  # an unreadable or empty file fails here, not in a restart loop
     elif not is_loopback(host):
-        raise click.UsageError(f"--host {host} accepts connections from other machines: give --api-key-file FILE, or use --host {DEFAULT_HOST}")
+        raise click.UsageError(
+            f"--host {host} accepts connections from other machines: give --api-key-file FILE, or use --host "
+            f"{DEFAULT_HOST}"
+        )
     try:
         Settings.resolve({}, env)  # the MOESTREAM_* settings the service will run with
     except SettingsError as e:
@@ -231,8 +252,15 @@ def _gateway_service(env: Mapping[str, str], host: str | None, port: int | None,
 
 
 def _install(
-    platform: str, home: Path, env: Mapping[str, str], svc: sf.Service, argv: list[str], environment: dict[str, str],
-    *, no_load: bool, dry_run: bool,
+    platform: str,
+    home: Path,
+    env: Mapping[str, str],
+    svc: sf.Service,
+    argv: list[str],
+    environment: dict[str, str],
+    *,
+    no_load: bool,
+    dry_run: bool,
 ) -> None:
     """Write the service file of `svc` and load it (or say what would be done)."""
     try:

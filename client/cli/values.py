@@ -122,5 +122,8 @@ def capacity_note(settings: Settings) -> str | None:
         return None  # the command that loads the store says what is wrong with it
     most = max((layer.num_experts for layer in manifest.layers), default=0)
     if most and settings.capacity > most:
-        return f"--capacity {settings.capacity} is more than the {most} experts of a layer: the pool holds all {most} (100%)"
+        return (
+            f"--capacity {settings.capacity} is more than the {most} experts of a layer: "
+            f"the pool holds all {most} (100%)"
+        )
     return None

@@ -109,7 +109,12 @@ def _daemon_error(e: RequestRejected) -> ApiError:
 
 def _unavailable(e: ClientError) -> ApiError:
     if isinstance(e, DaemonNotRunning):
-        return ApiError(503, "no moestream daemon is running; start it with `moestreamctl start`", type="server_error", code="daemon_not_running")
+        return ApiError(
+            503,
+            "no moestream daemon is running; start it with `moestreamctl start`",
+            type="server_error",
+            code="daemon_not_running",
+        )
     return ApiError(503, f"the moestream daemon is not available: {e}", type="server_error", code="daemon_unavailable")
 
 
@@ -119,7 +124,9 @@ def ready_status(client: Client) -> dict[str, Any]:
     state = st.get("state")
     if state != "ready":
         why = f" ({st['error']})" if st.get("error") else ""
-        raise ApiError(503, f"the moestream daemon is {state}{why}; try again shortly", type="server_error", code=f"daemon_{state}")
+        raise ApiError(
+            503, f"the moestream daemon is {state}{why}; try again shortly", type="server_error", code=f"daemon_{state}"
+        )
     return st
 
 
@@ -128,8 +135,10 @@ def check_model(st: dict[str, Any], asked: str | None, demo_store_id: str | None
     served = model_id(st, demo_store_id)
     if asked is not None and asked not in (served, MODEL_ALIAS, st.get("model")):
         raise ApiError(
-            404, f"The model {asked!r} does not exist: this server serves {served!r} (also reachable as {MODEL_ALIAS!r})",
-            param="model", code="model_not_found",
+            404,
+            f"The model {asked!r} does not exist: this server serves {served!r} (also reachable as {MODEL_ALIAS!r})",
+            param="model",
+            code="model_not_found",
         )
     return served
 
@@ -142,7 +151,9 @@ class DaemonRequest:
     the event loop at any time; the thread cancels the daemon's request at its next event.
     """
 
-    def __init__(self, config: GatewayConfig, req: ApiRequest, request_id: str, slots: threading.BoundedSemaphore) -> None:
+    def __init__(
+        self, config: GatewayConfig, req: ApiRequest, request_id: str, slots: threading.BoundedSemaphore
+    ) -> None:
         self._config = config
         self._req = req
         self._id = request_id
@@ -200,7 +211,9 @@ class _EventStream(StreamingResponse):
     (finished, client disconnected, server shutting down)."""
 
     def __init__(self, content: AsyncIterator[str], request: DaemonRequest) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self._request = request
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -238,13 +251,16 @@ class Gateway:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise ApiError(
-                401, "Incorrect or missing API key: send the header `Authorization: Bearer <key>` with this server's key",
+                401,
+                "Incorrect or missing API key: send the header `Authorization: Bearer <key>` with this server's key",
                 code="invalid_api_key",
             )
 
     async def _read_json(self, request: Request) -> Any:
         limit = self.config.max_body_bytes
-        too_large = ApiError(413, f"the request body is over this server's limit of {limit} bytes", code="request_too_large")
+        too_large = ApiError(
+            413, f"the request body is over this server's limit of {limit} bytes", code="request_too_large"
+        )
         declared = request.headers.get("content-length")
         if declared is not None:
             if not declared.isdigit():
@@ -263,7 +279,9 @@ class Gateway:
         try:
             return json.loads(b"".join(chunks))
         except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep
-            raise ApiError(400, f"the request body is not valid JSON: {type(e).__name__}: {e}", code="invalid_json") from None
+            raise ApiError(
+                400, f"the request body is not valid JSON: {type(e).__name__}: {e}", code="invalid_json"
+            ) from None
 
     # ---- endpoints ---------------------------------------------------------------------
 
@@ -300,8 +318,12 @@ class Gateway:
 
     def _model_object(self, st: dict[str, Any]) -> dict[str, Any]:
         created = int(time.time() - float(st.get("uptime_s") or 0.0))
-        return {"id": model_id(st, self.config.demo_store_id), "object": "model", "created": created,
-                "owned_by": "moestream"}
+        return {
+            "id": model_id(st, self.config.demo_store_id),
+            "object": "model",
+            "created": created,
+            "owned_by": "moestream",
+        }
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
@@ -324,7 +346,12 @@ class Gateway:
         self._authorize(request)
         req = parse_request(await self._read_json(request), chat=chat)
         if not self._slots.acquire(blocking=False):
-            raise ApiError(429, f"the gateway already serves {self.config.max_concurrent} requests; try again shortly", type="rate_limit_error", code="busy")
+            raise ApiError(
+                429,
+                f"the gateway already serves {self.config.max_concurrent} requests; try again shortly",
+                type="rate_limit_error",
+                code="busy",
+            )
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         daemon = DaemonRequest(self.config, req, request_id, self._slots)
         daemon.start()
@@ -404,7 +431,7 @@ class Gateway:
             return
         # Text held back for a possible stop string comes only with `done`.
         streamed = "".join(sent)
-        rest = event.text[len(streamed):] if event.text.startswith(streamed) else ""
+        rest = event.text[len(streamed) :] if event.text.startswith(streamed) else ""
         if rest:
             yield _sse(shaper.chunk(rest, with_usage=extra))
         yield _sse(shaper.chunk(None, finish_reason(event.finish_reason), with_usage=extra))
@@ -414,7 +441,9 @@ class Gateway:
 
 
 def _shutdown_error() -> ApiError:
-    return ApiError(503, "the moestream daemon shut down during this request", type="server_error", code="daemon_shutdown")
+    return ApiError(
+        503, "the moestream daemon shut down during this request", type="server_error", code="daemon_shutdown"
+    )
 
 
 def _usage(done: Done) -> dict[str, int]:

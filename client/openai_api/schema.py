@@ -30,7 +30,15 @@ MAX_TEMPERATURE = 2.0
 class ApiError(Exception):
     """An HTTP error answered as OpenAI does: `status` and an error object."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -64,7 +72,9 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _number(body: dict[str, Any], name: str, default: float, low: float, high: float, *, low_open: bool = False) -> float:
+def _number(
+    body: dict[str, Any], name: str, default: float, low: float, high: float, *, low_open: bool = False
+) -> float:
     value = body.get(name)
     if value is None:
         return default
@@ -129,10 +139,16 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         value = body.get(name)
         # Same type as well as equal: True == 1 must not pass for n = 1.
         if not any(value is v or (type(value) is type(v) and value == v) for v in neutral):
-            raise bad_request(f"'{name}' = {body[name]!r} is not supported by this server", name, "unsupported_parameter")
+            raise bad_request(
+                f"'{name}' = {body[name]!r} is not supported by this server", name, "unsupported_parameter"
+            )
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise bad_request("only 'response_format' {\"type\": \"text\"} is supported by this server", "response_format", "unsupported_parameter")
+        raise bad_request(
+            'only \'response_format\' {"type": "text"} is supported by this server',
+            "response_format",
+            "unsupported_parameter",
+        )
 
 
 def _content(value: Any, i: int) -> str:
@@ -145,7 +161,9 @@ def _content(value: Any, i: int) -> str:
         texts = []
         for j, part in enumerate(value):
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise bad_request(f"messages[{i}].content[{j}]: only text parts are supported", f"messages[{i}].content")
+                raise bad_request(
+                    f"messages[{i}].content[{j}]: only text parts are supported", f"messages[{i}].content"
+                )
             texts.append(part["text"])
         return "".join(texts)
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
@@ -165,7 +183,9 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
             raise bad_request(f"messages[{i}] must be an object with 'role' and 'content'", "messages")
         role = m.get("role")
         if not isinstance(role, str) or not 0 < len(role) <= proto.MAX_ROLE_CHARS:
-            raise bad_request(f"messages[{i}].role must be a string such as 'system', 'user' or 'assistant'", f"messages[{i}].role")
+            raise bad_request(
+                f"messages[{i}].role must be a string such as 'system', 'user' or 'assistant'", f"messages[{i}].role"
+            )
         out.append({"role": role, "content": _content(m.get("content"), i)})
     return out
 
@@ -183,7 +203,11 @@ def _prompt(body: dict[str, Any]) -> dict[str, Any]:
         return {"prompt_ids": prompt}
     if prompt is None:
         raise bad_request("'prompt' is required: a string (or a list of token ids)", "prompt")
-    raise bad_request("'prompt' must be one string or one non-empty list of token ids (several prompts per request are not supported)", "prompt")
+    raise bad_request(
+        "'prompt' must be one string or one non-empty list of token ids (several prompts per request are not "
+        "supported)",
+        "prompt",
+    )
 
 
 def parse_request(body: Any, *, chat: bool) -> ApiRequest:
@@ -226,7 +250,11 @@ def finish_reason(daemon_reason: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 @dataclass(frozen=True)
@@ -244,12 +272,19 @@ class Shaper:
     def complete(self, text: str, reason: str, use: dict[str, int]) -> dict[str, Any]:
         """The whole answer of a non-streaming request."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
             return self._base("chat.completion") | {"choices": [choice], "usage": use}
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
         return self._base("text_completion") | {"choices": [choice], "usage": use}
 
-    def chunk(self, text: str | None, reason: str | None = None, *, first: bool = False, with_usage: bool = False) -> dict[str, Any]:
+    def chunk(
+        self, text: str | None, reason: str | None = None, *, first: bool = False, with_usage: bool = False
+    ) -> dict[str, Any]:
         """One streamed piece; `first` (chat) carries the assistant role."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}

@@ -36,11 +36,11 @@ import psutil
 from mlx_lm.models.cache import make_prompt_cache
 
 from moestream._native import ReadEngine
+from moestream.daemon.mapped.row_gather import RowGather
+from moestream.daemon.model.generation import SamplingParams, generate
+from moestream.daemon.model.streaming_model import StreamingModel, choose_mapped, load_stock_model, load_streaming_model
 from moestream.daemon.pool.admission import Admitter, cuda_copier, make_admitter
 from moestream.daemon.pool.expert_reader import ExpertReader
-from moestream.daemon.model.generation import SamplingParams, generate
-from moestream.daemon.mapped.row_gather import RowGather
-from moestream.daemon.model.streaming_model import StreamingModel, choose_mapped, load_stock_model, load_streaming_model
 from moestream.shared.progress import timed_progress
 from moestream.shared.settings import Settings, default_of, format_size
 from moestream.shared.store_format import load_manifest
@@ -202,7 +202,8 @@ def decode_counters(sm: StreamingModel) -> dict[str, float]:
         # Host time of the decode thread (read-back, counts), and of the placement's
         # worker thread (policies, driver calls), which runs beside it.
         "placement_seconds": s.get("mapped_pool", {}).get("readback_seconds", 0.0),
-        "placement_worker_seconds": s.get("mapped_pool", {}).get("decide_seconds", 0.0) + s.get("mapped_pool", {}).get("place_seconds", 0.0),
+        "placement_worker_seconds": s.get("mapped_pool", {}).get("decide_seconds", 0.0)
+        + s.get("mapped_pool", {}).get("place_seconds", 0.0),
     }
 
 
@@ -219,11 +220,17 @@ def _streaming_config(
 ) -> Config:
     sm = load_streaming_model(
         settings.store,
-        Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads,
-                 prefetch=settings.prefetch, host_cache=host_cache,
-                 mapped_rebalance_tokens=settings.mapped_rebalance_tokens,
-                 copy_kernel=settings.copy_kernel, mapped_gather=mapped_gather,
-                 prefetch_copy_blocks=settings.prefetch_copy_blocks),
+        Settings(
+            capacity=capacity,
+            policy=settings.policy,
+            io_threads=settings.io_threads,
+            prefetch=settings.prefetch,
+            host_cache=host_cache,
+            mapped_rebalance_tokens=settings.mapped_rebalance_tokens,
+            copy_kernel=settings.copy_kernel,
+            mapped_gather=mapped_gather,
+            prefetch_copy_blocks=settings.prefetch_copy_blocks,
+        ),
         naive=naive,
         admitter=admitter,
         mapped=mapped,
@@ -237,7 +244,13 @@ def _streaming_config(
         before: dict[str, float] = {}
         split: dict[str, float] = {}
         seconds, tokens = timed_decode(
-            sm.model, prompt, settings.decode_tokens, settings.temp, settings.seed, lambda: before.update(decode_counters(sm)), tick,
+            sm.model,
+            prompt,
+            settings.decode_tokens,
+            settings.temp,
+            settings.seed,
+            lambda: before.update(decode_counters(sm)),
+            tick,
             split,
         )
         if sm.mapped_pool is not None:
@@ -273,18 +286,26 @@ def _streaming_config(
             "prestaged_used_per_token": d["prestaged_used"] / n,
             "placement_moves_per_token": d["placement_moves"] / n if sm.mapped_pool is not None else None,
             "placement_ms_per_token": 1e3 * d["placement_seconds"] / n if sm.mapped_pool is not None else None,
-            "placement_worker_ms_per_token": 1e3 * d["placement_worker_seconds"] / n if sm.mapped_pool is not None else None,
+            "placement_worker_ms_per_token": 1e3 * d["placement_worker_seconds"] / n
+            if sm.mapped_pool is not None
+            else None,
             **host_split_per_token(split, n),
         }
 
     def run_generate() -> dict[str, Any]:
         # One more token than the bench loop decodes: the first comes with the prompt.
-        result = generate(sm, prompt, SamplingParams(max_tokens=settings.decode_tokens + 1, temp=settings.temp, seed=settings.seed))
+        result = generate(
+            sm, prompt, SamplingParams(max_tokens=settings.decode_tokens + 1, temp=settings.temp, seed=settings.seed)
+        )
         if result.stats["tokens_per_s"] is None:
-            raise RuntimeError(f"{name}: the generation loop stopped after {len(result.tokens)} token(s) ({result.finish_reason})")
+            raise RuntimeError(
+                f"{name}: the generation loop stopped after {len(result.tokens)} token(s) ({result.finish_reason})"
+            )
         return {"tokens_per_s": result.stats["tokens_per_s"], "tokens": result.tokens[: settings.decode_tokens]}
 
-    return Config(name, capacity, run, sm.close, run_generate=run_generate if settings.generation_loop and not naive else None)
+    return Config(
+        name, capacity, run, sm.close, run_generate=run_generate if settings.generation_loop and not naive else None
+    )
 
 
 def _stock_config(settings: BenchDecodeSettings, prompt: list[int]) -> Config:
@@ -342,8 +363,12 @@ def timed_round(run: Callable[[], dict[str, Any]], tokens: int, min_seconds: flo
     return out
 
 
-def paired_blocks(stock: Callable[[], dict[str, Any]], ours: Callable[[], dict[str, Any]], blocks: int,
-                  on_block: Callable[[list[dict[str, float]], list[float]], None] | None = None) -> dict[str, Any]:
+def paired_blocks(
+    stock: Callable[[], dict[str, Any]],
+    ours: Callable[[], dict[str, Any]],
+    blocks: int,
+    on_block: Callable[[list[dict[str, float]], list[float]], None] | None = None,
+) -> dict[str, Any]:
     """`blocks` blocks of four decodes, stock / ours / ours / stock, and the ratio of ours
     to stock per block (each side's two decodes' tokens over their seconds). A drift of
     the machine's speed that is linear within a block hits both sides alike. The summary:
@@ -466,14 +491,24 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             # One host tier for every slot pool's "+host" configuration: they run in
             # turn, and a machine would hold one such tier, not one per pool size.
             shared_reader = ExpertReader(settings.store, manifest, threads=settings.io_threads)
-            tier, _ = make_admitter(shared_reader, manifest, settings.host_cache,
-                                    copy_kernel=settings.copy_kernel, ahead_blocks=settings.prefetch_copy_blocks)
+            tier, _ = make_admitter(
+                shared_reader,
+                manifest,
+                settings.host_cache,
+                copy_kernel=settings.copy_kernel,
+                ahead_blocks=settings.prefetch_copy_blocks,
+            )
             # What the loader makes of such a tier at a partial capacity (capacity 0
             # stands for any partial one): the mapped pool where it holds every expert
             # on an NVIDIA GPU, else the slot pool with the tier.
             if settings.host_tier == "auto":
-                tier_mapped, tier_note = choose_mapped(manifest, 0, Settings(host_cache=settings.host_cache),
-                                                       psutil.virtual_memory().available, cuda_copier()[1])
+                tier_mapped, tier_note = choose_mapped(
+                    manifest,
+                    0,
+                    Settings(host_cache=settings.host_cache),
+                    psutil.virtual_memory().available,
+                    cuda_copier()[1],
+                )
             else:
                 tier_mapped, tier_note = settings.host_tier == "mapped", f"{settings.host_tier}: --host-tier"
             say(f"host tier of {format_size(settings.host_cache)}: mapped pool {tier_note}")
@@ -482,14 +517,34 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
                 configs.append(_streaming_config(f"moestream@{c:g}", c, settings, prompt))
             if tier is not None and c < 1:
                 if tier_mapped:
-                    configs.append(_streaming_config(f"moestream@{c:g}+host", c, settings, prompt, mapped=True,
-                                                     mapped_gather=gathers[0], host_cache=settings.host_cache))
-                configs.append(_streaming_config(f"moestream@{c:g}+host{':slots' if tier_mapped else ''}", c, settings,
-                                                 prompt, admitter=tier))
+                    configs.append(
+                        _streaming_config(
+                            f"moestream@{c:g}+host",
+                            c,
+                            settings,
+                            prompt,
+                            mapped=True,
+                            mapped_gather=gathers[0],
+                            host_cache=settings.host_cache,
+                        )
+                    )
+                configs.append(
+                    _streaming_config(
+                        f"moestream@{c:g}+host{':slots' if tier_mapped else ''}", c, settings, prompt, admitter=tier
+                    )
+                )
             if settings.mapped and c < 1:
                 for g in gathers:
-                    configs.append(_streaming_config(f"moestream@{c:g}+mapped{':g' if g else ''}", c, settings, prompt,
-                                                     mapped=True, mapped_gather=g))
+                    configs.append(
+                        _streaming_config(
+                            f"moestream@{c:g}+mapped{':g' if g else ''}",
+                            c,
+                            settings,
+                            prompt,
+                            mapped=True,
+                            mapped_gather=g,
+                        )
+                    )
         if settings.naive:
             configs.append(_streaming_config("naive-on-demand", None, settings, prompt, naive=True))
         say(f"loaded {len(configs)} configurations: {', '.join(c.name for c in configs)}")
@@ -505,20 +560,30 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
                 c.samples.append(timed_round(c.run, settings.decode_tokens, settings.min_round_seconds))
                 sample = c.samples[-1]
                 repeats = f" ({sample['repeats']} decodes)" if sample["repeats"] > 1 else ""
-                say(f"round {r + 1}/{settings.rounds} {c.name}: {sample['tokens_per_s']:.2f} tok/s{repeats}, hit {sample['hit_rate']:.3f}")
+                say(
+                    f"round {r + 1}/{settings.rounds} {c.name}: {sample['tokens_per_s']:.2f} tok/s{repeats}, hit "
+                    f"{sample['hit_rate']:.3f}"
+                )
                 if c.run_generate is not None:
                     gc.collect()
-                    c.generate_samples.append(timed_round(c.run_generate, settings.decode_tokens, settings.min_round_seconds))
-                    say(f"round {r + 1}/{settings.rounds} {c.name} through generate: {c.generate_samples[-1]['tokens_per_s']:.2f} tok/s")
+                    c.generate_samples.append(
+                        timed_round(c.run_generate, settings.decode_tokens, settings.min_round_seconds)
+                    )
+                    say(
+                        f"round {r + 1}/{settings.rounds} {c.name} through generate: "
+                        f"{c.generate_samples[-1]['tokens_per_s']:.2f} tok/s"
+                    )
         paired: dict[str, dict[str, Any]] = {}
         if settings.paired_blocks and settings.stock:
             for c in configs:
                 if c.capacity == 1.0:
                     gc.collect()
                     paired[c.name] = paired_blocks(configs[0].run, c.run, settings.paired_blocks)
-                    say(f"{c.name} against stock in {settings.paired_blocks} A B B A blocks: median "
+                    say(
+                        f"{c.name} against stock in {settings.paired_blocks} A B B A blocks: median "
                         f"{paired[c.name]['median']:.3f}, 95% interval {paired[c.name]['interval_95'][0]:.3f}"
-                        f"-{paired[c.name]['interval_95'][1]:.3f}")
+                        f"-{paired[c.name]['interval_95'][1]:.3f}"
+                    )
         admission = measure_admission(tier, manifest) if tier is not None else None
     finally:
         for c in configs:
@@ -529,8 +594,10 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
     bandwidth = measure_read_bandwidth(settings.store, settings.io_threads, seed=settings.seed)
     page_cache = page_cache_reason(settings.store)
     link, link_kind, link_probe = measure_link_bandwidth()
-    say(f"read {format_size(bandwidth)}/s{' through the page cache' if page_cache else ''}, "
-        f"{link_kind} {format_size(link)}/s")
+    say(
+        f"read {format_size(bandwidth)}/s{' through the page cache' if page_cache else ''}, "
+        f"{link_kind} {format_size(link)}/s"
+    )
 
     rows = []
     reference_tokens = configs[0].samples[0]["tokens"] if configs else None
@@ -566,8 +633,9 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             row["generate_vs_bench_paired"] = statistics.median(g / b for g, b in zip(gen, row["tokens_per_s_runs"]))
             # Greedy, both loops must decode the same tokens; sampled, the daemon draws
             # from each request's own key (generation.request_sampler), so they differ.
-            row["generate_same_tokens"] = (all(s["tokens"] == c.samples[0]["tokens"] for s in c.generate_samples)
-                                           if settings.temp == 0 else None)
+            row["generate_same_tokens"] = (
+                all(s["tokens"] == c.samples[0]["tokens"] for s in c.generate_samples) if settings.temp == 0 else None
+            )
         row["same_tokens_as_first"] = all(s["tokens"] == reference_tokens for s in c.samples)
         if c.name in paired:
             row["paired_blocks"] = paired[c.name]
@@ -639,8 +707,13 @@ def bound_why_not(move_share: float, disk_bytes_per_token: float, page_cache: st
     return None
 
 
-def add_bound(row: dict[str, Any], resident: dict[str, Any], read_bandwidth: float, link_bandwidth: float,
-              page_cache: str | None = None) -> None:
+def add_bound(
+    row: dict[str, Any],
+    resident: dict[str, Any],
+    read_bandwidth: float,
+    link_bandwidth: float,
+    page_cache: str | None = None,
+) -> None:
     """Add to a result row its ratio to the resident configuration and its bound (see
     the module docstring), three ways, since resident decode on a shared machine swings
     between rounds (stock 44 to 93 tok/s in one H200 run):
@@ -655,8 +728,11 @@ def add_bound(row: dict[str, Any], resident: dict[str, Any], read_bandwidth: flo
     through the page cache (None: direct I/O)."""
 
     def bound(resident_tps: float) -> float:
-        return 1.0 / (1.0 / resident_tps + row["disk_bytes_per_token"] / read_bandwidth
-                      + row["host_to_pool_bytes_per_token"] / link_bandwidth)
+        return 1.0 / (
+            1.0 / resident_tps
+            + row["disk_bytes_per_token"] / read_bandwidth
+            + row["host_to_pool_bytes_per_token"] / link_bandwidth
+        )
 
     runs, resident_runs = row["tokens_per_s_runs"], resident["tokens_per_s_runs"]
     row["vs_resident"] = row["tokens_per_s"] / resident["tokens_per_s"]
@@ -689,10 +765,14 @@ def _bound_note(why: str, report: dict[str, Any]) -> str:
     if why == "no_bytes":
         return "no bytes moved per token, so the bound is the resident speed itself (x stock compares them)"
     if why == "page_cache":
-        return (f"the store was read through the page cache ({report.get('read_page_cache')}), whose speed the "
-                f"measured read bandwidth does not give")
-    return (f"moving their bytes takes under {BOUND_MIN_MOVE_SHARE:.0%} of a token at the measured bandwidths, so "
-            f"the bound is the resident speed within its noise (x stock compares them)")
+        return (
+            f"the store was read through the page cache ({report.get('read_page_cache')}), whose speed the "
+            f"measured read bandwidth does not give"
+        )
+    return (
+        f"moving their bytes takes under {BOUND_MIN_MOVE_SHARE:.0%} of a token at the measured bandwidths, so "
+        f"the bound is the resident speed within its noise (x stock compares them)"
+    )
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -700,12 +780,14 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"{report['model_type']}: {report['moe_layers']} MoE layers x {report['experts_per_layer']} experts, "
         f"{report['decode_tokens']} decode tokens (temp {report['temp']}), median of {report['rounds']}"
-        + (f" rounds of at least {report['min_round_seconds']:g} s" if report.get("min_round_seconds") else "") + "; "
+        + (f" rounds of at least {report['min_round_seconds']:g} s" if report.get("min_round_seconds") else "")
+        + "; "
         f"disk {format_size(report['read_bandwidth_bytes_per_s'])}/s"
         f"{' (through the page cache)' if report.get('read_page_cache') else ''}, "
         f"{report['link_kind']} {format_size(report['link_bandwidth_bytes_per_s'])}/s",
         f"{'config':<26} {'tok/s':>8} {'x stock':>8} {'hit':>6} {'tier hit':>8} {'disk MB/t':>9} "
-        f"{'h2d MB/t':>9} {'adm GB/s':>8} {'syncs/t':>7} {'bound':>7} {'of bound':>8} {'paired':>6} {'of best':>7} {'x naive':>7}",
+        f"{'h2d MB/t':>9} {'adm GB/s':>8} {'syncs/t':>7} {'bound':>7} {'of bound':>8} {'paired':>6} {'of best':>7} "
+        f"{'x naive':>7}",
     ]
     # The rows whose bound does not apply, by reason (reports before bound_why_not have none).
     not_applied: dict[str, list[str]] = {}
@@ -718,8 +800,10 @@ def format_report(report: dict[str, Any]) -> str:
         if r.get("bound_why_not"):
             bound = f"{marks[r['bound_why_not']]:>7} {'-':>8} {'-':>6} {'-':>7}"
         else:
-            bound = (f"{num(r.get('bound_tokens_per_s'), '7.1f')} {num(r.get('fraction_of_bound'), '8.2f')} "
-                     f"{num(r.get('fraction_of_bound_paired'), '6.2f')} {num(r.get('fraction_of_best_bound'), '7.2f')}")
+            bound = (
+                f"{num(r.get('bound_tokens_per_s'), '7.1f')} {num(r.get('fraction_of_bound'), '8.2f')} "
+                f"{num(r.get('fraction_of_bound_paired'), '6.2f')} {num(r.get('fraction_of_best_bound'), '7.2f')}"
+            )
         lines.append(
             f"{r['name']:<26} {r['tokens_per_s']:>8.1f} {num(r.get('vs_resident'), '8.3f')} {r['hit_rate']:>6.3f} "
             f"{num(r['tier_hit_rate'], '8.3f')} {r['disk_bytes_per_token'] / 1e6:>9.2f} "
@@ -728,21 +812,30 @@ def format_report(report: dict[str, Any]) -> str:
         )
     for why, names in not_applied.items():
         lines.append(f"{marks[why]}: {', '.join(names)}: {_bound_note(why, report)}")
-    lines.append("host ms per token: model call / launch / wait for the token (on a GPU, a wait near 0 means bound by the host)")
+    lines.append(
+        "host ms per token: model call / launch / wait for the token (on a GPU, a wait near 0 means bound by the host)"
+    )
     for r in report["results"]:
         if r.get("host_call_ms_per_token") is not None:
-            lines.append(f"{r['name']:<26} {r['host_call_ms_per_token']:>8.2f} {r['host_launch_ms_per_token']:>8.2f} "
-                         f"{r['host_wait_ms_per_token']:>8.2f}")
+            lines.append(
+                f"{r['name']:<26} {r['host_call_ms_per_token']:>8.2f} {r['host_launch_ms_per_token']:>8.2f} "
+                f"{r['host_wait_ms_per_token']:>8.2f}"
+            )
     for r in report["results"]:
         pb = r.get("paired_blocks")
         if pb is not None:
-            lines.append(f"{r['name']} against stock in {len(pb['ratios'])} A B B A blocks: median {pb['median']:.3f} "
-                         f"(quartiles {pb['quartiles'][0]:.3f}-{pb['quartiles'][1]:.3f}), geometric mean "
-                         f"{pb['geometric_mean']:.3f} (95% interval {pb['interval_95'][0]:.3f}-{pb['interval_95'][1]:.3f})")
+            lines.append(
+                f"{r['name']} against stock in {len(pb['ratios'])} A B B A blocks: median {pb['median']:.3f} "
+                f"(quartiles {pb['quartiles'][0]:.3f}-{pb['quartiles'][1]:.3f}), geometric mean "
+                f"{pb['geometric_mean']:.3f} (95% interval {pb['interval_95'][0]:.3f}-{pb['interval_95'][1]:.3f})"
+            )
     looped = [r for r in report["results"] if r.get("generate_tokens_per_s") is not None]
     if looped:
         lines.append("through the daemon's generation loop (in process):")
         for r in looped:
-            lines.append(f"{r['name']:<26} {r['generate_tokens_per_s']:>8.1f} tok/s, {r['generate_vs_bench_paired']:.2f}x the bench loop (paired)"
-                         + (", other tokens than the bench loop" if r["generate_same_tokens"] is False else ""))
+            lines.append(
+                f"{r['name']:<26} {r['generate_tokens_per_s']:>8.1f} tok/s, {r['generate_vs_bench_paired']:.2f}x the "
+                "bench loop (paired)"
+                + (", other tokens than the bench loop" if r["generate_same_tokens"] is False else "")
+            )
     return "\n".join(lines)

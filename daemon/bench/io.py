@@ -27,7 +27,9 @@ from typing import Any
 from moestream._native import DIRECT_ALIGN, ReadEngine
 from moestream.shared.store_format import Manifest, MoELayer, align_up, load_manifest
 
-FIO_INSTALL_HINT = "install it with `apt-get install fio` (Debian/Ubuntu), `dnf install fio` (Fedora) or `brew install fio` (macOS)"
+FIO_INSTALL_HINT = (
+    "install it with `apt-get install fio` (Debian/Ubuntu), `dnf install fio` (Fedora) or `brew install fio` (macOS)"
+)
 
 
 class BenchIOError(RuntimeError):
@@ -178,7 +180,12 @@ def run_fio(fio: str, job: str) -> RunResult:
 
     top = float(clat["max"]) / 1000.0
     # fio's percentiles are bucket bounds and can overshoot the true maximum.
-    latency = {"p50": min(at("50.000000"), top), "p90": min(at("90.000000"), top), "p99": min(at("99.000000"), top), "max": top}
+    latency = {
+        "p50": min(at("50.000000"), top),
+        "p90": min(at("90.000000"), top),
+        "p99": min(at("99.000000"), top),
+        "max": top,
+    }
     return RunResult(bytes=nbytes, seconds=runtime_ms / 1000.0, latency_us=_summary(latency))
 
 

@@ -31,12 +31,20 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from moestream.daemon.bench.decode import (BOUND_MIN_MOVE_SHARE, decode_counters, format_or_dash, host_split_per_token,
-                                           measure_read_bandwidth, page_cache_reason, paired_blocks, timed_decode)
+from moestream.daemon.bench.decode import (
+    BOUND_MIN_MOVE_SHARE,
+    decode_counters,
+    format_or_dash,
+    host_split_per_token,
+    measure_read_bandwidth,
+    page_cache_reason,
+    paired_blocks,
+    timed_decode,
+)
 from moestream.daemon.model.diagnostics import Recorder
 from moestream.daemon.model.generation import SamplingParams, generate
-from moestream.daemon.prefetch.prefetcher import PrefetchGovernor
 from moestream.daemon.model.streaming_model import StreamingModel, load_streaming_model
+from moestream.daemon.prefetch.prefetcher import PrefetchGovernor
 from moestream.shared.progress import timed_progress
 from moestream.shared.settings import Settings, default_of, format_size
 from moestream.shared.store_format import load_manifest
@@ -65,8 +73,15 @@ class BenchPredictSettings:
     prefetch_buffer: int = default_of("prefetch_buffer")
 
 
-def _decode(sm: StreamingModel, prompt: list[int], steps: int, temp: float, seed: int,
-            split: dict[str, float] | None = None, disk: list[int] | None = None) -> float:
+def _decode(
+    sm: StreamingModel,
+    prompt: list[int],
+    steps: int,
+    temp: float,
+    seed: int,
+    split: dict[str, float] | None = None,
+    disk: list[int] | None = None,
+) -> float:
     """Seconds of `steps` decode steps after the prompt, with mlx-lm's pipelining (the
     loop of `bench decode`, which also fills `split`). `disk`, where given, gets the
     bytes read from the store during the decode steps appended: the pools' demand reads
@@ -97,7 +112,9 @@ def _diagnosed(sm: StreamingModel, prompt: list[int], settings: BenchPredictSett
     return out
 
 
-def _copier_per_forward(before: dict[str, Any], after: dict[str, Any], settings: BenchPredictSettings) -> dict[str, Any]:
+def _copier_per_forward(
+    before: dict[str, Any], after: dict[str, Any], settings: BenchPredictSettings
+) -> dict[str, Any]:
     """The CUDA copier's work per forward: copy calls, spans and copy-kernel launches,
     and the host ms spent reading spans and exporting buffers (bind), queuing (enqueue)
     and waiting (wait); and why the driver refused the copy kernel, if it did."""
@@ -125,8 +142,9 @@ def _warm_up(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettin
         _decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed)
 
 
-def _speeds(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettings,
-            say: Callable[[str], None]) -> dict[str, Any]:
+def _speeds(
+    sm: StreamingModel, prompt: list[int], settings: BenchPredictSettings, say: Callable[[str], None]
+) -> dict[str, Any]:
     """Decode tokens/s with prefetch off and on, in `rounds` blocks of off / on / on / off
     (so that a drift of the machine within a block hits both alike): the medians of
     each, the ratio on/off per block (`paired`, with rounds >= 2), the host's time per
@@ -140,16 +158,20 @@ def _speeds(sm: StreamingModel, prompt: list[int], settings: BenchPredictSetting
         def decode() -> dict[str, float]:
             sm.prefetcher.enabled = enabled
             split: dict[str, float] = {}
-            tps = settings.decode_tokens / _decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed, split,
-                                                   disk[enabled])
+            tps = settings.decode_tokens / _decode(
+                sm, prompt, settings.decode_tokens, settings.temp, settings.seed, split, disk[enabled]
+            )
             speeds[enabled].append(tps)
             splits[enabled].append(host_split_per_token(split, settings.decode_tokens))
             return {"tokens_per_s": tps}
+
         return decode
 
     def on_block(blocks: list[dict[str, float]], ratios: list[float]) -> None:
-        say(f"speed block {len(blocks)}/{settings.rounds}: off {blocks[-1]['stock_tokens_per_s']:.1f} tok/s, "
-            f"on {blocks[-1]['tokens_per_s']:.1f} ({ratios[-1]:.2f}x)")
+        say(
+            f"speed block {len(blocks)}/{settings.rounds}: off {blocks[-1]['stock_tokens_per_s']:.1f} tok/s, "
+            f"on {blocks[-1]['tokens_per_s']:.1f} ({ratios[-1]:.2f}x)"
+        )
 
     if settings.rounds >= 2:
         paired = paired_blocks(run(False), run(True), settings.rounds, on_block)
@@ -159,16 +181,26 @@ def _speeds(sm: StreamingModel, prompt: list[int], settings: BenchPredictSetting
         run(True)()
         say(f"speed: off {speeds[False][0]:.1f} tok/s, on {speeds[True][0]:.1f}")
     host = {
-        f"prefetch_{'on' if enabled else 'off'}": {k: statistics.median(s[k] for s in splits[enabled]) for k in splits[enabled][0]}
+        f"prefetch_{'on' if enabled else 'off'}": {
+            k: statistics.median(s[k] for s in splits[enabled]) for k in splits[enabled][0]
+        }
         for enabled in (False, True)
     }
-    return {"tps": {k: statistics.median(v) for k, v in speeds.items()}, "paired": paired, "host": host,
-            "on_decodes": len(speeds[True]),
-            "disk_bytes_per_token": {k: statistics.median(v) / settings.decode_tokens for k, v in disk.items()}}
+    return {
+        "tps": {k: statistics.median(v) for k, v in speeds.items()},
+        "paired": paired,
+        "host": host,
+        "on_decodes": len(speeds[True]),
+        "disk_bytes_per_token": {k: statistics.median(v) / settings.decode_tokens for k, v in disk.items()},
+    }
 
 
-def disk_figures(tps: dict[bool, float], disk_bytes_per_token: dict[bool, float], read_bandwidth: float,
-                 page_cache: str | None = None) -> dict[str, Any]:
+def disk_figures(
+    tps: dict[bool, float],
+    disk_bytes_per_token: dict[bool, float],
+    read_bandwidth: float,
+    page_cache: str | None = None,
+) -> dict[str, Any]:
     """Decode against the store's read bandwidth, prefetch off (False) and on (True):
     bytes read per token, the tokens/s that reading them alone would allow (`bound`), the
     share of that bound reached (also the share of a token that reading its bytes at
@@ -182,6 +214,7 @@ def disk_figures(tps: dict[bool, float], disk_bytes_per_token: dict[bool, float]
     give) or "few_reads" (reading takes under BOUND_MIN_MOVE_SHARE of a token both ways,
     so the bound, and the ceiling taken from it, lie far above any speed that compute
     allows)."""
+
     def bound(nbytes: float) -> float | None:
         return read_bandwidth / nbytes if nbytes > 0 else None
 
@@ -189,8 +222,11 @@ def disk_figures(tps: dict[bool, float], disk_bytes_per_token: dict[bool, float]
     for enabled in (False, True):
         way = f"prefetch_{'on' if enabled else 'off'}"
         b = bound(disk_bytes_per_token[enabled])
-        out[way] = {"bytes_per_token": disk_bytes_per_token[enabled], "bound_tokens_per_s": b,
-                    "of_bound": tps[enabled] / b if b else None}
+        out[way] = {
+            "bytes_per_token": disk_bytes_per_token[enabled],
+            "bound_tokens_per_s": b,
+            "of_bound": tps[enabled] / b if b else None,
+        }
     b_on = out["prefetch_on"]["bound_tokens_per_s"]
     out["speedup_ceiling"] = b_on / tps[False] if b_on else None
     share = max(out[way]["of_bound"] or 0.0 for way in ("prefetch_off", "prefetch_on"))
@@ -228,9 +264,16 @@ def _load(settings: BenchPredictSettings, capacity: float, **pool: Any) -> Strea
     """The model at `capacity` with prefetch on; `pool` names the kind of pool."""
     return load_streaming_model(
         settings.store,
-        Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads, prefetch="on",
-                 prefetch_copy_blocks=settings.prefetch_copy_blocks, prefetch_depth=settings.depth,
-                 prefetch_buffer=settings.prefetch_buffer, **pool),
+        Settings(
+            capacity=capacity,
+            policy=settings.policy,
+            io_threads=settings.io_threads,
+            prefetch="on",
+            prefetch_copy_blocks=settings.prefetch_copy_blocks,
+            prefetch_depth=settings.depth,
+            prefetch_buffer=settings.prefetch_buffer,
+            **pool,
+        ),
         max_tokens=settings.prompt_tokens + settings.decode_tokens + 512,
     )
 
@@ -242,10 +285,15 @@ def _speed_stage(settings: BenchPredictSettings) -> str:
     return "speed: one decode with prefetch off, one on"
 
 
-def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[int], read_bandwidth: float,
-                  page_cache: str | None, say: Callable[[str], None]) -> dict[str, Any]:
-    sm = _load(settings, capacity, host_cache=settings.host_cache, mapped=False,
-               copy_kernel=settings.copy_kernel)
+def _capacity_run(
+    settings: BenchPredictSettings,
+    capacity: float,
+    prompt: list[int],
+    read_bandwidth: float,
+    page_cache: str | None,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    sm = _load(settings, capacity, host_cache=settings.host_cache, mapped=False, copy_kernel=settings.copy_kernel)
     try:
         if sm.prefetcher is None:
             raise ValueError(f"capacity {capacity:g}: every expert fits in the pool, so there is nothing to prefetch")
@@ -272,24 +320,42 @@ def _capacity_run(settings: BenchPredictSettings, capacity: float, prompt: list[
         "attribution": on["attribution"],
         "window_ms": on["window"]["mean_ms"],
         "read_wait_ms_per_call": on["read_wait"]["mean_ms"],
-        "matmul_ms_per_call": {"prefetch_on": on["segments"]["matmul"]["mean_ms"],
-                                "prefetch_off": off["segments"]["matmul"]["mean_ms"]},
+        "matmul_ms_per_call": {
+            "prefetch_on": on["segments"]["matmul"]["mean_ms"],
+            "prefetch_off": off["segments"]["matmul"]["mean_ms"],
+        },
         "host_ms_per_call": {k: v["mean_ms"] for k, v in on["host"].items()},
         # Where a diagnosed run's time went: each segment's seconds summed over the MoE
         # layers, per forward (prompt and decode steps), with prefetch on and off.
-        "segment_ms_per_forward": {name: _per_forward(run, settings) for name, run in (("prefetch_on", on), ("prefetch_off", off))},
+        "segment_ms_per_forward": {
+            name: _per_forward(run, settings) for name, run in (("prefetch_on", on), ("prefetch_off", off))
+        },
         # Where the CUDA copier's host time goes (absent without it).
         "copier_per_forward": {name: run.get("copier") for name, run in (("prefetch_on", on), ("prefetch_off", off))},
         **_paired_fields(speeds),
         "disk": disk_figures(speeds["tps"], speeds["disk_bytes_per_token"], read_bandwidth, page_cache),
         "auto": auto,
-        "prefetch": {k: pf[k] for k in ("submitted", "promoted", "waited", "dropped_unused", "no_room", "used_fraction",
-                                        "buffer_experts", "buffer_bytes")},
+        "prefetch": {
+            k: pf[k]
+            for k in (
+                "submitted",
+                "promoted",
+                "waited",
+                "dropped_unused",
+                "no_room",
+                "used_fraction",
+                "buffer_experts",
+                "buffer_bytes",
+            )
+        },
         # With a host tier, predicted experts it holds are copied straight into the next
         # layer's slots (no read): how many, how many were then routed, and the seconds
         # layers waited for those copies.
-        "prestaged": {"experts": pools["prestaged"], "used": pools["prestaged_used"],
-                      "wait_seconds": pools["admission"].get("prestage_wait_seconds", 0.0)},
+        "prestaged": {
+            "experts": pools["prestaged"],
+            "used": pools["prestaged_used"],
+            "wait_seconds": pools["admission"].get("prestage_wait_seconds", 0.0),
+        },
     }
 
 
@@ -326,8 +392,10 @@ def _read_bandwidth(settings: BenchPredictSettings, manifest: Any) -> float:
     between probes of 128 reads)."""
     expert_bytes = max(manifest.layers[0].expert_bytes, 1) if manifest.layers else 1 << 20
     samples = min(max(128, (512 << 20) // expert_bytes), 4096)
-    return max(measure_read_bandwidth(settings.store, settings.io_threads, samples=samples, seed=settings.seed + i)
-               for i in range(3))
+    return max(
+        measure_read_bandwidth(settings.store, settings.io_threads, samples=samples, seed=settings.seed + i)
+        for i in range(3)
+    )
 
 
 def run_bench_predict(settings: BenchPredictSettings, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -350,8 +418,10 @@ def run_bench_predict(settings: BenchPredictSettings, progress: Callable[[str], 
         say(f"capacity {c:.0%} (slot pool): loading the model")
         at = _prefixed(say, f"capacity {c:.0%}: ")
         results.append(_capacity_run(settings, c, prompt, read_bandwidth, page_cache, at))
-        say(f"capacity {c:.0%}: done, decode {results[-1]['tokens_per_s_off']:.1f} tok/s with prefetch off, "
-            f"{results[-1]['tokens_per_s_on']:.1f} on")
+        say(
+            f"capacity {c:.0%}: done, decode {results[-1]['tokens_per_s_off']:.1f} tok/s with prefetch off, "
+            f"{results[-1]['tokens_per_s_on']:.1f} on"
+        )
     return {
         "store": str(settings.store),
         "model_type": manifest.model_type,
@@ -379,10 +449,12 @@ def format_report(report: dict[str, Any]) -> str:
     num = format_or_dash
     lines = [
         f"{report['model_type']}: {report['moe_layers']} MoE layers x {report['experts_per_layer']} experts on "
-        f"{report['device']}, {report['decode_tokens']} decode tokens (temp {report['temp']}), median of {report['rounds']}"
+        f"{report['device']}, {report['decode_tokens']} decode tokens (temp {report['temp']}), median of "
+        f"{report['rounds']}"
         f"{' blocks off/on/on/off' if report['rounds'] >= 2 else ''}, "
         f"prefetch depth {report.get('prefetch_depth', 1)}",
-        f"{'capacity':>8} {'recall@k':>8} {'@2k':>6} {'@4k':>6} {'off tok/s':>9} {'on tok/s':>9} {'on/off':>6} {'paired':>6} "
+        f"{'capacity':>8} {'recall@k':>8} {'@2k':>6} {'@4k':>6} {'off tok/s':>9} {'on tok/s':>9} {'on/off':>6} "
+        f"{'paired':>6} "
         f"{'window ms':>9} {'mm on/off ms':>13}  auto",
     ]
     for r in report["results"]:
@@ -390,7 +462,8 @@ def format_report(report: dict[str, Any]) -> str:
         mm = r["matmul_ms_per_call"]
         lines.append(
             f"{r['capacity']:>8.0%} {num(rc['top_k'], '8.3f')} {num(rc['top_2k'], '6.3f')} {num(rc['top_4k'], '6.3f')} "
-            f"{r['tokens_per_s_off']:>9.1f} {r['tokens_per_s_on']:>9.1f} {r['speedup']:>6.2f} {num(r.get('speedup_paired'), '6.2f')} "
+            f"{r['tokens_per_s_off']:>9.1f} {r['tokens_per_s_on']:>9.1f} {r['speedup']:>6.2f} "
+            f"{num(r.get('speedup_paired'), '6.2f')} "
             f"{num(r['window_ms'], '9.3f')} {num(mm['prefetch_on'], '6.3f')}/{num(mm['prefetch_off'], '6.3f')}  "
             f"{r['auto']['decision']}"
         )
@@ -398,10 +471,15 @@ def format_report(report: dict[str, Any]) -> str:
         iv = r.get("speedup_interval_95")
         host = r.get("host_ms_per_token")
         if host:
-            parts = [f"{name[len('prefetch_'):]} {h['host_call_ms_per_token']:.2f}/{h['host_launch_ms_per_token']:.2f}/"
-                     f"{h['host_wait_ms_per_token']:.2f}" for name, h in host.items()]
-            lines.append(f"{r['capacity']:>8.0%} host ms per token, model call/launch/wait: {', '.join(parts)}"
-                         + (f"; on/off per block: 95% interval {iv[0]:.2f}-{iv[1]:.2f}" if iv else ""))
+            parts = [
+                f"{name[len('prefetch_') :]} {h['host_call_ms_per_token']:.2f}/{h['host_launch_ms_per_token']:.2f}/"
+                f"{h['host_wait_ms_per_token']:.2f}"
+                for name, h in host.items()
+            ]
+            lines.append(
+                f"{r['capacity']:>8.0%} host ms per token, model call/launch/wait: {', '.join(parts)}"
+                + (f"; on/off per block: 95% interval {iv[0]:.2f}-{iv[1]:.2f}" if iv else "")
+            )
         disk = r.get("disk")
         if disk:
             lines.append(f"{r['capacity']:>8.0%} {_disk_line(disk)}")
@@ -420,27 +498,37 @@ def _disk_line(disk: dict[str, Any]) -> str:
     """The reads per token against the read bound, or why that bound does not apply
     (`disk_figures`; reports from before bound_why_not always take the bound)."""
     off, on = disk["prefetch_off"], disk["prefetch_on"]
-    line = (f"read from the store per token off/on: {format_size(off['bytes_per_token'])}/"
-            f"{format_size(on['bytes_per_token'])} at {format_size(disk['read_bandwidth_bytes_per_s'])}/s: ")
+    line = (
+        f"read from the store per token off/on: {format_size(off['bytes_per_token'])}/"
+        f"{format_size(on['bytes_per_token'])} at {format_size(disk['read_bandwidth_bytes_per_s'])}/s: "
+    )
     why = disk.get("bound_why_not")
     if why == "no_reads":
         return line + "nothing read (a host tier served the pool), so no read bound"
     if why == "page_cache":
-        return line + (f"the store was read through the page cache ({disk['page_cache']}), whose speed that "
-                       f"bandwidth does not give, so no read bound")
+        return line + (
+            f"the store was read through the page cache ({disk['page_cache']}), whose speed that "
+            f"bandwidth does not give, so no read bound"
+        )
     if why == "few_reads":
         share = max(off["of_bound"] or 0.0, on["of_bound"] or 0.0)
-        return line + (f"reading them takes {share:.1%} of a token at that bandwidth, so no read bound applies "
-                       f"(under {BOUND_MIN_MOVE_SHARE:.0%}: the disk's bandwidth is not what limits decode here)")
+        return line + (
+            f"reading them takes {share:.1%} of a token at that bandwidth, so no read bound applies "
+            f"(under {BOUND_MIN_MOVE_SHARE:.0%}: the disk's bandwidth is not what limits decode here)"
+        )
     num = format_or_dash
-    return line + (f"of that bound off {num(off['of_bound'], '.2f')}, on {num(on['of_bound'], '.2f')}; "
-                   f"prefetch could give at most {num(disk['speedup_ceiling'], '.2f')}x")
+    return line + (
+        f"of that bound off {num(off['of_bound'], '.2f')}, on {num(on['of_bound'], '.2f')}; "
+        f"prefetch could give at most {num(disk['speedup_ceiling'], '.2f')}x"
+    )
 
 
 def _buffer_line(pf: dict[str, Any]) -> str:
     dropped = pf["dropped_unused"] / pf["submitted"]
-    line = (f"prefetch buffer {pf['buffer_experts']} experts ({format_size(pf['buffer_bytes'])}): "
-            f"{dropped:.1%} of its reads dropped before any token routed them")
+    line = (
+        f"prefetch buffer {pf['buffer_experts']} experts ({format_size(pf['buffer_bytes'])}): "
+        f"{dropped:.1%} of its reads dropped before any token routed them"
+    )
     if dropped > _DROPPED_HINT_SHARE:
         line += "; a larger --prefetch-buffer keeps them for a later token"
     return line

@@ -27,7 +27,7 @@ from moestream.daemon.model.speculative import SpeculativeParams, SpeculativeSta
 from moestream.daemon.model.streaming_model import StreamingModel, load_streaming_model
 from moestream.shared.settings import Settings, default_of
 
-DEFAULT_PROMPT = "import os\nimport sys\n\n\ndef read_lines(path):\n    \"\"\"Return the lines of the file at path.\"\"\"\n"
+DEFAULT_PROMPT = 'import os\nimport sys\n\n\ndef read_lines(path):\n    """Return the lines of the file at path."""\n'
 
 
 @dataclass(frozen=True)
@@ -117,16 +117,21 @@ def run_bench_speculative(settings: BenchSpeculativeSettings) -> dict[str, Any]:
     for capacity in settings.capacities:
         sm = load_streaming_model(
             # The slot pool (what auto would choose on CPU and Apple Silicon), on every machine.
-            settings.store, Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads, mapped=False)
+            settings.store,
+            Settings(capacity=capacity, policy=settings.policy, io_threads=settings.io_threads, mapped=False),
         )
         try:
             model_type = sm.manifest.model_type
             prompt = sm.tokenizer.encode(settings.prompt)
             n = settings.decode_tokens
-            configs: list[tuple[str, int | None, bool | None, Callable[[], dict[str, Any]]]] = [("plain", None, None, _plain_run(sm, prompt, n))]
+            configs: list[tuple[str, int | None, bool | None, Callable[[], dict[str, Any]]]] = [
+                ("plain", None, None, _plain_run(sm, prompt, n))
+            ]
             for k in settings.draft_tokens:
                 for fallback in (False, True):
-                    spec = SpeculativeParams(settings.mode, draft_tokens=k, draft_model=settings.draft_model, fallback=fallback)
+                    spec = SpeculativeParams(
+                        settings.mode, draft_tokens=k, draft_model=settings.draft_model, fallback=fallback
+                    )
                     name = f"{settings.mode}-k{k}" + ("-auto" if fallback else "")
                     configs.append((name, k, fallback, _spec_run(sm, prompt, n, spec)))
             samples: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in configs}
@@ -158,8 +163,14 @@ def run_bench_speculative(settings: BenchSpeculativeSettings) -> dict[str, Any]:
                 "disk_bytes_per_token": statistics.median(s["disk_bytes_per_token"] for s in runs),
                 "same_tokens_as_plain": all(s["tokens"] == plain_tokens for s in runs),
                 # The first position where a run's tokens differ from plain decode's.
-                "first_diff": min((next((i for i, (a, b) in enumerate(zip(s["tokens"], plain_tokens)) if a != b), None)
-                                   for s in runs if s["tokens"] != plain_tokens), default=None),
+                "first_diff": min(
+                    (
+                        next((i for i, (a, b) in enumerate(zip(s["tokens"], plain_tokens)) if a != b), None)
+                        for s in runs
+                        if s["tokens"] != plain_tokens
+                    ),
+                    default=None,
+                ),
             }
             if "near_ties" in runs[0]:
                 row["near_ties"] = runs[0]["near_ties"]
@@ -187,21 +198,41 @@ def run_bench_speculative(settings: BenchSpeculativeSettings) -> dict[str, Any]:
 
 def format_speculative_report(report: dict[str, Any]) -> str:
     num = format_or_dash
-    header = ["capacity", "config", "K", "tok/s", "x plain", "accept", "exp/tok", "plain exp/tok", "same", "after",
-              "note"]
+    header = [
+        "capacity",
+        "config",
+        "K",
+        "tok/s",
+        "x plain",
+        "accept",
+        "exp/tok",
+        "plain exp/tok",
+        "same",
+        "after",
+        "note",
+    ]
     rows = []
     for r in report["results"]:
         s = r.get("speculative") or {}
-        rows.append([
-            f"{r['capacity']:g}", r["name"], num(s.get("draft_tokens"), ""), f"{r['tokens_per_s']:.1f}",
-            f"{r['speed_vs_plain']:.3f}", num(s.get("acceptance_rate"), ".2f"),
-            num(s.get("experts_read_per_accepted_token"), ".1f"), num(r.get("plain_experts_read_per_token"), ""),
-            "True" if r["same_tokens_as_plain"] else f"@{r['first_diff']}",
-            num(r.get("after_decision_vs_plain"), ".3f"),
-            s.get("reason") or "",  # why it fell back to plain decode, or shrank K
-        ])
-    title = (f"{report['model_type']} ({report['device']}): speculative {report['mode']} vs plain, "
-             f"{report['decode_tokens']} greedy tokens, median of {report['rounds']}")
+        rows.append(
+            [
+                f"{r['capacity']:g}",
+                r["name"],
+                num(s.get("draft_tokens"), ""),
+                f"{r['tokens_per_s']:.1f}",
+                f"{r['speed_vs_plain']:.3f}",
+                num(s.get("acceptance_rate"), ".2f"),
+                num(s.get("experts_read_per_accepted_token"), ".1f"),
+                num(r.get("plain_experts_read_per_token"), ""),
+                "True" if r["same_tokens_as_plain"] else f"@{r['first_diff']}",
+                num(r.get("after_decision_vs_plain"), ".3f"),
+                s.get("reason") or "",  # why it fell back to plain decode, or shrank K
+            ]
+        )
+    title = (
+        f"{report['model_type']} ({report['device']}): speculative {report['mode']} vs plain, "
+        f"{report['decode_tokens']} greedy tokens, median of {report['rounds']}"
+    )
     return "\n".join([title, *aligned_table(header, rows, left=("config", "note"))])
 
 

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from moestream.client.client import Client
 from moestream.client.cli.daemon import start_daemon, stop_daemon
+from moestream.client.client import Client
 from moestream.shared.progress import timed_progress
 from moestream.shared.runtime_dir import RuntimePaths
 from moestream.shared.settings import Settings, default_of
@@ -48,11 +48,26 @@ def _timed_request(paths: RuntimePaths, prompt: str, tokens: int) -> dict[str, A
     }
 
 
-def _one_daemon(store: Path, capacity: str, autopin_frac: float, io_threads: int, prompt: str, tokens: int,
-                mapped: bool, host_cache: str | None, say: Callable[[str], None], label: str) -> dict[str, Any]:
+def _one_daemon(
+    store: Path,
+    capacity: str,
+    autopin_frac: float,
+    io_threads: int,
+    prompt: str,
+    tokens: int,
+    mapped: bool,
+    host_cache: str | None,
+    say: Callable[[str], None],
+    label: str,
+) -> dict[str, Any]:
     runtime = Path(tempfile.mkdtemp(dir="/tmp", prefix="mswarm"))
-    given: dict[str, Any] = {"model": str(store), "capacity": capacity, "autopin_frac": autopin_frac,
-                             "io_threads": io_threads, "runtime_dir": str(runtime)}
+    given: dict[str, Any] = {
+        "model": str(store),
+        "capacity": capacity,
+        "autopin_frac": autopin_frac,
+        "io_threads": io_threads,
+        "runtime_dir": str(runtime),
+    }
     # Said either way: the daemon's default (auto) could pick a mapped pool on its own.
     given["mapped"] = mapped
     if host_cache:
@@ -74,9 +89,16 @@ def _one_daemon(store: Path, capacity: str, autopin_frac: float, io_threads: int
 
 
 def run_bench_warmstart(
-    store: Path, *, capacity: str = "0.25", autopin_frac: float = default_of("autopin_frac"),
-    prompt: str = "def fibonacci(n):", tokens: int = 64, rounds: int = 3, io_threads: int = default_of("io_threads"),
-    mapped: bool = False, host_cache: str | None = None,
+    store: Path,
+    *,
+    capacity: str = "0.25",
+    autopin_frac: float = default_of("autopin_frac"),
+    prompt: str = "def fibonacci(n):",
+    tokens: int = 64,
+    rounds: int = 3,
+    io_threads: int = default_of("io_threads"),
+    mapped: bool = False,
+    host_cache: str | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Time the cold and pinned daemons; `progress` gets a line as each daemon starts
@@ -132,13 +154,15 @@ def run_bench_warmstart(
 def format_report(r: dict[str, Any]) -> str:
     lines = [
         f"time to the first {r['tokens']} tokens after a restart, capacity {r['capacity']}"
-        f"{' (mapped pool)' if r.get('mapped') else ''}{' with a host tier of ' + r['host_cache'] if r.get('host_cache') else ''}, median of {r['rounds']}",
+        f"{' (mapped pool)' if r.get('mapped') else ''}"
+        f"{' with a host tier of ' + r['host_cache'] if r.get('host_cache') else ''}, median of {r['rounds']}",
         f"{'':8} {'seconds':>9} {'ready in':>9} {'hit rate':>9} {'MB admitted':>12}",
     ]
     for name in ("cold", "pinned"):
         s = r[name]
         lines.append(
-            f"{name:8} {s['seconds_to_tokens']:>9.3f} {s['start_to_ready_seconds']:>9.2f} {s['hit_rate']:>9.3f} {s['bytes_read'] / 1e6:>12.2f}"
+            f"{name:8} {s['seconds_to_tokens']:>9.3f} {s['start_to_ready_seconds']:>9.2f} {s['hit_rate']:>9.3f} "
+            f"{s['bytes_read'] / 1e6:>12.2f}"
         )
     lines.append(f"pinned / cold: {r['pinned_over_cold']:.3f}; same tokens in every run: {r['same_tokens_every_run']}")
     return "\n".join(lines)

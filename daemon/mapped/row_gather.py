@@ -81,8 +81,9 @@ class RowGather:
         """Whether the CUDA copy kernel can run here (MLX's CUDA build on its GPU)."""
         return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
-    def __call__(self, arrays: Sequence[mx.array], ids: mx.array,
-                 max_blocks: int = _MAX_BLOCKS_PER_ROW) -> list[mx.array]:
+    def __call__(
+        self, arrays: Sequence[mx.array], ids: mx.array, max_blocks: int = _MAX_BLOCKS_PER_ROW
+    ) -> list[mx.array]:
         """Rows `ids` of `arrays`. `max_blocks` caps the copy kernel's blocks per row:
         fewer leave more of the GPU to kernels running beside the copy (what
         tests/bench/gpu_background_copy_probe.py measures)."""

@@ -1,1 +1,2 @@
-"""The model side of the engine: the streaming model and its loading, the streaming MoE layer, generation, speculative decoding, diagnostics."""
+"""The model side of the engine: the streaming model and its loading, the streaming MoE
+layer, generation, speculative decoding, diagnostics."""

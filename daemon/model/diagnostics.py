@@ -79,7 +79,11 @@ class _Timer:
         self.count += other.count
 
     def to_dict(self) -> dict[str, Any]:
-        return {"seconds": self.seconds, "count": self.count, "mean_ms": 1e3 * self.seconds / self.count if self.count else None}
+        return {
+            "seconds": self.seconds,
+            "count": self.count,
+            "mean_ms": 1e3 * self.seconds / self.count if self.count else None,
+        }
 
 
 @dataclass
@@ -278,9 +282,19 @@ class Recorder:
         """The clock of the compute window (`attribute`)."""
         return time.perf_counter()
 
-    def attribute(self, ordinal: int, decode: bool, needed: np.ndarray, missing: Sequence[int], prestaged_used: int,
-                  prediction: Prediction | None, prefetcher: Prefetcher | None, top_k: int, *,
-                  promotable: bool) -> None:
+    def attribute(
+        self,
+        ordinal: int,
+        decode: bool,
+        needed: np.ndarray,
+        missing: Sequence[int],
+        prestaged_used: int,
+        prediction: Prediction | None,
+        prefetcher: Prefetcher | None,
+        top_k: int,
+        *,
+        promotable: bool,
+    ) -> None:
         """Attribute each expert a forward needed to a bucket (BUCKETS), and record the
         prediction's recall and compute window. `needed`: the forward's unique experts;
         `missing`: those of them not resident; `prestaged_used`: resident only thanks to
@@ -358,8 +372,13 @@ class Recorder:
                 host[s].merge(t)
             window.merge(d.window_total)
             read_wait.merge(d.read_wait)
-        both = {m: [total_recall["prefill"][m][0] + total_recall["decode"][m][0],
-                    total_recall["prefill"][m][1] + total_recall["decode"][m][1]] for m in RECALL_AT}
+        both = {
+            m: [
+                total_recall["prefill"][m][0] + total_recall["decode"][m][0],
+                total_recall["prefill"][m][1] + total_recall["decode"][m][1],
+            ]
+            for m in RECALL_AT
+        }
         return {
             "attribution": total_attr,
             "recall": {"all": _recall(both), **{p: _recall(by_k) for p, by_k in total_recall.items()}},
@@ -404,9 +423,19 @@ class NullRecorder:
     def now(self) -> float:
         return 0.0
 
-    def attribute(self, ordinal: int, decode: bool, needed: np.ndarray, missing: Sequence[int], prestaged_used: int,
-                  prediction: Prediction | None, prefetcher: Prefetcher | None, top_k: int, *,
-                  promotable: bool) -> None:
+    def attribute(
+        self,
+        ordinal: int,
+        decode: bool,
+        needed: np.ndarray,
+        missing: Sequence[int],
+        prestaged_used: int,
+        prediction: Prediction | None,
+        prefetcher: Prefetcher | None,
+        top_k: int,
+        *,
+        promotable: bool,
+    ) -> None:
         return None
 
     def read_wait(self, ordinal: int, seconds: float) -> None:

@@ -18,8 +18,19 @@ from moestream.daemon.model.streaming_model import StreamingModel
 if TYPE_CHECKING:
     from moestream.daemon.mapped.mapped_pool import MappedPool
 
-_COUNTERS = ("hits_prefill", "hits_decode", "misses_prefill", "misses_decode", "evictions", "bytes_read", "host_syncs", "overflow_forwards", "routed_total",
-             "prestaged", "prestaged_used")
+_COUNTERS = (
+    "hits_prefill",
+    "hits_decode",
+    "misses_prefill",
+    "misses_decode",
+    "evictions",
+    "bytes_read",
+    "host_syncs",
+    "overflow_forwards",
+    "routed_total",
+    "prestaged",
+    "prestaged_used",
+)
 # A mapped pool's placement counters (daemon/mapped/mapped_pool.py), taken per request the same way.
 _PLACEMENT_COUNTERS = ("routed", "routed_on_gpu", "moves", "place_calls", "readback_seconds", "decide_seconds")
 
@@ -81,7 +92,9 @@ def _placement_stats(counts: dict[str, float], gpu_slots: int) -> dict[str, Any]
     return out
 
 
-def _attributed(sm: StreamingModel, steps: Iterator, buckets: tuple[dict[str, float], dict[str, float]], rec: Any = None) -> Iterator:
+def _attributed(
+    sm: StreamingModel, steps: Iterator, buckets: tuple[dict[str, float], dict[str, float]], rec: Any = None
+) -> Iterator:
     """Pass `steps` through, adding the pool counters that moved while each step ran to
     buckets[0] (the prompt and the first token) or buckets[1] (every later token), and
     pointing the diagnostics at this request's recorder `rec` (None: off) meanwhile.
@@ -163,7 +176,9 @@ def generate(
 ) -> GenerationResult:
     """Run one request to the end; `on_text(segment, token)` gets text as it appears."""
     result = GenerationResult()
-    steps = iter_generate(sm, prompt_ids, params, result, should_stop=should_stop, on_prompt_progress=on_prompt_progress)
+    steps = iter_generate(
+        sm, prompt_ids, params, result, should_stop=should_stop, on_prompt_progress=on_prompt_progress
+    )
     for segment, token in steps:
         if on_text is not None:
             on_text(segment, token)
@@ -218,13 +233,27 @@ def iter_generate(
     if params.speculative:
         from moestream.daemon.model.speculative import SpeculativeParams, SpeculativeStats, speculative_steps
 
-        spec = SpeculativeParams(mode=params.speculative, draft_tokens=params.draft_tokens, draft_model=params.draft_model)
+        spec = SpeculativeParams(
+            mode=params.speculative, draft_tokens=params.draft_tokens, draft_model=params.draft_model
+        )
         spec_stats = SpeculativeStats(mode=spec.mode, draft_tokens_requested=spec.draft_tokens)
-        steps = speculative_steps(sm, prompt_ids, sampler=sampler, max_tokens=params.max_tokens, spec=spec, stats=spec_stats,
-                                  on_prompt_progress=on_prompt_progress)
+        steps = speculative_steps(
+            sm,
+            prompt_ids,
+            sampler=sampler,
+            max_tokens=params.max_tokens,
+            spec=spec,
+            stats=spec_stats,
+            on_prompt_progress=on_prompt_progress,
+        )
     else:
-        steps = generate_step(mx.array(list(prompt_ids)), sm.model, max_tokens=params.max_tokens, sampler=sampler,
-                              prompt_progress_callback=on_prompt_progress)
+        steps = generate_step(
+            mx.array(list(prompt_ids)),
+            sm.model,
+            max_tokens=params.max_tokens,
+            sampler=sampler,
+            prompt_progress_callback=on_prompt_progress,
+        )
     if sm.mapped_pool is not None:
         steps = _ticked(steps, sm.mapped_pool)
     rec = sm.diagnostics.new_recorder(params.diagnostics) if sm.diagnostics is not None else None
@@ -284,8 +313,14 @@ def iter_generate(
         "decode_seconds": decode_seconds,
         "tokens_per_s": decode_tokens / decode_seconds if decode_seconds and decode_tokens else None,
         # By phase of the request: the prompt and the first token's forward, then the rest.
-        "hits": {"prefill": prefill["hits_prefill"] + prefill["hits_decode"], "decode": decode["hits_prefill"] + decode["hits_decode"]},
-        "misses": {"prefill": prefill["misses_prefill"] + prefill["misses_decode"], "decode": decode["misses_prefill"] + decode["misses_decode"]},
+        "hits": {
+            "prefill": prefill["hits_prefill"] + prefill["hits_decode"],
+            "decode": decode["hits_prefill"] + decode["hits_decode"],
+        },
+        "misses": {
+            "prefill": prefill["misses_prefill"] + prefill["misses_decode"],
+            "decode": decode["misses_prefill"] + decode["misses_decode"],
+        },
         "hit_rate": routed_hits / (routed_hits + routed_misses) if routed_hits + routed_misses else None,
         "bytes_read": total["bytes_read"],
         "evictions": total["evictions"],

@@ -145,7 +145,9 @@ def sanitize_mtp_weights(mtp: dict[str, mx.array], num_experts: int) -> dict[str
         return dict(mtp)
     out = dict(mtp)
     for n in ("up_proj", "down_proj", "gate_proj"):
-        out[f"{prefix}.switch_mlp.{n}.weight"] = mx.stack([out.pop(f"{prefix}.experts.{e}.{n}.weight") for e in range(num_experts)])
+        out[f"{prefix}.switch_mlp.{n}.weight"] = mx.stack(
+            [out.pop(f"{prefix}.experts.{e}.{n}.weight") for e in range(num_experts)]
+        )
     for k, v in out.items():
         if v.ndim == 1 and k.endswith(_SHIFTED_NORMS):
             out[k] = v + 1.0
@@ -179,4 +181,6 @@ def classes_keeping_mtp(sink: dict[str, mx.array]) -> Callable[[dict], tuple[typ
 def save_qwen3_next_mtp(path: str | Path, weights: dict[str, mx.array]) -> None:
     """Write sanitized `mtp.*` tensors as the store's MTP file."""
     meta = {"kind": QWEN3_NEXT}
-    mx.save_safetensors(str(path), dict(sorted(weights.items())), metadata={"format": "mlx", "moestream_mtp": json.dumps(meta)})
+    mx.save_safetensors(
+        str(path), dict(sorted(weights.items())), metadata={"format": "mlx", "moestream_mtp": json.dumps(meta)}
+    )

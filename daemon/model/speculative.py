@@ -97,7 +97,9 @@ class SpeculativeParams:
         if (self.mode == "draft") != (self.draft_model is not None):
             raise ValueError("--speculative draft needs --draft-model PATH, and only it takes one")
         if self.probe_tokens < 1 or self.probe_pairs < 1:
-            raise ValueError(f"probe_tokens and probe_pairs must be >= 1, not {self.probe_tokens} and {self.probe_pairs}")
+            raise ValueError(
+                f"probe_tokens and probe_pairs must be >= 1, not {self.probe_tokens} and {self.probe_pairs}"
+            )
         if self.watch_tokens < 0:
             raise ValueError(f"watch_tokens must be >= 0, not {self.watch_tokens}")
         if self.key_bucket is not None and self.key_bucket < 0:
@@ -120,7 +122,9 @@ class SpeculativeStats:
     plain_tokens: int = 0
     plain_experts_per_token: int | None = None  # top_k per MoE layer: a token routes top_k distinct experts
     replays: int = 0  # rounds that re-forwarded accepted tokens (untrimmable caches)
-    probe: dict[str, float] = field(default_factory=lambda: {"spec_tokens": 0, "spec_s": 0.0, "plain_tokens": 0, "plain_s": 0.0})
+    probe: dict[str, float] = field(
+        default_factory=lambda: {"spec_tokens": 0, "spec_s": 0.0, "plain_tokens": 0, "plain_s": 0.0}
+    )
     probe_ratios: list[float] = field(default_factory=list)  # speculative / plain tokens/s, per probe pair
     switches: int = 0  # changes between speculative and plain blocks
     fell_back: bool = False
@@ -173,7 +177,9 @@ def output_head(model: nn.Module, hidden: mx.array) -> mx.array:
     return model.lm_head(hidden)
 
 
-def _forward(model: nn.Module, tokens: mx.array, cache: list[Any], need_hidden: bool) -> tuple[mx.array | None, mx.array]:
+def _forward(
+    model: nn.Module, tokens: mx.array, cache: list[Any], need_hidden: bool
+) -> tuple[mx.array | None, mx.array]:
     """(normed hidden [1, L, D] or None, logits [1, L, V]) of a forward of `tokens` [L].
     The hidden states come from `model.model`, which is what `Model.__call__` runs."""
     if not need_hidden:
@@ -267,7 +273,9 @@ class ModelDrafter:
         self.cache = bucketed(make_prompt_cache(model), key_bucket)
         if not all(c.is_trimmable() for c in self.cache):
             kinds = sorted({type(c).__name__ for c in self.cache if not c.is_trimmable()})
-            raise ValueError(f"the draft model's cache ({kinds}) cannot be trimmed; choose a draft model with attention only")
+            raise ValueError(
+                f"the draft model's cache ({kinds}) cannot be trimmed; choose a draft model with attention only"
+            )
         self.pending: list[mx.array] = []
         self.chained = 0
 
@@ -329,7 +337,9 @@ def make_drafter(sm: StreamingModel, spec: SpeculativeParams, key_bucket: int = 
         main_vocab = sm.manifest.config.get("text_config", sm.manifest.config).get("vocab_size")
         draft_vocab = _vocab_size(model)
         if main_vocab is not None and draft_vocab is not None and draft_vocab != main_vocab:
-            raise ValueError(f"draft model {spec.draft_model} has a vocabulary of {draft_vocab}, the model {main_vocab}")
+            raise ValueError(
+                f"draft model {spec.draft_model} has a vocabulary of {draft_vocab}, the model {main_vocab}"
+            )
         sm.draft_models[key] = model
     return ModelDrafter(sm.draft_models[key], key_bucket)
 
@@ -355,7 +365,8 @@ def effective_draft_tokens(sm: StreamingModel, k: int) -> tuple[int, str | None]
     if fit < 1:
         return 0, (
             f"the pool holds {slots} experts per layer, fewer than the {2 * top_k} that verifying even one "
-            f"draft token may route (top_k {top_k} x 2 tokens): speculation is off; raise --capacity to at least {2 * top_k}"
+            f"draft token may route (top_k {top_k} x 2 tokens): speculation is off; raise --capacity to at least "
+            f"{2 * top_k}"
         )
     return fit, (
         f"draft_tokens shrunk from {k} to {fit}: the pool holds {slots} experts per layer and a verify of "
@@ -383,8 +394,11 @@ class _ExpertCounter:
         self._marks = [0] * len(self.pools)
 
     def _host(self) -> int:
-        return sum(p.stats.hits_prefill + p.stats.hits_decode + p.stats.misses_prefill + p.stats.misses_decode
-                   for p in self.pools if not p.fully_resident)
+        return sum(
+            p.stats.hits_prefill + p.stats.hits_decode + p.stats.misses_prefill + p.stats.misses_decode
+            for p in self.pools
+            if not p.fully_resident
+        )
 
     def start(self) -> None:
         for i, p in enumerate(self.pools):

@@ -21,16 +21,16 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes, infer_quant_config, load_tokenizer
 
 from moestream._native import CudaCopier
+from moestream.daemon.mapped.mapped_pool import CountingMover, MappedPool
+from moestream.daemon.mapped.row_gather import RowGather
+from moestream.daemon.model.diagnostics import Diagnostics
+from moestream.daemon.model.streaming_moe import StreamingMoE
+from moestream.daemon.policies import make_policy
 from moestream.daemon.pool.admission import Admitter, DirectAdmitter, cuda_copier, make_admitter
 from moestream.daemon.pool.capacity import plan_capacity, top_k_of
 from moestream.daemon.pool.expert_pool import ExpertPool, PoolCapacityError
 from moestream.daemon.pool.expert_reader import ExpertReader
-from moestream.daemon.mapped.mapped_pool import CountingMover, MappedPool
-from moestream.daemon.policies import make_policy
-from moestream.daemon.model.diagnostics import Diagnostics
 from moestream.daemon.prefetch.predictor import make_prefetcher, next_layers, routers_of
-from moestream.daemon.mapped.row_gather import RowGather
-from moestream.daemon.model.streaming_moe import StreamingMoE
 from moestream.shared.settings import Settings, format_size
 from moestream.shared.store_format import Manifest, StoreError, load_manifest
 
@@ -144,7 +144,11 @@ def _quantize(model: nn.Module, config: dict[str, Any], weights: dict[str, mx.ar
         return
     fixed = {k: v for k, v in quantization.items() if isinstance(v, (dict, bool))}
     fixed.update(
-        {f"{layer.module_path}.{proj}": q or False for layer in manifest.layers for proj, q in layer.quantization.items()}
+        {
+            f"{layer.module_path}.{proj}": q or False
+            for layer in manifest.layers
+            for proj, q in layer.quantization.items()
+        }
     )
     quantize_like_weights(model, quantization, weights, fixed)
 
@@ -238,19 +242,24 @@ def load_streaming_model(
     model, weights = _build_model(store, manifest)
     resident_bytes = sum(v.nbytes for v in weights.values())
     k = top_k_of(config)
-    capacity = k if naive else plan_capacity(
-        manifest,
-        capacity=settings.capacity,
-        memory_budget=settings.memory_budget,
-        resident_bytes=resident_bytes,
-        max_tokens=max_tokens,
+    capacity = (
+        k
+        if naive
+        else plan_capacity(
+            manifest,
+            capacity=settings.capacity,
+            memory_budget=settings.memory_budget,
+            resident_bytes=resident_bytes,
+            max_tokens=max_tokens,
+        )
     )
     # One copier for the whole load: the admitter's copies and a mapped pool's moves.
     copier, cuda_why_not = cuda_copier()
     auto_note = None
     if mapped is None:
-        mapped, auto_note = choose_mapped(manifest, capacity, settings, host_available, cuda_why_not,
-                                          naive=naive or admitter is not None)
+        mapped, auto_note = choose_mapped(
+            manifest, capacity, settings, host_available, cuda_why_not, naive=naive or admitter is not None
+        )
     owns_reader = admitter is None
     if admitter is None:
         reader = ExpertReader(
@@ -269,9 +278,14 @@ def load_streaming_model(
             if settings.host_cache:
                 note["host_tier"] = "mapped: it holds every expert, read in place"
         elif admitter is None:
-            admitter, note = make_admitter(reader, manifest, settings.host_cache,
-                                           cuda=(copier, cuda_why_not), copy_kernel=settings.copy_kernel,
-                                           ahead_blocks=settings.prefetch_copy_blocks)
+            admitter, note = make_admitter(
+                reader,
+                manifest,
+                settings.host_cache,
+                cuda=(copier, cuda_why_not),
+                copy_kernel=settings.copy_kernel,
+                ahead_blocks=settings.prefetch_copy_blocks,
+            )
         else:
             note = {"shared": True}
         if auto_note is not None:
@@ -288,14 +302,34 @@ def load_streaming_model(
         routers = routers_of(manifest.layers, [parent for parent, _, _ in found])
         diagnostics = Diagnostics(default=settings.diagnostics)
         prefetcher = make_prefetcher(
-            manifest.layers, routers, resident, reader=reader, manifest=manifest, admitter=admitter, top_k=k,
-            prefetch=settings.prefetch, predict=not naive, depth=settings.prefetch_depth,
+            manifest.layers,
+            routers,
+            resident,
+            reader=reader,
+            manifest=manifest,
+            admitter=admitter,
+            top_k=k,
+            prefetch=settings.prefetch,
+            predict=not naive,
+            depth=settings.prefetch_depth,
             buffer_bytes=settings.prefetch_buffer,
         )
         for layer, n in zip(manifest.layers, slots):
             policy = make_policy(settings.policy, layer.num_experts, n)
-            pools.append(ExpertPool(layer, n, policy, admitter, top_k=k, keep=not naive, host_memory=mapped,
-                                    gather=gather, lower=pools[:LOWER_HINT_LAYERS], prefetcher=prefetcher))
+            pools.append(
+                ExpertPool(
+                    layer,
+                    n,
+                    policy,
+                    admitter,
+                    top_k=k,
+                    keep=not naive,
+                    host_memory=mapped,
+                    gather=gather,
+                    lower=pools[:LOWER_HINT_LAYERS],
+                    prefetcher=prefetcher,
+                )
+            )
         for (parent, key, module), pool, nxt in zip(found, pools, next_layers(pools, routers, settings.prefetch_depth)):
             parent[key] = StreamingMoE(module, pool, diagnostics, nxt, prefetcher)
         _load_resident(model, weights, manifest, store)
@@ -351,8 +385,15 @@ def check_mapped_host_cache(manifest: Manifest, host_cache: int) -> None:
         )
 
 
-def choose_mapped(manifest: Manifest, capacity: int, settings: Settings, host_available: int, cuda_why_not: str, *,
-                  naive: bool = False) -> tuple[bool, str]:
+def choose_mapped(
+    manifest: Manifest,
+    capacity: int,
+    settings: Settings,
+    host_available: int,
+    cuda_why_not: str,
+    *,
+    naive: bool = False,
+) -> tuple[bool, str]:
     """`mapped = auto`: whether to make a mapped pool, and why. Mapped where it measured
     fastest and is safe: an NVIDIA GPU (the pool's misses are read over the link; on
     unified memory and the CPU there is nothing to place), a partial pool, host RAM for
@@ -374,8 +415,10 @@ def choose_mapped(manifest: Manifest, capacity: int, settings: Settings, host_av
         return False, "off: every expert fits in the pool"
     need_tier = manifest.expert_bytes_total
     if settings.host_cache and settings.host_cache < need_tier:
-        return False, (f"off: --host-cache {format_size(settings.host_cache)} holds part of the experts "
-                       f"({format_size(need_tier)}): the slot pool with a host tier")
+        return False, (
+            f"off: --host-cache {format_size(settings.host_cache)} holds part of the experts "
+            f"({format_size(need_tier)}): the slot pool with a host tier"
+        )
     need = need_tier + MAPPED_HOST_MARGIN
     if host_available < need:
         return False, f"off: host RAM {format_size(host_available)} available, every expert needs {format_size(need)}"
@@ -385,8 +428,12 @@ def choose_mapped(manifest: Manifest, capacity: int, settings: Settings, host_av
 
 
 def _place(pools: list[ExpertPool], gpu_slots: int, settings: Settings, copier: CudaCopier | None) -> MappedPool:
-    placement = MappedPool(pools, gpu_slots, copier if copier is not None else CountingMover(),
-                          rebalance_tokens=settings.mapped_rebalance_tokens)
+    placement = MappedPool(
+        pools,
+        gpu_slots,
+        copier if copier is not None else CountingMover(),
+        rebalance_tokens=settings.mapped_rebalance_tokens,
+    )
     placement.place_initial()
     return placement
 

@@ -39,8 +39,14 @@ from moestream.daemon.prefetch.prefetcher import MAX_PREFETCH_TOKENS, Prefetcher
 
 
 class StreamingMoE(nn.Module):
-    def __init__(self, inner: nn.Module, pool: ExpertPool, hub: Diagnostics, nxt: NextLayer | None = None,
-                 prefetcher: Prefetcher | None = None) -> None:
+    def __init__(
+        self,
+        inner: nn.Module,
+        pool: ExpertPool,
+        hub: Diagnostics,
+        nxt: NextLayer | None = None,
+        prefetcher: Prefetcher | None = None,
+    ) -> None:
         """`inner`: mlx-lm's module; `hub`: the model's diagnostics switch; `nxt`: the next
         layer as this one predicts for it, with the `prefetcher` that reads its experts
         (both None without prediction)."""
@@ -99,8 +105,9 @@ class StreamingMoE(nn.Module):
         rec.experts(self.ordinal, y, indices)
         return y
 
-    def _route(self, x: mx.array, indices: mx.array, seq: int,
-               rec: AnyRecorder) -> tuple[np.ndarray, np.ndarray | None, Sequence[tuple[NextLayer, np.ndarray]]]:
+    def _route(
+        self, x: mx.array, indices: mx.array, seq: int, rec: AnyRecorder
+    ) -> tuple[np.ndarray, np.ndarray | None, Sequence[tuple[NextLayer, np.ndarray]]]:
         """The layer's one host sync: its expert ids on the host; with them, where
         prefetch reads or diagnostics are on, the next layer's ranking of this input
         ([tokens, n] expert ids, else None) and the rankings of the layers read further
@@ -160,8 +167,9 @@ class StreamingMoE(nn.Module):
         finally:
             self._use(pool.arrays)
 
-    def _predict_next(self, ranked: np.ndarray, seq: int, rec: AnyRecorder,
-                      ahead: Sequence[tuple[NextLayer, np.ndarray]] = ()) -> None:
+    def _predict_next(
+        self, ranked: np.ndarray, seq: int, rec: AnyRecorder, ahead: Sequence[tuple[NextLayer, np.ndarray]] = ()
+    ) -> None:
         """Hand layer L+1 this forward's prediction and start reading what it lacks; then
         what the layers `ahead` (L+2, ..., each with its ranking) lack, after L+1's reads."""
         nxt, pf = self.next, self.prefetcher

@@ -38,9 +38,7 @@ def make_policy(name: str, num_experts: int, capacity: int) -> EvictionPolicy:
     try:
         cls = POLICIES[name]
     except KeyError:
-        raise ValueError(
-            f"unknown eviction policy {name!r}; valid names: {', '.join(POLICIES)}"
-        ) from None
+        raise ValueError(f"unknown eviction policy {name!r}; valid names: {', '.join(POLICIES)}") from None
     return cls(num_experts, capacity)
 
 

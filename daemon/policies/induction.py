@@ -53,9 +53,7 @@ class InductionPolicy(PredictivePolicy):
         target: str = "next_use",
         **predictive: Any,
     ) -> None:
-        super().__init__(
-            num_experts, capacity, half_lives=half_lives, target=target, **predictive
-        )
+        super().__init__(num_experts, capacity, half_lives=half_lives, target=target, **predictive)
         if memory < 2 or induction_horizon < 1:
             raise ValueError("[induction] memory must be >= 2, induction_horizon >= 1")
         if not 0.0 < induction_decay <= 1.0:

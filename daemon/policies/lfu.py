@@ -34,9 +34,7 @@ _RESCALE_AT = 2.0**64
 class LFUPolicy(EvictionPolicy):
     name = "lfu"
 
-    def __init__(
-        self, num_experts: int, capacity: int, *, half_life: float = 128.0
-    ) -> None:
+    def __init__(self, num_experts: int, capacity: int, *, half_life: float = 128.0) -> None:
         super().__init__(num_experts, capacity)
         if half_life <= 0:
             raise ValueError(f"[lfu] half_life {half_life} must be > 0 (tokens)")

@@ -73,15 +73,11 @@ class PredictivePolicy(EvictionPolicy):
     ) -> None:
         super().__init__(num_experts, capacity)
         if context_tokens < 1 or horizon < 1 or refit_every < 1:
-            raise ValueError(
-                "[predictive] context_tokens, horizon and refit_every must be >= 1"
-            )
+            raise ValueError("[predictive] context_tokens, horizon and refit_every must be >= 1")
         if not 0.0 < context_decay <= 1.0 or not 0.0 < horizon_decay <= 1.0:
             raise ValueError("[predictive] decays must be in (0, 1]")
         if target not in _TARGETS:
-            raise ValueError(
-                f"[{self.name}] target {target!r}: valid values are {', '.join(_TARGETS)}"
-            )
+            raise ValueError(f"[{self.name}] target {target!r}: valid values are {', '.join(_TARGETS)}")
         if any(h <= 0 for h in half_lives):
             raise ValueError(f"[predictive] half_lives {half_lives} must be > 0")
         n = num_experts
@@ -133,8 +129,7 @@ class PredictivePolicy(EvictionPolicy):
         prior = np.asarray(heat, float)
         if prior.shape != (self.num_experts,) or (prior < 0).any():
             raise ValueError(
-                f"[predictive.set_prior] need {self.num_experts} non-negative counts, "
-                f"got shape {prior.shape}"
+                f"[predictive.set_prior] need {self.num_experts} non-negative counts, got shape {prior.shape}"
             )
         total = prior.sum()
         if total > self.prior_weight:

@@ -13,7 +13,8 @@ How: a step's fingerprint is its experts in this layer and in up to `key_layers`
 lower layers passed by `observe_lower` (lowest first), each layer in its own id range.
 An inverted index (id -> the steps whose fingerprint holds it) gives, for the current
 step, how many ids every earlier step within `memory` shares with it. Steps sharing at
-least `min_shared` ids (all of them, for a smaller fingerprint) vote with weight (shared / fingerprint size) ** `power`; the recall
+least `min_shared` ids (all of them, for a smaller fingerprint) vote with weight
+(shared / fingerprint size) ** `power`; the recall
 feature of expert e is the weighted mean, over the voters, of the discounted uses of e
 in the `induction_horizon` steps after each voter, as far as they are known. It joins
 the induction policy's features, and the same online ridge regression decides its
@@ -87,9 +88,7 @@ class RecallPolicy(InductionPolicy):
         now = np.unique(np.asarray(experts, np.intp))
         n = self.num_experts
         # This layer's ids first, so a token without a hint still has a consistent key.
-        fingerprint = np.concatenate(
-            [now, *((layer + (i + 1) * n) for i, layer in enumerate(self._hint))]
-        )
+        fingerprint = np.concatenate([now, *((layer + (i + 1) * n) for i, layer in enumerate(self._hint))])
         self._hint = []
         oldest = t - self.memory
         for i in fingerprint.tolist():

@@ -9,9 +9,7 @@ class NoVictimError(RuntimeError):
     """Every resident expert is protected: the pool is too small for what it must hold."""
 
 
-def fallback_victim(
-    policy: str, resident: Collection[int], protected: Collection[int]
-) -> int:
+def fallback_victim(policy: str, resident: Collection[int], protected: Collection[int]) -> int:
     """The last resort, reached when every expert the policy tracks is protected: any
     resident, unprotected expert (one the pool placed without calling `admitted`).
     Raises `NoVictimError` when every resident expert is protected."""

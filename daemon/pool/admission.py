@@ -44,7 +44,9 @@ class Admitter(Protocol):
     def fill(self, layer: MoELayer, placements: Sequence[MappedPool], arrays: dict[str, mx.array]) -> list[Failure]:
         """Write each expert's tensors into its row of `arrays`; return the failures."""
 
-    def copy_rows(self, layer: MoELayer, dst: dict[str, mx.array], src: dict[str, mx.array], rows: Sequence[tuple[int, int]]) -> None:
+    def copy_rows(
+        self, layer: MoELayer, dst: dict[str, mx.array], src: dict[str, mx.array], rows: Sequence[tuple[int, int]]
+    ) -> None:
         """Copy (dst row, src row) pairs between two sets of arrays of this layer."""
 
     def prepare(self, arrays: dict[str, mx.array]) -> None:
@@ -67,7 +69,9 @@ def _bytes_of(array: mx.array) -> memoryview:
     return memoryview(array).cast("B")
 
 
-def _memcpy_rows(layer: MoELayer, dst: dict[str, mx.array], src: dict[str, mx.array], rows: Sequence[tuple[int, int]]) -> None:
+def _memcpy_rows(
+    layer: MoELayer, dst: dict[str, mx.array], src: dict[str, mx.array], rows: Sequence[tuple[int, int]]
+) -> None:
     for t in layer.tensors:
         d, s = _bytes_of(dst[t.name]), _bytes_of(src[t.name])
         for dr, sr in rows:
@@ -98,7 +102,9 @@ class DirectAdmitter:
         self.bytes_from_disk += (len(jobs) - len(failed)) * layer.expert_bytes
         return [(job.expert, error) for job, error in failed]
 
-    def copy_rows(self, layer: MoELayer, dst: dict[str, mx.array], src: dict[str, mx.array], rows: Sequence[tuple[int, int]]) -> None:
+    def copy_rows(
+        self, layer: MoELayer, dst: dict[str, mx.array], src: dict[str, mx.array], rows: Sequence[tuple[int, int]]
+    ) -> None:
         _memcpy_rows(layer, dst, src, rows)
 
     def prepare(self, arrays: dict[str, mx.array]) -> None:
@@ -192,8 +198,15 @@ class HostTier:
 class TieredAdmitter:
     """Store -> host tier -> pool rows. `keep=False` makes the tier a staging area only."""
 
-    def __init__(self, reader: ExpertReader, tier: HostTier, copier: CudaCopier | None, *, keep: bool,
-                 ahead_blocks: int | None = None) -> None:
+    def __init__(
+        self,
+        reader: ExpertReader,
+        tier: HostTier,
+        copier: CudaCopier | None,
+        *,
+        keep: bool,
+        ahead_blocks: int | None = None,
+    ) -> None:
         self.reader = reader
         self.tier = tier
         self.copier = copier
@@ -214,7 +227,9 @@ class TieredAdmitter:
             failures += self._fill_chunk(layer, placements[i : i + step], arrays)
         return failures
 
-    def _fill_chunk(self, layer: MoELayer, placements: Sequence[MappedPool], arrays: dict[str, mx.array]) -> list[Failure]:
+    def _fill_chunk(
+        self, layer: MoELayer, placements: Sequence[MappedPool], arrays: dict[str, mx.array]
+    ) -> list[Failure]:
         if not self.keep:
             self.tier.clear()
         keys = {(layer.ordinal, e) for e, _ in placements}
@@ -274,7 +289,9 @@ class TieredAdmitter:
             if slot is None:
                 raise ValueError(f"expert {e} of layer {layer.ordinal} is not in the host tier")
             base = slot * self.tier.stride
-            spans += [(arrays[t.name], row * t.nbytes, self.tier.buffer, base + t.offset, t.nbytes) for t in layer.tensors]
+            spans += [
+                (arrays[t.name], row * t.nbytes, self.tier.buffer, base + t.offset, t.nbytes) for t in layer.tensors
+            ]
         if not spans:
             return
         self.s.prestaged += len(placements)
@@ -304,11 +321,17 @@ class TieredAdmitter:
             for key in todo[i : i + batch]:
                 slot, _ = self.tier.assign(key, set())
                 layer = layer_of[key[0]]
-                jobs.append(ReadJob(layer, key[1], [(self.tier.buffer, slot * self.tier.stride, 0, layer.experts[key[1]].length)]))
+                jobs.append(
+                    ReadJob(
+                        layer, key[1], [(self.tier.buffer, slot * self.tier.stride, 0, layer.experts[key[1]].length)]
+                    )
+                )
             failed = {(job.layer.ordinal, job.expert) for job, _ in self.reader.read(jobs)}
             for key in failed:
                 self.tier.forget(key)
-            read += sum(job.layer.experts[job.expert].length for job in jobs if (job.layer.ordinal, job.expert) not in failed)
+            read += sum(
+                job.layer.experts[job.expert].length for job in jobs if (job.layer.ordinal, job.expert) not in failed
+            )
         self.s.bytes_from_disk += read
         return read
 
@@ -317,7 +340,9 @@ class TieredAdmitter:
             self._in_flight = False
             self.s.prestage_wait_seconds += self.copier.sync()
 
-    def copy_rows(self, layer: MoELayer, dst: dict[str, mx.array], src: dict[str, mx.array], rows: Sequence[tuple[int, int]]) -> None:
+    def copy_rows(
+        self, layer: MoELayer, dst: dict[str, mx.array], src: dict[str, mx.array], rows: Sequence[tuple[int, int]]
+    ) -> None:
         self.settle()
         spans = [
             (dst[t.name], dr * t.nbytes, src[t.name], sr * t.nbytes, t.nbytes) for dr, sr in rows for t in layer.tensors
@@ -381,9 +406,15 @@ def cuda_copier() -> tuple[CudaCopier | None, str]:
 STAGING_EXPERTS = 64
 
 
-def make_admitter(reader: ExpertReader, manifest: Manifest, host_cache_bytes: int, *,
-                  cuda: tuple[CudaCopier | None, str] | None = None, copy_kernel: bool = False,
-                  ahead_blocks: int | None = None) -> tuple[Admitter, dict[str, Any]]:
+def make_admitter(
+    reader: ExpertReader,
+    manifest: Manifest,
+    host_cache_bytes: int,
+    *,
+    cuda: tuple[CudaCopier | None, str] | None = None,
+    copy_kernel: bool = False,
+    ahead_blocks: int | None = None,
+) -> tuple[Admitter, dict[str, Any]]:
     """The admitter for this machine and settings, and a note of what was chosen and why.
     `copy_kernel` (Settings.copy_kernel) is honoured where there is a CUDA copier; `cuda` is
     what `cuda_copier()` gave the caller already (else it is asked here); `ahead_blocks`
@@ -397,12 +428,12 @@ def make_admitter(reader: ExpertReader, manifest: Manifest, host_cache_bytes: in
         slots = host_cache_bytes // stride
         if slots < 1:
             raise SettingsError(
-                f"--host-cache {host_cache_bytes} bytes is below one expert ({stride} bytes); give more or 0 to turn it off"
+                f"--host-cache {host_cache_bytes} bytes is below one expert ({stride} bytes); give more or 0 to turn "
+                "it off"
             )
         total = sum(layer.num_experts for layer in manifest.layers)
         slots = min(slots, total)
-        admitter = TieredAdmitter(reader, HostTier(slots, stride, copier), copier, keep=True,
-                                  ahead_blocks=ahead_blocks)
+        admitter = TieredAdmitter(reader, HostTier(slots, stride, copier), copier, keep=True, ahead_blocks=ahead_blocks)
         return admitter, {"cuda": why_not or "on", "copy_kernel": copy_kernel and copier is not None}
     if copier is not None:
         largest = max(layer.num_experts for layer in manifest.layers)

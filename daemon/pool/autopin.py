@@ -55,7 +55,9 @@ def autopin(sm: StreamingModel, counts: Mapping[int, Mapping[int, int]], frac: f
     warm = getattr(sm.admitter, "warm", None)
     if frac > 0 and warm is not None and not all(p.fully_resident for p in sm.pools):
         # Hottest first over all layers (ties: lower layer, then lower id).
-        ranked = sorted((-c, ordinal, e) for ordinal, layer_counts in counts.items() for e, c in layer_counts.items() if c > 0)
+        ranked = sorted(
+            (-c, ordinal, e) for ordinal, layer_counts in counts.items() for e, c in layer_counts.items() if c > 0
+        )
         known = {p.layer.ordinal: p.layer.num_experts for p in sm.pools}
         keys = [(ordinal, e) for _, ordinal, e in ranked if 0 <= e < known.get(ordinal, 0)]
         tier_warmed_bytes = warm([p.layer for p in sm.pools], keys)
@@ -71,8 +73,15 @@ def autopin(sm: StreamingModel, counts: Mapping[int, Mapping[int, int]], frac: f
         preloaded += pool.preload(order)
         layers += 1
     bytes_read = sum(p.stats.bytes_read for p in sm.pools) - bytes_before
-    return AutopinSummary(layers, pinned, skipped, time.perf_counter() - tic, bytes_read,
-                          preloaded=preloaded, tier_warmed_bytes=tier_warmed_bytes)
+    return AutopinSummary(
+        layers,
+        pinned,
+        skipped,
+        time.perf_counter() - tic,
+        bytes_read,
+        preloaded=preloaded,
+        tier_warmed_bytes=tier_warmed_bytes,
+    )
 
 
 def _place_hottest(sm: StreamingModel, counts: Mapping[int, Mapping[int, int]], frac: float) -> AutopinSummary:

@@ -20,15 +20,15 @@ import numpy as np
 from mlx_lm.generate import generation_stream
 
 from moestream.daemon.model.diagnostics import NULL_RECORDER, AnyRecorder
+from moestream.daemon.policies.base import EvictionPolicy
 from moestream.daemon.pool.admission import Admitter
 from moestream.daemon.pool.expert_reader import ExpertReadError
-from moestream.daemon.policies.base import EvictionPolicy
 from moestream.shared.store_format import MoELayer
 
 if TYPE_CHECKING:
+    from moestream.daemon.mapped.row_gather import RowGather
     from moestream.daemon.prefetch.predictor import Prediction
     from moestream.daemon.prefetch.prefetcher import Prefetcher
-    from moestream.daemon.mapped.row_gather import RowGather
 
 
 @dataclass
@@ -117,7 +117,9 @@ class ExpertPool:
         # the arrays are allocated where the host writes them (managed memory on CUDA)
         # rather than as GPU memory the size of every expert.
         self.arrays: dict[str, mx.array] = {
-            t.name: mx.zeros((self.capacity, *t.shape), dtype=getattr(mx, t.dtype), stream=mx.cpu if host_memory else None)
+            t.name: mx.zeros(
+                (self.capacity, *t.shape), dtype=getattr(mx, t.dtype), stream=mx.cpu if host_memory else None
+            )
             for t in layer.tensors
         }
         mx.eval(list(self.arrays.values()))
@@ -309,8 +311,9 @@ class ExpertPool:
             self.stats.misses_prefill += len(missing)
         return needed, missing
 
-    def ensure(self, token_experts: np.ndarray, *, decode: bool, synced: bool = False,
-               rec: AnyRecorder = NULL_RECORDER) -> None:
+    def ensure(
+        self, token_experts: np.ndarray, *, decode: bool, synced: bool = False, rec: AnyRecorder = NULL_RECORDER
+    ) -> None:
         """Make resident every expert routed by these tokens ([tokens, k] ids),
         promoting what the prefetcher has read for them; the caller then queues the
         forward's read of the slots on the current stream. `rec`: the forward's
@@ -324,12 +327,22 @@ class ExpertPool:
         ordinal = self.layer.ordinal
         with rec.segment(ordinal, "lookup"):
             needed, missing = self._account(token_experts, decode=decode)
-        rec.attribute(ordinal, decode, needed, missing, self.last_prestaged_used, prediction, self.prefetcher,
-                      self.top_k, promotable=True)
+        rec.attribute(
+            ordinal,
+            decode,
+            needed,
+            missing,
+            self.last_prestaged_used,
+            prediction,
+            self.prefetcher,
+            self.top_k,
+            promotable=True,
+        )
         stream = _current_stream()
         if missing:
-            self._admit(missing, set(needed.tolist()) | self.pinned, rec=rec,
-                        drained=synced and self._reads_drained(stream))
+            self._admit(
+                missing, set(needed.tolist()) | self.pinned, rec=rec, drained=synced and self._reads_drained(stream)
+            )
         self._reader_stream = stream
 
     def fits(self, token_experts: np.ndarray) -> bool:
@@ -337,8 +350,9 @@ class ExpertPool:
         needed = set(np.unique(token_experts).tolist())
         return len(needed - self.pinned) <= self.capacity - len(self.pinned)
 
-    def gather_overflow(self, token_experts: np.ndarray,
-                        rec: AnyRecorder = NULL_RECORDER) -> tuple[dict[str, mx.array], np.ndarray]:
+    def gather_overflow(
+        self, token_experts: np.ndarray, rec: AnyRecorder = NULL_RECORDER
+    ) -> tuple[dict[str, mx.array], np.ndarray]:
         """Serve a forward whose experts do not fit in the pool, as one kernel call.
 
         Returns stacked arrays holding exactly the experts these tokens need (resident
@@ -349,8 +363,17 @@ class ExpertPool:
         """
         prediction, self.prediction = self.prediction, None
         needed, missing = self._account(token_experts, decode=False)
-        rec.attribute(self.layer.ordinal, False, needed, missing, self.last_prestaged_used, prediction,
-                      self.prefetcher, self.top_k, promotable=False)
+        rec.attribute(
+            self.layer.ordinal,
+            False,
+            needed,
+            missing,
+            self.last_prestaged_used,
+            prediction,
+            self.prefetcher,
+            self.top_k,
+            promotable=False,
+        )
         self.stats.overflow_forwards += 1
         resident = [int(e) for e in needed if self.slot_of[e] >= 0]
         scratch = self._read_scratch(missing)
@@ -377,7 +400,9 @@ class ExpertPool:
             self._raise(failed)
         return scratch
 
-    def _keep_latest(self, token_experts: np.ndarray, scratch: dict[str, mx.array], scratch_row: dict[int, int]) -> None:
+    def _keep_latest(
+        self, token_experts: np.ndarray, scratch: dict[str, mx.array], scratch_row: dict[int, int]
+    ) -> None:
         """Admit, from the scratch, the experts of the last tokens that fit in the pool."""
         room = self.capacity - len(self.pinned)
         keep: set[int] = set()
@@ -441,8 +466,9 @@ class ExpertPool:
             placements.append((e, slot))
         return placements
 
-    def _admit(self, missing: Sequence[int], protected: set[int], rec: AnyRecorder = NULL_RECORDER,
-               drained: bool = False) -> None:
+    def _admit(
+        self, missing: Sequence[int], protected: set[int], rec: AnyRecorder = NULL_RECORDER, drained: bool = False
+    ) -> None:
         ordinal = self.layer.ordinal
         with rec.segment(ordinal, "admit"):
             if not drained:

@@ -67,8 +67,11 @@ class ExpertReader:
                 size = self._reopen_if_grown(job.layer.file)
             if entry.offset + entry.length > size:
                 failed.append(
-                    (job, f"{self.store_dir / job.layer.file} is truncated: {size} bytes, the expert "
-                          f"lies at offset {entry.offset} length {entry.length}")
+                    (
+                        job,
+                        f"{self.store_dir / job.layer.file} is truncated: {size} bytes, the expert "
+                        f"lies at offset {entry.offset} length {entry.length}",
+                    )
                 )
                 continue
             submitted.append(job)

@@ -134,8 +134,10 @@ def make_prefetcher(
     # diagnostics).
     stride = expert_stride(manifest)
     if buffer_bytes and buffer_bytes < top_k * stride:
-        raise ValueError(f"prefetch_buffer of {buffer_bytes} bytes holds fewer experts than one token routes "
-                         f"({top_k} of {stride} bytes): give at least {top_k * stride}, or 0 for the default")
+        raise ValueError(
+            f"prefetch_buffer of {buffer_bytes} bytes holds fewer experts than one token routes "
+            f"({top_k} of {stride} bytes): give at least {top_k * stride}, or 0 for the default"
+        )
     if prefetch == "off":
         slots = top_k
     elif buffer_bytes:
@@ -145,8 +147,9 @@ def make_prefetcher(
     return Prefetcher(reader, manifest, copier, slots=slots, top_k=top_k, mode=prefetch, tier=tier, depth=depth)
 
 
-def next_layers(pools: Sequence["ExpertPool"], routers: Sequence[NextRouter | None],
-                depth: int = 1) -> list[NextLayer | None]:
+def next_layers(
+    pools: Sequence["ExpertPool"], routers: Sequence[NextRouter | None], depth: int = 1
+) -> list[NextLayer | None]:
     """What each layer predicts for: layer i+1 with its router, and the layers after it
     up to `depth` ahead that have a router the predictor knows; None for the last layer
     and where layer i+1's router is unknown."""
@@ -156,7 +159,10 @@ def next_layers(pools: Sequence["ExpertPool"], routers: Sequence[NextRouter | No
         if router is None:
             out.append(None)
             continue
-        ahead = [NextLayer(p, r) for p, r in zip(pools[i + 2 : i + 1 + depth], routers[i + 2 : i + 1 + depth])
-                 if r is not None]
+        ahead = [
+            NextLayer(p, r)
+            for p, r in zip(pools[i + 2 : i + 1 + depth], routers[i + 2 : i + 1 + depth])
+            if r is not None
+        ]
         out.append(NextLayer(pools[i + 1], router, ahead))
     return out

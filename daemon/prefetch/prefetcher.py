@@ -68,8 +68,18 @@ class PrefetchStats:
 class Prefetcher:
     """Async reads of predicted experts into host memory, and their promotion into pools."""
 
-    def __init__(self, reader: ExpertReader, manifest: Manifest, copier: CudaCopier | None, *, slots: int, top_k: int,
-                 mode: str = "auto", tier: Any = None, depth: int = 1) -> None:
+    def __init__(
+        self,
+        reader: ExpertReader,
+        manifest: Manifest,
+        copier: CudaCopier | None,
+        *,
+        slots: int,
+        top_k: int,
+        mode: str = "auto",
+        tier: Any = None,
+        depth: int = 1,
+    ) -> None:
         if mode not in PREFETCH_MODES:
             raise ValueError(f"prefetch mode {mode!r}: use one of {', '.join(PREFETCH_MODES)}")
         self.stride = expert_stride(manifest)
@@ -113,8 +123,15 @@ class Prefetcher:
                 self.s.no_room += 1
                 continue
             entry = layer.experts[key[1]]
-            batch.append((fid, entry.offset, entry.length, [(self.buffer, slot * self.stride, 0, entry.length)],
-                          entry.crc32 if self.reader.verify else None))
+            batch.append(
+                (
+                    fid,
+                    entry.offset,
+                    entry.length,
+                    [(self.buffer, slot * self.stride, 0, entry.length)],
+                    entry.crc32 if self.reader.verify else None,
+                )
+            )
             keys.append((key, slot))
             self._dropped.discard(key)
         if not batch:
@@ -181,8 +198,13 @@ class Prefetcher:
         if self._dropped:
             self._dropped = {k for k in self._dropped if k[0] != ordinal}
 
-    def promote(self, layer: MoELayer, placements: Sequence[tuple[int, int]], arrays: dict[str, mx.array],
-                rec: AnyRecorder = NULL_RECORDER) -> tuple[list[tuple[int, int]], int]:
+    def promote(
+        self,
+        layer: MoELayer,
+        placements: Sequence[tuple[int, int]],
+        arrays: dict[str, mx.array],
+        rec: AnyRecorder = NULL_RECORDER,
+    ) -> tuple[list[tuple[int, int]], int]:
         """Copy buffered experts into pool rows ((expert, row) pairs), waiting for reads
         still in flight. Returns the placements it could not serve (failed reads) and how
         many it waited for. `rec` (diagnostics) gets the host seconds of taking the reads
@@ -191,8 +213,9 @@ class Prefetcher:
         ordinal = layer.ordinal
         waited, wait_s = 0, 0.0
         with rec.host(ordinal, "promote_take"):
-            pending = [self._entries[(ordinal, e)] for e, _ in placements
-                       if self._entries[(ordinal, e)].state == PENDING]
+            pending = [
+                self._entries[(ordinal, e)] for e, _ in placements if self._entries[(ordinal, e)].state == PENDING
+            ]
             rest = [en for en in pending if not self._poll(en)]
             if rest:
                 tic = time.perf_counter()
@@ -233,7 +256,9 @@ class Prefetcher:
                 continue
             slot, _ = tier.assign(key, set())
             n = layer.experts[e].length
-            view[slot * tier.stride : slot * tier.stride + n] = self._view[entry.slot * stride : entry.slot * stride + n]
+            view[slot * tier.stride : slot * tier.stride + n] = self._view[
+                entry.slot * stride : entry.slot * stride + n
+            ]
 
     def _copy(self, spans: list[tuple[mx.array, int, int, int]]) -> None:
         if not spans:

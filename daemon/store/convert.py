@@ -83,8 +83,7 @@ def _check_destination(out_dir: Path, force: bool) -> None:
     if any(out_dir.iterdir()):
         # --force replaces stores, never an unrelated folder that happens to be named.
         raise StoreError(
-            f"{out_dir} exists, is not empty and is not an expert store; "
-            "choose another --out (nothing was changed)"
+            f"{out_dir} exists, is not empty and is not an expert store; choose another --out (nothing was changed)"
         )
 
 
@@ -107,7 +106,9 @@ def _write_layer(layer: SwitchLayer, path: Path, advance: Callable[[int], None])
         for e in range(layer.num_experts):
             for spec, view in zip(layer.specs, views):
                 block[spec.offset : spec.offset + spec.nbytes] = memoryview(view[e]).cast("B")
-            entries.append(ExpertEntry(offset=e * layer.stride, length=length, crc32=zlib.crc32(memoryview(block)[:length])))
+            entries.append(
+                ExpertEntry(offset=e * layer.stride, length=length, crc32=zlib.crc32(memoryview(block)[:length]))
+            )
             f.write(block)
             advance(layer.stride)
         f.flush()
@@ -287,8 +288,9 @@ def convert_model(
         if isinstance(exc, OSError):
             # A full or read-only disk, say: one line that names the store, not its partial folder.
             where = str(exc.filename).replace(str(tmp), str(out_dir)) if exc.filename else str(out_dir)
-            error = StoreError(f"cannot write the store {out_dir}: {where}: {exc.strerror or exc}"
-                               + (f"; {note}" if note else ""))
+            error = StoreError(
+                f"cannot write the store {out_dir}: {where}: {exc.strerror or exc}" + (f"; {note}" if note else "")
+            )
             raise error from exc
         if note:
             exc.add_note(note)

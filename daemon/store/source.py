@@ -70,9 +70,7 @@ def check_weight_files(model_dir: Path) -> list[Path]:
         expected = safetensors_data_end(path)
         size = path.stat().st_size
         if size < expected:
-            raise StoreError(
-                f"{path} is truncated: {size} bytes, its header says {expected}; download it again"
-            )
+            raise StoreError(f"{path} is truncated: {size} bytes, its header says {expected}; download it again")
     return files
 
 

@@ -38,8 +38,8 @@ import numpy as np
 from probe_setup import mapped_quarter, store_probe_args
 from probe_timing import median_ms
 
-from moestream.daemon.pool.admission import cuda_copier
 from moestream.daemon.mapped.row_gather import RowGather
+from moestream.daemon.pool.admission import cuda_copier
 
 BLOCKS = (64, 16, 4, 1)
 
@@ -70,12 +70,18 @@ def main() -> None:
             x = first.inner(x, ids_gpu).sum(axis=-2).astype(mx.bfloat16)
         return x
 
-    report: dict = {"device": str(mx.default_device()), "mlx": mx.__version__, "top_k": k,
-                    "expert_bytes": second_layer.pool.layer.expert_bytes, "kernel": RowGather.kernel_available()}
+    report: dict = {
+        "device": str(mx.default_device()),
+        "mlx": mx.__version__,
+        "top_k": k,
+        "expert_bytes": second_layer.pool.layer.expert_bytes,
+        "kernel": RowGather.kernel_available(),
+    }
     report["compute_ms"] = c = median_ms(compute, args.reps)
     want = gather(arrays_next, ids_host)
     rows = []
     for b in BLOCKS:
+
         def stage(b=b) -> list[mx.array]:
             return gather(arrays_next, ids_host, max_blocks=b)
 
@@ -89,8 +95,12 @@ def main() -> None:
             return [y, *s]
 
         alone = median_ms(stage, args.reps)
-        r = {"blocks_per_row": b, "stage_ms": alone, "same_stream_ms": median_ms(same, args.reps),
-             "second_stream_ms": median_ms(second, args.reps)}
+        r = {
+            "blocks_per_row": b,
+            "stage_ms": alone,
+            "same_stream_ms": median_ms(same, args.reps),
+            "second_stream_ms": median_ms(second, args.reps),
+        }
         r["same_hidden"] = hidden_fraction(c, alone, r["same_stream_ms"])
         r["second_hidden"] = hidden_fraction(c, alone, r["second_stream_ms"])
         r["equal"] = all(bool(mx.array_equal(a, w)) for a, w in zip(stage(), want))
@@ -110,9 +120,13 @@ def main() -> None:
         pattern = np.frombuffer(src, np.uint8)
         pattern[:] = (np.arange(n, dtype=np.uint64) * 2654435761 >> 13).astype(np.uint8)
         expect = mx.array(pattern)
+
         def spans_into(dst: mx.array) -> list:
-            return [(dst, e * layer.expert_bytes + t.offset, src, e * layer.expert_bytes + t.offset, t.nbytes)
-                    for e in range(k) for t in layer.tensors]
+            return [
+                (dst, e * layer.expert_bytes + t.offset, src, e * layer.expert_bytes + t.offset, t.nbytes)
+                for e in range(k)
+                for t in layer.tensors
+            ]
 
         def zeros() -> mx.array:
             out = mx.zeros((n,), dtype=mx.uint8)
@@ -146,10 +160,15 @@ def main() -> None:
             # on the H200 the copier refused an updated one (`dst[:] = 0`) as not C-contiguous.
             dst = zeros()
             copier.copy(spans_into(dst), wait=True, kernel=kernel, blocks=blocks)
-            r = {"way": "kernel" if kernel else "cudaMemcpyAsync", "blocks_per_span": blocks, "copy_ms": alone,
-                 "exact": bool(mx.array_equal(dst, expect)),
-                 "beside_compute_ms": both, "hidden": hidden_fraction(c, alone, both),
-                 "copy_GBps": n / alone / 1e6}
+            r = {
+                "way": "kernel" if kernel else "cudaMemcpyAsync",
+                "blocks_per_span": blocks,
+                "copy_ms": alone,
+                "exact": bool(mx.array_equal(dst, expect)),
+                "beside_compute_ms": both,
+                "hidden": hidden_fraction(c, alone, both),
+                "copy_GBps": n / alone / 1e6,
+            }
             crows.append(r)
             print(json.dumps(r), flush=True)
         report["copier"] = crows

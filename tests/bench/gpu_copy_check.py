@@ -95,8 +95,9 @@ def kernel_checks(copier: CudaCopier, host: HostBuffer, pattern: np.ndarray, row
     return out
 
 
-def layer_prefetch(copier: CudaCopier, *, kernel: bool = False, experts: int = 8, slots: int = 32,
-                   repeats: int = 50) -> dict:
+def layer_prefetch(
+    copier: CudaCopier, *, kernel: bool = False, experts: int = 8, slots: int = 32, repeats: int = 50
+) -> dict:
     """Queue 8 experts into 9 pool arrays (Qwen3-30B-A3B, 4-bit): host ms of the call
     that queues them and of the whole copy, medians; and whether the bytes are exact."""
     shapes = [((slots, 768, 256), mx.uint32), ((slots, 768, 32), mx.bfloat16), ((slots, 768, 32), mx.bfloat16)] * 3
@@ -131,9 +132,15 @@ def layer_prefetch(copier: CudaCopier, *, kernel: bool = False, experts: int = 8
             got = np.array(t[3 * e + 1].view(mx.uint8)).reshape(-1)
             exact &= bool(np.array_equal(got, raw[off : off + n]))
             off += n
-    return {"spans": len(spans), "bytes": experts * stride, "queue_ms": 1e3 * statistics.median(queue),
-            "total_ms": 1e3 * statistics.median(total), "us_per_span_queued": 1e6 * statistics.median(queue) / len(spans),
-            "bytes_per_s": experts * stride / statistics.median(total), "exact": exact}
+    return {
+        "spans": len(spans),
+        "bytes": experts * stride,
+        "queue_ms": 1e3 * statistics.median(queue),
+        "total_ms": 1e3 * statistics.median(total),
+        "us_per_span_queued": 1e6 * statistics.median(queue) / len(spans),
+        "bytes_per_s": experts * stride / statistics.median(total),
+        "exact": exact,
+    }
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ from mlx_lm.models.cache import make_prompt_cache
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_random_moe import make_random_moe  # noqa: E402
 
-from moestream.daemon.store.convert import convert_model  # noqa: E402
 from moestream.daemon.model.streaming_model import load_streaming_model  # noqa: E402
+from moestream.daemon.store.convert import convert_model  # noqa: E402
 from moestream.shared.settings import Settings  # noqa: E402
 
 
@@ -55,11 +55,23 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--bits", default="4,0", help="weights to test: 4 = 4-bit, 0 = bf16 (GPU only)")
-    parser.add_argument("--only", default="", help="run only the cases whose label (e.g. 32-slots, 4-tier, 8-mapped+gather) matches this regex")
-    parser.add_argument("--collect", action="store_true", help="after each streaming model: collect garbage, synchronize, clear MLX's cache")
-    parser.add_argument("--between", default="", help="after each streaming model, some of: release (drop it and collect "
-                        "garbage before the next loads), sync (mx.synchronize), clear (mx.clear_cache), comma-separated; "
-                        "--collect is all three (to tell which of them keeps the slot-pool crash away)")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="run only the cases whose label (e.g. 32-slots, 4-tier, 8-mapped+gather) matches this regex",
+    )
+    parser.add_argument(
+        "--collect",
+        action="store_true",
+        help="after each streaming model: collect garbage, synchronize, clear MLX's cache",
+    )
+    parser.add_argument(
+        "--between",
+        default="",
+        help="after each streaming model, some of: release (drop it and collect "
+        "garbage before the next loads), sync (mx.synchronize), clear (mx.clear_cache), comma-separated; "
+        "--collect is all three (to tell which of them keeps the slot-pool crash away)",
+    )
     args = parser.parse_args()
     between = {"release", "sync", "clear"} if args.collect else {s for s in args.between.split(",") if s}
     if between - {"release", "sync", "clear"}:
@@ -77,10 +89,22 @@ def main() -> None:
         want = {n: greedy(model, p, args.steps) for n, p in prompts.items()}
         # (slots, host tier bytes, mode): slot pools, a host tier, mapped pools reading
         # host memory in the kernels, and gathering the routed experts first.
-        cases = [(4, 0, "slots"), (8, 0, "slots"), (16, 0, "slots"), (32, 0, "slots"), (4, 1 << 26, "tier"), (8, 1 << 26, "tier"),
-                 (4, 0, "slots+kernel"), (4, 1 << 26, "tier+kernel"), (8, 1 << 26, "tier+kernel"),
-                 (4, 0, "mapped"), (8, 0, "mapped"), (4, 0, "mapped+gather"), (8, 0, "mapped+gather"),
-                 (4, 1 << 26, "tier+kernel+b4")]
+        cases = [
+            (4, 0, "slots"),
+            (8, 0, "slots"),
+            (16, 0, "slots"),
+            (32, 0, "slots"),
+            (4, 1 << 26, "tier"),
+            (8, 1 << 26, "tier"),
+            (4, 0, "slots+kernel"),
+            (4, 1 << 26, "tier+kernel"),
+            (8, 1 << 26, "tier+kernel"),
+            (4, 0, "mapped"),
+            (8, 0, "mapped"),
+            (4, 0, "mapped+gather"),
+            (8, 0, "mapped+gather"),
+            (4, 1 << 26, "tier+kernel+b4"),
+        ]
         for slots, host_cache, mode in cases:
             label = f"{slots}-{mode}"
             if not re.search(args.only, label):
@@ -89,7 +113,8 @@ def main() -> None:
             # "+bN": copies made ahead of use with at most N blocks per span.
             blocks = int(mode.rsplit("+b", 1)[1]) if "+b" in mode else None
             if (kernel and "copy_kernel" not in Settings.__dataclass_fields__) or (
-                    blocks and "prefetch_copy_blocks" not in Settings.__dataclass_fields__):
+                blocks and "prefetch_copy_blocks" not in Settings.__dataclass_fields__
+            ):
                 continue  # a tree older than the setting
             # Prefetch on for the slot pools: with a host tier, predicted experts are
             # copied into the next layer's slots on the copier's streams while the GPU
@@ -97,23 +122,46 @@ def main() -> None:
             # mapped_gather given (its auto gathers on CUDA) only on trees that know it,
             # so that the script runs on older ones.
             prefetch = "off" if mapped else "on"
-            sm = load_streaming_model(store, Settings(capacity=slots, host_cache=host_cache, mapped=mapped, prefetch=prefetch,
-                                                      **({"mapped_gather": gather} if "mapped_gather" in Settings.__dataclass_fields__ else {}),
-                                                      # The kernel is the default: the other
-                                                      # cases say off, so that both ways stay checked.
-                                                      **({"copy_kernel": kernel} if "copy_kernel" in Settings.__dataclass_fields__ else {}),
-                                                      **({"prefetch_copy_blocks": blocks} if blocks else {})))
+            sm = load_streaming_model(
+                store,
+                Settings(
+                    capacity=slots,
+                    host_cache=host_cache,
+                    mapped=mapped,
+                    prefetch=prefetch,
+                    **({"mapped_gather": gather} if "mapped_gather" in Settings.__dataclass_fields__ else {}),
+                    # The kernel is the default: the other
+                    # cases say off, so that both ways stay checked.
+                    **({"copy_kernel": kernel} if "copy_kernel" in Settings.__dataclass_fields__ else {}),
+                    **({"prefetch_copy_blocks": blocks} if blocks else {}),
+                ),
+            )
             if not mapped:
-                mode = sm.pool_stats()["admission"]["mode"] + ("+kernel" if kernel else "") + (f"+b{blocks}" if blocks else "")
+                mode = (
+                    sm.pool_stats()["admission"]["mode"]
+                    + ("+kernel" if kernel else "")
+                    + (f"+b{blocks}" if blocks else "")
+                )
             tick = sm.mapped_pool.tick if sm.mapped_pool is not None else None
             for n, p in prompts.items():
                 toks, rows = greedy(sm.model, p, args.steps, tick)
-                diffs = [float(np.nanmax(np.abs(a - b))) if not np.array_equal(a, b) else 0.0 for a, b in zip(rows, want[n][1])]
-                r = {"weights": "4bit" if bits else "bf16", "capacity": slots, "admission": mode, "prompt": n,
-                     "tokens_equal": toks == want[n][0], "logits_equal_steps": sum(d == 0.0 for d in diffs),
-                     "steps": len(diffs), "max_abs_diff": max(diffs), "first_diff_step": next((i for i, d in enumerate(diffs) if d), None),
-                     "stock_has_nan": bool(any(np.isnan(w).any() for w in want[n][1])),
-                     "prestaged_so_far": sm.pool_stats()["prestaged"]}
+                diffs = [
+                    float(np.nanmax(np.abs(a - b))) if not np.array_equal(a, b) else 0.0
+                    for a, b in zip(rows, want[n][1])
+                ]
+                r = {
+                    "weights": "4bit" if bits else "bf16",
+                    "capacity": slots,
+                    "admission": mode,
+                    "prompt": n,
+                    "tokens_equal": toks == want[n][0],
+                    "logits_equal_steps": sum(d == 0.0 for d in diffs),
+                    "steps": len(diffs),
+                    "max_abs_diff": max(diffs),
+                    "first_diff_step": next((i for i, d in enumerate(diffs) if d), None),
+                    "stock_has_nan": bool(any(np.isnan(w).any() for w in want[n][1])),
+                    "prestaged_so_far": sm.pool_stats()["prestaged"],
+                }
                 results.append(r)
                 print(json.dumps(r), flush=True)
             sm.close()

@@ -46,8 +46,12 @@ def decode_split(model, prompt: list[int], steps: int) -> dict[str, float]:
     split: dict[str, float] = {}
     seconds, _ = timed_decode(model, prompt, steps, 0.0, 0, split=split)
     ms = host_split_per_token(split, steps)
-    return {"tokens_per_s": steps / seconds, "build_ms": ms["host_call_ms_per_token"],
-            "launch_ms": ms["host_launch_ms_per_token"], "wait_ms": ms["host_wait_ms_per_token"]}
+    return {
+        "tokens_per_s": steps / seconds,
+        "build_ms": ms["host_call_ms_per_token"],
+        "launch_ms": ms["host_launch_ms_per_token"],
+        "wait_ms": ms["host_wait_ms_per_token"],
+    }
 
 
 def main() -> None:
@@ -104,8 +108,17 @@ def main() -> None:
         # Written after every block, so that a run cut off keeps its blocks.
         report["abba"] = {"blocks": rows, "ratios": ratios}
         Path(args.out).write_text(json.dumps(report, indent=1))
-        print(json.dumps({"block": len(ratios), **rows[-1], "ratio": round(ratios[-1], 4),
-                          "median": round(statistics.median(ratios), 4)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "block": len(ratios),
+                    **rows[-1],
+                    "ratio": round(ratios[-1], 4),
+                    "median": round(statistics.median(ratios), 4),
+                }
+            ),
+            flush=True,
+        )
 
     if args.abba:
         report["abba"] = paired_blocks(runs["stock"], runs["moestream@1"], args.abba, keep)
@@ -113,7 +126,10 @@ def main() -> None:
     for i in range(args.rounds):
         row = {n: timed_round(runs[n], args.tokens, args.min_seconds) for n in names}
         rounds.append(row)
-        print(json.dumps({"round": i + 1, **{n: {k: round(v, 3) for k, v in r.items()} for n, r in row.items()}}), flush=True)
+        print(
+            json.dumps({"round": i + 1, **{n: {k: round(v, 3) for k, v in r.items()} for n, r in row.items()}}),
+            flush=True,
+        )
     summary = {}
     for n in names:
         ratios = [r[n]["tokens_per_s"] / r["stock"]["tokens_per_s"] for r in rounds]

@@ -51,6 +51,7 @@ def main() -> None:
                     return moe.inner(x, mx.arange(k, dtype=mx.uint32).reshape(ids.shape))
                 finally:
                     moe._use(pool.arrays)
+
             return run
 
         want = zero_copy()
@@ -74,8 +75,18 @@ def main() -> None:
             r[key.replace("_ms", "_link_GBps")] = r["host_bytes"] / extra / 1e6 if extra > 0 else None
         r["kernel_copy_GBps"] = r["host_bytes"] / r["kernel_copy_only_ms"] / 1e6
     sm.close()
-    Path(args.out).write_text(json.dumps({"store": args.store, "expert_bytes": expert_bytes, "top_k": k,
-                                          "device": str(mx.default_device()), "rows": rows}, indent=1))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "store": args.store,
+                "expert_bytes": expert_bytes,
+                "top_k": k,
+                "device": str(mx.default_device()),
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     for r in rows:
         print(json.dumps(r))
 

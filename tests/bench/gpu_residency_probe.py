@@ -21,9 +21,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from moestream._native import CudaCopier, HostBuffer
-from moestream.daemon.pool.admission import expert_stride
 from moestream.daemon.bench.decode import timed_decode
 from moestream.daemon.model.streaming_model import load_stock_model, load_streaming_model
+from moestream.daemon.pool.admission import expert_stride
 from moestream.shared.settings import Settings
 from moestream.shared.store_format import load_manifest
 
@@ -40,7 +40,11 @@ def copy_rates(store: Path, experts: int = 64) -> dict:
         mx.eval(list(rows.values()))
         for a in rows.values():
             copier.place(a, "device")
-        spans = [(rows[t.name], e * t.nbytes, host, e * stride + t.offset, t.nbytes) for e in range(experts) for t in layer.tensors]
+        spans = [
+            (rows[t.name], e * t.nbytes, host, e * stride + t.offset, t.nbytes)
+            for e in range(experts)
+            for t in layer.tensors
+        ]
         nbytes = sum(s[4] for s in spans)
         copier.copy(spans)
         rates = [nbytes / copier.copy(spans) for _ in range(7)]

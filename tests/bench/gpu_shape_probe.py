@@ -60,8 +60,11 @@ def sdpa_probe(heads: int, kv_heads: int, dim: int, start: int, lengths: int) ->
 
             first.append(_ms(call))
             again.append(_ms(call))
-        out[f"q{q_len}"] = {"first_ms": statistics.median(first), "again_ms": statistics.median(again),
-                            "first_max_ms": max(first)}
+        out[f"q{q_len}"] = {
+            "first_ms": statistics.median(first),
+            "again_ms": statistics.median(again),
+            "first_max_ms": max(first),
+        }
         print("sdpa", q_len, out[f"q{q_len}"], flush=True)
     return out
 
@@ -82,8 +85,11 @@ def forward_probe(store: Path, lengths: int, bucket: int = 0) -> dict:
                 for c in cache:
                     c.trim(q_len)
                 again.append(_ms(lambda: mx.eval(model(step, cache=cache))))
-            out[f"q{q_len}"] = {"first_ms": statistics.median(first), "again_ms": statistics.median(again),
-                                "first_max_ms": max(first)}
+            out[f"q{q_len}"] = {
+                "first_ms": statistics.median(first),
+                "again_ms": statistics.median(again),
+                "first_max_ms": max(first),
+            }
             print("forward", bucket, q_len, out[f"q{q_len}"], flush=True)
         return out
     finally:

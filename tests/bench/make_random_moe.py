@@ -79,8 +79,9 @@ SHAPES = {
 # prefetch has reads to hide behind compute, unlike the demo model (its experts are a
 # few KiB) and unlike the H200 (whose decode is bound by the host). Use --dtype float32
 # --bits 0: MLX's CPU build runs gather_mm on float32 only.
-SHAPES["balanced-cpu"] = dict(SHAPES["mini"], num_hidden_layers=8, num_experts=64, num_experts_per_tok=8,
-                              moe_intermediate_size=48)
+SHAPES["balanced-cpu"] = dict(
+    SHAPES["mini"], num_hidden_layers=8, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=48
+)
 
 
 def _write_tokenizer(out: Path, vocab_size: int) -> None:
@@ -91,17 +92,35 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     text = [Path(__file__).read_text()] * 4
-    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, 1024), special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=min(vocab_size, 1024),
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(text, trainer)
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "model_max_length": 32768,
-    }))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|endoftext|>",
+                "model_max_length": 32768,
+            }
+        )
+    )
 
 
-def make_random_moe(out: Path, shape: str, *, bits: int = 4, group_size: int = 64, seed: int = 0,
-                    embed_scale: float = 1.0, dtype: str = "bfloat16", expert_width: int | None = None) -> Path:
+def make_random_moe(
+    out: Path,
+    shape: str,
+    *,
+    bits: int = 4,
+    group_size: int = 64,
+    seed: int = 0,
+    embed_scale: float = 1.0,
+    dtype: str = "bfloat16",
+    expert_width: int | None = None,
+) -> Path:
     config = dict(SHAPES[shape])
     if expert_width is not None:
         config["moe_intermediate_size"] = expert_width
@@ -126,22 +145,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     parser.add_argument("--out", required=True)
     parser.add_argument("--bits", type=int, default=4, help="4 or 8; 0 keeps the weights unquantized")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                        help="of the weights (unquantized), scales and norms; float32 for unquantized models on MLX's CPU build")
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="of the weights (unquantized), scales and norms; float32 for unquantized models on MLX's CPU build",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--expert-width", type=int, help="the shape's moe_intermediate_size, replaced")
-    parser.add_argument("--embed-scale", type=float, default=1.0,
-                        help="multiply token embeddings (64: routing about as varied as a real model's; see above)")
+    parser.add_argument(
+        "--embed-scale",
+        type=float,
+        default=1.0,
+        help="multiply token embeddings (64: routing about as varied as a real model's; see above)",
+    )
     parser.add_argument("--mlx-memory-limit", default="64G", help="mx.set_memory_limit, e.g. 64G")
     args = parser.parse_args(argv)
     from moestream.shared.settings import parse_size
 
     mx.set_memory_limit(parse_size(args.mlx_memory_limit))
     tic = time.perf_counter()
-    path = make_random_moe(Path(args.out), args.shape, bits=args.bits, seed=args.seed, embed_scale=args.embed_scale,
-                           dtype=args.dtype, expert_width=args.expert_width)
+    path = make_random_moe(
+        Path(args.out),
+        args.shape,
+        bits=args.bits,
+        seed=args.seed,
+        embed_scale=args.embed_scale,
+        dtype=args.dtype,
+        expert_width=args.expert_width,
+    )
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    print(f"wrote {args.shape} ({size / 2**30:.2f} GiB) to {path} in {time.perf_counter() - tic:.1f} s", file=sys.stderr)
+    print(
+        f"wrote {args.shape} ({size / 2**30:.2f} GiB) to {path} in {time.perf_counter() - tic:.1f} s", file=sys.stderr
+    )
 
 
 if __name__ == "__main__":

@@ -62,18 +62,25 @@ def plot(reports: list[dict], out: Path) -> None:
         xs = [p[0] for p in points]
         ax.plot(xs, [p[1] for p in points], marker="o", color=color, label=f)
         if any(p[2] is not None for p in points):
-            ax.plot(xs, [p[2] if p[2] is not None else float("nan") for p in points], linestyle="--", color=color, alpha=0.6)
+            ax.plot(
+                xs, [p[2] if p[2] is not None else float("nan") for p in points], linestyle="--", color=color, alpha=0.6
+            )
     for name, i, tps in levels:
         style = ":" if name.startswith("stock") else "-."
         ax.axhline(tps, linestyle=style, color="tab:gray" if name.startswith("stock") else "tab:red", linewidth=1)
-        ax.annotate(f"{name} (run {i + 1}): {tps:.1f}", (0.13, tps), textcoords="offset points", xytext=(0, 3), fontsize=7)
+        ax.annotate(
+            f"{name} (run {i + 1}): {tps:.1f}", (0.13, tps), textcoords="offset points", xytext=(0, 3), fontsize=7
+        )
     ax.set_xscale("log", base=2)
     ax.set_xticks([0.125, 0.25, 0.5, 1.0], ["12.5%", "25%", "50%", "100%"])
     ax.set_xlabel("pool capacity (share of each layer's experts in GPU memory)")
     ax.set_ylabel("decode tokens/s (median)")
     r = reports[0]
-    ax.set_title(f"{r['model_type']}, {r['moe_layers']} layers x {r['experts_per_layer']} experts, temp {r['temp']}: "
-                 f"solid measured, dashed the bound (resident + bytes / measured bandwidths)", fontsize=9)
+    ax.set_title(
+        f"{r['model_type']}, {r['moe_layers']} layers x {r['experts_per_layer']} experts, temp {r['temp']}: "
+        f"solid measured, dashed the bound (resident + bytes / measured bandwidths)",
+        fontsize=9,
+    )
     ax.set_ylim(0, None)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()

@@ -24,19 +24,48 @@ def plot(report: dict, out: Path) -> None:
     lows = [r["tokens_per_s"] - min(r["tokens_per_s_runs"]) for r in rows]
     highs = [max(r["tokens_per_s_runs"]) - r["tokens_per_s"] for r in rows]
     bounds = [r.get("bound_tokens_per_s") for r in rows]
-    colors = ["tab:gray" if n.startswith("stock") else "tab:red" if n.startswith("naive") else
-              "tab:green" if n.endswith("+host") else "tab:cyan" if n.endswith("+host:slots") else "tab:purple" if "+mapped" in n else "tab:blue" for n in names]
+    colors = [
+        "tab:gray"
+        if n.startswith("stock")
+        else "tab:red"
+        if n.startswith("naive")
+        else "tab:green"
+        if n.endswith("+host")
+        else "tab:cyan"
+        if n.endswith("+host:slots")
+        else "tab:purple"
+        if "+mapped" in n
+        else "tab:blue"
+        for n in names
+    ]
     fig, ax = plt.subplots(figsize=(10, 4.8))
     x = range(len(rows))
     ax.bar(x, tps, color=colors, yerr=[lows, highs], capsize=3, label="tokens/s (median, range of runs)")
-    ax.scatter(x, bounds, marker="_", s=600, color="black", zorder=3, label="bound (resident median + bytes / measured bandwidths)")
+    ax.scatter(
+        x,
+        bounds,
+        marker="_",
+        s=600,
+        color="black",
+        zorder=3,
+        label="bound (resident median + bytes / measured bandwidths)",
+    )
     best = [r.get("best_bound_tokens_per_s") for r in rows]
     if any(b is not None for b in best):
-        ax.scatter(x, [b if b is not None else float("nan") for b in best], marker="_", s=600, color="tab:orange", zorder=3,
-                   label="bound from the fastest resident round (strictest)")
+        ax.scatter(
+            x,
+            [b if b is not None else float("nan") for b in best],
+            marker="_",
+            s=600,
+            color="tab:orange",
+            zorder=3,
+            label="bound from the fastest resident round (strictest)",
+        )
         bounds = bounds + best
     for i, r in enumerate(rows):
-        ax.annotate(f"{r['hit_rate']:.3f}", (i, tps[i]), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7)
+        ax.annotate(
+            f"{r['hit_rate']:.3f}", (i, tps[i]), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7
+        )
     ax.set_xticks(list(x), names, rotation=30, ha="right")
     ax.set_ylabel("decode tokens/s")
     ax.set_title(

@@ -20,15 +20,15 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_tokenizer
 
-from moestream.daemon.pool.capacity import top_k_of
 from moestream.daemon.model.streaming_model import _module_at, load_stock_model
+from moestream.daemon.pool.capacity import top_k_of
 from moestream.shared.store_format import load_manifest
 
 PROMPTS = [
     "def fibonacci(n):",
     "import os\nimport sys\n\n",
     "class Stack:\n    def __init__(self):",
-    "def read_config(path):\n    \"\"\"Read a configuration file.\"\"\"\n",
+    'def read_config(path):\n    """Read a configuration file."""\n',
     "for i in range(10):",
     "try:\n    import json\nexcept ImportError:",
     "def parse_args(argv=None):",
@@ -93,7 +93,8 @@ def record(store: Path, out: Path, decode_tokens: int) -> dict:
         "decode_tokens_per_request": decode_tokens,
         "tokens": rows,
         "source": "tests/bench/record_trace.py, greedy decoding, every expert resident, MLX CPU build",
-        "caveats": "prompts are short Python snippets; the model was trained with a load-balancing loss, so routing is close to uniform over a whole corpus",
+        "caveats": "prompts are short Python snippets; the model was trained with a load-balancing loss, "
+        "so routing is close to uniform over a whole corpus",
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return meta

@@ -31,8 +31,9 @@ def rel_root() -> Iterator[Path]:
 def rel_store(rel_root: Path) -> Path:
     """A tiny qwen3_moe expert store (2 MoE layers of 16 experts); copy it before
     changing it (`store_copy`)."""
-    from moestream.daemon.store.convert import convert_model
     from tiny_models import make_tiny_model
+
+    from moestream.daemon.store.convert import convert_model
 
     src = make_tiny_model(rel_root / "model", "qwen3_moe", quant="4bit", seed=11)
     convert_model(src, rel_root / "store")

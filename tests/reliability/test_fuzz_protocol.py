@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moestream.daemon.bench.soak.driver import DaemonProcess
-from moestream.daemon.bench.soak.fuzz import FuzzCase, check_one, Dealer, exact_request, run_fuzz
+from moestream.daemon.bench.soak.fuzz import Dealer, FuzzCase, check_one, exact_request, run_fuzz
 
 from .conftest import CAPACITY
 
@@ -49,17 +49,45 @@ def test_driver_mix_with_a_good_client_in_parallel(daemon, rel_reference):
     assert report["good_client_requests"] > 0 and report["good_client_mismatched"] == 0, report["good_client_errors"]
     assert report["ok"]
     # every kind of bad input was in the mix
-    assert set(report["by_kind"]) >= {"bytes", "truncated", "wrong_type", "huge", "version", "frames", "nested", "oversize_drop"}
+    assert set(report["by_kind"]) >= {
+        "bytes",
+        "truncated",
+        "wrong_type",
+        "huge",
+        "version",
+        "frames",
+        "nested",
+        "oversize_drop",
+    }
     log = daemon.paths.log.read_text()
     assert "Traceback" not in log and "ERROR" not in log, "bad input must be refused, never raise inside the daemon"
 
 
 values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=10) | st.binary(max_size=10),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=10)
+    | st.binary(max_size=10),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
     max_leaves=10,
 )
-FIELDS = ["v", "type", "id", "prompt", "prompt_ids", "messages", "max_tokens", "temp", "top_p", "seed", "stop", "target", "zz"]
+FIELDS = [
+    "v",
+    "type",
+    "id",
+    "prompt",
+    "prompt_ids",
+    "messages",
+    "max_tokens",
+    "temp",
+    "top_p",
+    "seed",
+    "stop",
+    "target",
+    "zz",
+]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from tmpfs import fill, mounted_tmpfs
 
 from moestream.client.client import Client
 from moestream.daemon.bench.soak import heat_kills
 from moestream.shared.heat_file import parse_usage, temp_files, usage_path
-from tmpfs import fill, mounted_tmpfs
 
 from .conftest import CASES
 

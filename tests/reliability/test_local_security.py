@@ -67,7 +67,9 @@ def test_folder_0700_socket_0600_and_another_uid_cannot_connect(daemon):
     # The CLI as the other user: a clear refusal, not a hang.
     out = as_nobody(sys.executable, "-m", "moestream.client.cli", "status", "--runtime-dir", str(folder))
     assert out.returncode != 0
-    assert str(folder) in out.stderr and ("Permission denied" in out.stderr or "belongs to uid" in out.stderr), out.stderr
+    assert str(folder) in out.stderr and ("Permission denied" in out.stderr or "belongs to uid" in out.stderr), (
+        out.stderr
+    )
     # and the daemon serves its owner as before
     assert daemon.ready()
 

@@ -11,8 +11,20 @@ from moestream.daemon.bench.soak.driver import run_soak
 def test_soak_with_cancels_and_disconnects(rel_store, start_daemon, rel_reference):
     daemon = start_daemon(rel_store)
     report = run_soak(daemon, rel_reference, clients=4, requests=12, cancel_frac=0.3, seed=3)
-    print({k: report[k] for k in ("requests", "exact", "cancelled", "disconnected_seen_by_daemon", "lost_responses",
-                                  "rss_growth_pct", "seconds")})
+    print(
+        {
+            k: report[k]
+            for k in (
+                "requests",
+                "exact",
+                "cancelled",
+                "disconnected_seen_by_daemon",
+                "lost_responses",
+                "rss_growth_pct",
+                "seconds",
+            )
+        }
+    )
     assert report["failures"] == [] and report["client_errors"] == []
     assert report["requests"] == 48 and report["lost_responses"] == 0 and report["stray_messages"] == 0
     assert report["mismatched"] == 0 and report["exact"] == report["completed"] + report["cancelled"]

@@ -53,11 +53,15 @@ def eio_shim(tmp_path_factory) -> Path:
     symbols = subprocess.run(["nm", "-D", native.__file__], capture_output=True, text=True).stdout
     assert " U pread" in symbols, "the native engine no longer calls libc pread: the shim cannot interpose"
     out = tmp_path_factory.mktemp("shim") / "eio_shim.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(out), str(Path(__file__).with_name("eio_shim.c")), "-ldl"], check=True)
+    subprocess.run(
+        [cc, "-shared", "-fPIC", "-O2", "-o", str(out), str(Path(__file__).with_name("eio_shim.c")), "-ldl"], check=True
+    )
     return out
 
 
-def test_eio_on_an_expert_file_fails_the_request_naming_layer_and_expert(eio_shim, store_copy, start_daemon, workdir, rel_reference):
+def test_eio_on_an_expert_file_fails_the_request_naming_layer_and_expert(
+    eio_shim, store_copy, start_daemon, workdir, rel_reference
+):
     layer = load_manifest(store_copy).layers[1]
     gate = workdir / "eio-on"
     gate.touch()

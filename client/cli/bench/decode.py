@@ -12,56 +12,194 @@ from moestream.shared.settings import default_of
 
 @click.command("decode")
 @click.option("--model", "store", required=True, type=click.Path(file_okay=False), help="Expert store.")
-@click.option("--capacity", "capacities", multiple=True, type=float, help="Pool fractions to measure (repeat); default 1.0 0.5 0.25.")
+@click.option(
+    "--capacity",
+    "capacities",
+    multiple=True,
+    type=float,
+    help="Pool fractions to measure (repeat); default 1.0 0.5 0.25.",
+)
 @click.option("--policy", default=default_of("policy"), show_default=True)
 @click.option("--prompt-tokens", default=32, show_default=True, type=click.IntRange(1, None))
 @click.option("--decode-tokens", default=64, show_default=True, type=click.IntRange(1, None))
-@click.option("--rounds", default=3, show_default=True, type=click.IntRange(1, None), help="Interleaved timed runs; medians are reported.")
-@click.option("--warmup-rounds", default=1, show_default=True, type=click.IntRange(1, None),
-              help="Untimed runs of every configuration first (more let a mapped pool rebalance before timing).")
-@click.option("--min-round-seconds", default=0.0, show_default=True, type=click.FloatRange(0, 600),
-              help="Repeat each configuration's decode within a round until this many seconds of decoding have passed (0: once); steadies the fast configurations on a noisy machine.")
-@click.option("--paired-blocks", default=0, show_default=True, type=click.IntRange(0, 1000),
-              help="After the rounds, time stock against each 100% configuration in this many blocks of four decodes, A B B A, which cancel a drift of the machine's speed; reports the ratio's median and 95% interval (0: off, else at least 2).")
-@click.option("--generation-loop", is_flag=True,
-              help="Also time each streaming configuration through the daemon's own generation loop (in process): what a client of the daemon gets, against the bench's tight loop.")
+@click.option(
+    "--rounds",
+    default=3,
+    show_default=True,
+    type=click.IntRange(1, None),
+    help="Interleaved timed runs; medians are reported.",
+)
+@click.option(
+    "--warmup-rounds",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, None),
+    help="Untimed runs of every configuration first (more let a mapped pool rebalance before timing).",
+)
+@click.option(
+    "--min-round-seconds",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0, 600),
+    help="Repeat each configuration's decode within a round until this many seconds of decoding have passed (0: "
+    "once); steadies the fast configurations on a noisy machine.",
+)
+@click.option(
+    "--paired-blocks",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, 1000),
+    help="After the rounds, time stock against each 100% configuration in this many blocks of four decodes, A B B A, "
+    "which cancel a drift of the machine's speed; reports the ratio's median and 95% interval (0: off, else at "
+    "least 2).",
+)
+@click.option(
+    "--generation-loop",
+    is_flag=True,
+    help="Also time each streaming configuration through the daemon's own generation loop (in process): what a "
+    "client of the daemon gets, against the bench's tight loop.",
+)
 @click.option("--io-threads", default=default_of("io_threads"), show_default=True, type=click.IntRange(1, 256))
 @click.option("--no-stock", is_flag=True, help="Skip stock mlx-lm (when all experts do not fit in memory).")
 @click.option("--no-naive", is_flag=True, help="Skip the naive on-demand baseline.")
-@click.option("--no-slot-pool", is_flag=True, help="Skip the plain slot pool at each capacity (keep its '+host' and '+mapped' variants).")
+@click.option(
+    "--no-slot-pool",
+    is_flag=True,
+    help="Skip the plain slot pool at each capacity (keep its '+host' and '+mapped' variants).",
+)
 @click.option("--mlx-memory-limit", help="Cap MLX's memory (mx.set_memory_limit), e.g. 64G; advised on CUDA.")
-@click.option("--host-cache", help="Size of a host-RAM tier (e.g. 20G): adds a '+host' run per partial capacity, made as the daemon makes it (a tier that holds every expert is a mapped pool on NVIDIA GPUs, with the slot pool's tier beside it as '+host:slots').")
-@click.option("--host-tier", type=click.Choice(["auto", "mapped", "slots"]), default="auto", show_default=True,
-              help="With --host-cache: make the '+host' runs as the daemon would (auto), as mapped pools (the tier must hold every expert; '+host:slots' beside them), or as slot pools with the tier.")
-@click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0, None), help="0 decodes greedily; > 0 samples (same seed for every configuration).")
+@click.option(
+    "--host-cache",
+    help="Size of a host-RAM tier (e.g. 20G): adds a '+host' run per partial capacity, made as the daemon makes it "
+    "(a tier that holds every expert is a mapped pool on NVIDIA GPUs, with the slot pool's tier beside it as "
+    "'+host:slots').",
+)
+@click.option(
+    "--host-tier",
+    type=click.Choice(["auto", "mapped", "slots"]),
+    default="auto",
+    show_default=True,
+    help="With --host-cache: make the '+host' runs as the daemon would (auto), as mapped pools (the tier must hold "
+    "every expert; '+host:slots' beside them), or as slot pools with the tier.",
+)
+@click.option(
+    "--temp",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0, None),
+    help="0 decodes greedily; > 0 samples (same seed for every configuration).",
+)
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--mapped", is_flag=True, help="Also run a '+mapped' configuration per partial capacity: every expert addressable, the hottest in GPU memory, the rest read over the link (NVIDIA GPUs).")
-@click.option("--mapped-rebalance-tokens", default=default_of("mapped_rebalance_tokens"), show_default=True, type=click.IntRange(0, None),
-              help="With --mapped (and a mapped '+host'): tokens between rebalances (each layer's most routed experts into GPU memory); 0 never.")
-@click.option("--mapped-gather", type=click.Choice(["auto", "off", "on", "both"]), default="auto", show_default=True,
-              help="With --mapped (and a mapped '+host'): decode steps copy the routed experts into a stack in GPU memory first (setting mapped_gather; auto: where MLX's CUDA build runs); 'both' runs each '+mapped' configuration both ways (':g' marks gathering).")
-@click.option("--prefetch-copy-blocks", default=default_of("prefetch_copy_blocks"), show_default=True, type=click.IntRange(1, 1024),
-              help="Blocks per expert row or span of the copy kernels that copy ahead of use (setting prefetch_copy_blocks): fewer leave the GPU's other kernels more room.")
-@click.option("--prefetch", type=click.Choice(["on", "off"]), default="on", show_default=True,
-              help="Prefetch of the predicted next-layer experts in the partial slot-pool runs (with a host tier: "
-                   "copied into the next layer's slots while the GPU computes); mapped pools have no prefetch.")
-@click.option("--copy-kernel/--no-copy-kernel", default=default_of("copy_kernel"), show_default=True,
-              help="The CUDA copier copies with one copy-kernel launch per 160 spans instead of one cudaMemcpyAsync each (setting copy_kernel).")
-@click.option("--speculative", type=click.Choice(["mtp", "draft"]), help="Instead: speculative vs plain decode at each capacity (default 1.0 0.25).")
-@click.option("--draft-tokens", "draft_tokens", multiple=True, type=click.IntRange(1, 8), help="K per round with --speculative (repeat); default 2.")
+@click.option(
+    "--mapped",
+    is_flag=True,
+    help="Also run a '+mapped' configuration per partial capacity: every expert addressable, the hottest in GPU "
+    "memory, the rest read over the link (NVIDIA GPUs).",
+)
+@click.option(
+    "--mapped-rebalance-tokens",
+    default=default_of("mapped_rebalance_tokens"),
+    show_default=True,
+    type=click.IntRange(0, None),
+    help="With --mapped (and a mapped '+host'): tokens between rebalances (each layer's most routed experts into GPU "
+    "memory); 0 never.",
+)
+@click.option(
+    "--mapped-gather",
+    type=click.Choice(["auto", "off", "on", "both"]),
+    default="auto",
+    show_default=True,
+    help="With --mapped (and a mapped '+host'): decode steps copy the routed experts into a stack in GPU memory "
+    "first (setting mapped_gather; auto: where MLX's CUDA build runs); 'both' runs each '+mapped' configuration "
+    "both ways (':g' marks gathering).",
+)
+@click.option(
+    "--prefetch-copy-blocks",
+    default=default_of("prefetch_copy_blocks"),
+    show_default=True,
+    type=click.IntRange(1, 1024),
+    help="Blocks per expert row or span of the copy kernels that copy ahead of use (setting prefetch_copy_blocks): "
+    "fewer leave the GPU's other kernels more room.",
+)
+@click.option(
+    "--prefetch",
+    type=click.Choice(["on", "off"]),
+    default="on",
+    show_default=True,
+    help="Prefetch of the predicted next-layer experts in the partial slot-pool runs (with a host tier: "
+    "copied into the next layer's slots while the GPU computes); mapped pools have no prefetch.",
+)
+@click.option(
+    "--copy-kernel/--no-copy-kernel",
+    default=default_of("copy_kernel"),
+    show_default=True,
+    help="The CUDA copier copies with one copy-kernel launch per 160 spans instead of one cudaMemcpyAsync each "
+    "(setting copy_kernel).",
+)
+@click.option(
+    "--speculative",
+    type=click.Choice(["mtp", "draft"]),
+    help="Instead: speculative vs plain decode at each capacity (default 1.0 0.25).",
+)
+@click.option(
+    "--draft-tokens",
+    "draft_tokens",
+    multiple=True,
+    type=click.IntRange(1, 8),
+    help="K per round with --speculative (repeat); default 2.",
+)
 @click.option("--draft-model", type=click.Path(file_okay=False), help="Draft model for --speculative draft.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds, warmup_rounds, min_round_seconds, paired_blocks, generation_loop, io_threads, no_stock, no_naive, no_slot_pool, mlx_memory_limit, host_cache, host_tier, temp, seed, mapped,
-                 mapped_rebalance_tokens, mapped_gather, prefetch_copy_blocks, prefetch,
-                 copy_kernel, speculative, draft_tokens, draft_model, as_json) -> None:
+def bench_decode(
+    store,
+    capacities,
+    policy,
+    prompt_tokens,
+    decode_tokens,
+    rounds,
+    warmup_rounds,
+    min_round_seconds,
+    paired_blocks,
+    generation_loop,
+    io_threads,
+    no_stock,
+    no_naive,
+    no_slot_pool,
+    mlx_memory_limit,
+    host_cache,
+    host_tier,
+    temp,
+    seed,
+    mapped,
+    mapped_rebalance_tokens,
+    mapped_gather,
+    prefetch_copy_blocks,
+    prefetch,
+    copy_kernel,
+    speculative,
+    draft_tokens,
+    draft_model,
+    as_json,
+) -> None:
     """Decode tokens/s, hit rates, bytes moved per token per tier, admission GB/s and
     the bandwidth bound, for stock mlx-lm, moestream at each capacity (with and without
     the host-RAM tier) and the naive on-demand baseline."""
     from pathlib import Path
 
     if speculative is not None or draft_tokens or draft_model:
-        _bench_speculative(store, speculative, draft_tokens, draft_model, capacities, policy, decode_tokens, rounds, io_threads,
-                           mlx_memory_limit, as_json)
+        _bench_speculative(
+            store,
+            speculative,
+            draft_tokens,
+            draft_model,
+            capacities,
+            policy,
+            decode_tokens,
+            rounds,
+            io_threads,
+            mlx_memory_limit,
+            as_json,
+        )
         return
 
     from moestream.daemon.bench.decode import BenchDecodeSettings, format_report, run_bench_decode
@@ -107,11 +245,27 @@ def bench_decode(store, capacities, policy, prompt_tokens, decode_tokens, rounds
     click.echo(json.dumps(report) if as_json else format_report(report))
 
 
-def _bench_speculative(store, mode, draft_tokens, draft_model, capacities, policy, decode_tokens, rounds, io_threads, mlx_memory_limit, as_json) -> None:
+def _bench_speculative(
+    store,
+    mode,
+    draft_tokens,
+    draft_model,
+    capacities,
+    policy,
+    decode_tokens,
+    rounds,
+    io_threads,
+    mlx_memory_limit,
+    as_json,
+) -> None:
     """`--speculative`: acceptance, experts read per token and tokens/s against plain decode."""
     from pathlib import Path
 
-    from moestream.daemon.bench.speculative import BenchSpeculativeSettings, format_speculative_report, run_bench_speculative
+    from moestream.daemon.bench.speculative import (
+        BenchSpeculativeSettings,
+        format_speculative_report,
+        run_bench_speculative,
+    )
     from moestream.daemon.pool.expert_pool import PoolCapacityError
     from moestream.shared.store_format import StoreError
 

@@ -10,9 +10,7 @@ import click
 DEFAULT_CAPACITIES = (0.25, 0.5)
 
 
-def _fraction(
-    ctx: click.Context, param: click.Parameter, values: tuple[float, ...]
-) -> tuple[float, ...]:
+def _fraction(ctx: click.Context, param: click.Parameter, values: tuple[float, ...]) -> tuple[float, ...]:
     for v in values:
         if not 0.0 < v <= 1.0:
             raise click.BadParameter(f"{v} is not a fraction in (0, 1] of each layer's experts")
@@ -43,9 +41,7 @@ def _fraction(
     help="Heat prior for the policies: leave-one-out over the trace's requests, or none.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_policy(
-    trace_path: str, capacities: tuple[float, ...], prior: str, as_json: bool
-) -> None:
+def bench_policy(trace_path: str, capacities: tuple[float, ...], prior: str, as_json: bool) -> None:
     """Hit rates of every eviction policy and of Belady's MIN on a trace, and the share
     of the LRU-to-MIN gap each policy closes."""
     from moestream.daemon.bench.policy.replay import evaluate
@@ -78,8 +74,7 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [
         f"trace   {report['trace']}",
         f"model   {report['model']}",
-        f"        {report['num_experts']} experts, top-{report['top_k']}, "
-        f"{len(report['layers'])} layers ({layers})",
+        f"        {report['num_experts']} experts, top-{report['top_k']}, {len(report['layers'])} layers ({layers})",
         f"        {report['steps']} steps ({phases['prefill']} prefill, {phases['decode']} "
         f"decode), requests: {report['requests']}",
         f"prior   {report['prior']}",
@@ -88,10 +83,7 @@ def format_table(report: dict[str, Any]) -> str:
     ]
     results = report["results"]
     col = 27
-    head = "".join(
-        f"{'capacity %g (%d slots)' % (r['capacity_fraction'], r['slots']):<{col}}"
-        for r in results
-    )
+    head = "".join(f"{'capacity %g (%d slots)' % (r['capacity_fraction'], r['slots']):<{col}}" for r in results)
     sub = "".join(f"{'hit':>6} {'decode':>7} {'gap':>7}{'':{col - 22}}" for _ in results)
     lines += [f"{'':12}{head}", f"{'policy':12}{sub}"]
     for name in results[0]["policies"]:
@@ -99,19 +91,17 @@ def format_table(report: dict[str, Any]) -> str:
         for r in results:
             p = r["policies"][name]
             cells += (
-                f"{_rate(p['hit_rate']):>6} {_rate(p['decode_hit_rate']):>7} "
-                f"{_pct(p['gap_closed']):>7}{'':{col - 22}}"
+                f"{_rate(p['hit_rate']):>6} {_rate(p['decode_hit_rate']):>7} {_pct(p['gap_closed']):>7}{'':{col - 22}}"
             )
         lines.append(f"{name:12}{cells}")
     if all("static_hottest" in r for r in results):
         cells = "".join(
-            f"{_rate(r['static_hottest']['hit_rate']):>6} {_rate(r['static_hottest']['decode_hit_rate']):>7} {'':>7}{'':{col - 22}}"
+            f"{_rate(r['static_hottest']['hit_rate']):>6} {_rate(r['static_hottest']['decode_hit_rate']):>7} "
+            f"{'':>7}{'':{col - 22}}"
             for r in results
         )
         lines.append(f"{'static':12}{cells}")
         lines.append("static: the prior's hottest experts, fixed per request and never moved (a mapped pool, no moves)")
     lines.append("")
-    lines.append(
-        "hit: mean over layers of hits / routed experts; gap: (policy - lru) / (min - lru)"
-    )
+    lines.append("hit: mean over layers of hits / routed experts; gap: (policy - lru) / (min - lru)")
     return "\n".join(line.rstrip() for line in lines)

@@ -12,27 +12,80 @@ from moestream.shared.settings import default_of
 
 @click.command("predict")
 @click.option("--model", "store", required=True, type=click.Path(file_okay=False), help="Expert store.")
-@click.option("--capacity", "capacities", multiple=True, type=click.FloatRange(0.0, 1.0, min_open=True),
-              help="Pool fractions to measure (repeat); default 0.25 0.5.")
+@click.option(
+    "--capacity",
+    "capacities",
+    multiple=True,
+    type=click.FloatRange(0.0, 1.0, min_open=True),
+    help="Pool fractions to measure (repeat); default 0.25 0.5.",
+)
 @click.option("--policy", default=default_of("policy"), show_default=True)
 @click.option("--prompt-tokens", default=32, show_default=True, type=click.IntRange(1, None))
 @click.option("--decode-tokens", default=64, show_default=True, type=click.IntRange(1, None))
-@click.option("--rounds", default=3, show_default=True, type=click.IntRange(1, None), help="Blocks of four decodes, prefetch off / on / on / off (one round: a single off and on); medians and the ratio per block are reported.")
+@click.option(
+    "--rounds",
+    default=3,
+    show_default=True,
+    type=click.IntRange(1, None),
+    help="Blocks of four decodes, prefetch off / on / on / off (one round: a single off and on); medians and the "
+    "ratio per block are reported.",
+)
 @click.option("--io-threads", default=default_of("io_threads"), show_default=True, type=click.IntRange(1, 256))
 @click.option("--host-cache", help="Size of a host-RAM tier (e.g. 20G) under the pool; default none.")
-@click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0, None), help="0 decodes greedily; > 0 samples (same seed everywhere).")
+@click.option(
+    "--temp",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0, None),
+    help="0 decodes greedily; > 0 samples (same seed everywhere).",
+)
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--depth", default=default_of("prefetch_depth"), show_default=True, type=click.IntRange(1, 4),
-              help="MoE layers ahead whose predicted experts the slot pool's prefetch reads (setting prefetch_depth).")
-@click.option("--prefetch-buffer", help="Host memory for the slot pool's prefetch buffer, e.g. 4G (setting prefetch_buffer); default 16 x top-k experts per layer of depth.")
+@click.option(
+    "--depth",
+    default=default_of("prefetch_depth"),
+    show_default=True,
+    type=click.IntRange(1, 4),
+    help="MoE layers ahead whose predicted experts the slot pool's prefetch reads (setting prefetch_depth).",
+)
+@click.option(
+    "--prefetch-buffer",
+    help="Host memory for the slot pool's prefetch buffer, e.g. 4G (setting prefetch_buffer); default 16 x top-k "
+    "experts per layer of depth.",
+)
 @click.option("--mlx-memory-limit", help="Cap MLX's memory (mx.set_memory_limit), e.g. 64G; advised on CUDA.")
-@click.option("--copy-kernel/--no-copy-kernel", default=default_of("copy_kernel"), show_default=True,
-              help="The CUDA copier copies with one copy-kernel launch per 160 spans instead of one cudaMemcpyAsync each (setting copy_kernel).")
-@click.option("--prefetch-copy-blocks", default=default_of("prefetch_copy_blocks"), show_default=True, type=click.IntRange(1, 1024),
-              help="Blocks per expert row or span of the copy kernels that copy ahead of use (setting prefetch_copy_blocks).")
+@click.option(
+    "--copy-kernel/--no-copy-kernel",
+    default=default_of("copy_kernel"),
+    show_default=True,
+    help="The CUDA copier copies with one copy-kernel launch per 160 spans instead of one cudaMemcpyAsync each "
+    "(setting copy_kernel).",
+)
+@click.option(
+    "--prefetch-copy-blocks",
+    default=default_of("prefetch_copy_blocks"),
+    show_default=True,
+    type=click.IntRange(1, 1024),
+    help="Blocks per expert row or span of the copy kernels that copy ahead of use (setting prefetch_copy_blocks).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_predict(store, capacities, policy, prompt_tokens, decode_tokens, rounds, io_threads, host_cache, temp, seed, depth, prefetch_buffer, mlx_memory_limit,
-                  copy_kernel, prefetch_copy_blocks, as_json) -> None:
+def bench_predict(
+    store,
+    capacities,
+    policy,
+    prompt_tokens,
+    decode_tokens,
+    rounds,
+    io_threads,
+    host_cache,
+    temp,
+    seed,
+    depth,
+    prefetch_buffer,
+    mlx_memory_limit,
+    copy_kernel,
+    prefetch_copy_blocks,
+    as_json,
+) -> None:
     """Recall of the next-layer predictor at top-k, 2k and 4k, and decode tokens/s with
     prefetch off and on (and what `--prefetch auto` decides) at each capacity."""
     from pathlib import Path

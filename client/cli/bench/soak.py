@@ -9,15 +9,30 @@ import click
 
 
 @click.command("soak")
-@click.option("--model", "store", default=None, type=click.Path(exists=True, file_okay=False),
-              help="Expert store (default: the built-in demo model). A copy is used; the store is not touched.")
+@click.option(
+    "--model",
+    "store",
+    default=None,
+    type=click.Path(exists=True, file_okay=False),
+    help="Expert store (default: the built-in demo model). A copy is used; the store is not touched.",
+)
 @click.option("--capacity", default="0.25", show_default=True, help="Pool capacity of the daemons.")
 @click.option("--clients", default=8, show_default=True, type=click.IntRange(1, 256))
 @click.option("--requests", default=200, show_default=True, type=click.IntRange(1, None), help="Requests per client.")
-@click.option("--cancel-frac", default=0.2, show_default=True, type=click.FloatRange(0.0, 1.0),
-              help="Fraction of requests cancelled or disconnected mid-stream (half each).")
-@click.option("--kills", default=500, show_default=True, type=click.IntRange(0, None),
-              help="kill -9 rounds: about half of the heat keeper, half of a publisher process, and up to 20 of the real daemon.")
+@click.option(
+    "--cancel-frac",
+    default=0.2,
+    show_default=True,
+    type=click.FloatRange(0.0, 1.0),
+    help="Fraction of requests cancelled or disconnected mid-stream (half each).",
+)
+@click.option(
+    "--kills",
+    default=500,
+    show_default=True,
+    type=click.IntRange(0, None),
+    help="kill -9 rounds: about half of the heat keeper, half of a publisher process, and up to 20 of the real daemon.",
+)
 @click.option("--fuzz", "fuzz", default=5000, show_default=True, type=click.IntRange(0, None), help="Fuzzed messages.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -34,8 +49,15 @@ def bench_soak(store, capacity, clients, requests, cancel_frac, kills, fuzz, see
         raise click.UsageError(str(e)) from None
     try:
         report = run_bench_soak(
-            store, capacity=capacity, clients=clients, requests=requests, cancel_frac=cancel_frac, kills=kills,
-            fuzz=fuzz, seed=seed, echo=(lambda line: None) if as_json else (lambda line: click.echo(line, err=True)),
+            store,
+            capacity=capacity,
+            clients=clients,
+            requests=requests,
+            cancel_frac=cancel_frac,
+            kills=kills,
+            fuzz=fuzz,
+            seed=seed,
+            echo=(lambda line: None) if as_json else (lambda line: click.echo(line, err=True)),
         )
     except SoakSetupError as e:
         raise click.ClickException(str(e)) from None

@@ -18,26 +18,45 @@ from moestream.shared.settings import default_of
 @click.option("--tokens", default=64, show_default=True, type=click.IntRange(1, None))
 @click.option("--rounds", default=3, show_default=True, type=click.IntRange(1, None))
 @click.option("--io-threads", default=default_of("io_threads"), show_default=True, type=click.IntRange(1, 256))
-@click.option("--mapped", is_flag=True, help="Both daemons run a mapped pool (see `start --mapped`): autopin places the hottest experts in GPU memory.")
-@click.option("--host-cache", help="Both daemons keep a host-RAM tier of this size (e.g. 20G); the pinned one fills it with the hottest experts before it is ready.")
+@click.option(
+    "--mapped",
+    is_flag=True,
+    help="Both daemons run a mapped pool (see `start --mapped`): autopin places the hottest experts in GPU memory.",
+)
+@click.option(
+    "--host-cache",
+    help="Both daemons keep a host-RAM tier of this size (e.g. 20G); the pinned one fills it with the hottest "
+    "experts before it is ready.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_warmstart(store, capacity, autopin_frac, prompt, tokens, rounds, io_threads, mapped, host_cache, as_json) -> None:
+def bench_warmstart(
+    store, capacity, autopin_frac, prompt, tokens, rounds, io_threads, mapped, host_cache, as_json
+) -> None:
     """Time to the first TOKENS tokens after a daemon restart, cold vs pinned.
 
     Starts real daemons (each in its own runtime folder) and leaves the store's
     pool_usage.json as it found it."""
     from pathlib import Path
 
-    from moestream.daemon.bench.warmstart import format_report, run_bench_warmstart
     from moestream.client.client import ClientError
+    from moestream.daemon.bench.warmstart import format_report, run_bench_warmstart
 
     # Clear errors before the store's heat is set aside or any daemon starts.
     store_option(store)
     size_option(host_cache, "--host-cache")
     try:
-        report = run_bench_warmstart(Path(store), capacity=capacity, autopin_frac=autopin_frac, prompt=prompt,
-                                     tokens=tokens, rounds=rounds, io_threads=io_threads, mapped=mapped,
-                                     host_cache=host_cache, progress=lambda line: click.echo(line, err=True))
+        report = run_bench_warmstart(
+            Path(store),
+            capacity=capacity,
+            autopin_frac=autopin_frac,
+            prompt=prompt,
+            tokens=tokens,
+            rounds=rounds,
+            io_threads=io_threads,
+            mapped=mapped,
+            host_cache=host_cache,
+            progress=lambda line: click.echo(line, err=True),
+        )
     except ClientError as e:
         raise click.ClickException(str(e)) from e
     click.echo(json.dumps(report) if as_json else format_report(report))

@@ -28,9 +28,7 @@ from moestream.daemon.policies.victims import fallback_victim
 class BeladyMIN(EvictionPolicy):
     name = "min"
 
-    def __init__(
-        self, num_experts: int, capacity: int, future: Sequence[Sequence[int]]
-    ) -> None:
+    def __init__(self, num_experts: int, capacity: int, future: Sequence[Sequence[int]]) -> None:
         super().__init__(num_experts, capacity)
         self._future = future
         self._uses: list[list[int]] = [[] for _ in range(num_experts)]
@@ -53,8 +51,7 @@ class BeladyMIN(EvictionPolicy):
         self._step += 1
         if self._step >= len(self._future):
             raise IndexError(
-                f"[min.access] step {self._step} is past the {len(self._future)} steps "
-                "this MIN was built for"
+                f"[min.access] step {self._step} is past the {len(self._future)} steps this MIN was built for"
             )
         expected = self._future[self._step]
         if sorted(set(experts)) != sorted(set(expected)):

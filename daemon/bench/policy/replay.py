@@ -27,10 +27,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from moestream.daemon.policies import POLICIES, make_policy
-from moestream.daemon.policies.base import EvictionPolicy
 from moestream.daemon.bench.policy.belady import BeladyMIN
 from moestream.daemon.bench.policy.trace import PHASES, Trace
+from moestream.daemon.policies import POLICIES, make_policy
+from moestream.daemon.policies.base import EvictionPolicy
 
 PRIORS = {
     "loo": "leave-one-out: each request's prior is the layer's counts over the other requests",
@@ -121,7 +121,9 @@ def leave_one_out_priors(trace: Trace, layer: int) -> dict[int, list[float]]:
     return priors
 
 
-def static_hits(steps: Sequence[Sequence[int]], phases: Sequence[str], priors: dict[int, Sequence[float]], slots: int) -> ReplayCounts:
+def static_hits(
+    steps: Sequence[Sequence[int]], phases: Sequence[str], priors: dict[int, Sequence[float]], slots: int
+) -> ReplayCounts:
     """Hits of a placement fixed per request: from each request's first step on, the
     `slots` experts its heat prior ranks hottest (ties: lower id), never moved; what a
     mapped pool with autopin and no moves keeps in GPU memory."""
@@ -174,10 +176,7 @@ def evaluate(
     names = list(POLICIES) if policies is None else list(policies)
     if BASELINE not in names:
         names.insert(0, BASELINE)
-    priors = [
-        leave_one_out_priors(trace, i) if prior == "loo" else None
-        for i in range(trace.num_layers)
-    ]
+    priors = [leave_one_out_priors(trace, i) if prior == "loo" else None for i in range(trace.num_layers)]
     results = []
     for fraction in capacities:
         slots = capacity_slots(fraction, trace.num_experts, trace.top_k)
@@ -191,9 +190,7 @@ def evaluate(
                 else:
                     policy = factory(name, trace.num_experts, slots)
                 below = [step[:i] for step in trace.steps] if lower else None
-                per_layer.append(
-                    replay(policy, steps, trace.phases, priors=priors[i], lower=below)
-                )
+                per_layer.append(replay(policy, steps, trace.phases, priors=priors[i], lower=below))
             by_policy[name] = _policy_result(per_layer)
         lru, best = by_policy[BASELINE]["hit_rate"], by_policy[OPTIMUM]["hit_rate"]
         for r in by_policy.values():
@@ -222,8 +219,9 @@ def evaluate(
         "phase_steps": {p: phase_steps[p] for p in PHASES},
         "prior": prior_text,
         "cross_layer": (
-            "each policy sees the same step's experts of the lower traced layers "
-            "(observe_lower) before its access" if lower else "none"
+            "each policy sees the same step's experts of the lower traced layers (observe_lower) before its access"
+            if lower
+            else "none"
         ),
         "replay": (
             "one pool per layer, empty at start and carried across requests; the "

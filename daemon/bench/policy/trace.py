@@ -69,16 +69,13 @@ def load_trace(path: str | Path) -> Trace:
             if phase not in PHASES:
                 raise TraceError(f"{where}: phase {phase!r} is not one of {PHASES}")
             if steps and len(layers) != len(steps[0]):
-                raise TraceError(
-                    f"{where}: {len(layers)} layers, earlier records have {len(steps[0])}"
-                )
+                raise TraceError(f"{where}: {len(layers)} layers, earlier records have {len(steps[0])}")
             step = []
             for i, experts in enumerate(layers):
                 ids = tuple(int(e) for e in experts)
                 if len(set(ids)) != len(ids) or not all(0 <= e < num_experts for e in ids):
                     raise TraceError(
-                        f"{where}: layer {i} experts {list(ids)} must be distinct ids "
-                        f"in [0, {num_experts})"
+                        f"{where}: layer {i} experts {list(ids)} must be distinct ids in [0, {num_experts})"
                     )
                 step.append(ids)
             requests.append(req)
@@ -89,8 +86,7 @@ def load_trace(path: str | Path) -> Trace:
     layer_ids = tuple(meta.get("layer_ids_in_model", range(len(steps[0]))))
     if len(layer_ids) != len(steps[0]):
         raise TraceError(
-            f"{meta_path}: layer_ids_in_model names {len(layer_ids)} layers, "
-            f"the records have {len(steps[0])}"
+            f"{meta_path}: layer_ids_in_model names {len(layer_ids)} layers, the records have {len(steps[0])}"
         )
     return Trace(
         path=trace_path,

@@ -85,8 +85,17 @@ class DaemonProcess:
         daemon's output when it exits or is not ready in time."""
         runtime = Path(runtime)
         paths = RuntimePaths(dir=runtime, log=runtime / "daemon.log")
-        argv = [sys.executable, "-m", "moestream.daemon.main", "--model", str(store), "--capacity", capacity,
-                "--runtime-dir", str(runtime)]
+        argv = [
+            sys.executable,
+            "-m",
+            "moestream.daemon.main",
+            "--model",
+            str(store),
+            "--capacity",
+            capacity,
+            "--runtime-dir",
+            str(runtime),
+        ]
         for name, value in (flags or {}).items():
             argv += ["--" + name.replace("_", "-"), str(value)]
         out_path = runtime.parent / f"{runtime.name}.out"
@@ -166,7 +175,9 @@ class Reference:
     finish_reason: str
 
 
-def reference_outputs(store: Path | str, capacity: str, cases: Iterable[tuple[str, int]]) -> dict[tuple[str, int], Reference]:
+def reference_outputs(
+    store: Path | str, capacity: str, cases: Iterable[tuple[str, int]]
+) -> dict[tuple[str, int], Reference]:
     """What `generate --local` gives for each (prompt, max_tokens), greedy, in-process."""
     from moestream.daemon.model.generation import SamplingParams, encode_prompt, generate
     from moestream.daemon.model.streaming_model import load_streaming_model
@@ -183,7 +194,9 @@ def reference_outputs(store: Path | str, capacity: str, cases: Iterable[tuple[st
     return out
 
 
-def soak_cases(prompts: Sequence[str] = SOAK_PROMPTS, max_tokens: Sequence[int] = SOAK_MAX_TOKENS) -> list[tuple[str, int]]:
+def soak_cases(
+    prompts: Sequence[str] = SOAK_PROMPTS, max_tokens: Sequence[int] = SOAK_MAX_TOKENS
+) -> list[tuple[str, int]]:
     return [(p, m) for p in prompts for m in max_tokens]
 
 
@@ -264,7 +277,9 @@ def _one_client(
             stray = sum(client.buffered().values())
             if stray:
                 tally.stray_messages += stray
-                tally.fail(f"{where}: {stray} message(s) for request ids this client is not waiting on: {client.buffered()}")
+                tally.fail(
+                    f"{where}: {stray} message(s) for request ids this client is not waiting on: {client.buffered()}"
+                )
             progress.tick()
     finally:
         client.close()
@@ -305,12 +320,19 @@ def _run_request(
         ok = ok and tuple(done.tokens) == ref.tokens[: len(done.tokens)] and ref.text.startswith(done.text)
     else:
         tally.completed += 1
-        ok = ok and tuple(done.tokens) == ref.tokens and done.text == ref.text and done.finish_reason == ref.finish_reason
+        ok = (
+            ok
+            and tuple(done.tokens) == ref.tokens
+            and done.text == ref.text
+            and done.finish_reason == ref.finish_reason
+        )
     if ok:
         tally.exact += 1
     else:
         tally.mismatched += 1
-        tally.fail(f"{where}: got {done.finish_reason} {list(done.tokens)[:12]}..., expected {list(ref.tokens)[:12]}...")
+        tally.fail(
+            f"{where}: got {done.finish_reason} {list(done.tokens)[:12]}..., expected {list(ref.tokens)[:12]}..."
+        )
     return client, done.finish_reason
 
 
@@ -384,7 +406,9 @@ def run_soak(
     tally = SoakTally()
     for t in results:
         tally.add(t)
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("requests", "completed", "cancelled", "disconnected", "failed")}
+    delta = {
+        k: after.get(k, 0) - before.get(k, 0) for k in ("requests", "completed", "cancelled", "disconnected", "failed")
+    }
     disconnected = delta["disconnected"]
     # A cancel or disconnect may land after the request has already ended: then the
     # daemon counts it completed and the client saw a full response.
@@ -396,7 +420,9 @@ def run_soak(
         and delta["completed"] == tally.completed + (tally.disconnect_asked - disconnected)
     )
     if not counters_add_up:
-        tally.fail(f"the daemon's counters {delta} do not add up to what the clients saw {asdict(tally) | {'failures': None}}")
+        tally.fail(
+            f"the daemon's counters {delta} do not add up to what the clients saw {asdict(tally) | {'failures': None}}"
+        )
     report = {
         "clients": clients,
         "requests_per_client": requests,
@@ -426,7 +452,12 @@ def run_soak(
         "failures": tally.failures,
     }
     report["ok"] = bool(
-        alive and not errors and counters_add_up and tally.mismatched == 0 and tally.lost == 0 and tally.stray_messages == 0
+        alive
+        and not errors
+        and counters_add_up
+        and tally.mismatched == 0
+        and tally.lost == 0
+        and tally.stray_messages == 0
         and tally.requests == total
     )
     return report

@@ -115,9 +115,19 @@ def _case(rng: random.Random, i: int) -> FuzzCase:
     elif kind == "huge":
         what = rng.choice(["prompt", "prompt_ids", "id", "stop", "message", "type"])
         if what == "prompt":
-            body = {"v": 1, "type": "generate", "id": rid, "prompt": "x" * rng.choice([proto.MAX_PROMPT_CHARS + 1, 900_000])}
+            body = {
+                "v": 1,
+                "type": "generate",
+                "id": rid,
+                "prompt": "x" * rng.choice([proto.MAX_PROMPT_CHARS + 1, 900_000]),
+            }
         elif what == "prompt_ids":
-            body = {"v": 1, "type": "generate", "id": rid, "prompt_ids": [7] * (proto.MAX_PROMPT_IDS + rng.randrange(1, 1000))}
+            body = {
+                "v": 1,
+                "type": "generate",
+                "id": rid,
+                "prompt_ids": [7] * (proto.MAX_PROMPT_IDS + rng.randrange(1, 1000)),
+            }
         elif what == "id":
             body["id"] = "i" * rng.choice([65, 10_000, 500_000])
         elif what == "stop":
@@ -125,7 +135,12 @@ def _case(rng: random.Random, i: int) -> FuzzCase:
         elif what == "type":
             body["type"] = "t" * 200_000
         else:
-            body = {"v": 1, "type": "ping", "id": rid, "pad": b"\0" * rng.choice([proto.MAX_MESSAGE_BYTES, 3 * proto.MAX_MESSAGE_BYTES])}
+            body = {
+                "v": 1,
+                "type": "ping",
+                "id": rid,
+                "pad": b"\0" * rng.choice([proto.MAX_MESSAGE_BYTES, 3 * proto.MAX_MESSAGE_BYTES]),
+            }
         frame = _pack(body)
     elif kind == "version":
         body["v"] = rng.choice([0, 2, 99, -1, 1.0, "1", None, True, [1], 2**64 - 1])
@@ -140,9 +155,13 @@ def _case(rng: random.Random, i: int) -> FuzzCase:
         depth = rng.choice([100, 1000, 100_000])
         frame = b"\x91" * depth + b"\x00" if rng.random() < 0.5 else b"\x81\xa1a" * depth + b"\x00"
     elif kind == "frames":
-        return FuzzCase(kind, tuple(_pack(body) for _ in range(rng.randrange(2, 4))) if rng.random() < 0.7 else (_pack(body), b""))
+        return FuzzCase(
+            kind, tuple(_pack(body) for _ in range(rng.randrange(2, 4))) if rng.random() < 0.7 else (_pack(body), b"")
+        )
     elif kind == "map":
-        frame = _pack({str(_random_value(rng))[:6]: _random_value(rng) for _ in range(rng.randrange(0, 6))} | {"v": 1, "id": rid})
+        frame = _pack(
+            {str(_random_value(rng))[:6]: _random_value(rng) for _ in range(rng.randrange(0, 6))} | {"v": 1, "id": rid}
+        )
     else:
         frame = _pack(body)
     return FuzzCase(kind, (frame,))
@@ -179,8 +198,13 @@ def expected_reply(frames: tuple[bytes, ...]) -> Expected:
         msg = proto.decode_request(frames[0])
     except proto.ProtocolError as e:
         return Expected(e.code, e.request_id)
-    replies = {proto.Ping: proto.Pong, proto.Status: proto.StatusReply, proto.Stats: proto.StatsReply,
-               proto.Cancel: proto.Cancelled, proto.Generate: proto.Done}
+    replies = {
+        proto.Ping: proto.Pong,
+        proto.Status: proto.StatusReply,
+        proto.Stats: proto.StatsReply,
+        proto.Cancel: proto.Cancelled,
+        proto.Generate: proto.Done,
+    }
     return Expected(None, msg.id, replies[type(msg)])
 
 
@@ -212,7 +236,10 @@ def check_one(dealer: Dealer, case: FuzzCase) -> str | None:
         if not isinstance(reply, proto.Error):
             return f"{case.kind}: expected error {want.error_code}, got {reply.TYPE}"
         if (reply.code, reply.id) != (want.error_code, want.request_id):
-            return f"{case.kind}: expected error {want.error_code} for {want.request_id!r}, got {reply.code} for {reply.id!r}: {reply.message}"
+            return (
+                f"{case.kind}: expected error {want.error_code} for {want.request_id!r}, "
+                f"got {reply.code} for {reply.id!r}: {reply.message}"
+            )
         return None
     if reply.id != want.request_id:
         return f"{case.kind}: a reply for {reply.id!r}, expected one for {want.request_id!r}"
@@ -341,8 +368,13 @@ def run_fuzz(
         "good_client_mismatched": good["mismatched"],
         "good_client_errors": good["errors"],
     }
-    report["ok"] = bool(not wrong and pid == daemon_pid and not good["errors"] and good["mismatched"] == 0
-                        and (good_client is None or good["requests"] > 0))
+    report["ok"] = bool(
+        not wrong
+        and pid == daemon_pid
+        and not good["errors"]
+        and good["mismatched"] == 0
+        and (good_client is None or good["requests"] > 0)
+    )
     return report
 
 

@@ -111,7 +111,10 @@ def keeper_kills(store: Path, runtime: Path, n: int, rng: random.Random) -> dict
                 continue
             if not (max(previous, lower) <= now <= seed_total + accepted):
                 violations += 1
-                examples.append(f"keeper kill {i}: total {now}, previous {previous}, reported durable {lower}, sent {seed_total + accepted}")
+                examples.append(
+                    f"keeper kill {i}: total {now}, previous {previous}, reported durable {lower}, sent "
+                    f"{seed_total + accepted}"
+                )
             previous = now
         _wait(lambda: pub.health()["ready"], 20.0, "the last heat keeper", every=pub.check)
     finally:
@@ -280,7 +283,13 @@ def daemon_kills(store: Path, runtime: Path, n: int, rng: random.Random, *, capa
             violations += 1
             examples.append(f"daemon kill {i}: total {now}, previous {previous}, reported durable {lower}")
         previous = now
-    return {"kills": n, "invalid_files": invalid, "violations": violations, "final_total": previous, "examples": examples[:10]}
+    return {
+        "kills": n,
+        "invalid_files": invalid,
+        "violations": violations,
+        "final_total": previous,
+        "examples": examples[:10],
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

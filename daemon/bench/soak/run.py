@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from moestream.daemon.bench.soak import heat_kills
-from moestream.daemon.pool.expert_reader import ExpertReadError
 from moestream.daemon.bench.soak.driver import DaemonProcess, reference_outputs, run_soak, soak_cases
 from moestream.daemon.bench.soak.fuzz import exact_request, run_fuzz
+from moestream.daemon.pool.expert_reader import ExpertReadError
 from moestream.shared.store_format import StoreError, load_manifest
 
 RSS_LIMIT_PCT = 5.0
@@ -65,10 +65,17 @@ def run_bench_soak(
         with DaemonProcess.start(own, root / "rt", capacity=capacity) as daemon:
             if fuzz:
                 echo(f"fuzz: {fuzz} messages...")
-                report["fuzz"] = run_fuzz(daemon.paths, daemon.pid, fuzz, seed=seed,
-                                          good_client=exact_request(reference, random.Random(seed + 1)))
+                report["fuzz"] = run_fuzz(
+                    daemon.paths,
+                    daemon.pid,
+                    fuzz,
+                    seed=seed,
+                    good_client=exact_request(reference, random.Random(seed + 1)),
+                )
             echo(f"soak: {clients} clients x {requests} requests, {cancel_frac:.0%} cancelled or disconnected...")
-            report["soak"] = run_soak(daemon, reference, clients=clients, requests=requests, cancel_frac=cancel_frac, seed=seed)
+            report["soak"] = run_soak(
+                daemon, reference, clients=clients, requests=requests, cancel_frac=cancel_frac, seed=seed
+            )
             report["soak"]["rss_limit_pct"] = RSS_LIMIT_PCT
             report["daemon_exit_status"] = daemon.stop(60.0)
         if kills:
@@ -91,9 +98,12 @@ def run_bench_soak(
     f = report["figures"]
     report["ok"] = bool(
         report.get("daemon_exit_status") == 0
-        and report["soak"]["ok"] and f["rss_growth_pct"] is not None and f["rss_growth_pct"] < RSS_LIMIT_PCT
+        and report["soak"]["ok"]
+        and f["rss_growth_pct"] is not None
+        and f["rss_growth_pct"] < RSS_LIMIT_PCT
         and ("fuzz" not in report or report["fuzz"]["ok"])
-        and f["invalid_heat_files"] == 0 and f["heat_bound_violations"] == 0
+        and f["invalid_heat_files"] == 0
+        and f["heat_bound_violations"] == 0
     )
     return report
 
@@ -130,12 +140,15 @@ def format_report(report: dict[str, Any]) -> str:
         f"store {report['store']}, capacity {report['capacity']}, seed {report['seed']}, {report['seconds']:.0f} s",
         f"  messages fuzzed            {f['messages_fuzzed']} ({f['fuzz_wrong_replies']} wrong replies)",
         f"  daemon crashes             {f['crashes']}",
-        f"  soak requests              {f['requests']}: {f['completed_exact']} exact (of which {f['cancelled']} cancelled, "
+        f"  soak requests              {f['requests']}: {f['completed_exact']} exact (of which {f['cancelled']} "
+        "cancelled, "
         f"a prefix of the reference), {f['disconnected']} disconnected",
-        f"  lost responses             {f['lost_responses']} (mismatched {f['mismatched_responses']}, stray {f['stray_messages']})",
+        f"  lost responses             {f['lost_responses']} (mismatched {f['mismatched_responses']}, stray "
+        f"{f['stray_messages']})",
         f"  daemon RSS                 {f['rss_after_warmup_mib']:.1f} MiB after warm-up -> {f['rss_end_mib']:.1f} MiB "
         f"({f['rss_growth_pct']:+.2f}%, limit {RSS_LIMIT_PCT:g}%)",
-        f"  kill -9 survived           {f['kills_survived']} of {f['kills']} ({f['kills_mid_write']} keeper kills mid-write)",
+        f"  kill -9 survived           {f['kills_survived']} of {f['kills']} ({f['kills_mid_write']} keeper kills "
+        "mid-write)",
         f"  invalid heat files         {f['invalid_heat_files']} (bound violations {f['heat_bound_violations']})",
         f"  all checks                 {'ok' if report['ok'] else 'FAILED'}",
     ]

@@ -39,12 +39,19 @@ def plot_metrics(metrics: dict[str, Any], path: str | Path) -> None:
     ax.plot(steps, _smooth(curve["mtp_ce"], window), label="train: MTP (token after next)", color="tab:orange")
     val = curve.get("val") or []
     if val:
-        ax.plot([v["step"] for v in val], [v["loss"] for v in val], "o-", ms=3, label="validation: next token", color="navy")
-        ax.plot([v["step"] for v in val], [v["mtp_loss"] for v in val], "o-", ms=3, label="validation: MTP", color="darkred")
+        ax.plot(
+            [v["step"] for v in val], [v["loss"] for v in val], "o-", ms=3, label="validation: next token", color="navy"
+        )
+        ax.plot(
+            [v["step"] for v in val], [v["mtp_loss"] for v in val], "o-", ms=3, label="validation: MTP", color="darkred"
+        )
     final = metrics.get("validation")
     title = "demo qwen3_moe on the Python standard library"
     if final:
-        title += f"\nval loss {final['loss']:.3f} (ppl {final['ppl']:.1f}), MTP next-next acc {final['mtp_next_next_acc']:.3f}"
+        title += (
+            f"\nval loss {final['loss']:.3f} (ppl {final['ppl']:.1f}), "
+            f"MTP next-next acc {final['mtp_next_next_acc']:.3f}"
+        )
     ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=title)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)

@@ -323,7 +323,9 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         f"({corpus.train_bytes / len(train_ids):.2f} bytes/token); {data_s:.1f} s"
     )
 
-    estimate = store_size_estimate(shape, tokenizer_bytes=sum((tok_dir / n).stat().st_size for n in tokenizer_file_names()))
+    estimate = store_size_estimate(
+        shape, tokenizer_bytes=sum((tok_dir / n).stat().st_size for n in tokenizer_file_names())
+    )
     problem = over_budget(estimate["store"], estimate["mtp"])
     if problem:
         raise ValueError(f"before training: {problem}")
