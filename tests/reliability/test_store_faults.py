@@ -122,6 +122,16 @@ def test_a_checksum_mismatch_is_caught_when_checksums_are_verified(store_copy, s
         _exact(c, rel_reference)
 
 
+def _remove_while_written(folder: Path) -> None:
+    """Delete a folder the heat keeper is writing into: its temporary files for an atomic
+    save can appear and vanish between rmtree's listing and its unlink, so retry until the
+    folder is gone (once it is, the keeper can no longer create anything in it)."""
+    deadline = time.monotonic() + 10
+    while folder.exists():
+        shutil.rmtree(folder, ignore_errors=True)
+        assert time.monotonic() < deadline, f"could not remove {folder}"
+
+
 def test_a_store_deleted_under_a_running_daemon(store_copy, start_daemon, rel_reference):
     """What happens: the daemon keeps serving exactly from the descriptors it holds open
     (Linux keeps unlinked files readable); the heat keeper cannot write pool_usage.json
@@ -130,7 +140,7 @@ def test_a_store_deleted_under_a_running_daemon(store_copy, start_daemon, rel_re
     daemon = start_daemon(store_copy, env={"MOESTREAM_HEAT_FLUSH_SECONDS": "0.1"})
     with Client(daemon.paths, timeout=30) as c:
         _exact(c, rel_reference)
-        shutil.rmtree(store_copy)
+        _remove_while_written(store_copy)
         _exact(c, rel_reference, CASES[5])
         _exact(c, rel_reference, CASES[2])
         deadline = time.monotonic() + 10
