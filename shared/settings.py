@@ -334,6 +334,15 @@ class Settings:
         scope=_BOTH,
         help="Eviction policy of the pool (`moestreamctl bench policy` compares them).",
     )
+    prefill: str = setting(
+        "layer",
+        kind="choice",
+        choices=("layer", "chunk"),
+        scope=_BOTH,
+        help="Prefill order: layer takes all of a prompt's chunks through one layer before the next, so a partial "
+        "pool brings each routed expert in once per prompt; chunk is stock mlx-lm's order, chunk by chunk. "
+        "Output is the same either way.",
+    )
     host_cache: int = setting(
         0,
         kind="size",

@@ -54,7 +54,28 @@ def assert_same_as_stock(sm, prompts, label: str) -> None:
             )
 
 
-@pytest.fixture(scope="module", params=[(a, q) for a in ARCHS for q in QUANTS], ids=lambda p: f"{p[0]}-{p[1]}")
+CONVERSIONS = [(a, q) for a in ARCHS for q in QUANTS]
+
+
+def _policy_cases() -> list:
+    """Every policy on every conversion; the default run keeps LRU (the default policy)
+    everywhere and each other policy on the first conversion, `-m slow` runs the rest."""
+    cases = []
+    for conversion in CONVERSIONS:
+        for policy in sorted(POLICIES):
+            slow = policy != "lru" and conversion != CONVERSIONS[0]
+            cases.append(
+                pytest.param(
+                    conversion,
+                    policy,
+                    id=f"{conversion[0]}-{conversion[1]}-{policy}",
+                    marks=[pytest.mark.slow] if slow else [],
+                )
+            )
+    return cases
+
+
+@pytest.fixture(scope="module", params=CONVERSIONS, ids=lambda p: f"{p[0]}-{p[1]}")
 def converted(request, tmp_path_factory):
     arch, quant = request.param
     root = tmp_path_factory.mktemp(f"{arch}-{quant}")
@@ -94,7 +115,7 @@ def _capacities(store) -> list[tuple[str, int]]:
     ]
 
 
-@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("converted,policy", _policy_cases(), indirect=["converted"])
 def test_logits_identical_at_every_capacity(converted, policy):
     store, prompts = converted
     for label, slots in _capacities(store):

@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 import mlx.core as mx
 import psutil
 from jinja2 import TemplateError
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, generation_stream
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_top_p, make_sampler
 
+from moestream.daemon.model.prefill import PREFILL_STEP, PrefillStats
 from moestream.daemon.model.streaming_model import StreamingModel
 
 if TYPE_CHECKING:
@@ -27,6 +29,8 @@ _COUNTERS = (
     "bytes_read",
     "host_syncs",
     "overflow_forwards",
+    "stacked_layers",
+    "staged_bytes",
     "routed_total",
     "prestaged",
     "prestaged_used",
@@ -205,6 +209,57 @@ def request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
     return sample
 
 
+def plain_steps(
+    sm: StreamingModel,
+    prompt_ids: Sequence[int],
+    sampler: Callable[[mx.array], mx.array],
+    max_tokens: int,
+    on_prompt_progress: Callable[[int, int], None] | None = None,
+    prefill_stats: PrefillStats | None = None,
+    prefill_step: int = PREFILL_STEP,
+) -> Iterator[tuple[mx.array, mx.array]]:
+    """mlx-lm's `generate_step`, with the prompt prefilled layer by layer where that
+    spares a partial pool reads (daemon/model/prefill.py): all of it but the last token,
+    in stock's chunks; `generate_step` then takes the last token as its prompt, over the
+    filled cache, exactly as stock's does after its own chunks. `prefill_step` is
+    `generate_step`'s `prefill_step_size`."""
+    prompt = mx.array(list(prompt_ids))
+    n = prompt.size
+    lm = sm.layer_major
+    if lm is None or not lm.wanted(n, prefill_step):
+        yield from generate_step(
+            prompt,
+            sm.model,
+            max_tokens=max_tokens,
+            sampler=sampler,
+            prompt_progress_callback=on_prompt_progress,
+            prefill_step_size=prefill_step,
+        )
+        return
+    progress = on_prompt_progress or (lambda done, total: None)
+    cache = make_prompt_cache(sm.model)
+    progress(0, n)
+    with mx.stream(generation_stream):
+        lm.run(prompt[:-1], cache, prefill_step, on_progress=lambda done: progress(done, n), stats=prefill_stats)
+    yield from generate_step(
+        prompt[-1:],
+        sm.model,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        prompt_cache=cache,
+        prompt_progress_callback=lambda done, total: progress(n - 1 + done, n) if done else None,
+    )
+
+
+def _prefill_summary(stats: PrefillStats, counted: dict[str, float]) -> dict[str, Any]:
+    """The request's prefill: its order, and the bytes read from the store and staged
+    for it (with the first token's forward, which is counted with the prompt)."""
+    out: dict[str, Any] = stats.to_dict() if stats.chunks else {"mode": "chunked"}
+    out["read_bytes"] = counted["bytes_read"]
+    out["staged_bytes"] = counted["staged_bytes"]
+    return out
+
+
 def iter_generate(
     sm: StreamingModel,
     prompt_ids: Sequence[int],
@@ -230,6 +285,7 @@ def iter_generate(
     stop_hold = max((len(s) for s in params.stop), default=0)
     emitted = 0
     spec_stats = None
+    prefill_stats = PrefillStats()
     if params.speculative:
         from moestream.daemon.model.speculative import SpeculativeParams, SpeculativeStats, speculative_steps
 
@@ -247,13 +303,7 @@ def iter_generate(
             on_prompt_progress=on_prompt_progress,
         )
     else:
-        steps = generate_step(
-            mx.array(list(prompt_ids)),
-            sm.model,
-            max_tokens=params.max_tokens,
-            sampler=sampler,
-            prompt_progress_callback=on_prompt_progress,
-        )
+        steps = plain_steps(sm, prompt_ids, sampler, params.max_tokens, on_prompt_progress, prefill_stats)
     if sm.mapped_pool is not None:
         steps = _ticked(steps, sm.mapped_pool)
     rec = sm.diagnostics.new_recorder(params.diagnostics) if sm.diagnostics is not None else None
@@ -340,6 +390,7 @@ def iter_generate(
         "rss_bytes": psutil.Process().memory_info().rss,
         "finish_reason": result.finish_reason,
     }
+    result.stats["prefill"] = _prefill_summary(prefill_stats, prefill)
     if sm.mapped_pool is not None:
         result.stats["mapped_pool"] = _placement_stats(total, sm.mapped_pool.gpu_slots)
     if spec_stats is not None:

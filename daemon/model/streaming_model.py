@@ -24,6 +24,7 @@ from moestream._native import CudaCopier
 from moestream.daemon.mapped.mapped_pool import CountingMover, MappedPool
 from moestream.daemon.mapped.row_gather import RowGather
 from moestream.daemon.model.diagnostics import Diagnostics
+from moestream.daemon.model.prefill import LayerMajorPrefill, UnsupportedModel
 from moestream.daemon.model.streaming_moe import StreamingMoE
 from moestream.daemon.policies import make_policy
 from moestream.daemon.pool.admission import Admitter, DirectAdmitter, cuda_copier, make_admitter
@@ -69,6 +70,10 @@ class StreamingModel:
     prefetcher: Any = None
     # The mapped pool (every expert in host memory, the hottest in GPU memory), else None.
     mapped_pool: MappedPool | None = None
+    # The layer-major prefill (daemon/model/prefill.py), None where `prefill = chunk` or
+    # the model's forward does not have the shape it drives (then `prefill_note` says why).
+    layer_major: LayerMajorPrefill | None = None
+    prefill_note: str = ""
 
     @property
     def pool_bytes(self) -> int:
@@ -98,6 +103,7 @@ class StreamingModel:
         totals["hit_rate"] = hits / (hits + misses) if hits + misses else None
         totals["layers"] = per_layer
         totals["admission"] = self.admitter.stats() | self.admission_note
+        totals["prefill_order"] = self.prefill_note
         totals["mapped"] = self.mapped_pool is not None
         if self.mapped_pool is not None:
             totals["mapped_pool"] = {"gpu_slots": self.mapped_pool.gpu_slots, **self.mapped_pool.stats.to_dict()}
@@ -338,6 +344,7 @@ def load_streaming_model(
             if full:
                 pool.load_all()
         mapped_pool = _place(pools, capacity, settings, copier) if mapped else None
+        layer_major, prefill_note = _layer_major(model, settings)
         tokenizer = load_tokenizer(store, eos_token_ids=config.get("eos_token_id"))
     except BaseException:
         if owns_reader:
@@ -358,7 +365,18 @@ def load_streaming_model(
         diagnostics=diagnostics,
         prefetcher=prefetcher,
         mapped_pool=mapped_pool,
+        layer_major=layer_major,
+        prefill_note=prefill_note,
     )
+
+
+def _layer_major(model: nn.Module, settings: Settings) -> tuple[LayerMajorPrefill | None, str]:
+    if settings.prefill == "chunk":
+        return None, "chunk: stock's order (prefill = chunk)"
+    try:
+        return LayerMajorPrefill(model), "layer: a partial pool's prompt goes through one layer at a time"
+    except UnsupportedModel as e:
+        return None, f"chunk: {e}"
 
 
 def check_mapped_host_memory(manifest: Manifest, available: int, margin: int = MAPPED_HOST_MARGIN) -> None:

@@ -10,7 +10,11 @@ pool, the pool hands over a transient stack of exactly those experts instead of 
 Splitting the tokens into several calls would be exact on the CPU but not on CUDA, whose
 quantized gather kernels round differently for a different number of rows.
 
-A forward takes one of three paths: `_resident` (every expert has a slot: nothing leaves
+A layer-major prefill (daemon/model/prefill.py) hands a layer all of a prompt's chunks
+in a row: between `begin_stack` and `end_stack` every forward runs on one transient stack
+of the whole layer (`_stacked`), which the pool fills once for all of them.
+
+Otherwise a forward takes one of three paths: `_resident` (every expert has a slot: nothing leaves
 the device), `_slots` (the routed experts fit in the pool: misses are admitted into
 slots) and `_overflow` (they do not: a transient stack). The last two share the layer's
 one host sync, `_route`.
@@ -59,6 +63,9 @@ class StreamingMoE(nn.Module):
         self.prefetcher = prefetcher if nxt is not None else None
         # What every recording of this layer is filed under.
         self.ordinal = pool.layer.ordinal
+        # The transient stack of a layer-major prefill, between begin_stack and end_stack.
+        self._stack: dict[str, mx.array] | None = None
+        self._last_ids: np.ndarray | None = None
         self._use(pool.arrays)
 
     def _use(self, arrays: dict[str, mx.array]) -> None:
@@ -66,7 +73,65 @@ class StreamingMoE(nn.Module):
             projection, param = t.name.rsplit(".", 1)
             getattr(self.inner, projection)[param] = arrays[t.name]
 
+    # ---- layer-major prefill ---------------------------------------------------------
+
+    def stacks_for(self, chunks: Sequence[int]) -> bool:
+        """Whether a prefill of chunks of these sizes should stage this layer's experts:
+        a partial slot pool with more than one chunk (one chunk reads each expert once
+        anyway), a mapped pool once a chunk routes as many experts as the layer has."""
+        pool = self.pool
+        if not pool.keep or not chunks:
+            return False
+        if pool.host_memory:
+            return max(chunks) * pool.top_k >= pool.layer.num_experts
+        return not pool.fully_resident and len(chunks) > 1
+
+    def begin_stack(self) -> int:
+        """Run the next forwards on a transient stack of the whole layer; returns the
+        bytes staged into it from the pool."""
+        self._stack, staged = self.pool.stage_layer()
+        self._last_ids = None
+        return staged
+
+    def fill_stack(self) -> int:
+        """Bring in what the forwards since `begin_stack` routed and the pool lacks,
+        once each, before any of them runs; returns the bytes read."""
+        assert self._stack is not None
+        return self.pool.fill_stack(self._stack)
+
+    def end_stack(self) -> None:
+        """Back to the pool's own arrays, keeping in it the last tokens' experts."""
+        stack, self._stack = self._stack, None
+        last, self._last_ids = self._last_ids, None
+        if stack is not None and last is not None:
+            self.pool.keep_from_stack(last, stack)
+
+    def _stacked(self, x: mx.array, indices: mx.array) -> mx.array:
+        """mlx-lm's call with the routing as it is, on the stack (row e is expert e, as
+        in stock's stacked weights). A slot pool reads the routing back to learn what
+        to bring in; a mapped pool's stack holds every expert already."""
+        pool = self.pool
+        if pool.host_memory:
+            if pool.route_log is not None:
+                pool.route_log.append(indices)
+        else:
+            ids = np.array(indices)
+            pool.stats.host_syncs += 1
+            self._last_ids = ids.reshape(-1, ids.shape[-1])
+            pool.note_stacked(self._last_ids)
+        assert self._stack is not None
+        self._use(self._stack)
+        try:
+            # As with an overflow stack, the lazy graph holds its own references.
+            return self.inner(x, indices)
+        finally:
+            self._use(pool.arrays)
+
+    # ---- one forward -----------------------------------------------------------------
+
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if self._stack is not None:
+            return self._stacked(x, indices)
         rec = self.hub.recorder
         if self.pool.fully_resident:
             return self._resident(x, indices, rec)

@@ -47,6 +47,11 @@ class PoolStats:
     quiesces: int = 0
     # Prefill forwards whose experts did not fit in the pool (served from scratch).
     overflow_forwards: int = 0
+    # Layer-major prefills (daemon/model/prefill.py): layers staged into a transient
+    # stack, and the bytes copied into those stacks from the pool's own memory (what
+    # they read from the store is in bytes_read).
+    stacked_layers: int = 0
+    staged_bytes: int = 0
     # Experts copied in ahead of use from host memory (`prestage`), and how many of
     # them the next forward routed to (counted among the hits).
     prestaged: int = 0
@@ -71,10 +76,16 @@ class PoolStats:
             "host_syncs": self.host_syncs,
             "quiesces": self.quiesces,
             "overflow_forwards": self.overflow_forwards,
+            "stacked_layers": self.stacked_layers,
+            "staged_bytes": self.staged_bytes,
             "prestaged": self.prestaged,
             "prestaged_used": self.prestaged_used,
             "routed_total": self.routed_total,
         }
+
+
+def _take_rows(arrays: Sequence[mx.array], rows: mx.array) -> list[mx.array]:
+    return [mx.take(a, rows, axis=0) for a in arrays]
 
 
 def _current_stream() -> str:
@@ -113,6 +124,7 @@ class ExpertPool:
         # keep=False is the naive on-demand baseline of `bench decode`: nothing is
         # reused from one forward to the next, every routed expert is read each time.
         self.keep = keep
+        self.host_memory = host_memory
         # host_memory=True (a mapped pool, daemon/mapped/mapped_pool.py): made on the CPU stream,
         # the arrays are allocated where the host writes them (managed memory on CUDA)
         # rather than as GPU memory the size of every expert.
@@ -153,6 +165,8 @@ class ExpertPool:
         # Experts `prestage` admitted since this layer's last forward; their copies may
         # still be running until `_settle`.
         self._prestaged: set[int] = set()
+        # A layer-major prefill's experts routed so far that the pool lacks (`note_stacked`).
+        self._stack_missing: set[int] = set()
         # How many of the last forward's routed experts were resident thanks to prestage.
         self.last_prestaged_used = 0
         # The stream of the forward that last queued a read of this pool's slots.
@@ -388,6 +402,59 @@ class ExpertPool:
         mx.eval(list(stacked.values()))
         self._keep_latest(token_experts, scratch, {e: j for j, e in enumerate(missing)})
         return stacked, row_of
+
+    # ---- a layer-major prefill's stack (daemon/model/prefill.py) -----------------------
+
+    def stage_layer(self) -> tuple[dict[str, mx.array], int]:
+        """A stack of the whole layer in GPU memory, row e for expert e, and the bytes
+        staged into it. A mapped pool copies every expert in (lazily: it runs with the
+        layer's first forward); a slot pool copies its resident experts now and leaves
+        the rows of the others to `fill_stack`."""
+        layer = self.layer
+        n = layer.num_experts
+        names = [t.name for t in layer.tensors]
+        arrays = [self.arrays[name] for name in names]
+        self.prediction = None
+        self._stack_missing = set()
+        if self.host_memory:
+            everything = mx.arange(n, dtype=mx.uint32)
+            rows = self.gather(arrays, everything) if self.gather is not None else _take_rows(arrays, everything)
+            staged = n
+        else:
+            self._settle()
+            resident = self.slot_of >= 0
+            # Rows of experts not resident take slot 0's bytes until filled (or never read).
+            rows = _take_rows(arrays, mx.array(np.where(resident, self.slot_of, 0).astype(np.uint32)))
+            mx.eval(rows)
+            staged = int(resident.sum())
+        self.stats.stacked_layers += 1
+        self.stats.staged_bytes += staged * layer.expert_bytes
+        return dict(zip(names, rows)), staged * layer.expert_bytes
+
+    def note_stacked(self, token_experts: np.ndarray) -> None:
+        """A stacked forward's routing ([tokens, k]): counted as a prefill forward's,
+        and what the pool lacks of it remembered for `fill_stack`."""
+        _, missing = self._account(token_experts, decode=False)
+        self._stack_missing.update(missing)
+
+    def fill_stack(self, stack: dict[str, mx.array]) -> int:
+        """Read the experts the stacked forwards routed and the pool lacks into their
+        rows of `stack`, once each; returns the bytes read."""
+        missing, self._stack_missing = sorted(self._stack_missing), set()
+        if not missing:
+            return 0
+        failed = self.admitter.fill(self.layer, [(e, e) for e in missing], stack)
+        read = (len(missing) - len(failed)) * self.layer.expert_bytes
+        self.stats.bytes_read += read
+        if failed:
+            self._raise(failed)
+        return read
+
+    def keep_from_stack(self, token_experts: np.ndarray, stack: dict[str, mx.array]) -> None:
+        """After the stacked forwards ran: keep the experts of the last tokens, copied
+        from the stack, so decoding starts warm."""
+        n = self.layer.num_experts
+        self._keep_latest(token_experts, stack, {e: e for e in range(n)})
 
     def _read_scratch(self, experts: Sequence[int]) -> dict[str, mx.array]:
         if not experts:

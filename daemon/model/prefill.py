@@ -1,0 +1,220 @@
+"""Layer-major prefill: a prompt's chunks go through the model one layer at a time.
+
+Stock mlx-lm prefills chunk by chunk: `prefill_step_size` tokens through every layer,
+then the next chunk. With a partial pool that brings each layer's routed experts in once
+per chunk, so an 8k prompt reads the experts four times. Here every chunk goes through
+layer 0, then every chunk through layer 1, and so on; a layer whose pool lacks experts
+stages them once for all its chunks (`StreamingMoE.begin_stack`): a slot pool reads the
+missing ones from the store into a transient stack of the whole layer, a mapped pool
+copies the layer into GPU memory, so its kernels no longer read host memory tile by tile.
+
+Why the output is unchanged: each chunk meets each layer with exactly the inputs stock
+gives it. Its hidden state comes from the layer below; the layer's cache holds the
+earlier chunks (they passed this layer first, in order), as in stock; the masks are
+made by the model's own code from a copy of each cache whose offset is what stock's
+would be when the chunk starts (`_capture`). The expert call is mlx-lm's own, on a
+stack whose row e is expert e, as in stock's stacked weights. The chunk boundaries are
+stock's: the prompt but its last token in steps of `prefill_step_size`; the last token
+then goes through `generate_step` as in stock.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from moestream.daemon.model.streaming_moe import StreamingMoE
+
+# mlx-lm's `generate_step` default.
+PREFILL_STEP = 2048
+
+
+def chunk_sizes(prompt_tokens: int, step: int = PREFILL_STEP) -> list[int]:
+    """The chunks stock `generate_step` prefills a prompt of `prompt_tokens` in: every
+    token but the last, `step` at a time (the last token is its first decode step)."""
+    rest = max(prompt_tokens - 1, 0)
+    return [min(step, rest - start) for start in range(0, rest, step)]
+
+
+@dataclass
+class PrefillStats:
+    """What one layer-major prefill did."""
+
+    chunks: int = 0
+    tokens: int = 0
+    # MoE layers that staged their experts into a transient stack, and the bytes moved
+    # into those stacks from the pool's own memory (slots, or a mapped pool's host memory).
+    staged_layers: int = 0
+    staged_bytes: int = 0
+    # Bytes read from the store (or the host tier) into the stacks: the routed experts
+    # the pool lacked, each once.
+    read_bytes: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": "layer-major",
+            "chunks": self.chunks,
+            "tokens": self.tokens,
+            "staged_layers": self.staged_layers,
+            "staged_bytes": self.staged_bytes,
+            "read_bytes": self.read_bytes,
+            "seconds": self.seconds,
+        }
+
+
+class _Capture:
+    """Stands in for decoder layer `index` while the model's own forward runs, to record
+    what the model hands the layer (its input, mask, cache, ...) without running it."""
+
+    def __init__(self, layer: nn.Module, index: int, sink: list[tuple[int, mx.array, tuple, dict]]) -> None:
+        self._layer = layer
+        self._index = index
+        self._sink = sink
+
+    def __getattr__(self, name: str) -> Any:
+        # The model's loop may ask a layer what it is (qwen3_next's `is_linear`).
+        return getattr(self._layer, name)
+
+    def __call__(self, h: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        self._sink.append((self._index, h, args, kwargs))
+        return h
+
+
+def _at_offset(cache: Any, prefix: int) -> Any:
+    """A shallow copy of a layer's cache that reports `prefix` more tokens than it
+    holds: what the cache will hold when the chunk starting there reaches the layer.
+    Only read for masks (a windowed or array mask depends on the offset)."""
+    if cache is None:
+        return None
+    view = copy.copy(cache)
+    if isinstance(getattr(cache, "offset", None), int):
+        view.offset = cache.offset + prefix
+    return view
+
+
+class UnsupportedModel(Exception):
+    """The model's forward does not have the shape the layer-major prefill drives."""
+
+
+class LayerMajorPrefill:
+    """Drives one model's prefill layer by layer (see the module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.layers: list[nn.Module] = list(model.layers)
+        self._decoder = self._find_decoder(model)
+        self._held = self._decoder["layers"]
+        # The streaming layer of each decoder layer (None for a dense one).
+        self.moes: list[StreamingMoE | None] = []
+        for layer in self.layers:
+            found = [m for m in layer.modules() if isinstance(m, StreamingMoE)]
+            if len(found) > 1:
+                raise UnsupportedModel("a decoder layer with more than one streaming MoE")
+            self.moes.append(found[0] if found else None)
+
+    @staticmethod
+    def _find_decoder(model: nn.Module) -> nn.Module:
+        """The module whose forward loops over the decoder layers (`model.layers` may be
+        a slice of its list, as mlx-lm's pipeline models give it)."""
+        layers = list(model.layers)
+        for _, module in model.named_modules():
+            held = module.get("layers") if isinstance(module, nn.Module) else None
+            if isinstance(held, list) and len(held) == len(layers) and all(a is b for a, b in zip(held, layers)):
+                return module
+        raise UnsupportedModel("no module holds the model's decoder layers")
+
+    def wanted(self, prompt_tokens: int, step: int = PREFILL_STEP) -> bool:
+        """Whether this prompt gains from going layer by layer: some layer stages its
+        experts (a partial slot pool with more than one chunk; a mapped pool whenever a
+        chunk routes at least as many experts as a layer has)."""
+        sizes = chunk_sizes(prompt_tokens, step)
+        if not sizes:
+            return False
+        for moe in self.moes:
+            if moe is None:
+                continue
+            if moe.stacks_for(sizes):
+                return True
+        return False
+
+    def run(
+        self,
+        tokens: mx.array,
+        cache: Sequence[Any],
+        step: int = PREFILL_STEP,
+        on_progress: Callable[[int], None] | None = None,
+        stats: PrefillStats | None = None,
+    ) -> PrefillStats:
+        """Prefill `tokens` (1-D: the prompt but its last token) into `cache`, the
+        model's prompt cache, in stock's chunks of `step` (`generate_step`'s
+        `prefill_step_size`); `on_progress(tokens_done)` after each layer, in
+        proportion. Returns what it did."""
+        stats = stats if stats is not None else PrefillStats()
+        tic = time.perf_counter()
+        n = int(tokens.size)
+        sizes = chunk_sizes(n + 1, step)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        hidden: list[mx.array] = []
+        calls: list[list[tuple[tuple, dict]]] = []
+        for start, size in zip(starts, sizes):
+            h, args = self._capture(tokens[start : start + size], cache, start)
+            hidden.append(h)
+            calls.append(args)
+        stats.chunks += len(sizes)
+        stats.tokens += n
+        for i, layer in enumerate(self.layers):
+            moe = self.moes[i]
+            stack = moe is not None and moe.stacks_for(sizes)
+            if stack:
+                stats.staged_bytes += moe.begin_stack()
+                stats.staged_layers += 1
+            try:
+                for k in range(len(sizes)):
+                    args, kwargs = calls[k][i]
+                    hidden[k] = layer(hidden[k], *args, **kwargs)
+                if stack:
+                    stats.read_bytes += moe.fill_stack()
+                for k in range(len(sizes)):
+                    mx.eval(hidden[k])
+                mx.eval(_state(cache[i]))
+            finally:
+                if stack:
+                    moe.end_stack()
+            if on_progress is not None:
+                on_progress(n * (i + 1) // len(self.layers))
+        stats.seconds += time.perf_counter() - tic
+        return stats
+
+    def _capture(self, chunk: mx.array, cache: Sequence[Any], prefix: int) -> tuple[mx.array, list[tuple[tuple, dict]]]:
+        """Run the model's own forward on `chunk` with every decoder layer replaced by a
+        `_Capture`, over cache copies at the chunk's offset: the first layer's input
+        and each layer's other arguments, the copies swapped back for the real caches."""
+        views = [_at_offset(c, prefix) for c in cache]
+        sink: list[tuple[int, mx.array, tuple, dict]] = []
+        self._decoder["layers"] = [_Capture(layer, i, sink) for i, layer in enumerate(self.layers)]
+        try:
+            self.model(chunk[None], cache=views)
+        finally:
+            self._decoder["layers"] = self._held
+        if [i for i, *_ in sink] != list(range(len(self.layers))):
+            raise UnsupportedModel("the model's forward does not call each decoder layer once, in order")
+        real = {id(v): c for v, c in zip(views, cache) if v is not None}
+
+        def back(a: Any) -> Any:
+            return real.get(id(a), a)
+
+        args = [(tuple(back(a) for a in a_args), {key: back(v) for key, v in kw.items()}) for _, _, a_args, kw in sink]
+        return sink[0][1], args
+
+
+def _state(cache: Any) -> list[Any]:
+    if cache is None:
+        return []
+    state = cache.state
+    return [a for a in (state if isinstance(state, (list, tuple)) else [state]) if a is not None]

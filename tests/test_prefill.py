@@ -1,0 +1,193 @@
+"""The layer-major prefill (daemon/model/prefill.py) changes nothing but the order.
+
+Each case runs mlx-lm's own `generate_step` on the stock model (`mlx_lm.load` of the
+source folder) and moestream's `plain_steps` on the store, with the same prefill step,
+and compares every step's log-probabilities bit for bit and the greedy tokens. The
+prefill step is mlx-lm's default for single-chunk prompts, and small (16) for prompts
+of several chunks, so that the tiny models here take several chunks in CI time; the
+3000-token prompts at the default step run with `-m slow`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load as stock_load
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+from tiny_models import MOE_ARCHS, make_tiny_model
+
+from moestream.daemon.model.generation import plain_steps
+from moestream.daemon.model.prefill import PREFILL_STEP, LayerMajorPrefill, PrefillStats, chunk_sizes
+from moestream.daemon.model.streaming_model import load_streaming_model
+from moestream.daemon.pool.capacity import top_k_of
+from moestream.daemon.store.convert import convert_model
+from moestream.shared.settings import Settings
+from moestream.shared.store_format import load_manifest
+
+STEPS = 3
+SMALL_STEP = 16
+GREEDY = make_sampler(temp=0.0)
+
+
+def _run(steps) -> tuple[list[int], list[np.ndarray]]:
+    tokens, rows = [], []
+    for token, logprobs in steps:
+        tokens.append(int(token))
+        rows.append(np.array(logprobs.astype(mx.float32)))
+    return tokens, rows
+
+
+def _stock(model, prompt: list[int], step: int):
+    return _run(generate_step(mx.array(prompt), model, max_tokens=STEPS, sampler=GREEDY, prefill_step_size=step))
+
+
+def _streamed(sm, prompt: list[int], step: int, stats: PrefillStats | None = None):
+    return _run(plain_steps(sm, prompt, GREEDY, STEPS, prefill_stats=stats, prefill_step=step))
+
+
+def _configs(store) -> list[tuple[str, Settings]]:
+    manifest = load_manifest(store)
+    k = top_k_of(manifest.config)
+    experts = manifest.layers[0].num_experts
+    quarter = max(k, math.ceil(0.25 * experts))
+    return [
+        ("topk", Settings(capacity=k, direct_io=True)),
+        ("25%", Settings(capacity=quarter, direct_io=True)),
+        ("50%", Settings(capacity=max(k, math.ceil(0.5 * experts)), direct_io=True)),
+        ("100%", Settings(capacity=experts, direct_io=True)),
+        ("25% + host tier", Settings(capacity=quarter, direct_io=True, host_cache=manifest.expert_bytes_total // 2)),
+        ("mapped 25%", Settings(capacity=quarter, direct_io=True, mapped=True)),
+    ]
+
+
+@pytest.fixture(scope="module", params=MOE_ARCHS)
+def converted(request, tmp_path_factory):
+    arch = request.param
+    root = tmp_path_factory.mktemp(f"prefill-{arch}")
+    src = make_tiny_model(root / "model", arch, quant="4bit", seed=3)
+    convert_model(src, root / "store")
+    model, _ = stock_load(str(src))
+    return root / "store", model
+
+
+def _prompt(n: int, seed: int = 5) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 500, size=n).tolist()
+
+
+def _assert_same(got, want, label: str) -> None:
+    assert got[0] == want[0], f"{label}: tokens differ"
+    for step, (a, b) in enumerate(zip(got[1], want[1])):
+        assert np.array_equal(a, b), f"{label} step {step}: log-probs differ (max |d|={np.abs(a - b).max()})"
+
+
+CASES = [(1, PREFILL_STEP), (7, PREFILL_STEP), (100, PREFILL_STEP), (40, SMALL_STEP), (100, SMALL_STEP)]
+
+
+def test_identical_to_stock_generate_step(converted):
+    store, stock = converted
+    want = {(n, step): _stock(stock, _prompt(n), step) for n, step in CASES}
+    for label, settings in _configs(store):
+        sm = load_streaming_model(store, settings)
+        try:
+            staged_before = sm.pool_stats()["stacked_layers"]
+            for n, step in CASES:
+                stats = PrefillStats()
+                got = _streamed(sm, _prompt(n), step, stats)
+                _assert_same(got, want[(n, step)], f"{label}, {n} tokens, step {step}")
+                several = len(chunk_sizes(n, step)) > 1
+                partial = label not in ("100%",)
+                if several and partial:
+                    # The prompts of several chunks went layer by layer, and staged.
+                    assert stats.chunks == len(chunk_sizes(n, step)) and stats.staged_layers > 0, label
+            if label == "100%":
+                assert sm.pool_stats()["stacked_layers"] == staged_before, "a full pool stages nothing"
+        finally:
+            sm.close()
+
+
+def test_chunk_order_is_stock_order_too(converted):
+    """`prefill = chunk` is the stock path: same output, no stack."""
+    store, stock = converted
+    manifest = load_manifest(store)
+    sm = load_streaming_model(store, Settings(capacity=top_k_of(manifest.config), prefill="chunk", direct_io=True))
+    try:
+        assert sm.layer_major is None and sm.prefill_note.startswith("chunk")
+        _assert_same(_streamed(sm, _prompt(40), SMALL_STEP), _stock(stock, _prompt(40), SMALL_STEP), "chunk")
+        assert sm.pool_stats()["stacked_layers"] == 0
+    finally:
+        sm.close()
+
+
+def _routed_union_reads(sm, prompt: list[int], step: int) -> tuple[int, int, PrefillStats]:
+    """Prefill `prompt` (but its last token) layer by layer; return the bytes read, the
+    minimum (the experts each layer routed that its pool lacked, once each) and the stats."""
+    for p in sm.pools:
+        p.take_routed()
+    before = [set(np.flatnonzero(p.slot_of >= 0).tolist()) for p in sm.pools]
+    read_before = sum(p.stats.bytes_read for p in sm.pools)
+    cache = make_prompt_cache(sm.model)
+    stats = sm.layer_major.run(mx.array(prompt[:-1]), cache, step)
+    minimum = 0
+    for p, resident in zip(sm.pools, before):
+        routed = set(np.flatnonzero(p.take_routed() > 0).tolist())
+        minimum += len(routed - resident) * p.layer.expert_bytes
+    return sum(p.stats.bytes_read for p in sm.pools) - read_before, minimum, stats
+
+
+def test_a_prompt_of_several_chunks_reads_each_routed_expert_once_per_layer(converted):
+    store, _ = converted
+    manifest = load_manifest(store)
+    experts = manifest.layers[0].num_experts
+    quarter = max(top_k_of(manifest.config), math.ceil(0.25 * experts))
+    prompt = _prompt(100, seed=9)
+    sm = load_streaming_model(store, Settings(capacity=quarter, direct_io=True))
+    try:
+        read, minimum, stats = _routed_union_reads(sm, prompt, SMALL_STEP)
+        assert stats.chunks == len(chunk_sizes(100, SMALL_STEP)) > 1
+        assert minimum > 0 and read == minimum == stats.read_bytes
+    finally:
+        sm.close()
+    # Stock's order through the same pool reads more: each chunk brings its experts again.
+    sm = load_streaming_model(store, Settings(capacity=quarter, direct_io=True, prefill="chunk"))
+    try:
+        before = sum(p.stats.bytes_read for p in sm.pools)
+        cache = make_prompt_cache(sm.model)
+        tokens = mx.array(prompt[:-1])
+        for start in range(0, tokens.size, SMALL_STEP):
+            sm.model(tokens[start : start + SMALL_STEP][None], cache=cache)
+            mx.eval([c.state for c in cache])
+        assert sum(p.stats.bytes_read for p in sm.pools) - before > minimum
+    finally:
+        sm.close()
+
+
+def test_unsupported_forward_is_refused_clearly():
+    import mlx.nn as nn
+
+    class NoLayers(nn.Module):
+        @property
+        def layers(self):
+            return []
+
+    with pytest.raises(Exception, match="decoder layers"):
+        LayerMajorPrefill(NoLayers())
+
+
+@pytest.mark.slow
+def test_identical_at_3000_tokens_default_step(converted):
+    """The acceptance prompt: 3000 tokens at mlx-lm's default step (two chunks)."""
+    store, stock = converted
+    prompt = _prompt(3000, seed=11)
+    want = _stock(stock, prompt, PREFILL_STEP)
+    for label, settings in _configs(store):
+        sm = load_streaming_model(store, settings)
+        try:
+            stats = PrefillStats()
+            _assert_same(_streamed(sm, prompt, PREFILL_STEP, stats), want, f"{label}, 3000 tokens")
+        finally:
+            sm.close()
