@@ -31,13 +31,12 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
+from moestream.daemon.bench.bandwidth import measure_read_bandwidth, page_cache_reason
 from moestream.daemon.bench.decode import (
     BOUND_MIN_MOVE_SHARE,
     decode_counters,
     format_or_dash,
     host_split_per_token,
-    measure_read_bandwidth,
-    page_cache_reason,
     paired_blocks,
     timed_decode,
 )

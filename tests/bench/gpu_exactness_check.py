@@ -10,7 +10,10 @@ slots while the GPU computes; both also with the copier's copy kernel, copy_kern
 mapped pools moving experts between host and GPU memory
 as they decode, with and without the copy of routed experts into a stack, mapped_gather),
 compares the logits of every step of greedy decoding, bit for bit, and reports the
-largest difference where they differ.
+largest difference where they differ. Prompts of 100 and 3000 tokens also go through
+mlx-lm's `generate_step` against moestream's `plain_steps` (log-probabilities compared):
+3000 tokens take two chunks at the default prefill step, which partial and mapped pools
+prefill layer by layer (daemon/model/prefill.py).
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from mlx_lm import load as stock_load
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_random_moe import make_random_moe  # noqa: E402
@@ -34,6 +39,14 @@ from make_random_moe import make_random_moe  # noqa: E402
 from moestream.daemon.model.streaming_model import load_streaming_model  # noqa: E402
 from moestream.daemon.store.convert import convert_model  # noqa: E402
 from moestream.shared.settings import Settings  # noqa: E402
+
+try:  # trees older than the layer-major prefill have no plain_steps: their check skips it
+    from moestream.daemon.model.generation import plain_steps  # noqa: E402
+except ImportError:
+    plain_steps = None
+
+GREEDY = make_sampler(temp=0.0)
+PREFILL_PROMPTS = (100, 3000)
 
 
 def greedy(model, prompt, steps, tick=None):
@@ -47,6 +60,16 @@ def greedy(model, prompt, steps, tick=None):
         if tick is not None:
             tick()  # a mapped pool moves experts between host and GPU memory meanwhile
         logits = model(token[None], cache=cache)[:, -1, :]
+    return tokens, rows
+
+
+def stepped(steps):
+    """(tokens, log-probs per step) of a generate_step-like generator."""
+    tokens, rows = [], []
+    for token, logprobs in steps:
+        mx.eval(logprobs)
+        tokens.append(int(token))
+        rows.append(np.array(logprobs.astype(mx.float32)))
     return tokens, rows
 
 
@@ -87,6 +110,14 @@ def main() -> None:
         rng = np.random.default_rng(0)
         prompts = {n: rng.integers(0, 4096, n).tolist() for n in (1, 7, 100)}
         want = {n: greedy(model, p, args.steps) for n, p in prompts.items()}
+        # Through mlx-lm's generate_step (default prefill step): 3000 tokens take two
+        # chunks, which moestream's plain_steps prefills layer by layer where a pool is
+        # partial or mapped; 100 tokens are one chunk, which a mapped pool stages.
+        long_prompts = {n: rng.integers(0, 4096, n).tolist() for n in PREFILL_PROMPTS} if plain_steps else {}
+        want_long = {
+            n: stepped(generate_step(mx.array(p), model, max_tokens=args.steps, sampler=GREEDY))
+            for n, p in long_prompts.items()
+        }
         # (slots, host tier bytes, mode): slot pools, a host tier, mapped pools reading
         # host memory in the kernels, and gathering the routed experts first.
         cases = [
@@ -161,6 +192,27 @@ def main() -> None:
                     "first_diff_step": next((i for i, d in enumerate(diffs) if d), None),
                     "stock_has_nan": bool(any(np.isnan(w).any() for w in want[n][1])),
                     "prestaged_so_far": sm.pool_stats()["prestaged"],
+                }
+                results.append(r)
+                print(json.dumps(r), flush=True)
+            for n, p in long_prompts.items():
+                toks, rows = stepped(plain_steps(sm, p, GREEDY, args.steps))
+                diffs = [
+                    float(np.nanmax(np.abs(a - b))) if not np.array_equal(a, b) else 0.0
+                    for a, b in zip(rows, want_long[n][1])
+                ]
+                r = {
+                    "weights": "4bit" if bits else "bf16",
+                    "capacity": slots,
+                    "admission": mode,
+                    "prompt": n,
+                    "loop": "generate_step",
+                    "tokens_equal": toks == want_long[n][0],
+                    "logits_equal_steps": sum(d == 0.0 for d in diffs),
+                    "steps": len(diffs),
+                    "max_abs_diff": max(diffs),
+                    "first_diff_step": next((i for i, d in enumerate(diffs) if d), None),
+                    "stacked_layers_so_far": sm.pool_stats().get("stacked_layers"),
                 }
                 results.append(r)
                 print(json.dumps(r), flush=True)

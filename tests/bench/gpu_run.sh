@@ -23,6 +23,8 @@
 #   decode-q30-table     q30: 50% and 12.5%, with and without the host tier
 #   gen-demo             the daemon's generation loop against the bench loop, demo model
 #   spec-demo            speculative decoding with the demo's MTP head against plain decode
+# prefill (bench prefill)
+#   prefill-q30          q30: time to first token at 512/2048/8192 tokens: stock, 100%, 25% disk (and chunk order), 25% + 20G host
 # prefetch (bench predict)
 #   predict-q30          q30: predictor recall; prefetch off/on with a host tier (HOST_CACHE, CAPACITY, DEPTH, ...)
 #   predict-depth-q30    q30: prefetch where the disk is the bound (25%, no host tier) by depth and buffer
@@ -189,6 +191,15 @@ EOF
     /usr/bin/time -v $py -m moestream.client.cli convert /root/q30/model --out /root/q30/store 2>&1 | grep -E "wrote|Elapsed|Maximum resident|Error" | tee -a "$OUT/make_q30.txt"
     rm -rf /root/q30/model
     df -h /root | tail -1
+    ;;
+  prefill-q30)
+    # Issue 26's acceptance run: every configuration side by side, two runs per prompt
+    # (the second is reported: the first of a shape may compile kernels), a warm-up prompt
+    # of two chunks per configuration. PROMPTS and EXTRA vary it.
+    $py -m moestream.client.cli bench prefill --model /root/q30/store --capacity 0.25 --host-cache 20G --chunked \
+      $(for n in ${PROMPTS:-512 2048 8192}; do echo --prompt-tokens $n; done) --runs 2 --warmup-tokens 2100 \
+      --mlx-memory-limit 100G --out "$OUT/bench_prefill_q30${TAG:+_$TAG}_h200.json" ${EXTRA:-} \
+      2> >(tee "$OUT/bench_prefill_q30${TAG:+_$TAG}_h200.progress" >&2) | tee "$OUT/bench_prefill_q30${TAG:+_$TAG}_h200.txt"
     ;;
   decode-q30)
     # The acceptance run of issue 6, side by side: stock, 100%, 25% with the host tier on
