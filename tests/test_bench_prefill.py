@@ -70,5 +70,5 @@ def test_demo_model_with_a_host_tier_prints_a_table():
     )
     assert out.returncode == 0, out.stderr
     rows = [line.split()[0] for line in out.stdout.splitlines()[3:] if line.strip()]
-    assert rows == ["stock", "100%", "25%", "25%"], out.stdout
+    assert rows == ["stock", "100%", "25%", "25%"], out.stdout  # + host, then disk
     assert "25% + host 1.0 GiB" in out.stdout and "x bound" in out.stdout

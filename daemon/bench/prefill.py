@@ -161,21 +161,14 @@ def _configurations(settings: BenchPrefillSettings, total_expert_bytes: int) -> 
     out = [("100%", 1.0, Settings(capacity=1.0, **base), "")]
     for c in sorted(set(settings.capacities) - {1.0}, reverse=True):
         label = f"{c:.0%}"
-        out.append((f"{label} disk", c, Settings(capacity=c, mapped=False, **base), "disk"))
-        if settings.chunked:
-            out.append(
-                (f"{label} disk, chunk order", c, Settings(capacity=c, mapped=False, prefill="chunk", **base), "disk")
-            )
         if settings.host_cache:
             link = "link" if settings.host_cache >= total_expert_bytes else ""
-            out.append(
-                (
-                    f"{label} + host {format_size(settings.host_cache)}",
-                    c,
-                    Settings(capacity=c, host_cache=settings.host_cache, **base),
-                    link,
-                )
-            )
+            tiered = Settings(capacity=c, host_cache=settings.host_cache, **base)
+            out.append((f"{label} + host {format_size(settings.host_cache)}", c, tiered, link))
+        out.append((f"{label} disk", c, Settings(capacity=c, mapped=False, **base), "disk"))
+        if settings.chunked:
+            chunked = Settings(capacity=c, mapped=False, prefill="chunk", **base)
+            out.append((f"{label} disk, chunk order", c, chunked, "disk"))
     return out
 
 

@@ -193,11 +193,11 @@ EOF
     df -h /root | tail -1
     ;;
   prefill-q30)
-    # Issue 26's acceptance run: every configuration side by side, two runs per prompt
-    # (the second is reported: the first of a shape may compile kernels), a warm-up prompt
-    # of two chunks per configuration. PROMPTS and EXTRA vary it.
+    # Issue 26's acceptance run: every configuration side by side, RUNS (2) runs per
+    # prompt (the last is reported: the first of a shape may compile kernels), a warm-up
+    # prompt of WARMUP (2100: two chunks) tokens per configuration. PROMPTS, EXTRA vary it.
     $py -m moestream.client.cli bench prefill --model /root/q30/store --capacity 0.25 --host-cache 20G --chunked \
-      $(for n in ${PROMPTS:-512 2048 8192}; do echo --prompt-tokens $n; done) --runs 2 --warmup-tokens 2100 \
+      $(for n in ${PROMPTS:-512 2048 8192}; do echo --prompt-tokens $n; done) --runs ${RUNS:-2} --warmup-tokens ${WARMUP:-2100} \
       --mlx-memory-limit 100G --out "$OUT/bench_prefill_q30${TAG:+_$TAG}_h200.json" ${EXTRA:-} \
       2> >(tee "$OUT/bench_prefill_q30${TAG:+_$TAG}_h200.progress" >&2) | tee "$OUT/bench_prefill_q30${TAG:+_$TAG}_h200.txt"
     ;;
