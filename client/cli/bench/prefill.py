@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import click
 
@@ -103,9 +104,13 @@ def bench_prefill(
         mlx_memory_limit=size_option(mlx_memory_limit, "--mlx-memory-limit"),
     )
 
+    command = " ".join(["moestreamctl", *sys.argv[1:]])
+
     def save(report: dict) -> None:
+        report.setdefault("command", command)
         if out_file:
             Path(out_file).write_text(json.dumps(report, indent=1))
 
     report = run_bench_prefill(settings, progress=lambda line: click.echo(line, err=True), on_config=save)
+    report.setdefault("command", command)
     click.echo(json.dumps(report) if as_json else format_report(report))
