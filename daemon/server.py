@@ -313,6 +313,14 @@ class Server:
                 # With `mapped = auto`: what it chose and why.
                 "mapped_auto": pool.get("admission", {}).get("mapped_auto"),
                 "mapped_pool": pool.get("mapped_pool"),
+                # The prefill's order (daemon/model/prefill.py) and what its layer stacks
+                # staged from the pool's memory (what they read from the store is in
+                # bytes_read).
+                "prefill": {
+                    "order": pool.get("prefill_order"),
+                    "stacked_layers": pool.get("stacked_layers", 0),
+                    "staged_bytes": pool.get("staged_bytes", 0),
+                },
             },
             "memory": {
                 "rss_bytes": self._process.memory_info().rss,

@@ -333,6 +333,12 @@ def _format_status(st: dict[str, Any]) -> str:
             f"policy {st['policy']}; {resident}/{slots} slots used, {pinned} pinned; hit rate "
             f"{_rate(pool.get('hit_rate'))}"
         )
+    prefill = pool.get("prefill") or {}
+    if prefill.get("order"):
+        lines.append(
+            f"  prefill    {prefill['order']}; {prefill.get('stacked_layers', 0)} layer stacks so far, "
+            f"{_size(prefill.get('staged_bytes'))} staged, {_size(pool.get('bytes_read'))} read in all"
+        )
     if pool.get("mapped_auto"):
         # What `mapped = auto` chose, and why (daemon/model/streaming_model.py choose_mapped).
         lines.append(f"  mapped     auto, {pool['mapped_auto']}")
@@ -435,6 +441,11 @@ def stats(runtime_dir, as_json) -> None:
         f"(prefill+decode), misses {pool.get('misses_prefill', 0)}+{pool.get('misses_decode', 0)}, "
         f"evictions {pool.get('evictions', 0)}, read {_size(pool.get('bytes_read'))}"
     )
+    if pool.get("prefill_order"):
+        click.echo(
+            f"prefill: {pool['prefill_order']}; {pool.get('stacked_layers', 0)} layer stacks, "
+            f"{_size(pool.get('staged_bytes'))} staged"
+        )
     placement = pool.get("mapped_pool")
     if placement:
         click.echo(
