@@ -29,7 +29,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from moestream.daemon.bench.bandwidth import measure_link_bandwidth, measure_read_bandwidth, page_cache_reason
 from moestream.daemon.model.generation import plain_steps
-from moestream.daemon.model.prefill import PREFILL_STEP
+from moestream.daemon.model.prefill import PREFILL_STEP, PrefillStats
 from moestream.daemon.model.streaming_model import StreamingModel, load_stock_model, load_streaming_model
 from moestream.shared.settings import Settings, default_of, format_size
 from moestream.shared.store_format import load_manifest
@@ -76,8 +76,10 @@ def _stock_run(model, prompt: list[int], step: int) -> Callable[[], Any]:
     return lambda: generate_step(mx.array(prompt), model, max_tokens=0, sampler=GREEDY, prefill_step_size=step)
 
 
-def _streamed_run(sm: StreamingModel, prompt: list[int], step: int) -> Callable[[], Any]:
-    return lambda: plain_steps(sm, prompt, GREEDY, 0, prefill_step=step)
+def _streamed_run(
+    sm: StreamingModel, prompt: list[int], step: int, stats: PrefillStats | None = None
+) -> Callable[[], Any]:
+    return lambda: plain_steps(sm, prompt, GREEDY, 0, prefill_stats=stats, prefill_step=step)
 
 
 def _routed_sets(sm: StreamingModel, prompt: list[int], step: int) -> list[set[int]]:
@@ -125,7 +127,8 @@ def _measure_streamed(
     held = _held(sm)
     before = _counts(sm)
     mx.reset_peak_memory()
-    seconds = _first_token_seconds(_streamed_run(sm, prompt, step))
+    stats = PrefillStats()
+    seconds = _first_token_seconds(_streamed_run(sm, prompt, step, stats))
     after = _counts(sm)
     out: dict[str, Any] = {
         "ttft_s": seconds,
@@ -134,6 +137,8 @@ def _measure_streamed(
         "read_bytes": after["read"] - before["read"],
         "staged_bytes": after["staged"] - before["staged"],
         "disk_bytes": after["disk"] - before["disk"],
+        # The layer-major prefill's own account (its phases' seconds), where it ran.
+        "prefill": stats.to_dict() if stats.chunks else {"mode": "chunked"},
     }
     if sm.mapped_pool is not None:
         # A stacked layer brings its experts not in GPU memory over the link; a layer

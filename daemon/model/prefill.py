@@ -55,6 +55,17 @@ class PrefillStats:
     # the pool lacked, each once.
     read_bytes: int = 0
     seconds: float = 0.0
+    # Where the time went, by phase of each layer (each phase ends in a wait for the
+    # device or the disk, so the split needs no extra sync): staging the pool's experts
+    # into the stack, the chunks' calls up to their routing (a slot pool reads each
+    # chunk's routing back), reading the missing experts, computing the layer, and
+    # keeping the last tokens' experts in the pool. A mapped pool's stack is copied
+    # lazily, so its staging counts as compute.
+    stage_seconds: float = 0.0
+    route_seconds: float = 0.0
+    read_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    keep_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -65,6 +76,11 @@ class PrefillStats:
             "staged_bytes": self.staged_bytes,
             "read_bytes": self.read_bytes,
             "seconds": self.seconds,
+            "stage_seconds": self.stage_seconds,
+            "route_seconds": self.route_seconds,
+            "read_seconds": self.read_seconds,
+            "compute_seconds": self.compute_seconds,
+            "keep_seconds": self.keep_seconds,
         }
 
 
@@ -131,8 +147,7 @@ class LayerMajorPrefill:
 
     def wanted(self, prompt_tokens: int, step: int = PREFILL_STEP) -> bool:
         """Whether this prompt gains from going layer by layer: some layer stages its
-        experts (a partial slot pool with more than one chunk; a mapped pool whenever a
-        chunk routes at least as many experts as a layer has)."""
+        experts (`StreamingMoE.stacks_for`)."""
         sizes = chunk_sizes(prompt_tokens, step)
         if not sizes:
             return False
@@ -168,24 +183,35 @@ class LayerMajorPrefill:
             calls.append(args)
         stats.chunks += len(sizes)
         stats.tokens += n
+        clock = time.perf_counter
         for i, layer in enumerate(self.layers):
             moe = self.moes[i]
             stack = moe is not None and moe.stacks_for(sizes)
+            t0 = clock()
             if stack:
                 stats.staged_bytes += moe.begin_stack()
                 stats.staged_layers += 1
+            t1 = clock()
             try:
                 for k in range(len(sizes)):
                     args, kwargs = calls[k][i]
                     hidden[k] = layer(hidden[k], *args, **kwargs)
+                t2 = clock()
                 if stack:
                     stats.read_bytes += moe.fill_stack()
+                t3 = clock()
                 for k in range(len(sizes)):
                     mx.eval(hidden[k])
                 mx.eval(_state(cache[i]))
+                t4 = clock()
             finally:
                 if stack:
                     moe.end_stack()
+            stats.stage_seconds += t1 - t0
+            stats.route_seconds += t2 - t1
+            stats.read_seconds += t3 - t2
+            stats.compute_seconds += t4 - t3
+            stats.keep_seconds += clock() - t4
             if on_progress is not None:
                 on_progress(n * (i + 1) // len(self.layers))
         stats.seconds += time.perf_counter() - tic

@@ -77,14 +77,16 @@ class StreamingMoE(nn.Module):
 
     def stacks_for(self, chunks: Sequence[int]) -> bool:
         """Whether a prefill of chunks of these sizes should stage this layer's experts:
-        a partial slot pool with more than one chunk (one chunk reads each expert once
-        anyway), a mapped pool once a chunk routes as many experts as the layer has."""
+        a partial slot pool with more than one chunk, or one whose routed pairs outnumber
+        its slots (then they cannot all fit; one stack serves them, as an overflow
+        forward's would); a mapped pool once a chunk routes as many experts as the layer
+        has (its kernels would otherwise read host memory tile by tile)."""
         pool = self.pool
         if not pool.keep or not chunks:
             return False
         if pool.host_memory:
             return max(chunks) * pool.top_k >= pool.layer.num_experts
-        return not pool.fully_resident and len(chunks) > 1
+        return not pool.fully_resident and (len(chunks) > 1 or max(chunks) * pool.top_k > pool.capacity)
 
     def begin_stack(self) -> int:
         """Run the next forwards on a transient stack of the whole layer; returns the
