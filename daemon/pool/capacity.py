@@ -61,7 +61,8 @@ def plan_capacity(
         return most
     # A partial pool of c slots serves a prefill whose experts do not fit from a
     # transient stack of up to all E experts of one layer plus scratch for the up to
-    # E - c it lacks: keep room for c * per_slot + (2E - c) * expert.
+    # E - c it lacks (an overflow forward), or from one stack of all E (a layer-major
+    # prefill, daemon/model/prefill.py): keep room for c * per_slot + (2E - c) * expert.
     expert = max(layer.expert_bytes for layer in manifest.layers)
     slots = (spare - 2 * most * expert) // (per_slot - expert) if per_slot > expert else 0
     if slots < k:
