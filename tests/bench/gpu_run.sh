@@ -25,6 +25,8 @@
 #   spec-demo            speculative decoding with the demo's MTP head against plain decode
 # prefill (bench prefill)
 #   prefill-q30          q30: time to first token at 512/2048/8192 tokens: stock, 100%, 25% disk (and chunk order), 25% + 20G host
+# serving (bench serve)
+#   serve-q30            q30: 1, 2, 4, 8 clients through a real daemon at 100% and at 25% + 20G host tier
 # prefetch (bench predict)
 #   predict-q30          q30: predictor recall; prefetch off/on with a host tier (HOST_CACHE, CAPACITY, DEPTH, ...)
 #   predict-depth-q30    q30: prefetch where the disk is the bound (25%, no host tier) by depth and buffer
@@ -200,6 +202,16 @@ EOF
       $(for n in ${PROMPTS:-512 2048 8192}; do echo --prompt-tokens $n; done) --runs ${RUNS:-2} --warmup-tokens ${WARMUP:-2100} \
       --mlx-memory-limit 100G --out "$OUT/bench_prefill_q30${TAG:+_$TAG}_h200.json" ${EXTRA:-} \
       2> >(tee "$OUT/bench_prefill_q30${TAG:+_$TAG}_h200.progress" >&2) | tee "$OUT/bench_prefill_q30${TAG:+_$TAG}_h200.txt"
+    ;;
+  serve-q30)
+    # Concurrent clients through one real daemon per pool (REQUESTS per level, 64 tokens
+    # each at temperature 1, seeded), 100% then 25% + a 20G host tier.
+    for pool in "1.0" "0.25 --host-cache 20G"; do
+      name=$(echo "$pool" | cut -d' ' -f1)
+      $py -m moestream.client.cli bench serve --model /root/q30/store --capacity $pool --requests ${REQUESTS:-16} \
+        --max-tokens 64 --json > "$OUT/bench_serve_q30_${name}_h200.json" 2> "$OUT/bench_serve_q30_${name}_h200.progress" \
+        || tail -5 "$OUT/bench_serve_q30_${name}_h200.progress"
+    done
     ;;
   decode-q30)
     # The acceptance run of issue 6, side by side: stock, 100%, 25% with the host tier on

@@ -1,0 +1,69 @@
+"""`moestreamctl bench serve`: concurrent clients through the real daemon."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from moestream.client.cli.values import size_option, store_option
+from moestream.shared.settings import default_of
+
+
+@click.command("serve")
+@click.option("--model", "store", required=True, type=click.Path(file_okay=False), help="Expert store.")
+@click.option(
+    "--clients",
+    "clients",
+    multiple=True,
+    type=click.IntRange(1, 64),
+    help="Concurrent clients per level (repeat); default 1 2 4 8.",
+)
+@click.option(
+    "--requests",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1, 10000),
+    help="Requests per level, shared by its clients (at least one per client).",
+)
+@click.option("--prompt-tokens", default=32, show_default=True, type=click.IntRange(1, None))
+@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(1, None))
+@click.option("--temp", default=1.0, show_default=True, type=click.FloatRange(0.0, 10.0), help="0: greedy.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the prompts and of each request.")
+@click.option("--capacity", help="The daemon's pool capacity (default: every expert).")
+@click.option("--host-cache", help="The daemon's host-RAM tier (e.g. 20G).")
+@click.option(
+    "--mapped/--no-mapped", default=None, help="Force the mapped pool on or off (default: the daemon's auto)."
+)
+@click.option("--io-threads", default=default_of("io_threads"), show_default=True, type=click.IntRange(1, 256))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench_serve(
+    store, clients, requests, prompt_tokens, max_tokens, temp, seed, capacity, host_cache, mapped, io_threads, as_json
+) -> None:
+    """Aggregate tokens/s, time to first token and inter-token latency (p50, p99) of N
+    concurrent clients through one real daemon, for each N in one run."""
+    from pathlib import Path
+
+    from moestream.client.client import ClientError
+    from moestream.daemon.bench.serve import BenchServeSettings, format_report, run_bench_serve
+
+    store_option(store)
+    size_option(host_cache, "--host-cache")
+    settings = BenchServeSettings(
+        store=Path(store),
+        clients=tuple(clients) or BenchServeSettings.clients,
+        requests=requests,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        temp=temp,
+        seed=seed,
+        capacity=capacity,
+        host_cache=host_cache,
+        mapped=mapped,
+        io_threads=io_threads,
+    )
+    try:
+        report = run_bench_serve(settings, progress=lambda line: click.echo(line, err=True))
+    except ClientError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(json.dumps(report) if as_json else format_report(report))

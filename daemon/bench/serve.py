@@ -1,0 +1,233 @@
+"""`moestreamctl bench serve`: a load generator through the real daemon and the real
+client library, as vLLM's serving benchmark does.
+
+One daemon is started on the store (in its own runtime folder) and warmed with one
+request. Then, for each client count N, N threads (each with its own `Client`, so its
+own socket) take requests from one queue of `requests` until it is empty; each request
+is a random prompt of `prompt_tokens` token ids and asks for `max_tokens` tokens,
+sampled at `temp` with a seed of its own. Reported per N: aggregate tokens/s (tokens
+made over the level's wall time), time to the first token and inter-token latency
+(p50 and p99, over every request and every gap between its `token` events), and the
+daemon's own per-request tokens/s. Every level runs the same requests, so their tokens
+can be compared across levels: with seeds, a request's text does not depend on its
+company (`same_tokens_at_every_level`).
+
+Imports no MLX: it drives a real daemon through the client library.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from moestream.client.cli.daemon import start_daemon, stop_daemon
+from moestream.client.client import Client
+from moestream.shared import protocol as proto
+from moestream.shared.progress import timed_progress
+from moestream.shared.runtime_dir import RuntimePaths
+from moestream.shared.settings import Settings, default_of
+from moestream.shared.store_format import load_manifest
+
+
+@dataclass(frozen=True)
+class BenchServeSettings:
+    store: Path
+    clients: tuple[int, ...] = (1, 2, 4, 8)
+    # Requests per level, shared by its clients (at least one per client).
+    requests: int = 8
+    prompt_tokens: int = 32
+    max_tokens: int = 64
+    # Sampled, seeded per request: a random-weight model decodes greedily into loops,
+    # which route far more regularly than a real model.
+    temp: float = 1.0
+    seed: int = 0
+    capacity: str | None = None
+    host_cache: str | None = None
+    # None: the daemon's own choice (mapped = auto).
+    mapped: bool | None = None
+    io_threads: int = default_of("io_threads")
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    """The q-quantile (0..1) by linear interpolation; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    at = q * (len(ordered) - 1)
+    low = int(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
+@dataclass(frozen=True)
+class _Request:
+    index: int
+    prompt_ids: tuple[int, ...]
+    seed: int
+
+
+def _one_request(client: Client, req: _Request, settings: BenchServeSettings) -> dict[str, Any]:
+    tic = time.perf_counter()
+    stamps: list[float] = []
+    done: proto.Done | None = None
+    for event in client.generate(
+        prompt_ids=req.prompt_ids, max_tokens=settings.max_tokens, temp=settings.temp, seed=req.seed
+    ):
+        if isinstance(event, proto.Token):
+            stamps.append(time.perf_counter())
+        elif isinstance(event, proto.Done):
+            done = event
+    end = time.perf_counter()
+    if done is None:
+        raise RuntimeError(f"request {req.index} ended without its result")
+    return {
+        "index": req.index,
+        "tokens": list(done.tokens),
+        "finish_reason": done.finish_reason,
+        "ttft_s": (stamps[0] - tic) if stamps else None,
+        "gaps_s": [b - a for a, b in zip(stamps, stamps[1:])],
+        "seconds": end - tic,
+        "daemon_tokens_per_s": done.stats.get("tokens_per_s"),
+    }
+
+
+def _level(paths: RuntimePaths, n: int, requests: list[_Request], settings: BenchServeSettings) -> dict[str, Any]:
+    work: queue.SimpleQueue[_Request] = queue.SimpleQueue()
+    for r in requests:
+        work.put(r)
+    results: list[dict[str, Any]] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def client_thread() -> None:
+        try:
+            with Client(paths, timeout=600.0) as client:
+                while True:
+                    try:
+                        req = work.get_nowait()
+                    except queue.Empty:
+                        return
+                    out = _one_request(client, req, settings)
+                    with lock:
+                        results.append(out)
+        except BaseException as e:  # handed to the caller below, which raises it
+            with lock:
+                errors.append(e)
+
+    threads = [threading.Thread(target=client_thread, name=f"bench-serve-{i}") for i in range(n)]
+    tic = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - tic
+    if errors:
+        raise RuntimeError(f"{n} clients: a client failed: {errors[0]}") from errors[0]
+    results.sort(key=lambda r: r["index"])
+    tokens = sum(len(r["tokens"]) for r in results)
+    ttft = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
+    gaps = [g for r in results for g in r["gaps_s"]]
+    daemon_tps = [r["daemon_tokens_per_s"] for r in results if r["daemon_tokens_per_s"]]
+    return {
+        "clients": n,
+        "requests": len(results),
+        "tokens": tokens,
+        "wall_s": wall,
+        "aggregate_tokens_per_s": tokens / wall if wall else None,
+        "ttft_p50_s": _percentile(ttft, 0.5),
+        "ttft_p99_s": _percentile(ttft, 0.99),
+        "itl_p50_s": _percentile(gaps, 0.5),
+        "itl_p99_s": _percentile(gaps, 0.99),
+        "daemon_tokens_per_s_median": statistics.median(daemon_tps) if daemon_tps else None,
+        "token_ids": [r["tokens"] for r in results],
+    }
+
+
+def run_bench_serve(settings: BenchServeSettings, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    say = timed_progress(progress)
+    manifest = load_manifest(settings.store)
+    vocab = int(manifest.config.get("text_config", manifest.config)["vocab_size"])
+    rng = random.Random(settings.seed)
+    count = max(settings.requests, max(settings.clients))
+    requests = [
+        _Request(i, tuple(rng.randrange(vocab) for _ in range(settings.prompt_tokens)), settings.seed + 1 + i)
+        for i in range(count)
+    ]
+    runtime = Path(tempfile.mkdtemp(dir="/tmp", prefix="msserve"))
+    given: dict[str, Any] = {
+        "model": str(settings.store),
+        "io_threads": settings.io_threads,
+        "runtime_dir": str(runtime),
+    }
+    for key in ("capacity", "host_cache", "mapped"):
+        if getattr(settings, key) is not None:
+            given[key] = getattr(settings, key)
+    daemon_settings = Settings.resolve(given)
+    paths = RuntimePaths.from_settings(daemon_settings)
+    levels = []
+    try:
+        say("starting a daemon")
+        start_daemon(daemon_settings, given, timeout=600.0, echo=False)
+        with Client(paths, timeout=600.0) as client:
+            say("warming up with one request")
+            _one_request(client, _Request(-1, requests[0].prompt_ids, settings.seed), settings)
+            status = client.status()
+        for n in settings.clients:
+            say(f"{n} client(s): {len(requests)} requests")
+            level = _level(paths, n, requests, settings)
+            say(
+                f"{n} client(s): {level['aggregate_tokens_per_s']:.1f} tok/s aggregate, TTFT p50 "
+                f"{level['ttft_p50_s']:.3f} s, inter-token p50 {level['itl_p50_s'] or 0:.4f} s"
+            )
+            levels.append(level)
+    finally:
+        stop_daemon(paths, timeout=60.0)
+        shutil.rmtree(runtime, ignore_errors=True)
+    one = levels[0]["aggregate_tokens_per_s"] if levels and levels[0]["clients"] == 1 else None
+    for level in levels:
+        level["aggregate_over_one_client"] = level["aggregate_tokens_per_s"] / one if one else None
+    same = all(level["token_ids"] == levels[0]["token_ids"] for level in levels)
+    return {
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()},
+        "daemon": {
+            "capacity": status.get("capacity"),
+            "mapped": status.get("pool", {}).get("mapped"),
+            "policy": status.get("policy"),
+        },
+        "levels": levels,
+        "same_tokens_at_every_level": same,
+    }
+
+
+def _ms(x: float | None) -> str:
+    return f"{1000 * x:.1f}" if x is not None else "n/a"
+
+
+def format_report(r: dict[str, Any]) -> str:
+    s, d = r["settings"], r["daemon"]
+    lines = [
+        f"bench serve: {s['requests']} requests per level, {s['prompt_tokens']}-token prompts, {s['max_tokens']} "
+        f"tokens each at temperature {s['temp']}; daemon pool {d['capacity']} slots per layer"
+        f"{' (mapped)' if d.get('mapped') else ''}",
+        f"{'clients':>7} {'tok/s':>8} {'x one':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
+        f"{'daemon tok/s':>12}",
+    ]
+    for level in r["levels"]:
+        ratio = level.get("aggregate_over_one_client")
+        times = f"{_ms(level['ttft_p50_s']):>7}ms {_ms(level['ttft_p99_s']):>7}ms "
+        lines.append(
+            f"{level['clients']:>7} {level['aggregate_tokens_per_s']:>8.1f} "
+            f"{(f'{ratio:.2f}' if ratio else 'n/a'):>6} {times}"
+            f"{_ms(level['itl_p50_s']):>6}ms {_ms(level['itl_p99_s']):>6}ms "
+            f"{(level['daemon_tokens_per_s_median'] or 0):>12.1f}"
+        )
+    lines.append(f"same tokens at every level (seeded requests): {r['same_tokens_at_every_level']}")
+    return "\n".join(lines)
