@@ -19,7 +19,7 @@ from mlx_lm import load as stock_load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
-from tiny_models import MOE_ARCHS, make_tiny_model
+from tiny_models import MOE_ARCHS, MORE_MOE_ARCHS, make_tiny_model
 
 from moestream.daemon.model.generation import plain_steps
 from moestream.daemon.model.prefill import PREFILL_STEP, LayerMajorPrefill, PrefillStats, chunk_sizes
@@ -65,7 +65,7 @@ def _configs(store) -> list[tuple[str, Settings]]:
     ]
 
 
-@pytest.fixture(scope="module", params=MOE_ARCHS)
+@pytest.fixture(scope="module", params=MOE_ARCHS + MORE_MOE_ARCHS)
 def converted(request, tmp_path_factory):
     arch = request.param
     root = tmp_path_factory.mktemp(f"prefill-{arch}")

@@ -36,6 +36,10 @@ CHAT_TEMPLATE = (
 MOE_ARCHS = ("qwen3_moe", "qwen3_5_moe", "mixtral", "deepseek_v3", "qwen3_next")
 # "qwen3": no MoE layers at all. "dbrx": experts kept as one module per expert.
 OTHER_ARCHS = ("qwen3", "dbrx")
+# MoE families whose config or layout differs from the common ones: top-k under another
+# name (ernie4_5_moe: moe_k), and a latent MoE whose experts compute on a projection of
+# the hidden state (nemotron_h with moe_latent_size).
+MORE_MOE_ARCHS = ("ernie4_5_moe", "nemotron_h")
 # "f32" keeps float32 weights: the CPU build of MLX runs gather_mm only in float32, so
 # unquantized models that must run a forward pass on CPU need it.
 QUANTS = ("4bit", "8bit", "bf16", "f32")
@@ -174,7 +178,57 @@ def tiny_config(arch: str) -> dict[str, Any]:
             "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
             "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
         }
-    raise ValueError(f"unknown tiny architecture {arch!r}; choose from {MOE_ARCHS + OTHER_ARCHS}")
+    if arch == "ernie4_5_moe":
+        return {
+            **common,
+            "intermediate_size": 64,
+            "max_position_embeddings": 512,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_hidden_layers": 2,
+            "rope_theta": 10000.0,
+            "use_bias": False,
+            "tie_word_embeddings": False,
+            "moe_num_experts": 8,
+            "moe_intermediate_size": 32,
+            "moe_k": 2,
+        }
+    if arch == "nemotron_h":
+        return {
+            "model_type": arch,
+            "vocab_size": VOCAB_SIZE,
+            "hidden_size": HIDDEN,
+            "intermediate_size": 64,
+            "max_position_embeddings": 512,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "attention_bias": False,
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "mamba_proj_bias": False,
+            "ssm_state_size": 16,
+            "conv_kernel": 4,
+            "n_groups": 1,
+            "mlp_bias": False,
+            "layer_norm_epsilon": 1e-5,
+            "use_bias": False,
+            "use_conv_bias": True,
+            "hybrid_override_pattern": ["M", "E", "*", "E"],
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "moe_intermediate_size": 32,
+            "moe_shared_expert_intermediate_size": 32,
+            "moe_latent_size": 32,
+            "n_group": 1,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "topk_group": 1,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 1.0,
+            "tie_word_embeddings": False,
+        }
+    raise ValueError(f"unknown tiny architecture {arch!r}; choose from {MOE_ARCHS + OTHER_ARCHS + MORE_MOE_ARCHS}")
 
 
 def _init_value(name: str, shape: tuple[int, ...], key: mx.array) -> mx.array:

@@ -202,7 +202,9 @@ class LayerMajorPrefill:
                 t3 = clock()
                 for k in range(len(sizes)):
                     mx.eval(hidden[k])
-                mx.eval(_state(cache[i]))
+                # The cache list need not follow the layers (a hybrid model keeps none for
+                # its MoE-only layers): evaluate all, of which only this layer's is new.
+                mx.eval([a for c in cache for a in _state(c)])
                 t4 = clock()
             finally:
                 if stack:

@@ -28,7 +28,7 @@ from moestream.daemon.model.prefill import LayerMajorPrefill, UnsupportedModel
 from moestream.daemon.model.streaming_moe import StreamingMoE
 from moestream.daemon.policies import make_policy
 from moestream.daemon.pool.admission import Admitter, DirectAdmitter, cuda_copier, make_admitter
-from moestream.daemon.pool.capacity import plan_capacity, top_k_of
+from moestream.daemon.pool.capacity import plan_capacity, top_k_of_blocks
 from moestream.daemon.pool.expert_pool import ExpertPool, PoolCapacityError
 from moestream.daemon.pool.expert_reader import ExpertReader
 from moestream.daemon.prefetch.predictor import make_prefetcher, next_layers, routers_of
@@ -247,7 +247,8 @@ def load_streaming_model(
     config = manifest.config
     model, weights = _build_model(store, manifest)
     resident_bytes = sum(v.nbytes for v in weights.values())
-    k = top_k_of(config)
+    found = [_module_at(model, layer.module_path) for layer in manifest.layers]
+    k = top_k_of_blocks([parent for parent, _, _ in found], config)
     capacity = (
         k
         if naive
@@ -257,6 +258,7 @@ def load_streaming_model(
             memory_budget=settings.memory_budget,
             resident_bytes=resident_bytes,
             max_tokens=max_tokens,
+            top_k=k,
         )
     )
     # One copier for the whole load: the admitter's copies and a mapped pool's moves.
@@ -296,7 +298,6 @@ def load_streaming_model(
             note = {"shared": True}
         if auto_note is not None:
             note["mapped_auto"] = auto_note
-        found = [_module_at(model, layer.module_path) for layer in manifest.layers]
         for layer, (_, _, module) in zip(manifest.layers, found):
             if not isinstance(module, (SwitchGLU, SwitchMLP)):
                 raise StoreError(f"{layer.module_path} is a {type(module).__name__}, not a SwitchGLU/SwitchMLP")

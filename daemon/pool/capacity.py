@@ -3,20 +3,55 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Sequence
 
 from moestream.daemon.pool.expert_pool import PoolCapacityError
 from moestream.shared.settings import format_size
 from moestream.shared.store_format import Manifest
 
+# Config keys that give the experts each token routes to, by model family (a list: one
+# per layer, of which the pool needs the largest).
+TOP_K_KEYS = (
+    "num_experts_per_tok",
+    "moe_top_k",
+    "top_k",
+    "num_experts_per_token",
+    "moe_k",
+    "top_k_experts",
+    "moe_topk",
+    "n_activated_experts",
+)
+# Attributes of mlx-lm's MoE blocks (the module that holds the SwitchGLU/SwitchMLP and
+# its router) that hold the same number.
+BLOCK_TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "n_activated_experts", "moe_topk", "k")
+
 
 def top_k_of(config: dict[str, Any]) -> int:
-    """Experts each token routes to, read from the model config."""
+    """Experts each token routes to, read from the model config (the largest, where the
+    config gives one per layer)."""
     cfg = config.get("text_config", config)
-    for key in ("num_experts_per_tok", "moe_top_k", "top_k", "num_experts_per_token"):
-        if key in cfg:
-            return int(cfg[key])
-    raise PoolCapacityError("cannot find the router's top-k in the model config")
+    for key in TOP_K_KEYS:
+        value = cfg.get(key, config.get(key))
+        if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+            return max(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    raise PoolCapacityError(f"cannot find the router's top-k in the model config (looked for {', '.join(TOP_K_KEYS)})")
+
+
+def top_k_of_blocks(blocks: Sequence[Any], config: dict[str, Any]) -> int:
+    """Experts each token routes to, as the model's own MoE blocks hold it (the largest
+    over layers, so a per-layer top-k is covered); the config where no block says."""
+    found = []
+    for block in blocks:
+        for attr in BLOCK_TOP_K_ATTRS:
+            value = getattr(block, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                found.append(value)
+                break
+    if found and len(found) == len(blocks):
+        return max(found)
+    return top_k_of(config)
 
 
 def kv_cache_bytes(config: dict[str, Any], tokens: int) -> int:
@@ -38,9 +73,11 @@ def plan_capacity(
     memory_budget: int | None,
     resident_bytes: int,
     max_tokens: int = 4096,
+    top_k: int | None = None,
 ) -> int:
-    """Slots per layer (the same for every layer, clamped to its expert count)."""
-    k = top_k_of(manifest.config)
+    """Slots per layer (the same for every layer, clamped to its expert count); `top_k`
+    as the model's blocks give it (default: from the config)."""
+    k = top_k if top_k is not None else top_k_of(manifest.config)
     most = max(layer.num_experts for layer in manifest.layers)
     if capacity is not None and memory_budget is not None:
         raise PoolCapacityError("give either --capacity or --memory-budget, not both")

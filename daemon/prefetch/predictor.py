@@ -13,6 +13,7 @@ partial, and `next_layers` what each layer predicts for.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -27,6 +28,8 @@ from moestream.shared.store_format import Manifest, MoELayer
 
 if TYPE_CHECKING:
     from moestream.daemon.pool.expert_pool import ExpertPool
+
+LOG = logging.getLogger("moestream.prefetch")
 
 
 class NextRouter:
@@ -91,12 +94,47 @@ class NextLayer:
     ahead: list["NextLayer"] = field(default_factory=list)
 
 
+def _input_dims(module: Any) -> int | None:
+    """The input width of a (quantized) linear or switch-linear layer, or None."""
+    if module is None:
+        return None
+    dims = getattr(module, "input_dims", None)
+    if isinstance(dims, int):
+        return dims
+    if "scales" in module and "group_size" in dir(module):
+        return int(module["scales"].shape[-1]) * int(module.group_size)
+    if "weight" in module:
+        return int(module["weight"].shape[-1])
+    return None
+
+
+def _experts_input_dims(switch: Any) -> int | None:
+    """The width of the input a SwitchGLU/SwitchMLP computes on (its first projection's)."""
+    for name in ("gate_proj", "up_proj", "fc1"):
+        if isinstance(switch, nn.Module) and name in switch:
+            return _input_dims(switch[name])
+    return None
+
+
 def routers_of(layers: Sequence[MoELayer], blocks: Sequence[Any]) -> list[NextRouter | None]:
     """Each MoE layer's router as a NextRouter (None where its gate is of a kind the
-    predictor does not know). `blocks[i]` is the MoE block that holds `layers[i]`."""
+    predictor does not know, or takes another input than the experts: a latent MoE's
+    experts compute on a projection of the hidden state, which the router of the next
+    layer cannot score). `blocks[i]` is the MoE block that holds `layers[i]`."""
     routers: list[NextRouter | None] = []
     for block, layer in zip(blocks, layers):
         gate = getattr(block, "gate", None) if block is not None else None
+        switch = block.get(layer.module_path.rsplit(".", 1)[-1]) if isinstance(block, nn.Module) else None
+        gate_in, experts_in = _input_dims(gate) if isinstance(gate, nn.Module) else None, _experts_input_dims(switch)
+        if gate_in is not None and experts_in is not None and gate_in != experts_in:
+            LOG.info(
+                "no prediction for layer %s: its router takes %d features, its experts %d (a latent MoE)",
+                layer.module_path,
+                gate_in,
+                experts_in,
+            )
+            routers.append(None)
+            continue
         try:
             routers.append(NextRouter(gate, layer.num_experts) if gate is not None else None)
         except TypeError:
