@@ -322,8 +322,8 @@ def test_a_warm_start_fills_the_host_tier_with_the_hottest_experts_first(store):
     """A tier with room for two thirds of the experts: autopin reads the hottest of all
     layers into it before serving, and the pools' warm-up then comes from the tier;
     a cold start (frac 0) reads nothing."""
-    from moestream.daemon.pool.admission import expert_stride
     from moestream.daemon.pool.autopin import autopin
+    from moestream.daemon.pool.host_tier import expert_stride
 
     manifest = load_manifest(store)
     total = sum(layer.num_experts for layer in manifest.layers)

@@ -20,8 +20,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from moestream.daemon.pool.admission import Admitter, expert_stride
+from moestream.daemon.pool.admission import Admitter
 from moestream.daemon.pool.expert_reader import ExpertReader
+from moestream.daemon.pool.host_tier import expert_stride
 from moestream.daemon.prefetch.prefetcher import Prefetcher
 from moestream.shared.store_format import Manifest, MoELayer
 
