@@ -26,8 +26,9 @@ from moestream.daemon.pool.host_tier import HostTier, TieredAdmitter, expert_str
 from moestream.shared.settings import SettingsError
 from moestream.shared.store_format import Manifest, MoELayer
 
-# (expert id, destination row)
-MappedPool = tuple[int, int]
+# (expert id, destination row): where `fill` writes an expert (a pool slot, or a row of a
+# stack or a scratch). Not daemon/mapped/mapped_pool.py's `MappedPool`.
+Placement = tuple[int, int]
 # (expert id, why it could not be read)
 Failure = tuple[int, str]
 
@@ -35,7 +36,7 @@ Failure = tuple[int, str]
 class Admitter(Protocol):
     reader: ExpertReader
 
-    def fill(self, layer: MoELayer, placements: Sequence[MappedPool], arrays: dict[str, mx.array]) -> list[Failure]:
+    def fill(self, layer: MoELayer, placements: Sequence[Placement], arrays: dict[str, mx.array]) -> list[Failure]:
         """Write each expert's tensors into its row of `arrays`; return the failures."""
 
     def copy_rows(
@@ -44,12 +45,12 @@ class Admitter(Protocol):
         """Copy (dst row, src row) pairs between two sets of arrays of this layer."""
 
     def prepare(self, arrays: dict[str, mx.array]) -> None:
-        """Get newly allocated destination arrays ready for admission."""
+        """Get newly allocated destination arrays ready to be filled."""
 
     def held(self, layer: MoELayer, experts: Sequence[int]) -> list[int]:
         """Those of `experts` that are in host memory already (a copy away, no read)."""
 
-    def prestage(self, layer: MoELayer, placements: Sequence[MappedPool], arrays: dict[str, mx.array]) -> None:
+    def prestage(self, layer: MoELayer, placements: Sequence[Placement], arrays: dict[str, mx.array]) -> None:
         """Start copying held experts into their rows without waiting for the copies;
         `settle` waits. Until then nothing may read those rows."""
 
@@ -66,7 +67,7 @@ class DirectAdmitter:
         self.reader = reader
         self.bytes_from_disk = 0
 
-    def fill(self, layer: MoELayer, placements: Sequence[MappedPool], arrays: dict[str, mx.array]) -> list[Failure]:
+    def fill(self, layer: MoELayer, placements: Sequence[Placement], arrays: dict[str, mx.array]) -> list[Failure]:
         jobs = [
             ReadJob(layer, e, [(arrays[t.name], row * t.nbytes, t.offset, t.nbytes) for t in layer.tensors])
             for e, row in placements
@@ -86,7 +87,7 @@ class DirectAdmitter:
     def held(self, layer: MoELayer, experts: Sequence[int]) -> list[int]:
         return []
 
-    def prestage(self, layer: MoELayer, placements: Sequence[MappedPool], arrays: dict[str, mx.array]) -> None:
+    def prestage(self, layer: MoELayer, placements: Sequence[Placement], arrays: dict[str, mx.array]) -> None:
         if placements:
             raise ValueError("a direct admitter holds no expert in host memory to prestage")
 
@@ -139,10 +140,12 @@ def make_admitter(
             )
         total = sum(layer.num_experts for layer in manifest.layers)
         slots = min(slots, total)
-        admitter = TieredAdmitter(reader, HostTier(slots, stride, copier), copier, keep=True, ahead_blocks=ahead_blocks)
+        admitter = TieredAdmitter(
+            reader, HostTier(slots, stride, copier), copier, caching=True, ahead_blocks=ahead_blocks
+        )
         return admitter, {"cuda": why_not or "on", "copy_kernel": copy_kernel and copier is not None}
     if copier is not None:
         largest = max(layer.num_experts for layer in manifest.layers)
         tier = HostTier(min(STAGING_EXPERTS, largest), stride, copier)
-        return TieredAdmitter(reader, tier, copier, keep=False), {"cuda": "on", "copy_kernel": copy_kernel}
+        return TieredAdmitter(reader, tier, copier, caching=False), {"cuda": "on", "copy_kernel": copy_kernel}
     return DirectAdmitter(reader), {"cuda": why_not}

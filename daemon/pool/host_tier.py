@@ -2,11 +2,11 @@
 
 `HostTier` is the memory: slots of one expert block each, LRU over (layer, expert) keys.
 `TieredAdmitter` is the `Admitter` (daemon/pool/admission.py) that goes through it: store
--> host tier -> pool rows. With `keep=True` it is the host-RAM tier of `--host-cache`, an
+-> host tier -> pool rows. With `caching=True` it is the host-RAM tier of `--host-cache`, an
 LRU cache over all layers, so an expert is read from disk at most once while it stays hot.
 On an NVIDIA GPU the tier is page-locked and its bytes reach the pool by DMA on a CUDA
 stream (`CudaCopier`), since MLX's own ways of writing GPU memory from the host run at
-1-4 GB/s where DMA runs at the link's speed; with `keep=False` the same buffer is only a
+1-4 GB/s where DMA runs at the link's speed; with `caching=False` the same buffer is only a
 staging area for that DMA. Which admitter a machine gets is `make_admitter`'s choice.
 """
 
@@ -24,7 +24,7 @@ from moestream.daemon.pool.expert_reader import ExpertReader, ReadJob
 from moestream.shared.store_format import Manifest, MoELayer
 
 if TYPE_CHECKING:
-    from moestream.daemon.pool.admission import Failure, MappedPool
+    from moestream.daemon.pool.admission import Failure, Placement
 
 _ALIGN = 4096
 
@@ -95,7 +95,7 @@ class HostTier:
         else:
             victim = next((k for k in self._slot_of if k not in protected), None)
             if victim is None:
-                raise RuntimeError("host tier: every slot is in use by this admission")
+                raise RuntimeError("host tier: every slot is in use by this fill")
             slot, evicted = self._slot_of.pop(victim), True
         self._slot_of[key] = slot
         return slot, evicted
@@ -122,7 +122,8 @@ class HostTier:
 
 
 class TieredAdmitter:
-    """Store -> host tier -> pool rows. `keep=False` makes the tier a staging area only."""
+    """Store -> host tier -> pool rows. `caching=False` makes the tier a staging area only:
+    it is cleared before each fill and holds nothing between fills."""
 
     def __init__(
         self,
@@ -130,13 +131,13 @@ class TieredAdmitter:
         tier: HostTier,
         copier: CudaCopier | None,
         *,
-        keep: bool,
+        caching: bool,
         ahead_blocks: int | None = None,
     ) -> None:
         self.reader = reader
         self.tier = tier
         self.copier = copier
-        self.keep = keep
+        self.caching = caching
         # Blocks per span of the copy kernel for `prestage`'s copies, which run beside
         # the GPU's work (Settings.prefetch_copy_blocks; None: the copier's own).
         self.ahead_blocks = ahead_blocks
@@ -145,7 +146,7 @@ class TieredAdmitter:
         # tier slots they read must not be reused, nor the rows they write read.
         self._in_flight = False
 
-    def fill(self, layer: MoELayer, placements: Sequence[MappedPool], arrays: dict[str, mx.array]) -> list[Failure]:
+    def fill(self, layer: MoELayer, placements: Sequence[Placement], arrays: dict[str, mx.array]) -> list[Failure]:
         self.settle()
         failures: list[Failure] = []
         step = self.tier.slots
@@ -154,16 +155,16 @@ class TieredAdmitter:
         return failures
 
     def _fill_chunk(
-        self, layer: MoELayer, placements: Sequence[MappedPool], arrays: dict[str, mx.array]
+        self, layer: MoELayer, placements: Sequence[Placement], arrays: dict[str, mx.array]
     ) -> list[Failure]:
-        if not self.keep:
+        if not self.caching:
             self.tier.clear()
         keys = {(layer.ordinal, e) for e, _ in placements}
         slots: dict[int, int] = {}
         jobs = []
         for e, _ in placements:
             key = (layer.ordinal, e)
-            slot = self.tier.lookup(key) if self.keep else None
+            slot = self.tier.lookup(key) if self.caching else None
             if slot is not None:
                 self.s.hits += 1
             else:
@@ -202,16 +203,16 @@ class TieredAdmitter:
         self.s.bytes_to_pool += sum(span[4] for span in spans)
 
     def held(self, layer: MoELayer, experts: Sequence[int]) -> list[int]:
-        if not self.keep:
+        if not self.caching:
             return []
         return [e for e in experts if self.tier.holds((layer.ordinal, e))]
 
-    def prestage(self, layer: MoELayer, placements: Sequence[MappedPool], arrays: dict[str, mx.array]) -> None:
+    def prestage(self, layer: MoELayer, placements: Sequence[Placement], arrays: dict[str, mx.array]) -> None:
         """Copy held experts into their rows. With the CUDA copier the copies are only
         queued, so they run while the GPU computes; elsewhere they are done on return."""
         spans = []
         for e, row in placements:
-            slot = self.tier.lookup((layer.ordinal, e)) if self.keep else None
+            slot = self.tier.lookup((layer.ordinal, e)) if self.caching else None
             if slot is None:
                 raise ValueError(f"expert {e} of layer {layer.ordinal} is not in the host tier")
             base = slot * self.tier.stride
@@ -234,7 +235,7 @@ class TieredAdmitter:
         """Read these (layer ordinal, expert) keys, hottest first, into free tier slots
         (never evicting), in parallel batches: a warm start's tier then serves them
         without the disk. Unreadable experts are left out. Returns the bytes read."""
-        if not self.keep:
+        if not self.caching:
             return 0
         self.settle()
         layer_of = {layer.ordinal: layer for layer in layers}
@@ -291,16 +292,16 @@ class TieredAdmitter:
         s = self.s
         lookups = s.hits + s.misses
         return {
-            "mode": "host-tier" if self.keep else "staged",
+            "mode": "host-tier" if self.caching else "staged",
             "device_copy": "cuda" if self.copier is not None else "memcpy",
-            "tier_capacity_experts": self.tier.slots if self.keep else 0,
-            "tier_resident_experts": len(self.tier) if self.keep else 0,
+            "tier_capacity_experts": self.tier.slots if self.caching else 0,
+            "tier_resident_experts": len(self.tier) if self.caching else 0,
             "tier_bytes": self.tier.slots * self.tier.stride,
             "pinned": self.tier.pinned,
-            "tier_hits": s.hits if self.keep else 0,
-            "tier_misses": s.misses if self.keep else 0,
-            "tier_hit_rate": (s.hits / lookups if lookups else None) if self.keep else None,
-            "tier_evictions": s.evictions if self.keep else 0,
+            "tier_hits": s.hits if self.caching else 0,
+            "tier_misses": s.misses if self.caching else 0,
+            "tier_hit_rate": (s.hits / lookups if lookups else None) if self.caching else None,
+            "tier_evictions": s.evictions if self.caching else 0,
             "bytes_from_disk": s.bytes_from_disk,
             "bytes_to_pool": s.bytes_to_pool,
             "copy_seconds": s.copy_seconds,
