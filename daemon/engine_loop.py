@@ -215,7 +215,7 @@ class EngineLoop:
             self._drain(block=not self._active and not self._pending)
             if self._stopping:
                 return
-            self._admit()
+            self._activate_pending()
             if self._active:
                 # The job stays in the active set while it steps, so that a status
                 # published meanwhile (a long prompt's prefill) shows it.
@@ -284,7 +284,7 @@ class EngineLoop:
             self._end_generator(job)
             self._finish(job)
 
-    def _admit(self) -> None:
+    def _activate_pending(self) -> None:
         """Move waiting requests into the active set, checking their prompts."""
         from moestream.daemon.model.generation import GenerationResult, SamplingParams, encode_prompt
 

@@ -24,3 +24,12 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
         return path
 
     return build
+
+
+@pytest.fixture(scope="session")
+def pool_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny store of the pool's tests (tests/pool_store.py), built once per session:
+    copy it before changing it."""
+    from pool_store import make_pool_store
+
+    return make_pool_store(tmp_path_factory.mktemp("pool"))

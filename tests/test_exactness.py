@@ -141,7 +141,7 @@ def test_logits_identical_at_every_capacity(converted, policy):
 def test_logits_identical_through_the_host_tier(converted):
     """Experts that reach the pool through a host-RAM tier (small enough to evict)
     give the same bytes, hence the same logits."""
-    from moestream.daemon.pool.admission import expert_stride
+    from moestream.daemon.pool.host_tier import expert_stride
     from moestream.shared.store_format import load_manifest
 
     store, prompts = converted
@@ -191,7 +191,7 @@ def test_logits_identical_with_prefetch_from_the_host_tier(converted):
     some routed experts were resident only thanks to that (attributed as prefetched,
     the buckets still summing to the routed experts)."""
     from moestream.daemon.model.diagnostics import Recorder
-    from moestream.daemon.pool.admission import expert_stride
+    from moestream.daemon.pool.host_tier import expert_stride
     from moestream.shared.store_format import load_manifest
 
     store, prompts = converted

@@ -216,7 +216,7 @@ def test_prefetch_buffer_setting_sizes_the_buffer():
     """`prefetch_buffer` (bytes) sets how many experts the prefetch buffer holds; one
     too small for a token's experts is refused with the size it needs; with prefetch off
     the buffer stays minimal."""
-    from moestream.daemon.pool.admission import expert_stride
+    from moestream.daemon.pool.host_tier import expert_stride
 
     store = demo_store_path()
     stride = expert_stride(load_manifest(store))

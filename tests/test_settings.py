@@ -238,3 +238,15 @@ def test_the_options_a_service_is_given_read_back_as_given(tmp_path):
     kept = {name: str(v) if definition(name).kind in ("size", "capacity") else v for name, v in given.items()}
     assert {k: v for k, v in ctx.params.items() if k in START_FLAGS} == kept
     assert setting_flags({"mapped": "auto", "diagnostics": None}) == []  # left to the environment and config
+
+
+def test_sizes_print_in_units_that_parse_back():
+    """Messages name sizes as people read them (a tiny store's experts are not "0.00
+    GiB"), in units --host-cache and --memory-budget accept."""
+    from moestream.shared.settings import format_size, parse_size
+
+    assert (
+        format_size(512) == "512 B" and format_size(4096) == "4.0 KiB" and format_size(int(16.3 * 2**30)) == "16.3 GiB"
+    )
+    for n in (0, 512, 4096, 3 * 2**20 + 7, int(16.3 * 2**30), 5 * 2**40):
+        assert abs(parse_size(format_size(n)) - n) <= 0.05 * n

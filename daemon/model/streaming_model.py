@@ -330,7 +330,7 @@ def load_streaming_model(
                     policy,
                     admitter,
                     top_k=k,
-                    keep=not naive,
+                    reuse=not naive,
                     host_memory=mapped,
                     gather=gather,
                     lower=pools[:LOWER_HINT_LAYERS],

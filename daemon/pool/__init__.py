@@ -1,1 +1,1 @@
-"""The expert pool: slots, admission (with the host tier), the read engine's Python side, sizing and autopin."""
+"""The expert pool: slots, admission, the host tier, the read engine's Python side, sizing and autopin."""

@@ -105,7 +105,7 @@ class ExpertPool:
         admitter: Admitter,
         *,
         top_k: int,
-        keep: bool = True,
+        reuse: bool = True,
         host_memory: bool = False,
         gather: RowGather | None = None,
         lower: Sequence[ExpertPool] = (),
@@ -121,9 +121,9 @@ class ExpertPool:
         self.top_k = top_k
         self.policy = policy
         self.admitter = admitter
-        # keep=False is the naive on-demand baseline of `bench decode`: nothing is
+        # reuse=False is the naive on-demand baseline of `bench decode`: nothing is
         # reused from one forward to the next, every routed expert is read each time.
-        self.keep = keep
+        self.reuse = reuse
         self.host_memory = host_memory
         # host_memory=True (a mapped pool, daemon/mapped/mapped_pool.py): made on the CPU stream,
         # the arrays are allocated where the host writes them (managed memory on CUDA)
@@ -176,6 +176,11 @@ class ExpertPool:
         # stream). Not relied on with Metal, whose command buffers of one queue may
         # overlap when they share no tracked buffer (another request's last layer).
         self._ordered_streams = not mx.metal.is_available()
+
+    @property
+    def keep(self) -> bool:
+        """The old name of `reuse`, still read by `StreamingMoE.stacks_for` (streaming_moe.py)."""
+        return self.reuse
 
     @property
     def nbytes(self) -> int:
@@ -248,7 +253,7 @@ class ExpertPool:
         lower layer with only that layer's work queued since: where streams run in order
         and every read of this pool was queued on the current stream, no queued
         computation reads it any more; elsewhere it waits for the streams first."""
-        if not self.keep or self.fully_resident:
+        if not self.reuse or self.fully_resident:
             return 0
         named = {int(e) for e in experts}
         missing = self.admitter.held(self.layer, [e for e in sorted(named) if self.slot_of[e] < 0])
@@ -295,7 +300,7 @@ class ExpertPool:
         """Tell the policy and the statistics what these tokens routed to; return the
         unique experts they need and those of them that are not resident."""
         self._settle()
-        if not self.keep:
+        if not self.reuse:
             for e in list(self._resident - self.pinned):
                 self._release(e)
                 self.policy.evicted(e)

@@ -21,8 +21,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from moestream.daemon.pool.admission import Admitter, expert_stride
+from moestream.daemon.pool.admission import Admitter
 from moestream.daemon.pool.expert_reader import ExpertReader
+from moestream.daemon.pool.host_tier import expert_stride
 from moestream.daemon.prefetch.prefetcher import Prefetcher
 from moestream.shared.store_format import Manifest, MoELayer
 
@@ -165,7 +166,7 @@ def make_prefetcher(
     if not predict or all(resident) or len(layers) < 2 or all(r is None for r in routers[1:]):
         return None
     copier = getattr(admitter, "copier", None)
-    tier = getattr(admitter, "tier", None) if getattr(admitter, "keep", False) else None
+    tier = getattr(admitter, "tier", None) if getattr(admitter, "caching", False) else None
     largest = max(layer.num_experts for layer in layers)
     # Room for a few layers' predictions of a batch (more when reading further ahead);
     # with prefetch off the buffer only has to exist (predictions still feed the

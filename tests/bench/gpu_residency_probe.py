@@ -23,7 +23,7 @@ import mlx.core as mx
 from moestream._native import CudaCopier, HostBuffer
 from moestream.daemon.bench.decode import timed_decode
 from moestream.daemon.model.streaming_model import load_stock_model, load_streaming_model
-from moestream.daemon.pool.admission import expert_stride
+from moestream.daemon.pool.host_tier import expert_stride
 from moestream.shared.settings import Settings
 from moestream.shared.store_format import load_manifest
 

@@ -79,7 +79,11 @@ case "$stage" in
     done
     ;;
   exactness)
-    $py -m pytest -q -p no:cacheprovider tests/test_exactness.py tests/test_pool.py tests/test_native_engine.py \
+    # Beside exactness, the pool's tests (all but a size-formatting one, in test_settings.py).
+    $py -m pytest -q -p no:cacheprovider tests/test_exactness.py tests/test_native_engine.py \
+      tests/test_expert_pool.py tests/test_capacity.py tests/test_autopin.py tests/test_host_tier.py \
+      tests/test_admission.py tests/test_expert_reader.py tests/test_streaming_model.py tests/test_generation.py \
+      tests/test_cli_generate.py tests/test_bench_decode.py \
       2>&1 | tee "$OUT/exactness_cuda.txt" | tail -15
     ;;
   copy-check)
