@@ -82,7 +82,7 @@ class StreamingMoE(nn.Module):
         forward's would); a mapped pool once a chunk routes as many experts as the layer
         has (its kernels would otherwise read host memory tile by tile)."""
         pool = self.pool
-        if not pool.keep or not chunks:
+        if not pool.reuse or not chunks:
             return False
         if pool.host_memory:
             return max(chunks) * pool.top_k >= pool.layer.num_experts

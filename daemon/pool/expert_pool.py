@@ -178,11 +178,6 @@ class ExpertPool:
         self._ordered_streams = not mx.metal.is_available()
 
     @property
-    def keep(self) -> bool:
-        """The old name of `reuse`, still read by `StreamingMoE.stacks_for` (streaming_moe.py)."""
-        return self.reuse
-
-    @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
 

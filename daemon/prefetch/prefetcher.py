@@ -35,8 +35,8 @@ import mlx.core as mx
 
 from moestream._native import CudaCopier, HostBuffer
 from moestream.daemon.model.diagnostics import NULL_RECORDER, AnyRecorder
-from moestream.daemon.pool.admission import expert_stride
 from moestream.daemon.pool.expert_reader import ExpertReader
+from moestream.daemon.pool.host_tier import expert_stride
 from moestream.shared.store_format import Manifest, MoELayer
 
 PENDING, DONE, FAILED = 0, 1, 2
