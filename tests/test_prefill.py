@@ -169,16 +169,37 @@ def test_a_prompt_of_several_chunks_reads_each_routed_expert_once_per_layer(conv
         sm.close()
 
 
-def test_unsupported_forward_is_refused_clearly():
+def test_unsupported_forward_is_refused_clearly_before_anything_runs():
     import mlx.nn as nn
+    from mlx_lm.models.cache import KVCache
+
+    from moestream.daemon.model.prefill import UnsupportedModel
 
     class NoLayers(nn.Module):
-        @property
-        def layers(self):
-            return []
+        pass
 
-    with pytest.raises(Exception, match="decoder layers"):
+    with pytest.raises(UnsupportedModel, match="no list of decoder layers"):
         LayerMajorPrefill(NoLayers())
+
+    class Twice(nn.Module):
+        """A forward that calls its first layer twice: not what the prefill drives."""
+
+        def __init__(self):
+            super().__init__()
+            self.layers = [nn.Linear(4, 4), nn.Linear(4, 4)]
+
+        def __call__(self, tokens, cache=None):
+            h = mx.zeros((1, tokens.shape[-1], 4))
+            for layer in [self.layers[0], *self.layers]:
+                h = layer(h)
+            return h
+
+    model = Twice()
+    cache = [KVCache(), KVCache()]
+    with pytest.raises(UnsupportedModel, match="each decoder layer once"):
+        LayerMajorPrefill(model).run(mx.arange(40), cache, step=16)
+    assert all(c.offset == 0 and c.keys is None for c in cache)  # untouched
+    assert all(isinstance(layer, nn.Linear) for layer in model.layers)  # put back
 
 
 @pytest.mark.slow

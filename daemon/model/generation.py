@@ -14,7 +14,7 @@ from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_top_p, make_sampler
 
-from moestream.daemon.model.prefill import PREFILL_STEP, PrefillStats
+from moestream.daemon.model.prefill import PREFILL_STEP, PrefillStats, UnsupportedModel
 from moestream.daemon.model.streaming_model import StreamingModel
 
 if TYPE_CHECKING:
@@ -239,8 +239,20 @@ def plain_steps(
     progress = on_prompt_progress or (lambda done, total: None)
     cache = make_prompt_cache(sm.model)
     progress(0, n)
-    with mx.stream(generation_stream):
-        lm.run(prompt[:-1], cache, prefill_step, on_progress=lambda done: progress(done, n), stats=prefill_stats)
+    try:
+        with mx.stream(generation_stream):
+            lm.run(prompt[:-1], cache, prefill_step, on_progress=lambda done: progress(done, n), stats=prefill_stats)
+    except UnsupportedModel:
+        # Refused before anything ran: stock's order, from the start.
+        yield from generate_step(
+            prompt,
+            sm.model,
+            max_tokens=max_tokens,
+            sampler=sampler,
+            prompt_progress_callback=on_prompt_progress,
+            prefill_step_size=prefill_step,
+        )
+        return
     yield from generate_step(
         prompt[-1:],
         sm.model,

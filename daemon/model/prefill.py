@@ -123,6 +123,8 @@ class LayerMajorPrefill:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        if not isinstance(getattr(model, "layers", None), (list, tuple)):
+            raise UnsupportedModel("the model has no list of decoder layers")
         self.layers: list[nn.Module] = list(model.layers)
         self._decoder = self._find_decoder(model)
         self._held = self._decoder["layers"]
@@ -169,7 +171,10 @@ class LayerMajorPrefill:
         """Prefill `tokens` (1-D: the prompt but its last token) into `cache`, the
         model's prompt cache, in stock's chunks of `step` (`generate_step`'s
         `prefill_step_size`); `on_progress(tokens_done)` after each layer, in
-        proportion. Returns what it did."""
+        proportion. Returns what it did.
+
+        Raises `UnsupportedModel` before anything is computed or the cache changes
+        where the model's forward does not call its layers as this drives them."""
         stats = stats if stats is not None else PrefillStats()
         tic = time.perf_counter()
         n = int(tokens.size)
