@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
@@ -111,16 +112,12 @@ def _attributed(
     governor = sm.prefetcher.governor if sm.prefetcher is not None else None
     while True:
         before = _counters(sm)
-        if hub is not None:
-            hub.rec = rec
-        tic = time.perf_counter()
-        try:
-            item = next(steps)
-        except StopIteration:
-            item = None
-        finally:
-            if hub is not None:
-                hub.rec = None
+        with hub.recording(rec) if hub is not None else nullcontext():
+            tic = time.perf_counter()
+            try:
+                item = next(steps)
+            except StopIteration:
+                item = None
         if phase == 1 and item is not None and governor is not None and rec is None:
             governor.observe(time.perf_counter() - tic)
         _add(buckets[phase], before, _counters(sm))

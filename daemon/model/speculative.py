@@ -217,7 +217,8 @@ class _MainCache:
                 c.trim(forwarded - keep)
             return False
         for c, saved in zip(self.recurrent, snapshot):
-            c.cache = saved
+            for i, arrays in enumerate(saved):  # an ArraysCache takes its entries by index
+                c[i] = arrays
         for c in self.layers:
             if c.is_trimmable():
                 c.trim(forwarded)
@@ -324,15 +325,11 @@ def load_draft_model(path: str | Path) -> nn.Module:
 
 
 def make_drafter(sm: StreamingModel, spec: SpeculativeParams, key_bucket: int = 0) -> MTPDrafter | ModelDrafter:
-    """The drafter of `spec` for `sm`, loading (once per `sm`) the MTP head or draft model."""
+    """The drafter of `spec` for `sm`, whose MTP head or draft model `sm` loads once."""
     if spec.mode == "mtp":
-        if sm.mtp is None:
-            from moestream.daemon.model.mtp_head import load_mtp_head
+        return MTPDrafter(sm.model, sm.mtp_head(), key_bucket)
 
-            sm.mtp = load_mtp_head(sm.store_dir, sm.manifest.config)
-        return MTPDrafter(sm.model, sm.mtp, key_bucket)
-    key = str(Path(spec.draft_model).resolve())
-    if key not in sm.draft_models:
+    def load(key: str) -> nn.Module:
         model = load_draft_model(key)
         main_vocab = sm.manifest.config.get("text_config", sm.manifest.config).get("vocab_size")
         draft_vocab = _vocab_size(model)
@@ -340,8 +337,9 @@ def make_drafter(sm: StreamingModel, spec: SpeculativeParams, key_bucket: int = 
             raise ValueError(
                 f"draft model {spec.draft_model} has a vocabulary of {draft_vocab}, the model {main_vocab}"
             )
-        sm.draft_models[key] = model
-    return ModelDrafter(sm.draft_models[key], key_bucket)
+        return model
+
+    return ModelDrafter(sm.draft_model(str(Path(spec.draft_model).resolve()), load), key_bucket)
 
 
 def _vocab_size(model: nn.Module) -> int | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -59,10 +59,10 @@ class StreamingModel:
     resident_bytes: int
     # False when the reader came with a shared admitter (benchmarks share one host tier).
     owns_reader: bool = True
-    # Loaded on the first speculative request that needs them (daemon/model/speculative.py):
-    # the store's MTP head, and draft models by path.
-    mtp: Any = None
-    draft_models: dict[str, Any] = field(default_factory=dict)
+    # Loaded on the first speculative request that needs them (daemon/model/speculative.py),
+    # through `mtp_head()` and `draft_model()`: the store's MTP head, and draft models by path.
+    _mtp: Any = field(default=None, init=False, repr=False)
+    _draft_models: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
     # The diagnostics switch and totals (daemon/model/diagnostics.py), and the prefetcher of
     # predicted experts (daemon/prefetch/prefetcher.py; None where every pool is full,
     # which a mapped pool's are: it has no prefetch).
@@ -74,6 +74,23 @@ class StreamingModel:
     # the model's forward does not have the shape it drives (then `prefill_note` says why).
     layer_major: LayerMajorPrefill | None = None
     prefill_note: str = ""
+
+    def mtp_head(self) -> Any:
+        """The store's multi-token-prediction head (daemon/model/mtp_head.py), loaded on
+        first use and kept for later requests."""
+        if self._mtp is None:
+            from moestream.daemon.model.mtp_head import load_mtp_head
+
+            self._mtp = load_mtp_head(self.store_dir, self.manifest.config)
+        return self._mtp
+
+    def draft_model(self, path: str, load: Callable[[str], nn.Module]) -> nn.Module:
+        """The draft model at `path` (a resolved path: the key), made by `load(path)` on
+        first use (which checks it against this model) and kept for later requests."""
+        model = self._draft_models.get(path)
+        if model is None:
+            model = self._draft_models[path] = load(path)
+        return model
 
     @property
     def pool_bytes(self) -> int:

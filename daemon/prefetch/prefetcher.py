@@ -104,6 +104,22 @@ class Prefetcher:
         self.governor = PrefetchGovernor(self) if mode == "auto" else None
         self.s = PrefetchStats()
 
+    # ---- the switch --------------------------------------------------------------------
+
+    def switch(self, enabled: bool) -> bool:
+        """Turn prefetch on or off from outside the governor (a benchmark comparing the
+        two); returns what it was. Under `prefetch = auto` the governor may turn it
+        back at its next window."""
+        was, self.enabled = self.enabled, enabled
+        return was
+
+    def start_auto(self) -> PrefetchGovernor:
+        """Decide afresh, as `prefetch = auto` does at start: prefetch on and a new
+        governor measuring (what the daemon's generation loop feeds); returns it."""
+        self.mode, self.enabled = "auto", True
+        self.governor = PrefetchGovernor(self)
+        return self.governor
+
     # ---- reads -----------------------------------------------------------------------
 
     def submit(self, layer: MoELayer, experts: Sequence[int]) -> int:
