@@ -212,3 +212,33 @@ def test_no_module_wires_another_modules_object_by_assignment():
     assert bad == [], f"attributes assigned on another module's object: {bad}"
     # An entry nothing needs any more goes, so that the list stays the short list of records.
     assert set(ASSIGNMENT_ALLOWED) - seen == set()
+
+
+def test_pool_counters_are_listed_once_by_their_dataclasses():
+    """A counter added to `PoolStats` (or `MappedPoolStats`) is summed by `pool_stats` and
+    taken per request without being named again: the lists come from the dataclasses'
+    fields, and no module spells a list of them out by hand."""
+    from dataclasses import dataclass, fields
+
+    from moestream.daemon.mapped.mapped_pool import MappedPoolStats
+    from moestream.daemon.model.streaming_model import PLACEMENT_COUNTERS, POOL_COUNTERS, counter_fields
+    from moestream.daemon.pool.expert_pool import PoolStats
+
+    @dataclass
+    class Grown(PoolStats):
+        added: int = 0
+        added_seconds: float = 0.0
+
+    assert counter_fields(Grown) == (*POOL_COUNTERS, "added", "added_seconds")
+    assert "routed" not in POOL_COUNTERS  # the per-expert array for heat
+    assert {"hits_prefill", "misses_decode", "bytes_read", "routed_total"} <= set(POOL_COUNTERS)
+    assert PLACEMENT_COUNTERS == tuple(f.name for f in fields(MappedPoolStats))
+    by_hand = []
+    for f in _code_files("daemon", "client", "shared"):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                names = [e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+                for counters in (POOL_COUNTERS, PLACEMENT_COUNTERS):
+                    if len(names) >= 4 and set(names) <= set(counters):
+                        by_hand.append(f"{f.relative_to(ROOT)}:{node.lineno}")
+    assert by_hand == [], f"pool counters listed by hand: {by_hand}"

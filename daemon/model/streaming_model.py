@@ -8,7 +8,8 @@ tensors are the pool's slot arrays. The stacked expert tensors are never materia
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,7 +22,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes, infer_quant_config, load_tokenizer
 
 from moestream._native import CudaCopier
-from moestream.daemon.mapped.mapped_pool import CountingMover, MappedPool
+from moestream.daemon.mapped.mapped_pool import CountingMover, MappedPool, MappedPoolStats
 from moestream.daemon.mapped.row_gather import RowGather
 from moestream.daemon.model.diagnostics import Diagnostics
 from moestream.daemon.model.prefill import LayerMajorPrefill, UnsupportedModel
@@ -29,7 +30,7 @@ from moestream.daemon.model.streaming_moe import StreamingMoE
 from moestream.daemon.policies import make_policy
 from moestream.daemon.pool.admission import Admitter, DirectAdmitter, cuda_copier, make_admitter
 from moestream.daemon.pool.capacity import plan_capacity, top_k_of
-from moestream.daemon.pool.expert_pool import ExpertPool, PoolCapacityError
+from moestream.daemon.pool.expert_pool import ExpertPool, PoolCapacityError, PoolStats
 from moestream.daemon.pool.expert_reader import ExpertReader
 from moestream.daemon.prefetch.predictor import make_prefetcher, next_layers, routers_of
 from moestream.shared.settings import Settings, format_size
@@ -40,6 +41,19 @@ LOWER_HINT_LAYERS = 4
 # Host memory a mapped pool leaves free beyond its experts: the resident weights are
 # read through it, and the rest of the process and the system need room too.
 MAPPED_HOST_MARGIN = 2 * 2**30
+
+
+def counter_fields(stats_type: type) -> tuple[str, ...]:
+    """The counters of a statistics dataclass: its int and float fields, in order (not
+    arrays such as `PoolStats.routed`, the per-expert counts for heat)."""
+    hints = typing.get_type_hints(stats_type)
+    return tuple(f.name for f in fields(stats_type) if hints[f.name] in (int, float))
+
+
+# The one list of each pool's counters: a field added to the dataclass is summed by
+# `pool_stats` and taken per request (daemon/model/generation.py) with the rest.
+POOL_COUNTERS = counter_fields(PoolStats)
+PLACEMENT_COUNTERS = counter_fields(MappedPoolStats)
 
 
 @dataclass
@@ -96,15 +110,27 @@ class StreamingModel:
     def pool_bytes(self) -> int:
         return sum(p.nbytes for p in self.pools)
 
+    def counters(self) -> dict[str, float]:
+        """The cumulative counters, summed over layers (POOL_COUNTERS), and the mapped
+        pool's as `placement_<name>` (PLACEMENT_COUNTERS): what a request's share of the
+        work is taken from, as differences."""
+        totals: dict[str, float] = dict.fromkeys(POOL_COUNTERS, 0)
+        for p in self.pools:
+            for key in POOL_COUNTERS:
+                totals[key] += getattr(p.stats, key)
+        if self.mapped_pool is not None:
+            for key in PLACEMENT_COUNTERS:
+                totals["placement_" + key] = getattr(self.mapped_pool.stats, key)
+        return totals
+
     def pool_stats(self) -> dict[str, Any]:
         """Totals over layers, plus per-layer occupancy and hit rates."""
-        totals: dict[str, Any] = {}
+        totals: dict[str, Any] = dict.fromkeys(POOL_COUNTERS, 0)
         per_layer = []
         for i, p in enumerate(self.pools):
             d = p.stats.to_dict()
-            for key, value in d.items():
-                if isinstance(value, int):
-                    totals[key] = totals.get(key, 0) + value
+            for key in POOL_COUNTERS:
+                totals[key] += getattr(p.stats, key)
             layer = {
                 "layer": p.layer.ordinal,
                 "resident": int((p.slot_of >= 0).sum()),
