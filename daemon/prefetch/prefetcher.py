@@ -28,7 +28,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -63,6 +63,10 @@ class PrefetchStats:
     no_room: int = 0  # predicted but not read: every buffer slot had a read in flight
     bytes_read: int = 0
     wait_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every counter, and the share of the reads that a pool used."""
+        return {**asdict(self), "used_fraction": self.promoted / self.submitted if self.submitted else None}
 
 
 class Prefetcher:
@@ -296,22 +300,15 @@ class Prefetcher:
                 self._complete(en, c)
 
     def stats(self) -> dict[str, Any]:
-        s = self.s
-        out = {
+        """How prefetch is set up, its counters (`PrefetchStats`) and, under `prefetch =
+        auto`, the governor's measurement and decision."""
+        out: dict[str, Any] = {
             "mode": self.mode,
             "enabled": self.enabled,
             "depth": self.depth,
             "buffer_experts": self.slots,
             "buffer_bytes": self.slots * self.stride,
-            "submitted": s.submitted,
-            "promoted": s.promoted,
-            "waited": s.waited,
-            "failed": s.failed,
-            "dropped_unused": s.dropped_unused,
-            "no_room": s.no_room,
-            "bytes_read": s.bytes_read,
-            "wait_seconds": s.wait_seconds,
-            "used_fraction": s.promoted / s.submitted if s.submitted else None,
+            **self.s.to_dict(),
         }
         if self.governor is not None:
             out["auto"] = self.governor.to_dict()
