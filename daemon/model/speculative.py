@@ -56,6 +56,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
+from moestream.daemon.model.decider import ABBA
 from moestream.daemon.model.kv_buckets import bucketed, default_key_bucket
 from moestream.daemon.model.streaming_model import StreamingModel
 
@@ -460,27 +461,23 @@ class _Probe:
         self.pairs = spec.probe_pairs
         self.alternate = spec.alternate
         self.margin = margin
-        self.blocks = 0
+        self.order = ABBA("spec", "plain", alternate=spec.alternate)
         self.current: dict[str, float] = {}
         self.probing = True
 
     def block(self) -> str:
-        if self.alternate:
-            return "spec" if self.blocks % 2 == 0 else "plain"
-        pair, second = divmod(self.blocks, 2)
-        first, other = ("spec", "plain") if pair % 2 == 0 else ("plain", "spec")
-        return other if second else first
+        return self.order.current()
 
     def record(self, kind: str, tokens: int, seconds: float, stats: SpeculativeStats) -> None:
         """A probe block of `kind` ran `tokens` in `seconds`; decide when the plan says so."""
-        self.blocks += 1
+        pair_ended = self.order.next()
         if self.alternate:
             return
         seconds = max(seconds, 1e-9)
         stats.probe[f"{kind}_tokens"] += tokens
         stats.probe[f"{kind}_s"] += seconds
         self.current[kind] = tokens / seconds
-        if self.blocks % 2:
+        if not pair_ended:
             return
         stats.probe_ratios.append(self.current["spec"] / self.current["plain"])
         self.current = {}

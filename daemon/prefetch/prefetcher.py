@@ -34,6 +34,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from moestream._native import CudaCopier, HostBuffer
+from moestream.daemon.model.decider import ABBA
 from moestream.daemon.model.diagnostics import NULL_RECORDER, AnyRecorder
 from moestream.daemon.pool.admission import expert_stride
 from moestream.daemon.pool.expert_reader import ExpertReader
@@ -337,7 +338,8 @@ class PrefetchGovernor:
     # (on or off, median ms) of each window, in order.
     window_medians: list[tuple[str, float]] = field(default_factory=list)
     _in_window: int = 0
-    _windows: int = 0
+    # Windows in ABBA order; the first is on (prefetch starts on for the measurement).
+    _order: ABBA = field(default_factory=lambda: ABBA("on", "off"))
     _current: list[float] = field(default_factory=list)
     # Whether the current window began with a switch; the first window counts as one
     # (prefetch was just turned on for the measurement).
@@ -356,12 +358,11 @@ class PrefetchGovernor:
             return
         self.window_medians.append(("on" if self.prefetcher.enabled else "off", 1e3 * statistics.median(self._current)))
         self._in_window, self._current = 0, []
-        self._windows += 1
-        if self._windows >= 2 * self.trials:
+        self._order.next()
+        if self._order.blocks >= 2 * self.trials:
             self._decide()
             return
-        # ABBA: windows 0 and 3 of every four on, 1 and 2 off.
-        enabled = self._windows % 4 in (0, 3)
+        enabled = self._order.current() == "on"
         self._switched = enabled != self.prefetcher.enabled
         self.prefetcher.enabled = enabled
 
