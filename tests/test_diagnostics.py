@@ -173,9 +173,11 @@ def test_off_the_hot_path_records_into_a_recorder_that_does_nothing():
     assert hub.rec is None and isinstance(hub.recorder, NullRecorder) and not hub.recorder.active
     assert hub.recorder.segment(0, "read") is hub.recorder.host(1, "predict")
     rec = Recorder()
-    hub.rec = rec
-    assert hub.rec is rec and hub.recorder is rec and rec.active
-    hub.rec = None
+    with hub.recording(rec):
+        assert hub.rec is rec and hub.recorder is rec and rec.active
+        with hub.recording(None):  # a request without diagnostics, inside
+            assert hub.rec is None and isinstance(hub.recorder, NullRecorder)
+        assert hub.rec is rec
     assert hub.rec is None and isinstance(hub.recorder, NullRecorder)
 
 

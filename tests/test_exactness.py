@@ -174,14 +174,13 @@ def test_logits_identical_with_prefetch(converted):
     for (label, slots), depth in (((topk, topk_slots), 1), (second, 1), ((topk, topk_slots), 2)):
         sm = load_streaming_model(store, Settings(capacity=slots, prefetch="on", prefetch_depth=depth))
         rec = Recorder() if label == "topk" and depth == 1 else None
-        sm.diagnostics.rec = rec
         try:
-            assert_same_as_stock(sm, prompts, f"{label} with prefetch (depth {depth})")
+            with sm.diagnostics.recording(rec):
+                assert_same_as_stock(sm, prompts, f"{label} with prefetch (depth {depth})")
             assert sm.prefetcher.stats()["promoted"] > 0
             if rec is not None:
                 assert rec.to_dict()["attribution"]["decode"]["prefetched"] > 0
         finally:
-            sm.diagnostics.rec = None
             sm.close()
 
 
@@ -202,9 +201,9 @@ def test_logits_identical_with_prefetch_from_the_host_tier(converted):
             store, Settings(capacity=slots, host_cache=expert_stride(manifest) * total, prefetch="on")
         )
         rec = Recorder() if label == "topk" else None
-        sm.diagnostics.rec = rec
         try:
-            assert_same_as_stock(sm, prompts, f"{label} with prefetch from the tier")
+            with sm.diagnostics.recording(rec):
+                assert_same_as_stock(sm, prompts, f"{label} with prefetch from the tier")
             stats = sm.pool_stats()
             assert stats["prestaged"] > 0 and 0 < stats["prestaged_used"] <= stats["prestaged"]
             assert stats["admission"]["prestaged"] == stats["prestaged"]
@@ -219,5 +218,4 @@ def test_logits_identical_with_prefetch_from_the_host_tier(converted):
                 routed = stats["hits_decode"] + stats["misses_decode"]
                 assert sum(decode.values()) == routed
         finally:
-            sm.diagnostics.rec = None
             sm.close()

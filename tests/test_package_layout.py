@@ -95,3 +95,150 @@ def test_code_says_why_and_leaves_the_history_to_the_results():
         if pattern.search(line)
     ]
     assert bad == [], bad
+
+
+# What code may assign on an object that is not `self`/`cls`: fields of plain records the
+# function owns or fills (results, statistics, jobs), and a few objects of the standard
+# library or of the function's own making. A collaborator or a switch of another
+# module's object is set through a method of its owner (`Diagnostics.recording`,
+# `Prefetcher.switch`, `StreamingModel.mtp_head`), never assigned from outside.
+# (variable, attribute): why; "*" takes any field of that record.
+ASSIGNMENT_ALLOWED = {
+    ("job", "*"): "the engine loop's own `Job` record of one request",
+    ("st", "*"): "the heat keeper's own `KeeperStats`",
+    ("tally", "*"): "the soak driver's `SoakTally`",
+    ("counts", "*"): "a policy replay's `ReplayCounts`",
+    ("result", "*"): "a `GenerationResult` the generation loop fills",
+    ("stats", "*"): "a request's `SpeculativeStats` / `PrefillStats` the loop fills",
+    ("entry", "state"): "the prefetcher's own buffer `_Entry`",
+    ("layer", "union"): "a `LayerDiagnostics` record of the recorder that holds it",
+    ("prediction", "submitted"): "a `Prediction` record: the layer that submitted its reads says so",
+    ("prediction", "submitted_at"): "the same record's submit time",
+    ("pool", "stats"): "counters of a pool's `PoolStats` record, counted where the work is done",
+    ("view", "offset"): "prefill.py's own shallow copy of a cache, shifted for a mask",
+    ("KeepMTP", "__name__"): "a class the function itself defines, named like the one it extends",
+    ("log", "propagate"): "the standard library's Logger is configured through its attributes",
+    # To go: the CUDA copier's kernel switch is set after construction by make_admitter
+    # (daemon/pool/admission.py); cuda_copier() should take it instead.
+    ("copier", "kernel"): "known exception, see above",
+}
+
+
+def _assigned_on_others(source: str, name: str = "<source>") -> list[tuple[str, str, int]]:
+    """(variable, first attribute, line) of every `NAME.attr... = `, `NAME.attr... += `,
+    `NAME.attr[...] = ` and `setattr(NAME, ...)` whose NAME is not `self` or `cls`."""
+
+    def base(node: ast.expr) -> tuple[str, str] | None:
+        if isinstance(node, ast.Subscript):
+            node = node.value
+            if not isinstance(node, ast.Attribute):
+                return None  # `d[k] = v` on a plain container
+        if not isinstance(node, ast.Attribute):
+            return None
+        attrs = []
+        while isinstance(node, ast.Attribute):
+            attrs.append(node.attr)
+            node = node.value
+        if isinstance(node, ast.Name) and node.id not in ("self", "cls"):
+            return node.id, attrs[-1]
+        return None
+
+    def flat(targets: list[ast.expr]):
+        for t in targets:
+            if isinstance(t, (ast.Tuple, ast.List)):
+                yield from flat(t.elts)
+            elif isinstance(t, ast.Starred):
+                yield from flat([t.value])
+            else:
+                yield t
+
+    found = []
+    for node in ast.walk(ast.parse(source, name)):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "setattr"
+            and node.args
+            and isinstance(node.args[0], ast.Name)
+            and node.args[0].id not in ("self", "cls")
+        ):
+            found.append((node.args[0].id, "<setattr>", node.lineno))
+            continue
+        else:
+            continue
+        for t in flat(targets):
+            hit = base(t)
+            if hit is not None:
+                found.append((*hit, node.lineno))
+    return found
+
+
+def _allowed(var: str, attr: str) -> bool:
+    return (var, attr) in ASSIGNMENT_ALLOWED or (var, "*") in ASSIGNMENT_ALLOWED
+
+
+def test_the_wiring_scan_flags_an_attribute_set_on_another_object():
+    planted = "def f(sm, pf, hub):\n    sm.mtp = 1\n    pf.governor, x = 2, 3\n    hub.rec.x += 1\n"
+    planted += "    sm.draft_models['k'] = 4\n    setattr(sm, 'a', 5)\n    self.ok = 6\n    d['k'] = 7\n"
+    found = _assigned_on_others(planted)
+    assert [(v, a) for v, a, _ in found] == [
+        ("sm", "mtp"),
+        ("pf", "governor"),
+        ("hub", "rec"),
+        ("sm", "draft_models"),
+        ("sm", "<setattr>"),
+    ]
+    assert not any(_allowed(v, a) for v, a, _ in found)
+    assert _allowed("job", "gen") and _allowed("pool", "stats")
+
+
+def test_no_module_wires_another_modules_object_by_assignment():
+    """Collaborators and switches are handed over at construction or through a method of
+    the object's owner, so that whoever reads the object finds every way it changes in
+    its own class; assigning them from outside ("wiring by mutation") hides that. Only
+    fields of plain records (ASSIGNMENT_ALLOWED) are assigned from outside."""
+    seen, bad = set(), []
+    for f in _code_files("daemon", "client", "shared"):
+        for var, attr, line in _assigned_on_others(f.read_text(), str(f)):
+            key = (var, attr) if (var, attr) in ASSIGNMENT_ALLOWED else (var, "*")
+            if key in ASSIGNMENT_ALLOWED:
+                seen.add(key)
+            else:
+                bad.append(f"{f.relative_to(ROOT)}:{line} {var}.{attr}")
+    assert bad == [], f"attributes assigned on another module's object: {bad}"
+    # An entry nothing needs any more goes, so that the list stays the short list of records.
+    assert set(ASSIGNMENT_ALLOWED) - seen == set()
+
+
+def test_pool_counters_are_listed_once_by_their_dataclasses():
+    """A counter added to `PoolStats` (or `MappedPoolStats`) is summed by `pool_stats` and
+    taken per request without being named again: the lists come from the dataclasses'
+    fields, and no module spells a list of them out by hand."""
+    from dataclasses import dataclass, fields
+
+    from moestream.daemon.mapped.mapped_pool import MappedPoolStats
+    from moestream.daemon.model.streaming_model import PLACEMENT_COUNTERS, POOL_COUNTERS, counter_fields
+    from moestream.daemon.pool.expert_pool import PoolStats
+
+    @dataclass
+    class Grown(PoolStats):
+        added: int = 0
+        added_seconds: float = 0.0
+
+    assert counter_fields(Grown) == (*POOL_COUNTERS, "added", "added_seconds")
+    assert "routed" not in POOL_COUNTERS  # the per-expert array for heat
+    assert {"hits_prefill", "misses_decode", "bytes_read", "routed_total"} <= set(POOL_COUNTERS)
+    assert PLACEMENT_COUNTERS == tuple(f.name for f in fields(MappedPoolStats))
+    by_hand = []
+    for f in _code_files("daemon", "client", "shared"):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                names = [e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+                for counters in (POOL_COUNTERS, PLACEMENT_COUNTERS):
+                    if len(names) >= 4 and set(names) <= set(counters):
+                        by_hand.append(f"{f.relative_to(ROOT)}:{node.lineno}")
+    assert by_hand == [], f"pool counters listed by hand: {by_hand}"

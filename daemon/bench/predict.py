@@ -43,7 +43,6 @@ from moestream.daemon.bench.decode import (
 from moestream.daemon.model.diagnostics import Recorder
 from moestream.daemon.model.generation import SamplingParams, generate
 from moestream.daemon.model.streaming_model import StreamingModel, load_streaming_model
-from moestream.daemon.prefetch.prefetcher import PrefetchGovernor
 from moestream.shared.progress import timed_progress
 from moestream.shared.settings import Settings, default_of, format_size
 from moestream.shared.store_format import load_manifest
@@ -96,15 +95,12 @@ def _decode(
 
 
 def _diagnosed(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettings, prefetch: bool) -> dict[str, Any]:
-    sm.prefetcher.enabled = prefetch
+    sm.prefetcher.switch(prefetch)
     rec = Recorder()
-    sm.diagnostics.rec = rec
     copier = getattr(sm.admitter, "copier", None)
     before = copier.counters() if copier is not None else None
-    try:
+    with sm.diagnostics.recording(rec):
         _decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed)
-    finally:
-        sm.diagnostics.rec = None
     out = rec.to_dict()
     if copier is not None:
         out["copier"] = _copier_per_forward(before, copier.counters(), settings)
@@ -137,7 +133,7 @@ def _warm_up(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettin
     calls JIT-compile them), a host tier filled, prediction's reads done once. Without it
     the first timed run pays for all of that."""
     for enabled in (True, False):
-        sm.prefetcher.enabled = enabled
+        sm.prefetcher.switch(enabled)
         _decode(sm, prompt, settings.decode_tokens, settings.temp, settings.seed)
 
 
@@ -155,7 +151,7 @@ def _speeds(
 
     def run(enabled: bool):
         def decode() -> dict[str, float]:
-            sm.prefetcher.enabled = enabled
+            sm.prefetcher.switch(enabled)
             split: dict[str, float] = {}
             tps = settings.decode_tokens / _decode(
                 sm, prompt, settings.decode_tokens, settings.temp, settings.seed, split, disk[enabled]
@@ -365,9 +361,7 @@ def _per_forward(diagnosed: dict[str, Any], settings: BenchPredictSettings) -> d
 
 def _auto(sm: StreamingModel, prompt: list[int], settings: BenchPredictSettings) -> dict[str, Any]:
     """Run the daemon's generation loop with `prefetch = auto` until the governor decides."""
-    pf = sm.prefetcher
-    pf.mode, pf.enabled = "auto", True
-    pf.governor = governor = PrefetchGovernor(pf)
+    governor = sm.prefetcher.start_auto()
     needed = 2 * governor.trials * governor.window
     # Sampled even when the bench is greedy: a request that ends on an end-of-sequence
     # token before the governor decides is then followed by a different one.

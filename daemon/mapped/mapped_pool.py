@@ -32,7 +32,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import mlx.core as mx
@@ -79,18 +79,8 @@ class MappedPoolStats:
     place_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "routed": self.routed,
-            "routed_on_gpu": self.routed_on_gpu,
-            "gpu_hit_rate": self.routed_on_gpu / self.routed if self.routed else None,
-            "moves": self.moves,
-            "place_calls": self.place_calls,
-            "turns": self.turns,
-            "rebalances": self.rebalances,
-            "readback_seconds": self.readback_seconds,
-            "decide_seconds": self.decide_seconds,
-            "place_seconds": self.place_seconds,
-        }
+        """Every counter, and the share of routed experts found in GPU memory."""
+        return {**asdict(self), "gpu_hit_rate": self.routed_on_gpu / self.routed if self.routed else None}
 
 
 class _Worker:

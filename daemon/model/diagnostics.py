@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -452,9 +453,11 @@ AnyRecorder = Recorder | NullRecorder
 class Diagnostics:
     """The switch the streaming layers read, and the totals over finished recorders.
 
-    `rec` is the recorder of the work running now, or None (diagnostics off); the hot
-    path reads `recorder`, the same recorder or else the `NullRecorder`. `default` is the
-    daemon's `--diagnostics`: every request records when it is set."""
+    `recording(rec)` points the hot path at a recorder for a `with` block (the work of
+    one request's step, or a benchmark's run); `rec` is that recorder, or None
+    (diagnostics off); the hot path reads `recorder`, the same recorder or else the
+    `NullRecorder`. `default` is the daemon's `--diagnostics`: every request records
+    when it is set."""
 
     def __init__(self, default: bool = False) -> None:
         self.default = default
@@ -468,9 +471,17 @@ class Diagnostics:
         r = self.recorder
         return r if isinstance(r, Recorder) else None
 
-    @rec.setter
-    def rec(self, rec: Recorder | None) -> None:
+    @contextmanager
+    def recording(self, rec: Recorder | None) -> Iterator[None]:
+        """Record into `rec` (None: nothing) inside the block, and into what was recorded
+        into before it after the block, however it ends. Requests interleaved on the
+        engine thread each record only between their own resume and yield."""
+        before = self.recorder
         self.recorder = NULL_RECORDER if rec is None else rec
+        try:
+            yield
+        finally:
+            self.recorder = before
 
     def new_recorder(self, requested: bool) -> Recorder | None:
         """A recorder for a request that asked for diagnostics (or any, when on by default)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
@@ -15,28 +16,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_top_p, make_sampler
 
 from moestream.daemon.model.prefill import PREFILL_STEP, PrefillStats, UnsupportedModel
-from moestream.daemon.model.streaming_model import StreamingModel
+from moestream.daemon.model.streaming_model import PLACEMENT_COUNTERS, POOL_COUNTERS, StreamingModel
 
 if TYPE_CHECKING:
     from moestream.daemon.mapped.mapped_pool import MappedPool
-
-_COUNTERS = (
-    "hits_prefill",
-    "hits_decode",
-    "misses_prefill",
-    "misses_decode",
-    "evictions",
-    "bytes_read",
-    "host_syncs",
-    "overflow_forwards",
-    "stacked_layers",
-    "staged_bytes",
-    "routed_total",
-    "prestaged",
-    "prestaged_used",
-)
-# A mapped pool's placement counters (daemon/mapped/mapped_pool.py), taken per request the same way.
-_PLACEMENT_COUNTERS = ("routed", "routed_on_gpu", "moves", "place_calls", "readback_seconds", "decide_seconds")
 
 
 @dataclass(frozen=True)
@@ -63,17 +46,6 @@ class GenerationResult:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-def _counters(sm: StreamingModel) -> dict[str, float]:
-    totals: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
-    for p in sm.pools:
-        for key in _COUNTERS:
-            totals[key] += getattr(p.stats, key)
-    if sm.mapped_pool is not None:
-        for key in _PLACEMENT_COUNTERS:
-            totals["placement_" + key] = getattr(sm.mapped_pool.stats, key)
-    return totals
-
-
 def _add(bucket: dict[str, float], before: dict[str, float], after: dict[str, float]) -> None:
     for key, value in after.items():
         bucket[key] = bucket.get(key, 0) + value - before[key]
@@ -90,7 +62,7 @@ def _ticked(steps: Iterator, placement: MappedPool) -> Iterator:
 
 def _placement_stats(counts: dict[str, float], gpu_slots: int) -> dict[str, Any]:
     """A request's share of the placement's work, as `MappedPoolStats.to_dict` names it."""
-    out: dict[str, Any] = {key: counts.get("placement_" + key, 0) for key in _PLACEMENT_COUNTERS}
+    out: dict[str, Any] = {key: counts.get("placement_" + key, 0) for key in PLACEMENT_COUNTERS}
     out["gpu_hit_rate"] = out["routed_on_gpu"] / out["routed"] if out["routed"] else None
     out["gpu_slots"] = gpu_slots
     return out
@@ -110,20 +82,16 @@ def _attributed(
     hub = sm.diagnostics
     governor = sm.prefetcher.governor if sm.prefetcher is not None else None
     while True:
-        before = _counters(sm)
-        if hub is not None:
-            hub.rec = rec
-        tic = time.perf_counter()
-        try:
-            item = next(steps)
-        except StopIteration:
-            item = None
-        finally:
-            if hub is not None:
-                hub.rec = None
+        before = sm.counters()
+        with hub.recording(rec) if hub is not None else nullcontext():
+            tic = time.perf_counter()
+            try:
+                item = next(steps)
+            except StopIteration:
+                item = None
         if phase == 1 and item is not None and governor is not None and rec is None:
             governor.observe(time.perf_counter() - tic)
-        _add(buckets[phase], before, _counters(sm))
+        _add(buckets[phase], before, sm.counters())
         if item is None:
             return
         phase = 1
@@ -217,16 +185,18 @@ def plain_steps(
     on_prompt_progress: Callable[[int, int], None] | None = None,
     prefill_stats: PrefillStats | None = None,
     prefill_step: int = PREFILL_STEP,
+    *,
+    layer_major: bool = True,
 ) -> Iterator[tuple[mx.array, mx.array]]:
     """mlx-lm's `generate_step`, with the prompt prefilled layer by layer where that
     spares a partial pool reads (daemon/model/prefill.py): all of it but the last token,
     in stock's chunks; `generate_step` then takes the last token as its prompt, over the
     filled cache, exactly as stock's does after its own chunks. `prefill_step` is
-    `generate_step`'s `prefill_step_size`."""
+    `generate_step`'s `prefill_step_size`; `layer_major=False` keeps stock's order."""
     prompt = mx.array(list(prompt_ids))
     n = prompt.size
     lm = sm.layer_major
-    if lm is None or not lm.wanted(n, prefill_step):
+    if lm is None or not layer_major or not lm.wanted(n, prefill_step):
         yield from generate_step(
             prompt,
             sm.model,
@@ -290,7 +260,7 @@ def iter_generate(
     detok.reset()
     sampler = request_sampler(params)
     mx.reset_peak_memory()
-    prefill, decode = dict.fromkeys(_COUNTERS, 0), dict.fromkeys(_COUNTERS, 0)
+    prefill, decode = dict.fromkeys(POOL_COUNTERS, 0), dict.fromkeys(POOL_COUNTERS, 0)
     tic = time.perf_counter()
     prompt_seconds = 0.0
     n = 0
@@ -298,6 +268,7 @@ def iter_generate(
     emitted = 0
     spec_stats = None
     prefill_stats = PrefillStats()
+    rec = sm.diagnostics.new_recorder(params.diagnostics) if sm.diagnostics is not None else None
     if params.speculative:
         from moestream.daemon.model.speculative import SpeculativeParams, SpeculativeStats, speculative_steps
 
@@ -315,10 +286,14 @@ def iter_generate(
             on_prompt_progress=on_prompt_progress,
         )
     else:
-        steps = plain_steps(sm, prompt_ids, sampler, params.max_tokens, on_prompt_progress, prefill_stats)
+        # A request with diagnostics keeps stock's prefill order: they time and attribute
+        # each forward's own path (slots, overflow), and the next layer's prediction
+        # that the layer-major order has no use for.
+        steps = plain_steps(
+            sm, prompt_ids, sampler, params.max_tokens, on_prompt_progress, prefill_stats, layer_major=rec is None
+        )
     if sm.mapped_pool is not None:
         steps = _ticked(steps, sm.mapped_pool)
-    rec = sm.diagnostics.new_recorder(params.diagnostics) if sm.diagnostics is not None else None
     for n, (token, _) in enumerate(_attributed(sm, steps, (prefill, decode), rec), 1):
         token = int(token)
         if n == 1:
@@ -360,9 +335,9 @@ def iter_generate(
     if sm.mapped_pool is not None:
         # Account what is still pending (this request's last forwards, and those of
         # requests interleaved with it), so that its statistics and the heat include it.
-        before = _counters(sm)
+        before = sm.counters()
         sm.mapped_pool.settle()
-        _add(decode, before, _counters(sm))
+        _add(decode, before, sm.counters())
     decode_tokens = max(n - 1, 0)
     total = {k: prefill.get(k, 0) + decode.get(k, 0) for k in prefill.keys() | decode.keys()}
     routed_hits = total["hits_prefill"] + total["hits_decode"]

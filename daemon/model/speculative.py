@@ -56,6 +56,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
+from moestream.daemon.model.decider import ABBA
 from moestream.daemon.model.kv_buckets import bucketed, default_key_bucket
 from moestream.daemon.model.streaming_model import StreamingModel
 
@@ -217,7 +218,8 @@ class _MainCache:
                 c.trim(forwarded - keep)
             return False
         for c, saved in zip(self.recurrent, snapshot):
-            c.cache = saved
+            for i, arrays in enumerate(saved):  # an ArraysCache takes its entries by index
+                c[i] = arrays
         for c in self.layers:
             if c.is_trimmable():
                 c.trim(forwarded)
@@ -324,15 +326,11 @@ def load_draft_model(path: str | Path) -> nn.Module:
 
 
 def make_drafter(sm: StreamingModel, spec: SpeculativeParams, key_bucket: int = 0) -> MTPDrafter | ModelDrafter:
-    """The drafter of `spec` for `sm`, loading (once per `sm`) the MTP head or draft model."""
+    """The drafter of `spec` for `sm`, whose MTP head or draft model `sm` loads once."""
     if spec.mode == "mtp":
-        if sm.mtp is None:
-            from moestream.daemon.model.mtp_head import load_mtp_head
+        return MTPDrafter(sm.model, sm.mtp_head(), key_bucket)
 
-            sm.mtp = load_mtp_head(sm.store_dir, sm.manifest.config)
-        return MTPDrafter(sm.model, sm.mtp, key_bucket)
-    key = str(Path(spec.draft_model).resolve())
-    if key not in sm.draft_models:
+    def load(key: str) -> nn.Module:
         model = load_draft_model(key)
         main_vocab = sm.manifest.config.get("text_config", sm.manifest.config).get("vocab_size")
         draft_vocab = _vocab_size(model)
@@ -340,8 +338,9 @@ def make_drafter(sm: StreamingModel, spec: SpeculativeParams, key_bucket: int = 
             raise ValueError(
                 f"draft model {spec.draft_model} has a vocabulary of {draft_vocab}, the model {main_vocab}"
             )
-        sm.draft_models[key] = model
-    return ModelDrafter(sm.draft_models[key], key_bucket)
+        return model
+
+    return ModelDrafter(sm.draft_model(str(Path(spec.draft_model).resolve()), load), key_bucket)
 
 
 def _vocab_size(model: nn.Module) -> int | None:
@@ -462,27 +461,23 @@ class _Probe:
         self.pairs = spec.probe_pairs
         self.alternate = spec.alternate
         self.margin = margin
-        self.blocks = 0
+        self.order = ABBA("spec", "plain", alternate=spec.alternate)
         self.current: dict[str, float] = {}
         self.probing = True
 
     def block(self) -> str:
-        if self.alternate:
-            return "spec" if self.blocks % 2 == 0 else "plain"
-        pair, second = divmod(self.blocks, 2)
-        first, other = ("spec", "plain") if pair % 2 == 0 else ("plain", "spec")
-        return other if second else first
+        return self.order.current()
 
     def record(self, kind: str, tokens: int, seconds: float, stats: SpeculativeStats) -> None:
         """A probe block of `kind` ran `tokens` in `seconds`; decide when the plan says so."""
-        self.blocks += 1
+        pair_ended = self.order.next()
         if self.alternate:
             return
         seconds = max(seconds, 1e-9)
         stats.probe[f"{kind}_tokens"] += tokens
         stats.probe[f"{kind}_s"] += seconds
         self.current[kind] = tokens / seconds
-        if self.blocks % 2:
+        if not pair_ended:
             return
         stats.probe_ratios.append(self.current["spec"] / self.current["plain"])
         self.current = {}

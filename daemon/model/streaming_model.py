@@ -8,9 +8,10 @@ tensors are the pool's slot arrays. The stacked expert tensors are never materia
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,7 +22,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes, infer_quant_config, load_tokenizer
 
 from moestream._native import CudaCopier
-from moestream.daemon.mapped.mapped_pool import CountingMover, MappedPool
+from moestream.daemon.mapped.mapped_pool import CountingMover, MappedPool, MappedPoolStats
 from moestream.daemon.mapped.row_gather import RowGather
 from moestream.daemon.model.diagnostics import Diagnostics
 from moestream.daemon.model.prefill import LayerMajorPrefill, UnsupportedModel
@@ -29,7 +30,7 @@ from moestream.daemon.model.streaming_moe import StreamingMoE
 from moestream.daemon.policies import make_policy
 from moestream.daemon.pool.admission import Admitter, DirectAdmitter, cuda_copier, make_admitter
 from moestream.daemon.pool.capacity import plan_capacity, top_k_of_blocks
-from moestream.daemon.pool.expert_pool import ExpertPool, PoolCapacityError
+from moestream.daemon.pool.expert_pool import ExpertPool, PoolCapacityError, PoolStats
 from moestream.daemon.pool.expert_reader import ExpertReader
 from moestream.daemon.prefetch.predictor import make_prefetcher, next_layers, routers_of
 from moestream.shared.settings import Settings, format_size
@@ -40,6 +41,19 @@ LOWER_HINT_LAYERS = 4
 # Host memory a mapped pool leaves free beyond its experts: the resident weights are
 # read through it, and the rest of the process and the system need room too.
 MAPPED_HOST_MARGIN = 2 * 2**30
+
+
+def counter_fields(stats_type: type) -> tuple[str, ...]:
+    """The counters of a statistics dataclass: its int and float fields, in order (not
+    arrays such as `PoolStats.routed`, the per-expert counts for heat)."""
+    hints = typing.get_type_hints(stats_type)
+    return tuple(f.name for f in fields(stats_type) if hints[f.name] in (int, float))
+
+
+# The one list of each pool's counters: a field added to the dataclass is summed by
+# `pool_stats` and taken per request (daemon/model/generation.py) with the rest.
+POOL_COUNTERS = counter_fields(PoolStats)
+PLACEMENT_COUNTERS = counter_fields(MappedPoolStats)
 
 
 @dataclass
@@ -59,10 +73,10 @@ class StreamingModel:
     resident_bytes: int
     # False when the reader came with a shared admitter (benchmarks share one host tier).
     owns_reader: bool = True
-    # Loaded on the first speculative request that needs them (daemon/model/speculative.py):
-    # the store's MTP head, and draft models by path.
-    mtp: Any = None
-    draft_models: dict[str, Any] = field(default_factory=dict)
+    # Loaded on the first speculative request that needs them (daemon/model/speculative.py),
+    # through `mtp_head()` and `draft_model()`: the store's MTP head, and draft models by path.
+    _mtp: Any = field(default=None, init=False, repr=False)
+    _draft_models: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
     # The diagnostics switch and totals (daemon/model/diagnostics.py), and the prefetcher of
     # predicted experts (daemon/prefetch/prefetcher.py; None where every pool is full,
     # which a mapped pool's are: it has no prefetch).
@@ -75,19 +89,48 @@ class StreamingModel:
     layer_major: LayerMajorPrefill | None = None
     prefill_note: str = ""
 
+    def mtp_head(self) -> Any:
+        """The store's multi-token-prediction head (daemon/model/mtp_head.py), loaded on
+        first use and kept for later requests."""
+        if self._mtp is None:
+            from moestream.daemon.model.mtp_head import load_mtp_head
+
+            self._mtp = load_mtp_head(self.store_dir, self.manifest.config)
+        return self._mtp
+
+    def draft_model(self, path: str, load: Callable[[str], nn.Module]) -> nn.Module:
+        """The draft model at `path` (a resolved path: the key), made by `load(path)` on
+        first use (which checks it against this model) and kept for later requests."""
+        model = self._draft_models.get(path)
+        if model is None:
+            model = self._draft_models[path] = load(path)
+        return model
+
     @property
     def pool_bytes(self) -> int:
         return sum(p.nbytes for p in self.pools)
 
+    def counters(self) -> dict[str, float]:
+        """The cumulative counters, summed over layers (POOL_COUNTERS), and the mapped
+        pool's as `placement_<name>` (PLACEMENT_COUNTERS): what a request's share of the
+        work is taken from, as differences."""
+        totals: dict[str, float] = dict.fromkeys(POOL_COUNTERS, 0)
+        for p in self.pools:
+            for key in POOL_COUNTERS:
+                totals[key] += getattr(p.stats, key)
+        if self.mapped_pool is not None:
+            for key in PLACEMENT_COUNTERS:
+                totals["placement_" + key] = getattr(self.mapped_pool.stats, key)
+        return totals
+
     def pool_stats(self) -> dict[str, Any]:
         """Totals over layers, plus per-layer occupancy and hit rates."""
-        totals: dict[str, Any] = {}
+        totals: dict[str, Any] = dict.fromkeys(POOL_COUNTERS, 0)
         per_layer = []
         for i, p in enumerate(self.pools):
             d = p.stats.to_dict()
-            for key, value in d.items():
-                if isinstance(value, int):
-                    totals[key] = totals.get(key, 0) + value
+            for key in POOL_COUNTERS:
+                totals[key] += getattr(p.stats, key)
             layer = {
                 "layer": p.layer.ordinal,
                 "resident": int((p.slot_of >= 0).sum()),

@@ -120,7 +120,7 @@ class StreamingMoE(nn.Module):
             ids = np.array(indices)
             pool.stats.host_syncs += 1
             self._last_ids = ids.reshape(-1, ids.shape[-1])
-            pool.note_stacked(self._last_ids)
+            pool.note_stacked(self._last_ids, self.hub.recorder)
         assert self._stack is not None
         self._use(self._stack)
         try:

@@ -431,10 +431,22 @@ class ExpertPool:
         self.stats.staged_bytes += staged * layer.expert_bytes
         return dict(zip(names, rows)), staged * layer.expert_bytes
 
-    def note_stacked(self, token_experts: np.ndarray) -> None:
-        """A stacked forward's routing ([tokens, k]): counted as a prefill forward's,
-        and what the pool lacks of it remembered for `fill_stack`."""
-        _, missing = self._account(token_experts, decode=False)
+    def note_stacked(self, token_experts: np.ndarray, rec: AnyRecorder = NULL_RECORDER) -> None:
+        """A stacked forward's routing ([tokens, k]): counted as a prefill forward's
+        (and attributed by the forward's diagnostics `rec`), and what the pool lacks of
+        it remembered for `fill_stack`."""
+        needed, missing = self._account(token_experts, decode=False)
+        rec.attribute(
+            self.layer.ordinal,
+            False,
+            needed,
+            missing,
+            self.last_prestaged_used,
+            None,
+            self.prefetcher,
+            self.top_k,
+            promotable=False,
+        )
         self._stack_missing.update(missing)
 
     def fill_stack(self, stack: dict[str, mx.array]) -> int:

@@ -28,12 +28,13 @@ from __future__ import annotations
 import statistics
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 import mlx.core as mx
 
 from moestream._native import CudaCopier, HostBuffer
+from moestream.daemon.model.decider import ABBA
 from moestream.daemon.model.diagnostics import NULL_RECORDER, AnyRecorder
 from moestream.daemon.pool.expert_reader import ExpertReader
 from moestream.daemon.pool.host_tier import expert_stride
@@ -63,6 +64,10 @@ class PrefetchStats:
     no_room: int = 0  # predicted but not read: every buffer slot had a read in flight
     bytes_read: int = 0
     wait_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every counter, and the share of the reads that a pool used."""
+        return {**asdict(self), "used_fraction": self.promoted / self.submitted if self.submitted else None}
 
 
 class Prefetcher:
@@ -103,6 +108,22 @@ class Prefetcher:
         self.enabled = mode != "off"
         self.governor = PrefetchGovernor(self) if mode == "auto" else None
         self.s = PrefetchStats()
+
+    # ---- the switch --------------------------------------------------------------------
+
+    def switch(self, enabled: bool) -> bool:
+        """Turn prefetch on or off from outside the governor (a benchmark comparing the
+        two); returns what it was. Under `prefetch = auto` the governor may turn it
+        back at its next window."""
+        was, self.enabled = self.enabled, enabled
+        return was
+
+    def start_auto(self) -> PrefetchGovernor:
+        """Decide afresh, as `prefetch = auto` does at start: prefetch on and a new
+        governor measuring (what the daemon's generation loop feeds); returns it."""
+        self.mode, self.enabled = "auto", True
+        self.governor = PrefetchGovernor(self)
+        return self.governor
 
     # ---- reads -----------------------------------------------------------------------
 
@@ -280,22 +301,15 @@ class Prefetcher:
                 self._complete(en, c)
 
     def stats(self) -> dict[str, Any]:
-        s = self.s
-        out = {
+        """How prefetch is set up, its counters (`PrefetchStats`) and, under `prefetch =
+        auto`, the governor's measurement and decision."""
+        out: dict[str, Any] = {
             "mode": self.mode,
             "enabled": self.enabled,
             "depth": self.depth,
             "buffer_experts": self.slots,
             "buffer_bytes": self.slots * self.stride,
-            "submitted": s.submitted,
-            "promoted": s.promoted,
-            "waited": s.waited,
-            "failed": s.failed,
-            "dropped_unused": s.dropped_unused,
-            "no_room": s.no_room,
-            "bytes_read": s.bytes_read,
-            "wait_seconds": s.wait_seconds,
-            "used_fraction": s.promoted / s.submitted if s.submitted else None,
+            **self.s.to_dict(),
         }
         if self.governor is not None:
             out["auto"] = self.governor.to_dict()
@@ -324,7 +338,8 @@ class PrefetchGovernor:
     # (on or off, median ms) of each window, in order.
     window_medians: list[tuple[str, float]] = field(default_factory=list)
     _in_window: int = 0
-    _windows: int = 0
+    # Windows in ABBA order; the first is on (prefetch starts on for the measurement).
+    _order: ABBA = field(default_factory=lambda: ABBA("on", "off"))
     _current: list[float] = field(default_factory=list)
     # Whether the current window began with a switch; the first window counts as one
     # (prefetch was just turned on for the measurement).
@@ -343,12 +358,11 @@ class PrefetchGovernor:
             return
         self.window_medians.append(("on" if self.prefetcher.enabled else "off", 1e3 * statistics.median(self._current)))
         self._in_window, self._current = 0, []
-        self._windows += 1
-        if self._windows >= 2 * self.trials:
+        self._order.next()
+        if self._order.blocks >= 2 * self.trials:
             self._decide()
             return
-        # ABBA: windows 0 and 3 of every four on, 1 and 2 off.
-        enabled = self._windows % 4 in (0, 3)
+        enabled = self._order.current() == "on"
         self._switched = enabled != self.prefetcher.enabled
         self.prefetcher.enabled = enabled
 
