@@ -104,6 +104,8 @@ class EngineLoop:
         self.finished = threading.Event()
         self._events: zmq.Socket | None = None
         self._sm: Any = None
+        # Continuous batching (daemon/model/batching.py) where max_batch > 1, else None.
+        self._batch: Any = None
         self._heat: Any = None
         self._heat_state: dict[str, Any] = {"state": "not started"}
         self._autopin: dict[str, Any] | None = None
@@ -195,6 +197,10 @@ class EngineLoop:
             self.state, self.error = "failed", f"cannot load the model {s.model}: {e}"
             self.log.error(self.error)
             return False
+        if s.max_batch > 1:
+            from moestream.daemon.model.batching import BatchSession
+
+            self._batch = BatchSession(self._sm, s.max_batch)
         if "mapped_auto" in self._sm.admission_note:
             self.log.info("mapped pool (auto): %s", self._sm.admission_note["mapped_auto"])
         self._start_heat()
@@ -330,6 +336,7 @@ class EngineLoop:
             job.result,
             should_stop=lambda: job.stop_reason is not None,
             on_prompt_progress=lambda done, total: self._on_prefill(job, done, total),
+            batch=self._batch,
         )
 
     def _on_prefill(self, job: Job, done: int, total: int) -> None:
@@ -491,6 +498,13 @@ class EngineLoop:
                     "pool": pools,
                     "reader": sm.reader.stats(),
                     "prefetch": sm.prefetcher.stats() if sm.prefetcher is not None else None,
+                    "batch": {
+                        "max_batch": self._batch.max_batch,
+                        "size": self._batch.size,
+                        **self._batch.stats.to_dict(),
+                    }
+                    if self._batch is not None
+                    else None,
                     "diagnostics": {
                         "default": sm.diagnostics.default,
                         "totals": sm.diagnostics.totals(),
@@ -590,5 +604,7 @@ class EngineLoop:
                 self._heat_state = {"state": "closed"}
                 self._heat = None
         finally:
+            if self._batch is not None:
+                self._batch.close()
             if self._sm is not None:
                 self._sm.close()

@@ -322,6 +322,8 @@ class Server:
                     "staged_bytes": pool.get("staged_bytes", 0),
                 },
             },
+            # Continuous batching: its size now and its totals (None: max_batch 1).
+            "batch": snap.get("batch"),
             "memory": {
                 "rss_bytes": self._process.memory_info().rss,
                 "mlx_active_bytes": snap.get("mlx_active_bytes"),

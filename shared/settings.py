@@ -436,6 +436,15 @@ class Settings:
     # Requests: the KV cache is sized for max_context when the pool comes from a memory budget.
     max_context: int = setting(16384, kind="int", low=16, high=2**24, help="Tokens per request, prompt and generated.")
     max_active: int = setting(8, kind="int", low=1, high=1024, help="Requests decoded at once.")
+    # Off (1) by default until its speed is measured on the GPU machine (bench serve).
+    max_batch: int = setting(
+        1,
+        kind="int",
+        low=1,
+        high=256,
+        scope=(DAEMON,),
+        help="Requests decoded together in one forward per step (continuous batching); 1 decodes them in turns.",
+    )
     max_queued: int = setting(
         256, kind="int", low=0, high=1_000_000, help="Requests waiting for a turn; more are refused as busy."
     )

@@ -333,6 +333,15 @@ def _format_status(st: dict[str, Any]) -> str:
             f"policy {st['policy']}; {resident}/{slots} slots used, {pinned} pinned; hit rate "
             f"{_rate(pool.get('hit_rate'))}"
         )
+    batch = st.get("batch")
+    if batch:
+        mean = batch.get("mean_size")
+        lines.append(
+            f"  batch      up to {batch['max_batch']} decoding together; {batch['size']} in it now, "
+            f"{batch['steps']} steps so far (mean size {mean:.2f}, largest {batch['max_size']})"
+            if mean
+            else f"  batch      up to {batch['max_batch']} decoding together; {batch['size']} in it now"
+        )
     prefill = pool.get("prefill") or {}
     if prefill.get("order"):
         lines.append(

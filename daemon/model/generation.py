@@ -20,6 +20,7 @@ from moestream.daemon.model.streaming_model import PLACEMENT_COUNTERS, POOL_COUN
 
 if TYPE_CHECKING:
     from moestream.daemon.mapped.mapped_pool import MappedPool
+    from moestream.daemon.model.batching import BatchSession
 
 
 @dataclass(frozen=True)
@@ -145,11 +146,12 @@ def generate(
     on_text: Callable[[str, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     on_prompt_progress: Callable[[int, int], None] | None = None,
+    batch: BatchSession | None = None,
 ) -> GenerationResult:
     """Run one request to the end; `on_text(segment, token)` gets text as it appears."""
     result = GenerationResult()
     steps = iter_generate(
-        sm, prompt_ids, params, result, should_stop=should_stop, on_prompt_progress=on_prompt_progress
+        sm, prompt_ids, params, result, should_stop=should_stop, on_prompt_progress=on_prompt_progress, batch=batch
     )
     for segment, token in steps:
         if on_text is not None:
@@ -250,8 +252,11 @@ def iter_generate(
     *,
     should_stop: Callable[[], bool] | None = None,
     on_prompt_progress: Callable[[int, int], None] | None = None,
+    batch: BatchSession | None = None,
 ) -> Iterator[tuple[str, int]]:
-    """Yield (text segment, token id) pairs; fill `result` as it goes.
+    """Yield (text segment, token id) pairs; fill `result` as it goes. With a `batch`
+    (daemon/model/batching.py) the request decodes in it, beside the others; a
+    speculative request decodes on its own.
 
     `on_prompt_progress(done, total)` is called as the prompt is prefilled: at its start
     and after each prefill chunk (mlx-lm's prefill step), on this thread."""
@@ -285,6 +290,8 @@ def iter_generate(
             stats=spec_stats,
             on_prompt_progress=on_prompt_progress,
         )
+    elif batch is not None:
+        steps = batch.steps(prompt_ids, sampler, params.max_tokens, on_prompt_progress, prefill_stats)
     else:
         # A request with diagnostics keeps stock's prefill order: they time and attribute
         # each forward's own path (slots, overflow), and the next layer's prediction
@@ -378,6 +385,10 @@ def iter_generate(
         "finish_reason": result.finish_reason,
     }
     result.stats["prefill"] = _prefill_summary(prefill_stats, prefill)
+    if batch is not None and not params.speculative:
+        # The batch's totals when this request ended (its hits and misses above are the
+        # pool's during the steps this request ran, which served the whole batch).
+        result.stats["batch"] = {"max_batch": batch.max_batch, **batch.stats.to_dict()}
     if sm.mapped_pool is not None:
         result.stats["mapped_pool"] = _placement_stats(total, sm.mapped_pool.gpu_slots)
     if spec_stats is not None:

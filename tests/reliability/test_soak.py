@@ -4,12 +4,16 @@ crossed between clients, the daemon's counters add up, and its RSS stays flat.""
 
 from __future__ import annotations
 
+import pytest
+
 from moestream.client.client import Client
 from moestream.daemon.bench.soak.driver import run_soak
 
 
-def test_soak_with_cancels_and_disconnects(rel_store, start_daemon, rel_reference):
-    daemon = start_daemon(rel_store)
+@pytest.mark.parametrize("max_batch", ["1", "4"], ids=["in-turns", "batched"])
+def test_soak_with_cancels_and_disconnects(rel_store, start_daemon, rel_reference, max_batch):
+    """In turns and with continuous batching (daemon/model/batching.py)."""
+    daemon = start_daemon(rel_store, env={"MOESTREAM_MAX_BATCH": max_batch})
     report = run_soak(daemon, rel_reference, clients=4, requests=12, cancel_frac=0.3, seed=3)
     print(
         {
@@ -32,6 +36,11 @@ def test_soak_with_cancels_and_disconnects(rel_store, start_daemon, rel_referenc
     assert report["cancel_asked"] + report["disconnect_asked"] > 0, "the seed must exercise cancels and disconnects"
     assert report["rss_growth_pct"] < 5.0
     assert report["ok"]
+    with Client(daemon.paths) as c:
+        batch = c.status()["batch"]
+    assert (batch is None) == (max_batch == "1")
+    if batch is not None:
+        assert batch["max_size"] > 1 and batch["joined"] == batch["left"]
 
 
 def test_a_long_lived_client_does_not_grow(rel_store, start_daemon):

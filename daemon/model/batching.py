@@ -1,0 +1,174 @@
+"""Continuous batching: the daemon's active requests decode together, one forward per step.
+
+Built on mlx-lm's own `BatchGenerator` (per-sequence samplers, max tokens and stop
+tokens, left-padded batch caches, sequences joining and leaving between steps). Each
+request first prefills its prompt but the last token on a cache of its own, as a request
+alone does (`prefill_cache`: layer by layer where that spares a partial pool reads,
+daemon/model/prefill.py, else stock's chunks), then joins the batch with that cache and
+its last token, which is how `BatchGenerator.insert` takes a prompt with a cache. So the
+batched decode runs mlx-lm's code on the caches stock's prefill makes (exactness is
+checked against stock's `BatchGenerator` fed the same way, tests/test_batching.py).
+
+Each request still looks like a generator of (token, logprobs) to `iter_generate`
+(`BatchSession.steps`): when its own buffer is empty it advances the whole batch one
+step, which fills every member's buffer; the engine loop's round robin then finds the
+others' tokens waiting. A request that ends (its tokens, a stop string, a cancel, a
+vanished client) leaves the batch before the next step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, generation_stream
+from mlx_lm.models.cache import make_prompt_cache
+
+from moestream.daemon.model.prefill import PREFILL_STEP, PrefillStats, UnsupportedModel
+from moestream.daemon.model.streaming_model import StreamingModel
+
+
+@dataclass
+class BatchStats:
+    """What the session's batch did, for `status` and each request's statistics."""
+
+    steps: int = 0
+    # Tokens made over all steps, and the largest batch seen.
+    tokens: int = 0
+    max_size: int = 0
+    joined: int = 0
+    left: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "mean_size": self.tokens / self.steps if self.steps else None,
+            "max_size": self.max_size,
+            "joined": self.joined,
+            "left": self.left,
+        }
+
+
+@dataclass
+class _Member:
+    """A request's tokens made by batch steps and not yet taken."""
+
+    tokens: deque = field(default_factory=deque)
+    finished: bool = False
+
+    def add(self, token: int, last: bool) -> None:
+        self.tokens.append(token)
+        self.finished = self.finished or last
+
+
+def prefill_cache(
+    sm: StreamingModel,
+    prompt: mx.array,
+    step: int = PREFILL_STEP,
+    on_progress: Callable[[int], None] | None = None,
+    stats: PrefillStats | None = None,
+) -> list[Any]:
+    """A prompt cache holding `prompt` (1-D), made as `generate_step` makes it before its
+    last prompt token: layer by layer where the layer-major prefill wants it, else in
+    stock's chunks. `on_progress(tokens_done)` as it goes."""
+    cache = make_prompt_cache(sm.model)
+    n = int(prompt.size)
+    if n == 0:
+        return cache
+    lm = sm.layer_major
+    with mx.stream(generation_stream):
+        if lm is not None and lm.wanted(n + 1, step):
+            try:
+                lm.run(prompt, cache, step, on_progress=on_progress, stats=stats)
+                return cache
+            except UnsupportedModel:
+                pass  # refused before anything ran: stock's chunks below
+        for start in range(0, n, step):
+            sm.model(prompt[start : start + step][None], cache=cache)
+            mx.eval([c.state for c in cache])
+            if on_progress is not None:
+                on_progress(min(start + step, n))
+    return cache
+
+
+class BatchSession:
+    """One model's batch of decoding requests."""
+
+    def __init__(self, sm: StreamingModel, max_batch: int, prefill_step: int = PREFILL_STEP) -> None:
+        self.sm = sm
+        self.max_batch = max_batch
+        self.prefill_step = prefill_step
+        eos = sorted(sm.tokenizer.eos_token_ids)
+        self._gen = BatchGenerator(
+            sm.model,
+            stop_tokens=[[e] for e in eos],
+            completion_batch_size=max_batch,
+            prefill_batch_size=max_batch,
+            prefill_step_size=prefill_step,
+        )
+        self._members: dict[int, _Member] = {}
+        self.stats = BatchStats()
+
+    @property
+    def size(self) -> int:
+        return len(self._members)
+
+    def has_room(self) -> bool:
+        return len(self._members) < self.max_batch
+
+    def steps(
+        self,
+        prompt_ids: Sequence[int],
+        sampler: Callable[[mx.array], mx.array],
+        max_tokens: int,
+        on_prompt_progress: Callable[[int, int], None] | None = None,
+        prefill_stats: PrefillStats | None = None,
+    ) -> Iterator[tuple[int, None]]:
+        """One request's tokens, as `generate_step` yields them (token, no logprobs):
+        its prompt prefilled on its own cache, then its decode in the batch."""
+        prompt = mx.array(list(prompt_ids))
+        n = int(prompt.size)
+        progress = on_prompt_progress or (lambda done, total: None)
+        progress(0, n)
+        cache = prefill_cache(
+            self.sm, prompt[:-1], self.prefill_step, on_progress=lambda done: progress(done, n), stats=prefill_stats
+        )
+        (uid,) = self._gen.insert([[int(prompt_ids[-1])]], max_tokens=[max_tokens], caches=[cache], samplers=[sampler])
+        member = self._members[uid] = _Member()
+        self.stats.joined += 1
+        first = True
+        try:
+            while True:
+                while not member.tokens and not member.finished:
+                    self._advance()
+                if not member.tokens:
+                    return
+                if first:
+                    progress(n, n)
+                    first = False
+                yield member.tokens.popleft(), None
+        finally:
+            del self._members[uid]
+            if not member.finished:
+                self._gen.remove([uid])
+            self.stats.left += 1
+
+    def _advance(self) -> None:
+        """One step of the batch: every member's next token into its buffer."""
+        _, responses = self._gen.next()
+        if not responses:
+            return
+        self.stats.steps += 1
+        self.stats.tokens += len(responses)
+        self.stats.max_size = max(self.stats.max_size, len(responses))
+        for r in responses:
+            member = self._members.get(r.uid)
+            if member is None:
+                continue
+            member.add(int(r.token), r.finish_reason is not None)
+
+    def close(self) -> None:
+        self._gen.close()

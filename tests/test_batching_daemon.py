@@ -1,0 +1,94 @@
+"""Continuous batching through the real daemon (`--max-batch`): eight clients at once,
+greedy, sampled with seeds, and cancelled, each get exactly what they get alone."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from daemon_cli import started_daemon
+from tiny_models import tiny_store
+
+from moestream.client.client import Client
+from moestream.daemon.model.generation import SamplingParams, encode_prompt, generate
+from moestream.daemon.model.streaming_model import load_streaming_model
+from moestream.shared.settings import Settings
+
+TOKENS = 24
+# (prompt, temperature, seed, cancel after this many token events or None)
+REQUESTS = [
+    ("def route(hidden, gate, k=2):", 0.0, None, None),
+    ("import numpy as np", 0.0, None, None),
+    ("class Pool:", 0.8, 11, None),
+    ("for i in range(10):", 1.0, 12, None),
+    ("def f(x):", 0.0, None, 3),
+    ("# a comment", 0.7, 13, None),
+    ("while True:", 0.0, None, None),
+    ("return x", 1.0, 14, 2),
+]
+
+
+@pytest.fixture(scope="module")
+def store():
+    with tiny_store("msbatch") as path:
+        yield path
+
+
+@pytest.fixture(scope="module")
+def alone(store):
+    """Each request decoded on its own, in process, with the daemon's settings."""
+    sm = load_streaming_model(store, Settings(capacity=0.5))
+    try:
+        out = {}
+        for prompt, temp, seed, _ in REQUESTS:
+            ids = encode_prompt(sm, prompt, None)
+            out[prompt] = generate(sm, ids, SamplingParams(max_tokens=TOKENS, temp=temp, seed=seed))
+        return out
+    finally:
+        sm.close()
+
+
+def test_eight_mixed_clients_in_one_batch_get_their_alone_outputs(store, alone):
+    with started_daemon(store, "msbt", "--capacity", "0.5", "--max-batch", "4") as paths:
+        results: dict[int, object] = {}
+        failures: list[BaseException] = []
+        barrier = threading.Barrier(len(REQUESTS))
+
+        def run(i: int) -> None:
+            prompt, temp, seed, cancel_after = REQUESTS[i]
+            try:
+                with Client(paths, timeout=60) as c:
+                    barrier.wait()
+                    stream = c.generate(prompt, max_tokens=TOKENS, temp=temp, seed=seed)
+                    seen = 0
+                    for _ in stream:
+                        seen += 1
+                        if cancel_after is not None and seen == cancel_after:
+                            stream.cancel()
+                    results[i] = stream.done
+            except BaseException as e:  # reported below, in the test's thread
+                failures.append(e)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(REQUESTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not failures, failures
+        for i, (prompt, _, _, cancel_after) in enumerate(REQUESTS):
+            done, want = results[i], alone[prompt]
+            if cancel_after is None:
+                assert done.tokens == want.tokens and done.text == want.text, f"request {i} differs from alone"
+                assert done.finish_reason == want.finish_reason
+                assert done.stats["batch"]["max_batch"] == 4
+            else:
+                # Cancelled: what it got is the start of what it gets alone, and it stopped early.
+                assert done.finish_reason == "cancelled"
+                assert done.tokens == want.tokens[: len(done.tokens)] and len(done.tokens) < len(want.tokens)
+        with Client(paths) as c:
+            deadline = time.monotonic() + 10
+            while (batch := c.status()["batch"])["size"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+        # Everyone left the batch (the cancelled ones too), and it ran more than one at a time.
+        assert batch["size"] == 0 and batch["max_size"] > 1 and batch["joined"] == batch["left"] == len(REQUESTS)
