@@ -201,6 +201,12 @@ class EngineLoop:
             from moestream.daemon.model.batching import BatchSession
 
             self._batch = BatchSession(self._sm, s.max_batch)
+            if self._batch.max_batch < s.max_batch:
+                self.log.info(
+                    "batch: at most %d requests at once (max_batch %d): a step's experts must fit the pool",
+                    self._batch.max_batch,
+                    s.max_batch,
+                )
         if "mapped_auto" in self._sm.admission_note:
             self.log.info("mapped pool (auto): %s", self._sm.admission_note["mapped_auto"])
         self._start_heat()

@@ -63,6 +63,8 @@ def _stock_batched(model, prompts: list[list[int]], eos: list[int]) -> list[list
 
 def _ours_batched(sm, prompts: list[list[int]]) -> list[list[int]]:
     session = BatchSession(sm, max_batch=8)
+    # A partial slot pool caps the batch at what one step's experts need of its slots.
+    assert session.max_batch == (8 if all(p.fully_resident for p in sm.pools) else sm.capacity // sm.pools[0].top_k)
     gens = [session.steps(p, GREEDY, m) for p, m in zip(prompts, MAX_TOKENS)]
     out: list[list[int]] = [[] for _ in prompts]
     live = list(range(len(prompts)))
@@ -75,7 +77,7 @@ def _ours_batched(sm, prompts: list[list[int]]) -> list[list[int]]:
                 live.remove(i)
                 continue
             out[i].append(int(token))
-    assert session.size == 0 and session.stats.max_size == len(prompts)
+    assert session.size == 0 and session.stats.max_size == min(len(prompts), session.max_batch)
     session.close()
     return out
 
@@ -98,8 +100,14 @@ def test_batched_tokens_equal_stock_batching_at_every_capacity(converted):
     store, want, _ = converted
     manifest = load_manifest(store)
     k, experts = top_k_of(manifest.config), manifest.layers[0].num_experts
-    for label, slots in (("top-k x B", min(experts, k * 3)), ("50%", math.ceil(experts / 2)), ("100%", experts)):
-        sm = load_streaming_model(store, Settings(capacity=slots, direct_io=True))
+    configs = [
+        ("top-k x B", Settings(capacity=min(experts, k * 3), direct_io=True)),
+        ("50%", Settings(capacity=math.ceil(experts / 2), direct_io=True)),
+        ("100%", Settings(capacity=experts, direct_io=True)),
+        ("mapped 25%", Settings(capacity=max(k, math.ceil(experts / 4)), mapped=True, direct_io=True)),
+    ]
+    for label, settings in configs:
+        sm = load_streaming_model(store, settings)
         try:
             got = _ours_batched(sm, _prompts())
         finally:
@@ -123,7 +131,10 @@ def test_a_request_in_a_batch_makes_the_tokens_it_makes_alone(converted):
         session = BatchSession(sm, max_batch=4)
         result = generate(sm, _prompts()[1], SamplingParams(max_tokens=MAX_TOKENS[1]), batch=session)
         plain = generate(sm, _prompts()[1], SamplingParams(max_tokens=MAX_TOKENS[1]))
-        assert result.tokens == plain.tokens and result.stats["batch"]["max_batch"] == 4
+        assert result.tokens == plain.tokens
+        # 8 slots of top-4 experts: a step of more than 2 requests could not fit.
+        assert result.stats["batch"]["requested"] == 4 and result.stats["batch"]["max_batch"] == session.max_batch
+        assert session.max_batch == sm.capacity // sm.pools[0].top_k < 4
         session.close()
     finally:
         sm.close()

@@ -81,7 +81,7 @@ def test_eight_mixed_clients_in_one_batch_get_their_alone_outputs(store, alone):
             if cancel_after is None:
                 assert done.tokens == want.tokens and done.text == want.text, f"request {i} differs from alone"
                 assert done.finish_reason == want.finish_reason
-                assert done.stats["batch"]["max_batch"] == 4
+                assert done.stats["batch"]["requested"] == 4 and 1 < done.stats["batch"]["max_batch"] <= 4
             else:
                 # Cancelled: what it got is the start of what it gets alone, and it stopped early.
                 assert done.finish_reason == "cancelled"

@@ -94,12 +94,24 @@ def prefill_cache(
     return cache
 
 
+def batch_cap(sm: StreamingModel, max_batch: int) -> int:
+    """`max_batch`, capped where a partial slot pool could not hold the experts one step
+    routes: B requests route up to B x top-k experts per layer, which must fit its slots
+    (else every step would take the overflow path and read them all again). Full and
+    mapped pools hold every expert."""
+    partial = [p for p in sm.pools if not p.fully_resident]
+    if not partial:
+        return max_batch
+    return max(1, min(max_batch, min(p.capacity // p.top_k for p in partial)))
+
+
 class BatchSession:
     """One model's batch of decoding requests."""
 
     def __init__(self, sm: StreamingModel, max_batch: int, prefill_step: int = PREFILL_STEP) -> None:
         self.sm = sm
-        self.max_batch = max_batch
+        self.requested = max_batch
+        self.max_batch = batch_cap(sm, max_batch)
         self.prefill_step = prefill_step
         eos = sorted(sm.tokenizer.eos_token_ids)
         self._gen = BatchGenerator(
@@ -116,8 +128,9 @@ class BatchSession:
     def size(self) -> int:
         return len(self._members)
 
-    def has_room(self) -> bool:
-        return len(self._members) < self.max_batch
+    def decoding(self) -> int:
+        """Members whose tokens are still being made."""
+        return sum(not m.finished for m in self._members.values())
 
     def steps(
         self,
@@ -136,6 +149,9 @@ class BatchSession:
         cache = prefill_cache(
             self.sm, prompt[:-1], self.prefill_step, on_progress=lambda done: progress(done, n), stats=prefill_stats
         )
+        # Wait for room: the step of a request that waits serves the batch meanwhile.
+        while self.decoding() >= self.max_batch:
+            self._advance()
         (uid,) = self._gen.insert([[int(prompt_ids[-1])]], max_tokens=[max_tokens], caches=[cache], samplers=[sampler])
         member = self._members[uid] = _Member()
         self.stats.joined += 1
