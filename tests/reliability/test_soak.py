@@ -12,8 +12,11 @@ from moestream.daemon.bench.soak.driver import run_soak
 
 @pytest.mark.parametrize("max_batch", ["1", "4"], ids=["in-turns", "batched"])
 def test_soak_with_cancels_and_disconnects(rel_store, start_daemon, rel_reference, max_batch):
-    """In turns and with continuous batching (daemon/model/batching.py)."""
-    daemon = start_daemon(rel_store, env={"MOESTREAM_MAX_BATCH": max_batch})
+    """In turns and with continuous batching (daemon/model/batching.py; every expert
+    resident, so that the batch is not capped by the pool: tests/test_batching_daemon.py
+    batches a partial one)."""
+    batched = {"capacity": "1.0"} if max_batch != "1" else {}
+    daemon = start_daemon(rel_store, env={"MOESTREAM_MAX_BATCH": max_batch}, **batched)
     report = run_soak(daemon, rel_reference, clients=4, requests=12, cancel_frac=0.3, seed=3)
     print(
         {
@@ -40,7 +43,7 @@ def test_soak_with_cancels_and_disconnects(rel_store, start_daemon, rel_referenc
         batch = c.status()["batch"]
     assert (batch is None) == (max_batch == "1")
     if batch is not None:
-        assert batch["max_size"] > 1 and batch["joined"] == batch["left"]
+        assert batch["max_batch"] == 4 and 1 < batch["max_size"] <= 4 and batch["joined"] == batch["left"]
 
 
 def test_a_long_lived_client_does_not_grow(rel_store, start_daemon):
