@@ -197,6 +197,7 @@ class LayerMajorPrefill:
                 stats.staged_bytes += moe.begin_stack()
                 stats.staged_layers += 1
             t1 = clock()
+            ran = False
             try:
                 for k in range(len(sizes)):
                     args, kwargs = calls[k][i]
@@ -211,9 +212,10 @@ class LayerMajorPrefill:
                 # its MoE-only layers): evaluate all, of which only this layer's is new.
                 mx.eval([a for c in cache for a in _state(c)])
                 t4 = clock()
+                ran = True
             finally:
                 if stack:
-                    moe.end_stack()
+                    moe.end_stack(keep=ran)
             stats.stage_seconds += t1 - t0
             stats.route_seconds += t2 - t1
             stats.read_seconds += t3 - t2

@@ -101,11 +101,13 @@ class StreamingMoE(nn.Module):
         assert self._stack is not None
         return self.pool.fill_stack(self._stack)
 
-    def end_stack(self) -> None:
-        """Back to the pool's own arrays, keeping in it the last tokens' experts."""
+    def end_stack(self, keep: bool = True) -> None:
+        """Back to the pool's own arrays, keeping in it the last tokens' experts when
+        `keep` (the layer ran: every row they need was filled; after a failed read some
+        were not, and a pool must never hold such a row as an expert)."""
         stack, self._stack = self._stack, None
         last, self._last_ids = self._last_ids, None
-        if stack is not None and last is not None:
+        if keep and stack is not None and last is not None:
             self.pool.keep_from_stack(last, stack)
 
     def _stacked(self, x: mx.array, indices: mx.array) -> mx.array:
