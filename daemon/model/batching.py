@@ -19,7 +19,7 @@ vanished client) leaves the batch before the next step.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
@@ -42,14 +42,7 @@ class BatchStats:
     left: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "steps": self.steps,
-            "tokens": self.tokens,
-            "mean_size": self.tokens / self.steps if self.steps else None,
-            "max_size": self.max_size,
-            "joined": self.joined,
-            "left": self.left,
-        }
+        return {**asdict(self), "mean_size": self.tokens / self.steps if self.steps else None}
 
 
 @dataclass

@@ -198,8 +198,9 @@ def plain_steps(
     prompt = mx.array(list(prompt_ids))
     n = prompt.size
     lm = sm.layer_major
-    if lm is None or not layer_major or not lm.wanted(n, prefill_step):
-        yield from generate_step(
+
+    def stock() -> Iterator[tuple[mx.array, mx.array]]:
+        return generate_step(
             prompt,
             sm.model,
             max_tokens=max_tokens,
@@ -207,6 +208,9 @@ def plain_steps(
             prompt_progress_callback=on_prompt_progress,
             prefill_step_size=prefill_step,
         )
+
+    if lm is None or not layer_major or not lm.wanted(n, prefill_step):
+        yield from stock()
         return
     progress = on_prompt_progress or (lambda done, total: None)
     cache = make_prompt_cache(sm.model)
@@ -216,14 +220,7 @@ def plain_steps(
             lm.run(prompt[:-1], cache, prefill_step, on_progress=lambda done: progress(done, n), stats=prefill_stats)
     except UnsupportedModel:
         # Refused before anything ran: stock's order, from the start.
-        yield from generate_step(
-            prompt,
-            sm.model,
-            max_tokens=max_tokens,
-            sampler=sampler,
-            prompt_progress_callback=on_prompt_progress,
-            prefill_step_size=prefill_step,
-        )
+        yield from stock()
         return
     yield from generate_step(
         prompt[-1:],

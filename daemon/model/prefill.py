@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
 import mlx.core as mx
@@ -68,20 +68,7 @@ class PrefillStats:
     keep_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "mode": "layer-major",
-            "chunks": self.chunks,
-            "tokens": self.tokens,
-            "staged_layers": self.staged_layers,
-            "staged_bytes": self.staged_bytes,
-            "read_bytes": self.read_bytes,
-            "seconds": self.seconds,
-            "stage_seconds": self.stage_seconds,
-            "route_seconds": self.route_seconds,
-            "read_seconds": self.read_seconds,
-            "compute_seconds": self.compute_seconds,
-            "keep_seconds": self.keep_seconds,
-        }
+        return {"mode": "layer-major", **asdict(self)}
 
 
 class _Capture:

@@ -325,6 +325,25 @@ class ExpertPool:
             self.stats.misses_prefill += len(missing)
         return needed, missing
 
+    def _account_prefill(
+        self, token_experts: np.ndarray, prediction: Prediction | None, rec: AnyRecorder
+    ) -> tuple[np.ndarray, list[int]]:
+        """`_account` for a prefill forward that is not served from slots (an overflow
+        or stacked one), its misses attributed by the forward's diagnostics `rec`."""
+        needed, missing = self._account(token_experts, decode=False)
+        rec.attribute(
+            self.layer.ordinal,
+            False,
+            needed,
+            missing,
+            self.last_prestaged_used,
+            prediction,
+            self.prefetcher,
+            self.top_k,
+            promotable=False,
+        )
+        return needed, missing
+
     def ensure(
         self, token_experts: np.ndarray, *, decode: bool, synced: bool = False, rec: AnyRecorder = NULL_RECORDER
     ) -> None:
@@ -376,18 +395,7 @@ class ExpertPool:
         transient copy of this layer's needed experts. `rec`: the forward's diagnostics.
         """
         prediction, self.prediction = self.prediction, None
-        needed, missing = self._account(token_experts, decode=False)
-        rec.attribute(
-            self.layer.ordinal,
-            False,
-            needed,
-            missing,
-            self.last_prestaged_used,
-            prediction,
-            self.prefetcher,
-            self.top_k,
-            promotable=False,
-        )
+        needed, missing = self._account_prefill(token_experts, prediction, rec)
         self.stats.overflow_forwards += 1
         resident = [int(e) for e in needed if self.slot_of[e] >= 0]
         scratch = self._read_scratch(missing)
@@ -435,18 +443,7 @@ class ExpertPool:
         """A stacked forward's routing ([tokens, k]): counted as a prefill forward's
         (and attributed by the forward's diagnostics `rec`), and what the pool lacks of
         it remembered for `fill_stack`."""
-        needed, missing = self._account(token_experts, decode=False)
-        rec.attribute(
-            self.layer.ordinal,
-            False,
-            needed,
-            missing,
-            self.last_prestaged_used,
-            None,
-            self.prefetcher,
-            self.top_k,
-            promotable=False,
-        )
+        _, missing = self._account_prefill(token_experts, None, rec)
         self._stack_missing.update(missing)
 
     def fill_stack(self, stack: dict[str, mx.array]) -> int:
@@ -455,8 +452,13 @@ class ExpertPool:
         missing, self._stack_missing = sorted(self._stack_missing), set()
         if not missing:
             return 0
-        failed = self.admitter.fill(self.layer, [(e, e) for e in missing], stack)
-        read = (len(missing) - len(failed)) * self.layer.expert_bytes
+        return self._fill_rows([(e, e) for e in missing], stack)
+
+    def _fill_rows(self, placements: Sequence[tuple[int, int]], arrays: dict[str, mx.array]) -> int:
+        """Read (expert, row) placements into `arrays` outside the slots (a stack or
+        scratch), counted as read; raises on the first failure. Returns the bytes read."""
+        failed = self.admitter.fill(self.layer, placements, arrays)
+        read = (len(placements) - len(failed)) * self.layer.expert_bytes
         self.stats.bytes_read += read
         if failed:
             self._raise(failed)
@@ -473,10 +475,7 @@ class ExpertPool:
             return {}
         scratch = {t.name: mx.zeros((len(experts), *t.shape), dtype=getattr(mx, t.dtype)) for t in self.layer.tensors}
         mx.eval(list(scratch.values()))
-        failed = self.admitter.fill(self.layer, [(e, j) for j, e in enumerate(experts)], scratch)
-        self.stats.bytes_read += (len(experts) - len(failed)) * self.layer.expert_bytes
-        if failed:
-            self._raise(failed)
+        self._fill_rows([(e, j) for j, e in enumerate(experts)], scratch)
         return scratch
 
     def _keep_latest(

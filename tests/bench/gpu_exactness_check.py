@@ -63,6 +63,18 @@ def greedy(model, prompt, steps, tick=None):
     return tokens, rows
 
 
+def compared(tokens, rows, want) -> dict:
+    """How a run's tokens and per-step logits (or log-probs) compare with stock's."""
+    diffs = [float(np.nanmax(np.abs(a - b))) if not np.array_equal(a, b) else 0.0 for a, b in zip(rows, want[1])]
+    return {
+        "tokens_equal": tokens == want[0],
+        "logits_equal_steps": sum(d == 0.0 for d in diffs),
+        "steps": len(diffs),
+        "max_abs_diff": max(diffs),
+        "first_diff_step": next((i for i, d in enumerate(diffs) if d), None),
+    }
+
+
 def stepped(steps):
     """(tokens, log-probs per step) of a generate_step-like generator."""
     tokens, rows = [], []
@@ -176,20 +188,12 @@ def main() -> None:
             tick = sm.mapped_pool.tick if sm.mapped_pool is not None else None
             for n, p in prompts.items():
                 toks, rows = greedy(sm.model, p, args.steps, tick)
-                diffs = [
-                    float(np.nanmax(np.abs(a - b))) if not np.array_equal(a, b) else 0.0
-                    for a, b in zip(rows, want[n][1])
-                ]
                 r = {
                     "weights": "4bit" if bits else "bf16",
                     "capacity": slots,
                     "admission": mode,
                     "prompt": n,
-                    "tokens_equal": toks == want[n][0],
-                    "logits_equal_steps": sum(d == 0.0 for d in diffs),
-                    "steps": len(diffs),
-                    "max_abs_diff": max(diffs),
-                    "first_diff_step": next((i for i, d in enumerate(diffs) if d), None),
+                    **compared(toks, rows, want[n]),
                     "stock_has_nan": bool(any(np.isnan(w).any() for w in want[n][1])),
                     "prestaged_so_far": sm.pool_stats()["prestaged"],
                 }
@@ -197,21 +201,13 @@ def main() -> None:
                 print(json.dumps(r), flush=True)
             for n, p in long_prompts.items():
                 toks, rows = stepped(plain_steps(sm, p, GREEDY, args.steps))
-                diffs = [
-                    float(np.nanmax(np.abs(a - b))) if not np.array_equal(a, b) else 0.0
-                    for a, b in zip(rows, want_long[n][1])
-                ]
                 r = {
                     "weights": "4bit" if bits else "bf16",
                     "capacity": slots,
                     "admission": mode,
                     "prompt": n,
                     "loop": "generate_step",
-                    "tokens_equal": toks == want_long[n][0],
-                    "logits_equal_steps": sum(d == 0.0 for d in diffs),
-                    "steps": len(diffs),
-                    "max_abs_diff": max(diffs),
-                    "first_diff_step": next((i for i, d in enumerate(diffs) if d), None),
+                    **compared(toks, rows, want_long[n]),
                     "stacked_layers_so_far": sm.pool_stats().get("stacked_layers"),
                 }
                 results.append(r)
