@@ -413,9 +413,10 @@ def markdown() -> str:
     for family in sorted(families, key=str.lower):
         ok = [f"`{n}`" for n in families[family] if n in supported()]
         not_yet = [f"`{n}`" for n in families[family] if n not in supported()]
-        line = f"- **{family}**: " + (", ".join(ok) if ok else "none yet")
+        parts = [", ".join(ok)] if ok else []
         if not_yet:
-            line += f" (not yet: {', '.join(not_yet)})"
+            parts.append(f"not yet: {', '.join(not_yet)}")
+        line = f"- **{family}**: " + "; ".join(parts)
         lines.append(line)
     return "\n".join(lines)
 
