@@ -257,11 +257,14 @@ def init_weights(model: nn.Module, seed: int) -> None:
     mx.eval(model.parameters())
 
 
-def build_tiny_model(arch: str, *, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
-    """An initialised float32 model of `arch` and its config, using mlx-lm's classes."""
+def build_tiny_model(
+    arch: str, *, seed: int = 0, config: dict[str, Any] | None = None
+) -> tuple[nn.Module, dict[str, Any]]:
+    """An initialised float32 model of `arch` and its config (`config`, or
+    `tiny_config(arch)`), using mlx-lm's classes."""
     from mlx_lm.utils import _get_classes
 
-    config = tiny_config(arch)
+    config = copy.deepcopy(config) if config is not None else tiny_config(arch)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(copy.deepcopy(config)))
     init_weights(model, seed)
@@ -309,6 +312,7 @@ def make_tiny_model(
     shards: int = 1,
     group_size: int = GROUP_SIZE,
     mtp: bool = False,
+    config: dict[str, Any] | None = None,
 ) -> Path:
     """Write a tiny `arch` model in the mlx-community layout to `path`; return `path`.
 
@@ -316,6 +320,7 @@ def make_tiny_model(
     "bf16" (as mlx-community ships unquantized models) or "f32". shards > 1 splits
     the weights into that many files with an index. mtp=True (qwen3_next only) adds
     random `mtp.*` tensors of a Qwen3-Next MTP head, in mlx layout and quantized alike.
+    config: the config.json to build from instead of `tiny_config(arch)` (tests/arch_table.py).
     """
     from mlx_lm.utils import quantize_model, save_config, save_model
 
@@ -324,7 +329,7 @@ def make_tiny_model(
     if shards < 1:
         raise ValueError("shards must be >= 1")
     path = Path(path)
-    model, config = build_tiny_model(arch, seed=seed)
+    model, config = build_tiny_model(arch, seed=seed, config=config)
     if quant != "f32":
         _cast_bf16(model)
     if quant in ("4bit", "8bit"):
