@@ -95,3 +95,14 @@ def test_the_supported_list():
     text = markdown()
     assert all(f"`{name}`" in text for name in ARCHS)
     assert len(text.splitlines()) == len({arch.family for arch in ARCHS.values()})
+
+
+def test_the_readme_lists_the_supported_architectures():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    listed = text.split("<!-- architectures -->\n", 1)[1].split("<!-- end architectures -->", 1)[0]
+    assert listed.strip().split(", ") == supported(), (
+        "README.md's list of architectures differs from tests/arch_table.py: regenerate it with "
+        "`python tests/arch_table.py --list`, comma-separated, between the architectures markers"
+    )
