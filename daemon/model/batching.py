@@ -3,8 +3,8 @@
 Built on mlx-lm's own `BatchGenerator` (per-sequence samplers, max tokens and stop
 tokens, left-padded batch caches, sequences joining and leaving between steps). Each
 request first prefills its prompt but the last token on a cache of its own, as a request
-alone does (`prefill_cache`: layer by layer where that spares a partial pool reads,
-daemon/model/prefill.py, else stock's chunks), then joins the batch with that cache and
+alone does (daemon/model/prefill.py `prefill_cache`: layer by layer where that spares
+a partial pool reads, else stock's chunks), then joins the batch with that cache and
 its last token, which is how `BatchGenerator.insert` takes a prompt with a cache. So the
 batched decode runs mlx-lm's code on the caches stock's prefill makes (exactness is
 checked against stock's `BatchGenerator` fed the same way, tests/test_batching.py).
@@ -23,10 +23,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, generation_stream
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.generate import BatchGenerator
 
-from moestream.daemon.model.prefill import PREFILL_STEP, PrefillStats, UnsupportedModel
+from moestream.daemon.model.prefill import PREFILL_STEP, PrefillStats, prefill_cache
 from moestream.daemon.model.streaming_model import StreamingModel
 
 
@@ -55,36 +54,6 @@ class _Member:
     def add(self, token: int, last: bool) -> None:
         self.tokens.append(token)
         self.finished = self.finished or last
-
-
-def prefill_cache(
-    sm: StreamingModel,
-    prompt: mx.array,
-    step: int = PREFILL_STEP,
-    on_progress: Callable[[int], None] | None = None,
-    stats: PrefillStats | None = None,
-) -> list[Any]:
-    """A prompt cache holding `prompt` (1-D), made as `generate_step` makes it before its
-    last prompt token: layer by layer where the layer-major prefill wants it, else in
-    stock's chunks. `on_progress(tokens_done)` as it goes."""
-    cache = make_prompt_cache(sm.model)
-    n = int(prompt.size)
-    if n == 0:
-        return cache
-    lm = sm.layer_major
-    with mx.stream(generation_stream):
-        if lm is not None and lm.wanted(n + 1, step):
-            try:
-                lm.run(prompt, cache, step, on_progress=on_progress, stats=stats)
-                return cache
-            except UnsupportedModel:
-                pass  # refused before anything ran: stock's chunks below
-        for start in range(0, n, step):
-            sm.model(prompt[start : start + step][None], cache=cache)
-            mx.eval([c.state for c in cache])
-            if on_progress is not None:
-                on_progress(min(start + step, n))
-    return cache
 
 
 def batch_cap(sm: StreamingModel, max_batch: int) -> int:

@@ -11,11 +11,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 import mlx.core as mx
 import psutil
 from jinja2 import TemplateError
-from mlx_lm.generate import generate_step, generation_stream
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import apply_top_p, make_sampler
 
-from moestream.daemon.model.prefill import PREFILL_STEP, PrefillStats, UnsupportedModel
+from moestream.daemon.model.prefill import PREFILL_STEP, PrefillStats, prefill_cache
 from moestream.daemon.model.streaming_model import PLACEMENT_COUNTERS, POOL_COUNTERS, StreamingModel
 
 if TYPE_CHECKING:
@@ -193,14 +192,15 @@ def plain_steps(
     """mlx-lm's `generate_step`, with the prompt prefilled layer by layer where that
     spares a partial pool reads (daemon/model/prefill.py): all of it but the last token,
     in stock's chunks; `generate_step` then takes the last token as its prompt, over the
-    filled cache, exactly as stock's does after its own chunks. `prefill_step` is
+    filled cache, exactly as stock's does after its own chunks (a model the layer-major
+    prefill refuses is prefilled in stock's chunks there, `prefill_cache`). `prefill_step` is
     `generate_step`'s `prefill_step_size`; `layer_major=False` keeps stock's order."""
     prompt = mx.array(list(prompt_ids))
     n = prompt.size
     lm = sm.layer_major
 
-    def stock() -> Iterator[tuple[mx.array, mx.array]]:
-        return generate_step(
+    if lm is None or not layer_major or not lm.wanted(n, prefill_step):
+        yield from generate_step(
             prompt,
             sm.model,
             max_tokens=max_tokens,
@@ -208,20 +208,12 @@ def plain_steps(
             prompt_progress_callback=on_prompt_progress,
             prefill_step_size=prefill_step,
         )
-
-    if lm is None or not layer_major or not lm.wanted(n, prefill_step):
-        yield from stock()
         return
     progress = on_prompt_progress or (lambda done, total: None)
-    cache = make_prompt_cache(sm.model)
     progress(0, n)
-    try:
-        with mx.stream(generation_stream):
-            lm.run(prompt[:-1], cache, prefill_step, on_progress=lambda done: progress(done, n), stats=prefill_stats)
-    except UnsupportedModel:
-        # Refused before anything ran: stock's order, from the start.
-        yield from stock()
-        return
+    cache = prefill_cache(
+        sm, prompt[:-1], prefill_step, on_progress=lambda done: progress(done, n), stats=prefill_stats
+    )
     yield from generate_step(
         prompt[-1:],
         sm.model,

@@ -23,12 +23,17 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import make_prompt_cache
 
 from moestream.daemon.model.streaming_moe import StreamingMoE
+
+if TYPE_CHECKING:
+    from moestream.daemon.model.streaming_model import StreamingModel
 
 # mlx-lm's `generate_step` default.
 PREFILL_STEP = 2048
@@ -240,3 +245,33 @@ def _state(cache: Any) -> list[Any]:
         return []
     state = cache.state
     return [a for a in (state if isinstance(state, (list, tuple)) else [state]) if a is not None]
+
+
+def prefill_cache(
+    sm: StreamingModel,
+    prompt: mx.array,
+    step: int = PREFILL_STEP,
+    on_progress: Callable[[int], None] | None = None,
+    stats: PrefillStats | None = None,
+) -> list[Any]:
+    """A prompt cache holding `prompt` (1-D), made as `generate_step` makes it before its
+    last prompt token: layer by layer where the layer-major prefill wants it, else in
+    stock's chunks. `on_progress(tokens_done)` as it goes."""
+    cache = make_prompt_cache(sm.model)
+    n = int(prompt.size)
+    if n == 0:
+        return cache
+    lm = sm.layer_major
+    with mx.stream(generation_stream):
+        if lm is not None and lm.wanted(n + 1, step):
+            try:
+                lm.run(prompt, cache, step, on_progress=on_progress, stats=stats)
+                return cache
+            except UnsupportedModel:
+                pass  # refused before anything ran: stock's chunks below
+        for start in range(0, n, step):
+            sm.model(prompt[start : start + step][None], cache=cache)
+            mx.eval([c.state for c in cache])
+            if on_progress is not None:
+                on_progress(min(start + step, n))
+    return cache
