@@ -150,9 +150,18 @@ def test_a_prompt_of_several_chunks_reads_each_routed_expert_once_per_layer(conv
     prompt = _prompt(100, seed=9)
     sm = load_streaming_model(store, Settings(capacity=quarter, direct_io=True))
     try:
+        pf = sm.prefetcher
+        promoted_before = pf.s.promoted if pf is not None else 0
         read, minimum, stats = _routed_union_reads(sm, prompt, SMALL_STEP)
         assert stats.chunks == len(chunk_sizes(100, SMALL_STEP)) > 1
         assert minimum > 0 and read == minimum == stats.read_bytes
+        if pf is not None:
+            # Each layer's missing experts were read a layer ahead, into the prefetch
+            # buffer, and the stacks took them from there.
+            assert stats.read_ahead > 0 and pf.s.promoted > promoted_before
+        else:
+            # No prefetch buffer (no router the predictor knows): nothing read ahead.
+            assert stats.read_ahead == 0
     finally:
         sm.close()
     # Stock's order through the same pool reads more: each chunk brings its experts again.

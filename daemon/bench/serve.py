@@ -54,6 +54,9 @@ class BenchServeSettings:
     # None: the daemon's own choice (mapped = auto).
     mapped: bool | None = None
     io_threads: int = default_of("io_threads")
+    # The daemon's max_batch; 0: the largest client count, so that each level's clients
+    # decode together (1 measures the requests taking turns).
+    max_batch: int = 0
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -166,6 +169,7 @@ def run_bench_serve(settings: BenchServeSettings, progress: Callable[[str], None
         "model": str(settings.store),
         "io_threads": settings.io_threads,
         "runtime_dir": str(runtime),
+        "max_batch": settings.max_batch or max(settings.clients),
     }
     for key in ("capacity", "host_cache", "mapped"):
         if getattr(settings, key) is not None:
@@ -201,6 +205,7 @@ def run_bench_serve(settings: BenchServeSettings, progress: Callable[[str], None
             "capacity": status.get("capacity"),
             "mapped": status.get("pool", {}).get("mapped"),
             "policy": status.get("policy"),
+            "max_batch": (status.get("batch") or {}).get("max_batch", 1),
         },
         "levels": levels,
         "same_tokens_at_every_level": same,
@@ -216,7 +221,7 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [
         f"bench serve: {s['requests']} requests per level, {s['prompt_tokens']}-token prompts, {s['max_tokens']} "
         f"tokens each at temperature {s['temp']}; daemon pool {d['capacity']} slots per layer"
-        f"{' (mapped)' if d.get('mapped') else ''}",
+        f"{' (mapped)' if d.get('mapped') else ''}, batches of at most {d.get('max_batch', 1)}",
         f"{'clients':>7} {'tok/s':>8} {'x one':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
         f"{'daemon tok/s':>12}",
     ]

@@ -59,6 +59,9 @@ class PrefillStats:
     # Bytes read from the store (or the host tier) into the stacks: the routed experts
     # the pool lacked, each once.
     read_bytes: int = 0
+    # Experts whose reads started a layer ahead, while the layers below computed
+    # (`StreamingMoE.read_ahead`).
+    read_ahead: int = 0
     seconds: float = 0.0
     # Where the time went, by phase of each layer (each phase ends in a wait for the
     # device or the disk, so the split needs no extra sync): staging the pool's experts
@@ -181,9 +184,21 @@ class LayerMajorPrefill:
         stats.chunks += len(sizes)
         stats.tokens += n
         clock = time.perf_counter
+        stacked = [moe is not None and moe.stacks_for(sizes) for moe in self.moes]
+        # The next stacked layer after each layer (None after the last): its reads start
+        # once this layer's own are done, so the disk works while this layer computes.
+        after: list[StreamingMoE | None] = [None] * len(self.layers)
+        following = None
+        for i in range(len(self.layers) - 1, -1, -1):
+            after[i] = following
+            if stacked[i]:
+                following = self.moes[i]
+        routes = n * max((moe.pool.top_k for moe in self.moes if moe is not None), default=0)
+        if following is not None:
+            stats.read_ahead += following.read_ahead(routes)
         for i, layer in enumerate(self.layers):
             moe = self.moes[i]
-            stack = moe is not None and moe.stacks_for(sizes)
+            stack = stacked[i]
             t0 = clock()
             if stack:
                 stats.staged_bytes += moe.begin_stack()
@@ -197,6 +212,8 @@ class LayerMajorPrefill:
                 t2 = clock()
                 if stack:
                     stats.read_bytes += moe.fill_stack()
+                if stack and after[i] is not None:
+                    stats.read_ahead += after[i].read_ahead(routes)
                 t3 = clock()
                 for k in range(len(sizes)):
                     mx.eval(hidden[k])

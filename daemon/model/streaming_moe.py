@@ -95,6 +95,12 @@ class StreamingMoE(nn.Module):
         self._last_ids = None
         return staged
 
+    def read_ahead(self, routes: int) -> int:
+        """Start reading, before this layer's stacked forwards, the experts its pool lacks
+        where a prompt of `routes` (tokens x top-k) routes nearly all of them
+        (`ExpertPool.read_ahead`); returns the reads started."""
+        return self.pool.read_ahead(routes)
+
     def fill_stack(self) -> int:
         """Bring in what the forwards since `begin_stack` routed and the pool lacks,
         once each, before any of them runs; returns the bytes read."""

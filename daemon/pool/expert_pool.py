@@ -92,6 +92,13 @@ def _current_stream() -> str:
     return str(mx.default_stream(mx.default_device()))
 
 
+# A layer-major prefill reads a layer's missing experts ahead once its prompt routes this
+# many (token, expert) pairs per expert: 1 - e^-3 = 95% of them are routed if routing
+# were uniform, and real routing at such counts leaves few unrouted (the q30 runs of
+# tests/bench/RESULTS.md route every expert from 512 tokens on).
+READ_AHEAD_ROUTES = 3
+
+
 class PoolCapacityError(ValueError):
     """The pool cannot hold what is asked of it; the message says what would fit."""
 
@@ -446,13 +453,53 @@ class ExpertPool:
         _, missing = self._account_prefill(token_experts, None, rec)
         self._stack_missing.update(missing)
 
+    def read_ahead(self, routes: int) -> int:
+        """Before a layer-major prefill reaches this layer: start reading the experts the
+        pool lacks into the prefetch buffer (hottest first, as many as it holds), so that
+        the disk works while the layers below compute; `fill_stack` takes them from there.
+        Only where the prompt's `routes` (tokens x top-k) make nearly every expert routed
+        (`READ_AHEAD_ROUTES` per expert: under uniform routing 95% of them), so that
+        what is read ahead is what the stack needs anyway. Returns the reads started."""
+        pf = self.prefetcher
+        layer = self.layer
+        if pf is None or self.host_memory or not self.reuse or self.fully_resident:
+            return 0
+        if routes < READ_AHEAD_ROUTES * layer.num_experts:
+            return 0
+        missing = np.flatnonzero(self.slot_of < 0)
+        hottest = missing[np.argsort(-self.stats.routed[missing], kind="stable")]
+        return pf.submit(layer, hottest[: pf.slots].tolist())
+
     def fill_stack(self, stack: dict[str, mx.array]) -> int:
-        """Read the experts the stacked forwards routed and the pool lacks into their
-        rows of `stack`, once each; returns the bytes read."""
+        """Bring the experts the stacked forwards routed and the pool lacks into their
+        rows of `stack`, once each (from the prefetch buffer where `read_ahead` read
+        them, else from the store); returns the bytes read."""
         missing, self._stack_missing = sorted(self._stack_missing), set()
         if not missing:
             return 0
-        return self._fill_rows([(e, e) for e in missing], stack)
+        placements = [(e, e) for e in missing]
+        to_read = self._promote_buffered(placements, stack)
+        promoted = (len(placements) - len(to_read)) * self.layer.expert_bytes
+        self.stats.bytes_read += promoted
+        return promoted + (self._fill_rows(to_read, stack) if to_read else 0)
+
+    def _promote_buffered(
+        self, placements: Sequence[tuple[int, int]], arrays: dict[str, mx.array], rec: AnyRecorder = NULL_RECORDER
+    ) -> list[tuple[int, int]]:
+        """Copy the experts of (expert, row) placements that the prefetch buffer holds
+        into their rows of `arrays`; returns the placements still to read."""
+        pf = self.prefetcher
+        ordinal = self.layer.ordinal
+        if pf is None:
+            return list(placements)
+        buffered = [(e, row) for e, row in placements if pf.has(ordinal, e)]
+        if not buffered:
+            return list(placements)
+        # Promotion may also write the host tier: no tier copy may be in flight.
+        self.admitter.settle()
+        left, _ = pf.promote(self.layer, buffered, arrays, rec)
+        done = {e for e, _ in buffered} - {e for e, _ in left}
+        return [p for p in placements if p[0] not in done]
 
     def _fill_rows(self, placements: Sequence[tuple[int, int]], arrays: dict[str, mx.array]) -> int:
         """Read (expert, row) placements into `arrays` outside the slots (a stack or
@@ -553,16 +600,7 @@ class ExpertPool:
                 self._quiesce()
             placements = self._assign_slots(missing, protected)
         with rec.segment(ordinal, "read"):
-            pf = self.prefetcher
-            to_read = placements
-            if pf is not None:
-                buffered = [(e, slot) for e, slot in placements if pf.has(ordinal, e)]
-                if buffered:
-                    # Promotion may also write the host tier: no tier copy may be in flight.
-                    self.admitter.settle()
-                    left, _ = pf.promote(self.layer, buffered, self.arrays, rec)
-                    done = {e for e, _ in buffered} - {e for e, _ in left}
-                    to_read = [p for p in placements if p[0] not in done]
+            to_read = self._promote_buffered(placements, self.arrays, rec)
             failed = self.admitter.fill(self.layer, to_read, self.arrays) if to_read else []
         failed_experts = {e for e, _ in failed}
         for e in missing:

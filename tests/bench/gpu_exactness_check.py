@@ -13,7 +13,8 @@ compares the logits of every step of greedy decoding, bit for bit, and reports t
 largest difference where they differ. Prompts of 100 and 3000 tokens also go through
 mlx-lm's `generate_step` against moestream's `plain_steps` (log-probabilities compared):
 3000 tokens take two chunks at the default prefill step, which partial and mapped pools
-prefill layer by layer (daemon/model/prefill.py).
+prefill layer by layer (daemon/model/prefill.py). Three prompts decoded together by
+moestream's `BatchSession` against stock's `BatchGenerator` compare greedy tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from mlx_lm import load as stock_load
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
@@ -44,6 +45,10 @@ try:  # trees older than the layer-major prefill have no plain_steps: their chec
     from moestream.daemon.model.generation import plain_steps  # noqa: E402
 except ImportError:
     plain_steps = None
+try:  # nor batching
+    from moestream.daemon.model.batching import BatchSession  # noqa: E402
+except ImportError:
+    BatchSession = None
 
 GREEDY = make_sampler(temp=0.0)
 PREFILL_PROMPTS = (100, 3000)
@@ -85,6 +90,45 @@ def stepped(steps):
     return tokens, rows
 
 
+def stock_batched(model, prompts, steps, eos) -> list[list[int]]:
+    """Greedy tokens of `prompts` decoded together by stock's `BatchGenerator`, each
+    prompt but its last token prefilled on its own cache first, as BatchSession does."""
+    caches = []
+    for p in prompts:
+        cache = make_prompt_cache(model)
+        model(mx.array(p[:-1])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        caches.append(cache)
+    gen = BatchGenerator(model, stop_tokens=[[e] for e in eos], completion_batch_size=8, prefill_batch_size=8)
+    uids = gen.insert([[p[-1]] for p in prompts], max_tokens=[steps] * len(prompts), caches=caches)
+    out: dict[int, list[int]] = {u: [] for u in uids}
+    done: set[int] = set()
+    while len(done) < len(uids):
+        for r in gen.next_generated():
+            out[r.uid].append(int(r.token))
+            if r.finish_reason is not None:
+                done.add(r.uid)
+    gen.close()
+    return [out[u] for u in uids]
+
+
+def ours_batched(sm, prompts, steps) -> list[list[int]]:
+    """The same through a `BatchSession`, each request's generator stepped in turn as
+    the engine loop steps its requests."""
+    session = BatchSession(sm, max_batch=8)
+    gens = [session.steps(p, GREEDY, steps) for p in prompts]
+    out: list[list[int]] = [[] for _ in prompts]
+    live = list(range(len(prompts)))
+    while live:
+        for i in list(live):
+            try:
+                out[i].append(int(next(gens[i])[0]))
+            except StopIteration:
+                live.remove(i)
+    session.close()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -118,8 +162,13 @@ def main() -> None:
         src = make_random_moe(root / f"m{bits}", "mini", bits=bits, seed=1)
         store = root / f"s{bits}"
         convert_model(src, store)
-        model, _ = stock_load(str(src))
+        model, tokenizer = stock_load(str(src))
         rng = np.random.default_rng(0)
+        # Three requests decoded together (BatchSession against stock's BatchGenerator).
+        batch_prompts = [rng.integers(0, 4096, n).tolist() for n in (5, 23, 12)]
+        want_batch = (
+            stock_batched(model, batch_prompts, args.steps, sorted(tokenizer.eos_token_ids)) if BatchSession else None
+        )
         prompts = {n: rng.integers(0, 4096, n).tolist() for n in (1, 7, 100)}
         want = {n: greedy(model, p, args.steps) for n, p in prompts.items()}
         # Through mlx-lm's generate_step (default prefill step): 3000 tokens take two
@@ -209,6 +258,21 @@ def main() -> None:
                     "loop": "generate_step",
                     **compared(toks, rows, want_long[n]),
                     "stacked_layers_so_far": sm.pool_stats().get("stacked_layers"),
+                }
+                results.append(r)
+                print(json.dumps(r), flush=True)
+            if want_batch is not None:
+                got = ours_batched(sm, batch_prompts, args.steps)
+                r = {
+                    "weights": "4bit" if bits else "bf16",
+                    "capacity": slots,
+                    "admission": mode,
+                    "prompt": "batch of 5, 23, 12",
+                    "loop": "batch",
+                    "tokens_equal": got == want_batch,
+                    "logits_equal_steps": 0,
+                    "steps": 0,
+                    "max_abs_diff": None,
                 }
                 results.append(r)
                 print(json.dumps(r), flush=True)

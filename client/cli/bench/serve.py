@@ -36,9 +36,28 @@ from moestream.shared.settings import default_of
     "--mapped/--no-mapped", default=None, help="Force the mapped pool on or off (default: the daemon's auto)."
 )
 @click.option("--io-threads", default=default_of("io_threads"), show_default=True, type=click.IntRange(1, 256))
+@click.option(
+    "--max-batch",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, 256),
+    help="The daemon's max_batch; 0: the largest client count (1: requests take turns).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_serve(
-    store, clients, requests, prompt_tokens, max_tokens, temp, seed, capacity, host_cache, mapped, io_threads, as_json
+    store,
+    clients,
+    requests,
+    prompt_tokens,
+    max_tokens,
+    temp,
+    seed,
+    capacity,
+    host_cache,
+    mapped,
+    io_threads,
+    max_batch,
+    as_json,
 ) -> None:
     """Aggregate tokens/s, time to first token and inter-token latency (p50, p99) of N
     concurrent clients through one real daemon, for each N in one run."""
@@ -61,6 +80,7 @@ def bench_serve(
         host_cache=host_cache,
         mapped=mapped,
         io_threads=io_threads,
+        max_batch=max_batch,
     )
     try:
         report = run_bench_serve(settings, progress=lambda line: click.echo(line, err=True))
