@@ -98,21 +98,25 @@ def test_static_hits_hold_each_requests_prior_hottest() -> None:
     assert (counts.hits["decode"], counts.misses["decode"]) == (2 + 2, 0)
 
 
-def test_table_and_capacities_on_both_real_traces() -> None:
+# The JSON test replays the first trace already: the table's default run takes the
+# second, `-m slow` both.
+@pytest.mark.parametrize(
+    "name", [pytest.param(REAL_TRACES[0], marks=pytest.mark.slow), REAL_TRACES[1]], ids=lambda name: name
+)
+def test_table_and_capacities_on_each_real_trace(name: str) -> None:
     runner = CliRunner()
-    for name in REAL_TRACES:
-        trace = TRACES / name / "trace.jsonl"
-        result = runner.invoke(
-            cli,
-            ["bench", "policy", "--trace", str(trace), "--capacity", "0.5", "--capacity", "0.75", "--prior", "none"],
-        )
-        assert result.exit_code == 0, result.output
-        out = result.output
-        assert "capacity 0.5 (" in out and "capacity 0.75 (" in out
-        assert "capacity 0.25" not in out
-        assert "prior   none" in out
-        for policy in [*POLICIES, "min"]:
-            assert any(line.startswith(policy + " ") for line in out.splitlines()), policy
+    trace = TRACES / name / "trace.jsonl"
+    result = runner.invoke(
+        cli,
+        ["bench", "policy", "--trace", str(trace), "--capacity", "0.5", "--capacity", "0.75", "--prior", "none"],
+    )
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "capacity 0.5 (" in out and "capacity 0.75 (" in out
+    assert "capacity 0.25" not in out
+    assert "prior   none" in out
+    for policy in [*POLICIES, "min"]:
+        assert any(line.startswith(policy + " ") for line in out.splitlines()), policy
 
 
 @pytest.mark.parametrize(

@@ -33,9 +33,10 @@ from moestream.shared.runtime_dir import RuntimePaths
 from moestream.shared.settings import POLICY_NAMES, Settings, SettingsError
 
 PROMPT = "The farmer counted his hens"
-# Longer than one prefill chunk of mlx-lm (2048 tokens), so that progress is reported
-# between chunks; ids within the tiny vocabulary, none of them a special token.
-LONG_IDS = [5 + (i * 7) % 90 for i in range(2048 + 600)]
+# One prefill chunk whose routed experts outnumber the half pool's slots, so that it goes
+# layer by layer and reports progress after each layer; ids within the tiny vocabulary,
+# none of them a special token.
+LONG_IDS = [5 + (i * 7) % 90 for i in range(600)]
 
 
 @pytest.fixture(scope="module")
@@ -150,8 +151,8 @@ def test_a_long_prompt_reports_its_prefill_to_the_client_and_in_status(daemon):
     n = len(LONG_IDS)
     with Client(daemon) as c:
         st = c.status()
-    # A partial pool and two chunks: the prompt but its last token goes layer by layer
-    # (daemon/model/prefill.py), with progress after each decoder layer in proportion,
+    # A partial pool and a chunk it cannot hold: the prompt but its last token goes layer
+    # by layer (daemon/model/prefill.py), with progress after each decoder layer in proportion,
     # then the last token through mlx-lm's generate_step, then the first token.
     assert st["pool"]["prefill"]["order"].startswith("layer") and st["pool"]["prefill"]["stacked_layers"] > 0
     dones = [d for d, _ in progress]

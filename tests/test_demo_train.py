@@ -39,6 +39,9 @@ from moestream.shared.store_format import load_manifest
 RECIPE_PARENT = Path(__file__).resolve().parent / "bench"
 
 STEPS = 40
+# The tests of a trained tiny recipe (its training takes about 40 s on 2 cores) run with
+# `-m slow`; the recipe's parts are tested apart in the default run.
+TRAINED = pytest.mark.slow
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", MTP_FILE)
 
 
@@ -61,6 +64,7 @@ def metrics(run: tuple[Path, str]) -> dict:
     return json.loads((run[0] / "metrics.json").read_text())
 
 
+@TRAINED
 def test_outputs_exist(run: tuple[Path, str]) -> None:
     out, log = run
     for folder in ("model-f32", "model-4bit"):
@@ -78,6 +82,7 @@ def test_outputs_exist(run: tuple[Path, str]) -> None:
         assert not (out / "loss.png").exists()
 
 
+@TRAINED
 def test_quantized_model_loads_and_generates(run: tuple[Path, str]) -> None:
     from mlx_lm import load, stream_generate
 
@@ -92,6 +97,7 @@ def test_quantized_model_loads_and_generates(run: tuple[Path, str]) -> None:
     assert all(0 <= r.token < TINY.vocab_size for r in responses)
 
 
+@TRAINED
 def test_mtp_files_have_expected_keys_and_load(run: tuple[Path, str]) -> None:
     out, _ = run
     model, config = build_model(TINY, seed=0)
@@ -111,6 +117,7 @@ def test_mtp_files_have_expected_keys_and_load(run: tuple[Path, str]) -> None:
     assert head(hidden, mx.random.normal((1, 5, TINY.hidden_size)), "causal").shape == (1, 5, TINY.hidden_size)
 
 
+@TRAINED
 def test_metrics_fields(metrics: dict) -> None:
     for key in (
         "settings", "config", "corpus", "device", "seed", "steps", "tokens_seen", "time_s", "train_curve",
@@ -135,6 +142,7 @@ def test_metrics_fields(metrics: dict) -> None:
     assert metrics["sample"]["prompt"] == "def fibonacci(n):"
 
 
+@TRAINED
 def test_loss_decreased(metrics: dict) -> None:
     curve = metrics["train_curve"]
     first, last = np.mean(curve["ce"][:5]), np.mean(curve["ce"][-5:])
@@ -144,6 +152,7 @@ def test_loss_decreased(metrics: dict) -> None:
     assert val[-1]["loss"] < val[0]["loss"] or metrics["validation"]["loss"] < math.log(TINY.vocab_size) - 0.5
 
 
+@TRAINED
 def test_store_matches_estimate(run: tuple[Path, str], metrics: dict) -> None:
     out, _ = run
     store = out / "store"
@@ -171,6 +180,7 @@ def test_full_shape_fits_the_budget() -> None:
     assert "over the budget" in over_budget(bigger["store"], bigger["mtp"])
 
 
+@TRAINED
 def test_dense_experts_equal_stock_forward(run: tuple[Path, str]) -> None:
     """The training forward pass computes what stock mlx-lm computes from the same weights."""
     from mlx_lm import load
@@ -246,6 +256,7 @@ def test_bad_steps_refused(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "--steps must be at least 1" in proc.stderr
 
 
+@TRAINED
 def test_plot_command(run: tuple[Path, str], tmp_path: Path) -> None:
     out, _ = run
     png = tmp_path / "loss.png"

@@ -75,6 +75,14 @@ def _policy_cases() -> list:
     return cases
 
 
+def _paths_cases() -> list:
+    """The conversions for the tests of one data path (host tier, prefetch): 4-bit in
+    the default run, which the path's bytes do not depend on; the others with `-m slow`."""
+    return [
+        pytest.param(c, id=f"{c[0]}-{c[1]}", marks=[pytest.mark.slow] if c[1] != "4bit" else []) for c in CONVERSIONS
+    ]
+
+
 @pytest.fixture(scope="module", params=CONVERSIONS, ids=lambda p: f"{p[0]}-{p[1]}")
 def converted(request, tmp_path_factory):
     arch, quant = request.param
@@ -138,6 +146,7 @@ def test_logits_identical_at_every_capacity(converted, policy):
             sm.close()
 
 
+@pytest.mark.parametrize("converted", _paths_cases(), indirect=True)
 def test_logits_identical_through_the_host_tier(converted):
     """Experts that reach the pool through a host-RAM tier (small enough to evict)
     give the same bytes, hence the same logits."""
@@ -162,6 +171,7 @@ def test_logits_identical_through_the_host_tier(converted):
             sm.close()
 
 
+@pytest.mark.parametrize("converted", _paths_cases(), indirect=True)
 def test_logits_identical_with_prefetch(converted):
     """Prefetched experts land in the same slots with the same bytes: with prefetch on
     (and, at top-k capacity, diagnostics recording too) every logit is unchanged, and
@@ -184,6 +194,7 @@ def test_logits_identical_with_prefetch(converted):
             sm.close()
 
 
+@pytest.mark.parametrize("converted", _paths_cases(), indirect=True)
 def test_logits_identical_with_prefetch_from_the_host_tier(converted):
     """Predicted experts that the host tier holds are copied straight into the next
     layer's slots while this layer computes (`prestage`): same logits as stock, and

@@ -72,7 +72,9 @@ def tiny_stores():
         shutil.rmtree(root)
 
 
-@pytest.mark.parametrize("capacity", [1.0, 0.25])
+# The partial pool in the default run (its drafts also exercise the pool's reads); every
+# expert resident with `-m slow`.
+@pytest.mark.parametrize("capacity", [pytest.param(1.0, marks=pytest.mark.slow), 0.25])
 def test_demo_mtp_is_token_identical_to_plain_decode(capacity):
     sm = load_streaming_model(demo_store_path(), Settings(capacity=capacity))
     try:
@@ -271,7 +273,9 @@ def test_watch_falls_back_after_two_slow_windows_in_a_row_only():
     assert "0.70, 0.60" in stats.reason
 
 
-@pytest.mark.parametrize("name,capacity", [("demo", 1.0), ("demo", 0.25), ("next", 0.5), ("moe", 1.0)])
+@pytest.mark.parametrize(
+    "name,capacity", [pytest.param("demo", 1.0, marks=pytest.mark.slow), ("demo", 0.25), ("next", 0.5), ("moe", 1.0)]
+)
 def test_bucketed_key_lengths_keep_the_output(tiny_stores, name, capacity):
     """Keys padded to buckets of 8 (the CUDA default is 256; 8 makes forwards cross
     bucket boundaries often): every drafter and cache kind stays token-identical."""

@@ -115,7 +115,9 @@ def _counts(sm: StreamingModel) -> dict[str, float]:
     return {
         "read": sum(p.stats.bytes_read for p in sm.pools),
         "staged": sum(p.stats.staged_bytes for p in sm.pools),
-        "disk": admission.get("bytes_from_disk", 0),
+        # Everything the read engine delivered: the admitter's reads and the layer-major
+        # prefill's reads a layer ahead, which land in the prefetch buffer.
+        "disk": sm.reader.stats()["bytes"],
         "to_pool": admission.get("bytes_to_pool", 0),
         "stacked": [p.stats.stacked_layers for p in sm.pools],
     }

@@ -2,7 +2,8 @@
 client library, as vLLM's serving benchmark does.
 
 One daemon is started on the store (in its own runtime folder) and warmed with one
-request. Then, for each client count N, N threads (each with its own `Client`, so its
+request. Then, for each client count N (after N untimed requests, one per client, that
+compile the kernels of a new batch size), N threads (each with its own `Client`, so its
 own socket) take requests from one queue of `requests` until it is empty; each request
 is a random prompt of `prompt_tokens` token ids and asks for `max_tokens` tokens,
 sampled at `temp` with a seed of its own. Reported per N: aggregate tokens/s (tokens
@@ -57,6 +58,10 @@ class BenchServeSettings:
     # The daemon's max_batch; 0: the largest client count, so that each level's clients
     # decode together (1 measures the requests taking turns).
     max_batch: int = 0
+    # Before each level, one untimed request per client (prompts of their own): a batch
+    # of a size not seen yet compiles its kernels on its first steps (on the H200, 40 s
+    # of an 8-client level's 43).
+    warmup: bool = True
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -164,6 +169,10 @@ def run_bench_serve(settings: BenchServeSettings, progress: Callable[[str], None
         _Request(i, tuple(rng.randrange(vocab) for _ in range(settings.prompt_tokens)), settings.seed + 1 + i)
         for i in range(count)
     ]
+    warmups = [
+        _Request(-1 - i, tuple(rng.randrange(vocab) for _ in range(settings.prompt_tokens)), settings.seed + count + i)
+        for i in range(max(settings.clients))
+    ]
     runtime = Path(tempfile.mkdtemp(dir="/tmp", prefix="msserve"))
     given: dict[str, Any] = {
         "model": str(settings.store),
@@ -185,6 +194,9 @@ def run_bench_serve(settings: BenchServeSettings, progress: Callable[[str], None
             _one_request(client, _Request(-1, requests[0].prompt_ids, settings.seed), settings)
             status = client.status()
         for n in settings.clients:
+            if settings.warmup:
+                say(f"{n} client(s): warming up with {n} untimed requests")
+                _level(paths, n, warmups[:n], settings)
             say(f"{n} client(s): {len(requests)} requests")
             level = _level(paths, n, requests, settings)
             say(

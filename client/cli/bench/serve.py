@@ -43,6 +43,12 @@ from moestream.shared.settings import default_of
     type=click.IntRange(0, 256),
     help="The daemon's max_batch; 0: the largest client count (1: requests take turns).",
 )
+@click.option(
+    "--warmup/--no-warmup",
+    default=True,
+    show_default=True,
+    help="One untimed request per client before each level (compiles a new batch size's kernels).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_serve(
     store,
@@ -57,6 +63,7 @@ def bench_serve(
     mapped,
     io_threads,
     max_batch,
+    warmup,
     as_json,
 ) -> None:
     """Aggregate tokens/s, time to first token and inter-token latency (p50, p99) of N
@@ -81,6 +88,7 @@ def bench_serve(
         mapped=mapped,
         io_threads=io_threads,
         max_batch=max_batch,
+        warmup=warmup,
     )
     try:
         report = run_bench_serve(settings, progress=lambda line: click.echo(line, err=True))
