@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moestream.shared.durable import fsync_dir
+from moestream.shared.durable import fsync_dir, sync_file
 
 FORMAT_NAME = "moestream-store"
 FORMAT_VERSION = 1
@@ -245,8 +245,7 @@ class Manifest:
         tmp = path.with_suffix(".json.tmp")
         with open(tmp, "w") as f:
             json.dump(self.to_json(), f, separators=(",", ":"))
-            f.flush()
-            os.fsync(f.fileno())
+            sync_file(f)
         os.replace(tmp, path)
         fsync_dir(path.parent)
 

@@ -24,6 +24,7 @@ import click
 from moestream.client.cli.daemon import absolute_paths, daemon_setting_options
 from moestream.client.cli.values import setting_flags
 from moestream.shared import service_files as sf
+from moestream.shared.durable import fsync_dir, sync_file
 from moestream.shared.settings import Settings, SettingsError, definition, format_size
 from moestream.shared.store_format import StoreError, load_manifest
 
@@ -118,18 +119,13 @@ def _write_atomically(path: Path, content: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(content)
-            f.flush()
-            os.fsync(f.fileno())
+            sync_file(f)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_dir(path.parent)
 
 
 def _loaded(platform: str, uid: int, env: Mapping[str, str], svc: sf.Service = sf.DAEMON) -> bool:
@@ -213,7 +209,7 @@ def install(given, no_load, openai, host, port, api_key_file, dry_run, platform_
 
     python = os.path.abspath(sys.executable)  # not resolved: a venv's python is a symlink
     try:
-        argv = sf.daemon_argv(python, setting_flags(given))
+        argv = sf.daemon_argv(python, setting_flags(given), platform)
         environment = sf.service_environment(
             env, python=python, exclude=[definition(name).env for name, value in given.items() if value is not None]
         )

@@ -1,0 +1,223 @@
+"""macOS as the main target, tested on Linux where that is honest: a daemon whose lock and
+pid files were deleted under it (macOS's daily /tmp cleanup did that), the launchd
+service's file and its reinstall, durable writes, privacy permissions, case-insensitive
+folders, and what `--help` and `bench io` say per platform.
+
+The platform-specific functions take the platform as a parameter, so the darwin branch
+runs here too; where a check can only mean something on a Mac, the test says what it
+checks there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import plistlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from daemon_cli import clean_env, ctl, started_daemon
+from tiny_models import tiny_store
+
+from moestream.shared import service_files as sf
+from moestream.shared.runtime_dir import RuntimePaths, daemon_running, lock_is_held, socket_answers
+from moestream.shared.settings import default_runtime_dir
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def store():
+    with tiny_store("msmac") as path:
+        yield path
+
+
+# ---- 1. lock and pid files deleted under a running daemon ------------------------------
+
+
+def test_a_daemon_whose_lock_and_pid_files_were_deleted_is_still_found_and_used(store):
+    with started_daemon(store, "msmc") as paths:
+        pid = int(paths.pid_file.read_text())
+        paths.lock.unlink()
+        paths.pid_file.unlink()
+        assert not lock_is_held(paths)  # what `status` used to go by
+        assert socket_answers(paths) and daemon_running(paths)
+
+        status = ctl("status", "--json", "--runtime-dir", str(paths.dir))
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert json.loads(status.stdout)["pid"] == pid
+
+        again = ctl("start", "--model", str(store), "--runtime-dir", str(paths.dir))
+        assert again.returncode == 1 and f"already running (pid {pid})" in again.stderr
+
+        # The daemon's own check, without the client's: its lock is free (a new file),
+        # but the socket answers, so it refuses rather than unlink that socket.
+        direct = subprocess.run(
+            [sys.executable, "-m", "moestream.daemon.main", "--model", str(store), "--runtime-dir", str(paths.dir)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=clean_env(),
+        )
+        assert direct.returncode == 1 and "already running" in direct.stderr, direct.stderr
+
+        gen = ctl("generate", "--model", str(store), "--runtime-dir", str(paths.dir), "--max-tokens", "3", "hi")
+        assert gen.returncode == 0, gen.stderr
+        assert "starting one" not in gen.stderr
+        after = json.loads(ctl("status", "--json", "--runtime-dir", str(paths.dir)).stdout)
+        assert after["pid"] == pid and after["requests"]["completed"] == 1
+
+        stop = ctl("stop", "--runtime-dir", str(paths.dir))
+        assert stop.returncode == 0 and f"stopped (pid {pid})" in stop.stderr, stop.stderr
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        assert not daemon_running(paths)
+
+
+def test_the_default_runtime_folder_is_one_no_cleanup_empties():
+    env = {"HOME": "/Users/ann", "XDG_RUNTIME_DIR": "/run/user/501"}
+    assert default_runtime_dir(env, "darwin") == Path("/Users/ann/Library/Caches/moestream")
+    assert default_runtime_dir(env, "linux") == Path("/run/user/501/moestream")
+    fallback = Path(f"/tmp/moestream-{os.getuid()}")
+    assert default_runtime_dir({"HOME": "/home/ann"}, "linux") == fallback
+    # A home so long that the socket would pass macOS's 103 bytes: /tmp, still checked.
+    assert default_runtime_dir({"HOME": "/Users/" + "a" * 80}, "darwin") == fallback
+    assert default_runtime_dir({}, "darwin") == fallback
+
+
+def test_a_stale_socket_file_is_no_daemon(tmp_path):
+    import socket
+
+    paths = RuntimePaths(dir=tmp_path, log=tmp_path / "daemon.log")
+    assert not socket_answers(paths)  # no file
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(paths.socket))
+    assert not socket_answers(paths)  # a file nobody listens on: a crashed daemon's
+    s.listen(1)
+    assert socket_answers(paths)
+    s.close()
+
+
+# ---- 5, 7, 9. the launchd plist ---------------------------------------------------------
+
+
+def _unit_stop_timeout(service: sf.Service) -> int:
+    (line,) = [x for x in sf.load_template(service.unit_template).splitlines() if x.startswith("TimeoutStopSec=")]
+    return int(line.removeprefix("TimeoutStopSec="))
+
+
+@pytest.mark.parametrize("service", [sf.DAEMON, sf.OPENAI], ids=lambda s: s.log_stem)
+def test_the_plist_gives_the_units_stop_time_and_enough_open_files(service, tmp_path):
+    argv = sf.daemon_argv("/usr/bin/python3", ["--model", "/m"], "darwin")
+    rendered = sf.render_service_file("darwin", tmp_path, argv, {"PATH": "/usr/bin"}, service)
+    doc = plistlib.loads(rendered.content)
+    assert type(doc["ExitTimeOut"]) is int and doc["ExitTimeOut"] == _unit_stop_timeout(service)
+    assert service is not sf.DAEMON or doc["ExitTimeOut"] == 30
+    # launchd's default soft limit is 256; the hard limit it leaves is unlimited.
+    assert doc["SoftResourceLimits"] == {"NumberOfFiles": 10240}
+
+
+def test_under_launchd_the_daemon_logs_once_to_a_rotated_file(tmp_path):
+    # The plist runs the daemon with --no-log-to-stderr: launchd's StandardErrorPath
+    # only catches what comes before the log is open. Linux keeps stderr (the journal).
+    assert "--no-log-to-stderr" in sf.daemon_argv("/usr/bin/python3", (), "darwin")
+    assert "--no-log-to-stderr" not in sf.daemon_argv("/usr/bin/python3", (), "linux")
+
+    from moestream.daemon.main import close_log, open_log
+
+    paths = RuntimePaths(dir=tmp_path, log=tmp_path / "daemon.log")
+    log = open_log(paths, to_stderr=False, rotate_bytes=4000)
+    try:
+        for i in range(200):
+            log.info("line %d of a daemon that runs for weeks", i)
+    finally:
+        close_log(log)
+    assert paths.log.stat().st_size <= 4000
+    old = tmp_path / "daemon.log.1"
+    assert 0 < old.stat().st_size <= 4000
+    assert "line 199 " in paths.log.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["daemon.log", "daemon.log.1"]  # one old file kept
+
+
+def test_start_in_the_foreground_without_stderr_logs_only_to_its_file(store, tmp_path):
+    import shutil
+    import tempfile
+    import time
+
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msfg"))
+    paths = RuntimePaths(dir=rt, log=rt / "daemon.log")
+    err = tmp_path / "err.log"
+    argv = [sys.executable, "-m", "moestream.client.cli", "start", "--foreground", "--no-log-to-stderr"]
+    try:
+        with open(err, "wb") as f:
+            proc = subprocess.Popen(
+                [*argv, "--model", str(store), "--runtime-dir", str(rt)], env=clean_env(), stderr=f, cwd="/"
+            )
+        deadline = time.monotonic() + 60
+        while "model ready" not in (paths.log.read_text() if paths.log.exists() else ""):
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.1)
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+        logged = paths.log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(rt, ignore_errors=True)
+    assert "starting (pid" in logged and "lock released" in logged
+    assert "starting (pid" not in err.read_text() and "model ready" not in err.read_text()
+
+
+# ---- 4. durability ----------------------------------------------------------------------
+
+
+def test_every_sync_goes_through_the_durability_helper():
+    bare = re.compile(r"\bos\.f(data)?sync\(")
+    found = []
+    for path in REPO.rglob("*.py"):
+        rel = path.relative_to(REPO)
+        if rel.parts[0] in (".venv", "build", "tests") or rel == Path("shared/durable.py"):
+            continue
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if bare.search(line):
+                found.append(f"{rel}:{n}: {line.strip()}")
+    assert not found, "use moestream.shared.durable.sync_fd / sync_file:\n" + "\n".join(found)
+
+
+def test_the_durability_helper_asks_macos_for_a_full_flush(tmp_path):
+    from moestream.shared.durable import FSYNC, FULLFSYNC, sync_fd
+
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        os.write(fd, b"x")
+        assert sync_fd(fd, platform="linux") == FSYNC
+        # macOS: F_FULLFSYNC, which flushes the drive's cache (fsync does not). Elsewhere
+        # Python's fcntl has no F_FULLFSYNC, so the darwin branch falls back to fsync.
+        assert sync_fd(fd, platform="darwin") == (FULLFSYNC if sys.platform == "darwin" else FSYNC)
+    finally:
+        os.close(fd)
+
+
+# ---- 10. what --help says ---------------------------------------------------------------
+
+
+def test_runtime_dir_help_names_this_platforms_default():
+    from moestream.shared.settings import definition
+
+    d = definition("runtime_dir")
+    assert d.default_text("darwin") == "~/Library/Caches/moestream"
+    assert "XDG_RUNTIME_DIR" in d.default_text("linux") and "Caches" not in d.default_text("linux")
+    assert "Caches" in d.default_text() and "XDG_RUNTIME_DIR" in d.default_text()  # the README names both
+    from click.testing import CliRunner
+
+    from moestream.client.cli import main
+
+    mine = d.default_text(sys.platform)
+    for command in ("start", "status", "stop", "logs", "serve-openai"):
+        out = CliRunner().invoke(main, [command, "--help"])
+        assert out.exit_code == 0, out.output
+        assert mine in " ".join(out.output.split()), (command, out.output)
