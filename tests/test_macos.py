@@ -221,3 +221,65 @@ def test_runtime_dir_help_names_this_platforms_default():
         out = CliRunner().invoke(main, [command, "--help"])
         assert out.exit_code == 0, out.output
         assert mine in " ".join(out.output.split()), (command, out.output)
+
+
+# ---- 2. reinstalling the launchd service ------------------------------------------------
+
+# A stand-in for macOS's launchctl: it keeps the label known for two `print`s after
+# `bootout`, and fails the first $BUSY_BOOTSTRAPS bootstraps with launchd's exit 5, as
+# the real one does while the label is still going away. Every call is logged.
+FAKE_LAUNCHCTL = r"""#!/bin/sh
+d="$FAKE_LAUNCHCTL_DIR"
+echo "$*" >> "$d/calls"
+count() { n=$(cat "$d/$1" 2>/dev/null || echo 0); n=$((n + 1)); echo $n > "$d/$1"; echo $n; }
+case "$1" in
+  print)
+    if [ -f "$d/booted_out" ] && [ "$(count prints_after)" -le 2 ]; then echo "state = exiting"; exit 0; fi
+    if [ -f "$d/loaded" ] && [ ! -f "$d/booted_out" ]; then echo "state = running"; exit 0; fi
+    echo "Could not find service" >&2; exit 113;;
+  bootout) touch "$d/booted_out"; exit 0;;
+  enable) exit 0;;
+  bootstrap)
+    if [ "$(count bootstraps)" -gt "$BUSY_BOOTSTRAPS" ]; then exit 0; fi
+    echo "Bootstrap failed: 5: Input/output error" >&2; exit 5;;
+esac
+exit 64
+"""
+
+
+def _fake_launchctl(tmp_path: Path, busy: int) -> dict[str, str]:
+    bin_dir, state = tmp_path / "bin", tmp_path / "launchd"
+    bin_dir.mkdir()
+    state.mkdir()
+    exe = bin_dir / "launchctl"
+    exe.write_text(FAKE_LAUNCHCTL)
+    exe.chmod(0o755)
+    (state / "loaded").touch()  # an earlier install is loaded
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LAUNCHCTL_DIR": str(state), "BUSY_BOOTSTRAPS": str(busy)}
+
+
+def test_reinstall_waits_for_launchd_to_let_go_and_retries_a_busy_bootstrap(store, tmp_path):
+    from click.testing import CliRunner
+
+    from moestream.client.cli import main
+
+    home = tmp_path / "home"
+    env = {k: None for k in os.environ if k.startswith("MOESTREAM_")} | {"HOME": str(home), "XDG_CONFIG_HOME": None}
+    env |= _fake_launchctl(tmp_path, busy=2)
+    out = CliRunner().invoke(main, ["service", "install", "--platform", "darwin", "--model", str(store)], env=env)
+    assert out.exit_code == 0, out.output
+    assert "loaded dev.moestream.daemon" in out.output
+    calls = [line.split()[0] for line in (tmp_path / "launchd" / "calls").read_text().splitlines()]
+    # loaded? -> bootout -> still there, still there, gone -> enable -> busy, busy, loaded
+    assert calls == ["print", "bootout", "print", "print", "print", "enable", "bootstrap", "bootstrap", "bootstrap"]
+
+
+def test_a_bootstrap_that_stays_busy_fails_saying_so(tmp_path):
+    from moestream.client.cli.service import ManagerError, check_retrying
+
+    env = dict(os.environ) | _fake_launchctl(tmp_path, busy=1000)
+    with pytest.raises(ManagerError, match=r"exited with status 5 \(\d+ tries over 1 s\): Bootstrap failed: 5"):
+        check_retrying(["launchctl", "bootstrap", "gui/501", "/x.plist"], env, within_s=1.0, every_s=0.2)
+    with pytest.raises(ManagerError, match="status 64"):  # any other failure is not retried
+        check_retrying(["launchctl", "kickstart"], env, within_s=5.0)
+    assert (tmp_path / "launchd" / "calls").read_text().count("kickstart") == 1

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Mapping
 
@@ -30,6 +31,12 @@ from moestream.shared.store_format import StoreError, load_manifest
 
 # launchctl and systemctl answer at once; a hung one is reported rather than waited on.
 COMMAND_TIMEOUT_S = 60.0
+# launchd keeps a label for a few seconds after `bootout` returns, and a `bootstrap` in
+# that time fails with "5: Input/output error": wait until `print` no longer finds the
+# label, then retry a bootstrap that exits 5, each for this long.
+LAUNCHD_SETTLE_S = 15.0
+LAUNCHD_POLL_S = 0.25
+BOOTSTRAP_BUSY = 5
 
 
 class ManagerError(click.ClickException):
@@ -131,6 +138,43 @@ def _write_atomically(path: Path, content: bytes) -> None:
 def _loaded(platform: str, uid: int, env: Mapping[str, str], svc: sf.Service = sf.DAEMON) -> bool:
     """macOS: whether launchd knows the agent now (bootstrap refuses a loaded one)."""
     return _run(sf.loaded_command(platform, uid, svc), env).returncode == 0
+
+
+def _wait_unloaded(
+    platform: str, uid: int, env: Mapping[str, str], svc: sf.Service, within_s: float = LAUNCHD_SETTLE_S
+) -> bool:
+    """macOS, after `bootout`: wait until launchd no longer knows the label; False when it
+    still does after `within_s` (the bootstrap's retries then get their chance)."""
+    deadline = time.monotonic() + within_s
+    while _loaded(platform, uid, env, svc):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(LAUNCHD_POLL_S)
+    return True
+
+
+def check_retrying(
+    cmd: list[str],
+    env: Mapping[str, str],
+    *,
+    busy: int = BOOTSTRAP_BUSY,
+    within_s: float = LAUNCHD_SETTLE_S,
+    every_s: float = 0.5,
+) -> subprocess.CompletedProcess[str]:
+    """`_check`, but an exit with status `busy` is tried again every `every_s` seconds
+    for `within_s` seconds; ManagerError says how many tries failed."""
+    deadline = time.monotonic() + within_s
+    tries = 0
+    while True:
+        done = _run(cmd, env)
+        tries += 1
+        if done.returncode == 0:
+            return done
+        if done.returncode != busy or time.monotonic() >= deadline:
+            said = (done.stderr or done.stdout).strip() or "no output"
+            again = f" ({tries} tries over {within_s:g} s)" if tries > 1 else ""
+            raise ManagerError(f"`{_show(cmd)}` exited with status {done.returncode}{again}: {said}")
+        time.sleep(every_s)
 
 
 @click.group()
@@ -291,8 +335,12 @@ def _install(
         if platform == "darwin" and _loaded(platform, uid, env, svc):
             for cmd in sf.unload_commands(platform, uid, svc):
                 _check(cmd, env)
+            _wait_unloaded(platform, uid, env, svc)
         for cmd in load:
-            _check(cmd, env)
+            if platform == "darwin" and cmd[:2] == ["launchctl", "bootstrap"]:
+                check_retrying(cmd, env)
+            else:
+                _check(cmd, env)
     except ManagerError as e:
         raise ManagerError(
             f"{rendered.path} is written, but loading it failed: {e.message}.\n"
