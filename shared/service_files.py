@@ -13,6 +13,7 @@ It imports no MLX and reads no environment of its own: callers pass `env` and `h
 
 from __future__ import annotations
 
+import os
 import plistlib
 import re
 from dataclasses import dataclass
@@ -328,3 +329,27 @@ def status_command(platform: str, uid: int, service: Service = DAEMON) -> list[s
     if platform == "darwin":
         return ["launchctl", "print", launchd_target(uid, service)]
     return ["systemctl", "--user", "status", "--no-pager", service.unit]
+
+
+# Where macOS's privacy protection (TCC) guards a LaunchAgent's reads, under the home folder.
+PROTECTED_HOME_FOLDERS = ("Desktop", "Documents", "Downloads", "Library/Mobile Documents")
+
+
+def protected_place(path: str | os.PathLike, home: str | os.PathLike) -> str | None:
+    """Which place that macOS protects the absolute `path` is in ("~/Documents", or
+    "/Volumes/X": removable and network volumes), or None. A LaunchAgent reading there
+    gets EPERM unless its program has Full Disk Access, though Terminal could read it."""
+    p = Path(path)
+    for candidate in dict.fromkeys((p, Path(os.path.realpath(p)))):
+        for name in PROTECTED_HOME_FOLDERS:
+            if _is_under(candidate, Path(home, name)):
+                return f"~/{name}"
+        if len(candidate.parts) > 2 and candidate.parts[1] == "Volumes":
+            return f"/Volumes/{candidate.parts[2]}"
+    return None
+
+
+def _is_under(path: Path, base: Path) -> bool:
+    """`path` is `base` or inside it, comparing names as APFS does by default: without case."""
+    n = len(base.parts)
+    return len(path.parts) >= n and [x.casefold() for x in path.parts[:n]] == [x.casefold() for x in base.parts]

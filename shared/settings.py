@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from moestream.shared.runtime_dir import SOCKET_NAME, max_socket_path_bytes
+from moestream.shared.store_format import canonical_folder, same_folder
 
 ENV_PREFIX = "MOESTREAM_"
 
@@ -596,8 +597,10 @@ class Settings:
         package)."""
         if self.heat_dir:
             return Path(self.heat_dir)
-        folder = Path(store).resolve()
-        if folder != demo_store_path() and os.access(folder, os.W_OK):
+        # Spelled as on disk: on a case-insensitive filesystem ~/Models/X and ~/models/x
+        # are one store, whose heat must be one folder.
+        folder = canonical_folder(store)
+        if not same_folder(folder, demo_store_path()) and os.access(folder, os.W_OK):
             return folder
         digest = hashlib.sha256(str(folder).encode()).hexdigest()[:12]
         return default_state_dir(os.environ if env is None else env) / "heat" / f"{folder.name}-{digest}"

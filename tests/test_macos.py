@@ -283,3 +283,98 @@ def test_a_bootstrap_that_stays_busy_fails_saying_so(tmp_path):
     with pytest.raises(ManagerError, match="status 64"):  # any other failure is not retried
         check_retrying(["launchctl", "kickstart"], env, within_s=5.0)
     assert (tmp_path / "launchd" / "calls").read_text().count("kickstart") == 1
+
+
+# ---- 6. privacy permissions --------------------------------------------------------------
+
+
+def test_install_warns_when_the_service_would_read_where_macos_protects(tmp_path):
+    import shutil
+
+    from click.testing import CliRunner
+
+    from moestream.client.cli import main
+    from moestream.shared.settings import demo_store_path
+
+    home = tmp_path / "home"
+    documents = home / "Documents" / "models" / "demo"
+    shutil.copytree(demo_store_path(), documents)
+    env = {k: None for k in os.environ if k.startswith("MOESTREAM_")} | {"HOME": str(home), "XDG_CONFIG_HOME": None}
+    args = ["service", "install", "--no-load", "--model", str(documents)]
+    out = CliRunner().invoke(main, [*args, "--platform", "darwin"], env=env)
+    assert out.exit_code == 0, out.output
+    assert f"warning: --model {documents} is in ~/Documents, which macOS protects" in out.output
+    assert "Full Disk Access" in out.output and "Operation not permitted" in out.output
+    # Linux has no such protection; nothing to warn about.
+    out = CliRunner().invoke(main, [*args, "--platform", "linux"], env=env)
+    assert out.exit_code == 0, out.output
+    assert "macOS protects" not in out.output
+
+
+def test_the_protected_places_are_found_whatever_their_case():
+    home = Path("/Users/ann")
+    assert sf.protected_place("/Users/ann/Documents/m", home) == "~/Documents"
+    assert sf.protected_place("/Users/ann/desktop/m", home) == "~/Desktop"  # APFS ignores case
+    assert sf.protected_place("/Users/ann/Downloads", home) == "~/Downloads"
+    assert sf.protected_place("/Volumes/T7/models/x", home) == "/Volumes/T7"
+    assert sf.protected_place("/Users/ann/models/x", home) is None
+    assert sf.protected_place("/Users/ann/Documentsx/m", home) is None
+
+
+def test_a_refused_read_on_macos_says_what_to_grant():
+    import errno
+
+    from moestream.shared.store_format import permission_advice
+
+    eperm = PermissionError(errno.EPERM, "Operation not permitted", "/Users/ann/Documents/s/manifest.json")
+    advice = permission_advice(eperm, platform="darwin", executable="/opt/py/bin/python3")
+    assert "Full Disk Access" in advice and "Files and Folders" in advice and "/opt/py/bin/python3" in advice
+    # Not privacy protection: an ordinary permission (EACCES), or not macOS.
+    assert permission_advice(PermissionError(errno.EACCES, "Permission denied"), platform="darwin") == ""
+    assert permission_advice(eperm, platform="linux") == ""
+
+
+# ---- 8. case-insensitive folders ---------------------------------------------------------
+
+
+def test_stores_are_compared_by_device_and_inode(tmp_path):
+    from moestream.shared.store_format import canonical_folder, same_folder
+
+    a = tmp_path / "models" / "x"
+    a.mkdir(parents=True)
+    (tmp_path / "Models").symlink_to(tmp_path / "models")
+    # Another spelling of one folder (on macOS: ~/Models/X for ~/models/x; here a link).
+    assert same_folder(tmp_path / "Models" / "x", a)
+    b = tmp_path / "models" / "y"
+    b.mkdir()
+    assert not same_folder(a, b) and not same_folder(a, tmp_path / "none")
+    # macOS: F_GETPATH spells a folder as on disk, so ~/Models/X names the heat folder of
+    # ~/models/x; elsewhere the resolved path (case-sensitive filesystems need no more).
+    assert canonical_folder(tmp_path / "Models" / "x", platform="darwin") == a.resolve()
+    assert canonical_folder(tmp_path / "Models" / "x", platform="linux") == a.resolve()
+
+
+def test_generate_takes_another_spelling_of_the_store_a_loading_daemon_serves(tmp_path):
+    """On a case-insensitive filesystem (macOS's default APFS) the other spelling is the
+    same path in other case, which realpath keeps as it is; on a case-sensitive one here,
+    a symlink stands in for it."""
+    import shutil
+
+    import click
+
+    from moestream.client.cli.generate import _check_served_store
+    from moestream.shared.settings import demo_store_path
+
+    served = tmp_path / "models" / "demo"
+    shutil.copytree(demo_store_path(), served)
+    if (tmp_path / "MODELS").exists():  # case-insensitive: the macOS case
+        alias = tmp_path / "MODELS" / "DEMO"
+    else:
+        (tmp_path / "Models").symlink_to(tmp_path / "models")
+        alias = tmp_path / "Models" / "demo"
+    loading = {"model": str(served), "store_id": None}  # a loading daemon knows no id yet
+    _check_served_store(str(alias), loading)  # one folder: accepted
+    other = tmp_path / "other"
+    shutil.copytree(demo_store_path(), other)
+    with pytest.raises(click.ClickException, match="serves the store"):
+        _check_served_store(str(other), loading)

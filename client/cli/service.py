@@ -22,7 +22,7 @@ from typing import Mapping
 
 import click
 
-from moestream.client.cli.daemon import absolute_paths, daemon_setting_options
+from moestream.client.cli.daemon import PATH_SETTINGS, absolute_paths, daemon_setting_options
 from moestream.client.cli.values import setting_flags
 from moestream.shared import service_files as sf
 from moestream.shared.durable import fsync_dir, sync_file
@@ -252,6 +252,8 @@ def install(given, no_load, openai, host, port, api_key_file, dry_run, platform_
         )
 
     python = os.path.abspath(sys.executable)  # not resolved: a venv's python is a symlink
+    if platform == "darwin":
+        _warn_protected(settings, python, home)
     try:
         argv = sf.daemon_argv(python, setting_flags(given), platform)
         environment = sf.service_environment(
@@ -260,6 +262,25 @@ def install(given, no_load, openai, host, port, api_key_file, dry_run, platform_
     except sf.ServiceFileError as e:
         raise click.ClickException(str(e)) from None
     _install(platform, home, env, sf.DAEMON, argv, environment, no_load=no_load, dry_run=dry_run)
+
+
+def _warn_protected(settings: Settings, python: str, home: Path) -> None:
+    """macOS: say which of the service's files lie where privacy protection keeps a
+    LaunchAgent out (this Terminal may have been granted access; the agent has not),
+    and what to grant, before the daemon fails there and restarts every 10 s."""
+    places = [(f"--{n.replace('_', '-')}", getattr(settings, n)) for n in PATH_SETTINGS]
+    places.append(("the Python that runs it", python))
+    for what, value in places:
+        where = sf.protected_place(value, home) if value else None
+        if where is None:
+            continue
+        click.echo(
+            f"warning: {what} {value} is in {where}, which macOS protects: the service would get "
+            f'"Operation not permitted" there and restart every 10 s. Give {os.path.realpath(python)} Full Disk '
+            "Access (System Settings > Privacy & Security > Full Disk Access, or Files and Folders), or move it "
+            "elsewhere (for example ~/models)",
+            err=True,
+        )
 
 
 def _gateway_service(
