@@ -378,3 +378,13 @@ def test_generate_takes_another_spelling_of_the_store_a_loading_daemon_serves(tm
     shutil.copytree(demo_store_path(), other)
     with pytest.raises(click.ClickException, match="serves the store"):
         _check_served_store(str(other), loading)
+
+
+def test_bench_io_says_huge_pages_only_where_the_engine_has_them():
+    from moestream.daemon.bench.io import huge_pages_used
+
+    # The engine advises huge pages with MADV_HUGEPAGE, which only Linux has; on macOS
+    # the option is accepted and does nothing, so the report must say False there.
+    assert huge_pages_used(True, "linux") is True
+    assert huge_pages_used(True, "darwin") is False
+    assert huge_pages_used(False, "linux") is False
