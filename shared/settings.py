@@ -307,6 +307,17 @@ def default_runtime_dir(env: Mapping[str, str], platform: str | None = None) -> 
     return Path(xdg) / "moestream" if xdg else fallback
 
 
+def earlier_runtime_dir(env: Mapping[str, str], platform: str | None = None) -> Path | None:
+    """macOS: `/tmp/moestream-UID`, the default runtime folder of earlier versions, where
+    a daemon they started may still run (a second one would load the model again); None
+    where the default is that folder still, and on Linux."""
+    platform = sys.platform if platform is None else platform
+    old = Path("/tmp") / f"moestream-{os.getuid()}"
+    if platform != "darwin" or default_runtime_dir(env, platform) == old:
+        return None
+    return old
+
+
 # How `--help` names the runtime folder's default on each platform (the README's table
 # names both).
 RUNTIME_DIR_DEFAULTS = (

@@ -88,6 +88,16 @@ def test_the_default_runtime_folder_is_one_no_cleanup_empties():
     assert default_runtime_dir({}, "darwin") == fallback
 
 
+def test_a_daemon_of_an_earlier_version_is_looked_for_where_it_ran():
+    from moestream.shared.settings import earlier_runtime_dir
+
+    # macOS's default moved from /tmp/moestream-UID: `start` looks there too, so that an
+    # upgrade does not start a second daemon beside the running one.
+    assert earlier_runtime_dir({"HOME": "/Users/ann"}, "darwin") == Path(f"/tmp/moestream-{os.getuid()}")
+    assert earlier_runtime_dir({"HOME": "/Users/" + "a" * 80}, "darwin") is None  # that is the default still
+    assert earlier_runtime_dir({"HOME": "/home/ann"}, "linux") is None
+
+
 def test_a_stale_socket_file_is_no_daemon(tmp_path):
     import socket
 

@@ -16,6 +16,7 @@ import click
 from moestream.client.cli.values import capacity_note, runtime_dir_option, setting_options, store_option
 from moestream.client.client import Client, ClientError, DaemonDied, DaemonNotRunning
 from moestream.shared.runtime_dir import (
+    LOG_NAME,
     RuntimeDirError,
     RuntimePaths,
     daemon_running,
@@ -24,7 +25,15 @@ from moestream.shared.runtime_dir import (
     pid_alive,
     read_pid,
 )
-from moestream.shared.settings import DAEMON, SETTINGS, Settings, SettingsError, format_size, in_scope
+from moestream.shared.settings import (
+    DAEMON,
+    SETTINGS,
+    Settings,
+    SettingsError,
+    earlier_runtime_dir,
+    format_size,
+    in_scope,
+)
 
 # The settings `start`, `restart` and `service install` take as options, passed on to
 # `python -m moestream.daemon.main` (names of Settings fields).
@@ -104,6 +113,12 @@ def start_daemon(settings: Settings, given: dict[str, Any], *, timeout: float = 
     if _running(paths):
         raise click.ClickException(
             f"a moestream daemon is already running (pid {running_pid(paths)}); see `moestreamctl status`"
+        )
+    old = earlier_runtime_dir(os.environ) if settings.runtime_dir is None else None
+    if old is not None and _running(RuntimePaths(dir=old, log=old / LOG_NAME)):
+        raise click.ClickException(
+            f"a moestream daemon of an earlier version runs in {old} (the runtime folder is now {paths.dir}); "
+            f"stop it first with `moestreamctl stop --runtime-dir {old}`"
         )
     try:
         ensure_private_dir(paths.dir)
