@@ -268,7 +268,7 @@ def _warn_protected(settings: Settings, python: str, home: Path) -> None:
     """macOS: say which of the service's files lie where privacy protection keeps a
     LaunchAgent out (this Terminal may have been granted access; the agent has not),
     and what to grant, before the daemon fails there and restarts every 10 s."""
-    places = [(f"--{n.replace('_', '-')}", getattr(settings, n)) for n in PATH_SETTINGS]
+    places = [(definition(n).flag, getattr(settings, n)) for n in PATH_SETTINGS]
     places.append(("the Python that runs it", python))
     for what, value in places:
         where = sf.protected_place(value, home) if value else None
