@@ -19,11 +19,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from daemon_cli import clean_env, ctl, started_daemon
+from daemon_cli import clean_env, started_daemon
 from tiny_models import tiny_store
 
 from moestream.shared import service_files as sf
-from moestream.shared.runtime_dir import RuntimePaths, daemon_running, lock_is_held, socket_answers
+from moestream.shared.runtime_dir import (
+    DaemonAlreadyRunning,
+    InstanceLock,
+    RuntimePaths,
+    daemon_running,
+    lock_is_held,
+    socket_answers,
+)
 from moestream.shared.settings import default_runtime_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,6 +45,16 @@ def store():
 # ---- 1. lock and pid files deleted under a running daemon ------------------------------
 
 
+def cli(*args: str):
+    """`moestreamctl ARGS` in this process, without the developer's moestream settings."""
+    from click.testing import CliRunner
+
+    from moestream.client.cli import main
+
+    env = {k: None for k in os.environ if k.startswith("MOESTREAM_")} | {"XDG_CONFIG_HOME": None}
+    return CliRunner().invoke(main, list(args), env=env)
+
+
 def test_a_daemon_whose_lock_and_pid_files_were_deleted_is_still_found_and_used(store):
     with started_daemon(store, "msmc") as paths:
         pid = int(paths.pid_file.read_text())
@@ -45,33 +62,29 @@ def test_a_daemon_whose_lock_and_pid_files_were_deleted_is_still_found_and_used(
         paths.pid_file.unlink()
         assert not lock_is_held(paths)  # what `status` used to go by
         assert socket_answers(paths) and daemon_running(paths)
+        rt = ("--runtime-dir", str(paths.dir))
 
-        status = ctl("status", "--json", "--runtime-dir", str(paths.dir))
-        assert status.returncode == 0, status.stdout + status.stderr
-        assert json.loads(status.stdout)["pid"] == pid
+        status = cli("status", "--json", *rt)
+        assert status.exit_code == 0, status.output
+        assert json.loads(status.output)["pid"] == pid
 
-        again = ctl("start", "--model", str(store), "--runtime-dir", str(paths.dir))
-        assert again.returncode == 1 and f"already running (pid {pid})" in again.stderr
+        again = cli("start", "--model", str(store), *rt)
+        assert again.exit_code == 1 and f"already running (pid {pid})" in again.output
 
         # The daemon's own check, without the client's: its lock is free (a new file),
         # but the socket answers, so it refuses rather than unlink that socket.
-        direct = subprocess.run(
-            [sys.executable, "-m", "moestream.daemon.main", "--model", str(store), "--runtime-dir", str(paths.dir)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env=clean_env(),
-        )
-        assert direct.returncode == 1 and "already running" in direct.stderr, direct.stderr
+        with pytest.raises(DaemonAlreadyRunning, match="already running"):
+            InstanceLock.acquire(paths)
+        assert socket_answers(paths)
 
-        gen = ctl("generate", "--model", str(store), "--runtime-dir", str(paths.dir), "--max-tokens", "3", "hi")
-        assert gen.returncode == 0, gen.stderr
-        assert "starting one" not in gen.stderr
-        after = json.loads(ctl("status", "--json", "--runtime-dir", str(paths.dir)).stdout)
+        gen = cli("generate", "--model", str(store), *rt, "--max-tokens", "3", "--json", "hi")
+        assert gen.exit_code == 0, gen.output
+        assert "starting one" not in gen.output
+        after = json.loads(cli("status", "--json", *rt).output)
         assert after["pid"] == pid and after["requests"]["completed"] == 1
 
-        stop = ctl("stop", "--runtime-dir", str(paths.dir))
-        assert stop.returncode == 0 and f"stopped (pid {pid})" in stop.stderr, stop.stderr
+        stop = cli("stop", *rt)
+        assert stop.exit_code == 0 and f"stopped (pid {pid})" in stop.output, stop.output
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
         assert not daemon_running(paths)
