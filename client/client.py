@@ -29,7 +29,7 @@ from moestream.shared.runtime_dir import (
     RuntimeDirError,
     RuntimePaths,
     check_private_dir,
-    lock_is_held,
+    daemon_running,
     pid_alive,
     read_pid,
 )
@@ -92,7 +92,8 @@ class Client:
             if self.paths.dir.is_dir():
                 # Whoever could make a socket there could read this client's prompts.
                 check_private_dir(self.paths.dir)
-            if not lock_is_held(self.paths):
+            # The lock, or a socket that answers: files a cleanup deleted hide no daemon.
+            if not daemon_running(self.paths):
                 raise DaemonNotRunning(
                     f"no moestream daemon is running (runtime folder {self.paths.dir}); "
                     "start one with `moestreamctl start --model STORE`"
@@ -122,7 +123,10 @@ class Client:
 
     def ping(self) -> proto.Pong:
         """The daemon's pid, state (loading | ready | stopping) and version."""
-        return self._call(proto.Ping(id=_new_id()), proto.Pong)
+        pong = self._call(proto.Ping(id=_new_id()), proto.Pong)
+        if self.pid is None:  # its pid file is gone: the daemon says its pid itself
+            self.pid = pong.pid
+        return pong
 
     def status(self) -> dict[str, Any]:
         """Pid, uptime, model, pool occupancy, memory, clients, requests, heat, log path."""

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import logging.handlers
 import os
 import sys
-from pathlib import Path
 
 from moestream import __version__
 from moestream.shared.runtime_dir import InstanceLock, RuntimeDirError, RuntimePaths
@@ -25,22 +25,17 @@ LOG_FORMAT = "%(asctime)s %(levelname)s [%(threadName)s] %(message)s"
 DAEMON_FLAGS = tuple(d.name for d in SETTINGS)
 
 
-def _rotate(log_path: Path) -> None:
-    try:
-        if log_path.stat().st_size > LOG_ROTATE_BYTES:
-            os.replace(log_path, log_path.with_name(log_path.name + ".1"))
-    except FileNotFoundError:
-        return
-
-
-def open_log(paths: RuntimePaths, *, to_stderr: bool) -> logging.Logger:
-    """The daemon's logger: its log file, and stderr when running in the foreground."""
+def open_log(paths: RuntimePaths, *, to_stderr: bool, rotate_bytes: int = LOG_ROTATE_BYTES) -> logging.Logger:
+    """The daemon's logger: its log file, rotated to `<log>.1` whenever it would pass
+    `rotate_bytes` (a daemon under launchd or systemd runs for weeks), and stderr too
+    when asked (in the foreground under systemd, whose journal rotates its own copy)."""
     paths.log.parent.mkdir(parents=True, exist_ok=True)
-    _rotate(paths.log)
     log = logging.getLogger(f"moestream.daemon.{os.getpid()}")
     log.setLevel(logging.INFO)
     log.propagate = False
-    handlers: list[logging.Handler] = [logging.FileHandler(paths.log, encoding="utf-8")]
+    handlers: list[logging.Handler] = [
+        logging.handlers.RotatingFileHandler(paths.log, maxBytes=rotate_bytes, backupCount=1, encoding="utf-8")
+    ]
     if to_stderr:
         handlers.append(logging.StreamHandler(sys.stderr))
     for h in handlers:

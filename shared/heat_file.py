@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
-from moestream.shared.durable import fsync_dir
+from moestream.shared.durable import fsync_dir, sync_fd
 from moestream.shared.file_lock import lock_exclusive
 from moestream.shared.store_format import POOL_USAGE_NAME
 
@@ -185,7 +185,7 @@ def write_usage(path: Path | str, counts: Mapping[int, Mapping[int, int]]) -> in
                     view = view[n:]
                 written += len(data)
             step = "cannot fsync"
-            os.fsync(fd)
+            sync_fd(fd)
         finally:
             os.close(fd)
         step = "cannot rename temporary file over"

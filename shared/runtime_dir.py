@@ -1,8 +1,11 @@
 """The daemon's private runtime folder: its socket, single-instance lock, pid file and log.
 
-The folder is `$XDG_RUNTIME_DIR/moestream` or `/tmp/moestream-<uid>` (see
-`Settings.runtime_path`). It must be a real folder owned by the user with no group or
-other permissions, because whoever can reach the socket can use the daemon.
+The folder is `$XDG_RUNTIME_DIR/moestream` or `/tmp/moestream-<uid>` on Linux and
+`~/Library/Caches/moestream` on macOS (see `default_runtime_dir` in shared/settings.py):
+never macOS's `/tmp`, whose daily cleanup deletes files untouched for 3 days, and the
+lock and pid files are never touched after the daemon starts. It must be a real folder
+owned by the user with no group or other permissions, because whoever can reach the
+socket can use the daemon.
 
 Single instance: the daemon takes an exclusive `flock` on `daemon.lock` before it binds
 its socket, and holds it for its whole life. ZeroMQ's ipc bind silently unlinks a socket
@@ -10,12 +13,19 @@ file that a live daemon still listens on, so binding first would steal the socke
 the running daemon. Because the kernel drops the lock when its holder dies, a free lock
 with a socket or pid file left behind means a daemon crashed: those files are stale
 and are removed before the new daemon binds.
+
+The files can still vanish under a running daemon (a cleanup job, a user's `rm`), so a
+socket that accepts a connection counts as a running daemon whatever the files say
+(`daemon_running`): the next daemon refuses to start rather than unlink that socket, and
+clients go on finding the daemon.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import socket
 import stat
 import sys
 from dataclasses import dataclass
@@ -46,9 +56,9 @@ class DaemonAlreadyRunning(RuntimeDirError):
         )
 
 
-def max_socket_path_bytes() -> int:
+def max_socket_path_bytes(platform: str | None = None) -> int:
     """The longest ipc socket path this OS accepts (sun_path less its NUL byte)."""
-    return 103 if sys.platform == "darwin" else 107
+    return 103 if (sys.platform if platform is None else platform) == "darwin" else 107
 
 
 @dataclass(frozen=True)
@@ -160,6 +170,35 @@ def lock_is_held(paths: RuntimePaths) -> bool:
     return False
 
 
+# What connecting to a socket file with no listener gives: the file left by a daemon that
+# died (ECONNREFUSED), none at all, or something else in its place.
+_NOBODY_LISTENS = (errno.ECONNREFUSED, errno.ENOENT, errno.ENOTSOCK, errno.EPROTOTYPE)
+
+
+def socket_answers(paths: RuntimePaths, timeout: float = 1.0) -> bool:
+    """Whether a process listens on the daemon's socket: a plain connect, closed at once
+    (ZeroMQ drops a peer that leaves before its handshake)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(os.fsencode(paths.socket))
+    except OSError as e:
+        if e.errno in _NOBODY_LISTENS:
+            return False
+        if isinstance(e, TimeoutError) or e.errno == errno.EAGAIN:
+            return True  # a listener whose backlog is full is a busy daemon, not none
+        raise RuntimeDirError(f"cannot connect to {paths.socket} to see whether a daemon listens: {e}") from e
+    finally:
+        s.close()
+    return True
+
+
+def daemon_running(paths: RuntimePaths) -> bool:
+    """Whether a daemon runs in this runtime folder: it holds the lock, or, its lock file
+    gone, its socket still answers."""
+    return lock_is_held(paths) or socket_answers(paths)
+
+
 class InstanceLock:
     """The daemon's single-instance lock; hold it from before bind until after close."""
 
@@ -192,6 +231,10 @@ class InstanceLock:
             os.close(fd)
             raise DaemonAlreadyRunning(read_pid(paths), paths.dir)
         try:
+            # A lock of our own but a socket that answers: the running daemon's lock
+            # file was deleted under it. Binding would unlink its live socket.
+            if socket_answers(paths):
+                raise DaemonAlreadyRunning(read_pid(paths), paths.dir)
             stale_pid = read_pid(paths)
             removed = []
             for leftover in (paths.socket, paths.pid_file):

@@ -13,6 +13,7 @@ It imports no MLX and reads no environment of its own: callers pass `env` and `h
 
 from __future__ import annotations
 
+import os
 import plistlib
 import re
 from dataclasses import dataclass
@@ -58,10 +59,13 @@ class Service:
     plist_template: str
     unit_template: str
     log_stem: str  # launchd log files: <log_stem>.out.log / .err.log
+    # Seconds from SIGTERM to SIGKILL: the unit template's TimeoutStopSec, and the
+    # plist's ExitTimeOut (a test checks that the two agree).
+    stop_timeout_s: int
     flag: str = ""  # what `moestreamctl service ...` is given to name this service
 
 
-DAEMON = Service("daemon", LAUNCHD_LABEL, SYSTEMD_UNIT, PLIST_TEMPLATE, UNIT_TEMPLATE, "daemon")
+DAEMON = Service("daemon", LAUNCHD_LABEL, SYSTEMD_UNIT, PLIST_TEMPLATE, UNIT_TEMPLATE, "daemon", 30)
 # The plist template has nothing daemon-specific (its comments are not kept); the unit
 # has its own description and starts after the daemon's unit.
 OPENAI = Service(
@@ -71,6 +75,7 @@ OPENAI = Service(
     PLIST_TEMPLATE,
     OPENAI_UNIT_TEMPLATE,
     "openai",
+    15,
     " --openai",
 )
 
@@ -98,12 +103,15 @@ def platform_of(sys_platform: str) -> str:
     )
 
 
-def daemon_argv(python: str, start_flags: Sequence[str] = ()) -> list[str]:
+def daemon_argv(python: str, start_flags: Sequence[str] = (), platform: str = "linux") -> list[str]:
     """The daemon's command line: this interpreter, in the foreground (a service manager
-    must own the process, so it never daemonizes itself), with the given `start` flags."""
+    must own the process, so it never daemonizes itself), with the given `start` flags.
+    Under launchd the daemon logs only to its own rotated file: launchd appends stderr
+    to StandardErrorPath, which nothing rotates (systemd's journal rotates its copy)."""
     if not python.startswith("/"):
         raise ServiceFileError(f"the interpreter path must be absolute, got {python!r}")
-    return [python, "-m", CLI_MODULE, "start", "--foreground", *start_flags]
+    quiet = ["--no-log-to-stderr"] if platform == "darwin" else []
+    return [python, "-m", CLI_MODULE, "start", "--foreground", *quiet, *start_flags]
 
 
 def gateway_argv(python: str, flags: Sequence[str] = ()) -> list[str]:
@@ -171,6 +179,7 @@ def render_plist(
     environment: Mapping[str, str],
     stdout_path: Path,
     stderr_path: Path,
+    exit_timeout_s: int = DAEMON.stop_timeout_s,
     template: str | None = None,
 ) -> bytes:
     """The LaunchAgent plist: the template with its placeholders filled."""
@@ -182,7 +191,7 @@ def render_plist(
     for key, placeholder in _PLIST_PLACEHOLDERS.items():
         if doc.get(key) != placeholder:
             raise ServiceFileError(f"template {PLIST_TEMPLATE}: {key} should be the placeholder {placeholder!r}")
-    for key in ("ProgramArguments", "EnvironmentVariables"):
+    for key in ("ProgramArguments", "EnvironmentVariables", "ExitTimeOut"):
         if key not in doc:
             raise ServiceFileError(f"template {PLIST_TEMPLATE} lacks {key}")
     for arg in argv:
@@ -194,6 +203,7 @@ def render_plist(
     doc["EnvironmentVariables"] = dict(sorted(environment.items()))
     doc["StandardOutPath"] = str(stdout_path)
     doc["StandardErrorPath"] = str(stderr_path)
+    doc["ExitTimeOut"] = int(exit_timeout_s)
     return plistlib.dumps(doc, fmt=plistlib.FMT_XML, sort_keys=False)
 
 
@@ -265,6 +275,7 @@ def render_service_file(
             environment=environment,
             stdout_path=logs / f"{service.log_stem}.out.log",
             stderr_path=logs / f"{service.log_stem}.err.log",
+            exit_timeout_s=service.stop_timeout_s,
         )
         return ServiceFile(platform, path, content, logs)
     unit = render_unit(argv=argv, environment=environment, template_name=service.unit_template, flag=service.flag)
@@ -318,3 +329,27 @@ def status_command(platform: str, uid: int, service: Service = DAEMON) -> list[s
     if platform == "darwin":
         return ["launchctl", "print", launchd_target(uid, service)]
     return ["systemctl", "--user", "status", "--no-pager", service.unit]
+
+
+# Where macOS's privacy protection (TCC) guards a LaunchAgent's reads, under the home folder.
+PROTECTED_HOME_FOLDERS = ("Desktop", "Documents", "Downloads", "Library/Mobile Documents")
+
+
+def protected_place(path: str | os.PathLike, home: str | os.PathLike) -> str | None:
+    """Which place that macOS protects the absolute `path` is in ("~/Documents", or
+    "/Volumes/X": removable and network volumes), or None. A LaunchAgent reading there
+    gets EPERM unless its program has Full Disk Access, though Terminal could read it."""
+    p = Path(path)
+    for candidate in dict.fromkeys((p, Path(os.path.realpath(p)))):
+        for name in PROTECTED_HOME_FOLDERS:
+            if _is_under(candidate, Path(home, name)):
+                return f"~/{name}"
+        if len(candidate.parts) > 2 and candidate.parts[1] == "Volumes":
+            return f"/Volumes/{candidate.parts[2]}"
+    return None
+
+
+def _is_under(path: Path, base: Path) -> bool:
+    """`path` is `base` or inside it, comparing names as APFS does by default: without case."""
+    n = len(base.parts)
+    return len(path.parts) >= n and [x.casefold() for x in path.parts[:n]] == [x.casefold() for x in base.parts]

@@ -26,6 +26,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from moestream.shared.runtime_dir import SOCKET_NAME, max_socket_path_bytes
+from moestream.shared.store_format import canonical_folder, same_folder
+
 ENV_PREFIX = "MOESTREAM_"
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -142,6 +145,9 @@ class Definition:
     # The default as people read it, where the value does not say it (a None that
     # stands for a folder found at run time, say).
     shown_default: str | None = None
+    # (platform, default) pairs where the default differs by platform: `--help` names
+    # the one of the running system, the README `shown_default` (both).
+    shown_default_on: tuple[tuple[str, str], ...] = ()
     name: str = ""
 
     @property
@@ -209,8 +215,12 @@ class Definition:
         """`value` as its flag reads it back: auto for an auto_bool's None."""
         return "auto" if self.kind == "auto_bool" and value is None else value
 
-    def default_text(self) -> str:
-        """The default, as `--help` and the README say it."""
+    def default_text(self, platform: str | None = None) -> str:
+        """The default, as the README says it, or `--help` on `platform` (a `sys.platform`)."""
+        if platform is not None:
+            for name, text in self.shown_default_on:
+                if platform.startswith(name):
+                    return text
         if self.shown_default is not None:
             return self.shown_default
         d = self.default
@@ -251,6 +261,7 @@ def setting(
     choices: tuple[str, ...] = (),
     noun: str | None = None,
     shown_default: str | None = None,
+    shown_default_on: tuple[tuple[str, str], ...] = (),
 ) -> Any:
     """A Settings field with its definition (see `Definition`) in its metadata."""
     if kind not in KINDS:
@@ -269,18 +280,50 @@ def setting(
         choices=choices,
         noun=noun,
         shown_default=shown_default,
+        shown_default_on=shown_default_on,
     )
     return dataclasses.field(default=default, metadata={"setting": definition})
 
 
-def default_runtime_dir(env: Mapping[str, str]) -> Path:
-    """Where the daemon keeps its sockets and lock: private to the user, short path."""
+def default_runtime_dir(env: Mapping[str, str], platform: str | None = None) -> Path:
+    """Where the daemon keeps its socket, lock, pid file and log: private to the user, a
+    short path, and never where a cleanup job deletes files left untouched.
+
+    Linux: `$XDG_RUNTIME_DIR/moestream` (logind keeps it for the user's sessions), else
+    `/tmp/moestream-UID`. macOS: `~/Library/Caches/moestream`, not `/tmp`, whose daily
+    `periodic` cleanup deletes files untouched for 3 days (the lock and pid files of a
+    daemon up that long); `/tmp/moestream-UID` only where a long home folder would put the
+    socket past macOS's 103-byte limit. `platform` is `sys.platform` unless given."""
+    platform = sys.platform if platform is None else platform
+    fallback = Path("/tmp") / f"moestream-{os.getuid()}"
+    if platform == "darwin":
+        home = env.get("HOME", "")
+        if not home.startswith("/"):
+            return fallback
+        folder = Path(home) / "Library" / "Caches" / "moestream"
+        fits = len(os.fsencode(str(folder / SOCKET_NAME))) <= max_socket_path_bytes(platform)
+        return folder if fits else fallback
     xdg = env.get("XDG_RUNTIME_DIR")
-    if xdg and sys.platform != "darwin":
-        return Path(xdg) / "moestream"
-    # macOS caps socket paths at 104 bytes, so stay under /tmp rather than the long
-    # per-user $TMPDIR; the folder is created 0700 and ownership is checked.
-    return Path("/tmp") / f"moestream-{os.getuid()}"
+    return Path(xdg) / "moestream" if xdg else fallback
+
+
+def earlier_runtime_dir(env: Mapping[str, str], platform: str | None = None) -> Path | None:
+    """macOS: `/tmp/moestream-UID`, the default runtime folder of earlier versions, where
+    a daemon they started may still run (a second one would load the model again); None
+    where the default is that folder still, and on Linux."""
+    platform = sys.platform if platform is None else platform
+    old = Path("/tmp") / f"moestream-{os.getuid()}"
+    if platform != "darwin" or default_runtime_dir(env, platform) == old:
+        return None
+    return old
+
+
+# How `--help` names the runtime folder's default on each platform (the README's table
+# names both).
+RUNTIME_DIR_DEFAULTS = (
+    ("linux", "$XDG_RUNTIME_DIR/moestream, else /tmp/moestream-UID"),
+    ("darwin", "~/Library/Caches/moestream"),
+)
 
 
 def demo_store_path() -> Path:
@@ -406,8 +449,9 @@ class Settings:
         None,
         kind="path",
         scope=_BOTH,
-        shown_default="$XDG_RUNTIME_DIR/moestream (macOS: /tmp/moestream-UID)",
-        help="Folder of the daemon's socket, lock and pid file.",
+        shown_default="$XDG_RUNTIME_DIR/moestream, else /tmp/moestream-UID (macOS: ~/Library/Caches/moestream)",
+        shown_default_on=RUNTIME_DIR_DEFAULTS,
+        help="Folder of the daemon's socket, lock, pid file and log.",
     )
     log_file: str | None = setting(
         None,
@@ -564,8 +608,10 @@ class Settings:
         package)."""
         if self.heat_dir:
             return Path(self.heat_dir)
-        folder = Path(store).resolve()
-        if folder != demo_store_path() and os.access(folder, os.W_OK):
+        # Spelled as on disk: on a case-insensitive filesystem ~/Models/X and ~/models/x
+        # are one store, whose heat must be one folder.
+        folder = canonical_folder(store)
+        if not same_folder(folder, demo_store_path()) and os.access(folder, os.W_OK):
             return folder
         digest = hashlib.sha256(str(folder).encode()).hexdigest()[:12]
         return default_state_dir(os.environ if env is None else env) / "heat" / f"{folder.name}-{digest}"

@@ -19,15 +19,18 @@ This module imports no MLX: the client, the benchmarks and the daemon all read i
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
+import sys
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moestream.shared.durable import fsync_dir
+from moestream.shared.durable import fsync_dir, sync_file
 
 FORMAT_NAME = "moestream-store"
 FORMAT_VERSION = 1
@@ -245,8 +248,7 @@ class Manifest:
         tmp = path.with_suffix(".json.tmp")
         with open(tmp, "w") as f:
             json.dump(self.to_json(), f, separators=(",", ":"))
-            f.flush()
-            os.fsync(f.fileno())
+            sync_file(f)
         os.replace(tmp, path)
         fsync_dir(path.parent)
 
@@ -305,14 +307,66 @@ def load_manifest(store_dir: str | os.PathLike) -> Manifest:
     """Read and validate a store's manifest, with errors that say what to do."""
     store = Path(store_dir)
     path = store / MANIFEST_NAME
-    if not store.is_dir():
-        raise StoreError(f"expert store {store} does not exist (make one with `moestreamctl convert`)")
-    if not path.is_file():
-        raise StoreError(
-            f"{store} is not an expert store: {MANIFEST_NAME} is missing (make one with `moestreamctl convert`)"
-        )
     try:
+        if not store.is_dir():
+            raise StoreError(f"expert store {store} does not exist (make one with `moestreamctl convert`)")
+        if not path.is_file():
+            raise StoreError(
+                f"{store} is not an expert store: {MANIFEST_NAME} is missing (make one with `moestreamctl convert`)"
+            )
         data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except OSError as e:  # is_dir and is_file raise what is not "not there": EPERM, EIO
+        raise StoreError(f"{path}: cannot read the manifest ({e}){permission_advice(e)}") from e
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise StoreError(f"{path}: cannot read the manifest ({e})") from e
     return Manifest.from_json(data, where=str(path))
+
+
+def permission_advice(err: OSError, *, platform: str | None = None, executable: str | None = None) -> str:
+    """What to grant, as a sentence to append to the message of `err`, when it is macOS's
+    privacy protection refusing a read: EPERM ("Operation not permitted"), which a
+    LaunchAgent gets in ~/Documents, ~/Desktop, ~/Downloads or on a removable volume
+    without Full Disk Access; "" for any other error or system. `platform` and
+    `executable` are `sys.platform` and `sys.executable` unless given."""
+    platform = sys.platform if platform is None else platform
+    if platform != "darwin" or err.errno != errno.EPERM:
+        return ""
+    python = os.path.realpath(sys.executable if executable is None else executable)
+    return (
+        f". macOS's privacy protection refused it: in System Settings > Privacy & Security, give {python} "
+        "Full Disk Access (or access to this folder under Files and Folders), or keep the store outside "
+        "~/Documents, ~/Desktop, ~/Downloads and removable volumes"
+    )
+
+
+def same_folder(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether `a` and `b` are one folder, by device and inode: on a case-insensitive
+    filesystem (APFS's default) ~/models/x and ~/Models/X are one folder with two
+    spellings that no path comparison equates. False when either cannot be looked at."""
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def canonical_folder(path: str | os.PathLike, *, platform: str | None = None) -> Path:
+    """`path` resolved, and on macOS spelled as on disk (F_GETPATH), so that the two
+    spellings of one folder on a case-insensitive filesystem name one heat folder.
+    Elsewhere, or where the folder cannot be opened, the resolved path."""
+    resolved = Path(path).resolve()
+    platform = sys.platform if platform is None else platform
+    getpath = getattr(fcntl, "F_GETPATH", None)  # only macOS's Python has it
+    if platform != "darwin" or getpath is None:
+        return resolved
+    try:
+        fd = os.open(resolved, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return resolved
+    try:
+        raw = fcntl.fcntl(fd, getpath, bytes(1024))  # MAXPATHLEN
+    except OSError:
+        return resolved
+    finally:
+        os.close(fd)
+    return Path(os.fsdecode(raw.split(b"\0", 1)[0]))

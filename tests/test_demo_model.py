@@ -102,7 +102,15 @@ def test_generate_uses_the_demo_model_and_writes_python(tmp_path):
 
 def test_the_demo_models_heat_goes_to_the_users_state_folder(tmp_path):
     """The demo store lives inside the installed package: its pool_usage.json is kept
-    in the user's state folder, never written into the package."""
+    in the user's state folder, never written into the package.
+
+    The runtime folder is a short one under /tmp, not under tmp_path: on macOS tmp_path
+    (under /private/var/folders/...) puts the socket past the 103-byte limit. There the
+    test checks the same thing: a daemon started by `generate`, its heat in the state
+    folder."""
+    import shutil
+    import tempfile
+
     from moestream.shared.settings import Settings, demo_store_path
     from moestream.shared.store_format import POOL_USAGE_NAME
 
@@ -114,9 +122,9 @@ def test_the_demo_models_heat_goes_to_the_users_state_folder(tmp_path):
         "HOME": str(tmp_path),
         "XDG_CONFIG_HOME": str(tmp_path / "cfg"),
         "XDG_STATE_HOME": str(tmp_path / "state"),
-        "MOESTREAM_RUNTIME_DIR": str(tmp_path / "rt"),
     }
-    rt = tmp_path / "rt"
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msdm"))
+    env["MOESTREAM_RUNTIME_DIR"] = str(rt)
     out = subprocess.run(
         [str(exe), "generate", "--max-tokens", "8", "def f(x):"], capture_output=True, text=True, timeout=120, env=env
     )
@@ -126,6 +134,7 @@ def test_the_demo_models_heat_goes_to_the_users_state_folder(tmp_path):
         stopped = subprocess.run(
             [str(exe), "stop", "--runtime-dir", str(rt)], capture_output=True, text=True, timeout=60, env=env
         )
+        shutil.rmtree(rt, ignore_errors=True)
     assert stopped.returncode == 0, stopped.stderr
     folder = Settings().heat_folder(demo_store_path(), env)
     assert folder.is_relative_to(tmp_path / "state" / "moestream" / "heat")

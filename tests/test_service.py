@@ -110,13 +110,16 @@ def parse_unit(text: str) -> tuple[configparser.ConfigParser, list[str], dict[st
     return unit, argv, environment
 
 
-def expected_argv(store: Path) -> list[str]:
+def expected_argv(store: Path, platform: str = "linux") -> list[str]:
+    # Under launchd the daemon logs only to its own rotated file (see sf.daemon_argv).
+    quiet = ["--no-log-to-stderr"] if platform == "darwin" else []
     return [
         PYTHON,
         "-m",
         "moestream.client.cli",
         "start",
         "--foreground",
+        *quiet,
         "--model",
         str(store),
         "--memory-budget",
@@ -177,7 +180,7 @@ def test_plist_has_every_key(store: Path, tmp_path: Path) -> None:
     assert "launchctl bootstrap gui/" in result.output  # says how to load it
     doc = plistlib.loads(path.read_bytes())
     assert doc["Label"] == "dev.moestream.daemon"
-    assert doc["ProgramArguments"] == expected_argv(store)
+    assert doc["ProgramArguments"] == expected_argv(store, "darwin")
     assert doc["RunAtLoad"] is True
     assert doc["KeepAlive"] == {"SuccessfulExit": False}
     assert type(doc["ThrottleInterval"]) is int and doc["ThrottleInterval"] >= 1

@@ -13,10 +13,27 @@ from typing import Any
 
 import click
 
-from moestream.client.cli.values import capacity_note, setting_options, store_option
+from moestream.client.cli.values import capacity_note, runtime_dir_option, setting_options, store_option
 from moestream.client.client import Client, ClientError, DaemonDied, DaemonNotRunning
-from moestream.shared.runtime_dir import RuntimeDirError, RuntimePaths, ensure_private_dir, lock_is_held, read_pid
-from moestream.shared.settings import DAEMON, SETTINGS, Settings, SettingsError, format_size, in_scope
+from moestream.shared.runtime_dir import (
+    LOG_NAME,
+    RuntimeDirError,
+    RuntimePaths,
+    daemon_running,
+    ensure_private_dir,
+    lock_is_held,
+    pid_alive,
+    read_pid,
+)
+from moestream.shared.settings import (
+    DAEMON,
+    SETTINGS,
+    Settings,
+    SettingsError,
+    earlier_runtime_dir,
+    format_size,
+    in_scope,
+)
 
 # The settings `start`, `restart` and `service install` take as options, passed on to
 # `python -m moestream.daemon.main` (names of Settings fields).
@@ -93,9 +110,15 @@ def start_daemon(settings: Settings, given: dict[str, Any], *, timeout: float = 
     store_option(settings.model)  # a wrong folder fails here, not in the daemon's log
     given = absolute_paths(given)
     paths = _paths(settings)
-    if lock_is_held(paths):
+    if _running(paths):
         raise click.ClickException(
-            f"a moestream daemon is already running (pid {read_pid(paths)}); see `moestreamctl status`"
+            f"a moestream daemon is already running (pid {running_pid(paths)}); see `moestreamctl status`"
+        )
+    old = earlier_runtime_dir(os.environ) if settings.runtime_dir is None else None
+    if old is not None and _running(RuntimePaths(dir=old, log=old / LOG_NAME)):
+        raise click.ClickException(
+            f"a moestream daemon of an earlier version runs in {old} (the runtime folder is now {paths.dir}); "
+            f"stop it first with `moestreamctl stop --runtime-dir {old}`"
         )
     try:
         ensure_private_dir(paths.dir)
@@ -146,6 +169,25 @@ def start_daemon(settings: Settings, given: dict[str, Any], *, timeout: float = 
     return proc.pid
 
 
+def _running(paths: RuntimePaths) -> bool:
+    try:
+        return daemon_running(paths)
+    except RuntimeDirError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def running_pid(paths: RuntimePaths) -> int | None:
+    """The running daemon's pid: its pid file's, else (the file deleted) its own answer."""
+    pid = read_pid(paths)
+    if pid is not None:
+        return pid
+    try:
+        with Client(paths, timeout=5.0) as c:
+            return c.ping().pid
+    except ClientError:
+        return None
+
+
 def _ping_state(paths: RuntimePaths) -> str:
     if not paths.socket.exists():
         return "starting"
@@ -159,9 +201,9 @@ def _ping_state(paths: RuntimePaths) -> str:
 def stop_daemon(paths: RuntimePaths, *, timeout: float = 30.0) -> int | None:
     """Stop the running daemon: a shutdown message, then SIGTERM if it does not answer.
     Returns its pid, or None when none was running."""
-    if not lock_is_held(paths):
+    if not _running(paths):
         return None
-    pid = read_pid(paths)
+    pid = running_pid(paths)
     asked = False
     try:
         with Client(paths, timeout=5.0) as c:
@@ -169,7 +211,7 @@ def stop_daemon(paths: RuntimePaths, *, timeout: float = 30.0) -> int | None:
             asked = True
     except ClientError as e:
         click.echo(f"the daemon did not answer the shutdown message ({e})", err=True)
-    if not asked or not _wait_unlocked(paths, timeout):
+    if not asked or not _wait_stopped(paths, pid, timeout):
         if pid is None:
             raise click.ClickException(f"the daemon does not stop and its pid file {paths.pid_file} is missing")
         click.echo(f"sending SIGTERM to pid {pid}", err=True)
@@ -177,17 +219,26 @@ def stop_daemon(paths: RuntimePaths, *, timeout: float = 30.0) -> int | None:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             return pid
-        if not _wait_unlocked(paths, timeout):
+        if not _wait_stopped(paths, pid, timeout):
             raise click.ClickException(
                 f"the daemon (pid {pid}) did not stop within {timeout:g} s of SIGTERM; `kill -9 {pid}` ends it"
             )
     return pid
 
 
-def _wait_unlocked(paths: RuntimePaths, timeout: float) -> bool:
+def _wait_stopped(paths: RuntimePaths, pid: int | None, timeout: float) -> bool:
     # The lock is released after the sockets are closed and the pid file is removed.
+    # Where its lock file was deleted, the daemon's socket closes before it is done
+    # (heat, files): then only the end of its process says so.
+    by_lock = lock_is_held(paths)
     deadline = time.monotonic() + timeout
-    while lock_is_held(paths):
+
+    def up() -> bool:
+        if by_lock:
+            return lock_is_held(paths)
+        return _running(paths) or (pid is not None and pid_alive(pid))
+
+    while up():
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
@@ -215,8 +266,15 @@ def _start_options(f):
 
 @click.command()
 @_start_options
-@click.option("--foreground", is_flag=True, help="Run in this process, logging to stderr too (for launchd/systemd).")
-def start(given, timeout, foreground) -> None:
+@click.option("--foreground", is_flag=True, help="Run in this process (for launchd/systemd).")
+@click.option(
+    "--log-to-stderr/--no-log-to-stderr",
+    default=True,
+    show_default=True,
+    help="With --foreground: log to stderr as well as to the log file (systemd's journal keeps it; the launchd "
+    "service turns it off, since nothing rotates its stderr file).",
+)
+def start(given, timeout, foreground, log_to_stderr) -> None:
     """Start the daemon: it loads the model once and serves every client."""
     settings = resolve_settings(given)
     note = capacity_note(settings)
@@ -231,7 +289,7 @@ def start(given, timeout, foreground) -> None:
         from moestream.daemon.main import run_daemon
 
         try:
-            code = run_daemon(settings, log_to_stderr=True)
+            code = run_daemon(settings, log_to_stderr=log_to_stderr)
         except RuntimeDirError as e:
             raise click.ClickException(str(e)) from None
         sys.exit(code)
@@ -239,7 +297,7 @@ def start(given, timeout, foreground) -> None:
 
 
 @click.command()
-@click.option("--runtime-dir", help="The daemon's runtime folder.")
+@runtime_dir_option
 @click.option(
     "--timeout",
     default=30.0,
@@ -259,7 +317,7 @@ def stop(runtime_dir, timeout) -> None:
 def restart(given, timeout) -> None:
     """Stop the daemon and start it again; flags not given keep the running daemon's values."""
     paths = _paths(resolve_settings({"runtime_dir": given["runtime_dir"]}))
-    if lock_is_held(paths):
+    if _running(paths):
         try:
             with Client(paths, timeout=5.0) as c:
                 running = c.status()
@@ -279,13 +337,13 @@ def restart(given, timeout) -> None:
 
 
 @click.command()
-@click.option("--runtime-dir", help="The daemon's runtime folder.")
+@runtime_dir_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def status(runtime_dir, as_json) -> None:
     """Is the daemon running, and how is its pool doing."""
     settings = resolve_lenient({"runtime_dir": runtime_dir})
     paths = _paths(settings)
-    if not lock_is_held(paths):
+    if not _running(paths):
         if as_json:
             click.echo(json.dumps({"running": False, "runtime_dir": str(paths.dir), "log": str(paths.log)}))
         else:
@@ -383,7 +441,7 @@ def _job_state(job: dict[str, Any]) -> str:
 
 
 @click.command()
-@click.option("--runtime-dir", help="The daemon's runtime folder.")
+@runtime_dir_option
 @click.option("--log-file", help="The log file (default: the running daemon's, else daemon.log in the runtime folder).")
 @click.option("-n", "lines", default=50, show_default=True, type=click.IntRange(0, None), help="Lines to print.")
 @click.option("-f", "follow", is_flag=True, help="Keep printing new lines (Ctrl-C to end).")
@@ -392,7 +450,7 @@ def logs(runtime_dir, log_file, lines, follow) -> None:
     settings = resolve_lenient({"runtime_dir": runtime_dir, "log_file": log_file})
     paths = _paths(settings)
     path = paths.log
-    if log_file is None and lock_is_held(paths):
+    if log_file is None and _running(paths):
         try:
             with Client(paths, timeout=2.0) as c:
                 path = Path(c.status()["log"])
@@ -429,7 +487,7 @@ def _follow(path: Path) -> None:
 
 
 @click.command()
-@click.option("--runtime-dir", help="The daemon's runtime folder.")
+@runtime_dir_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def stats(runtime_dir, as_json) -> None:
     """The pool's statistics: hits, misses, evictions and bytes read, per layer."""

@@ -12,6 +12,7 @@ import click
 
 from moestream.client.cli.values import capacity_note, setting_options, store_option
 from moestream.shared.settings import GENERATE, LOCAL, Settings, SettingsError, definition, in_scope
+from moestream.shared.store_format import same_folder
 
 # Settings of `generate` that a running daemon does not take from it: `model` is checked
 # against the store it serves, and `runtime_dir` picks the daemon.
@@ -250,7 +251,7 @@ def _check_served_store(model: str, status: dict) -> None:
     wanted = store_option(model).store_id
     served_id = status.get("store_id")
     if served_id is None:  # a daemon still loading does not know its store's id yet
-        same = os.path.realpath(model) == os.path.realpath(served)
+        same = same_folder(model, served)  # by device and inode: ~/Models/X is ~/models/x on APFS
     else:
         same = served_id == wanted
     if not same:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from moestream.client.cli.values import runtime_dir_option
 from moestream.shared.runtime_dir import RuntimeDirError, RuntimePaths
 from moestream.shared.settings import Settings, SettingsError
 
@@ -88,7 +89,7 @@ def bind(host: str, port: int) -> socket.socket:
     "--api-key", help="Clients must send `Authorization: Bearer KEY` (visible in `ps`: prefer --api-key-file)."
 )
 @click.option("--api-key-file", type=click.Path(dir_okay=False), help="File whose first line is the API key.")
-@click.option("--runtime-dir", help="The daemon's runtime folder (default $XDG_RUNTIME_DIR/moestream).")
+@runtime_dir_option
 @click.option(
     "--log-level",
     default="info",

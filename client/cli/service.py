@@ -16,19 +16,27 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Mapping
 
 import click
 
-from moestream.client.cli.daemon import absolute_paths, daemon_setting_options
+from moestream.client.cli.daemon import PATH_SETTINGS, absolute_paths, daemon_setting_options
 from moestream.client.cli.values import setting_flags
 from moestream.shared import service_files as sf
+from moestream.shared.durable import fsync_dir, sync_file
 from moestream.shared.settings import Settings, SettingsError, definition, format_size
 from moestream.shared.store_format import StoreError, load_manifest
 
 # launchctl and systemctl answer at once; a hung one is reported rather than waited on.
 COMMAND_TIMEOUT_S = 60.0
+# launchd keeps a label for a few seconds after `bootout` returns, and a `bootstrap` in
+# that time fails with "5: Input/output error": wait until `print` no longer finds the
+# label, then retry a bootstrap that exits 5, each for this long.
+LAUNCHD_SETTLE_S = 15.0
+LAUNCHD_POLL_S = 0.25
+BOOTSTRAP_BUSY = 5
 
 
 class ManagerError(click.ClickException):
@@ -118,23 +126,55 @@ def _write_atomically(path: Path, content: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(content)
-            f.flush()
-            os.fsync(f.fileno())
+            sync_file(f)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_dir(path.parent)
 
 
 def _loaded(platform: str, uid: int, env: Mapping[str, str], svc: sf.Service = sf.DAEMON) -> bool:
     """macOS: whether launchd knows the agent now (bootstrap refuses a loaded one)."""
     return _run(sf.loaded_command(platform, uid, svc), env).returncode == 0
+
+
+def _wait_unloaded(
+    platform: str, uid: int, env: Mapping[str, str], svc: sf.Service, within_s: float = LAUNCHD_SETTLE_S
+) -> bool:
+    """macOS, after `bootout`: wait until launchd no longer knows the label; False when it
+    still does after `within_s` (the bootstrap's retries then get their chance)."""
+    deadline = time.monotonic() + within_s
+    while _loaded(platform, uid, env, svc):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(LAUNCHD_POLL_S)
+    return True
+
+
+def check_retrying(
+    cmd: list[str],
+    env: Mapping[str, str],
+    *,
+    busy: int = BOOTSTRAP_BUSY,
+    within_s: float = LAUNCHD_SETTLE_S,
+    every_s: float = 0.5,
+) -> subprocess.CompletedProcess[str]:
+    """`_check`, but an exit with status `busy` is tried again every `every_s` seconds
+    for `within_s` seconds; ManagerError says how many tries failed."""
+    deadline = time.monotonic() + within_s
+    tries = 0
+    while True:
+        done = _run(cmd, env)
+        tries += 1
+        if done.returncode == 0:
+            return done
+        if done.returncode != busy or time.monotonic() >= deadline:
+            said = (done.stderr or done.stdout).strip() or "no output"
+            again = f" ({tries} tries over {within_s:g} s)" if tries > 1 else ""
+            raise ManagerError(f"`{_show(cmd)}` exited with status {done.returncode}{again}: {said}")
+        time.sleep(every_s)
 
 
 @click.group()
@@ -212,14 +252,35 @@ def install(given, no_load, openai, host, port, api_key_file, dry_run, platform_
         )
 
     python = os.path.abspath(sys.executable)  # not resolved: a venv's python is a symlink
+    if platform == "darwin":
+        _warn_protected(settings, python, home)
     try:
-        argv = sf.daemon_argv(python, setting_flags(given))
+        argv = sf.daemon_argv(python, setting_flags(given), platform)
         environment = sf.service_environment(
             env, python=python, exclude=[definition(name).env for name, value in given.items() if value is not None]
         )
     except sf.ServiceFileError as e:
         raise click.ClickException(str(e)) from None
     _install(platform, home, env, sf.DAEMON, argv, environment, no_load=no_load, dry_run=dry_run)
+
+
+def _warn_protected(settings: Settings, python: str, home: Path) -> None:
+    """macOS: say which of the service's files lie where privacy protection keeps a
+    LaunchAgent out (this Terminal may have been granted access; the agent has not),
+    and what to grant, before the daemon fails there and restarts every 10 s."""
+    places = [(definition(n).flag, getattr(settings, n)) for n in PATH_SETTINGS]
+    places.append(("the Python that runs it", python))
+    for what, value in places:
+        where = sf.protected_place(value, home) if value else None
+        if where is None:
+            continue
+        click.echo(
+            f"warning: {what} {value} is in {where}, which macOS protects: the service would get "
+            f'"Operation not permitted" there and restart every 10 s. Give {os.path.realpath(python)} Full Disk '
+            "Access (System Settings > Privacy & Security > Full Disk Access, or Files and Folders), or move it "
+            "elsewhere (for example ~/models)",
+            err=True,
+        )
 
 
 def _gateway_service(
@@ -295,8 +356,12 @@ def _install(
         if platform == "darwin" and _loaded(platform, uid, env, svc):
             for cmd in sf.unload_commands(platform, uid, svc):
                 _check(cmd, env)
+            _wait_unloaded(platform, uid, env, svc)
         for cmd in load:
-            _check(cmd, env)
+            if platform == "darwin" and cmd[:2] == ["launchctl", "bootstrap"]:
+                check_retrying(cmd, env)
+            else:
+                _check(cmd, env)
     except ManagerError as e:
         raise ManagerError(
             f"{rendered.path} is written, but loading it failed: {e.message}.\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from typing import Any, Callable, Mapping
 
 import click
@@ -46,11 +47,18 @@ def setting_option(d: Definition, *, local_only: bool = False) -> Callable:
     """The click option of setting `d`; not given is None (the environment, the config file
     or the default then decide)."""
     text = d.help + (" With --local only: a running daemon keeps its own." if local_only else "")
-    text += f" [default: {d.default_text()}{d.range_text() and '; ' + d.range_text()}]"
+    text += f" [default: {d.default_text(sys.platform)}{d.range_text() and '; ' + d.range_text()}]"
     if d.kind in ("bool", "auto_bool"):
         return click.option(d.switch, d.name, default=None, help=text)
     metavar = f"[{'|'.join(d.choices)}]" if d.kind == "choice" else _METAVARS[d.kind]
     return click.option(d.flag, d.name, type=SettingType(d), default=None, metavar=metavar, help=text)
+
+
+def runtime_dir_option(f: Callable) -> Callable:
+    """`--runtime-dir` of the commands that only find a running daemon (`stop`, `status`,
+    ...), its help naming this platform's default."""
+    d = definition("runtime_dir")
+    return click.option(d.flag, help=f"The daemon's runtime folder [default: {d.default_text(sys.platform)}].")(f)
 
 
 def setting_options(*scopes: str) -> Callable:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from moestream._native import ReadEngine
-from moestream.shared.store_format import Manifest, MoELayer
+from moestream.shared.store_format import Manifest, MoELayer, permission_advice
 
 
 class ExpertReadError(RuntimeError):
@@ -48,7 +48,9 @@ class ExpertReader:
                 fid = self.engine.open(str(path))
             except OSError as e:
                 self.engine.close()
-                raise ExpertReadError(f"cannot open expert file of layer {layer.module_path}: {e}") from e
+                raise ExpertReadError(
+                    f"cannot open expert file of layer {layer.module_path}: {e}{permission_advice(e)}"
+                ) from e
             self._fids[layer.file] = fid
             self._sizes[layer.file] = int(self.engine.file_info(fid)["size"])
 

@@ -26,7 +26,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from moestream.daemon.store.layout import SwitchLayer, find_switch_layers
 from moestream.daemon.store.source import check_model_dir, tokenizer_files
-from moestream.shared.durable import fsync_dir
+from moestream.shared.durable import fsync_dir, sync_fd, sync_file
 from moestream.shared.runtime_dir import pid_alive
 from moestream.shared.settings import format_size
 from moestream.shared.store_format import (
@@ -111,8 +111,7 @@ def _write_layer(layer: SwitchLayer, path: Path, advance: Callable[[int], None])
             )
             f.write(block)
             advance(layer.stride)
-        f.flush()
-        os.fsync(f.fileno())
+        sync_file(f)
     layer.arrays.clear()  # the only references left: free this layer before the next
     return entries
 
@@ -275,7 +274,7 @@ def convert_model(
         for f in [*tmp.iterdir(), *(tmp / EXPERTS_DIR).iterdir()]:
             if f.is_file() and f.suffix != ".bin":  # layer files were synced as written
                 with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
+                    sync_fd(fh.fileno())
         fsync_dir(tmp / EXPERTS_DIR)
         manifest.dump(tmp)  # last, so a folder with a manifest is a complete store
         _install(tmp, out_dir)

@@ -3,19 +3,26 @@ expert file, a checksum mismatch, and the whole store deleted. Each failing requ
 an `engine` error naming the layer and the expert; the daemon then serves the next
 request exactly.
 
-EIO comes from an LD_PRELOAD shim (eio_shim.c, compiled here with the system C compiler)
-that makes pread on one named file fail while a gate file exists. It was chosen over a
-device-mapper `error` target, which needs /dev/mapper and the dm kernel module (absent in
-this container), and over FUSE, which needs a FUSE daemon; the shim works wherever the
-native engine calls libc's pread through the PLT (checked below with nm) and a C
-compiler is installed.
+EIO comes from a shim (eio_shim.c, compiled here with the system C compiler) that makes
+pread on one named file fail while a gate file exists: loaded with LD_PRELOAD on Linux,
+and on macOS with DYLD_INSERT_LIBRARIES through dyld's interposing (`shim_plan` says how
+per platform). It was chosen over a device-mapper `error` target, which needs
+/dev/mapper and the dm kernel module (absent in this container), and over FUSE, which
+needs a FUSE daemon; the shim works wherever the native engine calls libc's pread as an
+imported symbol (checked below with nm) and a C compiler is installed. On macOS the test
+checks the same: the engine imports `_pread` (`nm -u`), the interposed pread fails with
+EIO, the request fails naming layer and expert, and the daemon serves on.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -43,6 +50,39 @@ def _failing_request(client: Client) -> RequestRejected:
     return info.value
 
 
+@dataclass(frozen=True)
+class ShimPlan:
+    """How the EIO shim is built and loaded on one platform."""
+
+    nm: tuple[str, ...]  # lists the undefined (imported) symbols of a shared library
+    imported: re.Pattern  # how `nm` shows an imported pread
+    cc_flags: tuple[str, ...]
+    suffix: str
+    preload: str  # the environment variable the loader reads
+
+
+def shim_plan(platform: str) -> ShimPlan:
+    if platform == "darwin":
+        # Mach-O: symbols carry a leading underscore; dyld reads DYLD_INSERT_LIBRARIES.
+        return ShimPlan(
+            nm=("nm", "-u"),
+            imported=re.compile(r"^_pread$", re.M),
+            cc_flags=("-dynamiclib",),
+            suffix=".dylib",
+            preload="DYLD_INSERT_LIBRARIES",
+        )
+    return ShimPlan(
+        nm=("nm", "-D"),
+        imported=re.compile(r" U pread(64)?\b"),
+        cc_flags=("-shared", "-fPIC", "-ldl"),
+        suffix=".so",
+        preload="LD_PRELOAD",
+    )
+
+
+PLAN = shim_plan(sys.platform)
+
+
 @pytest.fixture(scope="module")
 def eio_shim(tmp_path_factory) -> Path:
     import moestream._native as native
@@ -50,12 +90,13 @@ def eio_shim(tmp_path_factory) -> Path:
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler to build the EIO shim")
-    symbols = subprocess.run(["nm", "-D", native.__file__], capture_output=True, text=True).stdout
-    assert " U pread" in symbols, "the native engine no longer calls libc pread: the shim cannot interpose"
-    out = tmp_path_factory.mktemp("shim") / "eio_shim.so"
-    subprocess.run(
-        [cc, "-shared", "-fPIC", "-O2", "-o", str(out), str(Path(__file__).with_name("eio_shim.c")), "-ldl"], check=True
-    )
+    if sys.platform == "darwin" and os.path.realpath(sys.executable).startswith(("/usr/bin/", "/System/")):
+        pytest.skip("System Integrity Protection strips DYLD_INSERT_LIBRARIES for the system's Python")
+    symbols = subprocess.run([*PLAN.nm, native.__file__], capture_output=True, text=True).stdout
+    assert PLAN.imported.search(symbols), "the native engine no longer calls libc pread: the shim cannot interpose"
+    out = tmp_path_factory.mktemp("shim") / f"eio_shim{PLAN.suffix}"
+    source = str(Path(__file__).with_name("eio_shim.c"))
+    subprocess.run([cc, "-O2", "-o", str(out), source, *PLAN.cc_flags], check=True)
     return out
 
 
@@ -65,7 +106,7 @@ def test_eio_on_an_expert_file_fails_the_request_naming_layer_and_expert(
     layer = load_manifest(store_copy).layers[1]
     gate = workdir / "eio-on"
     gate.touch()
-    env = {"LD_PRELOAD": str(eio_shim), "MS_EIO_PATH": str(store_copy / layer.file), "MS_EIO_GATE": str(gate)}
+    env = {PLAN.preload: str(eio_shim), "MS_EIO_PATH": str(store_copy / layer.file), "MS_EIO_GATE": str(gate)}
     daemon = start_daemon(store_copy, env=env)
     with Client(daemon.paths, timeout=30) as c:
         err = _failing_request(c)
