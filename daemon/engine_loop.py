@@ -301,6 +301,8 @@ class EngineLoop:
         from moestream.daemon.model.generation import GenerationResult, SamplingParams, encode_prompt
 
         while self._pending and len(self._active) < self.settings.max_active:
+            if self._batch_full(self._pending[0]):
+                break
             job = self._pending.popleft()
             msg = job.msg
             try:
@@ -331,6 +333,23 @@ class EngineLoop:
             job.result = GenerationResult()
             job.gen = self._make_generator(job, params)
             self._active.append(job)
+
+    def _batch_full(self, job: Job) -> bool:
+        """Whether `job` would decode in the batch (not speculative) and it has no room:
+        it then waits in the queue, where `status` says why, rather than in a step."""
+        if self._batch is None or job.msg.speculative:
+            return False
+        return not self._batch.has_room(sum(not j.msg.speculative for j in self._active))
+
+    def _why_queued(self) -> str | None:
+        """Why the first queued request has not started, for `status`."""
+        if not self._pending:
+            return None
+        if len(self._active) >= self.settings.max_active:
+            return f"{self.settings.max_active} requests decode at once (max_active)"
+        if self._batch_full(self._pending[0]):
+            return self._batch.why_full()
+        return None
 
     def _make_generator(self, job: Job, params: Any) -> Iterator[tuple[str, int]]:
         from moestream.daemon.model.generation import iter_generate
@@ -478,6 +497,7 @@ class EngineLoop:
             "requests": {
                 "active": [self._job_info(j, now) for j in self._active],
                 "queued": len(self._pending),
+                "why_queued": self._why_queued(),
                 "clients": len({j.peer for j in self._jobs.values()}),
                 "recent": list(self._recent),
                 **self._counters,
@@ -504,13 +524,7 @@ class EngineLoop:
                     "pool": pools,
                     "reader": sm.reader.stats(),
                     "prefetch": sm.prefetcher.stats() if sm.prefetcher is not None else None,
-                    "batch": {
-                        "max_batch": self._batch.max_batch,
-                        "size": self._batch.size,
-                        **self._batch.stats.to_dict(),
-                    }
-                    if self._batch is not None
-                    else None,
+                    "batch": self._batch.to_dict() if self._batch is not None else None,
                     "diagnostics": {
                         "default": sm.diagnostics.default,
                         "totals": sm.diagnostics.totals(),

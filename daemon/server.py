@@ -338,6 +338,8 @@ class Server:
             "requests": {
                 "active": len(requests.get("active", [])),
                 "queued": requests.get("queued", 0),
+                # Why the first queued request waits (max_active, or a full batch).
+                "why_queued": requests.get("why_queued"),
                 "running": requests.get("active", []),
                 "recent": requests.get("recent", []),
                 **{

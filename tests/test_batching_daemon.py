@@ -70,12 +70,30 @@ def test_eight_mixed_clients_in_one_batch_get_their_alone_outputs(store, alone):
             except BaseException as e:  # reported below, in the test's thread
                 failures.append(e)
 
+        seen: list[tuple[int, int, str | None]] = []
+        stop = threading.Event()
+
+        def watch() -> None:
+            # What `status` says while the eight run: the batch never over its bound, and
+            # the requests that cannot join wait in the queue, saying why.
+            with Client(paths, timeout=60) as c:
+                while not stop.is_set():
+                    st = c.status()
+                    seen.append((st["batch"]["size"], st["batch"]["max_batch"], st["requests"]["why_queued"]))
+                    time.sleep(0.02)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(REQUESTS))]
         for t in threads:
             t.start()
         for t in threads:
             t.join(120)
+        stop.set()
+        watcher.join(30)
         assert not failures, failures
+        assert all(size <= bound for size, bound, _ in seen), seen
+        assert any(why and why.startswith("the batch is full") for _, _, why in seen), seen
         for i, (prompt, _, _, cancel_after) in enumerate(REQUESTS):
             done, want = results[i], alone[prompt]
             if cancel_after is None:

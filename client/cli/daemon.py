@@ -422,6 +422,8 @@ def _format_status(st: dict[str, Any]) -> str:
         f"  requests   {req['active']} active, {req['queued']} queued, {st['clients']['connected']} clients connected; "
         f"{req.get('requests', 0)} received: {ended}; {req.get('tokens', 0)} tokens made",
     ]
+    if req.get("why_queued"):
+        lines.append(f"    queued: {req['why_queued']}")
     for job in req.get("running", []):
         lines.append(f"    {job['id']}: {_job_state(job)}, {job['seconds']:.0f} s")
     lines += [

@@ -94,6 +94,23 @@ class BatchSession:
         """Members whose tokens are still being made."""
         return sum(not m.finished for m in self._members.values())
 
+    def has_room(self, active: int) -> bool:
+        """Whether a request may start beside `active` batched ones."""
+        return active < self.max_batch
+
+    def why_full(self) -> str:
+        """Why no more requests join, for `status` while some wait."""
+        if self.max_batch < self.requested:
+            return (
+                f"the batch is full: {self.max_batch} requests (max_batch {self.requested}, capped so that one "
+                "step's experts fit the pool's slots)"
+            )
+        return f"the batch is full: {self.max_batch} requests (max_batch)"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The batch for `status`: its bounds, its size now and its counts."""
+        return {"max_batch": self.max_batch, "requested": self.requested, "size": self.size, **self.stats.to_dict()}
+
     def steps(
         self,
         prompt_ids: Sequence[int],
@@ -111,7 +128,9 @@ class BatchSession:
         cache = prefill_cache(
             self.sm, prompt[:-1], self.prefill_step, on_progress=lambda done: progress(done, n), stats=prefill_stats
         )
-        # Wait for room: the step of a request that waits serves the batch meanwhile.
+        # The engine loop starts no more batched requests than the batch holds
+        # (`has_room`); a caller that does waits here for room, its step serving the
+        # batch meanwhile.
         while self.decoding() >= self.max_batch:
             self._advance()
         (uid,) = self._gen.insert([[int(prompt_ids[-1])]], max_tokens=[max_tokens], caches=[cache], samplers=[sampler])

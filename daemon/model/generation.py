@@ -377,7 +377,7 @@ def iter_generate(
     if batch is not None and not params.speculative:
         # The batch's totals when this request ended (its hits and misses above are the
         # pool's during the steps this request ran, which served the whole batch).
-        result.stats["batch"] = {"max_batch": batch.max_batch, "requested": batch.requested, **batch.stats.to_dict()}
+        result.stats["batch"] = batch.to_dict()
     if sm.mapped_pool is not None:
         result.stats["mapped_pool"] = _placement_stats(total, sm.mapped_pool.gpu_slots)
     if spec_stats is not None:
