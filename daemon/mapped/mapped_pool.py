@@ -135,8 +135,8 @@ class MappedPool:
         # set to its most routed experts so far (plus the heat autopin seeded). The first
         # intervals are shorter (an eighth, a quarter, a half of it, then all of it): a
         # first start without heat keeps an arbitrary placement until then, and on the
-        # H200 a mapped pool's rounds ran at 19.6, 31.5 and 35.9 tok/s as rebalances came
-        # (tests/bench/results/bench_decode_q30_session6_h200.json).
+        # H200 a mapped pool's rounds ran faster with each rebalance (tests/bench/RESULTS.md,
+        # "The mapped pool").
         self.rebalance_tokens = rebalance_tokens
         self._rebalance_interval = max(1, rebalance_tokens // REBALANCE_RAMP)
         self._counts = [np.zeros(p.layer.num_experts, np.float64) for p in self.pools]
