@@ -169,7 +169,11 @@ class Progress:
 
 @dataclass(frozen=True)
 class Done:
-    """The end of a generate request: all its text and tokens, and its statistics."""
+    """The end of a generate request: all its text and tokens, and its statistics.
+
+    `tokens` are the tokens of `text`: an end token that stopped the request is not among
+    them (stock mlx-lm's `generate_step` yields it last); `finish_reason` "stop" says an
+    end token or a stop string ended it."""
 
     TYPE: ClassVar[str] = "done"
     id: str
