@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import zmq
 
 from moestream.shared import protocol as proto
-from moestream.shared.settings import Settings
+from moestream.shared.settings import Settings, format_size
 
 EXIT_FRAME = b"exit"
 SNAPSHOT_SECONDS = 0.1
@@ -78,6 +78,8 @@ class Job:
     stop_requested_at: float | None = None
     # (prompt tokens prefilled, of how many) until the first token; None before and after.
     prefill: tuple[int, int] | None = None
+    # The upper estimate of its KV cache (prompt + max_tokens), once its prompt is encoded.
+    kv_bytes: int = 0
     # When the last few tokens were made, to count those made after a stop was asked.
     token_times: deque = field(default_factory=lambda: deque(maxlen=8))
 
@@ -299,26 +301,34 @@ class EngineLoop:
     def _activate_pending(self) -> None:
         """Move waiting requests into the active set, checking their prompts."""
         from moestream.daemon.model.generation import GenerationResult, SamplingParams, encode_prompt
+        from moestream.daemon.pool.capacity import kv_cache_bytes
 
         while self._pending and len(self._active) < self.settings.max_active:
             if self._batch_full(self._pending[0]):
                 break
-            job = self._pending.popleft()
+            job = self._pending[0]
             msg = job.msg
-            try:
-                ids = encode_prompt(self._sm, msg.prompt, msg.prompt_ids, msg.messages)
-            except ValueError as e:
-                self._fail(job, proto.BAD_MESSAGE, str(e))
-                continue
-            if len(ids) + msg.max_tokens > self.settings.max_context:
-                self._fail(
-                    job,
-                    proto.TOO_LONG,
-                    f"prompt of {len(ids)} tokens + max_tokens {msg.max_tokens} is over the daemon's "
-                    f"context of {self.settings.max_context} tokens (setting max_context)",
-                )
-                continue
-            job.prompt_ids = ids
+            if not job.prompt_ids:
+                try:
+                    ids = encode_prompt(self._sm, msg.prompt, msg.prompt_ids, msg.messages)
+                except ValueError as e:
+                    self._pending.popleft()
+                    self._fail(job, proto.BAD_MESSAGE, str(e))
+                    continue
+                if len(ids) + msg.max_tokens > self.settings.max_context:
+                    self._pending.popleft()
+                    self._fail(
+                        job,
+                        proto.TOO_LONG,
+                        f"prompt of {len(ids)} tokens + max_tokens {msg.max_tokens} is over the daemon's "
+                        f"context of {self.settings.max_context} tokens (setting max_context)",
+                    )
+                    continue
+                job.prompt_ids = ids
+                job.kv_bytes = kv_cache_bytes(self._sm.manifest.config, len(ids) + msg.max_tokens)
+            if self._kv_full(job) is not None:
+                break  # it waits until the active requests' caches leave room
+            self._pending.popleft()
             params = SamplingParams(
                 max_tokens=msg.max_tokens,
                 temp=msg.temp,
@@ -341,6 +351,35 @@ class EngineLoop:
             return False
         return not self._batch.has_room(sum(not j.msg.speculative for j in self._active))
 
+    def _kv_allowance(self) -> int | None:
+        """The bytes the KV caches of the active requests may take under `memory_budget`
+        (what the resident weights, the pool and a long prompt's transient stack leave;
+        the pool was sized to leave at least one `max_context` cache), or None without
+        a budget."""
+        from moestream.daemon.pool.capacity import overflow_reserve_bytes
+
+        budget, sm = self.settings.memory_budget, self._sm
+        if budget is None or sm is None:
+            return None
+        partial = any(not p.fully_resident for p in sm.pools)
+        reserve = overflow_reserve_bytes(sm.manifest, sm.capacity) if partial else 0
+        return budget - sm.resident_bytes - sm.pool_bytes - reserve
+
+    def _kv_full(self, job: Job) -> str | None:
+        """Why `job` (its prompt encoded) cannot start beside the active requests: their
+        KV caches and its own would pass the memory budget; None where it can. A request
+        alone always starts (its context was checked against max_context)."""
+        allowance = self._kv_allowance()
+        if allowance is None or not self._active:
+            return None
+        held = sum(j.kv_bytes for j in self._active)
+        if held + job.kv_bytes <= allowance:
+            return None
+        return (
+            f"the KV caches would pass the memory budget: {format_size(held)} held by {len(self._active)} "
+            f"request(s) + {format_size(job.kv_bytes)} for the next > {format_size(allowance)}"
+        )
+
     def _why_queued(self) -> str | None:
         """Why the first queued request has not started, for `status`."""
         if not self._pending:
@@ -349,6 +388,8 @@ class EngineLoop:
             return f"{self.settings.max_active} requests decode at once (max_active)"
         if self._batch_full(self._pending[0]):
             return self._batch.why_full()
+        if self._pending[0].prompt_ids:
+            return self._kv_full(self._pending[0])
         return None
 
     def _make_generator(self, job: Job, params: Any) -> Iterator[tuple[str, int]]:

@@ -46,11 +46,12 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
 
 
 @contextmanager
-def started_daemon(store: Path, prefix: str, *flags: str) -> Iterator[RuntimePaths]:
+def started_daemon(store: Path, prefix: str, *flags: str, env: dict[str, str] | None = None) -> Iterator[RuntimePaths]:
     """`moestreamctl start` on `store` in a fresh short runtime folder under /tmp (ipc
-    socket paths are limited to about 107 bytes); stopped and removed afterwards."""
+    socket paths are limited to about 107 bytes), with `env` added to the clean
+    environment (settings without a flag); stopped and removed afterwards."""
     rt = Path(tempfile.mkdtemp(dir="/tmp", prefix=prefix))
-    out = ctl("start", "--model", str(store), "--runtime-dir", str(rt), *flags)
+    out = ctl("start", "--model", str(store), "--runtime-dir", str(rt), *flags, env=clean_env(**(env or {})))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "daemon started" in out.stderr
     try:

@@ -110,3 +110,55 @@ def test_eight_mixed_clients_in_one_batch_get_their_alone_outputs(store, alone):
                 time.sleep(0.05)
         # Everyone left the batch (the cancelled ones too), and it ran more than one at a time.
         assert batch["size"] == 0 and batch["max_size"] > 1 and batch["joined"] == batch["left"] == len(REQUESTS)
+
+
+def test_requests_whose_kv_caches_would_pass_the_memory_budget_wait_in_the_queue(store, alone):
+    """Under --memory-budget the KV caches of the active requests count (each request's
+    upper estimate: prompt + max_tokens): a budget that leaves room beside the full pool
+    for any two of three requests' caches but not all three starts two at once; the third
+    waits in the queue, `status` saying why, and every one gets what it gets alone."""
+    from moestream.daemon.pool.capacity import kv_cache_bytes
+    from moestream.shared.store_format import load_manifest
+
+    config = load_manifest(store).config
+    prompts = [p for p, temp, _, cancel in REQUESTS if temp == 0.0 and cancel is None][:3]
+    sm = load_streaming_model(store, Settings(capacity=1.0))
+    fixed = sm.resident_bytes + sm.pool_bytes
+    lengths = [len(encode_prompt(sm, p, None)) for p in prompts]
+    sm.close()
+    caches = [kv_cache_bytes(config, n + TOKENS) for n in lengths]
+    context = max(lengths) + TOKENS
+    # The pool is sized first, leaving one max_context cache (less than any two here).
+    budget = fixed + sum(caches) - min(caches) // 2
+    args = ("--memory-budget", str(budget), "--max-batch", "4")
+    with started_daemon(store, "msbkv", *args, env={"MOESTREAM_MAX_CONTEXT": str(context)}) as paths:
+        with Client(paths, timeout=60) as c:
+            assert c.status()["pool"]["layers"][0]["capacity"] == load_manifest(store).layers[0].num_experts
+        results: dict[str, object] = {}
+        whys: list[str | None] = []
+        stop = threading.Event()
+
+        def watch() -> None:
+            with Client(paths, timeout=60) as c:
+                while not stop.is_set():
+                    whys.append(c.status()["requests"]["why_queued"])
+                    time.sleep(0.01)
+
+        def run(prompt: str) -> None:
+            with Client(paths, timeout=60) as c:
+                stream = c.generate(prompt, max_tokens=TOKENS)
+                list(stream)
+                results[prompt] = stream.done
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        stop.set()
+        watcher.join(30)
+    for prompt in prompts:
+        assert results[prompt].tokens == alone[prompt].tokens, prompt
+    assert any(why and why.startswith("the KV caches would pass the memory budget") for why in whys), whys
