@@ -71,7 +71,7 @@ class Job:
     msg: proto.Generate
     received: float
     prompt_ids: list[int] = field(default_factory=list)
-    gen: Iterator[tuple[str, int]] | None = None
+    gen: Iterator[tuple[str, int | None]] | None = None
     result: Any = None
     started: float | None = None
     stop_reason: str | None = None  # cancelled | disconnected | shutdown
@@ -392,7 +392,7 @@ class EngineLoop:
             return self._kv_full(self._pending[0])
         return None
 
-    def _make_generator(self, job: Job, params: Any) -> Iterator[tuple[str, int]]:
+    def _make_generator(self, job: Job, params: Any) -> Iterator[tuple[str, int | None]]:
         from moestream.daemon.model.generation import iter_generate
 
         return iter_generate(
@@ -433,6 +433,8 @@ class EngineLoop:
             self.log.exception("request %s failed", job.msg.id)
             self._fail(job, proto.INTERNAL, f"{type(e).__name__}: {e}")
             return False
+        if token is None:
+            return True  # a piece of its prompt, prefilled between the batch's steps
         job.token_times.append(time.monotonic())
         self._send(job.peer, proto.Token(job.msg.id, segment, token))
         return True

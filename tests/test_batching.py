@@ -76,8 +76,11 @@ def _ours_batched(sm, prompts: list[list[int]]) -> list[list[int]]:
             except StopIteration:
                 live.remove(i)
                 continue
-            out[i].append(int(token))
-    assert session.size == 0 and session.stats.max_size == min(len(prompts), session.max_batch)
+            if token is not None:  # None: a piece of its prompt, the others' turn next
+                out[i].append(int(token))
+    # More than one decoded together (a prompt prefilled in pieces while the batch
+    # decodes may join after an earlier short request has left).
+    assert session.size == 0 and 1 < session.stats.max_size <= min(len(prompts), session.max_batch)
     session.close()
     return out
 
@@ -136,5 +139,40 @@ def test_a_request_in_a_batch_makes_the_tokens_it_makes_alone(converted):
         assert result.stats["batch"]["requested"] == 4 and result.stats["batch"]["max_batch"] == session.max_batch
         assert session.max_batch == sm.capacity // sm.pools[0].top_k < 4
         session.close()
+    finally:
+        sm.close()
+
+
+def test_a_long_prompt_joining_holds_the_batch_back_one_layer_at_a_time(converted):
+    """A request whose prompt goes layer by layer joins a batch that is decoding: its
+    turns give back after each decoder layer, so the request already in the batch gets
+    a token between every two of them, and both still get their stock tokens."""
+    store, want, _ = converted
+    manifest = load_manifest(store)
+    k, experts = top_k_of(manifest.config), manifest.layers[0].num_experts
+    sm = load_streaming_model(store, Settings(capacity=min(experts, k * 3), direct_io=True))
+    try:
+        assert sm.layer_major is not None and sm.layer_major.wanted(200)
+        session = BatchSession(sm, max_batch=2)
+        first = session.steps(_prompts()[0], GREEDY, 40)
+        order: list[tuple[str, int | None]] = [("a", next(first)[0])]
+        long_prompt = np.random.default_rng(8).integers(0, 500, size=200).tolist()
+        second = session.steps(long_prompt, GREEDY, 3)
+        while True:
+            token = next(second)[0]
+            order.append(("b", token))
+            if token is not None:
+                break
+            order.append(("a", next(first)[0]))
+        pieces = sum(1 for who, t in order if who == "b" and t is None)
+        assert pieces == len(sm.model.layers) - 1, order  # a turn back after each layer but the last
+        # Between the joining prompt's pieces the batch's member made one token each.
+        assert [t is not None for who, t in order if who == "a"] == [True] * (pieces + 1)
+        a_tokens = [t for who, t in order if who == "a"] + [int(t) for t, _ in first]
+        b_tokens = [order[-1][1]] + [int(t) for t, _ in second]
+        session.close()
+        # The same tokens as each alone (alone is stock's, by the tests above).
+        assert a_tokens == [int(t) for t, _ in plain_steps(sm, _prompts()[0], GREEDY, 40)][: len(a_tokens)]
+        assert b_tokens == [int(t) for t, _ in plain_steps(sm, long_prompt, GREEDY, 3)]
     finally:
         sm.close()

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
-from moestream.daemon.model.prefill import PREFILL_STEP, PrefillStats, prefill_cache
+from moestream.daemon.model.prefill import PREFILL_STEP, PrefillStats, prefill_pieces
 from moestream.daemon.model.streaming_model import StreamingModel
 
 
@@ -118,16 +118,28 @@ class BatchSession:
         max_tokens: int,
         on_prompt_progress: Callable[[int, int], None] | None = None,
         prefill_stats: PrefillStats | None = None,
-    ) -> Iterator[tuple[int, None]]:
+    ) -> Iterator[tuple[int | None, None]]:
         """One request's tokens, as `generate_step` yields them (token, no logprobs):
-        its prompt prefilled on its own cache, then its decode in the batch."""
+        its prompt prefilled on its own cache, then its decode in the batch. While other
+        members decode, the prefill yields (None, None) after each of its pieces, so that
+        their turns come between them."""
         prompt = mx.array(list(prompt_ids))
         n = int(prompt.size)
         progress = on_prompt_progress or (lambda done, total: None)
         progress(0, n)
-        cache = prefill_cache(
+        pieces = prefill_pieces(
             self.sm, prompt[:-1], self.prefill_step, on_progress=lambda done: progress(done, n), stats=prefill_stats
         )
+        while True:
+            try:
+                next(pieces)
+            except StopIteration as end:
+                cache = end.value
+                break
+            if self.decoding():
+                # The others decode between this prompt's pieces (a layer, or a chunk):
+                # a turn with no token yet.
+                yield None, None
         # The engine loop starts no more batched requests than the batch holds
         # (`has_room`); a caller that does waits here for room, its step serving the
         # batch meanwhile.

@@ -94,7 +94,8 @@ def _attributed(
         _add(buckets[phase], before, sm.counters())
         if item is None:
             return
-        phase = 1
+        if item[0] is not None:  # (None, None): a piece of the prompt, no token yet
+            phase = 1
         yield item
 
 
@@ -153,7 +154,7 @@ def generate(
         sm, prompt_ids, params, result, should_stop=should_stop, on_prompt_progress=on_prompt_progress, batch=batch
     )
     for segment, token in steps:
-        if on_text is not None:
+        if on_text is not None and token is not None:
             on_text(segment, token)
     return result
 
@@ -242,10 +243,11 @@ def iter_generate(
     should_stop: Callable[[], bool] | None = None,
     on_prompt_progress: Callable[[int, int], None] | None = None,
     batch: BatchSession | None = None,
-) -> Iterator[tuple[str, int]]:
+) -> Iterator[tuple[str, int | None]]:
     """Yield (text segment, token id) pairs; fill `result` as it goes. With a `batch`
-    (daemon/model/batching.py) the request decodes in it, beside the others; a
-    speculative request decodes on its own.
+    (daemon/model/batching.py) the request decodes in it, beside the others (and while
+    its prompt is prefilled beside them, it yields ("", None) between the prefill's
+    pieces: no token, only the turn); a speculative request decodes on its own.
 
     `on_prompt_progress(done, total)` is called as the prompt is prefilled: at its start
     and after each prefill chunk (mlx-lm's prefill step), on this thread."""
@@ -290,7 +292,16 @@ def iter_generate(
         )
     if sm.mapped_pool is not None:
         steps = _ticked(steps, sm.mapped_pool)
-    for n, (token, _) in enumerate(_attributed(sm, steps, (prefill, decode), rec), 1):
+    for token, _ in _attributed(sm, steps, (prefill, decode), rec):
+        if token is None:
+            # A batched request's prompt between two pieces: the turn goes back to the
+            # engine loop, which steps the others meanwhile.
+            if should_stop is not None and should_stop():
+                result.finish_reason = "cancelled"
+                break
+            yield "", None
+            continue
+        n += 1
         token = int(token)
         if n == 1:
             prompt_seconds = time.perf_counter() - tic

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -170,6 +170,19 @@ class LayerMajorPrefill:
 
         Raises `UnsupportedModel` before anything is computed or the cache changes
         where the model's forward does not call its layers as this drives them."""
+        return _drained(self.pieces(tokens, cache, step, on_progress, stats))
+
+    def pieces(
+        self,
+        tokens: mx.array,
+        cache: Sequence[Any],
+        step: int = PREFILL_STEP,
+        on_progress: Callable[[int], None] | None = None,
+        stats: PrefillStats | None = None,
+    ) -> Generator[None, None, PrefillStats]:
+        """`run`, one decoder layer per step of the generator (it yields after each;
+        its value is what `run` returns): between two layers nothing of the prefill is
+        in flight, so other work (a batch's decode steps) may use the pools there."""
         stats = stats if stats is not None else PrefillStats()
         tic = time.perf_counter()
         n = int(tokens.size)
@@ -232,6 +245,10 @@ class LayerMajorPrefill:
             stats.keep_seconds += clock() - t4
             if on_progress is not None:
                 on_progress(n * (i + 1) // len(self.layers))
+            if i + 1 < len(self.layers):
+                stats.seconds += time.perf_counter() - tic
+                yield
+                tic = time.perf_counter()
         stats.seconds += time.perf_counter() - tic
         return stats
 
@@ -264,6 +281,15 @@ def _state(cache: Any) -> list[Any]:
     return [a for a in (state if isinstance(state, (list, tuple)) else [state]) if a is not None]
 
 
+def _drained(pieces: Generator[None, None, Any]) -> Any:
+    """Run a generator of pieces to its end; its return value."""
+    while True:
+        try:
+            next(pieces)
+        except StopIteration as end:
+            return end.value
+
+
 def prefill_cache(
     sm: StreamingModel,
     prompt: mx.array,
@@ -274,21 +300,49 @@ def prefill_cache(
     """A prompt cache holding `prompt` (1-D), made as `generate_step` makes it before its
     last prompt token: layer by layer where the layer-major prefill wants it, else in
     stock's chunks. `on_progress(tokens_done)` as it goes."""
+    return _drained(prefill_pieces(sm, prompt, step, on_progress, stats))
+
+
+def prefill_pieces(
+    sm: StreamingModel,
+    prompt: mx.array,
+    step: int = PREFILL_STEP,
+    on_progress: Callable[[int], None] | None = None,
+    stats: PrefillStats | None = None,
+) -> Generator[None, None, list[Any]]:
+    """`prefill_cache` in pieces: the generator yields after each decoder layer of a
+    layer-major prefill, or after each of stock's chunks, and its value is the cache.
+    Each piece runs on mlx-lm's generation stream; between pieces the caller's work runs
+    on its own (a batch decodes its other requests there, so that a long prompt holds
+    them back for one piece at a time)."""
     cache = make_prompt_cache(sm.model)
     n = int(prompt.size)
     if n == 0:
         return cache
     lm = sm.layer_major
-    with mx.stream(generation_stream):
-        if lm is not None and lm.wanted(n + 1, step):
-            try:
-                lm.run(prompt, cache, step, on_progress=on_progress, stats=stats)
-                return cache
-            except UnsupportedModel:
-                pass  # refused before anything ran: stock's chunks below
-        for start in range(0, n, step):
+    if lm is not None and lm.wanted(n + 1, step):
+        layers = lm.pieces(prompt, cache, step, on_progress=on_progress, stats=stats)
+        try:
+            with mx.stream(generation_stream):
+                next(layers)
+        except UnsupportedModel:
+            pass  # refused before anything ran: stock's chunks below
+        except StopIteration:
+            return cache
+        else:
+            while True:
+                yield
+                try:
+                    with mx.stream(generation_stream):
+                        next(layers)
+                except StopIteration:
+                    return cache
+    for start in range(0, n, step):
+        if start:
+            yield
+        with mx.stream(generation_stream):
             sm.model(prompt[start : start + step][None], cache=cache)
             mx.eval([c.state for c in cache])
-            if on_progress is not None:
-                on_progress(min(start + step, n))
+        if on_progress is not None:
+            on_progress(min(start + step, n))
     return cache

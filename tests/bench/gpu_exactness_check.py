@@ -122,9 +122,12 @@ def ours_batched(sm, prompts, steps) -> list[list[int]]:
     while live:
         for i in list(live):
             try:
-                out[i].append(int(next(gens[i])[0]))
+                token = next(gens[i])[0]
             except StopIteration:
                 live.remove(i)
+                continue
+            if token is not None:  # None: a piece of its prompt, the others' turn next
+                out[i].append(int(token))
     session.close()
     return out
 
