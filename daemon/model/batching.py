@@ -20,13 +20,16 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from moestream.daemon.model.prefill import PREFILL_STEP, PrefillStats, prefill_cache
 from moestream.daemon.model.streaming_model import StreamingModel
+
+if TYPE_CHECKING:
+    from moestream.daemon.model.generation import CacheUse
 
 
 @dataclass
@@ -101,16 +104,28 @@ class BatchSession:
         max_tokens: int,
         on_prompt_progress: Callable[[int, int], None] | None = None,
         prefill_stats: PrefillStats | None = None,
+        cache_use: CacheUse | None = None,
     ) -> Iterator[tuple[int, None]]:
         """One request's tokens, as `generate_step` yields them (token, no logprobs):
-        its prompt prefilled on its own cache, then its decode in the batch."""
+        its prompt prefilled on its own cache, then its decode in the batch. With
+        `cache_use`, that cache starts from the prompt cache's best prefix, and a copy
+        of it, filled up to the prompt's last token, is kept there (the batch's cache
+        rows do not come back out)."""
         prompt = mx.array(list(prompt_ids))
         n = int(prompt.size)
         progress = on_prompt_progress or (lambda done, total: None)
-        progress(0, n)
+        cache, m = cache_use.start(self.sm, prompt_ids) if cache_use is not None else (None, 0)
+        progress(m, n)
         cache = prefill_cache(
-            self.sm, prompt[:-1], self.prefill_step, on_progress=lambda done: progress(done, n), stats=prefill_stats
+            self.sm,
+            prompt[m:-1],
+            self.prefill_step,
+            on_progress=lambda done: progress(m + done, n),
+            stats=prefill_stats,
+            cache=cache,
         )
+        if cache_use is not None:
+            cache_use.keep_prompt(prompt_ids, cache)
         # Wait for room: the step of a request that waits serves the batch meanwhile.
         while self.decoding() >= self.max_batch:
             self._advance()

@@ -253,15 +253,20 @@ def prefill_cache(
     step: int = PREFILL_STEP,
     on_progress: Callable[[int], None] | None = None,
     stats: PrefillStats | None = None,
+    *,
+    cache: list[Any] | None = None,
+    layer_major: bool = True,
 ) -> list[Any]:
     """A prompt cache holding `prompt` (1-D), made as `generate_step` makes it before its
-    last prompt token: layer by layer where the layer-major prefill wants it, else in
-    stock's chunks. `on_progress(tokens_done)` as it goes."""
-    cache = make_prompt_cache(sm.model)
+    last prompt token: layer by layer where the layer-major prefill wants it (and
+    `layer_major`), else in stock's chunks. `on_progress(tokens_done)` as it goes. With
+    `cache` (one that holds a prefix already, from the prompt cache), `prompt` goes on
+    after what it holds, as `generate_step` given that cache would take it."""
+    cache = make_prompt_cache(sm.model) if cache is None else cache
     n = int(prompt.size)
     if n == 0:
         return cache
-    lm = sm.layer_major
+    lm = sm.layer_major if layer_major else None
     with mx.stream(generation_stream):
         if lm is not None and lm.wanted(n + 1, step):
             try:
