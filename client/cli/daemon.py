@@ -345,7 +345,8 @@ def _format_status(st: dict[str, Any]) -> str:
     pc = st.get("prompt_cache")
     if pc:
         lines.append(
-            f"  prompt cache {pc['entries']} entries, {_size(pc['bytes'])} of {_size(pc['max_bytes'])} (reserved); "
+            f"  cache      {pc['entries']} prompts' KV caches, {_size(pc['bytes'])} of "
+            f"{_size(pc['max_bytes'])} reserved; "
             f"hit rate {_rate(pc.get('hit_rate'))}, {pc['tokens_reused']} tokens reused"
             + (f"; {pc['disk_entries']} on disk ({_size(pc['disk_bytes'])})" if pc.get("disk_dir") else "")
         )
