@@ -26,11 +26,12 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm import load as stock_load
-from mlx_lm.generate import generate_step, generation_stream
+from mlx_lm.generate import BatchGenerator, generate_step, generation_stream
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 from tiny_models import make_tiny_model
 
+from moestream.daemon.model.batching import BatchSession
 from moestream.daemon.model.generation import CacheUse, GenerationResult, SamplingParams, iter_generate, plain_steps
 from moestream.daemon.model.prompt_cache import PromptCache, cache_nbytes, read_metadata
 from moestream.daemon.model.streaming_model import load_streaming_model
@@ -338,5 +339,43 @@ def test_iter_generate_reports_cached_tokens(build):
         assert r2.stats["cached_tokens"] == len(first) + len(r1.tokens)
         assert r2.stats["prompt_cache"] == {"reused_tokens": r2.stats["cached_tokens"], "from_disk": False}
         assert pc.stats.to_dict()["hit_rate"] == 0.5
+    finally:
+        sm.close()
+
+
+def _stock_batch_decode(model, cache, last: int, eos: list[int]) -> list[int]:
+    gen = BatchGenerator(model, stop_tokens=[[e] for e in eos], completion_batch_size=4, prefill_batch_size=4)
+    (uid,) = gen.insert([[last]], max_tokens=[GEN], caches=[cache], samplers=[GREEDY])
+    out = []
+    while True:
+        rs = [r for r in gen.next_generated() if r.uid == uid]
+        out += [int(r.token) for r in rs]
+        if any(r.finish_reason is not None for r in rs):
+            break
+    gen.close()
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
+def test_cached_prefixes_seed_batched_requests(build, arch):
+    """A batched request starts from the prompt cache too (`BatchGenerator.insert(...,
+    caches=...)`): the same greedy tokens as stock's BatchGenerator given the same cache."""
+    _, store, stock = build(arch)
+    sm = load_streaming_model(store, Settings(direct_io=True))
+    try:
+        session = BatchSession(sm, max_batch=4)
+        pc = _new_cache(stock)
+        eos = sorted(sm.tokenizer.eos_token_ids)
+        first = _prompt(30, seed=1)
+        list(session.steps(first, GREEDY, GEN, cache_use=CacheUse(pc)))
+        nxt = first + _prompt(12, seed=2)
+        use = CacheUse(pc)
+        got = [int(t) for t, _ in session.steps(nxt, GREEDY, GEN, cache_use=use)]
+        assert use.reused == len(first) - 1, "the first prompt's snapshot seeds the second"
+        cache = _prefilled(stock, first[:-1])
+        stock(mx.array(nxt[len(first) - 1 : -1])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        assert got == _stock_batch_decode(stock, cache, nxt[-1], eos)
+        session.close()
     finally:
         sm.close()
