@@ -53,7 +53,7 @@ class GenerationResult:
 class CacheUse:
     """One request's use of the prompt cache (daemon/model/prompt_cache.py)."""
 
-    store: PromptCache
+    prompt_cache: PromptCache
     # Prompt tokens served from the cache, and whether from a file written before.
     reused: int = 0
     from_disk: bool = False
@@ -63,7 +63,7 @@ class CacheUse:
     def start(self, sm: StreamingModel, prompt_ids: Sequence[int]) -> tuple[list[Any], int]:
         """The cache the request starts from (a copy of the best cached prefix, or a
         fresh one) and how many prompt tokens it holds."""
-        reuse = self.store.fetch(prompt_ids)
+        reuse = self.prompt_cache.fetch(prompt_ids)
         if reuse is None:
             self.kv = make_prompt_cache(sm.model)
             return self.kv, 0
@@ -76,13 +76,13 @@ class CacheUse:
         one that will not come back (a batch's)."""
         n = len(prompt_ids) - 1
         if n > self.reused:
-            self.store.insert(prompt_ids[:-1], copy.deepcopy(cache))
+            self.prompt_cache.insert(prompt_ids[:-1], copy.deepcopy(cache))
 
     def keep(self, prompt_ids: Sequence[int], fed: Sequence[int]) -> None:
         """Keep the request's cache, which holds the prompt and every token it yielded
         (`fed`), for later prompts, and on disk where the prompt cache has a folder."""
         if self.kv is not None:
-            self.store.insert([*prompt_ids, *fed], self.kv, persist=True)
+            self.prompt_cache.insert([*prompt_ids, *fed], self.kv, persist=True)
 
     def to_dict(self) -> dict[str, Any]:
         return {"reused_tokens": self.reused, "from_disk": self.from_disk}
