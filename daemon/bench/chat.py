@@ -158,7 +158,7 @@ def format_report(r: dict[str, Any]) -> str:
         )
     worst = r["later_turns_ttft_ratio_max"]
     lines.append(
-        f"turn 2 on: at most {worst:.3f}x the uncached time to first token; {r['tokens_reused']} tokens reused"
+        f"from turn 2: at most {worst:.3f}x the uncached time to first token; {r['tokens_reused']} tokens reused"
         if worst is not None
         else f"{r['tokens_reused']} tokens reused"
     )
