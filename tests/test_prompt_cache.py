@@ -343,23 +343,28 @@ def test_iter_generate_reports_cached_tokens(build):
         sm.close()
 
 
-def _stock_batch_decode(model, cache, last: int, eos: list[int]) -> list[int]:
+def _stock_batch_decode(model, cache, last: int, eos: list[int]):
+    """Stock's BatchGenerator from `cache` and the prompt's last token: the tokens, and
+    the request's cache out of the batch with the tokens it holds beyond `cache`."""
     gen = BatchGenerator(model, stop_tokens=[[e] for e in eos], completion_batch_size=4, prefill_batch_size=4)
     (uid,) = gen.insert([[last]], max_tokens=[GEN], caches=[cache], samplers=[GREEDY])
     out = []
     while True:
         rs = [r for r in gen.next_generated() if r.uid == uid]
         out += [int(r.token) for r in rs]
-        if any(r.finish_reason is not None for r in rs):
+        ended = [r for r in rs if r.finish_reason is not None]
+        if ended:
             break
     gen.close()
-    return out
+    return out, ended[0].prompt_cache, list(ended[0].all_tokens)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
 def test_cached_prefixes_seed_batched_requests(build, arch):
     """A batched request starts from the prompt cache too (`BatchGenerator.insert(...,
-    caches=...)`): the same greedy tokens as stock's BatchGenerator given the same cache."""
+    caches=...)`) and leaves its cache there: the same greedy tokens as stock's
+    BatchGenerator given the same cache (the first request's cache out of the batch,
+    trimmed back, or its prompt's snapshot where it cannot be trimmed)."""
     _, store, stock = build(arch)
     sm = load_streaming_model(store, Settings(direct_io=True))
     try:
@@ -367,15 +372,23 @@ def test_cached_prefixes_seed_batched_requests(build, arch):
         pc = _new_cache(stock)
         eos = sorted(sm.tokenizer.eos_token_ids)
         first = _prompt(30, seed=1)
-        list(session.steps(first, GREEDY, GEN, cache_use=CacheUse(pc)))
+        ours_first = [int(t) for t, _ in session.steps(first, GREEDY, GEN, cache_use=CacheUse(pc))]
+        snapshot = _prefilled(stock, first[:-1])
+        want_first, final, fed = _stock_batch_decode(stock, copy.deepcopy(snapshot), first[-1], eos)
+        assert ours_first == want_first and pc.stats.refused == 0
         nxt = first + _prompt(12, seed=2)
         use = CacheUse(pc)
         got = [int(t) for t, _ in session.steps(nxt, GREEDY, GEN, cache_use=use)]
-        assert use.reused == len(first) - 1, "the first prompt's snapshot seeds the second"
-        cache = _prefilled(stock, first[:-1])
-        stock(mx.array(nxt[len(first) - 1 : -1])[None], cache=cache)
+        if arch == "qwen3_5_moe":
+            assert use.reused == len(first) - 1, "the first prompt's snapshot seeds the second"
+            cache = copy.deepcopy(snapshot)
+        else:
+            assert use.reused == len(first), "the first request's cache, trimmed back to its prompt"
+            cache = copy.deepcopy(final)
+            trim_prompt_cache(cache, len(first) - 1 + len(fed) - use.reused)
+        stock(mx.array(nxt[use.reused : -1])[None], cache=cache)
         mx.eval([c.state for c in cache])
-        assert got == _stock_batch_decode(stock, cache, nxt[-1], eos)
+        assert got == _stock_batch_decode(stock, cache, nxt[-1], eos)[0]
         session.close()
     finally:
         sm.close()

@@ -53,10 +53,16 @@ class _Member:
 
     tokens: deque = field(default_factory=deque)
     finished: bool = False
+    # Once finished: its cache out of the batch, and the tokens it holds beyond those
+    # the request brought in its own cache (its last prompt token and those it made).
+    final: tuple[list[Any], list[int]] | None = None
 
     def add(self, token: int, last: bool) -> None:
         self.tokens.append(token)
         self.finished = self.finished or last
+
+    def keep(self, cache: list[Any], tokens: list[int]) -> None:
+        self.final = (cache, tokens)
 
 
 def batch_cap(sm: StreamingModel, max_batch: int) -> int:
@@ -108,9 +114,9 @@ class BatchSession:
     ) -> Iterator[tuple[int, None]]:
         """One request's tokens, as `generate_step` yields them (token, no logprobs):
         its prompt prefilled on its own cache, then its decode in the batch. With
-        `cache_use`, that cache starts from the prompt cache's best prefix, and a copy
-        of it, filled up to the prompt's last token, is kept there (the batch's cache
-        rows do not come back out)."""
+        `cache_use`, that cache starts from the prompt cache's best prefix, a copy of it
+        filled up to the prompt's last token is kept there, and so is the request's
+        cache out of the batch when it finishes (with the tokens the batch fed it)."""
         prompt = mx.array(list(prompt_ids))
         n = int(prompt.size)
         progress = on_prompt_progress or (lambda done, total: None)
@@ -148,6 +154,9 @@ class BatchSession:
             if not member.finished:
                 self._gen.remove([uid])
             self.stats.left += 1
+            if cache_use is not None and member.final is not None:
+                cache, tokens = member.final
+                cache_use.prompt_cache.insert([*prompt_ids[:-1], *tokens], cache, persist=True)
 
     def _advance(self) -> None:
         """One step of the batch: every member's next token into its buffer."""
@@ -162,6 +171,8 @@ class BatchSession:
             if member is None:
                 continue
             member.add(int(r.token), r.finish_reason is not None)
+            if r.finish_reason is not None and r.prompt_cache is not None:
+                member.keep(r.prompt_cache, list(r.all_tokens))
 
     def close(self) -> None:
         self._gen.close()
