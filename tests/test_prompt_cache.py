@@ -263,6 +263,8 @@ def test_disk_round_trip_and_bad_files(build, arch, tmp_path):
         (answer, _), _ = _ours(sm, pc, first)
         pc.close()
         assert len(list(folder.glob("*.safetensors"))) == 1 and pc.stats.disk_written == 1
+        # The conversation's tokens are in the file: its owner's only.
+        assert all(p.stat().st_mode & 0o777 == 0o600 for p in folder.glob("*.safetensors"))
         nxt = first + answer + _prompt(10, seed=4)
         memory = _new_cache(stock)
         _ours(sm, memory, first)

@@ -462,8 +462,9 @@ class PromptCache:
             }
             try:
                 tensors, meta = host_tensors(entry.cache, about)
-            except (ValueError, TypeError) as e:
-                self.log.error("prompt cache: a cache cannot be written (%s)", e)
+            except Exception as e:  # a cache that cannot be written stays in memory; serving goes on
+                self.log.error("prompt cache: a cache cannot be written (%s: %s)", type(e).__name__, e)
+                self.stats.disk_errors += 1
                 continue
             self._writer.put(self._folder / self._file_name(entry.tokens), entry.tokens, tensors, meta)
 

@@ -115,7 +115,9 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], bytes
     blob += b" " * (-len(blob) % 8)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "wb") as f:
+        # The conversation is in it (its tokens): readable by its owner only.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
             f.write(struct.pack("<Q", len(blob)))
             f.write(blob)
             for _, _, data in tensors.values():
@@ -191,6 +193,10 @@ class DiskWriter:
                 size = write_safetensors(job.path, job.tensors, job.meta)
             except OSError as e:
                 self.log.error("prompt cache: cannot write %s: %s (errno %s)", job.path, e.strerror, e.errno)
+                self._out.put(("error", job.tokens, job.path, 0, False))
+                continue
+            except Exception:  # the writer must outlive one bad job: later ones still get written
+                self.log.exception("prompt cache: writing %s failed", job.path)
                 self._out.put(("error", job.tokens, job.path, 0, False))
                 continue
             self._files.pop(job.path, None)
