@@ -228,13 +228,13 @@ class EngineLoop:
     def _start_prompt_cache(self) -> None:
         from mlx_lm.models.cache import make_prompt_cache
 
-        from moestream.daemon.model.prompt_cache import PromptCache
+        from moestream.daemon.model.prompt_cache import PromptCache, cache_identity
 
         s = self.settings
         if s.prompt_cache_bytes <= 0 or s.prompt_cache_entries <= 0:
             return
         self._prompt_cache = PromptCache(
-            self._sm.manifest.store_id,
+            cache_identity(self._sm.store_dir, self._sm.manifest.store_id),
             [type(c).__name__ for c in make_prompt_cache(self._sm.model)],
             max_bytes=s.prompt_cache_bytes,
             max_entries=s.prompt_cache_entries,

@@ -394,3 +394,14 @@ def test_cached_prefixes_seed_batched_requests(build, arch):
         session.close()
     finally:
         sm.close()
+
+
+def test_a_store_without_a_store_id_is_named_by_its_manifest(tmp_path):
+    from moestream.daemon.model.prompt_cache import cache_identity
+    from moestream.shared.settings import demo_store_path
+
+    assert cache_identity(tmp_path, "abc") == "abc"
+    named = cache_identity(demo_store_path(), None)
+    assert named.startswith("manifest-") and named == cache_identity(demo_store_path(), None)
+    (tmp_path / "manifest.json").write_text("{}")
+    assert cache_identity(tmp_path, None) != named

@@ -46,11 +46,20 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import can_trim_prompt_cache, load_prompt_cache, trim_prompt_cache
 
 from moestream.daemon.model.prompt_cache_files import DiskWriter, host_tensors, mtime, read_metadata
+from moestream.shared.store_format import MANIFEST_NAME
 
 FILE_FORMAT = "moestream-prompt-cache/1"
 SUFFIX = ".safetensors"
 # Finished requests waiting for an idle moment to be written; older ones are dropped.
 MAX_PENDING_WRITES = 8
+
+
+def cache_identity(store_dir: str | os.PathLike, store_id: str | None) -> str:
+    """What a cache file names as its store: the manifest's `store_id`, or for a store
+    made without one, a digest of its manifest (its layout and weights' description)."""
+    if store_id:
+        return store_id
+    return "manifest-" + hashlib.sha256((Path(store_dir) / MANIFEST_NAME).read_bytes()).hexdigest()[:32]
 
 
 def token_hash(tokens: Sequence[int]) -> str:
