@@ -219,6 +219,7 @@ class PromptCache:
         self._disk: dict[tuple[int, ...], _Entry] = {}
         self._pending: list[_Entry] = []
         self._writer: DiskWriter | None = None
+        self._folder: Path | None = None
         if disk_dir is not None and disk_bytes > 0:
             if not store_id:
                 self.log.error("prompt cache: the store has no store_id, so its caches are not written to disk")
@@ -363,7 +364,7 @@ class PromptCache:
     def _index(self, folder: Path) -> None:
         """The store's files in `folder` into the trie (their caches stay on disk)."""
         for path in sorted(folder.iterdir()):
-            if path.name.endswith(".tmp") and path.name.startswith(f"{self._prefix()}"):
+            if path.name.endswith(".tmp") and path.name.startswith(self._prefix() + "-"):
                 path.unlink(missing_ok=True)  # a write that a crash interrupted
                 continue
             if not path.name.endswith(SUFFIX):
