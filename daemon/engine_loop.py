@@ -108,6 +108,8 @@ class EngineLoop:
         self._sm: Any = None
         # Continuous batching (daemon/model/batching.py) where max_batch > 1, else None.
         self._batch: Any = None
+        # The prompt cache (daemon/model/prompt_cache.py) where prompt_cache_bytes > 0, else None.
+        self._prompt_cache: Any = None
         self._heat: Any = None
         self._heat_state: dict[str, Any] = {"state": "not started"}
         self._autopin: dict[str, Any] | None = None
@@ -209,6 +211,7 @@ class EngineLoop:
                     self._batch.max_batch,
                     s.max_batch,
                 )
+        self._start_prompt_cache()
         if "mapped_auto" in self._sm.admission_note:
             self.log.info("mapped pool (auto): %s", self._sm.admission_note["mapped_auto"])
         self._start_heat()
@@ -224,9 +227,31 @@ class EngineLoop:
         self._publish(force=True)
         return True
 
+    def _start_prompt_cache(self) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from moestream.daemon.model.prompt_cache import PromptCache, cache_identity
+
+        s = self.settings
+        if s.prompt_cache_bytes <= 0 or s.prompt_cache_entries <= 0:
+            return
+        self._prompt_cache = PromptCache(
+            cache_identity(self._sm.store_dir, self._sm.manifest.store_id),
+            [type(c).__name__ for c in make_prompt_cache(self._sm.model)],
+            max_bytes=s.prompt_cache_bytes,
+            max_entries=s.prompt_cache_entries,
+            disk_dir=s.prompt_cache_dir,
+            disk_bytes=s.prompt_cache_disk_bytes,
+            log=self.log.getChild("prompt_cache"),
+        )
+
     def _loop(self) -> None:
         while True:
-            self._drain(block=not self._active and not self._pending)
+            idle = not self._active and not self._pending
+            if idle and self._prompt_cache is not None:
+                # Off every request's path: finished caches go to the disk writer now.
+                self._prompt_cache.idle()
+            self._drain(block=idle)
             if self._stopping:
                 return
             self._activate_pending()
@@ -403,6 +428,7 @@ class EngineLoop:
             should_stop=lambda: job.stop_reason is not None,
             on_prompt_progress=lambda done, total: self._on_prefill(job, done, total),
             batch=self._batch,
+            prompt_cache=self._prompt_cache,
         )
 
     def _on_prefill(self, job: Job, done: int, total: int) -> None:
@@ -574,6 +600,7 @@ class EngineLoop:
                     }
                     if sm.diagnostics is not None
                     else None,
+                    "prompt_cache": self._prompt_cache.stats.to_dict() if self._prompt_cache is not None else None,
                     "mlx_active_bytes": mx.get_active_memory(),
                     "mlx_peak_bytes": mx.get_peak_memory(),
                 }
@@ -667,6 +694,8 @@ class EngineLoop:
                 self._heat_state = {"state": "closed"}
                 self._heat = None
         finally:
+            if self._prompt_cache is not None:
+                self._prompt_cache.close()
             if self._batch is not None:
                 self._batch.close()
             if self._sm is not None:

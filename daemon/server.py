@@ -324,6 +324,7 @@ class Server:
             },
             # Continuous batching: its size now and its totals (None: max_batch 1).
             "batch": snap.get("batch"),
+            "prompt_cache": snap.get("prompt_cache"),
             "memory": {
                 "rss_bytes": self._process.memory_info().rss,
                 "mlx_active_bytes": snap.get("mlx_active_bytes"),

@@ -492,6 +492,30 @@ class Settings:
     max_queued: int = setting(
         256, kind="int", low=0, high=1_000_000, help="Requests waiting for a turn; more are refused as busy."
     )
+    # A chat resends its whole history each turn; the cache spares prefilling it again.
+    prompt_cache_bytes: int = setting(
+        2**30,
+        kind="size",
+        scope=(DAEMON,),
+        help="Memory for the KV caches of recent requests, reused by a later prompt that starts the same way "
+        "(0: off); reserved out of --memory-budget.",
+    )
+    prompt_cache_entries: int = setting(
+        16, kind="int", low=0, high=100_000, scope=(DAEMON,), help="Most requests' caches kept in memory."
+    )
+    prompt_cache_dir: str | None = setting(
+        None,
+        kind="path",
+        scope=(DAEMON,),
+        shown_default="none (memory only)",
+        help="Folder where finished requests' caches are also written, found again after a restart.",
+    )
+    prompt_cache_disk_bytes: int = setting(
+        8 * 2**30,
+        kind="size",
+        scope=(DAEMON,),
+        help="Most bytes of cache files in --prompt-cache-dir; the oldest are removed first.",
+    )
 
     # ---- reading the store
     io_threads: int = setting(4, kind="int", low=1, high=256, scope=_BOTH, help="Threads of the native read engine.")

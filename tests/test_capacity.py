@@ -32,7 +32,8 @@ def _budget_parts(store):
     manifest = load_manifest(store)
     per_slot = sum(layer.expert_bytes for layer in manifest.layers)
     resident = sum(a.nbytes for f in manifest.resident_files for a in mx.load(str(store / f)).values())
-    return manifest, per_slot, resident + kv_cache_bytes(manifest.config, 64)
+    # The prompt cache's memory is reserved out of the budget too.
+    return manifest, per_slot, resident + kv_cache_bytes(manifest.config, 64) + Settings().prompt_cache_bytes
 
 
 def test_memory_budget_sizes_the_pool():
@@ -52,6 +53,28 @@ def test_memory_budget_sizes_the_pool():
         assert fixed + sm.pool_bytes + overflow <= budget
     finally:
         sm.close()
+
+
+def test_the_prompt_cache_is_reserved_out_of_the_budget():
+    """The same budget gives a smaller pool when the prompt cache's bytes come out of it
+    (the demo store, as above)."""
+    from moestream.daemon.pool.capacity import overflow_reserve_bytes
+    from moestream.shared.settings import demo_store_path
+
+    store = demo_store_path()
+    manifest, per_slot, fixed = _budget_parts(store)
+    budget = fixed + 12 * per_slot + overflow_reserve_bytes(manifest, 12)
+    sizes = []
+    for more in (0, 2 * per_slot):
+        reserved = Settings().prompt_cache_bytes + more
+        sm = load_streaming_model(store, Settings(memory_budget=budget, prompt_cache_bytes=reserved), max_tokens=64)
+        try:
+            sizes.append(sm.capacity)
+        finally:
+            sm.close()
+    assert sizes[0] == 12 and sizes[1] < 12
+    with pytest.raises(PoolCapacityError, match="prompt cache"):
+        load_streaming_model(store, Settings(memory_budget=budget, prompt_cache_bytes=budget), max_tokens=64)
 
 
 def test_a_budget_that_holds_every_expert_needs_no_room_for_overflow(store):

@@ -131,7 +131,9 @@ def test_daemon_mapped_serves_local_output_reports_placement_and_keeps_exact_hea
     counts = hot_counts(own)
     write_usage(usage_path(own), counts)
     saved = read_usage(usage_path(own)).total
-    env = clean_env(MOESTREAM_RUNTIME_DIR=str(rt))
+    # Without the prompt cache: PROMPTS[0] comes twice, and each request's routed experts
+    # are compared with its whole prompt's alone.
+    env = clean_env(MOESTREAM_RUNTIME_DIR=str(rt), MOESTREAM_PROMPT_CACHE_BYTES="0")
     paths = RuntimePaths(dir=rt, log=rt / "daemon.log")
     layers = load_manifest(own).layers
     try:

@@ -400,6 +400,14 @@ def _format_status(st: dict[str, Any]) -> str:
             if mean
             else f"  batch      up to {batch['max_batch']} decoding together; {batch['size']} in it now"
         )
+    pc = st.get("prompt_cache")
+    if pc:
+        lines.append(
+            f"  cache      {pc['entries']} prompts' KV caches, {_size(pc['bytes'])} of "
+            f"{_size(pc['max_bytes'])} reserved; "
+            f"hit rate {_rate(pc.get('hit_rate'))}, {pc['tokens_reused']} tokens reused"
+            + (f"; {pc['disk_entries']} on disk ({_size(pc['disk_bytes'])})" if pc.get("disk_dir") else "")
+        )
     prefill = pool.get("prefill") or {}
     if prefill.get("order"):
         lines.append(

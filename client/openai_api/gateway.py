@@ -446,8 +446,10 @@ def _shutdown_error() -> ApiError:
     )
 
 
-def _usage(done: Done) -> dict[str, int]:
-    return usage(int(done.stats.get("prompt_tokens", 0)), len(done.tokens))
+def _usage(done: Done) -> dict[str, Any]:
+    # The prompt tokens the daemon's prompt cache served, as OpenAI reports its own.
+    cached = {"cached_tokens": int(done.stats.get("cached_tokens", 0))}
+    return usage(int(done.stats.get("prompt_tokens", 0)), len(done.tokens)) | {"prompt_tokens_details": cached}
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from moestream.daemon.model.prefill import PREFILL_STEP, PrefillStats, prefill_pieces
 from moestream.daemon.model.streaming_model import StreamingModel
+
+if TYPE_CHECKING:
+    from moestream.daemon.model.generation import CacheUse
 
 
 @dataclass
@@ -50,10 +53,16 @@ class _Member:
 
     tokens: deque = field(default_factory=deque)
     finished: bool = False
+    # Once finished: its cache out of the batch, and the tokens it holds beyond those
+    # the request brought in its own cache (its last prompt token and those it made).
+    final: tuple[list[Any], list[int]] | None = None
 
     def add(self, token: int, last: bool) -> None:
         self.tokens.append(token)
         self.finished = self.finished or last
+
+    def keep(self, cache: list[Any], tokens: list[int]) -> None:
+        self.final = (cache, tokens)
 
 
 def batch_cap(sm: StreamingModel, max_batch: int) -> int:
@@ -118,17 +127,27 @@ class BatchSession:
         max_tokens: int,
         on_prompt_progress: Callable[[int, int], None] | None = None,
         prefill_stats: PrefillStats | None = None,
+        cache_use: CacheUse | None = None,
     ) -> Iterator[tuple[int | None, None]]:
         """One request's tokens, as `generate_step` yields them (token, no logprobs):
         its prompt prefilled on its own cache, then its decode in the batch. While other
         members decode, the prefill yields (None, None) after each of its pieces, so that
-        their turns come between them."""
+        their turns come between them. With `cache_use`, that cache starts from the
+        prompt cache's best prefix, a copy of it filled up to the prompt's last token is
+        kept there, and so is the request's cache out of the batch when it finishes
+        (with the tokens the batch fed it)."""
         prompt = mx.array(list(prompt_ids))
         n = int(prompt.size)
         progress = on_prompt_progress or (lambda done, total: None)
-        progress(0, n)
+        cache, m = cache_use.start(self.sm, prompt_ids) if cache_use is not None else (None, 0)
+        progress(m, n)
         pieces = prefill_pieces(
-            self.sm, prompt[:-1], self.prefill_step, on_progress=lambda done: progress(done, n), stats=prefill_stats
+            self.sm,
+            prompt[m:-1],
+            self.prefill_step,
+            on_progress=lambda done: progress(m + done, n),
+            stats=prefill_stats,
+            cache=cache,
         )
         while True:
             try:
@@ -140,6 +159,8 @@ class BatchSession:
                 # The others decode between this prompt's pieces (a layer, or a chunk):
                 # a turn with no token yet.
                 yield None, None
+        if cache_use is not None:
+            cache_use.keep_prompt(prompt_ids, cache)
         # The engine loop starts no more batched requests than the batch holds
         # (`has_room`); a caller that does waits here for room, its step serving the
         # batch meanwhile.
@@ -164,6 +185,9 @@ class BatchSession:
             if not member.finished:
                 self._gen.remove([uid])
             self.stats.left += 1
+            if cache_use is not None and member.final is not None:
+                cache, tokens = member.final
+                cache_use.prompt_cache.insert([*prompt_ids[:-1], *tokens], cache, persist=True)
 
     def _advance(self) -> None:
         """One step of the batch: every member's next token into its buffer."""
@@ -178,6 +202,8 @@ class BatchSession:
             if member is None:
                 continue
             member.add(int(r.token), r.finish_reason is not None)
+            if r.finish_reason is not None and r.prompt_cache is not None:
+                member.keep(r.prompt_cache, list(r.all_tokens))
 
     def close(self) -> None:
         self._gen.close()

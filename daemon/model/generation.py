@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import secrets
 import time
 from contextlib import nullcontext
@@ -12,6 +13,7 @@ import mlx.core as mx
 import psutil
 from jinja2 import TemplateError
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 from mlx_lm.sample_utils import apply_top_p, make_sampler
 
 from moestream.daemon.model.prefill import PREFILL_STEP, PrefillStats, prefill_cache
@@ -20,6 +22,7 @@ from moestream.daemon.model.streaming_model import PLACEMENT_COUNTERS, POOL_COUN
 if TYPE_CHECKING:
     from moestream.daemon.mapped.mapped_pool import MappedPool
     from moestream.daemon.model.batching import BatchSession
+    from moestream.daemon.model.prompt_cache import PromptCache
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,45 @@ class GenerationResult:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str = "length"
     stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CacheUse:
+    """One request's use of the prompt cache (daemon/model/prompt_cache.py)."""
+
+    prompt_cache: PromptCache
+    # Prompt tokens served from the cache, and whether from a file written before.
+    reused: int = 0
+    from_disk: bool = False
+    # The request's own KV cache once made: kept in the prompt cache when it ends.
+    kv: list[Any] | None = None
+
+    def start(self, sm: StreamingModel, prompt_ids: Sequence[int]) -> tuple[list[Any], int]:
+        """The cache the request starts from (a copy of the best cached prefix, or a
+        fresh one) and how many prompt tokens it holds."""
+        reuse = self.prompt_cache.fetch(prompt_ids)
+        if reuse is None:
+            self.kv = make_prompt_cache(sm.model)
+            return self.kv, 0
+        self.reused, self.from_disk, self.kv = reuse.tokens, reuse.from_disk, reuse.cache
+        return self.kv, reuse.tokens
+
+    def keep_prompt(self, prompt_ids: Sequence[int], cache: list[Any]) -> None:
+        """Keep a copy of `cache`, which holds the prompt but its last token: a snapshot
+        at the prompt's boundary, for a cache that cannot be trimmed back to it later or
+        one that will not come back (a batch's)."""
+        n = len(prompt_ids) - 1
+        if n > self.reused:
+            self.prompt_cache.insert(prompt_ids[:-1], copy.deepcopy(cache))
+
+    def keep(self, prompt_ids: Sequence[int], fed: Sequence[int]) -> None:
+        """Keep the request's cache, which holds the prompt and every token it yielded
+        (`fed`), for later prompts, and on disk where the prompt cache has a folder."""
+        if self.kv is not None:
+            self.prompt_cache.insert([*prompt_ids, *fed], self.kv, persist=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"reused_tokens": self.reused, "from_disk": self.from_disk}
 
 
 def _add(bucket: dict[str, float], before: dict[str, float], after: dict[str, float]) -> None:
@@ -189,16 +231,46 @@ def plain_steps(
     prefill_step: int = PREFILL_STEP,
     *,
     layer_major: bool = True,
+    cache_use: CacheUse | None = None,
 ) -> Iterator[tuple[mx.array, mx.array]]:
     """mlx-lm's `generate_step`, with the prompt prefilled layer by layer where that
     spares a partial pool reads (daemon/model/prefill.py): all of it but the last token,
     in stock's chunks; `generate_step` then takes the last token as its prompt, over the
     filled cache, exactly as stock's does after its own chunks (a model the layer-major
     prefill refuses is prefilled in stock's chunks there, `prefill_cache`). `prefill_step` is
-    `generate_step`'s `prefill_step_size`; `layer_major=False` keeps stock's order."""
+    `generate_step`'s `prefill_step_size`; `layer_major=False` keeps stock's order.
+
+    With `cache_use` the prompt starts from the prompt cache's best prefix and only the
+    rest is prefilled, as stock's `generate_step` given that cache would; every token
+    yielded has gone into the request's cache (`generate_step` feeds each token before
+    it yields it), which the caller keeps for later prompts."""
     prompt = mx.array(list(prompt_ids))
     n = prompt.size
     lm = sm.layer_major
+    if cache_use is not None:
+        progress = on_prompt_progress or (lambda done, total: None)
+        cache, m = cache_use.start(sm, prompt_ids)
+        progress(m, n)
+        prefill_cache(
+            sm,
+            prompt[m:-1],
+            prefill_step,
+            on_progress=lambda done: progress(m + done, n),
+            stats=prefill_stats,
+            cache=cache,
+            layer_major=layer_major,
+        )
+        if not can_trim_prompt_cache(cache):
+            cache_use.keep_prompt(prompt_ids, cache)
+        yield from generate_step(
+            prompt[-1:],
+            sm.model,
+            max_tokens=max_tokens,
+            sampler=sampler,
+            prompt_cache=cache,
+            prompt_progress_callback=lambda done, total: progress(n - 1 + done, n) if done else None,
+        )
+        return
 
     if lm is None or not layer_major or not lm.wanted(n, prefill_step):
         yield from generate_step(
@@ -243,11 +315,15 @@ def iter_generate(
     should_stop: Callable[[], bool] | None = None,
     on_prompt_progress: Callable[[int, int], None] | None = None,
     batch: BatchSession | None = None,
+    prompt_cache: PromptCache | None = None,
 ) -> Iterator[tuple[str, int | None]]:
     """Yield (text segment, token id) pairs; fill `result` as it goes. With a `batch`
     (daemon/model/batching.py) the request decodes in it, beside the others (and while
     its prompt is prefilled beside them, it yields ("", None) between the prefill's
-    pieces: no token, only the turn); a speculative request decodes on its own.
+    pieces: no token, only the turn); a speculative request decodes on its own. With a
+    `prompt_cache` the prompt starts from its best cached prefix, and the request's cache
+    is kept there at the end (a speculative request keeps caches of its own and does
+    neither).
 
     `on_prompt_progress(done, total)` is called as the prompt is prefilled: at its start
     and after each prefill chunk (mlx-lm's prefill step), on this thread."""
@@ -265,7 +341,11 @@ def iter_generate(
     spec_stats = None
     prefill_stats = PrefillStats()
     rec = sm.diagnostics.new_recorder(params.diagnostics) if sm.diagnostics is not None else None
+    use = CacheUse(prompt_cache) if prompt_cache is not None and prompt_cache.enabled else None
+    # Every token the steps yield (an end token too): what went into the request's cache.
+    fed: list[int] = []
     if params.speculative:
+        use = None
         from moestream.daemon.model.speculative import SpeculativeParams, SpeculativeStats, speculative_steps
 
         spec = SpeculativeParams(
@@ -282,13 +362,20 @@ def iter_generate(
             on_prompt_progress=on_prompt_progress,
         )
     elif batch is not None:
-        steps = batch.steps(prompt_ids, sampler, params.max_tokens, on_prompt_progress, prefill_stats)
+        steps = batch.steps(prompt_ids, sampler, params.max_tokens, on_prompt_progress, prefill_stats, use)
     else:
         # A request with diagnostics keeps stock's prefill order: they time and attribute
         # each forward's own path (slots, overflow), and the next layer's prediction
         # that the layer-major order has no use for.
         steps = plain_steps(
-            sm, prompt_ids, sampler, params.max_tokens, on_prompt_progress, prefill_stats, layer_major=rec is None
+            sm,
+            prompt_ids,
+            sampler,
+            params.max_tokens,
+            on_prompt_progress,
+            prefill_stats,
+            layer_major=rec is None,
+            cache_use=use,
         )
     if sm.mapped_pool is not None:
         steps = _ticked(steps, sm.mapped_pool)
@@ -303,6 +390,7 @@ def iter_generate(
             continue
         n += 1
         token = int(token)
+        fed.append(token)
         if n == 1:
             prompt_seconds = time.perf_counter() - tic
             tic = time.perf_counter()
@@ -339,6 +427,8 @@ def iter_generate(
             yield text[emitted:], result.tokens[-1] if result.tokens else -1
         result.text = text
     decode_seconds = time.perf_counter() - tic
+    if use is not None and batch is None:
+        use.keep(prompt_ids, fed)
     if sm.mapped_pool is not None:
         # Account what is still pending (this request's last forwards, and those of
         # requests interleaved with it), so that its statistics and the heat include it.
@@ -351,6 +441,8 @@ def iter_generate(
     routed_misses = total["misses_prefill"] + total["misses_decode"]
     result.stats = {
         "prompt_tokens": len(prompt_ids),
+        # Of them, those served from the prompt cache (not prefilled again).
+        "cached_tokens": use.reused if use is not None else 0,
         "generated_tokens": len(result.tokens),
         "prompt_seconds": prompt_seconds,
         "prompt_tokens_per_s": len(prompt_ids) / prompt_seconds if prompt_seconds else None,
@@ -385,6 +477,8 @@ def iter_generate(
         "finish_reason": result.finish_reason,
     }
     result.stats["prefill"] = _prefill_summary(prefill_stats, prefill)
+    if use is not None:
+        result.stats["prompt_cache"] = use.to_dict()
     if batch is not None and not params.speculative:
         # The batch's totals when this request ended (its hits and misses above are the
         # pool's during the steps this request ran, which served the whole batch).

@@ -296,11 +296,16 @@ def prefill_cache(
     step: int = PREFILL_STEP,
     on_progress: Callable[[int], None] | None = None,
     stats: PrefillStats | None = None,
+    *,
+    cache: list[Any] | None = None,
+    layer_major: bool = True,
 ) -> list[Any]:
     """A prompt cache holding `prompt` (1-D), made as `generate_step` makes it before its
-    last prompt token: layer by layer where the layer-major prefill wants it, else in
-    stock's chunks. `on_progress(tokens_done)` as it goes."""
-    return _drained(prefill_pieces(sm, prompt, step, on_progress, stats))
+    last prompt token: layer by layer where the layer-major prefill wants it (and
+    `layer_major`), else in stock's chunks. `on_progress(tokens_done)` as it goes. With
+    `cache` (one that holds a prefix already, from the prompt cache), `prompt` goes on
+    after what it holds, as `generate_step` given that cache would take it."""
+    return _drained(prefill_pieces(sm, prompt, step, on_progress, stats, cache=cache, layer_major=layer_major))
 
 
 def prefill_pieces(
@@ -309,17 +314,20 @@ def prefill_pieces(
     step: int = PREFILL_STEP,
     on_progress: Callable[[int], None] | None = None,
     stats: PrefillStats | None = None,
+    *,
+    cache: list[Any] | None = None,
+    layer_major: bool = True,
 ) -> Generator[None, None, list[Any]]:
     """`prefill_cache` in pieces: the generator yields after each decoder layer of a
     layer-major prefill, or after each of stock's chunks, and its value is the cache.
     Each piece runs on mlx-lm's generation stream; between pieces the caller's work runs
     on its own (a batch decodes its other requests there, so that a long prompt holds
     them back for one piece at a time)."""
-    cache = make_prompt_cache(sm.model)
+    cache = make_prompt_cache(sm.model) if cache is None else cache
     n = int(prompt.size)
     if n == 0:
         return cache
-    lm = sm.layer_major
+    lm = sm.layer_major if layer_major else None
     if lm is not None and lm.wanted(n + 1, step):
         layers = lm.pieces(prompt, cache, step, on_progress=on_progress, stats=stats)
         try:

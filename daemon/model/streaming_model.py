@@ -302,6 +302,7 @@ def load_streaming_model(
             resident_bytes=resident_bytes,
             max_tokens=max_tokens,
             top_k=k,
+            prompt_cache_bytes=settings.prompt_cache_bytes,
         )
     )
     # One copier for the whole load: the admitter's copies and a mapped pool's moves.

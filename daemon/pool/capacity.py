@@ -74,9 +74,11 @@ def plan_capacity(
     resident_bytes: int,
     max_tokens: int = 4096,
     top_k: int | None = None,
+    prompt_cache_bytes: int = 0,
 ) -> int:
     """Slots per layer (the same for every layer, clamped to its expert count); `top_k`
-    as the model's blocks give it (default: from the config)."""
+    as the model's blocks give it (default: from the config). A memory budget holds the
+    prompt cache's `prompt_cache_bytes` too (daemon/model/prompt_cache.py)."""
     k = top_k if top_k is not None else top_k_of(manifest.config)
     most = max(layer.num_experts for layer in manifest.layers)
     if capacity is not None and memory_budget is not None:
@@ -93,7 +95,7 @@ def plan_capacity(
         return min(slots, most)
     per_slot = sum(layer.expert_bytes for layer in manifest.layers)
     kv = kv_cache_bytes(manifest.config, max_tokens)
-    spare = memory_budget - resident_bytes - kv
+    spare = memory_budget - resident_bytes - kv - prompt_cache_bytes
     if spare >= most * per_slot:
         return most
     # A partial pool of c slots serves a prefill whose experts do not fit from a
@@ -103,11 +105,12 @@ def plan_capacity(
     expert = max(layer.expert_bytes for layer in manifest.layers)
     slots = (spare - 2 * most * expert) // (per_slot - expert) if per_slot > expert else 0
     if slots < k:
-        need = resident_bytes + kv + k * per_slot + overflow_reserve_bytes(manifest, k)
+        need = resident_bytes + kv + prompt_cache_bytes + k * per_slot + overflow_reserve_bytes(manifest, k)
         raise PoolCapacityError(
             f"--memory-budget {format_size(memory_budget)} is below the minimum "
             f"{format_size(need)}: resident weights {format_size(resident_bytes)} + "
-            f"KV cache for {max_tokens} tokens {format_size(kv)} + top-{k} experts "
+            f"KV cache for {max_tokens} tokens {format_size(kv)} + "
+            f"prompt cache {format_size(prompt_cache_bytes)} (--prompt-cache-bytes) + top-{k} experts "
             f"per layer {format_size(k * per_slot)} + room for a long prompt's experts "
             f"{format_size(overflow_reserve_bytes(manifest, k))}"
         )

@@ -27,6 +27,8 @@
 #   prefill-q30          q30: time to first token at 512/2048/8192 tokens: stock, 100%, 25% disk (and chunk order), 25% + 20G host
 # serving (bench serve)
 #   serve-q30            q30: 1, 2, 4, 8 clients through a real daemon at 100% and at 25% + 20G host tier
+# prompt cache (bench chat)
+#   chat-q30             q30: a 4-turn chat over a 2048-token history, prompt cache off and on, at 100% and 25% + 20G host
 # prefetch (bench predict)
 #   predict-q30          q30: predictor recall; prefetch off/on with a host tier (HOST_CACHE, CAPACITY, DEPTH, ...)
 #   predict-depth-q30    q30: prefetch where the disk is the bound (25%, no host tier) by depth and buffer
@@ -218,6 +220,16 @@ EOF
         --max-batch ${MAX_BATCH:-0} --max-tokens 64 --json > "$OUT/bench_serve_q30_${name}_h200.json" \
         2> "$OUT/bench_serve_q30_${name}_h200.progress" \
         || tail -5 "$OUT/bench_serve_q30_${name}_h200.progress"
+    done
+    ;;
+  chat-q30)
+    # Time to the first token of each turn with the prompt cache off and on (issue 28's
+    # acceptance: turn 2 onward <= 0.1x the uncached turn), 100% then 25% + a 20G host tier.
+    for pool in "1.0" "0.25 --host-cache 20G"; do
+      name=$(echo "$pool" | cut -d' ' -f1)
+      $py -m moestream.client.cli bench chat --model /root/q30/store --capacity $pool --turns ${TURNS:-4} \
+        --history-tokens ${HISTORY:-2048} --json > "$OUT/bench_chat_q30_${name}_h200.json" \
+        2> "$OUT/bench_chat_q30_${name}_h200.progress" || tail -5 "$OUT/bench_chat_q30_${name}_h200.progress"
     done
     ;;
   decode-q30)

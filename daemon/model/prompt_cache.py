@@ -1,0 +1,514 @@
+"""The prompt cache: KV caches of recent requests, kept for the next request that shares
+a prefix with them (a chat's next turn resends the whole conversation).
+
+Why it works: a causal model's cache after tokens t[:m] depends on t[:m] alone, so a
+new prompt that starts with t[:m] may start from that cache and prefill only the rest.
+The caches are mlx-lm's own objects, found by token sequence in a trie (as mlx-lm's
+`LRUPromptCache`): an entry whose tokens are a prefix of the prompt is used as it is; one
+that goes on past the point where it and the prompt part is copied and trimmed back
+(`trim_prompt_cache`) where every layer's cache can be trimmed. At least the prompt's
+last token is always fed again, as `generate_step` needs it for the first logits.
+
+What must stay true: an entry is served only for a prompt whose first m tokens equal the
+entry's first m tokens, for the store it was made on (the trie is the store's, and every
+file on disk names its store and holds its whole token list, checked before use); a
+served cache is a copy, so the request's own tokens never reach an entry; memory stays
+within `max_bytes` and `max_entries` (least recently used entries go first).
+
+Caches that cannot be trimmed (the linear-attention layers of qwen3_next and qwen3_5_moe
+keep a state, not one row per token) are kept as snapshots at the boundaries a chat
+reuses: after the prompt (before its last token) and after the answer.
+
+With a folder (`prompt_cache_dir`), the caches of finished requests are also written to
+disk (a temporary file, fsync, rename, fsync of the folder), bounded in bytes (oldest
+first), and indexed again when the daemon starts. The engine hands a cache over only
+while it is idle (its arrays to host buffers); a writer thread writes them, so no
+request waits on the disk (daemon/model/prompt_cache_files.py). Only the engine thread
+touches MLX.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+import re
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import can_trim_prompt_cache, load_prompt_cache, trim_prompt_cache
+
+from moestream.daemon.model.prompt_cache_files import DiskWriter, host_tensors, mtime, read_metadata
+from moestream.shared.store_format import MANIFEST_NAME
+
+FILE_FORMAT = "moestream-prompt-cache/1"
+SUFFIX = ".safetensors"
+# Finished requests waiting for an idle moment to be written; older ones are dropped.
+MAX_PENDING_WRITES = 8
+
+
+def cache_identity(store_dir: str | os.PathLike, store_id: str | None) -> str:
+    """What a cache file names as its store: the manifest's `store_id`, or for a store
+    made without one, a digest of its manifest (its layout and weights' description)."""
+    if store_id:
+        return store_id
+    return "manifest-" + hashlib.sha256((Path(store_dir) / MANIFEST_NAME).read_bytes()).hexdigest()[:32]
+
+
+def token_hash(tokens: Sequence[int]) -> str:
+    return hashlib.sha256(np.asarray(tokens, dtype="<i8").tobytes()).hexdigest()[:32]
+
+
+def cache_nbytes(cache: Sequence[Any]) -> int:
+    """Bytes of a prompt cache's arrays (its buffers, as allocated)."""
+    return sum(v.nbytes for _, v in tree_flatten([c.state for c in cache]) if isinstance(v, mx.array))
+
+
+def cache_offset_ok(cache: Sequence[Any], tokens: int) -> bool:
+    """Every layer cache that counts its tokens holds `tokens` of them."""
+    return all(c.offset == tokens for c in cache if isinstance(getattr(c, "offset", None), int))
+
+
+@dataclass
+class PromptCacheStats:
+    """What the prompt cache holds and did, for `status`."""
+
+    entries: int = 0
+    bytes: int = 0
+    max_bytes: int = 0
+    max_entries: int = 0
+    lookups: int = 0
+    hits: int = 0
+    # Prompt tokens looked up, and of them those served from the cache.
+    prompt_tokens: int = 0
+    tokens_reused: int = 0
+    inserted: int = 0
+    evicted: int = 0
+    # Entries too large for max_bytes alone, or whose cache did not hold its tokens.
+    refused: int = 0
+    disk_dir: str | None = None
+    disk_entries: int = 0
+    disk_bytes: int = 0
+    disk_max_bytes: int = 0
+    disk_written: int = 0
+    disk_loaded: int = 0
+    # Files skipped: another store's, unreadable, or not what their name says.
+    disk_skipped: int = 0
+    disk_dropped: int = 0
+    disk_errors: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "hit_rate": self.hits / self.lookups if self.lookups else None}
+
+
+@dataclass(eq=False)
+class _Entry:
+    tokens: tuple[int, ...]
+    trimmable: bool
+    cache: list[Any] | None = None  # None: on disk only
+    nbytes: int = 0
+    path: Path | None = None
+    disk_bytes: int = 0
+
+    def hold(self, cache: list[Any] | None, nbytes: int = 0) -> None:
+        self.cache, self.nbytes = cache, nbytes
+
+    def stored(self, path: Path | None, size: int = 0) -> None:
+        self.path, self.disk_bytes = path, size
+
+
+@dataclass
+class Reuse:
+    """A private copy of a cache that holds the prompt's first `tokens` tokens."""
+
+    cache: list[Any]
+    tokens: int
+    from_disk: bool = False
+
+
+class _Node:
+    __slots__ = ("children", "entry")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _Node] = {}
+        self.entry: _Entry | None = None
+
+    def put(self, entry: _Entry | None) -> _Entry | None:
+        prev, self.entry = self.entry, entry
+        return prev
+
+
+class _Trie:
+    """Entries by token sequence; a node holds at most one entry."""
+
+    def __init__(self) -> None:
+        self.root = _Node()
+
+    def add(self, entry: _Entry) -> _Entry | None:
+        node = self.root
+        for t in entry.tokens:
+            node = node.children.setdefault(t, _Node())
+        return node.put(entry)
+
+    def remove(self, tokens: tuple[int, ...]) -> None:
+        path = [self.root]
+        for t in tokens:
+            nxt = path[-1].children.get(t)
+            if nxt is None:
+                return
+            path.append(nxt)
+        path[-1].put(None)
+        for i in range(len(tokens), 0, -1):
+            if path[i].children or path[i].entry is not None:
+                break
+            del path[i - 1].children[tokens[i - 1]]
+
+    def walk(self, tokens: Sequence[int]) -> tuple[list[_Entry], int, _Node]:
+        """The entries on the prompt's path (prefixes of it, shortest first), how far
+        the prompt follows the trie, and the node where it stops."""
+        node, found, depth = self.root, [], 0
+        for t in tokens:
+            nxt = node.children.get(t)
+            if nxt is None:
+                break
+            node, depth = nxt, depth + 1
+            if node.entry is not None:
+                found.append(node.entry)
+        return found, depth, node
+
+    @staticmethod
+    def nearest_trimmable(node: _Node) -> _Entry | None:
+        """The shortest trimmable entry at or below `node` (the least to copy)."""
+        level = [node]
+        while level:
+            for n in level:
+                if n.entry is not None and n.entry.trimmable:
+                    return n.entry
+            level = [c for n in level for c in n.children.values()]
+        return None
+
+
+class PromptCache:
+    """One store's prompt cache (engine thread only, but for the writer thread it owns)."""
+
+    def __init__(
+        self,
+        store_id: str | None,
+        layout: Sequence[str],
+        *,
+        max_bytes: int,
+        max_entries: int,
+        disk_dir: str | os.PathLike | None = None,
+        disk_bytes: int = 0,
+        log: logging.Logger | None = None,
+    ) -> None:
+        self.store_id = store_id
+        # The class names of the model's fresh cache, layer by layer: a file must match.
+        self.layout = list(layout)
+        self.log = log or logging.getLogger("moestream.prompt_cache")
+        self.stats = PromptCacheStats(max_bytes=max_bytes, max_entries=max_entries, disk_max_bytes=disk_bytes)
+        self._trie = _Trie()
+        self._lru: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()  # in memory, oldest first
+        self._disk: dict[tuple[int, ...], _Entry] = {}
+        self._pending: list[_Entry] = []
+        self._writer: DiskWriter | None = None
+        self._folder: Path | None = None
+        if disk_dir is not None and disk_bytes > 0:
+            if not store_id:
+                self.log.error("prompt cache: the store has no store_id, so its caches are not written to disk")
+            else:
+                self._start_disk(Path(disk_dir))
+
+    @property
+    def enabled(self) -> bool:
+        return self.stats.max_bytes > 0 and self.stats.max_entries > 0
+
+    # ---- lookups --------------------------------------------------------------------
+
+    def fetch(self, tokens: Sequence[int]) -> Reuse | None:
+        """A copy of the cache that serves the most of `tokens` but its last, or None."""
+        self._take_writer_results()
+        self.stats.lookups += 1
+        self.stats.prompt_tokens += len(tokens)
+        while True:
+            best = self._best(tokens)
+            if best is None:
+                return None
+            reuse = self._serve(best[1], tokens, best[0])
+            if reuse is not None:
+                self.stats.hits += 1
+                self.stats.tokens_reused += reuse.tokens
+                return reuse
+            # The entry was a file that failed its checks, now gone: look again without it.
+
+    def _best(self, tokens: Sequence[int]) -> tuple[int, _Entry] | None:
+        """(tokens reused, entry): the longest prefix entry of the prompt but its last
+        token, or a trimmable entry past the point where the prompt leaves the trie
+        trimmed back to it, whichever reuses more."""
+        limit = len(tokens) - 1
+        found, depth, node = self._trie.walk(tokens)
+        best: tuple[int, _Entry] | None = None
+        for entry in found:
+            if len(entry.tokens) <= limit:
+                best = (len(entry.tokens), entry)
+        m = min(depth, limit)
+        if m > 0 and (best is None or m > best[0]):
+            longer = self._trie.nearest_trimmable(node)
+            if longer is not None:
+                best = (m, longer)
+        return best
+
+    def _serve(self, entry: _Entry, tokens: Sequence[int], m: int) -> Reuse | None:
+        if tuple(tokens[:m]) != entry.tokens[:m]:  # what the trie promises, checked
+            raise AssertionError("prompt cache: an entry does not match the prompt it was found for")
+        from_disk = entry.cache is None
+        source = entry.cache if not from_disk else self._load(entry)
+        if source is None:
+            return None
+        if entry.tokens in self._lru:
+            self._lru.move_to_end(entry.tokens)
+        cache = copy.deepcopy(source)
+        extra = len(entry.tokens) - m
+        if extra:
+            trim_prompt_cache(cache, extra)
+        return Reuse(cache, m, from_disk)
+
+    # ---- inserts ------------------------------------------------------------------------
+
+    def insert(self, tokens: Sequence[int], cache: list[Any], *, persist: bool = False) -> bool:
+        """Keep `cache` (which must hold exactly `tokens`, and which nobody changes after)
+        for later prompts; `persist`: write it to disk too, when idle. False if refused."""
+        if not self.enabled or not tokens:
+            return False
+        key = tuple(int(t) for t in tokens)
+        if not cache_offset_ok(cache, len(key)):
+            self.stats.refused += 1
+            self.log.error("prompt cache: a cache does not hold the %d tokens it was given for; not kept", len(key))
+            return False
+        nbytes = cache_nbytes(cache)
+        if nbytes > self.stats.max_bytes:
+            self.stats.refused += 1
+            return False
+        entry = _Entry(key, can_trim_prompt_cache(cache), cache, nbytes)
+        old = self._disk.get(key)
+        if old is not None:
+            entry.stored(old.path, old.disk_bytes)
+            self._disk[key] = entry
+        self._put(entry)
+        if entry.trimmable:
+            # A trimmable entry serves every prefix of itself: its prefixes only take room.
+            for prefix in self._trie.walk(key)[0]:
+                if prefix is not entry and prefix.cache is not None:
+                    self._drop_memory(prefix)
+        self.stats.inserted += 1
+        self._bound()
+        if persist and self._writer is not None and entry.path is None:
+            self._pending.append(entry)
+            if len(self._pending) > MAX_PENDING_WRITES:
+                self._pending.pop(0)
+        return entry.cache is not None
+
+    def _put(self, entry: _Entry) -> None:
+        prev = self._trie.add(entry)
+        if prev is not None and prev.cache is not None:
+            self.stats.bytes -= prev.nbytes
+            self._lru.pop(prev.tokens, None)
+        self._lru[entry.tokens] = entry
+        self.stats.bytes += entry.nbytes
+        self._count()
+
+    def _drop_memory(self, entry: _Entry) -> None:
+        """Out of memory; an entry also on disk stays findable there."""
+        if self._lru.pop(entry.tokens, None) is None:
+            return
+        self.stats.bytes -= entry.nbytes
+        entry.hold(None)
+        if entry.path is None:
+            self._trie.remove(entry.tokens)
+        self._count()
+
+    def _bound(self) -> None:
+        while self._lru and (self.stats.bytes > self.stats.max_bytes or len(self._lru) > self.stats.max_entries):
+            _, oldest = next(iter(self._lru.items()))
+            self._drop_memory(oldest)
+            self.stats.evicted += 1
+
+    def _count(self) -> None:
+        self.stats.entries = len(self._lru)
+        self.stats.disk_entries = len(self._disk)
+        self.stats.disk_bytes = sum(e.disk_bytes for e in self._disk.values())
+
+    # ---- disk -----------------------------------------------------------------------
+
+    def _start_disk(self, folder: Path) -> None:
+        try:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as e:
+            self.log.error("prompt cache: cannot create %s (%s); caches stay in memory only", folder, e)
+            return
+        self.stats.disk_dir = str(folder)
+        self._folder = folder
+        self._index(folder)
+        self._writer = DiskWriter(folder, self.store_id, self.stats.disk_max_bytes, self.log)
+        self._writer.start()
+        # The files indexed now, oldest first, so that the writer bounds the folder.
+        self._writer.known(sorted(((e.path, e.disk_bytes) for e in self._disk.values()), key=lambda p: mtime(p[0])))
+
+    def _index(self, folder: Path) -> None:
+        """The store's files in `folder` into the trie (their caches stay on disk)."""
+        for path in sorted(folder.iterdir()):
+            if path.name.endswith(".tmp") and path.name.startswith(self._prefix() + "-"):
+                path.unlink(missing_ok=True)  # a write that a crash interrupted
+                continue
+            if not path.name.endswith(SUFFIX):
+                continue
+            try:
+                meta = read_metadata(path)
+            except (OSError, ValueError) as e:
+                self._skip(path, f"unreadable ({e})", remove=True)
+                continue
+            if meta.get("format") != FILE_FORMAT or meta.get("store_id") != self.store_id:
+                self.stats.disk_skipped += 1
+                self.log.info("prompt cache: %s is another store's or format's cache; skipped", path.name)
+                continue
+            try:
+                tokens = tuple(int(t) for t in json.loads(meta["tokens"]))
+            except (KeyError, ValueError, TypeError) as e:
+                self._skip(path, f"no token list ({e})", remove=True)
+                continue
+            if path.name != self._file_name(tokens):
+                self._skip(path, "its tokens are not those its name says", remove=True)
+                continue
+            entry = _Entry(tokens, meta.get("trimmable") == "1", path=path, disk_bytes=path.stat().st_size)
+            self._disk[tokens] = entry
+            if self._trie.add(entry) is not None:
+                raise AssertionError("prompt cache: two files for one token list")
+        self._count()
+        if self._disk:
+            self.log.info(
+                "prompt cache: %d cached conversations on disk (%d bytes) in %s",
+                len(self._disk),
+                self.stats.disk_bytes,
+                folder,
+            )
+
+    def _skip(self, path: Path, why: str, *, remove: bool) -> None:
+        self.stats.disk_skipped += 1
+        self.log.error("prompt cache: %s is %s; skipped%s", path, why, " and removed" if remove else "")
+        if remove:
+            try:
+                path.unlink()
+            except OSError as e:
+                self.log.error("prompt cache: cannot remove %s: %s", path, e)
+
+    def _load(self, entry: _Entry) -> list[Any] | None:
+        """Read a disk entry's cache, checked, and keep it in memory where it fits; on a
+        failure drop the file and say why."""
+        path = entry.path
+        try:
+            cache, meta = load_prompt_cache(str(path), return_metadata=True)
+            problem = self._check(cache, meta, entry.tokens)
+        except Exception as e:  # any failure of a file read back is a file not to serve
+            problem = f"unreadable ({type(e).__name__}: {e})"
+        if problem is not None:
+            self._forget_disk(entry)
+            self._skip(path, problem, remove=True)
+            return None
+        self.stats.disk_loaded += 1
+        nbytes = cache_nbytes(cache)
+        if nbytes <= self.stats.max_bytes:
+            entry.hold(cache, nbytes)
+            self._lru[entry.tokens] = entry
+            self.stats.bytes += nbytes
+            self._count()
+            self._bound()
+        return cache
+
+    def _check(self, cache: list[Any], meta: dict[str, str], tokens: tuple[int, ...]) -> str | None:
+        if meta.get("format") != FILE_FORMAT or meta.get("store_id") != self.store_id:
+            return "another store's cache"
+        if tuple(json.loads(meta.get("tokens", "[]"))) != tokens:
+            return "not the token list it was indexed with"
+        if [type(c).__name__ for c in cache] != self.layout:
+            return "a cache of another model's layers"
+        if not cache_offset_ok(cache, len(tokens)):
+            return "a cache that does not hold its tokens"
+        return None
+
+    def _forget_disk(self, entry: _Entry) -> None:
+        self._disk.pop(entry.tokens, None)
+        if entry.cache is None:
+            self._trie.remove(entry.tokens)
+        entry.stored(None)
+        self._count()
+
+    def _prefix(self) -> str:
+        return re.sub(r"[^A-Za-z0-9_.-]", "_", self.store_id or "")
+
+    def _file_name(self, tokens: Sequence[int]) -> str:
+        return f"{self._prefix()}-{token_hash(tokens)}{SUFFIX}"
+
+    def idle(self) -> None:
+        """Hand finished requests' caches to the writer (the engine has no work now)."""
+        self._take_writer_results()
+        if self._writer is None:
+            return
+        while self._pending:
+            entry = self._pending.pop(0)
+            if entry.path is not None or entry.cache is None:
+                continue
+            about = {
+                "format": FILE_FORMAT,
+                "store_id": self.store_id or "",
+                "tokens": json.dumps(list(entry.tokens)),
+                "trimmable": "1" if entry.trimmable else "0",
+            }
+            try:
+                tensors, meta = host_tensors(entry.cache, about)
+            except Exception as e:  # a cache that cannot be written stays in memory; serving goes on
+                self.log.error("prompt cache: a cache cannot be written (%s: %s)", type(e).__name__, e)
+                self.stats.disk_errors += 1
+                continue
+            self._writer.put(self._folder / self._file_name(entry.tokens), entry.tokens, tensors, meta)
+
+    def _take_writer_results(self) -> None:
+        if self._writer is None:
+            return
+        for kind, tokens, path, size, trimmable in self._writer.results():
+            if kind == "written":
+                entry = self._trie_entry(tokens)
+                if entry is None:  # out of memory meanwhile: findable on disk from now on
+                    entry = _Entry(tokens, trimmable)
+                    self._trie.add(entry)
+                entry.stored(path, size)
+                self._disk[tokens] = entry
+                self.stats.disk_written += 1
+            elif kind == "removed":
+                entry = self._disk.get(tokens)
+                if entry is not None:
+                    self._forget_disk(entry)
+                self.stats.disk_dropped += 1
+            else:
+                self.stats.disk_errors += 1
+        self._count()
+
+    def _trie_entry(self, tokens: tuple[int, ...]) -> _Entry | None:
+        found, depth, node = self._trie.walk(tokens)
+        return node.entry if depth == len(tokens) else None
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Write what is pending and wait for the writer (at shutdown)."""
+        if self._writer is None:
+            return
+        self.idle()
+        if not self._writer.close(timeout):
+            self.log.error("prompt cache: the writer did not end within %.0f s; the last caches may be lost", timeout)
+        self._take_writer_results()
+        self._writer = None

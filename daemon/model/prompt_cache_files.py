@@ -1,0 +1,232 @@
+"""The prompt cache's files (daemon/model/prompt_cache.py): a cache's arrays as host
+bytes, safetensors written durably from them, headers read without MLX, and the writer
+thread that writes them and keeps the folder within its bound.
+
+The files are what mlx-lm's `save_prompt_cache` writes (its metadata layout, so that its
+`load_prompt_cache` reads them back), written here from host buffers so that the writer
+thread never touches MLX: only the engine thread does (`host_tensors`, while it is idle).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
+
+from moestream.shared.durable import fsync_dir
+
+# safetensors' dtype names; bfloat16 goes out as its 16-bit pattern.
+_DTYPES = {
+    mx.float32: "F32",
+    mx.float16: "F16",
+    mx.bfloat16: "BF16",
+    mx.int32: "I32",
+    mx.uint32: "U32",
+    mx.int64: "I64",
+    mx.uint64: "U64",
+    mx.int16: "I16",
+    mx.uint16: "U16",
+    mx.int8: "I8",
+    mx.uint8: "U8",
+    mx.bool_: "BOOL",
+}
+
+
+def mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def host_tensors(
+    cache: Sequence[Any], metadata: dict[str, str]
+) -> tuple[dict[str, tuple[str, list[int], bytes]], dict[str, str]]:
+    """A prompt cache as safetensors' tensors (dtype, shape, bytes) and the file's
+    metadata, `metadata` included, as mlx-lm's `save_prompt_cache` makes them (so that
+    its `load_prompt_cache` reads them back)."""
+    scalars: list[Any] = [""]
+    tensors: dict[str, tuple[str, list[int], bytes]] = {}
+    cache = [_compact(c) for c in cache]
+    flat = tree_flatten([c.state for c in cache])
+    arrays = {}
+    for key, data in flat:
+        if isinstance(data, mx.array):
+            arrays[key] = data
+        elif isinstance(data, (bool, int, float)):
+            scalars.append((key, "scalar"))
+            arrays[key] = mx.array(data)
+        elif isinstance(data, str):
+            scalars.append((key, "string"))
+            arrays[key] = mx.array([ord(ch) for ch in data])
+        elif data is None:
+            scalars.append((key, "none"))
+            arrays[key] = mx.array([])
+        else:
+            raise ValueError(f"cache state of type {type(data).__name__} cannot be saved")
+    mx.eval(list(arrays.values()))
+    for key, a in arrays.items():
+        code = _DTYPES.get(a.dtype)
+        if code is None:
+            raise ValueError(f"cache array of dtype {a.dtype} cannot be saved")
+        host = np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a, copy=True)
+        tensors[key] = (code, list(a.shape), host.tobytes())
+    meta = dict(tree_flatten([metadata, [type(c).__name__ for c in cache], scalars]))
+    return tensors, {k: str(v) for k, v in meta.items()}
+
+
+def _compact(c: Any) -> Any:
+    """A KVCache's rows in use only (its buffer grows in steps of 256 tokens): the same
+    cache as far as any read of it goes, in fewer bytes on disk."""
+    if type(c) is KVCache and c.keys is not None and c.offset < c.keys.shape[2]:
+        return KVCache.from_state((c.keys[..., : c.offset, :], c.values[..., : c.offset, :], c.offset))
+    return c
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """The `__metadata__` of a safetensors file (what `save_prompt_cache` calls metadata:
+    the entries under "0."), read from its header alone."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError("shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > 64 * 2**20:
+            raise ValueError(f"a header of {n} bytes")
+        header = json.loads(f.read(n))
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict):
+        raise ValueError("no metadata")
+    return {k[2:]: v for k, v in meta.items() if k.startswith("0.")}
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], bytes]], metadata: dict[str, str]) -> int:
+    """Write a safetensors file durably: a temporary file, fsync, rename, fsync of the
+    folder. Returns its size."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for key, (code, shape, data) in tensors.items():
+        header[key] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        # The conversation is in it (its tokens): readable by its owner only.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for _, _, data in tensors.values():
+                f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return 8 + len(blob) + offset
+
+
+@dataclass
+class _Job:
+    path: Path
+    tokens: tuple[int, ...]
+    tensors: dict[str, tuple[str, list[int], bytes]]
+    meta: dict[str, str]
+
+
+@dataclass
+class DiskWriter:
+    """The thread that writes prompt-cache files and keeps the folder within its bound
+    (the store's files, oldest first). Reports back through `results()`."""
+
+    folder: Path
+    store_id: str | None
+    max_bytes: int
+    log: logging.Logger
+    _jobs: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    _out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    _files: OrderedDict = field(default_factory=OrderedDict)  # path -> (tokens | None, bytes), oldest first
+    _thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="prompt-cache-writer", daemon=True)
+        self._thread.start()
+
+    def known(self, files: list[tuple[Path, int]]) -> None:
+        self._jobs.put(("known", files))
+
+    def put(self, path: Path, tokens: tuple[int, ...], tensors: dict, meta: dict[str, str]) -> None:
+        self._jobs.put(("write", _Job(path, tokens, tensors, meta)))
+
+    def results(self) -> list[tuple[str, tuple[int, ...], Path, int, bool]]:
+        out = []
+        while True:
+            try:
+                out.append(self._out.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self, timeout: float) -> bool:
+        self._jobs.put(("stop", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            kind, job = self._jobs.get()
+            if kind == "stop":
+                return
+            if kind == "known":
+                for path, size in job:
+                    self._files[path] = (None, size)
+                continue
+            tic = time.perf_counter()
+            try:
+                size = write_safetensors(job.path, job.tensors, job.meta)
+            except OSError as e:
+                self.log.error("prompt cache: cannot write %s: %s (errno %s)", job.path, e.strerror, e.errno)
+                self._out.put(("error", job.tokens, job.path, 0, False))
+                continue
+            except Exception:  # the writer must outlive one bad job: later ones still get written
+                self.log.exception("prompt cache: writing %s failed", job.path)
+                self._out.put(("error", job.tokens, job.path, 0, False))
+                continue
+            self._files.pop(job.path, None)
+            self._files[job.path] = (job.tokens, size)
+            self._out.put(("written", job.tokens, job.path, size, job.meta.get("trimmable") == "1"))
+            took = time.perf_counter() - tic
+            self.log.debug("prompt cache: wrote %s (%d bytes) in %.3f s", job.path.name, size, took)
+            self._bound()
+
+    def _bound(self) -> None:
+        total = sum(size for _, size in self._files.values())
+        while total > self.max_bytes and self._files:
+            path, (tokens, size) = self._files.popitem(last=False)
+            total -= size
+            try:
+                meta_tokens = tokens
+                if meta_tokens is None:
+                    meta_tokens = tuple(json.loads(read_metadata(path)["tokens"]))
+                path.unlink()
+            except (OSError, ValueError, KeyError) as e:
+                self.log.error("prompt cache: cannot remove %s to stay within the disk bound: %s", path, e)
+                continue
+            self._out.put(("removed", tuple(meta_tokens), path, size, False))

@@ -1,0 +1,407 @@
+"""The prompt cache (daemon/model/prompt_cache.py) serves only what it may, exactly.
+
+Exactness: a request served from the cache gives the same log-probabilities (bit for
+bit) and greedy tokens as stock mlx-lm given the same reuse: stock's model prefills the
+first request's prompt in the same chunks, its `generate_step` makes the same tokens on
+that cache, and the second request runs through stock's `generate_step` over a copy of
+that cache (trimmed back where the prompt cache trims). Four architectures, one of them
+(qwen3_5_moe) with linear-attention layers whose cache cannot be trimmed, at 25% and
+100% of the experts; exact match, a shorter cached prefix and a longer entry trimmed.
+
+Safety: a cache made for another prompt is never served (its contents are checked
+against a fresh prefill of the new prompt's own prefix), nor a file of another store
+or one whose contents are not what its name and header say; memory stays within the
+bounds.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm import load as stock_load
+from mlx_lm.generate import BatchGenerator, generate_step, generation_stream
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+from tiny_models import make_tiny_model
+
+from moestream.daemon.model.batching import BatchSession
+from moestream.daemon.model.generation import CacheUse, GenerationResult, SamplingParams, iter_generate, plain_steps
+from moestream.daemon.model.prompt_cache import PromptCache, cache_nbytes, read_metadata
+from moestream.daemon.model.streaming_model import load_streaming_model
+from moestream.daemon.store.convert import convert_model
+from moestream.shared.settings import Settings
+from moestream.shared.store_format import load_manifest
+
+ARCHS = ("qwen3_moe", "qwen3_5_moe", "mixtral", "deepseek_v3")
+STEP = 16  # several prefill chunks per prompt, so the layer-major order runs at 25%
+GEN = 4
+GREEDY = make_sampler(temp=0.0)
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    """`build(arch) -> (arch, store, stock model)`, each made once for the module."""
+    made = {}
+
+    def get(arch: str):
+        if arch not in made:
+            root = tmp_path_factory.mktemp(f"pcache-{arch}")
+            src = make_tiny_model(root / "model", arch, quant="4bit", seed=3)
+            convert_model(src, root / "store")
+            made[arch] = (arch, root / "store", stock_load(str(src))[0])
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def converted(request, build):
+    return build(request.param)
+
+
+def _layout(model) -> list[str]:
+    return [type(c).__name__ for c in make_prompt_cache(model)]
+
+
+def _new_cache(model, **kw) -> PromptCache:
+    return PromptCache("test-store", _layout(model), max_bytes=kw.pop("max_bytes", 2**30), max_entries=16, **kw)
+
+
+def _run(steps) -> tuple[list[int], list[np.ndarray]]:
+    tokens, rows = [], []
+    for token, logprobs in steps:
+        tokens.append(int(token))
+        rows.append(np.array(logprobs.astype(mx.float32)))
+    return tokens, rows
+
+
+def _ours(sm, pc: PromptCache, prompt: list[int]) -> tuple[tuple[list[int], list[np.ndarray]], CacheUse]:
+    """One request through `plain_steps` with the prompt cache, kept at the end as
+    `iter_generate` keeps it."""
+    use = CacheUse(pc)
+    out = _run(plain_steps(sm, prompt, GREEDY, GEN, prefill_step=STEP, cache_use=use))
+    use.keep(prompt, out[0])
+    return out, use
+
+
+def _stock_first(model, prompt: list[int]):
+    """Stock's first request (its prefill loop, as `generate_step` runs it, then its
+    last token through `generate_step`), with the cache after the prompt but its last
+    token (the snapshot an untrimmable cache keeps) and the cache after the request."""
+    cache = make_prompt_cache(model)
+    head = mx.array(prompt[:-1])
+    with mx.stream(generation_stream):
+        for start in range(0, head.size, STEP):
+            model(head[start : start + STEP][None], cache=cache)
+            mx.eval([c.state for c in cache])
+    snapshot = copy.deepcopy(cache)
+    out = _run(generate_step(mx.array(prompt[-1:]), model, max_tokens=GEN, sampler=GREEDY, prompt_cache=cache))
+    return out, snapshot, cache
+
+
+def _stock_reuse(model, cache, prompt: list[int], reused: int, trim: int = 0):
+    cache = copy.deepcopy(cache)
+    if trim:
+        assert trim_prompt_cache(cache, trim) == trim
+    steps = generate_step(
+        mx.array(prompt[reused:]), model, max_tokens=GEN, sampler=GREEDY, prompt_cache=cache, prefill_step_size=STEP
+    )
+    return _run(steps)
+
+
+def _same(got, want, label: str) -> None:
+    assert got[0] == want[0], f"{label}: tokens differ"
+    for step, (a, b) in enumerate(zip(got[1], want[1])):
+        assert np.array_equal(a, b), f"{label} step {step}: log-probs differ (max |d|={np.abs(a - b).max()})"
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 500, size=n).tolist()
+
+
+def _capacities(store) -> list[tuple[str, Settings]]:
+    manifest = load_manifest(store)
+    experts = manifest.layers[0].num_experts
+    return [
+        ("25%", Settings(capacity=max(4, math.ceil(0.25 * experts)), direct_io=True)),
+        ("100%", Settings(capacity=experts, direct_io=True)),
+    ]
+
+
+def test_served_from_the_cache_is_stock_given_the_same_reuse(converted):
+    arch, store, stock = converted
+    first = _prompt(40, seed=1)
+    want_first, snapshot, after = _stock_first(stock, first)
+    answer = want_first[0]
+    trimmable = arch != "qwen3_5_moe"
+    n = len(first)
+    cases = {
+        # The same prompt again: all of it but its last token.
+        "exact": (first, n - 1, after if trimmable else snapshot, len(answer) + 1 if trimmable else 0),
+        # The next chat turn: the first prompt and its answer, then more.
+        "shorter": (first + answer + _prompt(20, seed=2), n + len(answer), after, 0),
+        # A prompt that leaves the first one after 24 tokens: trimmed back to them (an
+        # untrimmable cache has no snapshot there: nothing reused).
+        "longer": (first[:24] + _prompt(30, seed=3), 24 if trimmable else 0, after, n + len(answer) - 24),
+    }
+    for label, settings in _capacities(store):
+        sm = load_streaming_model(store, settings)
+        try:
+            for case, (prompt, reused, source, trim) in cases.items():
+                pc = _new_cache(stock)
+                got_first, use = _ours(sm, pc, first)
+                _same(got_first, want_first, f"{arch} {label} first request")
+                assert use.reused == 0
+                got, use = _ours(sm, pc, prompt)
+                assert use.reused == reused, f"{arch} {label} {case}: reused {use.reused}, not {reused}"
+                if reused:
+                    want = _stock_reuse(stock, source, prompt, reused, trim if trimmable else 0)
+                else:
+                    want = _run(
+                        generate_step(mx.array(prompt), stock, max_tokens=GEN, sampler=GREEDY, prefill_step_size=STEP)
+                    )
+                _same(got, want, f"{arch} {label} {case}")
+        finally:
+            sm.close()
+
+
+def _kv_rows(cache, tokens: int) -> list[np.ndarray]:
+    """Each attention layer's keys and values for the first `tokens` positions."""
+    rows = []
+    for c in cache:
+        if type(c).__name__ == "KVCache":
+            rows += [c.keys[..., :tokens, :], c.values[..., :tokens, :]]
+        else:
+            rows += [a for _, a in tree_flatten(c.state) if isinstance(a, mx.array)]
+    return [np.array(a.astype(mx.float32)) for a in rows]
+
+
+def _prefilled(model, prompt: list[int]) -> list:
+    cache = make_prompt_cache(model)
+    model(mx.array(prompt)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def test_a_cache_of_another_prompt_is_never_served(converted):
+    """Whatever is served holds the new prompt's own prefix: its keys and values (and
+    linear-attention state) are those a fresh prefill of that prefix makes, to float
+    rounding; another prompt's would differ everywhere."""
+    arch, store, stock = converted
+    sm = load_streaming_model(store, Settings(direct_io=True))
+    try:
+        pc = _new_cache(stock)
+        first = _prompt(40, seed=1)
+        _ours(sm, pc, first)
+        other = [t + 1 for t in first]  # no shared prefix at all
+        assert pc.fetch(other) is None
+        for k in (1, 5, 17):
+            # The same first k tokens, then another path; and the first prompt with one token changed.
+            tails = ([(first[k] + 3) % 500] + _prompt(20, seed=9), [(first[k] + 7) % 500] + first[k + 1 :])
+            for prompt in (first[:k] + tail for tail in tails):
+                reuse = pc.fetch(prompt)
+                if arch == "qwen3_5_moe":
+                    assert reuse is None, "an untrimmable cache has no snapshot inside the first prompt"
+                    continue
+                assert reuse is not None and reuse.tokens == k
+                assert all(c.offset == k for c in reuse.cache if hasattr(c, "offset"))
+                for a, b in zip(_kv_rows(reuse.cache, k), _kv_rows(_prefilled(stock, prompt[:k]), k)):
+                    # bfloat16 rounding apart; another prompt's rows differ by their whole size.
+                    assert np.allclose(a, b, rtol=0.05, atol=0.05), f"{arch}: a served cache is not this prefix's"
+        # Another store's cache object is never in this one's trie; a wrong answer check:
+        # serving `first`'s cache for `other` would have failed above. The entry itself is untouched:
+        again = pc.fetch(first + [1])
+        assert again is not None and again.tokens == len(first) - (arch == "qwen3_5_moe")
+    finally:
+        sm.close()
+
+
+def test_memory_stays_within_its_bounds(converted):
+    arch, store, stock = converted
+    sm = load_streaming_model(store, Settings(direct_io=True))
+    try:
+        probe = _new_cache(stock)
+        _ours(sm, probe, _prompt(30, seed=0))
+        one = probe.stats.bytes
+        assert one > 0 and probe.stats.entries >= 1
+        bound = int(2.5 * one)
+        pc = PromptCache("test-store", _layout(stock), max_bytes=bound, max_entries=3)
+        for i in range(6):
+            _ours(sm, pc, [i] + _prompt(29, seed=100 + i))  # no two share a first token
+            held = [e for e in pc._lru.values()]
+            assert pc.stats.bytes == sum(cache_nbytes(e.cache) for e in held)
+            assert pc.stats.bytes <= bound and pc.stats.entries <= 3 and pc.stats.entries == len(held)
+        assert pc.stats.evicted > 0
+        stats = pc.stats.to_dict()
+        assert stats["lookups"] == 6 and stats["hits"] == 0 and stats["hit_rate"] == 0.0
+        # A single cache larger than the bound is refused, never kept.
+        tiny = PromptCache("test-store", _layout(stock), max_bytes=one // 4, max_entries=3)
+        _ours(sm, tiny, _prompt(30, seed=7))
+        assert tiny.stats.entries == 0 and tiny.stats.bytes == 0 and tiny.stats.refused >= 1
+    finally:
+        sm.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
+def test_disk_round_trip_and_bad_files(build, arch, tmp_path):
+    """A cache written to disk is found by a new PromptCache (a restarted daemon) and
+    serves the same output as from memory; another store's file, a file whose token
+    list is not its name's, and a truncated file are skipped, never served."""
+    _, store, stock = build(arch)
+    sm = load_streaming_model(store, Settings(direct_io=True))
+    folder = tmp_path / "pc"
+    try:
+        first = _prompt(40, seed=1)
+        pc = _new_cache(stock, disk_dir=folder, disk_bytes=2**30)
+        (answer, _), _ = _ours(sm, pc, first)
+        pc.close()
+        assert len(list(folder.glob("*.safetensors"))) == 1 and pc.stats.disk_written == 1
+        # The conversation's tokens are in the file: its owner's only.
+        assert all(p.stat().st_mode & 0o777 == 0o600 for p in folder.glob("*.safetensors"))
+        nxt = first + answer + _prompt(10, seed=4)
+        memory = _new_cache(stock)
+        _ours(sm, memory, first)
+        from_memory, use = _ours(sm, memory, nxt)
+        assert use.reused == len(first) + len(answer)
+        # A restart: the file is indexed; the next turn is served from disk, exactly.
+        again = _new_cache(stock, disk_dir=folder, disk_bytes=2**30)
+        assert again.stats.disk_entries == 1 and again.stats.entries == 0
+        from_disk, use = _ours(sm, again, nxt)
+        assert use.from_disk and use.reused == len(first) + len(answer)
+        _same(from_disk, from_memory, f"{arch}: served from disk")
+        again.close()
+        assert len(list(folder.glob("*.safetensors"))) == 2
+        # Another store's folder: skipped, kept (it is that store's), never served.
+        foreign = PromptCache(
+            "another-store", _layout(stock), max_bytes=2**30, max_entries=4, disk_dir=folder, disk_bytes=2**30
+        )
+        assert foreign.stats.disk_entries == 0 and foreign.stats.disk_skipped >= 2
+        assert foreign.fetch(nxt) is None
+        foreign.close()
+        # A file renamed to another token list's name: removed at start.
+        target = max(folder.glob("test-store-*.safetensors"), key=lambda p: p.stat().st_size)
+        meta = read_metadata(target)
+        tokens = json.loads(meta["tokens"])
+        bogus = folder / "test-store-0123456789abcdef0123456789abcdef.safetensors"
+        shutil.copy(target, bogus)
+        # A truncated file whose header is whole: indexed, then refused when read.
+        data = target.read_bytes()
+        target.write_bytes(data[: len(data) - 64])
+        third = _new_cache(stock, disk_dir=folder, disk_bytes=2**30)
+        assert not bogus.exists() and third.stats.disk_skipped >= 1
+        prompt = tokens + [7]
+        reuse = third.fetch(prompt)
+        assert not target.exists(), "the truncated file is removed once found bad"
+        assert reuse is None or (not reuse.from_disk or reuse.tokens < len(tokens))
+        third.close()
+    finally:
+        sm.close()
+
+
+def test_disk_stays_within_its_bound(build, tmp_path):
+    _, store, stock = build("qwen3_moe")
+    sm = load_streaming_model(store, Settings(direct_io=True))
+    folder = tmp_path / "pc"
+    try:
+        probe = _new_cache(stock, disk_dir=folder / "probe", disk_bytes=2**30)
+        _ours(sm, probe, _prompt(30, seed=0))
+        probe.close()
+        one = max(p.stat().st_size for p in (folder / "probe").glob("*.safetensors"))
+        bound = int(2.5 * one)
+        pc = _new_cache(stock, disk_dir=folder / "bounded", disk_bytes=bound)
+        for i in range(5):
+            _ours(sm, pc, _prompt(30, seed=50 + i))
+            pc.idle()
+        pc.close()
+        sizes = [p.stat().st_size for p in (folder / "bounded").glob("*.safetensors")]
+        assert sum(sizes) <= bound and len(sizes) == 2 and pc.stats.disk_dropped == 3
+        assert pc.stats.disk_entries == 2
+    finally:
+        sm.close()
+
+
+def test_iter_generate_reports_cached_tokens(build):
+    _, store, stock = build("qwen3_moe")
+    sm = load_streaming_model(store, Settings(direct_io=True))
+    try:
+        pc = _new_cache(stock)
+        first = _prompt(30, seed=1)
+        r1 = GenerationResult()
+        list(iter_generate(sm, first, SamplingParams(max_tokens=GEN), r1, prompt_cache=pc))
+        r2 = GenerationResult()
+        list(iter_generate(sm, first + r1.tokens + [5, 6], SamplingParams(max_tokens=GEN), r2, prompt_cache=pc))
+        assert r1.stats["cached_tokens"] == 0
+        assert r2.stats["cached_tokens"] == len(first) + len(r1.tokens)
+        assert r2.stats["prompt_cache"] == {"reused_tokens": r2.stats["cached_tokens"], "from_disk": False}
+        assert pc.stats.to_dict()["hit_rate"] == 0.5
+    finally:
+        sm.close()
+
+
+def _stock_batch_decode(model, cache, last: int, eos: list[int]):
+    """Stock's BatchGenerator from `cache` and the prompt's last token: the tokens, and
+    the request's cache out of the batch with the tokens it holds beyond `cache`."""
+    gen = BatchGenerator(model, stop_tokens=[[e] for e in eos], completion_batch_size=4, prefill_batch_size=4)
+    (uid,) = gen.insert([[last]], max_tokens=[GEN], caches=[cache], samplers=[GREEDY])
+    out = []
+    while True:
+        rs = [r for r in gen.next_generated() if r.uid == uid]
+        out += [int(r.token) for r in rs]
+        ended = [r for r in rs if r.finish_reason is not None]
+        if ended:
+            break
+    gen.close()
+    return out, ended[0].prompt_cache, list(ended[0].all_tokens)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
+def test_cached_prefixes_seed_batched_requests(build, arch):
+    """A batched request starts from the prompt cache too (`BatchGenerator.insert(...,
+    caches=...)`) and leaves its cache there: the same greedy tokens as stock's
+    BatchGenerator given the same cache (the first request's cache out of the batch,
+    trimmed back, or its prompt's snapshot where it cannot be trimmed)."""
+    _, store, stock = build(arch)
+    sm = load_streaming_model(store, Settings(direct_io=True))
+    try:
+        session = BatchSession(sm, max_batch=4)
+        pc = _new_cache(stock)
+        eos = sorted(sm.tokenizer.eos_token_ids)
+        first = _prompt(30, seed=1)
+        ours_first = [int(t) for t, _ in session.steps(first, GREEDY, GEN, cache_use=CacheUse(pc))]
+        snapshot = _prefilled(stock, first[:-1])
+        want_first, final, fed = _stock_batch_decode(stock, copy.deepcopy(snapshot), first[-1], eos)
+        assert ours_first == want_first and pc.stats.refused == 0
+        nxt = first + _prompt(12, seed=2)
+        use = CacheUse(pc)
+        got = [int(t) for t, _ in session.steps(nxt, GREEDY, GEN, cache_use=use)]
+        if arch == "qwen3_5_moe":
+            assert use.reused == len(first) - 1, "the first prompt's snapshot seeds the second"
+            cache = copy.deepcopy(snapshot)
+        else:
+            assert use.reused == len(first), "the first request's cache, trimmed back to its prompt"
+            cache = copy.deepcopy(final)
+            trim_prompt_cache(cache, len(first) - 1 + len(fed) - use.reused)
+        stock(mx.array(nxt[use.reused : -1])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        assert got == _stock_batch_decode(stock, cache, nxt[-1], eos)[0]
+        session.close()
+    finally:
+        sm.close()
+
+
+def test_a_store_without_a_store_id_is_named_by_its_manifest(tmp_path):
+    from moestream.daemon.model.prompt_cache import cache_identity
+    from moestream.shared.settings import demo_store_path
+
+    assert cache_identity(tmp_path, "abc") == "abc"
+    named = cache_identity(demo_store_path(), None)
+    assert named.startswith("manifest-") and named == cache_identity(demo_store_path(), None)
+    (tmp_path / "manifest.json").write_text("{}")
+    assert cache_identity(tmp_path, None) != named
