@@ -378,7 +378,8 @@ class EngineLoop:
 
     def _kv_allowance(self) -> int | None:
         """The bytes the KV caches of the active requests may take under `memory_budget`
-        (what the resident weights, the pool and a long prompt's transient stack leave;
+        (what the resident weights, the pool, a long prompt's transient stack and the
+        prompt cache's bound leave;
         the pool was sized to leave at least one `max_context` cache), or None without
         a budget."""
         from moestream.daemon.pool.capacity import overflow_reserve_bytes
@@ -388,7 +389,7 @@ class EngineLoop:
             return None
         partial = any(not p.fully_resident for p in sm.pools)
         reserve = overflow_reserve_bytes(sm.manifest, sm.capacity) if partial else 0
-        return budget - sm.resident_bytes - sm.pool_bytes - reserve
+        return budget - sm.resident_bytes - sm.pool_bytes - reserve - self.settings.prompt_cache_bytes
 
     def _kv_full(self, job: Job) -> str | None:
         """Why `job` (its prompt encoded) cannot start beside the active requests: their

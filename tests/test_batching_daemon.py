@@ -128,10 +128,12 @@ def test_requests_whose_kv_caches_would_pass_the_memory_budget_wait_in_the_queue
     sm.close()
     caches = [kv_cache_bytes(config, n + TOKENS) for n in lengths]
     context = max(lengths) + TOKENS
-    # The pool is sized first, leaving one max_context cache (less than any two here).
+    # The pool is sized first, leaving one max_context cache (less than any two here);
+    # no prompt cache, whose bound the budget would keep too.
     budget = fixed + sum(caches) - min(caches) // 2
     args = ("--memory-budget", str(budget), "--max-batch", "4")
-    with started_daemon(store, "msbkv", *args, env={"MOESTREAM_MAX_CONTEXT": str(context)}) as paths:
+    env = {"MOESTREAM_MAX_CONTEXT": str(context), "MOESTREAM_PROMPT_CACHE_BYTES": "0"}
+    with started_daemon(store, "msbkv", *args, env=env) as paths:
         with Client(paths, timeout=60) as c:
             assert c.status()["pool"]["layers"][0]["capacity"] == load_manifest(store).layers[0].num_experts
         results: dict[str, object] = {}
