@@ -18,9 +18,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm import load as stock_load
-from mlx_lm.generate import BatchGenerator, generate_step
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
+from stock_runs import stock_batched
 from tiny_models import MOE_ARCHS, make_tiny_model
 
 from moestream.daemon.model.batching import BatchSession
@@ -39,26 +39,6 @@ LENGTHS = [5, 23, 12]
 def _prompts() -> list[list[int]]:
     rng = np.random.default_rng(3)
     return [rng.integers(0, 500, size=n).tolist() for n in LENGTHS]
-
-
-def _stock_batched(model, prompts: list[list[int]], eos: list[int]) -> list[list[int]]:
-    caches = []
-    for p in prompts:
-        cache = make_prompt_cache(model)
-        model(mx.array(p[:-1])[None], cache=cache)
-        mx.eval([c.state for c in cache])
-        caches.append(cache)
-    gen = BatchGenerator(model, stop_tokens=[[e] for e in eos], completion_batch_size=8, prefill_batch_size=8)
-    uids = gen.insert([[p[-1]] for p in prompts], max_tokens=MAX_TOKENS, caches=caches, samplers=[GREEDY] * 3)
-    out: dict[int, list[int]] = {u: [] for u in uids}
-    done: set[int] = set()
-    while len(done) < len(uids):
-        for r in gen.next_generated():
-            out[r.uid].append(int(r.token))
-            if r.finish_reason is not None:
-                done.add(r.uid)
-    gen.close()
-    return [out[u] for u in uids]
 
 
 def _ours_batched(sm, prompts: list[list[int]]) -> list[list[int]]:
@@ -91,7 +71,7 @@ def converted(request, tmp_path_factory):
     src = make_tiny_model(root / "model", request.param, quant="4bit", seed=4)
     convert_model(src, root / "store")
     model, tokenizer = stock_load(str(src))
-    want = _stock_batched(model, _prompts(), sorted(tokenizer.eos_token_ids))
+    want = stock_batched(model, _prompts(), MAX_TOKENS, sorted(tokenizer.eos_token_ids))
     alone = [
         [int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=m, sampler=GREEDY)]
         for p, m in zip(_prompts(), MAX_TOKENS)

@@ -19,6 +19,7 @@ from mlx_lm import load as stock_load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
+from stock_runs import stepped
 from tiny_models import MOE_ARCHS, MORE_MOE_ARCHS, make_tiny_model
 
 from moestream.daemon.model.generation import plain_steps
@@ -34,20 +35,12 @@ SMALL_STEP = 16
 GREEDY = make_sampler(temp=0.0)
 
 
-def _run(steps) -> tuple[list[int], list[np.ndarray]]:
-    tokens, rows = [], []
-    for token, logprobs in steps:
-        tokens.append(int(token))
-        rows.append(np.array(logprobs.astype(mx.float32)))
-    return tokens, rows
-
-
 def _stock(model, prompt: list[int], step: int):
-    return _run(generate_step(mx.array(prompt), model, max_tokens=STEPS, sampler=GREEDY, prefill_step_size=step))
+    return stepped(generate_step(mx.array(prompt), model, max_tokens=STEPS, sampler=GREEDY, prefill_step_size=step))
 
 
 def _streamed(sm, prompt: list[int], step: int, stats: PrefillStats | None = None):
-    return _run(plain_steps(sm, prompt, GREEDY, STEPS, prefill_stats=stats, prefill_step=step))
+    return stepped(plain_steps(sm, prompt, GREEDY, STEPS, prefill_stats=stats, prefill_step=step))
 
 
 def _configs(store) -> list[tuple[str, Settings]]:

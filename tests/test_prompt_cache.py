@@ -29,6 +29,7 @@ from mlx_lm import load as stock_load
 from mlx_lm.generate import BatchGenerator, generate_step, generation_stream
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
+from stock_runs import stepped
 from tiny_models import make_tiny_model
 
 from moestream.daemon.model.batching import BatchSession
@@ -74,19 +75,11 @@ def _new_cache(model, **kw) -> PromptCache:
     return PromptCache("test-store", _layout(model), max_bytes=kw.pop("max_bytes", 2**30), max_entries=16, **kw)
 
 
-def _run(steps) -> tuple[list[int], list[np.ndarray]]:
-    tokens, rows = [], []
-    for token, logprobs in steps:
-        tokens.append(int(token))
-        rows.append(np.array(logprobs.astype(mx.float32)))
-    return tokens, rows
-
-
 def _ours(sm, pc: PromptCache, prompt: list[int]) -> tuple[tuple[list[int], list[np.ndarray]], CacheUse]:
     """One request through `plain_steps` with the prompt cache, kept at the end as
     `iter_generate` keeps it."""
     use = CacheUse(pc)
-    out = _run(plain_steps(sm, prompt, GREEDY, GEN, prefill_step=STEP, cache_use=use))
+    out = stepped(plain_steps(sm, prompt, GREEDY, GEN, prefill_step=STEP, cache_use=use))
     use.keep(prompt, out[0])
     return out, use
 
@@ -102,7 +95,7 @@ def _stock_first(model, prompt: list[int]):
             model(head[start : start + STEP][None], cache=cache)
             mx.eval([c.state for c in cache])
     snapshot = copy.deepcopy(cache)
-    out = _run(generate_step(mx.array(prompt[-1:]), model, max_tokens=GEN, sampler=GREEDY, prompt_cache=cache))
+    out = stepped(generate_step(mx.array(prompt[-1:]), model, max_tokens=GEN, sampler=GREEDY, prompt_cache=cache))
     return out, snapshot, cache
 
 
@@ -113,7 +106,7 @@ def _stock_reuse(model, cache, prompt: list[int], reused: int, trim: int = 0):
     steps = generate_step(
         mx.array(prompt[reused:]), model, max_tokens=GEN, sampler=GREEDY, prompt_cache=cache, prefill_step_size=STEP
     )
-    return _run(steps)
+    return stepped(steps)
 
 
 def _same(got, want, label: str) -> None:
@@ -164,7 +157,7 @@ def test_served_from_the_cache_is_stock_given_the_same_reuse(converted):
                 if reused:
                     want = _stock_reuse(stock, source, prompt, reused, trim if trimmable else 0)
                 else:
-                    want = _run(
+                    want = stepped(
                         generate_step(mx.array(prompt), stock, max_tokens=GEN, sampler=GREEDY, prefill_step_size=STEP)
                     )
                 _same(got, want, f"{arch} {label} {case}")

@@ -247,32 +247,7 @@ def plain_steps(
     prompt = mx.array(list(prompt_ids))
     n = prompt.size
     lm = sm.layer_major
-    if cache_use is not None:
-        progress = on_prompt_progress or (lambda done, total: None)
-        cache, m = cache_use.start(sm, prompt_ids)
-        progress(m, n)
-        prefill_cache(
-            sm,
-            prompt[m:-1],
-            prefill_step,
-            on_progress=lambda done: progress(m + done, n),
-            stats=prefill_stats,
-            cache=cache,
-            layer_major=layer_major,
-        )
-        if not can_trim_prompt_cache(cache):
-            cache_use.keep_prompt(prompt_ids, cache)
-        yield from generate_step(
-            prompt[-1:],
-            sm.model,
-            max_tokens=max_tokens,
-            sampler=sampler,
-            prompt_cache=cache,
-            prompt_progress_callback=lambda done, total: progress(n - 1 + done, n) if done else None,
-        )
-        return
-
-    if lm is None or not layer_major or not lm.wanted(n, prefill_step):
+    if cache_use is None and (lm is None or not layer_major or not lm.wanted(n, prefill_step)):
         yield from generate_step(
             prompt,
             sm.model,
@@ -283,10 +258,19 @@ def plain_steps(
         )
         return
     progress = on_prompt_progress or (lambda done, total: None)
-    progress(0, n)
+    cache, m = cache_use.start(sm, prompt_ids) if cache_use is not None else (None, 0)
+    progress(m, n)
     cache = prefill_cache(
-        sm, prompt[:-1], prefill_step, on_progress=lambda done: progress(done, n), stats=prefill_stats
+        sm,
+        prompt[m:-1],
+        prefill_step,
+        on_progress=lambda done: progress(m + done, n),
+        stats=prefill_stats,
+        cache=cache,
+        layer_major=layer_major,
     )
+    if cache_use is not None and not can_trim_prompt_cache(cache):
+        cache_use.keep_prompt(prompt_ids, cache)
     yield from generate_step(
         prompt[-1:],
         sm.model,

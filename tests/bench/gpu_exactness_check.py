@@ -30,12 +30,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from mlx_lm import load as stock_load
-from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from make_random_moe import make_random_moe  # noqa: E402
+from stock_runs import stepped, stock_batched  # noqa: E402
 
 from moestream.daemon.model.streaming_model import load_streaming_model  # noqa: E402
 from moestream.daemon.store.convert import convert_model  # noqa: E402
@@ -78,38 +80,6 @@ def compared(tokens, rows, want) -> dict:
         "max_abs_diff": max(diffs),
         "first_diff_step": next((i for i, d in enumerate(diffs) if d), None),
     }
-
-
-def stepped(steps):
-    """(tokens, log-probs per step) of a generate_step-like generator."""
-    tokens, rows = [], []
-    for token, logprobs in steps:
-        mx.eval(logprobs)
-        tokens.append(int(token))
-        rows.append(np.array(logprobs.astype(mx.float32)))
-    return tokens, rows
-
-
-def stock_batched(model, prompts, steps, eos) -> list[list[int]]:
-    """Greedy tokens of `prompts` decoded together by stock's `BatchGenerator`, each
-    prompt but its last token prefilled on its own cache first, as BatchSession does."""
-    caches = []
-    for p in prompts:
-        cache = make_prompt_cache(model)
-        model(mx.array(p[:-1])[None], cache=cache)
-        mx.eval([c.state for c in cache])
-        caches.append(cache)
-    gen = BatchGenerator(model, stop_tokens=[[e] for e in eos], completion_batch_size=8, prefill_batch_size=8)
-    uids = gen.insert([[p[-1]] for p in prompts], max_tokens=[steps] * len(prompts), caches=caches)
-    out: dict[int, list[int]] = {u: [] for u in uids}
-    done: set[int] = set()
-    while len(done) < len(uids):
-        for r in gen.next_generated():
-            out[r.uid].append(int(r.token))
-            if r.finish_reason is not None:
-                done.add(r.uid)
-    gen.close()
-    return [out[u] for u in uids]
 
 
 def ours_batched(sm, prompts, steps) -> list[list[int]]:
@@ -170,7 +140,9 @@ def main() -> None:
         # Three requests decoded together (BatchSession against stock's BatchGenerator).
         batch_prompts = [rng.integers(0, 4096, n).tolist() for n in (5, 23, 12)]
         want_batch = (
-            stock_batched(model, batch_prompts, args.steps, sorted(tokenizer.eos_token_ids)) if BatchSession else None
+            stock_batched(model, batch_prompts, [args.steps] * 3, sorted(tokenizer.eos_token_ids))
+            if BatchSession
+            else None
         )
         prompts = {n: rng.integers(0, 4096, n).tolist() for n in (1, 7, 100)}
         want = {n: greedy(model, p, args.steps) for n, p in prompts.items()}
