@@ -29,6 +29,29 @@ REQUESTS = [
 ]
 
 
+def _run_watching(paths, work: list[threading.Thread], read) -> list:
+    """Run the `work` threads to their end while another client polls `status`; what
+    `read(status)` gave at each poll."""
+    seen: list = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        with Client(paths, timeout=60) as c:
+            while not stop.is_set():
+                seen.append(read(c.status()))
+                time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    for t in work:
+        t.start()
+    for t in work:
+        t.join(120)
+    stop.set()
+    watcher.join(30)
+    return seen
+
+
 @pytest.fixture(scope="module")
 def store():
     with tiny_store("msbatch") as path:
@@ -70,27 +93,14 @@ def test_eight_mixed_clients_in_one_batch_get_their_alone_outputs(store, alone):
             except BaseException as e:  # reported below, in the test's thread
                 failures.append(e)
 
-        seen: list[tuple[int, int, str | None]] = []
-        stop = threading.Event()
-
-        def watch() -> None:
-            # What `status` says while the eight run: the batch never over its bound, and
-            # the requests that cannot join wait in the queue, saying why.
-            with Client(paths, timeout=60) as c:
-                while not stop.is_set():
-                    st = c.status()
-                    seen.append((st["batch"]["size"], st["batch"]["max_batch"], st["requests"]["why_queued"]))
-                    time.sleep(0.02)
-
-        watcher = threading.Thread(target=watch)
-        watcher.start()
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(REQUESTS))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        stop.set()
-        watcher.join(30)
+        # What `status` says while the eight run: the batch never over its bound, and the
+        # requests that cannot join wait in the queue, saying why.
+        seen = _run_watching(
+            paths,
+            threads,
+            lambda st: (st["batch"]["size"], st["batch"]["max_batch"], st["requests"]["why_queued"]),
+        )
         assert not failures, failures
         assert all(size <= bound for size, bound, _ in seen), seen
         assert any(why and why.startswith("the batch is full") for _, _, why in seen), seen
@@ -137,14 +147,6 @@ def test_requests_whose_kv_caches_would_pass_the_memory_budget_wait_in_the_queue
         with Client(paths, timeout=60) as c:
             assert c.status()["pool"]["layers"][0]["capacity"] == load_manifest(store).layers[0].num_experts
         results: dict[str, object] = {}
-        whys: list[str | None] = []
-        stop = threading.Event()
-
-        def watch() -> None:
-            with Client(paths, timeout=60) as c:
-                while not stop.is_set():
-                    whys.append(c.status()["requests"]["why_queued"])
-                    time.sleep(0.01)
 
         def run(prompt: str) -> None:
             with Client(paths, timeout=60) as c:
@@ -152,15 +154,8 @@ def test_requests_whose_kv_caches_would_pass_the_memory_budget_wait_in_the_queue
                 list(stream)
                 results[prompt] = stream.done
 
-        watcher = threading.Thread(target=watch)
-        watcher.start()
         threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        stop.set()
-        watcher.join(30)
+        whys = _run_watching(paths, threads, lambda st: st["requests"]["why_queued"])
     for prompt in prompts:
         assert results[prompt].tokens == alone[prompt].tokens, prompt
     assert any(why and why.startswith("the KV caches would pass the memory budget") for why in whys), whys
