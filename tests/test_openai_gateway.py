@@ -169,7 +169,7 @@ def sse_events(response: httpx.Response):
 
 def test_the_gateway_imports_no_mlx():
     code = (
-        "import sys, moestream.client.openai_api.gateway, moestream.client.cli.serve_openai; "
+        "import sys, moestream.client.gateway.app, moestream.client.cli.serve_openai; "
         "print(sorted(m for m in sys.modules if m.startswith('mlx')))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -199,7 +199,7 @@ def test_listening_beyond_loopback_needs_a_key(tmp_path):
 
 def test_a_copy_of_the_demo_store_anywhere_is_named_the_demo(tmp_path):
     """By its store id: after a reinstall the daemon may serve the demo from another path."""
-    from moestream.client.openai_api.gateway import DEMO_MODEL_ID, GatewayConfig, model_id
+    from moestream.client.gateway.app import DEMO_MODEL_ID, GatewayConfig, model_id
     from moestream.shared.settings import demo_store_path
     from moestream.shared.store_format import load_manifest
 

@@ -39,7 +39,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from moestream.client.client import Client, ClientError, DaemonNotRunning, RequestRejected, Token
-from moestream.client.openai_api.schema import ApiError, ApiRequest, Shaper, finish_reason, parse_request, usage
+from moestream.client.gateway.openai import ApiError, ApiRequest, Shaper, finish_reason, parse_request, usage
 from moestream.shared import protocol as proto
 from moestream.shared.protocol import Done
 from moestream.shared.runtime_dir import RuntimePaths
