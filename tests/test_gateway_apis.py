@@ -326,6 +326,9 @@ def test_the_ollama_listing_routes(served, clients):
         ol.show("llama3")
     assert info.value.status_code == 404
     assert httpx.get(served[1].url + "/api/version").json()["version"]
+    # Ollama's "load the model" requests: no messages, an empty prompt.
+    assert ol.chat(model="moestream-demo", messages=[]).done_reason == "load"
+    assert ol.generate(model="moestream-demo", prompt="", keep_alive=0).done_reason == "unload"
 
 
 @pytest.mark.slow  # seven chats with the tools' system turn: minutes on a busy CPU

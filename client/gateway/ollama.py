@@ -147,6 +147,12 @@ def _tool_calls_in(calls: Any, i: int) -> list[dict[str, Any]]:
     return out
 
 
+def _loads_only(body: Any, chat: bool) -> bool:
+    if not (isinstance(body, dict) and isinstance(body.get("model"), str) and body["model"]):
+        return False
+    return body.get("messages") == [] if chat else body.get("prompt") in (None, "") and "prompt" in body
+
+
 def parse_chat(body: Any) -> ApiRequest:
     model, stream = _common(body)
     messages = body.get("messages")
@@ -191,7 +197,7 @@ def parse_generate(body: Any) -> ApiRequest:
     model, stream = _common(body)
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
-        raise bad_request("prompt is required: a non-empty string (an empty one only loads the model in Ollama)")
+        raise bad_request("prompt is required: a string (an empty one only loads the model)")
     for name in ("system", "template", "suffix", "images", "context"):
         if body.get(name):
             raise bad_request(
@@ -256,6 +262,8 @@ class OllamaApi:
     async def _answer(self, request: Request, *, chat: bool) -> Response:
         self._gw._authorize(request)
         body = await self._gw._read_json(request)
+        if _loads_only(body, chat):
+            return await self._load(body, chat)
         req = parse_chat(body) if chat else parse_generate(body)
         started = time.monotonic()
         opened = await self._gw.open_request(request, req, "ollama-")
@@ -280,6 +288,18 @@ class OllamaApi:
         if head is None:
             return Response(status_code=499)
         return self._gw.stream(self._lines(daemon, model, head, chat, started), daemon, "application/x-ndjson")
+
+    async def _load(self, body: dict[str, Any], chat: bool) -> Response:
+        """Ollama's "load the model" request (no messages, or an empty prompt): the daemon
+        keeps its model loaded, so this only checks the name."""
+        st = await self._gw._status()
+        from moestream.client.gateway.app import check_model
+
+        check_model(st, body["model"].removesuffix(":latest"), self._gw.config.demo_store_id)
+        reason = "unload" if body.get("keep_alive") in (0, "0", "0s") else "load"
+        out: dict[str, Any] = {"model": body["model"], "created_at": _now()}
+        out |= {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+        return JSONResponse(out | {"done": True, "done_reason": reason})
 
     async def _lines(
         self, daemon: DaemonRequest, model: str, head: Any, chat: bool, started: float
