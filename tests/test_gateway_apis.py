@@ -548,7 +548,11 @@ def test_bad_input_on_every_route_gets_that_apis_error_and_the_gateway_serves_on
 
 
 _json = st.recursive(
-    st.none() | st.booleans() | st.integers(-3, 3) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=6),
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 3)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=6),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=8,
 )
@@ -585,3 +589,90 @@ def test_fuzzed_bodies_on_every_route_get_answers_in_that_apis_shape(served, pat
     assert r.status_code in (200, 400, 404), (path, body, r.status_code, r.text)
     if r.status_code != 200:
         assert _shape_of(path, r.json()) == _api_of(path), (path, body, r.text)
+
+
+class _Scripted:
+    """The daemon's events of one request as the gateway's request thread hands them on
+    (the demo model makes no tool calls, so these are the events a model that does
+    sends: text, a call, the end)."""
+
+    id = "scripted"
+
+    def __init__(self, events: list) -> None:
+        self._events = list(events)
+
+    async def next(self):
+        return self._events.pop(0)
+
+
+def _script() -> list:
+    call = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    return [
+        proto.Token("scripted", "Let me look.", 5),
+        proto.Token("scripted", "", 6),  # a token of the call's text, held in the daemon
+        proto.ToolCall("scripted", 0, call["name"], call["arguments"]),
+        Done("scripted", "Let me look.", [5, 6, 7], "stop", {"prompt_tokens": 9}, [call]),
+    ]
+
+
+def test_streamed_tool_calls_reach_each_packages_own_accumulators(tmp_path):
+    """Each API's streamed body for a request whose model called a tool, read back by the
+    real packages' own types and stream accumulator."""
+    import asyncio
+
+    from anthropic.lib.streaming._messages import accumulate_event
+    from openai.types.chat import ChatCompletionChunk
+
+    from moestream.client.gateway import anthropic as anth
+    from moestream.client.gateway import ollama as oll
+    from moestream.client.gateway.app import Gateway as App
+    from moestream.client.gateway.app import GatewayConfig
+    from moestream.client.gateway.openai import ApiRequest, Shaper
+
+    app = App(GatewayConfig(paths=RuntimePaths(dir=tmp_path, log=tmp_path / "log"), demo_store_id=None))
+
+    async def body(stream) -> str:
+        return "".join([piece async for piece in stream])
+
+    def run(make) -> str:
+        async def go() -> str:
+            daemon = _Scripted(_script())
+            return await body(make(daemon, await daemon.next()))
+
+        return asyncio.run(go())
+
+    req = ApiRequest(chat=True, model=None, stream=True, include_usage=False)
+    sse = run(lambda d, head: app._events(d, Shaper(chat=True, id="chatcmpl-1", model="m"), req, head))
+    chunks = [ChatCompletionChunk.model_validate(e) for e in sse_lines(sse)]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Let me look."
+    calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert [(t.index, t.function.name, t.function.arguments) for t in calls] == [
+        (0, "get_weather", '{"city": "Paris"}')
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    events = run(lambda d, head: anth.AnthropicApi(app)._stream(d, "m", head))
+    names = [line.removeprefix("event: ") for line in events.splitlines() if line.startswith("event: ")]
+    assert names == [
+        "message_start",
+        *("content_block_start", "content_block_delta", "content_block_stop"),  # the text
+        *("content_block_start", "content_block_delta", "content_block_stop"),  # the call
+        "message_delta",
+        "message_stop",
+    ]
+    snapshot, bufs = None, {}
+    for data in sse_lines(events):
+        snapshot = accumulate_event(event=data, current_snapshot=snapshot, json_bufs=bufs)
+    assert [b.type for b in snapshot.content] == ["text", "tool_use"] and snapshot.content[0].text == "Let me look."
+    assert snapshot.content[1].name == "get_weather" and snapshot.content[1].input == {"city": "Paris"}
+    assert snapshot.stop_reason == "tool_use" and snapshot.usage.output_tokens == 3
+
+    lines = run(lambda d, head: oll.OllamaApi(app)._lines(d, "m", head, True, 0.0)).splitlines()
+    parts = [ollama.ChatResponse.model_validate(json.loads(line)) for line in lines]
+    assert "".join(p.message.content for p in parts) == "Let me look." and parts[-1].done
+    called = [t.function for p in parts for t in p.message.tool_calls or []]
+    assert [(f.name, f.arguments) for f in called] == [("get_weather", {"city": "Paris"})]
+
+
+def sse_lines(text: str) -> list[dict]:
+    return [json.loads(line[len("data: ") :]) for line in text.splitlines() if line.startswith("data: {")]
