@@ -482,7 +482,9 @@ class Gateway:
                     sent.append(event.text)
                     yield _sse(shaper.chunk(event.text, with_usage=extra))
                 elif isinstance(event, ToolCall):
-                    yield _sse(shaper.tool_chunk({"name": event.name, "arguments": event.arguments}, calls))
+                    yield _sse(
+                        shaper.tool_chunk({"name": event.name, "arguments": event.arguments}, calls, with_usage=extra)
+                    )
                     calls += 1
         except ApiError as e:
             yield _sse(e.body())  # as OpenAI reports an error after the stream began
