@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import zmq
 
 from moestream.shared import protocol as proto
-from moestream.shared.protocol import Done, Progress, Token
+from moestream.shared.protocol import Done, Progress, Token, ToolCall
 from moestream.shared.runtime_dir import (
     RuntimeDirError,
     RuntimePaths,
@@ -45,6 +45,7 @@ __all__ = [
     "Progress",
     "RequestRejected",
     "Token",
+    "ToolCall",
 ]
 
 _SLICE_S = 0.2
@@ -149,12 +150,14 @@ class Client:
         prompt: str | None = None,
         *,
         prompt_ids: Sequence[int] | None = None,
-        messages: Sequence[Mapping[str, str]] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
         max_tokens: int = 256,
         temp: float = 0.0,
         top_p: float = 1.0,
         seed: int | None = None,
         stop: Sequence[str] = (),
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, str] | None = None,
         request_id: str | None = None,
         speculative: str | None = None,
         draft_tokens: int | None = None,
@@ -165,7 +168,11 @@ class Client:
         """Send a generate request now; iterate the result for `Token` events, then `Done`.
 
         Give one of `prompt` (text), `prompt_ids` (token ids) and `messages` (a chat of
-        {"role", "content"} maps, rendered by the daemon with the model's chat template).
+        {"role", "content"} maps, rendered by the daemon with the model's chat template;
+        an assistant's may add `tool_calls` [{name, arguments}], a tool's `tool_call_id`
+        and `name`). `tools` (OpenAI's function schemas) go to the chat template;
+        `tool_choice` is "auto", "none", "required" or {"name": N}; the model's calls
+        come as `ToolCall` events and in `Done.tool_calls`, never as `Token` text.
         `speculative` "mtp" or "draft" (with `draft_model`, a path on the daemon's
         machine) decodes speculatively, `draft_tokens` per round. `diagnostics=True`
         puts this request's hot-path diagnostics into the final statistics.
@@ -182,6 +189,8 @@ class Client:
             top_p=top_p,
             seed=seed,
             stop=tuple(stop),
+            tools=tuple(tools) if tools is not None else None,
+            tool_choice=dict(tool_choice) if isinstance(tool_choice, Mapping) else tool_choice,
             speculative=speculative,
             draft_tokens=draft_tokens,
             draft_model=draft_model,
@@ -211,6 +220,7 @@ class Client:
             "tokens": done.tokens,
             "finish_reason": done.finish_reason,
             "stats": done.stats,
+            "tool_calls": done.tool_calls,
         }
 
     def buffered(self) -> dict[str, int]:
@@ -298,8 +308,8 @@ class Client:
 
 
 class GenerateStream:
-    """The events of one generate request: `Progress` events if asked for, `Token`s, then
-    one `Done` (kept in `.done`).
+    """The events of one generate request: `Progress` events if asked for, `Token`s (and
+    `ToolCall`s for a request with tools), then one `Done` (kept in `.done`).
 
     Leaving the loop early and calling `close()` cancels the request.
     """
@@ -310,10 +320,10 @@ class GenerateStream:
         self.done: Done | None = None
         self._failed = False
 
-    def __iter__(self) -> Iterator[Progress | Token | Done]:
+    def __iter__(self) -> Iterator[Progress | Token | ToolCall | Done]:
         return self
 
-    def __next__(self) -> Progress | Token | Done:
+    def __next__(self) -> Progress | Token | ToolCall | Done:
         if self.done is not None or self._failed:
             raise StopIteration
         try:
@@ -324,7 +334,7 @@ class GenerateStream:
         if isinstance(event, Done):
             self.done = event
             self.client._forget(self.id)
-        elif not isinstance(event, (Token, Progress)):
+        elif not isinstance(event, (Token, ToolCall, Progress)):
             raise ClientError(f"unexpected {event.TYPE} message in the stream of {self.id}")
         return event
 
@@ -346,12 +356,21 @@ class GenerateStream:
         self.close()
 
 
-def _chat(messages: Sequence[Mapping[str, str]] | None) -> tuple[proto.ChatMessage, ...] | None:
+def _chat(messages: Sequence[Mapping[str, Any]] | None) -> tuple[proto.ChatMessage, ...] | None:
     if messages is None:
         return None
     try:
-        return tuple(proto.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
-    except (KeyError, TypeError):
+        return tuple(
+            proto.ChatMessage(
+                role=m["role"],
+                content=m["content"],
+                tool_calls=tuple(m["tool_calls"]) if m.get("tool_calls") is not None else None,
+                tool_call_id=m.get("tool_call_id"),
+                name=m.get("name"),
+            )
+            for m in messages
+        )
+    except (KeyError, TypeError, AttributeError):
         raise RequestRejected(proto.BAD_MESSAGE, "each of 'messages' must be a map with 'role' and 'content'") from None
 
 

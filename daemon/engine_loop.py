@@ -82,6 +82,8 @@ class Job:
     kv_bytes: int = 0
     # When the last few tokens were made, to count those made after a stop was asked.
     token_times: deque = field(default_factory=lambda: deque(maxlen=8))
+    # A request with tools: its answer's text split into text and parsed tool calls.
+    tools: Any = None
 
     @property
     def key(self) -> tuple[bytes, str]:
@@ -326,6 +328,7 @@ class EngineLoop:
     def _activate_pending(self) -> None:
         """Move waiting requests into the active set, checking their prompts."""
         from moestream.daemon.model.generation import GenerationResult, SamplingParams, encode_prompt
+        from moestream.daemon.model.tool_calls import splitter_for
         from moestream.daemon.pool.capacity import kv_cache_bytes
 
         while self._pending and len(self._active) < self.settings.max_active:
@@ -335,7 +338,7 @@ class EngineLoop:
             msg = job.msg
             if not job.prompt_ids:
                 try:
-                    ids = encode_prompt(self._sm, msg.prompt, msg.prompt_ids, msg.messages)
+                    ids = encode_prompt(self._sm, msg.prompt, msg.prompt_ids, msg.messages, msg.tools, msg.tool_choice)
                 except ValueError as e:
                     self._pending.popleft()
                     self._fail(job, proto.BAD_MESSAGE, str(e))
@@ -354,6 +357,7 @@ class EngineLoop:
             if self._kv_full(job) is not None:
                 break  # it waits until the active requests' caches leave room
             self._pending.popleft()
+            job.tools = splitter_for(self._sm.tokenizer, msg.tools, msg.tool_choice)
             params = SamplingParams(
                 max_tokens=msg.max_tokens,
                 temp=msg.temp,
@@ -463,8 +467,18 @@ class EngineLoop:
         if token is None:
             return True  # a piece of its prompt, prefilled between the batch's steps
         job.token_times.append(time.monotonic())
+        if job.tools is not None:
+            # Every token still gets its event (empty while a call's text is held), so a
+            # client's cancel is answered within a token as it is without tools.
+            segment, calls = job.tools.feed(segment)
+            self._send_calls(job, calls)
         self._send(job.peer, proto.Token(job.msg.id, segment, token))
         return True
+
+    def _send_calls(self, job: Job, calls: list[dict[str, str]]) -> None:
+        first = len(job.tools.calls) - len(calls)
+        for i, call in enumerate(calls, first):
+            self._send(job.peer, proto.ToolCall(job.msg.id, i, call["name"], call["arguments"]))
 
     def _end_generator(self, job: Job) -> None:
         """Let a started generator see its stop flag and fill in its statistics."""
@@ -487,6 +501,15 @@ class EngineLoop:
         stats = dict(result.stats) if result is not None else {}
         stats["finish_reason"] = reason
         stats["queued_seconds"] = (job.started or time.monotonic()) - job.received
+        calls: list[dict[str, str]] = []
+        if job.tools is not None:
+            # What the generator kept back (a possible stop string when the answer ended)
+            # is the rest of the text; then held text and a call left open.
+            _, tail = job.tools.feed(text[job.tools.fed :])
+            _, last = job.tools.finish()
+            if reason != "disconnected":
+                self._send_calls(job, tail + last)
+            text, calls = job.tools.content, list(job.tools.calls)
         self._forget(job)
         counter = {"cancelled": "cancelled", "disconnected": "disconnected", "shutdown": "cancelled"}.get(
             reason, "completed"
@@ -497,7 +520,7 @@ class EngineLoop:
         # Publish first, so a client that asks for status on its done event sees this request.
         self._publish(force=True)
         if reason != "disconnected":
-            self._send(job.peer, proto.Done(job.msg.id, text, tokens, reason, stats))
+            self._send(job.peer, proto.Done(job.msg.id, text, tokens, reason, stats, calls))
         self._push_heat()
         self._log_prefetch_decision()
 

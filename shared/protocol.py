@@ -5,7 +5,8 @@ Every message is one ZeroMQ frame holding a msgpack map with `v` (PROTOCOL_VERSI
 1 to 64 characters, unique among its own requests). Client -> daemon:
 
   generate  prompt | prompt_ids | messages, max_tokens, temp, top_p, seed, stop,
-            [speculative, draft_tokens, draft_model, diagnostics, progress] -> progress*, token*, done
+            [tools, tool_choice, speculative, draft_tokens, draft_model, diagnostics, progress]
+                                                        -> progress*, (token | tool_call)*, done
   cancel    target (the id of one of this client's generate requests)  -> cancelled
   status / stats / ping / shutdown                                     -> status / stats / pong / shutdown
 
@@ -18,6 +19,13 @@ max_tokens over its context). `messages` is left out of the encoding when it is 
 a daemon that predates it still reads every other generate request. `progress` events
 (prompt tokens processed so far, of how many) come only to a request that asks for them
 with `progress: true`, so a client that predates them never sees one.
+Tools (`tools`: function schemas as OpenAI writes them, `{"type": "function", "function":
+{name, description, parameters}}`; `tool_choice`: auto | none | required | {"name": N})
+are rendered by the model's chat template; the daemon parses the model's tool-call text
+with the model's mlx-lm tool parser and sends each call as a `tool_call` event (never as
+`token` text), and `done` lists them in `tool_calls`. A chat message may carry the
+assistant's earlier `tool_calls` ({name, arguments} maps), and a `tool` message its
+`tool_call_id` and `name`; these keys are left out of the encoding when unused.
 A malformed, oversized, wrongly versioned or unknown message gets an `error` reply and
 changes nothing else. Validation lives here, in `decode_request`, and nowhere else.
 """
@@ -43,6 +51,10 @@ MAX_DRAFT_TOKENS = 8
 MAX_PATH_CHARS = 4096
 MAX_MESSAGES = 1024
 MAX_ROLE_CHARS = 32
+MAX_TOOLS = 128
+MAX_NAME_CHARS = 256
+MAX_JSON_DEPTH = 32
+TOOL_CHOICES = ("auto", "none", "required")
 
 # Error codes of `error` replies.
 BAD_MESSAGE = "bad_message"  # not one msgpack map, or a field of the wrong type or range
@@ -73,10 +85,30 @@ class ProtocolError(ValueError):
 
 @dataclass(frozen=True)
 class ChatMessage:
-    """One message of a chat; on the wire a {role, content} map."""
+    """One message of a chat; on the wire a {role, content} map, plus the optional keys
+    when set: an assistant's `tool_calls` ({name, arguments} maps, arguments a map) and a
+    tool result's `tool_call_id` and `name`."""
 
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("tool_calls", "tool_call_id", "name")
     role: str
     content: str
+    tool_calls: tuple[dict[str, Any], ...] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as chat templates (Hugging Face's convention) take it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 @dataclass(frozen=True)
@@ -85,6 +117,8 @@ class Generate:
     # Fields sent only when they are not None (added after version 1 first shipped).
     OPTIONAL: ClassVar[tuple[str, ...]] = (
         "messages",
+        "tools",
+        "tool_choice",
         "speculative",
         "draft_tokens",
         "draft_model",
@@ -100,6 +134,10 @@ class Generate:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # Function schemas for the chat template, and which the model may or must call:
+    # "auto" (default), "none", "required", or {"name": N} (that function).
+    tools: tuple[dict[str, Any], ...] | None = None
+    tool_choice: str | dict[str, str] | None = None
     # Speculative decoding: "mtp" (the model's MTP head) or "draft" (draft_model, a
     # store or mlx-lm folder on the daemon's machine); draft_tokens K per round.
     speculative: str | None = None
@@ -158,6 +196,18 @@ class Token:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """One tool call the model made, parsed by the model's tool parser: the function's
+    name and its arguments as a JSON object's text; `index` counts the request's calls."""
+
+    TYPE: ClassVar[str] = "tool_call"
+    id: str
+    index: int
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
 class Progress:
     """How far the prompt's prefill has come (sent only when the request asked)."""
 
@@ -181,6 +231,9 @@ class Done:
     tokens: list[int]
     finish_reason: str  # length | stop | cancelled | shutdown
     stats: dict[str, Any] = field(default_factory=dict)
+    # The request's tool calls ({name, arguments} maps, arguments as JSON text), all of
+    # them (each was sent as a tool_call event too); `text` then holds the rest.
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -229,11 +282,11 @@ class ShutdownReply:
     pid: int
 
 
-Reply = Union[Token, Progress, Done, Error, Pong, StatusReply, StatsReply, Cancelled, ShutdownReply]
+Reply = Union[Token, ToolCall, Progress, Done, Error, Pong, StatusReply, StatsReply, Cancelled, ShutdownReply]
 
 REQUEST_TYPES: dict[str, type] = {c.TYPE: c for c in (Generate, Cancel, Status, Stats, Shutdown, Ping)}
 REPLY_TYPES: dict[str, type] = {
-    c.TYPE: c for c in (Token, Progress, Done, Error, Pong, StatusReply, StatsReply, Cancelled, ShutdownReply)
+    c.TYPE: c for c in (Token, ToolCall, Progress, Done, Error, Pong, StatusReply, StatsReply, Cancelled, ShutdownReply)
 }
 
 
@@ -257,6 +310,8 @@ def encode(message: Request | Reply) -> bytes:
     for name in getattr(message, "OPTIONAL", ()):
         if body[name] is None:
             del body[name]
+    if body.get("messages"):
+        body["messages"] = [{k: v for k, v in m.items() if v is not None} for m in body["messages"]]
     return msgpack.packb(body, use_bin_type=True, default=_plain)
 
 
@@ -315,6 +370,44 @@ def _is_number(x: Any) -> bool:
     return (_is_int(x) or isinstance(x, float)) and math.isfinite(x)
 
 
+def _json_value(x: Any, depth: int = 0) -> bool:
+    """Whether `x` is JSON data (maps with string keys, lists, strings, numbers, booleans,
+    null) nested at most MAX_JSON_DEPTH deep."""
+    if depth > MAX_JSON_DEPTH:
+        return False
+    if x is None or isinstance(x, (str, bool, int)):
+        return True
+    if isinstance(x, float):
+        return math.isfinite(x)
+    if isinstance(x, list):
+        return all(_json_value(v, depth + 1) for v in x)
+    if isinstance(x, dict):
+        return all(isinstance(k, str) and _json_value(v, depth + 1) for k, v in x.items())
+    return False
+
+
+def _name(x: Any) -> bool:
+    return isinstance(x, str) and 0 < len(x) <= MAX_NAME_CHARS
+
+
+def _tool_calls_field(calls: Any, where: str, rid: str) -> tuple[dict[str, Any], ...]:
+    _check(isinstance(calls, list), rid, f"{where} must be a list of {{name, arguments}} maps")
+    out = []
+    for j, c in enumerate(calls):
+        _check(
+            isinstance(c, dict)
+            and set(c) == {"name", "arguments"}
+            and _name(c["name"])
+            and isinstance(c["arguments"], dict)
+            and _json_value(c["arguments"]),
+            rid,
+            f"{where}[{j}] must be a map of 'name' (a string of 1 to {MAX_NAME_CHARS} characters) and "
+            "'arguments' (a map of JSON data)",
+        )
+        out.append({"name": c["name"], "arguments": c["arguments"]})
+    return tuple(out)
+
+
 def _messages_field(messages: Any, rid: str) -> tuple[ChatMessage, ...]:
     _check(
         isinstance(messages, list) and 0 < len(messages) <= MAX_MESSAGES,
@@ -323,11 +416,13 @@ def _messages_field(messages: Any, rid: str) -> tuple[ChatMessage, ...]:
     )
     out = []
     chars = 0
+    keys = {"role", "content", *ChatMessage.OPTIONAL}
     for i, m in enumerate(messages):
         _check(
-            isinstance(m, dict) and set(m) == {"role", "content"},
+            isinstance(m, dict) and {"role", "content"} <= set(m) <= keys,
             rid,
-            f"messages[{i}] must be a map with exactly the keys 'role' and 'content'",
+            f"messages[{i}] must be a map with the keys 'role' and 'content', and optionally "
+            f"{list(ChatMessage.OPTIONAL)}",
         )
         role, content = m["role"], m["content"]
         _check(
@@ -336,8 +431,18 @@ def _messages_field(messages: Any, rid: str) -> tuple[ChatMessage, ...]:
             f"messages[{i}].role must be a string of 1 to {MAX_ROLE_CHARS} characters",
         )
         _check(isinstance(content, str), rid, f"messages[{i}].content must be a string")
+        calls = m.get("tool_calls")
+        if calls is not None:
+            calls = _tool_calls_field(calls, f"messages[{i}].tool_calls", rid)
+        for key in ("tool_call_id", "name"):
+            _check(
+                m.get(key) is None or _name(m[key]),
+                rid,
+                f"messages[{i}].{key} must be a string of 1 to {MAX_NAME_CHARS} characters",
+            )
         chars += len(content)
-        out.append(ChatMessage(role=role, content=content))
+        ids = {"tool_call_id": m.get("tool_call_id"), "name": m.get("name")}
+        out.append(ChatMessage(role=role, content=content, tool_calls=calls, **ids))
     _check(
         chars <= MAX_PROMPT_CHARS,
         rid,
@@ -345,6 +450,43 @@ def _messages_field(messages: Any, rid: str) -> tuple[ChatMessage, ...]:
         TOO_LARGE,
     )
     return tuple(out)
+
+
+def _tools_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is not None:
+        _check(
+            isinstance(tools, list) and len(tools) <= MAX_TOOLS,
+            rid,
+            f"'tools' must be a list of at most {MAX_TOOLS} function schemas",
+        )
+        for i, t in enumerate(tools):
+            fn = t.get("function") if isinstance(t, dict) else None
+            _check(
+                isinstance(fn, dict) and t.get("type") == "function" and _name(fn.get("name")) and _json_value(t),
+                rid,
+                f"tools[{i}] must be a map {{type: 'function', function: {{name, description, parameters}}}} "
+                "of JSON data",
+            )
+        tools = tuple(tools)
+    named = isinstance(choice, dict) and set(choice) == {"name"} and _name(choice["name"])
+    _check(
+        choice is None or choice in TOOL_CHOICES or named,
+        rid,
+        f"'tool_choice' must be null, one of {list(TOOL_CHOICES)} or {{name: N}}",
+    )
+    if named:
+        _check(
+            any(t["function"]["name"] == choice["name"] for t in tools or ()),
+            rid,
+            f"'tool_choice' names {choice['name']!r}, which is not among 'tools'",
+        )
+    _check(
+        choice in (None, "auto", "none") or tools,
+        rid,
+        "'tool_choice' required or named needs 'tools'",
+    )
+    return {"tools": tools, "tool_choice": choice}
 
 
 def _generate_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
@@ -356,6 +498,11 @@ def _generate_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
     )
     if messages is not None:
         messages = _messages_field(messages, rid)
+    _check(
+        messages is not None or (body.get("tools") is None and body.get("tool_choice") is None),
+        rid,
+        "'tools' and 'tool_choice' go with 'messages' (a chat)",
+    )
     if prompt is not None:
         _check(isinstance(prompt, str), rid, "'prompt' must be a string")
         _check(
@@ -405,6 +552,7 @@ def _generate_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
         "top_p": float(top_p),
         "seed": seed,
         "stop": tuple(stop),
+        **_tools_fields(body, rid),
         **_speculative_fields(body, rid),
         "diagnostics": _flag_field(body, "diagnostics", rid),
         "progress": _flag_field(body, "progress", rid),

@@ -169,7 +169,8 @@ def sse_events(response: httpx.Response):
 
 def test_the_gateway_imports_no_mlx():
     code = (
-        "import sys, moestream.client.openai_api.gateway, moestream.client.cli.serve_openai; "
+        "import sys, moestream.client.gateway.app, moestream.client.gateway.anthropic, "
+        "moestream.client.gateway.ollama, moestream.client.cli.serve_openai; "
         "print(sorted(m for m in sys.modules if m.startswith('mlx')))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -199,7 +200,7 @@ def test_listening_beyond_loopback_needs_a_key(tmp_path):
 
 def test_a_copy_of_the_demo_store_anywhere_is_named_the_demo(tmp_path):
     """By its store id: after a reinstall the daemon may serve the demo from another path."""
-    from moestream.client.openai_api.gateway import DEMO_MODEL_ID, GatewayConfig, model_id
+    from moestream.client.gateway.app import DEMO_MODEL_ID, GatewayConfig, model_id
     from moestream.shared.settings import demo_store_path
     from moestream.shared.store_format import load_manifest
 
@@ -251,20 +252,25 @@ def test_chat_messages_travel_in_the_generate_request():
     assert code_of(prompt_ids=[1], messages=[user]) == proto.BAD_MESSAGE
     assert code_of(messages=[]) == proto.BAD_MESSAGE
     assert code_of(messages=[{"role": "user"}]) == proto.BAD_MESSAGE
-    assert code_of(messages=[{**user, "name": "bob"}]) == proto.BAD_MESSAGE
+    assert code_of(messages=[{**user, "colour": "blue"}]) == proto.BAD_MESSAGE
+    assert code_of(messages=[{**user, "name": 5}]) == proto.BAD_MESSAGE
     assert code_of(messages=[{"role": "", "content": "x"}]) == proto.BAD_MESSAGE
     assert code_of(messages=[{"role": "user", "content": 5}]) == proto.BAD_MESSAGE
     assert code_of(messages=[user] * (proto.MAX_MESSAGES + 1)) == proto.BAD_MESSAGE
     assert code_of(messages=[{"role": "user", "content": "x" * (proto.MAX_PROMPT_CHARS + 1)}]) == proto.TOO_LARGE
 
 
-def test_a_tokenizer_without_a_chat_template_is_refused_clearly():
+def test_a_tokenizer_without_a_chat_template_is_refused_clearly(tmp_path):
     from mlx_lm.utils import load_tokenizer
 
     from moestream.daemon.model.generation import render_chat
     from moestream.shared.settings import demo_store_path
 
-    tokenizer = load_tokenizer(demo_store_path())
+    shutil.copy(demo_store_path() / "tokenizer.json", tmp_path)
+    config = json.loads((demo_store_path() / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = load_tokenizer(tmp_path)
     with pytest.raises(ValueError, match="no chat template.*/v1/completions"):
         render_chat(tokenizer, CHAT)
 

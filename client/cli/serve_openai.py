@@ -123,7 +123,7 @@ def serve_openai(host, port, api_key, api_key_file, runtime_dir, log_level) -> N
     # uvicorn configures its own loggers only; this shows the gateway's (moestream.openai).
     logging.basicConfig(level=log_level.upper(), format="%(levelname)-9s %(name)s: %(message)s")
 
-    from moestream.client.openai_api.gateway import GatewayConfig, create_app
+    from moestream.client.gateway.app import GatewayConfig, create_app
 
     sock = bind(host, port)
     actual = sock.getsockname()[1]

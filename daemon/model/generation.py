@@ -47,6 +47,7 @@ class GenerationResult:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str = "length"
     stats: dict[str, Any] = field(default_factory=dict)
+    stop_string: str | None = None  # the stop string that ended the answer, if one did
 
 
 @dataclass
@@ -141,32 +142,49 @@ def _attributed(
         yield item
 
 
-def render_chat(tokenizer: Any, messages: Sequence[Any]) -> str:
-    """A chat ({role, content} maps or objects with .role/.content) as the prompt text the
-    model's chat template makes of it, ending where the assistant's answer starts.
+def render_chat(
+    tokenizer: Any, messages: Sequence[Any], tools: Sequence[dict[str, Any]] | None = None, tool_choice: Any = None
+) -> str:
+    """A chat ({role, content} maps or protocol `ChatMessage`s) as the prompt text the
+    model's chat template makes of it, ending where the assistant's answer starts. `tools`
+    go to the template unless `tool_choice` is "none"; "required" or a named function
+    then starts the answer with a tool call (daemon/model/tool_calls.py `forced_start`).
 
     Raises ValueError when the tokenizer has no chat template or the template refuses
     the messages (e.g. roles that do not alternate)."""
+    from moestream.daemon.model.tool_calls import forced_start
+
     if not getattr(tokenizer, "has_chat_template", False):
         raise ValueError(
             "the model's tokenizer has no chat template, so it cannot take chat messages; "
             "send a text prompt instead (POST /v1/completions, or `prompt`)"
         )
-    chat = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
+    chat = [m if isinstance(m, dict) else m.to_template() for m in messages]
+    extra = {"tools": list(tools)} if tools and tool_choice != "none" else {}
     try:
-        return tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False, **extra)
     except (TemplateError, ValueError, TypeError, KeyError) as e:
         raise ValueError(f"the model's chat template refused these messages: {type(e).__name__}: {e}") from None
+    if tools and tool_choice not in (None, "auto", "none"):
+        if not getattr(tokenizer, "has_tool_calling", False):
+            raise ValueError(f"tool_choice {tool_choice!r}: the model's tokenizer has no tool-call parser")
+        text += forced_start(tokenizer, tool_choice)
+    return text
 
 
 def encode_prompt(
-    sm: StreamingModel, prompt: str | None, prompt_ids: Sequence[int] | None, messages: Sequence[Any] | None = None
+    sm: StreamingModel,
+    prompt: str | None,
+    prompt_ids: Sequence[int] | None,
+    messages: Sequence[Any] | None = None,
+    tools: Sequence[dict[str, Any]] | None = None,
+    tool_choice: Any = None,
 ) -> list[int]:
     """Token ids of a text prompt, of token ids (checked against the vocabulary), or of a
     chat rendered with the model's chat template (its special tokens are in the template,
     so none are added, as mlx-lm's generate does)."""
     if messages is not None:
-        ids = sm.tokenizer.encode(render_chat(sm.tokenizer, messages), add_special_tokens=False)
+        ids = sm.tokenizer.encode(render_chat(sm.tokenizer, messages, tools, tool_choice), add_special_tokens=False)
     elif prompt_ids is not None:
         ids = [int(t) for t in prompt_ids]
         vocab = sm.manifest.config.get("text_config", sm.manifest.config).get("vocab_size")
@@ -386,8 +404,10 @@ def iter_generate(
         detok.add_token(token)
         text = detok.text
         if params.stop:
-            hit = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
+            hits = [(i, s) for s in params.stop if (i := text.find(s)) >= 0]
+            hit = min(hits)[0] if hits else -1
             if hit >= 0:
+                result.stop_string = min(hits)[1]
                 result.text = text[:hit]
                 if hit > emitted:
                     yield text[emitted:hit], token
@@ -459,6 +479,7 @@ def iter_generate(
         "peak_memory_bytes": mx.get_peak_memory(),
         "rss_bytes": psutil.Process().memory_info().rss,
         "finish_reason": result.finish_reason,
+        "stop_string": result.stop_string,
     }
     result.stats["prefill"] = _prefill_summary(prefill_stats, prefill)
     if use is not None:

@@ -38,6 +38,9 @@ _TOKENIZER_CONFIG = {
     "clean_up_tokenization_spaces": False,
     "model_max_length": 4096,
 }
+# ChatML turns, with tools in the system turn and calls as mlx-lm's `json_tools` parser
+# reads them (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`).
+CHAT_TEMPLATE_FILE = Path(__file__).with_name("chat_template.jinja")
 
 
 @dataclass(frozen=True)
@@ -181,7 +184,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path):
     )
     tok.train_from_iterator(texts, trainer=trainer)
     tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(_TOKENIZER_CONFIG, indent=2) + "\n")
+    config = {**_TOKENIZER_CONFIG, "chat_template": CHAT_TEMPLATE_FILE.read_text()}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return tok
 
 

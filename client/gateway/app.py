@@ -1,8 +1,12 @@
-"""The OpenAI-compatible HTTP gateway: a Starlette app that is one more thin client.
+"""The HTTP gateway: a Starlette app that is one more thin client, serving three APIs on
+one port (one key, one set of checks, one request path; each API's own module only
+translates its requests and answers):
 
-    POST /v1/chat/completions   messages through the model's chat template (the daemon applies it)
-    POST /v1/completions        a text prompt (or one list of token ids)
-    GET  /v1/models             the daemon's model, and /v1/models/{id}
+    POST /v1/chat/completions   OpenAI: messages through the model's chat template (the daemon applies it)
+    POST /v1/completions        OpenAI: a text prompt (or one list of token ids)
+    GET  /v1/models             OpenAI: the daemon's model, and /v1/models/{id}
+    POST /v1/messages           Anthropic's Messages API, and /v1/messages/count_tokens (anthropic.py)
+    /api/...                    Ollama's API: chat, generate, tags, ps, show, version (ollama.py)
     GET  /health                200 when the daemon answers as ready, else 503
 
 Every request talks to the daemon only through `moestream.client.Client`. A Client is
@@ -13,8 +17,13 @@ streaming response itself (once it has) sets the thread's stop flag; the thread 
 at the daemon's next event and sends `cancel`, which the daemon applies before its next
 step: at most one token is made after the disconnect.
 
-Errors are OpenAI's error object `{"error": {"message", "type", "param", "code"}}` with
-the HTTP status that says what went wrong (see `schema.ApiError`).
+Tool calls are parsed in the daemon (mlx-lm's parsers import MLX, which a client never
+does) and come as `ToolCall` events and in `Done.tool_calls`; each API shapes them.
+
+Errors are `ApiError`s (openai.py), answered in the shape of the API whose route was
+called: OpenAI's `{"error": {"message", "type", "param", "code"}}`, Anthropic's
+`{"type": "error", "error": {"type", "message"}}`, Ollama's `{"error": message}`, with
+the HTTP status that says what went wrong.
 """
 
 from __future__ import annotations
@@ -38,8 +47,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from moestream.client.client import Client, ClientError, DaemonNotRunning, RequestRejected, Token
-from moestream.client.openai_api.schema import ApiError, ApiRequest, Shaper, finish_reason, parse_request, usage
+from moestream.client.client import Client, ClientError, DaemonNotRunning, RequestRejected, Token, ToolCall
+from moestream.client.gateway import anthropic, ollama
+from moestream.client.gateway.openai import ApiError, ApiRequest, Shaper, finish_reason, parse_request, usage
 from moestream.shared import protocol as proto
 from moestream.shared.protocol import Done
 from moestream.shared.runtime_dir import RuntimePaths
@@ -161,6 +171,7 @@ class DaemonRequest:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._stop = threading.Event()
+        self.id = request_id
         self._thread = threading.Thread(target=self._run, name=f"daemon-request-{request_id}", daemon=True)
 
     def start(self) -> None:
@@ -206,13 +217,15 @@ class DaemonRequest:
             self._slots.release()
 
 
-class _EventStream(StreamingResponse):
-    """Server-sent events that cancel their daemon request however the response ends
-    (finished, client disconnected, server shutting down)."""
+class EventStream(StreamingResponse):
+    """A streamed answer (server-sent events, or Ollama's NDJSON) that cancels its daemon
+    request however the response ends (finished, client disconnected, server shutting down)."""
 
-    def __init__(self, content: AsyncIterator[str], request: DaemonRequest) -> None:
+    def __init__(
+        self, content: AsyncIterator[str], request: DaemonRequest, media_type: str = "text/event-stream"
+    ) -> None:
         super().__init__(
-            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            content, media_type=media_type, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
         self._request = request
 
@@ -245,14 +258,18 @@ class Gateway:
     # ---- checks --------------------------------------------------------------------------
 
     def _authorize(self, request: Request) -> None:
+        """The key as OpenAI's and Ollama's clients send it (`Authorization: Bearer`) or
+        as Anthropic's do (`x-api-key`)."""
         key = self.config.api_key
         if key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        given = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "").strip()
+        if not hmac.compare_digest(given.encode(), key.encode()):
             raise ApiError(
                 401,
-                "Incorrect or missing API key: send the header `Authorization: Bearer <key>` with this server's key",
+                "Incorrect or missing API key: send the header `Authorization: Bearer <key>` (or `x-api-key: <key>`) "
+                "with this server's key",
                 code="invalid_api_key",
             )
 
@@ -342,9 +359,9 @@ class Gateway:
     async def completions(self, request: Request) -> Response:
         return await self._complete(request, chat=False)
 
-    async def _complete(self, request: Request, *, chat: bool) -> Response:
-        self._authorize(request)
-        req = parse_request(await self._read_json(request), chat=chat)
+    async def open_request(self, request: Request, req: ApiRequest, prefix: str) -> tuple[DaemonRequest, str] | None:
+        """The one request path of every API: a slot, the daemon request on its thread,
+        the served model checked against `req.model`; None when the HTTP client left."""
         if not self._slots.acquire(blocking=False):
             raise ApiError(
                 429,
@@ -352,31 +369,62 @@ class Gateway:
                 type="rate_limit_error",
                 code="busy",
             )
-        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        daemon = DaemonRequest(self.config, req, request_id, self._slots)
+        daemon = DaemonRequest(self.config, req, prefix + uuid.uuid4().hex, self._slots)
         daemon.start()
         model = await self._unless_gone(request, daemon, daemon.next())
         if model is _GONE:
-            return Response(status_code=499)  # nobody is there to read an answer
+            return None
         if isinstance(model, ApiError):
             raise model
-        shaper = Shaper(chat=chat, id=request_id, model=model)
-        if not req.stream:
-            whole = await self._unless_gone(request, daemon, self._collect(daemon))
-            if whole is _GONE:
-                return Response(status_code=499)
-            text, done = whole
-            if done.finish_reason == "shutdown":
-                raise _shutdown_error()
-            return JSONResponse(shaper.complete(text, finish_reason(done.finish_reason), _usage(done)))
-        # The status line waits for the daemon's first event, so that a request the daemon
-        # refuses (no chat template, over the context, busy) gets its own HTTP status.
+        return daemon, model
+
+    async def whole(self, request: Request, daemon: DaemonRequest) -> Done | None:
+        """The daemon's `done` of a non-streaming request; None when the HTTP client left."""
+        whole = await self._unless_gone(request, daemon, self._collect(daemon))
+        if whole is _GONE:
+            return None
+        done = whole[1]
+        if done.finish_reason == "shutdown":
+            raise _shutdown_error()
+        return done
+
+    async def first_event(self, request: Request, daemon: DaemonRequest) -> Any:
+        """The daemon's first event of a streaming request (None when the HTTP client
+        left). The status line waits for it, so that a request the daemon refuses (no
+        chat template, over the context, busy) gets its own HTTP status."""
         head = await self._unless_gone(request, daemon, daemon.next())
-        if head is _GONE:
-            return Response(status_code=499)
         if isinstance(head, ApiError):
             raise head
-        return _EventStream(self._events(daemon, shaper, req, head), daemon)
+        return None if head is _GONE else head
+
+    @staticmethod
+    def stream(content: AsyncIterator[str], daemon: DaemonRequest, media_type: str = "text/event-stream") -> Response:
+        return EventStream(content, daemon, media_type)
+
+    @staticmethod
+    def rest_of(done: Done, sent: list[str]) -> str:
+        """The text of `done` not yet streamed in `sent` (held back for a possible stop string)."""
+        streamed = "".join(sent)
+        return done.text[len(streamed) :] if done.text.startswith(streamed) else ""
+
+    async def _complete(self, request: Request, *, chat: bool) -> Response:
+        self._authorize(request)
+        req = parse_request(await self._read_json(request), chat=chat)
+        opened = await self.open_request(request, req, "chatcmpl-" if chat else "cmpl-")
+        if opened is None:
+            return Response(status_code=499)  # nobody is there to read an answer
+        daemon, model = opened
+        shaper = Shaper(chat=chat, id=daemon.id, model=model)
+        if not req.stream:
+            done = await self.whole(request, daemon)
+            if done is None:
+                return Response(status_code=499)
+            reason = finish_reason(done.finish_reason, bool(done.tool_calls))
+            return JSONResponse(shaper.complete(done.text, reason, _usage(done), done.tool_calls))
+        head = await self.first_event(request, daemon)
+        if head is None:
+            return Response(status_code=499)
+        return EventStream(self._events(daemon, shaper, req, head), daemon)
 
     @staticmethod
     async def _unless_gone(request: Request, daemon: DaemonRequest, work: Awaitable[Any]) -> Any:
@@ -399,6 +447,19 @@ class Gateway:
         return _GONE
 
     @staticmethod
+    async def events(daemon: DaemonRequest, event: Any) -> AsyncIterator[Any]:
+        """The daemon's events from `event` on, through its `Done` (raising an ApiError
+        that comes instead); text held back for a possible stop string comes only with
+        `done`, so each API takes the rest of the text from there (`rest_of`)."""
+        while True:
+            if isinstance(event, ApiError):
+                raise event
+            yield event
+            if isinstance(event, Done):
+                return
+            event = await daemon.next()
+
+    @staticmethod
     async def _collect(daemon: DaemonRequest) -> tuple[str, Done]:
         while True:
             event = await daemon.next()
@@ -407,34 +468,35 @@ class Gateway:
             if isinstance(event, Done):
                 return event.text, event
 
-    @staticmethod
-    async def _events(daemon: DaemonRequest, shaper: Shaper, req: ApiRequest, event: Any) -> AsyncIterator[str]:
+    async def _events(self, daemon: DaemonRequest, shaper: Shaper, req: ApiRequest, event: Any) -> AsyncIterator[str]:
         """The SSE body from the daemon's first `event` on: a role chunk (chat), text
-        chunks, the finish chunk, usage, [DONE]."""
+        and tool-call chunks, the finish chunk, usage, [DONE]."""
         extra = req.include_usage
         if shaper.chat:
             yield _sse(shaper.chunk("", first=True, with_usage=extra))
         sent: list[str] = []
-        while True:
-            if isinstance(event, ApiError):
-                yield _sse(event.body())  # as OpenAI reports an error after the stream began
-                return
-            if isinstance(event, Token):
-                if event.text:
+        calls = 0
+        try:
+            async for event in self.events(daemon, event):
+                if isinstance(event, Token) and event.text:
                     sent.append(event.text)
                     yield _sse(shaper.chunk(event.text, with_usage=extra))
-            elif isinstance(event, Done):
-                break
-            event = await daemon.next()
+                elif isinstance(event, ToolCall):
+                    yield _sse(
+                        shaper.tool_chunk({"name": event.name, "arguments": event.arguments}, calls, with_usage=extra)
+                    )
+                    calls += 1
+        except ApiError as e:
+            yield _sse(e.body())  # as OpenAI reports an error after the stream began
+            return
         if event.finish_reason == "shutdown":
             yield _sse(_shutdown_error().body())
             return
-        # Text held back for a possible stop string comes only with `done`.
-        streamed = "".join(sent)
-        rest = event.text[len(streamed) :] if event.text.startswith(streamed) else ""
+        rest = self.rest_of(event, sent)
         if rest:
             yield _sse(shaper.chunk(rest, with_usage=extra))
-        yield _sse(shaper.chunk(None, finish_reason(event.finish_reason), with_usage=extra))
+        reason = finish_reason(event.finish_reason, bool(event.tool_calls))
+        yield _sse(shaper.chunk(None, reason, with_usage=extra))
         if extra:
             yield _sse(shaper.usage_chunk(_usage(event)))
         yield "data: [DONE]\n\n"
@@ -452,22 +514,33 @@ def _usage(done: Done) -> dict[str, Any]:
     return usage(int(done.stats.get("prompt_tokens", 0)), len(done.tokens)) | {"prompt_tokens_details": cached}
 
 
+def error_response(request: Request, exc: ApiError, headers: dict[str, str] | None = None) -> Response:
+    """`exc` in the shape of the API whose route was called."""
+    path = request.url.path
+    if anthropic.owns(path):
+        body = anthropic.error_body(exc)
+    elif ollama.owns(path):
+        body = ollama.error_body(exc)
+    else:
+        body = exc.body()
+    return JSONResponse(body, status_code=exc.status, headers=headers)
+
+
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return error_response(request, exc)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    body = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code).body()
-    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+    error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
+    return error_response(request, error, exc.headers)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
-    body = ApiError(500, f"the gateway failed: {type(exc).__name__}", type="server_error").body()
-    return JSONResponse(body, status_code=500)
+    return error_response(request, ApiError(500, f"the gateway failed: {type(exc).__name__}", type="server_error"))
 
 
 def create_app(config: GatewayConfig) -> Starlette:
@@ -479,6 +552,8 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/v1/models", gw.models, methods=["GET"]),
         Route("/v1/models/{model:path}", gw.model, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
+        *anthropic.AnthropicApi(gw).routes(),
+        *ollama.OllamaApi(gw).routes(),
     ]
     handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
     return Starlette(routes=routes, exception_handlers=handlers)

@@ -7,16 +7,20 @@ the OpenAI-style error object `{"error": {"message", "type", "param", "code"}}`.
 Accepted, beyond what every client sends: `max_tokens` or `max_completion_tokens`
 (default DEFAULT_MAX_TOKENS), `temperature` (default 1.0, as OpenAI's), `top_p`, `seed`,
 `stop` (a string or up to `protocol.MAX_STOP_STRINGS` strings), `stream`,
-`stream_options.include_usage`. Parameters that would change the answer in a way this
-server cannot honour (n > 1, logprobs, tools, penalties, logit_bias, JSON response
-formats, echo, suffix, best_of > 1) are refused with a 400 rather than ignored; other
-unknown fields (user, metadata, ...) are ignored.
+`stream_options.include_usage`, and for chat `tools`, `tool_choice` (auto, none,
+required, a named function) and the messages of a tool-calling turn (an assistant's
+`tool_calls`, `role: "tool"` results). Parameters that would change the answer in a way
+this server cannot honour (n > 1, logprobs, penalties, logit_bias, JSON response
+formats, echo, suffix, best_of > 1, legacy `functions`) are refused with a 400 rather
+than ignored; other unknown fields (user, metadata, parallel_tool_calls, ...) are ignored.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,15 +131,15 @@ _UNSUPPORTED: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("presence_penalty", (None, 0, 0.0)),
     ("frequency_penalty", (None, 0, 0.0)),
     ("logit_bias", (None, {})),
-    ("tools", (None, [])),
     ("functions", (None, [])),
-    ("tool_choice", (None, "none")),
     ("function_call", (None, "none")),
 )
+# Refused by /v1/completions (a text prompt has no chat template to render them).
+_CHAT_ONLY: tuple[tuple[str, tuple[Any, ...]], ...] = (("tools", (None, [])), ("tool_choice", (None, "none")))
 
 
-def _refuse_unsupported(body: dict[str, Any]) -> None:
-    for name, neutral in _UNSUPPORTED:
+def _refuse_unsupported(body: dict[str, Any], chat: bool = True) -> None:
+    for name, neutral in _UNSUPPORTED if chat else _UNSUPPORTED + _CHAT_ONLY:
         value = body.get(name)
         # Same type as well as equal: True == 1 must not pass for n = 1.
         if not any(value is v or (type(value) is type(v) and value == v) for v in neutral):
@@ -169,7 +173,22 @@ def _content(value: Any, i: int) -> str:
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _tool_call_in(call: Any, where: str) -> dict[str, Any]:
+    """An assistant message's tool call, as OpenAI writes it, as the protocol's {name, arguments}."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]):
+        raise bad_request(f"{where} must be {{type: 'function', function: {{name, arguments}}}}", where)
+    args = fn.get("arguments", "{}")
+    try:
+        parsed = json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        raise bad_request(f"{where}.function.arguments is not valid JSON", where) from None
+    if not isinstance(parsed, dict):
+        raise bad_request(f"{where}.function.arguments must be a JSON object", where)
+    return {"name": fn["name"], "arguments": parsed}
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if messages is None:
         raise bad_request("'messages' is required: a list of {role, content} objects", "messages")
@@ -186,8 +205,55 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
             raise bad_request(
                 f"messages[{i}].role must be a string such as 'system', 'user' or 'assistant'", f"messages[{i}].role"
             )
-        out.append({"role": role, "content": _content(m.get("content"), i)})
+        msg: dict[str, Any] = {"role": role, "content": _content(m.get("content"), i)}
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if not isinstance(calls, list):
+                raise bad_request(f"messages[{i}].tool_calls must be a list", f"messages[{i}].tool_calls")
+            msg["tool_calls"] = [_tool_call_in(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
+        for key in ("tool_call_id", "name"):
+            value = m.get(key)
+            if value is not None:
+                if not (isinstance(value, str) and 0 < len(value) <= proto.MAX_NAME_CHARS):
+                    raise bad_request(f"messages[{i}].{key} must be a non-empty string", f"messages[{i}].{key}")
+                msg[key] = value
+        out.append(msg)
     return out
+
+
+def _tools(body: dict[str, Any]) -> dict[str, Any]:
+    """`tools` and `tool_choice` as Client.generate takes them (nothing when there are none)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools in (None, []):
+        if choice not in (None, "none", "auto"):
+            raise bad_request("'tool_choice' needs 'tools'", "tool_choice")
+        return {}
+    if not isinstance(tools, list) or len(tools) > proto.MAX_TOOLS:
+        raise bad_request(f"'tools' must be a list of at most {proto.MAX_TOOLS} functions", "tools")
+    names = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not (
+            t.get("type") == "function" and isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]
+        ):
+            raise bad_request(
+                f"tools[{i}] must be {{type: 'function', function: {{name, description, parameters}}}}", "tools"
+            )
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+        names.append(fn["name"])
+    if choice is None or choice in ("auto", "none", "required"):
+        pass
+    elif isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str):
+        name = choice["function"]["name"]
+        if name not in names:
+            raise bad_request(f"'tool_choice' names {name!r}, which is not among 'tools'", "tool_choice")
+        choice = {"name": name}
+    else:
+        raise bad_request(
+            "'tool_choice' must be 'auto', 'none', 'required' or {type: 'function', function: {name}}", "tool_choice"
+        )
+    return {"tools": tools, "tool_choice": choice}
 
 
 def _prompt(body: dict[str, Any]) -> dict[str, Any]:
@@ -226,11 +292,11 @@ def parse_request(body: Any, *, chat: bool) -> ApiRequest:
     if options is not None and not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
     include_usage = bool(options and options.get("include_usage"))
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, chat)
     seed = body.get("seed")
     if seed is not None and not (_is_int(seed) and 0 <= seed < 2**63):
         raise bad_request(f"'seed' must be a whole number in 0..2^63-1, got {seed!r}", "seed")
-    kwargs: dict[str, Any] = {"messages": _messages(body)} if chat else _prompt(body)
+    kwargs: dict[str, Any] = {"messages": _messages(body), **_tools(body)} if chat else _prompt(body)
     kwargs.update(
         max_tokens=_max_tokens(body),
         temp=_number(body, "temperature", DEFAULT_TEMPERATURE, 0.0, MAX_TEMPERATURE),
@@ -244,9 +310,23 @@ def parse_request(body: Any, *, chat: bool) -> ApiRequest:
 # ---- responses -----------------------------------------------------------------------
 
 
-def finish_reason(daemon_reason: str) -> str:
-    """OpenAI's finish_reason for the daemon's (length | stop; a cancel ends as stop)."""
+def finish_reason(daemon_reason: str, tool_calls: bool = False) -> str:
+    """OpenAI's finish_reason for the daemon's (length | stop; a cancel ends as stop;
+    an answer that called tools ends as tool_calls)."""
+    if tool_calls:
+        return "tool_calls"
     return "length" if daemon_reason == "length" else "stop"
+
+
+def tool_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def tool_call_out(call: dict[str, Any], call_id: str, index: int | None = None) -> dict[str, Any]:
+    """A parsed call ({name, arguments as JSON text}) as OpenAI's tool_calls entry."""
+    out: dict[str, Any] = {"index": index} if index is not None else {}
+    out |= {"id": call_id, "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
+    return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -269,12 +349,18 @@ class Shaper:
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def complete(self, text: str, reason: str, use: dict[str, int]) -> dict[str, Any]:
+    def complete(
+        self, text: str, reason: str, use: dict[str, int], tool_calls: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
         """The whole answer of a non-streaming request."""
         if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["content"] = text or None
+                message["tool_calls"] = [tool_call_out(c, tool_call_id()) for c in tool_calls]
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": None,
                 "finish_reason": reason,
             }
@@ -297,6 +383,12 @@ class Shaper:
             out = self._base("text_completion") | {"choices": [choice]}
         if with_usage:
             out["usage"] = None  # OpenAI sends null on every chunk but the usage chunk
+        return out
+
+    def tool_chunk(self, call: dict[str, Any], index: int, *, with_usage: bool = False) -> dict[str, Any]:
+        """One whole tool call as a streamed `delta.tool_calls` piece."""
+        out = self.chunk(None, with_usage=with_usage)
+        out["choices"][0]["delta"] = {"tool_calls": [tool_call_out(call, tool_call_id(), index)]}
         return out
 
     def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:

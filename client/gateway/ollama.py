@@ -1,0 +1,395 @@
+"""Ollama's API onto the gateway's one request path (app.py), no MLX, no I/O of its own:
+
+    POST /api/chat       messages (with tool_calls and `tool` results), tools, options
+    POST /api/generate   a text prompt, continued as it is (Ollama's `raw` mode: use
+                         /api/chat for the chat template)
+    GET  /api/tags, /api/ps, /api/version; POST /api/show
+
+Streaming is Ollama's default (`stream` true): one JSON object per line, the last with
+`done: true` and the counts. Options: num_predict, temperature, top_p, seed, stop
+(others that change the answer, such as top_k or repeat_penalty, are refused);
+`keep_alive` is accepted and has no effect (the daemon keeps its model loaded).
+Errors are `{"error": message}` with the HTTP status.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from moestream import __version__
+from moestream.client.client import Token, ToolCall
+from moestream.client.gateway.openai import ApiError, ApiRequest, bad_request
+from moestream.shared import protocol as proto
+from moestream.shared.protocol import Done
+
+if TYPE_CHECKING:
+    from moestream.client.gateway.app import DaemonRequest, Gateway
+
+PREFIX = "/api/"
+DEFAULT_NUM_PREDICT = 512
+# Options that leave the answer unchanged whatever their value (resources, context).
+_IGNORED_OPTIONS = frozenset({"num_ctx", "num_batch", "num_gpu", "num_thread", "main_gpu", "use_mmap", "num_keep"})
+# (name, the values that leave the answer unchanged): other values are refused.
+_NEUTRAL_OPTIONS: dict[str, tuple[Any, ...]] = {
+    "top_k": (0,),
+    "min_p": (0, 0.0),
+    "repeat_penalty": (1, 1.0),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+}
+
+
+def owns(path: str) -> bool:
+    return path.startswith(PREFIX)
+
+
+def error_body(e: ApiError) -> dict[str, Any]:
+    return {"error": e.message}
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return (_is_int(x) or isinstance(x, float)) and x == x and abs(x) != float("inf")
+
+
+# ---- requests ------------------------------------------------------------------------
+
+
+def _options(body: dict[str, Any]) -> dict[str, Any]:
+    """Ollama's options as Client.generate's sampling arguments."""
+    options = body.get("options") or {}
+    if not isinstance(options, dict):
+        raise bad_request("options must be an object")
+    out: dict[str, Any] = {"max_tokens": DEFAULT_NUM_PREDICT, "temp": 0.8, "top_p": 0.9, "seed": None, "stop": []}
+    for name, value in options.items():
+        if value is None or name in _IGNORED_OPTIONS:
+            continue
+        if name == "num_predict":
+            if not _is_int(value) or value == 0 or value < -2 or value > proto.MAX_TOKENS_LIMIT:
+                raise bad_request(f"options.num_predict must be a whole number in 1..{proto.MAX_TOKENS_LIMIT}")
+            # -1 and -2 (until the context is full): this server's default.
+            out["max_tokens"] = value if value > 0 else DEFAULT_NUM_PREDICT
+        elif name == "temperature":
+            if not (_is_number(value) and 0 <= value <= 2):
+                raise bad_request("options.temperature must be a number in [0, 2]")
+            out["temp"] = float(value)
+        elif name == "top_p":
+            if not (_is_number(value) and 0 < value <= 1):
+                raise bad_request("options.top_p must be a number in (0, 1]")
+            out["top_p"] = float(value)
+        elif name == "seed":
+            if not (_is_int(value) and -(2**63) <= value < 2**63):
+                raise bad_request("options.seed must be a whole number")
+            out["seed"] = value if value >= 0 else None  # Ollama's -1: a random seed
+        elif name == "stop":
+            stop = [value] if isinstance(value, str) else value
+            if not (
+                isinstance(stop, list)
+                and len(stop) <= proto.MAX_STOP_STRINGS
+                and all(isinstance(s, str) and 0 < len(s) <= proto.MAX_STOP_CHARS for s in stop)
+            ):
+                raise bad_request(f"options.stop must be at most {proto.MAX_STOP_STRINGS} non-empty strings")
+            out["stop"] = stop
+        elif name in _NEUTRAL_OPTIONS:
+            if not any(type(value) is type(v) and value == v for v in _NEUTRAL_OPTIONS[name]):
+                raise bad_request(f"options.{name} = {value!r} is not supported by this server")
+        else:
+            raise bad_request(f"options.{name} is not supported by this server")
+    return out
+
+
+def _common(body: Any) -> tuple[str, bool]:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("model is required")
+    stream = body.get("stream", True)
+    if not isinstance(stream, bool):
+        raise bad_request("stream must be true or false")
+    if body.get("format") not in (None, ""):
+        raise bad_request("format (structured output) is not supported by this server")
+    keep_alive = body.get("keep_alive")
+    if keep_alive is not None and not isinstance(keep_alive, (str, int, float)):
+        raise bad_request("keep_alive must be a duration")
+    return model.removesuffix(":latest"), stream
+
+
+def _tool_calls_in(calls: Any, i: int) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise bad_request(f"messages[{i}].tool_calls must be a list")
+    out = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        args = fn.get("arguments", {}) if isinstance(fn, dict) else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                args = None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"] and isinstance(args, dict)):
+            raise bad_request(f"messages[{i}].tool_calls: each is {{function: {{name, arguments}}}}")
+        out.append({"name": fn["name"], "arguments": args})
+    return out
+
+
+def _loads_only(body: Any, chat: bool) -> bool:
+    if not (isinstance(body, dict) and isinstance(body.get("model"), str) and body["model"]):
+        return False
+    return body.get("messages") == [] if chat else body.get("prompt") in (None, "") and "prompt" in body
+
+
+def parse_chat(body: Any) -> ApiRequest:
+    model, stream = _common(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages is required: a non-empty list of {role, content}")
+    if len(messages) > proto.MAX_MESSAGES:
+        raise bad_request(f"{len(messages)} messages are over the limit of {proto.MAX_MESSAGES}")
+    chat = []
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and 0 < len(m["role"]) <= proto.MAX_ROLE_CHARS):
+            raise bad_request(f"messages[{i}] must be an object with a role and content")
+        content = m.get("content") or ""
+        if not isinstance(content, str):
+            raise bad_request(f"messages[{i}].content must be a string")
+        if m.get("images"):
+            raise bad_request(f"messages[{i}].images: images are not supported by this server")
+        msg: dict[str, Any] = {"role": m["role"], "content": content}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls_in(m["tool_calls"], i)
+        name = m.get("tool_name") or m.get("name")
+        if isinstance(name, str) and 0 < len(name) <= proto.MAX_NAME_CHARS:
+            msg["name"] = name
+        chat.append(msg)
+    kwargs: dict[str, Any] = {"messages": chat}
+    tools = body.get("tools")
+    if tools:
+        if not isinstance(tools, list) or len(tools) > proto.MAX_TOOLS:
+            raise bad_request(f"tools must be a list of at most {proto.MAX_TOOLS} functions")
+        for i, t in enumerate(tools):
+            fn = t.get("function") if isinstance(t, dict) else None
+            if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]):
+                raise bad_request(
+                    f"tools[{i}] must be {{type: 'function', function: {{name, description, parameters}}}}"
+                )
+        kwargs["tools"] = [{"type": "function", **t} if "type" not in t else t for t in tools]
+    if body.get("think"):
+        raise bad_request("think is not supported by this server")
+    return ApiRequest(chat=True, model=model, stream=stream, include_usage=False, generate=kwargs | _options(body))
+
+
+def parse_generate(body: Any) -> ApiRequest:
+    model, stream = _common(body)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise bad_request("prompt is required: a string (an empty one only loads the model)")
+    for name in ("system", "template", "suffix", "images", "context"):
+        if body.get(name):
+            raise bad_request(
+                f"{name} is not supported by this server: /api/generate continues the prompt as it is; "
+                "use /api/chat for the model's chat template"
+            )
+    return ApiRequest(
+        chat=False, model=model, stream=stream, include_usage=False, generate={"prompt": prompt} | _options(body)
+    )
+
+
+# ---- responses -----------------------------------------------------------------------
+
+
+def _final(model: str, done: Done, started: float) -> dict[str, Any]:
+    stats = done.stats
+    total = int((time.monotonic() - started) * 1e9)
+    return {
+        "model": model,
+        "created_at": _now(),
+        "done": True,
+        "done_reason": "length" if done.finish_reason == "length" else "stop",
+        "total_duration": total,
+        "load_duration": 0,
+        "prompt_eval_count": int(stats.get("prompt_tokens", 0)),
+        "prompt_eval_duration": int(float(stats.get("prompt_seconds") or 0) * 1e9),
+        "eval_count": len(done.tokens),
+        "eval_duration": int(float(stats.get("decode_seconds") or 0) * 1e9),
+    }
+
+
+def _call_out(call: dict[str, Any]) -> dict[str, Any]:
+    return {"function": {"name": call["name"], "arguments": json.loads(call["arguments"])}}
+
+
+def _line(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n"
+
+
+class OllamaApi:
+    """Ollama's routes over a `Gateway`."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self._gw = gateway
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/api/chat", self.chat, methods=["POST"]),
+            Route("/api/generate", self.generate, methods=["POST"]),
+            Route("/api/tags", self.tags, methods=["GET"]),
+            Route("/api/ps", self.ps, methods=["GET"]),
+            Route("/api/show", self.show, methods=["POST"]),
+            Route("/api/version", self.version, methods=["GET"]),
+        ]
+
+    async def chat(self, request: Request) -> Response:
+        return await self._answer(request, chat=True)
+
+    async def generate(self, request: Request) -> Response:
+        return await self._answer(request, chat=False)
+
+    async def _answer(self, request: Request, *, chat: bool) -> Response:
+        self._gw._authorize(request)
+        body = await self._gw._read_json(request)
+        if _loads_only(body, chat):
+            return await self._load(body, chat)
+        req = parse_chat(body) if chat else parse_generate(body)
+        started = time.monotonic()
+        opened = await self._gw.open_request(request, req, "ollama-")
+        if opened is None:
+            return Response(status_code=499)
+        daemon, _ = opened
+        model = body["model"]  # Ollama's clients expect the name they asked for
+        if not req.stream:
+            done = await self._gw.whole(request, daemon)
+            if done is None:
+                return Response(status_code=499)
+            out = _final(model, done, started)
+            if chat:
+                message: dict[str, Any] = {"role": "assistant", "content": done.text}
+                if done.tool_calls:
+                    message["tool_calls"] = [_call_out(c) for c in done.tool_calls]
+                out["message"] = message
+            else:
+                out["response"] = done.text
+            return JSONResponse(out)
+        head = await self._gw.first_event(request, daemon)
+        if head is None:
+            return Response(status_code=499)
+        return self._gw.stream(self._lines(daemon, model, head, chat, started), daemon, "application/x-ndjson")
+
+    async def _load(self, body: dict[str, Any], chat: bool) -> Response:
+        """Ollama's "load the model" request (no messages, or an empty prompt): the daemon
+        keeps its model loaded, so this only checks the name."""
+        st = await self._gw._status()
+        from moestream.client.gateway.app import check_model
+
+        check_model(st, body["model"].removesuffix(":latest"), self._gw.config.demo_store_id)
+        reason = "unload" if body.get("keep_alive") in (0, "0", "0s") else "load"
+        out: dict[str, Any] = {"model": body["model"], "created_at": _now()}
+        out |= {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+        return JSONResponse(out | {"done": True, "done_reason": reason})
+
+    async def _lines(
+        self, daemon: DaemonRequest, model: str, head: Any, chat: bool, started: float
+    ) -> AsyncIterator[str]:
+        def piece(text: str, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+            out: dict[str, Any] = {"model": model, "created_at": _now()}
+            if chat:
+                out["message"] = {"role": "assistant", "content": text}
+                if calls:
+                    out["message"]["tool_calls"] = [_call_out(c) for c in calls]
+            else:
+                out["response"] = text
+            return out | {"done": False}
+
+        sent: list[str] = []
+        try:
+            async for event in self._gw.events(daemon, head):
+                if isinstance(event, Token) and event.text:
+                    sent.append(event.text)
+                    yield _line(piece(event.text))
+                elif isinstance(event, ToolCall):
+                    yield _line(piece("", [{"name": event.name, "arguments": event.arguments}]))
+        except ApiError as e:
+            yield _line(error_body(e))
+            return
+        if event.finish_reason == "shutdown":
+            yield _line({"error": "the moestream daemon shut down during this request"})
+            return
+        rest = self._gw.rest_of(event, sent)
+        if rest:
+            yield _line(piece(rest))
+        last = piece("") | _final(model, event, started)
+        yield _line(last)
+
+    async def _model(self) -> dict[str, Any]:
+        st = await self._gw._status()
+        from moestream.client.gateway.app import model_id
+
+        name = model_id(st, self._gw.config.demo_store_id)
+        memory = st.get("memory") or {}
+        size = int(memory.get("resident_weights_bytes") or 0) + int(memory.get("pool_bytes") or 0)
+        details = {
+            "format": "moestream",
+            "family": "",
+            "families": None,
+            "parameter_size": "",
+            "quantization_level": "",
+        }
+        return {
+            "name": name,
+            "model": name,
+            "modified_at": _now(),
+            "size": size,
+            "digest": st.get("store_id") or "",
+            "details": details,
+        }
+
+    async def tags(self, request: Request) -> Response:
+        self._gw._authorize(request)
+        return JSONResponse({"models": [await self._model()]})
+
+    async def ps(self, request: Request) -> Response:
+        self._gw._authorize(request)
+        m = await self._model()
+        return JSONResponse({"models": [m | {"expires_at": "9999-12-31T23:59:59Z", "size_vram": m["size"]}]})
+
+    async def show(self, request: Request) -> Response:
+        self._gw._authorize(request)
+        body = await self._gw._read_json(request)
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        asked = body.get("model") or body.get("name")
+        if not isinstance(asked, str) or not asked:
+            raise bad_request("model is required")
+        st = await self._gw._status()
+        from moestream.client.gateway.app import check_model
+
+        check_model(st, asked.removesuffix(":latest"), self._gw.config.demo_store_id)
+        m = await self._model()
+        return JSONResponse(
+            {
+                "modelfile": "",
+                "parameters": "",
+                "template": "",
+                "details": m["details"],
+                "model_info": {"general.architecture": "moestream", "moestream.store_id": m["digest"]},
+                "capabilities": ["completion", "tools"],
+                "modified_at": m["modified_at"],
+            }
+        )
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": __version__})

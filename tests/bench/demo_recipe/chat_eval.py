@@ -1,0 +1,102 @@
+"""The demo model's chat figures, through a running daemon serving it (greedy):
+
+- 20 "what is the weather in X" prompts with one tool `get_weather(city)`: how many get a
+  parsed tool call of get_weather whose JSON arguments name X;
+- 20 questions about the standard library, with the same tool offered: how many are
+  answered in text (non-empty, no tool call).
+
+    cd tests/bench && python -m demo_recipe.chat_eval [--runtime-dir DIR] [--max-tokens N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from moestream.client.client import Client
+from moestream.shared.settings import Settings
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CITIES = (
+    "Paris London Tokyo Berlin Madrid Rome Oslo Cairo Lima Delhi "
+    "Sydney Toronto Dublin Vienna Prague Lisbon Seoul Nairobi Boston Athens"
+).split()
+WEATHER_FORMS = ("What is the weather in {}?", "How is the weather in {} today?", "Is it raining in {}?")
+QUESTIONS = (
+    "What does os.path.join do?",
+    "How do I sort a list?",
+    "What is itertools.chain?",
+    "What does json.dumps return?",
+    "How do I read a file line by line?",
+    "What is a dataclass?",
+    "What does re.sub do?",
+    "How do I copy a dict?",
+    "What is functools.lru_cache?",
+    "What does zip do?",
+    "How do I open a socket?",
+    "What is collections.Counter?",
+    "What does time.sleep do?",
+    "How do I parse command-line arguments?",
+    "What is pathlib.Path?",
+    "What does enumerate return?",
+    "How do I make a temporary file?",
+    "What does shutil.rmtree do?",
+    "What is a generator?",
+    "How do I join strings?",
+)
+
+
+def _names_city(call: dict, city: str) -> bool:
+    try:
+        args = json.loads(call["arguments"])
+    except ValueError:
+        return False
+    named = isinstance(args, dict) and city.lower() in str(args.get("city", "")).lower()
+    return call["name"] == "get_weather" and named
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runtime-dir", help="the daemon's runtime folder (default: the user's)")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    args = parser.parse_args(argv)
+    settings = Settings.resolve({"runtime_dir": args.runtime_dir})
+    tic = time.monotonic()
+    calls = texts = 0
+    with Client(settings, timeout=600) as c:
+        for i, city in enumerate(CITIES):
+            prompt = WEATHER_FORMS[i % len(WEATHER_FORMS)].format(city)
+            r = c.complete(
+                messages=[{"role": "user", "content": prompt}], tools=[WEATHER_TOOL], max_tokens=args.max_tokens
+            )
+            ok = any(_names_city(call, city) for call in r["tool_calls"])
+            calls += ok
+            print(f"weather {ok!s:5} {prompt!r}: {r['tool_calls'] or r['text'][:60]!r}", file=sys.stderr, flush=True)
+        for q in QUESTIONS:
+            r = c.complete(messages=[{"role": "user", "content": q}], tools=[WEATHER_TOOL], max_tokens=args.max_tokens)
+            ok = not r["tool_calls"] and bool(r["text"].strip())
+            texts += ok
+            print(f"stdlib  {ok!s:5} {q!r}: {r['text'][:60]!r}", file=sys.stderr, flush=True)
+    result = {
+        "weather_calls_naming_the_city": calls,
+        "weather_prompts": len(CITIES),
+        "stdlib_answered_in_text": texts,
+        "stdlib_questions": len(QUESTIONS),
+        "max_tokens": args.max_tokens,
+        "seconds": round(time.monotonic() - tic, 1),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
