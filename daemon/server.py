@@ -348,6 +348,8 @@ class Server:
             },
             "heat": snap.get("heat", {}),
             "autopin": snap.get("autopin"),
+            # The idle unload (daemon/keep_alive.py): the clock, and what the last unload gave back.
+            "keep_alive": snap.get("keep_alive"),
             "snapshot_age_s": now - snap.get("at", now),
             "log": str(self.paths.log),
             "runtime_dir": str(self.paths.dir),

@@ -122,7 +122,7 @@ def ready_status(client: Client) -> dict[str, Any]:
     """The daemon's status; ApiError 503 unless it is ready to serve."""
     st = client.status()
     state = st.get("state")
-    if state != "ready":
+    if state not in proto.SERVING_STATES:  # an unloaded daemon loads the model for the request
         why = f" ({st['error']})" if st.get("error") else ""
         raise ApiError(
             503, f"the moestream daemon is {state}{why}; try again shortly", type="server_error", code=f"daemon_{state}"
@@ -297,7 +297,7 @@ class Gateway:
             except ClientError:
                 return 503, {"status": "unavailable", "daemon": "not answering"}
             state = st.get("state")
-            if state != "ready":
+            if state not in proto.SERVING_STATES:
                 return 503, {"status": "unavailable", "daemon": state}
             if st.get("store_problem"):  # it serves on from open files, but needs a restart
                 return 503, {"status": "unavailable", "daemon": state, "reason": st["store_problem"]}
