@@ -630,9 +630,18 @@ class EngineLoop:
                     else None,
                     "mlx_active_bytes": mx.get_active_memory(),
                     "mlx_peak_bytes": mx.get_peak_memory(),
+                    "mlx_cache_bytes": mx.get_cache_memory(),
+                    "kv_bytes": self._kv_bytes(),
                 }
             )
         self.snapshot = snap
+
+    def _kv_bytes(self) -> int:
+        """The active requests' KV caches, estimated from their tokens (upper bound)."""
+        from moestream.daemon.pool.capacity import kv_cache_bytes
+
+        tokens = sum(len(j.prompt_ids) + (len(j.result.tokens) if j.result is not None else 0) for j in self._active)
+        return kv_cache_bytes(self._sm.manifest.config, tokens)
 
     @staticmethod
     def _job_info(job: Job, now: float) -> dict[str, Any]:

@@ -4,6 +4,7 @@
     POST /v1/completions        a text prompt (or one list of token ids)
     GET  /v1/models             the daemon's model, and /v1/models/{id}
     GET  /health                200 when the daemon answers as ready, else 503
+    GET  /                      the live dashboard (client/dashboard), polling GET /dashboard/state
 
 Every request talks to the daemon only through `moestream.client.Client`. A Client is
 not thread-safe, so each completion runs on a thread of its own (`DaemonRequest`) that
@@ -39,6 +40,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from moestream.client.client import Client, ClientError, DaemonNotRunning, RequestRejected, Token
+from moestream.client.dashboard import Dashboard
 from moestream.client.openai_api.schema import ApiError, ApiRequest, Shaper, finish_reason, parse_request, usage
 from moestream.shared import protocol as proto
 from moestream.shared.protocol import Done
@@ -478,5 +480,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/v1/models/{model:path}", gw.model, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
     ]
+    # The live dashboard (client/dashboard): GET / and its JSON route.
+    routes += Dashboard(config.paths, gw._authorize).routes()
     handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
     return Starlette(routes=routes, exception_handlers=handlers)
