@@ -175,9 +175,9 @@ def _random_model(config: dict[str, Any], dtype: str) -> Any:
 
 
 def _time_model(model: Any, vocab: int, prompt_tokens: int, steps: int, repeats: int) -> tuple[float, float]:
-    """(decode s/token, prefill s/prompt token): the fastest of `repeats` (on a shared
-    machine the others measure its neighbours), pipelined as mlx-lm's generate_step and
-    `bench decode` decode."""
+    """(decode s/token, prefill s/prompt token): medians of `repeats` (as `bench decode`
+    reports medians of its rounds), pipelined as mlx-lm's generate_step and `bench
+    decode` decode."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -197,7 +197,7 @@ def _time_model(model: Any, vocab: int, prompt_tokens: int, steps: int, repeats:
             y = next_y
         mx.eval(y)
         decode.append((time.perf_counter() - tic) / steps)
-    return min(decode[1:]), min(prefill[1:])
+    return statistics.median(decode[1:]), statistics.median(prefill[1:])
 
 
 def _time_sync(hidden: int, experts: int, top_k: int, repeats: int = 50) -> float:

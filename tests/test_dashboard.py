@@ -9,8 +9,10 @@ import html.parser
 import json
 import os
 import shutil
+import struct
 import subprocess
 import tempfile
+import zlib
 from pathlib import Path
 
 import httpx
@@ -21,6 +23,7 @@ from test_openai_gateway import Gateway
 from moestream.client.client import Client
 from moestream.client.dashboard import heat_map
 from moestream.client.dashboard.app import tokens_made
+from moestream.client.dashboard.png import HIGH, LOW, encode_png, write_heat_png
 from moestream.shared.heat_file import write_usage
 from moestream.shared.settings import Settings, demo_store_path
 
@@ -151,3 +154,33 @@ def test_the_page_in_headless_chromium_shows_what_status_says(tmp_path):
         stopped = ctl("stop", "--runtime-dir", str(rt), env=env)
         shutil.rmtree(rt, ignore_errors=True)
         assert stopped.returncode == 0, stopped.stderr
+
+
+def test_the_heat_png_decodes_to_the_counts_colours(tmp_path):
+    rows = [[0, 5, 10], [3, 0, 0]]
+    out = tmp_path / "heat.png"
+    write_heat_png(out, rows, cell=2)
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    assert (width, height) == (6, 2 * 2 + 1)  # two layers of 2-pixel cells, one line between
+    idat = data.index(b"IDAT")
+    raw = zlib.decompress(data[idat + 4 : idat + 4 + struct.unpack(">I", data[idat - 4 : idat])[0]])
+    stride = 1 + 3 * width
+    first = raw[1:stride]
+    assert tuple(first[0:3]) == LOW and tuple(first[12:15]) == HIGH  # 0 and the layer's hottest
+    assert tuple(raw[4 * stride + 1 : 4 * stride + 4]) == HIGH  # layer 1's hottest, its own scale
+    with pytest.raises(ValueError):
+        encode_png([])
+
+
+def test_heatmap_command_writes_the_demo_models_png(tmp_path):
+    env = clean_env(MOESTREAM_HEAT_DIR=str(tmp_path / "none"))
+    out = ctl("heatmap", "--model", str(demo_store_path()), "--out", str(tmp_path / "h.png"), env=env)
+    assert out.returncode == 0 and "5 layers x 64 experts from" in out.stdout and "routing_counts.json" in out.stdout
+    assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "heat").mkdir()
+    write_usage(tmp_path / "heat" / "pool_usage.json", {0: {1: 3}})
+    env = clean_env(MOESTREAM_HEAT_DIR=str(tmp_path / "heat"))
+    own = ctl("heatmap", "--model", str(demo_store_path()), "--out", str(tmp_path / "o.png"), env=env)
+    assert own.returncode == 0 and str(tmp_path / "heat") in own.stdout  # the saved heat comes first

@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from moestream import __version__
-from moestream.client.cli import convert, daemon, dashboard, generate, plan, serve_openai, service
+from moestream.client.cli import convert, daemon, dashboard, generate, heatmap, plan, serve_openai, service
 from moestream.client.cli.bench import bench
 
 
@@ -29,3 +29,4 @@ for c in daemon.COMMANDS:
 main.add_command(service.service)
 main.add_command(serve_openai.serve_openai)
 main.add_command(dashboard.dashboard)
+main.add_command(heatmap.heatmap)
