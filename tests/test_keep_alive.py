@@ -133,3 +133,16 @@ def test_a_bad_keep_alive_is_refused_by_the_protocol():
         data["keep_alive"] = bad
         with pytest.raises(proto.ProtocolError, match="keep_alive"):
             proto.decode_request(msgpack.packb(data))
+
+
+def test_the_gateway_takes_ollamas_keep_alive():
+    from moestream.client.openai_api.schema import ApiError, parse_request
+
+    def keep(value):
+        return parse_request({"prompt": "x", "keep_alive": value}, chat=False).generate.get("keep_alive")
+
+    assert keep("5m") == 300.0 and keep(30) == 30.0 and keep(0) == 0.0 and keep(-1) == -1.0 and keep(None) is None
+    assert keep(10**12) == -1.0
+    for bad in ("soon", True, [1]):
+        with pytest.raises(ApiError, match="keep_alive"):
+            keep(bad)
