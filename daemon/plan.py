@@ -6,8 +6,8 @@ The forecast is a sum of times per token, each measured apart from the model:
                                                    + host->pool bytes / link bandwidth
 
 - resident compute: a model of the store's own architecture (mlx-lm's class, the
-  store's config and quantization) with random weights and only 2 and 4 layers, timed
-  decoding here; its time per layer, extrapolated to every layer (`probe_compute`). No
+  store's config, dtype and quantization) with random weights and only 2 and up to 8
+  layers, timed decoding here; its time per layer, extrapolated to every layer (`probe_compute`). No
   byte of the store is loaded.
 - host syncs: a partial slot pool reads each MoE layer's expert ids back to the host
   once per token; the probe times that read-back on a layer's output (`sync_s`).
@@ -216,28 +216,32 @@ def _time_sync(hidden: int, experts: int, top_k: int, repeats: int = 50) -> floa
     return min(times)
 
 
+# The probe's two models: 2 layers and at most this many (the whole model where it has no
+# more). A long lever arm keeps the per-layer slope, a difference of two timings, steady.
+PROBE_MAX_LAYERS = 8
+
+
 def probe_compute(
     manifest: Manifest, dtype: str, *, steps: int = 16, prompt_tokens: int = 128, repeats: int = 3
 ) -> ComputeProbe:
-    """Time random-weight models of the store's architecture in `dtype` with 2 and 4
-    layers (fewer where the model has fewer); nothing of the store but its config is read."""
-    import gc
-
+    """Time random-weight models of the store's architecture in `dtype` with 2 and up to
+    PROBE_MAX_LAYERS layers, in turns (a drift of a shared machine hits both alike);
+    nothing of the store but its config is read."""
     import mlx.core as mx
 
     cfg = manifest.config.get("text_config", manifest.config)
     total = int(cfg["num_hidden_layers"])
-    counts = (min(2, total), min(4, total)) if total > 2 else (1, total)
-    decode, prefill = [], []
-    for n in counts:
-        model = _random_model(_config_with_layers(manifest.config, n), dtype)
-        d, p = _time_model(model, int(cfg["vocab_size"]), prompt_tokens, steps, repeats)
-        decode.append(d)
-        prefill.append(p)
-        del model
-        gc.collect()
-        mx.clear_cache()
-    if counts[0] == counts[1]:
+    counts = (min(2, total), min(PROBE_MAX_LAYERS, total)) if total > 2 else (1, total)
+    models = [_random_model(_config_with_layers(manifest.config, n), dtype) for n in sorted(set(counts))]
+    times: list[list[tuple[float, float]]] = [[] for _ in models]
+    for _ in range(repeats):
+        for model, got in zip(models, times):
+            got.append(_time_model(model, int(cfg["vocab_size"]), prompt_tokens, steps, 1))
+    decode = [statistics.median(t[0] for t in got) for got in times]
+    prefill = [statistics.median(t[1] for t in got) for got in times]
+    del models
+    mx.clear_cache()
+    if len(decode) == 1:
         counts = (counts[0], counts[0] + 1)  # one model: no per-layer slope to take
         decode, prefill = [decode[0], decode[0] * 2], [prefill[0], prefill[0] * 2]
     sync = _time_sync(int(cfg["hidden_size"]), manifest.layers[0].num_experts, top_k_of(manifest.config))

@@ -184,3 +184,14 @@ def test_heatmap_command_writes_the_demo_models_png(tmp_path):
     env = clean_env(MOESTREAM_HEAT_DIR=str(tmp_path / "heat"))
     own = ctl("heatmap", "--model", str(demo_store_path()), "--out", str(tmp_path / "o.png"), env=env)
     assert own.returncode == 0 and str(tmp_path / "heat") in own.stdout  # the saved heat comes first
+
+
+def test_dashboard_command_gives_the_gateways_address():
+    from click.testing import CliRunner
+
+    from moestream.client.cli import main
+
+    out = CliRunner().invoke(main, ["dashboard", "--print-url", "--port", "9999"])
+    assert out.exit_code == 0 and out.output.strip() == "http://127.0.0.1:9999/"
+    out = CliRunner().invoke(main, ["dashboard", "--print-url", "--host", "::1"])
+    assert out.output.strip() == "http://[::1]:8080/"
