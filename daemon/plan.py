@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from moestream.daemon.pool.capacity import kv_cache_bytes, plan_capacity, top_k_of
-from moestream.shared.heat_file import read_usage, usage_path
+from moestream.shared.heat_file import parse_usage, read_usage, usage_path
 from moestream.shared.settings import Settings, format_size
 from moestream.shared.store_format import Manifest, load_manifest
 
@@ -267,15 +267,24 @@ class HitEstimate:
 
 def heat_counts(store: Path, settings: Settings, manifest: Manifest) -> tuple[dict[int, dict[int, int]], str]:
     """The routing counts to plan from, and where they come from."""
-    found = read_usage(usage_path(settings.heat_folder(store)))
-    if found.total > 0:
-        return found.counts, f"saved heat {found.path} ({found.total} routings)"
+    path = usage_path(settings.heat_folder(store))
+    problem = ""
+    try:
+        # Read only: a corrupt file is the daemon's to set aside when it starts.
+        saved = parse_usage(path.read_bytes())
+    except FileNotFoundError:
+        saved = {}
+    except (OSError, ValueError) as e:
+        saved, problem = {}, f" (the saved heat {path} cannot be read: {e})"
+    total = sum(sum(c.values()) for c in saved.values())
+    if total > 0:
+        return saved, f"saved heat {path} ({total} routings)"
     demo = load_manifest(Path(__file__).resolve().parent / "demo" / "store")
     if manifest.store_id == demo.store_id and DEMO_COUNTS.is_file():
         shipped = read_usage(DEMO_COUNTS)
         if shipped.total > 0:
             return shipped.counts, f"the demo model's recorded routing ({shipped.total} routings; no saved heat yet)"
-    return {}, "no heat: assumed uniform"
+    return {}, "no heat: assumed uniform" + problem
 
 
 def estimate_hits(

@@ -6,6 +6,7 @@ client; 0 unloads after each request, -1 never."""
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -122,7 +123,41 @@ def test_idle_unload_frees_memory_and_the_next_request_loads_warm_and_exact(tmp_
                 c.generate(PROMPT, keep_alive=-2)
     finally:
         stopped = ctl("stop", "--runtime-dir", str(rt), env=env)
+        shutil.rmtree(rt, ignore_errors=True)
         assert stopped.returncode == 0, stopped.stderr
+
+
+@pytest.mark.slow  # a real daemon: about 10 s on a shared 2-core machine
+def test_the_setting_zero_unloads_after_each_request_and_minus_one_never(tmp_path):
+    env = clean_env(MOESTREAM_HEAT_DIR=str(tmp_path / "heat"))
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="ka0"))
+    out = ctl("start", "--model", str(demo_store_path()), "--runtime-dir", str(rt), "--keep-alive", "0", env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    try:
+        with Client(rt, timeout=30.0) as c:
+            wait_for(lambda: _state(c) == "unloaded", 5, "the unload of an idle daemon with keep_alive 0")
+            first, progress = _generate(c)
+            assert [p.done for p in progress if p.stage == "load"] == [0, 1, 2]
+            wait_for(lambda: _state(c) == "unloaded", 2, "the unload right after the request")
+            assert c.status()["keep_alive"]["unloads"] == 2
+    finally:
+        assert ctl("stop", "--runtime-dir", str(rt), env=env).returncode == 0
+        shutil.rmtree(rt, ignore_errors=True)
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="ka1"))
+    out = ctl("start", "--model", str(demo_store_path()), "--runtime-dir", str(rt), "--keep-alive", "-1", env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    try:
+        with Client(rt, timeout=30.0) as c:
+            assert _generate(c)[0] == first
+            time.sleep(1.5)
+            st = c.status()
+            assert st["state"] == "ready" and st["keep_alive"]["keep_alive_s"] == -1.0
+            assert st["keep_alive"]["unload_in_s"] is None and st["keep_alive"]["unloads"] == 0
+        text = ctl("status", "--runtime-dir", str(rt), env=env).stdout
+        assert "keep-alive never unloads" in text, text
+    finally:
+        assert ctl("stop", "--runtime-dir", str(rt), env=env).returncode == 0
+        shutil.rmtree(rt, ignore_errors=True)
 
 
 def test_a_bad_keep_alive_is_refused_by_the_protocol():
