@@ -183,7 +183,7 @@ def _time_model(model: Any, vocab: int, prompt_tokens: int, steps: int, repeats:
 
     prompt = mx.array([[i * 7919 % vocab for i in range(prompt_tokens)]])
     decode, prefill = [], []
-    for _ in range(repeats + 1):  # the first is a warm-up
+    for _ in range(repeats):
         cache = make_prompt_cache(model)
         tic = time.perf_counter()
         y = mx.argmax(model(prompt, cache=cache)[:, -1, :], axis=-1)
@@ -197,7 +197,7 @@ def _time_model(model: Any, vocab: int, prompt_tokens: int, steps: int, repeats:
             y = next_y
         mx.eval(y)
         decode.append((time.perf_counter() - tic) / steps)
-    return statistics.median(decode[1:]), statistics.median(prefill[1:])
+    return statistics.median(decode), statistics.median(prefill)
 
 
 def _time_sync(hidden: int, experts: int, top_k: int, repeats: int = 50) -> float:
@@ -222,7 +222,7 @@ PROBE_MAX_LAYERS = 8
 
 
 def probe_compute(
-    manifest: Manifest, dtype: str, *, steps: int = 16, prompt_tokens: int = 128, repeats: int = 3
+    manifest: Manifest, dtype: str, *, steps: int = 12, prompt_tokens: int = 48, repeats: int = 3
 ) -> ComputeProbe:
     """Time random-weight models of the store's architecture in `dtype` with 2 and up to
     PROBE_MAX_LAYERS layers, in turns (a drift of a shared machine hits both alike);
@@ -233,6 +233,8 @@ def probe_compute(
     total = int(cfg["num_hidden_layers"])
     counts = (min(2, total), min(PROBE_MAX_LAYERS, total)) if total > 2 else (1, total)
     models = [_random_model(_config_with_layers(manifest.config, n), dtype) for n in sorted(set(counts))]
+    for model in models:  # kernels built, buffers allocated
+        _time_model(model, int(cfg["vocab_size"]), 8, 2, 1)
     times: list[list[tuple[float, float]]] = [[] for _ in models]
     for _ in range(repeats):
         for model, got in zip(models, times):
@@ -451,8 +453,29 @@ def make_plan(
     )
 
 
+def save_compute(folder: Path, store_id: str, compute: ComputeProbe) -> None:
+    """Keep a store's compute probe for `plan --no-probe` (temporary file, then rename)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"compute-{store_id}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(compute.to_dict()))
+    os.replace(tmp, path)
+
+
+def load_compute(folder: Path, store_id: str) -> ComputeProbe | None:
+    """The last compute probe of the store, or None where there is none (or it cannot be read)."""
+    try:
+        d = json.loads((folder / f"compute-{store_id}.json").read_text())
+        return ComputeProbe(
+            tuple(d["layers"]), tuple(d["decode_s"]), tuple(d["prefill_s"]), d["sync_s"], d["device"], d["dtype"]
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def plan_store(store: Path, settings: Settings, *, probe: bool = True) -> Plan:
-    """Probe (or take the last probe's bandwidths) and plan `store` with `settings`."""
+    """Probe (or, with `probe=False`, take the last probe's figures where there are any)
+    and plan `store` with `settings`."""
     from moestream.shared.settings import default_state_dir
 
     manifest = load_manifest(store)
@@ -461,8 +484,11 @@ def plan_store(store: Path, settings: Settings, *, probe: bool = True) -> Plan:
     if bandwidths is None:
         bandwidths = probe_bandwidths(store, settings.io_threads)
         save_bandwidths(state, bandwidths)
+    compute = None if probe else load_compute(state, manifest.store_id)
+    if compute is None:
+        compute = probe_compute(manifest, resident_dtype(store, manifest))
+        save_compute(state, manifest.store_id, compute)
     counts, source = heat_counts(store, settings, manifest)
-    compute = probe_compute(manifest, resident_dtype(store, manifest))
     return make_plan(store, settings, bandwidths, compute, counts, source)
 
 

@@ -17,9 +17,11 @@ from moestream.daemon.plan import (
     estimate_hits,
     heat_counts,
     load_bandwidths,
+    load_compute,
     make_plan,
     resident_dtype,
     save_bandwidths,
+    save_compute,
 )
 from moestream.daemon.pool.capacity import kv_cache_bytes
 from moestream.shared.heat_file import read_usage
@@ -81,15 +83,17 @@ def test_the_plan_of_the_demo_store(tmp_path):
     json.dumps(p.to_dict())
 
 
-def test_bandwidths_are_kept_for_no_probe(tmp_path):
-    assert load_bandwidths(tmp_path) is None
+def test_probes_are_kept_for_no_probe(tmp_path):
+    assert load_bandwidths(tmp_path) is None and load_compute(tmp_path, "abc") is None
     save_bandwidths(tmp_path, FAST)
     again = load_bandwidths(tmp_path)
     assert again.read_bytes_per_s == 1e9 and again.source.startswith("last probed ")
+    save_compute(tmp_path, "abc", PROBE)
+    assert load_compute(tmp_path, "abc") == PROBE and load_compute(tmp_path, "other") is None
     assert resident_dtype(DEMO, load_manifest(DEMO)) == "bfloat16"
 
 
-@pytest.mark.slow  # probes the disk, the link and two random-weight models: 10-60 s on a shared CPU
+@pytest.mark.slow  # probes the disk, the link and two random-weight models: 20 s to minutes on a shared CPU
 def test_plan_command_on_the_demo_model(tmp_path):
     env = clean_env(XDG_STATE_HOME=str(tmp_path / "state"), MOESTREAM_HEAT_DIR=str(tmp_path / "heat"))
     out = ctl("plan", "--model", str(DEMO), "--capacity", "0.5", "--json", env=env, timeout=300)

@@ -17,7 +17,9 @@ from moestream.shared.settings import Settings, SettingsError
 @click.option("--host-cache", help="A host-RAM tier of this size between the store and the pool, e.g. 32G.")
 @click.option("--capacity", help="Pool slots per MoE layer (16) or a fraction of each layer's experts (0.25, 25%).")
 @click.option("--max-context", type=click.IntRange(16, None), help="Tokens of KV cache a memory budget keeps room for.")
-@click.option("--no-probe", is_flag=True, help="Use the last probe's disk and link bandwidths instead of probing.")
+@click.option(
+    "--no-probe", is_flag=True, help="Use the last probe's bandwidths and compute times (where there are any)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def plan(store, memory_budget, host_cache, capacity, max_context, no_probe, as_json) -> None:
     """Resident bytes, pool slots per layer, KV cache per 1k tokens, the expected hit rate
