@@ -35,7 +35,11 @@ native = Pybind11Extension(
 setup(
     packages=_packages(),
     package_dir={"moestream": "."} | {f"moestream.{t}": t for t in SUBPACKAGES},
-    package_data={"moestream.daemon": ["demo/**/*"], "moestream": ["launchd/*"]},
+    package_data={
+        "moestream.daemon": ["demo/**/*"],
+        "moestream.client": ["dashboard/static/*"],
+        "moestream": ["launchd/*"],
+    },
     ext_modules=[native],
     cmdclass={"build_ext": build_ext},
     zip_safe=False,

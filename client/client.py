@@ -164,6 +164,7 @@ class Client:
         draft_model: str | None = None,
         diagnostics: bool = False,
         progress: bool = False,
+        keep_alive: float | None = None,
     ) -> "GenerateStream":
         """Send a generate request now; iterate the result for `Token` events, then `Done`.
 
@@ -177,7 +178,9 @@ class Client:
         machine) decodes speculatively, `draft_tokens` per round. `diagnostics=True`
         puts this request's hot-path diagnostics into the final statistics.
         `progress=True` adds `Progress` events (prompt tokens processed, of how many)
-        while the prompt is prefilled.
+        while the prompt is prefilled, and (with `stage` "load") while an unloaded model
+        loads. `keep_alive` (seconds, -1: never) is how long the model stays loaded once
+        the daemon is idle after this request, in place of the daemon's setting.
         """
         msg = proto.Generate(
             id=request_id or _new_id(),
@@ -196,6 +199,7 @@ class Client:
             draft_model=draft_model,
             diagnostics=True if diagnostics else None,
             progress=True if progress else None,
+            keep_alive=None if keep_alive is None else float(keep_alive),
         )
         data = proto.encode(msg)
         try:

@@ -18,6 +18,7 @@ without locking.
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import threading
@@ -28,6 +29,7 @@ from typing import Any, Iterator
 
 import zmq
 
+from moestream.daemon.keep_alive import KeepAlive, trim_heap
 from moestream.shared import protocol as proto
 from moestream.shared.settings import Settings, format_size
 
@@ -117,6 +119,8 @@ class EngineLoop:
         self._autopin: dict[str, Any] | None = None
         # The served manifest's stat when it was loaded: `status` compares it with the file's now.
         self._store_stamp: tuple[int, int, int, int] | None = None
+        # The served store's path, id and stamp, kept in `status` while the model is unloaded.
+        self._identity: dict[str, Any] = {}
         self._pending: deque[Job] = deque()
         self._active: deque[Job] = deque()
         self._jobs: dict[tuple[bytes, str], Job] = {}
@@ -126,6 +130,7 @@ class EngineLoop:
         self._prefetch_logged = False
         self._last_snapshot = 0.0
         self._last_heat = self._last_heat_check = time.monotonic()
+        self._keep_alive = KeepAlive(settings.keep_alive)
         self.state = "loading"
         self.error: str | None = None
         # Replaced whole (never mutated) so the I/O thread can read it without a lock.
@@ -175,6 +180,28 @@ class EngineLoop:
                     self.finished.set()
 
     def _load(self) -> bool:
+        tic = time.perf_counter()
+        if not self._load_model():
+            return False
+        self._autopin_from_heat()
+        self._start_heat_keeper()
+        self.state = "ready"
+        self._log_ready(time.perf_counter() - tic)
+        self._publish(force=True)
+        return True
+
+    def _log_ready(self, seconds: float) -> None:
+        self.log.info(
+            "model ready in %.2f s: %d MoE layers, %d %s per layer, policy %s",
+            seconds,
+            len(self._sm.pools),
+            self._sm.capacity,
+            "experts in GPU memory (mapped pool)" if self._sm.mapped_pool is not None else "slots",
+            self.settings.policy,
+        )
+
+    def _load_model(self) -> bool:
+        """The model, its pool and its batch session; False (state failed) when it cannot load."""
         from moestream.daemon.model.streaming_model import load_streaming_model
         from moestream.shared.store_format import manifest_stamp
 
@@ -183,7 +210,6 @@ class EngineLoop:
             self.state, self.error = "failed", "no model: give --model STORE (made by `moestreamctl convert`)"
             self.log.error(self.error)
             return False
-        tic = time.perf_counter()
         self.log.info(
             "loading %s (capacity %s, memory budget %s, policy %s, mapped %s)",
             s.model,
@@ -214,19 +240,13 @@ class EngineLoop:
                     s.max_batch,
                 )
         self._start_prompt_cache()
+        self._identity = {
+            "model": str(self._sm.store_dir),
+            "store_id": self._sm.manifest.store_id,
+            "store_stamp": self._store_stamp,
+        }
         if "mapped_auto" in self._sm.admission_note:
             self.log.info("mapped pool (auto): %s", self._sm.admission_note["mapped_auto"])
-        self._start_heat()
-        self.state = "ready"
-        self.log.info(
-            "model ready in %.2f s: %d MoE layers, %d %s per layer, policy %s",
-            time.perf_counter() - tic,
-            len(self._sm.pools),
-            self._sm.capacity,
-            "experts in GPU memory (mapped pool)" if self._sm.mapped_pool is not None else "slots",
-            s.policy,
-        )
-        self._publish(force=True)
         return True
 
     def _start_prompt_cache(self) -> None:
@@ -256,6 +276,8 @@ class EngineLoop:
             self._drain(block=idle)
             if self._stopping:
                 return
+            if self._pending and self._sm is None:
+                self._reload()
             self._activate_pending()
             if self._active:
                 # The job stays in the active set while it steps, so that a status
@@ -265,6 +287,7 @@ class EngineLoop:
                     self._active.rotate(-1)
             self._publish()
             self._heat_tick()
+            self._idle_check()
 
     def _drain(self, *, block: bool) -> None:
         """Apply every waiting command; wait for one (a while) when there is no work."""
@@ -303,6 +326,7 @@ class EngineLoop:
             )
             return
         job = Job(cmd.peer, msg, time.monotonic())
+        self._keep_alive.request(msg.keep_alive)
         self._jobs[job.key] = job
         self._pending.append(job)
         self._counters["requests"] += 1
@@ -576,6 +600,91 @@ class EngineLoop:
     def _send(self, peer: bytes, message: proto.Reply) -> None:
         self._events.send_multipart([peer, proto.encode(message)], copy=False)
 
+    # ---- keep-alive: idle unload and the load again --------------------------------------
+
+    def _idle_check(self) -> None:
+        """With nothing in flight, release the model once `keep_alive` has run out."""
+        if self._jobs or self._sm is None:
+            return
+        now = time.monotonic()
+        self._keep_alive.idle(now)
+        if self._keep_alive.due(now):
+            self._unload()
+
+    def _unload(self) -> None:
+        """Release the model, its pool, host tier, reader and MLX's caches; the socket, the
+        heat keeper and the idle clock stay. The heat is flushed first, so that the next
+        load's autopin pins from every count up to now."""
+        import mlx.core as mx
+        import psutil
+
+        stats = self._keep_alive.stats
+        me = psutil.Process()
+        stats.rss_before_bytes, stats.mlx_active_before_bytes = me.memory_info().rss, mx.get_active_memory()
+        self._push_heat()
+        if self._heat is not None and not self._heat.flush(5.0):
+            self.log.error("heat: the flush before unloading did not complete; the next load pins from older counts")
+        try:
+            self._release_model()
+        finally:
+            gc.collect()  # the model's modules hold reference cycles; their arrays go with them
+            mx.clear_cache()
+            trim_heap()
+            self._keep_alive.unloaded(time.monotonic())
+            stats.rss_after_bytes, stats.mlx_active_after_bytes = me.memory_info().rss, mx.get_active_memory()
+            self.state = "unloaded"
+            self.log.info(
+                "unloaded after %.0f s idle (keep_alive %s s): RSS %.1f -> %.1f MB, MLX active %.1f -> %.1f MB",
+                time.monotonic() - (self._keep_alive.idle_since or time.monotonic()),
+                self._keep_alive.seconds,
+                stats.rss_before_bytes / 1e6,
+                stats.rss_after_bytes / 1e6,
+                stats.mlx_active_before_bytes / 1e6,
+                stats.mlx_active_after_bytes / 1e6,
+            )
+            self._publish(force=True)
+
+    def _release_model(self) -> None:
+        prompt_cache, batch, sm = self._prompt_cache, self._batch, self._sm
+        self._prompt_cache = self._batch = self._sm = None
+        try:
+            if prompt_cache is not None:
+                prompt_cache.close()  # what it keeps on disk stays, for the next load
+            if batch is not None:
+                batch.close()
+        finally:
+            if sm is not None:
+                sm.close()
+
+    def _reload(self) -> None:
+        """Load the model again for the requests waiting; each that asked for progress sees
+        the load's steps. A load that fails fails them, and the next request tries again."""
+        steps = 2  # the model and its pool; the pins from the heat
+        self.state = "loading"
+        self._load_progress(0, steps)
+        tic = time.perf_counter()
+        if not self._load_model():
+            why = self.error or "the model could not be loaded"
+            self.state = "unloaded"
+            for job in list(self._pending):
+                self._pending.remove(job)
+                self._fail(job, proto.ENGINE, why)
+            return
+        self.error = None
+        self._load_progress(1, steps)
+        self._autopin_from_heat()
+        self._load_progress(steps, steps)
+        self._keep_alive.loaded(time.perf_counter() - tic)
+        self.state = "ready"
+        self._log_ready(time.perf_counter() - tic)
+        self._publish(force=True)
+
+    def _load_progress(self, done: int, total: int) -> None:
+        for job in self._pending:
+            if job.msg.progress:
+                self._send(job.peer, proto.Progress(job.msg.id, done, total, stage="load"))
+        self._publish(force=True)
+
     # ---- status ----------------------------------------------------------------------
 
     def _publish(self, *, force: bool = False) -> None:
@@ -597,8 +706,12 @@ class EngineLoop:
             },
             "heat": self._heat_health(),
             "autopin": self._autopin,
+            "keep_alive": self._keep_alive.to_dict(now),
         }
         sm = self._sm
+        if sm is None and self._store_stamp is not None:
+            # Unloaded: which store it serves stays known (clients check it by its id).
+            snap.update(self._identity)
         if sm is not None:
             import mlx.core as mx
 
@@ -627,9 +740,18 @@ class EngineLoop:
                     "prompt_cache": self._prompt_cache.stats.to_dict() if self._prompt_cache is not None else None,
                     "mlx_active_bytes": mx.get_active_memory(),
                     "mlx_peak_bytes": mx.get_peak_memory(),
+                    "mlx_cache_bytes": mx.get_cache_memory(),
+                    "kv_bytes": self._kv_bytes(),
                 }
             )
         self.snapshot = snap
+
+    def _kv_bytes(self) -> int:
+        """The active requests' KV caches, estimated from their tokens (upper bound)."""
+        from moestream.daemon.pool.capacity import kv_cache_bytes
+
+        tokens = sum(len(j.prompt_ids) + (len(j.result.tokens) if j.result is not None else 0) for j in self._active)
+        return kv_cache_bytes(self._sm.manifest.config, tokens)
 
     @staticmethod
     def _job_info(job: Job, now: float) -> dict[str, Any]:
@@ -644,9 +766,9 @@ class EngineLoop:
 
     # ---- heat ------------------------------------------------------------------------
 
-    def _start_heat(self) -> None:
-        """Pin each layer's hottest experts from the saved heat, then start the keeper."""
-        from moestream.daemon.heat_publisher import HeatPublisher, load_usage
+    def _autopin_from_heat(self) -> None:
+        """Pin each layer's hottest experts from the saved heat."""
+        from moestream.daemon.heat_publisher import load_usage
         from moestream.daemon.pool.autopin import autopin
         from moestream.shared.heat_file import HeatReadError
 
@@ -678,6 +800,11 @@ class EngineLoop:
                 usage.path,
                 summary.seconds,
             )
+
+    def _start_heat_keeper(self) -> None:
+        from moestream.daemon.heat_publisher import HeatPublisher
+
+        heat_dir = self.settings.heat_folder(self._sm.store_dir)
         self._heat = HeatPublisher(
             heat_dir,
             self.settings.runtime_path(),
@@ -718,9 +845,4 @@ class EngineLoop:
                 self._heat_state = {"state": "closed"}
                 self._heat = None
         finally:
-            if self._prompt_cache is not None:
-                self._prompt_cache.close()
-            if self._batch is not None:
-                self._batch.close()
-            if self._sm is not None:
-                self._sm.close()
+            self._release_model()

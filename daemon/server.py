@@ -331,6 +331,9 @@ class Server:
                 "mlx_peak_bytes": snap.get("mlx_peak_bytes"),
                 "resident_weights_bytes": snap.get("resident_bytes"),
                 "pool_bytes": snap.get("pool_bytes"),
+                "host_tier_bytes": _host_tier_bytes(pool.get("admission", {})),
+                "kv_bytes": snap.get("kv_bytes"),
+                "mlx_cache_bytes": snap.get("mlx_cache_bytes"),
             },
             "clients": {
                 "connected": self._clients,
@@ -351,6 +354,8 @@ class Server:
             },
             "heat": snap.get("heat", {}),
             "autopin": snap.get("autopin"),
+            # The idle unload (daemon/keep_alive.py): the clock, and what the last unload gave back.
+            "keep_alive": snap.get("keep_alive"),
             "snapshot_age_s": now - snap.get("at", now),
             "log": str(self.paths.log),
             "runtime_dir": str(self.paths.dir),
@@ -372,3 +377,10 @@ class Server:
             "requests": {k: v for k, v in snap.get("requests", {}).items() if k not in ("active", "recent")},
             "snapshot_age_s": time.monotonic() - snap.get("at", time.monotonic()),
         }
+
+
+def _host_tier_bytes(admission: dict[str, Any]) -> int | None:
+    """The host tier's memory (None: the model is not loaded; 0: no tier)."""
+    if not admission:
+        return None
+    return admission.get("tier_bytes", 0) if admission.get("mode") == "host-tier" else 0

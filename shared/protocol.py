@@ -5,7 +5,7 @@ Every message is one ZeroMQ frame holding a msgpack map with `v` (PROTOCOL_VERSI
 1 to 64 characters, unique among its own requests). Client -> daemon:
 
   generate  prompt | prompt_ids | messages, max_tokens, temp, top_p, seed, stop,
-            [tools, tool_choice, speculative, draft_tokens, draft_model, diagnostics, progress]
+            [tools, tool_choice, speculative, draft_tokens, draft_model, diagnostics, progress, keep_alive]
                                                         -> progress*, (token | tool_call)*, done
   cancel    target (the id of one of this client's generate requests)  -> cancelled
   status / stats / ping / shutdown                                     -> status / stats / pong / shutdown
@@ -18,7 +18,11 @@ MAX_PROMPT_CHARS characters of content in all (the daemon also refuses prompt +
 max_tokens over its context). `messages` is left out of the encoding when it is None, so
 a daemon that predates it still reads every other generate request. `progress` events
 (prompt tokens processed so far, of how many) come only to a request that asks for them
-with `progress: true`, so a client that predates them never sees one.
+with `progress: true`, so a client that predates them never sees one; a request that
+finds the model unloaded (after `keep_alive`) first gets `progress` events with `stage`
+"load" (steps of the load done, of how many). `keep_alive` (seconds; -1: never) is how
+long the model stays loaded once the daemon is idle after this request, in place of the
+daemon's setting (Ollama's per-request keep_alive).
 Tools (`tools`: function schemas as OpenAI writes them, `{"type": "function", "function":
 {name, description, parameters}}`; `tool_choice`: auto | none | required | {"name": N})
 are rendered by the model's chat template; the daemon parses the model's tool-call text
@@ -55,6 +59,9 @@ MAX_TOOLS = 128
 MAX_NAME_CHARS = 256
 MAX_JSON_DEPTH = 32
 TOOL_CHOICES = ("auto", "none", "required")
+MAX_KEEP_ALIVE_S = 2**31  # seconds; above it means never, as -1 does
+# The engine's states in which a request is served: "unloaded" loads the model first.
+SERVING_STATES = ("ready", "unloaded")
 
 # Error codes of `error` replies.
 BAD_MESSAGE = "bad_message"  # not one msgpack map, or a field of the wrong type or range
@@ -124,6 +131,7 @@ class Generate:
         "draft_model",
         "diagnostics",
         "progress",
+        "keep_alive",
     )
     id: str
     prompt: str | None = None
@@ -147,6 +155,8 @@ class Generate:
     diagnostics: bool | None = None
     # True: `progress` events report the prompt's prefill before the first token.
     progress: bool | None = None
+    # Seconds the model stays loaded once idle after this request (-1: never); None: the daemon's.
+    keep_alive: float | None = None
 
 
 @dataclass(frozen=True)
@@ -209,12 +219,15 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class Progress:
-    """How far the prompt's prefill has come (sent only when the request asked)."""
+    """How far the prompt's prefill has come (sent only when the request asked), or, with
+    `stage` "load", how far the load of an unloaded model has come."""
 
     TYPE: ClassVar[str] = "progress"
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("stage",)
     id: str
     done: int
     total: int
+    stage: str | None = None  # None: the prefill; "load": the model's load
 
 
 @dataclass(frozen=True)
@@ -556,7 +569,20 @@ def _generate_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
         **_speculative_fields(body, rid),
         "diagnostics": _flag_field(body, "diagnostics", rid),
         "progress": _flag_field(body, "progress", rid),
+        "keep_alive": _keep_alive_field(body, rid),
     }
+
+
+def _keep_alive_field(body: dict[str, Any], rid: str) -> float | None:
+    value = body.get("keep_alive")
+    if value is None:
+        return None
+    _check(
+        _is_number(value) and (value == -1 or 0 <= value <= MAX_KEEP_ALIVE_S),
+        rid,
+        f"'keep_alive' must be null, -1 (never unload) or seconds in 0..{MAX_KEEP_ALIVE_S}",
+    )
+    return float(value)
 
 
 def _flag_field(body: dict[str, Any], name: str, rid: str) -> bool | None:

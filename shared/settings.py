@@ -50,6 +50,7 @@ KINDS = (
     "int",  # a whole number in [low, high]
     "float",  # a number in [low, high]
     "choice",  # one of `choices`
+    "duration",  # seconds: 30m, 10s, 1h, 90, or -1 for never
     "path",  # a file or folder; made absolute where a daemon runs elsewhere
     "text",
 )
@@ -76,6 +77,38 @@ def format_size(n: int | float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+_DURATION_UNITS = {"": 1.0, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+NEVER = -1.0  # a duration that never runs out
+
+
+def parse_duration(text: str | float | int) -> float:
+    """'30m', '10s', '1h', '1h30m', 90 -> seconds; any negative (Ollama's -1) -> NEVER."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        seconds = float(text)
+    else:
+        s = str(text).strip().lower()
+        parts = re.findall(r"([0-9]*\.?[0-9]+)(ms|s|m|h)?", s)
+        if re.fullmatch(r"-?\s*[0-9]*\.?[0-9]+", s):
+            seconds = float(s.replace(" ", ""))
+        elif parts and re.fullmatch(r"(-?)((?:[0-9]*\.?[0-9]+(?:ms|s|m|h))+)", s):
+            seconds = sum(float(n) * _DURATION_UNITS[u] for n, u in parts) * (-1 if s.startswith("-") else 1)
+        else:
+            raise SettingsError(f"cannot read {text!r} as a duration (examples: 30m, 10s, 1h, 0, -1 for never)")
+    if seconds != seconds or seconds in (float("inf"), float("-inf")):
+        raise SettingsError(f"cannot read {text!r} as a duration (examples: 30m, 10s, 1h, 0, -1 for never)")
+    return NEVER if seconds < 0 else seconds
+
+
+def format_duration(seconds: float) -> str:
+    """Seconds for people, in units parse_duration reads back: 30m, 10s, 1h, never."""
+    if seconds < 0:
+        return "never"
+    for unit, size in (("h", 3600.0), ("m", 60.0)):
+        if seconds >= size and (seconds / size).is_integer():
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
 
 
 def _capacity(text: str | float | int) -> float | int:
@@ -175,6 +208,8 @@ class Definition:
             return parse_size(raw)
         if kind == "capacity":
             return _capacity(raw)
+        if kind == "duration":
+            return parse_duration(raw)
         if kind in ("bool", "auto_bool"):
             if isinstance(raw, bool):
                 return raw
@@ -228,6 +263,8 @@ class Definition:
             return "auto" if d is None else "on" if d else "off"
         if self.kind == "size" and d:
             return format_size(d)
+        if self.kind == "duration":
+            return format_duration(d)
         return "none" if d is None else str(d)
 
     def range_text(self) -> str:
@@ -488,6 +525,16 @@ class Settings:
         high=256,
         scope=(DAEMON,),
         help="Requests decoded together in one forward per step (continuous batching); 1 decodes them in turns.",
+    )
+    # Ollama's convention (keep_alive, default 5 minutes there): a daemon started at login
+    # should not hold the model's memory all day for a request an hour.
+    keep_alive: float = setting(
+        1800.0,
+        kind="duration",
+        scope=_BOTH,
+        help="How long the model stays loaded after the last request (30m, 10s, 1h); after that the daemon "
+        "releases the model, pool, host tier and caches and loads them again for the next request. 0: after "
+        "each request; -1: never.",
     )
     max_queued: int = setting(
         256, kind="int", low=0, high=1_000_000, help="Requests waiting for a turn; more are refused as busy."

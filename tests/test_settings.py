@@ -119,6 +119,8 @@ def _example(d) -> tuple[str, Any, Any]:
         return "3M", '"3M"', 3 << 20
     if d.kind == "capacity":
         return "25%", '"25%"', 0.25
+    if d.kind == "duration":
+        return "10s", '"10s"', 10.0
     if d.kind == "bool":
         return ("off", "false", False) if d.default else ("on", "true", True)
     if d.kind == "auto_bool":
@@ -163,6 +165,7 @@ def test_a_bad_value_is_named_by_its_source(d, tmp_path):
     bad = {
         "size": "lots",
         "capacity": "0",
+        "duration": "soon",
         "bool": "maybe",
         "auto_bool": "maybe",
         "int": "many",
@@ -235,7 +238,9 @@ def test_the_options_a_service_is_given_read_back_as_given(tmp_path):
     given["mapped"], given["diagnostics"] = True, False
     ctx = start.make_context("start", setting_flags(given))
     # Sizes and capacities keep the spelling they were given in (here the daemon's).
-    kept = {name: str(v) if definition(name).kind in ("size", "capacity") else v for name, v in given.items()}
+    kept = {
+        name: str(v) if definition(name).kind in ("size", "capacity", "duration") else v for name, v in given.items()
+    }
     assert {k: v for k, v in ctx.params.items() if k in START_FLAGS} == kept
     assert setting_flags({"mapped": "auto", "diagnostics": None}) == []  # left to the environment and config
 

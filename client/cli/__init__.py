@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from moestream import __version__
-from moestream.client.cli import convert, daemon, generate, serve_openai, service
+from moestream.client.cli import convert, daemon, dashboard, generate, heatmap, plan, serve_openai, service
 from moestream.client.cli.bench import bench
 
 
@@ -22,8 +22,11 @@ def main() -> None:
 
 main.add_command(convert.convert)
 main.add_command(generate.generate)
+main.add_command(plan.plan)
 main.add_command(bench)
 for c in daemon.COMMANDS:
     main.add_command(c)
 main.add_command(service.service)
 main.add_command(serve_openai.serve_openai)
+main.add_command(dashboard.dashboard)
+main.add_command(heatmap.heatmap)

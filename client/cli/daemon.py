@@ -15,6 +15,7 @@ import click
 
 from moestream.client.cli.values import capacity_note, runtime_dir_option, setting_options, store_option
 from moestream.client.client import Client, ClientError, DaemonDied, DaemonNotRunning
+from moestream.shared import protocol as proto
 from moestream.shared.runtime_dir import (
     LOG_NAME,
     RuntimeDirError,
@@ -152,7 +153,7 @@ def start_daemon(settings: Settings, given: dict[str, Any], *, timeout: float = 
             state = _ping_state(paths)
         except ClientError as e:
             raise StartError(f"the daemon (pid {proc.pid}) answers, but not as expected: {e}") from None
-        if state == "ready":
+        if state in proto.SERVING_STATES:
             break
         if time.monotonic() > deadline:
             raise StartError(
@@ -371,14 +372,16 @@ def _rate(x: Any) -> str:
 def _format_status(st: dict[str, Any]) -> str:
     mem, req, pool, heat = st["memory"], st["requests"], st["pool"], st.get("heat", {})
     lines = [
-        f"moestream daemon {st['version']}: {st['state']} (pid {st['pid']}, up {st['uptime_s']:.0f} s)",
+        f"moestream daemon {st['version']}: {_state_text(st)} (pid {st['pid']}, up {st['uptime_s']:.0f} s)",
         f"  model      {st['model']}" + (f" (store id {st['store_id']})" if st.get("store_id") else ""),
     ]
     if st.get("error"):
         lines.append(f"  error      {st['error']}")
     if st.get("store_problem"):
         lines.append(f"  warning    {st['store_problem']}")
-    if st.get("capacity") is None:
+    if st["state"] == "unloaded":
+        lines.append("  holds      the socket and the heat keeper; no model, pool, host tier or caches")
+    elif st.get("capacity") is None:
         lines.append("  pool       not loaded yet" if st["state"] == "loading" else "  pool       none")
     else:
         layers = pool.get("layers", [])
@@ -434,12 +437,34 @@ def _format_status(st: dict[str, Any]) -> str:
         lines.append(f"    queued: {req['why_queued']}")
     for job in req.get("running", []):
         lines.append(f"    {job['id']}: {_job_state(job)}, {job['seconds']:.0f} s")
+    if st.get("keep_alive"):
+        lines.append(_keep_alive_line(st["keep_alive"]))
     lines += [
         f"  heat       {heat.get('state', '-')}" + (f" ({heat['note']})" if heat.get("note") else ""),
         f"  log        {st['log']}",
         f"  socket     {st['socket']}",
     ]
     return "\n".join(lines)
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
+def _state_text(st: dict[str, Any]) -> str:
+    """The state; an unloaded daemon's with how long it has been idle: "unloaded (idle 31 min)"."""
+    ka = st.get("keep_alive") or {}
+    if st["state"] == "unloaded" and ka.get("idle_s") is not None:
+        return f"unloaded (idle {_minutes(ka['idle_s'])})"
+    return st["state"]
+
+
+def _keep_alive_line(ka: dict[str, Any]) -> str:
+    seconds = ka["keep_alive_s"]
+    what = "never unloads" if seconds < 0 else f"unloads after {_minutes(seconds)} idle"
+    if ka.get("unload_in_s") is not None:
+        what += f" (in {_minutes(ka['unload_in_s'])})"
+    return f"  keep-alive {what}; {ka.get('unloads', 0)} unloads, {ka.get('reloads', 0)} loads again so far"
 
 
 def _job_state(job: dict[str, Any]) -> str:

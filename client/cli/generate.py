@@ -15,8 +15,9 @@ from moestream.shared.settings import GENERATE, LOCAL, Settings, SettingsError, 
 from moestream.shared.store_format import same_folder
 
 # Settings of `generate` that a running daemon does not take from it: `model` is checked
-# against the store it serves, and `runtime_dir` picks the daemon.
-_NOT_KEPT = ("model", "runtime_dir")
+# against the store it serves, `runtime_dir` picks the daemon, and `keep_alive` goes with
+# the request (the protocol's per-request keep_alive).
+_NOT_KEPT = ("model", "runtime_dir", "keep_alive")
 
 
 def _read_source(spec: str, what: str) -> str:
@@ -78,11 +79,13 @@ class PrefillProgress:
         self.tic = time.monotonic()
         self.shown = False
 
-    def update(self, done: int, total: int) -> None:
+    def update(self, done: int, total: int, stage: str | None = None) -> None:
         if not self.on or total < 2:
             return
         pct = 100 * done // total
-        self.out.write(f"\r\033[Kprefill {done}/{total} tokens ({pct}%), {time.monotonic() - self.tic:.0f} s")
+        what = "loading the model: step" if stage == "load" else "prefill"
+        unit = "" if stage == "load" else " tokens"
+        self.out.write(f"\r\033[K{what} {done}/{total}{unit} ({pct}%), {time.monotonic() - self.tic:.0f} s")
         self.out.flush()
         self.shown = True
 
@@ -316,10 +319,11 @@ def _generate_via_daemon(
         stream = None
         shown = 0
         try:
-            stream = client.generate(prompt, prompt_ids=ids, progress=progress.on, **sampling)
+            keep_alive = settings.keep_alive if given.get("keep_alive") is not None else None
+            stream = client.generate(prompt, prompt_ids=ids, progress=progress.on, keep_alive=keep_alive, **sampling)
             for event in stream:
                 if isinstance(event, Progress):
-                    progress.update(event.done, event.total)
+                    progress.update(event.done, event.total, event.stage)
                 elif isinstance(event, Token) and not as_json:
                     progress.clear()
                     sys.stdout.write(event.text)

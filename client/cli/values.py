@@ -22,7 +22,15 @@ from moestream.shared.settings import (
 from moestream.shared.store_format import Manifest, StoreError, load_manifest
 
 # What --help shows as a setting's value, by kind (a choice lists its choices).
-_METAVARS = {"size": "SIZE", "capacity": "N|F", "int": "N", "float": "X", "path": "PATH", "text": "TEXT"}
+_METAVARS = {
+    "size": "SIZE",
+    "capacity": "N|F",
+    "duration": "DURATION",
+    "int": "N",
+    "float": "X",
+    "path": "PATH",
+    "text": "TEXT",
+}
 
 
 class SettingType(click.ParamType):
@@ -38,9 +46,9 @@ class SettingType(click.ParamType):
             coerced = self.d.coerce(value)
         except SettingsError as e:
             self.fail(str(e), param, ctx)
-        # Sizes and capacities are passed on as spelled (24G, 25%), so that a service
-        # file or a daemon's command line reads as the user wrote it.
-        return value if self.d.kind in ("size", "capacity") else coerced
+        # Sizes, capacities and durations are passed on as spelled (24G, 25%, 30m), so that
+        # a service file or a daemon's command line reads as the user wrote it.
+        return value if self.d.kind in ("size", "capacity", "duration") else coerced
 
 
 def setting_option(d: Definition, *, local_only: bool = False) -> Callable:

@@ -8,6 +8,7 @@ translates its requests and answers):
     POST /v1/messages           Anthropic's Messages API, and /v1/messages/count_tokens (anthropic.py)
     /api/...                    Ollama's API: chat, generate, tags, ps, show, version (ollama.py)
     GET  /health                200 when the daemon answers as ready, else 503
+    GET  /                      the live dashboard (client/dashboard), polling GET /dashboard/state
 
 Every request talks to the daemon only through `moestream.client.Client`. A Client is
 not thread-safe, so each completion runs on a thread of its own (`DaemonRequest`) that
@@ -48,6 +49,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from moestream.client.client import Client, ClientError, DaemonNotRunning, RequestRejected, Token, ToolCall
+from moestream.client.dashboard import Dashboard
 from moestream.client.gateway import anthropic, ollama
 from moestream.client.gateway.openai import ApiError, ApiRequest, Shaper, finish_reason, parse_request, usage
 from moestream.shared import protocol as proto
@@ -132,7 +134,7 @@ def ready_status(client: Client) -> dict[str, Any]:
     """The daemon's status; ApiError 503 unless it is ready to serve."""
     st = client.status()
     state = st.get("state")
-    if state != "ready":
+    if state not in proto.SERVING_STATES:  # an unloaded daemon loads the model for the request
         why = f" ({st['error']})" if st.get("error") else ""
         raise ApiError(
             503, f"the moestream daemon is {state}{why}; try again shortly", type="server_error", code=f"daemon_{state}"
@@ -314,7 +316,7 @@ class Gateway:
             except ClientError:
                 return 503, {"status": "unavailable", "daemon": "not answering"}
             state = st.get("state")
-            if state != "ready":
+            if state not in proto.SERVING_STATES:
                 return 503, {"status": "unavailable", "daemon": state}
             if st.get("store_problem"):  # it serves on from open files, but needs a restart
                 return 503, {"status": "unavailable", "daemon": state, "reason": st["store_problem"]}
@@ -555,5 +557,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         *anthropic.AnthropicApi(gw).routes(),
         *ollama.OllamaApi(gw).routes(),
     ]
+    # The live dashboard (client/dashboard): GET / and its JSON route.
+    routes += Dashboard(config.paths, gw._authorize).routes()
     handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
     return Starlette(routes=routes, exception_handlers=handlers)

@@ -8,7 +8,8 @@
 Streaming is Ollama's default (`stream` true): one JSON object per line, the last with
 `done: true` and the counts. Options: num_predict, temperature, top_p, seed, stop
 (others that change the answer, such as top_k or repeat_penalty, are refused);
-`keep_alive` is accepted and has no effect (the daemon keeps its model loaded).
+`keep_alive` ("5m", seconds, 0, -1) is how long the daemon keeps the model loaded once
+idle after this request.
 Errors are `{"error": message}` with the HTTP status.
 """
 
@@ -25,7 +26,7 @@ from starlette.routing import Route
 
 from moestream import __version__
 from moestream.client.client import Token, ToolCall
-from moestream.client.gateway.openai import ApiError, ApiRequest, bad_request
+from moestream.client.gateway.openai import ApiError, ApiRequest, bad_request, keep_alive_seconds
 from moestream.shared import protocol as proto
 from moestream.shared.protocol import Done
 
@@ -123,10 +124,13 @@ def _common(body: Any) -> tuple[str, bool]:
         raise bad_request("stream must be true or false")
     if body.get("format") not in (None, ""):
         raise bad_request("format (structured output) is not supported by this server")
-    keep_alive = body.get("keep_alive")
-    if keep_alive is not None and not isinstance(keep_alive, (str, int, float)):
-        raise bad_request("keep_alive must be a duration")
     return model.removesuffix(":latest"), stream
+
+
+def _keep_alive(body: dict[str, Any]) -> dict[str, Any]:
+    """The request's keep_alive for the daemon, where the body gives one."""
+    value = body.get("keep_alive")
+    return {} if value is None else {"keep_alive": keep_alive_seconds(value)}
 
 
 def _tool_calls_in(calls: Any, i: int) -> list[dict[str, Any]]:
@@ -190,7 +194,9 @@ def parse_chat(body: Any) -> ApiRequest:
         kwargs["tools"] = [{"type": "function", **t} if "type" not in t else t for t in tools]
     if body.get("think"):
         raise bad_request("think is not supported by this server")
-    return ApiRequest(chat=True, model=model, stream=stream, include_usage=False, generate=kwargs | _options(body))
+    return ApiRequest(
+        chat=True, model=model, stream=stream, include_usage=False, generate=kwargs | _options(body) | _keep_alive(body)
+    )
 
 
 def parse_generate(body: Any) -> ApiRequest:
@@ -204,9 +210,8 @@ def parse_generate(body: Any) -> ApiRequest:
                 f"{name} is not supported by this server: /api/generate continues the prompt as it is; "
                 "use /api/chat for the model's chat template"
             )
-    return ApiRequest(
-        chat=False, model=model, stream=stream, include_usage=False, generate={"prompt": prompt} | _options(body)
-    )
+    generate = {"prompt": prompt} | _options(body) | _keep_alive(body)
+    return ApiRequest(chat=False, model=model, stream=stream, include_usage=False, generate=generate)
 
 
 # ---- responses -----------------------------------------------------------------------

@@ -7,12 +7,14 @@ the OpenAI-style error object `{"error": {"message", "type", "param", "code"}}`.
 Accepted, beyond what every client sends: `max_tokens` or `max_completion_tokens`
 (default DEFAULT_MAX_TOKENS), `temperature` (default 1.0, as OpenAI's), `top_p`, `seed`,
 `stop` (a string or up to `protocol.MAX_STOP_STRINGS` strings), `stream`,
-`stream_options.include_usage`, and for chat `tools`, `tool_choice` (auto, none,
+`stream_options.include_usage`, for chat `tools`, `tool_choice` (auto, none,
 required, a named function) and the messages of a tool-calling turn (an assistant's
-`tool_calls`, `role: "tool"` results). Parameters that would change the answer in a way
-this server cannot honour (n > 1, logprobs, penalties, logit_bias, JSON response
-formats, echo, suffix, best_of > 1, legacy `functions`) are refused with a 400 rather
-than ignored; other unknown fields (user, metadata, parallel_tool_calls, ...) are ignored.
+`tool_calls`, `role: "tool"` results), and Ollama's `keep_alive` ("5m", seconds, 0, -1:
+how long the model stays loaded once the daemon is idle after this request). Parameters
+that would change the answer in a way this server cannot honour (n > 1, logprobs,
+penalties, logit_bias, JSON response formats, echo, suffix, best_of > 1, legacy
+`functions`) are refused with a 400 rather than ignored; other unknown fields (user,
+metadata, parallel_tool_calls, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moestream.shared import protocol as proto
+from moestream.shared.settings import SettingsError, parse_duration
 
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_TEMPERATURE = 1.0
@@ -304,7 +307,22 @@ def parse_request(body: Any, *, chat: bool) -> ApiRequest:
         seed=seed,
         stop=_stop(body),
     )
+    if body.get("keep_alive") is not None:
+        kwargs["keep_alive"] = keep_alive_seconds(body["keep_alive"])
     return ApiRequest(chat=chat, model=model, stream=stream, include_usage=include_usage, generate=kwargs)
+
+
+def keep_alive_seconds(value: Any) -> float:
+    """Ollama's keep_alive: a duration ("5m", "30s") or seconds; negative: never unload."""
+    try:
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise SettingsError(f"got {value!r}")
+        seconds = parse_duration(value)
+    except SettingsError as e:
+        raise bad_request(f"'keep_alive' must be a duration (5m, 30s), seconds, 0 or -1: {e}", "keep_alive") from None
+    if seconds > proto.MAX_KEEP_ALIVE_S:
+        return -1.0  # longer than the protocol counts: never
+    return seconds
 
 
 # ---- responses -----------------------------------------------------------------------

@@ -149,6 +149,12 @@ from moestream.shared.settings import default_of
     help="K per round with --speculative (repeat); default 2.",
 )
 @click.option("--draft-model", type=click.Path(file_okay=False), help="Draft model for --speculative draft.")
+@click.option(
+    "--forecast/--no-forecast",
+    default=True,
+    show_default=True,
+    help="Print `moestreamctl plan`'s forecast beside each streaming configuration's measurement.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_decode(
     store,
@@ -179,6 +185,7 @@ def bench_decode(
     speculative,
     draft_tokens,
     draft_model,
+    forecast,
     as_json,
 ) -> None:
     """Decode tokens/s, hit rates, bytes moved per token per tier, admission GB/s and
@@ -242,7 +249,14 @@ def bench_decode(
         report = run_bench_decode(settings, progress=lambda line: click.echo(line, err=True))
     except (StoreError, PoolCapacityError, SettingsError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from e
-    click.echo(json.dumps(report) if as_json else format_report(report))
+    text = format_report(report)
+    if forecast:
+        from moestream.daemon.plan import decode_forecasts, format_decode_forecasts
+
+        click.echo("probing compute for the forecast", err=True)
+        report["forecast"] = decode_forecasts(report)
+        text += "\n" + format_decode_forecasts(report["forecast"])
+    click.echo(json.dumps(report) if as_json else text)
 
 
 def _bench_speculative(

@@ -64,6 +64,12 @@ from moestream.shared.settings import default_of
     type=click.Path(dir_okay=False),
     help="Also write the JSON report here, after each configuration (a run cut short keeps what it measured).",
 )
+@click.option(
+    "--forecast/--no-forecast",
+    default=True,
+    show_default=True,
+    help="Print `moestreamctl plan`'s forecast time to first token beside each streaming measurement.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_prefill(
     store,
@@ -79,6 +85,7 @@ def bench_prefill(
     runs,
     warmup_tokens,
     out_file,
+    forecast,
     as_json,
 ) -> None:
     """Time to the first token of prompts of each length: stock mlx-lm, every expert
@@ -113,4 +120,12 @@ def bench_prefill(
 
     report = run_bench_prefill(settings, progress=lambda line: click.echo(line, err=True), on_config=save)
     report.setdefault("command", command)
-    click.echo(json.dumps(report) if as_json else format_report(report))
+    text = format_report(report)
+    if forecast:
+        from moestream.daemon.plan import format_prefill_forecasts, prefill_forecasts
+
+        click.echo("probing compute for the forecast", err=True)
+        report["forecast"] = prefill_forecasts(report)
+        save(report)
+        text += "\n" + format_prefill_forecasts(report["forecast"])
+    click.echo(json.dumps(report) if as_json else text)

@@ -1,0 +1,55 @@
+"""`moestreamctl heatmap`: a store's heat (routings per expert, layers x experts) as a PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from moestream.client.cli.values import store_option
+from moestream.shared.heat_file import parse_usage, usage_path
+from moestream.shared.settings import Settings, SettingsError, demo_store_path
+
+# The demo model's recorded routing counts, shipped beside its store (daemon/plan.py reads them too).
+DEMO_COUNTS = demo_store_path().parent / "routing_counts.json"
+
+
+def heat_rows(store: Path, settings: Settings) -> tuple[list[list[int]], str]:
+    """(rows of counts, where they come from): the store's saved heat, else for the demo
+    model its shipped counts."""
+    manifest = store_option(store)
+    path = usage_path(settings.heat_folder(store))
+    sources = [path]
+    if manifest.store_id == store_option(demo_store_path()).store_id:
+        sources.append(DEMO_COUNTS)
+    for source in sources:
+        try:
+            counts = parse_usage(source.read_bytes())
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as e:
+            raise click.ClickException(f"cannot read the heat {source}: {e}") from None
+        if any(sum(c.values()) for c in counts.values()):
+            rows = [
+                [counts.get(layer.ordinal, {}).get(e, 0) for e in range(layer.num_experts)] for layer in manifest.layers
+            ]
+            return rows, str(source)
+    raise click.ClickException(f"no heat saved for {store} yet ({path}): serve some requests first")
+
+
+@click.command()
+@click.option("--model", "store", required=True, type=click.Path(file_okay=False), help="Expert store.")
+@click.option("--out", "out_file", required=True, type=click.Path(dir_okay=False), help="The PNG to write.")
+@click.option("--cell", default=8, show_default=True, type=click.IntRange(1, 64), help="Pixels per expert.")
+def heatmap(store, out_file, cell) -> None:
+    """Write the heat of STORE's experts (rows: MoE layers; darker: routed more, per
+    layer) as a PNG: the dashboard's heat map, for a file."""
+    from moestream.client.dashboard.png import write_heat_png
+
+    try:
+        settings = Settings.resolve({"model": store})
+    except SettingsError as e:
+        raise click.UsageError(str(e)) from None
+    rows, source = heat_rows(Path(store), settings)
+    size = write_heat_png(Path(out_file), rows, cell)
+    click.echo(f"{out_file}: {len(rows)} layers x {len(rows[0])} experts from {source} ({size} bytes)")

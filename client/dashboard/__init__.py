@@ -1,0 +1,13 @@
+"""The live dashboard the gateway serves at `GET /`: one bundled page that polls a JSON
+route for the daemon's status, its tokens/s over the last minutes and the heat map.
+
+    GET /                 the page (static/dashboard.html: HTML, CSS and JS in one file, no network)
+    GET /dashboard/state  {status, heat, history}: what the page draws
+
+Like the rest of the gateway it is a thin client: the status comes from the daemon through
+`moestream.client.Client`, the heat from the heat file the daemon's keeper writes.
+"""
+
+from moestream.client.dashboard.app import Dashboard, heat_map
+
+__all__ = ["Dashboard", "heat_map"]

@@ -1,0 +1,630 @@
+"""What a store will cost and do before anything of it is loaded: `moestreamctl plan`.
+
+The forecast is a sum of times per token, each measured apart from the model:
+
+    decode s/token = resident compute + host syncs + disk bytes / read bandwidth
+                                                   + host->pool bytes / link bandwidth
+
+- resident compute: a model of the store's own architecture (mlx-lm's class, the
+  store's config, dtype and quantization) with random weights and only 2 and up to 8
+  layers, timed decoding here; its time per layer, extrapolated to every layer (`probe_compute`). No
+  byte of the store is loaded.
+- host syncs: a partial slot pool reads each MoE layer's expert ids back to the host
+  once per token; the probe times that read-back on a layer's output (`sync_s`).
+- bytes: a token routes top-k experts per MoE layer; those not in the pool are misses,
+  read from the host tier where it holds them, else from the store. The hit rate is the
+  share of the routing counts that the hottest `capacity` experts of each layer take
+  (a pool that keeps the hottest, as autopin pins and LFU keeps them), from the store's
+  saved heat, else the demo model's shipped counts, else uniform (`HitEstimate.source`
+  says which).
+- bandwidths: a quick probe of the store's reads and of the host->pool copy, or the last
+  probe's figures (`Bandwidths.source`).
+
+The bound beside each forecast is the same sum without the host syncs' cost (the
+`bench decode` bound), with the term that dominates it named. The time to first token of
+a 2k-token prompt is the probe's prefill time per token, plus the bytes of every expert
+the prompt routes that the pool lacks (a layer-major prefill brings each in once).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from moestream.daemon.pool.capacity import kv_cache_bytes, plan_capacity, top_k_of
+from moestream.shared.heat_file import parse_usage, read_usage, usage_path
+from moestream.shared.settings import Settings, format_size
+from moestream.shared.store_format import Manifest, load_manifest
+
+TTFT_PROMPT_TOKENS = 2048
+# The demo model's routing counts, from its recorded trace (tests/data/traces/demo_stdlib),
+# shipped so that a plan of the demo has heat where the user has none yet.
+DEMO_COUNTS = Path(__file__).resolve().parent / "demo" / "routing_counts.json"
+BANDWIDTH_FILE = "bandwidth.json"
+
+
+# ---- inputs ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bandwidths:
+    read_bytes_per_s: float
+    link_bytes_per_s: float
+    link_kind: str
+    source: str  # "probed now" or "last probed <time>"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def probe_bandwidths(store: Path, threads: int) -> Bandwidths:
+    from moestream.daemon.bench.bandwidth import measure_link_bandwidth, measure_read_bandwidth
+
+    read = measure_read_bandwidth(store, threads, samples=64)
+    link, kind, _ = measure_link_bandwidth()
+    return Bandwidths(read, link, kind, "probed now")
+
+
+def save_bandwidths(folder: Path, bw: Bandwidths) -> Path:
+    """Keep the probe's figures for `plan --no-probe` (temporary file, then rename)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / BANDWIDTH_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**bw.to_dict(), "at": time.time()}))
+    os.replace(tmp, path)
+    return path
+
+
+def load_bandwidths(folder: Path) -> Bandwidths | None:
+    """The last probe's figures, or None where there are none (or they cannot be read)."""
+    try:
+        data = json.loads((folder / BANDWIDTH_FILE).read_text())
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(data["at"])))
+        return Bandwidths(
+            float(data["read_bytes_per_s"]),
+            float(data["link_bytes_per_s"]),
+            str(data["link_kind"]),
+            f"last probed {when}",
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+@dataclass(frozen=True)
+class ComputeProbe:
+    """Resident decode and prefill times per token of the store's architecture, from
+    random-weight models of `layers[0]` and `layers[1]` layers."""
+
+    layers: tuple[int, int]
+    decode_s: tuple[float, float]  # per token, for each model
+    prefill_s: tuple[float, float]  # per prompt token, for each model
+    sync_s: float  # one host read-back of a layer's expert ids
+    device: str
+    dtype: str
+
+    def per_layer(self, times: tuple[float, float]) -> float:
+        return max((times[1] - times[0]) / (self.layers[1] - self.layers[0]), 0.0)
+
+    def at(self, times: tuple[float, float], layers: int) -> float:
+        """The time of a model of `layers` layers, extrapolated along the two measured."""
+        return max(times[0] + (layers - self.layers[0]) * self.per_layer(times), times[0])
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _config_with_layers(config: dict[str, Any], n: int) -> dict[str, Any]:
+    """The config of the same model with only its first `n` layers: per-layer lists
+    (layer types, sparse steps) cut to `n` too."""
+    out = copy.deepcopy(config)
+    for cfg in (out, out.get("text_config")):
+        if not isinstance(cfg, dict) or "num_hidden_layers" not in cfg:
+            continue
+        total = int(cfg["num_hidden_layers"])
+        cfg["num_hidden_layers"] = n
+        for key, value in list(cfg.items()):
+            if isinstance(value, list) and len(value) == total and key != "mlp_only_layers":
+                cfg[key] = value[:n]
+    return out
+
+
+def resident_dtype(store: Path, manifest: Manifest) -> str:
+    """The floating-point dtype that most of the resident weights are stored in, from the
+    safetensors headers alone (the compute of bfloat16 and float32 differ by 2x or more on
+    a CPU)."""
+    sizes: dict[str, int] = {}
+    for name in manifest.resident_files:
+        with open(store / name, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for key, info in header.items():
+            if key != "__metadata__" and info["dtype"] in ("BF16", "F16", "F32"):
+                begin, end = info["data_offsets"]
+                sizes[info["dtype"]] = sizes.get(info["dtype"], 0) + end - begin
+    return {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[max(sizes, key=sizes.get)] if sizes else "float32"
+
+
+def _random_model(config: dict[str, Any], dtype: str) -> Any:
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    model.set_dtype(getattr(mx, dtype))
+    q = config.get("quantization")
+    if q:
+        fixed = {k: v for k, v in q.items() if isinstance(v, (dict, bool))}
+
+        def predicate(path: str, m: Any) -> Any:
+            if path in fixed:
+                return fixed[path]
+            weight = getattr(m, "weight", None)
+            return hasattr(m, "to_quantized") and weight is not None and weight.shape[-1] % q["group_size"] == 0
+
+        nn.quantize(
+            model, group_size=q["group_size"], bits=q["bits"], mode=q.get("mode", "affine"), class_predicate=predicate
+        )
+    mx.eval(model.parameters())
+    return model
+
+
+def _time_model(model: Any, vocab: int, prompt_tokens: int, steps: int, repeats: int) -> tuple[float, float]:
+    """(decode s/token, prefill s/prompt token): medians of `repeats` (as `bench decode`
+    reports medians of its rounds), pipelined as mlx-lm's generate_step and `bench
+    decode` decode."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    prompt = mx.array([[i * 7919 % vocab for i in range(prompt_tokens)]])
+    decode, prefill = [], []
+    for _ in range(repeats):
+        cache = make_prompt_cache(model)
+        tic = time.perf_counter()
+        y = mx.argmax(model(prompt, cache=cache)[:, -1, :], axis=-1)
+        mx.eval(y)
+        prefill.append((time.perf_counter() - tic) / prompt_tokens)
+        tic = time.perf_counter()
+        for _ in range(steps):
+            next_y = mx.argmax(model(y[None], cache=cache)[:, -1, :], axis=-1)
+            mx.async_eval(next_y)
+            y.item()
+            y = next_y
+        mx.eval(y)
+        decode.append((time.perf_counter() - tic) / steps)
+    return statistics.median(decode), statistics.median(prefill)
+
+
+def _time_sync(hidden: int, experts: int, top_k: int, repeats: int = 50) -> float:
+    """One read-back of a router's top-k ids to the host, as a slot pool does per layer."""
+    import mlx.core as mx
+
+    x = mx.random.normal((1, hidden))
+    w = mx.random.normal((hidden, experts))
+    mx.eval(x, w)
+    times = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        ids = mx.argpartition(-(x @ w), kth=top_k - 1, axis=-1)[..., :top_k]
+        ids.tolist()
+        times.append(time.perf_counter() - tic)
+    return min(times)
+
+
+# The probe's two models: 2 layers and at most this many (the whole model where it has no
+# more). A long lever arm keeps the per-layer slope, a difference of two timings, steady.
+PROBE_MAX_LAYERS = 8
+
+
+def probe_compute(
+    manifest: Manifest, dtype: str, *, steps: int = 12, prompt_tokens: int = 48, repeats: int = 3
+) -> ComputeProbe:
+    """Time random-weight models of the store's architecture in `dtype` with 2 and up to
+    PROBE_MAX_LAYERS layers, in turns (a drift of a shared machine hits both alike);
+    nothing of the store but its config is read."""
+    import mlx.core as mx
+
+    cfg = manifest.config.get("text_config", manifest.config)
+    total = int(cfg["num_hidden_layers"])
+    counts = (min(2, total), min(PROBE_MAX_LAYERS, total)) if total > 2 else (1, total)
+    models = [_random_model(_config_with_layers(manifest.config, n), dtype) for n in sorted(set(counts))]
+    for model in models:  # kernels built, buffers allocated
+        _time_model(model, int(cfg["vocab_size"]), 8, 2, 1)
+    times: list[list[tuple[float, float]]] = [[] for _ in models]
+    for _ in range(repeats):
+        for model, got in zip(models, times):
+            got.append(_time_model(model, int(cfg["vocab_size"]), prompt_tokens, steps, 1))
+    decode = [statistics.median(t[0] for t in got) for got in times]
+    prefill = [statistics.median(t[1] for t in got) for got in times]
+    del models
+    mx.clear_cache()
+    if len(decode) == 1:
+        counts = (counts[0], counts[0] + 1)  # one model: no per-layer slope to take
+        decode, prefill = [decode[0], decode[0] * 2], [prefill[0], prefill[0] * 2]
+    sync = _time_sync(int(cfg["hidden_size"]), manifest.layers[0].num_experts, top_k_of(manifest.config))
+    return ComputeProbe(counts, tuple(decode), tuple(prefill), sync, str(mx.default_device()), dtype)
+
+
+# ---- the expected hit rate -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HitEstimate:
+    """Expected shares of a layer's routings: in the pool, else in the host tier."""
+
+    source: str
+    pool_hit: list[float]  # per MoE layer
+    tier_hit: list[float]  # of the misses, per MoE layer
+    # Per layer, the experts' shares of routings (hottest first): the prefill's forecast.
+    shares: list[list[float]] = field(repr=False, default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "pool_hit": self.pool_hit, "tier_hit": self.tier_hit}
+
+
+def heat_counts(store: Path, settings: Settings, manifest: Manifest) -> tuple[dict[int, dict[int, int]], str]:
+    """The routing counts to plan from, and where they come from."""
+    path = usage_path(settings.heat_folder(store))
+    problem = ""
+    try:
+        # Read only: a corrupt file is the daemon's to set aside when it starts.
+        saved = parse_usage(path.read_bytes())
+    except FileNotFoundError:
+        saved = {}
+    except (OSError, ValueError) as e:
+        saved, problem = {}, f" (the saved heat {path} cannot be read: {e})"
+    total = sum(sum(c.values()) for c in saved.values())
+    if total > 0:
+        return saved, f"saved heat {path} ({total} routings)"
+    demo = load_manifest(Path(__file__).resolve().parent / "demo" / "store")
+    if manifest.store_id == demo.store_id and DEMO_COUNTS.is_file():
+        shipped = read_usage(DEMO_COUNTS)
+        if shipped.total > 0:
+            return shipped.counts, f"the demo model's recorded routing ({shipped.total} routings; no saved heat yet)"
+    return {}, "no heat: assumed uniform" + problem
+
+
+def estimate_hits(
+    manifest: Manifest, counts: Mapping[int, Mapping[int, int]], source: str, slots: int, tier_experts: int
+) -> HitEstimate:
+    """Each layer's hottest `slots` experts in the pool; the next hottest of the host
+    tier's `tier_experts` (shared by all layers, split evenly) in the tier."""
+    layers = manifest.layers
+    tier_per_layer = tier_experts / max(len(layers), 1)
+    pool, tier, shares = [], [], []
+    for layer in layers:
+        n = layer.num_experts
+        c = counts.get(layer.ordinal, {})
+        total = sum(c.values())
+        share = sorted((c.get(e, 0) / total for e in range(n)), reverse=True) if total else [1.0 / n] * n
+        s = min(slots, n)
+        hit = 1.0 if s >= n else min(sum(share[:s]), 1.0)
+        t_end = min(n, s + int(tier_per_layer))
+        frac = tier_per_layer - int(tier_per_layer)
+        in_tier = sum(share[s:t_end]) + (share[t_end] * frac if t_end < n else 0.0)
+        pool.append(hit)
+        tier.append(in_tier / (1.0 - hit) if hit < 1.0 else 0.0)
+        shares.append(share)
+    return HitEstimate(source, pool, tier, shares)
+
+
+# ---- the plan --------------------------------------------------------------------------
+
+
+@dataclass
+class Forecast:
+    tokens_per_s: float
+    bound_tokens_per_s: float
+    bound_by: str  # compute | disk | link
+    seconds: float | None = None  # a time to first token
+    bound_seconds: float | None = None
+    terms_s: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Plan:
+    store: str
+    model_type: str
+    moe_layers: int
+    experts_per_layer: int
+    top_k: int
+    expert_bytes: int
+    resident_bytes: int
+    slots_per_layer: int
+    pool_bytes: int
+    host_cache_bytes: int
+    kv_bytes_per_1k_tokens: int
+    hits: HitEstimate
+    bandwidths: Bandwidths
+    compute: ComputeProbe
+    decode: Forecast
+    ttft: Forecast
+
+    @property
+    def hit_rate(self) -> float:
+        return statistics.fmean(self.hits.pool_hit)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k not in ("hits", "bandwidths", "compute", "decode", "ttft")}
+        out.update(
+            hit_rate=self.hit_rate,
+            hits=self.hits.to_dict(),
+            bandwidths=self.bandwidths.to_dict(),
+            compute=self.compute.to_dict(),
+            decode=self.decode.to_dict(),
+            ttft=self.ttft.to_dict(),
+        )
+        return out
+
+
+def _bound(terms: Mapping[str, float]) -> str:
+    return max(("compute", "disk", "link"), key=lambda k: terms.get(k, 0.0))
+
+
+def make_plan(
+    store: Path,
+    settings: Settings,
+    bandwidths: Bandwidths,
+    compute: ComputeProbe,
+    counts: Mapping[int, Mapping[int, int]],
+    source: str,
+    *,
+    prompt_tokens: int = TTFT_PROMPT_TOKENS,
+) -> Plan:
+    """The plan's arithmetic (see the module docstring): no probe, no MLX."""
+    manifest = load_manifest(store)
+    cfg = manifest.config.get("text_config", manifest.config)
+    k = top_k_of(manifest.config)
+    resident = sum((store / f).stat().st_size for f in manifest.resident_files)
+    slots = plan_capacity(
+        manifest,
+        capacity=settings.capacity,
+        memory_budget=settings.memory_budget,
+        resident_bytes=resident,
+        max_tokens=settings.max_context,
+        top_k=k,
+    )
+    expert = max(layer.expert_bytes for layer in manifest.layers)
+    pool_bytes = sum(min(slots, layer.num_experts) * layer.expert_bytes for layer in manifest.layers)
+    tier_experts = settings.host_cache // expert if expert else 0
+    hits = estimate_hits(manifest, counts, source, slots, tier_experts)
+    partial = any(slots < layer.num_experts for layer in manifest.layers)
+    layers = int(cfg["num_hidden_layers"])
+
+    # Decode: per token, k routings per MoE layer; the misses come over the link, from
+    # the host tier or (its misses) from the store.
+    misses = sum(k * (1.0 - h) for h in hits.pool_hit)
+    from_disk = sum(k * (1.0 - h) * (1.0 - t) for h, t in zip(hits.pool_hit, hits.tier_hit))
+    terms = {
+        "compute": compute.at(compute.decode_s, layers),
+        "sync": compute.sync_s * len(manifest.layers) if partial else 0.0,
+        "disk": from_disk * expert / bandwidths.read_bytes_per_s,
+        "link": misses * expert / bandwidths.link_bytes_per_s,
+    }
+    bound_s = terms["compute"] + terms["disk"] + terms["link"]
+    decode = Forecast(1.0 / sum(terms.values()), 1.0 / bound_s, _bound(terms), terms_s=terms)
+
+    # First token of a prompt: every expert its tokens route, brought in once per layer.
+    fill_missing = fill_disk = 0.0
+    for share, layer, t in zip(hits.shares, manifest.layers, hits.tier_hit):
+        s = min(slots, layer.num_experts)
+        routed = sum(1.0 - (1.0 - p) ** (prompt_tokens * k) for p in share[s:])
+        fill_missing += routed
+        fill_disk += routed * (1.0 - t)
+    pterms = {
+        "compute": compute.at(compute.prefill_s, layers) * prompt_tokens,
+        "disk": fill_disk * expert / bandwidths.read_bytes_per_s,
+        "link": fill_missing * expert / bandwidths.link_bytes_per_s,
+    }
+    ttft_s = sum(pterms.values()) + terms["compute"]
+    ttft = Forecast(
+        prompt_tokens / ttft_s,
+        prompt_tokens / max(pterms.values()),
+        _bound(pterms),
+        seconds=ttft_s,
+        bound_seconds=max(pterms.values()),
+        terms_s=pterms,
+    )
+    return Plan(
+        store=str(store),
+        model_type=manifest.model_type,
+        moe_layers=len(manifest.layers),
+        experts_per_layer=max(layer.num_experts for layer in manifest.layers),
+        top_k=k,
+        expert_bytes=expert,
+        resident_bytes=resident,
+        slots_per_layer=slots,
+        pool_bytes=pool_bytes,
+        host_cache_bytes=settings.host_cache,
+        kv_bytes_per_1k_tokens=kv_cache_bytes(manifest.config, 1024),
+        hits=hits,
+        bandwidths=bandwidths,
+        compute=compute,
+        decode=decode,
+        ttft=ttft,
+    )
+
+
+def save_compute(folder: Path, store_id: str, compute: ComputeProbe) -> None:
+    """Keep a store's compute probe for `plan --no-probe` (temporary file, then rename)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"compute-{store_id}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(compute.to_dict()))
+    os.replace(tmp, path)
+
+
+def load_compute(folder: Path, store_id: str) -> ComputeProbe | None:
+    """The last compute probe of the store, or None where there is none (or it cannot be read)."""
+    try:
+        d = json.loads((folder / f"compute-{store_id}.json").read_text())
+        return ComputeProbe(
+            tuple(d["layers"]), tuple(d["decode_s"]), tuple(d["prefill_s"]), d["sync_s"], d["device"], d["dtype"]
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def plan_store(store: Path, settings: Settings, *, probe: bool = True) -> Plan:
+    """Probe (or, with `probe=False`, take the last probe's figures where there are any)
+    and plan `store` with `settings`."""
+    from moestream.shared.settings import default_state_dir
+
+    manifest = load_manifest(store)
+    state = default_state_dir(os.environ)
+    bandwidths = None if probe else load_bandwidths(state)
+    if bandwidths is None:
+        bandwidths = probe_bandwidths(store, settings.io_threads)
+        save_bandwidths(state, bandwidths)
+    compute = None if probe else load_compute(state, manifest.store_id)
+    if compute is None:
+        compute = probe_compute(manifest, resident_dtype(store, manifest))
+        save_compute(state, manifest.store_id, compute)
+    counts, source = heat_counts(store, settings, manifest)
+    return make_plan(store, settings, bandwidths, compute, counts, source)
+
+
+def format_plan(p: Plan) -> str:
+    d, t = p.decode, p.ttft
+    bw = p.bandwidths
+    layers = ", ".join(f"{h:.0%}" for h in p.hits.pool_hit)
+
+    def terms(f: Forecast) -> str:
+        return ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in f.terms_s.items() if v)
+
+    return "\n".join(
+        [
+            f"{p.store}: {p.model_type}, {p.moe_layers} MoE layers x {p.experts_per_layer} experts "
+            f"(top-{p.top_k}, {format_size(p.expert_bytes)} each)",
+            f"  resident   {format_size(p.resident_bytes)} of weights that stay in memory",
+            f"  pool       {p.slots_per_layer} slots per layer, {format_size(p.pool_bytes)}"
+            + (f"; host tier {format_size(p.host_cache_bytes)}" if p.host_cache_bytes else ""),
+            f"  KV cache   {format_size(p.kv_bytes_per_1k_tokens)} per 1k tokens of context",
+            f"  hit rate   {p.hit_rate:.1%} expected in the pool (per layer {layers}); from {p.hits.source}",
+            f"  bandwidth  disk {format_size(bw.read_bytes_per_s)}/s, {bw.link_kind} "
+            f"{format_size(bw.link_bytes_per_s)}/s ({bw.source})",
+            f"  decode     {d.tokens_per_s:.1f} tok/s forecast; bound {d.bound_tokens_per_s:.1f} tok/s by {d.bound_by} "
+            f"({terms(d)} per token)",
+            f"  TTFT       {t.seconds:.2f} s forecast for a {TTFT_PROMPT_TOKENS}-token prompt; bound "
+            f"{t.bound_seconds:.2f} s by {t.bound_by} ({terms(t)})",
+            f"  probe      resident compute on {p.compute.device}: random-weight models of {p.compute.layers[0]} and "
+            f"{p.compute.layers[1]} layers, {1e3 * p.compute.per_layer(p.compute.decode_s):.3f} ms per layer per token",
+        ]
+    )
+
+
+# ---- beside the benchmarks' measurements -----------------------------------------------
+
+
+def _probe(store: Path) -> ComputeProbe:
+    manifest = load_manifest(store)
+    return probe_compute(manifest, resident_dtype(store, manifest))
+
+
+def _bench_plans(
+    store: Path,
+    configs: list[tuple[str, float | None, int]],
+    bandwidths: Bandwidths,
+    prompt_tokens: int,
+    compute: ComputeProbe,
+) -> dict[str, Plan]:
+    """{name: plan} for (name, capacity, host cache) configurations."""
+    manifest = load_manifest(store)
+    counts, source = heat_counts(store, Settings(model=str(store)), manifest)
+    return {
+        name: make_plan(
+            store,
+            Settings(model=str(store), capacity=capacity, host_cache=host),
+            bandwidths,
+            compute,
+            counts,
+            source,
+            prompt_tokens=prompt_tokens,
+        )
+        for name, capacity, host in configs
+    }
+
+
+def decode_forecasts(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The forecast of every moestream row of a `bench decode` report, with the run's own
+    bandwidths, beside its measured tok/s."""
+    rows = [r for r in report["results"] if r["capacity"] is not None]
+    bw = Bandwidths(
+        report["read_bandwidth_bytes_per_s"], report["link_bandwidth_bytes_per_s"], report["link_kind"], "this run"
+    )
+    host = report.get("host_cache_bytes") or 0
+    configs = [(r["name"], r["capacity"], host if "+host" in r["name"] else 0) for r in rows]
+    store = Path(report["store"])
+    plans = _bench_plans(store, configs, bw, TTFT_PROMPT_TOKENS, _probe(store))
+    return [
+        {
+            "name": r["name"],
+            "measured_tokens_per_s": r["tokens_per_s"],
+            "forecast_tokens_per_s": plans[r["name"]].decode.tokens_per_s,
+            "forecast_bound_tokens_per_s": plans[r["name"]].decode.bound_tokens_per_s,
+            "bound_by": plans[r["name"]].decode.bound_by,
+            "measured_hit_rate": r["hit_rate"],
+            "forecast_hit_rate": plans[r["name"]].hit_rate,
+            "measured_vs_forecast": r["tokens_per_s"] / plans[r["name"]].decode.tokens_per_s,
+        }
+        for r in rows
+    ]
+
+
+def prefill_forecasts(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The forecast time to first token of every streamed row of a `bench prefill` report."""
+    bw = report["bandwidth"]
+    bandwidths = Bandwidths(bw["disk_bytes_per_s"], bw["link_bytes_per_s"], bw["link_kind"], "this run")
+    store = Path(report["settings"]["store"])
+    host = report["settings"].get("host_cache") or 0
+    out = []
+    compute = _probe(store)
+    for c in report["configs"]:
+        if c.get("capacity") is None:
+            continue
+        for r in c["results"]:
+            n = r["prompt_tokens"]
+            config = (c["name"], c["capacity"], host if "host" in c["name"] else 0)
+            p = _bench_plans(store, [config], bandwidths, n, compute)
+            t = p[c["name"]].ttft
+            out.append(
+                {
+                    "name": c["name"],
+                    "prompt_tokens": n,
+                    "measured_ttft_s": r["ttft_s"],
+                    "forecast_ttft_s": t.seconds,
+                    "forecast_bound_s": t.bound_seconds,
+                    "bound_by": t.bound_by,
+                    "measured_vs_forecast": r["ttft_s"] / t.seconds,
+                }
+            )
+    return out
+
+
+def format_decode_forecasts(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'forecast (plan)':<26} {'tok/s':>8} {'bound':>8} {'by':>8} {'hit':>6} {'measured':>9} {'x fcst':>7}"]
+    for r in rows:
+        lines.append(
+            f"{r['name']:<26} {r['forecast_tokens_per_s']:>8.1f} {r['forecast_bound_tokens_per_s']:>8.1f} "
+            f"{r['bound_by']:>8} {r['forecast_hit_rate']:>6.3f} {r['measured_tokens_per_s']:>9.1f} "
+            f"{r['measured_vs_forecast']:>7.2f}"
+        )
+    return "\n".join(lines)
+
+
+def format_prefill_forecasts(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'forecast (plan)':<28} {'tokens':>6} {'TTFT':>8} {'bound':>8} {'by':>8} {'measured':>9} {'x fcst':>7}"]
+    for r in rows:
+        lines.append(
+            f"{r['name']:<28} {r['prompt_tokens']:>6} {r['forecast_ttft_s']:>7.2f}s {r['forecast_bound_s']:>7.2f}s "
+            f"{r['bound_by']:>8} {r['measured_ttft_s']:>8.2f}s {r['measured_vs_forecast']:>7.2f}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,107 @@
+"""`moestreamctl plan`: its arithmetic on the demo store with given probe figures (no
+MLX, fast), the demo's shipped routing counts against the trace they come from, and the
+command itself with real probes (slow)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from daemon_cli import clean_env, ctl
+
+from moestream.daemon.plan import (
+    DEMO_COUNTS,
+    Bandwidths,
+    ComputeProbe,
+    estimate_hits,
+    heat_counts,
+    load_bandwidths,
+    load_compute,
+    make_plan,
+    resident_dtype,
+    save_bandwidths,
+    save_compute,
+)
+from moestream.daemon.pool.capacity import kv_cache_bytes
+from moestream.shared.heat_file import read_usage
+from moestream.shared.settings import Settings, demo_store_path
+from moestream.shared.store_format import load_manifest
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = demo_store_path()
+# 1 ms per layer per token plus 2 ms of embeddings and head; 10 us per host sync.
+PROBE = ComputeProbe((2, 4), (0.004, 0.006), (0.0004, 0.0006), 1e-5, "cpu", "bfloat16")
+FAST = Bandwidths(1e9, 1e10, "host memcpy", "given")
+
+
+def test_the_demo_counts_shipped_are_the_demo_trace_counted():
+    counts: dict[int, dict[int, int]] = {}
+    for line in (ROOT / "tests/data/traces/demo_stdlib/trace.jsonl").read_text().splitlines():
+        for layer, ids in enumerate(json.loads(line)["layers"]):
+            for e in ids:
+                counts.setdefault(layer, {}).setdefault(e, 0)
+                counts[layer][e] += 1
+    assert read_usage(DEMO_COUNTS).counts == counts
+
+
+def test_hits_are_the_hottest_share_per_layer_and_uniform_without_heat():
+    manifest = load_manifest(DEMO)
+    uniform = estimate_hits(manifest, {}, "none", 16, 0)
+    assert uniform.pool_hit == pytest.approx([0.25] * 5) and uniform.tier_hit == pytest.approx([0.0] * 5)
+    skewed = {layer.ordinal: {0: 60, 1: 20, 2: 20} for layer in manifest.layers}
+    hits = estimate_hits(manifest, skewed, "given", 1, 5 * 1)  # tier: one more per layer
+    assert hits.pool_hit == pytest.approx([0.6] * 5) and hits.tier_hit == pytest.approx([0.5] * 5)
+
+
+def test_the_plan_of_the_demo_store(tmp_path):
+    settings = Settings(model=str(DEMO), capacity=0.25, heat_dir=str(tmp_path))
+    manifest = load_manifest(DEMO)
+    counts, source = heat_counts(DEMO, settings, manifest)
+    assert source.startswith("the demo model's recorded routing")  # no saved heat in tmp_path
+    p = make_plan(DEMO, settings, FAST, PROBE, counts, source)
+    assert p.slots_per_layer == 16 and p.pool_bytes == 16 * sum(layer.expert_bytes for layer in manifest.layers)
+    assert p.kv_bytes_per_1k_tokens == kv_cache_bytes(manifest.config, 1024)
+    assert p.resident_bytes == sum((DEMO / f).stat().st_size for f in manifest.resident_files)
+    assert 0.25 < p.hit_rate < 0.6  # the hottest quarter takes more than a quarter of the routings
+    terms = p.decode.terms_s
+    assert terms["compute"] == pytest.approx(0.004 + (6 - 2) * 0.001)  # 6 layers
+    assert terms["sync"] == pytest.approx(5 * 1e-5)
+    misses = sum(8 * (1 - h) for h in p.hits.pool_hit)
+    assert terms["disk"] == pytest.approx(misses * p.expert_bytes / 1e9)
+    assert p.decode.tokens_per_s == pytest.approx(1 / sum(terms.values()))
+    assert p.decode.bound_tokens_per_s > p.decode.tokens_per_s and p.decode.bound_by == "compute"
+    assert p.ttft.seconds > 2048 * 0.0008 and p.ttft.bound_by == "compute"
+    # A slow disk bounds it; every expert resident moves nothing; a tier of every expert
+    # takes the disk out.
+    slow = make_plan(DEMO, settings, Bandwidths(1e5, 1e10, "memcpy", "given"), PROBE, counts, source)
+    assert slow.decode.bound_by == "disk" and slow.ttft.bound_by == "disk"
+    full = make_plan(DEMO, settings.replace(capacity=1.0), FAST, PROBE, counts, source)
+    assert full.hit_rate == pytest.approx(1.0) and full.decode.terms_s["disk"] == 0 == full.decode.terms_s["sync"]
+    tier = make_plan(DEMO, settings.replace(host_cache="8M"), FAST, PROBE, counts, source)
+    assert tier.decode.terms_s["disk"] == pytest.approx(0.0) and tier.decode.terms_s["link"] > 0
+    json.dumps(p.to_dict())
+
+
+def test_probes_are_kept_for_no_probe(tmp_path):
+    assert load_bandwidths(tmp_path) is None and load_compute(tmp_path, "abc") is None
+    save_bandwidths(tmp_path, FAST)
+    again = load_bandwidths(tmp_path)
+    assert again.read_bytes_per_s == 1e9 and again.source.startswith("last probed ")
+    save_compute(tmp_path, "abc", PROBE)
+    assert load_compute(tmp_path, "abc") == PROBE and load_compute(tmp_path, "other") is None
+    assert resident_dtype(DEMO, load_manifest(DEMO)) == "bfloat16"
+
+
+@pytest.mark.slow  # probes the disk, the link and two random-weight models: 20 s to minutes on a shared CPU
+def test_plan_command_on_the_demo_model(tmp_path):
+    env = clean_env(XDG_STATE_HOME=str(tmp_path / "state"), MOESTREAM_HEAT_DIR=str(tmp_path / "heat"))
+    out = ctl("plan", "--model", str(DEMO), "--capacity", "0.5", "--json", env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    p = json.loads(out.stdout)
+    assert p["slots_per_layer"] == 32 and p["decode"]["tokens_per_s"] > 0 and p["ttft"]["seconds"] > 0
+    assert p["bandwidths"]["source"] == "probed now" and p["hits"]["source"].startswith("the demo model's")
+    text = ctl("plan", "--model", str(DEMO), "--no-probe", env=env, timeout=300)
+    assert text.returncode == 0 and "(last probed " in text.stdout and "KV cache" in text.stdout, text.stderr
+    bad = ctl("plan", "--model", str(DEMO), "--capacity", "2", env=env)
+    assert bad.returncode == 2 and "below the minimum" in bad.stderr
