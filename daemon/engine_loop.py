@@ -28,6 +28,7 @@ from typing import Any, Iterator
 
 import zmq
 
+from moestream.daemon.limits import FileLimit
 from moestream.shared import protocol as proto
 from moestream.shared.settings import Settings
 
@@ -95,8 +96,17 @@ class EngineLoop:
     """`run()` serves until stopped; `submit`/`cancel`/`peer_gone`/`stop` may be called
     from any thread."""
 
-    def __init__(self, settings: Settings, ctx: zmq.Context, events_endpoint: str, log: logging.Logger) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        ctx: zmq.Context,
+        events_endpoint: str,
+        log: logging.Logger,
+        *,
+        file_limit: FileLimit | None = None,
+    ) -> None:
         self.settings = settings
+        self._file_limit = file_limit
         self.log = log
         self._ctx = ctx
         self._events_endpoint = events_endpoint
@@ -172,6 +182,8 @@ class EngineLoop:
         from moestream.daemon.model.streaming_model import load_streaming_model
         from moestream.shared.store_format import manifest_stamp
 
+        if self._file_limit is not None:
+            self._file_limit.raise_soft(self.log)  # importing mlx-lm (just now) lowered it
         s = self.settings
         if s.model is None:
             self.state, self.error = "failed", "no model: give --model STORE (made by `moestreamctl convert`)"

@@ -57,8 +57,11 @@ def close_log(log: logging.Logger) -> None:
 
 def run_daemon(settings: Settings, *, log_to_stderr: bool = False, handle_signals: bool = True) -> int:
     """Serve until shutdown; returns the exit code (0 after a clean stop)."""
+    from moestream.daemon.limits import FileLimit
     from moestream.daemon.server import Server
 
+    file_limit = FileLimit.at_start()
+    file_limit.raise_soft()
     paths = RuntimePaths.from_settings(settings)
     # Everything the daemon creates (socket, pid file, log) is private to the user.
     os.umask(0o077)
@@ -81,7 +84,7 @@ def run_daemon(settings: Settings, *, log_to_stderr: bool = False, handle_signal
         log.info(
             "moestream daemon %s starting (pid %d, socket %s, log %s)", __version__, os.getpid(), endpoint, paths.log
         )
-        return Server(settings, paths, log, handle_signals=handle_signals).run()
+        return Server(settings, paths, log, handle_signals=handle_signals, file_limit=file_limit).run()
     except Exception:
         log.exception("the daemon failed")
         return 1

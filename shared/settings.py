@@ -448,6 +448,16 @@ class Settings:
     max_queued: int = setting(
         256, kind="int", low=0, high=1_000_000, help="Requests waiting for a turn; more are refused as busy."
     )
+    # Each connection holds an open file; past the open-file limit (less a reserve) new
+    # connections are shut down whatever this says (daemon/limits.py).
+    max_connections: int = setting(
+        4096,
+        kind="int",
+        low=1,
+        high=1_000_000,
+        scope=(DAEMON,),
+        help="Client connections at once; a new client past them is refused as busy.",
+    )
 
     # ---- reading the store
     io_threads: int = setting(4, kind="int", low=1, high=256, scope=_BOTH, help="Threads of the native read engine.")

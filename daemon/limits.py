@@ -1,0 +1,64 @@
+"""The daemon's open-file limit and how many client connections fit under it.
+
+Every client connection holds a file descriptor; libzmq aborts the whole process when
+`accept` fails with EMFILE (ipc_listener.cpp), so the daemon must never reach the
+limit. Two guards, both in `Server`:
+
+  max_connections   past this many connections, a new client's requests get a `busy`
+                    error that says so (its connection stays open, so it can read it);
+  the file limit    past the limit less `RESERVED_FDS` (the store, the log, the heat
+                    keeper's pipes, libzmq's own), a new connection is shut down at once,
+                    before libzmq can run out.
+
+Importing mlx-lm sets the limit to (2048, 4096) (mlx_lm/utils.py, for models of many
+files), so `FileLimit.raise_soft` runs at start and again after that import.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import sys
+from dataclasses import dataclass
+
+RESERVED_FDS = 256
+# macOS refuses a soft limit above OPEN_MAX even where the hard limit is unlimited.
+MACOS_OPEN_MAX = 10240
+
+
+@dataclass(frozen=True)
+class FileLimit:
+    """The limit the process started with; `raise_soft` brings the soft limit back up to
+    that hard limit (or to the highest hard limit still allowed)."""
+
+    original_hard: int
+
+    @classmethod
+    def at_start(cls) -> "FileLimit":
+        return cls(resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+
+    def raise_soft(self, log: logging.Logger | None = None) -> int:
+        """Raise the soft limit as far as allowed; returns it."""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        for want_hard in dict.fromkeys((max(self.original_hard, hard), hard)):
+            want_soft = want_hard if want_hard != resource.RLIM_INFINITY else 1 << 20
+            if sys.platform == "darwin":
+                want_soft = min(want_soft, MACOS_OPEN_MAX)
+            if want_soft <= soft:
+                break
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (want_soft, want_hard))
+            except (ValueError, OSError):
+                continue  # a hard limit lowered meanwhile cannot be raised again without privilege
+            if log is not None:
+                log.info("open-file limit raised from %d to %d", soft, want_soft)
+            break
+        return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+    @staticmethod
+    def connection_room(fds_in_use: int) -> int:
+        """How many more descriptors connections may take under the soft limit now."""
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY:
+            return 1 << 30
+        return max(soft - RESERVED_FDS - fds_in_use, 0)

@@ -1,0 +1,86 @@
+"""Limits that fail one client, never the daemon: idle connections past the file limit,
+a client that never reads its replies, a queue filled by one client, many draft models.
+
+Each test runs a real daemon (a child process) and checks afterwards that a greedy
+request still gives exactly what `generate --local` gives."""
+
+from __future__ import annotations
+
+import resource
+import socket
+import time
+
+import pytest
+
+from moestream.client.client import Client, RequestRejected
+
+from .conftest import CASES
+
+
+def _exact(daemon, reference) -> None:
+    prompt, max_tokens = CASES[0]
+    with Client(daemon.paths, timeout=30) as c:
+        done = c.complete(prompt, max_tokens=max_tokens)
+    ref = reference[(prompt, max_tokens)]
+    assert (done["text"], tuple(done["tokens"])) == (ref.text, ref.tokens)
+
+
+def _open_idle(path: str, n: int) -> list[socket.socket]:
+    # Importing mlx-lm in this process lowers its own soft limit too.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < n + 256:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, n + 1024), hard))
+    out = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        out.append(s)
+    return out
+
+
+def test_2100_idle_connections_leave_the_daemon_serving(rel_store, rel_reference, start_daemon):
+    d = start_daemon(rel_store)
+    socks = _open_idle(str(d.paths.socket), 2100)
+    try:
+        time.sleep(1.0)
+        assert d.alive(), d.tail()
+        _exact(d, rel_reference)
+        with Client(d.paths) as c:
+            assert c.status()["clients"]["connected"] >= 2100
+    finally:
+        for s in socks:
+            s.close()
+    assert d.alive(), d.tail()
+
+
+def test_connections_past_max_connections_get_a_clear_refusal(rel_store, rel_reference, start_daemon):
+    d = start_daemon(rel_store, flags={"max_connections": "8"})
+    socks = _open_idle(str(d.paths.socket), 12)
+    try:
+        time.sleep(0.5)
+        with pytest.raises(RequestRejected) as e:
+            with Client(d.paths, timeout=5) as c:
+                c.ping()
+        assert e.value.code == "busy" and "max_connections" in e.value.message
+    finally:
+        for s in socks:
+            s.close()
+    time.sleep(0.5)
+    _exact(d, rel_reference)
+
+
+def test_connections_past_the_file_limit_are_shut_not_fatal(rel_store, rel_reference, start_daemon):
+    d = start_daemon(rel_store)
+    resource.prlimit(d.pid, resource.RLIMIT_NOFILE, (700, 700))
+    socks = _open_idle(str(d.paths.socket), 1500)
+    try:
+        time.sleep(1.0)
+        assert d.alive(), d.tail()
+        for s in socks[:1000]:
+            s.close()
+        time.sleep(0.5)
+        _exact(d, rel_reference)
+        assert "near the open-file limit" in d.paths.log.read_text()
+    finally:
+        for s in socks:
+            s.close()
