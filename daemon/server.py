@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import psutil
@@ -46,8 +47,26 @@ POLL_MS = 500
 # Bounded wait at close so the last `done` events (e.g. finish reason "shutdown") still
 # reach their clients; a stuck client cannot hold the daemon longer than this.
 CLOSE_LINGER_MS = 500
+# Messages queued for one client that does not read them, before it is dropped: far more
+# than a reading client ever has waiting (a token event is sent as it is made).
+REPLY_QUEUE_MESSAGES = 1000
+# Clients dropped (disconnected, or not reading) whose later messages are discarded.
+GONE_REMEMBERED = 4096
 # How often the descriptors the process holds besides its connections are counted again.
 FD_RECOUNT_SECONDS = 5.0
+
+
+@dataclass
+class ServerCounters:
+    """What the I/O thread refused or dropped, for `status` (clients)."""
+
+    refused_busy: int = 0  # requests of new clients past max_connections
+    shut_near_file_limit: int = 0  # connections shut down at once, near the open-file limit
+    dropped: int = 0  # clients gone, or not reading their replies
+    ignored_messages: int = 0  # messages of dropped clients, not served
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
 
 
 class Server:
@@ -78,7 +97,7 @@ class Server:
         self._refusing = False
         self._other_fds = 0
         self._fds_counted = 0.0
-        self._shut = 0
+        self.counters = ServerCounters()
         self._gone: OrderedDict[bytes, None] = OrderedDict()
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
@@ -130,9 +149,10 @@ class Server:
             router.setsockopt(zmq.LINGER, 0)
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             router.setsockopt(zmq.MAXMSGSIZE, HARD_MAX_MESSAGE_BYTES)
-            # No send limit: a stalled client holds at most its requests' events, bounded by
-            # max_context tokens each, and a full queue would read as a disconnect.
-            router.setsockopt(zmq.SNDHWM, 0)
+            # Each client's reply queue is bounded: one that stops reading (while it goes on
+            # sending) would otherwise grow the daemon without end. A full queue fails the
+            # send with EAGAIN, and `_send` drops that client like a disconnected one.
+            router.setsockopt(zmq.SNDHWM, REPLY_QUEUE_MESSAGES)
             router.bind(self.paths.endpoint)
             os.chmod(self.paths.socket, 0o600)
             monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
@@ -223,9 +243,10 @@ class Server:
                 why = "not reading its replies (send queue full)"
             else:
                 raise
-            self.log.info("client %s %s: stopping its requests", peer.hex(), why)
+            self.log.info("client %s %s: stopping its requests; its later messages are ignored", peer.hex(), why)
+            self.counters.dropped += 1
             self._gone[peer] = None
-            if len(self._gone) > 4096:
+            if len(self._gone) > GONE_REMEMBERED:
                 self._gone.popitem(last=False)
             if engine is not None:
                 engine.peer_gone(peer)
@@ -239,7 +260,11 @@ class Server:
             except zmq.Again:
                 return
             peer = frames[0]
-            self._gone.pop(peer, None)
+            if peer in self._gone:
+                # A routing id is one connection's: a dropped client never comes back under it,
+                # so what it sent before it went (or while not reading) is not worth serving.
+                self.counters.ignored_messages += 1
+                continue
             if not self._admit(router, peer, frames[-1]):
                 continue
             if len(frames) != 2:
@@ -270,6 +295,7 @@ class Server:
                 self._admitted.popitem(last=False)
             self._refusing = False
             return True
+        self.counters.refused_busy += 1
         if not self._refusing:
             self.log.warning("%d connections open (max_connections %d): refusing new clients", self._clients, limit)
             self._refusing = True
@@ -341,12 +367,13 @@ class Server:
         except OSError as e:
             self.log.warning("cannot shut down connection fd %d: %s", fd, e)
             return
-        self._shut += 1
-        if self._shut in (1, 10, 100) or self._shut % 1000 == 0:
+        self.counters.shut_near_file_limit += 1
+        n = self.counters.shut_near_file_limit
+        if n in (1, 10, 100) or n % 1000 == 0:
             self.log.warning(
                 "%d connections open, near the open-file limit: %d connection(s) shut down so far",
                 self._clients,
-                self._shut,
+                n,
             )
 
     # ---- status ------------------------------------------------------------------------
@@ -414,7 +441,7 @@ class Server:
                 "connected": self._clients,
                 "with_requests": requests.get("clients", 0),
                 "max_connections": s.max_connections,
-                "shut_near_file_limit": self._shut,
+                **self.counters.to_dict(),
             },
             "requests": {
                 "active": len(requests.get("active", [])),

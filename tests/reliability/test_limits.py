@@ -84,3 +84,56 @@ def test_connections_past_the_file_limit_are_shut_not_fatal(rel_store, rel_refer
     finally:
         for s in socks:
             s.close()
+
+
+def _flood_without_reading(daemon, seconds: float) -> tuple[int, int]:
+    """A client that sends status requests and never reads a reply; returns the daemon's
+    RSS (bytes) after warm-up and at the end."""
+    import zmq
+
+    from moestream.shared import protocol as proto
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1)  # this side holds next to nothing either
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.connect(daemon.paths.endpoint)
+    start = None
+    deadline = time.monotonic() + seconds
+    n = 0
+    try:
+        while time.monotonic() < deadline:
+            try:
+                sock.send(proto.encode(proto.Status(f"s{n}")), zmq.NOBLOCK)
+            except zmq.Again:
+                time.sleep(0.01)
+            n += 1
+            if n == 2000:
+                start = daemon.rss()
+            if n % 200 == 0:
+                time.sleep(0.005)
+        assert daemon.alive(), daemon.tail()
+        end = daemon.rss()
+    finally:
+        sock.close()
+        ctx.term()
+    return start or daemon.rss(), end
+
+
+def _check_flood(daemon, reference, seconds: float, limit_mib: float) -> None:
+    start, end = _flood_without_reading(daemon, seconds)
+    assert end - start < limit_mib * 2**20, f"RSS grew {(end - start) / 2**20:.1f} MiB in {seconds} s"
+    log = daemon.paths.log.read_text()
+    assert log.count("not reading its replies") == 1, log[-3000:]
+    _exact(daemon, reference)
+
+
+def test_a_client_that_never_reads_is_dropped_and_memory_stays_flat(rel_store, rel_reference, start_daemon):
+    # Unbounded, the queue grows about 1 MiB/s at this pace (9.5 MiB in 8 s measured).
+    _check_flood(start_daemon(rel_store), rel_reference, 8.0, 5.0)
+
+
+@pytest.mark.slow
+def test_a_client_that_never_reads_for_60_s_grows_the_daemon_under_20_mib(rel_store, rel_reference, start_daemon):
+    _check_flood(start_daemon(rel_store), rel_reference, 60.0, 20.0)
