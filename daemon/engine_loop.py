@@ -24,6 +24,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator
 
 import zmq
@@ -556,13 +557,18 @@ class EngineLoop:
 
         sm = self._sm
         heat_dir = self.settings.heat_folder(sm.store_dir)
+        if not self.settings.heat_dir and heat_dir != Path(sm.store_dir).resolve():
+            self.log.info(
+                "heat: kept in %s, not beside the store (the demo, or a folder this user cannot write or does not own)",
+                heat_dir,
+            )
         try:
             heat_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:
             # The keeper will fail its writes and say so in `status`; serving goes on.
             self.log.error("heat: cannot create the heat folder %s: %s", heat_dir, e)
         try:
-            usage = load_usage(heat_dir)
+            usage = load_usage(heat_dir, {p.layer.ordinal: p.layer.num_experts for p in sm.pools})
         except HeatReadError as e:
             self.log.error("heat: cannot read the saved heat (%s); starting without pinned experts", e)
         else:

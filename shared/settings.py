@@ -569,13 +569,13 @@ class Settings:
 
     def heat_folder(self, store: str | os.PathLike, env: Mapping[str, str] | None = None) -> Path:
         """Where the heat of `store` is kept: `heat_dir` when set; else beside the store,
-        except for the built-in demo store or a store this user cannot write, whose heat
-        goes to a folder of their own under the state folder (never into the installed
-        package)."""
+        except for the built-in demo store or a store folder this user cannot write or does
+        not own, whose heat goes to a folder of their own under the state folder (never into
+        the installed package, nor into another user's folder, even as root)."""
         if self.heat_dir:
             return Path(self.heat_dir)
         folder = Path(store).resolve()
-        if folder != demo_store_path() and os.access(folder, os.W_OK):
+        if folder != demo_store_path() and os.access(folder, os.W_OK) and _owned_by_me(folder):
             return folder
         digest = hashlib.sha256(str(folder).encode()).hexdigest()[:12]
         return default_state_dir(os.environ if env is None else env) / "heat" / f"{folder.name}-{digest}"
@@ -584,6 +584,13 @@ class Settings:
         if self.runtime_dir:
             return Path(self.runtime_dir)
         return default_runtime_dir(os.environ if env is None else env)
+
+
+def _owned_by_me(folder: Path) -> bool:
+    try:
+        return folder.stat().st_uid == os.geteuid()
+    except OSError:
+        return False
 
 
 # Every setting's definition, in the order of the fields (the order of --help and of the
