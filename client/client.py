@@ -184,8 +184,8 @@ class Client:
             diagnostics=True if diagnostics else None,
             progress=True if progress else None,
         )
-        data = proto.encode(msg)
         try:
+            data = proto.encode(msg)
             proto.decode_request(data)  # the daemon's own checks, before anything is sent
         except proto.ProtocolError as e:
             raise RequestRejected(e.code, e.message, msg.id) from None
