@@ -448,6 +448,14 @@ class Settings:
     max_queued: int = setting(
         256, kind="int", low=0, high=1_000_000, help="Requests waiting for a turn; more are refused as busy."
     )
+    max_draft_models: int = setting(
+        1,
+        kind="int",
+        low=1,
+        high=64,
+        scope=(DAEMON,),
+        help="Draft models (speculative 'draft') kept loaded between requests; the least recently used goes first.",
+    )
     # Each connection holds an open file; past the open-file limit (less a reserve) new
     # connections are shut down whatever this says (daemon/limits.py).
     max_connections: int = setting(

@@ -137,3 +137,44 @@ def test_a_client_that_never_reads_is_dropped_and_memory_stays_flat(rel_store, r
 @pytest.mark.slow
 def test_a_client_that_never_reads_for_60_s_grows_the_daemon_under_20_mib(rel_store, rel_reference, start_daemon):
     _check_flood(start_daemon(rel_store), rel_reference, 60.0, 20.0)
+
+
+def _draft_paths(store, workdir, n: int) -> list[str]:
+    """`n` distinct folders holding the store (hard links): n distinct draft models."""
+    import os
+    import shutil
+
+    out = []
+    for i in range(n):
+        dst = workdir / f"draft{i}"
+        shutil.copytree(store, dst, copy_function=os.link, ignore=shutil.ignore_patterns("pool_usage.json*"))
+        out.append(str(dst))
+    return out
+
+
+def _store_bytes(store) -> int:
+    return sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
+
+
+def _drafts_stay_bounded(store, workdir, reference, start_daemon, n: int) -> None:
+    d = start_daemon(store)
+    prompt, max_tokens = CASES[0]
+    ref = reference[(prompt, max_tokens)]
+    active = []
+    with Client(d.paths, timeout=60) as c:
+        for path in _draft_paths(store, workdir, n):
+            done = c.complete(prompt, max_tokens=max_tokens, speculative="draft", draft_model=path)
+            assert tuple(done["tokens"]) == ref.tokens
+            active.append(c.status()["memory"]["mlx_active_bytes"])
+    one = _store_bytes(store)  # a draft model's weights are at most this
+    # Past the first two (the cache's one and what warms up), no draft model stays behind.
+    assert active[-1] - active[1] < one, f"MLX memory grew {(active[-1] - active[1]) / one:.1f} draft models"
+
+
+def test_draft_models_are_an_lru_of_one(rel_store, workdir, rel_reference, start_daemon):
+    _drafts_stay_bounded(rel_store, workdir, rel_reference, start_daemon, 4)
+
+
+@pytest.mark.slow
+def test_forty_draft_paths_keep_memory_bounded(rel_store, workdir, rel_reference, start_daemon):
+    _drafts_stay_bounded(rel_store, workdir, rel_reference, start_daemon, 40)
