@@ -61,6 +61,13 @@ class PeerGone:
 
 
 @dataclass(frozen=True)
+class CheckDone:
+    """The prompt checker (daemon/prompt_check.py) has set this job's `checked`."""
+
+    job: Any
+
+
+@dataclass(frozen=True)
 class StopCmd:
     at: float
 
@@ -73,6 +80,8 @@ class Job:
     msg: proto.Generate
     received: float
     prompt_ids: list[int] = field(default_factory=list)
+    # The prompt checker's outcome (daemon/prompt_check.py `Checked`); None until then.
+    checked: Any = None
     gen: Iterator[tuple[str, int]] | None = None
     result: Any = None
     started: float | None = None
@@ -118,6 +127,7 @@ class EngineLoop:
         # Continuous batching (daemon/model/batching.py) where max_batch > 1, else None.
         self._batch: Any = None
         self._heat: Any = None
+        self._checker: Any = None
         self._heat_state: dict[str, Any] = {"state": "not started"}
         self._autopin: dict[str, Any] | None = None
         # The served manifest's stat when it was loaded: `status` compares it with the file's now.
@@ -126,7 +136,15 @@ class EngineLoop:
         self._active: deque[Job] = deque()
         self._jobs: dict[tuple[bytes, str], Job] = {}
         self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
-        self._counters = {"requests": 0, "completed": 0, "cancelled": 0, "disconnected": 0, "failed": 0, "tokens": 0}
+        self._counters = {
+            "requests": 0,
+            "completed": 0,
+            "cancelled": 0,
+            "disconnected": 0,
+            "failed": 0,
+            "tokens": 0,
+            "busy": 0,
+        }
         self._stopping = False
         self._prefetch_logged = False
         self._last_snapshot = 0.0
@@ -220,6 +238,9 @@ class EngineLoop:
                     self._batch.max_batch,
                     s.max_batch,
                 )
+        from moestream.daemon.prompt_check import PromptChecker
+
+        self._checker = PromptChecker(self._sm, s.max_context, lambda job: self._commands.put(CheckDone(job)))
         if "mapped_auto" in self._sm.admission_note:
             self.log.info("mapped pool (auto): %s", self._sm.admission_note["mapped_auto"])
         self._start_heat()
@@ -237,7 +258,7 @@ class EngineLoop:
 
     def _loop(self) -> None:
         while True:
-            self._drain(block=not self._active and not self._pending)
+            self._drain(block=not self._active and not any(j.checked is not None for j in self._pending))
             if self._stopping:
                 return
             self._activate_pending()
@@ -276,20 +297,22 @@ class EngineLoop:
         if (cmd.peer, msg.id) in self._jobs:
             self._send(cmd.peer, proto.Error(msg.id, proto.DUPLICATE_ID, f"request id {msg.id!r} is already in flight"))
             return
-        if len(self._jobs) >= self.settings.max_active + self.settings.max_queued:
-            self._send(
-                cmd.peer,
-                proto.Error(
-                    msg.id,
-                    proto.BUSY,
-                    f"the daemon has {len(self._pending)} requests waiting (max_queued); try again later",
-                ),
+        s = self.settings
+        mine = sum(1 for j in self._jobs.values() if j.peer == cmd.peer)
+        if len(self._jobs) >= s.max_active + s.max_queued or mine >= s.max_client_requests:
+            self._counters["busy"] += 1
+            why = (
+                f"this client has {mine} requests queued or running (max_client_requests)"
+                if mine >= s.max_client_requests
+                else f"the daemon has {len(self._pending)} requests waiting (max_queued)"
             )
+            self._send(cmd.peer, proto.Error(msg.id, proto.BUSY, f"{why}; try again later"))
             return
         job = Job(cmd.peer, msg, time.monotonic())
         self._jobs[job.key] = job
         self._pending.append(job)
         self._counters["requests"] += 1
+        self._checker.submit(job)
 
     def _on_cancel(self, cmd: CancelCmd) -> None:
         job = self._jobs.get((cmd.peer, cmd.msg.target))
@@ -310,25 +333,22 @@ class EngineLoop:
             self._finish(job)
 
     def _activate_pending(self) -> None:
-        """Move waiting requests into the active set, checking their prompts."""
-        from moestream.daemon.model.generation import GenerationResult, SamplingParams, encode_prompt
+        """Move waiting requests whose prompts are checked into the active set, the client
+        with the fewest active requests first."""
+        from moestream.daemon.model.generation import GenerationResult, SamplingParams
 
-        while self._pending and len(self._active) < self.settings.max_active:
-            job = self._pending.popleft()
-            msg = job.msg
-            try:
-                ids = encode_prompt(self._sm, msg.prompt, msg.prompt_ids, msg.messages)
-            except ValueError as e:
-                self._fail(job, proto.BAD_MESSAGE, str(e))
+        while len(self._active) < self.settings.max_active:
+            ready = [j for j in self._pending if j.checked is not None]
+            if not ready:
+                return
+            active_by_peer = [j.peer for j in self._active]
+            job = min(ready, key=lambda j: active_by_peer.count(j.peer))
+            self._pending.remove(job)
+            msg, checked = job.msg, job.checked
+            if checked.ids is None:
+                self._fail(job, checked.code, checked.message)
                 continue
-            if len(ids) + msg.max_tokens > self.settings.max_context:
-                self._fail(
-                    job,
-                    proto.TOO_LONG,
-                    f"prompt of {len(ids)} tokens + max_tokens {msg.max_tokens} is over the daemon's "
-                    f"context of {self.settings.max_context} tokens (setting max_context)",
-                )
-                continue
+            ids = checked.ids
             job.prompt_ids = ids
             params = SamplingParams(
                 max_tokens=msg.max_tokens,
@@ -628,6 +648,8 @@ class EngineLoop:
                 self._heat_state = {"state": "closed"}
                 self._heat = None
         finally:
+            if self._checker is not None:
+                self._checker.close()
             if self._batch is not None:
                 self._batch.close()
             if self._sm is not None:

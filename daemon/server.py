@@ -450,7 +450,7 @@ class Server:
                 "recent": requests.get("recent", []),
                 **{
                     k: requests[k]
-                    for k in ("requests", "completed", "cancelled", "disconnected", "failed", "tokens")
+                    for k in ("requests", "completed", "cancelled", "disconnected", "failed", "tokens", "busy")
                     if k in requests
                 },
             },

@@ -448,6 +448,14 @@ class Settings:
     max_queued: int = setting(
         256, kind="int", low=0, high=1_000_000, help="Requests waiting for a turn; more are refused as busy."
     )
+    # One client's share of the queue, so that it cannot make everyone else's requests busy.
+    max_client_requests: int = setting(
+        64,
+        kind="int",
+        low=1,
+        high=1_000_000,
+        help="Requests one client may have queued or running; more are refused as busy.",
+    )
     max_draft_models: int = setting(
         1,
         kind="int",

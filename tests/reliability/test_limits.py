@@ -178,3 +178,42 @@ def test_draft_models_are_an_lru_of_one(rel_store, workdir, rel_reference, start
 @pytest.mark.slow
 def test_forty_draft_paths_keep_memory_bounded(rel_store, workdir, rel_reference, start_daemon):
     _drafts_stay_bounded(rel_store, workdir, rel_reference, start_daemon, 40)
+
+
+def test_oversized_prompts_of_one_client_do_not_hold_up_another(rel_store, rel_reference, start_daemon):
+    """260 prompts of 256K characters, each refused as too long after tokenizing (about
+    0.16 s each on the engine thread): another client's request still comes in < 2 s."""
+    import zmq
+
+    from moestream.shared import protocol as proto
+
+    d = start_daemon(rel_store)
+    ctx = zmq.Context()
+    flood = ctx.socket(zmq.DEALER)
+    flood.setsockopt(zmq.LINGER, 0)
+    flood.connect(d.paths.endpoint)
+    big = ("lorem ipsum dolor " * (proto.MAX_PROMPT_CHARS // 18 + 1))[: proto.MAX_PROMPT_CHARS]
+    prompt, max_tokens = CASES[0]
+    ref = rel_reference[(prompt, max_tokens)]
+    try:
+        for i in range(260):
+            flood.send(proto.encode(proto.Generate(id=f"big{i}", prompt=big, max_tokens=16)))
+        time.sleep(0.5)  # all of them with the daemon
+        tic = time.monotonic()
+        with Client(d.paths, timeout=60) as c:
+            done = c.complete(prompt, max_tokens=max_tokens)
+        waited = time.monotonic() - tic
+        assert tuple(done["tokens"]) == ref.tokens
+        assert waited < 2.0, f"the other client waited {waited:.1f} s"
+        # One client's share of the queue is max_client_requests (64): the rest are busy at once.
+        codes: dict[str, int] = {}
+        while codes.get("busy", 0) < 260 - 64 or not codes.get("too_long"):
+            assert flood.poll(30_000), codes
+            reply = proto.decode_reply(flood.recv())
+            codes[reply.code] = codes.get(reply.code, 0) + 1
+        assert set(codes) == {"too_long", "busy"} and codes["busy"] == 260 - 64, codes
+        with Client(d.paths) as c:
+            assert c.status()["requests"]["busy"] == 260 - 64
+    finally:
+        flood.close()
+        ctx.term()
