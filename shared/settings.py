@@ -475,6 +475,32 @@ class Settings:
         help="Client connections at once; a new client past them is refused as busy.",
     )
 
+    # ---- the HTTP gateway (`serve-openai`; client/openai_api/guard.py)
+    gateway_origins: str | None = setting(
+        None,
+        kind="text",
+        shown_default="none: only pages on this machine",
+        help="Browser origins besides this machine's pages that may use the gateway, comma-separated "
+        "(http://app.example:3000), or * for any (as OLLAMA_ORIGINS).",
+    )
+    gateway_header_timeout: float = setting(
+        10.0, kind="float", low=0.1, high=3600.0, help="Seconds a gateway connection has to send a request's headers."
+    )
+    gateway_body_timeout: float = setting(
+        30.0, kind="float", low=0.1, high=3600.0, help="Seconds a gateway request has to send its body."
+    )
+    gateway_max_connections: int = setting(
+        512,
+        kind="int",
+        low=1,
+        high=1_000_000,
+        help="Gateway connections at once (fewer where the open-file limit is lower); past it the oldest idle "
+        "or half-open one is closed.",
+    )
+    gateway_max_per_client: int = setting(
+        256, kind="int", low=1, high=1_000_000, help="Gateway connections at once from one client address."
+    )
+
     # ---- reading the store
     io_threads: int = setting(4, kind="int", low=1, high=256, scope=_BOTH, help="Threads of the native read engine.")
     direct_io: bool = setting(

@@ -519,7 +519,7 @@ def test_a_client_that_disconnects_cancels_its_request_within_a_token(served, mo
     sock = socket.create_connection((host, int(port)))
     try:
         sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n".encode()
             + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(raw)}\r\n\r\n".encode()
             + raw
         )
