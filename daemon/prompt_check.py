@@ -20,6 +20,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from moestream.shared import protocol as proto
@@ -84,6 +85,9 @@ class PromptChecker:
         from moestream.daemon.model.generation import encode_prompt
 
         tic = time.perf_counter()
+        problem = self._speculative_problem(msg)
+        if problem:
+            return Checked(code=proto.BAD_MESSAGE, message=problem)
         try:
             ids = encode_prompt(self._sm, msg.prompt, msg.prompt_ids, msg.messages)
         except ValueError as e:
@@ -96,3 +100,19 @@ class PromptChecker:
                 seconds=time.perf_counter() - tic,
             )
         return Checked(ids=ids, seconds=time.perf_counter() - tic)
+
+    def _speculative_problem(self, msg: proto.Generate) -> str:
+        """What makes the request's speculative decoding impossible here (only file checks)."""
+        from moestream.daemon.model.demo_mtp import MTP_FILE
+        from moestream.shared.store_format import MANIFEST_NAME
+
+        if msg.speculative == "mtp" and not (Path(self._sm.store_dir) / MTP_FILE).is_file():
+            return (
+                f"{self._sm.store_dir} has no MTP head ({MTP_FILE}); speculative 'mtp' needs one "
+                "(convert a checkpoint that carries mtp.* tensors, or use speculative 'draft')"
+            )
+        if msg.speculative == "draft" and msg.draft_model is not None:
+            draft = Path(msg.draft_model)
+            if not ((draft / MANIFEST_NAME).is_file() or (draft / "config.json").is_file()):
+                return f"draft model {msg.draft_model} is neither an expert store nor an mlx-lm model folder"
+        return ""
