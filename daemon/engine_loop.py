@@ -636,7 +636,10 @@ class EngineLoop:
         if self._heat is None:
             return dict(self._heat_state)
         health = self._heat.health()
-        return {"state": "running" if health["alive"] else "down", **health}
+        # A keeper that is alive but not ready waits for the heat file's lock (another
+        # daemon's keeper on the same store): not yet keeping anything.
+        state = ("running" if health["ready"] else "starting") if health["alive"] else "down"
+        return {"state": state, **health}
 
     def _close_model(self) -> None:
         try:

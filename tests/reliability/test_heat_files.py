@@ -94,3 +94,14 @@ def test_heat_is_never_written_into_another_users_store_folder(store_copy, rel_r
     assert not list(store_copy.glob("pool_usage.json*")), list(store_copy.iterdir())
     assert list(state.glob("moestream/heat/*/pool_usage.json"))
     assert "not beside the store" in d.paths.log.read_text()
+
+
+def test_a_second_daemon_on_the_store_does_not_claim_its_heat_is_running(store_copy, rel_reference, start_daemon):
+    first = start_daemon(store_copy, "rt1")
+    second = start_daemon(store_copy, "rt2")
+    _served_exactly(second, rel_reference)
+    with Client(second.paths) as c:
+        heat = c.status()["heat"]
+    assert heat["state"] in ("starting", "down") and not heat["ready"], heat
+    with Client(first.paths) as c:
+        assert c.status()["heat"]["state"] == "running"
