@@ -299,11 +299,13 @@ class EngineLoop:
             return
         s = self.settings
         mine = sum(1 for j in self._jobs.values() if j.peer == cmd.peer)
-        if len(self._jobs) >= s.max_active + s.max_queued or mine >= s.max_client_requests:
+        # One client's share: every active slot and a quarter of the queue, so others are never all busy.
+        share = s.max_active + max(s.max_queued // 4, 1)
+        if len(self._jobs) >= s.max_active + s.max_queued or mine >= share:
             self._counters["busy"] += 1
             why = (
-                f"this client has {mine} requests queued or running (max_client_requests)"
-                if mine >= s.max_client_requests
+                f"this client has {mine} requests queued or running (its share: a quarter of max_queued)"
+                if mine >= share
                 else f"the daemon has {len(self._pending)} requests waiting (max_queued)"
             )
             self._send(cmd.peer, proto.Error(msg.id, proto.BUSY, f"{why}; try again later"))

@@ -446,15 +446,11 @@ class Settings:
         help="Requests decoded together in one forward per step (continuous batching); 1 decodes them in turns.",
     )
     max_queued: int = setting(
-        256, kind="int", low=0, high=1_000_000, help="Requests waiting for a turn; more are refused as busy."
-    )
-    # One client's share of the queue, so that it cannot make everyone else's requests busy.
-    max_client_requests: int = setting(
-        64,
+        256,
         kind="int",
-        low=1,
+        low=0,
         high=1_000_000,
-        help="Requests one client may have queued or running; more are refused as busy.",
+        help="Requests waiting for a turn, a quarter of them (at least one) from one client; more are refused as busy.",
     )
     max_draft_models: int = setting(
         1,
@@ -483,22 +479,20 @@ class Settings:
         help="Browser origins besides this machine's pages that may use the gateway, comma-separated "
         "(http://app.example:3000), or * for any (as OLLAMA_ORIGINS).",
     )
-    gateway_header_timeout: float = setting(
-        10.0, kind="float", low=0.1, high=3600.0, help="Seconds a gateway connection has to send a request's headers."
-    )
-    gateway_body_timeout: float = setting(
-        30.0, kind="float", low=0.1, high=3600.0, help="Seconds a gateway request has to send its body."
+    gateway_read_timeout: float = setting(
+        10.0,
+        kind="float",
+        low=0.1,
+        high=3600.0,
+        help="Seconds a gateway connection has to send a request's headers, and again its body.",
     )
     gateway_max_connections: int = setting(
         512,
         kind="int",
-        low=1,
+        low=2,
         high=1_000_000,
-        help="Gateway connections at once (fewer where the open-file limit is lower); past it the oldest idle "
-        "or half-open one is closed.",
-    )
-    gateway_max_per_client: int = setting(
-        256, kind="int", low=1, high=1_000_000, help="Gateway connections at once from one client address."
+        help="Gateway connections at once, half of them from one client address (fewer where the open-file "
+        "limit is lower); past it the oldest idle or half-open one is closed.",
     )
 
     # ---- reading the store

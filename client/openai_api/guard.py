@@ -67,10 +67,10 @@ class GuardConfig:
         return cls(
             bound_host=bound_host,
             origins=origins,
-            header_timeout=settings.gateway_header_timeout,
-            body_timeout=settings.gateway_body_timeout,
+            header_timeout=settings.gateway_read_timeout,
+            body_timeout=settings.gateway_read_timeout,
             max_connections=settings.gateway_max_connections,
-            max_per_client=settings.gateway_max_per_client,
+            max_per_client=max(settings.gateway_max_connections // 2, 1),
         )
 
     def host_allowed(self, host: str) -> bool:
