@@ -26,7 +26,11 @@ def gateways():
         out = ctl("start", "--model", str(store), "--capacity", "0.25", "--runtime-dir", str(rt))
         assert out.returncode == 0, out.stdout + out.stderr
         keyed = Gateway(rt, rt / "keyed.log", "--api-key", KEY)
-        keyless = Gateway(rt, rt / "keyless.log")
+        keyless = Gateway(
+            rt,
+            rt / "keyless.log",
+            env={"MOESTREAM_GATEWAY_READ_TIMEOUT": "1", "MOESTREAM_GATEWAY_ORIGINS": "https://app.example"},
+        )
         try:
             yield keyed, keyless
         finally:
@@ -105,3 +109,39 @@ def test_lone_surrogates_get_a_400(gateways):
             keyless.url + "/v1/completions", content=body, headers={"Content-Type": "application/json"}, timeout=30
         )
         assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+
+
+def test_a_configured_origin_is_served(gateways):
+    _, keyless = gateways
+    assert _complete(keyless.url, headers={"Origin": "https://app.example"}).status_code == 200
+    assert _complete(keyless.url, headers={"Origin": "https://app.example.evil"}).status_code == 403
+
+
+def test_headers_or_a_body_sent_too_slowly_are_cut_off(gateways):
+    _, keyless = gateways  # read timeout 1 s
+    host, port = keyless.url.removeprefix("http://").split(":")
+    headers_only = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    half_body = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 100\r\n\r\n{"model": '
+    )
+    for start in (headers_only, half_body):
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(start)
+            tic = time.monotonic()
+            rest = s.recv(65536)  # b"" once the gateway closes it (after a reply, for the body)
+            while rest and b"\r\n\r\n" in rest and s.recv(65536):
+                pass
+            assert 0.5 < time.monotonic() - tic < 5.0, start
+    assert _complete(keyless.url).status_code == 200
+
+
+def test_the_log_is_rate_limited():
+    import logging
+
+    from moestream.client.openai_api.guard import LOG_LINES_PER_WINDOW, RateLimitFilter
+
+    f = RateLimitFilter()
+    record = logging.LogRecord("x", logging.WARNING, __file__, 1, "Invalid HTTP request received.", (), None)
+    passed = sum(f.filter(record) for _ in range(10 * LOG_LINES_PER_WINDOW))
+    assert passed == LOG_LINES_PER_WINDOW

@@ -46,7 +46,7 @@ BUSY = 120  # tokens per request when three run at once
 class Gateway:
     """`moestreamctl serve-openai` as a child process on a free port."""
 
-    def __init__(self, runtime: Path, log: Path, *args: str) -> None:
+    def __init__(self, runtime: Path, log: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.log = log
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(
@@ -63,7 +63,7 @@ class Gateway:
                 ],
                 stdout=f,
                 stderr=subprocess.STDOUT,
-                env=clean_env(),
+                env=clean_env(**(env or {})),
             )
         line = wait_for(self._address, 30, "the gateway to listen")
         self.url = line
