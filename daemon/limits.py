@@ -11,7 +11,9 @@ limit. Two guards, both in `Server`:
                     before libzmq can run out.
 
 Importing mlx-lm sets the limit to (2048, 4096) (mlx_lm/utils.py, for models of many
-files), so `FileLimit.raise_soft` runs at start and again after that import.
+files), so `FileLimit.raise_soft` runs at start and again after that import. Without
+CAP_SYS_RESOURCE the lowered hard limit cannot be raised again: the daemon then has 4096
+files, room for about 3,800 connections; the guards keep it alive past that.
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ from dataclasses import dataclass
 RESERVED_FDS = 256
 # macOS refuses a soft limit above OPEN_MAX even where the hard limit is unlimited.
 MACOS_OPEN_MAX = 10240
+# The soft limit asked for under an unlimited hard limit (Linux's default nr_open).
+UNLIMITED_SOFT = 1 << 20
+
+
+def _as_number(limit: int) -> float:
+    return float("inf") if limit == resource.RLIM_INFINITY else float(limit)
 
 
 @dataclass(frozen=True)
@@ -38,10 +46,14 @@ class FileLimit:
         return cls(resource.getrlimit(resource.RLIMIT_NOFILE)[1])
 
     def raise_soft(self, log: logging.Logger | None = None) -> int:
-        """Raise the soft limit as far as allowed; returns it."""
+        """Raise the soft limit as far as allowed; returns it (RLIM_INFINITY: unlimited)."""
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        for want_hard in dict.fromkeys((max(self.original_hard, hard), hard)):
-            want_soft = want_hard if want_hard != resource.RLIM_INFINITY else 1 << 20
+        if soft == resource.RLIM_INFINITY:
+            return soft
+        # The hard limit the process started with first (only a privileged process may
+        # raise it again after mlx-lm lowered it), then the one it has now.
+        for want_hard in sorted({self.original_hard, hard}, key=_as_number, reverse=True):
+            want_soft = want_hard if want_hard != resource.RLIM_INFINITY else UNLIMITED_SOFT
             if sys.platform == "darwin":
                 want_soft = min(want_soft, MACOS_OPEN_MAX)
             if want_soft <= soft:
@@ -49,7 +61,7 @@ class FileLimit:
             try:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (want_soft, want_hard))
             except (ValueError, OSError):
-                continue  # a hard limit lowered meanwhile cannot be raised again without privilege
+                continue
             if log is not None:
                 log.info("open-file limit raised from %d to %d", soft, want_soft)
             break
