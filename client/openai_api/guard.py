@@ -13,8 +13,8 @@ Two layers, both independent of the routes (any API the gateway serves gets them
       connection is inside a request is the new one closed instead.
 
   requests (`GuardMiddleware`, ASGI)
-      the Host header must name this server (loopback names or the bound address), so a
-      DNS-rebinding page cannot read answers; a browser's Origin must be a loopback page
+      on a loopback server, the Host header must name it (loopback names or the bound
+      address), so a DNS-rebinding page cannot read answers; a browser's Origin must be a loopback page
       or one configured (`gateway_origins`, as OLLAMA_ORIGINS); a POST must declare
       `Content-Type: application/json`, which a page can send only after a CORS
       preflight this server never grants.
@@ -41,7 +41,6 @@ from moestream.client.openai_api.schema import ApiError
 from moestream.shared.settings import Settings
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
-WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 # Descriptors kept free of connections: the daemon's sockets, the log, the listener.
 RESERVED_FDS = 64
 LOG_WINDOW_SECONDS = 10.0
@@ -74,9 +73,12 @@ class GuardConfig:
         )
 
     def host_allowed(self, host: str) -> bool:
-        if self.bound_host.strip("[]") in WILDCARD_HOSTS:
-            return True  # every interface: only an API key protects it (serve-openai requires one)
-        return host in LOOPBACK_NAMES or host == self.bound_host.strip("[]").lower()
+        bound = self.bound_host.strip("[]").lower()
+        if bound not in LOOPBACK_NAMES and not _is_loopback_ip(bound):
+            # Reachable from other machines by any of its names: serve-openai requires an
+            # API key there, which a rebinding page does not have.
+            return True
+        return host in LOOPBACK_NAMES or _is_loopback_ip(host) or host == bound
 
     def origin_allowed(self, origin: str) -> bool:
         if "*" in self.origins or origin.rstrip("/") in self.origins:
