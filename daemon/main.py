@@ -14,10 +14,13 @@ import sys
 from pathlib import Path
 
 from moestream import __version__
+from moestream.shared.log_rate import RateLimitFilter
 from moestream.shared.runtime_dir import InstanceLock, RuntimeDirError, RuntimePaths
 from moestream.shared.settings import SETTINGS, Settings, SettingsError
 
 LOG_ROTATE_BYTES = 16 * 2**20
+LOG_LINES_PER_WINDOW = 200
+LOG_WINDOW_SECONDS = 10.0
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(threadName)s] %(message)s"
 
 # Flags of `python -m moestream.daemon.main`: every setting, `--name VALUE` (a bool's as
@@ -43,8 +46,11 @@ def open_log(paths: RuntimePaths, *, to_stderr: bool) -> logging.Logger:
     handlers: list[logging.Handler] = [logging.FileHandler(paths.log, encoding="utf-8")]
     if to_stderr:
         handlers.append(logging.StreamHandler(sys.stderr))
+    # Generous for a daemon's own lines; it stops one client's junk from filling the disk.
+    rate = RateLimitFilter(LOG_LINES_PER_WINDOW, LOG_WINDOW_SECONDS)
     for h in handlers:
         h.setFormatter(logging.Formatter(LOG_FORMAT))
+        h.addFilter(rate)
         log.addHandler(h)
     return log
 

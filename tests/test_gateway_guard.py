@@ -139,9 +139,10 @@ def test_headers_or_a_body_sent_too_slowly_are_cut_off(gateways):
 def test_the_log_is_rate_limited():
     import logging
 
-    from moestream.client.openai_api.guard import LOG_LINES_PER_WINDOW, RateLimitFilter
+    from moestream.client.openai_api.guard import LOG_LINES_PER_WINDOW, LOG_WINDOW_SECONDS
+    from moestream.shared.log_rate import RateLimitFilter
 
-    f = RateLimitFilter()
+    f = RateLimitFilter(LOG_LINES_PER_WINDOW, LOG_WINDOW_SECONDS)
     record = logging.LogRecord("x", logging.WARNING, __file__, 1, "Invalid HTTP request received.", (), None)
     passed = sum(f.filter(record) for _ in range(10 * LOG_LINES_PER_WINDOW))
     assert passed == LOG_LINES_PER_WINDOW

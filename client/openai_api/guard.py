@@ -29,7 +29,6 @@ import ipaddress
 import json
 import logging
 import resource
-import time
 from collections import OrderedDict, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -38,6 +37,7 @@ from urllib.parse import urlsplit
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from moestream.client.openai_api.schema import ApiError
+from moestream.shared.log_rate import RateLimitFilter
 from moestream.shared.settings import Settings
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -267,33 +267,9 @@ async def _send_error(send: Any, error: ApiError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-class RateLimitFilter(logging.Filter):
-    """At most LOG_LINES_PER_WINDOW lines per logger per window; then one line saying how
-    many were left out."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._windows: dict[str, tuple[float, int]] = {}
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        now = time.monotonic()
-        start, count = self._windows.get(record.name, (now, 0))
-        if now - start >= LOG_WINDOW_SECONDS:
-            self._windows[record.name] = (now, 0)
-            if count > LOG_LINES_PER_WINDOW:
-                # Handlers filter before they take their lock, so this line goes out first.
-                logging.getLogger(record.name).warning(
-                    "%d lines of this log left out in %.0f s", count - LOG_LINES_PER_WINDOW, now - start
-                )
-            start, count = self._windows[record.name]
-        count += 1
-        self._windows[record.name] = (start, count)
-        return count <= LOG_LINES_PER_WINDOW
-
-
 def limit_log_rate() -> None:
     """Rate-limit the gateway's log: the handlers of the root, uvicorn and asyncio loggers."""
-    shared = RateLimitFilter()
+    shared = RateLimitFilter(LOG_LINES_PER_WINDOW, LOG_WINDOW_SECONDS)
     for name in ("", "uvicorn", "uvicorn.error", "uvicorn.access", "asyncio"):
         for handler in logging.getLogger(name).handlers:
             handler.addFilter(shared)
