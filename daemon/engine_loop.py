@@ -240,7 +240,7 @@ class EngineLoop:
                 )
         from moestream.daemon.prompt_check import PromptChecker
 
-        self._checker = PromptChecker(self._sm, s.max_context, lambda job: self._commands.put(CheckDone(job)))
+        self._checker = PromptChecker(self._sm, s.max_context, lambda job: self._commands.put(CheckDone(job)), self.log)
         if "mapped_auto" in self._sm.admission_note:
             self.log.info("mapped pool (auto): %s", self._sm.admission_note["mapped_auto"])
         self._start_heat()

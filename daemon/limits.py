@@ -7,8 +7,9 @@ limit. Two guards, both in `Server`:
   max_connections   past this many connections, a new client's requests get a `busy`
                     error that says so (its connection stays open, so it can read it);
   the file limit    past the limit less `RESERVED_FDS` (the store, the log, the heat
-                    keeper's pipes, libzmq's own), a new connection is shut down at once,
-                    before libzmq can run out.
+                    keeper's pipes, libzmq's own) and `BURST_FDS` (what libzmq accepts
+                    before the I/O thread hears of it), a new connection is shut down
+                    at once.
 
 Importing mlx-lm sets the limit to (2048, 4096) (mlx_lm/utils.py, for models of many
 files), so `FileLimit.raise_soft` runs at start and again after that import. Without
@@ -24,6 +25,8 @@ import sys
 from dataclasses import dataclass
 
 RESERVED_FDS = 256
+# Connections libzmq may accept between two turns of the I/O thread in a burst.
+BURST_FDS = 512
 # macOS refuses a soft limit above OPEN_MAX even where the hard limit is unlimited.
 MACOS_OPEN_MAX = 10240
 # The soft limit asked for under an unlimited hard limit (Linux's default nr_open).
@@ -69,8 +72,10 @@ class FileLimit:
 
     @staticmethod
     def connection_room(fds_in_use: int) -> int:
-        """How many more descriptors connections may take under the soft limit now."""
+        """How many descriptors connections may hold under the soft limit now, less
+        BURST_FDS: libzmq accepts on its own thread and the I/O thread learns of each
+        connection (and shuts it) only a little later, so a burst must fit in between."""
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         if soft == resource.RLIM_INFINITY:
             return 1 << 30
-        return max(soft - RESERVED_FDS - fds_in_use, 0)
+        return max(soft - RESERVED_FDS - BURST_FDS - fds_in_use, 0)

@@ -16,6 +16,9 @@ the engine activates or fails the job only once it sees it set.
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 import threading
 import time
 from collections import defaultdict, deque
@@ -24,6 +27,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from moestream.shared import protocol as proto
+
+# Added to the daemon's niceness for the checking thread (Linux: per thread).
+CHECK_NICENESS = 10
 
 
 @dataclass(frozen=True)
@@ -39,8 +45,11 @@ class Checked:
 class PromptChecker:
     """One worker thread that checks the prompts of queued jobs, fairly by client."""
 
-    def __init__(self, sm: Any, max_context: int, on_done: Callable[[Any], None]) -> None:
+    def __init__(
+        self, sm: Any, max_context: int, on_done: Callable[[Any], None], log: logging.Logger | None = None
+    ) -> None:
         self._sm = sm
+        self._log = log
         self._max_context = max_context
         self._on_done = on_done
         self._cond = threading.Condition()
@@ -49,6 +58,10 @@ class PromptChecker:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="prompt-check", daemon=True)
         self._thread.start()
+
+    def _log_warning(self, message: str) -> None:
+        if self._log is not None:
+            self._log.warning(message)
 
     def submit(self, job: Any) -> None:
         with self._cond:
@@ -76,6 +89,13 @@ class PromptChecker:
             return job
 
     def _run(self) -> None:
+        if sys.platform == "linux":
+            # Tokenizing releases the GIL and takes a core: where cores are scarce the engine
+            # thread (this thread's niceness is its own on Linux) goes first.
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), CHECK_NICENESS)
+            except OSError as e:
+                self._log_warning(f"cannot lower the prompt check's priority: {e}")
         while (job := self._next()) is not None:
             if job.stop_reason is None:  # a job stopped meanwhile needs no check
                 job.checked = self.check(job.msg)

@@ -36,11 +36,16 @@ def open_idle(path: str, n: int) -> list[socket.socket]:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < n + 256:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, n + 1024), hard))
-    out = []
-    for _ in range(n):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.connect(path)
-        out.append(s)
+    out: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            out.append(s)
+            s.connect(path)
+    except OSError:
+        for s in out:
+            s.close()
+        raise
     return out
 
 
