@@ -96,6 +96,7 @@ def test_heat_is_never_written_into_another_users_store_folder(store_copy, rel_r
     assert "not beside the store" in d.paths.log.read_text()
 
 
+@pytest.mark.slow
 def test_a_second_daemon_on_the_store_does_not_claim_its_heat_is_running(store_copy, rel_reference, start_daemon):
     first = start_daemon(store_copy, "rt1")
     second = start_daemon(store_copy, "rt2")
