@@ -201,8 +201,8 @@ class Client:
             progress=True if progress else None,
             keep_alive=None if keep_alive is None else float(keep_alive),
         )
-        data = proto.encode(msg)
         try:
+            data = proto.encode(msg)
             proto.decode_request(data)  # the daemon's own checks, before anything is sent
         except proto.ProtocolError as e:
             raise RequestRejected(e.code, e.message, msg.id) from None
@@ -262,11 +262,11 @@ class Client:
         keep_waiting: after `timeout` seconds of silence, ping; wait on while it answers.
         """
         box = self._inbox.setdefault(request_id, deque())
-        last = time.monotonic()
+        last = heard = time.monotonic()
         while not box:
             if self._sock.poll(int(_SLICE_S * 1000), zmq.POLLIN):
                 self._receive()
-                last = time.monotonic()
+                last = heard = time.monotonic()
                 continue
             if self.pid is not None and not pid_alive(self.pid):
                 raise DaemonDied(f"the daemon (pid {self.pid}) exited while a reply to {request_id} was awaited")
@@ -274,8 +274,10 @@ class Client:
                 if keep_waiting and self._alive():
                     last = time.monotonic()
                     continue
+                # The ping of a long wait takes up to `timeout` more: say how long it really was.
                 raise DaemonDied(
-                    f"no reply from the daemon (pid {self.pid}) within {self.timeout:g} s; "
+                    f"no reply from the daemon (pid {self.pid}) for {time.monotonic() - heard:.0f} s"
+                    f"{', nor to a ping' if keep_waiting else ''} (timeout {self.timeout:g} s); "
                     f"see its log {self.paths.log} or `moestreamctl status`"
                 )
         reply = box.popleft()

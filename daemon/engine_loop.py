@@ -25,11 +25,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator
 
 import zmq
 
 from moestream.daemon.keep_alive import KeepAlive, trim_heap
+from moestream.daemon.limits import FileLimit
 from moestream.shared import protocol as proto
 from moestream.shared.settings import Settings, format_size
 
@@ -61,6 +63,13 @@ class PeerGone:
 
 
 @dataclass(frozen=True)
+class CheckDone:
+    """The prompt checker (daemon/prompt_check.py) has set this job's `checked`."""
+
+    job: Any
+
+
+@dataclass(frozen=True)
 class StopCmd:
     at: float
 
@@ -73,6 +82,8 @@ class Job:
     msg: proto.Generate
     received: float
     prompt_ids: list[int] = field(default_factory=list)
+    # The prompt checker's outcome (daemon/prompt_check.py `Checked`); None until then.
+    checked: Any = None
     gen: Iterator[tuple[str, int | None]] | None = None
     result: Any = None
     started: float | None = None
@@ -101,8 +112,17 @@ class EngineLoop:
     """`run()` serves until stopped; `submit`/`cancel`/`peer_gone`/`stop` may be called
     from any thread."""
 
-    def __init__(self, settings: Settings, ctx: zmq.Context, events_endpoint: str, log: logging.Logger) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        ctx: zmq.Context,
+        events_endpoint: str,
+        log: logging.Logger,
+        *,
+        file_limit: FileLimit | None = None,
+    ) -> None:
         self.settings = settings
+        self._file_limit = file_limit
         self.log = log
         self._ctx = ctx
         self._events_endpoint = events_endpoint
@@ -115,6 +135,7 @@ class EngineLoop:
         # The prompt cache (daemon/model/prompt_cache.py) where prompt_cache_bytes > 0, else None.
         self._prompt_cache: Any = None
         self._heat: Any = None
+        self._checker: Any = None
         self._heat_state: dict[str, Any] = {"state": "not started"}
         self._autopin: dict[str, Any] | None = None
         # The served manifest's stat when it was loaded: `status` compares it with the file's now.
@@ -125,7 +146,15 @@ class EngineLoop:
         self._active: deque[Job] = deque()
         self._jobs: dict[tuple[bytes, str], Job] = {}
         self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
-        self._counters = {"requests": 0, "completed": 0, "cancelled": 0, "disconnected": 0, "failed": 0, "tokens": 0}
+        self._counters = {
+            "requests": 0,
+            "completed": 0,
+            "cancelled": 0,
+            "disconnected": 0,
+            "failed": 0,
+            "tokens": 0,
+            "busy": 0,
+        }
         self._stopping = False
         self._prefetch_logged = False
         self._last_snapshot = 0.0
@@ -205,6 +234,8 @@ class EngineLoop:
         from moestream.daemon.model.streaming_model import load_streaming_model
         from moestream.shared.store_format import manifest_stamp
 
+        if self._file_limit is not None:
+            self._file_limit.raise_soft(self.log)  # importing mlx-lm (just now) lowered it
         s = self.settings
         if s.model is None:
             self.state, self.error = "failed", "no model: give --model STORE (made by `moestreamctl convert`)"
@@ -245,6 +276,10 @@ class EngineLoop:
             "store_id": self._sm.manifest.store_id,
             "store_stamp": self._store_stamp,
         }
+
+        from moestream.daemon.prompt_check import PromptChecker
+
+        self._checker = PromptChecker(self._sm, s.max_context, lambda job: self._commands.put(CheckDone(job)), self.log)
         if "mapped_auto" in self._sm.admission_note:
             self.log.info("mapped pool (auto): %s", self._sm.admission_note["mapped_auto"])
         return True
@@ -273,7 +308,7 @@ class EngineLoop:
             if idle and self._prompt_cache is not None:
                 # Off every request's path: finished caches go to the disk writer now.
                 self._prompt_cache.idle()
-            self._drain(block=idle)
+            self._drain(block=not self._active and not any(j.checked is not None for j in self._pending))
             if self._stopping:
                 return
             if self._pending and self._sm is None:
@@ -315,21 +350,25 @@ class EngineLoop:
         if (cmd.peer, msg.id) in self._jobs:
             self._send(cmd.peer, proto.Error(msg.id, proto.DUPLICATE_ID, f"request id {msg.id!r} is already in flight"))
             return
-        if len(self._jobs) >= self.settings.max_active + self.settings.max_queued:
-            self._send(
-                cmd.peer,
-                proto.Error(
-                    msg.id,
-                    proto.BUSY,
-                    f"the daemon has {len(self._pending)} requests waiting (max_queued); try again later",
-                ),
+        s = self.settings
+        mine = sum(1 for j in self._jobs.values() if j.peer == cmd.peer)
+        # One client's share: every active slot and a quarter of the queue, so others are never all busy.
+        share = s.max_active + max(s.max_queued // 4, 1)
+        if len(self._jobs) >= s.max_active + s.max_queued or mine >= share:
+            self._counters["busy"] += 1
+            why = (
+                f"this client has {mine} requests queued or running (its share: a quarter of max_queued)"
+                if mine >= share
+                else f"the daemon has {len(self._pending)} requests waiting (max_queued)"
             )
+            self._send(cmd.peer, proto.Error(msg.id, proto.BUSY, f"{why}; try again later"))
             return
         job = Job(cmd.peer, msg, time.monotonic())
         self._keep_alive.request(msg.keep_alive)
         self._jobs[job.key] = job
         self._pending.append(job)
         self._counters["requests"] += 1
+        self._checker.submit(job)
 
     def _on_cancel(self, cmd: CancelCmd) -> None:
         job = self._jobs.get((cmd.peer, cmd.msg.target))
@@ -350,37 +389,25 @@ class EngineLoop:
             self._finish(job)
 
     def _activate_pending(self) -> None:
-        """Move waiting requests into the active set, checking their prompts."""
-        from moestream.daemon.model.generation import GenerationResult, SamplingParams, encode_prompt
+        """Move waiting requests whose prompts are checked into the active set, the client
+        with the fewest active requests first. A request that would not fit the batch, or
+        whose KV cache would pass the memory budget, waits in the queue (`status` says why)."""
+        from moestream.daemon.model.generation import GenerationResult, SamplingParams
         from moestream.daemon.model.tool_calls import splitter_for
-        from moestream.daemon.pool.capacity import kv_cache_bytes
 
-        while self._pending and len(self._active) < self.settings.max_active:
-            if self._batch_full(self._pending[0]):
-                break
-            job = self._pending[0]
-            msg = job.msg
-            if not job.prompt_ids:
-                try:
-                    ids = encode_prompt(self._sm, msg.prompt, msg.prompt_ids, msg.messages, msg.tools, msg.tool_choice)
-                except ValueError as e:
-                    self._pending.popleft()
-                    self._fail(job, proto.BAD_MESSAGE, str(e))
-                    continue
-                if len(ids) + msg.max_tokens > self.settings.max_context:
-                    self._pending.popleft()
-                    self._fail(
-                        job,
-                        proto.TOO_LONG,
-                        f"prompt of {len(ids)} tokens + max_tokens {msg.max_tokens} is over the daemon's "
-                        f"context of {self.settings.max_context} tokens (setting max_context)",
-                    )
-                    continue
-                job.prompt_ids = ids
-                job.kv_bytes = kv_cache_bytes(self._sm.manifest.config, len(ids) + msg.max_tokens)
-            if self._kv_full(job) is not None:
-                break  # it waits until the active requests' caches leave room
-            self._pending.popleft()
+        while len(self._active) < self.settings.max_active:
+            job = self._next_checked()
+            if job is None:
+                return
+            msg, checked = job.msg, job.checked
+            if checked.ids is None:
+                self._pending.remove(job)
+                self._fail(job, checked.code, checked.message)
+                continue
+            if self._batch_full(job) or self._kv_full(job) is not None:
+                return
+            self._pending.remove(job)
+            job.prompt_ids = checked.ids
             job.tools = splitter_for(self._sm.tokenizer, msg.tools, msg.tool_choice)
             params = SamplingParams(
                 max_tokens=msg.max_tokens,
@@ -420,12 +447,16 @@ class EngineLoop:
         return budget - sm.resident_bytes - sm.pool_bytes - reserve - self.settings.prompt_cache_bytes
 
     def _kv_full(self, job: Job) -> str | None:
-        """Why `job` (its prompt encoded) cannot start beside the active requests: their
+        """Why `job` (its prompt checked) cannot start beside the active requests: their
         KV caches and its own would pass the memory budget; None where it can. A request
         alone always starts (its context was checked against max_context)."""
         allowance = self._kv_allowance()
         if allowance is None or not self._active:
             return None
+        if not job.kv_bytes:
+            from moestream.daemon.pool.capacity import kv_cache_bytes
+
+            job.kv_bytes = kv_cache_bytes(self._sm.manifest.config, len(job.checked.ids) + job.msg.max_tokens)
         held = sum(j.kv_bytes for j in self._active)
         if held + job.kv_bytes <= allowance:
             return None
@@ -434,17 +465,29 @@ class EngineLoop:
             f"request(s) + {format_size(job.kv_bytes)} for the next > {format_size(allowance)}"
         )
 
+    def _next_checked(self) -> Job | None:
+        """The queued request to start next: of those whose prompts are checked, one of
+        the client with the fewest active requests; None while none is checked."""
+        ready = [j for j in self._pending if j.checked is not None]
+        if not ready:
+            return None
+        active_by_peer = [j.peer for j in self._active]
+        return min(ready, key=lambda j: active_by_peer.count(j.peer))
+
     def _why_queued(self) -> str | None:
-        """Why the first queued request has not started, for `status`."""
+        """Why the next queued request has not started, for `status`."""
         if not self._pending:
             return None
         if len(self._active) >= self.settings.max_active:
             return f"{self.settings.max_active} requests decode at once (max_active)"
-        if self._batch_full(self._pending[0]):
+        job = self._next_checked()
+        if job is None:
+            return "its prompt is being checked (tokenized, its length against max_context)"
+        if job.checked.ids is None:
+            return None
+        if self._batch_full(job):
             return self._batch.why_full()
-        if self._pending[0].prompt_ids:
-            return self._kv_full(self._pending[0])
-        return None
+        return self._kv_full(job)
 
     def _make_generator(self, job: Job, params: Any) -> Iterator[tuple[str, int | None]]:
         from moestream.daemon.model.generation import iter_generate
@@ -774,13 +817,18 @@ class EngineLoop:
 
         sm = self._sm
         heat_dir = self.settings.heat_folder(sm.store_dir)
+        if not self.settings.heat_dir and heat_dir != Path(sm.store_dir).resolve():
+            self.log.info(
+                "heat: kept in %s, not beside the store (the demo, or a folder this user cannot write or does not own)",
+                heat_dir,
+            )
         try:
             heat_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:
             # The keeper will fail its writes and say so in `status`; serving goes on.
             self.log.error("heat: cannot create the heat folder %s: %s", heat_dir, e)
         try:
-            usage = load_usage(heat_dir)
+            usage = load_usage(heat_dir, {p.layer.ordinal: p.layer.num_experts for p in sm.pools})
         except HeatReadError as e:
             self.log.error("heat: cannot read the saved heat (%s); starting without pinned experts", e)
         else:
@@ -833,7 +881,10 @@ class EngineLoop:
         if self._heat is None:
             return dict(self._heat_state)
         health = self._heat.health()
-        return {"state": "running" if health["alive"] else "down", **health}
+        # A keeper that is alive but not ready waits for the heat file's lock (another
+        # daemon's keeper on the same store): not yet keeping anything.
+        state = ("running" if health["ready"] else "starting") if health["alive"] else "down"
+        return {"state": state, **health}
 
     def _close_model(self) -> None:
         try:
@@ -845,4 +896,6 @@ class EngineLoop:
                 self._heat_state = {"state": "closed"}
                 self._heat = None
         finally:
+            if self._checker is not None:
+                self._checker.close()
             self._release_model()

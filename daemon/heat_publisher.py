@@ -46,10 +46,11 @@ HEAT_ACK_SOCKET = "heat-ack.sock"
 MAX_IPC_PATH = 103
 
 
-def load_usage(store_dir: Path | str) -> UsageLoad:
-    """The heat saved beside a store (for autopin). A corrupt file is set aside and
-    `problem` says so; the caller logs it."""
-    return read_usage(usage_path(store_dir))
+def load_usage(store_dir: Path | str, shape: Mapping[int, int] | None = None) -> UsageLoad:
+    """The heat saved beside a store (for autopin); `shape` is {layer: experts} of the
+    model. A corrupt file, or one naming layers or experts the model lacks, is set aside
+    and `problem` says so; the caller logs it."""
+    return read_usage(usage_path(store_dir), shape)
 
 
 def encode_counts(counts: Mapping[int, np.ndarray]) -> tuple[dict[int, bytes], int]:

@@ -14,10 +14,13 @@ import os
 import sys
 
 from moestream import __version__
+from moestream.shared.log_rate import RateLimitFilter
 from moestream.shared.runtime_dir import InstanceLock, RuntimeDirError, RuntimePaths
 from moestream.shared.settings import SETTINGS, Settings, SettingsError
 
 LOG_ROTATE_BYTES = 16 * 2**20
+LOG_LINES_PER_WINDOW = 200
+LOG_WINDOW_SECONDS = 10.0
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(threadName)s] %(message)s"
 
 # Flags of `python -m moestream.daemon.main`: every setting, `--name VALUE` (a bool's as
@@ -38,8 +41,11 @@ def open_log(paths: RuntimePaths, *, to_stderr: bool, rotate_bytes: int = LOG_RO
     ]
     if to_stderr:
         handlers.append(logging.StreamHandler(sys.stderr))
+    # Generous for a daemon's own lines; it stops one client's junk from filling the disk.
+    rate = RateLimitFilter(LOG_LINES_PER_WINDOW, LOG_WINDOW_SECONDS)
     for h in handlers:
         h.setFormatter(logging.Formatter(LOG_FORMAT))
+        h.addFilter(rate)
         log.addHandler(h)
     return log
 
@@ -52,8 +58,11 @@ def close_log(log: logging.Logger) -> None:
 
 def run_daemon(settings: Settings, *, log_to_stderr: bool = False, handle_signals: bool = True) -> int:
     """Serve until shutdown; returns the exit code (0 after a clean stop)."""
+    from moestream.daemon.limits import FileLimit
     from moestream.daemon.server import Server
 
+    file_limit = FileLimit.at_start()
+    file_limit.raise_soft()
     paths = RuntimePaths.from_settings(settings)
     # Everything the daemon creates (socket, pid file, log) is private to the user.
     os.umask(0o077)
@@ -76,7 +85,7 @@ def run_daemon(settings: Settings, *, log_to_stderr: bool = False, handle_signal
         log.info(
             "moestream daemon %s starting (pid %d, socket %s, log %s)", __version__, os.getpid(), endpoint, paths.log
         )
-        return Server(settings, paths, log, handle_signals=handle_signals).run()
+        return Server(settings, paths, log, handle_signals=handle_signals, file_limit=file_limit).run()
     except Exception:
         log.exception("the daemon failed")
         return 1

@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import psutil
@@ -33,6 +34,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from moestream import __version__
 from moestream.daemon.engine_loop import EXIT_FRAME, EngineLoop
+from moestream.daemon.limits import FileLimit
 from moestream.shared import protocol as proto
 from moestream.shared.runtime_dir import RuntimePaths
 from moestream.shared.settings import Settings
@@ -45,15 +47,42 @@ POLL_MS = 500
 # Bounded wait at close so the last `done` events (e.g. finish reason "shutdown") still
 # reach their clients; a stuck client cannot hold the daemon longer than this.
 CLOSE_LINGER_MS = 500
+# Messages queued for one client that does not read them, before it is dropped: far more
+# than a reading client ever has waiting (a token event is sent as it is made).
+REPLY_QUEUE_MESSAGES = 1000
+# Clients dropped (disconnected, or not reading) whose later messages are discarded.
+GONE_REMEMBERED = 4096
+# How often the descriptors the process holds besides its connections are counted again.
+FD_RECOUNT_SECONDS = 5.0
+
+
+@dataclass
+class ServerCounters:
+    """What the I/O thread refused or dropped, for `status` (clients)."""
+
+    refused_busy: int = 0  # requests of new clients past max_connections
+    shut_near_file_limit: int = 0  # connections shut down at once, near the open-file limit
+    dropped: int = 0  # clients gone, or not reading their replies
+    ignored_messages: int = 0  # messages of dropped clients, not served
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
 
 
 class Server:
     """One daemon's I/O loop. `run()` returns the process exit code."""
 
     def __init__(
-        self, settings: Settings, paths: RuntimePaths, log: logging.Logger, *, handle_signals: bool = True
+        self,
+        settings: Settings,
+        paths: RuntimePaths,
+        log: logging.Logger,
+        *,
+        handle_signals: bool = True,
+        file_limit: FileLimit | None = None,
     ) -> None:
         self.settings = settings
+        self.file_limit = file_limit or FileLimit.at_start()
         self.paths = paths
         self.log = log
         self.handle_signals = handle_signals and threading.current_thread() is threading.main_thread()
@@ -63,6 +92,12 @@ class Server:
         self._stop_sent = False
         self._io_failed = False
         self._clients = 0
+        # Peers whose requests are served; a new one past max_connections is refused.
+        self._admitted: OrderedDict[bytes, None] = OrderedDict()
+        self._refusing = False
+        self._other_fds = 0
+        self._fds_counted = 0.0
+        self.counters = ServerCounters()
         self._gone: OrderedDict[bytes, None] = OrderedDict()
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
@@ -73,7 +108,7 @@ class Server:
         """Bind, load, serve until shutdown; returns the exit code (0 after a clean stop)."""
         ctx = zmq.Context()
         events_endpoint = f"inproc://engine-events-{id(self)}"
-        engine = EngineLoop(self.settings, ctx, events_endpoint, self.log)
+        engine = EngineLoop(self.settings, ctx, events_endpoint, self.log, file_limit=self.file_limit)
         wake_r, wake_w = socket.socketpair()
         bound = threading.Event()
         io = threading.Thread(target=self._io_main, args=(ctx, events_endpoint, engine, wake_r, bound), name="io")
@@ -114,9 +149,10 @@ class Server:
             router.setsockopt(zmq.LINGER, 0)
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             router.setsockopt(zmq.MAXMSGSIZE, HARD_MAX_MESSAGE_BYTES)
-            # No send limit: a stalled client holds at most its requests' events, bounded by
-            # max_context tokens each, and a full queue would read as a disconnect.
-            router.setsockopt(zmq.SNDHWM, 0)
+            # Each client's reply queue is bounded: one that stops reading (while it goes on
+            # sending) would otherwise grow the daemon without end. A full queue fails the
+            # send with EAGAIN, and `_send` drops that client like a disconnected one.
+            router.setsockopt(zmq.SNDHWM, REPLY_QUEUE_MESSAGES)
             router.bind(self.paths.endpoint)
             os.chmod(self.paths.socket, 0o600)
             monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
@@ -155,6 +191,8 @@ class Server:
                 signals = wake.recv(4096)
                 if any(n in (signal.SIGTERM, signal.SIGINT) for n in signals):
                     self._stop_requested = True
+            if time.monotonic() - self._fds_counted > FD_RECOUNT_SECONDS:
+                self._count_fds()
             if monitor in ready:
                 self._read_monitor(monitor)
             if pull in ready and self._forward_events(router, pull, engine):
@@ -205,9 +243,10 @@ class Server:
                 why = "not reading its replies (send queue full)"
             else:
                 raise
-            self.log.info("client %s %s: stopping its requests", peer.hex(), why)
+            self.log.info("client %s %s: stopping its requests; its later messages are ignored", peer.hex(), why)
+            self.counters.dropped += 1
             self._gone[peer] = None
-            if len(self._gone) > 4096:
+            if len(self._gone) > GONE_REMEMBERED:
                 self._gone.popitem(last=False)
             if engine is not None:
                 engine.peer_gone(peer)
@@ -221,7 +260,13 @@ class Server:
             except zmq.Again:
                 return
             peer = frames[0]
-            self._gone.pop(peer, None)
+            if peer in self._gone:
+                # A routing id is one connection's: a dropped client never comes back under it,
+                # so what it sent before it went (or while not reading) is not worth serving.
+                self.counters.ignored_messages += 1
+                continue
+            if not self._admit(router, peer, frames[-1]):
+                continue
             if len(frames) != 2:
                 self._reply(
                     router,
@@ -236,6 +281,40 @@ class Server:
                 self._reply(router, peer, proto.Error(e.request_id, e.code, e.message))
                 continue
             self._dispatch(router, peer, msg, engine)
+
+    def _admit(self, router: zmq.Socket, peer: bytes, data: bytes) -> bool:
+        """Whether `peer`'s requests are served: one served before is; a new one is while
+        the daemon has at most max_connections connections, else it hears why not."""
+        if peer in self._admitted:
+            self._admitted.move_to_end(peer)
+            return True
+        limit = self.settings.max_connections
+        if self._clients <= limit:
+            self._admitted[peer] = None
+            if len(self._admitted) > 2 * limit:
+                self._admitted.popitem(last=False)
+            self._refusing = False
+            return True
+        self.counters.refused_busy += 1
+        if not self._refusing:
+            self.log.warning("%d connections open (max_connections %d): refusing new clients", self._clients, limit)
+            self._refusing = True
+        rid = ""
+        try:
+            rid = proto.decode_request(data).id
+        except proto.ProtocolError as e:
+            rid = e.request_id
+        self._reply(
+            router,
+            peer,
+            proto.Error(
+                rid,
+                proto.BUSY,
+                f"the daemon has {self._clients} connections open (setting max_connections {limit}); "
+                "close some and try again",
+            ),
+        )
+        return False
 
     def _dispatch(self, router: zmq.Socket, peer: bytes, msg: proto.Request, engine: EngineLoop) -> None:
         if isinstance(msg, proto.Ping):
@@ -267,8 +346,35 @@ class Server:
                 return
             if event["event"] == zmq.EVENT_ACCEPTED:
                 self._clients += 1
+                if self._clients > self.file_limit.connection_room(self._other_fds):
+                    self._shut_down(event["value"])
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self._clients = max(self._clients - 1, 0)
+
+    def _count_fds(self) -> None:
+        self._fds_counted = time.monotonic()
+        try:
+            self._other_fds = max(self._process.num_fds() - self._clients, 0)
+        except psutil.Error as e:
+            self.log.warning("cannot count open files: %s", e)
+
+    def _shut_down(self, fd: int) -> None:
+        """End a connection past the file limit: shut its socket down (libzmq then sees
+        it end and closes its descriptor), so that `accept` never fails with EMFILE."""
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                s.shutdown(socket.SHUT_RDWR)
+        except OSError as e:
+            self.log.warning("cannot shut down connection fd %d: %s", fd, e)
+            return
+        self.counters.shut_near_file_limit += 1
+        n = self.counters.shut_near_file_limit
+        if n in (1, 10, 100) or n % 1000 == 0:
+            self.log.warning(
+                "%d connections open, near the open-file limit: %d connection(s) shut down so far",
+                self._clients,
+                n,
+            )
 
     # ---- status ------------------------------------------------------------------------
 
@@ -338,6 +444,8 @@ class Server:
             "clients": {
                 "connected": self._clients,
                 "with_requests": requests.get("clients", 0),
+                "max_connections": s.max_connections,
+                **self.counters.to_dict(),
             },
             "requests": {
                 "active": len(requests.get("active", [])),
@@ -348,7 +456,7 @@ class Server:
                 "recent": requests.get("recent", []),
                 **{
                     k: requests[k]
-                    for k in ("requests", "completed", "cancelled", "disconnected", "failed", "tokens")
+                    for k in ("requests", "completed", "cancelled", "disconnected", "failed", "tokens", "busy")
                     if k in requests
                 },
             },

@@ -22,6 +22,7 @@ import errno
 import json
 import os
 import secrets
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,9 @@ from moestream.shared.store_format import POOL_USAGE_NAME
 
 # Ids above this are not a model's layers or experts: such a file is corrupt.
 MAX_ID = 1 << 20
+# Far more than any model's table (layers x experts x about 16 bytes): a larger file is
+# not read into memory.
+MAX_HEAT_BYTES = 32 * 2**20
 # Counts must fit an int64 so every reader (numpy included) can hold them.
 MAX_COUNT = (1 << 63) - 1
 
@@ -92,24 +96,68 @@ def usage_path(store_dir: Path | str) -> Path:
     return Path(store_dir) / POOL_USAGE_NAME
 
 
-def read_usage(path: Path | str) -> UsageLoad:
+def read_usage(path: Path | str, shape: Mapping[int, int] | None = None) -> UsageLoad:
     """Load the heat file. Missing -> empty. Corrupt -> set aside, empty, `problem` set.
+
+    `shape` ({layer: number of experts}, from the manifest) makes a file that names any
+    other layer or expert corrupt too (one heat folder shared by two stores). Never
+    trusted further than that: a symlink, a FIFO, a device or a file over
+    MAX_HEAT_BYTES is not read at all (opened without following links and without
+    blocking, checked with fstat) and is set aside like a corrupt file.
 
     Raises `HeatReadError` only when the file exists but the OS refuses to read it: that
     is not a corrupt file, and moving it aside would hide a failing disk.
     """
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return UsageLoad(path)
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            return _set_aside(path, b"", "a symbolic link, not a file")
         raise HeatReadError("cannot read heat file", path, e, "fix the file or its permissions, or remove it") from e
     try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return _set_aside(path, b"", "not a regular file")
+        if st.st_size > MAX_HEAT_BYTES:
+            return _set_aside(path, b"", f"{st.st_size} bytes, over the limit of {MAX_HEAT_BYTES}")
+        raw = _read_at_most(fd, MAX_HEAT_BYTES + 1)
+    except OSError as e:
+        raise HeatReadError("cannot read heat file", path, e, "fix the file or its permissions, or remove it") from e
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_HEAT_BYTES:
+        return _set_aside(path, b"", f"over the limit of {MAX_HEAT_BYTES} bytes")
+    try:
         counts = parse_usage(raw)
+        if shape is not None:
+            check_shape(counts, shape)
     except ValueError as e:
         return _set_aside(path, raw, str(e))
     return UsageLoad(path, counts)
+
+
+def _read_at_most(fd: int, limit: int) -> bytes:
+    chunks, size = [], 0
+    while size < limit:
+        chunk = os.read(fd, min(1 << 20, limit - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+def check_shape(counts: UsageCounts, shape: Mapping[int, int]) -> None:
+    """`ValueError` for a layer the model lacks, or an expert id past its layer's count."""
+    for layer, experts in counts.items():
+        if layer not in shape:
+            raise ValueError(f"layer {layer} is not a MoE layer of this store (it has {sorted(shape)[:8]}...)")
+        bad = [e for e in experts if e >= shape[layer]]
+        if bad:
+            raise ValueError(f"layer {layer} expert {bad[0]} is past the layer's {shape[layer]} experts")
 
 
 def parse_usage(raw: bytes) -> UsageCounts:
@@ -272,9 +320,17 @@ class UsageLock:
     def acquire(self, timeout: float, should_stop: Callable[[], bool] | None = None) -> None:
         """Wait up to `timeout` seconds; `should_stop()` returning true abandons the wait."""
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # Never through a symlink someone planted: the pid written below would clobber
+            # whatever it points to.
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
         except OSError as e:
             raise HeatFileError("cannot open lock file", self.path, e, "is the store folder writable?") from e
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            os.close(fd)
+            why = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"owned by uid {st.st_uid}"
+            cause = OSError(errno.EPERM, f"{why}; refusing to use it")
+            raise HeatFileError("cannot use lock file", self.path, cause, "remove it, or set heat_dir")
         if not lock_exclusive(fd, timeout, should_stop):
             stopped = should_stop is not None and should_stop()
             holder = _read_pid(fd)

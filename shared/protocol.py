@@ -5,6 +5,7 @@ Every message is one ZeroMQ frame holding a msgpack map with `v` (PROTOCOL_VERSI
 1 to 64 characters, unique among its own requests). Client -> daemon:
 
   generate  prompt | prompt_ids | messages, max_tokens, temp, top_p, seed, stop,
+            (temp below MIN_TEMP, or top_p below MIN_TOP_P: greedy, the limit they tend to)
             [tools, tool_choice, speculative, draft_tokens, draft_model, diagnostics, progress, keep_alive]
                                                         -> progress*, (token | tool_call)*, done
   cancel    target (the id of one of this client's generate requests)  -> cancelled
@@ -62,6 +63,11 @@ TOOL_CHOICES = ("auto", "none", "required")
 MAX_KEEP_ALIVE_S = 2**31  # seconds; above it means never, as -1 does
 # The engine's states in which a request is served: "unloaded" loads the model first.
 SERVING_STATES = ("ready", "unloaded")
+# Below these, sampling is the greedy choice it tends to: float32 cannot compute it
+# (1/temp overflows to inf near 1e-38, top_p underflows near 1e-45) and gave
+# seed-dependent garbage; at the floors it is already greedy in all but ties.
+MIN_TEMP = 1e-3
+MIN_TOP_P = 1e-6
 
 # Error codes of `error` replies.
 BAD_MESSAGE = "bad_message"  # not one msgpack map, or a field of the wrong type or range
@@ -317,7 +323,8 @@ def _plain(obj: Any) -> Any:
 
 
 def encode(message: Request | Reply) -> bytes:
-    """One message as msgpack bytes."""
+    """One message as msgpack bytes; `ProtocolError` for text UTF-8 cannot carry (a lone
+    surrogate, as JSON's "\\ud800" decodes to)."""
     body = {"v": PROTOCOL_VERSION, "type": message.TYPE}
     body.update(asdict(message))
     for name in getattr(message, "OPTIONAL", ()):
@@ -325,7 +332,15 @@ def encode(message: Request | Reply) -> bytes:
             del body[name]
     if body.get("messages"):
         body["messages"] = [{k: v for k, v in m.items() if v is not None} for m in body["messages"]]
-    return msgpack.packb(body, use_bin_type=True, default=_plain)
+    try:
+        return msgpack.packb(body, use_bin_type=True, default=_plain)
+    except UnicodeEncodeError as e:
+        bad = e.object[e.start : e.end] if isinstance(e.object, str) else ""
+        raise ProtocolError(
+            BAD_MESSAGE,
+            f"the text holds a lone surrogate ({', '.join(f'U+{ord(c):04X}' for c in bad)}), which UTF-8 cannot carry",
+            message.id,
+        ) from None
 
 
 def _unpack(data: bytes) -> dict[str, Any]:
@@ -556,6 +571,8 @@ def _generate_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
         rid,
         f"'stop' must be a list of at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters",
     )
+    if temp < MIN_TEMP or top_p < MIN_TOP_P:
+        temp = 0.0
     return {
         "prompt": prompt,
         "prompt_ids": ids,

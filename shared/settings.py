@@ -537,7 +537,53 @@ class Settings:
         "each request; -1: never.",
     )
     max_queued: int = setting(
-        256, kind="int", low=0, high=1_000_000, help="Requests waiting for a turn; more are refused as busy."
+        256,
+        kind="int",
+        low=0,
+        high=1_000_000,
+        help="Requests waiting for a turn, a quarter of them (at least one) from one client; more are refused as busy.",
+    )
+    max_draft_models: int = setting(
+        1,
+        kind="int",
+        low=1,
+        high=64,
+        scope=(DAEMON,),
+        help="Draft models (speculative 'draft') kept loaded between requests; the least recently used goes first.",
+    )
+    # Each connection holds an open file; past the open-file limit (less a reserve) new
+    # connections are shut down whatever this says (daemon/limits.py).
+    max_connections: int = setting(
+        4096,
+        kind="int",
+        low=1,
+        high=1_000_000,
+        scope=(DAEMON,),
+        help="Client connections at once; a new client past them is refused as busy.",
+    )
+
+    # ---- the HTTP gateway (`serve-openai`; client/openai_api/guard.py)
+    gateway_origins: str | None = setting(
+        None,
+        kind="text",
+        shown_default="none: only pages on this machine",
+        help="Browser origins besides this machine's pages that may use the gateway, comma-separated "
+        "(http://app.example:3000), or * for any (as OLLAMA_ORIGINS).",
+    )
+    gateway_read_timeout: float = setting(
+        10.0,
+        kind="float",
+        low=0.1,
+        high=3600.0,
+        help="Seconds a gateway connection has to send a request's headers, and again its body.",
+    )
+    gateway_max_connections: int = setting(
+        512,
+        kind="int",
+        low=2,
+        high=1_000_000,
+        help="Gateway connections at once, half of them from one client address (fewer where the open-file "
+        "limit is lower); past it the oldest idle or half-open one is closed.",
     )
     # A chat resends its whole history each turn; the cache spares prefilling it again.
     prompt_cache_bytes: int = setting(
@@ -674,15 +720,15 @@ class Settings:
 
     def heat_folder(self, store: str | os.PathLike, env: Mapping[str, str] | None = None) -> Path:
         """Where the heat of `store` is kept: `heat_dir` when set; else beside the store,
-        except for the built-in demo store or a store this user cannot write, whose heat
-        goes to a folder of their own under the state folder (never into the installed
-        package)."""
+        except for the built-in demo store or a store folder this user cannot write or does
+        not own, whose heat goes to a folder of their own under the state folder (never into
+        the installed package, nor into another user's folder, even as root)."""
         if self.heat_dir:
             return Path(self.heat_dir)
         # Spelled as on disk: on a case-insensitive filesystem ~/Models/X and ~/models/x
         # are one store, whose heat must be one folder.
         folder = canonical_folder(store)
-        if not same_folder(folder, demo_store_path()) and os.access(folder, os.W_OK):
+        if not same_folder(folder, demo_store_path()) and os.access(folder, os.W_OK) and _owned_by_me(folder):
             return folder
         digest = hashlib.sha256(str(folder).encode()).hexdigest()[:12]
         return default_state_dir(os.environ if env is None else env) / "heat" / f"{folder.name}-{digest}"
@@ -691,6 +737,13 @@ class Settings:
         if self.runtime_dir:
             return Path(self.runtime_dir)
         return default_runtime_dir(os.environ if env is None else env)
+
+
+def _owned_by_me(folder: Path) -> bool:
+    try:
+        return folder.stat().st_uid == os.geteuid()
+    except OSError:
+        return False
 
 
 # Every setting's definition, in the order of the fields (the order of --help and of the

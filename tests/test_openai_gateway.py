@@ -46,7 +46,7 @@ BUSY = 120  # tokens per request when three run at once
 class Gateway:
     """`moestreamctl serve-openai` as a child process on a free port."""
 
-    def __init__(self, runtime: Path, log: Path, *args: str) -> None:
+    def __init__(self, runtime: Path, log: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.log = log
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(
@@ -63,7 +63,7 @@ class Gateway:
                 ],
                 stdout=f,
                 stderr=subprocess.STDOUT,
-                env=clean_env(),
+                env=clean_env(**(env or {})),
             )
         line = wait_for(self._address, 30, "the gateway to listen")
         self.url = line
@@ -525,7 +525,7 @@ def test_a_client_that_disconnects_cancels_its_request_within_a_token(served, mo
     sock = socket.create_connection((host, int(port)))
     try:
         sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n".encode()
             + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(raw)}\r\n\r\n".encode()
             + raw
         )

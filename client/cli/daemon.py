@@ -16,6 +16,7 @@ import click
 from moestream.client.cli.values import capacity_note, runtime_dir_option, setting_options, store_option
 from moestream.client.client import Client, ClientError, DaemonDied, DaemonNotRunning
 from moestream.shared import protocol as proto
+from moestream.shared.file_lock import lock_exclusive
 from moestream.shared.runtime_dir import (
     LOG_NAME,
     RuntimeDirError,
@@ -42,6 +43,8 @@ START_FLAGS = tuple(d.name for d in in_scope(DAEMON))
 # Settings that name files or folders.
 PATH_SETTINGS = tuple(d.name for d in SETTINGS if d.kind == "path")
 LOG_TAIL_LINES = 40
+# In the runtime folder: held while one client starts the daemon.
+START_LOCK = "start.lock"
 
 
 class StartError(click.ClickException):
@@ -98,11 +101,16 @@ def _tail(path: Path, lines: int, *, start: int = 0) -> str:
     return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
 
 
-def start_daemon(settings: Settings, given: dict[str, Any], *, timeout: float = 120.0, echo: bool = True) -> int:
+def start_daemon(
+    settings: Settings, given: dict[str, Any], *, timeout: float = 120.0, echo: bool = True, join: bool = False
+) -> int:
     """Start a detached daemon and wait until it answers as ready; returns its pid.
 
     `given` holds the flags the user gave (they are passed on; the daemon resolves the
     environment and config file itself). Raises `StartError` with its log's tail.
+    Starts are serialized by a lock in the runtime folder, so that of clients starting
+    one at once, one starts it; with `join` (auto-start) the others wait for that daemon
+    and use it, without it they are refused as a daemon already running.
     """
     if settings.model is None:
         raise click.UsageError(
@@ -111,10 +119,6 @@ def start_daemon(settings: Settings, given: dict[str, Any], *, timeout: float = 
     store_option(settings.model)  # a wrong folder fails here, not in the daemon's log
     given = absolute_paths(given)
     paths = _paths(settings)
-    if _running(paths):
-        raise click.ClickException(
-            f"a moestream daemon is already running (pid {running_pid(paths)}); see `moestreamctl status`"
-        )
     old = earlier_runtime_dir(os.environ) if settings.runtime_dir is None else None
     if old is not None and _running(RuntimePaths(dir=old, log=old / LOG_NAME)):
         raise click.ClickException(
@@ -124,8 +128,27 @@ def start_daemon(settings: Settings, given: dict[str, Any], *, timeout: float = 
     try:
         ensure_private_dir(paths.dir)
         paths.log.parent.mkdir(parents=True, exist_ok=True)
+        start_lock = os.open(paths.dir / START_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except (RuntimeDirError, OSError) as e:
         raise click.ClickException(str(e)) from None
+    try:
+        tic = time.monotonic()
+        if not lock_exclusive(start_lock, timeout):
+            raise StartError(f"another client has been starting the daemon for over {timeout:g} s; log {paths.log}")
+        # A socket that answers is a running daemon, whatever its lock and pid files say
+        # (macOS's daily clean-up of /tmp may have deleted them).
+        if _running(paths):
+            if not join:
+                raise click.ClickException(
+                    f"a moestream daemon is already running (pid {running_pid(paths)}); see `moestreamctl status`"
+                )
+            return _wait_ready(paths, None, max(timeout - (time.monotonic() - tic), 1.0), 0)
+        return _spawn(settings, given, paths, timeout, echo)
+    finally:
+        os.close(start_lock)  # drops the flock
+
+
+def _spawn(settings: Settings, given: dict[str, Any], paths: RuntimePaths, timeout: float, echo: bool) -> int:
     argv = [sys.executable, "-m", "moestream.daemon.main"]
     for name in START_FLAGS:
         if given.get(name) is not None:
@@ -140,10 +163,22 @@ def start_daemon(settings: Settings, given: dict[str, Any], *, timeout: float = 
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True, cwd="/"
         )
-    deadline = time.monotonic() + timeout
     tic = time.monotonic()
+    _wait_ready(paths, proc, timeout, offset)
+    if echo:
+        click.echo(
+            f"moestream daemon started (pid {proc.pid}, {time.monotonic() - tic:.1f} s): "
+            f"model {settings.model}, socket {paths.socket}, log {paths.log}",
+            err=True,
+        )
+    return proc.pid
+
+
+def _wait_ready(paths: RuntimePaths, proc: subprocess.Popen | None, timeout: float, offset: int) -> int:
+    """Wait until the daemon (`proc`, or the one holding the lock) answers as ready; its pid."""
+    deadline = time.monotonic() + timeout
     while True:
-        code = proc.poll()
+        code = proc.poll() if proc is not None else (None if _running(paths) else "gone")
         if code is not None:
             raise StartError(
                 f"the daemon exited with code {code} while starting; log {paths.log}:\n"
@@ -152,22 +187,15 @@ def start_daemon(settings: Settings, given: dict[str, Any], *, timeout: float = 
         try:
             state = _ping_state(paths)
         except ClientError as e:
-            raise StartError(f"the daemon (pid {proc.pid}) answers, but not as expected: {e}") from None
+            raise StartError(f"the daemon (pid {running_pid(paths)}) answers, but not as expected: {e}") from None
         if state in proto.SERVING_STATES:
-            break
+            return proc.pid if proc is not None else running_pid(paths) or 0
         if time.monotonic() > deadline:
             raise StartError(
-                f"the daemon (pid {proc.pid}) is not ready after {timeout:g} s (state {state}); "
+                f"the daemon (pid {read_pid(paths)}) is not ready after {timeout:g} s (state {state}); "
                 f"it keeps running; log {paths.log}:\n" + _tail(paths.log, LOG_TAIL_LINES, start=offset)
             )
         time.sleep(0.05)
-    if echo:
-        click.echo(
-            f"moestream daemon started (pid {proc.pid}, {time.monotonic() - tic:.1f} s): "
-            f"model {settings.model}, socket {paths.socket}, log {paths.log}",
-            err=True,
-        )
-    return proc.pid
 
 
 def _running(paths: RuntimePaths) -> bool:

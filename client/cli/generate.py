@@ -293,7 +293,8 @@ def _generate_via_daemon(
             raise click.UsageError("no daemon is running: give --model STORE to start one, or use --local") from None
         store_option(settings.model)
         click.echo(f"moestream: no daemon running; starting one for {settings.model}", err=True)
-        start_daemon(settings, {d.name: given[d.name] for d in in_scope(GENERATE)})
+        # Another invocation may be starting one this moment: then this one waits for it.
+        start_daemon(settings, {d.name: given[d.name] for d in in_scope(GENERATE)}, join=True)
         client = Client(paths)
     with client:
         try:

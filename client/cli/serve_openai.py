@@ -124,7 +124,10 @@ def serve_openai(host, port, api_key, api_key_file, runtime_dir, log_level) -> N
     logging.basicConfig(level=log_level.upper(), format="%(levelname)-9s %(name)s: %(message)s")
 
     from moestream.client.gateway.app import GatewayConfig, create_app
+    from moestream.client.gateway.guard import ConnectionGuard, GuardConfig, limit_log_rate, raise_file_limit
 
+    raise_file_limit()  # each connection is an open file
+    guard = GuardConfig.from_settings(settings, host)
     sock = bind(host, port)
     actual = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
@@ -133,9 +136,10 @@ def serve_openai(host, port, api_key, api_key_file, runtime_dir, log_level) -> N
         f"API key {'required' if key else 'not required'}; pid {os.getpid()})",
         err=True,
     )
-    app = create_app(GatewayConfig(paths=paths, api_key=key))
+    app = create_app(GatewayConfig(paths=paths, api_key=key), guard)
     config = uvicorn.Config(
         app,
+        http=ConnectionGuard(guard).protocol_class(),
         host=host,
         port=actual,
         log_level=log_level,
@@ -145,6 +149,7 @@ def serve_openai(host, port, api_key, api_key_file, runtime_dir, log_level) -> N
         # them their daemon requests.
         timeout_graceful_shutdown=5,
     )
+    limit_log_rate()  # after uvicorn.Config has set up its loggers
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:

@@ -43,6 +43,7 @@ from typing import Any, AsyncIterator, Awaitable
 import anyio.to_thread
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -51,6 +52,7 @@ from starlette.types import Receive, Scope, Send
 from moestream.client.client import Client, ClientError, DaemonNotRunning, RequestRejected, Token, ToolCall
 from moestream.client.dashboard import Dashboard
 from moestream.client.gateway import anthropic, ollama
+from moestream.client.gateway.guard import GuardConfig, GuardMiddleware
 from moestream.client.gateway.openai import ApiError, ApiRequest, Shaper, finish_reason, parse_request, usage
 from moestream.shared import protocol as proto
 from moestream.shared.protocol import Done
@@ -545,8 +547,9 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return error_response(request, ApiError(500, f"the gateway failed: {type(exc).__name__}", type="server_error"))
 
 
-def create_app(config: GatewayConfig) -> Starlette:
-    """The ASGI app of the gateway for the daemon at `config.paths`."""
+def create_app(config: GatewayConfig, guard: GuardConfig | None = None) -> Starlette:
+    """The ASGI app of the gateway for the daemon at `config.paths`, behind the request
+    guards (client/openai_api/guard.py) of `guard` (default: a loopback server's)."""
     gw = Gateway(config)
     routes = [
         Route("/v1/chat/completions", gw.chat_completions, methods=["POST"]),
@@ -560,4 +563,5 @@ def create_app(config: GatewayConfig) -> Starlette:
     # The live dashboard (client/dashboard): GET / and its JSON route.
     routes += Dashboard(config.paths, gw._authorize).routes()
     handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
-    return Starlette(routes=routes, exception_handlers=handlers)
+    middleware = [Middleware(GuardMiddleware, config=guard or GuardConfig())]
+    return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware)

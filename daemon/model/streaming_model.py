@@ -9,6 +9,7 @@ tensors are the pool's slot arrays. The stacked expert tensors are never materia
 from __future__ import annotations
 
 import typing
+from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
@@ -76,7 +77,10 @@ class StreamingModel:
     # Loaded on the first speculative request that needs them (daemon/model/speculative.py),
     # through `mtp_head()` and `draft_model()`: the store's MTP head, and draft models by path.
     _mtp: Any = field(default=None, init=False, repr=False)
-    _draft_models: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+    _draft_models: OrderedDict[str, Any] = field(default_factory=OrderedDict, init=False, repr=False)
+    # Draft models kept between requests (least recently used out first): each may be GBs,
+    # and a request may name any path.
+    max_draft_models: int = 1
     # The diagnostics switch and totals (daemon/model/diagnostics.py), and the prefetcher of
     # predicted experts (daemon/prefetch/prefetcher.py; None where every pool is full,
     # which a mapped pool's are: it has no prefetch).
@@ -100,10 +104,16 @@ class StreamingModel:
 
     def draft_model(self, path: str, load: Callable[[str], nn.Module]) -> nn.Module:
         """The draft model at `path` (a resolved path: the key), made by `load(path)` on
-        first use (which checks it against this model) and kept for later requests."""
+        first use (which checks it against this model) and kept for later requests: the
+        `max_draft_models` used last. A request running with one evicted keeps its own
+        reference until it ends."""
         model = self._draft_models.get(path)
         if model is None:
-            model = self._draft_models[path] = load(path)
+            model = load(path)
+            while len(self._draft_models) >= self.max_draft_models:
+                self._draft_models.popitem(last=False)
+            self._draft_models[path] = model
+        self._draft_models.move_to_end(path)
         return model
 
     @property
@@ -412,6 +422,7 @@ def load_streaming_model(
         mapped_pool=mapped_pool,
         layer_major=layer_major,
         prefill_note=prefill_note,
+        max_draft_models=settings.max_draft_models,
     )
 
 

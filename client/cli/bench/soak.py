@@ -1,4 +1,4 @@
-"""`moestreamctl bench soak`: fuzz, soak with cancellations, and kill -9 of heat writers,
+"""`moestreamctl bench soak`: fuzz, soak with cancellations, attacks, and kill -9 of heat writers,
 at full counts, against real daemons on a copy of a store; prints the figures."""
 
 from __future__ import annotations
@@ -35,8 +35,16 @@ import click
 )
 @click.option("--fuzz", "fuzz", default=5000, show_default=True, type=click.IntRange(0, None), help="Fuzzed messages.")
 @click.option("--seed", default=0, show_default=True, type=int)
+@click.option(
+    "--attack-seconds",
+    default=60.0,
+    show_default=True,
+    type=click.FloatRange(0.0, None),
+    help="Seconds of the non-reading client among the attacks (idle connections, oversized prompts, tiny "
+    "sampling); 0 runs none.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_soak(store, capacity, clients, requests, cancel_frac, kills, fuzz, seed, as_json) -> None:
+def bench_soak(store, capacity, clients, requests, cancel_frac, kills, fuzz, seed, attack_seconds, as_json) -> None:
     """Reliability figures: messages fuzzed, crashes, lost responses, RSS growth after
     warm-up, kills survived and invalid heat files. Exits 1 if any check fails."""
     from moestream.daemon.bench.soak.run import SoakSetupError, format_report, run_bench_soak
@@ -57,6 +65,7 @@ def bench_soak(store, capacity, clients, requests, cancel_frac, kills, fuzz, see
             kills=kills,
             fuzz=fuzz,
             seed=seed,
+            attack_seconds=attack_seconds,
             echo=(lambda line: None) if as_json else (lambda line: click.echo(line, err=True)),
         )
     except SoakSetupError as e:

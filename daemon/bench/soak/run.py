@@ -1,7 +1,9 @@
 """`moestreamctl bench soak`: the reliability drivers at full counts, in one report.
 
 On a private copy of the store: the greedy reference in-process, then one daemon that
-takes the fuzz run (with a good client in parallel) and the soak, then the kill -9
+takes the fuzz run (with a good client in parallel), the soak and the attacks
+(daemon/bench/soak/attacks.py: idle connections, a client that never reads, oversized
+prompts, sampling below its floors), then the kill -9
 rounds (heat keeper, publisher process, real daemon). Every part says `ok`; the report's
 `ok` is all of them and an RSS growth under RSS_LIMIT_PCT.
 """
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from moestream.daemon.bench.soak import heat_kills
+from moestream.daemon.bench.soak.attacks import run_attacks
 from moestream.daemon.bench.soak.driver import DaemonProcess, reference_outputs, run_soak, soak_cases
 from moestream.daemon.bench.soak.fuzz import exact_request, run_fuzz
 from moestream.daemon.pool.expert_reader import ExpertReadError
@@ -39,6 +42,7 @@ def run_bench_soak(
     kills: int = 500,
     fuzz: int = 5000,
     seed: int = 0,
+    attack_seconds: float = 60.0,
     echo: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """Run everything; returns the report (see `format_report`). A store that cannot be
@@ -77,6 +81,9 @@ def run_bench_soak(
                 daemon, reference, clients=clients, requests=requests, cancel_frac=cancel_frac, seed=seed
             )
             report["soak"]["rss_limit_pct"] = RSS_LIMIT_PCT
+            if attack_seconds:
+                echo(f"attacks: 2100 idle connections, a client not reading for {attack_seconds:g} s, ...")
+                report["attacks"] = run_attacks(daemon, reference, seconds=attack_seconds)
             report["daemon_exit_status"] = daemon.stop(60.0)
         if kills:
             real = min(MAX_REAL_DAEMON_KILLS, max(1, kills // 25))
@@ -102,6 +109,7 @@ def run_bench_soak(
         and f["rss_growth_pct"] is not None
         and f["rss_growth_pct"] < RSS_LIMIT_PCT
         and ("fuzz" not in report or report["fuzz"]["ok"])
+        and ("attacks" not in report or report["attacks"]["ok"])
         and f["invalid_heat_files"] == 0
         and f["heat_bound_violations"] == 0
     )
@@ -112,7 +120,13 @@ def _figures(report: dict[str, Any]) -> dict[str, Any]:
     soak = report["soak"]
     kills = report.get("kills", {})
     fuzz = report.get("fuzz", {})
+    attacks = report.get("attacks", {})
     return {
+        "attacks_ok": attacks.get("ok"),
+        "idle_connections_ok": attacks.get("idle_connections", {}).get("ok"),
+        "non_reading_rss_growth_mib": attacks.get("non_reading_client", {}).get("rss_growth_mib"),
+        "oversized_other_wait_s": attacks.get("oversized_prompts", {}).get("other_client_waited_s"),
+        "tiny_sampling_greedy": attacks.get("tiny_sampling", {}).get("ok"),
         "messages_fuzzed": fuzz.get("messages", 0),
         "fuzz_wrong_replies": fuzz.get("wrong_replies", 0),
         "crashes": fuzz.get("crashes", 0) + (0 if soak["daemon_alive"] else 1),
@@ -150,6 +164,19 @@ def format_report(report: dict[str, Any]) -> str:
         f"  kill -9 survived           {f['kills_survived']} of {f['kills']} ({f['kills_mid_write']} keeper kills "
         "mid-write)",
         f"  invalid heat files         {f['invalid_heat_files']} (bound violations {f['heat_bound_violations']})",
+        f"  attacks                    {_attack_line(f)}",
         f"  all checks                 {'ok' if report['ok'] else 'FAILED'}",
     ]
     return "\n".join(lines)
+
+
+def _attack_line(f: dict[str, Any]) -> str:
+    if f["attacks_ok"] is None:
+        return "not run"
+    idle = "ok" if f["idle_connections_ok"] else "FAILED"
+    return (
+        f"{'ok' if f['attacks_ok'] else 'FAILED'}: 2100 idle connections {idle}, "
+        f"non-reading client {f['non_reading_rss_growth_mib']:+.1f} MiB, other client waited "
+        f"{f['oversized_other_wait_s']:.2f} s behind 260 oversized prompts, tiny temperature "
+        f"{'greedy' if f['tiny_sampling_greedy'] else 'NOT greedy'}"
+    )

@@ -1,0 +1,138 @@
+"""Prompt checks off the engine thread: tokenizing a request's prompt (or rendering its
+chat) and checking it against `max_context`.
+
+A 256K-character prompt takes a tenth of a second to a second to tokenize; on the
+engine thread, one client queueing hundreds of prompts that are then refused as too
+long held every other client's tokens up for minutes. Here one worker thread does it,
+taking the waiting requests in turns by client (the client with the fewest checks done
+goes first), so another client's request waits for at most one check in progress.
+
+The worker never touches MLX (only the tokenizer, which the engine thread uses only to
+detokenize); it posts each result back to the engine through `on_done`, which only
+queues a command. What must stay true: a job's `checked` is set once, by this thread,
+whole (one assignment of a finished `Checked`), before `on_done(job)` wakes the engine;
+the engine activates or fails the job only once it sees it set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from moestream.shared import protocol as proto
+
+# Added to the daemon's niceness for the checking thread (Linux: per thread).
+CHECK_NICENESS = 10
+
+
+@dataclass(frozen=True)
+class Checked:
+    """The outcome of one prompt's check: its token ids, or the error to reply with."""
+
+    ids: list[int] | None = None
+    code: str = ""
+    message: str = ""
+    seconds: float = 0.0
+
+
+class PromptChecker:
+    """One worker thread that checks the prompts of queued jobs, fairly by client."""
+
+    def __init__(
+        self, sm: Any, max_context: int, on_done: Callable[[Any], None], log: logging.Logger | None = None
+    ) -> None:
+        self._sm = sm
+        self._log = log
+        self._max_context = max_context
+        self._on_done = on_done
+        self._cond = threading.Condition()
+        self._waiting: deque[Any] = deque()
+        self._done_by_peer: defaultdict[bytes, int] = defaultdict(int)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="prompt-check", daemon=True)
+        self._thread.start()
+
+    def _log_warning(self, message: str) -> None:
+        if self._log is not None:
+            self._log.warning(message)
+
+    def submit(self, job: Any) -> None:
+        with self._cond:
+            self._waiting.append(job)
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._waiting.clear()
+            self._cond.notify()
+        self._thread.join(timeout=10.0)
+
+    def _next(self) -> Any | None:
+        with self._cond:
+            while not self._waiting and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return None
+            job = min(self._waiting, key=lambda j: self._done_by_peer[j.peer])
+            self._waiting.remove(job)
+            self._done_by_peer[job.peer] += 1
+            if not self._waiting:
+                self._done_by_peer.clear()  # turns start again from even
+            return job
+
+    def _run(self) -> None:
+        if sys.platform == "linux":
+            # Tokenizing releases the GIL and takes a core: where cores are scarce the engine
+            # thread (this thread's niceness is its own on Linux) goes first.
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), CHECK_NICENESS)
+            except OSError as e:
+                self._log_warning(f"cannot lower the prompt check's priority: {e}")
+        while (job := self._next()) is not None:
+            if job.stop_reason is None:  # a job stopped meanwhile needs no check
+                job.checked = self.check(job.msg)
+            self._on_done(job)
+
+    def check(self, msg: proto.Generate) -> Checked:
+        from moestream.daemon.model.generation import encode_prompt
+
+        tic = time.perf_counter()
+        problem = self._speculative_problem(msg)
+        if problem:
+            return Checked(code=proto.BAD_MESSAGE, message=problem)
+        try:
+            ids = encode_prompt(self._sm, msg.prompt, msg.prompt_ids, msg.messages, msg.tools, msg.tool_choice)
+        except ValueError as e:
+            return Checked(code=proto.BAD_MESSAGE, message=str(e), seconds=time.perf_counter() - tic)
+        if len(ids) + msg.max_tokens > self._max_context:
+            return Checked(
+                code=proto.TOO_LONG,
+                message=f"prompt of {len(ids)} tokens + max_tokens {msg.max_tokens} is over the daemon's "
+                f"context of {self._max_context} tokens (setting max_context)",
+                seconds=time.perf_counter() - tic,
+            )
+        return Checked(ids=ids, seconds=time.perf_counter() - tic)
+
+    def _speculative_problem(self, msg: proto.Generate) -> str:
+        """What makes the request's speculative decoding impossible here (only file checks)."""
+        from moestream.daemon.model.demo_mtp import MTP_FILE
+        from moestream.shared.store_format import MANIFEST_NAME
+
+        if msg.speculative == "mtp" and not (Path(self._sm.store_dir) / MTP_FILE).is_file():
+            return (
+                f"{self._sm.store_dir} has no MTP head ({MTP_FILE}); speculative 'mtp' needs one "
+                "(convert a checkpoint that carries mtp.* tensors, or use speculative 'draft')"
+            )
+        if msg.speculative == "draft" and msg.draft_model is not None:
+            draft = Path(msg.draft_model)
+            if not ((draft / MANIFEST_NAME).is_file() or (draft / "config.json").is_file()):
+                return f"draft model {msg.draft_model} is neither an expert store nor an mlx-lm model folder"
+        return ""

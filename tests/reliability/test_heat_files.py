@@ -1,0 +1,108 @@
+"""Heat files an attacker on the same machine (or a mistake) put in place: ids past the
+model's experts, a FIFO, a symlink to /dev/zero, a huge file, a symlink planted at the
+lock file, a store folder of another user. Each time the daemon starts, serves exactly
+what `generate --local` gives, sets the bad file aside, and touches nothing else."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from moestream.client.client import Client
+from moestream.shared.heat_file import MAX_HEAT_BYTES, read_usage
+
+from .conftest import CASES
+
+NOBODY = 65534
+
+
+def _served_exactly(d, reference) -> dict:
+    prompt, max_tokens = CASES[0]
+    with Client(d.paths, timeout=30) as c:
+        done = c.complete(prompt, max_tokens=max_tokens)
+        status = c.status()
+    ref = reference[(prompt, max_tokens)]
+    assert (done["text"], tuple(done["tokens"])) == (ref.text, ref.tokens)
+    return status
+
+
+def _set_aside(store: Path) -> list[Path]:
+    return sorted(store.glob("pool_usage.json.corrupt-*"))
+
+
+def test_expert_ids_past_the_layer_are_set_aside(store_copy, rel_reference, start_daemon):
+    (store_copy / "pool_usage.json").write_text(json.dumps({"0": {"3": 9, "99": 5}, "1": {"2": 4}}))
+    d = start_daemon(store_copy)
+    status = _served_exactly(d, rel_reference)
+    assert len(_set_aside(store_copy)) == 1
+    assert "past the layer's 16 experts" in (status["autopin"]["problem"] or "")
+
+
+def test_a_fifo_heat_file_and_a_planted_lock_symlink(store_copy, rel_reference, start_daemon, workdir):
+    os.mkfifo(store_copy / "pool_usage.json")
+    victim = workdir / "victim.txt"
+    victim.write_text("precious\n")
+    os.symlink(victim, store_copy / "pool_usage.json.lock")
+    tic = time.monotonic()
+    d = start_daemon(store_copy)
+    assert time.monotonic() - tic < 30
+    status = _served_exactly(d, rel_reference)
+    assert victim.read_text() == "precious\n"
+    assert len(_set_aside(store_copy)) == 1
+    assert "not a regular file" in (status["autopin"]["problem"] or "")
+    # The keeper refuses the lock, says why, and serving goes on.
+    deadline = time.monotonic() + 10
+    while "lock file" not in d.tail(20000) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "symbolic link" in d.tail(20000) or "Too many levels" in d.tail(20000), d.tail()
+
+
+def test_a_heat_file_linked_to_dev_zero_is_not_read(store_copy, rel_reference, start_daemon):
+    os.symlink("/dev/zero", store_copy / "pool_usage.json")
+    d = start_daemon(store_copy)
+    status = _served_exactly(d, rel_reference)
+    assert "symbolic link" in (status["autopin"]["problem"] or "")
+    assert Path("/dev/zero").exists() and _set_aside(store_copy)
+
+
+def test_huge_or_junk_heat_files_are_set_aside_unread(tmp_path):
+    big = tmp_path / "pool_usage.json"
+    with open(big, "wb") as f:
+        f.truncate(MAX_HEAT_BYTES + 1)  # sparse: nothing is written
+    tic = time.perf_counter()
+    load = read_usage(big)
+    assert "over the limit" in load.problem and load.set_aside is not None and not big.exists()
+    # A valid file whose layers the model does not have.
+    big.write_text(json.dumps({str(layer): {"0": 1} for layer in range(5000)}))
+    load = read_usage(big, {0: 16, 1: 16})
+    assert "not a MoE layer" in load.problem and load.counts == {}
+    assert time.perf_counter() - tic < 2
+
+
+def test_heat_is_never_written_into_another_users_store_folder(store_copy, rel_reference, start_daemon, workdir):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the store folder to another uid")
+    os.chown(store_copy, NOBODY, NOBODY)
+    state = workdir / "state"
+    d = start_daemon(store_copy, env={"XDG_STATE_HOME": str(state), "MOESTREAM_HEAT_FLUSH_SECONDS": "0.1"})
+    _served_exactly(d, rel_reference)
+    d.stop()
+    assert not list(store_copy.glob("pool_usage.json*")), list(store_copy.iterdir())
+    assert list(state.glob("moestream/heat/*/pool_usage.json"))
+    assert "not beside the store" in d.paths.log.read_text()
+
+
+@pytest.mark.slow
+def test_a_second_daemon_on_the_store_does_not_claim_its_heat_is_running(store_copy, rel_reference, start_daemon):
+    first = start_daemon(store_copy, "rt1")
+    second = start_daemon(store_copy, "rt2")
+    _served_exactly(second, rel_reference)
+    with Client(second.paths) as c:
+        heat = c.status()["heat"]
+    assert heat["state"] in ("starting", "down") and not heat["ready"], heat
+    with Client(first.paths) as c:
+        assert c.status()["heat"]["state"] == "running"
