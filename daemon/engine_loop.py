@@ -450,13 +450,14 @@ class EngineLoop:
         """Why `job` (its prompt checked) cannot start beside the active requests: their
         KV caches and its own would pass the memory budget; None where it can. A request
         alone always starts (its context was checked against max_context)."""
-        allowance = self._kv_allowance()
-        if allowance is None or not self._active:
-            return None
         if not job.kv_bytes:
             from moestream.daemon.pool.capacity import kv_cache_bytes
 
+            # Kept on the job: once it runs, the next request's check counts it.
             job.kv_bytes = kv_cache_bytes(self._sm.manifest.config, len(job.checked.ids) + job.msg.max_tokens)
+        allowance = self._kv_allowance()
+        if allowance is None or not self._active:
+            return None
         held = sum(j.kv_bytes for j in self._active)
         if held + job.kv_bytes <= allowance:
             return None

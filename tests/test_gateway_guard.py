@@ -60,7 +60,7 @@ def test_slowloris_past_the_file_limit_leaves_keyed_requests_served(gateways):
             try:
                 s.connect((host, int(port)))
             except BlockingIOError:
-                pass
+                pass  # a non-blocking connect: in progress, which is all a half-open client does
             socks.append(s)
         time.sleep(0.5)
         for s in socks:
