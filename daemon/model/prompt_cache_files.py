@@ -26,7 +26,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
-from moestream.shared.durable import fsync_dir
+from moestream.shared.durable import fsync_dir, sync_file
 
 # safetensors' dtype names; bfloat16 goes out as its 16-bit pattern.
 _DTYPES = {
@@ -132,8 +132,7 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], bytes
             f.write(blob)
             for _, _, data in tensors.values():
                 f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            sync_file(f)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
