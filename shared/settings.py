@@ -562,7 +562,7 @@ class Settings:
         help="Client connections at once; a new client past them is refused as busy.",
     )
 
-    # ---- the HTTP gateway (`serve-openai`; client/openai_api/guard.py)
+    # ---- the HTTP gateway (`serve-openai`; client/gateway/guard.py)
     gateway_origins: str | None = setting(
         None,
         kind="text",

@@ -1,4 +1,4 @@
-"""The gateway's guards (client/openai_api/guard.py) against a real gateway process:
+"""The gateway's guards (client/gateway/guard.py) against a real gateway process:
 slowloris connections past the file limit, a web page's cross-origin or DNS-rebinding
 request to the keyless loopback gateway, bodies that are not JSON, lone surrogates."""
 
@@ -139,7 +139,7 @@ def test_headers_or_a_body_sent_too_slowly_are_cut_off(gateways):
 def test_the_log_is_rate_limited():
     import logging
 
-    from moestream.client.openai_api.guard import LOG_LINES_PER_WINDOW, LOG_WINDOW_SECONDS
+    from moestream.client.gateway.guard import LOG_LINES_PER_WINDOW, LOG_WINDOW_SECONDS
     from moestream.shared.log_rate import RateLimitFilter
 
     f = RateLimitFilter(LOG_LINES_PER_WINDOW, LOG_WINDOW_SECONDS)

@@ -549,7 +549,7 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 def create_app(config: GatewayConfig, guard: GuardConfig | None = None) -> Starlette:
     """The ASGI app of the gateway for the daemon at `config.paths`, behind the request
-    guards (client/openai_api/guard.py) of `guard` (default: a loopback server's)."""
+    guards (client/gateway/guard.py) of `guard` (default: a loopback server's)."""
     gw = Gateway(config)
     routes = [
         Route("/v1/chat/completions", gw.chat_completions, methods=["POST"]),

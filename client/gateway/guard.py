@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from moestream.client.openai_api.schema import ApiError
+from moestream.client.gateway.openai import ApiError
 from moestream.shared.log_rate import RateLimitFilter
 from moestream.shared.settings import Settings
 
