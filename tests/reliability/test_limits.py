@@ -140,6 +140,9 @@ def test_forty_draft_paths_keep_memory_bounded(rel_store, workdir, rel_reference
     _drafts_stay_bounded(rel_store, workdir, rel_reference, start_daemon, 40)
 
 
+# A wall-clock bound (< 2 s) that a loaded machine cannot promise: with `-m slow`, which
+# runs alone (it measured 8.3 s with CI, the slow run and a build sharing two cores).
+@pytest.mark.slow
 def test_oversized_prompts_of_one_client_do_not_hold_up_another(rel_store, rel_reference, start_daemon):
     """260 prompts of 256K characters, each refused as too long after tokenizing (about
     0.16 s each on the engine thread): another client's request still comes in < 2 s."""
