@@ -25,26 +25,36 @@ def stepped(steps: Iterable[tuple[Any, mx.array]]) -> tuple[list[int], list[np.n
 def stock_batched(
     model, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], eos: Sequence[int]
 ) -> list[list[int]]:
-    """Greedy tokens of `prompts` decoded together by stock's `BatchGenerator`: each
-    prompt but its last token prefilled on its own cache, as `generate_step` prefills
-    it, then the last token inserted with that cache (how `BatchGenerator` takes a
-    prompt with a cache, and how moestream's `BatchSession` feeds it)."""
-    caches = []
-    for p in prompts:
-        cache = make_prompt_cache(model)
-        model(mx.array(list(p[:-1]))[None], cache=cache)
-        mx.eval([c.state for c in cache])
-        caches.append(cache)
+    """Greedy tokens of `prompts` decoded together by stock's `BatchGenerator`, fed as
+    moestream's `BatchSession` feeds it when the requests arrive together: the first
+    prompt but its last token prefilled on its own cache, as `generate_step` prefills it
+    (a request alone), then its last token inserted with that cache (how `BatchGenerator`
+    takes a prompt with a cache); once it has its first token, the others' whole prompts
+    inserted, which the generator prefills together at its next step (its own batching
+    of prompts)."""
+    first = prompts[0]
+    cache = make_prompt_cache(model)
+    model(mx.array(list(first[:-1]))[None], cache=cache)
+    mx.eval([c.state for c in cache])
     gen = BatchGenerator(model, stop_tokens=[[e] for e in eos], completion_batch_size=8, prefill_batch_size=8)
-    uids = gen.insert(
-        [[p[-1]] for p in prompts], max_tokens=list(max_tokens), caches=caches, samplers=[GREEDY] * len(prompts)
-    )
-    out: dict[int, list[int]] = {u: [] for u in uids}
+    uids = gen.insert([[first[-1]]], max_tokens=[max_tokens[0]], caches=[cache], samplers=[GREEDY])
+    out: dict[int, list[int]] = {uids[0]: []}
     done: set[int] = set()
-    while len(done) < len(uids):
-        for r in gen.next_generated():
+
+    def step() -> None:
+        for r in gen.next()[1]:
             out[r.uid].append(int(r.token))
             if r.finish_reason is not None:
                 done.add(r.uid)
+
+    while not out[uids[0]]:
+        step()
+    rest = gen.insert(
+        [list(p) for p in prompts[1:]], max_tokens=list(max_tokens[1:]), samplers=[GREEDY] * (len(prompts) - 1)
+    )
+    out.update({u: [] for u in rest})
+    uids += rest
+    while len(done) < len(uids):
+        step()
     gen.close()
     return [out[u] for u in uids]

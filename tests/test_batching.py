@@ -1,10 +1,11 @@
 """Continuous batching (daemon/model/batching.py) against stock mlx-lm's own batching.
 
-Stock: `mlx_lm.load` of the source folder; each request's prompt but its last token is
-prefilled on its own cache as `generate_step` does it, then `BatchGenerator.insert`
-takes the last token with that cache (how BatchGenerator takes a prompt with a cache),
-greedy, all requests inserted together. moestream: a `BatchSession` on the store, each
-request's `steps` generator stepped in turn as the engine loop does. Every request's
+Stock: `mlx_lm.load` of the source folder, fed as the batch session feeds it when
+requests arrive together (tests/stock_runs.py `stock_batched`): the first request
+prefilled on its own cache as `generate_step` does it and inserted with that cache, the
+others' prompts inserted whole once it decodes (stock's joint prefill), greedy.
+moestream: a `BatchSession` on the store, each request's `steps` generator stepped in
+turn as the engine loop does. Every request's
 greedy tokens must be equal, at capacities top-k x B, 50% and 100%, for every
 architecture; and each request's tokens are compared with the same request decoded
 alone.
@@ -23,7 +24,7 @@ from mlx_lm.sample_utils import make_sampler
 from stock_runs import stock_batched
 from tiny_models import MOE_ARCHS, make_tiny_model
 
-from moestream.daemon.model.batching import BatchSession
+from moestream.daemon.model.batching import JOINT_PREFILL_TOKENS, BatchSession
 from moestream.daemon.model.generation import SamplingParams, generate, plain_steps
 from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.daemon.pool.capacity import top_k_of
@@ -61,6 +62,9 @@ def _ours_batched(sm, prompts: list[list[int]]) -> list[list[int]]:
     # More than one decoded together (a prompt prefilled in pieces while the batch
     # decodes may join after an earlier short request has left).
     assert session.size == 0 and 1 < session.stats.max_size <= min(len(prompts), session.max_batch)
+    # The first request was alone (prefilled on its own); the others, arriving while it
+    # decoded, were prefilled together by the batch.
+    assert session.stats.joint_prefills == len(prompts) - 1
     session.close()
     return out
 
@@ -132,11 +136,12 @@ def test_a_long_prompt_joining_holds_the_batch_back_one_layer_at_a_time(converte
     k, experts = top_k_of(manifest.config), manifest.layers[0].num_experts
     sm = load_streaming_model(store, Settings(capacity=min(experts, k * 3), direct_io=True))
     try:
-        assert sm.layer_major is not None and sm.layer_major.wanted(200)
+        assert sm.layer_major is not None and sm.layer_major.wanted(JOINT_PREFILL_TOKENS + 41)
         session = BatchSession(sm, max_batch=2)
         first = session.steps(_prompts()[0], GREEDY, 40)
         order: list[tuple[str, int | None]] = [("a", next(first)[0])]
-        long_prompt = np.random.default_rng(8).integers(0, 500, size=200).tolist()
+        # Longer than a joint prefill takes: it goes layer by layer on its own.
+        long_prompt = np.random.default_rng(8).integers(0, 500, size=JOINT_PREFILL_TOKENS + 40).tolist()
         second = session.steps(long_prompt, GREEDY, 3)
         while True:
             token = next(second)[0]

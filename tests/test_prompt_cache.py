@@ -389,6 +389,37 @@ def test_cached_prefixes_seed_batched_requests(build, arch):
         sm.close()
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
+def test_jointly_prefilled_requests_keep_and_reuse_the_prompt_cache(build, arch):
+    """Requests that join a decoding batch with short prompts are prefilled by the batch
+    (stock's joint prefill): one from an empty prefix, then one from the prefix the first
+    left in the prompt cache. Each makes the greedy tokens it makes alone, the cache keys
+    the first one's final cache by its whole prompt and tokens, and the second reuses it."""
+    _, store, _ = build(arch)
+    sm = load_streaming_model(store, Settings(direct_io=True))
+    try:
+        session = BatchSession(sm, max_batch=4)
+        pc = _new_cache(sm.model)
+        busy = session.steps(_prompt(9, seed=5), GREEDY, 40)
+        next(busy)  # decoding: the prompts below join the batch's prefill
+        first = _prompt(20, seed=6)
+        ours = [int(t) for t, _ in session.steps(first, GREEDY, GEN, cache_use=CacheUse(pc)) if t is not None]
+        assert session.stats.joint_prefills == 1
+        assert ours == [int(t) for t, _ in plain_steps(sm, first, GREEDY, GEN)]
+        nxt = first + ours + _prompt(6, seed=7)
+        use = CacheUse(pc)
+        got = [int(t) for t, _ in session.steps(nxt, GREEDY, GEN, cache_use=use) if t is not None]
+        assert session.stats.joint_prefills == 2
+        # The first request's cache out of the batch holds its prompt and every token it
+        # made (each was fed before it was returned), all of them a prefix of the next.
+        assert use.reused == len(first) + len(ours)
+        assert got == [int(t) for t, _ in plain_steps(sm, nxt, GREEDY, GEN)]
+        busy.close()
+        session.close()
+    finally:
+        sm.close()
+
+
 def test_a_store_without_a_store_id_is_named_by_its_manifest(tmp_path):
     from moestream.daemon.model.prompt_cache import cache_identity
     from moestream.shared.settings import demo_store_path

@@ -9,6 +9,14 @@ its last token, which is how `BatchGenerator.insert` takes a prompt with a cache
 batched decode runs mlx-lm's code on the caches stock's prefill makes (exactness is
 checked against stock's `BatchGenerator` fed the same way, tests/test_batching.py).
 
+A request whose prompt arrives while the batch decodes, and whose prompt (past any
+prefix the prompt cache holds) is short (`JOINT_PREFILL_TOKENS`), is instead handed to
+`BatchGenerator` whole, as stock's batching takes prompts: requests that arrive together
+are prefilled together, in one forward (left-padded, by stock's code), between two of
+the batch's steps. Eight short prompts arriving at once then cost about one prefill, not
+eight in a row while the batch waits. A request alone (nothing decoding) is prefilled on
+its own cache as above, so that it is served exactly as without batching.
+
 Each request still looks like a generator of (token, logprobs) to `iter_generate`
 (`BatchSession.steps`): when its own buffer is empty it advances the whole batch one
 step, which fills every member's buffer; the engine loop's round robin then finds the
@@ -20,13 +28,19 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from moestream.daemon.model.prefill import PREFILL_STEP, PrefillStats, prefill_pieces
 from moestream.daemon.model.streaming_model import StreamingModel
+
+# The longest prompt (past a cached prefix) prefilled jointly with others: short prompts
+# gain most (one forward instead of several, each routing nearly every expert of a
+# layer), and a longer one goes layer by layer on its own, handing the batch back between
+# pieces (a joint forward holds the batch until it ends).
+JOINT_PREFILL_TOKENS = 256
 
 if TYPE_CHECKING:
     from moestream.daemon.model.generation import CacheUse
@@ -42,6 +56,8 @@ class BatchStats:
     max_size: int = 0
     joined: int = 0
     left: int = 0
+    # Requests whose prompts the batch prefilled, together with any that arrived with them.
+    joint_prefills: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "mean_size": self.tokens / self.steps if self.steps else None}
@@ -51,6 +67,11 @@ class BatchStats:
 class _Member:
     """A request's tokens made by batch steps and not yet taken."""
 
+    uid: int
+
+    # The tokens its cache held when it joined: the prompt's tokens the batch does not
+    # count among those it fed (`all_tokens`); the prompt cache keys the final cache by both.
+    brought: Sequence[int] = ()
     tokens: deque = field(default_factory=deque)
     finished: bool = False
     # Once finished: its cache out of the batch, and the tokens it holds beyond those
@@ -130,17 +151,91 @@ class BatchSession:
         cache_use: CacheUse | None = None,
     ) -> Iterator[tuple[int | None, None]]:
         """One request's tokens, as `generate_step` yields them (token, no logprobs):
-        its prompt prefilled on its own cache, then its decode in the batch. While other
-        members decode, the prefill yields (None, None) after each of its pieces, so that
-        their turns come between them. With `cache_use`, that cache starts from the
-        prompt cache's best prefix, a copy of it filled up to the prompt's last token is
-        kept there, and so is the request's cache out of the batch when it finishes
-        (with the tokens the batch fed it)."""
-        prompt = mx.array(list(prompt_ids))
-        n = int(prompt.size)
+        its prompt prefilled (on its own cache, or jointly by the batch: see the module's
+        note), then its decode in the batch. While other members decode, a prefill of
+        its own yields (None, None) after each of its pieces, so that their turns come
+        between them; a joint one yields once before the step that prefills it. With
+        `cache_use`, the prompt starts from the prompt cache's best prefix, a copy of a
+        cache of its own filled up to the prompt's last token is kept there, and so is
+        the request's cache out of the batch when it finishes (with the tokens the batch
+        fed it)."""
+        n = len(prompt_ids)
         progress = on_prompt_progress or (lambda done, total: None)
         cache, m = cache_use.start(self.sm, prompt_ids) if cache_use is not None else (None, 0)
         progress(m, n)
+        joint = self._joins_prefill(n - m)
+        if joint:
+            member = self._insert_prompt(prompt_ids, m, cache, sampler, max_tokens)
+        else:
+            member = yield from self._prefill_alone(
+                prompt_ids, m, cache, sampler, max_tokens, progress, prefill_stats, cache_use
+            )
+        uid = member.uid
+        first = True
+        try:
+            if joint:
+                # One turn back before the batch's next step, so that requests that
+                # arrived with this one are inserted too and prefilled in the same forward.
+                yield None, None
+            while True:
+                while not member.tokens and not member.finished:
+                    self._advance()
+                if not member.tokens:
+                    return
+                if first:
+                    progress(n, n)
+                    first = False
+                yield member.tokens.popleft(), None
+        finally:
+            del self._members[uid]
+            if not member.finished:
+                self._gen.remove([uid])
+            self.stats.left += 1
+            if cache_use is not None and member.final is not None:
+                cache, tokens = member.final
+                cache_use.prompt_cache.insert([*member.brought, *tokens], cache, persist=True)
+
+    def _joins_prefill(self, remaining: int) -> bool:
+        """Whether a prompt with `remaining` tokens past its cached prefix goes to the
+        batch's joint prefill: it is short and the batch is decoding (a request alone
+        is prefilled on its own, as without batching)."""
+        return 1 < remaining <= JOINT_PREFILL_TOKENS and self.decoding() > 0
+
+    def _insert_prompt(
+        self,
+        prompt_ids: Sequence[int],
+        m: int,
+        cache: list[Any] | None,
+        sampler: Callable[[mx.array], mx.array],
+        max_tokens: int,
+    ) -> _Member:
+        """Hand the prompt past its cached prefix (`m` tokens, in `cache`) to the batch,
+        which prefills it at its next step, together with the others inserted by then."""
+        self._wait_for_room()
+        rest = [int(t) for t in prompt_ids[m:]]
+        (uid,) = self._gen.insert(
+            [rest], max_tokens=[max_tokens], caches=[cache] if cache is not None else None, samplers=[sampler]
+        )
+        member = self._members[uid] = _Member(uid, brought=list(prompt_ids[:m]))
+        self.stats.joined += 1
+        self.stats.joint_prefills += 1
+        return member
+
+    def _prefill_alone(
+        self,
+        prompt_ids: Sequence[int],
+        m: int,
+        cache: list[Any] | None,
+        sampler: Callable[[mx.array], mx.array],
+        max_tokens: int,
+        progress: Callable[[int, int], None],
+        prefill_stats: PrefillStats | None,
+        cache_use: CacheUse | None,
+    ) -> Generator[tuple[None, None], None, _Member]:
+        """Prefill the prompt but its last token on the request's own cache, then join
+        the batch with that cache and the last token."""
+        prompt = mx.array(list(prompt_ids))
+        n = int(prompt.size)
         pieces = prefill_pieces(
             self.sm,
             prompt[m:-1],
@@ -161,33 +256,18 @@ class BatchSession:
                 yield None, None
         if cache_use is not None:
             cache_use.keep_prompt(prompt_ids, cache)
-        # The engine loop starts no more batched requests than the batch holds
-        # (`has_room`); a caller that does waits here for room, its step serving the
-        # batch meanwhile.
+        self._wait_for_room()
+        (uid,) = self._gen.insert([[int(prompt_ids[-1])]], max_tokens=[max_tokens], caches=[cache], samplers=[sampler])
+        member = self._members[uid] = _Member(uid, brought=list(prompt_ids[:-1]))
+        self.stats.joined += 1
+        return member
+
+    def _wait_for_room(self) -> None:
+        """The engine loop starts no more batched requests than the batch holds
+        (`has_room`); a caller that does waits here for room, its step serving the
+        batch meanwhile."""
         while self.decoding() >= self.max_batch:
             self._advance()
-        (uid,) = self._gen.insert([[int(prompt_ids[-1])]], max_tokens=[max_tokens], caches=[cache], samplers=[sampler])
-        member = self._members[uid] = _Member()
-        self.stats.joined += 1
-        first = True
-        try:
-            while True:
-                while not member.tokens and not member.finished:
-                    self._advance()
-                if not member.tokens:
-                    return
-                if first:
-                    progress(n, n)
-                    first = False
-                yield member.tokens.popleft(), None
-        finally:
-            del self._members[uid]
-            if not member.finished:
-                self._gen.remove([uid])
-            self.stats.left += 1
-            if cache_use is not None and member.final is not None:
-                cache, tokens = member.final
-                cache_use.prompt_cache.insert([*prompt_ids[:-1], *tokens], cache, persist=True)
 
     def _advance(self) -> None:
         """One step of the batch: every member's next token into its buffer."""

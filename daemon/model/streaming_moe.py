@@ -172,6 +172,10 @@ class StreamingMoE(nn.Module):
         rec.read_routes(self.ordinal, indices)
         if pool.route_log is not None:
             pool.route_log.append(indices)
+        if pool.host_memory and indices.size >= pool.layer.num_experts:
+            y = self._staged_once(x, indices)
+            rec.experts(self.ordinal, y, indices)
+            return y
         ids = indices if pool.identity else pool.remap[indices]
         if pool.gather is not None and indices.size <= MAX_GATHERED:
             y = self._gathered(x, ids)
@@ -228,6 +232,21 @@ class StreamingMoE(nn.Module):
             return self.inner(x, mx.array(row_of[ids]))
         finally:
             self._use(pool.arrays)
+
+    def _staged_once(self, x: mx.array, indices: mx.array) -> mx.array:
+        """A mapped pool's forward that routes as many pairs as the layer has experts (a
+        joint prefill of several short prompts): on a stack of the whole layer copied
+        in once, as a layer-major prefill stages it, instead of kernels reading host
+        memory tile by tile. Evaluated here, so that one layer's stack at a time is alive."""
+        pool = self.pool
+        stack, _ = pool.stage_layer()
+        self._use(stack)
+        try:
+            y = self.inner(x, indices)
+        finally:
+            self._use(pool.arrays)
+        mx.eval(y)
+        return y
 
     def _gathered(self, x: mx.array, ids: mx.array) -> mx.array:
         """mlx-lm's call on a stack of just the routed experts' rows (a mapped pool's
