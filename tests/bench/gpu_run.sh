@@ -21,6 +21,7 @@
 # decode (bench decode)
 #   decode-q30           q30: stock, 100%, 25% (+host mapped, +host:slots), naive; 100% vs stock in A B B A blocks
 #   decode-q30-table     q30: 50% and 12.5%, with and without the host tier
+#   plan-q30             q30: `moestreamctl plan`'s forecast beside bench decode at 50% and 25%, with and without the host tier
 #   gen-demo             the daemon's generation loop against the bench loop, demo model
 #   spec-demo            speculative decoding with the demo's MTP head against plain decode
 # prefill (bench prefill)
@@ -297,6 +298,26 @@ EOF
 import json, sys
 from moestream.daemon.bench.decode import format_report
 print(format_report(json.load(open(sys.argv[1]))))
+EOF
+    ;;
+  plan-q30)
+    # Issue 30's table: the forecast before loading (`bench decode --forecast` plans each
+    # configuration with this run's own bandwidths) against the measurement, at 50% and
+    # 25%, each without the host tier, with it as a mapped pool ("+host") and as the slot
+    # pool's tier ("+host:slots"). The forecast's hit rate comes from the store's heat:
+    # run after a stage that served the store through a daemon (serve-q30).
+    f="$OUT/bench_decode_q30_forecast_h200.json"
+    ctl bench decode --model /root/q30/store --capacity 0.5 --capacity 0.25 --no-naive --forecast \
+      --host-cache 20G --mapped-rebalance-tokens ${REBALANCE:-32} --temp 1 --warmup-rounds ${WARMUP:-1} \
+      --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-16} --rounds ${ROUNDS:-3} --min-round-seconds ${MIN_ROUND_S:-1} \
+      --mlx-memory-limit 96G --json >"$f" 2> >(tee "$f.progress" >&2)
+    $py - "$f" <<'EOF'
+import json, sys
+from moestream.daemon.bench.decode import format_report
+from moestream.daemon.plan import format_decode_forecasts
+report = json.load(open(sys.argv[1]))
+print(format_report(report))
+print(format_decode_forecasts(report["forecast"]))
 EOF
     ;;
   warmstart-q30)
