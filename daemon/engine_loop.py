@@ -280,6 +280,9 @@ class EngineLoop:
         from moestream.daemon.prompt_check import PromptChecker
 
         self._checker = PromptChecker(self._sm, s.max_context, lambda job: self._commands.put(CheckDone(job)), self.log)
+        for job in self._pending:  # those that arrived while the model was unloaded
+            if job.checked is None:
+                self._checker.submit(job)
         if "mapped_auto" in self._sm.admission_note:
             self.log.info("mapped pool (auto): %s", self._sm.admission_note["mapped_auto"])
         return True
@@ -368,7 +371,8 @@ class EngineLoop:
         self._jobs[job.key] = job
         self._pending.append(job)
         self._counters["requests"] += 1
-        self._checker.submit(job)
+        if self._checker is not None:  # else the next load checks it
+            self._checker.submit(job)
 
     def _on_cancel(self, cmd: CancelCmd) -> None:
         job = self._jobs.get((cmd.peer, cmd.msg.target))
@@ -689,9 +693,11 @@ class EngineLoop:
             self._publish(force=True)
 
     def _release_model(self) -> None:
-        prompt_cache, batch, sm = self._prompt_cache, self._batch, self._sm
-        self._prompt_cache = self._batch = self._sm = None
+        prompt_cache, batch, sm, checker = self._prompt_cache, self._batch, self._sm, self._checker
+        self._prompt_cache = self._batch = self._sm = self._checker = None
         try:
+            if checker is not None:
+                checker.close()  # its thread holds the model (the tokenizer, the store)
             if prompt_cache is not None:
                 prompt_cache.close()  # what it keeps on disk stays, for the next load
             if batch is not None:
@@ -897,6 +903,4 @@ class EngineLoop:
                 self._heat_state = {"state": "closed"}
                 self._heat = None
         finally:
-            if self._checker is not None:
-                self._checker.close()
             self._release_model()

@@ -347,6 +347,8 @@ class Plan:
     compute: ComputeProbe
     decode: Forecast
     ttft: Forecast
+    # A mapped pool (every expert in host memory, read in place; see `make_plan`).
+    mapped: bool = False
 
     @property
     def hit_rate(self) -> float:
@@ -378,8 +380,12 @@ def make_plan(
     source: str,
     *,
     prompt_tokens: int = TTFT_PROMPT_TOKENS,
+    mapped: bool = False,
 ) -> Plan:
-    """The plan's arithmetic (see the module docstring): no probe, no MLX."""
+    """The plan's arithmetic (see the module docstring): no probe, no MLX. `mapped`: the
+    pool is a mapped one (`daemon/model/streaming_model.py` `choose_mapped`): every
+    expert sits in host memory, so no miss comes from disk, and its decode reads the
+    routing back once per token, not once per layer (no sync term)."""
     manifest = load_manifest(store)
     cfg = manifest.config.get("text_config", manifest.config)
     k = top_k_of(manifest.config)
@@ -402,10 +408,10 @@ def make_plan(
     # Decode: per token, k routings per MoE layer; the misses come over the link, from
     # the host tier or (its misses) from the store.
     misses = sum(k * (1.0 - h) for h in hits.pool_hit)
-    from_disk = sum(k * (1.0 - h) * (1.0 - t) for h, t in zip(hits.pool_hit, hits.tier_hit))
+    from_disk = 0.0 if mapped else sum(k * (1.0 - h) * (1.0 - t) for h, t in zip(hits.pool_hit, hits.tier_hit))
     terms = {
         "compute": compute.at(compute.decode_s, layers),
-        "sync": compute.sync_s * len(manifest.layers) if partial else 0.0,
+        "sync": compute.sync_s * len(manifest.layers) if partial and not mapped else 0.0,
         "disk": from_disk * expert / bandwidths.read_bytes_per_s,
         "link": misses * expert / bandwidths.link_bytes_per_s,
     }
@@ -418,7 +424,7 @@ def make_plan(
         s = min(slots, layer.num_experts)
         routed = sum(1.0 - (1.0 - p) ** (prompt_tokens * k) for p in share[s:])
         fill_missing += routed
-        fill_disk += routed * (1.0 - t)
+        fill_disk += 0.0 if mapped else routed * (1.0 - t)
     pterms = {
         "compute": compute.at(compute.prefill_s, layers) * prompt_tokens,
         "disk": fill_disk * expert / bandwidths.read_bytes_per_s,
@@ -450,6 +456,7 @@ def make_plan(
         compute=compute,
         decode=decode,
         ttft=ttft,
+        mapped=mapped,
     )
 
 
@@ -489,7 +496,29 @@ def plan_store(store: Path, settings: Settings, *, probe: bool = True) -> Plan:
         compute = probe_compute(manifest, resident_dtype(store, manifest))
         save_compute(state, manifest.store_id, compute)
     counts, source = heat_counts(store, settings, manifest)
-    return make_plan(store, settings, bandwidths, compute, counts, source)
+    return make_plan(store, settings, bandwidths, compute, counts, source, mapped=_would_map(store, settings, manifest))
+
+
+def _would_map(store: Path, settings: Settings, manifest: Manifest) -> bool:
+    """Whether the daemon would make a mapped pool with these settings (its own rule)."""
+    if settings.mapped is not None:
+        return settings.mapped
+    import psutil
+
+    from moestream.daemon.model.streaming_model import choose_mapped
+    from moestream.daemon.pool.admission import cuda_copier
+
+    resident = sum((store / f).stat().st_size for f in manifest.resident_files)
+    slots = plan_capacity(
+        manifest,
+        capacity=settings.capacity,
+        memory_budget=settings.memory_budget,
+        resident_bytes=resident,
+        max_tokens=settings.max_context,
+        top_k=top_k_of(manifest.config),
+    )
+    _, cuda_why_not = cuda_copier()
+    return choose_mapped(manifest, slots, settings, psutil.virtual_memory().available, cuda_why_not)[0]
 
 
 def format_plan(p: Plan) -> str:
@@ -531,12 +560,12 @@ def _probe(store: Path) -> ComputeProbe:
 
 def _bench_plans(
     store: Path,
-    configs: list[tuple[str, float | None, int]],
+    configs: list[tuple[str, float | None, int, bool]],
     bandwidths: Bandwidths,
     prompt_tokens: int,
     compute: ComputeProbe,
 ) -> dict[str, Plan]:
-    """{name: plan} for (name, capacity, host cache) configurations."""
+    """{name: plan} for (name, capacity, host cache, mapped) configurations."""
     manifest = load_manifest(store)
     counts, source = heat_counts(store, Settings(model=str(store)), manifest)
     return {
@@ -548,8 +577,9 @@ def _bench_plans(
             counts,
             source,
             prompt_tokens=prompt_tokens,
+            mapped=mapped,
         )
-        for name, capacity, host in configs
+        for name, capacity, host, mapped in configs
     }
 
 
@@ -561,7 +591,17 @@ def decode_forecasts(report: dict[str, Any]) -> list[dict[str, Any]]:
         report["read_bandwidth_bytes_per_s"], report["link_bandwidth_bytes_per_s"], report["link_kind"], "this run"
     )
     host = report.get("host_cache_bytes") or 0
-    configs = [(r["name"], r["capacity"], host if "+host" in r["name"] else 0) for r in rows]
+    # A row's host tier is "mapped" (a mapped pool over it) or "slots"; "+mapped" rows
+    # are mapped pools without a tier.
+    configs = [
+        (
+            r["name"],
+            r["capacity"],
+            host if r.get("host_tier") else 0,
+            r.get("host_tier") == "mapped" or "+mapped" in r["name"],
+        )
+        for r in rows
+    ]
     store = Path(report["store"])
     plans = _bench_plans(store, configs, bw, TTFT_PROMPT_TOKENS, _probe(store))
     return [
@@ -592,7 +632,7 @@ def prefill_forecasts(report: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         for r in c["results"]:
             n = r["prompt_tokens"]
-            config = (c["name"], c["capacity"], host if "host" in c["name"] else 0)
+            config = (c["name"], c["capacity"], host if "host" in c["name"] else 0, bool(c.get("mapped")))
             p = _bench_plans(store, [config], bandwidths, n, compute)
             t = p[c["name"]].ttft
             out.append(

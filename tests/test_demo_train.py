@@ -277,8 +277,9 @@ def test_plot_command(run: tuple[Path, str], tmp_path: Path) -> None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-# A wall-clock bound (the loop stops near its time budget): with `-m slow`, which runs on
-# an otherwise idle machine; under load its warm-up alone can pass the budget.
+# Slow: a real (tiny) training run of several seconds. How close a run ends to its budget
+# is a wall-clock figure, which the recipe's log reports ("plan: ... ms/step"); asserted
+# here, it failed whenever other tests shared the cores (27.6 s against 9.2).
 @pytest.mark.slow
 def test_step_count_is_planned_from_the_time_budget(tmp_path: Path) -> None:
     from demo_recipe.train import Trainee, TrainSettings, train_loop
@@ -295,5 +296,5 @@ def test_step_count_is_planned_from_the_time_budget(tmp_path: Path) -> None:
     # The probe (at the end of warm-up) evaluates once and fixes the total; the last step evaluates again.
     assert [v["step"] for v in result.curve.val] == [8, result.steps]
     assert result.curve.step == list(range(1, result.steps + 1))
-    assert result.steps > 8
-    assert result.train_s < settings.minutes * 60 * 1.5 + 2
+    # Planned from the budget, not the epoch cap: far fewer steps than the data allows.
+    assert 8 < result.steps < len(train_ids) // (settings.batch_size * settings.seq_len) * settings.max_epochs
