@@ -28,9 +28,26 @@ from moestream.shared.settings import default_of
     "--mapped/--no-mapped", default=None, help="Force the mapped pool on or off (default: the daemon's auto)."
 )
 @click.option("--io-threads", default=default_of("io_threads"), show_default=True, type=click.IntRange(1, 256))
+@click.option(
+    "--warmup/--no-warmup",
+    default=True,
+    show_default=True,
+    help="Before the timed turns, an untimed two-turn conversation of the same shape per daemon.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_chat(
-    store, turns, history_tokens, turn_tokens, max_tokens, seed, capacity, host_cache, mapped, io_threads, as_json
+    store,
+    turns,
+    history_tokens,
+    turn_tokens,
+    max_tokens,
+    seed,
+    capacity,
+    host_cache,
+    mapped,
+    io_threads,
+    warmup,
+    as_json,
 ) -> None:
     """Time to the first token of each turn of a conversation with the daemon's prompt
     cache off and on, and the tokens it reused, side by side in one run."""
@@ -52,6 +69,7 @@ def bench_chat(
         host_cache=host_cache,
         mapped=mapped,
         io_threads=io_threads,
+        warmup=warmup,
     )
     try:
         report = run_bench_chat(settings, progress=lambda line: click.echo(line, err=True))
