@@ -44,6 +44,7 @@
 #   full-residency       q30: where 100% could lose to stock (host time split; ABBA=N blocks of A B B A)
 #   gather-q30           q30: one mapped layer, zero-copy expert call vs gathering the routed experts first
 #   background-copy      q30: how much of a copy made ahead of use hides beside a layer's kernels, by blocks
+#   batch-probe          where a batched decode step's time goes at B = 1, 2, 4, 8 (random q30-shaped layers, no store)
 # demo
 #   demo                 train the built-in demo model (tests/bench/demo_recipe, DEMO_MINUTES)
 set -euo pipefail
@@ -189,6 +190,10 @@ EOF
       done
     done
     ;;
+  batch-probe)
+    $py tests/bench/gpu_batch_probe.py --layers "${LAYERS:-12}" --steps "${STEPS:-30}" --rounds "${ROUNDS:-3}" \
+      --out "$OUT/batch_probe_h200.json" 2>&1 | tail -8
+    ;;
   background-copy)
     $py tests/bench/gpu_background_copy_probe.py --store /root/q30/store --out "$OUT/background_copy_probe_h200.json" 2>&1 | tail -12
     ;;
@@ -225,8 +230,9 @@ EOF
     ;;
   chat-q30)
     # Time to the first token of each turn with the prompt cache off and on (issue 28's
-    # acceptance: turn 2 onward <= 0.1x the uncached turn), 100% then 25% + a 20G host tier.
-    for pool in "1.0" "0.25 --host-cache 20G"; do
+    # acceptance: turn 2 onward <= 0.1x the uncached turn), 100% then 25% + a 20G host tier
+    # (POOLS="1.0" measures one).
+    for pool in ${POOLS:-"1.0" "0.25 --host-cache 20G"}; do
       name=$(echo "$pool" | cut -d' ' -f1)
       $py -m moestream.client.cli bench chat --model /root/q30/store --capacity $pool --turns ${TURNS:-4} \
         --history-tokens ${HISTORY:-2048} --json > "$OUT/bench_chat_q30_${name}_h200.json" \

@@ -1,0 +1,169 @@
+"""Where a batched decode step's time goes as the batch grows: stock mlx-lm's
+`BatchGenerator` on a random-weight model of the q30 shape (a few of its layers), B = 1,
+2, 4, 8 requests decoding together, each way timed in turns:
+
+- `shared`: one greedy sampler for the batch (one sampling call per step);
+- `own`: a seeded sampler per request, as the daemon samples (B calls per step);
+- `sorted`: as `own`, with SwitchGLU's sorted path at every batch size (mlx-lm sorts the
+  routed pairs by expert only from 64 of them, B = 8 at top-8);
+- `forward`: the model's forward alone on the same batch cache, evaluated each step.
+
+Plus `generate_step` alone (B = 1, pipelined) for the single-stream reference.
+Measured: median ms per step over `--steps` steps after warm-up, in `--rounds` rounds.
+
+    python tests/bench/gpu_batch_probe.py --layers 12 --out /tmp/out/batch_probe.json
+    python tests/bench/gpu_batch_probe.py --tiny --out /tmp/batch_probe_cpu.json   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.models import switch_layers
+from mlx_lm.sample_utils import make_sampler
+
+from moestream.daemon.model.generation import SamplingParams, request_sampler
+from moestream.daemon.plan import _config_with_layers, _random_model
+
+Q30 = {
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "intermediate_size": 6144,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 768,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 151936,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+    "norm_topk_prob": True,
+    "quantization": {"group_size": 64, "bits": 4},
+}
+TINY = {**Q30, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "head_dim": 32}
+TINY.update({"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 64, "vocab_size": 2048})
+TINY["quantization"] = {"group_size": 32, "bits": 4}
+
+
+def _always_sorted(self, x, indices):
+    """SwitchGLU.__call__ with the sort at every size (mlx-lm's own code otherwise)."""
+    x = mx.expand_dims(x, (-2, -3))
+    x, idx, inv_order = switch_layers._gather_sort(x, indices)
+    if self.training:
+        idx = mx.stop_gradient(idx)
+    x_up = self.up_proj(x, idx, sorted_indices=True)
+    x_gate = self.gate_proj(x, idx, sorted_indices=True)
+    x = self.down_proj(self.activation(x_up, x_gate), idx, sorted_indices=True)
+    x = switch_layers._scatter_unsort(x, inv_order, indices.shape)
+    return x.squeeze(-2)
+
+
+def _batch_step_ms(model, vocab: int, b: int, samplers, steps: int, warmup: int) -> float:
+    gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=8, prefill_batch_size=8)
+    prompts = [[(i * 131 + j * 7) % vocab for j in range(32)] for i in range(b)]
+    gen.insert(prompts, max_tokens=[10_000] * b, samplers=samplers)
+    for _ in range(warmup + 2):  # the first steps prefill and start the batch
+        gen.next()
+    tic = time.perf_counter()
+    for _ in range(steps):
+        gen.next()
+    mx.synchronize()
+    ms = 1000 * (time.perf_counter() - tic) / steps
+    gen.close()
+    return ms
+
+
+def _forward_ms(model, vocab: int, b: int, steps: int) -> float:
+    from mlx_lm.models.cache import BatchKVCache
+
+    cache = [BatchKVCache([0] * b) for _ in model.layers]
+    x = mx.array([[(i * 131 + j * 7) % vocab for j in range(32)] for i in range(b)])
+    mx.eval(model(x, cache=cache))
+    y = mx.array([[i] for i in range(b)])
+    for _ in range(3):
+        mx.eval(model(y, cache=cache))
+    tic = time.perf_counter()
+    for _ in range(steps):
+        mx.eval(model(y, cache=cache))
+    return 1000 * (time.perf_counter() - tic) / steps
+
+
+def _single_ms(model, vocab: int, steps: int) -> float:
+    prompt = mx.array([(j * 7) % vocab for j in range(32)])
+    gen = generate_step(prompt, model, max_tokens=steps + 5, sampler=make_sampler(temp=0.0))
+    for _ in range(5):
+        next(gen)
+    tic = time.perf_counter()
+    for _ in range(steps):
+        next(gen)
+    return 1000 * (time.perf_counter() - tic) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true", help="tiny dims (a CPU smoke run)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    mx.set_memory_limit(64 * 2**30)
+    base = TINY if args.tiny else Q30
+    config = _config_with_layers(base, args.layers)
+    model = _random_model(config, "bfloat16")
+    vocab = config["vocab_size"]
+    stock_call = switch_layers.SwitchGLU.__call__
+    rows: dict[str, dict[int, list[float]]] = {}
+    single: list[float] = []
+    for r in range(args.rounds):
+        single.append(_single_ms(model, vocab, args.steps))
+        for b in (1, 2, 4, 8):
+            own = [request_sampler(SamplingParams(temp=1.0, seed=i)) for i in range(b)]
+            timings = {
+                "shared": lambda: _batch_step_ms(model, vocab, b, None, args.steps, 3),
+                "own": lambda: _batch_step_ms(model, vocab, b, own, args.steps, 3),
+                "forward": lambda: _forward_ms(model, vocab, b, args.steps),
+            }
+            for name, run in timings.items():
+                rows.setdefault(name, {}).setdefault(b, []).append(run())
+            switch_layers.SwitchGLU.__call__ = _always_sorted
+            try:
+                own = [request_sampler(SamplingParams(temp=1.0, seed=i)) for i in range(b)]
+                rows.setdefault("sorted", {}).setdefault(b, []).append(
+                    _batch_step_ms(model, vocab, b, own, args.steps, 3)
+                )
+            finally:
+                switch_layers.SwitchGLU.__call__ = stock_call
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    report = {
+        "device": str(mx.default_device()),
+        "layers": args.layers,
+        "shape": "tiny" if args.tiny else "qwen3-30b-a3b",
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "generate_step_ms": statistics.median(single),
+        "ms_per_step": {name: {b: statistics.median(v) for b, v in by_b.items()} for name, by_b in rows.items()},
+        "runs": {name: {b: v for b, v in by_b.items()} for name, by_b in rows.items()},
+    }
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"generate_step B=1: {report['generate_step_ms']:.2f} ms/token")
+    print("ms per step     " + "".join(f"{'B=' + str(b):>9}" for b in (1, 2, 4, 8)))
+    for name, by_b in report["ms_per_step"].items():
+        print(f"{name:<16}" + "".join(f"{by_b[b]:>9.2f}" for b in (1, 2, 4, 8)))
+
+
+if __name__ == "__main__":
+    main()
