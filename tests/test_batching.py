@@ -24,6 +24,7 @@ from mlx_lm.sample_utils import make_sampler
 from stock_runs import stock_batched
 from tiny_models import MOE_ARCHS, make_tiny_model
 
+from moestream.daemon.mapped.row_gather import MAX_GATHERED
 from moestream.daemon.model.batching import JOINT_PREFILL_TOKENS, BatchSession
 from moestream.daemon.model.generation import SamplingParams, generate, plain_steps
 from moestream.daemon.model.streaming_model import load_streaming_model
@@ -161,3 +162,24 @@ def test_a_long_prompt_joining_holds_the_batch_back_one_layer_at_a_time(converte
         assert b_tokens == [int(t) for t, _ in plain_steps(sm, long_prompt, GREEDY, 3)]
     finally:
         sm.close()
+
+
+def test_a_gathering_mapped_pool_caps_the_batch_at_its_gather(converted):
+    """A mapped pool that gathers the routed experts' rows first takes at most
+    MAX_GATHERED ids per step on that path, so the batch holds at most that many
+    requests' routings; without the gather it is not capped."""
+    store, _, _ = converted
+    manifest = load_manifest(store)
+    k, experts = top_k_of(manifest.config), manifest.layers[0].num_experts
+    for gather, cap in ((True, MAX_GATHERED // k), (False, 64)):
+        settings = Settings(capacity=max(k, math.ceil(experts / 4)), mapped=True, mapped_gather=gather, direct_io=True)
+        sm = load_streaming_model(store, settings)
+        try:
+            assert all(p.host_memory and (p.gather is not None) == gather for p in sm.pools)
+            session = BatchSession(sm, max_batch=64)
+            assert session.max_batch == cap
+            if gather:
+                assert "gather" in session.why_full()
+            session.close()
+        finally:
+            sm.close()

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Sequence
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
+from moestream.daemon.mapped.row_gather import MAX_GATHERED
 from moestream.daemon.model.prefill import PREFILL_STEP, PrefillStats, prefill_pieces
 from moestream.daemon.model.streaming_model import StreamingModel
 
@@ -87,14 +88,20 @@ class _Member:
 
 
 def batch_cap(sm: StreamingModel, max_batch: int) -> int:
-    """`max_batch`, capped where a partial slot pool could not hold the experts one step
-    routes: B requests route up to B x top-k experts per layer, which must fit its slots
-    (else every step would take the overflow path and read them all again). Full and
-    mapped pools hold every expert."""
-    partial = [p for p in sm.pools if not p.fully_resident]
-    if not partial:
-        return max_batch
-    return max(1, min(max_batch, min(p.capacity // p.top_k for p in partial)))
+    """`max_batch`, capped where one step's routed experts would leave the pool's fast
+    path: B requests route up to B x top-k experts per layer, which must fit a partial
+    slot pool's slots (else every step would take the overflow path and read them all
+    again); a mapped pool that gathers the routed experts' rows first gathers at most
+    MAX_GATHERED ids (beyond them its kernels read host memory in place, several times
+    slower: tests/bench/RESULTS.md, "Serving several clients"). A full pool, or a mapped one
+    without the gather, takes any batch."""
+    caps = [max_batch]
+    for p in sm.pools:
+        if not p.fully_resident:
+            caps.append(p.capacity // p.top_k)
+        elif p.host_memory and p.gather is not None:
+            caps.append(MAX_GATHERED // p.top_k)
+    return max(1, min(caps))
 
 
 class BatchSession:
@@ -133,7 +140,7 @@ class BatchSession:
         if self.max_batch < self.requested:
             return (
                 f"the batch is full: {self.max_batch} requests (max_batch {self.requested}, capped so that one "
-                "step's experts fit the pool's slots)"
+                "step's experts fit the pool's slots or its gather)"
             )
         return f"the batch is full: {self.max_batch} requests (max_batch)"
 
