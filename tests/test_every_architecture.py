@@ -12,9 +12,11 @@ its reason in the table, so a fix shows up as an unexpected pass.
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 from arch_runner import Converted, check_streamed, convert_arch
-from arch_table import ARCHS, markdown, stacked_expert_files, supported
+from arch_table import ARCHS, markdown, stacked_expert_files, supported, tiny_arch_config
+from tiny_models import make_tiny_model
 
 FILES = stacked_expert_files()
 QUANTS = ("4bit", "f32")
@@ -106,3 +108,36 @@ def test_the_readme_lists_the_supported_architectures():
         "README.md's list of architectures differs from tests/arch_table.py: regenerate it with "
         "`python tests/arch_table.py --list`, comma-separated, between the architectures markers"
     )
+
+
+def test_muse_spark_keeps_its_norm_beside_the_experts_resident(tmp_path):
+    """muse_spark's SwitchGLU holds a post-expert norm, one weight for every expert, that
+    the MoE block around it calls: convert keeps it with the resident weights, the
+    streaming model loads it and reaches it through the streaming layer. (Its forward
+    needs Metal, so exactness is checked only where Metal runs: the table's cases.)"""
+    from mlx.utils import tree_flatten
+
+    from moestream.daemon.model.streaming_model import load_streaming_model
+    from moestream.daemon.store.convert import convert_model
+    from moestream.shared.settings import Settings
+    from moestream.shared.store_format import load_manifest
+
+    src = make_tiny_model(tmp_path / "model", "muse_spark", quant="4bit", seed=3, config=tiny_arch_config("muse_spark"))
+    convert_model(src, tmp_path / "store")
+    manifest = load_manifest(tmp_path / "store")
+    assert all("post_expert_norm" not in t.name for layer in manifest.layers for t in layer.tensors)
+    source = {}
+    for f in sorted(src.glob("*.safetensors")):
+        source.update(mx.load(str(f)))
+    norms = {k: v for k, v in source.items() if "post_expert_norm" in k}
+    assert len(norms) == len(manifest.layers)
+    sm = load_streaming_model(tmp_path / "store", Settings(capacity=0.5, direct_io=True))
+    try:
+        loaded = dict(tree_flatten(sm.model.parameters()))
+        for name, weight in norms.items():
+            inner = name.replace(".experts.", ".experts.inner.")
+            assert mx.array_equal(loaded[inner], weight), name
+        moes = [m for n, m in sm.model.named_modules() if n.endswith("mlp.experts")]
+        assert moes and all(m.post_expert_norm is m.inner.post_expert_norm for m in moes)
+    finally:
+        sm.close()

@@ -34,6 +34,7 @@ from moestream.daemon.pool.capacity import plan_capacity, top_k_of_blocks
 from moestream.daemon.pool.expert_pool import ExpertPool, PoolCapacityError, PoolStats
 from moestream.daemon.pool.expert_reader import ExpertReader
 from moestream.daemon.prefetch.predictor import make_prefetcher, next_layers, routers_of
+from moestream.daemon.store.layout import beside_experts
 from moestream.shared.settings import Settings, format_size
 from moestream.shared.store_format import Manifest, StoreError, load_manifest
 
@@ -255,7 +256,12 @@ def _build_model(store: Path, manifest: Manifest) -> tuple[nn.Module, dict[str, 
 
 
 def _load_resident(model: nn.Module, weights: dict[str, mx.array], manifest: Manifest, store: Path) -> None:
-    expert_prefixes = tuple(layer.module_path + "." for layer in manifest.layers)
+    """Load every weight but the experts' projections into the (unwrapped) model."""
+    expert_prefixes = tuple(
+        f"{layer.module_path}.{projection}."
+        for layer in manifest.layers
+        for projection in {t.name.rsplit(".", 1)[0] for t in layer.tensors}
+    )
     expected = {k for k, _ in tree_flatten(model.parameters()) if not k.startswith(expert_prefixes)}
     missing = expected - weights.keys()
     extra = weights.keys() - expected
@@ -391,9 +397,11 @@ def load_streaming_model(
                     prefetcher=prefetcher,
                 )
             )
+        # Resident weights first, while the model is as the store's names know it (a
+        # module beside the experts, e.g. a norm, sits inside the module wrapped next).
+        _load_resident(model, weights, manifest, store)
         for (parent, key, module), pool, nxt in zip(found, pools, next_layers(pools, routers, settings.prefetch_depth)):
             parent[key] = StreamingMoE(module, pool, diagnostics, nxt, prefetcher)
-        _load_resident(model, weights, manifest, store)
         mx.eval(model.parameters())
         for pool, full in zip(pools, resident):
             if full:
@@ -541,7 +549,8 @@ EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "mo
 
 def _check_layout(module: nn.Module, layer, store: Path, config: dict[str, Any]) -> None:
     """The store's per-expert tensors must be exactly the module's stacked tensors."""
-    params = dict(tree_flatten(module.parameters()))
+    beside = set(beside_experts(module))
+    params = {k: v for k, v in tree_flatten(module.parameters()) if k.split(".", 1)[0] not in beside}
     names = {t.name for t in layer.tensors}
     if set(params) != names:
         raise StoreError(

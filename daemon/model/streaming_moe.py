@@ -29,7 +29,7 @@ syncs around each segment to time it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -67,6 +67,17 @@ class StreamingMoE(nn.Module):
         self._stack: dict[str, mx.array] | None = None
         self._last_ids: np.ndarray | None = None
         self._use(pool.arrays)
+
+    def __getattr__(self, key: str) -> Any:
+        # What the MoE block around mlx-lm's module reaches through it (muse_spark's MoE
+        # calls `self.experts.post_expert_norm`): the wrapped module's children.
+        value = self.get(key)
+        if value is not None:
+            return value
+        inner = self.get("inner")
+        if inner is not None and key in inner:
+            return inner[key]
+        return super().__getattr__(key)
 
     def _use(self, arrays: dict[str, mx.array]) -> None:
         for t in self.pool.layer.tensors:

@@ -81,6 +81,25 @@ def _projection_quantization(proj: nn.Module) -> dict[str, Any] | None:
     return None
 
 
+def beside_experts(module: nn.Module) -> list[str]:
+    """Modules with weights that a SwitchGLU/SwitchMLP holds beside its projections, one
+    copy for every expert (muse_spark keeps its post-expert norm there, called by the MoE
+    block around it): resident weights, not part of an expert's read. A child stacked
+    over the experts (a leading axis of the expert count) is not one of them."""
+    kind_class = next((c for c in PROJECTIONS if isinstance(module, c)), None)
+    projections = PROJECTIONS.get(kind_class, ()) if kind_class is not None else ()
+    prefixes = tuple(f"{p}." for p in projections)
+    counts = {int(a.shape[0]) for k, a in tree_flatten(module.parameters()) if k.startswith(prefixes) and a.ndim}
+    out = []
+    for name, child in module.children().items():
+        if name in projections or not isinstance(child, nn.Module):
+            continue
+        arrays = [a for _, a in tree_flatten(child.parameters())]
+        if arrays and not any(a.ndim >= 2 and int(a.shape[0]) in counts for a in arrays):
+            out.append(name)
+    return out
+
+
 def describe_switch(module_path: str, module: nn.Module) -> SwitchLayer:
     """The layout of one SwitchGLU/SwitchMLP; StoreError if it is not the known shape."""
     kind_class = next((c for c in PROJECTIONS if isinstance(module, c)), None)
@@ -91,7 +110,8 @@ def describe_switch(module_path: str, module: nn.Module) -> SwitchLayer:
 
     params = dict(tree_flatten(module.parameters()))
     expected_prefixes = tuple(f"{p}." for p in projections)
-    unknown = sorted(k for k in params if not k.startswith(expected_prefixes))
+    beside = tuple(f"{name}." for name in beside_experts(module))
+    unknown = sorted(k for k in params if not k.startswith(expected_prefixes + beside))
     if unknown:
         raise StoreError(
             f"unknown expert layout at {where}: parameters {unknown} are not in the "
