@@ -10,8 +10,13 @@ fsync of the folder): after a crash at any instant the file is either the previo
 complete version or the new complete version. A failed write raises `HeatWriteError`
 and leaves the previous file untouched.
 
-One writer at a time: the heat keeper holds `lock_usage()` for its whole life, so a
+One writer at a time: the heat keeper holds `UsageLock` while it writes the file, so a
 keeper that outlived its daemon finishes its last write before a new one loads the file.
+A keeper that cannot have the lock (a second daemon on the same store) writes its counts
+to a pending file of its own, `pool_usage.json.pending-<pid>-<random>`, in the same
+format; whichever keeper next takes the lock adds every pending file into the heat file
+and then removes them (`pending_files`). A crash between that write and the removal
+counts a pending file twice; no order of the two can lose it instead.
 
 This module imports no MLX and no ZeroMQ.
 """
@@ -70,7 +75,12 @@ class HeatReadError(HeatFileError):
 
 
 class HeatLockTimeout(TimeoutError):
-    """Another process (another heat keeper) holds the heat file's lock."""
+    """Another process (another heat keeper) holds the heat file's lock; `holder` is its
+    pid where the lock file names one."""
+
+    def __init__(self, message: str, holder: int | None = None) -> None:
+        super().__init__(message)
+        self.holder = holder
 
 
 @dataclass(frozen=True)
@@ -307,6 +317,18 @@ def remove_temp_files(path: Path | str) -> list[Path]:
     return removed
 
 
+def pending_path(path: Path | str) -> Path:
+    """A new pending file's name for this process: never one an earlier process used."""
+    path = Path(path)
+    return path.with_name(f"{path.name}.pending-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def pending_files(path: Path | str) -> list[Path]:
+    """The pending files of keepers that could not have the lock (see the module docstring)."""
+    path = Path(path)
+    return sorted(p for p in path.parent.glob(f"{path.name}.pending-*") if ".corrupt-" not in p.name)
+
+
 class UsageLock:
     """An exclusive `flock` on `<file>.lock`, held by the one process that writes the file.
 
@@ -341,8 +363,9 @@ class UsageLock:
                 + (
                     "asked to stop while waiting for it"
                     if stopped
-                    else f"gave up after {timeout:.1f}s: is a second daemon running on this store?"
-                )
+                    else f"not free after {timeout:.1f}s: is a second daemon running on this store?"
+                ),
+                holder,
             )
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
