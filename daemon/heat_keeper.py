@@ -77,9 +77,10 @@ from moestream.shared.heat_file import (
     UsageCounts,
     UsageLoad,
     UsageLock,
-    pending_files,
+    orphaned_pending_files,
     pending_path,
     read_usage,
+    remove_pending,
     remove_temp_files,
     usage_path,
     write_usage,
@@ -195,6 +196,7 @@ class HeatKeeper:
         # Where writes go: the heat file while the lock is held, else this keeper's
         # pending file (see the module docstring).
         self.target = pending_path(self.path)
+        self._pending_lock = UsageLock(self.target)
         self.lock_wait: str | None = None  # who holds the lock, while this keeper waits
         self._merged: list[Path] = []  # pending files in `counts`, removed after the next heat-file write
         self._next_lock_try = 0.0
@@ -219,13 +221,14 @@ class HeatKeeper:
         the temporary files removed; `HeatFileError` leaves the counts as they were."""
         removed = remove_temp_files(self.path)
         loaded = read_usage(self.path)
-        extra = [(p, read_usage(p)) for p in pending_files(self.path) if p != self.target]
+        extra = [(p, read_usage(p)) for p in orphaned_pending_files(self.path)]
         for load in [loaded, *(load for _, load in extra)]:
             if load.problem:
                 log.error("%s", load.problem)
             _add_counts(self.counts, load.counts)
         self.stats.loaded_total += loaded.total + sum(load.total for _, load in extra)
-        self._merged = [p for p, _ in extra] + [self.target]  # this keeper's own, where it wrote one
+        own = [self.target] if self._pending_lock.held else []  # where this keeper waited
+        self._merged = [p for p, _ in extra] + own
         self.target = self.path
         self.lock_wait = None
         if extra:
@@ -235,6 +238,9 @@ class HeatKeeper:
     def wait_for_lock(self, held: HeatLockTimeout) -> None:
         """Keep counts in the pending file until the lock frees (`try_lock`)."""
         holder = f" (pid {held.holder})" if held.holder else ""
+        if not self._pending_lock.held:
+            # Held for this keeper's life: while it is, no other keeper adds the file.
+            self._pending_lock.acquire(0.0)
         if self.lock_wait is None:
             log.warning(
                 "%s is held by another heat keeper%s (a second daemon on this store?): counts are kept in %s "
@@ -426,13 +432,18 @@ class HeatKeeper:
         """The heat file now holds the pending files' counts: remove them."""
         for path in self._merged:
             try:
-                path.unlink()
-            except FileNotFoundError:
-                continue
+                remove_pending(path)
             except OSError as e:
                 # Left in place it would be added again by the next keeper: say so.
                 log.error("cannot remove %s, whose counts are now in %s: %s", path, self.path, e)
         self._merged = []
+        self._pending_lock.release()
+
+    def close(self) -> None:
+        """Let go of the pending file's lock; a keeper that never wrote one leaves no lock behind."""
+        if self._pending_lock.held and not self.target.exists():
+            Path(str(self.target) + ".lock").unlink(missing_ok=True)
+        self._pending_lock.release()
 
     def send(self, kind: str, **fields: Any) -> None:
         """Tell the daemon something; never waits (a full queue drops the message)."""
@@ -543,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = keeper.write(reason)
         return EXIT_OK if ok else EXIT_WRITE_FAILED
     finally:
+        keeper.close()
         lock.release()
         pull.close(linger=0)
         ack.close(linger=exit_linger_ms)

@@ -567,19 +567,30 @@ def test_a_keeper_without_the_lock_keeps_its_counts_and_adds_them_once_it_is_fre
         push2.close(linger=0)
         acks2.close(linger=0)
 
-        third, push3, acks3, hello = start("k2")
+        # Two waiting at once, both alive: neither may add the other's pending file.
+        third, push3, acks3, hello = start("k3")
         assert hello["lock_wait"] and Path(hello["pending"]) != pending
         push3.send(_pack(v=1, type="counts", seq=1, layers={1: [4]}))
+        fourth, push4, acks4, _ = start("k4")
+        push4.send(_pack(v=1, type="counts", seq=1, layers={1: [0, 3]}))
+        flush(push4, acks4, 1)  # its pending file is on disk
         first.send_signal(signal.SIGTERM)
         assert first.wait(10) == 0
-        # The lock is free: the third keeper adds the second's pending file and its own counts.
-        report = _recv(acks3, "report")
-        assert report["reason"] == "lock" and report["ok"] and report["lock_wait"] is None, report
-        assert file_counts(store) == {0: {0: 1, 1: 2, 2: 5}, 1: {0: 4}}
+        # The lock is free: one of them takes it and adds the second's (orphaned) pending
+        # file and its own counts, not the other live keeper's.
+        winner = _first_report(store, {third: acks3, fourth: acks4}, "lock")
+        loser = fourth if winner is third else third
+        both = {0: {0: 1, 1: 2, 2: 5}, 1: {0: 4, 1: 3}}
+        alone = {0: {0: 1, 1: 2, 2: 5}, 1: {0: 4} if winner is third else {1: 3}}
+        assert file_counts(store) == alone
+        winner.send_signal(signal.SIGTERM)
+        assert winner.wait(10) == 0
+        _first_report(store, {loser: acks3 if loser is third else acks4}, "lock")
+        assert file_counts(store) == both
+        loser.send_signal(signal.SIGTERM)
+        assert loser.wait(10) == 0
+        assert file_counts(store) == both
         assert sorted(p.name for p in store.iterdir()) == ["pool_usage.json", "pool_usage.json.lock"]
-        third.send_signal(signal.SIGTERM)
-        assert third.wait(10) == 0
-        assert file_counts(store) == {0: {0: 1, 1: 2, 2: 5}, 1: {0: 4}}
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -588,6 +599,21 @@ def test_a_keeper_without_the_lock_keeps_its_counts_and_adds_them_once_it_is_fre
         for sock in socks:
             sock.close(linger=0)
         ctx.term()
+
+
+def _first_report(store: Path, keepers: dict[subprocess.Popen, zmq.Socket], reason: str) -> subprocess.Popen:
+    """The keeper whose report for `reason` comes first."""
+    poller = zmq.Poller()
+    for sock in keepers.values():
+        poller.register(sock, zmq.POLLIN)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for sock, _ in poller.poll(100):
+            msg = msgpack.unpackb(sock.recv(), raw=False, strict_map_key=False)
+            if msg["type"] == "report" and msg["reason"] == reason:
+                assert msg["ok"] and msg["lock_wait"] is None, msg
+                return next(proc for proc, s in keepers.items() if s is sock)
+    raise AssertionError(f"no keeper of {store} reported {reason!r} within 10 s")
 
 
 def _try_send(sock: zmq.Socket, frame: bytes) -> bool:
