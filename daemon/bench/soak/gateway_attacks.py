@@ -4,7 +4,9 @@ followed by a request that must still be served exactly: what
 
   slowloris          n connections that send half a request's headers and stop, past the
                      gateway's file limit (1024, as most systems set it), while a client
-                     with the API key asks for completions: how long each one took
+                     with the API key asks for completions: how long each one took, and
+                     how much longer than without the attack (the bound: a loaded machine
+                     is slow with or without it)
   connection_caps    the same connections, counted: how many the gateway closed to stay
                      under its caps (client/gateway/guard.py), how many it kept open
   browser_requests   a web page's requests to the keyless loopback gateway: cross-origin
@@ -42,7 +44,7 @@ from moestream.shared.settings import default_of
 # the slowloris attack, which the connections go past.
 GATEWAY_FILE_LIMIT = 1024
 SLOWLORIS_CONNECTIONS = 1100
-KEYED_WITHIN_S = 2.0
+KEYED_WITHIN_S = 2.0  # the most slowloris may add to a keyed completion
 OVERSIZED_FACTOR = 2  # bodies twice the gateway's limit
 GATEWAY_RSS_LIMIT_MIB = 20.0
 GATEWAY_LOG_LIMIT_BYTES = 2 * 2**20
@@ -169,7 +171,10 @@ def _timed(
 def slowloris(gw: GatewayProcess, reference: Mapping[tuple[str, int], Reference], key: str, n: int) -> dict:
     """Slowloris past the file limit against the keyed gateway; also its connection caps."""
     baseline, exact = _timed(gw, reference, key, 3)
-    resource.prlimit(gw.proc.pid, resource.RLIMIT_NOFILE, (GATEWAY_FILE_LIMIT, GATEWAY_FILE_LIMIT))
+    limit = None
+    if hasattr(resource, "prlimit"):  # Linux; elsewhere the gateway keeps the limit it raised itself
+        resource.prlimit(gw.proc.pid, resource.RLIMIT_NOFILE, (GATEWAY_FILE_LIMIT, GATEWAY_FILE_LIMIT))
+        limit = GATEWAY_FILE_LIMIT
     socks = _half_open(gw.port, n)
     try:
         latencies, exact_under = _timed(gw, reference, key, 5)
@@ -183,15 +188,16 @@ def slowloris(gw: GatewayProcess, reference: Mapping[tuple[str, int], Reference]
             s.close()
     slow = {
         "connections": n,
-        "gateway_file_limit": GATEWAY_FILE_LIMIT,
+        "gateway_file_limit": limit,
         "keyed_baseline_s": baseline,
         "keyed_latency_s": latencies,
         "keyed_latency_max_s": max(latencies),
+        "keyed_added_s": max(latencies) - max(baseline),
         "keyed_exact": exact,
         "health_status": health,
         "health_s": health_s,
     }
-    slow["ok"] = bool(exact and max(latencies) < KEYED_WITHIN_S and health == 200)
+    slow["ok"] = bool(exact and slow["keyed_added_s"] < KEYED_WITHIN_S and health == 200)
     per_client = max(default_of("gateway_max_connections") // 2, 1)  # GuardConfig.from_settings
     caps = {
         "connections": n,

@@ -265,8 +265,8 @@ def reliability_table_markdown(report: dict[str, Any], name: str) -> str:
             f"{soak['clients']} clients × {soak['requests_per_client']} requests, {soak['cancel_frac']:.0%} cancelled "
             "or disconnected",
             "every response equals `--local` (a cancelled one a prefix of it); none lost or crossed",
-            f"{f['completed_exact']} of {f['requests']} exact, {f['lost_responses']} lost; RSS "
-            f"{f['rss_growth_pct']:+.2f}%",
+            f"{f['requests']}: {f['completed_exact']} exact ({f['cancelled']} cancelled), {f['disconnected']} "
+            f"disconnected, {f['lost_responses']} lost; RSS {f['rss_growth_pct']:+.2f}%",
         ),
         (
             "kill -9 of the heat keeper, a publisher, the daemon",
