@@ -47,7 +47,8 @@ still takes counts, and writes them to a pending file of its own
 (`shared/heat_file.py` `pending_path`) instead; its hello and reports carry `lock_wait`
 (who holds the lock) and `pending` (that file), which `status` shows. It tries the lock
 again every LOCK_RETRY_SECONDS; a keeper that takes it, now or at start, adds the heat
-file, every pending file and its own counts together, writes the heat file and removes
+file, its own counts and the pending files of keepers that are gone together (a live
+keeper's is its own to add: it holds that file's lock), writes the heat file and removes
 the pending files it added. So no daemon's counts are lost to another's lock.
 
 Exit status: 0 after a successful final write, 1 if the final write failed, 2 if it could
