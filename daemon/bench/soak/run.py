@@ -56,6 +56,8 @@ def run_bench_soak(
 ) -> dict[str, Any]:
     """Run everything; returns the report (see `format_report`). A store that cannot be
     loaded raises `SoakSetupError`; `attacks` is a key of ATTACK_CHOICES."""
+    if attacks not in ATTACK_CHOICES:
+        raise ValueError(f"[run_bench_soak] attacks must be one of {', '.join(ATTACK_CHOICES)}, got {attacks!r}")
     chosen = ATTACK_CHOICES[attacks]
     try:
         load_manifest(store)  # before any copy: a folder that is no store is named as given
