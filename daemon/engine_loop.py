@@ -888,10 +888,19 @@ class EngineLoop:
         if self._heat is None:
             return dict(self._heat_state)
         health = self._heat.health()
-        # A keeper that is alive but not ready waits for the heat file's lock (another
-        # daemon's keeper on the same store): not yet keeping anything.
-        state = ("running" if health["ready"] else "starting") if health["alive"] else "down"
-        return {"state": state, **health}
+        if not health["alive"]:
+            return {"state": "down", **health}
+        if not health["ready"]:
+            return {"state": "starting", **health}
+        if health["lock_wait"]:
+            # Another daemon's keeper writes this store's heat file: ours keeps the counts
+            # in a file of its own until it can add them (daemon/heat_keeper.py, The lock).
+            note = (
+                f"{health['lock_wait']} (a second daemon on this store?); this daemon's counts are kept in "
+                f"{health['pending']} and added to the heat file once it is free"
+            )
+            return {"state": "waiting", "note": note, **health}
+        return {"state": "running", **health}
 
     def _close_model(self) -> None:
         try:

@@ -21,11 +21,13 @@ Data channel:
     stop    {}                  write and exit
     ping    {}                  nothing; lets the daemon see that the pipe is connected
 Ack channel (every message carries the keeper's "pid"):
-    hello   what was loaded: "loaded_total", "set_aside", "problem", "temps_removed"
+    hello   what was loaded: "loaded_total", "set_aside", "problem", "temps_removed",
+            "lock_wait", "pending" (see The lock)
     report  after every write: "reason", "token", "ok", "error", "written_seq",
             "durable_counts" (counts received in this keeper's life that are now on
-            disk), "stats"
-    fatal   {"error"}: the keeper cannot start (lock held, unreadable file) and exits 2
+            disk), "lock_wait", "pending", "stats"
+    fatal   {"error"}: the keeper cannot start (a lock file it must not use, an
+            unreadable file) and exits 2
 
 Anything else on the data channel is counted as malformed, logged (rate-limited) and
 dropped; it never stops the keeper.
@@ -38,6 +40,16 @@ each case it first takes what is already queued, then writes once more. A failed
 (full disk, I/O error) is logged, counted, reported, and the counts stay in memory for
 the next attempt; the previous file stays intact. SIGINT is ignored: Ctrl-C reaches the
 whole foreground process group, and the daemon decides when its keeper stops.
+
+The lock. Only the keeper holding `pool_usage.json.lock` writes `pool_usage.json`. One
+that does not get it within `--lock-timeout` (another daemon's keeper on the same store)
+still takes counts, and writes them to a pending file of its own
+(`shared/heat_file.py` `pending_path`) instead; its hello and reports carry `lock_wait`
+(who holds the lock) and `pending` (that file), which `status` shows. It tries the lock
+again every LOCK_RETRY_SECONDS; a keeper that takes it, now or at start, adds the heat
+file, its own counts and the pending files of keepers that are gone together (a live
+keeper's is its own to add: it holds that file's lock), writes the heat file and removes
+the pending files it added. So no daemon's counts are lost to another's lock.
 
 Exit status: 0 after a successful final write, 1 if the final write failed, 2 if it could
 not start.
@@ -64,8 +76,12 @@ from moestream.shared.heat_file import (
     HeatFileError,
     HeatLockTimeout,
     UsageCounts,
+    UsageLoad,
     UsageLock,
+    orphaned_pending_files,
+    pending_path,
     read_usage,
+    remove_pending,
     remove_temp_files,
     usage_path,
     write_usage,
@@ -82,6 +98,8 @@ DRAIN_BATCH = 512
 # Before the final write after SIGTERM or the parent's death, take what is queued, but no
 # longer than this.
 FINAL_DRAIN_SECONDS = 0.5
+# How often a keeper without the lock tries it again.
+LOCK_RETRY_SECONDS = 0.5
 EXIT_OK, EXIT_WRITE_FAILED, EXIT_CANNOT_START = 0, 1, 2
 
 log = logging.getLogger("moestream.heat_keeper")
@@ -165,8 +183,8 @@ class HeatKeeper:
     def __init__(
         self,
         store_dir: Path,
-        counts: UsageCounts,
         *,
+        lock: UsageLock,
         pull: zmq.Socket,
         ack: zmq.Socket,
         flush_seconds: float,
@@ -174,18 +192,92 @@ class HeatKeeper:
         parent_pid: int = 0,
     ) -> None:
         self.path = usage_path(store_dir)
-        self.counts = counts
+        self.lock = lock
+        self.counts: UsageCounts = {}
+        # Where writes go: the heat file while the lock is held, else this keeper's
+        # pending file (see the module docstring).
+        self.target = pending_path(self.path)
+        self._pending_lock = UsageLock(self.target)
+        self.lock_wait: str | None = None  # who holds the lock, while this keeper waits
+        self._merged: list[Path] = []  # pending files in `counts`, removed after the next heat-file write
+        self._next_lock_try = 0.0
+        self._lock_problem: str | None = None
         self.pull = pull
         self.ack = ack
         self.flush_seconds = flush_seconds
         self.flush_batches = flush_batches
         self.parent_pid = parent_pid
-        self.stats = KeeperStats(pid=os.getpid(), loaded_total=sum(sum(c.values()) for c in counts.values()))
+        self.stats = KeeperStats(pid=os.getpid())
         self.stop_reason: str | None = None
         # Counts received in this life, and how many of them the file holds.
         self.durable_counts = 0
         self.written_seq: int | None = None
         self.batches_since_write = 0
+
+    # -- the lock -------------------------------------------------------------------
+
+    def take_file(self) -> tuple[UsageLoad, list[Path]]:
+        """With the lock held: add the heat file and every pending file into the counts
+        (the pending files are removed after the next write). Returns what was loaded and
+        the temporary files removed; `HeatFileError` leaves the counts as they were."""
+        removed = remove_temp_files(self.path)
+        loaded = read_usage(self.path)
+        extra = [(p, read_usage(p)) for p in orphaned_pending_files(self.path)]
+        for load in [loaded, *(load for _, load in extra)]:
+            if load.problem:
+                log.error("%s", load.problem)
+            _add_counts(self.counts, load.counts)
+        self.stats.loaded_total += loaded.total + sum(load.total for _, load in extra)
+        own = [self.target] if self._pending_lock.held else []  # where this keeper waited
+        self._merged = [p for p, _ in extra] + own
+        self.target = self.path
+        self.lock_wait = None
+        if extra:
+            log.info("added %d pending file(s) of keepers that waited for the lock", len(extra))
+        return loaded, removed
+
+    def wait_for_lock(self, held: HeatLockTimeout) -> None:
+        """Keep counts in the pending file until the lock frees (`try_lock`)."""
+        holder = f" (pid {held.holder})" if held.holder else ""
+        if not self._pending_lock.held:
+            # Held for this keeper's life: while it is, no other keeper adds the file.
+            self._pending_lock.acquire(0.0)
+        if self.lock_wait is None:
+            log.warning(
+                "%s is held by another heat keeper%s (a second daemon on this store?): counts are kept in %s "
+                "and added to the heat file once it is free",
+                self.lock.path,
+                holder,
+                self.target,
+            )
+        self.lock_wait = f"another heat keeper{holder} holds {self.lock.path}"
+        self._next_lock_try = time.monotonic() + LOCK_RETRY_SECONDS
+
+    def try_lock(self) -> bool:
+        """Try the lock once, without waiting; on success the files are added and written."""
+        self._next_lock_try = time.monotonic() + LOCK_RETRY_SECONDS
+        try:
+            self.lock.acquire(0.0)
+        except HeatLockTimeout as e:
+            self.wait_for_lock(e)
+            return False
+        except HeatFileError as e:
+            self._lock_failed(str(e))
+            return False
+        try:
+            self.take_file()
+        except HeatFileError as e:
+            self.lock.release()
+            self._lock_failed(str(e))
+            return False
+        log.info("took the lock of %s", self.path)
+        self.write("lock")
+        return True
+
+    def _lock_failed(self, why: str) -> None:
+        if why != self._lock_problem:  # once per distinct cause: this is retried twice a second
+            log.error("cannot take the heat file yet: %s; counts stay in %s", why, self.target)
+        self._lock_problem = why
 
     # -- the loop -------------------------------------------------------------------
 
@@ -198,6 +290,9 @@ class HeatKeeper:
             if self.parent_pid and os.getppid() != self.parent_pid:
                 self.stop_reason = "parent-exit"
                 break
+            if not self.lock.held and time.monotonic() >= self._next_lock_try and self.try_lock():
+                next_due = time.monotonic() + self.flush_seconds
+                continue
             now = time.monotonic()
             if self.dirty and (
                 now >= next_due or (self.flush_batches and self.batches_since_write >= self.flush_batches)
@@ -231,7 +326,7 @@ class HeatKeeper:
 
     @property
     def dirty(self) -> bool:
-        return self.stats.counts_received != self.durable_counts
+        return self.stats.counts_received != self.durable_counts or bool(self._merged)
 
     # -- messages -------------------------------------------------------------------
 
@@ -290,12 +385,14 @@ class HeatKeeper:
     # -- writing --------------------------------------------------------------------
 
     def write(self, reason: str, token: int | None = None) -> bool:
-        """Write the file now and report the outcome to the daemon."""
+        """Write the heat file (or, without the lock, the pending file) now and report the
+        outcome to the daemon."""
         st = self.stats
         received, seq = st.counts_received, st.last_seq
         started = time.monotonic()
         try:
-            nbytes = write_usage(self.path, self.counts)
+            # A keeper that waited and got nothing leaves no pending file behind.
+            nbytes = write_usage(self.target, self.counts) if self.counts or self.target == self.path else 0
         except HeatFileError as e:
             st.writes_failed += 1
             st.last_error = str(e)
@@ -316,6 +413,8 @@ class HeatKeeper:
             self.written_seq = seq
             self.batches_since_write = 0
             ok = True
+            if self.target == self.path:
+                self._remove_merged()
         self.send(
             "report",
             reason=reason,
@@ -324,9 +423,28 @@ class HeatKeeper:
             error=None if ok else st.last_error,
             written_seq=self.written_seq,
             durable_counts=self.durable_counts,
+            lock_wait=self.lock_wait,
+            pending=None if self.target == self.path else str(self.target),
             stats=asdict(st),
         )
         return ok
+
+    def _remove_merged(self) -> None:
+        """The heat file now holds the pending files' counts: remove them."""
+        for path in self._merged:
+            try:
+                remove_pending(path)
+            except OSError as e:
+                # Left in place it would be added again by the next keeper: say so.
+                log.error("cannot remove %s, whose counts are now in %s: %s", path, self.path, e)
+        self._merged = []
+        self._pending_lock.release()
+
+    def close(self) -> None:
+        """Let go of the pending file's lock; a keeper that never wrote one leaves no lock behind."""
+        if self._pending_lock.held and not self.target.exists():
+            Path(str(self.target) + ".lock").unlink(missing_ok=True)
+        self._pending_lock.release()
 
     def send(self, kind: str, **fields: Any) -> None:
         """Tell the daemon something; never waits (a full queue drops the message)."""
@@ -334,6 +452,13 @@ class HeatKeeper:
             self.ack.send(pack({"type": kind, "pid": os.getpid(), **fields}), zmq.NOBLOCK)
         except zmq.Again:
             self.stats.acks_dropped += 1
+
+
+def _add_counts(into: UsageCounts, counts: UsageCounts) -> None:
+    for layer, experts in counts.items():
+        target = into.setdefault(layer, {})
+        for expert, c in experts.items():
+            target[expert] = target.get(expert, 0) + c
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -349,7 +474,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--flush-seconds", type=float, default=5.0)
     p.add_argument("--flush-batches", type=int, default=0, help="also write after this many counts messages (0: off)")
     p.add_argument("--parent-pid", type=int, default=0, help="exit (after a final write) when this process is gone")
-    p.add_argument("--lock-timeout", type=float, default=10.0, help="wait this long for a previous keeper to finish")
+    p.add_argument(
+        "--lock-timeout",
+        type=float,
+        default=1.0,
+        help="wait this long for a previous keeper to finish before keeping counts in a pending file",
+    )
     args = p.parse_args(argv)
     if not args.flush_seconds > 0:
         p.error("--flush-seconds must be positive")
@@ -363,17 +493,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         stream=sys.stderr, level=logging.INFO, format=f"heat_keeper[{os.getpid()}] %(levelname)s %(message)s"
     )
-    stop: dict[str, str] = {}  # set by the signal handler, read by the loop
-    keeper: HeatKeeper | None = None
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        stop["reason"] = "SIGTERM"
-        if keeper is not None:
-            keeper.request_stop("SIGTERM")
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
     ctx = zmq.Context(1)
     pull = ctx.socket(zmq.PULL)
     ack = ctx.socket(zmq.PUSH)
@@ -381,31 +500,39 @@ def main(argv: list[str] | None = None) -> int:
     pull.connect(args.endpoint)
     ack.connect(args.ack_endpoint)
     lock = UsageLock(usage_path(args.store))
+    keeper = HeatKeeper(
+        args.store,
+        lock=lock,
+        pull=pull,
+        ack=ack,
+        flush_seconds=args.flush_seconds,
+        flush_batches=args.flush_batches,
+        parent_pid=args.parent_pid,
+    )
+    stop: dict[str, str] = {}  # set by the signal handler, read while waiting for the lock
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        stop["reason"] = "SIGTERM"
+        keeper.request_stop("SIGTERM")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_linger_ms = 1000  # let the last report reach a daemon that waits for it
     try:
+        loaded, removed = UsageLoad(keeper.path), []
         try:
-            lock.acquire(args.lock_timeout, should_stop=lambda: "reason" in stop)
-            removed = remove_temp_files(usage_path(args.store))
-            loaded = read_usage(usage_path(args.store))
-        except (HeatFileError, HeatLockTimeout) as e:
+            try:
+                lock.acquire(args.lock_timeout, should_stop=lambda: "reason" in stop)
+            except HeatLockTimeout as e:
+                keeper.wait_for_lock(e)
+            else:
+                loaded, removed = keeper.take_file()
+        except HeatFileError as e:
             log.error("cannot start: %s", e)
             ack.send(pack({"type": "fatal", "pid": os.getpid(), "error": str(e)}), zmq.NOBLOCK)
             return EXIT_CANNOT_START
-        if loaded.problem:
-            log.error("%s", loaded.problem)
         if removed:
             log.info("removed %d temporary file(s) left by interrupted writes", len(removed))
-        keeper = HeatKeeper(
-            args.store,
-            loaded.counts,
-            pull=pull,
-            ack=ack,
-            flush_seconds=args.flush_seconds,
-            flush_batches=args.flush_batches,
-            parent_pid=args.parent_pid,
-        )
-        if "reason" in stop:
-            keeper.request_stop(stop["reason"])
         keeper.send(
             "hello",
             loaded_total=keeper.stats.loaded_total,
@@ -413,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
             set_aside=str(loaded.set_aside) if loaded.set_aside else None,
             problem=loaded.problem,
             temps_removed=len(removed),
+            lock_wait=keeper.lock_wait,
+            pending=None if lock.held else str(keeper.target),
         )
         reason = keeper.run()
         if reason != "stop":
@@ -426,6 +555,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = keeper.write(reason)
         return EXIT_OK if ok else EXIT_WRITE_FAILED
     finally:
+        keeper.close()
         lock.release()
         pull.close(linger=0)
         ack.close(linger=exit_linger_ms)

@@ -93,7 +93,7 @@ class HeatPublisher:
         send_hwm: int = 1000,
         backoff: tuple[float, float] = (0.5, 30.0),
         stable_seconds: float = 30.0,
-        lock_timeout: float = 10.0,
+        lock_timeout: float = 1.0,
         context: zmq.Context | None = None,
     ) -> None:
         """`backoff` = (first, longest) restart delay; the delay doubles on each death
@@ -141,6 +141,10 @@ class HeatPublisher:
         self._exits: list[int] = []
         self._reports: dict[int, dict[str, Any]] = {}  # flush token (-1: final) -> report
         self._fatal: str | None = None  # why the current keeper could not start
+        # While the current keeper cannot have the heat file's lock: who holds it, and the
+        # pending file its counts go to meanwhile (heat_keeper.py, The lock).
+        self._lock_wait: str | None = None
+        self._pending: str | None = None
 
     def _endpoint(self, name: str) -> str:
         path = self.runtime_dir / name
@@ -228,6 +232,7 @@ class HeatPublisher:
             self._keeper_stats = {}
             self._reports.clear()
             self._fatal = None
+            self._lock_wait = self._pending = None
         self.log.info("heat keeper started, pid %d", proc.pid)
 
     def check(self) -> None:
@@ -422,6 +427,7 @@ class HeatPublisher:
                     if was_ok is not False:  # the keeper logs every failure; say it once here
                         self.log.error("heat write failed: %s", self._last_error)
                 if pid == current:
+                    self._lock_wait, self._pending = msg.get("lock_wait"), msg.get("pending")
                     self._durable_here = int(msg.get("durable_counts") or 0)
                     self._keeper_stats = msg.get("stats") or {}
                     if msg.get("token") is not None and msg["token"] == self._token:
@@ -430,6 +436,7 @@ class HeatPublisher:
                         self._reports[-1] = msg
             elif kind == "hello" and pid == current:
                 self._hello = True
+                self._lock_wait, self._pending = msg.get("lock_wait"), msg.get("pending")
                 self._load_problem = msg.get("problem")
                 self._set_aside = msg.get("set_aside")
                 if self._load_problem:
@@ -478,6 +485,8 @@ class HeatPublisher:
                 "last_error": self._last_error,
                 "load_problem": self._load_problem,
                 "set_aside": self._set_aside,
+                "lock_wait": self._lock_wait if alive else None,
+                "pending": self._pending if alive else None,
                 "next_restart_in": (
                     max(0.0, self._restart_at - time.monotonic()) if self._restart_at is not None else None
                 ),

@@ -10,8 +10,15 @@ fsync of the folder): after a crash at any instant the file is either the previo
 complete version or the new complete version. A failed write raises `HeatWriteError`
 and leaves the previous file untouched.
 
-One writer at a time: the heat keeper holds `lock_usage()` for its whole life, so a
+One writer at a time: the heat keeper holds `UsageLock` while it writes the file, so a
 keeper that outlived its daemon finishes its last write before a new one loads the file.
+A keeper that cannot have the lock (a second daemon on the same store) writes its counts
+to a pending file of its own, `pool_usage.json.pending-<pid>-<random>`, in the same
+format, and holds that file's own lock (`<pending>.lock`) while it lives; whichever
+keeper next takes the heat file's lock adds every pending file whose owner is gone
+(`orphaned_pending_files`) into the heat file and then removes them. A live owner adds
+its own once it gets the lock. A crash between that write and the removal counts a
+pending file twice; no order of the two can lose it instead.
 
 This module imports no MLX and no ZeroMQ.
 """
@@ -70,7 +77,12 @@ class HeatReadError(HeatFileError):
 
 
 class HeatLockTimeout(TimeoutError):
-    """Another process (another heat keeper) holds the heat file's lock."""
+    """Another process (another heat keeper) holds the heat file's lock; `holder` is its
+    pid where the lock file names one."""
+
+    def __init__(self, message: str, holder: int | None = None) -> None:
+        super().__init__(message)
+        self.holder = holder
 
 
 @dataclass(frozen=True)
@@ -290,9 +302,10 @@ def _remove_quietly(tmp: Path, cause: Exception) -> None:
 
 
 def temp_files(path: Path | str) -> list[Path]:
-    """Temporary files that interrupted writes of `path` left behind."""
+    """Temporary files that interrupted writes of `path` left behind (not those of its
+    pending files, which a live keeper may be writing)."""
     path = Path(path)
-    return sorted(path.parent.glob(f".{path.name}.*.tmp"))
+    return sorted(p for p in path.parent.glob(f".{path.name}.*.tmp") if not p.name.startswith(f".{path.name}.pending-"))
 
 
 def remove_temp_files(path: Path | str) -> list[Path]:
@@ -305,6 +318,40 @@ def remove_temp_files(path: Path | str) -> list[Path]:
             continue
         removed.append(tmp)
     return removed
+
+
+def pending_path(path: Path | str) -> Path:
+    """A new pending file's name for this process: never one an earlier process used."""
+    path = Path(path)
+    return path.with_name(f"{path.name}.pending-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def orphaned_pending_files(path: Path | str) -> list[Path]:
+    """The pending files of keepers that could not have the lock and are gone (their
+    `.lock` is free): theirs to add to the heat file (see the module docstring)."""
+    path = Path(path)
+    out = []
+    for p in sorted(path.parent.glob(f"{path.name}.pending-*")):
+        if p.name.endswith(".lock") or ".corrupt-" in p.name:
+            continue
+        owner = UsageLock(p)
+        try:
+            owner.acquire(0.0)
+        except HeatLockTimeout:
+            continue  # its keeper lives, and adds it itself once it has the lock
+        except HeatFileError:
+            continue  # a lock file it must not use: left alone, and so is its data
+        owner.release()
+        out.append(p)
+    return out
+
+
+def remove_pending(pending: Path) -> None:
+    """Remove a pending file whose counts the heat file now holds, with its lock and any
+    temporary file its dead keeper left; OSError if the file itself stays."""
+    pending.unlink(missing_ok=True)
+    for leftover in [Path(str(pending) + ".lock"), *temp_files(pending)]:
+        leftover.unlink(missing_ok=True)
 
 
 class UsageLock:
@@ -341,8 +388,9 @@ class UsageLock:
                 + (
                     "asked to stop while waiting for it"
                     if stopped
-                    else f"gave up after {timeout:.1f}s: is a second daemon running on this store?"
-                )
+                    else f"not free after {timeout:.1f}s: is a second daemon running on this store?"
+                ),
+                holder,
             )
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

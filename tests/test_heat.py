@@ -496,12 +496,6 @@ def test_keeper_counts_malformed_messages_and_survives(dirs):
         assert report["stats"]["malformed"] == malformed and report["stats"]["counts_received"] == 13
         assert file_counts(store) == {0: {0: 1, 1: 2, 2: 3}, 2: {2: 7}}
 
-        # A second keeper on the same store waits for the lock, then gives up loudly.
-        second = subprocess.run(keeper_cmd + ["--lock-timeout", "0.2"], timeout=20)
-        assert second.returncode == 2
-        fatal = _recv(acks, "fatal")
-        assert "held by another heat keeper" in fatal["error"] and str(keeper.pid) in fatal["error"]
-
         push.send(_pack(v=1, type="counts", seq=2, layers={2: [0, 0, 1]}))
         time.sleep(0.1)
         keeper.send_signal(signal.SIGTERM)  # writes what it has, then exits 0
@@ -515,6 +509,111 @@ def test_keeper_counts_malformed_messages_and_survives(dirs):
         push.close(linger=0)
         acks.close(linger=0)
         ctx.term()
+
+
+def _keeper(store: Path, runtime: Path, name: str, ctx: zmq.Context) -> tuple[subprocess.Popen, zmq.Socket, zmq.Socket]:
+    """A keeper of `store` on sockets of its own (as each daemon has), its pipe connected."""
+    push, acks = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    push.bind(f"ipc://{runtime}/{name}d.sock")
+    acks.bind(f"ipc://{runtime}/{name}a.sock")
+    cmd = [
+        sys.executable, "-m", "moestream.daemon.heat_keeper", "--endpoint", f"ipc://{runtime}/{name}d.sock",
+        "--ack-endpoint", f"ipc://{runtime}/{name}a.sock", "--store", str(store), "--flush-seconds", "60",
+        "--lock-timeout", "0.2",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd)
+    return proc, push, acks
+
+
+def test_a_keeper_without_the_lock_keeps_its_counts_and_adds_them_once_it_is_free(dirs):
+    """Two daemons on one store: the second's keeper writes a pending file of its own,
+    and whichever keeper takes the lock next adds it to the heat file."""
+    store, runtime = dirs
+    ctx = zmq.Context()
+    procs, socks = [], []
+
+    def start(name: str) -> tuple[subprocess.Popen, zmq.Socket, zmq.Socket, dict]:
+        proc, push, acks = _keeper(store, runtime, name, ctx)
+        procs.append(proc)
+        socks.extend((push, acks))
+        hello = _recv(acks, "hello")
+        wait_for(lambda: _try_send(push, _pack(v=1, type="ping")), 5.0, "the data pipe")
+        return proc, push, acks, hello
+
+    def flush(push: zmq.Socket, acks: zmq.Socket, token: int) -> dict:
+        push.send(_pack(v=1, type="flush", token=token))
+        report = _recv(acks, "report")
+        assert report["ok"] and report["token"] == token, report
+        return report
+
+    try:
+        first, push1, acks1, hello = start("k1")
+        assert hello["lock_wait"] is None and hello["pending"] is None
+        push1.send(_pack(v=1, type="counts", seq=1, layers={0: [1, 2]}))
+        flush(push1, acks1, 1)
+        assert file_counts(store) == {0: {0: 1, 1: 2}}
+
+        second, push2, acks2, hello = start("k2")
+        assert f"pid {first.pid}" in hello["lock_wait"] and hello["pending"], hello
+        push2.send(_pack(v=1, type="counts", seq=1, layers={0: [0, 0, 5]}))
+        report = flush(push2, acks2, 1)
+        pending = Path(report["pending"])
+        assert report["durable_counts"] == 5 and parse_usage(pending.read_bytes()) == {0: {2: 5}}
+        assert file_counts(store) == {0: {0: 1, 1: 2}}  # not the second keeper's to write
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(10) == 0 and parse_usage(pending.read_bytes()) == {0: {2: 5}}
+        socks.remove(push2)
+        socks.remove(acks2)
+        push2.close(linger=0)
+        acks2.close(linger=0)
+
+        # Two waiting at once, both alive: neither may add the other's pending file.
+        third, push3, acks3, hello = start("k3")
+        assert hello["lock_wait"] and Path(hello["pending"]) != pending
+        push3.send(_pack(v=1, type="counts", seq=1, layers={1: [4]}))
+        fourth, push4, acks4, _ = start("k4")
+        push4.send(_pack(v=1, type="counts", seq=1, layers={1: [0, 3]}))
+        flush(push4, acks4, 1)  # its pending file is on disk
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(10) == 0
+        # The lock is free: one of them takes it and adds the second's (orphaned) pending
+        # file and its own counts, not the other live keeper's.
+        winner = _first_report(store, {third: acks3, fourth: acks4}, "lock")
+        loser = fourth if winner is third else third
+        both = {0: {0: 1, 1: 2, 2: 5}, 1: {0: 4, 1: 3}}
+        alone = {0: {0: 1, 1: 2, 2: 5}, 1: {0: 4} if winner is third else {1: 3}}
+        assert file_counts(store) == alone
+        winner.send_signal(signal.SIGTERM)
+        assert winner.wait(10) == 0
+        _first_report(store, {loser: acks3 if loser is third else acks4}, "lock")
+        assert file_counts(store) == both
+        loser.send_signal(signal.SIGTERM)
+        assert loser.wait(10) == 0
+        assert file_counts(store) == both
+        assert sorted(p.name for p in store.iterdir()) == ["pool_usage.json", "pool_usage.json.lock"]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for sock in socks:
+            sock.close(linger=0)
+        ctx.term()
+
+
+def _first_report(store: Path, keepers: dict[subprocess.Popen, zmq.Socket], reason: str) -> subprocess.Popen:
+    """The keeper whose report for `reason` comes first."""
+    poller = zmq.Poller()
+    for sock in keepers.values():
+        poller.register(sock, zmq.POLLIN)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for sock, _ in poller.poll(100):
+            msg = msgpack.unpackb(sock.recv(), raw=False, strict_map_key=False)
+            if msg["type"] == "report" and msg["reason"] == reason:
+                assert msg["ok"] and msg["lock_wait"] is None, msg
+                return next(proc for proc, s in keepers.items() if s is sock)
+    raise AssertionError(f"no keeper of {store} reported {reason!r} within 10 s")
 
 
 def _try_send(sock: zmq.Socket, frame: bytes) -> bool:

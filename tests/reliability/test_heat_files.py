@@ -96,13 +96,49 @@ def test_heat_is_never_written_into_another_users_store_folder(store_copy, rel_r
     assert "not beside the store" in d.paths.log.read_text()
 
 
-@pytest.mark.slow
-def test_a_second_daemon_on_the_store_does_not_claim_its_heat_is_running(store_copy, rel_reference, start_daemon):
-    first = start_daemon(store_copy, "rt1")
-    second = start_daemon(store_copy, "rt2")
+def _heat(d, until=lambda heat: True, timeout: float = 15.0) -> dict:
+    """The daemon's heat status once `until(heat)` holds (the snapshot lags a little)."""
+    deadline = time.monotonic() + timeout
+    with Client(d.paths, timeout=30) as c:
+        while True:
+            heat = c.status()["heat"]
+            if until(heat) or time.monotonic() > deadline:
+                return heat
+            time.sleep(0.05)
+
+
+def _file_total(store: Path) -> int:
+    return sum(sum(experts.values()) for experts in read_usage(store / "pool_usage.json").counts.values())
+
+
+@pytest.mark.slow  # three daemon starts: about 20 s; test_heat.py checks the keeper's side in 2 s
+def test_a_second_daemon_on_the_store_keeps_its_heat_until_the_lock_frees(store_copy, rel_reference, start_daemon):
+    """Two daemons on one store: the second's keeper cannot have the heat file's lock.
+    `status` says so (never "running"), and its counts are kept, in a file of its own
+    when it stops first, and all of them merged into pool_usage.json once the lock frees."""
+    env = {"MOESTREAM_HEAT_FLUSH_SECONDS": "0.2"}
+    first = start_daemon(store_copy, "rt1", env=env)
+    second = start_daemon(store_copy, "rt2", env=env)
     _served_exactly(second, rel_reference)
-    with Client(second.paths) as c:
-        heat = c.status()["heat"]
-    assert heat["state"] in ("starting", "down") and not heat["ready"], heat
-    with Client(first.paths) as c:
+    waiting = _heat(second, lambda h: h.get("sent_counts", 0) > 0)
+    assert waiting["state"] == "waiting" and "lock" in waiting["note"], waiting
+    sent = [waiting["sent_counts"]]
+    assert second.stop(30.0) == 0
+    assert list(store_copy.glob("pool_usage.json.pending-*")), sorted(p.name for p in store_copy.iterdir())
+
+    second = start_daemon(store_copy, "rt2", env=env)
+    _served_exactly(second, rel_reference)
+    sent.append(_heat(second, lambda h: h.get("sent_counts", 0) > 0)["sent_counts"])
+    _served_exactly(first, rel_reference)
+    first_heat = _heat(first, lambda h: h.get("unconfirmed_counts") == 0 and h.get("sent_counts", 0) > 0)
+    assert first_heat["state"] == "running" and first_heat["dropped_counts"] == 0, first_heat
+    sent.append(first_heat["sent_counts"])
+    assert first.stop(30.0) == 0
+
+    # The lock is free: the second daemon's keeper takes it and merges everything.
+    merged = _heat(second, lambda h: h["state"] == "running" and h.get("unconfirmed_counts") == 0)
+    assert merged["state"] == "running" and merged["dropped_counts"] == 0, merged
+    assert _file_total(store_copy) == sum(sent), (sent, merged)
+    assert not list(store_copy.glob("pool_usage.json.pending-*"))
+    with Client(first.paths if first.alive() else second.paths) as c:
         assert c.status()["heat"]["state"] == "running"

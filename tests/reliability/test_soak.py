@@ -60,3 +60,22 @@ def test_a_long_lived_client_does_not_grow(rel_store, start_daemon):
         list(stream)
         assert c._inbox == {}  # noqa: SLF001 - the leak lived exactly here
         assert c.buffered() == {}
+
+
+@pytest.mark.slow  # two gateways and 1,100 connections: about 12 s on two cores
+def test_bench_soak_reports_the_gateway_attacks(rel_store, start_daemon, rel_reference):
+    """`bench soak --attacks gateway`'s part: each attack measured through real gateways on
+    a real daemon, each figure in the report (tests/test_gateway_guard.py checks each guard)."""
+    from moestream.daemon.bench.soak.gateway_attacks import KEYED_WITHIN_S, run_gateway_attacks
+    from moestream.daemon.bench.soak.run import gateway_figures, gateway_lines
+
+    gw = run_gateway_attacks(start_daemon(rel_store), rel_reference, requests=5)
+    assert gw["ok"], gw
+    f = gateway_figures(gw)
+    assert f["slowloris_connections"] == 1100 and f["slowloris_keyed_exact"]
+    assert f["slowloris_keyed_latency_max_s"] - f["slowloris_keyed_baseline_max_s"] < KEYED_WITHIN_S
+    assert f["gateway_connections_closed"] > 0 and f["gateway_connections_left_open"] <= 256
+    assert f["cross_origin_403"] == f["foreign_host_403"] == f["not_json_415"] == "5/5"
+    assert f["oversized_413"] == f["oversized_bodies"] == 2
+    lines = gateway_lines({**f})
+    assert lines[0].split()[2] == "ok;" and "403 for 5/5 cross-origin" in "\n".join(lines)

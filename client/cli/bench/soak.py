@@ -40,11 +40,21 @@ import click
     default=60.0,
     show_default=True,
     type=click.FloatRange(0.0, None),
-    help="Seconds of the non-reading client among the attacks (idle connections, oversized prompts, tiny "
-    "sampling); 0 runs none.",
+    help="Seconds of the non-reading client among the daemon's attacks; 0 runs none of the daemon's.",
+)
+@click.option(
+    "--attacks",
+    default="all",
+    show_default=True,
+    type=click.Choice(["all", "daemon", "gateway", "none"]),
+    help="Which attacks run after the soak: the daemon's (idle connections, a non-reading client, oversized "
+    "prompts, tiny sampling), the gateway's (slowloris, connection caps, cross-origin and foreign-Host requests, "
+    "oversized bodies), both or none.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_soak(store, capacity, clients, requests, cancel_frac, kills, fuzz, seed, attack_seconds, as_json) -> None:
+def bench_soak(
+    store, capacity, clients, requests, cancel_frac, kills, fuzz, seed, attack_seconds, attacks, as_json
+) -> None:
     """Reliability figures: messages fuzzed, crashes, lost responses, RSS growth after
     warm-up, kills survived and invalid heat files. Exits 1 if any check fails."""
     from moestream.daemon.bench.soak.run import SoakSetupError, format_report, run_bench_soak
@@ -66,6 +76,7 @@ def bench_soak(store, capacity, clients, requests, cancel_frac, kills, fuzz, see
             fuzz=fuzz,
             seed=seed,
             attack_seconds=attack_seconds,
+            attacks=attacks,
             echo=(lambda line: None) if as_json else (lambda line: click.echo(line, err=True)),
         )
     except SoakSetupError as e:

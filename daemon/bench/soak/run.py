@@ -2,16 +2,21 @@
 
 On a private copy of the store: the greedy reference in-process, then one daemon that
 takes the fuzz run (with a good client in parallel), the soak and the attacks
-(daemon/bench/soak/attacks.py: idle connections, a client that never reads, oversized
-prompts, sampling below its floors), then the kill -9
+(`attacks`: "daemon" runs daemon/bench/soak/attacks.py, idle connections, a client that
+never reads, oversized prompts, sampling below its floors; "gateway" runs
+gateway_attacks.py through two gateways on it, slowloris, connection caps, a web page's
+cross-origin and DNS-rebound requests, oversized bodies), then the kill -9
 rounds (heat keeper, publisher process, real daemon). Every part says `ok`; the report's
 `ok` is all of them and an RSS growth under RSS_LIMIT_PCT.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import random
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,11 +26,14 @@ from moestream.daemon.bench.soak import heat_kills
 from moestream.daemon.bench.soak.attacks import run_attacks
 from moestream.daemon.bench.soak.driver import DaemonProcess, reference_outputs, run_soak, soak_cases
 from moestream.daemon.bench.soak.fuzz import exact_request, run_fuzz
+from moestream.daemon.bench.soak.gateway_attacks import SLOWLORIS_CONNECTIONS, run_gateway_attacks
 from moestream.daemon.pool.expert_reader import ExpertReadError
 from moestream.shared.store_format import StoreError, load_manifest
 
 RSS_LIMIT_PCT = 5.0
 MAX_REAL_DAEMON_KILLS = 20
+# What `attacks` may choose: the daemon's, the gateway's, both, or none.
+ATTACK_CHOICES = {"all": ("daemon", "gateway"), "daemon": ("daemon",), "gateway": ("gateway",), "none": ()}
 
 
 class SoakSetupError(Exception):
@@ -43,10 +51,14 @@ def run_bench_soak(
     fuzz: int = 5000,
     seed: int = 0,
     attack_seconds: float = 60.0,
+    attacks: str = "all",
     echo: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """Run everything; returns the report (see `format_report`). A store that cannot be
-    loaded raises `SoakSetupError`."""
+    loaded raises `SoakSetupError`; `attacks` is a key of ATTACK_CHOICES."""
+    if attacks not in ATTACK_CHOICES:
+        raise ValueError(f"[run_bench_soak] attacks must be one of {', '.join(ATTACK_CHOICES)}, got {attacks!r}")
+    chosen = ATTACK_CHOICES[attacks]
     try:
         load_manifest(store)  # before any copy: a folder that is no store is named as given
     except StoreError as e:
@@ -81,9 +93,12 @@ def run_bench_soak(
                 daemon, reference, clients=clients, requests=requests, cancel_frac=cancel_frac, seed=seed
             )
             report["soak"]["rss_limit_pct"] = RSS_LIMIT_PCT
-            if attack_seconds:
+            if "daemon" in chosen and attack_seconds:
                 echo(f"attacks: 2100 idle connections, a client not reading for {attack_seconds:g} s, ...")
                 report["attacks"] = run_attacks(daemon, reference, seconds=attack_seconds)
+            if "gateway" in chosen:
+                echo(f"gateway attacks: {SLOWLORIS_CONNECTIONS} slowloris connections, cross-origin requests, ...")
+                report["gateway_attacks"] = run_gateway_attacks(daemon, reference)
             report["daemon_exit_status"] = daemon.stop(60.0)
         if kills:
             real = min(MAX_REAL_DAEMON_KILLS, max(1, kills // 25))
@@ -110,6 +125,7 @@ def run_bench_soak(
         and f["rss_growth_pct"] < RSS_LIMIT_PCT
         and ("fuzz" not in report or report["fuzz"]["ok"])
         and ("attacks" not in report or report["attacks"]["ok"])
+        and ("gateway_attacks" not in report or report["gateway_attacks"]["ok"])
         and f["invalid_heat_files"] == 0
         and f["heat_bound_violations"] == 0
     )
@@ -145,7 +161,35 @@ def _figures(report: dict[str, Any]) -> dict[str, Any]:
         "invalid_heat_files": sum(k["invalid_files"] for k in kills.values()),
         "heat_bound_violations": sum(k["violations"] for k in kills.values()),
         "kills_mid_write": kills.get("keeper", {}).get("kills_mid_write", 0),
+        **gateway_figures(report.get("gateway_attacks", {})),
     }
+
+
+def gateway_figures(gw: dict[str, Any]) -> dict[str, Any]:
+    """The figures of `run_gateway_attacks`' report (None each where it did not run)."""
+    slow, caps = gw.get("slowloris", {}), gw.get("connection_caps", {})
+    browser, bodies = gw.get("browser_requests", {}), gw.get("oversized_bodies", {})
+    return {
+        "gateway_attacks_ok": gw.get("ok"),
+        "slowloris_connections": slow.get("connections"),
+        "slowloris_keyed_latency_max_s": slow.get("keyed_latency_max_s"),
+        "slowloris_keyed_baseline_max_s": max(slow["keyed_baseline_s"]) if slow else None,
+        "slowloris_keyed_exact": slow.get("keyed_exact"),
+        "gateway_connections_closed": caps.get("closed_by_gateway"),
+        "gateway_connections_left_open": caps.get("left_open"),
+        "cross_origin_403": _got(browser, "cross_origin"),
+        "foreign_host_403": _got(browser, "foreign_host"),
+        "not_json_415": _got(browser, "not_json"),
+        "oversized_bodies": bodies.get("bodies"),
+        "oversized_413": (bodies.get("declared_413", 0) + bodies.get("chunked_413", 0)) if bodies else None,
+        "gateway_rss_growth_mib": bodies.get("gateway_rss_growth_mib"),
+        "gateway_log_bytes": gw.get("log_bytes"),
+    }
+
+
+def _got(browser: dict[str, Any], kind: str) -> str | None:
+    part = browser.get(kind)
+    return f"{part['got_expected']}/{part['requests']}" if part else None
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -165,6 +209,7 @@ def format_report(report: dict[str, Any]) -> str:
         "mid-write)",
         f"  invalid heat files         {f['invalid_heat_files']} (bound violations {f['heat_bound_violations']})",
         f"  attacks                    {_attack_line(f)}",
+        *gateway_lines(f),
         f"  all checks                 {'ok' if report['ok'] else 'FAILED'}",
     ]
     return "\n".join(lines)
@@ -180,3 +225,129 @@ def _attack_line(f: dict[str, Any]) -> str:
         f"{f['oversized_other_wait_s']:.2f} s behind 260 oversized prompts, tiny temperature "
         f"{'greedy' if f['tiny_sampling_greedy'] else 'NOT greedy'}"
     )
+
+
+def gateway_lines(f: dict[str, Any]) -> list[str]:
+    """The report's lines on the gateway attacks."""
+    if f["gateway_attacks_ok"] is None:
+        return ["  gateway attacks            not run"]
+    return [
+        f"  gateway attacks            {'ok' if f['gateway_attacks_ok'] else 'FAILED'}; log "
+        f"{f['gateway_log_bytes'] / 2**10:.0f} KiB",
+        f"    slowloris                keyed completions within {f['slowloris_keyed_latency_max_s']:.2f} s "
+        f"({f['slowloris_keyed_baseline_max_s']:.2f} s without), "
+        f"{'exact' if f['slowloris_keyed_exact'] else 'NOT exact'}, beside {f['slowloris_connections']} "
+        f"half-open connections",
+        f"    connection caps          {f['gateway_connections_closed']} of them closed, "
+        f"{f['gateway_connections_left_open']} left open",
+        f"    browser pages            403 for {f['cross_origin_403']} cross-origin and {f['foreign_host_403']} "
+        f"foreign-Host requests, 415 for {f['not_json_415']} not JSON",
+        f"    oversized bodies         413 for {f['oversized_413']} of {f['oversized_bodies']} (gateway RSS "
+        f"{f['gateway_rss_growth_mib']:+.1f} MiB)",
+    ]
+
+
+def _yes(ok: Any, text: str) -> str:
+    return text if ok else f"FAILED ({text})"
+
+
+def reliability_table_markdown(report: dict[str, Any], name: str) -> str:
+    """The README's reliability table: each attack, what the daemon or gateway does, and
+    its figure from `report` (a `bench soak --json` report saved as `name`)."""
+    f, soak = report["figures"], report["soak"]
+    attacks, gw = report.get("attacks", {}), report.get("gateway_attacks", {})
+    bodies = gw.get("oversized_bodies", {})
+    rows = [
+        (
+            "protocol fuzzing: random bytes, broken msgpack, wrong types, huge fields",
+            "the reply `shared/protocol.py` predicts for each; same process throughout",
+            f"{f['messages_fuzzed']} messages, {f['fuzz_wrong_replies']} wrong replies, {f['crashes']} crashes",
+        ),
+        (
+            f"{soak['clients']} clients × {soak['requests_per_client']} requests, {soak['cancel_frac']:.0%} cancelled "
+            "or disconnected",
+            "every response equals `--local` (a cancelled one a prefix of it); none lost or crossed",
+            f"{f['requests']}: {f['completed_exact']} exact ({f['cancelled']} cancelled), {f['disconnected']} "
+            f"disconnected, {f['lost_responses']} lost; RSS {f['rss_growth_pct']:+.2f}%",
+        ),
+        (
+            "kill -9 of the heat keeper, a publisher, the daemon",
+            "`pool_usage.json` always parses, never goes backwards",
+            f"{f['kills_survived']} of {f['kills']} survived, {f['invalid_heat_files']} invalid files",
+        ),
+    ]
+    if attacks:
+        idle, reader = attacks["idle_connections"], attacks["non_reading_client"]
+        rows += [
+            (
+                f"{idle['connections']:,} idle connections",
+                "file limit raised to the hard limit; past `max_connections` refused as busy",
+                _yes(idle["ok"], "served exactly"),
+            ),
+            (
+                "a client that never reads its replies",
+                "its reply queue is bounded: dropped, its requests cancelled, logged once",
+                _yes(reader["ok"], f"daemon RSS {reader['rss_growth_mib']:+.1f} MiB in {reader['seconds']:g} s"),
+            ),
+            (
+                f"{attacks['oversized_prompts']['prompts']} prompts at the size limit from one client",
+                "checked off the engine thread, in turns by client",
+                _yes(
+                    attacks["oversized_prompts"]["ok"],
+                    f"another client waited {f['oversized_other_wait_s']:.2f} s",
+                ),
+            ),
+            (
+                "temperature 1e-39, top_p 1e-46",
+                "greedy (below 0.001 and 1e-6)",
+                _yes(f["tiny_sampling_greedy"], "greedy for every seed"),
+            ),
+        ]
+    if gw:
+        rows += [
+            (
+                f"gateway: {f['slowloris_connections']:,} slowloris connections past its file limit",
+                "header and body timeouts; caps per address and in all close the oldest idle or half-open one",
+                _yes(
+                    gw["slowloris"]["ok"] and gw["connection_caps"]["ok"],
+                    f"keyed completion in {f['slowloris_keyed_latency_max_s']:.2f} s "
+                    f"({f['slowloris_keyed_baseline_max_s']:.2f} s alone); {f['gateway_connections_closed']} "
+                    "closed",
+                ),
+            ),
+            (
+                "gateway: a web page's cross-origin, DNS-rebound (Host) and not-JSON requests",
+                "403, 403 and 415 (`gateway_origins` allows more origins)",
+                _yes(
+                    gw["browser_requests"]["ok"],
+                    f"{f['cross_origin_403']}, {f['foreign_host_403']}, {f['not_json_415']}",
+                ),
+            ),
+            (
+                f"gateway: bodies of {bodies['body_bytes'] / 2**20:g} MiB, declared or chunked",
+                f"413 once past {bodies['limit_bytes'] / 2**20:g} MiB, unread",
+                _yes(
+                    bodies["ok"],
+                    f"{f['oversized_413']} of {f['oversized_bodies']}; RSS {f['gateway_rss_growth_mib']:+.1f} MiB",
+                ),
+            ),
+        ]
+    out = ["| attack | what the daemon or gateway does | figure (`" + name + "`) |", "| --- | --- | --- |"]
+    out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m moestream.daemon.bench.soak.run", description="The README's reliability table."
+    )
+    parser.add_argument("report", help="a `moestreamctl bench soak --json` report")
+    args = parser.parse_args(argv)
+    with open(args.report) as f:
+        report = json.load(f)
+    sys.stdout.write(reliability_table_markdown(report, args.report.rsplit("/", 1)[-1]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

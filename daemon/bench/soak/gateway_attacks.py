@@ -1,0 +1,304 @@
+"""Attacks on the HTTP gateway (`serve-openai`) in front of a running daemon, each
+followed by a request that must still be served exactly: what
+`tests/test_gateway_guard.py` checks at small counts and `bench soak` reports.
+
+  slowloris          n connections that send half a request's headers and stop, past the
+                     gateway's file limit (1024, as most systems set it), while a client
+                     with the API key asks for completions: how long each one took, and
+                     how much longer than without the attack (the bound: a loaded machine
+                     is slow with or without it)
+  connection_caps    the same connections, counted: how many the gateway closed to stay
+                     under its caps (client/gateway/guard.py), how many it kept open
+  browser_requests   a web page's requests to the keyless loopback gateway: cross-origin
+                     (`Origin: http://evil.example`), DNS-rebound (`Host: evil.example`),
+                     and a body not declared JSON (what a page can send without a CORS
+                     preflight): how many got 403 and 415
+  oversized_bodies   bodies over the gateway's limit, declared (Content-Length) and sent
+                     chunked without a length: how many got 413, the gateway's RSS growth
+
+Two gateway processes on the daemon's runtime folder: one keyed, one keyless (the one a
+browser's page can reach). Only the standard library's HTTP client; no MLX.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import resource
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import psutil
+
+from moestream.client.gateway.app import MAX_BODY_BYTES
+from moestream.daemon.bench.soak.driver import DaemonProcess, Reference, child_env
+from moestream.shared.settings import default_of
+
+# The file limit most systems give a process (ulimit -n): the gateway's own limit during
+# the slowloris attack, which the connections go past.
+GATEWAY_FILE_LIMIT = 1024
+SLOWLORIS_CONNECTIONS = 1100
+KEYED_WITHIN_S = 2.0  # the most slowloris may add to a keyed completion
+OVERSIZED_FACTOR = 2  # bodies twice the gateway's limit
+GATEWAY_RSS_LIMIT_MIB = 20.0
+GATEWAY_LOG_LIMIT_BYTES = 2 * 2**20
+
+
+class GatewayProcess:
+    """`moestreamctl serve-openai` as a child process on a free loopback port."""
+
+    def __init__(self, runtime: Path, log: Path, *args: str, timeout: float = 60.0) -> None:
+        self.log = log
+        argv = [sys.executable, "-m", "moestream.client.cli", "serve-openai", "--port", "0", "--runtime-dir"]
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [*argv, str(runtime), *args],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=child_env(),
+            )
+        deadline = time.monotonic() + timeout
+        self.port = 0
+        while time.monotonic() < deadline and not self.port:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the gateway exited with status {self.proc.returncode}: {self.tail()}")
+            for line in log.read_text(errors="replace").splitlines():
+                if "OpenAI API on http://127.0.0.1:" in line:
+                    self.port = int(line.split("OpenAI API on http://127.0.0.1:", 1)[1].split("/", 1)[0])
+            time.sleep(0.05)
+        while time.monotonic() < deadline:
+            try:
+                if self.request("GET", "/health", timeout=5)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"the gateway did not answer within {timeout:g} s: {self.tail()}")
+
+    def request(
+        self, method: str, path: str, body: bytes | None = None, headers: Mapping[str, str] | None = None, **kw: Any
+    ) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=kw.get("timeout", 60))
+        try:
+            conn.request(method, path, body=body, headers=dict(headers or {}))
+            response = conn.getresponse()
+            return response.status, response.read()
+        finally:
+            conn.close()
+
+    def rss(self) -> int:
+        return psutil.Process(self.proc.pid).memory_info().rss
+
+    def tail(self, chars: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _completion(prompt: str, max_tokens: int) -> bytes:
+    return json.dumps({"model": "moestream", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+
+
+def _served_exactly(gw: GatewayProcess, reference: Mapping[tuple[str, int], Reference], key: str | None) -> bool:
+    (prompt, max_tokens), ref = min(reference.items())
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    status, body = gw.request("POST", "/v1/completions", _completion(prompt, max_tokens), headers)
+    return status == 200 and json.loads(body)["choices"][0]["text"] == ref.text
+
+
+def _half_open(port: int, n: int) -> list[socket.socket]:
+    """`n` connections that each send half of a request's headers and nothing more."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < n + 256:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, n + 1024), hard))
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.setblocking(False)
+        try:
+            s.connect(("127.0.0.1", port))
+        except BlockingIOError:
+            pass  # in progress: all a half-open client ever does
+        socks.append(s)
+    time.sleep(0.5)
+    for s in socks:
+        try:
+            s.send(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        except OSError:
+            continue
+    time.sleep(0.5)
+    return socks
+
+
+def _closed_by_peer(s: socket.socket) -> bool:
+    try:
+        return s.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def _timed(
+    gw: GatewayProcess, reference: Mapping[tuple[str, int], Reference], key: str, n: int
+) -> tuple[list[float], bool]:
+    """`n` keyed completions in turn: the seconds of each, and whether all were exact."""
+    seconds, exact = [], True
+    for _ in range(n):
+        tic = time.monotonic()
+        exact = _served_exactly(gw, reference, key) and exact
+        seconds.append(time.monotonic() - tic)
+    return seconds, exact
+
+
+def slowloris(gw: GatewayProcess, reference: Mapping[tuple[str, int], Reference], key: str, n: int) -> dict:
+    """Slowloris past the file limit against the keyed gateway; also its connection caps."""
+    baseline, exact = _timed(gw, reference, key, 3)
+    limit = None
+    if hasattr(resource, "prlimit"):  # Linux; elsewhere the gateway keeps the limit it raised itself
+        resource.prlimit(gw.proc.pid, resource.RLIMIT_NOFILE, (GATEWAY_FILE_LIMIT, GATEWAY_FILE_LIMIT))
+        limit = GATEWAY_FILE_LIMIT
+    socks = _half_open(gw.port, n)
+    try:
+        latencies, exact_under = _timed(gw, reference, key, 5)
+        exact = exact and exact_under
+        tic = time.monotonic()
+        health = gw.request("GET", "/health", timeout=10)[0]
+        health_s = time.monotonic() - tic
+        closed = sum(_closed_by_peer(s) for s in socks)
+    finally:
+        for s in socks:
+            s.close()
+    slow = {
+        "connections": n,
+        "gateway_file_limit": limit,
+        "keyed_baseline_s": baseline,
+        "keyed_latency_s": latencies,
+        "keyed_latency_max_s": max(latencies),
+        "keyed_added_s": max(latencies) - max(baseline),
+        "keyed_exact": exact,
+        "health_status": health,
+        "health_s": health_s,
+    }
+    slow["ok"] = bool(exact and slow["keyed_added_s"] < KEYED_WITHIN_S and health == 200)
+    per_client = max(default_of("gateway_max_connections") // 2, 1)  # GuardConfig.from_settings
+    caps = {
+        "connections": n,
+        "per_client_cap": per_client,
+        "closed_by_gateway": closed,
+        "left_open": n - closed,
+        "gateway_alive": gw.proc.poll() is None,
+    }
+    caps["ok"] = bool(caps["gateway_alive"] and 0 < closed and n - closed <= per_client)
+    return {"slowloris": slow, "connection_caps": caps}
+
+
+def browser_requests(gw: GatewayProcess, reference: Mapping[tuple[str, int], Reference], n: int) -> dict:
+    """A page's requests to the keyless gateway, `n` of each kind, then a plain client's."""
+    body = _completion("hi", 2)
+    port = gw.port
+    kinds = {
+        "cross_origin": ({"Content-Type": "text/plain", "Origin": "http://evil.example"}, 403),
+        "foreign_host": ({"Content-Type": "application/json", "Host": f"evil.example:{port}"}, 403),
+        "not_json": ({"Content-Type": "text/plain"}, 415),
+    }
+    out: dict[str, Any] = {}
+    for name, (headers, expected) in kinds.items():
+        statuses = [gw.request("POST", "/v1/completions", body, headers)[0] for _ in range(n)]
+        out[name] = {"requests": n, "expected_status": expected, "got_expected": statuses.count(expected)}
+    out["exact_after"] = _served_exactly(gw, reference, None)
+    out["ok"] = bool(out["exact_after"] and all(out[k]["got_expected"] == n for k in kinds))
+    return out
+
+
+def _oversized(port: int, total: int, *, chunked: bool) -> int:
+    """POST a body of `total` bytes, declared by Content-Length or sent in chunks with no
+    length; the response's status (0 for none)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader(*(("Transfer-Encoding", "chunked") if chunked else ("Content-Length", str(total))))
+        conn.endheaders()
+        chunk = b" " * 65536
+        try:
+            for _ in range(total // len(chunk)):
+                conn.send(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
+            if chunked:
+                conn.send(b"0\r\n\r\n")
+        except OSError:
+            pass  # the gateway answered and closed before the rest: that is the refusal
+        return conn.getresponse().status
+    except OSError:
+        return 0
+    finally:
+        conn.close()
+
+
+def oversized_bodies(gw: GatewayProcess, reference: Mapping[tuple[str, int], Reference], n: int) -> dict:
+    """`n` bodies over the limit declared by Content-Length, `n` sent chunked without one."""
+    size = OVERSIZED_FACTOR * MAX_BODY_BYTES
+    rss_before = gw.rss()
+    declared = sum(_oversized(gw.port, size, chunked=False) == 413 for _ in range(n))
+    chunked = sum(_oversized(gw.port, size, chunked=True) == 413 for _ in range(n))
+    growth = (gw.rss() - rss_before) / 2**20
+    exact = _served_exactly(gw, reference, None)
+    out = {
+        "bodies": 2 * n,
+        "body_bytes": size,
+        "limit_bytes": MAX_BODY_BYTES,
+        "declared_413": declared,
+        "chunked_413": chunked,
+        "gateway_rss_growth_mib": growth,
+        "exact_after": exact,
+    }
+    out["ok"] = bool(exact and declared == n and chunked == n and growth < GATEWAY_RSS_LIMIT_MIB)
+    return out
+
+
+def run_gateway_attacks(
+    daemon: DaemonProcess, reference: Mapping[tuple[str, int], Reference], *, requests: int = 100
+) -> dict:
+    """Every attack above through gateways on `daemon`, in turn; `ok` when each is and
+    neither gateway's log grew past GATEWAY_LOG_LIMIT_BYTES."""
+    key = secrets.token_hex(16)
+    runtime = daemon.paths.dir
+    keyed = GatewayProcess(runtime, runtime.parent / "gw-keyed.log", "--api-key", key)
+    try:
+        keyless = GatewayProcess(runtime, runtime.parent / "gw-keyless.log")
+    except RuntimeError:
+        keyed.stop()
+        raise
+    try:
+        out: dict[str, Any] = slowloris(keyed, reference, key, SLOWLORIS_CONNECTIONS)
+        out["browser_requests"] = browser_requests(keyless, reference, requests)
+        out["oversized_bodies"] = oversized_bodies(keyless, reference, max(1, requests // 20))
+        alive = keyed.proc.poll() is None and keyless.proc.poll() is None
+    finally:
+        keyed.stop()
+        keyless.stop()
+    out["log_bytes"] = max(os.path.getsize(keyed.log), os.path.getsize(keyless.log))
+    out["gateways_alive"] = alive
+    out["ok"] = bool(
+        alive
+        and out["log_bytes"] < GATEWAY_LOG_LIMIT_BYTES
+        and all(part["ok"] for part in out.values() if isinstance(part, dict))
+    )
+    return out
