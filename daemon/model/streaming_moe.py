@@ -37,6 +37,7 @@ import numpy as np
 
 from moestream.daemon.mapped.row_gather import MAX_GATHERED
 from moestream.daemon.model.diagnostics import AnyRecorder, Diagnostics
+from moestream.daemon.model.expert_parallel import ExpertShare
 from moestream.daemon.pool.expert_pool import ExpertPool
 from moestream.daemon.prefetch.predictor import NextLayer, Prediction
 from moestream.daemon.prefetch.prefetcher import MAX_PREFETCH_TOKENS, Prefetcher
@@ -50,15 +51,19 @@ class StreamingMoE(nn.Module):
         hub: Diagnostics,
         nxt: NextLayer | None = None,
         prefetcher: Prefetcher | None = None,
+        share: ExpertShare | None = None,
     ) -> None:
         """`inner`: mlx-lm's module; `hub`: the model's diagnostics switch; `nxt`: the next
         layer as this one predicts for it, with the `prefetcher` that reads its experts
-        (both None without prediction)."""
+        (both None without prediction); `share`: this rank's share of the experts in an
+        expert-parallel group (daemon/model/expert_parallel.py), whose pool holds only
+        those, else None."""
         super().__init__()
         self.inner = inner
         self.pool = pool
         # Plain attributes (not modules).
         self.hub = hub
+        self.share = share
         self.next = nxt if prefetcher is not None else None
         self.prefetcher = prefetcher if nxt is not None else None
         # What every recording of this layer is filed under.
@@ -140,6 +145,8 @@ class StreamingMoE(nn.Module):
     # ---- one forward -----------------------------------------------------------------
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if self.share is not None:
+            return self._expert_parallel(x, indices, self.share)
         if self._stack is not None:
             return self._stacked(x, indices)
         rec = self.hub.recorder
@@ -162,6 +169,36 @@ class StreamingMoE(nn.Module):
         if ranked is not None:
             self._predict_next(ranked, seq, rec, ahead)
         return y
+
+    def _expert_parallel(self, x: mx.array, indices: mx.array, share: ExpertShare) -> mx.array:
+        """This rank's rows of the pairs it owns, through its pool (every pair runs, the
+        others on row or slot 0, so the kernel's row count is the single process's), then
+        summed with the other ranks' (`ExpertShare.combine`)."""
+        pool = self.pool
+        if share.mode == "leader":
+            x, indices = share.lead(self.ordinal, x, indices)
+        local, mine = share.local_device(indices)
+        if pool.fully_resident:
+            y = self.inner(x, local if pool.identity else pool.remap[local])
+            return share.combine(y, mine)
+        ids = np.array(indices)
+        pool.stats.host_syncs += 1
+        here = share.local_ids(ids.reshape(-1, ids.shape[-1]))
+        owned = here >= 0
+        if pool.fits(here):
+            pool.ensure(here, decode=ids.ndim < 2 or ids.shape[-2] == 1, synced=True)
+            rows, arrays = pool.slot_of, None
+        else:
+            arrays, rows = pool.gather_overflow(here)
+        picked = np.where(owned, rows[np.where(owned, here, 0)], 0).reshape(ids.shape)
+        if arrays is not None:
+            self._use(arrays)
+        try:
+            # As with an overflow stack, the lazy graph holds its own references.
+            y = self.inner(x, mx.array(picked))
+        finally:
+            self._use(pool.arrays)
+        return share.combine(y, mine)
 
     def _resident(self, x: mx.array, indices: mx.array, rec: AnyRecorder) -> mx.array:
         """Every expert has a slot: no host sync (diagnostics read the routing back for
