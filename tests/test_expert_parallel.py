@@ -1,6 +1,8 @@
 """Expert-parallel streaming (daemon/model/expert_parallel.py): two processes started by
 `mlx.launch` (ring backend on loopback) decode bit for bit what one process and stock
-mlx-lm decode, at 25% and at 100% of each rank's share, and each reads only its share.
+mlx-lm decode, at 25% and at 100% of each rank's share, and each reads only its share:
+with every rank running the forward, and the daemon's way (rank 0 runs it, rank 1
+serves its share of each MoE layer).
 
 Each rank gets its own copy of the store in which the other rank's experts are
 overwritten with random bytes (verification off, so a stray read would go unnoticed by
@@ -15,11 +17,13 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 from arch_table import tiny_config
+from daemon_cli import clean_env, ctl, wait_for
 from tiny_models import make_tiny_model
 
 from moestream.daemon.bench.expert_parallel import greedy
@@ -96,6 +100,7 @@ def test_two_ranks_decode_what_one_process_decodes(store, tmp_path):
         str(STEPS),
         "--out",
         str(out),
+        "--led",
     ]
     run = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -127,3 +132,76 @@ def test_two_ranks_decode_what_one_process_decodes(store, tmp_path):
             assert all(runs[i]["hit_rate"] is None for runs in ranks)  # resident: no lookups
         else:
             assert all(0 < runs[i]["hit_rate"] < 1 for runs in ranks)
+
+        # The daemon's way: rank 0 decodes, rank 1 follows its MoE layers.
+        led = ranks[0][len(CAPACITIES) + i]
+        assert led["mode"] == "leader" and led["asked_capacity"] == capacity
+        assert (led["tokens"], led["logits_sha256"]) == (want_tokens, want_digests), f"led at {capacity} differs"
+        assert [runs[len(CAPACITIES) + i]["exit"] for runs in ranks[1:]] == [0] * (RANKS - 1)
+        share_experts = sum(layer.num_experts for layer in full.layers) // RANKS
+        assert [r["experts"] for r in led["ranks"]] == [share_experts] * RANKS
+        assert all(r["bytes_read"] > 0 and r["collectives"] > 0 for r in led["ranks"])
+        if capacity == "100%":
+            assert [r["bytes_read"] for r in led["ranks"]] == [alone_bytes // RANKS] * RANKS
+
+
+@pytest.mark.slow
+def test_daemon_under_mlx_launch_serves_what_one_process_serves(store, tmp_path):
+    """`mlx.launch` of the daemon with `--distributed ring`: one socket (rank 0's), clients
+    unchanged, greedy tokens equal to a single process's, `status` showing each rank's
+    share, pool, hit rate and bytes; `stop` ends both ranks cleanly."""
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="mst-ep-"))
+    prompt = ("generate", "the quick brown fox", "--model", str(store), "--max-tokens", "8", "--temp", "0", "--json")
+    alone = ctl(*prompt, "--local")
+    assert alone.returncode == 0, alone.stderr
+    command = [
+        str(Path(sys.executable).with_name("mlx.launch")),
+        "--backend",
+        "ring",
+        "-n",
+        str(RANKS),
+        "--starting-port",
+        str(_free_port()),
+        "--",
+        sys.executable,
+        "-m",
+        "moestream.daemon.main",
+        "--distributed",
+        "ring",
+        "--model",
+        str(store),
+        "--capacity",
+        "25%",
+        "--runtime-dir",
+        str(rt),
+    ]
+    group = subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+
+        def ready() -> dict | None:
+            st = ctl("status", "--runtime-dir", str(rt), "--json")
+            if st.returncode != 0:
+                return None
+            status = json.loads(st.stdout)
+            return status if status["state"] == "ready" else None
+
+        wait_for(ready, 180, "the expert-parallel daemon")
+        served = ctl(*prompt, "--runtime-dir", str(rt))
+        assert served.returncode == 0, served.stderr
+        assert json.loads(served.stdout)["tokens"] == json.loads(alone.stdout)["tokens"]
+        status = json.loads(ctl("status", "--runtime-dir", str(rt), "--json").stdout)
+        ranks = status["expert_parallel"]["ranks"]
+        share = sum(layer.num_experts for layer in load_manifest(store).layers) // RANKS
+        assert [r["rank"] for r in ranks] == list(range(RANKS))
+        assert all(r["experts"] == share and r["bytes_read"] > 0 and 0 < r["hit_rate"] < 1 for r in ranks)
+        text = ctl("status", "--runtime-dir", str(rt)).stdout
+        assert "rank 1:" in text
+        assert ctl("stop", "--runtime-dir", str(rt)).returncode == 0
+        out, _ = group.communicate(timeout=60)
+        assert group.returncode == 0, out[-3000:]
+        assert "stopped by rank 0" in out
+    finally:
+        if group.poll() is None:
+            group.kill()
+            group.wait()
+        shutil.rmtree(rt, ignore_errors=True)

@@ -10,7 +10,8 @@ turn every rank loads the store, runs the same loop (the whole prompt in one for
 then `--steps` greedy tokens) and closes it; it writes `DIR/rank<r>.json`, a list with one
 report per capacity: the tokens, a SHA-256 of every step's logits (so runs of different
 group sizes can be compared bit for bit), its share, its pool's bytes read and hit rate,
-and what crossed the group.
+and what crossed the group. With `--led`, each capacity runs again the way the daemon's
+group runs it (rank 0 decodes, the others follow its MoE layers).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from moestream.daemon.model.expert_parallel import join_group
+from moestream.daemon.expert_worker import serve_share, share_row
+from moestream.daemon.model.expert_parallel import STAT_FIELDS, ExpertShare, join_group
 from moestream.daemon.model.streaming_model import StreamingModel, load_streaming_model
 from moestream.shared.settings import Settings, parse_capacity
 
@@ -68,6 +71,27 @@ def report(sm: StreamingModel, tokens: list[int], digests: list[str], decode_s: 
     }
 
 
+def _led(replicated: ExpertShare, store: Path, capacity: str | None, prompt: list[int], steps: int) -> dict[str, Any]:
+    """One capacity the daemon's way (daemon/expert_worker.py): rank 0 decodes, the other
+    ranks serve their share of each of its MoE layers until it stops them. Rank 0 reports
+    every rank's statistics (`ExpertShare.gather_stats`), the others only that they served."""
+    mode = "leader" if replicated.rank == 0 else "follower"
+    share = ExpertShare(replicated.group, mode=mode)
+    settings = Settings(capacity=parse_capacity(capacity), model=store)
+    if mode == "follower":
+        code = serve_share(settings, share, logging.getLogger(__name__))
+        return {"mode": mode, "asked_capacity": capacity, "exit": code}
+    sm = load_streaming_model(store, settings, share=share)
+    try:
+        tokens, digests, decode_s = greedy(sm.model, prompt, steps)
+        ranks = [dict(zip(STAT_FIELDS, row)) for row in share.gather_stats(share_row(sm))]
+        result = report(sm, tokens, digests, decode_s) | {"mode": mode, "asked_capacity": capacity, "ranks": ranks}
+    finally:
+        sm.close()
+        share.stop()
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("store", help="the store; {rank} in it is replaced by this process's rank (a copy per rank)")
@@ -78,6 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--backend", default="any", help="mx.distributed backend (ring, nccl, jaccl, any)")
     parser.add_argument("--out", type=Path, required=True, help="folder for rank<r>.json")
+    parser.add_argument(
+        "--led",
+        action="store_true",
+        help="then each capacity again as a daemon's group runs it: rank 0 runs the forward, the others follow",
+    )
     args = parser.parse_args(argv)
     prompt = [int(t) for t in args.prompt.split(",")]
     share = join_group(args.backend)
@@ -88,9 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         sm = load_streaming_model(store, Settings(capacity=parse_capacity(capacity)), share=share)
         try:
             tokens, digests, decode_s = greedy(sm.model, prompt, args.steps)
-            results.append(report(sm, tokens, digests, decode_s) | {"asked_capacity": capacity})
+            results.append(report(sm, tokens, digests, decode_s) | {"mode": "replicated", "asked_capacity": capacity})
         finally:
             sm.close()
+    if args.led and share is not None:
+        results += [_led(share, store, capacity, prompt, args.steps) for capacity in args.capacity or [None]]
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"rank{rank}.json"
     tmp = path.with_suffix(".tmp")

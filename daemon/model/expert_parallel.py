@@ -97,8 +97,10 @@ class ExpertShare:
             raise ValueError(f"rank {self.rank} cannot be the {mode}: rank 0 leads")
         self.mode = mode
         self.stats = ShareStats()
-        # A leader's last collective: every new one depends on it, so that the lazy graph
-        # runs them in the order the followers (which evaluate each at once) take them.
+        # Outside the replicated mode, the last collective: every new one depends on it, so
+        # that each rank's lazy graph runs them in the order they were made, the same on
+        # every rank (independent ones, such as a forward's input and routing, could run
+        # in either order and receive each other's bytes).
         self._last: mx.array | None = None
 
     def owned(self, num_experts: int) -> list[int]:
@@ -140,10 +142,10 @@ class ExpertShare:
     # ---- leader and followers ----------------------------------------------------------
 
     def _after(self, a: mx.array) -> mx.array:
-        return a if self._last is None or self.mode != "leader" else mx.depends(a, self._last)
+        return a if self._last is None else mx.depends(a, self._last)
 
     def _chain(self, a: mx.array) -> mx.array:
-        if self.mode == "leader":
+        if self.mode != "replicated":
             self._last = a
         return a
 
