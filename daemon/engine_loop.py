@@ -803,9 +803,15 @@ class EngineLoop:
     def _ranks(self) -> dict[str, Any]:
         """Each rank's share, pool, hit rate and bytes read (a collective: every rank answers)."""
         from moestream.daemon.expert_worker import share_row
-        from moestream.daemon.model.expert_parallel import STAT_FIELDS
+        from moestream.daemon.model.expert_parallel import STAT_FIELDS, GroupError
 
-        rows = self._share.gather_stats(share_row(self._sm))
+        try:
+            rows = self._share.gather_stats(share_row(self._sm))
+        except GroupError as e:
+            if self.error is None:
+                self.log.error("%s", e)
+                self.state, self.error = "failed", str(e)
+            return {**self._share.describe(), "ranks": []}
         ranks = []
         for rank, row in enumerate(rows):
             d = dict(zip(STAT_FIELDS, row))
@@ -929,9 +935,11 @@ class EngineLoop:
                     self._stop_followers()
 
     def _stop_followers(self) -> None:
+        from moestream.daemon.model.expert_parallel import GroupError
+
         try:
             self._share.stop()
-        except Exception as e:  # the group is gone (a rank died): nothing left to tell
+        except GroupError as e:  # a rank died: nothing left to tell; mlx.launch ends the rest
             self.log.error("expert-parallel: could not stop the other ranks: %s", e)
         else:
             self.log.info("expert-parallel: the other ranks were told to stop")

@@ -13,21 +13,26 @@ it does not own.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
+import psutil
 import pytest
 from arch_table import tiny_config
 from daemon_cli import clean_env, ctl, wait_for
 from tiny_models import make_tiny_model
 
 from moestream.daemon.bench.expert_parallel import greedy
-from moestream.daemon.model.expert_parallel import NOT_HERE, ExpertShare
+from moestream.daemon.model.expert_parallel import CONTROL_SECONDS, NOT_HERE, ExpertShare
 from moestream.daemon.model.streaming_model import load_stock_model, load_streaming_model
 from moestream.daemon.store.convert import convert_model
 from moestream.shared.settings import Settings, parse_capacity
@@ -145,47 +150,52 @@ def test_two_ranks_decode_what_one_process_decodes(store, tmp_path):
             assert [r["bytes_read"] for r in led["ranks"]] == [alone_bytes // RANKS] * RANKS
 
 
-@pytest.mark.slow
-def test_daemon_under_mlx_launch_serves_what_one_process_serves(store, tmp_path):
-    """`mlx.launch` of the daemon with `--distributed ring`: one socket (rank 0's), clients
-    unchanged, greedy tokens equal to a single process's, `status` showing each rank's
-    share, pool, hit rate and bytes; `stop` ends both ranks cleanly."""
+@contextmanager
+def _daemon_group(store: Path) -> Iterator[tuple[Path, subprocess.Popen]]:
+    """The daemon of `store` at 25%, one process per rank under `mlx.launch` (ring on
+    loopback), ready; its runtime folder and the launcher. Killed afterwards if still up."""
     rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="mst-ep-"))
-    prompt = ("generate", "the quick brown fox", "--model", str(store), "--max-tokens", "8", "--temp", "0", "--json")
-    alone = ctl(*prompt, "--local")
-    assert alone.returncode == 0, alone.stderr
     command = [
         str(Path(sys.executable).with_name("mlx.launch")),
-        "--backend",
-        "ring",
-        "-n",
-        str(RANKS),
-        "--starting-port",
-        str(_free_port()),
-        "--",
-        sys.executable,
-        "-m",
-        "moestream.daemon.main",
-        "--distributed",
-        "ring",
-        "--model",
-        str(store),
-        "--capacity",
-        "25%",
-        "--runtime-dir",
-        str(rt),
+        *("--backend", "ring", "-n", str(RANKS), "--starting-port", str(_free_port()), "--"),
+        *(sys.executable, "-m", "moestream.daemon.main", "--distributed", "ring", "--model", str(store)),
+        *("--capacity", "25%", "--runtime-dir", str(rt)),
     ]
     group = subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
 
-        def ready() -> dict | None:
+        def ready() -> bool:
             st = ctl("status", "--runtime-dir", str(rt), "--json")
-            if st.returncode != 0:
-                return None
-            status = json.loads(st.stdout)
-            return status if status["state"] == "ready" else None
+            return st.returncode == 0 and json.loads(st.stdout)["state"] == "ready"
 
         wait_for(ready, 180, "the expert-parallel daemon")
+        yield rt, group
+    finally:
+        if group.poll() is None:
+            group.kill()
+            group.wait()
+        shutil.rmtree(rt, ignore_errors=True)
+
+
+def _rank_pid(rank: int, rt: Path) -> int:
+    """The pid of the daemon process of `rank` in the group serving `rt`."""
+    for proc in psutil.process_iter(["cmdline", "environ"]):
+        cmd = proc.info["cmdline"] or []
+        env = proc.info["environ"] or {}
+        if "moestream.daemon.main" in cmd and str(rt) in cmd and env.get("MLX_RANK") == str(rank):
+            return proc.pid
+    raise AssertionError(f"no process of rank {rank}")
+
+
+@pytest.mark.slow
+def test_daemon_under_mlx_launch_serves_what_one_process_serves(store):
+    """`mlx.launch` of the daemon with `--distributed ring`: one socket (rank 0's), clients
+    unchanged, greedy tokens equal to a single process's, `status` showing each rank's
+    share, pool, hit rate and bytes; `stop` ends both ranks cleanly."""
+    prompt = ("generate", "the quick brown fox", "--model", str(store), "--max-tokens", "8", "--temp", "0", "--json")
+    alone = ctl(*prompt, "--local")
+    assert alone.returncode == 0, alone.stderr
+    with _daemon_group(store) as (rt, group):
         served = ctl(*prompt, "--runtime-dir", str(rt))
         assert served.returncode == 0, served.stderr
         assert json.loads(served.stdout)["tokens"] == json.loads(alone.stdout)["tokens"]
@@ -194,14 +204,21 @@ def test_daemon_under_mlx_launch_serves_what_one_process_serves(store, tmp_path)
         share = sum(layer.num_experts for layer in load_manifest(store).layers) // RANKS
         assert [r["rank"] for r in ranks] == list(range(RANKS))
         assert all(r["experts"] == share and r["bytes_read"] > 0 and 0 < r["hit_rate"] < 1 for r in ranks)
-        text = ctl("status", "--runtime-dir", str(rt)).stdout
-        assert "rank 1:" in text
+        assert "rank 1:" in ctl("status", "--runtime-dir", str(rt)).stdout
         assert ctl("stop", "--runtime-dir", str(rt)).returncode == 0
         out, _ = group.communicate(timeout=60)
         assert group.returncode == 0, out[-3000:]
         assert "stopped by rank 0" in out
-    finally:
-        if group.poll() is None:
-            group.kill()
-            group.wait()
-        shutil.rmtree(rt, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_follower_that_dies_ends_rank_0_instead_of_blocking_it(store):
+    """kill -9 of rank 1: rank 0 takes the group for broken at its next command to it
+    (the status it gathers) and exits with the reason in its log, within the control
+    timeout, instead of waiting for rank 1 for good."""
+    with _daemon_group(store) as (rt, group):
+        os.kill(_rank_pid(1, rt), signal.SIGKILL)
+        group.communicate(timeout=CONTROL_SECONDS + 60)
+        log = (rt / "daemon.log").read_text()
+        assert "the expert-parallel group is broken" in log
+        assert "pid file and socket removed" in log

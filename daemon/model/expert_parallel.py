@@ -24,6 +24,7 @@ Invariant: `local` of an owned expert is its row in the rank's share of the laye
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,8 +67,17 @@ FORWARD, STATS, STOP = 1, 2, 3
 HEADER_LEN = 16
 MAX_DIMS = 5
 DTYPES = (mx.float32, mx.float16, mx.bfloat16, mx.int32, mx.uint32, mx.int64, mx.uint64)
-# Per rank, for the leader's status: bytes read, hits, misses, experts owned, pool bytes, all_sums.
+# Per rank, for the leader's status: bytes read, hits, misses, experts owned (over all
+# layers), pool bytes, all_sums.
 STAT_FIELDS = ("bytes_read", "hits", "misses", "experts", "pool_bytes", "collectives")
+# How long the leader waits for a control command (STATS, STOP) to be answered before it
+# takes the group for broken: a rank that died never answers, and a collective with a
+# dead peer may block for good. Long enough for the decode step queued before it.
+CONTROL_SECONDS = 30.0
+
+
+class GroupError(RuntimeError):
+    """The group no longer answers (a rank died or its link failed); the message says what."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,8 @@ class ExpertShare:
         # every rank (independent ones, such as a forward's input and routing, could run
         # in either order and receive each other's bytes).
         self._last: mx.array | None = None
+        # Why the group is taken for broken (a control command unanswered), else None.
+        self.broken: str | None = None
 
     def owned(self, num_experts: int) -> list[int]:
         """The global ids of this rank's experts in a layer of `num_experts`."""
@@ -162,9 +174,50 @@ class ExpertShare:
         head[1 : 1 + len(fields)] = fields
         return self._from_leader(mx.array(head))
 
+    def _control(self, op: int, what: str, row: np.ndarray | None = None) -> np.ndarray | None:
+        """Leader: send the command `op` (and gather every rank's `row`, if given) within
+        CONTROL_SECONDS; GroupError when it fails or does not finish, and for every later
+        command. Everything queued before is run first, on this thread; the command then
+        runs on a thread of its own, made there (MLX's streams belong to their thread),
+        while this one waits: MLX is still used by one thread at a time unless the group
+        is broken, and then it is never used again."""
+        self.check()
+        if self._last is not None:
+            mx.eval(self._last)
+            self._last = None
+        box: dict[str, Any] = {}
+
+        def send() -> None:
+            try:
+                head = np.zeros(HEADER_LEN, np.int32)
+                head[0] = op
+                mx.eval(mx.distributed.all_gather(mx.array(head), group=self.group))
+                if row is not None:
+                    box["value"] = np.array(mx.distributed.all_gather(mx.array(row[None]), group=self.group))
+            except Exception as e:  # handed to the engine thread below
+                box["error"] = e
+
+        sender = threading.Thread(target=send, name="group-control", daemon=True)
+        sender.start()
+        sender.join(CONTROL_SECONDS)
+        if sender.is_alive():
+            self.broken = f"{what}: no answer from the group within {CONTROL_SECONDS:.0f} s (a rank gone?)"
+        elif "error" in box:
+            self.broken = f"{what}: {type(box['error']).__name__}: {box['error']}"
+        self.check()
+        self.stats.broadcasts += 1
+        self.stats.broadcast_bytes += HEADER_LEN * 4
+        return box.get("value")
+
+    def check(self) -> None:
+        """Raise GroupError once the group is taken for broken."""
+        if self.broken is not None:
+            raise GroupError(f"the expert-parallel group is broken: {self.broken}")
+
     def lead(self, ordinal: int, x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array]:
         """Leader: send the followers layer `ordinal`'s input and routing; returns them as
         the followers get them (the same bytes), after the send in the graph."""
+        self.check()
         if x.ndim > MAX_DIMS or indices.ndim > MAX_DIMS:
             raise ValueError(f"an MoE input of {x.ndim} or routing of {indices.ndim} dims (at most {MAX_DIMS})")
         dims = [x.ndim, *x.shape, *[0] * (MAX_DIMS - x.ndim), indices.ndim, *indices.shape]
@@ -191,15 +244,17 @@ class ExpertShare:
     def gather_stats(self, mine: list[int]) -> list[list[int]]:
         """Every rank's STAT_FIELDS, rank by rank (the leader asks with STATS; a follower
         answers with its own when `follow` returned STATS)."""
+        row = np.array(mine, np.int64)
         if self.mode == "leader":
-            self._header(STATS)
-        row = mx.array(np.array(mine, np.int64)[None])
-        every = self._chain(mx.distributed.all_gather(self._after(row), group=self.group))
-        return np.array(every).tolist()
+            every = self._control(STATS, "STATS", row)
+            assert every is not None
+            return every.tolist()
+        every = mx.distributed.all_gather(self._after(mx.array(row[None])), group=self.group)
+        return np.array(self._chain(every)).tolist()
 
     def stop(self) -> None:
         """Leader: tell the followers to end (after every command queued before)."""
-        mx.eval(self._header(STOP))
+        self._control(STOP, "STOP")
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -207,6 +262,7 @@ class ExpertShare:
             "size": self.size,
             "mode": self.mode,
             "ownership": "e % size == rank",
+            "broken": self.broken,
             **self.stats.to_dict(),
         }
 
