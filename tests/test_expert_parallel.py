@@ -106,6 +106,8 @@ def test_two_ranks_decode_what_one_process_decodes(store, tmp_path):
         "--out",
         str(out),
         "--led",
+        "--prefetch",
+        "on",
     ]
     run = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -137,6 +139,9 @@ def test_two_ranks_decode_what_one_process_decodes(store, tmp_path):
             assert all(runs[i]["hit_rate"] is None for runs in ranks)  # resident: no lookups
         else:
             assert all(0 < runs[i]["hit_rate"] < 1 for runs in ranks)
+            # Each rank read ahead its own share of the next layer's predicted experts (how
+            # many of them the tiny random model then routes is left to chance).
+            assert all(runs[i]["prefetch"]["submitted"] > 0 for runs in ranks)
 
         # The daemon's way: rank 0 decodes, rank 1 follows its MoE layers.
         led = ranks[0][len(CAPACITIES) + i]

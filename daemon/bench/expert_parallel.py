@@ -68,16 +68,19 @@ def report(sm: StreamingModel, tokens: list[int], digests: list[str], decode_s: 
         "pool_bytes": sm.pool_bytes,
         "decode_tok_s": (len(tokens) - 1) / decode_s if decode_s > 0 else None,
         "group": share.describe() if share is not None else None,
+        "prefetch": sm.prefetcher.stats() if sm.prefetcher is not None else None,
     }
 
 
-def _led(replicated: ExpertShare, store: Path, capacity: str | None, prompt: list[int], steps: int) -> dict[str, Any]:
+def _led(
+    replicated: ExpertShare, store: Path, capacity: str | None, prompt: list[int], steps: int, prefetch: str
+) -> dict[str, Any]:
     """One capacity the daemon's way (daemon/expert_worker.py): rank 0 decodes, the other
     ranks serve their share of each of its MoE layers until it stops them. Rank 0 reports
     every rank's statistics (`ExpertShare.gather_stats`), the others only that they served."""
     mode = "leader" if replicated.rank == 0 else "follower"
     share = ExpertShare(replicated.group, mode=mode)
-    settings = Settings(capacity=parse_capacity(capacity), model=store)
+    settings = Settings(capacity=parse_capacity(capacity), model=store, prefetch=prefetch)
     if mode == "follower":
         code = serve_share(settings, share, logging.getLogger(__name__))
         return {"mode": mode, "asked_capacity": capacity, "exit": code}
@@ -102,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--backend", default="any", help="mx.distributed backend (ring, nccl, jaccl, any)")
     parser.add_argument("--out", type=Path, required=True, help="folder for rank<r>.json")
+    parser.add_argument("--prefetch", default="off", choices=("on", "off", "auto"), help="of predicted experts")
     parser.add_argument(
         "--led",
         action="store_true",
@@ -114,14 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     store = Path(args.store.format(rank=rank))
     results = []
     for capacity in args.capacity or [None]:
-        sm = load_streaming_model(store, Settings(capacity=parse_capacity(capacity)), share=share)
+        settings = Settings(capacity=parse_capacity(capacity), prefetch=args.prefetch)
+        sm = load_streaming_model(store, settings, share=share)
         try:
             tokens, digests, decode_s = greedy(sm.model, prompt, args.steps)
             results.append(report(sm, tokens, digests, decode_s) | {"mode": "replicated", "asked_capacity": capacity})
         finally:
             sm.close()
     if args.led and share is not None:
-        results += [_led(share, store, capacity, prompt, args.steps) for capacity in args.capacity or [None]]
+        results += [_led(share, store, c, prompt, args.steps, args.prefetch) for c in args.capacity or [None]]
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"rank{rank}.json"
     tmp = path.with_suffix(".tmp")

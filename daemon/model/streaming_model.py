@@ -295,9 +295,9 @@ def load_streaming_model(
     known: a host tier that holds every expert is then made as a mapped pool.
 
     `share` (daemon/model/expert_parallel.py): this rank's share of an expert-parallel
-    group; its pools, capacity and reads cover only the experts it owns (a capacity
-    is then a fraction of the share), with the slot pool, without prefetch and with
-    the chunked prefill (the paths expert parallelism runs through so far)."""
+    group; its pools, capacity, reads and prefetch cover only the experts it owns (a
+    capacity is then a fraction of the share), with the slot pool and the chunked
+    prefill (the paths expert parallelism runs through so far)."""
     store = Path(store_dir)
     full = load_manifest(store)
     manifest = full if share is None else share.manifest_view(full)
@@ -385,8 +385,7 @@ def load_streaming_model(
             admitter=admitter,
             top_k=k,
             prefetch=settings.prefetch,
-            # A share's router ranks global ids; its pools hold local ones.
-            predict=not naive and share is None,
+            predict=not naive,
             depth=settings.prefetch_depth,
             buffer_bytes=settings.prefetch_buffer,
         )

@@ -181,24 +181,29 @@ class StreamingMoE(nn.Module):
         if pool.fully_resident:
             y = self.inner(x, local if pool.identity else pool.remap[local])
             return share.combine(y, mine)
-        ids = np.array(indices)
-        pool.stats.host_syncs += 1
+        seq = indices.shape[-2] if indices.ndim >= 2 else 1
+        rec = self.hub.recorder
+        # The next layers' rankings are of global ids: each rank prefetches its own of them.
+        ids, ranked, ahead = self._route(x, indices, seq, rec)
         here = share.local_ids(ids.reshape(-1, ids.shape[-1]))
         owned = here >= 0
         if pool.fits(here):
-            pool.ensure(here, decode=ids.ndim < 2 or ids.shape[-2] == 1, synced=True)
+            pool.ensure(here, decode=seq == 1, synced=True, rec=rec)
             rows, arrays = pool.slot_of, None
         else:
-            arrays, rows = pool.gather_overflow(here)
+            arrays, rows = pool.gather_overflow(here, rec)
         picked = np.where(owned, rows[np.where(owned, here, 0)], 0).reshape(ids.shape)
         if arrays is not None:
             self._use(arrays)
         try:
             # As with an overflow stack, the lazy graph holds its own references.
-            y = self.inner(x, mx.array(picked))
+            y = share.combine(self.inner(x, mx.array(picked)), mine)
         finally:
             self._use(pool.arrays)
-        return share.combine(y, mine)
+        if ranked is not None:
+            mx.async_eval(y)  # as in `__call__`: the device computes while the reads start
+            self._predict_next(share.local_ids(ranked), seq, rec, [(a, share.local_ids(r)) for a, r in ahead])
+        return y
 
     def _resident(self, x: mx.array, indices: mx.array, rec: AnyRecorder) -> mx.array:
         """Every expert has a slot: no host sync (diagnostics read the routing back for
@@ -288,6 +293,7 @@ class StreamingMoE(nn.Module):
         ordinal = nxt.pool.layer.ordinal
         with rec.host(ordinal, "predict"):
             named = np.unique(ranked[:, : pf.top_k])
+            named = named[named >= 0]  # an expert share's ranking names others' experts NOT_HERE
             prediction = Prediction(ranked=ranked, named=named)
             nxt.pool.expect(prediction)
             if not (pf.enabled and seq <= MAX_PREFETCH_TOKENS):
@@ -307,6 +313,7 @@ class StreamingMoE(nn.Module):
                 # layers in between. Experts the tier holds are skipped by submit and copied
                 # when their layer is next.
                 named_later = np.unique(later)
+                named_later = named_later[named_later >= 0]
                 missing_later = named_later[layer.pool.slot_of[named_later] < 0]
                 if missing_later.size:
                     pf.submit(layer.pool.layer, missing_later.tolist())
