@@ -53,9 +53,17 @@ def greedy(model: nn.Module, prompt: list[int], steps: int) -> tuple[list[int], 
     return tokens, digests, time.perf_counter() - start
 
 
-def report(sm: StreamingModel, tokens: list[int], digests: list[str], decode_s: float) -> dict[str, Any]:
+def report(
+    sm: StreamingModel, tokens: list[int], digests: list[str], decode_s: float, since: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One run's figures; `since`: the share's counters before it (a share serves several runs)."""
     stats = sm.pool_stats()
     share = sm.share
+    group = None
+    if share is not None:
+        group = share.describe()
+        for key, before in (since or {}).items():
+            group[key] -= before
     return {
         "rank": 0 if share is None else share.rank,
         "size": 1 if share is None else share.size,
@@ -67,7 +75,7 @@ def report(sm: StreamingModel, tokens: list[int], digests: list[str], decode_s: 
         "hit_rate": stats["hit_rate"],
         "pool_bytes": sm.pool_bytes,
         "decode_tok_s": (len(tokens) - 1) / decode_s if decode_s > 0 else None,
-        "group": share.describe() if share is not None else None,
+        "group": group,
         "prefetch": sm.prefetcher.stats() if sm.prefetcher is not None else None,
     }
 
@@ -107,22 +115,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="folder for rank<r>.json")
     parser.add_argument("--prefetch", default="off", choices=("on", "off", "auto"), help="of predicted experts")
     parser.add_argument(
+        "--time-collectives",
+        action="store_true",
+        help="measure the seconds inside each all_sum (synced alone, so the decode is slower)",
+    )
+    parser.add_argument(
         "--led",
         action="store_true",
         help="then each capacity again as a daemon's group runs it: rank 0 runs the forward, the others follow",
     )
     args = parser.parse_args(argv)
     prompt = [int(t) for t in args.prompt.split(",")]
-    share = join_group(args.backend)
+    share = join_group(args.backend, timed=args.time_collectives)
     rank = 0 if share is None else share.rank
     store = Path(args.store.format(rank=rank))
     results = []
     for capacity in args.capacity or [None]:
         settings = Settings(capacity=parse_capacity(capacity), prefetch=args.prefetch)
         sm = load_streaming_model(store, settings, share=share)
+        since = share.stats.to_dict() if share is not None else None
         try:
             tokens, digests, decode_s = greedy(sm.model, prompt, args.steps)
-            results.append(report(sm, tokens, digests, decode_s) | {"mode": "replicated", "asked_capacity": capacity})
+            run = report(sm, tokens, digests, decode_s, since)
+            results.append(run | {"mode": "replicated", "asked_capacity": capacity})
         finally:
             sm.close()
     if args.led and share is not None:

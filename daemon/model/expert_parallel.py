@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,11 +47,15 @@ class ShareStats:
     collective_bytes: int = 0
     broadcasts: int = 0
     broadcast_bytes: int = 0
+    # Seconds inside the all_sums, measured only by a share made with `timed=True` (each
+    # all_sum then runs alone between two syncs, which costs the overlap it would have).
+    collective_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "collectives": self.collectives,
             "collective_bytes": self.collective_bytes,
+            "collective_seconds": self.collective_seconds,
             "broadcasts": self.broadcasts,
             "broadcast_bytes": self.broadcast_bytes,
         }
@@ -94,8 +99,18 @@ class Command:
 class ExpertShare:
     """This rank's share of every MoE layer in a group of `size` ranks."""
 
-    def __init__(self, group: Any, *, rank: int | None = None, size: int | None = None, mode: str = "replicated"):
-        """`group`: an `mx.distributed` group (`rank`/`size` default to its own)."""
+    def __init__(
+        self,
+        group: Any,
+        *,
+        rank: int | None = None,
+        size: int | None = None,
+        mode: str = "replicated",
+        timed: bool = False,
+    ):
+        """`group`: an `mx.distributed` group (`rank`/`size` default to its own); `timed`:
+        measure the time inside each all_sum (benchmarks: `ShareStats.collective_seconds`)."""
+        self.timed = timed
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         self.group = group
@@ -149,7 +164,15 @@ class ExpertShare:
         part = mx.where(mine[..., None], y, mx.zeros_like(y))
         self.stats.collectives += 1
         self.stats.collective_bytes += part.nbytes
-        return self._chain(mx.distributed.all_sum(self._after(part), group=self.group))
+        if not self.timed:
+            return self._chain(mx.distributed.all_sum(self._after(part), group=self.group))
+        part = self._after(part)
+        mx.eval(part)
+        tic = time.perf_counter()
+        out = self._chain(mx.distributed.all_sum(part, group=self.group))
+        mx.eval(out)
+        self.stats.collective_seconds += time.perf_counter() - tic
+        return out
 
     # ---- leader and followers ----------------------------------------------------------
 
@@ -267,7 +290,7 @@ class ExpertShare:
         }
 
 
-def join_group(backend: str = "any", mode: str = "replicated") -> ExpertShare | None:
+def join_group(backend: str = "any", mode: str = "replicated", timed: bool = False) -> ExpertShare | None:
     """This process's share in the group `mlx.launch` started it in, or None when it runs
     alone (a group of one: the ordinary single-process paths). In a daemon's group
     (`mode` "leader") rank 0 leads and the others follow."""
@@ -276,4 +299,4 @@ def join_group(backend: str = "any", mode: str = "replicated") -> ExpertShare | 
         return None
     if mode == "leader" and group.rank() != 0:
         mode = "follower"
-    return ExpertShare(group, mode=mode)
+    return ExpertShare(group, mode=mode, timed=timed)
