@@ -1,18 +1,20 @@
 """Expert-parallel streaming: N processes of one `mx.distributed` group share every MoE
 layer's experts (docs/scale-out.md has the design and its figures).
 
-Every rank runs the same forward with the resident weights (attention, routers, norms,
-embeddings); rank r owns the experts e with e % N == r of every layer, and only those are
-in its pool, read from its disk and counted in its statistics. Interleaved rather than
-contiguous: the shares differ by at most one expert for any N, and the map from a global
-id to a row of the share (e // N) is one integer division on the device.
+Every rank holds the resident weights (attention, routers, norms, embeddings) and runs
+the same forward, or, in a daemon's group, follows rank 0's MoE layers (MODES). Rank r
+owns the experts e with e % N == r of every layer, and only those are in its pool, read
+from its disk and counted in its statistics. Interleaved rather than contiguous: the
+shares differ by at most one expert for any N, and the map from a global id to a row of
+the share (e // N) is one integer division on the device.
 
 An MoE layer's expert module returns one row per routed (token, k) pair, [..., k, hidden],
 which the model's own block then weights by the router's scores and sums over k. Each
 rank computes the rows of the pairs it owns (the others run on a placeholder slot and are
 zeroed, so the kernel sees the same number of rows as in one process) and the ranks
 `all_sum` those rows. Exactly one rank contributes each row, and x + 0 is x in every
-floating-point format, so every row is bit for bit the single-process row and the
+floating-point format (but for a -0.0, which becomes +0.0: equal, and it changes no sum
+it enters unless every term is zero), so every row is the single-process row and the
 model's weighted sum over k runs unchanged: the output is exact. (Summing the ranks'
 weighted partials instead would send k times fewer bytes but add in another order.)
 
