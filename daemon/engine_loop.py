@@ -216,6 +216,9 @@ class EngineLoop:
         tic = time.perf_counter()
         if not self._load_model():
             return False
+        if self._share is not None:
+            self.log.info("expert-parallel: waiting for the other %d ranks to load their shares", self._share.size - 1)
+            self._share.barrier()
         if self._share is None:
             self._autopin_from_heat()
             self._start_heat_keeper()

@@ -49,6 +49,7 @@ def serve_share(settings: Settings, share: ExpertShare, log: logging.Logger) -> 
     )
     forwards = 0
     try:
+        share.barrier()  # rank 0 has loaded too: its commands may come from now on
         while True:
             cmd = share.follow()
             if cmd.op == STOP:

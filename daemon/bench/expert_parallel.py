@@ -94,6 +94,7 @@ def _led(
         return {"mode": mode, "asked_capacity": capacity, "exit": code}
     sm = load_streaming_model(store, settings, share=share)
     try:
+        share.barrier()  # as the daemon's engine does: the followers have loaded
         tokens, digests, decode_s = greedy(sm.model, prompt, steps)
         ranks = [dict(zip(STAT_FIELDS, row)) for row in share.gather_stats(share_row(sm))]
         result = report(sm, tokens, digests, decode_s) | {"mode": mode, "asked_capacity": capacity, "ranks": ranks}

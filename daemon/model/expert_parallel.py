@@ -234,6 +234,12 @@ class ExpertShare:
         self.stats.broadcast_bytes += HEADER_LEN * 4
         return box.get("value")
 
+    def barrier(self) -> None:
+        """Wait, unbounded, until every rank has come here: once, when all have loaded their
+        share (a load of a large share may take minutes; the control commands' bound is for
+        ranks that wait for them, which from then on every follower does)."""
+        mx.eval(mx.distributed.all_sum(mx.array(1), group=self.group))
+
     def check(self) -> None:
         """Raise GroupError once the group is taken for broken."""
         if self.broken is not None:
