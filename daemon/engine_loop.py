@@ -120,9 +120,13 @@ class EngineLoop:
         log: logging.Logger,
         *,
         file_limit: FileLimit | None = None,
+        share: Any = None,
     ) -> None:
+        """`share`: rank 0's share of an expert-parallel group (daemon/model/expert_parallel.py):
+        the model is loaded on it, the other ranks follow its forwards; else None."""
         self.settings = settings
         self._file_limit = file_limit
+        self._share = share
         self.log = log
         self._ctx = ctx
         self._events_endpoint = events_endpoint
@@ -212,8 +216,15 @@ class EngineLoop:
         tic = time.perf_counter()
         if not self._load_model():
             return False
-        self._autopin_from_heat()
-        self._start_heat_keeper()
+        if self._share is not None:
+            self.log.info("expert-parallel: waiting for the other %d ranks to load their shares", self._share.size - 1)
+            self._share.barrier()
+        if self._share is None:
+            self._autopin_from_heat()
+            self._start_heat_keeper()
+        else:
+            # Each rank's pools count their own share in their own ids: not the heat file's.
+            self._heat_state = {"state": "off: an expert-parallel group (heat per rank is not kept yet)"}
         self.state = "ready"
         self._log_ready(time.perf_counter() - tic)
         self._publish(force=True)
@@ -255,7 +266,7 @@ class EngineLoop:
         except OSError:
             self._store_stamp = None  # the load says what is wrong
         try:
-            self._sm = load_streaming_model(s.model, s, max_tokens=s.max_context)
+            self._sm = load_streaming_model(s.model, s, max_tokens=s.max_context, share=self._share)
         except Exception as e:
             self.state, self.error = "failed", f"cannot load the model {s.model}: {e}"
             self.log.error(self.error)
@@ -794,7 +805,28 @@ class EngineLoop:
                     "kv_bytes": self._kv_bytes(),
                 }
             )
+            if self._share is not None:
+                snap["expert_parallel"] = self._ranks()
         self.snapshot = snap
+
+    def _ranks(self) -> dict[str, Any]:
+        """Each rank's share, pool, hit rate and bytes read (a collective: every rank answers)."""
+        from moestream.daemon.expert_worker import share_row
+        from moestream.daemon.model.expert_parallel import STAT_FIELDS, GroupError
+
+        try:
+            rows = self._share.gather_stats(share_row(self._sm))
+        except GroupError as e:
+            if self.error is None:
+                self.log.error("%s", e)
+                self.state, self.error = "failed", str(e)
+            return {**self._share.describe(), "ranks": []}
+        ranks = []
+        for rank, row in enumerate(rows):
+            d = dict(zip(STAT_FIELDS, row))
+            seen = d["hits"] + d["misses"]
+            ranks.append({"rank": rank, **d, "hit_rate": d["hits"] / seen if seen else None})
+        return {**self._share.describe(), "ranks": ranks}
 
     def _kv_bytes(self) -> int:
         """The active requests' KV caches, estimated from their tokens (upper bound)."""
@@ -912,4 +944,18 @@ class EngineLoop:
                 self._heat_state = {"state": "closed"}
                 self._heat = None
         finally:
-            self._release_model()
+            try:
+                self._release_model()
+            finally:
+                if self._share is not None:
+                    self._stop_followers()
+
+    def _stop_followers(self) -> None:
+        from moestream.daemon.model.expert_parallel import GroupError
+
+        try:
+            self._share.stop()
+        except GroupError as e:  # a rank died: nothing left to tell; mlx.launch ends the rest
+            self.log.error("expert-parallel: could not stop the other ranks: %s", e)
+        else:
+            self.log.info("expert-parallel: the other ranks were told to stop")

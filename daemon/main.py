@@ -12,11 +12,15 @@ import logging
 import logging.handlers
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from moestream import __version__
 from moestream.shared.log_rate import RateLimitFilter
 from moestream.shared.runtime_dir import InstanceLock, RuntimeDirError, RuntimePaths
 from moestream.shared.settings import SETTINGS, Settings, SettingsError
+
+if TYPE_CHECKING:
+    from moestream.daemon.model.expert_parallel import ExpertShare
 
 LOG_ROTATE_BYTES = 16 * 2**20
 LOG_LINES_PER_WINDOW = 200
@@ -56,8 +60,11 @@ def close_log(log: logging.Logger) -> None:
         h.close()
 
 
-def run_daemon(settings: Settings, *, log_to_stderr: bool = False, handle_signals: bool = True) -> int:
-    """Serve until shutdown; returns the exit code (0 after a clean stop)."""
+def run_daemon(
+    settings: Settings, *, log_to_stderr: bool = False, handle_signals: bool = True, share: ExpertShare | None = None
+) -> int:
+    """Serve until shutdown; returns the exit code (0 after a clean stop). `share`: rank
+    0's share of an expert-parallel group (`--distributed`), whose other ranks follow."""
     from moestream.daemon.limits import FileLimit
     from moestream.daemon.server import Server
 
@@ -85,13 +92,34 @@ def run_daemon(settings: Settings, *, log_to_stderr: bool = False, handle_signal
         log.info(
             "moestream daemon %s starting (pid %d, socket %s, log %s)", __version__, os.getpid(), endpoint, paths.log
         )
-        return Server(settings, paths, log, handle_signals=handle_signals, file_limit=file_limit).run()
+        return Server(settings, paths, log, handle_signals=handle_signals, file_limit=file_limit, share=share).run()
     except Exception:
         log.exception("the daemon failed")
         return 1
     finally:
         lock.release()
         log.info("pid file and socket removed; lock released")
+        close_log(log)
+
+
+def run_follower(settings: Settings, share: ExpertShare) -> int:
+    """A rank other than 0 of an expert-parallel daemon: no socket, lock or log file of its
+    own (on one machine they would be rank 0's); it logs to stderr, which `mlx.launch`
+    forwards with the rank's other output."""
+    from moestream.daemon.expert_worker import serve_share
+
+    log = logging.getLogger(f"moestream.worker.{os.getpid()}")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    log.addHandler(handler)
+    try:
+        return serve_share(settings, share, log)
+    except Exception:
+        log.exception("rank %d failed", share.rank)
+        return 1
+    finally:
         close_log(log)
 
 
@@ -115,8 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as e:
         print(f"moestream daemon: {e}", file=sys.stderr)
         return 2
+    share = None
+    if settings.distributed != "off":
+        from moestream.daemon.model.expert_parallel import join_group
+
+        share = join_group(settings.distributed, mode="leader")
+        if share is not None and share.mode == "follower":
+            return run_follower(settings, share)
     try:
-        return run_daemon(settings, log_to_stderr=args.log_to_stderr)
+        return run_daemon(settings, log_to_stderr=args.log_to_stderr, share=share)
     except RuntimeDirError as e:
         print(f"moestream daemon: {e}", file=sys.stderr)
         return 1

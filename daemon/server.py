@@ -80,8 +80,11 @@ class Server:
         *,
         handle_signals: bool = True,
         file_limit: FileLimit | None = None,
+        share: Any = None,
     ) -> None:
+        """`share`: rank 0's share of an expert-parallel group (`--distributed`), else None."""
         self.settings = settings
+        self.share = share
         self.file_limit = file_limit or FileLimit.at_start()
         self.paths = paths
         self.log = log
@@ -108,7 +111,7 @@ class Server:
         """Bind, load, serve until shutdown; returns the exit code (0 after a clean stop)."""
         ctx = zmq.Context()
         events_endpoint = f"inproc://engine-events-{id(self)}"
-        engine = EngineLoop(self.settings, ctx, events_endpoint, self.log, file_limit=self.file_limit)
+        engine = EngineLoop(self.settings, ctx, events_endpoint, self.log, file_limit=self.file_limit, share=self.share)
         wake_r, wake_w = socket.socketpair()
         bound = threading.Event()
         io = threading.Thread(target=self._io_main, args=(ctx, events_endpoint, engine, wake_r, bound), name="io")
@@ -462,6 +465,8 @@ class Server:
             },
             "heat": snap.get("heat", {}),
             "autopin": snap.get("autopin"),
+            # `--distributed`: each rank's share, pool, hit rate and bytes (docs/scale-out.md), else None.
+            "expert_parallel": snap.get("expert_parallel"),
             # The idle unload (daemon/keep_alive.py): the clock, and what the last unload gave back.
             "keep_alive": snap.get("keep_alive"),
             "snapshot_age_s": now - snap.get("at", now),

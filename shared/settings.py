@@ -423,6 +423,16 @@ class Settings:
         "pool brings each routed expert in once per prompt; chunk is stock mlx-lm's order, chunk by chunk. "
         "Output is the same either way.",
     )
+    distributed: str = setting(
+        "off",
+        kind="choice",
+        choices=("off", "any", "ring", "jaccl", "nccl", "mpi"),
+        noun="mx.distributed backend",
+        scope=(DAEMON,),
+        help="Expert-parallel over the processes `mlx.launch` starts (docs/scale-out.md), with this mx.distributed "
+        "backend: rank 0 is the daemon and its socket, every rank streams its share of each layer's experts "
+        "(e % ranks == rank) from its own store copy into its own pool; off: one process.",
+    )
     host_cache: int = setting(
         0,
         kind="size",

@@ -454,6 +454,17 @@ def _format_status(st: dict[str, Any]) -> str:
             f"  mapped     every expert in host memory, {placement['gpu_slots']} per layer in GPU memory; "
             f"GPU hit rate {_rate(placement.get('gpu_hit_rate'))}, {placement['moves']} moves"
         )
+    group = st.get("expert_parallel")
+    if group:
+        lines.append(f"  ranks      {group['size']} (expert-parallel, experts e % {group['size']} == rank)")
+        if group.get("broken"):
+            lines.append(f"    broken: {group['broken']}")
+        layers = st.get("moe_layers") or 1
+        for r in group["ranks"]:
+            lines.append(
+                f"    rank {r['rank']}: {r['experts'] // layers} experts per layer, pool {_size(r['pool_bytes'])}, "
+                f"hit rate {_rate(r['hit_rate'])}, {_size(r['bytes_read'])} read"
+            )
     ended = ", ".join(f"{req.get(k, 0)} {k}" for k in ("completed", "cancelled", "disconnected", "failed"))
     lines += [
         f"  memory     RSS {_size(mem['rss_bytes'])}, MLX active {_size(mem['mlx_active_bytes'])}, peak "

@@ -26,6 +26,7 @@ from moestream._native import CudaCopier
 from moestream.daemon.mapped.mapped_pool import CountingMover, MappedPool, MappedPoolStats
 from moestream.daemon.mapped.row_gather import RowGather
 from moestream.daemon.model.diagnostics import Diagnostics
+from moestream.daemon.model.expert_parallel import ExpertShare
 from moestream.daemon.model.prefill import LayerMajorPrefill, UnsupportedModel
 from moestream.daemon.model.streaming_moe import StreamingMoE
 from moestream.daemon.policies import make_policy
@@ -93,6 +94,8 @@ class StreamingModel:
     # the model's forward does not have the shape it drives (then `prefill_note` says why).
     layer_major: LayerMajorPrefill | None = None
     prefill_note: str = ""
+    # This rank's share of an expert-parallel group (daemon/model/expert_parallel.py), else None.
+    share: ExpertShare | None = None
 
     def mtp_head(self) -> Any:
         """The store's multi-token-prediction head (daemon/model/mtp_head.py), loaded on
@@ -283,6 +286,7 @@ def load_streaming_model(
     admitter: Admitter | None = None,
     mapped: bool | None = None,
     host_available: int | None = None,
+    share: ExpertShare | None = None,
 ) -> StreamingModel:
     """Load a store for streaming. `naive=True` is the on-demand baseline of the
     benchmarks: a pool of top-k slots that reuses nothing between forwards. An
@@ -294,9 +298,19 @@ def load_streaming_model(
     refused before anything is allocated when host memory (`host_available` bytes,
     default what the system reports available), or a host tier given with it, cannot
     hold every expert. None (auto) decides by `choose_mapped` once the capacity is
-    known: a host tier that holds every expert is then made as a mapped pool."""
+    known: a host tier that holds every expert is then made as a mapped pool.
+
+    `share` (daemon/model/expert_parallel.py): this rank's share of an expert-parallel
+    group; its pools, capacity, reads and prefetch cover only the experts it owns (a
+    capacity is then a fraction of the share), with the slot pool and the chunked
+    prefill (the paths expert parallelism runs through so far)."""
     store = Path(store_dir)
-    manifest = load_manifest(store)
+    full = load_manifest(store)
+    manifest = full if share is None else share.manifest_view(full)
+    if share is not None:
+        if mapped or settings.mapped:
+            raise PoolCapacityError("expert parallelism runs with the slot pool: drop --mapped")
+        mapped = False
     if host_available is None:
         host_available = psutil.virtual_memory().available
     mapped = settings.mapped if mapped is None else mapped
@@ -358,7 +372,7 @@ def load_streaming_model(
             note = {"shared": True}
         if auto_note is not None:
             note["mapped_auto"] = auto_note
-        for layer, (_, _, module) in zip(manifest.layers, found):
+        for layer, (_, _, module) in zip(full.layers, found):
             if not isinstance(module, (SwitchGLU, SwitchMLP)):
                 raise StoreError(f"{layer.module_path} is a {type(module).__name__}, not a SwitchGLU/SwitchMLP")
             _check_layout(module, layer, store, manifest.config)
@@ -401,13 +415,16 @@ def load_streaming_model(
         # module beside the experts, e.g. a norm, sits inside the module wrapped next).
         _load_resident(model, weights, manifest, store)
         for (parent, key, module), pool, nxt in zip(found, pools, next_layers(pools, routers, settings.prefetch_depth)):
-            parent[key] = StreamingMoE(module, pool, diagnostics, nxt, prefetcher)
+            parent[key] = StreamingMoE(module, pool, diagnostics, nxt, prefetcher, share)
         mx.eval(model.parameters())
         for pool, full in zip(pools, resident):
             if full:
                 pool.load_all()
         mapped_pool = _place(pools, capacity, settings, copier) if mapped else None
-        layer_major, prefill_note = _layer_major(model, settings)
+        if share is None:
+            layer_major, prefill_note = _layer_major(model, settings)
+        else:
+            layer_major, prefill_note = None, "chunk: expert-parallel (one all_sum per layer and chunk)"
         tokenizer = load_tokenizer(store, eos_token_ids=config.get("eos_token_id"))
     except BaseException:
         if owns_reader:
@@ -431,6 +448,7 @@ def load_streaming_model(
         layer_major=layer_major,
         prefill_note=prefill_note,
         max_draft_models=settings.max_draft_models,
+        share=share,
     )
 
 

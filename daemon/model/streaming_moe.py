@@ -37,6 +37,7 @@ import numpy as np
 
 from moestream.daemon.mapped.row_gather import MAX_GATHERED
 from moestream.daemon.model.diagnostics import AnyRecorder, Diagnostics
+from moestream.daemon.model.expert_parallel import ExpertShare
 from moestream.daemon.pool.expert_pool import ExpertPool
 from moestream.daemon.prefetch.predictor import NextLayer, Prediction
 from moestream.daemon.prefetch.prefetcher import MAX_PREFETCH_TOKENS, Prefetcher
@@ -50,15 +51,19 @@ class StreamingMoE(nn.Module):
         hub: Diagnostics,
         nxt: NextLayer | None = None,
         prefetcher: Prefetcher | None = None,
+        share: ExpertShare | None = None,
     ) -> None:
         """`inner`: mlx-lm's module; `hub`: the model's diagnostics switch; `nxt`: the next
         layer as this one predicts for it, with the `prefetcher` that reads its experts
-        (both None without prediction)."""
+        (both None without prediction); `share`: this rank's share of the experts in an
+        expert-parallel group (daemon/model/expert_parallel.py), whose pool holds only
+        those, else None."""
         super().__init__()
         self.inner = inner
         self.pool = pool
         # Plain attributes (not modules).
         self.hub = hub
+        self.share = share
         self.next = nxt if prefetcher is not None else None
         self.prefetcher = prefetcher if nxt is not None else None
         # What every recording of this layer is filed under.
@@ -151,6 +156,8 @@ class StreamingMoE(nn.Module):
     # ---- one forward -----------------------------------------------------------------
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if self.share is not None:
+            return self._expert_parallel(x, indices, self.share)
         if self._stack is not None:
             return self._stacked(x, indices)
         rec = self.hub.recorder
@@ -172,6 +179,41 @@ class StreamingMoE(nn.Module):
             rec.experts(self.ordinal, y, indices)
         if ranked is not None:
             self._predict_next(ranked, seq, rec, ahead)
+        return y
+
+    def _expert_parallel(self, x: mx.array, indices: mx.array, share: ExpertShare) -> mx.array:
+        """This rank's rows of the pairs it owns, through its pool (every pair runs, the
+        others on row or slot 0, so the kernel's row count is the single process's), then
+        summed with the other ranks' (`ExpertShare.combine`)."""
+        pool = self.pool
+        if share.mode == "leader":
+            x, indices = share.lead(self.ordinal, x, indices)
+        local, mine = share.local_device(indices)
+        if pool.fully_resident:
+            y = self.inner(x, local if pool.identity else pool.remap[local])
+            return share.combine(y, mine)
+        seq = indices.shape[-2] if indices.ndim >= 2 else 1
+        rec = self.hub.recorder
+        # The next layers' rankings are of global ids: each rank prefetches its own of them.
+        ids, ranked, ahead = self._route(x, indices, seq, rec)
+        here = share.local_ids(ids.reshape(-1, ids.shape[-1]))
+        owned = here >= 0
+        if pool.fits(here):
+            pool.ensure(here, decode=seq == 1, synced=True, rec=rec)
+            rows, arrays = pool.slot_of, None
+        else:
+            arrays, rows = pool.gather_overflow(here, rec)
+        picked = np.where(owned, rows[np.where(owned, here, 0)], 0).reshape(ids.shape)
+        if arrays is not None:
+            self._use(arrays)
+        try:
+            # As with an overflow stack, the lazy graph holds its own references.
+            y = share.combine(self.inner(x, mx.array(picked)), mine)
+        finally:
+            self._use(pool.arrays)
+        if ranked is not None:
+            mx.async_eval(y)  # as in `__call__`: the device computes while the reads start
+            self._predict_next(share.local_ids(ranked), seq, rec, [(a, share.local_ids(r)) for a, r in ahead])
         return y
 
     def _resident(self, x: mx.array, indices: mx.array, rec: AnyRecorder) -> mx.array:
@@ -281,6 +323,7 @@ class StreamingMoE(nn.Module):
         ordinal = nxt.pool.layer.ordinal
         with rec.host(ordinal, "predict"):
             named = np.unique(ranked[:, : pf.top_k])
+            named = named[named >= 0]  # an expert share's ranking names others' experts NOT_HERE
             prediction = Prediction(ranked=ranked, named=named)
             nxt.pool.expect(prediction)
             if not (pf.enabled and seq <= MAX_PREFETCH_TOKENS):
@@ -300,6 +343,7 @@ class StreamingMoE(nn.Module):
                 # layers in between. Experts the tier holds are skipped by submit and copied
                 # when their layer is next.
                 named_later = np.unique(later)
+                named_later = named_later[named_later >= 0]
                 missing_later = named_later[layer.pool.slot_of[named_later] < 0]
                 if missing_later.size:
                     pf.submit(layer.pool.layer, missing_later.tolist())

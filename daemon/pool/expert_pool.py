@@ -88,6 +88,12 @@ def _take_rows(arrays: Sequence[mx.array], rows: mx.array) -> list[mx.array]:
     return [mx.take(a, rows, axis=0) for a in arrays]
 
 
+def _here(row: np.ndarray) -> list[int]:
+    """A token's routed experts that this pool serves: all of them, but with an expert
+    share (daemon/model/expert_parallel.py), whose other ranks' pairs come as negative ids."""
+    return [int(e) for e in row if e >= 0]
+
+
 def _current_stream() -> str:
     return str(mx.default_stream(mx.default_device()))
 
@@ -310,12 +316,13 @@ class ExpertPool:
         lower = [p.last_rows for p in self.lower if p.last_rows is not None and len(p.last_rows) == len(token_experts)]
         for i, row in enumerate(token_experts):
             if lower:
-                self.policy.observe_lower([rows[i].tolist() for rows in lower])
-            self.policy.access(row.tolist())
+                self.policy.observe_lower([_here(rows[i]) for rows in lower])
+            self.policy.access(_here(row))
         self.last_rows = token_experts
-        needed = np.unique(token_experts)
-        np.add.at(self.stats.routed, token_experts.reshape(-1), 1)
-        self.stats.routed_total += token_experts.size
+        routed = token_experts[token_experts >= 0]
+        needed = np.unique(routed)
+        np.add.at(self.stats.routed, routed, 1)
+        self.stats.routed_total += routed.size
         missing = [int(e) for e in needed if self.slot_of[e] < 0]
         hits = len(needed) - len(missing)
         if self._prestaged:
@@ -387,7 +394,7 @@ class ExpertPool:
 
     def fits(self, token_experts: np.ndarray) -> bool:
         """Whether the experts of these tokens fit in the pool at once."""
-        needed = set(np.unique(token_experts).tolist())
+        needed = set(np.unique(token_experts[token_experts >= 0]).tolist())
         return len(needed - self.pinned) <= self.capacity - len(self.pinned)
 
     def gather_overflow(
@@ -532,7 +539,7 @@ class ExpertPool:
         room = self.capacity - len(self.pinned)
         keep: set[int] = set()
         for row in token_experts[::-1]:
-            row_set = {int(e) for e in row if int(e) not in self.pinned}
+            row_set = {e for e in _here(row) if e not in self.pinned}
             if len(keep | row_set) > room:
                 break
             keep |= row_set

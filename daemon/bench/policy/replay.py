@@ -72,10 +72,12 @@ def replay(
     *,
     priors: dict[int, Sequence[float]] | None = None,
     lower: Sequence[Sequence[Sequence[int]]] | None = None,
+    step_misses: list[int] | None = None,
 ) -> ReplayCounts:
     """Drive `policy` through `steps` as the pool would, with `policy.capacity` slots.
     `priors` maps a step index to the heat prior given to the policy before that step;
-    `lower[t]`, when given, is step t's experts in the lower layers (`observe_lower`).
+    `lower[t]`, when given, is step t's experts in the lower layers (`observe_lower`);
+    `step_misses`, when given, gets each step's miss count appended.
     Raises RuntimeError if the policy picks a protected or non-resident victim."""
     resident: set[int] = set()
     counts = ReplayCounts()
@@ -89,6 +91,8 @@ def replay(
         misses = [e for e in experts if e not in resident]
         counts.hits[phases[t]] += len(protected) - len(misses)
         counts.misses[phases[t]] += len(misses)
+        if step_misses is not None:
+            step_misses.append(len(misses))
         for e in misses:
             if len(resident) >= policy.capacity:
                 v = policy.victim(resident, protected)

@@ -1,0 +1,67 @@
+"""A follower rank of an expert-parallel daemon (`--distributed`, docs/scale-out.md).
+
+`mlx.launch` starts the daemon once per rank; rank 0 serves the socket and runs every
+forward, and each other rank runs this loop instead: it loads its share of the store
+(its pools hold only the experts e % N == rank, read from its own store copy) and, for
+each MoE layer rank 0 reaches, takes the layer's input and routing, computes the rows of
+the pairs it owns and joins the all_sum (`ExpertShare.follow`). It has no socket, no
+heat and no requests of its own; it ends when rank 0 says STOP, or when the group fails
+(rank 0 gone: the collective raises).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from moestream.daemon.model.expert_parallel import FORWARD, STATS, STOP, ExpertShare
+from moestream.shared.settings import Settings
+
+
+def share_row(sm) -> list[int]:
+    """This rank's STAT_FIELDS (daemon/model/expert_parallel.py), for rank 0's status."""
+    stats = sm.pool_stats()
+    hits = stats["hits_prefill"] + stats["hits_decode"]
+    misses = stats["misses_prefill"] + stats["misses_decode"]
+    experts = sum(p.layer.num_experts for p in sm.pools)
+    return [stats["bytes_read"], hits, misses, experts, sm.pool_bytes, sm.share.stats.collectives]
+
+
+def serve_share(settings: Settings, share: ExpertShare, log: logging.Logger) -> int:
+    """Follow rank 0's forwards until it stops; returns the exit code."""
+    import mlx.core as mx
+
+    from moestream.daemon.model.streaming_model import load_streaming_model
+    from moestream.daemon.model.streaming_moe import StreamingMoE
+
+    if settings.model is None:
+        log.error("rank %d: no model: give --model STORE", share.rank)
+        return 2
+    sm = load_streaming_model(settings.model, settings, max_tokens=settings.max_context, share=share)
+    layers = {m.ordinal: m for _, m in sm.model.named_modules() if isinstance(m, StreamingMoE)}
+    log.info(
+        "rank %d of %d: serving experts e %% %d == %d of %d MoE layers, %d slots each",
+        share.rank,
+        share.size,
+        share.size,
+        share.rank,
+        len(layers),
+        sm.capacity,
+    )
+    forwards = 0
+    try:
+        share.barrier()  # rank 0 has loaded too: its commands may come from now on
+        while True:
+            cmd = share.follow()
+            if cmd.op == STOP:
+                log.info("rank %d: stopped by rank 0 after %d forwards", share.rank, forwards)
+                return 0
+            if cmd.op == STATS:
+                share.gather_stats(share_row(sm))
+            elif cmd.op == FORWARD:
+                mx.eval(layers[cmd.ordinal](cmd.x, cmd.indices))
+                forwards += 1
+            else:
+                log.error("rank %d: unknown command %d from rank 0", share.rank, cmd.op)
+                return 1
+    finally:
+        sm.close()

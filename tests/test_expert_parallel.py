@@ -1,0 +1,229 @@
+"""Expert-parallel streaming (daemon/model/expert_parallel.py): two processes started by
+`mlx.launch` (ring backend on loopback) decode bit for bit what one process and stock
+mlx-lm decode, at 25% and at 100% of each rank's share, and each reads only its share:
+with every rank running the forward, and the daemon's way (rank 0 runs it, rank 1
+serves its share of each MoE layer).
+
+Each rank gets its own copy of the store in which the other rank's experts are
+overwritten with random bytes (verification off, so a stray read would go unnoticed by
+the reader and change the logits instead): identical output means no rank used a byte
+it does not own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import psutil
+import pytest
+from arch_table import tiny_config
+from daemon_cli import clean_env, ctl, wait_for
+from tiny_models import make_tiny_model
+
+from moestream.daemon.bench.expert_parallel import greedy
+from moestream.daemon.model.expert_parallel import CONTROL_SECONDS, NOT_HERE, ExpertShare
+from moestream.daemon.model.streaming_model import load_stock_model, load_streaming_model
+from moestream.daemon.store.convert import convert_model
+from moestream.shared.settings import Settings, parse_capacity
+from moestream.shared.store_format import load_manifest
+
+RANKS = 2
+CAPACITIES = ["25%", "100%"]
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 9, 11, 300, 200, 100]
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("expert_parallel")
+    # 32 experts, top-4: a rank's share of 16 holds 4 slots at 25%, the minimum (one
+    # token may route all four of its experts to one rank).
+    config = tiny_config("qwen3_moe") | {"num_experts": 32}
+    src = make_tiny_model(root / "model", "qwen3_moe", quant="4bit", seed=1, config=config)
+    convert_model(src, root / "store")
+    return root / "store"
+
+
+def _scrambled_copy(store: Path, dest: Path, rank: int) -> None:
+    """A copy of `store` where every expert that `rank` does not own is random bytes."""
+    shutil.copytree(store, dest)
+    rng = np.random.default_rng(rank)
+    for layer in load_manifest(store).layers:
+        with open(dest / layer.file, "r+b") as f:
+            for e, entry in enumerate(layer.experts):
+                if e % RANKS != rank:
+                    f.seek(entry.offset)
+                    f.write(rng.integers(0, 256, entry.length, dtype=np.uint8).tobytes())
+
+
+def _free_port() -> int:
+    # The ring backend listens on this port and the next one.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_share_maps_global_ids_to_its_rows():
+    share = ExpertShare(None, rank=1, size=3)
+    assert share.owned(8) == [1, 4, 7]
+    ids = np.array([[0, 1, 4], [7, 2, 3]])
+    assert share.local_ids(ids).tolist() == [[NOT_HERE, 0, 1], [2, NOT_HERE, NOT_HERE]]
+
+
+def test_two_ranks_decode_what_one_process_decodes(store, tmp_path):
+    for r in range(RANKS):
+        _scrambled_copy(store, tmp_path / f"store{r}", r)
+    out = tmp_path / "out"
+    command = [
+        str(Path(sys.executable).with_name("mlx.launch")),  # as MLX users launch
+        "--backend",
+        "ring",
+        "-n",
+        str(RANKS),
+        "--starting-port",
+        str(_free_port()),
+        "--",
+        sys.executable,
+        "-m",
+        "moestream.daemon.bench.expert_parallel",
+        str(tmp_path / "store{rank}"),
+        *[a for c in CAPACITIES for a in ("--capacity", c)],
+        "--prompt",
+        ",".join(map(str, PROMPT)),
+        "--steps",
+        str(STEPS),
+        "--out",
+        str(out),
+        "--led",
+        "--prefetch",
+        "on",
+    ]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)]
+
+    stock = load_stock_model(store)
+    want_tokens, want_digests, _ = greedy(stock, PROMPT, STEPS)
+    del stock
+    full = load_manifest(store)
+    for i, capacity in enumerate(CAPACITIES):
+        alone = load_streaming_model(store, Settings(capacity=parse_capacity(capacity)))
+        try:
+            tokens, digests, _ = greedy(alone.model, PROMPT, STEPS)
+            alone_bytes = alone.pool_stats()["bytes_read"]
+        finally:
+            alone.close()
+        assert (tokens, digests) == (want_tokens, want_digests), f"one process at {capacity} differs from stock"
+        for r, runs in enumerate(ranks):
+            got = runs[i]
+            assert got["size"] == RANKS and got["rank"] == r
+            assert got["tokens"] == want_tokens, f"rank {r} at {capacity}: tokens differ"
+            assert got["logits_sha256"] == want_digests, f"rank {r} at {capacity}: logits differ"
+            assert got["experts_per_layer"] == [layer.num_experts // RANKS for layer in full.layers]
+            assert got["group"]["collectives"] > 0 and got["group"]["collective_bytes"] > 0
+            assert got["bytes_read"] > 0
+        if capacity == "100%":
+            # Each rank loaded exactly its half of every layer, the one process all of it.
+            assert [runs[i]["bytes_read"] for runs in ranks] == [alone_bytes // RANKS] * RANKS
+            assert all(runs[i]["hit_rate"] is None for runs in ranks)  # resident: no lookups
+        else:
+            assert all(0 < runs[i]["hit_rate"] < 1 for runs in ranks)
+            # Each rank read ahead its own share of the next layer's predicted experts (how
+            # many of them the tiny random model then routes is left to chance).
+            assert all(runs[i]["prefetch"]["submitted"] > 0 for runs in ranks)
+
+        # The daemon's way: rank 0 decodes, rank 1 follows its MoE layers.
+        led = ranks[0][len(CAPACITIES) + i]
+        assert led["mode"] == "leader" and led["asked_capacity"] == capacity
+        assert (led["tokens"], led["logits_sha256"]) == (want_tokens, want_digests), f"led at {capacity} differs"
+        assert [runs[len(CAPACITIES) + i]["exit"] for runs in ranks[1:]] == [0] * (RANKS - 1)
+        share_experts = sum(layer.num_experts for layer in full.layers) // RANKS
+        assert [r["experts"] for r in led["ranks"]] == [share_experts] * RANKS
+        assert all(r["bytes_read"] > 0 and r["collectives"] > 0 for r in led["ranks"])
+        if capacity == "100%":
+            assert [r["bytes_read"] for r in led["ranks"]] == [alone_bytes // RANKS] * RANKS
+
+
+@contextmanager
+def _daemon_group(store: Path) -> Iterator[tuple[Path, subprocess.Popen]]:
+    """The daemon of `store` at 25%, one process per rank under `mlx.launch` (ring on
+    loopback), ready; its runtime folder and the launcher. Killed afterwards if still up."""
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="mst-ep-"))
+    command = [
+        str(Path(sys.executable).with_name("mlx.launch")),
+        *("--backend", "ring", "-n", str(RANKS), "--starting-port", str(_free_port()), "--"),
+        *(sys.executable, "-m", "moestream.daemon.main", "--distributed", "ring", "--model", str(store)),
+        *("--capacity", "25%", "--runtime-dir", str(rt)),
+    ]
+    group = subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+
+        def ready() -> bool:
+            st = ctl("status", "--runtime-dir", str(rt), "--json")
+            return st.returncode == 0 and json.loads(st.stdout)["state"] == "ready"
+
+        wait_for(ready, 180, "the expert-parallel daemon")
+        yield rt, group
+    finally:
+        if group.poll() is None:
+            group.kill()
+            group.wait()
+        shutil.rmtree(rt, ignore_errors=True)
+
+
+def _rank_pid(rank: int, rt: Path) -> int:
+    """The pid of the daemon process of `rank` in the group serving `rt`."""
+    for proc in psutil.process_iter(["cmdline", "environ"]):
+        cmd = proc.info["cmdline"] or []
+        env = proc.info["environ"] or {}
+        if "moestream.daemon.main" in cmd and str(rt) in cmd and env.get("MLX_RANK") == str(rank):
+            return proc.pid
+    raise AssertionError(f"no process of rank {rank}")
+
+
+@pytest.mark.slow
+def test_daemon_under_mlx_launch_serves_what_one_process_serves(store):
+    """`mlx.launch` of the daemon with `--distributed ring`: one socket (rank 0's), clients
+    unchanged, greedy tokens equal to a single process's, `status` showing each rank's
+    share, pool, hit rate and bytes; `stop` ends both ranks cleanly."""
+    prompt = ("generate", "the quick brown fox", "--model", str(store), "--max-tokens", "8", "--temp", "0", "--json")
+    alone = ctl(*prompt, "--local")
+    assert alone.returncode == 0, alone.stderr
+    with _daemon_group(store) as (rt, group):
+        served = ctl(*prompt, "--runtime-dir", str(rt))
+        assert served.returncode == 0, served.stderr
+        assert json.loads(served.stdout)["tokens"] == json.loads(alone.stdout)["tokens"]
+        status = json.loads(ctl("status", "--runtime-dir", str(rt), "--json").stdout)
+        ranks = status["expert_parallel"]["ranks"]
+        share = sum(layer.num_experts for layer in load_manifest(store).layers) // RANKS
+        assert [r["rank"] for r in ranks] == list(range(RANKS))
+        assert all(r["experts"] == share and r["bytes_read"] > 0 and 0 < r["hit_rate"] < 1 for r in ranks)
+        assert "rank 1:" in ctl("status", "--runtime-dir", str(rt)).stdout
+        assert ctl("stop", "--runtime-dir", str(rt)).returncode == 0
+        out, _ = group.communicate(timeout=60)
+        assert group.returncode == 0, out[-3000:]
+        assert "stopped by rank 0" in out
+
+
+@pytest.mark.slow
+def test_a_follower_that_dies_ends_rank_0_instead_of_blocking_it(store):
+    """kill -9 of rank 1: rank 0 takes the group for broken at its next command to it
+    (the status it gathers) and exits with the reason in its log, within the control
+    timeout, instead of waiting for rank 1 for good."""
+    with _daemon_group(store) as (rt, group):
+        os.kill(_rank_pid(1, rt), signal.SIGKILL)
+        group.communicate(timeout=CONTROL_SECONDS + 60)
+        log = (rt / "daemon.log").read_text()
+        assert "the expert-parallel group is broken" in log
+        assert "pid file and socket removed" in log
