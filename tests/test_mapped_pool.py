@@ -236,7 +236,8 @@ def test_row_gather_copies_the_rows_it_is_given():
 def test_mapped_gather_gives_stock_logits_and_gathers_only_small_forwards(store):
     """With mapped_gather, decode steps run mlx-lm's expert call on a stack of the routed
     rows: logits bit-equal to stock mlx-lm's at every step; the prefill (more routed ids
-    than MAX_GATHERED) keeps the pool's own call."""
+    than MAX_GATHERED, and at least one per expert) runs on a stack of the whole layer,
+    one gather of every expert, as a layer-major prefill stages it."""
     stock = load_stock_model(store)
     sm = load_streaming_model(store, Settings(capacity=0.25, mapped_gather=True, prefetch="off"), mapped=True)
     try:
@@ -249,15 +250,15 @@ def test_mapped_gather_gives_stock_logits_and_gathers_only_small_forwards(store)
         caches = make_prompt_cache(stock), make_prompt_cache(sm.model)
         want, got = stock(prompt, cache=caches[0]), sm.model(prompt, cache=caches[1])
         assert mx.array_equal(want, got)
-        assert counting.sizes == [], "20 tokens x top-k ids is a prefill: not gathered"
-        k = sm.pools[0].top_k
-        assert 20 * k > MAX_GATHERED
+        k, experts = sm.pools[0].top_k, sm.pools[0].layer.num_experts
+        assert 20 * k > MAX_GATHERED and 20 * k >= experts
+        assert counting.sizes == [experts] * len(sm.pools), "20 tokens x top-k ids: the whole layer staged once"
         y = mx.argmax(want[:, -1, :], axis=-1)
         for _ in range(6):
             want, got = stock(y[None], cache=caches[0]), sm.model(y[None], cache=caches[1])
             assert mx.array_equal(want, got)
             y = mx.argmax(want[:, -1, :], axis=-1)
-        assert counting.sizes == [k] * (6 * len(sm.pools))
+        assert counting.sizes == [experts] * len(sm.pools) + [k] * (6 * len(sm.pools))
         # A speculative verify's few tokens are gathered too (3 x top-k ids).
         three = mx.array([[5, 17, 250]])
         want, got = stock(three, cache=caches[0]), sm.model(three, cache=caches[1])
