@@ -21,6 +21,7 @@ import inspect
 import json
 import random
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -213,11 +214,18 @@ def stdlib_facts(held_out: frozenset[str]) -> list[tuple[str, str]]:
         except ImportError:  # a Python built without this module: fewer facts, not an error
             continue
         for attr in sorted(vars(mod)):
-            obj = getattr(mod, attr)
+            with warnings.catch_warnings():  # typing's deprecated aliases warn when read
+                warnings.simplefilter("ignore", DeprecationWarning)
+                obj = getattr(mod, attr)
             if attr.startswith("_") or not (inspect.isfunction(obj) or inspect.isbuiltin(obj) or inspect.isclass(obj)):
                 continue
+            home = (getattr(obj, "__module__", None) or mod.__name__).lstrip("_")
+            if home not in (mod_name, mod.__name__, "posix"):  # a name the module imported from another
+                continue
             name = attr if mod_name == "builtins" else f"{mod_name}.{attr}"
-            doc = inspect.getdoc(obj)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                doc = inspect.getdoc(obj)
             if _is_held_out(name, held_out) or not doc or doc.startswith(("Initialize self", "Create and return")):
                 continue
             text = _first_paragraph(doc)

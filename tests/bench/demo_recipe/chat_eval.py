@@ -5,7 +5,9 @@
 - 20 questions about the standard library, with the same tool offered: how many are
   answered in text (non-empty, no tool call).
 
-    cd tests/bench && python -m demo_recipe.chat_eval [--runtime-dir DIR] [--max-tokens N]
+    cd tests/bench && python -m demo_recipe.chat_eval [--runtime-dir DIR] [--max-tokens N] [--out FILE]
+
+The training corpus (`chat_data.py`) holds these cities and questions out.
 """
 
 from __future__ import annotations
@@ -68,10 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runtime-dir", help="the daemon's runtime folder (default: the user's)")
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--out", help="also write the figures, with every answer, to this JSON file")
     args = parser.parse_args(argv)
     settings = Settings.resolve({"runtime_dir": args.runtime_dir})
     tic = time.monotonic()
     calls = texts = 0
+    answers = []
     with Client(settings, timeout=600) as c:
         for i, city in enumerate(CITIES):
             prompt = WEATHER_FORMS[i % len(WEATHER_FORMS)].format(city)
@@ -80,11 +84,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             ok = any(_names_city(call, city) for call in r["tool_calls"])
             calls += ok
+            answers.append({"prompt": prompt, "ok": ok, "tool_calls": r["tool_calls"], "text": r["text"]})
             print(f"weather {ok!s:5} {prompt!r}: {r['tool_calls'] or r['text'][:60]!r}", file=sys.stderr, flush=True)
         for q in QUESTIONS:
             r = c.complete(messages=[{"role": "user", "content": q}], tools=[WEATHER_TOOL], max_tokens=args.max_tokens)
             ok = not r["tool_calls"] and bool(r["text"].strip())
             texts += ok
+            answers.append({"prompt": q, "ok": ok, "tool_calls": r["tool_calls"], "text": r["text"]})
             print(f"stdlib  {ok!s:5} {q!r}: {r['text'][:60]!r}", file=sys.stderr, flush=True)
     result = {
         "weather_calls_naming_the_city": calls,
@@ -95,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.monotonic() - tic, 1),
     }
     print(json.dumps(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result | {"answers": answers}, f, indent=1)
+            f.write("\n")
     return 0
 
 
