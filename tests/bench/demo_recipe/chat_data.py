@@ -50,6 +50,8 @@ QA_FORMS = (
     "Describe {} briefly.",
     "I saw {} in some code. What is it?",
     "What is the purpose of {}?",
+    "How do I use {}?",
+    "How does {} work?",
 )
 # Words that start city names the weather forms are filled with (the eval's are left out).
 TRAIN_CITIES = tuple(

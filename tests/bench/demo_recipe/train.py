@@ -330,14 +330,14 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     train_ids = encode_documents(tokenizer, corpus.train_texts)
     val_ids = encode_documents(tokenizer, corpus.val_texts)
     corpus_info = corpus.summary() | {"train_tokens": int(len(train_ids)), "val_tokens": int(len(val_ids))}
-    if settings.chat_fraction > 0:
-        train_ids, val_ids, corpus_info["chat"] = _mix_chat(tokenizer, tok_dir, train_ids, val_ids, settings)
     data_s = time.perf_counter() - t_start
     _log(
         f"corpus: {corpus_info['train_files']} train / {corpus_info['val_files']} val files, "
         f"{corpus.train_bytes / 1e6:.2f} MB -> {len(train_ids):,} train and {len(val_ids):,} val tokens "
         f"({corpus.train_bytes / len(train_ids):.2f} bytes/token); {data_s:.1f} s"
     )
+    if settings.chat_fraction > 0:
+        train_ids, val_ids, corpus_info["chat"] = _mix_chat(tokenizer, tok_dir, train_ids, val_ids, settings)
 
     estimate = store_size_estimate(
         shape, tokenizer_bytes=sum((tok_dir / n).stat().st_size for n in tokenizer_file_names())
