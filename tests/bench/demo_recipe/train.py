@@ -393,8 +393,6 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     _write_json(out / "metrics.json", metrics)
 
     save_float(lm, mtp, config, shape, tok_dir, out / "model-f32")
-    if settings.chat_fraction > 0 and not settings.tiny:
-        metrics["chat_check_f32"] = _chat_check(out / "model-f32")
     q_dir = out / "model-4bit"
     save_quantized(lm, mtp, config, shape, tok_dir, q_dir)
     if settings.make_store:  # first: the store is what ships, whatever fails below
@@ -402,6 +400,8 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         _log(f"store: {sizes['store'] / 2**20:.2f} MiB + MTP head {sizes['mtp'] / 2**20:.2f} MiB in {out / 'store'}")
     metrics["validation_4bit"] = _evaluate_saved(q_dir, val_ids, settings)
     metrics["sample"] = _sample(q_dir, settings)
+    if settings.chat_fraction > 0 and not settings.tiny:
+        metrics["chat_check_f32"] = _chat_check(out / "model-f32")
     metrics["time_s"]["total"] = time.perf_counter() - t_start
     _write_json(out / "metrics.json", metrics)
     _plot(metrics, out)
@@ -509,6 +509,7 @@ def parse_args(argv: list[str] | None = None) -> TrainSettings:
     parser.add_argument("--lr", dest="learning_rate", type=float)
     parser.add_argument("--max-epochs", type=float)
     parser.add_argument("--eval-every", type=int)
+    parser.add_argument("--eval-tokens", type=int, help="validation tokens of each periodic evaluation")
     parser.add_argument("--log-every", type=int)
     parser.add_argument("--max-corpus-bytes", type=int)
     parser.add_argument("--include-tests", action="store_true", default=None, help="also train on the stdlib's tests")
@@ -523,7 +524,16 @@ def parse_args(argv: list[str] | None = None) -> TrainSettings:
     overrides = {k: v for k, v in args.items() if v is not None}
     if not 0 <= overrides.get("chat_fraction", 0) < 1:
         parser.error("--chat-fraction must be at least 0 and below 1")
-    for name in ("steps", "batch_size", "seq_len", "eval_every", "log_every", "max_corpus_bytes", "chat_examples"):
+    for name in (
+        "steps",
+        "batch_size",
+        "seq_len",
+        "eval_every",
+        "eval_tokens",
+        "log_every",
+        "max_corpus_bytes",
+        "chat_examples",
+    ):
         if name in overrides and overrides[name] < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     return TrainSettings.tiny_preset(out, **overrides) if tiny else replace(TrainSettings(out=out), **overrides)
