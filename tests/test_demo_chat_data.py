@@ -114,3 +114,12 @@ def test_chat_fraction_must_leave_code(tmp_path: Path) -> None:
         parse_args(["--out", str(tmp_path), "--chat-fraction", "1"])
     settings = parse_args(["--out", str(tmp_path), "--init-from", DEMO, "--chat-fraction", "0.5"])
     assert settings.chat_fraction == 0.5 and settings.init_from == DEMO
+
+
+def test_an_answer_in_text_has_words_and_no_call_even_a_broken_one() -> None:
+    from demo_recipe.chat_eval import answered_in_text
+
+    assert answered_in_text([], "os.path.split: Split a pathname.<|im_end|>\n")
+    assert not answered_in_text([], "<|im_end|>\n")  # an empty turn
+    assert not answered_in_text([], '<tool_call>\n{"name": "get_weather", "arguments": {"city": "B')
+    assert not answered_in_text([{"name": "get_weather", "arguments": "{}"}], "Sure.")

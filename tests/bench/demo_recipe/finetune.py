@@ -105,7 +105,7 @@ def chat_check(model_dir: Path, *, max_tokens: int = 48) -> dict[str, Any]:
     the training record; the shipped figures come from chat_eval through a daemon."""
     from mlx_lm import generate, load
 
-    from demo_recipe.chat_eval import CITIES, QUESTIONS, WEATHER_FORMS, WEATHER_TOOL
+    from demo_recipe.chat_eval import CITIES, QUESTIONS, WEATHER_FORMS, WEATHER_TOOL, answered_in_text
 
     model, tokenizer = load(str(model_dir))
 
@@ -123,7 +123,7 @@ def chat_check(model_dir: Path, *, max_tokens: int = 48) -> dict[str, Any]:
     texts = []
     for q in QUESTIONS:
         text = answer(q)
-        if "<tool_call>" not in text and text.strip():
+        if answered_in_text(parsed_calls(text), text):
             texts.append(text)
     return {
         "weather_calls_naming_the_city": calls,
