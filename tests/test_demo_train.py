@@ -298,3 +298,23 @@ def test_step_count_is_planned_from_the_time_budget(tmp_path: Path) -> None:
     assert result.curve.step == list(range(1, result.steps + 1))
     # Planned from the budget, not the epoch cap: far fewer steps than the data allows.
     assert 8 < result.steps < len(train_ids) // (settings.batch_size * settings.seq_len) * settings.max_epochs
+
+
+@TRAINED
+def test_fine_tune_from_the_store_keeps_the_tokenizer_and_mixes_chat(run: tuple[Path, str], tmp_path: Path) -> None:
+    start, _ = run
+    out = tmp_path / "ft"
+    proc = subprocess.run(
+        [sys.executable, "-m", "demo_recipe.train", "--out", str(out), "--tiny", "--steps", "10",
+         "--init-from", str(start / "store"), "--chat-fraction", "0.4", "--warmup-steps", "2"],
+        capture_output=True, text=True, timeout=300, cwd=RECIPE_PARENT,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"the fine-tune failed:\n{proc.stdout}\n{proc.stderr}"
+    assert (out / "store" / "tokenizer.json").read_bytes() == (start / "store" / "tokenizer.json").read_bytes()
+    tuned, trained = (json.loads((d / "metrics.json").read_text()) for d in (out, start))
+    chat = tuned["corpus"]["chat"]
+    assert chat["qa"] and chat["call"] and chat["result"]
+    assert chat["train_tokens"] == int(tuned["corpus"]["train_tokens"] * 0.4 / 0.6)
+    # It starts where the first run ended, not from a fresh model's ln(vocab).
+    assert tuned["train_curve"]["ce"][0] < trained["train_curve"]["ce"][0] - 0.5
+    assert "<|im_start|>" in json.loads((out / "store" / "tokenizer_config.json").read_text())["chat_template"]

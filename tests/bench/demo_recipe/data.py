@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -184,9 +185,29 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path):
     )
     tok.train_from_iterator(texts, trainer=trainer)
     tok.save(str(out_dir / "tokenizer.json"))
+    _write_tokenizer_config(out_dir)
+    return tok
+
+
+def reuse_tokenizer(src_dir: str | Path, out_dir: str | Path):
+    """The trained tokenizer of a model folder or store, saved to `out_dir` with this
+    recipe's tokenizer config and chat template, and returned (a fine-tune keeps the
+    vocabulary its embeddings were trained with)."""
+    from tokenizers import Tokenizer
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(Path(src_dir) / "tokenizer.json", out_dir / "tokenizer.json")
+    tok = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    if tok.token_to_id(EOS_TOKEN) != 0:
+        raise ValueError(f"{src_dir}: its tokenizer does not have {EOS_TOKEN} as id 0; it is not the demo's")
+    _write_tokenizer_config(out_dir)
+    return tok
+
+
+def _write_tokenizer_config(out_dir: Path) -> None:
     config = {**_TOKENIZER_CONFIG, "chat_template": CHAT_TEMPLATE_FILE.read_text()}
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return tok
 
 
 def tokenizer_file_names() -> tuple[str, ...]:

@@ -2,6 +2,7 @@
 Python's standard library, within a wall-clock budget.
 
     python -m demo_recipe.train --out DIR [--minutes 7] [--steps N] [--seed 0] [--tiny]
+        [--init-from STORE_OR_DIR] [--chat-fraction F]
 
 DIR receives everything: `tokenizer/`, `model-f32/` (float weights), `model-4bit/`
 (4-bit, what mlx-lm and `moestreamctl convert` load), `store/` (the expert store made
@@ -15,6 +16,11 @@ Adam with decoupled weight decay on matrices, linear warm-up, cosine decay. With
 inside `--minutes`, capped at `--max-epochs` passes over the training tokens; the run
 is reproduced exactly by passing the recorded step count as `--steps`. The weights of
 the periodic evaluation with the lowest validation loss are the ones kept.
+
+`--init-from` fine-tunes trained weights (an expert store, dequantized, or a float
+model folder) with their tokenizer instead of starting afresh; `--chat-fraction` mixes
+that share of synthetic chat conversations (`chat_data.py`) into the code tokens, so the
+model learns the chat format and tool calls and still writes Python.
 """
 
 from __future__ import annotations
@@ -35,9 +41,10 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from demo_recipe.data import collect_corpus, encode_documents, tokenizer_file_names, train_tokenizer
+from demo_recipe.data import collect_corpus, encode_documents, reuse_tokenizer, tokenizer_file_names, train_tokenizer
 from demo_recipe.evaluate import EvalResult, evaluate, mtp_logits, routing_summary, split_batch, windows
 from demo_recipe.export import make_store, sample_text, save_float, save_quantized
+from demo_recipe.finetune import chat_check, load_init
 from demo_recipe.model import (
     FULL,
     TINY,
@@ -83,6 +90,9 @@ class TrainSettings:
     include_tests: bool = False
     make_store: bool = True
     memory_limit_gib: float = 64.0
+    init_from: str | None = None  # a store or model folder to fine-tune, with its tokenizer
+    chat_fraction: float = 0.0  # share of the training and validation tokens that are chat
+    chat_examples: int = 8000  # distinct training conversations (tiled up to chat_fraction)
 
     @classmethod
     def tiny_preset(cls, out: str, **overrides: Any) -> "TrainSettings":
@@ -101,6 +111,7 @@ class TrainSettings:
             compile=False,  # compiling for the CPU takes longer than the tiny run itself
             max_corpus_bytes=60_000,
             val_percent=10,
+            chat_examples=60,
         )
         return replace(base, **overrides)
 
@@ -312,7 +323,10 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         settings.max_corpus_bytes, val_percent=settings.val_percent, include_tests=settings.include_tests
     )
     tok_dir = out / "tokenizer"
-    tokenizer = train_tokenizer(corpus.train_texts, shape.vocab_size, tok_dir)
+    if settings.init_from:
+        tokenizer = reuse_tokenizer(settings.init_from, tok_dir)
+    else:
+        tokenizer = train_tokenizer(corpus.train_texts, shape.vocab_size, tok_dir)
     train_ids = encode_documents(tokenizer, corpus.train_texts)
     val_ids = encode_documents(tokenizer, corpus.val_texts)
     corpus_info = corpus.summary() | {"train_tokens": int(len(train_ids)), "val_tokens": int(len(val_ids))}
@@ -322,6 +336,8 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         f"{corpus.train_bytes / 1e6:.2f} MB -> {len(train_ids):,} train and {len(val_ids):,} val tokens "
         f"({corpus.train_bytes / len(train_ids):.2f} bytes/token); {data_s:.1f} s"
     )
+    if settings.chat_fraction > 0:
+        train_ids, val_ids, corpus_info["chat"] = _mix_chat(tokenizer, tok_dir, train_ids, val_ids, settings)
 
     estimate = store_size_estimate(
         shape, tokenizer_bytes=sum((tok_dir / n).stat().st_size for n in tokenizer_file_names())
@@ -331,9 +347,13 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         raise ValueError(f"before training: {problem}")
     _log(f"store estimate: {estimate['store'] / 2**20:.2f} MiB (+ MTP head {estimate['mtp'] / 2**20:.2f} MiB)")
 
-    lm, config = build_model(shape, seed=settings.seed)
-    mtp = MTPHead(lm.args, shape.mtp_intermediate_size)
-    init_weights(mtp, seed=settings.seed + 1, num_layers=shape.num_hidden_layers)
+    if settings.init_from:
+        lm, mtp, config = load_init(settings.init_from, shape, seed=settings.seed)
+        _log(f"initialised from {settings.init_from}")
+    else:
+        lm, config = build_model(shape, seed=settings.seed)
+        mtp = MTPHead(lm.args, shape.mtp_intermediate_size)
+        init_weights(mtp, seed=settings.seed + 1, num_layers=shape.num_hidden_layers)
     trainee = Trainee(lm, mtp)
     n_params = sum(v.size for _, v in tree_flatten(lm.parameters()))
     n_mtp = sum(v.size for _, v in tree_flatten(mtp.parameters()))
@@ -380,10 +400,57 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         _log(f"store: {sizes['store'] / 2**20:.2f} MiB + MTP head {sizes['mtp'] / 2**20:.2f} MiB in {out / 'store'}")
     metrics["validation_4bit"] = _evaluate_saved(q_dir, val_ids, settings)
     metrics["sample"] = _sample(q_dir, settings)
+    if settings.chat_fraction > 0 and not settings.tiny:
+        metrics["chat_check_f32"] = _chat_check(out / "model-f32")
     metrics["time_s"]["total"] = time.perf_counter() - t_start
     _write_json(out / "metrics.json", metrics)
     _plot(metrics, out)
     return metrics
+
+
+def _mix_chat(
+    tokenizer, tok_dir: Path, train_ids: np.ndarray, val_ids: np.ndarray, settings: TrainSettings
+) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """Code tokens followed by chat tokens (distinct conversations, tiled) so that chat is
+    `chat_fraction` of each stream; validation conversations are drawn apart from training."""
+    from demo_recipe.chat_data import chat_texts
+
+    if not 0 < settings.chat_fraction < 1:
+        raise ValueError(f"chat_fraction must be between 0 and 1, not {settings.chat_fraction}")
+    t0 = time.perf_counter()
+    texts, kinds = chat_texts(tok_dir, settings.chat_examples, seed=settings.seed + 1000)
+    val_texts, _ = chat_texts(tok_dir, max(8, settings.chat_examples // 20), seed=settings.seed + 2000)
+    ratio = settings.chat_fraction / (1 - settings.chat_fraction)
+
+    def mixed(code: np.ndarray, chat: np.ndarray) -> np.ndarray:
+        want = int(len(code) * ratio)
+        return np.concatenate([code, np.tile(chat, -(-want // len(chat)))[:want]])
+
+    chat_train = encode_documents(tokenizer, texts)
+    mixed_train = mixed(train_ids, chat_train)
+    mixed_val = mixed(val_ids, encode_documents(tokenizer, val_texts))
+    info = kinds | {
+        "conversations": len(texts),
+        "distinct_tokens": int(len(chat_train)),
+        "train_tokens": int(len(mixed_train) - len(train_ids)),
+        "val_tokens": int(len(mixed_val) - len(val_ids)),
+    }
+    _log(
+        f"chat: {len(texts)} conversations ({kinds['qa']} stdlib questions, {kinds['call']} tool calls, "
+        f"{kinds['result']} with results), {len(chat_train):,} tokens tiled to {info['train_tokens']:,}; "
+        f"{time.perf_counter() - t0:.1f} s"
+    )
+    return mixed_train, mixed_val, info
+
+
+def _chat_check(model_dir: Path) -> dict[str, Any]:
+    try:
+        result = chat_check(model_dir)
+    except RuntimeError as e:  # as below: a backend without the kernels generation needs
+        _log(f"the chat check of {model_dir.name} failed on {mx.default_device()}: {e}")
+        return {"error": str(e)}
+    _log(f"chat check ({model_dir.name}, stock mlx-lm, greedy): {result}")
+    return result
 
 
 def _evaluate_saved(model_dir: Path, val_ids: np.ndarray, settings: TrainSettings) -> dict[str, Any]:
@@ -442,15 +509,31 @@ def parse_args(argv: list[str] | None = None) -> TrainSettings:
     parser.add_argument("--lr", dest="learning_rate", type=float)
     parser.add_argument("--max-epochs", type=float)
     parser.add_argument("--eval-every", type=int)
+    parser.add_argument("--eval-tokens", type=int, help="validation tokens of each periodic evaluation")
     parser.add_argument("--log-every", type=int)
     parser.add_argument("--max-corpus-bytes", type=int)
     parser.add_argument("--include-tests", action="store_true", default=None, help="also train on the stdlib's tests")
     parser.add_argument("--no-compile", dest="compile", action="store_false", default=None)
     parser.add_argument("--no-store", dest="make_store", action="store_false", default=None, help="skip the convert")
+    parser.add_argument("--init-from", help="fine-tune this expert store or model folder (with its tokenizer)")
+    parser.add_argument("--chat-fraction", type=float, help="share of chat conversations in the tokens (default 0)")
+    parser.add_argument("--chat-examples", type=int, help="distinct training conversations (default 8000)")
+    parser.add_argument("--warmup-steps", type=int)
     args = vars(parser.parse_args(argv))
     out, tiny = args.pop("out"), args.pop("tiny")
     overrides = {k: v for k, v in args.items() if v is not None}
-    for name in ("steps", "batch_size", "seq_len", "eval_every", "log_every", "max_corpus_bytes"):
+    if not 0 <= overrides.get("chat_fraction", 0) < 1:
+        parser.error("--chat-fraction must be at least 0 and below 1")
+    for name in (
+        "steps",
+        "batch_size",
+        "seq_len",
+        "eval_every",
+        "eval_tokens",
+        "log_every",
+        "max_corpus_bytes",
+        "chat_examples",
+    ):
         if name in overrides and overrides[name] < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     return TrainSettings.tiny_preset(out, **overrides) if tiny else replace(TrainSettings(out=out), **overrides)
