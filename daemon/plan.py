@@ -371,6 +371,20 @@ def _bound(terms: Mapping[str, float]) -> str:
     return max(("compute", "disk", "link"), key=lambda k: terms.get(k, 0.0))
 
 
+def _pool_slots(store: Path, manifest: Manifest, settings: Settings) -> tuple[int, int]:
+    """(resident bytes, pool slots per layer) as the daemon sizes them."""
+    resident = sum((store / f).stat().st_size for f in manifest.resident_files)
+    slots = plan_capacity(
+        manifest,
+        capacity=settings.capacity,
+        memory_budget=settings.memory_budget,
+        resident_bytes=resident,
+        max_tokens=settings.max_context,
+        top_k=top_k_of(manifest.config),
+    )
+    return resident, slots
+
+
 def make_plan(
     store: Path,
     settings: Settings,
@@ -389,15 +403,7 @@ def make_plan(
     manifest = load_manifest(store)
     cfg = manifest.config.get("text_config", manifest.config)
     k = top_k_of(manifest.config)
-    resident = sum((store / f).stat().st_size for f in manifest.resident_files)
-    slots = plan_capacity(
-        manifest,
-        capacity=settings.capacity,
-        memory_budget=settings.memory_budget,
-        resident_bytes=resident,
-        max_tokens=settings.max_context,
-        top_k=k,
-    )
+    resident, slots = _pool_slots(store, manifest, settings)
     expert = max(layer.expert_bytes for layer in manifest.layers)
     pool_bytes = sum(min(slots, layer.num_experts) * layer.expert_bytes for layer in manifest.layers)
     tier_experts = settings.host_cache // expert if expert else 0
@@ -508,15 +514,7 @@ def _would_map(store: Path, settings: Settings, manifest: Manifest) -> bool:
     from moestream.daemon.model.streaming_model import choose_mapped
     from moestream.daemon.pool.admission import cuda_copier
 
-    resident = sum((store / f).stat().st_size for f in manifest.resident_files)
-    slots = plan_capacity(
-        manifest,
-        capacity=settings.capacity,
-        memory_budget=settings.memory_budget,
-        resident_bytes=resident,
-        max_tokens=settings.max_context,
-        top_k=top_k_of(manifest.config),
-    )
+    _, slots = _pool_slots(store, manifest, settings)
     _, cuda_why_not = cuda_copier()
     return choose_mapped(manifest, slots, settings, psutil.virtual_memory().available, cuda_why_not)[0]
 

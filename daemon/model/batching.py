@@ -218,15 +218,8 @@ class BatchSession:
     ) -> _Member:
         """Hand the prompt past its cached prefix (`m` tokens, in `cache`) to the batch,
         which prefills it at its next step, together with the others inserted by then."""
-        self._wait_for_room()
-        rest = [int(t) for t in prompt_ids[m:]]
-        (uid,) = self._gen.insert(
-            [rest], max_tokens=[max_tokens], caches=[cache] if cache is not None else None, samplers=[sampler]
-        )
-        member = self._members[uid] = _Member(uid, brought=list(prompt_ids[:m]))
-        self.stats.joined += 1
         self.stats.joint_prefills += 1
-        return member
+        return self._join([int(t) for t in prompt_ids[m:]], cache, sampler, max_tokens, prompt_ids[:m])
 
     def _prefill_alone(
         self,
@@ -263,9 +256,23 @@ class BatchSession:
                 yield None, None
         if cache_use is not None:
             cache_use.keep_prompt(prompt_ids, cache)
+        return self._join([int(prompt_ids[-1])], cache, sampler, max_tokens, prompt_ids[:-1])
+
+    def _join(
+        self,
+        tokens: list[int],
+        cache: list[Any] | None,
+        sampler: Callable[[mx.array], mx.array],
+        max_tokens: int,
+        brought: Sequence[int],
+    ) -> _Member:
+        """Insert `tokens` (what the batch still feeds, on `cache`, which holds `brought`)
+        once the batch has room; the request's member."""
         self._wait_for_room()
-        (uid,) = self._gen.insert([[int(prompt_ids[-1])]], max_tokens=[max_tokens], caches=[cache], samplers=[sampler])
-        member = self._members[uid] = _Member(uid, brought=list(prompt_ids[:-1]))
+        (uid,) = self._gen.insert(
+            [tokens], max_tokens=[max_tokens], caches=[cache] if cache is not None else None, samplers=[sampler]
+        )
+        member = self._members[uid] = _Member(uid, brought=list(brought))
         self.stats.joined += 1
         return member
 

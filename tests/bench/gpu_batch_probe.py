@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+from make_random_moe import SHAPES
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models import switch_layers
 from mlx_lm.sample_utils import make_sampler
@@ -32,27 +33,8 @@ from mlx_lm.sample_utils import make_sampler
 from moestream.daemon.model.generation import SamplingParams, request_sampler
 from moestream.daemon.plan import _config_with_layers, _random_model
 
-Q30 = {
-    "model_type": "qwen3_moe",
-    "hidden_size": 2048,
-    "num_hidden_layers": 48,
-    "intermediate_size": 6144,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "moe_intermediate_size": 768,
-    "rms_norm_eps": 1e-6,
-    "vocab_size": 151936,
-    "rope_theta": 1000000.0,
-    "max_position_embeddings": 40960,
-    "tie_word_embeddings": False,
-    "norm_topk_prob": True,
-    "quantization": {"group_size": 64, "bits": 4},
-}
+# The q30 shape as tests/bench/make_random_moe.py makes it (this script's folder is on sys.path).
+Q30 = {**SHAPES["qwen3-30b-a3b"], "quantization": {"group_size": 64, "bits": 4}}
 TINY = {**Q30, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "head_dim": 32}
 TINY.update({"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 64, "vocab_size": 2048})
 TINY["quantization"] = {"group_size": 32, "bits": 4}
