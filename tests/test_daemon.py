@@ -114,6 +114,7 @@ def test_four_concurrent_clients_get_the_local_output(daemon, reference):
     assert stats["pool"]["evictions"] > 0, "capacity 0.25 should evict while serving"
 
 
+@pytest.mark.slow  # 13 s: prefetch from the tier is checked for exactness in tests/test_exactness.py too
 def test_prefetch_from_the_host_tier_under_concurrent_clients_changes_no_token(store, reference):
     """A daemon with a host tier and prefetch on copies predicted experts into the next
     layer's slots while requests decode together: each client still gets exactly the
@@ -521,6 +522,7 @@ def _ready(paths: RuntimePaths) -> bool:
         return False
 
 
+@pytest.mark.slow  # 18 s of daemon restarts; autopin from the heat is tested in tests/test_autopin.py
 def test_bench_warmstart_restarts_real_daemons_and_puts_the_heat_back(store):
     """`bench warmstart` with a host tier: the pinned daemon filled its pools and its
     tier from the heat before it was ready, both daemons produced the same tokens, and

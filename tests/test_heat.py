@@ -240,8 +240,8 @@ def test_kill9_keeper_midrun_restarts_and_reports_drops(dirs, publisher):
     assert pub.dropped_counts == lost
 
 
-# Kills per run: a dozen in the default run, 50 with `-m slow`.
-KILLS = [12, pytest.param(50, marks=pytest.mark.slow)]
+# Kills per run: six in the default run, 50 with `-m slow`.
+KILLS = [6, pytest.param(50, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("kills", KILLS)

@@ -10,7 +10,9 @@ from moestream.client.client import Client
 from moestream.daemon.bench.soak.driver import run_soak
 
 
-@pytest.mark.parametrize("max_batch", ["1", "4"], ids=["in-turns", "batched"])
+# In turns with `-m slow` (22 s): the batched soak covers the same cancels and disconnects
+# in the default run, with the harder interleaving.
+@pytest.mark.parametrize("max_batch", [pytest.param("1", marks=pytest.mark.slow), "4"], ids=["in-turns", "batched"])
 def test_soak_with_cancels_and_disconnects(rel_store, start_daemon, rel_reference, max_batch):
     """In turns and with continuous batching (daemon/model/batching.py; every expert
     resident, so that the batch is not capped by the pool: tests/test_batching_daemon.py
