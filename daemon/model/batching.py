@@ -172,7 +172,10 @@ class BatchSession:
         progress(m, n)
         joint = self._joins_prefill(n - m)
         if joint:
-            member = self._insert_prompt(prompt_ids, m, cache, sampler, max_tokens)
+            # The prompt past its cached prefix goes to the batch, which prefills it at its
+            # next step together with the others inserted by then.
+            self.stats.joint_prefills += 1
+            member = self._join([int(t) for t in prompt_ids[m:]], cache, sampler, max_tokens, prompt_ids[:m])
         else:
             member = yield from self._prefill_alone(
                 prompt_ids, m, cache, sampler, max_tokens, progress, prefill_stats, cache_use
@@ -207,19 +210,6 @@ class BatchSession:
         batch's joint prefill: it is short and the batch is decoding (a request alone
         is prefilled on its own, as without batching)."""
         return 1 < remaining <= JOINT_PREFILL_TOKENS and self.decoding() > 0
-
-    def _insert_prompt(
-        self,
-        prompt_ids: Sequence[int],
-        m: int,
-        cache: list[Any] | None,
-        sampler: Callable[[mx.array], mx.array],
-        max_tokens: int,
-    ) -> _Member:
-        """Hand the prompt past its cached prefix (`m` tokens, in `cache`) to the batch,
-        which prefills it at its next step, together with the others inserted by then."""
-        self.stats.joint_prefills += 1
-        return self._join([int(t) for t in prompt_ids[m:]], cache, sampler, max_tokens, prompt_ids[:m])
 
     def _prefill_alone(
         self,
