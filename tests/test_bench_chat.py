@@ -32,6 +32,8 @@ def test_a_conversation_with_the_prompt_cache_off_and_on():
         if prev["same_tokens"]:  # then all of the previous prompt and its answer
             assert t["cached_tokens"] == prev["prompt_tokens"] + 3
         assert t["ttft_off_s"] > 0 and t["ttft_on_s"] > 0 and t["ttft_ratio"] is not None
+        # The daemon's account of each turn's prompt comes along (its order, its bytes).
+        assert t["prefill_on"]["mode"] in ("layer-major", "chunked") and "read_bytes" in t["prefill_off"]
     assert report["tokens_reused"] == sum(t["cached_tokens"] for t in turns)
     # And the warm-up: its short request, and its two-turn conversation (whose second turn hits).
     assert report["prompt_cache"]["hits"] == 2 + 1 and report["prompt_cache"]["lookups"] == 4 + 2

@@ -53,3 +53,43 @@ def test_an_end_token_ends_the_request_and_is_not_among_its_tokens(store):
             assert ended.stats["generated_tokens"] == at
     finally:
         sm.close()
+
+
+def test_a_chats_end_of_turn_text_ends_the_answer_like_an_end_token(pool_store):
+    """The demo's vocabulary spells ChatML's `<|im_end|>` in pieces, so no end token stops
+    a chat's answer there: `turn_end` finds the marker in the chat template, and a
+    request given it ends where its text appears, without it, and with no `stop_string`
+    (no stop string of the client's was hit; the turn ended)."""
+    from pathlib import Path
+
+    from mlx_lm.utils import load_tokenizer
+
+    from moestream.daemon.model.generation import turn_end
+    from moestream.shared.settings import demo_store_path
+
+    store = demo_store_path()
+    assert turn_end(load_tokenizer(Path(store))) == "<|im_end|>"
+    # The tiny models' tokenizer has `<|im_end|>` as one token, not an end token: still
+    # the marker; once it is an end token (as Qwen's is), the end token stops the answer.
+    tiny = load_tokenizer(Path(pool_store))
+    (im_end,) = tiny.encode("<|im_end|>", add_special_tokens=False)
+    assert turn_end(tiny) == "<|im_end|>"
+    tiny.eos_token_ids = {*tiny.eos_token_ids, im_end}
+    assert turn_end(tiny) is None
+
+    sm = load_streaming_model(store, Settings(capacity=0.5))
+    try:
+        prompt = sm.tokenizer.encode("def fibonacci(n):")
+        free = generate(sm, prompt, SamplingParams(max_tokens=24))
+        # A piece of the free answer's text, first met past its start, stands in for the marker.
+        text = free.text
+        at = next(p for p in range(len(text) // 3, len(text) - 4) if text.find(text[p : p + 4]) == p)
+        marker = text[at : at + 4]
+        ended = generate(sm, prompt, SamplingParams(max_tokens=24, turn_end=marker))
+        assert ended.finish_reason == "stop" and ended.stop_string is None
+        assert ended.text == free.text[: free.text.index(marker)] and marker not in ended.text
+        assert ended.tokens == free.tokens[: len(ended.tokens)] and len(ended.tokens) < len(free.tokens)
+        client_stop = generate(sm, prompt, SamplingParams(max_tokens=24, stop=(marker,)))
+        assert client_stop.stop_string == marker and client_stop.text == ended.text
+    finally:
+        sm.close()

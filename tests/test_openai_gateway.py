@@ -151,6 +151,18 @@ def generate_json(store: Path, paths: RuntimePaths, prompt: str, *args: str) -> 
     return json.loads(out.stdout)
 
 
+def chat_answer(ref: dict, tokenizer) -> tuple[str, int]:
+    """(text, tokens) of a chat's answer, from a plain request's `ref` for its rendered
+    prompt: a chat ends at the template's end of turn (`turn_end`) where the text has it."""
+    from moestream.daemon.model.generation import turn_end
+
+    marker, text, tokens = turn_end(tokenizer), ref["text"], list(ref["tokens"])
+    if marker is None or marker not in text:
+        return text, len(tokens)
+    made = next(k for k in range(1, len(tokens) + 1) if marker in tokenizer.decode(tokens[:k]))
+    return text[: text.index(marker)], made
+
+
 def recent(paths: RuntimePaths) -> dict[str, dict]:
     with Client(paths) as c:
         return {r["id"]: r for r in c.status()["requests"]["recent"]}
@@ -334,17 +346,18 @@ def test_chat_goes_through_the_models_chat_template(api, served, store, model_na
     with Client(served[0]) as c:
         ref = c.complete(prompt_ids=ids, max_tokens=N)
     assert ref["stats"]["prompt_tokens"] == len(ids)
+    answer, made = chat_answer(ref, tokenizer)
 
     out = api.chat.completions.create(model=model_name, messages=CHAT, max_tokens=N, temperature=0)
     assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
     assert out.choices[0].message.role == "assistant"
-    assert out.choices[0].message.content == ref["text"]
-    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == len(ref["tokens"])
+    assert out.choices[0].message.content == answer
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == made
 
     stream = api.chat.completions.create(model=model_name, messages=CHAT, max_tokens=N, temperature=0, stream=True)
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref["text"]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == answer
     assert chunks[-1].choices[0].finish_reason == out.choices[0].finish_reason
     assert all(c.id == chunks[0].id for c in chunks)
 

@@ -78,6 +78,8 @@ def _ask(client: Client, prompt: list[int], max_tokens: int) -> dict[str, Any]:
         "prompt_tokens": int(done.stats.get("prompt_tokens", len(prompt))),
         "cached_tokens": int(done.stats.get("cached_tokens", 0)),
         "daemon_prompt_s": done.stats.get("prompt_seconds"),
+        # Where the daemon's prompt time went (layer-major phases, bytes read and staged).
+        "prefill": done.stats.get("prefill"),
     }
 
 
@@ -145,6 +147,8 @@ def run_bench_chat(settings: BenchChatSettings, progress: Callable[[str], None] 
                 "daemon_prompt_off_s": a["daemon_prompt_s"],
                 "daemon_prompt_on_s": b["daemon_prompt_s"],
                 "same_tokens": a["tokens"] == b["tokens"],
+                "prefill_off": a["prefill"],
+                "prefill_on": b["prefill"],
             }
         )
     later = [t["ttft_ratio"] for t in turns[1:] if t["ttft_ratio"] is not None]

@@ -39,6 +39,9 @@ class SamplingParams:
     # Record hot-path diagnostics for this request (daemon/model/diagnostics.py); the daemon's
     # `--diagnostics` turns them on for every request.
     diagnostics: bool = False
+    # A chat's end-of-turn text where the tokenizer does not end the answer on it itself
+    # (`turn_end`): the answer ends there, as at an end token (no `stop_string`).
+    turn_end: str | None = None
 
 
 @dataclass
@@ -170,6 +173,34 @@ def render_chat(
             raise ValueError(f"tool_choice {tool_choice!r}: the model's tokenizer has no tool-call parser")
         text += forced_start(tokenizer, tool_choice)
     return text
+
+
+_SENTINEL = "\u2063moestream-answer\u2063"
+
+
+def turn_end(tokenizer: Any) -> str | None:
+    """The text the chat template puts after an assistant's answer (ChatML's
+    `<|im_end|>`), where the tokenizer has no end token of that text: a model whose
+    vocabulary spells it in pieces (the demo's) would otherwise write past its turn, and
+    the marker would reach the client. None where an end token covers it, or the template
+    puts nothing there."""
+    if not getattr(tokenizer, "has_chat_template", False):
+        return None
+    chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _SENTINEL}]
+    try:
+        text = tokenizer.apply_chat_template(chat, tokenize=False)
+    except (TemplateError, ValueError, TypeError, KeyError):
+        return None
+    at = text.find(_SENTINEL)
+    if at < 0:
+        return None
+    marker = text[at + len(_SENTINEL) :].split("\n", 1)[0].strip()
+    if not marker:
+        return None
+    ids = tokenizer.encode(marker, add_special_tokens=False)
+    if len(ids) == 1 and ids[0] in tokenizer.eos_token_ids:
+        return None
+    return marker
 
 
 def encode_prompt(
@@ -338,7 +369,8 @@ def iter_generate(
     tic = time.perf_counter()
     prompt_seconds = 0.0
     n = 0
-    stop_hold = max((len(s) for s in params.stop), default=0)
+    stops = (*params.stop, params.turn_end) if params.turn_end else params.stop
+    stop_hold = max((len(s) for s in stops), default=0)
     emitted = 0
     spec_stats = None
     prefill_stats = PrefillStats()
@@ -403,11 +435,12 @@ def iter_generate(
         result.tokens.append(token)
         detok.add_token(token)
         text = detok.text
-        if params.stop:
-            hits = [(i, s) for s in params.stop if (i := text.find(s)) >= 0]
+        if stops:
+            hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
             hit = min(hits)[0] if hits else -1
             if hit >= 0:
-                result.stop_string = min(hits)[1]
+                found = min(hits)[1]
+                result.stop_string = found if found in params.stop else None
                 result.text = text[:hit]
                 if hit > emitted:
                     yield text[emitted:hit], token
