@@ -80,6 +80,7 @@ def _ask(client: Client, prompt: list[int], max_tokens: int) -> dict[str, Any]:
         "daemon_prompt_s": done.stats.get("prompt_seconds"),
         # Where the daemon's prompt time went (layer-major phases, bytes read and staged).
         "prefill": done.stats.get("prefill"),
+        "prompt_cache": done.stats.get("prompt_cache"),
     }
 
 
@@ -149,6 +150,7 @@ def run_bench_chat(settings: BenchChatSettings, progress: Callable[[str], None] 
                 "same_tokens": a["tokens"] == b["tokens"],
                 "prefill_off": a["prefill"],
                 "prefill_on": b["prefill"],
+                "prompt_cache_on": b["prompt_cache"],
             }
         )
     later = [t["ttft_ratio"] for t in turns[1:] if t["ttft_ratio"] is not None]

@@ -63,11 +63,15 @@ class CacheUse:
     from_disk: bool = False
     # The request's own KV cache once made: kept in the prompt cache when it ends.
     kv: list[Any] | None = None
+    # Time to find the prefix and copy its cache (a file's: to load it).
+    fetch_seconds: float = 0.0
 
     def start(self, sm: StreamingModel, prompt_ids: Sequence[int]) -> tuple[list[Any], int]:
         """The cache the request starts from (a copy of the best cached prefix, or a
         fresh one) and how many prompt tokens it holds."""
+        tic = time.perf_counter()
         reuse = self.prompt_cache.fetch(prompt_ids)
+        self.fetch_seconds = time.perf_counter() - tic
         if reuse is None:
             self.kv = make_prompt_cache(sm.model)
             return self.kv, 0
@@ -89,7 +93,7 @@ class CacheUse:
             self.prompt_cache.insert([*prompt_ids, *fed], self.kv, persist=True)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"reused_tokens": self.reused, "from_disk": self.from_disk}
+        return {"reused_tokens": self.reused, "from_disk": self.from_disk, "fetch_seconds": self.fetch_seconds}
 
 
 def _add(bucket: dict[str, float], before: dict[str, float], after: dict[str, float]) -> None:

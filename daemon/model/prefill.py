@@ -52,6 +52,8 @@ class PrefillStats:
 
     chunks: int = 0
     tokens: int = 0
+    # Prefilled in stock's order, chunk by chunk (then only the counts and `seconds` apply).
+    chunked: bool = False
     # MoE layers that staged their experts into a transient stack, and the bytes moved
     # into those stacks from the pool's own memory (slots, or a mapped pool's host memory).
     staged_layers: int = 0
@@ -76,7 +78,8 @@ class PrefillStats:
     keep_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mode": "layer-major", **asdict(self)}
+        fields = asdict(self)
+        return {"mode": "chunked" if fields.pop("chunked") else "layer-major", **fields}
 
 
 class _Capture:
@@ -348,9 +351,15 @@ def prefill_pieces(
     for start in range(0, n, step):
         if start:
             yield
+        tic = time.perf_counter()
         with mx.stream(generation_stream):
             sm.model(prompt[start : start + step][None], cache=cache)
             mx.eval([c.state for c in cache])
+        if stats is not None:
+            stats.chunked = True
+            stats.chunks += 1
+            stats.tokens += min(step, n - start)
+            stats.seconds += time.perf_counter() - tic
         if on_progress is not None:
             on_progress(min(start + step, n))
     return cache
