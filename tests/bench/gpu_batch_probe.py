@@ -10,6 +10,9 @@
 
 Plus `generate_step` alone (B = 1, pipelined) for the single-stream reference.
 Measured: median ms per step over `--steps` steps after warm-up, in `--rounds` rounds.
+With `--parts`, also one decoder layer's two halves alone at each B, evaluated call by
+call over a 512-token batch cache: its attention and its MoE block (`parts_ms`), to
+tell which of them grows with the batch.
 
     python tests/bench/gpu_batch_probe.py --layers 12 --out /tmp/out/batch_probe.json
     python tests/bench/gpu_batch_probe.py --tiny --out /tmp/batch_probe_cpu.json   # a smoke run
@@ -83,6 +86,37 @@ def _forward_ms(model, vocab: int, b: int, steps: int) -> float:
     return 1000 * (time.perf_counter() - tic) / steps
 
 
+def _parts_ms(model, b: int, steps: int) -> dict[str, float]:
+    """Median ms of one decoder layer's attention and MoE block on B decode tokens."""
+    from mlx_lm.models.base import create_attention_mask
+    from mlx_lm.models.cache import BatchKVCache
+
+    layer = model.layers[0]
+    hidden = model.args.hidden_size
+    cache = BatchKVCache([0] * b)
+    ctx = mx.random.normal((b, 512, hidden)).astype(mx.bfloat16)
+    mx.eval(layer.self_attn(layer.input_layernorm(ctx), create_attention_mask(ctx, cache), cache))
+    x = mx.random.normal((b, 1, hidden)).astype(mx.bfloat16)
+    mx.eval(x)
+
+    def timed(call) -> float:
+        for _ in range(5):
+            mx.eval(call())
+        runs = []
+        for _ in range(steps):
+            tic = time.perf_counter()
+            mx.eval(call())
+            runs.append(1000 * (time.perf_counter() - tic))
+        return statistics.median(runs)
+
+    def attention():
+        out = layer.self_attn(x, None, cache)
+        cache.trim(1)  # back to 512 tokens, so each call sees the same key length
+        return out
+
+    return {"attention": timed(attention), "moe": timed(lambda: layer.mlp(x))}
+
+
 def _single_ms(model, vocab: int, steps: int) -> float:
     prompt = mx.array([(j * 7) % vocab for j in range(32)])
     gen = generate_step(prompt, model, max_tokens=steps + 5, sampler=make_sampler(temp=0.0))
@@ -100,6 +134,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="tiny dims (a CPU smoke run)")
+    parser.add_argument("--parts", action="store_true", help="also time one layer's attention and MoE block alone")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     mx.set_memory_limit(64 * 2**30)
@@ -130,6 +165,7 @@ def main() -> None:
             finally:
                 switch_layers.SwitchGLU.__call__ = stock_call
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    parts = {b: _parts_ms(model, b, 10 * args.steps) for b in (1, 2, 4, 8)} if args.parts else None
     report = {
         "device": str(mx.default_device()),
         "layers": args.layers,
@@ -139,12 +175,15 @@ def main() -> None:
         "generate_step_ms": statistics.median(single),
         "ms_per_step": {name: {b: statistics.median(v) for b, v in by_b.items()} for name, by_b in rows.items()},
         "runs": {name: {b: v for b, v in by_b.items()} for name, by_b in rows.items()},
+        "parts_ms": parts,
     }
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"generate_step B=1: {report['generate_step_ms']:.2f} ms/token")
     print("ms per step     " + "".join(f"{'B=' + str(b):>9}" for b in (1, 2, 4, 8)))
     for name, by_b in report["ms_per_step"].items():
         print(f"{name:<16}" + "".join(f"{by_b[b]:>9.2f}" for b in (1, 2, 4, 8)))
+    for part in ("attention", "moe") if parts else ():
+        print(f"layer {part:<10}" + "".join(f"{parts[b][part]:>9.3f}" for b in (1, 2, 4, 8)))
 
 
 if __name__ == "__main__":

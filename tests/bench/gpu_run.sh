@@ -44,7 +44,7 @@
 #   full-residency       q30: where 100% could lose to stock (host time split; ABBA=N blocks of A B B A)
 #   gather-q30           q30: one mapped layer, zero-copy expert call vs gathering the routed experts first
 #   background-copy      q30: how much of a copy made ahead of use hides beside a layer's kernels, by blocks
-#   batch-probe          where a batched decode step's time goes at B = 1, 2, 4, 8 (random q30-shaped layers, no store)
+#   batch-probe          where a batched decode step's time goes at B = 1, 2, 4, 8, and one layer's attention and MoE alone (random q30 layers)
 # demo
 #   demo                 train the built-in demo model (tests/bench/demo_recipe, DEMO_MINUTES)
 set -euo pipefail
@@ -191,8 +191,8 @@ EOF
     done
     ;;
   batch-probe)
-    $py tests/bench/gpu_batch_probe.py --layers "${LAYERS:-12}" --steps "${STEPS:-30}" --rounds "${ROUNDS:-3}" \
-      --out "$OUT/batch_probe_h200.json" 2>&1 | tail -8
+    $py tests/bench/gpu_batch_probe.py --layers "${LAYERS:-12}" --steps "${STEPS:-30}" --rounds "${ROUNDS:-3}" --parts \
+      --out "$OUT/batch_probe_h200.json" 2>&1 | tail -10
     ;;
   background-copy)
     $py tests/bench/gpu_background_copy_probe.py --store /root/q30/store --out "$OUT/background_copy_probe_h200.json" 2>&1 | tail -12
