@@ -55,6 +55,7 @@ QA_FORMS = (
     "What is the purpose of {}?",
     "How do I use {}?",
     "How does {} work?",
+    "What does {} return?",
 )
 # Tasks asked as "How do I ...?", answered in a sentence; the eval's own tasks (sort a list,
 # copy a dict, join strings, ...) and the objects it asks about are left out (a test checks).
