@@ -125,6 +125,9 @@ def test_metrics_fields(metrics: dict) -> None:
     ):  # fmt: skip
         assert key in metrics, key
     assert metrics["steps"] == STEPS and metrics["seed"] == 0
+    assert metrics["selection"] == {"rule": "mixed", "step": metrics["best_step"], "loss": pytest.approx(
+        min(v["loss"] for v in metrics["train_curve"]["val"]))}  # fmt: skip
+    assert metrics["train_curve"]["chat_val"] == [] and metrics["validation_chat"] is None
     assert metrics["tokens_seen"] == STEPS * metrics["settings"]["batch_size"] * metrics["settings"]["seq_len"]
     assert len(metrics["train_curve"]["loss"]) == STEPS
     for name in ("validation", "validation_4bit"):
@@ -306,7 +309,8 @@ def test_fine_tune_from_the_store_keeps_the_tokenizer_and_mixes_chat(run: tuple[
     out = tmp_path / "ft"
     proc = subprocess.run(
         [sys.executable, "-m", "demo_recipe.train", "--out", str(out), "--tiny", "--steps", "10",
-         "--init-from", str(start / "store"), "--chat-fraction", "0.4", "--warmup-steps", "2"],
+         "--init-from", str(start / "store"), "--chat-fraction", "0.4", "--warmup-steps", "2", "--select", "chat",
+         "--eval-every", "5"],
         capture_output=True, text=True, timeout=300, cwd=RECIPE_PARENT,
     )  # fmt: skip
     assert proc.returncode == 0, f"the fine-tune failed:\n{proc.stdout}\n{proc.stderr}"
@@ -314,7 +318,14 @@ def test_fine_tune_from_the_store_keeps_the_tokenizer_and_mixes_chat(run: tuple[
     tuned, trained = (json.loads((d / "metrics.json").read_text()) for d in (out, start))
     chat = tuned["corpus"]["chat"]
     assert chat["qa"] and chat["call"] and chat["result"]
-    assert chat["train_tokens"] == int(tuned["corpus"]["train_tokens"] * 0.4 / 0.6)
+    # Chat is 0.4 of the stream, with every distinct conversation in it (the code tiled if short).
+    code = chat["code_train_tokens_tiled"]
+    assert code >= tuned["corpus"]["train_tokens"] and chat["train_tokens"] == int(code * 0.4 / 0.6)
+    assert chat["train_tokens"] >= chat["distinct_tokens"]
+    chat_curve = tuned["train_curve"]["chat_val"]
+    assert [v["step"] for v in chat_curve] == [5, 10] and tuned["selection"]["rule"] == "chat"
+    assert tuned["selection"]["step"] == min(chat_curve, key=lambda v: v["loss"])["step"]
+    assert chat["cities"]["invented"] > 0 and tuned["validation_chat"]["tokens"] > 0
     # It starts where the first run ended, not from a fresh model's ln(vocab).
     assert tuned["train_curve"]["ce"][0] < trained["train_curve"]["ce"][0] - 0.5
     assert "<|im_start|>" in json.loads((out / "store" / "tokenizer_config.json").read_text())["chat_template"]

@@ -45,6 +45,15 @@ def plot_metrics(metrics: dict[str, Any], path: str | Path) -> None:
         ax.plot(
             [v["step"] for v in val], [v["mtp_loss"] for v in val], "o-", ms=3, label="validation: MTP", color="darkred"
         )
+    chat = curve.get("chat_val") or []
+    if chat:
+        ax.plot(
+            [v["step"] for v in chat], [v["loss"] for v in chat], "s--", ms=3, label="validation chat: next token",
+            color="green",
+        )  # fmt: skip
+    selection = metrics.get("selection")
+    if selection:
+        ax.axvline(selection["step"], color="gray", ls=":", label=f"kept ({selection['rule']})")
     final = metrics.get("validation")
     title = "demo qwen3_moe on the Python standard library"
     if final:

@@ -2,7 +2,7 @@
 Python's standard library, within a wall-clock budget.
 
     python -m demo_recipe.train --out DIR [--minutes 7] [--steps N] [--seed 0] [--tiny]
-        [--init-from STORE_OR_DIR] [--chat-fraction F]
+        [--init-from STORE_OR_DIR] [--chat-fraction F] [--select {mixed,chat,last}]
 
 DIR receives everything: `tokenizer/`, `model-f32/` (float weights), `model-4bit/`
 (4-bit, what mlx-lm and `moestreamctl convert` load), `store/` (the expert store made
@@ -14,8 +14,9 @@ Loss = CE(next token) + mtp_weight * CE(token after next) + aux_weight * load ba
 Adam with decoupled weight decay on matrices, linear warm-up, cosine decay. Without
 `--steps`, the step count is planned after a short timed probe so that training ends
 inside `--minutes`, capped at `--max-epochs` passes over the training tokens; the run
-is reproduced exactly by passing the recorded step count as `--steps`. The weights of
-the periodic evaluation with the lowest validation loss are the ones kept.
+is reproduced exactly by passing the recorded step count as `--steps`. The weights kept
+are those of the periodic evaluation with the lowest validation loss (`--select mixed`),
+the lowest loss on the validation chat conversations alone (`chat`), or the last (`last`).
 
 `--init-from` fine-tunes trained weights (an expert store, dequantized, or a float
 model folder) with their tokenizer instead of starting afresh; `--chat-fraction` mixes
@@ -60,6 +61,10 @@ from moestream.daemon.model.demo_mtp import MTP_FILE, MTPHead, load_mtp
 # Steps timed before the plan is made (after three that include compilation).
 _PROBE_STEPS = 20
 _CURVE_FIELDS = ("step", "loss", "ce", "mtp_ce", "aux", "lr", "grad_norm")
+# Which periodic evaluation's weights a run keeps: the lowest loss on the validation
+# stream (code, then chat: its first eval_tokens), the lowest on the validation chat
+# conversations alone, or the last step's.
+SELECT_RULES = ("mixed", "chat", "last")
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,7 @@ class TrainSettings:
     init_from: str | None = None  # a store or model folder to fine-tune, with its tokenizer
     chat_fraction: float = 0.0  # share of the training and validation tokens that are chat
     chat_examples: int = 8000  # distinct training conversations (tiled up to chat_fraction)
+    select: str = "mixed"  # one of SELECT_RULES
 
     @classmethod
     def tiny_preset(cls, out: str, **overrides: Any) -> "TrainSettings":
@@ -141,15 +147,32 @@ class Curve:
     lr: list[float] = field(default_factory=list)
     grad_norm: list[float] = field(default_factory=list)
     val: list[dict[str, float]] = field(default_factory=list)
+    chat_val: list[dict[str, float]] = field(default_factory=list)  # the chat conversations alone
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which periodic evaluation's weights were kept, by which rule."""
+
+    rule: str
+    step: int
+    loss: float  # the loss the rule ranked by (for `last`: the validation stream's)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass
 class LoopResult:
     curve: Curve
     steps: int
-    best_step: int
+    selection: Selection
     train_s: float
     eval_s: float  # of train_s, spent in periodic evaluations
+
+    @property
+    def best_step(self) -> int:
+        return self.selection.step
 
 
 class BatchSampler:
@@ -222,8 +245,20 @@ def _device() -> dict[str, Any]:
     return info
 
 
-def train_loop(trainee: Trainee, train_ids: np.ndarray, val_ids: np.ndarray, settings: TrainSettings) -> LoopResult:
-    """Train `trainee` in place; leave it holding the weights with the best validation loss."""
+def train_loop(
+    trainee: Trainee,
+    train_ids: np.ndarray,
+    val_ids: np.ndarray,
+    settings: TrainSettings,
+    chat_val_ids: np.ndarray | None = None,
+) -> LoopResult:
+    """Train `trainee` in place; leave it holding the weights that `settings.select` picks
+    among the periodic evaluations. `chat_val_ids` (the validation chat conversations) is
+    evaluated at each of them too; `select="chat"` needs it."""
+    if settings.select not in SELECT_RULES:
+        raise ValueError(f"select must be one of {', '.join(SELECT_RULES)}, not {settings.select!r}")
+    if settings.select == "chat" and chat_val_ids is None:
+        raise ValueError("select='chat' needs validation chat conversations (a chat_fraction above 0)")
     rng = np.random.default_rng(settings.seed)
     optimizer = optim.Adam(learning_rate=0.0, betas=[0.9, 0.95], bias_correction=True)
     optimizer.init(trainee.trainable_parameters())
@@ -241,13 +276,19 @@ def train_loop(trainee: Trainee, train_ids: np.ndarray, val_ids: np.ndarray, set
 
     step = mx.compile(step_fn, inputs=state, outputs=state) if settings.compile else step_fn
 
-    def validate(i: int) -> EvalResult:
-        val = evaluate(
-            trainee.lm, trainee.mtp, val_ids, seq_len=settings.seq_len, batch_size=settings.batch_size,
-            max_tokens=settings.eval_tokens,
-        )  # fmt: skip
+    def validate(i: int) -> tuple[EvalResult, EvalResult | None]:
+        def run(ids: np.ndarray) -> EvalResult:
+            return evaluate(
+                trainee.lm, trainee.mtp, ids, seq_len=settings.seq_len, batch_size=settings.batch_size,
+                max_tokens=settings.eval_tokens,
+            )  # fmt: skip
+
+        val = run(val_ids)
         curve.val.append({"step": i, "loss": val.loss, "mtp_loss": val.mtp_loss})
-        return val
+        chat = None if chat_val_ids is None else run(chat_val_ids)
+        if chat is not None:
+            curve.chat_val.append({"step": i, "loss": chat.loss, "mtp_loss": chat.mtp_loss})
+        return val, chat
 
     sampler = BatchSampler(train_ids, settings.seq_len, settings.batch_size, rng)
     cap = max(1, int(settings.max_epochs * sampler.steps_per_epoch))
@@ -295,18 +336,20 @@ def train_loop(trainee: Trainee, train_ids: np.ndarray, val_ids: np.ndarray, set
             )
         if i % settings.eval_every == 0 or i == total:
             t_eval = time.perf_counter()
-            val = validate(i)
+            val, chat = validate(i)
             eval_s += time.perf_counter() - t_eval
-            _log(f"  val loss {val.loss:.3f} (ppl {val.ppl:.1f})  mtp {val.mtp_loss:.3f}")
-            if best is None or val.loss < best[0]:
+            chat_note = "" if chat is None else f"  chat {chat.loss:.3f} (mtp {chat.mtp_loss:.3f})"
+            _log(f"  val loss {val.loss:.3f} (ppl {val.ppl:.1f})  mtp {val.mtp_loss:.3f}{chat_note}")
+            score = chat.loss if settings.select == "chat" and chat is not None else val.loss
+            if best is None or settings.select == "last" or score < best[0]:
                 # MLX arrays are immutable: holding the tree keeps these weights.
-                best = (val.loss, i, trainee.parameters())
+                best = (score, i, trainee.parameters())
     train_s = time.perf_counter() - t_loop
     assert best is not None  # the last step always evaluates
     if best[1] != i:
-        _log(f"keeping the weights of step {best[1]} (best validation loss {best[0]:.3f})")
+        _log(f"keeping the weights of step {best[1]} (best {settings.select} validation loss {best[0]:.3f})")
         trainee.update(best[2])
-    return LoopResult(curve, i, best[1], train_s, eval_s)
+    return LoopResult(curve, i, Selection(settings.select, best[1], best[0]), train_s, eval_s)
 
 
 def train(settings: TrainSettings) -> dict[str, Any]:
@@ -336,8 +379,11 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         f"{corpus.train_bytes / 1e6:.2f} MB -> {len(train_ids):,} train and {len(val_ids):,} val tokens "
         f"({corpus.train_bytes / len(train_ids):.2f} bytes/token); {data_s:.1f} s"
     )
+    chat_val_ids = None
     if settings.chat_fraction > 0:
-        train_ids, val_ids, corpus_info["chat"] = _mix_chat(tokenizer, tok_dir, train_ids, val_ids, settings)
+        train_ids, val_ids, chat_val_ids, corpus_info["chat"] = _mix_chat(
+            tokenizer, tok_dir, train_ids, val_ids, settings
+        )
 
     estimate = store_size_estimate(
         shape, tokenizer_bytes=sum((tok_dir / n).stat().st_size for n in tokenizer_file_names())
@@ -362,13 +408,17 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         f"top-{shape.num_experts_per_tok}, on {mx.default_device()}"
     )
 
-    loop = train_loop(trainee, train_ids, val_ids, settings)
+    loop = train_loop(trainee, train_ids, val_ids, settings, chat_val_ids)
     final = evaluate(lm, mtp, val_ids, seq_len=settings.seq_len, batch_size=settings.batch_size)
     _log(
         f"validation ({final.tokens:,} tokens): loss {final.loss:.4f}, ppl {final.ppl:.2f}, "
         f"next-token acc {final.next_token_acc:.3f}; MTP loss {final.mtp_loss:.4f}, "
         f"next-next-token acc {final.mtp_next_next_acc:.3f}"
     )
+    final_chat = None
+    if chat_val_ids is not None:
+        final_chat = evaluate(lm, mtp, chat_val_ids, seq_len=settings.seq_len, batch_size=settings.batch_size)
+        _log(f"validation chat ({final_chat.tokens:,} tokens): loss {final_chat.loss:.4f}")
     tokens_seen = loop.steps * settings.batch_size * settings.seq_len
     metrics: dict[str, Any] = {
         "settings": asdict(settings),
@@ -380,6 +430,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         "seed": settings.seed,
         "steps": loop.steps,
         "best_step": loop.best_step,
+        "selection": loop.selection.to_dict(),
         "tokens_seen": tokens_seen,
         "epochs": tokens_seen / len(train_ids),
         "parameters": {"model": int(n_params), "mtp": int(n_mtp)},
@@ -387,6 +438,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         "tokens_per_s": tokens_seen / (loop.train_s - loop.eval_s),
         "train_curve": asdict(loop.curve),
         "validation": final.as_dict(),
+        "validation_chat": None if final_chat is None else final_chat.as_dict(),
         "routing": routing_summary(final.load or []),
         "store_estimate_bytes": estimate,
     }
@@ -398,49 +450,66 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     if settings.make_store:  # first: the store is what ships, whatever fails below
         metrics["store_bytes"] = sizes = make_store(q_dir, out / "store")
         _log(f"store: {sizes['store'] / 2**20:.2f} MiB + MTP head {sizes['mtp'] / 2**20:.2f} MiB in {out / 'store'}")
-    metrics["validation_4bit"] = _evaluate_saved(q_dir, val_ids, settings)
-    metrics["sample"] = _sample(q_dir, settings)
+    # Before the 4-bit checks, which a backend without quantized expert kernels may fail.
     if settings.chat_fraction > 0 and not settings.tiny:
         metrics["chat_check_f32"] = _chat_check(out / "model-f32")
+        _write_json(out / "metrics.json", metrics)
+    metrics["validation_4bit"] = _evaluate_saved(q_dir, val_ids, settings)
+    metrics["sample"] = _sample(q_dir, settings)
     metrics["time_s"]["total"] = time.perf_counter() - t_start
     _write_json(out / "metrics.json", metrics)
     _plot(metrics, out)
     return metrics
 
 
+def _tiled(ids: np.ndarray, length: int) -> np.ndarray:
+    return np.tile(ids, -(-length // len(ids)))[:length]
+
+
 def _mix_chat(
     tokenizer, tok_dir: Path, train_ids: np.ndarray, val_ids: np.ndarray, settings: TrainSettings
-) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
-    """Code tokens followed by chat tokens (distinct conversations, tiled) so that chat is
-    `chat_fraction` of each stream; validation conversations are drawn apart from training."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+    """(training stream, validation stream, validation chat alone, summary): code tokens
+    followed by chat tokens so that chat is `chat_fraction` of each stream. Whichever part
+    is short of its share is tiled, so every distinct conversation is in the stream. The
+    validation conversations are drawn apart from training (held out of both: the chat
+    evaluation's cities and questions)."""
     from demo_recipe.chat_data import chat_texts
 
     if not 0 < settings.chat_fraction < 1:
         raise ValueError(f"chat_fraction must be between 0 and 1, not {settings.chat_fraction}")
     t0 = time.perf_counter()
-    texts, kinds = chat_texts(tok_dir, settings.chat_examples, seed=settings.seed + 1000)
+    texts, summary = chat_texts(tok_dir, settings.chat_examples, seed=settings.seed + 1000)
     val_texts, _ = chat_texts(tok_dir, max(8, settings.chat_examples // 20), seed=settings.seed + 2000)
+    render_s = time.perf_counter() - t0
     ratio = settings.chat_fraction / (1 - settings.chat_fraction)
 
-    def mixed(code: np.ndarray, chat: np.ndarray) -> np.ndarray:
-        want = int(len(code) * ratio)
-        return np.concatenate([code, np.tile(chat, -(-want // len(chat)))[:want]])
+    def mixed(code: np.ndarray, chat: np.ndarray) -> tuple[np.ndarray, int]:
+        code_len = max(len(code), math.ceil(len(chat) / ratio))
+        return np.concatenate([_tiled(code, code_len), _tiled(chat, int(code_len * ratio))]), code_len
 
-    chat_train = encode_documents(tokenizer, texts)
-    mixed_train = mixed(train_ids, chat_train)
-    mixed_val = mixed(val_ids, encode_documents(tokenizer, val_texts))
-    info = kinds | {
+    chat_train, chat_val = encode_documents(tokenizer, texts), encode_documents(tokenizer, val_texts)
+    mixed_train, code_train = mixed(train_ids, chat_train)
+    mixed_val, code_val = mixed(val_ids, chat_val)
+    info = summary | {
         "conversations": len(texts),
         "distinct_tokens": int(len(chat_train)),
-        "train_tokens": int(len(mixed_train) - len(train_ids)),
-        "val_tokens": int(len(mixed_val) - len(val_ids)),
+        "train_tokens": int(len(mixed_train) - code_train),
+        "val_conversations": len(val_texts),
+        "val_distinct_tokens": int(len(chat_val)),
+        "val_tokens": int(len(mixed_val) - code_val),
+        "code_train_tokens_tiled": int(code_train),
+        "render_s": render_s,
     }
+    cities = summary["cities"]
     _log(
-        f"chat: {len(texts)} conversations ({kinds['qa']} stdlib questions, {kinds['call']} tool calls, "
-        f"{kinds['result']} with results), {len(chat_train):,} tokens tiled to {info['train_tokens']:,}; "
-        f"{time.perf_counter() - t0:.1f} s"
+        f"chat: {len(texts)} conversations ({summary['qa']} stdlib questions, {summary['qa_weather_tool_only']} of "
+        f"them offered get_weather alone; {summary['call']} tool calls, {summary['result']} with results; "
+        f"cities {cities['real']} real, {cities['invented']} invented), {len(chat_train):,} tokens tiled to "
+        f"{info['train_tokens']:,} beside {code_train:,} code; val {len(val_texts)} conversations, "
+        f"{len(chat_val):,} tokens; {render_s:.1f} s rendering, {time.perf_counter() - t0:.1f} s in all"
     )
-    return mixed_train, mixed_val, info
+    return mixed_train, mixed_val, chat_val, info
 
 
 def _chat_check(model_dir: Path) -> dict[str, Any]:
@@ -519,11 +588,17 @@ def parse_args(argv: list[str] | None = None) -> TrainSettings:
     parser.add_argument("--chat-fraction", type=float, help="share of chat conversations in the tokens (default 0)")
     parser.add_argument("--chat-examples", type=int, help="distinct training conversations (default 8000)")
     parser.add_argument("--warmup-steps", type=int)
+    parser.add_argument(
+        "--select", choices=SELECT_RULES, help="weights kept: best validation loss (mixed, default), best on the "
+        "validation chat alone (chat; needs --chat-fraction), or the last step's"
+    )  # fmt: skip
     args = vars(parser.parse_args(argv))
     out, tiny = args.pop("out"), args.pop("tiny")
     overrides = {k: v for k, v in args.items() if v is not None}
     if not 0 <= overrides.get("chat_fraction", 0) < 1:
         parser.error("--chat-fraction must be at least 0 and below 1")
+    if overrides.get("select") == "chat" and not overrides.get("chat_fraction"):
+        parser.error("--select chat needs --chat-fraction above 0 (it ranks by the validation chat)")
     for name in (
         "steps",
         "batch_size",
