@@ -4,8 +4,11 @@
 forward, and each other rank runs this loop instead: it loads its share of the store
 (its pools hold only the experts e % N == rank, read from its own store copy) and, for
 each MoE layer rank 0 reaches, takes the layer's input and routing, computes the rows of
-the pairs it owns and joins the all_sum (`ExpertShare.follow`). It has no socket, no
-heat and no requests of its own; it ends when rank 0 says STOP, or when the group fails
+the pairs it owns and joins the all_sum (`ExpertShare.follow`). It has no socket and no
+requests of its own; it keeps the heat of its own experts (daemon/heat.py: a warm start
+from its own file, counts to a heat keeper of its own, pushed between rank 0's commands,
+which come at least every few seconds: rank 0's status asks every rank for its row). It
+ends when rank 0 says STOP (after a final write of its heat), or when the group fails
 (rank 0 gone: the collective raises).
 """
 
@@ -13,17 +16,22 @@ from __future__ import annotations
 
 import logging
 
+from moestream.daemon.heat import Heat
 from moestream.daemon.model.expert_parallel import FORWARD, STATS, STOP, ExpertShare
 from moestream.shared.settings import Settings
 
 
-def share_row(sm) -> list[int]:
+def share_row(sm, heat: Heat) -> list[int]:
     """This rank's STAT_FIELDS (daemon/model/expert_parallel.py), for rank 0's status."""
     stats = sm.pool_stats()
     hits = stats["hits_prefill"] + stats["hits_decode"]
     misses = stats["misses_prefill"] + stats["misses_decode"]
     experts = sum(p.layer.num_experts for p in sm.pools)
-    return [stats["bytes_read"], hits, misses, experts, sm.pool_bytes, sm.share.stats.collectives]
+    layers = stats["layers"]
+    pool = [sm.capacity, sum(lay["resident"] for lay in layers), sum(lay["pinned"] for lay in layers)]
+    return [stats["bytes_read"], hits, misses, experts, sm.pool_bytes, sm.share.stats.collectives, *pool] + (
+        heat.summary()
+    )
 
 
 def serve_share(settings: Settings, share: ExpertShare, log: logging.Logger) -> int:
@@ -37,6 +45,7 @@ def serve_share(settings: Settings, share: ExpertShare, log: logging.Logger) -> 
         log.error("rank %d: no model: give --model STORE", share.rank)
         return 2
     sm = load_streaming_model(settings.model, settings, max_tokens=settings.max_context, share=share)
+    heat = Heat(settings, log, share)
     layers = {m.ordinal: m for _, m in sm.model.named_modules() if isinstance(m, StreamingMoE)}
     log.info(
         "rank %d of %d: serving experts e %% %d == %d of %d MoE layers, %d slots each",
@@ -49,6 +58,8 @@ def serve_share(settings: Settings, share: ExpertShare, log: logging.Logger) -> 
     )
     forwards = 0
     try:
+        heat.pin(sm)
+        heat.start(sm)
         share.barrier()  # rank 0 has loaded too: its commands may come from now on
         while True:
             cmd = share.follow()
@@ -56,12 +67,16 @@ def serve_share(settings: Settings, share: ExpertShare, log: logging.Logger) -> 
                 log.info("rank %d: stopped by rank 0 after %d forwards", share.rank, forwards)
                 return 0
             if cmd.op == STATS:
-                share.gather_stats(share_row(sm))
+                share.gather_stats(share_row(sm, heat))
             elif cmd.op == FORWARD:
                 mx.eval(layers[cmd.ordinal](cmd.x, cmd.indices))
                 forwards += 1
             else:
                 log.error("rank %d: unknown command %d from rank 0", share.rank, cmd.op)
                 return 1
+            heat.tick(sm)
     finally:
-        sm.close()
+        try:
+            heat.close(sm)
+        finally:
+            sm.close()

@@ -35,8 +35,9 @@ from moestream.daemon.bench.expert_parallel import greedy
 from moestream.daemon.model.expert_parallel import CONTROL_SECONDS, NOT_HERE, ExpertShare
 from moestream.daemon.model.streaming_model import load_stock_model, load_streaming_model
 from moestream.daemon.store.convert import convert_model
+from moestream.shared.heat_file import parse_usage, usage_name
 from moestream.shared.settings import Settings, parse_capacity
-from moestream.shared.store_format import load_manifest
+from moestream.shared.store_format import POOL_USAGE_NAME, load_manifest
 
 RANKS = 2
 CAPACITIES = ["25%", "100%"]
@@ -227,3 +228,72 @@ def test_a_follower_that_dies_ends_rank_0_instead_of_blocking_it(store):
         log = (rt / "daemon.log").read_text()
         assert "the expert-parallel group is broken" in log
         assert "pid file and socket removed" in log
+
+
+def _group_pids(rt: Path) -> dict[str, list[int]]:
+    """Every process of the group serving `rt`: mlx.launch, each rank's daemon and the
+    heat keeper of each."""
+    mine = [p for p in psutil.process_iter(["cmdline"]) if str(rt) in (p.info["cmdline"] or [])]
+    launcher = [p for p in mine if any(a.endswith("mlx.launch") for a in p.info["cmdline"])]
+    ranks = [p for p in mine if p not in launcher and "moestream.daemon.main" in p.info["cmdline"]]
+    keepers = [c for p in ranks for c in p.children() if "moestream.daemon.heat_keeper" in c.cmdline()]
+    return {"launcher": [p.pid for p in launcher], "ranks": [p.pid for p in ranks], "keepers": [p.pid for p in keepers]}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_start_distributed_detaches_keeps_heat_per_rank_and_stop_ends_every_rank(store, tmp_path):
+    """`moestreamctl start --distributed` returns once rank 0 serves (the group runs on
+    under mlx.launch); served requests leave one heat file per rank holding only that
+    rank's experts; `stop` leaves no process of the group (ranks, heat keepers); a start
+    again pins each rank's hottest experts from its own file, which status shows per rank."""
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="mst-eph-"))
+    heat = tmp_path / "heat"
+    flags = ("--model", str(store), "--runtime-dir", str(rt))
+    env = clean_env(MOESTREAM_HEAT_DIR=str(heat), MOESTREAM_HEAT_FLUSH_SECONDS="0.5")
+    # 50% of a rank's 16 experts: 8 slots, of which autopin may pin 4 (top-k stay free).
+    group = ("--capacity", "50%", "--distributed", "ring", "--distributed-launch", f"-n {RANKS} -p {_free_port()}")
+    try:
+        started = ctl("start", *flags, *group, env=env, timeout=180)
+        assert started.returncode == 0, started.stderr
+        assert f"log {rt / 'daemon.log'}" in started.stderr and "mlx.launch" in started.stderr
+        pids = _group_pids(rt)  # running after start returned
+        assert [len(pids[k]) for k in ("launcher", "ranks", "keepers")] == [1, RANKS, RANKS], pids
+        for prompt in ("the quick brown fox", "a b c d e f g"):
+            served = ctl("generate", prompt, *flags, "--max-tokens", "6", "--temp", "0", env=env)
+            assert served.returncode == 0, served.stderr
+        stopped = ctl("stop", "--runtime-dir", str(rt))
+        assert stopped.returncode == 0, stopped.stderr
+        assert [p for k in pids for p in pids[k] if _alive(p)] == []
+
+        assert not (heat / POOL_USAGE_NAME).exists()
+        layers = {layer.ordinal: layer.num_experts for layer in load_manifest(store).layers}
+        for r in range(RANKS):
+            counts = parse_usage((heat / usage_name(r, RANKS)).read_bytes())
+            assert set(counts) == set(layers)
+            assert all(e % RANKS == r for experts in counts.values() for e in experts), counts
+            assert sum(sum(experts.values()) for experts in counts.values()) > 0
+
+        again = ctl("start", *flags, *group, env=env, timeout=180)
+        assert again.returncode == 0, again.stderr
+        st = json.loads(ctl("status", "--runtime-dir", str(rt), "--json").stdout)
+        ranks = st["expert_parallel"]["ranks"]
+        assert [r["heat_file"] for r in ranks] == [usage_name(r, RANKS) for r in range(RANKS)]
+        for r in ranks:
+            assert r["heat_state"] == "running" and r["heat_loaded"] > 0, r
+            assert r["heat_pinned"] > 0 and r["pinned"] == r["heat_pinned"], r
+            assert r["capacity"] == 8 and r["resident"] >= r["pinned"], r
+        assert "pinned" in ctl("status", "--runtime-dir", str(rt)).stdout
+        pids = _group_pids(rt)
+        assert ctl("stop", "--runtime-dir", str(rt)).returncode == 0
+        assert [p for k in pids for p in pids[k] if _alive(p)] == []
+    finally:
+        for pids in _group_pids(rt).values():
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(rt, ignore_errors=True)
