@@ -84,7 +84,9 @@ class Heat:
             # The keeper will fail its writes and say so in `status`; serving goes on.
             self.log.error("heat: cannot create the heat folder %s: %s", heat_dir, e)
         try:
-            usage = load_usage(heat_dir, self._shape(sm), self.name)
+            # A rank's file holds global ids, which `local_counts` checks against its share.
+            shape = {p.layer.ordinal: p.layer.num_experts for p in sm.pools} if self.share is None else None
+            usage = load_usage(heat_dir, shape, self.name)
         except HeatReadError as e:
             self.log.error("heat: cannot read the saved heat (%s); starting without pinned experts", e)
             return
@@ -92,11 +94,11 @@ class Heat:
             self.log.error("heat: %s", usage.problem)
         counts = usage.counts
         if self.share is not None:
-            counts, foreign = self.share.local_counts(counts)
+            counts, foreign = self.share.local_counts(counts, {p.layer.ordinal: p.layer.num_experts for p in sm.pools})
             self.counters.foreign_entries = foreign
             if foreign:
                 self.log.error(
-                    "heat: %s names %d experts rank %d does not own; they are left out",
+                    "heat: %s names %d experts that are not rank %d's (another rank's, or no layer's); left out",
                     usage.path,
                     foreign,
                     self.share.rank,
@@ -117,14 +119,6 @@ class Heat:
             usage.path,
             summary.seconds,
         )
-
-    def _shape(self, sm: Any) -> dict[int, int]:
-        """{MoE layer: experts} of the whole model, which the file's global ids are checked against."""
-        if self.share is None:
-            return {p.layer.ordinal: p.layer.num_experts for p in sm.pools}
-        from moestream.shared.store_format import load_manifest
-
-        return {layer.ordinal: layer.num_experts for layer in load_manifest(sm.store_dir).layers}
 
     # ---- the keeper ----------------------------------------------------------------------
 

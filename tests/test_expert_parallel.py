@@ -35,7 +35,7 @@ from moestream.daemon.bench.expert_parallel import greedy
 from moestream.daemon.model.expert_parallel import CONTROL_SECONDS, NOT_HERE, ExpertShare
 from moestream.daemon.model.streaming_model import load_stock_model, load_streaming_model
 from moestream.daemon.store.convert import convert_model
-from moestream.shared.heat_file import parse_usage, usage_name
+from moestream.shared.heat_file import parse_usage, usage_name, write_usage
 from moestream.shared.settings import Settings, parse_capacity
 from moestream.shared.store_format import POOL_USAGE_NAME, load_manifest
 
@@ -80,6 +80,10 @@ def test_share_maps_global_ids_to_its_rows():
     assert share.owned(8) == [1, 4, 7]
     ids = np.array([[0, 1, 4], [7, 2, 3]])
     assert share.local_ids(ids).tolist() == [[NOT_HERE, 0, 1], [2, NOT_HERE, NOT_HERE]]
+    # Heat: the share's per-row counts as global ids, and a rank's file back to its rows
+    # (another rank's expert, one past the layer, or an unknown layer left out, and counted).
+    assert share.global_counts(np.array([5, 0, 7])).tolist() == [0, 5, 0, 0, 0, 0, 0, 7, 0]
+    assert share.local_counts({0: {1: 5, 7: 7, 2: 1, 10: 3}, 9: {1: 1}}, {0: 3}) == ({0: {0: 5, 2: 7}}, 3)
 
 
 def test_two_ranks_decode_what_one_process_decodes(store, tmp_path):
@@ -247,53 +251,103 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_start_distributed_detaches_keeps_heat_per_rank_and_stop_ends_every_rank(store, tmp_path):
-    """`moestreamctl start --distributed` returns once rank 0 serves (the group runs on
-    under mlx.launch); served requests leave one heat file per rank holding only that
-    rank's experts; `stop` leaves no process of the group (ranks, heat keepers); a start
-    again pins each rank's hottest experts from its own file, which status shows per rank."""
-    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="mst-eph-"))
-    heat = tmp_path / "heat"
+def _start_group(store: Path, rt: Path, heat: Path) -> tuple[tuple[str, ...], dict[str, str]]:
+    """`moestreamctl start --distributed ring` of `store` at 50% (8 slots of a rank's 16
+    experts, of which autopin may pin 4: top-k stay free), two ranks on this machine; the
+    flags for its clients, and their environment."""
     flags = ("--model", str(store), "--runtime-dir", str(rt))
     env = clean_env(MOESTREAM_HEAT_DIR=str(heat), MOESTREAM_HEAT_FLUSH_SECONDS="0.5")
-    # 50% of a rank's 16 experts: 8 slots, of which autopin may pin 4 (top-k stay free).
     group = ("--capacity", "50%", "--distributed", "ring", "--distributed-launch", f"-n {RANKS} -p {_free_port()}")
+    started = ctl("start", *flags, *group, env=env, timeout=180)
+    assert started.returncode == 0, started.stderr
+    assert f"log {rt / 'daemon.log'}" in started.stderr and "mlx.launch" in started.stderr
+    return flags, env
+
+
+def _stop_group(rt: Path) -> None:
+    """`moestreamctl stop`, after which no process of the group is left."""
+    pids = _group_pids(rt)
+    assert [len(pids[k]) for k in ("launcher", "ranks", "keepers")] == [1, RANKS, RANKS], pids
+    stopped = ctl("stop", "--runtime-dir", str(rt))
+    assert stopped.returncode == 0, stopped.stderr
+    assert [p for k in pids for p in pids[k] if _alive(p)] == []
+
+
+def _kill_group(rt: Path) -> None:
+    for pids in _group_pids(rt).values():
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(rt, ignore_errors=True)
+
+
+def _rank_heat(heat: Path, layers: dict[int, int]) -> list[dict[int, dict[int, int]]]:
+    """Each rank's heat file, checked to hold that rank's experts only."""
+    assert not (heat / POOL_USAGE_NAME).exists()
+    out = []
+    for r in range(RANKS):
+        counts = parse_usage((heat / usage_name(r, RANKS)).read_bytes())
+        assert set(counts) == set(layers)
+        assert all(e % RANKS == r and e < layers[lay] for lay, experts in counts.items() for e in experts), counts
+        out.append(counts)
+    return out
+
+
+def _total(counts: dict[int, dict[int, int]]) -> int:
+    return sum(sum(experts.values()) for experts in counts.values())
+
+
+def test_start_distributed_detaches_keeps_heat_per_rank_and_stop_ends_every_rank(store, tmp_path):
+    """`moestreamctl start --distributed` returns once rank 0 serves (the group runs on
+    under mlx.launch, detached); each rank pins its hottest experts from its own heat file
+    (status shows each rank's pins and heat); served requests add to each rank's file,
+    which holds only that rank's experts; `stop` leaves no process of the group (launcher,
+    ranks, heat keepers)."""
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="mst-eph-"))
+    heat = tmp_path / "heat"
+    heat.mkdir()
+    layers = {layer.ordinal: layer.num_experts for layer in load_manifest(store).layers}
+    seeded = [{lay: {e: 100 + e for e in range(r, n, RANKS)} for lay, n in layers.items()} for r in range(RANKS)]
+    for r, counts in enumerate(seeded):
+        write_usage(heat / usage_name(r, RANKS), counts)
     try:
-        started = ctl("start", *flags, *group, env=env, timeout=180)
-        assert started.returncode == 0, started.stderr
-        assert f"log {rt / 'daemon.log'}" in started.stderr and "mlx.launch" in started.stderr
-        pids = _group_pids(rt)  # running after start returned
-        assert [len(pids[k]) for k in ("launcher", "ranks", "keepers")] == [1, RANKS, RANKS], pids
-        for prompt in ("the quick brown fox", "a b c d e f g"):
-            served = ctl("generate", prompt, *flags, "--max-tokens", "6", "--temp", "0", env=env)
-            assert served.returncode == 0, served.stderr
-        stopped = ctl("stop", "--runtime-dir", str(rt))
-        assert stopped.returncode == 0, stopped.stderr
-        assert [p for k in pids for p in pids[k] if _alive(p)] == []
-
-        assert not (heat / POOL_USAGE_NAME).exists()
-        layers = {layer.ordinal: layer.num_experts for layer in load_manifest(store).layers}
-        for r in range(RANKS):
-            counts = parse_usage((heat / usage_name(r, RANKS)).read_bytes())
-            assert set(counts) == set(layers)
-            assert all(e % RANKS == r for experts in counts.values() for e in experts), counts
-            assert sum(sum(experts.values()) for experts in counts.values()) > 0
-
-        again = ctl("start", *flags, *group, env=env, timeout=180)
-        assert again.returncode == 0, again.stderr
+        flags, env = _start_group(store, rt, heat)
         st = json.loads(ctl("status", "--runtime-dir", str(rt), "--json").stdout)
         ranks = st["expert_parallel"]["ranks"]
         assert [r["heat_file"] for r in ranks] == [usage_name(r, RANKS) for r in range(RANKS)]
-        for r in ranks:
-            assert r["heat_state"] == "running" and r["heat_loaded"] > 0, r
-            assert r["heat_pinned"] > 0 and r["pinned"] == r["heat_pinned"], r
-            assert r["capacity"] == 8 and r["resident"] >= r["pinned"], r
-        assert "pinned" in ctl("status", "--runtime-dir", str(rt)).stdout
-        pids = _group_pids(rt)
-        assert ctl("stop", "--runtime-dir", str(rt)).returncode == 0
-        assert [p for k in pids for p in pids[k] if _alive(p)] == []
+        for r, row in enumerate(ranks):
+            assert row["heat_state"] == "running" and row["heat_loaded"] == _total(seeded[r]), row
+            # 4 of 8 slots in each of the 2 layers (top-k stay unpinned).
+            assert row["heat_pinned"] == row["pinned"] == 4 * len(layers) and row["capacity"] == 8, row
+            assert row["resident"] >= row["pinned"], row
+        assert "rank 1:" in (text := ctl("status", "--runtime-dir", str(rt)).stdout) and "8 pinned" in text, text
+        served = ctl("generate", "the quick brown fox", *flags, "--max-tokens", "6", "--temp", "0", env=env)
+        assert served.returncode == 0, served.stderr
+        _stop_group(rt)
+        after = _rank_heat(heat, layers)
+        assert all(_total(after[r]) > _total(seeded[r]) for r in range(RANKS)), after
     finally:
-        for pids in _group_pids(rt).values():
-            for pid in pids:
-                os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(rt, ignore_errors=True)
+        _kill_group(rt)
+
+
+@pytest.mark.slow
+def test_a_group_that_served_pins_each_ranks_hottest_at_its_next_start(store, tmp_path):
+    """From no heat: requests served by a group leave each rank's file (its experts only),
+    and the group's next start pins from them, per rank."""
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="mst-eph-"))
+    heat = tmp_path / "heat"
+    layers = {layer.ordinal: layer.num_experts for layer in load_manifest(store).layers}
+    try:
+        flags, env = _start_group(store, rt, heat)
+        for prompt in ("the quick brown fox", "a b c d e f g"):
+            served = ctl("generate", prompt, *flags, "--max-tokens", "6", "--temp", "0", env=env)
+            assert served.returncode == 0, served.stderr
+        _stop_group(rt)
+        saved = _rank_heat(heat, layers)
+        assert all(_total(counts) > 0 for counts in saved)
+        _start_group(store, rt, heat)
+        ranks = json.loads(ctl("status", "--runtime-dir", str(rt), "--json").stdout)["expert_parallel"]["ranks"]
+        for r, row in enumerate(ranks):
+            assert row["heat_loaded"] == _total(saved[r]) and row["heat_pinned"] == row["pinned"] > 0, row
+        _stop_group(rt)
+    finally:
+        _kill_group(rt)

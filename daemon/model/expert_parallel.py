@@ -179,15 +179,18 @@ class ExpertShare:
         out[self.rank :: self.size] = local
         return out
 
-    def local_counts(self, counts: Mapping[int, Mapping[int, int]]) -> tuple[dict[int, dict[int, int]], int]:
-        """{layer: {global id: count}} -> the same by rows of this rank's share, and how many
-        entries named an expert it does not own (left out)."""
+    def local_counts(
+        self, counts: Mapping[int, Mapping[int, int]], rows: Mapping[int, int]
+    ) -> tuple[dict[int, dict[int, int]], int]:
+        """{layer: {global id: count}} -> the same by rows of this rank's share (`rows`:
+        {layer: rows of the share}), and how many entries were left out: of an expert
+        another rank owns, past the layer's experts, or of a layer `rows` lacks."""
         out: dict[int, dict[int, int]] = {}
         foreign = 0
         for layer, experts in counts.items():
-            mine = out.setdefault(layer, {})
+            mine = out.setdefault(layer, {}) if layer in rows else {}
             for e, c in experts.items():
-                if e % self.size == self.rank:
+                if layer in rows and e % self.size == self.rank and e // self.size < rows[layer]:
                     mine[e // self.size] = c
                 else:
                     foreign += 1
