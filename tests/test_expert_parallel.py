@@ -31,6 +31,7 @@ from arch_table import tiny_config
 from daemon_cli import clean_env, ctl, wait_for
 from tiny_models import make_tiny_model
 
+from moestream.client.cli.group import launch_argv
 from moestream.daemon.bench.expert_parallel import greedy
 from moestream.daemon.model.expert_parallel import CONTROL_SECONDS, NOT_HERE, ExpertShare
 from moestream.daemon.model.streaming_model import load_stock_model, load_streaming_model
@@ -249,6 +250,31 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_start_distributed_refuses_launch_options_it_cannot_use(store, tmp_path):
+    """A group needs mlx.launch's options, and the backend and the command are moestream's:
+    each bad start is refused with the reason before any process starts."""
+    import click
+
+    settings = Settings(distributed="ring")
+    for launch, says in [
+        (None, "needs --distributed-launch"),
+        ("-n 2 --backend mpi", "--backend is moestream's"),
+        ("-n 2 -- python", "-- is moestream's"),
+        ("--hosts 'a,b", "No closing quotation"),
+    ]:
+        with pytest.raises(click.UsageError, match=says):
+            launch_argv(settings.replace(distributed_launch=launch), ["python"])
+    argv = launch_argv(settings.replace(distributed_launch="--hosts a,b -p 9000"), ["python", "-m", "x"])
+    assert argv[1:] == ["--hosts", "a,b", "-p", "9000", "--backend", "ring", "--", "python", "-m", "x"]
+    # Through the command: no process, no log, no group.
+    rt = tmp_path / "rt"
+    base = ("start", "--model", str(store), "--runtime-dir", str(rt), "--distributed", "ring")
+    for extra, says in [((), "needs --distributed-launch"), (("--distributed-launch", "-n 2", "--foreground"), "drop")]:
+        run = ctl(*base, *extra, timeout=60)
+        assert run.returncode == 2 and says in run.stderr, (extra, run.stderr)
+    assert not (rt / "group.pid").exists() and not (rt / "daemon.log").exists()
 
 
 def _start_group(store: Path, rt: Path, heat: Path) -> tuple[tuple[str, ...], dict[str, str]]:
