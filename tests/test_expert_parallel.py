@@ -38,7 +38,7 @@ from moestream.daemon.model.streaming_model import load_stock_model, load_stream
 from moestream.daemon.store.convert import convert_model
 from moestream.shared.heat_file import parse_usage, usage_name, write_usage
 from moestream.shared.settings import Settings, parse_capacity
-from moestream.shared.store_format import POOL_USAGE_NAME, load_manifest
+from moestream.shared.store_format import ABSENT, POOL_USAGE_NAME, StoreError, load_manifest
 
 RANKS = 2
 CAPACITIES = ["25%", "100%"]
@@ -57,6 +57,15 @@ def store(tmp_path_factory) -> Path:
     return root / "store"
 
 
+@pytest.fixture(scope="module")
+def shards(store) -> list[Path]:
+    """`convert --shard r/2` of the store's model, for each rank r."""
+    paths = [store.parent / f"shard{r}" for r in range(RANKS)]
+    for r, path in enumerate(paths):
+        convert_model(store.parent / "model", path, shard=(r, RANKS))
+    return paths
+
+
 def _scrambled_copy(store: Path, dest: Path, rank: int) -> None:
     """A copy of `store` where every expert that `rank` does not own is random bytes."""
     shutil.copytree(store, dest)
@@ -70,10 +79,19 @@ def _scrambled_copy(store: Path, dest: Path, rank: int) -> None:
 
 
 def _free_port() -> int:
-    # The ring backend listens on this port and the next one.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that is free, and whose next RANKS - 1 are: the ring backend listens on one per
+    rank (another job's listener on the second one would leave the group never ready)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            for p in range(port, port + RANKS):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
 
 
 def test_share_maps_global_ids_to_its_rows():
@@ -377,3 +395,56 @@ def test_a_group_that_served_pins_each_ranks_hottest_at_its_next_start(store, tm
         _stop_group(rt)
     finally:
         _kill_group(rt)
+
+
+def test_a_shard_store_holds_its_ranks_experts_and_serves_only_that_rank(store, shards):
+    """`convert --shard r/N`: each layer file holds rank r's experts back to back, byte for
+    byte those of the whole store, the manifest says the shard and lists the rest ABSENT;
+    the shard loads as rank r of N (and reads exactly its half), and is refused alone, as
+    another rank, and as stock's model."""
+    full = load_manifest(store)
+    for r, path in enumerate(shards):
+        manifest = load_manifest(path)
+        assert manifest.shard == (r, RANKS)
+        for whole, layer in zip(full.layers, manifest.layers):
+            data, want = (path / layer.file).read_bytes(), (store / whole.file).read_bytes()
+            mine = range(r, layer.num_experts, RANKS)
+            assert len(data) == len(mine) * layer.stride
+            for j, e in enumerate(mine):
+                assert layer.experts[e].offset == j * layer.stride and layer.experts[e].crc32 == whole.experts[e].crc32
+                block = data[j * layer.stride : (j + 1) * layer.stride]
+                assert block == want[e * whole.stride : (e + 1) * whole.stride]
+            assert all(layer.experts[e].offset == ABSENT for e in range(layer.num_experts) if e % RANKS != r)
+    settings = Settings(capacity=1.0, verify_checksums=True)
+    alone = load_streaming_model(store, settings)
+    whole_bytes = alone.pool_stats()["bytes_read"]
+    alone.close()
+    rank1 = load_streaming_model(shards[1], settings, share=ExpertShare(None, rank=1, size=RANKS))
+    try:
+        assert rank1.pool_stats()["bytes_read"] == whole_bytes // RANKS  # every owned expert, checksums verified
+    finally:
+        rank1.close()
+    with pytest.raises(StoreError, match="shard 1/2 .* one process needs a whole store"):
+        load_streaming_model(shards[1], settings)
+    with pytest.raises(StoreError, match="shard 1/2 of its model, but this is rank 0 of 2"):
+        load_streaming_model(shards[1], settings, share=ExpertShare(None, rank=0, size=RANKS))
+    with pytest.raises(StoreError, match="one process needs a whole store"):
+        load_stock_model(shards[0])
+
+
+@pytest.mark.slow
+def test_two_ranks_from_shard_stores_decode_what_stock_decodes(store, shards, tmp_path):
+    """Each rank from its own `convert --shard` store (rank r's at shard{r}), both ways
+    (every rank running the forward, and the daemon's): stock mlx-lm's tokens and logits."""
+    command = [
+        str(Path(sys.executable).with_name("mlx.launch")),
+        *("--backend", "ring", "-n", str(RANKS), "--starting-port", str(_free_port()), "--"),
+        *(sys.executable, "-m", "moestream.daemon.bench.expert_parallel", str(store.parent / "shard{rank}")),
+        *("--capacity", "25%", "--prompt", ",".join(map(str, PROMPT)), "--steps", str(STEPS)),
+        *("--out", str(tmp_path / "out"), "--led"),
+    ]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    want = greedy(load_stock_model(store), PROMPT, STEPS)[:2]
+    rank0 = json.loads((tmp_path / "out" / "rank0.json").read_text())
+    assert [(got["tokens"], got["logits_sha256"]) for got in rank0] == [want, want]
