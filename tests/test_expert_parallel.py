@@ -292,6 +292,8 @@ def test_start_distributed_refuses_launch_options_it_cannot_use(store, tmp_path)
     for extra, says in [((), "needs --distributed-launch"), (("--distributed-launch", "-n 2", "--foreground"), "drop")]:
         run = ctl(*base, *extra, timeout=60)
         assert run.returncode == 2 and says in run.stderr, (extra, run.stderr)
+    service = ctl("service", "install", "--dry-run", *base[1:], "--distributed-launch", "-n 2", timeout=60)
+    assert service.returncode == 2 and "not installed as a service" in service.stderr, service.stderr
     assert not (rt / "group.pid").exists() and not (rt / "daemon.log").exists()
 
 
