@@ -366,9 +366,13 @@ def test_start_distributed_detaches_keeps_heat_per_rank_and_stop_ends_every_rank
             assert row["heat_pinned"] == row["pinned"] == 4 * len(layers) and row["capacity"] == 8, row
             assert row["resident"] >= row["pinned"], row
         assert "rank 1:" in (text := ctl("status", "--runtime-dir", str(rt)).stdout) and "8 pinned" in text, text
+        # The two ranks share this runtime folder: each keeper has sockets of its own.
+        sockets = sorted(p.name for p in rt.glob("heat*.sock"))
+        assert sockets == sorted(f"{k}-rank{r}of{RANKS}.sock" for r in range(RANKS) for k in ("heat", "heat-ack"))
         served = ctl("generate", "the quick brown fox", *flags, "--max-tokens", "6", "--temp", "0", env=env)
         assert served.returncode == 0, served.stderr
         _stop_group(rt)
+        assert list(rt.glob("heat*.sock")) == []
         after = _rank_heat(heat, layers)
         assert all(_total(after[r]) > _total(seeded[r]) for r in range(RANKS)), after
     finally:
