@@ -59,7 +59,8 @@ def socket_names(usage_name: str) -> tuple[str, str]:
     """The data and ack sockets' names in the runtime folder of the keeper of `usage_name`."""
     if usage_name == POOL_USAGE_NAME:
         return HEAT_SOCKET, HEAT_ACK_SOCKET
-    tag = usage_name.removeprefix("pool_usage.").removesuffix(".json")
+    stem = POOL_USAGE_NAME.removesuffix(".json")
+    tag = usage_name.removesuffix(".json").removeprefix(stem + ".")  # rank1of2
     return f"heat-{tag}.sock", f"heat-ack-{tag}.sock"
 
 
