@@ -106,7 +106,12 @@ class Heat:
         summary = autopin(sm, counts, self.settings.autopin_frac)
         self.counters.loaded_counts = usage.total
         self.counters.pinned = summary.placed if summary.mapped else summary.pinned
-        self.autopin = {**summary.to_dict(), "routing_counts": usage.total, "problem": usage.problem}
+        self.autopin = {
+            **summary.to_dict(),
+            "routing_counts": usage.total,
+            "problem": usage.problem,
+            "foreign_entries": self.counters.foreign_entries,
+        }
         self.log.info(
             "autopin: %d experts %s in %d layers (%d more loaded unpinned, %.0f MB read into the host tier) "
             "from %d saved routing counts (%s) in %.2f s",
