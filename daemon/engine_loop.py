@@ -25,11 +25,11 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterator
 
 import zmq
 
+from moestream.daemon.heat import Heat
 from moestream.daemon.keep_alive import KeepAlive, trim_heap
 from moestream.daemon.limits import FileLimit
 from moestream.shared import protocol as proto
@@ -38,7 +38,6 @@ from moestream.shared.settings import Settings, format_size
 EXIT_FRAME = b"exit"
 SNAPSHOT_SECONDS = 0.1
 RECENT_REQUESTS = 32
-HEAT_CHECK_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -138,10 +137,9 @@ class EngineLoop:
         self._batch: Any = None
         # The prompt cache (daemon/model/prompt_cache.py) where prompt_cache_bytes > 0, else None.
         self._prompt_cache: Any = None
-        self._heat: Any = None
+        # This process's heat (daemon/heat.py): rank 0's own experts' in a group.
+        self._heat = Heat(settings, log, share)
         self._checker: Any = None
-        self._heat_state: dict[str, Any] = {"state": "not started"}
-        self._autopin: dict[str, Any] | None = None
         # The served manifest's stat when it was loaded: `status` compares it with the file's now.
         self._store_stamp: tuple[int, int, int, int] | None = None
         # The served store's path, id and stamp, kept in `status` while the model is unloaded.
@@ -162,7 +160,6 @@ class EngineLoop:
         self._stopping = False
         self._prefetch_logged = False
         self._last_snapshot = 0.0
-        self._last_heat = self._last_heat_check = time.monotonic()
         self._keep_alive = KeepAlive(settings.keep_alive)
         self.state = "loading"
         self.error: str | None = None
@@ -219,12 +216,8 @@ class EngineLoop:
         if self._share is not None:
             self.log.info("expert-parallel: waiting for the other %d ranks to load their shares", self._share.size - 1)
             self._share.barrier()
-        if self._share is None:
-            self._autopin_from_heat()
-            self._start_heat_keeper()
-        else:
-            # Each rank's pools count their own share in their own ids: not the heat file's.
-            self._heat_state = {"state": "off: an expert-parallel group (heat per rank is not kept yet)"}
+        self._heat.pin(self._sm)
+        self._heat.start(self._sm)
         self.state = "ready"
         self._log_ready(time.perf_counter() - tic)
         self._publish(force=True)
@@ -605,7 +598,7 @@ class EngineLoop:
         self._publish(force=True)
         if reason != "disconnected":
             self._send(job.peer, proto.Done(job.msg.id, text, tokens, reason, stats, calls))
-        self._push_heat()
+        self._heat.push(self._sm)
         self._log_prefetch_decision()
 
     def _log_prefetch_decision(self) -> None:
@@ -681,8 +674,7 @@ class EngineLoop:
         stats = self._keep_alive.stats
         me = psutil.Process()
         stats.rss_before_bytes, stats.mlx_active_before_bytes = me.memory_info().rss, mx.get_active_memory()
-        self._push_heat()
-        if self._heat is not None and not self._heat.flush(5.0):
+        if not self._heat.flush(self._sm):
             self.log.error("heat: the flush before unloading did not complete; the next load pins from older counts")
         try:
             self._release_model()
@@ -734,7 +726,7 @@ class EngineLoop:
             return
         self.error = None
         self._load_progress(1, steps)
-        self._autopin_from_heat()
+        self._heat.pin(self._sm)
         self._load_progress(steps, steps)
         self._keep_alive.loaded(time.perf_counter() - tic)
         self.state = "ready"
@@ -766,8 +758,8 @@ class EngineLoop:
                 "recent": list(self._recent),
                 **self._counters,
             },
-            "heat": self._heat_health(),
-            "autopin": self._autopin,
+            "heat": self._heat.health(),
+            "autopin": self._heat.autopin,
             "keep_alive": self._keep_alive.to_dict(now),
         }
         sm = self._sm
@@ -811,12 +803,15 @@ class EngineLoop:
         self.snapshot = snap
 
     def _ranks(self) -> dict[str, Any]:
-        """Each rank's share, pool, hit rate and bytes read (a collective: every rank answers)."""
+        """Each rank's share, pool, hit rate, bytes read and heat (a collective: every rank
+        answers), and the name of each rank's heat file in its heat folder."""
         from moestream.daemon.expert_worker import share_row
+        from moestream.daemon.heat import STATES
         from moestream.daemon.model.expert_parallel import STAT_FIELDS, GroupError
+        from moestream.shared.heat_file import usage_name
 
         try:
-            rows = self._share.gather_stats(share_row(self._sm))
+            rows = self._share.gather_stats(share_row(self._sm, self._heat))
         except GroupError as e:
             if self.error is None:
                 self.log.error("%s", e)
@@ -826,6 +821,8 @@ class EngineLoop:
         for rank, row in enumerate(rows):
             d = dict(zip(STAT_FIELDS, row))
             seen = d["hits"] + d["misses"]
+            d["heat_state"] = STATES[d["heat_state"]] if 0 <= d["heat_state"] < len(STATES) else "unknown"
+            d["heat_file"] = usage_name(rank, self._share.size)
             ranks.append({"rank": rank, **d, "hit_rate": d["hits"] / seen if seen else None})
         return {**self._share.describe(), "ranks": ranks}
 
@@ -849,101 +846,12 @@ class EngineLoop:
 
     # ---- heat ------------------------------------------------------------------------
 
-    def _autopin_from_heat(self) -> None:
-        """Pin each layer's hottest experts from the saved heat."""
-        from moestream.daemon.heat_publisher import load_usage
-        from moestream.daemon.pool.autopin import autopin
-        from moestream.shared.heat_file import HeatReadError
-
-        sm = self._sm
-        heat_dir = self.settings.heat_folder(sm.store_dir)
-        if not self.settings.heat_dir and heat_dir != Path(sm.store_dir).resolve():
-            self.log.info(
-                "heat: kept in %s, not beside the store (the demo, or a folder this user cannot write or does not own)",
-                heat_dir,
-            )
-        try:
-            heat_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError as e:
-            # The keeper will fail its writes and say so in `status`; serving goes on.
-            self.log.error("heat: cannot create the heat folder %s: %s", heat_dir, e)
-        try:
-            usage = load_usage(heat_dir, {p.layer.ordinal: p.layer.num_experts for p in sm.pools})
-        except HeatReadError as e:
-            self.log.error("heat: cannot read the saved heat (%s); starting without pinned experts", e)
-        else:
-            if usage.problem:
-                self.log.error("heat: %s", usage.problem)
-            summary = autopin(sm, usage.counts, self.settings.autopin_frac)
-            self._autopin = {**summary.to_dict(), "routing_counts": usage.total, "problem": usage.problem}
-            self.log.info(
-                "autopin: %d experts %s in %d layers (%d more loaded unpinned, %.0f MB read into the host tier) "
-                "from %d saved routing counts (%s) in %.2f s",
-                summary.placed if summary.mapped else summary.pinned,
-                "placed in GPU memory" if summary.mapped else "pinned",
-                summary.layers,
-                summary.preloaded,
-                summary.tier_warmed_bytes / 1e6,
-                usage.total,
-                usage.path,
-                summary.seconds,
-            )
-
-    def _start_heat_keeper(self) -> None:
-        from moestream.daemon.heat_publisher import HeatPublisher
-
-        heat_dir = self.settings.heat_folder(self._sm.store_dir)
-        self._heat = HeatPublisher(
-            heat_dir,
-            self.settings.runtime_path(),
-            flush_seconds=self.settings.heat_flush_seconds,
-            log=self.log.getChild("heat"),
-        )
-        self._heat.start()
-
-    def _push_heat(self) -> None:
-        if self._heat is None or self._sm is None:
-            return
-        self._heat.push({p.layer.ordinal: p.take_routed() for p in self._sm.pools})
-        self._last_heat = time.monotonic()
-
     def _heat_tick(self) -> None:
-        if self._heat is None:
-            return
-        now = time.monotonic()
-        if now - self._last_heat >= self.settings.heat_flush_seconds:
-            self._push_heat()
-        if now - self._last_heat_check >= HEAT_CHECK_SECONDS:
-            self._last_heat_check = now
-            self._heat.check()  # restarts a keeper that died
-
-    def _heat_health(self) -> dict[str, Any]:
-        if self._heat is None:
-            return dict(self._heat_state)
-        health = self._heat.health()
-        if not health["alive"]:
-            return {"state": "down", **health}
-        if not health["ready"]:
-            return {"state": "starting", **health}
-        if health["lock_wait"]:
-            # Another daemon's keeper writes this store's heat file: ours keeps the counts
-            # in a file of its own until it can add them (daemon/heat_keeper.py, The lock).
-            note = (
-                f"{health['lock_wait']} (a second daemon on this store?); this daemon's counts are kept in "
-                f"{health['pending']} and added to the heat file once it is free"
-            )
-            return {"state": "waiting", "note": note, **health}
-        return {"state": "running", **health}
+        self._heat.tick(self._sm)
 
     def _close_model(self) -> None:
         try:
-            if self._heat is not None:
-                self._push_heat()
-                if not self._heat.flush(5.0):
-                    self.log.error("heat: the final flush did not complete; the last counts may be lost")
-                self._heat.close(5.0)
-                self._heat_state = {"state": "closed"}
-                self._heat = None
+            self._heat.close(self._sm)
         finally:
             try:
                 self._release_model()

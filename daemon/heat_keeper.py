@@ -3,7 +3,11 @@
 
     python -m moestream.daemon.heat_keeper --endpoint ipc://<runtime>/heat.sock \\
         --ack-endpoint ipc://<runtime>/heat-ack.sock --store DIR --flush-seconds S \\
-        [--flush-batches N] [--parent-pid PID] [--lock-timeout S]
+        [--flush-batches N] [--parent-pid PID] [--lock-timeout S] [--name FILE]
+
+`--name` is the heat file's name in DIR: a rank of an expert-parallel group keeps
+`pool_usage.rank<r>of<N>.json` (`shared/heat_file.py` `usage_name`), with its own lock
+and pending files, so the keepers of two ranks on one machine never share a file.
 
 Sockets. The daemon binds both ends in its private runtime folder and the keeper
 connects, so the daemon's sockets outlive any number of keeper restarts and a send while
@@ -86,6 +90,7 @@ from moestream.shared.heat_file import (
     usage_path,
     write_usage,
 )
+from moestream.shared.store_format import POOL_USAGE_NAME
 
 PROTOCOL_VERSION = 1
 # One message may add at most this much to one expert: far above any real batch, low
@@ -185,13 +190,14 @@ class HeatKeeper:
         store_dir: Path,
         *,
         lock: UsageLock,
+        name: str = POOL_USAGE_NAME,
         pull: zmq.Socket,
         ack: zmq.Socket,
         flush_seconds: float,
         flush_batches: int = 0,
         parent_pid: int = 0,
     ) -> None:
-        self.path = usage_path(store_dir)
+        self.path = usage_path(store_dir, name)
         self.lock = lock
         self.counts: UsageCounts = {}
         # Where writes go: the heat file while the lock is held, else this keeper's
@@ -471,6 +477,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         help="the folder holding pool_usage.json (the store's, or the user's heat folder)",
     )
+    p.add_argument("--name", default=POOL_USAGE_NAME, help="the heat file's name in that folder")
     p.add_argument("--flush-seconds", type=float, default=5.0)
     p.add_argument("--flush-batches", type=int, default=0, help="also write after this many counts messages (0: off)")
     p.add_argument("--parent-pid", type=int, default=0, help="exit (after a final write) when this process is gone")
@@ -483,6 +490,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.flush_seconds > 0:
         p.error("--flush-seconds must be positive")
+    if Path(args.name).name != args.name or not args.name.endswith(".json"):
+        p.error("--name must be a file name ending in .json, without a folder")
     if args.flush_batches < 0:
         p.error("--flush-batches must be 0 or more")
     return args
@@ -499,10 +508,11 @@ def main(argv: list[str] | None = None) -> int:
     ack.setsockopt(zmq.SNDHWM, 10_000)
     pull.connect(args.endpoint)
     ack.connect(args.ack_endpoint)
-    lock = UsageLock(usage_path(args.store))
+    lock = UsageLock(usage_path(args.store, args.name))
     keeper = HeatKeeper(
         args.store,
         lock=lock,
+        name=args.name,
         pull=pull,
         ack=ack,
         flush_seconds=args.flush_seconds,

@@ -39,6 +39,7 @@ import zmq
 
 from moestream.daemon.heat_keeper import PROTOCOL_VERSION, pack
 from moestream.shared.heat_file import UsageLoad, read_usage, usage_path
+from moestream.shared.store_format import POOL_USAGE_NAME
 
 HEAT_SOCKET = "heat.sock"
 HEAT_ACK_SOCKET = "heat-ack.sock"
@@ -46,11 +47,21 @@ HEAT_ACK_SOCKET = "heat-ack.sock"
 MAX_IPC_PATH = 103
 
 
-def load_usage(store_dir: Path | str, shape: Mapping[int, int] | None = None) -> UsageLoad:
+def load_usage(store_dir: Path | str, shape: Mapping[int, int] | None = None, name: str = POOL_USAGE_NAME) -> UsageLoad:
     """The heat saved beside a store (for autopin); `shape` is {layer: experts} of the
-    model. A corrupt file, or one naming layers or experts the model lacks, is set aside
-    and `problem` says so; the caller logs it."""
-    return read_usage(usage_path(store_dir), shape)
+    model; `name` the file's (a rank's own in a group: `usage_name`). A corrupt file, or
+    one naming layers or experts the model lacks, is set aside and `problem` says so; the
+    caller logs it."""
+    return read_usage(usage_path(store_dir, name), shape)
+
+
+def socket_names(usage_name: str) -> tuple[str, str]:
+    """The data and ack sockets' names in the runtime folder of the keeper of `usage_name`."""
+    if usage_name == POOL_USAGE_NAME:
+        return HEAT_SOCKET, HEAT_ACK_SOCKET
+    stem = POOL_USAGE_NAME.removesuffix(".json")
+    tag = usage_name.removesuffix(".json").removeprefix(stem + ".")  # rank1of2
+    return f"heat-{tag}.sock", f"heat-ack-{tag}.sock"
 
 
 def encode_counts(counts: Mapping[int, np.ndarray]) -> tuple[dict[int, bytes], int]:
@@ -88,6 +99,7 @@ class HeatPublisher:
         runtime_dir: Path,
         *,
         flush_seconds: float,
+        usage_name: str = POOL_USAGE_NAME,
         log: logging.Logger,
         flush_batches: int = 0,
         send_hwm: int = 1000,
@@ -97,10 +109,14 @@ class HeatPublisher:
         context: zmq.Context | None = None,
     ) -> None:
         """`backoff` = (first, longest) restart delay; the delay doubles on each death
-        and returns to `first` once a keeper has lived `stable_seconds`."""
+        and returns to `first` once a keeper has lived `stable_seconds`. `usage_name`:
+        the heat file's name in `store_dir`; any other than `pool_usage.json` (a rank's
+        own, `shared/heat_file.py` `usage_name`) has sockets named after it, so that the
+        ranks of a group on one machine, which share a runtime folder, have their own."""
         if not flush_seconds > 0:
             raise ValueError(f"[HeatPublisher] flush_seconds must be positive, got {flush_seconds}")
         self.store_dir = Path(store_dir)
+        self.usage_name = usage_name
         self.runtime_dir = Path(runtime_dir)
         self.flush_seconds = flush_seconds
         self.flush_batches = flush_batches
@@ -109,8 +125,9 @@ class HeatPublisher:
         self.backoff_first, self.backoff_max = backoff
         self.stable_seconds = stable_seconds
         self.lock_timeout = lock_timeout
-        self.data_endpoint = self._endpoint(HEAT_SOCKET)
-        self.ack_endpoint = self._endpoint(HEAT_ACK_SOCKET)
+        self._socket_names = socket_names(usage_name)
+        self.data_endpoint = self._endpoint(self._socket_names[0])
+        self.ack_endpoint = self._endpoint(self._socket_names[1])
         self._own_context = context is None
         self._ctx = context
         self._data: zmq.Socket | None = None
@@ -204,6 +221,7 @@ class HeatPublisher:
             "--endpoint", self.data_endpoint,
             "--ack-endpoint", self.ack_endpoint,
             "--store", str(self.store_dir),
+            "--name", self.usage_name,
             "--flush-seconds", repr(self.flush_seconds),
             "--flush-batches", str(self.flush_batches),
             "--parent-pid", str(os.getpid()),
@@ -327,7 +345,7 @@ class HeatPublisher:
                 sock.close(linger=0)
         self._data = self._ack = None
         if bound:  # libzmq leaves the socket files; the runtime folder is ours alone
-            for name in (HEAT_SOCKET, HEAT_ACK_SOCKET):
+            for name in self._socket_names:
                 (self.runtime_dir / name).unlink(missing_ok=True)
         if self._own_context and self._ctx is not None:
             self._ctx.term()

@@ -114,8 +114,13 @@ def run_follower(settings: Settings, share: ExpertShare) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     log.addHandler(handler)
+    from moestream.shared.store_format import StoreError
+
     try:
         return serve_share(settings, share, log)
+    except StoreError as e:  # a store this rank cannot serve (another rank's shard, say): the reason is enough
+        log.error("rank %d cannot load its share: %s", share.rank, e)
+        return 1
     except Exception:
         log.exception("rank %d failed", share.rank)
         return 1

@@ -1,7 +1,8 @@
 """The heat file, `<store>/pool_usage.json`: routing counts per MoE layer and expert.
 
 Format: `{"<layer>": {"<expert>": count}}`, layers and experts as canonical decimal
-strings, counts non-negative integers. Nothing else lives at the top level.
+strings, counts non-negative integers. Nothing else lives at the top level. Each rank of
+an expert-parallel group keeps a file of its own, of its own experts (`usage_name`).
 
 Reading never trusts the file: a file that is not exactly that shape is moved aside to
 `pool_usage.json.corrupt-<UTC time>` and reported in the returned `UsageLoad`, and counting
@@ -104,8 +105,21 @@ class UsageLoad:
         return sum(sum(layer.values()) for layer in self.counts.values())
 
 
-def usage_path(store_dir: Path | str) -> Path:
-    return Path(store_dir) / POOL_USAGE_NAME
+def usage_name(rank: int | None = None, size: int | None = None) -> str:
+    """The heat file's name: `pool_usage.json` for one process; for rank `rank` of an
+    expert-parallel group of `size`, `pool_usage.rank<rank>of<size>.json`, which holds
+    only that rank's experts (by their global ids): each rank counts and writes its own,
+    so two ranks never write one file, and a group of another size starts afresh."""
+    if rank is None or size is None:
+        return POOL_USAGE_NAME
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is not in a group of {size}")
+    stem, dot, ext = POOL_USAGE_NAME.rpartition(".")
+    return f"{stem}.rank{rank}of{size}{dot}{ext}"
+
+
+def usage_path(store_dir: Path | str, name: str = POOL_USAGE_NAME) -> Path:
+    return Path(store_dir) / name
 
 
 def read_usage(path: Path | str, shape: Mapping[int, int] | None = None) -> UsageLoad:

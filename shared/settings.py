@@ -433,6 +433,15 @@ class Settings:
         "backend: rank 0 is the daemon and its socket, every rank streams its share of each layer's experts "
         "(e % ranks == rank) from its own store copy into its own pool; off: one process.",
     )
+    distributed_launch: str | None = setting(
+        None,
+        kind="text",
+        scope=(DAEMON,),
+        shown_default="none",
+        help="With `distributed`, `moestreamctl start` runs the group in the background through `mlx.launch` with "
+        "these of its options (`--hosts IP0,IP1`, `--hostfile FILE`, `-n 2`, `--starting-port P`; the backend is "
+        "`distributed`'s) and returns once rank 0 serves; `stop` ends every rank.",
+    )
     host_cache: int = setting(
         0,
         kind="size",

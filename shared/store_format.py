@@ -6,13 +6,20 @@ A store is a folder:
     resident*.safetensors    every non-expert weight, keyed as in the mlx-lm model
     tokenizer files          copied from the source model folder
     experts/layer_NNN.bin    one file per MoE layer
-    pool_usage.json          routing heat, written by the heat keeper
+    pool_usage.json          routing heat, written by the heat keeper (a rank of an
+                             expert-parallel group: pool_usage.rank<r>of<N>.json)
 
 In a layer file, expert `e` occupies one block that starts at `e * stride` (a multiple
 of `EXPERT_ALIGN`), so reading one expert is one aligned read. Inside the block the
 expert's tensors (weight, scales, biases, bias of every projection, in manifest order)
 lie back to back, each at an offset that is a multiple of `TENSOR_ALIGN`. The block's
 first `length` bytes are covered by a CRC-32 (zlib polynomial); the rest is zero padding.
+
+A shard store (`convert --shard i/N`, for rank i of an expert-parallel group of N,
+docs/scale-out.md) holds only the experts e with e % N == i, each layer's owned experts
+back to back: expert e at `(e // N) * stride`. The manifest's `shard` says [i, N], and
+every expert the store lacks is listed with offset ABSENT (its length as the others',
+CRC 0), so that nothing can read it by mistake.
 
 This module imports no MLX: the client, the benchmarks and the daemon all read it.
 """
@@ -38,6 +45,8 @@ MANIFEST_NAME = "manifest.json"
 POOL_USAGE_NAME = "pool_usage.json"
 EXPERTS_DIR = "experts"
 EXPERT_ALIGN = 16384
+# A shard store's offset of an expert it does not hold.
+ABSENT = -1
 TENSOR_ALIGN = 64
 
 # Bytes per element of the dtypes a store may hold, by their MLX/numpy names.
@@ -126,6 +135,12 @@ class Manifest:
     # Names the store wherever it lies: two copies of one store have the same id. `convert`
     # writes a fresh one; a store written before ids existed gets one from its content.
     store_id: str | None = None
+    # (i, N) for a shard store, which holds only the experts e % N == i; None: every expert.
+    shard: tuple[int, int] | None = None
+
+    def holds(self, expert: int) -> bool:
+        """Whether this store holds `expert` of every layer (a shard store only its own)."""
+        return self.shard is None or expert % self.shard[1] == self.shard[0]
 
     @property
     def expert_bytes_total(self) -> int:
@@ -144,6 +159,8 @@ class Manifest:
         head: dict[str, Any] = {"format": FORMAT_NAME, "version": self.version}
         if self.store_id is not None:
             head["store_id"] = self.store_id
+        if self.shard is not None:
+            head["shard"] = list(self.shard)
         return {
             **head,
             "model_type": self.model_type,
@@ -202,6 +219,7 @@ class Manifest:
                 alignment=int(data.get("alignment", EXPERT_ALIGN)),
                 version=int(data["version"]),
                 store_id=_store_id_of(data),
+                shard=_shard_of(data),
             )
         except StoreError:
             raise
@@ -216,6 +234,8 @@ class Manifest:
             raise StoreError(f"{where}: the store id {self.store_id!r} is not a non-empty string")
         if not self.layers:
             raise StoreError(f"{where}: the store has no MoE layers")
+        if self.shard is not None and not 0 <= self.shard[0] < self.shard[1]:
+            raise StoreError(f"{where}: shard {self.shard[0]}/{self.shard[1]} is not one of {self.shard[1]}")
         for layer in self.layers:
             if len(layer.experts) != layer.num_experts:
                 raise StoreError(
@@ -233,12 +253,18 @@ class Manifest:
                 if count * DTYPE_SIZES[t.dtype] != t.nbytes or t.offset % TENSOR_ALIGN:
                     raise StoreError(f"{where}: tensor {t.name} of {layer.module_path} is inconsistent")
             for e, entry in enumerate(layer.experts):
-                if entry.offset != e * layer.stride or entry.length != layer.expert_bytes:
+                offset = self.expert_offset(layer, e)
+                if entry.offset != offset or entry.length != layer.expert_bytes:
                     raise StoreError(
                         f"{where}: expert {e} of {layer.module_path} has offset/length "
-                        f"{entry.offset}/{entry.length}, expected "
-                        f"{e * layer.stride}/{layer.expert_bytes}"
+                        f"{entry.offset}/{entry.length}, expected {offset}/{layer.expert_bytes}"
                     )
+
+    def expert_offset(self, layer: MoELayer, expert: int) -> int:
+        """Where `expert` of `layer` lies in its file: ABSENT where a shard store lacks it."""
+        if self.shard is None:
+            return expert * layer.stride
+        return expert // self.shard[1] * layer.stride if self.holds(expert) else ABSENT
 
     # ---- files ---------------------------------------------------------------------
 
@@ -301,6 +327,15 @@ def _store_id_of(data: dict[str, Any]) -> str:
     if not isinstance(given, str):
         raise TypeError(f"store_id is a {type(given).__name__}, not a string")
     return given
+
+
+def _shard_of(data: dict[str, Any]) -> tuple[int, int] | None:
+    shard = data.get("shard")
+    if shard is None:
+        return None
+    if not isinstance(shard, list) or len(shard) != 2 or not all(type(n) is int for n in shard):
+        raise TypeError(f"shard is {shard!r}, not [index, count]")
+    return (shard[0], shard[1])
 
 
 def load_manifest(store_dir: str | os.PathLike) -> Manifest:

@@ -31,12 +31,14 @@ from arch_table import tiny_config
 from daemon_cli import clean_env, ctl, wait_for
 from tiny_models import make_tiny_model
 
+from moestream.client.cli.group import launch_argv
 from moestream.daemon.bench.expert_parallel import greedy
 from moestream.daemon.model.expert_parallel import CONTROL_SECONDS, NOT_HERE, ExpertShare
 from moestream.daemon.model.streaming_model import load_stock_model, load_streaming_model
 from moestream.daemon.store.convert import convert_model
+from moestream.shared.heat_file import parse_usage, usage_name, write_usage
 from moestream.shared.settings import Settings, parse_capacity
-from moestream.shared.store_format import load_manifest
+from moestream.shared.store_format import ABSENT, POOL_USAGE_NAME, StoreError, load_manifest
 
 RANKS = 2
 CAPACITIES = ["25%", "100%"]
@@ -55,6 +57,15 @@ def store(tmp_path_factory) -> Path:
     return root / "store"
 
 
+@pytest.fixture(scope="module")
+def shards(store) -> list[Path]:
+    """`convert --shard r/2` of the store's model, for each rank r."""
+    paths = [store.parent / f"shard{r}" for r in range(RANKS)]
+    for r, path in enumerate(paths):
+        convert_model(store.parent / "model", path, shard=(r, RANKS))
+    return paths
+
+
 def _scrambled_copy(store: Path, dest: Path, rank: int) -> None:
     """A copy of `store` where every expert that `rank` does not own is random bytes."""
     shutil.copytree(store, dest)
@@ -68,10 +79,19 @@ def _scrambled_copy(store: Path, dest: Path, rank: int) -> None:
 
 
 def _free_port() -> int:
-    # The ring backend listens on this port and the next one.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that is free, and whose next RANKS - 1 are: the ring backend listens on one per
+    rank (another job's listener on the second one would leave the group never ready)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            for p in range(port, port + RANKS):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
 
 
 def test_share_maps_global_ids_to_its_rows():
@@ -79,6 +99,10 @@ def test_share_maps_global_ids_to_its_rows():
     assert share.owned(8) == [1, 4, 7]
     ids = np.array([[0, 1, 4], [7, 2, 3]])
     assert share.local_ids(ids).tolist() == [[NOT_HERE, 0, 1], [2, NOT_HERE, NOT_HERE]]
+    # Heat: the share's per-row counts as global ids, and a rank's file back to its rows
+    # (another rank's expert, one past the layer, or an unknown layer left out, and counted).
+    assert share.global_counts(np.array([5, 0, 7])).tolist() == [0, 5, 0, 0, 0, 0, 0, 7, 0]
+    assert share.local_counts({0: {1: 5, 7: 7, 2: 1, 10: 3}, 9: {1: 1}}, {0: 3}) == ({0: {0: 5, 2: 7}}, 3)
 
 
 def test_two_ranks_decode_what_one_process_decodes(store, tmp_path):
@@ -227,3 +251,206 @@ def test_a_follower_that_dies_ends_rank_0_instead_of_blocking_it(store):
         log = (rt / "daemon.log").read_text()
         assert "the expert-parallel group is broken" in log
         assert "pid file and socket removed" in log
+
+
+def _group_pids(rt: Path) -> dict[str, list[int]]:
+    """Every process of the group serving `rt`: mlx.launch, each rank's daemon and the
+    heat keeper of each."""
+    mine = [p for p in psutil.process_iter(["cmdline"]) if str(rt) in (p.info["cmdline"] or [])]
+    launcher = [p for p in mine if any(a.endswith("mlx.launch") for a in p.info["cmdline"])]
+    ranks = [p for p in mine if p not in launcher and "moestream.daemon.main" in p.info["cmdline"]]
+    keepers = [c for p in ranks for c in p.children() if "moestream.daemon.heat_keeper" in c.cmdline()]
+    return {"launcher": [p.pid for p in launcher], "ranks": [p.pid for p in ranks], "keepers": [p.pid for p in keepers]}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_start_distributed_refuses_launch_options_it_cannot_use(store, tmp_path):
+    """A group needs mlx.launch's options, and the backend and the command are moestream's:
+    each bad start is refused with the reason before any process starts."""
+    import click
+
+    settings = Settings(distributed="ring")
+    for launch, says in [
+        (None, "needs --distributed-launch"),
+        ("-n 2 --backend mpi", "--backend is moestream's"),
+        ("-n 2 -- python", "-- is moestream's"),
+        ("--hosts 'a,b", "No closing quotation"),
+    ]:
+        with pytest.raises(click.UsageError, match=says):
+            launch_argv(settings.replace(distributed_launch=launch), ["python"])
+    argv = launch_argv(settings.replace(distributed_launch="--hosts a,b -p 9000"), ["python", "-m", "x"])
+    assert argv[1:] == ["--hosts", "a,b", "-p", "9000", "--backend", "ring", "--", "python", "-m", "x"]
+    # Through the command: no process, no log, no group.
+    rt = tmp_path / "rt"
+    base = ("start", "--model", str(store), "--runtime-dir", str(rt), "--distributed", "ring")
+    for extra, says in [((), "needs --distributed-launch"), (("--distributed-launch", "-n 2", "--foreground"), "drop")]:
+        run = ctl(*base, *extra, timeout=60)
+        assert run.returncode == 2 and says in run.stderr, (extra, run.stderr)
+    service = ctl("service", "install", "--dry-run", *base[1:], "--distributed-launch", "-n 2", timeout=60)
+    assert service.returncode == 2 and "not installed as a service" in service.stderr, service.stderr
+    assert not (rt / "group.pid").exists() and not (rt / "daemon.log").exists()
+
+
+def _start_group(store: Path, rt: Path, heat: Path) -> tuple[tuple[str, ...], dict[str, str]]:
+    """`moestreamctl start --distributed ring` of `store` at 50% (8 slots of a rank's 16
+    experts, of which autopin may pin 4: top-k stay free), two ranks on this machine; the
+    flags for its clients, and their environment."""
+    flags = ("--model", str(store), "--runtime-dir", str(rt))
+    env = clean_env(MOESTREAM_HEAT_DIR=str(heat), MOESTREAM_HEAT_FLUSH_SECONDS="0.5")
+    group = ("--capacity", "50%", "--distributed", "ring", "--distributed-launch", f"-n {RANKS} -p {_free_port()}")
+    started = ctl("start", *flags, *group, env=env, timeout=180)
+    assert started.returncode == 0, started.stderr
+    assert f"log {rt / 'daemon.log'}" in started.stderr and "mlx.launch" in started.stderr
+    return flags, env
+
+
+def _stop_group(rt: Path) -> None:
+    """`moestreamctl stop`, after which no process of the group is left."""
+    pids = _group_pids(rt)
+    assert [len(pids[k]) for k in ("launcher", "ranks", "keepers")] == [1, RANKS, RANKS], pids
+    stopped = ctl("stop", "--runtime-dir", str(rt))
+    assert stopped.returncode == 0, stopped.stderr
+    assert [p for k in pids for p in pids[k] if _alive(p)] == []
+
+
+def _kill_group(rt: Path) -> None:
+    for pids in _group_pids(rt).values():
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(rt, ignore_errors=True)
+
+
+def _rank_heat(heat: Path, layers: dict[int, int]) -> list[dict[int, dict[int, int]]]:
+    """Each rank's heat file, checked to hold that rank's experts only."""
+    assert not (heat / POOL_USAGE_NAME).exists()
+    out = []
+    for r in range(RANKS):
+        counts = parse_usage((heat / usage_name(r, RANKS)).read_bytes())
+        assert set(counts) == set(layers)
+        assert all(e % RANKS == r and e < layers[lay] for lay, experts in counts.items() for e in experts), counts
+        out.append(counts)
+    return out
+
+
+def _total(counts: dict[int, dict[int, int]]) -> int:
+    return sum(sum(experts.values()) for experts in counts.values())
+
+
+def test_start_distributed_detaches_keeps_heat_per_rank_and_stop_ends_every_rank(store, tmp_path):
+    """`moestreamctl start --distributed` returns once rank 0 serves (the group runs on
+    under mlx.launch, detached); each rank pins its hottest experts from its own heat file
+    (status shows each rank's pins and heat); served requests add to each rank's file,
+    which holds only that rank's experts; `stop` leaves no process of the group (launcher,
+    ranks, heat keepers)."""
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="mst-eph-"))
+    heat = tmp_path / "heat"
+    heat.mkdir()
+    layers = {layer.ordinal: layer.num_experts for layer in load_manifest(store).layers}
+    seeded = [{lay: {e: 100 + e for e in range(r, n, RANKS)} for lay, n in layers.items()} for r in range(RANKS)]
+    for r, counts in enumerate(seeded):
+        write_usage(heat / usage_name(r, RANKS), counts)
+    try:
+        flags, env = _start_group(store, rt, heat)
+        st = json.loads(ctl("status", "--runtime-dir", str(rt), "--json").stdout)
+        ranks = st["expert_parallel"]["ranks"]
+        assert [r["heat_file"] for r in ranks] == [usage_name(r, RANKS) for r in range(RANKS)]
+        for r, row in enumerate(ranks):
+            assert row["heat_state"] == "running" and row["heat_loaded"] == _total(seeded[r]), row
+            # 4 of 8 slots in each of the 2 layers (top-k stay unpinned).
+            assert row["heat_pinned"] == row["pinned"] == 4 * len(layers) and row["capacity"] == 8, row
+            assert row["resident"] >= row["pinned"], row
+        assert "rank 1:" in (text := ctl("status", "--runtime-dir", str(rt)).stdout) and "8 pinned" in text, text
+        # The two ranks share this runtime folder: each keeper has sockets of its own.
+        sockets = sorted(p.name for p in rt.glob("heat*.sock"))
+        assert sockets == sorted(f"{k}-rank{r}of{RANKS}.sock" for r in range(RANKS) for k in ("heat", "heat-ack"))
+        served = ctl("generate", "the quick brown fox", *flags, "--max-tokens", "6", "--temp", "0", env=env)
+        assert served.returncode == 0, served.stderr
+        _stop_group(rt)
+        assert list(rt.glob("heat*.sock")) == []
+        after = _rank_heat(heat, layers)
+        assert all(_total(after[r]) > _total(seeded[r]) for r in range(RANKS)), after
+    finally:
+        _kill_group(rt)
+
+
+@pytest.mark.slow
+def test_a_group_that_served_pins_each_ranks_hottest_at_its_next_start(store, tmp_path):
+    """From no heat: requests served by a group leave each rank's file (its experts only),
+    and the group's next start pins from them, per rank."""
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="mst-eph-"))
+    heat = tmp_path / "heat"
+    layers = {layer.ordinal: layer.num_experts for layer in load_manifest(store).layers}
+    try:
+        flags, env = _start_group(store, rt, heat)
+        for prompt in ("the quick brown fox", "a b c d e f g"):
+            served = ctl("generate", prompt, *flags, "--max-tokens", "6", "--temp", "0", env=env)
+            assert served.returncode == 0, served.stderr
+        _stop_group(rt)
+        saved = _rank_heat(heat, layers)
+        assert all(_total(counts) > 0 for counts in saved)
+        _start_group(store, rt, heat)
+        ranks = json.loads(ctl("status", "--runtime-dir", str(rt), "--json").stdout)["expert_parallel"]["ranks"]
+        for r, row in enumerate(ranks):
+            assert row["heat_loaded"] == _total(saved[r]) and row["heat_pinned"] == row["pinned"] > 0, row
+        _stop_group(rt)
+    finally:
+        _kill_group(rt)
+
+
+def test_a_shard_store_holds_its_ranks_experts_and_serves_only_that_rank(store, shards):
+    """`convert --shard r/N`: each layer file holds rank r's experts back to back, byte for
+    byte those of the whole store, the manifest says the shard and lists the rest ABSENT;
+    the shard loads as rank r of N (and reads exactly its half), and is refused alone, as
+    another rank, and as stock's model."""
+    full = load_manifest(store)
+    for r, path in enumerate(shards):
+        manifest = load_manifest(path)
+        assert manifest.shard == (r, RANKS)
+        for whole, layer in zip(full.layers, manifest.layers):
+            data, want = (path / layer.file).read_bytes(), (store / whole.file).read_bytes()
+            mine = range(r, layer.num_experts, RANKS)
+            assert len(data) == len(mine) * layer.stride
+            for j, e in enumerate(mine):
+                assert layer.experts[e].offset == j * layer.stride and layer.experts[e].crc32 == whole.experts[e].crc32
+                block = data[j * layer.stride : (j + 1) * layer.stride]
+                assert block == want[e * whole.stride : (e + 1) * whole.stride]
+            assert all(layer.experts[e].offset == ABSENT for e in range(layer.num_experts) if e % RANKS != r)
+    settings = Settings(capacity=1.0, verify_checksums=True)
+    alone = load_streaming_model(store, settings)
+    whole_bytes = alone.pool_stats()["bytes_read"]
+    alone.close()
+    rank1 = load_streaming_model(shards[1], settings, share=ExpertShare(None, rank=1, size=RANKS))
+    try:
+        assert rank1.pool_stats()["bytes_read"] == whole_bytes // RANKS  # every owned expert, checksums verified
+    finally:
+        rank1.close()
+    with pytest.raises(StoreError, match="shard 1/2 .* one process needs a whole store"):
+        load_streaming_model(shards[1], settings)
+    with pytest.raises(StoreError, match="shard 1/2 of its model, but this is rank 0 of 2"):
+        load_streaming_model(shards[1], settings, share=ExpertShare(None, rank=0, size=RANKS))
+    with pytest.raises(StoreError, match="one process needs a whole store"):
+        load_stock_model(shards[0])
+
+
+@pytest.mark.slow
+def test_two_ranks_from_shard_stores_decode_what_stock_decodes(store, shards, tmp_path):
+    """Each rank from its own `convert --shard` store (rank r's at shard{r}), both ways
+    (every rank running the forward, and the daemon's): stock mlx-lm's tokens and logits."""
+    command = [
+        str(Path(sys.executable).with_name("mlx.launch")),
+        *("--backend", "ring", "-n", str(RANKS), "--starting-port", str(_free_port()), "--"),
+        *(sys.executable, "-m", "moestream.daemon.bench.expert_parallel", str(store.parent / "shard{rank}")),
+        *("--capacity", "25%", "--prompt", ",".join(map(str, PROMPT)), "--steps", str(STEPS)),
+        *("--out", str(tmp_path / "out"), "--led"),
+    ]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    want = greedy(load_stock_model(store), PROMPT, STEPS)[:2]
+    rank0 = json.loads((tmp_path / "out" / "rank0.json").read_text())
+    assert [(got["tokens"], got["logits_sha256"]) for got in rank0] == [want, want]

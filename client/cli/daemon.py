@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from moestream.client.cli.group import launch_argv, spawn_group, stop_group
 from moestream.client.cli.values import capacity_note, runtime_dir_option, setting_options, store_option
 from moestream.client.client import Client, ClientError, DaemonDied, DaemonNotRunning
 from moestream.shared import protocol as proto
@@ -153,6 +154,9 @@ def _spawn(settings: Settings, given: dict[str, Any], paths: RuntimePaths, timeo
     for name in START_FLAGS:
         if given.get(name) is not None:
             argv += ["--" + name.replace("_", "-"), str(given[name])]
+    group = settings.distributed != "off"
+    if group:
+        argv = launch_argv(settings, argv)  # refuses bad launch options before anything starts
     offset = paths.log.stat().st_size if paths.log.exists() else 0
     old_umask = os.umask(0o077)
     try:
@@ -160,18 +164,23 @@ def _spawn(settings: Settings, given: dict[str, Any], paths: RuntimePaths, timeo
     finally:
         os.umask(old_umask)
     with log:
-        proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True, cwd="/"
-        )
+        if group:
+            proc = spawn_group(argv, paths, log)
+        else:
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True, cwd="/"
+            )
     tic = time.monotonic()
     _wait_ready(paths, proc, timeout, offset)
+    pid = (running_pid(paths) or proc.pid) if group else proc.pid
     if echo:
+        how = f"rank 0 pid {pid}, under mlx.launch pid {proc.pid}" if group else f"pid {pid}"
         click.echo(
-            f"moestream daemon started (pid {proc.pid}, {time.monotonic() - tic:.1f} s): "
+            f"moestream daemon started ({how}, {time.monotonic() - tic:.1f} s): "
             f"model {settings.model}, socket {paths.socket}, log {paths.log}",
             err=True,
         )
-    return proc.pid
+    return pid
 
 
 def _wait_ready(paths: RuntimePaths, proc: subprocess.Popen | None, timeout: float, offset: int) -> int:
@@ -228,8 +237,16 @@ def _ping_state(paths: RuntimePaths) -> str:
 
 
 def stop_daemon(paths: RuntimePaths, *, timeout: float = 30.0) -> int | None:
-    """Stop the running daemon: a shutdown message, then SIGTERM if it does not answer.
-    Returns its pid, or None when none was running."""
+    """Stop the running daemon: a shutdown message, then SIGTERM if it does not answer; and
+    every rank of a group `start` began (client/cli/group.py). Returns its pid, or None
+    when none was running."""
+    try:
+        return _stop_rank0(paths, timeout=timeout)
+    finally:
+        stop_group(paths, timeout)
+
+
+def _stop_rank0(paths: RuntimePaths, *, timeout: float) -> int | None:
     if not _running(paths):
         return None
     pid = running_pid(paths)
@@ -310,6 +327,11 @@ def start(given, timeout, foreground, log_to_stderr) -> None:
     if note:
         click.echo(f"note: {note}", err=True)
     if foreground:
+        if settings.distributed != "off":
+            raise click.UsageError(
+                "an expert-parallel daemon runs one process per rank: drop --foreground (start runs mlx.launch), "
+                "or run `mlx.launch ... -- python -m moestream.daemon.main --distributed ...` (docs/scale-out.md)"
+            )
         if settings.model is None:
             raise click.UsageError(
                 "give --model STORE (an expert store made by `moestreamctl convert`), or set MOESTREAM_MODEL"
@@ -462,8 +484,11 @@ def _format_status(st: dict[str, Any]) -> str:
         layers = st.get("moe_layers") or 1
         for r in group["ranks"]:
             lines.append(
-                f"    rank {r['rank']}: {r['experts'] // layers} experts per layer, pool {_size(r['pool_bytes'])}, "
-                f"hit rate {_rate(r['hit_rate'])}, {_size(r['bytes_read'])} read"
+                f"    rank {r['rank']}: {r['experts'] // layers} experts per layer, pool {r.get('capacity', '-')} "
+                f"slots per layer ({_size(r['pool_bytes'])}), {r.get('resident', '-')} resident, "
+                f"{r.get('pinned', '-')} pinned; hit rate {_rate(r['hit_rate'])}, {_size(r['bytes_read'])} read; "
+                f"heat {r.get('heat_state', '-')} ({r.get('heat_file', '-')}: {r.get('heat_sent', 0)} counts sent, "
+                f"{r.get('heat_dropped', 0)} dropped; {r.get('heat_loaded', 0)} loaded at start)"
             )
     ended = ", ".join(f"{req.get(k, 0)} {k}" for k in ("completed", "cancelled", "disconnected", "failed"))
     lines += [

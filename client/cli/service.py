@@ -233,6 +233,12 @@ def install(given, no_load, openai, host, port, api_key_file, dry_run, platform_
         settings = Settings.resolve(given, env)  # a bad value fails here, not in a restart loop
     except SettingsError as e:
         raise click.UsageError(str(e)) from None
+    if settings.distributed != "off":
+        # The service runs one process in the foreground; a group is mlx.launch's processes.
+        raise click.UsageError(
+            "--distributed: an expert-parallel group is not installed as a service; start it with "
+            "`moestreamctl start --distributed ... --distributed-launch ...` (docs/scale-out.md)"
+        )
     if settings.model is not None:
         try:
             manifest = load_manifest(settings.model)

@@ -90,7 +90,7 @@ def _led(
     share = ExpertShare(replicated.group, mode=mode)
     settings = Settings(capacity=parse_capacity(capacity), model=store, prefetch=prefetch)
     if mode == "follower":
-        code = serve_share(settings, share, logging.getLogger(__name__))
+        code = serve_share(settings, share, logging.getLogger(__name__), keep_heat=False)
         return {"mode": mode, "asked_capacity": capacity, "exit": code}
     sm = load_streaming_model(store, settings, share=share)
     try:

@@ -29,7 +29,7 @@ import dataclasses
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import mlx.core as mx
 import numpy as np
@@ -75,8 +75,26 @@ HEADER_LEN = 16
 MAX_DIMS = 5
 DTYPES = (mx.float32, mx.float16, mx.bfloat16, mx.int32, mx.uint32, mx.int64, mx.uint64)
 # Per rank, for the leader's status: bytes read, hits, misses, experts owned (over all
-# layers), pool bytes, all_sums.
-STAT_FIELDS = ("bytes_read", "hits", "misses", "experts", "pool_bytes", "collectives")
+# layers), pool bytes, all_sums; its pool's slots per layer, experts resident and pinned
+# (over all layers); its heat (daemon/heat.py `Heat.summary`): the state's code, routing
+# counts sent to its keeper and dropped, counts loaded at its warm start, experts pinned
+# from them.
+STAT_FIELDS = (
+    "bytes_read",
+    "hits",
+    "misses",
+    "experts",
+    "pool_bytes",
+    "collectives",
+    "capacity",
+    "resident",
+    "pinned",
+    "heat_state",
+    "heat_sent",
+    "heat_dropped",
+    "heat_loaded",
+    "heat_pinned",
+)
 # How long the leader waits for a control command (STATS, STOP) to be answered before it
 # takes the group for broken: a rank that died never answers, and a collective with a
 # dead peer may block for good. Long enough for the decode step queued before it.
@@ -153,6 +171,30 @@ class ExpertShare:
     def local_ids(self, ids: np.ndarray) -> np.ndarray:
         """Global expert ids -> rows of this rank's share, NOT_HERE where another owns them."""
         return np.where(ids % self.size == self.rank, ids // self.size, NOT_HERE).astype(np.int32)
+
+    def global_counts(self, local: np.ndarray) -> np.ndarray:
+        """Per-row counts of this rank's share -> per-expert counts by global id (0 for the
+        experts of other ranks), long enough to hold every owned id."""
+        out = np.zeros(len(local) * self.size, np.int64)
+        out[self.rank :: self.size] = local
+        return out
+
+    def local_counts(
+        self, counts: Mapping[int, Mapping[int, int]], rows: Mapping[int, int]
+    ) -> tuple[dict[int, dict[int, int]], int]:
+        """{layer: {global id: count}} -> the same by rows of this rank's share (`rows`:
+        {layer: rows of the share}), and how many entries were left out: of an expert
+        another rank owns, past the layer's experts, or of a layer `rows` lacks."""
+        out: dict[int, dict[int, int]] = {}
+        foreign = 0
+        for layer, experts in counts.items():
+            mine = out.setdefault(layer, {}) if layer in rows else {}
+            for e, c in experts.items():
+                if layer in rows and e % self.size == self.rank and e // self.size < rows[layer]:
+                    mine[e // self.size] = c
+                else:
+                    foreign += 1
+        return out, foreign
 
     def local_device(self, indices: mx.array) -> tuple[mx.array, mx.array]:
         """On the device: (this rank's rows for the owned pairs, 0 for the others; the mask

@@ -306,6 +306,7 @@ def load_streaming_model(
     prefill (the paths expert parallelism runs through so far)."""
     store = Path(store_dir)
     full = load_manifest(store)
+    check_shard(full, store, share)
     manifest = full if share is None else share.manifest_view(full)
     if share is not None:
         if mapped or settings.mapped:
@@ -538,11 +539,31 @@ def _place(pools: list[ExpertPool], gpu_slots: int, settings: Settings, copier: 
     return placement
 
 
+def check_shard(manifest: Manifest, store: Path, share: ExpertShare | None) -> None:
+    """StoreError unless the store holds every expert the process reads: a shard store
+    (`convert --shard i/N`) serves only as rank i of a group of N."""
+    if manifest.shard is None:
+        return
+    index, count = manifest.shard
+    if share is None:
+        raise StoreError(
+            f"{store} is shard {index}/{count} of its model (`convert --shard`): it holds only the experts "
+            f"e % {count} == {index}, for rank {index} of an expert-parallel group of {count} (--distributed); "
+            "one process needs a whole store"
+        )
+    if (share.rank, share.size) != (index, count):
+        raise StoreError(
+            f"{store} is shard {index}/{count} of its model, but this is rank {share.rank} of {share.size}: each rank "
+            f"needs its own shard (`convert --shard {share.rank}/{share.size}`) or a whole store"
+        )
+
+
 def load_stock_model(store_dir: str | Path) -> nn.Module:
     """The same model as stock mlx-lm holds it: every expert resident in the original
     `SwitchGLU`/`SwitchMLP`, no streaming layer. The baseline of the benchmarks."""
     store = Path(store_dir)
     manifest = load_manifest(store)
+    check_shard(manifest, store, None)
     model, weights = _build_model(store, manifest)
     for layer in manifest.layers:
         _, _, module = _module_at(model, layer.module_path)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from moestream._native import ReadEngine
-from moestream.shared.store_format import Manifest, MoELayer, permission_advice
+from moestream.shared.store_format import ABSENT, Manifest, MoELayer, permission_advice
 
 
 class ExpertReadError(RuntimeError):
@@ -64,6 +64,9 @@ class ExpertReader:
         batch, submitted = [], []
         for job in jobs:
             entry = job.layer.experts[job.expert]
+            if entry.offset == ABSENT:  # never asked of a rank's share; said plainly if it is
+                failed.append((job, f"expert {job.expert} of {job.layer.module_path} is not in this shard store"))
+                continue
             size = self._sizes[job.layer.file]
             if entry.offset + entry.length > size:
                 size = self._reopen_if_grown(job.layer.file)

@@ -30,6 +30,7 @@ from moestream.shared.durable import fsync_dir, sync_fd, sync_file
 from moestream.shared.runtime_dir import pid_alive
 from moestream.shared.settings import format_size
 from moestream.shared.store_format import (
+    ABSENT,
     EXPERTS_DIR,
     MANIFEST_NAME,
     ExpertEntry,
@@ -93,8 +94,11 @@ def _to_bytes_view(a: mx.array) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(a.view(unsigned)))
 
 
-def _write_layer(layer: SwitchLayer, path: Path, advance: Callable[[int], None]) -> list[ExpertEntry]:
-    """Write every expert block of `layer` to `path`; return offsets, lengths, CRCs."""
+def _write_layer(
+    layer: SwitchLayer, path: Path, advance: Callable[[int], None], shard: tuple[int, int] | None = None
+) -> list[ExpertEntry]:
+    """Write every expert block of `layer` to `path` (of a `shard` (i, N), only the experts
+    e % N == i, back to back); return offsets, lengths, CRCs (ABSENT, CRC 0 for the others)."""
     mx.eval(*layer.arrays)
     views = [_to_bytes_view(a) for a in layer.arrays]
     length = layer.expert_bytes
@@ -104,11 +108,13 @@ def _write_layer(layer: SwitchLayer, path: Path, advance: Callable[[int], None])
     entries = []
     with open(path, "wb") as f:
         for e in range(layer.num_experts):
+            if shard is not None and e % shard[1] != shard[0]:
+                entries.append(ExpertEntry(offset=ABSENT, length=length, crc32=0))
+                continue
             for spec, view in zip(layer.specs, views):
                 block[spec.offset : spec.offset + spec.nbytes] = memoryview(view[e]).cast("B")
-            entries.append(
-                ExpertEntry(offset=e * layer.stride, length=length, crc32=zlib.crc32(memoryview(block)[:length]))
-            )
+            offset = e * layer.stride if shard is None else e // shard[1] * layer.stride
+            entries.append(ExpertEntry(offset=offset, length=length, crc32=zlib.crc32(memoryview(block)[:length])))
             f.write(block)
             advance(layer.stride)
         sync_file(f)
@@ -141,9 +147,19 @@ def _write_resident(
     return names
 
 
-def estimate_store_bytes(layers: list[SwitchLayer], resident_bytes: int, extra_files: list[Path]) -> int:
+def layer_file_bytes(layer: SwitchLayer, shard: tuple[int, int] | None = None) -> int:
+    """Bytes of the layer's file: every expert's block, or those of a `shard` (i, N)."""
+    if shard is None:
+        return layer.file_bytes
+    return len(range(shard[0], layer.num_experts, shard[1])) * layer.stride
+
+
+def estimate_store_bytes(
+    layers: list[SwitchLayer], resident_bytes: int, extra_files: list[Path], shard: tuple[int, int] | None = None
+) -> int:
     """Bytes the store will take: expert files, resident weights, copied files."""
-    return sum(l.file_bytes for l in layers) + resident_bytes + sum(p.stat().st_size for p in extra_files)
+    experts = sum(layer_file_bytes(layer, shard) for layer in layers)
+    return experts + resident_bytes + sum(p.stat().st_size for p in extra_files)
 
 
 def required_free_bytes(estimate: int) -> int:
@@ -170,6 +186,7 @@ def convert_model(
     progress: ProgressFn | None = None,
     disk_free: DiskFreeFn = _disk_free,
     resident_shard_bytes: int = RESIDENT_SHARD_BYTES,
+    shard: tuple[int, int] | None = None,
 ) -> Manifest:
     """Convert the mlx-lm model in `model_dir` into an expert store at `out_dir`.
 
@@ -179,7 +196,12 @@ def convert_model(
     (bytes written, bytes total) as the store is written. A Qwen3-Next checkpoint's
     `mtp.*` tensors, which stock mlx-lm drops, go to the store's `mtp.safetensors`
     (daemon/model/mtp_head.py).
+
+    `shard` (i, N): a shard store for rank i of an expert-parallel group of N, holding only
+    the experts e % N == i of every layer (shared/store_format.py); the rest as a whole store.
     """
+    if shard is not None and not (shard[1] >= 2 and 0 <= shard[0] < shard[1]):
+        raise StoreError(f"--shard {shard[0]}/{shard[1]}: give i/N with N at least 2 and i in 0..N-1")
     model_dir = Path(model_dir).expanduser().resolve()
     out_dir = Path(out_dir).expanduser().absolute()
     check_model_dir(model_dir)
@@ -195,6 +217,8 @@ def convert_model(
     model, config = _load(model_dir, mtp)
     model_type = str(config.get("model_type", "model"))
     layers = find_switch_layers(model, model_type)
+    if shard is not None and any(layer.num_experts < shard[1] for layer in layers):
+        raise StoreError(f"{model_dir}: a layer has fewer experts than the {shard[1]} shards of --shard")
     expert_names = {n for layer in layers for n in layer.parameter_names()}
     flat = tree_flatten(model.parameters())
     resident = [(n, a) for n, a in flat if n not in expert_names]
@@ -207,7 +231,7 @@ def convert_model(
 
     copied = tokenizer_files(model_dir)
     resident_bytes = sum(a.nbytes for _, a in resident)
-    estimate = estimate_store_bytes(layers, resident_bytes + sum(a.nbytes for a in mtp.values()), copied)
+    estimate = estimate_store_bytes(layers, resident_bytes + sum(a.nbytes for a in mtp.values()), copied, shard)
     free = disk_free(out_dir.parent)
     if free < required_free_bytes(estimate):
         raise StoreError(
@@ -216,7 +240,7 @@ def convert_model(
             "free some space or choose another --out"
         )
 
-    total = sum(l.file_bytes for l in layers) + resident_bytes
+    total = sum(layer_file_bytes(layer, shard) for layer in layers) + resident_bytes
     done = 0
 
     def advance(n: int) -> None:
@@ -235,7 +259,7 @@ def convert_model(
         moe_layers = []
         for ordinal, layer in enumerate(layers):
             rel = f"{EXPERTS_DIR}/layer_{ordinal:03d}.bin"
-            entries = _write_layer(layer, tmp / rel, advance)
+            entries = _write_layer(layer, tmp / rel, advance, shard)
             moe_layers.append(
                 MoELayer(
                     ordinal=ordinal,
@@ -269,6 +293,7 @@ def convert_model(
                 "mlx": _package_version("mlx"),
             },
             store_id=new_store_id(),
+            shard=shard,
         )
         manifest.validate(str(tmp / MANIFEST_NAME))
         for f in [*tmp.iterdir(), *(tmp / EXPERTS_DIR).iterdir()]:

@@ -1,0 +1,209 @@
+"""One process's heat: the warm start from the saved routing counts, and the counts since
+sent to its heat keeper (`heat_publisher.py`, `heat_keeper.py`).
+
+The daemon's engine thread owns one; in an expert-parallel group (docs/scale-out.md) every
+rank owns one (rank 0 in the engine, the others in `expert_worker.py`), for the experts it
+owns: its pools count routings in the rows of its share, which go to the file as global
+expert ids, in a file of the rank's own (`shared/heat_file.py` `usage_name`) through a
+keeper of its own, whose sockets are named after that file. A warm start of a rank pins
+its hottest owned experts from its file.
+
+Called from the thread that runs the model only (the pools' counters are that thread's).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moestream.shared.heat_file import usage_name
+from moestream.shared.settings import Settings
+
+# How often the keeper's health is looked at (a dead keeper is restarted then).
+CHECK_SECONDS = 1.0
+# The states `health()` reports, in the order `state_code` numbers them (a rank's status
+# crosses the group as integers: daemon/model/expert_parallel.py STAT_FIELDS).
+STATES = ("not started", "starting", "running", "waiting", "down", "closed", "off")
+
+
+def state_code(state: str) -> int:
+    return STATES.index(state) if state in STATES else STATES.index("off")
+
+
+@dataclass
+class HeatCounters:
+    """What this process's heat did: routing counts loaded at the last warm start and the
+    experts it pinned from them (or placed, with a mapped pool)."""
+
+    loaded_counts: int = 0
+    pinned: int = 0
+    foreign_entries: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"loaded_counts": self.loaded_counts, "pinned": self.pinned, "foreign_entries": self.foreign_entries}
+
+
+class Heat:
+    """The heat of one process (the daemon, or one rank of its group)."""
+
+    def __init__(self, settings: Settings, log: logging.Logger, share: Any = None) -> None:
+        """`share`: this rank's `ExpertShare` in an expert-parallel group, else None."""
+        self.settings = settings
+        self.log = log
+        self.share = share
+        self.name = usage_name() if share is None else usage_name(share.rank, share.size)
+        self.publisher: Any = None
+        self.state: dict[str, Any] = {"state": "not started"}
+        self.autopin: dict[str, Any] | None = None
+        self.counters = HeatCounters()
+        self._last_push = self._last_check = time.monotonic()
+
+    def folder(self, sm: Any) -> Path:
+        return self.settings.heat_folder(sm.store_dir)
+
+    # ---- the warm start ----------------------------------------------------------------
+
+    def pin(self, sm: Any) -> None:
+        """Pin each layer's hottest experts (this rank's, in a group) from the saved heat."""
+        from moestream.daemon.heat_publisher import load_usage
+        from moestream.daemon.pool.autopin import autopin
+        from moestream.shared.heat_file import HeatReadError
+
+        heat_dir = self.folder(sm)
+        if not self.settings.heat_dir and heat_dir != Path(sm.store_dir).resolve():
+            self.log.info(
+                "heat: kept in %s, not beside the store (the demo, or a folder this user cannot write or does not own)",
+                heat_dir,
+            )
+        try:
+            heat_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as e:
+            # The keeper will fail its writes and say so in `status`; serving goes on.
+            self.log.error("heat: cannot create the heat folder %s: %s", heat_dir, e)
+        try:
+            # A rank's file holds global ids, which `local_counts` checks against its share.
+            shape = {p.layer.ordinal: p.layer.num_experts for p in sm.pools} if self.share is None else None
+            usage = load_usage(heat_dir, shape, self.name)
+        except HeatReadError as e:
+            self.log.error("heat: cannot read the saved heat (%s); starting without pinned experts", e)
+            return
+        if usage.problem:
+            self.log.error("heat: %s", usage.problem)
+        counts = usage.counts
+        if self.share is not None:
+            counts, foreign = self.share.local_counts(counts, {p.layer.ordinal: p.layer.num_experts for p in sm.pools})
+            self.counters.foreign_entries = foreign
+            if foreign:
+                self.log.error(
+                    "heat: %s names %d experts that are not rank %d's (another rank's, or no layer's); left out",
+                    usage.path,
+                    foreign,
+                    self.share.rank,
+                )
+        summary = autopin(sm, counts, self.settings.autopin_frac)
+        self.counters.loaded_counts = usage.total
+        self.counters.pinned = summary.placed if summary.mapped else summary.pinned
+        self.autopin = {
+            **summary.to_dict(),
+            "routing_counts": usage.total,
+            "problem": usage.problem,
+            "foreign_entries": self.counters.foreign_entries,
+        }
+        self.log.info(
+            "autopin: %d experts %s in %d layers (%d more loaded unpinned, %.0f MB read into the host tier) "
+            "from %d saved routing counts (%s) in %.2f s",
+            self.counters.pinned,
+            "placed in GPU memory" if summary.mapped else "pinned",
+            summary.layers,
+            summary.preloaded,
+            summary.tier_warmed_bytes / 1e6,
+            usage.total,
+            usage.path,
+            summary.seconds,
+        )
+
+    # ---- the keeper ----------------------------------------------------------------------
+
+    def start(self, sm: Any) -> None:
+        from moestream.daemon.heat_publisher import HeatPublisher
+
+        self.publisher = HeatPublisher(
+            self.folder(sm),
+            self.settings.runtime_path(),
+            flush_seconds=self.settings.heat_flush_seconds,
+            usage_name=self.name,
+            log=self.log.getChild("heat"),
+        )
+        self.publisher.start()
+
+    def push(self, sm: Any) -> None:
+        """Send the counts routed since the last push (global ids)."""
+        if self.publisher is None or sm is None:
+            return
+        if self.share is None:
+            counts = {p.layer.ordinal: p.take_routed() for p in sm.pools}
+        else:
+            counts = {p.layer.ordinal: self.share.global_counts(p.take_routed()) for p in sm.pools}
+        self.publisher.push(counts)
+        self._last_push = time.monotonic()
+
+    def tick(self, sm: Any) -> None:
+        """Call often: pushes every `heat_flush_seconds`, looks at the keeper every CHECK_SECONDS."""
+        if self.publisher is None:
+            return
+        now = time.monotonic()
+        if now - self._last_push >= self.settings.heat_flush_seconds:
+            self.push(sm)
+        if now - self._last_check >= CHECK_SECONDS:
+            self._last_check = now
+            self.publisher.check()  # restarts a keeper that died
+
+    def flush(self, sm: Any, timeout: float = 5.0) -> bool:
+        """Push and have the keeper write everything; False where it did not (True where no
+        keeper runs: nothing is waiting to be written)."""
+        if self.publisher is None:
+            return True
+        self.push(sm)
+        return self.publisher.flush(timeout)
+
+    def close(self, sm: Any) -> None:
+        if self.publisher is None:
+            return
+        if not self.flush(sm):
+            self.log.error("heat: the final flush did not complete; the last counts may be lost")
+        self.publisher.close(5.0)
+        self.state = {"state": "closed"}
+        self.publisher = None
+
+    def health(self) -> dict[str, Any]:
+        if self.publisher is None:
+            return dict(self.state)
+        health = self.publisher.health()
+        if not health["alive"]:
+            return {"state": "down", **health}
+        if not health["ready"]:
+            return {"state": "starting", **health}
+        if health["lock_wait"]:
+            # Another daemon's keeper writes this heat file: ours keeps the counts in a file
+            # of its own until it can add them (daemon/heat_keeper.py, The lock).
+            note = (
+                f"{health['lock_wait']} (a second daemon on this store?); this daemon's counts are kept in "
+                f"{health['pending']} and added to the heat file once it is free"
+            )
+            return {"state": "waiting", "note": note, **health}
+        return {"state": "running", **health}
+
+    def summary(self) -> list[int]:
+        """For a rank's status row: the state's code, routing counts sent, dropped, loaded
+        at the warm start, experts pinned."""
+        health = self.health()
+        return [
+            state_code(health["state"]),
+            int(health.get("sent_counts") or 0),
+            int(health.get("dropped_counts") or 0),
+            self.counters.loaded_counts,
+            self.counters.pinned,
+        ]
