@@ -231,9 +231,11 @@ EOF
   chat-q30)
     # Time to the first token of each turn with the prompt cache off and on (issue 28's
     # acceptance: turn 2 onward <= 0.1x the uncached turn), 100% then 25% + a 20G host tier
-    # (POOLS="1.0" measures one).
-    for pool in ${POOLS:-"1.0" "0.25 --host-cache 20G"}; do
+    # (POOLS="1.0" measures one; pools are separated by ";", as in the default).
+    IFS=';' read -ra pools <<< "${POOLS:-1.0;0.25 --host-cache 20G}"
+    for pool in "${pools[@]}"; do
       name=$(echo "$pool" | cut -d' ' -f1)
+      # shellcheck disable=SC2086  # a pool's words are bench chat's arguments
       $py -m moestream.client.cli bench chat --model /root/q30/store --capacity $pool --turns ${TURNS:-4} \
         --history-tokens ${HISTORY:-2048} --json > "$OUT/bench_chat_q30_${name}_h200.json" \
         2> "$OUT/bench_chat_q30_${name}_h200.progress" || tail -5 "$OUT/bench_chat_q30_${name}_h200.progress"
