@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from moestream.daemon.pool.capacity import kv_cache_bytes, plan_capacity, top_k_of
-from moestream.shared.heat_file import parse_usage, read_usage, usage_path
+from moestream.shared.heat_file import group_usage, parse_usage, read_usage, usage_path
 from moestream.shared.settings import Settings, format_size
 from moestream.shared.store_format import Manifest, load_manifest
 
@@ -281,6 +281,14 @@ def heat_counts(store: Path, settings: Settings, manifest: Manifest) -> tuple[di
     total = sum(sum(c.values()) for c in saved.values())
     if total > 0:
         return saved, f"saved heat {path} ({total} routings)"
+    try:
+        group, paths = group_usage(path.parent)
+    except (OSError, ValueError) as e:
+        group, paths, problem = {}, [], problem + f" (an expert-parallel group's heat cannot be read: {e})"
+    total = sum(sum(c.values()) for c in group.values())
+    if total > 0:
+        where = f"{len(paths)} ranks of an expert-parallel group in {path.parent}"
+        return group, f"the saved heat of {where} ({total} routings)"
     demo = load_manifest(Path(__file__).resolve().parent / "demo" / "store")
     if manifest.store_id == demo.store_id and DEMO_COUNTS.is_file():
         shipped = read_usage(DEMO_COUNTS)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import secrets
 import stat
 import time
@@ -120,6 +121,40 @@ def usage_name(rank: int | None = None, size: int | None = None) -> str:
 
 def usage_path(store_dir: Path | str, name: str = POOL_USAGE_NAME) -> Path:
     return Path(store_dir) / name
+
+
+def group_usage(folder: Path | str) -> tuple[UsageCounts, list[Path]]:
+    """The summed heat of the last expert-parallel group that kept its heat in `folder`
+    (the group size whose newest rank file is the newest; ranks own disjoint experts, so
+    their counts add up to the model's), and the files read; ({}, []) where none did.
+    Read only, never set aside (a corrupt file is the daemon's to deal with): ValueError
+    names the file that does not parse."""
+    stem, dot, ext = POOL_USAGE_NAME.rpartition(".")
+    pattern = re.compile(rf"^{re.escape(stem)}\.rank(\d+)of(\d+){re.escape(dot + ext)}$")
+    groups: dict[int, list[tuple[float, Path]]] = {}
+    try:
+        entries = list(os.scandir(folder))
+    except FileNotFoundError:
+        return {}, []
+    for entry in entries:
+        m = pattern.match(entry.name)
+        if m and int(m[1]) < int(m[2]) and entry.is_file(follow_symlinks=False):
+            groups.setdefault(int(m[2]), []).append((entry.stat(follow_symlinks=False).st_mtime, Path(entry.path)))
+    if not groups:
+        return {}, []
+    size = max(groups, key=lambda n: max(t for t, _ in groups[n]))
+    paths = sorted(p for _, p in groups[size])
+    total: UsageCounts = {}
+    for path in paths:
+        try:
+            counts = parse_usage(path.read_bytes())
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+        for layer, experts in counts.items():
+            into = total.setdefault(layer, {})
+            for expert, count in experts.items():
+                into[expert] = min(into.get(expert, 0) + count, MAX_COUNT)
+    return total, paths
 
 
 def read_usage(path: Path | str, shape: Mapping[int, int] | None = None) -> UsageLoad:

@@ -185,6 +185,13 @@ def test_heatmap_command_writes_the_demo_models_png(tmp_path):
     env = clean_env(MOESTREAM_HEAT_DIR=str(tmp_path / "heat"))
     own = ctl("heatmap", "--model", str(demo_store_path()), "--out", str(tmp_path / "o.png"), env=env)
     assert own.returncode == 0 and str(tmp_path / "heat") in own.stdout  # the saved heat comes first
+    # Only an expert-parallel group's rank files: their sum.
+    (tmp_path / "group").mkdir()
+    write_usage(tmp_path / "group" / "pool_usage.rank0of2.json", {0: {0: 3}})
+    write_usage(tmp_path / "group" / "pool_usage.rank1of2.json", {0: {1: 3}})
+    env = clean_env(MOESTREAM_HEAT_DIR=str(tmp_path / "group"))
+    grouped = ctl("heatmap", "--model", str(demo_store_path()), "--out", str(tmp_path / "g.png"), env=env)
+    assert grouped.returncode == 0 and "2 ranks' heat files" in grouped.stdout, grouped.stdout + grouped.stderr
 
 
 def test_dashboard_command_gives_the_gateways_address():

@@ -105,3 +105,31 @@ def test_plan_command_on_the_demo_model(tmp_path):
     assert text.returncode == 0 and "(last probed " in text.stdout and "KV cache" in text.stdout, text.stderr
     bad = ctl("plan", "--model", str(DEMO), "--capacity", "2", env=env)
     assert bad.returncode == 2 and "below the minimum" in bad.stderr
+
+
+def test_an_expert_parallel_groups_heat_files_add_up_for_the_plan(tmp_path):
+    """No single-process heat, only the rank files of two groups (of 2 and of 3 ranks):
+    the plan (and `heatmap`, through the same reader) takes the newer group's files, summed
+    (ranks own disjoint experts), and says so."""
+    import os
+
+    from moestream.shared.heat_file import group_usage, usage_name, write_usage
+
+    write_usage(tmp_path / usage_name(0, 3), {0: {0: 50}})
+    os.utime(tmp_path / usage_name(0, 3), (1, 1))  # an older group
+    write_usage(tmp_path / usage_name(0, 2), {0: {0: 5, 2: 7}, 1: {4: 1}})
+    write_usage(tmp_path / usage_name(1, 2), {0: {1: 3, 3: 9}})
+    (tmp_path / "pool_usage.rank2of2.json").write_text("{}")  # no such rank: not a group's file
+    counts, paths = group_usage(tmp_path)
+    assert counts == {0: {0: 5, 1: 3, 2: 7, 3: 9}, 1: {4: 1}}
+    assert [p.name for p in paths] == [usage_name(0, 2), usage_name(1, 2)]
+
+    settings = Settings(model=str(DEMO), capacity=0.25, heat_dir=str(tmp_path))
+    planned, source = heat_counts(DEMO, settings, load_manifest(DEMO))
+    assert planned == counts and "2 ranks of an expert-parallel group" in source and "25 routings" in source
+    (tmp_path / usage_name(1, 2)).write_text("not json")
+    with pytest.raises(ValueError, match="rank1of2"):
+        group_usage(tmp_path)
+    # A single process's heat, once there, comes first.
+    write_usage(tmp_path / "pool_usage.json", {0: {9: 1}})
+    assert heat_counts(DEMO, settings, load_manifest(DEMO))[0] == {0: {9: 1}}

@@ -7,28 +7,41 @@ from pathlib import Path
 import click
 
 from moestream.client.cli.values import store_option
-from moestream.shared.heat_file import parse_usage, usage_path
+from moestream.shared.heat_file import group_usage, parse_usage, usage_path
 from moestream.shared.settings import Settings, SettingsError, demo_store_path
 
 # The demo model's recorded routing counts, shipped beside its store (daemon/plan.py reads them too).
 DEMO_COUNTS = demo_store_path().parent / "routing_counts.json"
 
 
+def _group(folder: Path) -> tuple[dict[int, dict[int, int]], str]:
+    try:
+        counts, paths = group_usage(folder)
+    except (OSError, ValueError) as e:
+        raise click.ClickException(f"cannot read an expert-parallel group's heat in {folder}: {e}") from None
+    return counts, f"{len(paths)} ranks' heat files ({', '.join(p.name for p in paths)}) in {folder}"
+
+
 def heat_rows(store: Path, settings: Settings) -> tuple[list[list[int]], str]:
-    """(rows of counts, where they come from): the store's saved heat, else for the demo
+    """(rows of counts, where they come from): the store's saved heat, else the summed
+    heat of the ranks of the last expert-parallel group that served it, else for the demo
     model its shipped counts."""
     manifest = store_option(store)
-    path = usage_path(settings.heat_folder(store))
-    sources = [path]
+    folder = settings.heat_folder(store)
+    path = usage_path(folder)
+    sources: list = [path, folder]
     if manifest.store_id == store_option(demo_store_path()).store_id:
         sources.append(DEMO_COUNTS)
     for source in sources:
-        try:
-            counts = parse_usage(source.read_bytes())
-        except FileNotFoundError:
-            continue
-        except (OSError, ValueError) as e:
-            raise click.ClickException(f"cannot read the heat {source}: {e}") from None
+        if source == folder:
+            counts, source = _group(folder)
+        else:
+            try:
+                counts = parse_usage(source.read_bytes())
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError) as e:
+                raise click.ClickException(f"cannot read the heat {source}: {e}") from None
         if any(sum(c.values()) for c in counts.values()):
             rows = [
                 [counts.get(layer.ordinal, {}).get(e, 0) for e in range(layer.num_experts)] for layer in manifest.layers
