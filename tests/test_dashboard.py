@@ -40,6 +40,10 @@ def test_heat_map_rows_from_the_heat_file(tmp_path):
         "settings": {**Settings().flag_values(), "heat_dir": str(tmp_path)},
     }
     assert heat_map(status)["note"] == "no heat saved yet"
+    # An expert-parallel group's rank files (disjoint experts), while no single file is there.
+    write_usage(tmp_path / "pool_usage.rank0of2.json", {0: {0: 4}})
+    write_usage(tmp_path / "pool_usage.rank1of2.json", {0: {1: 1}, 1: {3: 2}})
+    assert heat_map(status)["rows"] == [[4, 1, 0, 0], [0, 0, 0, 2]]
     write_usage(tmp_path / "pool_usage.json", {0: {1: 5, 3: 2}, 1: {0: 7}})
     heat = heat_map(status)
     assert heat["rows"] == [[0, 5, 0, 2], [7, 0, 0, 0]] and heat["total"] == 14

@@ -14,7 +14,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from moestream.client.client import Client, ClientError, DaemonNotRunning
-from moestream.shared.heat_file import parse_usage, usage_path
+from moestream.shared.heat_file import group_usage, parse_usage, usage_path
 from moestream.shared.runtime_dir import RuntimePaths
 from moestream.shared.settings import Settings, SettingsError
 
@@ -53,7 +53,13 @@ def heat_map(st: dict[str, Any]) -> dict[str, Any]:
     try:
         counts = parse_usage(path.read_bytes())
     except FileNotFoundError:
-        return {"rows": [], "path": str(path), "note": "no heat saved yet"}
+        # An expert-parallel group keeps a file per rank, of disjoint experts: their sum.
+        try:
+            counts, ranks = group_usage(folder)
+        except (OSError, ValueError) as e:
+            return {"rows": [], "path": str(folder), "note": f"cannot read the group's heat: {e}"}
+        if not ranks:
+            return {"rows": [], "path": str(path), "note": "no heat saved yet"}
     except (OSError, ValueError) as e:
         return {"rows": [], "path": str(path), "note": f"cannot read the heat: {e}"}
     n_layers = layers or (max(counts) + 1 if counts else 0)
