@@ -16,7 +16,35 @@ from moestream.daemon.model.generation import SamplingParams, generate
 from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.shared.settings import Settings, demo_store_path
 
-PROMPT = list(range(5, 29))  # 24 tokens: a prefill that overflows a 25% pool
+# 24 tokens of code (`def route(hidden, gate, k=2):\n    scores = gate(hidden)\n` in the demo's
+# tokenizer): a prefill that overflows a 25% pool, and an answer that runs all TOKENS
+# (the chat fine-tune ends a turn of arbitrary ids at once).
+PROMPT = [
+    315,
+    994,
+    1275,
+    8,
+    72,
+    3814,
+    278,
+    12,
+    477,
+    387,
+    12,
+    754,
+    29,
+    18,
+    302,
+    270,
+    299,
+    334,
+    1031,
+    277,
+    477,
+    387,
+    8,
+    72,
+]
 TOKENS = 24
 
 

@@ -433,14 +433,18 @@ def _leave_mid_stream(url: str, path: str, body: dict, headers: dict, lines: int
 def test_a_client_that_leaves_mid_stream_cancels_its_request_within_a_token_for_each_api(served):
     paths, gateway = served
     auth = {"Authorization": f"Bearer {KEY}"}
+    # Greedy: the demo's chat answers end at their end of turn, most of them soon, but this
+    # chat's greedy answer runs past LONG (into code).
+    anthropic_body = {"model": "moestream", "system": CHAT[0]["content"], "messages": CHAT[1:], "temperature": 0}
+    ollama_options = {"num_predict": LONG, "temperature": 0}
     cases = [
         (
             "/v1/chat/completions",
-            {"model": "moestream", "messages": CHAT, "max_tokens": LONG, "stream": True},
+            {"model": "moestream", "messages": CHAT, "max_tokens": LONG, "stream": True, "temperature": 0},
             "chatcmpl-",
         ),
-        ("/v1/messages", {"model": "moestream", "messages": CHAT[1:], "max_tokens": LONG, "stream": True}, "msg_"),
-        ("/api/chat", {"model": "moestream", "messages": CHAT, "options": {"num_predict": LONG}}, "ollama-"),
+        ("/v1/messages", {**anthropic_body, "max_tokens": LONG, "stream": True}, "msg_"),
+        ("/api/chat", {"model": "moestream", "messages": CHAT, "options": ollama_options}, "ollama-"),
         ("/api/generate", {"model": "moestream", "prompt": "def f(x):", "options": {"num_predict": LONG}}, "ollama-"),
     ]
     for path, body, prefix in cases:
