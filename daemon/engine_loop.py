@@ -400,7 +400,7 @@ class EngineLoop:
         """Move waiting requests whose prompts are checked into the active set, the client
         with the fewest active requests first. A request that would not fit the batch, or
         whose KV cache would pass the memory budget, waits in the queue (`status` says why)."""
-        from moestream.daemon.model.generation import GenerationResult, SamplingParams, turn_end
+        from moestream.daemon.model.generation import GenerationResult, SamplingParams
         from moestream.daemon.model.tool_calls import splitter_for
 
         while len(self._active) < self.settings.max_active:
@@ -427,7 +427,7 @@ class EngineLoop:
                 draft_tokens=msg.draft_tokens or 2,
                 draft_model=msg.draft_model,
                 diagnostics=bool(msg.diagnostics),
-                turn_end=turn_end(self._sm.tokenizer) if msg.messages is not None else None,
+                turn_end=self._sm.turn_end() if msg.messages is not None else None,
             )
             job.result = GenerationResult()
             job.gen = self._make_generator(job, params)

@@ -80,6 +80,8 @@ class StreamingModel:
     # through `mtp_head()` and `draft_model()`: the store's MTP head, and draft models by path.
     _mtp: Any = field(default=None, init=False, repr=False)
     _draft_models: OrderedDict[str, Any] = field(default_factory=OrderedDict, init=False, repr=False)
+    # The chat template's end of turn (`turn_end()`), found on first use: (text or None,).
+    _turn_end: tuple[str | None] | None = field(default=None, init=False, repr=False)
     # Draft models kept between requests (least recently used out first): each may be GBs,
     # and a request may name any path.
     max_draft_models: int = 1
@@ -105,6 +107,16 @@ class StreamingModel:
 
             self._mtp = load_mtp_head(self.store_dir, self.manifest.config)
         return self._mtp
+
+    def turn_end(self) -> str | None:
+        """The text a chat's answer ends at where no end token spells it
+        (daemon/model/generation.py `turn_end`): one render of the chat template, on the
+        first chat request, not on every one."""
+        if self._turn_end is None:
+            from moestream.daemon.model.generation import turn_end
+
+            self._turn_end = (turn_end(self.tokenizer),)
+        return self._turn_end[0]
 
     def draft_model(self, path: str, load: Callable[[str], nn.Module]) -> nn.Module:
         """The draft model at `path` (a resolved path: the key), made by `load(path)` on
