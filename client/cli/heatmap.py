@@ -14,6 +14,15 @@ from moestream.shared.settings import Settings, SettingsError, demo_store_path
 DEMO_COUNTS = demo_store_path().parent / "routing_counts.json"
 
 
+def _file(path: Path) -> tuple[dict[int, dict[int, int]], str]:
+    try:
+        return parse_usage(path.read_bytes()), str(path)
+    except FileNotFoundError:
+        return {}, str(path)
+    except (OSError, ValueError) as e:
+        raise click.ClickException(f"cannot read the heat {path}: {e}") from None
+
+
 def _group(folder: Path) -> tuple[dict[int, dict[int, int]], str]:
     try:
         counts, paths = group_usage(folder)
@@ -29,24 +38,16 @@ def heat_rows(store: Path, settings: Settings) -> tuple[list[list[int]], str]:
     manifest = store_option(store)
     folder = settings.heat_folder(store)
     path = usage_path(folder)
-    sources: list = [path, folder]
+    sources = [lambda: _file(path), lambda: _group(folder)]
     if manifest.store_id == store_option(demo_store_path()).store_id:
-        sources.append(DEMO_COUNTS)
-    for source in sources:
-        if source == folder:
-            counts, source = _group(folder)
-        else:
-            try:
-                counts = parse_usage(source.read_bytes())
-            except FileNotFoundError:
-                continue
-            except (OSError, ValueError) as e:
-                raise click.ClickException(f"cannot read the heat {source}: {e}") from None
+        sources.append(lambda: _file(DEMO_COUNTS))
+    for read in sources:
+        counts, source = read()
         if any(sum(c.values()) for c in counts.values()):
             rows = [
                 [counts.get(layer.ordinal, {}).get(e, 0) for e in range(layer.num_experts)] for layer in manifest.layers
             ]
-            return rows, str(source)
+            return rows, source
     raise click.ClickException(f"no heat saved for {store} yet ({path}): serve some requests first")
 
 
