@@ -80,3 +80,54 @@ def bucketed(caches: list[Any], bucket: int) -> list[Any]:
     if any(type(c) is KVCache and not c.empty() for c in caches):
         raise ValueError("only an empty cache can be bucketed")
     return [BucketedKVCache(bucket) if type(c) is KVCache else c for c in caches]
+
+
+# A prompt that goes on after a cached prefix (a chat's next turn from the prompt cache)
+# is a forward of a few dozen tokens at a key length never seen before, and of a query
+# length never seen before either: on CUDA each such forward builds a cuDNN graph (40-70
+# ms, more than the forward itself; tests/bench/results/shape_probe_h200.json). Such
+# continuations of up to this many tokens are padded to a multiple of QUERY_BUCKET tokens
+# (copies of their last token, trimmed from the cache after the forward), their keys to a
+# multiple of the key bucket, so that a few shapes serve every turn.
+MAX_PADDED_CONTINUATION = 256
+QUERY_BUCKET = 16
+
+
+def continue_prompt(
+    model: Any, tokens: mx.array, cache: list[Any], key_bucket: int, query_bucket: int = QUERY_BUCKET
+) -> bool:
+    """Forward `tokens` (1-D) on `cache` as `model(tokens[None], cache=cache)` does, the
+    outputs dropped (a prefill's chunk). With `key_bucket`, a continuation of 2 to
+    MAX_PADDED_CONTINUATION tokens on plain attention caches that hold a prefix runs
+    padded in both lengths (see above): the tokens' own keys, values and hidden states
+    are those of the unpadded forward (the padding comes after them, and the causal mask
+    hides it from them), and the cache ends holding exactly the tokens. Whether it padded."""
+    n = int(tokens.size)
+    plain = all(type(c) is KVCache and not c.empty() for c in cache)
+    if not key_bucket or not plain or not 1 < n <= MAX_PADDED_CONTINUATION:
+        model(tokens[None], cache=cache)
+        return False
+    pad = -n % query_bucket
+    fed = mx.concatenate([tokens, mx.repeat(tokens[-1:], pad)]) if pad else tokens
+    views = [_adopt(c, key_bucket, n + pad) for c in cache]
+    model(fed[None], cache=views)
+    for c, v in zip(cache, views):
+        c.keys, c.values, c.offset = v.keys, v.values, v.offset
+        c.trim(pad)
+    return True
+
+
+def _adopt(cache: KVCache, bucket: int, n: int) -> BucketedKVCache:
+    """A bucketed cache over `cache`'s entries, for one forward of `n` tokens, its
+    buffer exactly the padded key length: the strides of the keys are part of the cuDNN
+    graph's shape too, and a cache restored from the prompt cache has a buffer of any size."""
+    view = BucketedKVCache(bucket, max_query=n)
+    end = view._padded(cache.offset + n)
+    keys, values = cache.keys, cache.values
+    if keys.shape[2] != end:
+        b, h, _, dk = keys.shape
+        o = cache.offset
+        keys = mx.concatenate([keys[..., :o, :], mx.zeros((b, h, end - o, dk), keys.dtype)], axis=2)
+        values = mx.concatenate([values[..., :o, :], mx.zeros((b, h, end - o, values.shape[3]), values.dtype)], axis=2)
+    view.keys, view.values, view.offset = keys, values, cache.offset
+    return view

@@ -30,6 +30,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
+from moestream.daemon.model.kv_buckets import continue_prompt
 from moestream.daemon.model.streaming_moe import StreamingMoE
 
 if TYPE_CHECKING:
@@ -353,7 +354,7 @@ def prefill_pieces(
             yield
         tic = time.perf_counter()
         with mx.stream(generation_stream):
-            sm.model(prompt[start : start + step][None], cache=cache)
+            continue_prompt(sm.model, prompt[start : start + step], cache, sm.key_bucket)
             mx.eval([c.state for c in cache])
         if stats is not None:
             stats.chunked = True

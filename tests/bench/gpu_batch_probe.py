@@ -8,7 +8,11 @@
   routed pairs by expert only from 64 of them, B = 8 at top-8);
 - `forward`: the model's forward alone on the same batch cache, evaluated each step.
 
-Plus `generate_step` alone (B = 1, pipelined) for the single-stream reference.
+Plus `generate_step` alone (B = 1, pipelined) for the single-stream reference. With
+`--attention`, `own` again with the decode step's attention changed (timing only): its
+left-padding mask dropped (`nomask`: MLX's fused vector kernel, which takes no array
+mask, where stock's mask sends a batch to the unfused matmul-softmax-matmul), and one
+fused call per request on its own slice of the keys (`rows`).
 Measured: median ms per step over `--steps` steps after warm-up, in `--rounds` rounds.
 With `--parts`, also one decoder layer's two halves alone at each B, evaluated call by
 call over a 512-token batch cache: its attention and its MoE block (`parts_ms`), to
@@ -30,7 +34,7 @@ from pathlib import Path
 import mlx.core as mx
 from make_random_moe import SHAPES
 from mlx_lm.generate import BatchGenerator, generate_step
-from mlx_lm.models import switch_layers
+from mlx_lm.models import qwen3_moe, switch_layers
 from mlx_lm.sample_utils import make_sampler
 
 from moestream.daemon.model.generation import SamplingParams, request_sampler
@@ -54,6 +58,28 @@ def _always_sorted(self, x, indices):
     x = self.down_proj(self.activation(x_up, x_gate), idx, sorted_indices=True)
     x = switch_layers._scatter_unsort(x, inv_order, indices.shape)
     return x.squeeze(-2)
+
+
+def _nomask_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+    if queries.shape[2] != 1:
+        return STOCK_SDPA(queries, keys, values, cache, scale, mask, sinks)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
+
+
+def _rows_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+    if queries.shape[2] != 1:
+        return STOCK_SDPA(queries, keys, values, cache, scale, mask, sinks)
+    # Row i from key i on: slices that start apart, as rows of unequal left padding would.
+    rows = [
+        mx.fast.scaled_dot_product_attention(
+            queries[i : i + 1], keys[i : i + 1, :, i:], values[i : i + 1, :, i:], scale=scale
+        )
+        for i in range(queries.shape[0])
+    ]
+    return mx.concatenate(rows, axis=0)
+
+
+STOCK_SDPA = qwen3_moe.scaled_dot_product_attention
 
 
 def _batch_step_ms(model, vocab: int, b: int, samplers, steps: int, warmup: int) -> float:
@@ -135,6 +161,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="tiny dims (a CPU smoke run)")
     parser.add_argument("--parts", action="store_true", help="also time one layer's attention and MoE block alone")
+    parser.add_argument("--attention", action="store_true", help="also time the decode attention changed (see above)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     mx.set_memory_limit(64 * 2**30)
@@ -164,6 +191,15 @@ def main() -> None:
                 )
             finally:
                 switch_layers.SwitchGLU.__call__ = stock_call
+            for name, sdpa in (("nomask", _nomask_sdpa), ("rows", _rows_sdpa)) if args.attention else ():
+                qwen3_moe.scaled_dot_product_attention = sdpa
+                try:
+                    own = [request_sampler(SamplingParams(temp=1.0, seed=i)) for i in range(b)]
+                    rows.setdefault(name, {}).setdefault(b, []).append(
+                        _batch_step_ms(model, vocab, b, own, args.steps, 3)
+                    )
+                finally:
+                    qwen3_moe.scaled_dot_product_attention = STOCK_SDPA
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     parts = {b: _parts_ms(model, b, 10 * args.steps) for b in (1, 2, 4, 8)} if args.parts else None
     report = {

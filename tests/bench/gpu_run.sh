@@ -44,7 +44,8 @@
 #   full-residency       q30: where 100% could lose to stock (host time split; ABBA=N blocks of A B B A)
 #   gather-q30           q30: one mapped layer, zero-copy expert call vs gathering the routed experts first
 #   background-copy      q30: how much of a copy made ahead of use hides beside a layer's kernels, by blocks
-#   plan-probe           why plan's compute probe forecasts q30's decode slow: its timings, with shapes seen, and at 24 and 48 layers
+#   plan-probe           why plan's compute probe forecasts q30's decode slow: its timings, with shapes seen, and at 24 layers
+#   continuation-q30     q30: a chat turn's continuation after a 2048-token cache, stock's forward against the padded one
 #   batch-probe          where a batched decode step's time goes at B = 1, 2, 4, 8, and one layer's attention and MoE alone (random q30 layers)
 # demo
 #   demo                 train the built-in demo model (tests/bench/demo_recipe, DEMO_MINUTES)
@@ -193,6 +194,9 @@ EOF
     ;;
   plan-probe)
     $py tests/bench/gpu_plan_probe.py --repeats "${REPEATS:-3}" --out "$OUT/plan_probe_h200.json" 2>&1 | tail -8
+    ;;
+  continuation-q30)
+    $py tests/bench/gpu_continuation_probe.py --store /root/q30/store --out "$OUT/continuation_probe_h200.json" 2>&1 | tail -10
     ;;
   batch-probe)
     $py tests/bench/gpu_batch_probe.py --layers "${LAYERS:-12}" --steps "${STEPS:-30}" --rounds "${ROUNDS:-3}" --parts \
