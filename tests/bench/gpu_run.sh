@@ -46,7 +46,7 @@
 #   background-copy      q30: how much of a copy made ahead of use hides beside a layer's kernels, by blocks
 #   plan-probe           why plan's compute probe forecasts q30's decode slow: its timings, with shapes seen, and at 24 layers
 #   continuation-q30     q30: a chat turn's continuation after a 2048-token cache, stock's forward against the padded one
-#   batch-probe          where a batched decode step's time goes at B = 1, 2, 4, 8, and one layer's attention and MoE alone (random q30 layers)
+#   batch-probe          where a batched decode step's time goes at B = 1, 2, 4, 8, and with its attention changed (EXTRA=--parts: one layer's halves)
 # demo
 #   demo                 train the built-in demo model (tests/bench/demo_recipe, DEMO_MINUTES)
 set -euo pipefail
@@ -199,7 +199,7 @@ EOF
     $py tests/bench/gpu_continuation_probe.py --store /root/q30/store --out "$OUT/continuation_probe_h200.json" 2>&1 | tail -10
     ;;
   batch-probe)
-    $py tests/bench/gpu_batch_probe.py --layers "${LAYERS:-12}" --steps "${STEPS:-30}" --rounds "${ROUNDS:-3}" --parts \
+    $py tests/bench/gpu_batch_probe.py --layers "${LAYERS:-12}" --steps "${STEPS:-30}" --rounds "${ROUNDS:-3}" ${EXTRA:---attention} \
       --out "$OUT/batch_probe_h200.json" 2>&1 | tail -10
     ;;
   background-copy)
