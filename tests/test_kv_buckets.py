@@ -12,7 +12,7 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 from tiny_models import build_tiny_model
 
-from moestream.daemon.model.kv_buckets import BucketedKVCache, bucketed, continue_prompt
+from moestream.daemon.model.kv_buckets import BucketedKVCache, bucketed, continue_prompt, query_bucket
 
 HEADS, DIM = 2, 16
 
@@ -99,13 +99,13 @@ def test_padded_continuation_leaves_stock_cache_and_tokens(arch):
         model(prefix[None], cache=stock)
         model(prefix[None], cache=padded)
         model(turn[None], cache=stock)
-        assert continue_prompt(model, turn, padded, key_bucket=16, query_bucket=8)
+        assert continue_prompt(model, turn, padded, key_bucket=16, smallest=4)
         for a, b in zip(stock, padded):
             assert a.offset == b.offset == 29 + n
             np.testing.assert_allclose(np.array(b.keys[..., : b.offset, :]), np.array(a.keys[..., : a.offset, :]),
                                        rtol=1e-5, atol=1e-5)  # fmt: skip
             # The buffer is exactly the padded key length: its strides are part of the shape too.
-            assert b.keys.shape[2] % 16 == 0 and b.keys.shape[2] >= 29 + n + (-n % 8)
+            assert b.keys.shape[2] % 16 == 0 and b.keys.shape[2] >= 29 + query_bucket(n, 4)
         want, want_logits = _greedy(model, stock, int(turn[-1]), 6)
         got, got_logits = _greedy(model, padded, int(turn[-1]), 6)
         np.testing.assert_allclose(np.array(got_logits), np.array(want_logits), rtol=1e-4, atol=1e-4)
@@ -117,12 +117,14 @@ def test_continuations_meet_few_shapes_and_others_keep_stock_path(monkeypatch):
     cache, seen = make_prompt_cache(model), []
     model(mx.array([[1, 2, 3, 4, 5, 6, 7]]), cache=cache)
     _recording(monkeypatch, seen)
-    # Turns of 9..15 tokens: 7 query lengths at 7 key lengths, one padded shape.
+    # Turns of 9..15 tokens: 7 query lengths at 7 key lengths, padded to 16 queries and
+    # two key lengths (offsets 16..91 plus 16).
     for n in range(9, 16):
-        assert continue_prompt(model, mx.array([n] * n), cache, key_bucket=64, query_bucket=16)
+        assert continue_prompt(model, mx.array([n] * n), cache, key_bucket=64)
         assert cache[0].offset == 7 + sum(range(9, n + 1))
-    assert {s[2] for s in seen} == {64, 128}  # offsets 16..91 plus 16 padded queries
+    assert {s[2] for s in seen} == {64, 128}
     assert len(seen) == 7 * len(cache)
+    assert [query_bucket(n) for n in (2, 16, 17, 33, 64, 65, 256)] == [16, 16, 32, 64, 64, 128, 256]
     # No bucket (the CPU's default), one token, an empty cache, a long forward: stock's call.
     fresh = make_prompt_cache(model)
     assert not continue_prompt(model, mx.array([1, 2, 3]), fresh, key_bucket=64)

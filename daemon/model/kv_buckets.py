@@ -84,17 +84,24 @@ def bucketed(caches: list[Any], bucket: int) -> list[Any]:
 
 # A prompt that goes on after a cached prefix (a chat's next turn from the prompt cache)
 # is a forward of a few dozen tokens at a key length never seen before, and of a query
-# length never seen before either: on CUDA each such forward builds a cuDNN graph (40-70
-# ms, more than the forward itself; tests/bench/results/shape_probe_h200.json). Such
-# continuations of up to this many tokens are padded to a multiple of QUERY_BUCKET tokens
-# (copies of their last token, trimmed from the cache after the forward), their keys to a
-# multiple of the key bucket, so that a few shapes serve every turn.
+# length never seen before either: on CUDA each such forward builds a cuDNN graph (25-90
+# ms, as long as the forward itself; tests/bench/results/continuation_probe_h200.json).
+# Such continuations of up to this many tokens are padded to a power of two of at least
+# MIN_QUERY_BUCKET tokens (copies of their last token, trimmed from the cache after the
+# forward), their keys to a multiple of the key bucket, so that five query shapes per
+# key bucket serve every turn; a short forward's time is its layers' latency, so the
+# padded tokens cost little.
 MAX_PADDED_CONTINUATION = 256
-QUERY_BUCKET = 16
+MIN_QUERY_BUCKET = 16
+
+
+def query_bucket(n: int, smallest: int = MIN_QUERY_BUCKET) -> int:
+    """The padded length of a continuation of `n` tokens: the power of two >= n, at least `smallest`."""
+    return max(smallest, 1 << (n - 1).bit_length())
 
 
 def continue_prompt(
-    model: Any, tokens: mx.array, cache: list[Any], key_bucket: int, query_bucket: int = QUERY_BUCKET
+    model: Any, tokens: mx.array, cache: list[Any], key_bucket: int, smallest: int = MIN_QUERY_BUCKET
 ) -> bool:
     """Forward `tokens` (1-D) on `cache` as `model(tokens[None], cache=cache)` does, the
     outputs dropped (a prefill's chunk). With `key_bucket`, a continuation of 2 to
@@ -107,7 +114,7 @@ def continue_prompt(
     if not key_bucket or not plain or not 1 < n <= MAX_PADDED_CONTINUATION:
         model(tokens[None], cache=cache)
         return False
-    pad = -n % query_bucket
+    pad = query_bucket(n, smallest) - n
     fed = mx.concatenate([tokens, mx.repeat(tokens[-1:], pad)]) if pad else tokens
     views = [_adopt(c, key_bucket, n + pad) for c in cache]
     model(fed[None], cache=views)
