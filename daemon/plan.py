@@ -559,7 +559,10 @@ def format_plan(p: Plan) -> str:
 # ---- beside the benchmarks' measurements -----------------------------------------------
 
 
-def _probe(store: Path) -> ComputeProbe:
+def probe_store(store: Path) -> ComputeProbe:
+    """The compute probe of a store's architecture. A benchmark's forecast probes before
+    it loads anything, as `plan` does: probed after its runs, beside what they left behind
+    (threads, pools, a full allocator), the probe timed a q30 decode at 2.3x its real time."""
     manifest = load_manifest(store)
     return probe_compute(manifest, resident_dtype(store, manifest))
 
@@ -589,9 +592,9 @@ def _bench_plans(
     }
 
 
-def decode_forecasts(report: dict[str, Any]) -> list[dict[str, Any]]:
+def decode_forecasts(report: dict[str, Any], compute: ComputeProbe) -> list[dict[str, Any]]:
     """The forecast of every moestream row of a `bench decode` report, with the run's own
-    bandwidths, beside its measured tok/s."""
+    bandwidths and `compute` (`probe_store`), beside its measured tok/s."""
     rows = [r for r in report["results"] if r["capacity"] is not None]
     bw = Bandwidths(
         report["read_bandwidth_bytes_per_s"], report["link_bandwidth_bytes_per_s"], report["link_kind"], "this run"
@@ -609,7 +612,7 @@ def decode_forecasts(report: dict[str, Any]) -> list[dict[str, Any]]:
         for r in rows
     ]
     store = Path(report["store"])
-    plans = _bench_plans(store, configs, bw, TTFT_PROMPT_TOKENS, _probe(store))
+    plans = _bench_plans(store, configs, bw, TTFT_PROMPT_TOKENS, compute)
     return [
         {
             "name": r["name"],
@@ -625,14 +628,14 @@ def decode_forecasts(report: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def prefill_forecasts(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The forecast time to first token of every streamed row of a `bench prefill` report."""
+def prefill_forecasts(report: dict[str, Any], compute: ComputeProbe) -> list[dict[str, Any]]:
+    """The forecast time to first token of every streamed row of a `bench prefill` report,
+    with `compute` (`probe_store`)."""
     bw = report["bandwidth"]
     bandwidths = Bandwidths(bw["disk_bytes_per_s"], bw["link_bytes_per_s"], bw["link_kind"], "this run")
     store = Path(report["settings"]["store"])
     host = report["settings"].get("host_cache") or 0
     out = []
-    compute = _probe(store)
     for c in report["configs"]:
         if c.get("capacity") is None:
             continue

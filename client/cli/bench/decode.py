@@ -245,16 +245,22 @@ def bench_decode(
         prefetch_copy_blocks=prefetch_copy_blocks,
         copy_kernel=copy_kernel,
     )
+    compute = None
     try:
+        if forecast:
+            from moestream.daemon.plan import probe_store
+
+            click.echo("probing compute for the forecast", err=True)
+            compute = probe_store(Path(store))
         report = run_bench_decode(settings, progress=lambda line: click.echo(line, err=True))
     except (StoreError, PoolCapacityError, SettingsError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from e
     text = format_report(report)
-    if forecast:
+    if compute is not None:
         from moestream.daemon.plan import decode_forecasts, format_decode_forecasts
 
-        click.echo("probing compute for the forecast", err=True)
-        report["forecast"] = decode_forecasts(report)
+        report["forecast_compute"] = compute.to_dict()
+        report["forecast"] = decode_forecasts(report, compute)
         text += "\n" + format_decode_forecasts(report["forecast"])
     click.echo(json.dumps(report) if as_json else text)
 

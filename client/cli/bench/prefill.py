@@ -118,14 +118,20 @@ def bench_prefill(
         if out_file:
             Path(out_file).write_text(json.dumps(report, indent=1))
 
+    compute = None
+    if forecast:
+        from moestream.daemon.plan import probe_store
+
+        click.echo("probing compute for the forecast", err=True)
+        compute = probe_store(Path(store))
     report = run_bench_prefill(settings, progress=lambda line: click.echo(line, err=True), on_config=save)
     report.setdefault("command", command)
     text = format_report(report)
-    if forecast:
+    if compute is not None:
         from moestream.daemon.plan import format_prefill_forecasts, prefill_forecasts
 
-        click.echo("probing compute for the forecast", err=True)
-        report["forecast"] = prefill_forecasts(report)
+        report["forecast_compute"] = compute.to_dict()
+        report["forecast"] = prefill_forecasts(report, compute)
         save(report)
         text += "\n" + format_prefill_forecasts(report["forecast"])
     click.echo(json.dumps(report) if as_json else text)
