@@ -339,8 +339,11 @@ ARCHS: dict[str, Arch] = {
             "num_shared_experts": 0,
         },
         text_args="muse_spark:TextArgs",
-        # The wrapper's audio and vision configs must meet the text model's width.
-        outer={"audio_config": {"out_hidden_size": HIDDEN}, "vision_config": {"out_hidden_size": HIDDEN}},
+        # A tiny vision tower (its defaults make 2 B random weights: minutes to build).
+        outer={
+            "vision_config": {"hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 1},
+            "out_hidden_size": HIDDEN,
+        },
         metal_only=True,
     ),
     "nemotron_h": Arch("Nemotron-H", config=tiny_config("nemotron_h")),
