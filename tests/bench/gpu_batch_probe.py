@@ -11,8 +11,10 @@
 Plus `generate_step` alone (B = 1, pipelined) for the single-stream reference. With
 `--attention`, `own` again with the decode step's attention changed (timing only): its
 left-padding mask dropped (`nomask`: MLX's fused vector kernel, which takes no array
-mask, where stock's mask sends a batch to the unfused matmul-softmax-matmul), and one
-fused call per request on its own slice of the keys (`rows`).
+mask, where stock's mask sends a batch to the unfused matmul-softmax-matmul), one
+fused call per request on its own slice of the keys (`rows`), and a kernel of our own
+that takes each row's left padding instead of a mask (`kernel`, on CUDA:
+padded_decode_attention.py; its difference from the masked attention is `kernel_check`).
 Measured: median ms per step over `--steps` steps after warm-up, in `--rounds` rounds.
 With `--parts`, also one decoder layer's two halves alone at each B, evaluated call by
 call over a 512-token batch cache: its attention and its MoE block (`parts_ms`), to
@@ -36,6 +38,7 @@ from make_random_moe import SHAPES
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models import qwen3_moe, switch_layers
 from mlx_lm.sample_utils import make_sampler
+from padded_decode_attention import check, padded_decode_attention
 
 from moestream.daemon.model.generation import SamplingParams, request_sampler
 from moestream.daemon.plan import _config_with_layers, _random_model
@@ -77,6 +80,12 @@ def _rows_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
         for i in range(queries.shape[0])
     ]
     return mx.concatenate(rows, axis=0)
+
+
+def _kernel_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+    if queries.shape[2] != 1 or not hasattr(cache, "left_padding"):
+        return STOCK_SDPA(queries, keys, values, cache, scale, mask, sinks)
+    return padded_decode_attention(queries, keys, values, cache.left_padding, scale)
 
 
 STOCK_SDPA = qwen3_moe.scaled_dot_product_attention
@@ -171,6 +180,12 @@ def main() -> None:
     vocab = config["vocab_size"]
     stock_call = switch_layers.SwitchGLU.__call__
     rows: dict[str, dict[int, list[float]]] = {}
+    variants = [("nomask", _nomask_sdpa), ("rows", _rows_sdpa)] if args.attention else []
+    kernel_check = None
+    if args.attention and mx.cuda.is_available():
+        kernel_check = check()
+        print(f"kernel against the masked attention: max abs difference {kernel_check:.3g}", file=sys.stderr)
+        variants.append(("kernel", _kernel_sdpa))
     single: list[float] = []
     for r in range(args.rounds):
         single.append(_single_ms(model, vocab, args.steps))
@@ -191,7 +206,7 @@ def main() -> None:
                 )
             finally:
                 switch_layers.SwitchGLU.__call__ = stock_call
-            for name, sdpa in (("nomask", _nomask_sdpa), ("rows", _rows_sdpa)) if args.attention else ():
+            for name, sdpa in variants:
                 qwen3_moe.scaled_dot_product_attention = sdpa
                 try:
                     own = [request_sampler(SamplingParams(temp=1.0, seed=i)) for i in range(b)]
@@ -212,6 +227,7 @@ def main() -> None:
         "ms_per_step": {name: {b: statistics.median(v) for b, v in by_b.items()} for name, by_b in rows.items()},
         "runs": {name: {b: v for b, v in by_b.items()} for name, by_b in rows.items()},
         "parts_ms": parts,
+        "kernel_check": kernel_check,
     }
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"generate_step B=1: {report['generate_step_ms']:.2f} ms/token")
