@@ -4,7 +4,10 @@ the H200: the probe's own timings (daemon/plan.py `probe_compute`: random-weight
 prompts and 12 steps) beside the same models timed again once those shapes were seen,
 over a longer decode, and a random model of half the layers (what the extrapolation
 stands for; a random model of all 48 is made in float32 first, past the GPU's memory).
-Each figure is ms per decode token, the median of `--repeats` runs.
+Each figure is ms per decode token, the median of `--repeats` runs. `synced_ms` is the
+same decode waiting for every layer's output before the next layer is built, as a
+partial slot pool's read-back of each layer's routing makes it wait (the forecast's
+`sync` term, which today is one read-back timed alone, times the layers).
 
     python tests/bench/gpu_plan_probe.py --out /tmp/out/plan_probe_h200.json
     python tests/bench/gpu_plan_probe.py --tiny --out /tmp/plan_probe_cpu.json   # a smoke run
@@ -21,7 +24,34 @@ from pathlib import Path
 import mlx.core as mx
 from gpu_batch_probe import Q30, TINY
 
+from moestream.daemon.model.prefill import LayerMajorPrefill
 from moestream.daemon.plan import PROBE_MAX_LAYERS, _config_with_layers, _random_model, _time_model
+
+
+class _Synced:
+    """Stands in for a decoder layer: runs it, then waits for its output."""
+
+    def __init__(self, layer) -> None:
+        self._layer = layer
+
+    def __getattr__(self, name: str):
+        return getattr(self._layer, name)
+
+    def __call__(self, *args, **kwargs):
+        out = self._layer(*args, **kwargs)
+        mx.eval(out)
+        return out
+
+
+def _synced_ms(model, vocab: int, repeats: int) -> float:
+    decoder = LayerMajorPrefill._find_decoder(model)
+    held = decoder["layers"]
+    decoder["layers"] = [_Synced(layer) for layer in held]
+    try:
+        _ms(model, vocab, 48, 4, 1)
+        return _ms(model, vocab, 48, 12, repeats)
+    finally:
+        decoder["layers"] = held
 
 
 def _ms(model, vocab: int, prompt: int, steps: int, repeats: int) -> float:
@@ -61,8 +91,10 @@ def main() -> None:
         as_probe = _ms(model, vocab, 48, 12, args.repeats)
         seen = _ms(model, vocab, 48, 12, args.repeats)  # the same shapes, seen now
         longer = _ms(model, vocab, 48, 64, args.repeats)
-        rows[n] = {"as_probe_ms": as_probe, "shapes_seen_ms": seen, "decode_64_ms": longer}
-        print(f"{n:>3} layers: as the probe {as_probe:.2f} ms, shapes seen {seen:.2f}, 64 steps {longer:.2f}",
+        synced = _synced_ms(model, vocab, args.repeats)
+        rows[n] = {"as_probe_ms": as_probe, "shapes_seen_ms": seen, "decode_64_ms": longer, "synced_ms": synced}
+        print(f"{n:>3} layers: as the probe {as_probe:.2f} ms, shapes seen {seen:.2f}, 64 steps {longer:.2f}, "
+              f"synced {synced:.2f}",
               file=sys.stderr, flush=True)  # fmt: skip
         del model
         mx.clear_cache()
