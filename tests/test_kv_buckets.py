@@ -88,7 +88,7 @@ def _recording(monkeypatch, seen: list[tuple[int, ...]]) -> None:
     monkeypatch.setattr(BucketedKVCache, "update_and_fetch", spy)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_padded_continuation_leaves_stock_cache_and_tokens(arch):
     model, config = build_tiny_model(arch, seed=3)
     vocab = config["vocab_size"]
