@@ -120,11 +120,12 @@ def test_continuations_meet_few_shapes_and_others_keep_stock_path(monkeypatch):
     # Turns of 9..15 tokens: 7 query lengths at 7 key lengths, padded to 16 queries and
     # two key lengths (offsets 16..91 plus 16).
     for n in range(9, 16):
-        assert continue_prompt(model, mx.array([n] * n), cache, key_bucket=64)
+        assert continue_prompt(model, mx.array([n] * n), cache, key_bucket=64, smallest=16)
         assert cache[0].offset == 7 + sum(range(9, n + 1))
     assert {s[2] for s in seen} == {64, 128}
     assert len(seen) == 7 * len(cache)
-    assert [query_bucket(n) for n in (2, 16, 17, 33, 64, 65, 256)] == [16, 16, 32, 64, 64, 128, 256]
+    assert [query_bucket(n, 16) for n in (2, 16, 17, 33, 64, 65, 256)] == [16, 16, 32, 64, 64, 128, 256]
+    assert [query_bucket(n) for n in (2, 64, 65)] == [64, 64, 128]
     # No bucket (the CPU's default), one token, an empty cache, a long forward: stock's call.
     fresh = make_prompt_cache(model)
     assert not continue_prompt(model, mx.array([1, 2, 3]), fresh, key_bucket=64)

@@ -86,13 +86,23 @@ def bucketed(caches: list[Any], bucket: int) -> list[Any]:
 # is a forward of a few dozen tokens at a key length never seen before, and of a query
 # length never seen before either: on CUDA each such forward builds a cuDNN graph (25-90
 # ms, as long as the forward itself; tests/bench/results/continuation_probe_h200.json).
-# Such continuations of up to this many tokens are padded to a power of two of at least
-# MIN_QUERY_BUCKET tokens (copies of their last token, trimmed from the cache after the
-# forward), their keys to a multiple of the key bucket, so that five query shapes per
-# key bucket serve every turn; a short forward's time is its layers' latency, so the
-# padded tokens cost little.
+# Such continuations of up to MAX_PADDED_CONTINUATION tokens are padded (copies of their
+# last token, trimmed from the cache after the forward) to a power of two of at least
+# MIN_QUERY_BUCKET tokens, their keys to a multiple of CONTINUATION_KEY_BUCKET, so that
+# the turns of a chat meet few shapes: a user's message of up to 64 tokens is one, and
+# the keys move to a new bucket once per 1024 tokens of history. A forward of up to a few
+# dozen tokens takes its layers' latency, so the padded tokens cost little (a turn of 31
+# tokens took 52 ms padded to 32 and 75 ms padded to 64 on the H200), and attention over
+# up to 1023 padded keys is small beside a layer; the price is up to that many tokens'
+# worth of unused cache buffer.
 MAX_PADDED_CONTINUATION = 256
-MIN_QUERY_BUCKET = 16
+MIN_QUERY_BUCKET = 64
+CONTINUATION_KEY_BUCKET = 1024
+
+
+def default_continuation_bucket() -> int:
+    """CONTINUATION_KEY_BUCKET where graphs are built per shape (CUDA), else 0 (stock's path)."""
+    return CONTINUATION_KEY_BUCKET if default_key_bucket() else 0
 
 
 def query_bucket(n: int, smallest: int = MIN_QUERY_BUCKET) -> int:

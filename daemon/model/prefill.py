@@ -354,7 +354,7 @@ def prefill_pieces(
             yield
         tic = time.perf_counter()
         with mx.stream(generation_stream):
-            continue_prompt(sm.model, prompt[start : start + step], cache, sm.key_bucket)
+            continue_prompt(sm.model, prompt[start : start + step], cache, sm.continuation_bucket)
             mx.eval([c.state for c in cache])
         if stats is not None:
             stats.chunked = True

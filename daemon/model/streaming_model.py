@@ -27,7 +27,7 @@ from moestream.daemon.mapped.mapped_pool import CountingMover, MappedPool, Mappe
 from moestream.daemon.mapped.row_gather import RowGather
 from moestream.daemon.model.diagnostics import Diagnostics
 from moestream.daemon.model.expert_parallel import ExpertShare
-from moestream.daemon.model.kv_buckets import default_key_bucket
+from moestream.daemon.model.kv_buckets import default_continuation_bucket
 from moestream.daemon.model.prefill import LayerMajorPrefill, UnsupportedModel
 from moestream.daemon.model.streaming_moe import StreamingMoE
 from moestream.daemon.policies import make_policy
@@ -101,7 +101,7 @@ class StreamingModel:
     share: ExpertShare | None = None
     # Keys of short continuations after a cached prefix are padded to multiples of this
     # (daemon/model/kv_buckets.py `continue_prompt`; CUDA only), else 0.
-    key_bucket: int = 0
+    continuation_bucket: int = 0
 
     def mtp_head(self) -> Any:
         """The store's multi-token-prediction head (daemon/model/mtp_head.py), loaded on
@@ -466,7 +466,7 @@ def load_streaming_model(
         prefill_note=prefill_note,
         max_draft_models=settings.max_draft_models,
         share=share,
-        key_bucket=default_key_bucket(),
+        continuation_bucket=default_continuation_bucket(),
     )
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from moestream.daemon.model.kv_buckets import continue_prompt, default_key_bucket
+from moestream.daemon.model.kv_buckets import continue_prompt, default_continuation_bucket
 from moestream.daemon.model.streaming_model import load_stock_model
 
 HISTORY = 2048
@@ -50,7 +50,7 @@ def main() -> None:
     mx.set_memory_limit(96 * 2**30)
     model = load_stock_model(args.store)
     vocab = model.args.vocab_size if hasattr(model, "args") else 151936
-    bucket = default_key_bucket()
+    bucket = default_continuation_bucket()
     history = mx.array([i * 7919 % vocab for i in range(HISTORY)])
     base = make_prompt_cache(model)
     model(history[None], cache=base)
