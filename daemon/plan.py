@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from moestream.daemon.pool.capacity import kv_cache_bytes, plan_capacity, top_k_of
-from moestream.shared.heat_file import group_usage, parse_usage, read_usage, usage_path
+from moestream.shared.heat_file import group_usage, peek_usage, read_usage, usage_path
 from moestream.shared.settings import Settings, format_size
 from moestream.shared.store_format import Manifest, load_manifest
 
@@ -273,7 +273,7 @@ def heat_counts(store: Path, settings: Settings, manifest: Manifest) -> tuple[di
     problem = ""
     try:
         # Read only: a corrupt file is the daemon's to set aside when it starts.
-        saved = parse_usage(path.read_bytes())
+        saved = peek_usage(path)
     except FileNotFoundError:
         saved = {}
     except (OSError, ValueError) as e:

@@ -147,7 +147,7 @@ def group_usage(folder: Path | str) -> tuple[UsageCounts, list[Path]]:
     total: UsageCounts = {}
     for path in paths:
         try:
-            counts = parse_usage(path.read_bytes())
+            counts = peek_usage(path)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
         for layer, experts in counts.items():
@@ -157,40 +157,64 @@ def group_usage(folder: Path | str) -> tuple[UsageCounts, list[Path]]:
     return total, paths
 
 
+class NotAHeatFile(ValueError):
+    """The path is a link, not a regular file, or too large to be a heat file."""
+
+
+def _heat_bytes(path: Path) -> bytes:
+    """The file's bytes, opened without following links and without blocking, checked
+    with fstat. FileNotFoundError where it is missing; `NotAHeatFile` for a symlink, a
+    FIFO, a device or a file over MAX_HEAT_BYTES (none of them read); OSError where the
+    OS refuses."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NotAHeatFile("a symbolic link, not a file") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotAHeatFile("not a regular file")
+        if st.st_size > MAX_HEAT_BYTES:
+            raise NotAHeatFile(f"{st.st_size} bytes, over the limit of {MAX_HEAT_BYTES}")
+        raw = _read_at_most(fd, MAX_HEAT_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_HEAT_BYTES:
+        raise NotAHeatFile(f"over the limit of {MAX_HEAT_BYTES} bytes")
+    return raw
+
+
+def peek_usage(path: Path | str) -> UsageCounts:
+    """The heat file's counts, read only and never set aside (a corrupt file is the
+    daemon's to deal with): for `plan`, `heatmap` and the dashboard. FileNotFoundError
+    where it is missing; ValueError where it is not a heat file or does not parse; it is
+    opened as the daemon opens it (`_heat_bytes`), so a link planted in its place is not
+    followed."""
+    return parse_usage(_heat_bytes(Path(path)))
+
+
 def read_usage(path: Path | str, shape: Mapping[int, int] | None = None) -> UsageLoad:
     """Load the heat file. Missing -> empty. Corrupt -> set aside, empty, `problem` set.
 
     `shape` ({layer: number of experts}, from the manifest) makes a file that names any
     other layer or expert corrupt too (one heat folder shared by two stores). Never
     trusted further than that: a symlink, a FIFO, a device or a file over
-    MAX_HEAT_BYTES is not read at all (opened without following links and without
-    blocking, checked with fstat) and is set aside like a corrupt file.
+    MAX_HEAT_BYTES is not read at all (`_heat_bytes`) and is set aside like a corrupt file.
 
     Raises `HeatReadError` only when the file exists but the OS refuses to read it: that
     is not a corrupt file, and moving it aside would hide a failing disk.
     """
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        raw = _heat_bytes(path)
     except FileNotFoundError:
         return UsageLoad(path)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            return _set_aside(path, b"", "a symbolic link, not a file")
-        raise HeatReadError("cannot read heat file", path, e, "fix the file or its permissions, or remove it") from e
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return _set_aside(path, b"", "not a regular file")
-        if st.st_size > MAX_HEAT_BYTES:
-            return _set_aside(path, b"", f"{st.st_size} bytes, over the limit of {MAX_HEAT_BYTES}")
-        raw = _read_at_most(fd, MAX_HEAT_BYTES + 1)
+    except NotAHeatFile as e:
+        return _set_aside(path, b"", str(e))
     except OSError as e:
         raise HeatReadError("cannot read heat file", path, e, "fix the file or its permissions, or remove it") from e
-    finally:
-        os.close(fd)
-    if len(raw) > MAX_HEAT_BYTES:
-        return _set_aside(path, b"", f"over the limit of {MAX_HEAT_BYTES} bytes")
     try:
         counts = parse_usage(raw)
         if shape is not None:

@@ -196,6 +196,16 @@ def test_heatmap_command_writes_the_demo_models_png(tmp_path):
     env = clean_env(MOESTREAM_HEAT_DIR=str(tmp_path / "group"))
     grouped = ctl("heatmap", "--model", str(demo_store_path()), "--out", str(tmp_path / "g.png"), env=env)
     assert grouped.returncode == 0 and "2 ranks' heat files" in grouped.stdout, grouped.stdout + grouped.stderr
+    # A link planted where the heat file goes is not followed (as the daemon does not):
+    # a clear error, the file it points at untouched.
+    (tmp_path / "linked").mkdir()
+    secret = tmp_path / "secret.json"
+    write_usage(secret, {0: {2: 5}})
+    (tmp_path / "linked" / "pool_usage.json").symlink_to(secret)
+    env = clean_env(MOESTREAM_HEAT_DIR=str(tmp_path / "linked"))
+    linked = ctl("heatmap", "--model", str(demo_store_path()), "--out", str(tmp_path / "l.png"), env=env)
+    assert linked.returncode == 1 and "symbolic link" in linked.stderr, linked.stdout + linked.stderr
+    assert not (tmp_path / "l.png").exists() and secret.is_file()
 
 
 def test_dashboard_command_gives_the_gateways_address():

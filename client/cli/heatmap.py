@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from moestream.client.cli.values import store_option
-from moestream.shared.heat_file import group_usage, parse_usage, usage_path
+from moestream.shared.heat_file import group_usage, peek_usage, usage_path
 from moestream.shared.settings import Settings, SettingsError, demo_store_path
 
 # The demo model's recorded routing counts, shipped beside its store (daemon/plan.py reads them too).
@@ -16,7 +16,7 @@ DEMO_COUNTS = demo_store_path().parent / "routing_counts.json"
 
 def _file(path: Path) -> tuple[dict[int, dict[int, int]], str]:
     try:
-        return parse_usage(path.read_bytes()), str(path)
+        return peek_usage(path), str(path)
     except FileNotFoundError:
         return {}, str(path)
     except (OSError, ValueError) as e:

@@ -14,7 +14,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from moestream.client.client import Client, ClientError, DaemonNotRunning
-from moestream.shared.heat_file import group_usage, parse_usage, usage_path
+from moestream.shared.heat_file import group_usage, peek_usage, usage_path
 from moestream.shared.runtime_dir import RuntimePaths
 from moestream.shared.settings import Settings, SettingsError
 
@@ -51,7 +51,7 @@ def heat_map(st: dict[str, Any]) -> dict[str, Any]:
         return {"rows": [], "note": f"cannot tell where the heat is: {e}"}
     path = usage_path(folder)
     try:
-        counts = parse_usage(path.read_bytes())
+        counts = peek_usage(path)
     except FileNotFoundError:
         # An expert-parallel group keeps a file per rank, of disjoint experts: their sum.
         try:

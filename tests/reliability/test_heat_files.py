@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from moestream.client.client import Client
-from moestream.shared.heat_file import MAX_HEAT_BYTES, read_usage
+from moestream.shared.heat_file import MAX_HEAT_BYTES, NotAHeatFile, peek_usage, read_usage, write_usage
 
 from .conftest import CASES
 
@@ -142,3 +142,24 @@ def test_a_second_daemon_on_the_store_keeps_its_heat_until_the_lock_frees(store_
     assert not list(store_copy.glob("pool_usage.json.pending-*"))
     with Client(first.paths if first.alive() else second.paths) as c:
         assert c.status()["heat"]["state"] == "running"
+
+
+def test_the_read_only_readers_refuse_what_the_daemon_sets_aside(tmp_path):
+    """`plan`, `heatmap` and the dashboard read heat through `peek_usage`: a link, a FIFO
+    (no blocking), a huge file are refused with a reason; nothing is moved aside."""
+    good = tmp_path / "good.json"
+    write_usage(good, {0: {1: 2}})
+    assert peek_usage(good) == {0: {1: 2}}
+    link = tmp_path / "link.json"
+    link.symlink_to(good)
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    huge = tmp_path / "huge.json"
+    with open(huge, "wb") as f:
+        f.truncate(MAX_HEAT_BYTES + 1)
+    for path, why in ((link, "symbolic link"), (fifo, "not a regular file"), (huge, "over the limit")):
+        with pytest.raises(NotAHeatFile, match=why):
+            peek_usage(path)
+    with pytest.raises(FileNotFoundError):
+        peek_usage(tmp_path / "missing.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo.json", "good.json", "huge.json", "link.json"]
