@@ -10,7 +10,10 @@ The forecast is a sum of times per token, each measured apart from the model:
   layers, timed decoding here; its time per layer, extrapolated to every layer (`probe_compute`). No
   byte of the store is loaded.
 - host syncs: a partial slot pool reads each MoE layer's expert ids back to the host
-  once per token; the probe times that read-back on a layer's output (`sync_s`).
+  once per token, so the host waits for every layer before it builds the next: the
+  probe times the same random models decoding with a wait after every layer
+  (`synced_decode_s`), and the term is the difference (on a GPU the wait costs more than
+  the read-back: the host's and the device's work per layer no longer overlap).
 - bytes: a token routes top-k experts per MoE layer; those not in the pool are misses,
   read from the host tier where it holds them, else from the store. The hit rate is the
   share of the routing counts that the hottest `capacity` experts of each layer take
@@ -104,7 +107,8 @@ class ComputeProbe:
     layers: tuple[int, int]
     decode_s: tuple[float, float]  # per token, for each model
     prefill_s: tuple[float, float]  # per prompt token, for each model
-    sync_s: float  # one host read-back of a layer's expert ids
+    # Per token, as `decode_s`, with the host waiting for every decoder layer's output.
+    synced_decode_s: tuple[float, float]
     device: str
     dtype: str
 
@@ -200,20 +204,40 @@ def _time_model(model: Any, vocab: int, prompt_tokens: int, steps: int, repeats:
     return statistics.median(decode), statistics.median(prefill)
 
 
-def _time_sync(hidden: int, experts: int, top_k: int, repeats: int = 50) -> float:
-    """One read-back of a router's top-k ids to the host, as a slot pool does per layer."""
-    import mlx.core as mx
+class _Waited:
+    """Stands in for a decoder layer: runs it, then waits for its output, as a slot
+    pool's read-back of the layer's routing makes the host wait."""
 
-    x = mx.random.normal((1, hidden))
-    w = mx.random.normal((hidden, experts))
-    mx.eval(x, w)
-    times = []
-    for _ in range(repeats):
-        tic = time.perf_counter()
-        ids = mx.argpartition(-(x @ w), kth=top_k - 1, axis=-1)[..., :top_k]
-        ids.tolist()
-        times.append(time.perf_counter() - tic)
-    return min(times)
+    def __init__(self, layer: Any) -> None:
+        self._layer = layer
+
+    def __getattr__(self, name: str) -> Any:
+        # The model's loop may ask a layer what it is (qwen3_next's `is_linear`).
+        return getattr(self._layer, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import mlx.core as mx
+
+        out = self._layer(*args, **kwargs)
+        mx.eval(out)
+        return out
+
+
+def _time_synced(model: Any, vocab: int, steps: int) -> float:
+    """Decode s/token of `model` with a wait after every decoder layer (a model with no
+    list of layers: its plain decode, so the sync term is 0)."""
+    from moestream.daemon.model.prefill import UnsupportedModel, decoder_of
+
+    try:
+        decoder = decoder_of(model)
+    except UnsupportedModel:
+        return _time_model(model, vocab, 8, steps, 1)[0]
+    held = decoder["layers"]
+    decoder["layers"] = [_Waited(layer) for layer in held]
+    try:
+        return _time_model(model, vocab, 8, steps, 1)[0]
+    finally:
+        decoder["layers"] = held
 
 
 # The probe's two models: 2 layers and at most this many (the whole model where it has no
@@ -235,19 +259,23 @@ def probe_compute(
     models = [_random_model(_config_with_layers(manifest.config, n), dtype) for n in sorted(set(counts))]
     for model in models:  # kernels built, buffers allocated
         _time_model(model, int(cfg["vocab_size"]), 8, 2, 1)
+    vocab = int(cfg["vocab_size"])
     times: list[list[tuple[float, float]]] = [[] for _ in models]
+    waited: list[list[float]] = [[] for _ in models]
     for _ in range(repeats):
-        for model, got in zip(models, times):
-            got.append(_time_model(model, int(cfg["vocab_size"]), prompt_tokens, steps, 1))
+        for model, got, w in zip(models, times, waited):
+            got.append(_time_model(model, vocab, prompt_tokens, steps, 1))
+            w.append(_time_synced(model, vocab, steps))
     decode = [statistics.median(t[0] for t in got) for got in times]
     prefill = [statistics.median(t[1] for t in got) for got in times]
+    # Never below the plain decode: the wait adds time, and noise must not take it away.
+    synced = [max(statistics.median(w), d) for w, d in zip(waited, decode)]
     del models
     mx.clear_cache()
     if len(decode) == 1:
         counts = (counts[0], counts[0] + 1)  # one model: no per-layer slope to take
-        decode, prefill = [decode[0], decode[0] * 2], [prefill[0], prefill[0] * 2]
-    sync = _time_sync(int(cfg["hidden_size"]), manifest.layers[0].num_experts, top_k_of(manifest.config))
-    return ComputeProbe(counts, tuple(decode), tuple(prefill), sync, str(mx.default_device()), dtype)
+        decode, prefill, synced = [decode[0], decode[0] * 2], [prefill[0], prefill[0] * 2], [synced[0], synced[0] * 2]
+    return ComputeProbe(counts, tuple(decode), tuple(prefill), tuple(synced), str(mx.default_device()), dtype)
 
 
 # ---- the expected hit rate -------------------------------------------------------------
@@ -425,7 +453,12 @@ def make_plan(
     from_disk = 0.0 if mapped else sum(k * (1.0 - h) * (1.0 - t) for h, t in zip(hits.pool_hit, hits.tier_hit))
     terms = {
         "compute": compute.at(compute.decode_s, layers),
-        "sync": compute.sync_s * len(manifest.layers) if partial and not mapped else 0.0,
+        # The probe waits after every decoder layer; a slot pool, after every MoE layer.
+        "sync": max(compute.at(compute.synced_decode_s, layers) - compute.at(compute.decode_s, layers), 0.0)
+        * len(manifest.layers)
+        / layers
+        if partial and not mapped
+        else 0.0,
         "disk": from_disk * expert / bandwidths.read_bytes_per_s,
         "link": misses * expert / bandwidths.link_bytes_per_s,
     }
@@ -488,7 +521,12 @@ def load_compute(folder: Path, store_id: str) -> ComputeProbe | None:
     try:
         d = json.loads((folder / f"compute-{store_id}.json").read_text())
         return ComputeProbe(
-            tuple(d["layers"]), tuple(d["decode_s"]), tuple(d["prefill_s"]), d["sync_s"], d["device"], d["dtype"]
+            tuple(d["layers"]),
+            tuple(d["decode_s"]),
+            tuple(d["prefill_s"]),
+            tuple(d["synced_decode_s"]),
+            d["device"],
+            d["dtype"],
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None

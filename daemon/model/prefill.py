@@ -117,6 +117,19 @@ class UnsupportedModel(Exception):
     """The model's forward does not have the shape the layer-major prefill drives."""
 
 
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The module whose forward loops over the decoder layers, its list under "layers"
+    (`model.layers` may be a slice of that list, as mlx-lm's pipeline models give it)."""
+    if not isinstance(getattr(model, "layers", None), (list, tuple)):
+        raise UnsupportedModel("the model has no list of decoder layers")
+    layers = list(model.layers)
+    for _, module in model.named_modules():
+        held = module.get("layers") if isinstance(module, nn.Module) else None
+        if isinstance(held, list) and len(held) == len(layers) and all(a is b for a, b in zip(held, layers)):
+            return module
+    raise UnsupportedModel("no module holds the model's decoder layers")
+
+
 class LayerMajorPrefill:
     """Drives one model's prefill layer by layer (see the module docstring)."""
 
@@ -125,7 +138,7 @@ class LayerMajorPrefill:
         if not isinstance(getattr(model, "layers", None), (list, tuple)):
             raise UnsupportedModel("the model has no list of decoder layers")
         self.layers: list[nn.Module] = list(model.layers)
-        self._decoder = self._find_decoder(model)
+        self._decoder = decoder_of(model)
         self._held = self._decoder["layers"]
         # The streaming layer of each decoder layer (None for a dense one).
         self.moes: list[StreamingMoE | None] = []
@@ -134,17 +147,6 @@ class LayerMajorPrefill:
             if len(found) > 1:
                 raise UnsupportedModel("a decoder layer with more than one streaming MoE")
             self.moes.append(found[0] if found else None)
-
-    @staticmethod
-    def _find_decoder(model: nn.Module) -> nn.Module:
-        """The module whose forward loops over the decoder layers (`model.layers` may be
-        a slice of its list, as mlx-lm's pipeline models give it)."""
-        layers = list(model.layers)
-        for _, module in model.named_modules():
-            held = module.get("layers") if isinstance(module, nn.Module) else None
-            if isinstance(held, list) and len(held) == len(layers) and all(a is b for a, b in zip(held, layers)):
-                return module
-        raise UnsupportedModel("no module holds the model's decoder layers")
 
     def wanted(self, prompt_tokens: int, step: int = PREFILL_STEP) -> bool:
         """Whether this prompt gains from going layer by layer: some layer stages its

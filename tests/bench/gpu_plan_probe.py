@@ -24,7 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 from gpu_batch_probe import Q30, TINY
 
-from moestream.daemon.model.prefill import LayerMajorPrefill
+from moestream.daemon.model.prefill import decoder_of
 from moestream.daemon.plan import PROBE_MAX_LAYERS, _config_with_layers, _random_model, _time_model
 
 
@@ -44,7 +44,7 @@ class _Synced:
 
 
 def _synced_ms(model, vocab: int, repeats: int) -> float:
-    decoder = LayerMajorPrefill._find_decoder(model)
+    decoder = decoder_of(model)
     held = decoder["layers"]
     decoder["layers"] = [_Synced(layer) for layer in held]
     try:
