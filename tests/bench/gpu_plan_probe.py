@@ -6,8 +6,8 @@ over a longer decode, and a random model of half the layers (what the extrapolat
 stands for; a random model of all 48 is made in float32 first, past the GPU's memory).
 Each figure is ms per decode token, the median of `--repeats` runs. `synced_ms` is the
 same decode waiting for every layer's output before the next layer is built, as a
-partial slot pool's read-back of each layer's routing makes it wait (the forecast's
-`sync` term, which today is one read-back timed alone, times the layers).
+partial slot pool's read-back of each layer's routing makes it wait (`plan`'s sync term
+is its difference from the plain decode).
 
     python tests/bench/gpu_plan_probe.py --out /tmp/out/plan_probe_h200.json
     python tests/bench/gpu_plan_probe.py --tiny --out /tmp/plan_probe_cpu.json   # a smoke run
@@ -24,34 +24,12 @@ from pathlib import Path
 import mlx.core as mx
 from gpu_batch_probe import Q30, TINY
 
-from moestream.daemon.model.prefill import decoder_of
-from moestream.daemon.plan import PROBE_MAX_LAYERS, _config_with_layers, _random_model, _time_model
-
-
-class _Synced:
-    """Stands in for a decoder layer: runs it, then waits for its output."""
-
-    def __init__(self, layer) -> None:
-        self._layer = layer
-
-    def __getattr__(self, name: str):
-        return getattr(self._layer, name)
-
-    def __call__(self, *args, **kwargs):
-        out = self._layer(*args, **kwargs)
-        mx.eval(out)
-        return out
+from moestream.daemon.plan import PROBE_MAX_LAYERS, _config_with_layers, _random_model, _time_model, _time_synced
 
 
 def _synced_ms(model, vocab: int, repeats: int) -> float:
-    decoder = decoder_of(model)
-    held = decoder["layers"]
-    decoder["layers"] = [_Synced(layer) for layer in held]
-    try:
-        _ms(model, vocab, 48, 4, 1)
-        return _ms(model, vocab, 48, 12, repeats)
-    finally:
-        decoder["layers"] = held
+    _time_synced(model, vocab, 4)
+    return 1000 * statistics.median(_time_synced(model, vocab, 12) for _ in range(repeats))
 
 
 def _ms(model, vocab: int, prompt: int, steps: int, repeats: int) -> float:
