@@ -36,12 +36,17 @@ class BucketedKVCache(KVCache):
     """mlx-lm's KVCache, returning keys padded to a multiple of `bucket` (and the mask
     that matches them) for forwards of 2..`max_query` tokens."""
 
-    def __init__(self, bucket: int, max_query: int = MAX_PADDED_QUERY) -> None:
+    def __init__(
+        self, bucket: int, max_query: int = MAX_PADDED_QUERY, state: tuple[mx.array, mx.array, int] | None = None
+    ) -> None:
+        """`state`: (keys, values, offset) to start from, as mlx-lm's `KVCache.state`."""
         if bucket < 1:
             raise ValueError(f"bucket must be >= 1, not {bucket}")
         super().__init__()
         self.bucket = bucket
         self.max_query = max_query
+        if state is not None:
+            self.keys, self.values, self.offset = state
 
     def _pads(self, n: int) -> bool:
         return 1 < n <= self.max_query
@@ -118,7 +123,8 @@ def continue_prompt(
     MAX_PADDED_CONTINUATION tokens on plain attention caches that hold a prefix runs
     padded in both lengths (see above): the tokens' own keys, values and hidden states
     are those of the unpadded forward (the padding comes after them, and the causal mask
-    hides it from them), and the cache ends holding exactly the tokens. Whether it padded."""
+    hides it from them), and the cache ends holding exactly the tokens (its entries are
+    then plain KVCaches in place of the ones given, in the same list). Whether it padded."""
     n = int(tokens.size)
     plain = all(type(c) is KVCache and not c.empty() for c in cache)
     if not key_bucket or not plain or not 1 < n <= MAX_PADDED_CONTINUATION:
@@ -128,9 +134,9 @@ def continue_prompt(
     fed = mx.concatenate([tokens, mx.repeat(tokens[-1:], pad)]) if pad else tokens
     views = [_adopt(c, key_bucket, n + pad) for c in cache]
     model(fed[None], cache=views)
-    for c, v in zip(cache, views):
-        c.keys, c.values, c.offset = v.keys, v.values, v.offset
-        c.trim(pad)
+    for i, view in enumerate(views):
+        view.trim(pad)
+        cache[i] = KVCache.from_state((view.keys, view.values, view.offset))
     return True
 
 
@@ -138,13 +144,11 @@ def _adopt(cache: KVCache, bucket: int, n: int) -> BucketedKVCache:
     """A bucketed cache over `cache`'s entries, for one forward of `n` tokens, its
     buffer exactly the padded key length: the strides of the keys are part of the cuDNN
     graph's shape too, and a cache restored from the prompt cache has a buffer of any size."""
-    view = BucketedKVCache(bucket, max_query=n)
-    end = view._padded(cache.offset + n)
+    o = cache.offset
+    end = -(-(o + n) // bucket) * bucket
     keys, values = cache.keys, cache.values
     if keys.shape[2] != end:
         b, h, _, dk = keys.shape
-        o = cache.offset
         keys = mx.concatenate([keys[..., :o, :], mx.zeros((b, h, end - o, dk), keys.dtype)], axis=2)
         values = mx.concatenate([values[..., :o, :], mx.zeros((b, h, end - o, values.shape[3]), values.dtype)], axis=2)
-    view.keys, view.values, view.offset = keys, values, cache.offset
-    return view
+    return BucketedKVCache(bucket, max_query=n, state=(keys, values, o))
