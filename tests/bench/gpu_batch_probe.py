@@ -183,9 +183,13 @@ def main() -> None:
     variants = [("nomask", _nomask_sdpa), ("rows", _rows_sdpa)] if args.attention else []
     kernel_check = None
     if args.attention and mx.cuda.is_available():
-        kernel_check = check()
-        print(f"kernel against the masked attention: max abs difference {kernel_check:.3g}", file=sys.stderr)
-        variants.append(("kernel", _kernel_sdpa))
+        try:
+            kernel_check = check()
+        except (RuntimeError, ValueError) as e:  # a kernel that does not build: say so, time the rest
+            kernel_check = f"failed: {e}"
+        else:
+            variants.append(("kernel", _kernel_sdpa))
+        print(f"kernel against the masked attention: {kernel_check}", file=sys.stderr)
     single: list[float] = []
     for r in range(args.rounds):
         single.append(_single_ms(model, vocab, args.steps))

@@ -21,6 +21,7 @@ import mlx.core as mx
 _SOURCE = """
     constexpr int WARPS = 4;
     constexpr int PER = D / 32;
+    const float NEG_INF = __int_as_float(0xff800000);  // NVRTC has no <cmath> for INFINITY
     int block = blockIdx.x;
     int b = block / HQ;
     int h = block % HQ;
@@ -36,7 +37,7 @@ _SOURCE = """
         int d = lane * PER + i;
         qv[i] = static_cast<float>(q[b * q_strides[0] + h * q_strides[1] + d * q_strides[3]]) * s;
     }
-    float m = -INFINITY, l = 0.0f, acc[PER];
+    float m = NEG_INF, l = 0.0f, acc[PER];
     for (int i = 0; i < PER; ++i) acc[i] = 0.0f;
     for (int t = first + warp; t < keys; t += WARPS) {
         const auto* kp = k + b * k_strides[0] + kh * k_strides[1] + t * k_strides[2];
@@ -57,11 +58,11 @@ _SOURCE = """
     __syncthreads();
     int d = threadIdx.x;
     if (d < D) {
-        float top = -INFINITY;
+        float top = NEG_INF;
         for (int w = 0; w < WARPS; ++w) top = fmaxf(top, wm[w]);
         float num = 0.0f, den = 0.0f;
         for (int w = 0; w < WARPS; ++w) {
-            float f = wm[w] == -INFINITY ? 0.0f : __expf(wm[w] - top);
+            float f = wm[w] == NEG_INF ? 0.0f : __expf(wm[w] - top);
             num += wacc[w][d] * f;
             den += wl[w] * f;
         }
