@@ -162,7 +162,9 @@ def test_convert_keeps_the_qwen3_next_mtp_head(tiny_stores):
         sm.close()
 
 
-@pytest.mark.parametrize("capacity", [1.0, 0.5, 0.25])
+@pytest.mark.parametrize(
+    "capacity", [pytest.param(1.0, marks=pytest.mark.slow), pytest.param(0.5, marks=pytest.mark.slow), 0.25]
+)
 def test_qwen3_next_mtp_is_token_identical_to_plain_decode(tiny_stores, capacity):
     sm = load_streaming_model(tiny_stores["next"], Settings(capacity=capacity))
     try:
