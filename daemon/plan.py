@@ -231,13 +231,15 @@ def _time_synced(model: Any, vocab: int, steps: int) -> float:
     try:
         decoder = decoder_of(model)
     except UnsupportedModel:
-        return _time_model(model, vocab, 8, steps, 1)[0]
-    held = decoder["layers"]
-    decoder["layers"] = [_Waited(layer) for layer in held]
+        decoder = None
+    held = decoder["layers"] if decoder is not None else None
+    if decoder is not None:
+        decoder["layers"] = [_Waited(layer) for layer in held]
     try:
         return _time_model(model, vocab, 8, steps, 1)[0]
     finally:
-        decoder["layers"] = held
+        if decoder is not None:
+            decoder["layers"] = held
 
 
 # The probe's two models: 2 layers and at most this many (the whole model where it has no
@@ -451,14 +453,12 @@ def make_plan(
     # the host tier or (its misses) from the store.
     misses = sum(k * (1.0 - h) for h in hits.pool_hit)
     from_disk = 0.0 if mapped else sum(k * (1.0 - h) * (1.0 - t) for h, t in zip(hits.pool_hit, hits.tier_hit))
+    compute_s = compute.at(compute.decode_s, layers)
+    # The probe waits after every decoder layer; a slot pool, after every MoE layer.
+    waits_s = max(compute.at(compute.synced_decode_s, layers) - compute_s, 0.0) * len(manifest.layers) / layers
     terms = {
-        "compute": compute.at(compute.decode_s, layers),
-        # The probe waits after every decoder layer; a slot pool, after every MoE layer.
-        "sync": max(compute.at(compute.synced_decode_s, layers) - compute.at(compute.decode_s, layers), 0.0)
-        * len(manifest.layers)
-        / layers
-        if partial and not mapped
-        else 0.0,
+        "compute": compute_s,
+        "sync": waits_s if partial and not mapped else 0.0,
         "disk": from_disk * expert / bandwidths.read_bytes_per_s,
         "link": misses * expert / bandwidths.link_bytes_per_s,
     }
@@ -600,7 +600,8 @@ def format_plan(p: Plan) -> str:
 def probe_store(store: Path) -> ComputeProbe:
     """The compute probe of a store's architecture. A benchmark's forecast probes before
     it loads anything, as `plan` does: probed after its runs, beside what they left behind
-    (threads, pools, a full allocator), the probe timed a q30 decode at 2.3x its real time."""
+    (threads, pools, a full allocator), the probe timed a decode several times too slow
+    (tests/bench/RESULTS.md, "The compute probe on its own")."""
     manifest = load_manifest(store)
     return probe_compute(manifest, resident_dtype(store, manifest))
 

@@ -135,10 +135,8 @@ class LayerMajorPrefill:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        if not isinstance(getattr(model, "layers", None), (list, tuple)):
-            raise UnsupportedModel("the model has no list of decoder layers")
+        self._decoder = decoder_of(model)  # UnsupportedModel where there is no list of layers
         self.layers: list[nn.Module] = list(model.layers)
-        self._decoder = decoder_of(model)
         self._held = self._decoder["layers"]
         # The streaming layer of each decoder layer (None for a dense one).
         self.moes: list[StreamingMoE | None] = []
