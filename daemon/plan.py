@@ -21,7 +21,11 @@ The forecast is a sum of times per token, each measured apart from the model:
   saved heat, else the demo model's shipped counts, else uniform (`HitEstimate.source`
   says which).
 - bandwidths: a quick probe of the store's reads and of the host->pool copy, or the last
-  probe's figures (`Bandwidths.source`).
+  probe's figures (`Bandwidths.source`). Decode reads a layer's misses together and
+  waits for them before the layer runs, a few reads in flight where a prefill has many,
+  so its disk term takes the rate measured in batches of that layer's expected misses
+  (`Bandwidths.decode_read_rate`); on the H200's disk a decode step read at about half
+  the rate of many reads in flight (tests/bench/RESULTS.md, "The forecast before loading").
 
 The bound beside each forecast is the same sum without the host syncs' cost (the
 `bench decode` bound), with the term that dominates it named. The time to first token of
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import statistics
 import time
@@ -57,21 +62,39 @@ BANDWIDTH_FILE = "bandwidth.json"
 
 @dataclass(frozen=True)
 class Bandwidths:
-    read_bytes_per_s: float
+    read_bytes_per_s: float  # many reads in flight, as a prefill's read-ahead makes them
     link_bytes_per_s: float
     link_kind: str
     source: str  # "probed now" or "last probed <time>"
+    # {batch: bytes/s} of a few reads at a time, each batch waited for, as a decode step
+    # reads one layer's misses (`measure_layer_reads`); empty where not measured.
+    read_by_batch: Mapping[int, float] = field(default_factory=dict)
+
+    def decode_read_rate(self, batch: float) -> float:
+        """The read rate of a layer's `batch` misses (a mean: fractional), interpolated
+        in log(batch) between the measured sizes and held at the ends (a mean under 1 is
+        mostly batches of 0 or 1 read, each paying a batch of 1's rate)."""
+        points = sorted(self.read_by_batch.items())
+        if not points:
+            return self.read_bytes_per_s
+        if batch <= points[0][0]:
+            return points[0][1]
+        for (b0, r0), (b1, r1) in zip(points, points[1:]):
+            if batch <= b1:
+                return r0 + (r1 - r0) * math.log(batch / b0) / math.log(b1 / b0)
+        return points[-1][1]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def probe_bandwidths(store: Path, threads: int) -> Bandwidths:
-    from moestream.daemon.bench.bandwidth import measure_link_bandwidth, measure_read_bandwidth
+    from moestream.daemon.bench.bandwidth import measure_layer_reads, measure_link_bandwidth, measure_read_bandwidth
 
     read = measure_read_bandwidth(store, threads, samples=64)
+    layer_reads = measure_layer_reads(store, threads)
     link, kind, _ = measure_link_bandwidth()
-    return Bandwidths(read, link, kind, "probed now")
+    return Bandwidths(read, link, kind, "probed now", layer_reads)
 
 
 def save_bandwidths(folder: Path, bw: Bandwidths) -> Path:
@@ -94,6 +117,8 @@ def load_bandwidths(folder: Path) -> Bandwidths | None:
             float(data["link_bytes_per_s"]),
             str(data["link_kind"]),
             f"last probed {when}",
+            # JSON's keys are strings; a file from before the batched probe has none.
+            {int(b): float(r) for b, r in data.get("read_by_batch", {}).items()},
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -452,14 +477,16 @@ def make_plan(
     # Decode: per token, k routings per MoE layer; the misses come over the link, from
     # the host tier or (its misses) from the store.
     misses = sum(k * (1.0 - h) for h in hits.pool_hit)
-    from_disk = 0.0 if mapped else sum(k * (1.0 - h) * (1.0 - t) for h, t in zip(hits.pool_hit, hits.tier_hit))
+    # Each layer's reads from the store, read together and waited for: at that batch's rate.
+    disk_per_layer = [0.0 if mapped else k * (1.0 - h) * (1.0 - t) for h, t in zip(hits.pool_hit, hits.tier_hit)]
+    disk_s = sum(n * expert / bandwidths.decode_read_rate(n) for n in disk_per_layer if n > 0)
     compute_s = compute.at(compute.decode_s, layers)
     # The probe waits after every decoder layer; a slot pool, after every MoE layer.
     waits_s = max(compute.at(compute.synced_decode_s, layers) - compute_s, 0.0) * len(manifest.layers) / layers
     terms = {
         "compute": compute_s,
         "sync": waits_s if partial and not mapped else 0.0,
-        "disk": from_disk * expert / bandwidths.read_bytes_per_s,
+        "disk": disk_s,
         "link": misses * expert / bandwidths.link_bytes_per_s,
     }
     bound_s = terms["compute"] + terms["disk"] + terms["link"]
@@ -582,8 +609,15 @@ def format_plan(p: Plan) -> str:
             + (f"; host tier {format_size(p.host_cache_bytes)}" if p.host_cache_bytes else ""),
             f"  KV cache   {format_size(p.kv_bytes_per_1k_tokens)} per 1k tokens of context",
             f"  hit rate   {p.hit_rate:.1%} expected in the pool (per layer {layers}); from {p.hits.source}",
-            f"  bandwidth  disk {format_size(bw.read_bytes_per_s)}/s, {bw.link_kind} "
-            f"{format_size(bw.link_bytes_per_s)}/s ({bw.source})",
+            f"  bandwidth  disk {format_size(bw.read_bytes_per_s)}/s"
+            + (
+                " (a few reads at a time: "
+                + ", ".join(f"{b}: {format_size(r)}/s" for b, r in sorted(bw.read_by_batch.items()))
+                + ")"
+                if bw.read_by_batch
+                else ""
+            )
+            + f", {bw.link_kind} {format_size(bw.link_bytes_per_s)}/s ({bw.source})",
             f"  decode     {d.tokens_per_s:.1f} tok/s forecast; bound {d.bound_tokens_per_s:.1f} tok/s by {d.bound_by} "
             f"({terms(d)} per token)",
             f"  TTFT       {t.seconds:.2f} s forecast for a {TTFT_PROMPT_TOKENS}-token prompt; bound "
@@ -636,7 +670,12 @@ def decode_forecasts(report: dict[str, Any], compute: ComputeProbe) -> list[dict
     bandwidths and `compute` (`probe_store`), beside its measured tok/s."""
     rows = [r for r in report["results"] if r["capacity"] is not None]
     bw = Bandwidths(
-        report["read_bandwidth_bytes_per_s"], report["link_bandwidth_bytes_per_s"], report["link_kind"], "this run"
+        report["read_bandwidth_bytes_per_s"],
+        report["link_bandwidth_bytes_per_s"],
+        report["link_kind"],
+        "this run",
+        # A report from before the batched read probe has none: the bulk rate then.
+        {int(b): float(r) for b, r in (report.get("read_bandwidth_by_batch") or {}).items()},
     )
     host = report.get("host_cache_bytes") or 0
     # A row's host tier is "mapped" (a mapped pool over it) or "slots"; "+mapped" rows

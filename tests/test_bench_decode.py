@@ -127,8 +127,8 @@ def test_a_round_repeats_its_decode_until_the_minimum_time_has_passed():
     speeds = iter([8.0, 4.0, 8.0, 100.0])  # 4 tokens: 0.5 s, 1 s, 0.5 s
     calls = []
 
-    def run():
-        calls.append(1)
+    def run(seed):
+        calls.append(seed)
         return {
             "tokens_per_s": next(speeds),
             "tokens": [1, 2],
@@ -137,16 +137,23 @@ def test_a_round_repeats_its_decode_until_the_minimum_time_has_passed():
             "admission_bytes_per_s": None,
         }
 
-    r = timed_round(run, tokens=4, min_seconds=1.8)
-    assert r["repeats"] == 3 and len(calls) == 3
+    r = timed_round(run, tokens=4, min_seconds=1.8, seed=7)
+    assert r["repeats"] == 3 and calls == [7, 7, 7]
     assert r["tokens_per_s"] == pytest.approx(12 / 2.0)
     assert r["hit_rate"] == pytest.approx(1.0) and r["tokens"] == [1, 2]
     assert r["host_tier"] == "slots" and r["admission_bytes_per_s"] is None
-    once = timed_round(lambda: {"tokens_per_s": 2.0, "tokens": [3]}, tokens=4, min_seconds=1.0)
+    once = timed_round(lambda _: {"tokens_per_s": 2.0, "tokens": [3]}, tokens=4, min_seconds=1.0)
     assert once == {"tokens_per_s": 2.0, "tokens": [3], "repeats": 1}
     toks = iter([[1], [2]])
-    differing = timed_round(lambda: {"tokens_per_s": 8.0, "tokens": next(toks)}, tokens=4, min_seconds=0.9)
+    differing = timed_round(lambda _: {"tokens_per_s": 8.0, "tokens": next(toks)}, tokens=4, min_seconds=0.9)
     assert differing["repeats"] == 2 and differing["tokens"] is None
+    # Fresh text: each repeat takes the next seed, and its other tokens are expected: the
+    # first decode's are kept, to compare with the other configurations' first.
+    seeds = []
+    fresh = timed_round(
+        lambda seed: seeds.append(seed) or {"tokens_per_s": 8.0, "tokens": [seed]}, 4, 1.4, seed=1000, fresh=True
+    )
+    assert seeds == [1000, 1001, 1002] and fresh["tokens"] == [1000]
 
 
 def test_bench_decode_rounds_of_a_minimum_time(store):
@@ -169,6 +176,31 @@ def test_bench_decode_rounds_of_a_minimum_time(store):
         # Two tokens of a tiny model take milliseconds, so every round decoded again.
         assert all(n > 1 for n in r["decodes_per_round"]) and r["same_tokens_as_first"], r
     assert "rounds of at least 0.2 s" in format_report(report)
+
+
+def test_bench_decode_with_fresh_text_compares_each_rounds_first_decode(store):
+    """`--fresh-text`: every decode samples new text, each round's first with the same
+    seed in every configuration, so the streaming rows still decode stock's tokens;
+    greedy has one text only, and says so."""
+    from moestream.daemon.bench.decode import BenchDecodeSettings, run_bench_decode
+
+    settings = BenchDecodeSettings(
+        store=store,
+        capacities=(1.0, 0.25),
+        prompt_tokens=3,
+        decode_tokens=3,
+        rounds=2,
+        temp=1.0,
+        naive=False,
+        min_round_seconds=0.1,
+        fresh_text=True,
+    )
+    report = run_bench_decode(settings)
+    assert report["fresh_text"] is True
+    for r in report["results"]:
+        assert r["same_tokens_as_first"] and all(n > 1 for n in r["decodes_per_round"]), r
+    with pytest.raises(ValueError, match="temperature above 0"):
+        run_bench_decode(dataclasses.replace(settings, temp=0.0))
 
 
 def test_paired_blocks_run_a_b_b_a_and_cancel_a_linear_drift():

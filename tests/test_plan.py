@@ -84,11 +84,44 @@ def test_the_plan_of_the_demo_store(tmp_path):
     json.dumps(p.to_dict())
 
 
+def test_decode_reads_at_the_rate_of_a_layers_batch(tmp_path):
+    """A decode step reads each layer's misses together and waits for them: the disk term
+    takes the rate measured in batches of that many reads, interpolated in log(batch)."""
+    bw = Bandwidths(1e9, 1e10, "host memcpy", "given", {1: 1e8, 4: 3e8, 16: 5e8})
+    assert bw.decode_read_rate(0.3) == bw.decode_read_rate(1) == 1e8  # mostly 0 or 1 read
+    assert bw.decode_read_rate(2) == pytest.approx(2e8)  # halfway from 1 to 4 in log
+    assert bw.decode_read_rate(4) == pytest.approx(3e8) and bw.decode_read_rate(64) == 5e8
+    assert FAST.decode_read_rate(3) == 1e9  # none measured: the bulk rate
+
+    settings = Settings(model=str(DEMO), capacity=0.25, heat_dir=str(tmp_path))
+    manifest = load_manifest(DEMO)
+    counts, source = heat_counts(DEMO, settings, manifest)
+    bulk = make_plan(DEMO, settings, Bandwidths(1e9, 1e10, "memcpy", "given"), PROBE, counts, source)
+    batched = make_plan(DEMO, settings, bw, PROBE, counts, source)
+    per_layer = [8 * (1 - h) for h in batched.hits.pool_hit]
+    assert all(1 < n < 16 for n in per_layer)
+    want = sum(n * batched.expert_bytes / bw.decode_read_rate(n) for n in per_layer)
+    assert batched.decode.terms_s["disk"] == pytest.approx(want)
+    assert batched.decode.terms_s["disk"] > 2 * bulk.decode.terms_s["disk"]
+    # The prefill's reads are many in flight: its disk term keeps the bulk rate.
+    assert batched.ttft.terms_s["disk"] == pytest.approx(bulk.ttft.terms_s["disk"])
+
+
+def test_the_layer_read_probe_reads_the_store():
+    from moestream.daemon.bench.bandwidth import measure_layer_reads
+
+    rates = measure_layer_reads(DEMO, threads=2, batches=(1, 4), reads=8)
+    assert set(rates) == {1, 4} and all(r > 0 for r in rates.values())
+
+
 def test_probes_are_kept_for_no_probe(tmp_path):
     assert load_bandwidths(tmp_path) is None and load_compute(tmp_path, "abc") is None
     save_bandwidths(tmp_path, FAST)
     again = load_bandwidths(tmp_path)
     assert again.read_bytes_per_s == 1e9 and again.source.startswith("last probed ")
+    assert again.read_by_batch == {}
+    save_bandwidths(tmp_path, Bandwidths(1e9, 1e10, "memcpy", "given", {1: 2e8, 8: 6e8}))
+    assert load_bandwidths(tmp_path).read_by_batch == {1: 2e8, 8: 6e8}
     save_compute(tmp_path, "abc", PROBE)
     assert load_compute(tmp_path, "abc") == PROBE and load_compute(tmp_path, "other") is None
     assert resident_dtype(DEMO, load_manifest(DEMO)) == "bfloat16"

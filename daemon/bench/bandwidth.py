@@ -37,6 +37,42 @@ def measure_read_bandwidth(store: Path, threads: int, samples: int = 128, seed: 
     return sum(c.nbytes for c in done) / seconds
 
 
+# The batch sizes of `measure_layer_reads`: a decode step's misses in one layer are a few
+# experts (top-k times the miss rate), read together and waited for before the layer runs.
+LAYER_READ_BATCHES = (1, 2, 4, 8, 16)
+
+
+def measure_layer_reads(
+    store: Path, threads: int, batches: tuple[int, ...] = LAYER_READ_BATCHES, reads: int = 32, seed: int = 0
+) -> dict[int, float]:
+    """{batch: bytes/s} of reads as a decode step makes them: `batch` distinct experts of
+    one random layer submitted together, waited for, then the next batch (at least
+    `reads` experts and 4 batches per size). A few reads in flight keep a disk far from
+    the rate of many (`measure_read_bandwidth`): each batch pays the latency of its
+    slowest read, and nothing overlaps the next layer's reads with it."""
+    manifest = load_manifest(store)
+    rng = random.Random(seed)
+    out: dict[int, float] = {}
+    with ReadEngine(threads=threads, direct=True) as engine:
+        fids = {layer.file: engine.open(str(store / layer.file)) for layer in manifest.layers}
+        for batch in batches:
+            nbytes, seconds = 0, 0.0
+            for _ in range(max(4, -(-reads // batch))):
+                layer = rng.choice(manifest.layers)
+                picked = rng.sample(range(layer.num_experts), min(batch, layer.num_experts))
+                experts = [layer.experts[e] for e in picked]
+                requests = [(fids[layer.file], e.offset, e.length, [], None) for e in experts]
+                tic = time.perf_counter()
+                done = engine.wait(engine.submit_batch(requests))
+                seconds += time.perf_counter() - tic
+                bad = [c.error for c in done if not c.ok]
+                if bad:
+                    raise OSError(f"reading the store failed: {bad[0]}")
+                nbytes += sum(c.nbytes for c in done)
+            out[batch] = nbytes / seconds
+    return out
+
+
 def page_cache_reason(store: Path) -> str | None:
     """Why the store's reads go through the page cache (the read engine's fallback where
     the filesystem refuses direct I/O), or None where they bypass it. Through the page

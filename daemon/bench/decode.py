@@ -34,7 +34,12 @@ import mlx.core as mx
 import psutil
 from mlx_lm.models.cache import make_prompt_cache
 
-from moestream.daemon.bench.bandwidth import measure_link_bandwidth, measure_read_bandwidth, page_cache_reason
+from moestream.daemon.bench.bandwidth import (
+    measure_layer_reads,
+    measure_link_bandwidth,
+    measure_read_bandwidth,
+    page_cache_reason,
+)
 from moestream.daemon.mapped.row_gather import RowGather
 from moestream.daemon.model.generation import SamplingParams, generate
 from moestream.daemon.model.streaming_model import StreamingModel, choose_mapped, load_stock_model, load_streaming_model
@@ -43,6 +48,9 @@ from moestream.daemon.pool.expert_reader import ExpertReader
 from moestream.shared.progress import timed_progress
 from moestream.shared.settings import Settings, default_of, format_size
 from moestream.shared.store_format import load_manifest
+
+# With fresh text, round r's decodes seed from seed + (r + 1) * this (warm-ups below 0).
+FRESH_SEED_STRIDE = 1000
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,11 @@ class BenchDecodeSettings:
     host_tier: str = "auto"
     # 0 decodes greedily; > 0 samples at this temperature (same seed for every config).
     temp: float = 0.0
+    # Sampled decodes draw new text every decode (the n-th decode of a round seeds with
+    # the round's seed + n, the same for every configuration) instead of one text again:
+    # a partial pool replaying one sequence keeps its experts, and hits more than it
+    # would on text it has not seen (`plan`'s forecast assumes the latter).
+    fresh_text: bool = False
     # Adds a "+mapped" configuration per partial capacity (daemon/mapped/mapped_pool.py).
     mapped: bool = False
     # Prefetch in the partial slot pools: "on" or "off" (the daemon's "auto" measures
@@ -109,11 +122,11 @@ class BenchDecodeSettings:
 class Config:
     name: str
     capacity: float | None
-    run: Callable[[], dict[str, Any]]
+    run: Callable[[int], dict[str, Any]]  # one decode sampled with this seed
     close: Callable[[], None]
     samples: list[dict[str, Any]] = field(default_factory=list)
     # The same configuration through the daemon's generation loop (generation_loop).
-    run_generate: Callable[[], dict[str, Any]] | None = None
+    run_generate: Callable[[int], dict[str, Any]] | None = None
     generate_samples: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -239,7 +252,7 @@ def _streaming_config(
     # Where the configuration keeps experts in host memory besides the store's files.
     host_tier = "mapped" if sm.mapped_pool is not None else "slots" if admitter is not None or host_cache else None
 
-    def run() -> dict[str, Any]:
+    def run(seed: int) -> dict[str, Any]:
         before: dict[str, float] = {}
         split: dict[str, float] = {}
         seconds, tokens = timed_decode(
@@ -247,7 +260,7 @@ def _streaming_config(
             prompt,
             settings.decode_tokens,
             settings.temp,
-            settings.seed,
+            seed,
             lambda: before.update(decode_counters(sm)),
             tick,
             split,
@@ -291,11 +304,10 @@ def _streaming_config(
             **host_split_per_token(split, n),
         }
 
-    def run_generate() -> dict[str, Any]:
+    def run_generate(seed: int) -> dict[str, Any]:
         # One more token than the bench loop decodes: the first comes with the prompt.
-        result = generate(
-            sm, prompt, SamplingParams(max_tokens=settings.decode_tokens + 1, temp=settings.temp, seed=settings.seed)
-        )
+        params = SamplingParams(max_tokens=settings.decode_tokens + 1, temp=settings.temp, seed=seed)
+        result = generate(sm, prompt, params)
         if result.stats["tokens_per_s"] is None:
             raise RuntimeError(
                 f"{name}: the generation loop stopped after {len(result.tokens)} token(s) ({result.finish_reason})"
@@ -310,9 +322,9 @@ def _streaming_config(
 def _stock_config(settings: BenchDecodeSettings, prompt: list[int]) -> Config:
     model = load_stock_model(settings.store)
 
-    def run() -> dict[str, Any]:
+    def run(seed: int) -> dict[str, Any]:
         split: dict[str, float] = {}
-        seconds, tokens = timed_decode(model, prompt, settings.decode_tokens, settings.temp, settings.seed, split=split)
+        seconds, tokens = timed_decode(model, prompt, settings.decode_tokens, settings.temp, seed, split=split)
         return {
             "tokens_per_s": settings.decode_tokens / seconds,
             "tokens": tokens,
@@ -335,16 +347,19 @@ def _stock_config(settings: BenchDecodeSettings, prompt: list[int]) -> Config:
     return Config("stock-mlx-lm", None, run, lambda: None)
 
 
-def timed_round(run: Callable[[], dict[str, Any]], tokens: int, min_seconds: float) -> dict[str, Any]:
-    """One timed round of a configuration: `run` (one decode of `tokens` tokens),
-    repeated until `min_seconds` of decoding have passed. Tokens/s is all tokens over all
-    decoding seconds; the per-token figures are the decodes' mean (each decodes the same
-    number of tokens); `tokens` are the first decode's, or None where a repeat decoded
-    others (same prompt and seed, so they must not differ)."""
-    runs = [run()]
+def timed_round(
+    run: Callable[[int], dict[str, Any]], tokens: int, min_seconds: float, seed: int = 0, fresh: bool = False
+) -> dict[str, Any]:
+    """One timed round of a configuration: `run` (one decode of `tokens` tokens, sampled
+    with `seed`, or with `seed` + n for the n-th decode where `fresh`), repeated until
+    `min_seconds` of decoding have passed. Tokens/s is all tokens over all decoding
+    seconds; the per-token figures are the decodes' mean (each decodes the same number of
+    tokens); `tokens` are the first decode's, or None where a repeat of the same seed
+    decoded others (same prompt and seed, so they must not differ)."""
+    runs = [run(seed)]
     seconds = tokens / runs[0]["tokens_per_s"]
     while seconds < min_seconds:
-        runs.append(run())
+        runs.append(run(seed + len(runs) if fresh else seed))
         seconds += tokens / runs[-1]["tokens_per_s"]
     if len(runs) == 1:
         return {**runs[0], "repeats": 1}
@@ -352,7 +367,7 @@ def timed_round(run: Callable[[], dict[str, Any]], tokens: int, min_seconds: flo
     for key, value in runs[0].items():
         values = [r[key] for r in runs]
         if key == "tokens":
-            out[key] = value if all(v == value for v in values) else None
+            out[key] = value if fresh or all(v == value for v in values) else None
         elif isinstance(value, (int, float)) and not isinstance(value, bool) and all(v is not None for v in values):
             out[key] = statistics.fmean(values)
         else:
@@ -420,6 +435,8 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
     """Run every configuration; `progress` gets one line per model loaded and per run
     (so that a run cut short still shows what it measured)."""
     say = timed_progress(progress)
+    if settings.fresh_text and settings.temp == 0:
+        raise ValueError("fresh text needs a temperature above 0: a greedy decode of one prompt is one text")
     if settings.mlx_memory_limit:
         mx.set_memory_limit(settings.mlx_memory_limit)
     manifest = load_manifest(settings.store)
@@ -496,16 +513,25 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         if settings.naive:
             configs.append(_streaming_config("naive-on-demand", None, settings, prompt, naive=True))
         say(f"loaded {len(configs)} configurations: {', '.join(c.name for c in configs)}")
+
+        def round_seed(r: int) -> int:
+            # Rounds far apart: a round's decodes take its seed + n.
+            return settings.seed + (r + 1) * FRESH_SEED_STRIDE if settings.fresh_text else settings.seed
+
         for w in range(settings.warmup_rounds):  # kernels, page tables, first reads, the host tier
             for c in configs:
-                c.run()
+                c.run(round_seed(-1 - w))
                 if c.run_generate is not None:
-                    c.run_generate()
+                    c.run_generate(round_seed(-1 - w))
                 say(f"warm-up {w + 1}/{settings.warmup_rounds} {c.name}")
         for r in range(settings.rounds):
             for c in configs:
                 gc.collect()
-                c.samples.append(timed_round(c.run, settings.decode_tokens, settings.min_round_seconds))
+                c.samples.append(
+                    timed_round(
+                        c.run, settings.decode_tokens, settings.min_round_seconds, round_seed(r), settings.fresh_text
+                    )
+                )
                 sample = c.samples[-1]
                 repeats = f" ({sample['repeats']} decodes)" if sample["repeats"] > 1 else ""
                 say(
@@ -515,7 +541,13 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
                 if c.run_generate is not None:
                     gc.collect()
                     c.generate_samples.append(
-                        timed_round(c.run_generate, settings.decode_tokens, settings.min_round_seconds)
+                        timed_round(
+                            c.run_generate,
+                            settings.decode_tokens,
+                            settings.min_round_seconds,
+                            round_seed(r),
+                            settings.fresh_text,
+                        )
                     )
                     say(
                         f"round {r + 1}/{settings.rounds} {c.name} through generate: "
@@ -526,7 +558,11 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             for c in configs:
                 if c.capacity == 1.0:
                     gc.collect()
-                    paired[c.name] = paired_blocks(configs[0].run, c.run, settings.paired_blocks)
+                    paired[c.name] = paired_blocks(
+                        lambda: configs[0].run(settings.seed),
+                        lambda c=c: c.run(settings.seed),
+                        settings.paired_blocks,
+                    )
                     say(
                         f"{c.name} against stock in {settings.paired_blocks} A B B A blocks: median "
                         f"{paired[c.name]['median']:.3f}, 95% interval {paired[c.name]['interval_95'][0]:.3f}"
@@ -540,15 +576,18 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             shared_reader.close()
     say("measuring the store's read bandwidth and the host->pool link")
     bandwidth = measure_read_bandwidth(settings.store, settings.io_threads, seed=settings.seed)
+    layer_reads = measure_layer_reads(settings.store, settings.io_threads, seed=settings.seed)
     page_cache = page_cache_reason(settings.store)
     link, link_kind, link_probe = measure_link_bandwidth()
     say(
-        f"read {format_size(bandwidth)}/s{' through the page cache' if page_cache else ''}, "
-        f"{link_kind} {format_size(link)}/s"
+        f"read {format_size(bandwidth)}/s{' through the page cache' if page_cache else ''} "
+        f"({', '.join(f'{format_size(r)}/s' for r in layer_reads.values())} in batches of "
+        f"{', '.join(map(str, layer_reads))}), {link_kind} {format_size(link)}/s"
     )
 
     rows = []
-    reference_tokens = configs[0].samples[0]["tokens"] if configs else None
+    # Each round's first decode, which every configuration samples with the same seed.
+    reference_tokens = [s["tokens"] for s in configs[0].samples] if configs else []
     for c in configs:
         row: dict[str, Any] = {"name": c.name, "capacity": c.capacity, "host_tier": c.samples[0]["host_tier"]}
         for key in (
@@ -584,7 +623,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
             row["generate_same_tokens"] = (
                 all(s["tokens"] == c.samples[0]["tokens"] for s in c.generate_samples) if settings.temp == 0 else None
             )
-        row["same_tokens_as_first"] = all(s["tokens"] == reference_tokens for s in c.samples)
+        row["same_tokens_as_first"] = all(s["tokens"] == ref for s, ref in zip(c.samples, reference_tokens))
         if c.name in paired:
             row["paired_blocks"] = paired[c.name]
         if row["admission_bytes_per_s"] is not None:
@@ -609,6 +648,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         "prompt_tokens": settings.prompt_tokens,
         "decode_tokens": settings.decode_tokens,
         "temp": settings.temp,
+        "fresh_text": settings.fresh_text,
         "rounds": settings.rounds,
         "warmup_rounds": settings.warmup_rounds,
         "min_round_seconds": settings.min_round_seconds,
@@ -623,6 +663,9 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         "mapped_rebalance_tokens": settings.mapped_rebalance_tokens if settings.mapped else None,
         "mapped_gather": gathers if settings.mapped else None,
         "read_bandwidth_bytes_per_s": bandwidth,
+        # The read rate in batches of a few experts waited for in turn, as decode reads
+        # a layer's misses ({batch: bytes/s}; the forecast's disk term).
+        "read_bandwidth_by_batch": layer_reads,
         # Why the store was read through the page cache (None: direct I/O).
         "read_page_cache": page_cache,
         "link_bandwidth_bytes_per_s": link,

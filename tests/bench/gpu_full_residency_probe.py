@@ -124,7 +124,7 @@ def main() -> None:
         report["abba"] = paired_blocks(runs["stock"], runs["moestream@1"], args.abba, keep)
     rounds: list[dict[str, dict[str, float]]] = []
     for i in range(args.rounds):
-        row = {n: timed_round(runs[n], args.tokens, args.min_seconds) for n in names}
+        row = {n: timed_round(lambda _seed, n=n: runs[n](), args.tokens, args.min_seconds) for n in names}
         rounds.append(row)
         print(
             json.dumps({"round": i + 1, **{n: {k: round(v, 3) for k, v in r.items()} for n, r in row.items()}}),

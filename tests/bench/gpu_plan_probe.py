@@ -7,7 +7,13 @@ stands for; a random model of all 48 is made in float32 first, past the GPU's me
 Each figure is ms per decode token, the median of `--repeats` runs. `synced_ms` is the
 same decode waiting for every layer's output before the next layer is built, as a
 partial slot pool's read-back of each layer's routing makes it wait (`plan`'s sync term
-is its difference from the plain decode).
+is its difference from the plain decode). `bench_loop_ms` is `bench decode`'s own loop
+(`timed_decode`, sampled at temperature 1, as `plan-q30` measures stock).
+
+With `--store`, the store's full model loaded as `bench decode` loads stock mlx-lm, timed
+the same ways (`stock`), then the probe's 8-layer model made and timed again after it
+(`8_after_stock`): whether the forecast's compute term misses the real model or the
+process it runs in (plan-q30 measured stock at 22 ms a token where the probe forecast 16).
 
     python tests/bench/gpu_plan_probe.py --out /tmp/out/plan_probe_h200.json
     python tests/bench/gpu_plan_probe.py --tiny --out /tmp/plan_probe_cpu.json   # a smoke run
@@ -24,6 +30,7 @@ from pathlib import Path
 import mlx.core as mx
 from gpu_batch_probe import Q30, TINY
 
+from moestream.daemon.bench.decode import timed_decode
 from moestream.daemon.plan import PROBE_MAX_LAYERS, _config_with_layers, _random_model, _time_model, _time_synced
 
 
@@ -36,10 +43,32 @@ def _ms(model, vocab: int, prompt: int, steps: int, repeats: int) -> float:
     return 1000 * statistics.median(_time_model(model, vocab, prompt, steps, 1)[0] for _ in range(repeats))
 
 
+def _bench_loop_ms(model, vocab: int, repeats: int) -> float:
+    prompt = [(i * 7919) % vocab for i in range(4)]
+    timed_decode(model, prompt, 4, 1.0, 0)
+    return 1000 * statistics.median(timed_decode(model, prompt, 32, 1.0, r)[0] / 32 for r in range(repeats))
+
+
+def _timings(model, vocab: int, repeats: int) -> dict[str, float]:
+    _time_model(model, vocab, 8, 2, 1)  # the probe's warm-up
+    return {
+        "as_probe_ms": _ms(model, vocab, 48, 12, repeats),
+        "shapes_seen_ms": _ms(model, vocab, 48, 12, repeats),  # the same shapes, seen now
+        "decode_64_ms": _ms(model, vocab, 48, 64, repeats),
+        "synced_ms": _synced_ms(model, vocab, repeats),
+        "bench_loop_ms": _bench_loop_ms(model, vocab, repeats),
+    }
+
+
+def _say(name: str, t: dict[str, float]) -> None:
+    print(f"{name:>14}: " + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in t.items()), file=sys.stderr, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny dims (a CPU smoke run)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--store", help="also time this store's full model, loaded as bench decode loads stock")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     mx.set_memory_limit(96 * 2**30)
@@ -60,25 +89,42 @@ def main() -> None:
             "repeats": args.repeats,
             "layers": rows,
             "extrapolated_ms": {k: extrapolated(k) for k in rows[2]} if done else None,
+            "stock": stock,
+            "extrapolated_to_all_ms": {k: at(k, int(base["num_hidden_layers"])) for k in rows[2]} if done else None,
         }
+
+    def at(key: str, n: int) -> float:
+        a, b = rows[2][key], rows[PROBE_MAX_LAYERS][key]
+        return a + (n - 2) * max((b - a) / (PROBE_MAX_LAYERS - 2), 0.0)
+
+    stock: dict[str, dict[str, float]] = {}
 
     # Written after each model, so that a run cut short keeps what it measured.
     for n in (2, PROBE_MAX_LAYERS, far):
         model = _random_model(_config_with_layers(base, n), "bfloat16")
-        _time_model(model, vocab, 8, 2, 1)  # the probe's warm-up
-        as_probe = _ms(model, vocab, 48, 12, args.repeats)
-        seen = _ms(model, vocab, 48, 12, args.repeats)  # the same shapes, seen now
-        longer = _ms(model, vocab, 48, 64, args.repeats)
-        synced = _synced_ms(model, vocab, args.repeats)
-        rows[n] = {"as_probe_ms": as_probe, "shapes_seen_ms": seen, "decode_64_ms": longer, "synced_ms": synced}
-        print(f"{n:>3} layers: as the probe {as_probe:.2f} ms, shapes seen {seen:.2f}, 64 steps {longer:.2f}, "
-              f"synced {synced:.2f}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        rows[n] = _timings(model, vocab, args.repeats)
+        _say(f"{n} layers", rows[n])
         del model
         mx.clear_cache()
         Path(args.out).write_text(json.dumps(report(), indent=1))
     for key, value in report()["extrapolated_ms"].items():
         print(f"{key}: extrapolated {value:.2f} ms against {rows[far][key]:.2f} ms measured at {far} layers")
+    if args.store:
+        from moestream.daemon.model.streaming_model import load_stock_model
+        from moestream.shared.store_format import load_manifest
+
+        config = load_manifest(Path(args.store)).config
+        model = load_stock_model(args.store)
+        stock["stock"] = _timings(model, int(config.get("text_config", config)["vocab_size"]), args.repeats)
+        _say("stock", stock["stock"])
+        del model
+        mx.clear_cache()
+        model = _random_model(_config_with_layers(base, PROBE_MAX_LAYERS), "bfloat16")
+        stock["8_after_stock"] = _timings(model, vocab, args.repeats)
+        _say("8 after stock", stock["8_after_stock"])
+        Path(args.out).write_text(json.dumps(report(), indent=1))
+        for key, value in report()["extrapolated_to_all_ms"].items():
+            print(f"{key}: extrapolated {value:.2f} ms against {stock['stock'][key]:.2f} ms for the store's model")
 
 
 if __name__ == "__main__":

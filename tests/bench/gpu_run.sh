@@ -44,7 +44,7 @@
 #   full-residency       q30: where 100% could lose to stock (host time split; ABBA=N blocks of A B B A)
 #   gather-q30           q30: one mapped layer, zero-copy expert call vs gathering the routed experts first
 #   background-copy      q30: how much of a copy made ahead of use hides beside a layer's kernels, by blocks
-#   plan-probe           why plan's compute probe forecasts q30's decode slow: its timings, with shapes seen, and at 24 layers
+#   plan-probe           plan's compute probe against longer runs, 24 layers, bench's loop, and (PROBE_STORE) the store's own model
 #   continuation-q30     q30: a chat turn's continuation after a 2048-token cache, stock's forward against the padded one
 #   batch-probe          where a batched decode step's time goes at B = 1, 2, 4, 8, and with its attention changed (EXTRA=--parts: one layer's halves)
 # demo
@@ -193,7 +193,9 @@ EOF
     done
     ;;
   plan-probe)
-    $py tests/bench/gpu_plan_probe.py --repeats "${REPEATS:-3}" --out "$OUT/plan_probe_h200.json" 2>&1 | tail -8
+    # PROBE_STORE=/root/q30/store also times that store's model as bench decode loads stock.
+    $py tests/bench/gpu_plan_probe.py --repeats "${REPEATS:-3}" ${PROBE_STORE:+--store "$PROBE_STORE"} \
+      --out "$OUT/plan_probe_h200.json" 2>&1 | tail -16
     ;;
   continuation-q30)
     $py tests/bench/gpu_continuation_probe.py --store /root/q30/store --out "$OUT/continuation_probe_h200.json" 2>&1 | tail -10
@@ -322,8 +324,11 @@ EOF
     # 25%, each without the host tier, with it as a mapped pool ("+host") and as the slot
     # pool's tier ("+host:slots"). The forecast's hit rate comes from the store's heat:
     # run after a stage that served the store through a daemon (serve-q30).
+    # Every decode samples new text (--fresh-text; FRESH=0 repeats one text, whose
+    # experts a partial pool keeps, as the runs before it did).
     f="$OUT/bench_decode_q30_forecast_h200.json"
-    ctl bench decode --model /root/q30/store --capacity 0.5 --capacity 0.25 --no-naive --forecast \
+    fresh=--fresh-text; [ "${FRESH:-1}" = 0 ] && fresh=
+    ctl bench decode --model /root/q30/store --capacity 0.5 --capacity 0.25 --no-naive --forecast $fresh \
       --host-cache 20G --mapped-rebalance-tokens ${REBALANCE:-32} --temp 1 --warmup-rounds ${WARMUP:-1} \
       --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-16} --rounds ${ROUNDS:-3} --min-round-seconds ${MIN_ROUND_S:-1} \
       --mlx-memory-limit 96G --json >"$f" 2> >(tee "$f.progress" >&2)

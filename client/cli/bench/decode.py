@@ -91,6 +91,13 @@ from moestream.shared.settings import default_of
 )
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option(
+    "--fresh-text",
+    is_flag=True,
+    help="With --temp > 0: every decode samples new text (the n-th decode of a round seeds with the round's seed + "
+    "n, the same for every configuration), so that a partial pool meets routing it has not seen, as `plan` "
+    "forecasts; without it every decode repeats one text, whose experts a pool keeps.",
+)
+@click.option(
     "--mapped",
     is_flag=True,
     help="Also run a '+mapped' configuration per partial capacity: every expert addressable, the hottest in GPU "
@@ -176,6 +183,7 @@ def bench_decode(
     host_tier,
     temp,
     seed,
+    fresh_text,
     mapped,
     mapped_rebalance_tokens,
     mapped_gather,
@@ -238,6 +246,7 @@ def bench_decode(
         host_tier=host_tier,
         temp=temp,
         seed=seed,
+        fresh_text=fresh_text,
         mapped=mapped,
         prefetch=prefetch,
         mapped_rebalance_tokens=mapped_rebalance_tokens,
