@@ -5,9 +5,10 @@ The forecast is a sum of times per token, each measured apart from the model:
     decode s/token = resident compute + host syncs + disk bytes / read bandwidth
                                                    + host->pool bytes / link bandwidth
 
-- resident compute: a model of the store's own architecture (mlx-lm's class, the
-  store's config, dtype and quantization) with random weights and only 2 and up to 8
-  layers, timed decoding here; its time per layer, extrapolated to every layer (`probe_compute`). No
+- resident compute: models of the store's own architecture (mlx-lm's class, the
+  store's config, dtype and quantization) with random weights, two depths (4 and 16
+  layers of a deep model, `probe_layer_counts`) and at most 64 experts a layer, timed
+  decoding here; their time per layer, extrapolated to every layer (`probe_compute`). No
   byte of the store is loaded.
 - host syncs: a partial slot pool reads each MoE layer's expert ids back to the host
   once per token, so the host waits for every layer before it builds the next: the
@@ -148,18 +149,59 @@ class ComputeProbe:
         return asdict(self)
 
 
+# The config names of the layer count in mlx-lm's ModelArgs (longcat_flash, phixtral: the second).
+LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers")
+
+
+def layer_count(config: dict[str, Any]) -> int:
+    """The model's decoder layers, from its config (its text config where it has one)."""
+    cfg = config.get("text_config", config)
+    for key in LAYER_COUNT_KEYS:
+        if isinstance(cfg.get(key), int):
+            return int(cfg[key])
+    raise KeyError(f"no layer count in the model config (looked for {', '.join(LAYER_COUNT_KEYS)})")
+
+
 def _config_with_layers(config: dict[str, Any], n: int) -> dict[str, Any]:
     """The config of the same model with only its first `n` layers: per-layer lists
     (layer types, sparse steps) cut to `n` too."""
     out = copy.deepcopy(config)
     for cfg in (out, out.get("text_config")):
-        if not isinstance(cfg, dict) or "num_hidden_layers" not in cfg:
+        key = next((k for k in LAYER_COUNT_KEYS if isinstance(cfg, dict) and isinstance(cfg.get(k), int)), None)
+        if key is None:
             continue
-        total = int(cfg["num_hidden_layers"])
-        cfg["num_hidden_layers"] = n
+        total = int(cfg[key])
+        cfg[key] = n
         for key, value in list(cfg.items()):
             if isinstance(value, list) and len(value) == total and key != "mlp_only_layers":
                 cfg[key] = value[:n]
+    return out
+
+
+# The config names of a layer's expert count in mlx-lm's ModelArgs.
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+# At most this many experts per layer in the probe's models: a decode token computes its
+# top-k whatever the count, while the count sets the memory (a 512-expert layer of
+# Qwen3.5-397B is 3.4 GB at 4 bits, too much to make several of before loading on a 48 GB
+# machine). A multiple of the router's groups where it has them (DeepSeek's n_group).
+PROBE_MAX_EXPERTS = 64
+
+
+def _probe_config(config: dict[str, Any], layers: int) -> dict[str, Any]:
+    """The config of a probe model: the first `layers` layers, at most PROBE_MAX_EXPERTS
+    experts per layer (never fewer than twice the top-k)."""
+    out = _config_with_layers(config, layers)
+    k = top_k_of(config)
+    for cfg in (out, out.get("text_config")):
+        if not isinstance(cfg, dict):
+            continue
+        groups = int(cfg.get("n_group") or 1)
+        for key in EXPERT_COUNT_KEYS:
+            count = cfg.get(key)
+            if isinstance(count, int) and not isinstance(count, bool) and count > PROBE_MAX_EXPERTS:
+                fewer = max(PROBE_MAX_EXPERTS, 2 * k)
+                fewer = -(-fewer // groups) * groups
+                cfg[key] = min(count, fewer)
     return out
 
 
@@ -178,13 +220,20 @@ def resident_dtype(store: Path, manifest: Manifest) -> str:
     return {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[max(sizes, key=sizes.get)] if sizes else "float32"
 
 
-def _random_model(config: dict[str, Any], dtype: str) -> Any:
+def _random_model(config: dict[str, Any], dtype: str, embed_scale: float = 1.0) -> Any:
+    """mlx-lm's model of `config` with its own random initialisation, quantized as the
+    config says. `embed_scale` multiplies the token embeddings first (as
+    tests/bench/make_random_moe.py does), so that routing varies from token to token as a
+    trained model's does; at 1 nearly every token routes to the same experts."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm.utils import _get_classes
 
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
+    if embed_scale != 1.0:
+        embed = model.model.embed_tokens
+        embed.weight = embed.weight * embed_scale
     model.set_dtype(getattr(mx, dtype))
     q = config.get("quantization")
     if q:
@@ -267,26 +316,38 @@ def _time_synced(model: Any, vocab: int, steps: int) -> float:
             decoder["layers"] = held
 
 
-# The probe's two models: 2 layers and at most this many (the whole model where it has no
-# more). A long lever arm keeps the per-layer slope, a difference of two timings, steady.
-PROBE_MAX_LAYERS = 8
+# The probe's two models: PROBE_MIN_LAYERS layers and at most PROBE_MAX_LAYERS (the
+# whole model where it has no more; 2 and all of it where it has fewer than
+# PROBE_MAX_LAYERS). A long lever arm keeps the per-layer slope, a difference of two
+# timings, steady, and its short end away from the cheaper regime of a very shallow model:
+# on the H200 a 2-layer q30 model ran 0.19 ms a layer cheaper than the slope from 8 to 24
+# layers in each of three runs (tests/bench/RESULTS.md, "The H200 table with the probe first").
+PROBE_MIN_LAYERS = 4
+PROBE_MAX_LAYERS = 16
+
+
+def probe_layer_counts(total: int) -> tuple[int, int]:
+    """The layer counts of the probe's two models for a model of `total` layers."""
+    if total >= PROBE_MAX_LAYERS:
+        return PROBE_MIN_LAYERS, PROBE_MAX_LAYERS
+    return (2, total) if total > 2 else (1, total)
 
 
 def probe_compute(
     manifest: Manifest, dtype: str, *, steps: int = 12, prompt_tokens: int = 48, repeats: int = 3
 ) -> ComputeProbe:
-    """Time random-weight models of the store's architecture in `dtype` with 2 and up to
-    PROBE_MAX_LAYERS layers, in turns (a drift of a shared machine hits both alike);
-    nothing of the store but its config is read."""
+    """Time random-weight models of the store's architecture in `dtype` with the layers
+    of `probe_layer_counts` (and at most PROBE_MAX_EXPERTS experts a layer), in turns (a
+    drift of a shared machine hits both alike); nothing of the store but its config is
+    read."""
     import mlx.core as mx
 
     cfg = manifest.config.get("text_config", manifest.config)
-    total = int(cfg["num_hidden_layers"])
-    counts = (min(2, total), min(PROBE_MAX_LAYERS, total)) if total > 2 else (1, total)
-    models = [_random_model(_config_with_layers(manifest.config, n), dtype) for n in sorted(set(counts))]
+    counts = probe_layer_counts(layer_count(manifest.config))
+    models = [_random_model(_probe_config(manifest.config, n), dtype) for n in sorted(set(counts))]
+    vocab = int(cfg.get("vocab_size") or cfg["num_vocab"])  # phixtral: num_vocab
     for model in models:  # kernels built, buffers allocated
-        _time_model(model, int(cfg["vocab_size"]), 8, 2, 1)
-    vocab = int(cfg["vocab_size"])
+        _time_model(model, vocab, 8, 2, 1)
     times: list[list[tuple[float, float]]] = [[] for _ in models]
     waited: list[list[float]] = [[] for _ in models]
     for _ in range(repeats):
@@ -464,7 +525,6 @@ def make_plan(
     expert sits in host memory, so no miss comes from disk, and its decode reads the
     routing back once per token, not once per layer (no sync term)."""
     manifest = load_manifest(store)
-    cfg = manifest.config.get("text_config", manifest.config)
     k = top_k_of(manifest.config)
     resident, slots = _pool_slots(store, manifest, settings)
     expert = max(layer.expert_bytes for layer in manifest.layers)
@@ -472,7 +532,7 @@ def make_plan(
     tier_experts = settings.host_cache // expert if expert else 0
     hits = estimate_hits(manifest, counts, source, slots, tier_experts)
     partial = any(slots < layer.num_experts for layer in manifest.layers)
-    layers = int(cfg["num_hidden_layers"])
+    layers = layer_count(manifest.config)
 
     # Decode: per token, k routings per MoE layer; the misses come over the link, from
     # the host tier or (its misses) from the store.

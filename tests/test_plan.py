@@ -167,3 +167,45 @@ def test_an_expert_parallel_groups_heat_files_add_up_for_the_plan(tmp_path):
     # A single process's heat, once there, comes first.
     write_usage(tmp_path / "pool_usage.json", {0: {9: 1}})
     assert heat_counts(DEMO, settings, load_manifest(DEMO))[0] == {0: {9: 1}}
+
+
+def test_the_probe_models_have_fewer_experts_and_run_for_every_supported_architecture():
+    """The compute probe's models keep at most PROBE_MAX_EXPERTS experts a layer (a
+    multiple of the router's groups, at least twice the top-k) and its layer counts: each
+    supported architecture's tiny model with more experts than that builds and decodes."""
+    import mlx.core as mx
+    from arch_table import TOP_K, supported, tiny_arch_config
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from moestream.daemon.plan import (
+        EXPERT_COUNT_KEYS,
+        PROBE_MAX_EXPERTS,
+        _probe_config,
+        _random_model,
+        layer_count,
+        probe_layer_counts,
+    )
+
+    assert probe_layer_counts(48) == (4, 16) and probe_layer_counts(6) == (2, 6) and probe_layer_counts(2) == (1, 2)
+    grouped = _probe_config(
+        {"num_hidden_layers": 40, "n_routed_experts": 256, "n_group": 6, "num_experts_per_tok": 8}, 4
+    )
+    assert grouped["n_routed_experts"] == 66 and grouped["num_hidden_layers"] == 4  # 64 up to a multiple of 6
+    assert _probe_config({"num_hidden_layers": 4, "num_experts": 48, "num_experts_per_tok": 40}, 2)["num_experts"] == 48
+    many = PROBE_MAX_EXPERTS + 32
+    for model_type in supported():
+        config = tiny_arch_config(model_type)
+        for cfg in (config, config.get("text_config")):
+            for key in EXPERT_COUNT_KEYS if isinstance(cfg, dict) else ():
+                if key in cfg:
+                    cfg[key] = many
+        # All the tiny model's layers: some need several (llama4 attends globally every 4th).
+        probe = _probe_config(config, layer_count(config))
+        assert kv_cache_bytes(config, 1024) > 0, model_type  # phixtral and longcat_flash name it num_layers
+        counts = [c[k] for c in (probe, probe.get("text_config") or {}) for k in EXPERT_COUNT_KEYS if k in c]
+        assert counts and all(c == max(PROBE_MAX_EXPERTS, 2 * TOP_K) for c in counts), (model_type, counts)
+        model = _random_model(probe, "float32")
+        cache = make_prompt_cache(model)
+        logits = model(mx.array([[1, 2, 3]]), cache=cache)
+        logits = model(mx.array([[4]]), cache=cache)
+        assert logits.shape[-1] > 0 and bool(mx.isfinite(logits).all()), model_type

@@ -57,9 +57,11 @@ def top_k_of_blocks(blocks: Sequence[Any], config: dict[str, Any]) -> int:
 def kv_cache_bytes(config: dict[str, Any], tokens: int) -> int:
     """Upper estimate of the KV cache for `tokens` tokens (all layers, 2 bytes/elem)."""
     cfg = config.get("text_config", config)
-    layers = int(cfg.get("num_hidden_layers", 0))
-    heads = int(cfg.get("num_key_value_heads") or cfg.get("num_attention_heads") or 0)
-    head_dim = int(cfg.get("head_dim") or (cfg.get("hidden_size", 0) // max(int(cfg.get("num_attention_heads", 1)), 1)))
+    # phixtral names them num_layers, num_heads and model_dim (longcat_flash: num_layers).
+    layers = int(cfg.get("num_hidden_layers") or cfg.get("num_layers") or 0)
+    query_heads = int(cfg.get("num_attention_heads") or cfg.get("num_heads") or 1)
+    heads = int(cfg.get("num_key_value_heads") or query_heads)
+    head_dim = int(cfg.get("head_dim") or (int(cfg.get("hidden_size") or cfg.get("model_dim") or 0) // query_heads))
     if cfg.get("kv_lora_rank"):  # MLA caches the latent plus the rope part
         per_token = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim", 0))
         return layers * tokens * per_token * 2 * 2

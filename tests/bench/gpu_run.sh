@@ -78,10 +78,26 @@ case "$stage" in
     # Several stages in one device call, each under its own limit (STAGE_TIMEOUT seconds,
     # default 400), so that one that overruns costs its own figures, not the others':
     #   bash tests/bench/gpu_run.sh chain make-q30 exactness-mini decode-q30
+    # A stage that overruns first gets SIGABRT in its Python processes, whose fault handler
+    # (PYTHONFAULTHANDLER) prints every thread's stack into the stage's log, then it and
+    # everything under it are killed: a stalled run says where it stalled.
     shift
+    descendants() { local c; for c in $(ps -o pid= --ppid "$1"); do echo "$c"; descendants "$c"; done; }
     for s in "$@"; do
       echo "== $s"
-      timeout "${STAGE_TIMEOUT:-400}" bash "$0" "$s" || echo "== $s failed or timed out (exit $?)"
+      bash "$0" "$s" &
+      pid=$!
+      (
+        sleep "${STAGE_TIMEOUT:-400}"
+        echo "== $s ran past ${STAGE_TIMEOUT:-400} s: stopped (its Python stacks are in its log)"
+        for p in $(descendants "$pid"); do case "$(ps -o comm= -p "$p")" in python*) kill -ABRT "$p" ;; esac; done
+        sleep 10
+        kill -KILL "$pid" $(descendants "$pid")
+      ) 2>/dev/null &
+      watcher=$!
+      rc=0; wait "$pid" || rc=$?
+      kill "$watcher" 2>/dev/null || true
+      [ "$rc" = 0 ] || echo "== $s failed or timed out (exit $rc)"
     done
     ;;
   exactness)
@@ -193,8 +209,10 @@ EOF
     done
     ;;
   plan-probe)
-    # PROBE_STORE=/root/q30/store also times that store's model as bench decode loads stock.
+    # PROBE_STORE=/root/q30/store also times that store's model as bench decode loads stock;
+    # EMBED_SCALE=64 also times each random model routing as make-q30's store routes.
     $py tests/bench/gpu_plan_probe.py --repeats "${REPEATS:-3}" ${PROBE_STORE:+--store "$PROBE_STORE"} \
+      ${EMBED_SCALE:+--embed-scale "$EMBED_SCALE"} \
       --out "$OUT/plan_probe_h200.json" 2>&1 | tail -16
     ;;
   continuation-q30)
@@ -328,6 +346,9 @@ EOF
     # experts a partial pool keeps, as the runs before it did).
     f="$OUT/bench_decode_q30_forecast_h200.json"
     fresh=--fresh-text; [ "${FRESH:-1}" = 0 ] && fresh=
+    # Host memory and I/O every 10 s beside it (a run with fresh text once stalled here).
+    vmstat -t 10 >"$OUT/plan_q30_vmstat.txt" 2>&1 &
+    vm=$!
     ctl bench decode --model /root/q30/store --capacity 0.5 --capacity 0.25 --no-naive --forecast $fresh \
       --host-cache 20G --mapped-rebalance-tokens ${REBALANCE:-32} --temp 1 --warmup-rounds ${WARMUP:-1} \
       --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-16} --rounds ${ROUNDS:-3} --min-round-seconds ${MIN_ROUND_S:-1} \
@@ -340,6 +361,7 @@ report = json.load(open(sys.argv[1]))
 print(format_report(report))
 print(format_decode_forecasts(report["forecast"]))
 EOF
+    kill $vm
     ;;
   warmstart-q30)
     ctl bench warmstart --model /root/q30/store --capacity 0.25 --tokens 64 --rounds ${ROUNDS:-3} --json >"$OUT/bench_warmstart_q30.json"
