@@ -182,7 +182,7 @@ def _config_with_layers(config: dict[str, Any], n: int) -> dict[str, Any]:
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 # At most this many experts per layer in the probe's models: a decode token computes its
 # top-k whatever the count, while the count sets the memory (a 512-expert layer of
-# Qwen3.5-397B is 3.4 GB at 4 bits, too much to make several of before loading on a 48 GB
+# Qwen3.5-397B is about 3.6 GB at 4 bits, too much to make several of before loading on a 48 GB
 # machine). A multiple of the router's groups where it has them (DeepSeek's n_group).
 PROBE_MAX_EXPERTS = 64
 
