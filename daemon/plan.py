@@ -26,7 +26,8 @@ The forecast is a sum of times per token, each measured apart from the model:
   waits for them before the layer runs, a few reads in flight where a prefill has many,
   so its disk term takes the rate measured in batches of that layer's expected misses
   (`Bandwidths.decode_read_rate`); on the H200's disk a decode step read at about half
-  the rate of many reads in flight (tests/bench/RESULTS.md, "The forecast before loading").
+  the rate of many reads in flight (tests/bench/RESULTS.md, "The H200 table with the
+  probe first").
 
 The bound beside each forecast is the same sum without the host syncs' cost (the
 `bench decode` bound), with the term that dominates it named. The time to first token of
@@ -233,7 +234,7 @@ def _random_model(config: dict[str, Any], dtype: str, embed_scale: float = 1.0) 
     model = model_class(args_class.from_dict(config))
     if embed_scale != 1.0:
         embed = model.model.embed_tokens
-        embed.weight = embed.weight * embed_scale
+        embed.update({"weight": embed.weight * embed_scale})
     model.set_dtype(getattr(mx, dtype))
     q = config.get("quantization")
     if q:
