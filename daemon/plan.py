@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from moestream.daemon.pool.capacity import kv_cache_bytes, plan_capacity, top_k_of
+from moestream.daemon.pool.capacity import kv_cache_bytes, layer_count, layer_count_key, plan_capacity, top_k_of
 from moestream.shared.heat_file import group_usage, peek_usage, read_usage, usage_path
 from moestream.shared.settings import Settings, format_size
 from moestream.shared.store_format import Manifest, load_manifest
@@ -150,25 +150,12 @@ class ComputeProbe:
         return asdict(self)
 
 
-# The config names of the layer count in mlx-lm's ModelArgs (longcat_flash, phixtral: the second).
-LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers")
-
-
-def layer_count(config: dict[str, Any]) -> int:
-    """The model's decoder layers, from its config (its text config where it has one)."""
-    cfg = config.get("text_config", config)
-    for key in LAYER_COUNT_KEYS:
-        if isinstance(cfg.get(key), int):
-            return int(cfg[key])
-    raise KeyError(f"no layer count in the model config (looked for {', '.join(LAYER_COUNT_KEYS)})")
-
-
 def _config_with_layers(config: dict[str, Any], n: int) -> dict[str, Any]:
     """The config of the same model with only its first `n` layers: per-layer lists
     (layer types, sparse steps) cut to `n` too."""
     out = copy.deepcopy(config)
     for cfg in (out, out.get("text_config")):
-        key = next((k for k in LAYER_COUNT_KEYS if isinstance(cfg, dict) and isinstance(cfg.get(k), int)), None)
+        key = layer_count_key(cfg) if isinstance(cfg, dict) else None
         if key is None:
             continue
         total = int(cfg[key])
@@ -192,16 +179,15 @@ def _probe_config(config: dict[str, Any], layers: int) -> dict[str, Any]:
     """The config of a probe model: the first `layers` layers, at most PROBE_MAX_EXPERTS
     experts per layer (never fewer than twice the top-k)."""
     out = _config_with_layers(config, layers)
-    k = top_k_of(config)
+    wanted = max(PROBE_MAX_EXPERTS, 2 * top_k_of(config))
     for cfg in (out, out.get("text_config")):
         if not isinstance(cfg, dict):
             continue
         groups = int(cfg.get("n_group") or 1)
+        fewer = -(-wanted // groups) * groups
         for key in EXPERT_COUNT_KEYS:
             count = cfg.get(key)
             if isinstance(count, int) and not isinstance(count, bool) and count > PROBE_MAX_EXPERTS:
-                fewer = max(PROBE_MAX_EXPERTS, 2 * k)
-                fewer = -(-fewer // groups) * groups
                 cfg[key] = min(count, fewer)
     return out
 

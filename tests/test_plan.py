@@ -182,9 +182,9 @@ def test_the_probe_models_have_fewer_experts_and_run_for_every_supported_archite
         PROBE_MAX_EXPERTS,
         _probe_config,
         _random_model,
-        layer_count,
         probe_layer_counts,
     )
+    from moestream.daemon.pool.capacity import layer_count
 
     assert probe_layer_counts(48) == (4, 16) and probe_layer_counts(6) == (2, 6) and probe_layer_counts(2) == (1, 2)
     grouped = _probe_config(

@@ -54,11 +54,30 @@ def top_k_of_blocks(blocks: Sequence[Any], config: dict[str, Any]) -> int:
     return top_k_of(config)
 
 
+# The config names of the layer count in mlx-lm's ModelArgs (phixtral, longcat_flash: the second).
+LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers")
+
+
+def layer_count_key(cfg: dict[str, Any]) -> str | None:
+    """The name under which this (text) config gives its number of decoder layers."""
+    return next((k for k in LAYER_COUNT_KEYS if isinstance(cfg.get(k), int)), None)
+
+
+def layer_count(config: dict[str, Any]) -> int:
+    """The model's decoder layers, from its config (its text config where it has one)."""
+    cfg = config.get("text_config", config)
+    key = layer_count_key(cfg)
+    if key is None:
+        raise KeyError(f"no layer count in the model config (looked for {', '.join(LAYER_COUNT_KEYS)})")
+    return int(cfg[key])
+
+
 def kv_cache_bytes(config: dict[str, Any], tokens: int) -> int:
     """Upper estimate of the KV cache for `tokens` tokens (all layers, 2 bytes/elem)."""
     cfg = config.get("text_config", config)
     # phixtral names them num_layers, num_heads and model_dim (longcat_flash: num_layers).
-    layers = int(cfg.get("num_hidden_layers") or cfg.get("num_layers") or 0)
+    key = layer_count_key(cfg)
+    layers = int(cfg[key]) if key else 0
     query_heads = int(cfg.get("num_attention_heads") or cfg.get("num_heads") or 1)
     heads = int(cfg.get("num_key_value_heads") or query_heads)
     head_dim = int(cfg.get("head_dim") or (int(cfg.get("hidden_size") or cfg.get("model_dim") or 0) // query_heads))
