@@ -2,19 +2,22 @@
 
 The forecast is a sum of times per token, each measured apart from the model:
 
-    decode s/token = resident compute + host syncs + disk bytes / read bandwidth
-                                                   + host->pool bytes / link bandwidth
+    decode s/token = resident compute + pool host work + disk bytes / read bandwidth
+                                                     + host->pool bytes / link bandwidth
 
 - resident compute: models of the store's own architecture (mlx-lm's class, the
   store's config, dtype and quantization) with random weights, two depths (4 and 16
   layers of a deep model, `probe_layer_counts`) and at most 64 experts a layer, timed
   decoding here; their time per layer, extrapolated to every layer (`probe_compute`). No
   byte of the store is loaded.
-- host syncs: a partial slot pool reads each MoE layer's expert ids back to the host
-  once per token, so the host waits for every layer before it builds the next: the
-  probe times the same random models decoding with a wait after every layer
-  (`synced_decode_s`), and the term is the difference (on a GPU the wait costs more than
-  the read-back: the host's and the device's work per layer no longer overlap).
+- pool host work: a partial pool reads each MoE layer's routing back to the host, waits
+  for it, looks the experts up, tells its policy, ranks the next layer and launches its
+  copies, all while the device waits. The pool probe (daemon/pool_probe.py) streams the
+  shorter of those random models through moestream's own pool at the planned share of
+  its experts and times it against the same model unstreamed: the difference per MoE
+  layer, less its own misses' copies, times the store's MoE layers. Without a pool probe
+  (`plan --no-probe` with none kept) the term is the sync alone: the same random models
+  timed with a wait after every layer (`synced_decode_s`), less their plain decode.
 - bytes: a token routes top-k experts per MoE layer; those not in the pool are misses,
   read from the host tier where it holds them, else from the store. The hit rate is the
   share of the routing counts that the hottest `capacity` experts of each layer take
@@ -29,7 +32,7 @@ The forecast is a sum of times per token, each measured apart from the model:
   the rate of many reads in flight (tests/bench/RESULTS.md, "The H200 table with the
   probe first").
 
-The bound beside each forecast is the same sum without the host syncs' cost (the
+The bound beside each forecast is the same sum without the pool's host work (the
 `bench decode` bound), with the term that dominates it named. The time to first token of
 a 2k-token prompt is the probe's prefill time per token, plus the bytes of every expert
 the prompt routes that the pool lacks (a layer-major prefill brings each in once).
@@ -48,6 +51,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from moestream.daemon.pool.capacity import kv_cache_bytes, layer_count, layer_count_key, plan_capacity, top_k_of
+from moestream.daemon.pool_probe import PoolProbe
 from moestream.shared.heat_file import group_usage, peek_usage, read_usage, usage_path
 from moestream.shared.settings import Settings, format_size
 from moestream.shared.store_format import Manifest, load_manifest
@@ -460,14 +464,17 @@ class Plan:
     ttft: Forecast
     # A mapped pool (every expert in host memory, read in place; see `make_plan`).
     mapped: bool = False
+    pool_probe: PoolProbe | None = None
 
     @property
     def hit_rate(self) -> float:
         return statistics.fmean(self.hits.pool_hit)
 
     def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if k not in ("hits", "bandwidths", "compute", "decode", "ttft")}
+        skip = ("hits", "bandwidths", "compute", "decode", "ttft", "pool_probe")
+        out = {k: v for k, v in asdict(self).items() if k not in skip}
         out.update(
+            pool_probe=self.pool_probe.to_dict() if self.pool_probe is not None else None,
             hit_rate=self.hit_rate,
             hits=self.hits.to_dict(),
             bandwidths=self.bandwidths.to_dict(),
@@ -506,11 +513,14 @@ def make_plan(
     *,
     prompt_tokens: int = TTFT_PROMPT_TOKENS,
     mapped: bool = False,
+    pool: PoolProbe | None = None,
 ) -> Plan:
     """The plan's arithmetic (see the module docstring): no probe, no MLX. `mapped`: the
     pool is a mapped one (`daemon/model/streaming_model.py` `choose_mapped`): every
     expert sits in host memory, so no miss comes from disk, and its decode reads the
-    routing back once per token, not once per layer (no sync term)."""
+    routing back once per token, not once per layer (no sync term). `pool`: the pool
+    probe of this configuration (daemon/pool_probe.py), whose host time per MoE layer
+    then stands for the sync term; None: the sync term alone."""
     manifest = load_manifest(store)
     k = top_k_of(manifest.config)
     resident, slots = _pool_slots(store, manifest, settings)
@@ -532,7 +542,9 @@ def make_plan(
     waits_s = max(compute.at(compute.synced_decode_s, layers) - compute_s, 0.0) * len(manifest.layers) / layers
     terms = {
         "compute": compute_s,
-        "sync": waits_s if partial and not mapped else 0.0,
+        "sync": waits_s if partial and not mapped and pool is None else 0.0,
+        # The pool's own host work per MoE layer (its read-backs and waits with it).
+        "pool": pool.host_s(len(manifest.layers), bandwidths.link_bytes_per_s) if partial and pool is not None else 0.0,
         "disk": disk_s,
         "link": misses * expert / bandwidths.link_bytes_per_s,
     }
@@ -578,6 +590,7 @@ def make_plan(
         decode=decode,
         ttft=ttft,
         mapped=mapped,
+        pool_probe=pool if partial else None,
     )
 
 
@@ -606,23 +619,73 @@ def load_compute(folder: Path, store_id: str) -> ComputeProbe | None:
         return None
 
 
-def plan_store(store: Path, settings: Settings, *, probe: bool = True) -> Plan:
+def save_pool_probes(folder: Path, store_id: str, probes: Mapping[tuple[float, bool], PoolProbe]) -> None:
+    """Keep a store's pool probes (with those kept before, by configuration) for `plan
+    --no-probe` (temporary file, then rename)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    merged = {**load_pool_probes(folder, store_id), **probes}
+    path = folder / f"pools-{store_id}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps([p.to_dict() for p in merged.values()]))
+    os.replace(tmp, path)
+
+
+def load_pool_probes(folder: Path, store_id: str) -> dict[tuple[float, bool], PoolProbe]:
+    """The store's kept pool probes by (capacity, mapped); none where they cannot be read."""
+    try:
+        rows = json.loads((folder / f"pools-{store_id}.json").read_text())
+        probes = [PoolProbe.from_dict(d) for d in rows]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return {(p.capacity, p.mapped): p for p in probes}
+
+
+def _pool_share(store: Path, manifest: Manifest, settings: Settings) -> float:
+    """The planned pool's slots as a share of a layer's experts."""
+    _, slots = _pool_slots(store, manifest, settings)
+    return slots / max(layer.num_experts for layer in manifest.layers)
+
+
+def plan_store(store: Path, settings: Settings, *, probe: bool = True, progress: Any = None) -> Plan:
     """Probe (or, with `probe=False`, take the last probe's figures where there are any)
-    and plan `store` with `settings`."""
+    and plan `store` with `settings`. `progress`: called with a line per probe."""
     from moestream.shared.settings import default_state_dir
 
+    say = progress or (lambda line: None)
     manifest = load_manifest(store)
     state = default_state_dir(os.environ)
     bandwidths = None if probe else load_bandwidths(state)
     if bandwidths is None:
+        say("probing the store's reads and the host->pool link")
         bandwidths = probe_bandwidths(store, settings.io_threads)
         save_bandwidths(state, bandwidths)
+    dtype = resident_dtype(store, manifest)
     compute = None if probe else load_compute(state, manifest.store_id)
     if compute is None:
-        compute = probe_compute(manifest, resident_dtype(store, manifest))
+        say("probing compute: random-weight models of the store's architecture")
+        compute = probe_compute(manifest, dtype)
         save_compute(state, manifest.store_id, compute)
+    mapped = _would_map(store, settings, manifest)
+    key = (_pool_share(store, manifest, settings), mapped)
+    pool = None if probe else load_pool_probes(state, manifest.store_id).get(key)
+    if pool is None and key[0] < 1.0:
+        say(f"probing the {'mapped' if mapped else 'slot'} pool at {key[0]:.0%}: a small random model streamed")
+        probes = probe_pools_of(store, manifest, dtype, [key], settings, state)
+        save_pool_probes(state, manifest.store_id, probes)
+        pool = probes.get(key)
     counts, source = heat_counts(store, settings, manifest)
-    return make_plan(store, settings, bandwidths, compute, counts, source, mapped=_would_map(store, settings, manifest))
+    return make_plan(store, settings, bandwidths, compute, counts, source, mapped=mapped, pool=pool)
+
+
+def probe_pools_of(
+    store: Path, manifest: Manifest, dtype: str, configs: list[tuple[float, bool]], settings: Settings, folder: Path
+) -> dict[tuple[float, bool], PoolProbe]:
+    """The pool probes (daemon/pool_probe.py) of these (capacity share, mapped)
+    configurations of the store, on the probe's shorter model."""
+    from moestream.daemon.pool_probe import probe_pools
+
+    layers = probe_layer_counts(layer_count(manifest.config))
+    return probe_pools(store, manifest, dtype, configs, settings, layers=layers, folder=folder)
 
 
 def _would_map(store: Path, settings: Settings, manifest: Manifest) -> bool:
@@ -672,19 +735,42 @@ def format_plan(p: Plan) -> str:
             f"  probe      resident compute on {p.compute.device}: random-weight models of {p.compute.layers[0]} and "
             f"{p.compute.layers[1]} layers, {1e3 * p.compute.per_layer(p.compute.decode_s):.3f} ms per layer per token",
         ]
+        + (
+            [
+                f"  pool probe the {'mapped' if pp.mapped else 'slot'} pool at {pp.slots} of {pp.experts} experts "
+                f"streaming the same models (hit {pp.hit_rate:.0%}): "
+                f"{1e3 * pp.host_s(p.moe_layers, bw.link_bytes_per_s) / p.moe_layers:.3f} ms of host work per MoE "
+                "layer per token"
+            ]
+            if (pp := p.pool_probe) is not None
+            else []
+        )
     )
 
 
 # ---- beside the benchmarks' measurements -----------------------------------------------
 
 
-def probe_store(store: Path) -> ComputeProbe:
-    """The compute probe of a store's architecture. A benchmark's forecast probes before
-    it loads anything, as `plan` does: probed after its runs, beside what they left behind
-    (threads, pools, a full allocator), the probe timed a decode several times too slow
-    (tests/bench/RESULTS.md, "The compute probe on its own")."""
+def probe_store(
+    store: Path, pools: list[tuple[float, bool]] = (), settings: Settings | None = None
+) -> tuple[ComputeProbe, dict[tuple[float, bool], PoolProbe]]:
+    """The compute probe of a store's architecture, and the pool probes of the (capacity
+    share, mapped) configurations `pools` with `settings` (the policy and prefetch they
+    run with). A benchmark's forecast probes before it loads anything, as `plan` does:
+    probed after its runs, beside what they left behind (threads, pools, a full
+    allocator), the probe timed a decode several times too slow (tests/bench/RESULTS.md,
+    "The compute probe on its own")."""
+    from moestream.shared.settings import default_state_dir
+
     manifest = load_manifest(store)
-    return probe_compute(manifest, resident_dtype(store, manifest))
+    dtype = resident_dtype(store, manifest)
+    compute = probe_compute(manifest, dtype)
+    probes = {}
+    if pools:
+        probes = probe_pools_of(
+            store, manifest, dtype, list(pools), settings or Settings(model=str(store)), default_state_dir(os.environ)
+        )
+    return compute, probes
 
 
 def _bench_plans(
@@ -693,8 +779,10 @@ def _bench_plans(
     bandwidths: Bandwidths,
     prompt_tokens: int,
     compute: ComputeProbe,
+    pools: Mapping[tuple[float, bool], PoolProbe] | None = None,
 ) -> dict[str, Plan]:
-    """{name: plan} for (name, capacity, host cache, mapped) configurations."""
+    """{name: plan} for (name, capacity, host cache, mapped) configurations, each with
+    its pool probe from `pools` where there is one."""
     manifest = load_manifest(store)
     counts, source = heat_counts(store, Settings(model=str(store)), manifest)
     return {
@@ -707,14 +795,17 @@ def _bench_plans(
             source,
             prompt_tokens=prompt_tokens,
             mapped=mapped,
+            pool=(pools or {}).get((capacity, mapped)) if capacity is not None else None,
         )
         for name, capacity, host, mapped in configs
     }
 
 
-def decode_forecasts(report: dict[str, Any], compute: ComputeProbe) -> list[dict[str, Any]]:
+def decode_forecasts(
+    report: dict[str, Any], compute: ComputeProbe, pools: Mapping[tuple[float, bool], PoolProbe] | None = None
+) -> list[dict[str, Any]]:
     """The forecast of every moestream row of a `bench decode` report, with the run's own
-    bandwidths and `compute` (`probe_store`), beside its measured tok/s."""
+    bandwidths, `compute` and `pools` (`probe_store`), beside its measured tok/s."""
     rows = [r for r in report["results"] if r["capacity"] is not None]
     bw = Bandwidths(
         report["read_bandwidth_bytes_per_s"],
@@ -737,7 +828,7 @@ def decode_forecasts(report: dict[str, Any], compute: ComputeProbe) -> list[dict
         for r in rows
     ]
     store = Path(report["store"])
-    plans = _bench_plans(store, configs, bw, TTFT_PROMPT_TOKENS, compute)
+    plans = _bench_plans(store, configs, bw, TTFT_PROMPT_TOKENS, compute, pools)
     return [
         {
             "name": r["name"],
@@ -748,6 +839,7 @@ def decode_forecasts(report: dict[str, Any], compute: ComputeProbe) -> list[dict
             "measured_hit_rate": r["hit_rate"],
             "forecast_hit_rate": plans[r["name"]].hit_rate,
             "measured_vs_forecast": r["tokens_per_s"] / plans[r["name"]].decode.tokens_per_s,
+            "forecast_terms_ms": {k: 1e3 * v for k, v in plans[r["name"]].decode.terms_s.items()},
         }
         for r in rows
     ]

@@ -127,7 +127,7 @@ def test_probes_are_kept_for_no_probe(tmp_path):
     assert resident_dtype(DEMO, load_manifest(DEMO)) == "bfloat16"
 
 
-@pytest.mark.slow  # probes the disk, the link and two random-weight models: 20 s to minutes on a shared CPU
+@pytest.mark.slow  # probes the disk, the link, two random-weight models and a pool: 30 s to minutes on a shared CPU
 def test_plan_command_on_the_demo_model(tmp_path):
     env = clean_env(XDG_STATE_HOME=str(tmp_path / "state"), MOESTREAM_HEAT_DIR=str(tmp_path / "heat"))
     out = ctl("plan", "--model", str(DEMO), "--capacity", "0.5", "--json", env=env, timeout=300)
@@ -135,8 +135,11 @@ def test_plan_command_on_the_demo_model(tmp_path):
     p = json.loads(out.stdout)
     assert p["slots_per_layer"] == 32 and p["decode"]["tokens_per_s"] > 0 and p["ttft"]["seconds"] > 0
     assert p["bandwidths"]["source"] == "probed now" and p["hits"]["source"].startswith("the demo model's")
-    text = ctl("plan", "--model", str(DEMO), "--no-probe", env=env, timeout=300)
+    assert p["pool_probe"]["slots"] == 32 and "probing the slot pool at 50%" in out.stderr
+    assert p["decode"]["terms_s"]["sync"] == 0 and "pool" in p["decode"]["terms_s"]
+    text = ctl("plan", "--model", str(DEMO), "--no-probe", "--capacity", "0.5", env=env, timeout=300)
     assert text.returncode == 0 and "(last probed " in text.stdout and "KV cache" in text.stdout, text.stderr
+    assert "pool probe" in text.stdout and "probing" not in text.stderr  # all three kept
     bad = ctl("plan", "--model", str(DEMO), "--capacity", "2", env=env)
     assert bad.returncode == 2 and "below the minimum" in bad.stderr
 

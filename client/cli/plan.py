@@ -18,7 +18,7 @@ from moestream.shared.settings import Settings, SettingsError
 @click.option("--capacity", help="Pool slots per MoE layer (16) or a fraction of each layer's experts (0.25, 25%).")
 @click.option("--max-context", type=click.IntRange(16, None), help="Tokens of KV cache a memory budget keeps room for.")
 @click.option(
-    "--no-probe", is_flag=True, help="Use the last probe's bandwidths and compute times (where there are any)."
+    "--no-probe", is_flag=True, help="Use the last probe's bandwidths, compute and pool times (where there are any)."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def plan(store, memory_budget, host_cache, capacity, max_context, no_probe, as_json) -> None:
@@ -35,7 +35,7 @@ def plan(store, memory_budget, host_cache, capacity, max_context, no_probe, as_j
     except SettingsError as e:
         raise click.UsageError(str(e)) from None
     try:
-        p = plan_store(Path(store), settings, probe=not no_probe)
+        p = plan_store(Path(store), settings, probe=not no_probe, progress=lambda line: click.echo(line, err=True))
     except PoolCapacityError as e:
         raise click.UsageError(str(e)) from None
     click.echo(json.dumps(p.to_dict()) if as_json else format_plan(p))

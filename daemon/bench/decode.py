@@ -20,11 +20,13 @@ its routed experts not in GPU memory (and its moves).
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import math
 import random
 import re
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +49,7 @@ from moestream.daemon.pool.admission import Admitter, cuda_copier, make_admitter
 from moestream.daemon.pool.expert_reader import ExpertReader
 from moestream.shared.progress import timed_progress
 from moestream.shared.settings import Settings, default_of, format_size
-from moestream.shared.store_format import load_manifest
+from moestream.shared.store_format import Manifest, load_manifest
 
 # With fresh text, round r's decodes seed from seed + (r + 1) * this (warm-ups below 0).
 FRESH_SEED_STRIDE = 1000
@@ -431,6 +433,38 @@ def measure_admission(admitter: Admitter, manifest, experts: int = 64) -> dict[s
     return {"experts": n, "bytes": moved, "seconds": seconds, "bytes_per_s": moved / seconds if seconds else None}
 
 
+# Seconds a round may run before every thread's stack is printed (then again as often).
+STALL_DUMP_S = 120
+
+
+def tier_is_mapped(settings: BenchDecodeSettings, manifest: Manifest) -> tuple[bool, str]:
+    """What the loader makes of the bench's host tier at a partial capacity (capacity 0
+    stands for any partial one): the mapped pool where it holds every expert on an
+    NVIDIA GPU, else the slot pool with the tier; and why."""
+    if settings.host_tier != "auto":
+        return settings.host_tier == "mapped", f"{settings.host_tier}: --host-tier"
+    return choose_mapped(
+        manifest, 0, Settings(host_cache=settings.host_cache), psutil.virtual_memory().available, cuda_copier()[1]
+    )
+
+
+def pool_configs(settings: BenchDecodeSettings) -> list[tuple[float, bool]]:
+    """The (capacity, mapped) pools of the bench's partial configurations, each once:
+    what the forecast's pool probe (daemon/pool_probe.py) probes. A slot pool with a
+    host tier and one without share a probe (the probe's has a tier; the disk is the
+    plan's own term)."""
+    manifest = load_manifest(settings.store)
+    partial = [c for c in settings.capacities if c < 1]
+    out: list[tuple[float, bool]] = []
+    tier_mapped = bool(settings.host_cache) and tier_is_mapped(settings, manifest)[0]
+    for c in partial:
+        if settings.slot_pool or settings.host_cache:
+            out.append((c, False))
+        if tier_mapped or settings.mapped:
+            out.append((c, True))
+    return out
+
+
 def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run every configuration; `progress` gets one line per model loaded and per run
     (so that a run cut short still shows what it measured)."""
@@ -463,19 +497,7 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
                 copy_kernel=settings.copy_kernel,
                 ahead_blocks=settings.prefetch_copy_blocks,
             )
-            # What the loader makes of such a tier at a partial capacity (capacity 0
-            # stands for any partial one): the mapped pool where it holds every expert
-            # on an NVIDIA GPU, else the slot pool with the tier.
-            if settings.host_tier == "auto":
-                tier_mapped, tier_note = choose_mapped(
-                    manifest,
-                    0,
-                    Settings(host_cache=settings.host_cache),
-                    psutil.virtual_memory().available,
-                    cuda_copier()[1],
-                )
-            else:
-                tier_mapped, tier_note = settings.host_tier == "mapped", f"{settings.host_tier}: --host-tier"
+            tier_mapped, tier_note = tier_is_mapped(settings, manifest)
             say(f"host tier of {format_size(settings.host_cache)}: mapped pool {tier_note}")
         for c in settings.capacities:
             if settings.slot_pool:
@@ -527,11 +549,21 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         for r in range(settings.rounds):
             for c in configs:
                 gc.collect()
-                c.samples.append(
-                    timed_round(
-                        c.run, settings.decode_tokens, settings.min_round_seconds, round_seed(r), settings.fresh_text
+                # A round that stalls prints every thread's stack (and goes on): one
+                # once stalled on the H200 with no line to say where.
+                faulthandler.dump_traceback_later(STALL_DUMP_S, repeat=True, file=sys.stderr)
+                try:
+                    c.samples.append(
+                        timed_round(
+                            c.run,
+                            settings.decode_tokens,
+                            settings.min_round_seconds,
+                            round_seed(r),
+                            settings.fresh_text,
+                        )
                     )
-                )
+                finally:
+                    faulthandler.cancel_dump_traceback_later()
                 sample = c.samples[-1]
                 repeats = f" ({sample['repeats']} decodes)" if sample["repeats"] > 1 else ""
                 say(

@@ -219,7 +219,7 @@ def bench_decode(
 
     from moestream.daemon.bench.decode import BenchDecodeSettings, format_report, run_bench_decode
     from moestream.daemon.pool.expert_pool import PoolCapacityError
-    from moestream.shared.settings import SettingsError
+    from moestream.shared.settings import Settings, SettingsError
     from moestream.shared.store_format import StoreError
 
     if paired_blocks == 1:
@@ -254,13 +254,25 @@ def bench_decode(
         prefetch_copy_blocks=prefetch_copy_blocks,
         copy_kernel=copy_kernel,
     )
-    compute = None
+    compute = pools = None
     try:
         if forecast:
+            from moestream.daemon.bench.decode import pool_configs
             from moestream.daemon.plan import probe_store
 
-            click.echo("probing compute for the forecast", err=True)
-            compute = probe_store(Path(store))
+            click.echo("probing compute and pools for the forecast", err=True)
+            compute, pools = probe_store(
+                Path(store),
+                pool_configs(settings),
+                Settings(
+                    policy=policy,
+                    io_threads=io_threads,
+                    prefetch=prefetch,
+                    copy_kernel=copy_kernel,
+                    prefetch_copy_blocks=prefetch_copy_blocks,
+                    mapped_rebalance_tokens=mapped_rebalance_tokens,
+                ),
+            )
         report = run_bench_decode(settings, progress=lambda line: click.echo(line, err=True))
     except (StoreError, PoolCapacityError, SettingsError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from e
@@ -269,7 +281,8 @@ def bench_decode(
         from moestream.daemon.plan import decode_forecasts, format_decode_forecasts
 
         report["forecast_compute"] = compute.to_dict()
-        report["forecast"] = decode_forecasts(report, compute)
+        report["forecast_pools"] = [p.to_dict() for p in pools.values()]
+        report["forecast"] = decode_forecasts(report, compute, pools)
         text += "\n" + format_decode_forecasts(report["forecast"])
     click.echo(json.dumps(report) if as_json else text)
 

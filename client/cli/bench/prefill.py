@@ -123,7 +123,7 @@ def bench_prefill(
         from moestream.daemon.plan import probe_store
 
         click.echo("probing compute for the forecast", err=True)
-        compute = probe_store(Path(store))
+        compute, _ = probe_store(Path(store))
     report = run_bench_prefill(settings, progress=lambda line: click.echo(line, err=True), on_config=save)
     report.setdefault("command", command)
     text = format_report(report)

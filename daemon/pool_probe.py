@@ -1,0 +1,258 @@
+"""The pool's own time per MoE layer, probed before a store is loaded (`moestreamctl plan`).
+
+A partial pool's decode costs more than its model's compute and its bytes' moves: each
+MoE layer reads its routing back to the host and waits for it, then the host looks the
+experts up, tells the policy, chooses victims, ranks the next layer and launches the
+admission and prefetch copies, while the device waits for the next layer. On the H200
+that work was about as large as the compute itself for a slot pool with a host tier
+(tests/bench/RESULTS.md, "The H200 table with the probe first"), and no byte count
+gives it.
+
+So the probe runs the code that does it: random-weight models of the store's
+architecture at the compute probe's two depths (daemon/plan.py `_probe_config`: at most
+64 experts a layer) are written as stores of their own into a temporary folder, then
+decoded as stock mlx-lm and streamed through moestream's pool at the planned share of
+their experts (a slot pool with a host tier holding every expert, or a mapped pool).
+Their embeddings are scaled, and each step is fed the next token of a fixed text, so
+that routing varies from token to token as a trained model's does (at mlx-lm's
+initialisation nearly every token routes to the same experts, and a random model's
+greedy text soon repeats one token: a pool would never miss). The streamed models' extra
+time, extrapolated along their MoE layers and less the link time of their own misses, is
+the pool's host time (`PoolProbe.host_s`); the plan adds its own misses' bytes at the
+link's and the disk's rates.
+
+A slot pool without a host tier is probed with one: its reads then cost memory copies,
+not the disk's time, which the plan's disk term holds.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from moestream.daemon.pool.capacity import top_k_of
+from moestream.shared.settings import Settings
+from moestream.shared.store_format import Manifest
+
+# Token embeddings times this: routing then follows the token, not the near-constant
+# residual stream of a random model (tests/bench/make_random_moe.py measured an LRU hit
+# rate at 25% of 0.29 at 64 on the q30 shape, near a real model's 0.30).
+PROBE_EMBED_SCALE = 64.0
+
+
+@dataclass(frozen=True)
+class PoolProbe:
+    """One pool configuration's probe: per decode token, the probe's models of two
+    depths plain and streamed, and what the streamed pools missed."""
+
+    capacity: float
+    mapped: bool
+    moe_layers: tuple[int, int]  # of the two models
+    plain_s: tuple[float, float]
+    pooled_s: tuple[float, float]
+    # Per token and MoE layer, over both models: routed experts the pool lacked.
+    misses_per_layer: float
+    hit_rate: float
+    expert_bytes: int
+    slots: int  # of the probe models' `experts` per layer
+    experts: int
+
+    def host_s(self, moe_layers: int, link_bytes_per_s: float) -> float:
+        """The pool's time per token beyond compute for a model of `moe_layers` MoE
+        layers: the streamed models' extra time, extrapolated along their MoE layers as
+        the compute probe extrapolates (a per-token part and a per-layer part), less
+        their own misses' copies over a link of `link_bytes_per_s`."""
+        (m0, m1), extra = self.moe_layers, [q - p for q, p in zip(self.pooled_s, self.plain_s)]
+        slope = (extra[1] - extra[0]) / (m1 - m0) if m1 > m0 else extra[0] / max(m0, 1)
+        at = extra[0] + (moe_layers - m0) * max(slope, 0.0)
+        own_link = self.misses_per_layer * self.expert_bytes / link_bytes_per_s
+        return max(at - own_link * moe_layers, 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PoolProbe:
+        return cls(
+            float(d["capacity"]),
+            bool(d["mapped"]),
+            tuple(int(x) for x in d["moe_layers"]),
+            tuple(float(x) for x in d["plain_s"]),
+            tuple(float(x) for x in d["pooled_s"]),
+            float(d["misses_per_layer"]),
+            float(d["hit_rate"]),
+            int(d["expert_bytes"]),
+            int(d["slots"]),
+            int(d["experts"]),
+        )
+
+
+def write_probe_store(config: dict[str, Any], dtype: str, folder: Path, tokenizer: list[Path]) -> Path:
+    """A random-weight model of `config` (daemon/plan.py `_random_model`, embeddings
+    scaled) saved with the `tokenizer` files (the planned store's: a store is loaded
+    with its tokenizer) and converted into a store under `folder`; returns the store."""
+    import shutil
+
+    import mlx.core as mx
+    from mlx_lm.utils import save_config, save_model
+
+    from moestream.daemon.plan import _random_model
+    from moestream.daemon.store.convert import convert_model
+
+    model_dir = folder / "model"
+    model = _random_model(config, dtype, PROBE_EMBED_SCALE)
+    save_model(model_dir, model, donate_model=True)
+    save_config(dict(config), model_dir / "config.json")
+    for f in tokenizer:
+        shutil.copy2(f, model_dir / f.name)
+    del model
+    mx.clear_cache()
+    store = folder / "store"
+    convert_model(model_dir, store)
+    for f in model_dir.iterdir():
+        f.unlink()
+    model_dir.rmdir()
+    return store
+
+
+def _decode_s(model: Any, vocab: int, steps: int, repeats: int) -> float:
+    """Decode s/token, the median of `repeats` decodes of `steps` tokens after a
+    PROMPT_TOKENS prompt. Each step is fed the next token of a fixed pseudo-random text,
+    not the model's own choice (a random model's greedy text soon repeats one token, and
+    with it one routing), and waits for the step before, as generate_step does."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    text = [(i * 7919 + 13) % vocab for i in range(PROMPT_TOKENS + steps)]
+    times = []
+    for _ in range(repeats):
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.array([text[:PROMPT_TOKENS]]), cache=cache))
+        tic = time.perf_counter()
+        last = None
+        for token in text[PROMPT_TOKENS:]:
+            out = mx.argmax(model(mx.array([[token]]), cache=cache)[:, -1, :], axis=-1)
+            mx.async_eval(out)
+            if last is not None:
+                last.item()
+            last = out
+        mx.eval(last)
+        times.append((time.perf_counter() - tic) / steps)
+    return statistics.median(times)
+
+
+PROMPT_TOKENS = 4
+
+
+def probe_pools(
+    store: Path,
+    manifest: Manifest,
+    dtype: str,
+    configs: list[tuple[float, bool]],
+    settings: Settings,
+    *,
+    layers: tuple[int, int],
+    folder: Path | None = None,
+    steps: int = 16,
+    repeats: int = 3,
+) -> dict[tuple[float, bool], PoolProbe]:
+    """Probe each (capacity: a fraction of the experts, mapped) pool configuration of
+    the `store` (`manifest`) where it is a partial pool of the probe's experts, with
+    models of the store's architecture of `layers` layers (daemon/plan.py
+    `probe_layer_counts`); `settings` gives the policy, prefetch and copy settings the
+    daemon would run with. The probe stores live in a temporary folder in `folder`
+    (None: the system's), each removed once timed."""
+    import mlx.core as mx
+
+    from moestream.daemon.bench.decode import decode_counters
+    from moestream.daemon.model.streaming_model import load_stock_model, load_streaming_model
+    from moestream.daemon.plan import _probe_config
+    from moestream.shared.store_format import load_manifest
+
+    tokenizer = [store / name for name in manifest.tokenizer_files]
+    # Per configuration, per depth: (MoE layers, plain s, pooled s, hits, misses).
+    runs: dict[tuple[float, bool], list[tuple[int, float, float, int, int]]] = {}
+    shape: dict[tuple[float, bool], tuple[int, int, int]] = {}
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+    for depth in sorted(set(layers)):
+        config = _probe_config(manifest.config, depth)
+        cfg = config.get("text_config", config)
+        vocab = int(cfg.get("vocab_size") or cfg["num_vocab"])
+        with tempfile.TemporaryDirectory(prefix="moestream-pool-probe-", dir=folder) as tmp:
+            probe_store = write_probe_store(config, dtype, Path(tmp), tokenizer)
+            probe = load_manifest(probe_store)
+            keys = [(layer.ordinal, e) for layer in probe.layers for e in range(layer.num_experts)]
+            expert = max(layer.expert_bytes for layer in probe.layers)
+            most = max(layer.num_experts for layer in probe.layers)
+            plain_model = load_stock_model(probe_store)
+            _decode_s(plain_model, vocab, 2, 1)  # kernels built
+            plain = _decode_s(plain_model, vocab, steps, repeats)
+            del plain_model
+            mx.clear_cache()
+            for capacity, mapped in configs:
+                # The planned share of the probe's (fewer) experts, never below top-k.
+                slots = max(math.ceil(capacity * most), top_k_of(config))
+                if slots >= most:
+                    continue  # nothing to stream: no pool work
+                run_settings = Settings(
+                    capacity=slots,
+                    policy=settings.policy,
+                    io_threads=settings.io_threads,
+                    prefetch=settings.prefetch,
+                    # A tier that holds every expert: a slot pool's misses cost copies,
+                    # not the disk's time (the plan's disk term).
+                    host_cache=(len(keys) + 1) * expert,
+                    copy_kernel=settings.copy_kernel,
+                    prefetch_copy_blocks=settings.prefetch_copy_blocks,
+                    mapped_rebalance_tokens=settings.mapped_rebalance_tokens,
+                )
+                sm = load_streaming_model(probe_store, run_settings, mapped=mapped)
+                try:
+                    warm = getattr(sm.admitter, "warm", None)
+                    if sm.mapped_pool is None and warm is not None:
+                        warm(list(probe.layers), keys)
+                    _decode_s(sm.model, vocab, steps, 1)  # kernels built, the pool filled
+                    if sm.mapped_pool is not None:
+                        sm.mapped_pool.drain()
+                    before = decode_counters(sm)
+                    pooled = _decode_s(sm.model, vocab, steps, repeats)
+                    if sm.mapped_pool is not None:
+                        sm.mapped_pool.drain()
+                    after = decode_counters(sm)
+                finally:
+                    sm.close()
+                    del sm
+                    mx.clear_cache()
+                d = {k: after[k] - before[k] for k in before}
+                hits, misses = d["hits_decode"], d["misses_decode"]
+                if mapped:
+                    hits, misses = d["placed_on_gpu"], d["placed_routed"] - d["placed_on_gpu"]
+                runs.setdefault((capacity, mapped), []).append((len(probe.layers), plain, pooled, hits, misses))
+                shape[(capacity, mapped)] = (expert, slots, most)
+    out = {}
+    for key, rows in runs.items():
+        if len(rows) == 1:
+            rows = rows * 2  # one depth: no per-layer slope, the per-layer mean instead
+        hits = sum(r[3] for r in rows)
+        misses = sum(r[4] for r in rows)
+        expert, slots, most = shape[key]
+        out[key] = PoolProbe(
+            capacity=key[0],
+            mapped=key[1],
+            moe_layers=(rows[0][0], rows[-1][0]),
+            plain_s=(rows[0][1], rows[-1][1]),
+            pooled_s=(rows[0][2], rows[-1][2]),
+            # Decode forwards only (a prompt's forward counts as a prefill's).
+            misses_per_layer=misses / sum(steps * repeats * r[0] for r in rows),
+            hit_rate=hits / (hits + misses) if hits + misses else 1.0,
+            expert_bytes=expert,
+            slots=slots,
+            experts=most,
+        )
+    return out
