@@ -96,7 +96,8 @@ case "$stage" in
       ) 2>/dev/null &
       watcher=$!
       rc=0; wait "$pid" || rc=$?
-      kill "$watcher" 2>/dev/null || true
+      # Its sleep too: left running, it holds the call's output open to its end.
+      kill $(descendants "$watcher") "$watcher" 2>/dev/null || true
       [ "$rc" = 0 ] || echo "== $s failed or timed out (exit $rc)"
     done
     ;;
@@ -360,6 +361,10 @@ from moestream.daemon.plan import format_decode_forecasts
 report = json.load(open(sys.argv[1]))
 print(format_report(report))
 print(format_decode_forecasts(report["forecast"]))
+for row in report["forecast"]:
+    print(row["name"], {k: round(v, 2) for k, v in row["forecast_terms_ms"].items()})
+for p in report["forecast_pools"]:
+    print("pool probe", p)
 EOF
     kill $vm
     ;;
