@@ -12,10 +12,11 @@ The forecast is a sum of times per token, each measured apart from the model:
   byte of the store is loaded.
 - pool host work: a partial pool reads each MoE layer's routing back to the host, waits
   for it, looks the experts up, tells its policy, ranks the next layer and launches its
-  copies, all while the device waits. The pool probe (daemon/pool_probe.py) streams the
-  shorter of those random models through moestream's own pool at the planned share of
-  its experts and times it against the same model unstreamed: the difference per MoE
-  layer, less its own misses' copies, times the store's MoE layers. Without a pool probe
+  copies, all while the device waits. The pool probe (daemon/pool_probe.py) streams
+  random models of the same two depths through moestream's own pool at the planned share
+  of their experts and times them against the same models unstreamed: the difference,
+  extrapolated along the MoE layers to the store's and less the probe's own misses'
+  copies, is the term. Without a pool probe
   (`plan --no-probe` with none kept) the term is the sync alone: the same random models
   timed with a wait after every layer (`synced_decode_s`), less their plain decode.
 - bytes: a token routes top-k experts per MoE layer; those not in the pool are misses,
@@ -48,7 +49,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from moestream.daemon.pool.capacity import kv_cache_bytes, layer_count, layer_count_key, plan_capacity, top_k_of
 from moestream.daemon.pool_probe import PoolProbe
@@ -543,7 +544,7 @@ def make_plan(
     terms = {
         "compute": compute_s,
         "sync": waits_s if partial and not mapped and pool is None else 0.0,
-        # The pool's own host work per MoE layer (its read-backs and waits with it).
+        # The pool's own host work (its read-backs and waits with it).
         "pool": pool.host_s(len(manifest.layers), bandwidths.link_bytes_per_s) if partial and pool is not None else 0.0,
         "disk": disk_s,
         "link": misses * expert / bandwidths.link_bytes_per_s,
@@ -646,7 +647,9 @@ def _pool_share(store: Path, manifest: Manifest, settings: Settings) -> float:
     return slots / max(layer.num_experts for layer in manifest.layers)
 
 
-def plan_store(store: Path, settings: Settings, *, probe: bool = True, progress: Any = None) -> Plan:
+def plan_store(
+    store: Path, settings: Settings, *, probe: bool = True, progress: Callable[[str], None] | None = None
+) -> Plan:
     """Probe (or, with `probe=False`, take the last probe's figures where there are any)
     and plan `store` with `settings`. `progress`: called with a line per probe."""
     from moestream.shared.settings import default_state_dir

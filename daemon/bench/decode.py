@@ -517,9 +517,9 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
                 ahead_blocks=settings.prefetch_copy_blocks,
             )
             tier_mapped, tier_note = tier_is_mapped(settings, manifest)
+            say(f"host tier of {format_size(settings.host_cache)}: mapped pool {tier_note}")
             warmed = warm_tier(tier, manifest, settings.store)
             say(f"host tier filled with {format_size(warmed)} before timing (its steady state, not its first reads)")
-            say(f"host tier of {format_size(settings.host_cache)}: mapped pool {tier_note}")
         for c in settings.capacities:
             if settings.slot_pool:
                 configs.append(_streaming_config(f"moestream@{c:g}", c, settings, prompt))
