@@ -96,6 +96,8 @@ class Job:
     token_times: deque = field(default_factory=lambda: deque(maxlen=8))
     # A request with tools: its answer's text split into text and parsed tool calls.
     tools: Any = None
+    # Why it has waited in the queue ("batch", "memory"), each counted once in `status`.
+    waited: set[str] = field(default_factory=set)
 
     @property
     def key(self) -> tuple[bytes, str]:
@@ -156,6 +158,10 @@ class EngineLoop:
             "failed": 0,
             "tokens": 0,
             "busy": 0,
+            # Requests that waited in the queue for room in the batch, or under the memory
+            # budget: counted once each, so a wait too short for a `status` poll still shows.
+            "waited_for_batch": 0,
+            "waited_for_memory": 0,
         }
         self._stopping = False
         self._prefetch_logged = False
@@ -412,7 +418,11 @@ class EngineLoop:
                 self._pending.remove(job)
                 self._fail(job, checked.code, checked.message)
                 continue
-            if self._batch_full(job) or self._kv_full(job) is not None:
+            if self._batch_full(job):
+                self._count_wait(job, "batch")
+                return
+            if self._kv_full(job) is not None:
+                self._count_wait(job, "memory")
                 return
             self._pending.remove(job)
             job.prompt_ids = checked.ids
@@ -432,6 +442,11 @@ class EngineLoop:
             job.result = GenerationResult()
             job.gen = self._make_generator(job, params)
             self._active.append(job)
+
+    def _count_wait(self, job: Job, why: str) -> None:
+        if why not in job.waited:
+            job.waited.add(why)
+            self._counters[f"waited_for_{why}"] += 1
 
     def _batch_full(self, job: Job) -> bool:
         """Whether `job` would decode in the batch (not speculative) and it has no room:

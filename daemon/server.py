@@ -459,7 +459,17 @@ class Server:
                 "recent": requests.get("recent", []),
                 **{
                     k: requests[k]
-                    for k in ("requests", "completed", "cancelled", "disconnected", "failed", "tokens", "busy")
+                    for k in (
+                        "requests",
+                        "completed",
+                        "cancelled",
+                        "disconnected",
+                        "failed",
+                        "tokens",
+                        "busy",
+                        "waited_for_batch",
+                        "waited_for_memory",
+                    )
                     if k in requests
                 },
             },

@@ -28,6 +28,9 @@ REQUESTS = [
     ("return x", 1.0, 14, 2),
 ]
 
+# What `status` says while a request waits in the queue for its turn.
+WAIT_WHYS = ("the batch is full", "its prompt is being checked", "the KV caches would pass the memory budget")
+
 
 def _run_watching(paths, work: list[threading.Thread], read) -> list:
     """Run the `work` threads to their end while another client polls `status`; what
@@ -103,7 +106,11 @@ def test_eight_mixed_clients_in_one_batch_get_their_alone_outputs(store, alone):
         )
         assert not failures, failures
         assert all(size <= bound for size, bound, _ in seen), seen
-        assert any(why and why.startswith("the batch is full") for _, _, why in seen), seen
+        # Those that could not join waited, counted once each (a wait can be shorter than
+        # a poll), and what a poll saw of a wait says why.
+        with Client(paths) as c:
+            assert c.status()["requests"]["waited_for_batch"] >= 1
+        assert all(why is None or why.startswith(WAIT_WHYS) for _, _, why in seen), seen
         for i, (prompt, _, _, cancel_after) in enumerate(REQUESTS):
             done, want = results[i], alone[prompt]
             if cancel_after is None:
@@ -148,14 +155,21 @@ def test_requests_whose_kv_caches_would_pass_the_memory_budget_wait_in_the_queue
             assert c.status()["pool"]["layers"][0]["capacity"] == load_manifest(store).layers[0].num_experts
         results: dict[str, object] = {}
 
+        barrier = threading.Barrier(len(prompts))
+
         def run(prompt: str) -> None:
             with Client(paths, timeout=60) as c:
+                barrier.wait()
                 stream = c.generate(prompt, max_tokens=TOKENS)
                 list(stream)
                 results[prompt] = stream.done
 
         threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
         whys = _run_watching(paths, threads, lambda st: st["requests"]["why_queued"])
+        with Client(paths, timeout=60) as c:
+            counters = c.status()["requests"]
     for prompt in prompts:
         assert results[prompt].tokens == alone[prompt].tokens, prompt
-    assert any(why and why.startswith("the KV caches would pass the memory budget") for why in whys), whys
+    # Any two fit, so exactly the third waited, for memory (counted even if no poll saw it).
+    assert (counters["waited_for_memory"], counters["waited_for_batch"]) == (1, 0), counters
+    assert all(why is None or why.startswith(WAIT_WHYS[1:]) for why in whys), whys
