@@ -8,6 +8,14 @@ expert ids, in a file of the rank's own (`shared/heat_file.py` `usage_name`) thr
 keeper of its own, whose sockets are named after that file. A warm start of a rank pins
 its hottest owned experts from its file.
 
+Beside the counts, the pools' LRU stack distances (daemon/pool/reuse.py), from which
+`moestreamctl plan` forecasts the hit rate of any pool size: taken with every push and
+added to `pool_reuse.json` in the heat folder by this process itself (no keeper: a few
+kilobytes, read, added to and written atomically under the file's lock) every
+REUSE_SAVE_SECONDS, before an unload and at the end; a daemon killed in between loses
+what it counted since its last save, which a forecast can spare. A rank of a group
+records none (its pools see only its share of the experts, not the layer's reuse).
+
 Called from the thread that runs the model only (the pools' counters are that thread's).
 """
 
@@ -24,6 +32,8 @@ from moestream.shared.settings import Settings
 
 # How often the keeper's health is looked at (a dead keeper is restarted then).
 CHECK_SECONDS = 1.0
+# How often the stack distances counted since are added to the reuse file.
+REUSE_SAVE_SECONDS = 300.0
 # The states `health()` reports, in the order `state_code` numbers them (a rank's status
 # crosses the group as integers: daemon/model/expert_parallel.py STAT_FIELDS).
 STATES = ("not started", "starting", "running", "waiting", "down", "closed", "off")
@@ -59,7 +69,9 @@ class Heat:
         self.state: dict[str, Any] = {"state": "not started"}
         self.autopin: dict[str, Any] | None = None
         self.counters = HeatCounters()
-        self._last_push = self._last_check = time.monotonic()
+        self._last_push = self._last_check = self._last_reuse_save = time.monotonic()
+        # Stack distances taken from the pools and not yet in the reuse file: {layer: histogram}.
+        self._reuse: dict[int, Any] = {}
 
     def folder(self, sm: Any) -> Path:
         return self.settings.heat_folder(sm.store_dir)
@@ -149,6 +161,44 @@ class Heat:
             counts = {p.layer.ordinal: self.share.global_counts(p.take_routed()) for p in sm.pools}
         self.publisher.push(counts)
         self._last_push = time.monotonic()
+        if self.share is None:
+            for p in sm.pools:
+                taken = p.stack_distances.take()
+                if taken.any():
+                    held = self._reuse.get(p.layer.ordinal)
+                    self._reuse[p.layer.ordinal] = taken if held is None else held + taken
+
+    def save_reuse(self, sm: Any, lock_timeout: float = 0.0) -> bool:
+        """Add the stack distances taken since the last save to the reuse file; False
+        where it could not (they are kept for the next save, and the log says why)."""
+        from moestream.shared.heat_file import HeatFileError, HeatLockTimeout, UsageLock, read_usage, write_usage
+        from moestream.shared.store_format import POOL_REUSE_NAME
+
+        self._last_reuse_save = time.monotonic()
+        if not self._reuse or sm is None:
+            return True
+        path = self.folder(sm) / POOL_REUSE_NAME
+        lock = UsageLock(path)
+        try:
+            lock.acquire(lock_timeout)
+            try:
+                # A distance runs to num_experts (first uses); a file of another shape is set aside.
+                saved = read_usage(path, {p.layer.ordinal: p.layer.num_experts + 1 for p in sm.pools})
+                if saved.problem:
+                    self.log.error("heat: %s", saved.problem)
+                table = {layer: dict(d) for layer, d in saved.counts.items()}
+                for layer, histogram in self._reuse.items():
+                    into = table.setdefault(layer, {})
+                    for distance in histogram.nonzero()[0].tolist():
+                        into[distance] = into.get(distance, 0) + int(histogram[distance])
+                write_usage(path, table)
+            finally:
+                lock.release()
+        except (HeatFileError, HeatLockTimeout) as e:
+            self.log.warning("heat: the reuse file is not updated this time (%s); its counts are kept", e)
+            return False
+        self._reuse = {}
+        return True
 
     def tick(self, sm: Any) -> None:
         """Call often: pushes every `heat_flush_seconds`, looks at the keeper every CHECK_SECONDS."""
@@ -157,6 +207,8 @@ class Heat:
         now = time.monotonic()
         if now - self._last_push >= self.settings.heat_flush_seconds:
             self.push(sm)
+        if now - self._last_reuse_save >= REUSE_SAVE_SECONDS:
+            self.save_reuse(sm)
         if now - self._last_check >= CHECK_SECONDS:
             self._last_check = now
             self.publisher.check()  # restarts a keeper that died
@@ -167,6 +219,7 @@ class Heat:
         if self.publisher is None:
             return True
         self.push(sm)
+        self.save_reuse(sm, lock_timeout=timeout)
         return self.publisher.flush(timeout)
 
     def close(self, sm: Any) -> None:

@@ -20,11 +20,15 @@ The forecast is a sum of times per token, each measured apart from the model:
   (`plan --no-probe` with none kept) the term is the sync alone: the same random models
   timed with a wait after every layer (`synced_decode_s`), less their plain decode.
 - bytes: a token routes top-k experts per MoE layer; those not in the pool are misses,
-  read from the host tier where it holds them, else from the store. The hit rate is the
-  share of the routing counts that the hottest `capacity` experts of each layer take
-  (a pool that keeps the hottest, as autopin pins and LFU keeps them), from the store's
-  saved heat, else the demo model's shipped counts, else uniform (`HitEstimate.source`
-  says which).
+  read from the host tier where it holds them, else from the store. The hit rate of an
+  LRU pool (the default policy; a mapped pool too, whose rebalancing keeps the recently
+  hot) is read off the LRU stack distances the daemon's pools recorded while serving
+  the store (`pool_reuse.json` beside the heat, daemon/pool/reuse.py): locality within
+  a text included, which the counts cannot show. Without them, and for the other
+  policies, it is the share of the routing counts that the hottest `capacity` experts
+  of each layer take (a pool that keeps the hottest, as autopin pins and LFU keeps
+  them), from the store's saved heat, else uniform; the demo store has both from its
+  shipped routing trace. `HitEstimate.source` says which.
 - bandwidths: a quick probe of the store's reads and of the host->pool copy, or the last
   probe's figures (`Bandwidths.source`). Decode reads a layer's misses together and
   waits for them before the layer runs, a few reads in flight where a prefill has many,
@@ -52,15 +56,18 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from moestream.daemon.pool.capacity import kv_cache_bytes, layer_count, layer_count_key, plan_capacity, top_k_of
+from moestream.daemon.pool.reuse import lru_hit_rate
 from moestream.daemon.pool_probe import PoolProbe
 from moestream.shared.heat_file import group_usage, peek_usage, read_usage, usage_path
 from moestream.shared.settings import Settings, format_size
-from moestream.shared.store_format import Manifest, load_manifest
+from moestream.shared.store_format import POOL_REUSE_NAME, Manifest, load_manifest
 
 TTFT_PROMPT_TOKENS = 2048
 # The demo model's routing counts, from its recorded trace (tests/data/traces/demo_stdlib),
 # shipped so that a plan of the demo has heat where the user has none yet.
 DEMO_COUNTS = Path(__file__).resolve().parent / "demo" / "routing_counts.json"
+# The demo trace's decode steps as stack distances (tests/test_plan.py rebuilds it).
+DEMO_REUSE = Path(__file__).resolve().parent / "demo" / "routing_reuse.json"
 BANDWIDTH_FILE = "bandwidth.json"
 
 
@@ -405,14 +412,46 @@ def heat_counts(store: Path, settings: Settings, manifest: Manifest) -> tuple[di
     return {}, "no heat: assumed uniform" + problem
 
 
+def heat_reuse(store: Path, settings: Settings, manifest: Manifest) -> tuple[dict[int, dict[int, int]], str]:
+    """The LRU stack distances to plan from ({layer: {distance: count}}), and where they
+    come from; ({}, "") where there are none."""
+    path = settings.heat_folder(store) / POOL_REUSE_NAME
+    try:
+        saved = peek_usage(path)
+    except FileNotFoundError:
+        saved = {}
+    except (OSError, ValueError):
+        # Read only: the daemon sets a corrupt file aside; the counts stand in meanwhile.
+        saved = {}
+    total = sum(sum(c.values()) for c in saved.values())
+    if total > 0:
+        return saved, f"the LRU stack distances in {path} ({total} routings)"
+    demo = load_manifest(Path(__file__).resolve().parent / "demo" / "store")
+    if manifest.store_id == demo.store_id and DEMO_REUSE.is_file():
+        shipped = read_usage(DEMO_REUSE)
+        if shipped.total > 0:
+            return shipped.counts, f"the demo trace's LRU stack distances ({shipped.total} routings)"
+    return {}, ""
+
+
 def estimate_hits(
-    manifest: Manifest, counts: Mapping[int, Mapping[int, int]], source: str, slots: int, tier_experts: int
+    manifest: Manifest,
+    counts: Mapping[int, Mapping[int, int]],
+    source: str,
+    slots: int,
+    tier_experts: int,
+    reuse: Mapping[int, Mapping[int, int]] | None = None,
+    reuse_source: str = "",
 ) -> HitEstimate:
     """Each layer's hottest `slots` experts in the pool; the next hottest of the host
-    tier's `tier_experts` (shared by all layers, split evenly) in the tier."""
+    tier's `tier_experts` (shared by all layers, split evenly) in the tier. With `reuse`
+    (an LRU pool's stack distances, `heat_reuse`), a layer's hit rates are an LRU pool's
+    of `slots`, and of the pool and its tier share together, instead."""
     layers = manifest.layers
+    k = top_k_of(manifest.config)
     tier_per_layer = tier_experts / max(len(layers), 1)
     pool, tier, shares = [], [], []
+    used_reuse = False
     for layer in layers:
         n = layer.num_experts
         c = counts.get(layer.ordinal, {})
@@ -423,10 +462,15 @@ def estimate_hits(
         t_end = min(n, s + int(tier_per_layer))
         frac = tier_per_layer - int(tier_per_layer)
         in_tier = sum(share[s:t_end]) + (share[t_end] * frac if t_end < n else 0.0)
+        lru = lru_hit_rate(reuse[layer.ordinal], s, k) if reuse and layer.ordinal in reuse and s < n else None
+        if lru is not None:
+            used_reuse = True
+            both = 1.0 if t_end >= n else lru_hit_rate(reuse[layer.ordinal], t_end, k)
+            hit, in_tier = lru, max(both - lru, 0.0)
         pool.append(hit)
         tier.append(in_tier / (1.0 - hit) if hit < 1.0 else 0.0)
         shares.append(share)
-    return HitEstimate(source, pool, tier, shares)
+    return HitEstimate(reuse_source if used_reuse else source, pool, tier, shares)
 
 
 # ---- the plan --------------------------------------------------------------------------
@@ -515,20 +559,24 @@ def make_plan(
     prompt_tokens: int = TTFT_PROMPT_TOKENS,
     mapped: bool = False,
     pool: PoolProbe | None = None,
+    reuse: Mapping[int, Mapping[int, int]] | None = None,
+    reuse_source: str = "",
 ) -> Plan:
     """The plan's arithmetic (see the module docstring): no probe, no MLX. `mapped`: the
     pool is a mapped one (`daemon/model/streaming_model.py` `choose_mapped`): every
     expert sits in host memory, so no miss comes from disk, and its decode reads the
     routing back once per token, not once per layer (no sync term). `pool`: the pool
     probe of this configuration (daemon/pool_probe.py), whose host time per MoE layer
-    then stands for the sync term; None: the sync term alone."""
+    then stands for the sync term; None: the sync term alone. `reuse`: the LRU stack
+    distances (`heat_reuse`), used where the pool's policy is LRU or the pool is mapped."""
     manifest = load_manifest(store)
     k = top_k_of(manifest.config)
     resident, slots = _pool_slots(store, manifest, settings)
     expert = max(layer.expert_bytes for layer in manifest.layers)
     pool_bytes = sum(min(slots, layer.num_experts) * layer.expert_bytes for layer in manifest.layers)
     tier_experts = settings.host_cache // expert if expert else 0
-    hits = estimate_hits(manifest, counts, source, slots, tier_experts)
+    lru_like = mapped or settings.policy == "lru"
+    hits = estimate_hits(manifest, counts, source, slots, tier_experts, reuse if lru_like else None, reuse_source)
     partial = any(slots < layer.num_experts for layer in manifest.layers)
     layers = layer_count(manifest.config)
 
@@ -677,7 +725,19 @@ def plan_store(
         save_pool_probes(state, manifest.store_id, probes)
         pool = probes.get(key)
     counts, source = heat_counts(store, settings, manifest)
-    return make_plan(store, settings, bandwidths, compute, counts, source, mapped=mapped, pool=pool)
+    reuse, reuse_source = heat_reuse(store, settings, manifest)
+    return make_plan(
+        store,
+        settings,
+        bandwidths,
+        compute,
+        counts,
+        source,
+        mapped=mapped,
+        pool=pool,
+        reuse=reuse,
+        reuse_source=reuse_source,
+    )
 
 
 def probe_pools_of(
@@ -788,6 +848,7 @@ def _bench_plans(
     its pool probe from `pools` where there is one."""
     manifest = load_manifest(store)
     counts, source = heat_counts(store, Settings(model=str(store)), manifest)
+    reuse, reuse_source = heat_reuse(store, Settings(model=str(store)), manifest)
     return {
         name: make_plan(
             store,
@@ -799,6 +860,8 @@ def _bench_plans(
             prompt_tokens=prompt_tokens,
             mapped=mapped,
             pool=(pools or {}).get((capacity, mapped)) if capacity is not None else None,
+            reuse=reuse,
+            reuse_source=reuse_source,
         )
         for name, capacity, host, mapped in configs
     }
@@ -841,6 +904,7 @@ def decode_forecasts(
             "bound_by": plans[r["name"]].decode.bound_by,
             "measured_hit_rate": r["hit_rate"],
             "forecast_hit_rate": plans[r["name"]].hit_rate,
+            "forecast_hit_source": plans[r["name"]].hits.source,
             "measured_vs_forecast": r["tokens_per_s"] / plans[r["name"]].decode.tokens_per_s,
             "forecast_terms_ms": {k: 1e3 * v for k, v in plans[r["name"]].decode.terms_s.items()},
         }

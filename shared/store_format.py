@@ -43,6 +43,9 @@ FORMAT_NAME = "moestream-store"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 POOL_USAGE_NAME = "pool_usage.json"
+# Beside it: each layer's LRU stack distances (daemon/pool/reuse.py), {layer: {distance:
+# count}} in the heat file's format, the distance `num_experts` for first uses.
+POOL_REUSE_NAME = "pool_reuse.json"
 EXPERTS_DIR = "experts"
 EXPERT_ALIGN = 16384
 # A shard store's offset of an expert it does not hold.

@@ -604,6 +604,20 @@ def test_heat_file_holds_exactly_the_routed_counts(store):
         layers = load_manifest(own).layers
         per_layer = [sum(usage.counts.get(layer.ordinal, {}).values()) for layer in layers]
         assert len(set(per_layer)) == 1, "every MoE layer sees the same tokens"
+        # Beside it the pools' LRU stack distances, which `plan` reads: each layer's first
+        # uses are its experts ever routed, and no step counts an expert twice.
+        from moestream.daemon.plan import heat_reuse
+        from moestream.shared.settings import Settings
+        from moestream.shared.store_format import POOL_REUSE_NAME
+
+        reuse = read_usage(own / POOL_REUSE_NAME, {layer.ordinal: layer.num_experts + 1 for layer in layers})
+        assert reuse.problem is None
+        for layer in layers:
+            histogram, routed_here = reuse.counts[layer.ordinal], usage.counts[layer.ordinal]
+            assert histogram[layer.num_experts] == len(routed_here)
+            assert sum(histogram.values()) <= sum(routed_here.values())
+        table, source = heat_reuse(own, Settings(model=str(own)), load_manifest(own))
+        assert table == reuse.counts and str(own / POOL_REUSE_NAME) in source
     finally:
         ctl("stop", "--runtime-dir", str(rt))
         shutil.rmtree(rt, ignore_errors=True)

@@ -12,10 +12,12 @@ from daemon_cli import clean_env, ctl
 
 from moestream.daemon.plan import (
     DEMO_COUNTS,
+    DEMO_REUSE,
     Bandwidths,
     ComputeProbe,
     estimate_hits,
     heat_counts,
+    heat_reuse,
     load_bandwidths,
     load_compute,
     make_plan,
@@ -44,6 +46,52 @@ def test_the_demo_counts_shipped_are_the_demo_trace_counted():
                 counts.setdefault(layer, {}).setdefault(e, 0)
                 counts[layer][e] += 1
     assert read_usage(DEMO_COUNTS).counts == counts
+
+
+def test_the_demo_reuse_shipped_is_the_demo_trace_s_decode_steps_as_stack_distances():
+    import numpy as np
+
+    from moestream.daemon.bench.policy.trace import load_trace
+    from moestream.daemon.pool.reuse import StackDistances
+
+    trace = load_trace(ROOT / "tests/data/traces/demo_stdlib")
+    decode = [i for i, p in enumerate(trace.phases) if p == "decode"]
+    want = {}
+    for layer in range(trace.num_layers):
+        d = StackDistances(trace.num_experts)
+        d.observe(np.array([trace.steps[i][layer] for i in decode]))
+        want[layer] = {int(k): int(v) for k, v in enumerate(d.counts) if v}
+    assert read_usage(DEMO_REUSE).counts == want
+
+
+def test_an_lru_pool_s_hits_come_from_the_stack_distances(tmp_path):
+    """With stack distances, an LRU pool's (and a mapped pool's) hit rate is theirs; the
+    other policies keep the hottest share of the counts; the source says which."""
+    from moestream.daemon.pool.reuse import lru_hit_rate
+
+    settings = Settings(model=str(DEMO), capacity=0.25, heat_dir=str(tmp_path))
+    manifest = load_manifest(DEMO)
+    counts, source = heat_counts(DEMO, settings, manifest)
+    reuse, reuse_source = heat_reuse(DEMO, settings, manifest)
+    assert reuse_source.startswith("the demo trace's LRU stack distances")
+    static = make_plan(DEMO, settings, FAST, PROBE, counts, source)
+    lru = make_plan(DEMO, settings, FAST, PROBE, counts, source, reuse=reuse, reuse_source=reuse_source)
+    assert lru.hits.pool_hit == pytest.approx([lru_hit_rate(reuse[layer.ordinal], 16, 8) for layer in manifest.layers])
+    assert lru.hits.source == reuse_source and static.hits.source == source
+    # The demo's text repeats its experts within a few tokens: LRU beats the hottest quarter.
+    assert lru.hit_rate > static.hit_rate + 0.05
+    assert lru.decode.terms_s["disk"] < static.decode.terms_s["disk"]
+    lfu = make_plan(DEMO, settings.replace(policy="lfu"), FAST, PROBE, counts, source, reuse=reuse)
+    assert lfu.hits.pool_hit == static.hits.pool_hit
+    mapped = make_plan(DEMO, settings.replace(policy="lfu"), FAST, PROBE, counts, source, mapped=True, reuse=reuse)
+    assert mapped.hits.pool_hit == lru.hits.pool_hit
+    # A tier of every expert holds every miss; one of a few more experts a layer, some.
+    every = make_plan(DEMO, settings.replace(host_cache="8M"), FAST, PROBE, counts, source, reuse=reuse)
+    assert every.hits.tier_hit == pytest.approx([1.0] * 5)
+    some = estimate_hits(manifest, counts, source, 16, 5 * 8, reuse, reuse_source)
+    assert all(0 < t < 1 for t in some.tier_hit)
+    both = [lru_hit_rate(reuse[layer.ordinal], 24, 8) for layer in manifest.layers]
+    assert [h + (1 - h) * t for h, t in zip(some.pool_hit, some.tier_hit)] == pytest.approx(both)
 
 
 def test_hits_are_the_hottest_share_per_layer_and_uniform_without_heat():

@@ -242,6 +242,9 @@ class MappedPool:
         self.stats.turns += 1
         tic = time.perf_counter()
         spans: list[Span] = []
+        for forward in rows:
+            for i, pool in enumerate(self.pools):
+                pool.stack_distances.observe_step(forward[i])
         if self.rebalance_tokens:
             for forward in rows:
                 for i, counts in enumerate(self._counts):

@@ -23,6 +23,7 @@ from moestream.daemon.model.diagnostics import NULL_RECORDER, AnyRecorder
 from moestream.daemon.policies.base import EvictionPolicy
 from moestream.daemon.pool.admission import Admitter
 from moestream.daemon.pool.expert_reader import ExpertReadError
+from moestream.daemon.pool.reuse import StackDistances
 from moestream.shared.store_format import MoELayer
 
 if TYPE_CHECKING:
@@ -155,6 +156,9 @@ class ExpertPool:
         self._resident: set[int] = set()
         self.pinned: set[int] = set()
         self.stats = PoolStats(routed=np.zeros(layer.num_experts, np.int64))
+        # Every forward's routing as LRU stack distances (daemon/pool/reuse.py), for the
+        # heat's reuse file, from which `plan` forecasts the hit rate of any pool size.
+        self.stack_distances = StackDistances(layer.num_experts)
         # Set once every expert is resident: lookups then stay on the device.
         self.remap: mx.array | None = None
         self.identity = False
@@ -323,6 +327,7 @@ class ExpertPool:
         needed = np.unique(routed)
         np.add.at(self.stats.routed, routed, 1)
         self.stats.routed_total += routed.size
+        self.stack_distances.observe_step(routed)
         missing = [int(e) for e in needed if self.slot_of[e] < 0]
         hits = len(needed) - len(missing)
         if self._prestaged:

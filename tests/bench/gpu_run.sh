@@ -22,6 +22,7 @@
 #   decode-q30           q30: stock, 100%, 25% (+host mapped, +host:slots), naive; 100% vs stock in A B B A blocks
 #   decode-q30-table     q30: 50% and 12.5%, with and without the host tier
 #   plan-q30             q30: `moestreamctl plan`'s forecast beside bench decode at 50% and 25%, with and without the host tier
+#   heat-q30             q30: requests through a daemon at 25% + 20G host tier, for the heat and reuse files plan-q30 reads
 #   gen-demo             the daemon's generation loop against the bench loop, demo model
 #   spec-demo            speculative decoding with the demo's MTP head against plain decode
 # prefill (bench prefill)
@@ -337,12 +338,26 @@ from moestream.daemon.bench.decode import format_report
 print(format_report(json.load(open(sys.argv[1]))))
 EOF
     ;;
+  heat-q30)
+    # A daemon at a partial pool counts routings and LRU stack distances (a full pool
+    # reads no routing back); REQUESTS (4) requests of TOKENS (128) at temperature 1,
+    # one after another; stopping it writes pool_usage.json and pool_reuse.json.
+    rt=$(mktemp -d)
+    ctl start --model /root/q30/store --capacity 0.25 --host-cache 20G --runtime-dir "$rt"
+    for i in $(seq ${REQUESTS:-4}); do
+      ctl generate --runtime-dir "$rt" --model /root/q30/store --temp 1 --seed "$i" --max-tokens ${TOKENS:-128} --json \
+        "Request $i: write a function that" | $py -c "import json,sys; s=json.load(sys.stdin)['stats']; print({k: s.get(k) for k in ('tokens_per_s', 'hit_rate', 'routed_experts')})"
+    done
+    ctl stop --runtime-dir "$rt"
+    ls -la /root/q30/store | grep pool_ | tee "$OUT/heat_q30.txt"
+    ;;
   plan-q30)
     # Issue 30's table: the forecast before loading (`bench decode --forecast` plans each
     # configuration with this run's own bandwidths) against the measurement, at 50% and
     # 25%, each without the host tier, with it as a mapped pool ("+host") and as the slot
-    # pool's tier ("+host:slots"). The forecast's hit rate comes from the store's heat:
-    # run after a stage that served the store through a daemon (serve-q30).
+    # pool's tier ("+host:slots"). The forecast's hit rate comes from the LRU stack
+    # distances a daemon recorded while it served the store at a partial pool: run after
+    # heat-q30 (a full pool records none).
     # Every decode samples new text (--fresh-text; FRESH=0 repeats one text, whose
     # experts a partial pool keeps, as the runs before it did).
     f="$OUT/bench_decode_q30_forecast_h200.json"
