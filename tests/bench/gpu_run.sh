@@ -350,6 +350,8 @@ EOF
     done
     ctl stop --runtime-dir "$rt"
     ls -la /root/q30/store | grep pool_ | tee "$OUT/heat_q30.txt"
+    # What plan-q30's forecast will read, kept with its figures.
+    cp /root/q30/store/pool_usage.json /root/q30/store/pool_reuse.json "$OUT/"
     ;;
   plan-q30)
     # Issue 30's table: the forecast before loading (`bench decode --forecast` plans each
@@ -360,6 +362,8 @@ EOF
     # heat-q30 (a full pool records none).
     # Every decode samples new text (--fresh-text; FRESH=0 repeats one text, whose
     # experts a partial pool keeps, as the runs before it did).
+    # Time: about 100 s of probes, 80 s of loading and 25 s a round, then the bandwidth
+    # probes and the forecast (computed last): give it 330 s or more (STAGE_TIMEOUT).
     f="$OUT/bench_decode_q30_forecast_h200.json"
     fresh=--fresh-text; [ "${FRESH:-1}" = 0 ] && fresh=
     # Host memory and I/O every 10 s beside it (a run with fresh text once stalled here).
