@@ -867,6 +867,30 @@ def _bench_plans(
     }
 
 
+def config_plans(
+    store: Path,
+    rows: list[dict[str, Any]],
+    bw: Bandwidths,
+    host: int,
+    compute: ComputeProbe,
+    pools: Mapping[tuple[float, bool], PoolProbe] | None = None,
+) -> dict[str, Plan]:
+    """{name: plan} of `bench decode`'s moestream configurations (rows with a name, a
+    capacity and a host tier: "mapped" (a mapped pool over a tier of `host` bytes),
+    "slots", or None; "+mapped" rows are mapped pools without a tier)."""
+    configs = [
+        (
+            r["name"],
+            r["capacity"],
+            host if r.get("host_tier") else 0,
+            r.get("host_tier") == "mapped" or "+mapped" in r["name"],
+        )
+        for r in rows
+        if r["capacity"] is not None
+    ]
+    return _bench_plans(store, configs, bw, TTFT_PROMPT_TOKENS, compute, pools)
+
+
 def decode_forecasts(
     report: dict[str, Any], compute: ComputeProbe, pools: Mapping[tuple[float, bool], PoolProbe] | None = None
 ) -> list[dict[str, Any]]:
@@ -881,20 +905,7 @@ def decode_forecasts(
         # A report from before the batched read probe has none: the bulk rate then.
         {int(b): float(r) for b, r in (report.get("read_bandwidth_by_batch") or {}).items()},
     )
-    host = report.get("host_cache_bytes") or 0
-    # A row's host tier is "mapped" (a mapped pool over it) or "slots"; "+mapped" rows
-    # are mapped pools without a tier.
-    configs = [
-        (
-            r["name"],
-            r["capacity"],
-            host if r.get("host_tier") else 0,
-            r.get("host_tier") == "mapped" or "+mapped" in r["name"],
-        )
-        for r in rows
-    ]
-    store = Path(report["store"])
-    plans = _bench_plans(store, configs, bw, TTFT_PROMPT_TOKENS, compute, pools)
+    plans = config_plans(Path(report["store"]), rows, bw, report.get("host_cache_bytes") or 0, compute, pools)
     return [
         {
             "name": r["name"],
@@ -909,6 +920,16 @@ def decode_forecasts(
             "forecast_terms_ms": {k: 1e3 * v for k, v in plans[r["name"]].decode.terms_s.items()},
         }
         for r in rows
+    ]
+
+
+def format_forecast_lines(plans: Mapping[str, Plan]) -> list[str]:
+    """A line per configuration: its forecast, hit rate and terms (before it is timed)."""
+    return [
+        f"forecast {name}: {p.decode.tokens_per_s:.2f} tok/s (bound {p.decode.bound_tokens_per_s:.2f}, "
+        f"{p.decode.bound_by}), hit {p.hit_rate:.3f} from {p.hits.source}; "
+        + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in p.decode.terms_s.items() if v)
+        for name, p in plans.items()
     ]
 
 

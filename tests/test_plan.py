@@ -182,7 +182,7 @@ def test_plan_command_on_the_demo_model(tmp_path):
     assert out.returncode == 0, out.stderr
     p = json.loads(out.stdout)
     assert p["slots_per_layer"] == 32 and p["decode"]["tokens_per_s"] > 0 and p["ttft"]["seconds"] > 0
-    assert p["bandwidths"]["source"] == "probed now" and p["hits"]["source"].startswith("the demo model's")
+    assert p["bandwidths"]["source"] == "probed now" and p["hits"]["source"].startswith("the demo trace's LRU")
     assert p["pool_probe"]["slots"] == 32 and "probing the slot pool at 50%" in out.stderr
     assert p["decode"]["terms_s"]["sync"] == 0 and "pool" in p["decode"]["terms_s"]
     text = ctl("plan", "--model", str(DEMO), "--no-probe", "--capacity", "0.5", env=env, timeout=300)
@@ -190,6 +190,35 @@ def test_plan_command_on_the_demo_model(tmp_path):
     assert "pool probe" in text.stdout and "probing" not in text.stderr  # all three kept
     bad = ctl("plan", "--model", str(DEMO), "--capacity", "2", env=env)
     assert bad.returncode == 2 and "below the minimum" in bad.stderr
+
+
+@pytest.mark.slow  # the probes, then a short bench decode of one configuration
+def test_bench_decode_prints_the_forecast_before_it_times_anything(tmp_path):
+    """A run cut short still says what was forecast: each configuration's forecast line
+    comes once it is loaded, before its first round; the report's rows at the end."""
+    env = clean_env(XDG_STATE_HOME=str(tmp_path / "state"), MOESTREAM_HEAT_DIR=str(tmp_path / "heat"))
+    args = ("--capacity", "0.5", "--no-stock", "--no-naive", "--rounds", "1", "--warmup-rounds", "1")
+    out = ctl(
+        "bench",
+        "decode",
+        "--model",
+        str(DEMO),
+        *args,
+        "--decode-tokens",
+        "4",
+        "--forecast",
+        "--json",
+        env=env,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stderr.splitlines()
+    early = next(i for i, line in enumerate(lines) if line.startswith("forecast moestream@0.5:"))
+    first_round = next(i for i, line in enumerate(lines) if "round 1/1 moestream@0.5" in line)
+    assert early < first_round and "from the demo trace's LRU stack distances" in lines[early]
+    (row,) = json.loads(out.stdout)["forecast"]
+    assert row["name"] == "moestream@0.5" and row["forecast_hit_source"].startswith("the demo trace's LRU")
+    assert f"hit {row['forecast_hit_rate']:.3f}" in lines[early]
 
 
 def test_an_expert_parallel_groups_heat_files_add_up_for_the_plan(tmp_path):

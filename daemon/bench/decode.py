@@ -131,6 +131,8 @@ class Config:
     # The same configuration through the daemon's generation loop (generation_loop).
     run_generate: Callable[[int], dict[str, Any]] | None = None
     generate_samples: list[dict[str, Any]] = field(default_factory=list)
+    # Where it keeps experts in host memory besides the store: "mapped", "slots" or None.
+    host_tier: str | None = None
 
 
 def timed_decode(
@@ -318,7 +320,12 @@ def _streaming_config(
         return {"tokens_per_s": result.stats["tokens_per_s"], "tokens": result.tokens[: settings.decode_tokens]}
 
     return Config(
-        name, capacity, run, sm.close, run_generate=run_generate if settings.generation_loop and not naive else None
+        name,
+        capacity,
+        run,
+        sm.close,
+        run_generate=run_generate if settings.generation_loop and not naive else None,
+        host_tier=host_tier,
     )
 
 
@@ -484,9 +491,15 @@ def pool_configs(settings: BenchDecodeSettings) -> list[tuple[float, bool]]:
     return out
 
 
-def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_bench_decode(
+    settings: BenchDecodeSettings,
+    progress: Callable[[str], None] | None = None,
+    on_loaded: Callable[[list[dict[str, Any]]], None] | None = None,
+) -> dict[str, Any]:
     """Run every configuration; `progress` gets one line per model loaded and per run
-    (so that a run cut short still shows what it measured)."""
+    (so that a run cut short still shows what it measured); `on_loaded`, once all are
+    loaded and before anything is timed, gets each one's name, capacity and host tier
+    (the forecast's configurations: a run cut short still shows what was forecast)."""
     say = timed_progress(progress)
     if settings.fresh_text and settings.temp == 0:
         raise ValueError("fresh text needs a temperature above 0: a greedy decode of one prompt is one text")
@@ -556,6 +569,8 @@ def run_bench_decode(settings: BenchDecodeSettings, progress: Callable[[str], No
         if settings.naive:
             configs.append(_streaming_config("naive-on-demand", None, settings, prompt, naive=True))
         say(f"loaded {len(configs)} configurations: {', '.join(c.name for c in configs)}")
+        if on_loaded is not None:
+            on_loaded([{"name": c.name, "capacity": c.capacity, "host_tier": c.host_tier} for c in configs])
 
         def round_seed(r: int) -> int:
             # Rounds far apart: a round's decodes take its seed + n.

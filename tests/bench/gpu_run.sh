@@ -363,7 +363,8 @@ EOF
     # Every decode samples new text (--fresh-text; FRESH=0 repeats one text, whose
     # experts a partial pool keeps, as the runs before it did).
     # Time: about 100 s of probes, 80 s of loading and 25 s a round, then the bandwidth
-    # probes and the forecast (computed last): give it 330 s or more (STAGE_TIMEOUT).
+    # probes and the report's forecast: give it 330 s or more (STAGE_TIMEOUT). Each
+    # configuration's forecast is also printed once they are loaded, before any round.
     f="$OUT/bench_decode_q30_forecast_h200.json"
     fresh=--fresh-text; [ "${FRESH:-1}" = 0 ] && fresh=
     # Host memory and I/O every 10 s beside it (a run with fresh text once stalled here).

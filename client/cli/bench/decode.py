@@ -255,6 +255,7 @@ def bench_decode(
         copy_kernel=copy_kernel,
     )
     compute = pools = None
+    on_loaded = None
     try:
         if forecast:
             from moestream.daemon.bench.decode import pool_configs
@@ -273,7 +274,8 @@ def bench_decode(
                     mapped_rebalance_tokens=mapped_rebalance_tokens,
                 ),
             )
-        report = run_bench_decode(settings, progress=lambda line: click.echo(line, err=True))
+            on_loaded = _early_forecast(Path(store), io_threads, host_bytes, compute, pools)
+        report = run_bench_decode(settings, progress=lambda line: click.echo(line, err=True), on_loaded=on_loaded)
     except (StoreError, PoolCapacityError, SettingsError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from e
     text = format_report(report)
@@ -285,6 +287,22 @@ def bench_decode(
         report["forecast"] = decode_forecasts(report, compute, pools)
         text += "\n" + format_decode_forecasts(report["forecast"])
     click.echo(json.dumps(report) if as_json else text)
+
+
+def _early_forecast(store, io_threads: int, host: int, compute, pools):
+    """What prints the forecast of every configuration once they are loaded, before any
+    is timed, with bandwidths probed now (the report's own forecast, at the end, takes
+    the run's, probed after its rounds): a run cut short still shows what was forecast."""
+    from moestream.daemon.plan import config_plans, format_forecast_lines, probe_bandwidths
+
+    click.echo("probing the store's reads and the host->pool link for the forecast", err=True)
+    bw = probe_bandwidths(store, io_threads)
+
+    def show(rows: list[dict]) -> None:
+        for line in format_forecast_lines(config_plans(store, rows, bw, host, compute, pools)):
+            click.echo(line, err=True)
+
+    return show
 
 
 def _bench_speculative(
