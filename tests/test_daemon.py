@@ -604,8 +604,9 @@ def test_heat_file_holds_exactly_the_routed_counts(store):
         layers = load_manifest(own).layers
         per_layer = [sum(usage.counts.get(layer.ordinal, {}).values()) for layer in layers]
         assert len(set(per_layer)) == 1, "every MoE layer sees the same tokens"
-        # Beside it the pools' LRU stack distances, which `plan` reads: each layer's first
-        # uses are its experts ever routed, and no step counts an expert twice.
+        # Beside it the pools' LRU stack distances, which `plan` reads, of a sample of the
+        # steps (the first among them): first uses of experts the layer routed, and no
+        # step counting an expert twice.
         from moestream.daemon.plan import heat_reuse
         from moestream.shared.settings import Settings
         from moestream.shared.store_format import POOL_REUSE_NAME
@@ -614,7 +615,7 @@ def test_heat_file_holds_exactly_the_routed_counts(store):
         assert reuse.problem is None
         for layer in layers:
             histogram, routed_here = reuse.counts[layer.ordinal], usage.counts[layer.ordinal]
-            assert histogram[layer.num_experts] == len(routed_here)
+            assert 0 < histogram[layer.num_experts] <= len(routed_here)
             assert sum(histogram.values()) <= sum(routed_here.values())
         table, source = heat_reuse(own, Settings(model=str(own)), load_manifest(own))
         assert table == reuse.counts and str(own / POOL_REUSE_NAME) in source

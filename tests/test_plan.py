@@ -58,7 +58,7 @@ def test_the_demo_reuse_shipped_is_the_demo_trace_s_decode_steps_as_stack_distan
     decode = [i for i, p in enumerate(trace.phases) if p == "decode"]
     want = {}
     for layer in range(trace.num_layers):
-        d = StackDistances(trace.num_experts)
+        d = StackDistances(trace.num_experts, every=1)  # every step: the trace is short
         d.observe(np.array([trace.steps[i][layer] for i in decode]))
         want[layer] = {int(k): int(v) for k, v in enumerate(d.counts) if v}
     assert read_usage(DEMO_REUSE).counts == want
