@@ -434,6 +434,27 @@ def heat_reuse(store: Path, settings: Settings, manifest: Manifest) -> tuple[dic
     return {}, ""
 
 
+# The pool sizes `plan` prints an LRU pool's hit rate at, as shares of a layer's experts.
+CURVE_SHARES = (0.125, 0.25, 0.5, 0.75)
+
+
+def hit_curve(manifest: Manifest, reuse: Mapping[int, Mapping[int, int]]) -> dict[float, float]:
+    """{share: an LRU pool's hit rate, the mean over the layers with stack distances} at
+    CURVE_SHARES of each layer's experts (at least top-k slots); {} without any."""
+    k = top_k_of(manifest.config)
+    out = {}
+    for share in CURVE_SHARES:
+        rates = [
+            lru_hit_rate(reuse[layer.ordinal], max(k, round(share * layer.num_experts)), k)
+            for layer in manifest.layers
+            if layer.ordinal in reuse
+        ]
+        rates = [r for r in rates if r is not None]
+        if rates:
+            out[share] = statistics.fmean(rates)
+    return out
+
+
 def estimate_hits(
     manifest: Manifest,
     counts: Mapping[int, Mapping[int, int]],
@@ -510,6 +531,9 @@ class Plan:
     # A mapped pool (every expert in host memory, read in place; see `make_plan`).
     mapped: bool = False
     pool_probe: PoolProbe | None = None
+    # An LRU pool's hit rate (mean over layers) at these shares of each layer's experts,
+    # from the stack distances (`hit_curve`); empty without them.
+    hit_curve: dict[float, float] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -640,6 +664,7 @@ def make_plan(
         ttft=ttft,
         mapped=mapped,
         pool_probe=pool if partial else None,
+        hit_curve=hit_curve(manifest, reuse) if reuse and lru_like else {},
     )
 
 
@@ -782,6 +807,18 @@ def format_plan(p: Plan) -> str:
             + (f"; host tier {format_size(p.host_cache_bytes)}" if p.host_cache_bytes else ""),
             f"  KV cache   {format_size(p.kv_bytes_per_1k_tokens)} per 1k tokens of context",
             f"  hit rate   {p.hit_rate:.1%} expected in the pool (per layer {layers}); from {p.hits.source}",
+        ]
+        + (
+            [
+                "  by size    an LRU pool of "
+                + " / ".join(f"{share:.3g}" for share in (100 * x for x in p.hit_curve))
+                + "% of the experts hits "
+                + " / ".join(f"{rate:.0%}" for rate in p.hit_curve.values())
+            ]
+            if p.hit_curve
+            else []
+        )
+        + [
             f"  bandwidth  disk {format_size(bw.read_bytes_per_s)}/s"
             + (
                 " (a few reads at a time: "

@@ -16,6 +16,7 @@ from moestream.daemon.plan import (
     Bandwidths,
     ComputeProbe,
     estimate_hits,
+    format_plan,
     heat_counts,
     heat_reuse,
     load_bandwidths,
@@ -81,8 +82,16 @@ def test_an_lru_pool_s_hits_come_from_the_stack_distances(tmp_path):
     # The demo's text repeats its experts within a few tokens: LRU beats the hottest quarter.
     assert lru.hit_rate > static.hit_rate + 0.05
     assert lru.decode.terms_s["disk"] < static.decode.terms_s["disk"]
+    # And the hit rate of other pool sizes, read off the same distances.
+    curve = lru.hit_curve
+    assert list(curve) == [0.125, 0.25, 0.5, 0.75] and curve[0.25] == pytest.approx(lru.hit_rate)
+    assert all(a < b for a, b in zip(curve.values(), list(curve.values())[1:]))
+    assert "by size    an LRU pool of 12.5 / 25 / 50 / 75% of the experts hits" in format_plan(
+        lru
+    ) and "by size" not in format_plan(static)
+    assert json.loads(json.dumps(lru.to_dict()))["hit_curve"]["0.5"] == pytest.approx(curve[0.5])
     lfu = make_plan(DEMO, settings.replace(policy="lfu"), FAST, PROBE, counts, source, reuse=reuse)
-    assert lfu.hits.pool_hit == static.hits.pool_hit
+    assert lfu.hits.pool_hit == static.hits.pool_hit and lfu.hit_curve == {}
     mapped = make_plan(DEMO, settings.replace(policy="lfu"), FAST, PROBE, counts, source, mapped=True, reuse=reuse)
     assert mapped.hits.pool_hit == lru.hits.pool_hit
     # A tier of every expert holds every miss; one of a few more experts a layer, some.
