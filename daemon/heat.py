@@ -161,12 +161,18 @@ class Heat:
             counts = {p.layer.ordinal: self.share.global_counts(p.take_routed()) for p in sm.pools}
         self.publisher.push(counts)
         self._last_push = time.monotonic()
-        if self.share is None:
-            for p in sm.pools:
-                taken = p.stack_distances.take()
-                if taken.any():
-                    held = self._reuse.get(p.layer.ordinal)
-                    self._reuse[p.layer.ordinal] = taken if held is None else held + taken
+        self.take_reuse(sm)
+
+    def take_reuse(self, sm: Any) -> None:
+        """Take the pools' stack distances into what the next `save_reuse` adds (a rank
+        of a group takes none: its pools see only its share of each layer)."""
+        if self.share is not None or sm is None:
+            return
+        for p in sm.pools:
+            taken = p.stack_distances.take()
+            if taken.any():
+                held = self._reuse.get(p.layer.ordinal)
+                self._reuse[p.layer.ordinal] = taken if held is None else held + taken
 
     def save_reuse(self, sm: Any, lock_timeout: float = 0.0) -> bool:
         """Add the stack distances taken since the last save to the reuse file; False

@@ -83,3 +83,38 @@ def test_every_fourth_step_keeps_the_estimate_on_long_traces():
                 exact.append(lru_hit_rate(every.counts, slots, trace.top_k))
                 estimate.append(lru_hit_rate(sampled.counts, slots, trace.top_k))
             assert np.mean(estimate) == pytest.approx(np.mean(exact), abs=0.03), (name, fraction)
+
+
+def test_the_reuse_file_adds_each_save_and_loses_nothing_while_its_lock_is_held(tmp_path):
+    """`Heat.save_reuse` adds what the pools counted to pool_reuse.json; while another
+    process holds the file's lock the counts wait for the next save, none lost or doubled."""
+    import logging
+    from types import SimpleNamespace
+
+    from moestream.daemon.heat import Heat
+    from moestream.shared.heat_file import UsageLock, read_usage
+    from moestream.shared.settings import Settings
+    from moestream.shared.store_format import POOL_REUSE_NAME
+
+    layers = [SimpleNamespace(ordinal=o, num_experts=4) for o in (3, 5)]
+    pools = [SimpleNamespace(layer=layer, stack_distances=StackDistances(4, every=1)) for layer in layers]
+    sm = SimpleNamespace(pools=pools, store_dir=tmp_path)
+    heat = Heat(Settings(heat_dir=str(tmp_path)), logging.getLogger("test"))
+    path = tmp_path / POOL_REUSE_NAME
+
+    pools[0].stack_distances.observe([np.array([0, 1]), np.array([0, 2])])  # 0 again: nothing since, 0
+    heat.take_reuse(sm)
+    assert heat.save_reuse(sm) and read_usage(path).counts == {3: {0: 1, 4: 3}}
+
+    pools[0].stack_distances.observe_step(np.array([1]))  # after 0 and 2: distance 2
+    pools[1].stack_distances.observe_step(np.array([3]))
+    holder = UsageLock(path)
+    holder.acquire(1.0)
+    try:
+        heat.take_reuse(sm)
+        assert not heat.save_reuse(sm)  # kept
+        assert read_usage(path).counts == {3: {0: 1, 4: 3}}
+    finally:
+        holder.release()
+    assert heat.save_reuse(sm) and read_usage(path).counts == {3: {0: 1, 2: 1, 4: 3}, 5: {4: 1}}
+    assert heat.save_reuse(sm) and read_usage(path).counts == {3: {0: 1, 2: 1, 4: 3}, 5: {4: 1}}  # nothing twice
