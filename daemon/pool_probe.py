@@ -33,7 +33,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from moestream.daemon.pool.capacity import top_k_of
 from moestream.shared.settings import Settings
@@ -120,11 +120,13 @@ def write_probe_store(config: dict[str, Any], dtype: str, folder: Path, tokenize
     return store
 
 
-def _decode_s(model: Any, vocab: int, steps: int, repeats: int) -> float:
+def _decode_s(model: Any, vocab: int, steps: int, repeats: int, after_token: Callable[[], None] | None = None) -> float:
     """Decode s/token, the median of `repeats` decodes of `steps` tokens after a
     PROMPT_TOKENS prompt. Each step is fed the next token of a fixed pseudo-random text,
     not the model's own choice (a random model's greedy text soon repeats one token, and
-    with it one routing), and waits for the step before, as generate_step does."""
+    with it one routing), and waits for the step before, as generate_step does.
+    `after_token`: called after each step is queued, as the generation loop calls a
+    mapped pool's `tick` (its routing read back, counted and rebalanced)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -140,6 +142,8 @@ def _decode_s(model: Any, vocab: int, steps: int, repeats: int) -> float:
             mx.async_eval(out)
             if last is not None:
                 last.item()
+            if after_token is not None:
+                after_token()
             last = out
         mx.eval(last)
         times.append((time.perf_counter() - tic) / steps)
@@ -217,13 +221,17 @@ def probe_pools(
                     warm = getattr(sm.admitter, "warm", None)
                     if sm.mapped_pool is None and warm is not None:
                         warm(list(probe.layers), keys)
-                    _decode_s(sm.model, vocab, steps, 1)  # kernels built, the pool filled
+                    # Without its tick a mapped pool never reads its routing back: no
+                    # counts, no rebalance, and its misses (read over the link in place)
+                    # uncounted, so host_s took their link time for host work.
+                    tick = sm.mapped_pool.tick if sm.mapped_pool is not None else None
+                    _decode_s(sm.model, vocab, steps, 1, tick)  # kernels built, the pool filled
                     if sm.mapped_pool is not None:
-                        sm.mapped_pool.drain()
+                        sm.mapped_pool.settle()
                     before = decode_counters(sm)
-                    pooled = _decode_s(sm.model, vocab, steps, repeats)
+                    pooled = _decode_s(sm.model, vocab, steps, repeats, tick)
                     if sm.mapped_pool is not None:
-                        sm.mapped_pool.drain()
+                        sm.mapped_pool.settle()
                     after = decode_counters(sm)
                 finally:
                     sm.close()
@@ -231,8 +239,12 @@ def probe_pools(
                     mx.clear_cache()
                 d = {k: after[k] - before[k] for k in before}
                 hits, misses = d["hits_decode"], d["misses_decode"]
-                if mapped:
-                    hits, misses = d["placed_on_gpu"], d["placed_routed"] - d["placed_on_gpu"]
+                if mapped and d["placed_routed"]:
+                    # Its counts take in the prompts' forwards too: their shares, at the
+                    # decode's routings (top-k a layer a step).
+                    routings = top_k_of(config) * steps * repeats * len(probe.layers)
+                    missed = (d["placed_routed"] - d["placed_on_gpu"]) / d["placed_routed"]
+                    hits, misses = (1.0 - missed) * routings, missed * routings
                 runs.setdefault((capacity, mapped), []).append((len(probe.layers), plain, pooled, hits, misses))
                 shape[(capacity, mapped)] = (expert, slots, most)
     out = {}

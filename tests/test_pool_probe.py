@@ -67,22 +67,25 @@ def test_pool_probes_are_kept_by_configuration(tmp_path):
 
 
 def test_a_real_probe_of_the_demo_architecture(tmp_path):
-    """The demo's architecture at 2 and 6 layers, streamed at a quarter and at all of
-    its experts: a probe for the partial pool only, whose models missed (routing varies)
-    and left no store behind."""
+    """The demo's architecture at 2 and 6 layers, streamed at a quarter (a slot pool and
+    a mapped one) and at all of its experts: a probe for the partial pools only, whose
+    models missed (routing varies; the mapped pool read its routing back, as the
+    generation loop has it do) and left no store behind."""
     manifest = load_manifest(DEMO)
     probes = probe_pools(
         DEMO,
         manifest,
         "bfloat16",
-        [(0.25, False), (1.0, False)],
+        [(0.25, False), (0.25, True), (1.0, False)],
         Settings(),
         layers=(2, 6),
         folder=tmp_path,
         steps=6,
         repeats=1,
     )
-    assert set(probes) == {(0.25, False)}
+    assert set(probes) == {(0.25, False), (0.25, True)}
+    mapped = probes[(0.25, True)]
+    assert mapped.slots == 16 and 0 < mapped.hit_rate < 1 and 0 < mapped.misses_per_layer < 8
     p = probes[(0.25, False)]
     assert p.moe_layers == (1, 5) and p.slots == 16 and p.experts == 64
     assert all(t > 0 for t in (*p.plain_s, *p.pooled_s))
