@@ -382,18 +382,34 @@ class HitEstimate:
         return {"source": self.source, "pool_hit": self.pool_hit, "tier_hit": self.tier_hit}
 
 
+def _peek_table(path: Path) -> tuple[dict[int, dict[int, int]], int, str]:
+    """A heat-format file's table and its total, read only (a corrupt file is the
+    daemon's to set aside when it starts); ({}, 0, why) where it cannot be read, why ""
+    where it is missing."""
+    try:
+        table = peek_usage(path)
+    except FileNotFoundError:
+        return {}, 0, ""
+    except (OSError, ValueError) as e:
+        return {}, 0, str(e)
+    return table, sum(sum(c.values()) for c in table.values()), ""
+
+
+def _shipped_with_the_demo(manifest: Manifest, shipped: Path) -> tuple[dict[int, dict[int, int]], int]:
+    """What the package ships for the demo store (`shipped`), where `manifest` is the
+    demo's; ({}, 0) for any other store."""
+    demo = load_manifest(Path(__file__).resolve().parent / "demo" / "store")
+    if manifest.store_id != demo.store_id or not shipped.is_file():
+        return {}, 0
+    load = read_usage(shipped)
+    return load.counts, load.total
+
+
 def heat_counts(store: Path, settings: Settings, manifest: Manifest) -> tuple[dict[int, dict[int, int]], str]:
     """The routing counts to plan from, and where they come from."""
     path = usage_path(settings.heat_folder(store))
-    problem = ""
-    try:
-        # Read only: a corrupt file is the daemon's to set aside when it starts.
-        saved = peek_usage(path)
-    except FileNotFoundError:
-        saved = {}
-    except (OSError, ValueError) as e:
-        saved, problem = {}, f" (the saved heat {path} cannot be read: {e})"
-    total = sum(sum(c.values()) for c in saved.values())
+    saved, total, why = _peek_table(path)
+    problem = f" (the saved heat {path} cannot be read: {why})" if why else ""
     if total > 0:
         return saved, f"saved heat {path} ({total} routings)"
     try:
@@ -404,33 +420,22 @@ def heat_counts(store: Path, settings: Settings, manifest: Manifest) -> tuple[di
     if total > 0:
         where = f"{len(paths)} ranks of an expert-parallel group in {path.parent}"
         return group, f"the saved heat of {where} ({total} routings)"
-    demo = load_manifest(Path(__file__).resolve().parent / "demo" / "store")
-    if manifest.store_id == demo.store_id and DEMO_COUNTS.is_file():
-        shipped = read_usage(DEMO_COUNTS)
-        if shipped.total > 0:
-            return shipped.counts, f"the demo model's recorded routing ({shipped.total} routings; no saved heat yet)"
+    shipped, total = _shipped_with_the_demo(manifest, DEMO_COUNTS)
+    if total > 0:
+        return shipped, f"the demo model's recorded routing ({total} routings; no saved heat yet)"
     return {}, "no heat: assumed uniform" + problem
 
 
 def heat_reuse(store: Path, settings: Settings, manifest: Manifest) -> tuple[dict[int, dict[int, int]], str]:
     """The LRU stack distances to plan from ({layer: {distance: count}}), and where they
-    come from; ({}, "") where there are none."""
+    come from; ({}, "") where there are none (an unreadable file too: the counts stand in)."""
     path = settings.heat_folder(store) / POOL_REUSE_NAME
-    try:
-        saved = peek_usage(path)
-    except FileNotFoundError:
-        saved = {}
-    except (OSError, ValueError):
-        # Read only: the daemon sets a corrupt file aside; the counts stand in meanwhile.
-        saved = {}
-    total = sum(sum(c.values()) for c in saved.values())
+    saved, total, _ = _peek_table(path)
     if total > 0:
         return saved, f"the LRU stack distances in {path} ({total} routings)"
-    demo = load_manifest(Path(__file__).resolve().parent / "demo" / "store")
-    if manifest.store_id == demo.store_id and DEMO_REUSE.is_file():
-        shipped = read_usage(DEMO_REUSE)
-        if shipped.total > 0:
-            return shipped.counts, f"the demo trace's LRU stack distances ({shipped.total} routings)"
+    shipped, total = _shipped_with_the_demo(manifest, DEMO_REUSE)
+    if total > 0:
+        return shipped, f"the demo trace's LRU stack distances ({total} routings)"
     return {}, ""
 
 
