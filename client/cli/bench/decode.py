@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any, Callable
 
 import click
 
@@ -199,8 +201,6 @@ def bench_decode(
     """Decode tokens/s, hit rates, bytes moved per token per tier, admission GB/s and
     the bandwidth bound, for stock mlx-lm, moestream at each capacity (with and without
     the host-RAM tier) and the naive on-demand baseline."""
-    from pathlib import Path
-
     if speculative is not None or draft_tokens or draft_model:
         _bench_speculative(
             store,
@@ -289,7 +289,7 @@ def bench_decode(
     click.echo(json.dumps(report) if as_json else text)
 
 
-def _early_forecast(store, io_threads: int, host: int, compute, pools):
+def _early_forecast(store: Path, io_threads: int, host: int, compute: Any, pools: Any) -> Callable[[list[dict]], None]:
     """What prints the forecast of every configuration once they are loaded, before any
     is timed, with bandwidths probed now (the report's own forecast, at the end, takes
     the run's, probed after its rounds): a run cut short still shows what was forecast."""
@@ -319,8 +319,6 @@ def _bench_speculative(
     as_json,
 ) -> None:
     """`--speculative`: acceptance, experts read per token and tokens/s against plain decode."""
-    from pathlib import Path
-
     from moestream.daemon.bench.speculative import (
         BenchSpeculativeSettings,
         format_speculative_report,
