@@ -55,7 +55,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from moestream.daemon.pool.capacity import kv_cache_bytes, layer_count, layer_count_key, plan_capacity, top_k_of
+from moestream.daemon.pool.capacity import (
+    EXPERT_COUNT_KEYS,
+    kv_cache_bytes,
+    layer_count,
+    layer_count_key,
+    plan_capacity,
+    top_k_of,
+)
 from moestream.daemon.pool.reuse import lru_hit_rate
 from moestream.daemon.pool_probe import PoolProbe
 from moestream.shared.heat_file import group_usage, peek_usage, read_usage, usage_path
@@ -178,8 +185,6 @@ def _config_with_layers(config: dict[str, Any], n: int) -> dict[str, Any]:
     return out
 
 
-# The config names of a layer's expert count in mlx-lm's ModelArgs.
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 # At most this many experts per layer in the probe's models: a decode token computes its
 # top-k whatever the count, while the count sets the memory (a 512-expert layer of
 # Qwen3.5-397B is about 3.6 GB at 4 bits, too much to make several of before loading on a 48 GB

@@ -32,7 +32,7 @@ from moestream.daemon.model.prefill import LayerMajorPrefill, UnsupportedModel
 from moestream.daemon.model.streaming_moe import StreamingMoE
 from moestream.daemon.policies import make_policy
 from moestream.daemon.pool.admission import Admitter, DirectAdmitter, cuda_copier, make_admitter
-from moestream.daemon.pool.capacity import plan_capacity, top_k_of_blocks
+from moestream.daemon.pool.capacity import EXPERT_COUNT_KEYS, plan_capacity, top_k_of_blocks
 from moestream.daemon.pool.expert_pool import ExpertPool, PoolCapacityError, PoolStats
 from moestream.daemon.pool.expert_reader import ExpertReader
 from moestream.daemon.prefetch.predictor import make_prefetcher, next_layers, routers_of
@@ -597,10 +597,6 @@ def load_stock_model(store_dir: str | Path) -> nn.Module:
     _load_resident(model, weights, manifest, store)
     mx.eval(model.parameters())
     return model
-
-
-# Config keys that give the experts per MoE layer, by model family.
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 def _check_layout(module: nn.Module, layer, store: Path, config: dict[str, Any]) -> None:

@@ -24,6 +24,8 @@ TOP_K_KEYS = (
 # Attributes of mlx-lm's MoE blocks (the module that holds the SwitchGLU/SwitchMLP and
 # its router) that hold the same number.
 BLOCK_TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "n_activated_experts", "moe_topk", "k")
+# The config names of a layer's expert count in mlx-lm's ModelArgs, by model family.
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 def top_k_of(config: dict[str, Any]) -> int:
