@@ -609,8 +609,10 @@ def make_plan(
     expert = max(layer.expert_bytes for layer in manifest.layers)
     pool_bytes = sum(min(slots, layer.num_experts) * layer.expert_bytes for layer in manifest.layers)
     tier_experts = settings.host_cache // expert if expert else 0
-    lru_like = mapped or settings.policy == "lru"
-    hits = estimate_hits(manifest, counts, source, slots, tier_experts, reuse if lru_like else None, reuse_source)
+    # Stack distances describe an LRU pool (and stand in for a mapped one's rebalancing).
+    if not (mapped or settings.policy == "lru"):
+        reuse = None
+    hits = estimate_hits(manifest, counts, source, slots, tier_experts, reuse, reuse_source)
     partial = any(slots < layer.num_experts for layer in manifest.layers)
     layers = layer_count(manifest.config)
 
@@ -674,7 +676,7 @@ def make_plan(
         ttft=ttft,
         mapped=mapped,
         pool_probe=pool if partial else None,
-        hit_curve=hit_curve(manifest, reuse) if reuse and lru_like else {},
+        hit_curve=hit_curve(manifest, reuse) if reuse else {},
     )
 
 
