@@ -110,8 +110,14 @@ class Bandwidths:
 
 
 def probe_bandwidths(store: Path, threads: int) -> Bandwidths:
-    from moestream.daemon.bench.bandwidth import measure_layer_reads, measure_link_bandwidth, measure_read_bandwidth
+    from moestream.daemon.bench.bandwidth import (
+        measure_layer_reads,
+        measure_link_bandwidth,
+        measure_read_bandwidth,
+        settle_writes,
+    )
 
+    settle_writes()
     read = measure_read_bandwidth(store, threads, samples=64)
     layer_reads = measure_layer_reads(store, threads)
     link, kind, _ = measure_link_bandwidth()
@@ -455,7 +461,7 @@ def hit_curve(manifest: Manifest, reuse: Mapping[int, Mapping[int, int]]) -> dic
     out = {}
     for share in CURVE_SHARES:
         rates = [
-            lru_hit_rate(reuse[layer.ordinal], max(k, round(share * layer.num_experts)), k)
+            lru_hit_rate(reuse[layer.ordinal], max(k, round(share * layer.num_experts)), k, layer.num_experts)
             for layer in manifest.layers
             if layer.ordinal in reuse
         ]
@@ -493,10 +499,10 @@ def estimate_hits(
         t_end = min(n, s + int(tier_per_layer))
         frac = tier_per_layer - int(tier_per_layer)
         in_tier = sum(share[s:t_end]) + (share[t_end] * frac if t_end < n else 0.0)
-        lru = lru_hit_rate(reuse[layer.ordinal], s, k) if reuse and layer.ordinal in reuse and s < n else None
+        lru = lru_hit_rate(reuse[layer.ordinal], s, k, n) if reuse and layer.ordinal in reuse and s < n else None
         if lru is not None:
             used_reuse = True
-            both = 1.0 if t_end >= n else lru_hit_rate(reuse[layer.ordinal], t_end, k)
+            both = 1.0 if t_end >= n else lru_hit_rate(reuse[layer.ordinal], t_end, k, n)
             hit, in_tier = lru, max(both - lru, 0.0)
         pool.append(hit)
         tier.append(in_tier / (1.0 - hit) if hit < 1.0 else 0.0)

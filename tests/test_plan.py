@@ -77,7 +77,9 @@ def test_an_lru_pool_s_hits_come_from_the_stack_distances(tmp_path):
     assert reuse_source.startswith("the demo trace's LRU stack distances")
     static = make_plan(DEMO, settings, FAST, PROBE, counts, source)
     lru = make_plan(DEMO, settings, FAST, PROBE, counts, source, reuse=reuse, reuse_source=reuse_source)
-    assert lru.hits.pool_hit == pytest.approx([lru_hit_rate(reuse[layer.ordinal], 16, 8) for layer in manifest.layers])
+    assert lru.hits.pool_hit == pytest.approx(
+        [lru_hit_rate(reuse[layer.ordinal], 16, 8, layer.num_experts) for layer in manifest.layers]
+    )
     assert lru.hits.source == reuse_source and static.hits.source == source
     # The demo's text repeats its experts within a few tokens: LRU beats the hottest quarter.
     assert lru.hit_rate > static.hit_rate + 0.05
@@ -99,7 +101,7 @@ def test_an_lru_pool_s_hits_come_from_the_stack_distances(tmp_path):
     assert every.hits.tier_hit == pytest.approx([1.0] * 5)
     some = estimate_hits(manifest, counts, source, 16, 5 * 8, reuse, reuse_source)
     assert all(0 < t < 1 for t in some.tier_hit)
-    both = [lru_hit_rate(reuse[layer.ordinal], 24, 8) for layer in manifest.layers]
+    both = [lru_hit_rate(reuse[layer.ordinal], 24, 8, layer.num_experts) for layer in manifest.layers]
     assert [h + (1 - h) * t for h, t in zip(some.pool_hit, some.tier_hit)] == pytest.approx(both)
 
 

@@ -3,6 +3,7 @@ the store's read rate through the native engine, and the host-to-pool copy rate.
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import time
@@ -13,7 +14,28 @@ import numpy as np
 
 from moestream._native import ReadEngine
 from moestream.daemon.pool.admission import cuda_copier
+from moestream.shared.settings import format_size
 from moestream.shared.store_format import load_manifest
+
+
+def settle_writes() -> None:
+    """Write back what the system holds dirty before the disk is timed: files written just
+    before (the pool probe's own stores, written and removed) are otherwise written back
+    while the reads run and share the disk with them (on the H200 the probe before loading
+    ran beside such writeback and read slower than the same probe after the rounds:
+    tests/bench/RESULTS.md, "The H200 table with the stack distances")."""
+    os.sync()
+
+
+def format_read_and_link(
+    read: float, layer_reads: dict[int, float], link_kind: str, link: float, page_cache: bool = False
+) -> str:
+    """The probed bandwidths in one line, as the benchmarks print them."""
+    return (
+        f"read {format_size(read)}/s{' through the page cache' if page_cache else ''} "
+        f"({', '.join(f'{format_size(r)}/s' for r in layer_reads.values())} in batches of "
+        f"{', '.join(map(str, layer_reads))}), {link_kind} {format_size(link)}/s"
+    )
 
 
 def measure_read_bandwidth(store: Path, threads: int, samples: int = 128, seed: int = 0) -> float:

@@ -37,10 +37,12 @@ import psutil
 from mlx_lm.models.cache import make_prompt_cache
 
 from moestream.daemon.bench.bandwidth import (
+    format_read_and_link,
     measure_layer_reads,
     measure_link_bandwidth,
     measure_read_bandwidth,
     page_cache_reason,
+    settle_writes,
 )
 from moestream.daemon.mapped.row_gather import RowGather
 from moestream.daemon.model.generation import SamplingParams, generate
@@ -643,15 +645,12 @@ def run_bench_decode(
         if shared_reader is not None:
             shared_reader.close()
     say("measuring the store's read bandwidth and the host->pool link")
+    settle_writes()
     bandwidth = measure_read_bandwidth(settings.store, settings.io_threads, seed=settings.seed)
     layer_reads = measure_layer_reads(settings.store, settings.io_threads, seed=settings.seed)
     page_cache = page_cache_reason(settings.store)
     link, link_kind, link_probe = measure_link_bandwidth()
-    say(
-        f"read {format_size(bandwidth)}/s{' through the page cache' if page_cache else ''} "
-        f"({', '.join(f'{format_size(r)}/s' for r in layer_reads.values())} in batches of "
-        f"{', '.join(map(str, layer_reads))}), {link_kind} {format_size(link)}/s"
-    )
+    say(format_read_and_link(bandwidth, layer_reads, link_kind, link, bool(page_cache)))
 
     rows = []
     # Each round's first decode, which every configuration samples with the same seed.

@@ -4,7 +4,7 @@ For each expert a step routes, its stack distance is the number of other experts
 the layer routed since that expert's last use (Mattson's stack algorithm); a first use
 has none (the last bucket, `num_experts`). An LRU pool of `s` slots holds an expert whose
 distance is below about `s`, so one histogram of distances gives the LRU hit rate of
-every pool size at once, locality within a text included: the share of the routing
+every pool size once it is warm, locality within a text included: the share of the routing
 counts that the hottest `s` experts take (all that a count table can say) misses it.
 On the three routing traces in tests/data/traces the histogram's estimate is within 0.01
 of the pool's LRU policy replayed on the same decode steps at 25%, 50% and 75% of the
@@ -78,16 +78,26 @@ class StackDistances:
         return counts
 
 
-def lru_hit_rate(histogram: np.ndarray | Mapping[int, int], slots: int, top_k: int) -> float | None:
-    """The hit rate of an LRU pool of `slots` from a stack-distance histogram (an array,
-    or {distance: count} as the reuse file keeps it); None where it counts nothing."""
+def lru_hit_rate(histogram: np.ndarray | Mapping[int, int], slots: int, top_k: int, num_experts: int) -> float | None:
+    """The hit rate of a warm LRU pool of `slots` from a stack-distance histogram of a
+    layer of `num_experts` (an array of num_experts + 1 buckets, or {distance: count} as
+    the reuse file keeps it); None where it counts nothing.
+
+    First uses (the last bucket) are left out: a first use in a record is an expert whose
+    last use came before the record began (its distance unknown, not infinite), and a
+    pool that has served a while has met them all. A daemon's record of a few requests
+    holds one for nearly every expert: on the H200's q30 record (55 thousand routings)
+    they were 7% of the routings, and counting them as misses put an LRU pool of half
+    the experts at 0.551 where it hit 0.666 (tests/bench/RESULTS.md, "The H200 table
+    with the stack distances")."""
     if isinstance(histogram, Mapping):
-        size = max(histogram, default=-1) + 1
-        dense = np.zeros(size, dtype=np.int64)
+        dense = np.zeros(num_experts + 1, dtype=np.int64)
         for d, c in histogram.items():
-            dense[d] = c
+            dense[int(d)] = c
         histogram = dense
-    total = int(np.sum(histogram))
+    elif len(histogram) != num_experts + 1:
+        raise ValueError(f"a histogram of {len(histogram)} buckets for a layer of {num_experts} experts")
+    total = int(np.sum(histogram[:num_experts]))
     if total == 0:
         return None
     cut = max(slots - top_k // 4, 0)

@@ -362,6 +362,9 @@ EOF
     # heat-q30 (a full pool records none).
     # Every decode samples new text (--fresh-text; FRESH=0 repeats one text, whose
     # experts a partial pool keeps, as the runs before it did).
+    # HEAT=DIR first copies pool_usage.json and pool_reuse.json from DIR into the store
+    # (what an earlier heat-q30 copied to $OUT; make-q30's model is the same each time).
+    if [ -n "${HEAT:-}" ]; then cp "$HEAT"/pool_usage.json "$HEAT"/pool_reuse.json /root/q30/store/; fi
     # Time: about 100 s of probes, 80 s of loading and 25 s a round, then the bandwidth
     # probes and the report's forecast: give it 330 s or more (STAGE_TIMEOUT). Each
     # configuration's forecast is also printed once they are loaded, before any round.

@@ -293,10 +293,14 @@ def _early_forecast(store: Path, io_threads: int, host: int, compute: Any, pools
     """What prints the forecast of every configuration once they are loaded, before any
     is timed, with bandwidths probed now (the report's own forecast, at the end, takes
     the run's, probed after its rounds): a run cut short still shows what was forecast."""
+    from moestream.daemon.bench.bandwidth import format_read_and_link
     from moestream.daemon.plan import config_plans, format_forecast_lines, probe_bandwidths
 
     click.echo("probing the store's reads and the host->pool link for the forecast", err=True)
     bw = probe_bandwidths(store, io_threads)
+    click.echo(
+        format_read_and_link(bw.read_bytes_per_s, dict(bw.read_by_batch), bw.link_kind, bw.link_bytes_per_s), err=True
+    )
 
     def show(rows: list[dict]) -> None:
         for line in format_forecast_lines(config_plans(store, rows, bw, host, compute, pools)):
