@@ -58,9 +58,9 @@ def test_the_histogram_forecasts_the_lru_pool_on_real_traces(name, fraction):
     for layer in range(trace.num_layers):
         steps = [trace.steps[i][layer] for i in decode]
         policy = make_policy("lru", trace.num_experts, slots)
-        counts = replay(policy, steps, ["decode"] * len(steps))
+        pool = replay(policy, steps, ["decode"] * len(steps))
         first_uses = len(np.unique(np.array(steps)))
-        replayed.append(counts.count(counts.hits, None) / (counts.accesses() - first_uses))
+        replayed.append(pool.count(pool.hits, None) / (pool.accesses() - first_uses))
         d = StackDistances(trace.num_experts, every=1)
         d.observe(np.array(steps))
         assert d.counts[-1] == first_uses

@@ -7,7 +7,7 @@ distance is below about `s`, so one histogram of distances gives the LRU hit rat
 every pool size once it is warm, locality within a text included: the share of the routing
 counts that the hottest `s` experts take (all that a count table can say) misses it.
 On the three routing traces in tests/data/traces the histogram's estimate is within 0.01
-of the pool's LRU policy replayed on the same decode steps at 25%, 50% and 75% of the
+of the pool's LRU policy replayed warm on the same decode steps at 25%, 50% and 75% of the
 experts (tests/test_reuse.py), where the hottest share was off by 0.03 to 0.2.
 
 A step is one forward through the layer: the experts its rows route together (one
