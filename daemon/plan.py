@@ -442,7 +442,12 @@ def heat_reuse(store: Path, settings: Settings, manifest: Manifest) -> tuple[dic
     come from; ({}, "") where there are none (an unreadable file too: the counts stand in)."""
     path = settings.heat_folder(store) / POOL_REUSE_NAME
     saved, total, _ = _peek_table(path)
-    if total > 0:
+    experts = {layer.ordinal: layer.num_experts for layer in manifest.layers}
+    # A distance past a layer's experts (or a layer the store lacks) is another model's.
+    fits = all(
+        layer in experts and all(0 <= d <= experts[layer] for d in distances) for layer, distances in saved.items()
+    )
+    if total > 0 and fits:
         return saved, f"the LRU stack distances in {path} ({total} routings)"
     shipped, total = _shipped_with_the_demo(manifest, DEMO_REUSE)
     if total > 0:

@@ -29,7 +29,7 @@ from moestream.daemon.plan import (
 from moestream.daemon.pool.capacity import kv_cache_bytes
 from moestream.shared.heat_file import read_usage
 from moestream.shared.settings import Settings, demo_store_path
-from moestream.shared.store_format import load_manifest
+from moestream.shared.store_format import POOL_REUSE_NAME, load_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = demo_store_path()
@@ -258,6 +258,21 @@ def test_an_expert_parallel_groups_heat_files_add_up_for_the_plan(tmp_path):
     # A single process's heat, once there, comes first.
     write_usage(tmp_path / "pool_usage.json", {0: {9: 1}})
     assert heat_counts(DEMO, settings, load_manifest(DEMO))[0] == {0: {9: 1}}
+
+
+def test_stack_distances_that_do_not_fit_the_store_are_not_planned_from(tmp_path):
+    """A reuse file with a distance past a layer's experts, or a layer the store lacks, is
+    another model's: the plan takes the demo's shipped distances instead of reading it."""
+    from moestream.shared.heat_file import write_usage
+
+    settings = Settings(model=str(DEMO), capacity=0.25, heat_dir=str(tmp_path))
+    manifest = load_manifest(DEMO)
+    n = manifest.layers[0].num_experts
+    write_usage(tmp_path / POOL_REUSE_NAME, {0: {0: 5, n: 2}})  # n: first uses, which fit
+    assert heat_reuse(DEMO, settings, manifest)[1].startswith(f"the LRU stack distances in {tmp_path}")
+    for foreign in ({0: {0: 5, n + 1: 2}}, {max(layer.ordinal for layer in manifest.layers) + 7: {0: 5}}):
+        write_usage(tmp_path / POOL_REUSE_NAME, foreign)
+        assert heat_reuse(DEMO, settings, manifest)[1].startswith("the demo trace's LRU stack distances")
 
 
 def test_the_probe_models_have_fewer_experts_and_run_for_every_supported_architecture():

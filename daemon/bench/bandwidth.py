@@ -20,7 +20,7 @@ from moestream.shared.store_format import load_manifest
 
 def settle_writes() -> None:
     """Write back what the system holds dirty before the disk is timed: files written just
-    before (the pool probe's own stores, written and removed) are otherwise written back
+    before (a store just converted, the pool probe's own stores) are otherwise written back
     while the reads run and share the disk with them (on the H200 the probe before loading
     ran beside such writeback and read slower than the same probe after the rounds:
     tests/bench/RESULTS.md, "The H200 table with the stack distances")."""
