@@ -534,7 +534,10 @@ class EngineLoop:
         job.prefill = (done, total) if done < total else None
         if job.msg.progress:
             self._send(job.peer, proto.Progress(job.msg.id, done, total))
-        self._publish(force=True)
+        # A snapshot at each of a prefill's layers cost about 1.8 ms each on the H200
+        # (a 48-layer model: 0.09 s a prompt, a third of a cached chat turn): between
+        # its start and end the prefill's progress is published at the usual rate.
+        self._publish(force=job.prefill is None or done == 0)
 
     def _step(self, job: Job) -> bool:
         """Advance one request by one step; False once it has ended."""

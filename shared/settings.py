@@ -674,6 +674,19 @@ class Settings:
         "(daemon/mapped/row_gather.py) instead of reading host memory over the link. Auto: on where that "
         "copy kernel runs (MLX's CUDA build).",
     )
+    # A mapped pool's layer-major prefill copies each layer's experts into a stack; the
+    # copy needs no routing, so it can run beside the layer below. A few blocks per row
+    # keep the link busy and leave that layer's kernels most of the GPU
+    # (tests/bench/gpu_background_copy_probe.py).
+    mapped_stage_ahead_blocks: int = setting(
+        4,
+        kind="int",
+        low=0,
+        high=1024,
+        help="In a mapped pool's layer-major prefill, copy each layer's experts into GPU memory while the "
+        "layer below computes, with at most this many blocks per expert of the copy kernel; 0: each layer "
+        "copies its own before it computes.",
+    )
 
     @classmethod
     def resolve(

@@ -17,13 +17,20 @@ import numpy as np
 import pytest
 from mlx_lm import load as stock_load
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 from stock_runs import stepped
 from tiny_models import MOE_ARCHS, MORE_MOE_ARCHS, make_tiny_model
 
 from moestream.daemon.model.generation import plain_steps
-from moestream.daemon.model.prefill import PREFILL_STEP, LayerMajorPrefill, PrefillStats, chunk_sizes
+from moestream.daemon.model.kv_buckets import query_bucket
+from moestream.daemon.model.prefill import (
+    PREFILL_STEP,
+    LayerMajorPrefill,
+    PrefillStats,
+    chunk_sizes,
+    prefill_cache,
+)
 from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.daemon.pool.capacity import top_k_of
 from moestream.daemon.store.convert import convert_model
@@ -97,6 +104,12 @@ def test_identical_to_stock_generate_step(converted):
                 if several and partial:
                     # The prompts of several chunks went layer by layer, and staged.
                     assert stats.chunks == len(chunk_sizes(n, step)) and stats.staged_layers > 0, label
+                if label.startswith("mapped") and stats.staged_layers:
+                    # Each stacked layer's copy went into the graph of the layer below it
+                    # (the first one's only where a dense layer comes before it).
+                    assert stats.staged_layers - 1 <= stats.staged_ahead <= stats.staged_layers, label
+                elif not label.startswith("mapped"):
+                    assert stats.staged_ahead == 0, label  # a slot pool's stack waits for its routing
                 if label == "topk" and (n, step) == (100, PREFILL_STEP):
                     # One chunk whose routed pairs outnumber the slots: one stack per layer.
                     assert stats.chunks == 1 and stats.staged_layers > 0 and stats.read_seconds >= 0, label
@@ -169,6 +182,74 @@ def test_a_prompt_of_several_chunks_reads_each_routed_expert_once_per_layer(conv
         assert sum(p.stats.bytes_read for p in sm.pools) - before > minimum
     finally:
         sm.close()
+
+
+def test_a_padded_continuation_layer_by_layer_leaves_stock_cache_tokens_and_counts(converted):
+    """A chat turn's continuation from a cached prefix, where the continuation is padded
+    (CUDA's default, forced here): layer by layer through a partial pool, it leaves the
+    cache and greedy tokens of stock's forward of the turn alone, and the pool counts
+    the turn's routings without the padding's copies of its last token."""
+    store, stock = converted
+    manifest = load_manifest(store)
+    experts = manifest.layers[0].num_experts
+    quarter = max(top_k_of(manifest.config), math.ceil(0.25 * experts))
+    prefix, turn = _prompt(29, seed=21), _prompt(21, seed=22)
+    caches = [make_prompt_cache(stock), make_prompt_cache(stock)]
+    for c in caches:
+        stock(mx.array(prefix)[None], cache=c)
+        stock(mx.array(turn)[None], cache=c)
+    want_cache = caches[0]
+    want = _greedy(stock, caches[1], turn[-1])
+    for label, settings in [
+        ("25%", Settings(capacity=quarter, direct_io=True)),
+        ("mapped 25%", Settings(capacity=quarter, direct_io=True, mapped=True)),
+    ]:
+        sm = load_streaming_model(store, settings)
+        try:
+            # Linear-attention caches cannot be trimmed of a padding: such a model keeps
+            # stock's forward.
+            plain = all(type(c) is KVCache for c in make_prompt_cache(sm.model))
+            sm.continuation_bucket = 16
+            cache = make_prompt_cache(sm.model)
+            sm.model(mx.array(prefix)[None], cache=cache)
+            mx.eval([c.state for c in cache])
+            settle = sm.mapped_pool.settle if sm.mapped_pool is not None else lambda: None
+            settle()  # a mapped pool counts what it logged once the forwards are read back
+            for p in sm.pools:
+                p.take_routed()
+            stats = PrefillStats()
+            got_cache = prefill_cache(sm, mx.array(turn), cache=cache, stats=stats)
+            settle()
+            pad = query_bucket(len(turn)) - len(turn) if plain else 0
+            assert stats.padded == int(plain) and stats.pad_tokens == pad, label
+            assert stats.tokens == len(turn) and stats.staged_layers > 0, label
+            for p in sm.pools:
+                assert p.take_routed().sum() == len(turn) * p.top_k, f"{label}: the padding counted as routed"
+            for a, b in zip(want_cache, got_cache):
+                assert type(b) is type(a), label
+                if type(a) is not KVCache:
+                    continue
+                assert a.offset == b.offset == len(prefix) + len(turn), label
+                for x, y in ((b.keys, a.keys), (b.values, a.values)):
+                    np.testing.assert_allclose(np.array(x[..., : b.offset, :].astype(mx.float32)),
+                                               np.array(y[..., : a.offset, :].astype(mx.float32)),
+                                               rtol=1e-5, atol=1e-5)  # fmt: skip
+            got = _greedy(sm.model, got_cache, turn[-1])
+            assert got[0] == want[0], label
+            np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-4)
+        finally:
+            sm.close()
+
+
+def _greedy(model, cache, token: int, steps: int = 4) -> tuple[list[int], np.ndarray]:
+    """`steps` greedy tokens after `token` on `cache`, and the first step's logits."""
+    out, first = [], None
+    for _ in range(steps):
+        logits = model(mx.array([[token]]), cache=cache)[0, -1].astype(mx.float32)
+        first = np.array(logits) if first is None else first
+        token = int(mx.argmax(logits))
+        out.append(token)
+    return out, first
 
 
 def test_unsupported_forward_is_refused_clearly_before_anything_runs():

@@ -115,6 +115,30 @@ def query_bucket(n: int, smallest: int = MIN_QUERY_BUCKET) -> int:
     return max(smallest, 1 << (n - 1).bit_length())
 
 
+def padded_continuation(
+    tokens: mx.array, cache: list[Any], key_bucket: int, smallest: int = MIN_QUERY_BUCKET
+) -> tuple[mx.array, list[BucketedKVCache], int] | None:
+    """Where a continuation of `tokens` (1-D) on `cache` runs padded (see above; with
+    `key_bucket`, 2 to MAX_PADDED_CONTINUATION tokens on plain attention caches that hold
+    a prefix): the tokens to forward, the caches to forward them on and the pad, for
+    `end_continuation` after the forward; else None (stock's forward)."""
+    n = int(tokens.size)
+    plain = all(type(c) is KVCache and not c.empty() for c in cache)
+    if not key_bucket or not plain or not 1 < n <= MAX_PADDED_CONTINUATION:
+        return None
+    pad = query_bucket(n, smallest) - n
+    fed = mx.concatenate([tokens, mx.repeat(tokens[-1:], pad)]) if pad else tokens
+    return fed, [_adopt(c, key_bucket, n + pad) for c in cache], pad
+
+
+def end_continuation(cache: list[Any], views: list[BucketedKVCache], pad: int) -> None:
+    """After a padded forward on `views`: `cache` holds exactly the tokens (the pad
+    trimmed), as plain KVCaches in place of the ones given, in the same list."""
+    for i, view in enumerate(views):
+        view.trim(pad)
+        cache[i] = KVCache.from_state((view.keys, view.values, view.offset))
+
+
 def continue_prompt(
     model: Any, tokens: mx.array, cache: list[Any], key_bucket: int, smallest: int = MIN_QUERY_BUCKET
 ) -> bool:
@@ -125,18 +149,13 @@ def continue_prompt(
     are those of the unpadded forward (the padding comes after them, and the causal mask
     hides it from them), and the cache ends holding exactly the tokens (its entries are
     then plain KVCaches in place of the ones given, in the same list). Whether it padded."""
-    n = int(tokens.size)
-    plain = all(type(c) is KVCache and not c.empty() for c in cache)
-    if not key_bucket or not plain or not 1 < n <= MAX_PADDED_CONTINUATION:
+    padded = padded_continuation(tokens, cache, key_bucket, smallest)
+    if padded is None:
         model(tokens[None], cache=cache)
         return False
-    pad = query_bucket(n, smallest) - n
-    fed = mx.concatenate([tokens, mx.repeat(tokens[-1:], pad)]) if pad else tokens
-    views = [_adopt(c, key_bucket, n + pad) for c in cache]
+    fed, views, pad = padded
     model(fed[None], cache=views)
-    for i, view in enumerate(views):
-        view.trim(pad)
-        cache[i] = KVCache.from_state((view.keys, view.values, view.offset))
+    end_continuation(cache, views, pad)
     return True
 
 

@@ -30,7 +30,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from moestream.daemon.model.kv_buckets import continue_prompt
+from moestream.daemon.model.kv_buckets import continue_prompt, end_continuation, padded_continuation
 from moestream.daemon.model.streaming_moe import StreamingMoE
 
 if TYPE_CHECKING:
@@ -65,7 +65,16 @@ class PrefillStats:
     # Experts whose reads started a layer ahead, while the layers below computed
     # (`StreamingMoE.read_ahead`).
     read_ahead: int = 0
+    # Mapped layers whose stack was copied while the layer below computed (`stage_ahead`).
+    staged_ahead: int = 0
+    # Continuations padded to a shape met before (daemon/model/kv_buckets.py), and the
+    # tokens of padding they computed beside `tokens`.
+    padded: int = 0
+    pad_tokens: int = 0
     seconds: float = 0.0
+    # Building the forward of each chunk (the model's own code up to the first layer,
+    # with the masks and each layer's arguments), before any layer runs.
+    capture_seconds: float = 0.0
     # Where the time went, by phase of each layer (each phase ends in a wait for the
     # device or the disk, so the split needs no extra sync): staging the pool's experts
     # into the stack, the chunks' calls up to their routing (a slot pool reads each
@@ -133,8 +142,12 @@ def decoder_of(model: nn.Module) -> nn.Module:
 class LayerMajorPrefill:
     """Drives one model's prefill layer by layer (see the module docstring)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, stage_ahead_blocks: int = 0) -> None:
+        """`stage_ahead_blocks`: where above 0, a mapped pool's stack of the next stacked
+        layer is copied while this layer computes, with at most that many blocks per
+        expert row (Settings.mapped_stage_ahead_blocks; 0: each layer stages its own)."""
         self.model = model
+        self.stage_ahead_blocks = stage_ahead_blocks
         self._decoder = decoder_of(model)  # UnsupportedModel where there is no list of layers
         self.layers: list[nn.Module] = list(model.layers)
         self._held = self._decoder["layers"]
@@ -166,15 +179,17 @@ class LayerMajorPrefill:
         step: int = PREFILL_STEP,
         on_progress: Callable[[int], None] | None = None,
         stats: PrefillStats | None = None,
+        pad: int = 0,
     ) -> PrefillStats:
         """Prefill `tokens` (1-D: the prompt but its last token) into `cache`, the
         model's prompt cache, in stock's chunks of `step` (`generate_step`'s
         `prefill_step_size`); `on_progress(tokens_done)` after each layer, in
-        proportion. Returns what it did.
+        proportion. `pad`: the last `pad` tokens are a padded continuation's copies
+        (daemon/model/kv_buckets.py), left out of the counts. Returns what it did.
 
         Raises `UnsupportedModel` before anything is computed or the cache changes
         where the model's forward does not call its layers as this drives them."""
-        return _drained(self.pieces(tokens, cache, step, on_progress, stats))
+        return _drained(self.pieces(tokens, cache, step, on_progress, stats, pad))
 
     def pieces(
         self,
@@ -183,6 +198,7 @@ class LayerMajorPrefill:
         step: int = PREFILL_STEP,
         on_progress: Callable[[int], None] | None = None,
         stats: PrefillStats | None = None,
+        pad: int = 0,
     ) -> Generator[None, None, PrefillStats]:
         """`run`, one decoder layer per step of the generator (it yields after each;
         its value is what `run` returns): between two layers nothing of the prefill is
@@ -191,6 +207,8 @@ class LayerMajorPrefill:
         tic = time.perf_counter()
         n = int(tokens.size)
         sizes = chunk_sizes(n + 1, step)
+        if pad and len(sizes) != 1:
+            raise ValueError("only a prompt of one chunk is padded")
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         hidden: list[mx.array] = []
         calls: list[list[tuple[tuple, dict]]] = []
@@ -199,8 +217,10 @@ class LayerMajorPrefill:
             hidden.append(h)
             calls.append(args)
         stats.chunks += len(sizes)
-        stats.tokens += n
+        stats.tokens += n - pad
+        stats.pad_tokens += pad
         clock = time.perf_counter
+        stats.capture_seconds += clock() - tic
         stacked = [moe is not None and moe.stacks_for(sizes) for moe in self.moes]
         # The next stacked layer after each layer (None after the last): its reads start
         # once this layer's own are done, so the disk works while this layer computes.
@@ -210,49 +230,64 @@ class LayerMajorPrefill:
             after[i] = following
             if stacked[i]:
                 following = self.moes[i]
-        routes = n * max((moe.pool.top_k for moe in self.moes if moe is not None), default=0)
+        routes = (n - pad) * max((moe.pool.top_k for moe in self.moes if moe is not None), default=0)
         if following is not None:
             stats.read_ahead += following.read_ahead(routes)
-        for i, layer in enumerate(self.layers):
-            moe = self.moes[i]
-            stack = stacked[i]
-            t0 = clock()
-            if stack:
-                stats.staged_bytes += moe.begin_stack()
-                stats.staged_layers += 1
-            t1 = clock()
-            ran = False
-            try:
-                for k in range(len(sizes)):
-                    args, kwargs = calls[k][i]
-                    hidden[k] = layer(hidden[k], *args, **kwargs)
-                t2 = clock()
+        try:
+            for i, layer in enumerate(self.layers):
+                moe = self.moes[i]
+                stack = stacked[i]
+                t0 = clock()
                 if stack:
-                    stats.read_bytes += moe.fill_stack()
-                if stack and after[i] is not None:
-                    stats.read_ahead += after[i].read_ahead(routes)
-                t3 = clock()
-                for k in range(len(sizes)):
-                    mx.eval(hidden[k])
-                # The cache list need not follow the layers (a hybrid model keeps none for
-                # its MoE-only layers): evaluate all, of which only this layer's is new.
-                mx.eval([a for c in cache for a in _state(c)])
-                t4 = clock()
-                ran = True
-            finally:
-                if stack:
-                    moe.end_stack(keep=ran)
-            stats.stage_seconds += t1 - t0
-            stats.route_seconds += t2 - t1
-            stats.read_seconds += t3 - t2
-            stats.compute_seconds += t4 - t3
-            stats.keep_seconds += clock() - t4
-            if on_progress is not None:
-                on_progress(n * (i + 1) // len(self.layers))
-            if i + 1 < len(self.layers):
-                stats.seconds += time.perf_counter() - tic
-                yield
-                tic = time.perf_counter()
+                    stats.staged_bytes += moe.begin_stack(pad)
+                    stats.staged_layers += 1
+                t1 = clock()
+                ran = False
+                try:
+                    for k in range(len(sizes)):
+                        args, kwargs = calls[k][i]
+                        hidden[k] = layer(hidden[k], *args, **kwargs)
+                    t2 = clock()
+                    if stack:
+                        stats.read_bytes += moe.fill_stack()
+                    nxt = after[i]
+                    if stack and nxt is not None:
+                        stats.read_ahead += nxt.read_ahead(routes)
+                    # A mapped pool's next stack needs no routing: its copy goes into this
+                    # layer's graph, beside its kernels, instead of before the next layer's.
+                    ahead: list[mx.array] = []
+                    # Once, where dense layers come between (the first of them copies it).
+                    if nxt is not None and nxt.pool.host_memory and self.stage_ahead_blocks > 0 and not nxt.ahead:
+                        ahead = nxt.stage_ahead(self.stage_ahead_blocks)
+                        stats.staged_ahead += 1
+                    t3 = clock()
+                    for k in range(len(sizes)):
+                        mx.eval(hidden[k], *(ahead if k == 0 else ()))
+                    # The cache list need not follow the layers (a hybrid model keeps none for
+                    # its MoE-only layers): evaluate all, of which only this layer's is new.
+                    mx.eval([a for c in cache for a in _state(c)])
+                    t4 = clock()
+                    ran = True
+                finally:
+                    if stack:
+                        moe.end_stack(keep=ran)
+                stats.stage_seconds += t1 - t0
+                stats.route_seconds += t2 - t1
+                stats.read_seconds += t3 - t2
+                stats.compute_seconds += t4 - t3
+                stats.keep_seconds += clock() - t4
+                if on_progress is not None:
+                    on_progress((n - pad) * (i + 1) // len(self.layers))
+                if i + 1 < len(self.layers):
+                    stats.seconds += time.perf_counter() - tic
+                    yield
+                    tic = time.perf_counter()
+        finally:
+            # A prefill that stopped (an error, or a cancelled request's generator
+            # closed) leaves no stack staged ahead behind.
+            for moe in self.moes:
+                if moe is not None:
+                    moe.drop_ahead()
         stats.seconds += time.perf_counter() - tic
         return stats
 
@@ -283,6 +318,16 @@ def _state(cache: Any) -> list[Any]:
         return []
     state = cache.state
     return [a for a in (state if isinstance(state, (list, tuple)) else [state]) if a is not None]
+
+
+def _ended(cache: list[Any], views: list[Any], pad: int, stats: PrefillStats | None) -> list[Any]:
+    """`cache` after a layer-major prefill on `views` (the padded continuation's caches,
+    or `cache` itself where `views` is it)."""
+    if views is not cache:
+        end_continuation(cache, views, pad)
+        if stats is not None:
+            stats.padded += 1
+    return cache
 
 
 def _drained(pieces: Generator[None, None, Any]) -> Any:
@@ -333,14 +378,20 @@ def prefill_pieces(
         return cache
     lm = sm.layer_major if layer_major else None
     if lm is not None and lm.wanted(n + 1, step):
-        layers = lm.pieces(prompt, cache, step, on_progress=on_progress, stats=stats)
+        # A continuation from the prompt cache runs padded where the chunked path below
+        # pads it, so that a chat's turns meet the shapes met before (kv_buckets.py).
+        padded = padded_continuation(prompt, cache, sm.continuation_bucket)
+        if padded is not None and len(chunk_sizes(int(padded[0].size) + 1, step)) != 1:
+            padded = None
+        fed, views, pad = padded if padded is not None else (prompt, cache, 0)
+        layers = lm.pieces(fed, views, step, on_progress=on_progress, stats=stats, pad=pad)
         try:
             with mx.stream(generation_stream):
                 next(layers)
         except UnsupportedModel:
             pass  # refused before anything ran: stock's chunks below
         except StopIteration:
-            return cache
+            return _ended(cache, views, pad, stats)
         else:
             while True:
                 yield
@@ -348,7 +399,7 @@ def prefill_pieces(
                     with mx.stream(generation_stream):
                         next(layers)
                 except StopIteration:
-                    return cache
+                    return _ended(cache, views, pad, stats)
     for start in range(0, n, step):
         if start:
             yield

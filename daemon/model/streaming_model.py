@@ -474,7 +474,8 @@ def _layer_major(model: nn.Module, settings: Settings) -> tuple[LayerMajorPrefil
     if settings.prefill == "chunk":
         return None, "chunk: stock's order (prefill = chunk)"
     try:
-        return LayerMajorPrefill(model), "layer: a partial pool's prompt goes through one layer at a time"
+        prefill = LayerMajorPrefill(model, stage_ahead_blocks=settings.mapped_stage_ahead_blocks)
+        return prefill, "layer: a partial pool's prompt goes through one layer at a time"
     except UnsupportedModel as e:
         return None, f"chunk: {e}"
 

@@ -70,6 +70,11 @@ class StreamingMoE(nn.Module):
         self.ordinal = pool.layer.ordinal
         # The transient stack of a layer-major prefill, between begin_stack and end_stack.
         self._stack: dict[str, mx.array] | None = None
+        # A mapped pool's stack staged while the layers below computed (`stage_ahead`),
+        # with its bytes: what the next `begin_stack` takes.
+        self._ahead: tuple[dict[str, mx.array], int] | None = None
+        # Tokens at the end of the stacked forwards that are padding (`begin_stack`).
+        self._pad = 0
         self._last_ids: np.ndarray | None = None
         self._use(pool.arrays)
 
@@ -104,12 +109,37 @@ class StreamingMoE(nn.Module):
             return max(chunks) * pool.top_k >= pool.layer.num_experts
         return not pool.fully_resident and (len(chunks) > 1 or max(chunks) * pool.top_k > pool.capacity)
 
-    def begin_stack(self) -> int:
-        """Run the next forwards on a transient stack of the whole layer; returns the
-        bytes staged into it from the pool."""
-        self._stack, staged = self.pool.stage_layer()
+    def begin_stack(self, pad: int = 0) -> int:
+        """Run the next forwards on a transient stack of the whole layer (the one
+        `stage_ahead` made, if any); returns the bytes staged into it from the pool.
+        `pad`: the last `pad` tokens of the forwards are a padded continuation's copies
+        of its last token (daemon/model/kv_buckets.py): computed, but not counted as
+        routed. They route what that token routes, so the stack's rows are the same."""
+        ahead, self._ahead = self._ahead, None
+        self._stack, staged = ahead if ahead is not None else self.pool.stage_layer()
         self._last_ids = None
+        self._pad = pad
         return staged
+
+    def stage_ahead(self, blocks: int) -> list[mx.array]:
+        """A mapped pool's stack for the next `begin_stack`, made now, with at most
+        `blocks` blocks per expert row of the copy kernel: its arrays, to be evaluated
+        with the layer below, whose kernels the copy then runs beside (it reads no
+        routing, so it needs nothing of that layer). A slot pool's stack depends on the
+        routing its forwards read back, so only a mapped pool stages ahead."""
+        assert self.pool.host_memory
+        self._ahead = self.pool.stage_layer(blocks)
+        return list(self._ahead[0].values())
+
+    @property
+    def ahead(self) -> bool:
+        """Whether a stack staged ahead waits for the next `begin_stack`."""
+        return self._ahead is not None
+
+    def drop_ahead(self) -> None:
+        """Forget a stack staged ahead that no `begin_stack` took (a prefill that
+        stopped before this layer), so that its memory goes."""
+        self._ahead = None
 
     def read_ahead(self, routes: int) -> int:
         """Start reading, before this layer's stacked forwards, the experts its pool lacks
@@ -137,11 +167,12 @@ class StreamingMoE(nn.Module):
         in stock's stacked weights). A slot pool reads the routing back to learn what
         to bring in; a mapped pool's stack holds every expert already."""
         pool = self.pool
+        counted = indices[..., : indices.shape[-2] - self._pad, :] if self._pad else indices
         if pool.host_memory:
             if pool.route_log is not None:
-                pool.route_log.append(indices)
+                pool.route_log.append(counted)
         else:
-            ids = np.array(indices)
+            ids = np.array(counted)
             pool.stats.host_syncs += 1
             self._last_ids = ids.reshape(-1, ids.shape[-1])
             pool.note_stacked(self._last_ids, self.hub.recorder)

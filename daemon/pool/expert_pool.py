@@ -432,10 +432,11 @@ class ExpertPool:
 
     # ---- a layer-major prefill's stack (daemon/model/prefill.py) -----------------------
 
-    def stage_layer(self) -> tuple[dict[str, mx.array], int]:
+    def stage_layer(self, blocks: int | None = None) -> tuple[dict[str, mx.array], int]:
         """A stack of the whole layer in GPU memory, row e for expert e, and the bytes
         staged into it. A mapped pool copies every expert in (lazily: it runs with the
-        layer's first forward); a slot pool copies its resident experts now and leaves
+        graph that first evaluates it; `blocks` caps the copy kernel's blocks per row,
+        else the kernel's own); a slot pool copies its resident experts now and leaves
         the rows of the others to `fill_stack`."""
         layer = self.layer
         n = layer.num_experts
@@ -445,7 +446,12 @@ class ExpertPool:
         self._stack_missing = set()
         if self.host_memory:
             everything = mx.arange(n, dtype=mx.uint32)
-            rows = self.gather(arrays, everything) if self.gather is not None else _take_rows(arrays, everything)
+            if self.gather is None:
+                rows = _take_rows(arrays, everything)
+            elif blocks is None:
+                rows = self.gather(arrays, everything)
+            else:
+                rows = self.gather(arrays, everything, max_blocks=blocks)
             staged = n
         else:
             self._settle()
