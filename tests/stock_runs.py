@@ -23,38 +23,37 @@ def stepped(steps: Iterable[tuple[Any, mx.array]]) -> tuple[list[int], list[np.n
 
 
 def stock_batched(
-    model, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], eos: Sequence[int]
+    model, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], eos: Sequence[int], alone: int = 2
 ) -> list[list[int]]:
-    """Greedy tokens of `prompts` decoded together by stock's `BatchGenerator`, fed as
-    moestream's `BatchSession` feeds it when the requests arrive together: the first
-    prompt but its last token prefilled on its own cache, as `generate_step` prefills it
-    (a request alone), then its last token inserted with that cache (how `BatchGenerator`
-    takes a prompt with a cache); once it has its first token, the others' whole prompts
-    inserted, which the generator prefills together at its next step (its own batching
-    of prompts)."""
+    """Greedy tokens of `prompts` decoded together, fed as moestream's `BatchSession`
+    feeds stock's `BatchGenerator` when the requests arrive together: the first prompt but
+    its last token prefilled on its own cache, as `generate_step` prefills it (a request
+    alone); its first `alone` tokens made alone by `generate_step`'s step (its last prompt
+    token, then each token, fed while the next is sampled); when the others arrive, its
+    last token sampled but not fed inserted with that cache (how `BatchGenerator` takes a
+    request with a cache), then the others' whole prompts, which the generator prefills
+    together at its next step (its own batching of prompts)."""
     first = prompts[0]
     cache = make_prompt_cache(model)
     model(mx.array(list(first[:-1]))[None], cache=cache)
     mx.eval([c.state for c in cache])
+    made: list[int] = []
+    token = first[-1]
+    for _ in range(alone):
+        logits = model(mx.array([[token]]), cache=cache)[:, -1, :]
+        token = int(GREEDY(logits - mx.logsumexp(logits, keepdims=True)).item())
+        made.append(token)
     gen = BatchGenerator(model, stop_tokens=[[e] for e in eos], completion_batch_size=8, prefill_batch_size=8)
-    uids = gen.insert([[first[-1]]], max_tokens=[max_tokens[0]], caches=[cache], samplers=[GREEDY])
-    out: dict[int, list[int]] = {uids[0]: []}
+    uids = gen.insert([[token]], max_tokens=[max_tokens[0] - alone], caches=[cache], samplers=[GREEDY])
+    out: dict[int, list[int]] = {uids[0]: made}
     done: set[int] = set()
-
-    def step() -> None:
+    for p, m in zip(prompts[1:], max_tokens[1:]):
+        uids += gen.insert([list(p)], max_tokens=[m], samplers=[GREEDY])
+        out[uids[-1]] = []
+    while len(done) < len(uids):
         for r in gen.next()[1]:
             out[r.uid].append(int(r.token))
             if r.finish_reason is not None:
                 done.add(r.uid)
-
-    while not out[uids[0]]:
-        step()
-    rest = gen.insert(
-        [list(p) for p in prompts[1:]], max_tokens=list(max_tokens[1:]), samplers=[GREEDY] * (len(prompts) - 1)
-    )
-    out.update({u: [] for u in rest})
-    uids += rest
-    while len(done) < len(uids):
-        step()
     gen.close()
     return [out[u] for u in uids]

@@ -26,7 +26,7 @@ from tiny_models import MOE_ARCHS, make_tiny_model
 
 from moestream.daemon.mapped.row_gather import MAX_GATHERED
 from moestream.daemon.model.batching import JOINT_PREFILL_TOKENS, BatchSession
-from moestream.daemon.model.generation import SamplingParams, generate, plain_steps
+from moestream.daemon.model.generation import SamplingParams, generate, plain_steps, request_sampler
 from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.daemon.pool.capacity import top_k_of
 from moestream.daemon.store.convert import convert_model
@@ -63,9 +63,11 @@ def _ours_batched(sm, prompts: list[list[int]]) -> list[list[int]]:
     # More than one decoded together (a prompt prefilled in pieces while the batch
     # decodes may join after an earlier short request has left).
     assert session.size == 0 and 1 < session.stats.max_size <= min(len(prompts), session.max_batch)
-    # The first request was alone (prefilled on its own); the others, arriving while it
-    # decoded, were prefilled together by the batch.
+    # The first request was alone (prefilled on its own, its first two tokens made
+    # outside the batch, as stock_batched feeds it); the others, arriving while it
+    # decoded, were prefilled together by the batch, which it joined with them.
     assert session.stats.joint_prefills == len(prompts) - 1
+    assert session.stats.solo_tokens == 2 and session.stats.handoffs == 1
     session.close()
     return out
 
@@ -123,6 +125,51 @@ def test_a_request_in_a_batch_makes_the_tokens_it_makes_alone(converted):
         # 8 slots of top-4 experts: a step of more than 2 requests could not fit.
         assert result.stats["batch"]["requested"] == 4 and result.stats["batch"]["max_batch"] == session.max_batch
         assert session.max_batch == sm.capacity // sm.pools[0].top_k < 4
+        session.close()
+    finally:
+        sm.close()
+
+
+def test_a_request_alone_decodes_outside_the_batch_and_hands_over_with_its_draws(converted):
+    """A lone request never steps mlx-lm's `BatchGenerator` (whose machinery costs a lone
+    stream about 40% on the H200); when another joins, it goes into the batch with the
+    token it sampled, its cache and its sampler: a seeded sampled request makes the
+    tokens it makes alone (`plain_steps`), before and after the handover, and so does the
+    one that joined it."""
+    store, _, _ = converted
+    sm = load_streaming_model(store, Settings(capacity=1.0, direct_io=True))
+    try:
+        params = [SamplingParams(max_tokens=12, temp=1.0, seed=s) for s in (11, 12)]
+        prompts = _prompts()[:2]
+        alone = [
+            [int(t) for t, _ in plain_steps(sm, p, request_sampler(q), q.max_tokens)] for p, q in zip(prompts, params)
+        ]
+        session = BatchSession(sm, max_batch=4)
+        first = session.steps(prompts[0], request_sampler(params[0]), params[0].max_tokens)
+        got: list[list[int]] = [[], []]
+        for _ in range(5):
+            got[0].append(int(next(first)[0]))
+        # Five tokens made alone (the sixth sampled ahead): no batch step, nothing in the batch.
+        assert session.stats.solo_tokens == 5 and session.stats.steps == 0 and session.size == 1
+        second = session.steps(prompts[1], request_sampler(params[1]), params[1].max_tokens)
+        gens = [first, second]
+        live = [0, 1]
+        while live:
+            for i in list(live):
+                try:
+                    token, _ = next(gens[i])
+                except StopIteration:
+                    live.remove(i)
+                    continue
+                if token is not None:
+                    got[i].append(int(token))
+        assert session.stats.handoffs == 1 and session.stats.steps > 0 and session.stats.max_size == 2
+        # A random tiny model may end early on its end token, as alone.
+        assert got == [a[: len(g)] for a, g in zip(alone, got)] and got == alone
+        # Alone again: a later lone request does not enter the batch either.
+        steps_before = session.stats.steps
+        assert [int(t) for t, _ in session.steps(prompts[1], request_sampler(params[1]), 12)] == alone[1]
+        assert session.stats.steps == steps_before and session.size == 0
         session.close()
     finally:
         sm.close()

@@ -17,6 +17,15 @@ the batch's steps. Eight short prompts arriving at once then cost about one pref
 eight in a row while the batch waits. A request alone (nothing decoding) is prefilled on
 its own cache as above, so that it is served exactly as without batching.
 
+A request alone decodes outside the batch, as `generate_step` decodes (`_Solo`): on the
+H200 a lone request in mlx-lm's `BatchGenerator` made 0.60x the tokens a second of
+`generate_step` at 100% and 0.62x at 25% + host (masked attention, per-row offsets and
+the batch's bookkeeping at every layer; tests/bench/RESULTS.md, "Serving several
+clients"). When another request joins, the lone one hands over: the token it has
+sampled but not fed goes into the batch with its cache and its sampler, which is how a
+request prefilled alone joins anyway, so its tokens and its seeded draws are the ones it
+would have made alone.
+
 Each request still looks like a generator of (token, logprobs) to `iter_generate`
 (`BatchSession.steps`): when its own buffer is empty it advances the whole batch one
 step, which fills every member's buffer; the engine loop's round robin then finds the
@@ -31,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Sequence
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.generate import BatchGenerator, generation_stream
 
 from moestream.daemon.mapped.row_gather import MAX_GATHERED
 from moestream.daemon.model.prefill import PREFILL_STEP, PrefillStats, prefill_pieces
@@ -55,10 +64,15 @@ class BatchStats:
     # Tokens made over all steps, and the largest batch seen.
     tokens: int = 0
     max_size: int = 0
+    # Requests that started in the session (alone or in the batch), and that left it.
     joined: int = 0
     left: int = 0
     # Requests whose prompts the batch prefilled, together with any that arrived with them.
     joint_prefills: int = 0
+    # Tokens made by a request decoding alone, outside the batch, and the lone requests
+    # that handed over to the batch when another joined.
+    solo_tokens: int = 0
+    handoffs: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "mean_size": self.tokens / self.steps if self.steps else None}
@@ -66,9 +80,10 @@ class BatchStats:
 
 @dataclass
 class _Member:
-    """A request's tokens made by batch steps and not yet taken."""
+    """A request's tokens made by batch steps (or alone) and not yet taken."""
 
-    uid: int
+    # Its id in the batch; None while it decodes alone.
+    uid: int | None
 
     # The tokens its cache held when it joined: the prompt's tokens the batch does not
     # count among those it fed (`all_tokens`); the prompt cache keys the final cache by both.
@@ -85,6 +100,52 @@ class _Member:
 
     def keep(self, cache: list[Any], tokens: list[int]) -> None:
         self.final = (cache, tokens)
+
+    def handed_over(self, uid: int, fed: Sequence[int]) -> None:
+        """It decoded alone and is now `uid` in the batch, on a cache that holds what it
+        brought and the tokens it `fed` alone."""
+        self.uid = uid
+        self.brought = [*self.brought, *fed]
+
+
+@dataclass
+class _Solo:
+    """A request decoding alone, as `generate_step` decodes: every token it yields has
+    gone into `cache` (listed in `fed`), and `pending` is the token sampled from the last
+    of them, neither fed nor yielded yet (computed while the caller takes the previous)."""
+
+    member: _Member
+    cache: list[Any]
+    sampler: Callable[[mx.array], mx.array]
+    max_tokens: int
+    pending: mx.array
+    fed: list[int] = field(default_factory=list)
+    produced: int = 0
+
+    def feed(self, model: Any) -> None:
+        """Feed the pending token into the cache and sample the next, lazily and started
+        on the device: `generate_step`'s own step (its logits, normalized, then the
+        request's sampler), so that a request alone makes stock's tokens."""
+        with mx.stream(generation_stream):
+            logits = model(self.pending[None], cache=self.cache)[:, -1, :]
+            sampled = self.sampler(logits - mx.logsumexp(logits, keepdims=True))
+        mx.async_eval(sampled)
+        self.pending = sampled
+
+    def step(self, model: Any, eos: frozenset[int]) -> None:
+        """Make the next token: the pending one, fed while the one after it is sampled on
+        the device (as `generate_step` keeps one step ahead)."""
+        token = self.pending
+        self.feed(model)
+        value = int(token.item())
+        self.fed.append(value)
+        self.made(value, eos)
+
+    def made(self, token: int, eos: frozenset[int]) -> None:
+        """`token` is the request's next: into its buffer, the last at an end token or
+        its max tokens."""
+        self.produced += 1
+        self.member.add(token, token in eos or self.produced >= self.max_tokens)
 
 
 def batch_cap(sm: StreamingModel, max_batch: int) -> int:
@@ -120,16 +181,19 @@ class BatchSession:
             prefill_batch_size=max_batch,
             prefill_step_size=prefill_step,
         )
+        self._eos = frozenset(eos)
         self._members: dict[int, _Member] = {}
+        # The request decoding alone, outside the batch (none while the batch decodes).
+        self._solo: _Solo | None = None
         self.stats = BatchStats()
 
     @property
     def size(self) -> int:
-        return len(self._members)
+        return len(self._members) + (self._solo is not None)
 
     def decoding(self) -> int:
-        """Members whose tokens are still being made."""
-        return sum(not m.finished for m in self._members.values())
+        """Members whose tokens are still being made (the one decoding alone too)."""
+        return sum(not m.finished for m in self._members.values()) + (self._solo is not None)
 
     def has_room(self, active: int) -> bool:
         """Whether a request may start beside `active` batched ones."""
@@ -177,10 +241,13 @@ class BatchSession:
             self.stats.joint_prefills += 1
             member = self._join([int(t) for t in prompt_ids[m:]], cache, sampler, max_tokens, prompt_ids[:m])
         else:
-            member = yield from self._prefill_alone(
-                prompt_ids, m, cache, sampler, max_tokens, progress, prefill_stats, cache_use
-            )
-        uid = member.uid
+            cache = yield from self._prefill_alone(prompt_ids, m, cache, progress, prefill_stats, cache_use)
+            if cache_use is not None:
+                cache_use.keep_prompt(prompt_ids, cache)
+            if self.decoding():
+                member = self._join([int(prompt_ids[-1])], cache, sampler, max_tokens, prompt_ids[:-1])
+            else:
+                member = self._start_solo(int(prompt_ids[-1]), cache, sampler, max_tokens, prompt_ids[:-1])
         first = True
         try:
             if joint:
@@ -189,7 +256,10 @@ class BatchSession:
                 yield None, None
             while True:
                 while not member.tokens and not member.finished:
-                    self._advance()
+                    if member.uid is None:
+                        self._solo_step()
+                    else:
+                        self._advance()
                 if not member.tokens:
                     return
                 if first:
@@ -197,9 +267,12 @@ class BatchSession:
                     first = False
                 yield member.tokens.popleft(), None
         finally:
-            del self._members[uid]
-            if not member.finished:
-                self._gen.remove([uid])
+            if self._solo is not None and self._solo.member is member:
+                self._solo = None
+            if member.uid is not None:
+                del self._members[member.uid]
+                if not member.finished:
+                    self._gen.remove([member.uid])
             self.stats.left += 1
             if cache_use is not None and member.final is not None:
                 cache, tokens = member.final
@@ -216,14 +289,12 @@ class BatchSession:
         prompt_ids: Sequence[int],
         m: int,
         cache: list[Any] | None,
-        sampler: Callable[[mx.array], mx.array],
-        max_tokens: int,
         progress: Callable[[int, int], None],
         prefill_stats: PrefillStats | None,
         cache_use: CacheUse | None,
-    ) -> Generator[tuple[None, None], None, _Member]:
-        """Prefill the prompt but its last token on the request's own cache, then join
-        the batch with that cache and the last token."""
+    ) -> Generator[tuple[None, None], None, list[Any]]:
+        """Prefill the prompt but its last token on the request's own cache (from
+        position `m`, past a cached prefix), and return that cache."""
         prompt = mx.array(list(prompt_ids))
         n = int(prompt.size)
         pieces = prefill_pieces(
@@ -244,9 +315,58 @@ class BatchSession:
                 # The others decode between this prompt's pieces (a layer, or a chunk):
                 # a turn with no token yet.
                 yield None, None
-        if cache_use is not None:
-            cache_use.keep_prompt(prompt_ids, cache)
-        return self._join([int(prompt_ids[-1])], cache, sampler, max_tokens, prompt_ids[:-1])
+        return cache
+
+    def _start_solo(
+        self,
+        last: int,
+        cache: list[Any],
+        sampler: Callable[[mx.array], mx.array],
+        max_tokens: int,
+        brought: Sequence[int],
+    ) -> _Member:
+        """Decode alone from the prompt's `last` token on `cache` (which holds `brought`),
+        as `generate_step` takes its prompt's last token, until another request joins."""
+        member = _Member(None, brought=list(brought))
+        solo = _Solo(member, cache, sampler, max_tokens, pending=mx.array([last]), fed=[last])
+        solo.feed(self.sm.model)
+        self._solo = solo
+        self.stats.joined += 1
+        return member
+
+    def _solo_step(self) -> None:
+        """The request alone makes its next token."""
+        solo = self._solo
+        assert solo is not None
+        solo.step(self.sm.model, self._eos)
+        self.stats.solo_tokens += 1
+        if solo.member.finished:
+            solo.member.keep(solo.cache, solo.fed)
+            self._solo = None
+
+    def _hand_over(self) -> None:
+        """Move the request decoding alone into the batch: its pending token (sampled by
+        its own sampler, not fed) is its next token, and the batch feeds it on the
+        request's cache, with the same sampler for the rest."""
+        solo, self._solo = self._solo, None
+        if solo is None:
+            return
+        member = solo.member
+        solo.made(int(solo.pending.item()), self._eos)
+        self.stats.solo_tokens += 1
+        if member.finished:
+            # Its last token came with the handover: the cache holds what it fed.
+            member.keep(solo.cache, solo.fed)
+            return
+        (uid,) = self._gen.insert(
+            [[member.tokens[-1]]],
+            max_tokens=[solo.max_tokens - solo.produced],
+            caches=[solo.cache],
+            samplers=[solo.sampler],
+        )
+        member.handed_over(uid, solo.fed)
+        self._members[uid] = member
+        self.stats.handoffs += 1
 
     def _join(
         self,
@@ -257,7 +377,9 @@ class BatchSession:
         brought: Sequence[int],
     ) -> _Member:
         """Insert `tokens` (what the batch still feeds, on `cache`, which holds `brought`)
-        once the batch has room; the request's member."""
+        once the batch has room; the request's member. A request decoding alone goes
+        into the batch first."""
+        self._hand_over()
         self._wait_for_room()
         (uid,) = self._gen.insert(
             [tokens], max_tokens=[max_tokens], caches=[cache] if cache is not None else None, samplers=[sampler]
