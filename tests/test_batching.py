@@ -43,14 +43,10 @@ def _prompts() -> list[list[int]]:
     return [rng.integers(0, 500, size=n).tolist() for n in LENGTHS]
 
 
-def _ours_batched(sm, prompts: list[list[int]]) -> list[list[int]]:
-    session = BatchSession(sm, max_batch=8)
-    # A partial slot pool caps the batch at what one step's experts need of its slots.
-    assert session.max_batch == (8 if all(p.fully_resident for p in sm.pools) else sm.capacity // sm.pools[0].top_k)
-    gens = [session.steps(p, GREEDY, m) for p, m in zip(prompts, MAX_TOKENS)]
-    out: list[list[int]] = [[] for _ in prompts]
-    live = list(range(len(prompts)))
-    # Round robin, one token per request per turn, as the engine loop steps its jobs.
+def _round_robin(gens, out: list[list[int]]) -> None:
+    """Step the requests' generators one token each per turn, as the engine loop steps
+    its jobs, until all end; each one's tokens are added to its list in `out`."""
+    live = list(range(len(gens)))
     while live:
         for i in list(live):
             try:
@@ -60,6 +56,14 @@ def _ours_batched(sm, prompts: list[list[int]]) -> list[list[int]]:
                 continue
             if token is not None:  # None: a piece of its prompt, the others' turn next
                 out[i].append(int(token))
+
+
+def _ours_batched(sm, prompts: list[list[int]]) -> list[list[int]]:
+    session = BatchSession(sm, max_batch=8)
+    # A partial slot pool caps the batch at what one step's experts need of its slots.
+    assert session.max_batch == (8 if all(p.fully_resident for p in sm.pools) else sm.capacity // sm.pools[0].top_k)
+    out: list[list[int]] = [[] for _ in prompts]
+    _round_robin([session.steps(p, GREEDY, m) for p, m in zip(prompts, MAX_TOKENS)], out)
     # More than one decoded together (a prompt prefilled in pieces while the batch
     # decodes may join after an earlier short request has left).
     assert session.size == 0 and 1 < session.stats.max_size <= min(len(prompts), session.max_batch)
@@ -152,17 +156,7 @@ def test_a_request_alone_decodes_outside_the_batch_and_hands_over_with_its_draws
         # Five tokens made alone (the sixth sampled ahead): no batch step, nothing in the batch.
         assert session.stats.solo_tokens == 5 and session.stats.steps == 0 and session.size == 1
         second = session.steps(prompts[1], request_sampler(params[1]), params[1].max_tokens)
-        gens = [first, second]
-        live = [0, 1]
-        while live:
-            for i in list(live):
-                try:
-                    token, _ = next(gens[i])
-                except StopIteration:
-                    live.remove(i)
-                    continue
-                if token is not None:
-                    got[i].append(int(token))
+        _round_robin([first, second], got)
         assert session.stats.handoffs == 1 and session.stats.steps > 0 and session.stats.max_size == 2
         # A random tiny model may end early on its end token, as alone.
         assert got == [a[: len(g)] for a, g in zip(alone, got)] and got == alone
