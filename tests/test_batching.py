@@ -158,8 +158,7 @@ def test_a_request_alone_decodes_outside_the_batch_and_hands_over_with_its_draws
         second = session.steps(prompts[1], request_sampler(params[1]), params[1].max_tokens)
         _round_robin([first, second], got)
         assert session.stats.handoffs == 1 and session.stats.steps > 0 and session.stats.max_size == 2
-        # A random tiny model may end early on its end token, as alone.
-        assert got == [a[: len(g)] for a, g in zip(alone, got)] and got == alone
+        assert got == alone
         # Alone again: a later lone request does not enter the batch either.
         steps_before = session.stats.steps
         assert [int(t) for t, _ in session.steps(prompts[1], request_sampler(params[1]), 12)] == alone[1]

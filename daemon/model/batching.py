@@ -143,9 +143,11 @@ class _Solo:
 
     def made(self, token: int, eos: frozenset[int]) -> None:
         """`token` is the request's next: into its buffer, the last at an end token or
-        its max tokens."""
+        its max tokens, and then its cache is the one the request keeps."""
         self.produced += 1
         self.member.add(token, token in eos or self.produced >= self.max_tokens)
+        if self.member.finished:
+            self.member.keep(self.cache, self.fed)
 
 
 def batch_cap(sm: StreamingModel, max_batch: int) -> int:
@@ -341,7 +343,6 @@ class BatchSession:
         solo.step(self.sm.model, self._eos)
         self.stats.solo_tokens += 1
         if solo.member.finished:
-            solo.member.keep(solo.cache, solo.fed)
             self._solo = None
 
     def _hand_over(self) -> None:
@@ -355,8 +356,7 @@ class BatchSession:
         solo.made(int(solo.pending.item()), self._eos)
         self.stats.solo_tokens += 1
         if member.finished:
-            # Its last token came with the handover: the cache holds what it fed.
-            member.keep(solo.cache, solo.fed)
+            # Its last token came with the handover (not fed: the cache kept holds what it fed).
             return
         (uid,) = self._gen.insert(
             [[member.tokens[-1]]],
