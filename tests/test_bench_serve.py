@@ -46,6 +46,13 @@ def test_levels_of_concurrent_clients_through_a_real_daemon():
         assert level["requests"] == 3 and 3 <= level["tokens"] <= 15
         assert level["aggregate_tokens_per_s"] > 0 and level["ttft_p50_s"] > 0
         assert level["ttft_p50_s"] <= level["ttft_p99_s"] and level["itl_p50_s"] <= level["itl_p99_s"]
+        # Each request's (sent, first token, done) lies within the level's wall, in that order.
+        assert len(level["timeline_s"]) == 3
+        for sent, first, done in level["timeline_s"]:
+            assert 0 <= sent <= first <= done <= level["wall_s"]
+    # One client sends its requests one after another.
+    one = sorted(levels[0]["timeline_s"])
+    assert all(a[2] <= b[0] for a, b in zip(one, one[1:]))
     assert levels[0]["aggregate_over_one_client"] == 1.0
     # Seeded requests: each one's tokens are its own, with or without company.
     assert report["same_tokens_at_every_level"] is True

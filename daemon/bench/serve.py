@@ -82,7 +82,11 @@ class _Request:
     seed: int
 
 
-def _one_request(client: Client, req: _Request, settings: BenchServeSettings) -> dict[str, Any]:
+def _one_request(
+    client: Client, req: _Request, settings: BenchServeSettings, t0: float | None = None
+) -> dict[str, Any]:
+    """One request's tokens and timings; `t0`: the level's start, from which its
+    `timeline` (sent, first token, done) is measured."""
     tic = time.perf_counter()
     stamps: list[float] = []
     done: proto.Done | None = None
@@ -104,6 +108,7 @@ def _one_request(client: Client, req: _Request, settings: BenchServeSettings) ->
         "gaps_s": [b - a for a, b in zip(stamps, stamps[1:])],
         "seconds": end - tic,
         "daemon_tokens_per_s": done.stats.get("tokens_per_s"),
+        "timeline_s": [x - t0 for x in (tic, stamps[0] if stamps else end, end)] if t0 is not None else None,
     }
 
 
@@ -123,7 +128,7 @@ def _level(paths: RuntimePaths, n: int, requests: list[_Request], settings: Benc
                         req = work.get_nowait()
                     except queue.Empty:
                         return
-                    out = _one_request(client, req, settings)
+                    out = _one_request(client, req, settings, tic)
                     with lock:
                         results.append(out)
         except BaseException as e:  # handed to the caller below, which raises it
@@ -131,6 +136,7 @@ def _level(paths: RuntimePaths, n: int, requests: list[_Request], settings: Benc
                 errors.append(e)
 
     threads = [threading.Thread(target=client_thread, name=f"bench-serve-{i}") for i in range(n)]
+    # Read by the threads once started: when the level began.
     tic = time.perf_counter()
     for t in threads:
         t.start()
@@ -156,6 +162,9 @@ def _level(paths: RuntimePaths, n: int, requests: list[_Request], settings: Benc
         "itl_p99_s": _percentile(gaps, 0.99),
         "daemon_tokens_per_s_median": statistics.median(daemon_tps) if daemon_tps else None,
         "token_ids": [r["tokens"] for r in results],
+        # Each request's (sent, first token, done), seconds from the level's start: where
+        # the level's wall goes beside its decode steps (joins, prefills, its tail).
+        "timeline_s": [r["timeline_s"] for r in results],
     }
 
 

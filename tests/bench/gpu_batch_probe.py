@@ -22,6 +22,17 @@ tell which of them grows with the batch.
 
     python tests/bench/gpu_batch_probe.py --layers 12 --out /tmp/out/batch_probe.json
     python tests/bench/gpu_batch_probe.py --tiny --out /tmp/batch_probe_cpu.json   # a smoke run
+
+With `--store DIR` it runs instead on a converted store, as the daemon holds it: the
+streaming model at 100% (`stream`) beside stock's model of the same weights (`stock`),
+each with `generate_step`, `own` and the time the host spends building each step's
+graph (`host_own`: the model's calls alone, which the device runs behind); and the
+daemon's own request loop in-process (`loop`: `iter_generate` on a `BatchSession`, B
+requests in the engine loop's round robin, a lone one outside the batch), so that what
+the daemon adds to stock's batching, and whether a step waits on the host or on the
+device, are measured on the same machine and weights as `bench serve`.
+
+    python tests/bench/gpu_batch_probe.py --store /root/q30/store --out /tmp/out/batch_probe_store.json
 """
 
 from __future__ import annotations
@@ -91,18 +102,77 @@ def _kernel_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
 STOCK_SDPA = qwen3_moe.scaled_dot_product_attention
 
 
-def _batch_step_ms(model, vocab: int, b: int, samplers, steps: int, warmup: int) -> float:
-    gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=8, prefill_batch_size=8)
+class _Timed:
+    """A model whose calls (building the graph; the device runs it later) are timed."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.seconds = 0.0
+
+    def __call__(self, *args, **kwargs):
+        tic = time.perf_counter()
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - tic
+
+    def __getattr__(self, key: str):
+        return getattr(self.model, key)
+
+
+def _loop_ms(sm, vocab: int, b: int, steps: int) -> float:
+    """Median ms per round of the daemon's loop: B requests' `iter_generate` on one
+    `BatchSession`, each advanced in turn as the engine loop does (seeded, temperature 1)."""
+    from moestream.daemon.model.batching import BatchSession
+    from moestream.daemon.model.generation import GenerationResult, iter_generate
+
+    session = BatchSession(sm, 8)
+    gens = [
+        iter_generate(
+            sm,
+            [(i * 131 + j * 7) % vocab for j in range(32)],
+            SamplingParams(max_tokens=steps + 8, temp=1.0, seed=i),
+            GenerationResult(),
+            batch=session,
+        )
+        for i in range(b)
+    ]
+    rounds: list[float] = []
+    tic = None
+    made = 0
+    while gens:
+        g = gens.pop(0)
+        if next(g, None) is None:
+            continue
+        gens.append(g)
+        made += 1
+        if made % b == 0 and made >= 4 * b:  # the prompts and the first steps are not timed
+            now = time.perf_counter()
+            if tic is not None:
+                rounds.append(now - tic)
+            tic = now
+    session.close()
+    return 1000 * statistics.median(rounds)
+
+
+def _batch_step_ms(model, vocab: int, b: int, samplers, steps: int, warmup: int, host: list | None = None) -> float:
+    """ms per step of stock's `BatchGenerator` with B requests; with `host`, the ms per
+    step the host spent in the model's calls (building the graph) is appended to it."""
+    timed = _Timed(model)
+    gen = BatchGenerator(timed, stop_tokens=[], completion_batch_size=8, prefill_batch_size=8)
     prompts = [[(i * 131 + j * 7) % vocab for j in range(32)] for i in range(b)]
     gen.insert(prompts, max_tokens=[10_000] * b, samplers=samplers)
     for _ in range(warmup + 2):  # the first steps prefill and start the batch
         gen.next()
+    timed.seconds = 0.0
     tic = time.perf_counter()
     for _ in range(steps):
         gen.next()
     mx.synchronize()
     ms = 1000 * (time.perf_counter() - tic) / steps
     gen.close()
+    if host is not None:
+        host.append(1000 * timed.seconds / steps)
     return ms
 
 
@@ -171,9 +241,13 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny dims (a CPU smoke run)")
     parser.add_argument("--parts", action="store_true", help="also time one layer's attention and MoE block alone")
     parser.add_argument("--attention", action="store_true", help="also time the decode attention changed (see above)")
+    parser.add_argument("--store", help="a converted store: its streaming and stock models (see above)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     mx.set_memory_limit(64 * 2**30)
+    if args.store:
+        _store_main(args)
+        return
     base = TINY if args.tiny else Q30
     config = _config_with_layers(base, args.layers)
     model = _random_model(config, "bfloat16")
@@ -240,6 +314,67 @@ def main() -> None:
         print(f"{name:<16}" + "".join(f"{by_b[b]:>9.2f}" for b in (1, 2, 4, 8)))
     for part in ("attention", "moe") if parts else ():
         print(f"layer {part:<10}" + "".join(f"{parts[b][part]:>9.3f}" for b in (1, 2, 4, 8)))
+
+
+def _store_main(args: argparse.Namespace) -> None:
+    from moestream.daemon.model.streaming_model import load_stock_model, load_streaming_model
+    from moestream.shared.settings import Settings
+
+    sm = load_streaming_model(args.store, Settings(prefetch="off"))
+    print(f"loaded the streaming model at {sm.capacity}", file=sys.stderr, flush=True)
+    models = {"stream": sm.model, "stock": load_stock_model(args.store)}
+    print("loaded the stock model", file=sys.stderr, flush=True)
+    vocab = sm.manifest.config["vocab_size"]
+    kernel = mx.cuda.is_available()
+    rows: dict[str, dict[int, list[float]]] = {}
+    single: dict[str, list[float]] = {}
+    for r in range(args.rounds):
+        for name, model in models.items():
+            single.setdefault(name, []).append(_single_ms(model, vocab, args.steps))
+            print(f"round {r + 1} {name} generate_step {single[name][-1]:.2f} ms", file=sys.stderr, flush=True)
+            for b in (1, 2, 4, 8):
+
+                def own():
+                    return [request_sampler(SamplingParams(temp=1.0, seed=i)) for i in range(b)]
+
+                tic = time.perf_counter()
+                rows.setdefault(f"{name}_own", {}).setdefault(b, []).append(
+                    _batch_step_ms(
+                        model, vocab, b, own(), args.steps, 3, rows.setdefault(f"{name}_host_own", {}).setdefault(b, [])
+                    )
+                )
+                if name == "stream":
+                    rows.setdefault("stream_loop", {}).setdefault(b, []).append(_loop_ms(sm, vocab, b, args.steps))
+                    if kernel:
+                        qwen3_moe.scaled_dot_product_attention = _kernel_sdpa
+                        try:
+                            rows.setdefault("stream_kernel", {}).setdefault(b, []).append(
+                                _batch_step_ms(model, vocab, b, own(), args.steps, 3)
+                            )
+                        finally:
+                            qwen3_moe.scaled_dot_product_attention = STOCK_SDPA
+                done = {k: round(v[b][-1], 2) for k, v in rows.items() if k.startswith(name) and b in v}
+                print(
+                    f"round {r + 1} {name} B={b} in {time.perf_counter() - tic:.1f} s: {done}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    sm.close()
+    report = {
+        "device": str(mx.default_device()),
+        "store": args.store,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "generate_step_ms": {name: statistics.median(v) for name, v in single.items()},
+        "ms_per_step": {name: {b: statistics.median(v) for b, v in by_b.items()} for name, by_b in rows.items()},
+        "runs": {"generate_step": single, **rows},
+    }
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    for name, ms in report["generate_step_ms"].items():
+        print(f"generate_step {name}: {ms:.2f} ms/token")
+    print("ms per step     " + "".join(f"{'B=' + str(b):>9}" for b in (1, 2, 4, 8)))
+    for name, by_b in report["ms_per_step"].items():
+        print(f"{name:<16}" + "".join(f"{by_b[b]:>9.2f}" for b in (1, 2, 4, 8)))
 
 
 if __name__ == "__main__":
