@@ -86,7 +86,7 @@ def _one_request(
     client: Client, req: _Request, settings: BenchServeSettings, t0: float | None = None
 ) -> dict[str, Any]:
     """One request's tokens and timings; `t0`: the level's start, from which its
-    `timeline` (sent, first token, done) is measured."""
+    `timeline_s` (sent, first token, done) is measured."""
     tic = time.perf_counter()
     stamps: list[float] = []
     done: proto.Done | None = None
