@@ -102,6 +102,22 @@ def _kernel_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
 STOCK_SDPA = qwen3_moe.scaled_dot_product_attention
 
 
+def _prompts(vocab: int, b: int) -> list[list[int]]:
+    """B distinct 32-token prompts, the same in every measurement."""
+    return [[(i * 131 + j * 7) % vocab for j in range(32)] for i in range(b)]
+
+
+def _own_samplers(b: int) -> list:
+    """A seeded sampler per request at temperature 1, as the daemon samples."""
+    return [request_sampler(SamplingParams(temp=1.0, seed=i)) for i in range(b)]
+
+
+def _print_table(ms_per_step: dict[str, dict[int, float]]) -> None:
+    print("ms per step     " + "".join(f"{'B=' + str(b):>9}" for b in (1, 2, 4, 8)))
+    for name, by_b in ms_per_step.items():
+        print(f"{name:<16}" + "".join(f"{by_b[b]:>9.2f}" for b in (1, 2, 4, 8)))
+
+
 class _Timed:
     """A model whose calls (building the graph; the device runs it later) are timed."""
 
@@ -129,13 +145,9 @@ def _loop_ms(sm, vocab: int, b: int, steps: int) -> float:
     session = BatchSession(sm, 8)
     gens = [
         iter_generate(
-            sm,
-            [(i * 131 + j * 7) % vocab for j in range(32)],
-            SamplingParams(max_tokens=steps + 8, temp=1.0, seed=i),
-            GenerationResult(),
-            batch=session,
+            sm, prompt, SamplingParams(max_tokens=steps + 8, temp=1.0, seed=i), GenerationResult(), batch=session
         )
-        for i in range(b)
+        for i, prompt in enumerate(_prompts(vocab, b))
     ]
     rounds: list[float] = []
     tic = None
@@ -160,8 +172,7 @@ def _batch_step_ms(model, vocab: int, b: int, samplers, steps: int, warmup: int,
     step the host spent in the model's calls (building the graph) is appended to it."""
     timed = _Timed(model)
     gen = BatchGenerator(timed, stop_tokens=[], completion_batch_size=8, prefill_batch_size=8)
-    prompts = [[(i * 131 + j * 7) % vocab for j in range(32)] for i in range(b)]
-    gen.insert(prompts, max_tokens=[10_000] * b, samplers=samplers)
+    gen.insert(_prompts(vocab, b), max_tokens=[10_000] * b, samplers=samplers)
     for _ in range(warmup + 2):  # the first steps prefill and start the batch
         gen.next()
     timed.seconds = 0.0
@@ -180,7 +191,7 @@ def _forward_ms(model, vocab: int, b: int, steps: int) -> float:
     from mlx_lm.models.cache import BatchKVCache
 
     cache = [BatchKVCache([0] * b) for _ in model.layers]
-    x = mx.array([[(i * 131 + j * 7) % vocab for j in range(32)] for i in range(b)])
+    x = mx.array(_prompts(vocab, b))
     mx.eval(model(x, cache=cache))
     y = mx.array([[i] for i in range(b)])
     for _ in range(3):
@@ -268,7 +279,7 @@ def main() -> None:
     for r in range(args.rounds):
         single.append(_single_ms(model, vocab, args.steps))
         for b in (1, 2, 4, 8):
-            own = [request_sampler(SamplingParams(temp=1.0, seed=i)) for i in range(b)]
+            own = _own_samplers(b)
             timings = {
                 "shared": lambda: _batch_step_ms(model, vocab, b, None, args.steps, 3),
                 "own": lambda: _batch_step_ms(model, vocab, b, own, args.steps, 3),
@@ -278,7 +289,7 @@ def main() -> None:
                 rows.setdefault(name, {}).setdefault(b, []).append(run())
             switch_layers.SwitchGLU.__call__ = _always_sorted
             try:
-                own = [request_sampler(SamplingParams(temp=1.0, seed=i)) for i in range(b)]
+                own = _own_samplers(b)
                 rows.setdefault("sorted", {}).setdefault(b, []).append(
                     _batch_step_ms(model, vocab, b, own, args.steps, 3)
                 )
@@ -287,7 +298,7 @@ def main() -> None:
             for name, sdpa in variants:
                 qwen3_moe.scaled_dot_product_attention = sdpa
                 try:
-                    own = [request_sampler(SamplingParams(temp=1.0, seed=i)) for i in range(b)]
+                    own = _own_samplers(b)
                     rows.setdefault(name, {}).setdefault(b, []).append(
                         _batch_step_ms(model, vocab, b, own, args.steps, 3)
                     )
@@ -309,9 +320,7 @@ def main() -> None:
     }
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"generate_step B=1: {report['generate_step_ms']:.2f} ms/token")
-    print("ms per step     " + "".join(f"{'B=' + str(b):>9}" for b in (1, 2, 4, 8)))
-    for name, by_b in report["ms_per_step"].items():
-        print(f"{name:<16}" + "".join(f"{by_b[b]:>9.2f}" for b in (1, 2, 4, 8)))
+    _print_table(report["ms_per_step"])
     for part in ("attention", "moe") if parts else ():
         print(f"layer {part:<10}" + "".join(f"{parts[b][part]:>9.3f}" for b in (1, 2, 4, 8)))
 
@@ -333,14 +342,16 @@ def _store_main(args: argparse.Namespace) -> None:
             single.setdefault(name, []).append(_single_ms(model, vocab, args.steps))
             print(f"round {r + 1} {name} generate_step {single[name][-1]:.2f} ms", file=sys.stderr, flush=True)
             for b in (1, 2, 4, 8):
-
-                def own():
-                    return [request_sampler(SamplingParams(temp=1.0, seed=i)) for i in range(b)]
-
                 tic = time.perf_counter()
                 rows.setdefault(f"{name}_own", {}).setdefault(b, []).append(
                     _batch_step_ms(
-                        model, vocab, b, own(), args.steps, 3, rows.setdefault(f"{name}_host_own", {}).setdefault(b, [])
+                        model,
+                        vocab,
+                        b,
+                        _own_samplers(b),
+                        args.steps,
+                        3,
+                        rows.setdefault(f"{name}_host_own", {}).setdefault(b, []),
                     )
                 )
                 if name == "stream":
@@ -349,7 +360,7 @@ def _store_main(args: argparse.Namespace) -> None:
                         qwen3_moe.scaled_dot_product_attention = _kernel_sdpa
                         try:
                             rows.setdefault("stream_kernel", {}).setdefault(b, []).append(
-                                _batch_step_ms(model, vocab, b, own(), args.steps, 3)
+                                _batch_step_ms(model, vocab, b, _own_samplers(b), args.steps, 3)
                             )
                         finally:
                             qwen3_moe.scaled_dot_product_attention = STOCK_SDPA
@@ -372,9 +383,7 @@ def _store_main(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps(report, indent=1))
     for name, ms in report["generate_step_ms"].items():
         print(f"generate_step {name}: {ms:.2f} ms/token")
-    print("ms per step     " + "".join(f"{'B=' + str(b):>9}" for b in (1, 2, 4, 8)))
-    for name, by_b in report["ms_per_step"].items():
-        print(f"{name:<16}" + "".join(f"{by_b[b]:>9.2f}" for b in (1, 2, 4, 8)))
+    _print_table(report["ms_per_step"])
 
 
 if __name__ == "__main__":
