@@ -15,6 +15,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from moestream import __version__
+from moestream.shared.kernel_cache import KernelCacheError, use_kernel_cache
 from moestream.shared.log_rate import RateLimitFilter
 from moestream.shared.runtime_dir import InstanceLock, RuntimeDirError, RuntimePaths
 from moestream.shared.settings import SETTINGS, Settings, SettingsError
@@ -148,6 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as e:
         print(f"moestream daemon: {e}", file=sys.stderr)
         return 2
+    try:
+        # Before MLX compiles its first kernel (in a group's join already).
+        use_kernel_cache(settings.kernel_cache_dir, os.environ)
+    except KernelCacheError as e:
+        print(f"moestream daemon: {e}", file=sys.stderr)
+        return 1
     share = None
     if settings.distributed != "off":
         from moestream.daemon.model.expert_parallel import join_group

@@ -509,6 +509,16 @@ class Settings:
         shown_default_on=RUNTIME_DIR_DEFAULTS,
         help="Folder of the daemon's socket, lock, pid file and log.",
     )
+    # MLX's default (/tmp/mlx) goes at each reboot and is shared by every user (shared/kernel_cache.py).
+    kernel_cache_dir: str | None = setting(
+        None,
+        kind="path",
+        scope=(DAEMON, LOCAL),
+        shown_default="$XDG_CACHE_HOME/moestream/kernels",
+        help="Where MLX's CUDA build keeps the kernels it compiles (MLX_PTX_CACHE_DIR, unless that is set), "
+        "private to you and kept across reboots, so that a restart does not compile them again; unused on "
+        "Metal and the CPU.",
+    )
     log_file: str | None = setting(
         None,
         kind="path",

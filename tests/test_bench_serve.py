@@ -50,6 +50,15 @@ def test_levels_of_concurrent_clients_through_a_real_daemon():
         assert len(level["timeline_s"]) == 3
         for sent, first, done in level["timeline_s"]:
             assert 0 <= sent <= first <= done <= level["wall_s"]
+        # Every token of the level came from the daemon's batch or its lone request, and
+        # the seconds of their work lie within the level's wall.
+        b = level["batch"]
+        assert b["joined"] == level["requests"] and b["tokens"] + b["solo_tokens"] == level["tokens"]
+        spent = [v for k, v in b.items() if k.endswith("_s")]
+        assert len(spent) == 5 and all(v >= 0 for v in spent) and sum(spent) <= level["wall_s"]
+    # One client's requests each decode alone, outside the batch (whether three clients'
+    # meet in it depends on their timing: tests/test_batching_daemon.py makes them).
+    assert levels[0]["batch"]["steps"] == 0 and levels[0]["batch"]["solo_s"] > 0
     # One client sends its requests one after another.
     one = sorted(levels[0]["timeline_s"])
     assert all(a[2] <= b[0] for a, b in zip(one, one[1:]))

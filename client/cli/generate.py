@@ -11,6 +11,7 @@ from typing import Any, TextIO
 import click
 
 from moestream.client.cli.values import capacity_note, setting_options, store_option
+from moestream.shared.kernel_cache import KernelCacheError, use_kernel_cache
 from moestream.shared.settings import GENERATE, LOCAL, Settings, SettingsError, definition, in_scope
 from moestream.shared.store_format import same_folder
 
@@ -192,6 +193,10 @@ def generate(
     if settings.model is None:
         raise click.UsageError("no built-in demo model: give --model STORE")
     store_option(settings.model)  # a wrong folder is a usage error naming --model
+    try:
+        use_kernel_cache(settings.kernel_cache_dir, os.environ)
+    except KernelCacheError as e:
+        raise click.ClickException(str(e)) from None
 
     from moestream.daemon.model.generation import SamplingParams, encode_prompt
     from moestream.daemon.model.generation import generate as run

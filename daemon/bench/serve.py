@@ -112,7 +112,27 @@ def _one_request(
     }
 
 
+def _batch_counts(paths: RuntimePaths) -> dict[str, float]:
+    """The daemon's batch counters now (`status`), the numeric ones."""
+    with Client(paths, timeout=60.0) as client:
+        batch = client.status().get("batch") or {}
+    return {k: v for k, v in batch.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _batch_during(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the batch did between two readings of its counters: steps, tokens, joins and
+    the seconds of each kind of work (decode steps, joint prefills, joins, prefills
+    alone, the lone request's steps), beside which the level's wall shows the rest."""
+    if not after:
+        return {}
+    keep = ("steps", "tokens", "joined", "joint_prefills", "solo_tokens", "handoffs")
+    out = {k: after[k] - before.get(k, 0) for k in after if k in keep or k.endswith("_s")}
+    out["max_size"] = after.get("max_size", 0)
+    return out
+
+
 def _level(paths: RuntimePaths, n: int, requests: list[_Request], settings: BenchServeSettings) -> dict[str, Any]:
+    before = _batch_counts(paths)
     work: queue.SimpleQueue[_Request] = queue.SimpleQueue()
     for r in requests:
         work.put(r)
@@ -143,6 +163,7 @@ def _level(paths: RuntimePaths, n: int, requests: list[_Request], settings: Benc
     for t in threads:
         t.join()
     wall = time.perf_counter() - tic
+    batch = _batch_during(before, _batch_counts(paths))
     if errors:
         raise RuntimeError(f"{n} clients: a client failed: {errors[0]}") from errors[0]
     results.sort(key=lambda r: r["index"])
@@ -165,6 +186,8 @@ def _level(paths: RuntimePaths, n: int, requests: list[_Request], settings: Benc
         # Each request's (sent, first token, done), seconds from the level's start: where
         # the level's wall goes beside its decode steps (joins, prefills, its tail).
         "timeline_s": [r["timeline_s"] for r in results],
+        # The daemon's batch over the level (empty when it does not batch).
+        "batch": batch,
     }
 
 
@@ -255,5 +278,14 @@ def format_report(r: dict[str, Any]) -> str:
             f"{_ms(level['itl_p50_s']):>6}ms {_ms(level['itl_p99_s']):>6}ms "
             f"{(level['daemon_tokens_per_s_median'] or 0):>12.1f}"
         )
+    for level in r["levels"]:
+        b = level.get("batch") or {}
+        if b.get("steps") or b.get("solo_tokens"):
+            lines.append(
+                f"{level['clients']} client(s), of {level['wall_s']:.2f} s: batch steps {b.get('decode_s', 0):.2f} s "
+                f"({b.get('steps', 0)} steps), joint prefills {b.get('joint_prefill_s', 0):.2f} s, joins "
+                f"{b.get('join_s', 0):.2f} s, prefills alone {b.get('prefill_alone_s', 0):.2f} s, a lone request "
+                f"{b.get('solo_s', 0):.2f} s ({b.get('solo_tokens', 0)} tokens)"
+            )
     lines.append(f"same tokens at every level (seeded requests): {r['same_tokens_at_every_level']}")
     return "\n".join(lines)

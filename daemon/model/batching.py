@@ -35,6 +35,7 @@ vanished client) leaves the batch before the next step.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Sequence
@@ -73,6 +74,16 @@ class BatchStats:
     # that handed over to the batch when another joined.
     solo_tokens: int = 0
     handoffs: int = 0
+    # Where the session's time went, in seconds of the engine loop's wall (each call
+    # waits on the device for the step before it, so these add up to device time): the
+    # batch's decode steps, its joint prefills (stock's prompt processing), the rest of
+    # its steps (a joiner's first step and its cache merged into the batch), prompts
+    # prefilled alone, and the lone request's steps.
+    decode_s: float = 0.0
+    joint_prefill_s: float = 0.0
+    join_s: float = 0.0
+    prefill_alone_s: float = 0.0
+    solo_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "mean_size": self.tokens / self.steps if self.steps else None}
@@ -308,11 +319,14 @@ class BatchSession:
             cache=cache,
         )
         while True:
+            tic = time.perf_counter()
             try:
                 next(pieces)
             except StopIteration as end:
                 cache = end.value
                 break
+            finally:
+                self.stats.prefill_alone_s += time.perf_counter() - tic
             if self.decoding():
                 # The others decode between this prompt's pieces (a layer, or a chunk):
                 # a turn with no token yet.
@@ -340,7 +354,9 @@ class BatchSession:
         """The request alone makes its next token."""
         solo = self._solo
         assert solo is not None
+        tic = time.perf_counter()
         solo.step(self.sm.model, self._eos)
+        self.stats.solo_s += time.perf_counter() - tic
         self.stats.solo_tokens += 1
         if solo.member.finished:
             self._solo = None
@@ -397,7 +413,12 @@ class BatchSession:
 
     def _advance(self) -> None:
         """One step of the batch: every member's next token into its buffer."""
-        _, responses = self._gen.next()
+        tic = time.perf_counter()
+        with self._gen.stats() as took:
+            _, responses = self._gen.next()
+        self.stats.decode_s += took.decode_time
+        self.stats.joint_prefill_s += took.prompt_time
+        self.stats.join_s += time.perf_counter() - tic - took.decode_time - took.prompt_time
         if not responses:
             return
         self.stats.steps += 1

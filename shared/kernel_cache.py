@@ -1,0 +1,75 @@
+"""Where MLX's CUDA build keeps the kernels it compiles.
+
+MLX's CUDA backend compiles many of its kernels (NVRTC) the first time it meets them and
+keeps them in `MLX_PTX_CACHE_DIR`, by default `/tmp/mlx/<version>/ptx`. That default
+goes at each reboot, and the first requests then compile again: on the H200 a fresh
+machine's first request took 146 s, one fused kernel 3.7 s where a second process found
+it in the cache in 0.09 s (tests/bench/RESULTS.md, "Where a level's wall goes, and what a joiner costs"). It is also
+one folder for every user of the machine: whoever makes it first owns it, so another
+user's daemon cannot keep its kernels there, or runs kernels that user left there.
+
+So moestream's processes point MLX at a folder of the user's own (mode 0700, checked
+like the runtime folder), one per MLX version (a kernel's name does not change with
+the MLX that compiled it), unless the environment names one already. Metal and the CPU
+do not use it. Imports no MLX: it only sets the variable, before MLX compiles anything
+(MLX reads it at its first compile).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from importlib import metadata
+from pathlib import Path
+from typing import Mapping, MutableMapping
+
+ENV = "MLX_PTX_CACHE_DIR"
+
+
+class KernelCacheError(RuntimeError):
+    """The kernel cache folder cannot be used; the message says why and what to do."""
+
+
+def default_kernel_cache_dir(env: Mapping[str, str]) -> Path:
+    """`$XDG_CACHE_HOME/moestream/kernels` (else ~/.cache/moestream/kernels)."""
+    base = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME", "~")).expanduser() / ".cache")
+    return Path(base) / "moestream" / "kernels"
+
+
+def _mlx_version() -> str:
+    try:
+        return metadata.version("mlx")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _private_folder(folder: Path) -> None:
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(folder)
+    except OSError as e:
+        raise KernelCacheError(f"cannot create the kernel cache folder {folder}: {e.strerror}") from e
+    fix = "remove it, or choose another with --kernel-cache-dir / MOESTREAM_KERNEL_CACHE_DIR"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise KernelCacheError(f"the kernel cache folder {folder} is not a folder (a symlink or a file): {fix}")
+    if st.st_uid != os.getuid():
+        raise KernelCacheError(f"the kernel cache folder {folder} belongs to uid {st.st_uid}, not to you: {fix}")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise KernelCacheError(
+            f"the kernel cache folder {folder} is open to other users (mode {stat.S_IMODE(st.st_mode):04o}): "
+            f"make it private with `chmod 700 {folder}`, or choose another with --kernel-cache-dir"
+        )
+
+
+def use_kernel_cache(folder: str | Path | None, env: MutableMapping[str, str]) -> Path | None:
+    """Point MLX's kernel cache at `<folder or the default>/mlx-<version>` in `env` (the
+    process's own environment, before MLX compiles a kernel); the folder used, or None
+    where `env` names one already (the user's choice stands)."""
+    if env.get(ENV):
+        return None
+    base = Path(folder) if folder else default_kernel_cache_dir(env)
+    _private_folder(base)
+    versioned = base / f"mlx-{_mlx_version()}"
+    _private_folder(versioned)
+    env[ENV] = str(versioned)
+    return versioned

@@ -1,0 +1,76 @@
+"""MLX's CUDA kernel cache in a folder of the user's own (shared/kernel_cache.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+
+import pytest
+from daemon_cli import clean_env, ctl, started_daemon
+
+from moestream.shared.kernel_cache import ENV, KernelCacheError, _mlx_version, use_kernel_cache
+
+
+def _mode(p: Path) -> int:
+    return stat.S_IMODE(os.lstat(p).st_mode)
+
+
+def test_the_default_is_a_private_folder_per_mlx_version_under_the_users_cache(tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    used = use_kernel_cache(None, env)
+    assert used == tmp_path / "cache" / "moestream" / "kernels" / f"mlx-{_mlx_version()}"
+    assert env[ENV] == str(used) and used.is_dir()
+    assert _mode(used) == 0o700 and _mode(used.parent) == 0o700
+    # Once made, the same folder is taken again.
+    again = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    assert use_kernel_cache(None, again) == used
+
+
+def test_a_folder_the_environment_names_stands(tmp_path):
+    env = {ENV: "/somewhere/the/user/chose", "XDG_CACHE_HOME": str(tmp_path)}
+    assert use_kernel_cache(tmp_path / "mine", env) is None
+    assert env[ENV] == "/somewhere/the/user/chose" and not (tmp_path / "mine").exists()
+
+
+def test_a_symlinked_or_open_folder_is_refused_with_what_to_do(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    with pytest.raises(KernelCacheError, match="symlink"):
+        use_kernel_cache(link, {})
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o755)
+    env: dict[str, str] = {}
+    with pytest.raises(KernelCacheError, match="chmod 700"):
+        use_kernel_cache(shared, env)
+    assert ENV not in env
+
+
+def test_the_daemon_makes_its_kernel_cache_and_refuses_a_link(pool_store):
+    root = Path(tempfile.mkdtemp(dir="/tmp", prefix="mskc"))
+    try:
+        folder = root / "kernels"
+        with started_daemon(pool_store, "mskcd", "--kernel-cache-dir", str(folder)):
+            assert _mode(folder / f"mlx-{_mlx_version()}") == 0o700
+        (root / "target").mkdir()
+        (root / "link").symlink_to(root / "target")
+        rt = root / "rt"
+        out = ctl(
+            "start",
+            "--model",
+            str(pool_store),
+            "--runtime-dir",
+            str(rt),
+            "--kernel-cache-dir",
+            str(root / "link"),
+            env=clean_env(),
+        )
+        assert out.returncode != 0
+        assert "kernel cache folder" in out.stdout + out.stderr and str(root / "link") in out.stdout + out.stderr
+    finally:
+        shutil.rmtree(root)
