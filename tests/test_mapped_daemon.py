@@ -360,3 +360,48 @@ def test_mapped_auto_chooses_by_gpu_pool_tier_and_host_ram(store):
     finally:
         ctl("stop", "--runtime-dir", str(rt))
         shutil.rmtree(rt, ignore_errors=True)
+
+
+def test_batched_requests_leave_the_placement_unsettled_while_others_decode():
+    """A batched request that ends while another decodes does not wait for the placement
+    (the forward in flight, the worker's moves: the other would wait too); the last one
+    settles it, and no routed expert is lost from the requests' statistics. On the demo
+    model, whose tokens come out as text one by one (the tiny ones' are held as spaces)."""
+    from moestream.daemon.model.batching import BatchSession
+    from moestream.daemon.model.generation import GenerationResult, iter_generate
+
+    sm = load_streaming_model(demo_store_path(), Settings(capacity=0.25, mapped=True))
+    settled: list[int] = []
+    real_settle = sm.mapped_pool.settle
+
+    def settle() -> None:  # the real settle, noting how many requests were still decoding
+        settled.append(session.decoding())
+        real_settle()
+
+    sm.mapped_pool.settle = settle
+    session = BatchSession(sm, max_batch=4)
+    try:
+        prompts = {"def read_lines(path):\n    ": N_TOKENS // 2, "import os\n\n\ndef walk(top):\n    ": N_TOKENS}
+        alone = {
+            p: generate(sm, encode_prompt(sm, p, None), SamplingParams(max_tokens=n)).tokens for p, n in prompts.items()
+        }
+        settled.clear()
+        routed_before = sm.mapped_pool.stats.routed
+        results = {p: GenerationResult() for p in prompts}
+        gens = [
+            iter_generate(sm, encode_prompt(sm, p, None), SamplingParams(max_tokens=n), results[p], batch=session)
+            for p, n in prompts.items()
+        ]
+        while gens:  # the engine loop's round robin
+            g = gens.pop(0)
+            if next(g, None) is not None:
+                gens.append(g)
+        assert session.stats.max_size == 2 and session.stats.steps > 0 and settled == [0]
+        for p in prompts:
+            assert results[p].tokens == alone[p]
+        routed = sum(r.stats["routed_experts"] for r in results.values())
+        assert routed == sum(r.stats["mapped_pool"]["routed"] for r in results.values())
+        assert routed == sm.mapped_pool.stats.routed - routed_before > 0
+    finally:
+        session.close()
+        sm.close()

@@ -415,6 +415,7 @@ def iter_generate(
             layer_major=rec is None,
             cache_use=use,
         )
+    source = steps
     if sm.mapped_pool is not None:
         steps = _ticked(steps, sm.mapped_pool)
     for token, _ in _attributed(sm, steps, (prefill, decode), rec):
@@ -470,9 +471,15 @@ def iter_generate(
     decode_seconds = time.perf_counter() - tic
     if use is not None and batch is None:
         use.keep(prompt_ids, fed)
-    if sm.mapped_pool is not None:
+    # A request that broke off (a stop, a cancel) leaves the batch now, not when this
+    # generator is collected.
+    source.close()
+    if sm.mapped_pool is not None and (batch is None or params.speculative or not batch.decoding()):
         # Account what is still pending (this request's last forwards, and those of
         # requests interleaved with it), so that its statistics and the heat include it.
+        # Not while others decode in the batch: that waits for the forward in flight and
+        # for the placement's moves, and every one of them would wait too; their own
+        # turns account the rest as it comes back.
         before = sm.counters()
         sm.mapped_pool.settle()
         _add(decode, before, sm.counters())
