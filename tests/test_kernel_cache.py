@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from daemon_cli import clean_env, ctl, started_daemon
+from daemon_cli import clean_env, ctl
 
 from moestream.shared.kernel_cache import ENV, KernelCacheError, _mlx_version, use_kernel_cache
 
@@ -52,25 +52,27 @@ def test_a_symlinked_or_open_folder_is_refused_with_what_to_do(tmp_path):
 
 
 def test_the_daemon_makes_its_kernel_cache_and_refuses_a_link(pool_store):
+    # Without the variable, which a test run in this process may have set (as the daemon's
+    # own process and `generate --local` do).
+    env = {k: v for k, v in clean_env().items() if k != ENV}
     root = Path(tempfile.mkdtemp(dir="/tmp", prefix="mskc"))
     try:
-        folder = root / "kernels"
-        with started_daemon(pool_store, "mskcd", "--kernel-cache-dir", str(folder)):
+        folder, rt = root / "kernels", root / "rt"
+        out = ctl(
+            "start", "--model", str(pool_store), "--runtime-dir", str(rt), "--kernel-cache-dir", str(folder), env=env
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        try:
             assert _mode(folder / f"mlx-{_mlx_version()}") == 0o700
+        finally:
+            assert ctl("stop", "--runtime-dir", str(rt), env=env).returncode == 0
         (root / "target").mkdir()
         (root / "link").symlink_to(root / "target")
-        rt = root / "rt"
+        link = root / "link"
         out = ctl(
-            "start",
-            "--model",
-            str(pool_store),
-            "--runtime-dir",
-            str(rt),
-            "--kernel-cache-dir",
-            str(root / "link"),
-            env=clean_env(),
+            "start", "--model", str(pool_store), "--runtime-dir", str(rt), "--kernel-cache-dir", str(link), env=env
         )
         assert out.returncode != 0
-        assert "kernel cache folder" in out.stdout + out.stderr and str(root / "link") in out.stdout + out.stderr
+        assert "kernel cache folder" in out.stdout + out.stderr and str(link) in out.stdout + out.stderr
     finally:
         shutil.rmtree(root)
