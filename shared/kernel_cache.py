@@ -3,16 +3,18 @@
 MLX's CUDA backend compiles many of its kernels (NVRTC) the first time it meets them and
 keeps them in `MLX_PTX_CACHE_DIR`, by default `/tmp/mlx/<version>/ptx`. That default
 goes at each reboot, and the first requests then compile again: on the H200 a fresh
-machine's first request took 146 s, one fused kernel 3.7 s where a second process found
-it in the cache in 0.09 s (tests/bench/RESULTS.md, "Where a level's wall goes, and what a joiner costs"). It is also
-one folder for every user of the machine: whoever makes it first owns it, so another
-user's daemon cannot keep its kernels there, or runs kernels that user left there.
+machine's first request took 146 s, and one fused kernel 3.7 s where a second process
+found it in the cache in 0.09 s (tests/bench/RESULTS.md, "Where a level's wall goes,
+and what a joiner costs"). It is also one folder for every user of the machine: whoever
+makes it first owns it, so another user's daemon cannot keep its kernels there, or runs
+kernels that user left there.
 
 So moestream's processes point MLX at a folder of the user's own (mode 0700, checked
-like the runtime folder), one per MLX version (a kernel's name does not change with
-the MLX that compiled it), unless the environment names one already. Metal and the CPU
-do not use it. Imports no MLX: it only sets the variable, before MLX compiles anything
-(MLX reads it at its first compile).
+like the runtime folder), one per MLX version (the cache finds a kernel by its name,
+which need not change when another MLX version changes its code), unless the
+environment names one already. Metal and the CPU do not use it. Imports no MLX: it
+only sets the variable, and its callers (the daemon's `main`, `generate --local`) call
+it before anything in their process imports MLX.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -76,3 +78,11 @@ def test_the_daemon_makes_its_kernel_cache_and_refuses_a_link(pool_store):
         assert "kernel cache folder" in out.stdout + out.stderr and str(link) in out.stdout + out.stderr
     finally:
         shutil.rmtree(root)
+
+
+def test_the_daemons_main_sets_it_before_anything_imports_mlx():
+    """The variable is set in `main`, so the module that runs it must not import MLX first."""
+    check = "import sys, moestream.daemon.main; print(sorted(m for m in sys.modules if m.split('.')[0] == 'mlx'))"
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120, env=clean_env())
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

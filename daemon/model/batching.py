@@ -74,11 +74,11 @@ class BatchStats:
     # that handed over to the batch when another joined.
     solo_tokens: int = 0
     handoffs: int = 0
-    # Where the session's time went, in seconds of the engine loop's wall (each call
-    # waits on the device for the step before it, so these add up to device time): the
-    # batch's decode steps, its joint prefills (stock's prompt processing), the rest of
-    # its steps (a joiner's first step and its cache merged into the batch), prompts
-    # prefilled alone, and the lone request's steps.
+    # Where the session's time went, in seconds of the engine loop's wall: the batch's
+    # decode steps, its joint prefills (stock's prompt processing), the rest of its steps
+    # (a joiner's first step and its cache merged into the batch), prompts prefilled
+    # alone, and the lone request's steps. Each call also waits for the device's work
+    # queued before it, so device time lands in whichever call waited for it.
     decode_s: float = 0.0
     joint_prefill_s: float = 0.0
     join_s: float = 0.0
