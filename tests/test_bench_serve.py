@@ -56,6 +56,8 @@ def test_levels_of_concurrent_clients_through_a_real_daemon():
         assert b["joined"] == level["requests"] and b["tokens"] + b["solo_tokens"] == level["tokens"]
         spent = [v for k, v in b.items() if k.endswith("_s")]
         assert len(spent) == 5 and all(v >= 0 for v in spent) and sum(spent) <= level["wall_s"]
+        # The steps alone make the level's tokens faster than the level did.
+        assert level["steps_only_tokens_per_s"] >= level["aggregate_tokens_per_s"]
     # One client's requests each decode alone, outside the batch (whether three clients'
     # meet in it depends on their timing: tests/test_batching_daemon.py makes them).
     assert levels[0]["batch"]["steps"] == 0 and levels[0]["batch"]["solo_s"] > 0

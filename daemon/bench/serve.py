@@ -131,6 +131,13 @@ def _batch_during(before: dict[str, float], after: dict[str, float]) -> dict[str
     return out
 
 
+def steps_only_tokens_per_s(tokens: int, batch: dict[str, float]) -> float | None:
+    """`tokens` over the seconds of a level's decode steps alone (the batch's and the
+    lone request's); None where it has none."""
+    stepping = batch.get("decode_s", 0.0) + batch.get("solo_s", 0.0)
+    return tokens / stepping if stepping else None
+
+
 def _level(paths: RuntimePaths, n: int, requests: list[_Request], settings: BenchServeSettings) -> dict[str, Any]:
     before = _batch_counts(paths)
     work: queue.SimpleQueue[_Request] = queue.SimpleQueue()
@@ -188,6 +195,9 @@ def _level(paths: RuntimePaths, n: int, requests: list[_Request], settings: Benc
         "timeline_s": [r["timeline_s"] for r in results],
         # The daemon's batch over the level (empty when it does not batch).
         "batch": batch,
+        # What the level would make if nothing but its decode steps took time (the batch's
+        # and the lone request's): the ceiling that prefills, joins and clients lower.
+        "steps_only_tokens_per_s": steps_only_tokens_per_s(tokens, batch),
     }
 
 
@@ -285,7 +295,8 @@ def format_report(r: dict[str, Any]) -> str:
                 f"{level['clients']} client(s), of {level['wall_s']:.2f} s: batch steps {b.get('decode_s', 0):.2f} s "
                 f"({b.get('steps', 0)} steps), joint prefills {b.get('joint_prefill_s', 0):.2f} s, joins "
                 f"{b.get('join_s', 0):.2f} s, prefills alone {b.get('prefill_alone_s', 0):.2f} s, a lone request "
-                f"{b.get('solo_s', 0):.2f} s ({b.get('solo_tokens', 0)} tokens)"
+                f"{b.get('solo_s', 0):.2f} s ({b.get('solo_tokens', 0)} tokens); decode steps alone would make "
+                f"{level['steps_only_tokens_per_s'] or 0:.1f} tok/s"
             )
     lines.append(f"same tokens at every level (seeded requests): {r['same_tokens_at_every_level']}")
     return "\n".join(lines)

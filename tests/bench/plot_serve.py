@@ -6,7 +6,7 @@ token, then to its last).
 
     python tests/bench/plot_serve.py OUT_PNG REPORT_JSON [REPORT_JSON ...] [--timeline N]
 
-Needs matplotlib (imported here only; the package itself does not depend on it).
+Needs matplotlib (imported here only; the package does not depend on it), and not the package.
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ def plot(reports: list[tuple[str, dict]], out: Path, timeline_clients: int) -> N
         clients = [level["clients"] for level in levels]
         ax = axes[0][col]
         ax.plot(clients, [level["aggregate_tokens_per_s"] for level in levels], marker="o", label="aggregate")
+        # bench serve's `steps_only_tokens_per_s`, worked out here for reports made before it.
         steps_only = [
-            level["tokens"] / sum(level["batch"].get(k, 0) for k, _ in PARTS if k in ("decode_s", "solo_s"))
+            level.get("steps_only_tokens_per_s")
+            or level["tokens"] / (level["batch"].get("decode_s", 0) + level["batch"].get("solo_s", 0))
             for level in levels
         ]
         ax.plot(clients, steps_only, marker="s", linestyle="--", label="tokens / (decode steps + lone steps)")
