@@ -151,7 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         # Before MLX compiles its first kernel (in a group's join already).
-        use_kernel_cache(settings.kernel_cache_dir, os.environ)
+        use_kernel_cache(
+            settings.kernel_cache_dir,
+            os.environ,
+            lambda why: print(f"moestream daemon: warning: {why}", file=sys.stderr),
+        )
     except KernelCacheError as e:
         print(f"moestream daemon: {e}", file=sys.stderr)
         return 1

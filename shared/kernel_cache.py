@@ -23,7 +23,7 @@ import os
 import stat
 from importlib import metadata
 from pathlib import Path
-from typing import Mapping, MutableMapping
+from typing import Callable, Mapping, MutableMapping
 
 ENV = "MLX_PTX_CACHE_DIR"
 
@@ -45,12 +45,16 @@ def _mlx_version() -> str:
         return "unknown"
 
 
+class _CannotCreate(KernelCacheError):
+    """The folder cannot be made (a read-only or missing home, no permission)."""
+
+
 def _private_folder(folder: Path) -> None:
     try:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = os.lstat(folder)
     except OSError as e:
-        raise KernelCacheError(f"cannot create the kernel cache folder {folder}: {e.strerror}") from e
+        raise _CannotCreate(f"cannot create the kernel cache folder {folder}: {e.strerror}") from e
     fix = "remove it, or choose another with --kernel-cache-dir / MOESTREAM_KERNEL_CACHE_DIR"
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise KernelCacheError(f"the kernel cache folder {folder} is not a folder (a symlink or a file): {fix}")
@@ -63,15 +67,26 @@ def _private_folder(folder: Path) -> None:
         )
 
 
-def use_kernel_cache(folder: str | Path | None, env: MutableMapping[str, str]) -> Path | None:
+def use_kernel_cache(
+    folder: str | Path | None, env: MutableMapping[str, str], warn: Callable[[str], None]
+) -> Path | None:
     """Point MLX's kernel cache at `<folder or the default>/mlx-<version>` in `env` (the
     process's own environment, before MLX compiles a kernel); the folder used, or None
-    where `env` names one already (the user's choice stands)."""
+    where `env` names one already (the user's choice stands) or where the default folder
+    cannot be made (`warn` says so, and MLX keeps its own default: a cache is not worth
+    refusing to start for). A folder given that cannot be made, or any folder that is not
+    private to the user, raises `KernelCacheError`."""
     if env.get(ENV):
         return None
     base = Path(folder) if folder else default_kernel_cache_dir(env)
-    _private_folder(base)
     versioned = base / f"mlx-{_mlx_version()}"
-    _private_folder(versioned)
+    try:
+        _private_folder(base)
+        _private_folder(versioned)
+    except _CannotCreate as e:
+        if folder:
+            raise
+        warn(f"{e}; MLX keeps its compiled kernels in its own default folder (--kernel-cache-dir chooses one)")
+        return None
     env[ENV] = str(versioned)
     return versioned

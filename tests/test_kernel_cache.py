@@ -16,24 +16,28 @@ from daemon_cli import clean_env, ctl
 from moestream.shared.kernel_cache import ENV, KernelCacheError, _mlx_version, use_kernel_cache
 
 
+def _no_warning(why: str) -> None:
+    raise AssertionError(f"unexpected warning: {why}")
+
+
 def _mode(p: Path) -> int:
     return stat.S_IMODE(os.lstat(p).st_mode)
 
 
 def test_the_default_is_a_private_folder_per_mlx_version_under_the_users_cache(tmp_path):
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
-    used = use_kernel_cache(None, env)
+    used = use_kernel_cache(None, env, _no_warning)
     assert used == tmp_path / "cache" / "moestream" / "kernels" / f"mlx-{_mlx_version()}"
     assert env[ENV] == str(used) and used.is_dir()
     assert _mode(used) == 0o700 and _mode(used.parent) == 0o700
     # Once made, the same folder is taken again.
     again = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
-    assert use_kernel_cache(None, again) == used
+    assert use_kernel_cache(None, again, _no_warning) == used
 
 
 def test_a_folder_the_environment_names_stands(tmp_path):
     env = {ENV: "/somewhere/the/user/chose", "XDG_CACHE_HOME": str(tmp_path)}
-    assert use_kernel_cache(tmp_path / "mine", env) is None
+    assert use_kernel_cache(tmp_path / "mine", env, _no_warning) is None
     assert env[ENV] == "/somewhere/the/user/chose" and not (tmp_path / "mine").exists()
 
 
@@ -43,14 +47,26 @@ def test_a_symlinked_or_open_folder_is_refused_with_what_to_do(tmp_path):
     link = tmp_path / "link"
     link.symlink_to(target)
     with pytest.raises(KernelCacheError, match="symlink"):
-        use_kernel_cache(link, {})
+        use_kernel_cache(link, {}, _no_warning)
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o755)
     env: dict[str, str] = {}
     with pytest.raises(KernelCacheError, match="chmod 700"):
-        use_kernel_cache(shared, env)
+        use_kernel_cache(shared, env, _no_warning)
     assert ENV not in env
+
+
+def test_a_default_folder_that_cannot_be_made_is_a_warning_and_a_given_one_an_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # a folder cannot be made under a file, not even by root
+    warnings: list[str] = []
+    env = {"XDG_CACHE_HOME": str(blocker)}
+    assert use_kernel_cache(None, env, warnings.append) is None
+    assert ENV not in env and len(warnings) == 1 and "--kernel-cache-dir" in warnings[0]
+    with pytest.raises(KernelCacheError, match="cannot create the kernel cache folder"):
+        use_kernel_cache(blocker / "kernels", {}, warnings.append)
+    assert len(warnings) == 1
 
 
 def test_the_daemon_makes_its_kernel_cache_and_refuses_a_link(pool_store):
@@ -76,6 +92,15 @@ def test_the_daemon_makes_its_kernel_cache_and_refuses_a_link(pool_store):
         )
         assert out.returncode != 0
         assert "kernel cache folder" in out.stdout + out.stderr and str(link) in out.stdout + out.stderr
+        # Where the default folder cannot be made, the daemon starts all the same and says why.
+        (root / "a-file").write_text("")
+        unusable = {**env, "XDG_CACHE_HOME": str(root / "a-file")}
+        out = ctl("start", "--model", str(pool_store), "--runtime-dir", str(rt), env=unusable)
+        assert out.returncode == 0, out.stdout + out.stderr
+        try:
+            assert "warning: cannot create the kernel cache folder" in (rt / "daemon.log").read_text()
+        finally:
+            assert ctl("stop", "--runtime-dir", str(rt), env=env).returncode == 0
     finally:
         shutil.rmtree(root)
 

@@ -194,7 +194,7 @@ def generate(
         raise click.UsageError("no built-in demo model: give --model STORE")
     store_option(settings.model)  # a wrong folder is a usage error naming --model
     try:
-        use_kernel_cache(settings.kernel_cache_dir, os.environ)
+        use_kernel_cache(settings.kernel_cache_dir, os.environ, lambda why: click.echo(f"warning: {why}", err=True))
     except KernelCacheError as e:
         raise click.ClickException(str(e)) from None
 
