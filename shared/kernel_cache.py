@@ -10,7 +10,7 @@ makes it first owns it, so another user's daemon cannot keep its kernels there, 
 kernels that user left there.
 
 So moestream's processes point MLX at a folder of the user's own (mode 0700, checked
-like the runtime folder), one per MLX version (the cache finds a kernel by its name,
+as the runtime folder is), one per MLX version (the cache finds a kernel by its name,
 which need not change when another MLX version changes its code), unless the
 environment names one already. Metal and the CPU do not use it. Imports no MLX: it
 only sets the variable, and its callers (the daemon's `main`, `generate --local`) call
@@ -19,11 +19,11 @@ it before anything in their process imports MLX.
 
 from __future__ import annotations
 
-import os
-import stat
 from importlib import metadata
 from pathlib import Path
 from typing import Callable, Mapping, MutableMapping
+
+from moestream.shared.runtime_dir import check_private_dir
 
 ENV = "MLX_PTX_CACHE_DIR"
 
@@ -52,19 +52,14 @@ class _CannotCreate(KernelCacheError):
 def _private_folder(folder: Path) -> None:
     try:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = os.lstat(folder)
     except OSError as e:
         raise _CannotCreate(f"cannot create the kernel cache folder {folder}: {e.strerror}") from e
-    fix = "remove it, or choose another with --kernel-cache-dir / MOESTREAM_KERNEL_CACHE_DIR"
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise KernelCacheError(f"the kernel cache folder {folder} is not a folder (a symlink or a file): {fix}")
-    if st.st_uid != os.getuid():
-        raise KernelCacheError(f"the kernel cache folder {folder} belongs to uid {st.st_uid}, not to you: {fix}")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        raise KernelCacheError(
-            f"the kernel cache folder {folder} is open to other users (mode {stat.S_IMODE(st.st_mode):04o}): "
-            f"make it private with `chmod 700 {folder}`, or choose another with --kernel-cache-dir"
-        )
+    check_private_dir(
+        folder,
+        what="kernel cache folder",
+        option="--kernel-cache-dir / MOESTREAM_KERNEL_CACHE_DIR",
+        error=KernelCacheError,
+    )
 
 
 def use_kernel_cache(

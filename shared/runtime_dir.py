@@ -105,6 +105,9 @@ class RuntimePaths:
         return f"ipc://{self.socket}"
 
 
+RUNTIME_DIR_OPTION = "--runtime-dir / MOESTREAM_RUNTIME_DIR"
+
+
 def ensure_private_dir(folder: Path) -> Path:
     """Create `folder` with mode 0700 if needed, then check that it is private to us."""
     try:
@@ -116,26 +119,33 @@ def ensure_private_dir(folder: Path) -> Path:
     return folder
 
 
-def check_private_dir(folder: Path) -> None:
-    """Raise `RuntimeDirError` unless `folder` is a real folder of ours, mode 0700 or stricter."""
+def check_private_dir(
+    folder: Path,
+    *,
+    what: str = "runtime folder",
+    option: str = RUNTIME_DIR_OPTION,
+    error: type[Exception] = RuntimeDirError,
+) -> None:
+    """Raise `error` unless `folder` is a real folder of ours, mode 0700 or stricter;
+    the messages call it the `what` and name the `option` that chooses another."""
     try:
         st = os.lstat(folder)
     except OSError as e:
-        raise RuntimeDirError(f"cannot inspect the runtime folder {folder}: {e.strerror}") from e
+        raise error(f"cannot inspect the {what} {folder}: {e.strerror}") from e
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise RuntimeDirError(
-            f"the runtime folder {folder} is not a folder (a symlink or a file is there); "
-            "remove it or choose another with --runtime-dir / MOESTREAM_RUNTIME_DIR"
+        raise error(
+            f"the {what} {folder} is not a folder (a symlink or a file is there); "
+            f"remove it or choose another with {option}"
         )
     if st.st_uid != os.getuid():
-        raise RuntimeDirError(
-            f"the runtime folder {folder} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
-            "someone else may be listening there: choose another with --runtime-dir / MOESTREAM_RUNTIME_DIR"
+        raise error(
+            f"the {what} {folder} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
+            f"someone else may be using it: choose another with {option}"
         )
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o077:
-        raise RuntimeDirError(
-            f"the runtime folder {folder} has mode {mode:04o}, open to other users; "
+        raise error(
+            f"the {what} {folder} has mode {mode:04o}, open to other users; "
             f"make it private with `chmod 700 {folder}` or choose another folder"
         )
 
