@@ -220,11 +220,15 @@ class CountingGather:
         self.sizes.append(ids.size)
         return self.inner(arrays, ids)
 
+    def routed(self, arrays, ids):
+        self.sizes.append(ids.size)
+        return self.inner.routed(arrays, ids)
+
     def __getattr__(self, name):  # the rest of RowGather, as it is
         return getattr(self.inner, name)
 
 
-def test_row_gather_copies_the_rows_it_is_given():
+def test_row_gather_copies_the_rows_it_is_given_and_points_repeats_at_the_first():
     a = mx.arange(5 * 6 * 4, dtype=mx.uint32).reshape(5, 6, 4)
     b = mx.random.normal((5, 3)).astype(mx.bfloat16)
     ids = mx.array([[3, 0, 3]], dtype=mx.uint32)
@@ -232,8 +236,14 @@ def test_row_gather_copies_the_rows_it_is_given():
     got = gather([a, b], ids)
     assert [g.shape for g in got] == [(3, 6, 4), (3, 3)]
     assert mx.array_equal(got[0], a[mx.array([3, 0, 3])]) and mx.array_equal(got[1], b[mx.array([3, 0, 3])])
-    positions = gather.positions((1, 3), mx.uint32)
-    assert positions.tolist() == [[0, 1, 2]] and gather.positions((1, 3), mx.uint32) is positions
+    # A batch's routing: two tokens of top-3, experts 4 and 1 routed by both.
+    routing = mx.array([[[4, 1, 2]], [[1, 0, 4]]], dtype=mx.uint32)
+    rows, where = gather.routed([a, b], routing)
+    assert where.shape == routing.shape and where.dtype == routing.dtype
+    assert where.reshape(-1).tolist() == [0, 1, 2, 1, 4, 0], "each pair points at its expert's first row"
+    # Every pair finds its own expert's bytes at the row it points at.
+    for stack, source in zip(rows, (a, b)):
+        assert mx.array_equal(stack[where.reshape(-1)], source[routing.reshape(-1)])
 
 
 def test_mapped_gather_gives_stock_logits_and_gathers_only_small_forwards(store):

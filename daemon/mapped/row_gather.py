@@ -14,6 +14,10 @@ its own expert's bytes and the token's input alone, and the bytes are the same; 
 row the kernel finds them at differs. Kept below 64 routed ids, where SwitchGLU sorts
 the ids first and would take another path.
 
+Requests batched together often route the same expert; a step copies each routed
+expert once (`routed`), into the row of its first occurrence, and points the others at
+that row, so the link carries each expert's bytes once per step.
+
 On CUDA the copy is one custom kernel per layer (every tensor of the routed experts, 16
 bytes per load); elsewhere `mx.take` does the same copy, which is what the tests here
 run. On unified memory there is nothing to gain, and the setting stays off.
@@ -24,7 +28,6 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import mlx.core as mx
-import numpy as np
 
 # Largest number of routed ids gathered (SwitchGLU sorts at 64 and above).
 MAX_GATHERED = 48
@@ -38,11 +41,18 @@ def _take_rows(arrays: Sequence[mx.array], ids: mx.array) -> list[mx.array]:
     return [mx.take(a, ids, axis=0) for a in arrays]
 
 
-def _kernel_source(count: int) -> str:
+def _kernel_source(count: int, each_once: bool) -> str:
     """Body of the copy kernel for `count` tensors: block (x, y) copies part of row
-    ids[y] of every tensor into row y of its output; 16-byte words when both pointers
-    allow it (they do for MLX's allocations), else bytes."""
+    ids[y] of every tensor into row y of its output, unless ids[y] came earlier at y'
+    (then nothing: `where[y]` is y', as it is y for a first occurrence); 16-byte words
+    when both pointers allow it (they do for MLX's allocations), else bytes."""
+    # Each expert once: a row whose id came earlier only points at that row.
+    scan = "for (unsigned int j = 0; j < blockIdx.y; ++j) { if (ids[j] == ids[blockIdx.y]) { seen_at = j; break; } }"
     parts = [
+        "unsigned int seen_at = blockIdx.y;",
+        *([scan] if each_once else []),
+        "if (blockIdx.x == 0 && threadIdx.x == 0) where[blockIdx.y] = seen_at;",
+        "if (seen_at != blockIdx.y) return;",
         "const unsigned long long row = (unsigned long long)ids[blockIdx.y];",
         "const unsigned long long slot = blockIdx.y;",
         "const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;",
@@ -69,12 +79,13 @@ def _kernel_source(count: int) -> str:
 class RowGather:
     """Gathers rows `ids` of a layer's expert tensors (all of one pool, fixed shapes)."""
 
-    def __init__(self, use_kernel: bool) -> None:
+    def __init__(self, use_kernel: bool, each_once: bool = True) -> None:
         self._use_kernel = use_kernel
+        # False: the kernel copies a repeated expert again for each pair that routes it
+        # (what tests/bench/gpu_mapped_batch_probe.py compares with).
+        self._each_once = each_once
         # Kernels by tensor count: one per model in practice.
         self._kernels: dict[int, Callable] = {}
-        # `positions` by (shape, dtype).
-        self._positions: dict[tuple[tuple[int, ...], mx.Dtype], mx.array] = {}
 
     @staticmethod
     def kernel_available() -> bool:
@@ -84,34 +95,43 @@ class RowGather:
     def __call__(
         self, arrays: Sequence[mx.array], ids: mx.array, max_blocks: int = _MAX_BLOCKS_PER_ROW
     ) -> list[mx.array]:
-        """Rows `ids` of `arrays`. `max_blocks` caps the copy kernel's blocks per row:
-        fewer leave more of the GPU to kernels running beside the copy (what
-        tests/bench/gpu_background_copy_probe.py measures)."""
-        ids = ids.reshape(-1).astype(mx.uint32)
+        """Rows `ids` of `arrays` (distinct ids: a whole layer, or a stage). `max_blocks`
+        caps the copy kernel's blocks per row: fewer leave more of the GPU to kernels
+        running beside the copy (what tests/bench/gpu_background_copy_probe.py measures)."""
+        flat = ids.reshape(-1).astype(mx.uint32)
         if not self._use_kernel:
-            return _take_rows(arrays, ids)
-        return self._run(arrays, ids, max_blocks)
+            return _take_rows(arrays, flat)
+        return self._run(arrays, flat, max_blocks)[:-1]
 
-    def positions(self, shape: Sequence[int], dtype: mx.Dtype) -> mx.array:
-        """0..n-1 in `shape`: the ids of a stack's rows for the expert call (made once
-        per shape, so a layer adds no kernel for them)."""
-        key = (tuple(shape), dtype)
-        out = self._positions.get(key)
-        if out is None:
-            out = mx.arange(int(np.prod(shape)), dtype=dtype).reshape(shape)
-            mx.eval(out)
-            self._positions[key] = out
-        return out
+    def routed(
+        self, arrays: Sequence[mx.array], ids: mx.array, max_blocks: int = _MAX_BLOCKS_PER_ROW
+    ) -> tuple[list[mx.array], mx.array]:
+        """A stack of the routed experts `ids` (any shape, repeats allowed) and, in `ids`'
+        shape, the row of the stack that holds each pair's expert: its first occurrence.
+        The copy kernel copies each expert once (the rows of later occurrences are left
+        unwritten and never read); `mx.take` copies every row, and the positions are the
+        same."""
+        flat = ids.reshape(-1).astype(mx.uint32)
+        if not self._use_kernel:
+            n = flat.shape[0]
+            order = mx.arange(n, dtype=mx.uint32)
+            where = order
+            if self._each_once:
+                where = mx.min(mx.where(flat[:, None] == flat[None, :], order[None, :], n), axis=1)
+            return _take_rows(arrays, flat), where.astype(ids.dtype).reshape(ids.shape)
+        *rows, where = self._run(arrays, flat, max_blocks)
+        return rows, where.astype(ids.dtype).reshape(ids.shape)
 
     def _run(self, arrays: Sequence[mx.array], ids: mx.array, max_blocks: int) -> list[mx.array]:
+        """The copy kernel's outputs: a stack per tensor, then `where`."""
         count = len(arrays)
         kernel = self._kernels.get(count)
         if kernel is None:
             kernel = mx.fast.cuda_kernel(
-                name=f"moestream_gather_rows_{count}",
+                name=f"moestream_gather_rows_{count}{'' if self._each_once else '_every'}",
                 input_names=["ids", *[f"t{j}" for j in range(count)]],
-                output_names=[f"o{j}" for j in range(count)],
-                source=_kernel_source(count),
+                output_names=[*[f"o{j}" for j in range(count)], "where"],
+                source=_kernel_source(count, self._each_once),
             )
             self._kernels[count] = kernel
         n = ids.shape[0]
@@ -123,6 +143,6 @@ class RowGather:
             template=[(f"B{j}", b) for j, b in enumerate(row_bytes)],
             grid=(blocks * _THREADS, n, 1),
             threadgroup=(_THREADS, 1, 1),
-            output_shapes=[(n, *a.shape[1:]) for a in arrays],
-            output_dtypes=[a.dtype for a in arrays],
+            output_shapes=[*[(n, *a.shape[1:]) for a in arrays], (n,)],
+            output_dtypes=[*[a.dtype for a in arrays], mx.uint32],
         )

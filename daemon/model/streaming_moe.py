@@ -333,15 +333,16 @@ class StreamingMoE(nn.Module):
         return y
 
     def _gathered(self, x: mx.array, ids: mx.array) -> mx.array:
-        """mlx-lm's call on a stack of just the routed experts' rows (a mapped pool's
-        small forwards, daemon/mapped/row_gather.py), with ids 0..n-1 in the routing's shape."""
+        """mlx-lm's call on a stack of just the routed experts' rows, each expert once (a
+        mapped pool's small forwards, daemon/mapped/row_gather.py), with each routed pair
+        pointed at its expert's row."""
         pool = self.pool
         names = [t.name for t in pool.layer.tensors]
-        rows = pool.gather([pool.arrays[name] for name in names], ids)
+        rows, where = pool.gather.routed([pool.arrays[name] for name in names], ids)
         self._use(dict(zip(names, rows)))
         try:
             # As with an overflow stack, the lazy graph holds its own references.
-            return self.inner(x, pool.gather.positions(ids.shape, ids.dtype))
+            return self.inner(x, where)
         finally:
             self._use(pool.arrays)
 

@@ -32,52 +32,18 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+from probe_setup import RoundRobin
 
 from moestream.daemon.model.batching import JOINT_PREFILL_TOKENS, BatchSession
-from moestream.daemon.model.generation import GenerationResult, SamplingParams, iter_generate
 
 SIZES = (1, 2, 3, 5)
-
-
-class _Loop:
-    """The engine loop's round robin over requests' generators, in-process."""
-
-    def __init__(self, sm, session: BatchSession, vocab: int, prompt_tokens: int, rng: random.Random) -> None:
-        self.sm, self.session, self.vocab, self.rng = sm, session, vocab, rng
-        self.prompt_tokens = prompt_tokens
-        self.gens: list[list] = []  # [generator, tokens so far]
-        self.seed = 0
-
-    def start(self, max_tokens: int, prompt_tokens: int | None = None) -> list:
-        self.seed += 1
-        n = prompt_tokens or self.prompt_tokens
-        prompt = [self.rng.randrange(self.vocab) for _ in range(n)]
-        params = SamplingParams(max_tokens=max_tokens, temp=1.0, seed=self.seed)
-        entry = [iter_generate(self.sm, prompt, params, GenerationResult(), batch=self.session), 0]
-        self.gens.append(entry)
-        return entry
-
-    def turn(self) -> None:
-        """One request's turn, as the engine loop gives it."""
-        entry = self.gens.pop(0)
-        try:
-            _, token = next(entry[0])
-        except StopIteration:
-            return
-        if token is not None:
-            entry[1] += 1
-        self.gens.append(entry)
-
-    def run_until(self, done) -> None:
-        while not done():
-            self.turn()
 
 
 def _counts(session: BatchSession) -> dict[str, float]:
     return {k: v for k, v in session.stats.to_dict().items() if isinstance(v, (int, float)) and v is not None}
 
 
-def _event(loop: _Loop, k: int, prompt_tokens: int) -> dict:
+def _event(loop: RoundRobin, k: int, prompt_tokens: int) -> dict:
     before = _counts(loop.session)
     tic = time.perf_counter()
     joiners = [loop.start(4, prompt_tokens) for _ in range(k)]
@@ -89,7 +55,7 @@ def _event(loop: _Loop, k: int, prompt_tokens: int) -> dict:
     return {"k": k, "prompt_tokens": prompt_tokens, "seconds": round(seconds, 4), **delta}
 
 
-def _resident_step_ms(loop: _Loop, steps: int) -> float:
+def _resident_step_ms(loop: RoundRobin, steps: int) -> float:
     """Median ms per step of the resident alone in the batch."""
     resident = loop.gens[0]
     times = []
@@ -116,7 +82,7 @@ def main() -> None:
     sm = load_streaming_model(args.store, Settings(prefetch="off"))
     vocab = sm.manifest.config["vocab_size"]
     session = BatchSession(sm, 8)
-    loop = _Loop(sm, session, vocab, args.prompt_tokens, random.Random(0))
+    loop = RoundRobin(sm, session, vocab, args.prompt_tokens, random.Random(0))
     loop.start(100_000)
     # The resident's prompt, then a first joiner (the resident hands over to the batch).
     loop.run_until(lambda: loop.gens[0][1] >= 8)

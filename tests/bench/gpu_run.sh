@@ -47,6 +47,7 @@
 #   background-copy      q30: how much of a copy made ahead of use hides beside a layer's kernels, by blocks
 #   plan-probe           plan's compute probe against longer runs, 24 layers, bench's loop, and (PROBE_STORE) the store's own model
 #   continuation-q30     q30: a chat turn's continuation after a 2048-token cache, stock's forward against the padded one
+#   mapped-batch         q30: a mapped pool's batched step by requests: the copy's GB/s by rows, steps against a full pool, repeats copied or not, moves, zero-copy
 #   join-probe           q30: what a request joining a decoding batch costs, by joiners at once, first use vs repeat (daemon's BatchSession in-process)
 #   batch-probe          where a batched decode step's time goes at B = 1, 2, 4, 8, and with its attention changed (EXTRA=--parts: one layer's halves; PROBE_STORE: a store's models and the daemon's loop)
 # demo
@@ -231,6 +232,9 @@ EOF
       $py tests/bench/gpu_batch_probe.py --layers "${LAYERS:-12}" --steps "${STEPS:-30}" --rounds "${ROUNDS:-3}" ${EXTRA:---attention} \
         --out "$OUT/batch_probe_h200.json" 2>&1 | tail -10
     fi
+    ;;
+  mapped-batch)
+    $py tests/bench/gpu_mapped_batch_probe.py --store /root/q30/store --out "$OUT/mapped_batch_probe_h200.json" 2>&1 | tail -30
     ;;
   join-probe)
     $py tests/bench/gpu_join_probe.py --store /root/q30/store --out "$OUT/join_probe_h200.json" 2>&1 | tail -30
