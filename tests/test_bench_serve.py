@@ -6,9 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 from tiny_models import tiny_store
 
-from moestream.daemon.bench.serve import _percentile
+from moestream.daemon.bench.serve import _percentile, format_report
 
 
 def test_levels_of_concurrent_clients_through_a_real_daemon():
@@ -75,3 +76,61 @@ def test_percentile_interpolates():
     assert _percentile([3.0], 0.99) == 3.0
     assert _percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
     assert _percentile([1.0, 2.0, 3.0, 4.0], 1.0) == 4.0
+
+
+def test_rounds_run_every_level_again_in_turn_and_report_medians():
+    """`--rounds 2`: each level runs twice (the second round in reverse order), and
+    reports the median of its rounds' figures and of each round's ratio to the same
+    round's one client."""
+    with tiny_store("bench-serve-rounds") as store:
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "moestream.client.cli",
+                "bench",
+                "serve",
+                "--model",
+                str(store),
+                "--clients",
+                "1",
+                "--clients",
+                "2",
+                "--requests",
+                "2",
+                "--max-tokens",
+                "3",
+                "--rounds",
+                "2",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    assert out.returncode == 0, out.stderr
+    # The second round runs its levels in reverse: 2 clients, then 1.
+    order = [
+        line.split("round 2 of 2, ")[1].split(" client")[0]
+        for line in out.stderr.splitlines()
+        if "round 2 of 2, " in line and "requests" in line
+    ]
+    assert order == ["2", "1"], out.stderr
+    report = json.loads(out.stdout)
+    for level in report["levels"]:
+        rounds = level["rounds"]
+        assert len(rounds) == 2
+        rates = [r["aggregate_tokens_per_s"] for r in rounds]
+        assert level["aggregate_tokens_per_s"] == pytest.approx(sum(rates) / 2)
+        ratios = [r["aggregate_over_one_client"] for r in rounds]
+        assert level["aggregate_over_one_client"] == pytest.approx(sum(ratios) / 2)
+        for r, one in zip(rounds, report["levels"][0]["rounds"]):
+            assert r["aggregate_over_one_client"] == pytest.approx(
+                r["aggregate_tokens_per_s"] / one["aggregate_tokens_per_s"]
+            )
+            assert r["itl_p50_over_one_client"] == pytest.approx(r["itl_p50_s"] / one["itl_p50_s"])
+            assert r["batch"]["joined"] == 2
+    assert [r["aggregate_over_one_client"] for r in report["levels"][0]["rounds"]] == [1.0, 1.0]
+    assert report["same_tokens_at_every_level"] is True
+    text = format_report(report)
+    assert "medians of 2 rounds" in text and "ITL x one" in text

@@ -62,6 +62,11 @@ class BenchServeSettings:
     # of a size not seen yet compiles its kernels on its first steps (on the H200, 40 s
     # of an 8-client level's 43).
     warmup: bool = True
+    # Times every level runs, every other round in reverse order (1 2 4 8, 8 4 2 1, ...):
+    # the H200's decode is paced by its host, whose speed drifts by up to 2x over
+    # minutes (tests/bench/RESULTS.md), so that levels run once each in turn compare
+    # moments, not client counts. Each level reports its medians over the rounds.
+    rounds: int = 1
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -201,6 +206,51 @@ def _level(paths: RuntimePaths, n: int, requests: list[_Request], settings: Benc
     }
 
 
+# A level's figures that its rounds report as their median.
+_MEDIAN_KEYS = (
+    "aggregate_tokens_per_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "itl_p50_s",
+    "itl_p99_s",
+    "daemon_tokens_per_s_median",
+    "steps_only_tokens_per_s",
+)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _over_rounds(rounds: list[dict[str, Any]], one: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """One client count's level from its rounds: the median of each figure over them,
+    and its ratios to one client (aggregate tok/s, inter-token p50) as the median of
+    each round's ratio to the same round's one-client level (None without one). The
+    rest (tokens, wall, the batch's counters, the timeline) is the first round's, and
+    `rounds` holds each round's own figures and counters."""
+    first = rounds[0]
+    level = dict(first)
+    for key in _MEDIAN_KEYS:
+        values = [r[key] for r in rounds if r[key] is not None]
+        level[key] = statistics.median(values) if values else None
+    per_round = []
+    for i, r in enumerate(rounds):
+        base = one[i] if one is not None and i < len(one) else {}
+        per_round.append(
+            {
+                **{k: r[k] for k in ("wall_s", "tokens", *_MEDIAN_KEYS)},
+                "batch": r["batch"],
+                "aggregate_over_one_client": _ratio(r["aggregate_tokens_per_s"], base.get("aggregate_tokens_per_s")),
+                "itl_p50_over_one_client": _ratio(r["itl_p50_s"], base.get("itl_p50_s")),
+            }
+        )
+    for key in ("aggregate_over_one_client", "itl_p50_over_one_client"):
+        values = [r[key] for r in per_round if r[key] is not None]
+        level[key] = statistics.median(values) if values else None
+    level["rounds"] = per_round
+    return level
+
+
 def run_bench_serve(settings: BenchServeSettings, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     say = timed_progress(progress)
     manifest = load_manifest(settings.store)
@@ -227,7 +277,6 @@ def run_bench_serve(settings: BenchServeSettings, progress: Callable[[str], None
             given[key] = getattr(settings, key)
     daemon_settings = Settings.resolve(given)
     paths = RuntimePaths.from_settings(daemon_settings)
-    levels = []
     try:
         say("starting a daemon")
         start_daemon(daemon_settings, given, timeout=600.0, echo=False)
@@ -235,24 +284,27 @@ def run_bench_serve(settings: BenchServeSettings, progress: Callable[[str], None
             say("warming up with one request")
             _one_request(client, _Request(-1, requests[0].prompt_ids, settings.seed), settings)
             status = client.status()
-        for n in settings.clients:
-            if settings.warmup:
-                say(f"{n} client(s): warming up with {n} untimed requests")
-                _level(paths, n, warmups[:n], settings)
-            say(f"{n} client(s): {len(requests)} requests")
-            level = _level(paths, n, requests, settings)
-            say(
-                f"{n} client(s): {level['aggregate_tokens_per_s']:.1f} tok/s aggregate, TTFT p50 "
-                f"{level['ttft_p50_s']:.3f} s, inter-token p50 {level['itl_p50_s'] or 0:.4f} s"
-            )
-            levels.append(level)
+        runs: dict[int, list[dict[str, Any]]] = {n: [] for n in settings.clients}
+        for r in range(settings.rounds):
+            order = settings.clients if r % 2 == 0 else tuple(reversed(settings.clients))
+            label = f"round {r + 1} of {settings.rounds}, " if settings.rounds > 1 else ""
+            for n in order:
+                if settings.warmup and r == 0:
+                    say(f"{label}{n} client(s): warming up with {n} untimed requests")
+                    _level(paths, n, warmups[:n], settings)
+                say(f"{label}{n} client(s): {len(requests)} requests")
+                level = _level(paths, n, requests, settings)
+                say(
+                    f"{label}{n} client(s): {level['aggregate_tokens_per_s']:.1f} tok/s aggregate, TTFT p50 "
+                    f"{level['ttft_p50_s']:.3f} s, inter-token p50 {level['itl_p50_s'] or 0:.4f} s"
+                )
+                runs[n].append(level)
     finally:
         stop_daemon(paths, timeout=60.0)
         shutil.rmtree(runtime, ignore_errors=True)
-    one = levels[0]["aggregate_tokens_per_s"] if levels and levels[0]["clients"] == 1 else None
-    for level in levels:
-        level["aggregate_over_one_client"] = level["aggregate_tokens_per_s"] / one if one else None
-    same = all(level["token_ids"] == levels[0]["token_ids"] for level in levels)
+    one = runs.get(1)
+    levels = [_over_rounds(runs[n], one) for n in settings.clients if runs[n]]
+    same = all(run["token_ids"] == levels[0]["token_ids"] for rounds in runs.values() for run in rounds)
     return {
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()},
         "daemon": {
@@ -272,27 +324,34 @@ def _ms(x: float | None) -> str:
 
 def format_report(r: dict[str, Any]) -> str:
     s, d = r["settings"], r["daemon"]
+    rounds = s.get("rounds", 1)
     lines = [
         f"bench serve: {s['requests']} requests per level, {s['prompt_tokens']}-token prompts, {s['max_tokens']} "
         f"tokens each at temperature {s['temp']}; daemon pool {d['capacity']} slots per layer"
-        f"{' (mapped)' if d.get('mapped') else ''}, batches of at most {d.get('max_batch', 1)}",
+        f"{' (mapped)' if d.get('mapped') else ''}, batches of at most {d.get('max_batch', 1)}"
+        + (f"; medians of {rounds} rounds (ratios: of each round's to its one client)" if rounds > 1 else ""),
         f"{'clients':>7} {'tok/s':>8} {'x one':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
-        f"{'daemon tok/s':>12}",
+        f"{'ITL x one':>9} {'daemon tok/s':>12}",
     ]
+
+    def ratio_text(x: float | None) -> str:
+        return f"{x:.2f}" if x else "n/a"
+
     for level in r["levels"]:
-        ratio = level.get("aggregate_over_one_client")
-        times = f"{_ms(level['ttft_p50_s']):>7}ms {_ms(level['ttft_p99_s']):>7}ms "
+        latencies = f"{_ms(level['ttft_p50_s']):>7}ms {_ms(level['ttft_p99_s']):>7}ms "
         lines.append(
             f"{level['clients']:>7} {level['aggregate_tokens_per_s']:>8.1f} "
-            f"{(f'{ratio:.2f}' if ratio else 'n/a'):>6} {times}"
+            f"{ratio_text(level.get('aggregate_over_one_client')):>6} {latencies}"
             f"{_ms(level['itl_p50_s']):>6}ms {_ms(level['itl_p99_s']):>6}ms "
+            f"{ratio_text(level.get('itl_p50_over_one_client')):>9} "
             f"{(level['daemon_tokens_per_s_median'] or 0):>12.1f}"
         )
     for level in r["levels"]:
         b = level.get("batch") or {}
         if b.get("steps") or b.get("solo_tokens"):
             lines.append(
-                f"{level['clients']} client(s), of {level['wall_s']:.2f} s: batch steps {b.get('decode_s', 0):.2f} s "
+                f"{level['clients']} client(s), of {level['wall_s']:.2f} s{' (round 1)' if rounds > 1 else ''}: "
+                f"batch steps {b.get('decode_s', 0):.2f} s "
                 f"({b.get('steps', 0)} steps), joint prefills {b.get('joint_prefill_s', 0):.2f} s, joins "
                 f"{b.get('join_s', 0):.2f} s, prefills alone {b.get('prefill_alone_s', 0):.2f} s, a lone request "
                 f"{b.get('solo_s', 0):.2f} s ({b.get('solo_tokens', 0)} tokens); decode steps alone would make "

@@ -265,13 +265,14 @@ EOF
     # each at temperature 1, seeded), 100% then 25% + a 20G host tier; MAX_BATCH is the
     # daemon's max_batch (0: the largest client count; 1: requests take turns); POOLS="1.0"
     # measures one pool; pools are separated by ";", as in the default (a pool given alone
-    # with its words, "0.25 --host-cache 20G", is one pool, not three).
+    # with its words, "0.25 --host-cache 20G", is one pool, not three). ROUNDS runs every
+    # level that many times, every other round in reverse, for medians (the host's pace drifts).
     IFS=';' read -ra pools <<< "${POOLS:-1.0;0.25 --host-cache 20G}"
     for pool in "${pools[@]}"; do
       name=$(echo "$pool" | cut -d' ' -f1)
       # shellcheck disable=SC2086  # a pool's words are bench serve's arguments
       $py -m moestream.client.cli bench serve --model /root/q30/store --capacity $pool --requests ${REQUESTS:-16} \
-        --max-batch ${MAX_BATCH:-0} --max-tokens 64 --json > "$OUT/bench_serve_q30_${name}_h200.json" \
+        --max-batch ${MAX_BATCH:-0} --max-tokens 64 --rounds ${ROUNDS:-1} --json > "$OUT/bench_serve_q30_${name}_h200.json" \
         2> "$OUT/bench_serve_q30_${name}_h200.progress" \
         || tail -5 "$OUT/bench_serve_q30_${name}_h200.progress"
     done

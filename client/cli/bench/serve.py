@@ -49,6 +49,14 @@ from moestream.shared.settings import default_of
     show_default=True,
     help="One untimed request per client before each level (compiles a new batch size's kernels).",
 )
+@click.option(
+    "--rounds",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 100),
+    help="Run every level this many times, every other round in reverse order, and report medians: "
+    "levels run once each compare moments where the machine's pace drifts.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_serve(
     store,
@@ -64,6 +72,7 @@ def bench_serve(
     io_threads,
     max_batch,
     warmup,
+    rounds,
     as_json,
 ) -> None:
     """Aggregate tokens/s, time to first token and inter-token latency (p50, p99) of N
@@ -89,6 +98,7 @@ def bench_serve(
         io_threads=io_threads,
         max_batch=max_batch,
         warmup=warmup,
+        rounds=rounds,
     )
     try:
         report = run_bench_serve(settings, progress=lambda line: click.echo(line, err=True))
