@@ -57,6 +57,9 @@ def test_levels_of_concurrent_clients_through_a_real_daemon():
         assert b["joined"] == level["requests"] and b["tokens"] + b["solo_tokens"] == level["tokens"]
         spent = [v for k, v in b.items() if k.endswith("_s")]
         assert len(spent) == 5 and all(v >= 0 for v in spent) and sum(spent) <= level["wall_s"]
+        # Each level prefills its own prompts: the daemon runs without a prompt cache,
+        # which would serve the later levels' (the same prompts) from the earlier ones.
+        assert level["cached_tokens"] == 0
         # The steps alone make the level's tokens faster than the level did.
         assert level["steps_only_tokens_per_s"] >= level["aggregate_tokens_per_s"]
     # One client's requests each decode alone, outside the batch (whether three clients'

@@ -11,7 +11,8 @@ made over the level's wall time), time to the first token and inter-token latenc
 (p50 and p99, over every request and every gap between its `token` events), and the
 daemon's own per-request tokens/s. Every level runs the same requests, so their tokens
 can be compared across levels: with seeds, a request's text does not depend on its
-company (`same_tokens_at_every_level`).
+company (`same_tokens_at_every_level`). The daemon runs without a prompt cache, so that
+each level prefills those prompts itself. `rounds` runs every level again in turn.
 
 Imports no MLX: it drives a real daemon through the client library.
 """
@@ -113,6 +114,7 @@ def _one_request(
         "gaps_s": [b - a for a, b in zip(stamps, stamps[1:])],
         "seconds": end - tic,
         "daemon_tokens_per_s": done.stats.get("tokens_per_s"),
+        "cached_tokens": done.stats.get("cached_tokens", 0),
         "timeline_s": [x - t0 for x in (tic, stamps[0] if stamps else end, end)] if t0 is not None else None,
     }
 
@@ -194,6 +196,8 @@ def _level(paths: RuntimePaths, n: int, requests: list[_Request], settings: Benc
         "itl_p50_s": _percentile(gaps, 0.5),
         "itl_p99_s": _percentile(gaps, 0.99),
         "daemon_tokens_per_s_median": statistics.median(daemon_tps) if daemon_tps else None,
+        # Prompt tokens the daemon served from its prompt cache (none: it runs without one).
+        "cached_tokens": sum(r["cached_tokens"] for r in results),
         "token_ids": [r["tokens"] for r in results],
         # Each request's (sent, first token, done), seconds from the level's start: where
         # the level's wall goes beside its decode steps (joins, prefills, its tail).
@@ -271,6 +275,9 @@ def run_bench_serve(settings: BenchServeSettings, progress: Callable[[str], None
         "io_threads": settings.io_threads,
         "runtime_dir": str(runtime),
         "max_batch": settings.max_batch or max(settings.clients),
+        # Every level (and round) sends the same prompts, which a prompt cache would serve
+        # to the later ones from the earlier ones' caches: each level prefills its own.
+        "prompt_cache_bytes": 0,
     }
     for key in ("capacity", "host_cache", "mapped"):
         if getattr(settings, key) is not None:
