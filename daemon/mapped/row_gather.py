@@ -81,11 +81,11 @@ class RowGather:
 
     def __init__(self, use_kernel: bool, each_once: bool = True) -> None:
         self._use_kernel = use_kernel
-        # False: the kernel copies a repeated expert again for each pair that routes it
+        # False: `routed` copies a repeated expert again for each pair that routes it
         # (what tests/bench/gpu_mapped_batch_probe.py compares with).
         self._each_once = each_once
-        # Kernels by tensor count: one per model in practice.
-        self._kernels: dict[int, Callable] = {}
+        # Kernels by tensor count and whether they skip repeats: a few per model.
+        self._kernels: dict[tuple[int, bool], Callable] = {}
 
     @staticmethod
     def kernel_available() -> bool:
@@ -95,13 +95,13 @@ class RowGather:
     def __call__(
         self, arrays: Sequence[mx.array], ids: mx.array, max_blocks: int = _MAX_BLOCKS_PER_ROW
     ) -> list[mx.array]:
-        """Rows `ids` of `arrays` (distinct ids: a whole layer, or a stage). `max_blocks`
+        """Rows `ids` of `arrays`, every one copied (a whole layer, a stage). `max_blocks`
         caps the copy kernel's blocks per row: fewer leave more of the GPU to kernels
         running beside the copy (what tests/bench/gpu_background_copy_probe.py measures)."""
         flat = ids.reshape(-1).astype(mx.uint32)
         if not self._use_kernel:
             return _take_rows(arrays, flat)
-        return self._run(arrays, flat, max_blocks)[:-1]
+        return self._run(arrays, flat, max_blocks, each_once=False)[:-1]
 
     def routed(
         self, arrays: Sequence[mx.array], ids: mx.array, max_blocks: int = _MAX_BLOCKS_PER_ROW
@@ -119,21 +119,21 @@ class RowGather:
             if self._each_once:
                 where = mx.min(mx.where(flat[:, None] == flat[None, :], order[None, :], n), axis=1)
             return _take_rows(arrays, flat), where.astype(ids.dtype).reshape(ids.shape)
-        *rows, where = self._run(arrays, flat, max_blocks)
+        *rows, where = self._run(arrays, flat, max_blocks, each_once=self._each_once)
         return rows, where.astype(ids.dtype).reshape(ids.shape)
 
-    def _run(self, arrays: Sequence[mx.array], ids: mx.array, max_blocks: int) -> list[mx.array]:
+    def _run(self, arrays: Sequence[mx.array], ids: mx.array, max_blocks: int, each_once: bool) -> list[mx.array]:
         """The copy kernel's outputs: a stack per tensor, then `where`."""
         count = len(arrays)
-        kernel = self._kernels.get(count)
+        kernel = self._kernels.get((count, each_once))
         if kernel is None:
             kernel = mx.fast.cuda_kernel(
-                name=f"moestream_gather_rows_{count}{'' if self._each_once else '_every'}",
+                name=f"moestream_gather_rows_{count}{'_once' if each_once else ''}",
                 input_names=["ids", *[f"t{j}" for j in range(count)]],
                 output_names=[*[f"o{j}" for j in range(count)], "where"],
-                source=_kernel_source(count, self._each_once),
+                source=_kernel_source(count, each_once),
             )
-            self._kernels[count] = kernel
+            self._kernels[(count, each_once)] = kernel
         n = ids.shape[0]
         row_bytes = [a.nbytes // a.shape[0] for a in arrays]
         # Enough blocks per row to keep the link busy, no more than a row has words.

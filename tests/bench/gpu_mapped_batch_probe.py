@@ -6,8 +6,9 @@ placement's moves.
 
 1. The copy alone (daemon/mapped/row_gather.py), one layer and all layers queued at once:
    milliseconds and GB/s for n rows of experts in host memory (n = 8 .. 48, what a step
-   of 1 .. 6 requests routes at most), with distinct rows and with each row twice (what a
-   batch whose requests route the same expert copies today).
+   of 1 .. 6 requests routes at most), by the call a decode step makes (`routed`), with
+   distinct experts and with each expert twice (a batch whose requests route the same
+   experts; each is copied once, so GB/s counts each expert's bytes once).
 2. The daemon's batch (`BatchSession` driven as the engine loop drives it) at B = 1, 2, 4, 6
    requests decoding together, on a mapped pool made as the daemon makes it
    (`--capacity 0.25 --host-cache 20G`): ms per step, and per step the routed pairs
@@ -61,9 +62,9 @@ def _copy_rates(store: str, reps: int) -> dict:
                 if len(picked) != n or len(set(host[:n])) < (n // 2 if twice else n):
                     continue
                 ids = mx.array(picked, dtype=mx.uint32)
-                one = median_ms(lambda: gather(arrays, ids), reps)
+                one = median_ms(lambda: gather.routed(arrays, ids)[0], reps)
                 every = [(a, mx.array((h[: n // 2] * 2) if twice else h[:n], dtype=mx.uint32)) for a, h in layers]
-                queued = median_ms(lambda: [gather(a, i) for a, i in every], max(3, reps // 5))
+                queued = median_ms(lambda: [gather.routed(a, i)[0] for a, i in every], max(3, reps // 5))
                 link = (n // 2 if twice else n) * expert_bytes
                 r = {
                     "rows": n,
