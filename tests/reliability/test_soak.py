@@ -19,32 +19,40 @@ def test_soak_with_cancels_and_disconnects(rel_store, start_daemon, rel_referenc
     batches a partial one)."""
     batched = {"capacity": "1.0"} if max_batch != "1" else {}
     daemon = start_daemon(rel_store, env={"MOESTREAM_MAX_BATCH": max_batch}, **batched)
-    # RSS is judged from a quarter of the way in: in a run of 48 requests, batches of 1 to
-    # 4 and joint prefills of 1 to 4 prompts bring new shapes (MLX's buffers) well past
-    # the first tenth (growth from there measured 4.1-5.4%, batched, against 5%). The
-    # long soak (`bench soak`) is the leak check.
-    report = run_soak(daemon, rel_reference, clients=4, requests=12, cancel_frac=0.3, seed=3, warmup_frac=0.25)
-    print(
-        {
-            k: report[k]
-            for k in (
-                "requests",
-                "exact",
-                "cancelled",
-                "disconnected_seen_by_daemon",
-                "lost_responses",
-                "rss_growth_pct",
-                "seconds",
-            )
-        }
-    )
-    assert report["failures"] == [] and report["client_errors"] == []
-    assert report["requests"] == 48 and report["lost_responses"] == 0 and report["stray_messages"] == 0
-    assert report["mismatched"] == 0 and report["exact"] == report["completed"] + report["cancelled"]
-    assert report["counters_add_up"], report["daemon_counters"]
-    assert report["cancel_asked"] + report["disconnect_asked"] > 0, "the seed must exercise cancels and disconnects"
-    assert report["rss_growth_pct"] < 5.0
-    assert report["ok"]
+    # The daemon's RSS is judged across a second run of the same soak: in a first run of
+    # 48 requests, batches of 1 to 4 and joint prefills of 1 to 4 prompts keep bringing
+    # new shapes (MLX's buffers), and its growth from a quarter of the way in measured
+    # 4.1-5.4% (batched) where a leak would be told by 5%. A second run meets those
+    # shapes again, so what it adds is what the requests keep. The long soak (`bench
+    # soak`) is the leak check over thousands.
+    reports = [
+        run_soak(daemon, rel_reference, clients=4, requests=12, cancel_frac=0.3, seed=3, warmup_frac=0.25)
+        for _ in range(2)
+    ]
+    for report in reports:
+        print(
+            {
+                k: report[k]
+                for k in (
+                    "requests",
+                    "exact",
+                    "cancelled",
+                    "disconnected_seen_by_daemon",
+                    "lost_responses",
+                    "rss_growth_pct",
+                    "rss_end_bytes",
+                    "seconds",
+                )
+            }
+        )
+        assert report["failures"] == [] and report["client_errors"] == []
+        assert report["requests"] == 48 and report["lost_responses"] == 0 and report["stray_messages"] == 0
+        assert report["mismatched"] == 0 and report["exact"] == report["completed"] + report["cancelled"]
+        assert report["counters_add_up"], report["daemon_counters"]
+        assert report["cancel_asked"] + report["disconnect_asked"] > 0, "the seed must exercise cancels and disconnects"
+        assert report["ok"]
+    first, second = (r["rss_end_bytes"] for r in reports)
+    assert 100.0 * (second - first) / first < 5.0, "the second run of the same soak grew the daemon"
     with Client(daemon.paths) as c:
         batch = c.status()["batch"]
     assert (batch is None) == (max_batch == "1")
