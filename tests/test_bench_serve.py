@@ -12,35 +12,24 @@ from tiny_models import tiny_store
 from moestream.daemon.bench.serve import _percentile, format_report
 
 
-def test_levels_of_concurrent_clients_through_a_real_daemon():
-    with tiny_store("bench-serve") as store:
+def _bench_serve(name: str, *args: str) -> tuple[dict, str]:
+    """`moestreamctl bench serve --json` with `args` on a tiny store of its own: the
+    report and the progress lines."""
+    with tiny_store(name) as store:
         out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "moestream.client.cli",
-                "bench",
-                "serve",
-                "--model",
-                str(store),
-                "--capacity",
-                "0.5",
-                "--clients",
-                "1",
-                "--clients",
-                "3",
-                "--requests",
-                "3",
-                "--max-tokens",
-                "5",
-                "--json",
-            ],
+            [sys.executable, "-m", "moestream.client.cli", "bench", "serve", "--model", str(store), *args, "--json"],
             capture_output=True,
             text=True,
             timeout=600,
         )
     assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout)
+    return json.loads(out.stdout), out.stderr
+
+
+def test_levels_of_concurrent_clients_through_a_real_daemon():
+    report, _ = _bench_serve(
+        "bench-serve", "--capacity", "0.5", "--clients", "1", "--clients", "3", "--requests", "3", "--max-tokens", "5"
+    )
     levels = report["levels"]
     assert [level["clients"] for level in levels] == [1, 3]
     for level in levels:
@@ -85,41 +74,26 @@ def test_rounds_run_every_level_again_in_turn_and_report_medians():
     """`--rounds 2`: each level runs twice (the second round in reverse order), and
     reports the median of its rounds' figures and of each round's ratio to the same
     round's one client."""
-    with tiny_store("bench-serve-rounds") as store:
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "moestream.client.cli",
-                "bench",
-                "serve",
-                "--model",
-                str(store),
-                "--clients",
-                "1",
-                "--clients",
-                "2",
-                "--requests",
-                "2",
-                "--max-tokens",
-                "3",
-                "--rounds",
-                "2",
-                "--json",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-    assert out.returncode == 0, out.stderr
+    report, progress = _bench_serve(
+        "bench-serve-rounds",
+        "--clients",
+        "1",
+        "--clients",
+        "2",
+        "--requests",
+        "2",
+        "--max-tokens",
+        "3",
+        "--rounds",
+        "2",
+    )
     # The second round runs its levels in reverse: 2 clients, then 1.
     order = [
         line.split("round 2 of 2, ")[1].split(" client")[0]
-        for line in out.stderr.splitlines()
+        for line in progress.splitlines()
         if "round 2 of 2, " in line and "requests" in line
     ]
-    assert order == ["2", "1"], out.stderr
-    report = json.loads(out.stdout)
+    assert order == ["2", "1"], progress
     for level in report["levels"]:
         rounds = level["rounds"]
         assert len(rounds) == 2
