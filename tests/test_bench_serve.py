@@ -49,6 +49,8 @@ def test_levels_of_concurrent_clients_through_a_real_daemon():
         # Each level prefills its own prompts: the daemon runs without a prompt cache,
         # which would serve the later levels' (the same prompts) from the earlier ones.
         assert level["cached_tokens"] == 0
+        # A slot pool: no placement to report.
+        assert level["placement"] == {}
         # The steps alone make the level's tokens faster than the level did.
         assert level["steps_only_tokens_per_s"] >= level["aggregate_tokens_per_s"]
     # One client's requests each decode alone, outside the batch (whether three clients'
@@ -73,20 +75,10 @@ def test_percentile_interpolates():
 def test_rounds_run_every_level_again_in_turn_and_report_medians():
     """`--rounds 2`: each level runs twice (the second round in reverse order), and
     reports the median of its rounds' figures and of each round's ratio to the same
-    round's one client."""
-    report, progress = _bench_serve(
-        "bench-serve-rounds",
-        "--clients",
-        "1",
-        "--clients",
-        "2",
-        "--requests",
-        "2",
-        "--max-tokens",
-        "3",
-        "--rounds",
-        "2",
-    )
+    round's one client. On a mapped pool, each level also reports its placement."""
+    mapped = ("--capacity", "0.25", "--host-cache", "256M", "--mapped")
+    levels = ("--clients", "1", "--clients", "2", "--requests", "2", "--max-tokens", "3", "--rounds", "2")
+    report, progress = _bench_serve("bench-serve-rounds", *mapped, *levels)
     # The second round runs its levels in reverse: 2 clients, then 1.
     order = [
         line.split("round 2 of 2, ")[1].split(" client")[0]
@@ -107,7 +99,11 @@ def test_rounds_run_every_level_again_in_turn_and_report_medians():
             )
             assert r["itl_p50_over_one_client"] == pytest.approx(r["itl_p50_s"] / one["itl_p50_s"])
             assert r["batch"]["joined"] == 2
+            # The placement counted what the round's forwards routed, a share of it on the GPU.
+            placed = r["placement"]
+            assert placed["routed"] > 0 and 0 <= placed["routed_on_gpu"] <= placed["routed"]
+            assert placed["gpu_hit_rate"] == pytest.approx(placed["routed_on_gpu"] / placed["routed"])
     assert [r["aggregate_over_one_client"] for r in report["levels"][0]["rounds"]] == [1.0, 1.0]
     assert report["same_tokens_at_every_level"] is True
     text = format_report(report)
-    assert "medians of 2 rounds" in text and "ITL x one" in text
+    assert "medians of 2 rounds" in text and "ITL x one" in text and "the mapped pool:" in text

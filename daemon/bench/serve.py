@@ -119,11 +119,27 @@ def _one_request(
     }
 
 
-def _batch_counts(paths: RuntimePaths) -> dict[str, float]:
-    """The daemon's batch counters now (`status`), the numeric ones."""
+def _numeric(d: dict[str, Any] | None) -> dict[str, float]:
+    return {k: v for k, v in (d or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _batch_counts(paths: RuntimePaths) -> tuple[dict[str, float], dict[str, float]]:
+    """The daemon's counters now (`status`), the numeric ones: its batch's, and its
+    mapped pool's placement (empty without one)."""
     with Client(paths, timeout=60.0) as client:
-        batch = client.status().get("batch") or {}
-    return {k: v for k, v in batch.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        status = client.status()
+    return _numeric(status.get("batch")), _numeric((status.get("pool") or {}).get("mapped_pool"))
+
+
+def _placement_during(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What a mapped pool's placement did between two readings: routed pairs, those
+    found in GPU memory (and their share), moves, rebalances, and the seconds of its
+    read-backs (on the decode thread), decisions and driver calls (on its worker)."""
+    if not after:
+        return {}
+    out = {k: after[k] - before.get(k, 0) for k in after if k not in ("gpu_hit_rate", "gpu_slots")}
+    out["gpu_hit_rate"] = out["routed_on_gpu"] / out["routed"] if out.get("routed") else None
+    return out
 
 
 def _batch_during(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -146,7 +162,7 @@ def steps_only_tokens_per_s(tokens: int, batch: dict[str, float]) -> float | Non
 
 
 def _level(paths: RuntimePaths, n: int, requests: list[_Request], settings: BenchServeSettings) -> dict[str, Any]:
-    before = _batch_counts(paths)
+    before, placed_before = _batch_counts(paths)
     work: queue.SimpleQueue[_Request] = queue.SimpleQueue()
     for r in requests:
         work.put(r)
@@ -177,7 +193,8 @@ def _level(paths: RuntimePaths, n: int, requests: list[_Request], settings: Benc
     for t in threads:
         t.join()
     wall = time.perf_counter() - tic
-    batch = _batch_during(before, _batch_counts(paths))
+    after, placed_after = _batch_counts(paths)
+    batch = _batch_during(before, after)
     if errors:
         raise RuntimeError(f"{n} clients: a client failed: {errors[0]}") from errors[0]
     results.sort(key=lambda r: r["index"])
@@ -204,6 +221,8 @@ def _level(paths: RuntimePaths, n: int, requests: list[_Request], settings: Benc
         "timeline_s": [r["timeline_s"] for r in results],
         # The daemon's batch over the level (empty when it does not batch).
         "batch": batch,
+        # A mapped pool's placement over the level (empty without one).
+        "placement": _placement_during(placed_before, placed_after),
         # What the level would make if nothing but its decode steps took time (the batch's
         # and the lone request's): the ceiling that prefills, joins and clients lower.
         "steps_only_tokens_per_s": steps_only_tokens_per_s(tokens, batch),
@@ -244,6 +263,7 @@ def _over_rounds(rounds: list[dict[str, Any]], one: list[dict[str, Any]] | None)
             {
                 **{k: r[k] for k in ("wall_s", "tokens", *_MEDIAN_KEYS)},
                 "batch": r["batch"],
+                "placement": r["placement"],
                 "aggregate_over_one_client": _ratio(r["aggregate_tokens_per_s"], base.get("aggregate_tokens_per_s")),
                 "itl_p50_over_one_client": _ratio(r["itl_p50_s"], base.get("itl_p50_s")),
             }
@@ -363,6 +383,15 @@ def format_report(r: dict[str, Any]) -> str:
                 f"{b.get('join_s', 0):.2f} s, prefills alone {b.get('prefill_alone_s', 0):.2f} s, a lone request "
                 f"{b.get('solo_s', 0):.2f} s ({b.get('solo_tokens', 0)} tokens); decode steps alone would make "
                 f"{level['steps_only_tokens_per_s'] or 0:.1f} tok/s"
+            )
+    for level in r["levels"]:
+        p = level.get("placement") or {}
+        if p.get("routed"):
+            lines.append(
+                f"{level['clients']} client(s), the mapped pool: {p['gpu_hit_rate']:.2f} of routed experts in GPU "
+                f"memory, {p.get('moves', 0)} moves in {p.get('rebalances', 0)} rebalances, read-backs "
+                f"{p.get('readback_seconds', 0):.2f} s, the worker {p.get('decide_seconds', 0):.2f} s deciding and "
+                f"{p.get('place_seconds', 0):.2f} s in the driver"
             )
     lines.append(f"same tokens at every level (seeded requests): {r['same_tokens_at_every_level']}")
     return "\n".join(lines)
