@@ -49,10 +49,10 @@ def _copy_rates(store: str, reps: int) -> dict:
         gather = RowGather(use_kernel=RowGather.kernel_available())
         expert_bytes = moes[0].pool.layer.expert_bytes
         layers = []
-        for moe in moes:
+        for moe, on_gpu in zip(moes, sm.mapped_pool.on_gpu):
             pool = moe.pool
             names = [t.name for t in pool.layer.tensors]
-            host = [e for e in range(pool.layer.num_experts) if e not in sm.mapped_pool.on_gpu[pool.layer.ordinal]]
+            host = [e for e in range(pool.layer.num_experts) if e not in on_gpu]
             layers.append(([pool.arrays[n] for n in names], host))
         rows = []
         for n in ROWS:

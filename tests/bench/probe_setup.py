@@ -26,10 +26,13 @@ def store_probe_args() -> argparse.Namespace:
 
 def mapped_quarter(store: str) -> tuple[StreamingModel, list[Any]]:
     """The store as a mapped pool with 25% of each layer in GPU memory, placed once and
-    never moved (so the probe knows where each expert is), and its streaming layers."""
+    never moved (so the probe knows where each expert is), and its streaming layers in
+    the pools' order: layer i's is `sm.pools[i]`'s, whose experts in GPU memory are
+    `sm.mapped_pool.on_gpu[i]` (`named_modules` lists them last layer first)."""
     mx.set_memory_limit(64 * 2**30)
     sm = load_streaming_model(store, Settings(capacity=0.25, mapped_rebalance_tokens=0), mapped=True)
-    return sm, [m for _, m in sm.model.named_modules() if type(m).__name__ == "StreamingMoE"]
+    by_pool = {id(m.pool): m for _, m in sm.model.named_modules() if type(m).__name__ == "StreamingMoE"}
+    return sm, [by_pool[id(p)] for p in sm.pools]
 
 
 class RoundRobin:
