@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Mapping, MutableMapping
 
-from moestream.shared.runtime_dir import check_private_dir
+from moestream.shared.runtime_dir import ensure_private_dir
 
 ENV = "MLX_PTX_CACHE_DIR"
 
@@ -50,15 +50,12 @@ class _CannotCreate(KernelCacheError):
 
 
 def _private_folder(folder: Path) -> None:
-    try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as e:
-        raise _CannotCreate(f"cannot create the kernel cache folder {folder}: {e.strerror}") from e
-    check_private_dir(
+    ensure_private_dir(
         folder,
         what="kernel cache folder",
         option="--kernel-cache-dir / MOESTREAM_KERNEL_CACHE_DIR",
         error=KernelCacheError,
+        cannot_create=_CannotCreate,
     )
 
 

@@ -108,14 +108,23 @@ class RuntimePaths:
 RUNTIME_DIR_OPTION = "--runtime-dir / MOESTREAM_RUNTIME_DIR"
 
 
-def ensure_private_dir(folder: Path) -> Path:
-    """Create `folder` with mode 0700 if needed, then check that it is private to us."""
+def ensure_private_dir(
+    folder: Path,
+    *,
+    what: str = "runtime folder",
+    option: str = RUNTIME_DIR_OPTION,
+    error: type[Exception] = RuntimeDirError,
+    cannot_create: type[Exception] | None = None,
+) -> Path:
+    """Create `folder` with mode 0700 if needed, then check that it is private to us
+    (`check_private_dir`, with the same `what`, `option` and `error`); a folder that
+    cannot be made raises `cannot_create` (default `error`)."""
     try:
         # An existing folder is checked below exactly like one made here.
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as e:
-        raise RuntimeDirError(f"cannot create the runtime folder {folder}: {e.strerror}") from e
-    check_private_dir(folder)
+        raise (cannot_create or error)(f"cannot create the {what} {folder}: {e.strerror}") from e
+    check_private_dir(folder, what=what, option=option, error=error)
     return folder
 
 

@@ -123,7 +123,7 @@ def _numeric(d: dict[str, Any] | None) -> dict[str, float]:
     return {k: v for k, v in (d or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def _batch_counts(paths: RuntimePaths) -> tuple[dict[str, float], dict[str, float]]:
+def _counts(paths: RuntimePaths) -> tuple[dict[str, float], dict[str, float]]:
     """The daemon's counters now (`status`), the numeric ones: its batch's, and its
     mapped pool's placement (empty without one)."""
     with Client(paths, timeout=60.0) as client:
@@ -162,7 +162,7 @@ def steps_only_tokens_per_s(tokens: int, batch: dict[str, float]) -> float | Non
 
 
 def _level(paths: RuntimePaths, n: int, requests: list[_Request], settings: BenchServeSettings) -> dict[str, Any]:
-    before, placed_before = _batch_counts(paths)
+    before, placed_before = _counts(paths)
     work: queue.SimpleQueue[_Request] = queue.SimpleQueue()
     for r in requests:
         work.put(r)
@@ -193,7 +193,7 @@ def _level(paths: RuntimePaths, n: int, requests: list[_Request], settings: Benc
     for t in threads:
         t.join()
     wall = time.perf_counter() - tic
-    after, placed_after = _batch_counts(paths)
+    after, placed_after = _counts(paths)
     batch = _batch_during(before, after)
     if errors:
         raise RuntimeError(f"{n} clients: a client failed: {errors[0]}") from errors[0]
