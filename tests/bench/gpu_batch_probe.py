@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -50,6 +51,7 @@ from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models import qwen3_moe, switch_layers
 from mlx_lm.sample_utils import make_sampler
 from padded_decode_attention import check, padded_decode_attention
+from probe_setup import RoundRobin
 
 from moestream.daemon.model.generation import SamplingParams, request_sampler
 from moestream.daemon.plan import _config_with_layers, _random_model
@@ -140,29 +142,23 @@ def _loop_ms(sm, vocab: int, b: int, steps: int) -> float:
     """Median ms per round of the daemon's loop: B requests' `iter_generate` on one
     `BatchSession`, each advanced in turn as the engine loop does (seeded, temperature 1)."""
     from moestream.daemon.model.batching import BatchSession
-    from moestream.daemon.model.generation import GenerationResult, iter_generate
 
     session = BatchSession(sm, 8)
-    gens = [
-        iter_generate(
-            sm, prompt, SamplingParams(max_tokens=steps + 8, temp=1.0, seed=i), GenerationResult(), batch=session
-        )
-        for i, prompt in enumerate(_prompts(vocab, b))
-    ]
+    loop = RoundRobin(sm, session, vocab, 32, random.Random(0))
+    entries = [loop.start(steps + 8, prompt=prompt) for prompt in _prompts(vocab, b)]
+    first = entries[0]
+    # The prompts and the first steps are not timed.
+    loop.run_until(lambda: all(e[1] >= 4 for e in entries))
     rounds: list[float] = []
-    tic = None
-    made = 0
-    while gens:
-        g = gens.pop(0)
-        if next(g, None) is None:
-            continue
-        gens.append(g)
-        made += 1
-        if made % b == 0 and made >= 4 * b:  # the prompts and the first steps are not timed
-            now = time.perf_counter()
-            if tic is not None:
-                rounds.append(now - tic)
-            tic = now
+    for _ in range(steps):
+        made = first[1]
+        tic = time.perf_counter()
+        loop.run_until(lambda: first[1] > made or first not in loop.gens)
+        if first not in loop.gens:
+            break
+        rounds.append(time.perf_counter() - tic)
+    for e in loop.gens:
+        e[0].close()
     session.close()
     return 1000 * statistics.median(rounds)
 

@@ -45,10 +45,11 @@ class RoundRobin:
         self.gens: list[list] = []  # [generator, tokens so far]
         self.seed = 0
 
-    def start(self, max_tokens: int, prompt_tokens: int | None = None) -> list:
+    def start(self, max_tokens: int, prompt_tokens: int | None = None, prompt: list[int] | None = None) -> list:
+        """A request of `prompt` (default: random, of `prompt_tokens`) at the back of the round."""
         self.seed += 1
-        n = prompt_tokens or self.prompt_tokens
-        prompt = [self.rng.randrange(self.vocab) for _ in range(n)]
+        if prompt is None:
+            prompt = [self.rng.randrange(self.vocab) for _ in range(prompt_tokens or self.prompt_tokens)]
         params = SamplingParams(max_tokens=max_tokens, temp=1.0, seed=self.seed)
         entry = [iter_generate(self.sm, prompt, params, GenerationResult(), batch=self.session), 0]
         self.gens.append(entry)
