@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import zmq
 
@@ -34,6 +34,9 @@ from moestream.daemon.keep_alive import KeepAlive, trim_heap
 from moestream.daemon.limits import FileLimit
 from moestream.shared import protocol as proto
 from moestream.shared.settings import Settings, format_size
+
+if TYPE_CHECKING:
+    from moestream.shared.store_format import ManifestStamp
 
 EXIT_FRAME = b"exit"
 SNAPSHOT_SECONDS = 0.1
@@ -143,7 +146,7 @@ class EngineLoop:
         self._heat = Heat(settings, log, share)
         self._checker: Any = None
         # The served manifest's stat when it was loaded: `status` compares it with the file's now.
-        self._store_stamp: tuple[int, int, int, int] | None = None
+        self._store_stamp: ManifestStamp | None = None
         # The served store's path, id and stamp, kept in `status` while the model is unloaded.
         self._identity: dict[str, Any] = {}
         self._pending: deque[Job] = deque()

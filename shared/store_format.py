@@ -282,14 +282,20 @@ class Manifest:
         fsync_dir(path.parent)
 
 
-def manifest_stamp(store_dir: str | os.PathLike) -> tuple[int, int, int, int]:
-    """(device, inode, size, mtime) of the store's manifest: what changes when the store at
-    that path is replaced or its manifest edited. Raises OSError when it cannot be read."""
+ManifestStamp = tuple[int, int, int, int, int]
+
+
+def manifest_stamp(store_dir: str | os.PathLike) -> ManifestStamp:
+    """(device, inode, size, mtime, ctime) of the store's manifest: what changes when the
+    store at that path is replaced or its manifest edited. The ctime is there because a
+    copy keeps the mtime (`cp -p`, copytree) and a freshly deleted inode number is often
+    handed to the next new file, while no copy can set a new file's ctime back.
+    Raises OSError when it cannot be read."""
     st = os.stat(Path(store_dir) / MANIFEST_NAME)
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def vanished_store_problem(store_dir: str | os.PathLike, stamp: tuple[int, int, int, int] | None) -> str | None:
+def vanished_store_problem(store_dir: str | os.PathLike, stamp: ManifestStamp | None) -> str | None:
     """Why the store loaded from `store_dir` (its manifest then had `stamp`) is not there
     as it was, or None. Costs a stat or two: a daemon asks it per `status`."""
     store = Path(store_dir)

@@ -37,6 +37,8 @@ from moestream.shared.store_format import (
     StoreError,
     content_store_id,
     load_manifest,
+    manifest_stamp,
+    vanished_store_problem,
 )
 
 CASES = (
@@ -422,6 +424,21 @@ def test_a_store_id_is_fresh_from_convert_and_comes_from_the_content_of_an_older
     (tmp_path / "old1" / MANIFEST_NAME).write_text(json.dumps(bad))
     with pytest.raises(StoreError, match="malformed manifest .*store_id is a int, not a string"):
         load_manifest(tmp_path / "old1")
+
+
+def test_a_store_replaced_by_a_copy_of_itself_is_seen_as_replaced(converted, tmp_path):
+    """A copy keeps the manifest's size and mtime and, right after the old one is deleted,
+    often gets its inode number too; the stamp still tells the two apart."""
+    _, out = converted("qwen3_moe", "4bit")
+    own = Path(shutil.copytree(out, tmp_path / "own"))
+    stamp = manifest_stamp(own)
+    assert vanished_store_problem(own, stamp) is None
+    shutil.rmtree(own)
+    shutil.copytree(out, own)
+    assert vanished_store_problem(own, stamp) == (
+        f"the store in the model folder {own} was replaced or its manifest changed since the daemon loaded it: "
+        "restart the daemon (`moestreamctl restart`) to serve what is there now"
+    )
 
 
 def test_a_config_out_of_step_with_the_layer_files_says_what_differs(converted, tmp_path):
