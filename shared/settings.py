@@ -546,7 +546,8 @@ class Settings:
     # Requests: the KV cache is sized for max_context when the pool comes from a memory budget.
     max_context: int = setting(16384, kind="int", low=16, high=2**24, help="Tokens per request, prompt and generated.")
     max_active: int = setting(8, kind="int", low=1, high=1024, help="Requests decoded at once.")
-    # Off (1) by default until its speed is measured on the GPU machine (bench serve).
+    # Off (1) by default: on the H200 a batch pays on a full pool from about 4 clients, but not at 2
+    # nor on a mapped pool (tests/bench/RESULTS.md, "Serving several clients").
     max_batch: int = setting(
         1,
         kind="int",
