@@ -227,10 +227,16 @@ class EngineLoop:
             self._share.barrier()
         self._heat.pin(self._sm)
         self._heat.start(self._sm)
-        self.state = "ready"
-        self._log_ready(time.perf_counter() - tic)
-        self._publish(force=True)
+        self._ready(time.perf_counter() - tic)
         return True
+
+    def _ready(self, seconds: float) -> None:
+        """Serve: the snapshot of the loaded model first, then the state, which `status`
+        reads live, so that a client told "ready" finds the model's figures there too (an
+        expert-parallel snapshot gathers every rank's, which takes a while)."""
+        self._publish(force=True, state="ready")
+        self.state = "ready"
+        self._log_ready(seconds)
 
     def _log_ready(self, seconds: float) -> None:
         self.log.info(
@@ -750,9 +756,7 @@ class EngineLoop:
         self._heat.pin(self._sm)
         self._load_progress(steps, steps)
         self._keep_alive.loaded(time.perf_counter() - tic)
-        self.state = "ready"
-        self._log_ready(time.perf_counter() - tic)
-        self._publish(force=True)
+        self._ready(time.perf_counter() - tic)
 
     def _load_progress(self, done: int, total: int) -> None:
         for job in self._pending:
@@ -762,13 +766,14 @@ class EngineLoop:
 
     # ---- status ----------------------------------------------------------------------
 
-    def _publish(self, *, force: bool = False) -> None:
+    def _publish(self, *, force: bool = False, state: str | None = None) -> None:
+        """The snapshot `status` reads; `state`: the one it records, where not yet the engine's."""
         now = time.monotonic()
         if not force and now - self._last_snapshot < SNAPSHOT_SECONDS:
             return
         self._last_snapshot = now
         snap: dict[str, Any] = {
-            "state": self.state,
+            "state": state or self.state,
             "error": self.error,
             "at": now,
             "requests": {
