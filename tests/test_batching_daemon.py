@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from daemon_cli import started_daemon
+from daemon_cli import started_daemon, wait_for
 from tiny_models import tiny_store
 
 from moestream.client.client import Client
@@ -127,6 +127,32 @@ def test_eight_mixed_clients_in_one_batch_get_their_alone_outputs(store, alone):
                 time.sleep(0.05)
         # Everyone left the batch (the cancelled ones too), and it ran more than one at a time.
         assert batch["size"] == 0 and batch["max_size"] > 1 and batch["joined"] == batch["left"] == len(REQUESTS)
+
+
+def test_a_client_that_vanishes_leaves_the_batch_within_a_step(store, alone):
+    """A client whose socket closes mid-decode, sending no cancel, leaves the batch: the
+    daemon makes at most one more token for it once it has seen the peer go, the batch
+    shrinks to the request beside it, and that one gets what it gets alone."""
+    prompt = REQUESTS[0][0]
+    long_tokens = 300
+    with started_daemon(store, "msbgone", "--capacity", "0.5", "--max-batch", "4") as paths:
+        with Client(paths, timeout=60) as c:
+            gone = Client(paths, timeout=60)
+            vanishing = gone.generate("There was news of rain", max_tokens=long_tokens)
+            next(vanishing)
+            other = c.generate(prompt, max_tokens=TOKENS)
+            next(other)  # it has joined: both decode in one batch now
+            gone.close()
+            recent = lambda: {r["id"]: r for r in c.status()["requests"]["recent"]}  # noqa: E731
+            entry = wait_for(lambda: recent().get(vanishing.id), 10, "the vanished request to end")
+            list(other)
+            done = other.done
+            batch = wait_for(lambda: (b := c.status()["batch"])["size"] == 0 and b, 10, "the batch to empty")
+    assert entry["finish_reason"] == "disconnected" and entry["tokens"] < long_tokens, entry
+    assert entry["tokens_after_stop"] <= 1, entry
+    assert done.tokens == alone[prompt].tokens and done.finish_reason == alone[prompt].finish_reason
+    assert done.stats["batch"]["max_batch"] == 2, done.stats["batch"]
+    assert batch["joined"] == batch["left"] == 2 and batch["max_size"] == 2, batch
 
 
 def test_requests_whose_kv_caches_would_pass_the_memory_budget_wait_in_the_queue(store, alone):
