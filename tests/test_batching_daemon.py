@@ -129,6 +129,11 @@ def test_eight_mixed_clients_in_one_batch_get_their_alone_outputs(store, alone):
         assert batch["size"] == 0 and batch["max_size"] > 1 and batch["joined"] == batch["left"] == len(REQUESTS)
 
 
+def _recent(client: Client) -> dict[str, dict]:
+    """The daemon's recently ended requests, by id."""
+    return {r["id"]: r for r in client.status()["requests"]["recent"]}
+
+
 def test_a_client_that_vanishes_leaves_the_batch_within_a_step(store, alone):
     """A client whose socket closes mid-decode, sending no cancel, leaves the batch: the
     daemon makes at most one more token for it once it has seen the peer go, the batch
@@ -143,8 +148,7 @@ def test_a_client_that_vanishes_leaves_the_batch_within_a_step(store, alone):
             other = c.generate(prompt, max_tokens=TOKENS)
             next(other)  # it has joined: both decode in one batch now
             gone.close()
-            recent = lambda: {r["id"]: r for r in c.status()["requests"]["recent"]}  # noqa: E731
-            entry = wait_for(lambda: recent().get(vanishing.id), 10, "the vanished request to end")
+            entry = wait_for(lambda: _recent(c).get(vanishing.id), 10, "the vanished request to end")
             list(other)
             done = other.done
             batch = wait_for(lambda: (b := c.status()["batch"])["size"] == 0 and b, 10, "the batch to empty")
