@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import zmq
 
 from moestream.shared import protocol as proto
-from moestream.shared.protocol import Done, Progress, Token, ToolCall
+from moestream.shared.protocol import Accepted, Done, Progress, Token, ToolCall
 from moestream.shared.runtime_dir import (
     RuntimeDirError,
     RuntimePaths,
@@ -36,6 +36,7 @@ from moestream.shared.runtime_dir import (
 from moestream.shared.settings import Settings
 
 __all__ = [
+    "Accepted",
     "Client",
     "ClientError",
     "DaemonDied",
@@ -165,6 +166,8 @@ class Client:
         diagnostics: bool = False,
         progress: bool = False,
         keep_alive: float | None = None,
+        thinking: bool | None = None,
+        top_k: int | None = None,
     ) -> "GenerateStream":
         """Send a generate request now; iterate the result for `Token` events, then `Done`.
 
@@ -181,6 +184,10 @@ class Client:
         while the prompt is prefilled, and (with `stage` "load") while an unloaded model
         loads. `keep_alive` (seconds, -1: never) is how long the model stays loaded once
         the daemon is idle after this request, in place of the daemon's setting.
+        `thinking` turns the chat template's thinking switch on or off (None: its
+        default); reasoning then comes as `Token`s with `reasoning` true. `top_k` keeps
+        the k likeliest tokens before sampling. The stream starts with `Accepted` (the
+        prompt's length) once the daemon has checked and queued the request.
         """
         msg = proto.Generate(
             id=request_id or _new_id(),
@@ -200,6 +207,8 @@ class Client:
             diagnostics=True if diagnostics else None,
             progress=True if progress else None,
             keep_alive=None if keep_alive is None else float(keep_alive),
+            thinking=thinking,
+            top_k=top_k,
         )
         try:
             data = proto.encode(msg)
@@ -314,7 +323,7 @@ class Client:
 
 
 class GenerateStream:
-    """The events of one generate request: `Progress` events if asked for, `Token`s (and
+    """The events of one generate request: `Accepted`, `Progress` events if asked for, `Token`s (and
     `ToolCall`s for a request with tools), then one `Done` (kept in `.done`).
 
     Leaving the loop early and calling `close()` cancels the request.
@@ -326,10 +335,10 @@ class GenerateStream:
         self.done: Done | None = None
         self._failed = False
 
-    def __iter__(self) -> Iterator[Progress | Token | ToolCall | Done]:
+    def __iter__(self) -> Iterator[Accepted | Progress | Token | ToolCall | Done]:
         return self
 
-    def __next__(self) -> Progress | Token | ToolCall | Done:
+    def __next__(self) -> Accepted | Progress | Token | ToolCall | Done:
         if self.done is not None or self._failed:
             raise StopIteration
         try:
@@ -340,7 +349,7 @@ class GenerateStream:
         if isinstance(event, Done):
             self.done = event
             self.client._forget(self.id)
-        elif not isinstance(event, (Token, ToolCall, Progress)):
+        elif not isinstance(event, (Token, ToolCall, Progress, Accepted)):
             raise ClientError(f"unexpected {event.TYPE} message in the stream of {self.id}")
         return event
 

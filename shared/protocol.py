@@ -6,8 +6,9 @@ Every message is one ZeroMQ frame holding a msgpack map with `v` (PROTOCOL_VERSI
 
   generate  prompt | prompt_ids | messages, max_tokens, temp, top_p, seed, stop,
             (temp below MIN_TEMP, or top_p below MIN_TOP_P: greedy, the limit they tend to)
-            [tools, tool_choice, speculative, draft_tokens, draft_model, diagnostics, progress, keep_alive]
-                                                        -> progress*, (token | tool_call)*, done
+            [tools, tool_choice, speculative, draft_tokens, draft_model, diagnostics, progress, keep_alive,
+             thinking, top_k]
+                                                        -> accepted, progress*, (token | tool_call)*, done
   cancel    target (the id of one of this client's generate requests)  -> cancelled
   status / stats / ping / shutdown                                     -> status / stats / pong / shutdown
 
@@ -24,6 +25,14 @@ finds the model unloaded (after `keep_alive`) first gets `progress` events with 
 "load" (steps of the load done, of how many). `keep_alive` (seconds; -1: never) is how
 long the model stays loaded once the daemon is idle after this request, in place of the
 daemon's setting (Ollama's per-request keep_alive).
+`accepted` comes as soon as the prompt has passed its checks (tokenized, within the
+context) and the request is queued, with the prompt's length in tokens: an HTTP gateway
+sends its status line and headers then, not at the first token, which a long prefill may
+put minutes away. `thinking` (true / false) turns the chat template's thinking switch on
+or off where the model has one (None: the template's default); a thinking model's
+reasoning comes as `token` events with `reasoning` true, and `done` holds it apart from
+the answer's `text` in `reasoning`. `top_k` (None or 0: off) keeps only the k likeliest
+tokens before sampling.
 Tools (`tools`: function schemas as OpenAI writes them, `{"type": "function", "function":
 {name, description, parameters}}`; `tool_choice`: auto | none | required | {"name": N})
 are rendered by the model's chat template; the daemon parses the model's tool-call text
@@ -138,6 +147,8 @@ class Generate:
         "diagnostics",
         "progress",
         "keep_alive",
+        "thinking",
+        "top_k",
     )
     id: str
     prompt: str | None = None
@@ -163,6 +174,10 @@ class Generate:
     progress: bool | None = None
     # Seconds the model stays loaded once idle after this request (-1: never); None: the daemon's.
     keep_alive: float | None = None
+    # True / False: the chat template's thinking switch (enable_thinking); None: its default.
+    thinking: bool | None = None
+    # Sample from the k likeliest tokens only; None or 0: all of them.
+    top_k: int | None = None
 
 
 @dataclass(frozen=True)
@@ -202,13 +217,26 @@ Request = Union[Generate, Cancel, Status, Stats, Shutdown, Ping]
 
 
 @dataclass(frozen=True)
+class Accepted:
+    """The request passed its checks and is queued: `prompt_tokens` is the prompt's length
+    in tokens (the chat rendered by the template). Sent before any other event."""
+
+    TYPE: ClassVar[str] = "accepted"
+    id: str
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
 class Token:
-    """New text of a generate request (it may span several tokens; `token` is the last)."""
+    """New text of a generate request (it may span several tokens; `token` is the last).
+    `reasoning` True: the text is the model's reasoning (between its thinking markers)."""
 
     TYPE: ClassVar[str] = "token"
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("reasoning",)
     id: str
     text: str
     token: int
+    reasoning: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -253,6 +281,8 @@ class Done:
     # The request's tool calls ({name, arguments} maps, arguments as JSON text), all of
     # them (each was sent as a tool_call event too); `text` then holds the rest.
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    # A thinking model's reasoning, apart from `text` (the answer).
+    reasoning: str = ""
 
 
 @dataclass(frozen=True)
@@ -301,11 +331,12 @@ class ShutdownReply:
     pid: int
 
 
-Reply = Union[Token, ToolCall, Progress, Done, Error, Pong, StatusReply, StatsReply, Cancelled, ShutdownReply]
+Reply = Union[Accepted, Token, ToolCall, Progress, Done, Error, Pong, StatusReply, StatsReply, Cancelled, ShutdownReply]
 
 REQUEST_TYPES: dict[str, type] = {c.TYPE: c for c in (Generate, Cancel, Status, Stats, Shutdown, Ping)}
 REPLY_TYPES: dict[str, type] = {
-    c.TYPE: c for c in (Token, ToolCall, Progress, Done, Error, Pong, StatusReply, StatsReply, Cancelled, ShutdownReply)
+    c.TYPE: c
+    for c in (Accepted, Token, ToolCall, Progress, Done, Error, Pong, StatusReply, StatsReply, Cancelled, ShutdownReply)
 }
 
 
@@ -587,7 +618,19 @@ def _generate_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
         "diagnostics": _flag_field(body, "diagnostics", rid),
         "progress": _flag_field(body, "progress", rid),
         "keep_alive": _keep_alive_field(body, rid),
+        "thinking": _flag_field(body, "thinking", rid),
+        "top_k": _top_k_field(body, rid),
     }
+
+
+def _top_k_field(body: dict[str, Any], rid: str) -> int | None:
+    value = body.get("top_k")
+    _check(
+        value is None or (_is_int(value) and 0 <= value < 2**31),
+        rid,
+        "'top_k' must be null or a whole number in 0..2^31-1 (0: off)",
+    )
+    return value or None
 
 
 def _keep_alive_field(body: dict[str, Any], rid: str) -> float | None:
