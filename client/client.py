@@ -265,15 +265,20 @@ class Client:
         except zmq.Again:
             raise DaemonDied(f"cannot send to the daemon at {self.paths.socket}: its queue is full") from None
 
-    def _next(self, request_id: str, *, keep_waiting: bool) -> proto.Reply:
+    def _next(self, request_id: str, *, keep_waiting: bool, within: float | None = None) -> proto.Reply | None:
         """The next message for `request_id`; an `error` reply raises `RequestRejected`.
 
         keep_waiting: after `timeout` seconds of silence, ping; wait on while it answers.
+        within: return None once that many seconds have passed without one.
         """
         box = self._inbox.setdefault(request_id, deque())
         last = heard = time.monotonic()
+        deadline = None if within is None else last + within
         while not box:
-            if self._sock.poll(int(_SLICE_S * 1000), zmq.POLLIN):
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            wait = _SLICE_S if deadline is None else min(_SLICE_S, max(deadline - time.monotonic(), 0.0))
+            if self._sock.poll(int(wait * 1000), zmq.POLLIN):
                 self._receive()
                 last = heard = time.monotonic()
                 continue
@@ -341,11 +346,24 @@ class GenerateStream:
     def __next__(self) -> Accepted | Progress | Token | ToolCall | Done:
         if self.done is not None or self._failed:
             raise StopIteration
+        event = self.next_event()
+        assert event is not None
+        return event
+
+    def next_event(self, within: float | None = None) -> Accepted | Progress | Token | ToolCall | Done | None:
+        """The next event, as iterating gives it, or None when none came within `within`
+        seconds (a long prompt's prefill sends none unless asked for progress): a caller
+        that must notice something else meanwhile (its own client gone) polls with it.
+        StopIteration after the `Done`."""
+        if self.done is not None or self._failed:
+            raise StopIteration
         try:
-            event = self.client._next(self.id, keep_waiting=True)
+            event = self.client._next(self.id, keep_waiting=True, within=within)
         except RequestRejected:
             self._failed = True
             raise
+        if event is None:
+            return None
         if isinstance(event, Done):
             self.done = event
             self.client._forget(self.id)
@@ -363,6 +381,20 @@ class GenerateStream:
             self.cancel()
             for _ in self:
                 continue
+
+    def abandon(self) -> None:
+        """Cancel the request without waiting for the daemon to apply it (the engine takes
+        it within a prefill's layer or chunk): returns once the daemon has the message (a
+        ping sent after it was answered), so the caller may close the client and go (the
+        replies still to come are not read: for a client about to close). The stream ends
+        here."""
+        if self.done is None and not self._failed and self.client._finalizer.alive:
+            client = self.client
+            client._send(proto.encode(proto.Cancel(id=_new_id(), target=self.id)))
+            # One socket, in order: the ping's answer comes after the daemon read the cancel.
+            client.ping()
+            client._forget(self.id)
+        self._failed = True
 
     def __enter__(self) -> "GenerateStream":
         return self

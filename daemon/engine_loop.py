@@ -137,6 +137,10 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self.finished = threading.Event()
         self._events: zmq.Socket | None = None
+        # Held around every send on `_events`: the prompt checker's thread sends `accepted`
+        # on it too, so that it leaves at once (while a long prefill runs here) and in
+        # order with the request's later events.
+        self._send_lock = threading.Lock()
         self._sm: Any = None
         # Continuous batching (daemon/model/batching.py) where max_batch > 1, else None.
         self._batch: Any = None
@@ -214,8 +218,10 @@ class EngineLoop:
                 try:
                     self._close_model()
                 finally:
-                    self._events.send_multipart([b"", EXIT_FRAME])
-                    self._events.close(linger=0)
+                    with self._send_lock:
+                        self._events.send_multipart([b"", EXIT_FRAME])
+                        self._events.close(linger=0)
+                        self._events = None
                     self.finished.set()
 
     def _load(self) -> bool:
@@ -298,7 +304,9 @@ class EngineLoop:
 
         from moestream.daemon.prompt_check import PromptChecker
 
-        self._checker = PromptChecker(self._sm, s.max_context, lambda job: self._commands.put(CheckDone(job)), self.log)
+        self._checker = PromptChecker(
+            self._sm, s.max_context, lambda job: self._commands.put(CheckDone(job)), self.log, self._accepted
+        )
         for job in self._pending:  # those that arrived while the model was unloaded
             if job.checked is None:
                 self._checker.submit(job)
@@ -678,7 +686,18 @@ class EngineLoop:
                 self._send(cmd.peer, proto.Cancelled(cmd.msg.id, cmd.msg.target, False))
 
     def _send(self, peer: bytes, message: proto.Reply) -> None:
-        self._events.send_multipart([peer, proto.encode(message)], copy=False)
+        data = proto.encode(message)
+        with self._send_lock:
+            self._events.send_multipart([peer, data], copy=False)
+
+    def _accepted(self, job: Job) -> None:
+        """On the prompt checker's thread, once `job`'s prompt has passed its checks: its
+        `accepted` event, sent now, whatever the engine is computing. Under the send lock,
+        so a job stopped meanwhile (its `done` sent) gets none after it."""
+        data = proto.encode(proto.Accepted(job.msg.id, len(job.checked.ids)))
+        with self._send_lock:
+            if self._events is not None and job.stop_reason is None:
+                self._events.send_multipart([job.peer, data], copy=False)
 
     # ---- keep-alive: idle unload and the load again --------------------------------------
 

@@ -11,7 +11,9 @@ The worker never touches MLX (only the tokenizer, which the engine thread uses o
 detokenize); it posts each result back to the engine through `on_done`, which only
 queues a command. What must stay true: a job's `checked` is set once, by this thread,
 whole (one assignment of a finished `Checked`), before `on_done(job)` wakes the engine;
-the engine activates or fails the job only once it sees it set.
+the engine activates or fails the job only once it sees it set. A prompt that passed is
+announced by `on_accepted(job)` first (the engine sends the request's `accepted` event
+from here, so that it leaves while the engine is busy with another request's prefill).
 """
 
 from __future__ import annotations
@@ -46,12 +48,18 @@ class PromptChecker:
     """One worker thread that checks the prompts of queued jobs, fairly by client."""
 
     def __init__(
-        self, sm: Any, max_context: int, on_done: Callable[[Any], None], log: logging.Logger | None = None
+        self,
+        sm: Any,
+        max_context: int,
+        on_done: Callable[[Any], None],
+        log: logging.Logger | None = None,
+        on_accepted: Callable[[Any], None] | None = None,
     ) -> None:
         self._sm = sm
         self._log = log
         self._max_context = max_context
         self._on_done = on_done
+        self._on_accepted = on_accepted
         self._cond = threading.Condition()
         self._waiting: deque[Any] = deque()
         self._done_by_peer: defaultdict[bytes, int] = defaultdict(int)
@@ -99,6 +107,8 @@ class PromptChecker:
         while (job := self._next()) is not None:
             if job.stop_reason is None:  # a job stopped meanwhile needs no check
                 job.checked = self.check(job.msg)
+                if job.checked.ids is not None and self._on_accepted is not None:
+                    self._on_accepted(job)
             self._on_done(job)
 
     def check(self, msg: proto.Generate) -> Checked:

@@ -144,9 +144,9 @@ def test_a_client_that_vanishes_leaves_the_batch_within_a_step(store, alone):
         with Client(paths, timeout=60) as c:
             gone = Client(paths, timeout=60)
             vanishing = gone.generate("There was news of rain", max_tokens=long_tokens)
-            next(vanishing)
+            next(vanishing), next(vanishing)  # its `accepted`, then its first token
             other = c.generate(prompt, max_tokens=TOKENS)
-            next(other)  # it has joined: both decode in one batch now
+            next(other), next(other)  # it has joined: both decode in one batch now
             gone.close()
             entry = wait_for(lambda: _recent(c).get(vanishing.id), 10, "the vanished request to end")
             list(other)

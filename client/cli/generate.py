@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 import click
 
@@ -97,6 +98,20 @@ class PrefillProgress:
             self.shown = False
 
 
+def _exits_quietly_on_ctrl_c(command: Callable[..., None]) -> Callable[..., None]:
+    """Ctrl-C ends `command` as a shell's own commands end: status 130, no traceback, no
+    "Aborted!" (what was cancelled has been cancelled by then)."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> None:
+        try:
+            command(*args, **kwargs)
+        except KeyboardInterrupt:
+            sys.exit(130)
+
+    return run
+
+
 @click.command()
 @click.argument("prompt", required=False)
 @click.option(
@@ -137,6 +152,7 @@ class PrefillProgress:
     "a summary on stderr.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, tokens and stats.")
+@_exits_quietly_on_ctrl_c
 def generate(
     prompt,
     prompt_file,
@@ -157,7 +173,8 @@ def generate(
 
     PROMPT `-` reads the prompt from standard input (`cat notes.txt | moestreamctl
     generate -`), as does `--prompt-file -`; a long prompt shows its prefill's progress
-    on a terminal.
+    on a terminal. Ctrl-C cancels the request (the daemon stops it within a layer or a
+    chunk of its prefill) and exits with status 130.
     """
     text = _prompt_text(prompt, prompt_file, prompt_ids)
     ids = _parse_ids(prompt_ids)
@@ -337,8 +354,13 @@ def _generate_via_daemon(
                     shown += len(event.text)
         except KeyboardInterrupt:
             progress.clear()
+            if shown and not as_json:
+                sys.stdout.write("\n")
             if stream is not None and stream.done is None:
-                stream.close()
+                try:
+                    stream.abandon()  # the daemon has the cancel; its engine applies it
+                except (ClientError, KeyboardInterrupt):
+                    pass  # gone, or a second Ctrl-C: leave anyway
             raise
         except ClientError as e:
             raise click.ClickException(str(e)) from None

@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from moestream.client.client import Token, ToolCall
+from moestream.client.gateway.keep_alive import KeepAlive
 from moestream.client.gateway.openai import ApiError, ApiRequest, bad_request
 from moestream.shared import protocol as proto
 from moestream.shared.protocol import Done
@@ -319,6 +320,8 @@ class AnthropicApi:
         sent: list[str] = []
         try:
             async for event in self._gw.events(daemon, head):
+                if isinstance(event, KeepAlive):
+                    yield _event("ping", {})
                 pieces: list[str] = []
                 if isinstance(event, Token) and event.text:
                     pieces.append(event.text)

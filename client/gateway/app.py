@@ -49,10 +49,19 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from moestream.client.client import Client, ClientError, DaemonNotRunning, RequestRejected, Token, ToolCall
+from moestream.client.client import (
+    Client,
+    ClientError,
+    DaemonNotRunning,
+    Progress,
+    RequestRejected,
+    Token,
+    ToolCall,
+)
 from moestream.client.dashboard import Dashboard
 from moestream.client.gateway import anthropic, ollama
 from moestream.client.gateway.guard import GuardConfig, GuardMiddleware
+from moestream.client.gateway.keep_alive import KEEP_ALIVE_SECONDS, KeepAlive
 from moestream.client.gateway.openai import ApiError, ApiRequest, Shaper, finish_reason, parse_request, usage
 from moestream.shared import protocol as proto
 from moestream.shared.protocol import Done
@@ -80,6 +89,9 @@ _DAEMON_ERRORS: dict[str, tuple[int, str]] = {
 
 log = logging.getLogger("moestream.openai")
 _GONE = object()  # what `Gateway._unless_gone` returns when the HTTP client has left
+# How often a request's thread looks at its stop flag while the daemon sends nothing (a
+# long prompt's prefill): a client gone then is cancelled in the daemon within this.
+STOP_POLL_SECONDS = 0.5
 
 
 def _demo_store_id() -> str | None:
@@ -102,6 +114,8 @@ class GatewayConfig:
     daemon_timeout: float = 10.0
     # The built-in demo store's id: a daemon serving a store with it serves the demo.
     demo_store_id: str | None = field(default_factory=_demo_store_id)
+    # A streamed answer's keep-alive before its first token (client/gateway/keep_alive.py).
+    keep_alive_seconds: float = KEEP_ALIVE_SECONDS
 
 
 def model_id(st: dict[str, Any], demo_store_id: str | None) -> str:
@@ -160,9 +174,11 @@ def check_model(st: dict[str, Any], asked: str | None, demo_store_id: str | None
 class DaemonRequest:
     """One generate request on a thread of its own, which owns its Client.
 
-    The event loop reads `next()`: first the model id (a str), then `Token`s, then one
-    `Done`; or an `ApiError` at any point, which ends it. `cancel()` may be called from
-    the event loop at any time; the thread cancels the daemon's request at its next event.
+    The event loop reads `next()`: first the model id (a str), then the daemon's events
+    (`Accepted`, `Progress` for a streamed request, `Token`s, ...), then one `Done`; or an
+    `ApiError` at any point, which ends it. `cancel()` may be called from the event loop
+    at any time; the thread cancels the daemon's request within STOP_POLL_SECONDS, during
+    a prefill too (the daemon keeps that prefill for the same prompt sent again).
     """
 
     def __init__(
@@ -200,14 +216,17 @@ class DaemonRequest:
                 self._put(check_model(ready_status(client), self._req.model, self._config.demo_store_id))
                 if self._stop.is_set():
                     return
-                stream = client.generate(request_id=self._id, **self._req.generate)
-                for event in stream:
+                # A streamed answer reports the prefill's progress in its keep-alives.
+                stream = client.generate(request_id=self._id, progress=self._req.stream, **self._req.generate)
+                while stream.done is None:
+                    event = stream.next_event(within=STOP_POLL_SECONDS)
                     if self._stop.is_set():
                         if stream.done is None:
-                            stream.close()  # cancel, then read up to its `done`
+                            stream.abandon()  # the client closes next: no need to read up to `done`
                             log.info("request %s: the HTTP client went away; cancelled in the daemon", self._id)
                         return
-                    self._put(event)
+                    if event is not None:
+                        self._put(event)
         except ApiError as e:
             self._put(e)
         except RequestRejected as e:
@@ -394,8 +413,9 @@ class Gateway:
 
     async def first_event(self, request: Request, daemon: DaemonRequest) -> Any:
         """The daemon's first event of a streaming request (None when the HTTP client
-        left). The status line waits for it, so that a request the daemon refuses (no
-        chat template, over the context, busy) gets its own HTTP status."""
+        left): its `accepted`, as soon as the prompt passed its checks, however long its
+        prefill will take. The status line waits for it, so that a request the daemon
+        refuses (no chat template, over the context, busy) gets its own HTTP status."""
         head = await self._unless_gone(request, daemon, daemon.next())
         if isinstance(head, ApiError):
             raise head
@@ -450,18 +470,38 @@ class Gateway:
         daemon.cancel()
         return _GONE
 
-    @staticmethod
-    async def events(daemon: DaemonRequest, event: Any) -> AsyncIterator[Any]:
+    async def events(self, daemon: DaemonRequest, event: Any) -> AsyncIterator[Any]:
         """The daemon's events from `event` on, through its `Done` (raising an ApiError
         that comes instead); text held back for a possible stop string comes only with
-        `done`, so each API takes the rest of the text from there (`rest_of`)."""
-        while True:
-            if isinstance(event, ApiError):
-                raise event
-            yield event
-            if isinstance(event, Done):
-                return
-            event = await daemon.next()
+        `done`, so each API takes the rest of the text from there (`rest_of`). Until the
+        first token, a `KeepAlive` (with the prefill's progress) whenever
+        `keep_alive_seconds` pass without one, which each API sends in its own form."""
+        every = self.config.keep_alive_seconds
+        quiet_since: float | None = time.monotonic()  # None once the first token came
+        progress = KeepAlive()
+        pending: asyncio.Future | None = None
+        try:
+            while True:
+                if isinstance(event, ApiError):
+                    raise event
+                if isinstance(event, Progress) and event.stage is None:
+                    progress = KeepAlive(event.done, event.total)
+                elif isinstance(event, (Token, ToolCall, Done)):
+                    quiet_since = None
+                yield event
+                if isinstance(event, Done):
+                    return
+                pending = pending or asyncio.ensure_future(daemon.next())
+                if quiet_since is not None:
+                    await asyncio.wait({pending}, timeout=max(quiet_since + every - time.monotonic(), 0.0))
+                    if not pending.done():
+                        yield progress
+                        quiet_since = time.monotonic()
+                        continue
+                event, pending = await pending, None
+        finally:
+            if pending is not None:
+                pending.cancel()
 
     @staticmethod
     async def _collect(daemon: DaemonRequest) -> tuple[str, Done]:
@@ -482,7 +522,9 @@ class Gateway:
         calls = 0
         try:
             async for event in self.events(daemon, event):
-                if isinstance(event, Token) and event.text:
+                if isinstance(event, KeepAlive):
+                    yield event.sse_comment()
+                elif isinstance(event, Token) and event.text:
                     sent.append(event.text)
                     yield _sse(shaper.chunk(event.text, with_usage=extra))
                 elif isinstance(event, ToolCall):

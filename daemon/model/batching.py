@@ -233,12 +233,14 @@ class BatchSession:
         on_prompt_progress: Callable[[int, int], None] | None = None,
         prefill_stats: PrefillStats | None = None,
         cache_use: CacheUse | None = None,
+        pieces: bool = False,
     ) -> Iterator[tuple[int | None, None]]:
         """One request's tokens, as `generate_step` yields them (token, no logprobs):
         its prompt prefilled (on its own cache, or jointly by the batch: see the module's
-        note), then its decode in the batch. While other members decode, a prefill of
-        its own yields (None, None) after each of its pieces, so that their turns come
-        between them; a joint one yields once before the step that prefills it. With
+        note), then its decode in the batch. While other members decode (or always, with
+        `pieces`: the engine loop reads its commands there), a prefill of its own yields
+        (None, None) after each of its pieces, so that their turns come between them; a
+        joint one yields once before the step that prefills it. With
         `cache_use`, the prompt starts from the prompt cache's best prefix, a copy of a
         cache of its own filled up to the prompt's last token is kept there, and so is
         the request's cache out of the batch when it finishes (with the tokens the batch
@@ -254,7 +256,7 @@ class BatchSession:
             self.stats.joint_prefills += 1
             member = self._join([int(t) for t in prompt_ids[m:]], cache, sampler, max_tokens, prompt_ids[:m])
         else:
-            cache = yield from self._prefill_alone(prompt_ids, m, cache, progress, prefill_stats, cache_use)
+            cache = yield from self._prefill_alone(prompt_ids, m, cache, progress, prefill_stats, cache_use, pieces)
             if cache_use is not None:
                 cache_use.keep_prompt(prompt_ids, cache)
             if self.decoding():
@@ -305,33 +307,37 @@ class BatchSession:
         progress: Callable[[int, int], None],
         prefill_stats: PrefillStats | None,
         cache_use: CacheUse | None,
+        pieces: bool,
     ) -> Generator[tuple[None, None], None, list[Any]]:
         """Prefill the prompt but its last token on the request's own cache (from
-        position `m`, past a cached prefix), and return that cache."""
+        position `m`, past a cached prefix), and return that cache; with `cache_use`, as
+        a prefill the same prompt's requests share (daemon/model/shared_prefill.py)."""
         prompt = mx.array(list(prompt_ids))
         n = int(prompt.size)
-        pieces = prefill_pieces(
-            self.sm,
-            prompt[m:-1],
-            self.prefill_step,
-            on_progress=lambda done: progress(m + done, n),
-            stats=prefill_stats,
-            cache=cache,
-        )
-        while True:
-            tic = time.perf_counter()
-            try:
-                next(pieces)
-            except StopIteration as end:
-                cache = end.value
-                break
-            finally:
-                self.stats.prefill_alone_s += time.perf_counter() - tic
-            if self.decoding():
-                # The others decode between this prompt's pieces (a layer, or a chunk):
-                # a turn with no token yet.
-                yield None, None
-        return cache
+        stats = prefill_stats if prefill_stats is not None else PrefillStats()
+        if cache_use is not None:
+            work = cache_use.prefilled(
+                self.sm, prompt_ids, self.prefill_step, True, progress, stats, fetched=(cache, m)
+            )
+        else:
+            work = prefill_pieces(
+                self.sm, prompt[m:-1], self.prefill_step, on_progress=lambda done: progress(m + done, n), stats=stats
+            )
+        try:
+            while True:
+                tic = time.perf_counter()
+                try:
+                    next(work)
+                except StopIteration as end:
+                    return end.value
+                finally:
+                    self.stats.prefill_alone_s += time.perf_counter() - tic
+                if pieces or self.decoding():
+                    # The others decode between this prompt's pieces (a layer, or a
+                    # chunk), and the engine reads its commands: a turn with no token yet.
+                    yield None, None
+        finally:
+            work.close()
 
     def _start_solo(
         self,

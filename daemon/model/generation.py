@@ -7,16 +7,16 @@ import secrets
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Sequence
 
 import mlx.core as mx
 import psutil
 from jinja2 import TemplateError
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_top_p, make_sampler
 
-from moestream.daemon.model.prefill import PREFILL_STEP, PrefillStats, prefill_cache
+from moestream.daemon.model.prefill import PREFILL_STEP, PrefillStats, drained, prefill_pieces
 from moestream.daemon.model.streaming_model import PLACEMENT_COUNTERS, POOL_COUNTERS, StreamingModel
 
 if TYPE_CHECKING:
@@ -65,6 +65,12 @@ class CacheUse:
     kv: list[Any] | None = None
     # Time to find the prefix and copy its cache (a file's: to load it).
     fetch_seconds: float = 0.0
+    # Its prompt's prefill was one another request had started (daemon/model/shared_prefill.py):
+    # in flight (joined), or suspended when its requests had gone (resumed).
+    joined: bool = False
+    resumed: bool = False
+    # That prefill's statistics (its own, where it ran it).
+    shared_stats: PrefillStats | None = None
 
     def start(self, sm: StreamingModel, prompt_ids: Sequence[int]) -> tuple[list[Any], int]:
         """The cache the request starts from (a copy of the best cached prefix, or a
@@ -73,10 +79,48 @@ class CacheUse:
         reuse = self.prompt_cache.fetch(prompt_ids)
         self.fetch_seconds = time.perf_counter() - tic
         if reuse is None:
-            self.kv = make_prompt_cache(sm.model)
-            return self.kv, 0
-        self.reused, self.from_disk, self.kv = reuse.tokens, reuse.from_disk, reuse.cache
-        return self.kv, reuse.tokens
+            return make_prompt_cache(sm.model), 0
+        self.reused, self.from_disk = reuse.tokens, reuse.from_disk
+        return reuse.cache, reuse.tokens
+
+    def prefilled(
+        self,
+        sm: StreamingModel,
+        prompt_ids: Sequence[int],
+        step: int,
+        layer_major: bool,
+        progress: Callable[[int, int], None],
+        stats: PrefillStats,
+        fetched: tuple[list[Any] | None, int] | None = None,
+    ) -> Generator[None, None, list[Any]]:
+        """The request's cache holding the prompt but its last token, one prefill piece
+        per yield: the prefill of the same prompt in flight or suspended where there is
+        one, else its own from the best cached prefix (`shared_prefill.prefilled`), or
+        from `fetched` (a cache and its tokens, fetched already; None: none)."""
+        from moestream.daemon.model.shared_prefill import prefilled
+
+        def joined(shared: Any, suspended: bool) -> None:
+            self.reused, self.joined, self.resumed = shared.start, not suspended, suspended
+            self.shared_stats = shared.stats
+
+        def fetch() -> tuple[list[Any], int]:
+            if fetched is None:
+                return self.start(sm, prompt_ids)
+            cache, m = fetched
+            return (cache if cache is not None else make_prompt_cache(sm.model)), m
+
+        self.kv = yield from prefilled(
+            sm,
+            self.prompt_cache,
+            prompt_ids,
+            step,
+            layer_major,
+            progress,
+            stats,
+            fetch,
+            joined,
+        )
+        return self.kv
 
     def keep_prompt(self, prompt_ids: Sequence[int], cache: list[Any]) -> None:
         """Keep a copy of `cache`, which holds the prompt but its last token: a snapshot
@@ -88,12 +132,19 @@ class CacheUse:
 
     def keep(self, prompt_ids: Sequence[int], fed: Sequence[int]) -> None:
         """Keep the request's cache, which holds the prompt and every token it yielded
-        (`fed`), for later prompts, and on disk where the prompt cache has a folder."""
+        (`fed`), for later prompts, and on disk where the prompt cache has a folder (a
+        request stopped during its prefill has none: its prefill is kept suspended)."""
         if self.kv is not None:
             self.prompt_cache.insert([*prompt_ids, *fed], self.kv, persist=True)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"reused_tokens": self.reused, "from_disk": self.from_disk, "fetch_seconds": self.fetch_seconds}
+        return {
+            "reused_tokens": self.reused,
+            "from_disk": self.from_disk,
+            "fetch_seconds": self.fetch_seconds,
+            "joined": self.joined,
+            "resumed": self.resumed,
+        }
 
 
 def _add(bucket: dict[str, float], before: dict[str, float], after: dict[str, float]) -> None:
@@ -285,7 +336,8 @@ def plain_steps(
     *,
     layer_major: bool = True,
     cache_use: CacheUse | None = None,
-) -> Iterator[tuple[mx.array, mx.array]]:
+    pieces: bool = False,
+) -> Iterator[tuple[mx.array | None, mx.array | None]]:
     """mlx-lm's `generate_step`, with the prompt prefilled layer by layer where that
     spares a partial pool reads (daemon/model/prefill.py): all of it but the last token,
     in stock's chunks; `generate_step` then takes the last token as its prompt, over the
@@ -296,11 +348,18 @@ def plain_steps(
     With `cache_use` the prompt starts from the prompt cache's best prefix and only the
     rest is prefilled, as stock's `generate_step` given that cache would; every token
     yielded has gone into the request's cache (`generate_step` feeds each token before
-    it yields it), which the caller keeps for later prompts."""
+    it yields it), which the caller keeps for later prompts; and a request whose prompt
+    another one is prefilling waits on that prefill (daemon/model/shared_prefill.py).
+
+    `pieces`: yield (None, None) after each piece of the prefill (a layer of the
+    layer-major order, a chunk of stock's), so that the caller may do other work, or stop
+    the request, between them (the daemon's engine loop); closed there, a prefill of the
+    prompt cache's is left to the requests that share it, or kept suspended."""
     prompt = mx.array(list(prompt_ids))
     n = prompt.size
     lm = sm.layer_major
-    if cache_use is None and (lm is None or not layer_major or not lm.wanted(n, prefill_step)):
+    wanted = lm is not None and layer_major and lm.wanted(n, prefill_step)
+    if not pieces and cache_use is None and not wanted:
         yield from generate_step(
             prompt,
             sm.model,
@@ -311,19 +370,23 @@ def plain_steps(
         )
         return
     progress = on_prompt_progress or (lambda done, total: None)
-    cache, m = cache_use.start(sm, prompt_ids) if cache_use is not None else (None, 0)
-    progress(m, n)
-    cache = prefill_cache(
-        sm,
-        prompt[m:-1],
-        prefill_step,
-        on_progress=lambda done: progress(m + done, n),
-        stats=prefill_stats,
-        cache=cache,
-        layer_major=layer_major,
-    )
-    if cache_use is not None and not can_trim_prompt_cache(cache):
-        cache_use.keep_prompt(prompt_ids, cache)
+    stats = prefill_stats if prefill_stats is not None else PrefillStats()
+    if cache_use is not None:
+        work = cache_use.prefilled(sm, prompt_ids, prefill_step, layer_major, progress, stats)
+    else:
+        progress(0, n)
+        work = prefill_pieces(
+            sm,
+            prompt[:-1],
+            prefill_step,
+            on_progress=lambda done: progress(done, n),
+            stats=stats,
+            layer_major=layer_major,
+        )
+    if pieces:
+        cache = yield from _turns(work)
+    else:
+        cache = drained(work)
     yield from generate_step(
         prompt[-1:],
         sm.model,
@@ -332,6 +395,20 @@ def plain_steps(
         prompt_cache=cache,
         prompt_progress_callback=lambda done, total: progress(n - 1 + done, n) if done else None,
     )
+
+
+def _turns(work: Generator[None, None, Any]) -> Generator[tuple[None, None], None, Any]:
+    """`work`'s pieces as turns of a request's steps, (None, None) after each; its value.
+    Closed between two, it closes `work` there (a shared prefill is left to its others)."""
+    try:
+        while True:
+            try:
+                next(work)
+            except StopIteration as end:
+                return end.value
+            yield None, None
+    finally:
+        work.close()
 
 
 def _prefill_summary(stats: PrefillStats, counted: dict[str, float]) -> dict[str, Any]:
@@ -400,7 +477,7 @@ def iter_generate(
             on_prompt_progress=on_prompt_progress,
         )
     elif batch is not None:
-        steps = batch.steps(prompt_ids, sampler, params.max_tokens, on_prompt_progress, prefill_stats, use)
+        steps = batch.steps(prompt_ids, sampler, params.max_tokens, on_prompt_progress, prefill_stats, use, True)
     else:
         # A request with diagnostics keeps stock's prefill order: they time and attribute
         # each forward's own path (slots, overflow), and the next layer's prediction
@@ -414,18 +491,23 @@ def iter_generate(
             prefill_stats,
             layer_major=rec is None,
             cache_use=use,
+            pieces=True,
         )
     source = steps
     if sm.mapped_pool is not None:
         steps = _ticked(steps, sm.mapped_pool)
     for token, _ in _attributed(sm, steps, (prefill, decode), rec):
         if token is None:
-            # A batched request's prompt between two pieces: the turn goes back to the
-            # engine loop, which steps the others meanwhile.
+            # The prompt between two pieces of its prefill: the turn goes back to the
+            # engine loop, which reads its commands and steps the others meanwhile; a
+            # stop asked then takes effect before the next piece.
             if should_stop is not None and should_stop():
                 result.finish_reason = "cancelled"
                 break
             yield "", None
+            if should_stop is not None and should_stop():
+                result.finish_reason = "cancelled"
+                break
             continue
         n += 1
         token = int(token)
@@ -525,7 +607,8 @@ def iter_generate(
         "finish_reason": result.finish_reason,
         "stop_string": result.stop_string,
     }
-    result.stats["prefill"] = _prefill_summary(prefill_stats, prefill)
+    shared = use.shared_stats if use is not None else None
+    result.stats["prefill"] = _prefill_summary(shared or prefill_stats, prefill)
     if use is not None:
         result.stats["prompt_cache"] = use.to_dict()
     if batch is not None and not params.speculative:

@@ -189,7 +189,7 @@ class LayerMajorPrefill:
 
         Raises `UnsupportedModel` before anything is computed or the cache changes
         where the model's forward does not call its layers as this drives them."""
-        return _drained(self.pieces(tokens, cache, step, on_progress, stats, pad))
+        return drained(self.pieces(tokens, cache, step, on_progress, stats, pad))
 
     def pieces(
         self,
@@ -330,7 +330,17 @@ def _ended(cache: list[Any], views: list[Any], pad: int, stats: PrefillStats | N
     return cache
 
 
-def _drained(pieces: Generator[None, None, Any]) -> Any:
+def release_staged(sm: StreamingModel) -> None:
+    """Drop what a layer-major prefill staged ahead for its next layer (a mapped pool's
+    copy of the layer in GPU memory), as it does when it ends: for a prefill suspended
+    between two layers, which a later `begin_stack` of that layer stages again."""
+    lm = sm.layer_major
+    for moe in lm.moes if lm is not None else ():
+        if moe is not None:
+            moe.drop_ahead()
+
+
+def drained(pieces: Generator[None, None, Any]) -> Any:
     """Run a generator of pieces to its end; its return value."""
     while True:
         try:
@@ -354,7 +364,7 @@ def prefill_cache(
     `layer_major`), else in stock's chunks. `on_progress(tokens_done)` as it goes. With
     `cache` (one that holds a prefix already, from the prompt cache), `prompt` goes on
     after what it holds, as `generate_step` given that cache would take it."""
-    return _drained(prefill_pieces(sm, prompt, step, on_progress, stats, cache=cache, layer_major=layer_major))
+    return drained(prefill_pieces(sm, prompt, step, on_progress, stats, cache=cache, layer_major=layer_major))
 
 
 def prefill_pieces(

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -103,6 +104,17 @@ class PromptCacheStats:
     disk_skipped: int = 0
     disk_dropped: int = 0
     disk_errors: int = 0
+    # Prefills (daemon/model/shared_prefill.py): started; requests that joined one in
+    # flight; stopped with no request left and kept suspended; taken up again by the
+    # same prompt; dropped while suspended (evicted, or refused: over max_bytes alone).
+    prefills: int = 0
+    prefill_joins: int = 0
+    prefills_suspended: int = 0
+    prefills_resumed: int = 0
+    prefills_dropped: int = 0
+    # Suspended now, and their bytes (counted in `bytes`, and in `entries`' bound).
+    suspended: int = 0
+    suspended_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "hit_rate": self.hits / self.lookups if self.lookups else None}
@@ -116,6 +128,8 @@ class _Entry:
     nbytes: int = 0
     path: Path | None = None
     disk_bytes: int = 0
+    # When it was last used (`PromptCache._uses`), beside the suspended prefills' times.
+    used: int = 0
 
     def hold(self, cache: list[Any] | None, nbytes: int = 0) -> None:
         self.cache, self.nbytes = cache, nbytes
@@ -218,6 +232,12 @@ class PromptCache:
         self._lru: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()  # in memory, oldest first
         self._disk: dict[tuple[int, ...], _Entry] = {}
         self._pending: list[_Entry] = []
+        # Prefills in flight or suspended, by key (shared_prefill.py `prefill_key`); the
+        # suspended ones also here, oldest first, with their bytes.
+        self._prefills: dict[Any, Any] = {}
+        self._suspended: OrderedDict[Any, tuple[int, int]] = OrderedDict()
+        # Times of use, in order (entries and suspended prefills are bounded together, LRU).
+        self._uses = itertools.count(1)
         self._writer: DiskWriter | None = None
         self._folder: Path | None = None
         if disk_dir is not None and disk_bytes > 0:
@@ -274,6 +294,7 @@ class PromptCache:
             return None
         if entry.tokens in self._lru:
             self._lru.move_to_end(entry.tokens)
+            entry.used = next(self._uses)
         cache = copy.deepcopy(source)
         extra = len(entry.tokens) - m
         if extra:
@@ -315,12 +336,62 @@ class PromptCache:
                 self._pending.pop(0)
         return entry.cache is not None
 
+    # ---- prefills in flight and suspended -----------------------------------------------
+
+    def prefill_of(self, key: Any) -> tuple[Any, bool]:
+        """(the prefill with `key` in flight or suspended, whether it was suspended), or
+        (None, False); a suspended one is taken out of the bound, as a request takes it up."""
+        prefill = self._prefills.get(key)
+        if prefill is None:
+            return None, False
+        held = self._suspended.pop(key, None)
+        if held is None:
+            self.stats.prefill_joins += 1
+            return prefill, False
+        self.stats.bytes -= held[0]
+        self.stats.prefills_resumed += 1
+        self._count()
+        return prefill, True
+
+    def prefill_started(self, prefill: Any) -> None:
+        self._prefills[prefill.key] = prefill
+        self.stats.prefills += 1
+
+    def prefill_ended(self, prefill: Any) -> None:
+        """Finished: later requests find its cache among the entries, once kept."""
+        if self._prefills.get(prefill.key) is prefill:
+            del self._prefills[prefill.key]
+
+    def suspend_prefill(self, prefill: Any) -> None:
+        """No request waits on `prefill` any more: keep it, suspended, within the bounds
+        (least recently used first, among the entries and the suspended prefills)."""
+        nbytes = prefill.held_bytes()
+        if nbytes > self.stats.max_bytes or not self.enabled:
+            self._drop_prefill(prefill)
+            return
+        prefill.suspend()
+        self._suspended[prefill.key] = (nbytes, next(self._uses))
+        self.stats.bytes += nbytes
+        self.stats.prefills_suspended += 1
+        self._count()
+        self._bound()
+
+    def _drop_prefill(self, prefill: Any) -> None:
+        self.prefill_ended(prefill)
+        held = self._suspended.pop(prefill.key, None)
+        if held is not None:
+            self.stats.bytes -= held[0]
+        self.stats.prefills_dropped += 1
+        prefill.close()
+        self._count()
+
     def _put(self, entry: _Entry) -> None:
         prev = self._trie.add(entry)
         if prev is not None and prev.cache is not None:
             self.stats.bytes -= prev.nbytes
             self._lru.pop(prev.tokens, None)
         self._lru[entry.tokens] = entry
+        entry.used = next(self._uses)
         self.stats.bytes += entry.nbytes
         self._count()
 
@@ -335,12 +406,22 @@ class PromptCache:
         self._count()
 
     def _bound(self) -> None:
-        while self._lru and (self.stats.bytes > self.stats.max_bytes or len(self._lru) > self.stats.max_entries):
-            _, oldest = next(iter(self._lru.items()))
+        def over() -> bool:
+            held = len(self._lru) + len(self._suspended)
+            return self.stats.bytes > self.stats.max_bytes or held > self.stats.max_entries
+
+        while over() and (self._lru or self._suspended):
+            oldest = next(iter(self._lru.values()), None)
+            key, (_, used) = next(iter(self._suspended.items()), (None, (0, 0)))
+            if oldest is None or (key is not None and used < oldest.used):
+                self._drop_prefill(self._prefills[key])
+                continue
             self._drop_memory(oldest)
             self.stats.evicted += 1
 
     def _count(self) -> None:
+        self.stats.suspended = len(self._suspended)
+        self.stats.suspended_bytes = sum(nbytes for nbytes, _ in self._suspended.values())
         self.stats.entries = len(self._lru)
         self.stats.disk_entries = len(self._disk)
         self.stats.disk_bytes = sum(e.disk_bytes for e in self._disk.values())
@@ -426,6 +507,7 @@ class PromptCache:
         if nbytes <= self.stats.max_bytes:
             entry.hold(cache, nbytes)
             self._lru[entry.tokens] = entry
+            entry.used = next(self._uses)
             self.stats.bytes += nbytes
             self._count()
             self._bound()
@@ -504,7 +586,10 @@ class PromptCache:
         return node.entry if depth == len(tokens) else None
 
     def close(self, timeout: float = 30.0) -> None:
-        """Write what is pending and wait for the writer (at shutdown)."""
+        """Drop the suspended prefills; write what is pending and wait for the writer (at
+        shutdown, or when the model is unloaded)."""
+        for key in list(self._suspended):
+            self._drop_prefill(self._prefills[key])
         if self._writer is None:
             return
         self.idle()

@@ -1,0 +1,171 @@
+"""Prefills that requests share, and prefills kept when no request waits on them.
+
+Why: a coding agent sends prompts of 25-35k tokens, which a partial pool takes minutes to
+prefill; it gives up after a few minutes without a byte and sends the same request
+again. Two things keep the work done for it: a request whose prompt (but its last token)
+is being prefilled for another request waits on that prefill instead of starting its own,
+and then decodes on a copy of its cache; and a prefill whose requests have all gone
+(cancelled, disconnected, the daemon stopping) stops at the end of its piece (a layer of
+the layer-major order, a chunk of stock's) and stays, suspended, in the prompt cache
+(within its bytes and entries): the same prompt sent again takes it up where it stopped.
+
+How: a prefill is a generator of pieces (daemon/model/prefill.py `prefill_pieces`), driven
+one piece per step by whichever of its requests the engine steps; between two pieces its
+state (the cache, the layer-major order's hidden states) is its own, so it may wait there
+for any time while other requests use the pools.
+
+Why the output is unchanged: the pools serve each forward exactly whatever they hold, so
+a prefill driven by several requests, or suspended and taken up later, computes what it
+computes in one go; a request that joins one gets the cache its own prefill would have
+made, since the key is the prompt but its last token, the prefill order and the chunk
+size, and the prefix it started from is the prompt cache's when it started (what a
+request arriving alone then would have fetched).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import TYPE_CHECKING, Any, Callable, Generator, Hashable, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import can_trim_prompt_cache
+
+from moestream.daemon.model.prefill import PrefillStats, prefill_pieces, release_staged
+from moestream.daemon.model.prompt_cache import cache_nbytes
+
+if TYPE_CHECKING:
+    from moestream.daemon.model.prompt_cache import PromptCache
+    from moestream.daemon.model.streaming_model import StreamingModel
+
+
+def prefill_key(prompt_ids: Sequence[int], layer_major: bool, step: int) -> tuple[Hashable, ...]:
+    """What two requests' prefills must share to be one: the prompt but its last token,
+    the order and the chunk size."""
+    return (tuple(int(t) for t in prompt_ids[:-1]), layer_major, step)
+
+
+class SharedPrefill:
+    """One prompt's prefill (all of it but its last token), in pieces, for every request
+    that waits on it."""
+
+    def __init__(
+        self,
+        sm: StreamingModel,
+        prompt_cache: PromptCache,
+        key: tuple[Hashable, ...],
+        prompt_ids: Sequence[int],
+        cache: list[Any],
+        start: int,
+        step: int,
+        layer_major: bool,
+        stats: PrefillStats,
+    ) -> None:
+        """`cache` holds the prompt's first `start` tokens (from the prompt cache, or none)."""
+        self.sm = sm
+        self.key = key
+        self.prompt_ids = list(prompt_ids)
+        self.start = start
+        self.stats = stats
+        self._prompt_cache = prompt_cache
+        self._cache = cache
+        n = len(self.prompt_ids)
+        # Prompt tokens in the cache so far (a layer-major prefill's in proportion to its layers).
+        self.done = start
+        # Requests waiting on it, and those of them that have not taken their cache yet.
+        self.waiting = 0
+        self.result: list[Any] | None = None
+        self.parked_at: float | None = None
+        prompt = mx.array(self.prompt_ids[start:-1])
+        self._pieces: Generator[None, None, list[Any]] | None = prefill_pieces(
+            sm, prompt, step, on_progress=self._progress, stats=stats, cache=cache, layer_major=layer_major
+        )
+        # The hidden states a layer-major prefill holds between its layers (float32 at most).
+        hidden = int(sm.manifest.config.get("text_config", sm.manifest.config).get("hidden_size", 0))
+        self._hidden_bytes = 4 * hidden * max(n - 1 - start, 0) if layer_major else 0
+
+    def _progress(self, done: int) -> None:
+        self.done = self.start + done
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None
+
+    def advance(self) -> None:
+        """Run its next piece (the last one sets `result`)."""
+        assert self._pieces is not None and self.result is None
+        try:
+            next(self._pieces)
+        except StopIteration as end:
+            self.result = end.value
+            self._pieces = None
+            self.done = len(self.prompt_ids) - 1
+            self._prompt_cache.prefill_ended(self)
+            if not can_trim_prompt_cache(self.result) and self.done > self.start:
+                # A snapshot at the prompt's boundary, which this cache cannot be trimmed back to later.
+                self._prompt_cache.insert(self.prompt_ids[:-1], copy.deepcopy(self.result))
+
+    def take(self) -> list[Any]:
+        """The finished cache for one waiting request: the last to take it gets it, the
+        others a copy of it."""
+        assert self.result is not None
+        return self.result if self.waiting <= 1 else copy.deepcopy(self.result)
+
+    def held_bytes(self) -> int:
+        """What it holds while suspended: its cache and, in the layer-major order, the hidden states."""
+        return cache_nbytes(self._cache) + self._hidden_bytes
+
+    def suspend(self) -> None:
+        """No request waits on it any more: it stops between two pieces. What a mapped
+        pool's layer-major prefill staged for its next layer goes (taken up again, that
+        layer stages its own)."""
+        self.parked_at = time.monotonic()
+        release_staged(self.sm)
+
+    def close(self) -> None:
+        """Drop its work (evicted, or the prompt cache closes)."""
+        if self._pieces is not None:
+            self._pieces.close()
+            self._pieces = None
+
+
+def prefilled(
+    sm: StreamingModel,
+    prompt_cache: PromptCache,
+    prompt_ids: Sequence[int],
+    step: int,
+    layer_major: bool,
+    progress: Callable[[int, int], None],
+    stats: PrefillStats,
+    fetch: Callable[[], tuple[list[Any], int]],
+    on_join: Callable[[SharedPrefill, bool], None],
+) -> Generator[None, None, list[Any]]:
+    """The request's cache, holding its prompt but the last token, yielding after each
+    piece of the prefill it waits on: one of the same prompt in flight or suspended
+    (`on_join(prefill, suspended)` says which), else its own, started from `fetch()`
+    (the prompt cache's best prefix: a cache and the tokens it holds) and registered for
+    others to join. `progress(done, total)` at the start and after each piece. A request
+    closed while it waits leaves the prefill to the others, or suspended in the prompt
+    cache where none is left."""
+    n = len(prompt_ids)
+    key = prefill_key(prompt_ids, layer_major, step)
+    shared, suspended = prompt_cache.prefill_of(key)
+    if shared is not None:
+        on_join(shared, suspended)
+    else:
+        cache, start = fetch()
+        shared = SharedPrefill(sm, prompt_cache, key, prompt_ids, cache, start, step, layer_major, stats)
+        prompt_cache.prefill_started(shared)
+    shared.waiting += 1
+    try:
+        progress(shared.done, n)
+        while not shared.finished:
+            shared.advance()
+            if not shared.finished:
+                progress(shared.done, n)
+                yield
+        return shared.take()
+    finally:
+        shared.waiting -= 1
+        if not shared.finished and shared.waiting == 0:
+            prompt_cache.suspend_prefill(shared)
