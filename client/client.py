@@ -143,8 +143,11 @@ class Client:
         return self._call(proto.Shutdown(id=_new_id()), proto.ShutdownReply).pid
 
     def cancel(self, request_id: str) -> bool:
-        """Cancel one of this client's generate requests; False if it had already ended."""
-        return self._call(proto.Cancel(id=_new_id(), target=request_id), proto.Cancelled).found
+        """Cancel one of this client's generate requests; False if it had already ended.
+        The daemon answers once its engine has applied it, at the end of the prefill piece
+        in flight (a layer, or a chunk, which may take seconds): this waits as long as the
+        daemon answers pings."""
+        return self._call(proto.Cancel(id=_new_id(), target=request_id), proto.Cancelled, keep_waiting=True).found
 
     def generate(
         self,
@@ -245,10 +248,10 @@ class Client:
 
     # ---- plumbing ----------------------------------------------------------------------
 
-    def _call(self, msg: Any, expected: type) -> Any:
+    def _call(self, msg: Any, expected: type, *, keep_waiting: bool = False) -> Any:
         self._send(proto.encode(msg))
         try:
-            reply = self._next(msg.id, keep_waiting=False)
+            reply = self._next(msg.id, keep_waiting=keep_waiting)
         finally:
             # One reply per call: its inbox entry goes, or a long-lived client grows by
             # one entry per ping, status or cancel.

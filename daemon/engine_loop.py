@@ -97,6 +97,10 @@ class Job:
     kv_bytes: int = 0
     # When the last few tokens were made, to count those made after a stop was asked.
     token_times: deque = field(default_factory=lambda: deque(maxlen=8))
+    # When its prefill began and each of its last pieces (a layer, or a chunk) ended, to
+    # count the pieces begun after a stop was asked (none: a stop takes effect at the end
+    # of the piece in flight).
+    piece_times: deque = field(default_factory=lambda: deque(maxlen=64))
     # A request with tools: its answer's text split into text and parsed tool calls.
     tools: Any = None
     # Why it has waited in the queue ("batch", "memory"), each counted once in `status`.
@@ -110,6 +114,12 @@ class Job:
         if self.stop_requested_at is None:
             return 0
         return sum(1 for t in self.token_times if t > self.stop_requested_at)
+
+    def pieces_after_stop(self) -> int:
+        """Prefill pieces begun (their previous one ended) after the stop was asked."""
+        if self.stop_requested_at is None:
+            return 0
+        return sum(1 for t in list(self.piece_times)[:-1] if t > self.stop_requested_at)
 
 
 class EngineLoop:
@@ -155,6 +165,10 @@ class EngineLoop:
         self._identity: dict[str, Any] = {}
         self._pending: deque[Job] = deque()
         self._active: deque[Job] = deque()
+        # The job stepped last, at the end of `_active` until the next step: a job started
+        # meanwhile goes before it (a long prompt's prefill yields after each piece, and a
+        # request that arrived during one takes its turn before the next).
+        self._last_stepped: Job | None = None
         self._jobs: dict[tuple[bytes, str], Job] = {}
         self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
         self._counters = {
@@ -350,6 +364,7 @@ class EngineLoop:
                 job = self._active[0]
                 if self._step(job):
                     self._active.rotate(-1)
+                    self._last_stepped = job
             self._publish()
             self._heat_tick()
             self._idle_check()
@@ -458,7 +473,10 @@ class EngineLoop:
             )
             job.result = GenerationResult()
             job.gen = self._make_generator(job, params)
-            self._active.append(job)
+            if self._active and self._active[-1] is self._last_stepped:
+                self._active.insert(len(self._active) - 1, job)
+            else:
+                self._active.append(job)
 
     def _count_wait(self, job: Job, why: str) -> None:
         if why not in job.waited:
@@ -546,8 +564,9 @@ class EngineLoop:
         )
 
     def _on_prefill(self, job: Job, done: int, total: int) -> None:
-        """Called between prefill chunks, inside the request's step: `status` and a client
+        """Called between prefill pieces, inside the request's step: `status` and a client
         that asked for progress see how far a long prompt has come."""
+        job.piece_times.append(time.monotonic())
         job.prefill = (done, total) if done < total else None
         if job.msg.progress:
             self._send(job.peer, proto.Progress(job.msg.id, done, total))
@@ -613,6 +632,8 @@ class EngineLoop:
         stats = dict(result.stats) if result is not None else {}
         stats["finish_reason"] = reason
         stats["queued_seconds"] = (job.started or time.monotonic()) - job.received
+        if job.stop_reason is not None:
+            stats["prefill_pieces_after_stop"] = job.pieces_after_stop()
         calls: list[dict[str, str]] = []
         if job.tools is not None:
             # What the generator kept back (a possible stop string when the answer ended)
@@ -663,6 +684,7 @@ class EngineLoop:
                 "finish_reason": reason,
                 "tokens": tokens,
                 "tokens_after_stop": job.tokens_after_stop(),
+                "prefill_pieces_after_stop": job.pieces_after_stop(),
                 "seconds": time.monotonic() - job.received,
             }
         )

@@ -38,6 +38,12 @@ if TYPE_CHECKING:
     from moestream.daemon.model.prompt_cache import PromptCache
     from moestream.daemon.model.streaming_model import StreamingModel
 
+# A prefill of at least this many tokens leaves a copy of its cache in the prompt cache
+# when it ends (as one whose cache cannot be trimmed always does): the same prompt
+# arriving too late to join it (its prompt checked after the last piece, or during the
+# decode) starts from there instead of prefilling it all again.
+KEEP_AFTER_TOKENS = 4096
+
 
 def prefill_key(prompt_ids: Sequence[int], layer_major: bool, step: int) -> tuple[Hashable, ...]:
     """What two requests' prefills must share to be one: the prompt but its last token,
@@ -101,8 +107,10 @@ class SharedPrefill:
             self._pieces = None
             self.done = len(self.prompt_ids) - 1
             self._prompt_cache.prefill_ended(self)
-            if not can_trim_prompt_cache(self.result) and self.done > self.start:
-                # A snapshot at the prompt's boundary, which this cache cannot be trimmed back to later.
+            computed = self.done - self.start
+            if computed >= KEEP_AFTER_TOKENS or (computed > 0 and not can_trim_prompt_cache(self.result)):
+                # A snapshot at the prompt's boundary, which an untrimmable cache could
+                # not be trimmed back to later.
                 self._prompt_cache.insert(self.prompt_ids[:-1], copy.deepcopy(self.result))
 
     def take(self) -> list[Any]:
@@ -155,7 +163,8 @@ def prefilled(
     else:
         cache, start = fetch()
         shared = SharedPrefill(sm, prompt_cache, key, prompt_ids, cache, start, step, layer_major, stats)
-        prompt_cache.prefill_started(shared)
+        if start < n - 1:
+            prompt_cache.prefill_started(shared)
     shared.waiting += 1
     try:
         progress(shared.done, n)
