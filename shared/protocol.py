@@ -28,8 +28,10 @@ daemon's setting (Ollama's per-request keep_alive).
 `accepted` comes as soon as the prompt has passed its checks (tokenized, within the
 context) and the request is queued, with the prompt's length in tokens: an HTTP gateway
 sends its status line and headers then, not at the first token, which a long prefill may
-put minutes away. `thinking` (true / false) turns the chat template's thinking switch on
-or off where the model has one (None: the template's default); a thinking model's
+put minutes away. A `cancel` (or a shutdown) takes effect at the end of the prefill piece
+in flight (a layer, or a chunk), and `cancelled` comes then. `thinking` (true / false)
+turns the chat template's thinking switch on or off where the model has one (None: the
+template's default); a thinking model's
 reasoning comes as `token` events with `reasoning` true, and `done` holds it apart from
 the answer's `text` in `reasoning`. `top_k` (None or 0: off) keeps only the k likeliest
 tokens before sampling.
@@ -219,7 +221,9 @@ Request = Union[Generate, Cancel, Status, Stats, Shutdown, Ping]
 @dataclass(frozen=True)
 class Accepted:
     """The request passed its checks and is queued: `prompt_tokens` is the prompt's length
-    in tokens (the chat rendered by the template). Sent before any other event."""
+    in tokens (the chat rendered by the template). Sent before any other event (but the
+    load's progress of a model that was unloaded), at once, even while the engine prefills
+    another request's prompt."""
 
     TYPE: ClassVar[str] = "accepted"
     id: str

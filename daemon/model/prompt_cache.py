@@ -137,6 +137,9 @@ class _Entry:
     def stored(self, path: Path | None, size: int = 0) -> None:
         self.path, self.disk_bytes = path, size
 
+    def touch(self, used: int) -> None:
+        self.used = used
+
 
 @dataclass
 class Reuse:
@@ -294,7 +297,7 @@ class PromptCache:
             return None
         if entry.tokens in self._lru:
             self._lru.move_to_end(entry.tokens)
-            entry.used = next(self._uses)
+            entry.touch(next(self._uses))
         cache = copy.deepcopy(source)
         extra = len(entry.tokens) - m
         if extra:
@@ -391,7 +394,7 @@ class PromptCache:
             self.stats.bytes -= prev.nbytes
             self._lru.pop(prev.tokens, None)
         self._lru[entry.tokens] = entry
-        entry.used = next(self._uses)
+        entry.touch(next(self._uses))
         self.stats.bytes += entry.nbytes
         self._count()
 
@@ -507,7 +510,7 @@ class PromptCache:
         if nbytes <= self.stats.max_bytes:
             entry.hold(cache, nbytes)
             self._lru[entry.tokens] = entry
-            entry.used = next(self._uses)
+            entry.touch(next(self._uses))
             self.stats.bytes += nbytes
             self._count()
             self._bound()

@@ -113,6 +113,15 @@ class SharedPrefill:
                 # not be trimmed back to later.
                 self._prompt_cache.insert(self.prompt_ids[:-1], copy.deepcopy(self.result))
 
+    def join(self) -> None:
+        self.waiting += 1
+
+    def leave(self) -> bool:
+        """A waiting request goes; whether it was the last and the prefill is unfinished
+        (then it is to be suspended)."""
+        self.waiting -= 1
+        return not self.finished and self.waiting == 0
+
     def take(self) -> list[Any]:
         """The finished cache for one waiting request: the last to take it gets it, the
         others a copy of it."""
@@ -165,16 +174,18 @@ def prefilled(
         shared = SharedPrefill(sm, prompt_cache, key, prompt_ids, cache, start, step, layer_major, stats)
         if start < n - 1:
             prompt_cache.prefill_started(shared)
-    shared.waiting += 1
+    shared.join()
     try:
-        progress(shared.done, n)
+        reported = shared.done
+        progress(reported, n)
         while not shared.finished:
             shared.advance()
+            if shared.done != reported:  # the last piece's too
+                reported = shared.done
+                progress(reported, n)
             if not shared.finished:
-                progress(shared.done, n)
                 yield
         return shared.take()
     finally:
-        shared.waiting -= 1
-        if not shared.finished and shared.waiting == 0:
+        if shared.leave():
             prompt_cache.suspend_prefill(shared)

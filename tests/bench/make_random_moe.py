@@ -83,6 +83,23 @@ SHAPES["balanced-cpu"] = dict(
     SHAPES["mini"], num_hidden_layers=8, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=48
 )
 
+# `moestreamctl bench agent`'s shape: tests/tiny_models.py's qwen3_moe (as narrow, as fast
+# per layer on a CPU) with eight layers, so that a prefill yields after each of eight: a
+# 16k-token prompt prefills for minutes at 25% on the developer machine's CPU.
+SHAPES["agent-cpu"] = dict(
+    SHAPES["mini"],
+    hidden_size=64,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    num_experts=16,
+    num_experts_per_tok=4,
+    moe_intermediate_size=32,
+    max_position_embeddings=32768,
+)
+
 
 def _write_tokenizer(out: Path, vocab_size: int) -> None:
     """A byte-level BPE tokenizer trained on a little text, padded to the vocab size."""
