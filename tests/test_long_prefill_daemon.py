@@ -203,6 +203,39 @@ def test_stop_during_a_prefill_ends_the_daemon_within_a_chunk(store):
         # started_daemon's own stop finds none running.
 
 
+CHECKPOINT = 4096  # daemon/model/shared_prefill.py CHECKPOINT_TOKENS
+
+
+@pytest.mark.slow  # a prompt of seven chunks, prefilled in part, then again after a restart
+def test_a_prefill_stopped_with_the_daemon_starts_again_from_its_last_checkpoint(store, alone, tmp_path):
+    """A long prefill leaves a checkpoint in the prompt cache every 4096 tokens, written
+    to its folder: the daemon stopped in the middle of it and started again, the same
+    prompt starts from the last checkpoint the stopped prefill reached, and makes the
+    tokens of one prefill in one go."""
+    prompt = np.random.default_rng(9).integers(3, 500, size=7 * CHUNK + 1).tolist()
+    flags = ("--capacity", EXPERTS, "--prompt-cache-dir", str(tmp_path / "prompt-cache"))
+    with started_daemon(store, "mslpk", *flags) as paths:
+        with Client(paths) as c:
+            stream = c.generate(prompt_ids=prompt, max_tokens=MAX_TOKENS, progress=True)
+            seen = _until_prefilled(stream, 2 * CHECKPOINT)  # two checkpoints made
+            stopped = ctl("stop", "--runtime-dir", str(paths.dir))
+            seen += list(stream)
+        assert stopped.returncode == 0, stopped.stderr
+        assert stream.done.stats["prefill_pieces_after_stop"] == 0
+    reached = max(e.done for e in seen if isinstance(e, Progress))
+    # Where the stop came before the prefill's end (three chunks after the second checkpoint
+    # were left), the last checkpoint it passed; else the whole prompt, kept by its request.
+    want = reached // CHECKPOINT * CHECKPOINT if reached < len(prompt) - 1 else len(prompt) - 1
+    assert want >= 2 * CHECKPOINT
+    with started_daemon(store, "mslpk", *flags) as paths:
+        with Client(paths) as c:
+            stream = c.generate(prompt_ids=prompt, max_tokens=MAX_TOKENS)
+            list(stream)
+    assert stream.done.stats["cached_tokens"] == want, (reached, stream.done.stats["cached_tokens"])
+    assert stream.done.stats["prompt_cache"]["from_disk"] is True
+    assert stream.done.tokens == alone(prompt)
+
+
 # ---- through the gateway --------------------------------------------------------------------
 
 KEEP_ALIVE = 0.2

@@ -20,6 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 from tiny_models import make_tiny_model
 
+from moestream.daemon.model import shared_prefill
 from moestream.daemon.model.generation import CacheUse, plain_steps
 from moestream.daemon.model.prompt_cache import PromptCache
 from moestream.daemon.model.streaming_model import load_streaming_model
@@ -180,3 +181,42 @@ def test_a_suspended_prefill_stays_within_the_prompt_caches_bounds(store):
         assert not again.resumed and pc.stats.prefills_resumed == 0
     finally:
         sm.close()
+
+
+def test_a_long_prefill_leaves_checkpoints_that_a_restarted_cache_takes_up(store, monkeypatch, tmp_path):
+    """Every CHECKPOINT_TOKENS (here two chunks) a prefill leaves a copy of its cache in the
+    prompt cache, written to its folder; a request cut after two of them, the cache closed
+    (the daemon stopping: its suspended prefill dropped) and opened again from the folder,
+    the same prompt starts from the last checkpoint. The prefill in segments, uncut or
+    taken up from a checkpoint, makes exactly the output of one prefill in one go."""
+    monkeypatch.setattr(shared_prefill, "CHECKPOINT_TOKENS", 2 * STEP)
+    prompt = _prompt(5 * STEP + 1, seed=10)  # checkpoints after 32 and 64 tokens; the prefill ends at 80
+    for label, settings in _orders(store):
+        sm = load_streaming_model(store, settings)
+        try:
+            tokens: list[int] = []
+            rows: list[np.ndarray] = []
+            for token, logprobs in plain_steps(sm, prompt, GREEDY, GEN, prefill_step=STEP):
+                tokens.append(int(token))
+                rows.append(np.array(logprobs.astype(mx.float32)))
+            want = (tokens, rows)  # one prefill, no prompt cache, no segments
+            uncut, _ = _alone(sm, prompt)
+            _same(uncut, want, f"{label}: uncut, in segments")
+            folder = tmp_path / label.replace(" ", "-").replace("%", "")
+            pc = _cache(sm, disk_dir=folder, disk_bytes=2**30)
+            cut, steps = _request(sm, pc, prompt)
+            while pc.stats.inserted < 2:  # each piece's turn, until the second checkpoint
+                assert next(steps)[0] is None, label
+            steps.close()
+            assert cut.kv is None and pc.stats.suspended == 1, label
+            pc.close()
+            assert pc.stats.disk_written >= 1 and pc.stats.disk_errors == 0, label
+            again_pc = _cache(sm, disk_dir=folder, disk_bytes=2**30)
+            again, steps = _request(sm, again_pc, prompt)
+            got: tuple[list[int], list[np.ndarray]] = ([], [])
+            _run(steps, *got)
+            assert (again.reused, again.from_disk, again.resumed) == (4 * STEP, True, False), label
+            _same(got, want, f"{label}: from the last checkpoint")
+            again_pc.close()
+        finally:
+            sm.close()

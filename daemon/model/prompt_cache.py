@@ -19,9 +19,10 @@ Caches that cannot be trimmed (the linear-attention layers of qwen3_next and qwe
 keep a state, not one row per token) are kept as snapshots at the boundaries a chat
 reuses: after the prompt (before its last token) and after the answer.
 
-With a folder (`prompt_cache_dir`), the caches of finished requests are also written to
-disk (a temporary file, fsync, rename, fsync of the folder), bounded in bytes (oldest
-first), and indexed again when the daemon starts. The engine hands a cache over only
+With a folder (`prompt_cache_dir`), the caches of finished requests (and a long prefill's
+checkpoints, daemon/model/shared_prefill.py) are also written to disk (a temporary file,
+fsync, rename, fsync of the folder), bounded in bytes (oldest first), and indexed again
+when the daemon starts. The engine hands a cache over only
 while it is idle (its arrays to host buffers); a writer thread writes them, so no
 request waits on the disk (daemon/model/prompt_cache_files.py). Only the engine thread
 touches MLX.

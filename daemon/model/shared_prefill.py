@@ -8,18 +8,28 @@ and then decodes on a copy of its cache; and a prefill whose requests have all g
 (cancelled, disconnected, the daemon stopping) stops at the end of its piece (a layer of
 the layer-major order, a chunk of stock's) and stays, suspended, in the prompt cache
 (within its bytes and entries): the same prompt sent again takes it up where it stopped.
+And a long prefill leaves checkpoints: a copy of its cache in the prompt cache every
+CHECKPOINT_TOKENS (written to its folder too, when idle or at a stop), so that a prompt
+cut and then sent again after a restart, or another that starts the same way, begins from
+the last one.
 
 How: a prefill is a generator of pieces (daemon/model/prefill.py `prefill_pieces`), driven
 one piece per step by whichever of its requests the engine steps; between two pieces its
 state (the cache, the layer-major order's hidden states) is its own, so it may wait there
-for any time while other requests use the pools.
+for any time while other requests use the pools. It runs in segments of whole chunks,
+CHECKPOINT_TOKENS at most, each prefilled as a prompt of its own on the cache so far, the
+checkpoint taken at each segment's end: the layer-major order stages each layer's
+experts once per segment, not once per prompt (at most every 4096 tokens, for a
+checkpoint at most that much work away).
 
 Why the output is unchanged: the pools serve each forward exactly whatever they hold, so
 a prefill driven by several requests, or suspended and taken up later, computes what it
 computes in one go; a request that joins one gets the cache its own prefill would have
 made, since the key is the prompt but its last token, the prefill order and the chunk
 size, and the prefix it started from is the prompt cache's when it started (what a
-request arriving alone then would have fetched).
+request arriving alone then would have fetched). The segments end on the chunks'
+boundaries, so each chunk meets the same cache as in one prefill; a request that starts
+from a checkpoint prefills the chunks after it, as they were.
 """
 
 from __future__ import annotations
@@ -43,6 +53,15 @@ if TYPE_CHECKING:
 # arriving too late to join it (its prompt checked after the last piece, or during the
 # decode) starts from there instead of prefilling it all again.
 KEEP_AFTER_TOKENS = 4096
+# The most prompt tokens a prefill computes between two checkpoints (or fewer: whole
+# chunks of it; one chunk where the chunk is longer).
+CHECKPOINT_TOKENS = 4096
+
+
+def segment_tokens(step: int) -> int:
+    """A segment's tokens (but the last one's): the most whole chunks of `step` within
+    CHECKPOINT_TOKENS, one at least."""
+    return step * max(1, CHECKPOINT_TOKENS // step)
 
 
 def prefill_key(prompt_ids: Sequence[int], layer_major: bool, step: int) -> tuple[Hashable, ...]:
@@ -82,16 +101,37 @@ class SharedPrefill:
         self.waiting = 0
         self.result: list[Any] | None = None
         self.parked_at: float | None = None
-        prompt = mx.array(self.prompt_ids[start:-1])
-        self._pieces: Generator[None, None, list[Any]] | None = prefill_pieces(
-            sm, prompt, step, on_progress=self._progress, stats=stats, cache=cache, layer_major=layer_major
-        )
+        self._segment = segment_tokens(step)
+        self._pieces: Generator[None, None, list[Any]] | None = self._segments(step, layer_major)
         # The hidden states a layer-major prefill holds between its layers (float32 at most).
         hidden = int(sm.manifest.config.get("text_config", sm.manifest.config).get("hidden_size", 0))
-        self._hidden_bytes = 4 * hidden * max(n - 1 - start, 0) if layer_major else 0
+        self._hidden_bytes = 4 * hidden * min(max(n - 1 - start, 0), self._segment) if layer_major else 0
+
+    def _segments(self, step: int, layer_major: bool) -> Generator[None, None, list[Any]]:
+        """The prefill's pieces, segment by segment, a checkpoint between two."""
+        cache, end = self._cache, len(self.prompt_ids) - 1
+        begin = self.start
+        while True:
+            stop = min(begin + self._segment, end)
+            cache = yield from prefill_pieces(
+                self.sm,
+                mx.array(self.prompt_ids[begin:stop]),
+                step,
+                on_progress=lambda done, at=begin: self._progress(at + done),
+                stats=self.stats,
+                cache=cache,
+                layer_major=layer_major,
+            )
+            self._cache = cache
+            if stop == end:
+                return cache
+            # Nobody changes a checkpoint after: the prefill goes on in its own cache.
+            self._prompt_cache.insert(self.prompt_ids[:stop], copy.deepcopy(cache), persist=True)
+            begin = stop
+            yield
 
     def _progress(self, done: int) -> None:
-        self.done = self.start + done
+        self.done = done
 
     @property
     def finished(self) -> bool:
