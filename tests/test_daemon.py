@@ -657,6 +657,25 @@ def test_generate_knows_the_daemons_store_by_its_id_not_its_path(store):
         shutil.rmtree(rt)
 
 
+def test_a_plain_generate_asks_the_store_the_daemon_serves(store):
+    """The README's "A real model" steps: `start --model X`, then `generate` with no
+    --model is served by X; the built-in demo is only the default, not a choice that
+    would refuse the running daemon."""
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msp"))
+    env = clean_env(MOESTREAM_RUNTIME_DIR=str(rt))
+    try:
+        out = ctl("start", "--model", str(store), "--capacity", "0.5", env=env)
+        assert out.returncode == 0, out.stderr
+        out = ctl("generate", "hello", "--max-tokens", "3", "--json", env=env)
+        assert out.returncode == 0, out.stderr
+        assert 0 < len(json.loads(out.stdout)["tokens"]) <= 3
+        served = json.loads(ctl("status", "--json", env=env).stdout)
+        assert served["model"] == str(store) and served["requests"]["requests"] == 1
+    finally:
+        ctl("stop", env=env)
+        shutil.rmtree(rt)
+
+
 def test_a_bad_store_gets_one_clean_line_naming_the_path_given(store):
     """`bench soak` works on a temporary copy of the store: a folder that is no store, a
     corrupt manifest or a config edited out of step with the layer files is reported in

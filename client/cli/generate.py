@@ -12,7 +12,7 @@ import click
 
 from moestream.client.cli.values import capacity_note, setting_options, store_option
 from moestream.shared.kernel_cache import KernelCacheError, use_kernel_cache
-from moestream.shared.settings import GENERATE, LOCAL, Settings, SettingsError, definition, in_scope
+from moestream.shared.settings import GENERATE, LOCAL, Settings, SettingsError, definition, demo_store_path, in_scope
 from moestream.shared.store_format import same_folder
 
 # Settings of `generate` that a running daemon does not take from it: `model` is checked
@@ -270,6 +270,15 @@ def _check_served_store(model: str, status: dict) -> None:
         )
 
 
+def _model_chosen(settings: Settings, given: dict) -> bool:
+    """Whether the user chose the model (a flag, a variable, the config file): the built-in
+    demo, the default when nothing is chosen, gives way to whatever a running daemon
+    serves, so `start --model X` then a plain `generate` asks X."""
+    if settings.model is None:
+        return False
+    return given.get("model") is not None or not same_folder(settings.model, demo_store_path())
+
+
 def _generate_via_daemon(
     settings: Settings,
     given: dict,
@@ -306,7 +315,7 @@ def _generate_via_daemon(
             status = client.status()
         except ClientError as e:
             raise click.ClickException(str(e)) from None
-        if settings.model is not None:
+        if _model_chosen(settings, given):
             _check_served_store(settings.model, status)
         if status.get("store_problem"):
             click.echo(f"warning: {status['store_problem']}", err=True)
