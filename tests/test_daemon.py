@@ -676,6 +676,36 @@ def test_a_plain_generate_asks_the_store_the_daemon_serves(store):
         shutil.rmtree(rt)
 
 
+def test_restart_after_a_reinstall_moved_the_demo_and_refuses_a_gone_store_keeping_the_daemon(store):
+    """The README's quick start then its test command: `pip install -e` replaces the demo
+    store a running daemon was started on; `restart` starts on the demo's new copy (the
+    same store id). A store that is gone otherwise is refused before anything stops."""
+    from moestream.shared.settings import demo_store_path
+
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msr"))
+    env = clean_env(MOESTREAM_RUNTIME_DIR=str(rt))
+    old_demo = Path(shutil.copytree(demo_store_path(), rt / "site" / "store"))
+    other = Path(shutil.copytree(store, rt / "other" / "store"))
+    try:
+        assert ctl("start", "--model", str(old_demo), "--capacity", "0.5", env=env).returncode == 0
+        shutil.rmtree(old_demo)
+        out = ctl("restart", env=env)
+        assert out.returncode == 0, out.stderr
+        st = json.loads(ctl("status", "--json", env=env).stdout)
+        assert st["model"] == str(demo_store_path()) and st["settings"]["capacity"] == 0.5
+
+        assert ctl("restart", "--model", str(other), env=env).returncode == 0
+        pid = json.loads(ctl("status", "--json", env=env).stdout)["pid"]
+        shutil.rmtree(other)
+        out = ctl("restart", env=env)
+        assert out.returncode == 1 and "Traceback" not in out.stderr
+        assert f"the daemon's store {other} is gone" in out.stderr and "the daemon keeps running" in out.stderr
+        assert json.loads(ctl("status", "--json", env=env).stdout)["pid"] == pid
+    finally:
+        ctl("stop", env=env)
+        shutil.rmtree(rt)
+
+
 def test_a_bad_store_gets_one_clean_line_naming_the_path_given(store):
     """`bench soak` works on a temporary copy of the store: a folder that is no store, a
     corrupt manifest or a config edited out of step with the layer files is reported in

@@ -33,10 +33,12 @@ from moestream.shared.settings import (
     SETTINGS,
     Settings,
     SettingsError,
+    demo_store_path,
     earlier_runtime_dir,
     format_size,
     in_scope,
 )
+from moestream.shared.store_format import load_manifest
 
 # The settings `start`, `restart` and `service install` take as options, passed on to
 # `python -m moestream.daemon.main` (names of Settings fields).
@@ -379,12 +381,31 @@ def restart(given, timeout) -> None:
                 given[name] = value
         if given.get("log_file") is None and running.get("log"):
             given["log_file"] = running["log"]
+        if given.get("model") == running.get("settings", {}).get("model"):
+            given["model"] = _served_store_now(running)
         stop_daemon(paths, timeout=30.0)
     settings = resolve_settings(given)
     note = capacity_note(settings)
     if note:
         click.echo(f"note: {note}", err=True)
     start_daemon(settings, given, timeout=timeout)
+
+
+def _served_store_now(running: dict[str, Any]) -> str | None:
+    """Where the store the daemon serves is now. A reinstall (`pip install -e .` after
+    `pip install .`) moves the built-in demo out from under a running daemon: the demo's
+    new copy is the same store (by id), so restart starts on it. Another store that is
+    gone is refused here, before the running daemon is stopped."""
+    model = running.get("settings", {}).get("model")
+    if model is None or Path(model).is_dir():
+        return model
+    demo = demo_store_path()
+    if demo.is_dir() and running.get("store_id") == load_manifest(demo).store_id:
+        return str(demo)
+    raise click.ClickException(
+        f"the daemon's store {model} is gone, so it cannot be restarted on it; the daemon keeps running "
+        "(`moestreamctl restart --model STORE` starts it on another store)"
+    )
 
 
 @click.command()
