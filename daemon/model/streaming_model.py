@@ -273,7 +273,12 @@ def _build_model(store: Path, manifest: Manifest) -> tuple[nn.Module, dict[str, 
         path = store / name
         if not path.is_file():
             raise StoreError(f"{store}: resident weights file {name} is missing")
-        weights.update(mx.load(str(path)))
+        try:
+            weights.update(mx.load(str(path)))
+        except (RuntimeError, ValueError) as e:  # MLX's reader: a truncated or corrupt file
+            raise StoreError(
+                f"{store}: resident weights file {name} cannot be read ({e}); convert the store again"
+            ) from e
     _quantize(model, config, weights, manifest)
     return model, weights
 
