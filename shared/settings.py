@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from moestream.shared.runtime_dir import SOCKET_NAME, max_socket_path_bytes
-from moestream.shared.store_format import canonical_folder, same_folder
+from moestream.shared.store_format import StoreError, canonical_folder, load_manifest, same_folder
 
 ENV_PREFIX = "MOESTREAM_"
 
@@ -765,21 +765,33 @@ class Settings:
         """Where the heat of `store` is kept: `heat_dir` when set; else beside the store,
         except for the built-in demo store or a store folder this user cannot write or does
         not own, whose heat goes to a folder of their own under the state folder (never into
-        the installed package, nor into another user's folder, even as root)."""
+        the installed package, nor into another user's folder, even as root), named by the
+        store's id: a reinstalled demo, or another copy of one store, keeps one heat."""
         if self.heat_dir:
             return Path(self.heat_dir)
         # Spelled as on disk: on a case-insensitive filesystem ~/Models/X and ~/models/x
         # are one store, whose heat must be one folder.
         folder = canonical_folder(store)
-        if not same_folder(folder, demo_store_path()) and os.access(folder, os.W_OK) and _owned_by_me(folder):
+        key = _store_key(folder)
+        # The demo by its id too: an installed copy of it lies inside a package.
+        demo = same_folder(folder, demo_store_path()) or key == _store_key(demo_store_path())
+        if not demo and os.access(folder, os.W_OK) and _owned_by_me(folder):
             return folder
-        digest = hashlib.sha256(str(folder).encode()).hexdigest()[:12]
-        return default_state_dir(os.environ if env is None else env) / "heat" / f"{folder.name}-{digest}"
+        return default_state_dir(os.environ if env is None else env) / "heat" / f"store-{key}"
 
     def runtime_path(self, env: Mapping[str, str] | None = None) -> Path:
         if self.runtime_dir:
             return Path(self.runtime_dir)
         return default_runtime_dir(os.environ if env is None else env)
+
+
+def _store_key(folder: Path) -> str:
+    """The store's id (a store is known by it); a hash of its path when its manifest
+    cannot be read (the load then says why)."""
+    try:
+        return load_manifest(folder).store_id
+    except (StoreError, OSError, ValueError):
+        return hashlib.sha256(str(folder).encode()).hexdigest()[:12]
 
 
 def _owned_by_me(folder: Path) -> bool:
