@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 import shutil
 import tempfile
 import threading
@@ -213,6 +214,9 @@ def test_status_and_stats_of_a_serving_daemon_name_every_request(daemon, store):
     assert stats.returncode == 0, stats.stderr
     line = next(line for line in stats.stdout.splitlines() if line.startswith("requests:"))
     assert "{" not in line and " completed" in line and "tokens made" in line
+    engine = next(line for line in stats.stdout.splitlines() if line.startswith("read engine:"))
+    # Seconds as a person reads them, not 0.028954564000000002.
+    assert all(len(word) <= 8 for word in re.findall(r"\d[\d.e+-]*", engine)), engine
 
 
 # ---- messages that say what is wrong --------------------------------------------------

@@ -436,6 +436,10 @@ def _size(n: Any) -> str:
     return format_size(n) if isinstance(n, (int, float)) else "-"
 
 
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _rate(x: Any) -> str:
     return f"{100 * x:.1f}%" if isinstance(x, (int, float)) else "-"
 
@@ -648,7 +652,10 @@ def stats(runtime_dir, as_json) -> None:
         + f"; {req.get('tokens', 0)} tokens made, {req.get('queued', 0)} queued"
     )
     if reader:
-        click.echo("read engine: " + ", ".join(f"{k} {v}" for k, v in reader.items() if isinstance(v, (int, float))))
+        click.echo(
+            "read engine: "
+            + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in reader.items() if _number(v))
+        )
     click.echo(f"{'layer':>5} {'resident':>9} {'capacity':>9} {'pinned':>7} {'hit rate':>9}")
     for layer in pool.get("layers", []):
         click.echo(

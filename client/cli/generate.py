@@ -107,15 +107,27 @@ class PrefillProgress:
 @click.option("--prompt-ids", help="Token ids instead of a text prompt: 1,2,3, @FILE, or - (standard input).")
 @click.option("--local", is_flag=True, help="Run in this process instead of through the daemon.")
 @setting_options(GENERATE, LOCAL)
-@click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(1, None))
+@click.option(
+    "--max-tokens",
+    default=256,
+    show_default=True,
+    type=click.IntRange(1, None),
+    help="Most tokens to generate (fewer when the context runs out).",
+)
 @click.option(
     "--temp",
     default=0.0,
     show_default=True,
     type=click.FloatRange(0.0, None),
-    help="Sampling temperature; 0 is greedy.",
+    help="Sampling temperature; below 0.001 is greedy (the likeliest token every time).",
 )
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0))
+@click.option(
+    "--top-p",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(0.0, 1.0),
+    help="Sample from the likeliest tokens whose probabilities add up to this (1: all); below 1e-6 is greedy.",
+)
 @click.option("--seed", type=int, help="Random seed for sampling.")
 @click.option(
     "--speculative",

@@ -97,7 +97,8 @@ def bind(host: str, port: int) -> socket.socket:
     type=click.Choice(["critical", "error", "warning", "info", "debug"]),
 )
 def serve_openai(host, port, api_key, api_key_file, runtime_dir, log_level) -> None:
-    """Serve the OpenAI HTTP API (chat, completions, models, health) from the daemon.
+    """Serve the daemon over HTTP: the OpenAI API (/v1: chat, completions, models), the
+    Anthropic Messages API (/v1/messages), Ollama's API (/api) and a live dashboard (/).
 
     A thin client of the running daemon: it translates HTTP into the daemon's protocol,
     so every app shares the daemon's warm pool. It does not start the daemon: /health
@@ -131,9 +132,11 @@ def serve_openai(host, port, api_key, api_key_file, runtime_dir, log_level) -> N
     sock = bind(host, port)
     actual = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
+    base = f"http://{shown}:{actual}"
     click.echo(
-        f"moestream OpenAI API on http://{shown}:{actual}/v1 (daemon runtime folder {paths.dir}; "
-        f"API key {'required' if key else 'not required'}; pid {os.getpid()})",
+        f"moestream gateway: OpenAI API on {base}/v1 (Anthropic {base}/v1/messages, Ollama {base}/api, "
+        f"dashboard {base}/; daemon runtime folder {paths.dir}; API key {'required' if key else 'not required'}; "
+        f"pid {os.getpid()})",
         err=True,
     )
     app = create_app(GatewayConfig(paths=paths, api_key=key), guard)
