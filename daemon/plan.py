@@ -344,7 +344,13 @@ def probe_layer_counts(total: int) -> tuple[int, int]:
 
 
 def probe_compute(
-    manifest: Manifest, dtype: str, *, steps: int = 12, prompt_tokens: int = 48, repeats: int = 3
+    manifest: Manifest,
+    dtype: str,
+    *,
+    steps: int = 12,
+    prompt_tokens: int = 48,
+    repeats: int = 3,
+    progress: Callable[[str], None] | None = None,
 ) -> ComputeProbe:
     """Time random-weight models of the store's architecture in `dtype` with the layers
     of `probe_layer_counts` (and at most PROBE_MAX_EXPERTS experts a layer), in turns (a
@@ -360,7 +366,9 @@ def probe_compute(
         _time_model(model, vocab, 8, 2, 1)
     times: list[list[tuple[float, float]]] = [[] for _ in models]
     waited: list[list[float]] = [[] for _ in models]
-    for _ in range(repeats):
+    for r in range(repeats):
+        if progress is not None:
+            progress(f"  compute: round {r + 1} of {repeats}")
         for model, got, w in zip(models, times, waited):
             got.append(_time_model(model, vocab, prompt_tokens, steps, 1))
             w.append(_time_synced(model, vocab, steps))
@@ -575,6 +583,10 @@ class Plan:
         return out
 
 
+def _duration(seconds: float) -> str:
+    return f"{1e3 * seconds:.2f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
 def _bound(terms: Mapping[str, float]) -> str:
     return max(("compute", "disk", "link"), key=lambda k: terms.get(k, 0.0))
 
@@ -762,7 +774,7 @@ def plan_store(
     compute = None if probe else load_compute(state, manifest.store_id)
     if compute is None:
         say("probing compute: random-weight models of the store's architecture")
-        compute = probe_compute(manifest, dtype)
+        compute = probe_compute(manifest, dtype, progress=say)
         save_compute(state, manifest.store_id, compute)
     mapped = _would_map(store, settings, manifest)
     key = (_pool_share(store, manifest, settings), mapped)
@@ -819,7 +831,7 @@ def format_plan(p: Plan) -> str:
     layers = ", ".join(f"{h:.0%}" for h in p.hits.pool_hit)
 
     def terms(f: Forecast) -> str:
-        return ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in f.terms_s.items() if v)
+        return ", ".join(f"{k} {_duration(v)}" for k, v in f.terms_s.items() if v)
 
     return "\n".join(
         [

@@ -391,7 +391,7 @@ class Settings:
         kind="path",
         scope=_BOTH,
         shown_default="the built-in demo model",
-        help="Expert store (made by `moestreamctl convert`).",
+        help="Expert store (made by `moestreamctl convert`); `demo`: the built-in demo model.",
     )
     capacity: float | int | None = setting(
         None,
@@ -730,7 +730,10 @@ class Settings:
             if value is not None:
                 values[name] = value
                 where.pop(name, None)
-        if values.get("model") is None and demo_store_path().is_dir():
+        # `demo` names the built-in demo model, unless a folder of that name is here.
+        if (values.get("model") is None or (values["model"] == "demo" and not Path("demo").exists())) and (
+            demo_store_path().is_dir()
+        ):
             values["model"] = str(demo_store_path())
         if problems is not None:
             for name in [n for n in values if n in where]:

@@ -5,6 +5,7 @@ command itself with real probes (slow)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -195,10 +196,17 @@ def test_plan_command_on_the_demo_model(tmp_path):
     assert p["slots_per_layer"] == 32 and p["decode"]["tokens_per_s"] > 0 and p["ttft"]["seconds"] > 0
     assert p["bandwidths"]["source"] == "probed now" and p["hits"]["source"].startswith("the demo trace's LRU")
     assert p["pool_probe"]["slots"] == 32 and "probing the slot pool at 50%" in out.stderr
+    assert "compute: round 3 of 3" in out.stderr  # the longest probe says how far it is
     assert p["decode"]["terms_s"]["sync"] == 0 and "pool" in p["decode"]["terms_s"]
     text = ctl("plan", "--model", str(DEMO), "--no-probe", "--capacity", "0.5", env=env, timeout=300)
     assert text.returncode == 0 and "(last probed " in text.stdout and "KV cache" in text.stdout, text.stderr
     assert "pool probe" in text.stdout and "probing" not in text.stderr  # all three kept
+    # A second and over as seconds, not `compute 131909.86 ms`.
+    assert not re.search(r"\d{4,}\.\d+ ms", text.stdout), text.stdout
+    # The demo needs no path: no --model, or `--model demo`, plans it.
+    for model in ([], ["--model", "demo"]):
+        same = ctl("plan", *model, "--no-probe", "--capacity", "0.5", env=env, timeout=300)
+        assert same.returncode == 0 and same.stdout.splitlines()[0] == text.stdout.splitlines()[0], same.stderr
     bad = ctl("plan", "--model", str(DEMO), "--capacity", "2", env=env)
     assert bad.returncode == 2 and "below the minimum" in bad.stderr
 
