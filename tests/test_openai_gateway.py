@@ -208,6 +208,21 @@ def test_listening_beyond_loopback_needs_a_key(tmp_path):
     empty.write_text("\n")
     out = ctl("serve-openai", "--api-key-file", str(empty))
     assert out.returncode == 2 and "is empty" in out.stderr
+    # A FIFO would block the read for good, /dev/zero fill memory: both refused at once.
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/zero")):
+        out = ctl("serve-openai", "--api-key-file", str(path), timeout=20)
+        assert out.returncode == 2 and "not a regular file" in out.stderr, out.stderr
+    # A key others could guess guards nothing beyond loopback.
+    short = tmp_path / "short"
+    short.write_text("k\n")
+    out = ctl("serve-openai", "--host", "0.0.0.0", "--port", "0", "--api-key-file", str(short))
+    assert out.returncode == 2 and "at least 16 characters (this one has 1" in out.stderr, out.stderr
+    home = str(tmp_path / "home")
+    args = ("--openai", "--platform", "linux", "--dry-run", "--host", "0.0.0.0", "--api-key-file", str(short))
+    result = ctl("service", "install", *args, env=clean_env(HOME=home))
+    assert result.returncode == 2 and "at least 16 characters" in result.stderr, result.stderr
 
 
 def test_a_copy_of_the_demo_store_anywhere_is_named_the_demo(tmp_path):

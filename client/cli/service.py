@@ -298,7 +298,7 @@ def _gateway_service(
     host = host or DEFAULT_HOST
     if api_key_file is not None:
         api_key_file = os.path.abspath(os.path.expanduser(api_key_file))
-        read_api_key(None, api_key_file)  # an unreadable or empty file fails here, not in a restart loop
+        read_api_key(None, api_key_file, host)  # an unreadable, empty or short key fails here, not in a restart loop
     elif not is_loopback(host):
         raise click.UsageError(
             f"--host {host} accepts connections from other machines: give --api-key-file FILE, or use --host "
