@@ -63,7 +63,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     changed = sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))
     if changed:
         shown = "\n  ".join(changed[:20])
-        print(f"\nthe test run changed the user's moestream folders (tests must use their own):\n  {shown}")
+        print(
+            "\nthe user's moestream folders changed during the run (tests must use their own; or another program "
+            f"of the user's wrote there meanwhile):\n  {shown}"
+        )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 

@@ -485,6 +485,7 @@ def _format_status(st: dict[str, Any]) -> str:
             f"{_size(pc['max_bytes'])} reserved; "
             f"hit rate {_rate(pc.get('hit_rate'))}, {pc['tokens_reused']} tokens reused"
             + (f"; {pc['disk_entries']} on disk ({_size(pc['disk_bytes'])})" if pc.get("disk_dir") else "")
+            + (f"; no disk cache: {pc['disk_problem']}" if pc.get("disk_problem") else "")
         )
     prefill = pool.get("prefill") or {}
     if prefill.get("order"):
