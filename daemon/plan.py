@@ -313,17 +313,15 @@ def _time_synced(model: Any, vocab: int, steps: int) -> float:
     from moestream.daemon.model.prefill import UnsupportedModel, decoder_of
 
     try:
-        decoder = decoder_of(model)
+        decoder, key = decoder_of(model)
     except UnsupportedModel:
-        decoder = None
-    held = decoder["layers"] if decoder is not None else None
-    if decoder is not None:
-        decoder["layers"] = [_Waited(layer) for layer in held]
+        return _time_model(model, vocab, 8, steps, 1)[0]
+    held = decoder[key]
+    decoder[key] = [_Waited(layer) for layer in held]
     try:
         return _time_model(model, vocab, 8, steps, 1)[0]
     finally:
-        if decoder is not None:
-            decoder["layers"] = held
+        decoder[key] = held
 
 
 # The probe's two models: PROBE_MIN_LAYERS layers and at most PROBE_MAX_LAYERS (the

@@ -421,7 +421,8 @@ class Settings:
         scope=_BOTH,
         help="Prefill order: layer takes all of a prompt's chunks through one layer before the next, so a partial "
         "pool brings each routed expert in once per prompt; chunk is stock mlx-lm's order, chunk by chunk. "
-        "Output is the same either way.",
+        "Output is the same either way. A model whose forward layer cannot drive goes chunk by chunk (found at "
+        "load; status says which).",
     )
     distributed: str = setting(
         "off",
