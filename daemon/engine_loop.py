@@ -145,6 +145,8 @@ class EngineLoop:
         # This process's heat (daemon/heat.py): rank 0's own experts' in a group.
         self._heat = Heat(settings, log, share)
         self._checker: Any = None
+        # A request's context, found at load (daemon/pool/capacity.py `ContextLimit`).
+        self._context: Any = None
         # The served manifest's stat when it was loaded: `status` compares it with the file's now.
         self._store_stamp: ManifestStamp | None = None
         # The served store's path, id and stamp, kept in `status` while the model is unloaded.
@@ -274,7 +276,7 @@ class EngineLoop:
         except OSError:
             self._store_stamp = None  # the load says what is wrong
         try:
-            self._sm = load_streaming_model(s.model, s, max_tokens=s.max_context, share=self._share)
+            self._sm = load_streaming_model(s.model, s, max_tokens=None, share=self._share)
         except Exception as e:
             self.state, self.error = "failed", f"cannot load the model {s.model}: {e}"
             self.log.error(self.error)
@@ -298,7 +300,18 @@ class EngineLoop:
 
         from moestream.daemon.prompt_check import PromptChecker
 
-        self._checker = PromptChecker(self._sm, s.max_context, lambda job: self._commands.put(CheckDone(job)), self.log)
+        self._context = self._context_limit()
+        self.log.info(
+            "context: %d tokens per request (%s; KV %s per token, %s left for KV caches of %s)",
+            self._context.tokens,
+            self._context.bound,
+            format_size(self._context.kv_bytes_per_token),
+            "?" if self._context.kv_room_bytes is None else format_size(self._context.kv_room_bytes),
+            self._context.memory,
+        )
+        self._checker = PromptChecker(
+            self._sm, self._context.tokens, lambda job: self._commands.put(CheckDone(job)), self.log
+        )
         for job in self._pending:  # those that arrived while the model was unloaded
             if job.checked is None:
                 self._checker.submit(job)
@@ -437,7 +450,7 @@ class EngineLoop:
             job.prompt_ids = checked.ids
             job.tools = splitter_for(self._sm.tokenizer, msg.tools, msg.tool_choice)
             params = SamplingParams(
-                max_tokens=msg.max_tokens,
+                max_tokens=checked.max_tokens,
                 temp=msg.temp,
                 top_p=msg.top_p,
                 seed=msg.seed,
@@ -470,14 +483,27 @@ class EngineLoop:
         prompt cache's bound leave;
         the pool was sized to leave at least one `max_context` cache), or None without
         a budget."""
-        from moestream.daemon.pool.capacity import overflow_reserve_bytes
-
         budget, sm = self.settings.memory_budget, self._sm
         if budget is None or sm is None:
             return None
-        partial = any(not p.fully_resident for p in sm.pools)
-        reserve = overflow_reserve_bytes(sm.manifest, sm.capacity) if partial else 0
-        return budget - sm.resident_bytes - sm.pool_bytes - reserve - self.settings.prompt_cache_bytes
+        return budget - self._memory_held()
+
+    def _memory_held(self) -> int:
+        from moestream.daemon.pool.capacity import memory_held
+
+        sm = self._sm
+        return memory_held(sm.manifest, sm.resident_bytes, sm.pool_bytes, sm.capacity, self.settings.prompt_cache_bytes)
+
+    def _context_limit(self) -> Any:
+        """A request's context (daemon/pool/capacity.py `context_limit`): `max_context`,
+        else the model's own, at most what the memory budget (else the device's memory)
+        leaves for KV caches."""
+        from moestream.daemon.pool.capacity import context_limit, device_memory
+
+        s = self.settings
+        return context_limit(
+            self._sm.manifest.config, s.max_context, s.memory_budget, device_memory(), self._memory_held()
+        )
 
     def _kv_full(self, job: Job) -> str | None:
         """Why `job` (its prompt checked) cannot start beside the active requests: their
@@ -487,7 +513,7 @@ class EngineLoop:
             from moestream.daemon.pool.capacity import kv_cache_bytes
 
             # Kept on the job: once it runs, the next request's check counts it.
-            job.kv_bytes = kv_cache_bytes(self._sm.manifest.config, len(job.checked.ids) + job.msg.max_tokens)
+            job.kv_bytes = kv_cache_bytes(self._sm.manifest.config, len(job.checked.ids) + job.checked.max_tokens)
         allowance = self._kv_allowance()
         if allowance is None or not self._active:
             return None
@@ -822,6 +848,7 @@ class EngineLoop:
                     "mlx_peak_bytes": mx.get_peak_memory(),
                     "mlx_cache_bytes": mx.get_cache_memory(),
                     "kv_bytes": self._kv_bytes(),
+                    "context": self._context.to_dict() if self._context is not None else None,
                 }
             )
             if self._share is not None:
@@ -864,7 +891,7 @@ class EngineLoop:
         return {
             "id": job.msg.id,
             "tokens": len(job.result.tokens) if job.result is not None else 0,
-            "max_tokens": job.msg.max_tokens,
+            "max_tokens": job.checked.max_tokens if job.checked is not None else job.msg.max_tokens,
             "prompt_tokens": len(job.prompt_ids),
             "prefilled_tokens": job.prefill[0] if job.prefill is not None else None,
             "seconds": now - job.received,

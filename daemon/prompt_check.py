@@ -1,5 +1,8 @@
 """Prompt checks off the engine thread: tokenizing a request's prompt (or rendering its
-chat) and checking it against `max_context`.
+chat) and checking it against the context (`max_context`, or the model's own bounded by
+memory: daemon/pool/capacity.py `context_limit`): a prompt that fills it is refused, a
+`max_tokens` past it is cut to the room left, so the answer ends there with finish reason
+"length" (an agent asks for 32000 tokens beside a 30k-token prompt).
 
 A 256K-character prompt takes a tenth of a second to a second to tokenize; on the
 engine thread, one client queueing hundreds of prompts that are then refused as too
@@ -34,9 +37,11 @@ CHECK_NICENESS = 10
 
 @dataclass(frozen=True)
 class Checked:
-    """The outcome of one prompt's check: its token ids, or the error to reply with."""
+    """The outcome of one prompt's check: its token ids and the tokens it may make (its
+    max_tokens, cut to the context's room), or the error to reply with."""
 
     ids: list[int] | None = None
+    max_tokens: int = 0
     code: str = ""
     message: str = ""
     seconds: float = 0.0
@@ -112,14 +117,15 @@ class PromptChecker:
             ids = encode_prompt(self._sm, msg.prompt, msg.prompt_ids, msg.messages, msg.tools, msg.tool_choice)
         except ValueError as e:
             return Checked(code=proto.BAD_MESSAGE, message=str(e), seconds=time.perf_counter() - tic)
-        if len(ids) + msg.max_tokens > self._max_context:
+        if len(ids) >= self._max_context:
             return Checked(
                 code=proto.TOO_LONG,
-                message=f"prompt of {len(ids)} tokens + max_tokens {msg.max_tokens} is over the daemon's "
-                f"context of {self._max_context} tokens (setting max_context)",
+                message=f"prompt of {len(ids)} tokens leaves no room in the daemon's context of "
+                f"{self._max_context} tokens (setting max_context; `moestreamctl status` says how it was found)",
                 seconds=time.perf_counter() - tic,
             )
-        return Checked(ids=ids, seconds=time.perf_counter() - tic)
+        room = self._max_context - len(ids)
+        return Checked(ids=ids, max_tokens=min(msg.max_tokens, room), seconds=time.perf_counter() - tic)
 
     def _speculative_problem(self, msg: proto.Generate) -> str:
         """What makes the request's speculative decoding impossible here (only file checks)."""

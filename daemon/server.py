@@ -431,6 +431,9 @@ class Server:
                     "staged_bytes": pool.get("staged_bytes", 0),
                 },
             },
+            # A request's context (prompt + generated) and how it was found: max_context,
+            # or the model's own at most what the memory left for KV caches holds.
+            "context": snap.get("context"),
             # Continuous batching: its size now and its totals (None: max_batch 1).
             "batch": snap.get("batch"),
             "prompt_cache": snap.get("prompt_cache"),

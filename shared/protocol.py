@@ -16,8 +16,9 @@ Any request may instead get `error` {code, message}. Limits: a message is at mos
 MAX_MESSAGE_BYTES; a text prompt at most MAX_PROMPT_CHARS characters, a token prompt at
 most MAX_PROMPT_IDS ids, a chat (`messages`: a list of {role, content} maps that the
 daemon renders with the model's chat template) at most MAX_MESSAGES messages and
-MAX_PROMPT_CHARS characters of content in all (the daemon also refuses prompt +
-max_tokens over its context). `messages` is left out of the encoding when it is None, so
+MAX_PROMPT_CHARS characters of content in all (the daemon also refuses a prompt that
+fills its context, and cuts a max_tokens past it to the room left: the request then ends
+with finish_reason "length"). `messages` is left out of the encoding when it is None, so
 a daemon that predates it still reads every other generate request. `progress` events
 (prompt tokens processed so far, of how many) come only to a request that asks for them
 with `progress: true`, so a client that predates them never sees one; a request that
@@ -86,7 +87,7 @@ UNKNOWN_TYPE = "unknown_type"
 NOT_FOUND = "not_found"  # cancel of an unknown request id
 DUPLICATE_ID = "duplicate_id"  # a request id this client already has in flight
 BUSY = "busy"  # the queue is full
-TOO_LONG = "too_long"  # prompt + max_tokens over the daemon's context
+TOO_LONG = "too_long"  # a prompt that fills the daemon's context
 SHUTTING_DOWN = "shutting_down"
 ENGINE = "engine"  # the model failed on this request (e.g. an unreadable expert)
 INTERNAL = "internal"

@@ -421,7 +421,8 @@ class Settings:
         scope=_BOTH,
         help="Prefill order: layer takes all of a prompt's chunks through one layer before the next, so a partial "
         "pool brings each routed expert in once per prompt; chunk is stock mlx-lm's order, chunk by chunk. "
-        "Output is the same either way.",
+        "Output is the same either way. A model whose forward layer cannot drive goes chunk by chunk (found at "
+        "load; status says which).",
     )
     distributed: str = setting(
         "off",
@@ -543,8 +544,18 @@ class Settings:
     heat_flush_seconds: float = setting(
         5.0, kind="float", low=0.0, help="Seconds between saves of the routing counts to the heat file."
     )
-    # Requests: the KV cache is sized for max_context when the pool comes from a memory budget.
-    max_context: int = setting(16384, kind="int", low=16, high=2**24, help="Tokens per request, prompt and generated.")
+    # Requests: a memory budget keeps room for a max_context cache when it sizes the pool.
+    max_context: int | None = setting(
+        None,
+        kind="int",
+        low=16,
+        high=2**24,
+        shown_default="the model's context, at most what the memory left for KV caches holds",
+        help="Tokens per request, prompt and generated. A prompt that fills it is refused; a max_tokens past it is "
+        "cut to the room left (the answer ends with finish reason length). Default: the model's own "
+        "(max_position_embeddings), at most what the memory budget (else the device's memory) leaves for KV caches "
+        "once the model and pool are in; status and plan say how much.",
+    )
     max_active: int = setting(8, kind="int", low=1, high=1024, help="Requests decoded at once.")
     # Off (1) by default: on the H200 a batch pays on a full pool from about 4 clients, but not at 2
     # nor on a mapped pool (tests/bench/RESULTS.md, "Serving several clients").

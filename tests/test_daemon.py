@@ -328,7 +328,8 @@ def test_malformed_and_oversized_messages_get_errors_and_change_nothing(daemon, 
             ((b"\x00" * (2 * proto.MAX_MESSAGE_BYTES),), proto.TOO_LARGE),
             ((pack({"v": 1, "type": "ping", "id": "a"}), b"second frame"), proto.BAD_MESSAGE),
             ((pack({"v": 1, "type": "generate", "id": "g1", "prompt_ids": [10**6]}),), proto.BAD_MESSAGE),
-            ((pack({"v": 1, "type": "generate", "id": "g2", "prompt": "hi", "max_tokens": 100_000}),), proto.TOO_LONG),
+            # A prompt over the model's context of 512 tokens (a max_tokens past it is cut instead).
+            ((pack({"v": 1, "type": "generate", "id": "g2", "prompt_ids": [5] * 600}),), proto.TOO_LONG),
         ]
         for frames, code in cases:
             reply = ask(*frames)

@@ -469,6 +469,13 @@ def _format_status(st: dict[str, Any]) -> str:
             f"policy {st['policy']}; {resident}/{slots} slots used, {pinned} pinned; hit rate "
             f"{_rate(pool.get('hit_rate'))}"
         )
+    ctx = st.get("context")
+    if ctx:
+        room = f", {_size(ctx['kv_room_bytes'])} of {ctx['memory']} left for KV" if ctx["kv_room_bytes"] else ""
+        lines.append(
+            f"  context    {ctx['tokens']} tokens per request ({ctx['bound']}; the model's "
+            f"{ctx['model_tokens'] or '?'}, KV {_size(ctx['kv_bytes_per_token'])}/token{room})"
+        )
     batch = st.get("batch")
     if batch:
         mean = batch.get("mean_size")

@@ -33,7 +33,7 @@ from moestream.daemon.model.prefill import LayerMajorPrefill, UnsupportedModel
 from moestream.daemon.model.streaming_moe import StreamingMoE
 from moestream.daemon.policies import make_policy
 from moestream.daemon.pool.admission import Admitter, DirectAdmitter, cuda_copier, make_admitter
-from moestream.daemon.pool.capacity import EXPERT_COUNT_KEYS, plan_capacity, top_k_of_blocks
+from moestream.daemon.pool.capacity import EXPERT_COUNT_KEYS, kv_reserve_tokens, plan_capacity, top_k_of_blocks
 from moestream.daemon.pool.expert_pool import ExpertPool, PoolCapacityError, PoolStats
 from moestream.daemon.pool.expert_reader import ExpertReader
 from moestream.daemon.prefetch.predictor import make_prefetcher, next_layers, routers_of
@@ -306,15 +306,18 @@ def load_streaming_model(
     store_dir: str | Path,
     settings: Settings,
     *,
-    max_tokens: int = 4096,
+    max_tokens: int | None = 4096,
     naive: bool = False,
     admitter: Admitter | None = None,
     mapped: bool | None = None,
     host_available: int | None = None,
     share: ExpertShare | None = None,
 ) -> StreamingModel:
-    """Load a store for streaming. `naive=True` is the on-demand baseline of the
-    benchmarks: a pool of top-k slots that reuses nothing between forwards. An
+    """Load a store for streaming. A memory budget keeps room for a KV cache of
+    `max_tokens` tokens when it sizes the pool (None: `settings.max_context`, else the
+    model's context up to KV_RESERVE_TOKENS: `kv_reserve_tokens`). `naive=True` is the
+    on-demand baseline of the benchmarks: a pool of top-k slots that reuses nothing
+    between forwards. An
     `admitter` (with its reader) may be shared between models of the same store; the
     model then leaves closing its reader to the caller.
 
@@ -356,7 +359,7 @@ def load_streaming_model(
             capacity=settings.capacity,
             memory_budget=settings.memory_budget,
             resident_bytes=resident_bytes,
-            max_tokens=max_tokens,
+            max_tokens=kv_reserve_tokens(config, settings.max_context) if max_tokens is None else max_tokens,
             top_k=k,
             prompt_cache_bytes=settings.prompt_cache_bytes,
         )
