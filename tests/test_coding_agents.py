@@ -349,6 +349,13 @@ def test_claude_codes_session_is_answered_streamed_and_whole(served, clients, to
             assert (whole.stop_reason == "max_tokens") == (whole.usage.output_tokens == room)
     # The template opens the thinking block: every answer but one that closed it at once thinks.
     assert len(thought) >= 4, thought
+    # A screenshot of megabytes (past the daemon's message limit): a line of text for the daemon.
+    big = claude_code("04_later_turn.json")
+    shot = next(b for b in big["body"]["messages"][-1]["content"] if b["type"] == "image")
+    shot["source"]["data"] = "iVBO" * (1 << 20)
+    big["body"]["max_tokens"] = 1
+    assert len(json.dumps(big["body"])) > 4 * proto.MAX_MESSAGE_BYTES
+    assert _whole(an, big).usage.output_tokens == 1
     log = (paths.dir / "gateway.log").read_text()
     assert "web_search (web_search_20250305)" in log  # the server tool, left out with a log line
 

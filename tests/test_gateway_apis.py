@@ -475,6 +475,13 @@ def _shape_of(path: str, body) -> str:
     return f"unknown: {body!r}"
 
 
+def _body_limit(path: str) -> int:
+    """The gateway's body limit on `path`: Anthropic's own on its routes (Claude Code's images)."""
+    from moestream.client.gateway import anthropic as anth
+
+    return anth.MAX_BODY_BYTES if path.startswith("/v1/messages") else proto.MAX_MESSAGE_BYTES
+
+
 def _api_of(path: str) -> str:
     return "anthropic" if path.startswith("/v1/messages") else "ollama" if path.startswith("/api/") else "openai"
 
@@ -528,7 +535,7 @@ def test_bad_input_on_every_route_gets_that_apis_error_and_the_gateway_serves_on
                 ("not an object", b"[1]", auth, 400),
                 ("wrong type", ok | wrong_type[path], auth, 400),
                 ("missing field", {k: v for k, v in ok.items() if k != missing[path]}, auth, 400),
-                ("oversized", ok | {"padding": "x" * (2 << 20)}, auth, 413),
+                ("oversized", ok | {"padding": "x" * (_body_limit(path) + 1)}, auth, 413),
                 ("wrong key", ok, {"Authorization": "Bearer sk-wrong"}, 401),
                 ("wrong x-api-key", ok, {"x-api-key": "sk-wrong"}, 401),
             ]

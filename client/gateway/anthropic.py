@@ -17,7 +17,8 @@ tools such as web search: they run on Anthropic's servers) are left out, with a 
 line. A `system` message inside `messages` (Claude Code sends one mid-conversation) is
 folded in where it stands, as user text, which every chat template takes and which
 leaves the prompt before it (and its cached KV) as it was. Images and documents reach a
-model that takes no images as a short text placeholder (a text document as its text).
+model that takes no images as a short text placeholder (a text document as its text);
+bodies may be as large as Anthropic's own limit (MAX_BODY_BYTES), for the images.
 
 `thinking` ({type: enabled | adaptive} or {type: disabled}) turns the chat template's
 thinking switch on or off (absent: the model's default); a thinking model's reasoning
@@ -57,6 +58,9 @@ if TYPE_CHECKING:
 
 PREFIX = "/v1/messages"
 MAX_TEMPERATURE = 1.0
+# Anthropic's own request limit: Claude Code sends screenshots as base64 images, megabytes
+# each and again in every later turn, which reach the daemon as a line of placeholder text.
+MAX_BODY_BYTES = 32 << 20
 THINKING_TYPES = {"enabled": True, "adaptive": True, "disabled": False}
 
 log = logging.getLogger("moestream.anthropic")
@@ -452,7 +456,7 @@ class AnthropicApi:
 
     async def messages(self, request: Request) -> Response:
         self._gw._authorize(request)
-        req = parse_request(await self._gw._read_json(request))
+        req = parse_request(await self._gw._read_json(request, MAX_BODY_BYTES))
         opened = await self._gw.open_request(request, req, "msg_")
         if opened is None:
             return Response(status_code=499)
@@ -469,7 +473,7 @@ class AnthropicApi:
 
     async def count_tokens(self, request: Request) -> Response:
         self._gw._authorize(request)
-        req = parse_request(await self._gw._read_json(request), count_only=True)
+        req = parse_request(await self._gw._read_json(request, MAX_BODY_BYTES), count_only=True)
         return JSONResponse({"input_tokens": await self._gw.count_tokens(req)})
 
     async def _stream(self, daemon: DaemonRequest, model: str, head: Any) -> AsyncIterator[str]:

@@ -280,8 +280,9 @@ class Gateway:
                 code="invalid_api_key",
             )
 
-    async def _read_json(self, request: Request) -> Any:
-        limit = self.config.max_body_bytes
+    async def _read_json(self, request: Request, limit: int | None = None) -> Any:
+        """The request's JSON body, of at most `limit` bytes (default: the configured limit)."""
+        limit = self.config.max_body_bytes if limit is None else limit
         too_large = ApiError(
             413, f"the request body is over this server's limit of {limit} bytes", code="request_too_large"
         )
