@@ -65,6 +65,14 @@ class PeerGone:
 
 
 @dataclass(frozen=True)
+class CountCmd:
+    """A count_tokens request that found no prompt checker (the model unloaded or loading)."""
+
+    peer: bytes
+    msg: proto.CountTokens
+
+
+@dataclass(frozen=True)
 class CheckDone:
     """The prompt checker (daemon/prompt_check.py) has set this job's `checked`."""
 
@@ -99,6 +107,8 @@ class Job:
     token_times: deque = field(default_factory=lambda: deque(maxlen=8))
     # A request with tools: its answer's text split into text and parsed tool calls.
     tools: Any = None
+    # A chat with a thinking model: its text split into reasoning and answer (daemon/model/reasoning.py).
+    reasoning: Any = None
     # Why it has waited in the queue ("batch", "memory"), each counted once in `status`.
     waited: set[str] = field(default_factory=set)
 
@@ -152,6 +162,8 @@ class EngineLoop:
         # The served store's path, id and stamp, kept in `status` while the model is unloaded.
         self._identity: dict[str, Any] = {}
         self._pending: deque[Job] = deque()
+        # count_tokens requests waiting for a model to be loaded (daemon/prompt_check.py answers them).
+        self._counts: list[Any] = []
         self._active: deque[Job] = deque()
         self._jobs: dict[tuple[bytes, str], Job] = {}
         self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
@@ -181,6 +193,16 @@ class EngineLoop:
 
     def submit(self, peer: bytes, msg: proto.Generate) -> None:
         self._commands.put(Submit(peer, msg))
+
+    def count(self, peer: bytes, msg: proto.CountTokens) -> None:
+        """A count_tokens request: straight to the prompt checker's thread, which answers
+        it, never waiting on the engine; through the engine's queue only while there is no
+        checker (the model unloaded or loading), which then loads the model for it."""
+        from moestream.daemon.prompt_check import CountRequest
+
+        checker = self._checker  # one read: the engine thread may replace it meanwhile
+        if checker is None or not checker.count(CountRequest(peer, msg)):
+            self._commands.put(CountCmd(peer, msg))
 
     def cancel(self, peer: bytes, msg: proto.Cancel) -> None:
         self._commands.put(CancelCmd(peer, msg, time.monotonic()))
@@ -215,6 +237,8 @@ class EngineLoop:
             finally:
                 try:
                     self._close_model()
+                    # Counts the checker had not answered when it closed.
+                    self._fail_counts(proto.SHUTTING_DOWN, self.error or "the daemon is shutting down")
                 finally:
                     self._events.send_multipart([b"", EXIT_FRAME])
                     self._events.close(linger=0)
@@ -292,10 +316,18 @@ class EngineLoop:
                     s.max_batch,
                 )
         self._start_prompt_cache()
+        tok = self._sm.tokenizer
         self._identity = {
             "model": str(self._sm.store_dir),
             "store_id": self._sm.manifest.store_id,
             "store_stamp": self._store_stamp,
+            # What the gateway's model listings say the model takes (images: not yet).
+            "capabilities": {
+                "chat": bool(tok.has_chat_template),
+                "tools": bool(tok.has_tool_calling),
+                "thinking": bool(tok.has_thinking),
+                "vision": False,
+            },
         }
 
         from moestream.daemon.prompt_check import PromptChecker
@@ -310,11 +342,18 @@ class EngineLoop:
             self._context.memory,
         )
         self._checker = PromptChecker(
-            self._sm, self._context.tokens, lambda job: self._commands.put(CheckDone(job)), self.log
+            self._sm,
+            self._context.tokens,
+            lambda job: self._commands.put(CheckDone(job)),
+            self.log,
+            events=(self._ctx, self._events_endpoint),
         )
         for job in self._pending:  # those that arrived while the model was unloaded
             if job.checked is None:
                 self._checker.submit(job)
+        counts, self._counts = self._counts, []
+        for request in counts:
+            self._checker.count(request)
         if "mapped_auto" in self._sm.admission_note:
             self.log.info("mapped pool (auto): %s", self._sm.admission_note["mapped_auto"])
         return True
@@ -346,7 +385,7 @@ class EngineLoop:
             self._drain(block=not self._active and not any(j.checked is not None for j in self._pending))
             if self._stopping:
                 return
-            if self._pending and self._sm is None:
+            if (self._pending or self._counts) and self._sm is None:
                 self._reload()
             self._activate_pending()
             if self._active:
@@ -372,6 +411,8 @@ class EngineLoop:
                 self._on_submit(cmd)
             elif isinstance(cmd, CancelCmd):
                 self._on_cancel(cmd)
+            elif isinstance(cmd, CountCmd):
+                self._on_count(cmd)
             elif isinstance(cmd, PeerGone):
                 for job in [j for j in self._jobs.values() if j.peer == cmd.peer]:
                     self._request_stop(job, "disconnected", cmd.at)
@@ -406,6 +447,13 @@ class EngineLoop:
         if self._checker is not None:  # else the next load checks it
             self._checker.submit(job)
 
+    def _on_count(self, cmd: CountCmd) -> None:
+        from moestream.daemon.prompt_check import CountRequest
+
+        request = CountRequest(cmd.peer, cmd.msg)
+        if self._checker is None or not self._checker.count(request):
+            self._counts.append(request)  # the next load serves it
+
     def _on_cancel(self, cmd: CancelCmd) -> None:
         job = self._jobs.get((cmd.peer, cmd.msg.target))
         self._send(cmd.peer, proto.Cancelled(cmd.msg.id, cmd.msg.target, job is not None))
@@ -429,6 +477,7 @@ class EngineLoop:
         with the fewest active requests first. A request that would not fit the batch, or
         whose KV cache would pass the memory budget, waits in the queue (`status` says why)."""
         from moestream.daemon.model.generation import GenerationResult, SamplingParams
+        from moestream.daemon.model.reasoning import reasoning_splitter
         from moestream.daemon.model.tool_calls import splitter_for
 
         while len(self._active) < self.settings.max_active:
@@ -449,10 +498,12 @@ class EngineLoop:
             self._pending.remove(job)
             job.prompt_ids = checked.ids
             job.tools = splitter_for(self._sm.tokenizer, msg.tools, msg.tool_choice)
+            job.reasoning = reasoning_splitter(self._sm.tokenizer, checked.opens_thinking)
             params = SamplingParams(
                 max_tokens=checked.max_tokens,
                 temp=msg.temp,
                 top_p=msg.top_p,
+                top_k=msg.top_k or 0,
                 seed=msg.seed,
                 stop=msg.stop,
                 speculative=msg.speculative,
@@ -464,6 +515,7 @@ class EngineLoop:
             job.result = GenerationResult()
             job.gen = self._make_generator(job, params)
             self._active.append(job)
+            self._send(job.peer, proto.Accepted(msg.id, len(job.prompt_ids)))
 
     def _count_wait(self, job: Job, why: str) -> None:
         if why not in job.waited:
@@ -597,13 +649,24 @@ class EngineLoop:
         if token is None:
             return True  # a piece of its prompt, prefilled between the batch's steps
         job.token_times.append(time.monotonic())
-        if job.tools is not None:
-            # Every token still gets its event (empty while a call's text is held), so a
-            # client's cancel is answered within a token as it is without tools.
-            segment, calls = job.tools.feed(segment)
-            self._send_calls(job, calls)
-        self._send(job.peer, proto.Token(job.msg.id, segment, token))
+        self._emit(job, segment, token)
         return True
+
+    def _emit(self, job: Job, segment: str, token: int) -> None:
+        """A step's text as token events: reasoning apart from the answer, and the answer's
+        tool calls parsed out. Every token still gets an event (empty while a marker's or
+        a call's text is held), so a client's cancel is answered within a token."""
+        pieces = job.reasoning.feed(segment) if job.reasoning is not None else [(False, segment)]
+        sent = False
+        for thinking, text in pieces:
+            if not thinking and job.tools is not None:
+                text, calls = job.tools.feed(text)
+                self._send_calls(job, calls)
+            if text:
+                self._send(job.peer, proto.Token(job.msg.id, text, token, True if thinking else None))
+                sent = True
+        if not sent:
+            self._send(job.peer, proto.Token(job.msg.id, "", token))
 
     def _send_calls(self, job: Job, calls: list[dict[str, str]]) -> None:
         first = len(job.tools.calls) - len(calls)
@@ -632,6 +695,12 @@ class EngineLoop:
         stats["finish_reason"] = reason
         stats["queued_seconds"] = (job.started or time.monotonic()) - job.received
         calls: list[dict[str, str]] = []
+        reasoning = ""
+        if job.reasoning is not None:
+            # As for tool calls below: the rest the generator kept back, then held text.
+            job.reasoning.feed(text[job.reasoning.fed :])
+            job.reasoning.finish()
+            text, reasoning = job.reasoning.answer_text, job.reasoning.reasoning_text
         if job.tools is not None:
             # What the generator kept back (a possible stop string when the answer ended)
             # is the rest of the text; then held text and a call left open.
@@ -650,7 +719,7 @@ class EngineLoop:
         # Publish first, so a client that asks for status on its done event sees this request.
         self._publish(force=True)
         if reason != "disconnected":
-            self._send(job.peer, proto.Done(job.msg.id, text, tokens, reason, stats, calls))
+            self._send(job.peer, proto.Done(job.msg.id, text, tokens, reason, stats, calls, reasoning))
         self._heat.push(self._sm)
         self._log_prefetch_decision()
 
@@ -693,15 +762,22 @@ class EngineLoop:
         """Answer the commands nobody will serve now (sent while loading or stopping)."""
         why = self.error or "the daemon is shutting down"
         code = proto.ENGINE if self.state == "failed" else proto.SHUTTING_DOWN
+        self._fail_counts(code, why)
         while True:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(cmd, Submit):
+            if isinstance(cmd, (Submit, CountCmd)):
                 self._send(cmd.peer, proto.Error(cmd.msg.id, code, why))
             elif isinstance(cmd, CancelCmd):
                 self._send(cmd.peer, proto.Cancelled(cmd.msg.id, cmd.msg.target, False))
+
+    def _fail_counts(self, code: str, why: str) -> None:
+        """Answer the count_tokens requests waiting for a model that will not come."""
+        counts, self._counts = self._counts, []
+        for request in counts:
+            self._send(request.peer, proto.Error(request.msg.id, code, why))
 
     def _send(self, peer: bytes, message: proto.Reply) -> None:
         self._events.send_multipart([peer, proto.encode(message)], copy=False)
@@ -754,7 +830,9 @@ class EngineLoop:
         self._prompt_cache = self._batch = self._sm = self._checker = None
         try:
             if checker is not None:
-                checker.close()  # its thread holds the model (the tokenizer, the store)
+                # Its thread holds the model (the tokenizer, the store); the counts it had
+                # not answered wait for the next load.
+                self._counts += checker.close()
             if prompt_cache is not None:
                 prompt_cache.close()  # what it keeps on disk stays, for the next load
             if batch is not None:
@@ -776,6 +854,7 @@ class EngineLoop:
             for job in list(self._pending):
                 self._pending.remove(job)
                 self._fail(job, proto.ENGINE, why)
+            self._fail_counts(proto.ENGINE, why)
             return
         self.error = None
         self._load_progress(1, steps)
@@ -827,6 +906,7 @@ class EngineLoop:
                     "model": str(sm.store_dir),
                     "store_id": sm.manifest.store_id,
                     "store_stamp": self._store_stamp,
+                    "capabilities": self._identity.get("capabilities"),
                     "capacity": sm.capacity,
                     "policy": self.settings.policy,
                     "moe_layers": len(sm.pools),

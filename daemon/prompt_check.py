@@ -15,6 +15,11 @@ detokenize); it posts each result back to the engine through `on_done`, which on
 queues a command. What must stay true: a job's `checked` is set once, by this thread,
 whole (one assignment of a finished `Checked`), before `on_done(job)` wakes the engine;
 the engine activates or fails the job only once it sees it set.
+
+`count_tokens` requests (`CountRequest`) never reach the engine: the I/O thread hands
+them here (`count`), and this thread answers them itself on a PUSH socket of its own to
+the I/O thread's inproc endpoint, so that a count is answered in milliseconds while the
+engine is inside a long prefill.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+import zmq
 
 from moestream.shared import protocol as proto
 
@@ -45,18 +52,37 @@ class Checked:
     code: str = ""
     message: str = ""
     seconds: float = 0.0
+    # A chat's answer starts inside a thinking block (daemon/model/reasoning.py); None: not
+    # a chat, or a model without thinking markers.
+    opens_thinking: bool | None = None
+
+
+@dataclass(frozen=True)
+class CountRequest:
+    """A `count_tokens` request from the client `peer`: answered by this thread."""
+
+    peer: bytes
+    msg: proto.CountTokens
 
 
 class PromptChecker:
-    """One worker thread that checks the prompts of queued jobs, fairly by client."""
+    """One worker thread that checks the prompts of queued jobs, fairly by client, and
+    answers `count_tokens` requests (on `events`: the I/O thread's inproc endpoint)."""
 
     def __init__(
-        self, sm: Any, max_context: int, on_done: Callable[[Any], None], log: logging.Logger | None = None
+        self,
+        sm: Any,
+        max_context: int,
+        on_done: Callable[[Any], None],
+        log: logging.Logger | None = None,
+        *,
+        events: tuple[zmq.Context, str] | None = None,
     ) -> None:
         self._sm = sm
         self._log = log
         self._max_context = max_context
         self._on_done = on_done
+        self._events = events
         self._cond = threading.Condition()
         self._waiting: deque[Any] = deque()
         self._done_by_peer: defaultdict[bytes, int] = defaultdict(int)
@@ -73,12 +99,26 @@ class PromptChecker:
             self._waiting.append(job)
             self._cond.notify()
 
-    def close(self) -> None:
+    def count(self, request: CountRequest) -> bool:
+        """Queue a count (from any thread); False when this checker is closed or has no
+        socket to answer on: the caller finds it another way."""
+        with self._cond:
+            if self._closed or self._events is None:
+                return False
+            self._waiting.append(request)
+            self._cond.notify()
+        return True
+
+    def close(self) -> list[CountRequest]:
+        """Stop the thread; the counts it had not answered are returned, to be served by
+        the next checker."""
         with self._cond:
             self._closed = True
+            counts = [r for r in self._waiting if isinstance(r, CountRequest)]
             self._waiting.clear()
             self._cond.notify()
         self._thread.join(timeout=10.0)
+        return counts
 
     def _next(self) -> Any | None:
         with self._cond:
@@ -101,20 +141,51 @@ class PromptChecker:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), CHECK_NICENESS)
             except OSError as e:
                 self._log_warning(f"cannot lower the prompt check's priority: {e}")
-        while (job := self._next()) is not None:
-            if job.stop_reason is None:  # a job stopped meanwhile needs no check
-                job.checked = self.check(job.msg)
-            self._on_done(job)
+        sock = None
+        if self._events is not None:
+            ctx, endpoint = self._events
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)  # as the engine's: never blocks, bounded by the requests
+            sock.connect(endpoint)
+        try:
+            while (job := self._next()) is not None:
+                if isinstance(job, CountRequest):
+                    sock.send_multipart([job.peer, proto.encode(self.count_reply(job.msg))], copy=False)
+                    continue
+                if job.stop_reason is None:  # a job stopped meanwhile needs no check
+                    job.checked = self.check(job.msg)
+                self._on_done(job)
+        finally:
+            if sock is not None:
+                sock.close(linger=0)
+
+    def _encode(self, msg: proto.Generate | proto.CountTokens) -> list[int]:
+        from moestream.daemon.model.generation import encode_prompt
+
+        return encode_prompt(
+            self._sm, msg.prompt, msg.prompt_ids, msg.messages, msg.tools, msg.tool_choice, msg.thinking
+        )
+
+    def count_reply(self, msg: proto.CountTokens) -> proto.TokenCount | proto.Error:
+        try:
+            return proto.TokenCount(msg.id, len(self._encode(msg)))
+        except ValueError as e:
+            return proto.Error(msg.id, proto.BAD_MESSAGE, str(e))
+        except Exception as e:  # this count fails with the reason; the thread serves on
+            if self._log is not None:
+                self._log.exception("count_tokens %s failed", msg.id)
+            return proto.Error(msg.id, proto.INTERNAL, f"{type(e).__name__}: {e}")
 
     def check(self, msg: proto.Generate) -> Checked:
-        from moestream.daemon.model.generation import encode_prompt
+        from moestream.daemon.model.reasoning import opens_thinking
 
         tic = time.perf_counter()
         problem = self._speculative_problem(msg)
         if problem:
             return Checked(code=proto.BAD_MESSAGE, message=problem)
         try:
-            ids = encode_prompt(self._sm, msg.prompt, msg.prompt_ids, msg.messages, msg.tools, msg.tool_choice)
+            ids = self._encode(msg)
         except ValueError as e:
             return Checked(code=proto.BAD_MESSAGE, message=str(e), seconds=time.perf_counter() - tic)
         if len(ids) >= self._max_context:
@@ -125,7 +196,10 @@ class PromptChecker:
                 seconds=time.perf_counter() - tic,
             )
         room = self._max_context - len(ids)
-        return Checked(ids=ids, max_tokens=min(msg.max_tokens, room), seconds=time.perf_counter() - tic)
+        opens = opens_thinking(self._sm.tokenizer, ids) if msg.messages is not None else None
+        return Checked(
+            ids=ids, max_tokens=min(msg.max_tokens, room), seconds=time.perf_counter() - tic, opens_thinking=opens
+        )
 
     def _speculative_problem(self, msg: proto.Generate) -> str:
         """What makes the request's speculative decoding impossible here (only file checks)."""

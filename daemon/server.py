@@ -330,11 +330,13 @@ class Server:
             self.log.info("shutdown asked by client %s", peer.hex())
             self._reply(router, peer, proto.ShutdownReply(msg.id, os.getpid()))
             self._stop_requested = True
-        elif isinstance(msg, proto.Generate):
+        elif isinstance(msg, (proto.Generate, proto.CountTokens)):
             if self._stop_requested:
                 self._reply(router, peer, proto.Error(msg.id, proto.SHUTTING_DOWN, "the daemon is shutting down"))
-            else:
+            elif isinstance(msg, proto.Generate):
                 engine.submit(peer, msg)
+            else:
+                engine.count(peer, msg)
         elif isinstance(msg, proto.Cancel):
             engine.cancel(peer, msg)
 
@@ -403,6 +405,8 @@ class Server:
             "model": snap.get("model", s.model),
             "store_id": snap.get("store_id"),
             "store_problem": problem,
+            # chat, tools, thinking, vision: what the model takes (None before its first load).
+            "capabilities": snap.get("capabilities"),
             "capacity": snap.get("capacity"),
             "policy": snap.get("policy", s.policy),
             "moe_layers": snap.get("moe_layers"),

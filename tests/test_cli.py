@@ -26,7 +26,7 @@ from tiny_models import tiny_store
 from moestream.client.cli import main as cli
 from moestream.client.cli.daemon import _format_status
 from moestream.client.cli.generate import PrefillProgress
-from moestream.client.client import Client, Progress, Token
+from moestream.client.client import Accepted, Client, Progress, Token
 from moestream.daemon.engine_loop import EngineLoop
 from moestream.daemon.policies import POLICIES
 from moestream.daemon.server import Server
@@ -162,7 +162,8 @@ def test_a_long_prompt_reports_its_prefill_to_the_client_and_in_status(daemon):
     assert dones[0] == 0 and dones[-2:] == [n - 1, n] and dones == sorted(set(dones))
     assert len(dones) > 4  # more than the chunks' own steps: one per layer
     first_token = next(i for i, e in enumerate(events) if isinstance(e, Token))
-    assert all(isinstance(e, Progress) for e in events[:first_token])
+    assert isinstance(events[0], Accepted) and events[0].prompt_tokens == n
+    assert all(isinstance(e, Progress) for e in events[1:first_token])
     assert not any(isinstance(e, Progress) for e in quiet)  # only a request that asks gets them
     assert 0 in seen and any(0 < d < n for d in seen if d is not None), seen
     assert set(seen) <= set(dones) | {None}

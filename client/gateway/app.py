@@ -4,11 +4,14 @@ translates its requests and answers):
 
     POST /v1/chat/completions   OpenAI: messages through the model's chat template (the daemon applies it)
     POST /v1/completions        OpenAI: a text prompt (or one list of token ids)
-    GET  /v1/models             OpenAI: the daemon's model, and /v1/models/{id}
+    GET  /v1/models             OpenAI: the daemon's model (context length, capabilities), and /v1/models/{id}
     POST /v1/messages           Anthropic's Messages API, and /v1/messages/count_tokens (anthropic.py)
     /api/...                    Ollama's API: chat, generate, tags, ps, show, version (ollama.py)
     GET  /health                200 when the daemon answers as ready, else 503
     GET  /                      the live dashboard (client/dashboard), polling GET /dashboard/state
+
+Any model name is served by the daemon's model (as llama.cpp's server serves its one
+model): an answer names the model its request asked for.
 
 Every request talks to the daemon only through `moestream.client.Client`. A Client is
 not thread-safe, so each completion runs on a thread of its own (`DaemonRequest`) that
@@ -145,16 +148,21 @@ def ready_status(client: Client) -> dict[str, Any]:
 
 
 def check_model(st: dict[str, Any], asked: str | None, demo_store_id: str | None) -> str:
-    """The served model's id; ApiError 404 when the client asked for another model."""
-    served = model_id(st, demo_store_id)
-    if asked is not None and asked not in (served, MODEL_ALIAS, st.get("model")):
-        raise ApiError(
-            404,
-            f"The model {asked!r} does not exist: this server serves {served!r} (also reachable as {MODEL_ALIAS!r})",
-            param="model",
-            code="model_not_found",
-        )
-    return served
+    """The model name to answer with: the one the client asked for (any name is served by
+    the daemon's one model: coding agents ask for theirs, `claude-...`), else the
+    served model's id."""
+    return asked or model_id(st, demo_store_id)
+
+
+def capabilities(st: dict[str, Any]) -> list[str]:
+    """What the daemon's model takes, in Ollama's words (completion, tools, thinking, vision)."""
+    caps = st.get("capabilities") or {}
+    return ["completion", *(name for name in ("tools", "thinking", "vision") if caps.get(name))]
+
+
+def context_length(st: dict[str, Any]) -> int | None:
+    """Tokens per request, prompt and answer (None before the model's first load)."""
+    return (st.get("context") or {}).get("tokens")
 
 
 class DaemonRequest:
@@ -277,8 +285,9 @@ class Gateway:
                 code="invalid_api_key",
             )
 
-    async def _read_json(self, request: Request) -> Any:
-        limit = self.config.max_body_bytes
+    async def _read_json(self, request: Request, limit: int | None = None) -> Any:
+        """The request's JSON body, of at most `limit` bytes (default: the configured limit)."""
+        limit = self.config.max_body_bytes if limit is None else limit
         too_large = ApiError(
             413, f"the request body is over this server's limit of {limit} bytes", code="request_too_large"
         )
@@ -344,6 +353,10 @@ class Gateway:
             "object": "model",
             "created": created,
             "owned_by": "moestream",
+            # Beyond OpenAI's object, as other local servers add them: tokens per request
+            # (prompt and answer) and what the model takes.
+            "context_length": context_length(st),
+            "capabilities": capabilities(st),
         }
 
     async def models(self, request: Request) -> Response:
@@ -354,8 +367,22 @@ class Gateway:
     async def model(self, request: Request) -> Response:
         self._authorize(request)
         st = await self._status()
-        check_model(st, request.path_params["model"], self.config.demo_store_id)
-        return JSONResponse(self._model_object(st))
+        return JSONResponse(self._model_object(st) | {"id": request.path_params["model"]})
+
+    async def count_tokens(self, req: ApiRequest) -> int:
+        """The prompt's length in tokens (`req.generate`: Client.count_tokens's arguments),
+        from the daemon's prompt-check thread: no forward runs."""
+
+        def call() -> int:
+            try:
+                with Client(self.config.paths, timeout=self.config.daemon_timeout) as client:
+                    return client.count_tokens(**req.generate)
+            except RequestRejected as e:
+                raise _daemon_error(e) from None
+            except ClientError as e:
+                raise _unavailable(e) from None
+
+        return await anyio.to_thread.run_sync(call)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._complete(request, chat=True)
@@ -406,10 +433,11 @@ class Gateway:
         return EventStream(content, daemon, media_type)
 
     @staticmethod
-    def rest_of(done: Done, sent: list[str]) -> str:
-        """The text of `done` not yet streamed in `sent` (held back for a possible stop string)."""
+    def rest_of(text: str, sent: list[str]) -> str:
+        """What of `text` (a done's text or reasoning) was not streamed in `sent` (held
+        back for a possible stop string)."""
         streamed = "".join(sent)
-        return done.text[len(streamed) :] if done.text.startswith(streamed) else ""
+        return text[len(streamed) :] if text.startswith(streamed) else ""
 
     async def _complete(self, request: Request, *, chat: bool) -> Response:
         self._authorize(request)
@@ -424,7 +452,7 @@ class Gateway:
             if done is None:
                 return Response(status_code=499)
             reason = finish_reason(done.finish_reason, bool(done.tool_calls))
-            return JSONResponse(shaper.complete(done.text, reason, _usage(done), done.tool_calls))
+            return JSONResponse(shaper.complete(done.text, reason, _usage(done), done.tool_calls, done.reasoning))
         head = await self.first_event(request, daemon)
         if head is None:
             return Response(status_code=499)
@@ -479,12 +507,13 @@ class Gateway:
         if shaper.chat:
             yield _sse(shaper.chunk("", first=True, with_usage=extra))
         sent: list[str] = []
+        thought: list[str] = []
         calls = 0
         try:
             async for event in self.events(daemon, event):
                 if isinstance(event, Token) and event.text:
-                    sent.append(event.text)
-                    yield _sse(shaper.chunk(event.text, with_usage=extra))
+                    (thought if event.reasoning else sent).append(event.text)
+                    yield _sse(shaper.text_chunk(event.text, bool(event.reasoning), with_usage=extra))
                 elif isinstance(event, ToolCall):
                     yield _sse(
                         shaper.tool_chunk({"name": event.name, "arguments": event.arguments}, calls, with_usage=extra)
@@ -496,9 +525,9 @@ class Gateway:
         if event.finish_reason == "shutdown":
             yield _sse(_shutdown_error().body())
             return
-        rest = self.rest_of(event, sent)
-        if rest:
-            yield _sse(shaper.chunk(rest, with_usage=extra))
+        for thinking, rest in ((True, self.rest_of(event.reasoning, thought)), (False, self.rest_of(event.text, sent))):
+            if rest:
+                yield _sse(shaper.text_chunk(rest, thinking, with_usage=extra))
         reason = finish_reason(event.finish_reason, bool(event.tool_calls))
         yield _sse(shaper.chunk(None, reason, with_usage=extra))
         if extra:
