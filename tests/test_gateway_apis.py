@@ -479,6 +479,7 @@ def _api_of(path: str) -> str:
 ROUTES = [
     "/v1/chat/completions",
     "/v1/completions",
+    "/v1/responses",
     "/v1/messages",
     "/v1/messages/count_tokens",
     "/api/chat",
@@ -493,6 +494,7 @@ def test_bad_input_on_every_route_gets_that_apis_error_and_the_gateway_serves_on
     good = {
         "/v1/chat/completions": {"model": "moestream", "messages": CHAT, "max_tokens": 2},
         "/v1/completions": {"model": "moestream", "prompt": "x", "max_tokens": 2},
+        "/v1/responses": {"model": "moestream", "input": "x", "max_output_tokens": 2},
         "/v1/messages": {"model": "moestream", "messages": CHAT[1:], "max_tokens": 2},
         "/v1/messages/count_tokens": {"model": "moestream", "messages": CHAT[1:]},
         "/api/chat": {"model": "moestream", "messages": CHAT, "stream": False, "options": {"num_predict": 2}},
@@ -502,6 +504,7 @@ def test_bad_input_on_every_route_gets_that_apis_error_and_the_gateway_serves_on
     wrong_type = {
         "/v1/chat/completions": {"messages": "hi"},
         "/v1/completions": {"max_tokens": "2"},
+        "/v1/responses": {"input": [{"type": "message", "role": "user", "content": 5}]},
         "/v1/messages": {"max_tokens": "2"},
         "/v1/messages/count_tokens": {"messages": [{"role": "robot", "content": "x"}]},
         "/api/chat": {"options": {"temperature": "hot"}},
@@ -511,6 +514,7 @@ def test_bad_input_on_every_route_gets_that_apis_error_and_the_gateway_serves_on
     missing = {
         "/v1/chat/completions": "messages",
         "/v1/completions": "prompt",
+        "/v1/responses": "input",
         "/v1/messages": "max_tokens",
         "/v1/messages/count_tokens": "messages",
         "/api/chat": "messages",
@@ -565,6 +569,8 @@ _fields = st.sampled_from(
         "model",
         "messages",
         "prompt",
+        "input",
+        "instructions",
         "max_tokens",
         "stream",
         "tools",
@@ -588,7 +594,7 @@ _fields = st.sampled_from(
 @given(path=st.sampled_from(ROUTES), body=st.dictionaries(_fields, _json, max_size=5))
 def test_fuzzed_bodies_on_every_route_get_answers_in_that_apis_shape(served, path, body):
     # Whatever else the body holds, it asks for at most two tokens.
-    body = body | {"max_tokens": 2, "options": {"num_predict": 2}, "stream": False}
+    body = body | {"max_tokens": 2, "max_output_tokens": 2, "options": {"num_predict": 2}, "stream": False}
     r = httpx.post(served[1].url + path, json=body, headers={"x-api-key": KEY}, timeout=60)
     assert r.status_code in (200, 400, 404), (path, body, r.status_code, r.text)
     if r.status_code != 200:
