@@ -436,6 +436,7 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request_within_a_token_for_
     # Greedy: the demo's chat answers end at their end of turn, most of them soon, but this
     # chat's greedy answer runs past LONG (into code).
     anthropic_body = {"model": "moestream", "system": CHAT[0]["content"], "messages": CHAT[1:], "temperature": 0}
+    responses_body = {"model": "moestream", "instructions": CHAT[0]["content"], "input": CHAT[1:], "temperature": 0}
     ollama_options = {"num_predict": LONG, "temperature": 0}
     cases = [
         (
@@ -444,6 +445,7 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request_within_a_token_for_
             "chatcmpl-",
         ),
         ("/v1/messages", {**anthropic_body, "max_tokens": LONG, "stream": True}, "msg_"),
+        ("/v1/responses", {**responses_body, "max_output_tokens": LONG, "stream": True}, "resp_"),
         ("/api/chat", {"model": "moestream", "messages": CHAT, "options": ollama_options}, "ollama-"),
         ("/api/generate", {"model": "moestream", "prompt": "def f(x):", "options": {"num_predict": LONG}}, "ollama-"),
     ]
