@@ -94,6 +94,7 @@ _REFUSED: tuple[tuple[str, tuple[Any, ...], str], ...] = (
 
 log = logging.getLogger("moestream.openai")
 _noted: set[str] = set()  # built-in tool types already noted in the log
+MAX_NOTED = 64
 
 
 @dataclass(frozen=True)
@@ -280,8 +281,8 @@ def _tools(body: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str], list[d
             custom.add(name)
         schemas[name] = {"type": "function", "function": fn}
         kept.append(t)
-    new = set(skipped) - _noted
-    if new:
+    new = {kind[:64] for kind in skipped} - _noted
+    if new and len(_noted) < MAX_NOTED:  # a client sending made-up types must not grow the set
         _noted.update(new)
         log.info("tools of type %s skipped: this server runs function and custom tools only", ", ".join(sorted(new)))
     chosen, names = _tool_choice(choice)
