@@ -439,6 +439,7 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request_within_a_token_for_
     # Greedy: the demo's chat answers end at their end of turn, most of them soon, but this
     # chat's greedy answer runs past LONG (into code).
     anthropic_body = {"model": "moestream", "system": CHAT[0]["content"], "messages": CHAT[1:], "temperature": 0}
+    responses_body = {"model": "moestream", "instructions": CHAT[0]["content"], "input": CHAT[1:], "temperature": 0}
     ollama_options = {"num_predict": LONG, "temperature": 0}
     cases = [
         (
@@ -447,6 +448,7 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request_within_a_token_for_
             "chatcmpl-",
         ),
         ("/v1/messages", {**anthropic_body, "max_tokens": LONG, "stream": True}, "msg_"),
+        ("/v1/responses", {**responses_body, "max_output_tokens": LONG, "stream": True}, "resp_"),
         ("/api/chat", {"model": "moestream", "messages": CHAT, "options": ollama_options}, "ollama-"),
         ("/api/generate", {"model": "moestream", "prompt": "def f(x):", "options": {"num_predict": LONG}}, "ollama-"),
     ]
@@ -489,6 +491,7 @@ def _api_of(path: str) -> str:
 ROUTES = [
     "/v1/chat/completions",
     "/v1/completions",
+    "/v1/responses",
     "/v1/messages",
     "/v1/messages/count_tokens",
     "/api/chat",
@@ -503,6 +506,7 @@ def test_bad_input_on_every_route_gets_that_apis_error_and_the_gateway_serves_on
     good = {
         "/v1/chat/completions": {"model": "moestream", "messages": CHAT, "max_tokens": 2},
         "/v1/completions": {"model": "moestream", "prompt": "x", "max_tokens": 2},
+        "/v1/responses": {"model": "moestream", "input": "x", "max_output_tokens": 2},
         "/v1/messages": {"model": "moestream", "messages": CHAT[1:], "max_tokens": 2},
         "/v1/messages/count_tokens": {"model": "moestream", "messages": CHAT[1:]},
         "/api/chat": {"model": "moestream", "messages": CHAT, "stream": False, "options": {"num_predict": 2}},
@@ -512,6 +516,7 @@ def test_bad_input_on_every_route_gets_that_apis_error_and_the_gateway_serves_on
     wrong_type = {
         "/v1/chat/completions": {"messages": "hi"},
         "/v1/completions": {"max_tokens": "2"},
+        "/v1/responses": {"input": [{"type": "message", "role": "user", "content": 5}]},
         "/v1/messages": {"max_tokens": "2"},
         "/v1/messages/count_tokens": {"messages": [{"role": "robot", "content": "x"}]},
         "/api/chat": {"options": {"temperature": "hot"}},
@@ -521,6 +526,7 @@ def test_bad_input_on_every_route_gets_that_apis_error_and_the_gateway_serves_on
     missing = {
         "/v1/chat/completions": "messages",
         "/v1/completions": "prompt",
+        "/v1/responses": "input",
         "/v1/messages": "max_tokens",
         "/v1/messages/count_tokens": "messages",
         "/api/chat": "messages",
@@ -575,6 +581,8 @@ _fields = st.sampled_from(
         "model",
         "messages",
         "prompt",
+        "input",
+        "instructions",
         "max_tokens",
         "stream",
         "tools",
@@ -598,7 +606,7 @@ _fields = st.sampled_from(
 @given(path=st.sampled_from(ROUTES), body=st.dictionaries(_fields, _json, max_size=5))
 def test_fuzzed_bodies_on_every_route_get_answers_in_that_apis_shape(served, path, body):
     # Whatever else the body holds, it asks for at most two tokens.
-    body = body | {"max_tokens": 2, "options": {"num_predict": 2}, "stream": False}
+    body = body | {"max_tokens": 2, "max_output_tokens": 2, "options": {"num_predict": 2}, "stream": False}
     r = httpx.post(served[1].url + path, json=body, headers={"x-api-key": KEY}, timeout=60)
     assert r.status_code in (200, 400, 404), (path, body, r.status_code, r.text)
     if r.status_code != 200:

@@ -5,6 +5,7 @@ translates its requests and answers):
     POST /v1/chat/completions   OpenAI: messages through the model's chat template (the daemon applies it)
     POST /v1/completions        OpenAI: a text prompt (or one list of token ids)
     GET  /v1/models             OpenAI: the daemon's model (context length, capabilities), and /v1/models/{id}
+    POST /v1/responses          OpenAI's Responses API, stateless, as Codex CLI speaks it (responses.py)
     POST /v1/messages           Anthropic's Messages API, and /v1/messages/count_tokens (anthropic.py)
     /api/...                    Ollama's API: chat, generate, tags, ps, show, version (ollama.py)
     GET  /health                200 when the daemon answers as ready, else 503
@@ -41,7 +42,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import anyio.to_thread
 from starlette.applications import Starlette
@@ -54,7 +55,7 @@ from starlette.types import Receive, Scope, Send
 
 from moestream.client.client import Client, ClientError, DaemonNotRunning, RequestRejected, Token, ToolCall
 from moestream.client.dashboard import Dashboard
-from moestream.client.gateway import anthropic, ollama
+from moestream.client.gateway import anthropic, ollama, responses
 from moestream.client.gateway.guard import GuardConfig, GuardMiddleware
 from moestream.client.gateway.openai import ApiError, ApiRequest, Shaper, finish_reason, parse_request, usage
 from moestream.shared import protocol as proto
@@ -409,9 +410,12 @@ class Gateway:
             raise model
         return daemon, model
 
-    async def whole(self, request: Request, daemon: DaemonRequest) -> Done | None:
-        """The daemon's `done` of a non-streaming request; None when the HTTP client left."""
-        whole = await self._unless_gone(request, daemon, self._collect(daemon))
+    async def whole(
+        self, request: Request, daemon: DaemonRequest, on_event: Callable[[Any], Any] | None = None
+    ) -> Done | None:
+        """The daemon's `done` of a non-streaming request (each event before it to
+        `on_event`); None when the HTTP client left."""
+        whole = await self._unless_gone(request, daemon, self._collect(daemon, on_event))
         if whole is _GONE:
             return None
         done = whole[1]
@@ -492,13 +496,15 @@ class Gateway:
             event = await daemon.next()
 
     @staticmethod
-    async def _collect(daemon: DaemonRequest) -> tuple[str, Done]:
+    async def _collect(daemon: DaemonRequest, on_event: Callable[[Any], Any] | None = None) -> tuple[str, Done]:
         while True:
             event = await daemon.next()
             if isinstance(event, ApiError):
                 raise event
             if isinstance(event, Done):
                 return event.text, event
+            if on_event is not None:
+                on_event(event)
 
     async def _events(self, daemon: DaemonRequest, shaper: Shaper, req: ApiRequest, event: Any) -> AsyncIterator[str]:
         """The SSE body from the daemon's first `event` on: a role chunk (chat), text
@@ -586,6 +592,7 @@ def create_app(config: GatewayConfig, guard: GuardConfig | None = None) -> Starl
         Route("/v1/models", gw.models, methods=["GET"]),
         Route("/v1/models/{model:path}", gw.model, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
+        *responses.ResponsesApi(gw).routes(),
         *anthropic.AnthropicApi(gw).routes(),
         *ollama.OllamaApi(gw).routes(),
     ]
