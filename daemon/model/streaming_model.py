@@ -190,6 +190,8 @@ class StreamingModel:
                 "capacity": p.capacity,
                 "pinned": len(p.pinned),
                 "hit_rate": d["hit_rate"],
+                # Routed (token, expert) pairs so far: the dashboard's routings per second.
+                "routed": p.stats.routed_total,
             }
             if self.mapped_pool is not None:
                 layer["on_gpu"] = len(self.mapped_pool.on_gpu[i])
