@@ -78,6 +78,13 @@ def test_history_draws_rates_and_leaves_gaps_where_nothing_was_sampled():
         h.add(st, at)
     assert [p["tps"] for p in h.points()] == [None, 5.0, 10.0, None, None, 5.0, None, 0.0]
     assert [p["tokens"] for p in h.points()][3] is None
+
+    def broken() -> dict:
+        raise KeyError("pid")
+
+    failing = History(broken)
+    failing.sample()  # a status it cannot read is a gap, and the sampler goes on
+    assert [p["tokens"] for p in failing.points()] == [None]
     bounded = History(lambda: None, keep=3)
     for at in range(5):
         bounded.add(status(at), float(at))

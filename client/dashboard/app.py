@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from moestream.shared.request_info import RequestInfo
 from moestream.shared.runtime_dir import RuntimePaths
 from moestream.shared.settings import Settings, SettingsError
 
+log = logging.getLogger("moestream.dashboard")
 PAGE = Path(__file__).resolve().parent / "static" / "dashboard.html"
 # The gateway reads the daemon's tokens made every SAMPLE_SECONDS, whether or not a page
 # is open, and keeps HISTORY_SECONDS of them: a page opened now draws the last half hour.
@@ -72,7 +74,12 @@ class History:
             self.samples.append(Sample(at, tokens_made(st), st.get("pid"), routed))
 
     def sample(self) -> None:
-        self.add(self.read(), time.time())
+        try:
+            st = self.read()
+        except Exception as e:  # the sampler goes on; this sample is a gap
+            log.warning("the dashboard's history could not read the daemon's status: %s: %s", type(e).__name__, e)
+            st = None
+        self.add(st, time.time())
 
     async def run(self) -> None:
         """Sample until cancelled (the status call on a worker thread)."""
