@@ -168,6 +168,7 @@ class Client:
         keep_alive: float | None = None,
         thinking: bool | None = None,
         top_k: int | None = None,
+        client: str | None = None,
     ) -> "GenerateStream":
         """Send a generate request now; iterate the result for `Token` events, then `Done`.
 
@@ -188,7 +189,8 @@ class Client:
         default); reasoning then comes as `Token`s with `reasoning` true. `top_k` keeps
         the k likeliest tokens before sampling. A `max_tokens` that would pass the
         daemon's context is lowered to what the prompt leaves. The stream starts with `Accepted` (the
-        prompt's length) once the daemon has checked and queued the request.
+        prompt's length) once the daemon has checked and queued the request. `client`
+        names the sender in the daemon's `status` (default: this connection).
         """
         msg = proto.Generate(
             id=request_id or _new_id(),
@@ -210,6 +212,7 @@ class Client:
             keep_alive=None if keep_alive is None else float(keep_alive),
             thinking=thinking,
             top_k=top_k,
+            client=client,
         )
         try:
             data = proto.encode(msg)

@@ -19,6 +19,7 @@ without locking.
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import queue
 import threading
@@ -33,6 +34,7 @@ from moestream.daemon.heat import Heat
 from moestream.daemon.keep_alive import KeepAlive, trim_heap
 from moestream.daemon.limits import FileLimit
 from moestream.shared import protocol as proto
+from moestream.shared.request_info import RequestInfo
 from moestream.shared.settings import Settings, format_size
 
 if TYPE_CHECKING:
@@ -41,6 +43,8 @@ if TYPE_CHECKING:
 EXIT_FRAME = b"exit"
 SNAPSHOT_SECONDS = 0.1
 RECENT_REQUESTS = 32
+# Queued requests listed one by one in `status` (all of them are counted).
+LISTED_WAITING = 16
 
 
 @dataclass(frozen=True)
@@ -618,13 +622,14 @@ class EngineLoop:
     def _on_prefill(self, job: Job, done: int, total: int) -> None:
         """Called between prefill chunks, inside the request's step: `status` and a client
         that asked for progress see how far a long prompt has come."""
+        started = job.prefill is None  # its first call: from 0, or from a cached prefix
         job.prefill = (done, total) if done < total else None
         if job.msg.progress:
             self._send(job.peer, proto.Progress(job.msg.id, done, total))
         # A snapshot at each of a prefill's layers cost about 1.8 ms each on the H200
         # (a 48-layer model: 0.09 s a prompt, a third of a cached chat turn): between
         # its start and end the prefill's progress is published at the usual rate.
-        self._publish(force=job.prefill is None or done == 0)
+        self._publish(force=started or job.prefill is None)
 
     def _step(self, job: Job) -> bool:
         """Advance one request by one step; False once it has ended."""
@@ -884,6 +889,8 @@ class EngineLoop:
             "requests": {
                 "active": [self._job_info(j, now) for j in self._active],
                 "queued": len(self._pending),
+                # The first of them, for `status`'s list of requests.
+                "waiting": [self._job_info(j, now) for j in itertools.islice(self._pending, LISTED_WAITING)],
                 "why_queued": self._why_queued(),
                 "clients": len({j.peer for j in self._jobs.values()}),
                 "recent": list(self._recent),
@@ -968,14 +975,25 @@ class EngineLoop:
 
     @staticmethod
     def _job_info(job: Job, now: float) -> dict[str, Any]:
-        return {
-            "id": job.msg.id,
-            "tokens": len(job.result.tokens) if job.result is not None else 0,
-            "max_tokens": job.checked.max_tokens if job.checked is not None else job.msg.max_tokens,
-            "prompt_tokens": len(job.prompt_ids),
-            "prefilled_tokens": job.prefill[0] if job.prefill is not None else None,
-            "seconds": now - job.received,
-        }
+        """The job as `status` lists it (shared/request_info.py)."""
+        tokens = len(job.result.tokens) if job.result is not None else 0
+        if job.prompt_ids:
+            prompt: int | None = len(job.prompt_ids)
+        else:  # still queued: its prompt's length once checked
+            ids = job.checked.ids if job.checked is not None else None
+            prompt = len(ids) if ids is not None else None
+        phase = "queued" if job.started is None else "decode" if tokens or job.token_times else "prefill"
+        return RequestInfo(
+            id=job.msg.id,
+            client=job.msg.client or job.peer.hex(),
+            phase=phase,
+            prompt_tokens=prompt,
+            prefilled_tokens=job.prefill[0] if job.prefill is not None else None,
+            prefill_total=job.prefill[1] if job.prefill is not None else None,
+            tokens=tokens,
+            max_tokens=job.checked.max_tokens if job.checked is not None else job.msg.max_tokens,
+            seconds=now - job.received,
+        ).to_dict()
 
     # ---- heat ------------------------------------------------------------------------
 

@@ -462,7 +462,10 @@ class Server:
                 "queued": requests.get("queued", 0),
                 # Why the first queued request waits (max_active, or a full batch).
                 "why_queued": requests.get("why_queued"),
+                # Each as shared/request_info.py `RequestInfo` has it: the active requests,
+                # and the first LISTED_WAITING queued ones.
                 "running": requests.get("active", []),
+                "waiting": requests.get("waiting", []),
                 "recent": requests.get("recent", []),
                 **{
                     k: requests[k]
@@ -504,7 +507,7 @@ class Server:
             "reader": snap.get("reader", {}),
             "prefetch": snap.get("prefetch"),
             "diagnostics": snap.get("diagnostics"),
-            "requests": {k: v for k, v in snap.get("requests", {}).items() if k not in ("active", "recent")},
+            "requests": {k: v for k, v in snap.get("requests", {}).items() if k not in ("active", "waiting", "recent")},
             "snapshot_age_s": time.monotonic() - snap.get("at", time.monotonic()),
         }
 

@@ -7,7 +7,7 @@ Every message is one ZeroMQ frame holding a msgpack map with `v` (PROTOCOL_VERSI
   generate  prompt | prompt_ids | messages, max_tokens, temp, top_p, seed, stop,
             (temp below MIN_TEMP, or top_p below MIN_TOP_P: greedy, the limit they tend to)
             [tools, tool_choice, speculative, draft_tokens, draft_model, diagnostics, progress, keep_alive,
-             thinking, top_k]
+             thinking, top_k, client]
                                                         -> accepted, progress*, (token | tool_call)*, done
   count_tokens  prompt | prompt_ids | messages, [tools, tool_choice, thinking]  -> token_count
   cancel    target (the id of one of this client's generate requests)  -> cancelled
@@ -42,6 +42,8 @@ reasoning (its `reasoning_content`).
 `count_tokens` renders and tokenizes a prompt as `generate` would (its thinking switch,
 tools) and answers with its length in tokens, from the daemon's prompt-check thread: it
 never waits on the model's forwards and runs none (an unloaded model is loaded first).
+tokens before sampling. `client` (at most MAX_CLIENT_CHARS printable characters) names who
+sent the request, as `status` lists it ("moestreamctl generate", a gateway's caller).
 Tools (`tools`: function schemas as OpenAI writes them, `{"type": "function", "function":
 {name, description, parameters}}`; `tool_choice`: auto | none | required | {"name": N})
 are rendered by the model's chat template; the daemon parses the model's tool-call text
@@ -68,6 +70,7 @@ MAX_PROMPT_IDS = 128 * 1024
 MAX_ID_CHARS = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_CLIENT_CHARS = 120
 MAX_TOKENS_LIMIT = 1 << 24
 SPECULATIVE_MODES = ("mtp", "draft")
 MAX_DRAFT_TOKENS = 8
@@ -161,6 +164,7 @@ class Generate:
         "keep_alive",
         "thinking",
         "top_k",
+        "client",
     )
     id: str
     prompt: str | None = None
@@ -190,6 +194,8 @@ class Generate:
     thinking: bool | None = None
     # Sample from the k likeliest tokens only; None or 0: all of them.
     top_k: int | None = None
+    # Who sent it, as `status` lists the request; None: the client's connection.
+    client: str | None = None
 
 
 @dataclass(frozen=True)
@@ -693,7 +699,18 @@ def _generate_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
         "progress": _flag_field(body, "progress", rid),
         "keep_alive": _keep_alive_field(body, rid),
         "top_k": _top_k_field(body, rid),
+        "client": _client_field(body, rid),
     }
+
+
+def _client_field(body: dict[str, Any], rid: str) -> str | None:
+    value = body.get("client")
+    _check(
+        value is None or (isinstance(value, str) and 0 < len(value) <= MAX_CLIENT_CHARS and value.isprintable()),
+        rid,
+        f"'client' must be null or 1 to {MAX_CLIENT_CHARS} printable characters",
+    )
+    return value
 
 
 def _top_k_field(body: dict[str, Any], rid: str) -> int | None:

@@ -202,7 +202,10 @@ def test_status_has_its_fields_and_answers_fast_while_generating(daemon, referen
             latencies.append(time.perf_counter() - tic)
             time.sleep(0.005)
         assert status["requests"]["active"] == 1
-        assert status["requests"]["running"][0]["id"] == stream.id
+        job = status["requests"]["running"][0]
+        assert job["id"] == stream.id and job["phase"] == "decode" and job["tokens"] >= 1
+        # No name given: the connection, as the daemon's log names it (ZeroMQ's 5-byte id, in hex).
+        assert len(job["client"]) == 10 and int(job["client"], 16) >= 0, job
         stream.close()
     print(
         f"status round trip while generating: max {max(latencies) * 1000:.1f} ms, "

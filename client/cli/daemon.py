@@ -18,6 +18,7 @@ from moestream.client.cli.values import capacity_note, runtime_dir_option, setti
 from moestream.client.client import Client, ClientError, DaemonDied, DaemonNotRunning
 from moestream.shared import protocol as proto
 from moestream.shared.file_lock import lock_exclusive
+from moestream.shared.request_info import RequestInfo
 from moestream.shared.runtime_dir import (
     LOG_NAME,
     RuntimeDirError,
@@ -532,8 +533,9 @@ def _format_status(st: dict[str, Any]) -> str:
     ]
     if req.get("why_queued"):
         lines.append(f"    queued: {req['why_queued']}")
-    for job in req.get("running", []):
-        lines.append(f"    {job['id']}: {_job_state(job)}, {job['seconds']:.0f} s")
+    for job in [*req.get("running", []), *req.get("waiting", [])]:
+        info = RequestInfo.from_dict(job)
+        lines.append(f"    {info.id} ({info.client}): {_job_state(info)}, {info.seconds:.0f} s")
     if st.get("keep_alive"):
         lines.append(_keep_alive_line(st["keep_alive"]))
     lines += [
@@ -564,12 +566,16 @@ def _keep_alive_line(ka: dict[str, Any]) -> str:
     return f"  keep-alive {what}; {ka.get('unloads', 0)} unloads, {ka.get('reloads', 0)} loads again so far"
 
 
-def _job_state(job: dict[str, Any]) -> str:
-    done = job.get("prefilled_tokens")
-    if done is not None:
-        total = job["prompt_tokens"]
+def _job_state(job: RequestInfo) -> str:
+    prompt = "?" if job.prompt_tokens is None else job.prompt_tokens
+    if job.phase == "queued":
+        return f"queued, a prompt of {prompt} tokens"
+    if job.phase == "prefill" and job.prefilled_tokens is not None:
+        done, total = job.prefilled_tokens, job.prefill_total or job.prompt_tokens or 0
         return f"prefill {done}/{total} prompt tokens ({100 * done // max(total, 1)}%)"
-    return f"{job['tokens']}/{job['max_tokens']} tokens after a prompt of {job['prompt_tokens']}"
+    if job.phase == "prefill":
+        return f"prefill of a prompt of {prompt} tokens"
+    return f"{job.tokens}/{job.max_tokens} tokens after a prompt of {prompt}"
 
 
 @click.command()

@@ -347,7 +347,14 @@ def _generate_via_daemon(
         shown = 0
         try:
             keep_alive = settings.keep_alive if given.get("keep_alive") is not None else None
-            stream = client.generate(prompt, prompt_ids=ids, progress=progress.on, keep_alive=keep_alive, **sampling)
+            stream = client.generate(
+                prompt,
+                prompt_ids=ids,
+                progress=progress.on,
+                keep_alive=keep_alive,
+                client="moestreamctl generate",
+                **sampling,
+            )
             for event in stream:
                 if isinstance(event, Progress):
                     progress.update(event.done, event.total, event.stage)

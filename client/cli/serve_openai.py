@@ -158,7 +158,8 @@ def serve_openai(host, port, api_key, api_key_file, runtime_dir, log_level) -> N
         host=host,
         port=actual,
         log_level=log_level,
-        lifespan="off",
+        # The dashboard's history is sampled for as long as the app's lifespan runs.
+        lifespan="on",
         server_header=False,
         # Streams still open after this many seconds of a shutdown are cancelled, and with
         # them their daemon requests.

@@ -166,6 +166,15 @@ def context_length(st: dict[str, Any]) -> int | None:
     return (st.get("context") or {}).get("tokens")
 
 
+def client_label(request: Request) -> str:
+    """Who an HTTP request came from, as the daemon's `status` lists it: the route, the
+    caller's address and its User-Agent, in printable ASCII, cut to the protocol's length."""
+    host = request.client.host if request.client else "?"
+    agent = request.headers.get("user-agent")
+    label = f"{request.url.path} from {host}" + (f" ({agent})" if agent else "")
+    return "".join(c if " " <= c <= "~" else "?" for c in label)[: proto.MAX_CLIENT_CHARS]
+
+
 class DaemonRequest:
     """One generate request on a thread of its own, which owns its Client.
 
@@ -175,11 +184,18 @@ class DaemonRequest:
     """
 
     def __init__(
-        self, config: GatewayConfig, req: ApiRequest, request_id: str, slots: threading.BoundedSemaphore
+        self,
+        config: GatewayConfig,
+        req: ApiRequest,
+        request_id: str,
+        slots: threading.BoundedSemaphore,
+        client: str | None = None,
     ) -> None:
+        """`client`: who sent it, as the daemon's `status` lists the request."""
         self._config = config
         self._req = req
         self._id = request_id
+        self._client = client
         self._slots = slots
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -209,7 +225,7 @@ class DaemonRequest:
                 self._put(check_model(ready_status(client), self._req.model, self._config.demo_store_id))
                 if self._stop.is_set():
                     return
-                stream = client.generate(request_id=self._id, **self._req.generate)
+                stream = client.generate(request_id=self._id, client=self._client, **self._req.generate)
                 for event in stream:
                     if self._stop.is_set():
                         if stream.done is None:
@@ -401,7 +417,7 @@ class Gateway:
                 type="rate_limit_error",
                 code="busy",
             )
-        daemon = DaemonRequest(self.config, req, prefix + uuid.uuid4().hex, self._slots)
+        daemon = DaemonRequest(self.config, req, prefix + uuid.uuid4().hex, self._slots, client_label(request))
         daemon.start()
         model = await self._unless_gone(request, daemon, daemon.next())
         if model is _GONE:
@@ -596,8 +612,10 @@ def create_app(config: GatewayConfig, guard: GuardConfig | None = None) -> Starl
         *anthropic.AnthropicApi(gw).routes(),
         *ollama.OllamaApi(gw).routes(),
     ]
-    # The live dashboard (client/dashboard): GET / and its JSON route.
-    routes += Dashboard(config.paths, gw._authorize).routes()
+    # The live dashboard (client/dashboard): GET / and its JSON route; its lifespan samples
+    # the daemon's tokens made for the history it draws.
+    dashboard = Dashboard(config.paths, gw._authorize)
+    routes += dashboard.routes()
     handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
     middleware = [Middleware(GuardMiddleware, config=guard or GuardConfig())]
-    return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware)
+    return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware, lifespan=dashboard.lifespan)

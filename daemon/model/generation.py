@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from moestream.daemon.mapped.mapped_pool import MappedPool
     from moestream.daemon.model.batching import BatchSession
     from moestream.daemon.model.prompt_cache import PromptCache
+    from moestream.daemon.pool.resident_routing import ResidentRouting
 
 
 @dataclass(frozen=True)
@@ -103,12 +104,13 @@ def _add(bucket: dict[str, float], before: dict[str, float], after: dict[str, fl
         bucket[key] = bucket.get(key, 0) + value - before[key]
 
 
-def _ticked(steps: Iterator, placement: MappedPool) -> Iterator:
-    """Pass `steps` through, letting a mapped pool's placement account the forwards
-    queued for each token (`MappedPool.tick`) before the token is handed on, so that
-    its work counts for the step that caused it."""
+def _ticked(steps: Iterator, readback: MappedPool | ResidentRouting) -> Iterator:
+    """Pass `steps` through, letting the routing read-back of the fully resident pools
+    (a mapped pool's placement, or a full pool's counts) account the forwards queued for
+    each token (`tick`) before the token is handed on, so that its work counts for the
+    step that caused it."""
     for item in steps:
-        placement.tick()
+        readback.tick()
         yield item
 
 
@@ -433,8 +435,9 @@ def iter_generate(
             cache_use=use,
         )
     source = steps
-    if sm.mapped_pool is not None:
-        steps = _ticked(steps, sm.mapped_pool)
+    readback = sm.routing_readback()
+    if readback is not None:
+        steps = _ticked(steps, readback)
     for token, _ in _attributed(sm, steps, (prefill, decode), rec):
         if token is None:
             # A batched request's prompt between two pieces: the turn goes back to the
@@ -491,14 +494,14 @@ def iter_generate(
     # A request that broke off (a stop, a cancel) leaves the batch now, not when this
     # generator is collected.
     source.close()
-    if sm.mapped_pool is not None and (batch is None or params.speculative or not batch.decoding()):
+    if readback is not None and (batch is None or params.speculative or not batch.decoding()):
         # Account what is still pending (this request's last forwards, and those of
         # requests interleaved with it), so that its statistics and the heat include it.
-        # Not while others decode in the batch: that waits for the forward in flight and
-        # for the placement's moves, and every one of them would wait too; their own
+        # Not while others decode in the batch: that waits for the forward in flight (and
+        # for a placement's moves), and every one of them would wait too; their own
         # turns account the rest as it comes back.
         before = sm.counters()
-        sm.mapped_pool.settle()
+        readback.settle()
         _add(decode, before, sm.counters())
     decode_tokens = max(n - 1, 0)
     total = {k: prefill.get(k, 0) + decode.get(k, 0) for k in prefill.keys() | decode.keys()}

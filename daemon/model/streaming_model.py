@@ -36,6 +36,7 @@ from moestream.daemon.pool.admission import Admitter, DirectAdmitter, cuda_copie
 from moestream.daemon.pool.capacity import EXPERT_COUNT_KEYS, kv_reserve_tokens, plan_capacity, top_k_of_blocks
 from moestream.daemon.pool.expert_pool import ExpertPool, PoolCapacityError, PoolStats
 from moestream.daemon.pool.expert_reader import ExpertReader
+from moestream.daemon.pool.resident_routing import ResidentRouting
 from moestream.daemon.prefetch.predictor import make_prefetcher, next_layers, routers_of
 from moestream.daemon.store.layout import beside_experts
 from moestream.shared.settings import Settings, format_size
@@ -95,6 +96,9 @@ class StreamingModel:
     prefetcher: Any = None
     # The mapped pool (every expert in host memory, the hottest in GPU memory), else None.
     mapped_pool: MappedPool | None = None
+    # The routing counts of the fully resident pools of a model without a mapped pool,
+    # from the first `routing_readback()` on (daemon/pool/resident_routing.py).
+    resident_routing: ResidentRouting | None = field(default=None, init=False, repr=False)
     # The layer-major prefill (daemon/model/prefill.py), None where `prefill = chunk` or
     # the model's forward does not have the shape it drives (then `prefill_note` says why).
     layer_major: LayerMajorPrefill | None = None
@@ -138,6 +142,21 @@ class StreamingModel:
         self._draft_models.move_to_end(path)
         return model
 
+    def routing_readback(self) -> MappedPool | ResidentRouting | None:
+        """What reads the routing of the fully resident pools back once per token (its
+        `tick` after each token, `settle` at the end): the mapped pool's placement, else
+        the fully resident pools' counts, started on the first call (from then on their
+        forwards log ids, which only ticks consume: a caller that never ticks never
+        calls this). None where no pool is fully resident, or in an expert-parallel
+        group (its resident path counts nothing yet)."""
+        if self.mapped_pool is not None:
+            return self.mapped_pool
+        if self.resident_routing is None and self.share is None:
+            full = [p for p in self.pools if p.fully_resident]
+            if full:
+                self.resident_routing = ResidentRouting(full)
+        return self.resident_routing
+
     @property
     def pool_bytes(self) -> int:
         return sum(p.nbytes for p in self.pools)
@@ -171,6 +190,8 @@ class StreamingModel:
                 "capacity": p.capacity,
                 "pinned": len(p.pinned),
                 "hit_rate": d["hit_rate"],
+                # Routed (token, expert) pairs so far: the dashboard's routings per second.
+                "routed": p.stats.routed_total,
             }
             if self.mapped_pool is not None:
                 layer["on_gpu"] = len(self.mapped_pool.on_gpu[i])
@@ -194,6 +215,8 @@ class StreamingModel:
             self.admitter.settle()
             if self.prefetcher is not None:
                 self.prefetcher.drain()
+            if self.resident_routing is not None:
+                self.resident_routing.close()
             if self.mapped_pool is not None:
                 self.mapped_pool.close()  # raises what its worker failed with, if anything
         finally:
