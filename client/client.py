@@ -171,13 +171,14 @@ class Client:
         keep_alive: float | None = None,
         thinking: bool | None = None,
         top_k: int | None = None,
+        client: str | None = None,
     ) -> "GenerateStream":
         """Send a generate request now; iterate the result for `Token` events, then `Done`.
 
         Give one of `prompt` (text), `prompt_ids` (token ids) and `messages` (a chat of
         {"role", "content"} maps, rendered by the daemon with the model's chat template;
-        an assistant's may add `tool_calls` [{name, arguments}], a tool's `tool_call_id`
-        and `name`). `tools` (OpenAI's function schemas) go to the chat template;
+        an assistant's may add `tool_calls` [{name, arguments}] and its earlier
+        `reasoning`, a tool's `tool_call_id` and `name`). `tools` (OpenAI's function schemas) go to the chat template;
         `tool_choice` is "auto", "none", "required" or {"name": N}; the model's calls
         come as `ToolCall` events and in `Done.tool_calls`, never as `Token` text.
         `speculative` "mtp" or "draft" (with `draft_model`, a path on the daemon's
@@ -189,8 +190,10 @@ class Client:
         the daemon is idle after this request, in place of the daemon's setting.
         `thinking` turns the chat template's thinking switch on or off (None: its
         default); reasoning then comes as `Token`s with `reasoning` true. `top_k` keeps
-        the k likeliest tokens before sampling. The stream starts with `Accepted` (the
-        prompt's length) once the daemon has checked and queued the request.
+        the k likeliest tokens before sampling. A `max_tokens` that would pass the
+        daemon's context is lowered to what the prompt leaves. The stream starts with `Accepted` (the
+        prompt's length) once the daemon has checked and queued the request. `client`
+        names the sender in the daemon's `status` (default: this connection).
         """
         msg = proto.Generate(
             id=request_id or _new_id(),
@@ -212,6 +215,7 @@ class Client:
             keep_alive=None if keep_alive is None else float(keep_alive),
             thinking=thinking,
             top_k=top_k,
+            client=client,
         )
         try:
             data = proto.encode(msg)
@@ -220,6 +224,35 @@ class Client:
             raise RequestRejected(e.code, e.message, msg.id) from None
         self._send(data)
         return GenerateStream(self, msg.id)
+
+    def count_tokens(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_ids: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, str] | None = None,
+        thinking: bool | None = None,
+    ) -> int:
+        """The prompt's length in tokens, as `generate` with the same arguments would
+        render it (chat template, tools, thinking switch). The daemon answers from its
+        prompt-check thread: no forward runs, and a busy model does not delay it."""
+        msg = proto.CountTokens(
+            id=_new_id(),
+            prompt=prompt,
+            prompt_ids=tuple(prompt_ids) if prompt_ids is not None else None,
+            messages=_chat(messages),
+            tools=tuple(tools) if tools is not None else None,
+            tool_choice=dict(tool_choice) if isinstance(tool_choice, Mapping) else tool_choice,
+            thinking=thinking,
+        )
+        try:
+            proto.decode_request(proto.encode(msg))
+        except proto.ProtocolError as e:
+            raise RequestRejected(e.code, e.message, msg.id) from None
+        # An unloaded model loads first: wait on while the daemon answers pings.
+        return self._call(msg, proto.TokenCount, keep_waiting=True).prompt_tokens
 
     def complete(
         self, prompt: str | None = None, *, on_text: Callable[[str], None] | None = None, **kwargs: Any
@@ -237,6 +270,7 @@ class Client:
             "finish_reason": done.finish_reason,
             "stats": done.stats,
             "tool_calls": done.tool_calls,
+            "reasoning": done.reasoning,
         }
 
     def buffered(self) -> dict[str, int]:
@@ -417,6 +451,7 @@ def _chat(messages: Sequence[Mapping[str, Any]] | None) -> tuple[proto.ChatMessa
                 tool_calls=tuple(m["tool_calls"]) if m.get("tool_calls") is not None else None,
                 tool_call_id=m.get("tool_call_id"),
                 name=m.get("name"),
+                reasoning=m.get("reasoning"),
             )
             for m in messages
         )

@@ -19,6 +19,7 @@ without locking.
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import queue
 import threading
@@ -33,6 +34,7 @@ from moestream.daemon.heat import Heat
 from moestream.daemon.keep_alive import KeepAlive, trim_heap
 from moestream.daemon.limits import FileLimit
 from moestream.shared import protocol as proto
+from moestream.shared.request_info import RequestInfo
 from moestream.shared.settings import Settings, format_size
 
 if TYPE_CHECKING:
@@ -41,6 +43,8 @@ if TYPE_CHECKING:
 EXIT_FRAME = b"exit"
 SNAPSHOT_SECONDS = 0.1
 RECENT_REQUESTS = 32
+# Queued requests listed one by one in `status` (all of them are counted).
+LISTED_WAITING = 16
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,14 @@ class PeerGone:
 
     peer: bytes
     at: float
+
+
+@dataclass(frozen=True)
+class CountCmd:
+    """A count_tokens request that found no prompt checker (the model unloaded or loading)."""
+
+    peer: bytes
+    msg: proto.CountTokens
 
 
 @dataclass(frozen=True)
@@ -103,6 +115,8 @@ class Job:
     piece_times: deque = field(default_factory=lambda: deque(maxlen=64))
     # A request with tools: its answer's text split into text and parsed tool calls.
     tools: Any = None
+    # A chat with a thinking model: its text split into reasoning and answer (daemon/model/reasoning.py).
+    reasoning: Any = None
     # Why it has waited in the queue ("batch", "memory"), each counted once in `status`.
     waited: set[str] = field(default_factory=set)
 
@@ -159,11 +173,15 @@ class EngineLoop:
         # This process's heat (daemon/heat.py): rank 0's own experts' in a group.
         self._heat = Heat(settings, log, share)
         self._checker: Any = None
+        # A request's context, found at load (daemon/pool/capacity.py `ContextLimit`).
+        self._context: Any = None
         # The served manifest's stat when it was loaded: `status` compares it with the file's now.
         self._store_stamp: ManifestStamp | None = None
         # The served store's path, id and stamp, kept in `status` while the model is unloaded.
         self._identity: dict[str, Any] = {}
         self._pending: deque[Job] = deque()
+        # count_tokens requests waiting for a model to be loaded (daemon/prompt_check.py answers them).
+        self._counts: list[Any] = []
         self._active: deque[Job] = deque()
         # The job stepped last, at the end of `_active` until the next step: a job started
         # meanwhile goes before it (a long prompt's prefill yields after each piece, and a
@@ -198,6 +216,16 @@ class EngineLoop:
     def submit(self, peer: bytes, msg: proto.Generate) -> None:
         self._commands.put(Submit(peer, msg))
 
+    def count(self, peer: bytes, msg: proto.CountTokens) -> None:
+        """A count_tokens request: straight to the prompt checker's thread, which answers
+        it, never waiting on the engine; through the engine's queue only while there is no
+        checker (the model unloaded or loading), which then loads the model for it."""
+        from moestream.daemon.prompt_check import CountRequest
+
+        checker = self._checker  # one read: the engine thread may replace it meanwhile
+        if checker is None or not checker.count(CountRequest(peer, msg)):
+            self._commands.put(CountCmd(peer, msg))
+
     def cancel(self, peer: bytes, msg: proto.Cancel) -> None:
         self._commands.put(CancelCmd(peer, msg, time.monotonic()))
 
@@ -231,6 +259,8 @@ class EngineLoop:
             finally:
                 try:
                     self._close_model()
+                    # Counts the checker had not answered when it closed.
+                    self._fail_counts(proto.SHUTTING_DOWN, self.error or "the daemon is shutting down")
                 finally:
                     with self._send_lock:
                         self._events.send_multipart([b"", EXIT_FRAME])
@@ -294,7 +324,7 @@ class EngineLoop:
         except OSError:
             self._store_stamp = None  # the load says what is wrong
         try:
-            self._sm = load_streaming_model(s.model, s, max_tokens=s.max_context, share=self._share)
+            self._sm = load_streaming_model(s.model, s, max_tokens=None, share=self._share)
         except Exception as e:
             self.state, self.error = "failed", f"cannot load the model {s.model}: {e}"
             self.log.error(self.error)
@@ -310,20 +340,45 @@ class EngineLoop:
                     s.max_batch,
                 )
         self._start_prompt_cache()
+        tok = self._sm.tokenizer
         self._identity = {
             "model": str(self._sm.store_dir),
             "store_id": self._sm.manifest.store_id,
             "store_stamp": self._store_stamp,
+            # What the gateway's model listings say the model takes (images: not yet).
+            "capabilities": {
+                "chat": bool(tok.has_chat_template),
+                "tools": bool(tok.has_tool_calling),
+                "thinking": bool(tok.has_thinking),
+                "vision": False,
+            },
         }
 
         from moestream.daemon.prompt_check import PromptChecker
 
+        self._context = self._context_limit()
+        self.log.info(
+            "context: %d tokens per request (%s; KV %s per token, %s left for KV caches of %s)",
+            self._context.tokens,
+            self._context.bound,
+            format_size(self._context.kv_bytes_per_token),
+            "?" if self._context.kv_room_bytes is None else format_size(self._context.kv_room_bytes),
+            self._context.memory,
+        )
         self._checker = PromptChecker(
-            self._sm, s.max_context, lambda job: self._commands.put(CheckDone(job)), self.log, self._accepted
+            self._sm,
+            self._context.tokens,
+            lambda job: self._commands.put(CheckDone(job)),
+            self.log,
+            on_accepted=self._accepted,
+            events=(self._ctx, self._events_endpoint),
         )
         for job in self._pending:  # those that arrived while the model was unloaded
             if job.checked is None:
                 self._checker.submit(job)
+        counts, self._counts = self._counts, []
+        for request in counts:
+            self._checker.count(request)
         if "mapped_auto" in self._sm.admission_note:
             self.log.info("mapped pool (auto): %s", self._sm.admission_note["mapped_auto"])
         return True
@@ -355,7 +410,7 @@ class EngineLoop:
             self._drain(block=not self._active and not any(j.checked is not None for j in self._pending))
             if self._stopping:
                 return
-            if self._pending and self._sm is None:
+            if (self._pending or self._counts) and self._sm is None:
                 self._reload()
             self._activate_pending()
             if self._active:
@@ -382,6 +437,8 @@ class EngineLoop:
                 self._on_submit(cmd)
             elif isinstance(cmd, CancelCmd):
                 self._on_cancel(cmd)
+            elif isinstance(cmd, CountCmd):
+                self._on_count(cmd)
             elif isinstance(cmd, PeerGone):
                 for job in [j for j in self._jobs.values() if j.peer == cmd.peer]:
                     self._request_stop(job, "disconnected", cmd.at)
@@ -416,6 +473,13 @@ class EngineLoop:
         if self._checker is not None:  # else the next load checks it
             self._checker.submit(job)
 
+    def _on_count(self, cmd: CountCmd) -> None:
+        from moestream.daemon.prompt_check import CountRequest
+
+        request = CountRequest(cmd.peer, cmd.msg)
+        if self._checker is None or not self._checker.count(request):
+            self._counts.append(request)  # the next load serves it
+
     def _on_cancel(self, cmd: CancelCmd) -> None:
         job = self._jobs.get((cmd.peer, cmd.msg.target))
         self._send(cmd.peer, proto.Cancelled(cmd.msg.id, cmd.msg.target, job is not None))
@@ -439,6 +503,7 @@ class EngineLoop:
         with the fewest active requests first. A request that would not fit the batch, or
         whose KV cache would pass the memory budget, waits in the queue (`status` says why)."""
         from moestream.daemon.model.generation import GenerationResult, SamplingParams
+        from moestream.daemon.model.reasoning import reasoning_splitter
         from moestream.daemon.model.tool_calls import splitter_for
 
         while len(self._active) < self.settings.max_active:
@@ -459,10 +524,12 @@ class EngineLoop:
             self._pending.remove(job)
             job.prompt_ids = checked.ids
             job.tools = splitter_for(self._sm.tokenizer, msg.tools, msg.tool_choice)
+            job.reasoning = reasoning_splitter(self._sm.tokenizer, checked.opens_thinking)
             params = SamplingParams(
-                max_tokens=msg.max_tokens,
+                max_tokens=checked.max_tokens,
                 temp=msg.temp,
                 top_p=msg.top_p,
+                top_k=msg.top_k or 0,
                 seed=msg.seed,
                 stop=msg.stop,
                 speculative=msg.speculative,
@@ -496,14 +563,27 @@ class EngineLoop:
         prompt cache's bound leave;
         the pool was sized to leave at least one `max_context` cache), or None without
         a budget."""
-        from moestream.daemon.pool.capacity import overflow_reserve_bytes
-
         budget, sm = self.settings.memory_budget, self._sm
         if budget is None or sm is None:
             return None
-        partial = any(not p.fully_resident for p in sm.pools)
-        reserve = overflow_reserve_bytes(sm.manifest, sm.capacity) if partial else 0
-        return budget - sm.resident_bytes - sm.pool_bytes - reserve - self.settings.prompt_cache_bytes
+        return budget - self._memory_held()
+
+    def _memory_held(self) -> int:
+        from moestream.daemon.pool.capacity import memory_held
+
+        sm = self._sm
+        return memory_held(sm.manifest, sm.resident_bytes, sm.pool_bytes, sm.capacity, self.settings.prompt_cache_bytes)
+
+    def _context_limit(self) -> Any:
+        """A request's context (daemon/pool/capacity.py `context_limit`): `max_context`,
+        else the model's own, at most what the memory budget (else the device's memory)
+        leaves for KV caches."""
+        from moestream.daemon.pool.capacity import context_limit, device_memory
+
+        s = self.settings
+        return context_limit(
+            self._sm.manifest.config, s.max_context, s.memory_budget, device_memory(), self._memory_held()
+        )
 
     def _kv_full(self, job: Job) -> str | None:
         """Why `job` (its prompt checked) cannot start beside the active requests: their
@@ -513,7 +593,7 @@ class EngineLoop:
             from moestream.daemon.pool.capacity import kv_cache_bytes
 
             # Kept on the job: once it runs, the next request's check counts it.
-            job.kv_bytes = kv_cache_bytes(self._sm.manifest.config, len(job.checked.ids) + job.msg.max_tokens)
+            job.kv_bytes = kv_cache_bytes(self._sm.manifest.config, len(job.checked.ids) + job.checked.max_tokens)
         allowance = self._kv_allowance()
         if allowance is None or not self._active:
             return None
@@ -567,13 +647,14 @@ class EngineLoop:
         """Called between prefill pieces, inside the request's step: `status` and a client
         that asked for progress see how far a long prompt has come."""
         job.piece_times.append(time.monotonic())
+        started = job.prefill is None  # its first call: from 0, or from a cached prefix
         job.prefill = (done, total) if done < total else None
         if job.msg.progress:
             self._send(job.peer, proto.Progress(job.msg.id, done, total))
         # A snapshot at each of a prefill's layers cost about 1.8 ms each on the H200
         # (a 48-layer model: 0.09 s a prompt, a third of a cached chat turn): between
         # its start and end the prefill's progress is published at the usual rate.
-        self._publish(force=job.prefill is None or done == 0)
+        self._publish(force=started or job.prefill is None)
 
     def _step(self, job: Job) -> bool:
         """Advance one request by one step; False once it has ended."""
@@ -598,13 +679,24 @@ class EngineLoop:
         if token is None:
             return True  # a piece of its prompt, prefilled between the batch's steps
         job.token_times.append(time.monotonic())
-        if job.tools is not None:
-            # Every token still gets its event (empty while a call's text is held), so a
-            # client's cancel is answered within a token as it is without tools.
-            segment, calls = job.tools.feed(segment)
-            self._send_calls(job, calls)
-        self._send(job.peer, proto.Token(job.msg.id, segment, token))
+        self._emit(job, segment, token)
         return True
+
+    def _emit(self, job: Job, segment: str, token: int) -> None:
+        """A step's text as token events: reasoning apart from the answer, and the answer's
+        tool calls parsed out. Every token still gets an event (empty while a marker's or
+        a call's text is held), so a client's cancel is answered within a token."""
+        pieces = job.reasoning.feed(segment) if job.reasoning is not None else [(False, segment)]
+        sent = False
+        for thinking, text in pieces:
+            if not thinking and job.tools is not None:
+                text, calls = job.tools.feed(text)
+                self._send_calls(job, calls)
+            if text:
+                self._send(job.peer, proto.Token(job.msg.id, text, token, True if thinking else None))
+                sent = True
+        if not sent:
+            self._send(job.peer, proto.Token(job.msg.id, "", token))
 
     def _send_calls(self, job: Job, calls: list[dict[str, str]]) -> None:
         first = len(job.tools.calls) - len(calls)
@@ -635,6 +727,12 @@ class EngineLoop:
         if job.stop_reason is not None:
             stats["prefill_pieces_after_stop"] = job.pieces_after_stop()
         calls: list[dict[str, str]] = []
+        reasoning = ""
+        if job.reasoning is not None:
+            # As for tool calls below: the rest the generator kept back, then held text.
+            job.reasoning.feed(text[job.reasoning.fed :])
+            job.reasoning.finish()
+            text, reasoning = job.reasoning.answer_text, job.reasoning.reasoning_text
         if job.tools is not None:
             # What the generator kept back (a possible stop string when the answer ended)
             # is the rest of the text; then held text and a call left open.
@@ -653,7 +751,7 @@ class EngineLoop:
         # Publish first, so a client that asks for status on its done event sees this request.
         self._publish(force=True)
         if reason != "disconnected":
-            self._send(job.peer, proto.Done(job.msg.id, text, tokens, reason, stats, calls))
+            self._send(job.peer, proto.Done(job.msg.id, text, tokens, reason, stats, calls, reasoning))
         self._heat.push(self._sm)
         self._log_prefetch_decision()
 
@@ -697,15 +795,22 @@ class EngineLoop:
         """Answer the commands nobody will serve now (sent while loading or stopping)."""
         why = self.error or "the daemon is shutting down"
         code = proto.ENGINE if self.state == "failed" else proto.SHUTTING_DOWN
+        self._fail_counts(code, why)
         while True:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(cmd, Submit):
+            if isinstance(cmd, (Submit, CountCmd)):
                 self._send(cmd.peer, proto.Error(cmd.msg.id, code, why))
             elif isinstance(cmd, CancelCmd):
                 self._send(cmd.peer, proto.Cancelled(cmd.msg.id, cmd.msg.target, False))
+
+    def _fail_counts(self, code: str, why: str) -> None:
+        """Answer the count_tokens requests waiting for a model that will not come."""
+        counts, self._counts = self._counts, []
+        for request in counts:
+            self._send(request.peer, proto.Error(request.msg.id, code, why))
 
     def _send(self, peer: bytes, message: proto.Reply) -> None:
         data = proto.encode(message)
@@ -769,7 +874,9 @@ class EngineLoop:
         self._prompt_cache = self._batch = self._sm = self._checker = None
         try:
             if checker is not None:
-                checker.close()  # its thread holds the model (the tokenizer, the store)
+                # Its thread holds the model (the tokenizer, the store); the counts it had
+                # not answered wait for the next load.
+                self._counts += checker.close()
             if prompt_cache is not None:
                 prompt_cache.close()  # what it keeps on disk stays, for the next load
             if batch is not None:
@@ -791,6 +898,7 @@ class EngineLoop:
             for job in list(self._pending):
                 self._pending.remove(job)
                 self._fail(job, proto.ENGINE, why)
+            self._fail_counts(proto.ENGINE, why)
             return
         self.error = None
         self._load_progress(1, steps)
@@ -820,6 +928,8 @@ class EngineLoop:
             "requests": {
                 "active": [self._job_info(j, now) for j in self._active],
                 "queued": len(self._pending),
+                # The first of them, for `status`'s list of requests.
+                "waiting": [self._job_info(j, now) for j in itertools.islice(self._pending, LISTED_WAITING)],
                 "why_queued": self._why_queued(),
                 "clients": len({j.peer for j in self._jobs.values()}),
                 "recent": list(self._recent),
@@ -842,6 +952,7 @@ class EngineLoop:
                     "model": str(sm.store_dir),
                     "store_id": sm.manifest.store_id,
                     "store_stamp": self._store_stamp,
+                    "capabilities": self._identity.get("capabilities"),
                     "capacity": sm.capacity,
                     "policy": self.settings.policy,
                     "moe_layers": len(sm.pools),
@@ -863,6 +974,7 @@ class EngineLoop:
                     "mlx_peak_bytes": mx.get_peak_memory(),
                     "mlx_cache_bytes": mx.get_cache_memory(),
                     "kv_bytes": self._kv_bytes(),
+                    "context": self._context.to_dict() if self._context is not None else None,
                 }
             )
             if self._share is not None:
@@ -902,14 +1014,25 @@ class EngineLoop:
 
     @staticmethod
     def _job_info(job: Job, now: float) -> dict[str, Any]:
-        return {
-            "id": job.msg.id,
-            "tokens": len(job.result.tokens) if job.result is not None else 0,
-            "max_tokens": job.msg.max_tokens,
-            "prompt_tokens": len(job.prompt_ids),
-            "prefilled_tokens": job.prefill[0] if job.prefill is not None else None,
-            "seconds": now - job.received,
-        }
+        """The job as `status` lists it (shared/request_info.py)."""
+        tokens = len(job.result.tokens) if job.result is not None else 0
+        if job.prompt_ids:
+            prompt: int | None = len(job.prompt_ids)
+        else:  # still queued: its prompt's length once checked
+            ids = job.checked.ids if job.checked is not None else None
+            prompt = len(ids) if ids is not None else None
+        phase = "queued" if job.started is None else "decode" if tokens or job.token_times else "prefill"
+        return RequestInfo(
+            id=job.msg.id,
+            client=job.msg.client or job.peer.hex(),
+            phase=phase,
+            prompt_tokens=prompt,
+            prefilled_tokens=job.prefill[0] if job.prefill is not None else None,
+            prefill_total=job.prefill[1] if job.prefill is not None else None,
+            tokens=tokens,
+            max_tokens=job.checked.max_tokens if job.checked is not None else job.msg.max_tokens,
+            seconds=now - job.received,
+        ).to_dict()
 
     # ---- heat ------------------------------------------------------------------------
 

@@ -45,7 +45,7 @@ def serve_share(settings: Settings, share: ExpertShare, log: logging.Logger, *, 
     if settings.model is None:
         log.error("rank %d: no model: give --model STORE", share.rank)
         return 2
-    sm = load_streaming_model(settings.model, settings, max_tokens=settings.max_context, share=share)
+    sm = load_streaming_model(settings.model, settings, max_tokens=None, share=share)
     heat = Heat(settings, log, share) if keep_heat else None
     layers = {m.ordinal: m for _, m in sm.model.named_modules() if isinstance(m, StreamingMoE)}
     log.info(

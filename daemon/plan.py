@@ -57,9 +57,14 @@ from typing import Any, Callable, Mapping
 
 from moestream.daemon.pool.capacity import (
     EXPERT_COUNT_KEYS,
+    ContextLimit,
+    context_limit,
+    device_memory,
     kv_cache_bytes,
+    kv_reserve_tokens,
     layer_count,
     layer_count_key,
+    memory_held,
     plan_capacity,
     top_k_of,
 )
@@ -313,17 +318,15 @@ def _time_synced(model: Any, vocab: int, steps: int) -> float:
     from moestream.daemon.model.prefill import UnsupportedModel, decoder_of
 
     try:
-        decoder = decoder_of(model)
+        decoder, key = decoder_of(model)
     except UnsupportedModel:
-        decoder = None
-    held = decoder["layers"] if decoder is not None else None
-    if decoder is not None:
-        decoder["layers"] = [_Waited(layer) for layer in held]
+        return _time_model(model, vocab, 8, steps, 1)[0]
+    held = decoder[key]
+    decoder[key] = [_Waited(layer) for layer in held]
     try:
         return _time_model(model, vocab, 8, steps, 1)[0]
     finally:
-        if decoder is not None:
-            decoder["layers"] = held
+        decoder[key] = held
 
 
 # The probe's two models: PROBE_MIN_LAYERS layers and at most PROBE_MAX_LAYERS (the
@@ -344,7 +347,13 @@ def probe_layer_counts(total: int) -> tuple[int, int]:
 
 
 def probe_compute(
-    manifest: Manifest, dtype: str, *, steps: int = 12, prompt_tokens: int = 48, repeats: int = 3
+    manifest: Manifest,
+    dtype: str,
+    *,
+    steps: int = 12,
+    prompt_tokens: int = 48,
+    repeats: int = 3,
+    progress: Callable[[str], None] | None = None,
 ) -> ComputeProbe:
     """Time random-weight models of the store's architecture in `dtype` with the layers
     of `probe_layer_counts` (and at most PROBE_MAX_EXPERTS experts a layer), in turns (a
@@ -360,7 +369,9 @@ def probe_compute(
         _time_model(model, vocab, 8, 2, 1)
     times: list[list[tuple[float, float]]] = [[] for _ in models]
     waited: list[list[float]] = [[] for _ in models]
-    for _ in range(repeats):
+    for r in range(repeats):
+        if progress is not None:
+            progress(f"  compute: round {r + 1} of {repeats}")
         for model, got, w in zip(models, times, waited):
             got.append(_time_model(model, vocab, prompt_tokens, steps, 1))
             w.append(_time_synced(model, vocab, steps))
@@ -555,6 +566,8 @@ class Plan:
     # An LRU pool's hit rate (mean over layers) at these shares of each layer's experts,
     # from the stack distances (`hit_curve`); empty without them.
     hit_curve: dict[float, float] = field(default_factory=dict)
+    # A request's context and the memory left for KV caches (the daemon's `status` says the same).
+    context: ContextLimit | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -575,6 +588,10 @@ class Plan:
         return out
 
 
+def _duration(seconds: float) -> str:
+    return f"{1e3 * seconds:.2f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
 def _bound(terms: Mapping[str, float]) -> str:
     return max(("compute", "disk", "link"), key=lambda k: terms.get(k, 0.0))
 
@@ -587,8 +604,9 @@ def _pool_slots(store: Path, manifest: Manifest, settings: Settings) -> tuple[in
         capacity=settings.capacity,
         memory_budget=settings.memory_budget,
         resident_bytes=resident,
-        max_tokens=settings.max_context,
+        max_tokens=kv_reserve_tokens(manifest.config, settings.max_context),
         top_k=top_k_of(manifest.config),
+        prompt_cache_bytes=settings.prompt_cache_bytes,
     )
     return resident, slots
 
@@ -606,8 +624,11 @@ def make_plan(
     pool: PoolProbe | None = None,
     reuse: Mapping[int, Mapping[int, int]] | None = None,
     reuse_source: str = "",
+    memory: tuple[int, str] | None = None,
 ) -> Plan:
-    """The plan's arithmetic (see the module docstring): no probe, no MLX. `mapped`: the
+    """The plan's arithmetic (see the module docstring): no probe, no MLX. `memory`: the
+    device's (`device_memory`), which bounds the context where there is no memory budget
+    (None: unknown, so only the model's own does). `mapped`: the
     pool is a mapped one (`daemon/model/streaming_model.py` `choose_mapped`): every
     expert sits in host memory, so no miss comes from disk, and its decode reads the
     routing back once per token, not once per layer (no sync term). `pool`: the pool
@@ -688,6 +709,13 @@ def make_plan(
         mapped=mapped,
         pool_probe=pool if partial else None,
         hit_curve=hit_curve(manifest, reuse) if reuse else {},
+        context=context_limit(
+            manifest.config,
+            settings.max_context,
+            settings.memory_budget,
+            memory,
+            memory_held(manifest, resident, pool_bytes, slots, settings.prompt_cache_bytes),
+        ),
     )
 
 
@@ -762,7 +790,7 @@ def plan_store(
     compute = None if probe else load_compute(state, manifest.store_id)
     if compute is None:
         say("probing compute: random-weight models of the store's architecture")
-        compute = probe_compute(manifest, dtype)
+        compute = probe_compute(manifest, dtype, progress=say)
         save_compute(state, manifest.store_id, compute)
     mapped = _would_map(store, settings, manifest)
     key = (_pool_share(store, manifest, settings), mapped)
@@ -785,6 +813,7 @@ def plan_store(
         pool=pool,
         reuse=reuse,
         reuse_source=reuse_source,
+        memory=device_memory(),
     )
 
 
@@ -813,13 +842,19 @@ def _would_map(store: Path, settings: Settings, manifest: Manifest) -> bool:
     return choose_mapped(manifest, slots, settings, psutil.virtual_memory().available, cuda_why_not)[0]
 
 
+def _context_text(c: ContextLimit) -> str:
+    own = f"the model's {c.model_tokens}" if c.model_tokens else "the model names none"
+    room = f"; {format_size(c.kv_room_bytes)} of {c.memory} left for KV caches" if c.kv_room_bytes is not None else ""
+    return f"{c.tokens} tokens per request, bound by {c.bound} ({own}{room})"
+
+
 def format_plan(p: Plan) -> str:
     d, t = p.decode, p.ttft
     bw = p.bandwidths
     layers = ", ".join(f"{h:.0%}" for h in p.hits.pool_hit)
 
     def terms(f: Forecast) -> str:
-        return ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in f.terms_s.items() if v)
+        return ", ".join(f"{k} {_duration(v)}" for k, v in f.terms_s.items() if v)
 
     return "\n".join(
         [
@@ -829,6 +864,9 @@ def format_plan(p: Plan) -> str:
             f"  pool       {p.slots_per_layer} slots per layer, {format_size(p.pool_bytes)}"
             + (f"; host tier {format_size(p.host_cache_bytes)}" if p.host_cache_bytes else ""),
             f"  KV cache   {format_size(p.kv_bytes_per_1k_tokens)} per 1k tokens of context",
+        ]
+        + ([f"  context    {_context_text(p.context)}"] if p.context is not None else [])
+        + [
             f"  hit rate   {p.hit_rate:.1%} expected in the pool (per layer {layers}); from {p.hits.source}",
         ]
         + (

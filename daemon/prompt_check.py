@@ -1,5 +1,8 @@
 """Prompt checks off the engine thread: tokenizing a request's prompt (or rendering its
-chat) and checking it against `max_context`.
+chat) and checking it against the context (`max_context`, or the model's own bounded by
+memory: daemon/pool/capacity.py `context_limit`): a prompt that fills it is refused, a
+`max_tokens` past it is cut to the room left, so the answer ends there with finish reason
+"length" (an agent asks for 32000 tokens beside a 30k-token prompt).
 
 A 256K-character prompt takes a tenth of a second to a second to tokenize; on the
 engine thread, one client queueing hundreds of prompts that are then refused as too
@@ -14,6 +17,11 @@ whole (one assignment of a finished `Checked`), before `on_done(job)` wakes the 
 the engine activates or fails the job only once it sees it set. A prompt that passed is
 announced by `on_accepted(job)` first (the engine sends the request's `accepted` event
 from here, so that it leaves while the engine is busy with another request's prefill).
+
+`count_tokens` requests (`CountRequest`) never reach the engine: the I/O thread hands
+them here (`count`), and this thread answers them itself on a PUSH socket of its own to
+the I/O thread's inproc endpoint, so that a count is answered in milliseconds while the
+engine is inside a long prefill.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import zmq
+
 from moestream.shared import protocol as proto
 
 # Added to the daemon's niceness for the checking thread (Linux: per thread).
@@ -36,16 +46,30 @@ CHECK_NICENESS = 10
 
 @dataclass(frozen=True)
 class Checked:
-    """The outcome of one prompt's check: its token ids, or the error to reply with."""
+    """The outcome of one prompt's check: its token ids and the tokens it may make (its
+    max_tokens, cut to the context's room), or the error to reply with."""
 
     ids: list[int] | None = None
+    max_tokens: int = 0
     code: str = ""
     message: str = ""
     seconds: float = 0.0
+    # A chat's answer starts inside a thinking block (daemon/model/reasoning.py); None: not
+    # a chat, or a model without thinking markers.
+    opens_thinking: bool | None = None
+
+
+@dataclass(frozen=True)
+class CountRequest:
+    """A `count_tokens` request from the client `peer`: answered by this thread."""
+
+    peer: bytes
+    msg: proto.CountTokens
 
 
 class PromptChecker:
-    """One worker thread that checks the prompts of queued jobs, fairly by client."""
+    """One worker thread that checks the prompts of queued jobs, fairly by client, and
+    answers `count_tokens` requests (on `events`: the I/O thread's inproc endpoint)."""
 
     def __init__(
         self,
@@ -54,12 +78,15 @@ class PromptChecker:
         on_done: Callable[[Any], None],
         log: logging.Logger | None = None,
         on_accepted: Callable[[Any], None] | None = None,
+        *,
+        events: tuple[zmq.Context, str] | None = None,
     ) -> None:
         self._sm = sm
         self._log = log
         self._max_context = max_context
         self._on_done = on_done
         self._on_accepted = on_accepted
+        self._events = events
         self._cond = threading.Condition()
         self._waiting: deque[Any] = deque()
         self._done_by_peer: defaultdict[bytes, int] = defaultdict(int)
@@ -76,12 +103,26 @@ class PromptChecker:
             self._waiting.append(job)
             self._cond.notify()
 
-    def close(self) -> None:
+    def count(self, request: CountRequest) -> bool:
+        """Queue a count (from any thread); False when this checker is closed or has no
+        socket to answer on: the caller finds it another way."""
+        with self._cond:
+            if self._closed or self._events is None:
+                return False
+            self._waiting.append(request)
+            self._cond.notify()
+        return True
+
+    def close(self) -> list[CountRequest]:
+        """Stop the thread; the counts it had not answered are returned, to be served by
+        the next checker."""
         with self._cond:
             self._closed = True
+            counts = [r for r in self._waiting if isinstance(r, CountRequest)]
             self._waiting.clear()
             self._cond.notify()
         self._thread.join(timeout=10.0)
+        return counts
 
     def _next(self) -> Any | None:
         with self._cond:
@@ -104,32 +145,67 @@ class PromptChecker:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), CHECK_NICENESS)
             except OSError as e:
                 self._log_warning(f"cannot lower the prompt check's priority: {e}")
-        while (job := self._next()) is not None:
-            if job.stop_reason is None:  # a job stopped meanwhile needs no check
-                job.checked = self.check(job.msg)
-                if job.checked.ids is not None and self._on_accepted is not None:
-                    self._on_accepted(job)
-            self._on_done(job)
+        sock = None
+        if self._events is not None:
+            ctx, endpoint = self._events
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)  # as the engine's: never blocks, bounded by the requests
+            sock.connect(endpoint)
+        try:
+            while (job := self._next()) is not None:
+                if isinstance(job, CountRequest):
+                    sock.send_multipart([job.peer, proto.encode(self.count_reply(job.msg))], copy=False)
+                    continue
+                if job.stop_reason is None:  # a job stopped meanwhile needs no check
+                    job.checked = self.check(job.msg)
+                    if job.checked.ids is not None and self._on_accepted is not None:
+                        self._on_accepted(job)
+                self._on_done(job)
+        finally:
+            if sock is not None:
+                sock.close(linger=0)
+
+    def _encode(self, msg: proto.Generate | proto.CountTokens) -> list[int]:
+        from moestream.daemon.model.generation import encode_prompt
+
+        return encode_prompt(
+            self._sm, msg.prompt, msg.prompt_ids, msg.messages, msg.tools, msg.tool_choice, msg.thinking
+        )
+
+    def count_reply(self, msg: proto.CountTokens) -> proto.TokenCount | proto.Error:
+        try:
+            return proto.TokenCount(msg.id, len(self._encode(msg)))
+        except ValueError as e:
+            return proto.Error(msg.id, proto.BAD_MESSAGE, str(e))
+        except Exception as e:  # this count fails with the reason; the thread serves on
+            if self._log is not None:
+                self._log.exception("count_tokens %s failed", msg.id)
+            return proto.Error(msg.id, proto.INTERNAL, f"{type(e).__name__}: {e}")
 
     def check(self, msg: proto.Generate) -> Checked:
-        from moestream.daemon.model.generation import encode_prompt
+        from moestream.daemon.model.reasoning import opens_thinking
 
         tic = time.perf_counter()
         problem = self._speculative_problem(msg)
         if problem:
             return Checked(code=proto.BAD_MESSAGE, message=problem)
         try:
-            ids = encode_prompt(self._sm, msg.prompt, msg.prompt_ids, msg.messages, msg.tools, msg.tool_choice)
+            ids = self._encode(msg)
         except ValueError as e:
             return Checked(code=proto.BAD_MESSAGE, message=str(e), seconds=time.perf_counter() - tic)
-        if len(ids) + msg.max_tokens > self._max_context:
+        if len(ids) >= self._max_context:
             return Checked(
                 code=proto.TOO_LONG,
-                message=f"prompt of {len(ids)} tokens + max_tokens {msg.max_tokens} is over the daemon's "
-                f"context of {self._max_context} tokens (setting max_context)",
+                message=f"prompt of {len(ids)} tokens leaves no room in the daemon's context of "
+                f"{self._max_context} tokens (setting max_context; `moestreamctl status` says how it was found)",
                 seconds=time.perf_counter() - tic,
             )
-        return Checked(ids=ids, seconds=time.perf_counter() - tic)
+        room = self._max_context - len(ids)
+        opens = opens_thinking(self._sm.tokenizer, ids) if msg.messages is not None else None
+        return Checked(
+            ids=ids, max_tokens=min(msg.max_tokens, room), seconds=time.perf_counter() - tic, opens_thinking=opens
+        )
 
     def _speculative_problem(self, msg: proto.Generate) -> str:
         """What makes the request's speculative decoding impossible here (only file checks)."""

@@ -330,11 +330,13 @@ class Server:
             self.log.info("shutdown asked by client %s", peer.hex())
             self._reply(router, peer, proto.ShutdownReply(msg.id, os.getpid()))
             self._stop_requested = True
-        elif isinstance(msg, proto.Generate):
+        elif isinstance(msg, (proto.Generate, proto.CountTokens)):
             if self._stop_requested:
                 self._reply(router, peer, proto.Error(msg.id, proto.SHUTTING_DOWN, "the daemon is shutting down"))
-            else:
+            elif isinstance(msg, proto.Generate):
                 engine.submit(peer, msg)
+            else:
+                engine.count(peer, msg)
         elif isinstance(msg, proto.Cancel):
             engine.cancel(peer, msg)
 
@@ -403,6 +405,8 @@ class Server:
             "model": snap.get("model", s.model),
             "store_id": snap.get("store_id"),
             "store_problem": problem,
+            # chat, tools, thinking, vision: what the model takes (None before its first load).
+            "capabilities": snap.get("capabilities"),
             "capacity": snap.get("capacity"),
             "policy": snap.get("policy", s.policy),
             "moe_layers": snap.get("moe_layers"),
@@ -431,6 +435,9 @@ class Server:
                     "staged_bytes": pool.get("staged_bytes", 0),
                 },
             },
+            # A request's context (prompt + generated) and how it was found: max_context,
+            # or the model's own at most what the memory left for KV caches holds.
+            "context": snap.get("context"),
             # Continuous batching: its size now and its totals (None: max_batch 1).
             "batch": snap.get("batch"),
             "prompt_cache": snap.get("prompt_cache"),
@@ -455,7 +462,10 @@ class Server:
                 "queued": requests.get("queued", 0),
                 # Why the first queued request waits (max_active, or a full batch).
                 "why_queued": requests.get("why_queued"),
+                # Each as shared/request_info.py `RequestInfo` has it: the active requests,
+                # and the first LISTED_WAITING queued ones.
                 "running": requests.get("active", []),
+                "waiting": requests.get("waiting", []),
                 "recent": requests.get("recent", []),
                 **{
                     k: requests[k]
@@ -497,7 +507,7 @@ class Server:
             "reader": snap.get("reader", {}),
             "prefetch": snap.get("prefetch"),
             "diagnostics": snap.get("diagnostics"),
-            "requests": {k: v for k, v in snap.get("requests", {}).items() if k not in ("active", "recent")},
+            "requests": {k: v for k, v in snap.get("requests", {}).items() if k not in ("active", "waiting", "recent")},
             "snapshot_age_s": time.monotonic() - snap.get("at", time.monotonic()),
         }
 

@@ -39,6 +39,7 @@ from typing import Callable, Iterator, Mapping
 
 from moestream.shared.durable import fsync_dir, sync_fd
 from moestream.shared.file_lock import lock_exclusive
+from moestream.shared.small_file import NotARegularFile, read_small_file
 from moestream.shared.store_format import POOL_USAGE_NAME
 
 # Ids above this are not a model's layers or experts: such a file is corrupt.
@@ -167,23 +168,9 @@ def _heat_bytes(path: Path) -> bytes:
     FIFO, a device or a file over MAX_HEAT_BYTES (none of them read); OSError where the
     OS refuses."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise NotAHeatFile("a symbolic link, not a file") from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise NotAHeatFile("not a regular file")
-        if st.st_size > MAX_HEAT_BYTES:
-            raise NotAHeatFile(f"{st.st_size} bytes, over the limit of {MAX_HEAT_BYTES}")
-        raw = _read_at_most(fd, MAX_HEAT_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(raw) > MAX_HEAT_BYTES:
-        raise NotAHeatFile(f"over the limit of {MAX_HEAT_BYTES} bytes")
-    return raw
+        return read_small_file(path, MAX_HEAT_BYTES)
+    except NotARegularFile as e:
+        raise NotAHeatFile(str(e)) from None
 
 
 def peek_usage(path: Path | str) -> UsageCounts:
@@ -222,17 +209,6 @@ def read_usage(path: Path | str, shape: Mapping[int, int] | None = None) -> Usag
     except ValueError as e:
         return _set_aside(path, raw, str(e))
     return UsageLoad(path, counts)
-
-
-def _read_at_most(fd: int, limit: int) -> bytes:
-    chunks, size = [], 0
-    while size < limit:
-        chunk = os.read(fd, min(1 << 20, limit - size))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    return b"".join(chunks)
 
 
 def check_shape(counts: UsageCounts, shape: Mapping[int, int]) -> None:

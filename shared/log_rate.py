@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import time
 
+NOTE_LOGGER = "moestream.log_rate"
+
 
 class RateLimitFilter(logging.Filter):
     """At most `lines` records per logger name per `window` seconds; the first record of
@@ -24,8 +26,10 @@ class RateLimitFilter(logging.Filter):
         if now - start >= self.window:
             self._windows[record.name] = (now, 0)
             if count > self.lines:
-                logging.getLogger(record.name).warning(
-                    "%d lines of this log left out in %.0f s", count - self.lines, now - start
+                # Its own logger: a handler's formatter may expect its own records' arguments
+                # (uvicorn's access lines have five), which this line does not have.
+                logging.getLogger(NOTE_LOGGER).warning(
+                    "%d lines of %s's log left out in %.0f s", count - self.lines, record.name, now - start
                 )
             start, count = self._windows[record.name]
         count += 1

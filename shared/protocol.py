@@ -7,8 +7,9 @@ Every message is one ZeroMQ frame holding a msgpack map with `v` (PROTOCOL_VERSI
   generate  prompt | prompt_ids | messages, max_tokens, temp, top_p, seed, stop,
             (temp below MIN_TEMP, or top_p below MIN_TOP_P: greedy, the limit they tend to)
             [tools, tool_choice, speculative, draft_tokens, draft_model, diagnostics, progress, keep_alive,
-             thinking, top_k]
+             thinking, top_k, client]
                                                         -> accepted, progress*, (token | tool_call)*, done
+  count_tokens  prompt | prompt_ids | messages, [tools, tool_choice, thinking]  -> token_count
   cancel    target (the id of one of this client's generate requests)  -> cancelled
   status / stats / ping / shutdown                                     -> status / stats / pong / shutdown
 
@@ -16,8 +17,9 @@ Any request may instead get `error` {code, message}. Limits: a message is at mos
 MAX_MESSAGE_BYTES; a text prompt at most MAX_PROMPT_CHARS characters, a token prompt at
 most MAX_PROMPT_IDS ids, a chat (`messages`: a list of {role, content} maps that the
 daemon renders with the model's chat template) at most MAX_MESSAGES messages and
-MAX_PROMPT_CHARS characters of content in all (the daemon also refuses prompt +
-max_tokens over its context). `messages` is left out of the encoding when it is None, so
+MAX_PROMPT_CHARS characters of content in all (the daemon also refuses a prompt that
+fills its context, and cuts a max_tokens past it to the room left: the request then ends
+with finish_reason "length"). `messages` is left out of the encoding when it is None, so
 a daemon that predates it still reads every other generate request. `progress` events
 (prompt tokens processed so far, of how many) come only to a request that asks for them
 with `progress: true`, so a client that predates them never sees one; a request that
@@ -34,7 +36,16 @@ turns the chat template's thinking switch on or off where the model has one (Non
 template's default); a thinking model's
 reasoning comes as `token` events with `reasoning` true, and `done` holds it apart from
 the answer's `text` in `reasoning`. `top_k` (None or 0: off) keeps only the k likeliest
-tokens before sampling.
+tokens before sampling. A max_tokens past the daemon's context is lowered to what the
+prompt leaves (the answer then ends "length": Anthropic's clients ask for 32000 whatever
+the model); a prompt that leaves no room at all is refused as too long. An assistant's chat message
+may carry its earlier `reasoning`, which the template renders where it renders
+reasoning (its `reasoning_content`).
+`count_tokens` renders and tokenizes a prompt as `generate` would (its thinking switch,
+tools) and answers with its length in tokens, from the daemon's prompt-check thread: it
+never waits on the model's forwards and runs none (an unloaded model is loaded first).
+tokens before sampling. `client` (at most MAX_CLIENT_CHARS printable characters) names who
+sent the request, as `status` lists it ("moestreamctl generate", a gateway's caller).
 Tools (`tools`: function schemas as OpenAI writes them, `{"type": "function", "function":
 {name, description, parameters}}`; `tool_choice`: auto | none | required | {"name": N})
 are rendered by the model's chat template; the daemon parses the model's tool-call text
@@ -61,6 +72,7 @@ MAX_PROMPT_IDS = 128 * 1024
 MAX_ID_CHARS = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_CLIENT_CHARS = 120
 MAX_TOKENS_LIMIT = 1 << 24
 SPECULATIVE_MODES = ("mtp", "draft")
 MAX_DRAFT_TOKENS = 8
@@ -88,7 +100,7 @@ UNKNOWN_TYPE = "unknown_type"
 NOT_FOUND = "not_found"  # cancel of an unknown request id
 DUPLICATE_ID = "duplicate_id"  # a request id this client already has in flight
 BUSY = "busy"  # the queue is full
-TOO_LONG = "too_long"  # prompt + max_tokens over the daemon's context
+TOO_LONG = "too_long"  # a prompt that fills the daemon's context
 SHUTTING_DOWN = "shutting_down"
 ENGINE = "engine"  # the model failed on this request (e.g. an unreadable expert)
 INTERNAL = "internal"
@@ -110,15 +122,16 @@ class ProtocolError(ValueError):
 @dataclass(frozen=True)
 class ChatMessage:
     """One message of a chat; on the wire a {role, content} map, plus the optional keys
-    when set: an assistant's `tool_calls` ({name, arguments} maps, arguments a map) and a
-    tool result's `tool_call_id` and `name`."""
+    when set: an assistant's `tool_calls` ({name, arguments} maps, arguments a map) and
+    earlier `reasoning`, and a tool result's `tool_call_id` and `name`."""
 
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("tool_calls", "tool_call_id", "name")
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("tool_calls", "tool_call_id", "name", "reasoning")
     role: str
     content: str
     tool_calls: tuple[dict[str, Any], ...] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning: str | None = None
 
     def to_template(self) -> dict[str, Any]:
         """The message as chat templates (Hugging Face's convention) take it."""
@@ -132,6 +145,8 @@ class ChatMessage:
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             out["name"] = self.name
+        if self.reasoning:
+            out["reasoning_content"] = self.reasoning  # the name thinking models' templates read
         return out
 
 
@@ -151,6 +166,7 @@ class Generate:
         "keep_alive",
         "thinking",
         "top_k",
+        "client",
     )
     id: str
     prompt: str | None = None
@@ -180,6 +196,23 @@ class Generate:
     thinking: bool | None = None
     # Sample from the k likeliest tokens only; None or 0: all of them.
     top_k: int | None = None
+    # Who sent it, as `status` lists the request; None: the client's connection.
+    client: str | None = None
+
+
+@dataclass(frozen=True)
+class CountTokens:
+    """The length in tokens of a prompt as `generate` would render it (no forward runs)."""
+
+    TYPE: ClassVar[str] = "count_tokens"
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("prompt", "prompt_ids", "messages", "tools", "tool_choice", "thinking")
+    id: str
+    prompt: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    tools: tuple[dict[str, Any], ...] | None = None
+    tool_choice: str | dict[str, str] | None = None
+    thinking: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -213,7 +246,7 @@ class Ping:
     id: str
 
 
-Request = Union[Generate, Cancel, Status, Stats, Shutdown, Ping]
+Request = Union[Generate, CountTokens, Cancel, Status, Stats, Shutdown, Ping]
 
 # ---- daemon -> client ----------------------------------------------------------------
 
@@ -290,6 +323,15 @@ class Done:
 
 
 @dataclass(frozen=True)
+class TokenCount:
+    """The answer to `count_tokens`: the prompt's length in tokens."""
+
+    TYPE: ClassVar[str] = "token_count"
+    id: str
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
 class Error:
     TYPE: ClassVar[str] = "error"
     id: str
@@ -335,12 +377,38 @@ class ShutdownReply:
     pid: int
 
 
-Reply = Union[Accepted, Token, ToolCall, Progress, Done, Error, Pong, StatusReply, StatsReply, Cancelled, ShutdownReply]
+Reply = Union[
+    Accepted,
+    Token,
+    ToolCall,
+    Progress,
+    Done,
+    TokenCount,
+    Error,
+    Pong,
+    StatusReply,
+    StatsReply,
+    Cancelled,
+    ShutdownReply,
+]
 
-REQUEST_TYPES: dict[str, type] = {c.TYPE: c for c in (Generate, Cancel, Status, Stats, Shutdown, Ping)}
+REQUEST_TYPES: dict[str, type] = {c.TYPE: c for c in (Generate, CountTokens, Cancel, Status, Stats, Shutdown, Ping)}
 REPLY_TYPES: dict[str, type] = {
     c.TYPE: c
-    for c in (Accepted, Token, ToolCall, Progress, Done, Error, Pong, StatusReply, StatsReply, Cancelled, ShutdownReply)
+    for c in (
+        Accepted,
+        Token,
+        ToolCall,
+        Progress,
+        Done,
+        TokenCount,
+        Error,
+        Pong,
+        StatusReply,
+        StatsReply,
+        Cancelled,
+        ShutdownReply,
+    )
 }
 
 
@@ -503,9 +571,11 @@ def _messages_field(messages: Any, rid: str) -> tuple[ChatMessage, ...]:
                 rid,
                 f"messages[{i}].{key} must be a string of 1 to {MAX_NAME_CHARS} characters",
             )
-        chars += len(content)
+        reasoning = m.get("reasoning")
+        _check(reasoning is None or isinstance(reasoning, str), rid, f"messages[{i}].reasoning must be a string")
+        chars += len(content) + len(reasoning or "")
         ids = {"tool_call_id": m.get("tool_call_id"), "name": m.get("name")}
-        out.append(ChatMessage(role=role, content=content, tool_calls=calls, **ids))
+        out.append(ChatMessage(role=role, content=content, tool_calls=calls, reasoning=reasoning, **ids))
     _check(
         chars <= MAX_PROMPT_CHARS,
         rid,
@@ -552,7 +622,9 @@ def _tools_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
     return {"tools": tools, "tool_choice": choice}
 
 
-def _generate_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
+def _prompt_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
+    """The prompt of a generate or count_tokens request: one of text, ids or a chat (with
+    its tools and thinking switch)."""
     prompt, ids, messages = body.get("prompt"), body.get("prompt_ids"), body.get("messages")
     _check(
         sum(x is not None for x in (prompt, ids, messages)) == 1,
@@ -584,6 +656,17 @@ def _generate_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
         )
         _check(all(_is_int(t) and 0 <= t < 2**31 for t in ids), rid, "'prompt_ids' must hold token ids in 0..2^31-1")
         ids = tuple(ids)
+    return {
+        "prompt": prompt,
+        "prompt_ids": ids,
+        "messages": messages,
+        **_tools_fields(body, rid),
+        "thinking": _flag_field(body, "thinking", rid),
+    }
+
+
+def _generate_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
+    fields = _prompt_fields(body, rid)
     max_tokens = body.get("max_tokens", 256)
     _check(
         _is_int(max_tokens) and 1 <= max_tokens <= MAX_TOKENS_LIMIT,
@@ -609,22 +692,29 @@ def _generate_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
     if temp < MIN_TEMP or top_p < MIN_TOP_P:
         temp = 0.0
     return {
-        "prompt": prompt,
-        "prompt_ids": ids,
-        "messages": messages,
+        **fields,
         "max_tokens": max_tokens,
         "temp": float(temp),
         "top_p": float(top_p),
         "seed": seed,
         "stop": tuple(stop),
-        **_tools_fields(body, rid),
         **_speculative_fields(body, rid),
         "diagnostics": _flag_field(body, "diagnostics", rid),
         "progress": _flag_field(body, "progress", rid),
         "keep_alive": _keep_alive_field(body, rid),
-        "thinking": _flag_field(body, "thinking", rid),
         "top_k": _top_k_field(body, rid),
+        "client": _client_field(body, rid),
     }
+
+
+def _client_field(body: dict[str, Any], rid: str) -> str | None:
+    value = body.get("client")
+    _check(
+        value is None or (isinstance(value, str) and 0 < len(value) <= MAX_CLIENT_CHARS and value.isprintable()),
+        rid,
+        f"'client' must be null or 1 to {MAX_CLIENT_CHARS} printable characters",
+    )
+    return value
 
 
 def _top_k_field(body: dict[str, Any], rid: str) -> int | None:
@@ -691,6 +781,7 @@ def _cancel_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
 
 _FIELD_READERS: dict[type, Callable[[dict[str, Any], str], dict[str, Any]]] = {
     Generate: _generate_fields,
+    CountTokens: _prompt_fields,
     Cancel: _cancel_fields,
 }
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from moestream.shared.runtime_dir import SOCKET_NAME, max_socket_path_bytes
-from moestream.shared.store_format import canonical_folder, same_folder
+from moestream.shared.store_format import StoreError, canonical_folder, load_manifest, same_folder
 
 ENV_PREFIX = "MOESTREAM_"
 
@@ -391,7 +391,7 @@ class Settings:
         kind="path",
         scope=_BOTH,
         shown_default="the built-in demo model",
-        help="Expert store (made by `moestreamctl convert`).",
+        help="Expert store (made by `moestreamctl convert`); `demo`: the built-in demo model.",
     )
     capacity: float | int | None = setting(
         None,
@@ -421,7 +421,8 @@ class Settings:
         scope=_BOTH,
         help="Prefill order: layer takes all of a prompt's chunks through one layer before the next, so a partial "
         "pool brings each routed expert in once per prompt; chunk is stock mlx-lm's order, chunk by chunk. "
-        "Output is the same either way.",
+        "Output is the same either way. A model whose forward layer cannot drive goes chunk by chunk (found at "
+        "load; status says which).",
     )
     distributed: str = setting(
         "off",
@@ -543,8 +544,18 @@ class Settings:
     heat_flush_seconds: float = setting(
         5.0, kind="float", low=0.0, help="Seconds between saves of the routing counts to the heat file."
     )
-    # Requests: the KV cache is sized for max_context when the pool comes from a memory budget.
-    max_context: int = setting(16384, kind="int", low=16, high=2**24, help="Tokens per request, prompt and generated.")
+    # Requests: a memory budget keeps room for a max_context cache when it sizes the pool.
+    max_context: int | None = setting(
+        None,
+        kind="int",
+        low=16,
+        high=2**24,
+        shown_default="the model's context, at most what the memory left for KV caches holds",
+        help="Tokens per request, prompt and generated. A prompt that fills it is refused; a max_tokens past it is "
+        "cut to the room left (the answer ends with finish reason length). Default: the model's own "
+        "(max_position_embeddings), at most what the memory budget (else the device's memory) leaves for KV caches "
+        "once the model and pool are in; status and plan say how much.",
+    )
     max_active: int = setting(8, kind="int", low=1, high=1024, help="Requests decoded at once.")
     # Off (1) by default: on the H200 a batch pays on a full pool from about 4 clients, but not at 2
     # nor on a mapped pool (tests/bench/RESULTS.md, "Serving several clients").
@@ -730,7 +741,10 @@ class Settings:
             if value is not None:
                 values[name] = value
                 where.pop(name, None)
-        if values.get("model") is None and demo_store_path().is_dir():
+        # `demo` names the built-in demo model, unless a folder of that name is here.
+        if (values.get("model") is None or (values["model"] == "demo" and not Path("demo").exists())) and (
+            demo_store_path().is_dir()
+        ):
             values["model"] = str(demo_store_path())
         if problems is not None:
             for name in [n for n in values if n in where]:
@@ -765,21 +779,33 @@ class Settings:
         """Where the heat of `store` is kept: `heat_dir` when set; else beside the store,
         except for the built-in demo store or a store folder this user cannot write or does
         not own, whose heat goes to a folder of their own under the state folder (never into
-        the installed package, nor into another user's folder, even as root)."""
+        the installed package, nor into another user's folder, even as root), named by the
+        store's id: a reinstalled demo, or another copy of one store, keeps one heat."""
         if self.heat_dir:
             return Path(self.heat_dir)
         # Spelled as on disk: on a case-insensitive filesystem ~/Models/X and ~/models/x
         # are one store, whose heat must be one folder.
         folder = canonical_folder(store)
-        if not same_folder(folder, demo_store_path()) and os.access(folder, os.W_OK) and _owned_by_me(folder):
+        key = _store_key(folder)
+        # The demo by its id too: an installed copy of it lies inside a package.
+        demo = same_folder(folder, demo_store_path()) or key == _store_key(demo_store_path())
+        if not demo and os.access(folder, os.W_OK) and _owned_by_me(folder):
             return folder
-        digest = hashlib.sha256(str(folder).encode()).hexdigest()[:12]
-        return default_state_dir(os.environ if env is None else env) / "heat" / f"{folder.name}-{digest}"
+        return default_state_dir(os.environ if env is None else env) / "heat" / f"store-{key}"
 
     def runtime_path(self, env: Mapping[str, str] | None = None) -> Path:
         if self.runtime_dir:
             return Path(self.runtime_dir)
         return default_runtime_dir(os.environ if env is None else env)
+
+
+def _store_key(folder: Path) -> str:
+    """The store's id (a store is known by it); a hash of its path when its manifest
+    cannot be read (the load then says why)."""
+    try:
+        return load_manifest(folder).store_id
+    except (StoreError, OSError, ValueError):
+        return hashlib.sha256(str(folder).encode()).hexdigest()[:12]
 
 
 def _owned_by_me(folder: Path) -> bool:

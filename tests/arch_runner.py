@@ -1,23 +1,45 @@
 """The one runner of tests/test_every_architecture.py: a tiny model of an architecture
 (tests/arch_table.py), converted to an expert store, streamed at a capacity and checked
-bit for bit against stock mlx-lm (`mlx_lm.load` of the source folder): greedy tokens and
-every step's logits, `STEPS` steps after each prompt."""
+bit for bit against stock mlx-lm (`mlx_lm.load` of the source folder).
+
+Both sides run as a user's request runs: stock's `generate_step`, and the daemon's own
+path with default settings (`plain_steps`: the layer-major prefill where a partial pool
+wants it, then `generate_step` over the filled cache), greedy, with the same prefill
+step. Every step's logits (`LogitsRecorder`) and tokens must be equal, and the prefill
+must have gone the way the model's `status` says (`prefill.order`)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import mlx.core as mx
 import numpy as np
-from arch_table import ARCHS, tiny_arch_config
-from test_exactness import greedy_logits
+from arch_table import arch_of, tiny_arch_config
+from mlx_lm.generate import generate_step
+from stock_runs import GREEDY, LogitsRecorder
 from tiny_models import make_tiny_model
 
+from moestream.daemon.model.prefill import PREFILL_STEP, PrefillStats, chunk_sizes
+
 STEPS = 8
-# A short prompt, and one long enough that its prefill routes to more experts than a
-# top-k pool holds (the overflow path).
-PROMPT_LENGTHS = (5, 24)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    tokens: int
+    # generate_step's prefill_step_size, on both sides.
+    step: int = PREFILL_STEP
+
+
+# Prompts that take the default prefill's layer-major path at top-k and at half the
+# experts: routed pairs that outnumber the slots (7 and 24 tokens, one chunk), and a
+# prompt of several chunks at a small step.
+SHORT = (Prompt(7), Prompt(24), Prompt(40, 16))
+# One chunk of 599 tokens at mlx-lm's step (`-m slow`).
+LONG = (Prompt(600),)
 
 
 @dataclass
@@ -27,12 +49,29 @@ class Converted:
     store: Path
     # SwitchGLU/SwitchMLP modules of the stock model: the layers the store must stream
     switch_layers: int
-    # prompt length -> (prompt, (greedy tokens, logits per step)) of stock mlx-lm
-    reference: dict[int, tuple[list[int], tuple[list[int], list[np.ndarray]]]]
+    stock: Any
+    vocab: int
+    # prompt -> (prompt tokens, (greedy tokens, logits per step)) of stock mlx-lm
+    _reference: dict[Prompt, tuple[list[int], tuple[list[int], list[np.ndarray]]]] = field(default_factory=dict)
+
+    def reference(self, prompt: Prompt) -> tuple[list[int], tuple[list[int], list[np.ndarray]]]:
+        if prompt not in self._reference:
+            ids = np.random.default_rng(prompt.tokens).integers(0, self.vocab, size=prompt.tokens).tolist()
+            self._reference[prompt] = (ids, greedy_run(self.stock, ids, prompt.step))
+        return self._reference[prompt]
+
+
+def greedy_run(model: Any, prompt: list[int], step: int) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy tokens and the steps' logits (`LogitsRecorder.steps`) of stock's
+    `generate_step`, `STEPS` steps."""
+    recorder = LogitsRecorder(model)
+    steps = generate_step(mx.array(prompt), recorder, max_tokens=STEPS, sampler=GREEDY, prefill_step_size=step)
+    tokens = [int(token) for token, _ in steps]
+    return tokens, recorder.steps(len(tokens))
 
 
 def convert_arch(model_type: str, quant: str, root: Path, *, seed: int = 3) -> Converted:
-    """Build the tiny model, convert it, and record stock mlx-lm's greedy run on it."""
+    """Build the tiny model (of a model_type or a variant), convert it, load stock's."""
     from mlx_lm import load as stock_load
     from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
@@ -44,18 +83,13 @@ def convert_arch(model_type: str, quant: str, root: Path, *, seed: int = 3) -> C
     model, _ = stock_load(str(src))
     switch_layers = sum(isinstance(m, (SwitchGLU, SwitchMLP)) for _, m in model.named_modules())
     vocab = config.get("text_config", config).get("vocab_size", 512)
-    rng = np.random.default_rng(7)
-    reference = {}
-    for n in PROMPT_LENGTHS:
-        prompt = rng.integers(0, vocab, size=n).tolist()
-        reference[n] = (prompt, greedy_logits(model, prompt, STEPS))
-    return Converted(model_type, quant, root / "store", switch_layers, reference)
+    return Converted(model_type, quant, root / "store", switch_layers, model, vocab)
 
 
 def capacity_slots(converted: Converted, capacity: str) -> int | float:
     """ "topk": the table's top-k, as slots; "half": 0.5 (half of every layer's experts,
     or the top-k where that is more)."""
-    k = ARCHS[converted.model_type].top_k
+    k = arch_of(converted.model_type).top_k
     if capacity == "topk":
         return k
     from moestream.shared.store_format import load_manifest
@@ -64,29 +98,48 @@ def capacity_slots(converted: Converted, capacity: str) -> int | float:
     return 0.5 if math.ceil(0.5 * experts) >= k else k
 
 
-def check_streamed(converted: Converted, capacity: str, prefetch: str) -> None:
-    """Stream the store at `capacity` ("topk" or "half") with prefetch on or off: the
-    model's top-k is the table's, every SwitchGLU/SwitchMLP of stock's model is streamed,
-    a top-k pool smaller than its layer read experts back after evicting them, and every token
-    and logit equals stock mlx-lm's."""
+def check_streamed(converted: Converted, capacity: str, prefetch: str, prompts: tuple[Prompt, ...] = SHORT) -> None:
+    """Stream the store at `capacity` ("topk" or "half") with prefetch on or off and
+    otherwise default settings: the model's top-k is the table's, every
+    SwitchGLU/SwitchMLP of stock's model is streamed, `status` reports the prefill order
+    the table expects and each prompt's prefill went that way, a top-k pool smaller than
+    its layer read experts back after evicting them, and every token and logit equals
+    stock mlx-lm's."""
+    from moestream.daemon.model.generation import plain_steps
     from moestream.daemon.model.streaming_model import load_streaming_model
     from moestream.shared.settings import Settings
 
     label = f"{converted.model_type} {converted.quant} {capacity} prefetch {prefetch}"
+    arch = arch_of(converted.model_type)
     sm = load_streaming_model(
         converted.store, Settings(capacity=capacity_slots(converted, capacity), prefetch=prefetch, direct_io=True)
     )
     try:
-        k = ARCHS[converted.model_type].top_k
         assert len(sm.pools) == converted.switch_layers > 0, f"{label}: streamed layers != stock's expert layers"
-        assert [p.top_k for p in sm.pools] == [k] * len(sm.pools), f"{label}: top-k is not {k}"
-        for n, (prompt, (want_tokens, want_logits)) in converted.reference.items():
-            got_tokens, got_logits = greedy_logits(sm.model, prompt, STEPS)
+        assert [p.top_k for p in sm.pools] == [arch.top_k] * len(sm.pools), f"{label}: top-k is not {arch.top_k}"
+        order = sm.pool_stats()["prefill_order"]  # what `status` reports as prefill.order
+        assert order.split(":")[0] == arch.prefill, f"{label}: status says the prefill order is {order!r}"
+        for prompt in prompts:
+            ids, (want_tokens, want_logits) = converted.reference(prompt)
+            stats = PrefillStats()
+            recorder = LogitsRecorder(sm.model)
+            sm.model, model = recorder, sm.model
+            try:
+                steps = plain_steps(sm, ids, GREEDY, STEPS, prefill_stats=stats, prefill_step=prompt.step)
+                got_tokens = [int(token) for token, _ in steps]
+            finally:
+                sm.model = model
+            got_logits = recorder.steps(len(got_tokens))
+            where = f"{label} prompt={prompt.tokens} step={prompt.step}"
+            assert len(got_logits) == len(want_logits) == STEPS + 1, where
             for step, (a, b) in enumerate(zip(got_logits, want_logits)):
-                assert np.array_equal(a, b), (
-                    f"{label} prompt={n} step={step}: logits differ (max |d|={np.abs(a - b).max()})"
-                )
-            assert got_tokens == want_tokens, f"{label} prompt={n}: tokens differ"
+                assert np.array_equal(a, b), f"{where} step={step}: logits differ (max |d|={np.abs(a - b).max()})"
+            assert got_tokens == want_tokens, f"{where}: tokens differ"
+            if arch.prefill == "layer":
+                assert stats.to_dict()["mode"] == "layer-major", f"{where}: not prefilled layer by layer"
+                assert stats.chunks == len(chunk_sizes(prompt.tokens, prompt.step)) and stats.staged_layers > 0, where
+            else:
+                assert stats.chunks == 0, f"{where}: prefilled layer by layer, but status says {order!r}"
         stats = sm.pool_stats()
         slots = sum(p.capacity for p in sm.pools)
         if capacity == "topk" and slots < sum(p.layer.num_experts for p in sm.pools):

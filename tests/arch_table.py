@@ -7,6 +7,8 @@ qwen3_5_moe, whose text model is qwen3_5's, or kimi_vl around deepseek_v3).
 tiny instance from its `ModelArgs` and, where streaming it fails, why (`Arch.xfail`: the
 test expects that failure, strictly, so a fix flips it). tests/test_every_architecture.py
 runs the table; `python tests/arch_table.py --markdown` prints the supported families.
+`VARIANTS` are more tiny configs of some of them, where a config switch changes what the
+model's loop passes from layer to layer (cross-layer KV, shared KV, residual blocks).
 
 A tiny config is `GENERIC` (tiny values under the names mlx-lm's ModelArgs use), kept
 to the fields the architecture's args class has, then the entry's own fields. A wrapper
@@ -98,6 +100,10 @@ class Arch:
     xfail_quant: dict[str, str] = field(default_factory=dict)
     # The whole config, where tests/tiny_models.py has one already.
     config: dict[str, Any] | None = None
+
+    # The prefill order `status` reports with default settings ("layer": the layer-major
+    # prefill drives the model's forward; "chunk": it falls back to stock's chunks).
+    prefill: str = "layer"
 
     # Stock mlx-lm runs it only with Metal (its model file calls Metal kernels): elsewhere
     # there is no stock run to compare with, an expected failure saying so.
@@ -368,6 +374,27 @@ ARCHS: dict[str, Arch] = {
 }
 
 
+# name -> (model_type, fields over its tiny config; a wrapper's go into its text_config).
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    # Each second layer reuses the KV its first layer returns (`shared_kv_states`).
+    "hunyuan+cla": ("hunyuan", {"use_cla": True, "cla_share_factor": 2}),
+    # Attention residuals: the layers pass their blocks along.
+    "kimi_k3+attn_res": ("kimi_k3", {"attn_res_block_size": 1}),
+    "gemma4+tied": ("gemma4", {"tie_word_embeddings": True}),
+    "gemma4_text+tied": ("gemma4_text", {"tie_word_embeddings": True}),
+    # The last two layers take the KV the first two return, and keep no cache.
+    "gemma4_text+kv_shared": (
+        "gemma4_text",
+        {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "tie_word_embeddings": True},
+    ),
+}
+
+
+def arch_of(name: str) -> Arch:
+    """The table's entry of a model_type or a variant's."""
+    return ARCHS[VARIANTS[name][0] if name in VARIANTS else name]
+
+
 def models_dir() -> Path:
     import mlx_lm.models
 
@@ -400,7 +427,13 @@ def _args_fields(spec: str) -> set[str]:
 
 
 def tiny_arch_config(model_type: str) -> dict[str, Any]:
-    """The config.json (before quantization) of a tiny `model_type` model."""
+    """The config.json (before quantization) of a tiny `model_type` model (or variant)."""
+    if model_type in VARIANTS:
+        base, fields = VARIANTS[model_type]
+        config = tiny_arch_config(base)
+        inner = config["text_config"] if ARCHS[base].text_args is not None else config
+        inner |= copy.deepcopy(fields)
+        return config
     arch = ARCHS[model_type]
     if arch.config is not None:
         return copy.deepcopy(arch.config)

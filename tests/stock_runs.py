@@ -22,6 +22,28 @@ def stepped(steps: Iterable[tuple[Any, mx.array]]) -> tuple[list[int], list[np.n
     return tokens, rows
 
 
+class LogitsRecorder:
+    """A model that keeps the last position's logits of each of its forwards: what the
+    steps of `generate_step` sampled from, to compare bit for bit (`last`)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._rows: list[mx.array] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> mx.array:
+        out = self.model(*args, **kwargs)
+        self._rows.append(out[:, -1, :])
+        return out
+
+    def steps(self, n: int) -> list[np.ndarray]:
+        """As float32, the logits of a `generate_step` that yielded `n` tokens: its last
+        n + 1 forwards (the first n sampled them; it makes one more ahead of need)."""
+        return [np.array(row.astype(mx.float32)) for row in self._rows[len(self._rows) - n - 1 :]]
+
+
 def stock_batched(
     model, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], eos: Sequence[int], alone: int = 2
 ) -> list[list[int]]:

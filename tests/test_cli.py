@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 import shutil
 import tempfile
 import threading
@@ -47,7 +48,8 @@ def store():
 
 @pytest.fixture(scope="module")
 def daemon(store):
-    with started_daemon(store, "mscl", "--capacity", "0.5") as paths:
+    # Its long prompt (600 tokens) is over the tiny model's own context of 512: room for it.
+    with started_daemon(store, "mscl", "--capacity", "0.5", env={"MOESTREAM_MAX_CONTEXT": "16384"}) as paths:
         yield paths
 
 
@@ -99,7 +101,7 @@ def test_a_prompt_too_long_for_the_command_line_goes_through_standard_input(daem
         "generate", "-", "--model", str(store), "--runtime-dir", str(daemon.dir), "--max-tokens", "1", input_text=text
     )
     assert out.returncode == 1
-    assert "+ max_tokens 1 is over the daemon's context of 16384 tokens" in out.stderr
+    assert "tokens leaves no room in the daemon's context of 16384 tokens" in out.stderr
 
 
 # ---- the progress of a long prompt ----------------------------------------------------
@@ -128,6 +130,7 @@ def test_prefill_progress_is_drawn_on_a_terminal_and_cleared_for_the_text():
 
 def test_a_long_prompt_reports_its_prefill_to_the_client_and_in_status(daemon):
     seen: list[int | None] = []
+    shown: set[tuple[str, str, int | None]] = set()
     stop = threading.Event()
 
     def watch() -> None:
@@ -136,13 +139,14 @@ def test_a_long_prompt_reports_its_prefill_to_the_client_and_in_status(daemon):
                 for job in c.status()["requests"]["running"]:
                     if job["prompt_tokens"] == len(LONG_IDS):
                         seen.append(job["prefilled_tokens"])
+                        shown.add((job["phase"], job["client"], job["prefill_total"]))
                 time.sleep(0.02)
 
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
         with Client(daemon) as c:
-            events = list(c.generate(prompt_ids=LONG_IDS, max_tokens=3, progress=True))
+            events = list(c.generate(prompt_ids=LONG_IDS, max_tokens=3, progress=True, client="a long prompt"))
             quiet = list(c.generate(prompt_ids=LONG_IDS[:100], max_tokens=3))
     finally:
         stop.set()
@@ -160,9 +164,12 @@ def test_a_long_prompt_reports_its_prefill_to_the_client_and_in_status(daemon):
     assert dones[0] == 0 and dones[-2:] == [n - 1, n] and dones == sorted(set(dones))
     assert len(dones) > 4  # more than the chunks' own steps: one per layer
     first_token = next(i for i, e in enumerate(events) if isinstance(e, Token))
-    assert isinstance(events[0], Accepted) and all(isinstance(e, Progress) for e in events[1:first_token])
+    assert isinstance(events[0], Accepted) and events[0].prompt_tokens == n
+    assert all(isinstance(e, Progress) for e in events[1:first_token])
     assert not any(isinstance(e, Progress) for e in quiet)  # only a request that asks gets them
     assert 0 in seen and any(0 < d < n for d in seen if d is not None), seen
+    # `status` lists it in its prefill, with the prefill's length and who sent it.
+    assert ("prefill", "a long prompt", n) in shown, shown
     assert set(seen) <= set(dones) | {None}
 
 
@@ -190,17 +197,22 @@ def test_status_while_loading_and_its_request_counts_read_plainly(tmp_path):
         running=[
             {
                 "id": "abc",
+                "client": "moestreamctl generate",
+                "phase": "prefill",
                 "tokens": 0,
                 "max_tokens": 8,
                 "prompt_tokens": 3000,
                 "prefilled_tokens": 2048,
+                "prefill_total": 3000,
                 "seconds": 41.0,
             }
         ],
+        waiting=[{"id": "def", "client": "0a1b", "phase": "queued", "prompt_tokens": None, "max_tokens": 8}],
     )
     text = _format_status(st)
     assert "3 received: 0 completed, 1 cancelled, 2 disconnected, 0 failed" in text
-    assert "abc: prefill 2048/3000 prompt tokens (68%), 41 s" in text
+    assert "abc (moestreamctl generate): prefill 2048/3000 prompt tokens (68%), 41 s" in text
+    assert "def (0a1b): queued, a prompt of ? tokens, 0 s" in text
 
 
 def test_status_and_stats_of_a_serving_daemon_name_every_request(daemon, store):
@@ -213,6 +225,9 @@ def test_status_and_stats_of_a_serving_daemon_name_every_request(daemon, store):
     assert stats.returncode == 0, stats.stderr
     line = next(line for line in stats.stdout.splitlines() if line.startswith("requests:"))
     assert "{" not in line and " completed" in line and "tokens made" in line
+    engine = next(line for line in stats.stdout.splitlines() if line.startswith("read engine:"))
+    # Seconds as a person reads them, not 0.028954564000000002.
+    assert all(len(word) <= 8 for word in re.findall(r"\d[\d.e+-]*", engine)), engine
 
 
 # ---- messages that say what is wrong --------------------------------------------------

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +71,22 @@ def test_cli_refuses_bad_capacity(store):
         timeout=120,
     )
     assert out.returncode != 0 and "below the minimum" in out.stderr
+
+
+def test_cli_local_on_a_truncated_resident_file_says_one_clean_line(store, tmp_path):
+    """A store whose resident weights file was cut short: `--local` says which file and
+    what to do, as the daemon does, not MLX's traceback."""
+    from moestream.shared.store_format import load_manifest
+
+    broken = Path(shutil.copytree(store, tmp_path / "store"))
+    name = load_manifest(broken).resident_files[0]
+    os.truncate(broken / name, (broken / name).stat().st_size // 2)
+    exe = Path(sys.executable).with_name("moestreamctl")
+    out = subprocess.run(
+        [str(exe), "generate", "--local", "--model", str(broken), "--max-tokens", "2", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"{broken}: resident weights file {name} cannot be read" in out.stderr

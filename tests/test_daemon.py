@@ -202,7 +202,10 @@ def test_status_has_its_fields_and_answers_fast_while_generating(daemon, referen
             latencies.append(time.perf_counter() - tic)
             time.sleep(0.005)
         assert status["requests"]["active"] == 1
-        assert status["requests"]["running"][0]["id"] == stream.id
+        job = status["requests"]["running"][0]
+        assert job["id"] == stream.id and job["phase"] == "decode" and job["tokens"] >= 1
+        # No name given: the connection, as the daemon's log names it (ZeroMQ's 5-byte id, in hex).
+        assert len(job["client"]) == 10 and int(job["client"], 16) >= 0, job
         stream.close()
     print(
         f"status round trip while generating: max {max(latencies) * 1000:.1f} ms, "
@@ -328,7 +331,8 @@ def test_malformed_and_oversized_messages_get_errors_and_change_nothing(daemon, 
             ((b"\x00" * (2 * proto.MAX_MESSAGE_BYTES),), proto.TOO_LARGE),
             ((pack({"v": 1, "type": "ping", "id": "a"}), b"second frame"), proto.BAD_MESSAGE),
             ((pack({"v": 1, "type": "generate", "id": "g1", "prompt_ids": [10**6]}),), proto.BAD_MESSAGE),
-            ((pack({"v": 1, "type": "generate", "id": "g2", "prompt": "hi", "max_tokens": 100_000}),), proto.TOO_LONG),
+            # A prompt over the model's context of 512 tokens (a max_tokens past it is cut instead).
+            ((pack({"v": 1, "type": "generate", "id": "g2", "prompt_ids": [5] * 600}),), proto.TOO_LONG),
         ]
         for frames, code in cases:
             reply = ask(*frames)
@@ -652,6 +656,55 @@ def test_generate_knows_the_daemons_store_by_its_id_not_its_path(store):
             f"the daemon serves the store {first} (id {demo_id}), not {store} (id {other_id}): "
             "stop it (`moestreamctl stop`) or use --local"
         ) in out.stderr
+    finally:
+        ctl("stop", env=env)
+        shutil.rmtree(rt)
+
+
+def test_a_plain_generate_asks_the_store_the_daemon_serves(store):
+    """The README's "A real model" steps: `start --model X`, then `generate` with no
+    --model is served by X; the built-in demo is only the default, not a choice that
+    would refuse the running daemon."""
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msp"))
+    env = clean_env(MOESTREAM_RUNTIME_DIR=str(rt))
+    try:
+        out = ctl("start", "--model", str(store), "--capacity", "0.5", env=env)
+        assert out.returncode == 0, out.stderr
+        out = ctl("generate", "hello", "--max-tokens", "3", "--json", env=env)
+        assert out.returncode == 0, out.stderr
+        assert 0 < len(json.loads(out.stdout)["tokens"]) <= 3
+        served = json.loads(ctl("status", "--json", env=env).stdout)
+        assert served["model"] == str(store) and served["requests"]["requests"] == 1
+    finally:
+        ctl("stop", env=env)
+        shutil.rmtree(rt)
+
+
+def test_restart_after_a_reinstall_moved_the_demo_and_refuses_a_gone_store_keeping_the_daemon(store):
+    """The README's quick start then its test command: `pip install -e` replaces the demo
+    store a running daemon was started on; `restart` starts on the demo's new copy (the
+    same store id). A store that is gone otherwise is refused before anything stops."""
+    from moestream.shared.settings import demo_store_path
+
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msr"))
+    env = clean_env(MOESTREAM_RUNTIME_DIR=str(rt))
+    old_demo = Path(shutil.copytree(demo_store_path(), rt / "site" / "store"))
+    other = Path(shutil.copytree(store, rt / "other" / "store"))
+    try:
+        assert ctl("start", "--model", str(old_demo), "--capacity", "0.5", env=env).returncode == 0
+        shutil.rmtree(old_demo)
+        out = ctl("restart", env=env)
+        assert out.returncode == 0, out.stderr
+        st = json.loads(ctl("status", "--json", env=env).stdout)
+        assert st["model"] == str(demo_store_path()) and st["settings"]["capacity"] == 0.5
+
+        assert ctl("restart", "--model", str(other), env=env).returncode == 0
+        pid = json.loads(ctl("status", "--json", env=env).stdout)["pid"]
+        shutil.rmtree(other)
+        out = ctl("restart", env=env)
+        assert out.returncode == 1 and "Traceback" not in out.stderr
+        assert f"the daemon's store {other} is gone" in out.stderr and "the daemon keeps running" in out.stderr
+        assert json.loads(ctl("status", "--json", env=env).stdout)["pid"] == pid
     finally:
         ctl("stop", env=env)
         shutil.rmtree(rt)

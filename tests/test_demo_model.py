@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -108,7 +109,6 @@ def test_the_demo_models_heat_goes_to_the_users_state_folder(tmp_path):
     (under /private/var/folders/...) puts the socket past the 103-byte limit. There the
     test checks the same thing: a daemon started by `generate`, its heat in the state
     folder."""
-    import shutil
     import tempfile
 
     from moestream.shared.settings import Settings, demo_store_path
@@ -153,3 +153,6 @@ def test_heat_folder_rules(tmp_path):
     assert Settings(heat_dir=str(tmp_path / "mine")).heat_folder(store, env) == tmp_path / "mine"
     demo = Settings().heat_folder(demo_store_path(), env)
     assert demo.parent == tmp_path / "state" / "moestream" / "heat" and demo.name.startswith("store-")
+    # A reinstall puts the demo elsewhere: the same store (by id), so the same heat.
+    moved = shutil.copytree(demo_store_path(), tmp_path / "site-packages" / "store")
+    assert Settings().heat_folder(moved, env) == demo

@@ -2,51 +2,59 @@
 
 The model files with stacked experts are found by scanning mlx-lm's `models/` folder
 (tests/arch_table.py `stacked_expert_files`); each must be in the table, which says how
-to build a tiny instance. Each is converted to an expert store and streamed at top-k
-capacity and at half of its experts, prefetch on and off, 4-bit and float32: greedy
-tokens and every step's logits equal stock mlx-lm's bit for bit (tests/arch_runner.py).
-The default run takes every architecture at 4-bit, top-k, prefetch on; `-m slow` runs
-the rest of the matrix. An architecture that fails is an expected failure (strict) with
-its reason in the table, so a fix shows up as an unexpected pass.
+to build a tiny instance (and `VARIANTS`, more configs of some). Each is converted to an
+expert store and streamed with default settings at top-k capacity and at half of its
+experts, prefetch on and off, 4-bit and float32, through the daemon's own path (the
+layer-major prefill, which each prompt takes): greedy tokens and every step's logits
+equal stock mlx-lm's `generate_step` bit for bit, and the prefill went the way `status`
+says (tests/arch_runner.py). The default run takes every architecture at 4-bit, top-k,
+prefetch on, short prompts; `-m slow` runs the rest of the matrix, and a 600-token
+prompt at every quantization and capacity. An architecture that fails is an expected
+failure (strict) with its reason in the table, so a fix shows up as an unexpected pass.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from arch_runner import Converted, check_streamed, convert_arch
-from arch_table import ARCHS, markdown, stacked_expert_files, supported, tiny_arch_config
+from arch_runner import LONG, SHORT, Converted, check_streamed, convert_arch
+from arch_table import ARCHS, VARIANTS, arch_of, markdown, stacked_expert_files, supported, tiny_arch_config
 from tiny_models import make_tiny_model
 
 FILES = stacked_expert_files()
 QUANTS = ("4bit", "f32")
 CAPACITIES = ("topk", "half")
 PREFETCH = ("on", "off")
+PROMPTS = {"short": SHORT, "long": LONG}
 
 
 def _cases() -> list:
     cases = []
-    for model_type in FILES:
-        arch = ARCHS.get(model_type)
+    for model_type in [*FILES, *VARIANTS]:
+        arch = arch_of(model_type) if model_type in ARCHS or model_type in VARIANTS else None
         for quant in QUANTS:
             for capacity in CAPACITIES:
                 for prefetch in PREFETCH:
-                    marks = []
-                    if (quant, capacity, prefetch) != ("4bit", "topk", "on"):
-                        marks.append(pytest.mark.slow)
-                    reason = arch.xfail_reason(quant) if arch is not None else None
-                    if reason is not None:
-                        marks.append(pytest.mark.xfail(strict=True, reason=reason))
-                    cases.append(
-                        pytest.param(
-                            model_type,
-                            quant,
-                            capacity,
-                            prefetch,
-                            id=f"{model_type}-{quant}-{capacity}-{prefetch}",
-                            marks=marks,
+                    for prompts in PROMPTS:
+                        if prompts == "long" and prefetch == "off":
+                            continue
+                        marks = []
+                        if (quant, capacity, prefetch, prompts) != ("4bit", "topk", "on", "short"):
+                            marks.append(pytest.mark.slow)
+                        reason = arch.xfail_reason(quant) if arch is not None else None
+                        if reason is not None:
+                            marks.append(pytest.mark.xfail(strict=True, reason=reason))
+                        cases.append(
+                            pytest.param(
+                                model_type,
+                                quant,
+                                capacity,
+                                prefetch,
+                                prompts,
+                                id=f"{model_type}-{quant}-{capacity}-{prefetch}-{prompts}",
+                                marks=marks,
+                            )
                         )
-                    )
     return cases
 
 
@@ -81,14 +89,14 @@ def test_the_table_knows_every_model_file_with_stacked_experts():
     assert not gone, f"tests/arch_table.py has entries for files mlx-lm no longer has with stacked experts: {gone}"
 
 
-@pytest.mark.parametrize("model_type,quant,capacity,prefetch", _cases())
-def test_streamed_exactly(converted_arch, model_type, quant, capacity, prefetch):
-    if model_type not in ARCHS:
+@pytest.mark.parametrize("model_type,quant,capacity,prefetch,prompts", _cases())
+def test_streamed_exactly(converted_arch, model_type, quant, capacity, prefetch, prompts):
+    if model_type not in ARCHS and model_type not in VARIANTS:
         pytest.fail(
             f"mlx-lm's models/{model_type}.py keeps stacked experts, but tests/arch_table.py does not know it: "
             "add a tiny config for it to ARCHS"
         )
-    check_streamed(converted_arch(model_type, quant), capacity, prefetch)
+    check_streamed(converted_arch(model_type, quant), capacity, prefetch, PROMPTS[prompts])
 
 
 def test_the_supported_list():

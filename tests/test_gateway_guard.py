@@ -146,3 +146,36 @@ def test_the_log_is_rate_limited():
     record = logging.LogRecord("x", logging.WARNING, __file__, 1, "Invalid HTTP request received.", (), None)
     passed = sum(f.filter(record) for _ in range(10 * LOG_LINES_PER_WINDOW))
     assert passed == LOG_LINES_PER_WINDOW
+
+
+def test_the_note_of_lines_left_out_fits_any_handlers_format(monkeypatch):
+    """uvicorn's access lines are formatted from their five arguments: the note that says
+    how many of them were left out goes through a logger of its own, not through theirs."""
+    import io
+    import logging
+
+    from uvicorn.logging import AccessFormatter
+
+    from moestream.shared import log_rate
+
+    clock = [0.0]
+    monkeypatch.setattr(log_rate.time, "monotonic", lambda: clock[0])
+    notes, access = io.StringIO(), io.StringIO()
+    shared = log_rate.RateLimitFilter(2, 10.0)
+    handler = logging.StreamHandler(access)
+    handler.setFormatter(AccessFormatter('%(client_addr)s - "%(request_line)s" %(status_code)s', use_colors=False))
+    handler.addFilter(shared)
+    logger = logging.getLogger("test.access")
+    monkeypatch.setattr(logger, "propagate", False)
+    monkeypatch.setattr(logger, "handlers", [handler])
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    note_logger = logging.getLogger(log_rate.NOTE_LOGGER)
+    monkeypatch.setattr(note_logger, "handlers", [logging.StreamHandler(notes)])
+    monkeypatch.setattr(note_logger, "propagate", False)
+    monkeypatch.setattr(logging, "raiseExceptions", True)
+    for _ in range(5):
+        logger.info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:1", "GET", "/dashboard/state", "1.1", 200)
+    clock[0] = 11.0
+    logger.info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:1", "GET", "/", "1.1", 200)
+    assert access.getvalue().count("GET /dashboard/state") == 2 and "GET / HTTP/1.1" in access.getvalue()
+    assert notes.getvalue() == "3 lines of test.access's log left out in 11 s\n"

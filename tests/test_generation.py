@@ -93,3 +93,40 @@ def test_a_chats_end_of_turn_text_ends_the_answer_like_an_end_token(pool_store):
         assert client_stop.stop_string == marker and client_stop.text == ended.text
     finally:
         sm.close()
+
+
+def test_a_full_pool_counts_its_routing_with_no_sync_of_its_own(store):
+    """At full residency a forward's expert ids never come to the host on their own: they
+    are read back once per token, a few tokens late (daemon/pool/resident_routing.py).
+    The request still gets the same tokens, the same routing counts as a partial pool
+    (which has its ids on the host anyway), a hit per routed expert, and one host sync
+    per token (the sampled token's); the heat gets every count."""
+    prompt = [1, 2, 3, 4, 5]
+    params = SamplingParams(max_tokens=12)
+    part = load_streaming_model(store, Settings(capacity=0.5))
+    try:
+        want = generate(part, prompt, params)
+    finally:
+        part.close()
+    sm = load_streaming_model(store, Settings(capacity=1.0))
+    try:
+        assert all(p.fully_resident for p in sm.pools)
+        for _ in range(2):
+            got = generate(sm, prompt, params)
+            assert got.tokens == want.tokens
+            s = got.stats
+            assert s["routed_experts"] == want.stats["routed_experts"] > 0
+            assert s["hit_rate"] == 1.0 and s["misses"] == {"prefill": 0, "decode": 0}
+            # A hit per distinct expert of a forward: what the partial pool looked up
+            # (read back late, the prompt's hits may count among the decode's).
+            looked_up = sum(want.stats["hits"].values()) + sum(want.stats["misses"].values())
+            assert sum(s["hits"].values()) == looked_up
+            assert s["host_syncs_per_token"] == 1.0  # the sampled token alone
+        layers = sm.pool_stats()["layers"]
+        assert all(layer["hit_rate"] == 1.0 for layer in layers)
+        # Every count reached the heat, and nothing is left logged on the device.
+        assert sum(int(p.take_routed().sum()) for p in sm.pools) == 2 * want.stats["routed_experts"]
+        assert all(p.route_log == [] for p in sm.pools)
+    finally:
+        sm.close()
+    assert all(p.route_log is None for p in sm.pools)

@@ -15,7 +15,7 @@ import msgpack
 import pytest
 from daemon_cli import clean_env, ctl, wait_for
 
-from moestream.client.client import Client, Done, Progress, RequestRejected, Token
+from moestream.client.client import Accepted, Client, Done, Progress, RequestRejected, Token
 from moestream.daemon.keep_alive import KeepAlive
 from moestream.shared import protocol as proto
 from moestream.shared.settings import demo_store_path
@@ -32,7 +32,7 @@ def _generate(client: Client, **kwargs) -> tuple[list[int], list[Progress]]:
         elif isinstance(event, Done):
             done = event
         else:
-            assert isinstance(event, Token)
+            assert isinstance(event, (Accepted, Token))
     assert done is not None and done.finish_reason == "length"
     return done.tokens, progress
 

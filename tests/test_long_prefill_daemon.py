@@ -31,6 +31,8 @@ CHUNK = 2048
 PROMPT_TOKENS = 3 * CHUNK + 1  # three chunks, then the last token
 MAX_TOKENS = 4
 EXPERTS = "16"  # the tiny store's every expert: stock's chunk order
+# The tiny model's own context is 512 tokens; these prompts are up to seven chunks long.
+CONTEXT = {"MOESTREAM_MAX_CONTEXT": "32768"}
 
 
 def _prompt(seed: int) -> list[int]:
@@ -45,7 +47,7 @@ def store():
 
 @pytest.fixture(scope="module")
 def daemon(store):
-    with started_daemon(store, "mslp", "--capacity", EXPERTS) as paths:
+    with started_daemon(store, "mslp", "--capacity", EXPERTS, env=CONTEXT) as paths:
         yield paths
 
 
@@ -189,7 +191,7 @@ def test_ctrl_c_during_a_prefill_exits_quietly_and_cancels_within_a_chunk(store,
 
 
 def test_stop_during_a_prefill_ends_the_daemon_within_a_chunk(store):
-    with started_daemon(store, "mslps", "--capacity", EXPERTS) as paths:
+    with started_daemon(store, "mslps", "--capacity", EXPERTS, env=CONTEXT) as paths:
         with Client(paths) as c:
             stream = c.generate(prompt_ids=_prompt(4), max_tokens=MAX_TOKENS, progress=True)
             _until_prefilled(stream)
@@ -214,7 +216,7 @@ def test_a_prefill_stopped_with_the_daemon_starts_again_from_its_last_checkpoint
     tokens of one prefill in one go."""
     prompt = np.random.default_rng(9).integers(3, 500, size=7 * CHUNK + 1).tolist()
     flags = ("--capacity", EXPERTS, "--prompt-cache-dir", str(tmp_path / "prompt-cache"))
-    with started_daemon(store, "mslpk", *flags) as paths:
+    with started_daemon(store, "mslpk", *flags, env=CONTEXT) as paths:
         with Client(paths) as c:
             stream = c.generate(prompt_ids=prompt, max_tokens=MAX_TOKENS, progress=True)
             seen = _until_prefilled(stream, 2 * CHECKPOINT)  # two checkpoints made
@@ -227,7 +229,7 @@ def test_a_prefill_stopped_with_the_daemon_starts_again_from_its_last_checkpoint
     # were left), the last checkpoint it passed; else the whole prompt, kept by its request.
     want = reached // CHECKPOINT * CHECKPOINT if reached < len(prompt) - 1 else len(prompt) - 1
     assert want >= 2 * CHECKPOINT
-    with started_daemon(store, "mslpk", *flags) as paths:
+    with started_daemon(store, "mslpk", *flags, env=CONTEXT) as paths:
         with Client(paths) as c:
             stream = c.generate(prompt_ids=prompt, max_tokens=MAX_TOKENS)
             list(stream)
@@ -301,6 +303,14 @@ def test_a_streamed_answer_gets_its_status_line_at_once_then_keep_alives_until_i
     events = [line.removeprefix("event: ") for _, line in lines if line.startswith("event: ")]
     start = events.index("content_block_start")
     assert events[0] == "message_start" and events[1:start].count("ping") >= 2 and "ping" not in events[start:]
+
+    # Codex CLI's Responses API: SSE comments between the response's first events and its first delta.
+    response = {"model": "gpt-5-codex", "max_output_tokens": MAX_TOKENS, "stream": True, "input": _long_text(7)}
+    _, lines = _timeline(gateway, "/v1/responses", response)
+    first = next(i for i, (_, line) in enumerate(lines) if "response.output_text.delta" in line)
+    assert lines[0][1] == "event: response.created", lines[:3]
+    assert sum(line.startswith(": keep-alive") for _, line in lines[:first]) >= 2, lines[:first]
+    assert not any(line.startswith(":") for _, line in lines[first:])
 
 
 def test_real_clients_read_the_keep_alives_and_a_cut_request_sent_again_takes_its_prefill_up(gateway, daemon):

@@ -12,9 +12,10 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import make_tiny_model
 
-from moestream.daemon.mapped.mapped_pool import READBACK_LAG, CountingMover, MappedPool, _runs
+from moestream.daemon.mapped.mapped_pool import CountingMover, MappedPool, _runs
 from moestream.daemon.mapped.row_gather import MAX_GATHERED, RowGather
 from moestream.daemon.model.streaming_model import load_stock_model, load_streaming_model
+from moestream.daemon.pool.resident_routing import READBACK_LAG
 from moestream.daemon.store.convert import convert_model
 from moestream.shared.settings import Settings, SettingsError
 

@@ -208,6 +208,21 @@ def test_listening_beyond_loopback_needs_a_key(tmp_path):
     empty.write_text("\n")
     out = ctl("serve-openai", "--api-key-file", str(empty))
     assert out.returncode == 2 and "is empty" in out.stderr
+    # A FIFO would block the read for good, /dev/zero fill memory: both refused at once.
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/zero")):
+        out = ctl("serve-openai", "--api-key-file", str(path), timeout=20)
+        assert out.returncode == 2 and "not a regular file" in out.stderr, out.stderr
+    # A key others could guess guards nothing beyond loopback.
+    short = tmp_path / "short"
+    short.write_text("k\n")
+    out = ctl("serve-openai", "--host", "0.0.0.0", "--port", "0", "--api-key-file", str(short))
+    assert out.returncode == 2 and "at least 16 characters (this one has 1" in out.stderr, out.stderr
+    home = str(tmp_path / "home")
+    args = ("--openai", "--platform", "linux", "--dry-run", "--host", "0.0.0.0", "--api-key-file", str(short))
+    result = ctl("service", "install", *args, env=clean_env(HOME=home))
+    assert result.returncode == 2 and "at least 16 characters" in result.stderr, result.stderr
 
 
 def test_a_copy_of_the_demo_store_anywhere_is_named_the_demo(tmp_path):
@@ -305,8 +320,9 @@ def test_models_lists_the_daemons_model(api, served):
     models = api.models.list().data
     assert [m.id for m in models] == ["store"] and models[0].owned_by == "moestream"
     assert api.models.retrieve("store").id == "store"
-    with pytest.raises(openai.NotFoundError):
-        api.models.retrieve("gpt-4")
+    # Any name is the daemon's model; the listing says its context (the model's own 512) and what it takes.
+    assert api.models.retrieve("gpt-4").id == "gpt-4"
+    assert models[0].context_length == 512 and models[0].capabilities == ["completion"]
 
 
 def test_greedy_completions_equal_generate_json(api, served, store, model_name):
@@ -390,10 +406,10 @@ def test_bad_requests_get_openai_errors_and_the_gateway_serves_on(served, model_
     auth = {"Authorization": f"Bearer {KEY}"}
     chat = url + "/v1/chat/completions"
     ok_body = {"model": model_name, "messages": CHAT, "max_tokens": 4, "temperature": 0}
+    long_body = {**ok_body, "messages": [{"role": "user", "content": "word " * 2000}]}
     cases = [
         ("bad JSON", chat, b'{"model": "store", "messages": [', auth, 400, "invalid_json", None),
         ("not an object", chat, b"[1, 2]", auth, 400, None, None),
-        ("unknown model", chat, {**ok_body, "model": "gpt-4o"}, auth, 404, "model_not_found", "model"),
         ("missing messages", chat, {"model": model_name}, auth, 400, None, "messages"),
         ("empty messages", chat, {**ok_body, "messages": []}, auth, 400, None, "messages"),
         ("bad role", chat, {**ok_body, "messages": [{"content": "hi"}]}, auth, 400, None, "messages[0].role"),
@@ -409,12 +425,13 @@ def test_bad_requests_get_openai_errors_and_the_gateway_serves_on(served, model_
         ("temperature", chat, {**ok_body, "temperature": 7}, auth, 400, None, "temperature"),
         ("max_tokens", chat, {**ok_body, "max_tokens": 0}, auth, 400, None, "max_tokens"),
         ("n=2", chat, {**ok_body, "n": 2}, auth, 400, "unsupported_parameter", "n"),
-        ("over the context", chat, {**ok_body, "max_tokens": 1 << 20}, auth, 400, "context_length_exceeded", None),
+        # A prompt over the model's context of 512 tokens (a max_tokens past it is cut instead).
+        ("over the context", chat, long_body, auth, 400, "context_length_exceeded", None),
         # Streaming waits for the daemon's first event, so its refusal keeps its status.
         (
             "over the context, streaming",
             chat,
-            {**ok_body, "max_tokens": 1 << 20, "stream": True},
+            {**long_body, "stream": True},
             auth,
             400,
             "context_length_exceeded",
@@ -463,6 +480,9 @@ def test_bad_requests_get_openai_errors_and_the_gateway_serves_on(served, model_
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
         r = http.post(chat, json=ok_body, headers=auth)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+        # Any model name is the daemon's model (coding agents ask for their own), named back.
+        r = http.post(chat, json={**ok_body, "model": "gpt-4o"}, headers=auth)
+        assert r.status_code == 200 and r.json()["model"] == "gpt-4o"
     assert KEY not in served[1].log.read_text()
 
 

@@ -115,7 +115,8 @@ ASSIGNMENT_ALLOWED = {
     ("prediction", "submitted"): "a `Prediction` record: the layer that submitted its reads says so",
     ("prediction", "submitted_at"): "the same record's submit time",
     ("pool", "stats"): "counters of a pool's `PoolStats` record, counted where the work is done",
-    ("view", "offset"): "prefill.py's own shallow copy of a cache, shifted for a mask",
+    ("view", "*"): "prefill.py's own shallow copy of a cache (`_Early`): its offset shifted for a mask, its methods "
+    "wrapped to be called again on the real cache",
     ("KeepMTP", "__name__"): "a class the function itself defines, named like the one it extends",
     ("log", "propagate"): "the standard library's Logger is configured through its attributes",
     # To go: the CUDA copier's kernel switch is set after construction by make_admitter

@@ -5,6 +5,7 @@ command itself with real probes (slow)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from moestream.daemon.plan import (
     save_bandwidths,
     save_compute,
 )
-from moestream.daemon.pool.capacity import kv_cache_bytes
+from moestream.daemon.pool.capacity import kv_cache_bytes, memory_held
 from moestream.shared.heat_file import read_usage
 from moestream.shared.settings import Settings, demo_store_path
 from moestream.shared.store_format import POOL_REUSE_NAME, load_manifest
@@ -123,6 +124,21 @@ def test_the_plan_of_the_demo_store(tmp_path):
     assert p.slots_per_layer == 16 and p.pool_bytes == 16 * sum(layer.expert_bytes for layer in manifest.layers)
     assert p.kv_bytes_per_1k_tokens == kv_cache_bytes(manifest.config, 1024)
     assert p.resident_bytes == sum((DEMO / f).stat().st_size for f in manifest.resident_files)
+    # The context: the model's own (4096), no memory known to bound it; with a budget,
+    # what the budget leaves once the weights, the pool, a long prompt's stack and the
+    # prompt cache are in, and the context is what that holds.
+    assert (p.context.tokens, p.context.bound, p.context.kv_room_bytes) == (4096, "model", None)
+    assert "context    4096 tokens per request, bound by model (the model's 4096)" in format_plan(p)
+    budget = 20 * 2**20
+    with_budget = Settings(model=str(DEMO), memory_budget=budget, prompt_cache_bytes=0, heat_dir=str(tmp_path))
+    b = make_plan(DEMO, with_budget, FAST, PROBE, counts, source, memory=(1 << 40, "device memory (a test's)"))
+    assert b.slots_per_layer == 64  # 20M holds every expert beside room for the model's 4096 tokens
+    assert b.context.memory == "memory_budget" and b.context.kv_room_bytes == budget - b.resident_bytes - b.pool_bytes
+    assert b.context.tokens == min(4096, b.context.kv_room_bytes // kv_cache_bytes(manifest.config, 1)) == 4096
+    # No budget: the device's memory bounds it (here a small one: 4 MiB beside the model).
+    held = memory_held(manifest, p.resident_bytes, p.pool_bytes, p.slots_per_layer, settings.prompt_cache_bytes)
+    small = make_plan(DEMO, settings, FAST, PROBE, counts, source, memory=(held + 4 * 2**20, "device memory (x)"))
+    assert (small.context.tokens, small.context.bound) == (4 * 2**20 // 3072, "memory")
     assert 0.25 < p.hit_rate < 0.6  # the hottest quarter takes more than a quarter of the routings
     terms = p.decode.terms_s
     assert terms["compute"] == pytest.approx(0.004 + (6 - 2) * 0.001)  # 6 layers
@@ -195,10 +211,17 @@ def test_plan_command_on_the_demo_model(tmp_path):
     assert p["slots_per_layer"] == 32 and p["decode"]["tokens_per_s"] > 0 and p["ttft"]["seconds"] > 0
     assert p["bandwidths"]["source"] == "probed now" and p["hits"]["source"].startswith("the demo trace's LRU")
     assert p["pool_probe"]["slots"] == 32 and "probing the slot pool at 50%" in out.stderr
+    assert "compute: round 3 of 3" in out.stderr  # the longest probe says how far it is
     assert p["decode"]["terms_s"]["sync"] == 0 and "pool" in p["decode"]["terms_s"]
     text = ctl("plan", "--model", str(DEMO), "--no-probe", "--capacity", "0.5", env=env, timeout=300)
     assert text.returncode == 0 and "(last probed " in text.stdout and "KV cache" in text.stdout, text.stderr
     assert "pool probe" in text.stdout and "probing" not in text.stderr  # all three kept
+    # A second and over as seconds, not `compute 131909.86 ms`.
+    assert not re.search(r"\d{4,}\.\d+ ms", text.stdout), text.stdout
+    # The demo needs no path: no --model, or `--model demo`, plans it.
+    for model in ([], ["--model", "demo"]):
+        same = ctl("plan", *model, "--no-probe", "--capacity", "0.5", env=env, timeout=300)
+        assert same.returncode == 0 and same.stdout.splitlines()[0] == text.stdout.splitlines()[0], same.stderr
     bad = ctl("plan", "--model", str(DEMO), "--capacity", "2", env=env)
     assert bad.returncode == 2 and "below the minimum" in bad.stderr
 

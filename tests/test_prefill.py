@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm import load as stock_load
@@ -28,6 +29,7 @@ from moestream.daemon.model.prefill import (
     PREFILL_STEP,
     LayerMajorPrefill,
     PrefillStats,
+    UnsupportedModel,
     chunk_sizes,
     prefill_cache,
 )
@@ -252,37 +254,64 @@ def _greedy(model, cache, token: int, steps: int = 4) -> tuple[list[int], np.nda
     return out, first
 
 
-def test_unsupported_forward_is_refused_clearly_before_anything_runs():
-    import mlx.nn as nn
-    from mlx_lm.models.cache import KVCache
+class _Toy(nn.Module):
+    """Two linear layers; the forward calls them as `order(tokens)` says."""
 
+    def __init__(self, order):
+        super().__init__()
+        self.layers = [nn.Linear(4, 4), nn.Linear(4, 4)]
+        self._order = order
+
+    def __call__(self, tokens, cache=None):
+        h = mx.zeros((1, tokens.shape[-1], 4))
+        for i in self._order(tokens.shape[-1]):
+            h = self.layers[i](h)
+        return h
+
+
+def test_a_model_the_prefill_cannot_drive_is_found_at_load():
+    """Decided when the model loads (its forward driven once over a throwaway cache), so
+    the daemon says `chunk` in `status` and no user's prompt meets the refusal."""
     from moestream.daemon.model.prefill import UnsupportedModel
+    from moestream.daemon.model.streaming_model import _layer_major
 
     class NoLayers(nn.Module):
         pass
 
     with pytest.raises(UnsupportedModel, match="no list of decoder layers"):
         LayerMajorPrefill(NoLayers())
-
-    class Twice(nn.Module):
-        """A forward that calls its first layer twice: not what the prefill drives."""
-
-        def __init__(self):
-            super().__init__()
-            self.layers = [nn.Linear(4, 4), nn.Linear(4, 4)]
-
-        def __call__(self, tokens, cache=None):
-            h = mx.zeros((1, tokens.shape[-1], 4))
-            for layer in [self.layers[0], *self.layers]:
-                h = layer(h)
-            return h
-
-    model = Twice()
-    cache = [KVCache(), KVCache()]
+    twice = _Toy(lambda n: [0, 0, 1])
     with pytest.raises(UnsupportedModel, match="each decoder layer once"):
-        LayerMajorPrefill(model).run(mx.arange(40), cache, step=16)
+        LayerMajorPrefill(twice)
+    assert all(isinstance(layer, nn.Linear) for layer in twice.layers)  # put back
+
+    class Raises(_Toy):
+        def __call__(self, tokens, cache=None):
+            if not isinstance(self.layers[0], nn.Linear):
+                raise TypeError("not my layer")
+            return super().__call__(tokens, cache)
+
+    prefill, note = _layer_major(Raises(lambda n: [0, 1]), Settings())
+    assert prefill is None and note.startswith("chunk: the model's forward failed when driven layer by layer")
+    assert "TypeError: not my layer" in note
+    prefill, note = _layer_major(_Toy(lambda n: [0, 1]), Settings())
+    assert prefill is not None and note.startswith("layer")
+
+
+def test_a_forward_that_strays_at_a_prompt_is_refused_before_anything_runs_or_stops():
+    """A forward whose order depends on the prompt (the probe at load passed): where its
+    first call is not the first layer, nothing has run and the prompt goes in stock's
+    chunks; where it strays after a layer ran, the prefill stops with an error instead of
+    leaving a cache that is not stock's."""
+    cache = [KVCache(), KVCache()]
+    late = LayerMajorPrefill(_Toy(lambda n: [0, 1] if n <= 2 else [1, 0]))
+    with pytest.raises(UnsupportedModel, match="each decoder layer once"):
+        late.run(mx.arange(40), cache, step=16)
     assert all(c.offset == 0 and c.keys is None for c in cache)  # untouched
-    assert all(isinstance(layer, nn.Linear) for layer in model.layers)  # put back
+    again = LayerMajorPrefill(_Toy(lambda n: [0, 1] if n <= 2 else [0, 1, 1]))
+    with pytest.raises(RuntimeError, match="each decoder layer once"):
+        again.run(mx.arange(40), cache, step=16)
+    assert all(isinstance(layer, nn.Linear) for layer in again.layers)  # put back
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import shutil
 
 import mlx.core as mx
@@ -433,3 +434,46 @@ def test_a_store_without_a_store_id_is_named_by_its_manifest(tmp_path):
     assert named.startswith("manifest-") and named == cache_identity(demo_store_path(), None)
     (tmp_path / "manifest.json").write_text("{}")
     assert cache_identity(tmp_path, None) != named
+
+
+def test_the_disk_folder_must_be_private_and_its_files_are_never_links_or_fifos(build, tmp_path):
+    """Another user who made the folder first could plant a link at the temporary name
+    (the daemon then overwrote the target) or a FIFO (the index hung for good): a folder
+    open to others, or a link, is refused (memory only, said in status); in a private
+    folder a FIFO is removed, not read, and a link at the temporary name is replaced,
+    never written through."""
+    _, store, stock = build("qwen3_moe")
+    open_folder = tmp_path / "open"
+    open_folder.mkdir(mode=0o777)
+    open_folder.chmod(0o777)
+    pc = _new_cache(stock, disk_dir=open_folder, disk_bytes=2**30)
+    assert pc.stats.disk_dir is None and "open to other users" in pc.stats.disk_problem
+    pc.close()
+    link = tmp_path / "link"
+    link.symlink_to(open_folder)
+    pc = _new_cache(stock, disk_dir=link, disk_bytes=2**30)
+    assert pc.stats.disk_dir is None and "not a folder" in pc.stats.disk_problem
+    pc.close()
+
+    folder = tmp_path / "pc"
+    folder.mkdir(mode=0o700)
+    os.mkfifo(folder / "test-store-0123456789abcdef0123456789abcdef.safetensors")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    sm = load_streaming_model(store, Settings(direct_io=True))
+    try:
+        pc = _new_cache(stock, disk_dir=folder, disk_bytes=2**30)  # returns: the FIFO is not read
+        assert pc.stats.disk_dir == str(folder) and pc.stats.disk_skipped == 1
+        assert not any(p.is_fifo() for p in folder.iterdir())
+        prompt = _prompt(30, seed=3)
+        (answer, _), _ = _ours(sm, pc, prompt)
+        pc.close()
+        written = next(folder.glob("*.safetensors"))
+        (written.parent / (written.name + ".tmp")).symlink_to(victim)
+        written.unlink()
+        again = _new_cache(stock, disk_dir=folder, disk_bytes=2**30)
+        _ours(sm, again, prompt)
+        again.close()
+        assert victim.read_bytes() == b"keep me" and written.is_file() and not written.is_symlink()
+    finally:
+        sm.close()

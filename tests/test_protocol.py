@@ -26,6 +26,7 @@ def generate_body(**fields):
     [
         proto.Generate(id="a", prompt="hello", max_tokens=3, temp=0.5, top_p=0.9, seed=7, stop=("\n", "END")),
         proto.Generate(id="b", prompt_ids=(1, 2, 3)),
+        proto.Generate(id="g", prompt="hi", client="openai 127.0.0.1 (OpenAI/Python 1.40)"),
         proto.Cancel(id="c", target="a"),
         proto.Status(id="s"),
         proto.Stats(id="t"),
@@ -102,6 +103,10 @@ def code_of(data: bytes) -> str:
         (pack(generate_body(stop="x")), proto.BAD_MESSAGE),
         (pack(generate_body(stop=[""])), proto.BAD_MESSAGE),
         (pack(generate_body(stop=["x"] * 17)), proto.BAD_MESSAGE),
+        (pack(generate_body(client="")), proto.BAD_MESSAGE),
+        (pack(generate_body(client="x" * (proto.MAX_CLIENT_CHARS + 1))), proto.BAD_MESSAGE),
+        (pack(generate_body(client="line\nbreak")), proto.BAD_MESSAGE),
+        (pack(generate_body(client=7)), proto.BAD_MESSAGE),
         (pack(generate_body(prompt="x" * (proto.MAX_PROMPT_CHARS + 1))), proto.TOO_LARGE),
         (pack(generate_body(prompt=None, prompt_ids=[1] * (proto.MAX_PROMPT_IDS + 1))), proto.TOO_LARGE),
         (b"\x00" * (proto.MAX_MESSAGE_BYTES + 1), proto.TOO_LARGE),

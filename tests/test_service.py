@@ -444,6 +444,28 @@ def test_status_reports_the_file_and_the_manager(store: Path, tmp_path: Path) ->
     result = invoke(["status", "--platform", "linux"], env)
     assert "(installed)" in result.output
     assert result.exit_code != 0  # no user instance to ask: systemctl's own failure status
+    if "Failed to connect to bus" in result.output:  # systemctl is there, its user instance is not
+        assert "loginctl enable-linger" in result.output
+
+
+def test_uninstall_of_the_daemon_takes_the_gateway_with_it(store: Path, tmp_path: Path) -> None:
+    """The gateway only answers 503 without its daemon: the daemon's uninstall removes
+    both services; --openai removes the gateway's alone."""
+    home = tmp_path / "home"
+    for platform in sf.PLATFORMS:
+        env = clean_env(home, PATH=str(tmp_path / "no-tools"))
+        daemon, gateway = sf.service_file_path(platform, home), sf.service_file_path(platform, home, sf.OPENAI)
+        for extra in ([], ["--openai"]):
+            args = ["install", "--platform", platform, "--no-load", *extra]
+            assert invoke([*args, *([] if extra else ["--model", str(store)])], env).exit_code == 0
+        assert daemon.is_file() and gateway.is_file()
+        assert invoke(["uninstall", "--platform", platform, "--no-unload", "--openai"], env).exit_code == 0
+        assert daemon.is_file() and not gateway.exists()
+        assert invoke(["install", "--platform", platform, "--no-load", "--openai"], env).exit_code == 0
+        result = invoke(["uninstall", "--platform", platform, "--no-unload"], env)
+        assert result.exit_code == 0, result.output
+        assert not daemon.exists() and not gateway.exists()
+        assert f"removed {gateway}" in result.output and f"removed {daemon}" in result.output
 
 
 def test_bad_settings_are_refused_before_writing(store: Path, tmp_path: Path) -> None:

@@ -438,9 +438,16 @@ on a clear day? Blue. Who wrote the book? Nobody knows; the name on the cover is
 '''
 
 
-def write_tokenizer(path: str | Path) -> None:
-    """Train a byte-level BPE of at most VOCAB_SIZE tokens on fixed text; save it in the
-    Hugging Face layout (tokenizer.json, tokenizer_config.json, special_tokens_map.json)."""
+def write_tokenizer(
+    path: str | Path,
+    *,
+    special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
+    chat_template: str = CHAT_TEMPLATE,
+    text: str = _TEXT,
+) -> None:
+    """Train a byte-level BPE of at most VOCAB_SIZE tokens on fixed text (`text`) with
+    `special_tokens` as its first ids; save it in the Hugging Face layout (tokenizer.json,
+    tokenizer_config.json with `chat_template`, special_tokens_map.json)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     path = Path(path)
@@ -449,11 +456,11 @@ def write_tokenizer(path: str | Path) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([_TEXT] * 4, trainer=trainer)
+    tok.train_from_iterator([text] * 4, trainer=trainer)
     tok.save(str(path / "tokenizer.json"))
     special = {"eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN}
     (path / "tokenizer_config.json").write_text(
@@ -465,7 +472,7 @@ def write_tokenizer(path: str | Path) -> None:
                 "add_prefix_space": False,
                 "clean_up_tokenization_spaces": False,
                 "model_max_length": 512,
-                "chat_template": CHAT_TEMPLATE,
+                "chat_template": chat_template,
             },
             indent=2,
         )

@@ -18,6 +18,7 @@ from moestream.client.cli.values import capacity_note, runtime_dir_option, setti
 from moestream.client.client import Client, ClientError, DaemonDied, DaemonNotRunning
 from moestream.shared import protocol as proto
 from moestream.shared.file_lock import lock_exclusive
+from moestream.shared.request_info import RequestInfo
 from moestream.shared.runtime_dir import (
     LOG_NAME,
     RuntimeDirError,
@@ -33,10 +34,12 @@ from moestream.shared.settings import (
     SETTINGS,
     Settings,
     SettingsError,
+    demo_store_path,
     earlier_runtime_dir,
     format_size,
     in_scope,
 )
+from moestream.shared.store_format import load_manifest
 
 # The settings `start`, `restart` and `service install` take as options, passed on to
 # `python -m moestream.daemon.main` (names of Settings fields).
@@ -379,12 +382,31 @@ def restart(given, timeout) -> None:
                 given[name] = value
         if given.get("log_file") is None and running.get("log"):
             given["log_file"] = running["log"]
+        if given.get("model") == running.get("settings", {}).get("model"):
+            given["model"] = _served_store_now(running)
         stop_daemon(paths, timeout=30.0)
     settings = resolve_settings(given)
     note = capacity_note(settings)
     if note:
         click.echo(f"note: {note}", err=True)
     start_daemon(settings, given, timeout=timeout)
+
+
+def _served_store_now(running: dict[str, Any]) -> str | None:
+    """Where the store the daemon serves is now. A reinstall (`pip install -e .` after
+    `pip install .`) moves the built-in demo out from under a running daemon: the demo's
+    new copy is the same store (by id), so restart starts on it. Another store that is
+    gone is refused here, before the running daemon is stopped."""
+    model = running.get("settings", {}).get("model")
+    if model is None or Path(model).is_dir():
+        return model
+    demo = demo_store_path()
+    if demo.is_dir() and running.get("store_id") == load_manifest(demo).store_id:
+        return str(demo)
+    raise click.ClickException(
+        f"the daemon's store {model} is gone, so it cannot be restarted on it; the daemon keeps running "
+        "(`moestreamctl restart --model STORE` starts it on another store)"
+    )
 
 
 @click.command()
@@ -413,6 +435,10 @@ def status(runtime_dir, as_json) -> None:
 
 def _size(n: Any) -> str:
     return format_size(n) if isinstance(n, (int, float)) else "-"
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _rate(x: Any) -> str:
@@ -444,6 +470,13 @@ def _format_status(st: dict[str, Any]) -> str:
             f"policy {st['policy']}; {resident}/{slots} slots used, {pinned} pinned; hit rate "
             f"{_rate(pool.get('hit_rate'))}"
         )
+    ctx = st.get("context")
+    if ctx:
+        room = f", {_size(ctx['kv_room_bytes'])} of {ctx['memory']} left for KV" if ctx["kv_room_bytes"] else ""
+        lines.append(
+            f"  context    {ctx['tokens']} tokens per request ({ctx['bound']}; the model's "
+            f"{ctx['model_tokens'] or '?'}, KV {_size(ctx['kv_bytes_per_token'])}/token{room})"
+        )
     batch = st.get("batch")
     if batch:
         mean = batch.get("mean_size")
@@ -460,6 +493,7 @@ def _format_status(st: dict[str, Any]) -> str:
             f"{_size(pc['max_bytes'])} reserved; "
             f"hit rate {_rate(pc.get('hit_rate'))}, {pc['tokens_reused']} tokens reused"
             + (f"; {pc['disk_entries']} on disk ({_size(pc['disk_bytes'])})" if pc.get("disk_dir") else "")
+            + (f"; no disk cache: {pc['disk_problem']}" if pc.get("disk_problem") else "")
         )
     prefill = pool.get("prefill") or {}
     if prefill.get("order"):
@@ -499,8 +533,9 @@ def _format_status(st: dict[str, Any]) -> str:
     ]
     if req.get("why_queued"):
         lines.append(f"    queued: {req['why_queued']}")
-    for job in req.get("running", []):
-        lines.append(f"    {job['id']}: {_job_state(job)}, {job['seconds']:.0f} s")
+    for job in [*req.get("running", []), *req.get("waiting", [])]:
+        info = RequestInfo.from_dict(job)
+        lines.append(f"    {info.id} ({info.client}): {_job_state(info)}, {info.seconds:.0f} s")
     if st.get("keep_alive"):
         lines.append(_keep_alive_line(st["keep_alive"]))
     lines += [
@@ -531,12 +566,16 @@ def _keep_alive_line(ka: dict[str, Any]) -> str:
     return f"  keep-alive {what}; {ka.get('unloads', 0)} unloads, {ka.get('reloads', 0)} loads again so far"
 
 
-def _job_state(job: dict[str, Any]) -> str:
-    done = job.get("prefilled_tokens")
-    if done is not None:
-        total = job["prompt_tokens"]
+def _job_state(job: RequestInfo) -> str:
+    prompt = "?" if job.prompt_tokens is None else job.prompt_tokens
+    if job.phase == "queued":
+        return f"queued, a prompt of {prompt} tokens"
+    if job.phase == "prefill" and job.prefilled_tokens is not None:
+        done, total = job.prefilled_tokens, job.prefill_total or job.prompt_tokens or 0
         return f"prefill {done}/{total} prompt tokens ({100 * done // max(total, 1)}%)"
-    return f"{job['tokens']}/{job['max_tokens']} tokens after a prompt of {job['prompt_tokens']}"
+    if job.phase == "prefill":
+        return f"prefill of a prompt of {prompt} tokens"
+    return f"{job.tokens}/{job.max_tokens} tokens after a prompt of {prompt}"
 
 
 @click.command()
@@ -627,7 +666,10 @@ def stats(runtime_dir, as_json) -> None:
         + f"; {req.get('tokens', 0)} tokens made, {req.get('queued', 0)} queued"
     )
     if reader:
-        click.echo("read engine: " + ", ".join(f"{k} {v}" for k, v in reader.items() if isinstance(v, (int, float))))
+        click.echo(
+            "read engine: "
+            + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in reader.items() if _number(v))
+        )
     click.echo(f"{'layer':>5} {'resident':>9} {'capacity':>9} {'pinned':>7} {'hit rate':>9}")
     for layer in pool.get("layers", []):
         click.echo(

@@ -13,7 +13,7 @@ import click
 
 from moestream.client.cli.values import capacity_note, setting_options, store_option
 from moestream.shared.kernel_cache import KernelCacheError, use_kernel_cache
-from moestream.shared.settings import GENERATE, LOCAL, Settings, SettingsError, definition, in_scope
+from moestream.shared.settings import GENERATE, LOCAL, Settings, SettingsError, definition, demo_store_path, in_scope
 from moestream.shared.store_format import same_folder
 
 # Settings of `generate` that a running daemon does not take from it: `model` is checked
@@ -122,15 +122,27 @@ def _exits_quietly_on_ctrl_c(command: Callable[..., None]) -> Callable[..., None
 @click.option("--prompt-ids", help="Token ids instead of a text prompt: 1,2,3, @FILE, or - (standard input).")
 @click.option("--local", is_flag=True, help="Run in this process instead of through the daemon.")
 @setting_options(GENERATE, LOCAL)
-@click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(1, None))
+@click.option(
+    "--max-tokens",
+    default=256,
+    show_default=True,
+    type=click.IntRange(1, None),
+    help="Most tokens to generate (fewer when the context runs out).",
+)
 @click.option(
     "--temp",
     default=0.0,
     show_default=True,
     type=click.FloatRange(0.0, None),
-    help="Sampling temperature; 0 is greedy.",
+    help="Sampling temperature; below 0.001 is greedy (the likeliest token every time).",
 )
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0))
+@click.option(
+    "--top-p",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(0.0, 1.0),
+    help="Sample from the likeliest tokens whose probabilities add up to this (1: all); below 1e-6 is greedy.",
+)
 @click.option("--seed", type=int, help="Random seed for sampling.")
 @click.option(
     "--speculative",
@@ -287,6 +299,15 @@ def _check_served_store(model: str, status: dict) -> None:
         )
 
 
+def _model_chosen(settings: Settings, given: dict) -> bool:
+    """Whether the user chose the model (a flag, a variable, the config file): the built-in
+    demo, the default when nothing is chosen, gives way to whatever a running daemon
+    serves, so `start --model X` then a plain `generate` asks X."""
+    if settings.model is None:
+        return False
+    return given.get("model") is not None or not same_folder(settings.model, demo_store_path())
+
+
 def _generate_via_daemon(
     settings: Settings,
     given: dict,
@@ -323,7 +344,7 @@ def _generate_via_daemon(
             status = client.status()
         except ClientError as e:
             raise click.ClickException(str(e)) from None
-        if settings.model is not None:
+        if _model_chosen(settings, given):
             _check_served_store(settings.model, status)
         if status.get("store_problem"):
             click.echo(f"warning: {status['store_problem']}", err=True)
@@ -343,7 +364,14 @@ def _generate_via_daemon(
         shown = 0
         try:
             keep_alive = settings.keep_alive if given.get("keep_alive") is not None else None
-            stream = client.generate(prompt, prompt_ids=ids, progress=progress.on, keep_alive=keep_alive, **sampling)
+            stream = client.generate(
+                prompt,
+                prompt_ids=ids,
+                progress=progress.on,
+                keep_alive=keep_alive,
+                client="moestreamctl generate",
+                **sampling,
+            )
             for event in stream:
                 if isinstance(event, Progress):
                     progress.update(event.done, event.total, event.stage)

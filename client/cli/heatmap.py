@@ -31,6 +31,10 @@ def _group(folder: Path) -> tuple[dict[int, dict[int, int]], str]:
     return counts, f"{len(paths)} ranks' heat files ({', '.join(p.name for p in paths)}) in {folder}"
 
 
+def _is_demo(store: Path) -> bool:
+    return store_option(store).store_id == store_option(demo_store_path()).store_id
+
+
 def heat_rows(store: Path, settings: Settings) -> tuple[list[list[int]], str]:
     """(rows of counts, where they come from): the store's saved heat, else the summed
     heat of the ranks of the last expert-parallel group that served it, else for the demo
@@ -39,7 +43,7 @@ def heat_rows(store: Path, settings: Settings) -> tuple[list[list[int]], str]:
     folder = settings.heat_folder(store)
     path = usage_path(folder)
     sources = [lambda: _file(path), lambda: _group(folder)]
-    if manifest.store_id == store_option(demo_store_path()).store_id:
+    if _is_demo(store):
         sources.append(lambda: _file(DEMO_COUNTS))
     for read in sources:
         counts, source = read()
@@ -54,10 +58,11 @@ def heat_rows(store: Path, settings: Settings) -> tuple[list[list[int]], str]:
 @click.command()
 @click.option("--model", "store", required=True, type=click.Path(file_okay=False), help="Expert store.")
 @click.option("--out", "out_file", required=True, type=click.Path(dir_okay=False), help="The PNG to write.")
-@click.option("--cell", default=8, show_default=True, type=click.IntRange(1, 64), help="Pixels per expert.")
+@click.option("--cell", default=12, show_default=True, type=click.IntRange(2, 64), help="Pixels per layer and expert.")
 def heatmap(store, out_file, cell) -> None:
-    """Write the heat of STORE's experts (rows: MoE layers; darker: routed more, per
-    layer) as a PNG: the dashboard's heat map, for a file."""
+    """Write the heat of STORE's experts as a PNG: a row per MoE layer, a column per
+    expert, darker where routed more (one colour scale, its numbers below), titled with
+    the store's name: the dashboard's heat map, for a file."""
     from moestream.client.dashboard.png import write_heat_png
 
     try:
@@ -65,5 +70,9 @@ def heatmap(store, out_file, cell) -> None:
     except SettingsError as e:
         raise click.UsageError(str(e)) from None
     rows, source = heat_rows(Path(store), settings)
-    size = write_heat_png(Path(out_file), rows, cell)
+    # The name the gateway's APIs give the model (client/gateway/app.py model_id).
+    name = "moestream-demo" if _is_demo(Path(store)) else Path(store).resolve().name
+    total = sum(map(sum, rows))
+    title = f"{name}: routings per expert, {len(rows)} layers x {len(rows[0])} experts, {total} in all"
+    size = write_heat_png(Path(out_file), rows, title, cell)
     click.echo(f"{out_file}: {len(rows)} layers x {len(rows[0])} experts from {source} ({size} bytes)")

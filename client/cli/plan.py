@@ -12,7 +12,9 @@ from moestream.shared.settings import Settings, SettingsError
 
 
 @click.command()
-@click.option("--model", "store", required=True, type=click.Path(file_okay=False), help="Expert store.")
+@click.option(
+    "--model", "store", type=click.Path(file_okay=False), help="Expert store (default: the built-in demo model)."
+)
 @click.option("--memory-budget", help="Size the pool to fit resident weights, pool and KV cache in this, e.g. 24G.")
 @click.option("--host-cache", help="A host-RAM tier of this size between the store and the pool, e.g. 32G.")
 @click.option("--capacity", help="Pool slots per MoE layer (16) or a fraction of each layer's experts (0.25, 25%).")
@@ -28,12 +30,15 @@ def plan(store, memory_budget, host_cache, capacity, max_context, no_probe, as_j
     from moestream.daemon.plan import format_plan, plan_store
     from moestream.daemon.pool.expert_pool import PoolCapacityError
 
-    store_option(store)
     given = {"capacity": capacity, "memory_budget": memory_budget, "host_cache": host_cache, "max_context": max_context}
     try:
         settings = Settings.resolve({"model": store, **given})
     except SettingsError as e:
         raise click.UsageError(str(e)) from None
+    if settings.model is None:
+        raise click.UsageError("no built-in demo model: give --model STORE")
+    store = settings.model
+    store_option(store)
     try:
         p = plan_store(Path(store), settings, probe=not no_probe, progress=lambda line: click.echo(line, err=True))
     except PoolCapacityError as e:

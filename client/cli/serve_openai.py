@@ -14,9 +14,13 @@ import click
 from moestream.client.cli.values import runtime_dir_option
 from moestream.shared.runtime_dir import RuntimeDirError, RuntimePaths
 from moestream.shared.settings import Settings, SettingsError
+from moestream.shared.small_file import NotARegularFile, read_small_file
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
+# A key file holds one line; anything larger is not one.
+MAX_KEY_FILE_BYTES = 4096
+MIN_KEY_CHARS = 16
 
 
 def is_loopback(host: str) -> bool:
@@ -29,16 +33,18 @@ def is_loopback(host: str) -> bool:
         return False  # a host name: it may resolve to any interface
 
 
-def read_api_key(api_key: str | None, api_key_file: str | None) -> str | None:
-    """The key from --api-key or the first line of --api-key-file (None: no key)."""
+def read_api_key(api_key: str | None, api_key_file: str | None, host: str = DEFAULT_HOST) -> str | None:
+    """The key from --api-key or the first line of --api-key-file (None: no key). A key
+    that guards more than loopback must be one nobody guesses: MIN_KEY_CHARS at least."""
     if api_key is not None and api_key_file is not None:
         raise click.UsageError("give --api-key or --api-key-file, not both")
     if api_key_file is not None:
         path = Path(api_key_file).expanduser()
         try:
-            text = path.read_text(encoding="utf-8")
+            # Not blocking on a FIFO, nor reading /dev/zero until memory runs out.
+            text = read_small_file(path, MAX_KEY_FILE_BYTES, follow_links=True).decode("utf-8")
             mode = path.stat().st_mode
-        except (OSError, UnicodeDecodeError) as e:
+        except (OSError, UnicodeDecodeError, NotARegularFile) as e:
             raise click.UsageError(f"--api-key-file: cannot read {path}: {e}") from None
         if stat.S_IMODE(mode) & 0o077:
             click.echo(f"warning: {path} can be read by other users; `chmod 600 {path}`", err=True)
@@ -48,7 +54,13 @@ def read_api_key(api_key: str | None, api_key_file: str | None) -> str | None:
             raise click.UsageError(f"--api-key-file: {path} is empty")
     elif api_key is not None and not api_key.strip():
         raise click.UsageError("--api-key is empty")
-    return api_key.strip() if api_key is not None else None
+    key = api_key.strip() if api_key is not None else None
+    if key is not None and len(key) < MIN_KEY_CHARS and not is_loopback(host):
+        raise click.UsageError(
+            f"--host {host} accepts connections from other machines: its API key must have at least {MIN_KEY_CHARS} "
+            f"characters (this one has {len(key)}; e.g. `openssl rand -hex 24 > key.txt`)"
+        )
+    return key
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -97,13 +109,14 @@ def bind(host: str, port: int) -> socket.socket:
     type=click.Choice(["critical", "error", "warning", "info", "debug"]),
 )
 def serve_openai(host, port, api_key, api_key_file, runtime_dir, log_level) -> None:
-    """Serve the OpenAI HTTP API (chat, completions, models, health) from the daemon.
+    """Serve the daemon over HTTP: the OpenAI API (/v1: chat, completions, models), the
+    Anthropic Messages API (/v1/messages), Ollama's API (/api) and a live dashboard (/).
 
     A thin client of the running daemon: it translates HTTP into the daemon's protocol,
     so every app shares the daemon's warm pool. It does not start the daemon: /health
     answers 503 until one runs (`moestreamctl start`, or `service install`).
     """
-    key = read_api_key(api_key, api_key_file)
+    key = read_api_key(api_key, api_key_file, host)
     if key is None and not is_loopback(host):
         raise click.UsageError(
             f"--host {host} accepts connections from other machines: give --api-key-file FILE (or --api-key KEY), "
@@ -131,9 +144,11 @@ def serve_openai(host, port, api_key, api_key_file, runtime_dir, log_level) -> N
     sock = bind(host, port)
     actual = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
+    base = f"http://{shown}:{actual}"
     click.echo(
-        f"moestream OpenAI API on http://{shown}:{actual}/v1 (daemon runtime folder {paths.dir}; "
-        f"API key {'required' if key else 'not required'}; pid {os.getpid()})",
+        f"moestream gateway: OpenAI API on {base}/v1 (Anthropic {base}/v1/messages, Ollama {base}/api, "
+        f"dashboard {base}/; daemon runtime folder {paths.dir}; API key {'required' if key else 'not required'}; "
+        f"pid {os.getpid()})",
         err=True,
     )
     app = create_app(GatewayConfig(paths=paths, api_key=key), guard)
@@ -143,7 +158,8 @@ def serve_openai(host, port, api_key, api_key_file, runtime_dir, log_level) -> N
         host=host,
         port=actual,
         log_level=log_level,
-        lifespan="off",
+        # The dashboard's history is sampled for as long as the app's lifespan runs.
+        lifespan="on",
         server_header=False,
         # Streams still open after this many seconds of a shutdown are cancelled, and with
         # them their daemon requests.

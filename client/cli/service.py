@@ -205,9 +205,9 @@ def install(given, no_load, openai, host, port, api_key_file, dry_run, platform_
     settings given here (the same options as `moestreamctl start`), and the MOESTREAM_*
     settings of this shell. Run it again to change them; the running daemon is restarted.
 
-    With --openai, installs the OpenAI-compatible gateway instead, as a second service
-    that runs `moestreamctl serve-openai` (with --host, --port, --api-key-file) and
-    talks to the daemon of the same MOESTREAM_* settings.
+    With --openai, adds the HTTP gateway as a second service beside the daemon's (which
+    this leaves as it is): it runs `moestreamctl serve-openai` (with --host, --port,
+    --api-key-file) and talks to the daemon of the same MOESTREAM_* settings.
     """
     env = dict(os.environ)
     platform = _platform(platform_name)
@@ -298,7 +298,7 @@ def _gateway_service(
     host = host or DEFAULT_HOST
     if api_key_file is not None:
         api_key_file = os.path.abspath(os.path.expanduser(api_key_file))
-        read_api_key(None, api_key_file)  # an unreadable or empty file fails here, not in a restart loop
+        read_api_key(None, api_key_file, host)  # an unreadable, empty or short key fails here, not in a restart loop
     elif not is_loopback(host):
         raise click.UsageError(
             f"--host {host} accepts connections from other machines: give --api-key-file FILE, or use --host "
@@ -385,10 +385,16 @@ def _install(
 @_dry_run_option
 @_platform_option
 def uninstall(no_unload, openai, dry_run, platform_name) -> None:
-    """Stop the service and remove its file."""
+    """Stop the service and remove its file; the daemon's takes the gateway's with it
+    (a gateway without its daemon only answers 503). --openai: the gateway's alone."""
     env = dict(os.environ)
     platform = _platform(platform_name)
-    svc = _service_of(openai)
+    if not openai and sf.service_file_path(platform, _home(env), sf.OPENAI).exists():
+        _uninstall(env, platform, sf.OPENAI, no_unload, dry_run)
+    _uninstall(env, platform, _service_of(openai), no_unload, dry_run)
+
+
+def _uninstall(env: dict[str, str], platform: str, svc: sf.Service, no_unload: bool, dry_run: bool) -> None:
     path = sf.service_file_path(platform, _home(env), svc)
     uid = os.getuid()
     unload = [] if no_unload else sf.unload_commands(platform, uid, svc)
@@ -468,4 +474,6 @@ def status(ctx: click.Context, openai, dry_run, platform_name) -> None:
     click.echo(done.stdout, nl=False)
     if done.stderr:
         click.echo(done.stderr, nl=False, err=True)
+        if "Failed to connect to bus" in done.stderr:
+            click.echo(_session_hint(platform), err=True)
     ctx.exit(done.returncode)

@@ -1,12 +1,15 @@
-"""The dashboard's two routes and the short history of tokens/s they keep."""
+"""The dashboard's two routes, and the history of tokens made that the gateway samples."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 import anyio.to_thread
 from starlette.requests import Request
@@ -15,27 +18,105 @@ from starlette.routing import Route
 
 from moestream.client.client import Client, ClientError, DaemonNotRunning
 from moestream.shared.heat_file import group_usage, peek_usage, usage_path
+from moestream.shared.request_info import RequestInfo
 from moestream.shared.runtime_dir import RuntimePaths
 from moestream.shared.settings import Settings, SettingsError
 
+log = logging.getLogger("moestream.dashboard")
 PAGE = Path(__file__).resolve().parent / "static" / "dashboard.html"
-# Samples of the token counter kept for the tokens/s chart: 10 minutes at one a second.
-HISTORY_SAMPLES = 600
-MIN_SAMPLE_SECONDS = 0.5
+# The gateway reads the daemon's tokens made every SAMPLE_SECONDS, whether or not a page
+# is open, and keeps HISTORY_SECONDS of them: a page opened now draws the last half hour.
+SAMPLE_SECONDS = 2.0
+HISTORY_SECONDS = 30 * 60
+# A sample later than this many periods after the one before: the gateway was not
+# sampling in between (the machine slept), and the chart shows a gap, not a line.
+GAP_PERIODS = 3
 
 
 @dataclass(frozen=True)
 class Sample:
     at: float  # wall-clock seconds
-    tokens: int  # tokens made so far: those of finished requests and of running ones
+    tokens: int | None  # tokens made so far (finished and running requests); None: no daemon answered
+    pid: int | None  # the daemon's: a restarted daemon counts from 0 again
+    routed: tuple[int, ...] = ()  # each MoE layer's routings so far
 
-    def to_dict(self) -> dict[str, float]:
-        return {"at": self.at, "tokens": self.tokens}
+
+def requests_of(st: dict[str, Any]) -> list[RequestInfo]:
+    """The daemon's running requests, then the first of its queued ones."""
+    req = st.get("requests", {})
+    return [RequestInfo.from_dict(j) for j in [*req.get("running", []), *req.get("waiting", [])]]
 
 
 def tokens_made(st: dict[str, Any]) -> int:
-    req = st.get("requests", {})
-    return int(req.get("tokens", 0)) + sum(int(j.get("tokens", 0)) for j in req.get("running", []))
+    """Tokens made so far: those of ended requests and of running ones."""
+    return int(st.get("requests", {}).get("tokens", 0)) + sum(j.tokens for j in requests_of(st))
+
+
+class History:
+    """Tokens made, sampled by `run()` every `period` seconds (a bounded ring of
+    `keep` samples); `read()` gives the daemon's status, or None where none answers."""
+
+    def __init__(
+        self,
+        read: Callable[[], dict[str, Any] | None],
+        period: float = SAMPLE_SECONDS,
+        keep: int = round(HISTORY_SECONDS / SAMPLE_SECONDS),
+    ) -> None:
+        self.read = read
+        self.period = period
+        self.samples: deque[Sample] = deque(maxlen=keep)
+
+    def add(self, st: dict[str, Any] | None, at: float) -> None:
+        if st is None:
+            self.samples.append(Sample(at, None, None))
+        else:
+            routed = tuple(int(la.get("routed", 0)) for la in (st.get("pool") or {}).get("layers", []))
+            self.samples.append(Sample(at, tokens_made(st), st.get("pid"), routed))
+
+    def sample(self) -> None:
+        try:
+            st = self.read()
+        except Exception as e:  # the sampler goes on; this sample is a gap
+            log.warning("the dashboard's history could not read the daemon's status: %s: %s", type(e).__name__, e)
+            st = None
+        self.add(st, time.time())
+
+    async def run(self) -> None:
+        """Sample until cancelled (the status call on a worker thread)."""
+        while True:
+            tic = time.monotonic()
+            await anyio.to_thread.run_sync(self.sample)
+            await asyncio.sleep(max(self.period - (time.monotonic() - tic), 0.0))
+
+    def _interval(self, prev: Sample | None, s: Sample) -> float | None:
+        """Seconds from `prev` to `s` where `s` continues it (the same daemon answered
+        both, with no gap between them), else None."""
+        if prev is None or prev.tokens is None or s.tokens is None or s.pid != prev.pid:
+            return None
+        dt = s.at - prev.at
+        return dt if 0 < dt <= GAP_PERIODS * self.period else None
+
+    def points(self) -> list[dict[str, float | None]]:
+        """Each sample's time and tokens/s since the one before; tokens/s is None where
+        the chart has a gap: no daemon, a restarted one, or no sample in between."""
+        out: list[dict[str, float | None]] = []
+        prev: Sample | None = None
+        for s in self.samples:
+            dt = self._interval(prev, s)  # where set, both counts are too
+            rate = None if dt is None else max(s.tokens - prev.tokens, 0) / dt
+            out.append({"at": s.at, "tokens": s.tokens, "tps": rate})
+            prev = s
+        return out
+
+    def layer_rates(self) -> list[float] | None:
+        """Each layer's routings per second over the last two samples (None: a gap)."""
+        if len(self.samples) < 2:
+            return None
+        prev, s = self.samples[-2], self.samples[-1]
+        dt = self._interval(prev, s)
+        if dt is None or len(s.routed) != len(prev.routed):
+            return None
+        return [max(b - a, 0) / dt for a, b in zip(prev.routed, s.routed)]
 
 
 def heat_map(st: dict[str, Any]) -> dict[str, Any]:
@@ -70,13 +151,14 @@ def heat_map(st: dict[str, Any]) -> dict[str, Any]:
 
 class Dashboard:
     """The page and its state route for the daemon at `paths`; `authorize(request)` raises
-    where the request lacks the gateway's key (the page sends it when given one)."""
+    where the request lacks the gateway's key (the page sends it when given one).
+    `lifespan` runs the history's sampling for as long as the gateway serves."""
 
     def __init__(self, paths: RuntimePaths, authorize: Callable[[Request], None], timeout: float = 5.0) -> None:
         self.paths = paths
         self.authorize = authorize
         self.timeout = timeout
-        self.history: deque[Sample] = deque(maxlen=HISTORY_SAMPLES)
+        self.history = History(self._sampled_status)
 
     def routes(self) -> list[Route]:
         return [
@@ -84,28 +166,46 @@ class Dashboard:
             Route("/dashboard/state", self.state, methods=["GET"]),
         ]
 
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Any) -> AsyncIterator[None]:
+        task = asyncio.create_task(self.history.run())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _status(self, timeout: float) -> dict[str, Any]:
+        """{"running": True, **status}, or {"running": False} (with the error, if any)."""
+        try:
+            with Client(self.paths, timeout=timeout) as client:
+                st = client.status()
+        except DaemonNotRunning:
+            return {"running": False}
+        except ClientError as e:
+            return {"running": False, "error": str(e)}
+        return {"running": True, **st}
+
+    def _sampled_status(self) -> dict[str, Any] | None:
+        st = self._status(min(self.timeout, self.history.period))
+        return st if st["running"] else None
+
     async def page(self, request: Request) -> Response:
         return HTMLResponse(PAGE.read_text(encoding="utf-8"), headers={"cache-control": "no-store"})
 
     async def state(self, request: Request) -> Response:
         self.authorize(request)
-
-        def call() -> dict[str, Any]:
-            try:
-                with Client(self.paths, timeout=self.timeout) as client:
-                    st = client.status()
-            except DaemonNotRunning:
-                return {"running": False}
-            except ClientError as e:
-                return {"running": False, "error": str(e)}
-            return {"running": True, **st}
-
-        st = await anyio.to_thread.run_sync(call)
-        if not st["running"]:
-            return JSONResponse({"status": st, "heat": {"rows": []}, "history": [s.to_dict() for s in self.history]})
-        now = time.time()
-        if not self.history or now - self.history[-1].at >= MIN_SAMPLE_SECONDS:
-            self.history.append(Sample(now, tokens_made(st)))
-        heat = await anyio.to_thread.run_sync(heat_map, st)
-        body = {"status": st, "heat": heat, "history": [s.to_dict() for s in self.history]}
+        st = await anyio.to_thread.run_sync(self._status, self.timeout)
+        body: dict[str, Any] = {
+            "status": st,
+            "history": self.history.points(),
+            "layer_rates": self.history.layer_rates(),
+            "requests": [],
+            "heat": {"rows": []},
+        }
+        if st["running"]:
+            body["requests"] = [r.to_dict() for r in requests_of(st)]
+            body["tokens_made"] = tokens_made(st)
+            body["heat"] = await anyio.to_thread.run_sync(heat_map, st)
         return JSONResponse(body, headers={"cache-control": "no-store"})

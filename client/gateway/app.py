@@ -4,11 +4,15 @@ translates its requests and answers):
 
     POST /v1/chat/completions   OpenAI: messages through the model's chat template (the daemon applies it)
     POST /v1/completions        OpenAI: a text prompt (or one list of token ids)
-    GET  /v1/models             OpenAI: the daemon's model, and /v1/models/{id}
+    GET  /v1/models             OpenAI: the daemon's model (context length, capabilities), and /v1/models/{id}
+    POST /v1/responses          OpenAI's Responses API, stateless, as Codex CLI speaks it (responses.py)
     POST /v1/messages           Anthropic's Messages API, and /v1/messages/count_tokens (anthropic.py)
     /api/...                    Ollama's API: chat, generate, tags, ps, show, version (ollama.py)
     GET  /health                200 when the daemon answers as ready, else 503
     GET  /                      the live dashboard (client/dashboard), polling GET /dashboard/state
+
+Any model name is served by the daemon's model (as llama.cpp's server serves its one
+model): an answer names the model its request asked for.
 
 Every request talks to the daemon only through `moestream.client.Client`. A Client is
 not thread-safe, so each completion runs on a thread of its own (`DaemonRequest`) that
@@ -38,7 +42,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import anyio.to_thread
 from starlette.applications import Starlette
@@ -59,7 +63,7 @@ from moestream.client.client import (
     ToolCall,
 )
 from moestream.client.dashboard import Dashboard
-from moestream.client.gateway import anthropic, ollama
+from moestream.client.gateway import anthropic, ollama, responses
 from moestream.client.gateway.guard import GuardConfig, GuardMiddleware
 from moestream.client.gateway.keep_alive import KEEP_ALIVE_SECONDS, KeepAlive
 from moestream.client.gateway.openai import ApiError, ApiRequest, Shaper, finish_reason, parse_request, usage
@@ -159,16 +163,30 @@ def ready_status(client: Client) -> dict[str, Any]:
 
 
 def check_model(st: dict[str, Any], asked: str | None, demo_store_id: str | None) -> str:
-    """The served model's id; ApiError 404 when the client asked for another model."""
-    served = model_id(st, demo_store_id)
-    if asked is not None and asked not in (served, MODEL_ALIAS, st.get("model")):
-        raise ApiError(
-            404,
-            f"The model {asked!r} does not exist: this server serves {served!r} (also reachable as {MODEL_ALIAS!r})",
-            param="model",
-            code="model_not_found",
-        )
-    return served
+    """The model name to answer with: the one the client asked for (any name is served by
+    the daemon's one model: coding agents ask for theirs, `claude-...`), else the
+    served model's id."""
+    return asked or model_id(st, demo_store_id)
+
+
+def capabilities(st: dict[str, Any]) -> list[str]:
+    """What the daemon's model takes, in Ollama's words (completion, tools, thinking, vision)."""
+    caps = st.get("capabilities") or {}
+    return ["completion", *(name for name in ("tools", "thinking", "vision") if caps.get(name))]
+
+
+def context_length(st: dict[str, Any]) -> int | None:
+    """Tokens per request, prompt and answer (None before the model's first load)."""
+    return (st.get("context") or {}).get("tokens")
+
+
+def client_label(request: Request) -> str:
+    """Who an HTTP request came from, as the daemon's `status` lists it: the route, the
+    caller's address and its User-Agent, in printable ASCII, cut to the protocol's length."""
+    host = request.client.host if request.client else "?"
+    agent = request.headers.get("user-agent")
+    label = f"{request.url.path} from {host}" + (f" ({agent})" if agent else "")
+    return "".join(c if " " <= c <= "~" else "?" for c in label)[: proto.MAX_CLIENT_CHARS]
 
 
 class DaemonRequest:
@@ -182,11 +200,18 @@ class DaemonRequest:
     """
 
     def __init__(
-        self, config: GatewayConfig, req: ApiRequest, request_id: str, slots: threading.BoundedSemaphore
+        self,
+        config: GatewayConfig,
+        req: ApiRequest,
+        request_id: str,
+        slots: threading.BoundedSemaphore,
+        client: str | None = None,
     ) -> None:
+        """`client`: who sent it, as the daemon's `status` lists the request."""
         self._config = config
         self._req = req
         self._id = request_id
+        self._client = client
         self._slots = slots
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -217,7 +242,9 @@ class DaemonRequest:
                 if self._stop.is_set():
                     return
                 # A streamed answer reports the prefill's progress in its keep-alives.
-                stream = client.generate(request_id=self._id, progress=self._req.stream, **self._req.generate)
+                stream = client.generate(
+                    request_id=self._id, progress=self._req.stream, client=self._client, **self._req.generate
+                )
                 while stream.done is None:
                     event = stream.next_event(within=STOP_POLL_SECONDS)
                     if self._stop.is_set():
@@ -296,8 +323,9 @@ class Gateway:
                 code="invalid_api_key",
             )
 
-    async def _read_json(self, request: Request) -> Any:
-        limit = self.config.max_body_bytes
+    async def _read_json(self, request: Request, limit: int | None = None) -> Any:
+        """The request's JSON body, of at most `limit` bytes (default: the configured limit)."""
+        limit = self.config.max_body_bytes if limit is None else limit
         too_large = ApiError(
             413, f"the request body is over this server's limit of {limit} bytes", code="request_too_large"
         )
@@ -363,6 +391,10 @@ class Gateway:
             "object": "model",
             "created": created,
             "owned_by": "moestream",
+            # Beyond OpenAI's object, as other local servers add them: tokens per request
+            # (prompt and answer) and what the model takes.
+            "context_length": context_length(st),
+            "capabilities": capabilities(st),
         }
 
     async def models(self, request: Request) -> Response:
@@ -373,8 +405,22 @@ class Gateway:
     async def model(self, request: Request) -> Response:
         self._authorize(request)
         st = await self._status()
-        check_model(st, request.path_params["model"], self.config.demo_store_id)
-        return JSONResponse(self._model_object(st))
+        return JSONResponse(self._model_object(st) | {"id": request.path_params["model"]})
+
+    async def count_tokens(self, req: ApiRequest) -> int:
+        """The prompt's length in tokens (`req.generate`: Client.count_tokens's arguments),
+        from the daemon's prompt-check thread: no forward runs."""
+
+        def call() -> int:
+            try:
+                with Client(self.config.paths, timeout=self.config.daemon_timeout) as client:
+                    return client.count_tokens(**req.generate)
+            except RequestRejected as e:
+                raise _daemon_error(e) from None
+            except ClientError as e:
+                raise _unavailable(e) from None
+
+        return await anyio.to_thread.run_sync(call)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._complete(request, chat=True)
@@ -392,7 +438,7 @@ class Gateway:
                 type="rate_limit_error",
                 code="busy",
             )
-        daemon = DaemonRequest(self.config, req, prefix + uuid.uuid4().hex, self._slots)
+        daemon = DaemonRequest(self.config, req, prefix + uuid.uuid4().hex, self._slots, client_label(request))
         daemon.start()
         model = await self._unless_gone(request, daemon, daemon.next())
         if model is _GONE:
@@ -401,9 +447,12 @@ class Gateway:
             raise model
         return daemon, model
 
-    async def whole(self, request: Request, daemon: DaemonRequest) -> Done | None:
-        """The daemon's `done` of a non-streaming request; None when the HTTP client left."""
-        whole = await self._unless_gone(request, daemon, self._collect(daemon))
+    async def whole(
+        self, request: Request, daemon: DaemonRequest, on_event: Callable[[Any], Any] | None = None
+    ) -> Done | None:
+        """The daemon's `done` of a non-streaming request (each event before it to
+        `on_event`); None when the HTTP client left."""
+        whole = await self._unless_gone(request, daemon, self._collect(daemon, on_event))
         if whole is _GONE:
             return None
         done = whole[1]
@@ -426,10 +475,11 @@ class Gateway:
         return EventStream(content, daemon, media_type)
 
     @staticmethod
-    def rest_of(done: Done, sent: list[str]) -> str:
-        """The text of `done` not yet streamed in `sent` (held back for a possible stop string)."""
+    def rest_of(text: str, sent: list[str]) -> str:
+        """What of `text` (a done's text or reasoning) was not streamed in `sent` (held
+        back for a possible stop string)."""
         streamed = "".join(sent)
-        return done.text[len(streamed) :] if done.text.startswith(streamed) else ""
+        return text[len(streamed) :] if text.startswith(streamed) else ""
 
     async def _complete(self, request: Request, *, chat: bool) -> Response:
         self._authorize(request)
@@ -444,7 +494,7 @@ class Gateway:
             if done is None:
                 return Response(status_code=499)
             reason = finish_reason(done.finish_reason, bool(done.tool_calls))
-            return JSONResponse(shaper.complete(done.text, reason, _usage(done), done.tool_calls))
+            return JSONResponse(shaper.complete(done.text, reason, _usage(done), done.tool_calls, done.reasoning))
         head = await self.first_event(request, daemon)
         if head is None:
             return Response(status_code=499)
@@ -504,13 +554,15 @@ class Gateway:
                 pending.cancel()
 
     @staticmethod
-    async def _collect(daemon: DaemonRequest) -> tuple[str, Done]:
+    async def _collect(daemon: DaemonRequest, on_event: Callable[[Any], Any] | None = None) -> tuple[str, Done]:
         while True:
             event = await daemon.next()
             if isinstance(event, ApiError):
                 raise event
             if isinstance(event, Done):
                 return event.text, event
+            if on_event is not None:
+                on_event(event)
 
     async def _events(self, daemon: DaemonRequest, shaper: Shaper, req: ApiRequest, event: Any) -> AsyncIterator[str]:
         """The SSE body from the daemon's first `event` on: a role chunk (chat), text
@@ -519,14 +571,15 @@ class Gateway:
         if shaper.chat:
             yield _sse(shaper.chunk("", first=True, with_usage=extra))
         sent: list[str] = []
+        thought: list[str] = []
         calls = 0
         try:
             async for event in self.events(daemon, event):
                 if isinstance(event, KeepAlive):
                     yield event.sse_comment()
                 elif isinstance(event, Token) and event.text:
-                    sent.append(event.text)
-                    yield _sse(shaper.chunk(event.text, with_usage=extra))
+                    (thought if event.reasoning else sent).append(event.text)
+                    yield _sse(shaper.text_chunk(event.text, bool(event.reasoning), with_usage=extra))
                 elif isinstance(event, ToolCall):
                     yield _sse(
                         shaper.tool_chunk({"name": event.name, "arguments": event.arguments}, calls, with_usage=extra)
@@ -538,9 +591,9 @@ class Gateway:
         if event.finish_reason == "shutdown":
             yield _sse(_shutdown_error().body())
             return
-        rest = self.rest_of(event, sent)
-        if rest:
-            yield _sse(shaper.chunk(rest, with_usage=extra))
+        for thinking, rest in ((True, self.rest_of(event.reasoning, thought)), (False, self.rest_of(event.text, sent))):
+            if rest:
+                yield _sse(shaper.text_chunk(rest, thinking, with_usage=extra))
         reason = finish_reason(event.finish_reason, bool(event.tool_calls))
         yield _sse(shaper.chunk(None, reason, with_usage=extra))
         if extra:
@@ -599,11 +652,14 @@ def create_app(config: GatewayConfig, guard: GuardConfig | None = None) -> Starl
         Route("/v1/models", gw.models, methods=["GET"]),
         Route("/v1/models/{model:path}", gw.model, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
+        *responses.ResponsesApi(gw).routes(),
         *anthropic.AnthropicApi(gw).routes(),
         *ollama.OllamaApi(gw).routes(),
     ]
-    # The live dashboard (client/dashboard): GET / and its JSON route.
-    routes += Dashboard(config.paths, gw._authorize).routes()
+    # The live dashboard (client/dashboard): GET / and its JSON route; its lifespan samples
+    # the daemon's tokens made for the history it draws.
+    dashboard = Dashboard(config.paths, gw._authorize)
+    routes += dashboard.routes()
     handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
     middleware = [Middleware(GuardMiddleware, config=guard or GuardConfig())]
-    return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware)
+    return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware, lifespan=dashboard.lifespan)

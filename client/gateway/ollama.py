@@ -6,10 +6,14 @@
     GET  /api/tags, /api/ps, /api/version; POST /api/show
 
 Streaming is Ollama's default (`stream` true): one JSON object per line, the last with
-`done: true` and the counts. Options: num_predict, temperature, top_p, seed, stop
-(others that change the answer, such as top_k or repeat_penalty, are refused);
+`done: true` and the counts. Options: num_predict, temperature, top_p, top_k, seed, stop
+(others that change the answer, such as repeat_penalty, are refused);
 `keep_alive` ("5m", seconds, 0, -1) is how long the daemon keeps the model loaded once
-idle after this request.
+idle after this request. `think` (true / false, or an effort: "low", "medium", "high",
+which turn it on) sets the chat template's thinking switch; a thinking model's reasoning
+comes back in `message.thinking`, and a message's `thinking` goes back to the template.
+Any model name is served; `/api/show` and `/api/tags` say the model's capabilities
+(completion, tools, thinking) and its context length (the daemon's max_context).
 Errors are `{"error": message}` with the HTTP status.
 """
 
@@ -26,7 +30,7 @@ from starlette.routing import Route
 
 from moestream import __version__
 from moestream.client.client import Token, ToolCall
-from moestream.client.gateway.openai import ApiError, ApiRequest, bad_request, keep_alive_seconds
+from moestream.client.gateway.openai import ApiError, ApiRequest, bad_request, keep_alive_seconds, top_k
 from moestream.shared import protocol as proto
 from moestream.shared.protocol import Done
 
@@ -39,7 +43,6 @@ DEFAULT_NUM_PREDICT = 512
 _IGNORED_OPTIONS = frozenset({"num_ctx", "num_batch", "num_gpu", "num_thread", "main_gpu", "use_mmap", "num_keep"})
 # (name, the values that leave the answer unchanged): other values are refused.
 _NEUTRAL_OPTIONS: dict[str, tuple[Any, ...]] = {
-    "top_k": (0,),
     "min_p": (0, 0.0),
     "repeat_penalty": (1, 1.0),
     "presence_penalty": (0, 0.0),
@@ -92,6 +95,8 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
             if not (_is_number(value) and 0 < value <= 1):
                 raise bad_request("options.top_p must be a number in (0, 1]")
             out["top_p"] = float(value)
+        elif name == "top_k":
+            out["top_k"] = top_k(options, "top_k")
         elif name == "seed":
             if not (_is_int(value) and -(2**63) <= value < 2**63):
                 raise bad_request("options.seed must be a whole number")
@@ -174,6 +179,10 @@ def parse_chat(body: Any) -> ApiRequest:
         if m.get("images"):
             raise bad_request(f"messages[{i}].images: images are not supported by this server")
         msg: dict[str, Any] = {"role": m["role"], "content": content}
+        if m.get("thinking"):
+            if not isinstance(m["thinking"], str):
+                raise bad_request(f"messages[{i}].thinking must be a string")
+            msg["reasoning"] = m["thinking"]
         if m.get("tool_calls"):
             msg["tool_calls"] = _tool_calls_in(m["tool_calls"], i)
         name = m.get("tool_name") or m.get("name")
@@ -192,11 +201,19 @@ def parse_chat(body: Any) -> ApiRequest:
                     f"tools[{i}] must be {{type: 'function', function: {{name, description, parameters}}}}"
                 )
         kwargs["tools"] = [{"type": "function", **t} if "type" not in t else t for t in tools]
-    if body.get("think"):
-        raise bad_request("think is not supported by this server")
+    kwargs["thinking"] = _think(body.get("think"))
     return ApiRequest(
         chat=True, model=model, stream=stream, include_usage=False, generate=kwargs | _options(body) | _keep_alive(body)
     )
+
+
+def _think(value: Any) -> bool | None:
+    """Ollama's `think`: true / false, or an effort (gpt-oss's), which turns it on."""
+    if value is None or isinstance(value, bool):
+        return value
+    if value in ("low", "medium", "high"):
+        return True
+    raise bad_request("think must be true, false, or one of 'low', 'medium', 'high'")
 
 
 def parse_generate(body: Any) -> ApiRequest:
@@ -283,6 +300,8 @@ class OllamaApi:
             out = _final(model, done, started)
             if chat:
                 message: dict[str, Any] = {"role": "assistant", "content": done.text}
+                if done.reasoning:
+                    message["thinking"] = done.reasoning
                 if done.tool_calls:
                     message["tool_calls"] = [_call_out(c) for c in done.tool_calls]
                 out["message"] = message
@@ -296,11 +315,8 @@ class OllamaApi:
 
     async def _load(self, body: dict[str, Any], chat: bool) -> Response:
         """Ollama's "load the model" request (no messages, or an empty prompt): the daemon
-        keeps its model loaded, so this only checks the name."""
-        st = await self._gw._status()
-        from moestream.client.gateway.app import check_model
-
-        check_model(st, body["model"].removesuffix(":latest"), self._gw.config.demo_store_id)
+        keeps its model loaded, so this only checks that it serves."""
+        await self._gw._status()
         reason = "unload" if body.get("keep_alive") in (0, "0", "0s") else "load"
         out: dict[str, Any] = {"model": body["model"], "created_at": _now()}
         out |= {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
@@ -309,10 +325,12 @@ class OllamaApi:
     async def _lines(
         self, daemon: DaemonRequest, model: str, head: Any, chat: bool, started: float
     ) -> AsyncIterator[str]:
-        def piece(text: str, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        def piece(text: str, calls: list[dict[str, Any]] | None = None, thinking: bool = False) -> dict[str, Any]:
             out: dict[str, Any] = {"model": model, "created_at": _now()}
             if chat:
-                out["message"] = {"role": "assistant", "content": text}
+                out["message"] = {"role": "assistant", "content": "" if thinking else text}
+                if thinking:
+                    out["message"]["thinking"] = text
                 if calls:
                     out["message"]["tool_calls"] = [_call_out(c) for c in calls]
             else:
@@ -320,11 +338,12 @@ class OllamaApi:
             return out | {"done": False}
 
         sent: list[str] = []
+        thought: list[str] = []
         try:
             async for event in self._gw.events(daemon, head):
                 if isinstance(event, Token) and event.text:
-                    sent.append(event.text)
-                    yield _line(piece(event.text))
+                    (thought if event.reasoning else sent).append(event.text)
+                    yield _line(piece(event.text, thinking=bool(event.reasoning)))
                 elif isinstance(event, ToolCall):
                     yield _line(piece("", [{"name": event.name, "arguments": event.arguments}]))
         except ApiError as e:
@@ -333,15 +352,18 @@ class OllamaApi:
         if event.finish_reason == "shutdown":
             yield _line({"error": "the moestream daemon shut down during this request"})
             return
-        rest = self._gw.rest_of(event, sent)
-        if rest:
-            yield _line(piece(rest))
+        for thinking, rest in (
+            (True, self._gw.rest_of(event.reasoning, thought)),
+            (False, self._gw.rest_of(event.text, sent)),
+        ):
+            if rest:
+                yield _line(piece(rest, thinking=thinking))
         last = piece("") | _final(model, event, started)
         yield _line(last)
 
     async def _model(self) -> dict[str, Any]:
         st = await self._gw._status()
-        from moestream.client.gateway.app import model_id
+        from moestream.client.gateway.app import capabilities, context_length, model_id
 
         name = model_id(st, self._gw.config.demo_store_id)
         memory = st.get("memory") or {}
@@ -360,6 +382,9 @@ class OllamaApi:
             "size": size,
             "digest": st.get("store_id") or "",
             "details": details,
+            # Beyond Ollama's listing: what /api/show says, for clients that read the list only.
+            "capabilities": capabilities(st),
+            "context_length": context_length(st),
         }
 
     async def tags(self, request: Request) -> Response:
@@ -379,19 +404,21 @@ class OllamaApi:
         asked = body.get("model") or body.get("name")
         if not isinstance(asked, str) or not asked:
             raise bad_request("model is required")
-        st = await self._gw._status()
-        from moestream.client.gateway.app import check_model
-
-        check_model(st, asked.removesuffix(":latest"), self._gw.config.demo_store_id)
         m = await self._model()
+        info = {
+            "general.architecture": "moestream",
+            "moestream.store_id": m["digest"],
+            # Where Ollama's clients read a model's context: "<architecture>.context_length".
+            "moestream.context_length": m["context_length"],
+        }
         return JSONResponse(
             {
                 "modelfile": "",
                 "parameters": "",
                 "template": "",
                 "details": m["details"],
-                "model_info": {"general.architecture": "moestream", "moestream.store_id": m["digest"]},
-                "capabilities": ["completion", "tools"],
+                "model_info": info,
+                "capabilities": m["capabilities"],
                 "modified_at": m["modified_at"],
             }
         )

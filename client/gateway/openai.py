@@ -10,7 +10,13 @@ Accepted, beyond what every client sends: `max_tokens` or `max_completion_tokens
 `stream_options.include_usage`, for chat `tools`, `tool_choice` (auto, none,
 required, a named function) and the messages of a tool-calling turn (an assistant's
 `tool_calls`, `role: "tool"` results), and Ollama's `keep_alive` ("5m", seconds, 0, -1:
-how long the model stays loaded once the daemon is idle after this request). Parameters
+how long the model stays loaded once the daemon is idle after this request).
+`top_k` (as vLLM and llama.cpp take it). Thinking: `chat_template_kwargs.enable_thinking`
+(or `.thinking`) sets the chat template's thinking switch, `reasoning_effort` "none" turns
+it off (any other effort on), `thinking: {type: enabled | disabled}` too; a thinking
+model's reasoning comes back apart from the answer as the message's `reasoning_content`
+(streamed as `delta.reasoning_content`), and an assistant message's `reasoning_content`
+(or `reasoning`) goes back to the template as that turn's reasoning. Parameters
 that would change the answer in a way this server cannot honour (n > 1, logprobs,
 penalties, logit_bias, JSON response formats, echo, suffix, best_of > 1, legacy
 `functions`) are refused with a 400 rather than ignored; other unknown fields (user,
@@ -220,8 +226,52 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 if not (isinstance(value, str) and 0 < len(value) <= proto.MAX_NAME_CHARS):
                     raise bad_request(f"messages[{i}].{key} must be a non-empty string", f"messages[{i}].{key}")
                 msg[key] = value
+        reasoning = m.get("reasoning_content", m.get("reasoning"))
+        if reasoning:
+            if not isinstance(reasoning, str):
+                raise bad_request(f"messages[{i}].reasoning_content must be a string", f"messages[{i}]")
+            msg["reasoning"] = reasoning
         out.append(msg)
     return out
+
+
+# reasoning_effort values (OpenAI's, and "none"): "none" turns thinking off, the rest on.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def thinking_switch(body: dict[str, Any]) -> bool | None:
+    """The chat template's thinking switch a chat request asks for (None: the model's
+    default): `chat_template_kwargs.enable_thinking` (vLLM's, SGLang's, mlx-lm's) or its
+    `thinking` (DeepSeek's templates), `thinking: {type}`, `reasoning_effort`."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    for key in ("enable_thinking", "thinking"):
+        value = (kwargs or {}).get(key)
+        if value is not None:
+            if not isinstance(value, bool):
+                raise bad_request(f"'chat_template_kwargs.{key}' must be true or false", "chat_template_kwargs")
+            return value
+    thinking = body.get("thinking")
+    if thinking is not None:
+        kind = thinking.get("type") if isinstance(thinking, dict) else None
+        if kind not in ("enabled", "disabled"):
+            raise bad_request("'thinking' must be {type: 'enabled' | 'disabled'}", "thinking")
+        return kind == "enabled"
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return None
+    if effort not in REASONING_EFFORTS:
+        raise bad_request(f"'reasoning_effort' must be one of {list(REASONING_EFFORTS)}", "reasoning_effort")
+    return effort != "none"
+
+
+def top_k(body: dict[str, Any], name: str = "top_k") -> int | None:
+    """`top_k` (0 or absent: off)."""
+    value = body.get(name)
+    if value is not None and not (_is_int(value) and 0 <= value < 2**31):
+        raise bad_request(f"'{name}' must be a whole number of at least 0, got {value!r}", name)
+    return value or None
 
 
 def _tools(body: dict[str, Any]) -> dict[str, Any]:
@@ -299,11 +349,14 @@ def parse_request(body: Any, *, chat: bool) -> ApiRequest:
     seed = body.get("seed")
     if seed is not None and not (_is_int(seed) and 0 <= seed < 2**63):
         raise bad_request(f"'seed' must be a whole number in 0..2^63-1, got {seed!r}", "seed")
-    kwargs: dict[str, Any] = {"messages": _messages(body), **_tools(body)} if chat else _prompt(body)
+    kwargs: dict[str, Any] = (
+        {"messages": _messages(body), **_tools(body), "thinking": thinking_switch(body)} if chat else _prompt(body)
+    )
     kwargs.update(
         max_tokens=_max_tokens(body),
         temp=_number(body, "temperature", DEFAULT_TEMPERATURE, 0.0, MAX_TEMPERATURE),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_k=top_k(body),
         seed=seed,
         stop=_stop(body),
     )
@@ -368,11 +421,18 @@ class Shaper:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def complete(
-        self, text: str, reason: str, use: dict[str, int], tool_calls: list[dict[str, Any]] | None = None
+        self,
+        text: str,
+        reason: str,
+        use: dict[str, int],
+        tool_calls: list[dict[str, Any]] | None = None,
+        reasoning: str = "",
     ) -> dict[str, Any]:
-        """The whole answer of a non-streaming request."""
+        """The whole answer of a non-streaming request (a chat's reasoning apart)."""
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if reasoning:
+                message["reasoning_content"] = reasoning
             if tool_calls:
                 message["content"] = text or None
                 message["tool_calls"] = [tool_call_out(c, tool_call_id()) for c in tool_calls]
@@ -401,6 +461,14 @@ class Shaper:
             out = self._base("text_completion") | {"choices": [choice]}
         if with_usage:
             out["usage"] = None  # OpenAI sends null on every chunk but the usage chunk
+        return out
+
+    def text_chunk(self, text: str, reasoning: bool, *, with_usage: bool = False) -> dict[str, Any]:
+        """A streamed piece of the answer, or of a chat's reasoning (`delta.reasoning_content`)."""
+        if not (reasoning and self.chat):
+            return self.chunk(text, with_usage=with_usage)
+        out = self.chunk(None, with_usage=with_usage)
+        out["choices"][0]["delta"] = {"reasoning_content": text}
         return out
 
     def tool_chunk(self, call: dict[str, Any], index: int, *, with_usage: bool = False) -> dict[str, Any]:

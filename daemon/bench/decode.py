@@ -254,7 +254,10 @@ def _streaming_config(
         admitter=admitter,
         mapped=mapped,
     )
-    tick = sm.mapped_pool.tick if sm.mapped_pool is not None else None
+    # What the daemon's generation loop does after each token (the routing of the fully
+    # resident pools read back: a mapped pool's placement, or a full pool's counts).
+    readback = sm.routing_readback()
+    tick = readback.tick if readback is not None else None
     expert_bytes = sm.manifest.layers[0].expert_bytes
     # Where the configuration keeps experts in host memory besides the store's files.
     host_tier = "mapped" if sm.mapped_pool is not None else "slots" if admitter is not None or host_cache else None

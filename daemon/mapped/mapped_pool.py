@@ -35,13 +35,11 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-import mlx.core as mx
 import numpy as np
 
 from moestream.daemon.pool.expert_pool import ExpertPool
+from moestream.daemon.pool.resident_routing import ResidentRouting
 
-# Forwards whose routing is read back: older than this many ticks, so already computed.
-READBACK_LAG = 2
 # The first rebalance comes after rebalance_tokens / this many tokens; each interval
 # doubles up to rebalance_tokens.
 REBALANCE_RAMP = 8
@@ -146,13 +144,12 @@ class MappedPool:
         for p in self.pools:
             if not p.fully_resident:
                 raise ValueError(f"layer {p.layer.module_path}: a mapped pool must hold every expert")
-            p.start_route_log()
+        # The routing, read back a few tokens late with no sync of its own; a hit is the
+        # GPU memory's here (`routed_on_gpu`), not the pool's.
+        self.routing = ResidentRouting(self.pools, self._consume, hits=False)
         # Byte views of the pool arrays, taken here on the decode thread: the worker
         # hands the driver these, never touching an MLX array itself.
         self._views = [{t.name: memoryview(p.arrays[t.name]).cast("B") for t in p.layer.tensors} for p in self.pools]
-        # Per tick: the routing of the forwards since the previous tick, all layers in
-        # one device array [layers, rows, k] each, read back READBACK_LAG ticks later.
-        self._pending: list[list[mx.array]] = []
         self._worker = _Worker()
         # Routing read back but not yet seen by the worker, and whether a worker turn
         # that will take it is queued (both under the lock).
@@ -191,41 +188,27 @@ class MappedPool:
         """After a token is queued: gather the routing of the forwards just queued into
         one device array, read back the routing of forwards surely done, and hand it to
         the worker, which counts it and rebalances when one is due."""
-        logs = [p.take_route_log() for p in self.pools]
-        forwards = len(logs[0])
-        if forwards:
-            batch = [mx.stack([log[j].reshape(-1, log[j].shape[-1]) for log in logs]) for j in range(forwards)]
-            mx.async_eval(batch)
-            self._pending.append(batch)
-        if len(self._pending) > READBACK_LAG:
-            self._consume(self._pending.pop(0))
+        self.routing.tick()
+        self.stats.readback_seconds = self.routing.readback_seconds
 
     def settle(self) -> None:
         """Account every forward queued so far and wait for the worker (at the end of a
         request, when the last token has been read and nothing is left to overlap with)."""
-        self.tick()
-        while self._pending:
-            self._consume(self._pending.pop(0))
+        self.routing.settle()
+        self.stats.readback_seconds = self.routing.readback_seconds
         self._worker.drain()
 
-    def _consume(self, ready: list[mx.array]) -> None:
-        """Read back forwards that are done, count their routing for the heat, and hand
-        the rebalancing's counts and moves to the worker: the decode thread waits for the
-        device most of a token (MLX lets go of the GIL meanwhile), and that is when the
-        worker's Python runs."""
-        tic = time.perf_counter()
-        rows = [np.array(a) for a in ready]
+    def _consume(self, rows: list[np.ndarray]) -> None:
+        """Forwards read back (`ResidentRouting`, which counted them for the heat):
+        count those in GPU memory, and hand the rebalancing's counts and moves to the
+        worker: the decode thread waits for the device most of a token (MLX lets go of
+        the GIL meanwhile), and that is when the worker's Python runs."""
         for forward in rows:
-            for i, pool in enumerate(self.pools):
+            for i in range(len(self.pools)):
                 flat = forward[i].reshape(-1)
-                # The pool's routing counts feed the heat keeper, as the slot pool's do;
-                # counted here, so that each request's statistics get their own.
-                np.add.at(pool.stats.routed, flat, 1)
-                pool.stats.routed_total += flat.size
                 on_gpu = self.on_gpu[i]
                 self.stats.routed += flat.size
                 self.stats.routed_on_gpu += sum(e in on_gpu for e in flat.tolist())
-        self.stats.readback_seconds += time.perf_counter() - tic
         with self._lock:
             self._backlog += rows
             if self._turn_queued:
@@ -320,9 +303,7 @@ class MappedPool:
         self._worker.drain()
 
     def close(self) -> None:
-        for p in self.pools:
-            p.stop_route_log()
-        self._pending.clear()
+        self.routing.close()
         self._worker.close()
 
 

@@ -14,7 +14,7 @@ import psutil
 from jinja2 import TemplateError
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import apply_top_p, make_sampler
+from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_sampler
 
 from moestream.daemon.model.prefill import PREFILL_STEP, PrefillStats, drained, prefill_pieces
 from moestream.daemon.model.streaming_model import PLACEMENT_COUNTERS, POOL_COUNTERS, StreamingModel
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from moestream.daemon.mapped.mapped_pool import MappedPool
     from moestream.daemon.model.batching import BatchSession
     from moestream.daemon.model.prompt_cache import PromptCache
+    from moestream.daemon.pool.resident_routing import ResidentRouting
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class SamplingParams:
     max_tokens: int = 256
     temp: float = 0.0
     top_p: float = 1.0
+    # The k likeliest tokens only (0: all), after top_p, as stock's `make_sampler` orders them.
+    top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     # Speculative decoding (daemon/model/speculative.py): None, "mtp" or "draft".
@@ -152,12 +155,13 @@ def _add(bucket: dict[str, float], before: dict[str, float], after: dict[str, fl
         bucket[key] = bucket.get(key, 0) + value - before[key]
 
 
-def _ticked(steps: Iterator, placement: MappedPool) -> Iterator:
-    """Pass `steps` through, letting a mapped pool's placement account the forwards
-    queued for each token (`MappedPool.tick`) before the token is handed on, so that
-    its work counts for the step that caused it."""
+def _ticked(steps: Iterator, readback: MappedPool | ResidentRouting) -> Iterator:
+    """Pass `steps` through, letting the routing read-back of the fully resident pools
+    (a mapped pool's placement, or a full pool's counts) account the forwards queued for
+    each token (`tick`) before the token is handed on, so that its work counts for the
+    step that caused it."""
     for item in steps:
-        placement.tick()
+        readback.tick()
         yield item
 
 
@@ -201,12 +205,19 @@ def _attributed(
 
 
 def render_chat(
-    tokenizer: Any, messages: Sequence[Any], tools: Sequence[dict[str, Any]] | None = None, tool_choice: Any = None
+    tokenizer: Any,
+    messages: Sequence[Any],
+    tools: Sequence[dict[str, Any]] | None = None,
+    tool_choice: Any = None,
+    thinking: bool | None = None,
 ) -> str:
     """A chat ({role, content} maps or protocol `ChatMessage`s) as the prompt text the
     model's chat template makes of it, ending where the assistant's answer starts. `tools`
     go to the template unless `tool_choice` is "none"; "required" or a named function
     then starts the answer with a tool call (daemon/model/tool_calls.py `forced_start`).
+    `thinking` sets the template's thinking switch (`enable_thinking`, or the name
+    mlx-lm's tokenizer wrapper finds for it); None leaves mlx-lm's default (on for a
+    model with thinking markers).
 
     Raises ValueError when the tokenizer has no chat template or the template refuses
     the messages (e.g. roles that do not alternate)."""
@@ -218,7 +229,9 @@ def render_chat(
             "send a text prompt instead (POST /v1/completions, or `prompt`)"
         )
     chat = [m if isinstance(m, dict) else m.to_template() for m in messages]
-    extra = {"tools": list(tools)} if tools and tool_choice != "none" else {}
+    extra: dict[str, Any] = {"tools": list(tools)} if tools and tool_choice != "none" else {}
+    if thinking is not None:
+        extra["enable_thinking"] = thinking
     try:
         text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False, **extra)
     except (TemplateError, ValueError, TypeError, KeyError) as e:
@@ -265,12 +278,14 @@ def encode_prompt(
     messages: Sequence[Any] | None = None,
     tools: Sequence[dict[str, Any]] | None = None,
     tool_choice: Any = None,
+    thinking: bool | None = None,
 ) -> list[int]:
     """Token ids of a text prompt, of token ids (checked against the vocabulary), or of a
     chat rendered with the model's chat template (its special tokens are in the template,
     so none are added, as mlx-lm's generate does)."""
     if messages is not None:
-        ids = sm.tokenizer.encode(render_chat(sm.tokenizer, messages, tools, tool_choice), add_special_tokens=False)
+        text = render_chat(sm.tokenizer, messages, tools, tool_choice, thinking)
+        ids = sm.tokenizer.encode(text, add_special_tokens=False)
     elif prompt_ids is not None:
         ids = [int(t) for t in prompt_ids]
         vocab = sm.manifest.config.get("text_config", sm.manifest.config).get("vocab_size")
@@ -306,7 +321,8 @@ def generate(
 
 
 def request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
-    """mlx-lm's sampling (temperature, top-p) drawing from the request's own key.
+    """mlx-lm's sampling (temperature, top-p, top-k, in `make_sampler`'s order) drawing
+    from the request's own key.
 
     MLX's global random state is shared by every request the daemon interleaves, so a
     seeded request would give different text when another request runs beside it; a
@@ -319,6 +335,9 @@ def request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
     def sample(logprobs: mx.array) -> mx.array:
         if 0 < params.top_p < 1.0:
             logprobs = apply_top_p(logprobs, params.top_p)
+        # A k of the vocabulary or more keeps every token (stock's apply_top_k refuses it).
+        if 0 < params.top_k < logprobs.shape[-1]:
+            logprobs = apply_top_k(logprobs, params.top_k)
         state[0], key = mx.random.split(state[0])
         return mx.random.categorical(logprobs * (1 / params.temp), key=key)
 
@@ -494,8 +513,9 @@ def iter_generate(
             pieces=True,
         )
     source = steps
-    if sm.mapped_pool is not None:
-        steps = _ticked(steps, sm.mapped_pool)
+    readback = sm.routing_readback()
+    if readback is not None:
+        steps = _ticked(steps, readback)
     for token, _ in _attributed(sm, steps, (prefill, decode), rec):
         if token is None:
             # The prompt between two pieces of its prefill: the turn goes back to the
@@ -556,14 +576,14 @@ def iter_generate(
     # A request that broke off (a stop, a cancel) leaves the batch now, not when this
     # generator is collected.
     source.close()
-    if sm.mapped_pool is not None and (batch is None or params.speculative or not batch.decoding()):
+    if readback is not None and (batch is None or params.speculative or not batch.decoding()):
         # Account what is still pending (this request's last forwards, and those of
         # requests interleaved with it), so that its statistics and the heat include it.
-        # Not while others decode in the batch: that waits for the forward in flight and
-        # for the placement's moves, and every one of them would wait too; their own
+        # Not while others decode in the batch: that waits for the forward in flight (and
+        # for a placement's moves), and every one of them would wait too; their own
         # turns account the rest as it comes back.
         before = sm.counters()
-        sm.mapped_pool.settle()
+        readback.settle()
         _add(decode, before, sm.counters())
     decode_tokens = max(n - 1, 0)
     total = {k: prefill.get(k, 0) + decode.get(k, 0) for k in prefill.keys() | decode.keys()}

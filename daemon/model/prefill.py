@@ -9,24 +9,40 @@ missing ones from the store into a transient stack of the whole layer, a mapped 
 copies the layer into GPU memory, so its kernels no longer read host memory tile by tile.
 
 Why the output is unchanged: each chunk meets each layer with exactly the inputs stock
-gives it. Its hidden state comes from the layer below; the layer's cache holds the
-earlier chunks (they passed this layer first, in order), as in stock; the masks are
-made by the model's own code from a copy of each cache whose offset is what stock's
-would be when the chunk starts (`_capture`). The expert call is mlx-lm's own, on a
-stack whose row e is expert e, as in stock's stacked weights. The chunk boundaries are
-stock's: the prompt but its last token in steps of `prefill_step_size`; the last token
-then goes through `generate_step` as in stock.
+gives it. The model's own forward runs for every chunk, as its own coroutine (a greenlet,
+`_Forward`) that stops at each decoder layer's call: the prefill runs that layer on every
+chunk's call in turn and resumes each forward with what its layer returned. So whatever
+the model's loop passes from layer to layer (the hidden state, hunyuan's shared KV
+states, gemma4's KV of an earlier layer, deepseek_v41's streams and the dict its layers
+fill, kimi_k3's residual blocks) is what its own code made of the layers' own outputs.
+A chunk's cache holds the earlier chunks when the chunk reaches a layer (they passed it
+first, in order), as in stock. A chunk's forward starts right after the chunk before it
+went through the first layer, so the first layer's cache holds then what stock's holds;
+the others lack the chunk before, and the forward's own code gets copies of them that
+report stock's offset (masks depend on it), whose methods it calls are called again on
+the real cache when the chunk reaches its layer (`_Early`: llama4 trims its caches). The expert call is mlx-lm's
+own, on a stack whose row e is expert e, as in stock's stacked weights. The chunk
+boundaries are stock's: the prompt but its last token in steps of `prefill_step_size`;
+the last token then goes through `generate_step` as in stock.
+
+Whether the prefill can drive a model is decided at load (`LayerMajorPrefill`): its
+forward runs once this way over a throwaway cache with its experts idle; a model that
+fails that (no list of layers, a layer called twice or out of order, a forward that
+raises) is prefilled in stock's chunks, and `status` says why (`prefill.order`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from greenlet import getcurrent, greenlet
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -72,8 +88,8 @@ class PrefillStats:
     padded: int = 0
     pad_tokens: int = 0
     seconds: float = 0.0
-    # Building the forward of each chunk (the model's own code up to the first layer,
-    # with the masks and each layer's arguments), before any layer runs.
+    # The model's own code around its layers in each chunk's forward (embeddings, masks,
+    # what its loop does between two layers), which hands each layer its arguments.
     capture_seconds: float = 0.0
     # Where the time went, by phase of each layer (each phase ends in a wait for the
     # device or the disk, so the split needs no extra sync): staging the pool's experts
@@ -92,50 +108,211 @@ class PrefillStats:
         return {"mode": "chunked" if fields.pop("chunked") else "layer-major", **fields}
 
 
-class _Capture:
-    """Stands in for decoder layer `index` while the model's own forward runs, to record
-    what the model hands the layer (its input, mask, cache, ...) without running it."""
+class _Stop:
+    """Stands in for decoder layer `index` while the prefill drives the model's forwards:
+    a `_Forward`'s call of the layer stops that forward and hands the call to the prefill,
+    which runs the layer and resumes the forward with what it returned. Called by anything
+    else, it is the layer."""
 
-    def __init__(self, layer: nn.Module, index: int, sink: list[tuple[int, mx.array, tuple, dict]]) -> None:
+    def __init__(self, layer: nn.Module, index: int) -> None:
         self._layer = layer
         self._index = index
-        self._sink = sink
 
     def __getattr__(self, name: str) -> Any:
         # The model's loop may ask a layer what it is (qwen3_next's `is_linear`).
         return getattr(self._layer, name)
 
-    def __call__(self, h: mx.array, *args: Any, **kwargs: Any) -> mx.array:
-        self._sink.append((self._index, h, args, kwargs))
-        return h
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        here = getcurrent()
+        if not isinstance(here, _Forward):
+            return self._layer(*args, **kwargs)
+        return here.parent.switch((self._index, args, kwargs))
 
 
-def _at_offset(cache: Any, prefix: int) -> Any:
-    """A shallow copy of a layer's cache that reports `prefix` more tokens than it
-    holds: what the cache will hold when the chunk starting there reaches the layer.
-    Only read for masks (a windowed or array mask depends on the offset)."""
-    if cache is None:
-        return None
-    view = copy.copy(cache)
-    if isinstance(getattr(cache, "offset", None), int):
-        view.offset = cache.offset + prefix
-    return view
+# What a `_Forward` hands back once the model's forward has returned.
+_DONE = object()
+
+
+class _Forward(greenlet):
+    """One chunk's forward through the model's own code (the module docstring), stopped
+    at each decoder layer's call."""
+
+    def __init__(self, model: nn.Module, tokens: mx.array, cache: Sequence[Any], offsets: list[int | None]) -> None:
+        super().__init__()
+        self._model = model
+        self._tokens = tokens
+        self._cache = cache
+        self._offsets = offsets
+        # The copies of the caches the forward reads (by id), behind their layers.
+        self._early: dict[int, _Early] = {}
+        # What the layer it called last returned (None before its first call).
+        self._returned: Any = None
+
+    def run(self, *_: Any) -> Any:
+        views = []
+        for c, offset in zip(self._cache, self._offsets):
+            if c is None or (offset is not None and _offset(c) == offset):
+                views.append(c)  # it holds what stock's holds when the chunk starts
+            else:
+                early = _Early(c, offset)
+                self._early[id(early.view)] = early
+                views.append(early.view)
+        self._model(self._tokens[None], cache=views)
+        return _DONE
+
+    def _resume(self) -> Any:
+        self.parent = getcurrent()
+        return self.switch(self._returned)
+
+    def call(self, index: int) -> tuple[tuple, dict]:
+        """Resume the forward up to its call of layer `index`: that call's arguments, with
+        the real caches for the copies."""
+        got = self._resume()
+        if got is _DONE or got[0] != index:
+            raise UnsupportedModel("the model's forward does not call each decoder layer once, in order")
+        _, args, kwargs = got
+        return tuple(map(self._real, args)), {k: self._real(v) for k, v in kwargs.items()}
+
+    def _real(self, arg: Any) -> Any:
+        early = self._early.get(id(arg))
+        return arg if early is None else early.catch_up()
+
+    def returns(self, value: Any) -> None:
+        """What its call of the layer returned: the forward resumes with it."""
+        self._returned = value
+
+    def finish(self) -> None:
+        """Resume the forward after its last layer, to its end."""
+        if self._resume() is not _DONE:
+            raise UnsupportedModel("the model's forward does not call each decoder layer once, in order")
+
+    def stop(self) -> None:
+        """End a forward left stopped at a layer (a prefill that stopped early)."""
+        if self:
+            self.throw()
+
+
+class _Chunks:
+    """Every chunk's `_Forward`, taken through the layers one at a time."""
+
+    def __init__(self, prefill: LayerMajorPrefill, tokens: mx.array, cache: Sequence[Any], sizes: list[int]) -> None:
+        self._prefill = prefill
+        # Each cache's offset where the first chunk starts (None where it keeps none).
+        base = [_offset(c) for c in cache]
+        self._forwards = []
+        start = 0
+        for size in sizes:
+            offsets = [None if b is None else b + start for b in base]
+            self._forwards.append(_Forward(prefill.model, tokens[start : start + size], cache, offsets))
+            start += size
+        # Seconds spent in the model's own code around its layers.
+        self.seconds = 0.0
+        # Whether a layer has run (on the real cache).
+        self.ran = False
+
+    def through(self, index: int, layer: nn.Module) -> list[Any]:
+        """Every chunk through decoder layer `index` (`layer`), in order: each forward
+        resumed up to its call of the layer, then the layer called as it asked; what the
+        calls returned, which the forwards resume with at the next layer."""
+        out = []
+        with self._prefill.stopping():
+            for forward in self._forwards:
+                args, kwargs = self._resume(lambda: forward.call(index))
+                self.ran = True
+                out.append(layer(*args, **kwargs))
+                forward.returns(out[-1])
+        return out
+
+    def finish(self) -> None:
+        """Every forward to its end (what the model computes after its layers stays lazy
+        and unused)."""
+        with self._prefill.stopping():
+            for forward in self._forwards:
+                self._resume(forward.finish)
+
+    def _resume(self, step: Callable[[], Any]) -> Any:
+        tic = time.perf_counter()
+        try:
+            return step()
+        except UnsupportedModel as e:
+            if not self.ran:
+                raise
+            # Too late for stock's chunks: a layer changed the cache already.
+            raise RuntimeError(f"layer-major prefill: {e}") from e
+        finally:
+            self.seconds += time.perf_counter() - tic
+
+    def close(self) -> None:
+        for forward in self._forwards:
+            forward.stop()
+
+
+def _offset(cache: Any) -> int | None:
+    offset = getattr(cache, "offset", None) if cache is not None else None
+    return offset if isinstance(offset, int) else None
+
+
+class _Early:
+    """A layer's cache as a chunk's forward finds it before the chunk reaches the layer,
+    while the real one lacks the chunks before it (the layer has not taken them yet): a
+    shallow copy (`view`) that reports the offset stock's has when the chunk starts (a
+    windowed or array mask depends on it), and whose methods the forward calls (llama4's
+    trims its chunked caches before its layers) are called again, with the same
+    arguments, on the real cache when the chunk reaches the layer (`catch_up`): then it
+    holds what stock's holds when the chunk starts, and they do to it what they do in
+    stock. The layer itself gets the real cache."""
+
+    def __init__(self, real: Any, offset: int | None) -> None:
+        self.real = real
+        self._calls: list[tuple[str, tuple, dict]] = []
+        self._depth = 0
+        view = copy.copy(real)
+        if offset is not None:
+            with contextlib.suppress(AttributeError):  # an offset it works out, not keeps
+                view.offset = offset
+        for name in dir(type(real)):
+            if not name.startswith("__") and inspect.isfunction(getattr(type(real), name, None)):
+                view.__dict__[name] = self._kept(name, getattr(view, name))
+        self.view = view
+
+    def _kept(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self._depth == 0:  # not the calls one method makes of others
+                self._calls.append((name, args, kwargs))
+            self._depth += 1
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return call
+
+    def catch_up(self) -> Any:
+        """The real cache, once the chunk reaches its layer, with the forward's calls of
+        the copy's methods made on it."""
+        calls, self._calls = self._calls, []
+        for name, args, kwargs in calls:
+            getattr(self.real, name)(*args, **kwargs)
+        return self.real
 
 
 class UnsupportedModel(Exception):
     """The model's forward does not have the shape the layer-major prefill drives."""
 
 
-def decoder_of(model: nn.Module) -> nn.Module:
-    """The module whose forward loops over the decoder layers, its list under "layers"
-    (`model.layers` may be a slice of that list, as mlx-lm's pipeline models give it)."""
+def decoder_of(model: nn.Module) -> tuple[nn.Module, str]:
+    """The module whose forward loops over the decoder layers, and the name it keeps
+    their list under ("layers"; phixtral's "h"): `model.layers` may be a slice of that
+    list, as mlx-lm's pipeline models give it, or a property that returns it."""
     if not isinstance(getattr(model, "layers", None), (list, tuple)):
         raise UnsupportedModel("the model has no list of decoder layers")
     layers = list(model.layers)
     for _, module in model.named_modules():
-        held = module.get("layers") if isinstance(module, nn.Module) else None
-        if isinstance(held, list) and len(held) == len(layers) and all(a is b for a, b in zip(held, layers)):
-            return module
+        if not isinstance(module, nn.Module):
+            continue
+        for key, held in module.items():
+            if isinstance(held, list) and len(held) == len(layers) and all(a is b for a, b in zip(held, layers)):
+                return module, key
     raise UnsupportedModel("no module holds the model's decoder layers")
 
 
@@ -148,9 +325,10 @@ class LayerMajorPrefill:
         expert row (Settings.mapped_stage_ahead_blocks; 0: each layer stages its own)."""
         self.model = model
         self.stage_ahead_blocks = stage_ahead_blocks
-        self._decoder = decoder_of(model)  # UnsupportedModel where there is no list of layers
+        # UnsupportedModel where there is no list of layers.
+        self._decoder, self._key = decoder_of(model)
         self.layers: list[nn.Module] = list(model.layers)
-        self._held = self._decoder["layers"]
+        self._held = self._decoder[self._key]
         # The streaming layer of each decoder layer (None for a dense one).
         self.moes: list[StreamingMoE | None] = []
         for layer in self.layers:
@@ -158,6 +336,44 @@ class LayerMajorPrefill:
             if len(found) > 1:
                 raise UnsupportedModel("a decoder layer with more than one streaming MoE")
             self.moes.append(found[0] if found else None)
+        self._stops = [_Stop(layer, i) for i, layer in enumerate(self.layers)]
+        self._probe()
+
+    @contextlib.contextmanager
+    def stopping(self) -> Iterator[None]:
+        """The decoder's layers as `_Stop`s, for the time the forwards run (the model is
+        the model again between two pieces, when other requests' steps may use it)."""
+        self._decoder[self._key] = self._stops
+        try:
+            yield
+        finally:
+            self._decoder[self._key] = self._held
+
+    def _probe(self) -> None:
+        """Drive the model's forward of two chunks of two tokens layer by layer over a
+        throwaway cache, its experts idle (`StreamingMoE.idle`), nothing evaluated: raises
+        `UnsupportedModel` where it cannot be driven, so the choice is made at load and
+        not at a user's first prompt."""
+        moes = [moe for moe in self.moes if moe is not None]
+        chunks = _Chunks(self, mx.zeros((4,), dtype=mx.int32), make_prompt_cache(self.model), [2, 2])
+        for moe in moes:
+            moe.idle(True)
+        try:
+            for i, layer in enumerate(self.layers):
+                chunks.through(i, layer)
+            chunks.finish()
+        except UnsupportedModel:
+            raise
+        except Exception as e:
+            if isinstance(e.__cause__, UnsupportedModel):  # it strayed after a layer ran
+                raise e.__cause__ from None
+            raise UnsupportedModel(
+                f"the model's forward failed when driven layer by layer ({type(e).__name__}: {e})"
+            ) from e
+        finally:
+            chunks.close()
+            for moe in moes:
+                moe.idle(False)
 
     def wanted(self, prompt_tokens: int, step: int = PREFILL_STEP) -> bool:
         """Whether this prompt gains from going layer by layer: some layer stages its
@@ -188,7 +404,9 @@ class LayerMajorPrefill:
         (daemon/model/kv_buckets.py), left out of the counts. Returns what it did.
 
         Raises `UnsupportedModel` before anything is computed or the cache changes
-        where the model's forward does not call its layers as this drives them."""
+        where the model's forward does not call its first layer first (the probe at
+        load refused any model that does not call each layer once, in order; one that
+        strays later all the same raises a RuntimeError)."""
         return drained(self.pieces(tokens, cache, step, on_progress, stats, pad))
 
     def pieces(
@@ -209,18 +427,11 @@ class LayerMajorPrefill:
         sizes = chunk_sizes(n + 1, step)
         if pad and len(sizes) != 1:
             raise ValueError("only a prompt of one chunk is padded")
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        hidden: list[mx.array] = []
-        calls: list[list[tuple[tuple, dict]]] = []
-        for start, size in zip(starts, sizes):
-            h, args = self._capture(tokens[start : start + size], cache, start)
-            hidden.append(h)
-            calls.append(args)
+        chunks = _Chunks(self, tokens, cache, sizes)
         stats.chunks += len(sizes)
         stats.tokens += n - pad
         stats.pad_tokens += pad
         clock = time.perf_counter
-        stats.capture_seconds += clock() - tic
         stacked = [moe is not None and moe.stacks_for(sizes) for moe in self.moes]
         # The next stacked layer after each layer (None after the last): its reads start
         # once this layer's own are done, so the disk works while this layer computes.
@@ -244,9 +455,9 @@ class LayerMajorPrefill:
                 t1 = clock()
                 ran = False
                 try:
-                    for k in range(len(sizes)):
-                        args, kwargs = calls[k][i]
-                        hidden[k] = layer(hidden[k], *args, **kwargs)
+                    glue = chunks.seconds
+                    out = chunks.through(i, layer)
+                    glue = chunks.seconds - glue
                     t2 = clock()
                     if stack:
                         stats.read_bytes += moe.fill_stack()
@@ -261,8 +472,8 @@ class LayerMajorPrefill:
                         ahead = nxt.stage_ahead(self.stage_ahead_blocks)
                         stats.staged_ahead += 1
                     t3 = clock()
-                    for k in range(len(sizes)):
-                        mx.eval(hidden[k], *(ahead if k == 0 else ()))
+                    for k, returned in enumerate(out):
+                        mx.eval(returned, *(ahead if k == 0 else ()))
                     # The cache list need not follow the layers (a hybrid model keeps none for
                     # its MoE-only layers): evaluate all, of which only this layer's is new.
                     mx.eval([a for c in cache for a in _state(c)])
@@ -272,7 +483,9 @@ class LayerMajorPrefill:
                     if stack:
                         moe.end_stack(keep=ran)
                 stats.stage_seconds += t1 - t0
-                stats.route_seconds += t2 - t1
+                # The model's own code between the layers counts as capture.
+                stats.capture_seconds += glue
+                stats.route_seconds += t2 - t1 - glue
                 stats.read_seconds += t3 - t2
                 stats.compute_seconds += t4 - t3
                 stats.keep_seconds += clock() - t4
@@ -282,35 +495,18 @@ class LayerMajorPrefill:
                     stats.seconds += time.perf_counter() - tic
                     yield
                     tic = time.perf_counter()
+            glue = chunks.seconds
+            chunks.finish()
+            stats.capture_seconds += chunks.seconds - glue
         finally:
             # A prefill that stopped (an error, or a cancelled request's generator
-            # closed) leaves no stack staged ahead behind.
+            # closed) leaves no stack staged ahead behind, and no forward stopped.
+            chunks.close()
             for moe in self.moes:
                 if moe is not None:
                     moe.drop_ahead()
         stats.seconds += time.perf_counter() - tic
         return stats
-
-    def _capture(self, chunk: mx.array, cache: Sequence[Any], prefix: int) -> tuple[mx.array, list[tuple[tuple, dict]]]:
-        """Run the model's own forward on `chunk` with every decoder layer replaced by a
-        `_Capture`, over cache copies at the chunk's offset: the first layer's input
-        and each layer's other arguments, the copies swapped back for the real caches."""
-        views = [_at_offset(c, prefix) for c in cache]
-        sink: list[tuple[int, mx.array, tuple, dict]] = []
-        self._decoder["layers"] = [_Capture(layer, i, sink) for i, layer in enumerate(self.layers)]
-        try:
-            self.model(chunk[None], cache=views)
-        finally:
-            self._decoder["layers"] = self._held
-        if [i for i, *_ in sink] != list(range(len(self.layers))):
-            raise UnsupportedModel("the model's forward does not call each decoder layer once, in order")
-        real = {id(v): c for v, c in zip(views, cache) if v is not None}
-
-        def back(a: Any) -> Any:
-            return real.get(id(a), a)
-
-        args = [(tuple(back(a) for a in a_args), {key: back(v) for key, v in kw.items()}) for _, _, a_args, kw in sink]
-        return sink[0][1], args
 
 
 def _state(cache: Any) -> list[Any]:

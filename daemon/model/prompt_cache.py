@@ -48,6 +48,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import can_trim_prompt_cache, load_prompt_cache, trim_prompt_cache
 
 from moestream.daemon.model.prompt_cache_files import DiskWriter, host_tensors, mtime, read_metadata
+from moestream.shared.runtime_dir import RuntimeDirError, ensure_private_dir
 from moestream.shared.store_format import MANIFEST_NAME
 
 FILE_FORMAT = "moestream-prompt-cache/1"
@@ -96,6 +97,8 @@ class PromptCacheStats:
     # Entries too large for max_bytes alone, or whose cache did not hold its tokens.
     refused: int = 0
     disk_dir: str | None = None
+    # Why the disk cache is off although a folder was given (not private, not creatable).
+    disk_problem: str | None = None
     disk_entries: int = 0
     disk_bytes: int = 0
     disk_max_bytes: int = 0
@@ -433,10 +436,13 @@ class PromptCache:
     # ---- disk -----------------------------------------------------------------------
 
     def _start_disk(self, folder: Path) -> None:
+        # Another user who made the folder first could plant links or caches in it: only a
+        # folder of ours, private, not a link, is used (the runtime folder's own check).
         try:
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError as e:
-            self.log.error("prompt cache: cannot create %s (%s); caches stay in memory only", folder, e)
+            ensure_private_dir(folder, what="prompt cache folder", option="--prompt-cache-dir")
+        except RuntimeDirError as e:
+            self.log.error("prompt cache: %s; caches stay in memory only", e)
+            self.stats.disk_problem = str(e)
             return
         self.stats.disk_dir = str(folder)
         self._folder = folder

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import queue
+import stat
 import struct
 import threading
 import time
@@ -99,7 +100,12 @@ def _compact(c: Any) -> Any:
 def read_metadata(path: Path) -> dict[str, str]:
     """The `__metadata__` of a safetensors file (what `save_prompt_cache` calls metadata:
     the entries under "0."), read from its header alone."""
-    with open(path, "rb") as f:
+    # Regular files only, opened without following a link or blocking (a FIFO put here
+    # would hang the engine for good).
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
         head = f.read(8)
         if len(head) != 8:
             raise ValueError("shorter than a safetensors header")
@@ -126,7 +132,9 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], bytes
     tmp = path.with_name(path.name + ".tmp")
     try:
         # The conversation is in it (its tokens): readable by its owner only.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        # A new file, never one that is there (a link put in its place is removed, not followed).
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(struct.pack("<Q", len(blob)))
             f.write(blob)

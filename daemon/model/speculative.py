@@ -382,13 +382,14 @@ class _ExpertCounter:
     pools (the ids they log while `route_log` is set). Plain steps are not counted: one
     token routes exactly top_k distinct experts per MoE layer.
 
-    A mapped pool's placement (daemon/mapped/mapped_pool.py) keeps `route_log` set and takes its
+    A routing read-back (a mapped pool's placement, daemon/mapped/mapped_pool.py, or a full
+    pool's counts, daemon/pool/resident_routing.py) keeps `route_log` set and takes its
     entries at each tick; then only the entries a verify appends are read, and the list
     is left as it is."""
 
     def __init__(self, sm: StreamingModel) -> None:
         self.pools = sm.pools
-        self.shared = sm.mapped_pool is not None
+        self.shared = sm.mapped_pool is not None or sm.resident_routing is not None
         self._host_before = 0
         self._marks = [0] * len(self.pools)
 

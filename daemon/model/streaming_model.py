@@ -33,9 +33,10 @@ from moestream.daemon.model.prefill import LayerMajorPrefill, UnsupportedModel
 from moestream.daemon.model.streaming_moe import StreamingMoE
 from moestream.daemon.policies import make_policy
 from moestream.daemon.pool.admission import Admitter, DirectAdmitter, cuda_copier, make_admitter
-from moestream.daemon.pool.capacity import EXPERT_COUNT_KEYS, plan_capacity, top_k_of_blocks
+from moestream.daemon.pool.capacity import EXPERT_COUNT_KEYS, kv_reserve_tokens, plan_capacity, top_k_of_blocks
 from moestream.daemon.pool.expert_pool import ExpertPool, PoolCapacityError, PoolStats
 from moestream.daemon.pool.expert_reader import ExpertReader
+from moestream.daemon.pool.resident_routing import ResidentRouting
 from moestream.daemon.prefetch.predictor import make_prefetcher, next_layers, routers_of
 from moestream.daemon.store.layout import beside_experts
 from moestream.shared.settings import Settings, format_size
@@ -95,6 +96,9 @@ class StreamingModel:
     prefetcher: Any = None
     # The mapped pool (every expert in host memory, the hottest in GPU memory), else None.
     mapped_pool: MappedPool | None = None
+    # The routing counts of the fully resident pools of a model without a mapped pool,
+    # from the first `routing_readback()` on (daemon/pool/resident_routing.py).
+    resident_routing: ResidentRouting | None = field(default=None, init=False, repr=False)
     # The layer-major prefill (daemon/model/prefill.py), None where `prefill = chunk` or
     # the model's forward does not have the shape it drives (then `prefill_note` says why).
     layer_major: LayerMajorPrefill | None = None
@@ -138,6 +142,21 @@ class StreamingModel:
         self._draft_models.move_to_end(path)
         return model
 
+    def routing_readback(self) -> MappedPool | ResidentRouting | None:
+        """What reads the routing of the fully resident pools back once per token (its
+        `tick` after each token, `settle` at the end): the mapped pool's placement, else
+        the fully resident pools' counts, started on the first call (from then on their
+        forwards log ids, which only ticks consume: a caller that never ticks never
+        calls this). None where no pool is fully resident, or in an expert-parallel
+        group (its resident path counts nothing yet)."""
+        if self.mapped_pool is not None:
+            return self.mapped_pool
+        if self.resident_routing is None and self.share is None:
+            full = [p for p in self.pools if p.fully_resident]
+            if full:
+                self.resident_routing = ResidentRouting(full)
+        return self.resident_routing
+
     @property
     def pool_bytes(self) -> int:
         return sum(p.nbytes for p in self.pools)
@@ -171,6 +190,8 @@ class StreamingModel:
                 "capacity": p.capacity,
                 "pinned": len(p.pinned),
                 "hit_rate": d["hit_rate"],
+                # Routed (token, expert) pairs so far: the dashboard's routings per second.
+                "routed": p.stats.routed_total,
             }
             if self.mapped_pool is not None:
                 layer["on_gpu"] = len(self.mapped_pool.on_gpu[i])
@@ -194,6 +215,8 @@ class StreamingModel:
             self.admitter.settle()
             if self.prefetcher is not None:
                 self.prefetcher.drain()
+            if self.resident_routing is not None:
+                self.resident_routing.close()
             if self.mapped_pool is not None:
                 self.mapped_pool.close()  # raises what its worker failed with, if anything
         finally:
@@ -273,7 +296,12 @@ def _build_model(store: Path, manifest: Manifest) -> tuple[nn.Module, dict[str, 
         path = store / name
         if not path.is_file():
             raise StoreError(f"{store}: resident weights file {name} is missing")
-        weights.update(mx.load(str(path)))
+        try:
+            weights.update(mx.load(str(path)))
+        except (RuntimeError, ValueError) as e:  # MLX's reader: a truncated or corrupt file
+            raise StoreError(
+                f"{store}: resident weights file {name} cannot be read ({e}); convert the store again"
+            ) from e
     _quantize(model, config, weights, manifest)
     return model, weights
 
@@ -301,15 +329,18 @@ def load_streaming_model(
     store_dir: str | Path,
     settings: Settings,
     *,
-    max_tokens: int = 4096,
+    max_tokens: int | None = 4096,
     naive: bool = False,
     admitter: Admitter | None = None,
     mapped: bool | None = None,
     host_available: int | None = None,
     share: ExpertShare | None = None,
 ) -> StreamingModel:
-    """Load a store for streaming. `naive=True` is the on-demand baseline of the
-    benchmarks: a pool of top-k slots that reuses nothing between forwards. An
+    """Load a store for streaming. A memory budget keeps room for a KV cache of
+    `max_tokens` tokens when it sizes the pool (None: `settings.max_context`, else the
+    model's context up to KV_RESERVE_TOKENS: `kv_reserve_tokens`). `naive=True` is the
+    on-demand baseline of the benchmarks: a pool of top-k slots that reuses nothing
+    between forwards. An
     `admitter` (with its reader) may be shared between models of the same store; the
     model then leaves closing its reader to the caller.
 
@@ -351,7 +382,7 @@ def load_streaming_model(
             capacity=settings.capacity,
             memory_budget=settings.memory_budget,
             resident_bytes=resident_bytes,
-            max_tokens=max_tokens,
+            max_tokens=kv_reserve_tokens(config, settings.max_context) if max_tokens is None else max_tokens,
             top_k=k,
             prompt_cache_bytes=settings.prompt_cache_bytes,
         )

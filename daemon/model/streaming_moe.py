@@ -75,6 +75,8 @@ class StreamingMoE(nn.Module):
         self._ahead: tuple[dict[str, mx.array], int] | None = None
         # Tokens at the end of the stacked forwards that are padding (`begin_stack`).
         self._pad = 0
+        # The layer-major prefill's probe of the model's forward at load (`idle`).
+        self._idle = False
         self._last_ids: np.ndarray | None = None
         self._use(pool.arrays)
 
@@ -153,6 +155,13 @@ class StreamingMoE(nn.Module):
         assert self._stack is not None
         return self.pool.fill_stack(self._stack)
 
+    def idle(self, on: bool) -> None:
+        """While on, a forward leaves the pool alone and its output is a lazy stand-in of
+        the right shape (computed on slot 0 only if something evaluates it): how the
+        layer-major prefill drives the model's forward once at load, over a throwaway
+        cache, to learn whether it can (daemon/model/prefill.py `LayerMajorPrefill`)."""
+        self._idle = on
+
     def end_stack(self, keep: bool = True) -> None:
         """Back to the pool's own arrays, keeping in it the last tokens' experts when
         `keep` (the layer ran: every row they need was filled; after a failed read some
@@ -187,6 +196,9 @@ class StreamingMoE(nn.Module):
     # ---- one forward -----------------------------------------------------------------
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if self._idle:
+            # The call's shape, lazily, on slot 0: nothing is read, counted or predicted.
+            return self.inner(x, mx.zeros_like(indices))
         if self.share is not None:
             return self._expert_parallel(x, indices, self.share)
         if self._stack is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 from moestream.daemon.pool.expert_pool import PoolCapacityError
@@ -87,6 +88,102 @@ def kv_cache_bytes(config: dict[str, Any], tokens: int) -> int:
         per_token = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim", 0))
         return layers * tokens * per_token * 2 * 2
     return layers * tokens * 2 * heads * head_dim * 2
+
+
+# The config names of the model's own context length (text config first).
+CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "max_seq_len", "n_positions")
+# A request's context where the config names none.
+FALLBACK_CONTEXT = 16384
+# Where `max_context` is left to the model, the KV a memory budget keeps room for while it
+# sizes the pool: an agent's prompt with room to answer (Claude Code's first prompt is
+# 25-34k tokens). The context is then what the budget leaves after the pool, this or more.
+KV_RESERVE_TOKENS = 32768
+
+
+def model_context(config: dict[str, Any]) -> int | None:
+    """The model's own context length from its config, None where it names none."""
+    cfg = config.get("text_config", config)
+    for key in CONTEXT_KEYS:
+        value = cfg.get(key, config.get(key))
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def kv_reserve_tokens(config: dict[str, Any], max_context: int | None) -> int:
+    """Tokens of KV a memory budget keeps room for when it sizes the pool: `max_context`
+    where it is set, else the model's context up to KV_RESERVE_TOKENS."""
+    if max_context is not None:
+        return max_context
+    return min(model_context(config) or FALLBACK_CONTEXT, KV_RESERVE_TOKENS)
+
+
+@dataclass(frozen=True)
+class ContextLimit:
+    """A request's context (its prompt and the tokens it makes), and how it was found:
+    `max_context` where set, else the model's own (`model_tokens`), at most what
+    `kv_room_bytes` holds at `kv_bytes_per_token` (`bound` says which bound it)."""
+
+    tokens: int
+    model_tokens: int | None
+    kv_bytes_per_token: int
+    # The memory the budget (or the device) leaves for KV caches once the model holds its
+    # share, and where that memory figure came from.
+    kv_room_bytes: int | None
+    memory: str
+    # "max_context" (set), "model" (the model's own), or "memory" (what the room holds).
+    bound: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def context_limit(
+    config: dict[str, Any],
+    max_context: int | None,
+    memory_budget: int | None,
+    device: tuple[int, str] | None,
+    held: int,
+) -> ContextLimit:
+    """A request's context: `max_context` where set; else the model's own context
+    length (FALLBACK_CONTEXT where the config names none), at most the tokens whose KV
+    fits in the memory budget, or where there is none in the device's memory (`device`:
+    its bytes and what they are, `device_memory`; None: unknown, no bound), less `held`
+    (what the model holds there: `memory_held`); never under 16 tokens."""
+    memory, source = (memory_budget, "memory_budget") if memory_budget is not None else device or (None, "")
+    per_token = kv_cache_bytes(config, 1)
+    own = model_context(config)
+    room = None if memory is None else max(memory - held, 0)
+    if max_context is not None:
+        return ContextLimit(max_context, own, per_token, room, source, "max_context")
+    tokens, bound = own or FALLBACK_CONTEXT, "model"
+    if room is not None and per_token and room // per_token < tokens:
+        tokens, bound = max(room // per_token, 16), "memory"
+    return ContextLimit(tokens, own, per_token, room, source, bound)
+
+
+def memory_held(manifest: Manifest, resident_bytes: int, pool_bytes: int, slots: int, prompt_cache_bytes: int) -> int:
+    """What a loaded model holds of its memory beside the requests' KV caches: resident
+    weights, the pool, a long prompt's transient stack (a partial pool) and the prompt
+    cache's bound."""
+    partial = any(slots < layer.num_experts for layer in manifest.layers)
+    reserve = overflow_reserve_bytes(manifest, slots) if partial else 0
+    return resident_bytes + pool_bytes + reserve + prompt_cache_bytes
+
+
+def device_memory() -> tuple[int, str]:
+    """The memory a loaded model and its KV caches share where no budget is given: what
+    MLX reports of the device (Metal's recommended working set, a GPU's memory), else
+    the host's RAM (the CPU build); and which it is."""
+    import mlx.core as mx
+    import psutil
+
+    info = mx.device_info()
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+        value = info.get(key)
+        if isinstance(value, int) and value > 0:
+            return value, f"device memory ({key})"
+    return psutil.virtual_memory().total, "host memory"
 
 
 def plan_capacity(

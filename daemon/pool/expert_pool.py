@@ -57,8 +57,8 @@ class PoolStats:
     # them the next forward routed to (counted among the hits).
     prestaged: int = 0
     prestaged_used: int = 0
-    # Routed (token, expert) pairs counted for heat; only partial pools count them, since
-    # only there are the ids on the host without an extra sync.
+    # Routed (token, expert) pairs counted for heat: a partial pool's on its way, a fully
+    # resident one's when they are read back (daemon/pool/resident_routing.py).
     routed_total: int = 0
     # Routed (token, expert) pairs per expert since the last `take_routed()`, for heat.
     routed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))

@@ -204,6 +204,7 @@ def expected_reply(frames: tuple[bytes, ...]) -> Expected:
         proto.Stats: proto.StatsReply,
         proto.Cancel: proto.Cancelled,
         proto.Generate: proto.Done,
+        proto.CountTokens: proto.TokenCount,
     }
     return Expected(None, msg.id, replies[type(msg)])
 
@@ -244,14 +245,14 @@ def check_one(dealer: Dealer, case: FuzzCase) -> str | None:
     if reply.id != want.request_id:
         return f"{case.kind}: a reply for {reply.id!r}, expected one for {want.request_id!r}"
     if want.reply is proto.Done:
-        # A valid generate: tokens (after progress events, if it asked) then done, or an
+        # A valid generate: accepted, tokens (after progress events, if it asked) then done, or an
         # error the engine gives (unknown token ids, too long). Cancel after the first
         # event; the stream still ends with done.
         # Each cancel gets its own reply, which may come after the stream's end: all are
         # awaited here, so that none is taken for the next case's reply on a slow machine.
         cancel_id = "c" + want.request_id[:60]
         cancels = acks = 0
-        stream_events = (proto.Token, proto.Progress)
+        stream_events = (proto.Accepted, proto.Token, proto.Progress)
         while isinstance(reply, stream_events):
             dealer.sock.send(proto.encode(proto.Cancel(id=cancel_id, target=want.request_id)))
             cancels += 1
