@@ -56,6 +56,8 @@ COUNTERS = ("prefills", "prefill_joins", "prefills_suspended", "prefills_resumed
 class BenchAgentSettings:
     store: Path
     capacity: str = "0.25"
+    # The daemon's host-RAM tier ("20G"); None: none.
+    host_cache: str | None = None
     prompt_tokens: int = 16384
     max_tokens: int = 8
     # The cut (and the duplicate's send), as a share of the uncut request's TTFT.
@@ -222,7 +224,12 @@ def run_bench_agent(settings: BenchAgentSettings, progress: Callable[[str], None
     try:
         say("starting a daemon and a gateway")
         daemon = DaemonProcess.start(
-            settings.store, runtime, capacity=settings.capacity, env={"MOESTREAM_MAX_CONTEXT": context}, timeout=600.0
+            settings.store,
+            runtime,
+            capacity=settings.capacity,
+            flags={"host_cache": settings.host_cache} if settings.host_cache else None,
+            env={"MOESTREAM_MAX_CONTEXT": context},
+            timeout=600.0,
         )
         paths = daemon.paths
         gateway = _Gateway(runtime)

@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import numpy as np
 
 from moestream.daemon.pool.expert_pool import ExpertPool
-from moestream.daemon.pool.resident_routing import ResidentRouting
+from moestream.daemon.pool.resident_routing import LayerRouting, ResidentRouting
 
 # The first rebalance comes after rebalance_tokens / this many tokens; each interval
 # doubles up to rebalance_tokens.
@@ -153,7 +153,7 @@ class MappedPool:
         self._worker = _Worker()
         # Routing read back but not yet seen by the worker, and whether a worker turn
         # that will take it is queued (both under the lock).
-        self._backlog: list[np.ndarray] = []
+        self._backlog: list[LayerRouting] = []
         self._turn_queued = False
         self._lock = threading.Lock()
         # Whether place_initial has mapped every range for the GPU yet.
@@ -198,19 +198,17 @@ class MappedPool:
         self.stats.readback_seconds = self.routing.readback_seconds
         self._worker.drain()
 
-    def _consume(self, rows: list[np.ndarray]) -> None:
+    def _consume(self, routed: list[LayerRouting]) -> None:
         """Forwards read back (`ResidentRouting`, which counted them for the heat):
         count those in GPU memory, and hand the rebalancing's counts and moves to the
         worker: the decode thread waits for the device most of a token (MLX lets go of
         the GIL meanwhile), and that is when the worker's Python runs."""
-        for forward in rows:
-            for i in range(len(self.pools)):
-                flat = forward[i].reshape(-1)
-                on_gpu = self.on_gpu[i]
-                self.stats.routed += flat.size
-                self.stats.routed_on_gpu += sum(e in on_gpu for e in flat.tolist())
+        for r in routed:
+            on_gpu = self.on_gpu[r.layer]
+            self.stats.routed += r.ids.size
+            self.stats.routed_on_gpu += sum(e in on_gpu for e in r.ids.reshape(-1).tolist())
         with self._lock:
-            self._backlog += rows
+            self._backlog += routed
             if self._turn_queued:
                 return
             self._turn_queued = True
@@ -220,19 +218,18 @@ class MappedPool:
         """On the worker: count every forward of the backlog, and rebalance when one is
         due."""
         with self._lock:
-            rows, self._backlog = self._backlog, []
+            routed, self._backlog = self._backlog, []
             self._turn_queued = False
         self.stats.turns += 1
         tic = time.perf_counter()
         spans: list[Span] = []
-        for forward in rows:
-            for i, pool in enumerate(self.pools):
-                pool.stack_distances.observe_step(forward[i])
+        for r in routed:
+            self.pools[r.layer].stack_distances.observe_step(r.ids)
         if self.rebalance_tokens:
-            for forward in rows:
-                for i, counts in enumerate(self._counts):
-                    np.add.at(counts, forward[i].reshape(-1), 1)
-                self._tokens_since_rebalance += forward.shape[1]
+            for r in routed:
+                np.add.at(self._counts[r.layer], r.ids.reshape(-1), 1)
+                if r.layer == 0:  # a forward's tokens, counted once
+                    self._tokens_since_rebalance += r.ids.shape[0]
             if self._tokens_since_rebalance >= self._rebalance_interval:
                 self._tokens_since_rebalance = 0
                 self._rebalance_interval = min(2 * self._rebalance_interval, self.rebalance_tokens)

@@ -3,10 +3,13 @@
 A fully resident pool's forward never brings its expert ids to the host (`_resident` in
 daemon/model/streaming_moe.py): they stay on the device, appended to the pool's
 `route_log`. Once per token (`tick`, after the sampled token was read, which is the step's
-one sync) the forwards logged since the last tick are stacked into one device array each
-([layers, rows, k]) and evaluated asynchronously with the next token's work; the arrays of
-READBACK_LAG ticks ago, computed by then, are read back: one small copy per token that
-never waits for the device. `settle` reads back the rest (at the end of a request, when
+one sync) the layers' ids logged since the last tick are joined into one device array and
+evaluated asynchronously with the next token's work; the array of READBACK_LAG ticks ago,
+computed by then, is read back: one small copy per token that never waits for the device.
+Each layer's ids are kept apart, never paired with another layer's by position: a long
+prefill yields between its layers, so between two ticks the lower layers may have run a
+request's chunk that the upper ones have not, while another request's decode step ran
+through all of them. `settle` reads back the rest (at the end of a request, when
 nothing is left to overlap with).
 
 The counts go where a slot pool's go (`PoolStats`: the routings per expert for the heat,
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import mlx.core as mx
@@ -31,22 +35,32 @@ from moestream.daemon.pool.expert_pool import ExpertPool
 READBACK_LAG = 2
 
 
+@dataclass(frozen=True)
+class LayerRouting:
+    """One forward's routing through one layer, read back: `pools[layer]`'s ids, [rows, k]."""
+
+    layer: int
+    ids: np.ndarray
+
+
 class ResidentRouting:
-    """Counts the routing that `pools` (every one fully resident) log; `consume(rows)` is
-    handed each read-back tick's forwards, [layers, rows, k] ids each, after they are counted."""
+    """Counts the routing that `pools` (every one fully resident) log; `consume(routed)` is
+    handed each read-back tick's `LayerRouting`s (each layer's in the order it ran them),
+    after they are counted."""
 
     def __init__(
         self,
         pools: Sequence[ExpertPool],
-        consume: Callable[[list[np.ndarray]], None] | None = None,
+        consume: Callable[[list[LayerRouting]], None] | None = None,
         *,
         hits: bool = True,
     ) -> None:
         self.pools = list(pools)
         self._consume = consume
         self._hits = hits
-        # Per tick: (the forward's ids on the device, whether it was a decode step).
-        self._pending: deque[list[tuple[mx.array, bool]]] = deque()
+        # Per tick: every logged id on the device, flat, and per logged forward of a layer
+        # (layer, whether it was a decode step, k, how many ids).
+        self._pending: deque[tuple[mx.array, list[tuple[int, bool, int, int]]]] = deque()
         # Host time of the read-backs, the counting and `consume`, on the decode thread.
         self.readback_seconds = 0.0
         for p in self.pools:
@@ -57,16 +71,13 @@ class ResidentRouting:
     def tick(self) -> None:
         """After a token is read: queue the routing of the forwards logged since the last
         tick, and count that of the forwards READBACK_LAG ticks old."""
-        logs = [p.take_route_log() for p in self.pools]
-        forwards = min(map(len, logs), default=0)
-        if forwards:
+        logged = [(i, ids) for i, p in enumerate(self.pools) for ids in p.take_route_log()]
+        if logged:
+            flat = mx.concatenate([ids.reshape(-1) for _, ids in logged])
             # One token per sequence is a decode step (batched or not), as the slot pool counts it.
-            batch = [
-                (mx.stack([log[j].reshape(-1, log[j].shape[-1]) for log in logs]), logs[0][j].shape[-2] == 1)
-                for j in range(forwards)
-            ]
-            mx.async_eval([ids for ids, _ in batch])
-            self._pending.append(batch)
+            meta = [(i, ids.shape[-2] == 1, ids.shape[-1], ids.size) for i, ids in logged]
+            mx.async_eval(flat)
+            self._pending.append((flat, meta))
         if len(self._pending) > READBACK_LAG:
             self._read(self._pending.popleft())
 
@@ -81,21 +92,25 @@ class ResidentRouting:
             p.stop_route_log()
         self._pending.clear()
 
-    def _read(self, ready: list[tuple[mx.array, bool]]) -> None:
+    def _read(self, ready: tuple[mx.array, list[tuple[int, bool, int, int]]]) -> None:
         tic = time.perf_counter()
-        rows = [np.array(ids) for ids, _ in ready]
-        for forward, (_, decode) in zip(rows, ready):
-            for i, pool in enumerate(self.pools):
-                flat = forward[i].reshape(-1)
-                stats = pool.stats
-                np.add.at(stats.routed, flat, 1)
-                stats.routed_total += flat.size
-                if self._hits:
-                    hits = np.unique(flat).size
-                    if decode:
-                        stats.hits_decode += hits
-                    else:
-                        stats.hits_prefill += hits
+        flat, meta = ready
+        host = np.array(flat)
+        routed: list[LayerRouting] = []
+        at = 0
+        for i, decode, k, size in meta:
+            ids = host[at : at + size]
+            at += size
+            stats = self.pools[i].stats
+            np.add.at(stats.routed, ids, 1)
+            stats.routed_total += size
+            if self._hits:
+                hits = np.unique(ids).size
+                if decode:
+                    stats.hits_decode += hits
+                else:
+                    stats.hits_prefill += hits
+            routed.append(LayerRouting(i, ids.reshape(-1, k)))
         if self._consume is not None:
-            self._consume(rows)
+            self._consume(routed)
         self.readback_seconds += time.perf_counter() - tic

@@ -29,6 +29,8 @@
 #   prefill-q30          q30: time to first token at 512/2048/8192 tokens: stock, 100%, 25% disk (and chunk order), 25% + 20G host
 # serving (bench serve)
 #   serve-q30            q30: 1, 2, 4, 8 clients through a real daemon at 100% and at 25% + 20G host tier
+# agents (bench agent)
+#   agent-q30            q30: a coding agent's 16k-token prompt through a daemon and gateway at 25% + 20G host, then 25% disk only
 # prompt cache (bench chat)
 #   chat-q30             q30: a 4-turn chat over a 2048-token history, prompt cache off and on, at 100% and 25% + 20G host
 # prefetch (bench predict)
@@ -275,6 +277,18 @@ EOF
         --max-batch ${MAX_BATCH:-0} --max-tokens 64 --rounds ${ROUNDS:-1} --json > "$OUT/bench_serve_q30_${name}_h200.json" \
         2> "$OUT/bench_serve_q30_${name}_h200.progress" \
         || tail -5 "$OUT/bench_serve_q30_${name}_h200.progress"
+    done
+    ;;
+  agent-q30)
+    # Issue 60 run 2: status line, gaps before the first token, a cut request sent again and
+    # a duplicate, per pool (POOLS as serve-q30's; PROMPT tokens, default 16384).
+    IFS=';' read -ra pools <<< "${POOLS:-0.25 --host-cache 20G;0.25}"
+    for pool in "${pools[@]}"; do
+      name=$(echo "$pool" | tr -d ' -' )
+      # shellcheck disable=SC2086  # a pool's words are bench agent's arguments
+      $py -m moestream.client.cli bench agent --model /root/q30/store --capacity $pool --prompt-tokens ${PROMPT:-16384} \
+        --json > "$OUT/bench_agent_q30_${name}_h200.json" 2> "$OUT/bench_agent_q30_${name}_h200.progress" \
+        || tail -5 "$OUT/bench_agent_q30_${name}_h200.progress"
     done
     ;;
   chat-q30)

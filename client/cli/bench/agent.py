@@ -13,6 +13,7 @@ from moestream.client.cli.values import store_option
 @click.command("agent")
 @click.option("--model", "store", required=True, type=click.Path(file_okay=False), help="Expert store.")
 @click.option("--capacity", default="0.25", show_default=True, help="The daemon's pool capacity.")
+@click.option("--host-cache", default=None, help="The daemon's host-RAM tier (20G); default: none.")
 @click.option("--prompt-tokens", default=16384, show_default=True, type=click.IntRange(64, None))
 @click.option("--max-tokens", default=8, show_default=True, type=click.IntRange(1, None))
 @click.option(
@@ -25,7 +26,7 @@ from moestream.client.cli.values import store_option
 )
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the prompts' token ids.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_agent(store, capacity, prompt_tokens, max_tokens, cut_at, seed, as_json) -> None:
+def bench_agent(store, capacity, host_cache, prompt_tokens, max_tokens, cut_at, seed, as_json) -> None:
     """Streamed requests of a long prompt through a real daemon and gateway, as a coding
     agent sends them: the time to the status line, the longest gap without a byte before
     the first token, and the first token; a request cut during its prefill and sent
@@ -39,6 +40,7 @@ def bench_agent(store, capacity, prompt_tokens, max_tokens, cut_at, seed, as_jso
     settings = BenchAgentSettings(
         store=Path(store),
         capacity=capacity,
+        host_cache=host_cache,
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
         cut_at=cut_at,
