@@ -101,6 +101,8 @@ class SharedPrefill:
         self.waiting = 0
         self.result: list[Any] | None = None
         self.parked_at: float | None = None
+        # What ended it, where a piece raised.
+        self.error: Exception | None = None
         self._segment = segment_tokens(step)
         self._pieces: Generator[None, None, list[Any]] | None = self._segments(step, layer_major)
         # The hidden states a layer-major prefill holds between its layers (float32 at most).
@@ -138,7 +140,11 @@ class SharedPrefill:
         return self.result is not None
 
     def advance(self) -> None:
-        """Run its next piece (the last one sets `result`)."""
+        """Run its next piece (the last one sets `result`). A piece that raises (an
+        expert the store cannot read) ends the prefill: every request on it fails with
+        that error, and it is never suspended, since its work cannot go on."""
+        if self.error is not None:
+            raise self.error
         assert self._pieces is not None and self.result is None
         try:
             next(self._pieces)
@@ -152,6 +158,10 @@ class SharedPrefill:
                 # A snapshot at the prompt's boundary, which an untrimmable cache could
                 # not be trimmed back to later.
                 self._prompt_cache.insert(self.prompt_ids[:-1], copy.deepcopy(self.result))
+        except Exception as e:
+            self.error, self._pieces = e, None
+            self._prompt_cache.prefill_ended(self)
+            raise
 
     def join(self) -> None:
         self.waiting += 1
@@ -160,7 +170,7 @@ class SharedPrefill:
         """A waiting request goes; whether it was the last and the prefill is unfinished
         (then it is to be suspended)."""
         self.waiting -= 1
-        return not self.finished and self.waiting == 0
+        return not self.finished and self.error is None and self.waiting == 0
 
     def take(self) -> list[Any]:
         """The finished cache for one waiting request: the last to take it gets it, the
