@@ -26,8 +26,8 @@ import httpx
 import ollama
 import openai
 import pytest
-from daemon_cli import clean_env, ctl, wait_for
-from test_openai_gateway import Gateway, chat_answer, generate_json
+from daemon_cli import ctl, wait_for
+from test_openai_gateway import chat_answer, generate_json, served_gateway
 from thinking_model import CHAT, THINK_END, load_thinking_tokenizer, make_thinking_store
 
 from moestream.client.client import Accepted, Client, Done, Token
@@ -95,18 +95,8 @@ def longest(tokenizer) -> int:
 @pytest.fixture(scope="module")
 def served(store, longest):
     """(daemon paths, gateway): the daemon's context leaves the longest prompt ROOM tokens."""
-    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="mcg"))
-    gateway = Gateway(rt, rt / "gateway.log", "--api-key", KEY)
-    try:
-        env = clean_env(MOESTREAM_MAX_CONTEXT=str(longest + ROOM))
-        out = ctl("start", "--model", str(store), "--runtime-dir", str(rt), env=env)
-        assert out.returncode == 0, out.stdout + out.stderr
-        yield RuntimePaths(dir=rt, log=rt / "daemon.log"), gateway
-    finally:
-        gateway.stop()
-        stopped = ctl("stop", "--runtime-dir", str(rt))
-        shutil.rmtree(rt)
-        assert stopped.returncode == 0, stopped.stderr
+    with served_gateway(store, "mcg", KEY, env={"MOESTREAM_MAX_CONTEXT": str(longest + ROOM)}) as both:
+        yield both
 
 
 @pytest.fixture(scope="module")

@@ -13,19 +13,16 @@ the model's tool-call-looking text that does not parse stays text, never lost.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-from pathlib import Path
 
 import anthropic
 import httpx
 import ollama
 import openai
 import pytest
-from daemon_cli import ctl, wait_for
+from daemon_cli import wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_openai_gateway import Gateway, chat_answer, generate_json, recent
+from test_openai_gateway import chat_answer, generate_json, recent, served_gateway
 
 from moestream.shared import protocol as proto
 from moestream.shared.protocol import Done
@@ -237,17 +234,8 @@ def test_tool_calls_come_back_in_each_apis_own_shape():
 @pytest.fixture(scope="module")
 def served():
     """(daemon paths, gateway) on the demo model, the gateway with an API key."""
-    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msa"))
-    gateway = Gateway(rt, rt / "gateway.log", "--api-key", KEY)
-    try:
-        out = ctl("start", "--model", str(demo_store_path()), "--runtime-dir", str(rt))
-        assert out.returncode == 0, out.stdout + out.stderr
-        yield RuntimePaths(dir=rt, log=rt / "daemon.log"), gateway
-    finally:
-        gateway.stop()
-        stopped = ctl("stop", "--runtime-dir", str(rt))
-        shutil.rmtree(rt)
-        assert stopped.returncode == 0, stopped.stderr
+    with served_gateway(demo_store_path(), "msa", KEY) as both:
+        yield both
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,9 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import openai
@@ -94,6 +96,25 @@ class Gateway:
             if self.proc.poll() is None:
                 self.proc.kill()
                 self.proc.wait()
+
+
+@contextmanager
+def served_gateway(
+    store: Path, prefix: str, key: str, env: dict[str, str] | None = None
+) -> Iterator[tuple[RuntimePaths, Gateway]]:
+    """(daemon paths, gateway): a daemon started on `store` (with `env` added to a clean
+    environment) and a gateway with the API key `key` in front of it; both stopped after."""
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix=prefix))
+    gateway = Gateway(rt, rt / "gateway.log", "--api-key", key)
+    try:
+        out = ctl("start", "--model", str(store), "--runtime-dir", str(rt), env=clean_env(**(env or {})))
+        assert out.returncode == 0, out.stdout + out.stderr
+        yield RuntimePaths(dir=rt, log=rt / "daemon.log"), gateway
+    finally:
+        gateway.stop()
+        stopped = ctl("stop", "--runtime-dir", str(rt))
+        shutil.rmtree(rt)
+        assert stopped.returncode == 0, stopped.stderr
 
 
 @pytest.fixture(scope="module")

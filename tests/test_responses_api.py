@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import httpx
 import openai
 import pydantic
 import pytest
-from daemon_cli import ctl
 from openai.types.responses import Response, ResponseStreamEvent
-from test_openai_gateway import Gateway
+from test_openai_gateway import served_gateway
 
 from moestream.client.gateway.app import Gateway as App
 from moestream.client.gateway.app import GatewayConfig
@@ -332,17 +329,8 @@ def test_cut_failed_and_held_back_answers(tmp_path):
 @pytest.fixture(scope="module")
 def served():
     """The gateway (with an API key) in front of a daemon serving the demo model."""
-    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msr"))
-    gateway = Gateway(rt, rt / "gateway.log", "--api-key", KEY)
-    try:
-        out = ctl("start", "--model", str(demo_store_path()), "--runtime-dir", str(rt))
-        assert out.returncode == 0, out.stdout + out.stderr
-        yield RuntimePaths(dir=rt, log=rt / "daemon.log"), gateway
-    finally:
-        gateway.stop()
-        stopped = ctl("stop", "--runtime-dir", str(rt))
-        shutil.rmtree(rt)
-        assert stopped.returncode == 0, stopped.stderr
+    with served_gateway(demo_store_path(), "msr", KEY) as both:
+        yield both
 
 
 @pytest.fixture(scope="module")
