@@ -327,3 +327,27 @@ def test_identical_at_3000_tokens_default_step(converted):
             _assert_same(_streamed(sm, prompt, PREFILL_STEP, stats), want, f"{label}, 3000 tokens")
         finally:
             sm.close()
+
+
+def test_a_forward_stopped_from_inside_another_forward_leaves_that_one_running():
+    """A dropped prefill's generator may be finalized by the garbage collector while
+    another chunk's forward runs: stopping its forward there must come back there (it
+    once came back to the prefill's loop, which read the wrong value mid-layer)."""
+    from greenlet import getcurrent
+
+    from moestream.daemon.model.prefill import _DONE, _Forward
+
+    def stopped_at_its_layer(tokens, cache):
+        getcurrent().parent.switch((0, (tokens,), {}))
+
+    left = _Forward(stopped_at_its_layer, mx.array([1]), [], [])
+    left.call(0)
+    after: list[str] = []
+
+    def stops_the_other(tokens, cache):
+        left.stop()
+        after.append("went on")
+
+    running = _Forward(stops_the_other, mx.array([2]), [], [])
+    assert running.switch() is _DONE
+    assert after == ["went on"] and left.dead

@@ -187,9 +187,17 @@ class _Forward(greenlet):
             raise UnsupportedModel("the model's forward does not call each decoder layer once, in order")
 
     def stop(self) -> None:
-        """End a forward left stopped at a layer (a prefill that stopped early)."""
-        if self:
-            self.throw()
+        """End a forward left stopped at a layer (a prefill that stopped early). It may
+        be stopped from inside another forward (a dropped prefill's generator finalized by
+        the garbage collector there): its end must come back here, not to the greenlet
+        that resumed it last, which would then resume mid-layer with the wrong value."""
+        if not self:
+            return
+        try:
+            self.parent = getcurrent()
+        except ValueError:  # another thread's: greenlet ends it on its own thread when freed
+            return
+        self.throw()
 
 
 class _Chunks:
