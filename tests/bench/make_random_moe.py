@@ -85,7 +85,9 @@ SHAPES["balanced-cpu"] = dict(
 
 # `moestreamctl bench agent`'s shape: tests/tiny_models.py's qwen3_moe (as narrow, as fast
 # per layer on a CPU) with eight layers, so that a prefill yields after each of eight: a
-# 16k-token prompt prefills for minutes at 25% on the developer machine's CPU.
+# 16k-token prompt prefills for minutes at 25% on the developer machine's CPU. Make it with
+# --dtype float32: its experts are narrower than a quantization group, so they stay
+# unquantized, and MLX's CPU gather_mm takes float32 only.
 SHAPES["agent-cpu"] = dict(
     SHAPES["mini"],
     hidden_size=64,
