@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, ClassVar, Mapping, Union
+from typing import Any, Callable, ClassVar, Mapping, Union, get_args
 
 import msgpack
 
@@ -393,23 +393,7 @@ Reply = Union[
 ]
 
 REQUEST_TYPES: dict[str, type] = {c.TYPE: c for c in (Generate, CountTokens, Cancel, Status, Stats, Shutdown, Ping)}
-REPLY_TYPES: dict[str, type] = {
-    c.TYPE: c
-    for c in (
-        Accepted,
-        Token,
-        ToolCall,
-        Progress,
-        Done,
-        TokenCount,
-        Error,
-        Pong,
-        StatusReply,
-        StatsReply,
-        Cancelled,
-        ShutdownReply,
-    )
-}
+REPLY_TYPES: dict[str, type] = {c.TYPE: c for c in get_args(Reply)}
 
 
 # ---- encoding --------------------------------------------------------------------------
