@@ -23,9 +23,9 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import zmq
 
-from moestream.shared import protocol as proto
-from moestream.shared.protocol import Accepted, Done, Progress, Token, ToolCall
-from moestream.shared.runtime_dir import (
+from ..shared import protocol as proto
+from ..shared.protocol import Accepted, Done, Progress, Token, ToolCall
+from ..shared.runtime_dir import (
     RuntimeDirError,
     RuntimePaths,
     check_private_dir,
@@ -33,7 +33,7 @@ from moestream.shared.runtime_dir import (
     pid_alive,
     read_pid,
 )
-from moestream.shared.settings import Settings
+from ..shared.settings import Settings
 
 __all__ = [
     "Accepted",

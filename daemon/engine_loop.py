@@ -30,15 +30,15 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import zmq
 
-from moestream.daemon.heat import Heat
-from moestream.daemon.keep_alive import KeepAlive, trim_heap
-from moestream.daemon.limits import FileLimit
-from moestream.shared import protocol as proto
-from moestream.shared.request_info import RequestInfo
-from moestream.shared.settings import Settings, format_size
+from ..shared import protocol as proto
+from ..shared.request_info import RequestInfo
+from ..shared.settings import Settings, format_size
+from .heat import Heat
+from .keep_alive import KeepAlive, trim_heap
+from .limits import FileLimit
 
 if TYPE_CHECKING:
-    from moestream.shared.store_format import ManifestStamp
+    from ..shared.store_format import ManifestStamp
 
 EXIT_FRAME = b"exit"
 SNAPSHOT_SECONDS = 0.1
@@ -220,7 +220,7 @@ class EngineLoop:
         """A count_tokens request: straight to the prompt checker's thread, which answers
         it, never waiting on the engine; through the engine's queue only while there is no
         checker (the model unloaded or loading), which then loads the model for it."""
-        from moestream.daemon.prompt_check import CountRequest
+        from .prompt_check import CountRequest
 
         checker = self._checker  # one read: the engine thread may replace it meanwhile
         if checker is None or not checker.count(CountRequest(peer, msg)):
@@ -300,8 +300,8 @@ class EngineLoop:
 
     def _load_model(self) -> bool:
         """The model, its pool and its batch session; False (state failed) when it cannot load."""
-        from moestream.daemon.model.streaming_model import load_streaming_model
-        from moestream.shared.store_format import manifest_stamp
+        from ..shared.store_format import manifest_stamp
+        from .model.streaming_model import load_streaming_model
 
         if self._file_limit is not None:
             self._file_limit.raise_soft(self.log)  # importing mlx-lm (just now) lowered it
@@ -330,7 +330,7 @@ class EngineLoop:
             self.log.error(self.error)
             return False
         if s.max_batch > 1:
-            from moestream.daemon.model.batching import BatchSession
+            from .model.batching import BatchSession
 
             self._batch = BatchSession(self._sm, s.max_batch)
             if self._batch.max_batch < s.max_batch:
@@ -354,7 +354,7 @@ class EngineLoop:
             },
         }
 
-        from moestream.daemon.prompt_check import PromptChecker
+        from .prompt_check import PromptChecker
 
         self._context = self._context_limit()
         self.log.info(
@@ -386,7 +386,7 @@ class EngineLoop:
     def _start_prompt_cache(self) -> None:
         from mlx_lm.models.cache import make_prompt_cache
 
-        from moestream.daemon.model.prompt_cache import PromptCache, cache_identity
+        from .model.prompt_cache import PromptCache, cache_identity
 
         s = self.settings
         if s.prompt_cache_bytes <= 0 or s.prompt_cache_entries <= 0:
@@ -474,7 +474,7 @@ class EngineLoop:
             self._checker.submit(job)
 
     def _on_count(self, cmd: CountCmd) -> None:
-        from moestream.daemon.prompt_check import CountRequest
+        from .prompt_check import CountRequest
 
         request = CountRequest(cmd.peer, cmd.msg)
         if self._checker is None or not self._checker.count(request):
@@ -502,9 +502,9 @@ class EngineLoop:
         """Move waiting requests whose prompts are checked into the active set, the client
         with the fewest active requests first. A request that would not fit the batch, or
         whose KV cache would pass the memory budget, waits in the queue (`status` says why)."""
-        from moestream.daemon.model.generation import GenerationResult, SamplingParams
-        from moestream.daemon.model.reasoning import reasoning_splitter
-        from moestream.daemon.model.tool_calls import splitter_for
+        from .model.generation import GenerationResult, SamplingParams
+        from .model.reasoning import reasoning_splitter
+        from .model.tool_calls import splitter_for
 
         while len(self._active) < self.settings.max_active:
             job = self._next_checked()
@@ -569,7 +569,7 @@ class EngineLoop:
         return budget - self._memory_held()
 
     def _memory_held(self) -> int:
-        from moestream.daemon.pool.capacity import memory_held
+        from .pool.capacity import memory_held
 
         sm = self._sm
         return memory_held(sm.manifest, sm.resident_bytes, sm.pool_bytes, sm.capacity, self.settings.prompt_cache_bytes)
@@ -578,7 +578,7 @@ class EngineLoop:
         """A request's context (daemon/pool/capacity.py `context_limit`): `max_context`,
         else the model's own, at most what the memory budget (else the device's memory)
         leaves for KV caches."""
-        from moestream.daemon.pool.capacity import context_limit, device_memory
+        from .pool.capacity import context_limit, device_memory
 
         s = self.settings
         return context_limit(
@@ -590,7 +590,7 @@ class EngineLoop:
         KV caches and its own would pass the memory budget; None where it can. A request
         alone always starts (its context was checked against max_context)."""
         if not job.kv_bytes:
-            from moestream.daemon.pool.capacity import kv_cache_bytes
+            from .pool.capacity import kv_cache_bytes
 
             # Kept on the job: once it runs, the next request's check counts it.
             job.kv_bytes = kv_cache_bytes(self._sm.manifest.config, len(job.checked.ids) + job.checked.max_tokens)
@@ -630,7 +630,7 @@ class EngineLoop:
         return self._kv_full(job)
 
     def _make_generator(self, job: Job, params: Any) -> Iterator[tuple[str, int | None]]:
-        from moestream.daemon.model.generation import iter_generate
+        from .model.generation import iter_generate
 
         return iter_generate(
             self._sm,
@@ -658,7 +658,7 @@ class EngineLoop:
 
     def _step(self, job: Job) -> bool:
         """Advance one request by one step; False once it has ended."""
-        from moestream.daemon.pool.expert_reader import ExpertReadError
+        from .pool.expert_reader import ExpertReadError
 
         if job.started is None:
             job.started = time.monotonic()
@@ -984,10 +984,10 @@ class EngineLoop:
     def _ranks(self) -> dict[str, Any]:
         """Each rank's share, pool, hit rate, bytes read and heat (a collective: every rank
         answers), and the name of each rank's heat file in its heat folder."""
-        from moestream.daemon.expert_worker import share_row
-        from moestream.daemon.heat import STATES
-        from moestream.daemon.model.expert_parallel import STAT_FIELDS, GroupError
-        from moestream.shared.heat_file import usage_name
+        from ..shared.heat_file import usage_name
+        from .expert_worker import share_row
+        from .heat import STATES
+        from .model.expert_parallel import STAT_FIELDS, GroupError
 
         try:
             rows = self._share.gather_stats(share_row(self._sm, self._heat))
@@ -1007,7 +1007,7 @@ class EngineLoop:
 
     def _kv_bytes(self) -> int:
         """The active requests' KV caches, estimated from their tokens (upper bound)."""
-        from moestream.daemon.pool.capacity import kv_cache_bytes
+        from .pool.capacity import kv_cache_bytes
 
         tokens = sum(len(j.prompt_ids) + (len(j.result.tokens) if j.result is not None else 0) for j in self._active)
         return kv_cache_bytes(self._sm.manifest.config, tokens)
@@ -1050,7 +1050,7 @@ class EngineLoop:
                     self._stop_followers()
 
     def _stop_followers(self) -> None:
-        from moestream.daemon.model.expert_parallel import GroupError
+        from .model.expert_parallel import GroupError
 
         try:
             self._share.stop()

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import logging
 
-from moestream.daemon.heat import Heat, state_code
-from moestream.daemon.model.expert_parallel import FORWARD, STATS, STOP, ExpertShare
-from moestream.shared.settings import Settings
+from ..shared.settings import Settings
+from .heat import Heat, state_code
+from .model.expert_parallel import FORWARD, STATS, STOP, ExpertShare
 
 
 def share_row(sm, heat: Heat | None = None) -> list[int]:
@@ -39,8 +39,8 @@ def serve_share(settings: Settings, share: ExpertShare, log: logging.Logger, *, 
     benchmark's group): no warm start, no heat file and no keeper or sockets."""
     import mlx.core as mx
 
-    from moestream.daemon.model.streaming_model import load_streaming_model
-    from moestream.daemon.model.streaming_moe import StreamingMoE
+    from .model.streaming_model import load_streaming_model
+    from .model.streaming_moe import StreamingMoE
 
     if settings.model is None:
         log.error("rank %d: no model: give --model STORE", share.rank)

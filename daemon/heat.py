@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moestream.shared.heat_file import usage_name
-from moestream.shared.settings import Settings
+from ..shared.heat_file import usage_name
+from ..shared.settings import Settings
 
 # How often the keeper's health is looked at (a dead keeper is restarted then).
 CHECK_SECONDS = 1.0
@@ -80,9 +80,9 @@ class Heat:
 
     def pin(self, sm: Any) -> None:
         """Pin each layer's hottest experts (this rank's, in a group) from the saved heat."""
-        from moestream.daemon.heat_publisher import load_usage
-        from moestream.daemon.pool.autopin import autopin
-        from moestream.shared.heat_file import HeatReadError
+        from ..shared.heat_file import HeatReadError
+        from .heat_publisher import load_usage
+        from .pool.autopin import autopin
 
         heat_dir = self.folder(sm)
         if not self.settings.heat_dir and heat_dir != Path(sm.store_dir).resolve():
@@ -140,7 +140,7 @@ class Heat:
     # ---- the keeper ----------------------------------------------------------------------
 
     def start(self, sm: Any) -> None:
-        from moestream.daemon.heat_publisher import HeatPublisher
+        from .heat_publisher import HeatPublisher
 
         self.publisher = HeatPublisher(
             self.folder(sm),
@@ -177,8 +177,8 @@ class Heat:
     def save_reuse(self, sm: Any, lock_timeout: float = 0.0) -> bool:
         """Add the stack distances taken since the last save to the reuse file; False
         where it could not (they are kept for the next save, and the log says why)."""
-        from moestream.shared.heat_file import HeatFileError, HeatLockTimeout, UsageLock, read_usage, write_usage
-        from moestream.shared.store_format import POOL_REUSE_NAME
+        from ..shared.heat_file import HeatFileError, HeatLockTimeout, UsageLock, read_usage, write_usage
+        from ..shared.store_format import POOL_REUSE_NAME
 
         self._last_reuse_save = time.monotonic()
         if not self._reuse or sm is None:

@@ -75,7 +75,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from moestream.shared.heat_file import (
+from ..shared.heat_file import (
     MAX_ID,
     HeatFileError,
     HeatLockTimeout,
@@ -90,7 +90,7 @@ from moestream.shared.heat_file import (
     usage_path,
     write_usage,
 )
-from moestream.shared.store_format import POOL_USAGE_NAME
+from ..shared.store_format import POOL_USAGE_NAME
 
 PROTOCOL_VERSION = 1
 # One message may add at most this much to one expert: far above any real batch, low

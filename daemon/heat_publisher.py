@@ -37,9 +37,9 @@ import msgpack
 import numpy as np
 import zmq
 
-from moestream.daemon.heat_keeper import PROTOCOL_VERSION, pack
-from moestream.shared.heat_file import UsageLoad, read_usage, usage_path
-from moestream.shared.store_format import POOL_USAGE_NAME
+from ..shared.heat_file import UsageLoad, read_usage, usage_path
+from ..shared.store_format import POOL_USAGE_NAME
+from .heat_keeper import PROTOCOL_VERSION, pack
 
 HEAT_SOCKET = "heat.sock"
 HEAT_ACK_SOCKET = "heat-ack.sock"

@@ -14,14 +14,14 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from moestream import __version__
-from moestream.shared.kernel_cache import KernelCacheError, use_kernel_cache
-from moestream.shared.log_rate import RateLimitFilter
-from moestream.shared.runtime_dir import InstanceLock, RuntimeDirError, RuntimePaths
-from moestream.shared.settings import SETTINGS, Settings, SettingsError
+from .. import __version__
+from ..shared.kernel_cache import KernelCacheError, use_kernel_cache
+from ..shared.log_rate import RateLimitFilter
+from ..shared.runtime_dir import InstanceLock, RuntimeDirError, RuntimePaths
+from ..shared.settings import SETTINGS, Settings, SettingsError
 
 if TYPE_CHECKING:
-    from moestream.daemon.model.expert_parallel import ExpertShare
+    from .model.expert_parallel import ExpertShare
 
 LOG_ROTATE_BYTES = 16 * 2**20
 LOG_LINES_PER_WINDOW = 200
@@ -66,8 +66,8 @@ def run_daemon(
 ) -> int:
     """Serve until shutdown; returns the exit code (0 after a clean stop). `share`: rank
     0's share of an expert-parallel group (`--distributed`), whose other ranks follow."""
-    from moestream.daemon.limits import FileLimit
-    from moestream.daemon.server import Server
+    from .limits import FileLimit
+    from .server import Server
 
     file_limit = FileLimit.at_start()
     file_limit.raise_soft()
@@ -107,7 +107,7 @@ def run_follower(settings: Settings, share: ExpertShare) -> int:
     """A rank other than 0 of an expert-parallel daemon: no socket, lock or log file of its
     own (on one machine they would be rank 0's); it logs to stderr, which `mlx.launch`
     forwards with the rank's other output."""
-    from moestream.daemon.expert_worker import serve_share
+    from .expert_worker import serve_share
 
     log = logging.getLogger(f"moestream.worker.{os.getpid()}")
     log.setLevel(logging.INFO)
@@ -115,7 +115,7 @@ def run_follower(settings: Settings, share: ExpertShare) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     log.addHandler(handler)
-    from moestream.shared.store_format import StoreError
+    from ..shared.store_format import StoreError
 
     try:
         return serve_share(settings, share, log)
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     share = None
     if settings.distributed != "off":
-        from moestream.daemon.model.expert_parallel import join_group
+        from .model.expert_parallel import join_group
 
         share = join_group(settings.distributed, mode="leader")
         if share is not None and share.mode == "follower":

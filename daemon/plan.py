@@ -55,7 +55,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from moestream.daemon.pool.capacity import (
+from ..shared.heat_file import group_usage, peek_usage, read_usage, usage_path
+from ..shared.settings import Settings, format_size
+from ..shared.store_format import POOL_REUSE_NAME, Manifest, load_manifest
+from .pool.capacity import (
     EXPERT_COUNT_KEYS,
     ContextLimit,
     context_limit,
@@ -68,11 +71,8 @@ from moestream.daemon.pool.capacity import (
     plan_capacity,
     top_k_of,
 )
-from moestream.daemon.pool.reuse import lru_hit_rate
-from moestream.daemon.pool_probe import PoolProbe
-from moestream.shared.heat_file import group_usage, peek_usage, read_usage, usage_path
-from moestream.shared.settings import Settings, format_size
-from moestream.shared.store_format import POOL_REUSE_NAME, Manifest, load_manifest
+from .pool.reuse import lru_hit_rate
+from .pool_probe import PoolProbe
 
 TTFT_PROMPT_TOKENS = 2048
 # The demo model's routing counts, from its recorded trace (tests/data/traces/demo_stdlib),
@@ -115,7 +115,7 @@ class Bandwidths:
 
 
 def probe_bandwidths(store: Path, threads: int) -> Bandwidths:
-    from moestream.daemon.bench.bandwidth import (
+    from .bench.bandwidth import (
         measure_layer_reads,
         measure_link_bandwidth,
         measure_read_bandwidth,
@@ -315,7 +315,7 @@ class _Waited:
 def _time_synced(model: Any, vocab: int, steps: int) -> float:
     """Decode s/token of `model` with a wait after every decoder layer (a model with no
     list of layers: its plain decode, so the sync term is 0)."""
-    from moestream.daemon.model.prefill import UnsupportedModel, decoder_of
+    from .model.prefill import UnsupportedModel, decoder_of
 
     try:
         decoder, key = decoder_of(model)
@@ -776,7 +776,7 @@ def plan_store(
 ) -> Plan:
     """Probe (or, with `probe=False`, take the last probe's figures where there are any)
     and plan `store` with `settings`. `progress`: called with a line per probe."""
-    from moestream.shared.settings import default_state_dir
+    from ..shared.settings import default_state_dir
 
     say = progress or (lambda line: None)
     manifest = load_manifest(store)
@@ -822,7 +822,7 @@ def probe_pools_of(
 ) -> dict[tuple[float, bool], PoolProbe]:
     """The pool probes (daemon/pool_probe.py) of these (capacity share, mapped)
     configurations of the store, on the probe's shorter model."""
-    from moestream.daemon.pool_probe import probe_pools
+    from .pool_probe import probe_pools
 
     layers = probe_layer_counts(layer_count(manifest.config))
     return probe_pools(store, manifest, dtype, configs, settings, layers=layers, folder=folder)
@@ -834,8 +834,8 @@ def _would_map(store: Path, settings: Settings, manifest: Manifest) -> bool:
         return settings.mapped
     import psutil
 
-    from moestream.daemon.model.streaming_model import choose_mapped
-    from moestream.daemon.pool.admission import cuda_copier
+    from .model.streaming_model import choose_mapped
+    from .pool.admission import cuda_copier
 
     _, slots = _pool_slots(store, manifest, settings)
     _, cuda_why_not = cuda_copier()
@@ -921,7 +921,7 @@ def probe_store(
     probed after its runs, beside what they left behind (threads, pools, a full
     allocator), the probe timed a decode several times too slow (tests/bench/RESULTS.md,
     "The compute probe on its own")."""
-    from moestream.shared.settings import default_state_dir
+    from ..shared.settings import default_state_dir
 
     manifest = load_manifest(store)
     dtype = resident_dtype(store, manifest)

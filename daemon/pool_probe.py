@@ -35,9 +35,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from moestream.daemon.pool.capacity import top_k_of
-from moestream.shared.settings import Settings
-from moestream.shared.store_format import Manifest
+from ..shared.settings import Settings
+from ..shared.store_format import Manifest
+from .pool.capacity import top_k_of
 
 # Token embeddings times this: routing then follows the token, not the near-constant
 # residual stream of a random model (tests/bench/make_random_moe.py measured an LRU hit
@@ -101,8 +101,8 @@ def write_probe_store(config: dict[str, Any], dtype: str, folder: Path, tokenize
     import mlx.core as mx
     from mlx_lm.utils import save_config, save_model
 
-    from moestream.daemon.plan import _random_model
-    from moestream.daemon.store.convert import convert_model
+    from .plan import _random_model
+    from .store.convert import convert_model
 
     model_dir = folder / "model"
     model = _random_model(config, dtype, PROBE_EMBED_SCALE)
@@ -173,10 +173,10 @@ def probe_pools(
     (None: the system's), each removed once timed."""
     import mlx.core as mx
 
-    from moestream.daemon.bench.decode import decode_counters
-    from moestream.daemon.model.streaming_model import load_stock_model, load_streaming_model
-    from moestream.daemon.plan import _probe_config
-    from moestream.shared.store_format import load_manifest
+    from ..shared.store_format import load_manifest
+    from .bench.decode import decode_counters
+    from .model.streaming_model import load_stock_model, load_streaming_model
+    from .plan import _probe_config
 
     tokenizer = [store / name for name in manifest.tokenizer_files]
     # Per configuration, per depth: (MoE layers, plain s, pooled s, hits, misses).

@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import zmq
 
-from moestream.shared import protocol as proto
+from ..shared import protocol as proto
 
 # Added to the daemon's niceness for the checking thread (Linux: per thread).
 CHECK_NICENESS = 10
@@ -167,7 +167,7 @@ class PromptChecker:
                 sock.close(linger=0)
 
     def _encode(self, msg: proto.Generate | proto.CountTokens) -> list[int]:
-        from moestream.daemon.model.generation import encode_prompt
+        from .model.generation import encode_prompt
 
         return encode_prompt(
             self._sm, msg.prompt, msg.prompt_ids, msg.messages, msg.tools, msg.tool_choice, msg.thinking
@@ -184,7 +184,7 @@ class PromptChecker:
             return proto.Error(msg.id, proto.INTERNAL, f"{type(e).__name__}: {e}")
 
     def check(self, msg: proto.Generate) -> Checked:
-        from moestream.daemon.model.reasoning import opens_thinking
+        from .model.reasoning import opens_thinking
 
         tic = time.perf_counter()
         problem = self._speculative_problem(msg)
@@ -209,8 +209,8 @@ class PromptChecker:
 
     def _speculative_problem(self, msg: proto.Generate) -> str:
         """What makes the request's speculative decoding impossible here (only file checks)."""
-        from moestream.daemon.model.demo_mtp import MTP_FILE
-        from moestream.shared.store_format import MANIFEST_NAME
+        from ..shared.store_format import MANIFEST_NAME
+        from .model.demo_mtp import MTP_FILE
 
         if msg.speculative == "mtp" and not (Path(self._sm.store_dir) / MTP_FILE).is_file():
             return (

@@ -32,13 +32,13 @@ import psutil
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from moestream import __version__
-from moestream.daemon.engine_loop import EXIT_FRAME, EngineLoop
-from moestream.daemon.limits import FileLimit
-from moestream.shared import protocol as proto
-from moestream.shared.runtime_dir import RuntimePaths
-from moestream.shared.settings import Settings
-from moestream.shared.store_format import vanished_store_problem
+from .. import __version__
+from ..shared import protocol as proto
+from ..shared.runtime_dir import RuntimePaths
+from ..shared.settings import Settings
+from ..shared.store_format import vanished_store_problem
+from .engine_loop import EXIT_FRAME, EngineLoop
+from .limits import FileLimit
 
 # Hard cap above the protocol's limit: up to it an oversized message gets an error
 # reply; past it ZeroMQ drops the connection without reading the message into memory.

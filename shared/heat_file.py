@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
-from moestream.shared.durable import fsync_dir, sync_fd
-from moestream.shared.file_lock import lock_exclusive
-from moestream.shared.small_file import NotARegularFile, read_small_file
-from moestream.shared.store_format import POOL_USAGE_NAME
+from .durable import fsync_dir, sync_fd
+from .file_lock import lock_exclusive
+from .small_file import NotARegularFile, read_small_file
+from .store_format import POOL_USAGE_NAME
 
 # Ids above this are not a model's layers or experts: such a file is corrupt.
 MAX_ID = 1 << 20

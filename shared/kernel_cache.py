@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Mapping, MutableMapping
 
-from moestream.shared.runtime_dir import ensure_private_dir
+from .runtime_dir import ensure_private_dir
 
 ENV = "MLX_PTX_CACHE_DIR"
 

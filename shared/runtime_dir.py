@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from moestream.shared.file_lock import lock_exclusive
+from .file_lock import lock_exclusive
 
 SOCKET_NAME = "moestream.sock"
 LOCK_NAME = "daemon.lock"

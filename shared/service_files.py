@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 from xml.parsers.expat import ExpatError
 
-from moestream.shared.settings import SETTINGS
+from .settings import SETTINGS
 
 PLATFORMS = ("darwin", "linux")
 LAUNCHD_LABEL = "dev.moestream.daemon"

@@ -26,8 +26,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from moestream.shared.runtime_dir import SOCKET_NAME, max_socket_path_bytes
-from moestream.shared.store_format import StoreError, canonical_folder, load_manifest, same_folder
+from .runtime_dir import SOCKET_NAME, max_socket_path_bytes
+from .store_format import StoreError, canonical_folder, load_manifest, same_folder
 
 ENV_PREFIX = "MOESTREAM_"
 

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moestream.shared.durable import fsync_dir, sync_file
+from .durable import fsync_dir, sync_file
 
 FORMAT_NAME = "moestream-store"
 FORMAT_VERSION = 1

@@ -243,3 +243,16 @@ def test_pool_counters_are_listed_once_by_their_dataclasses():
                     if len(names) >= 4 and set(names) <= set(counters):
                         by_hand.append(f"{f.relative_to(ROOT)}:{node.lineno}")
     assert by_hand == [], f"pool counters listed by hand: {by_hand}"
+
+
+def test_imports_inside_the_package_are_relative():
+    """As mlx-lm writes them: a tool that draws the import graph from the tree sees every
+    arrow, and the package can be read without knowing the name it is installed under."""
+    absolute = re.compile(r"^\s*(from moestream[\s.]|import moestream\b)")
+    bad = [
+        f"{f.relative_to(ROOT)}:{i}"
+        for f in _code_files("daemon", "client", "shared")
+        for i, line in enumerate(f.read_text().splitlines(), 1)
+        if absolute.match(line)
+    ]
+    assert bad == [], f"absolute imports of the package inside it: {bad}"

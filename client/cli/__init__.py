@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import click
 
-from moestream import __version__
-from moestream.client.cli import convert, daemon, dashboard, generate, heatmap, plan, serve_openai, service
-from moestream.client.cli.bench import bench
+from ... import __version__
+from . import convert, daemon, dashboard, generate, heatmap, plan, serve_openai, service
+from .bench import bench
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -1,5 +1,5 @@
 """`python -m moestream.client.cli`: the same as `moestreamctl`."""
 
-from moestream.client.cli import main
+from . import main
 
 main(prog_name="moestreamctl")

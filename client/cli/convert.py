@@ -25,8 +25,8 @@ def convert(model_dir: str, out_dir: str, force: bool, shard: tuple[int, int] | 
     tokenizer files), e.g. a download of an mlx-community model. The experts are
     written one MoE layer at a time, so memory stays near one layer's size.
     """
-    from moestream.daemon.store.convert import convert_model
-    from moestream.shared.store_format import StoreError
+    from ...daemon.store.convert import convert_model
+    from ...shared.store_format import StoreError
 
     bar = None
 

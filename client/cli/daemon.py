@@ -13,13 +13,10 @@ from typing import Any
 
 import click
 
-from moestream.client.cli.group import launch_argv, spawn_group, stop_group
-from moestream.client.cli.values import capacity_note, runtime_dir_option, setting_options, store_option
-from moestream.client.client import Client, ClientError, DaemonDied, DaemonNotRunning
-from moestream.shared import protocol as proto
-from moestream.shared.file_lock import lock_exclusive
-from moestream.shared.request_info import RequestInfo
-from moestream.shared.runtime_dir import (
+from ...shared import protocol as proto
+from ...shared.file_lock import lock_exclusive
+from ...shared.request_info import RequestInfo
+from ...shared.runtime_dir import (
     LOG_NAME,
     RuntimeDirError,
     RuntimePaths,
@@ -29,7 +26,7 @@ from moestream.shared.runtime_dir import (
     pid_alive,
     read_pid,
 )
-from moestream.shared.settings import (
+from ...shared.settings import (
     DAEMON,
     SETTINGS,
     Settings,
@@ -39,7 +36,10 @@ from moestream.shared.settings import (
     format_size,
     in_scope,
 )
-from moestream.shared.store_format import load_manifest
+from ...shared.store_format import load_manifest
+from ..client import Client, ClientError, DaemonDied, DaemonNotRunning
+from .group import launch_argv, spawn_group, stop_group
+from .values import capacity_note, runtime_dir_option, setting_options, store_option
 
 # The settings `start`, `restart` and `service install` take as options, passed on to
 # `python -m moestream.daemon.main` (names of Settings fields).
@@ -340,7 +340,7 @@ def start(given, timeout, foreground, log_to_stderr) -> None:
                 "give --model STORE (an expert store made by `moestreamctl convert`), or set MOESTREAM_MODEL"
             )
         store_option(settings.model)  # a wrong folder fails here, not in the daemon's log
-        from moestream.daemon.main import run_daemon
+        from ...daemon.main import run_daemon
 
         try:
             code = run_daemon(settings, log_to_stderr=log_to_stderr)

@@ -6,7 +6,7 @@ import webbrowser
 
 import click
 
-from moestream.client.cli.serve_openai import DEFAULT_HOST, DEFAULT_PORT
+from .serve_openai import DEFAULT_HOST, DEFAULT_PORT
 
 
 @click.command()

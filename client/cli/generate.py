@@ -11,10 +11,10 @@ from typing import Any, Callable, TextIO
 
 import click
 
-from moestream.client.cli.values import capacity_note, setting_options, store_option
-from moestream.shared.kernel_cache import KernelCacheError, use_kernel_cache
-from moestream.shared.settings import GENERATE, LOCAL, Settings, SettingsError, definition, demo_store_path, in_scope
-from moestream.shared.store_format import same_folder
+from ...shared.kernel_cache import KernelCacheError, use_kernel_cache
+from ...shared.settings import GENERATE, LOCAL, Settings, SettingsError, definition, demo_store_path, in_scope
+from ...shared.store_format import same_folder
+from .values import capacity_note, setting_options, store_option
 
 # Settings of `generate` that a running daemon does not take from it: `model` is checked
 # against the store it serves, `runtime_dir` picks the daemon, and `keep_alive` goes with
@@ -227,12 +227,12 @@ def generate(
     except KernelCacheError as e:
         raise click.ClickException(str(e)) from None
 
-    from moestream.daemon.model.generation import SamplingParams, encode_prompt
-    from moestream.daemon.model.generation import generate as run
-    from moestream.daemon.model.streaming_model import load_streaming_model
-    from moestream.daemon.pool.expert_pool import PoolCapacityError
-    from moestream.daemon.pool.expert_reader import ExpertReadError
-    from moestream.shared.store_format import StoreError
+    from ...daemon.model.generation import SamplingParams, encode_prompt
+    from ...daemon.model.generation import generate as run
+    from ...daemon.model.streaming_model import load_streaming_model
+    from ...daemon.pool.expert_pool import PoolCapacityError
+    from ...daemon.pool.expert_reader import ExpertReadError
+    from ...shared.store_format import StoreError
 
     params = SamplingParams(
         max_tokens=max_tokens,
@@ -271,7 +271,7 @@ def _report(text: str, tokens: list[int], stats: dict[str, Any], as_json: bool, 
         click.echo(json.dumps({"text": text, "tokens": tokens, "stats": stats}))
         return
     if diagnostics:
-        from moestream.client.cli.daemon import diagnostics_lines
+        from .daemon import diagnostics_lines
 
         d = stats.get("diagnostics")
         lines = diagnostics_lines(d) if d else ["diagnostics: none recorded for this request"]
@@ -320,9 +320,9 @@ def _generate_via_daemon(
     """Stream from the daemon, starting it first when none runs; returns the `Done` event.
     `given`: the settings given as options; a daemon started here gets those of its
     scope (GENERATE), not the --local ones."""
-    from moestream.client.cli.daemon import start_daemon
-    from moestream.client.client import Client, ClientError, DaemonNotRunning, Progress, Token
-    from moestream.shared.runtime_dir import RuntimeDirError, RuntimePaths
+    from ...shared.runtime_dir import RuntimeDirError, RuntimePaths
+    from ..client import Client, ClientError, DaemonNotRunning, Progress, Token
+    from .daemon import start_daemon
 
     try:
         paths = RuntimePaths.from_settings(settings)

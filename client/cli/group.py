@@ -25,8 +25,8 @@ from pathlib import Path
 import click
 import psutil
 
-from moestream.shared.runtime_dir import RuntimePaths
-from moestream.shared.settings import Settings
+from ...shared.runtime_dir import RuntimePaths
+from ...shared.settings import Settings
 
 # In the runtime folder: the pid of the `mlx.launch` that runs the group `start` began.
 GROUP_PID = "group.pid"

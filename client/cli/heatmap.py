@@ -6,9 +6,9 @@ from pathlib import Path
 
 import click
 
-from moestream.client.cli.values import store_option
-from moestream.shared.heat_file import group_usage, peek_usage, usage_path
-from moestream.shared.settings import Settings, SettingsError, demo_store_path
+from ...shared.heat_file import group_usage, peek_usage, usage_path
+from ...shared.settings import Settings, SettingsError, demo_store_path
+from .values import store_option
 
 # The demo model's recorded routing counts, shipped beside its store (daemon/plan.py reads them too).
 DEMO_COUNTS = demo_store_path().parent / "routing_counts.json"
@@ -63,7 +63,7 @@ def heatmap(store, out_file, cell) -> None:
     """Write the heat of STORE's experts as a PNG: a row per MoE layer, a column per
     expert, darker where routed more (one colour scale, its numbers below), titled with
     the store's name: the dashboard's heat map, for a file."""
-    from moestream.client.dashboard.png import write_heat_png
+    from ..dashboard.png import write_heat_png
 
     try:
         settings = Settings.resolve({"model": store})

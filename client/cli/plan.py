@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from moestream.client.cli.values import store_option
-from moestream.shared.settings import Settings, SettingsError
+from ...shared.settings import Settings, SettingsError
+from .values import store_option
 
 
 @click.command()
@@ -27,8 +27,8 @@ def plan(store, memory_budget, host_cache, capacity, max_context, no_probe, as_j
     """Resident bytes, pool slots per layer, KV cache per 1k tokens, the expected hit rate
     (from the store's saved heat), the disk and link bandwidths, and the forecast decode
     tok/s and time to first token of a 2k-token prompt, each with its bound."""
-    from moestream.daemon.plan import format_plan, plan_store
-    from moestream.daemon.pool.expert_pool import PoolCapacityError
+    from ...daemon.plan import format_plan, plan_store
+    from ...daemon.pool.expert_pool import PoolCapacityError
 
     given = {"capacity": capacity, "memory_budget": memory_budget, "host_cache": host_cache, "max_context": max_context}
     try:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import click
 
-from moestream.client.cli.values import runtime_dir_option
-from moestream.shared.runtime_dir import RuntimeDirError, RuntimePaths
-from moestream.shared.settings import Settings, SettingsError
-from moestream.shared.small_file import NotARegularFile, read_small_file
+from ...shared.runtime_dir import RuntimeDirError, RuntimePaths
+from ...shared.settings import Settings, SettingsError
+from ...shared.small_file import NotARegularFile, read_small_file
+from .values import runtime_dir_option
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
@@ -136,8 +136,8 @@ def serve_openai(host, port, api_key, api_key_file, runtime_dir, log_level) -> N
     # uvicorn configures its own loggers only; this shows the gateway's (moestream.openai).
     logging.basicConfig(level=log_level.upper(), format="%(levelname)-9s %(name)s: %(message)s")
 
-    from moestream.client.gateway.app import GatewayConfig, create_app
-    from moestream.client.gateway.guard import ConnectionGuard, GuardConfig, limit_log_rate, raise_file_limit
+    from ..gateway.app import GatewayConfig, create_app
+    from ..gateway.guard import ConnectionGuard, GuardConfig, limit_log_rate, raise_file_limit
 
     raise_file_limit()  # each connection is an open file
     guard = GuardConfig.from_settings(settings, host)

@@ -22,12 +22,12 @@ from typing import Mapping
 
 import click
 
-from moestream.client.cli.daemon import PATH_SETTINGS, absolute_paths, daemon_setting_options
-from moestream.client.cli.values import setting_flags
-from moestream.shared import service_files as sf
-from moestream.shared.durable import fsync_dir, sync_file
-from moestream.shared.settings import Settings, SettingsError, definition, format_size
-from moestream.shared.store_format import StoreError, load_manifest
+from ...shared import service_files as sf
+from ...shared.durable import fsync_dir, sync_file
+from ...shared.settings import Settings, SettingsError, definition, format_size
+from ...shared.store_format import StoreError, load_manifest
+from .daemon import PATH_SETTINGS, absolute_paths, daemon_setting_options
+from .values import setting_flags
 
 # launchctl and systemctl answer at once; a hung one is reported rather than waited on.
 COMMAND_TIMEOUT_S = 60.0
@@ -293,7 +293,7 @@ def _gateway_service(
     env: Mapping[str, str], host: str | None, port: int | None, api_key_file: str | None
 ) -> tuple[list[str], dict[str, str]]:
     """The gateway service's command line and environment, checked as `serve-openai` checks them."""
-    from moestream.client.cli.serve_openai import DEFAULT_HOST, DEFAULT_PORT, is_loopback, read_api_key
+    from .serve_openai import DEFAULT_HOST, DEFAULT_PORT, is_loopback, read_api_key
 
     host = host or DEFAULT_HOST
     if api_key_file is not None:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping
 
 import click
 
-from moestream.shared.settings import (
+from ...shared.settings import (
     GENERATE,
     LOCAL,
     Definition,
@@ -19,7 +19,7 @@ from moestream.shared.settings import (
     in_scope,
     parse_size,
 )
-from moestream.shared.store_format import Manifest, StoreError, load_manifest
+from ...shared.store_format import Manifest, StoreError, load_manifest
 
 # What --help shows as a setting's value, by kind (a choice lists its choices).
 _METAVARS = {

@@ -8,6 +8,6 @@ Like the rest of the gateway it is a thin client: the status comes from the daem
 `moestream.client.Client`, the heat from the heat file the daemon's keeper writes.
 """
 
-from moestream.client.dashboard.app import Dashboard, heat_map
+from .app import Dashboard, heat_map
 
 __all__ = ["Dashboard", "heat_map"]

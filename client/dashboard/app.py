@@ -16,11 +16,11 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from moestream.client.client import Client, ClientError, DaemonNotRunning
-from moestream.shared.heat_file import group_usage, peek_usage, usage_path
-from moestream.shared.request_info import RequestInfo
-from moestream.shared.runtime_dir import RuntimePaths
-from moestream.shared.settings import Settings, SettingsError
+from ...shared.heat_file import group_usage, peek_usage, usage_path
+from ...shared.request_info import RequestInfo
+from ...shared.runtime_dir import RuntimePaths
+from ...shared.settings import Settings, SettingsError
+from ..client import Client, ClientError, DaemonNotRunning
 
 log = logging.getLogger("moestream.dashboard")
 PAGE = Path(__file__).resolve().parent / "static" / "dashboard.html"

@@ -48,14 +48,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from moestream.client.client import Accepted, Token, ToolCall
-from moestream.client.gateway.keep_alive import KeepAlive
-from moestream.client.gateway.openai import ApiError, ApiRequest, bad_request
-from moestream.shared import protocol as proto
-from moestream.shared.protocol import Done
+from ...shared import protocol as proto
+from ...shared.protocol import Done
+from ..client import Accepted, Token, ToolCall
+from .keep_alive import KeepAlive
+from .openai import ApiError, ApiRequest, bad_request
 
 if TYPE_CHECKING:
-    from moestream.client.gateway.app import DaemonRequest, Gateway
+    from .app import DaemonRequest, Gateway
 
 PREFIX = "/v1/messages"
 MAX_TEMPERATURE = 1.0

@@ -53,7 +53,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from moestream.client.client import (
+from ...shared import protocol as proto
+from ...shared.protocol import Done
+from ...shared.runtime_dir import RuntimePaths
+from ...shared.settings import demo_store_path
+from ...shared.store_format import StoreError, load_manifest
+from ..client import (
     Client,
     ClientError,
     DaemonNotRunning,
@@ -62,16 +67,11 @@ from moestream.client.client import (
     Token,
     ToolCall,
 )
-from moestream.client.dashboard import Dashboard
-from moestream.client.gateway import anthropic, ollama, responses
-from moestream.client.gateway.guard import GuardConfig, GuardMiddleware
-from moestream.client.gateway.keep_alive import KEEP_ALIVE_SECONDS, KeepAlive
-from moestream.client.gateway.openai import ApiError, ApiRequest, Shaper, finish_reason, parse_request, usage
-from moestream.shared import protocol as proto
-from moestream.shared.protocol import Done
-from moestream.shared.runtime_dir import RuntimePaths
-from moestream.shared.settings import demo_store_path
-from moestream.shared.store_format import StoreError, load_manifest
+from ..dashboard import Dashboard
+from . import anthropic, ollama, responses
+from .guard import GuardConfig, GuardMiddleware
+from .keep_alive import KEEP_ALIVE_SECONDS, KeepAlive
+from .openai import ApiError, ApiRequest, Shaper, finish_reason, parse_request, usage
 
 # The protocol's own message limit: a body this size holds any prompt the daemon takes.
 MAX_BODY_BYTES = proto.MAX_MESSAGE_BYTES

@@ -36,9 +36,9 @@ from urllib.parse import urlsplit
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from moestream.client.gateway.openai import ApiError
-from moestream.shared.log_rate import RateLimitFilter
-from moestream.shared.settings import Settings
+from ...shared.log_rate import RateLimitFilter
+from ...shared.settings import Settings
+from .openai import ApiError
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 # Descriptors kept free of connections: the daemon's sockets, the log, the listener.

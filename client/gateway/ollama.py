@@ -28,14 +28,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from moestream import __version__
-from moestream.client.client import Token, ToolCall
-from moestream.client.gateway.openai import ApiError, ApiRequest, bad_request, keep_alive_seconds, top_k
-from moestream.shared import protocol as proto
-from moestream.shared.protocol import Done
+from ... import __version__
+from ...shared import protocol as proto
+from ...shared.protocol import Done
+from ..client import Token, ToolCall
+from .openai import ApiError, ApiRequest, bad_request, keep_alive_seconds, top_k
 
 if TYPE_CHECKING:
-    from moestream.client.gateway.app import DaemonRequest, Gateway
+    from .app import DaemonRequest, Gateway
 
 PREFIX = "/api/"
 DEFAULT_NUM_PREDICT = 512
@@ -363,7 +363,7 @@ class OllamaApi:
 
     async def _model(self) -> dict[str, Any]:
         st = await self._gw._status()
-        from moestream.client.gateway.app import capabilities, context_length, model_id
+        from .app import capabilities, context_length, model_id
 
         name = model_id(st, self._gw.config.demo_store_id)
         memory = st.get("memory") or {}

@@ -32,8 +32,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from moestream.shared import protocol as proto
-from moestream.shared.settings import SettingsError, parse_duration
+from ...shared import protocol as proto
+from ...shared.settings import SettingsError, parse_duration
 
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_TEMPERATURE = 1.0

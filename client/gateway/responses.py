@@ -52,9 +52,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from moestream.client.client import Token, ToolCall
-from moestream.client.gateway.keep_alive import KeepAlive
-from moestream.client.gateway.openai import (
+from ...shared import protocol as proto
+from ...shared.protocol import Done
+from ..client import Token, ToolCall
+from .keep_alive import KeepAlive
+from .openai import (
     DEFAULT_TEMPERATURE,
     MAX_TEMPERATURE,
     ApiError,
@@ -64,11 +66,9 @@ from moestream.client.gateway.openai import (
     bad_request,
     tool_call_id,
 )
-from moestream.shared import protocol as proto
-from moestream.shared.protocol import Done
 
 if TYPE_CHECKING:
-    from moestream.client.gateway.app import DaemonRequest, Gateway
+    from .app import DaemonRequest, Gateway
 
 PATH = "/v1/responses"
 # OpenAI's default is the model's whole output budget; the daemon refuses a prompt whose

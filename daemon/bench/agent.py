@@ -38,11 +38,11 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-from moestream.client.client import Client
-from moestream.daemon.bench.soak.driver import DaemonProcess, child_env
-from moestream.shared.progress import timed_progress
-from moestream.shared.runtime_dir import RuntimePaths
-from moestream.shared.store_format import load_manifest
+from ...client.client import Client
+from ...shared.progress import timed_progress
+from ...shared.runtime_dir import RuntimePaths
+from ...shared.store_format import load_manifest
+from .soak.driver import DaemonProcess, child_env
 
 # What the acceptance asks: the status line within this, no gap longer than this before
 # the first token, and a cut request sent again at most this share of the uncut TTFT.

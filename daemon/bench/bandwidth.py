@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from moestream._native import ReadEngine
-from moestream.daemon.pool.admission import cuda_copier
-from moestream.shared.settings import format_size
-from moestream.shared.store_format import load_manifest
+from ..._native import ReadEngine
+from ...shared.settings import format_size
+from ...shared.store_format import load_manifest
+from ..pool.admission import cuda_copier
 
 
 def settle_writes() -> None:

@@ -36,7 +36,16 @@ import mlx.core as mx
 import psutil
 from mlx_lm.models.cache import make_prompt_cache
 
-from moestream.daemon.bench.bandwidth import (
+from ...shared.heat_file import peek_usage, usage_path
+from ...shared.progress import timed_progress
+from ...shared.settings import Settings, default_of, format_size
+from ...shared.store_format import Manifest, load_manifest
+from ..mapped.row_gather import RowGather
+from ..model.generation import SamplingParams, generate
+from ..model.streaming_model import StreamingModel, choose_mapped, load_stock_model, load_streaming_model
+from ..pool.admission import Admitter, cuda_copier, make_admitter
+from ..pool.expert_reader import ExpertReader
+from .bandwidth import (
     format_read_and_link,
     measure_layer_reads,
     measure_link_bandwidth,
@@ -44,15 +53,6 @@ from moestream.daemon.bench.bandwidth import (
     page_cache_reason,
     settle_writes,
 )
-from moestream.daemon.mapped.row_gather import RowGather
-from moestream.daemon.model.generation import SamplingParams, generate
-from moestream.daemon.model.streaming_model import StreamingModel, choose_mapped, load_stock_model, load_streaming_model
-from moestream.daemon.pool.admission import Admitter, cuda_copier, make_admitter
-from moestream.daemon.pool.expert_reader import ExpertReader
-from moestream.shared.heat_file import peek_usage, usage_path
-from moestream.shared.progress import timed_progress
-from moestream.shared.settings import Settings, default_of, format_size
-from moestream.shared.store_format import Manifest, load_manifest
 
 # With fresh text, round r's decodes seed from seed + (r + 1) * this (warm-ups below 0).
 FRESH_SEED_STRIDE = 1000

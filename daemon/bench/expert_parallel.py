@@ -29,10 +29,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from moestream.daemon.expert_worker import serve_share, share_row
-from moestream.daemon.model.expert_parallel import STAT_FIELDS, ExpertShare, join_group
-from moestream.daemon.model.streaming_model import StreamingModel, load_streaming_model
-from moestream.shared.settings import Settings, parse_capacity
+from ...shared.settings import Settings, parse_capacity
+from ..expert_worker import serve_share, share_row
+from ..model.expert_parallel import STAT_FIELDS, ExpertShare, join_group
+from ..model.streaming_model import StreamingModel, load_streaming_model
 
 
 def greedy(model: nn.Module, prompt: list[int], steps: int) -> tuple[list[int], list[str], float]:

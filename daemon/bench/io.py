@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moestream._native import DIRECT_ALIGN, ReadEngine
-from moestream.shared.store_format import Manifest, MoELayer, align_up, load_manifest
+from ..._native import DIRECT_ALIGN, ReadEngine
+from ...shared.store_format import Manifest, MoELayer, align_up, load_manifest
 
 FIO_INSTALL_HINT = (
     "install it with `apt-get install fio` (Debian/Ubuntu), `dnf install fio` (Fedora) or `brew install fio` (macOS)"

@@ -31,8 +31,14 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from moestream.daemon.bench.bandwidth import measure_read_bandwidth, page_cache_reason
-from moestream.daemon.bench.decode import (
+from ...shared.progress import timed_progress
+from ...shared.settings import Settings, default_of, format_size
+from ...shared.store_format import load_manifest
+from ..model.diagnostics import Recorder
+from ..model.generation import SamplingParams, generate
+from ..model.streaming_model import StreamingModel, load_streaming_model
+from .bandwidth import measure_read_bandwidth, page_cache_reason
+from .decode import (
     BOUND_MIN_MOVE_SHARE,
     decode_counters,
     format_or_dash,
@@ -40,12 +46,6 @@ from moestream.daemon.bench.decode import (
     paired_blocks,
     timed_decode,
 )
-from moestream.daemon.model.diagnostics import Recorder
-from moestream.daemon.model.generation import SamplingParams, generate
-from moestream.daemon.model.streaming_model import StreamingModel, load_streaming_model
-from moestream.shared.progress import timed_progress
-from moestream.shared.settings import Settings, default_of, format_size
-from moestream.shared.store_format import load_manifest
 
 
 @dataclass(frozen=True)

@@ -30,13 +30,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from moestream.client.cli.daemon import start_daemon, stop_daemon
-from moestream.client.client import Client
-from moestream.shared import protocol as proto
-from moestream.shared.progress import timed_progress
-from moestream.shared.runtime_dir import RuntimePaths
-from moestream.shared.settings import Settings, default_of
-from moestream.shared.store_format import load_manifest
+from ...client.cli.daemon import start_daemon, stop_daemon
+from ...client.client import Client
+from ...shared import protocol as proto
+from ...shared.progress import timed_progress
+from ...shared.runtime_dir import RuntimePaths
+from ...shared.settings import Settings, default_of
+from ...shared.store_format import load_manifest
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from moestream.client.cli.daemon import start_daemon, stop_daemon
-from moestream.client.client import Client
-from moestream.shared.progress import timed_progress
-from moestream.shared.runtime_dir import RuntimePaths
-from moestream.shared.settings import Settings, default_of
-from moestream.shared.store_format import POOL_USAGE_NAME
+from ...client.cli.daemon import start_daemon, stop_daemon
+from ...client.client import Client
+from ...shared.progress import timed_progress
+from ...shared.runtime_dir import RuntimePaths
+from ...shared.settings import Settings, default_of
+from ...shared.store_format import POOL_USAGE_NAME
 
 
 def _timed_request(paths: RuntimePaths, prompt: str, tokens: int) -> dict[str, Any]:

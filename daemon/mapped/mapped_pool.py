@@ -37,8 +37,8 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from moestream.daemon.pool.expert_pool import ExpertPool
-from moestream.daemon.pool.resident_routing import LayerRouting, ResidentRouting
+from ..pool.expert_pool import ExpertPool
+from ..pool.resident_routing import LayerRouting, ResidentRouting
 
 # The first rebalance comes after rebalance_tokens / this many tokens; each interval
 # doubles up to rebalance_tokens.

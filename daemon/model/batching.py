@@ -43,9 +43,9 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Sequence
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generation_stream
 
-from moestream.daemon.mapped.row_gather import MAX_GATHERED
-from moestream.daemon.model.prefill import PREFILL_STEP, PrefillStats, prefill_pieces
-from moestream.daemon.model.streaming_model import StreamingModel
+from ..mapped.row_gather import MAX_GATHERED
+from .prefill import PREFILL_STEP, PrefillStats, prefill_pieces
+from .streaming_model import StreamingModel
 
 # The longest prompt (past a cached prefix) prefilled jointly with others: short prompts
 # gain most (one forward instead of several, each routing nearly every expert of a
@@ -54,7 +54,7 @@ from moestream.daemon.model.streaming_model import StreamingModel
 JOINT_PREFILL_TOKENS = 256
 
 if TYPE_CHECKING:
-    from moestream.daemon.model.generation import CacheUse
+    from .generation import CacheUse
 
 
 @dataclass

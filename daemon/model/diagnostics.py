@@ -43,8 +43,8 @@ import mlx.core as mx
 import numpy as np
 
 if TYPE_CHECKING:
-    from moestream.daemon.prefetch.predictor import Prediction
-    from moestream.daemon.prefetch.prefetcher import Prefetcher
+    from ..prefetch.predictor import Prediction
+    from ..prefetch.prefetcher import Prefetcher
 
 SEGMENTS = ("outside", "route", "lookup", "read", "admit", "matmul", "combine")
 HOST_TIMES = ("predict", "submit", "promote_take", "promote_route", "promote_place")

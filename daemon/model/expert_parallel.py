@@ -34,7 +34,7 @@ from typing import Any, Mapping
 import mlx.core as mx
 import numpy as np
 
-from moestream.shared.store_format import Manifest, MoELayer
+from ...shared.store_format import Manifest, MoELayer
 
 # A routed pair of an expert another rank owns, in the ids a share's pool is given.
 NOT_HERE = -1

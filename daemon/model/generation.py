@@ -16,14 +16,14 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_sampler
 
-from moestream.daemon.model.prefill import PREFILL_STEP, PrefillStats, drained, prefill_pieces
-from moestream.daemon.model.streaming_model import PLACEMENT_COUNTERS, POOL_COUNTERS, StreamingModel
+from .prefill import PREFILL_STEP, PrefillStats, drained, prefill_pieces
+from .streaming_model import PLACEMENT_COUNTERS, POOL_COUNTERS, StreamingModel
 
 if TYPE_CHECKING:
-    from moestream.daemon.mapped.mapped_pool import MappedPool
-    from moestream.daemon.model.batching import BatchSession
-    from moestream.daemon.model.prompt_cache import PromptCache
-    from moestream.daemon.pool.resident_routing import ResidentRouting
+    from ..mapped.mapped_pool import MappedPool
+    from ..pool.resident_routing import ResidentRouting
+    from .batching import BatchSession
+    from .prompt_cache import PromptCache
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class CacheUse:
         per yield: the prefill of the same prompt in flight or suspended where there is
         one, else its own from the best cached prefix (`shared_prefill.prefilled`), or
         from `fetched` (a cache and its tokens, fetched already; None: none)."""
-        from moestream.daemon.model.shared_prefill import prefilled
+        from .shared_prefill import prefilled
 
         def joined(shared: Any, suspended: bool) -> None:
             self.reused, self.joined, self.resumed = shared.start, not suspended, suspended
@@ -221,7 +221,7 @@ def render_chat(
 
     Raises ValueError when the tokenizer has no chat template or the template refuses
     the messages (e.g. roles that do not alternate)."""
-    from moestream.daemon.model.tool_calls import forced_start
+    from .tool_calls import forced_start
 
     if not getattr(tokenizer, "has_chat_template", False):
         raise ValueError(
@@ -480,7 +480,7 @@ def iter_generate(
     fed: list[int] = []
     if params.speculative:
         use = None
-        from moestream.daemon.model.speculative import SpeculativeParams, SpeculativeStats, speculative_steps
+        from .speculative import SpeculativeParams, SpeculativeStats, speculative_steps
 
         spec = SpeculativeParams(
             mode=params.speculative, draft_tokens=params.draft_tokens, draft_model=params.draft_model

@@ -46,11 +46,11 @@ from greenlet import getcurrent, greenlet
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from moestream.daemon.model.kv_buckets import continue_prompt, end_continuation, padded_continuation
-from moestream.daemon.model.streaming_moe import StreamingMoE
+from .kv_buckets import continue_prompt, end_continuation, padded_continuation
+from .streaming_moe import StreamingMoE
 
 if TYPE_CHECKING:
-    from moestream.daemon.model.streaming_model import StreamingModel
+    from .streaming_model import StreamingModel
 
 # mlx-lm's `generate_step` default.
 PREFILL_STEP = 2048

@@ -47,9 +47,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import can_trim_prompt_cache, load_prompt_cache, trim_prompt_cache
 
-from moestream.daemon.model.prompt_cache_files import DiskWriter, host_tensors, mtime, read_metadata
-from moestream.shared.runtime_dir import RuntimeDirError, ensure_private_dir
-from moestream.shared.store_format import MANIFEST_NAME
+from ...shared.runtime_dir import RuntimeDirError, ensure_private_dir
+from ...shared.store_format import MANIFEST_NAME
+from .prompt_cache_files import DiskWriter, host_tensors, mtime, read_metadata
 
 FILE_FORMAT = "moestream-prompt-cache/1"
 SUFFIX = ".safetensors"

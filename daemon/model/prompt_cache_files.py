@@ -27,7 +27,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
-from moestream.shared.durable import fsync_dir, sync_file
+from ...shared.durable import fsync_dir, sync_file
 
 # safetensors' dtype names; bfloat16 goes out as its 16-bit pattern.
 _DTYPES = {

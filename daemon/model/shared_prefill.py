@@ -41,12 +41,12 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Hashable, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache
 
-from moestream.daemon.model.prefill import PrefillStats, prefill_pieces, release_staged
-from moestream.daemon.model.prompt_cache import cache_nbytes
+from .prefill import PrefillStats, prefill_pieces, release_staged
+from .prompt_cache import cache_nbytes
 
 if TYPE_CHECKING:
-    from moestream.daemon.model.prompt_cache import PromptCache
-    from moestream.daemon.model.streaming_model import StreamingModel
+    from .prompt_cache import PromptCache
+    from .streaming_model import StreamingModel
 
 # A prefill of at least this many tokens leaves a copy of its cache in the prompt cache
 # when it ends (as one whose cache cannot be trimmed always does): the same prompt

@@ -56,9 +56,9 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-from moestream.daemon.model.decider import ABBA
-from moestream.daemon.model.kv_buckets import bucketed, default_key_bucket
-from moestream.daemon.model.streaming_model import StreamingModel
+from .decider import ABBA
+from .kv_buckets import bucketed, default_key_bucket
+from .streaming_model import StreamingModel
 
 MODES = ("mtp", "draft")
 MAX_DRAFT_TOKENS = 8
@@ -311,8 +311,8 @@ class ModelDrafter:
 
 def load_draft_model(path: str | Path) -> nn.Module:
     """A draft model: an expert store (all experts resident) or an mlx-lm model folder."""
-    from moestream.daemon.model.streaming_model import load_stock_model
-    from moestream.shared.store_format import MANIFEST_NAME
+    from ...shared.store_format import MANIFEST_NAME
+    from .streaming_model import load_stock_model
 
     p = Path(path)
     if (p / MANIFEST_NAME).is_file():

@@ -23,24 +23,24 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes, infer_quant_config, load_tokenizer
 
-from moestream._native import CudaCopier
-from moestream.daemon.mapped.mapped_pool import CountingMover, MappedPool, MappedPoolStats
-from moestream.daemon.mapped.row_gather import RowGather
-from moestream.daemon.model.diagnostics import Diagnostics
-from moestream.daemon.model.expert_parallel import ExpertShare
-from moestream.daemon.model.kv_buckets import default_continuation_bucket
-from moestream.daemon.model.prefill import LayerMajorPrefill, UnsupportedModel
-from moestream.daemon.model.streaming_moe import StreamingMoE
-from moestream.daemon.policies import make_policy
-from moestream.daemon.pool.admission import Admitter, DirectAdmitter, cuda_copier, make_admitter
-from moestream.daemon.pool.capacity import EXPERT_COUNT_KEYS, kv_reserve_tokens, plan_capacity, top_k_of_blocks
-from moestream.daemon.pool.expert_pool import ExpertPool, PoolCapacityError, PoolStats
-from moestream.daemon.pool.expert_reader import ExpertReader
-from moestream.daemon.pool.resident_routing import ResidentRouting
-from moestream.daemon.prefetch.predictor import make_prefetcher, next_layers, routers_of
-from moestream.daemon.store.layout import beside_experts
-from moestream.shared.settings import Settings, format_size
-from moestream.shared.store_format import Manifest, StoreError, load_manifest
+from ..._native import CudaCopier
+from ...shared.settings import Settings, format_size
+from ...shared.store_format import Manifest, StoreError, load_manifest
+from ..mapped.mapped_pool import CountingMover, MappedPool, MappedPoolStats
+from ..mapped.row_gather import RowGather
+from ..policies import make_policy
+from ..pool.admission import Admitter, DirectAdmitter, cuda_copier, make_admitter
+from ..pool.capacity import EXPERT_COUNT_KEYS, kv_reserve_tokens, plan_capacity, top_k_of_blocks
+from ..pool.expert_pool import ExpertPool, PoolCapacityError, PoolStats
+from ..pool.expert_reader import ExpertReader
+from ..pool.resident_routing import ResidentRouting
+from ..prefetch.predictor import make_prefetcher, next_layers, routers_of
+from ..store.layout import beside_experts
+from .diagnostics import Diagnostics
+from .expert_parallel import ExpertShare
+from .kv_buckets import default_continuation_bucket
+from .prefill import LayerMajorPrefill, UnsupportedModel
+from .streaming_moe import StreamingMoE
 
 # How many of the lowest MoE layers' routing a pool hands its policy as a hint.
 LOWER_HINT_LAYERS = 4
@@ -113,7 +113,7 @@ class StreamingModel:
         """The store's multi-token-prediction head (daemon/model/mtp_head.py), loaded on
         first use and kept for later requests."""
         if self._mtp is None:
-            from moestream.daemon.model.mtp_head import load_mtp_head
+            from .mtp_head import load_mtp_head
 
             self._mtp = load_mtp_head(self.store_dir, self.manifest.config)
         return self._mtp
@@ -123,7 +123,7 @@ class StreamingModel:
         (daemon/model/generation.py `turn_end`): one render of the chat template, on the
         first chat request, not on every one."""
         if self._turn_end is None:
-            from moestream.daemon.model.generation import turn_end
+            from .generation import turn_end
 
             self._turn_end = (turn_end(self.tokenizer),)
         return self._turn_end[0]

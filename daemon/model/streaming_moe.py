@@ -35,12 +35,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from moestream.daemon.mapped.row_gather import MAX_GATHERED
-from moestream.daemon.model.diagnostics import AnyRecorder, Diagnostics
-from moestream.daemon.model.expert_parallel import ExpertShare
-from moestream.daemon.pool.expert_pool import ExpertPool
-from moestream.daemon.prefetch.predictor import NextLayer, Prediction
-from moestream.daemon.prefetch.prefetcher import MAX_PREFETCH_TOKENS, Prefetcher
+from ..mapped.row_gather import MAX_GATHERED
+from ..pool.expert_pool import ExpertPool
+from ..prefetch.predictor import NextLayer, Prediction
+from ..prefetch.prefetcher import MAX_PREFETCH_TOKENS, Prefetcher
+from .diagnostics import AnyRecorder, Diagnostics
+from .expert_parallel import ExpertShare
 
 
 class StreamingMoE(nn.Module):

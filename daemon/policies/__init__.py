@@ -10,13 +10,13 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Mapping
 
-from moestream.daemon.policies.base import EvictionPolicy
-from moestream.daemon.policies.induction import InductionPolicy
-from moestream.daemon.policies.lfu import LFUPolicy
-from moestream.daemon.policies.lfuda import LFUDAPolicy
-from moestream.daemon.policies.lru import LRUPolicy
-from moestream.daemon.policies.predictive import PredictivePolicy
-from moestream.daemon.policies.recall import RecallPolicy
+from .base import EvictionPolicy
+from .induction import InductionPolicy
+from .lfu import LFUPolicy
+from .lfuda import LFUDAPolicy
+from .lru import LRUPolicy
+from .predictive import PredictivePolicy
+from .recall import RecallPolicy
 
 POLICIES: Mapping[str, type[EvictionPolicy]] = MappingProxyType(
     {

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from moestream.daemon.policies.predictive import PredictivePolicy
+from .predictive import PredictivePolicy
 
 _KEYS = 2  # this layer's set; the lowest layer's set (or this layer's without a hint)
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from typing import Collection, Sequence
 
-from moestream.daemon.policies.base import EvictionPolicy
-from moestream.daemon.policies.resident_heap import ResidentHeap
-from moestream.daemon.policies.victims import fallback_victim
+from .base import EvictionPolicy
+from .resident_heap import ResidentHeap
+from .victims import fallback_victim
 
 _RESCALE_AT = 2.0**64
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Collection, Sequence
 
-from moestream.daemon.policies.base import EvictionPolicy
-from moestream.daemon.policies.victims import fallback_victim
+from .base import EvictionPolicy
+from .victims import fallback_victim
 
 
 class LRUPolicy(EvictionPolicy):

@@ -41,8 +41,8 @@ from typing import Collection, Sequence
 
 import numpy as np
 
-from moestream.daemon.policies.base import EvictionPolicy
-from moestream.daemon.policies.victims import fallback_victim
+from .base import EvictionPolicy
+from .victims import fallback_victim
 
 # Additive smoothing (in pseudo-counts spread over all experts) of every probability.
 _SMOOTH = 0.5

@@ -37,7 +37,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from moestream.daemon.policies.induction import InductionPolicy
+from .induction import InductionPolicy
 
 
 class RecallPolicy(InductionPolicy):

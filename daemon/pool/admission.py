@@ -20,11 +20,11 @@ from typing import Any, Protocol, Sequence
 
 import mlx.core as mx
 
-from moestream._native import CudaCopier
-from moestream.daemon.pool.expert_reader import ExpertReader, ReadJob
-from moestream.daemon.pool.host_tier import HostTier, TieredAdmitter, expert_stride, memcpy_rows
-from moestream.shared.settings import SettingsError
-from moestream.shared.store_format import Manifest, MoELayer
+from ..._native import CudaCopier
+from ...shared.settings import SettingsError
+from ...shared.store_format import Manifest, MoELayer
+from .expert_reader import ExpertReader, ReadJob
+from .host_tier import HostTier, TieredAdmitter, expert_stride, memcpy_rows
 
 # (expert id, destination row): where `fill` writes an expert (a pool slot, or a row of a
 # stack or a scratch). Not daemon/mapped/mapped_pool.py's `MappedPool`.

@@ -22,8 +22,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-from moestream.daemon.model.streaming_model import StreamingModel
-from moestream.shared.heat_file import hottest
+from ...shared.heat_file import hottest
+from ..model.streaming_model import StreamingModel
 
 
 @dataclass(frozen=True)

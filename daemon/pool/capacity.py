@@ -6,9 +6,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-from moestream.daemon.pool.expert_pool import PoolCapacityError
-from moestream.shared.settings import format_size
-from moestream.shared.store_format import Manifest
+from ...shared.settings import format_size
+from ...shared.store_format import Manifest
+from .expert_pool import PoolCapacityError
 
 # Config keys that give the experts each token routes to, by model family (a list: one
 # per layer, of which the pool needs the largest).

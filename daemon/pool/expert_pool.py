@@ -19,17 +19,17 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generation_stream
 
-from moestream.daemon.model.diagnostics import NULL_RECORDER, AnyRecorder
-from moestream.daemon.policies.base import EvictionPolicy
-from moestream.daemon.pool.admission import Admitter
-from moestream.daemon.pool.expert_reader import ExpertReadError
-from moestream.daemon.pool.reuse import StackDistances
-from moestream.shared.store_format import MoELayer
+from ...shared.store_format import MoELayer
+from ..model.diagnostics import NULL_RECORDER, AnyRecorder
+from ..policies.base import EvictionPolicy
+from .admission import Admitter
+from .expert_reader import ExpertReadError
+from .reuse import StackDistances
 
 if TYPE_CHECKING:
-    from moestream.daemon.mapped.row_gather import RowGather
-    from moestream.daemon.prefetch.predictor import Prediction
-    from moestream.daemon.prefetch.prefetcher import Prefetcher
+    from ..mapped.row_gather import RowGather
+    from ..prefetch.predictor import Prediction
+    from ..prefetch.prefetcher import Prefetcher
 
 
 @dataclass

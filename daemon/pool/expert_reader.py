@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from moestream._native import ReadEngine
-from moestream.shared.store_format import ABSENT, Manifest, MoELayer, permission_advice
+from ..._native import ReadEngine
+from ...shared.store_format import ABSENT, Manifest, MoELayer, permission_advice
 
 
 class ExpertReadError(RuntimeError):

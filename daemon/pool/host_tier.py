@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import mlx.core as mx
 
-from moestream._native import CudaCopier, HostBuffer
-from moestream.daemon.pool.expert_reader import ExpertReader, ReadJob
-from moestream.shared.store_format import Manifest, MoELayer
+from ..._native import CudaCopier, HostBuffer
+from ...shared.store_format import Manifest, MoELayer
+from .expert_reader import ExpertReader, ReadJob
 
 if TYPE_CHECKING:
-    from moestream.daemon.pool.admission import Failure, Placement
+    from .admission import Failure, Placement
 
 _ALIGN = 4096
 

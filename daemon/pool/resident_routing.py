@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from moestream.daemon.pool.expert_pool import ExpertPool
+from .expert_pool import ExpertPool
 
 # Forwards whose routing is read back: older than this many ticks, so already computed.
 READBACK_LAG = 2

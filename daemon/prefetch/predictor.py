@@ -21,14 +21,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from moestream.daemon.pool.admission import Admitter
-from moestream.daemon.pool.expert_reader import ExpertReader
-from moestream.daemon.pool.host_tier import expert_stride
-from moestream.daemon.prefetch.prefetcher import Prefetcher
-from moestream.shared.store_format import Manifest, MoELayer
+from ...shared.store_format import Manifest, MoELayer
+from ..pool.admission import Admitter
+from ..pool.expert_reader import ExpertReader
+from ..pool.host_tier import expert_stride
+from .prefetcher import Prefetcher
 
 if TYPE_CHECKING:
-    from moestream.daemon.pool.expert_pool import ExpertPool
+    from ..pool.expert_pool import ExpertPool
 
 LOG = logging.getLogger("moestream.prefetch")
 

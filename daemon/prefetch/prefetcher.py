@@ -33,12 +33,12 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from moestream._native import CudaCopier, HostBuffer
-from moestream.daemon.model.decider import ABBA
-from moestream.daemon.model.diagnostics import NULL_RECORDER, AnyRecorder
-from moestream.daemon.pool.expert_reader import ExpertReader
-from moestream.daemon.pool.host_tier import expert_stride
-from moestream.shared.store_format import Manifest, MoELayer
+from ..._native import CudaCopier, HostBuffer
+from ...shared.store_format import Manifest, MoELayer
+from ..model.decider import ABBA
+from ..model.diagnostics import NULL_RECORDER, AnyRecorder
+from ..pool.expert_reader import ExpertReader
+from ..pool.host_tier import expert_stride
 
 PENDING, DONE, FAILED = 0, 1, 2
 PREFETCH_MODES = ("on", "off", "auto")

@@ -24,12 +24,10 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from moestream.daemon.store.layout import SwitchLayer, find_switch_layers
-from moestream.daemon.store.source import check_model_dir, tokenizer_files
-from moestream.shared.durable import fsync_dir, sync_fd, sync_file
-from moestream.shared.runtime_dir import pid_alive
-from moestream.shared.settings import format_size
-from moestream.shared.store_format import (
+from ...shared.durable import fsync_dir, sync_fd, sync_file
+from ...shared.runtime_dir import pid_alive
+from ...shared.settings import format_size
+from ...shared.store_format import (
     ABSENT,
     EXPERTS_DIR,
     MANIFEST_NAME,
@@ -39,6 +37,8 @@ from moestream.shared.store_format import (
     StoreError,
     new_store_id,
 )
+from .layout import SwitchLayer, find_switch_layers
+from .source import check_model_dir, tokenizer_files
 
 # progress(bytes_written, bytes_total)
 ProgressFn = Callable[[int, int], None]
@@ -170,7 +170,7 @@ def required_free_bytes(estimate: int) -> int:
 def _load(model_dir: Path, mtp_sink: dict[str, mx.array]):
     from mlx_lm.utils import load_model
 
-    from moestream.daemon.model.mtp_head import classes_keeping_mtp
+    from ..model.mtp_head import classes_keeping_mtp
 
     try:
         return load_model(model_dir, lazy=True, get_model_classes=classes_keeping_mtp(mtp_sink))
@@ -277,7 +277,7 @@ def convert_model(
         for src in copied:
             shutil.copy2(src, tmp / src.name)
         if mtp:
-            from moestream.daemon.model.mtp_head import MTP_FILE, save_qwen3_next_mtp
+            from ..model.mtp_head import MTP_FILE, save_qwen3_next_mtp
 
             save_qwen3_next_mtp(tmp / MTP_FILE, mtp)
             mtp.clear()

@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
 
-from moestream.shared.store_format import (
+from ...shared.store_format import (
     DTYPE_SIZES,
     EXPERT_ALIGN,
     TENSOR_ALIGN,

@@ -11,7 +11,7 @@ import json
 import struct
 from pathlib import Path
 
-from moestream.shared.store_format import StoreError
+from ...shared.store_format import StoreError
 
 INDEX_NAME = "model.safetensors.index.json"
 # Larger headers than this are not plausible for a weight file; it is corrupt.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from moestream.client.cli.bench import agent, chat, decode, io, policy, predict, prefill, serve, soak, warmstart
+from . import agent, chat, decode, io, policy, predict, prefill, serve, soak, warmstart
 
 
 @click.group()

@@ -7,7 +7,7 @@ import json
 
 import click
 
-from moestream.client.cli.values import store_option
+from ..values import store_option
 
 
 @click.command("agent")
@@ -33,8 +33,8 @@ def bench_agent(store, capacity, host_cache, prompt_tokens, max_tokens, cut_at, 
     again; the same request sent twice at once (one prefill, two answers)."""
     from pathlib import Path
 
-    from moestream.client.client import ClientError
-    from moestream.daemon.bench.agent import BenchAgentSettings, format_report, run_bench_agent
+    from ....daemon.bench.agent import BenchAgentSettings, format_report, run_bench_agent
+    from ...client import ClientError
 
     store_option(store)
     settings = BenchAgentSettings(

@@ -7,8 +7,8 @@ import json
 
 import click
 
-from moestream.client.cli.values import size_option, store_option
-from moestream.shared.settings import default_of
+from ....shared.settings import default_of
+from ..values import size_option, store_option
 
 
 @click.command("chat")
@@ -53,8 +53,8 @@ def bench_chat(
     cache off and on, and the tokens it reused, side by side in one run."""
     from pathlib import Path
 
-    from moestream.client.client import ClientError
-    from moestream.daemon.bench.chat import BenchChatSettings, format_report, run_bench_chat
+    from ....daemon.bench.chat import BenchChatSettings, format_report, run_bench_chat
+    from ...client import ClientError
 
     store_option(store)
     size_option(host_cache, "--host-cache")

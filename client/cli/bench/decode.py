@@ -8,8 +8,8 @@ from typing import Any, Callable
 
 import click
 
-from moestream.client.cli.values import size_option
-from moestream.shared.settings import default_of
+from ....shared.settings import default_of
+from ..values import size_option
 
 
 @click.command("decode")
@@ -217,10 +217,10 @@ def bench_decode(
         )
         return
 
-    from moestream.daemon.bench.decode import BenchDecodeSettings, format_report, run_bench_decode
-    from moestream.daemon.pool.expert_pool import PoolCapacityError
-    from moestream.shared.settings import Settings, SettingsError
-    from moestream.shared.store_format import StoreError
+    from ....daemon.bench.decode import BenchDecodeSettings, format_report, run_bench_decode
+    from ....daemon.pool.expert_pool import PoolCapacityError
+    from ....shared.settings import Settings, SettingsError
+    from ....shared.store_format import StoreError
 
     if paired_blocks == 1:
         raise click.BadParameter("0 (off) or at least 2, for an interval", param_hint="--paired-blocks")
@@ -258,8 +258,8 @@ def bench_decode(
     on_loaded = None
     try:
         if forecast:
-            from moestream.daemon.bench.decode import pool_configs
-            from moestream.daemon.plan import probe_store
+            from ....daemon.bench.decode import pool_configs
+            from ....daemon.plan import probe_store
 
             click.echo("probing compute and pools for the forecast", err=True)
             compute, pools = probe_store(
@@ -280,7 +280,7 @@ def bench_decode(
         raise click.ClickException(str(e)) from e
     text = format_report(report)
     if compute is not None:
-        from moestream.daemon.plan import decode_forecasts, format_decode_forecasts
+        from ....daemon.plan import decode_forecasts, format_decode_forecasts
 
         report["forecast_compute"] = compute.to_dict()
         report["forecast_pools"] = [p.to_dict() for p in pools.values()]
@@ -293,8 +293,8 @@ def _early_forecast(store: Path, io_threads: int, host: int, compute: Any, pools
     """What prints the forecast of every configuration once they are loaded, before any
     is timed, with bandwidths probed now (the report's own forecast, at the end, takes
     the run's, probed after its rounds): a run cut short still shows what was forecast."""
-    from moestream.daemon.bench.bandwidth import format_read_and_link
-    from moestream.daemon.plan import config_plans, format_forecast_lines, probe_bandwidths
+    from ....daemon.bench.bandwidth import format_read_and_link
+    from ....daemon.plan import config_plans, format_forecast_lines, probe_bandwidths
 
     click.echo("probing the store's reads and the host->pool link for the forecast", err=True)
     bw = probe_bandwidths(store, io_threads)
@@ -323,13 +323,13 @@ def _bench_speculative(
     as_json,
 ) -> None:
     """`--speculative`: acceptance, experts read per token and tokens/s against plain decode."""
-    from moestream.daemon.bench.speculative import (
+    from ....daemon.bench.speculative import (
         BenchSpeculativeSettings,
         format_speculative_report,
         run_bench_speculative,
     )
-    from moestream.daemon.pool.expert_pool import PoolCapacityError
-    from moestream.shared.store_format import StoreError
+    from ....daemon.pool.expert_pool import PoolCapacityError
+    from ....shared.store_format import StoreError
 
     if mode is None:
         raise click.UsageError("--draft-tokens and --draft-model go with --speculative")

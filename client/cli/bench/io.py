@@ -30,8 +30,8 @@ def bench_io(store: str, threads: int, samples: int, seed: int, rounds: int, hug
     """
     from pathlib import Path
 
-    from moestream.daemon.bench.io import BenchIOError, BenchIOSettings, format_report, run_bench_io
-    from moestream.shared.store_format import StoreError
+    from ....daemon.bench.io import BenchIOError, BenchIOSettings, format_report, run_bench_io
+    from ....shared.store_format import StoreError
 
     settings = BenchIOSettings(
         store=Path(store), threads=threads, samples=samples, seed=seed, rounds=rounds, huge_pages=huge_pages

@@ -44,8 +44,8 @@ def _fraction(ctx: click.Context, param: click.Parameter, values: tuple[float, .
 def bench_policy(trace_path: str, capacities: tuple[float, ...], prior: str, as_json: bool) -> None:
     """Hit rates of every eviction policy and of Belady's MIN on a trace, and the share
     of the LRU-to-MIN gap each policy closes."""
-    from moestream.daemon.bench.policy.replay import evaluate
-    from moestream.daemon.bench.policy.trace import TraceError, load_trace
+    from ....daemon.bench.policy.replay import evaluate
+    from ....daemon.bench.policy.trace import TraceError, load_trace
 
     try:
         trace = load_trace(trace_path)

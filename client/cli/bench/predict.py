@@ -6,8 +6,8 @@ import json
 
 import click
 
-from moestream.client.cli.values import size_option
-from moestream.shared.settings import default_of
+from ....shared.settings import default_of
+from ..values import size_option
 
 
 @click.command("predict")
@@ -90,10 +90,10 @@ def bench_predict(
     prefetch off and on (and what `--prefetch auto` decides) at each capacity."""
     from pathlib import Path
 
-    from moestream.daemon.bench.predict import BenchPredictSettings, format_report, run_bench_predict
-    from moestream.daemon.pool.expert_pool import PoolCapacityError
-    from moestream.shared.settings import SettingsError
-    from moestream.shared.store_format import StoreError
+    from ....daemon.bench.predict import BenchPredictSettings, format_report, run_bench_predict
+    from ....daemon.pool.expert_pool import PoolCapacityError
+    from ....shared.settings import SettingsError
+    from ....shared.store_format import StoreError
 
     memory_limit = size_option(mlx_memory_limit, "--mlx-memory-limit")
     host_bytes = size_option(host_cache, "--host-cache") or 0

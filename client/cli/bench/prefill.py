@@ -7,8 +7,8 @@ import sys
 
 import click
 
-from moestream.client.cli.values import size_option, store_option
-from moestream.shared.settings import default_of
+from ....shared.settings import default_of
+from ..values import size_option, store_option
 
 
 @click.command("prefill")
@@ -93,7 +93,7 @@ def bench_prefill(
     bound (stock's time plus the minimum bytes over the measured bandwidth)."""
     from pathlib import Path
 
-    from moestream.daemon.bench.prefill import BenchPrefillSettings, format_report, run_bench_prefill
+    from ....daemon.bench.prefill import BenchPrefillSettings, format_report, run_bench_prefill
 
     store_option(store)
     settings = BenchPrefillSettings(
@@ -120,7 +120,7 @@ def bench_prefill(
 
     compute = None
     if forecast:
-        from moestream.daemon.plan import probe_store
+        from ....daemon.plan import probe_store
 
         click.echo("probing compute for the forecast", err=True)
         compute, _ = probe_store(Path(store))
@@ -128,7 +128,7 @@ def bench_prefill(
     report.setdefault("command", command)
     text = format_report(report)
     if compute is not None:
-        from moestream.daemon.plan import format_prefill_forecasts, prefill_forecasts
+        from ....daemon.plan import format_prefill_forecasts, prefill_forecasts
 
         report["forecast_compute"] = compute.to_dict()
         report["forecast"] = prefill_forecasts(report, compute)

@@ -6,8 +6,8 @@ import json
 
 import click
 
-from moestream.client.cli.values import size_option, store_option
-from moestream.shared.settings import default_of
+from ....shared.settings import default_of
+from ..values import size_option, store_option
 
 
 @click.command("serve")
@@ -79,8 +79,8 @@ def bench_serve(
     concurrent clients through one real daemon, for each N in one run."""
     from pathlib import Path
 
-    from moestream.client.client import ClientError
-    from moestream.daemon.bench.serve import BenchServeSettings, format_report, run_bench_serve
+    from ....daemon.bench.serve import BenchServeSettings, format_report, run_bench_serve
+    from ...client import ClientError
 
     store_option(store)
     size_option(host_cache, "--host-cache")

@@ -57,8 +57,8 @@ def bench_soak(
 ) -> None:
     """Reliability figures: messages fuzzed, crashes, lost responses, RSS growth after
     warm-up, kills survived and invalid heat files. Exits 1 if any check fails."""
-    from moestream.daemon.bench.soak.run import SoakSetupError, format_report, run_bench_soak
-    from moestream.shared.settings import SettingsError, demo_store_path, parse_capacity
+    from ....daemon.bench.soak.run import SoakSetupError, format_report, run_bench_soak
+    from ....shared.settings import SettingsError, demo_store_path, parse_capacity
 
     store = store or str(demo_store_path())
     try:

@@ -6,8 +6,8 @@ import json
 
 import click
 
-from moestream.client.cli.values import size_option, store_option
-from moestream.shared.settings import default_of
+from ....shared.settings import default_of
+from ..values import size_option, store_option
 
 
 @click.command("warmstart")
@@ -38,8 +38,8 @@ def bench_warmstart(
     pool_usage.json as it found it."""
     from pathlib import Path
 
-    from moestream.client.client import ClientError
-    from moestream.daemon.bench.warmstart import format_report, run_bench_warmstart
+    from ....daemon.bench.warmstart import format_report, run_bench_warmstart
+    from ...client import ClientError
 
     # Clear errors before the store's heat is set aside or any daemon starts.
     store_option(store)

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import Collection, Sequence
 
-from moestream.daemon.policies.base import EvictionPolicy
-from moestream.daemon.policies.resident_heap import ResidentHeap
-from moestream.daemon.policies.victims import fallback_victim
+from ...policies.base import EvictionPolicy
+from ...policies.resident_heap import ResidentHeap
+from ...policies.victims import fallback_victim
 
 
 class BeladyMIN(EvictionPolicy):

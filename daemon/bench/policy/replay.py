@@ -27,10 +27,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from moestream.daemon.bench.policy.belady import BeladyMIN
-from moestream.daemon.bench.policy.trace import PHASES, Trace
-from moestream.daemon.policies import POLICIES, make_policy
-from moestream.daemon.policies.base import EvictionPolicy
+from ...policies import POLICIES, make_policy
+from ...policies.base import EvictionPolicy
+from .belady import BeladyMIN
+from .trace import PHASES, Trace
 
 PRIORS = {
     "loo": "leave-one-out: each request's prior is the layer's counts over the other requests",

@@ -19,9 +19,9 @@ from typing import Any, Mapping
 
 import zmq
 
-from moestream.client.client import Client
-from moestream.daemon.bench.soak.driver import DaemonProcess, Reference
-from moestream.shared import protocol as proto
+from ....client.client import Client
+from ....shared import protocol as proto
+from .driver import DaemonProcess, Reference
 
 
 def _exact(daemon: DaemonProcess, reference: Mapping[tuple[str, int], Reference], **kw: Any) -> bool:

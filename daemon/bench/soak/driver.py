@@ -33,8 +33,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import psutil
 
-from moestream.client.client import Client, ClientError, RequestRejected, Token
-from moestream.shared.runtime_dir import RuntimePaths, lock_is_held
+from ....client.client import Client, ClientError, RequestRejected, Token
+from ....shared.runtime_dir import RuntimePaths, lock_is_held
 
 SOAK_PROMPTS = (
     "The farmer counted his hens",
@@ -179,9 +179,9 @@ def reference_outputs(
     store: Path | str, capacity: str, cases: Iterable[tuple[str, int]]
 ) -> dict[tuple[str, int], Reference]:
     """What `generate --local` gives for each (prompt, max_tokens), greedy, in-process."""
-    from moestream.daemon.model.generation import SamplingParams, encode_prompt, generate
-    from moestream.daemon.model.streaming_model import load_streaming_model
-    from moestream.shared.settings import Settings
+    from ....shared.settings import Settings
+    from ...model.generation import SamplingParams, encode_prompt, generate
+    from ...model.streaming_model import load_streaming_model
 
     sm = load_streaming_model(store, Settings().replace(capacity=capacity))
     try:

@@ -24,10 +24,10 @@ from typing import Any, Callable, Iterator, Mapping
 import msgpack
 import zmq
 
-from moestream.client.client import Client, ClientError, Token
-from moestream.daemon.server import HARD_MAX_MESSAGE_BYTES
-from moestream.shared import protocol as proto
-from moestream.shared.runtime_dir import RuntimePaths
+from ....client.client import Client, ClientError, Token
+from ....shared import protocol as proto
+from ....shared.runtime_dir import RuntimePaths
+from ...server import HARD_MAX_MESSAGE_BYTES
 
 REPLY_WAIT_S = 10.0
 # Valid generate requests in the mix stay short.

@@ -36,9 +36,9 @@ from typing import Any, Mapping
 
 import psutil
 
-from moestream.client.gateway.app import MAX_BODY_BYTES
-from moestream.daemon.bench.soak.driver import DaemonProcess, Reference, child_env
-from moestream.shared.settings import default_of
+from ....client.gateway.app import MAX_BODY_BYTES
+from ....shared.settings import default_of
+from .driver import DaemonProcess, Reference, child_env
 
 # The file limit most systems give a process (ulimit -n): the gateway's own limit during
 # the slowloris attack, which the connections go past.

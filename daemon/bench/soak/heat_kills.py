@@ -36,7 +36,7 @@ from typing import Any, Callable
 import numpy as np
 import psutil
 
-from moestream.shared.heat_file import UsageCounts, parse_usage, temp_files, usage_path, write_usage
+from ....shared.heat_file import UsageCounts, parse_usage, temp_files, usage_path, write_usage
 
 LOG = logging.getLogger("moestream.soak.heat_kills")
 
@@ -72,7 +72,7 @@ def _gone(pid: int) -> bool:
 
 def keeper_kills(store: Path, runtime: Path, n: int, rng: random.Random) -> dict[str, Any]:
     """SIGKILL the heat keeper `n` times while it rewrites the file every 2 ms."""
-    from moestream.daemon.heat_publisher import HeatPublisher
+    from ...heat_publisher import HeatPublisher
 
     path = usage_path(store)
     nprng = np.random.default_rng(rng.randrange(2**32))
@@ -151,7 +151,7 @@ def durable_marks(output: str) -> list[int]:
 
 def _stand_in(store: Path, runtime: Path, limit: int) -> None:
     """The daemon's heat path, alone: push, flush every 4 messages, print what is durable."""
-    from moestream.daemon.heat_publisher import HeatPublisher
+    from ...heat_publisher import HeatPublisher
 
     sys.stdin.readline()  # imports done ahead of time; start when told
     pub = HeatPublisher(store, runtime, flush_seconds=0.002, log=LOG)
@@ -239,8 +239,8 @@ def daemon_kills(store: Path, runtime: Path, n: int, rng: random.Random, *, capa
     Each round starts a daemon on the same runtime folder (clearing the crashed one's
     leftovers), streams requests from a client thread, reads the daemon's heat accounting
     from `status`, kills it at a random moment and checks the file."""
-    from moestream.client.client import Client, ClientError
-    from moestream.daemon.bench.soak.driver import DaemonProcess
+    from ....client.client import Client, ClientError
+    from .driver import DaemonProcess
 
     previous = _file_total(store) or 0
     invalid = violations = 0

@@ -22,13 +22,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from moestream.daemon.bench.soak import heat_kills
-from moestream.daemon.bench.soak.attacks import run_attacks
-from moestream.daemon.bench.soak.driver import DaemonProcess, reference_outputs, run_soak, soak_cases
-from moestream.daemon.bench.soak.fuzz import exact_request, run_fuzz
-from moestream.daemon.bench.soak.gateway_attacks import SLOWLORIS_CONNECTIONS, run_gateway_attacks
-from moestream.daemon.pool.expert_reader import ExpertReadError
-from moestream.shared.store_format import StoreError, load_manifest
+from ....shared.store_format import StoreError, load_manifest
+from ...pool.expert_reader import ExpertReadError
+from . import heat_kills
+from .attacks import run_attacks
+from .driver import DaemonProcess, reference_outputs, run_soak, soak_cases
+from .fuzz import exact_request, run_fuzz
+from .gateway_attacks import SLOWLORIS_CONNECTIONS, run_gateway_attacks
 
 RSS_LIMIT_PCT = 5.0
 MAX_REAL_DAEMON_KILLS = 20
