@@ -12,7 +12,7 @@ import logging
 import logging.handlers
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .. import __version__
 from ..shared.kernel_cache import KernelCacheError, use_kernel_cache
@@ -141,11 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, knobs: Mapping[str, Any] | None = None) -> int:
+    """`knobs`: bench knobs (shared/settings.py `Definition.bench`) for a benchmark's or a
+    test's daemon; they have no flags, so only code that runs this function sets them."""
     args = build_parser().parse_args(argv)
     flags = {name: getattr(args, name) for name in DAEMON_FLAGS}
     try:
-        settings = Settings.resolve(flags, config_file=args.config)
+        settings = Settings.resolve(flags, config_file=args.config).replace(**(knobs or {}))
     except SettingsError as e:
         print(f"moestream daemon: {e}", file=sys.stderr)
         return 2

@@ -181,6 +181,10 @@ class Definition:
     # (platform, default) pairs where the default differs by platform: `--help` names
     # the one of the running system, the README `shown_default` (both).
     shown_default_on: tuple[tuple[str, str], ...] = ()
+    # A knob of an experiment, not a user's choice: a field of `Settings` that the
+    # benchmarks and tests set (`moestreamctl bench ... --copy-kernel`), with no flag of
+    # `start`, no variable and no config key, and not in the README's table.
+    bench: bool = False
     name: str = ""
 
     @property
@@ -299,6 +303,7 @@ def setting(
     noun: str | None = None,
     shown_default: str | None = None,
     shown_default_on: tuple[tuple[str, str], ...] = (),
+    bench: bool = False,
 ) -> Any:
     """A Settings field with its definition (see `Definition`) in its metadata."""
     if kind not in KINDS:
@@ -318,7 +323,10 @@ def setting(
         noun=noun,
         shown_default=shown_default,
         shown_default_on=shown_default_on,
+        bench=bench,
     )
+    if bench and scope:
+        raise ValueError("a bench knob is no option of the commands")
     return dataclasses.field(default=default, metadata={"setting": definition})
 
 
@@ -411,18 +419,18 @@ class Settings:
         kind="choice",
         choices=POLICY_NAMES,
         noun="eviction policy",
-        scope=_BOTH,
         help="Eviction policy of the pool (`moestreamctl bench policy` compares them).",
+        bench=True,
     )
     prefill: str = setting(
         "layer",
         kind="choice",
         choices=("layer", "chunk"),
-        scope=_BOTH,
         help="Prefill order: layer takes all of a prompt's chunks through one layer before the next, so a partial "
         "pool brings each routed expert in once per prompt; chunk is stock mlx-lm's order, chunk by chunk. "
         "Output is the same either way. A model whose forward layer cannot drive goes chunk by chunk (found at "
         "load; status says which).",
+        bench=True,
     )
     distributed: str = setting(
         "off",
@@ -476,9 +484,9 @@ class Settings:
         "auto",
         kind="choice",
         choices=("on", "off", "auto"),
-        scope=(DAEMON, LOCAL),
         help="Prefetch of predicted experts; auto measures decode both ways at the start of the run and keeps "
         "it only where it is faster.",
+        bench=True,
     )
     # Each layer further ahead gives a read that takes longer than one layer's compute
     # more time, but costs a router matmul per layer, the reads of its mispredictions,
@@ -490,6 +498,7 @@ class Settings:
         high=4,
         help="MoE layers ahead whose predicted experts the slot pool's prefetch reads from the store (1: layer "
         "L+1's while layer L computes).",
+        bench=True,
     )
     # A larger buffer also keeps experts read but not yet routed, for a later token that
     # routes them; memory the pool or a host tier would use better where they can have it.
@@ -499,6 +508,7 @@ class Settings:
         shown_default="0 (16 x top-k experts per layer of depth)",
         help="Host memory for the slot pool's prefetch buffer (0: 16 x top-k experts per layer of depth, at "
         "most 4 x a layer's experts).",
+        bench=True,
     )
 
     # ---- the daemon
@@ -530,9 +540,9 @@ class Settings:
     diagnostics: bool = setting(
         False,
         kind="bool",
-        scope=(DAEMON,),
         help="Record hot-path diagnostics (segment times, predictor recall, miss attribution) for every "
         "request (`moestreamctl stats`).",
+        bench=True,
     )
     # Beside the store by default; see `heat_folder` for the stores that cannot have it there.
     heat_dir: str | None = setting(
@@ -589,8 +599,8 @@ class Settings:
         kind="int",
         low=1,
         high=64,
-        scope=(DAEMON,),
         help="Draft models (speculative 'draft') kept loaded between requests; the least recently used goes first.",
+        bench=True,
     )
     # Each connection holds an open file; past the open-file limit (less a reserve) new
     # connections are shut down whatever this says (daemon/limits.py).
@@ -635,7 +645,12 @@ class Settings:
         "(0: off); reserved out of --memory-budget.",
     )
     prompt_cache_entries: int = setting(
-        16, kind="int", low=0, high=100_000, scope=(DAEMON,), help="Most requests' caches kept in memory."
+        16,
+        kind="int",
+        low=0,
+        high=100_000,
+        help="Most requests' caches kept in memory.",
+        bench=True,
     )
     prompt_cache_dir: str | None = setting(
         None,
@@ -647,16 +662,24 @@ class Settings:
     prompt_cache_disk_bytes: int = setting(
         8 * 2**30,
         kind="size",
-        scope=(DAEMON,),
         help="Most bytes of cache files in --prompt-cache-dir; the oldest are removed first.",
+        bench=True,
     )
 
     # ---- reading the store
     io_threads: int = setting(4, kind="int", low=1, high=256, scope=_BOTH, help="Threads of the native read engine.")
     direct_io: bool = setting(
-        True, kind="bool", help="Read the store around the page cache (O_DIRECT on Linux, F_NOCACHE on macOS)."
+        True,
+        kind="bool",
+        help="Read the store around the page cache (O_DIRECT on Linux, F_NOCACHE on macOS).",
+        bench=True,
     )
-    verify_checksums: bool = setting(False, kind="bool", help="Check each expert's checksum as it is read.")
+    verify_checksums: bool = setting(
+        False,
+        kind="bool",
+        help="Check each expert's checksum as it is read.",
+        bench=True,
+    )
 
     # ---- the CUDA copier
     # A cudaMemcpyAsync per tensor of each expert costs microseconds of host time apiece
@@ -666,6 +689,7 @@ class Settings:
         kind="bool",
         help="Copy from the pinned host tier into pool rows with one copy-kernel launch per 160 spans instead "
         "of one cudaMemcpyAsync per tensor; a driver that refuses the kernel falls back to cudaMemcpyAsync.",
+        bench=True,
     )
     # 64, as for copies the GPU waits on, fills the link alone but may crowd out the
     # kernels a copy ahead of use runs beside (tests/bench/gpu_background_copy_probe.py).
@@ -676,6 +700,7 @@ class Settings:
         high=1024,
         help="Most blocks per span of the copy kernel when the slot pool's prefetch copies ahead of use; "
         "fewer leave the kernels they run beside more room.",
+        bench=True,
     )
 
     # ---- the mapped pool (daemon/mapped/mapped_pool.py)
@@ -687,6 +712,7 @@ class Settings:
         high=2**31,
         help="Every this many tokens routed, a mapped pool sets each layer's GPU share to its most routed "
         "experts so far (the first intervals shorter: 32, 64, 128); 0: never.",
+        bench=True,
     )
     # Off on unified memory, where there is no link to wait on.
     mapped_gather: bool | None = setting(
@@ -695,6 +721,7 @@ class Settings:
         help="A mapped pool's decode steps first copy the routed experts into a small stack in GPU memory "
         "(daemon/mapped/row_gather.py) instead of reading host memory over the link. Auto: on where that "
         "copy kernel runs (MLX's CUDA build).",
+        bench=True,
     )
     # A mapped pool's layer-major prefill copies each layer's experts into a stack; the
     # copy needs no routing, so it can run beside the layer below. A few blocks per row
@@ -708,6 +735,7 @@ class Settings:
         help="In a mapped pool's layer-major prefill, copy each layer's experts into GPU memory while the "
         "layer below computes, with at most this many blocks per expert of the copy kernel; 0: each layer "
         "copies its own before it computes.",
+        bench=True,
     )
 
     @classmethod
@@ -737,6 +765,13 @@ class Settings:
         for d in SETTINGS:
             if d.env in env:
                 values[d.name], where[d.name] = env[d.env], f"environment variable {d.env}"
+        for d in BENCH_KNOBS:
+            # Set by an earlier version's user: said, not dropped in silence.
+            if d.env in env:
+                gone = f"environment variable {d.env}: unknown setting {d.name!r} (a benchmark's option now)"
+                if problems is None:
+                    raise SettingsError(gone)
+                problems.append(f"{gone}; ignored")
         for name, value in (flags or {}).items():
             if value is not None:
                 values[name] = value
@@ -768,7 +803,8 @@ class Settings:
         return cls(**out)
 
     def replace(self, **changes: Any) -> "Settings":
-        return dataclasses.replace(self, **{k: _coerce(k, v) for k, v in changes.items()})
+        """These settings or bench knobs changed, checked as the user's would be."""
+        return dataclasses.replace(self, **{k: _coerce(k, v, knobs=True) for k, v in changes.items()})
 
     def flag_values(self) -> dict[str, Any]:
         """Every setting, as its flag reads it back (None: not set; auto for an auto_bool's
@@ -815,12 +851,14 @@ def _owned_by_me(folder: Path) -> bool:
         return False
 
 
-# Every setting's definition, in the order of the fields (the order of --help and of the
-# README's table). Tuples and a read-only mapping: nothing here changes after import.
-SETTINGS: tuple[Definition, ...] = tuple(
-    dataclasses.replace(f.metadata["setting"], name=f.name) for f in fields(Settings)
-)
+# Every definition, in the order of the fields (the order of --help and of the README's
+# table); SETTINGS are the user's, BENCH_KNOBS the experiments'. Tuples and read-only
+# mappings: nothing here changes after import.
+_ALL = tuple(dataclasses.replace(f.metadata["setting"], name=f.name) for f in fields(Settings))
+SETTINGS: tuple[Definition, ...] = tuple(d for d in _ALL if not d.bench)
+BENCH_KNOBS: tuple[Definition, ...] = tuple(d for d in _ALL if d.bench)
 _BY_NAME = types.MappingProxyType({d.name: d for d in SETTINGS})
+_KNOB_BY_NAME = types.MappingProxyType({d.name: d for d in BENCH_KNOBS})
 
 
 def definition(name: str) -> Definition:
@@ -833,18 +871,25 @@ def definition(name: str) -> Definition:
         raise SettingsError(f"unknown setting {name!r}{hint}") from None
 
 
+def knob(name: str) -> Definition:
+    """The definition of bench knob `name` (KeyError for one that is none: a bug of the bench)."""
+    return _KNOB_BY_NAME[name]
+
+
 def in_scope(*scopes: str) -> tuple[Definition, ...]:
     """The settings that the commands of any of `scopes` take as options, in field order."""
     return tuple(d for d in SETTINGS if d.scope & set(scopes))
 
 
 def default_of(name: str) -> Any:
-    """The default of setting `name` (for the benches, whose settings start from the daemon's)."""
-    return definition(name).default
+    """The default of setting or bench knob `name` (for the benches, whose settings start
+    from the daemon's)."""
+    return (_KNOB_BY_NAME.get(name) or definition(name)).default
 
 
-def _coerce(name: str, raw: Any) -> Any:
-    d = definition(name)
+def _coerce(name: str, raw: Any, *, knobs: bool = False) -> Any:
+    d = _KNOB_BY_NAME.get(name) if knobs else None
+    d = d or definition(name)
     try:
         return d.coerce(raw)
     except SettingsError as e:

@@ -255,16 +255,16 @@ def test_a_missing_model_is_refused_before_a_daemon_is_started(tmp_path):
 def test_a_typo_in_the_config_file_is_named_and_status_and_stop_still_work(store, tmp_path):
     config = tmp_path / "moestream" / "config.toml"
     config.parent.mkdir()
-    config.write_text('capacity = 0.5\npolcy = "lru"\n')
+    config.write_text("capacity = 0.5\nio_threds = 4\n")
     rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="mscc"))
     env = clean_env(XDG_CONFIG_HOME=str(tmp_path))
     try:
         start = ctl("start", "--model", str(store), "--runtime-dir", str(rt), env=env)
         assert start.returncode == 2
-        assert f"config file {config}, line 2: unknown setting 'polcy' (did you mean 'policy'?)" in start.stderr
+        assert f"config file {config}, line 2: unknown setting 'io_threds' (did you mean 'io_threads'?)" in start.stderr
         status = ctl("status", "--runtime-dir", str(rt), env=env)
         assert status.returncode == 1 and "not running" in status.stdout
-        assert f"warning: config file {config}, line 2: unknown setting 'polcy'" in status.stderr
+        assert f"warning: config file {config}, line 2: unknown setting 'io_threds'" in status.stderr
         stop = ctl("stop", "--runtime-dir", str(rt), env=env)
         assert stop.returncode == 0 and "no moestream daemon is running" in stop.stderr
     finally:
@@ -277,12 +277,12 @@ def test_bad_values_name_the_variable_or_the_line_they_came_from(tmp_path):
     with pytest.raises(SettingsError, match=rf"config file {config}, line 3: io_threads: must be between 1 and 256"):
         Settings.resolve({}, {}, config)
     with pytest.raises(
-        SettingsError, match="environment variable MOESTREAM_PREFETCH: prefetch: expected on, off or auto"
+        SettingsError, match="environment variable MOESTREAM_MAX_BATCH: max_batch: expected a whole number"
     ):
-        Settings.resolve({}, {"MOESTREAM_PREFETCH": "sometimes"}, tmp_path / "none.toml")
+        Settings.resolve({}, {"MOESTREAM_MAX_BATCH": "sometimes"}, tmp_path / "none.toml")
     problems: list[str] = []
-    settings = Settings.resolve({"policy": "lfu"}, {"MOESTREAM_PREFETCH": "sometimes"}, config, problems=problems)
-    assert settings.policy == "lfu" and settings.io_threads == Settings().io_threads and settings.prefetch == "auto"
+    settings = Settings.resolve({"max_active": 2}, {"MOESTREAM_MAX_BATCH": "sometimes"}, config, problems=problems)
+    assert settings.max_active == 2 and settings.io_threads == Settings().io_threads and settings.max_batch == 1
     assert len(problems) == 2 and all(p.endswith("; ignored") for p in problems)
 
 
@@ -293,17 +293,19 @@ def test_the_policy_names_checked_by_the_settings_are_the_policies():
     assert POLICY_NAMES == tuple(POLICIES)
 
 
-def test_a_bad_policy_is_refused_also_with_a_daemon_running(daemon, store):
-    out = ctl("generate", "--model", str(store), "--runtime-dir", str(daemon.dir), "--policy", "bogus", "x")
-    assert out.returncode == 2
-    assert "unknown eviction policy 'bogus'; valid names: lru, lfu" in out.stderr
+def test_the_eviction_policy_is_a_benchmarks_choice_not_the_daemons():
+    """lru is the daemon's; the others are measured by `bench policy` and `bench decode`."""
+    out = CliRunner().invoke(cli, ["bench", "decode", "--policy", "bogus"])
+    assert out.exit_code == 2 and "unknown eviction policy 'bogus'; valid names: lru, lfu" in out.output
+    out = CliRunner().invoke(cli, ["generate", "--policy", "lfu", "x"])
+    assert out.exit_code == 2 and "No such option '--policy'" in out.output
 
 
 def test_pool_settings_a_running_daemon_keeps_are_said_to_be_ignored(daemon, store):
     base = ["generate", "--model", str(store), "--runtime-dir", str(daemon.dir), "--max-tokens", "1"]
-    changed = ctl(*base, "--capacity", "0.25", "--policy", "lru", "--prefetch", "off", PROMPT)
+    changed = ctl(*base, "--capacity", "0.25", "--io-threads", "4", "--host-cache", "1M", PROMPT)
     assert changed.returncode == 0, changed.stderr
-    assert "note: --capacity, --prefetch ignored: the running daemon keeps its pool settings" in changed.stderr
+    assert "note: --capacity, --host-cache ignored: the running daemon keeps its pool settings" in changed.stderr
     same = ctl(*base, "--capacity", "50%", PROMPT)  # the daemon's own, spelled another way
     assert same.returncode == 0 and "ignored" not in same.stderr, same.stderr
 

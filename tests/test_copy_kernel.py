@@ -45,12 +45,10 @@ def test_the_carried_ptx_matches_its_generator_and_the_cpp_layout():
 
 def test_copy_kernel_setting_parses_and_is_harmless_without_cuda(tmp_path: Path):
     assert Settings().copy_kernel is True  # faster on the H200 (RESULTS.md); no copier, no effect
-    assert (
-        Settings.resolve(env={"MOESTREAM_COPY_KERNEL": "off"}, config_file=tmp_path / "none.toml").copy_kernel is False
-    )
-    assert Settings.resolve(env={"MOESTREAM_COPY_KERNEL": "on"}, config_file=tmp_path / "none.toml").copy_kernel is True
+    assert Settings().replace(copy_kernel="off").copy_kernel is False  # `bench decode --no-copy-kernel`
+    assert Settings().replace(copy_kernel="on").copy_kernel is True
     with pytest.raises(SettingsError, match="copy_kernel"):
-        Settings.resolve(env={"MOESTREAM_COPY_KERNEL": "sometimes"}, config_file=tmp_path / "none.toml")
+        Settings().replace(copy_kernel="sometimes")
     with pytest.raises(ImportError, match="CUDA is not available"):
         CudaCopier()
 

@@ -286,8 +286,8 @@ def test_mapped_gather_is_auto_by_default_and_only_for_mapped_pools(store):
     """Auto gathers where the CUDA copy kernel runs and nowhere else (so not on a CPU
     or Metal machine); a slot pool never gathers, whatever the setting."""
     assert Settings().mapped_gather is None
-    assert Settings.from_values({"mapped_gather": "auto"}).mapped_gather is None
-    assert Settings.resolve(env={"MOESTREAM_MAPPED_GATHER": "on"}, config_file="/nonexistent").mapped_gather is True
+    assert Settings().replace(mapped_gather="auto").mapped_gather is None
+    assert Settings().replace(mapped_gather="on").mapped_gather is True
     here = RowGather.kernel_available()
     sm = load_streaming_model(store, Settings(capacity=0.25, prefetch="off"), mapped=True)
     try:
@@ -327,7 +327,7 @@ def test_a_mapped_pool_has_no_prefetch_whatever_the_setting(store):
         finally:
             sm.close()
     with pytest.raises(SettingsError, match="prefetch_copy_blocks: must be between 1 and 1024"):
-        Settings.from_values({"prefetch_copy_blocks": "0"})
+        Settings().replace(prefetch_copy_blocks="0")
 
 
 def test_bench_predict_reports_progress_on_stderr_and_json_on_stdout(store):

@@ -123,9 +123,9 @@ def test_the_governor_keeps_prefetch_only_where_it_pays(on_ms, off_ms, keep):
 
 
 def test_prefetch_setting_is_checked():
-    assert Settings.from_values({"prefetch": "AUTO"}).prefetch == "auto"
+    assert Settings().replace(prefetch="AUTO").prefetch == "auto"
     with pytest.raises(SettingsError, match="prefetch"):
-        Settings.from_values({"prefetch": "sometimes"})
+        Settings().replace(prefetch="sometimes")
 
 
 def test_copy_batch_is_no_setting_any_more():
@@ -206,10 +206,10 @@ def test_a_deeper_prefetch_reads_layers_further_ahead_and_changes_no_token(capsy
 
 def test_prefetch_depth_setting_is_checked():
     assert Settings().prefetch_depth == 1
-    assert Settings.resolve(env={"MOESTREAM_PREFETCH_DEPTH": "2"}, config_file="/nonexistent").prefetch_depth == 2
+    assert Settings().replace(prefetch_depth="2").prefetch_depth == 2
     for bad in ("0", "5", "deep"):
         with pytest.raises(SettingsError, match="prefetch_depth"):
-            Settings.from_values({"prefetch_depth": bad})
+            Settings().replace(prefetch_depth=bad)
 
 
 def test_prefetch_buffer_setting_sizes_the_buffer():
@@ -221,11 +221,9 @@ def test_prefetch_buffer_setting_sizes_the_buffer():
     store = demo_store_path()
     stride = expert_stride(load_manifest(store))
     assert Settings().prefetch_buffer == 0
-    assert (
-        Settings.resolve(env={"MOESTREAM_PREFETCH_BUFFER": "3M"}, config_file="/nonexistent").prefetch_buffer == 3 << 20
-    )
+    assert Settings().replace(prefetch_buffer="3M").prefetch_buffer == 3 << 20
     with pytest.raises(SettingsError):
-        Settings.from_values({"prefetch_buffer": "lots"})
+        Settings().replace(prefetch_buffer="lots")
     default = load_streaming_model(store, Settings(capacity=0.25, prefetch="on"))
     try:
         k = default.prefetcher.top_k

@@ -124,8 +124,8 @@ def expected_argv(store: Path, platform: str = "linux") -> list[str]:
         str(store),
         "--memory-budget",
         "24G",
-        "--policy",
-        "lfu",
+        "--max-batch",
+        "2",
     ]
 
 
@@ -169,10 +169,10 @@ def test_plist_has_every_key(store: Path, tmp_path: Path) -> None:
             str(store),
             "--memory-budget",
             "24G",
-            "--policy",
-            "lfu",
+            "--max-batch",
+            "2",
         ],
-        clean_env(home, MOESTREAM_IO_THREADS="3", MOESTREAM_POLICY="lru"),
+        clean_env(home, MOESTREAM_IO_THREADS="3", MOESTREAM_MAX_BATCH="1"),
     )
     assert result.exit_code == 0, result.output
     path = home / "Library" / "LaunchAgents" / "dev.moestream.daemon.plist"
@@ -191,7 +191,7 @@ def test_plist_has_every_key(store: Path, tmp_path: Path) -> None:
     assert logs.is_dir()  # launchd does not create it
     env = doc["EnvironmentVariables"]
     assert env["MOESTREAM_IO_THREADS"] == "3"
-    assert "MOESTREAM_POLICY" not in env  # given as a flag, which wins anyway
+    assert "MOESTREAM_MAX_BATCH" not in env  # given as a flag, which wins anyway
     assert env["PATH"].split(":")[0] == os.path.dirname(PYTHON)
     assert all(type(v) is str for v in env.values())
     assert stat.S_IMODE(path.stat().st_mode) == 0o644  # launchd skips group/other-writable plists
@@ -210,8 +210,8 @@ def test_unit_has_every_key_and_passes_systemd_verify(store: Path, tmp_path: Pat
             str(store),
             "--memory-budget",
             "24G",
-            "--policy",
-            "lfu",
+            "--max-batch",
+            "2",
         ],
         clean_env(home, MOESTREAM_IO_THREADS="3", MOESTREAM_LOG_FILE='/tmp/100% $HOME/"x".log'),
     )
@@ -325,13 +325,14 @@ def test_every_daemon_setting_reaches_the_service(platform: str, pool: str, stor
         "25%",
         "--memory-budget",
         "24G",
-        "--policy",
-        "lfu",
-        "--prefetch",
-        "off",
+        "--max-batch",
+        "2",
+        "--prompt-cache-bytes",
+        "512M",
         "--autopin-frac",
         "0.3",
-        "--diagnostics",
+        "--max-connections",
+        "100",
         "--io-threads",
         "3",
         "--log-file",
@@ -345,10 +346,10 @@ def test_every_daemon_setting_reaches_the_service(platform: str, pool: str, stor
         "model": str(store),
         "capacity": "25%",
         "memory_budget": "24G",
-        "policy": "lfu",
-        "prefetch": "off",
+        "max_batch": 2,
+        "prompt_cache_bytes": "512M",
         "autopin_frac": 0.3,
-        "diagnostics": True,
+        "max_connections": 100,
         "io_threads": 3,
         "log_file": str(log_file),
         "runtime_dir": str(runtime_dir),
@@ -358,7 +359,7 @@ def test_every_daemon_setting_reaches_the_service(platform: str, pool: str, stor
     env = clean_env(
         home,
         PATH=str(tmp_path / "no-tools"),
-        MOESTREAM_PREFETCH="on",
+        MOESTREAM_PROMPT_CACHE_BYTES="1G",
         MOESTREAM_IO_THREADS="7",
         MOESTREAM_MAX_ACTIVE="3",
     )
@@ -370,7 +371,7 @@ def test_every_daemon_setting_reaches_the_service(platform: str, pool: str, stor
     assert start_params(argv) == expected
     assert shlex.split(shown) == argv
     assert environment["MOESTREAM_MAX_ACTIVE"] == "3"
-    assert "MOESTREAM_PREFETCH" not in environment and "MOESTREAM_IO_THREADS" not in environment
+    assert "MOESTREAM_PROMPT_CACHE_BYTES" not in environment and "MOESTREAM_IO_THREADS" not in environment
     assert files_under(home) == []
 
     result = invoke(["install", "--platform", platform, "--no-load", *args], env)
@@ -479,15 +480,15 @@ def test_bad_settings_are_refused_before_writing(store: Path, tmp_path: Path) ->
         (["--model", str(store), "--host-cache", "lots"], "cannot read 'lots' as a size"),
         (["--model", str(store), "--io-threads", "0"], "Invalid value for '--io-threads': must be between 1 and 256"),
         (
-            ["--model", str(store), "--prefetch", "maybe"],
-            "Invalid value for '--prefetch': expected on, off or auto, got 'maybe'",
+            ["--model", str(store), "--max-batch", "0"],
+            "Invalid value for '--max-batch': must be between 1 and 256",
         ),
         (
             ["--model", str(store), "--autopin-frac", "1.5"],
             "Invalid value for '--autopin-frac': must be between 0 and 1",
         ),
         (["--model", str(store), "--mapped", "--host-cache", "4K"], "--mapped keeps every expert"),
-        (["--openai", "--host-cache", "1G", "--diagnostics"], "--host-cache, --diagnostics: the daemon's settings"),
+        (["--openai", "--host-cache", "1G", "--max-batch", "2"], "--host-cache, --max-batch: the daemon's settings"),
     ]
     for args, message in cases:
         result = invoke(["install", "--platform", "linux", "--dry-run", *args], env)
@@ -541,37 +542,38 @@ RUN_CASES = {
             "0.5",
             "--host-cache",
             "20G",
-            "--prefetch",
-            "off",
-            "--diagnostics",
+            "--prompt-cache-bytes",
+            "512M",
+            "--max-connections",
+            "100",
             "--io-threads",
             "2",
             "--autopin-frac",
             "0.25",
         ],
-        {"MOESTREAM_HOST_CACHE": "1G", "MOESTREAM_POLICY": "lru"},
+        {"MOESTREAM_HOST_CACHE": "1G", "MOESTREAM_MAX_BATCH": "1"},
         # mapped not given: auto, which with a host tier (and on this CPU) is the slot pool.
         {
             "capacity": 0.5,
             "host_cache": 20 * 2**30,
             "mapped": "auto",
-            "prefetch": "off",
-            "diagnostics": True,
+            "prompt_cache_bytes": 512 * 2**20,
+            "max_connections": 100,
             "io_threads": 2,
-            "policy": "lfu",
+            "max_batch": 2,
         },
     ),
     "darwin": (
-        ["--capacity", "0.25", "--mapped", "--prefetch", "off", "--policy", "lru"],
+        ["--capacity", "0.25", "--mapped", "--prompt-cache-bytes", "512M", "--max-batch", "1"],
         {"MOESTREAM_MAPPED": "0", "MOESTREAM_IO_THREADS": "3"},
         {
             "capacity": 0.25,
             "host_cache": 0,
             "mapped": True,
-            "prefetch": "off",
-            "diagnostics": False,
+            "prompt_cache_bytes": 512 * 2**20,
+            "max_connections": 4096,
             "io_threads": 3,
-            "policy": "lru",
+            "max_batch": 1,
         },
     ),
 }
@@ -594,10 +596,10 @@ def test_service_command_starts_a_daemon_with_its_settings(platform: str, store:
     flags = [*flags, "--log-file", str(log_file)]
     if platform == "darwin":
         flags += ["--runtime-dir", str(runtime)]  # linux: MOESTREAM_RUNTIME_DIR, below
-    args = ["install", "--platform", platform, "--no-load", "--model", str(store), "--policy", "lfu", *flags]
+    args = ["install", "--platform", platform, "--no-load", "--model", str(store), "--max-batch", "2", *flags]
     if platform == "darwin":
-        args.remove("lfu")
-        args.remove("--policy")
+        args.remove("2")
+        args.remove("--max-batch")
     result = invoke(args, clean_env(home, MOESTREAM_MAX_CONTEXT="4096", **shell_env))
     assert result.exit_code == 0, result.output
     path = sf.service_file_path(platform, home)

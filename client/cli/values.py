@@ -17,6 +17,7 @@ from ...shared.settings import (
     SettingsError,
     definition,
     in_scope,
+    knob,
     parse_size,
 )
 from ...shared.store_format import Manifest, StoreError, load_manifest
@@ -60,6 +61,17 @@ def setting_option(d: Definition, *, local_only: bool = False) -> Callable:
         return click.option(d.switch, d.name, default=None, help=text)
     metavar = f"[{'|'.join(d.choices)}]" if d.kind == "choice" else _METAVARS[d.kind]
     return click.option(d.flag, d.name, type=SettingType(d), default=None, metavar=metavar, help=text)
+
+
+def knob_option(name: str) -> Callable:
+    """The option of a benchmark for bench knob `name` (`Definition.bench`): its default,
+    its help and its checks come from the definition, as a setting's do."""
+    d = knob(name)
+    text = f"{d.help} [default: {d.default_text(sys.platform)}{d.range_text() and '; ' + d.range_text()}]"
+    if d.kind in ("bool", "auto_bool"):
+        return click.option(d.switch, d.name, default=d.default, help=text)
+    metavar = f"[{'|'.join(d.choices)}]" if d.kind == "choice" else _METAVARS[d.kind]
+    return click.option(d.flag, d.name, type=SettingType(d), default=d.default, metavar=metavar, help=text)
 
 
 def runtime_dir_option(f: Callable) -> Callable:

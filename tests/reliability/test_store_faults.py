@@ -143,7 +143,7 @@ def test_a_store_truncated_before_start_fails_then_serves_once_repaired(store_co
 def test_a_checksum_mismatch_is_caught_when_checksums_are_verified(store_copy, start_daemon, rel_reference):
     layer = load_manifest(store_copy).layers[0]
     path = store_copy / layer.file
-    daemon = start_daemon(store_copy, env={"MOESTREAM_VERIFY_CHECKSUMS": "1"})
+    daemon = start_daemon(store_copy, knobs={"verify_checksums": True})
     flips = [layer.experts[e].offset + layer.experts[e].length // 2 for e in range(len(layer.experts))]
     data = path.read_bytes()
     original = {at: data[at : at + 1] for at in flips}

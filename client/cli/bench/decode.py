@@ -9,7 +9,7 @@ from typing import Any, Callable
 import click
 
 from ....shared.settings import default_of
-from ..values import size_option
+from ..values import knob_option, size_option
 
 
 @click.command("decode")
@@ -21,7 +21,7 @@ from ..values import size_option
     type=float,
     help="Pool fractions to measure (repeat); default 1.0 0.5 0.25.",
 )
-@click.option("--policy", default=default_of("policy"), show_default=True)
+@knob_option("policy")
 @click.option("--prompt-tokens", default=32, show_default=True, type=click.IntRange(1, None))
 @click.option("--decode-tokens", default=64, show_default=True, type=click.IntRange(1, None))
 @click.option(
@@ -122,14 +122,7 @@ from ..values import size_option
     "first (setting mapped_gather; auto: where MLX's CUDA build runs); 'both' runs each '+mapped' configuration "
     "both ways (':g' marks gathering).",
 )
-@click.option(
-    "--prefetch-copy-blocks",
-    default=default_of("prefetch_copy_blocks"),
-    show_default=True,
-    type=click.IntRange(1, 1024),
-    help="Blocks per expert row or span of the copy kernels that copy ahead of use (setting prefetch_copy_blocks): "
-    "fewer leave the GPU's other kernels more room.",
-)
+@knob_option("prefetch_copy_blocks")
 @click.option(
     "--prefetch",
     type=click.Choice(["on", "off"]),
@@ -138,13 +131,7 @@ from ..values import size_option
     help="Prefetch of the predicted next-layer experts in the partial slot-pool runs (with a host tier: "
     "copied into the next layer's slots while the GPU computes); mapped pools have no prefetch.",
 )
-@click.option(
-    "--copy-kernel/--no-copy-kernel",
-    default=default_of("copy_kernel"),
-    show_default=True,
-    help="The CUDA copier copies with one copy-kernel launch per 160 spans instead of one cudaMemcpyAsync each "
-    "(setting copy_kernel).",
-)
+@knob_option("copy_kernel")
 @click.option(
     "--speculative",
     type=click.Choice(["mtp", "draft"]),

@@ -7,7 +7,7 @@ import json
 import click
 
 from ....shared.settings import default_of
-from ..values import size_option
+from ..values import knob_option, size_option
 
 
 @click.command("predict")
@@ -19,7 +19,7 @@ from ..values import size_option
     type=click.FloatRange(0.0, 1.0, min_open=True),
     help="Pool fractions to measure (repeat); default 0.25 0.5.",
 )
-@click.option("--policy", default=default_of("policy"), show_default=True)
+@knob_option("policy")
 @click.option("--prompt-tokens", default=32, show_default=True, type=click.IntRange(1, None))
 @click.option("--decode-tokens", default=64, show_default=True, type=click.IntRange(1, None))
 @click.option(
@@ -53,20 +53,8 @@ from ..values import size_option
     "experts per layer of depth.",
 )
 @click.option("--mlx-memory-limit", help="Cap MLX's memory (mx.set_memory_limit), e.g. 64G; advised on CUDA.")
-@click.option(
-    "--copy-kernel/--no-copy-kernel",
-    default=default_of("copy_kernel"),
-    show_default=True,
-    help="The CUDA copier copies with one copy-kernel launch per 160 spans instead of one cudaMemcpyAsync each "
-    "(setting copy_kernel).",
-)
-@click.option(
-    "--prefetch-copy-blocks",
-    default=default_of("prefetch_copy_blocks"),
-    show_default=True,
-    type=click.IntRange(1, 1024),
-    help="Blocks per expert row or span of the copy kernels that copy ahead of use (setting prefetch_copy_blocks).",
-)
+@knob_option("copy_kernel")
+@knob_option("prefetch_copy_blocks")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_predict(
     store,

@@ -20,6 +20,7 @@ Only `reference_outputs` imports MLX (inside the function); the rest drives proc
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -58,6 +59,13 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+# The daemon's main with bench knobs, which have no flags: the first argument is their JSON.
+_MAIN_WITH_KNOBS = (
+    "import json, sys; from moestream.daemon.main import main; "
+    "knobs = json.loads(sys.argv.pop(1)); sys.exit(main(sys.argv[1:], knobs))"
+)
+
+
 class DaemonProcess:
     """A daemon started as a child process in its own runtime folder (for tests and
     benchmarks: its pid, RSS, kill -9 and clean stop are at hand)."""
@@ -75,20 +83,24 @@ class DaemonProcess:
         *,
         capacity: str = "0.25",
         flags: Mapping[str, str] | None = None,
+        knobs: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
         timeout: float = 60.0,
     ) -> "DaemonProcess":
         """Start a daemon on `store` and wait until it answers `ready`.
 
         `flags` are extra `--name value` daemon flags; `env` extra environment variables
-        (e.g. MOESTREAM_HEAT_FLUSH_SECONDS, LD_PRELOAD). Raises `RuntimeError` with the
+        (e.g. MOESTREAM_HEAT_FLUSH_SECONDS, LD_PRELOAD); `knobs` bench knobs such as
+        verify_checksums, which no flag sets (`moestream.daemon.main.main`). Raises `RuntimeError` with the
         daemon's output when it exits or is not ready in time."""
         runtime = Path(runtime)
         paths = RuntimePaths(dir=runtime, log=runtime / "daemon.log")
+        run_main = ["-m", "moestream.daemon.main"]
+        if knobs:
+            run_main = ["-c", _MAIN_WITH_KNOBS, json.dumps(dict(knobs))]
         argv = [
             sys.executable,
-            "-m",
-            "moestream.daemon.main",
+            *run_main,
             "--model",
             str(store),
             "--capacity",
