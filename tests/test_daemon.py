@@ -603,7 +603,7 @@ def test_heat_file_holds_exactly_the_routed_counts(store):
         # Beside it the pools' LRU stack distances, which `plan` reads, of a sample of the
         # steps (the first among them): first uses of experts the layer routed, and no
         # step counting an expert twice.
-        from moestream.daemon.plan import heat_reuse
+        from moestream.daemon.planning.plan import heat_reuse
         from moestream.shared.settings import Settings
         from moestream.shared.store_format import POOL_REUSE_NAME
 

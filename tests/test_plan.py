@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from daemon_cli import clean_env, ctl
 
-from moestream.daemon.plan import (
+from moestream.daemon.planning.plan import (
     DEMO_COUNTS,
     DEMO_REUSE,
     Bandwidths,
@@ -23,10 +23,10 @@ from moestream.daemon.plan import (
     load_bandwidths,
     load_compute,
     make_plan,
-    resident_dtype,
     save_bandwidths,
     save_compute,
 )
+from moestream.daemon.planning.probe_models import resident_dtype
 from moestream.daemon.pool.capacity import kv_cache_bytes, memory_held
 from moestream.shared.heat_file import read_usage
 from moestream.shared.settings import Settings, demo_store_path
@@ -183,7 +183,7 @@ def test_decode_reads_at_the_rate_of_a_layers_batch(tmp_path):
 
 
 def test_the_layer_read_probe_reads_the_store():
-    from moestream.daemon.bench.bandwidth import measure_layer_reads
+    from moestream.daemon.planning.bandwidth import measure_layer_reads
 
     rates = measure_layer_reads(DEMO, threads=2, batches=(1, 4), reads=8)
     assert set(rates) == {1, 4} and all(r > 0 for r in rates.values())
@@ -306,21 +306,16 @@ def test_the_probe_models_have_fewer_experts_and_run_for_every_supported_archite
     from arch_table import TOP_K, supported, tiny_arch_config
     from mlx_lm.models.cache import make_prompt_cache
 
-    from moestream.daemon.plan import (
-        EXPERT_COUNT_KEYS,
-        PROBE_MAX_EXPERTS,
-        _probe_config,
-        _random_model,
-        probe_layer_counts,
-    )
-    from moestream.daemon.pool.capacity import layer_count
+    from moestream.daemon.planning.plan import probe_layer_counts
+    from moestream.daemon.planning.probe_models import PROBE_MAX_EXPERTS, probe_config, random_model
+    from moestream.daemon.pool.capacity import EXPERT_COUNT_KEYS, layer_count
 
     assert probe_layer_counts(48) == (4, 16) and probe_layer_counts(6) == (2, 6) and probe_layer_counts(2) == (1, 2)
-    grouped = _probe_config(
+    grouped = probe_config(
         {"num_hidden_layers": 40, "n_routed_experts": 256, "n_group": 6, "num_experts_per_tok": 8}, 4
     )
     assert grouped["n_routed_experts"] == 66 and grouped["num_hidden_layers"] == 4  # 64 up to a multiple of 6
-    assert _probe_config({"num_hidden_layers": 4, "num_experts": 48, "num_experts_per_tok": 40}, 2)["num_experts"] == 48
+    assert probe_config({"num_hidden_layers": 4, "num_experts": 48, "num_experts_per_tok": 40}, 2)["num_experts"] == 48
     many = PROBE_MAX_EXPERTS + 32
     for model_type in supported():
         config = tiny_arch_config(model_type)
@@ -329,11 +324,11 @@ def test_the_probe_models_have_fewer_experts_and_run_for_every_supported_archite
                 if key in cfg:
                     cfg[key] = many
         # All the tiny model's layers: some need several (llama4 attends globally every 4th).
-        probe = _probe_config(config, layer_count(config))
+        probe = probe_config(config, layer_count(config))
         assert kv_cache_bytes(config, 1024) > 0, model_type  # phixtral and longcat_flash name it num_layers
         counts = [c[k] for c in (probe, probe.get("text_config") or {}) for k in EXPERT_COUNT_KEYS if k in c]
         assert counts and all(c == max(PROBE_MAX_EXPERTS, 2 * TOP_K) for c in counts), (model_type, counts)
-        model = _random_model(probe, "float32")
+        model = random_model(probe, "float32")
         cache = make_prompt_cache(model)
         logits = model(mx.array([[1, 2, 3]]), cache=cache)
         logits = model(mx.array([[4]]), cache=cache)

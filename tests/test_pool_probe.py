@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from moestream.daemon.plan import (
+from moestream.daemon.planning.plan import (
     Bandwidths,
     ComputeProbe,
     heat_counts,
@@ -15,7 +15,7 @@ from moestream.daemon.plan import (
     make_plan,
     save_pool_probes,
 )
-from moestream.daemon.pool_probe import PoolProbe, probe_pools
+from moestream.daemon.planning.pool_probe import PoolProbe, probe_pools
 from moestream.shared.settings import Settings, demo_store_path
 from moestream.shared.store_format import load_manifest
 

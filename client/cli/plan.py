@@ -27,7 +27,7 @@ def plan(store, memory_budget, host_cache, capacity, max_context, no_probe, as_j
     """Resident bytes, pool slots per layer, KV cache per 1k tokens, the expected hit rate
     (from the store's saved heat), the disk and link bandwidths, and the forecast decode
     tok/s and time to first token of a 2k-token prompt, each with its bound."""
-    from ...daemon.plan import format_plan, plan_store
+    from ...daemon.planning.plan import format_plan, plan_store
     from ...daemon.pool.expert_pool import PoolCapacityError
 
     given = {"capacity": capacity, "memory_budget": memory_budget, "host_cache": host_cache, "max_context": max_context}

@@ -42,10 +42,8 @@ from ...shared.settings import Settings, default_of, format_size
 from ...shared.store_format import Manifest, load_manifest
 from ..mapped.row_gather import RowGather
 from ..model.generation import SamplingParams, generate
-from ..model.streaming_model import StreamingModel, choose_mapped, load_stock_model, load_streaming_model
-from ..pool.admission import Admitter, cuda_copier, make_admitter
-from ..pool.expert_reader import ExpertReader
-from .bandwidth import (
+from ..model.streaming_model import choose_mapped, load_stock_model, load_streaming_model
+from ..planning.bandwidth import (
     format_read_and_link,
     measure_layer_reads,
     measure_link_bandwidth,
@@ -53,6 +51,9 @@ from .bandwidth import (
     page_cache_reason,
     settle_writes,
 )
+from ..planning.pool_probe import decode_counters
+from ..pool.admission import Admitter, cuda_copier, make_admitter
+from ..pool.expert_reader import ExpertReader
 
 # With fresh text, round r's decodes seed from seed + (r + 1) * this (warm-ups below 0).
 FRESH_SEED_STRIDE = 1000
@@ -191,38 +192,6 @@ def host_split_per_token(split: dict[str, float], steps: int) -> dict[str, float
         "host_call_ms_per_token": 1e3 * split["call_s"] / steps,
         "host_launch_ms_per_token": 1e3 * split["launch_s"] / steps,
         "host_wait_ms_per_token": 1e3 * split["wait_s"] / steps,
-    }
-
-
-def decode_counters(sm: StreamingModel) -> dict[str, float]:
-    """A streaming model's cumulative counters that decode figures are taken from (as
-    differences over a decode)."""
-    s = sm.pool_stats()
-    a = sm.admitter.stats()
-    pf = sm.prefetcher.stats() if sm.prefetcher is not None else None
-    return {
-        "hits_decode": s["hits_decode"],
-        "misses_decode": s["misses_decode"],
-        "host_syncs": s["host_syncs"],
-        "prestaged": s["prestaged"],
-        "prestaged_used": s["prestaged_used"],
-        # The prefetcher's own reads (into its buffer) and promotions into pools.
-        "prefetch_bytes_read": pf.get("bytes_read", 0) if pf else 0,
-        "prefetch_promoted": pf.get("promoted", 0) if pf else 0,
-        "bytes_from_disk": a.get("bytes_from_disk", 0),
-        "bytes_to_pool": a.get("bytes_to_pool", 0),
-        "prestage_bytes": a.get("prestage_bytes", 0),
-        "copy_seconds": a.get("copy_seconds", 0.0),
-        "tier_hits": a.get("tier_hits", 0),
-        "tier_misses": a.get("tier_misses", 0),
-        "placed_routed": s.get("mapped_pool", {}).get("routed", 0),
-        "placed_on_gpu": s.get("mapped_pool", {}).get("routed_on_gpu", 0),
-        "placement_moves": s.get("mapped_pool", {}).get("moves", 0),
-        # Host time of the decode thread (read-back, counts), and of the placement's
-        # worker thread (policies, driver calls), which runs beside it.
-        "placement_seconds": s.get("mapped_pool", {}).get("readback_seconds", 0.0),
-        "placement_worker_seconds": s.get("mapped_pool", {}).get("decide_seconds", 0.0)
-        + s.get("mapped_pool", {}).get("place_seconds", 0.0),
     }
 
 

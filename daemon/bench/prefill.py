@@ -32,7 +32,7 @@ from ...shared.store_format import load_manifest
 from ..model.generation import plain_steps
 from ..model.prefill import PREFILL_STEP, PrefillStats
 from ..model.streaming_model import StreamingModel, load_stock_model, load_streaming_model
-from .bandwidth import measure_link_bandwidth, measure_read_bandwidth, page_cache_reason
+from ..planning.bandwidth import measure_link_bandwidth, measure_read_bandwidth, page_cache_reason
 
 GREEDY = make_sampler(temp=0.0)
 

@@ -54,7 +54,7 @@ from padded_decode_attention import check, padded_decode_attention
 from probe_setup import RoundRobin
 
 from moestream.daemon.model.generation import SamplingParams, request_sampler
-from moestream.daemon.plan import _config_with_layers, _random_model
+from moestream.daemon.planning.probe_models import config_with_layers, random_model
 
 # The q30 shape as tests/bench/make_random_moe.py makes it (this script's folder is on sys.path).
 Q30 = {**SHAPES["qwen3-30b-a3b"], "quantization": {"group_size": 64, "bits": 4}}
@@ -256,8 +256,8 @@ def main() -> None:
         _store_main(args)
         return
     base = TINY if args.tiny else Q30
-    config = _config_with_layers(base, args.layers)
-    model = _random_model(config, "bfloat16")
+    config = config_with_layers(base, args.layers)
+    model = random_model(config, "bfloat16")
     vocab = config["vocab_size"]
     stock_call = switch_layers.SwitchGLU.__call__
     rows: dict[str, dict[int, list[float]]] = {}

@@ -38,7 +38,8 @@ import mlx.core as mx
 from gpu_batch_probe import Q30, TINY
 
 from moestream.daemon.bench.decode import timed_decode
-from moestream.daemon.plan import _probe_config, _random_model, _time_model, _time_synced, probe_layer_counts
+from moestream.daemon.planning.plan import _time_model, _time_synced, probe_layer_counts
+from moestream.daemon.planning.probe_models import probe_config, random_model
 
 
 def _synced_ms(model, vocab: int, repeats: int) -> float:
@@ -114,13 +115,13 @@ def main() -> None:
 
     # Written after each model, so that a run cut short keeps what it measured.
     for n in sorted({2, 8, *levers["probe"], far}):
-        model = _random_model(_probe_config(base, n), "bfloat16")
+        model = random_model(probe_config(base, n), "bfloat16")
         rows[n] = _timings(model, vocab, args.repeats)
         _say(f"{n} layers", rows[n])
         del model
         if args.embed_scale:
             mx.clear_cache()
-            model = _random_model(_probe_config(base, n), "bfloat16", args.embed_scale)
+            model = random_model(probe_config(base, n), "bfloat16", args.embed_scale)
             rows[n].update({f"varied_{k}": v for k, v in _timings(model, vocab, args.repeats).items()})
             _say(f"{n} varied", {k[7:]: v for k, v in rows[n].items() if k.startswith("varied_")})
             del model
@@ -139,7 +140,7 @@ def main() -> None:
         _say("stock", stock["stock"])
         del model
         mx.clear_cache()
-        model = _random_model(_probe_config(base, 8), "bfloat16")
+        model = random_model(probe_config(base, 8), "bfloat16")
         stock["8_after_stock"] = _timings(model, vocab, args.repeats)
         _say("8 after stock", stock["8_after_stock"])
         Path(args.out).write_text(json.dumps(report(), indent=1))

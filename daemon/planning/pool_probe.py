@@ -9,7 +9,7 @@ that work was about as large as the compute itself for a slot pool with a host t
 gives it.
 
 So the probe runs the code that does it: random-weight models of the store's
-architecture at the compute probe's two depths (daemon/plan.py `_probe_config`: at most
+architecture at the compute probe's two depths (daemon/plan.py `probe_config`: at most
 64 experts a layer) are written as stores of their own into a temporary folder, then
 decoded as stock mlx-lm and streamed through moestream's pool at the planned share of
 their experts (a slot pool with a host tier holding every expert, or a mapped pool).
@@ -33,11 +33,15 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from ..shared.settings import Settings
-from ..shared.store_format import Manifest
-from .pool.capacity import top_k_of
+from ...shared.settings import Settings
+from ...shared.store_format import Manifest
+from ..pool.capacity import top_k_of
+from .probe_models import probe_config, random_model
+
+if TYPE_CHECKING:
+    from ..model.streaming_model import StreamingModel
 
 # Token embeddings times this: routing then follows the token, not the near-constant
 # residual stream of a random model (tests/bench/make_random_moe.py measured an LRU hit
@@ -93,7 +97,7 @@ class PoolProbe:
 
 
 def write_probe_store(config: dict[str, Any], dtype: str, folder: Path, tokenizer: list[Path]) -> Path:
-    """A random-weight model of `config` (daemon/plan.py `_random_model`, embeddings
+    """A random-weight model of `config` (daemon/plan.py `random_model`, embeddings
     scaled) saved with the `tokenizer` files (the planned store's: a store is loaded
     with its tokenizer) and converted into a store under `folder`; returns the store."""
     import shutil
@@ -101,11 +105,10 @@ def write_probe_store(config: dict[str, Any], dtype: str, folder: Path, tokenize
     import mlx.core as mx
     from mlx_lm.utils import save_config, save_model
 
-    from .plan import _random_model
-    from .store.convert import convert_model
+    from ..store.convert import convert_model
 
     model_dir = folder / "model"
-    model = _random_model(config, dtype, PROBE_EMBED_SCALE)
+    model = random_model(config, dtype, PROBE_EMBED_SCALE)
     save_model(model_dir, model, donate_model=True)
     save_config(dict(config), model_dir / "config.json")
     for f in tokenizer:
@@ -153,6 +156,38 @@ def _decode_s(model: Any, vocab: int, steps: int, repeats: int, after_token: Cal
 PROMPT_TOKENS = 4
 
 
+def decode_counters(sm: "StreamingModel") -> dict[str, float]:
+    """A streaming model's cumulative counters that decode figures are taken from (as
+    differences over a decode)."""
+    s = sm.pool_stats()
+    a = sm.admitter.stats()
+    pf = sm.prefetcher.stats() if sm.prefetcher is not None else None
+    return {
+        "hits_decode": s["hits_decode"],
+        "misses_decode": s["misses_decode"],
+        "host_syncs": s["host_syncs"],
+        "prestaged": s["prestaged"],
+        "prestaged_used": s["prestaged_used"],
+        # The prefetcher's own reads (into its buffer) and promotions into pools.
+        "prefetch_bytes_read": pf.get("bytes_read", 0) if pf else 0,
+        "prefetch_promoted": pf.get("promoted", 0) if pf else 0,
+        "bytes_from_disk": a.get("bytes_from_disk", 0),
+        "bytes_to_pool": a.get("bytes_to_pool", 0),
+        "prestage_bytes": a.get("prestage_bytes", 0),
+        "copy_seconds": a.get("copy_seconds", 0.0),
+        "tier_hits": a.get("tier_hits", 0),
+        "tier_misses": a.get("tier_misses", 0),
+        "placed_routed": s.get("mapped_pool", {}).get("routed", 0),
+        "placed_on_gpu": s.get("mapped_pool", {}).get("routed_on_gpu", 0),
+        "placement_moves": s.get("mapped_pool", {}).get("moves", 0),
+        # Host time of the decode thread (read-back, counts), and of the placement's
+        # worker thread (policies, driver calls), which runs beside it.
+        "placement_seconds": s.get("mapped_pool", {}).get("readback_seconds", 0.0),
+        "placement_worker_seconds": s.get("mapped_pool", {}).get("decide_seconds", 0.0)
+        + s.get("mapped_pool", {}).get("place_seconds", 0.0),
+    }
+
+
 def probe_pools(
     store: Path,
     manifest: Manifest,
@@ -173,10 +208,8 @@ def probe_pools(
     (None: the system's), each removed once timed."""
     import mlx.core as mx
 
-    from ..shared.store_format import load_manifest
-    from .bench.decode import decode_counters
-    from .model.streaming_model import load_stock_model, load_streaming_model
-    from .plan import _probe_config
+    from ...shared.store_format import load_manifest
+    from ..model.streaming_model import load_stock_model, load_streaming_model
 
     tokenizer = [store / name for name in manifest.tokenizer_files]
     # Per configuration, per depth: (MoE layers, plain s, pooled s, hits, misses).
@@ -185,7 +218,7 @@ def probe_pools(
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
     for depth in sorted(set(layers)):
-        config = _probe_config(manifest.config, depth)
+        config = probe_config(manifest.config, depth)
         cfg = config.get("text_config", config)
         vocab = int(cfg.get("vocab_size") or cfg["num_vocab"])
         with tempfile.TemporaryDirectory(prefix="moestream-pool-probe-", dir=folder) as tmp:

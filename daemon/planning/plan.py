@@ -45,7 +45,6 @@ the prompt routes that the pool lacks (a layer-major prefill brings each in once
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -55,31 +54,30 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ..shared.heat_file import group_usage, peek_usage, read_usage, usage_path
-from ..shared.settings import Settings, format_size
-from ..shared.store_format import POOL_REUSE_NAME, Manifest, load_manifest
-from .pool.capacity import (
-    EXPERT_COUNT_KEYS,
+from ...shared.heat_file import group_usage, peek_usage, read_usage, usage_path
+from ...shared.settings import Settings, format_size
+from ...shared.store_format import POOL_REUSE_NAME, Manifest, load_manifest
+from ..pool.capacity import (
     ContextLimit,
     context_limit,
     device_memory,
     kv_cache_bytes,
     kv_reserve_tokens,
     layer_count,
-    layer_count_key,
     memory_held,
     plan_capacity,
     top_k_of,
 )
-from .pool.reuse import lru_hit_rate
+from ..pool.reuse import lru_hit_rate
 from .pool_probe import PoolProbe
+from .probe_models import probe_config, random_model, resident_dtype
 
 TTFT_PROMPT_TOKENS = 2048
 # The demo model's routing counts, from its recorded trace (tests/data/traces/demo_stdlib),
 # shipped so that a plan of the demo has heat where the user has none yet.
-DEMO_COUNTS = Path(__file__).resolve().parent / "demo" / "routing_counts.json"
+DEMO_COUNTS = Path(__file__).resolve().parent.parent / "demo" / "routing_counts.json"
 # The demo trace's decode steps as stack distances (tests/test_plan.py rebuilds it).
-DEMO_REUSE = Path(__file__).resolve().parent / "demo" / "routing_reuse.json"
+DEMO_REUSE = Path(__file__).resolve().parent.parent / "demo" / "routing_reuse.json"
 BANDWIDTH_FILE = "bandwidth.json"
 
 
@@ -115,7 +113,7 @@ class Bandwidths:
 
 
 def probe_bandwidths(store: Path, threads: int) -> Bandwidths:
-    from .bench.bandwidth import (
+    from .bandwidth import (
         measure_layer_reads,
         measure_link_bandwidth,
         measure_read_bandwidth,
@@ -180,93 +178,6 @@ class ComputeProbe:
         return asdict(self)
 
 
-def _config_with_layers(config: dict[str, Any], n: int) -> dict[str, Any]:
-    """The config of the same model with only its first `n` layers: per-layer lists
-    (layer types, sparse steps) cut to `n` too."""
-    out = copy.deepcopy(config)
-    for cfg in (out, out.get("text_config")):
-        key = layer_count_key(cfg) if isinstance(cfg, dict) else None
-        if key is None:
-            continue
-        total = int(cfg[key])
-        cfg[key] = n
-        for key, value in list(cfg.items()):
-            if isinstance(value, list) and len(value) == total and key != "mlp_only_layers":
-                cfg[key] = value[:n]
-    return out
-
-
-# At most this many experts per layer in the probe's models: a decode token computes its
-# top-k whatever the count, while the count sets the memory (a 512-expert layer of
-# Qwen3.5-397B is about 3.6 GB at 4 bits, too much to make several of before loading on a 48 GB
-# machine). A multiple of the router's groups where it has them (DeepSeek's n_group).
-PROBE_MAX_EXPERTS = 64
-
-
-def _probe_config(config: dict[str, Any], layers: int) -> dict[str, Any]:
-    """The config of a probe model: the first `layers` layers, at most PROBE_MAX_EXPERTS
-    experts per layer (never fewer than twice the top-k)."""
-    out = _config_with_layers(config, layers)
-    wanted = max(PROBE_MAX_EXPERTS, 2 * top_k_of(config))
-    for cfg in (out, out.get("text_config")):
-        if not isinstance(cfg, dict):
-            continue
-        groups = int(cfg.get("n_group") or 1)
-        fewer = -(-wanted // groups) * groups
-        for key in EXPERT_COUNT_KEYS:
-            count = cfg.get(key)
-            if isinstance(count, int) and not isinstance(count, bool) and count > PROBE_MAX_EXPERTS:
-                cfg[key] = min(count, fewer)
-    return out
-
-
-def resident_dtype(store: Path, manifest: Manifest) -> str:
-    """The floating-point dtype that most of the resident weights are stored in, from the
-    safetensors headers alone (the compute of bfloat16 and float32 differ by 2x or more on
-    a CPU)."""
-    sizes: dict[str, int] = {}
-    for name in manifest.resident_files:
-        with open(store / name, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        for key, info in header.items():
-            if key != "__metadata__" and info["dtype"] in ("BF16", "F16", "F32"):
-                begin, end = info["data_offsets"]
-                sizes[info["dtype"]] = sizes.get(info["dtype"], 0) + end - begin
-    return {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[max(sizes, key=sizes.get)] if sizes else "float32"
-
-
-def _random_model(config: dict[str, Any], dtype: str, embed_scale: float = 1.0) -> Any:
-    """mlx-lm's model of `config` with its own random initialisation, quantized as the
-    config says. `embed_scale` multiplies the token embeddings first (as
-    tests/bench/make_random_moe.py does), so that routing varies from token to token as a
-    trained model's does; at 1 nearly every token routes to the same experts."""
-    import mlx.core as mx
-    import mlx.nn as nn
-    from mlx_lm.utils import _get_classes
-
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
-    if embed_scale != 1.0:
-        embed = model.model.embed_tokens
-        embed.update({"weight": embed.weight * embed_scale})
-    model.set_dtype(getattr(mx, dtype))
-    q = config.get("quantization")
-    if q:
-        fixed = {k: v for k, v in q.items() if isinstance(v, (dict, bool))}
-
-        def predicate(path: str, m: Any) -> Any:
-            if path in fixed:
-                return fixed[path]
-            weight = getattr(m, "weight", None)
-            return hasattr(m, "to_quantized") and weight is not None and weight.shape[-1] % q["group_size"] == 0
-
-        nn.quantize(
-            model, group_size=q["group_size"], bits=q["bits"], mode=q.get("mode", "affine"), class_predicate=predicate
-        )
-    mx.eval(model.parameters())
-    return model
-
-
 def _time_model(model: Any, vocab: int, prompt_tokens: int, steps: int, repeats: int) -> tuple[float, float]:
     """(decode s/token, prefill s/prompt token): medians of `repeats` (as `bench decode`
     reports medians of its rounds), pipelined as mlx-lm's generate_step and `bench
@@ -315,7 +226,7 @@ class _Waited:
 def _time_synced(model: Any, vocab: int, steps: int) -> float:
     """Decode s/token of `model` with a wait after every decoder layer (a model with no
     list of layers: its plain decode, so the sync term is 0)."""
-    from .model.prefill import UnsupportedModel, decoder_of
+    from ..model.prefill import UnsupportedModel, decoder_of
 
     try:
         decoder, key = decoder_of(model)
@@ -363,7 +274,7 @@ def probe_compute(
 
     cfg = manifest.config.get("text_config", manifest.config)
     counts = probe_layer_counts(layer_count(manifest.config))
-    models = [_random_model(_probe_config(manifest.config, n), dtype) for n in sorted(set(counts))]
+    models = [random_model(probe_config(manifest.config, n), dtype) for n in sorted(set(counts))]
     vocab = int(cfg.get("vocab_size") or cfg["num_vocab"])  # phixtral: num_vocab
     for model in models:  # kernels built, buffers allocated
         _time_model(model, vocab, 8, 2, 1)
@@ -420,7 +331,7 @@ def _peek_table(path: Path) -> tuple[dict[int, dict[int, int]], int, str]:
 def _shipped_with_the_demo(manifest: Manifest, shipped: Path) -> tuple[dict[int, dict[int, int]], int]:
     """What the package ships for the demo store (`shipped`), where `manifest` is the
     demo's; ({}, 0) for any other store."""
-    demo = load_manifest(Path(__file__).resolve().parent / "demo" / "store")
+    demo = load_manifest(Path(__file__).resolve().parent.parent / "demo" / "store")
     if manifest.store_id != demo.store_id or not shipped.is_file():
         return {}, 0
     load = read_usage(shipped)
@@ -776,7 +687,7 @@ def plan_store(
 ) -> Plan:
     """Probe (or, with `probe=False`, take the last probe's figures where there are any)
     and plan `store` with `settings`. `progress`: called with a line per probe."""
-    from ..shared.settings import default_state_dir
+    from ...shared.settings import default_state_dir
 
     say = progress or (lambda line: None)
     manifest = load_manifest(store)
@@ -834,8 +745,8 @@ def _would_map(store: Path, settings: Settings, manifest: Manifest) -> bool:
         return settings.mapped
     import psutil
 
-    from .model.streaming_model import choose_mapped
-    from .pool.admission import cuda_copier
+    from ..model.streaming_model import choose_mapped
+    from ..pool.admission import cuda_copier
 
     _, slots = _pool_slots(store, manifest, settings)
     _, cuda_why_not = cuda_copier()
@@ -921,7 +832,7 @@ def probe_store(
     probed after its runs, beside what they left behind (threads, pools, a full
     allocator), the probe timed a decode several times too slow (tests/bench/RESULTS.md,
     "The compute probe on its own")."""
-    from ..shared.settings import default_state_dir
+    from ...shared.settings import default_state_dir
 
     manifest = load_manifest(store)
     dtype = resident_dtype(store, manifest)
