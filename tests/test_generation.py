@@ -64,7 +64,7 @@ def test_a_chats_end_of_turn_text_ends_the_answer_like_an_end_token(pool_store):
 
     from mlx_lm.utils import load_tokenizer
 
-    from moestream.daemon.model.generation import turn_end
+    from moestream.daemon.model.chat import turn_end
     from moestream.shared.settings import demo_store_path
 
     store = demo_store_path()

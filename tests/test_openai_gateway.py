@@ -175,7 +175,7 @@ def generate_json(store: Path, paths: RuntimePaths, prompt: str, *args: str) -> 
 def chat_answer(ref: dict, tokenizer) -> tuple[str, int]:
     """(text, tokens) of a chat's answer, from a plain request's `ref` for its rendered
     prompt: a chat ends at the template's end of turn (`turn_end`) where the text has it."""
-    from moestream.daemon.model.generation import turn_end
+    from moestream.daemon.model.chat import turn_end
 
     marker, text, tokens = turn_end(tokenizer), ref["text"], list(ref["tokens"])
     if marker is None or marker not in text:

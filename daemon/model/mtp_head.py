@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
 from ...shared.store_format import StoreError, vanished_store_problem
+from ..store.quantize import quantize_like_weights
 from .demo_mtp import MTP_FILE, load_mtp
 
 QWEN3_NEXT = "qwen3_next"
@@ -109,8 +110,6 @@ def load_mtp_head(store: str | Path, config: dict[str, Any]) -> LoadedMTP:
 
 def _load_qwen3_next(path: Path, config: dict[str, Any]) -> Qwen3NextMTP:
     from mlx_lm.models.qwen3_next import ModelArgs
-
-    from .streaming_model import quantize_like_weights
 
     if config.get("model_type") != QWEN3_NEXT:
         raise StoreError(f"{path} holds a Qwen3-Next MTP head but the store's model is {config.get('model_type')!r}")

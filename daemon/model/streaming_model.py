@@ -21,7 +21,7 @@ import numpy as np
 import psutil
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
-from mlx_lm.utils import _get_classes, infer_quant_config, load_tokenizer
+from mlx_lm.utils import _get_classes, load_tokenizer
 
 from ..._native import CudaCopier
 from ...shared.settings import Settings, format_size
@@ -36,9 +36,12 @@ from ..pool.expert_reader import ExpertReader
 from ..pool.resident_routing import ResidentRouting
 from ..prefetch.predictor import make_prefetcher, next_layers, routers_of
 from ..store.layout import beside_experts
+from ..store.quantize import quantize_like_weights
+from .chat import turn_end
 from .diagnostics import Diagnostics
 from .expert_parallel import ExpertShare
 from .kv_buckets import default_continuation_bucket
+from .mtp_head import load_mtp_head
 from .prefill import LayerMajorPrefill, UnsupportedModel
 from .streaming_moe import StreamingMoE
 
@@ -113,18 +116,14 @@ class StreamingModel:
         """The store's multi-token-prediction head (daemon/model/mtp_head.py), loaded on
         first use and kept for later requests."""
         if self._mtp is None:
-            from .mtp_head import load_mtp_head
-
             self._mtp = load_mtp_head(self.store_dir, self.manifest.config)
         return self._mtp
 
     def turn_end(self) -> str | None:
         """The text a chat's answer ends at where no end token spells it
-        (daemon/model/generation.py `turn_end`): one render of the chat template, on the
+        (daemon/model/chat.py `turn_end`): one render of the chat template, on the
         first chat request, not on every one."""
         if self._turn_end is None:
-            from .generation import turn_end
-
             self._turn_end = (turn_end(self.tokenizer),)
         return self._turn_end[0]
 
@@ -257,30 +256,6 @@ def _quantize(model: nn.Module, config: dict[str, Any], weights: dict[str, mx.ar
         }
     )
     quantize_like_weights(model, quantization, weights, fixed)
-
-
-def quantize_like_weights(
-    module: nn.Module, quantization: dict[str, Any], weights: dict[str, mx.array], fixed: dict[str, Any] | None = None
-) -> None:
-    """Quantize `module` the way mlx-lm's loading does: a layer is quantized where the
-    weights carry its scales, with the group size and bits they imply; `fixed` maps paths
-    to a given quantization (or False) first."""
-    fixed = fixed or {}
-
-    def predicate(path: str, m: nn.Module) -> bool | dict[str, Any]:
-        if path in fixed:
-            return fixed[path]
-        if not hasattr(m, "to_quantized") or f"{path}.scales" not in weights:
-            return False
-        return infer_quant_config(path, m, weights)
-
-    nn.quantize(
-        module,
-        group_size=quantization["group_size"],
-        bits=quantization["bits"],
-        mode=quantization.get("mode", "affine"),
-        class_predicate=predicate,
-    )
 
 
 def _build_model(store: Path, manifest: Manifest) -> tuple[nn.Module, dict[str, mx.array]]:
