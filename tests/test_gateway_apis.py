@@ -13,6 +13,7 @@ the model's tool-call-looking text that does not parse stays text, never lost.
 from __future__ import annotations
 
 import json
+from datetime import datetime, timedelta, timezone
 
 import anthropic
 import httpx
@@ -309,8 +310,11 @@ def test_greedy_text_through_each_api_equals_generate(served, clients, tokenizer
 def test_the_ollama_listing_routes(served, clients):
     ol = clients[2]
     assert [m.model for m in ol.list().models] == ["moestream-demo"]
+    before = datetime.now(timezone.utc)
     running = ol.ps().models
     assert [m.model for m in running] == ["moestream-demo"] and running[0].size_vram > 0
+    # When the daemon's keep-alive (30 min by default) releases the model: not "never".
+    assert before < running[0].expires_at <= datetime.now(timezone.utc) + timedelta(minutes=30, seconds=5)
     shown = ol.show("moestream-demo")
     assert shown.capabilities == ["completion", "tools"]  # the demo has no thinking markers
     assert ol.show("llama3").capabilities == shown.capabilities  # any name is the daemon's model
@@ -318,6 +322,17 @@ def test_the_ollama_listing_routes(served, clients):
     # Ollama's "load the model" requests: no messages, an empty prompt.
     assert ol.chat(model="moestream-demo", messages=[]).done_reason == "load"
     assert ol.generate(model="moestream-demo", prompt="", keep_alive=0).done_reason == "unload"
+
+
+def test_ollama_ps_says_when_the_keep_alive_releases_the_model():
+    from moestream.client.gateway.ollama import _expires_at
+
+    def seconds_from_now(text: str) -> float:
+        return (datetime.fromisoformat(text.replace("Z", "+00:00")) - datetime.now(timezone.utc)).total_seconds()
+
+    assert 95 < seconds_from_now(_expires_at({"unload_in_s": 100.0, "keep_alive_s": 1800.0})) <= 100  # idle
+    assert 1795 < seconds_from_now(_expires_at({"unload_in_s": None, "keep_alive_s": 1800.0})) <= 1800  # busy
+    assert _expires_at({"unload_in_s": None, "keep_alive_s": -1.0}).startswith("9999-")  # never
 
 
 @pytest.mark.slow  # seven chats with the tools' system turn: minutes on a busy CPU

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -60,6 +60,21 @@ def error_body(e: ApiError) -> dict[str, Any]:
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _expires_at(keep_alive: Mapping[str, Any] | None) -> str:
+    """When the daemon will release the model (its keep-alive clock): idle, after what is
+    left; busy, a keep_alive after now at the earliest; never (keep_alive < 0), the far
+    future Ollama's clients read as no expiry."""
+    ka = keep_alive or {}
+    left = ka.get("unload_in_s")
+    if left is None:
+        seconds = ka.get("keep_alive_s")
+        if not isinstance(seconds, (int, float)) or seconds < 0:
+            return "9999-12-31T23:59:59Z"
+        left = seconds
+    at = datetime.now(timezone.utc) + timedelta(seconds=float(left))
+    return at.isoformat().replace("+00:00", "Z")
 
 
 def _is_int(x: Any) -> bool:
@@ -393,8 +408,11 @@ class OllamaApi:
 
     async def ps(self, request: Request) -> Response:
         self._gw._authorize(request)
+        st = await self._gw._status()
+        if st.get("state") == "unloaded":  # released after keep_alive: nothing runs (Ollama lists none)
+            return JSONResponse({"models": []})
         m = await self._model()
-        return JSONResponse({"models": [m | {"expires_at": "9999-12-31T23:59:59Z", "size_vram": m["size"]}]})
+        return JSONResponse({"models": [m | {"expires_at": _expires_at(st.get("keep_alive")), "size_vram": m["size"]}]})
 
     async def show(self, request: Request) -> Response:
         self._gw._authorize(request)
