@@ -26,6 +26,7 @@ from tiny_models import MOE_ARCHS, MORE_MOE_ARCHS, make_tiny_model
 from moestream.daemon.model.generation import plain_steps
 from moestream.daemon.model.kv_buckets import query_bucket
 from moestream.daemon.model.prefill import (
+    LAYER_PROGRESS_TOKENS,
     PREFILL_STEP,
     LayerMajorPrefill,
     PrefillStats,
@@ -112,6 +113,10 @@ def test_identical_to_stock_generate_step(converted):
                     assert stats.staged_layers - 1 <= stats.staged_ahead <= stats.staged_layers, label
                 elif not label.startswith("mapped"):
                     assert stats.staged_ahead == 0, label  # a slot pool's stack waits for its routing
+                if n >= LAYER_PROGRESS_TOKENS and not several:
+                    # One chunk worth waiting on goes layer by layer at every pool (its
+                    # progress by layer), and its output is still stock's (above).
+                    assert stats.chunks == 1 and not stats.chunked, label
                 if label == "topk" and (n, step) == (100, PREFILL_STEP):
                     # One chunk whose routed pairs outnumber the slots: one stack per layer.
                     assert stats.chunks == 1 and stats.staged_layers > 0 and stats.read_seconds >= 0, label
@@ -119,6 +124,17 @@ def test_identical_to_stock_generate_step(converted):
                 assert sm.pool_stats()["stacked_layers"] == staged_before, "a full pool stages nothing"
         finally:
             sm.close()
+
+
+def test_one_chunk_reports_its_progress_layer_by_layer_at_a_full_pool(converted):
+    store, _ = converted
+    sm = load_streaming_model(store, Settings(direct_io=True))
+    try:
+        done: list[int] = []
+        prefill_cache(sm, mx.array(_prompt(200)), PREFILL_STEP, on_progress=done.append)
+        assert done == sorted(done) and done[-1] == 200 and len(done) == len(sm.layer_major.layers) >= 2, done
+    finally:
+        sm.close()
 
 
 def test_chunk_order_is_stock_order_too(converted):
