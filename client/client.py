@@ -274,6 +274,7 @@ class Client:
             "stats": done.stats,
             "tool_calls": done.tool_calls,
             "reasoning": done.reasoning,
+            "logprobs": done.logprobs,
         }
 
     def buffered(self) -> dict[str, int]:

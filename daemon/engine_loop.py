@@ -556,9 +556,9 @@ class EngineLoop:
     def _batch_full(self, job: Job) -> bool:
         """Whether `job` would decode in the batch (not speculative) and it has no room:
         it then waits in the queue, where `status` says why, rather than in a step."""
-        if self._batch is None or job.msg.speculative:
+        if self._batch is None or job.msg.speculates():
             return False
-        return not self._batch.has_room(sum(not j.msg.speculative for j in self._active))
+        return not self._batch.has_room(sum(not j.msg.speculates() for j in self._active))
 
     def _kv_allowance(self) -> int | None:
         """The bytes the KV caches of the active requests may take under `memory_budget`

@@ -186,6 +186,11 @@ class SamplingControls:
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
         )
 
+    def needs_logits(self) -> bool:
+        """Whether the request needs each token's logits (processors, logprobs): it then
+        decodes without speculation, which verifies drafts on the model's own logits."""
+        return self.has_processors() or self.logprobs is not None
+
 
 @dataclass(frozen=True)
 class Generate:
@@ -238,6 +243,10 @@ class Generate:
     sampling: SamplingControls | None = None
     # Who sent it, as `status` lists the request; None: the client's connection.
     client: str | None = None
+
+    def speculates(self) -> bool:
+        """Whether it decodes speculatively (it asks, and needs no logits)."""
+        return self.speculative is not None and not (self.sampling is not None and self.sampling.needs_logits())
 
 
 @dataclass(frozen=True)

@@ -382,8 +382,9 @@ class BatchSession:
         as `generate_step` takes its prompt's last token, until another request joins."""
         member = _Member(None, brought=list(brought), logprobs=logprobs)
         context = mx.array(list(brought), mx.int32) if processors else None
-        solo = _Solo(member, cache, sampler, max_tokens, mx.array([last]), [last], processors=processors)
-        solo.context = context
+        solo = _Solo(
+            member, cache, sampler, max_tokens, mx.array([last]), [last], processors=processors, context=context
+        )
         solo.feed(self.sm.model)
         self._solo = solo
         self.stats.joined += 1

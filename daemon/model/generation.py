@@ -550,7 +550,7 @@ def iter_generate(
     processors = request_processors(params)
     want_logprobs = params.controls.logprobs
     speculative_off = None
-    if params.speculative and (processors or want_logprobs is not None):
+    if params.speculative and params.controls.needs_logits():
         # Speculation verifies drafts against the model's own logits and yields no
         # log-probabilities; such a request decodes without it (its statistics say so).
         speculative_off = "penalties, logit_bias or logprobs asked: decoded without speculation"
@@ -642,7 +642,7 @@ def iter_generate(
             n -= 1
             break
         result.tokens.append(token)
-        before = len(detok.text)
+        before = len(detok.text) if want_logprobs is not None else 0
         detok.add_token(token)
         text = detok.text
         if want_logprobs is not None:
