@@ -186,3 +186,23 @@ def test_n_choices_are_n_requests_with_seeds_in_turn(served, clients):
         headers={"Authorization": f"Bearer {KEY}"},
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+def test_bad_controls_get_each_apis_400_and_the_gateway_serves_on(served):
+    url, auth = served[1].url, {"Authorization": f"Bearer {KEY}"}
+    ollama_chat = {"model": "m", "messages": CHAT, "stream": False}
+    anthropic_body = {"model": "m", "messages": CHAT[1:], "max_tokens": 4}
+    cases = [
+        ("/api/chat", ollama_chat | {"options": {"repeat_last_n": -5}}, "repeat_last_n"),
+        ("/api/chat", ollama_chat | {"options": {"repeat_penalty": "x"}}, "repeat_penalty"),
+        ("/api/chat", ollama_chat | {"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+        ("/v1/messages", anthropic_body | {"presence_penalty": 5}, "presence_penalty"),
+        ("/v1/messages", anthropic_body | {"logit_bias": {"1": 500}}, "logit_bias"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": -1}, "logprobs"),
+    ]
+    with httpx.Client(timeout=60) as http:
+        for path, body, word in cases:
+            r = http.post(url + path, json=body, headers=auth)
+            assert r.status_code == 400 and word in r.text, (path, body, r.text)
+        r = http.post(url + "/api/chat", json=ollama_chat | {"options": {"num_predict": 2}}, headers=auth)
+        assert r.status_code == 200

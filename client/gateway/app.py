@@ -431,6 +431,11 @@ class Gateway:
     async def open_request(self, request: Request, req: ApiRequest, prefix: str) -> tuple[DaemonRequest, str] | None:
         """The one request path of every API: a slot, the daemon request on its thread,
         the served model checked against `req.model`; None when the HTTP client left."""
+        daemon = self._start_request(request, req, prefix)
+        model = await self._served_model(request, daemon)
+        return None if model is None else (daemon, model)
+
+    def _start_request(self, request: Request, req: ApiRequest, prefix: str) -> DaemonRequest:
         if not self._slots.acquire(blocking=False):
             raise ApiError(
                 429,
@@ -440,12 +445,16 @@ class Gateway:
             )
         daemon = DaemonRequest(self.config, req, prefix + uuid.uuid4().hex, self._slots, client_label(request))
         daemon.start()
+        return daemon
+
+    async def _served_model(self, request: Request, daemon: DaemonRequest) -> str | None:
+        """The model id `daemon`'s thread checked (None when the HTTP client left)."""
         model = await self._unless_gone(request, daemon, daemon.next())
         if model is _GONE:
             return None
         if isinstance(model, ApiError):
             raise model
-        return daemon, model
+        return model
 
     async def whole(
         self, request: Request, daemon: DaemonRequest, on_event: Callable[[Any], Any] | None = None
@@ -484,26 +493,24 @@ class Gateway:
     async def open_choices(
         self, request: Request, req: ApiRequest, prefix: str
     ) -> tuple[list[DaemonRequest], str] | None:
-        """`req.n` daemon requests for one prompt (`open_request` each, all in flight at
-        once: they share the prompt's prefill and its cache); None when the HTTP client
-        left. An error cancels those already opened."""
+        """`req.n` daemon requests for one prompt (as `open_request`), all started before
+        any is awaited, so that they reach the daemon together: a later one joins the
+        prompt's prefill in flight (or finds its cache) rather than prefilling it again.
+        None when the HTTP client left; an error cancels them all."""
         daemons: list[DaemonRequest] = []
         try:
             for i in range(req.n):
-                opened = await self.open_request(request, req.choice(i), prefix)
-                if opened is None:
-                    break
-                daemons.append(opened[0])
-                model = opened[1]
+                daemons.append(self._start_request(request, req.choice(i), prefix))
+            models = [await self._served_model(request, d) for d in daemons]
         except BaseException:
             for d in daemons:
                 d.cancel()
             raise
-        if len(daemons) < req.n:
+        if None in models:
             for d in daemons:
                 d.cancel()
             return None
-        return daemons, model
+        return daemons, str(models[0])
 
     async def _complete(self, request: Request, *, chat: bool) -> Response:
         self._authorize(request)
@@ -650,7 +657,10 @@ class Gateway:
                 if isinstance(event, KeepAlive):
                     yield event.sse_comment()
                 elif isinstance(event, Token):
-                    held.extend(event.logprobs or ())
+                    if not event.reasoning:  # a thinking model's reasoning has no content logprobs
+                        held.extend(event.logprobs or ())
+                    else:
+                        given += len(event.logprobs or ())
                     if not event.text:
                         continue
                     lp = held if asked and not event.reasoning else None

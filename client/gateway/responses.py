@@ -625,7 +625,9 @@ class Fold:
 
     def feed(self, event: Any) -> list[dict[str, Any]]:
         """The stream events for one daemon event (none for `Accepted` and progress)."""
-        if isinstance(event, Token):
+        if isinstance(event, Token) and event.reasoning:
+            self._given += len(event.logprobs or ())  # the message's logprobs leave the reasoning out
+        elif isinstance(event, Token):
             self._held += event.logprobs or ()
         if isinstance(event, Token) and event.text:
             if event.reasoning:
