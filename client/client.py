@@ -171,6 +171,7 @@ class Client:
         keep_alive: float | None = None,
         thinking: bool | None = None,
         top_k: int | None = None,
+        sampling: proto.SamplingControls | None = None,
         client: str | None = None,
     ) -> "GenerateStream":
         """Send a generate request now; iterate the result for `Token` events, then `Done`.
@@ -190,7 +191,8 @@ class Client:
         the daemon is idle after this request, in place of the daemon's setting.
         `thinking` turns the chat template's thinking switch on or off (None: its
         default); reasoning then comes as `Token`s with `reasoning` true. `top_k` keeps
-        the k likeliest tokens before sampling. A `max_tokens` that would pass the
+        the k likeliest tokens before sampling; `sampling` adds min_p, the penalties,
+        logit_bias and log-probabilities (`Token.logprobs`, `Done.logprobs`). A `max_tokens` that would pass the
         daemon's context is lowered to what the prompt leaves. The stream starts with `Accepted` (the
         prompt's length) once the daemon has checked and queued the request. `client`
         names the sender in the daemon's `status` (default: this connection).
@@ -215,6 +217,7 @@ class Client:
             keep_alive=None if keep_alive is None else float(keep_alive),
             thinking=thinking,
             top_k=top_k,
+            sampling=sampling,
             client=client,
         )
         try:
@@ -271,6 +274,7 @@ class Client:
             "stats": done.stats,
             "tool_calls": done.tool_calls,
             "reasoning": done.reasoning,
+            "logprobs": done.logprobs,
         }
 
     def buffered(self) -> dict[str, int]:

@@ -117,6 +117,8 @@ class Job:
     tools: Any = None
     # A chat with a thinking model: its text split into reasoning and answer (daemon/model/reasoning.py).
     reasoning: Any = None
+    # Of the result's log-probabilities (a request that asked), those sent in token events.
+    logprobs_sent: int = 0
     # Why it has waited in the queue ("batch", "memory"), each counted once in `status`.
     waited: set[str] = field(default_factory=set)
 
@@ -531,6 +533,7 @@ class EngineLoop:
                 top_p=msg.top_p,
                 top_k=msg.top_k or 0,
                 seed=msg.seed,
+                controls=msg.sampling or proto.SamplingControls(),
                 stop=msg.stop,
                 speculative=msg.speculative,
                 draft_tokens=msg.draft_tokens or 2,
@@ -553,9 +556,9 @@ class EngineLoop:
     def _batch_full(self, job: Job) -> bool:
         """Whether `job` would decode in the batch (not speculative) and it has no room:
         it then waits in the queue, where `status` says why, rather than in a step."""
-        if self._batch is None or job.msg.speculative:
+        if self._batch is None or job.msg.speculates():
             return False
-        return not self._batch.has_room(sum(not j.msg.speculative for j in self._active))
+        return not self._batch.has_room(sum(not j.msg.speculates() for j in self._active))
 
     def _kv_allowance(self) -> int | None:
         """The bytes the KV caches of the active requests may take under `memory_budget`
@@ -693,10 +696,22 @@ class EngineLoop:
                 text, calls = job.tools.feed(text)
                 self._send_calls(job, calls)
             if text:
-                self._send(job.peer, proto.Token(job.msg.id, text, token, True if thinking else None))
+                lp = self._new_logprobs(job)
+                self._send(job.peer, proto.Token(job.msg.id, text, token, True if thinking else None, lp))
                 sent = True
         if not sent:
-            self._send(job.peer, proto.Token(job.msg.id, "", token))
+            self._send(job.peer, proto.Token(job.msg.id, "", token, logprobs=self._new_logprobs(job)))
+
+    @staticmethod
+    def _new_logprobs(job: Job) -> tuple[proto.TokenLogprob, ...] | None:
+        """The log-probabilities of the tokens made since the last event that carried
+        them (None where the request did not ask, or none is new)."""
+        made = job.result.logprobs if job.result is not None else []
+        if len(made) <= job.logprobs_sent:
+            return None
+        new = tuple(made[job.logprobs_sent :])
+        job.logprobs_sent = len(made)
+        return new
 
     def _send_calls(self, job: Job, calls: list[dict[str, str]]) -> None:
         first = len(job.tools.calls) - len(calls)
@@ -751,7 +766,9 @@ class EngineLoop:
         # Publish first, so a client that asks for status on its done event sees this request.
         self._publish(force=True)
         if reason != "disconnected":
-            self._send(job.peer, proto.Done(job.msg.id, text, tokens, reason, stats, calls, reasoning))
+            asked = job.msg.sampling is not None and job.msg.sampling.logprobs is not None
+            lp = tuple(result.logprobs) if asked and result is not None else None
+            self._send(job.peer, proto.Done(job.msg.id, text, tokens, reason, stats, calls, reasoning, lp))
         self._heat.push(self._sm)
         self._log_prefetch_decision()
 

@@ -7,7 +7,7 @@ Every message is one ZeroMQ frame holding a msgpack map with `v` (PROTOCOL_VERSI
   generate  prompt | prompt_ids | messages, max_tokens, temp, top_p, seed, stop,
             (temp below MIN_TEMP, or top_p below MIN_TOP_P: greedy, the limit they tend to)
             [tools, tool_choice, speculative, draft_tokens, draft_model, diagnostics, progress, keep_alive,
-             thinking, top_k, client]
+             thinking, top_k, sampling, client]
                                                         -> accepted, progress*, (token | tool_call)*, done
   count_tokens  prompt | prompt_ids | messages, [tools, tool_choice, thinking]  -> token_count
   cancel    target (the id of one of this client's generate requests)  -> cancelled
@@ -36,11 +36,17 @@ turns the chat template's thinking switch on or off where the model has one (Non
 template's default); a thinking model's
 reasoning comes as `token` events with `reasoning` true, and `done` holds it apart from
 the answer's `text` in `reasoning`. `top_k` (None or 0: off) keeps only the k likeliest
-tokens before sampling. A max_tokens past the daemon's context is lowered to what the
-prompt leaves (the answer then ends "length": Anthropic's clients ask for 32000 whatever
-the model); a prompt that leaves no room at all is refused as too long. An assistant's chat message
-may carry its earlier `reasoning`, which the template renders where it renders
-reasoning (its `reasoning_content`).
+tokens before sampling. `sampling` (a `SamplingControls` map, None: none of them) holds
+the rest of mlx-lm's sampler and logits processors (min_p, the presence, frequency and
+repetition penalties over a window of the last tokens, logit_bias) and `logprobs`: with
+it each `token` event carries the log-probabilities of the tokens it completes (each
+with its `logprobs` likeliest alternatives) and `done` all of them, taken from the
+logits the sampler sees (after the processors, before temperature).
+A max_tokens past the daemon's context is lowered to what the prompt leaves (the answer
+then ends "length": Anthropic's clients ask for 32000 whatever the model); a prompt that
+leaves no room at all is refused as too long. An assistant's chat message may carry its
+earlier `reasoning`, which the template renders where it renders reasoning (its
+`reasoning_content`).
 `count_tokens` renders and tokenizes a prompt as `generate` would (its thinking switch,
 tools) and answers with its length in tokens, from the daemon's prompt-check thread: it
 never waits on the model's forwards and runs none (an unloaded model is loaded first).
@@ -150,6 +156,42 @@ class ChatMessage:
         return out
 
 
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI caps top_logprobs
+MAX_PENALTY_WINDOW = 1 << 20  # tokens a penalty looks back over
+
+
+@dataclass(frozen=True)
+class SamplingControls:
+    """A request's sampling beyond temperature, top-p and top-k, as mlx-lm's
+    `make_sampler` (min_p) and `make_logits_processors` take it. The defaults change
+    nothing; a penalty of 0 (repetition: 1) is off."""
+
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Multiplies (divides) a repeated token's negative (positive) logit: 1 is off.
+    repetition_penalty: float = 1.0
+    # The last tokens (the prompt's too) the three penalties look at (mlx-lm's context sizes,
+    # Ollama's repeat_last_n).
+    penalty_window: int = 20
+    # (token id, bias) pairs added to the logits (OpenAI's logit_bias; -100 bans a token).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # None: no log-probabilities; k: each token's, with its k likeliest alternatives.
+    logprobs: int | None = None
+
+    def has_processors(self) -> bool:
+        """Whether any logits processor runs (the penalties, logit_bias)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+        )
+
+    def needs_logits(self) -> bool:
+        """Whether the request needs each token's logits (processors, logprobs): it then
+        decodes without speculation, which verifies drafts on the model's own logits."""
+        return self.has_processors() or self.logprobs is not None
+
+
 @dataclass(frozen=True)
 class Generate:
     TYPE: ClassVar[str] = "generate"
@@ -166,6 +208,7 @@ class Generate:
         "keep_alive",
         "thinking",
         "top_k",
+        "sampling",
         "client",
     )
     id: str
@@ -196,8 +239,14 @@ class Generate:
     thinking: bool | None = None
     # Sample from the k likeliest tokens only; None or 0: all of them.
     top_k: int | None = None
+    # min_p, penalties, logit_bias, logprobs; None: none of them.
+    sampling: SamplingControls | None = None
     # Who sent it, as `status` lists the request; None: the client's connection.
     client: str | None = None
+
+    def speculates(self) -> bool:
+        """Whether it decodes speculatively (it asks, and needs no logits)."""
+        return self.speculative is not None and not (self.sampling is not None and self.sampling.needs_logits())
 
 
 @dataclass(frozen=True)
@@ -264,16 +313,43 @@ class Accepted:
 
 
 @dataclass(frozen=True)
+class TopLogprob:
+    """One of the likeliest tokens at a position: its id, its text alone, its log-probability."""
+
+    token: int
+    text: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token the model made: its id, the text it added to the answer (these concatenate
+    to the text they cover), its log-probability and the likeliest alternatives, best first."""
+
+    token: int
+    text: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+    @classmethod
+    def from_wire(cls, m: Mapping[str, Any]) -> TokenLogprob:
+        top = tuple(TopLogprob(int(t["token"]), str(t["text"]), float(t["logprob"])) for t in m.get("top") or ())
+        return cls(int(m["token"]), str(m["text"]), float(m["logprob"]), top)
+
+
+@dataclass(frozen=True)
 class Token:
     """New text of a generate request (it may span several tokens; `token` is the last).
-    `reasoning` True: the text is the model's reasoning (between its thinking markers)."""
+    `reasoning` True: the text is the model's reasoning (between its thinking markers).
+    `logprobs` (a request that asked): the tokens made since the last event that carried them."""
 
     TYPE: ClassVar[str] = "token"
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("reasoning",)
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("reasoning", "logprobs")
     id: str
     text: str
     token: int
     reasoning: bool | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -310,6 +386,7 @@ class Done:
     end token or a stop string ended it."""
 
     TYPE: ClassVar[str] = "done"
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("logprobs",)
     id: str
     text: str
     tokens: list[int]
@@ -320,6 +397,8 @@ class Done:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     # A thinking model's reasoning, apart from `text` (the answer).
     reasoning: str = ""
+    # A request that asked for log-probabilities: every token's (the reasoning's too), in order.
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -687,6 +766,7 @@ def _generate_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
         "progress": _flag_field(body, "progress", rid),
         "keep_alive": _keep_alive_field(body, rid),
         "top_k": _top_k_field(body, rid),
+        "sampling": _sampling_field(body, rid),
         "client": _client_field(body, rid),
     }
 
@@ -709,6 +789,61 @@ def _top_k_field(body: dict[str, Any], rid: str) -> int | None:
         "'top_k' must be null or a whole number in 0..2^31-1 (0: off)",
     )
     return value or None
+
+
+def _sampling_field(body: dict[str, Any], rid: str) -> SamplingControls | None:
+    value = body.get("sampling")
+    if value is None:
+        return None
+    names = set(SamplingControls.__dataclass_fields__)
+    _check(
+        isinstance(value, dict) and set(value) <= names,
+        rid,
+        f"'sampling' must be null or a map of {sorted(names)}",
+    )
+    out: dict[str, Any] = {}
+    bounds = {
+        "min_p": (0.0, 1.0),
+        "presence_penalty": (-2.0, 2.0),
+        "frequency_penalty": (-2.0, 2.0),
+        "repetition_penalty": (0.0, 10.0),
+    }
+    for name, (low, high) in bounds.items():
+        if name in value:
+            x = value[name]
+            _check(_is_number(x) and low <= x <= high, rid, f"'sampling.{name}' must be a number in {low}..{high}")
+            out[name] = float(x)
+    _check(out.get("repetition_penalty", 1.0) > 0, rid, "'sampling.repetition_penalty' must be above 0 (1: off)")
+    if "penalty_window" in value:
+        x = value["penalty_window"]
+        _check(
+            _is_int(x) and 1 <= x <= MAX_PENALTY_WINDOW,
+            rid,
+            f"'sampling.penalty_window' must be a whole number in 1..{MAX_PENALTY_WINDOW}",
+        )
+        out["penalty_window"] = x
+    bias = value.get("logit_bias", [])
+    _check(
+        isinstance(bias, list)
+        and len(bias) <= MAX_LOGIT_BIAS
+        and all(
+            isinstance(b, list) and len(b) == 2 and _is_int(b[0]) and 0 <= b[0] < 2**31 and _is_number(b[1])
+            for b in bias
+        )
+        and all(-100 <= b[1] <= 100 for b in bias),
+        rid,
+        f"'sampling.logit_bias' must be a list of at most {MAX_LOGIT_BIAS} [token id, bias] pairs, bias in -100..100",
+    )
+    _check(len({b[0] for b in bias}) == len(bias), rid, "'sampling.logit_bias' names a token twice")
+    out["logit_bias"] = tuple((b[0], float(b[1])) for b in bias)
+    k = value.get("logprobs")
+    _check(
+        k is None or (_is_int(k) and 0 <= k <= MAX_TOP_LOGPROBS),
+        rid,
+        f"'sampling.logprobs' must be null or a whole number in 0..{MAX_TOP_LOGPROBS} (alternatives per token)",
+    )
+    out["logprobs"] = k
+    return SamplingControls(**out)
 
 
 def _keep_alive_field(body: dict[str, Any], rid: str) -> float | None:
@@ -788,8 +923,11 @@ def decode_reply(data: bytes) -> Reply:
     cls, rid = _header(body, REPLY_TYPES)
     names = [f for f in cls.__dataclass_fields__ if f != "id"]
     try:
-        return cls(id=rid, **{k: body[k] for k in names if k in body})
-    except TypeError as e:
+        values = {k: body[k] for k in names if k in body}
+        if values.get("logprobs") is not None:
+            values["logprobs"] = tuple(TokenLogprob.from_wire(m) for m in values["logprobs"])
+        return cls(id=rid, **values)
+    except (TypeError, KeyError, ValueError) as e:
         raise ProtocolError(BAD_MESSAGE, f"malformed {cls.TYPE} reply: {e}", rid) from None
 
 

@@ -445,7 +445,10 @@ def test_bad_requests_get_openai_errors_and_the_gateway_serves_on(served, model_
         ),
         ("temperature", chat, {**ok_body, "temperature": 7}, auth, 400, None, "temperature"),
         ("max_tokens", chat, {**ok_body, "max_tokens": 0}, auth, 400, None, "max_tokens"),
-        ("n=2", chat, {**ok_body, "n": 2}, auth, 400, "unsupported_parameter", "n"),
+        ("n=9", chat, {**ok_body, "n": 9}, auth, 400, None, "n"),
+        ("logit_bias", chat, {**ok_body, "logit_bias": {"x": 1}}, auth, 400, None, "logit_bias"),
+        ("presence_penalty", chat, {**ok_body, "presence_penalty": 3}, auth, 400, None, "presence_penalty"),
+        ("top_logprobs", chat, {**ok_body, "top_logprobs": 2}, auth, 400, None, "top_logprobs"),
         # A prompt over the model's context of 512 tokens (a max_tokens past it is cut instead).
         ("over the context", chat, long_body, auth, 400, "context_length_exceeded", None),
         # Streaming waits for the daemon's first event, so its refusal keeps its status.

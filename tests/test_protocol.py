@@ -27,6 +27,19 @@ def generate_body(**fields):
         proto.Generate(id="a", prompt="hello", max_tokens=3, temp=0.5, top_p=0.9, seed=7, stop=("\n", "END")),
         proto.Generate(id="b", prompt_ids=(1, 2, 3)),
         proto.Generate(id="g", prompt="hi", client="openai 127.0.0.1 (OpenAI/Python 1.40)"),
+        proto.Generate(
+            id="h",
+            prompt="hi",
+            sampling=proto.SamplingControls(
+                min_p=0.05,
+                presence_penalty=1.5,
+                frequency_penalty=-0.5,
+                repetition_penalty=1.1,
+                penalty_window=64,
+                logit_bias=((3, -100.0), (9, 2.5)),
+                logprobs=5,
+            ),
+        ),
         proto.Cancel(id="c", target="a"),
         proto.Status(id="s"),
         proto.Stats(id="t"),
@@ -42,6 +55,15 @@ def test_requests_round_trip(message):
     "message",
     [
         proto.Token(id="a", text="hé", token=5),
+        proto.Token(
+            id="a",
+            text="hé",
+            token=5,
+            logprobs=(
+                proto.TokenLogprob(5, "hé", -0.25, (proto.TopLogprob(5, "hé", -0.25), proto.TopLogprob(7, "x", -2.0))),
+            ),
+        ),
+        proto.Done(id="a", text="", tokens=[], finish_reason="stop", logprobs=()),
         proto.Done(
             id="a", text="hé", tokens=[5, 6], finish_reason="length", stats={"hit_rate": 0.5, "layers": [{"x": None}]}
         ),
@@ -107,6 +129,17 @@ def code_of(data: bytes) -> str:
         (pack(generate_body(client="x" * (proto.MAX_CLIENT_CHARS + 1))), proto.BAD_MESSAGE),
         (pack(generate_body(client="line\nbreak")), proto.BAD_MESSAGE),
         (pack(generate_body(client=7)), proto.BAD_MESSAGE),
+        (pack(generate_body(sampling=[])), proto.BAD_MESSAGE),
+        (pack(generate_body(sampling={"top_k": 3})), proto.BAD_MESSAGE),
+        (pack(generate_body(sampling={"min_p": 1.5})), proto.BAD_MESSAGE),
+        (pack(generate_body(sampling={"presence_penalty": 2.5})), proto.BAD_MESSAGE),
+        (pack(generate_body(sampling={"repetition_penalty": 0})), proto.BAD_MESSAGE),
+        (pack(generate_body(sampling={"penalty_window": 0})), proto.BAD_MESSAGE),
+        (pack(generate_body(sampling={"logit_bias": [[1, 101]]})), proto.BAD_MESSAGE),
+        (pack(generate_body(sampling={"logit_bias": [[1, 1], [1, 2]]})), proto.BAD_MESSAGE),
+        (pack(generate_body(sampling={"logit_bias": {"1": 2}})), proto.BAD_MESSAGE),
+        (pack(generate_body(sampling={"logprobs": 21})), proto.BAD_MESSAGE),
+        (pack(generate_body(sampling={"logprobs": True})), proto.BAD_MESSAGE),
         (pack(generate_body(prompt="x" * (proto.MAX_PROMPT_CHARS + 1))), proto.TOO_LARGE),
         (pack(generate_body(prompt=None, prompt_ids=[1] * (proto.MAX_PROMPT_IDS + 1))), proto.TOO_LARGE),
         (b"\x00" * (proto.MAX_MESSAGE_BYTES + 1), proto.TOO_LARGE),

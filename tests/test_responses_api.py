@@ -131,7 +131,7 @@ def test_tool_choice_reasoning_and_the_fields_accepted_or_refused():
         ({"conversation": "conv_1"}, "conversation", "keeps no conversations"),
         ({"background": True}, "background", "background"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt", "stored prompts"),
-        ({"top_logprobs": 2}, "top_logprobs", "logprobs"),
+        ({"top_logprobs": 21}, "top_logprobs", "whole number in 0..20"),
         ({"text": {"format": {"type": "json_object"}}}, "text.format", "json"),
         ({"input": []}, "input", "non-empty"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "keeps no items"),

@@ -130,6 +130,27 @@ def test_generate_with_mtp_reports_speculation_and_falls_back_only_on_measuremen
         sm.close()
 
 
+def test_a_penalised_or_logprobs_request_decodes_without_speculation():
+    """Speculation verifies drafts on the model's own logits and yields no
+    log-probabilities: a request with logits processors or logprobs runs without it (its
+    statistics say so), and makes the tokens it makes without asking for speculation."""
+    sm = load_streaming_model(demo_store_path(), Settings(capacity=1.0))
+    try:
+        prompt = encode_prompt(sm, DEMO_PROMPT, None)
+        for controls in (proto.SamplingControls(presence_penalty=1.5), proto.SamplingControls(logprobs=0)):
+            plain = generate(sm, prompt, SamplingParams(max_tokens=16, controls=controls))
+            asked = generate(sm, prompt, SamplingParams(max_tokens=16, controls=controls, speculative="mtp"))
+            assert "speculative" not in asked.stats and "without speculation" in asked.stats["speculative_off"]
+            assert asked.tokens == plain.tokens
+        penalised = generate(
+            sm, prompt, SamplingParams(max_tokens=16, controls=proto.SamplingControls(presence_penalty=1.5))
+        )
+        assert penalised.tokens != generate(sm, prompt, SamplingParams(max_tokens=16)).tokens
+        assert "speculative" in generate(sm, prompt, SamplingParams(max_tokens=16, speculative="mtp")).stats
+    finally:
+        sm.close()
+
+
 def test_k_shrinks_to_what_a_partial_pool_holds():
     sm = load_streaming_model(demo_store_path(), Settings(capacity=16))  # top_k 8
     try:

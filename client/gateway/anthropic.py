@@ -4,7 +4,10 @@ of its own:
     POST /v1/messages               system, messages of text / image / document / tool_use /
                                     tool_result / thinking blocks, tools, tool_choice,
                                     thinking, max_tokens, stop_sequences, temperature, top_p,
-                                    top_k, stream (Anthropic's event sequence)
+                                    top_k, stream (Anthropic's event sequence); beyond
+                                    Anthropic's, as on the OpenAI routes: min_p,
+                                    presence_penalty, frequency_penalty,
+                                    repetition_penalty, logit_bias, seed
     POST /v1/messages/count_tokens  the prompt's tokens, as the daemon counts them
 
 Requests are taken as Claude Code sends them (tests/data/claude_code/): `cache_control` on
@@ -52,7 +55,7 @@ from ...shared import protocol as proto
 from ...shared.protocol import Done
 from ..client import Accepted, Token, ToolCall
 from .keep_alive import KeepAlive
-from .openai import ApiError, ApiRequest, bad_request
+from .openai import ApiError, ApiRequest, bad_request, sampling_controls
 
 if TYPE_CHECKING:
     from .app import DaemonRequest, Gateway
@@ -335,7 +338,13 @@ def parse_request(body: Any, *, count_only: bool = False) -> ApiRequest:
         "top_p": _number(body, "top_p", 1.0, 0.0, 1.0, True),
         "top_k": top_k or None,
         "stop": stop,
+        "sampling": sampling_controls(body),
     }
+    seed = body.get("seed")
+    if seed is not None:
+        if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**63):
+            raise bad_request("seed: must be a whole number in 0..2^63-1", "seed")
+        kwargs["seed"] = seed
     return ApiRequest(chat=True, model=model, stream=stream, include_usage=False, generate=kwargs)
 
 

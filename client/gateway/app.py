@@ -42,7 +42,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import anyio.to_thread
 from starlette.applications import Starlette
@@ -272,7 +272,7 @@ class EventStream(StreamingResponse):
     request however the response ends (finished, client disconnected, server shutting down)."""
 
     def __init__(
-        self, content: AsyncIterator[str], request: DaemonRequest, media_type: str = "text/event-stream"
+        self, content: AsyncIterator[str], request: DaemonRequest | _Choices, media_type: str = "text/event-stream"
     ) -> None:
         super().__init__(
             content, media_type=media_type, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -431,6 +431,11 @@ class Gateway:
     async def open_request(self, request: Request, req: ApiRequest, prefix: str) -> tuple[DaemonRequest, str] | None:
         """The one request path of every API: a slot, the daemon request on its thread,
         the served model checked against `req.model`; None when the HTTP client left."""
+        daemon = self._start_request(request, req, prefix)
+        model = await self._served_model(request, daemon)
+        return None if model is None else (daemon, model)
+
+    def _start_request(self, request: Request, req: ApiRequest, prefix: str) -> DaemonRequest:
         if not self._slots.acquire(blocking=False):
             raise ApiError(
                 429,
@@ -440,12 +445,16 @@ class Gateway:
             )
         daemon = DaemonRequest(self.config, req, prefix + uuid.uuid4().hex, self._slots, client_label(request))
         daemon.start()
+        return daemon
+
+    async def _served_model(self, request: Request, daemon: DaemonRequest) -> str | None:
+        """The model id `daemon`'s thread checked (None when the HTTP client left)."""
         model = await self._unless_gone(request, daemon, daemon.next())
         if model is _GONE:
             return None
         if isinstance(model, ApiError):
             raise model
-        return daemon, model
+        return model
 
     async def whole(
         self, request: Request, daemon: DaemonRequest, on_event: Callable[[Any], Any] | None = None
@@ -481,24 +490,62 @@ class Gateway:
         streamed = "".join(sent)
         return text[len(streamed) :] if text.startswith(streamed) else ""
 
+    async def open_choices(
+        self, request: Request, req: ApiRequest, prefix: str
+    ) -> tuple[list[DaemonRequest], str] | None:
+        """`req.n` daemon requests for one prompt (as `open_request`), all started before
+        any is awaited, so that they reach the daemon together: a later one joins the
+        prompt's prefill in flight (or finds its cache) rather than prefilling it again.
+        None when the HTTP client left; an error cancels them all."""
+        daemons: list[DaemonRequest] = []
+        try:
+            for i in range(req.n):
+                daemons.append(self._start_request(request, req.choice(i), prefix))
+            models = [await self._served_model(request, d) for d in daemons]
+        except BaseException:
+            for d in daemons:
+                d.cancel()
+            raise
+        if None in models:
+            for d in daemons:
+                d.cancel()
+            return None
+        return daemons, str(models[0])
+
     async def _complete(self, request: Request, *, chat: bool) -> Response:
         self._authorize(request)
         req = parse_request(await self._read_json(request), chat=chat)
-        opened = await self.open_request(request, req, "chatcmpl-" if chat else "cmpl-")
+        opened = await self.open_choices(request, req, "chatcmpl-" if chat else "cmpl-")
         if opened is None:
             return Response(status_code=499)  # nobody is there to read an answer
-        daemon, model = opened
-        shaper = Shaper(chat=chat, id=daemon.id, model=model)
+        daemons, model = opened
+        shaper = Shaper(chat=chat, id=daemons[0].id, model=model)
         if not req.stream:
-            done = await self.whole(request, daemon)
-            if done is None:
-                return Response(status_code=499)
-            reason = finish_reason(done.finish_reason, bool(done.tool_calls))
-            return JSONResponse(shaper.complete(done.text, reason, _usage(done), done.tool_calls, done.reasoning))
-        head = await self.first_event(request, daemon)
+            answers = []
+            for i, daemon in enumerate(daemons):
+                done = await self.whole(request, daemon)
+                if done is None:
+                    for d in daemons[i + 1 :]:
+                        d.cancel()
+                    return Response(status_code=499)
+                reason = finish_reason(done.finish_reason, bool(done.tool_calls))
+                use = _usage(done)
+                answers.append(
+                    shaper.at(i).complete(done.text, reason, use, done.tool_calls, done.reasoning, done.logprobs)
+                )
+            body = answers[0]
+            if len(answers) > 1:
+                # One prompt, n completions: the prompt counted once, as OpenAI counts it.
+                completion = sum(a["usage"]["completion_tokens"] for a in answers)
+                body["usage"] |= usage(body["usage"]["prompt_tokens"], completion)
+                body["choices"] = [a["choices"][0] for a in answers]
+            return JSONResponse(body)
+        head = await self.first_event(request, daemons[0])
         if head is None:
+            for d in daemons:
+                d.cancel()
             return Response(status_code=499)
-        return EventStream(self._events(daemon, shaper, req, head), daemon)
+        return EventStream(self._events(daemons[0], shaper, req, head, daemons[1:]), _Choices(daemons))
 
     @staticmethod
     async def _unless_gone(request: Request, daemon: DaemonRequest, work: Awaitable[Any]) -> Any:
@@ -564,22 +611,69 @@ class Gateway:
             if on_event is not None:
                 on_event(event)
 
-    async def _events(self, daemon: DaemonRequest, shaper: Shaper, req: ApiRequest, event: Any) -> AsyncIterator[str]:
-        """The SSE body from the daemon's first `event` on: a role chunk (chat), text
-        and tool-call chunks, the finish chunk, usage, [DONE]."""
+    async def _events(
+        self,
+        daemon: DaemonRequest,
+        shaper: Shaper,
+        req: ApiRequest,
+        event: Any,
+        others: Sequence[DaemonRequest] = (),
+    ) -> AsyncIterator[str]:
+        """The SSE body from the daemon's first `event` on: its choice's chunks, then
+        those of the `others` choices in turn (n > 1: they decode meanwhile, their events
+        waiting), usage, [DONE]."""
+        dones: list[Done] = []
+        for i, daemon in enumerate([daemon, *others]):
+            if i:
+                event = await daemon.next()
+            async for chunk in self._choice_events(daemon, shaper.at(i), req, event, dones):
+                yield chunk
+            if len(dones) <= i:
+                return  # an error ended the stream
+        if req.include_usage:
+            use = _usage(dones[0])
+            use |= usage(use["prompt_tokens"], sum(len(d.tokens) for d in dones))
+            yield _sse(shaper.usage_chunk(use))
+        yield "data: [DONE]\n\n"
+
+    async def _choice_events(
+        self, daemon: DaemonRequest, shaper: Shaper, req: ApiRequest, event: Any, dones: list[Done]
+    ) -> AsyncIterator[str]:
+        """One choice's chunks from its daemon's `event` on: a role chunk (chat), text
+        (with the log-probabilities of the tokens it completes, where asked) and
+        tool-call chunks, the finish chunk; its `Done` is added to `dones`."""
         extra = req.include_usage
+        sampling = req.generate.get("sampling")
+        asked = sampling is not None and sampling.logprobs is not None
         if shaper.chat:
             yield _sse(shaper.chunk("", first=True, with_usage=extra))
         sent: list[str] = []
         thought: list[str] = []
         calls = 0
+        held: list[proto.TokenLogprob] = []  # entries not sent yet (their text held back)
+        given = 0
         try:
             async for event in self.events(daemon, event):
                 if isinstance(event, KeepAlive):
                     yield event.sse_comment()
-                elif isinstance(event, Token) and event.text:
+                elif isinstance(event, Token):
+                    if not event.reasoning:  # a thinking model's reasoning has no content logprobs
+                        held.extend(event.logprobs or ())
+                    else:
+                        given += len(event.logprobs or ())
+                    if not event.text:
+                        continue
+                    lp = held if asked and not event.reasoning else None
+                    offset = len("".join(sent))
                     (thought if event.reasoning else sent).append(event.text)
-                    yield _sse(shaper.text_chunk(event.text, bool(event.reasoning), with_usage=extra))
+                    yield _sse(
+                        shaper.text_chunk(
+                            event.text, bool(event.reasoning), with_usage=extra, logprobs=lp, offset=offset
+                        )
+                    )
+                    if lp is not None:
+                        given += len(held)
+                        held = []
                 elif isinstance(event, ToolCall):
                     yield _sse(
                         shaper.tool_chunk({"name": event.name, "arguments": event.arguments}, calls, with_usage=extra)
@@ -591,14 +685,27 @@ class Gateway:
         if event.finish_reason == "shutdown":
             yield _sse(_shutdown_error().body())
             return
+        rest_lp = list(event.logprobs[given:]) if event.logprobs is not None else None
         for thinking, rest in ((True, self.rest_of(event.reasoning, thought)), (False, self.rest_of(event.text, sent))):
             if rest:
-                yield _sse(shaper.text_chunk(rest, thinking, with_usage=extra))
+                lp = None if thinking else rest_lp
+                offset = len("".join(sent))
+                yield _sse(shaper.text_chunk(rest, thinking, with_usage=extra, logprobs=lp, offset=offset))
+                rest_lp = None if lp is not None else rest_lp
         reason = finish_reason(event.finish_reason, bool(event.tool_calls))
-        yield _sse(shaper.chunk(None, reason, with_usage=extra))
-        if extra:
-            yield _sse(shaper.usage_chunk(_usage(event)))
-        yield "data: [DONE]\n\n"
+        yield _sse(shaper.chunk(None, reason, with_usage=extra, logprobs=rest_lp or None))
+        dones.append(event)
+
+
+@dataclass(frozen=True)
+class _Choices:
+    """The daemon requests of a streamed answer's choices, cancelled together."""
+
+    daemons: list[DaemonRequest]
+
+    def cancel(self) -> None:
+        for d in self.daemons:
+            d.cancel()
 
 
 def _shutdown_error() -> ApiError:

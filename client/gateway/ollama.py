@@ -6,8 +6,11 @@
     GET  /api/tags, /api/ps, /api/version; POST /api/show
 
 Streaming is Ollama's default (`stream` true): one JSON object per line, the last with
-`done: true` and the counts. Options: num_predict, temperature, top_p, top_k, seed, stop
-(others that change the answer, such as repeat_penalty, are refused);
+`done: true` and the counts. Options: num_predict, temperature, top_p, top_k, min_p, seed,
+stop, repeat_penalty, presence_penalty, frequency_penalty over repeat_last_n tokens (0: no
+penalty; -1: the context; absent: mlx-lm's 20; a penalty absent is off, not Ollama's 1.1),
+and `logprobs` / `top_logprobs` (each token's, from the logits the sampler sees); other
+options that change the answer are refused;
 `keep_alive` ("5m", seconds, 0, -1) is how long the daemon keeps the model loaded once
 idle after this request. `think` (true / false, or an effort: "low", "medium", "high",
 which turn it on) sets the chat template's thinking switch; a thinking model's reasoning
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping
 
@@ -32,7 +36,7 @@ from ... import __version__
 from ...shared import protocol as proto
 from ...shared.protocol import Done
 from ..client import Token, ToolCall
-from .openai import ApiError, ApiRequest, bad_request, keep_alive_seconds, top_k
+from .openai import ApiError, ApiRequest, bad_request, keep_alive_seconds, sampling_controls, top_k, top_logprobs
 
 if TYPE_CHECKING:
     from .app import DaemonRequest, Gateway
@@ -41,13 +45,8 @@ PREFIX = "/api/"
 DEFAULT_NUM_PREDICT = 512
 # Options that leave the answer unchanged whatever their value (resources, context).
 _IGNORED_OPTIONS = frozenset({"num_ctx", "num_batch", "num_gpu", "num_thread", "main_gpu", "use_mmap", "num_keep"})
-# (name, the values that leave the answer unchanged): other values are refused.
-_NEUTRAL_OPTIONS: dict[str, tuple[Any, ...]] = {
-    "min_p": (0, 0.0),
-    "repeat_penalty": (1, 1.0),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-}
+# Options that are `SamplingControls` (read by `sampling_controls`), by Ollama's names.
+_CONTROL_OPTIONS = frozenset({"min_p", "repeat_penalty", "presence_penalty", "frequency_penalty", "repeat_last_n"})
 
 
 def owns(path: str) -> bool:
@@ -125,12 +124,32 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
             ):
                 raise bad_request(f"options.stop must be at most {proto.MAX_STOP_STRINGS} non-empty strings")
             out["stop"] = stop
-        elif name in _NEUTRAL_OPTIONS:
-            if not any(type(value) is type(v) and value == v for v in _NEUTRAL_OPTIONS[name]):
-                raise bad_request(f"options.{name} = {value!r} is not supported by this server")
-        else:
+        elif name not in _CONTROL_OPTIONS:
             raise bad_request(f"options.{name} is not supported by this server")
+    out["sampling"] = _controls(body, options)
     return out
+
+
+def _controls(body: dict[str, Any], options: dict[str, Any]) -> proto.SamplingControls | None:
+    """min_p, the penalties over repeat_last_n tokens, and logprobs (top level)."""
+    last = options.get("repeat_last_n")
+    if last is not None and not (_is_int(last) and -1 <= last <= proto.MAX_PENALTY_WINDOW):
+        raise bad_request(
+            f"options.repeat_last_n must be -1 (the context), 0 (off) or up to {proto.MAX_PENALTY_WINDOW}"
+        )
+    if last == 0:  # Ollama's "no penalty"
+        options = {k: v for k, v in options.items() if not k.endswith("_penalty")}
+    window = proto.MAX_PENALTY_WINDOW if last == -1 else last or None
+    wants = body.get("logprobs")
+    if wants is not None and not isinstance(wants, bool):
+        raise bad_request("logprobs must be true or false")
+    k = top_logprobs(body)
+    controls = sampling_controls(
+        options, names={"repetition_penalty": "repeat_penalty", "logit_bias": ""}, logprobs=k if wants else None
+    )
+    if controls is not None and window is not None:
+        controls = replace(controls, penalty_window=window)
+    return controls
 
 
 def _common(body: Any) -> tuple[str, bool]:
@@ -266,6 +285,18 @@ def _final(model: str, done: Done, started: float) -> dict[str, Any]:
     }
 
 
+def _logprobs_out(entries: Any) -> list[dict[str, Any]]:
+    """The daemon's log-probabilities as Ollama's `logprobs` list."""
+    return [
+        {
+            "token": e.text,
+            "logprob": e.logprob,
+            "top_logprobs": [{"token": t.text, "logprob": t.logprob} for t in e.top],
+        }
+        for e in entries
+    ]
+
+
 def _call_out(call: dict[str, Any]) -> dict[str, Any]:
     return {"function": {"name": call["name"], "arguments": json.loads(call["arguments"])}}
 
@@ -322,6 +353,8 @@ class OllamaApi:
                 out["message"] = message
             else:
                 out["response"] = done.text
+            if done.logprobs is not None:
+                out["logprobs"] = _logprobs_out(done.logprobs)
             return JSONResponse(out)
         head = await self._gw.first_event(request, daemon)
         if head is None:
@@ -354,11 +387,16 @@ class OllamaApi:
 
         sent: list[str] = []
         thought: list[str] = []
+        given = 0  # log-probability entries sent
         try:
             async for event in self._gw.events(daemon, head):
-                if isinstance(event, Token) and event.text:
+                if isinstance(event, Token) and (event.text or event.logprobs):
                     (thought if event.reasoning else sent).append(event.text)
-                    yield _line(piece(event.text, thinking=bool(event.reasoning)))
+                    line = piece(event.text, thinking=bool(event.reasoning))
+                    if event.logprobs:
+                        line["logprobs"] = _logprobs_out(event.logprobs)
+                        given += len(event.logprobs)
+                    yield _line(line)
                 elif isinstance(event, ToolCall):
                     yield _line(piece("", [{"name": event.name, "arguments": event.arguments}]))
         except ApiError as e:
@@ -374,6 +412,8 @@ class OllamaApi:
             if rest:
                 yield _line(piece(rest, thinking=thinking))
         last = piece("") | _final(model, event, started)
+        if event.logprobs is not None and len(event.logprobs) > given:
+            last["logprobs"] = _logprobs_out(event.logprobs[given:])
         yield _line(last)
 
     async def _model(self) -> dict[str, Any]:

@@ -11,16 +11,19 @@ Accepted, beyond what every client sends: `max_tokens` or `max_completion_tokens
 required, a named function) and the messages of a tool-calling turn (an assistant's
 `tool_calls`, `role: "tool"` results), and Ollama's `keep_alive` ("5m", seconds, 0, -1:
 how long the model stays loaded once the daemon is idle after this request).
-`top_k` (as vLLM and llama.cpp take it). Thinking: `chat_template_kwargs.enable_thinking`
-(or `.thinking`) sets the chat template's thinking switch, `reasoning_effort` "none" turns
-it off (any other effort on), `thinking: {type: enabled | disabled}` too; a thinking
-model's reasoning comes back apart from the answer as the message's `reasoning_content`
-(streamed as `delta.reasoning_content`), and an assistant message's `reasoning_content`
-(or `reasoning`) goes back to the template as that turn's reasoning. Parameters
-that would change the answer in a way this server cannot honour (n > 1, logprobs,
-penalties, logit_bias, JSON response formats, echo, suffix, best_of > 1, legacy
-`functions`) are refused with a 400 rather than ignored; other unknown fields (user,
-metadata, parallel_tool_calls, ...) are ignored.
+`top_k`, `min_p`, `repetition_penalty` (as vLLM and llama.cpp take them), `presence_penalty`,
+`frequency_penalty` (mlx-lm's, over the last 20 tokens, the prompt's too), `logit_bias`,
+`logprobs` / `top_logprobs` (from the logits the sampler sees), `n` (n requests for the
+same prompt, which share its prefill and cache; a seed s gives choice i the seed s + i).
+Thinking: `chat_template_kwargs.enable_thinking` (or `.thinking`) sets the chat
+template's thinking switch, `reasoning_effort` "none" turns it off (any other effort
+on), `thinking: {type: enabled | disabled}` too; a thinking model's reasoning comes back
+apart from the answer as the message's `reasoning_content` (streamed as
+`delta.reasoning_content`), and an assistant message's `reasoning_content` (or
+`reasoning`) goes back to the template as that turn's reasoning. Parameters that would
+change the answer in a way this server cannot honour (JSON response formats, echo,
+suffix, best_of > 1, legacy `functions`) are refused with a 400 rather than ignored;
+other unknown fields (user, metadata, parallel_tool_calls, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
 
 from ...shared import protocol as proto
 from ...shared.settings import SettingsError, parse_duration
@@ -38,6 +41,7 @@ from ...shared.settings import SettingsError, parse_duration
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_TEMPERATURE = 1.0
 MAX_TEMPERATURE = 2.0
+MAX_CHOICES = 8  # n
 
 
 class ApiError(Exception):
@@ -76,6 +80,14 @@ class ApiRequest:
     stream: bool
     include_usage: bool
     generate: dict[str, Any] = field(default_factory=dict)  # keyword arguments of Client.generate
+    n: int = 1  # choices: as many daemon requests
+
+    def choice(self, i: int) -> ApiRequest:
+        """The request of choice `i` of n: its own seed (s + i) where a seed is given."""
+        seed = self.generate.get("seed")
+        if i == 0 or seed is None:
+            return self
+        return replace(self, generate={**self.generate, "seed": (seed + i) % 2**63})
 
 
 # ---- requests ------------------------------------------------------------------------
@@ -131,15 +143,9 @@ def _stop(body: dict[str, Any]) -> list[str]:
 
 # (name, the values that leave the answer unchanged): anything else is refused.
 _UNSUPPORTED: tuple[tuple[str, tuple[Any, ...]], ...] = (
-    ("n", (None, 1)),
     ("best_of", (None, 1)),
-    ("logprobs", (None, False, 0)),
-    ("top_logprobs", (None, 0)),
     ("echo", (None, False)),
     ("suffix", (None, "")),
-    ("presence_penalty", (None, 0, 0.0)),
-    ("frequency_penalty", (None, 0, 0.0)),
-    ("logit_bias", (None, {})),
     ("functions", (None, [])),
     ("function_call", (None, "none")),
 )
@@ -274,6 +280,89 @@ def top_k(body: dict[str, Any], name: str = "top_k") -> int | None:
     return value or None
 
 
+# (field of SamplingControls, lowest, highest, lowest excluded)
+_CONTROL_NUMBERS = (
+    ("min_p", 0.0, 1.0, False),
+    ("presence_penalty", -2.0, 2.0, False),
+    ("frequency_penalty", -2.0, 2.0, False),
+    ("repetition_penalty", 0.0, 10.0, True),
+)
+
+
+def _logit_bias(value: Any, name: str) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias ({"token id": bias in -100..100}) as (id, bias) pairs."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > proto.MAX_LOGIT_BIAS:
+        raise bad_request(f"'{name}' must be an object of at most {proto.MAX_LOGIT_BIAS} token ids", name)
+    out = []
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10 else -1
+        ok = (_is_int(bias) or isinstance(bias, float)) and math.isfinite(bias) and -100 <= bias <= 100
+        if not (0 <= token < 2**31 and ok):
+            raise bad_request(f"'{name}' maps token ids (digits) to numbers in -100..100, got {key!r}: {bias!r}", name)
+        out.append((token, float(bias)))
+    return tuple(out)
+
+
+def top_logprobs(body: dict[str, Any], name: str = "top_logprobs") -> int:
+    value = body.get(name)
+    if value is None:
+        return 0
+    if not (_is_int(value) and 0 <= value <= proto.MAX_TOP_LOGPROBS):
+        raise bad_request(f"'{name}' must be a whole number in 0..{proto.MAX_TOP_LOGPROBS}", name)
+    return value
+
+
+def sampling_controls(
+    body: dict[str, Any],
+    *,
+    names: dict[str, str] | None = None,
+    window: int | None = None,
+    logprobs: int | None = None,
+) -> proto.SamplingControls | None:
+    """The daemon's `SamplingControls` from a body's min_p, presence_penalty,
+    frequency_penalty, repetition_penalty and logit_bias (`names` maps a field to the
+    API's own name), the penalties' `window` (None: mlx-lm's 20) and `logprobs` (None:
+    none; k: with k alternatives); None where nothing is asked."""
+    names = names or {}
+    values: dict[str, Any] = {}
+    for key, low, high, low_open in _CONTROL_NUMBERS:
+        name = names.get(key, key)
+        if body.get(name) is not None:
+            values[key] = _number(body, name, 0.0, low, high, low_open=low_open)
+    bias = _logit_bias(body.get(names.get("logit_bias", "logit_bias")), names.get("logit_bias", "logit_bias"))
+    if bias:
+        values["logit_bias"] = bias
+    if window is not None:
+        values["penalty_window"] = window
+    if logprobs is not None:
+        values["logprobs"] = logprobs
+    return proto.SamplingControls(**values) if values else None
+
+
+def _openai_logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """Chat's `logprobs` (true) with `top_logprobs`, or completions' `logprobs` (k)."""
+    value = body.get("logprobs")
+    if chat:
+        if value is not None and not isinstance(value, bool):
+            raise bad_request("'logprobs' must be true or false", "logprobs")
+        k = top_logprobs(body)
+        if k and not value:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return k if value else None
+    return None if value is None else top_logprobs(body, "logprobs")
+
+
+def _choices(body: dict[str, Any]) -> int:
+    n = body.get("n")
+    if n is None:
+        return 1
+    if not (_is_int(n) and 1 <= n <= MAX_CHOICES):
+        raise bad_request(f"'n' must be a whole number in 1..{MAX_CHOICES}", "n")
+    return n
+
+
 def _tools(body: dict[str, Any]) -> dict[str, Any]:
     """`tools` and `tool_choice` as Client.generate takes them (nothing when there are none)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
@@ -359,10 +448,13 @@ def parse_request(body: Any, *, chat: bool) -> ApiRequest:
         top_k=top_k(body),
         seed=seed,
         stop=_stop(body),
+        sampling=sampling_controls(body, logprobs=_openai_logprobs(body, chat)),
     )
     if body.get("keep_alive") is not None:
         kwargs["keep_alive"] = keep_alive_seconds(body["keep_alive"])
-    return ApiRequest(chat=chat, model=model, stream=stream, include_usage=include_usage, generate=kwargs)
+    return ApiRequest(
+        chat=chat, model=model, stream=stream, include_usage=include_usage, generate=kwargs, n=_choices(body)
+    )
 
 
 def keep_alive_seconds(value: Any) -> float:
@@ -400,6 +492,45 @@ def tool_call_out(call: dict[str, Any], call_id: str, index: int | None = None) 
     return out
 
 
+def _text_bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8", "surrogatepass"))
+
+
+def chat_logprobs(entries: Sequence[proto.TokenLogprob] | None) -> dict[str, Any] | None:
+    """A chat choice's `logprobs` object ({content: [...]}) for the daemon's entries."""
+    if entries is None:
+        return None
+    return {
+        "content": [
+            {
+                "token": e.text,
+                "logprob": e.logprob,
+                "bytes": _text_bytes(e.text),
+                "top_logprobs": [{"token": t.text, "logprob": t.logprob, "bytes": _text_bytes(t.text)} for t in e.top],
+            }
+            for e in entries
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(entries: Sequence[proto.TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+    """A completion choice's legacy `logprobs` object (tokens, token_logprobs,
+    top_logprobs, text_offset), its offsets counted from `offset`."""
+    if entries is None:
+        return None
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.text)
+    return {
+        "tokens": [e.text for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{t.text: t.logprob for t in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -416,6 +547,11 @@ class Shaper:
     id: str
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
+    index: int = 0  # the choice's, of n
+
+    def at(self, index: int) -> Shaper:
+        """The shaper of choice `index` (the same id and time)."""
+        return replace(self, index=index)
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -427,6 +563,7 @@ class Shaper:
         use: dict[str, int],
         tool_calls: list[dict[str, Any]] | None = None,
         reasoning: str = "",
+        logprobs: Sequence[proto.TokenLogprob] | None = None,
     ) -> dict[str, Any]:
         """The whole answer of a non-streaming request (a chat's reasoning apart)."""
         if self.chat:
@@ -437,36 +574,54 @@ class Shaper:
                 message["content"] = text or None
                 message["tool_calls"] = [tool_call_out(c, tool_call_id()) for c in tool_calls]
             choice = {
-                "index": 0,
+                "index": self.index,
                 "message": message,
-                "logprobs": None,
+                "logprobs": chat_logprobs(logprobs),
                 "finish_reason": reason,
             }
             return self._base("chat.completion") | {"choices": [choice], "usage": use}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        lp = completion_logprobs(logprobs)
+        choice = {"index": self.index, "text": text, "logprobs": lp, "finish_reason": reason}
         return self._base("text_completion") | {"choices": [choice], "usage": use}
 
     def chunk(
-        self, text: str | None, reason: str | None = None, *, first: bool = False, with_usage: bool = False
+        self,
+        text: str | None,
+        reason: str | None = None,
+        *,
+        first: bool = False,
+        with_usage: bool = False,
+        logprobs: Sequence[proto.TokenLogprob] | None = None,
+        offset: int = 0,
     ) -> dict[str, Any]:
-        """One streamed piece; `first` (chat) carries the assistant role."""
+        """One streamed piece; `first` (chat) carries the assistant role; `logprobs`, the
+        entries of the tokens it completes (`offset`: where its text starts in the answer)."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": self.index, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": reason}
             out = self._base("chat.completion.chunk") | {"choices": [choice]}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            lp = completion_logprobs(logprobs, offset)
+            choice = {"index": self.index, "text": text or "", "logprobs": lp, "finish_reason": reason}
             out = self._base("text_completion") | {"choices": [choice]}
         if with_usage:
             out["usage"] = None  # OpenAI sends null on every chunk but the usage chunk
         return out
 
-    def text_chunk(self, text: str, reasoning: bool, *, with_usage: bool = False) -> dict[str, Any]:
+    def text_chunk(
+        self,
+        text: str,
+        reasoning: bool,
+        *,
+        with_usage: bool = False,
+        logprobs: Sequence[proto.TokenLogprob] | None = None,
+        offset: int = 0,
+    ) -> dict[str, Any]:
         """A streamed piece of the answer, or of a chat's reasoning (`delta.reasoning_content`)."""
         if not (reasoning and self.chat):
-            return self.chunk(text, with_usage=with_usage)
+            return self.chunk(text, with_usage=with_usage, logprobs=logprobs, offset=offset)
         out = self.chunk(None, with_usage=with_usage)
         out["choices"][0]["delta"] = {"reasoning_content": text}
         return out

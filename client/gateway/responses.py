@@ -28,15 +28,18 @@ the daemon failed after the stream began), each with its `sequence_number`.
 Accepted and used: `model`, `input`, `instructions`, `tools`, `tool_choice`,
 `max_output_tokens` (default DEFAULT_MAX_OUTPUT_TOKENS), `temperature`, `top_p`,
 `stream`, `reasoning.effort` ("none" and "minimal" turn the template's thinking switch
-off, the others on; absent: the template's default). Accepted and ignored, harmless
-here: `store` (nothing is stored either way), `include` (no encrypted reasoning is made;
-logprobs are not given), `parallel_tool_calls` (the model makes the calls it makes),
+off, the others on; absent: the template's default), `include`'s
+"message.output_text.logprobs" with `top_logprobs` (each token's log-probability in the
+output text's `logprobs`, and in its deltas), and as on the chat route `top_k`, `min_p`,
+the penalties, `logit_bias` and `seed`. Accepted and ignored, harmless
+here: `store` (nothing is stored either way), the rest of `include` (no encrypted
+reasoning is made), `parallel_tool_calls` (the model makes the calls it makes),
 `prompt_cache_key` (the daemon's prompt cache matches by prefix on its own),
 `text.verbosity`, `truncation`, `metadata`, `user`, `safety_identifier`, `service_tier`,
 `max_tool_calls`, `stream_options`, `context_management`. Refused with a 400:
 `previous_response_id` and `conversation` (nothing is stored: send the whole
-conversation), `background`, `prompt` (stored prompts), `top_logprobs`, JSON text
-formats, image, file and audio input, `item_reference` items.
+conversation), `background`, `prompt` (stored prompts), JSON text formats, image, file
+and audio input, `item_reference` items.
 """
 
 from __future__ import annotations
@@ -64,7 +67,11 @@ from .openai import (
     _is_int,
     _number,
     bad_request,
+    chat_logprobs,
+    sampling_controls,
     tool_call_id,
+    top_k,
+    top_logprobs,
 )
 
 if TYPE_CHECKING:
@@ -90,7 +97,6 @@ _REFUSED: tuple[tuple[str, tuple[Any, ...], str], ...] = (
     ("conversation", (None,), "this server keeps no conversations: send the whole conversation in 'input'"),
     ("background", (None, False), "background responses are not supported by this server"),
     ("prompt", (None,), "stored prompts are not supported by this server: send 'instructions' and 'input'"),
-    ("top_logprobs", (None, 0), "logprobs are not supported by this server"),
 )
 
 log = logging.getLogger("moestream.openai")
@@ -106,6 +112,7 @@ class ResponsesRequest:
     custom_tools: frozenset[str]  # names of free-form tools: their calls come back as custom_tool_call
     summary: bool  # reasoning as a summary (the request asked for one) rather than as reasoning_text
     echo: dict[str, Any] = field(default_factory=dict)  # the request's fields the Response object repeats
+    logprobs: bool = False  # include: message.output_text.logprobs
 
 
 # ---- requests ------------------------------------------------------------------------
@@ -380,8 +387,11 @@ def parse_request(body: Any) -> ResponsesRequest:
         value = body.get(name)
         if not any(value is v or (type(value) is type(v) and value == v) for v in neutral):
             raise bad_request(f"'{name}': {why}", name, "unsupported_parameter")
-    if not isinstance(body.get("include") or [], list):
+    include = body.get("include") or []
+    if not isinstance(include, list):
         raise bad_request("'include' must be a list of strings", "include")
+    logprobs = "message.output_text.logprobs" in include
+    k = top_logprobs(body)
     key = body.get("prompt_cache_key")
     if key is not None and not isinstance(key, str):
         raise bad_request("'prompt_cache_key' must be a string", "prompt_cache_key")
@@ -399,6 +409,14 @@ def parse_request(body: Any) -> ResponsesRequest:
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
     generate: dict[str, Any] = {"messages": messages, **tools}
     generate |= {"max_tokens": max_output or DEFAULT_MAX_OUTPUT_TOKENS, "temp": temperature, "top_p": top_p}
+    seed = body.get("seed")
+    if seed is not None and not (_is_int(seed) and 0 <= seed < 2**63):
+        raise bad_request(f"'seed' must be a whole number in 0..2^63-1, got {seed!r}", "seed")
+    generate |= {
+        "top_k": top_k(body),
+        "seed": seed,
+        "sampling": sampling_controls(body, logprobs=k if logprobs else None),
+    }
     if thinking is not None:
         generate["thinking"] = thinking
     echo = {
@@ -414,11 +432,12 @@ def parse_request(body: Any) -> ResponsesRequest:
         "tool_choice": body.get("tool_choice") or "auto",
         "tools": kept,
         "top_p": top_p,
+        "top_logprobs": k,
         "truncation": "disabled",
         "metadata": body.get("metadata") if isinstance(body.get("metadata"), dict) else {},
     }
     api = ApiRequest(chat=True, model=model, stream=stream, include_usage=False, generate=generate)
-    return ResponsesRequest(api=api, custom_tools=custom, summary=summary, echo=echo)
+    return ResponsesRequest(api=api, custom_tools=custom, summary=summary, echo=echo, logprobs=logprobs)
 
 
 # ---- responses -----------------------------------------------------------------------
@@ -462,6 +481,11 @@ class Fold:
         self.sent: list[str] = []  # the answer's text streamed so far
         self.thought: list[str] = []  # the reasoning streamed so far
         self._thought_events = 0  # token events of reasoning (each one token or more)
+        # Log-probability entries (a request that asked): come, not yet in a delta; and the
+        # message item's so far.
+        self._held: list[proto.TokenLogprob] = []
+        self._given = 0
+        self._item_logprobs: list[dict[str, Any]] = []
         self.final: dict[str, Any] | None = None  # the whole Response, once ended
 
     # ---- the Response object ----
@@ -521,10 +545,21 @@ class Fold:
         self._parts.append(text)
         where = {"item_id": self._item["id"], "output_index": len(self.output)}
         if self._item["type"] == "message":
-            return self._event("response.output_text.delta", **where, content_index=0, delta=text, logprobs=[])
+            lp = self._take_logprobs()
+            return self._event("response.output_text.delta", **where, content_index=0, delta=text, logprobs=lp)
         if self._req.summary:
             return self._event("response.reasoning_summary_text.delta", **where, summary_index=0, delta=text)
         return self._event("response.reasoning_text.delta", **where, content_index=0, delta=text)
+
+    def _take_logprobs(self) -> list[dict[str, Any]]:
+        """The held entries as the Responses API's logprobs, now counted in the message's."""
+        if not self._req.logprobs or not self._held:
+            return []
+        out = (chat_logprobs(self._held) or {})["content"]
+        self._given += len(self._held)
+        self._held = []
+        self._item_logprobs += out
+        return out
 
     def _close(self, status: str = "completed") -> list[dict[str, Any]]:
         item = self._item
@@ -535,8 +570,12 @@ class Fold:
         where = {"item_id": item["id"], "output_index": len(self.output)}
         if item["type"] == "message":
             part = {"type": "output_text", "text": text, "annotations": []}
+            self._take_logprobs()  # entries of tokens whose text came with none
+            lp, self._item_logprobs = self._item_logprobs, []
+            if self._req.logprobs:
+                part["logprobs"] = lp
             events = [
-                self._event("response.output_text.done", **where, content_index=0, text=text, logprobs=[]),
+                self._event("response.output_text.done", **where, content_index=0, text=text, logprobs=lp),
                 self._event("response.content_part.done", **where, content_index=0, part=part),
             ]
             done = item | {"status": status, "content": [part]}
@@ -586,6 +625,10 @@ class Fold:
 
     def feed(self, event: Any) -> list[dict[str, Any]]:
         """The stream events for one daemon event (none for `Accepted` and progress)."""
+        if isinstance(event, Token) and event.reasoning:
+            self._given += len(event.logprobs or ())  # the message's logprobs leave the reasoning out
+        elif isinstance(event, Token):
+            self._held += event.logprobs or ()
         if isinstance(event, Token) and event.text:
             if event.reasoning:
                 self.thought.append(event.text)
@@ -604,6 +647,8 @@ class Fold:
             error = ApiError(503, "the moestream daemon shut down during this request", type="server_error")
             return self.fail(error)
         events: list[dict[str, Any]] = []
+        if done.logprobs is not None:
+            self._held = list(done.logprobs[self._given :])
         # Text held back in the daemon (a call's marker that was not one) comes only with done.
         for kind, whole, streamed in (("reasoning", done.reasoning, self.thought), ("message", done.text, self.sent)):
             so_far = "".join(streamed)

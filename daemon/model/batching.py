@@ -9,6 +9,11 @@ its last token, which is how `BatchGenerator.insert` takes a prompt with a cache
 batched decode runs mlx-lm's code on the caches stock's prefill makes (exactness is
 checked against stock's `BatchGenerator` fed the same way, tests/test_batching.py).
 
+Each request brings its own sampler and logits processors (generation.py
+`request_processors`), which `BatchGenerator` applies to its row of each step's logits
+(given every token its cache holds, `all_tokens`, as `generate_step` gives them the
+whole prompt), and its alone steps apply likewise.
+
 A request whose prompt arrives while the batch decodes, and whose prompt (past any
 prefix the prompt cache holds) is short (`JOINT_PREFILL_TOKENS`), is instead handed to
 `BatchGenerator` whole, as stock's batching takes prompts: requests that arrive together
@@ -91,7 +96,8 @@ class BatchStats:
 
 @dataclass
 class _Member:
-    """A request's tokens made by batch steps (or alone) and not yet taken."""
+    """A request's tokens made by batch steps (or alone) and not yet taken, each with
+    the log-probabilities its sampler took where the request wants them (else None)."""
 
     # Its id in the batch; None while it decodes alone.
     uid: int | None
@@ -99,14 +105,15 @@ class _Member:
     # The tokens its cache held when it joined: the prompt's tokens the batch does not
     # count among those it fed (`all_tokens`); the prompt cache keys the final cache by both.
     brought: Sequence[int] = ()
-    tokens: deque = field(default_factory=deque)
+    tokens: deque[tuple[int, mx.array | None]] = field(default_factory=deque)
+    logprobs: bool = False
     finished: bool = False
     # Once finished: its cache out of the batch, and the tokens it holds beyond those
     # the request brought in its own cache (its last prompt token and those it made).
     final: tuple[list[Any], list[int]] | None = None
 
-    def add(self, token: int, last: bool) -> None:
-        self.tokens.append(token)
+    def add(self, token: int, last: bool, logprobs: mx.array | None = None) -> None:
+        self.tokens.append((token, logprobs if self.logprobs else None))
         self.finished = self.finished or last
 
     def keep(self, cache: list[Any], tokens: list[int]) -> None:
@@ -132,31 +139,46 @@ class _Solo:
     pending: mx.array
     fed: list[int] = field(default_factory=list)
     produced: int = 0
+    # The request's logits processors, and every token its cache holds and the pending
+    # one (what `generate_step` shows them); None without processors.
+    processors: Sequence[Any] = ()
+    context: mx.array | None = None
+    # The log-probabilities `pending` was sampled from (kept where the request wants them).
+    pending_logprobs: mx.array | None = None
 
     def feed(self, model: Any) -> None:
         """Feed the pending token into the cache and sample the next, lazily and started
-        on the device: `generate_step`'s own step (its logits, normalized, then the
-        request's sampler), so that a request alone makes stock's tokens."""
+        on the device: `generate_step`'s own step (its logits, the request's processors,
+        normalized, then the request's sampler), so that a request alone makes stock's tokens."""
         with mx.stream(generation_stream):
             logits = model(self.pending[None], cache=self.cache)[:, -1, :]
-            sampled = self.sampler(logits - mx.logsumexp(logits, keepdims=True))
-        mx.async_eval(sampled)
+            if self.processors:
+                self.context = mx.concatenate([self.context, self.pending.astype(mx.int32)])
+                for processor in self.processors:
+                    logits = processor(self.context, logits)
+            logprobs = logits - mx.logsumexp(logits, keepdims=True)
+            sampled = self.sampler(logprobs)
+        if self.member.logprobs:
+            self.pending_logprobs = logprobs.squeeze(0)
+            mx.async_eval(sampled, self.pending_logprobs)
+        else:
+            mx.async_eval(sampled)
         self.pending = sampled
 
     def step(self, model: Any, eos: frozenset[int]) -> None:
         """Make the next token: the pending one, fed while the one after it is sampled on
         the device (as `generate_step` keeps one step ahead)."""
-        token = self.pending
+        token, logprobs = self.pending, self.pending_logprobs
         self.feed(model)
         value = int(token.item())
         self.fed.append(value)
-        self.made(value, eos)
+        self.made(value, eos, logprobs)
 
-    def made(self, token: int, eos: frozenset[int]) -> None:
+    def made(self, token: int, eos: frozenset[int], logprobs: mx.array | None) -> None:
         """`token` is the request's next: into its buffer, the last at an end token or
         its max tokens, and then its cache is the one the request keeps."""
         self.produced += 1
-        self.member.add(token, token in eos or self.produced >= self.max_tokens)
+        self.member.add(token, token in eos or self.produced >= self.max_tokens, logprobs)
         if self.member.finished:
             self.member.keep(self.cache, self.fed)
 
@@ -234,8 +256,12 @@ class BatchSession:
         prefill_stats: PrefillStats | None = None,
         cache_use: CacheUse | None = None,
         pieces: bool = False,
-    ) -> Iterator[tuple[int | None, None]]:
-        """One request's tokens, as `generate_step` yields them (token, no logprobs):
+        *,
+        processors: Sequence[Any] = (),
+        logprobs: bool = False,
+    ) -> Iterator[tuple[int | None, mx.array | None]]:
+        """One request's tokens, as `generate_step` yields them (token, and its
+        log-probabilities where `logprobs`, else None), its `processors` applied:
         its prompt prefilled (on its own cache, or jointly by the batch: see the module's
         note), then its decode in the batch. While other members decode (or always, with
         `pieces`: the engine loop reads its commands there), a prefill of its own yields
@@ -254,15 +280,18 @@ class BatchSession:
             # The prompt past its cached prefix goes to the batch, which prefills it at its
             # next step together with the others inserted by then.
             self.stats.joint_prefills += 1
-            member = self._join([int(t) for t in prompt_ids[m:]], cache, sampler, max_tokens, prompt_ids[:m])
+            rest = [int(t) for t in prompt_ids[m:]]
+            member = self._join(rest, cache, sampler, max_tokens, prompt_ids[:m], processors, logprobs)
         else:
             cache = yield from self._prefill_alone(prompt_ids, m, cache, progress, prefill_stats, cache_use, pieces)
             if cache_use is not None:
                 cache_use.keep_prompt(prompt_ids, cache)
             if self.decoding():
-                member = self._join([int(prompt_ids[-1])], cache, sampler, max_tokens, prompt_ids[:-1])
+                last = [int(prompt_ids[-1])]
+                member = self._join(last, cache, sampler, max_tokens, prompt_ids[:-1], processors, logprobs)
             else:
-                member = self._start_solo(int(prompt_ids[-1]), cache, sampler, max_tokens, prompt_ids[:-1])
+                last = int(prompt_ids[-1])
+                member = self._start_solo(last, cache, sampler, max_tokens, prompt_ids[:-1], processors, logprobs)
         first = True
         try:
             if joint:
@@ -280,7 +309,7 @@ class BatchSession:
                 if first:
                     progress(n, n)
                     first = False
-                yield member.tokens.popleft(), None
+                yield member.tokens.popleft()
         finally:
             if self._solo is not None and self._solo.member is member:
                 self._solo = None
@@ -346,11 +375,16 @@ class BatchSession:
         sampler: Callable[[mx.array], mx.array],
         max_tokens: int,
         brought: Sequence[int],
+        processors: Sequence[Any],
+        logprobs: bool,
     ) -> _Member:
         """Decode alone from the prompt's `last` token on `cache` (which holds `brought`),
         as `generate_step` takes its prompt's last token, until another request joins."""
-        member = _Member(None, brought=list(brought))
-        solo = _Solo(member, cache, sampler, max_tokens, pending=mx.array([last]), fed=[last])
+        member = _Member(None, brought=list(brought), logprobs=logprobs)
+        context = mx.array(list(brought), mx.int32) if processors else None
+        solo = _Solo(
+            member, cache, sampler, max_tokens, mx.array([last]), [last], processors=processors, context=context
+        )
         solo.feed(self.sm.model)
         self._solo = solo
         self.stats.joined += 1
@@ -375,16 +409,18 @@ class BatchSession:
         if solo is None:
             return
         member = solo.member
-        solo.made(int(solo.pending.item()), self._eos)
+        solo.made(int(solo.pending.item()), self._eos, solo.pending_logprobs)
         self.stats.solo_tokens += 1
         if member.finished:
             # Its last token came with the handover (not fed: the cache kept holds what it fed).
             return
         (uid,) = self._gen.insert(
-            [[member.tokens[-1]]],
+            [[member.tokens[-1][0]]],
             max_tokens=[solo.max_tokens - solo.produced],
             caches=[solo.cache],
+            all_tokens=[[*member.brought, *solo.fed]],
             samplers=[solo.sampler],
+            logits_processors=[list(solo.processors)],
         )
         member.handed_over(uid, solo.fed)
         self._members[uid] = member
@@ -397,6 +433,8 @@ class BatchSession:
         sampler: Callable[[mx.array], mx.array],
         max_tokens: int,
         brought: Sequence[int],
+        processors: Sequence[Any],
+        logprobs: bool,
     ) -> _Member:
         """Insert `tokens` (what the batch still feeds, on `cache`, which holds `brought`)
         once the batch has room; the request's member. A request decoding alone goes
@@ -404,9 +442,14 @@ class BatchSession:
         self._hand_over()
         self._wait_for_room()
         (uid,) = self._gen.insert(
-            [tokens], max_tokens=[max_tokens], caches=[cache] if cache is not None else None, samplers=[sampler]
+            [tokens],
+            max_tokens=[max_tokens],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[[int(t) for t in brought]],
+            samplers=[sampler],
+            logits_processors=[list(processors)],
         )
-        member = self._members[uid] = _Member(uid, brought=list(brought))
+        member = self._members[uid] = _Member(uid, brought=list(brought), logprobs=logprobs)
         self.stats.joined += 1
         return member
 
@@ -434,9 +477,10 @@ class BatchSession:
             member = self._members.get(r.uid)
             if member is None:
                 continue
-            member.add(int(r.token), r.finish_reason is not None)
+            member.add(int(r.token), r.finish_reason is not None, r.logprobs)
             if r.finish_reason is not None and r.prompt_cache is not None:
-                member.keep(r.prompt_cache, list(r.all_tokens))
+                # `all_tokens` starts with what the member brought (given to `insert`).
+                member.keep(r.prompt_cache, list(r.all_tokens)[len(member.brought) :])
 
     def close(self) -> None:
         self._gen.close()

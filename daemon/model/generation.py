@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import secrets
 import time
 from contextlib import nullcontext
@@ -14,8 +15,9 @@ import psutil
 from jinja2 import TemplateError
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_sampler
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
+from ...shared.protocol import SamplingControls, TokenLogprob, TopLogprob
 from .prefill import PREFILL_STEP, PrefillStats, drained, prefill_pieces
 from .streaming_model import PLACEMENT_COUNTERS, POOL_COUNTERS, StreamingModel
 
@@ -35,6 +37,8 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # min_p, the penalties, logit_bias and logprobs (shared/protocol.py).
+    controls: SamplingControls = SamplingControls()
     # Speculative decoding (daemon/model/speculative.py): None, "mtp" or "draft".
     speculative: str | None = None
     draft_tokens: int = 2
@@ -54,6 +58,8 @@ class GenerationResult:
     finish_reason: str = "length"
     stats: dict[str, Any] = field(default_factory=dict)
     stop_string: str | None = None  # the stop string that ended the answer, if one did
+    # Each token's log-probability, where the request asked (`controls.logprobs`).
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -292,9 +298,78 @@ def generate(
     return result
 
 
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+def request_processors(params: SamplingParams) -> list[LogitsProcessor]:
+    """The request's logits processors, mlx-lm's own (`make_logits_processors`: logit_bias,
+    then the repetition, presence and frequency penalties over `penalty_window` tokens),
+    applied to the model's logits before they are normalized for the sampler, in
+    `generate_step`, in the batch and in a lone batched request's steps alike. Empty
+    (nothing runs) for a request that sets none. Each is called with every token before
+    the position (the prompt's too), as stock's `generate_step` calls them."""
+    c = params.controls
+    if not c.has_processors():
+        return []
+    window = c.penalty_window
+    return make_logits_processors(
+        logit_bias=dict(c.logit_bias) or None,
+        repetition_penalty=c.repetition_penalty if c.repetition_penalty != 1.0 else None,
+        repetition_context_size=window,
+        presence_penalty=c.presence_penalty or None,
+        presence_context_size=window,
+        frequency_penalty=c.frequency_penalty or None,
+        frequency_context_size=window,
+    )
+
+
+def with_history(processors: Sequence[LogitsProcessor], history: Sequence[int]) -> list[LogitsProcessor]:
+    """`processors` as one, given `history` (tokens a cache holds before the tokens the
+    caller passes: a prompt prefilled apart from `generate_step`) ahead of those, so that
+    they see what stock's `generate_step` given the whole prompt shows them."""
+    if not processors:
+        return []
+    before = mx.array(list(history), mx.int32)
+
+    def run(tokens: mx.array, logits: mx.array) -> mx.array:
+        seen = mx.concatenate([before, tokens.astype(mx.int32)]) if before.size else tokens
+        for processor in processors:
+            logits = processor(seen, logits)
+        return logits
+
+    return [run]
+
+
+def token_logprob(tokenizer: Any, token: int, logprobs: mx.array, k: int, text: str) -> TokenLogprob:
+    """`token`'s entry from `logprobs` (the normalized logits its sampler took): its
+    log-probability and the `k` likeliest tokens, best first."""
+    lp = logprobs.reshape(-1).astype(mx.float32)
+    k = min(k, lp.size)
+    top: tuple[TopLogprob, ...] = ()
+    if k:
+        ids = mx.argpartition(-lp, kth=k - 1)[:k]
+        ranked = sorted(zip(lp[ids].tolist(), ids.tolist()), key=lambda x: (-x[0], x[1]))
+        top = tuple(TopLogprob(int(i), tokenizer.decode([int(i)]), float(v)) for v, i in ranked)
+    return TokenLogprob(token, text, float(lp[token].item()), top)
+
+
+def _cut_logprobs(entries: list[TokenLogprob], length: int) -> list[TokenLogprob]:
+    """`entries` covering only the text's first `length` characters (an answer cut at a
+    stop string): the entry across the cut keeps its part, those after it go."""
+    out, at = [], 0
+    for e in entries:
+        if at >= length:
+            break
+        if at + len(e.text) > length:
+            e = dataclasses.replace(e, text=e.text[: length - at])
+        out.append(e)
+        at += len(e.text)
+    return out
+
+
 def request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
-    """mlx-lm's sampling (temperature, top-p, top-k, in `make_sampler`'s order) drawing
-    from the request's own key.
+    """mlx-lm's sampling (temperature, top-p, min-p, top-k, in `make_sampler`'s order)
+    drawing from the request's own key.
 
     MLX's global random state is shared by every request the daemon interleaves, so a
     seeded request would give different text when another request runs beside it; a
@@ -307,6 +382,8 @@ def request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
     def sample(logprobs: mx.array) -> mx.array:
         if 0 < params.top_p < 1.0:
             logprobs = apply_top_p(logprobs, params.top_p)
+        if params.controls.min_p != 0.0:
+            logprobs = apply_min_p(logprobs, params.controls.min_p)
         # A k of the vocabulary or more keeps every token (stock's apply_top_k refuses it).
         if 0 < params.top_k < logprobs.shape[-1]:
             logprobs = apply_top_k(logprobs, params.top_k)
@@ -328,6 +405,7 @@ def plain_steps(
     layer_major: bool = True,
     cache_use: CacheUse | None = None,
     pieces: bool = False,
+    processors: Sequence[LogitsProcessor] = (),
 ) -> Iterator[tuple[mx.array | None, mx.array | None]]:
     """mlx-lm's `generate_step`, with the prompt prefilled layer by layer where that
     spares a partial pool reads (daemon/model/prefill.py): all of it but the last token,
@@ -345,7 +423,10 @@ def plain_steps(
     `pieces`: yield (None, None) after each piece of the prefill (a layer of the
     layer-major order, a chunk of stock's), so that the caller may do other work, or stop
     the request, between them (the daemon's engine loop); closed there, a prefill of the
-    prompt cache's is left to the requests that share it, or kept suspended."""
+    prompt cache's is left to the requests that share it, or kept suspended.
+
+    `processors` (`request_processors`) see the whole prompt and the tokens made, as they
+    do in stock's `generate_step`, however the prompt was prefilled."""
     prompt = mx.array(list(prompt_ids))
     n = prompt.size
     lm = sm.layer_major
@@ -356,6 +437,7 @@ def plain_steps(
             sm.model,
             max_tokens=max_tokens,
             sampler=sampler,
+            logits_processors=list(processors),
             prompt_progress_callback=on_prompt_progress,
             prefill_step_size=prefill_step,
         )
@@ -383,6 +465,7 @@ def plain_steps(
         sm.model,
         max_tokens=max_tokens,
         sampler=sampler,
+        logits_processors=with_history(processors, prompt_ids[:-1]),
         prompt_cache=cache,
         prompt_progress_callback=lambda done, total: progress(n - 1 + done, n) if done else None,
     )
@@ -436,6 +519,14 @@ def iter_generate(
     detok = tokenizer.detokenizer
     detok.reset()
     sampler = request_sampler(params)
+    processors = request_processors(params)
+    want_logprobs = params.controls.logprobs
+    speculative_off = None
+    if params.speculative and params.controls.needs_logits():
+        # Speculation verifies drafts against the model's own logits and yields no
+        # log-probabilities; such a request decodes without it (its statistics say so).
+        speculative_off = "penalties, logit_bias or logprobs asked: decoded without speculation"
+        params = dataclasses.replace(params, speculative=None)
     mx.reset_peak_memory()
     prefill, decode = dict.fromkeys(POOL_COUNTERS, 0), dict.fromkeys(POOL_COUNTERS, 0)
     tic = time.perf_counter()
@@ -468,7 +559,17 @@ def iter_generate(
             on_prompt_progress=on_prompt_progress,
         )
     elif batch is not None:
-        steps = batch.steps(prompt_ids, sampler, params.max_tokens, on_prompt_progress, prefill_stats, use, True)
+        steps = batch.steps(
+            prompt_ids,
+            sampler,
+            params.max_tokens,
+            on_prompt_progress,
+            prefill_stats,
+            use,
+            True,
+            processors=processors,
+            logprobs=want_logprobs is not None,
+        )
     else:
         # A request with diagnostics keeps stock's prefill order: they time and attribute
         # each forward's own path (slots, overflow), and the next layer's prediction
@@ -483,12 +584,13 @@ def iter_generate(
             layer_major=rec is None,
             cache_use=use,
             pieces=True,
+            processors=processors,
         )
     source = steps
     readback = sm.routing_readback()
     if readback is not None:
         steps = _ticked(steps, readback)
-    for token, _ in _attributed(sm, steps, (prefill, decode), rec):
+    for token, logprobs in _attributed(sm, steps, (prefill, decode), rec):
         if token is None:
             # The prompt between two pieces of its prefill: the turn goes back to the
             # engine loop, which reads its commands and steps the others meanwhile; a
@@ -512,8 +614,11 @@ def iter_generate(
             n -= 1
             break
         result.tokens.append(token)
+        before = len(detok.text) if want_logprobs is not None else 0
         detok.add_token(token)
         text = detok.text
+        if want_logprobs is not None:
+            result.logprobs.append(token_logprob(tokenizer, token, logprobs, want_logprobs, text[before:]))
         if stops:
             hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
             hit = min(hits)[0] if hits else -1
@@ -521,6 +626,8 @@ def iter_generate(
                 found = min(hits)[1]
                 result.stop_string = found if found in params.stop else None
                 result.text = text[:hit]
+                if want_logprobs is not None:
+                    result.logprobs = _cut_logprobs(result.logprobs, hit)
                 if hit > emitted:
                     yield text[emitted:hit], token
                 result.finish_reason = "stop"
@@ -537,8 +644,12 @@ def iter_generate(
             result.finish_reason = "cancelled"
             break
     else:
+        before = len(detok.text)
         detok.finalize()
         text = detok.text
+        if result.logprobs and len(text) > before:
+            last = result.logprobs[-1]
+            result.logprobs[-1] = dataclasses.replace(last, text=last.text + text[before:])
         if len(text) > emitted:
             yield text[emitted:], result.tokens[-1] if result.tokens else -1
         result.text = text
@@ -611,6 +722,8 @@ def iter_generate(
         result.stats["mapped_pool"] = _placement_stats(total, sm.mapped_pool.gpu_slots)
     if spec_stats is not None:
         result.stats["speculative"] = spec_stats.to_dict()
+    if speculative_off is not None:
+        result.stats["speculative_off"] = speculative_off
     if sm.prefetcher is not None:
         result.stats["prefetch"] = sm.prefetcher.stats()
     if rec is not None:
