@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from ..mapped.mapped_pool import MappedPool
     from ..pool.resident_routing import ResidentRouting
     from .batching import BatchSession
+    from .constrain import Grammar
     from .prompt_cache import PromptCache
 
 
@@ -356,6 +357,7 @@ def plain_steps(
     layer_major: bool = True,
     cache_use: CacheUse | None = None,
     pieces: bool = False,
+    logits_processors: Sequence[Callable[[mx.array, mx.array], mx.array]] | None = None,
 ) -> Iterator[tuple[mx.array | None, mx.array | None]]:
     """mlx-lm's `generate_step`, with the prompt prefilled layer by layer where that
     spares a partial pool reads (daemon/model/prefill.py): all of it but the last token,
@@ -373,7 +375,10 @@ def plain_steps(
     `pieces`: yield (None, None) after each piece of the prefill (a layer of the
     layer-major order, a chunk of stock's), so that the caller may do other work, or stop
     the request, between them (the daemon's engine loop); closed there, a prefill of the
-    prompt cache's is left to the requests that share it, or kept suspended."""
+    prompt cache's is left to the requests that share it, or kept suspended.
+
+    `logits_processors` go to `generate_step` as they are (a constrained request's
+    grammar, daemon/model/constrain.py)."""
     prompt = mx.array(list(prompt_ids))
     n = prompt.size
     lm = sm.layer_major
@@ -386,6 +391,7 @@ def plain_steps(
             sampler=sampler,
             prompt_progress_callback=on_prompt_progress,
             prefill_step_size=prefill_step,
+            logits_processors=logits_processors,
         )
         return
     progress = on_prompt_progress or (lambda done, total: None)
@@ -413,6 +419,7 @@ def plain_steps(
         sampler=sampler,
         prompt_cache=cache,
         prompt_progress_callback=lambda done, total: progress(n - 1 + done, n) if done else None,
+        logits_processors=logits_processors,
     )
 
 
@@ -449,6 +456,7 @@ def iter_generate(
     on_prompt_progress: Callable[[int, int], None] | None = None,
     batch: BatchSession | None = None,
     prompt_cache: PromptCache | None = None,
+    grammar: Grammar | None = None,
 ) -> Iterator[tuple[str, int | None]]:
     """Yield (text segment, token id) pairs; fill `result` as it goes. With a `batch`
     (daemon/model/batching.py) the request decodes in it, beside the others (and while
@@ -459,7 +467,12 @@ def iter_generate(
     neither).
 
     `on_prompt_progress(done, total)` is called as the prompt is prefilled: at its start
-    and after each prefill chunk (mlx-lm's prefill step), on this thread."""
+    and after each prefill chunk (mlx-lm's prefill step), on this thread.
+
+    A `grammar` (daemon/model/constrain.py, compiled for this request) masks each step's
+    logits before sampling: the request then decodes on its own (as `generate_step`, with
+    the grammar among its logits processors), outside any batch and without speculation,
+    and its statistics say so (`constraint`)."""
     tokenizer = sm.tokenizer
     detok = tokenizer.detokenizer
     detok.reset()
@@ -478,7 +491,12 @@ def iter_generate(
     use = CacheUse(prompt_cache) if prompt_cache is not None and prompt_cache.enabled else None
     # Every token the steps yield (an end token too): what went into the request's cache.
     fed: list[int] = []
-    if params.speculative:
+    processors = [grammar.processor()] if grammar is not None else None
+    # Speculation verifies drafts from logits the grammar has not masked, and a batch
+    # step samples every member at once: a constrained request decodes alone, unbatched.
+    speculative = params.speculative if grammar is None else None
+    alone = bool(speculative or grammar is not None)
+    if speculative:
         use = None
         from .speculative import SpeculativeParams, SpeculativeStats, speculative_steps
 
@@ -495,7 +513,7 @@ def iter_generate(
             stats=spec_stats,
             on_prompt_progress=on_prompt_progress,
         )
-    elif batch is not None:
+    elif batch is not None and not alone:
         steps = batch.steps(prompt_ids, sampler, params.max_tokens, on_prompt_progress, prefill_stats, use, True)
     else:
         # A request with diagnostics keeps stock's prefill order: they time and attribute
@@ -511,6 +529,7 @@ def iter_generate(
             layer_major=rec is None,
             cache_use=use,
             pieces=True,
+            logits_processors=processors,
         )
     source = steps
     readback = sm.routing_readback()
@@ -571,12 +590,12 @@ def iter_generate(
             yield text[emitted:], result.tokens[-1] if result.tokens else -1
         result.text = text
     decode_seconds = time.perf_counter() - tic
-    if use is not None and batch is None:
+    if use is not None and (batch is None or alone):
         use.keep(prompt_ids, fed)
     # A request that broke off (a stop, a cancel) leaves the batch now, not when this
     # generator is collected.
     source.close()
-    if readback is not None and (batch is None or params.speculative or not batch.decoding()):
+    if readback is not None and (batch is None or alone or not batch.decoding()):
         # Account what is still pending (this request's last forwards, and those of
         # requests interleaved with it), so that its statistics and the heat include it.
         # Not while others decode in the batch: that waits for the forward in flight (and
@@ -631,7 +650,7 @@ def iter_generate(
     result.stats["prefill"] = _prefill_summary(shared or prefill_stats, prefill)
     if use is not None:
         result.stats["prompt_cache"] = use.to_dict()
-    if batch is not None and not params.speculative:
+    if batch is not None and not alone:
         # The batch's totals when this request ended (its hits and misses above are the
         # pool's during the steps this request ran, which served the whole batch).
         result.stats["batch"] = batch.to_dict()
@@ -639,6 +658,12 @@ def iter_generate(
         result.stats["mapped_pool"] = _placement_stats(total, sm.mapped_pool.gpu_slots)
     if spec_stats is not None:
         result.stats["speculative"] = spec_stats.to_dict()
+    if grammar is not None:
+        result.stats["constraint"] = {
+            "kind": grammar.what,
+            "tokens_checked": processors[0].consumed,
+            "speculative": "off" if params.speculative else None,
+        }
     if sm.prefetcher is not None:
         result.stats["prefetch"] = sm.prefetcher.stats()
     if rec is not None:
