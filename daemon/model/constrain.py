@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -179,8 +180,24 @@ class GrammarProcessor:
         self.matcher = matcher
         self._prompt: int | None = None
         self.consumed = 0
+        # Host seconds in this processor (the matcher's steps, the mask built and applied),
+        # and its calls: the grammar's own cost per token, which no drift of the machine moves.
+        self.seconds = 0.0
+        self.calls = 0
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        # The token sampled last must be computed before the grammar can follow it: the
+        # one wait a constrained step adds, which `generate_step` otherwise overlaps with
+        # building the next step's graph. Not counted in `seconds`, the grammar's own time.
+        mx.eval(tokens)
+        tic = time.perf_counter()
+        try:
+            return self._masked(tokens, logits)
+        finally:
+            self.seconds += time.perf_counter() - tic
+            self.calls += 1
+
+    def _masked(self, tokens: mx.array, logits: mx.array) -> mx.array:
         n = int(tokens.shape[-1])
         if self._prompt is None:
             self._prompt = n

@@ -309,11 +309,19 @@ def generate(
     should_stop: Callable[[], bool] | None = None,
     on_prompt_progress: Callable[[int, int], None] | None = None,
     batch: BatchSession | None = None,
+    grammar: Grammar | None = None,
 ) -> GenerationResult:
     """Run one request to the end; `on_text(segment, token)` gets text as it appears."""
     result = GenerationResult()
     steps = iter_generate(
-        sm, prompt_ids, params, result, should_stop=should_stop, on_prompt_progress=on_prompt_progress, batch=batch
+        sm,
+        prompt_ids,
+        params,
+        result,
+        should_stop=should_stop,
+        on_prompt_progress=on_prompt_progress,
+        batch=batch,
+        grammar=grammar,
     )
     for segment, token in steps:
         if on_text is not None and token is not None:
@@ -662,6 +670,9 @@ def iter_generate(
         result.stats["constraint"] = {
             "kind": grammar.what,
             "tokens_checked": processors[0].consumed,
+            # The host's milliseconds per token in the grammar's processor (excluding the
+            # wait for the token it follows, which the mask needs before it can be built).
+            "mask_ms_per_token": 1e3 * processors[0].seconds / processors[0].calls if processors[0].calls else None,
             "speculative": "off" if params.speculative else None,
         }
     if sm.prefetcher is not None:
