@@ -162,6 +162,7 @@ class Client:
         stop: Sequence[str] = (),
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: str | Mapping[str, str] | None = None,
+        constraint: proto.Constraint | None = None,
         request_id: str | None = None,
         speculative: str | None = None,
         draft_tokens: int | None = None,
@@ -182,6 +183,8 @@ class Client:
         `reasoning`, a tool's `tool_call_id` and `name`). `tools` (OpenAI's function schemas) go to the chat template;
         `tool_choice` is "auto", "none", "required" or {"name": N}; the model's calls
         come as `ToolCall` events and in `Done.tool_calls`, never as `Token` text.
+        `constraint` (`proto.Constraint`: json_object, or json_schema with the schema's
+        JSON text) makes the answer JSON of that form, enforced as it is sampled.
         `speculative` "mtp" or "draft" (with `draft_model`, a path on the daemon's
         machine) decodes speculatively, `draft_tokens` per round. `diagnostics=True`
         puts this request's hot-path diagnostics into the final statistics.
@@ -209,6 +212,7 @@ class Client:
             stop=tuple(stop),
             tools=tuple(tools) if tools is not None else None,
             tool_choice=dict(tool_choice) if isinstance(tool_choice, Mapping) else tool_choice,
+            constraint=constraint,
             speculative=speculative,
             draft_tokens=draft_tokens,
             draft_model=draft_model,

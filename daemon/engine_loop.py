@@ -126,6 +126,11 @@ class Job:
     def key(self) -> tuple[bytes, str]:
         return (self.peer, self.msg.id)
 
+    def decodes_alone(self) -> bool:
+        """Whether it decodes on its own, outside the batch: speculative, or constrained
+        (daemon/model/generation.py `iter_generate`)."""
+        return self.msg.speculates() or (self.checked is not None and self.checked.grammar is not None)
+
     def tokens_after_stop(self) -> int:
         if self.stop_requested_at is None:
             return 0
@@ -556,9 +561,9 @@ class EngineLoop:
     def _batch_full(self, job: Job) -> bool:
         """Whether `job` would decode in the batch (not speculative) and it has no room:
         it then waits in the queue, where `status` says why, rather than in a step."""
-        if self._batch is None or job.msg.speculates():
+        if self._batch is None or job.decodes_alone():
             return False
-        return not self._batch.has_room(sum(not j.msg.speculates() for j in self._active))
+        return not self._batch.has_room(sum(not j.decodes_alone() for j in self._active))
 
     def _kv_allowance(self) -> int | None:
         """The bytes the KV caches of the active requests may take under `memory_budget`
@@ -644,6 +649,7 @@ class EngineLoop:
             on_prompt_progress=lambda done, total: self._on_prefill(job, done, total),
             batch=self._batch,
             prompt_cache=self._prompt_cache,
+            grammar=job.checked.grammar,
         )
 
     def _on_prefill(self, job: Job, done: int, total: int) -> None:

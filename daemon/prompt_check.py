@@ -57,6 +57,9 @@ class Checked:
     # A chat's answer starts inside a thinking block (daemon/model/reasoning.py); None: not
     # a chat, or a model without thinking markers.
     opens_thinking: bool | None = None
+    # The answer's grammar (daemon/model/constrain.py `Grammar`), compiled here, off the
+    # engine thread; None where nothing constrains it.
+    grammar: Any = None
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,7 @@ class PromptChecker:
             return Checked(code=proto.BAD_MESSAGE, message=problem)
         try:
             ids = self._encode(msg)
+            grammar = self._grammar(msg)
         except ValueError as e:
             return Checked(code=proto.BAD_MESSAGE, message=str(e), seconds=time.perf_counter() - tic)
         if len(ids) >= self._max_context:
@@ -204,8 +208,18 @@ class PromptChecker:
         room = self._max_context - len(ids)
         opens = opens_thinking(self._sm.tokenizer, ids) if msg.messages is not None else None
         return Checked(
-            ids=ids, max_tokens=min(msg.max_tokens, room), seconds=time.perf_counter() - tic, opens_thinking=opens
+            ids=ids,
+            max_tokens=min(msg.max_tokens, room),
+            seconds=time.perf_counter() - tic,
+            opens_thinking=opens,
+            grammar=grammar,
         )
+
+    def _grammar(self, msg: proto.Generate) -> Any:
+        from .model.constrain import grammar_for
+
+        tools = msg.tools if msg.messages is not None else None
+        return grammar_for(self._sm.tokenizer, msg.constraint, tools, msg.tool_choice)
 
     def _speculative_problem(self, msg: proto.Generate) -> str:
         """What makes the request's speculative decoding impossible here (only file checks)."""

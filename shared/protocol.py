@@ -6,8 +6,8 @@ Every message is one ZeroMQ frame holding a msgpack map with `v` (PROTOCOL_VERSI
 
   generate  prompt | prompt_ids | messages, max_tokens, temp, top_p, seed, stop,
             (temp below MIN_TEMP, or top_p below MIN_TOP_P: greedy, the limit they tend to)
-            [tools, tool_choice, speculative, draft_tokens, draft_model, diagnostics, progress, keep_alive,
-             thinking, top_k, sampling, client]
+            [tools, tool_choice, constraint, speculative, draft_tokens, draft_model, diagnostics, progress,
+             keep_alive, thinking, top_k, sampling, client]
                                                         -> accepted, progress*, (token | tool_call)*, done
   count_tokens  prompt | prompt_ids | messages, [tools, tool_choice, thinking]  -> token_count
   cancel    target (the id of one of this client's generate requests)  -> cancelled
@@ -59,12 +59,17 @@ with the model's mlx-lm tool parser and sends each call as a `tool_call` event (
 `token` text), and `done` lists them in `tool_calls`. A chat message may carry the
 assistant's earlier `tool_calls` ({name, arguments} maps), and a `tool` message its
 `tool_call_id` and `name`; these keys are left out of the encoding when unused.
+`constraint` ({kind, schema}) makes the answer JSON: kind "json_object" (any JSON object) or
+"json_schema" (`schema`: a JSON schema's text, which the answer then matches); the daemon
+enforces it with a grammar (daemon/model/constrain.py) and refuses a schema it cannot
+enforce. `tool_choice` required, a named function and none are enforced the same way.
 A malformed, oversized, wrongly versioned or unknown message gets an `error` reply and
 changes nothing else. Validation lives here, in `decode_request`, and nowhere else.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, ClassVar, Mapping, Union, get_args
@@ -89,6 +94,7 @@ MAX_TOOLS = 128
 MAX_NAME_CHARS = 256
 MAX_JSON_DEPTH = 32
 TOOL_CHOICES = ("auto", "none", "required")
+CONSTRAINT_KINDS = ("json_object", "json_schema")
 MAX_KEEP_ALIVE_S = 2**31  # seconds; above it means never, as -1 does
 # The engine's states in which a request is served: "unloaded" loads the model first.
 SERVING_STATES = ("ready", "unloaded")
@@ -193,6 +199,16 @@ class SamplingControls:
 
 
 @dataclass(frozen=True)
+class Constraint:
+    """What a request's answer must be: a JSON object ("json_object"), or JSON that
+    matches `schema` ("json_schema"; the schema as JSON text, so that msgpack carries it
+    as the client wrote it). On the wire a {kind, schema} map."""
+
+    kind: str
+    schema: str | None = None
+
+
+@dataclass(frozen=True)
 class Generate:
     TYPE: ClassVar[str] = "generate"
     # Fields sent only when they are not None (added after version 1 first shipped).
@@ -200,6 +216,7 @@ class Generate:
         "messages",
         "tools",
         "tool_choice",
+        "constraint",
         "speculative",
         "draft_tokens",
         "draft_model",
@@ -224,6 +241,8 @@ class Generate:
     # "auto" (default), "none", "required", or {"name": N} (that function).
     tools: tuple[dict[str, Any], ...] | None = None
     tool_choice: str | dict[str, str] | None = None
+    # The answer's form (JSON, JSON of a schema), enforced while it is sampled; None: free.
+    constraint: Constraint | None = None
     # Speculative decoding: "mtp" (the model's MTP head) or "draft" (draft_model, a
     # store or mlx-lm folder on the daemon's machine); draft_tokens K per round.
     speculative: str | None = None
@@ -754,8 +773,15 @@ def _generate_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
     )
     if temp < MIN_TEMP or top_p < MIN_TOP_P:
         temp = 0.0
+    constraint = _constraint_field(body, rid)
+    _check(
+        constraint is None or fields["tool_choice"] in (None, "auto", "none"),
+        rid,
+        "'constraint' and a 'tool_choice' that forces a call (required, or a named function) exclude each other",
+    )
     return {
         **fields,
+        "constraint": constraint,
         "max_tokens": max_tokens,
         "temp": float(temp),
         "top_p": float(top_p),
@@ -769,6 +795,32 @@ def _generate_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
         "sampling": _sampling_field(body, rid),
         "client": _client_field(body, rid),
     }
+
+
+def _constraint_field(body: dict[str, Any], rid: str) -> Constraint | None:
+    value = body.get("constraint")
+    if value is None:
+        return None
+    _check(
+        isinstance(value, dict) and set(value) <= {"kind", "schema"} and value.get("kind") in CONSTRAINT_KINDS,
+        rid,
+        f"'constraint' must be null or a map {{kind, schema}} with kind one of {list(CONSTRAINT_KINDS)}",
+    )
+    kind, schema = value["kind"], value.get("schema")
+    if kind == "json_object":
+        _check(schema is None, rid, "'constraint' json_object takes no schema (use json_schema)")
+        return Constraint(kind)
+    _check(isinstance(schema, str), rid, "'constraint' json_schema needs 'schema': a JSON schema as JSON text")
+    try:
+        parsed = json.loads(schema)
+    except ValueError as e:
+        raise ProtocolError(BAD_MESSAGE, f"'constraint' schema is not JSON: {e}", rid) from None
+    _check(
+        isinstance(parsed, (dict, bool)),
+        rid,
+        f"'constraint' schema must be a JSON schema (an object or a boolean), not {type(parsed).__name__}",
+    )
+    return Constraint(kind, schema)
 
 
 def _client_field(body: dict[str, Any], rid: str) -> str | None:

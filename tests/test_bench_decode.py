@@ -407,3 +407,24 @@ def test_bound_is_reported_against_the_median_each_round_and_the_fastest_round()
     assert row["fraction_of_best_bound"] == pytest.approx(0.5)
     assert row["vs_resident_paired"] == pytest.approx(0.35)  # median of 0.4 and 0.3
     assert row["bound_applies"] and row["bound_why_not"] is None  # 10 ms of link in a 23 ms token
+
+
+def test_bench_decode_times_a_json_schema_request_beside_the_same_request_unconstrained(store):
+    """`--constrained`: each streaming configuration decodes a json_schema request and the
+    same request unconstrained through the generation loop in every round; the report
+    gives both speeds, their paired cost and the grammar's own time per token."""
+    from moestream.daemon.bench.decode import BenchDecodeSettings, format_report, run_bench_decode
+
+    report = run_bench_decode(
+        BenchDecodeSettings(
+            store=store, capacities=(1.0, 0.25), prompt_tokens=3, decode_tokens=6, rounds=2, constrained=True
+        )
+    )
+    rows = {r["name"]: r for r in report["results"]}
+    assert report["constrained"] is True
+    for name in ("moestream@1", "moestream@0.25"):
+        j = rows[name]["json_schema"]
+        assert j["tokens_per_s"] > 0 and j["unconstrained_tokens_per_s"] > 0 and len(j["cost_runs"]) == 2, j
+        assert j["mask_ms_per_token"] > 0 and j["compile_ms"] > 0 and 0 < j["mask_share"] < 1, j
+    assert "json_schema" not in rows["stock-mlx-lm"] and "json_schema" not in rows["naive-on-demand"]
+    assert "a json_schema request against the same request unconstrained" in format_report(report)

@@ -132,7 +132,7 @@ def test_tool_choice_reasoning_and_the_fields_accepted_or_refused():
         ({"background": True}, "background", "background"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt", "stored prompts"),
         ({"top_logprobs": 21}, "top_logprobs", "whole number in 0..20"),
-        ({"text": {"format": {"type": "json_object"}}}, "text.format", "json"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "needs 'schema'"),
         ({"input": []}, "input", "non-empty"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "keeps no items"),
         ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0]", "'web_search_call'"),

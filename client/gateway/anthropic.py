@@ -4,8 +4,9 @@ of its own:
     POST /v1/messages               system, messages of text / image / document / tool_use /
                                     tool_result / thinking blocks, tools, tool_choice,
                                     thinking, max_tokens, stop_sequences, temperature, top_p,
-                                    top_k, stream (Anthropic's event sequence); beyond
-                                    Anthropic's, as on the OpenAI routes: min_p,
+                                    top_k, stream (Anthropic's event sequence),
+                                    output_config.format (JSON of a schema, enforced);
+                                    beyond Anthropic's, as on the OpenAI routes: min_p,
                                     presence_penalty, frequency_penalty,
                                     repetition_penalty, logit_bias, seed
     POST /v1/messages/count_tokens  the prompt's tokens, as the daemon counts them
@@ -55,7 +56,7 @@ from ...shared import protocol as proto
 from ...shared.protocol import Done
 from ..client import Accepted, Token, ToolCall
 from .keep_alive import KeepAlive
-from .openai import ApiError, ApiRequest, bad_request, sampling_controls
+from .openai import ApiError, ApiRequest, bad_request, json_constraint, sampling_controls
 
 if TYPE_CHECKING:
     from .app import DaemonRequest, Gateway
@@ -300,6 +301,20 @@ def _model(body: dict[str, Any]) -> str:
     return model
 
 
+def _output_format(body: dict[str, Any]) -> dict[str, Any]:
+    """`output_config.format` (structured outputs: {type: 'json_schema', schema}; the
+    beta's top-level `output_format` too) as the daemon's constraint."""
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise bad_request("output_config: must be an object", "output_config")
+    fmt = (config or {}).get("format", body.get("output_format"))
+    if fmt is None:
+        return {}
+    if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema" and fmt.get("schema") is not None):
+        raise bad_request("output_config.format: must be {type: 'json_schema', schema}", "output_config")
+    return {"constraint": json_constraint(fmt["schema"], "output_config.format.schema")}
+
+
 def parse_request(body: Any, *, count_only: bool = False) -> ApiRequest:
     """A decoded JSON body of /v1/messages (or, `count_only`, of count_tokens: its
     `generate` then holds `Client.count_tokens`'s arguments)."""
@@ -331,7 +346,7 @@ def parse_request(body: Any, *, count_only: bool = False) -> ApiRequest:
     top_k = body.get("top_k")
     if top_k is not None and not (isinstance(top_k, int) and not isinstance(top_k, bool) and 0 <= top_k < 2**31):
         raise bad_request("top_k: must be a whole number of at least 0", "top_k")
-    kwargs |= {
+    kwargs |= _output_format(body) | {
         "max_tokens": max_tokens,
         # Anthropic's default temperature is 1.0, as OpenAI's.
         "temp": _number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE, False),

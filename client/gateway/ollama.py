@@ -11,6 +11,7 @@ stop, repeat_penalty, presence_penalty, frequency_penalty over repeat_last_n tok
 penalty; -1: the context; absent: mlx-lm's 20; a penalty absent is off, not Ollama's 1.1),
 and `logprobs` / `top_logprobs` (each token's, from the logits the sampler sees); other
 options that change the answer are refused;
+`format` ("json", or a JSON schema) makes the answer JSON of it, enforced by the daemon;
 `keep_alive` ("5m", seconds, 0, -1) is how long the daemon keeps the model loaded once
 idle after this request. `think` (true / false, or an effort: "low", "medium", "high",
 which turn it on) sets the chat template's thinking switch; a thinking model's reasoning
@@ -36,7 +37,16 @@ from ... import __version__
 from ...shared import protocol as proto
 from ...shared.protocol import Done
 from ..client import Token, ToolCall
-from .openai import ApiError, ApiRequest, bad_request, keep_alive_seconds, sampling_controls, top_k, top_logprobs
+from .openai import (
+    ApiError,
+    ApiRequest,
+    bad_request,
+    json_constraint,
+    keep_alive_seconds,
+    sampling_controls,
+    top_k,
+    top_logprobs,
+)
 
 if TYPE_CHECKING:
     from .app import DaemonRequest, Gateway
@@ -161,9 +171,19 @@ def _common(body: Any) -> tuple[str, bool]:
     stream = body.get("stream", True)
     if not isinstance(stream, bool):
         raise bad_request("stream must be true or false")
-    if body.get("format") not in (None, ""):
-        raise bad_request("format (structured output) is not supported by this server")
     return model.removesuffix(":latest"), stream
+
+
+def _format(body: dict[str, Any]) -> dict[str, Any]:
+    """`format`: "json" (any JSON object) or a JSON schema, as the daemon's constraint."""
+    fmt = body.get("format")
+    if fmt in (None, ""):
+        return {}
+    if fmt == "json":
+        return {"constraint": json_constraint(None, "format")}
+    if not isinstance(fmt, dict):
+        raise bad_request('format must be "json" or a JSON schema (an object)')
+    return {"constraint": json_constraint(fmt, "format")}
 
 
 def _keep_alive(body: dict[str, Any]) -> dict[str, Any]:
@@ -237,7 +257,11 @@ def parse_chat(body: Any) -> ApiRequest:
         kwargs["tools"] = [{"type": "function", **t} if "type" not in t else t for t in tools]
     kwargs["thinking"] = _think(body.get("think"))
     return ApiRequest(
-        chat=True, model=model, stream=stream, include_usage=False, generate=kwargs | _options(body) | _keep_alive(body)
+        chat=True,
+        model=model,
+        stream=stream,
+        include_usage=False,
+        generate=kwargs | _options(body) | _keep_alive(body) | _format(body),
     )
 
 
@@ -261,7 +285,7 @@ def parse_generate(body: Any) -> ApiRequest:
                 f"{name} is not supported by this server: /api/generate continues the prompt as it is; "
                 "use /api/chat for the model's chat template"
             )
-    generate = {"prompt": prompt} | _options(body) | _keep_alive(body)
+    generate = {"prompt": prompt} | _options(body) | _keep_alive(body) | _format(body)
     return ApiRequest(chat=False, model=model, stream=stream, include_usage=False, generate=generate)
 
 

@@ -14,16 +14,19 @@ how long the model stays loaded once the daemon is idle after this request).
 `top_k`, `min_p`, `repetition_penalty` (as vLLM and llama.cpp take them), `presence_penalty`,
 `frequency_penalty` (mlx-lm's, over the last 20 tokens, the prompt's too), `logit_bias`,
 `logprobs` / `top_logprobs` (from the logits the sampler sees), `n` (n requests for the
-same prompt, which share its prefill and cache; a seed s gives choice i the seed s + i).
-Thinking: `chat_template_kwargs.enable_thinking` (or `.thinking`) sets the chat
-template's thinking switch, `reasoning_effort` "none" turns it off (any other effort
-on), `thinking: {type: enabled | disabled}` too; a thinking model's reasoning comes back
-apart from the answer as the message's `reasoning_content` (streamed as
-`delta.reasoning_content`), and an assistant message's `reasoning_content` (or
-`reasoning`) goes back to the template as that turn's reasoning. Parameters that would
-change the answer in a way this server cannot honour (JSON response formats, echo,
-suffix, best_of > 1, legacy `functions`) are refused with a 400 rather than ignored;
-other unknown fields (user, metadata, parallel_tool_calls, ...) are ignored.
+same prompt; a seed s gives choice i the seed s + i). `response_format` json_object and
+json_schema ({name, schema, strict}) make the answer JSON of that schema, enforced by the
+daemon's grammar whether `strict` or not (a schema it cannot enforce is a 400 naming why),
+as are tool_choice required, a named function (only offered functions, arguments of their
+schema) and none (no tool-call markup). Thinking: `chat_template_kwargs.enable_thinking`
+(or `.thinking`) sets the chat template's thinking switch, `reasoning_effort` "none" turns
+it off (any other effort on), `thinking: {type: enabled | disabled}` too; a thinking
+model's reasoning comes back apart from the answer as the message's `reasoning_content`
+(streamed as `delta.reasoning_content`), and an assistant message's `reasoning_content`
+(or `reasoning`) goes back to the template as that turn's reasoning. Parameters that
+would change the answer in a way this server cannot honour (echo, suffix, best_of > 1,
+legacy `functions`) are refused with a 400 rather than ignored; other unknown fields
+(user, metadata, parallel_tool_calls, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -161,13 +164,39 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool = True) -> None:
             raise bad_request(
                 f"'{name}' = {body[name]!r} is not supported by this server", name, "unsupported_parameter"
             )
+
+
+def json_constraint(schema: Any, param: str) -> proto.Constraint:
+    """An API's JSON schema (None: any JSON object) as the daemon's `constraint`; a
+    schema the daemon's grammar cannot enforce comes back from it as a 400 naming why."""
+    if schema is None:
+        return proto.Constraint("json_object")
+    if not isinstance(schema, (dict, bool)):
+        raise bad_request(f"'{param}' must be a JSON schema (an object)", param)
+    return proto.Constraint("json_schema", json.dumps(schema))
+
+
+def _response_format(body: dict[str, Any]) -> dict[str, Any]:
+    """`response_format`: text (nothing), json_object, or json_schema {name, schema,
+    strict} as the daemon's constraint (enforced whether `strict` or not)."""
     fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise bad_request(
-            'only \'response_format\' {"type": "text"} is supported by this server',
-            "response_format",
-            "unsupported_parameter",
-        )
+    if fmt is None:
+        return {}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"constraint": json_constraint(None, "response_format")}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or spec.get("schema") is None:
+            raise bad_request("'response_format' json_schema needs 'json_schema.schema'", "response_format")
+        return {"constraint": json_constraint(spec["schema"], "response_format.json_schema.schema")}
+    raise bad_request(
+        "'response_format' must be {type: 'text'}, {type: 'json_object'} or {type: 'json_schema', json_schema: "
+        "{name, schema, strict}}",
+        "response_format",
+    )
 
 
 def _content(value: Any, i: int) -> str:
@@ -449,6 +478,7 @@ def parse_request(body: Any, *, chat: bool) -> ApiRequest:
         seed=seed,
         stop=_stop(body),
         sampling=sampling_controls(body, logprobs=_openai_logprobs(body, chat)),
+        **_response_format(body),
     )
     if body.get("keep_alive") is not None:
         kwargs["keep_alive"] = keep_alive_seconds(body["keep_alive"])

@@ -27,8 +27,9 @@ the daemon failed after the stream began), each with its `sequence_number`.
 
 Accepted and used: `model`, `input`, `instructions`, `tools`, `tool_choice`,
 `max_output_tokens` (default DEFAULT_MAX_OUTPUT_TOKENS), `temperature`, `top_p`,
-`stream`, `reasoning.effort` ("none" and "minimal" turn the template's thinking switch
-off, the others on; absent: the template's default), `include`'s
+`stream`, `text.format` (json_object, json_schema {name, schema, strict}: the answer
+enforced as JSON of the schema), `reasoning.effort` ("none" and "minimal" turn the template's
+thinking switch off, the others on; absent: the template's default), `include`'s
 "message.output_text.logprobs" with `top_logprobs` (each token's log-probability in the
 output text's `logprobs`, and in its deltas), and as on the chat route `top_k`, `min_p`,
 the penalties, `logit_bias` and `seed`. Accepted and ignored, harmless
@@ -38,8 +39,8 @@ reasoning is made), `parallel_tool_calls` (the model makes the calls it makes),
 `text.verbosity`, `truncation`, `metadata`, `user`, `safety_identifier`, `service_tier`,
 `max_tool_calls`, `stream_options`, `context_management`. Refused with a 400:
 `previous_response_id` and `conversation` (nothing is stored: send the whole
-conversation), `background`, `prompt` (stored prompts), JSON text formats, image, file
-and audio input, `item_reference` items.
+conversation), `background`, `prompt` (stored prompts), image, file and audio input,
+`item_reference` items.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from .openai import (
     _number,
     bad_request,
     chat_logprobs,
+    json_constraint,
     sampling_controls,
     tool_call_id,
     top_k,
@@ -353,18 +355,28 @@ def _reasoning(body: dict[str, Any]) -> tuple[bool | None, bool, dict[str, Any] 
     return thinking, summary is not None, echo
 
 
-def _text(body: dict[str, Any]) -> dict[str, Any]:
+def _text(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`text`: its echo in the response, and its `format` (text, json_object, or
+    json_schema {name, schema, strict}) as the daemon's constraint."""
     text = _object(body, "text")
     fmt = text.get("format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+    kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+    if fmt is None or kind == "text":
+        fmt, constraint = {"type": "text"}, {}
+    elif kind == "json_object":
+        constraint = {"constraint": json_constraint(None, "text.format")}
+    elif kind == "json_schema":
+        if fmt.get("schema") is None:
+            raise bad_request("'text.format' json_schema needs 'schema'", "text.format")
+        constraint = {"constraint": json_constraint(fmt["schema"], "text.format.schema")}
+    else:
         raise bad_request(
-            f"'text.format' {kind!r} is not supported by this server: only {{type: 'text'}}", "text.format"
+            f"'text.format' must be of type 'text', 'json_object' or 'json_schema', not {kind!r}", "text.format"
         )
     verbosity = text.get("verbosity")
     if verbosity not in (None, "low", "medium", "high"):
         raise bad_request("'text.verbosity' must be 'low', 'medium' or 'high'", "text.verbosity")
-    return {"format": {"type": "text"}, "verbosity": verbosity or "medium"}
+    return {"format": fmt, "verbosity": verbosity or "medium"}, constraint
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -407,7 +419,8 @@ def parse_request(body: Any) -> ResponsesRequest:
     thinking, summary, reasoning = _reasoning(body)
     temperature = _number(body, "temperature", DEFAULT_TEMPERATURE, 0.0, MAX_TEMPERATURE)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
-    generate: dict[str, Any] = {"messages": messages, **tools}
+    text, constraint = _text(body)
+    generate: dict[str, Any] = {"messages": messages, **tools, **constraint}
     generate |= {"max_tokens": max_output or DEFAULT_MAX_OUTPUT_TOKENS, "temp": temperature, "top_p": top_p}
     seed = body.get("seed")
     if seed is not None and not (_is_int(seed) and 0 <= seed < 2**63):
@@ -428,7 +441,7 @@ def parse_request(body: Any) -> ResponsesRequest:
         "reasoning": reasoning,
         "store": _flag(body, "store", True),
         "temperature": temperature,
-        "text": _text(body),
+        "text": text,
         "tool_choice": body.get("tool_choice") or "auto",
         "tools": kept,
         "top_p": top_p,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import faulthandler
 import gc
+import json
 import math
 import random
 import re
@@ -57,6 +58,19 @@ from ..pool.expert_reader import ExpertReader
 
 # With fresh text, round r's decodes seed from seed + (r + 1) * this (warm-ups below 0).
 FRESH_SEED_STRIDE = 1000
+
+
+def constrained_schema(decode_tokens: int) -> dict[str, Any]:
+    """The `constrained` runs' schema: records of a string, a number and a flag, as an
+    API's structured output asks, in a list too long to end (and so to stop the decode)
+    within `decode_tokens`; its strings keep the grammar's masks as wide as free text."""
+    item = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "count": {"type": "integer"}, "ok": {"type": "boolean"}},
+        "required": ["name", "count", "ok"],
+        "additionalProperties": False,
+    }
+    return {"type": "array", "items": item, "minItems": decode_tokens}
 
 
 @dataclass(frozen=True)
@@ -116,6 +130,11 @@ class BenchDecodeSettings:
     # own generation loop (`generate`, in process, without the socket): mlx-lm's
     # generate_step with the daemon's sampling, counters and placement ticks around it.
     generation_loop: bool = False
+    # Also time each streaming configuration (but the naive reader) through the daemon's
+    # generation loop twice per round, side by side: a json_schema request
+    # (`CONSTRAINED_SCHEMA`, masked by its grammar: daemon/model/constrain.py) and the
+    # same request unconstrained: the cost of structured output.
+    constrained: bool = False
     # After the rounds, stock and each fully resident configuration also decode in this
     # many blocks of four, A B B A (stock, it, it, stock). On the H200 decode is bound by
     # the host, whose speed swings by up to 1.5x from one second to the next
@@ -136,6 +155,9 @@ class Config:
     generate_samples: list[dict[str, Any]] = field(default_factory=list)
     # Where it keeps experts in host memory besides the store: "mapped", "slots" or None.
     host_tier: str | None = None
+    # An unconstrained and a json_schema request through the generation loop (constrained).
+    run_constrained: Callable[[int], dict[str, Any]] | None = None
+    constrained_samples: list[dict[str, Any]] = field(default_factory=list)
 
 
 def timed_decode(
@@ -283,15 +305,40 @@ def _streaming_config(
             **host_split_per_token(split, n),
         }
 
-    def run_generate(seed: int) -> dict[str, Any]:
+    def run_generate(seed: int, grammar: Any = None) -> dict[str, Any]:
         # One more token than the bench loop decodes: the first comes with the prompt.
         params = SamplingParams(max_tokens=settings.decode_tokens + 1, temp=settings.temp, seed=seed)
-        result = generate(sm, prompt, params)
+        result = generate(sm, prompt, params, grammar=grammar)
         if result.stats["tokens_per_s"] is None:
             raise RuntimeError(
                 f"{name}: the generation loop stopped after {len(result.tokens)} token(s) ({result.finish_reason})"
             )
-        return {"tokens_per_s": result.stats["tokens_per_s"], "tokens": result.tokens[: settings.decode_tokens]}
+        return {
+            "tokens_per_s": result.stats["tokens_per_s"],
+            "tokens": result.tokens[: settings.decode_tokens],
+            "mask_ms_per_token": result.stats.get("constraint", {}).get("mask_ms_per_token"),
+        }
+
+    def run_constrained(seed: int) -> dict[str, Any]:
+        """An unconstrained request and a json_schema one through the generation loop,
+        in an order that alternates with the seed's parity (a drift hits both alike)."""
+        from ...shared.protocol import Constraint
+        from ..model.constrain import grammar_for
+
+        out: dict[str, Any] = {}
+        for constrained in (False, True) if seed % 2 == 0 else (True, False):
+            grammar = None
+            if constrained:
+                tic = time.perf_counter()
+                schema = Constraint("json_schema", json.dumps(constrained_schema(settings.decode_tokens)))
+                grammar = grammar_for(sm.tokenizer, schema)
+                out["compile_ms"] = 1e3 * (time.perf_counter() - tic)
+            key = "json_schema_tokens_per_s" if constrained else "unconstrained_tokens_per_s"
+            run = run_generate(seed, grammar)
+            out[key] = run["tokens_per_s"]
+            if constrained:
+                out["mask_ms_per_token"] = run["mask_ms_per_token"]
+        return out
 
     return Config(
         name,
@@ -300,6 +347,7 @@ def _streaming_config(
         sm.close,
         run_generate=run_generate if settings.generation_loop and not naive else None,
         host_tier=host_tier,
+        run_constrained=run_constrained if settings.constrained and not naive else None,
     )
 
 
@@ -555,6 +603,8 @@ def run_bench_decode(
                 c.run(round_seed(-1 - w))
                 if c.run_generate is not None:
                     c.run_generate(round_seed(-1 - w))
+                if c.run_constrained is not None:
+                    c.run_constrained(round_seed(-1 - w))
                 say(f"warm-up {w + 1}/{settings.warmup_rounds} {c.name}")
         for r in range(settings.rounds):
             for c in configs:
@@ -594,6 +644,15 @@ def run_bench_decode(
                     say(
                         f"round {r + 1}/{settings.rounds} {c.name} through generate: "
                         f"{c.generate_samples[-1]['tokens_per_s']:.2f} tok/s"
+                    )
+                if c.run_constrained is not None:
+                    gc.collect()
+                    # Seeds of both parities across rounds: the two requests' order alternates.
+                    pair = c.run_constrained(round_seed(r) + r)
+                    c.constrained_samples.append(pair)
+                    say(
+                        f"round {r + 1}/{settings.rounds} {c.name} json_schema: {pair['json_schema_tokens_per_s']:.2f} "
+                        f"tok/s, unconstrained {pair['unconstrained_tokens_per_s']:.2f} tok/s"
                     )
         paired: dict[str, dict[str, Any]] = {}
         if settings.paired_blocks and settings.stock:
@@ -662,6 +721,8 @@ def run_bench_decode(
             row["generate_same_tokens"] = (
                 all(s["tokens"] == c.samples[0]["tokens"] for s in c.generate_samples) if settings.temp == 0 else None
             )
+        if c.constrained_samples:
+            row["json_schema"] = constrained_summary(c.constrained_samples)
         row["same_tokens_as_first"] = all(s["tokens"] == ref for s, ref in zip(c.samples, reference_tokens))
         if c.name in paired:
             row["paired_blocks"] = paired[c.name]
@@ -692,6 +753,7 @@ def run_bench_decode(
         "warmup_rounds": settings.warmup_rounds,
         "min_round_seconds": settings.min_round_seconds,
         "generation_loop": settings.generation_loop,
+        "constrained": settings.constrained,
         "paired_blocks": settings.paired_blocks,
         "host_cache_bytes": settings.host_cache,
         "host_tier_mapped": tier_note,
@@ -723,6 +785,24 @@ def run_bench_decode(
 # the bound is the resident speed within the noise of measuring it: a ratio to it says
 # no more than "x stock" does, and lands above 1 as often as below.
 BOUND_MIN_MOVE_SHARE = 0.05
+
+
+def constrained_summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """A configuration's json_schema runs against its unconstrained ones: medians, and
+    the cost (1 - constrained / unconstrained tokens/s) paired round by round."""
+    costs = [1 - s["json_schema_tokens_per_s"] / s["unconstrained_tokens_per_s"] for s in samples]
+    mask = statistics.median(s["mask_ms_per_token"] for s in samples)
+    unconstrained = statistics.median(s["unconstrained_tokens_per_s"] for s in samples)
+    return {
+        "tokens_per_s": statistics.median(s["json_schema_tokens_per_s"] for s in samples),
+        "unconstrained_tokens_per_s": unconstrained,
+        "cost": statistics.median(costs),
+        "cost_runs": costs,
+        "compile_ms": statistics.median(s["compile_ms"] for s in samples),
+        # The grammar's own host time per token, and its share of an unconstrained token's time.
+        "mask_ms_per_token": mask,
+        "mask_share": mask * unconstrained / 1e3,
+    }
 
 
 def bound_why_not(move_share: float, disk_bytes_per_token: float, page_cache: str | None) -> str | None:
@@ -869,5 +949,15 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{r['name']:<26} {r['generate_tokens_per_s']:>8.1f} tok/s, {r['generate_vs_bench_paired']:.2f}x the "
                 "bench loop (paired)"
                 + (", other tokens than the bench loop" if r["generate_same_tokens"] is False else "")
+            )
+    costed = [r for r in report["results"] if r.get("json_schema") is not None]
+    if costed:
+        lines.append("a json_schema request against the same request unconstrained, through the generation loop:")
+        for r in costed:
+            j = r["json_schema"]
+            lines.append(
+                f"{r['name']:<26} {j['tokens_per_s']:>8.1f} tok/s against {j['unconstrained_tokens_per_s']:.1f}: "
+                f"cost {100 * j['cost']:.1f}% (paired median); the grammar's own {j['mask_ms_per_token']:.3f} ms a "
+                f"token ({100 * j['mask_share']:.1f}% of an unconstrained token), compiled in {j['compile_ms']:.1f} ms"
             )
     return "\n".join(lines)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ..mapped.mapped_pool import MappedPool
     from ..pool.resident_routing import ResidentRouting
     from .batching import BatchSession
+    from .constrain import Grammar
     from .prompt_cache import PromptCache
 
 
@@ -286,11 +287,19 @@ def generate(
     should_stop: Callable[[], bool] | None = None,
     on_prompt_progress: Callable[[int, int], None] | None = None,
     batch: BatchSession | None = None,
+    grammar: Grammar | None = None,
 ) -> GenerationResult:
     """Run one request to the end; `on_text(segment, token)` gets text as it appears."""
     result = GenerationResult()
     steps = iter_generate(
-        sm, prompt_ids, params, result, should_stop=should_stop, on_prompt_progress=on_prompt_progress, batch=batch
+        sm,
+        prompt_ids,
+        params,
+        result,
+        should_stop=should_stop,
+        on_prompt_progress=on_prompt_progress,
+        batch=batch,
+        grammar=grammar,
     )
     for segment, token in steps:
         if on_text is not None and token is not None:
@@ -425,8 +434,9 @@ def plain_steps(
     the request, between them (the daemon's engine loop); closed there, a prefill of the
     prompt cache's is left to the requests that share it, or kept suspended.
 
-    `processors` (`request_processors`) see the whole prompt and the tokens made, as they
-    do in stock's `generate_step`, however the prompt was prefilled."""
+    `processors` (a constrained request's grammar, daemon/model/constrain.py, then
+    `request_processors`) see the whole prompt and the tokens made, as they do in
+    stock's `generate_step`, however the prompt was prefilled."""
     prompt = mx.array(list(prompt_ids))
     n = prompt.size
     lm = sm.layer_major
@@ -504,6 +514,7 @@ def iter_generate(
     on_prompt_progress: Callable[[int, int], None] | None = None,
     batch: BatchSession | None = None,
     prompt_cache: PromptCache | None = None,
+    grammar: Grammar | None = None,
 ) -> Iterator[tuple[str, int | None]]:
     """Yield (text segment, token id) pairs; fill `result` as it goes. With a `batch`
     (daemon/model/batching.py) the request decodes in it, beside the others (and while
@@ -514,7 +525,12 @@ def iter_generate(
     neither).
 
     `on_prompt_progress(done, total)` is called as the prompt is prefilled: at its start
-    and after each prefill chunk (mlx-lm's prefill step), on this thread."""
+    and after each prefill chunk (mlx-lm's prefill step), on this thread.
+
+    A `grammar` (daemon/model/constrain.py, compiled for this request) masks each step's
+    logits before sampling: the request then decodes on its own (as `generate_step`, with
+    the grammar among its logits processors), outside any batch and without speculation,
+    and its statistics say so (`constraint`)."""
     tokenizer = sm.tokenizer
     detok = tokenizer.detokenizer
     detok.reset()
@@ -541,7 +557,15 @@ def iter_generate(
     use = CacheUse(prompt_cache) if prompt_cache is not None and prompt_cache.enabled else None
     # Every token the steps yield (an end token too): what went into the request's cache.
     fed: list[int] = []
-    if params.speculative:
+    # The grammar masks first: the penalties and biases then see only what it allows.
+    constrained = grammar.processor() if grammar is not None else None
+    if constrained is not None:
+        processors = [constrained, *processors]
+    # Speculation verifies drafts from logits the grammar has not masked, and a batch
+    # step samples every member at once: a constrained request decodes alone, unbatched.
+    speculative = params.speculative if grammar is None else None
+    alone = bool(speculative or grammar is not None)
+    if speculative:
         use = None
         from .speculative import SpeculativeParams, SpeculativeStats, speculative_steps
 
@@ -558,7 +582,7 @@ def iter_generate(
             stats=spec_stats,
             on_prompt_progress=on_prompt_progress,
         )
-    elif batch is not None:
+    elif batch is not None and not alone:
         steps = batch.steps(
             prompt_ids,
             sampler,
@@ -654,12 +678,12 @@ def iter_generate(
             yield text[emitted:], result.tokens[-1] if result.tokens else -1
         result.text = text
     decode_seconds = time.perf_counter() - tic
-    if use is not None and batch is None:
+    if use is not None and (batch is None or alone):
         use.keep(prompt_ids, fed)
     # A request that broke off (a stop, a cancel) leaves the batch now, not when this
     # generator is collected.
     source.close()
-    if readback is not None and (batch is None or params.speculative or not batch.decoding()):
+    if readback is not None and (batch is None or alone or not batch.decoding()):
         # Account what is still pending (this request's last forwards, and those of
         # requests interleaved with it), so that its statistics and the heat include it.
         # Not while others decode in the batch: that waits for the forward in flight (and
@@ -714,7 +738,7 @@ def iter_generate(
     result.stats["prefill"] = _prefill_summary(shared or prefill_stats, prefill)
     if use is not None:
         result.stats["prompt_cache"] = use.to_dict()
-    if batch is not None and not params.speculative:
+    if batch is not None and not alone:
         # The batch's totals when this request ended (its hits and misses above are the
         # pool's during the steps this request ran, which served the whole batch).
         result.stats["batch"] = batch.to_dict()
@@ -724,6 +748,15 @@ def iter_generate(
         result.stats["speculative"] = spec_stats.to_dict()
     if speculative_off is not None:
         result.stats["speculative_off"] = speculative_off
+    if constrained is not None and grammar is not None:
+        result.stats["constraint"] = {
+            "kind": grammar.what,
+            "tokens_checked": constrained.consumed,
+            # The host's milliseconds per token in the grammar's processor (excluding the
+            # wait for the token it follows, which the mask needs before it can be built).
+            "mask_ms_per_token": 1e3 * constrained.seconds / constrained.calls if constrained.calls else None,
+            "speculative": "off" if params.speculative else None,
+        }
     if sm.prefetcher is not None:
         result.stats["prefetch"] = sm.prefetcher.stats()
     if rec is not None:

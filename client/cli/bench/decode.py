@@ -61,6 +61,12 @@ from ..values import knob_option, size_option
     help="Also time each streaming configuration through the daemon's own generation loop (in process): what a "
     "client of the daemon gets, against the bench's tight loop.",
 )
+@click.option(
+    "--constrained",
+    is_flag=True,
+    help="Also time each streaming configuration's cost of structured output: a json_schema request against the "
+    "same request unconstrained, through the daemon's generation loop, side by side in every round.",
+)
 @click.option("--io-threads", default=default_of("io_threads"), show_default=True, type=click.IntRange(1, 256))
 @click.option("--no-stock", is_flag=True, help="Skip stock mlx-lm (when all experts do not fit in memory).")
 @click.option("--no-naive", is_flag=True, help="Skip the naive on-demand baseline.")
@@ -163,6 +169,7 @@ def bench_decode(
     min_round_seconds,
     paired_blocks,
     generation_loop,
+    constrained,
     io_threads,
     no_stock,
     no_naive,
@@ -222,6 +229,7 @@ def bench_decode(
         warmup_rounds=warmup_rounds,
         min_round_seconds=min_round_seconds,
         generation_loop=generation_loop,
+        constrained=constrained,
         paired_blocks=paired_blocks,
         policy=policy,
         io_threads=io_threads,
