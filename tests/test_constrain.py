@@ -22,7 +22,13 @@ from mlx_lm.generate import generate_step
 from tiny_models import make_tiny_model
 
 from moestream.daemon.model.constrain import GrammarProcessor, grammar_for
-from moestream.daemon.model.generation import GenerationResult, SamplingParams, iter_generate, request_sampler
+from moestream.daemon.model.generation import (
+    GenerationResult,
+    SamplingParams,
+    iter_generate,
+    request_processors,
+    request_sampler,
+)
 from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.daemon.store.convert import convert_model
 from moestream.shared import protocol as proto
@@ -51,14 +57,15 @@ def tiny(request, tmp_path_factory):
 
 
 def _stock(model, tokenizer, prompt: list[int], params: SamplingParams) -> list[int]:
-    """Stock `generate_step` with a fresh matcher of the same grammar, to the end token."""
+    """Stock `generate_step` with a fresh matcher of the same grammar (then the request's
+    own processors: penalties, biases), to the end token."""
     processor = grammar_for(tokenizer, CONSTRAINT).processor()
     steps = generate_step(
         mx.array(prompt),
         model,
         max_tokens=params.max_tokens,
         sampler=request_sampler(params),
-        logits_processors=[processor],
+        logits_processors=[processor, *request_processors(params)],
     )
     out = []
     for token, _ in steps:
@@ -88,6 +95,22 @@ def test_a_constrained_request_makes_stock_generate_steps_tokens_with_the_same_p
             jsonschema.validate(json.loads(result.text), SCHEMA)
             assert result.stats["constraint"]["kind"] == "json_schema"
             assert result.stats["constraint"]["tokens_checked"] >= len(result.tokens)
+    finally:
+        sm.close()
+
+
+def test_a_constrained_request_with_a_model_cards_sampling_is_stocks_with_both_processors(tiny):
+    """The grammar masks first, then the penalties and biases: as stock given both."""
+    store, model, tokenizer = tiny
+    sm = load_streaming_model(store, Settings(capacity=0.25, direct_io=True))
+    try:
+        prompt = np.random.default_rng(7).integers(0, 200, size=12).tolist()
+        controls = proto.SamplingControls(presence_penalty=1.5, repetition_penalty=1.1, logit_bias=((5, 3.0),))
+        params = SamplingParams(max_tokens=MAX_TOKENS, temp=0.7, top_p=0.8, top_k=20, seed=4, controls=controls)
+        result = GenerationResult()
+        list(iter_generate(sm, prompt, params, result, grammar=grammar_for(sm.tokenizer, CONSTRAINT)))
+        assert result.tokens == _stock(model, tokenizer, prompt, params)
+        jsonschema.validate(json.loads(result.text), SCHEMA)
     finally:
         sm.close()
 
