@@ -509,15 +509,17 @@ def test_responses_text_format(http, fmt, status):
 
 
 def test_responses_ids_and_output_text(served, oa):
+    """The peer samples at temperature 0.8; greedy here, so that the text is the daemon's."""
     res = oa.responses.create(
         model="gpt-4.1",
         input=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
         max_output_tokens=N,
-        temperature=0.8,
+        temperature=0,
     )
+    want = daemon_answer(served, CHAT)
     assert res.id.startswith("resp_") and res.model == "gpt-4.1"
     assert [item.type for item in res.output] == ["message"] and res.output[0].id.startswith("msg_")
-    assert res.output_text and res.usage.output_tokens <= N
+    assert res.output_text == want.text and res.usage.output_tokens == len(want.tokens)
 
 
 def test_responses_stream_ids_are_consistent(served, oa, tokenizer):
@@ -607,7 +609,8 @@ def test_chat_completion_with_openai_client_and_a_seed(oa):
     first = oa.chat.completions.create(**args)
     choice = first.choices[0]
     assert choice.message.content is not None
-    assert (choice.finish_reason == "length") == (first.usage.completion_tokens == N)
+    assert choice.finish_reason in ("length", "stop") and first.usage.completion_tokens <= N
+    assert choice.finish_reason == "stop" or first.usage.completion_tokens == N
     assert oa.chat.completions.create(**args).choices[0].message.content == choice.message.content
 
 
