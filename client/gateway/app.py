@@ -2,7 +2,8 @@
 one port (one key, one set of checks, one request path; each API's own module only
 translates its requests and answers):
 
-    POST /v1/chat/completions   OpenAI: messages through the model's chat template (the daemon applies it)
+    POST /v1/chat/completions   OpenAI: messages through the model's chat template (the daemon applies it);
+                                also as /chat/completions, as llama.cpp's and mlx-lm's servers take it
     POST /v1/completions        OpenAI: a text prompt (or one list of token ids)
     GET  /v1/models             OpenAI: the daemon's model (context length, capabilities), and /v1/models/{id}
     POST /v1/responses          OpenAI's Responses API, stateless, as Codex CLI speaks it (responses.py)
@@ -755,6 +756,8 @@ def create_app(config: GatewayConfig, guard: GuardConfig | None = None) -> Starl
     gw = Gateway(config)
     routes = [
         Route("/v1/chat/completions", gw.chat_completions, methods=["POST"]),
+        # Clients set up for llama.cpp's or mlx-lm's server may leave out the /v1.
+        Route("/chat/completions", gw.chat_completions, methods=["POST"]),
         Route("/v1/completions", gw.completions, methods=["POST"]),
         Route("/v1/models", gw.models, methods=["GET"]),
         Route("/v1/models/{model:path}", gw.model, methods=["GET"]),
