@@ -248,7 +248,8 @@ def test_listening_beyond_loopback_needs_a_key(tmp_path):
 
 def test_a_copy_of_the_demo_store_anywhere_is_named_the_demo(tmp_path):
     """By its store id: after a reinstall the daemon may serve the demo from another path."""
-    from moestream.client.gateway.app import DEMO_MODEL_ID, GatewayConfig, model_id
+    from moestream.client.gateway.app import GatewayConfig
+    from moestream.client.gateway.model_info import DEMO_MODEL_ID, model_id
     from moestream.shared.settings import demo_store_path
     from moestream.shared.store_format import load_manifest
 

@@ -256,3 +256,72 @@ def test_imports_inside_the_package_are_relative():
         if absolute.match(line)
     ]
     assert bad == [], f"absolute imports of the package inside it: {bad}"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """module -> the package's modules it imports, at any depth of its code (a function's
+    own imports too; TYPE_CHECKING blocks left out), from the relative imports."""
+    mods = {}
+    for f in _code_files("daemon", "client", "shared"):
+        rel = f.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
+        mods[name] = (f, rel[-1] == "__init__")
+    graph: dict[str, set[str]] = {}
+    for name, (f, is_pkg) in mods.items():
+        package = name.split(".") if is_pkg else name.split(".")[:-1]
+        out: set[str] = set()
+
+        def visit(body: list[ast.stmt]) -> None:
+            for node in body:
+                if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                    continue
+                if isinstance(node, ast.ImportFrom) and node.level:
+                    base = ".".join(
+                        [*package[: len(package) - node.level + 1], *([node.module] if node.module else [])]
+                    )
+                    for alias in node.names:
+                        out.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in mods else base)
+                for child in ast.iter_child_nodes(node):
+                    if isinstance(child, ast.stmt):
+                        visit([child])
+
+        visit(ast.parse(f.read_text(), str(f)).body)
+        graph[name] = {m for m in out if m in mods and m != name}
+    return graph
+
+
+def test_no_import_cycles_and_no_product_module_imports_a_benchmark():
+    """Every arrow points one way, function-local imports included (they are where
+    cycles hid), and no engine, client or shared module reaches into `daemon/bench`
+    (benchmarks import the product, never the other way)."""
+    graph = _import_graph()
+    assert "daemon.model.generation" in graph and graph["client.gateway.ollama"]
+    cycles, index, low, stack, on = [], {}, {}, [], set()
+
+    def strong(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                cycles.append(sorted(part))
+
+    for v in graph:
+        if v not in index:
+            strong(v)
+    assert cycles == [], f"import cycles: {cycles}"
+    bench = [f"{m} -> {t}" for m, ts in graph.items() for t in ts if t.startswith("daemon.bench") and ".bench" not in m]
+    assert bench == [], f"product modules importing benchmarks: {bench}"

@@ -42,7 +42,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import anyio.to_thread
@@ -72,13 +71,12 @@ from ..dashboard import Dashboard
 from . import anthropic, ollama, responses
 from .guard import GuardConfig, GuardMiddleware
 from .keep_alive import KEEP_ALIVE_SECONDS, KeepAlive
+from .model_info import capabilities, context_length, model_id
 from .openai import ApiError, ApiRequest, Shaper, finish_reason, parse_request, usage
 
 # The protocol's own message limit: a body this size holds any prompt the daemon takes.
 MAX_BODY_BYTES = proto.MAX_MESSAGE_BYTES
 MAX_CONCURRENT = 64
-MODEL_ALIAS = "moestream"
-DEMO_MODEL_ID = "moestream-demo"
 
 # Daemon error codes -> (HTTP status, OpenAI error type).
 _DAEMON_ERRORS: dict[str, tuple[int, str]] = {
@@ -123,17 +121,6 @@ class GatewayConfig:
     keep_alive_seconds: float = KEEP_ALIVE_SECONDS
 
 
-def model_id(st: dict[str, Any], demo_store_id: str | None) -> str:
-    """The model's id in the API, from the daemon's status: the store folder's name, or
-    "moestream-demo" for the built-in demo model wherever its store lies (its id says so)."""
-    store = st.get("model")
-    if not store:
-        return MODEL_ALIAS
-    if demo_store_id is not None and st.get("store_id") == demo_store_id:
-        return DEMO_MODEL_ID
-    return Path(store).name
-
-
 def _daemon_error(e: RequestRejected) -> ApiError:
     status, kind = _DAEMON_ERRORS.get(e.code, (500, "server_error"))
     code = "context_length_exceeded" if e.code == proto.TOO_LONG else e.code
@@ -168,17 +155,6 @@ def check_model(st: dict[str, Any], asked: str | None, demo_store_id: str | None
     the daemon's one model: coding agents ask for theirs, `claude-...`), else the
     served model's id."""
     return asked or model_id(st, demo_store_id)
-
-
-def capabilities(st: dict[str, Any]) -> list[str]:
-    """What the daemon's model takes, in Ollama's words (completion, tools, thinking, vision)."""
-    caps = st.get("capabilities") or {}
-    return ["completion", *(name for name in ("tools", "thinking", "vision") if caps.get(name))]
-
-
-def context_length(st: dict[str, Any]) -> int | None:
-    """Tokens per request, prompt and answer (None before the model's first load)."""
-    return (st.get("context") or {}).get("tokens")
 
 
 def client_label(request: Request) -> str:

@@ -37,6 +37,7 @@ from ... import __version__
 from ...shared import protocol as proto
 from ...shared.protocol import Done
 from ..client import Token, ToolCall
+from .model_info import capabilities, context_length, model_id
 from .openai import (
     ApiError,
     ApiRequest,
@@ -442,8 +443,6 @@ class OllamaApi:
 
     async def _model(self) -> dict[str, Any]:
         st = await self._gw._status()
-        from .app import capabilities, context_length, model_id
-
         name = model_id(st, self._gw.config.demo_store_id)
         memory = st.get("memory") or {}
         size = int(memory.get("resident_weights_bytes") or 0) + int(memory.get("pool_bytes") or 0)
