@@ -1015,5 +1015,6 @@ def test_mlx_lm_repetition_context_size_is_the_penalty_window(served, http):
     assert answers[2] != answers[20]
     r = http.post("/v1/chat/completions", json=body | {"repetition_context_size": 2, "presence_penalty": 0.5})
     assert r.status_code == 400 and "same context size" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "repetition_context_size"
     r = http.post("/v1/completions", json={"prompt": "x", "repetition_penalty": 1.1, "repetition_context_size": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_context_size"

@@ -393,7 +393,7 @@ def _penalty_window(body: dict[str, Any], values: dict[str, Any]) -> int | None:
         raise bad_request(
             f"the penalties asked look back over different windows ({sorted(windows)} tokens); this server's "
             "penalties share one: give them the same context size",
-            next(reversed(windows.values())),
+            next((n for n in windows.values() if n in body), None),
         )
     return next(iter(windows), None)
 
