@@ -2,10 +2,10 @@
 llama.cpp's server (tools/server/tests/unit/test_compat_anthropic.py,
 test_compat_oai_responses.py, test_chat_completion.py, test_tool_call.py) and mlx-lm's
 (tests/test_server.py). Each test is named after the peer's check it ports; what was
-ported, what does not apply and what belongs to issue 52 is listed, check by check, in
-tests/data/peer_suites.md. The checks are our own code, asserting our behaviour exactly
-(token counts from the tokenizer and the chat template, greedy text equal to the daemon's
-own answer), never the peers' strings.
+ported and what does not apply is listed, check by check, in tests/data/peer_suites.md.
+The checks are our own code, asserting our behaviour exactly (token counts from the
+tokenizer and the chat template, greedy text equal to the daemon's own answer), never
+the peers' strings.
 
 Real parts, as the other gateway tests: the demo model in a real daemon, the gateway as
 its own process, raw HTTP (httpx) where the peer sends raw HTTP and the real `openai` /
@@ -23,6 +23,7 @@ from typing import Any
 
 import anthropic
 import httpx
+import jsonschema
 import openai
 import pytest
 from test_openai_gateway import served_gateway
@@ -32,6 +33,7 @@ from thinking_model import THINK_END, make_thinking_store
 from moestream.client.client import Client, Done
 from moestream.client.gateway import anthropic as anth
 from moestream.daemon.model.generation import render_chat
+from moestream.shared.protocol import SamplingControls
 from moestream.shared.settings import demo_store_path
 
 KEY = "sk-peers-0123456789"
@@ -62,6 +64,15 @@ TOOL_TURN = [
     },
     {"role": "tool", "name": "get_weather", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
 ]
+# Tokens for a constrained answer to end in: the demo model, which has learnt no JSON,
+# writes a short JSON object well within them at temperature 0.
+JSON_BUDGET = 96
+SMALL_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 # A 1x1 PNG, as llama.cpp's image check sends it.
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 
@@ -508,6 +519,25 @@ def test_responses_text_format(http, fmt, status):
         assert error["message"] and error["param"] == "text.format"
 
 
+@pytest.mark.parametrize(
+    "fmt, want",
+    [
+        pytest.param({"type": "json_schema", "name": "foo", "schema": {"const": "foooooo"}}, "foooooo", id="const"),
+        pytest.param({"type": "json_object"}, None, id="json_object"),
+    ],
+)
+def test_responses_text_format_gives_that_json(http, fmt, want):
+    """The demo model has learnt no JSON: what it writes is JSON because the daemon's
+    grammar allows nothing else; the budget lets a JSON object end."""
+    body = {"model": "m", "input": QUESTION, "max_output_tokens": JSON_BUDGET, "temperature": 0}
+    r = http.post("/v1/responses", json=body | {"text": {"format": fmt}}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["status"] == "completed", out
+    answer = json.loads(out["output"][-1]["content"][0]["text"])
+    assert answer == want if want is not None else isinstance(answer, dict)
+
+
 def test_responses_ids_and_output_text(served, oa):
     """The peer samples at temperature 0.8; greedy here, so that the text is the daemon's."""
     res = oa.responses.create(
@@ -655,6 +685,76 @@ def test_chat_completion_invalid_response_format_is_a_400(http, fmt):
 
 
 @pytest.mark.parametrize(
+    "fmt, schema",
+    [
+        pytest.param({"type": "json_object"}, {"type": "object"}, id="json_object"),
+        pytest.param(
+            {"type": "json_schema", "json_schema": {"name": "c", "schema": {"const": "foooooo"}}},
+            {"const": "foooooo"},
+            id="json_schema_const",
+        ),
+        pytest.param(
+            {"type": "json_schema", "json_schema": {"name": "o", "schema": SMALL_SCHEMA, "strict": True}},
+            SMALL_SCHEMA,
+            id="json_schema_object",
+        ),
+    ],
+)
+def test_chat_completion_response_format_constrains_the_answer(http, fmt, schema):
+    body = {"model": "m", "max_tokens": JSON_BUDGET, "messages": CHAT, "temperature": 0, "response_format": fmt}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+
+
+def _check_logprobs(entries: list[Any], content: str) -> None:
+    assert entries and "".join(e.token for e in entries) == content
+    for e in entries:
+        assert e.logprob <= 0 and e.bytes is not None and e.bytes == list(e.token.encode())
+        assert len(e.top_logprobs) == 10 and e.top_logprobs[0].logprob == e.logprob  # greedy: the likeliest
+        assert all(t.logprob <= 0 and t.bytes is not None for t in e.top_logprobs)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_completion_logprobs_with_the_openai_client(served, oa, stream):
+    args = dict(model="gpt-4o", messages=CHAT, max_tokens=N, temperature=0, logprobs=True, top_logprobs=10)
+    want = daemon_answer(served, CHAT).text
+    if not stream:
+        choice = oa.chat.completions.create(**args).choices[0]
+        assert choice.message.content == want
+        _check_logprobs(choice.logprobs.content, want)
+        return
+    chunks = [c for c in oa.chat.completions.create(**args, stream=True) if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    _check_logprobs([e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content], want)
+
+
+def test_chat_completion_logit_bias_keeps_the_greedy_tokens_out(served, oa, tokenizer):
+    """The peer bans the tokens of a phrase (its /tokenize: the demo tokenizer here), those
+    of the greedy answer, which then never comes back."""
+    greedy = daemon_answer(served, CHAT)
+    banned = sorted(set(tokenizer.encode(greedy.text, add_special_tokens=False)))
+    out = oa.chat.completions.create(
+        model="m", messages=CHAT, max_tokens=N, temperature=0, logit_bias={str(t): -100 for t in banned}
+    )
+    biased = daemon_answer(served, CHAT, sampling=SamplingControls(logit_bias=tuple((t, -100.0) for t in banned)))
+    assert out.choices[0].message.content == biased.text != greedy.text
+    assert biased.tokens and not set(biased.tokens) & set(banned)
+
+
+def test_chat_completion_n_2(served, oa):
+    out = oa.chat.completions.create(model="m", messages=CHAT, max_tokens=N, temperature=0, n=2)
+    want = daemon_answer(served, CHAT)
+    assert [c.index for c in out.choices] == [0, 1]
+    for c in out.choices:
+        assert c.finish_reason == ("length" if want.finish_reason == "length" else "stop")
+        assert c.message.content == want.text
+    assert out.usage.completion_tokens == 2 * len(want.tokens)
+
+
+@pytest.mark.parametrize(
     "messages",
     [
         None,
@@ -719,6 +819,56 @@ def test_tool_call_tools_offered_without_tool_choice(served, oa, tokenizer):
     assert out.usage.prompt_tokens == rendered_tokens(tokenizer, messages, [FUNCTION])
 
 
+def _folded(oa: openai.OpenAI, stream: bool, **args: Any) -> Any:
+    """The answer's message, streamed chunks folded by the `openai` package's own helper."""
+    if not stream:
+        return oa.chat.completions.create(**args).choices[0].message
+    with oa.chat.completions.stream(**args) as s:
+        return s.get_final_completion().choices[0].message
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_tool_call_required_is_exactly_one_call_of_the_offered_tool(oa, stream):
+    """The demo has not learnt tool calls: the daemon's grammar writes the one call."""
+    message = _folded(
+        oa,
+        stream,
+        model="m",
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[FUNCTION],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=JSON_BUDGET,
+        temperature=0,
+    )
+    assert message.content in (None, "")
+    (call,) = message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, TOOL["input_schema"])
+    assert isinstance(arguments["city"], str)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_tool_call_none_writes_no_call(oa, stream):
+    # The prompt ends inside the call markup's start: unconstrained, the demo goes on writing it.
+    ask = [{"role": "user", "content": "Call get_weather for Paris. Reply with <tool_call>"}]
+    args = dict(model="m", messages=ask, tools=[FUNCTION], max_tokens=2 * N, temperature=0)
+    if stream:  # the package's fold refuses an answer cut at max_tokens: the chunks by hand
+        chunks = [
+            c.choices[0] for c in oa.chat.completions.create(**args, tool_choice="none", stream=True) if c.choices
+        ]
+        assert not any(c.delta.tool_calls for c in chunks)
+        content = "".join(c.delta.content or "" for c in chunks)
+    else:
+        message = oa.chat.completions.create(**args, tool_choice="none").choices[0].message
+        assert not message.tool_calls
+        content = message.content
+        free = oa.chat.completions.create(**args).choices[0].message  # unconstrained, it writes a call
+        assert free.tool_calls or "<tool_call>" in (free.content or "")
+    assert content and "<tool_call>" not in content and "</tool_call>" not in content
+
+
 def test_tool_call_history_with_null_content_and_a_tool_message(served, oa, tokenizer):
     out = oa.chat.completions.create(model="m", messages=TOOL_TURN, tools=[FUNCTION], max_tokens=N, temperature=0)
     chat = [
@@ -750,6 +900,8 @@ def test_mlx_lm_completions_repeat_with_a_seed(http):
         "max_tokens": 10,
         "temperature": 0.5,
         "top_p": 0.9,
+        "repetition_penalty": 1.1,
+        "repetition_context_size": 20,
         "seed": 999,
         "stop": "stop sequence",
     }
@@ -774,7 +926,10 @@ def test_mlx_lm_completions_repeat_with_a_seed(http):
     ],
 )
 def test_mlx_lm_chat_completions(served, http, tokenizer, messages):
-    r = http.post("/v1/chat/completions", json={"model": "chat_model", "max_tokens": 10, "messages": messages})
+    sampling = {"temperature": 0.7, "top_p": 0.85, "repetition_penalty": 1.2}
+    r = http.post(
+        "/v1/chat/completions", json={"model": "chat_model", "max_tokens": 10, "messages": messages} | sampling
+    )
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["id"] and out["choices"][0]["message"]["role"] == "assistant"
@@ -842,3 +997,24 @@ def test_mlx_lm_prompt_cache_through_the_server(served, http, tokenizer):
     assert 0 < cached <= shared
     for out, messages in zip(answers, (first, second)):
         assert out["choices"][0]["message"]["content"] == daemon_answer(served, messages, max_tokens=5).text
+
+
+def test_mlx_lm_repetition_context_size_is_the_penalty_window(served, http):
+    """mlx-lm's server's `repetition_context_size` (its completions test sends it) is the
+    window of the daemon's penalties: the answer is the daemon's for that window, not
+    the default 20's. mlx-lm gives each penalty its own window; the daemon's penalties
+    share one, so windows that differ are a 400 rather than a different answer."""
+    body = {"model": "m", "messages": CHAT, "max_tokens": 2 * N, "temperature": 0, "repetition_penalty": 1.5}
+    answers = {}
+    for window in (2, 20):
+        r = http.post("/v1/chat/completions", json=body | {"repetition_context_size": window})
+        assert r.status_code == 200, r.text
+        answers[window] = r.json()["choices"][0]["message"]["content"]
+        controls = SamplingControls(repetition_penalty=1.5, penalty_window=window)
+        assert answers[window] == daemon_answer(served, CHAT, max_tokens=2 * N, sampling=controls).text
+    assert answers[2] != answers[20]
+    r = http.post("/v1/chat/completions", json=body | {"repetition_context_size": 2, "presence_penalty": 0.5})
+    assert r.status_code == 400 and "same context size" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "repetition_context_size"
+    r = http.post("/v1/completions", json={"prompt": "x", "repetition_penalty": 1.1, "repetition_context_size": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_context_size"

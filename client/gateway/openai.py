@@ -12,7 +12,9 @@ required, a named function) and the messages of a tool-calling turn (an assistan
 `tool_calls`, `role: "tool"` results), and Ollama's `keep_alive` ("5m", seconds, 0, -1:
 how long the model stays loaded once the daemon is idle after this request).
 `top_k`, `min_p`, `repetition_penalty` (as vLLM and llama.cpp take them), `presence_penalty`,
-`frequency_penalty` (mlx-lm's, over the last 20 tokens, the prompt's too), `logit_bias`,
+`frequency_penalty` (mlx-lm's, over the last 20 tokens, the prompt's too, or mlx-lm's
+server's `repetition_context_size` / `presence_context_size` / `frequency_context_size`,
+which must agree: the penalties share one window), `logit_bias`,
 `logprobs` / `top_logprobs` (from the logits the sampler sees), `n` (n requests for the
 same prompt; a seed s gives choice i the seed s + i). `response_format` json_object and
 json_schema ({name, schema, strict}) make the answer JSON of that schema, enforced by the
@@ -363,11 +365,37 @@ def sampling_controls(
     bias = _logit_bias(body.get(names.get("logit_bias", "logit_bias")), names.get("logit_bias", "logit_bias"))
     if bias:
         values["logit_bias"] = bias
+    window = window if window is not None else _penalty_window(body, values)
     if window is not None:
         values["penalty_window"] = window
     if logprobs is not None:
         values["logprobs"] = logprobs
     return proto.SamplingControls(**values) if values else None
+
+
+_PENALTIES_OFF = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def _penalty_window(body: dict[str, Any], values: dict[str, Any]) -> int | None:
+    """mlx-lm's server's `repetition_context_size`, `presence_context_size` and
+    `frequency_context_size` (each 20 unless given) as the one window the daemon's
+    penalties share: the penalties asked must agree on it, else the answer could not be
+    the one asked for (a 400, not a silently different window)."""
+    windows: dict[int, str] = {}
+    for penalty, off in _PENALTIES_OFF.items():
+        name = penalty.replace("_penalty", "_context_size")
+        size = body.get(name)
+        if size is not None and not (_is_int(size) and 1 <= size <= proto.MAX_PENALTY_WINDOW):
+            raise bad_request(f"'{name}' must be a whole number in 1..{proto.MAX_PENALTY_WINDOW}, got {size!r}", name)
+        if values.get(penalty, off) != off:
+            windows.setdefault(proto.SamplingControls.penalty_window if size is None else size, name)
+    if len(windows) > 1:
+        raise bad_request(
+            f"the penalties asked look back over different windows ({sorted(windows)} tokens); this server's "
+            "penalties share one: give them the same context size",
+            next((n for n in windows.values() if n in body), None),
+        )
+    return next(iter(windows), None)
 
 
 def _openai_logprobs(body: dict[str, Any], chat: bool) -> int | None:
