@@ -18,12 +18,11 @@ from datetime import datetime, timedelta, timezone
 import anthropic
 import httpx
 import ollama
-import openai
 import pytest
 from daemon_cli import wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_openai_gateway import chat_answer, generate_json, recent, served_gateway
+from test_openai_gateway import chat_answer, generate_json, real_clients, recent, served_gateway
 
 from moestream.shared import protocol as proto
 from moestream.shared.protocol import Done
@@ -241,12 +240,7 @@ def served():
 
 @pytest.fixture(scope="module")
 def clients(served):
-    url = served[1].url
-    return (
-        openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120),
-        anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=120),
-        ollama.Client(host=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120),
-    )
+    return real_clients(served[1].url, KEY)
 
 
 def test_greedy_text_through_each_api_equals_generate(served, clients, tokenizer):

@@ -11,6 +11,10 @@ the prompt cache's prefills started, joined, suspended and resumed.
 
 from __future__ import annotations
 
+import os
+import pty
+import re
+import select
 import signal
 import subprocess
 import sys
@@ -35,8 +39,8 @@ EXPERTS = "16"  # the tiny store's every expert: stock's chunk order
 CONTEXT = {"MOESTREAM_MAX_CONTEXT": "32768"}
 
 
-def _prompt(seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(3, 500, size=PROMPT_TOKENS).tolist()
+def _prompt(seed: int, tokens: int = PROMPT_TOKENS) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 500, size=tokens).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -151,34 +155,40 @@ def test_the_same_prompt_during_its_prefill_shares_it(daemon, alone):
 
 
 def test_ctrl_c_during_a_prefill_exits_quietly_and_cancels_within_a_chunk(store, daemon, tmp_path):
+    """Ctrl-C at a terminal once the prefill shows its first chunk done. The client's own
+    progress line (the daemon's progress event, as it comes) says when, not the status's
+    snapshot, which may lag a tiny model's prefill by most of it; eleven more chunks to go."""
     ids = tmp_path / "ids.txt"
-    ids.write_text(",".join(map(str, _prompt(3))))
+    ids.write_text(",".join(map(str, _prompt(3, 12 * CHUNK + 1))))
+    terminal, side = pty.openpty()  # stderr a terminal: the progress line is shown
     proc = subprocess.Popen(
         [sys.executable, "-m", "moestream.client.cli", "generate", "--prompt-ids", f"@{ids}"]
         + ["--max-tokens", str(MAX_TOKENS), "--model", str(store), "--runtime-dir", str(daemon.dir)],
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=side,
         text=True,
         env=clean_env(),
     )
+    os.close(side)
+    shown = b""
     try:
-
-        def prefilling() -> bool:
-            assert proc.poll() is None, proc.communicate()
-            with Client(daemon) as c:
-                running = c.status()["requests"]["running"]
-            return any((r["prefilled_tokens"] or 0) >= CHUNK for r in running)
-
-        wait_for(prefilling, 120, "the request's first chunk")
+        deadline = time.monotonic() + 120
+        while not re.search(rb"prefill ([1-9]\d{3,})/", shown):
+            assert time.monotonic() < deadline and proc.poll() is None, shown
+            if select.select([terminal], [], [], 1.0)[0]:
+                shown += os.read(terminal, 4096)
         tic = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
+        out, _ = proc.communicate(timeout=30)
         took = time.monotonic() - tic
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, err
-    assert "Traceback" not in err and "died" not in err and "Aborted" not in err, err
+        err = shown + _read_all(terminal)
+        os.close(terminal)
+    text = err.decode(errors="replace")
+    assert proc.returncode == 130, text
+    assert "Traceback" not in text and "died" not in text and "Aborted" not in text, text
     assert out == "" and took < 5, (out, took)  # a ping's round trip, not the prefill's rest
 
     def cancelled() -> list[dict]:
@@ -188,6 +198,20 @@ def test_ctrl_c_during_a_prefill_exits_quietly_and_cancels_within_a_chunk(store,
     # The daemon applies the cancel at the end of the chunk in flight (the client did not wait).
     ended = wait_for(cancelled, 60, "the daemon to cancel the request")
     assert ended[-1]["tokens"] == 0 and ended[-1]["prefill_pieces_after_stop"] == 0
+
+
+def _read_all(fd: int) -> bytes:
+    """What is left to read on a pty's side whose other end has closed (Linux: EIO at the end)."""
+    out = b""
+    while select.select([fd], [], [], 0.2)[0]:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    return out
 
 
 def test_stop_during_a_prefill_ends_the_daemon_within_a_chunk(store):

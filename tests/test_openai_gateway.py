@@ -24,7 +24,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import anthropic
 import httpx
+import ollama
 import openai
 import pytest
 from daemon_cli import clean_env, ctl, wait_for
@@ -96,6 +98,15 @@ class Gateway:
             if self.proc.poll() is None:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def real_clients(url: str, key: str) -> tuple[openai.OpenAI, anthropic.Anthropic, ollama.Client]:
+    """The real `openai`, `anthropic` and `ollama` clients of the keyed gateway at `url`."""
+    return (
+        openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120),
+        anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=120),
+        ollama.Client(host=url, headers={"Authorization": f"Bearer {key}"}, timeout=120),
+    )
 
 
 @contextmanager

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import httpx
 import jsonschema
-import ollama
 import openai
 import pytest
-from test_openai_gateway import served_gateway
+from test_openai_gateway import real_clients, served_gateway
 
 from moestream.client.client import Client
 from moestream.shared import protocol as proto
@@ -62,12 +60,7 @@ def served():
 
 @pytest.fixture(scope="module")
 def clients(served):
-    url = served[1].url
-    return (
-        openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120),
-        anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=120),
-        ollama.Client(host=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120),
-    )
+    return real_clients(served[1].url, KEY)
 
 
 def _valid(text: str) -> None:
