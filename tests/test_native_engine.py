@@ -374,7 +374,23 @@ def test_close_and_destruction_with_reads_pending_are_safe(store: tuple[Path, Ma
     path, manifest = store
     entry = manifest.layers[0].experts[0]
     fd_dir = Path("/proc/self/fd")
-    fds_before = len(os.listdir(fd_dir)) if fd_dir.is_dir() else None
+
+    def store_fds() -> list[str] | None:
+        """The process's descriptors open on the store's files (not the worker's others,
+        which an earlier test's garbage may close meanwhile)."""
+        if not fd_dir.is_dir():
+            return None
+        found = []
+        for fd in os.listdir(fd_dir):
+            try:
+                target = os.readlink(fd_dir / fd)
+            except OSError:  # closed between the listing and the read (the listing's own fd)
+                continue
+            if target.startswith(str(path.resolve())):
+                found.append(target)
+        return sorted(found)
+
+    fds_before = store_fds()
     dests = [bytearray(entry.length) for _ in range(4)]
     base = [sys.getrefcount(d) for d in dests]
 
@@ -401,7 +417,7 @@ def test_close_and_destruction_with_reads_pending_are_safe(store: tuple[Path, Ma
     for d in dests:
         d.extend(b"x")
     if fds_before is not None:
-        assert len(os.listdir(fd_dir)) == fds_before
+        assert store_fds() == fds_before
 
 
 def test_poll_take_and_wait_bookkeeping(store: tuple[Path, Manifest]) -> None:
