@@ -8,7 +8,8 @@
 # (NAME.progress), so a run cut off by a time limit still says what it measured. Each
 # stage is meant to finish within 10 minutes; stages marked q30 need make-q30 first
 # (its model and store are in /root/q30).
-# Environment variables that vary a stage are described at the stage below.
+# Environment variables that vary a stage are described at the stage below; MLX_LIMIT
+# lowers the MLX memory cap of the bench stages that set one (100G suits the H200; 60G an H100).
 #
 # setup
 #   make-q30             Qwen3-30B-A3B-shaped random 4-bit model (realistic routing) and its store
@@ -259,7 +260,7 @@ EOF
     # prompt of WARMUP (2100: two chunks) tokens per configuration. PROMPTS, EXTRA vary it.
     $py -m moestream.client.cli bench prefill --model /root/q30/store --capacity 0.25 --host-cache 20G --chunked \
       $(for n in ${PROMPTS:-512 2048 8192}; do echo --prompt-tokens $n; done) --runs ${RUNS:-2} --warmup-tokens ${WARMUP:-2100} \
-      --mlx-memory-limit 100G --out "$OUT/bench_prefill_q30${TAG:+_$TAG}_h200.json" ${EXTRA:-} \
+      --mlx-memory-limit ${MLX_LIMIT:-100G} --out "$OUT/bench_prefill_q30${TAG:+_$TAG}_h200.json" ${EXTRA:-} \
       2> >(tee "$OUT/bench_prefill_q30${TAG:+_$TAG}_h200.progress" >&2) | tee "$OUT/bench_prefill_q30${TAG:+_$TAG}_h200.txt"
     ;;
   serve-q30)
@@ -331,11 +332,15 @@ EOF
     # 17-30 tok/s while the bench loop ran it at 27-44).
     # COPY_KERNEL=1: the copier copies with its copy kernel. GATHER=auto|on|off|both: mapped decode steps copy the routed experts into a
     # stack first (auto: on with MLX's CUDA build; both: each mapped configuration both ways).
-    f="$OUT/bench_decode_q30${COPY_KERNEL:+_kernel}${MLX_MAX_OPS_PER_BUFFER:+_ops$MLX_MAX_OPS_PER_BUFFER}.json"
-    ctl bench decode --model /root/q30/store --capacity 1 --capacity 0.25 \
+    # CAPACITIES ("1 0.25") the pools; CONSTRAINED=1 adds structured output's cost per
+    # streaming configuration (--constrained); EXTRA more words (--no-naive, --no-stock,
+    # --no-slot-pool); TAG names the files of a run of several invocations.
+    f="$OUT/bench_decode_q30${TAG:+_$TAG}${COPY_KERNEL:+_kernel}${MLX_MAX_OPS_PER_BUFFER:+_ops$MLX_MAX_OPS_PER_BUFFER}.json"
+    ctl bench decode --model /root/q30/store $(for c in ${CAPACITIES:-1 0.25}; do echo --capacity $c; done) \
+      ${CONSTRAINED:+--constrained} ${EXTRA:-} \
       --host-cache 20G ${MAPPED:+--mapped} --mapped-gather ${GATHER:-auto} \
       --mapped-rebalance-tokens ${REBALANCE:-32} --temp 1 ${COPY_KERNEL:+--copy-kernel} --warmup-rounds ${WARMUP:-2} \
-      --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-24} --rounds ${ROUNDS:-3} --min-round-seconds ${MIN_ROUND_S:-2} --paired-blocks ${PAIRED_BLOCKS:-24} ${GEN_LOOP:+--generation-loop} --mlx-memory-limit 100G \
+      --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-24} --rounds ${ROUNDS:-3} --min-round-seconds ${MIN_ROUND_S:-2} --paired-blocks ${PAIRED_BLOCKS:-24} ${GEN_LOOP:+--generation-loop} --mlx-memory-limit ${MLX_LIMIT:-100G} \
       --json >"$f" 2> >(tee "$f.progress" >&2)
     $py - "$f" <<'EOF'
 import json, sys
@@ -363,7 +368,7 @@ EOF
     # configuration stays loaded (about 68 GB of MLX memory with the two mapped pools).
     ctl bench decode --model /root/q30/store --capacity 0.5 --capacity 0.125 --no-naive \
       --host-cache 20G --mapped-rebalance-tokens ${REBALANCE:-32} --temp 1 ${COPY_KERNEL:+--copy-kernel} --warmup-rounds ${WARMUP:-2} \
-      --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-24} --rounds ${ROUNDS:-3} --min-round-seconds ${MIN_ROUND_S:-2} --mlx-memory-limit 96G \
+      --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-24} --rounds ${ROUNDS:-3} --min-round-seconds ${MIN_ROUND_S:-2} --mlx-memory-limit ${MLX_LIMIT:-96G} \
       --json >"$OUT/bench_decode_q30_table.json" 2> >(tee "$OUT/bench_decode_q30_table.progress" >&2)
     $py - "$OUT/bench_decode_q30_table.json" <<'EOF'
 import json, sys
@@ -409,11 +414,11 @@ EOF
     ctl bench decode --model /root/q30/store --capacity 0.5 --capacity 0.25 --no-naive --forecast $fresh \
       --host-cache 20G --mapped-rebalance-tokens ${REBALANCE:-32} --temp 1 --warmup-rounds ${WARMUP:-1} \
       --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-16} --rounds ${ROUNDS:-3} --min-round-seconds ${MIN_ROUND_S:-1} \
-      --mlx-memory-limit 96G --json >"$f" 2> >(tee "$f.progress" >&2)
+      --mlx-memory-limit ${MLX_LIMIT:-96G} --json >"$f" 2> >(tee "$f.progress" >&2)
     $py - "$f" <<'EOF'
 import json, sys
 from moestream.daemon.bench.decode import format_report
-from moestream.daemon.plan import format_decode_forecasts
+from moestream.daemon.planning.plan import format_decode_forecasts
 report = json.load(open(sys.argv[1]))
 print(format_report(report))
 print(format_decode_forecasts(report["forecast"]))
