@@ -405,6 +405,7 @@ class EngineLoop:
             max_entries=s.prompt_cache_entries,
             disk_dir=s.prompt_cache_dir,
             disk_bytes=s.prompt_cache_disk_bytes,
+            write_budget=s.prompt_cache_write_budget,
             log=self.log.getChild("prompt_cache"),
         )
 

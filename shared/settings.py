@@ -665,6 +665,15 @@ class Settings:
         help="Most bytes of cache files in --prompt-cache-dir; the oldest are removed first.",
         bench=True,
     )
+    # An agent's session resends a long history every turn: written whole each time, a
+    # drive would see hundreds of GB a day. 16 GiB a day is 5% of what a 1 TB drive rated
+    # for 600 TB written over five years can take a day (330 GB).
+    prompt_cache_write_budget: int = setting(
+        16 * 2**30,
+        kind="size",
+        help="Most bytes of cache files written to --prompt-cache-dir a day; past it, caches stay in memory.",
+        bench=True,
+    )
 
     # ---- reading the store
     io_threads: int = setting(4, kind="int", low=1, high=256, scope=_BOTH, help="Threads of the native read engine.")

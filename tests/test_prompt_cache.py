@@ -35,7 +35,8 @@ from tiny_models import make_tiny_model
 
 from moestream.daemon.model.batching import BatchSession
 from moestream.daemon.model.generation import CacheUse, GenerationResult, SamplingParams, iter_generate, plain_steps
-from moestream.daemon.model.prompt_cache import PromptCache, cache_nbytes, read_metadata
+from moestream.daemon.model.prompt_cache import PromptCache, read_metadata
+from moestream.daemon.model.prompt_tree import sequence_bytes
 from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.daemon.store.convert import convert_model
 from moestream.shared.settings import Settings
@@ -229,8 +230,8 @@ def test_memory_stays_within_its_bounds(converted):
         pc = PromptCache("test-store", _layout(stock), max_bytes=bound, max_entries=3)
         for i in range(6):
             _ours(sm, pc, [i] + _prompt(29, seed=100 + i))  # no two share a first token
-            held = [e for e in pc._lru.values()]
-            assert pc.stats.bytes == sum(cache_nbytes(e.cache) for e in held)
+            held = [node for _, node in pc._tree.sequences()]
+            assert pc.stats.bytes == sum(n.nbytes for n in pc._tree._nodes())
             assert pc.stats.bytes <= bound and pc.stats.entries <= 3 and pc.stats.entries == len(held)
         assert pc.stats.evicted > 0
         stats = pc.stats.to_dict()
@@ -475,5 +476,115 @@ def test_the_disk_folder_must_be_private_and_its_files_are_never_links_or_fifos(
         _ours(sm, again, prompt)
         again.close()
         assert victim.read_bytes() == b"keep me" and written.is_file() and not written.is_symlink()
+    finally:
+        sm.close()
+
+
+def _unique_positions(sequences: list[list[int]]) -> int:
+    """Positions a tree of these sequences holds: one per distinct prefix."""
+    return len({tuple(s[: i + 1]) for s in sequences for i in range(len(s))})
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
+def test_branches_keep_their_shared_prefix_once_and_each_its_own_continuation(build, arch):
+    """A main agent and two subagents under one system prompt: the system prompt's rows
+    are held once, each branch's next turn reuses its own whole history (never another
+    branch's), exactly as stock does from that branch's own cache."""
+    _, store, stock = build(arch)
+    system = _prompt(48, seed=20)
+    firsts = [system + _prompt(12, seed=21 + b) for b in range(3)]
+    sm = load_streaming_model(store, _capacities(store)[0][1])
+    try:
+        pc = _new_cache(stock)
+        answers = []
+        for first in firsts:
+            (tokens, _), _ = _ours(sm, pc, first)
+            answers.append(tokens)
+        kept = [first + answer for first, answer in zip(firsts, answers)]
+        assert pc.stats.branches == 3
+        # Every request's own cache holds its prompt and its answer (plain_steps feeds the last token too).
+        held = kept
+        one = _prefilled(stock, [1])
+        one_row = sequence_bytes([c for c in one if type(c).__name__ == "KVCache"], 1)
+        # The linear-attention layers' state, kept whole at each entry's end (a prompt's
+        # boundary and its answer's end: it cannot be trimmed back to either).
+        snapshot = sequence_bytes([c for c in one if type(c).__name__ != "KVCache"], 1)
+        assert pc.stats.bytes == one_row * _unique_positions(held) + snapshot * pc.stats.entries, (
+            "the system prompt's rows are held once"
+        )
+        assert pc.stats.entries == (3 if arch == "qwen3_moe" else 6)
+        for b, first in enumerate(firsts):
+            turn = kept[b] + _prompt(8, seed=40 + b)
+            want_first, snapshot, after = _stock_first(stock, first)
+            got, use = _ours(sm, pc, turn)
+            assert use.reused == len(held[b]), f"branch {b}: reused {use.reused} of its {len(held[b])}"
+            _same(got, _stock_reuse(stock, after, turn, use.reused), f"{arch} branch {b}")
+    finally:
+        sm.close()
+
+
+def test_a_prompt_that_leaves_every_branch_gets_only_what_it_shares(build):
+    """Served rows are always the new prompt's own prefix: a prompt that shares only the
+    system prompt with three branches gets its rows, and those of no branch."""
+    _, store, stock = build("qwen3_moe")
+    system = _prompt(32, seed=30)
+    sm = load_streaming_model(store, Settings(direct_io=True))
+    try:
+        pc = _new_cache(stock)
+        for b in range(3):
+            _ours(sm, pc, system + _prompt(10, seed=31 + b))
+        for tail_seed in (50, 51):
+            prompt = system + _prompt(10, seed=tail_seed)
+            reuse = pc.fetch(prompt)
+            assert reuse is not None and reuse.tokens == len(system)
+            for a, b in zip(_kv_rows(reuse.cache, len(system)), _kv_rows(_prefilled(stock, system), len(system))):
+                assert np.allclose(a, b, rtol=0.05, atol=0.05), "a served cache is not this prefix's"
+        # Inside a branch's own tokens: up to where the prompt leaves it, not a token more.
+        branch = system + _prompt(10, seed=31)
+        reuse = pc.fetch(branch[:40] + [(branch[40] + 1) % 500, 7, 7])
+        assert reuse is not None and reuse.tokens == 40
+    finally:
+        sm.close()
+
+
+def test_disk_writes_stay_within_the_days_budget(build, tmp_path):
+    """Past the day's write budget, caches stay in memory only; the day's count survives a
+    restart; a cache that a trimmable file on disk already holds is not written again."""
+    _, store, stock = build("qwen3_moe")
+    sm = load_streaming_model(store, Settings(direct_io=True))
+    folder = tmp_path / "pc"
+    try:
+        probe = _new_cache(stock, disk_dir=tmp_path / "probe", disk_bytes=2**30)
+        _ours(sm, probe, _prompt(30, seed=0))
+        probe.idle()
+        one = probe.stats.disk_written_today
+        probe.close()
+        assert one > 0
+        budget = int(2.5 * one)
+        pc = _new_cache(stock, disk_dir=folder, disk_bytes=2**30, write_budget=budget)
+        for i in range(4):
+            _ours(sm, pc, [i] + _prompt(29, seed=60 + i))
+            pc.idle()
+        pc.close()
+        assert len(list(folder.glob("*.safetensors"))) == 2 and pc.stats.disk_over_budget == 2
+        assert pc.stats.disk_written_today <= budget
+        again = _new_cache(stock, disk_dir=folder, disk_bytes=2**30, write_budget=budget)
+        assert again.stats.disk_written_today == pc.stats.disk_written_today
+        _ours(sm, again, [9] + _prompt(29, seed=70))
+        again.idle()
+        again.close()
+        assert again.stats.disk_over_budget == 1 and len(list(folder.glob("*.safetensors"))) == 2
+        # A prefix of a file on disk is not written again.
+        fresh = _new_cache(stock, disk_dir=tmp_path / "prefix", disk_bytes=2**30)
+        long = _prompt(30, seed=80)
+        _ours(sm, fresh, long)
+        fresh.idle()
+        fresh.close()
+        written = fresh.stats.disk_written_today
+        fresh = _new_cache(stock, disk_dir=tmp_path / "prefix", disk_bytes=2**30)
+        fresh.insert(long[:20], _prefilled(stock, long[:20]), persist=True)
+        fresh.idle()
+        fresh.close()
+        assert fresh.stats.disk_written_today == written and len(list((tmp_path / "prefix").glob("*.safetensors"))) == 1
     finally:
         sm.close()

@@ -489,10 +489,15 @@ def _format_status(st: dict[str, Any]) -> str:
     pc = st.get("prompt_cache")
     if pc:
         lines.append(
-            f"  cache      {pc['entries']} prompts' KV caches, {_size(pc['bytes'])} of "
-            f"{_size(pc['max_bytes'])} reserved; "
+            f"  cache      {pc['entries']} prompts' KV caches in {pc.get('branches', 0)} branches, "
+            f"{_size(pc['bytes'])} of {_size(pc['max_bytes'])} reserved; "
             f"hit rate {_rate(pc.get('hit_rate'))}, {pc['tokens_reused']} tokens reused"
-            + (f"; {pc['disk_entries']} on disk ({_size(pc['disk_bytes'])})" if pc.get("disk_dir") else "")
+            + (
+                f"; {pc['disk_entries']} on disk ({_size(pc['disk_bytes'])}), "
+                f"{_size(pc.get('disk_written_today'))} of {_size(pc.get('disk_write_budget'))} written today"
+                if pc.get("disk_dir")
+                else ""
+            )
             + (f"; no disk cache: {pc['disk_problem']}" if pc.get("disk_problem") else "")
         )
     prefill = pool.get("prefill") or {}

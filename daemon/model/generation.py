@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import secrets
 import time
@@ -138,7 +137,7 @@ class CacheUse:
         one that will not come back (a batch's)."""
         n = len(prompt_ids) - 1
         if n > self.reused:
-            self.prompt_cache.insert(prompt_ids[:-1], copy.deepcopy(cache))
+            self.prompt_cache.insert(prompt_ids[:-1], cache)
 
     def keep(self, prompt_ids: Sequence[int], fed: Sequence[int]) -> None:
         """Keep the request's cache, which holds the prompt and every token it yielded

@@ -30,13 +30,13 @@ touches MLX.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import itertools
 import json
 import logging
 import os
 import re
+import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,12 +49,15 @@ from mlx_lm.models.cache import can_trim_prompt_cache, load_prompt_cache, trim_p
 
 from ...shared.runtime_dir import RuntimeDirError, ensure_private_dir
 from ...shared.store_format import MANIFEST_NAME
-from .prompt_cache_files import DiskWriter, host_tensors, mtime, read_metadata
+from .prompt_cache_files import DiskWriter, WriteBudget, host_tensors, mtime, read_metadata
+from .prompt_tree import PromptTree, sequence_bytes
 
 FILE_FORMAT = "moestream-prompt-cache/1"
 SUFFIX = ".safetensors"
 # Finished requests waiting for an idle moment to be written; older ones are dropped.
 MAX_PENDING_WRITES = 8
+# Today's bytes written, in the folder (prompt_cache_files.WriteBudget).
+BUDGET_FILE = "written-today.json"
 
 
 def cache_identity(store_dir: str | os.PathLike, store_id: str | None) -> str:
@@ -84,6 +87,8 @@ class PromptCacheStats:
     """What the prompt cache holds and did, for `status`."""
 
     entries: int = 0
+    # Live branches: cached sequences that no other extends (the tree's leaves).
+    branches: int = 0
     bytes: int = 0
     max_bytes: int = 0
     max_entries: int = 0
@@ -103,6 +108,10 @@ class PromptCacheStats:
     disk_bytes: int = 0
     disk_max_bytes: int = 0
     disk_written: int = 0
+    # Bytes handed to the writer today, the day's allowance, and caches not written for it.
+    disk_written_today: int = 0
+    disk_write_budget: int = 0
+    disk_over_budget: int = 0
     disk_loaded: int = 0
     # Files skipped: another store's, unreadable, or not what their name says.
     disk_skipped: int = 0
@@ -126,23 +135,15 @@ class PromptCacheStats:
 
 @dataclass(eq=False)
 class _Entry:
+    """A cache file on disk (the memory's caches are in the tree, prompt_tree.py)."""
+
     tokens: tuple[int, ...]
     trimmable: bool
-    cache: list[Any] | None = None  # None: on disk only
-    nbytes: int = 0
     path: Path | None = None
     disk_bytes: int = 0
-    # When it was last used (`PromptCache._uses`), beside the suspended prefills' times.
-    used: int = 0
-
-    def hold(self, cache: list[Any] | None, nbytes: int = 0) -> None:
-        self.cache, self.nbytes = cache, nbytes
 
     def stored(self, path: Path | None, size: int = 0) -> None:
         self.path, self.disk_bytes = path, size
-
-    def touch(self, used: int) -> None:
-        self.used = used
 
 
 @dataclass
@@ -228,17 +229,23 @@ class PromptCache:
         max_entries: int,
         disk_dir: str | os.PathLike | None = None,
         disk_bytes: int = 0,
+        write_budget: int = 16 * 2**30,
         log: logging.Logger | None = None,
     ) -> None:
         self.store_id = store_id
         # The class names of the model's fresh cache, layer by layer: a file must match.
         self.layout = list(layout)
         self.log = log or logging.getLogger("moestream.prompt_cache")
-        self.stats = PromptCacheStats(max_bytes=max_bytes, max_entries=max_entries, disk_max_bytes=disk_bytes)
+        self.stats = PromptCacheStats(
+            max_bytes=max_bytes, max_entries=max_entries, disk_max_bytes=disk_bytes, disk_write_budget=write_budget
+        )
+        self._budget = WriteBudget(write_budget)
+        # In memory: one tree of token segments, shared prefixes held once.
+        self._tree = PromptTree([name == "KVCache" for name in self.layout])
+        # On disk: files by token list, in a trie of their own (found like the tree's).
         self._trie = _Trie()
-        self._lru: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()  # in memory, oldest first
         self._disk: dict[tuple[int, ...], _Entry] = {}
-        self._pending: list[_Entry] = []
+        self._pending: list[tuple[int, ...]] = []
         # Prefills in flight or suspended, by key (shared_prefill.py `prefill_key`); the
         # suspended ones also here, oldest first, with their bytes.
         self._prefills: dict[Any, Any] = {}
@@ -264,22 +271,39 @@ class PromptCache:
         self._take_writer_results()
         self.stats.lookups += 1
         self.stats.prompt_tokens += len(tokens)
-        while True:
-            best = self._best(tokens)
-            if best is None:
-                return None
-            reuse = self._serve(best[1], tokens, best[0])
-            if reuse is not None:
-                self.stats.hits += 1
-                self.stats.tokens_reused += reuse.tokens
-                return reuse
-            # The entry was a file that failed its checks, now gone: look again without it.
-
-    def _best(self, tokens: Sequence[int]) -> tuple[int, _Entry] | None:
-        """(tokens reused, entry): the longest prefix entry of the prompt but its last
-        token, or a trimmable entry past the point where the prompt leaves the trie
-        trimmed back to it, whichever reuses more."""
         limit = len(tokens) - 1
+        from_disk = False
+        while True:
+            m, snap, trim = self._tree.best(tokens, limit)
+            on_disk = self._best_on_disk(tokens, limit)
+            if on_disk is None or on_disk[0] <= m:
+                break
+            # A file serves more: into memory with it, then served from there.
+            reused, entry = on_disk
+            loaded = self._load(entry)
+            if loaded is None:
+                continue  # it failed its checks and is gone: look again without it
+            self.insert(entry.tokens, loaded)
+            m, snap, trim = self._tree.best(tokens, limit)
+            if m < reused:
+                # Too large to keep in memory: served from the file's own cache.
+                trim_prompt_cache(loaded, len(entry.tokens) - reused)
+                return self._hit(Reuse(loaded, reused, True))
+            from_disk = True
+            break
+        if m <= 0:
+            return None
+        return self._hit(Reuse(self._tree.serve(tokens, m, snap, trim, next(self._uses)), m, from_disk))
+
+    def _hit(self, reuse: Reuse) -> Reuse:
+        self.stats.hits += 1
+        self.stats.tokens_reused += reuse.tokens
+        return reuse
+
+    def _best_on_disk(self, tokens: Sequence[int], limit: int) -> tuple[int, _Entry] | None:
+        """(tokens reused, file): the longest file whose tokens are a prefix of the prompt
+        but its last token, or a trimmable file past the point where the prompt leaves the
+        files' trie, trimmed back to it, whichever reuses more."""
         found, depth, node = self._trie.walk(tokens)
         best: tuple[int, _Entry] | None = None
         for entry in found:
@@ -292,27 +316,13 @@ class PromptCache:
                 best = (m, longer)
         return best
 
-    def _serve(self, entry: _Entry, tokens: Sequence[int], m: int) -> Reuse | None:
-        if tuple(tokens[:m]) != entry.tokens[:m]:  # what the trie promises, checked
-            raise AssertionError("prompt cache: an entry does not match the prompt it was found for")
-        from_disk = entry.cache is None
-        source = entry.cache if not from_disk else self._load(entry)
-        if source is None:
-            return None
-        if entry.tokens in self._lru:
-            self._lru.move_to_end(entry.tokens)
-            entry.touch(next(self._uses))
-        cache = copy.deepcopy(source)
-        extra = len(entry.tokens) - m
-        if extra:
-            trim_prompt_cache(cache, extra)
-        return Reuse(cache, m, from_disk)
-
     # ---- inserts ------------------------------------------------------------------------
 
     def insert(self, tokens: Sequence[int], cache: list[Any], *, persist: bool = False) -> bool:
-        """Keep `cache` (which must hold exactly `tokens`, and which nobody changes after)
-        for later prompts; `persist`: write it to disk too, when idle. False if refused."""
+        """Keep what `cache` (which must hold exactly `tokens`) adds to the kept
+        sequences, for later prompts: the rows of positions not kept yet, and a snapshot
+        of the layers kept whole (copies: the caller's cache may go on changing).
+        `persist`: write it to disk too, when idle. False if refused or not kept."""
         if not self.enabled or not tokens:
             return False
         key = tuple(int(t) for t in tokens)
@@ -320,28 +330,19 @@ class PromptCache:
             self.stats.refused += 1
             self.log.error("prompt cache: a cache does not hold the %d tokens it was given for; not kept", len(key))
             return False
-        nbytes = cache_nbytes(cache)
-        if nbytes > self.stats.max_bytes:
+        if sequence_bytes(cache, len(key)) > self.stats.max_bytes:
             self.stats.refused += 1
             return False
-        entry = _Entry(key, can_trim_prompt_cache(cache), cache, nbytes)
-        old = self._disk.get(key)
-        if old is not None:
-            entry.stored(old.path, old.disk_bytes)
-            self._disk[key] = entry
-        self._put(entry)
-        if entry.trimmable:
-            # A trimmable entry serves every prefix of itself: its prefixes only take room.
-            for prefix in self._trie.walk(key)[0]:
-                if prefix is not entry and prefix.cache is not None:
-                    self._drop_memory(prefix)
+        self._tree.insert(key, cache, next(self._uses))
         self.stats.inserted += 1
+        self._count()
         self._bound()
-        if persist and self._writer is not None and entry.path is None:
-            self._pending.append(entry)
+        kept = self._tree.find(key) is not None
+        if kept and persist and self._writer is not None and key not in self._disk:
+            self._pending.append(key)
             if len(self._pending) > MAX_PENDING_WRITES:
                 self._pending.pop(0)
-        return entry.cache is not None
+        return kept
 
     # ---- prefills in flight and suspended -----------------------------------------------
 
@@ -355,7 +356,6 @@ class PromptCache:
         if held is None:
             self.stats.prefill_joins += 1
             return prefill, False
-        self.stats.bytes -= held[0]
         self.stats.prefills_resumed += 1
         self._count()
         return prefill, True
@@ -378,58 +378,40 @@ class PromptCache:
             return
         prefill.suspend()
         self._suspended[prefill.key] = (nbytes, next(self._uses))
-        self.stats.bytes += nbytes
         self.stats.prefills_suspended += 1
         self._count()
         self._bound()
 
     def _drop_prefill(self, prefill: Any) -> None:
         self.prefill_ended(prefill)
-        held = self._suspended.pop(prefill.key, None)
-        if held is not None:
-            self.stats.bytes -= held[0]
+        self._suspended.pop(prefill.key, None)
         self.stats.prefills_dropped += 1
         prefill.close()
         self._count()
 
-    def _put(self, entry: _Entry) -> None:
-        prev = self._trie.add(entry)
-        if prev is not None and prev.cache is not None:
-            self.stats.bytes -= prev.nbytes
-            self._lru.pop(prev.tokens, None)
-        self._lru[entry.tokens] = entry
-        entry.touch(next(self._uses))
-        self.stats.bytes += entry.nbytes
-        self._count()
-
-    def _drop_memory(self, entry: _Entry) -> None:
-        """Out of memory; an entry also on disk stays findable there."""
-        if self._lru.pop(entry.tokens, None) is None:
-            return
-        self.stats.bytes -= entry.nbytes
-        entry.hold(None)
-        if entry.path is None:
-            self._trie.remove(entry.tokens)
-        self._count()
-
     def _bound(self) -> None:
         def over() -> bool:
-            held = len(self._lru) + len(self._suspended)
+            held = self._tree.entries + len(self._suspended)
             return self.stats.bytes > self.stats.max_bytes or held > self.stats.max_entries
 
-        while over() and (self._lru or self._suspended):
-            oldest = next(iter(self._lru.values()), None)
+        while over():
+            leaf = self._tree.oldest_leaf()
             key, (_, used) = next(iter(self._suspended.items()), (None, (0, 0)))
-            if oldest is None or (key is not None and used < oldest.used):
+            if leaf is None and key is None:
+                break
+            if leaf is None or (key is not None and used < leaf.used):
                 self._drop_prefill(self._prefills[key])
                 continue
-            self._drop_memory(oldest)
+            self._tree.drop(leaf)
             self.stats.evicted += 1
+            self._count()
 
     def _count(self) -> None:
         self.stats.suspended = len(self._suspended)
         self.stats.suspended_bytes = sum(nbytes for nbytes, _ in self._suspended.values())
-        self.stats.entries = len(self._lru)
+        self.stats.bytes = self._tree.nbytes + self.stats.suspended_bytes
+        self.stats.entries = self._tree.entries
+        self.stats.branches = self._tree.leaves()
         self.stats.disk_entries = len(self._disk)
         self.stats.disk_bytes = sum(e.disk_bytes for e in self._disk.values())
 
@@ -446,6 +428,8 @@ class PromptCache:
             return
         self.stats.disk_dir = str(folder)
         self._folder = folder
+        self._budget.attach(folder / BUDGET_FILE, self.log)
+        self.stats.disk_written_today = self._budget.written if self._budget.day == time.strftime("%Y-%m-%d") else 0
         self._index(folder)
         self._writer = DiskWriter(folder, self.store_id, self.stats.disk_max_bytes, self.log)
         self._writer.start()
@@ -513,14 +497,6 @@ class PromptCache:
             self._skip(path, problem, remove=True)
             return None
         self.stats.disk_loaded += 1
-        nbytes = cache_nbytes(cache)
-        if nbytes <= self.stats.max_bytes:
-            entry.hold(cache, nbytes)
-            self._lru[entry.tokens] = entry
-            entry.touch(next(self._uses))
-            self.stats.bytes += nbytes
-            self._count()
-            self._bound()
         return cache
 
     def _check(self, cache: list[Any], meta: dict[str, str], tokens: tuple[int, ...]) -> str | None:
@@ -536,8 +512,7 @@ class PromptCache:
 
     def _forget_disk(self, entry: _Entry) -> None:
         self._disk.pop(entry.tokens, None)
-        if entry.cache is None:
-            self._trie.remove(entry.tokens)
+        self._trie.remove(entry.tokens)
         entry.stored(None)
         self._count()
 
@@ -548,27 +523,40 @@ class PromptCache:
         return f"{self._prefix()}-{token_hash(tokens)}{SUFFIX}"
 
     def idle(self) -> None:
-        """Hand finished requests' caches to the writer (the engine has no work now)."""
+        """Hand finished requests' caches to the writer (the engine has no work now),
+        within the day's write budget."""
         self._take_writer_results()
         if self._writer is None:
             return
         while self._pending:
-            entry = self._pending.pop(0)
-            if entry.path is not None or entry.cache is None:
+            key = self._pending.pop(0)
+            node = self._tree.find(key)
+            if node is None or key in self._disk or self._covered_on_disk(key):
                 continue
+            cache = self._tree.serve(key, len(key), node if node.snapshot is not None else None, 0, node.used)
             about = {
                 "format": FILE_FORMAT,
                 "store_id": self.store_id or "",
-                "tokens": json.dumps(list(entry.tokens)),
-                "trimmable": "1" if entry.trimmable else "0",
+                "tokens": json.dumps(list(key)),
+                "trimmable": "1" if can_trim_prompt_cache(cache) else "0",
             }
             try:
-                tensors, meta = host_tensors(entry.cache, about)
+                tensors, meta = host_tensors(cache, about)
             except Exception as e:  # a cache that cannot be written stays in memory; serving goes on
                 self.log.error("prompt cache: a cache cannot be written (%s: %s)", type(e).__name__, e)
                 self.stats.disk_errors += 1
                 continue
-            self._writer.put(self._folder / self._file_name(entry.tokens), entry.tokens, tensors, meta)
+            size = sum(len(data) for _, _, data in tensors.values())
+            if not self._budget.take(size):
+                self.stats.disk_over_budget += 1
+                continue
+            self._writer.put(self._folder / self._file_name(key), key, tensors, meta)
+        self.stats.disk_written_today = self._budget.written
+
+    def _covered_on_disk(self, key: tuple[int, ...]) -> bool:
+        """A trimmable file that goes on past `key` serves it already: not written again."""
+        found, depth, node = self._trie.walk(key)
+        return depth == len(key) and self._trie.nearest_trimmable(node) is not None
 
     def _take_writer_results(self) -> None:
         if self._writer is None:

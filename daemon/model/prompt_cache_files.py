@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
 from ...shared.durable import fsync_dir, sync_file
+from ...shared.small_file import read_small_file
 
 # safetensors' dtype names; bfloat16 goes out as its 16-bit pattern.
 _DTYPES = {
@@ -237,3 +238,45 @@ class DiskWriter:
                 self.log.error("prompt cache: cannot remove %s to stay within the disk bound: %s", path, e)
                 continue
             self._out.put(("removed", tuple(meta_tokens), path, size, False))
+
+
+@dataclass
+class WriteBudget:
+    """Bytes of cache files handed to the writer today, against a daily allowance; kept
+    in the folder (`BUDGET_FILE`), so that a restart does not start the day again."""
+
+    per_day: int
+    path: Path | None = None
+    day: str = ""
+    written: int = 0
+
+    def attach(self, path: Path, log: logging.Logger) -> None:
+        """Read the day's count from `path` (a missing or unreadable file: nothing yet)."""
+        self.path = path
+        try:
+            kept = json.loads(read_small_file(path, 4096))
+            self.day, self.written = str(kept["day"]), int(kept["bytes"])
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.error("prompt cache: %s is unreadable (%s); today's writes counted from 0", path, e)
+
+    def take(self, nbytes: int) -> bool:
+        """Whether `nbytes` more may be written today; if so they are counted."""
+        today = time.strftime("%Y-%m-%d")
+        if today != self.day:
+            self.day, self.written = today, 0
+        if self.written + nbytes > self.per_day:
+            return False
+        self.written += nbytes
+        if self.path is not None:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            try:
+                tmp.unlink(missing_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"day": self.day, "bytes": self.written}, f)
+                os.replace(tmp, self.path)
+            except OSError:
+                tmp.unlink(missing_ok=True)  # the count stays in memory; at worst a restart counts from 0
+        return True

@@ -127,8 +127,8 @@ class SharedPrefill:
             self._cache = cache
             if stop == end:
                 return cache
-            # Nobody changes a checkpoint after: the prefill goes on in its own cache.
-            self._prompt_cache.insert(self.prompt_ids[:stop], copy.deepcopy(cache), persist=True)
+            # A checkpoint: the prompt cache keeps its own copy; the prefill goes on in this cache.
+            self._prompt_cache.insert(self.prompt_ids[:stop], cache, persist=True)
             begin = stop
             yield
 
@@ -157,7 +157,7 @@ class SharedPrefill:
             if computed >= KEEP_AFTER_TOKENS or (computed > 0 and not can_trim_prompt_cache(self.result)):
                 # A snapshot at the prompt's boundary, which an untrimmable cache could
                 # not be trimmed back to later.
-                self._prompt_cache.insert(self.prompt_ids[:-1], copy.deepcopy(self.result))
+                self._prompt_cache.insert(self.prompt_ids[:-1], self.result)
         except Exception as e:
             self.error, self._pieces = e, None
             self._prompt_cache.prefill_ended(self)
