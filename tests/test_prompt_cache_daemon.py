@@ -72,7 +72,10 @@ def test_chat_turns_reuse_the_history_across_a_restart(store):
         assert pc["hits"] == 2 and pc["lookups"] == 3 and pc["hit_rate"] == pytest.approx(2 / 3)
         text = ctl("status", "--runtime-dir", str(rt))
         assert text.returncode == 0, text.stderr
-        assert "prompts' KV caches" in text.stdout and "hit rate 66.7%" in text.stdout, text.stdout
+        assert "prompts' KV caches in" in text.stdout and "hit rate 66.7%" in text.stdout, text.stdout
+        # A turn's kept sequence ends with what the model sampled, which the next prompt may
+        # render otherwise at its very end (the turn's end): a short tail of its own, a leaf.
+        assert 1 <= pc["branches"] <= pc["entries"] and f"in {pc['branches']} branches" in text.stdout
         # The daemon stops (writing what it has not written yet) and starts again.
         stopped = ctl("stop", "--runtime-dir", str(rt))
         assert stopped.returncode == 0, stopped.stderr
@@ -84,6 +87,8 @@ def test_chat_turns_reuse_the_history_across_a_restart(store):
         with Client(paths) as c:
             pc = c.status()["prompt_cache"]
         assert pc["disk_loaded"] == 1 and pc["hits"] == 1 and pc["disk_skipped"] == 0
+        written = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+        assert 0 < pc["disk_written_today"] <= written and pc["disk_write_budget"] == 16 * 2**30
         status = json.loads(ctl("status", "--runtime-dir", str(rt), "--json").stdout)
         assert status["prompt_cache"]["disk_dir"] == str(folder)
     finally:
