@@ -21,6 +21,7 @@ import json
 import math
 import os
 import shutil
+import struct
 
 import mlx.core as mx
 import numpy as np
@@ -586,5 +587,90 @@ def test_disk_writes_stay_within_the_days_budget(build, tmp_path):
         fresh.idle()
         fresh.close()
         assert fresh.stats.disk_written_today == written and len(list((tmp_path / "prefix").glob("*.safetensors"))) == 1
+    finally:
+        sm.close()
+
+
+def _rewrite_header(data: bytes, edit) -> bytes:
+    """A safetensors file with its header changed by `edit(header)` (its arrays kept)."""
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    edit(header)
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    return struct.pack("<Q", len(blob)) + blob + data[8 + n :]
+
+
+def test_a_changed_or_foreign_cache_file_fails_its_mac_is_removed_and_never_served(build, tmp_path):
+    """Flipped bytes, a relabelled dtype, swapped dimensions or another key's MAC: the
+    file is refused when read, removed, and the prompt prefilled afresh; the key is the
+    user's, 0600; the good file still serves."""
+    _, store, stock = build("qwen3_moe")
+    sm = load_streaming_model(store, Settings(direct_io=True))
+    folder, key = tmp_path / "pc", tmp_path / "state" / "prompt-cache.key"
+    try:
+        first = _prompt(40, seed=1)
+        pc = _new_cache(stock, disk_dir=folder, disk_bytes=2**30, key_file=key)
+        (answer, _), _ = _ours(sm, pc, first)
+        pc.close()
+        assert key.stat().st_mode & 0o777 == 0o600 and len(key.read_bytes()) == 32
+        (path,) = folder.glob("*.safetensors")
+        good = path.read_bytes()
+        tensor = next(k for k in json.loads(good[8 : 8 + struct.unpack("<Q", good[:8])[0]]) if k != "__metadata__")
+
+        def relabel(h):
+            h[tensor]["dtype"] = "F16" if h[tensor]["dtype"] != "F16" else "BF16"
+
+        def swap(h):
+            shape = h[tensor]["shape"]
+            shape[1], shape[2] = shape[2], shape[1]
+
+        flipped = bytearray(good)
+        flipped[-100] ^= 0x40
+        other_key = tmp_path / "other" / "prompt-cache.key"
+        cases = {
+            "a flipped byte": (bytes(flipped), key),
+            "a relabelled dtype": (_rewrite_header(good, relabel), key),
+            "swapped dimensions": (_rewrite_header(good, swap), key),
+            "another user's key": (good, other_key),
+        }
+        nxt = first + answer + [7]
+        for case, (data, key_file) in cases.items():
+            path.write_bytes(data)
+            again = _new_cache(stock, disk_dir=folder, disk_bytes=2**30, key_file=key_file)
+            assert again.stats.disk_entries == 1, case
+            assert again.fetch(nxt) is None, f"{case}: served"
+            assert not path.exists() and again.stats.disk_skipped == 1, f"{case}: not removed"
+            again.close()
+        path.write_bytes(good)
+        again = _new_cache(stock, disk_dir=folder, disk_bytes=2**30, key_file=key)
+        reuse = again.fetch(nxt)
+        assert reuse is not None and reuse.from_disk and reuse.tokens == len(first) + len(answer)
+        again.close()
+    finally:
+        sm.close()
+
+
+def test_the_disk_bound_is_the_folders_not_each_stores(build, tmp_path):
+    _, store, stock = build("qwen3_moe")
+    sm = load_streaming_model(store, Settings(direct_io=True))
+    folder = tmp_path / "pc"
+    try:
+        probe = _new_cache(stock, disk_dir=tmp_path / "probe", disk_bytes=2**30)
+        _ours(sm, probe, _prompt(30, seed=0))
+        probe.close()
+        one = max(p.stat().st_size for p in (tmp_path / "probe").glob("*.safetensors"))
+        bound = int(3.5 * one)
+        for store_id in ("store-a", "store-b"):
+            pc = PromptCache(
+                store_id, _layout(stock), max_bytes=2**30, max_entries=16, disk_dir=folder, disk_bytes=bound
+            )
+            for i in range(3):
+                _ours(sm, pc, [i] + _prompt(29, seed=90 + i))
+                pc.idle()
+            pc.close()
+        sizes = {p.name: p.stat().st_size for p in folder.glob("*.safetensors")}
+        assert sum(sizes.values()) <= bound and len(sizes) == 3, sizes
+        assert sum(name.startswith("store-b-") for name in sizes) == 3, "the oldest files went first, store-a's"
     finally:
         sm.close()

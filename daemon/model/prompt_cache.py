@@ -45,17 +45,20 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import can_trim_prompt_cache, load_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from ...shared.runtime_dir import RuntimeDirError, ensure_private_dir
+from ...shared.settings import default_state_dir
 from ...shared.store_format import MANIFEST_NAME
-from .prompt_cache_files import DiskWriter, WriteBudget, host_tensors, mtime, read_metadata
+from .prompt_cache_files import DiskWriter, WriteBudget, host_tensors, load_cache_file, mtime, read_metadata, user_key
 from .prompt_tree import PromptTree, sequence_bytes
 
 FILE_FORMAT = "moestream-prompt-cache/1"
 SUFFIX = ".safetensors"
 # Finished requests waiting for an idle moment to be written; older ones are dropped.
 MAX_PENDING_WRITES = 8
+# The user's key for the files' MACs, in the state folder.
+KEY_FILE = "prompt-cache.key"
 # Today's bytes written, in the folder (prompt_cache_files.WriteBudget).
 BUDGET_FILE = "written-today.json"
 
@@ -230,6 +233,7 @@ class PromptCache:
         disk_dir: str | os.PathLike | None = None,
         disk_bytes: int = 0,
         write_budget: int = 16 * 2**30,
+        key_file: str | os.PathLike | None = None,
         log: logging.Logger | None = None,
     ) -> None:
         self.store_id = store_id
@@ -240,6 +244,9 @@ class PromptCache:
             max_bytes=max_bytes, max_entries=max_entries, disk_max_bytes=disk_bytes, disk_write_budget=write_budget
         )
         self._budget = WriteBudget(write_budget)
+        # The key of the files' MACs: the user's, in their private state folder.
+        self._key_file = Path(key_file) if key_file is not None else default_state_dir(os.environ) / KEY_FILE
+        self._key = b""
         # In memory: one tree of token segments, shared prefixes held once.
         self._tree = PromptTree([name == "KVCache" for name in self.layout])
         # On disk: files by token list, in a trie of their own (found like the tree's).
@@ -426,18 +433,29 @@ class PromptCache:
             self.log.error("prompt cache: %s; caches stay in memory only", e)
             self.stats.disk_problem = str(e)
             return
+        try:
+            ensure_private_dir(self._key_file.parent, what="state folder", option="XDG_STATE_HOME")
+            self._key = user_key(self._key_file)
+        except (OSError, ValueError, RuntimeDirError) as e:
+            self.log.error("prompt cache: no key for its files (%s); caches stay in memory only", e)
+            self.stats.disk_problem = f"no key for its files: {e}"
+            return
         self.stats.disk_dir = str(folder)
         self._folder = folder
         self._budget.attach(folder / BUDGET_FILE, self.log)
         self.stats.disk_written_today = self._budget.written if self._budget.day == time.strftime("%Y-%m-%d") else 0
-        self._index(folder)
-        self._writer = DiskWriter(folder, self.store_id, self.stats.disk_max_bytes, self.log)
+        others = self._index(folder)
+        self._writer = DiskWriter(folder, self.store_id, self.stats.disk_max_bytes, self.log, self._key)
         self._writer.start()
-        # The files indexed now, oldest first, so that the writer bounds the folder.
-        self._writer.known(sorted(((e.path, e.disk_bytes) for e in self._disk.values()), key=lambda p: mtime(p[0])))
+        # The files indexed now, other stores' too (the bound is the folder's), oldest
+        # first, so that the writer bounds the folder.
+        known = [(e.path, e.disk_bytes) for e in self._disk.values() if e.path is not None] + others
+        self._writer.known(sorted(known, key=lambda p: mtime(p[0])))
 
-    def _index(self, folder: Path) -> None:
-        """The store's files in `folder` into the trie (their caches stay on disk)."""
+    def _index(self, folder: Path) -> list[tuple[Path, int]]:
+        """The store's files in `folder` into the trie (their caches stay on disk); returns
+        the other stores' files and their sizes."""
+        others = []
         for path in sorted(folder.iterdir()):
             if path.name.endswith(".tmp") and path.name.startswith(self._prefix() + "-"):
                 path.unlink(missing_ok=True)  # a write that a crash interrupted
@@ -452,6 +470,7 @@ class PromptCache:
             if meta.get("format") != FILE_FORMAT or meta.get("store_id") != self.store_id:
                 self.stats.disk_skipped += 1
                 self.log.info("prompt cache: %s is another store's or format's cache; skipped", path.name)
+                others.append((path, path.stat().st_size))
                 continue
             try:
                 tokens = tuple(int(t) for t in json.loads(meta["tokens"]))
@@ -473,6 +492,7 @@ class PromptCache:
                 self.stats.disk_bytes,
                 folder,
             )
+        return others
 
     def _skip(self, path: Path, why: str, *, remove: bool) -> None:
         self.stats.disk_skipped += 1
@@ -488,7 +508,7 @@ class PromptCache:
         failure drop the file and say why."""
         path = entry.path
         try:
-            cache, meta = load_prompt_cache(str(path), return_metadata=True)
+            cache, meta = load_cache_file(path, self._key, self.stats.disk_max_bytes)
             problem = self._check(cache, meta, entry.tokens)
         except Exception as e:  # any failure of a file read back is a file not to serve
             problem = f"unreadable ({type(e).__name__}: {e})"
@@ -572,7 +592,7 @@ class PromptCache:
                 self.stats.disk_written += 1
             elif kind == "removed":
                 entry = self._disk.get(tokens)
-                if entry is not None:
+                if entry is not None and entry.path == path:
                     self._forget_disk(entry)
                 self.stats.disk_dropped += 1
             else:

@@ -9,6 +9,8 @@ thread never touches MLX: only the engine thread does (`host_tensors`, while it 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -24,7 +26,8 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.cache import KVCache
 
 from ...shared.durable import fsync_dir, sync_file
@@ -45,6 +48,98 @@ _DTYPES = {
     mx.uint8: "U8",
     mx.bool_: "BOOL",
 }
+
+
+_NUMPY = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": np.uint16,
+    "I32": np.int32,
+    "U32": np.uint32,
+    "I64": np.int64,
+    "U64": np.uint64,
+    "I16": np.int16,
+    "U16": np.uint16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+# The metadata key of a file's MAC (save_prompt_cache's metadata sits under "0.").
+MAC_KEY = "0.mac"
+KEY_BYTES = 32
+
+
+def user_key(path: Path) -> bytes:
+    """The user's key for the cache files' MACs: made on first use (0600, created new,
+    never through a link), else read and refused unless it is the user's own, private."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+                raise ValueError(f"{path} is not a private file of this user")
+            key = f.read(KEY_BYTES + 1)
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"{path} does not hold a key of {KEY_BYTES} bytes")
+        return key
+    key = os.urandom(KEY_BYTES)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key)
+        sync_file(f)
+    return key
+
+
+def file_mac(
+    key: bytes, metadata: dict[str, str], tensors: dict[str, tuple[str, list[int], bytes | memoryview]]
+) -> str:
+    """HMAC-SHA256 over a file's metadata (but the MAC) and every tensor's name, dtype,
+    shape and bytes: a file changed in any of them, or made with another key, fails."""
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    mac.update(json.dumps({k: v for k, v in metadata.items() if k != MAC_KEY}, sort_keys=True).encode())
+    for name in sorted(tensors):
+        code, shape, data = tensors[name]
+        mac.update(json.dumps([name, code, list(shape), len(data)]).encode())
+        mac.update(data)
+    return mac.hexdigest()
+
+
+def load_cache_file(path: Path, key: bytes, limit: int) -> tuple[list[Any], dict[str, str]]:
+    """A cache file read back (as mlx-lm's `load_prompt_cache` reads it) once its MAC
+    holds; raises ValueError for a file that is not one of ours as written."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"{st.st_size} bytes, more than the folder's bound")
+        blob = f.read(limit + 1)
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + n])
+    body = memoryview(blob)[8 + n :]
+    flat = header.pop("__metadata__", {})
+    tensors = {}
+    for name, info in header.items():
+        start, stop = info["data_offsets"]
+        if not 0 <= start <= stop <= len(body):
+            raise ValueError(f"tensor {name} lies outside the file")
+        tensors[name] = (info["dtype"], info["shape"], body[start:stop])
+    if not hmac.compare_digest(str(flat.get(MAC_KEY, "")), file_mac(key, flat, tensors)):
+        raise ValueError("its MAC does not hold (changed since written, or not written with this user's key)")
+    arrays: dict[str, Any] = {}
+    for name, (code, shape, data) in tensors.items():
+        host = np.frombuffer(data, dtype=_NUMPY[code]).reshape(shape)
+        a = mx.array(host)
+        arrays[name] = a.view(mx.bfloat16) if code == "BF16" else a
+    metadata, classes, scalars = tree_unflatten(list(flat.items()))
+    for pos, kind in scalars[1:]:
+        a = arrays[pos]
+        arrays[pos] = a.item() if kind == "scalar" else "".join(map(chr, a.tolist())) if kind == "string" else None
+    states = tree_unflatten(list(arrays.items()))
+    cache = [getattr(mlx_lm_cache, c).from_state(state) for c, state in zip(classes, states)]
+    return cache, metadata
 
 
 def mtime(path: Path) -> float:
@@ -167,6 +262,7 @@ class DiskWriter:
     store_id: str | None
     max_bytes: int
     log: logging.Logger
+    key: bytes = b""
     _jobs: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     _out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     _files: OrderedDict = field(default_factory=OrderedDict)  # path -> (tokens | None, bytes), oldest first
@@ -208,6 +304,7 @@ class DiskWriter:
                 continue
             tic = time.perf_counter()
             try:
+                job.meta[MAC_KEY] = file_mac(self.key, job.meta, job.tensors)
                 size = write_safetensors(job.path, job.tensors, job.meta)
             except OSError as e:
                 self.log.error("prompt cache: cannot write %s: %s (errno %s)", job.path, e.strerror, e.errno)
