@@ -174,6 +174,7 @@ class Client:
         top_k: int | None = None,
         sampling: proto.SamplingControls | None = None,
         client: str | None = None,
+        cache_scope: str | None = None,
     ) -> "GenerateStream":
         """Send a generate request now; iterate the result for `Token` events, then `Done`.
 
@@ -198,7 +199,8 @@ class Client:
         logit_bias and log-probabilities (`Token.logprobs`, `Done.logprobs`). A `max_tokens` that would pass the
         daemon's context is lowered to what the prompt leaves. The stream starts with `Accepted` (the
         prompt's length) once the daemon has checked and queued the request. `client`
-        names the sender in the daemon's `status` (default: this connection).
+        names the sender in the daemon's `status` (default: this connection);
+        `cache_scope` limits prompt-cache reuse to requests of the same scope.
         """
         msg = proto.Generate(
             id=request_id or _new_id(),
@@ -223,6 +225,7 @@ class Client:
             top_k=top_k,
             sampling=sampling,
             client=client,
+            cache_scope=cache_scope,
         )
         try:
             data = proto.encode(msg)

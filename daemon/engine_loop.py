@@ -650,6 +650,7 @@ class EngineLoop:
             on_prompt_progress=lambda done, total: self._on_prefill(job, done, total),
             batch=self._batch,
             prompt_cache=self._prompt_cache,
+            cache_scope=job.msg.cache_scope or "",
             grammar=job.checked.grammar,
         )
 

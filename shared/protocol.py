@@ -52,6 +52,9 @@ tools) and answers with its length in tokens, from the daemon's prompt-check thr
 never waits on the model's forwards and runs none (an unloaded model is loaded first).
 tokens before sampling. `client` (at most MAX_CLIENT_CHARS printable characters) names who
 sent the request, as `status` lists it ("moestreamctl generate", a gateway's caller).
+`cache_scope` (as many characters) says whose cached prompts it may reuse: only those of
+requests with the same scope (the gateway sends a digest of its caller's identity, so that
+one client cannot learn another's prompt from what is cached); none: the shared scope.
 Tools (`tools`: function schemas as OpenAI writes them, `{"type": "function", "function":
 {name, description, parameters}}`; `tool_choice`: auto | none | required | {"name": N})
 are rendered by the model's chat template; the daemon parses the model's tool-call text
@@ -227,6 +230,7 @@ class Generate:
         "top_k",
         "sampling",
         "client",
+        "cache_scope",
     )
     id: str
     prompt: str | None = None
@@ -262,6 +266,9 @@ class Generate:
     sampling: SamplingControls | None = None
     # Who sent it, as `status` lists the request; None: the client's connection.
     client: str | None = None
+    # Whose cached prompts it may reuse, and who may reuse its own: requests of the same
+    # scope (the gateway sends a digest of the client's identity); None: the shared scope.
+    cache_scope: str | None = None
 
     def speculates(self) -> bool:
         """Whether it decodes speculatively (it asks, and needs no logits)."""
@@ -794,6 +801,7 @@ def _generate_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
         "top_k": _top_k_field(body, rid),
         "sampling": _sampling_field(body, rid),
         "client": _client_field(body, rid),
+        "cache_scope": _cache_scope_field(body, rid),
     }
 
 
@@ -829,6 +837,16 @@ def _client_field(body: dict[str, Any], rid: str) -> str | None:
         value is None or (isinstance(value, str) and 0 < len(value) <= MAX_CLIENT_CHARS and value.isprintable()),
         rid,
         f"'client' must be null or 1 to {MAX_CLIENT_CHARS} printable characters",
+    )
+    return value
+
+
+def _cache_scope_field(body: dict[str, Any], rid: str) -> str | None:
+    value = body.get("cache_scope")
+    _check(
+        value is None or (isinstance(value, str) and 0 < len(value) <= MAX_CLIENT_CHARS and value.isprintable()),
+        rid,
+        f"'cache_scope' must be null or 1 to {MAX_CLIENT_CHARS} printable characters",
     )
     return value
 

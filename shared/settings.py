@@ -552,7 +552,7 @@ class Settings:
         help="Folder of the heat file (pool_usage.json): the routing counts that autopin reads at start.",
     )
     heat_flush_seconds: float = setting(
-        5.0, kind="float", low=0.0, help="Seconds between saves of the routing counts to the heat file."
+        5.0, kind="float", low=0.0, help="Seconds between saves of the routing counts to the heat file.", bench=True
     )
     # Requests: a memory budget keeps room for a max_context cache when it sizes the pool.
     max_context: int | None = setting(
@@ -635,6 +635,15 @@ class Settings:
         high=1_000_000,
         help="Gateway connections at once, half of them from one client address (fewer where the open-file "
         "limit is lower); past it the oldest idle or half-open one is closed.",
+    )
+    # What is cached tells what was sent: a client that finds a prefix cached (its
+    # cached_tokens, or a quicker first token) learns that someone sent it.
+    prompt_cache_shared: bool = setting(
+        False,
+        kind="bool",
+        help="Let every gateway client reuse every other's cached prompts; off: only those of requests that name "
+        "the same user or session (Claude Code's metadata.user_id, Codex's prompt_cache_key, OpenAI's user), or "
+        "that name none and come from the same address.",
     )
     # A chat resends its whole history each turn; the cache spares prefilling it again.
     prompt_cache_bytes: int = setting(

@@ -38,6 +38,7 @@ from moestream.daemon.model.batching import BatchSession
 from moestream.daemon.model.generation import CacheUse, GenerationResult, SamplingParams, iter_generate, plain_steps
 from moestream.daemon.model.prompt_cache import PromptCache, read_metadata
 from moestream.daemon.model.prompt_tree import sequence_bytes
+from moestream.daemon.model.shared_prefill import prefill_key
 from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.daemon.store.convert import convert_model
 from moestream.shared.settings import Settings
@@ -231,8 +232,9 @@ def test_memory_stays_within_its_bounds(converted):
         pc = PromptCache("test-store", _layout(stock), max_bytes=bound, max_entries=3)
         for i in range(6):
             _ours(sm, pc, [i] + _prompt(29, seed=100 + i))  # no two share a first token
-            held = [node for _, node in pc._tree.sequences()]
-            assert pc.stats.bytes == sum(n.nbytes for n in pc._tree._nodes())
+            (tree,) = [s.tree for s in pc._scopes.values()]
+            held = [node for _, node in tree.sequences()]
+            assert pc.stats.bytes == sum(n.nbytes for n in tree._nodes())
             assert pc.stats.bytes <= bound and pc.stats.entries <= 3 and pc.stats.entries == len(held)
         assert pc.stats.evicted > 0
         stats = pc.stats.to_dict()
@@ -674,3 +676,33 @@ def test_the_disk_bound_is_the_folders_not_each_stores(build, tmp_path):
         assert sum(name.startswith("store-b-") for name in sizes) == 3, "the oldest files went first, store-a's"
     finally:
         sm.close()
+
+
+def test_a_scope_never_reuses_another_scopes_caches(build, tmp_path):
+    """Requests of one scope (a client's identity) never get another's cache, in memory or
+    from disk, nor join its prefill; the same scope reuses its own; memory is bounded
+    across scopes."""
+    _, store, stock = build("qwen3_moe")
+    sm = load_streaming_model(store, Settings(direct_io=True))
+    try:
+        pc = _new_cache(stock, disk_dir=tmp_path / "pc", disk_bytes=2**30)
+        secret = _prompt(30, seed=5)
+        use = CacheUse(pc, "alice")
+        out = stepped(plain_steps(sm, secret, GREEDY, GEN, prefill_step=STEP, cache_use=use))
+        use.keep(secret, out[0])
+        probe = secret + [1, 2]
+        assert pc.fetch(probe, "mallory") is None and pc.fetch(probe) is None
+        reuse = pc.fetch(probe, "alice")
+        assert reuse is not None and reuse.tokens == len(secret)
+        pc.close()
+        # From disk after a restart: alice's file serves alice only.
+        again = _new_cache(stock, disk_dir=tmp_path / "pc", disk_bytes=2**30)
+        assert again.stats.disk_entries == 1
+        assert again.fetch(probe, "mallory") is None
+        reuse = again.fetch(probe, "alice")
+        assert reuse is not None and reuse.from_disk
+        assert again.stats.scopes == 1
+        again.close()
+    finally:
+        sm.close()
+    assert prefill_key(secret, True, 16, "alice") != prefill_key(secret, True, 16, "mallory")

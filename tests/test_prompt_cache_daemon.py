@@ -96,3 +96,40 @@ def test_chat_turns_reuse_the_history_across_a_restart(store):
             gateway.stop()
         ctl("stop", "--runtime-dir", str(rt))
         shutil.rmtree(rt)
+
+
+def _cached(api: openai.OpenAI, model: str, text: str, **extra) -> int:
+    r = api.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": text}], max_tokens=1, temperature=0, **extra
+    )
+    return r.usage.prompt_tokens_details.cached_tokens
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_one_client_cannot_learn_anothers_prompt_from_cached_tokens(store, shared):
+    """Through the keyless loopback gateway, a client that probes with a guess of another's
+    prompt learns nothing from `cached_tokens` (0), unless `prompt_cache_shared` is on;
+    requests that name the same user share their history."""
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="mspc"))
+    gateway = None
+    try:
+        out = ctl("start", "--model", str(store), "--runtime-dir", str(rt))
+        assert out.returncode == 0, out.stdout + out.stderr
+        env = {"MOESTREAM_PROMPT_CACHE_SHARED": "1"} if shared else None
+        gateway = Gateway(rt, rt / "gateway.log", env=env)
+        api = openai.OpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        model = api.models.list().data[0].id
+        secret = "The secret code is 4821. " * 6
+        assert _cached(api, model, secret + "Remember it.", user="alice") == 0
+        # Alice's next request reuses her own prompt.
+        assert _cached(api, model, secret + "Say it.", user="alice") > 20
+        guesses = [_cached(api, model, secret + "Is it?", **extra) for extra in ({"user": "mallory"}, {})]
+        if shared:
+            assert all(g > 20 for g in guesses), guesses
+        else:
+            assert guesses == [0, 0], "a probe learned another client's prompt from cached_tokens"
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        ctl("stop", "--runtime-dir", str(rt))
+        shutil.rmtree(rt)

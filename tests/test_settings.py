@@ -211,8 +211,10 @@ def test_a_bad_value_is_named_by_its_source(d, tmp_path):
 def test_out_of_range_numbers_and_unknown_names_are_refused():
     with pytest.raises(SettingsError, match="max_context: must be between 16 and 16777216"):
         Settings.from_values({"max_context": 8})
+    with pytest.raises(SettingsError, match="keep_alive"):
+        Settings.from_values({"keep_alive": "soon"})
     with pytest.raises(SettingsError, match="heat_flush_seconds: must be at least 0"):
-        Settings.from_values({"heat_flush_seconds": "-1"})
+        Settings().replace(heat_flush_seconds="-1")
     with pytest.raises(SettingsError, match=r"unknown setting 'host_cach' \(did you mean 'host_cache'\?\)"):
         Settings.from_values({"host_cach": "1G"})
     assert Settings.from_values({"mapped": "auto"}).mapped is None

@@ -151,7 +151,7 @@ def serve_openai(host, port, api_key, api_key_file, runtime_dir, log_level) -> N
         f"pid {os.getpid()})",
         err=True,
     )
-    app = create_app(GatewayConfig(paths=paths, api_key=key), guard)
+    app = create_app(GatewayConfig(paths=paths, api_key=key, cache_shared=settings.prompt_cache_shared), guard)
     config = uvicorn.Config(
         app,
         http=ConnectionGuard(guard).protocol_class(),

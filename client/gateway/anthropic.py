@@ -56,7 +56,7 @@ from ...shared import protocol as proto
 from ...shared.protocol import Done
 from ..client import Accepted, Token, ToolCall
 from .keep_alive import KeepAlive
-from .openai import ApiError, ApiRequest, bad_request, json_constraint, sampling_controls
+from .openai import ApiError, ApiRequest, bad_request, declared_identity, json_constraint, sampling_controls
 
 if TYPE_CHECKING:
     from .app import DaemonRequest, Gateway
@@ -360,7 +360,9 @@ def parse_request(body: Any, *, count_only: bool = False) -> ApiRequest:
         if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**63):
             raise bad_request("seed: must be a whole number in 0..2^63-1", "seed")
         kwargs["seed"] = seed
-    return ApiRequest(chat=True, model=model, stream=stream, include_usage=False, generate=kwargs)
+    return ApiRequest(
+        chat=True, model=model, stream=stream, include_usage=False, generate=kwargs, identity=declared_identity(body)
+    )
 
 
 # ---- responses -----------------------------------------------------------------------

@@ -35,6 +35,7 @@ the HTTP status that says what went wrong.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -119,6 +120,8 @@ class GatewayConfig:
     demo_store_id: str | None = field(default_factory=_demo_store_id)
     # A streamed answer's keep-alive before its first token (client/gateway/keep_alive.py).
     keep_alive_seconds: float = KEEP_ALIVE_SECONDS
+    # Every client reuses every other's cached prompts (setting prompt_cache_shared).
+    cache_shared: bool = False
 
 
 def _daemon_error(e: RequestRejected) -> ApiError:
@@ -166,6 +169,14 @@ def client_label(request: Request) -> str:
     return "".join(c if " " <= c <= "~" else "?" for c in label)[: proto.MAX_CLIENT_CHARS]
 
 
+def cache_scope(request: Request, req: ApiRequest) -> str:
+    """Whose cached prompts a request may reuse: those of requests that name the same user
+    or session, else of those that name none from the same address; a digest, so that the
+    daemon never holds the identity itself."""
+    who = f"id:{req.identity}" if req.identity else f"address:{request.client.host if request.client else '?'}"
+    return hashlib.sha256(who.encode()).hexdigest()[:32]
+
+
 class DaemonRequest:
     """One generate request on a thread of its own, which owns its Client.
 
@@ -183,12 +194,15 @@ class DaemonRequest:
         request_id: str,
         slots: threading.BoundedSemaphore,
         client: str | None = None,
+        scope: str | None = None,
     ) -> None:
-        """`client`: who sent it, as the daemon's `status` lists the request."""
+        """`client`: who sent it, as the daemon's `status` lists the request; `scope`: whose
+        cached prompts it may reuse (`cache_scope`; None: everyone's)."""
         self._config = config
         self._req = req
         self._id = request_id
         self._client = client
+        self._scope = scope
         self._slots = slots
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -220,7 +234,11 @@ class DaemonRequest:
                     return
                 # A streamed answer reports the prefill's progress in its keep-alives.
                 stream = client.generate(
-                    request_id=self._id, progress=self._req.stream, client=self._client, **self._req.generate
+                    request_id=self._id,
+                    progress=self._req.stream,
+                    client=self._client,
+                    cache_scope=self._scope,
+                    **self._req.generate,
                 )
                 while stream.done is None:
                     event = stream.next_event(within=STOP_POLL_SECONDS)
@@ -420,7 +438,8 @@ class Gateway:
                 type="rate_limit_error",
                 code="busy",
             )
-        daemon = DaemonRequest(self.config, req, prefix + uuid.uuid4().hex, self._slots, client_label(request))
+        scope = None if self.config.cache_shared else cache_scope(request, req)
+        daemon = DaemonRequest(self.config, req, prefix + uuid.uuid4().hex, self._slots, client_label(request), scope)
         daemon.start()
         return daemon
 

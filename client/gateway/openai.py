@@ -86,6 +86,8 @@ class ApiRequest:
     include_usage: bool
     generate: dict[str, Any] = field(default_factory=dict)  # keyword arguments of Client.generate
     n: int = 1  # choices: as many daemon requests
+    # Who the client says it is (`declared_identity`); None: it did not say.
+    identity: str | None = None
 
     def choice(self, i: int) -> ApiRequest:
         """The request of choice `i` of n: its own seed (s + i) where a seed is given."""
@@ -96,6 +98,17 @@ class ApiRequest:
 
 
 # ---- requests ------------------------------------------------------------------------
+
+
+def declared_identity(body: dict[str, Any]) -> str | None:
+    """The end user or session a request names, where the clients put it: Anthropic's
+    `metadata.user_id` (Claude Code's user and session), the Responses API's
+    `prompt_cache_key` (Codex CLI's conversation), `safety_identifier`, OpenAI's `user`.
+    It scopes the prompt cache: requests that name none share their caller's address's."""
+    metadata = body.get("metadata")
+    candidates = [metadata.get("user_id") if isinstance(metadata, dict) else None]
+    candidates += [body.get(name) for name in ("prompt_cache_key", "safety_identifier", "user")]
+    return next((c for c in candidates if isinstance(c, str) and c), None)
 
 
 def _is_int(x: Any) -> bool:
@@ -511,7 +524,13 @@ def parse_request(body: Any, *, chat: bool) -> ApiRequest:
     if body.get("keep_alive") is not None:
         kwargs["keep_alive"] = keep_alive_seconds(body["keep_alive"])
     return ApiRequest(
-        chat=chat, model=model, stream=stream, include_usage=include_usage, generate=kwargs, n=_choices(body)
+        chat=chat,
+        model=model,
+        stream=stream,
+        include_usage=include_usage,
+        generate=kwargs,
+        n=_choices(body),
+        identity=declared_identity(body),
     )
 
 

@@ -69,6 +69,7 @@ from .openai import (
     _number,
     bad_request,
     chat_logprobs,
+    declared_identity,
     json_constraint,
     sampling_controls,
     tool_call_id,
@@ -449,7 +450,9 @@ def parse_request(body: Any) -> ResponsesRequest:
         "truncation": "disabled",
         "metadata": body.get("metadata") if isinstance(body.get("metadata"), dict) else {},
     }
-    api = ApiRequest(chat=True, model=model, stream=stream, include_usage=False, generate=generate)
+    api = ApiRequest(
+        chat=True, model=model, stream=stream, include_usage=False, generate=generate, identity=declared_identity(body)
+    )
     return ResponsesRequest(api=api, custom_tools=custom, summary=summary, echo=echo, logprobs=logprobs)
 
 

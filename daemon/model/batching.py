@@ -320,7 +320,7 @@ class BatchSession:
             self.stats.left += 1
             if cache_use is not None and member.final is not None:
                 cache, tokens = member.final
-                cache_use.prompt_cache.insert([*member.brought, *tokens], cache, persist=True)
+                cache_use.prompt_cache.insert([*member.brought, *tokens], cache, persist=True, scope=cache_use.scope)
 
     def _joins_prefill(self, remaining: int) -> bool:
         """Whether a prompt with `remaining` tokens past its cached prefix goes to the

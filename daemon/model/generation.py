@@ -67,6 +67,8 @@ class CacheUse:
     """One request's use of the prompt cache (daemon/model/prompt_cache.py)."""
 
     prompt_cache: PromptCache
+    # Whose caches it may reuse (PromptCache.fetch's scope); "": the shared scope.
+    scope: str = ""
     # Prompt tokens served from the cache, and whether from a file written before.
     reused: int = 0
     from_disk: bool = False
@@ -85,7 +87,7 @@ class CacheUse:
         """The cache the request starts from (a copy of the best cached prefix, or a
         fresh one) and how many prompt tokens it holds."""
         tic = time.perf_counter()
-        reuse = self.prompt_cache.fetch(prompt_ids)
+        reuse = self.prompt_cache.fetch(prompt_ids, self.scope)
         self.fetch_seconds = time.perf_counter() - tic
         if reuse is None:
             return make_prompt_cache(sm.model), 0
@@ -122,6 +124,7 @@ class CacheUse:
             sm,
             self.prompt_cache,
             prompt_ids,
+            self.scope,
             step,
             layer_major,
             progress,
@@ -137,14 +140,14 @@ class CacheUse:
         one that will not come back (a batch's)."""
         n = len(prompt_ids) - 1
         if n > self.reused:
-            self.prompt_cache.insert(prompt_ids[:-1], cache)
+            self.prompt_cache.insert(prompt_ids[:-1], cache, scope=self.scope)
 
     def keep(self, prompt_ids: Sequence[int], fed: Sequence[int]) -> None:
         """Keep the request's cache, which holds the prompt and every token it yielded
         (`fed`), for later prompts, and on disk where the prompt cache has a folder (a
         request stopped during its prefill has none: its prefill is kept suspended)."""
         if self.kv is not None:
-            self.prompt_cache.insert([*prompt_ids, *fed], self.kv, persist=True)
+            self.prompt_cache.insert([*prompt_ids, *fed], self.kv, persist=True, scope=self.scope)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -513,6 +516,7 @@ def iter_generate(
     on_prompt_progress: Callable[[int, int], None] | None = None,
     batch: BatchSession | None = None,
     prompt_cache: PromptCache | None = None,
+    cache_scope: str = "",
     grammar: Grammar | None = None,
 ) -> Iterator[tuple[str, int | None]]:
     """Yield (text segment, token id) pairs; fill `result` as it goes. With a `batch`
@@ -553,7 +557,7 @@ def iter_generate(
     spec_stats = None
     prefill_stats = PrefillStats()
     rec = sm.diagnostics.new_recorder(params.diagnostics) if sm.diagnostics is not None else None
-    use = CacheUse(prompt_cache) if prompt_cache is not None and prompt_cache.enabled else None
+    use = CacheUse(prompt_cache, cache_scope) if prompt_cache is not None and prompt_cache.enabled else None
     # Every token the steps yield (an end token too): what went into the request's cache.
     fed: list[int] = []
     # The grammar masks first: the penalties and biases then see only what it allows.

@@ -90,8 +90,10 @@ class PromptCacheStats:
     """What the prompt cache holds and did, for `status`."""
 
     entries: int = 0
-    # Live branches: cached sequences that no other extends (the tree's leaves).
+    # Live branches: cached sequences that no other extends (the trees' leaves); scopes
+    # (clients' identities) with caches.
     branches: int = 0
+    scopes: int = 0
     bytes: int = 0
     max_bytes: int = 0
     max_entries: int = 0
@@ -144,9 +146,16 @@ class _Entry:
     trimmable: bool
     path: Path | None = None
     disk_bytes: int = 0
+    scope: str = ""
 
     def stored(self, path: Path | None, size: int = 0) -> None:
         self.path, self.disk_bytes = path, size
+
+
+def scope_tag(scope: str) -> str:
+    """What a scope is known by in memory and on disk: a digest, never the identity
+    itself (an API key, say); "" is the scope shared by every client."""
+    return hashlib.sha256(scope.encode()).hexdigest()[:32] if scope else ""
 
 
 @dataclass
@@ -220,6 +229,16 @@ class _Trie:
         return None
 
 
+class _Scope:
+    """The caches one scope's requests may reuse: in memory and on disk."""
+
+    def __init__(self, chunked: list[bool]) -> None:
+        self.tree = PromptTree(chunked)
+        # Files by token list, in a trie of their own (found like the tree's).
+        self.trie = _Trie()
+        self.disk: dict[tuple[int, ...], _Entry] = {}
+
+
 class PromptCache:
     """One store's prompt cache (engine thread only, but for the writer thread it owns)."""
 
@@ -247,12 +266,11 @@ class PromptCache:
         # The key of the files' MACs: the user's, in their private state folder.
         self._key_file = Path(key_file) if key_file is not None else default_state_dir(os.environ) / KEY_FILE
         self._key = b""
-        # In memory: one tree of token segments, shared prefixes held once.
-        self._tree = PromptTree([name == "KVCache" for name in self.layout])
-        # On disk: files by token list, in a trie of their own (found like the tree's).
-        self._trie = _Trie()
-        self._disk: dict[tuple[int, ...], _Entry] = {}
-        self._pending: list[tuple[int, ...]] = []
+        # By scope (`scope_tag`): in memory one tree of token segments, shared prefixes
+        # held once; on disk the files. A request reuses only its own scope's.
+        self._scopes: dict[str, _Scope] = {}
+        self._pending: list[tuple[str, tuple[int, ...]]] = []
+        self._writing: dict[Path, tuple[str, tuple[int, ...]]] = {}
         # Prefills in flight or suspended, by key (shared_prefill.py `prefill_key`); the
         # suspended ones also here, oldest first, with their bytes.
         self._prefills: dict[Any, Any] = {}
@@ -273,16 +291,25 @@ class PromptCache:
 
     # ---- lookups --------------------------------------------------------------------
 
-    def fetch(self, tokens: Sequence[int]) -> Reuse | None:
-        """A copy of the cache that serves the most of `tokens` but its last, or None."""
+    def _scope(self, tag: str) -> _Scope:
+        scope = self._scopes.get(tag)
+        if scope is None:
+            scope = self._scopes[tag] = _Scope([name == "KVCache" for name in self.layout])
+        return scope
+
+    def fetch(self, tokens: Sequence[int], scope: str = "") -> Reuse | None:
+        """A copy of the cache that serves the most of `tokens` but its last, or None,
+        from the caches of requests of the same `scope` (a client's identity; "": shared)."""
+        tag = scope_tag(scope)
+        tree = self._scope(tag).tree
         self._take_writer_results()
         self.stats.lookups += 1
         self.stats.prompt_tokens += len(tokens)
         limit = len(tokens) - 1
         from_disk = False
         while True:
-            m, snap, trim = self._tree.best(tokens, limit)
-            on_disk = self._best_on_disk(tokens, limit)
+            m, snap, trim = tree.best(tokens, limit)
+            on_disk = self._best_on_disk(tag, tokens, limit)
             if on_disk is None or on_disk[0] <= m:
                 break
             # A file serves more: into memory with it, then served from there.
@@ -290,8 +317,8 @@ class PromptCache:
             loaded = self._load(entry)
             if loaded is None:
                 continue  # it failed its checks and is gone: look again without it
-            self.insert(entry.tokens, loaded)
-            m, snap, trim = self._tree.best(tokens, limit)
+            self.insert(entry.tokens, loaded, scope=scope)
+            m, snap, trim = tree.best(tokens, limit)
             if m < reused:
                 # Too large to keep in memory: served from the file's own cache.
                 trim_prompt_cache(loaded, len(entry.tokens) - reused)
@@ -300,32 +327,33 @@ class PromptCache:
             break
         if m <= 0:
             return None
-        return self._hit(Reuse(self._tree.serve(tokens, m, snap, trim, next(self._uses)), m, from_disk))
+        return self._hit(Reuse(tree.serve(tokens, m, snap, trim, next(self._uses)), m, from_disk))
 
     def _hit(self, reuse: Reuse) -> Reuse:
         self.stats.hits += 1
         self.stats.tokens_reused += reuse.tokens
         return reuse
 
-    def _best_on_disk(self, tokens: Sequence[int], limit: int) -> tuple[int, _Entry] | None:
+    def _best_on_disk(self, tag: str, tokens: Sequence[int], limit: int) -> tuple[int, _Entry] | None:
         """(tokens reused, file): the longest file whose tokens are a prefix of the prompt
         but its last token, or a trimmable file past the point where the prompt leaves the
         files' trie, trimmed back to it, whichever reuses more."""
-        found, depth, node = self._trie.walk(tokens)
+        trie = self._scope(tag).trie
+        found, depth, node = trie.walk(tokens)
         best: tuple[int, _Entry] | None = None
         for entry in found:
             if len(entry.tokens) <= limit:
                 best = (len(entry.tokens), entry)
         m = min(depth, limit)
         if m > 0 and (best is None or m > best[0]):
-            longer = self._trie.nearest_trimmable(node)
+            longer = trie.nearest_trimmable(node)
             if longer is not None:
                 best = (m, longer)
         return best
 
     # ---- inserts ------------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], cache: list[Any], *, persist: bool = False) -> bool:
+    def insert(self, tokens: Sequence[int], cache: list[Any], *, persist: bool = False, scope: str = "") -> bool:
         """Keep what `cache` (which must hold exactly `tokens`) adds to the kept
         sequences, for later prompts: the rows of positions not kept yet, and a snapshot
         of the layers kept whole (copies: the caller's cache may go on changing).
@@ -340,13 +368,15 @@ class PromptCache:
         if sequence_bytes(cache, len(key)) > self.stats.max_bytes:
             self.stats.refused += 1
             return False
-        self._tree.insert(key, cache, next(self._uses))
+        tag = scope_tag(scope)
+        own = self._scope(tag)
+        own.tree.insert(key, cache, next(self._uses))
         self.stats.inserted += 1
         self._count()
         self._bound()
-        kept = self._tree.find(key) is not None
-        if kept and persist and self._writer is not None and key not in self._disk:
-            self._pending.append(key)
+        kept = own.tree.find(key) is not None
+        if kept and persist and self._writer is not None and key not in own.disk:
+            self._pending.append((tag, key))
             if len(self._pending) > MAX_PENDING_WRITES:
                 self._pending.pop(0)
         return kept
@@ -398,29 +428,34 @@ class PromptCache:
 
     def _bound(self) -> None:
         def over() -> bool:
-            held = self._tree.entries + len(self._suspended)
+            held = sum(s.tree.entries for s in self._scopes.values()) + len(self._suspended)
             return self.stats.bytes > self.stats.max_bytes or held > self.stats.max_entries
 
         while over():
-            leaf = self._tree.oldest_leaf()
+            leaves = [(leaf, s.tree) for s in self._scopes.values() if (leaf := s.tree.oldest_leaf()) is not None]
+            leaf, tree = min(leaves, key=lambda lt: lt[0].used, default=(None, None))
             key, (_, used) = next(iter(self._suspended.items()), (None, (0, 0)))
             if leaf is None and key is None:
                 break
             if leaf is None or (key is not None and used < leaf.used):
                 self._drop_prefill(self._prefills[key])
                 continue
-            self._tree.drop(leaf)
+            assert tree is not None
+            tree.drop(leaf)
             self.stats.evicted += 1
             self._count()
 
     def _count(self) -> None:
         self.stats.suspended = len(self._suspended)
         self.stats.suspended_bytes = sum(nbytes for nbytes, _ in self._suspended.values())
-        self.stats.bytes = self._tree.nbytes + self.stats.suspended_bytes
-        self.stats.entries = self._tree.entries
-        self.stats.branches = self._tree.leaves()
-        self.stats.disk_entries = len(self._disk)
-        self.stats.disk_bytes = sum(e.disk_bytes for e in self._disk.values())
+        trees = [s.tree for s in self._scopes.values()]
+        self.stats.bytes = sum(t.nbytes for t in trees) + self.stats.suspended_bytes
+        self.stats.entries = sum(t.entries for t in trees)
+        self.stats.branches = sum(t.leaves() for t in trees)
+        files = [e for s in self._scopes.values() for e in s.disk.values()]
+        self.stats.disk_entries = len(files)
+        self.stats.disk_bytes = sum(e.disk_bytes for e in files)
+        self.stats.scopes = sum(1 for s in self._scopes.values() if s.tree.entries or s.disk)
 
     # ---- disk -----------------------------------------------------------------------
 
@@ -449,7 +484,8 @@ class PromptCache:
         self._writer.start()
         # The files indexed now, other stores' too (the bound is the folder's), oldest
         # first, so that the writer bounds the folder.
-        known = [(e.path, e.disk_bytes) for e in self._disk.values() if e.path is not None] + others
+        mine = [e for s in self._scopes.values() for e in s.disk.values() if e.path is not None]
+        known = [(e.path, e.disk_bytes) for e in mine] + others
         self._writer.known(sorted(known, key=lambda p: mtime(p[0])))
 
     def _index(self, folder: Path) -> list[tuple[Path, int]]:
@@ -477,18 +513,20 @@ class PromptCache:
             except (KeyError, ValueError, TypeError) as e:
                 self._skip(path, f"no token list ({e})", remove=True)
                 continue
-            if path.name != self._file_name(tokens):
+            tag = str(meta.get("scope", ""))
+            if path.name != self._file_name(tag, tokens):
                 self._skip(path, "its tokens are not those its name says", remove=True)
                 continue
-            entry = _Entry(tokens, meta.get("trimmable") == "1", path=path, disk_bytes=path.stat().st_size)
-            self._disk[tokens] = entry
-            if self._trie.add(entry) is not None:
+            entry = _Entry(tokens, meta.get("trimmable") == "1", path=path, disk_bytes=path.stat().st_size, scope=tag)
+            own = self._scope(tag)
+            own.disk[tokens] = entry
+            if own.trie.add(entry) is not None:
                 raise AssertionError("prompt cache: two files for one token list")
         self._count()
-        if self._disk:
+        if self.stats.disk_entries:
             self.log.info(
                 "prompt cache: %d cached conversations on disk (%d bytes) in %s",
-                len(self._disk),
+                self.stats.disk_entries,
                 self.stats.disk_bytes,
                 folder,
             )
@@ -509,7 +547,7 @@ class PromptCache:
         path = entry.path
         try:
             cache, meta = load_cache_file(path, self._key, self.stats.disk_max_bytes)
-            problem = self._check(cache, meta, entry.tokens)
+            problem = self._check(cache, meta, entry.tokens, entry.scope)
         except Exception as e:  # any failure of a file read back is a file not to serve
             problem = f"unreadable ({type(e).__name__}: {e})"
         if problem is not None:
@@ -519,10 +557,10 @@ class PromptCache:
         self.stats.disk_loaded += 1
         return cache
 
-    def _check(self, cache: list[Any], meta: dict[str, str], tokens: tuple[int, ...]) -> str | None:
+    def _check(self, cache: list[Any], meta: dict[str, str], tokens: tuple[int, ...], scope: str) -> str | None:
         if meta.get("format") != FILE_FORMAT or meta.get("store_id") != self.store_id:
             return "another store's cache"
-        if tuple(json.loads(meta.get("tokens", "[]"))) != tokens:
+        if tuple(json.loads(meta.get("tokens", "[]"))) != tokens or meta.get("scope", "") != scope:
             return "not the token list it was indexed with"
         if [type(c).__name__ for c in cache] != self.layout:
             return "a cache of another model's layers"
@@ -531,16 +569,20 @@ class PromptCache:
         return None
 
     def _forget_disk(self, entry: _Entry) -> None:
-        self._disk.pop(entry.tokens, None)
-        self._trie.remove(entry.tokens)
+        own = self._scope(entry.scope)
+        own.disk.pop(entry.tokens, None)
+        own.trie.remove(entry.tokens)
         entry.stored(None)
         self._count()
 
     def _prefix(self) -> str:
         return re.sub(r"[^A-Za-z0-9_.-]", "_", self.store_id or "")
 
-    def _file_name(self, tokens: Sequence[int]) -> str:
-        return f"{self._prefix()}-{token_hash(tokens)}{SUFFIX}"
+    def _file_name(self, tag: str, tokens: Sequence[int]) -> str:
+        name = (
+            token_hash(tokens) if not tag else hashlib.sha256(f"{tag}:{token_hash(tokens)}".encode()).hexdigest()[:32]
+        )
+        return f"{self._prefix()}-{name}{SUFFIX}"
 
     def idle(self) -> None:
         """Hand finished requests' caches to the writer (the engine has no work now),
@@ -549,14 +591,16 @@ class PromptCache:
         if self._writer is None:
             return
         while self._pending:
-            key = self._pending.pop(0)
-            node = self._tree.find(key)
-            if node is None or key in self._disk or self._covered_on_disk(key):
+            tag, key = self._pending.pop(0)
+            own = self._scope(tag)
+            node = own.tree.find(key)
+            if node is None or key in own.disk or self._covered_on_disk(own, key):
                 continue
-            cache = self._tree.serve(key, len(key), node if node.snapshot is not None else None, 0, node.used)
+            cache = own.tree.serve(key, len(key), node if node.snapshot is not None else None, 0, node.used)
             about = {
                 "format": FILE_FORMAT,
                 "store_id": self.store_id or "",
+                "scope": tag,
                 "tokens": json.dumps(list(key)),
                 "trimmable": "1" if can_trim_prompt_cache(cache) else "0",
             }
@@ -570,38 +614,37 @@ class PromptCache:
             if not self._budget.take(size):
                 self.stats.disk_over_budget += 1
                 continue
-            self._writer.put(self._folder / self._file_name(key), key, tensors, meta)
+            path = self._folder / self._file_name(tag, key)
+            self._writing[path] = (tag, key)
+            self._writer.put(path, key, tensors, meta)
         self.stats.disk_written_today = self._budget.written
 
-    def _covered_on_disk(self, key: tuple[int, ...]) -> bool:
+    @staticmethod
+    def _covered_on_disk(own: _Scope, key: tuple[int, ...]) -> bool:
         """A trimmable file that goes on past `key` serves it already: not written again."""
-        found, depth, node = self._trie.walk(key)
-        return depth == len(key) and self._trie.nearest_trimmable(node) is not None
+        found, depth, node = own.trie.walk(key)
+        return depth == len(key) and own.trie.nearest_trimmable(node) is not None
 
     def _take_writer_results(self) -> None:
         if self._writer is None:
             return
         for kind, tokens, path, size, trimmable in self._writer.results():
-            if kind == "written":
-                entry = self._trie_entry(tokens)
-                if entry is None:  # out of memory meanwhile: findable on disk from now on
-                    entry = _Entry(tokens, trimmable)
-                    self._trie.add(entry)
-                entry.stored(path, size)
-                self._disk[tokens] = entry
+            written = self._writing.pop(path, None)
+            if kind == "written" and written is not None:
+                tag, key = written
+                own = self._scope(tag)
+                entry = _Entry(key, trimmable, path, size, tag)
+                own.trie.add(entry)
+                own.disk[key] = entry
                 self.stats.disk_written += 1
             elif kind == "removed":
-                entry = self._disk.get(tokens)
-                if entry is not None and entry.path == path:
+                entry = next((e for s in self._scopes.values() for e in s.disk.values() if e.path == path), None)
+                if entry is not None:
                     self._forget_disk(entry)
                 self.stats.disk_dropped += 1
-            else:
+            elif kind != "written":
                 self.stats.disk_errors += 1
         self._count()
-
-    def _trie_entry(self, tokens: tuple[int, ...]) -> _Entry | None:
-        found, depth, node = self._trie.walk(tokens)
-        return node.entry if depth == len(tokens) else None
 
     def close(self, timeout: float = 30.0) -> None:
         """Drop the suspended prefills; write what is pending and wait for the writer (at

@@ -64,10 +64,11 @@ def segment_tokens(step: int) -> int:
     return step * max(1, CHECKPOINT_TOKENS // step)
 
 
-def prefill_key(prompt_ids: Sequence[int], layer_major: bool, step: int) -> tuple[Hashable, ...]:
+def prefill_key(prompt_ids: Sequence[int], layer_major: bool, step: int, scope: str = "") -> tuple[Hashable, ...]:
     """What two requests' prefills must share to be one: the prompt but its last token,
-    the order and the chunk size."""
-    return (tuple(int(t) for t in prompt_ids[:-1]), layer_major, step)
+    the order, the chunk size and the prompt cache's scope (joining another client's
+    prefill would tell it what that client sent)."""
+    return (tuple(int(t) for t in prompt_ids[:-1]), layer_major, step, scope)
 
 
 class SharedPrefill:
@@ -85,10 +86,13 @@ class SharedPrefill:
         step: int,
         layer_major: bool,
         stats: PrefillStats,
+        scope: str = "",
     ) -> None:
-        """`cache` holds the prompt's first `start` tokens (from the prompt cache, or none)."""
+        """`cache` holds the prompt's first `start` tokens (from the prompt cache, or none);
+        its checkpoints go to the prompt cache's `scope`."""
         self.sm = sm
         self.key = key
+        self.scope = scope
         self.prompt_ids = list(prompt_ids)
         self.start = start
         self.stats = stats
@@ -128,7 +132,7 @@ class SharedPrefill:
             if stop == end:
                 return cache
             # A checkpoint: the prompt cache keeps its own copy; the prefill goes on in this cache.
-            self._prompt_cache.insert(self.prompt_ids[:stop], cache, persist=True)
+            self._prompt_cache.insert(self.prompt_ids[:stop], cache, persist=True, scope=self.scope)
             begin = stop
             yield
 
@@ -157,7 +161,7 @@ class SharedPrefill:
             if computed >= KEEP_AFTER_TOKENS or (computed > 0 and not can_trim_prompt_cache(self.result)):
                 # A snapshot at the prompt's boundary, which an untrimmable cache could
                 # not be trimmed back to later.
-                self._prompt_cache.insert(self.prompt_ids[:-1], self.result)
+                self._prompt_cache.insert(self.prompt_ids[:-1], self.result, scope=self.scope)
         except Exception as e:
             self.error, self._pieces = e, None
             self._prompt_cache.prefill_ended(self)
@@ -200,6 +204,7 @@ def prefilled(
     sm: StreamingModel,
     prompt_cache: PromptCache,
     prompt_ids: Sequence[int],
+    scope: str,
     step: int,
     layer_major: bool,
     progress: Callable[[int, int], None],
@@ -215,13 +220,13 @@ def prefilled(
     closed while it waits leaves the prefill to the others, or suspended in the prompt
     cache where none is left."""
     n = len(prompt_ids)
-    key = prefill_key(prompt_ids, layer_major, step)
+    key = prefill_key(prompt_ids, layer_major, step, scope)
     shared, suspended = prompt_cache.prefill_of(key)
     if shared is not None:
         on_join(shared, suspended)
     else:
         cache, start = fetch()
-        shared = SharedPrefill(sm, prompt_cache, key, prompt_ids, cache, start, step, layer_major, stats)
+        shared = SharedPrefill(sm, prompt_cache, key, prompt_ids, cache, start, step, layer_major, stats, scope)
         if start < n - 1:
             prompt_cache.prefill_started(shared)
     shared.join()
