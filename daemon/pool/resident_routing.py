@@ -58,9 +58,10 @@ class ResidentRouting:
         self.pools = list(pools)
         self._consume = consume
         self._hits = hits
-        # Per tick: every logged id on the device, flat, and per logged forward of a layer
-        # (layer, whether it was a decode step, k, how many ids).
-        self._pending: deque[tuple[mx.array, list[tuple[int, bool, int, int]]]] = deque()
+        # Per tick: the logged forwards in runs of one shape (a decode step's layers are
+        # one run), each run's ids joined along the last axis on the device, with its
+        # forwards' (layer, whether it was a decode step, k).
+        self._pending: deque[list[tuple[mx.array, list[tuple[int, bool, int]]]]] = deque()
         # Host time of the read-backs, the counting and `consume`, on the decode thread.
         self.readback_seconds = 0.0
         for p in self.pools:
@@ -73,11 +74,20 @@ class ResidentRouting:
         tick, and count that of the forwards READBACK_LAG ticks old."""
         logged = [(i, ids) for i, p in enumerate(self.pools) for ids in p.take_route_log()]
         if logged:
-            flat = mx.concatenate([ids.reshape(-1) for _, ids in logged])
-            # One token per sequence is a decode step (batched or not), as the slot pool counts it.
-            meta = [(i, ids.shape[-2] == 1, ids.shape[-1], ids.size) for i, ids in logged]
-            mx.async_eval(flat)
-            self._pending.append((flat, meta))
+            # One join per run of equal shapes, along the last axis: a strided id slice is
+            # read as it is, where a flat copy of each would cost a kernel per layer (48
+            # launches a token, about 1 ms of the host's time on an H100).
+            runs: list[tuple[mx.array, list[tuple[int, bool, int]]]] = []
+            start = 0
+            for end in range(1, len(logged) + 1):
+                if end == len(logged) or logged[end][1].shape != logged[start][1].shape:
+                    group = logged[start:end]
+                    joined = group[0][1] if len(group) == 1 else mx.concatenate([ids for _, ids in group], axis=-1)
+                    # One token per sequence is a decode step (batched or not), as the slot pool counts it.
+                    runs.append((joined, [(i, ids.shape[-2] == 1, ids.shape[-1]) for i, ids in group]))
+                    start = end
+            mx.async_eval([joined for joined, _ in runs])
+            self._pending.append(runs)
         if len(self._pending) > READBACK_LAG:
             self._read(self._pending.popleft())
 
@@ -92,25 +102,34 @@ class ResidentRouting:
             p.stop_route_log()
         self._pending.clear()
 
-    def _read(self, ready: tuple[mx.array, list[tuple[int, bool, int, int]]]) -> None:
+    def _read(self, ready: list[tuple[mx.array, list[tuple[int, bool, int]]]]) -> None:
         tic = time.perf_counter()
-        flat, meta = ready
-        host = np.array(flat)
         routed: list[LayerRouting] = []
-        at = 0
-        for i, decode, k, size in meta:
-            ids = host[at : at + size]
-            at += size
-            stats = self.pools[i].stats
-            np.add.at(stats.routed, ids, 1)
-            stats.routed_total += size
+        for joined, forwards in ready:
+            k = forwards[0][2]
+            # [rows, forwards, k]: each forward's ids for every row (sequence and position).
+            host = np.array(joined).reshape(-1, len(forwards), k)
+            per_forward = host.transpose(1, 0, 2).reshape(len(forwards), -1)
             if self._hits:
-                hits = np.unique(ids).size
-                if decode:
-                    stats.hits_decode += hits
-                else:
-                    stats.hits_prefill += hits
-            routed.append(LayerRouting(i, ids.reshape(-1, k)))
+                # Distinct experts per forward: one sort for the run.
+                ordered = np.sort(per_forward, axis=1)
+                distinct = 1 + np.count_nonzero(np.diff(ordered, axis=1), axis=1)
+            # Routings per expert of every forward in one count: forward j's ids offset by j * width.
+            width = max(self.pools[i].stats.routed.size for i, _, _ in forwards)
+            offsets = np.arange(len(forwards))[:, None] * width
+            counts = np.bincount((per_forward + offsets).ravel(), minlength=len(forwards) * width)
+            counts = counts.reshape(len(forwards), width)
+            for j, (i, decode, _) in enumerate(forwards):
+                stats = self.pools[i].stats
+                stats.routed += counts[j, : stats.routed.size]
+                stats.routed_total += per_forward.shape[1]
+                if self._hits:
+                    if decode:
+                        stats.hits_decode += int(distinct[j])
+                    else:
+                        stats.hits_prefill += int(distinct[j])
+                if self._consume is not None:
+                    routed.append(LayerRouting(i, host[:, j, :]))
         if self._consume is not None:
             self._consume(routed)
         self.readback_seconds += time.perf_counter() - tic
