@@ -1,7 +1,7 @@
 """The host's time of a full pool's routing read-back per token (ResidentRouting.tick:
 daemon/pool/resident_routing.py), on 48 layers of 128 experts, top-8, one decode token a
 tick, the ids made as the router makes them (a slice of argpartition) and computed with
-the token, as in the model. Prints the median and 90th percentile in microseconds.
+the token, as in the model. Prints the mean, median and 90th percentile in microseconds.
 
     python tests/bench/resident_routing_probe.py [--layers 48] [--ticks 1500]
 """
@@ -70,6 +70,7 @@ def main() -> None:
             {
                 "device": str(mx.default_device()),
                 "layers": a.layers,
+                "tick_us_mean": round(float(np.mean(took)) * 1e6, 1),
                 "tick_us_median": round(float(np.median(took)) * 1e6, 1),
                 "tick_us_p90": round(float(np.percentile(took, 90)) * 1e6, 1),
             }
