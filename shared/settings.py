@@ -575,7 +575,8 @@ class Settings:
         low=1,
         high=256,
         scope=(DAEMON,),
-        help="Requests decoded together in one forward per step (continuous batching); 1 decodes them in turns.",
+        help="Requests decoded together in one forward per step (continuous batching), each request's tokens the same "
+        "as alone; 1 decodes them in turns.",
     )
     # Ollama's convention (keep_alive, default 5 minutes there): a daemon started at login
     # should not hold the model's memory all day for a request an hour.

@@ -1,9 +1,8 @@
 """Continuous batching (daemon/model/batching.py) against stock mlx-lm's own batching.
 
-Stock: `mlx_lm.load` of the source folder, fed as the batch session feeds it when
-requests arrive together (tests/stock_runs.py `stock_batched`): the first request
-prefilled on its own cache as `generate_step` does it and inserted with that cache, the
-others' prompts inserted whole once it decodes (stock's joint prefill), greedy.
+Stock: `mlx_lm.load` of the source folder, fed to its `BatchGenerator` as requests that
+arrive together (tests/stock_runs.py `stock_batched`), greedy. On the CPU stock's batch
+is exact, so the batch-invariant step (daemon/model/row_batch.py) must agree with it.
 moestream: a `BatchSession` on the store, each request's `steps` generator stepped in
 turn as the engine loop does. Every request's
 greedy tokens must be equal, at capacities top-k x B, 50% and 100%, for every
@@ -25,7 +24,7 @@ from stock_runs import stock_batched
 from tiny_models import MOE_ARCHS, make_tiny_model
 
 from moestream.daemon.mapped.row_gather import MAX_GATHERED
-from moestream.daemon.model.batching import JOINT_PREFILL_TOKENS, BatchSession
+from moestream.daemon.model.batching import BatchSession
 from moestream.daemon.model.generation import SamplingParams, generate, plain_steps, request_sampler
 from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.daemon.pool.capacity import top_k_of
@@ -35,6 +34,8 @@ from moestream.shared.store_format import load_manifest
 
 GREEDY = make_sampler(temp=0.0)
 MAX_TOKENS = [6, 9, 4]
+# A prompt the layer-major prefill takes (one chunk of at least LAYER_PROGRESS_TOKENS goes layer by layer).
+LONG = 296
 LENGTHS = [5, 23, 12]
 
 
@@ -67,11 +68,7 @@ def _ours_batched(sm, prompts: list[list[int]]) -> list[list[int]]:
     # More than one decoded together (a prompt prefilled in pieces while the batch
     # decodes may join after an earlier short request has left).
     assert session.size == 0 and 1 < session.stats.max_size <= min(len(prompts), session.max_batch)
-    # The first request was alone (prefilled on its own, its first two tokens made
-    # outside the batch, as stock_batched feeds it); the others, arriving while it
-    # decoded, were prefilled together by the batch, which it joined with them.
-    assert session.stats.joint_prefills == len(prompts) - 1
-    assert session.stats.solo_tokens == 2 and session.stats.handoffs == 1
+    assert session.stats.joined == session.stats.left == len(prompts)
     session.close()
     return out
 
@@ -134,12 +131,10 @@ def test_a_request_in_a_batch_makes_the_tokens_it_makes_alone(converted):
         sm.close()
 
 
-def test_a_request_alone_decodes_outside_the_batch_and_hands_over_with_its_draws(converted):
-    """A lone request never steps mlx-lm's `BatchGenerator` (whose machinery costs a lone
-    stream about 40% on the H200); when another joins, it goes into the batch with the
-    token it sampled, its cache and its sampler: a seeded sampled request makes the
-    tokens it makes alone (`plain_steps`), before and after the handover, and so does the
-    one that joined it."""
+def test_seeded_requests_make_their_lone_tokens_alone_and_together(converted):
+    """A lone request is a batch of one (generate_step's own forward); when another joins,
+    each keeps its cache and its sampler: a seeded sampled request makes the tokens it
+    makes alone (`plain_steps`), before and after, and so does the one that joined it."""
     store, _, _ = converted
     sm = load_streaming_model(store, Settings(capacity=1.0, direct_io=True))
     try:
@@ -153,16 +148,15 @@ def test_a_request_alone_decodes_outside_the_batch_and_hands_over_with_its_draws
         got: list[list[int]] = [[], []]
         for _ in range(5):
             got[0].append(int(next(first)[0]))
-        # Five tokens made alone (the sixth sampled ahead): no batch step, nothing in the batch.
-        assert session.stats.solo_tokens == 5 and session.stats.steps == 0 and session.size == 1
+        # Five tokens made alone (the sixth sampled ahead): steps of one.
+        assert session.stats.tokens == 5 and session.stats.max_size == 1 and session.size == 1
         second = session.steps(prompts[1], request_sampler(params[1]), params[1].max_tokens)
         _round_robin([first, second], got)
-        assert session.stats.handoffs == 1 and session.stats.steps > 0 and session.stats.max_size == 2
+        assert session.stats.max_size == 2
         assert got == alone
-        # Alone again: a later lone request does not enter the batch either.
-        steps_before = session.stats.steps
+        # Alone again.
         assert [int(t) for t, _ in session.steps(prompts[1], request_sampler(params[1]), 12)] == alone[1]
-        assert session.stats.steps == steps_before and session.size == 0
+        assert session.size == 0
         session.close()
     finally:
         sm.close()
@@ -177,12 +171,11 @@ def test_a_long_prompt_joining_holds_the_batch_back_one_layer_at_a_time(converte
     k, experts = top_k_of(manifest.config), manifest.layers[0].num_experts
     sm = load_streaming_model(store, Settings(capacity=min(experts, k * 3), direct_io=True))
     try:
-        assert sm.layer_major is not None and sm.layer_major.wanted(JOINT_PREFILL_TOKENS + 41)
+        assert sm.layer_major is not None and sm.layer_major.wanted(LONG + 1)
         session = BatchSession(sm, max_batch=2)
         first = session.steps(_prompts()[0], GREEDY, 40)
         order: list[tuple[str, int | None]] = [("a", next(first)[0])]
-        # Longer than a joint prefill takes: it goes layer by layer on its own.
-        long_prompt = np.random.default_rng(8).integers(0, 500, size=JOINT_PREFILL_TOKENS + 40).tolist()
+        long_prompt = np.random.default_rng(8).integers(0, 500, size=LONG).tolist()
         second = session.steps(long_prompt, GREEDY, 3)
         while True:
             token = next(second)[0]

@@ -40,12 +40,12 @@ def test_levels_of_concurrent_clients_through_a_real_daemon():
         assert len(level["timeline_s"]) == 3
         for sent, first, done in level["timeline_s"]:
             assert 0 <= sent <= first <= done <= level["wall_s"]
-        # Every token of the level came from the daemon's batch or its lone request, and
-        # the seconds of their work lie within the level's wall.
+        # Every token of the level came from the daemon's batch steps, and the seconds of
+        # their work lie within the level's wall.
         b = level["batch"]
-        assert b["joined"] == level["requests"] and b["tokens"] + b["solo_tokens"] == level["tokens"]
+        assert b["joined"] == level["requests"] and b["tokens"] == level["tokens"]
         spent = [v for k, v in b.items() if k.endswith("_s")]
-        assert len(spent) == 5 and all(v >= 0 for v in spent) and sum(spent) <= level["wall_s"]
+        assert len(spent) == 2 and all(v >= 0 for v in spent) and sum(spent) <= level["wall_s"]
         # Each level prefills its own prompts: the daemon runs without a prompt cache,
         # which would serve the later levels' (the same prompts) from the earlier ones.
         assert level["cached_tokens"] == 0
@@ -53,9 +53,9 @@ def test_levels_of_concurrent_clients_through_a_real_daemon():
         assert level["placement"] == {}
         # The steps alone make the level's tokens faster than the level did.
         assert level["steps_only_tokens_per_s"] >= level["aggregate_tokens_per_s"]
-    # One client's requests each decode alone, outside the batch (whether three clients'
-    # meet in it depends on their timing: tests/test_batching_daemon.py makes them).
-    assert levels[0]["batch"]["steps"] == 0 and levels[0]["batch"]["solo_s"] > 0
+    # One client's requests each decode alone, in steps of one (whether three clients'
+    # meet in a step depends on their timing: tests/test_batching_daemon.py makes them).
+    assert levels[0]["batch"]["max_size"] == 1 and levels[0]["batch"]["decode_s"] > 0
     # One client sends its requests one after another.
     one = sorted(levels[0]["timeline_s"])
     assert all(a[2] <= b[0] for a, b in zip(one, one[1:]))

@@ -365,8 +365,8 @@ def _stock_batch_decode(model, cache, last: int, eos: list[int]):
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
 def test_cached_prefixes_seed_batched_requests(build, arch):
-    """A batched request starts from the prompt cache too (`BatchGenerator.insert(...,
-    caches=...)`) and leaves its cache there: the same greedy tokens as stock's
+    """A batched request starts from the prompt cache too (prefilled on that cache's
+    copy) and leaves its cache there: the same greedy tokens as stock's
     BatchGenerator given the same cache (the first request's cache out of the batch,
     trimmed back, or its prompt's snapshot where it cannot be trimmed)."""
     _, store, stock = build(arch)
@@ -399,26 +399,25 @@ def test_cached_prefixes_seed_batched_requests(build, arch):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
-def test_jointly_prefilled_requests_keep_and_reuse_the_prompt_cache(build, arch):
-    """Requests that join a decoding batch with short prompts are prefilled by the batch
-    (stock's joint prefill): one from an empty prefix, then one from the prefix the first
-    left in the prompt cache. Each makes the greedy tokens it makes alone, the cache keys
-    the first one's final cache by its whole prompt and tokens, and the second reuses it."""
+def test_requests_joining_a_decoding_batch_keep_and_reuse_the_prompt_cache(build, arch):
+    """Requests that join a decoding batch: one from an empty prefix, then one from the
+    prefix the first left in the prompt cache. Each makes the greedy tokens it makes
+    alone, the cache keys the first one's final cache by its whole prompt and tokens, and
+    the second reuses it."""
     _, store, _ = build(arch)
     sm = load_streaming_model(store, Settings(direct_io=True))
     try:
         session = BatchSession(sm, max_batch=4)
         pc = _new_cache(sm.model)
         busy = session.steps(_prompt(9, seed=5), GREEDY, 40)
-        next(busy)  # decoding: the prompts below join the batch's prefill
+        next(busy)  # decoding: the prompts below join the batch
         first = _prompt(20, seed=6)
         ours = [int(t) for t, _ in session.steps(first, GREEDY, GEN, cache_use=CacheUse(pc)) if t is not None]
-        assert session.stats.joint_prefills == 1
+        assert session.stats.max_size == 2
         assert ours == [int(t) for t, _ in plain_steps(sm, first, GREEDY, GEN)]
         nxt = first + ours + _prompt(6, seed=7)
         use = CacheUse(pc)
         got = [int(t) for t, _ in session.steps(nxt, GREEDY, GEN, cache_use=use) if t is not None]
-        assert session.stats.joint_prefills == 2
         # The first request's cache out of the batch holds its prompt and every token it
         # made (each was fed before it was returned), all of them a prefix of the next.
         assert use.reused == len(first) + len(ours)

@@ -139,7 +139,7 @@ def test_a_batch_of_different_controls_gives_each_its_alone_tokens(converted):
             for name in list(live):
                 if next(gens[name], StopIteration) is StopIteration:
                     live.remove(name)
-        assert session.stats.max_size == len(params) and session.stats.handoffs == 1
+        assert session.stats.max_size == len(params)
         for name, p in params.items():
             alone = generate(sm, PROMPT, p)
             assert results[name].tokens == alone.tokens == want[name][0][: len(alone.tokens)], name

@@ -144,20 +144,19 @@ def _placement_during(before: dict[str, float], after: dict[str, float]) -> dict
 
 def _batch_during(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """What the batch did between two readings of its counters: steps, tokens, joins and
-    the seconds of each kind of work (decode steps, joint prefills, joins, prefills
-    alone, the lone request's steps), beside which the level's wall shows the rest."""
+    the seconds of each kind of work (decode steps, prefills), beside which the level's
+    wall shows the rest."""
     if not after:
         return {}
-    keep = ("steps", "tokens", "joined", "joint_prefills", "solo_tokens", "handoffs")
+    keep = ("steps", "tokens", "joined")
     out = {k: after[k] - before.get(k, 0) for k in after if k in keep or k.endswith("_s")}
     out["max_size"] = after.get("max_size", 0)
     return out
 
 
 def steps_only_tokens_per_s(tokens: int, batch: dict[str, float]) -> float | None:
-    """`tokens` over the seconds of a level's decode steps alone (the batch's and the
-    lone request's); None where it has none."""
-    stepping = batch.get("decode_s", 0.0) + batch.get("solo_s", 0.0)
+    """`tokens` over the seconds of a level's decode steps alone; None where it has none."""
+    stepping = batch.get("decode_s", 0.0)
     return tokens / stepping if stepping else None
 
 
@@ -375,13 +374,11 @@ def format_report(r: dict[str, Any]) -> str:
         )
     for level in r["levels"]:
         b = level.get("batch") or {}
-        if b.get("steps") or b.get("solo_tokens"):
+        if b.get("steps"):
             lines.append(
                 f"{level['clients']} client(s), of {level['wall_s']:.2f} s{' (round 1)' if rounds > 1 else ''}: "
-                f"batch steps {b.get('decode_s', 0):.2f} s "
-                f"({b.get('steps', 0)} steps), joint prefills {b.get('joint_prefill_s', 0):.2f} s, joins "
-                f"{b.get('join_s', 0):.2f} s, prefills alone {b.get('prefill_alone_s', 0):.2f} s, a lone request "
-                f"{b.get('solo_s', 0):.2f} s ({b.get('solo_tokens', 0)} tokens); decode steps alone would make "
+                f"batch steps {b.get('decode_s', 0):.2f} s ({b.get('steps', 0)} steps), prefills "
+                f"{b.get('prefill_s', 0):.2f} s; decode steps alone would make "
                 f"{level['steps_only_tokens_per_s'] or 0:.1f} tok/s"
             )
     for level in r["levels"]:

@@ -171,15 +171,16 @@ class RowBatch:
                 pass
         return bool(self.supported)
 
-    def step(self, tokens: Sequence[int], caches: Sequence[Sequence[Any]]) -> mx.array:
+    def step(self, tokens: Sequence[int] | mx.array, caches: Sequence[Sequence[Any]]) -> mx.array:
         """The last-position logits [B, vocab] of `tokens[b]` fed to request b, whose own
         cache (one per layer, as `make_prompt_cache` makes it) is `caches[b]`; each cache
-        takes its token as it would alone."""
+        takes its token as it would alone. `tokens` may be an array on the device (the
+        tokens a step sampled, not read back yet)."""
         if self.supported is False:
             raise RowBatchUnsupported(self.why_not or "")
         layers = len(caches[0])
         per_layer = [RowCaches([c[i] for c in caches]) for i in range(layers)]
-        x = mx.array(list(tokens), dtype=mx.uint32)[:, None]
+        x = (tokens if isinstance(tokens, mx.array) else mx.array(list(tokens), dtype=mx.uint32))[:, None]
         try:
             with _rows_limited():
                 logits = self.model(x, cache=per_layer)

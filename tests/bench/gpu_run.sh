@@ -51,7 +51,6 @@
 #   plan-probe           plan's compute probe against longer runs, 24 layers, bench's loop, and (PROBE_STORE) the store's own model
 #   continuation-q30     q30: a chat turn's continuation after a 2048-token cache, stock's forward against the padded one
 #   mapped-batch         q30: a mapped pool's batched step by requests: the copy's GB/s by rows, steps against a full pool, repeats copied or not, moves, zero-copy
-#   join-probe           q30: what a request joining a decoding batch costs, by joiners at once, first use vs repeat (daemon's BatchSession in-process)
 #   routing-probe        a full pool's routing read-back: the host's microseconds per token (48 layers)
 #   batch-probe          where a batched decode step's time goes at B = 1, 2, 4, 8, and with its attention changed (EXTRA=--parts: one layer's halves; PROBE_STORE: a store's models and the daemon's loop)
 # demo
@@ -242,9 +241,6 @@ EOF
     ;;
   routing-probe)
     $py tests/bench/resident_routing_probe.py | tee "$OUT/resident_routing_probe_h200.json"
-    ;;
-  join-probe)
-    $py tests/bench/gpu_join_probe.py --store /root/q30/store --out "$OUT/join_probe_h200.json" 2>&1 | tail -30
     ;;
   background-copy)
     $py tests/bench/gpu_background_copy_probe.py --store /root/q30/store --out "$OUT/background_copy_probe_h200.json" 2>&1 | tail -12

@@ -21,6 +21,8 @@ PARTS = (
     ("join_s", "joins"),
     ("prefill_alone_s", "prefills alone"),
     ("solo_s", "the lone request"),
+    # Reports since the batch-invariant batch: its steps (a request alone among them) and prefills.
+    ("prefill_s", "prefills"),
 )
 
 
