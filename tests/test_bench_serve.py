@@ -107,3 +107,21 @@ def test_rounds_run_every_level_again_in_turn_and_report_medians():
     assert report["same_tokens_at_every_level"] is True
     text = format_report(report)
     assert "medians of 2 rounds" in text and "ITL x one" in text and "the mapped pool:" in text
+
+
+def test_against_turns_runs_each_level_on_a_batching_and_a_turn_taking_daemon():
+    """`--against-turns`: every level also through a daemon whose requests take turns, in
+    each round; the batch's gain is the median of each round's ratio, and the seeded
+    requests make the same tokens batched and in turns (the batch is batch-invariant)."""
+    levels = ("--clients", "1", "--clients", "3", "--requests", "3", "--max-tokens", "4", "--rounds", "2")
+    report, progress = _bench_serve("bench-serve-turns", "--capacity", "0.5", *levels, "--against-turns")
+    assert "starting a daemon (max_batch 3)" in progress and "starting a daemon (max_batch 1)" in progress
+    assert sum("in turns: 3 requests" in line for line in progress.splitlines()) == 4  # 2 levels x 2 rounds
+    assert report["settings"]["against_turns"] is True
+    for level in report["levels"]:
+        turns, ratios = level["turns"], level["over_turns_by_round"]
+        assert turns["aggregate_tokens_per_s"] > 0 and len(ratios) == 2
+        assert level["over_turns"] == pytest.approx(sum(ratios) / 2)
+    # Whether the three clients meet in a step depends on their timing; their tokens do not.
+    assert report["same_tokens_at_every_level"] is True
+    assert "x turns" in format_report(report)

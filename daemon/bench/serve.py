@@ -68,6 +68,10 @@ class BenchServeSettings:
     # minutes (tests/bench/RESULTS.md), so that levels run once each in turn compare
     # moments, not client counts. Each level reports its medians over the rounds.
     rounds: int = 1
+    # Beside the batching daemon, a second one whose requests take turns (max_batch 1),
+    # each level run on both within each round (in alternating order): the batch's gain
+    # measured side by side, and a lone request's cost of batching (the one-client level).
+    against_turns: bool = False
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -288,49 +292,71 @@ def run_bench_serve(settings: BenchServeSettings, progress: Callable[[str], None
         _Request(-1 - i, tuple(rng.randrange(vocab) for _ in range(settings.prompt_tokens)), settings.seed + count + i)
         for i in range(max(settings.clients))
     ]
-    runtime = Path(tempfile.mkdtemp(dir="/tmp", prefix="msserve"))
-    given: dict[str, Any] = {
-        "model": str(settings.store),
-        "io_threads": settings.io_threads,
-        "runtime_dir": str(runtime),
-        "max_batch": settings.max_batch or max(settings.clients),
-        # Every level (and round) sends the same prompts, which a prompt cache would serve
-        # to the later ones from the earlier ones' caches: each level prefills its own.
-        "prompt_cache_bytes": 0,
-    }
-    for key in ("capacity", "host_cache", "mapped"):
-        if getattr(settings, key) is not None:
-            given[key] = getattr(settings, key)
-    daemon_settings = Settings.resolve(given)
-    paths = RuntimePaths.from_settings(daemon_settings)
+    batched = settings.max_batch or max(settings.clients)
+    kinds = {"batch": batched, "turns": 1} if settings.against_turns else {"batch": batched}
+    daemons: dict[str, RuntimePaths] = {}
+    runtimes = {kind: Path(tempfile.mkdtemp(dir="/tmp", prefix="msserve")) for kind in kinds}
     try:
-        say("starting a daemon")
-        start_daemon(daemon_settings, given, timeout=600.0, echo=False)
-        with Client(paths, timeout=600.0) as client:
-            say("warming up with one request")
-            _one_request(client, _Request(-1, requests[0].prompt_ids, settings.seed), settings)
-            status = client.status()
-        runs: dict[int, list[dict[str, Any]]] = {n: [] for n in settings.clients}
+        for kind, max_batch in kinds.items():
+            given: dict[str, Any] = {
+                "model": str(settings.store),
+                "io_threads": settings.io_threads,
+                "runtime_dir": str(runtimes[kind]),
+                "max_batch": max_batch,
+                # Every level (and round) sends the same prompts, which a prompt cache would serve
+                # to the later ones from the earlier ones' caches: each level prefills its own.
+                "prompt_cache_bytes": 0,
+            }
+            for key in ("capacity", "host_cache", "mapped"):
+                if getattr(settings, key) is not None:
+                    given[key] = getattr(settings, key)
+            daemon_settings = Settings.resolve(given)
+            say(f"starting a daemon (max_batch {max_batch})")
+            start_daemon(daemon_settings, given, timeout=600.0, echo=False)
+            daemons[kind] = paths = RuntimePaths.from_settings(daemon_settings)
+            with Client(paths, timeout=600.0) as client:
+                say("warming up with one request")
+                _one_request(client, _Request(-1, requests[0].prompt_ids, settings.seed), settings)
+                if kind == "batch":
+                    status = client.status()
+        runs: dict[str, dict[int, list[dict[str, Any]]]] = {kind: {n: [] for n in settings.clients} for kind in kinds}
         for r in range(settings.rounds):
             order = settings.clients if r % 2 == 0 else tuple(reversed(settings.clients))
             label = f"round {r + 1} of {settings.rounds}, " if settings.rounds > 1 else ""
             for n in order:
-                if settings.warmup and r == 0:
-                    say(f"{label}{n} client(s): warming up with {n} untimed requests")
-                    _level(paths, n, warmups[:n], settings)
-                say(f"{label}{n} client(s): {len(requests)} requests")
-                level = _level(paths, n, requests, settings)
-                say(
-                    f"{label}{n} client(s): {level['aggregate_tokens_per_s']:.1f} tok/s aggregate, TTFT p50 "
-                    f"{level['ttft_p50_s']:.3f} s, inter-token p50 {level['itl_p50_s'] or 0:.4f} s"
-                )
-                runs[n].append(level)
+                for kind in list(kinds) if (r + n) % 2 == 0 else list(reversed(kinds)):
+                    paths, named = daemons[kind], f"{label}{n} client(s){', in turns' if kind == 'turns' else ''}"
+                    if settings.warmup and r == 0:
+                        say(f"{named}: warming up with {n} untimed requests")
+                        _level(paths, n, warmups[:n], settings)
+                    say(f"{named}: {len(requests)} requests")
+                    level = _level(paths, n, requests, settings)
+                    say(
+                        f"{named}: {level['aggregate_tokens_per_s']:.1f} tok/s aggregate, TTFT p50 "
+                        f"{level['ttft_p50_s']:.3f} s, inter-token p50 {level['itl_p50_s'] or 0:.4f} s"
+                    )
+                    runs[kind][n].append(level)
     finally:
-        stop_daemon(paths, timeout=60.0)
-        shutil.rmtree(runtime, ignore_errors=True)
-    one = runs.get(1)
-    levels = [_over_rounds(runs[n], one) for n in settings.clients if runs[n]]
-    same = all(run["token_ids"] == levels[0]["token_ids"] for rounds in runs.values() for run in rounds)
+        for paths in daemons.values():
+            stop_daemon(paths, timeout=60.0)
+        for runtime in runtimes.values():
+            shutil.rmtree(runtime, ignore_errors=True)
+    one = runs["batch"].get(1)
+    levels = [_over_rounds(runs["batch"][n], one) for n in settings.clients if runs["batch"][n]]
+    if settings.against_turns:
+        for level in levels:
+            n = level["clients"]
+            turns = _over_rounds(runs["turns"][n], runs["turns"].get(1))
+            level["turns"] = {k: turns[k] for k in ("aggregate_tokens_per_s", "ttft_p50_s", "itl_p50_s")}
+            # Each round's batched level against the same round's in turns, their median.
+            ratios = [
+                _ratio(b["aggregate_tokens_per_s"], t["aggregate_tokens_per_s"])
+                for b, t in zip(runs["batch"][n], runs["turns"][n])
+            ]
+            level["over_turns"] = statistics.median([x for x in ratios if x is not None] or [0.0]) or None
+            level["over_turns_by_round"] = ratios
+    every = [run for by_n in runs.values() for rounds in by_n.values() for run in rounds]
+    same = all(run["token_ids"] == levels[0]["token_ids"] for run in every)
     return {
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()},
         "daemon": {
@@ -357,7 +383,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"{' (mapped)' if d.get('mapped') else ''}, batches of at most {d.get('max_batch', 1)}"
         + (f"; medians of {rounds} rounds (ratios: of each round's to its one client)" if rounds > 1 else ""),
         f"{'clients':>7} {'tok/s':>8} {'x one':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
-        f"{'ITL x one':>9} {'daemon tok/s':>12}",
+        f"{'ITL x one':>9} {'daemon tok/s':>12}"
+        + (f" {'in turns':>9} {'x turns':>8}" if s.get("against_turns") else ""),
     ]
 
     def ratio_text(x: float | None) -> str:
@@ -371,6 +398,11 @@ def format_report(r: dict[str, Any]) -> str:
             f"{_ms(level['itl_p50_s']):>6}ms {_ms(level['itl_p99_s']):>6}ms "
             f"{ratio_text(level.get('itl_p50_over_one_client')):>9} "
             f"{(level['daemon_tokens_per_s_median'] or 0):>12.1f}"
+            + (
+                f" {level['turns']['aggregate_tokens_per_s']:>9.1f} {ratio_text(level.get('over_turns')):>8}"
+                if "turns" in level
+                else ""
+            )
         )
     for level in r["levels"]:
         b = level.get("batch") or {}
@@ -390,5 +422,8 @@ def format_report(r: dict[str, Any]) -> str:
                 f"{p.get('readback_seconds', 0):.2f} s, the worker {p.get('decide_seconds', 0):.2f} s deciding and "
                 f"{p.get('place_seconds', 0):.2f} s in the driver"
             )
-    lines.append(f"same tokens at every level (seeded requests): {r['same_tokens_at_every_level']}")
+    lines.append(
+        f"same tokens at every level (seeded requests){', batched and in turns' if s.get('against_turns') else ''}: "
+        f"{r['same_tokens_at_every_level']}"
+    )
     return "\n".join(lines)

@@ -57,6 +57,12 @@ from ..values import size_option, store_option
     help="Run every level this many times, every other round in reverse order, and report medians: "
     "levels run once each compare moments where the machine's pace drifts.",
 )
+@click.option(
+    "--against-turns",
+    is_flag=True,
+    help="Also run every level through a second daemon whose requests take turns (max_batch 1), side by side "
+    "in each round: the batch's gain, and a lone request's cost of batching.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_serve(
     store,
@@ -73,6 +79,7 @@ def bench_serve(
     max_batch,
     warmup,
     rounds,
+    against_turns,
     as_json,
 ) -> None:
     """Aggregate tokens/s, time to first token and inter-token latency (p50, p99) of N
@@ -99,6 +106,7 @@ def bench_serve(
         max_batch=max_batch,
         warmup=warmup,
         rounds=rounds,
+        against_turns=against_turns,
     )
     try:
         report = run_bench_serve(settings, progress=lambda line: click.echo(line, err=True))
