@@ -1,31 +1,34 @@
 """The prompt cache: KV caches of recent requests, kept for the next request that shares
-a prefix with them (a chat's next turn resends the whole conversation).
+a prefix with them (a chat's next turn resends the whole conversation; an agent and its
+subagents send one long system prompt).
 
 Why it works: a causal model's cache after tokens t[:m] depends on t[:m] alone, so a
 new prompt that starts with t[:m] may start from that cache and prefill only the rest.
-The caches are mlx-lm's own objects, found by token sequence in a trie (as mlx-lm's
-`LRUPromptCache`): an entry whose tokens are a prefix of the prompt is used as it is; one
-that goes on past the point where it and the prompt part is copied and trimmed back
-(`trim_prompt_cache`) where every layer's cache can be trimmed. At least the prompt's
-last token is always fed again, as `generate_step` needs it for the first logits.
+In memory the kept sequences are one radix tree of token segments (prompt_tree.py), each
+segment holding its positions' keys and values once: a request takes the longest prefix
+any branch holds, up to the first token where it leaves them (at least the prompt's last
+token is always fed again, as `generate_step` needs it for the first logits). Layers that
+keep no row per token (the linear-attention layers of qwen3_next and qwen3_5_moe, sliding
+windows) are kept as snapshots at the ends of inserted sequences: after a prompt (before
+its last token), after an answer, at a long prefill's checkpoints; such a model reuses
+up to the nearest snapshot on its path (or a deeper one trimmed back, where it can be).
 
-What must stay true: an entry is served only for a prompt whose first m tokens equal the
-entry's first m tokens, for the store it was made on (the trie is the store's, and every
-file on disk names its store and holds its whole token list, checked before use); a
-served cache is a copy, so the request's own tokens never reach an entry; memory stays
-within `max_bytes` and `max_entries` (least recently used entries go first).
+What must stay true: a request is served only rows of its own prompt's first m tokens,
+for the store they were made on, from its own scope (`scope`: the gateway's digest of the
+client's identity; a client must not learn another's prompt from what is cached); a served
+cache is a new one, so the request's own tokens never reach the tree; memory stays within
+`max_bytes` and `max_entries` (the least recently used branches go first).
 
-Caches that cannot be trimmed (the linear-attention layers of qwen3_next and qwen3_5_moe
-keep a state, not one row per token) are kept as snapshots at the boundaries a chat
-reuses: after the prompt (before its last token) and after the answer.
-
-With a folder (`prompt_cache_dir`), the caches of finished requests (and a long prefill's
-checkpoints, daemon/model/shared_prefill.py) are also written to disk (a temporary file,
-fsync, rename, fsync of the folder), bounded in bytes (oldest first), and indexed again
-when the daemon starts. The engine hands a cache over only
-while it is idle (its arrays to host buffers); a writer thread writes them, so no
-request waits on the disk (daemon/model/prompt_cache_files.py). Only the engine thread
-touches MLX.
+With a folder (`prompt_cache_dir`, private to the user), the caches of finished requests
+(and a long prefill's checkpoints, daemon/model/shared_prefill.py) are also written to
+disk, within a day's write budget (an agent's long history rewritten every turn would wear
+a drive), never one that a file already holds: a temporary file created new, fsync,
+rename, fsync of the folder, with a MAC under the user's key, so that a file changed or
+planted is refused and removed, never served. The folder is bounded in bytes (oldest
+first, other stores' files counted) and indexed again when the daemon starts. The engine
+hands a cache over only while it is idle (its arrays to host buffers); a writer thread
+writes them, so no request waits on the disk (daemon/model/prompt_cache_files.py). Only
+the engine thread touches MLX.
 """
 
 from __future__ import annotations
