@@ -102,6 +102,11 @@ SHAPES["agent-cpu"] = dict(
     max_position_embeddings=32768,
 )
 
+# Issue 55's shape: q30's depth and routing (48 MoE layers, 128 experts, top-8) at tiny
+# widths, where the host's per-layer work, not compute, sets a CPU token's time. Make it
+# with --dtype float32 (as agent-cpu).
+SHAPES["deep-cpu"] = dict(SHAPES["agent-cpu"], num_hidden_layers=48, num_experts=128, num_experts_per_tok=8)
+
 
 def _write_tokenizer(out: Path, vocab_size: int) -> None:
     """A byte-level BPE tokenizer trained on a little text, padded to the vocab size."""
