@@ -153,7 +153,7 @@ def stream_completion(url: str, body: dict[str, Any], cut_after: float | None = 
     return out
 
 
-class _Gateway:
+class Gateway:
     """`moestreamctl serve-openai` on a free port, as its own process."""
 
     def __init__(self, runtime: Path) -> None:
@@ -167,16 +167,17 @@ class _Gateway:
                 env=child_env(),
             )
         deadline = time.monotonic() + 60
-        while (url := self._url()) is None:
+        while (base := self._base()) is None:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the gateway did not start:\n{self.log.read_text()}")
             time.sleep(0.05)
-        self.url = url
+        self.base = base  # http://127.0.0.1:PORT
+        self.url = base + "/v1/completions"
 
-    def _url(self) -> str | None:
+    def _base(self) -> str | None:
         for line in self.log.read_text().splitlines():
             if "OpenAI API on " in line:
-                return line.split("OpenAI API on ", 1)[1].split(" ", 1)[0] + "/completions"
+                return line.split("OpenAI API on ", 1)[1].split(" ", 1)[0].removesuffix("/v1")
         return None
 
     def stop(self) -> None:
@@ -220,7 +221,7 @@ def run_bench_agent(settings: BenchAgentSettings, progress: Callable[[str], None
     # The prompt and its answer within the daemon's context (a setting without a flag).
     context = str(settings.prompt_tokens + settings.max_tokens + 64)
     daemon: DaemonProcess | None = None
-    gateway: _Gateway | None = None
+    gateway: Gateway | None = None
     try:
         say("starting a daemon and a gateway")
         daemon = DaemonProcess.start(
@@ -232,7 +233,7 @@ def run_bench_agent(settings: BenchAgentSettings, progress: Callable[[str], None
             timeout=600.0,
         )
         paths = daemon.paths
-        gateway = _Gateway(runtime)
+        gateway = Gateway(runtime)
         say("warming up with a short request")
         stream_completion(gateway.url, body(prompts[3][:64]))
 
