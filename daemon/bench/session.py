@@ -395,18 +395,18 @@ def _next_user(answer: Answer, step: Step) -> dict[str, Any]:
 
 
 def _count(url: str, body: dict[str, Any]) -> int:
-    """The tokens of the prompt before the first user message (that message is one
-    character, a few tokens of its own turn), as the daemon counts them."""
+    """The tokens of the prompt before the first user message, as the daemon counts them:
+    the prompt with a one-character user message, less that message's own turn."""
     import urllib.request
 
-    body = body | {"messages": [{"role": "user", "content": "?"}]}
-    for k in ("stream", "max_tokens", "temperature", "metadata"):
-        body.pop(k, None)
-    req = urllib.request.Request(
-        url + "/count_tokens", json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
-    )
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return int(json.loads(r.read())["input_tokens"])
+    def count(fields: dict[str, Any]) -> int:
+        fields = {k: v for k, v in fields.items() if k not in ("stream", "max_tokens", "temperature", "metadata")}
+        data = json.dumps(fields | {"messages": [{"role": "user", "content": "?"}]}).encode()
+        req = urllib.request.Request(url + "/count_tokens", data, {"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return int(json.loads(r.read())["input_tokens"])
+
+    return count(body) - count({k: v for k, v in body.items() if k not in ("system", "tools")})
 
 
 def fit_prefix(url: str, session: RecordedSession, tokens: int) -> tuple[dict[str, Any], int]:
