@@ -80,6 +80,15 @@ def test_the_kept_texts_are_bounded_per_client_and_in_clients_least_recent_first
     kept.find("a", "c4", "f", {})  # a used last: c goes in and b goes out
     kept.keep("c", "c0", "f", "{}", "c0")
     assert kept.find("b", "c0", "f", {}) is None and kept.find("a", "c4", "f", {}) == "t4"
+    # And in characters of text, in all: the least recent client's oldest calls go first.
+    kept = CallTexts(max_chars=10)
+    kept.keep("a", "c0", "f", "{}", "aaaa")
+    kept.keep("b", "c0", "f", "{}", "bbbb")
+    kept.keep("a", "c1", "f", "{}", "cccc")  # 12 characters: b's call goes (b used least recently)
+    assert kept.find("b", "c0", "f", {}) is None and kept.find("a", "c0", "f", {}) == "aaaa"
+    assert len(kept) == 2
+    kept.keep("a", "c2", "f", "{}", "x" * 11)  # longer than the bound: not kept
+    assert kept.find("a", "c2", "f", {}) is None and len(kept) == 2
 
 
 # ---- the rendering ----------------------------------------------------------------------
@@ -206,3 +215,17 @@ def test_an_openai_client_resending_a_call_reuses_every_token_up_to_its_result(s
     history = [user, assistant, {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
     again = chat.create(messages=history, max_tokens=2, **args)
     assert again.usage.prompt_tokens_details.cached_tokens == answered
+
+
+def test_codex_resending_a_call_through_the_responses_api_reuses_every_token_up_to_its_result(served):
+    responses = openai.OpenAI(base_url=served[1].url + "/v1", api_key=KEY, max_retries=0, timeout=600).responses
+    tools = [{"type": "function", "name": "Read", "parameters": READ["input_schema"], "strict": False}]
+    user = {"role": "user", "content": ASK}
+    args = dict(model="gpt-5-codex", tools=tools, temperature=0, prompt_cache_key="codex-conversation-1")
+    first = responses.create(input=[user], tool_choice="required", max_output_tokens=48, **args)
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    answered = first.usage.input_tokens + first.usage.output_tokens
+    history = [user, call.model_dump(exclude_none=True), {"type": "function_call_output", "call_id": call.call_id}]
+    history[-1]["output"] = RESULT
+    again = responses.create(input=history, max_output_tokens=2, **args)
+    assert again.usage.input_tokens_details.cached_tokens == answered

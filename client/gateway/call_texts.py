@@ -12,9 +12,10 @@ was sampled (daemon/model/tool_calls.py `render_call_texts`).
 A kept text is used only for a call with the same id, the same name and arguments equal
 as parsed JSON: a client that edits the call gets the template's rendering of its edit.
 Bounded: at most PER_CLIENT calls for each client identity (Anthropic's
-`metadata.user_id`, OpenAI's `user`; "" for clients that send none), least recently used
-first out, and at most CLIENTS identities. In memory only: after a gateway restart the
-template renders the calls again.
+`metadata.user_id`, OpenAI's `user`, the Responses API's `prompt_cache_key`; "" for
+clients that send none), least recently used first out, at most CLIENTS identities, and
+MAX_CHARS characters of text in all (a Write call's text holds a whole file). In memory
+only: after a gateway restart the template renders the calls again.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 
 PER_CLIENT = 512
 CLIENTS = 64
+MAX_CHARS = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -39,16 +41,18 @@ class KeptCall:
 class CallTexts:
     """Thread-safe: the gateway's request threads and its event loop share it."""
 
-    def __init__(self, per_client: int = PER_CLIENT, clients: int = CLIENTS) -> None:
+    def __init__(self, per_client: int = PER_CLIENT, clients: int = CLIENTS, max_chars: int = MAX_CHARS) -> None:
         self._per_client = per_client
         self._clients = clients
+        self._max_chars = max_chars
+        self._chars = 0
         self._kept: OrderedDict[str, OrderedDict[str, KeptCall]] = OrderedDict()
         self._lock = threading.Lock()
 
     def keep(self, client: str, call_id: str, name: str, arguments: str, text: str | None) -> None:
         """Keep `text` (None: nothing to keep) for the call `call_id`, whose arguments are
         the JSON text `arguments`."""
-        if text is None:
+        if text is None or len(text) > self._max_chars:
             return
         try:
             parsed = json.loads(arguments)
@@ -57,11 +61,18 @@ class CallTexts:
         with self._lock:
             calls = self._kept.pop(client, None) or OrderedDict()
             self._kept[client] = calls
+            old = calls.pop(call_id, None)
+            self._chars += len(text) - (len(old.text) if old else 0)
             calls[call_id] = KeptCall(name, parsed, text)
             while len(calls) > self._per_client:
-                calls.popitem(last=False)
+                self._chars -= len(calls.popitem(last=False)[1].text)
             while len(self._kept) > self._clients:
-                self._kept.popitem(last=False)
+                self._chars -= sum(len(c.text) for c in self._kept.popitem(last=False)[1].values())
+            while self._chars > self._max_chars:  # the least recent client's oldest calls first
+                oldest = next(iter(self._kept.values()))
+                self._chars -= len(oldest.popitem(last=False)[1].text)
+                if not oldest:
+                    self._kept.popitem(last=False)
 
     def find(self, client: str, call_id: Any, name: str, arguments: Any) -> str | None:
         """The kept text of call `call_id` if it is still the call that was answered

@@ -76,6 +76,9 @@ class BenchSessionSettings:
     capacity: str | None = None
     # The daemon's max_context; None: the model's own.
     context: int | None = None
+    # Anthropic's tool_choice type: "auto" as Claude Code sends it, or "any" (every answer
+    # a call, for a model that seldom calls tools by itself).
+    tool_choice: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -293,6 +296,7 @@ class _Run:
             "max_tokens": self.settings.max_tokens,
             "temperature": 0,
             "stream": True,
+            "tool_choice": {"type": self.settings.tool_choice},
         }
 
     def recent(self, request_id: str) -> dict[str, Any]:
@@ -308,9 +312,8 @@ class _Run:
         return {k: int(pc.get(k, 0)) for k in COUNTERS}
 
     def ask(self, branch: str, turn: int, body: dict[str, Any]) -> Answer:
+        # An empty answer (the model ended its turn at once) goes back empty, as it came.
         answer = stream_message(self.url, body, self.session.headers)
-        if answer.first_token_s is None and not answer.blocks:
-            raise RuntimeError(f"{branch} turn {turn}: the answer has no content (stop reason {answer.stop_reason})")
         self.record(branch, turn, answer)
         return answer
 
@@ -539,9 +542,14 @@ def _prefill_total(run: dict[str, Any]) -> float:
 def summarize(settings: BenchSessionSettings, off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
     """The report of the two runs: per request side by side, the totals and the checks."""
     before = {(t.branch, t.turn): t for t in off["turns"]}
+    earlier = {(t.branch, t.turn + 1): t for t in on["turns"]}
     rows = []
     for t in sorted(on["turns"], key=lambda t: (t.branch != "main", t.branch, t.turn)):
         o = before.get((t.branch, t.turn))
+        # Of the branch's previous turn's prompt and answer (what its cache entry holds),
+        # the tokens this turn's prompt did not reuse: what re-rendering the history lost.
+        p = earlier.get((t.branch, t.turn))
+        lost = max(0, p.prompt_tokens + p.output_tokens - t.cached_tokens) if p is not None else None
         rows.append(
             {
                 "branch": t.branch,
@@ -549,6 +557,7 @@ def summarize(settings: BenchSessionSettings, off: dict[str, Any], on: dict[str,
                 "prompt_tokens": t.prompt_tokens,
                 "cached_tokens": t.cached_tokens,
                 "reuse": t.cached_tokens / t.prompt_tokens if t.prompt_tokens else None,
+                "lost_tokens": lost,
                 "prompt_tokens_off": o.prompt_tokens if o else None,
                 "cached_tokens_off": o.cached_tokens if o else None,
                 "ttft_on_s": t.ttft_s,
@@ -559,6 +568,8 @@ def summarize(settings: BenchSessionSettings, off: dict[str, Any], on: dict[str,
                 "tool_calls": t.tool_calls,
                 "stop_reason": t.stop_reason,
                 "same_answer": o is not None and o.answer() == t.answer(),
+                # What the model answered (cache on): where a turn parts from the cache, why.
+                "answer": t.answer(),
             }
         )
     reuse: dict[str, list[float | None]] = {}
@@ -605,13 +616,14 @@ def format_report(r: dict[str, Any]) -> str:
         f"bench session: {s['store']}, a Claude Code session of {s['turns']} main turns, {s['subagents']} subagents "
         f"beside it, a {r['system_tokens']}-token system prompt and tools, {s['max_tokens']} tokens an answer; "
         "the prompt cache off and on",
-        f"{'branch':<11} {'turn':>4} {'prompt':>6} {'cached':>6} {'reuse':>6} {'TTFT off':>8} {'TTFT on':>8} "
-        f"{'prefill off':>11} {'prefill on':>10} {'calls':>5} {'same':>5}",
+        f"{'branch':<11} {'turn':>4} {'prompt':>6} {'cached':>6} {'reuse':>6} {'lost':>4} {'TTFT off':>8} "
+        f"{'TTFT on':>8} {'prefill off':>11} {'prefill on':>10} {'calls':>5} {'same':>5}",
     ]
     for t in r["turns"]:
         reuse = f"{t['reuse']:.3f}" if t["reuse"] is not None else "-"
         lines.append(
             f"{t['branch']:<11} {t['turn']:>4} {t['prompt_tokens']:>6} {t['cached_tokens']:>6} {reuse:>6} "
+            f"{'-' if t['lost_tokens'] is None else t['lost_tokens']:>4} "
             f"{secs(t['ttft_off_s']):>8} {secs(t['ttft_on_s']):>8} {secs(t['prefill_off_s']):>11} "
             f"{secs(t['prefill_on_s']):>10} {t['tool_calls']:>5} {str(t['same_answer']):>5}"
         )

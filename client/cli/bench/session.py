@@ -42,13 +42,31 @@ from ..values import store_option
     "--context", default=None, type=click.IntRange(64, None), help="The daemons' max_context (default: the model's)."
 )
 @click.option(
+    "--tool-choice",
+    type=click.Choice(["auto", "any"]),
+    default="auto",
+    show_default=True,
+    help="auto, as Claude Code sends it; any: every answer a tool call (a model that seldom calls tools by itself).",
+)
+@click.option(
     "--template-loss",
     is_flag=True,
     help="Instead: where the model's chat template makes a resent history part from the cached tokens (no daemon).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_session(
-    store, session_file, turns, subagents, system_tokens, max_tokens, no_cut, capacity, context, template_loss, as_json
+    store,
+    session_file,
+    turns,
+    subagents,
+    system_tokens,
+    max_tokens,
+    no_cut,
+    capacity,
+    context,
+    tool_choice,
+    template_loss,
+    as_json,
 ) -> None:
     """A Claude Code session replayed through a real daemon and gateway with the prompt
     cache off, then on: per request its prompt and cached tokens, time to first token and
@@ -80,6 +98,7 @@ def bench_session(
         cut=not no_cut,
         capacity=capacity,
         context=context,
+        tool_choice=tool_choice,
     )
     try:
         report = run_bench_session(settings, progress=lambda line: click.echo(line, err=True))
