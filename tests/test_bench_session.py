@@ -134,6 +134,8 @@ def test_the_report_puts_the_runs_side_by_side_and_says_which_checks_hold():
     r = summarize(settings, off, on)
     assert [(t["branch"], t["turn"]) for t in r["turns"]] == [("main", 1), ("main", 2), ("subagent 1", 1)]
     assert r["turns"][1]["reuse"] == pytest.approx(100 / 120) and r["turns"][1]["cached_tokens_off"] == 0
+    # Of main turn 1's 100 prompt and 4 answer tokens, turn 2 reused 100: 4 lost.
+    assert [t["lost_tokens"] for t in r["turns"]] == [None, 4, None]
     assert [t["same_answer"] for t in r["turns"]] == [True, False, True] and not r["same_answers"]
     assert r["total_prefill_off_s"] == pytest.approx(10 + 12 + 9 + 4) and r["total_prefill_on_s"] == pytest.approx(12)
     assert r["total_prefill_ratio"] == pytest.approx(12 / 35)

@@ -135,20 +135,35 @@ class Streamed:
             self.text += text
 
 
+def post_json(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> socket.socket:
+    """A connection to `url`'s host with `body` POSTed on it as JSON (and `headers`), its
+    answer left to read: the caller times each byte and may close it at any moment."""
+    parts = urlsplit(url)
+    payload = json.dumps(body).encode()
+    target = f"{parts.path}?{parts.query}" if parts.query else parts.path
+    fixed = {"Host": parts.netloc, "Content-Type": "application/json", "Content-Length": str(len(payload))}
+    fields = (
+        fixed
+        | {"Connection": "close"}
+        | {
+            k: v
+            for k, v in (headers or {}).items()
+            if k.lower() not in ("host", "content-type", "content-length", "connection")
+        }
+    )
+    head = f"POST {target} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in fields.items()) + "\r\n"
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=30)
+    sock.sendall(head.encode() + payload)
+    return sock
+
+
 def stream_completion(url: str, body: dict[str, Any], cut_after: float | None = None) -> Streamed:
     """POST `body` to `url` (…/v1/completions) with `stream` on, over a raw socket, and
     read the answer to its end (or close the connection `cut_after` seconds after the
     send), timing each read."""
-    parts = urlsplit(url)
-    payload = json.dumps(body | {"stream": True}).encode()
-    head = (
-        f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
-    ).encode()
     out = Streamed()
     tic = time.monotonic()
-    with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
-        sock.sendall(head + payload)
+    with post_json(url, body | {"stream": True}) as sock:
         out.read(sock, tic, cut_after)
     return out
 

@@ -44,12 +44,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
-from urllib.parse import urlsplit
 
 from ...client.client import Client
 from ...shared.progress import timed_progress
 from ...shared.runtime_dir import RuntimePaths
-from .agent import COUNTERS, Gateway
+from .agent import COUNTERS, Gateway, post_json
 from .soak.driver import DaemonProcess
 
 # In a checkout (or an editable install): the recorded session beside the tests.
@@ -241,15 +240,10 @@ def stream_message(
     """POST `body` to `url` (…/v1/messages) over a raw socket and read the streamed answer
     to its end; with `cut`, close the connection before the first content once
     `cut(message id)` says so (asked every POLL_S)."""
-    parts = urlsplit(url)
-    payload = json.dumps(body).encode()
-    lines = [f"POST {parts.path}?{parts.query} HTTP/1.1" if parts.query else f"POST {parts.path} HTTP/1.1"]
-    lines += [f"Host: {parts.netloc}", f"Content-Length: {len(payload)}", "Connection: close"]
-    lines += [f"{k}: {v}" for k, v in headers.items() if k.lower() not in ("host", "content-length", "connection")]
     out = Answer()
-    with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
-        sock.sendall("\r\n".join(lines).encode() + b"\r\n\r\n" + payload)
-        out.read(sock, time.monotonic(), cut)
+    tic = time.monotonic()
+    with post_json(url, body, headers) as sock:
+        out.read(sock, tic, cut)
     return out
 
 
