@@ -12,7 +12,7 @@ import sys
 import pytest
 from template_families import family_tokenizer, measure_all, repository_tokenizers
 
-from moestream.daemon.bench.template_loss import REASONING, generated_text, template_loss
+from moestream.daemon.bench.template_loss import REASONING, call_text_renders, generated_text, template_loss
 from moestream.shared.settings import demo_store_path
 
 
@@ -59,6 +59,16 @@ def test_the_repositorys_templates(root):
     assert dropped.first_difference == dropped.prompt_tokens - 2 and dropped.lost_tokens == dropped.answer_tokens + 2
 
 
+def test_a_kept_call_text_renders_in_each_family_with_a_tool_call_parser(root):
+    """The gateway's kept text of a call replaces the template's serialisation of it in
+    every family whose calls mlx-lm parses: JSON (Qwen3), XML (Qwen3.5), <arg_key> (GLM),
+    <invoke> (MiniMax), Kimi's section tokens; DeepSeek's calls have no parser here."""
+    for name in ("qwen3.5", "glm-4.5", "minimax-m2", "kimi-k2-thinking"):
+        assert call_text_renders(family_tokenizer(name, root)) is True, name
+    assert call_text_renders(family_tokenizer("deepseek-v3.1", root)) is None
+    assert call_text_renders(repository_tokenizers(root)["demo"]) is True
+
+
 @pytest.mark.slow  # every family: about 30 s
 def test_every_family_is_measured(root):
     rows = measure_all(root)
@@ -80,3 +90,4 @@ def test_the_bench_command_measures_a_stores_own_template():
     row = json.loads(out.stdout)
     assert [x["resend"] for x in row["losses"]] == ["reasoning resent", "reasoning dropped"]
     assert all(x["lost_tokens"] == 0 and x["answer_tokens"] > 0 for x in row["losses"])
+    assert row["call_text_renders"] is True

@@ -177,8 +177,29 @@ def template_loss(tokenizer: Any, thinking: bool | None = True) -> list[Loss]:
     return out
 
 
-def report(name: str, losses: list[Loss]) -> dict[str, Any]:
-    return {"template": name, "losses": [asdict(x) | {"answer_lost": x.answer_lost} for x in losses]}
+def call_text_renders(tokenizer: Any) -> bool | None:
+    """Whether a resent call's kept text (the gateway's, issue 53) is rendered in place of
+    the template's serialisation of it (daemon/model/tool_calls.py `render_call_texts`);
+    None for a tokenizer without mlx-lm's tool-call markers (no call is parsed to keep)."""
+    from ..model.tool_calls import render_call_texts
+
+    start, end = getattr(tokenizer, "tool_call_start", None), getattr(tokenizer, "tool_call_end", None)
+    if not (getattr(tokenizer, "has_tool_calling", False) and start and end):
+        return None
+    result = {"role": "tool", "content": RESULT, "tool_call_id": "call_1"}
+    chat = [m.to_template() for m in _chat([*HISTORY, _assistant(None), result])]
+    text = f"{start}\u2063written\u2063{end}"
+
+    def render(c: list[dict[str, Any]]) -> str:
+        return tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False, tools=TOOLS)
+
+    out = render_call_texts(tokenizer, chat, {(len(HISTORY), 0): text}, render)
+    return out is not None and text in out
+
+
+def report(name: str, losses: list[Loss], call_text: bool | None = None) -> dict[str, Any]:
+    rows = [asdict(x) | {"answer_lost": x.answer_lost} for x in losses]
+    return {"template": name, "losses": rows, "call_text_renders": call_text}
 
 
 def format_losses(rows: list[dict[str, Any]]) -> str:
@@ -194,6 +215,8 @@ def format_losses(rows: list[dict[str, Any]]) -> str:
                 f"{r['template']:<24} {x['resend']:<18} {x['prompt_tokens']:>6} {x['answer_tokens']:>6} "
                 f"{'+' if at >= 0 else ''}{at:>7} {x['lost_tokens']:>5}  {x['cached_text']!r} | {x['resent_text']!r}"
             )
+        renders = {True: "yes", False: "no (the template's serialisation)", None: "no tool-call parser"}
+        lines.append(f"{r['template']}: a kept call's text rendered as written: {renders[r['call_text_renders']]}")
     return "\n".join(lines)
 
 
@@ -203,4 +226,5 @@ def run_template_loss(store: Any, thinking: bool | None = True) -> dict[str, Any
 
     from mlx_lm.utils import load_tokenizer
 
-    return report(str(store), template_loss(load_tokenizer(Path(store)), thinking))
+    tokenizer = load_tokenizer(Path(store))
+    return report(str(store), template_loss(tokenizer, thinking), call_text_renders(tokenizer))

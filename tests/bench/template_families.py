@@ -86,20 +86,18 @@ def repository_tokenizers(root: Path) -> dict[str, Any]:
 
 
 def measure_all(root: Path) -> list[dict[str, Any]]:
-    from moestream.daemon.bench.template_loss import report, template_loss
+    from moestream.daemon.bench.template_loss import call_text_renders, report, template_loss
 
-    rows = [report(name, template_loss(tok)) for name, tok in repository_tokenizers(root).items()]
-    for name, family in families().items():
-        row = report(name, template_loss(family_tokenizer(name, root)))
-        rows.append(row | {"architectures": family["architectures"]})
-    return rows
+    toks = repository_tokenizers(root) | {name: family_tokenizer(name, root) for name in families()}
+    rows = [report(name, template_loss(tok), call_text_renders(tok)) for name, tok in toks.items()]
+    return [r | {"architectures": families().get(r["template"], {}).get("architectures", [])} for r in rows]
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| template | architectures | prompt | answer | reasoning resent: parts at, lost "
-        "| reasoning dropped: parts at, lost | where (cached / resent) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| reasoning dropped: parts at, lost | where (cached / resent) | kept call text |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         resent, dropped = r["losses"]
@@ -113,9 +111,12 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         archs = ", ".join(r.get("architectures", [])) or "-"
         lines.append(
             f"| {r['template']} | {archs} | {resent['prompt_tokens']} | {resent['answer_tokens']} | {cell(resent)} | "
-            f"{cell(dropped)} | {shown} |"
+            f"{cell(dropped)} | {shown} | {CALL_TEXT[r['call_text_renders']]} |"
         )
     return "\n".join(lines)
+
+
+CALL_TEXT = {True: "rendered", False: "template's", None: "no parser"}
 
 
 def main() -> None:
