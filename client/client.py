@@ -463,6 +463,7 @@ def _chat(messages: Sequence[Mapping[str, Any]] | None) -> tuple[proto.ChatMessa
                 tool_call_id=m.get("tool_call_id"),
                 name=m.get("name"),
                 reasoning=m.get("reasoning"),
+                call_texts=tuple(m["call_texts"]) if m.get("call_texts") is not None else None,
             )
             for m in messages
         )

@@ -724,7 +724,7 @@ class EngineLoop:
     def _send_calls(self, job: Job, calls: list[dict[str, str]]) -> None:
         first = len(job.tools.calls) - len(calls)
         for i, call in enumerate(calls, first):
-            self._send(job.peer, proto.ToolCall(job.msg.id, i, call["name"], call["arguments"]))
+            self._send(job.peer, proto.ToolCall(job.msg.id, i, call["name"], call["arguments"], call.get("text")))
 
     def _end_generator(self, job: Job) -> None:
         """Let a started generator see its stop flag and fill in its statistics."""
@@ -770,7 +770,7 @@ class EngineLoop:
         )
         self._counters[counter] += 1
         self._counters["tokens"] += len(tokens)
-        self._remember(job, reason, len(tokens))
+        self._remember(job, reason, len(tokens), stats)
         # Publish first, so a client that asks for status on its done event sees this request.
         self._publish(force=True)
         if reason != "disconnected":
@@ -800,7 +800,10 @@ class EngineLoop:
         if job in self._active:
             self._active.remove(job)
 
-    def _remember(self, job: Job, reason: str, tokens: int) -> None:
+    def _remember(self, job: Job, reason: str, tokens: int, stats: dict[str, Any] | None = None) -> None:
+        # The prompt's figures too: a client of the HTTP gateway, which passes on only the
+        # cached share, finds each request's prefill seconds here (`bench session`).
+        prompt = {k: (stats or {}).get(k) for k in ("prompt_tokens", "cached_tokens", "prompt_seconds")}
         self._recent.append(
             {
                 "id": job.msg.id,
@@ -810,6 +813,7 @@ class EngineLoop:
                 "prefill_pieces_after_stop": job.pieces_after_stop(),
                 "seconds": time.monotonic() - job.received,
             }
+            | prompt
         )
 
     def _shutdown_jobs(self) -> None:

@@ -59,9 +59,12 @@ Tools (`tools`: function schemas as OpenAI writes them, `{"type": "function", "f
 {name, description, parameters}}`; `tool_choice`: auto | none | required | {"name": N})
 are rendered by the model's chat template; the daemon parses the model's tool-call text
 with the model's mlx-lm tool parser and sends each call as a `tool_call` event (never as
-`token` text), and `done` lists them in `tool_calls`. A chat message may carry the
-assistant's earlier `tool_calls` ({name, arguments} maps), and a `tool` message its
-`tool_call_id` and `name`; these keys are left out of the encoding when unused.
+`token` text), and `done` lists them in `tool_calls`; each carries the call's `text` as the
+model wrote it (its markers included) where that text is one whole call. A chat message may
+carry the assistant's earlier `tool_calls` ({name, arguments} maps) with their `call_texts`
+(that text, kept by the gateway, or None: the template then renders the call itself), and a
+`tool` message its `tool_call_id` and `name`; these keys are left out of the encoding when
+unused.
 `constraint` ({kind, schema}) makes the answer JSON: kind "json_object" (any JSON object) or
 "json_schema" (`schema`: a JSON schema's text, which the answer then matches); the daemon
 enforces it with a grammar (daemon/model/constrain.py) and refuses a schema it cannot
@@ -137,16 +140,22 @@ class ProtocolError(ValueError):
 @dataclass(frozen=True)
 class ChatMessage:
     """One message of a chat; on the wire a {role, content} map, plus the optional keys
-    when set: an assistant's `tool_calls` ({name, arguments} maps, arguments a map) and
-    earlier `reasoning`, and a tool result's `tool_call_id` and `name`."""
+    when set: an assistant's `tool_calls` ({name, arguments} maps, arguments a map), the
+    text the model wrote for each (`call_texts`, None where not known) and earlier
+    `reasoning`, and a tool result's `tool_call_id` and `name`."""
 
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("tool_calls", "tool_call_id", "name", "reasoning")
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("tool_calls", "tool_call_id", "name", "reasoning", "call_texts")
     role: str
     content: str
     tool_calls: tuple[dict[str, Any], ...] | None = None
     tool_call_id: str | None = None
     name: str | None = None
     reasoning: str | None = None
+    # Beside `tool_calls`, one each: the call's text as the model sampled it (start and end
+    # markers included), which the daemon renders in place of the template's own
+    # serialisation of that call, so that a resent turn's tokens are the ones it sampled
+    # (daemon/model/tool_calls.py `render_call_texts`); None: the template's.
+    call_texts: tuple[str | None, ...] | None = None
 
     def to_template(self) -> dict[str, Any]:
         """The message as chat templates (Hugging Face's convention) take it."""
@@ -381,13 +390,17 @@ class Token:
 @dataclass(frozen=True)
 class ToolCall:
     """One tool call the model made, parsed by the model's tool parser: the function's
-    name and its arguments as a JSON object's text; `index` counts the request's calls."""
+    name and its arguments as a JSON object's text; `index` counts the request's calls.
+    `text`: the call as the model wrote it, markers included (None where its text held
+    several calls, or the answer ended inside it)."""
 
     TYPE: ClassVar[str] = "tool_call"
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("text",)
     id: str
     index: int
     name: str
     arguments: str
+    text: str | None = None
 
 
 @dataclass(frozen=True)
@@ -418,8 +431,9 @@ class Done:
     tokens: list[int]
     finish_reason: str  # length | stop | cancelled | shutdown
     stats: dict[str, Any] = field(default_factory=dict)
-    # The request's tool calls ({name, arguments} maps, arguments as JSON text), all of
-    # them (each was sent as a tool_call event too); `text` then holds the rest.
+    # The request's tool calls ({name, arguments} maps, arguments as JSON text, and the
+    # call's `text` where the tool_call event has one), all of them (each was sent as a
+    # tool_call event too); `text` then holds the rest.
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     # A thinking model's reasoning, apart from `text` (the answer).
     reasoning: str = ""
@@ -662,9 +676,22 @@ def _messages_field(messages: Any, rid: str) -> tuple[ChatMessage, ...]:
             )
         reasoning = m.get("reasoning")
         _check(reasoning is None or isinstance(reasoning, str), rid, f"messages[{i}].reasoning must be a string")
-        chars += len(content) + len(reasoning or "")
+        texts = m.get("call_texts")
+        if texts is not None:
+            _check(
+                calls is not None
+                and isinstance(texts, list)
+                and len(texts) == len(calls)
+                and all(t is None or isinstance(t, str) for t in texts),
+                rid,
+                f"messages[{i}].call_texts must be a list of strings or nulls, one for each of its tool_calls",
+            )
+            texts = tuple(texts)
+        chars += len(content) + len(reasoning or "") + sum(len(t or "") for t in texts or ())
         ids = {"tool_call_id": m.get("tool_call_id"), "name": m.get("name")}
-        out.append(ChatMessage(role=role, content=content, tool_calls=calls, reasoning=reasoning, **ids))
+        out.append(
+            ChatMessage(role=role, content=content, tool_calls=calls, reasoning=reasoning, call_texts=texts, **ids)
+        )
     _check(
         chars <= MAX_PROMPT_CHARS,
         rid,

@@ -110,12 +110,13 @@ def test_the_splitter_turns_the_models_call_text_into_parsed_calls_and_never_str
     text, new = split.finish()
     streamed.append(text)
     calls += new
+    # Each whole call with its text as the model wrote it (a resent turn is rendered so).
     assert (
         calls
         == split.calls
         == [
-            {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-            {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+            {"name": "get_weather", "arguments": '{"city": "Paris"}', "text": CALL},
+            {"name": "get_weather", "arguments": '{"city": "Oslo"}', "text": CALL.replace("Paris", "Oslo")},
         ]
     )
     assert "".join(streamed) == split.content == "Let me look.  and  <tool done"

@@ -55,6 +55,7 @@ from starlette.routing import Route
 from ...shared import protocol as proto
 from ...shared.protocol import Done
 from ..client import Accepted, Token, ToolCall
+from .call_texts import CallTexts
 from .keep_alive import KeepAlive
 from .openai import ApiError, ApiRequest, bad_request, declared_identity, json_constraint, sampling_controls
 
@@ -153,9 +154,10 @@ def _text_of(value: Any, where: str) -> str:
     raise bad_request(f"{where} must be a string or a list of content blocks", where)
 
 
-def _message(m: Any, i: int) -> list[dict[str, Any]]:
+def _message(m: Any, i: int, kept: CallTexts | None = None, client: str = "") -> list[dict[str, Any]]:
     """One Anthropic message as the protocol's chat messages (tool results are `tool`
-    turns; a system message is user text where it stands)."""
+    turns; a system message is user text where it stands); a tool_use block whose text
+    `kept` has for `client` comes with it (`call_texts`)."""
     where = f"messages.{i}"
     if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
         raise bad_request(f"{where}: a message is {{role: 'user' | 'assistant', content}}", where)
@@ -170,6 +172,7 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
     texts: list[str] = []
     thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
+    sampled: list[str | None] = []  # the text the model wrote for each call, where kept
     for j, block in enumerate(content):
         at = f"{where}.content.{j}"
         text = _block_text(block, at)
@@ -180,6 +183,7 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
             if not (isinstance(block.get("name"), str) and block["name"] and isinstance(block.get("input"), dict)):
                 raise bad_request(f"{at}: a tool_use block has a 'name' and an 'input' object", at)
             calls.append({"name": block["name"], "arguments": block["input"]})
+            sampled.append(kept.find(client, block.get("id"), block["name"], block["input"]) if kept else None)
         elif kind == "tool_result" and role == "user":
             tool_id = block.get("tool_use_id")
             if not (isinstance(tool_id, str) and 0 < len(tool_id) <= proto.MAX_NAME_CHARS):
@@ -200,6 +204,8 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
         msg: dict[str, Any] = {"role": role, "content": "".join(texts)}
         if calls:
             msg["tool_calls"] = calls
+        if any(t is not None for t in sampled):
+            msg["call_texts"] = sampled
         if thoughts:
             msg["reasoning"] = "\n\n".join(thoughts)
         out.append(msg)
@@ -241,7 +247,7 @@ def _tools(body: dict[str, Any]) -> dict[str, Any]:
     return {"tools": schemas, "tool_choice": mode}
 
 
-def _chat(body: dict[str, Any]) -> list[dict[str, Any]]:
+def _chat(body: dict[str, Any], kept: CallTexts | None = None, client: str = "") -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' is required: a non-empty list of {role, content}", "messages")
@@ -254,7 +260,7 @@ def _chat(body: dict[str, Any]) -> list[dict[str, Any]]:
         if text:
             chat.append({"role": "system", "content": text})
     for i, m in enumerate(messages):
-        for msg in _message(m, i):
+        for msg in _message(m, i, kept, client):
             # Consecutive user turns are one (as Anthropic's API takes them): a folded
             # system message beside the user's own text.
             if chat and _plain_user(chat[-1]) and _plain_user(msg):
@@ -315,15 +321,17 @@ def _output_format(body: dict[str, Any]) -> dict[str, Any]:
     return {"constraint": json_constraint(fmt["schema"], "output_config.format.schema")}
 
 
-def parse_request(body: Any, *, count_only: bool = False) -> ApiRequest:
+def parse_request(body: Any, *, count_only: bool = False, kept: CallTexts | None = None) -> ApiRequest:
     """A decoded JSON body of /v1/messages (or, `count_only`, of count_tokens: its
-    `generate` then holds `Client.count_tokens`'s arguments)."""
+    `generate` then holds `Client.count_tokens`'s arguments); a resent tool_use block
+    comes with the text the model wrote for it where `kept` has it."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     model = _model(body)
-    kwargs: dict[str, Any] = {"messages": _chat(body), **_tools(body), "thinking": _thinking(body)}
+    client = declared_identity(body) or ""
+    kwargs: dict[str, Any] = {"messages": _chat(body, kept, client), **_tools(body), "thinking": _thinking(body)}
     if count_only:
-        return ApiRequest(chat=True, model=model, stream=False, include_usage=False, generate=kwargs)
+        return ApiRequest(chat=True, model=model, stream=False, include_usage=False, generate=kwargs, client=client)
     max_tokens = body.get("max_tokens")
     if not (isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and 1 <= max_tokens):
         raise bad_request("'max_tokens' is required: a whole number of at least 1", "max_tokens")
@@ -360,9 +368,7 @@ def parse_request(body: Any, *, count_only: bool = False) -> ApiRequest:
         if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**63):
             raise bad_request("seed: must be a whole number in 0..2^63-1", "seed")
         kwargs["seed"] = seed
-    return ApiRequest(
-        chat=True, model=model, stream=stream, include_usage=False, generate=kwargs, identity=declared_identity(body)
-    )
+    return ApiRequest(chat=True, model=model, stream=stream, include_usage=False, generate=kwargs, client=client)
 
 
 # ---- responses -----------------------------------------------------------------------
@@ -384,8 +390,8 @@ def signature(thinking: str) -> str:
     return base64.b64encode(hashlib.sha256(thinking.encode()).digest()).decode()
 
 
-def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24], "name": call["name"], "input": {}}
+def _tool_use(name: str) -> dict[str, Any]:
+    return {"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24], "name": name, "input": {}}
 
 
 def usage(done: Done) -> dict[str, int]:
@@ -408,7 +414,7 @@ def message(msg_id: str, model: str, done: Done) -> dict[str, Any]:
     if done.text or not (done.tool_calls or done.reasoning):
         content.append({"type": "text", "text": done.text})
     for call in done.tool_calls:
-        content.append(_tool_use(call) | {"input": json.loads(call["arguments"])})
+        content.append(_tool_use(call["name"]) | {"input": json.loads(call["arguments"])})
     reason, sequence = stop_reason(done)
     return {
         "id": msg_id,
@@ -434,6 +440,7 @@ class _Blocks:
     index: int = 0
     open: str | None = None  # "thinking" | "text"
     thought: list[str] = field(default_factory=list)  # the open thinking block's text
+    calls: list[tuple[str, ToolCall]] = field(default_factory=list)  # (tool_use id, call) sent
 
     def piece(self, thinking: bool, text: str) -> Iterator[str]:
         kind = "thinking" if thinking else "text"
@@ -461,7 +468,9 @@ class _Blocks:
 
     def tool(self, call: ToolCall) -> Iterator[str]:
         yield from self.close()
-        yield _event("content_block_start", {"index": self.index, "content_block": _tool_use({"name": call.name})})
+        block = _tool_use(call.name)
+        self.calls.append((block["id"], call))
+        yield _event("content_block_start", {"index": self.index, "content_block": block})
         delta = {"type": "input_json_delta", "partial_json": call.arguments}
         yield _event("content_block_delta", {"index": self.index, "delta": delta})
         yield _event("content_block_stop", {"index": self.index})
@@ -482,7 +491,8 @@ class AnthropicApi:
 
     async def messages(self, request: Request) -> Response:
         self._gw._authorize(request)
-        req = parse_request(await self._gw._read_json(request, MAX_BODY_BYTES))
+        body = await self._gw._read_json(request, MAX_BODY_BYTES)
+        req = parse_request(body, kept=self._gw.call_texts)
         opened = await self._gw.open_request(request, req, "msg_")
         if opened is None:
             return Response(status_code=499)
@@ -491,18 +501,23 @@ class AnthropicApi:
             done = await self._gw.whole(request, daemon)
             if done is None:
                 return Response(status_code=499)
-            return JSONResponse(message(daemon.id, model, done))
+            answer = message(daemon.id, model, done)
+            uses = [b for b in answer["content"] if b["type"] == "tool_use"]
+            for block, call in zip(uses, done.tool_calls):
+                self._gw.call_texts.keep(req.client, block["id"], call["name"], call["arguments"], call.get("text"))
+            return JSONResponse(answer)
         head = await self._gw.first_event(request, daemon)
         if head is None:
             return Response(status_code=499)
-        return self._gw.stream(self._stream(daemon, model, head), daemon)
+        return self._gw.stream(self._stream(daemon, model, head, req.client), daemon)
 
     async def count_tokens(self, request: Request) -> Response:
         self._gw._authorize(request)
-        req = parse_request(await self._gw._read_json(request, MAX_BODY_BYTES), count_only=True)
+        body = await self._gw._read_json(request, MAX_BODY_BYTES)
+        req = parse_request(body, count_only=True, kept=self._gw.call_texts)
         return JSONResponse({"input_tokens": await self._gw.count_tokens(req)})
 
-    async def _stream(self, daemon: DaemonRequest, model: str, head: Any) -> AsyncIterator[str]:
+    async def _stream(self, daemon: DaemonRequest, model: str, head: Any, client: str = "") -> AsyncIterator[str]:
         """message_start (once the daemon has accepted the prompt: its length), then per
         block content_block_start / _delta* / _stop, then message_delta (stop reason,
         usage) and message_stop."""
@@ -535,6 +550,8 @@ class AnthropicApi:
                 if isinstance(event, ToolCall):
                     for line in blocks.tool(event):
                         yield line
+                    call_id, call = blocks.calls[-1]
+                    self._gw.call_texts.keep(client, call_id, call.name, call.arguments, call.text)
         except ApiError as e:
             yield _event("error", {"error": error_body(e)["error"]})
             return

@@ -70,6 +70,7 @@ from ..client import (
 )
 from ..dashboard import Dashboard
 from . import anthropic, ollama, responses
+from .call_texts import CallTexts
 from .guard import GuardConfig, GuardMiddleware
 from .keep_alive import KEEP_ALIVE_SECONDS, KeepAlive
 from .model_info import capabilities, context_length, model_id
@@ -173,7 +174,7 @@ def cache_scope(request: Request, req: ApiRequest) -> str:
     """Whose cached prompts a request may reuse: those of requests that name the same user
     or session, else of those that name none from the same address; a digest, so that the
     daemon never holds the identity itself."""
-    who = f"id:{req.identity}" if req.identity else f"address:{request.client.host if request.client else '?'}"
+    who = f"id:{req.client}" if req.client else f"address:{request.client.host if request.client else '?'}"
     return hashlib.sha256(who.encode()).hexdigest()[:32]
 
 
@@ -299,6 +300,8 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self._slots = threading.BoundedSemaphore(config.max_concurrent)
+        # The model's own text of the tool calls answered, for the turns that resend them.
+        self.call_texts = CallTexts()
 
     # ---- checks --------------------------------------------------------------------------
 
@@ -510,7 +513,7 @@ class Gateway:
 
     async def _complete(self, request: Request, *, chat: bool) -> Response:
         self._authorize(request)
-        req = parse_request(await self._read_json(request), chat=chat)
+        req = parse_request(await self._read_json(request), chat=chat, kept=self.call_texts)
         opened = await self.open_choices(request, req, "chatcmpl-" if chat else "cmpl-")
         if opened is None:
             return Response(status_code=499)  # nobody is there to read an answer
@@ -529,6 +532,9 @@ class Gateway:
                 answers.append(
                     shaper.at(i).complete(done.text, reason, use, done.tool_calls, done.reasoning, done.logprobs)
                 )
+                message = answers[-1]["choices"][0].get("message") or {}  # a chat's (not a completion's)
+                for out, call in zip(message.get("tool_calls") or (), done.tool_calls):
+                    self.call_texts.keep(req.client, out["id"], call["name"], call["arguments"], call.get("text"))
             body = answers[0]
             if len(answers) > 1:
                 # One prompt, n completions: the prompt counted once, as OpenAI counts it.
@@ -671,9 +677,11 @@ class Gateway:
                         given += len(held)
                         held = []
                 elif isinstance(event, ToolCall):
-                    yield _sse(
-                        shaper.tool_chunk({"name": event.name, "arguments": event.arguments}, calls, with_usage=extra)
-                    )
+                    call = {"name": event.name, "arguments": event.arguments}
+                    chunk = shaper.tool_chunk(call, calls, with_usage=extra)
+                    call_id = chunk["choices"][0]["delta"]["tool_calls"][0]["id"]
+                    self.call_texts.keep(req.client, call_id, event.name, event.arguments, event.text)
+                    yield _sse(chunk)
                     calls += 1
         except ApiError as e:
             yield _sse(e.body())  # as OpenAI reports an error after the stream began

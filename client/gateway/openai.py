@@ -42,6 +42,7 @@ from typing import Any, Sequence
 
 from ...shared import protocol as proto
 from ...shared.settings import SettingsError, parse_duration
+from .call_texts import CallTexts
 
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_TEMPERATURE = 1.0
@@ -86,8 +87,9 @@ class ApiRequest:
     include_usage: bool
     generate: dict[str, Any] = field(default_factory=dict)  # keyword arguments of Client.generate
     n: int = 1  # choices: as many daemon requests
-    # Who the client says it is (`declared_identity`); None: it did not say.
-    identity: str | None = None
+    # Who the request says it comes from (`declared_identity`), or "": the scope of the
+    # tool-call texts the gateway keeps (call_texts.py) and of the prompt cache (app.py).
+    client: str = ""
 
     def choice(self, i: int) -> ApiRequest:
         """The request of choice `i` of n: its own seed (s + i) where a seed is given."""
@@ -247,7 +249,7 @@ def _tool_call_in(call: Any, where: str) -> dict[str, Any]:
     return {"name": fn["name"], "arguments": parsed}
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def _messages(body: dict[str, Any], kept: CallTexts | None = None, client: str = "") -> list[dict[str, Any]]:
     messages = body.get("messages")
     if messages is None:
         raise bad_request("'messages' is required: a list of {role, content} objects", "messages")
@@ -270,6 +272,12 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             if not isinstance(calls, list):
                 raise bad_request(f"messages[{i}].tool_calls must be a list", f"messages[{i}].tool_calls")
             msg["tool_calls"] = [_tool_call_in(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
+            if kept is not None:
+                texts = [
+                    kept.find(client, c.get("id"), t["name"], t["arguments"]) for c, t in zip(calls, msg["tool_calls"])
+                ]
+                if any(t is not None for t in texts):
+                    msg["call_texts"] = texts
         for key in ("tool_call_id", "name"):
             value = m.get(key)
             if value is not None:
@@ -488,10 +496,12 @@ def _prompt(body: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def parse_request(body: Any, *, chat: bool) -> ApiRequest:
-    """Validate a decoded JSON body of /v1/chat/completions (chat) or /v1/completions."""
+def parse_request(body: Any, *, chat: bool, kept: CallTexts | None = None) -> ApiRequest:
+    """Validate a decoded JSON body of /v1/chat/completions (chat) or /v1/completions; a
+    resent tool call comes with the text the model wrote for it where `kept` has it."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    client = declared_identity(body) or ""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
@@ -509,7 +519,9 @@ def parse_request(body: Any, *, chat: bool) -> ApiRequest:
     if seed is not None and not (_is_int(seed) and 0 <= seed < 2**63):
         raise bad_request(f"'seed' must be a whole number in 0..2^63-1, got {seed!r}", "seed")
     kwargs: dict[str, Any] = (
-        {"messages": _messages(body), **_tools(body), "thinking": thinking_switch(body)} if chat else _prompt(body)
+        {"messages": _messages(body, kept, client), **_tools(body), "thinking": thinking_switch(body)}
+        if chat
+        else _prompt(body)
     )
     kwargs.update(
         max_tokens=_max_tokens(body),
@@ -530,7 +542,7 @@ def parse_request(body: Any, *, chat: bool) -> ApiRequest:
         include_usage=include_usage,
         generate=kwargs,
         n=_choices(body),
-        identity=declared_identity(body),
+        client=client,
     )
 
 

@@ -59,6 +59,7 @@ from starlette.routing import Route
 from ...shared import protocol as proto
 from ...shared.protocol import Done
 from ..client import Token, ToolCall
+from .call_texts import CallTexts
 from .keep_alive import KeepAlive
 from .openai import (
     DEFAULT_TEMPERATURE,
@@ -164,14 +165,19 @@ class _Chat:
                 return
         self.messages.append({"role": role, "content": text})
 
-    def call(self, name: str, arguments: dict[str, Any], call_id: str) -> None:
-        """A call of the assistant's: with the assistant's message it follows, if any."""
+    def call(self, name: str, arguments: dict[str, Any], call_id: str, text: str | None = None) -> None:
+        """A call of the assistant's: with the assistant's message it follows, if any;
+        `text`: the model's own text of it, where the gateway kept it (call_texts.py)."""
         self._names[call_id] = name
         last = self.messages[-1] if self.messages else None
         if last is None or last["role"] != "assistant":
             last = {"role": "assistant", "content": ""}
             self.messages.append(last)
-        last.setdefault("tool_calls", []).append({"name": name, "arguments": arguments})
+        calls = last.setdefault("tool_calls", [])
+        texts = last.get("call_texts") or [None] * len(calls)
+        calls.append({"name": name, "arguments": arguments})
+        if text is not None or "call_texts" in last:
+            last["call_texts"] = [*texts, text]
 
     def result(self, call_id: str, text: str) -> None:
         msg = {"role": "tool", "content": text, "tool_call_id": call_id}
@@ -199,7 +205,7 @@ def _output_text(item: dict[str, Any], where: str) -> str:
     return _text_of(output, f"{where}.output")
 
 
-def _input(body: dict[str, Any]) -> list[dict[str, Any]]:
+def _input(body: dict[str, Any], kept: CallTexts | None = None, client: str = "") -> list[dict[str, Any]]:
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad_request("'instructions' must be a string", "instructions")
@@ -225,13 +231,15 @@ def _input(body: dict[str, Any]) -> list[dict[str, Any]]:
         elif kind == "function_call":
             name = _string(item, "name", where, proto.MAX_NAME_CHARS)
             call_id = _string(item, "call_id", where, proto.MAX_NAME_CHARS)
-            chat.call(name, _arguments(item, where), call_id)
+            arguments = _arguments(item, where)
+            chat.call(name, arguments, call_id, kept.find(client, call_id, name, arguments) if kept else None)
         elif kind == "custom_tool_call":
             name = _string(item, "name", where, proto.MAX_NAME_CHARS)
             call_id = _string(item, "call_id", where, proto.MAX_NAME_CHARS)
             if not isinstance(item.get("input"), str):
                 raise bad_request(f"{where}.input must be a string", f"{where}.input")
-            chat.call(name, {CUSTOM_INPUT: item["input"]}, call_id)
+            arguments = {CUSTOM_INPUT: item["input"]}
+            chat.call(name, arguments, call_id, kept.find(client, call_id, name, arguments) if kept else None)
         elif kind in ("function_call_output", "custom_tool_call_output"):
             chat.result(_string(item, "call_id", where, proto.MAX_NAME_CHARS), _output_text(item, where))
         elif kind == "reasoning":
@@ -389,8 +397,10 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def parse_request(body: Any) -> ResponsesRequest:
-    """Validate a decoded JSON body of POST /v1/responses."""
+def parse_request(body: Any, call_texts: CallTexts | None = None) -> ResponsesRequest:
+    """Validate a decoded JSON body of POST /v1/responses; a resent function call comes
+    with the text the model wrote for it where `call_texts` has it (for the conversation's
+    `prompt_cache_key`, Codex's id of it, else the `user`)."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     model = body.get("model")
@@ -415,7 +425,8 @@ def parse_request(body: Any) -> ResponsesRequest:
             "max_output_tokens",
         )
     stream = _flag(body, "stream", False)
-    messages = _input(body)
+    client = declared_identity(body) or ""
+    messages = _input(body, call_texts, client)
     tools, custom, kept = _tools(body)
     thinking, summary, reasoning = _reasoning(body)
     temperature = _number(body, "temperature", DEFAULT_TEMPERATURE, 0.0, MAX_TEMPERATURE)
@@ -450,9 +461,7 @@ def parse_request(body: Any) -> ResponsesRequest:
         "truncation": "disabled",
         "metadata": body.get("metadata") if isinstance(body.get("metadata"), dict) else {},
     }
-    api = ApiRequest(
-        chat=True, model=model, stream=stream, include_usage=False, generate=generate, identity=declared_identity(body)
-    )
+    api = ApiRequest(chat=True, model=model, stream=stream, include_usage=False, generate=generate, client=client)
     return ResponsesRequest(api=api, custom_tools=custom, summary=summary, echo=echo, logprobs=logprobs)
 
 
@@ -503,6 +512,12 @@ class Fold:
         self._given = 0
         self._item_logprobs: list[dict[str, Any]] = []
         self.final: dict[str, Any] | None = None  # the whole Response, once ended
+        self.calls: list[tuple[str, ToolCall]] = []  # (call_id, the daemon's call) answered
+
+    @property
+    def client(self) -> str:
+        """The request's client identity (the scope of its kept call texts)."""
+        return self._req.api.client
 
     # ---- the Response object ----
 
@@ -653,7 +668,9 @@ class Fold:
             self.sent.append(event.text)
             return self._open("message") + [self._delta(event.text)]
         if isinstance(event, ToolCall):
-            return self._call(event.name, event.arguments)
+            events = self._call(event.name, event.arguments)
+            self.calls.append((self.output[-1]["call_id"], event))
+            return events
         if isinstance(event, Done):
             return self._end(event)
         return []  # Accepted (the prompt's length comes again in done), progress, empty tokens
@@ -720,7 +737,7 @@ class ResponsesApi:
     async def create(self, request: Request) -> Response:
         gw = self._gw
         gw._authorize(request)
-        req = parse_request(await gw._read_json(request))
+        req = parse_request(await gw._read_json(request), gw.call_texts)
         opened = await gw.open_request(request, req.api, "resp_")
         if opened is None:
             return Response(status_code=499)
@@ -731,6 +748,7 @@ class ResponsesApi:
             if done is None:
                 return Response(status_code=499)
             fold.feed(done)
+            self._keep(fold)
             return JSONResponse(fold.final)
         head = await gw.first_event(request, daemon)
         if head is None:
@@ -749,3 +767,9 @@ class ResponsesApi:
         except ApiError as error:
             for e in fold.fail(error):
                 yield _sse(e)
+        self._keep(fold)
+
+    def _keep(self, fold: Fold) -> None:
+        """The model's own text of each call answered, for the turn that sends it back."""
+        for call_id, call in fold.calls:
+            self._gw.call_texts.keep(fold.client, call_id, call.name, call.arguments, call.text)

@@ -135,25 +135,40 @@ class Streamed:
             self.text += text
 
 
+def post_json(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> socket.socket:
+    """A connection to `url`'s host with `body` POSTed on it as JSON (and `headers`), its
+    answer left to read: the caller times each byte and may close it at any moment."""
+    parts = urlsplit(url)
+    payload = json.dumps(body).encode()
+    target = f"{parts.path}?{parts.query}" if parts.query else parts.path
+    fixed = {"Host": parts.netloc, "Content-Type": "application/json", "Content-Length": str(len(payload))}
+    fields = (
+        fixed
+        | {"Connection": "close"}
+        | {
+            k: v
+            for k, v in (headers or {}).items()
+            if k.lower() not in ("host", "content-type", "content-length", "connection")
+        }
+    )
+    head = f"POST {target} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in fields.items()) + "\r\n"
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=30)
+    sock.sendall(head.encode() + payload)
+    return sock
+
+
 def stream_completion(url: str, body: dict[str, Any], cut_after: float | None = None) -> Streamed:
     """POST `body` to `url` (…/v1/completions) with `stream` on, over a raw socket, and
     read the answer to its end (or close the connection `cut_after` seconds after the
     send), timing each read."""
-    parts = urlsplit(url)
-    payload = json.dumps(body | {"stream": True}).encode()
-    head = (
-        f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
-    ).encode()
     out = Streamed()
     tic = time.monotonic()
-    with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
-        sock.sendall(head + payload)
+    with post_json(url, body | {"stream": True}) as sock:
         out.read(sock, tic, cut_after)
     return out
 
 
-class _Gateway:
+class Gateway:
     """`moestreamctl serve-openai` on a free port, as its own process."""
 
     def __init__(self, runtime: Path) -> None:
@@ -167,16 +182,17 @@ class _Gateway:
                 env=child_env(),
             )
         deadline = time.monotonic() + 60
-        while (url := self._url()) is None:
+        while (base := self._base()) is None:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the gateway did not start:\n{self.log.read_text()}")
             time.sleep(0.05)
-        self.url = url
+        self.base = base  # http://127.0.0.1:PORT
+        self.url = base + "/v1/completions"
 
-    def _url(self) -> str | None:
+    def _base(self) -> str | None:
         for line in self.log.read_text().splitlines():
             if "OpenAI API on " in line:
-                return line.split("OpenAI API on ", 1)[1].split(" ", 1)[0] + "/completions"
+                return line.split("OpenAI API on ", 1)[1].split(" ", 1)[0].removesuffix("/v1")
         return None
 
     def stop(self) -> None:
@@ -220,7 +236,7 @@ def run_bench_agent(settings: BenchAgentSettings, progress: Callable[[str], None
     # The prompt and its answer within the daemon's context (a setting without a flag).
     context = str(settings.prompt_tokens + settings.max_tokens + 64)
     daemon: DaemonProcess | None = None
-    gateway: _Gateway | None = None
+    gateway: Gateway | None = None
     try:
         say("starting a daemon and a gateway")
         daemon = DaemonProcess.start(
@@ -232,7 +248,7 @@ def run_bench_agent(settings: BenchAgentSettings, progress: Callable[[str], None
             timeout=600.0,
         )
         paths = daemon.paths
-        gateway = _Gateway(runtime)
+        gateway = Gateway(runtime)
         say("warming up with a short request")
         stream_completion(gateway.url, body(prompts[3][:64]))
 

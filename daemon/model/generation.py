@@ -230,7 +230,7 @@ def render_chat(
 
     Raises ValueError when the tokenizer has no chat template or the template refuses
     the messages (e.g. roles that do not alternate)."""
-    from .tool_calls import forced_start
+    from .tool_calls import forced_start, render_call_texts
 
     if not getattr(tokenizer, "has_chat_template", False):
         raise ValueError(
@@ -241,8 +241,19 @@ def render_chat(
     extra: dict[str, Any] = {"tools": list(tools)} if tools and tool_choice != "none" else {}
     if thinking is not None:
         extra["enable_thinking"] = thinking
+
+    def render(chat: list[dict[str, Any]]) -> str:
+        return tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False, **extra)
+
+    # Calls the gateway kept the model's own text of (`ChatMessage.call_texts`).
+    texts = {
+        (i, j): t
+        for i, m in enumerate(messages)
+        for j, t in enumerate(getattr(m, "call_texts", None) or ())
+        if t is not None
+    }
     try:
-        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False, **extra)
+        text = (render_call_texts(tokenizer, chat, texts, render) if texts else None) or render(chat)
     except (TemplateError, ValueError, TypeError, KeyError) as e:
         raise ValueError(f"the model's chat template refused these messages: {type(e).__name__}: {e}") from None
     if tools and tool_choice not in (None, "auto", "none"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -120,6 +121,10 @@ class ToolCallSplitter:
         if calls is None:
             out.append(self.start + body + (self.end if closed else ""))
             return
+        if closed and len(calls) == 1:
+            # The call as the model wrote it: a later turn that resends it is rendered
+            # with this text rather than the template's serialisation (`render_call_texts`).
+            calls[0]["text"] = self.start + body + self.end
         self.calls.extend(calls)
         new.extend(calls)
 
@@ -151,3 +156,53 @@ def splitter_for(tokenizer: Any, tools: Sequence[dict[str, Any]] | None, tool_ch
         tools=tools,
         forced=forced_start(tokenizer, tool_choice),
     )
+
+
+def render_call_texts(
+    tokenizer: Any,
+    chat: list[dict[str, Any]],
+    texts: dict[tuple[int, int], str],
+    render: Callable[[list[dict[str, Any]]], str],
+) -> str | None:
+    """The chat rendered by `render` with each tool call that has a text in `texts`
+    ((message index, call index) -> the call's text as the model wrote it) written as
+    that text in place of the template's serialisation of it: a resent turn then has
+    the tokens the model sampled (its JSON's spacing and key order), and the prompt cache
+    serves every token up to the tool's result.
+
+    The template renders the chat with each such call's name replaced by a marker name;
+    the span from the start marker before it (`tool_call_start`) to the end marker after
+    it is the call, replaced by its text. None where that cannot be done exactly, and the
+    caller renders the template's way: a tokenizer without both markers, a text that is
+    not one whole call between them, a template that writes the name more than once (a
+    tool result's header, say) or not between the markers."""
+    start, end = getattr(tokenizer, "tool_call_start", None), getattr(tokenizer, "tool_call_end", None)
+    if not (start and end) or not all(t.startswith(start) and t.endswith(end) for t in texts.values()):
+        return None
+    nonce = uuid.uuid4().hex[:12]
+    marked = [dict(m) for m in chat]
+    names: dict[str, str] = {}
+    for (i, j), text in texts.items():
+        calls = [dict(c) for c in marked[i]["tool_calls"]]
+        name = f"moestream_call_{nonce}_{i}_{j}"
+        calls[j] = calls[j] | {"function": calls[j]["function"] | {"name": name}}
+        marked[i]["tool_calls"] = calls
+        names[name] = text
+    rendered = render(marked)
+    spans = []
+    for name, text in names.items():
+        at = rendered.find(name)
+        if at < 0 or rendered.find(name, at + 1) >= 0:
+            return None
+        a, b = rendered.rfind(start, 0, at), rendered.find(end, at)
+        if a < 0 or b < 0 or rendered.find(end, a, at) >= 0:
+            return None
+        spans.append((a, b + len(end), text))
+    spans.sort()
+    if any(prev[1] > nxt[0] for prev, nxt in zip(spans, spans[1:])):
+        return None
+    out, pos = [], 0
+    for a, b, text in spans:
+        out += [rendered[pos:a], text]
+        pos = b
+    return "".join(out) + rendered[pos:]
