@@ -14,6 +14,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import huggingface_hub.constants
@@ -200,14 +201,21 @@ def test_a_killed_pull_restarts_without_fetching_finished_files(hub, tiny_repo, 
 
 @pytest.mark.parametrize("arch", ["qwen3", "dbrx"])
 def test_a_repository_that_is_no_moe_model_is_refused_from_its_config(arch, tiny_model, tmp_path):
+    """A dense model, and one whose experts are a module each: refused by `pull` (the
+    command's message, for one) and by `plan`, from config.json alone."""
+    from moestream.daemon.planning.repo import repo_shape
+
+    why = "no MoE layers" if arch == "qwen3" else "one module per expert"
     with FakeHub() as hub:
         hub.add(f"tiny/{arch}", tiny_model(arch, "bf16"))
-        out = ctl("pull", f"tiny/{arch}", env=hub_env(hub, tmp_path), timeout=300)
-        planned = ctl("plan", f"tiny/{arch}", env=hub_env(hub, tmp_path), timeout=300)
-    assert out.returncode == 1 and planned.returncode == 1
-    why = "no MoE layers" if arch == "qwen3" else "one module per expert"
-    assert why in out.stderr and "nothing was downloaded but its config" in out.stderr, out.stderr
-    assert why in planned.stderr, planned.stderr
+        with pytest.raises(StoreError, match=f"tiny/{arch}: .*{why}.*; nothing was downloaded but its config"):
+            pull_model(f"tiny/{arch}", tmp_path / "store", endpoint=hub.url)
+        with pytest.raises(StoreError, match=why):
+            with repo_shape(f"tiny/{arch}", endpoint=hub.url):
+                pass
+        if arch == "qwen3":
+            out = ctl("pull", f"tiny/{arch}", env=hub_env(hub, tmp_path), timeout=300)
+            assert out.returncode == 1 and why in out.stderr and "Traceback" not in out.stderr, out.stderr
     # Neither the weights nor their headers were asked for.
     assert not [r for r in hub.requests if r.file.endswith(".safetensors")]
 
@@ -297,36 +305,104 @@ def q30_hub(hub: FakeHub) -> None:
     hub.add_files(Q30_REPO, files)
 
 
-def test_plan_of_the_q30_repository_for_a_48gb_mac_with_a_6gbs_disk(tmp_path):
-    """Qwen3-30B-A3B at 4 bits on a 48 GB Mac: every expert fits beside the context, and
-    the plan says so from the config and headers alone (the compute probe's figures given:
-    probing this shape takes minutes on a CPU)."""
+def test_plan_of_the_q30_repository_for_a_48gb_mac_with_a_6gbs_disk(tmp_path, monkeypatch):
+    """Qwen3-30B-A3B at 4 bits on a 48 GB Mac with a 6 GiB/s disk: every expert fits beside
+    the context, and the plan says so from the config and headers alone (the compute
+    probe's figures given: probing this shape takes minutes on a CPU)."""
+    from moestream.daemon.planning.plan import fit_to_memory, mac_memory, make_plan, plan_shape
     from moestream.daemon.planning.repo import repo_shape
+    from moestream.shared.settings import Settings
 
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     state = tmp_path / "state" / "moestream"
     with FakeHub() as hub:
         q30_hub(hub)
         with repo_shape(Q30_REPO, endpoint=hub.url) as shape:
-            key = probe_key(shape.manifest.config, shape.dtype)
             assert shape.dtype == "bfloat16" and len(shape.manifest.layers) == 48
-        # 0.5 ms a layer and 2 ms of embeddings and head per token, as a GPU might take.
-        save_compute(
-            state, key, ComputeProbe((4, 16), (0.004, 0.010), (4e-4, 1e-3), (0.0045, 0.012), "gpu", "bfloat16")
+            # 0.5 ms a layer and 2 ms of embeddings and head per token, as a GPU might take.
+            probe = ComputeProbe((4, 16), (0.004, 0.010), (4e-4, 1e-3), (0.0045, 0.012), "gpu", "bfloat16")
+            save_compute(state, probe_key(shape.manifest.config, shape.dtype), probe)
+            save_bandwidths(state, Bandwidths(3e9, 1e11, "host memcpy", "given"))
+            got = plan_shape(shape, Settings(), probe=False, memory=mac_memory(48 << 30), disk_bandwidth=6 << 30)
+        out = ctl(
+            "plan", Q30_REPO, "--memory", "48G", "--disk-bandwidth", "6G", "--no-probe", env=hub_env(hub, tmp_path)
         )
-        save_bandwidths(state, Bandwidths(3e9, 1e11, "host memcpy", "given"))
-        env = hub_env(hub, tmp_path)
-        out = ctl("plan", Q30_REPO, "--memory", "48G", "--disk-bandwidth", "6G", "--no-probe", env=env, timeout=600)
         assert out.returncode == 0, out.stderr
-        got = plan_json(Q30_REPO, "--memory", "48G", "--disk-bandwidth", "6G", "--no-probe", env=env)
         assert not [r for r in hub.requests if r.file.endswith(".safetensors") and not r.range]
     print(out.stdout)
     lines = out.stdout.splitlines()
     assert lines[0].startswith(f"{Q30_REPO} at ") and "qwen3_moe, 48 MoE layers x 128 experts (top-8" in lines[0]
     assert "store      16.0 GiB on disk" in out.stdout and "a 48.0 GiB Mac's GPU share" in out.stdout
-    assert "disk 6.0 GiB/s" in out.stdout and "decode " in out.stdout and "TTFT " in out.stdout
-    # 48 layers x 128 experts, each 3 projections of 768 x 2048 at 4 bits with bf16 scales and biases.
-    expert = 3 * (768 * 2048 // 2 + 2 * 768 * 2048 // 64 * 2)
-    assert got["expert_bytes"] == expert and got["slots_per_layer"] == 128
-    assert got["context"]["tokens"] == 40960 and got["decode"]["bound_by"] == "compute"
-    assert got["decode"]["tokens_per_s"] == pytest.approx(1 / (0.004 + 44 * 0.0005))
-    assert 16 * 2**30 < got["store_bytes"] < 17 * 2**30
+    assert "disk 6.0 GiB/s" in out.stdout and "decode     38.5 tok/s" in out.stdout and "TTFT " in out.stdout
+    # Each expert: 3 projections of 768 x 2048 at 4 bits, with bf16 scales and biases per 64.
+    assert got.expert_bytes == 3 * (768 * 2048 // 2 + 2 * 768 * 2048 // 64 * 2) and got.slots_per_layer == 128
+    assert got.context.tokens == 40960 and got.decode.bound_by == "compute" and got.fitted_to is None
+    assert got.decode.tokens_per_s == pytest.approx(1 / (0.004 + 44 * 0.0005))
+    assert 16 * 2**30 < got.store_bytes < 17 * 2**30
+    # A 16 GB Mac holds a share of the experts: the pool is sized to fit it, and the plan says how.
+    fitted, why = fit_to_memory(shape, Settings(), mac_memory(16 << 30))
+    small = make_plan(shape, fitted, Bandwidths(6 << 30, 1e11, "given", "given"), probe, {}, "uniform")
+    assert 8 <= small.slots_per_layer < 128 and "16.0 GiB Mac" in why
+    assert small.decode.terms_s["disk"] > 0 and small.decode.tokens_per_s < got.decode.tokens_per_s
+
+
+def hf_layout(model: Path, folder: Path) -> Path:
+    """`model` (an unquantized qwen3_moe in mlx layout) in the Hugging Face layout: one
+    module per expert (`mlp.experts.E.gate_proj.weight`), which mlx-lm's sanitize stacks."""
+    import mlx.core as mx
+
+    shutil.copytree(model, folder)
+    for path in sorted(folder.glob("model*.safetensors")):
+        weights = mx.load(str(path))
+        out = {}
+        for name, a in weights.items():
+            if ".mlp.switch_mlp." in name:
+                for e in range(a.shape[0]):
+                    out[name.replace(".switch_mlp.", f".experts.{e}.")] = a[e]
+            else:
+                out[name] = a
+        mx.save_safetensors(str(path), out, metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"] = {k: p.name for p in sorted(folder.glob("model*.safetensors")) for k in mx.load(str(p))}
+    index.write_text(json.dumps(data))
+    return folder
+
+
+def test_a_model_that_sanitize_restacks_is_converted_whole_once_downloaded(tiny_model, tmp_path, capsys):
+    """Per-expert tensors in the Hugging Face layout are stacked by mlx-lm's sanitize, so
+    no downloaded tensor is a stacked expert tensor to place: the pull downloads the whole
+    model and converts it at the end, and says so; the store is still `convert`'s."""
+    folder = hf_layout(tiny_model("qwen3_moe", "bf16", shards=3), tmp_path / "hf")
+    converted = tmp_path / "converted"
+    convert_model(folder, converted)
+    with FakeHub() as hub:
+        hub.add(REPO, folder)
+        pull_model(REPO, tmp_path / "store", endpoint=hub.url)
+    assert "converted once downloaded whole" in capsys.readouterr().err
+    assert "switch_mlp" in json.loads((converted / MANIFEST_NAME).read_text())["moe_layers"][0]["module_path"]
+    assert_same_store(tmp_path / "store", converted)
+    assert not (tmp_path / "store" / PULL_DIR).exists()
+
+
+def test_start_with_a_repository_pulls_it_then_serves_it(hub, tmp_path):
+    """`start --model OWNER/NAME`: the store is pulled where `pull` puts it, then served;
+    started again, it is not fetched again."""
+    env = hub_env(hub, tmp_path)
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="mspull-"))
+    try:
+        out = ctl("start", "--model", REPO, "--runtime-dir", str(rt), env=env, timeout=300)
+        assert out.returncode == 0, out.stderr
+        store = default_store_dir(REPO, env=env)
+        assert f"{REPO} at " in out.stderr and f"model {store}" in out.stderr
+        said = ctl("generate", "--runtime-dir", str(rt), "--max-tokens", "4", "--temp", "0", "hello", env=env)
+        assert said.returncode == 0, said.stderr
+        assert ctl("stop", "--runtime-dir", str(rt), env=env).returncode == 0
+        before = len(hub.requests)
+        again = ctl("start", "--model", REPO, "--runtime-dir", str(rt), env=env, timeout=300)
+        assert again.returncode == 0 and len(hub.requests) == before, again.stderr
+    finally:
+        ctl("stop", "--runtime-dir", str(rt), env=env)
+        shutil.rmtree(rt, ignore_errors=True)
+    missing = ctl("start", "--model", "tiny/none", "--runtime-dir", str(rt), env=env)
+    assert missing.returncode == 1 and "no such folder here, and pulling it failed" in missing.stderr

@@ -118,7 +118,7 @@ def start_daemon(
     """
     if settings.model is None:
         raise click.UsageError(
-            "give --model STORE (an expert store made by `moestreamctl convert`), or set MOESTREAM_MODEL"
+            "give --model STORE (an expert store made by `moestreamctl pull` or `convert`), or set MOESTREAM_MODEL"
         )
     store_option(settings.model)  # a wrong folder fails here, not in the daemon's log
     given = absolute_paths(given)
@@ -341,7 +341,7 @@ def start(given, timeout, foreground, log_to_stderr) -> None:
             )
         if settings.model is None:
             raise click.UsageError(
-                "give --model STORE (an expert store made by `moestreamctl convert`), or set MOESTREAM_MODEL"
+                "give --model STORE (an expert store made by `moestreamctl pull` or `convert`), or set MOESTREAM_MODEL"
             )
         store_option(settings.model)  # a wrong folder fails here, not in the daemon's log
         from ...daemon.main import run_daemon

@@ -783,7 +783,7 @@ def plan_shape(
     manifest = shape.manifest
     state = default_state_dir(os.environ)
     memory = memory or device_memory()
-    settings, fitted = _fit_to(shape, settings, memory)
+    settings, fitted = fit_to_memory(shape, settings, memory)
     bandwidths = _bandwidths(shape, settings, state, probe, disk_bandwidth, say)
     dtype = shape.dtype
     key_id = probe_key(manifest.config, dtype)
@@ -822,7 +822,7 @@ def plan_shape(
     return plan
 
 
-def _fit_to(shape: StoreShape, settings: Settings, memory: tuple[int, str]) -> tuple[Settings, str | None]:
+def fit_to_memory(shape: StoreShape, settings: Settings, memory: tuple[int, str]) -> tuple[Settings, str | None]:
     """`settings` with the pool sized to fit `memory` where neither a capacity nor a
     budget is given and every expert does not fit (else as they are), and that memory as
     `start --memory-budget` takes it (None where nothing was fitted)."""

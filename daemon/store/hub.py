@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, TextIO
+from urllib.parse import urlparse
 
 from ...shared.settings import format_size
 from ...shared.store_format import StoreError
@@ -256,12 +257,14 @@ def fetch_file(
                 part.unlink()
                 on_bytes(-have)
                 have = 0
+            # The token goes to the hub, not to a storage host it sends the download to.
+            on_hub = urlparse(meta.location).netloc == urlparse(url).netloc
             with open(part, "ab") as out:
                 http_get(
                     meta.location,
                     out,
                     resume_size=have,
-                    headers=build_hf_headers(),
+                    headers=build_hf_headers() if on_hub else build_hf_headers(token=False),
                     expected_size=f.size,
                     tqdm_class=functools.partial(_Bytes, on_bytes),  # type: ignore[arg-type]
                 )
