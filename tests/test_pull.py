@@ -244,6 +244,19 @@ def test_a_missing_repository_or_revision_says_so(hub, tmp_path):
     assert (tmp_path / "c" / "notes.txt").read_text() == "mine"
 
 
+def test_a_second_pull_into_the_same_folder_is_refused_while_the_first_runs(hub, tmp_path):
+    import fcntl
+
+    work = tmp_path / "store" / PULL_DIR
+    work.mkdir(parents=True)
+    with open(work / "lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as a running pull holds it
+        with pytest.raises(StoreError, match="another pull into .* is running"):
+            pull_model(REPO, tmp_path / "store", endpoint=hub.url)
+    pull_model(REPO, tmp_path / "store", endpoint=hub.url)  # the lock dropped: it goes ahead
+    assert (tmp_path / "store" / MANIFEST_NAME).is_file()
+
+
 def test_keep_source_keeps_the_downloaded_folder_beside_the_store(hub, tiny_repo, tmp_path):
     out = tmp_path / "store"
     pull_model(REPO, out, endpoint=hub.url, keep_source=True)

@@ -37,6 +37,14 @@ The forecast is a sum of times per token, each measured apart from the model:
   the rate of many reads in flight (tests/bench/RESULTS.md, "The H200 table with the
   probe first").
 
+A plan reads a store through its `StoreShape` (manifest, file sizes, resident dtype):
+of a store on disk, or of a hub repository before its pull (daemon/planning/repo.py: the
+store `pull` would write, laid out from the config and weight headers), so `plan OWNER/NAME`
+and `plan --model STORE` after the pull are one computation. The compute and pool probes
+are kept by the config and dtype they time (`probe_key`), which a store and its repository
+share. With no --capacity or --memory-budget the pool is sized to fit the machine's memory
+(this one's, or `--memory` of another Mac's) where every expert does not (`fit_to_memory`).
+
 The bound beside each forecast is the same sum without the pool's host work (the
 `bench decode` bound), with the term that dominates it named. The time to first token of
 a 2k-token prompt is the probe's prefill time per token, plus the bytes of every expert
@@ -115,9 +123,10 @@ class Bandwidths:
         return asdict(self)
 
 
-def probe_bandwidths(shape: StoreShape, threads: int) -> Bandwidths:
+def probe_bandwidths(store: Path | StoreShape, threads: int) -> Bandwidths:
     """The store's reads (where it is yet to be pulled: a scratch file of its first
     layer's experts where it will be, `bandwidth.scratch_layer`) and the link."""
+    shape = store if isinstance(store, StoreShape) else StoreShape.of_store(store)
     from contextlib import nullcontext
 
     from .bandwidth import (

@@ -43,6 +43,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from ...shared.durable import fsync_dir, sync_fd
+from ...shared.file_lock import lock_exclusive
 from ...shared.settings import format_size
 from ...shared.store_format import (
     EXPERTS_DIR,
@@ -84,6 +85,7 @@ from .source import MAX_HEADER_BYTES, tokenizer_files
 PULL_DIR = ".pull"
 SOURCE_DIR = "source"
 STATE_NAME = "state.json"
+LOCK_NAME = "lock"
 HEADERS_NAME = "headers.json"
 _COPY_CHUNK = 64 << 20
 
@@ -380,7 +382,7 @@ def _check_out(out: Path, repo_id: str, state: PullState | None) -> Manifest | N
         raise StoreError(f"{out} already holds an expert store (not of {repo_id}); choose another --out")
     if state is not None and state.repo_id != repo_id:
         raise StoreError(f"{out} holds an unfinished pull of {state.repo_id}; choose another --out, or remove it")
-    if state is None and out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if state is None and out.exists() and (not out.is_dir() or any(p.name != PULL_DIR for p in out.iterdir())):
         raise StoreError(
             f"{out} exists, is not empty and is no pull in progress; choose another --out (nothing was changed)"
         )
@@ -407,10 +409,36 @@ def pull_model(
     something else."""
     out = Path(out_dir or default_store_dir(repo_id, revision)).expanduser().absolute()
     work = out / PULL_DIR
-    state = PullState.load(work) if work.is_dir() else None
-    done_store = _check_out(out, repo_id, state)
+    done_store = _check_out(out, repo_id, PullState.load(work) if work.is_dir() else None)
     if done_store is not None:
         return done_store
+    work.mkdir(parents=True, exist_ok=True)
+    lock = os.open(work / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        if not lock_exclusive(lock, 0):
+            raise StoreError(f"another pull into {out} is running: wait for it (or stop it) and pull again")
+        state = PullState.load(work)
+        done_store = _check_out(out, repo_id, state)  # what another pull left, now that it is done
+        if done_store is not None:
+            return done_store
+        return _pull(repo_id, out, state, revision, keep_source, endpoint, on_event, progress, disk_free)
+    finally:
+        os.close(lock)
+
+
+def _pull(
+    repo_id: str,
+    out: Path,
+    state: PullState | None,
+    revision: str | None,
+    keep_source: bool,
+    endpoint: str | None,
+    on_event: Callable[[PullEvent], None] | None,
+    progress: Progress | None,
+    disk_free: Callable[[Path], int],
+) -> Manifest:
+    """`pull_model`'s work, in `out` that no other pull writes."""
+    work = out / PULL_DIR
     listing = list_repo(repo_id, revision or (state.commit if state else None), endpoint)
     if state is not None and listing.commit != state.commit:
         raise StoreError(
