@@ -844,7 +844,8 @@ def fit_to_memory(shape: StoreShape, settings: Settings, memory: tuple[int, str]
         raise PoolCapacityError(f"this model does not fit in {memory[1]}: {e}") from None
     if slots >= max(layer.num_experts for layer in shape.manifest.layers):
         return settings, None
-    return fit, f"{format_size(memory[0])} ({memory[1]})"
+    flag = f"{memory[0] / 2**30:.4g}G" if memory[0] >= 2**30 else f"{memory[0] // 2**20}M"
+    return fit, f"{format_size(memory[0])} ({memory[1]}): `start --memory-budget {flag}`"
 
 
 def _bandwidths(
@@ -929,7 +930,7 @@ def format_plan(p: Plan) -> str:
             f"  resident   {format_size(p.resident_bytes)} of weights that stay in memory",
             f"  pool       {p.slots_per_layer} slots per layer, {format_size(p.pool_bytes)}"
             + (f"; host tier {format_size(p.host_cache_bytes)}" if p.host_cache_bytes else "")
-            + (f"; sized to fit {p.fitted_to}: start with --memory-budget for it" if p.fitted_to else ""),
+            + (f"; sized to fit {p.fitted_to}" if p.fitted_to else ""),
             f"  KV cache   {format_size(p.kv_bytes_per_1k_tokens)} per 1k tokens of context",
         ]
         + ([f"  context    {_context_text(p.context)}"] if p.context is not None else [])
