@@ -399,7 +399,8 @@ class Settings:
         kind="path",
         scope=_BOTH,
         shown_default="the built-in demo model",
-        help="Expert store (made by `moestreamctl convert`); `demo`: the built-in demo model.",
+        help="Expert store (made by `moestreamctl pull` or `convert`), or a Hugging Face repository OWNER/NAME "
+        "(`start` pulls it where it is missing); `demo`: the built-in demo model.",
     )
     capacity: float | int | None = setting(
         None,

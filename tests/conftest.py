@@ -18,7 +18,16 @@ import pytest
 from moestream.shared.kernel_cache import default_kernel_cache_dir
 from moestream.shared.settings import default_config_file, default_state_dir
 
-_ISOLATED = ("HOME", "XDG_STATE_HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_RUNTIME_DIR")
+# XDG_DATA_HOME: where `pull` keeps stores; HF_HOME: huggingface_hub's cache and token.
+_ISOLATED = (
+    "HOME",
+    "XDG_STATE_HOME",
+    "XDG_CACHE_HOME",
+    "XDG_CONFIG_HOME",
+    "XDG_RUNTIME_DIR",
+    "XDG_DATA_HOME",
+    "HF_HOME",
+)
 _HOME = pytest.StashKey[Path]()
 _USERS = pytest.StashKey[tuple[list[Path], dict[str, tuple[int, int]]]]()
 

@@ -1,7 +1,8 @@
 """The README followed as a new user would, in a home folder of its own: the "A real model"
-steps on a converted tiny model (its download line aside: no network here), and every
-Python example of the APIs section run as written against the demo model behind the
-gateway (only the address changed), each answering in words, not in tool-call markup."""
+steps on a tiny model served by a local hub (tests/hub_server.py: no network here) under
+the README's repository name, and every Python example of the APIs section run as written
+against the demo model behind the gateway (only the address changed), each answering in
+words, not in tool-call markup."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from daemon_cli import clean_env, ctl
+from hub_server import FakeHub
 from test_openai_gateway import Gateway
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,28 +29,37 @@ def _blocks(language: str, start: str, end: str) -> list[str]:
 
 
 def test_the_real_model_steps_end_in_an_answer(tiny_model, tmp_path):
-    """convert, start, then a plain `generate` with no --model: the daemon's store answers
+    """plan, pull, start, then a plain `generate` with no --model: the daemon's store answers
     (it was refused once, the built-in demo standing in for the user's choice)."""
     (block,) = _blocks("bash", "## A real model", "## Where it runs")
     lines = [line for line in block.splitlines() if line.startswith("moestreamctl ")]
-    assert [shlex.split(line)[1] for line in lines] == ["convert", "start", "generate"]
+    assert [shlex.split(line)[1] for line in lines] == ["plan", "pull", "start", "generate"]
+    repo = shlex.split(lines[1])[2]
     home = tmp_path / "home"
-    models = home / "models"
-    models.mkdir(parents=True)
-    shutil.copytree(tiny_model("qwen3_moe"), models / "qwen3-30b")
+    home.mkdir()
     rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msrm"))
-    env = clean_env(HOME=str(home), MOESTREAM_RUNTIME_DIR=str(rt))
-    try:
-        for line in lines:
-            args = [a.replace("~", str(home)) for a in shlex.split(line)[1:]]
-            if args[0] == "generate":
-                args += ["--max-tokens", "4"]
-            out = ctl(*args, env=env, timeout=300)
-            assert out.returncode == 0, f"{line}\n{out.stderr}"
-        assert out.stdout.strip(), "generate printed no text"
-    finally:
-        ctl("stop", env=env)
-        shutil.rmtree(rt)
+    with FakeHub() as hub:
+        hub.add(repo, tiny_model("qwen3_moe", shards=2))
+        env = clean_env(
+            HOME=str(home),
+            MOESTREAM_RUNTIME_DIR=str(rt),
+            HF_ENDPOINT=hub.url,
+            HF_HOME=str(home / "hf"),
+            XDG_DATA_HOME=str(home / "data"),
+            XDG_STATE_HOME=str(home / "state"),
+        )
+        try:
+            for line in lines:
+                args = shlex.split(line)[1:]
+                if args[0] == "generate":
+                    args += ["--max-tokens", "4"]
+                out = ctl(*args, env=env, timeout=300)
+                assert out.returncode == 0, f"{line}\n{out.stderr}"
+            assert out.stdout.strip(), "generate printed no text"
+        finally:
+            ctl("stop", env=env)
+            shutil.rmtree(rt)
+    assert (home / "data" / "moestream" / "stores" / repo.replace("/", "--") / "manifest.json").is_file()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from ... import __version__
-from . import convert, daemon, dashboard, generate, heatmap, plan, serve_openai, service
+from . import convert, daemon, dashboard, generate, heatmap, plan, pull, serve_openai, service
 from .bench import bench
 
 
@@ -21,6 +21,7 @@ def main() -> None:
 
 
 main.add_command(convert.convert)
+main.add_command(pull.pull)
 main.add_command(generate.generate)
 main.add_command(plan.plan)
 main.add_command(bench)

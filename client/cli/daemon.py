@@ -118,7 +118,7 @@ def start_daemon(
     """
     if settings.model is None:
         raise click.UsageError(
-            "give --model STORE (an expert store made by `moestreamctl convert`), or set MOESTREAM_MODEL"
+            "give --model STORE (an expert store made by `moestreamctl pull` or `convert`), or set MOESTREAM_MODEL"
         )
     store_option(settings.model)  # a wrong folder fails here, not in the daemon's log
     given = absolute_paths(given)
@@ -324,8 +324,12 @@ def _start_options(f):
     "service turns it off, since nothing rotates its stderr file).",
 )
 def start(given, timeout, foreground, log_to_stderr) -> None:
-    """Start the daemon: it loads the model once and serves every client."""
-    settings = resolve_settings(given)
+    """Start the daemon: it loads the model once and serves every client.
+
+    A --model of the form OWNER/NAME that is no folder here is a Hugging Face
+    repository: its store (where `moestreamctl pull` puts it) is pulled first where it
+    is missing, with the pull's progress, and then served."""
+    settings = _pulled(resolve_settings(given), given)
     note = capacity_note(settings)
     if note:
         click.echo(f"note: {note}", err=True)
@@ -337,7 +341,7 @@ def start(given, timeout, foreground, log_to_stderr) -> None:
             )
         if settings.model is None:
             raise click.UsageError(
-                "give --model STORE (an expert store made by `moestreamctl convert`), or set MOESTREAM_MODEL"
+                "give --model STORE (an expert store made by `moestreamctl pull` or `convert`), or set MOESTREAM_MODEL"
             )
         store_option(settings.model)  # a wrong folder fails here, not in the daemon's log
         from ...daemon.main import run_daemon
@@ -385,11 +389,27 @@ def restart(given, timeout) -> None:
         if given.get("model") == running.get("settings", {}).get("model"):
             given["model"] = _served_store_now(running)
         stop_daemon(paths, timeout=30.0)
-    settings = resolve_settings(given)
+    settings = _pulled(resolve_settings(given), given)
     note = capacity_note(settings)
     if note:
         click.echo(f"note: {note}", err=True)
     start_daemon(settings, given, timeout=timeout)
+
+
+def _pulled(settings: Settings, given: dict[str, Any]) -> Settings:
+    """`settings` with a model named as a hub repository (OWNER/NAME, no such folder here)
+    replaced by its store, pulled first where it is not there yet (`moestreamctl pull`)."""
+    from ...daemon.store.hub import is_repo_id
+
+    if not is_repo_id(settings.model):
+        return settings
+    from .pull import pull_store
+
+    try:
+        given["model"] = str(pull_store(str(settings.model)))
+    except click.ClickException as e:
+        raise click.ClickException(f"--model {settings.model}: no such folder here, and pulling it failed: {e}")
+    return resolve_settings(given)
 
 
 def _served_store_now(running: dict[str, Any]) -> str | None:

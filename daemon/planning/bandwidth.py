@@ -6,15 +6,18 @@ from __future__ import annotations
 import os
 import random
 import statistics
+import tempfile
 import time
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from ..._native import ReadEngine
 from ...shared.settings import format_size
-from ...shared.store_format import load_manifest
+from ...shared.store_format import MoELayer, load_manifest
 from ..pool.admission import cuda_copier
 
 
@@ -38,15 +41,18 @@ def format_read_and_link(
     )
 
 
-def measure_read_bandwidth(store: Path, threads: int, samples: int = 128, seed: int = 0) -> float:
-    """Bytes/s of random whole-expert reads through the engine (direct I/O)."""
-    manifest = load_manifest(store)
+def measure_read_bandwidth(
+    store: Path, threads: int, samples: int = 128, seed: int = 0, layers: Sequence[MoELayer] | None = None
+) -> float:
+    """Bytes/s of random whole-expert reads through the engine (direct I/O), of the
+    store's `layers` (default: its manifest's)."""
+    layers = layers or load_manifest(store).layers
     rng = random.Random(seed)
     with ReadEngine(threads=threads, direct=True) as engine:
-        fids = {layer.file: engine.open(str(store / layer.file)) for layer in manifest.layers}
+        fids = {layer.file: engine.open(str(store / layer.file)) for layer in layers}
         batch = []
         for _ in range(samples):
-            layer = rng.choice(manifest.layers)
+            layer = rng.choice(layers)
             e = layer.experts[rng.randrange(layer.num_experts)]
             batch.append((fids[layer.file], e.offset, e.length, [], None))
         tic = time.perf_counter()
@@ -65,22 +71,27 @@ LAYER_READ_BATCHES = (1, 2, 4, 8, 16)
 
 
 def measure_layer_reads(
-    store: Path, threads: int, batches: tuple[int, ...] = LAYER_READ_BATCHES, reads: int = 32, seed: int = 0
+    store: Path,
+    threads: int,
+    batches: tuple[int, ...] = LAYER_READ_BATCHES,
+    reads: int = 32,
+    seed: int = 0,
+    layers: Sequence[MoELayer] | None = None,
 ) -> dict[int, float]:
     """{batch: bytes/s} of reads as a decode step makes them: `batch` distinct experts of
     one random layer submitted together, waited for, then the next batch (at least
     `reads` experts and 4 batches per size). A few reads in flight keep a disk far from
     the rate of many (`measure_read_bandwidth`): each batch pays the latency of its
     slowest read, and nothing overlaps the next layer's reads with it."""
-    manifest = load_manifest(store)
+    layers = layers or load_manifest(store).layers
     rng = random.Random(seed)
     out: dict[int, float] = {}
     with ReadEngine(threads=threads, direct=True) as engine:
-        fids = {layer.file: engine.open(str(store / layer.file)) for layer in manifest.layers}
+        fids = {layer.file: engine.open(str(store / layer.file)) for layer in layers}
         for batch in batches:
             nbytes, seconds = 0, 0.0
             for _ in range(max(4, -(-reads // batch))):
-                layer = rng.choice(manifest.layers)
+                layer = rng.choice(layers)
                 picked = rng.sample(range(layer.num_experts), min(batch, layer.num_experts))
                 experts = [layer.experts[e] for e in picked]
                 requests = [(fids[layer.file], e.offset, e.length, [], None) for e in experts]
@@ -93,6 +104,32 @@ def measure_layer_reads(
                 nbytes += sum(c.nbytes for c in done)
             out[batch] = nbytes / seconds
     return out
+
+
+# A scratch layer's size at most: enough experts that random reads of them are the disk's.
+SCRATCH_BYTES = 512 << 20
+
+
+@contextmanager
+def scratch_layer(near: Path, layer: MoELayer) -> Iterator[tuple[Path, list[MoELayer]]]:
+    """A file of `layer`'s expert blocks (random bytes; as many as SCRATCH_BYTES hold, at
+    least 16) on the disk of `near` (its nearest folder that exists), synced, for the read
+    probes of a store not yet pulled there; (its folder, [the layer]), removed after."""
+    folder = near
+    while not folder.is_dir():
+        folder = folder.parent
+    count = min(layer.num_experts, max(16, SCRATCH_BYTES // layer.stride))
+    scratch = replace(layer, num_experts=count, experts=layer.experts[:count])
+    with tempfile.TemporaryDirectory(prefix=".moestream-disk-probe-", dir=folder) as tmp:
+        path = Path(tmp) / layer.file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        block = np.random.default_rng(0).integers(0, 256, layer.stride, dtype=np.uint8).tobytes()
+        with open(path, "wb") as f:
+            for _ in range(count):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        yield Path(tmp), [scratch]
 
 
 def page_cache_reason(store: Path) -> str | None:

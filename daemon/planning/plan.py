@@ -37,6 +37,14 @@ The forecast is a sum of times per token, each measured apart from the model:
   the rate of many reads in flight (tests/bench/RESULTS.md, "The H200 table with the
   probe first").
 
+A plan reads a store through its `StoreShape` (manifest, file sizes, resident dtype):
+of a store on disk, or of a hub repository before its pull (daemon/planning/repo.py: the
+store `pull` would write, laid out from the config and weight headers), so `plan OWNER/NAME`
+and `plan --model STORE` after the pull are one computation. The compute and pool probes
+are kept by the config and dtype they time (`probe_key`), which a store and its repository
+share. With no --capacity or --memory-budget the pool is sized to fit the machine's memory
+(this one's, or `--memory` of another Mac's) where every expert does not (`fit_to_memory`).
+
 The bound beside each forecast is the same sum without the pool's host work (the
 `bench decode` bound), with the term that dominates it named. The time to first token of
 a 2k-token prompt is the probe's prefill time per token, plus the bytes of every expert
@@ -45,20 +53,23 @@ the prompt routes that the pool lacks (a layer-major prefill brings each in once
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import statistics
+import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ...shared.heat_file import group_usage, peek_usage, read_usage, usage_path
 from ...shared.settings import Settings, format_size
-from ...shared.store_format import POOL_REUSE_NAME, Manifest, load_manifest
+from ...shared.store_format import MANIFEST_NAME, POOL_REUSE_NAME, Manifest, load_manifest
 from ..pool.capacity import (
     ContextLimit,
+    PoolCapacityError,
     context_limit,
     device_memory,
     kv_cache_bytes,
@@ -112,17 +123,28 @@ class Bandwidths:
         return asdict(self)
 
 
-def probe_bandwidths(store: Path, threads: int) -> Bandwidths:
+def probe_bandwidths(store: Path | StoreShape, threads: int) -> Bandwidths:
+    """The store's reads (where it is yet to be pulled: a scratch file of its first
+    layer's experts where it will be, `bandwidth.scratch_layer`) and the link."""
+    shape = store if isinstance(store, StoreShape) else StoreShape.of_store(store)
+    from contextlib import nullcontext
+
     from .bandwidth import (
         measure_layer_reads,
         measure_link_bandwidth,
         measure_read_bandwidth,
+        scratch_layer,
         settle_writes,
     )
 
-    settle_writes()
-    read = measure_read_bandwidth(store, threads, samples=64)
-    layer_reads = measure_layer_reads(store, threads)
+    where = shape.store
+    made = nullcontext((where, list(shape.manifest.layers)))
+    if where is None:
+        made = scratch_layer(shape.disk_dir or Path(tempfile.gettempdir()), shape.manifest.layers[0])
+    with made as (folder, layers):
+        settle_writes()
+        read = measure_read_bandwidth(folder, threads, samples=64, layers=layers)
+        layer_reads = measure_layer_reads(folder, threads, layers=layers)
     link, kind, _ = measure_link_bandwidth()
     return Bandwidths(read, link, kind, "probed now", layer_reads)
 
@@ -152,6 +174,45 @@ def load_bandwidths(folder: Path) -> Bandwidths | None:
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+@dataclass(frozen=True)
+class StoreShape:
+    """What a plan reads of a store: its manifest, the bytes of its files, the dtype of
+    its resident weights; from a store on disk (`of_store`), or from a hub repository
+    before any of its weights is downloaded (daemon/planning/repo.py: its config and
+    weight headers laid out as `pull` would write the store)."""
+
+    name: str
+    manifest: Manifest
+    resident_bytes: int
+    store_bytes: int  # every file of the store but its manifest
+    dtype: str  # most of the resident weights' (`dominant_dtype`)
+    tokenizer_dir: Path  # holds the tokenizer files the manifest names (the pool probe loads them)
+    store: Path | None = None  # the store's folder (its heat, its reads); None before a pull
+    disk_dir: Path | None = None  # where its reads would come from (a store's folder, or where a pull puts it)
+
+    @classmethod
+    def of_store(cls, store: Path) -> StoreShape:
+        manifest = load_manifest(store)
+        files = [f for f in store.rglob("*") if f.is_file() and f.name != MANIFEST_NAME]
+        return cls(
+            name=str(store),
+            manifest=manifest,
+            resident_bytes=sum((store / f).stat().st_size for f in manifest.resident_files),
+            store_bytes=sum(f.stat().st_size for f in files),
+            dtype=resident_dtype(store, manifest),
+            tokenizer_dir=store,
+            store=store,
+            disk_dir=store,
+        )
+
+
+def probe_key(config: Mapping[str, Any], dtype: str) -> str:
+    """The compute and pool probes' key: they time random models of the config in the
+    dtype, so one store, its copies and `plan REPO_ID` before its pull share them."""
+    text = json.dumps(config, sort_keys=True, default=str) + dtype
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 @dataclass(frozen=True)
@@ -479,6 +540,12 @@ class Plan:
     hit_curve: dict[float, float] = field(default_factory=dict)
     # A request's context and the memory left for KV caches (the daemon's `status` says the same).
     context: ContextLimit | None = None
+    # Every file of the store but its manifest, and its experts' files.
+    store_bytes: int = 0
+    expert_file_bytes: int = 0
+    # Where the pool was sized to fit a machine's memory (no --capacity or --memory-budget
+    # given, and every expert does not fit): that memory, as `start --memory-budget` takes it.
+    fitted_to: str | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -507,9 +574,9 @@ def _bound(terms: Mapping[str, float]) -> str:
     return max(("compute", "disk", "link"), key=lambda k: terms.get(k, 0.0))
 
 
-def _pool_slots(store: Path, manifest: Manifest, settings: Settings) -> tuple[int, int]:
+def _pool_slots(shape: StoreShape, settings: Settings) -> tuple[int, int]:
     """(resident bytes, pool slots per layer) as the daemon sizes them."""
-    resident = sum((store / f).stat().st_size for f in manifest.resident_files)
+    manifest, resident = shape.manifest, shape.resident_bytes
     slots = plan_capacity(
         manifest,
         capacity=settings.capacity,
@@ -523,7 +590,7 @@ def _pool_slots(store: Path, manifest: Manifest, settings: Settings) -> tuple[in
 
 
 def make_plan(
-    store: Path,
+    store: Path | StoreShape,
     settings: Settings,
     bandwidths: Bandwidths,
     compute: ComputeProbe,
@@ -545,10 +612,12 @@ def make_plan(
     routing back once per token, not once per layer (no sync term). `pool`: the pool
     probe of this configuration (daemon/pool_probe.py), whose host time per MoE layer
     then stands for the sync term; None: the sync term alone. `reuse`: the LRU stack
-    distances (`heat_reuse`), used where the pool's policy is LRU or the pool is mapped."""
-    manifest = load_manifest(store)
+    distances (`heat_reuse`), used where the pool's policy is LRU or the pool is mapped.
+    `store`: a store's folder, or the shape of one (`StoreShape`)."""
+    shape = store if isinstance(store, StoreShape) else StoreShape.of_store(store)
+    manifest = shape.manifest
     k = top_k_of(manifest.config)
-    resident, slots = _pool_slots(store, manifest, settings)
+    resident, slots = _pool_slots(shape, settings)
     expert = max(layer.expert_bytes for layer in manifest.layers)
     pool_bytes = sum(min(slots, layer.num_experts) * layer.expert_bytes for layer in manifest.layers)
     tier_experts = settings.host_cache // expert if expert else 0
@@ -601,7 +670,7 @@ def make_plan(
         terms_s=pterms,
     )
     return Plan(
-        store=str(store),
+        store=shape.name,
         model_type=manifest.model_type,
         moe_layers=len(manifest.layers),
         experts_per_layer=max(layer.num_experts for layer in manifest.layers),
@@ -620,6 +689,10 @@ def make_plan(
         mapped=mapped,
         pool_probe=pool if partial else None,
         hit_curve=hit_curve(manifest, reuse) if reuse else {},
+        store_bytes=shape.store_bytes,
+        expert_file_bytes=sum(
+            layer.stride * sum(map(manifest.holds, range(layer.num_experts))) for layer in manifest.layers
+        ),
         context=context_limit(
             manifest.config,
             settings.max_context,
@@ -676,45 +749,73 @@ def load_pool_probes(folder: Path, store_id: str) -> dict[tuple[float, bool], Po
     return {(p.capacity, p.mapped): p for p in probes}
 
 
-def _pool_share(store: Path, manifest: Manifest, settings: Settings) -> float:
+def _pool_share(shape: StoreShape, settings: Settings) -> float:
     """The planned pool's slots as a share of a layer's experts."""
-    _, slots = _pool_slots(store, manifest, settings)
-    return slots / max(layer.num_experts for layer in manifest.layers)
+    _, slots = _pool_slots(shape, settings)
+    return slots / max(layer.num_experts for layer in shape.manifest.layers)
 
 
-def plan_store(
-    store: Path, settings: Settings, *, probe: bool = True, progress: Callable[[str], None] | None = None
+def plan_store(store: Path, settings: Settings, **options: Any) -> Plan:
+    """`plan_shape` (and its `options`) of the store at `store`."""
+    return plan_shape(StoreShape.of_store(store), settings, **options)
+
+
+# The share of a Mac's unified memory that its GPU may use (Metal's recommended working
+# set): about three quarters on the larger Macs; approximate, and raised with
+# `sudo sysctl iogpu.wired_limit_mb=...`.
+MAC_GPU_SHARE = 0.75
+
+
+def mac_memory(total: int) -> tuple[int, str]:
+    """The memory a model may use on a Mac of `total` bytes of unified memory, and what it is."""
+    return int(total * MAC_GPU_SHARE), f"a {format_size(total)} Mac's GPU share (about {MAC_GPU_SHARE:.0%})"
+
+
+def plan_shape(
+    shape: StoreShape,
+    settings: Settings,
+    *,
+    probe: bool = True,
+    progress: Callable[[str], None] | None = None,
+    memory: tuple[int, str] | None = None,
+    disk_bandwidth: float | None = None,
 ) -> Plan:
-    """Probe (or, with `probe=False`, take the last probe's figures where there are any)
-    and plan `store` with `settings`. `progress`: called with a line per probe."""
+    """The plan of a store, or of one before its pull (`StoreShape`): probe (or, with
+    `probe=False`, take the last probe's figures where there are any) and plan with
+    `settings`. `memory`: the machine's (default: this one's, `device_memory`); with no
+    --capacity or --memory-budget the pool is sized to fit it where every expert does
+    not. `disk_bandwidth`: the store's read rate, given (another Mac's disk) rather than
+    probed. `progress`: called with a line per probe."""
     from ...shared.settings import default_state_dir
 
     say = progress or (lambda line: None)
-    manifest = load_manifest(store)
+    manifest = shape.manifest
     state = default_state_dir(os.environ)
-    bandwidths = None if probe else load_bandwidths(state)
-    if bandwidths is None:
-        say("probing the store's reads and the host->pool link")
-        bandwidths = probe_bandwidths(store, settings.io_threads)
-        save_bandwidths(state, bandwidths)
-    dtype = resident_dtype(store, manifest)
-    compute = None if probe else load_compute(state, manifest.store_id)
+    memory = memory or device_memory()
+    settings, fitted = fit_to_memory(shape, settings, memory)
+    bandwidths = _bandwidths(shape, settings, state, probe, disk_bandwidth, say)
+    dtype = shape.dtype
+    key_id = probe_key(manifest.config, dtype)
+    compute = None if probe else load_compute(state, key_id)
     if compute is None:
         say("probing compute: random-weight models of the store's architecture")
         compute = probe_compute(manifest, dtype, progress=say)
-        save_compute(state, manifest.store_id, compute)
-    mapped = _would_map(store, settings, manifest)
-    key = (_pool_share(store, manifest, settings), mapped)
-    pool = None if probe else load_pool_probes(state, manifest.store_id).get(key)
+        save_compute(state, key_id, compute)
+    mapped = _would_map(shape, settings)
+    key = (_pool_share(shape, settings), mapped)
+    pool = None if probe else load_pool_probes(state, key_id).get(key)
     if pool is None and key[0] < 1.0:
         say(f"probing the {'mapped' if mapped else 'slot'} pool at {key[0]:.0%}: a small random model streamed")
-        probes = probe_pools_of(store, manifest, dtype, [key], settings, state)
-        save_pool_probes(state, manifest.store_id, probes)
+        probes = probe_pools_of(shape.tokenizer_dir, manifest, dtype, [key], settings, state)
+        save_pool_probes(state, key_id, probes)
         pool = probes.get(key)
-    counts, source = heat_counts(store, settings, manifest)
-    reuse, reuse_source = heat_reuse(store, settings, manifest)
-    return make_plan(
-        store,
+    if shape.store is not None:
+        counts, source = heat_counts(shape.store, settings, manifest)
+        reuse, reuse_source = heat_reuse(shape.store, settings, manifest)
+    else:
+        (counts, source), (reuse, reuse_source) = ({}, "no heat: assumed uniform"), ({}, "")
+    plan = make_plan(
+        shape,
         settings,
         bandwidths,
         compute,
@@ -724,22 +825,75 @@ def plan_store(
         pool=pool,
         reuse=reuse,
         reuse_source=reuse_source,
-        memory=device_memory(),
+        memory=memory,
     )
+    plan.fitted_to = fitted
+    return plan
+
+
+def fit_to_memory(shape: StoreShape, settings: Settings, memory: tuple[int, str]) -> tuple[Settings, str | None]:
+    """`settings` with the pool sized to fit `memory` where neither a capacity nor a
+    budget is given and every expert does not fit (else as they are), and that memory as
+    `start --memory-budget` takes it (None where nothing was fitted)."""
+    if settings.capacity is not None or settings.memory_budget is not None:
+        return settings, None
+    fit = settings.replace(memory_budget=memory[0])
+    try:
+        _, slots = _pool_slots(shape, fit)
+    except PoolCapacityError as e:
+        raise PoolCapacityError(f"this model does not fit in {memory[1]}: {e}") from None
+    if slots >= max(layer.num_experts for layer in shape.manifest.layers):
+        return settings, None
+    flag = f"{memory[0] / 2**30:.4g}G" if memory[0] >= 2**30 else f"{memory[0] // 2**20}M"
+    return fit, f"{format_size(memory[0])} ({memory[1]}): `start --memory-budget {flag}`"
+
+
+def _bandwidths(
+    shape: StoreShape,
+    settings: Settings,
+    state: Path,
+    probe: bool,
+    disk_bandwidth: float | None,
+    say: Callable[[str], None],
+) -> Bandwidths:
+    """The last probe's figures (without `probe`), else probed now: a store's reads (a
+    scratch file's where the store is yet to be pulled) and the link; the disk's rate
+    replaced by `disk_bandwidth` where given (and then not probed)."""
+    bandwidths = None if probe else load_bandwidths(state)
+    if bandwidths is None and disk_bandwidth is not None:
+        from .bandwidth import measure_link_bandwidth
+
+        say("probing the host->pool link")
+        link, kind, _ = measure_link_bandwidth()
+        bandwidths = Bandwidths(disk_bandwidth, link, kind, "probed now")
+    if bandwidths is None:
+        say(f"probing the {'store' if shape.store is not None else 'disk'}'s reads and the host->pool link")
+        bandwidths = probe_bandwidths(shape, settings.io_threads)
+        save_bandwidths(state, bandwidths)
+    if disk_bandwidth is not None:
+        source = f"disk given; link {bandwidths.source}"
+        bandwidths = replace(bandwidths, read_bytes_per_s=disk_bandwidth, read_by_batch={}, source=source)
+    return bandwidths
 
 
 def probe_pools_of(
-    store: Path, manifest: Manifest, dtype: str, configs: list[tuple[float, bool]], settings: Settings, folder: Path
+    tokenizer_dir: Path,
+    manifest: Manifest,
+    dtype: str,
+    configs: list[tuple[float, bool]],
+    settings: Settings,
+    folder: Path,
 ) -> dict[tuple[float, bool], PoolProbe]:
     """The pool probes (daemon/pool_probe.py) of these (capacity share, mapped)
-    configurations of the store, on the probe's shorter model."""
+    configurations of the store (`tokenizer_dir`: where its tokenizer files are), on the
+    probe's shorter model."""
     from .pool_probe import probe_pools
 
     layers = probe_layer_counts(layer_count(manifest.config))
-    return probe_pools(store, manifest, dtype, configs, settings, layers=layers, folder=folder)
+    return probe_pools(tokenizer_dir, manifest, dtype, configs, settings, layers=layers, folder=folder)
 
 
-def _would_map(store: Path, settings: Settings, manifest: Manifest) -> bool:
+def _would_map(shape: StoreShape, settings: Settings) -> bool:
     """Whether the daemon would make a mapped pool with these settings (its own rule)."""
     if settings.mapped is not None:
         return settings.mapped
@@ -748,9 +902,9 @@ def _would_map(store: Path, settings: Settings, manifest: Manifest) -> bool:
     from ..model.streaming_model import choose_mapped
     from ..pool.admission import cuda_copier
 
-    _, slots = _pool_slots(store, manifest, settings)
+    _, slots = _pool_slots(shape, settings)
     _, cuda_why_not = cuda_copier()
-    return choose_mapped(manifest, slots, settings, psutil.virtual_memory().available, cuda_why_not)[0]
+    return choose_mapped(shape.manifest, slots, settings, psutil.virtual_memory().available, cuda_why_not)[0]
 
 
 def _context_text(c: ContextLimit) -> str:
@@ -762,7 +916,8 @@ def _context_text(c: ContextLimit) -> str:
 def format_plan(p: Plan) -> str:
     d, t = p.decode, p.ttft
     bw = p.bandwidths
-    layers = ", ".join(f"{h:.0%}" for h in p.hits.pool_hit)
+    per_layer = [f"{h:.0%}" for h in p.hits.pool_hit]
+    layers = f"every layer {per_layer[0]}" if len(set(per_layer)) == 1 else "per layer " + ", ".join(per_layer)
 
     def terms(f: Forecast) -> str:
         return ", ".join(f"{k} {_duration(v)}" for k, v in f.terms_s.items() if v)
@@ -771,14 +926,16 @@ def format_plan(p: Plan) -> str:
         [
             f"{p.store}: {p.model_type}, {p.moe_layers} MoE layers x {p.experts_per_layer} experts "
             f"(top-{p.top_k}, {format_size(p.expert_bytes)} each)",
+            f"  store      {format_size(p.store_bytes)} on disk ({format_size(p.expert_file_bytes)} of experts)",
             f"  resident   {format_size(p.resident_bytes)} of weights that stay in memory",
             f"  pool       {p.slots_per_layer} slots per layer, {format_size(p.pool_bytes)}"
-            + (f"; host tier {format_size(p.host_cache_bytes)}" if p.host_cache_bytes else ""),
+            + (f"; host tier {format_size(p.host_cache_bytes)}" if p.host_cache_bytes else "")
+            + (f"; sized to fit {p.fitted_to}" if p.fitted_to else ""),
             f"  KV cache   {format_size(p.kv_bytes_per_1k_tokens)} per 1k tokens of context",
         ]
         + ([f"  context    {_context_text(p.context)}"] if p.context is not None else [])
         + [
-            f"  hit rate   {p.hit_rate:.1%} expected in the pool (per layer {layers}); from {p.hits.source}",
+            f"  hit rate   {p.hit_rate:.1%} expected in the pool ({layers}); from {p.hits.source}",
         ]
         + (
             [

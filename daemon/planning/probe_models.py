@@ -58,14 +58,22 @@ def resident_dtype(store: Path, manifest: Manifest) -> str:
     safetensors headers alone (the compute of bfloat16 and float32 differ by 2x or more on
     a CPU)."""
     sizes: dict[str, int] = {}
+    names = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
     for name in manifest.resident_files:
         with open(store / name, "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
         for key, info in header.items():
-            if key != "__metadata__" and info["dtype"] in ("BF16", "F16", "F32"):
+            if key != "__metadata__" and info["dtype"] in names:
                 begin, end = info["data_offsets"]
-                sizes[info["dtype"]] = sizes.get(info["dtype"], 0) + end - begin
-    return {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[max(sizes, key=sizes.get)] if sizes else "float32"
+                sizes[names[info["dtype"]]] = sizes.get(names[info["dtype"]], 0) + end - begin
+    return dominant_dtype(sizes)
+
+
+def dominant_dtype(sizes: dict[str, int]) -> str:
+    """Of resident weights' bytes by dtype ("bfloat16": n), the floating-point dtype that
+    holds the most (float32 where none does)."""
+    floats = {k: v for k, v in sizes.items() if k in ("bfloat16", "float16", "float32")}
+    return max(floats, key=floats.__getitem__) if floats else "float32"
 
 
 def random_model(config: dict[str, Any], dtype: str, embed_scale: float = 1.0) -> Any:

@@ -16,9 +16,10 @@ import glob
 import os
 import shutil
 import zlib
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
@@ -46,6 +47,7 @@ ProgressFn = Callable[[int, int], None]
 DiskFreeFn = Callable[[Path], int]
 
 RESIDENT_SHARD_BYTES = 2 << 30
+RESIDENT_METADATA = {"format": "mlx"}
 DISK_MARGIN_BYTES = 64 << 20
 DISK_MARGIN_FRACTION = 0.02
 _PARTIAL = ".partial-"
@@ -126,21 +128,14 @@ def _write_resident(
     items: list[tuple[str, mx.array]], folder: Path, shard_bytes: int, advance: Callable[[int], None]
 ) -> list[str]:
     """Save resident weights into files of at most `shard_bytes` (one tensor may exceed it)."""
-    shards: list[list[tuple[str, mx.array]]] = []
-    size = 0
-    for name, a in items:
-        if not shards or (size + a.nbytes > shard_bytes and shards[-1]):
-            shards.append([])
-            size = 0
-        shards[-1].append((name, a))
-        size += a.nbytes
+    shards = [[items[i] for i in group] for group in resident_groups([a.nbytes for _, a in items], shard_bytes)]
     items.clear()
     names = []
     for i in range(len(shards)):
         shard = dict(shards[i])
         shards[i] = []
-        name = f"resident-{i + 1:05d}.safetensors"
-        mx.save_safetensors(str(folder / name), shard, metadata={"format": "mlx"})
+        name = resident_file_name(i)
+        mx.save_safetensors(str(folder / name), shard, metadata=RESIDENT_METADATA)
         advance(sum(a.nbytes for a in shard.values()))
         del shard
         names.append(name)
@@ -167,15 +162,111 @@ def required_free_bytes(estimate: int) -> int:
     return estimate + int(estimate * DISK_MARGIN_FRACTION) + DISK_MARGIN_BYTES
 
 
-def _load(model_dir: Path, mtp_sink: dict[str, mx.array]):
+# sanitize_input(weights): shown the tensors mlx-lm read, before the model's sanitize.
+SanitizeInputFn = Callable[[dict[str, mx.array]], None]
+
+
+def _load(model_dir: Path, mtp_sink: dict[str, mx.array], sanitize_input: SanitizeInputFn | None = None):
     from mlx_lm.utils import load_model
 
     from ..model.mtp_head import classes_keeping_mtp
 
+    get = classes_keeping_mtp(mtp_sink)
+    if sanitize_input is not None:
+        get = _showing_sanitize_input(get, sanitize_input)
     try:
-        return load_model(model_dir, lazy=True, get_model_classes=classes_keeping_mtp(mtp_sink))
+        return load_model(model_dir, lazy=True, get_model_classes=get)
     except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
         raise StoreError(f"{model_dir}: mlx-lm cannot load this model ({type(e).__name__}: {e})") from e
+
+
+def _showing_sanitize_input(get: Callable, sanitize_input: SanitizeInputFn) -> Callable:
+    """`get` (a `get_model_classes`) whose model shows `sanitize_input` the weights as
+    read, then sanitizes them as its own class does (or keeps them, where it has no sanitize)."""
+
+    def classes(config: dict) -> tuple[type, type]:
+        model_class, args_class = get(config)
+
+        class Shown(model_class):  # type: ignore[misc, valid-type]
+            def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+                sanitize_input(weights)
+                own = getattr(super(), "sanitize", None)
+                return own(weights) if own is not None else weights
+
+        Shown.__name__ = model_class.__name__
+        return Shown, args_class
+
+    return classes
+
+
+@dataclass
+class ModelParts:
+    """A model opened lazily for conversion: its stacked experts and resident weights."""
+
+    model_type: str
+    config: dict[str, Any]
+    layers: list[SwitchLayer]
+    resident: list[tuple[str, mx.array]]
+    mtp: dict[str, mx.array]  # mtp.* tensors, which stock mlx-lm drops
+
+
+def open_model(model_dir: Path, sanitize_input: SanitizeInputFn | None = None) -> ModelParts:
+    """The MoE layers and resident weights of the mlx-lm model in `model_dir`, as mlx-lm
+    loads it (nothing read yet); the model's own references dropped, so that each tensor
+    is freed once written. StoreError for a model mlx-lm cannot load or without experts."""
+    mtp: dict[str, mx.array] = {}
+    model, config = _load(model_dir, mtp, sanitize_input)
+    model_type = str(config.get("model_type", "model"))
+    layers = find_switch_layers(model, model_type)
+    expert_names = {n for layer in layers for n in layer.parameter_names()}
+    flat = tree_flatten(model.parameters())
+    resident = [(n, a) for n, a in flat if n not in expert_names]
+    if len(flat) - len(resident) != len(expert_names):
+        raise StoreError(f"{model_dir}: expert tensors are not all model parameters; this layout is not supported")
+    del flat
+    model.update(tree_map(lambda _: mx.array([]), model.parameters()))
+    return ModelParts(model_type, config, layers, resident, mtp)
+
+
+def moe_layer(ordinal: int, layer: SwitchLayer, entries: list[ExpertEntry]) -> MoELayer:
+    """The manifest's record of `layer`, the `ordinal`-th, whose experts lie at `entries`."""
+    return MoELayer(
+        ordinal=ordinal,
+        module_path=layer.module_path,
+        kind=layer.kind,
+        num_experts=layer.num_experts,
+        file=layer_file_name(ordinal),
+        stride=layer.stride,
+        tensors=layer.specs,
+        experts=tuple(entries),
+        quantization=layer.quantization,
+    )
+
+
+def layer_file_name(ordinal: int) -> str:
+    return f"{EXPERTS_DIR}/layer_{ordinal:03d}.bin"
+
+
+def resident_groups(sizes: list[int], shard_bytes: int) -> list[list[int]]:
+    """The resident tensors (by their `sizes`, in order) of each resident file: files of at
+    most `shard_bytes`, one tensor may exceed it."""
+    groups: list[list[int]] = []
+    size = 0
+    for i, n in enumerate(sizes):
+        if not groups or (size + n > shard_bytes and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += n
+    return groups
+
+
+def resident_file_name(i: int) -> str:
+    return f"resident-{i + 1:05d}.safetensors"
+
+
+def package_versions() -> dict[str, str | None]:
+    return {"mlx_lm": _package_version("mlx-lm"), "mlx": _package_version("mlx")}
 
 
 def convert_model(
@@ -187,6 +278,7 @@ def convert_model(
     disk_free: DiskFreeFn = _disk_free,
     resident_shard_bytes: int = RESIDENT_SHARD_BYTES,
     shard: tuple[int, int] | None = None,
+    source: dict[str, Any] | None = None,
 ) -> Manifest:
     """Convert the mlx-lm model in `model_dir` into an expert store at `out_dir`.
 
@@ -199,6 +291,7 @@ def convert_model(
 
     `shard` (i, N): a shard store for rank i of an expert-parallel group of N, holding only
     the experts e % N == i of every layer (shared/store_format.py); the rest as a whole store.
+    `source`: the manifest's note of where the model came from (default: `model_dir`).
     """
     if shard is not None and not (shard[1] >= 2 and 0 <= shard[0] < shard[1]):
         raise StoreError(f"--shard {shard[0]}/{shard[1]}: give i/N with N at least 2 and i in 0..N-1")
@@ -213,21 +306,11 @@ def convert_model(
         raise StoreError(f"cannot make the store {out_dir}: {why}; choose another --out") from e
     _remove_stale_partials(out_dir)
 
-    mtp: dict[str, mx.array] = {}  # mtp.* tensors, which stock mlx-lm drops
-    model, config = _load(model_dir, mtp)
-    model_type = str(config.get("model_type", "model"))
-    layers = find_switch_layers(model, model_type)
+    parts = open_model(model_dir)
+    model_type, config, layers, resident, mtp = parts.model_type, parts.config, parts.layers, parts.resident, parts.mtp
+    del parts
     if shard is not None and any(layer.num_experts < shard[1] for layer in layers):
         raise StoreError(f"{model_dir}: a layer has fewer experts than the {shard[1]} shards of --shard")
-    expert_names = {n for layer in layers for n in layer.parameter_names()}
-    flat = tree_flatten(model.parameters())
-    resident = [(n, a) for n, a in flat if n not in expert_names]
-    if len(flat) - len(resident) != len(expert_names):
-        raise StoreError(f"{model_dir}: expert tensors are not all model parameters; this layout is not supported")
-    del flat
-    # Drop the model's own references so each tensor is freed once written.
-    model.update(tree_map(lambda _: mx.array([]), model.parameters()))
-    del model
 
     copied = tokenizer_files(model_dir)
     resident_bytes = sum(a.nbytes for _, a in resident)
@@ -258,21 +341,8 @@ def convert_model(
         (tmp / EXPERTS_DIR).mkdir()
         moe_layers = []
         for ordinal, layer in enumerate(layers):
-            rel = f"{EXPERTS_DIR}/layer_{ordinal:03d}.bin"
-            entries = _write_layer(layer, tmp / rel, advance, shard)
-            moe_layers.append(
-                MoELayer(
-                    ordinal=ordinal,
-                    module_path=layer.module_path,
-                    kind=layer.kind,
-                    num_experts=layer.num_experts,
-                    file=rel,
-                    stride=layer.stride,
-                    tensors=layer.specs,
-                    experts=tuple(entries),
-                    quantization=layer.quantization,
-                )
-            )
+            entries = _write_layer(layer, tmp / layer_file_name(ordinal), advance, shard)
+            moe_layers.append(moe_layer(ordinal, layer, entries))
         resident_files = _write_resident(resident, tmp, resident_shard_bytes, advance)
         for src in copied:
             shutil.copy2(src, tmp / src.name)
@@ -287,11 +357,7 @@ def convert_model(
             resident_files=tuple(resident_files),
             tokenizer_files=tuple(p.name for p in copied),
             layers=tuple(moe_layers),
-            source={
-                "model_dir": str(model_dir),
-                "mlx_lm": _package_version("mlx-lm"),
-                "mlx": _package_version("mlx"),
-            },
+            source=source if source is not None else {"model_dir": str(model_dir), **package_versions()},
             store_id=new_store_id(),
             shard=shard,
         )
