@@ -479,6 +479,16 @@ class Settings:
         help="Share of each layer's slots pinned at start with its hottest experts of the saved heat (with a "
         "mapped pool, any share but 0 places the hottest in GPU memory).",
     )
+    # The elastic pool (daemon/pool/elastic.py): where the daemon reads the machine's memory
+    # pressure. Tests and benchmarks drive it through a file; a user has no reason to.
+    memory_pressure: str = setting(
+        "auto",
+        kind="text",
+        help="Where the daemon reads the machine's memory pressure, under which the pool and host tier give "
+        "memory back: auto (macOS's memory-pressure level; Linux's PSI, else MemAvailable), off, or file:PATH "
+        "(a level written in a file: normal, warn or critical).",
+        bench=True,
+    )
     # Auto because prefetch pays on some machines and pools and costs on others.
     prefetch: str = setting(
         "auto",

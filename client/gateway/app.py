@@ -87,6 +87,7 @@ _DAEMON_ERRORS: dict[str, tuple[int, str]] = {
     proto.DUPLICATE_ID: (400, "invalid_request_error"),
     proto.BUSY: (429, "rate_limit_error"),
     proto.SHUTTING_DOWN: (503, "server_error"),
+    proto.MEMORY_PRESSURE: (503, "server_error"),
     proto.ENGINE: (500, "server_error"),
     proto.INTERNAL: (500, "server_error"),
 }
