@@ -455,6 +455,8 @@ class EngineLoop:
     def _drain(self, *, block: bool) -> None:
         """Apply every waiting command; wait for one (a while) when there is no work."""
         timeout = min(SNAPSHOT_SECONDS * 5, max(self.settings.heat_flush_seconds, 0.05))
+        if self._elastic.watching:
+            timeout = min(timeout, self._elastic.poll_seconds)  # an idle daemon reads the pressure as often
         while True:
             try:
                 cmd = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
@@ -606,7 +608,10 @@ class EngineLoop:
         from .pool.capacity import memory_held
 
         sm = self._sm
-        return memory_held(sm.manifest, sm.resident_bytes, sm.pool_bytes, sm.capacity, self.settings.prompt_cache_bytes)
+        # The pool at the size it was made with: what an elastic pool gave back under memory
+        # pressure is the system's, not room for more KV caches.
+        pool_bytes = max(sm.pool_bytes, self._elastic.made_pool_bytes())
+        return memory_held(sm.manifest, sm.resident_bytes, pool_bytes, sm.capacity, self.settings.prompt_cache_bytes)
 
     def _context_limit(self) -> Any:
         """A request's context (daemon/pool/capacity.py `context_limit`): `max_context`,

@@ -14,13 +14,16 @@ import sys
 import tempfile
 from pathlib import Path
 
+import httpx
 import mlx.core as mx
 import numpy as np
+import openai
 import pytest
 from daemon_cli import ctl, wait_for
 from mlx_lm import load as stock_load
 from mlx_lm.generate import generate_step
 from stock_runs import GREEDY, LogitsRecorder
+from test_openai_gateway import Gateway
 from tiny_models import make_tiny_model
 
 from moestream.daemon.model.generation import plain_steps
@@ -370,7 +373,10 @@ def test_a_daemon_resizes_during_a_decode_refuses_below_the_floor_and_serves_onc
     daemon = DaemonProcess.start(
         store, rt / "rt", capacity="0.5", flags={"host_cache": "2M"}, knobs={"memory_pressure": f"file:{level}"}
     )
+    gateway = None
     try:
+        gateway = Gateway(daemon.paths.dir, rt / "gateway.log")
+        oa = openai.OpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0, timeout=60)
         with Client(daemon.paths, timeout=60) as c:
 
             def elastic() -> ElasticStatus:
@@ -402,9 +408,17 @@ def test_a_daemon_resizes_during_a_decode_refuses_below_the_floor_and_serves_onc
             assert refused.value.code == "memory_pressure"
             why = str(refused.value)
             assert "critical memory pressure (set by the test)" in why and "floor (8 slots per layer" in why, why
+            # Through the gateway, to the real OpenAI client: a 503 that says why.
+            with pytest.raises(openai.APIStatusError) as http:
+                oa.chat.completions.create(model="moestream", messages=[{"role": "user", "content": "zip?"}])
+            assert http.value.status_code == 503 and "critical memory pressure" in http.value.message
+            sizes = httpx.get(gateway.url + "/dashboard/state", timeout=30).json()["pool_sizes"]
+            assert [s["slots"] for s in sizes["steps"]] == [32, 8, 32, 8] and sizes["refusing"] is True
+            assert (sizes["made"], sizes["floor"], sizes["slots"]) == (32, 8, 8)
+            assert sizes["events"][0]["reason"] == "memory pressure critical (set by the test)"
             text = ctl("status", "--runtime-dir", str(daemon.paths.dir)).stdout
             assert "elastic    8 of 32 slots per layer (floor 8)" in text, text
-            assert "new requests refused (1 so far)" in text and "32 -> 8 slots" in text
+            assert "new requests refused (2 so far)" in text and "32 -> 8 slots" in text
             assert "memory pressure critical (set by the test)" in text
             # The pressure passes: grown back, served.
             level.write_text("normal\n")
@@ -412,12 +426,81 @@ def test_a_daemon_resizes_during_a_decode_refuses_below_the_floor_and_serves_onc
             served = c.generate(PROMPT_TEXT, max_tokens=8)
             list(served)
             st = elastic()
-            assert st.refused == 1 and st.tier_bytes == st.configured_tier_bytes
+            assert st.refused == 2 and st.tier_bytes == st.configured_tier_bytes
             assert [(e.slots_from, e.slots_to) for e in st.events] == [(32, 8), (8, 32), (32, 8), (8, 32)]
             assert c.status()["requests"]["failed"] == 0
     finally:
+        if gateway is not None:
+            gateway.stop()
         daemon.stop(15.0)
         shutil.rmtree(rt, ignore_errors=True)
     reference = reference_outputs(store, "0.5", [(PROMPT_TEXT, made), (PROMPT_TEXT, 8)])
     assert done.tokens == list(reference[(PROMPT_TEXT, made)].tokens), "a resize changed a token"
     assert served.done.tokens == list(reference[(PROMPT_TEXT, 8)].tokens)
+
+
+def test_the_dashboards_pool_sizes_are_the_resizes_as_steps_with_why():
+    """`pool_sizes` (the page's chart and list): the size before the first resize, a step
+    at each with its reason, the bounds and the pressure; off says why."""
+    from moestream.client.dashboard.app import pool_sizes
+
+    ev = [
+        ResizeEvent(10.0, "critical", "memory pressure critical (x)", 32, 8, 4 << 20, 1 << 20, 0, 0, 120, 0.02),
+        ResizeEvent(20.0, "normal", "the memory pressure passed (y)", 8, 32, 1 << 20, 4 << 20, 0, 0, 0, 0.01),
+    ]
+    st = ElasticStatus("PSI", "rule", "normal", "PSI some avg10 0.0%", 32, 32, 8, 0, 0, False, 0, ev)
+    sizes = pool_sizes({"elastic": st.to_dict()}, 30.0)
+    assert [(s["at"], s["slots"]) for s in sizes["steps"]] == [(None, 32), (10.0, 8), (20.0, 32)]
+    assert sizes["steps"][1]["reason"] == "memory pressure critical (x)" and sizes["now"] == 30.0
+    assert [e["at"] for e in sizes["events"]] == [20.0, 10.0]  # newest first
+    assert (sizes["made"], sizes["floor"], sizes["slots"], sizes["refusing"]) == (32, 8, 32, False)
+    calm = ElasticStatus("PSI", "rule", "normal", "", 32, 32, 8, 0, 0, False, 0, [])
+    assert pool_sizes({"elastic": calm.to_dict()}, 1.0)["steps"] == [
+        {"at": None, "slots": 32, "reason": "unchanged", "level": None}
+    ]
+    off = ElasticStatus(
+        None, "off: a mapped pool keeps every expert in host memory", "normal", "", 0, 0, 0, 0, 0, False, 0
+    )
+    assert pool_sizes({"elastic": off.to_dict()}, 1.0) == {"steps": [], "note": off.note}
+    assert pool_sizes({}, 1.0)["steps"] == []
+
+
+@pytest.mark.slow  # a daemon, a gateway and two headless Chromium runs
+def test_the_page_in_headless_chromium_draws_the_pool_size_and_its_resizes(tmp_path):
+    """The dashboard in a real headless Chromium after a shrink under critical pressure:
+    the pool-size chart has its steps, the note says the size and that new requests are
+    refused, the resizes list says from, to and why; no script error."""
+    from test_dashboard import CHROMIUM, _page
+
+    from moestream.daemon.bench.soak.driver import DaemonProcess
+    from moestream.shared.settings import demo_store_path
+
+    if CHROMIUM is None:
+        pytest.fail("needs a headless Chromium: apt-get install chromium (Debian's package)")
+    rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msd"))
+    level = rt / "pressure"
+    daemon = DaemonProcess.start(
+        demo_store_path(), rt / "rt", capacity="0.5", knobs={"memory_pressure": f"file:{level}"}
+    )
+    gateway = None
+    try:
+        gateway = Gateway(daemon.paths.dir, rt / "gateway.log")
+        level.write_text("critical drawn by the test\n")
+
+        def refusing() -> bool:
+            return httpx.get(gateway.url + "/dashboard/state", timeout=30).json()["pool_sizes"].get("refusing")
+
+        wait_for(refusing, 30, "the daemon to refuse under critical pressure")
+        dom = _page(gateway, tmp_path / "dashboard_pool.png")
+        assert int(dom.by_id["pool-chart"]["attrs"]["data-points"]) == 2
+        note = dom.by_id["pool-note"]
+        assert note["attrs"]["data-slots"] == "8" and note["attrs"]["data-refusing"] == "1"
+        assert "8 of 32 slots per layer now (floor 8" in note["text"] and "new requests refused" in note["text"]
+        rows = [r for r in dom.rows if r.get("data-resize")]
+        assert [(r["data-slots-from"], r["data-slots-to"], r["data-level"]) for r in rows] == [("32", "8", "critical")]
+        assert "memory pressure critical (drawn by the test)" in dom.by_id["resizes"]["text"]
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        daemon.stop(15.0)
+        shutil.rmtree(rt, ignore_errors=True)

@@ -107,8 +107,19 @@ class ElasticPool:
             self._note = "no model loaded"
 
     @property
+    def watching(self) -> bool:
+        """Whether it reads the pressure for a model's pools now."""
+        return self.source is not None and self._sm is not None
+
+    @property
     def floor(self) -> int:
         return max((p.top_k for p in self._sm.pools), default=0) if self._sm is not None else 0
+
+    def made_pool_bytes(self) -> int:
+        """The pools' bytes at the size they were made with (0 without a model)."""
+        if self._sm is None:
+            return 0
+        return sum(made * p.layer.expert_bytes for made, p in zip(self._made, self._sm.pools))
 
     def slots(self) -> int:
         return max((p.capacity for p in self._sm.pools), default=0) if self._sm is not None else 0
@@ -127,6 +138,7 @@ class ElasticPool:
         if not force and now - self._last_poll < self.poll_seconds:
             return None
         self._last_poll = now
+        tic = time.perf_counter()
         reading = self.source.read()
         self.level, self.detail = reading.level, reading.detail
         if reading.level != "normal":
@@ -137,7 +149,7 @@ class ElasticPool:
         if self._sizes(share) == self._sizes(self.share) and self._tier_slots(share) == self._tier_slots(self.share):
             self.share = share  # nothing to move (a floor reached already)
             return None
-        return self._resize(share, reading, now)
+        return self._resize(share, reading, tic)
 
     def _next_share(self, level: Level, now: float) -> float:
         settled = now - self._changed >= self.settle_seconds
@@ -164,7 +176,8 @@ class ElasticPool:
         most = self._tier.tier.most
         return min(most, max(self.floor, round(share * most)))
 
-    def _resize(self, share: float, reading: Pressure, now: float) -> ResizeEvent:
+    def _resize(self, share: float, reading: Pressure, tic: float) -> ResizeEvent:
+        """Resize to `share`; `tic`: when `reading` was taken (perf_counter)."""
         import mlx.core as mx
 
         sm = self._sm
@@ -197,7 +210,7 @@ class ElasticPool:
             tier_bytes_from=before[2],
             tier_bytes_to=after[2],
             experts_moved=moved,
-            seconds=self._changed - now,
+            seconds=time.perf_counter() - tic,
         )
         self.events.append(event)
         self.resizes += 1
