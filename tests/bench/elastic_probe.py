@@ -8,11 +8,19 @@ the engine's loop resizes between them), for a store at a capacity:
   size, `ResizeEvent.seconds`: each round decodes warm at the made size, shrinks to the
   floor (critical), decodes at the floor, grows back (normal);
 - tok/s: one greedy decode in phases of `--tokens` tokens, made size / floor / made size
-  again, each phase timed without its resize (that is the row above), `--rounds` times.
+  again, each phase timed without its resize (that is the row above), `--rounds` times;
+  then `--paired` groups of blocks of `--block` tokens in the order made, floor, floor,
+  made (A B B A), whose ratio floor / made cancels a drift of the machine's speed (a shared
+  machine's load) that the phases' medians keep.
 
 With `--daemon`, also a real daemon on the store (`memory_pressure = file:`): from the
 write of the level to `status` showing the new size, which adds the engine's poll (every
 0.25 s) and, for a grow, the second the rule waits for the pressure to stay away.
+
+With `--check`, first whether resizes change a token where the probe runs (the GPU, whose
+CUDA copier and page-locked host tier the CPU tests do not reach): `CHECK_TOKENS` greedy
+tokens through shrinks and grows (`CHECK_SCHEDULE`) against the same decode with none, and
+against stock mlx-lm, every step's log-probabilities compared bit for bit.
 
     python tests/bench/elastic_probe.py --store daemon/demo/store --capacity 0.5 --json out.json
     python tests/bench/elastic_probe.py --tiny --capacity 0.5
@@ -60,29 +68,109 @@ class Ticks:
         self.now += 1.0
 
 
+CHECK_TOKENS = 256
+# The pressure set when the decode reaches each token: the floor, back, halved down, the floor, back.
+CHECK_SCHEDULE = {32: "critical", 96: "normal", 128: "warn", 192: "critical", 224: "normal"}
+
+
+def _steps(sm: Any, schedule: dict[int, str]) -> tuple[list[int], list[Any], list[int]]:
+    """Greedy tokens, their log-probabilities and the slots per layer after each, the
+    pressure set by `schedule` between steps."""
+    import numpy as np
+
+    source, clock = ManualPressure(), Ticks()
+    elastic = ElasticPool(source, logging.getLogger("elastic_probe"), clock=clock)
+    elastic.attach(sm)
+    tokens, rows, slots = [], [], []
+    for token, logprobs in plain_steps(sm, encode_prompt(sm, PROMPT, None), GREEDY, CHECK_TOKENS):
+        tokens.append(int(token))
+        rows.append(np.array(logprobs.astype(mx.float32)))
+        if len(tokens) in schedule:
+            source.set(schedule[len(tokens)], "set by the probe")
+        clock.step()
+        elastic.tick()
+        slots.append(elastic.slots())
+    return tokens, rows, slots
+
+
+def check(store: Path, capacity: str, host_cache: str, mapped: bool | None) -> dict[str, Any]:
+    """Resizes against none, and against stock mlx-lm: the first step that differs, if any."""
+    import numpy as np
+    from mlx_lm.generate import generate_step
+
+    from moestream.daemon.model.streaming_model import load_stock_model
+
+    def first_difference(a: tuple[list[int], list[Any]], b: tuple[list[int], list[Any]]) -> int | None:
+        for i, (ta, ra, tb, rb) in enumerate(zip(a[0], a[1], b[0], b[1])):
+            if ta != tb or not np.array_equal(ra, rb):
+                return i
+        return None
+
+    runs = {}
+    ids: list[int] = []
+    for name, schedule in (("unresized", {}), ("resized", CHECK_SCHEDULE)):
+        settings = Settings().replace(capacity=capacity, host_cache=host_cache, mapped=mapped)
+        sm = load_streaming_model(store, settings)
+        try:
+            ids = encode_prompt(sm, PROMPT, None)
+            runs[name] = _steps(sm, schedule)
+            admission = sm.admitter.stats()
+        finally:
+            sm.close()
+    stock = load_stock_model(store)
+    stock_steps = [
+        (int(t), np.array(lp.astype(mx.float32)))
+        for t, lp in generate_step(mx.array(ids), stock, max_tokens=CHECK_TOKENS, sampler=GREEDY)
+    ]
+    stock_run = ([t for t, _ in stock_steps], [r for _, r in stock_steps])
+    slots = runs["resized"][2]
+    return {
+        "tokens": CHECK_TOKENS,
+        "schedule": CHECK_SCHEDULE,
+        "slots_seen": sorted(set(slots)),
+        "slots_trace": slots,
+        "admission": {k: admission.get(k) for k in ("mode", "device_copy", "pinned", "tier_bytes")},
+        "resized_vs_unresized_first_difference": first_difference(runs["resized"], runs["unresized"]),
+        "resized_vs_stock_first_difference": first_difference(runs["resized"], stock_run),
+        "unresized_vs_stock_first_difference": first_difference(runs["unresized"], stock_run),
+    }
+
+
 def _memory() -> dict[str, int]:
     return {"rss_bytes": psutil.Process().memory_info().rss, "mlx_active_bytes": mx.get_active_memory()}
 
 
-def in_process(store: Path, capacity: str, host_cache: str, tokens: int, rounds: int) -> dict[str, Any]:
-    sm = load_streaming_model(store, Settings().replace(capacity=capacity, host_cache=host_cache))
+def in_process(
+    store: Path,
+    capacity: str,
+    host_cache: str,
+    tokens: int,
+    rounds: int,
+    no_mapped: bool = False,
+    paired: int = 0,
+    block: int = 16,
+) -> dict[str, Any]:
+    settings = Settings().replace(capacity=capacity, host_cache=host_cache, mapped=False if no_mapped else None)
+    sm = load_streaming_model(store, settings)
     try:
         source, clock = ManualPressure(), Ticks()
         elastic = ElasticPool(source, logging.getLogger("elastic_probe"), clock=clock)
         elastic.attach(sm)
         made = elastic.status()
         ids = encode_prompt(sm, PROMPT, None)
-        steps = plain_steps(sm, ids, GREEDY, max_tokens=3 * tokens * rounds + tokens + 1)
+        steps = plain_steps(sm, ids, GREEDY, max_tokens=3 * tokens * rounds + tokens + 4 * block * paired + 1)
         for _ in range(tokens):  # warm: the pool filled at its made size, kernels compiled
             next(steps)
         phases: dict[str, list[float]] = {"before": [], "while": [], "after": []}
         shrinks, grows, memory = [], [], {}
 
-        def decode(phase: str) -> None:
+        def decode(phase: str, n: int = tokens) -> float:
             tic = time.perf_counter()
-            for _ in range(tokens):
+            for _ in range(n):
                 next(steps)
-            phases[phase].append(tokens / (time.perf_counter() - tic))
+            rate = n / (time.perf_counter() - tic)
+            phases.setdefault(phase, []).append(rate)
+            return rate
 
         def resize(level: str) -> dict[str, Any]:
             source.set(level, "set by the probe")
@@ -104,6 +192,15 @@ def in_process(store: Path, capacity: str, host_cache: str, tokens: int, rounds:
             decode("after")
             if r == 0:
                 memory["after"] = _memory()
+        ratios = []
+        for _ in range(paired):
+            a1 = decode("paired_made", block)
+            resize("critical")
+            b1, b2 = decode("paired_floor", block), decode("paired_floor", block)
+            clock.step()
+            resize("normal")
+            a2 = decode("paired_made", block)
+            ratios.append((b1 + b2) / (a1 + a2))
         steps.close()
         return {
             "store": str(store),
@@ -120,8 +217,15 @@ def in_process(store: Path, capacity: str, host_cache: str, tokens: int, rounds:
             "experts_read_back": [e["experts_moved"] for e in grows],
             "tokens_per_phase": tokens,
             "tok_s": phases,
-            "tok_s_median": {k: statistics.median(v) for k, v in phases.items()},
+            "tok_s_median": {k: statistics.median(v) for k, v in phases.items() if v},
             "memory": memory,
+            "paired_blocks": {"groups": paired, "block_tokens": block, "floor_over_made": ratios}
+            | (
+                {"median": statistics.median(ratios), "quartiles": statistics.quantiles(ratios, n=4)}
+                if paired > 1
+                else {}
+            ),
+            "device": str(mx.default_device()),
         }
     finally:
         sm.close()
@@ -168,7 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-cache", default="0")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per phase")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--paired", type=int, default=0, help="groups of A B B A blocks (made, floor, floor, made)")
+    parser.add_argument("--block", type=int, default=16, help="tokens per paired block")
     parser.add_argument("--daemon", action="store_true", help="also time the resizes through a real daemon")
+    parser.add_argument("--check", action="store_true", help="first: do resizes change a token here?")
+    parser.add_argument("--no-mapped", action="store_true", help="the slot pool where a mapped pool would be made")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     tmp = None
@@ -182,7 +290,15 @@ def main(argv: list[str] | None = None) -> int:
         store = tmp / "store"
     else:
         store = args.store or demo_store_path()
-    result = in_process(store, args.capacity, args.host_cache, args.tokens, args.rounds)
+    result: dict[str, Any] = {}
+    if args.check:
+        result["check"] = check(store, args.capacity, args.host_cache, False if args.no_mapped else None)
+        print(json.dumps({k: v for k, v in result["check"].items() if k != "slots_trace"}), flush=True)
+    result.update(
+        in_process(
+            store, args.capacity, args.host_cache, args.tokens, args.rounds, args.no_mapped, args.paired, args.block
+        )
+    )
     if args.daemon:
         result["daemon"] = through_daemon(store, args.capacity, args.host_cache, args.rounds)
     result["commands"] = ["python tests/bench/elastic_probe.py " + " ".join(sys.argv[1:] if argv is None else argv)]
