@@ -423,7 +423,9 @@ class EngineLoop:
             if idle and self._prompt_cache is not None:
                 # Off every request's path: finished caches go to the disk writer now.
                 self._prompt_cache.idle()
-            self._drain(block=not self._active and not any(j.checked is not None for j in self._pending))
+            # Queued requests held while the elastic pool refuses wait for a command or the next poll.
+            startable = not self._elastic.refusing and any(j.checked is not None for j in self._pending)
+            self._drain(block=not self._active and not startable)
             if self._stopping:
                 return
             if (self._pending or self._counts) and self._sm is None:

@@ -357,12 +357,14 @@ PROMPT_TEXT = "def fibonacci(n):"  # greedy, the demo loops on it and never ends
 
 
 def test_a_daemon_resizes_during_a_decode_refuses_below_the_floor_and_serves_once_the_pressure_passes():
-    """A real daemon on the demo at 50% (32 of 64 slots, top-8) with a host tier, its
-    pressure read from a file the test writes. A decode (stopped by a cancel once the pool
-    has shrunk to top-k and grown back while it ran) made the local run's tokens. Under
-    critical pressure with the pool at its floor a new request is refused with a clear
-    error (code memory_pressure), `status` and `moestreamctl status` say why and show the
-    resizes; once the pressure passes the pool grows back and the request is served."""
+    """A real daemon on the demo at 50% (32 of 64 slots, top-8) with a host tier, one
+    request decoded at a time, its pressure read from a file the test writes. A decode
+    runs through a shrink to top-k and a grow back; a second request waits in the queue.
+    Critical again, with the pool at its floor: a new request is refused with a clear
+    error (code memory_pressure; the gateway's 503 to the real OpenAI client), `status`,
+    `moestreamctl status` and the dashboard's state say why and show the resizes; the
+    decode is cancelled and the queued request is held, not started. Once the pressure
+    passes it is served and the pool grows back. Both made the local run's tokens."""
     from moestream.client.client import Client, RequestRejected, Token
     from moestream.daemon.bench.soak.driver import DaemonProcess, reference_outputs
     from moestream.shared.settings import demo_store_path
@@ -371,13 +373,18 @@ def test_a_daemon_resizes_during_a_decode_refuses_below_the_floor_and_serves_onc
     rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="mse"))
     level = rt / "pressure"
     daemon = DaemonProcess.start(
-        store, rt / "rt", capacity="0.5", flags={"host_cache": "2M"}, knobs={"memory_pressure": f"file:{level}"}
+        store,
+        rt / "rt",
+        capacity="0.5",
+        flags={"host_cache": "2M"},
+        knobs={"memory_pressure": f"file:{level}"},
+        env={"MOESTREAM_MAX_ACTIVE": "1"},
     )
     gateway = None
     try:
         gateway = Gateway(daemon.paths.dir, rt / "gateway.log")
         oa = openai.OpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0, timeout=60)
-        with Client(daemon.paths, timeout=60) as c:
+        with Client(daemon.paths, timeout=60) as c, Client(daemon.paths, timeout=60) as other:
 
             def elastic() -> ElasticStatus:
                 return ElasticStatus.from_dict(c.status()["elastic"])
@@ -385,7 +392,7 @@ def test_a_daemon_resizes_during_a_decode_refuses_below_the_floor_and_serves_onc
             st = elastic()
             assert (st.source, st.slots, st.configured_slots, st.floor_slots) == (f"file {level}", 32, 32, 8)
             assert st.tier_bytes == st.configured_tier_bytes > 0 and not st.refusing
-            # A decode through a shrink and a grow, cancelled once both are seen.
+            # A decode that runs until it is cancelled, through a shrink and a grow.
             stream = c.generate(PROMPT_TEXT, max_tokens=3000)
             for event in stream:
                 if isinstance(event, Token):
@@ -394,11 +401,9 @@ def test_a_daemon_resizes_during_a_decode_refuses_below_the_floor_and_serves_onc
             wait_for(lambda: elastic().slots == 8, 30, "the pool to shrink to top-k")
             level.write_text("normal\n")
             wait_for(lambda: elastic().slots == 32, 30, "the pool to grow back")
-            stream.cancel()
-            list(stream)
-            done = stream.done
-            assert done.finish_reason == "cancelled" and done.stats["pool_resizes"] == 2
-            made = len(done.tokens)
+            # Another request, queued behind it (one at a time).
+            queued = other.generate(PROMPT_TEXT, max_tokens=8)
+            wait_for(lambda: c.status()["requests"]["queued"] == 1, 30, "the second request to be queued")
             # Below the floor: refused, with why.
             level.write_text("critical set by the test\n")
             st = wait_for(lambda: (s := elastic()).refusing and s, 30, "new requests to be refused")
@@ -408,7 +413,6 @@ def test_a_daemon_resizes_during_a_decode_refuses_below_the_floor_and_serves_onc
             assert refused.value.code == "memory_pressure"
             why = str(refused.value)
             assert "critical memory pressure (set by the test)" in why and "floor (8 slots per layer" in why, why
-            # Through the gateway, to the real OpenAI client: a 503 that says why.
             with pytest.raises(openai.APIStatusError) as http:
                 oa.chat.completions.create(model="moestream", messages=[{"role": "user", "content": "zip?"}])
             assert http.value.status_code == 503 and "critical memory pressure" in http.value.message
@@ -420,11 +424,17 @@ def test_a_daemon_resizes_during_a_decode_refuses_below_the_floor_and_serves_onc
             assert "elastic    8 of 32 slots per layer (floor 8)" in text, text
             assert "new requests refused (2 so far)" in text and "32 -> 8 slots" in text
             assert "memory pressure critical (set by the test)" in text
-            # The pressure passes: grown back, served.
+            # The decode ends; the queued request is held while the pressure lasts.
+            stream.cancel()
+            list(stream)
+            done = stream.done
+            assert done.finish_reason == "cancelled" and done.stats["pool_resizes"] == 3
+            requests = wait_for(lambda: (r := c.status()["requests"])["active"] == 0 and r, 30, "the decode to end")
+            assert requests["queued"] == 1 and "critical memory pressure" in requests["why_queued"]
+            # The pressure passes: the queued request is served, the pool grows back.
             level.write_text("normal\n")
+            list(queued)
             wait_for(lambda: (s := elastic()).slots == 32 and not s.refusing, 30, "the pool to grow back")
-            served = c.generate(PROMPT_TEXT, max_tokens=8)
-            list(served)
             st = elastic()
             assert st.refused == 2 and st.tier_bytes == st.configured_tier_bytes
             assert [(e.slots_from, e.slots_to) for e in st.events] == [(32, 8), (8, 32), (32, 8), (8, 32)]
@@ -434,9 +444,10 @@ def test_a_daemon_resizes_during_a_decode_refuses_below_the_floor_and_serves_onc
             gateway.stop()
         daemon.stop(15.0)
         shutil.rmtree(rt, ignore_errors=True)
+    made = len(done.tokens)
     reference = reference_outputs(store, "0.5", [(PROMPT_TEXT, made), (PROMPT_TEXT, 8)])
     assert done.tokens == list(reference[(PROMPT_TEXT, made)].tokens), "a resize changed a token"
-    assert served.done.tokens == list(reference[(PROMPT_TEXT, 8)].tokens)
+    assert queued.done.tokens == list(reference[(PROMPT_TEXT, 8)].tokens)
 
 
 def test_the_dashboards_pool_sizes_are_the_resizes_as_steps_with_why():

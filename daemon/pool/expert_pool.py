@@ -703,10 +703,11 @@ class ExpertPool:
     def _shrink(self, capacity: int) -> int:
         if self.remap is not None:
             self.remap, self.identity = None, False
-        keep_pins = self.hottest_first(self.pinned)[: capacity - self.top_k]
-        unpinned = [e for e in self.hottest_first(self.pinned) if e not in set(keep_pins)]
-        self.pinned = set(keep_pins)
-        self.unpinned = unpinned + [e for e in self.unpinned if e not in set(unpinned)]
+        pins = self.hottest_first(self.pinned)
+        kept, unpinned = pins[: capacity - self.top_k], pins[capacity - self.top_k :]
+        self.pinned = set(kept)
+        # Hottest first: these were pinned until now, those of an earlier shrink before.
+        self.unpinned = unpinned + [e for e in self.unpinned if e not in self.pinned]
         protected = self.pinned | set(self.unpinned)
         excess = len(self._resident) - capacity
         given = 0
@@ -723,10 +724,10 @@ class ExpertPool:
             self.policy.evicted(e)
             given += 1
         # The experts kept stay in their slots below `capacity`; those above move down.
-        kept = [int(s) for s in np.flatnonzero(self.expert_in >= 0)]
+        used = [int(s) for s in np.flatnonzero(self.expert_in >= 0)]
         low_free = [s for s in range(capacity) if self.expert_in[s] < 0]
-        moves = [(low_free.pop(0), s) for s in kept if s >= capacity]
-        rows = [(s, s) for s in kept if s < capacity] + moves
+        moves = [(low_free.pop(0), s) for s in used if s >= capacity]
+        rows = [(s, s) for s in used if s < capacity] + moves
         self._replace_arrays(capacity, rows)
         return given
 

@@ -119,18 +119,29 @@ def _held(was_on: bool, measure: float, threshold: float) -> bool:
     return measure >= threshold or (was_on and measure >= threshold * HYSTERESIS)
 
 
-def _level(critical: bool, warn: bool) -> Level:
-    return "critical" if critical else "warn" if warn else "normal"
+class _ProcFile:
+    """A Linux source: a file of /proc read at each reading, and its two levels, each held
+    with its hysteresis."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._warn = self._critical = False
+
+    def _judge(self, warn: tuple[float, float], critical: tuple[float, float], detail: str) -> Pressure:
+        """The level from (measure, threshold) pairs, higher measures worse."""
+        self._warn = _held(self._warn, *warn)
+        self._critical = _held(self._critical, *critical)
+        level: Level = "critical" if self._critical else "warn" if self._warn else "normal"
+        return Pressure(level, detail)
 
 
-class PsiPressure:
+class PsiPressure(_ProcFile):
     """Linux pressure stall information for memory."""
 
     name = "PSI"
 
     def __init__(self, path: Path = PSI_PATH) -> None:
-        self.path = path
-        self._warn = self._critical = False
+        super().__init__(path)
 
     def available(self) -> bool:
         try:
@@ -152,19 +163,17 @@ class PsiPressure:
         except (OSError, ValueError, KeyError) as e:
             return Pressure("normal", f"{self.path} unreadable: {e}")
         some, full = avg.get("some", 0.0), avg.get("full", 0.0)
-        self._warn = _held(self._warn, some, WARN_STALL_PCT)
-        self._critical = _held(self._critical, full, CRITICAL_STALL_PCT)
-        return Pressure(_level(self._critical, self._warn), f"PSI some avg10 {some:.1f}%, full avg10 {full:.1f}%")
+        detail = f"PSI some avg10 {some:.1f}%, full avg10 {full:.1f}%"
+        return self._judge((some, WARN_STALL_PCT), (full, CRITICAL_STALL_PCT), detail)
 
 
-class AvailablePressure:
+class AvailablePressure(_ProcFile):
     """Linux without PSI: MemAvailable as a share of MemTotal."""
 
     name = "MemAvailable"
 
     def __init__(self, path: Path = MEMINFO_PATH) -> None:
-        self.path = path
-        self._warn = self._critical = False
+        super().__init__(path)
 
     def read(self) -> Pressure:
         try:
@@ -176,13 +185,10 @@ class AvailablePressure:
             share = info["MemAvailable"] / info["MemTotal"]
         except (OSError, ValueError, KeyError, IndexError, ZeroDivisionError) as e:
             return Pressure("normal", f"{self.path} unreadable: {e}")
-        # Lower is worse: held until the share is back at 1 / HYSTERESIS of the threshold.
-        self._warn = _held(self._warn, 1 / max(share, 1e-9), 1 / WARN_AVAILABLE)
-        self._critical = _held(self._critical, 1 / max(share, 1e-9), 1 / CRITICAL_AVAILABLE)
-        return Pressure(
-            _level(self._critical, self._warn),
-            f"MemAvailable {info['MemAvailable'] / 2**30:.1f} GiB of {info['MemTotal'] / 2**30:.1f} GiB",
-        )
+        # Lower is worse: judged on its inverse, so a level is held until the share doubles.
+        scarcity = 1 / max(share, 1e-9)
+        detail = f"MemAvailable {info['MemAvailable'] / 2**30:.1f} GiB of {info['MemTotal'] / 2**30:.1f} GiB"
+        return self._judge((scarcity, 1 / WARN_AVAILABLE), (scarcity, 1 / CRITICAL_AVAILABLE), detail)
 
 
 def platform_source() -> PressureSource | None:
