@@ -33,7 +33,9 @@ from moestream.daemon.pool.host_tier import HostTier
 from moestream.daemon.pool.pressure import (
     AvailablePressure,
     FilePressure,
+    MacPressure,
     ManualPressure,
+    Pressure,
     PsiPressure,
     pressure_source,
 )
@@ -346,6 +348,23 @@ def test_the_pressure_sources_read_psi_meminfo_and_a_file_with_their_hysteresis(
     level.write_text("panic")
     assert fp.read().level == "normal" and "no level" in fp.read().detail
     assert pressure_source("off") is None and isinstance(pressure_source(f"file:{level}"), FilePressure)
+    # macOS: the kernel's level by sysctl (a stand-in C library here), 1 normal, 2 warn, 4 critical.
+
+    class Libc:
+        value, rc = 1, 0
+
+        def sysctlbyname(self, name, value, size, new, new_size):
+            assert name == b"kern.memorystatus_vm_pressure_level" and new is None
+            value._obj.value = self.value
+            return self.rc
+
+    libc = Libc()
+    mac = MacPressure(libc)
+    for value, want in ((1, "normal"), (2, "warn"), (4, "critical")):
+        libc.value = value
+        assert mac.read() == Pressure(want, f"kern.memorystatus_vm_pressure_level {value}")
+    libc.rc = -1
+    assert mac.read().level == "normal" and "unreadable" in mac.read().detail
     assert pressure_source("auto") is not None  # Linux: PSI or MemAvailable; macOS: its level
     with pytest.raises(ValueError, match="auto, off or file:PATH"):
         pressure_source("sometimes")

@@ -24,7 +24,7 @@ import ctypes.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 Level = Literal["normal", "warn", "critical"]
 LEVELS: tuple[Level, ...] = ("normal", "warn", "critical")
@@ -99,8 +99,9 @@ class MacPressure:
 
     name = "macOS memory pressure"
 
-    def __init__(self) -> None:
-        self._libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    def __init__(self, libc: Any = None) -> None:
+        """`libc`: the C library whose `sysctlbyname` is called (the system's by default)."""
+        self._libc = libc if libc is not None else ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
     def read(self) -> Pressure:
         value = ctypes.c_int(0)
