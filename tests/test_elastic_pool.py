@@ -534,3 +534,51 @@ def test_the_page_in_headless_chromium_draws_the_pool_size_and_its_resizes(tmp_p
             gateway.stop()
         daemon.stop(15.0)
         shutil.rmtree(rt, ignore_errors=True)
+
+
+def test_a_batch_decoding_through_a_shrink_to_the_floor_equals_stock_batching(tmp_path):
+    """Continuous batching at 50% (8 slots: a batch of two, top-4 each) shrunk to the
+    floor (4 slots) while three requests decode together, then grown back: the batched
+    steps whose experts no longer fit the slots take the overflow path, and every
+    request's tokens equal stock's BatchGenerator fed the same way."""
+    from stock_runs import stock_batched
+    from test_batching import MAX_TOKENS, _prompts
+
+    from moestream.daemon.model.batching import BatchSession
+
+    src = make_tiny_model(tmp_path / "model", "qwen3_moe", quant="4bit", seed=4)
+    convert_model(src, tmp_path / "store")
+    model, tokenizer = stock_load(str(src))
+    want = stock_batched(model, _prompts(), MAX_TOKENS, sorted(tokenizer.eos_token_ids))
+    sm = load_streaming_model(tmp_path / "store", Settings(capacity=8, direct_io=True))
+    try:
+        session = BatchSession(sm, max_batch=8)
+        assert session.max_batch == 2
+        source, clock = ManualPressure(), Clock()
+        elastic = ElasticPool(source, LOG, clock=clock)
+        elastic.attach(sm)
+        gens = [session.steps(p, GREEDY, m) for p, m in zip(_prompts(), MAX_TOKENS)]
+        out: list[list[int]] = [[] for _ in gens]
+        live, turns, slots, overflows = list(range(len(gens))), 0, [], {}
+        while live:
+            for i in list(live):
+                try:
+                    token, _ = next(gens[i])
+                except StopIteration:
+                    live.remove(i)
+                    continue
+                if token is not None:
+                    out[i].append(int(token))
+                turns += 1
+                source.set("critical" if 4 <= turns < 14 else "normal")
+                clock.now += 1.0
+                elastic.tick()
+                slots.append(elastic.slots())
+                overflows[turns] = sum(p.stats.overflow_forwards for p in sm.pools)
+        session.close()
+        assert out == want, "a resize changed a batched token"
+        assert 4 in slots and slots[-1] == 8
+        # The prompts were prefilled by then: what overflowed at the floor were batched decode steps.
+        assert overflows[13] > overflows[5], "no batched step at the floor took the overflow path"
+    finally:
+        sm.close()
