@@ -542,7 +542,7 @@ def test_a_batch_decoding_through_a_shrink_to_the_floor_equals_stock_batching(tm
     steps whose experts no longer fit the slots take the overflow path, and every
     request's tokens equal stock's BatchGenerator fed the same way."""
     from stock_runs import stock_batched
-    from test_batching import MAX_TOKENS, _prompts
+    from test_batching import MAX_TOKENS, _prompts, _round_robin
 
     from moestream.daemon.model.batching import BatchSession
 
@@ -559,22 +559,17 @@ def test_a_batch_decoding_through_a_shrink_to_the_floor_equals_stock_batching(tm
         elastic.attach(sm)
         gens = [session.steps(p, GREEDY, m) for p, m in zip(_prompts(), MAX_TOKENS)]
         out: list[list[int]] = [[] for _ in gens]
-        live, turns, slots, overflows = list(range(len(gens))), 0, [], {}
-        while live:
-            for i in list(live):
-                try:
-                    token, _ = next(gens[i])
-                except StopIteration:
-                    live.remove(i)
-                    continue
-                if token is not None:
-                    out[i].append(int(token))
-                turns += 1
-                source.set("critical" if 4 <= turns < 14 else "normal")
-                clock.now += 1.0
-                elastic.tick()
-                slots.append(elastic.slots())
-                overflows[turns] = sum(p.stats.overflow_forwards for p in sm.pools)
+        slots, overflows = [], [0]
+
+        def between() -> None:  # the engine's loop, between two steps
+            turn = len(overflows)
+            source.set("critical" if 4 <= turn < 14 else "normal")
+            clock.now += 1.0
+            elastic.tick()
+            slots.append(elastic.slots())
+            overflows.append(sum(p.stats.overflow_forwards for p in sm.pools))
+
+        _round_robin(gens, out, between)
         session.close()
         assert out == want, "a resize changed a batched token"
         assert 4 in slots and slots[-1] == 8
