@@ -186,14 +186,15 @@ class ElasticPool:
         tier_slots = self._tier_slots(share)
         if self._tier is not None and share < self.share:
             self._tier.resize_tier(tier_slots)
+        # The forward queued before the resize holds the old arrays: once it has run, each
+        # layer's go as its new ones replace them, and MLX's cache gives their memory back
+        # to the system then, so that a shrink holds one layer's arrays twice at the most.
+        mx.synchronize()
         for pool, size in zip(sm.pools, self._sizes(share)):
             moved += pool.resize(size)
+            mx.clear_cache()
         if self._tier is not None and share > self.share:
             self._tier.resize_tier(tier_slots)
-        # The forward queued before the resize holds the old arrays: once it has run they
-        # go, and MLX's cache gives their memory back to the system.
-        mx.synchronize()
-        mx.clear_cache()
         self.share, self._changed = share, self.clock()
         after = (self.slots(), sm.pool_bytes, self._tier_bytes())
         why = f"memory pressure {reading.level} ({reading.detail})"
