@@ -36,6 +36,8 @@ from ..shared.settings import Settings, format_size
 from .heat import Heat
 from .keep_alive import KeepAlive, trim_heap
 from .limits import FileLimit
+from .pool.elastic import ElasticPool
+from .pool.pressure import pressure_source
 
 if TYPE_CHECKING:
     from ..shared.store_format import ManifestStamp
@@ -121,6 +123,8 @@ class Job:
     logprobs_sent: int = 0
     # Why it has waited in the queue ("batch", "memory"), each counted once in `status`.
     waited: set[str] = field(default_factory=set)
+    # The elastic pool's resizes before it started: its stats count those while it ran.
+    resizes_before: int = 0
 
     @property
     def key(self) -> tuple[bytes, str]:
@@ -213,6 +217,9 @@ class EngineLoop:
         self._prefetch_logged = False
         self._last_snapshot = 0.0
         self._keep_alive = KeepAlive(settings.keep_alive)
+        # The pool's size under the machine's memory pressure (daemon/pool/elastic.py),
+        # resized at this loop's turns, between steps.
+        self._elastic = ElasticPool(pressure_source(settings.memory_pressure), log.getChild("elastic"))
         self.state = "loading"
         self.error: str | None = None
         # Replaced whole (never mutated) so the I/O thread can read it without a lock.
@@ -347,6 +354,7 @@ class EngineLoop:
                     s.max_batch,
                 )
         self._start_prompt_cache()
+        self._elastic.attach(self._sm)
         tok = self._sm.tokenizer
         self._identity = {
             "model": str(self._sm.store_dir),
@@ -415,11 +423,14 @@ class EngineLoop:
             if idle and self._prompt_cache is not None:
                 # Off every request's path: finished caches go to the disk writer now.
                 self._prompt_cache.idle()
-            self._drain(block=not self._active and not any(j.checked is not None for j in self._pending))
+            # Queued requests held while the elastic pool refuses wait for a command or the next poll.
+            startable = not self._elastic.refusing and any(j.checked is not None for j in self._pending)
+            self._drain(block=not self._active and not startable)
             if self._stopping:
                 return
             if (self._pending or self._counts) and self._sm is None:
                 self._reload()
+            self._elastic_tick()
             self._activate_pending()
             if self._active:
                 # The job stays in the active set while it steps, so that a status
@@ -432,9 +443,22 @@ class EngineLoop:
             self._heat_tick()
             self._idle_check()
 
+    def _elastic_tick(self) -> None:
+        """Between two steps (no forward in flight on the host): resize the pool where
+        the machine's memory pressure says so (daemon/pool/elastic.py)."""
+        try:
+            resized = self._elastic.tick()
+        except Exception:  # the pool stays as it is, and is resized again at the next poll
+            self.log.exception("elastic pool: the resize failed")
+            return
+        if resized is not None:
+            self._publish(force=True)
+
     def _drain(self, *, block: bool) -> None:
         """Apply every waiting command; wait for one (a while) when there is no work."""
         timeout = min(SNAPSHOT_SECONDS * 5, max(self.settings.heat_flush_seconds, 0.05))
+        if self._elastic.watching:
+            timeout = min(timeout, self._elastic.poll_seconds)  # an idle daemon reads the pressure as often
         while True:
             try:
                 cmd = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
@@ -472,6 +496,10 @@ class EngineLoop:
                 else f"the daemon has {len(self._pending)} requests waiting (max_queued)"
             )
             self._send(cmd.peer, proto.Error(msg.id, proto.BUSY, f"{why}; try again later"))
+            return
+        if self._elastic.refusing and self._sm is not None:
+            self._send(cmd.peer, proto.Error(msg.id, proto.MEMORY_PRESSURE, self._elastic.refuse()))
+            self._publish(force=True)
             return
         job = Job(cmd.peer, msg, time.monotonic())
         self._keep_alive.request(msg.keep_alive)
@@ -514,7 +542,7 @@ class EngineLoop:
         from .model.reasoning import reasoning_splitter
         from .model.tool_calls import splitter_for
 
-        while len(self._active) < self.settings.max_active:
+        while len(self._active) < self.settings.max_active and not self._elastic.refusing:
             job = self._next_checked()
             if job is None:
                 return
@@ -548,6 +576,7 @@ class EngineLoop:
                 turn_end=self._sm.turn_end() if msg.messages is not None else None,
             )
             job.result = GenerationResult()
+            job.resizes_before = self._elastic.resizes
             job.gen = self._make_generator(job, params)
             if self._active and self._active[-1] is self._last_stepped:
                 self._active.insert(len(self._active) - 1, job)
@@ -581,7 +610,10 @@ class EngineLoop:
         from .pool.capacity import memory_held
 
         sm = self._sm
-        return memory_held(sm.manifest, sm.resident_bytes, sm.pool_bytes, sm.capacity, self.settings.prompt_cache_bytes)
+        # The pool at the size it was made with: what an elastic pool gave back under memory
+        # pressure is the system's, not room for more KV caches.
+        pool_bytes = max(sm.pool_bytes, self._elastic.made_pool_bytes())
+        return memory_held(sm.manifest, sm.resident_bytes, pool_bytes, sm.capacity, self.settings.prompt_cache_bytes)
 
     def _context_limit(self) -> Any:
         """A request's context (daemon/pool/capacity.py `context_limit`): `max_context`,
@@ -629,6 +661,8 @@ class EngineLoop:
             return None
         if len(self._active) >= self.settings.max_active:
             return f"{self.settings.max_active} requests decode at once (max_active)"
+        if self._elastic.refusing:
+            return self._elastic.why_refused()
         job = self._next_checked()
         if job is None:
             return "its prompt is being checked (tokenized, its length against max_context)"
@@ -749,6 +783,9 @@ class EngineLoop:
         stats["queued_seconds"] = (job.started or time.monotonic()) - job.received
         if job.stop_reason is not None:
             stats["prefill_pieces_after_stop"] = job.pieces_after_stop()
+        if result is not None:
+            # Resizes of the pool under memory pressure while it ran (daemon/pool/elastic.py).
+            stats["pool_resizes"] = self._elastic.resizes - job.resizes_before
         calls: list[dict[str, str]] = []
         reasoning = ""
         if job.reasoning is not None:
@@ -901,6 +938,7 @@ class EngineLoop:
     def _release_model(self) -> None:
         prompt_cache, batch, sm, checker = self._prompt_cache, self._batch, self._sm, self._checker
         self._prompt_cache = self._batch = self._sm = self._checker = None
+        self._elastic.detach()
         try:
             if checker is not None:
                 # Its thread holds the model (the tokenizer, the store); the counts it had
@@ -967,6 +1005,7 @@ class EngineLoop:
             "heat": self._heat.health(),
             "autopin": self._heat.autopin,
             "keep_alive": self._keep_alive.to_dict(now),
+            "elastic": self._elastic.status().to_dict(),
         }
         sm = self._sm
         if sm is None and self._store_stamp is not None:

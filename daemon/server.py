@@ -489,6 +489,9 @@ class Server:
             "expert_parallel": snap.get("expert_parallel"),
             # The idle unload (daemon/keep_alive.py): the clock, and what the last unload gave back.
             "keep_alive": snap.get("keep_alive"),
+            # The elastic pool (daemon/pool/elastic.py, shared/elastic.py `ElasticStatus`): its
+            # size now, the memory pressure read, and its last resizes with why.
+            "elastic": snap.get("elastic"),
             "snapshot_age_s": now - snap.get("at", now),
             "log": str(self.paths.log),
             "runtime_dir": str(self.paths.dir),

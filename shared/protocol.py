@@ -121,6 +121,9 @@ BUSY = "busy"  # the queue is full
 TOO_LONG = "too_long"  # a prompt that fills the daemon's context
 SHUTTING_DOWN = "shutting_down"
 ENGINE = "engine"  # the model failed on this request (e.g. an unreadable expert)
+# The machine is under critical memory pressure with the pool at its floor
+# (daemon/pool/elastic.py): new requests are refused until it passes.
+MEMORY_PRESSURE = "memory_pressure"
 INTERNAL = "internal"
 
 

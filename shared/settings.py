@@ -480,6 +480,16 @@ class Settings:
         help="Share of each layer's slots pinned at start with its hottest experts of the saved heat (with a "
         "mapped pool, any share but 0 places the hottest in GPU memory).",
     )
+    # The elastic pool (daemon/pool/elastic.py): where the daemon reads the machine's memory
+    # pressure. Tests and benchmarks drive it through a file; a user has no reason to.
+    memory_pressure: str = setting(
+        "auto",
+        kind="text",
+        help="Where the daemon reads the machine's memory pressure, under which the pool and host tier give "
+        "memory back: auto (macOS's memory-pressure level; Linux's PSI, else MemAvailable), off, or file:PATH "
+        "(a level written in a file: normal, warn or critical).",
+        bench=True,
+    )
     # Auto because prefetch pays on some machines and pools and costs on others.
     prefetch: str = setting(
         "auto",
@@ -553,7 +563,7 @@ class Settings:
         help="Folder of the heat file (pool_usage.json): the routing counts that autopin reads at start.",
     )
     heat_flush_seconds: float = setting(
-        5.0, kind="float", low=0.0, help="Seconds between saves of the routing counts to the heat file.", bench=True
+        5.0, kind="float", low=0.0, help="Seconds between saves of the routing counts to the heat file."
     )
     # Requests: a memory budget keeps room for a max_context cache when it sizes the pool.
     max_context: int | None = setting(
@@ -637,15 +647,6 @@ class Settings:
         high=1_000_000,
         help="Gateway connections at once, half of them from one client address (fewer where the open-file "
         "limit is lower); past it the oldest idle or half-open one is closed.",
-    )
-    # What is cached tells what was sent: a client that finds a prefix cached (its
-    # cached_tokens, or a quicker first token) learns that someone sent it.
-    prompt_cache_shared: bool = setting(
-        False,
-        kind="bool",
-        help="Let every gateway client reuse every other's cached prompts; off: only those of requests that name "
-        "the same user or session (Claude Code's metadata.user_id, Codex's prompt_cache_key, OpenAI's user), or "
-        "that name none and come from the same address.",
     )
     # A chat resends its whole history each turn; the cache spares prefilling it again.
     prompt_cache_bytes: int = setting(

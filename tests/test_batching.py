@@ -44,9 +44,10 @@ def _prompts() -> list[list[int]]:
     return [rng.integers(0, 500, size=n).tolist() for n in LENGTHS]
 
 
-def _round_robin(gens, out: list[list[int]]) -> None:
+def _round_robin(gens, out: list[list[int]], between=None) -> None:
     """Step the requests' generators one token each per turn, as the engine loop steps
-    its jobs, until all end; each one's tokens are added to its list in `out`."""
+    its jobs, until all end; each one's tokens are added to its list in `out`.
+    `between()`: called after each step, where the engine's loop does its other work."""
     live = list(range(len(gens)))
     while live:
         for i in list(live):
@@ -57,6 +58,8 @@ def _round_robin(gens, out: list[list[int]]) -> None:
                 continue
             if token is not None:  # None: a piece of its prompt, the others' turn next
                 out[i].append(int(token))
+            if between is not None:
+                between()
 
 
 def _ours_batched(sm, prompts: list[list[int]]) -> list[list[int]]:

@@ -119,6 +119,21 @@ ASSIGNMENT_ALLOWED = {
     "wrapped to be called again on the real cache",
     ("KeepMTP", "__name__"): "a class the function itself defines, named like the one it extends",
     ("log", "propagate"): "the standard library's Logger is configured through its attributes",
+    ("node", "*"): "prompt_tree.py's own `Node` records, changed by the tree that owns them",
+    ("upper", "*"): "the same, the upper half of a split segment",
+    ("parent", "children"): "the same, a split segment's parent",
+    ("up", "end"): "the same, an ancestor that is no longer an entry",
+    ("n", "used"): "the same, a served path's nodes marked used",
+    ("own", "disk"): "prompt_cache.py's own `_Scope` record of one scope's files",
+    ("c", "state"): "mlx-lm's cache objects take their contents through their `state` property",
+    ("Shown", "__name__"): "a class the function itself defines, named like the one it extends",
+    ("plan", "fitted_to"): "plan.py's own `Plan` record, which the function that made it completes",
+    ("bar", "note"): "pull.py's own progress line, the file it is on",
+    ("state", "crcs"): "pull.py's own `PullState` record, saved after each file",
+    # Known exception: the model's own cache-keeping modules are run per request by
+    # switching their class to a subclass whose call splits the batch (row_batch.py);
+    # nothing else of the module changes, and no copy of mlx-lm's attention is needed.
+    ("module", "__class__"): "known exception, see above",
     # To go: the CUDA copier's kernel switch is set after construction by make_admitter
     # (daemon/pool/admission.py); cuda_copier() should take it instead.
     ("copier", "kernel"): "known exception, see above",

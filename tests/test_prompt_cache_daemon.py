@@ -108,15 +108,14 @@ def _cached(api: openai.OpenAI, model: str, text: str, **extra) -> int:
 @pytest.mark.parametrize("shared", [False, True])
 def test_one_client_cannot_learn_anothers_prompt_from_cached_tokens(store, shared):
     """Through the keyless loopback gateway, a client that probes with a guess of another's
-    prompt learns nothing from `cached_tokens` (0), unless `prompt_cache_shared` is on;
+    prompt learns nothing from `cached_tokens` (0), unless the gateway shares it (--share-prompt-cache);
     requests that name the same user share their history."""
     rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="mspc"))
     gateway = None
     try:
         out = ctl("start", "--model", str(store), "--runtime-dir", str(rt))
         assert out.returncode == 0, out.stdout + out.stderr
-        env = {"MOESTREAM_PROMPT_CACHE_SHARED": "1"} if shared else None
-        gateway = Gateway(rt, rt / "gateway.log", env=env)
+        gateway = Gateway(rt, rt / "gateway.log", *(["--share-prompt-cache"] if shared else []))
         api = openai.OpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0, timeout=60)
         model = api.models.list().data[0].id
         secret = "The secret code is 4821. " * 6

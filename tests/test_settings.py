@@ -214,7 +214,7 @@ def test_out_of_range_numbers_and_unknown_names_are_refused():
     with pytest.raises(SettingsError, match="keep_alive"):
         Settings.from_values({"keep_alive": "soon"})
     with pytest.raises(SettingsError, match="heat_flush_seconds: must be at least 0"):
-        Settings().replace(heat_flush_seconds="-1")
+        Settings.from_values({"heat_flush_seconds": "-1"})
     with pytest.raises(SettingsError, match=r"unknown setting 'host_cach' \(did you mean 'host_cache'\?\)"):
         Settings.from_values({"host_cach": "1G"})
     assert Settings.from_values({"mapped": "auto"}).mapped is None

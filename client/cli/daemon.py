@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from ...shared import protocol as proto
+from ...shared.elastic import ElasticStatus
 from ...shared.file_lock import lock_exclusive
 from ...shared.request_info import RequestInfo
 from ...shared.runtime_dir import (
@@ -490,6 +491,8 @@ def _format_status(st: dict[str, Any]) -> str:
             f"policy {st['policy']}; {resident}/{slots} slots used, {pinned} pinned; hit rate "
             f"{_rate(pool.get('hit_rate'))}"
         )
+    if st.get("elastic") and st.get("capacity") is not None:
+        lines += _elastic_lines(ElasticStatus.from_dict(st["elastic"]))
     ctx = st.get("context")
     if ctx:
         room = f", {_size(ctx['kv_room_bytes'])} of {ctx['memory']} left for KV" if ctx["kv_room_bytes"] else ""
@@ -569,6 +572,31 @@ def _format_status(st: dict[str, Any]) -> str:
         f"  socket     {st['socket']}",
     ]
     return "\n".join(lines)
+
+
+# Resizes of the elastic pool listed by `status` (the dashboard draws them all).
+LISTED_RESIZES = 3
+
+
+def _elastic_lines(el: ElasticStatus) -> list[str]:
+    """The elastic pool (daemon/pool/elastic.py): its size against what it was made with,
+    the pressure read, and its last resizes with why."""
+    if el.source is None or el.configured_slots == 0:
+        return [f"  elastic    {el.note}"]
+    tier = ""
+    if el.configured_tier_bytes:
+        tier = f", host tier {_size(el.tier_bytes)} of {_size(el.configured_tier_bytes)}"
+    lines = [
+        f"  elastic    {el.slots} of {el.configured_slots} slots per layer (floor {el.floor_slots}){tier}; memory "
+        f"pressure {el.level} ({el.detail or el.source})"
+        + (f"; new requests refused ({el.refused} so far)" if el.refusing else "")
+    ]
+    for ev in el.events[-LISTED_RESIZES:]:
+        lines.append(
+            f"    {time.strftime('%H:%M:%S', time.localtime(ev.at))} {ev.slots_from} -> {ev.slots_to} slots "
+            f"({_size(ev.pool_bytes_from)} -> {_size(ev.pool_bytes_to)}) in {ev.seconds:.3f} s: {ev.reason}"
+        )
+    return lines
 
 
 def _minutes(seconds: float) -> str:

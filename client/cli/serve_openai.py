@@ -101,6 +101,15 @@ def bind(host: str, port: int) -> socket.socket:
     "--api-key", help="Clients must send `Authorization: Bearer KEY` (visible in `ps`: prefer --api-key-file)."
 )
 @click.option("--api-key-file", type=click.Path(dir_okay=False), help="File whose first line is the API key.")
+# What is cached tells what was sent: a client that finds a prefix cached (its
+# cached_tokens, or a quicker first token) learns that someone sent it.
+@click.option(
+    "--share-prompt-cache",
+    is_flag=True,
+    help="Let every client reuse every other's cached prompts; by default only those of requests that name the same "
+    "user or session (Claude Code's metadata.user_id, Codex's prompt_cache_key, OpenAI's user), or that name none "
+    "and come from the same address.",
+)
 @runtime_dir_option
 @click.option(
     "--log-level",
@@ -108,7 +117,7 @@ def bind(host: str, port: int) -> socket.socket:
     show_default=True,
     type=click.Choice(["critical", "error", "warning", "info", "debug"]),
 )
-def serve_openai(host, port, api_key, api_key_file, runtime_dir, log_level) -> None:
+def serve_openai(host, port, api_key, api_key_file, share_prompt_cache, runtime_dir, log_level) -> None:
     """Serve the daemon over HTTP: the OpenAI API (/v1: chat, completions, models), the
     Anthropic Messages API (/v1/messages), Ollama's API (/api) and a live dashboard (/).
 
@@ -151,7 +160,7 @@ def serve_openai(host, port, api_key, api_key_file, runtime_dir, log_level) -> N
         f"pid {os.getpid()})",
         err=True,
     )
-    app = create_app(GatewayConfig(paths=paths, api_key=key, cache_shared=settings.prompt_cache_shared), guard)
+    app = create_app(GatewayConfig(paths=paths, api_key=key, cache_shared=share_prompt_cache), guard)
     config = uvicorn.Config(
         app,
         http=ConnectionGuard(guard).protocol_class(),

@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from ...shared.elastic import ElasticStatus
 from ...shared.heat_file import group_usage, peek_usage, usage_path
 from ...shared.request_info import RequestInfo
 from ...shared.runtime_dir import RuntimePaths
@@ -119,6 +120,34 @@ class History:
         return [max(b - a, 0) / dt for a, b in zip(prev.routed, s.routed)]
 
 
+def pool_sizes(st: dict[str, Any], now: float) -> dict[str, Any]:
+    """The pool's slots per layer over time, from the elastic pool's resizes in `status`
+    (daemon/pool/elastic.py): the size before the first resize kept, then a step at each
+    (with why), up to its size at `now` (wall-clock seconds); with what it was made with,
+    its floor and the pressure read last, for the page's chart and list."""
+    if not st.get("elastic"):
+        return {"steps": [], "note": "no elastic pool (a daemon before it, or not running)"}
+    el = ElasticStatus.from_dict(st["elastic"])
+    if el.source is None or not el.configured_slots:
+        return {"steps": [], "note": el.note}
+    first = el.events[0].slots_from if el.events else el.slots
+    steps = [{"at": None, "slots": first, "reason": "as made" if el.events else "unchanged", "level": None}]
+    steps += [{"at": e.at, "slots": e.slots_to, "reason": e.reason, "level": e.level} for e in el.events]
+    return {
+        "steps": steps,
+        "now": now,
+        "slots": el.slots,
+        "made": el.configured_slots,
+        "floor": el.floor_slots,
+        "level": el.level,
+        "detail": el.detail,
+        "refusing": el.refusing,
+        "refused": el.refused,
+        "events": [e.to_dict() for e in reversed(el.events)],
+        "note": None,
+    }
+
+
 def heat_map(st: dict[str, Any]) -> dict[str, Any]:
     """The routing counts of the served store as rows of layers x experts, from the heat
     file (read only: a corrupt one is the daemon's to set aside)."""
@@ -203,6 +232,7 @@ class Dashboard:
             "layer_rates": self.history.layer_rates(),
             "requests": [],
             "heat": {"rows": []},
+            "pool_sizes": pool_sizes(st, time.time()),
         }
         if st["running"]:
             body["requests"] = [r.to_dict() for r in requests_of(st)]

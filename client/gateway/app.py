@@ -88,6 +88,7 @@ _DAEMON_ERRORS: dict[str, tuple[int, str]] = {
     proto.DUPLICATE_ID: (400, "invalid_request_error"),
     proto.BUSY: (429, "rate_limit_error"),
     proto.SHUTTING_DOWN: (503, "server_error"),
+    proto.MEMORY_PRESSURE: (503, "server_error"),
     proto.ENGINE: (500, "server_error"),
     proto.INTERNAL: (500, "server_error"),
 }
@@ -121,7 +122,7 @@ class GatewayConfig:
     demo_store_id: str | None = field(default_factory=_demo_store_id)
     # A streamed answer's keep-alive before its first token (client/gateway/keep_alive.py).
     keep_alive_seconds: float = KEEP_ALIVE_SECONDS
-    # Every client reuses every other's cached prompts (setting prompt_cache_shared).
+    # Every client reuses every other's cached prompts (serve-openai --share-prompt-cache).
     cache_shared: bool = False
 
 

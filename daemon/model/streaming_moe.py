@@ -79,6 +79,9 @@ class StreamingMoE(nn.Module):
         self._idle = False
         self._last_ids: np.ndarray | None = None
         self._use(pool.arrays)
+        # A resize of the pool (daemon/pool/elastic.py) hands the module its new arrays at
+        # once, so that the old ones go with the last forward queued on them.
+        pool.watch_arrays(self._use)
 
     def __getattr__(self, key: str) -> Any:
         # What the MoE block around mlx-lm's module reaches through it (muse_spark's MoE

@@ -8,12 +8,15 @@ Invariants:
 - Slot bytes are only written while no queued computation reads that slot: admission
   first waits for the streams that run the model to drain, unless the forward has just
   synced on the one stream every read of this pool was queued on (`ensure`).
+- `resize` (daemon/pool/elastic.py) runs between forwards, never inside one: it copies the
+  experts it keeps into new arrays and only reads the old ones, which a forward queued
+  before keeps alive with its own slot ids; so no slot a computation reads is rewritten.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -188,6 +191,14 @@ class ExpertPool:
         self.last_prestaged_used = 0
         # The stream of the forward that last queued a read of this pool's slots.
         self._reader_stream: str | None = None
+        # What uses `arrays` (the layer's StreamingMoE hands its module the new ones when
+        # `resize` replaces them), and the pin order and routings since load that rank
+        # experts by heat when a shrink unpins or gives them back; the experts a shrink
+        # unpinned, hottest first, pinned again when the pool grows.
+        self.on_arrays: Callable[[dict[str, mx.array]], None] | None = None
+        self._pin_rank: dict[int, int] = {}
+        self._routed_earlier = np.zeros(layer.num_experts, np.int64)
+        self.unpinned: list[int] = []
         # Whether a sync on a stream means that everything queued on it before has run:
         # so on CUDA (one CUDA stream per MLX stream) and on the CPU (one worker per
         # stream). Not relied on with Metal, whose command buffers of one queue may
@@ -240,6 +251,8 @@ class ExpertPool:
         wanted = wanted[: max(room, 0)]
         self._admit([e for e in wanted if self.slot_of[e] < 0], set(wanted) | self.pinned)
         self.pinned.update(wanted)
+        for e in wanted:
+            self._pin_rank.setdefault(e, len(self._pin_rank))
         return len(wanted)
 
     def preload(self, experts: Sequence[int]) -> int:
@@ -647,4 +660,107 @@ class ExpertPool:
         """Per-expert routed counts since the last call (for the heat keeper)."""
         counts = self.stats.routed
         self.stats.routed = np.zeros_like(counts)
+        self._routed_earlier += counts
         return counts
+
+    # ---- resizing (daemon/pool/elastic.py) ---------------------------------------------
+
+    def watch_arrays(self, use: Callable[[dict[str, mx.array]], None]) -> None:
+        """`use(arrays)` once `resize` has replaced the arrays (the layer's StreamingMoE
+        hands its module the new ones)."""
+        self.on_arrays = use
+
+    def hottest_first(self, experts: Iterable[int]) -> list[int]:
+        """`experts` by heat: routings since load, then the order they were pinned in
+        (the saved heat's), then id."""
+        routed = self._routed_earlier + self.stats.routed
+        last = len(self._pin_rank)
+        return sorted((int(e) for e in experts), key=lambda e: (-int(routed[e]), self._pin_rank.get(e, last), e))
+
+    def resize(self, capacity: int) -> int:
+        """Give the pool `capacity` slots (top-k at the least, every expert at the most),
+        between two forwards; returns the experts given back (a shrink) or read (a grow).
+
+        A shrink keeps at most `capacity - top_k` pinned experts (as `pin` does), the
+        hottest, and unpins the rest; it gives back the policy's victims first (the coldest
+        by its own measure), then the unpinned, least routed first. A grow pins again what
+        a shrink unpinned (reading those that left, hottest first), or, with a slot for
+        every expert, loads them all (`load_all`). Either way the experts kept are copied
+        into new arrays of `capacity` rows, and the old arrays go once nothing holds them:
+        a forward queued before still reads them, under the slot ids it was given, and no
+        byte of an expert changes, so neither does what the model computes."""
+        n = self.layer.num_experts
+        capacity = max(self.top_k, min(int(capacity), n))
+        if capacity == self.capacity or self.host_memory or not self.reuse:
+            return 0
+        # Copies still in flight into slots land first; those experts are residents now.
+        self.admitter.settle()
+        self._prestaged = set()
+        if capacity < self.capacity:
+            return self._shrink(capacity)
+        return self._grow(capacity)
+
+    def _shrink(self, capacity: int) -> int:
+        if self.remap is not None:
+            self.remap, self.identity = None, False
+        pins = self.hottest_first(self.pinned)
+        kept, unpinned = pins[: capacity - self.top_k], pins[capacity - self.top_k :]
+        self.pinned = set(kept)
+        # Hottest first: these were pinned until now, those of an earlier shrink before.
+        self.unpinned = unpinned + [e for e in self.unpinned if e not in self.pinned]
+        protected = self.pinned | set(self.unpinned)
+        excess = len(self._resident) - capacity
+        given = 0
+        # The policy's own victims first, never a pinned or unpinned one.
+        while given < excess and len(self._resident - protected):
+            victim = self.policy.victim(self._resident, protected)
+            self._release(victim)
+            self.policy.evicted(victim)
+            given += 1
+        for e in reversed(self.hottest_first(e for e in self.unpinned if self.slot_of[e] >= 0)):
+            if given >= excess:
+                break
+            self._release(e)
+            self.policy.evicted(e)
+            given += 1
+        # The experts kept stay in their slots below `capacity`; those above move down.
+        used = [int(s) for s in np.flatnonzero(self.expert_in >= 0)]
+        low_free = [s for s in range(capacity) if self.expert_in[s] < 0]
+        moves = [(low_free.pop(0), s) for s in used if s >= capacity]
+        rows = [(s, s) for s in used if s < capacity] + moves
+        self._replace_arrays(capacity, rows)
+        return given
+
+    def _grow(self, capacity: int) -> int:
+        rows = [(s, s) for s in np.flatnonzero(self.expert_in >= 0).tolist()]
+        self._replace_arrays(capacity, rows)
+        read_before = self.stats.bytes_read
+        if capacity == self.layer.num_experts:
+            self.load_all()
+            self.unpinned = []
+        else:
+            wanted = self.unpinned[: max(capacity - self.top_k - len(self.pinned), 0)]
+            self.pin(wanted)
+            self.unpinned = [e for e in self.unpinned if e not in self.pinned]
+        return (self.stats.bytes_read - read_before) // max(self.layer.expert_bytes, 1)
+
+    def _replace_arrays(self, capacity: int, rows: Sequence[tuple[int, int]]) -> None:
+        """New arrays of `capacity` rows holding the old rows' bytes at (new row, old
+        row) `rows`, the slot table renumbered to match; the rest of the slots free."""
+        old = self.arrays
+        arrays = {t.name: mx.zeros((capacity, *t.shape), dtype=getattr(mx, t.dtype)) for t in self.layer.tensors}
+        mx.eval(list(arrays.values()))
+        self.admitter.prepare(arrays)
+        self.admitter.copy_rows(self.layer, arrays, old, rows)
+        expert_in = np.full(capacity, -1, np.int32)
+        for new, was in rows:
+            e = int(self.expert_in[was])
+            expert_in[new] = e
+            self.slot_of[e] = new
+        self.arrays, self.expert_in, self.capacity = arrays, expert_in, capacity
+        self.policy.capacity = capacity
+        self._free = [s for s in range(capacity - 1, -1, -1) if expert_in[s] < 0]
+        # Nothing queued reads the new arrays yet.
+        self._reader_stream = None
+        if self.on_arrays is not None:
+            self.on_arrays(arrays)

@@ -12,6 +12,10 @@ staging area for that DMA. Which admitter a machine gets is `make_admitter`'s ch
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
+import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -65,17 +69,79 @@ class TierStats:
     prestage_wait_seconds: float = 0.0
 
 
+# How pages a smaller tier no longer uses go back to the system: dropped at once on Linux
+# (read again, they are zeros); on macOS marked reusable, as its malloc does, so that the
+# process's footprint (what memory pressure counts) drops, and reused before a grow.
+_RELEASE = getattr(mmap, "MADV_FREE_REUSABLE", None) if sys.platform == "darwin" else mmap.MADV_DONTNEED
+_REUSE = getattr(mmap, "MADV_FREE_REUSE", None) if sys.platform == "darwin" else None
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _advise(buffer: Any, start: int, end: int, advice: int | None) -> bool:
+    """madvise(2) the whole pages of `buffer` (host memory exported as a buffer) within
+    [start, end); False where it failed or there is nothing to advise."""
+    start = (start + _PAGE - 1) // _PAGE * _PAGE
+    end = end // _PAGE * _PAGE
+    if advice is None or end <= start:
+        return False
+    base = ctypes.addressof(ctypes.c_char.from_buffer(memoryview(buffer).cast("B")))
+    done = _LIBC.madvise(ctypes.c_void_p(base + start), ctypes.c_size_t(end - start), ctypes.c_int(advice))
+    return done == 0
+
+
 class HostTier:
     """Expert blocks in host memory: `slots` slots of `stride` bytes, LRU over
     (layer, expert) keys. Touched only on the decode thread: by the admitter that owns
-    it, and by the prefetcher, which adds the experts it read from disk."""
+    it, and by the prefetcher, which adds the experts it read from disk.
+
+    `resize` (the elastic pool, daemon/pool/elastic.py) gives bytes back and takes them
+    again, up to the `most` slots it was made with: page-locked memory (DMA's) is made
+    again at the new size, other memory keeps its address and gives back its pages."""
 
     def __init__(self, slots: int, stride: int, copier: CudaCopier | None) -> None:
-        self.slots = slots
+        self.slots = self.most = slots
         self.stride = stride
+        self._copier = copier
         self.buffer = HostBuffer(slots * stride, copier)
+        self.view = memoryview(self.buffer).cast("B")
         self._slot_of: OrderedDict[tuple[int, int], int] = OrderedDict()
         self._free = list(range(slots - 1, -1, -1))
+        # Whether the pages of the last shrink went back to the system.
+        self.released = True
+
+    def resize(self, slots: int) -> None:
+        """Hold at most `slots` experts (1 to `most`): a shrink keeps the most recently
+        used, moved into the slots below `slots`, and gives back the bytes above them; a
+        grow takes them again. No copy may be in flight (the admitter settles first)."""
+        slots = max(1, min(int(slots), self.most))
+        if slots == self.slots:
+            return
+        stride = self.stride
+        if slots < self.slots:
+            for key in list(self._slot_of)[: max(len(self._slot_of) - slots, 0)]:
+                self.forget(key)
+            low_free = sorted(s for s in self._free if s < slots)
+            for key, s in list(self._slot_of.items()):
+                if s >= slots:
+                    d = low_free.pop(0)
+                    self.view[d * stride : (d + 1) * stride] = self.view[s * stride : (s + 1) * stride]
+                    self._slot_of[key] = d  # keeps its place in the LRU order
+            self._free = low_free[::-1]
+        else:
+            self._free = list(range(slots - 1, self.slots - 1, -1)) + self._free
+        if self.buffer.pinned:
+            # Page-locked memory cannot give back part of itself: made again at the new size.
+            used = min(slots, self.slots) * stride
+            buffer = HostBuffer(slots * stride, self._copier)
+            view = memoryview(buffer).cast("B")
+            view[:used] = self.view[:used]
+            self.buffer, self.view = buffer, view
+        elif slots < self.slots:
+            self.released = _advise(self.buffer, slots * stride, self.slots * stride, _RELEASE)
+        else:
+            _advise(self.buffer, self.slots * stride, slots * stride, _REUSE)
+        self.slots = slots
 
     @property
     def pinned(self) -> bool:
@@ -262,6 +328,11 @@ class TieredAdmitter:
         self.s.bytes_from_disk += read
         return read
 
+    def resize_tier(self, slots: int) -> None:
+        """The host tier at `slots` experts (`HostTier.resize`), once no copy reads it."""
+        self.settle()
+        self.tier.resize(slots)
+
     def settle(self) -> None:
         if self._in_flight:
             self._in_flight = False
@@ -297,6 +368,8 @@ class TieredAdmitter:
             "tier_capacity_experts": self.tier.slots if self.caching else 0,
             "tier_resident_experts": len(self.tier) if self.caching else 0,
             "tier_bytes": self.tier.slots * self.tier.stride,
+            # The bytes it was made with (--host-cache); less while the elastic pool holds it smaller.
+            "tier_most_bytes": self.tier.most * self.tier.stride,
             "pinned": self.tier.pinned,
             "tier_hits": s.hits if self.caching else 0,
             "tier_misses": s.misses if self.caching else 0,

@@ -100,7 +100,6 @@ class Prefetcher:
         self.tier = tier
         self.buffer = HostBuffer(slots * self.stride, copier)
         self._view = memoryview(self.buffer).cast("B")
-        self._tier_view = memoryview(tier.buffer).cast("B") if tier is not None else None
         self._entries: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
         self._free = list(range(slots - 1, -1, -1))
         self._dropped: set[tuple[int, int]] = set()
@@ -270,7 +269,8 @@ class Prefetcher:
         """Copy what was read for the pool into the host tier too, so that an expert
         prefetched once comes from host memory the next time, not from the disk again.
         The caller has waited for the tier's copies in flight, so any slot may be taken."""
-        tier, view, stride = self.tier, self._tier_view, self.stride
+        # The tier's view now: an elastic pool may have made its buffer again (HostTier.resize).
+        tier, view, stride = self.tier, self.tier.view, self.stride
         for e, entry in served:
             key = (layer.ordinal, e)
             if tier.holds(key):

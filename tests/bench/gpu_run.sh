@@ -26,6 +26,7 @@
 #   heat-q30             q30: requests through a daemon at 25% + 20G host tier, for the heat and reuse files plan-q30 reads
 #   gen-demo             the daemon's generation loop against the bench loop, demo model
 #   spec-demo            speculative decoding with the demo's MTP head against plain decode
+#   elastic-demo         the elastic pool on the demo at 50% (slot pool, page-locked 2M host tier): resizes against none and stock, shrink/grow times, tok/s before/while/after
 # prefill (bench prefill)
 #   prefill-q30          q30: time to first token at 512/2048/8192 tokens: stock, 100%, 25% disk (and chunk order), 25% + 20G host
 # serving (bench serve)
@@ -454,6 +455,15 @@ import json, sys
 from moestream.daemon.bench.warmstart import format_report
 print(format_report(json.load(open(sys.argv[1]))))
 EOF
+    ;;
+  elastic-demo)
+    # The CUDA copier's row copies and a page-locked tier made again at each size, which the
+    # CPU tests do not reach; TOKENS per phase and ROUNDS for the timings.
+    $py tests/bench/elastic_probe.py --capacity 0.5 --host-cache 2M --no-mapped --check \
+      --tokens ${TOKENS:-128} --rounds ${ROUNDS:-5} --paired ${PAIRED:-16} --json "$OUT/elastic_probe_demo_gpu.json" >"$OUT/elastic_probe_demo_gpu.progress"
+    head -c 600 "$OUT/elastic_probe_demo_gpu.progress"; echo
+    $py -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in ('shrink_seconds_median','grow_seconds_median','tok_s_median','device')})" \
+      "$OUT/elastic_probe_demo_gpu.json"
     ;;
   spec-demo)
     # Speculative decoding with the demo's MTP head against plain decode, K = 1..3.
