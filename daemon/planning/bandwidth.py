@@ -16,6 +16,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ..._native import ReadEngine
+from ...shared.durable import sync_file
 from ...shared.settings import format_size
 from ...shared.store_format import MoELayer, load_manifest
 from ..pool.admission import cuda_copier
@@ -127,8 +128,7 @@ def scratch_layer(near: Path, layer: MoELayer) -> Iterator[tuple[Path, list[MoEL
         with open(path, "wb") as f:
             for _ in range(count):
                 f.write(block)
-            f.flush()
-            os.fsync(f.fileno())
+            sync_file(f)
         yield Path(tmp), [scratch]
 
 
