@@ -336,6 +336,14 @@ class Client:
                 if keep_waiting and self._alive():
                     last = time.monotonic()
                     continue
+                if self.paths.paused_socket.exists():
+                    # Its socket renamed away: it is near its open-file limit (daemon/limits.py).
+                    raise RequestRejected(
+                        proto.BUSY,
+                        f"the daemon (pid {self.pid}) takes no new connections now: its open files are nearly "
+                        "all client connections; try again when some have closed",
+                        request_id,
+                    )
                 # The ping of a long wait takes up to `timeout` more: say how long it really was.
                 raise DaemonDied(
                     f"no reply from the daemon (pid {self.pid}) for {time.monotonic() - heard:.0f} s"

@@ -54,6 +54,9 @@ REPLY_QUEUE_MESSAGES = 1000
 GONE_REMEMBERED = 4096
 # How often the descriptors the process holds besides its connections are counted again.
 FD_RECOUNT_SECONDS = 5.0
+# While the socket is renamed away (near the open-file limit), how often the open files
+# are counted to see whether it may come back.
+PAUSED_RECOUNT_SECONDS = 0.2
 
 
 @dataclass
@@ -62,6 +65,7 @@ class ServerCounters:
 
     refused_busy: int = 0  # requests of new clients past max_connections
     shut_near_file_limit: int = 0  # connections shut down at once, near the open-file limit
+    paused_accepting: int = 0  # times the socket was renamed away, near the open-file limit
     dropped: int = 0  # clients gone, or not reading their replies
     ignored_messages: int = 0  # messages of dropped clients, not served
 
@@ -100,6 +104,8 @@ class Server:
         self._refusing = False
         self._other_fds = 0
         self._fds_counted = 0.0
+        # Near the open-file limit the socket file is renamed away (daemon/limits.py).
+        self._paused = False
         self.counters = ServerCounters()
         self._gone: OrderedDict[bytes, None] = OrderedDict()
 
@@ -158,7 +164,7 @@ class Server:
             router.setsockopt(zmq.SNDHWM, REPLY_QUEUE_MESSAGES)
             router.bind(self.paths.endpoint)
             os.chmod(self.paths.socket, 0o600)
-            monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+            monitor = self._monitor(ctx, router)
             pull.setsockopt(zmq.LINGER, 0)
             pull.setsockopt(zmq.RCVHWM, 0)
             pull.bind(events_endpoint)
@@ -180,6 +186,17 @@ class Server:
             pull.close(linger=0)
             router.close(linger=CLOSE_LINGER_MS)
 
+    @staticmethod
+    def _monitor(ctx: zmq.Context, router: zmq.Socket) -> zmq.Socket:
+        """The ROUTER's accept and disconnect events, none dropped: libzmq drops what its
+        monitor pipe cannot hold, and a lost disconnect would skew the count of clients."""
+        address = f"inproc://monitor-{id(router)}"
+        router.monitor(address, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        monitor = ctx.socket(zmq.PAIR)
+        monitor.setsockopt(zmq.RCVHWM, 0)
+        monitor.connect(address)
+        return monitor
+
     def _loop(
         self, router: zmq.Socket, pull: zmq.Socket, monitor: zmq.Socket, wake: socket.socket, engine: EngineLoop
     ) -> None:
@@ -194,7 +211,8 @@ class Server:
                 signals = wake.recv(4096)
                 if any(n in (signal.SIGTERM, signal.SIGINT) for n in signals):
                     self._stop_requested = True
-            if time.monotonic() - self._fds_counted > FD_RECOUNT_SECONDS:
+            since = time.monotonic() - self._fds_counted
+            if since > FD_RECOUNT_SECONDS or (self._paused and since > PAUSED_RECOUNT_SECONDS):
                 self._count_fds()
             if monitor in ready:
                 self._read_monitor(monitor)
@@ -291,7 +309,7 @@ class Server:
         if peer in self._admitted:
             self._admitted.move_to_end(peer)
             return True
-        limit = self.settings.max_connections
+        limit = self.max_connections()
         if self._clients <= limit:
             self._admitted[peer] = None
             if len(self._admitted) > 2 * limit:
@@ -313,8 +331,8 @@ class Server:
             proto.Error(
                 rid,
                 proto.BUSY,
-                f"the daemon has {self._clients} connections open (setting max_connections {limit}); "
-                "close some and try again",
+                f"the daemon has {self._clients} connections open (max_connections {limit}: "
+                f"{self._limit_why(limit)}); close some and try again",
             ),
         )
         return False
@@ -351,17 +369,64 @@ class Server:
                 return
             if event["event"] == zmq.EVENT_ACCEPTED:
                 self._clients += 1
-                if self._clients > self.file_limit.connection_room(self._other_fds):
+                if self.file_limit.past_the_line(event["value"]):
+                    self._pause_accepting()
                     self._shut_down(event["value"])
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self._clients = max(self._clients - 1, 0)
 
+    def max_connections(self) -> int:
+        """The setting, at most the room the open-file limit leaves beside the daemon's own files."""
+        return max(min(self.settings.max_connections, self.file_limit.connection_room(self._other_fds)), 1)
+
+    def _limit_why(self, limit: int) -> str:
+        if limit >= self.settings.max_connections:
+            return "the setting"
+        return f"what the open-file limit {self.file_limit.soft()} leaves beside the daemon's own {self._other_fds}"
+
     def _count_fds(self) -> None:
         self._fds_counted = time.monotonic()
         try:
-            self._other_fds = max(self._process.num_fds() - self._clients, 0)
+            fds = self._process.num_fds()
         except psutil.Error as e:
             self.log.warning("cannot count open files: %s", e)
+            return
+        self._other_fds = max(fds - self._clients, 0)
+        if self._paused and self.file_limit.below_the_line(fds):
+            self._resume_accepting(fds)
+
+    def _pause_accepting(self) -> None:
+        """Take no new connection: the socket file renamed away, so a connect finds
+        nothing and costs the daemon no file. Those open stay served."""
+        if self._paused:
+            return
+        try:
+            os.rename(self.paths.socket, self.paths.paused_socket)
+        except OSError as e:
+            self.log.error("cannot rename the socket away near the open-file limit: %s", e)
+            return
+        self._paused = True
+        self._fds_counted = time.monotonic()
+        self.counters.paused_accepting += 1
+        n = self.counters.paused_accepting
+        if n in (1, 10, 100) or n % 1000 == 0:
+            self.log.warning(
+                "%d connections open, near the open-file limit %d: no new connections until some close "
+                "(%d time(s) so far)",
+                self._clients,
+                self.file_limit.soft(),
+                n,
+            )
+
+    def _resume_accepting(self, fds: int) -> None:
+        try:
+            os.rename(self.paths.paused_socket, self.paths.socket)
+        except OSError as e:
+            self.log.error("cannot rename the socket back: %s", e)
+            return
+        self._paused = False
+        if self.counters.paused_accepting in (1, 10, 100):
+            self.log.info("%d files open: taking new connections again", fds)
 
     def _shut_down(self, fd: int) -> None:
         """End a connection past the file limit: shut its socket down (libzmq then sees
@@ -454,7 +519,9 @@ class Server:
             "clients": {
                 "connected": self._clients,
                 "with_requests": requests.get("clients", 0),
-                "max_connections": s.max_connections,
+                # The setting, at most what the open-file limit leaves (daemon/limits.py).
+                "max_connections": self.max_connections(),
+                "accepting": not self._paused,
                 **self.counters.to_dict(),
             },
             "requests": {
