@@ -122,6 +122,61 @@ def test_a_cancel_takes_effect_within_a_chunk_and_the_same_prompt_again_takes_th
     assert after["prefills_resumed"] == 1 and "suspended" not in after
 
 
+def _running(paths, request_id: str) -> dict | None:
+    with Client(paths) as c:
+        return next((r for r in c.status()["requests"]["running"] if r["id"] == request_id), None)
+
+
+def _recent(paths, request_id: str) -> dict | None:
+    with Client(paths) as c:
+        return next((r for r in c.status()["requests"]["recent"] if r["id"] == request_id), None)
+
+
+def test_a_client_gone_during_a_prefill_stops_it_within_a_chunk(daemon):
+    """A client that asked for no progress sends nothing and is sent nothing during its
+    prompt's prefill; it closes its connection after the first chunk. Its connection's end
+    stops the request at the end of the chunk in flight (it ran the whole prefill, twelve
+    minutes' worth on a large prompt, before a first token's send found it gone), and the
+    prefill is kept, suspended."""
+    prompt = _prompt(11, 6 * CHUNK + 1)
+    before = _counts(daemon)
+    c = Client(daemon)
+    stream = c.generate(prompt_ids=prompt, max_tokens=MAX_TOKENS)
+    assert isinstance(next(stream), Accepted)
+    info = wait_for(
+        lambda: (r := _running(daemon, stream.id)) is not None and (r["prefilled_tokens"] or 0) >= CHUNK and r,
+        60,
+        "the first chunk to end",
+    )
+    assert info["phase"] == "prefill"
+    c.close()
+    ended = wait_for(lambda: _recent(daemon, stream.id), 60, "the daemon to stop the request")
+    assert ended["finish_reason"] == "disconnected" and ended["tokens"] == 0
+    assert ended["prefill_pieces_after_stop"] == 0
+    delta = _delta(before, _counts(daemon))
+    assert delta["prefills"] == 1 and delta["prefills_suspended"] == 1, delta
+
+
+def test_a_speculative_request_cancelled_during_its_prefill_stops_within_a_chunk(store, daemon):
+    """A speculative request prefills in stock's chunks too, and goes back to the engine
+    between two: a cancel takes effect at the end of the chunk in flight (it ran the rest
+    of the prefill first)."""
+    with Client(daemon) as c:
+        stream = c.generate(
+            prompt_ids=_prompt(12),
+            max_tokens=MAX_TOKENS,
+            progress=True,
+            speculative="draft",
+            draft_model=str(store),
+        )
+        _until_prefilled(stream)
+        assert c.cancel(stream.id) is True
+        rest = list(stream)
+    assert stream.done.finish_reason == "cancelled" and stream.done.tokens == []
+    assert not any(isinstance(e, Token) for e in rest)
+    assert stream.done.stats["prefill_pieces_after_stop"] == 0
+
+
 def test_the_same_prompt_during_its_prefill_shares_it(daemon, alone):
     """A duplicate sent while the first is prefilling is accepted at once, waits on the
     same prefill (one prefill, two answers) and makes the tokens of one alone. (Sent as

@@ -11,6 +11,7 @@ import socket
 import time
 
 import pytest
+from daemon_cli import wait_for
 
 from moestream.client.client import Client, RequestRejected
 from moestream.daemon.bench.soak import attacks
@@ -108,6 +109,52 @@ def test_connection_churn_past_the_file_room_is_refused_not_fatal(rel_store, rel
     assert clients["paused_accepting"] >= 1 and clients["accepting"], clients
     assert clients["refused_busy"] > 0, clients
     assert not d.paths.paused_socket.exists()
+
+
+def test_a_fixed_routing_id_is_served_again_after_a_disconnect_mid_stream(rel_store, rel_reference, start_daemon):
+    """A client with a routing id of its own (ZMQ_ROUTING_ID) leaves in the middle of a
+    stream and connects again under the same id: it is served (it was ignored for good)."""
+    import zmq
+
+    from moestream.shared import protocol as proto
+
+    d = start_daemon(rel_store)
+    prompt, max_tokens = CASES[0]
+    ctx = zmq.Context()
+
+    def connect() -> zmq.Socket:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.ROUTING_ID, b"fixed-id")
+        s.connect(d.paths.endpoint)
+        return s
+
+    def until(s: zmq.Socket, kind: type) -> proto.Reply:
+        while True:
+            assert s.poll(30_000), f"no {kind.__name__} within 30 s"
+            reply = proto.decode_reply(s.recv())
+            if isinstance(reply, kind):
+                return reply
+
+    no_end = proto.SamplingControls(logit_bias=((0, -100.0), (1, -100.0), (2, -100.0)))
+    try:
+        s = connect()
+        s.send(proto.encode(proto.Generate(id="a", prompt=prompt, max_tokens=400, sampling=no_end)))
+        until(s, proto.Token)
+        s.close()
+
+        def disconnected() -> bool:
+            with Client(d.paths) as c:
+                return c.status()["requests"]["disconnected"] == 1
+
+        wait_for(disconnected, 30, "the daemon to stop the request")
+        s = connect()
+        s.send(proto.encode(proto.Generate(id="b", prompt=prompt, max_tokens=max_tokens)))
+        done = until(s, proto.Done)
+        assert tuple(done.tokens) == rel_reference[(prompt, max_tokens)].tokens
+        s.close()
+    finally:
+        ctx.term()
 
 
 def _check_flood(daemon, reference, seconds: float, limit_mib: float) -> None:
