@@ -321,6 +321,7 @@ def load_draft_model(path: str | Path) -> nn.Module:
         from mlx_lm.utils import load_model
 
         model, _ = load_model(p)
+        mx.eval(mx.random.state)  # its initial draws (streaming_model.py `_build_model`)
         return model
     raise ValueError(f"draft model {path} is neither an expert store nor an mlx-lm model folder")
 
