@@ -1,4 +1,12 @@
-"""Reads experts from a store's layer files into pool slots, through the native engine."""
+"""Reads experts from a store's layer files into pool slots, through the native engine.
+
+Each file's size and modification time are taken when it is opened; a read batch whose
+file has changed in place since (the same file, written over: its bytes no longer those
+the manifest describes) is refused, naming the file, rather than served silently wrong.
+A file replaced by another (a new inode) or deleted is still read through the descriptor
+opened on the old one, whose bytes have not changed. A file that was short of its
+experts when opened and has grown since is a repair: it is opened again.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +21,20 @@ from ...shared.store_format import ABSENT, Manifest, MoELayer, permission_advice
 
 class ExpertReadError(RuntimeError):
     """An expert could not be read; the message names the layer, the expert and why."""
+
+
+@dataclass(frozen=True)
+class FileStamp:
+    """What a layer file was when opened: its inode, size and modification time."""
+
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path: Path) -> "FileStamp":
+        st = os.stat(path)
+        return cls(st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 @dataclass(frozen=True)
@@ -42,9 +64,13 @@ class ExpertReader:
         self.engine = ReadEngine(threads=threads, direct=direct, verify=verify)
         self._fids: dict[str, int] = {}
         self._sizes: dict[str, int] = {}
+        self._stamps: dict[str, FileStamp] = {}
+        # The bytes each file must hold: the end of its last expert.
+        self._needed: dict[str, int] = {}
         for layer in manifest.layers:
             path = self.store_dir / layer.file
             try:
+                stamp = FileStamp.of(path)
                 fid = self.engine.open(str(path))
             except OSError as e:
                 self.engine.close()
@@ -53,6 +79,10 @@ class ExpertReader:
                 ) from e
             self._fids[layer.file] = fid
             self._sizes[layer.file] = int(self.engine.file_info(fid)["size"])
+            self._stamps[layer.file] = stamp
+            self._needed[layer.file] = max(
+                (x.offset + x.length for x in layer.experts if x.offset != ABSENT), default=0
+            )
 
     def file_id(self, layer: MoELayer) -> int:
         """The engine's id of this layer's expert file (for reads submitted directly)."""
@@ -93,11 +123,35 @@ class ExpertReader:
             return failed
         ids = self.engine.submit_batch(batch)
         done = {c.id: c for c in self.engine.wait(ids)}
+        # After the reads: a file written over before they ended may have given them its new bytes.
+        changed = {name: self.changed(name) for name in {job.layer.file for job in submitted}}
         for rid, job in zip(ids, submitted):
             c = done[rid]
             if not c.ok:
                 failed.append((job, c.error))
+            elif changed[job.layer.file] is not None:
+                failed.append((job, changed[job.layer.file]))
         return failed
+
+    def changed(self, name: str) -> str | None:
+        """Why file `name` can no longer be read for its experts (written over in place
+        since it was opened), else None. A file short when opened that now holds its
+        experts is opened again (a repair)."""
+        path = self.store_dir / name
+        try:
+            now = FileStamp.of(path)
+        except OSError:
+            return None  # deleted: the descriptor still reads the file as it was
+        was = self._stamps[name]
+        if now.inode != was.inode or (now.size, now.mtime_ns) == (was.size, was.mtime_ns):
+            return None  # replaced (the descriptor reads the old one), or unchanged
+        if was.size < self._needed[name] <= now.size and self._reopen_if_grown(name) >= self._needed[name]:
+            return None
+        return (
+            f"{path} was changed on disk after the daemon opened it (size {was.size} -> {now.size} bytes, "
+            "modification time changed): its bytes may no longer be the experts the store's manifest describes; "
+            "restart the daemon (`moestreamctl restart`), after converting the store again if the change was not meant"
+        )
 
     # ---- reads that run while the caller goes on (the prefetcher's) ------------------
 
@@ -134,6 +188,10 @@ class ExpertReader:
             # per repair.
             self._fids[name] = fid
             self._sizes[name] = int(self.engine.file_info(fid)["size"])
+            try:
+                self._stamps[name] = FileStamp.of(path)
+            except OSError:
+                pass
         return self._sizes[name]
 
     def stats(self) -> dict[str, Any]:
