@@ -155,6 +155,9 @@ def test_a_client_gone_during_a_prefill_stops_it_within_a_chunk(daemon):
     assert ended["prefill_pieces_after_stop"] == 0
     delta = _delta(before, _counts(daemon))
     assert delta["prefills"] == 1 and delta["prefills_suspended"] == 1, delta
+    with Client(daemon) as c:  # the engine is free; the same prompt takes the prefill up (and leaves none kept)
+        again = c.complete(prompt_ids=prompt, max_tokens=MAX_TOKENS)
+    assert again["stats"]["prompt_cache"]["resumed"] is True and _counts(daemon)["suspended"] == before["suspended"]
 
 
 def test_a_speculative_request_cancelled_during_its_prefill_stops_within_a_chunk(store, daemon):

@@ -1,11 +1,13 @@
 """Reads experts from a store's layer files into pool slots, through the native engine.
 
-Each file's size and modification time are taken when it is opened; a read batch whose
-file has changed in place since (the same file, written over: its bytes no longer those
-the manifest describes) is refused, naming the file, rather than served silently wrong.
-A file replaced by another (a new inode) or deleted is still read through the descriptor
-opened on the old one, whose bytes have not changed. A file that was short of its
-experts when opened and has grown since is a repair: it is opened again.
+Each file's size and modification time are taken when it is opened and looked at again
+after each read batch (a stat, microseconds): a file written over in place since (the
+same inode) is checked once, all of it, against the manifest's checksums. If every
+expert matches (a file restored, or a short one repaired), reads go on (through a fresh
+descriptor where it grew); if not, every read of it is refused, naming the file and the
+first expert that differs, rather than served silently wrong, until it matches again or
+the daemon restarts. A file replaced by another (a new inode) or deleted is still read
+through the descriptor opened on the old one, whose bytes have not changed.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..._native import ReadEngine
+from ..._native import ReadEngine, crc32
 from ...shared.store_format import ABSENT, Manifest, MoELayer, permission_advice
 
 
@@ -65,8 +67,9 @@ class ExpertReader:
         self._fids: dict[str, int] = {}
         self._sizes: dict[str, int] = {}
         self._stamps: dict[str, FileStamp] = {}
-        # The bytes each file must hold: the end of its last expert.
-        self._needed: dict[str, int] = {}
+        self._layers: dict[str, MoELayer] = {}
+        # Files found changed and not as the manifest describes them: the stamp seen, and why.
+        self._refused: dict[str, tuple[FileStamp, str]] = {}
         for layer in manifest.layers:
             path = self.store_dir / layer.file
             try:
@@ -80,9 +83,7 @@ class ExpertReader:
             self._fids[layer.file] = fid
             self._sizes[layer.file] = int(self.engine.file_info(fid)["size"])
             self._stamps[layer.file] = stamp
-            self._needed[layer.file] = max(
-                (x.offset + x.length for x in layer.experts if x.offset != ABSENT), default=0
-            )
+            self._layers[layer.file] = layer
 
     def file_id(self, layer: MoELayer) -> int:
         """The engine's id of this layer's expert file (for reads submitted directly)."""
@@ -135,23 +136,48 @@ class ExpertReader:
 
     def changed(self, name: str) -> str | None:
         """Why file `name` can no longer be read for its experts (written over in place
-        since it was opened), else None. A file short when opened that now holds its
-        experts is opened again (a repair)."""
+        since it was opened, and not as the manifest describes it), else None."""
         path = self.store_dir / name
         try:
             now = FileStamp.of(path)
         except OSError:
             return None  # deleted: the descriptor still reads the file as it was
         was = self._stamps[name]
-        if now.inode != was.inode or (now.size, now.mtime_ns) == (was.size, was.mtime_ns):
+        if now.inode != was.inode or now == was:
             return None  # replaced (the descriptor reads the old one), or unchanged
-        if was.size < self._needed[name] <= now.size and self._reopen_if_grown(name) >= self._needed[name]:
+        refused = self._refused.get(name)
+        if refused is not None and refused[0] == now:
+            return refused[1]
+        differs = self._differs(name)
+        if differs is None:  # restored, or a short file repaired: read on, as it is now
+            self._refused.pop(name, None)
+            self._stamps[name] = now
+            self._reopen_if_grown(name)
             return None
-        return (
-            f"{path} was changed on disk after the daemon opened it (size {was.size} -> {now.size} bytes, "
-            "modification time changed): its bytes may no longer be the experts the store's manifest describes; "
-            "restart the daemon (`moestreamctl restart`), after converting the store again if the change was not meant"
+        why = (
+            f"{path} was changed on disk after the daemon opened it ({was.size} -> {now.size} bytes, its "
+            f"modification time too) and {differs}: served, it would answer wrong; put the store's file back, or "
+            "convert the store again and restart the daemon (`moestreamctl restart`)"
         )
+        self._refused[name] = (now, why)
+        return why
+
+    def _differs(self, name: str) -> str | None:
+        """Where file `name` is not what the manifest describes (its first expert cut
+        short or whose checksum differs), else None: one pass over it."""
+        try:
+            with open(self.store_dir / name, "rb") as f:
+                for e, x in enumerate(self._layers[name].experts):
+                    if x.offset == ABSENT:
+                        continue
+                    data = os.pread(f.fileno(), x.length, x.offset)
+                    if len(data) < x.length:
+                        return f"expert {e} is cut short"
+                    if crc32(data) != x.crc32:
+                        return f"expert {e} no longer matches its checksum in the manifest"
+        except OSError as e:
+            return f"it cannot be read ({e.strerror})"
+        return None
 
     # ---- reads that run while the caller goes on (the prefetcher's) ------------------
 
@@ -188,7 +214,7 @@ class ExpertReader:
             # per repair.
             self._fids[name] = fid
             self._sizes[name] = int(self.engine.file_info(fid)["size"])
-            try:
+            try:  # what it reads now
                 self._stamps[name] = FileStamp.of(path)
             except OSError:
                 pass

@@ -160,23 +160,20 @@ def test_a_checksum_mismatch_is_caught_when_checksums_are_verified(store_copy, s
             for at, byte in original.items():
                 f.seek(at)
                 f.write(byte)
-        # Written back in place: a file changed since this daemon opened it, until a restart.
-        assert "changed on disk" in _failing_request(c).message
-    daemon.stop()
-    with Client(start_daemon(store_copy, "rt2", knobs={"verify_checksums": True}).paths, timeout=30) as c:
         _exact(c, rel_reference)
 
 
 def test_an_expert_file_written_over_in_place_is_refused_not_served_wrong(store_copy, start_daemon, rel_reference):
     """A layer file written over in place (same size) after the daemon opened it: its reads
-    are refused, naming the file and what to do, without checksums (they were served, the
-    answer silently wrong); the daemon serves on from what its pool holds."""
+    are refused, naming the file, the expert and what to do, without checksums (they were
+    served, the answer silently wrong); put back, it is served exactly again."""
     layer = load_manifest(store_copy).layers[0]
     path = store_copy / layer.file
     daemon = start_daemon(store_copy)
     with Client(daemon.paths, timeout=30) as c:
         _exact(c, rel_reference)
-        data = bytearray(path.read_bytes())
+        original = path.read_bytes()
+        data = bytearray(original)
         for x in layer.experts:
             data[x.offset + x.length // 2] ^= 0xFF
         with open(path, "r+b") as f:  # one byte of every expert of layer 0, in place
@@ -184,7 +181,12 @@ def test_an_expert_file_written_over_in_place_is_refused_not_served_wrong(store_
         err = _failing_request(c)
         assert err.code == proto.ENGINE
         assert str(path) in err.message and "changed on disk after the daemon opened it" in err.message
-        assert "restart" in err.message
+        assert "expert 0 no longer matches its checksum" in err.message and "put the store's file back" in err.message
+        assert _failing_request(c).code == proto.ENGINE  # still, until it is put back
+        with open(path, "r+b") as f:
+            f.write(original)
+        _exact(c, rel_reference)
+        _exact(c, rel_reference, CASES[3])
         assert c.ping().pid == daemon.pid
 
 

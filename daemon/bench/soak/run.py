@@ -186,6 +186,8 @@ def gateway_figures(gw: dict[str, Any]) -> dict[str, Any]:
         "oversized_413": (bodies.get("declared_413", 0) + bodies.get("chunked_413", 0)) if bodies else None,
         "gateway_rss_growth_mib": bodies.get("gateway_rss_growth_mib"),
         "gateway_log_bytes": gw.get("log_bytes"),
+        "greedy_refused_429": gw.get("greedy_client", {}).get("refused_429"),
+        "greedy_other_waited_s": gw.get("greedy_client", {}).get("other_waited_s"),
     }
 
 
@@ -345,6 +347,20 @@ def reliability_table_markdown(report: dict[str, Any], name: str) -> str:
                 ),
             ),
         ]
+        if "greedy_client" in gw:
+            greedy = gw["greedy_client"]
+            rows.append(
+                (
+                    f"gateway: one address's {greedy['streams']} streams, never read, then another address's request",
+                    "half the request slots per address (429 past them); the daemon's next slot to the client that "
+                    "waited; an unread stream paused, then cancelled",
+                    _yes(
+                        greedy["ok"],
+                        f"{greedy['refused_429']} refused; the other served exactly after "
+                        f"{greedy['other_waited_s']:.2f} s",
+                    ),
+                )
+            )
     out = ["| attack | what the daemon or gateway does | figure (`" + name + "`) |", "| --- | --- | --- |"]
     out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     return "\n".join(out) + "\n"
