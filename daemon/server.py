@@ -21,11 +21,11 @@ connection is never taken for the old one).
 A client that does not read (its reply queue full: EAGAIN) is paused: what it was sent is
 held here, the engine stops stepping its requests, and both go on when it reads again;
 held UNREAD_SECONDS, or past HELD_MESSAGES, it is dropped and its requests are stopped.
-A routing id that comes back after a drop is served again: after a disconnect the old
-connection's messages were all read before a send found it gone (libzmq reads a closed
-connection to its end first), so the next is a new connection's (a client with a fixed
-routing id); after a drop for not reading, its next message is answered with why, once
-it reads again.
+A routing id that comes back after a drop is served again: after a disconnect its next
+message is a new connection's (a client with a fixed routing id; libzmq reads a closed
+connection to its end before a send finds it gone, and what a connection sent just before
+it ended is served to no one: its replies find it gone); after a drop for not reading,
+its next message is answered with why, once it reads again.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -133,7 +134,7 @@ class Server:
         self._other_fds = 0
         self._fds_counted = 0.0
         # Near the open-file limit the socket file is renamed away (daemon/limits.py).
-        self._paused = False
+        self._not_accepting = False
         self.counters = ServerCounters()
         # Dropped clients and why (DISCONNECTED, NOT_READING).
         self._gone: OrderedDict[bytes, str] = OrderedDict()
@@ -249,7 +250,7 @@ class Server:
                 if any(n in (signal.SIGTERM, signal.SIGINT) for n in signals):
                     self._stop_requested = True
             since = time.monotonic() - self._fds_counted
-            if since > FD_RECOUNT_SECONDS or (self._paused and since > PAUSED_RECOUNT_SECONDS):
+            if since > FD_RECOUNT_SECONDS or (self._not_accepting and since > PAUSED_RECOUNT_SECONDS):
                 self._count_fds()
             if monitor in ready:
                 self._read_monitor(monitor)
@@ -359,10 +360,10 @@ class Server:
             self._engine.peer_gone(peer)
 
     def _back(self, router: zmq.Socket, peer: bytes, data: bytes) -> bool:
-        """Whether a message from a dropped client is served. After a disconnect it is a
-        new connection's (the old one was read to its end before a send found it gone):
-        served. After a drop for not reading, it is answered with why once the client
-        reads again (and the client is served from then on); else ignored."""
+        """Whether a message from a dropped client is served. After a disconnect: served
+        (a new connection's under the same routing id). After a drop for not reading, it
+        is answered with why once the client reads again (and the client is served from
+        then on); else ignored."""
         if self._gone[peer] == DISCONNECTED:
             del self._gone[peer]
             return True
@@ -506,20 +507,15 @@ class Server:
             self.log.warning("cannot count open files: %s", e)
             return
         self._other_fds = max(fds - self._clients, 0)
-        if self._paused and self.file_limit.below_the_line(fds):
+        if self._not_accepting and self.file_limit.below_the_line(fds):
             self._resume_accepting(fds)
 
     def _pause_accepting(self) -> None:
         """Take no new connection: the socket file renamed away, so a connect finds
         nothing and costs the daemon no file. Those open stay served."""
-        if self._paused:
+        if self._not_accepting or not self._rename_socket(self.paths.socket, self.paths.paused_socket):
             return
-        try:
-            os.rename(self.paths.socket, self.paths.paused_socket)
-        except OSError as e:
-            self.log.error("cannot rename the socket away near the open-file limit: %s", e)
-            return
-        self._paused = True
+        self._not_accepting = True
         self._fds_counted = time.monotonic()
         self.counters.paused_accepting += 1
         n = self.counters.paused_accepting
@@ -533,14 +529,19 @@ class Server:
             )
 
     def _resume_accepting(self, fds: int) -> None:
-        try:
-            os.rename(self.paths.paused_socket, self.paths.socket)
-        except OSError as e:
-            self.log.error("cannot rename the socket back: %s", e)
+        if not self._rename_socket(self.paths.paused_socket, self.paths.socket):
             return
-        self._paused = False
+        self._not_accepting = False
         if self.counters.paused_accepting in (1, 10, 100):
             self.log.info("%d files open: taking new connections again", fds)
+
+    def _rename_socket(self, source: Path, target: Path) -> bool:
+        try:
+            os.rename(source, target)
+        except OSError as e:
+            self.log.error("cannot rename the socket %s to %s: %s", source, target, e)
+            return False
+        return True
 
     def _shut_down(self, fd: int) -> None:
         """End a connection past the file limit: shut its socket down (libzmq then sees
@@ -635,7 +636,7 @@ class Server:
                 "with_requests": requests.get("clients", 0),
                 # The setting, at most what the open-file limit leaves (daemon/limits.py).
                 "max_connections": self.max_connections(),
-                "accepting": not self._paused,
+                "accepting": not self._not_accepting,
                 **self.counters.to_dict(),
             },
             "requests": {
