@@ -175,6 +175,7 @@ class Client:
         sampling: proto.SamplingControls | None = None,
         client: str | None = None,
         cache_scope: str | None = None,
+        client_key: str | None = None,
     ) -> "GenerateStream":
         """Send a generate request now; iterate the result for `Token` events, then `Done`.
 
@@ -200,7 +201,9 @@ class Client:
         daemon's context is lowered to what the prompt leaves. The stream starts with `Accepted` (the
         prompt's length) once the daemon has checked and queued the request. `client`
         names the sender in the daemon's `status` (default: this connection);
-        `cache_scope` limits prompt-cache reuse to requests of the same scope.
+        `cache_scope` limits prompt-cache reuse to requests of the same scope; `client_key`
+        is the client the request counts against in the daemon's fair shares of its queue
+        and slots (default: this connection; the gateway sends its caller's address).
         """
         msg = proto.Generate(
             id=request_id or _new_id(),
@@ -226,6 +229,7 @@ class Client:
             sampling=sampling,
             client=client,
             cache_scope=cache_scope,
+            client_key=client_key,
         )
         try:
             data = proto.encode(msg)
@@ -336,6 +340,14 @@ class Client:
                 if keep_waiting and self._alive():
                     last = time.monotonic()
                     continue
+                if self.paths.paused_socket.exists():
+                    # Its socket renamed away: it is near its open-file limit (daemon/limits.py).
+                    raise RequestRejected(
+                        proto.BUSY,
+                        f"the daemon (pid {self.pid}) takes no new connections now: its open files are nearly "
+                        "all client connections; try again when some have closed",
+                        request_id,
+                    )
                 # The ping of a long wait takes up to `timeout` more: say how long it really was.
                 raise DaemonDied(
                     f"no reply from the daemon (pid {self.pid}) for {time.monotonic() - heard:.0f} s"

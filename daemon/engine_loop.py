@@ -71,6 +71,15 @@ class PeerGone:
 
 
 @dataclass(frozen=True)
+class PeerPaused:
+    """This peer's reply queue is full (paused: True) or has drained (False): its requests
+    are not stepped while it reads nothing (daemon/server.py)."""
+
+    peer: bytes
+    paused: bool
+
+
+@dataclass(frozen=True)
 class CountCmd:
     """A count_tokens request that found no prompt checker (the model unloaded or loading)."""
 
@@ -129,6 +138,12 @@ class Job:
     @property
     def key(self) -> tuple[bytes, str]:
         return (self.peer, self.msg.id)
+
+    @property
+    def client(self) -> str:
+        """The client it counts against in the shares of queue and slots: the one the
+        request names (the gateway's caller), else its connection."""
+        return f"key {self.msg.client_key}" if self.msg.client_key is not None else f"peer {self.peer.hex()}"
 
     def decodes_alone(self) -> bool:
         """Whether it decodes on its own, outside the batch: speculative, or constrained
@@ -199,6 +214,12 @@ class EngineLoop:
         # request that arrived during one takes its turn before the next).
         self._last_stepped: Job | None = None
         self._jobs: dict[tuple[bytes, str], Job] = {}
+        # Peers whose reply queues are full: their requests wait, unstepped (PeerPaused).
+        self._paused: set[bytes] = set()
+        # When each client with requests last started one (a count of starts): of clients
+        # with as many running, the one that started one longest ago goes first.
+        self._started_at: dict[str, int] = {}
+        self._starts = 0
         self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
         self._counters = {
             "requests": 0,
@@ -245,6 +266,9 @@ class EngineLoop:
 
     def peer_gone(self, peer: bytes) -> None:
         self._commands.put(PeerGone(peer, time.monotonic()))
+
+    def peer_paused(self, peer: bytes, paused: bool) -> None:
+        self._commands.put(PeerPaused(peer, paused))
 
     def stop(self) -> None:
         self._commands.put(StopCmd(time.monotonic()))
@@ -423,22 +447,27 @@ class EngineLoop:
             if idle and self._prompt_cache is not None:
                 # Off every request's path: finished caches go to the disk writer now.
                 self._prompt_cache.idle()
-            # Queued requests held while the elastic pool refuses wait for a command or the next poll.
-            startable = not self._elastic.refusing and any(j.checked is not None for j in self._pending)
-            self._drain(block=not self._active and not startable)
+            # Queued requests held while the elastic pool refuses wait for a command or the
+            # next poll, as do those of clients that read nothing (paused).
+            steppable = any(j.peer not in self._paused for j in self._active)
+            startable = not self._elastic.refusing and any(
+                j.checked is not None and j.peer not in self._paused for j in self._pending
+            )
+            self._drain(block=not steppable and not startable)
             if self._stopping:
                 return
             if (self._pending or self._counts) and self._sm is None:
                 self._reload()
             self._elastic_tick()
             self._activate_pending()
-            if self._active:
-                # The job stays in the active set while it steps, so that a status
-                # published meanwhile (a long prompt's prefill) shows it.
-                job = self._active[0]
-                if self._step(job):
-                    self._active.rotate(-1)
-                    self._last_stepped = job
+            # The next in turn whose client reads its replies; the job stays in the active
+            # set while it steps, so that a status published meanwhile (a long prompt's
+            # prefill) shows it.
+            job = next((j for j in self._active if j.peer not in self._paused), None)
+            if job is not None and self._step(job):
+                self._active.remove(job)
+                self._active.append(job)
+                self._last_stepped = job
             self._publish()
             self._heat_tick()
             self._idle_check()
@@ -472,8 +501,14 @@ class EngineLoop:
             elif isinstance(cmd, CountCmd):
                 self._on_count(cmd)
             elif isinstance(cmd, PeerGone):
+                self._paused.discard(cmd.peer)
                 for job in [j for j in self._jobs.values() if j.peer == cmd.peer]:
                     self._request_stop(job, "disconnected", cmd.at)
+            elif isinstance(cmd, PeerPaused):
+                if cmd.paused:
+                    self._paused.add(cmd.peer)
+                else:
+                    self._paused.discard(cmd.peer)
             elif isinstance(cmd, StopCmd):
                 self._stopping = True
                 self.state = "stopping"
@@ -485,7 +520,8 @@ class EngineLoop:
             self._send(cmd.peer, proto.Error(msg.id, proto.DUPLICATE_ID, f"request id {msg.id!r} is already in flight"))
             return
         s = self.settings
-        mine = sum(1 for j in self._jobs.values() if j.peer == cmd.peer)
+        job = Job(cmd.peer, msg, time.monotonic())
+        mine = sum(1 for j in self._jobs.values() if j.client == job.client)
         # One client's share: every active slot and a quarter of the queue, so others are never all busy.
         share = s.max_active + max(s.max_queued // 4, 1)
         if len(self._jobs) >= s.max_active + s.max_queued or mine >= share:
@@ -501,7 +537,6 @@ class EngineLoop:
             self._send(cmd.peer, proto.Error(msg.id, proto.MEMORY_PRESSURE, self._elastic.refuse()))
             self._publish(force=True)
             return
-        job = Job(cmd.peer, msg, time.monotonic())
         self._keep_alive.request(msg.keep_alive)
         self._jobs[job.key] = job
         self._pending.append(job)
@@ -558,6 +593,8 @@ class EngineLoop:
                 self._count_wait(job, "memory")
                 return
             self._pending.remove(job)
+            self._starts += 1
+            self._started_at[job.client] = self._starts
             job.prompt_ids = checked.ids
             job.tools = splitter_for(self._sm.tokenizer, msg.tools, msg.tool_choice)
             job.reasoning = reasoning_splitter(self._sm.tokenizer, checked.opens_thinking)
@@ -647,13 +684,15 @@ class EngineLoop:
         )
 
     def _next_checked(self) -> Job | None:
-        """The queued request to start next: of those whose prompts are checked, one of
-        the client with the fewest active requests; None while none is checked."""
-        ready = [j for j in self._pending if j.checked is not None]
+        """The queued request to start next: of those whose prompts are checked (and
+        whose clients read their replies), the oldest of the client with the fewest
+        requests running, and of clients with as many, the one that started one longest
+        ago (a client that has waited goes before one just served); None while none is."""
+        ready = [j for j in self._pending if j.checked is not None and j.peer not in self._paused]
         if not ready:
             return None
-        active_by_peer = [j.peer for j in self._active]
-        return min(ready, key=lambda j: active_by_peer.count(j.peer))
+        running = [j.client for j in self._active]
+        return min(ready, key=lambda j: (running.count(j.client), self._started_at.get(j.client, 0)))
 
     def _why_queued(self) -> str | None:
         """Why the next queued request has not started, for `status`."""
@@ -836,6 +875,8 @@ class EngineLoop:
         self._jobs.pop(job.key, None)
         if job in self._active:
             self._active.remove(job)
+        if job.client in self._started_at and not any(j.client == job.client for j in self._jobs.values()):
+            del self._started_at[job.client]
 
     def _remember(self, job: Job, reason: str, tokens: int, stats: dict[str, Any] | None = None) -> None:
         # The prompt's figures too: a client of the HTTP gateway, which passes on only the
@@ -1080,8 +1121,7 @@ class EngineLoop:
         tokens = sum(len(j.prompt_ids) + (len(j.result.tokens) if j.result is not None else 0) for j in self._active)
         return kv_cache_bytes(self._sm.manifest.config, tokens)
 
-    @staticmethod
-    def _job_info(job: Job, now: float) -> dict[str, Any]:
+    def _job_info(self, job: Job, now: float) -> dict[str, Any]:
         """The job as `status` lists it (shared/request_info.py)."""
         tokens = len(job.result.tokens) if job.result is not None else 0
         if job.prompt_ids:
@@ -1090,6 +1130,8 @@ class EngineLoop:
             ids = job.checked.ids if job.checked is not None else None
             prompt = len(ids) if ids is not None else None
         phase = "queued" if job.started is None else "decode" if tokens or job.token_times else "prefill"
+        if job.peer in self._paused and job.started is not None:
+            phase = "paused"  # its client reads nothing: not stepped (daemon/server.py)
         return RequestInfo(
             id=job.msg.id,
             client=job.msg.client or job.peer.hex(),

@@ -2,19 +2,29 @@
 
 Every client connection holds a file descriptor; libzmq aborts the whole process when
 `accept` fails with EMFILE (ipc_listener.cpp), so the daemon must never reach the
-limit. Two guards, both in `Server`:
+limit. Three guards, all in `Server`:
 
   max_connections   past this many connections, a new client's requests get a `busy`
-                    error that says so (its connection stays open, so it can read it);
-  the file limit    past the limit less `RESERVED_FDS` (the store, the log, the heat
-                    keeper's pipes, libzmq's own) and `BURST_FDS` (what libzmq accepts
-                    before the I/O thread hears of it), a new connection is shut down
-                    at once.
+                    error that says so (its connection stays open, so it can read it).
+                    The setting is a cap: the daemon takes at most the room its
+                    open-file limit leaves (`FileLimit.connection_room`: the soft limit
+                    less what it holds itself, `RESERVED_FDS` and `BURST_FDS`), so on a
+                    4096-file limit about 3,300;
+  the file limit    a connection accepted into a descriptor within `BURST_FDS` of the
+                    soft limit is shut down at once, and the socket file is renamed
+                    away (`RuntimePaths.paused_socket`) so that nothing more can connect
+                    (a client whose connection is shut reconnects at once: thousands of
+                    them would otherwise keep libzmq accepting faster than the I/O thread
+                    shuts, and one accept then fails with EMFILE). The name comes back
+                    once the open files are below the line again; meanwhile a client
+                    hears `busy` (client/client.py). Descriptors are allocated lowest
+                    first, so an accepted descriptor's number is a bound on the files
+                    open that no lost or late event can skew.
 
 Importing mlx-lm sets the limit to (2048, 4096) (mlx_lm/utils.py, for models of many
 files), so `FileLimit.raise_soft` runs at start and again after that import. Without
 CAP_SYS_RESOURCE the lowered hard limit cannot be raised again: the daemon then has 4096
-files, room for about 3,800 connections; the guards keep it alive past that.
+files, room for about 3,300 connections; the guards keep it alive past that.
 """
 
 from __future__ import annotations
@@ -71,11 +81,26 @@ class FileLimit:
         return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
     @staticmethod
-    def connection_room(fds_in_use: int) -> int:
-        """How many descriptors connections may hold under the soft limit now, less
-        BURST_FDS: libzmq accepts on its own thread and the I/O thread learns of each
-        connection (and shuts it) only a little later, so a burst must fit in between."""
+    def soft() -> int:
+        """The soft limit now (a large number where it is unlimited)."""
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        if soft == resource.RLIM_INFINITY:
-            return 1 << 30
-        return max(soft - RESERVED_FDS - BURST_FDS - fds_in_use, 0)
+        return UNLIMITED_SOFT if soft == resource.RLIM_INFINITY else soft
+
+    @classmethod
+    def connection_room(cls, fds_in_use: int) -> int:
+        """How many connections fit under the soft limit now beside the `fds_in_use` the
+        daemon holds itself, leaving RESERVED_FDS for its own later files and BURST_FDS
+        for what libzmq accepts before the I/O thread hears of it."""
+        return max(cls.soft() - RESERVED_FDS - BURST_FDS - fds_in_use, 0)
+
+    @classmethod
+    def past_the_line(cls, fd: int) -> bool:
+        """Whether a connection accepted into descriptor `fd` is within BURST_FDS of the
+        soft limit: every descriptor below it is in use (they are allocated lowest first)."""
+        return fd >= cls.soft() - BURST_FDS
+
+    @classmethod
+    def below_the_line(cls, fds_open: int) -> bool:
+        """Whether the process, holding `fds_open` descriptors, may take new connections
+        again after `past_the_line`: half the reserve below that line."""
+        return fds_open < cls.soft() - BURST_FDS - RESERVED_FDS // 2

@@ -12,8 +12,20 @@ even while the main thread is inside a long forward pass.
 
 Disconnects: the ROUTER has ROUTER_MANDATORY set, so a send to a client whose socket is
 gone fails with EHOSTUNREACH instead of vanishing; the engine is then told to stop that
-client's requests. Every active request sends an event per token, so a client that
-disconnects mid-stream is noticed at the next token.
+client's requests. A client that sends nothing meanwhile (a long prompt's prefill, with no
+progress asked for) is noticed by its connection's end: each message's descriptor
+(ZMQ_SRCFD) ties the connection to its routing id, and the monitor's disconnect event
+names the descriptor (read before any message, so a descriptor used again by a new
+connection is never taken for the old one).
+
+A client that does not read (its reply queue full: EAGAIN) is paused: what it was sent is
+held here, the engine stops stepping its requests, and both go on when it reads again;
+held UNREAD_SECONDS, or past HELD_MESSAGES, it is dropped and its requests are stopped.
+A routing id that comes back after a drop is served again: after a disconnect its next
+message is a new connection's (a client with a fixed routing id; libzmq reads a closed
+connection to its end before a send finds it gone, and what a connection sent just before
+it ended is served to no one: its replies find it gone); after a drop for not reading,
+its next message is answered with why, once it reads again.
 """
 
 from __future__ import annotations
@@ -24,8 +36,9 @@ import signal
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -47,13 +60,30 @@ POLL_MS = 500
 # Bounded wait at close so the last `done` events (e.g. finish reason "shutdown") still
 # reach their clients; a stuck client cannot hold the daemon longer than this.
 CLOSE_LINGER_MS = 500
-# Messages queued for one client that does not read them, before it is dropped: far more
-# than a reading client ever has waiting (a token event is sent as it is made).
-REPLY_QUEUE_MESSAGES = 1000
-# Clients dropped (disconnected, or not reading) whose later messages are discarded.
+# Messages queued in ZeroMQ for one client before the daemon holds the rest and pauses
+# its requests: more than a reading client has waiting (a token event is sent as it is made).
+REPLY_QUEUE_MESSAGES = 128
+# Each connection's kernel send buffer (doubled by Linux), so that a client that stops
+# reading fills its queue after a few hundred token events, not thousands (libzmq sets
+# SO_SNDBUF on TCP connections only).
+SEND_BUFFER_BYTES = 16 * 1024
+# A client that reads nothing of what is held for it this long is dropped (its requests
+# stopped): an unread stream is paused, then cancelled, not run to max_tokens.
+UNREAD_SECONDS = 10.0
+# Messages held for one paused client, at most: one that goes on sending requests without
+# reading their replies is dropped then (a paused client's requests make nothing more).
+HELD_MESSAGES = 64
+# While something is held, how often its sending is tried again.
+HELD_RETRY_MS = 20
+# Clients dropped (disconnected, or not reading) and why, for their later messages.
 GONE_REMEMBERED = 4096
+DISCONNECTED = "disconnected"
+NOT_READING = "not reading its replies"
 # How often the descriptors the process holds besides its connections are counted again.
 FD_RECOUNT_SECONDS = 5.0
+# While the socket is renamed away (near the open-file limit), how often the open files
+# are counted to see whether it may come back.
+PAUSED_RECOUNT_SECONDS = 0.2
 
 
 @dataclass
@@ -62,7 +92,10 @@ class ServerCounters:
 
     refused_busy: int = 0  # requests of new clients past max_connections
     shut_near_file_limit: int = 0  # connections shut down at once, near the open-file limit
+    paused_accepting: int = 0  # times the socket was renamed away, near the open-file limit
     dropped: int = 0  # clients gone, or not reading their replies
+    dropped_not_reading: int = 0  # of them, clients that read nothing held for UNREAD_SECONDS
+    paused: int = 0  # times a client's reply queue filled: its requests paused until it read
     ignored_messages: int = 0  # messages of dropped clients, not served
 
     def to_dict(self) -> dict[str, int]:
@@ -100,8 +133,18 @@ class Server:
         self._refusing = False
         self._other_fds = 0
         self._fds_counted = 0.0
+        # Near the open-file limit the socket file is renamed away (daemon/limits.py).
+        self._not_accepting = False
         self.counters = ServerCounters()
-        self._gone: OrderedDict[bytes, None] = OrderedDict()
+        # Dropped clients and why (DISCONNECTED, NOT_READING).
+        self._gone: OrderedDict[bytes, str] = OrderedDict()
+        # Paused clients: what could not be sent to each yet, and since when.
+        self._held: dict[bytes, deque[Any]] = {}
+        self._held_since: dict[bytes, float] = {}
+        # Each connection's routing id by its descriptor (from its messages' ZMQ_SRCFD).
+        self._fd_peers: dict[int, bytes] = {}
+        self._engine: EngineLoop | None = None
+        self._monitor_socket: zmq.Socket | None = None
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         # Only a flag; the wake-up fd has already woken the I/O loop.
@@ -158,7 +201,7 @@ class Server:
             router.setsockopt(zmq.SNDHWM, REPLY_QUEUE_MESSAGES)
             router.bind(self.paths.endpoint)
             os.chmod(self.paths.socket, 0o600)
-            monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+            monitor = self._monitor(ctx, router)
             pull.setsockopt(zmq.LINGER, 0)
             pull.setsockopt(zmq.RCVHWM, 0)
             pull.bind(events_endpoint)
@@ -180,6 +223,17 @@ class Server:
             pull.close(linger=0)
             router.close(linger=CLOSE_LINGER_MS)
 
+    @staticmethod
+    def _monitor(ctx: zmq.Context, router: zmq.Socket) -> zmq.Socket:
+        """The ROUTER's accept and disconnect events, none dropped: libzmq drops what its
+        monitor pipe cannot hold, and a lost disconnect would skew the count of clients."""
+        address = f"inproc://monitor-{id(router)}"
+        router.monitor(address, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        monitor = ctx.socket(zmq.PAIR)
+        monitor.setsockopt(zmq.RCVHWM, 0)
+        monitor.connect(address)
+        return monitor
+
     def _loop(
         self, router: zmq.Socket, pull: zmq.Socket, monitor: zmq.Socket, wake: socket.socket, engine: EngineLoop
     ) -> None:
@@ -188,16 +242,20 @@ class Server:
         poller.register(pull, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         poller.register(wake.fileno(), zmq.POLLIN)
+        self._engine, self._monitor_socket = engine, monitor
         while True:
-            ready = dict(poller.poll(POLL_MS))
+            ready = dict(poller.poll(HELD_RETRY_MS if self._held else POLL_MS))
             if wake.fileno() in ready:
                 signals = wake.recv(4096)
                 if any(n in (signal.SIGTERM, signal.SIGINT) for n in signals):
                     self._stop_requested = True
-            if time.monotonic() - self._fds_counted > FD_RECOUNT_SECONDS:
+            since = time.monotonic() - self._fds_counted
+            if since > FD_RECOUNT_SECONDS or (self._not_accepting and since > PAUSED_RECOUNT_SECONDS):
                 self._count_fds()
             if monitor in ready:
                 self._read_monitor(monitor)
+            if self._held:
+                self._send_held(router)
             if pull in ready and self._forward_events(router, pull, engine):
                 return
             if router in ready:
@@ -232,41 +290,115 @@ class Server:
                 return False
             if peer.bytes == b"" and data.bytes == EXIT_FRAME:
                 return True
-            self._send(router, peer.bytes, data, engine)
+            self._send(router, peer.bytes, data)
 
-    def _send(self, router: zmq.Socket, peer: bytes, data: Any, engine: EngineLoop | None) -> None:
+    def _send(self, router: zmq.Socket, peer: bytes, data: Any) -> None:
         if peer in self._gone:
             return
+        held = self._held.get(peer)
+        if held is not None:  # behind what waits already, in order
+            held.append(data)
+            if len(held) > HELD_MESSAGES:
+                self._drop(peer, NOT_READING, f"{len(held)} replies held")
+            return
+        sent = self._try_send(router, peer, data)
+        if sent is False:
+            self._held[peer] = deque([data])
+            self._held_since[peer] = time.monotonic()
+            self.counters.paused += 1
+            if self._engine is not None:
+                self._engine.peer_paused(peer, True)
+
+    def _try_send(self, router: zmq.Socket, peer: bytes, data: Any) -> bool | None:
+        """True: sent; False: its queue is full (EAGAIN); None: it has gone (dropped now)."""
         try:
             router.send_multipart([peer, data], zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as e:
-            if e.errno == zmq.EHOSTUNREACH:
-                why = "disconnected"
-            elif e.errno == zmq.EAGAIN:
-                why = "not reading its replies (send queue full)"
-            else:
+            if e.errno == zmq.EAGAIN:
+                return False
+            if e.errno != zmq.EHOSTUNREACH:
                 raise
-            self.log.info("client %s %s: stopping its requests; its later messages are ignored", peer.hex(), why)
+            self._drop(peer, DISCONNECTED)
+            return None
+        return True
+
+    def _send_held(self, router: zmq.Socket) -> None:
+        """Send what is held for paused clients, as far as each reads; a client that has
+        read nothing for UNREAD_SECONDS is dropped. One that has all of it resumes."""
+        now = time.monotonic()
+        for peer in list(self._held):
+            held = self._held[peer]
+            while held:
+                sent = self._try_send(router, peer, held[0])
+                if sent is None:
+                    break
+                if not sent:
+                    if now - self._held_since[peer] > UNREAD_SECONDS:
+                        self._drop(peer, NOT_READING, f"nothing read for {UNREAD_SECONDS:g} s")
+                    break
+                held.popleft()
+                self._held_since[peer] = now
+            if not held and peer in self._held:
+                del self._held[peer], self._held_since[peer]
+                if self._engine is not None:
+                    self._engine.peer_paused(peer, False)
+
+    def _drop(self, peer: bytes, why: str, detail: str = "", *, quiet: bool = False) -> None:
+        """Stop a client's requests (disconnected, or not reading), and what was held for it.
+        `quiet`: a connection that ended (most clients end so, their requests done)."""
+        if not quiet:
+            self.log.info("client %s %s%s: stopping its requests", peer.hex(), why, f" ({detail})" if detail else "")
             self.counters.dropped += 1
-            self._gone[peer] = None
-            if len(self._gone) > GONE_REMEMBERED:
-                self._gone.popitem(last=False)
-            if engine is not None:
-                engine.peer_gone(peer)
+        if why == NOT_READING:
+            self.counters.dropped_not_reading += 1
+        self._gone[peer] = why
+        if len(self._gone) > GONE_REMEMBERED:
+            self._gone.popitem(last=False)
+        if self._held.pop(peer, None) is not None:
+            del self._held_since[peer]
+        if self._engine is not None:
+            self._engine.peer_gone(peer)
+
+    def _back(self, router: zmq.Socket, peer: bytes, data: bytes) -> bool:
+        """Whether a message from a dropped client is served. After a disconnect: served
+        (a new connection's under the same routing id). After a drop for not reading, it
+        is answered with why once the client reads again (and the client is served from
+        then on); else ignored."""
+        if self._gone[peer] == DISCONNECTED:
+            del self._gone[peer]
+            return True
+        error = proto.Error(
+            _request_id(data),
+            proto.BUSY,
+            "this connection was dropped: it read none of its replies for a while, and its requests were "
+            "stopped; send the request again",
+        )
+        try:
+            router.send_multipart([peer, proto.encode(error)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            if e.errno not in (zmq.EAGAIN, zmq.EHOSTUNREACH):
+                raise
+            self.counters.ignored_messages += 1
+            return False
+        del self._gone[peer]
+        return False
 
     # ---- clients -> daemon ---------------------------------------------------------------
 
     def _read_requests(self, router: zmq.Socket, engine: EngineLoop) -> None:
         for _ in range(256):  # then let events and signals through
+            # Every disconnect before this message first: its descriptor may be a new
+            # connection's that an old one's event still names.
+            if self._monitor_socket is not None:
+                self._read_monitor(self._monitor_socket)
             try:
-                frames = router.recv_multipart(zmq.NOBLOCK)
+                parts = router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            frames = [f.bytes for f in parts]
             peer = frames[0]
-            if peer in self._gone:
-                # A routing id is one connection's: a dropped client never comes back under it,
-                # so what it sent before it went (or while not reading) is not worth serving.
-                self.counters.ignored_messages += 1
+            self._fd_peers[parts[-1].get(zmq.SRCFD)] = peer
+            if peer in self._gone and not self._back(router, peer, frames[-1]):
                 continue
             if not self._admit(router, peer, frames[-1]):
                 continue
@@ -291,7 +423,7 @@ class Server:
         if peer in self._admitted:
             self._admitted.move_to_end(peer)
             return True
-        limit = self.settings.max_connections
+        limit = self.max_connections()
         if self._clients <= limit:
             self._admitted[peer] = None
             if len(self._admitted) > 2 * limit:
@@ -302,19 +434,14 @@ class Server:
         if not self._refusing:
             self.log.warning("%d connections open (max_connections %d): refusing new clients", self._clients, limit)
             self._refusing = True
-        rid = ""
-        try:
-            rid = proto.decode_request(data).id
-        except proto.ProtocolError as e:
-            rid = e.request_id
         self._reply(
             router,
             peer,
             proto.Error(
-                rid,
+                _request_id(data),
                 proto.BUSY,
-                f"the daemon has {self._clients} connections open (setting max_connections {limit}); "
-                "close some and try again",
+                f"the daemon has {self._clients} connections open (max_connections {limit}: "
+                f"{self._limit_why(limit)}); close some and try again",
             ),
         )
         return False
@@ -341,7 +468,7 @@ class Server:
             engine.cancel(peer, msg)
 
     def _reply(self, router: zmq.Socket, peer: bytes, message: proto.Reply) -> None:
-        self._send(router, peer, proto.encode(message), None)
+        self._send(router, peer, proto.encode(message))
 
     def _read_monitor(self, monitor: zmq.Socket) -> None:
         while True:
@@ -351,17 +478,70 @@ class Server:
                 return
             if event["event"] == zmq.EVENT_ACCEPTED:
                 self._clients += 1
-                if self._clients > self.file_limit.connection_room(self._other_fds):
+                if self.file_limit.past_the_line(event["value"]):
+                    self._pause_accepting()
                     self._shut_down(event["value"])
+                else:
+                    _bound_send_buffer(event["value"])
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self._clients = max(self._clients - 1, 0)
+                peer = self._fd_peers.pop(event["value"], None)
+                if peer is not None and peer not in self._gone:
+                    # Its requests stop now, not at their next event (none in a prefill).
+                    self._drop(peer, DISCONNECTED, quiet=True)
+
+    def max_connections(self) -> int:
+        """The setting, at most the room the open-file limit leaves beside the daemon's own files."""
+        return max(min(self.settings.max_connections, self.file_limit.connection_room(self._other_fds)), 1)
+
+    def _limit_why(self, limit: int) -> str:
+        if limit >= self.settings.max_connections:
+            return "the setting"
+        return f"what the open-file limit {self.file_limit.soft()} leaves beside the daemon's own {self._other_fds}"
 
     def _count_fds(self) -> None:
         self._fds_counted = time.monotonic()
         try:
-            self._other_fds = max(self._process.num_fds() - self._clients, 0)
+            fds = self._process.num_fds()
         except psutil.Error as e:
             self.log.warning("cannot count open files: %s", e)
+            return
+        self._other_fds = max(fds - self._clients, 0)
+        if self._not_accepting and self.file_limit.below_the_line(fds):
+            self._resume_accepting(fds)
+
+    def _pause_accepting(self) -> None:
+        """Take no new connection: the socket file renamed away, so a connect finds
+        nothing and costs the daemon no file. Those open stay served."""
+        if self._not_accepting or not self._rename_socket(self.paths.socket, self.paths.paused_socket):
+            return
+        self._not_accepting = True
+        self._fds_counted = time.monotonic()
+        self.counters.paused_accepting += 1
+        n = self.counters.paused_accepting
+        if n in (1, 10, 100) or n % 1000 == 0:
+            self.log.warning(
+                "%d connections open, near the open-file limit %d: no new connections until some close "
+                "(%d time(s) so far)",
+                self._clients,
+                self.file_limit.soft(),
+                n,
+            )
+
+    def _resume_accepting(self, fds: int) -> None:
+        if not self._rename_socket(self.paths.paused_socket, self.paths.socket):
+            return
+        self._not_accepting = False
+        if self.counters.paused_accepting in (1, 10, 100):
+            self.log.info("%d files open: taking new connections again", fds)
+
+    def _rename_socket(self, source: Path, target: Path) -> bool:
+        try:
+            os.rename(source, target)
+        except OSError as e:
+            self.log.error("cannot rename the socket %s to %s: %s", source, target, e)
+            return False
+        return True
 
     def _shut_down(self, fd: int) -> None:
         """End a connection past the file limit: shut its socket down (libzmq then sees
@@ -454,7 +634,9 @@ class Server:
             "clients": {
                 "connected": self._clients,
                 "with_requests": requests.get("clients", 0),
-                "max_connections": s.max_connections,
+                # The setting, at most what the open-file limit leaves (daemon/limits.py).
+                "max_connections": self.max_connections(),
+                "accepting": not self._not_accepting,
                 **self.counters.to_dict(),
             },
             "requests": {
@@ -513,6 +695,23 @@ class Server:
             "requests": {k: v for k, v in snap.get("requests", {}).items() if k not in ("active", "waiting", "recent")},
             "snapshot_age_s": time.monotonic() - snap.get("at", time.monotonic()),
         }
+
+
+def _bound_send_buffer(fd: int) -> None:
+    """A new connection's send buffer to SEND_BUFFER_BYTES."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+    except OSError:
+        pass  # closed already (a late event): nothing to bound
+
+
+def _request_id(data: bytes) -> str:
+    """The request id of a message, where it has one."""
+    try:
+        return proto.decode_request(data).id
+    except proto.ProtocolError as e:
+        return e.request_id
 
 
 def _host_tier_bytes(admission: dict[str, Any]) -> int | None:

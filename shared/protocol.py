@@ -7,7 +7,7 @@ Every message is one ZeroMQ frame holding a msgpack map with `v` (PROTOCOL_VERSI
   generate  prompt | prompt_ids | messages, max_tokens, temp, top_p, seed, stop,
             (temp below MIN_TEMP, or top_p below MIN_TOP_P: greedy, the limit they tend to)
             [tools, tool_choice, constraint, speculative, draft_tokens, draft_model, diagnostics, progress,
-             keep_alive, thinking, top_k, sampling, client]
+             keep_alive, thinking, top_k, sampling, client, client_key]
                                                         -> accepted, progress*, (token | tool_call)*, done
   count_tokens  prompt | prompt_ids | messages, [tools, tool_choice, thinking]  -> token_count
   cancel    target (the id of one of this client's generate requests)  -> cancelled
@@ -55,6 +55,9 @@ sent the request, as `status` lists it ("moestreamctl generate", a gateway's cal
 `cache_scope` (as many characters) says whose cached prompts it may reuse: only those of
 requests with the same scope (the gateway sends a digest of its caller's identity, so that
 one client cannot learn another's prompt from what is cached); none: the shared scope.
+`client_key` (as many characters, printable) is the client it counts against when the
+daemon shares its queue and its active slots (None: its connection): the gateway sends its
+caller's address, so that the many connections of one HTTP client are one client.
 Tools (`tools`: function schemas as OpenAI writes them, `{"type": "function", "function":
 {name, description, parameters}}`; `tool_choice`: auto | none | required | {"name": N})
 are rendered by the model's chat template; the daemon parses the model's tool-call text
@@ -243,6 +246,7 @@ class Generate:
         "sampling",
         "client",
         "cache_scope",
+        "client_key",
     )
     id: str
     prompt: str | None = None
@@ -281,6 +285,8 @@ class Generate:
     # Whose cached prompts it may reuse, and who may reuse its own: requests of the same
     # scope (the gateway sends a digest of the client's identity); None: the shared scope.
     cache_scope: str | None = None
+    # The client it counts against in the daemon's shares of queue and slots; None: its connection.
+    client_key: str | None = None
 
     def speculates(self) -> bool:
         """Whether it decodes speculatively (it asks, and needs no logits)."""
@@ -831,7 +837,8 @@ def _generate_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
         "top_k": _top_k_field(body, rid),
         "sampling": _sampling_field(body, rid),
         "client": _client_field(body, rid),
-        "cache_scope": _cache_scope_field(body, rid),
+        "cache_scope": _client_field(body, rid, "cache_scope"),
+        "client_key": _client_field(body, rid, "client_key"),
     }
 
 
@@ -861,22 +868,12 @@ def _constraint_field(body: dict[str, Any], rid: str) -> Constraint | None:
     return Constraint(kind, schema)
 
 
-def _client_field(body: dict[str, Any], rid: str) -> str | None:
-    value = body.get("client")
+def _client_field(body: dict[str, Any], rid: str, name: str = "client") -> str | None:
+    value = body.get(name)
     _check(
         value is None or (isinstance(value, str) and 0 < len(value) <= MAX_CLIENT_CHARS and value.isprintable()),
         rid,
-        f"'client' must be null or 1 to {MAX_CLIENT_CHARS} printable characters",
-    )
-    return value
-
-
-def _cache_scope_field(body: dict[str, Any], rid: str) -> str | None:
-    value = body.get("cache_scope")
-    _check(
-        value is None or (isinstance(value, str) and 0 < len(value) <= MAX_CLIENT_CHARS and value.isprintable()),
-        rid,
-        f"'cache_scope' must be null or 1 to {MAX_CLIENT_CHARS} printable characters",
+        f"'{name}' must be null or 1 to {MAX_CLIENT_CHARS} printable characters",
     )
     return value
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
-Phase = Literal["queued", "prefill", "decode"]
-PHASES: tuple[Phase, ...] = ("queued", "prefill", "decode")
+Phase = Literal["queued", "prefill", "decode", "paused"]
+PHASES: tuple[Phase, ...] = ("queued", "prefill", "decode", "paused")
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,8 @@ class RequestInfo:
     # the daemon's log names it.
     client: str
     # queued: waiting for its prompt's check or a turn; prefill: its prompt is being
-    # processed (no token yet); decode: it has made its first token.
+    # processed (no token yet); decode: it has made its first token; paused: its client
+    # reads none of its replies (not stepped until it does, cancelled after a while).
     phase: Phase
     # The prompt's tokens (None until its prompt is checked), and while it is prefilled,
     # how many of them are done of how many it prefills (a cached prefix is not prefilled).

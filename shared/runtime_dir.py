@@ -35,6 +35,9 @@ from typing import Mapping
 from .file_lock import lock_exclusive
 
 SOCKET_NAME = "moestream.sock"
+# The socket's name while the daemon takes no new connections (near its open-file limit:
+# daemon/limits.py); a client that finds it hears busy.
+PAUSED_SOCKET_NAME = ".moestream.sock.paused"
 LOCK_NAME = "daemon.lock"
 PID_NAME = "daemon.pid"
 LOG_NAME = "daemon.log"
@@ -78,6 +81,10 @@ class RuntimePaths:
     @property
     def socket(self) -> Path:
         return self.dir / SOCKET_NAME
+
+    @property
+    def paused_socket(self) -> Path:
+        return self.dir / PAUSED_SOCKET_NAME
 
     @property
     def lock(self) -> Path:
@@ -256,7 +263,7 @@ class InstanceLock:
                 raise DaemonAlreadyRunning(read_pid(paths), paths.dir)
             stale_pid = read_pid(paths)
             removed = []
-            for leftover in (paths.socket, paths.pid_file):
+            for leftover in (paths.socket, paths.paused_socket, paths.pid_file):
                 try:
                     leftover.unlink()
                     removed.append(leftover)
@@ -277,7 +284,7 @@ class InstanceLock:
         if self._fd is None:
             return
         try:
-            for path in (self.paths.pid_file, self.paths.socket):
+            for path in (self.paths.pid_file, self.paths.socket, self.paths.paused_socket):
                 try:
                     path.unlink()
                 except FileNotFoundError:

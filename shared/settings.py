@@ -614,15 +614,16 @@ class Settings:
         help="Draft models (speculative 'draft') kept loaded between requests; the least recently used goes first.",
         bench=True,
     )
-    # Each connection holds an open file; past the open-file limit (less a reserve) new
-    # connections are shut down whatever this says (daemon/limits.py).
+    # Each connection holds an open file: the daemon takes at most the room its open-file
+    # limit leaves, and near that limit takes no new connection at all (daemon/limits.py).
     max_connections: int = setting(
         4096,
         kind="int",
         low=1,
         high=1_000_000,
         scope=(DAEMON,),
-        help="Client connections at once; a new client past them is refused as busy.",
+        help="Client connections at once (at most what the open-file limit leaves: about 3,300 "
+        "under a limit of 4096); a new client past them is refused as busy.",
     )
 
     # ---- the HTTP gateway (`serve-openai`; client/gateway/guard.py)

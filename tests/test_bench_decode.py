@@ -261,6 +261,32 @@ def test_bench_decode_pairs_full_residency_with_stock_and_splits_host_time(store
     assert "moestream@1 against stock in 3 A B B A blocks" in text and "host ms per token" in text
 
 
+def test_bench_decode_times_checksums_against_the_same_pool_without(store):
+    """`--checksums`: each partial slot pool again with every read verified ("+crc"),
+    paired in A B B A blocks against the same pool without; the same tokens both ways."""
+    from moestream.daemon.bench.decode import BenchDecodeSettings, format_report, run_bench_decode
+
+    report = run_bench_decode(
+        BenchDecodeSettings(
+            store=store,
+            capacities=(1.0, 0.25),
+            prompt_tokens=3,
+            decode_tokens=3,
+            rounds=1,
+            paired_blocks=2,
+            checksums=True,
+            stock=False,
+            naive=False,
+        )
+    )
+    rows = {r["name"]: r for r in report["results"]}
+    assert set(rows) == {"moestream@1", "moestream@0.25", "moestream@0.25+crc"} and report["checksums"] is True
+    pb = rows["moestream@0.25+crc"]["paired_blocks"]
+    assert pb["against"] == "moestream@0.25" and len(pb["ratios"]) == 2
+    assert rows["moestream@0.25+crc"]["hit_rate"] == rows["moestream@0.25"]["hit_rate"]
+    assert "moestream@0.25+crc against moestream@0.25 in 2 A B B A blocks" in format_report(report)
+
+
 def test_bench_decode_times_the_daemons_generation_loop_beside_its_own(store):
     """`--generation-loop`: each streaming configuration is also timed through the
     daemon's generation loop, round by round; greedy, both loops decode the same tokens."""

@@ -23,6 +23,15 @@ streaming response itself (once it has) sets the thread's stop flag; the thread 
 at the daemon's next event and sends `cancel`, which the daemon applies before its next
 step: at most one token is made after the disconnect.
 
+Sharing: a client is its address (the gateway has one key, which every caller shares).
+One client holds at most half of the gateway's request slots (its connections too,
+guard.py), and each request tells the daemon whose it is (`client_key`), so that the
+daemon shares its queue and its slots by client too (daemon/README.md). A streamed
+answer whose HTTP client stops reading is paused, then cancelled: its thread stops
+reading the daemon once EVENT_BACKLOG events wait for the HTTP client (the daemon then
+pauses the request), and a send that the client's full buffers hold for UNREAD_SECONDS
+ends the answer, which cancels it in the daemon.
+
 Tool calls are parsed in the daemon (mlx-lm's parsers import MLX, which a client never
 does) and come as `ToolCall` events and in `Done.tool_calls`; each API shapes them.
 
@@ -45,6 +54,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
+import anyio
 import anyio.to_thread
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -52,7 +62,7 @@ from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from ...shared import protocol as proto
 from ...shared.protocol import Done
@@ -98,6 +108,12 @@ _GONE = object()  # what `Gateway._unless_gone` returns when the HTTP client has
 # How often a request's thread looks at its stop flag while the daemon sends nothing (a
 # long prompt's prefill): a client gone then is cancelled in the daemon within this.
 STOP_POLL_SECONDS = 0.5
+# A streamed answer's events waiting for its HTTP client, at most: past them its thread
+# stops reading the daemon, whose queue for it then fills and pauses the request.
+EVENT_BACKLOG = 64
+# A streamed answer's send that its HTTP client's full buffers hold this long (the client
+# reads nothing) ends the answer: the request is cancelled in the daemon and its slot freed.
+UNREAD_SECONDS = 10.0
 
 
 def _demo_store_id() -> str | None:
@@ -162,6 +178,44 @@ def check_model(st: dict[str, Any], asked: str | None, demo_store_id: str | None
     return asked or model_id(st, demo_store_id)
 
 
+class RequestSlots:
+    """The gateway's request slots: `total` at once, at most half of them one client's
+    (its address), so that one client's requests never leave another a 429."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.per_client = max(total // 2, 1)
+        self._lock = threading.Lock()
+        self._held: dict[str, int] = {}
+
+    def take(self, client: str) -> None:
+        """One slot for `client`, or ApiError 429 saying whose share is used up."""
+        with self._lock:
+            mine, held = self._held.get(client, 0), sum(self._held.values())
+            if held < self.total and mine < self.per_client:
+                self._held[client] = mine + 1
+                return
+        why = (
+            f"this client ({client}) already has {mine} requests in flight, its share of the gateway's {self.total}"
+            if mine >= self.per_client
+            else f"the gateway already serves {self.total} requests"
+        )
+        raise ApiError(429, f"{why}; try again shortly", type="rate_limit_error", code="busy")
+
+    def give(self, client: str) -> None:
+        with self._lock:
+            left = self._held[client] - 1
+            if left:
+                self._held[client] = left
+            else:
+                del self._held[client]
+
+
+def client_key(request: Request) -> str:
+    """Whose request it is, for the gateway's and the daemon's shares: the caller's address."""
+    return request.client.host if request.client else "?"
+
+
 def client_label(request: Request) -> str:
     """Who an HTTP request came from, as the daemon's `status` lists it: the route, the
     caller's address and its User-Agent, in printable ASCII, cut to the protocol's length."""
@@ -194,21 +248,29 @@ class DaemonRequest:
         config: GatewayConfig,
         req: ApiRequest,
         request_id: str,
-        slots: threading.BoundedSemaphore,
+        slots: RequestSlots,
+        key: str,
         client: str | None = None,
         scope: str | None = None,
     ) -> None:
-        """`client`: who sent it, as the daemon's `status` lists the request; `scope`: whose
-        cached prompts it may reuse (`cache_scope`; None: everyone's)."""
+        """`key`: the client it counts against (`client_key`), whose slot it holds; `client`:
+        who sent it, as the daemon's `status` lists the request; `scope`: whose cached
+        prompts it may reuse (`cache_scope`; None: everyone's)."""
         self._config = config
         self._req = req
         self._id = request_id
+        self._key = key
         self._client = client
         self._scope = scope
         self._slots = slots
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._stop = threading.Event()
+        # Items put and not yet taken, at most `_backlog` (None: no bound) before the
+        # thread stops reading the daemon.
+        self._room = threading.Condition()
+        self._unread = 0
+        self._backlog: int | None = EVENT_BACKLOG
         self.id = request_id
         self._thread = threading.Thread(target=self._run, name=f"daemon-request-{request_id}", daemon=True)
 
@@ -218,15 +280,39 @@ class DaemonRequest:
 
     def cancel(self) -> None:
         self._stop.set()
+        with self._room:
+            self._room.notify_all()
+
+    def hold_all(self) -> None:
+        """Read all its events, however many wait: a choice that waits for its turn (n > 1)
+        is read in full before its turn, never paused."""
+        self._backlog = None
 
     async def next(self) -> Any:
-        return await self._queue.get()
+        item = await self._queue.get()
+        with self._room:
+            self._unread -= 1
+            self._room.notify_all()
+        return item
 
     def _put(self, item: Any) -> None:
+        with self._room:
+            self._unread += 1
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:  # the event loop has closed: nobody reads this request any more
             self._stop.set()
+
+    def _has_room(self) -> bool:
+        """Whether another event may wait for the HTTP client (a while, for one to be taken)."""
+        with self._room:
+            return (
+                self._room.wait_for(
+                    lambda: self._stop.is_set() or self._backlog is None or self._unread < self._backlog,
+                    STOP_POLL_SECONDS,
+                )
+                and not self._stop.is_set()
+            )
 
     def _run(self) -> None:
         try:
@@ -240,10 +326,13 @@ class DaemonRequest:
                     progress=self._req.stream,
                     client=self._client,
                     cache_scope=self._scope,
+                    client_key=self._key,
                     **self._req.generate,
                 )
                 while stream.done is None:
-                    event = stream.next_event(within=STOP_POLL_SECONDS)
+                    # The HTTP client reads nothing: neither does this thread, and the
+                    # daemon pauses the request once its queue for this one is full.
+                    event = stream.next_event(within=STOP_POLL_SECONDS) if self._has_room() else None
                     if self._stop.is_set():
                         if stream.done is None:
                             stream.abandon()  # the client closes next: no need to read up to `done`
@@ -261,7 +350,7 @@ class DaemonRequest:
             log.exception("request %s failed", self._id)
             self._put(ApiError(500, f"the gateway failed: {type(e).__name__}: {e}", type="server_error"))
         finally:
-            self._slots.release()
+            self._slots.give(self._key)
 
 
 class EventStream(StreamingResponse):
@@ -277,10 +366,24 @@ class EventStream(StreamingResponse):
         self._request = request
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_or_give_up(message: Message) -> None:
+            try:
+                with anyio.fail_after(UNREAD_SECONDS):
+                    await send(message)
+            except TimeoutError:
+                raise _NotReading from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_or_give_up)
+        except _NotReading:
+            # uvicorn closes the connection of an answer left unfinished.
+            log.warning("a streamed answer's client read nothing for %g s: cancelled", UNREAD_SECONDS)
         finally:
             self._request.cancel()
+
+
+class _NotReading(Exception):
+    """A streamed answer's HTTP client has taken nothing for UNREAD_SECONDS."""
 
 
 def _sse(obj: Any) -> str:
@@ -300,7 +403,7 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self._slots = threading.BoundedSemaphore(config.max_concurrent)
+        self._slots = RequestSlots(config.max_concurrent)
         # The model's own text of the tool calls answered, for the turns that resend them.
         self.call_texts = CallTexts()
 
@@ -435,15 +538,12 @@ class Gateway:
         return None if model is None else (daemon, model)
 
     def _start_request(self, request: Request, req: ApiRequest, prefix: str) -> DaemonRequest:
-        if not self._slots.acquire(blocking=False):
-            raise ApiError(
-                429,
-                f"the gateway already serves {self.config.max_concurrent} requests; try again shortly",
-                type="rate_limit_error",
-                code="busy",
-            )
+        key = client_key(request)
+        self._slots.take(key)
         scope = None if self.config.cache_shared else cache_scope(request, req)
-        daemon = DaemonRequest(self.config, req, prefix + uuid.uuid4().hex, self._slots, client_label(request), scope)
+        daemon = DaemonRequest(
+            self.config, req, prefix + uuid.uuid4().hex, self._slots, key, client_label(request), scope
+        )
         daemon.start()
         return daemon
 
@@ -501,6 +601,8 @@ class Gateway:
         try:
             for i in range(req.n):
                 daemons.append(self._start_request(request, req.choice(i), prefix))
+                if i:
+                    daemons[-1].hold_all()  # it waits for the choices before it
             models = [await self._served_model(request, d) for d in daemons]
         except BaseException:
             for d in daemons:

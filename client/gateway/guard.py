@@ -6,7 +6,8 @@ Two layers, both independent of the routes (any API the gateway serves gets them
       a connection must send its request's headers within `header_timeout` of opening
       (or of its previous response) and its body within `body_timeout` of the headers;
       at most `max_connections` at once (and fewer than the open-file limit allows) and
-      `max_per_client` per client address. Past a cap, the oldest connection that is
+      `max_per_client` per client address, each with a bounded kernel send buffer
+      (SEND_BUFFER_BYTES: a client that stops reading is noticed). Past a cap, the oldest connection that is
       not in the middle of a request (still sending headers, or idle between requests)
       is closed to make room, so that half-open connections (slowloris) cannot keep a
       client that sends its request at once from being served; only when every
@@ -29,6 +30,7 @@ import ipaddress
 import json
 import logging
 import resource
+import socket
 from collections import OrderedDict, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -44,6 +46,10 @@ LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 # Descriptors kept free of connections: the daemon's sockets, the log, the listener.
 RESERVED_FDS = 64
 LOG_WINDOW_SECONDS = 10.0
+# Each connection's kernel send buffer (doubled by Linux; autotuned up to 4 MiB without
+# it): a streamed answer whose client stops reading fills it after a few hundred events,
+# and its send then blocks (app.py cancels it after UNREAD_SECONDS), not after 25,000.
+SEND_BUFFER_BYTES = 64 * 1024
 LOG_LINES_PER_WINDOW = 20
 
 log = logging.getLogger("moestream.openai")
@@ -134,6 +140,9 @@ class ConnectionGuard:
         class GuardedH11Protocol(H11Protocol):
             def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
                 super().connection_made(transport)
+                sock = transport.get_extra_info("socket")
+                if sock is not None:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
                 guard.opened(self)
 
             def connection_lost(self, exc: Exception | None) -> None:

@@ -141,6 +141,10 @@ class BenchDecodeSettings:
     # (tests/bench/results/full_residency_q30_h200.json); a drift within a block
     # cancels, so the ratio per block measures the code, not the moment.
     paired_blocks: int = 0
+    # Each partial slot pool also with every read verified against the manifest's
+    # checksums (the bench knob verify_checksums), as "+crc"; with paired_blocks, paired
+    # against the same pool without.
+    checksums: bool = False
 
 
 @dataclass
@@ -227,6 +231,7 @@ def _streaming_config(
     mapped: bool = False,
     mapped_gather: bool = False,
     host_cache: int = 0,
+    verify: bool = False,
 ) -> Config:
     sm = load_streaming_model(
         settings.store,
@@ -240,6 +245,7 @@ def _streaming_config(
             copy_kernel=settings.copy_kernel,
             mapped_gather=mapped_gather,
             prefetch_copy_blocks=settings.prefetch_copy_blocks,
+            verify_checksums=verify,
         ),
         naive=naive,
         admitter=admitter,
@@ -558,6 +564,8 @@ def run_bench_decode(
         for c in settings.capacities:
             if settings.slot_pool:
                 configs.append(_streaming_config(f"moestream@{c:g}", c, settings, prompt))
+                if settings.checksums and c < 1:
+                    configs.append(_streaming_config(f"moestream@{c:g}+crc", c, settings, prompt, verify=True))
             if tier is not None and c < 1:
                 if tier_mapped:
                     configs.append(
@@ -655,20 +663,24 @@ def run_bench_decode(
                         f"tok/s, unconstrained {pair['unconstrained_tokens_per_s']:.2f} tok/s"
                     )
         paired: dict[str, dict[str, Any]] = {}
-        if settings.paired_blocks and settings.stock:
-            for c in configs:
-                if c.capacity == 1.0:
-                    gc.collect()
-                    paired[c.name] = paired_blocks(
-                        lambda: configs[0].run(settings.seed),
-                        lambda c=c: c.run(settings.seed),
-                        settings.paired_blocks,
-                    )
-                    say(
-                        f"{c.name} against stock in {settings.paired_blocks} A B B A blocks: median "
-                        f"{paired[c.name]['median']:.3f}, 95% interval {paired[c.name]['interval_95'][0]:.3f}"
-                        f"-{paired[c.name]['interval_95'][1]:.3f}"
-                    )
+        by_name = {c.name: c for c in configs}
+        # (the configuration, the one it is paired against): stock against each full pool,
+        # each "+crc" pool against the same pool without checksums.
+        pairs = [(c, configs[0]) for c in configs if c.capacity == 1.0 and settings.stock]
+        pairs += [(c, by_name[c.name.removesuffix("+crc")]) for c in configs if c.name.endswith("+crc")]
+        for c, base in pairs if settings.paired_blocks else ():
+            gc.collect()
+            paired[c.name] = paired_blocks(
+                lambda base=base: base.run(settings.seed),
+                lambda c=c: c.run(settings.seed),
+                settings.paired_blocks,
+            )
+            paired[c.name]["against"] = "stock" if settings.stock and base is configs[0] else base.name
+            say(
+                f"{c.name} against {paired[c.name]['against']} in {settings.paired_blocks} A B B A blocks: median "
+                f"{paired[c.name]['median']:.3f}, 95% interval {paired[c.name]['interval_95'][0]:.3f}"
+                f"-{paired[c.name]['interval_95'][1]:.3f}"
+            )
         admission = measure_admission(tier, manifest) if tier is not None else None
     finally:
         for c in configs:
@@ -755,6 +767,7 @@ def run_bench_decode(
         "generation_loop": settings.generation_loop,
         "constrained": settings.constrained,
         "paired_blocks": settings.paired_blocks,
+        "checksums": settings.checksums,
         "host_cache_bytes": settings.host_cache,
         "host_tier_mapped": tier_note,
         # Bytes read into the host tier before timing (`warm_tier`).
@@ -937,7 +950,8 @@ def format_report(report: dict[str, Any]) -> str:
         pb = r.get("paired_blocks")
         if pb is not None:
             lines.append(
-                f"{r['name']} against stock in {len(pb['ratios'])} A B B A blocks: median {pb['median']:.3f} "
+                f"{r['name']} against {pb.get('against', 'stock')} in {len(pb['ratios'])} A B B A blocks: median "
+                f"{pb['median']:.3f} "
                 f"(quartiles {pb['quartiles'][0]:.3f}-{pb['quartiles'][1]:.3f}), geometric mean "
                 f"{pb['geometric_mean']:.3f} (95% interval {pb['interval_95'][0]:.3f}-{pb['interval_95'][1]:.3f})"
             )

@@ -595,6 +595,7 @@ def iter_generate(
             spec=spec,
             stats=spec_stats,
             on_prompt_progress=on_prompt_progress,
+            pieces=True,
         )
     elif batch is not None and not alone:
         steps = batch.steps(

@@ -102,10 +102,13 @@ def load_mtp_head(store: str | Path, config: dict[str, Any]) -> LoadedMTP:
     meta = json.loads(metadata.get("moestream_mtp", "null") or "null")
     if not isinstance(meta, dict):
         raise StoreError(f"{path} is not a moestream MTP head: its metadata has no 'moestream_mtp' entry")
-    if meta.get("kind") == QWEN3_NEXT:
-        return LoadedMTP(_load_qwen3_next(path, config), QWEN3_NEXT, KVCache)
-    head, _ = load_mtp(path)
-    return LoadedMTP(head, "demo", KVCache)
+    loaded = (
+        LoadedMTP(_load_qwen3_next(path, config), QWEN3_NEXT, KVCache)
+        if meta.get("kind") == QWEN3_NEXT
+        else LoadedMTP(load_mtp(path)[0], "demo", KVCache)
+    )
+    mx.eval(mx.random.state)  # its initial draws (streaming_model.py `_build_model`)
+    return loaded
 
 
 def _load_qwen3_next(path: Path, config: dict[str, Any]) -> Qwen3NextMTP:

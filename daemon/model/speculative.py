@@ -321,6 +321,7 @@ def load_draft_model(path: str | Path) -> nn.Module:
         from mlx_lm.utils import load_model
 
         model, _ = load_model(p)
+        mx.eval(mx.random.state)  # its initial draws (streaming_model.py `_build_model`)
         return model
     raise ValueError(f"draft model {path} is neither an expert store nor an mlx-lm model folder")
 
@@ -548,11 +549,14 @@ def speculative_steps(
     stats: SpeculativeStats,
     drafter: Any = None,
     on_prompt_progress: Callable[[int, int], None] | None = None,
-) -> Iterator[tuple[int, None]]:
+    pieces: bool = False,
+) -> Iterator[tuple[int | None, None]]:
     """Yield (token, None) like mlx-lm's `generate_step`, speculating per `spec` and
     recording what it did in `stats`; `on_prompt_progress(done, total)` follows the
     prompt's prefill, as `generate_step`'s `prompt_progress_callback` does. `drafter` replaces the one `spec` names (any
-    object with `need_hidden`, `begin`, `observe` and `propose` as `MTPDrafter` has)."""
+    object with `need_hidden`, `begin`, `observe` and `propose` as `MTPDrafter` has).
+    `pieces`: yield (None, None) between two chunks of the prefill, as `plain_steps`
+    does, so that the engine loop can stop the request (or step others) there."""
     model = sm.model
     bucket = spec.key_bucket if spec.key_bucket is not None else default_key_bucket()
     stats.key_bucket = bucket
@@ -574,6 +578,10 @@ def speculative_steps(
         progress = on_prompt_progress or (lambda done, total: None)
         progress(0, n_prompt)
         for start in range(0, n_prompt - 1, PREFILL_STEP):
+            if start and pieces:
+                clock.pause()
+                yield None, None
+                clock.resume()
             end = min(start + PREFILL_STEP, n_prompt - 1)
             chunk = ids[start:end][None]
             hidden = model.model(chunk, cache.layers) if drafter.need_hidden else model(chunk, cache=cache.layers)

@@ -1,4 +1,14 @@
-"""Reads experts from a store's layer files into pool slots, through the native engine."""
+"""Reads experts from a store's layer files into pool slots, through the native engine.
+
+Each file's size and modification time are taken when it is opened and looked at again
+after each read batch (a stat, microseconds): a file written over in place since (the
+same inode) is checked once, all of it, against the manifest's checksums. If every
+expert matches (a file restored, or a short one repaired), reads go on (through a fresh
+descriptor where it grew); if not, every read of it is refused, naming the file and the
+first expert that differs, rather than served silently wrong, until it matches again or
+the daemon restarts. A file replaced by another (a new inode) or deleted is still read
+through the descriptor opened on the old one, whose bytes have not changed.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +17,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..._native import ReadEngine
+from ..._native import ReadEngine, crc32
 from ...shared.store_format import ABSENT, Manifest, MoELayer, permission_advice
 
 
 class ExpertReadError(RuntimeError):
     """An expert could not be read; the message names the layer, the expert and why."""
+
+
+@dataclass(frozen=True)
+class FileStamp:
+    """What a layer file was when opened: its inode, size and modification time."""
+
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path: Path) -> "FileStamp":
+        st = os.stat(path)
+        return cls(st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 @dataclass(frozen=True)
@@ -42,9 +66,14 @@ class ExpertReader:
         self.engine = ReadEngine(threads=threads, direct=direct, verify=verify)
         self._fids: dict[str, int] = {}
         self._sizes: dict[str, int] = {}
+        self._stamps: dict[str, FileStamp] = {}
+        self._layers: dict[str, MoELayer] = {}
+        # Files found changed and not as the manifest describes them: the stamp seen, and why.
+        self._refused: dict[str, tuple[FileStamp, str]] = {}
         for layer in manifest.layers:
             path = self.store_dir / layer.file
             try:
+                stamp = FileStamp.of(path)
                 fid = self.engine.open(str(path))
             except OSError as e:
                 self.engine.close()
@@ -53,6 +82,8 @@ class ExpertReader:
                 ) from e
             self._fids[layer.file] = fid
             self._sizes[layer.file] = int(self.engine.file_info(fid)["size"])
+            self._stamps[layer.file] = stamp
+            self._layers[layer.file] = layer
 
     def file_id(self, layer: MoELayer) -> int:
         """The engine's id of this layer's expert file (for reads submitted directly)."""
@@ -93,11 +124,60 @@ class ExpertReader:
             return failed
         ids = self.engine.submit_batch(batch)
         done = {c.id: c for c in self.engine.wait(ids)}
+        # After the reads: a file written over before they ended may have given them its new bytes.
+        changed = {name: self.changed(name) for name in {job.layer.file for job in submitted}}
         for rid, job in zip(ids, submitted):
             c = done[rid]
             if not c.ok:
                 failed.append((job, c.error))
+            elif changed[job.layer.file] is not None:
+                failed.append((job, changed[job.layer.file]))
         return failed
+
+    def changed(self, name: str) -> str | None:
+        """Why file `name` can no longer be read for its experts (written over in place
+        since it was opened, and not as the manifest describes it), else None."""
+        path = self.store_dir / name
+        try:
+            now = FileStamp.of(path)
+        except OSError:
+            return None  # deleted: the descriptor still reads the file as it was
+        was = self._stamps[name]
+        if now.inode != was.inode or now == was:
+            return None  # replaced (the descriptor reads the old one), or unchanged
+        refused = self._refused.get(name)
+        if refused is not None and refused[0] == now:
+            return refused[1]
+        differs = self._differs(name)
+        if differs is None:  # restored, or a short file repaired: read on, as it is now
+            self._refused.pop(name, None)
+            self._stamps[name] = now
+            self._reopen_if_grown(name)
+            return None
+        why = (
+            f"{path} was changed on disk after the daemon opened it ({was.size} -> {now.size} bytes, its "
+            f"modification time too) and {differs}: served, it would answer wrong; put the store's file back, or "
+            "convert the store again and restart the daemon (`moestreamctl restart`)"
+        )
+        self._refused[name] = (now, why)
+        return why
+
+    def _differs(self, name: str) -> str | None:
+        """Where file `name` is not what the manifest describes (its first expert cut
+        short or whose checksum differs), else None: one pass over it."""
+        try:
+            with open(self.store_dir / name, "rb") as f:
+                for e, x in enumerate(self._layers[name].experts):
+                    if x.offset == ABSENT:
+                        continue
+                    data = os.pread(f.fileno(), x.length, x.offset)
+                    if len(data) < x.length:
+                        return f"expert {e} is cut short"
+                    if crc32(data) != x.crc32:
+                        return f"expert {e} no longer matches its checksum in the manifest"
+        except OSError as e:
+            return f"it cannot be read ({e.strerror})"
+        return None
 
     # ---- reads that run while the caller goes on (the prefetcher's) ------------------
 
@@ -134,6 +214,10 @@ class ExpertReader:
             # per repair.
             self._fids[name] = fid
             self._sizes[name] = int(self.engine.file_info(fid)["size"])
+            try:  # what it reads now
+                self._stamps[name] = FileStamp.of(path)
+            except OSError:
+                pass
         return self._sizes[name]
 
     def stats(self) -> dict[str, Any]:

@@ -246,12 +246,15 @@ class Prefetcher:
                 waited = len(rest)
                 self.s.waited += waited
         rec.read_wait(ordinal, wait_s)
+        # A file written over since it was opened: none of its reads are served (the
+        # demand read then says why, expert_reader.py).
+        stale = self.reader.changed(layer.file) is not None
         with rec.host(ordinal, "promote_route"):
             spans, left = [], []
             served = []
             for e, row in placements:
                 entry = self._entries.pop((ordinal, e))
-                if entry.state != DONE:
+                if entry.state != DONE or stale:
                     left.append((e, row))
                 else:
                     served.append((e, entry))

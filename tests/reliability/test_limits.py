@@ -11,6 +11,7 @@ import socket
 import time
 
 import pytest
+from daemon_cli import wait_for
 
 from moestream.client.client import Client, RequestRejected
 from moestream.daemon.bench.soak import attacks
@@ -66,18 +67,94 @@ def test_connections_past_the_file_limit_are_shut_not_fatal(rel_store, rel_refer
     d = start_daemon(rel_store)
     # Room for about 500 connections, and a burst of 512 beyond them (daemon/limits.py).
     resource.prlimit(d.pid, resource.RLIMIT_NOFILE, (1400, 1400))
-    socks = _open_idle(str(d.paths.socket), 1500)
+    socks = []
     try:
-        time.sleep(1.0)
+        # Near the limit the socket file is renamed away: a connect then finds nothing.
+        with pytest.raises(FileNotFoundError):
+            for _ in range(1500):
+                socks.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+                socks[-1].connect(str(d.paths.socket))
+        assert 500 < len(socks) < 1400
+        assert d.paths.paused_socket.exists()
         assert d.alive(), d.tail()
+        with pytest.raises(RequestRejected) as e:  # a new client hears busy
+            with Client(d.paths, timeout=1) as c:
+                c.ping()
+        assert e.value.code == "busy" and "no new connections" in e.value.message
         for s in socks[:1000]:
             s.close()
-        time.sleep(0.5)
+        # Back once enough have closed.
+        deadline = time.monotonic() + 10
+        while not d.paths.socket.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         _exact(d, rel_reference)
         assert "near the open-file limit" in d.paths.log.read_text()
     finally:
         for s in socks:
             s.close()
+
+
+def test_connection_churn_past_the_file_room_is_refused_not_fatal(rel_store, rel_reference, start_daemon):
+    """1,500 sockets reconnecting 1 ms after each refusal against a daemon with room for
+    about 200 connections: it aborted inside libzmq's accept (EMFILE) within seconds.
+    Now a new client hears busy (or a pong), never silence, and the daemon serves on."""
+    d = start_daemon(rel_store)
+    report = attacks.connection_churn(d, rel_reference, 1500, 3.0)
+    assert d.alive(), d.tail()
+    assert report["ok"], report
+    clients = report["clients"]
+    # The setting (4096) lowered to the room the file limit leaves; the socket renamed
+    # away while the churn held every file, and back once it ended.
+    assert clients["max_connections"] < attacks.CHURN_FILE_LIMIT - 512, clients
+    assert clients["paused_accepting"] >= 1 and clients["accepting"], clients
+    assert clients["refused_busy"] > 0, clients
+    assert not d.paths.paused_socket.exists()
+
+
+def test_a_fixed_routing_id_is_served_again_after_a_disconnect_mid_stream(rel_store, rel_reference, start_daemon):
+    """A client with a routing id of its own (ZMQ_ROUTING_ID) leaves in the middle of a
+    stream and connects again under the same id: it is served (it was ignored for good)."""
+    import zmq
+
+    from moestream.shared import protocol as proto
+
+    d = start_daemon(rel_store)
+    prompt, max_tokens = CASES[0]
+    ctx = zmq.Context()
+
+    def connect() -> zmq.Socket:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.ROUTING_ID, b"fixed-id")
+        s.connect(d.paths.endpoint)
+        return s
+
+    def until(s: zmq.Socket, kind: type) -> proto.Reply:
+        while True:
+            assert s.poll(30_000), f"no {kind.__name__} within 30 s"
+            reply = proto.decode_reply(s.recv())
+            if isinstance(reply, kind):
+                return reply
+
+    no_end = proto.SamplingControls(logit_bias=((0, -100.0), (1, -100.0), (2, -100.0)))
+    try:
+        s = connect()
+        s.send(proto.encode(proto.Generate(id="a", prompt=prompt, max_tokens=400, sampling=no_end)))
+        until(s, proto.Token)
+        s.close()
+
+        def disconnected() -> bool:
+            with Client(d.paths) as c:
+                return c.status()["requests"]["disconnected"] == 1
+
+        wait_for(disconnected, 30, "the daemon to stop the request")
+        s = connect()
+        s.send(proto.encode(proto.Generate(id="b", prompt=prompt, max_tokens=max_tokens)))
+        done = until(s, proto.Done)
+        assert tuple(done.tokens) == rel_reference[(prompt, max_tokens)].tokens
+        s.close()
+    finally:
+        ctx.term()
 
 
 def _check_flood(daemon, reference, seconds: float, limit_mib: float) -> None:

@@ -91,5 +91,6 @@ def test_bench_soak_reports_the_gateway_attacks(rel_store, start_daemon, rel_ref
     assert f["gateway_connections_closed"] > 0 and f["gateway_connections_left_open"] <= 256
     assert f["cross_origin_403"] == f["foreign_host_403"] == f["not_json_415"] == "5/5"
     assert f["oversized_413"] == f["oversized_bodies"] == 2
+    assert f["greedy_refused_429"] == 40 - 32 and gw["greedy_client"]["other_exact"]  # past its half of 64 slots
     lines = gateway_lines({**f})
     assert lines[0].split()[2] == "ok;" and "403 for 5/5 cross-origin" in "\n".join(lines)

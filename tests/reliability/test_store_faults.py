@@ -163,6 +163,33 @@ def test_a_checksum_mismatch_is_caught_when_checksums_are_verified(store_copy, s
         _exact(c, rel_reference)
 
 
+def test_an_expert_file_written_over_in_place_is_refused_not_served_wrong(store_copy, start_daemon, rel_reference):
+    """A layer file written over in place (same size) after the daemon opened it: its reads
+    are refused, naming the file, the expert and what to do, without checksums (they were
+    served, the answer silently wrong); put back, it is served exactly again."""
+    layer = load_manifest(store_copy).layers[0]
+    path = store_copy / layer.file
+    daemon = start_daemon(store_copy)
+    with Client(daemon.paths, timeout=30) as c:
+        _exact(c, rel_reference)
+        original = path.read_bytes()
+        data = bytearray(original)
+        for x in layer.experts:
+            data[x.offset + x.length // 2] ^= 0xFF
+        with open(path, "r+b") as f:  # one byte of every expert of layer 0, in place
+            f.write(data)
+        err = _failing_request(c)
+        assert err.code == proto.ENGINE
+        assert str(path) in err.message and "changed on disk after the daemon opened it" in err.message
+        assert "expert 0 no longer matches its checksum" in err.message and "put the store's file back" in err.message
+        assert _failing_request(c).code == proto.ENGINE  # still, until it is put back
+        with open(path, "r+b") as f:
+            f.write(original)
+        _exact(c, rel_reference)
+        _exact(c, rel_reference, CASES[3])
+        assert c.ping().pid == daemon.pid
+
+
 def _remove_while_written(folder: Path) -> None:
     """Delete a folder the heat keeper is writing into: its temporary files for an atomic
     save can appear and vanish between rmtree's listing and its unlink, so retry until the

@@ -56,6 +56,12 @@ from ..values import knob_option, size_option
     "least 2).",
 )
 @click.option(
+    "--checksums",
+    is_flag=True,
+    help="Also time each partial slot pool with every expert read verified against its checksum (the bench knob "
+    "verify_checksums, '+crc'), and with --paired-blocks against the same pool without, A B B A.",
+)
+@click.option(
     "--generation-loop",
     is_flag=True,
     help="Also time each streaming configuration through the daemon's own generation loop (in process): what a "
@@ -168,6 +174,7 @@ def bench_decode(
     warmup_rounds,
     min_round_seconds,
     paired_blocks,
+    checksums,
     generation_loop,
     constrained,
     io_threads,
@@ -231,6 +238,7 @@ def bench_decode(
         generation_loop=generation_loop,
         constrained=constrained,
         paired_blocks=paired_blocks,
+        checksums=checksums,
         policy=policy,
         io_threads=io_threads,
         stock=not no_stock,

@@ -2,6 +2,8 @@
 `tests/reliability/test_limits.py` checks at small counts and `bench soak` reports.
 
   idle_connections      n raw connections that never speak (past mlx-lm's file limit)
+  connection_churn      n ZeroMQ sockets that reconnect 1 ms after each refusal, pinging,
+                        past the daemon's file room
   non_reading_client    a client that sends status requests and never reads a reply
   oversized_prompts     one client's n prompts at the protocol's size limit, each refused
                         as too long, while another client asks for one request
@@ -19,7 +21,7 @@ from typing import Any, Mapping
 
 import zmq
 
-from ....client.client import Client
+from ....client.client import Client, ClientError, RequestRejected
 from ....shared import protocol as proto
 from .driver import DaemonProcess, Reference
 
@@ -91,6 +93,87 @@ def flood_without_reading(daemon: DaemonProcess, seconds: float) -> tuple[int, i
     return start or end, end
 
 
+def churn(daemon: DaemonProcess, sockets: int, seconds: float, probe: Any = None) -> int:
+    """`sockets` DEALER sockets that reconnect 1 ms after their connection ends, each
+    pinging now and then, for `seconds`; `probe()` is called once, halfway. Returns the
+    pings sent."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2 * sockets + 256:  # a socket's connection and its mailbox
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 2 * sockets + 1024), hard))
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, sockets + 64)
+    socks = []
+    pings = 0
+    try:
+        for _ in range(sockets):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.RECONNECT_IVL, 1)
+            s.setsockopt(zmq.RECONNECT_IVL_MAX, 1)
+            s.connect(daemon.paths.endpoint)
+            socks.append(s)
+        start = time.monotonic()
+        while time.monotonic() - start < seconds:
+            for s in socks[pings % sockets :][:100]:
+                try:
+                    s.send(proto.encode(proto.Ping(f"p{pings}")), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+                pings += 1
+            if probe is not None and time.monotonic() - start > seconds / 2:
+                probe()
+                probe = None
+            time.sleep(0.005)
+    finally:
+        for s in socks:
+            s.close()
+        ctx.term()
+    return pings
+
+
+# The daemon's open-file limit during `connection_churn`: room for about 200 connections,
+# so that a churn of a few thousand sockets (each two files here) passes it.
+CHURN_FILE_LIMIT = 1000
+
+
+def connection_churn(
+    daemon: DaemonProcess, reference: Mapping[tuple[str, int], Reference], sockets: int, seconds: float
+) -> dict:
+    """`churn` past the daemon's file room (its limit lowered to CHURN_FILE_LIMIT, for
+    good): a new client halfway hears a pong or busy (never silence), and the daemon
+    serves exactly afterwards."""
+    resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (CHURN_FILE_LIMIT, CHURN_FILE_LIMIT))
+    heard: list[str] = []
+
+    def probe() -> None:
+        try:
+            with Client(daemon.paths, timeout=3) as c:
+                c.ping()
+            heard.append("pong")
+        except RequestRejected as e:
+            heard.append(e.code)
+        except ClientError as e:
+            heard.append(f"error: {e}")
+
+    pings = churn(daemon, sockets, seconds, probe)
+    alive = daemon.alive()
+    exact = alive and _exact(daemon, reference)
+    clients: dict[str, Any] = {}
+    if alive:
+        with Client(daemon.paths) as c:
+            clients = c.status()["clients"]
+    ok = bool(exact and heard and heard[0] in ("pong", proto.BUSY))
+    return {
+        "sockets": sockets,
+        "seconds": seconds,
+        "pings": pings,
+        "new_client_heard": heard,
+        "exact_after": exact,
+        "clients": clients,
+        "ok": ok,
+    }
+
+
 def non_reading_client(daemon: DaemonProcess, reference: Mapping[tuple[str, int], Reference], seconds: float) -> dict:
     start, end = flood_without_reading(daemon, seconds)
     growth = (end - start) / 2**20
@@ -132,6 +215,8 @@ def run_attacks(daemon: DaemonProcess, reference: Mapping[tuple[str, int], Refer
         "non_reading_client": non_reading_client(daemon, reference, seconds),
         "oversized_prompts": oversized_prompts(daemon, reference, 260),
         "tiny_sampling": tiny_sampling(daemon, reference),
+        # Last: it lowers the daemon's file limit for good.
+        "connection_churn": connection_churn(daemon, reference, 1500, min(seconds, 5.0)),
     }
     out["ok"] = all(part["ok"] for part in out.values())
     return out

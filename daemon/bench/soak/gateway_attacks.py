@@ -15,6 +15,10 @@ followed by a request that must still be served exactly: what
                      preflight): how many got 403 and 415
   oversized_bodies   bodies over the gateway's limit, declared (Content-Length) and sent
                      chunked without a length: how many got 413, the gateway's RSS growth
+  greedy_client      one address's streamed completions, more than its half of the
+                     gateway's request slots, never read, then another address's
+                     completion: how many of the first got 429, whether the other was
+                     served exactly, and how long it waited
 
 Two gateway processes on the daemon's runtime folder: one keyed, one keyless (the one a
 browser's page can reach). Only the standard library's HTTP client; no MLX.
@@ -36,7 +40,7 @@ from typing import Any, Mapping
 
 import psutil
 
-from ....client.gateway.app import MAX_BODY_BYTES
+from ....client.gateway.app import MAX_BODY_BYTES, MAX_CONCURRENT
 from ....shared.settings import default_of
 from .driver import DaemonProcess, Reference, child_env
 
@@ -48,6 +52,10 @@ KEYED_WITHIN_S = 2.0  # the most slowloris may add to a keyed completion
 OVERSIZED_FACTOR = 2  # bodies twice the gateway's limit
 GATEWAY_RSS_LIMIT_MIB = 20.0
 GATEWAY_LOG_LIMIT_BYTES = 2 * 2**20
+# The greedy client's streams: more than its half of the gateway's request slots.
+GREEDY_STREAMS = 40
+# The other client's own loopback address (Linux routes all of 127.0.0.0/8 to lo).
+OTHER_ADDRESS = "127.0.0.2"
 
 
 class GatewayProcess:
@@ -273,6 +281,50 @@ def oversized_bodies(gw: GatewayProcess, reference: Mapping[tuple[str, int], Ref
     return out
 
 
+def greedy_client(gw: GatewayProcess, reference: Mapping[tuple[str, int], Reference], n: int) -> dict:
+    (prompt, max_tokens), ref = min(reference.items())
+    body = json.dumps({"model": "moestream", "prompt": prompt, "max_tokens": 16, "stream": True}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{gw.port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    socks: list[socket.socket] = []
+    statuses = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # reads nothing of the stream
+            s.settimeout(120)
+            s.connect(("127.0.0.1", gw.port))
+            socks.append(s)
+            s.sendall(head + body)
+            statuses.append(int(s.recv(64).split(b" ", 2)[1]))  # the status line only
+        tic = time.monotonic()
+        conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=300, source_address=(OTHER_ADDRESS, 0))
+        try:
+            json_type = {"Content-Type": "application/json"}
+            conn.request("POST", "/v1/completions", _completion(prompt, max_tokens), json_type)
+            response = conn.getresponse()
+            status, answer = response.status, response.read()
+        finally:
+            conn.close()
+        waited = time.monotonic() - tic
+    finally:
+        for s in socks:
+            s.close()
+    exact = status == 200 and json.loads(answer)["choices"][0]["text"] == ref.text
+    refused = statuses.count(429)
+    share = MAX_CONCURRENT // 2
+    return {
+        "streams": n,
+        "accepted": statuses.count(200),
+        "refused_429": refused,
+        "other_exact": exact,
+        "other_waited_s": waited,
+        "ok": bool(exact and statuses.count(200) == share and refused == n - share),
+    }
+
+
 def run_gateway_attacks(
     daemon: DaemonProcess, reference: Mapping[tuple[str, int], Reference], *, requests: int = 100
 ) -> dict:
@@ -290,6 +342,7 @@ def run_gateway_attacks(
         out: dict[str, Any] = slowloris(keyed, reference, key, SLOWLORIS_CONNECTIONS)
         out["browser_requests"] = browser_requests(keyless, reference, requests)
         out["oversized_bodies"] = oversized_bodies(keyless, reference, max(1, requests // 20))
+        out["greedy_client"] = greedy_client(keyless, reference, GREEDY_STREAMS)
         alive = keyed.proc.poll() is None and keyless.proc.poll() is None
     finally:
         keyed.stop()

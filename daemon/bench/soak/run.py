@@ -143,6 +143,8 @@ def _figures(report: dict[str, Any]) -> dict[str, Any]:
         "non_reading_rss_growth_mib": attacks.get("non_reading_client", {}).get("rss_growth_mib"),
         "oversized_other_wait_s": attacks.get("oversized_prompts", {}).get("other_client_waited_s"),
         "tiny_sampling_greedy": attacks.get("tiny_sampling", {}).get("ok"),
+        "churn_ok": attacks.get("connection_churn", {}).get("ok"),
+        "churn_sockets": attacks.get("connection_churn", {}).get("sockets"),
         "messages_fuzzed": fuzz.get("messages", 0),
         "fuzz_wrong_replies": fuzz.get("wrong_replies", 0),
         "crashes": fuzz.get("crashes", 0) + (0 if soak["daemon_alive"] else 1),
@@ -184,6 +186,8 @@ def gateway_figures(gw: dict[str, Any]) -> dict[str, Any]:
         "oversized_413": (bodies.get("declared_413", 0) + bodies.get("chunked_413", 0)) if bodies else None,
         "gateway_rss_growth_mib": bodies.get("gateway_rss_growth_mib"),
         "gateway_log_bytes": gw.get("log_bytes"),
+        "greedy_refused_429": gw.get("greedy_client", {}).get("refused_429"),
+        "greedy_other_waited_s": gw.get("greedy_client", {}).get("other_waited_s"),
     }
 
 
@@ -224,6 +228,7 @@ def _attack_line(f: dict[str, Any]) -> str:
         f"non-reading client {f['non_reading_rss_growth_mib']:+.1f} MiB, other client waited "
         f"{f['oversized_other_wait_s']:.2f} s behind 260 oversized prompts, tiny temperature "
         f"{'greedy' if f['tiny_sampling_greedy'] else 'NOT greedy'}"
+        + ("" if f.get("churn_ok") is None else f", churn {'ok' if f['churn_ok'] else 'FAILED'}")
     )
 
 
@@ -303,6 +308,16 @@ def reliability_table_markdown(report: dict[str, Any], name: str) -> str:
                 _yes(f["tiny_sampling_greedy"], "greedy for every seed"),
             ),
         ]
+        if "connection_churn" in attacks:
+            churn = attacks["connection_churn"]
+            rows.append(
+                (
+                    f"{churn['sockets']:,} sockets reconnecting every 1 ms, past a 1,000-file limit",
+                    "`max_connections` at most the file room; near the limit the socket is renamed away: busy, "
+                    "never EMFILE",
+                    _yes(churn["ok"], f"new client heard {churn['new_client_heard'][0]}; served exactly"),
+                )
+            )
     if gw:
         rows += [
             (
@@ -332,6 +347,20 @@ def reliability_table_markdown(report: dict[str, Any], name: str) -> str:
                 ),
             ),
         ]
+        if "greedy_client" in gw:
+            greedy = gw["greedy_client"]
+            rows.append(
+                (
+                    f"gateway: one address's {greedy['streams']} streams, never read, then another address's request",
+                    "half the request slots per address (429 past them); the daemon's next slot to the client that "
+                    "waited; an unread stream paused, then cancelled",
+                    _yes(
+                        greedy["ok"],
+                        f"{greedy['refused_429']} refused; the other served exactly after "
+                        f"{greedy['other_waited_s']:.2f} s",
+                    ),
+                )
+            )
     out = ["| attack | what the daemon or gateway does | figure (`" + name + "`) |", "| --- | --- | --- |"]
     out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     return "\n".join(out) + "\n"
