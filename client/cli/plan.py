@@ -8,13 +8,11 @@ from pathlib import Path
 import click
 
 from ...shared.settings import Settings, SettingsError
-from .values import store_option
+from .values import StorePath, store_option
 
 
 @click.command()
-@click.option(
-    "--model", "store", type=click.Path(file_okay=False), help="Expert store (default: the built-in demo model)."
-)
+@click.option("--model", "store", type=StorePath(), help="Expert store (`demo`, the default: the built-in demo model).")
 @click.option("--memory-budget", help="Size the pool to fit resident weights, pool and KV cache in this, e.g. 24G.")
 @click.option("--host-cache", help="A host-RAM tier of this size between the store and the pool, e.g. 32G.")
 @click.option("--capacity", help="Pool slots per MoE layer (16) or a fraction of each layer's experts (0.25, 25%).")
