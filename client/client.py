@@ -142,6 +142,18 @@ class Client:
         """Ask the daemon to stop (it cancels running requests); returns its pid."""
         return self._call(proto.Shutdown(id=_new_id()), proto.ShutdownReply).pid
 
+    def load(self, keep_alive: float | None = None) -> proto.LoadReply:
+        """Ollama's load request: the model loaded (an unloaded one loads now, which this
+        waits for while the daemon answers pings) and kept `keep_alive` seconds once idle
+        (-1: never; None: the daemon's setting); 0 releases it as soon as nothing is in
+        flight. The reply says the engine's state then, and the requests in flight."""
+        msg = proto.Load(id=_new_id(), keep_alive=None if keep_alive is None else float(keep_alive))
+        try:
+            proto.decode_request(proto.encode(msg))
+        except proto.ProtocolError as e:
+            raise RequestRejected(e.code, e.message, msg.id) from None
+        return self._call(msg, proto.LoadReply, keep_waiting=True)
+
     def cancel(self, request_id: str) -> bool:
         """Cancel one of this client's generate requests; False if it had already ended.
         The daemon answers once its engine has applied it, at the end of the prefill piece

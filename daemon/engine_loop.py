@@ -88,6 +88,14 @@ class CountCmd:
 
 
 @dataclass(frozen=True)
+class LoadCmd:
+    """A load request (Ollama's load, or its unload with keep_alive 0)."""
+
+    peer: bytes
+    msg: proto.Load
+
+
+@dataclass(frozen=True)
 class CheckDone:
     """The prompt checker (daemon/prompt_check.py) has set this job's `checked`."""
 
@@ -208,6 +216,8 @@ class EngineLoop:
         self._pending: deque[Job] = deque()
         # count_tokens requests waiting for a model to be loaded (daemon/prompt_check.py answers them).
         self._counts: list[Any] = []
+        # Load requests, answered at the end of the loop's turn (once loaded, or unloaded).
+        self._loads: list[LoadCmd] = []
         self._active: deque[Job] = deque()
         # The job stepped last, at the end of `_active` until the next step: a job started
         # meanwhile goes before it (a long prompt's prefill yields after each piece, and a
@@ -264,6 +274,9 @@ class EngineLoop:
     def cancel(self, peer: bytes, msg: proto.Cancel) -> None:
         self._commands.put(CancelCmd(peer, msg, time.monotonic()))
 
+    def load(self, peer: bytes, msg: proto.Load) -> None:
+        self._commands.put(LoadCmd(peer, msg))
+
     def peer_gone(self, peer: bytes) -> None:
         self._commands.put(PeerGone(peer, time.monotonic()))
 
@@ -298,7 +311,10 @@ class EngineLoop:
                 try:
                     self._close_model()
                     # Counts the checker had not answered when it closed.
-                    self._fail_counts(proto.SHUTTING_DOWN, self.error or "the daemon is shutting down")
+                    why = self.error or "the daemon is shutting down"
+                    self._fail_counts(proto.SHUTTING_DOWN, why)
+                    for cmd in self._loads:
+                        self._send(cmd.peer, proto.Error(cmd.msg.id, proto.SHUTTING_DOWN, why))
                 finally:
                     with self._send_lock:
                         self._events.send_multipart([b"", EXIT_FRAME])
@@ -456,7 +472,8 @@ class EngineLoop:
             self._drain(block=not steppable and not startable)
             if self._stopping:
                 return
-            if (self._pending or self._counts) and self._sm is None:
+            loads = any(cmd.msg.keep_alive != 0 for cmd in self._loads)
+            if (self._pending or self._counts or loads) and self._sm is None:
                 self._reload()
             self._elastic_tick()
             self._activate_pending()
@@ -471,6 +488,7 @@ class EngineLoop:
             self._publish()
             self._heat_tick()
             self._idle_check()
+            self._answer_loads()
 
     def _elastic_tick(self) -> None:
         """Between two steps (no forward in flight on the host): resize the pool where
@@ -500,6 +518,11 @@ class EngineLoop:
                 self._on_cancel(cmd)
             elif isinstance(cmd, CountCmd):
                 self._on_count(cmd)
+            elif isinstance(cmd, LoadCmd):
+                # Its keep_alive counts from now, as a request's does; 0: the idle check
+                # of this turn releases the model, once nothing is in flight.
+                self._keep_alive.request(cmd.msg.keep_alive)
+                self._loads.append(cmd)
             elif isinstance(cmd, PeerGone):
                 self._paused.discard(cmd.peer)
                 for job in [j for j in self._jobs.values() if j.peer == cmd.peer]:
@@ -943,6 +966,17 @@ class EngineLoop:
         self._keep_alive.idle(now)
         if self._keep_alive.due(now):
             self._unload()
+
+    def _answer_loads(self) -> None:
+        """Answer the load requests of this turn: the model is loaded now (or failed to
+        load), or released by the idle check just run (keep_alive 0, nothing in flight)."""
+        loads, self._loads = self._loads, []
+        for cmd in loads:
+            if self._sm is None and cmd.msg.keep_alive != 0:
+                why = self.error or "the model could not be loaded"
+                self._send(cmd.peer, proto.Error(cmd.msg.id, proto.ENGINE, why))
+            else:
+                self._send(cmd.peer, proto.LoadReply(cmd.msg.id, self.state, len(self._jobs)))
 
     def _unload(self) -> None:
         """Release the model, its pool, host tier, reader and MLX's caches; the socket, the

@@ -457,11 +457,13 @@ class Server:
             self.log.info("shutdown asked by client %s", peer.hex())
             self._reply(router, peer, proto.ShutdownReply(msg.id, os.getpid()))
             self._stop_requested = True
-        elif isinstance(msg, (proto.Generate, proto.CountTokens)):
+        elif isinstance(msg, (proto.Generate, proto.CountTokens, proto.Load)):
             if self._stop_requested:
                 self._reply(router, peer, proto.Error(msg.id, proto.SHUTTING_DOWN, "the daemon is shutting down"))
             elif isinstance(msg, proto.Generate):
                 engine.submit(peer, msg)
+            elif isinstance(msg, proto.Load):
+                engine.load(peer, msg)
             else:
                 engine.count(peer, msg)
         elif isinstance(msg, proto.Cancel):

@@ -11,6 +11,7 @@ Every message is one ZeroMQ frame holding a msgpack map with `v` (PROTOCOL_VERSI
                                                         -> accepted, progress*, (token | tool_call)*, done
   count_tokens  prompt | prompt_ids | messages, [tools, tool_choice, thinking]  -> token_count
   cancel    target (the id of one of this client's generate requests)  -> cancelled
+  load      [keep_alive]                                               -> load
   status / stats / ping / shutdown                                     -> status / stats / pong / shutdown
 
 Any request may instead get `error` {code, message}. Limits: a message is at most
@@ -50,7 +51,11 @@ earlier `reasoning`, which the template renders where it renders reasoning (its
 `count_tokens` renders and tokenizes a prompt as `generate` would (its thinking switch,
 tools) and answers with its length in tokens, from the daemon's prompt-check thread: it
 never waits on the model's forwards and runs none (an unloaded model is loaded first).
-tokens before sampling. `client` (at most MAX_CLIENT_CHARS printable characters) names who
+`load` is Ollama's load request: an unloaded model is loaded, and the idle clock starts
+again with the request's `keep_alive` (as a generate's would); keep_alive 0 releases the
+model as soon as nothing is in flight (Ollama's `ollama stop`). Its reply comes once that
+is done, with the engine's state (ready, or unloaded) and the requests still in flight.
+`client` (at most MAX_CLIENT_CHARS printable characters) names who
 sent the request, as `status` lists it ("moestreamctl generate", a gateway's caller).
 `cache_scope` (as many characters) says whose cached prompts it may reuse: only those of
 requests with the same scope (the gateway sends a digest of its caller's identity, so that
@@ -316,6 +321,17 @@ class Cancel:
 
 
 @dataclass(frozen=True)
+class Load:
+    """The model loaded (now, if it was unloaded) and kept `keep_alive` seconds once idle
+    (-1: never; None: the daemon's setting); 0 releases it once nothing is in flight."""
+
+    TYPE: ClassVar[str] = "load"
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("keep_alive",)
+    id: str
+    keep_alive: float | None = None
+
+
+@dataclass(frozen=True)
 class Status:
     TYPE: ClassVar[str] = "status"
     id: str
@@ -339,7 +355,7 @@ class Ping:
     id: str
 
 
-Request = Union[Generate, CountTokens, Cancel, Status, Stats, Shutdown, Ping]
+Request = Union[Generate, CountTokens, Cancel, Load, Status, Stats, Shutdown, Ping]
 
 # ---- daemon -> client ----------------------------------------------------------------
 
@@ -499,6 +515,17 @@ class Cancelled:
 
 
 @dataclass(frozen=True)
+class LoadReply:
+    """A load done: the engine's state now (ready; unloaded after a keep_alive 0, unless
+    requests are still in flight, which it then waits for) and those requests."""
+
+    TYPE: ClassVar[str] = "load"
+    id: str
+    state: str
+    in_flight: int
+
+
+@dataclass(frozen=True)
 class ShutdownReply:
     TYPE: ClassVar[str] = "shutdown"
     id: str
@@ -517,10 +544,11 @@ Reply = Union[
     StatusReply,
     StatsReply,
     Cancelled,
+    LoadReply,
     ShutdownReply,
 ]
 
-REQUEST_TYPES: dict[str, type] = {c.TYPE: c for c in (Generate, CountTokens, Cancel, Status, Stats, Shutdown, Ping)}
+REQUEST_TYPES: dict[str, type] = {c.TYPE: c for c in get_args(Request)}
 REPLY_TYPES: dict[str, type] = {c.TYPE: c for c in get_args(Reply)}
 
 
@@ -995,10 +1023,15 @@ def _cancel_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
     return {"target": target}
 
 
+def _load_fields(body: dict[str, Any], rid: str) -> dict[str, Any]:
+    return {"keep_alive": _keep_alive_field(body, rid)}
+
+
 _FIELD_READERS: dict[type, Callable[[dict[str, Any], str], dict[str, Any]]] = {
     Generate: _generate_fields,
     CountTokens: _prompt_fields,
     Cancel: _cancel_fields,
+    Load: _load_fields,
 }
 
 

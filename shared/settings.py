@@ -376,6 +376,12 @@ def demo_store_path() -> Path:
     return Path(__file__).resolve().parent.parent / "daemon" / "demo" / "store"
 
 
+def names_the_demo(model: Any) -> bool:
+    """Whether a --model value names the built-in demo model: `demo`, unless a folder of
+    that name is here (every command's --model reads it so)."""
+    return model == "demo" and not Path("demo").exists() and demo_store_path().is_dir()
+
+
 def default_state_dir(env: Mapping[str, str]) -> Path:
     """The user's state folder for moestream ($XDG_STATE_HOME/moestream)."""
     base = env.get("XDG_STATE_HOME") or str(Path(env.get("HOME", "~")).expanduser() / ".local" / "state")
@@ -798,10 +804,7 @@ class Settings:
             if value is not None:
                 values[name] = value
                 where.pop(name, None)
-        # `demo` names the built-in demo model, unless a folder of that name is here.
-        if (values.get("model") is None or (values["model"] == "demo" and not Path("demo").exists())) and (
-            demo_store_path().is_dir()
-        ):
+        if (values.get("model") is None and demo_store_path().is_dir()) or names_the_demo(values.get("model")):
             values["model"] = str(demo_store_path())
         if problems is not None:
             for name in [n for n in values if n in where]:

@@ -240,6 +240,36 @@ def test_a_tiny_memory_budget_is_said_in_units_that_show_it(store):
     assert "0.00 GiB" not in out.output
 
 
+def test_every_commands_store_option_takes_demo_for_the_built_in_model(tmp_path, monkeypatch):
+    """The README's settings say `--model demo` is the built-in demo model: so it is for
+    every command that takes a store (the benchmarks', heatmap's and plan's too), unless a
+    folder of that name is here."""
+    from moestream.client.cli.values import SettingType, StorePath
+    from moestream.shared.settings import demo_store_path
+
+    commands, todo = [], [cli]
+    while todo:
+        c = todo.pop()
+        commands.append(c)
+        todo.extend(getattr(c, "commands", {}).values())
+    stores = [(c.name, p) for c in commands for p in c.params if {"--model", "--store"} & set(p.opts)]
+    assert len(stores) >= 13, stores
+    for name, p in stores:
+        if isinstance(p.type, SettingType):  # start's, generate's: Settings.resolve reads it
+            assert p.type.d.name == "model", name
+            assert Settings.resolve({"model": "demo"}).model == str(demo_store_path())
+        else:
+            assert isinstance(p.type, StorePath), name
+            assert p.type.convert("demo", p, None) == str(demo_store_path()), name
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo").mkdir()  # a folder of that name is the one meant
+    assert StorePath().convert("demo", None, None) == "demo"
+    assert invoke(["heatmap", "--model", "demo", "--out", str(tmp_path / "heat.png")]).exit_code != 0
+    (tmp_path / "demo").rmdir()
+    out = invoke(["heatmap", "--model", "demo", "--out", str(tmp_path / "heat.png")])
+    assert out.exit_code == 0 and (tmp_path / "heat.png").stat().st_size > 0, out.output
+
+
 def test_a_missing_model_is_refused_before_a_daemon_is_started(tmp_path):
     rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="mscn"))
     try:

@@ -337,6 +337,9 @@ def test_the_page_in_headless_chromium_shows_live_requests_on_the_default_pool(t
                 return [r for r in st["requests"] if r["phase"] == "decode" and r["tokens"] >= 3]
 
             wait_for(lambda: decoding(_state(gateway)), 120, "the request to decode")
+            # A history of a few samples while it decodes (one every 2 s): the chart has a line.
+            points = len(_state(gateway)["history"])
+            wait_for(lambda: len(_state(gateway)["history"]) >= points + 5, 60, "five samples of the decode")
             dom = _page(gateway, shots / "dashboard_decode.png")
             st = json.loads(ctl("status", "--runtime-dir", str(rt), "--json", env=env).stdout)
 
@@ -374,10 +377,13 @@ def test_the_page_in_headless_chromium_shows_live_requests_on_the_default_pool(t
                 try:
 
                     def prefilling() -> bool:
-                        st = _state(gateway)
-                        return any(r["phase"] == "prefill" and r["prompt_tokens"] == len(ids) for r in st["requests"])
+                        """Its prefill on the way: past its first layer (its progress comes per layer)."""
+                        return any(
+                            r["phase"] == "prefill" and r["prompt_tokens"] == len(ids) and r["prefilled_tokens"]
+                            for r in _state(gateway)["requests"]
+                        )
 
-                    wait_for(prefilling, 120, "the long prompt's prefill")
+                    wait_for(prefilling, 300, "the long prompt's prefill past its first layer")
                     dom = _page(gateway, shots / "dashboard_prefill.png")
                 finally:
                     # MLX's CPU build prefilled the demo at 10-20 tokens/s on a shared 2-core machine.
@@ -388,7 +394,7 @@ def test_the_page_in_headless_chromium_shows_live_requests_on_the_default_pool(t
             else:
                 pytest.fail("the page never caught the long prompt in its prefill")
             assert "decode" in rows and rows["prefill"]["data-client"].startswith("/v1/completions from 127.0.0.1")
-            assert 0 <= int(rows["prefill"].get("data-prefilled", 0)) < len(ids)
+            assert 0 < int(rows["prefill"].get("data-prefilled", 0)) < len(ids)
         finally:
             decode.stop()
 

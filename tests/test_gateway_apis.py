@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_openai_gateway import chat_answer, generate_json, real_clients, recent, served_gateway
 
+from moestream.client.client import Client, Token
 from moestream.shared import protocol as proto
 from moestream.shared.protocol import Done
 from moestream.shared.runtime_dir import RuntimePaths
@@ -316,7 +317,36 @@ def test_the_ollama_listing_routes(served, clients):
     assert httpx.get(served[1].url + "/api/version").json()["version"]
     # Ollama's "load the model" requests: no messages, an empty prompt.
     assert ol.chat(model="moestream-demo", messages=[]).done_reason == "load"
-    assert ol.generate(model="moestream-demo", prompt="", keep_alive=0).done_reason == "unload"
+
+
+def test_ollama_unloads_on_keep_alive_zero_and_loads_on_a_load_request(served, clients):
+    """`ollama stop`'s request (an empty prompt, keep_alive 0) releases the model as the
+    idle unload does (/api/ps then lists nothing); with a request in flight, once it ends;
+    a load request loads it again, with its keep_alive."""
+    ol = clients[2]
+    with Client(served[0], timeout=30.0) as c:
+        unloads = c.status()["keep_alive"]["unloads"]
+        assert ol.generate(model="moestream-demo", prompt="", keep_alive=0).done_reason == "unload"
+        assert ol.ps().models == []
+        st = c.status()
+        assert st["state"] == "unloaded" and st["keep_alive"]["unloads"] == unloads + 1
+        assert ol.generate(model="moestream-demo", keep_alive="10m").done_reason == "load"  # no prompt: a load
+        st = c.status()
+        assert st["state"] == "ready" and st["keep_alive"]["keep_alive_s"] == 600.0
+        running = ol.ps().models
+        assert [m.model for m in running] == ["moestream-demo"]
+        assert running[0].expires_at <= datetime.now(timezone.utc) + timedelta(minutes=10, seconds=5)
+        # keep_alive 0 while a request runs: the model goes once it has ended.
+        stream = c.generate("def f(x):", max_tokens=LONG)
+        assert isinstance(next(e for e in stream if isinstance(e, Token)), Token)
+        assert ol.chat(model="moestream-demo", messages=[], keep_alive=0).done_reason == "unload"
+        assert [m.model for m in ol.ps().models] == ["moestream-demo"]
+        stream.close()  # cancelled
+        wait_for(lambda: c.status()["state"] == "unloaded", 10, "the unload once the request in flight ended")
+        assert ol.ps().models == []
+        assert c.load().state == "ready" and c.status()["keep_alive"]["keep_alive_s"] == 1800.0  # the setting's
+    with pytest.raises(ollama.ResponseError, match="keep_alive"):
+        ol.generate(model="moestream-demo", prompt="", keep_alive="soon")
 
 
 def test_ollama_ps_says_when_the_keep_alive_releases_the_model():
@@ -527,8 +557,9 @@ def test_bad_input_on_every_route_gets_that_apis_error_and_the_gateway_serves_on
         "/v1/responses": "input",
         "/v1/messages": "max_tokens",
         "/v1/messages/count_tokens": "messages",
-        "/api/chat": "messages",
-        "/api/generate": "prompt",
+        # No messages or prompt is Ollama's load request (as its own server reads it).
+        "/api/chat": "model",
+        "/api/generate": "model",
         "/api/show": "model",
     }
     with httpx.Client(timeout=60) as http:

@@ -45,6 +45,8 @@ def generate_body(**fields):
         proto.Stats(id="t"),
         proto.Shutdown(id="x"),
         proto.Ping(id="p"),
+        proto.Load(id="l"),
+        proto.Load(id="l", keep_alive=0.0),
     ],
 )
 def test_requests_round_trip(message):
@@ -72,6 +74,7 @@ def test_requests_round_trip(message):
         proto.StatusReply(id="s", status={"pid": 1}),
         proto.StatsReply(id="t", stats={"pool": {}}),
         proto.Cancelled(id="c", target="a", found=True),
+        proto.LoadReply(id="l", state="unloaded", in_flight=0),
         proto.ShutdownReply(id="x", pid=12),
     ],
 )

@@ -8,7 +8,7 @@ import click
 
 from ...shared.heat_file import group_usage, peek_usage, usage_path
 from ...shared.settings import Settings, SettingsError, demo_store_path
-from .values import store_option
+from .values import StorePath, store_option
 
 # The demo model's recorded routing counts, shipped beside its store (daemon/plan.py reads them too).
 DEMO_COUNTS = demo_store_path().parent / "routing_counts.json"
@@ -56,7 +56,7 @@ def heat_rows(store: Path, settings: Settings) -> tuple[list[list[int]], str]:
 
 
 @click.command()
-@click.option("--model", "store", required=True, type=click.Path(file_okay=False), help="Expert store.")
+@click.option("--model", "store", required=True, type=StorePath(), help=StorePath.HELP)
 @click.option("--out", "out_file", required=True, type=click.Path(dir_okay=False), help="The PNG to write.")
 @click.option("--cell", default=12, show_default=True, type=click.IntRange(2, 64), help="Pixels per layer and expert.")
 def heatmap(store, out_file, cell) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from ...shared.settings import Settings, SettingsError, parse_size
-from .values import store_option
+from .values import StorePath, store_option
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -23,9 +23,7 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
 
 @click.command()
 @click.argument("repo_id", required=False)
-@click.option(
-    "--model", "store", type=click.Path(file_okay=False), help="Expert store (default: the built-in demo model)."
-)
+@click.option("--model", "store", type=StorePath(), help="Expert store (`demo`, the default: the built-in demo model).")
 @click.option("--revision", help="With REPO_ID: a branch, tag or commit of the repository [default: main].")
 @click.option("--memory-budget", help="Size the pool to fit resident weights, pool and KV cache in this, e.g. 24G.")
 @click.option("--host-cache", help="A host-RAM tier of this size between the store and the pool, e.g. 32G.")

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import click
 
@@ -57,13 +57,12 @@ def _dry_run_option(f):
     return click.option("--dry-run", is_flag=True, help="Print the file and the commands; change nothing.")(f)
 
 
-def _openai_option(f):
+def _openai_option(what: str) -> Callable:
+    """--openai: the HTTP gateway's service (`moestreamctl serve-openai`), a second one
+    beside the daemon's; `what` the command does with it."""
     return click.option(
-        "--openai",
-        "openai",
-        is_flag=True,
-        help="The OpenAI-compatible gateway's service (`moestreamctl serve-openai`) instead of the daemon's.",
-    )(f)
+        "--openai", "openai", is_flag=True, help=f"The HTTP gateway's service (`moestreamctl serve-openai`): {what}."
+    )
 
 
 def _service_of(openai: bool) -> sf.Service:
@@ -187,7 +186,7 @@ def service() -> None:
 @service.command()
 @daemon_setting_options
 @click.option("--no-load", is_flag=True, help="Write the service file but do not load or start it.")
-@_openai_option
+@_openai_option("add it beside the daemon's, which stays as it is")
 @click.option("--host", help="With --openai: the address it listens on (default 127.0.0.1).")
 @click.option("--port", type=click.IntRange(1, 65535), help="With --openai: its TCP port (default 8080).")
 @click.option(
@@ -381,7 +380,7 @@ def _install(
 
 @service.command()
 @click.option("--no-unload", is_flag=True, help="Only remove the file; do not stop or unload the service.")
-@_openai_option
+@_openai_option("remove it alone, the daemon's stays")
 @_dry_run_option
 @_platform_option
 def uninstall(no_unload, openai, dry_run, platform_name) -> None:
@@ -448,7 +447,7 @@ def _uninstall(env: dict[str, str], platform: str, svc: sf.Service, no_unload: b
 
 
 @service.command()
-@_openai_option
+@_openai_option("its status instead of the daemon's")
 @_dry_run_option
 @_platform_option
 @click.pass_context

@@ -16,8 +16,10 @@ from ...shared.settings import (
     Settings,
     SettingsError,
     definition,
+    demo_store_path,
     in_scope,
     knob,
+    names_the_demo,
     parse_size,
 )
 from ...shared.store_format import Manifest, StoreError, load_manifest
@@ -32,6 +34,19 @@ _METAVARS = {
     "path": "PATH",
     "text": "TEXT",
 }
+
+
+class StorePath(click.Path):
+    """An expert store's folder, as every command's --model takes it: `demo` is the
+    built-in demo model's (unless a folder of that name is here)."""
+
+    HELP = "Expert store (`demo`: the built-in demo model)."
+
+    def __init__(self, *, exists: bool = False) -> None:
+        super().__init__(exists=exists, file_okay=False)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        return super().convert(str(demo_store_path()) if names_the_demo(value) else value, param, ctx)
 
 
 class SettingType(click.ParamType):

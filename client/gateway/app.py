@@ -524,6 +524,20 @@ class Gateway:
 
         return await anyio.to_thread.run_sync(call)
 
+    async def load(self, keep_alive: float | None) -> proto.LoadReply:
+        """Ollama's load request to the daemon (keep_alive 0: its unload), answered once done."""
+
+        def call() -> proto.LoadReply:
+            try:
+                with Client(self.config.paths, timeout=self.config.daemon_timeout) as client:
+                    return client.load(keep_alive)
+            except RequestRejected as e:
+                raise _daemon_error(e) from None
+            except ClientError as e:
+                raise _unavailable(e) from None
+
+        return await anyio.to_thread.run_sync(call)
+
     async def chat_completions(self, request: Request) -> Response:
         return await self._complete(request, chat=True)
 

@@ -13,7 +13,8 @@ and `logprobs` / `top_logprobs` (each token's, from the logits the sampler sees)
 options that change the answer are refused;
 `format` ("json", or a JSON schema) makes the answer JSON of it, enforced by the daemon;
 `keep_alive` ("5m", seconds, 0, -1) is how long the daemon keeps the model loaded once
-idle after this request. `think` (true / false, or an effort: "low", "medium", "high",
+idle after this request; a request with no messages (or no prompt) only loads the model,
+or with keep_alive 0 unloads it (`ollama stop`). `think` (true / false, or an effort: "low", "medium", "high",
 which turn it on) sets the chat template's thinking switch; a thinking model's reasoning
 comes back in `message.thinking`, and a message's `thinking` goes back to the template.
 Any model name is served; `/api/show` and `/api/tags` say the model's capabilities
@@ -214,7 +215,8 @@ def _tool_calls_in(calls: Any, i: int) -> list[dict[str, Any]]:
 def _loads_only(body: Any, chat: bool) -> bool:
     if not (isinstance(body, dict) and isinstance(body.get("model"), str) and body["model"]):
         return False
-    return body.get("messages") == [] if chat else body.get("prompt") in (None, "") and "prompt" in body
+    # Ollama's own server reads an absent list or prompt as an empty one.
+    return body.get("messages") in (None, []) if chat else body.get("prompt") in (None, "")
 
 
 def parse_chat(body: Any) -> ApiRequest:
@@ -387,10 +389,13 @@ class OllamaApi:
         return self._gw.stream(self._lines(daemon, model, head, chat, started), daemon, "application/x-ndjson")
 
     async def _load(self, body: dict[str, Any], chat: bool) -> Response:
-        """Ollama's "load the model" request (no messages, or an empty prompt): the daemon
-        keeps its model loaded, so this only checks that it serves."""
-        await self._gw._status()
-        reason = "unload" if body.get("keep_alive") in (0, "0", "0s") else "load"
+        """Ollama's "load the model" request (no messages, or no prompt): the daemon loads
+        its model if it was unloaded, and keeps it `keep_alive` once idle; keep_alive 0
+        unloads it (`ollama stop`), answered once it is released (or, with requests in
+        flight, once they end)."""
+        keep_alive = _keep_alive(body).get("keep_alive")
+        await self._gw.load(keep_alive)
+        reason = "unload" if keep_alive == 0 else "load"
         out: dict[str, Any] = {"model": body["model"], "created_at": _now()}
         out |= {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
         return JSONResponse(out | {"done": True, "done_reason": reason})

@@ -7,11 +7,11 @@ import json
 
 import click
 
-from ..values import store_option
+from ..values import StorePath, store_option
 
 
 @click.command("agent")
-@click.option("--model", "store", required=True, type=click.Path(file_okay=False), help="Expert store.")
+@click.option("--model", "store", required=True, type=StorePath(), help=StorePath.HELP)
 @click.option("--capacity", default="0.25", show_default=True, help="The daemon's pool capacity.")
 @click.option("--host-cache", default=None, help="The daemon's host-RAM tier (20G); default: none.")
 @click.option("--prompt-tokens", default=16384, show_default=True, type=click.IntRange(64, None))

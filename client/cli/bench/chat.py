@@ -8,11 +8,11 @@ import json
 import click
 
 from ....shared.settings import default_of
-from ..values import size_option, store_option
+from ..values import StorePath, size_option, store_option
 
 
 @click.command("chat")
-@click.option("--model", "store", required=True, type=click.Path(file_okay=False), help="Expert store.")
+@click.option("--model", "store", required=True, type=StorePath(), help=StorePath.HELP)
 @click.option("--turns", default=4, show_default=True, type=click.IntRange(2, 100))
 @click.option(
     "--history-tokens", default=2048, show_default=True, type=click.IntRange(1, None), help="The first prompt's length."

@@ -6,9 +6,11 @@ import json
 
 import click
 
+from ..values import StorePath
+
 
 @click.command("io")
-@click.option("--store", required=True, type=click.Path(file_okay=False), help="An expert store folder.")
+@click.option("--store", required=True, type=StorePath(), help=StorePath.HELP)
 @click.option("--threads", default=4, show_default=True, type=int, help="Engine threads = fio jobs.")
 @click.option("--samples", default=256, show_default=True, type=int, help="Expert reads per run.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the random expert choice.")

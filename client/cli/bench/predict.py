@@ -7,11 +7,11 @@ import json
 import click
 
 from ....shared.settings import default_of
-from ..values import knob_option, size_option
+from ..values import StorePath, knob_option, size_option
 
 
 @click.command("predict")
-@click.option("--model", "store", required=True, type=click.Path(file_okay=False), help="Expert store.")
+@click.option("--model", "store", required=True, type=StorePath(), help=StorePath.HELP)
 @click.option(
     "--capacity",
     "capacities",

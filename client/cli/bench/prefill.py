@@ -8,11 +8,11 @@ import sys
 import click
 
 from ....shared.settings import default_of
-from ..values import size_option, store_option
+from ..values import StorePath, size_option, store_option
 
 
 @click.command("prefill")
-@click.option("--model", "store", required=True, type=click.Path(file_okay=False), help="Expert store.")
+@click.option("--model", "store", required=True, type=StorePath(), help=StorePath.HELP)
 @click.option(
     "--prompt-tokens",
     "prompt_tokens",

@@ -7,11 +7,11 @@ import json
 
 import click
 
-from ..values import store_option
+from ..values import StorePath, store_option
 
 
 @click.command("session")
-@click.option("--model", "store", required=True, type=click.Path(file_okay=False), help="Expert store.")
+@click.option("--model", "store", required=True, type=StorePath(), help=StorePath.HELP)
 @click.option(
     "--session",
     "session_file",

@@ -7,14 +7,16 @@ import json
 
 import click
 
+from ..values import StorePath
+
 
 @click.command("soak")
 @click.option(
     "--model",
     "store",
     default=None,
-    type=click.Path(exists=True, file_okay=False),
-    help="Expert store (default: the built-in demo model). A copy is used; the store is not touched.",
+    type=StorePath(exists=True),
+    help="Expert store (`demo`, the default: the built-in demo model). A copy is used; the store is not touched.",
 )
 @click.option("--capacity", default="0.25", show_default=True, help="Pool capacity of the daemons.")
 @click.option("--clients", default=8, show_default=True, type=click.IntRange(1, 256))

@@ -7,11 +7,11 @@ import json
 import click
 
 from ....shared.settings import default_of
-from ..values import size_option, store_option
+from ..values import StorePath, size_option, store_option
 
 
 @click.command("warmstart")
-@click.option("--model", "store", required=True, type=click.Path(exists=True, file_okay=False), help="Expert store.")
+@click.option("--model", "store", required=True, type=StorePath(exists=True), help=StorePath.HELP)
 @click.option("--capacity", default="0.25", show_default=True, help="Pool capacity of both daemons.")
 @click.option("--autopin-frac", default=default_of("autopin_frac"), show_default=True, type=click.FloatRange(0.0, 1.0))
 @click.option("--prompt", default="def fibonacci(n):", show_default=True)

@@ -205,6 +205,7 @@ def expected_reply(frames: tuple[bytes, ...]) -> Expected:
         proto.Cancel: proto.Cancelled,
         proto.Generate: proto.Done,
         proto.CountTokens: proto.TokenCount,
+        proto.Load: proto.LoadReply,
     }
     return Expected(None, msg.id, replies[type(msg)])
 
