@@ -303,16 +303,20 @@ def test_disk_round_trip_and_bad_files(build, arch, tmp_path):
         sm.close()
 
 
+def _one_file(sm, stock, folder) -> int:
+    """The size of the file one 30-token request leaves in `folder`."""
+    probe = _new_cache(stock, disk_dir=folder, disk_bytes=2**30)
+    _ours(sm, probe, _prompt(30, seed=0))
+    probe.close()
+    return max(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
 def test_disk_stays_within_its_bound(build, tmp_path):
     _, store, stock = build("qwen3_moe")
     sm = load_streaming_model(store, Settings(direct_io=True))
     folder = tmp_path / "pc"
     try:
-        probe = _new_cache(stock, disk_dir=folder / "probe", disk_bytes=2**30)
-        _ours(sm, probe, _prompt(30, seed=0))
-        probe.close()
-        one = max(p.stat().st_size for p in (folder / "probe").glob("*.safetensors"))
-        bound = int(2.5 * one)
+        bound = int(2.5 * _one_file(sm, stock, folder / "probe"))
         pc = _new_cache(stock, disk_dir=folder / "bounded", disk_bytes=bound)
         for i in range(5):
             _ours(sm, pc, _prompt(30, seed=50 + i))
@@ -657,11 +661,7 @@ def test_the_disk_bound_is_the_folders_not_each_stores(build, tmp_path):
     sm = load_streaming_model(store, Settings(direct_io=True))
     folder = tmp_path / "pc"
     try:
-        probe = _new_cache(stock, disk_dir=tmp_path / "probe", disk_bytes=2**30)
-        _ours(sm, probe, _prompt(30, seed=0))
-        probe.close()
-        one = max(p.stat().st_size for p in (tmp_path / "probe").glob("*.safetensors"))
-        bound = int(3.5 * one)
+        bound = int(3.5 * _one_file(sm, stock, tmp_path / "probe"))
         for store_id in ("store-a", "store-b"):
             pc = PromptCache(
                 store_id, _layout(stock), max_bytes=2**30, max_entries=16, disk_dir=folder, disk_bytes=bound
