@@ -31,8 +31,10 @@
 #   prefill-q30          q30: time to first token at 512/2048/8192 tokens: stock, 100%, 25% disk (and chunk order), 25% + 20G host
 # serving (bench serve)
 #   serve-q30            q30: 1, 2, 4, 8 clients through a real daemon at 100% and at 25% + 20G host tier
+#   row-batch-q30        q30: a request's logits bit for bit alone and in batches of 2-8 (stock, 100%, 25% + host), then tests/test_row_batch.py
 # agents (bench agent)
 #   agent-q30            q30: a coding agent's 16k-token prompt through a daemon and gateway at 25% + 20G host, then 25% disk only
+#   session-q30          q30: a Claude Code session replayed through a daemon and gateway, prompt cache off then on, 100% and 25% disk
 # prompt cache (bench chat)
 #   chat-q30             q30: a 4-turn chat over a 2048-token history, prompt cache off and on, at 100% and 25% + 20G host
 # prefetch (bench predict)
@@ -271,15 +273,36 @@ EOF
     # measures one pool; pools are separated by ";", as in the default (a pool given alone
     # with its words, "0.25 --host-cache 20G", is one pool, not three). ROUNDS runs every
     # level that many times, every other round in reverse, for medians (the host's pace drifts).
+    # AGAINST_TURNS=1 runs each level through a second daemon whose requests take turns too.
     IFS=';' read -ra pools <<< "${POOLS:-1.0;0.25 --host-cache 20G}"
     for pool in "${pools[@]}"; do
       name=$(echo "$pool" | cut -d' ' -f1)
       # shellcheck disable=SC2086  # a pool's words are bench serve's arguments
       $py -m moestream.client.cli bench serve --model /root/q30/store --capacity $pool --requests ${REQUESTS:-16} \
-        --max-batch ${MAX_BATCH:-0} --max-tokens 64 --rounds ${ROUNDS:-1} --json > "$OUT/bench_serve_q30_${name}_h200.json" \
+        --max-batch ${MAX_BATCH:-0} --max-tokens 64 --rounds ${ROUNDS:-1} ${AGAINST_TURNS:+--against-turns} --json > "$OUT/bench_serve_q30_${name}_h200.json" \
         2> "$OUT/bench_serve_q30_${name}_h200.progress" \
         || tail -5 "$OUT/bench_serve_q30_${name}_h200.progress"
     done
+    ;;
+  session-q30)
+    # Issue 60 run 2's session: reuse and total prefill, cache off against on, per pool
+    # (POOLS as serve-q30's; bench session has no host tier of its own).
+    IFS=';' read -ra pools <<< "${POOLS:-1.0;0.25}"
+    for pool in "${pools[@]}"; do
+      name=$(echo "$pool" | tr -d ' -.' )
+      # shellcheck disable=SC2086  # a pool's words are bench session's arguments
+      ctl bench session --model /root/q30/store --capacity $pool --json > "$OUT/bench_session_q30_${name}.json" \
+        2> "$OUT/bench_session_q30_${name}.progress" || tail -5 "$OUT/bench_session_q30_${name}.progress"
+    done
+    ;;
+  row-batch-q30)
+    # Issue 60 run 4's bit-identity check on the q30 model (TRIALS companion sets per batch
+    # size), then the CPU suite's batch-invariance tests under MLX's CUDA build.
+    $py tests/bench/gpu_row_batch_probe.py --store /root/q30/store --capacity 1 --capacity 0.25 --host-cache 20G \
+      --trials ${TRIALS:-1} --mlx-memory-limit ${MLX_LIMIT:-100G} --out "$OUT/row_batch_probe_q30.json" \
+      2> "$OUT/row_batch_probe_q30.progress" | tail -3
+    grep -c 'same False' "$OUT/row_batch_probe_q30.progress" || true
+    $py -m pytest -q -p no:cacheprovider tests/test_row_batch.py 2>&1 | tee "$OUT/test_row_batch_cuda.txt" | tail -8
     ;;
   agent-q30)
     # Issue 60 run 2: status line, gaps before the first token, a cut request sent again and
