@@ -4,6 +4,7 @@ command itself with real probes (slow)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -35,8 +36,10 @@ from moestream.shared.store_format import POOL_REUSE_NAME, load_manifest
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = demo_store_path()
 # 1 ms per layer per token plus 2 ms of embeddings and head; a wait after every layer adds
-# 10 us to each.
-PROBE = ComputeProbe((2, 4), (0.004, 0.006), (0.0004, 0.0006), (0.00402, 0.00604), "cpu", "bfloat16")
+# 10 us to each. A prompt token: 0.1 ms per layer, 0.15 ms going layer by layer.
+PROBE = ComputeProbe(
+    (2, 4), (0.004, 0.006), (0.0004, 0.0006), (0.00402, 0.00604), (0.0005, 0.0008), 0.0, "cpu", "bfloat16"
+)
 FAST = Bandwidths(1e9, 1e10, "host memcpy", "given")
 
 
@@ -148,6 +151,11 @@ def test_the_plan_of_the_demo_store(tmp_path):
     assert p.decode.tokens_per_s == pytest.approx(1 / sum(terms.values()))
     assert p.decode.bound_tokens_per_s > p.decode.tokens_per_s and p.decode.bound_by == "compute"
     assert p.ttft.seconds > 2048 * 0.0008 and p.ttft.bound_by == "compute"
+    text = format_plan(p)
+    assert "busy" not in text and " ms per token" in text and not re.search(r"\d{4,}\.\d+ ms", text)
+    # A probe on a busy machine (its times scaled to an idle one's) says so.
+    busy = make_plan(DEMO, settings, FAST, dataclasses.replace(PROBE, cpu_share=0.45), counts, source)
+    assert "the machine gave the probe 45% of a core" in format_plan(busy)
     # A slow disk bounds it; every expert resident moves nothing; a tier of every expert
     # takes the disk out.
     slow = make_plan(DEMO, settings, Bandwidths(1e5, 1e10, "memcpy", "given"), PROBE, counts, source)
@@ -157,6 +165,43 @@ def test_the_plan_of_the_demo_store(tmp_path):
     tier = make_plan(DEMO, settings.replace(host_cache="8M"), FAST, PROBE, counts, source)
     assert tier.decode.terms_s["disk"] == pytest.approx(0.0) and tier.decode.terms_s["link"] > 0
     json.dumps(p.to_dict())
+
+
+def test_the_prefill_forecast_takes_the_order_the_daemon_prefills_in(tmp_path):
+    """A prompt of one chunk goes layer by layer at every pool (its progress per layer), so
+    its compute is the probe's with every layer waited for; a longer one at a full pool
+    goes in stock's chunks; at a partial pool, layer by layer (its experts staged)."""
+    settings = Settings(model=str(DEMO), capacity=1.0, heat_dir=str(tmp_path))
+    counts, source = heat_counts(DEMO, settings, load_manifest(DEMO))
+    layered, plain = 0.0005 + 4 * 0.00015, 0.0004 + 4 * 0.0001  # 6 layers
+
+    def compute(prompt_tokens: int, capacity: float) -> float:
+        p = make_plan(
+            DEMO, settings.replace(capacity=capacity), FAST, PROBE, counts, source, prompt_tokens=prompt_tokens
+        )
+        return p.ttft.terms_s["compute"]
+
+    assert compute(2048, 1.0) == pytest.approx(2048 * layered)
+    assert compute(4096, 1.0) == pytest.approx(4096 * plain)
+    assert compute(4096, 0.25) == pytest.approx(4096 * layered)
+    assert compute(32, 1.0) == pytest.approx(32 * plain)  # too short to wait on
+    # Each token of mean context adds to a prompt token's time (here 0.01% of it): a
+    # prompt's tokens meet half its length on average, the probe's 24.
+    growing = dataclasses.replace(PROBE, prefill_growth=1e-4)
+    p = make_plan(DEMO, settings, FAST, growing, counts, source, prompt_tokens=2048)
+    assert p.ttft.terms_s["compute"] == pytest.approx(2048 * layered * (1 + 1e-4 * (2048 - 48) / 2))
+
+
+def test_the_probe_times_a_small_model_of_the_stores_architecture():
+    """Every figure of a probe model's timing: decode, prefill (scaled by the share of a
+    core it had), and what a longer prompt adds to each token."""
+    from moestream.daemon.planning.plan import _time_model
+    from moestream.daemon.planning.probe_models import probe_config, random_model
+
+    model = random_model(probe_config(load_manifest(DEMO).config, 2), "float32")
+    timed = _time_model(model, 4096, 16, 2, long_prompt=64)
+    assert timed.decode_s > 0 and timed.prefill_s > 0 and 0 < timed.share <= 1 and timed.growth >= 0
+    assert _time_model(model, 4096, 16, 2).growth == 0  # not asked
 
 
 def test_decode_reads_at_the_rate_of_a_layers_batch(tmp_path):
@@ -211,7 +256,8 @@ def test_plan_command_on_the_demo_model(tmp_path):
     assert p["slots_per_layer"] == 32 and p["decode"]["tokens_per_s"] > 0 and p["ttft"]["seconds"] > 0
     assert p["bandwidths"]["source"] == "probed now" and p["hits"]["source"].startswith("the demo trace's LRU")
     assert p["pool_probe"]["slots"] == 32 and "probing the slot pool at 50%" in out.stderr
-    assert "compute: round 3 of 3" in out.stderr  # the longest probe says how far it is
+    assert "compute: round 3 of 3" in out.stderr  # the longest probes say how far they are
+    assert "pool: the same model streamed, 32 of 64 experts a layer" in out.stderr
     assert p["decode"]["terms_s"]["sync"] == 0 and "pool" in p["decode"]["terms_s"]
     text = ctl("plan", "--model", str(DEMO), "--no-probe", "--capacity", "0.5", env=env, timeout=300)
     assert text.returncode == 0 and "(last probed " in text.stdout and "KV cache" in text.stdout, text.stderr

@@ -20,7 +20,9 @@ from moestream.shared.settings import Settings, demo_store_path
 from moestream.shared.store_format import load_manifest
 
 DEMO = demo_store_path()
-PROBE = ComputeProbe((2, 4), (0.004, 0.006), (0.0004, 0.0006), (0.00402, 0.00604), "cpu", "bfloat16")
+PROBE = ComputeProbe(
+    (2, 4), (0.004, 0.006), (0.0004, 0.0006), (0.00402, 0.00604), (0.0005, 0.0008), 0.0, "cpu", "bfloat16"
+)
 FAST = Bandwidths(1e9, 1e10, "host memcpy", "given")
 # Models of 1 and 5 MoE layers: streamed, 1 ms more per token plus 0.5 ms more per MoE
 # layer; 2 misses per layer of 1 MB each.

@@ -48,7 +48,10 @@ share. With no --capacity or --memory-budget the pool is sized to fit the machin
 The bound beside each forecast is the same sum without the pool's host work (the
 `bench decode` bound), with the term that dominates it named. The time to first token of
 a 2k-token prompt is the probe's prefill time per token, plus the bytes of every expert
-the prompt routes that the pool lacks (a layer-major prefill brings each in once).
+the prompt routes that the pool lacks (a layer-major prefill brings each in once). The
+probe prefills as the daemon does: only the caches evaluated, as mlx-lm's generate_step
+(every position's logits, once timed in, made the forecast 1.5x slow on the demo), and
+with a wait after every layer where the daemon goes layer by layer (`_prefills_by_layer`).
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 from ...shared.heat_file import group_usage, peek_usage, read_usage, usage_path
 from ...shared.settings import Settings, format_size
@@ -222,11 +225,25 @@ class ComputeProbe:
 
     layers: tuple[int, int]
     decode_s: tuple[float, float]  # per token, for each model
-    prefill_s: tuple[float, float]  # per prompt token, for each model
+    # Per prompt token, for each model, as stock's chunks prefill: the caches evaluated, not
+    # the logits (mlx-lm's generate_step; every position's logits took a third of a prefill
+    # of the demo on a CPU), nor the last layer's output, which no cache needs.
+    prefill_s: tuple[float, float]
     # Per token, as `decode_s`, with the host waiting for every decoder layer's output.
     synced_decode_s: tuple[float, float]
+    # Per prompt token, as `prefill_s`, with every layer's output evaluated in turn, as a
+    # layer-major prefill runs (daemon/model/prefill.py): the last layer's too (1.15x the
+    # demo's chunked prefill on a CPU).
+    layered_prefill_s: tuple[float, float]
+    # What each token of mean context adds to a prompt token's time, as a share of it
+    # (attention reads the whole cache): a 2k-token prompt's tokens took 1.2x a 48-token
+    # one's on the demo (its mean context 1k tokens longer).
+    prefill_growth: float
     device: str
     dtype: str
+    # The share of a core the machine gave the probe on MLX's CPU backend, which its times
+    # are scaled by to an idle machine's (`_time_model`); 1 on a GPU.
+    cpu_share: float = 1.0
 
     def per_layer(self, times: tuple[float, float]) -> float:
         return max((times[1] - times[0]) / (self.layers[1] - self.layers[0]), 0.0)
@@ -239,30 +256,66 @@ class ComputeProbe:
         return asdict(self)
 
 
-def _time_model(model: Any, vocab: int, prompt_tokens: int, steps: int, repeats: int) -> tuple[float, float]:
-    """(decode s/token, prefill s/prompt token): medians of `repeats` (as `bench decode`
-    reports medians of its rounds), pipelined as mlx-lm's generate_step and `bench
-    decode` decode."""
+class _Timed(NamedTuple):
+    """One timing of a probe model (`_time_model`)."""
+
+    decode_s: float  # per token
+    prefill_s: float  # per prompt token
+    share: float  # of a core the machine gave the probe (1 on a GPU)
+    # A longer prompt's time per token over the probe's, less 1, per token of mean
+    # context more (0: not measured).
+    growth: float
+
+
+def _time_model(model: Any, vocab: int, prompt_tokens: int, steps: int, long_prompt: int = 0) -> _Timed:
+    """Decode and prefill times of `model`, pipelined as mlx-lm's generate_step and
+    `bench decode` decode. The prompt but its last token is prefilled as generate_step
+    does (the caches evaluated); the last token is the first decode step, as there. With
+    `long_prompt`, a prompt of that many tokens is prefilled too, in one chunk as the
+    daemon prefills one of up to 2k tokens: what a longer context adds to each token
+    (attention reads it all), which the plan's 2k-token prompt meets. (A few tokens after
+    a long cache would not do: DeepSeek's latent attention expands every cached position
+    again for each chunk, which one long chunk does once.)
+
+    On MLX's CPU backend one thread computes a prefill while this one waits, so the
+    process's CPU time over the wall time is the share of a core the machine gave the
+    probe: other work on a shared machine's cores stretched each figure by its inverse
+    (twice, with a load of four on two cores). Every figure is scaled back by it to an
+    idle machine's, which the plan forecasts."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    prompt = mx.array([[i * 7919 % vocab for i in range(prompt_tokens)]])
-    decode, prefill = [], []
-    for _ in range(repeats):
+    on_cpu = mx.default_device() == mx.cpu
+
+    def prefill(tokens: int) -> tuple[float, float, list[Any]]:
+        """(s per token scaled to an idle machine, the share, the cache) of a prompt of
+        `tokens` but its last token."""
         cache = make_prompt_cache(model)
-        tic = time.perf_counter()
-        y = mx.argmax(model(prompt, cache=cache)[:, -1, :], axis=-1)
-        mx.eval(y)
-        prefill.append((time.perf_counter() - tic) / prompt_tokens)
-        tic = time.perf_counter()
-        for _ in range(steps):
-            next_y = mx.argmax(model(y[None], cache=cache)[:, -1, :], axis=-1)
-            mx.async_eval(next_y)
-            y.item()
-            y = next_y
-        mx.eval(y)
-        decode.append((time.perf_counter() - tic) / steps)
-    return statistics.median(decode), statistics.median(prefill)
+        prompt = mx.array([[i * 7919 % vocab for i in range(tokens - 1)]])
+        tic, cpu = time.perf_counter(), time.process_time()
+        model(prompt, cache=cache)
+        mx.eval([c.state for c in cache])
+        wall, cpu = time.perf_counter() - tic, time.process_time() - cpu
+        share = min(cpu / wall, 1.0) if on_cpu and wall > 0 and cpu > 0 else 1.0
+        return share * wall / (tokens - 1), share, cache
+
+    per_token, share, cache = prefill(prompt_tokens)
+    y = mx.argmax(model(mx.array([[(prompt_tokens - 1) * 7919 % vocab]]), cache=cache)[:, -1, :], axis=-1)
+    mx.eval(y)
+    tic = time.perf_counter()
+    for _ in range(steps):
+        next_y = mx.argmax(model(y[None], cache=cache)[:, -1, :], axis=-1)
+        mx.async_eval(next_y)
+        y.item()
+        y = next_y
+    mx.eval(y)
+    decode = share * (time.perf_counter() - tic) / steps
+    growth = 0.0
+    if long_prompt > prompt_tokens:
+        del cache
+        longer = prefill(long_prompt)[0]
+        growth = max(longer / per_token - 1.0, 0.0) / ((long_prompt - prompt_tokens) / 2)
+    return _Timed(decode, per_token, share, growth)
 
 
 class _Waited:
@@ -284,19 +337,19 @@ class _Waited:
         return out
 
 
-def _time_synced(model: Any, vocab: int, steps: int) -> float:
-    """Decode s/token of `model` with a wait after every decoder layer (a model with no
-    list of layers: its plain decode, so the sync term is 0)."""
+def _time_synced(model: Any, vocab: int, prompt_tokens: int, steps: int) -> _Timed:
+    """`_time_model`'s figures of `model` with a wait after every decoder layer (a model
+    with no list of layers: its plain figures, so the sync terms are 0)."""
     from ..model.prefill import UnsupportedModel, decoder_of
 
     try:
         decoder, key = decoder_of(model)
     except UnsupportedModel:
-        return _time_model(model, vocab, 8, steps, 1)[0]
+        return _time_model(model, vocab, prompt_tokens, steps)
     held = decoder[key]
     decoder[key] = [_Waited(layer) for layer in held]
     try:
-        return _time_model(model, vocab, 8, steps, 1)[0]
+        return _time_model(model, vocab, prompt_tokens, steps)
     finally:
         decoder[key] = held
 
@@ -309,6 +362,9 @@ def _time_synced(model: Any, vocab: int, steps: int) -> float:
 # layers in each of three runs (tests/bench/RESULTS.md, "The H200 table with the probe first").
 PROBE_MIN_LAYERS = 4
 PROBE_MAX_LAYERS = 16
+# The probe's prompt, and the longer one that says what context adds to a prompt token.
+PROBE_PROMPT_TOKENS = 48
+PROBE_LONG_PROMPT_TOKENS = 512
 
 
 def probe_layer_counts(total: int) -> tuple[int, int]:
@@ -323,7 +379,7 @@ def probe_compute(
     dtype: str,
     *,
     steps: int = 12,
-    prompt_tokens: int = 48,
+    prompt_tokens: int = PROBE_PROMPT_TOKENS,
     repeats: int = 3,
     progress: Callable[[str], None] | None = None,
 ) -> ComputeProbe:
@@ -338,25 +394,45 @@ def probe_compute(
     models = [random_model(probe_config(manifest.config, n), dtype) for n in sorted(set(counts))]
     vocab = int(cfg.get("vocab_size") or cfg["num_vocab"])  # phixtral: num_vocab
     for model in models:  # kernels built, buffers allocated
-        _time_model(model, vocab, 8, 2, 1)
-    times: list[list[tuple[float, float]]] = [[] for _ in models]
-    waited: list[list[float]] = [[] for _ in models]
+        _time_model(model, vocab, 8, 2, long_prompt=16)
+    times: list[list[_Timed]] = [[] for _ in models]
+    waited: list[list[_Timed]] = [[] for _ in models]
     for r in range(repeats):
         if progress is not None:
             progress(f"  compute: round {r + 1} of {repeats}")
-        for model, got, w in zip(models, times, waited):
-            got.append(_time_model(model, vocab, prompt_tokens, steps, 1))
-            w.append(_time_synced(model, vocab, steps))
-    decode = [statistics.median(t[0] for t in got) for got in times]
-    prefill = [statistics.median(t[1] for t in got) for got in times]
-    # Never below the plain decode: the wait adds time, and noise must not take it away.
-    synced = [max(statistics.median(w), d) for w, d in zip(waited, decode)]
+        for j, (model, got, w) in enumerate(zip(models, times, waited)):
+            # The longer prompt on the shallower model alone: the growth is per layer.
+            long_prompt = PROBE_LONG_PROMPT_TOKENS if j == 0 else 0
+            got.append(_time_model(model, vocab, prompt_tokens, steps, long_prompt))
+            w.append(_time_synced(model, vocab, prompt_tokens, steps))
+
+    def median(runs: list[_Timed], name: str) -> float:
+        return statistics.median(getattr(t, name) for t in runs)
+
+    decode, prefill = ([median(got, name) for got in times] for name in ("decode_s", "prefill_s"))
+    # Never below the plain figures: the waits add time, and noise must not take it away.
+    synced, layered = (
+        [max(median(w, name), plain) for w, plain in zip(waited, figures)]
+        for name, figures in (("decode_s", decode), ("prefill_s", prefill))
+    )
+    share = statistics.median(t.share for runs in (*times, *waited) for t in runs)
+    growth = median(times[0], "growth")
     del models
     mx.clear_cache()
     if len(decode) == 1:
         counts = (counts[0], counts[0] + 1)  # one model: no per-layer slope to take
-        decode, prefill, synced = [decode[0], decode[0] * 2], [prefill[0], prefill[0] * 2], [synced[0], synced[0] * 2]
-    return ComputeProbe(counts, tuple(decode), tuple(prefill), tuple(synced), str(mx.default_device()), dtype)
+        decode, prefill, synced, layered = ([x[0], x[0] * 2] for x in (decode, prefill, synced, layered))
+    return ComputeProbe(
+        counts,
+        tuple(decode),
+        tuple(prefill),
+        tuple(synced),
+        tuple(layered),
+        growth,
+        str(mx.default_device()),
+        dtype,
+        share,
+    )
 
 
 # ---- the expected hit rate -------------------------------------------------------------
@@ -566,6 +642,10 @@ class Plan:
         return out
 
 
+# Below this share of a core, `plan` says the machine was busy while it probed.
+BUSY_SHARE = 0.9
+
+
 def _duration(seconds: float) -> str:
     return f"{1e3 * seconds:.2f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
@@ -587,6 +667,19 @@ def _pool_slots(shape: StoreShape, settings: Settings) -> tuple[int, int]:
         prompt_cache_bytes=settings.prompt_cache_bytes,
     )
     return resident, slots
+
+
+def _prefills_by_layer(prompt_tokens: int, partial: bool, top_k: int, slots: int) -> bool:
+    """Whether the daemon prefills this prompt layer by layer (`LayerMajorPrefill.wanted`):
+    a partial pool stages its layers' experts (`StreamingMoE.stacks_for`), and one chunk
+    long enough goes so at every pool."""
+    from ..model.prefill import LAYER_PROGRESS_TOKENS, chunk_sizes
+
+    sizes = chunk_sizes(prompt_tokens)
+    if not sizes:
+        return False
+    stacks = partial and (len(sizes) > 1 or max(sizes) * top_k > slots)
+    return stacks or (len(sizes) == 1 and prompt_tokens >= LAYER_PROGRESS_TOKENS)
 
 
 def make_plan(
@@ -655,8 +748,12 @@ def make_plan(
         routed = sum(1.0 - (1.0 - p) ** (prompt_tokens * k) for p in share[s:])
         fill_missing += routed
         fill_disk += 0.0 if mapped else routed * (1.0 - t)
+    by_layer = _prefills_by_layer(prompt_tokens, partial, k, slots)
+    # Per prompt token at the probe's prompt, and with what its longer mean context adds.
+    per_token = compute.at(compute.layered_prefill_s if by_layer else compute.prefill_s, layers)
+    per_token *= 1.0 + compute.prefill_growth * max(prompt_tokens - PROBE_PROMPT_TOKENS, 0) / 2
     pterms = {
-        "compute": compute.at(compute.prefill_s, layers) * prompt_tokens,
+        "compute": per_token * prompt_tokens,
         "disk": fill_disk * expert / bandwidths.read_bytes_per_s,
         "link": fill_missing * expert / bandwidths.link_bytes_per_s,
     }
@@ -721,8 +818,11 @@ def load_compute(folder: Path, store_id: str) -> ComputeProbe | None:
             tuple(d["decode_s"]),
             tuple(d["prefill_s"]),
             tuple(d["synced_decode_s"]),
+            tuple(d["layered_prefill_s"]),  # a probe from before them: probed again
+            float(d["prefill_growth"]),
             d["device"],
             d["dtype"],
+            float(d["cpu_share"]),
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -806,7 +906,7 @@ def plan_shape(
     pool = None if probe else load_pool_probes(state, key_id).get(key)
     if pool is None and key[0] < 1.0:
         say(f"probing the {'mapped' if mapped else 'slot'} pool at {key[0]:.0%}: a small random model streamed")
-        probes = probe_pools_of(shape.tokenizer_dir, manifest, dtype, [key], settings, state)
+        probes = probe_pools_of(shape.tokenizer_dir, manifest, dtype, [key], settings, state, progress=say)
         save_pool_probes(state, key_id, probes)
         pool = probes.get(key)
     if shape.store is not None:
@@ -883,6 +983,7 @@ def probe_pools_of(
     configs: list[tuple[float, bool]],
     settings: Settings,
     folder: Path,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[tuple[float, bool], PoolProbe]:
     """The pool probes (daemon/pool_probe.py) of these (capacity share, mapped)
     configurations of the store (`tokenizer_dir`: where its tokenizer files are), on the
@@ -890,7 +991,9 @@ def probe_pools_of(
     from .pool_probe import probe_pools
 
     layers = probe_layer_counts(layer_count(manifest.config))
-    return probe_pools(tokenizer_dir, manifest, dtype, configs, settings, layers=layers, folder=folder)
+    return probe_pools(
+        tokenizer_dir, manifest, dtype, configs, settings, layers=layers, folder=folder, progress=progress
+    )
 
 
 def _would_map(shape: StoreShape, settings: Settings) -> bool:
@@ -964,6 +1067,14 @@ def format_plan(p: Plan) -> str:
             f"  probe      resident compute on {p.compute.device}: random-weight models of {p.compute.layers[0]} and "
             f"{p.compute.layers[1]} layers, {1e3 * p.compute.per_layer(p.compute.decode_s):.3f} ms per layer per token",
         ]
+        + (
+            [
+                f"  busy       the machine gave the probe {p.compute.cpu_share:.0%} of a core (other work on its "
+                "cores): its times are scaled to an idle machine's"
+            ]
+            if p.compute.cpu_share < BUSY_SHARE
+            else []
+        )
         + (
             [
                 f"  pool probe the {'mapped' if pp.mapped else 'slot'} pool at {pp.slots} of {pp.experts} experts "
@@ -1094,7 +1205,7 @@ def format_forecast_lines(plans: Mapping[str, Plan]) -> list[str]:
     return [
         f"forecast {name}: {p.decode.tokens_per_s:.2f} tok/s (bound {p.decode.bound_tokens_per_s:.2f}, "
         f"{p.decode.bound_by}), hit {p.hit_rate:.3f} from {p.hits.source}; "
-        + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in p.decode.terms_s.items() if v)
+        + ", ".join(f"{k} {_duration(v)}" for k, v in p.decode.terms_s.items() if v)
         for name, p in plans.items()
     ]
 

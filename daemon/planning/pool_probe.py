@@ -199,13 +199,15 @@ def probe_pools(
     folder: Path | None = None,
     steps: int = 16,
     repeats: int = 3,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[tuple[float, bool], PoolProbe]:
     """Probe each (capacity: a fraction of the experts, mapped) pool configuration of
     the `store` (`manifest`) where it is a partial pool of the probe's experts, with
     models of the store's architecture of `layers` layers (daemon/plan.py
     `probe_layer_counts`); `settings` gives the policy, prefetch and copy settings the
     daemon would run with. The probe stores live in a temporary folder in `folder`
-    (None: the system's), each removed once timed."""
+    (None: the system's), each removed once timed. `progress`: called with a line per
+    model and pool timed."""
     import mlx.core as mx
 
     from ...shared.store_format import load_manifest
@@ -217,7 +219,9 @@ def probe_pools(
     shape: dict[tuple[float, bool], tuple[int, int, int]] = {}
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
+    say = progress or (lambda line: None)
     for depth in sorted(set(layers)):
+        say(f"  pool: a model of {depth} layers, its store written and timed unstreamed")
         config = probe_config(manifest.config, depth)
         cfg = config.get("text_config", config)
         vocab = int(cfg.get("vocab_size") or cfg["num_vocab"])
@@ -237,6 +241,7 @@ def probe_pools(
                 slots = max(math.ceil(capacity * most), top_k_of(config))
                 if slots >= most:
                     continue  # nothing to stream: no pool work
+                say(f"  pool: the same model streamed, {slots} of {most} experts a layer{' mapped' if mapped else ''}")
                 run_settings = Settings(
                     capacity=slots,
                     policy=settings.policy,

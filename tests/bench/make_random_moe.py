@@ -28,8 +28,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models import qwen3_moe
-from mlx_lm.utils import quantize_model, save_config, save_model
+from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
 SHAPES = {
     "qwen3-30b-a3b": {
@@ -107,6 +106,39 @@ SHAPES["agent-cpu"] = dict(
 # with --dtype float32 (as agent-cpu).
 SHAPES["deep-cpu"] = dict(SHAPES["agent-cpu"], num_hidden_layers=48, num_experts=128, num_experts_per_tok=8)
 
+# Another architecture than the demo's for `moestreamctl plan`'s forecast against the
+# benchmarks on a CPU: DeepSeek-V3's (latent attention, a shared expert beside 64 routed
+# ones in 8 groups, a dense first layer), 4-bit, about as fast per token as the demo.
+SHAPES["deepseek-v3-cpu"] = {
+    "model_type": "deepseek_v3",
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "num_hidden_layers": 6,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_shared_experts": 1,
+    "n_routed_experts": 64,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 128,
+    "q_lora_rank": 192,
+    "qk_rope_head_dim": 32,
+    "v_head_dim": 64,
+    "qk_nope_head_dim": 64,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "n_group": 8,
+    "topk_group": 4,
+    "num_experts_per_tok": 6,
+    "moe_layer_freq": 1,
+    "first_k_dense_replace": 1,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+}
+
 
 def _write_tokenizer(out: Path, vocab_size: int) -> None:
     """A byte-level BPE tokenizer trained on a little text, padded to the vocab size."""
@@ -150,7 +182,8 @@ def make_random_moe(
         config["moe_intermediate_size"] = expert_width
     out.mkdir(parents=True, exist_ok=True)
     mx.random.seed(seed)
-    model = qwen3_moe.Model(qwen3_moe.ModelArgs.from_dict(config))
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
     if embed_scale != 1.0:
         embed = model.model.embed_tokens
         embed.weight = embed.weight * embed_scale
