@@ -142,6 +142,8 @@ class Job:
     waited: set[str] = field(default_factory=set)
     # The elastic pool's resizes before it started: its stats count those while it ran.
     resizes_before: int = 0
+    # Decoding alone, in turns with the batch: joining it measured no faster (`_batch_full`).
+    in_turns: bool = False
 
     @property
     def key(self) -> tuple[bytes, str]:
@@ -154,9 +156,10 @@ class Job:
         return f"key {self.msg.client_key}" if self.msg.client_key is not None else f"peer {self.peer.hex()}"
 
     def decodes_alone(self) -> bool:
-        """Whether it decodes on its own, outside the batch: speculative, or constrained
-        (daemon/model/generation.py `iter_generate`)."""
-        return self.msg.speculates() or (self.checked is not None and self.checked.grammar is not None)
+        """Whether it decodes on its own, outside the batch: speculative, constrained
+        (daemon/model/generation.py `iter_generate`), or where joining the batch would
+        not pay (`in_turns`)."""
+        return self.in_turns or self.msg.speculates() or (self.checked is not None and self.checked.grammar is not None)
 
     def tokens_after_stop(self) -> int:
         if self.stop_requested_at is None:
@@ -200,7 +203,7 @@ class EngineLoop:
         # order with the request's later events.
         self._send_lock = threading.Lock()
         self._sm: Any = None
-        # Continuous batching (daemon/model/batching.py) where max_batch > 1, else None.
+        # Continuous batching (daemon/model/batching.py) unless max_batch is 1, else None.
         self._batch: Any = None
         # The prompt cache (daemon/model/prompt_cache.py) where prompt_cache_bytes > 0, else None.
         self._prompt_cache: Any = None
@@ -242,6 +245,7 @@ class EngineLoop:
             # Requests that waited in the queue for room in the batch, or under the memory
             # budget: counted once each, so a wait too short for a `status` poll still shows.
             "waited_for_batch": 0,
+            "decoded_in_turns": 0,
             "waited_for_memory": 0,
         }
         self._stopping = False
@@ -383,15 +387,18 @@ class EngineLoop:
             self.state, self.error = "failed", f"cannot load the model {s.model}: {e}"
             self.log.error(self.error)
             return False
-        if s.max_batch > 1:
+        # Not in an expert-parallel group: its other ranks follow rank 0's MoE layers
+        # (daemon/model/expert_parallel.py), and the batch's probe, a forward of rank 0's
+        # at load, left them waiting (tests/test_expert_parallel.py): its requests take turns.
+        if s.max_batch != 1 and self._share is None:
             from .model.batching import BatchSession
 
             self._batch = BatchSession(self._sm, s.max_batch)
-            if self._batch.max_batch < s.max_batch:
+            if self._batch.max_batch < self._batch.requested:
                 self.log.info(
                     "batch: at most %d requests at once (max_batch %d): a step's experts must fit the pool",
                     self._batch.max_batch,
-                    s.max_batch,
+                    self._batch.requested,
                 )
         self._start_prompt_cache()
         self._elastic.attach(self._sm)
@@ -653,7 +660,17 @@ class EngineLoop:
         it then waits in the queue, where `status` says why, rather than in a step."""
         if self._batch is None or job.decodes_alone():
             return False
-        return not self._batch.has_room(sum(not j.decodes_alone() for j in self._active))
+        active = sum(not j.decodes_alone() for j in self._active)
+        if self._batch.has_room(active) and self._batch.pays(active):
+            return False
+        if not self._batch.auto:
+            return True  # max_batch as set: it waits for room
+        # The daemon's own batch size: the batch is full (its cap where the pool is
+        # partial) or its steps say one more member would make tokens no faster: it decodes
+        # alone, in turns with the batch's steps, as every request does with max_batch 1.
+        job.in_turns = True
+        self._counters["decoded_in_turns"] += 1
+        return False
 
     def _kv_allowance(self) -> int | None:
         """The bytes the KV caches of the active requests may take under `memory_budget`
@@ -744,7 +761,7 @@ class EngineLoop:
             job.result,
             should_stop=lambda: job.stop_reason is not None,
             on_prompt_progress=lambda done, total: self._on_prefill(job, done, total),
-            batch=self._batch,
+            batch=None if job.in_turns else self._batch,
             prompt_cache=self._prompt_cache,
             cache_scope=job.msg.cache_scope or "",
             grammar=job.checked.grammar,

@@ -662,6 +662,7 @@ class Server:
                         "tokens",
                         "busy",
                         "waited_for_batch",
+                        "decoded_in_turns",
                         "waited_for_memory",
                     )
                     if k in requests

@@ -586,14 +586,18 @@ class Settings:
     max_active: int = setting(8, kind="int", low=1, high=1024, help="Requests decoded at once.")
     # Off (1) by default: on the H200 a batch pays on a full pool from about 4 clients, but not at 2
     # nor on a mapped pool (tests/bench/RESULTS.md, "Serving several clients").
+    # Batching on by default, where it pays: the daemon lets a batch grow only while its own
+    # steps measure faster a token than lone ones (daemon/model/batching.py `StepCosts`).
     max_batch: int = setting(
-        1,
+        0,
         kind="int",
-        low=1,
+        low=0,
         high=256,
         scope=(DAEMON,),
+        shown_default="0 (auto)",
         help="Requests decoded together in one forward per step (continuous batching), each request's tokens the same "
-        "as alone; 1 decodes them in turns.",
+        "as alone; 0: up to 8, while the daemon's steps measure faster a token than lone ones (else requests take "
+        "turns); 1: requests always take turns.",
     )
     # Ollama's convention (keep_alive, default 5 minutes there): a daemon started at login
     # should not hold the model's memory all day for a request an hour.

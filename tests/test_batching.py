@@ -24,7 +24,7 @@ from stock_runs import stock_batched
 from tiny_models import MOE_ARCHS, make_tiny_model
 
 from moestream.daemon.mapped.row_gather import MAX_GATHERED
-from moestream.daemon.model.batching import BatchSession
+from moestream.daemon.model.batching import BatchSession, StepCosts
 from moestream.daemon.model.generation import SamplingParams, generate, plain_steps, request_sampler
 from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.daemon.pool.capacity import top_k_of
@@ -219,3 +219,43 @@ def test_a_gathering_mapped_pool_caps_the_batch_at_its_gather(converted):
             session.close()
         finally:
             sm.close()
+
+
+def test_step_costs_let_a_batch_grow_only_while_a_step_costs_less_a_token_than_a_lone_one():
+    costs = StepCosts()
+    assert costs.pays(2)  # nothing timed: tried
+    for _ in range(StepCosts.MIN_STEPS):
+        costs.record(1, 0.010)
+    assert costs.pays(2)  # lone steps timed, steps of 2 not yet
+    for seconds in (0.030, 0.019, 0.0195, 0.020):  # a CPU: about twice a lone step
+        costs.record(2, seconds)
+    assert costs.seconds(2) == pytest.approx(0.01975) and not costs.pays(2)
+    for _ in range(StepCosts.WINDOW):  # a GPU's wide step: 1.2x a lone one
+        costs.record(2, 0.012)
+    assert costs.pays(2)
+    costs.record(3, 0.040)  # one step is not enough to judge a size
+    assert costs.pays(3) and costs.seconds(3) is None
+    # A size judged not to pay is never timed again by itself: its verdict goes stale.
+    for _ in range(StepCosts.WINDOW):
+        costs.record(2, 0.050)
+    assert not costs.pays(2)
+    for _ in range(StepCosts.STALE + 1):
+        costs.record(1, 0.010)
+    assert costs.seconds(2) is None and costs.pays(2)
+
+
+def test_the_daemons_own_batch_size_asks_the_step_costs_and_an_explicit_one_does_not(converted):
+    store = converted[0]
+    sm = load_streaming_model(store, Settings(capacity=1.0))
+    try:
+        auto, fixed = BatchSession(sm, 0), BatchSession(sm, 4)
+        assert auto.auto and auto.requested == 8 and not fixed.auto
+        for session in (auto, fixed):
+            for _ in range(StepCosts.MIN_STEPS):
+                session.costs.record(1, 0.010)
+                session.costs.record(2, 0.025)
+        assert auto.pays(0) and not auto.pays(1) and auto.has_room(1)
+        assert fixed.pays(1)  # max_batch 4: batched as asked, whatever the timings
+        assert auto.to_dict()["step_seconds"] == {"1": 0.010, "2": 0.025}
+    finally:
+        sm.close()

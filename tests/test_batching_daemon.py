@@ -203,3 +203,35 @@ def test_requests_whose_kv_caches_would_pass_the_memory_budget_wait_in_the_queue
     # Any two fit, so exactly the third waited, for memory (counted even if no poll saw it).
     assert (counters["waited_for_memory"], counters["waited_for_batch"]) == (1, 0), counters
     assert all(why is None or why.startswith(WAIT_WHYS[1:]) for why in whys), whys
+
+
+def test_by_default_requests_batch_or_take_turns_as_the_steps_measure_and_get_their_alone_outputs(store, alone):
+    """The default max_batch (0): the daemon chooses per request whether it joins the
+    batch (its steps timed faster a token than lone ones) or decodes alone in turns.
+    Which one a request got depends on this machine's timings; what it makes does not."""
+    prompts = [p for p, temp, _, cancel in REQUESTS if temp == 0.0 and cancel is None]
+    with started_daemon(store, "msbauto", "--capacity", "0.5") as paths:
+        results: dict[str, object] = {}
+        barrier = threading.Barrier(len(prompts))
+
+        def run(prompt: str) -> None:
+            with Client(paths, timeout=60) as c:
+                barrier.wait()
+                stream = c.generate(prompt, max_tokens=TOKENS)
+                list(stream)
+                results[prompt] = stream.done
+
+        threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        with Client(paths) as c:
+            status = c.status()
+    for prompt in prompts:
+        assert results[prompt].tokens == alone[prompt].tokens, f"{prompt!r} differs from alone"
+    batch = status["batch"]
+    assert batch["auto"] is True and batch["requested"] == 8
+    # Each request either joined the batch or decoded in turns, never both or neither.
+    assert batch["joined"] + status["requests"]["decoded_in_turns"] == len(prompts), (batch, status["requests"])
+    assert batch["step_seconds"].get("1") is not None, batch  # lone steps were timed

@@ -28,7 +28,19 @@ def _bench_serve(name: str, *args: str) -> tuple[dict, str]:
 
 def test_levels_of_concurrent_clients_through_a_real_daemon():
     report, _ = _bench_serve(
-        "bench-serve", "--capacity", "0.5", "--clients", "1", "--clients", "3", "--requests", "3", "--max-tokens", "5"
+        "bench-serve",
+        "--capacity",
+        "0.5",
+        "--clients",
+        "1",
+        "--clients",
+        "3",
+        "--requests",
+        "3",
+        "--max-tokens",
+        "5",
+        "--max-batch",
+        "3",
     )
     levels = report["levels"]
     assert [level["clients"] for level in levels] == [1, 3]
@@ -78,7 +90,7 @@ def test_rounds_run_every_level_again_in_turn_and_report_medians():
     round's one client. On a mapped pool, each level also reports its placement."""
     mapped = ("--capacity", "0.25", "--host-cache", "256M", "--mapped")
     levels = ("--clients", "1", "--clients", "2", "--requests", "2", "--max-tokens", "3", "--rounds", "2")
-    report, progress = _bench_serve("bench-serve-rounds", *mapped, *levels)
+    report, progress = _bench_serve("bench-serve-rounds", *mapped, *levels, "--max-batch", "2")
     # The second round runs its levels in reverse: 2 clients, then 1.
     order = [
         line.split("round 2 of 2, ")[1].split(" client")[0]
@@ -114,7 +126,9 @@ def test_against_turns_runs_each_level_on_a_batching_and_a_turn_taking_daemon():
     each round; the batch's gain is the median of each round's ratio, and the seeded
     requests make the same tokens batched and in turns (the batch is batch-invariant)."""
     levels = ("--clients", "1", "--clients", "3", "--requests", "3", "--max-tokens", "4", "--rounds", "2")
-    report, progress = _bench_serve("bench-serve-turns", "--capacity", "0.5", *levels, "--against-turns")
+    report, progress = _bench_serve(
+        "bench-serve-turns", "--capacity", "0.5", *levels, "--max-batch", "3", "--against-turns"
+    )
     assert "starting a daemon (max_batch 3)" in progress and "starting a daemon (max_batch 1)" in progress
     assert sum("in turns: 3 requests" in line for line in progress.splitlines()) == 4  # 2 levels x 2 rounds
     assert report["settings"]["against_turns"] is True

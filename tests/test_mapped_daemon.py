@@ -371,6 +371,7 @@ def test_batched_requests_leave_the_placement_unsettled_while_others_decode():
     from moestream.daemon.model.generation import GenerationResult, iter_generate
 
     sm = load_streaming_model(demo_store_path(), Settings(capacity=0.25, mapped=True))
+    session = BatchSession(sm, max_batch=4)  # its probe's forward settled before the count starts
     settled: list[int] = []
     real_settle = sm.mapped_pool.settle
 
@@ -379,7 +380,6 @@ def test_batched_requests_leave_the_placement_unsettled_while_others_decode():
         real_settle()
 
     sm.mapped_pool.settle = settle
-    session = BatchSession(sm, max_batch=4)
     try:
         prompts = {"def read_lines(path):\n    ": N_TOKENS // 2, "import os\n\n\ndef walk(top):\n    ": N_TOKENS}
         alone = {

@@ -333,7 +333,9 @@ def test_plan_of_the_q30_repository_for_a_48gb_mac_with_a_6gbs_disk(tmp_path, mo
         with repo_shape(Q30_REPO, endpoint=hub.url) as shape:
             assert shape.dtype == "bfloat16" and len(shape.manifest.layers) == 48
             # 0.5 ms a layer and 2 ms of embeddings and head per token, as a GPU might take.
-            probe = ComputeProbe((4, 16), (0.004, 0.010), (4e-4, 1e-3), (0.0045, 0.012), "gpu", "bfloat16")
+            probe = ComputeProbe(
+                (4, 16), (0.004, 0.010), (4e-4, 1e-3), (0.0045, 0.012), (4.4e-4, 1.1e-3), 0.0, "gpu", "bfloat16"
+            )
             save_compute(state, probe_key(shape.manifest.config, shape.dtype), probe)
             save_bandwidths(state, Bandwidths(3e9, 1e11, "host memcpy", "given"))
             got = plan_shape(shape, Settings(), probe=False, memory=mac_memory(48 << 30), disk_bandwidth=6 << 30)

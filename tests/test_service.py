@@ -480,8 +480,8 @@ def test_bad_settings_are_refused_before_writing(store: Path, tmp_path: Path) ->
         (["--model", str(store), "--host-cache", "lots"], "cannot read 'lots' as a size"),
         (["--model", str(store), "--io-threads", "0"], "Invalid value for '--io-threads': must be between 1 and 256"),
         (
-            ["--model", str(store), "--max-batch", "0"],
-            "Invalid value for '--max-batch': must be between 1 and 256",
+            ["--model", str(store), "--max-batch", "-1"],
+            "Invalid value for '--max-batch': must be between 0 and 256",
         ),
         (
             ["--model", str(store), "--autopin-frac", "1.5"],

@@ -16,6 +16,14 @@ tests/test_batching.py); on the CPU also stock mlx-lm's `generate_step` and
 `BatchGenerator`'s. A model whose code cannot run per request (`RowBatch.probe`) decodes
 its requests in turns.
 
+Batching pays where a step of B requests costs less than B lone steps: a GPU's step of 4
+costs 1.1-1.5x a lone one (tests/bench/RESULTS.md), a CPU's about 4x, where taking turns
+makes the same tokens a second and the first in line is served sooner. So the session
+times its own steps by size (`StepCosts`) and lets the batch grow only while a step costs
+less a token than a lone one; a request that would not pay decodes alone, in turns with
+the batch (as every request does with max_batch 1). A size not timed yet is tried, and a
+verdict goes stale.
+
 A step is one step ahead of what its members yield (as `generate_step` keeps one step
 ahead): the token a member yields was sampled in the step before, and read back while
 the next one runs on the device.
@@ -29,6 +37,7 @@ vanished client) leaves the batch before the next step.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -113,6 +122,46 @@ class _Member:
         self.finished = token in eos or self.produced >= self.max_tokens
 
 
+class StepCosts:
+    """Recent steps' seconds by batch size, and whether a size pays against lone steps."""
+
+    # Steps timed per size before it is judged, and how many are kept.
+    MIN_STEPS = 4
+    WINDOW = 16
+    # A size pays where its step costs below this share of its members' lone steps: a
+    # tie is not worth a lone request's longer wait for its first token.
+    MARGIN = 0.97
+    # Steps after which a size's times are dropped and it is tried again (the costs move
+    # with the context's length, and a size judged not to pay is never timed otherwise).
+    STALE = 512
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self._times: dict[int, deque[tuple[int, float]]] = {}
+
+    def record(self, size: int, seconds: float) -> None:
+        self.steps += 1
+        self._times.setdefault(size, deque(maxlen=self.WINDOW)).append((self.steps, seconds))
+
+    def seconds(self, size: int) -> float | None:
+        """The median step of `size` requests, None until MIN_STEPS recent ones."""
+        times = self._times.get(size)
+        while times and times[0][0] < self.steps - self.STALE:
+            times.popleft()
+        if not times or len(times) < self.MIN_STEPS:
+            return None
+        return statistics.median(t for _, t in times)
+
+    def pays(self, size: int) -> bool:
+        """Whether a step of `size` requests makes tokens faster than lone steps (True
+        while either is not timed: it is tried)."""
+        lone, at = self.seconds(1), self.seconds(size)
+        return size <= 1 or lone is None or at is None or at < size * lone * self.MARGIN
+
+    def to_dict(self) -> dict[str, float | None]:
+        return {str(size): self.seconds(size) for size in sorted(self._times)}
+
+
 def batch_cap(sm: StreamingModel, max_batch: int) -> int:
     """`max_batch`, capped where one step's routed experts would leave the pool's fast
     path: B requests route up to B x top-k experts per layer, which must fit a partial
@@ -130,20 +179,36 @@ def batch_cap(sm: StreamingModel, max_batch: int) -> int:
     return max(1, min(caps))
 
 
+# Tokens a member may hold untaken before it sits out the steps.
+HELD_TOKENS = 2
+
+# The most requests of a batch whose size the daemon chooses (max_batch 0): the H200's
+# serve runs gained little past 8 (tests/bench/RESULTS.md, "Serving several clients").
+AUTO_MAX_BATCH = 8
+
+
 class BatchSession:
-    """One model's batch of decoding requests."""
+    """One model's batch of decoding requests (`max_batch` 0: up to AUTO_MAX_BATCH, while
+    they pay)."""
 
     def __init__(self, sm: StreamingModel, max_batch: int, prefill_step: int = PREFILL_STEP) -> None:
         self.sm = sm
-        self.requested = max_batch
-        self.max_batch = batch_cap(sm, max_batch)
+        self.auto = max_batch == 0
+        self.requested = max_batch or AUTO_MAX_BATCH
+        self.max_batch = batch_cap(sm, self.requested)
         self.prefill_step = prefill_step
         self._eos = frozenset(sm.tokenizer.eos_token_ids)
         self._members: list[_Member] = []
         self._rows = RowBatch(sm.model)
-        if self.max_batch > 1 and not self._rows.probe():
-            self.max_batch = 1  # its requests take turns
+        if self.max_batch > 1:
+            with sm.uncounted():
+                if not self._rows.probe():
+                    self.max_batch = 1  # its requests take turns
         self.stats = BatchStats()
+        self.costs = StepCosts()
+        # Whether the last call before the next step was a prefill's piece, whose device
+        # work that step would wait for: such a step is not timed.
+        self._after_prefill = False
 
     @property
     def size(self) -> int:
@@ -156,6 +221,12 @@ class BatchSession:
     def has_room(self, active: int) -> bool:
         """Whether a request may start beside `active` batched ones."""
         return active < self.max_batch
+
+    def pays(self, active: int) -> bool:
+        """Whether a request that starts beside `active` batched ones should join them
+        (`StepCosts`, where the daemon chooses the size), rather than decode alone in turns
+        with them."""
+        return not self.auto or active == 0 or self.costs.pays(active + 1)
 
     def why_full(self) -> str:
         """Why no more requests join, for `status` while some wait."""
@@ -170,7 +241,14 @@ class BatchSession:
 
     def to_dict(self) -> dict[str, Any]:
         """The batch for `status`: its bounds, its size now and its counts."""
-        return {"max_batch": self.max_batch, "requested": self.requested, "size": self.size, **self.stats.to_dict()}
+        return {
+            "auto": self.auto,
+            "max_batch": self.max_batch,
+            "requested": self.requested,
+            "size": self.size,
+            "step_seconds": self.costs.to_dict(),
+            **self.stats.to_dict(),
+        }
 
     def steps(
         self,
@@ -194,13 +272,21 @@ class BatchSession:
         cache's best prefix, a copy of a cache of its own filled up to the prompt's last
         token is kept there, and so is the request's cache when it finishes."""
         n = len(prompt_ids)
-        progress = on_prompt_progress or (lambda done, total: None)
+        report = on_prompt_progress or (lambda done, total: None)
+        reported = [-1]
+
+        def progress(done: int, total: int) -> None:
+            # Once each: the prefill's first piece reports where the cached prefix ended too.
+            if done != reported[0]:
+                reported[0] = done
+                report(done, total)
+
         cache, m = cache_use.start(self.sm, prompt_ids) if cache_use is not None else (None, 0)
         progress(m, n)
         cache = yield from self._prefill(prompt_ids, m, cache, progress, prefill_stats, cache_use, pieces)
         if cache_use is not None:
             cache_use.keep_prompt(prompt_ids, cache)
-        self._wait_for_room()
+        yield from self._wait_for_room()
         brought = [int(t) for t in prompt_ids[:-1]]
         member = _Member(
             cache,
@@ -267,6 +353,7 @@ class BatchSession:
                     return end.value
                 finally:
                     self.stats.prefill_s += time.perf_counter() - tic
+                    self._after_prefill = True
                 if pieces or self.decoding():
                     # The others decode between this prompt's pieces (a layer, or a
                     # chunk), and the engine reads its commands: a turn with no token yet.
@@ -274,20 +361,25 @@ class BatchSession:
         finally:
             work.close()
 
-    def _wait_for_room(self) -> None:
+    def _wait_for_room(self) -> Iterator[tuple[None, None]]:
         """The engine loop starts no more batched requests than the batch holds
         (`has_room`); a caller that does waits here for room, its step serving the
         batch meanwhile."""
         while self.decoding() >= self.max_batch:
-            self._advance()
+            if not self._advance():
+                # Every member holds tokens not taken yet: their takers' turns come first.
+                yield None, None
 
-    def _advance(self) -> None:
+    def _advance(self) -> bool:
         """One step: every member's pending token fed, its next sampled on the device;
         the tokens fed that were sampled go to their members' buffers once read (while
-        the step runs)."""
-        members = [m for m in self._members if not m.finished]
+        the step runs). False where no member could step."""
+        # A member whose tokens the engine is not taking (its client paused by an unread
+        # stream) sits out the steps: its buffer stays short, and the others' steps lose
+        # nothing (a row is the same in any company).
+        members = [m for m in self._members if not m.finished and len(m.tokens) < HELD_TOKENS]
         if not members:
-            return
+            return False
         tic = time.perf_counter()
         fed = [(m.pending, m.sampled, m.pending_logprobs) for m in members]
         with mx.stream(generation_stream):
@@ -306,10 +398,15 @@ class BatchSession:
             if sampled:
                 m.made(value, logprobs, self._eos)
                 made += 1
-        self.stats.decode_s += time.perf_counter() - tic
+        seconds = time.perf_counter() - tic
+        if not self._after_prefill:
+            self.costs.record(len(members), seconds)
+        self._after_prefill = False
+        self.stats.decode_s += seconds
         self.stats.steps += 1
         self.stats.tokens += made
         self.stats.max_size = max(self.stats.max_size, len(members))
+        return True
 
     def close(self) -> None:
         self._members.clear()

@@ -8,12 +8,14 @@ tensors are the pool's slot arrays. The stacked expert tensors are never materia
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import typing
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -155,6 +157,25 @@ class StreamingModel:
             if full:
                 self.resident_routing = ResidentRouting(full)
         return self.resident_routing
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Forwards that are no request's (the batch's probe at load): what they route is
+        read back, then left out of the pools' counters, so of every request's statistics
+        and of the heat."""
+        saved = [(p.stats, copy.deepcopy(p.stats)) for p in self.pools]
+        if self.mapped_pool is not None:
+            saved.append((self.mapped_pool.stats, copy.deepcopy(self.mapped_pool.stats)))
+        try:
+            yield
+        finally:
+            readback = self.mapped_pool if self.mapped_pool is not None else self.resident_routing
+            if readback is not None:
+                readback.settle()
+            for stats, before in saved:
+                # In place: the pools' readers hold these objects.
+                for f in fields(before):
+                    setattr(stats, f.name, getattr(before, f.name))
 
     @property
     def pool_bytes(self) -> int:

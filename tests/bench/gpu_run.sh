@@ -269,7 +269,7 @@ EOF
   serve-q30)
     # Concurrent clients through one real daemon per pool (REQUESTS per level, 64 tokens
     # each at temperature 1, seeded), 100% then 25% + a 20G host tier; MAX_BATCH is the
-    # daemon's max_batch (0: the largest client count; 1: requests take turns); POOLS="1.0"
+    # daemon's max_batch (0: its default, up to 8 where its steps measure it faster; 1: turns); POOLS="1.0"
     # measures one pool; pools are separated by ";", as in the default (a pool given alone
     # with its words, "0.25 --host-cache 20G", is one pool, not three). ROUNDS runs every
     # level that many times, every other round in reverse, for medians (the host's pace drifts).

@@ -41,7 +41,8 @@ from ..values import StorePath, size_option, store_option
     default=0,
     show_default=True,
     type=click.IntRange(0, 256),
-    help="The daemon's max_batch; 0: the largest client count (1: requests take turns).",
+    help="The daemon's max_batch; 0: its default (up to 8, while its steps measure faster a token than lone "
+    "ones); 1: requests take turns.",
 )
 @click.option(
     "--warmup/--no-warmup",
