@@ -55,6 +55,21 @@ def _run_watching(paths, work: list[threading.Thread], read) -> list:
     return seen
 
 
+def _greedy_clients(paths, prompts: list[str], results: dict) -> list[threading.Thread]:
+    """A client thread per prompt, each sending it greedy once all are ready; each
+    request's outcome goes into `results` by prompt."""
+    barrier = threading.Barrier(len(prompts))
+
+    def run(prompt: str) -> None:
+        with Client(paths, timeout=60) as c:
+            barrier.wait()
+            stream = c.generate(prompt, max_tokens=TOKENS)
+            list(stream)
+            results[prompt] = stream.done
+
+    return [threading.Thread(target=run, args=(p,)) for p in prompts]
+
+
 @pytest.fixture(scope="module")
 def store():
     with tiny_store("msbatch") as path:
@@ -184,17 +199,7 @@ def test_requests_whose_kv_caches_would_pass_the_memory_budget_wait_in_the_queue
         with Client(paths, timeout=60) as c:
             assert c.status()["pool"]["layers"][0]["capacity"] == load_manifest(store).layers[0].num_experts
         results: dict[str, object] = {}
-
-        barrier = threading.Barrier(len(prompts))
-
-        def run(prompt: str) -> None:
-            with Client(paths, timeout=60) as c:
-                barrier.wait()
-                stream = c.generate(prompt, max_tokens=TOKENS)
-                list(stream)
-                results[prompt] = stream.done
-
-        threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
+        threads = _greedy_clients(paths, prompts, results)
         whys = _run_watching(paths, threads, lambda st: st["requests"]["why_queued"])
         with Client(paths, timeout=60) as c:
             counters = c.status()["requests"]
@@ -212,20 +217,7 @@ def test_by_default_requests_batch_or_take_turns_as_the_steps_measure_and_get_th
     prompts = [p for p, temp, _, cancel in REQUESTS if temp == 0.0 and cancel is None]
     with started_daemon(store, "msbauto", "--capacity", "0.5") as paths:
         results: dict[str, object] = {}
-        barrier = threading.Barrier(len(prompts))
-
-        def run(prompt: str) -> None:
-            with Client(paths, timeout=60) as c:
-                barrier.wait()
-                stream = c.generate(prompt, max_tokens=TOKENS)
-                list(stream)
-                results[prompt] = stream.done
-
-        threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        _run_watching(paths, _greedy_clients(paths, prompts, results), lambda st: None)
         with Client(paths) as c:
             status = c.status()
     for prompt in prompts:
