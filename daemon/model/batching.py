@@ -182,8 +182,9 @@ def batch_cap(sm: StreamingModel, max_batch: int) -> int:
 # Tokens a member may hold untaken before it sits out the steps.
 HELD_TOKENS = 2
 
-# The most requests of a batch whose size the daemon chooses (max_batch 0): the H200's
-# serve runs gained little past 8 (tests/bench/RESULTS.md, "Serving several clients").
+# The most requests of a batch whose size the daemon chooses (max_batch 0): the most any
+# serve run measured (tests/bench/RESULTS.md, "Serving several clients"; 8 clients on the
+# H100 made 1.10x what 4 did).
 AUTO_MAX_BATCH = 8
 
 
