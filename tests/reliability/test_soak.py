@@ -94,3 +94,17 @@ def test_bench_soak_reports_the_gateway_attacks(rel_store, start_daemon, rel_ref
     assert f["greedy_refused_429"] == 40 - 32 and gw["greedy_client"]["other_exact"]  # past its half of 64 slots
     lines = gateway_lines({**f})
     assert lines[0].split()[2] == "ok;" and "403 for 5/5 cross-origin" in "\n".join(lines)
+
+
+def test_bench_soak_reports_the_prompt_cache_folder_attacks(rel_store, rel_reference, workdir):
+    """`bench soak`'s attacks on the prompt-cache folder, through real daemons: planted links,
+    a relabelled and a corrupt file all refused and removed, never written through, every
+    answer exact; FIFOs in the folder neither hang the start nor the stop."""
+    from moestream.daemon.bench.soak.cache_attacks import run_cache_attacks
+
+    out = run_cache_attacks(rel_store, workdir / "cache", rel_reference)
+    planted, fifo = out["planted_cache_files"], out["cache_fifo"]
+    assert out["ok"], out
+    assert planted["planted"] == planted["refused"] == planted["removed"] == 5 and planted["targets_changed"] == 0
+    assert planted["exact"] == planted["requests"] == 6 and planted["good_file_served"]
+    assert fifo["fifos"] == 3 and fifo["fifos_left"] == 0 and fifo["exact"] and fifo["exit_status"] == 0
