@@ -292,16 +292,22 @@ def oversized_bodies(gw: GatewayProcess, reference: Mapping[tuple[str, int], Ref
     return out
 
 
+def _post_from(gw: GatewayProcess, source: str, path: str, body: bytes) -> tuple[int, bytes]:
+    """A JSON POST from the loopback address `source`: its status and body."""
+    conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=300, source_address=(source, 0))
+    try:
+        conn.request("POST", path, body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
 def _other_client(gw: GatewayProcess, prompt: str, max_tokens: int) -> tuple[int, bytes, float]:
     """A completion from OTHER_ADDRESS: its status, body and seconds."""
     tic = time.monotonic()
-    conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=300, source_address=(OTHER_ADDRESS, 0))
-    try:
-        conn.request("POST", "/v1/completions", _completion(prompt, max_tokens), {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        return response.status, response.read(), time.monotonic() - tic
-    finally:
-        conn.close()
+    status, body = _post_from(gw, OTHER_ADDRESS, "/v1/completions", _completion(prompt, max_tokens))
+    return status, body, time.monotonic() - tic
 
 
 def greedy_client(gw: GatewayProcess, reference: Mapping[tuple[str, int], Reference], n: int) -> dict:
@@ -346,16 +352,8 @@ def _cached_tokens(gw: GatewayProcess, text: str, *, user: str | None = None, so
     body: dict[str, Any] = {"model": "moestream", "messages": [{"role": "user", "content": text}], "max_tokens": 1}
     if user is not None:
         body["user"] = user
-    conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=120, source_address=(source, 0))
-    try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        answer = response.read()
-        if response.status != 200:
-            return -1
-        return int(json.loads(answer)["usage"]["prompt_tokens_details"]["cached_tokens"])
-    finally:
-        conn.close()
+    status, answer = _post_from(gw, source, "/v1/chat/completions", json.dumps(body).encode())
+    return int(json.loads(answer)["usage"]["prompt_tokens_details"]["cached_tokens"]) if status == 200 else -1
 
 
 @dataclass

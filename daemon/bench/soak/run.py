@@ -392,7 +392,7 @@ def reliability_table_markdown(report: dict[str, Any], name: str) -> str:
             ),
             (
                 f"prompt-cache folder: {fifo['fifos']} FIFOs at a cache, temporary and budget file's names",
-                "never opened blocking: skipped and removed",
+                "never opened blocking: skipped, removed or written over",
                 _yes(
                     fifo["ok"],
                     f"ready in {fifo['ready_s']:.1f} s ({fifo['ready_without_s']:.1f} s without), served exactly, "
