@@ -327,7 +327,11 @@ def greedy_client(gw: GatewayProcess, reference: Mapping[tuple[str, int], Refere
             s.settimeout(120)
             s.connect(("127.0.0.1", gw.port))
             socks.append(s)
+        # All sent before any status is read: at once, so that none of the accepted
+        # streams ends (freeing its slot) before the last request arrives.
+        for s in socks:
             s.sendall(head + body)
+        for s in socks:
             statuses.append(int(s.recv(64).split(b" ", 2)[1]))  # the status line only
         status, answer, waited = _other_client(gw, prompt, max_tokens)
     finally:
@@ -414,8 +418,9 @@ def run_gateway_attacks(
         out: dict[str, Any] = slowloris(keyed, reference, key, SLOWLORIS_CONNECTIONS)
         out["browser_requests"] = browser_requests(keyless, reference, requests)
         out["oversized_bodies"] = oversized_bodies(keyless, reference, max(1, requests // 20))
-        out["greedy_client"] = greedy_client(keyless, reference, GREEDY_STREAMS)
+        # Before the greedy client, whose cancelled streams' caches could push the secret's out.
         out["cached_token_probing"] = cached_token_probing(keyless, shared, PROBES)
+        out["greedy_client"] = greedy_client(keyless, reference, GREEDY_STREAMS)
         alive = all(gw.proc.poll() is None for gw in gateways)
     finally:
         for gw in gateways:
