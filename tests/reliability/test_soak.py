@@ -76,7 +76,7 @@ def test_a_long_lived_client_does_not_grow(rel_store, start_daemon):
         assert c.buffered() == {}
 
 
-@pytest.mark.slow  # two gateways and 1,100 connections: about 12 s on two cores
+@pytest.mark.slow  # three gateways and 1,100 connections: about 20 s on two cores
 def test_bench_soak_reports_the_gateway_attacks(rel_store, start_daemon, rel_reference):
     """`bench soak --attacks gateway`'s part: each attack measured through real gateways on
     a real daemon, each figure in the report (tests/test_gateway_guard.py checks each guard)."""
@@ -91,6 +91,24 @@ def test_bench_soak_reports_the_gateway_attacks(rel_store, start_daemon, rel_ref
     assert f["gateway_connections_closed"] > 0 and f["gateway_connections_left_open"] <= 256
     assert f["cross_origin_403"] == f["foreign_host_403"] == f["not_json_415"] == "5/5"
     assert f["oversized_413"] == f["oversized_bodies"] == 2
-    assert f["greedy_refused_429"] == 40 - 32 and gw["greedy_client"]["other_exact"]  # past its half of 64 slots
+    assert f["greedy_refused_429"] == 64 - 32 and gw["greedy_client"]["other_exact"]  # past its half of 64 slots
+    # Every probe a new client: any token reported cached would be the secret's; the same
+    # probe through a gateway that shares the cache sees it.
+    assert f["probes"] == 12 and f["probe_tokens_learned"] == 0 and f["probe_shared_learned"] > 20
     lines = gateway_lines({**f})
     assert lines[0].split()[2] == "ok;" and "403 for 5/5 cross-origin" in "\n".join(lines)
+    assert "0 tokens learned in 12 probes" in "\n".join(lines)
+
+
+def test_bench_soak_reports_the_prompt_cache_folder_attacks(rel_store, rel_reference, workdir):
+    """`bench soak`'s attacks on the prompt-cache folder, through real daemons: planted links,
+    a relabelled and a corrupt file all refused and removed, never written through, every
+    answer exact; FIFOs in the folder neither hang the start nor the stop."""
+    from moestream.daemon.bench.soak.cache_attacks import run_cache_attacks
+
+    out = run_cache_attacks(rel_store, workdir / "cache", rel_reference)
+    planted, fifo = out["planted_cache_files"], out["cache_fifo"]
+    assert out["ok"], out
+    assert planted["planted"] == planted["refused"] == planted["removed"] == 5 and planted["targets_changed"] == 0
+    assert planted["exact"] == planted["requests"] == 6 and planted["good_file_served"]
+    assert fifo["fifos"] == 3 and fifo["fifos_left"] == 0 and fifo["exact"] and fifo["exit_status"] == 0

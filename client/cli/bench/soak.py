@@ -50,8 +50,9 @@ from ..values import StorePath
     show_default=True,
     type=click.Choice(["all", "daemon", "gateway", "none"]),
     help="Which attacks run after the soak: the daemon's (idle connections, a non-reading client, oversized "
-    "prompts, tiny sampling), the gateway's (slowloris, connection caps, cross-origin and foreign-Host requests, "
-    "oversized bodies), both or none.",
+    "prompts, tiny sampling, connection churn; planted files and FIFOs in the prompt-cache folder), the gateway's "
+    "(slowloris, connection caps, cross-origin and foreign-Host requests, oversized bodies, a greedy client, "
+    "cached-token probing), both or none.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_soak(

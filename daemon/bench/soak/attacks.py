@@ -140,8 +140,8 @@ def connection_churn(
     daemon: DaemonProcess, reference: Mapping[tuple[str, int], Reference], sockets: int, seconds: float
 ) -> dict:
     """`churn` past the daemon's file room (its limit lowered to CHURN_FILE_LIMIT, for
-    good): a new client halfway hears a pong or busy (never silence), and the daemon
-    serves exactly afterwards."""
+    good): a new client halfway hears a pong or busy (never silence), the daemon refuses
+    some as busy, and serves exactly afterwards."""
     resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (CHURN_FILE_LIMIT, CHURN_FILE_LIMIT))
     heard: list[str] = []
 
@@ -162,7 +162,7 @@ def connection_churn(
     if alive:
         with Client(daemon.paths) as c:
             clients = c.status()["clients"]
-    ok = bool(exact and heard and heard[0] in ("pong", proto.BUSY))
+    ok = bool(exact and heard and heard[0] in ("pong", proto.BUSY) and clients.get("refused_busy", 0) > 0)
     return {
         "sockets": sockets,
         "seconds": seconds,

@@ -15,13 +15,21 @@ followed by a request that must still be served exactly: what
                      preflight): how many got 403 and 415
   oversized_bodies   bodies over the gateway's limit, declared (Content-Length) and sent
                      chunked without a length: how many got 413, the gateway's RSS growth
-  greedy_client      one address's streamed completions, more than its half of the
-                     gateway's request slots, never read, then another address's
-                     completion: how many of the first got 429, whether the other was
-                     served exactly, and how long it waited
+  greedy_client      one address's streamed completions, as many as the gateway's
+                     request slots, never read, then another address's completion: how
+                     many of the first got 429, whether the other was served exactly, and
+                     how long it waited (and alone, before them)
+  cached_token_probing
+                     a client's secret prompt, then other clients' guesses of it (the
+                     right one among them), each a new client (a user name of its own, or
+                     none from an address of its own, so nothing of its own is cached):
+                     the prompt tokens `usage.prompt_tokens_details.cached_tokens` said
+                     were cached for them, all of which would be the secret's; and the
+                     same right guess through a gateway that shares the cache
+                     (--share-prompt-cache), to show the probe sees a shared cache
 
-Two gateway processes on the daemon's runtime folder: one keyed, one keyless (the one a
-browser's page can reach). Only the standard library's HTTP client; no MLX.
+Three gateway processes on the daemon's runtime folder: one keyed, one keyless (the one a
+browser's page can reach), one keyless that shares the prompt cache. Only the standard library's HTTP client; no MLX.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -52,8 +61,10 @@ KEYED_WITHIN_S = 2.0  # the most slowloris may add to a keyed completion
 OVERSIZED_FACTOR = 2  # bodies twice the gateway's limit
 GATEWAY_RSS_LIMIT_MIB = 20.0
 GATEWAY_LOG_LIMIT_BYTES = 2 * 2**20
-# The greedy client's streams: more than its half of the gateway's request slots.
-GREEDY_STREAMS = 40
+# The greedy client's streams: all the gateway's request slots, twice its half.
+GREEDY_STREAMS = MAX_CONCURRENT
+# Guesses of the secret prompt, the right one among them.
+PROBES = 12
 # The other client's own loopback address (Linux routes all of 127.0.0.0/8 to lo).
 OTHER_ADDRESS = "127.0.0.2"
 
@@ -281,8 +292,27 @@ def oversized_bodies(gw: GatewayProcess, reference: Mapping[tuple[str, int], Ref
     return out
 
 
+def _post_from(gw: GatewayProcess, source: str, path: str, body: bytes) -> tuple[int, bytes]:
+    """A JSON POST from the loopback address `source`: its status and body."""
+    conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=300, source_address=(source, 0))
+    try:
+        conn.request("POST", path, body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def _other_client(gw: GatewayProcess, prompt: str, max_tokens: int) -> tuple[int, bytes, float]:
+    """A completion from OTHER_ADDRESS: its status, body and seconds."""
+    tic = time.monotonic()
+    status, body = _post_from(gw, OTHER_ADDRESS, "/v1/completions", _completion(prompt, max_tokens))
+    return status, body, time.monotonic() - tic
+
+
 def greedy_client(gw: GatewayProcess, reference: Mapping[tuple[str, int], Reference], n: int) -> dict:
     (prompt, max_tokens), ref = min(reference.items())
+    alone = _other_client(gw, prompt, max_tokens)[2]
     body = json.dumps({"model": "moestream", "prompt": prompt, "max_tokens": 16, "stream": True}).encode()
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{gw.port}\r\nContent-Type: application/json\r\n"
@@ -297,18 +327,13 @@ def greedy_client(gw: GatewayProcess, reference: Mapping[tuple[str, int], Refere
             s.settimeout(120)
             s.connect(("127.0.0.1", gw.port))
             socks.append(s)
+        # All sent before any status is read: at once, so that none of the accepted
+        # streams ends (freeing its slot) before the last request arrives.
+        for s in socks:
             s.sendall(head + body)
+        for s in socks:
             statuses.append(int(s.recv(64).split(b" ", 2)[1]))  # the status line only
-        tic = time.monotonic()
-        conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=300, source_address=(OTHER_ADDRESS, 0))
-        try:
-            json_type = {"Content-Type": "application/json"}
-            conn.request("POST", "/v1/completions", _completion(prompt, max_tokens), json_type)
-            response = conn.getresponse()
-            status, answer = response.status, response.read()
-        finally:
-            conn.close()
-        waited = time.monotonic() - tic
+        status, answer, waited = _other_client(gw, prompt, max_tokens)
     finally:
         for s in socks:
             s.close()
@@ -321,8 +346,58 @@ def greedy_client(gw: GatewayProcess, reference: Mapping[tuple[str, int], Refere
         "refused_429": refused,
         "other_exact": exact,
         "other_waited_s": waited,
+        "other_alone_s": alone,
         "ok": bool(exact and statuses.count(200) == share and refused == n - share),
     }
+
+
+def _cached_tokens(gw: GatewayProcess, text: str, *, user: str | None = None, source: str = "127.0.0.1") -> int:
+    """A one-message chat's cached prompt tokens, as `usage` reports them (-1: not answered)."""
+    body: dict[str, Any] = {"model": "moestream", "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    if user is not None:
+        body["user"] = user
+    status, answer = _post_from(gw, source, "/v1/chat/completions", json.dumps(body).encode())
+    return int(json.loads(answer)["usage"]["prompt_tokens_details"]["cached_tokens"]) if status == 200 else -1
+
+
+@dataclass
+class CachedTokenProbing:
+    probes: int
+    # Prompt tokens reported cached for the probes (each a new client): all another's.
+    tokens_learned: int
+    # The secret's owner's next request (its own history: cached); the right guess through
+    # the gateway that shares the cache.
+    owner_cached: int
+    shared_learned: int
+    ok: bool
+
+
+def cached_token_probing(scoped: GatewayProcess, shared: GatewayProcess, n: int) -> dict:
+    def secret(code: int) -> str:
+        return f"The secret code is {code}. " * 6
+
+    right = 4800 + n // 2
+    answered = [_cached_tokens(scoped, secret(right) + "Remember it.", user="alice")]
+    owner = _cached_tokens(scoped, secret(right) + "Say it.", user="alice")
+    for i in range(n):
+        guess = secret(4800 + i) + "Say it."
+        # Half name a user of their own, half none from a loopback address of their own.
+        if i % 2:
+            answered.append(_cached_tokens(scoped, guess, source=f"127.0.1.{i}"))
+        else:
+            answered.append(_cached_tokens(scoped, guess, user=f"probe-{i}"))
+    _cached_tokens(shared, secret(right) + "Remember it.", user="alice")
+    seen_shared = _cached_tokens(shared, secret(right) + "Say it.", user="probe-shared")
+    probed = answered[1:]
+    out = CachedTokenProbing(
+        probes=n,
+        tokens_learned=sum(max(c, 0) for c in probed),
+        owner_cached=owner,
+        shared_learned=seen_shared,
+        ok=False,
+    )
+    out.ok = bool(min(answered) >= 0 and out.tokens_learned == 0 and owner > 0 and seen_shared > 0)
+    return asdict(out)
 
 
 def run_gateway_attacks(
@@ -332,22 +407,25 @@ def run_gateway_attacks(
     neither gateway's log grew past GATEWAY_LOG_LIMIT_BYTES."""
     key = secrets.token_hex(16)
     runtime = daemon.paths.dir
-    keyed = GatewayProcess(runtime, runtime.parent / "gw-keyed.log", "--api-key", key)
+    gateways: list[GatewayProcess] = []
     try:
+        keyed = GatewayProcess(runtime, runtime.parent / "gw-keyed.log", "--api-key", key)
+        gateways.append(keyed)
         keyless = GatewayProcess(runtime, runtime.parent / "gw-keyless.log")
-    except RuntimeError:
-        keyed.stop()
-        raise
-    try:
+        gateways.append(keyless)
+        shared = GatewayProcess(runtime, runtime.parent / "gw-shared.log", "--share-prompt-cache")
+        gateways.append(shared)
         out: dict[str, Any] = slowloris(keyed, reference, key, SLOWLORIS_CONNECTIONS)
         out["browser_requests"] = browser_requests(keyless, reference, requests)
         out["oversized_bodies"] = oversized_bodies(keyless, reference, max(1, requests // 20))
+        # Before the greedy client, whose cancelled streams' caches could push the secret's out.
+        out["cached_token_probing"] = cached_token_probing(keyless, shared, PROBES)
         out["greedy_client"] = greedy_client(keyless, reference, GREEDY_STREAMS)
-        alive = keyed.proc.poll() is None and keyless.proc.poll() is None
+        alive = all(gw.proc.poll() is None for gw in gateways)
     finally:
-        keyed.stop()
-        keyless.stop()
-    out["log_bytes"] = max(os.path.getsize(keyed.log), os.path.getsize(keyless.log))
+        for gw in gateways:
+            gw.stop()
+    out["log_bytes"] = max(os.path.getsize(gw.log) for gw in gateways)
     out["gateways_alive"] = alive
     out["ok"] = bool(
         alive

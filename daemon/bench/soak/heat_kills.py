@@ -246,7 +246,15 @@ def daemon_kills(store: Path, runtime: Path, n: int, rng: random.Random, *, capa
     invalid = violations = 0
     examples: list[str] = []
     for i in range(n):
-        daemon = DaemonProcess.start(store, runtime, capacity=capacity, env={"MOESTREAM_HEAT_FLUSH_SECONDS": "0.02"})
+        # The heat beside the store, where it is read: a copy of the demo keeps it under the
+        # state folder otherwise (shared/settings.py `heat_folder`).
+        daemon = DaemonProcess.start(
+            store,
+            runtime,
+            capacity=capacity,
+            flags={"heat_dir": str(store)},
+            env={"MOESTREAM_HEAT_FLUSH_SECONDS": "0.02"},
+        )
         stop = threading.Event()
 
         def load() -> None:

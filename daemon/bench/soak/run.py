@@ -3,9 +3,11 @@
 On a private copy of the store: the greedy reference in-process, then one daemon that
 takes the fuzz run (with a good client in parallel), the soak and the attacks
 (`attacks`: "daemon" runs daemon/bench/soak/attacks.py, idle connections, a client that
-never reads, oversized prompts, sampling below its floors; "gateway" runs
-gateway_attacks.py through two gateways on it, slowloris, connection caps, a web page's
-cross-origin and DNS-rebound requests, oversized bodies), then the kill -9
+never reads, oversized prompts, sampling below its floors, connection churn, and then
+cache_attacks.py on daemons of their own, planted files and FIFOs in the prompt-cache
+folder; "gateway" runs gateway_attacks.py through three gateways on it, slowloris,
+connection caps, a web page's cross-origin and DNS-rebound requests, oversized bodies, a
+greedy client, cached-token probing), then the kill -9
 rounds (heat keeper, publisher process, real daemon). Every part says `ok`; the report's
 `ok` is all of them and an RSS growth under RSS_LIMIT_PCT.
 """
@@ -26,6 +28,7 @@ from ....shared.store_format import StoreError, load_manifest
 from ...pool.expert_reader import ExpertReadError
 from . import heat_kills
 from .attacks import run_attacks
+from .cache_attacks import run_cache_attacks
 from .driver import DaemonProcess, reference_outputs, run_soak, soak_cases
 from .fuzz import exact_request, run_fuzz
 from .gateway_attacks import SLOWLORIS_CONNECTIONS, run_gateway_attacks
@@ -100,6 +103,9 @@ def run_bench_soak(
                 echo(f"gateway attacks: {SLOWLORIS_CONNECTIONS} slowloris connections, cross-origin requests, ...")
                 report["gateway_attacks"] = run_gateway_attacks(daemon, reference)
             report["daemon_exit_status"] = daemon.stop(60.0)
+        if "daemon" in chosen and attack_seconds:
+            echo("prompt-cache folder: planted links, relabelled and corrupt files, FIFOs...")
+            report["cache_attacks"] = run_cache_attacks(own, root / "cache", reference, capacity=capacity)
         if kills:
             real = min(MAX_REAL_DAEMON_KILLS, max(1, kills // 25))
             keeper = (kills - real) // 2
@@ -125,6 +131,7 @@ def run_bench_soak(
         and f["rss_growth_pct"] < RSS_LIMIT_PCT
         and ("fuzz" not in report or report["fuzz"]["ok"])
         and ("attacks" not in report or report["attacks"]["ok"])
+        and ("cache_attacks" not in report or report["cache_attacks"]["ok"])
         and ("gateway_attacks" not in report or report["gateway_attacks"]["ok"])
         and f["invalid_heat_files"] == 0
         and f["heat_bound_violations"] == 0
@@ -145,6 +152,8 @@ def _figures(report: dict[str, Any]) -> dict[str, Any]:
         "tiny_sampling_greedy": attacks.get("tiny_sampling", {}).get("ok"),
         "churn_ok": attacks.get("connection_churn", {}).get("ok"),
         "churn_sockets": attacks.get("connection_churn", {}).get("sockets"),
+        "churn_refused_busy": attacks.get("connection_churn", {}).get("clients", {}).get("refused_busy"),
+        **cache_figures(report.get("cache_attacks", {})),
         "messages_fuzzed": fuzz.get("messages", 0),
         "fuzz_wrong_replies": fuzz.get("wrong_replies", 0),
         "crashes": fuzz.get("crashes", 0) + (0 if soak["daemon_alive"] else 1),
@@ -188,6 +197,23 @@ def gateway_figures(gw: dict[str, Any]) -> dict[str, Any]:
         "gateway_log_bytes": gw.get("log_bytes"),
         "greedy_refused_429": gw.get("greedy_client", {}).get("refused_429"),
         "greedy_other_waited_s": gw.get("greedy_client", {}).get("other_waited_s"),
+        "greedy_other_alone_s": gw.get("greedy_client", {}).get("other_alone_s"),
+        "probes": gw.get("cached_token_probing", {}).get("probes"),
+        "probe_tokens_learned": gw.get("cached_token_probing", {}).get("tokens_learned"),
+        "probe_shared_learned": gw.get("cached_token_probing", {}).get("shared_learned"),
+    }
+
+
+def cache_figures(cache: dict[str, Any]) -> dict[str, Any]:
+    """The figures of `run_cache_attacks`' report (None each where it did not run)."""
+    planted, fifo = cache.get("planted_cache_files", {}), cache.get("cache_fifo", {})
+    return {
+        "cache_attacks_ok": cache.get("ok"),
+        "planted_cache_files": planted.get("planted"),
+        "planted_refused_removed": min(planted["refused"], planted["removed"]) if planted else None,
+        "planted_answers_exact": f"{planted['exact']}/{planted['requests']}" if planted else None,
+        "fifo_ready_s": fifo.get("ready_s"),
+        "fifo_stop_s": fifo.get("stop_s"),
     }
 
 
@@ -213,6 +239,7 @@ def format_report(report: dict[str, Any]) -> str:
         "mid-write)",
         f"  invalid heat files         {f['invalid_heat_files']} (bound violations {f['heat_bound_violations']})",
         f"  attacks                    {_attack_line(f)}",
+        f"  prompt-cache folder        {_cache_line(f)}",
         *gateway_lines(f),
         f"  all checks                 {'ok' if report['ok'] else 'FAILED'}",
     ]
@@ -229,6 +256,16 @@ def _attack_line(f: dict[str, Any]) -> str:
         f"{f['oversized_other_wait_s']:.2f} s behind 260 oversized prompts, tiny temperature "
         f"{'greedy' if f['tiny_sampling_greedy'] else 'NOT greedy'}"
         + ("" if f.get("churn_ok") is None else f", churn {'ok' if f['churn_ok'] else 'FAILED'}")
+    )
+
+
+def _cache_line(f: dict[str, Any]) -> str:
+    if f["cache_attacks_ok"] is None:
+        return "not run"
+    return (
+        f"{'ok' if f['cache_attacks_ok'] else 'FAILED'}: {f['planted_refused_removed']} of "
+        f"{f['planted_cache_files']} planted files refused and removed, answers {f['planted_answers_exact']} exact; "
+        f"FIFOs: ready in {f['fifo_ready_s']:.1f} s, stopped in {f['fifo_stop_s']:.1f} s"
     )
 
 
@@ -249,6 +286,22 @@ def gateway_lines(f: dict[str, Any]) -> list[str]:
         f"foreign-Host requests, 415 for {f['not_json_415']} not JSON",
         f"    oversized bodies         413 for {f['oversized_413']} of {f['oversized_bodies']} (gateway RSS "
         f"{f['gateway_rss_growth_mib']:+.1f} MiB)",
+        *(
+            []
+            if f.get("greedy_refused_429") is None
+            else [
+                f"    greedy client            {f['greedy_refused_429']} refused; the other waited "
+                f"{f['greedy_other_waited_s']:.2f} s ({f['greedy_other_alone_s']:.2f} s alone)"
+            ]
+        ),
+        *(
+            []
+            if f.get("probes") is None
+            else [
+                f"    cached-token probing     {f['probe_tokens_learned']} tokens learned in {f['probes']} probes "
+                f"({f['probe_shared_learned']} with a shared cache)"
+            ]
+        ),
     ]
 
 
@@ -315,9 +368,38 @@ def reliability_table_markdown(report: dict[str, Any], name: str) -> str:
                     f"{churn['sockets']:,} sockets reconnecting every 1 ms, past a 1,000-file limit",
                     "`max_connections` at most the file room; near the limit the socket is renamed away: busy, "
                     "never EMFILE",
-                    _yes(churn["ok"], f"new client heard {churn['new_client_heard'][0]}; served exactly"),
+                    _yes(
+                        churn["ok"],
+                        f"{churn['pings']:,} pings, {churn['clients'].get('refused_busy', 0):,} refused as busy; "
+                        f"a new client heard {churn['new_client_heard'][0]}; served exactly",
+                    ),
                 )
             )
+    cache = report.get("cache_attacks", {})
+    if cache:
+        planted, fifo = cache["planted_cache_files"], cache["cache_fifo"]
+        rows += [
+            (
+                "prompt-cache folder: links at a cache file's and a temporary file's names, another prompt's file "
+                "relabelled, flipped bytes",
+                "opened without following links; a file's MAC under the user's key; refused files removed, never "
+                "served",
+                _yes(
+                    planted["ok"],
+                    f"{min(planted['refused'], planted['removed'])} of {planted['planted']} refused and removed, "
+                    f"{planted['targets_changed']} written through; {planted['exact']}/{planted['requests']} exact",
+                ),
+            ),
+            (
+                f"prompt-cache folder: {fifo['fifos']} FIFOs at a cache, temporary and budget file's names",
+                "never opened blocking: skipped, removed or written over",
+                _yes(
+                    fifo["ok"],
+                    f"ready in {fifo['ready_s']:.1f} s ({fifo['ready_without_s']:.1f} s without), served exactly, "
+                    f"`stop` in {fifo['stop_s']:.1f} s",
+                ),
+            ),
+        ]
     if gw:
         rows += [
             (
@@ -356,8 +438,23 @@ def reliability_table_markdown(report: dict[str, Any], name: str) -> str:
                     "waited; an unread stream paused, then cancelled",
                     _yes(
                         greedy["ok"],
-                        f"{greedy['refused_429']} refused; the other served exactly after "
-                        f"{greedy['other_waited_s']:.2f} s",
+                        f"{greedy['refused_429']} refused; the other served exactly in "
+                        f"{greedy['other_waited_s']:.2f} s"
+                        + (f" ({greedy['other_alone_s']:.2f} s alone)" if "other_alone_s" in greedy else ""),
+                    ),
+                )
+            )
+        if "cached_token_probing" in gw:
+            probing = gw["cached_token_probing"]
+            rows.append(
+                (
+                    f"gateway: {probing['probes']} guesses of another client's secret prompt, the right one among "
+                    "them, read from `cached_tokens`",
+                    "cached prompts reused only by requests naming the same user, or none from the same address",
+                    _yes(
+                        probing["ok"],
+                        f"{probing['tokens_learned']} tokens learned ({probing['shared_learned']} with "
+                        "`--share-prompt-cache`)",
                     ),
                 )
             )
