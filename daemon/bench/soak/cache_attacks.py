@@ -25,7 +25,7 @@ import shutil
 import struct
 import subprocess
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -194,11 +194,14 @@ def planted_cache_files(
         good_file_served=cached[2] > 0 and disk["disk_loaded"] == 1,
         ok=False,
     )
-    out.ok = bool(
-        out.refused == out.removed == out.planted
-        and changed == 0
-        and out.exact == out.requests
-        and out.good_file_served
+    out = replace(
+        out,
+        ok=bool(
+            out.refused == out.removed == out.planted
+            and changed == 0
+            and out.exact == out.requests
+            and out.good_file_served
+        ),
     )
     return asdict(out)
 
@@ -244,7 +247,7 @@ def cache_fifo(
         exit_status=status,
         ok=False,
     )
-    out.ok = bool(out.exact and rewritten and out.fifos_left == 0 and status == 0)
+    out = replace(out, ok=bool(out.exact and rewritten and out.fifos_left == 0 and status == 0))
     return asdict(out)
 
 

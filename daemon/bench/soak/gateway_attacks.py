@@ -43,7 +43,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -396,7 +396,7 @@ def cached_token_probing(scoped: GatewayProcess, shared: GatewayProcess, n: int)
         shared_learned=seen_shared,
         ok=False,
     )
-    out.ok = bool(min(answered) >= 0 and out.tokens_learned == 0 and owner > 0 and seen_shared > 0)
+    out = replace(out, ok=bool(min(answered) >= 0 and out.tokens_learned == 0 and owner > 0 and seen_shared > 0))
     return asdict(out)
 
 
