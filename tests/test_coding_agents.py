@@ -162,9 +162,9 @@ def test_each_apis_stream_of_a_thinking_model_reaches_the_packages_accumulators(
     from test_gateway_apis import _Scripted, sse_lines
 
     from moestream.client.gateway import ollama as oll
-    from moestream.client.gateway.app import Gateway as App
     from moestream.client.gateway.app import GatewayConfig
-    from moestream.client.gateway.openai import ApiRequest, Shaper
+    from moestream.client.gateway.daemon_link import Gateway as App
+    from moestream.client.gateway.openai import ApiRequest, OpenAIApi, Shaper
 
     app = App(GatewayConfig(paths=RuntimePaths(dir=tmp_path, log=tmp_path / "log"), demo_store_id=None))
 
@@ -197,7 +197,7 @@ def test_each_apis_stream_of_a_thinking_model_reaches_the_packages_accumulators(
     assert [b.model_dump() for b in whole.content[:2]] == [b.model_dump() for b in snapshot.content[:2]]
 
     req = ApiRequest(chat=True, model=None, stream=True, include_usage=False)
-    sse = run(lambda d, head: app._events(d, Shaper(chat=True, id="c", model="m"), req, head))
+    sse = run(lambda d, head: OpenAIApi(app)._events(d, Shaper(chat=True, id="c", model="m"), req, head))
     chunks = [ChatCompletionChunk.model_validate(e) for e in sse_lines(sse)]
     deltas = [c.choices[0].delta for c in chunks]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Let me look."
@@ -206,7 +206,7 @@ def test_each_apis_stream_of_a_thinking_model_reaches_the_packages_accumulators(
     whole = Shaper(chat=True, id="c", model="m").complete("I'll read it.", "stop", use, None, "Let me look.")
     assert openai.types.chat.ChatCompletion.model_validate(whole).choices[0].message.reasoning_content == "Let me look."
 
-    sse = run(lambda d, head: app._events(d, Shaper(chat=True, id="c", model="m"), req, head), _cut_script)
+    sse = run(lambda d, head: OpenAIApi(app)._events(d, Shaper(chat=True, id="c", model="m"), req, head), _cut_script)
     deltas = [ChatCompletionChunk.model_validate(e).choices[0].delta for e in sse_lines(sse)]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Let me </th"
 

@@ -676,9 +676,9 @@ def test_streamed_tool_calls_reach_each_packages_own_accumulators(tmp_path):
 
     from moestream.client.gateway import anthropic as anth
     from moestream.client.gateway import ollama as oll
-    from moestream.client.gateway.app import Gateway as App
     from moestream.client.gateway.app import GatewayConfig
-    from moestream.client.gateway.openai import ApiRequest, Shaper
+    from moestream.client.gateway.daemon_link import Gateway as App
+    from moestream.client.gateway.openai import ApiRequest, OpenAIApi, Shaper
 
     app = App(GatewayConfig(paths=RuntimePaths(dir=tmp_path, log=tmp_path / "log"), demo_store_id=None))
 
@@ -693,7 +693,7 @@ def test_streamed_tool_calls_reach_each_packages_own_accumulators(tmp_path):
         return asyncio.run(go())
 
     req = ApiRequest(chat=True, model=None, stream=True, include_usage=False)
-    sse = run(lambda d, head: app._events(d, Shaper(chat=True, id="chatcmpl-1", model="m"), req, head))
+    sse = run(lambda d, head: OpenAIApi(app)._events(d, Shaper(chat=True, id="chatcmpl-1", model="m"), req, head))
     chunks = [ChatCompletionChunk.model_validate(e) for e in sse_lines(sse)]
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Let me look."
     calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]

@@ -94,7 +94,7 @@ def test_streams_their_client_does_not_read_are_cancelled_and_free_their_slots(s
     gateway stops reading the daemon for them, the daemon pauses them, and within
     UNREAD_SECONDS of the buffers filling they are cancelled, far short of max_tokens;
     their slots come back (they ran to max_tokens, holding them)."""
-    from moestream.client.gateway.app import UNREAD_SECONDS
+    from moestream.client.gateway.daemon_link import UNREAD_SECONDS
 
     paths, gateway = served
     want = 30000

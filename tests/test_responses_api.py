@@ -25,8 +25,8 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from test_openai_gateway import served_gateway
 
-from moestream.client.gateway.app import Gateway as App
 from moestream.client.gateway.app import GatewayConfig
+from moestream.client.gateway.daemon_link import Gateway as App
 from moestream.client.gateway.openai import ApiError
 from moestream.client.gateway.responses import DEFAULT_MAX_OUTPUT_TOKENS, Fold, ResponsesApi, parse_request
 from moestream.shared import protocol as proto

@@ -1,4 +1,4 @@
-"""Anthropic's Messages API onto the gateway's one request path (app.py), no MLX, no I/O
+"""Anthropic's Messages API onto the gateway's one request path (daemon_link.py), no MLX, no I/O
 of its own:
 
     POST /v1/messages               system, messages of text / image / document / tool_use /
@@ -56,11 +56,12 @@ from ...shared import protocol as proto
 from ...shared.protocol import Done
 from ..client import Accepted, Token, ToolCall
 from .call_texts import CallTexts
+from .daemon_link import ApiError, ApiRequest, bad_request
 from .keep_alive import KeepAlive
-from .openai import ApiError, ApiRequest, bad_request, declared_identity, json_constraint, sampling_controls
+from .openai import declared_identity, json_constraint, sampling_controls
 
 if TYPE_CHECKING:
-    from .app import DaemonRequest, Gateway
+    from .daemon_link import DaemonRequest, Gateway
 
 PREFIX = "/v1/messages"
 MAX_TEMPERATURE = 1.0

@@ -1,4 +1,4 @@
-"""Ollama's API onto the gateway's one request path (app.py), no MLX, no I/O of its own:
+"""Ollama's API onto the gateway's one request path (daemon_link.py), no MLX, no I/O of its own:
 
     POST /api/chat       messages (with tool_calls and `tool` results), tools, options
     POST /api/generate   a text prompt, continued as it is (Ollama's `raw` mode: use
@@ -38,20 +38,12 @@ from ... import __version__
 from ...shared import protocol as proto
 from ...shared.protocol import Done
 from ..client import Token, ToolCall
+from .daemon_link import ApiError, ApiRequest, bad_request
 from .model_info import capabilities, context_length, model_id
-from .openai import (
-    ApiError,
-    ApiRequest,
-    bad_request,
-    json_constraint,
-    keep_alive_seconds,
-    sampling_controls,
-    top_k,
-    top_logprobs,
-)
+from .openai import json_constraint, keep_alive_seconds, sampling_controls, top_k, top_logprobs
 
 if TYPE_CHECKING:
-    from .app import DaemonRequest, Gateway
+    from .daemon_link import DaemonRequest, Gateway
 
 PREFIX = "/api/"
 DEFAULT_NUM_PREDICT = 512
