@@ -197,7 +197,7 @@ def chat_answer(ref: dict, tokenizer) -> tuple[str, int]:
 
 def recent(paths: RuntimePaths) -> dict[str, dict]:
     with Client(paths) as c:
-        return {r["id"]: r for r in c.status()["requests"]["recent"]}
+        return {r.id: r.to_dict() for r in c.status().requests.recent}
 
 
 def sse_events(response: httpx.Response):
@@ -394,7 +394,7 @@ def test_chat_goes_through_the_models_chat_template(api, served, store, model_na
     ids = tokenizer.encode(text, add_special_tokens=False)
     with Client(served[0]) as c:
         ref = c.complete(prompt_ids=ids, max_tokens=N)
-    assert ref["stats"]["prompt_tokens"] == len(ids)
+    assert ref["stats"].prompt_tokens == len(ids)
     answer, made = chat_answer(ref, tokenizer)
 
     out = api.chat.completions.create(model=model_name, messages=CHAT, max_tokens=N, temperature=0)
@@ -560,7 +560,7 @@ def test_two_gateway_clients_and_generate_at_once_get_their_exact_outputs(api, s
         t.start()
     with Client(paths) as c:
         while any(t.is_alive() for t in threads):
-            peak = max(peak, len(c.status()["requests"]["running"]))
+            peak = max(peak, len(c.status().requests.running))
             time.sleep(0.01)
     assert not failures, failures
     assert results["stream"] == refs[0]["text"]
@@ -601,11 +601,7 @@ def test_a_client_that_disconnects_cancels_its_request_within_a_token(served, mo
 
         def running() -> str | None:
             with Client(paths) as c:
-                ids = [
-                    r["id"]
-                    for r in c.status()["requests"]["running"]
-                    if r["id"].startswith("cmpl-") and r["tokens"] >= 2
-                ]
+                ids = [r.id for r in c.status().requests.running if r.id.startswith("cmpl-") and r.tokens >= 2]
             return ids[0] if ids else None
 
         rid = wait_for(running, 10, "the non-streaming request to run")
@@ -746,7 +742,7 @@ def test_a_daemon_whose_model_folder_is_gone_says_so_in_status_and_health(store)
 
     def problem() -> str | None:
         with Client(paths) as c:
-            return c.status()["store_problem"]
+            return c.status().store_problem
 
     try:
         out = ctl("start", "--model", str(own), "--capacity", "0.25", "--runtime-dir", str(rt))

@@ -381,7 +381,7 @@ def stop_reason(done: Done) -> tuple[str, str | None]:
         return "tool_use", None
     if done.finish_reason == "length":
         return "max_tokens", None
-    hit = done.stats.get("stop_string")
+    hit = done.stats.stop_string
     return ("stop_sequence", hit) if hit else ("end_turn", None)
 
 
@@ -398,7 +398,7 @@ def _tool_use(name: str) -> dict[str, Any]:
 def usage(done: Done) -> dict[str, int]:
     """Anthropic's usage: the prompt's tokens read from the daemon's prompt cache apart
     from the rest (the three input counts add up to the prompt's length)."""
-    prompt, cached = int(done.stats.get("prompt_tokens", 0)), int(done.stats.get("cached_tokens", 0))
+    prompt, cached = done.stats.prompt_tokens, done.stats.cached_tokens
     return {
         "input_tokens": prompt - cached,
         "cache_creation_input_tokens": 0,

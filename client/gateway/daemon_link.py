@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -46,6 +46,7 @@ from ...shared import protocol as proto
 from ...shared.protocol import Done
 from ...shared.runtime_dir import RuntimePaths
 from ...shared.settings import demo_store_path
+from ...shared.status import Status
 from ...shared.store_format import StoreError, load_manifest
 from ..client import (
     Client,
@@ -78,6 +79,7 @@ _DAEMON_ERRORS: dict[str, tuple[int, str]] = {
 }
 
 log = logging.getLogger("moestream.openai")
+T = TypeVar("T")
 _GONE = object()  # what `Gateway._unless_gone` returns when the HTTP client has left
 # How often a request's thread looks at its stop flag while the daemon sends nothing (a
 # long prompt's prefill): a client gone then is cancelled in the daemon within this.
@@ -182,19 +184,19 @@ def _unavailable(e: ClientError) -> ApiError:
     return ApiError(503, f"the moestream daemon is not available: {e}", type="server_error", code="daemon_unavailable")
 
 
-def ready_status(client: Client) -> dict[str, Any]:
+def ready_status(client: Client) -> Status:
     """The daemon's status; ApiError 503 unless it is ready to serve."""
     st = client.status()
-    state = st.get("state")
+    state = st.state
     if state not in proto.SERVING_STATES:  # an unloaded daemon loads the model for the request
-        why = f" ({st['error']})" if st.get("error") else ""
+        why = f" ({st.error})" if st.error else ""
         raise ApiError(
             503, f"the moestream daemon is {state}{why}; try again shortly", type="server_error", code=f"daemon_{state}"
         )
     return st
 
 
-def check_model(st: dict[str, Any], asked: str | None, demo_store_id: str | None) -> str:
+def check_model(st: Status, asked: str | None, demo_store_id: str | None) -> str:
     """The model name to answer with: the one the client asked for (any name is served by
     the daemon's one model: coding agents ask for theirs, `claude-...`), else the
     served model's id."""
@@ -490,54 +492,41 @@ class Gateway:
                 return 503, {"status": "unavailable", "daemon": "not running"}
             except ClientError:
                 return 503, {"status": "unavailable", "daemon": "not answering"}
-            state = st.get("state")
+            state = st.state
             if state not in proto.SERVING_STATES:
                 return 503, {"status": "unavailable", "daemon": state}
-            if st.get("store_problem"):  # it serves on from open files, but needs a restart
-                return 503, {"status": "unavailable", "daemon": state, "reason": st["store_problem"]}
+            if st.store_problem:  # it serves on from open files, but needs a restart
+                return 503, {"status": "unavailable", "daemon": state, "reason": st.store_problem}
             return 200, {"status": "ok", "daemon": state, "model": model_id(st, self.config.demo_store_id)}
 
         status, body = await anyio.to_thread.run_sync(probe)
         return JSONResponse(body, status_code=status)
 
-    async def _status(self) -> dict[str, Any]:
-        def call() -> dict[str, Any]:
+    async def _ask(self, ask: Callable[[Client], T]) -> T:
+        """`ask(client)` on a worker thread; the daemon's refusal, or its absence, as an ApiError."""
+
+        def call() -> T:
             try:
                 with Client(self.config.paths, timeout=self.config.daemon_timeout) as client:
-                    return ready_status(client)
+                    return ask(client)
+            except RequestRejected as e:
+                raise _daemon_error(e) from None
             except ClientError as e:
                 raise _unavailable(e) from None
 
         return await anyio.to_thread.run_sync(call)
+
+    async def _status(self) -> Status:
+        return await self._ask(ready_status)
 
     async def count_tokens(self, req: ApiRequest) -> int:
         """The prompt's length in tokens (`req.generate`: Client.count_tokens's arguments),
         from the daemon's prompt-check thread: no forward runs."""
-
-        def call() -> int:
-            try:
-                with Client(self.config.paths, timeout=self.config.daemon_timeout) as client:
-                    return client.count_tokens(**req.generate)
-            except RequestRejected as e:
-                raise _daemon_error(e) from None
-            except ClientError as e:
-                raise _unavailable(e) from None
-
-        return await anyio.to_thread.run_sync(call)
+        return await self._ask(lambda client: client.count_tokens(**req.generate))
 
     async def load(self, keep_alive: float | None) -> proto.LoadReply:
         """Ollama's load request to the daemon (keep_alive 0: its unload), answered once done."""
-
-        def call() -> proto.LoadReply:
-            try:
-                with Client(self.config.paths, timeout=self.config.daemon_timeout) as client:
-                    return client.load(keep_alive)
-            except RequestRejected as e:
-                raise _daemon_error(e) from None
-            except ClientError as e:
-                raise _unavailable(e) from None
-
-        return await anyio.to_thread.run_sync(call)
+        return await self._ask(lambda client: client.load(keep_alive))
 
     async def open_request(self, request: Request, req: ApiRequest, prefix: str) -> tuple[DaemonRequest, str] | None:
         """The one request path of every API: a slot, the daemon request on its thread,

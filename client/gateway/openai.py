@@ -47,6 +47,7 @@ from starlette.routing import Route
 from ...shared import protocol as proto
 from ...shared.protocol import Done
 from ...shared.settings import SettingsError, parse_duration
+from ...shared.status import Status
 from ..client import Token, ToolCall
 from .call_texts import CallTexts
 from .daemon_link import (
@@ -717,8 +718,8 @@ class OpenAIApi:
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
         ]
 
-    def _model_object(self, st: dict[str, Any]) -> dict[str, Any]:
-        created = int(time.time() - float(st.get("uptime_s") or 0.0))
+    def _model_object(self, st: Status) -> dict[str, Any]:
+        created = int(time.time() - st.uptime_s)
         return {
             "id": model_id(st, self._gw.config.demo_store_id),
             "object": "model",
@@ -877,5 +878,5 @@ class OpenAIApi:
 
 def _usage(done: Done) -> dict[str, Any]:
     # The prompt tokens the daemon's prompt cache served, as OpenAI reports its own.
-    cached = {"cached_tokens": int(done.stats.get("cached_tokens", 0))}
-    return usage(int(done.stats.get("prompt_tokens", 0)), len(done.tokens)) | {"prompt_tokens_details": cached}
+    cached = {"cached_tokens": done.stats.cached_tokens}
+    return usage(done.stats.prompt_tokens, len(done.tokens)) | {"prompt_tokens_details": cached}

@@ -691,13 +691,13 @@ class Fold:
         if not any(item["type"] in ("message", "function_call", "custom_tool_call") for item in self.output):
             events += self._open("message")  # an empty answer is still an assistant message
         events += self._close("incomplete" if cut else "completed")
-        prompt = int(done.stats.get("prompt_tokens", 0))
+        prompt = done.stats.prompt_tokens
         output = len(done.tokens)
-        reasoning = int(done.stats.get("reasoning_tokens", self._thought_events))
+        reasoning = self._thought_events
         usage = {
             "input_tokens": prompt,
             # The daemon does not count what it writes to its prompt cache.
-            "input_tokens_details": {"cached_tokens": int(done.stats.get("cached_tokens", 0)), "cache_write_tokens": 0},
+            "input_tokens_details": {"cached_tokens": done.stats.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": output,
             "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": prompt + output,
