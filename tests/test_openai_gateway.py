@@ -34,6 +34,7 @@ from tiny_models import tiny_store
 
 from moestream.client.client import Client
 from moestream.shared.runtime_dir import RuntimePaths
+from moestream.shared.status import Status
 
 KEY = "sk-test-0123456789"
 PROMPT = "The farmer counted his hens"
@@ -267,8 +268,8 @@ def test_a_copy_of_the_demo_store_anywhere_is_named_the_demo(tmp_path):
     demo = load_manifest(demo_store_path()).store_id
     assert GatewayConfig(paths=RuntimePaths(dir=tmp_path, log=tmp_path / "log")).demo_store_id == demo
     old_install = "/old/site-packages/moestream/daemon/demo/store"
-    assert model_id({"model": old_install, "store_id": demo}, demo) == DEMO_MODEL_ID
-    assert model_id({"model": "/home/me/stores/qwen", "store_id": "0" * 32}, demo) == "qwen"
+    assert model_id(Status(state="ready", model=old_install, store_id=demo), demo) == DEMO_MODEL_ID
+    assert model_id(Status(state="ready", model="/home/me/stores/qwen", store_id="0" * 32), demo) == "qwen"
 
 
 def test_health_is_503_without_a_daemon_and_completions_say_why(tmp_path):
