@@ -392,13 +392,13 @@ def test_iter_generate_reports_cached_tokens(build):
         list(iter_generate(sm, first, SamplingParams(max_tokens=GEN), r1, prompt_cache=pc))
         r2 = GenerationResult()
         list(iter_generate(sm, first + r1.tokens + [5, 6], SamplingParams(max_tokens=GEN), r2, prompt_cache=pc))
-        assert r1.stats["cached_tokens"] == 0
-        assert r2.stats["cached_tokens"] == len(first) + len(r1.tokens)
-        use = r2.stats["prompt_cache"]
-        assert use["reused_tokens"] == r2.stats["cached_tokens"] and use["from_disk"] is False
-        assert 0 < use["fetch_seconds"] < r2.stats["prompt_seconds"]
+        assert r1.stats.cached_tokens == 0
+        assert r2.stats.cached_tokens == len(first) + len(r1.tokens)
+        use = r2.stats.prompt_cache
+        assert use.reused_tokens == r2.stats.cached_tokens and use.from_disk is False
+        assert 0 < use.fetch_seconds < r2.stats.prompt_seconds
         # The prompt past the cached prefix was prefilled (stock's chunks here: all fits).
-        assert r2.stats["prefill"]["tokens"] == 1 and r2.stats["prefill"]["seconds"] > 0
+        assert r2.stats.prefill["tokens"] == 1 and r2.stats.prefill["seconds"] > 0
         assert pc.stats.to_dict()["hit_rate"] == 0.5
     finally:
         sm.close()

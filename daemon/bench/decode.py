@@ -315,14 +315,14 @@ def _streaming_config(
         # One more token than the bench loop decodes: the first comes with the prompt.
         params = SamplingParams(max_tokens=settings.decode_tokens + 1, temp=settings.temp, seed=seed)
         result = generate(sm, prompt, params, grammar=grammar)
-        if result.stats["tokens_per_s"] is None:
+        if result.stats.tokens_per_s is None:
             raise RuntimeError(
                 f"{name}: the generation loop stopped after {len(result.tokens)} token(s) ({result.finish_reason})"
             )
         return {
-            "tokens_per_s": result.stats["tokens_per_s"],
+            "tokens_per_s": result.stats.tokens_per_s,
             "tokens": result.tokens[: settings.decode_tokens],
-            "mask_ms_per_token": result.stats.get("constraint", {}).get("mask_ms_per_token"),
+            "mask_ms_per_token": result.stats.constraint.mask_ms_per_token if result.stats.constraint else None,
         }
 
     def run_constrained(seed: int) -> dict[str, Any]:
