@@ -450,6 +450,31 @@ NULL_RECORDER = NullRecorder()
 AnyRecorder = Recorder | NullRecorder
 
 
+class LayerClock:
+    """Host time of each MoE layer's forward, as `bench decode` reports it: the forward's
+    wall time less the time in MLX's evaluations it starts (its sync, which waits for
+    what was queued before; the launch of its experts, which on the CPU encodes each op
+    on the host, as stock's launch of the whole token does): the Python a layer costs
+    and the graph it builds. Off (the hub's `clock` None) the layers read one
+    attribute and time nothing."""
+
+    __slots__ = ("samples", "waited")
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        # Seconds the forward in progress has waited in syncs so far.
+        self.waited = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.samples.append(seconds - self.waited)
+        self.waited = 0.0
+
+    def take(self) -> list[float]:
+        """The samples since the last take, in seconds."""
+        out, self.samples = self.samples, []
+        return out
+
+
 class Diagnostics:
     """The switch the streaming layers read, and the totals over finished recorders.
 
@@ -462,6 +487,8 @@ class Diagnostics:
     def __init__(self, default: bool = False) -> None:
         self.default = default
         self.recorder: AnyRecorder = NULL_RECORDER
+        # `bench decode`'s per-layer host clock (LayerClock), None otherwise.
+        self.clock: LayerClock | None = None
         self.total = Recorder()
         self.version = 0
         self._cached: tuple[int, dict[str, Any]] | None = None

@@ -29,6 +29,7 @@ syncs around each segment to time it.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -199,6 +200,15 @@ class StreamingMoE(nn.Module):
     # ---- one forward -----------------------------------------------------------------
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        clock = self.hub.clock
+        if clock is None:
+            return self._forward(x, indices)
+        tic = time.perf_counter()
+        y = self._forward(x, indices)
+        clock.add(time.perf_counter() - tic)
+        return y
+
+    def _forward(self, x: mx.array, indices: mx.array) -> mx.array:
         if self._idle:
             # The call's shape, lazily, on slot 0: nothing is read, counted or predicted.
             return self.inner(x, mx.zeros_like(indices))
@@ -219,7 +229,7 @@ class StreamingMoE(nn.Module):
             rec.experts(self.ordinal, y, indices)
             # Start the experts now: the host builds the next layer (up to its router,
             # the next sync) while the device computes this one.
-            mx.async_eval(y)
+            self._sync(y, wait=False)
         else:
             y = self._overflow(x, ids, flat, rec)
             rec.experts(self.ordinal, y, indices)
@@ -294,6 +304,7 @@ class StreamingMoE(nn.Module):
         reading = pf is not None and pf.enabled and seq <= MAX_PREFETCH_TOKENS
         with rec.segment(self.ordinal, "route"):
             if nxt is None or nxt.pool.fully_resident or not (reading or rec.active):
+                self._sync(indices)
                 ids = np.array(indices)
                 ranked_np, ahead = None, ()
             else:
@@ -304,12 +315,25 @@ class StreamingMoE(nn.Module):
                 # same input: their reads get more than one layer's compute to finish in.
                 later = [a for a in nxt.ahead if not a.pool.fully_resident] if reading else ()
                 later_ranked = [a.router.ranked(x, pf.top_k, ordered=False) for a in later]
-                mx.eval(indices, ranked, *later_ranked)  # the one host sync of this layer, for all
+                self._sync(indices, ranked, *later_ranked)  # the one host sync of this layer, for all
                 ids = np.array(indices)
                 ranked_np = np.array(ranked).reshape(-1, ranked.shape[-1])
                 ahead = [(a, np.array(r).reshape(-1, r.shape[-1])) for a, r in zip(later, later_ranked)]
         self.pool.stats.host_syncs += 1
         return ids, ranked_np, ahead
+
+    def _sync(self, *arrays: mx.array, wait: bool = True) -> None:
+        """Evaluate `arrays` (a host sync), or with `wait` False only launch them; timed
+        for the hub's clock where it has one (MLX's own time: on the CPU a launch
+        encodes every op on the host, which stock pays in its launch too)."""
+        run = mx.eval if wait else mx.async_eval
+        clock = self.hub.clock
+        if clock is None:
+            run(*arrays)
+            return
+        tic = time.perf_counter()
+        run(*arrays)
+        clock.waited += time.perf_counter() - tic
 
     def _slots(self, x: mx.array, ids: np.ndarray, flat: np.ndarray, decode: bool, rec: AnyRecorder) -> mx.array:
         """The routed experts fit in the pool: admit the missing ones into slots and call
