@@ -186,7 +186,7 @@ class StreamingMoE(nn.Module):
                 pool.route_log.append(counted)
         else:
             ids = np.array(counted)
-            pool.stats.host_syncs += 1
+            pool.synced()
             self._last_ids = ids.reshape(-1, ids.shape[-1])
             pool.note_stacked(self._last_ids, self.hub.recorder)
         assert self._stack is not None
@@ -222,6 +222,16 @@ class StreamingMoE(nn.Module):
         seq = indices.shape[-2] if indices.ndim >= 2 else 1
         rec.wait_for(self.ordinal, "outside", x)
         ids, ranked, ahead = self._route(x, indices, seq, rec)
+        if seq == 1 and not rec.active:
+            # A decode step whose experts are all resident: the lookup, the experts and the
+            # next layers' reads; the accounting waits for the pool's `flush`.
+            slots = self.pool.hit(ids)
+            if slots is not None:
+                y = self.inner(x, mx.array(slots))
+                self._sync(y, wait=False)
+                if ranked is not None:
+                    self._predict_next(ranked, seq, rec, ahead)
+                return y
         flat = ids.reshape(-1, ids.shape[-1])
         rec.union(self.ordinal, seq, flat)
         if self.pool.fits(flat):
@@ -319,7 +329,7 @@ class StreamingMoE(nn.Module):
                 ids = np.array(indices)
                 ranked_np = np.array(ranked).reshape(-1, ranked.shape[-1])
                 ahead = [(a, np.array(r).reshape(-1, r.shape[-1])) for a, r in zip(later, later_ranked)]
-        self.pool.stats.host_syncs += 1
+        self.pool.synced()
         return ids, ranked_np, ahead
 
     def _sync(self, *arrays: mx.array, wait: bool = True) -> None:
@@ -395,8 +405,10 @@ class StreamingMoE(nn.Module):
         with rec.host(ordinal, "predict"):
             named = np.unique(ranked[:, : pf.top_k])
             named = named[named >= 0]  # an expert share's ranking names others' experts NOT_HERE
-            prediction = Prediction(ranked=ranked, named=named)
-            nxt.pool.expect(prediction)
+            # The prediction is the diagnostics' (recall, attribution, the window) alone.
+            prediction = Prediction(ranked=ranked, named=named) if rec.active else None
+            if prediction is not None:
+                nxt.pool.expect(prediction)
             if not (pf.enabled and seq <= MAX_PREFETCH_TOKENS):
                 return
             missing = named[nxt.pool.slot_of[named] < 0]
@@ -418,5 +430,6 @@ class StreamingMoE(nn.Module):
                 missing_later = named_later[layer.pool.slot_of[named_later] < 0]
                 if missing_later.size:
                     pf.submit(layer.pool.layer, missing_later.tolist())
-        prediction.submitted = True
-        prediction.submitted_at = rec.now()
+        if prediction is not None:
+            prediction.submitted = True
+            prediction.submitted_at = rec.now()

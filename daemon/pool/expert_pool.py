@@ -98,8 +98,8 @@ def _here(row: np.ndarray) -> list[int]:
     return [int(e) for e in row if e >= 0]
 
 
-def _current_stream() -> str:
-    return str(mx.default_stream(mx.default_device()))
+def _current_stream() -> mx.Stream:
+    return mx.default_stream(mx.default_device())
 
 
 # A layer-major prefill reads a layer's missing experts ahead once its prompt routes this
@@ -107,6 +107,9 @@ def _current_stream() -> str:
 # were uniform, and real routing at such counts leaves few unrouted (the q30 runs of
 # tests/bench/RESULTS.md route every expert from 512 tokens on).
 READ_AHEAD_ROUTES = 3
+# Decode forwards `hit` keeps for `flush` at most (a benchmark reads no counter for a
+# whole decode): their accounting then runs as one batch.
+MAX_PENDING = 64
 
 
 class PoolCapacityError(ValueError):
@@ -158,10 +161,17 @@ class ExpertPool:
         self._free = list(range(self.capacity - 1, -1, -1))
         self._resident: set[int] = set()
         self.pinned: set[int] = set()
-        self.stats = PoolStats(routed=np.zeros(layer.num_experts, np.int64))
+        self._stats = PoolStats(routed=np.zeros(layer.num_experts, np.int64))
         # Every forward's routing as LRU stack distances (daemon/pool/reuse.py), for the
         # heat's reuse file, from which `plan` forecasts the hit rate of any pool size.
-        self.stack_distances = StackDistances(layer.num_experts)
+        self._distances = StackDistances(layer.num_experts)
+        # Decode forwards whose experts were all resident (`hit`), not yet told to the
+        # policy, the counts and the stack distances: each [tokens, k] ids with the lower
+        # layers' rows of the same tokens (for a policy that reads them), in order.
+        # `flush` tells them, before anything reads or changes what they change.
+        self._pending: list[tuple[np.ndarray, list[np.ndarray]]] = []
+        # Whether the policy reads the lower layers' routing (`observe_lower`).
+        self._hinted = type(policy).observe_lower is not EvictionPolicy.observe_lower
         # Set once every expert is resident: lookups then stay on the device.
         self.remap: mx.array | None = None
         self.identity = False
@@ -190,7 +200,7 @@ class ExpertPool:
         # How many of the last forward's routed experts were resident thanks to prestage.
         self.last_prestaged_used = 0
         # The stream of the forward that last queued a read of this pool's slots.
-        self._reader_stream: str | None = None
+        self._reader_stream: mx.Stream | None = None
         # What uses `arrays` (the layer's StreamingMoE hands its module the new ones when
         # `resize` replaces them), and the pin order and routings since load that rank
         # experts by heat when a shrink unpins or gives them back; the experts a shrink
@@ -204,6 +214,20 @@ class ExpertPool:
         # stream). Not relied on with Metal, whose command buffers of one queue may
         # overlap when they share no tracked buffer (another request's last layer).
         self._ordered_streams = not mx.metal.is_available()
+
+    @property
+    def stats(self) -> PoolStats:
+        """The counters, with every forward so far in them."""
+        if self._pending:
+            self.flush()
+        return self._stats
+
+    @property
+    def stack_distances(self) -> StackDistances:
+        """The stack distances, with every forward so far in them."""
+        if self._pending:
+            self.flush()
+        return self._distances
 
     @property
     def nbytes(self) -> int:
@@ -324,6 +348,8 @@ class ExpertPool:
     def _account(self, token_experts: np.ndarray, *, decode: bool) -> tuple[np.ndarray, list[int]]:
         """Tell the policy and the statistics what these tokens routed to; return the
         unique experts they need and those of them that are not resident."""
+        if self._pending:
+            self.flush()
         self._settle()
         if not self.reuse:
             for e in list(self._resident - self.pinned):
@@ -356,6 +382,53 @@ class ExpertPool:
             self.stats.hits_prefill += hits
             self.stats.misses_prefill += len(missing)
         return needed, missing
+
+    def hit(self, token_experts: np.ndarray) -> np.ndarray | None:
+        """A decode forward's slot ids ([..., k] expert ids in, the same shape out) where
+        every expert it routes is resident and no prestaged copy waits: the critical path
+        of a hit is this lookup. What `ensure` would account for it (the policy, the
+        heat's counts, the stack distances, the hits) waits in `_pending` for `flush`,
+        which tells it in order before anything reads or changes what it changes, so the
+        totals and every eviction are those of `ensure`. None where some expert is
+        missing (then `ensure`)."""
+        if self._prestaged or not self.reuse:
+            return None
+        slots = self.slot_of[token_experts]
+        if slots.min() < 0:
+            return None
+        rows = token_experts.reshape(-1, token_experts.shape[-1])
+        lower: list[np.ndarray] = []
+        if self._hinted:
+            lower = [p.last_rows for p in self.lower if p.last_rows is not None and len(p.last_rows) == len(rows)]
+        self._pending.append((rows, lower))
+        self.last_rows = rows
+        self.last_prestaged_used = 0
+        self._reader_stream = _current_stream()
+        if len(self._pending) >= MAX_PENDING:
+            self.flush()
+        return slots
+
+    def synced(self) -> None:
+        """Count a host sync of this layer's forward (without a `flush`: a hit's path)."""
+        self._stats.host_syncs += 1
+
+    def flush(self) -> None:
+        """Tell the policy, the counters and the stack distances the forwards `hit`
+        served, in their order, as `_account` would have told them at each."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        policy, stats = self.policy, self._stats
+        for rows, lower in pending:
+            for i, row in enumerate(rows.tolist()):
+                if lower:
+                    policy.observe_lower([_here(r[i]) for r in lower])
+                policy.access(row)
+            self._distances.observe_step(rows)
+            stats.hits_decode += int(np.unique(rows).size)
+        routed = np.concatenate([rows.ravel() for rows, _ in pending])
+        stats.routed += np.bincount(routed, minlength=stats.routed.size)
+        stats.routed_total += routed.size
 
     def _account_prefill(
         self, token_experts: np.ndarray, prediction: Prediction | None, rec: AnyRecorder
@@ -581,10 +654,10 @@ class ExpertPool:
             self.policy.admitted(e)
         self.admitter.copy_rows(self.layer, self.arrays, scratch, rows)
 
-    def _reads_drained(self, stream: str) -> bool:
+    def _reads_drained(self, stream: mx.Stream) -> bool:
         """After a sync on `stream` (the current one): whether every read of this pool
         queued before has run (see `ensure`)."""
-        return self._ordered_streams and self._reader_stream in (None, stream)
+        return self._ordered_streams and (self._reader_stream is None or self._reader_stream == stream)
 
     def _quiesce(self) -> None:
         """Work queued earlier (e.g. another request's step, interleaved with this one)
@@ -595,6 +668,8 @@ class ExpertPool:
 
     def _take_slot(self, protected: set[int]) -> int:
         """A free slot, or the slot of the policy's victim (never a protected expert)."""
+        if self._pending:
+            self.flush()
         if self._free:
             return self._free.pop()
         victim = self.policy.victim(self._resident, protected)
@@ -689,6 +764,7 @@ class ExpertPool:
         into new arrays of `capacity` rows, and the old arrays go once nothing holds them:
         a forward queued before still reads them, under the slot ids it was given, and no
         byte of an expert changes, so neither does what the model computes."""
+        self.flush()
         n = self.layer.num_experts
         capacity = max(self.top_k, min(int(capacity), n))
         if capacity == self.capacity or self.host_memory or not self.reuse:
