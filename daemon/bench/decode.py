@@ -222,16 +222,16 @@ def host_split_per_token(split: dict[str, float], steps: int) -> dict[str, float
     }
 
 
-def layer_host_us(samples: list[float]) -> dict[str, float | None]:
-    """The median and 99th percentile of a decode's per-layer host times (LayerClock),
-    in microseconds: the rows' host_us_per_layer_*."""
-    if not samples:
-        return {"host_us_per_layer_median": None, "host_us_per_layer_p99": None}
-    us = sorted(1e6 * s for s in samples)
-    return {
-        "host_us_per_layer_median": statistics.median(us),
-        "host_us_per_layer_p99": us[min(len(us) - 1, math.ceil(0.99 * len(us)) - 1)],
-    }
+def layer_host_us(samples: tuple[list[float], list[float]]) -> dict[str, float | None]:
+    """The median and 99th percentile of a decode's per-layer host times (LayerClock's
+    wall and CPU samples), in microseconds: the rows' host_us_per_layer_* and
+    host_cpu_us_per_layer_*."""
+    out: dict[str, float | None] = {}
+    for key, values in zip(("host_us_per_layer", "host_cpu_us_per_layer"), samples):
+        us = sorted(1e6 * s for s in values)
+        out[f"{key}_median"] = statistics.median(us) if us else None
+        out[f"{key}_p99"] = us[min(len(us) - 1, math.ceil(0.99 * len(us)) - 1)] if us else None
+    return out
 
 
 def _streaming_config(
@@ -395,8 +395,7 @@ def _stock_config(settings: BenchDecodeSettings, prompt: list[int]) -> Config:
             "admission_bytes_per_s": None,
             "host_syncs_per_token": 1.0,
             "syncs_per_token": 1.0,
-            "host_us_per_layer_median": None,
-            "host_us_per_layer_p99": None,
+            **layer_host_us(([], [])),
             "prestaged_per_token": None,
             "prestaged_used_per_token": None,
             "prefetch_promoted_per_token": None,
@@ -735,6 +734,8 @@ def run_bench_decode(
             "syncs_per_token",
             "host_us_per_layer_median",
             "host_us_per_layer_p99",
+            "host_cpu_us_per_layer_median",
+            "host_cpu_us_per_layer_p99",
             "prestaged_per_token",
             "prestaged_used_per_token",
             "prefetch_promoted_per_token",
@@ -966,14 +967,16 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"{marks[why]}: {', '.join(names)}: {_bound_note(why, report)}")
     lines.append(
         "host ms per token: model call / launch / wait for the token (on a GPU, a wait near 0 means bound by the "
-        "host); host us per MoE layer (its forward less its syncs' waits): median / p99; syncs per token"
+        "host); host us per MoE layer (its forward less MLX's evaluations), wall and the thread's CPU: median / p99; "
+        "syncs per token"
     )
     for r in report["results"]:
         if r.get("host_call_ms_per_token") is not None:
             lines.append(
                 f"{r['name']:<26} {r['host_call_ms_per_token']:>8.2f} {r['host_launch_ms_per_token']:>8.2f} "
                 f"{r['host_wait_ms_per_token']:>8.2f} {num(r.get('host_us_per_layer_median'), '9.1f')} "
-                f"{num(r.get('host_us_per_layer_p99'), '9.1f')} {num(r.get('syncs_per_token'), '7.1f')}"
+                f"{num(r.get('host_us_per_layer_p99'), '9.1f')} {num(r.get('host_cpu_us_per_layer_median'), '9.1f')} "
+                f"{num(r.get('host_cpu_us_per_layer_p99'), '9.1f')} {num(r.get('syncs_per_token'), '7.1f')}"
             )
     for r in report["results"]:
         pb = r.get("paired_blocks")

@@ -452,26 +452,41 @@ AnyRecorder = Recorder | NullRecorder
 
 class LayerClock:
     """Host time of each MoE layer's forward, as `bench decode` reports it: the forward's
-    wall time less the time in MLX's evaluations it starts (its sync, which waits for
-    what was queued before; the launch of its experts, which on the CPU encodes each op
-    on the host, as stock's launch of the whole token does): the Python a layer costs
-    and the graph it builds. Off (the hub's `clock` None) the layers read one
-    attribute and time nothing."""
+    time less the time in MLX's evaluations it starts (its sync, which waits for what
+    was queued before; the launch of its experts, which on the CPU encodes each op on
+    the host, as stock's launch of the whole token does): the Python a layer costs and
+    the graph it builds. Both on the wall clock and as the thread's CPU time, which a
+    machine shared with other work does not stretch. Off (the hub's `clock` None) the
+    layers read one attribute and time nothing."""
 
-    __slots__ = ("samples", "waited")
+    __slots__ = ("samples", "cpu_samples", "_wall", "_cpu", "_waited", "_waited_cpu")
 
     def __init__(self) -> None:
         self.samples: list[float] = []
-        # Seconds the forward in progress has waited in syncs so far.
-        self.waited = 0.0
+        self.cpu_samples: list[float] = []
+        self._wall = self._cpu = self._waited = self._waited_cpu = 0.0
 
-    def add(self, seconds: float) -> None:
-        self.samples.append(seconds - self.waited)
-        self.waited = 0.0
+    def start(self) -> None:
+        """A layer's forward begins."""
+        self._wall, self._cpu = time.perf_counter(), time.thread_time()
+        self._waited = self._waited_cpu = 0.0
 
-    def take(self) -> list[float]:
-        """The samples since the last take, in seconds."""
-        out, self.samples = self.samples, []
+    def stop(self) -> None:
+        """It ends: one sample of each clock."""
+        self.samples.append(time.perf_counter() - self._wall - self._waited)
+        self.cpu_samples.append(time.thread_time() - self._cpu - self._waited_cpu)
+
+    def evaluate(self, run: Any, arrays: Sequence[mx.array]) -> None:
+        """`run(*arrays)` (mx.eval or mx.async_eval), its time left out of the forward's."""
+        wall, cpu = time.perf_counter(), time.thread_time()
+        run(*arrays)
+        self._waited += time.perf_counter() - wall
+        self._waited_cpu += time.thread_time() - cpu
+
+    def take(self) -> tuple[list[float], list[float]]:
+        """The wall and CPU samples since the last take, in seconds."""
+        out = self.samples, self.cpu_samples
+        self.samples, self.cpu_samples = [], []
         return out
 
 

@@ -29,7 +29,6 @@ syncs around each segment to time it.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -203,12 +202,20 @@ class StreamingMoE(nn.Module):
         clock = self.hub.clock
         if clock is None:
             return self._forward(x, indices)
-        tic = time.perf_counter()
+        clock.start()
         y = self._forward(x, indices)
-        clock.add(time.perf_counter() - tic)
+        clock.stop()
         return y
 
     def _forward(self, x: mx.array, indices: mx.array) -> mx.array:
+        pool = self.pool
+        if pool.identity and self._stack is None and not pool.host_memory and not self._idle and self.share is None:
+            if not self.hub.recorder.active:
+                # A full pool whose slot e holds expert e: stock's call on the pool's arrays,
+                # its ids logged on the device for the heat (`_resident` without diagnostics).
+                if pool.route_log is not None:
+                    pool.route_log.append(indices)
+                return self.inner(x, indices)
         if self._idle:
             # The call's shape, lazily, on slot 0: nothing is read, counted or predicted.
             return self.inner(x, mx.zeros_like(indices))
@@ -341,9 +348,7 @@ class StreamingMoE(nn.Module):
         if clock is None:
             run(*arrays)
             return
-        tic = time.perf_counter()
-        run(*arrays)
-        clock.waited += time.perf_counter() - tic
+        clock.evaluate(run, arrays)
 
     def _slots(self, x: mx.array, ids: np.ndarray, flat: np.ndarray, decode: bool, rec: AnyRecorder) -> mx.array:
         """The routed experts fit in the pool: admit the missing ones into slots and call
@@ -403,21 +408,25 @@ class StreamingMoE(nn.Module):
         nxt, pf = self.next, self.prefetcher
         ordinal = nxt.pool.layer.ordinal
         with rec.host(ordinal, "predict"):
-            named = np.unique(ranked[:, : pf.top_k])
-            named = named[named >= 0]  # an expert share's ranking names others' experts NOT_HERE
+            top = ranked[:, : pf.top_k]
+            if self.share is None and len(top) == 1:
+                named = np.sort(top[0])  # one token's top k are distinct: np.unique's answer
+            else:
+                named = np.unique(top)
+                named = named[named >= 0]  # an expert share's ranking names others' experts NOT_HERE
             # The prediction is the diagnostics' (recall, attribution, the window) alone.
             prediction = Prediction(ranked=ranked, named=named) if rec.active else None
             if prediction is not None:
                 nxt.pool.expect(prediction)
             if not (pf.enabled and seq <= MAX_PREFETCH_TOKENS):
                 return
-            missing = named[nxt.pool.slot_of[named] < 0]
+            missing = named[nxt.pool.slot_of.take(named) < 0]
         with rec.host(ordinal, "submit"):
             if missing.size:
                 # What host memory holds goes straight into layer L+1's slots (this layer's
                 # sync ran every earlier computation, and what it queued since reads only
                 # this layer's pool); the rest is read from the store into the buffer.
-                if nxt.pool.prestage(named):
+                if nxt.pool.prestage(named, missing):
                     missing = missing[nxt.pool.slot_of[missing] < 0]
                 if missing.size:
                     pf.submit(nxt.pool.layer, missing.tolist())

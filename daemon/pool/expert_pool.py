@@ -291,7 +291,7 @@ class ExpertPool:
             self._admit(wanted[::-1], set(wanted) | self.pinned)
         return len(wanted)
 
-    def prestage(self, experts: np.ndarray) -> int:
+    def prestage(self, experts: np.ndarray, absent: np.ndarray | None = None) -> int:
         """Admit those of `experts` (the next forward's prediction) that are missing here
         but held in host memory, copying them into their slots without waiting: the
         copies run while the device computes the layers before this one, and the next
@@ -301,11 +301,18 @@ class ExpertPool:
         Called between this layer's forwards, after a host sync of the same forward at a
         lower layer with only that layer's work queued since: where streams run in order
         and every read of this pool was queued on the current stream, no queued
-        computation reads it any more; elsewhere it waits for the streams first."""
+        computation reads it any more; elsewhere it waits for the streams first.
+        `absent`: those of `experts` not resident, in increasing order, where the caller
+        has them (a decode step's prediction): then an admitter that holds nothing in
+        host memory costs one call."""
         if not self.reuse or self.fully_resident:
             return 0
+        if absent is None:
+            absent = np.array(sorted({int(e) for e in experts if self.slot_of[int(e)] < 0}), np.int64)
+        missing = self.admitter.held(self.layer, absent.tolist())
+        if not missing:
+            return 0
         named = {int(e) for e in experts}
-        missing = self.admitter.held(self.layer, [e for e in sorted(named) if self.slot_of[e] < 0])
         protected = named | self.pinned
         room = len(self._free) + len(self._resident - protected)
         missing = missing[:room]
@@ -393,8 +400,8 @@ class ExpertPool:
         missing (then `ensure`)."""
         if self._prestaged or not self.reuse:
             return None
-        slots = self.slot_of[token_experts]
-        if slots.min() < 0:
+        slots = self.slot_of.take(token_experts)
+        if min(slots.ravel().tolist()) < 0:  # faster than numpy's min for a few ids
             return None
         rows = token_experts.reshape(-1, token_experts.shape[-1])
         lower: list[np.ndarray] = []
