@@ -227,6 +227,8 @@ class StreamingMoE(nn.Module):
         if self.pool.fully_resident:
             return self._resident(x, indices, rec)
         seq = indices.shape[-2] if indices.ndim >= 2 else 1
+        if seq == 1 and not rec.active and pool.device_lookup and (self.next is None or not self.next.ahead):
+            return self._decode(x, indices)
         rec.wait_for(self.ordinal, "outside", x)
         ids, ranked, ahead = self._route(x, indices, seq, rec)
         if seq == 1 and not rec.active:
@@ -239,6 +241,51 @@ class StreamingMoE(nn.Module):
                 if ranked is not None:
                     self._predict_next(ranked, seq, rec, ahead)
                 return y
+        return self._serve(x, indices, ids, ranked, ahead, seq, rec)
+
+    def _decode(self, x: mx.array, indices: mx.array) -> mx.array:
+        """A decode step without diagnostics: the slots looked up on the device in the
+        pool's table, and the next layer's predicted experts in its table, so that the
+        layer's one sync brings the host two numbers (the least slot of each) instead of
+        every id. Where both are slots the experts run on the device's lookup, no read is
+        started and the pool accounts the forward later (`hit_on_device`); else the ids
+        come to the host and the forward goes on as `_route`'s would."""
+        pool, nxt, pf, rec = self.pool, self.next, self.prefetcher, self.hub.recorder
+        slots = pool.table()[indices]
+        reading = pf is not None and pf.enabled and nxt is not None and not nxt.pool.fully_resident
+        ranked = nxt.router.ranked(x, pf.top_k, ordered=False) if reading else None
+        if ranked is None:
+            least = slots.min()
+            self._sync(least, indices)
+            own, predicted = least.item(), 0
+        else:
+            least = mx.stack([slots.min(), nxt.pool.table()[ranked].min()])
+            self._sync(least, indices, ranked)
+            own, predicted = least.tolist()
+        pool.synced()
+        if own < 0:
+            ids = np.array(indices)
+            ranked_np = np.array(ranked).reshape(-1, ranked.shape[-1]) if ranked is not None else None
+            return self._serve(x, indices, ids, ranked_np, (), 1, rec)
+        pool.hit_on_device(indices)
+        y = self.inner(x, slots)
+        self._sync(y, wait=False)
+        if predicted < 0:
+            self._predict_next(np.array(ranked).reshape(-1, ranked.shape[-1]), 1, rec)
+        return y
+
+    def _serve(
+        self,
+        x: mx.array,
+        indices: mx.array,
+        ids: np.ndarray,
+        ranked: np.ndarray | None,
+        ahead: Sequence[tuple[NextLayer, np.ndarray]],
+        seq: int,
+        rec: AnyRecorder,
+    ) -> mx.array:
+        """A forward whose ids are on the host: its misses admitted (or an overflow
+        stack), the experts run, the next layers' reads started."""
         flat = ids.reshape(-1, ids.shape[-1])
         rec.union(self.ordinal, seq, flat)
         if self.pool.fits(flat):

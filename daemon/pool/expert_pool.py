@@ -98,6 +98,11 @@ def _here(row: np.ndarray) -> list[int]:
     return [int(e) for e in row if e >= 0]
 
 
+def _host_rows(ids: mx.array) -> np.ndarray:
+    """Evaluated expert ids of any shape as [tokens, k] on the host."""
+    return np.array(ids).reshape(-1, ids.shape[-1])
+
+
 def _current_stream() -> mx.Stream:
     return mx.default_stream(mx.default_device())
 
@@ -157,6 +162,8 @@ class ExpertPool:
         mx.eval(list(self.arrays.values()))
         admitter.prepare(self.arrays)
         self.slot_of = np.full(layer.num_experts, -1, np.int32)
+        # `slot_of` on the device (`table`), made again after any change.
+        self._table: mx.array | None = None
         self.expert_in = np.full(self.capacity, -1, np.int32)
         self._free = list(range(self.capacity - 1, -1, -1))
         self._resident: set[int] = set()
@@ -169,7 +176,7 @@ class ExpertPool:
         # policy, the counts and the stack distances: each [tokens, k] ids with the lower
         # layers' rows of the same tokens (for a policy that reads them), in order.
         # `flush` tells them, before anything reads or changes what they change.
-        self._pending: list[tuple[np.ndarray, list[np.ndarray]]] = []
+        self._pending: list[tuple[np.ndarray | mx.array, list[np.ndarray]]] = []
         # Whether the policy reads the lower layers' routing (`observe_lower`).
         self._hinted = type(policy).observe_lower is not EvictionPolicy.observe_lower
         # Set once every expert is resident: lookups then stay on the device.
@@ -415,6 +422,31 @@ class ExpertPool:
             self.flush()
         return slots
 
+    @property
+    def device_lookup(self) -> bool:
+        """Whether a decode forward may find its slots on the device (`table`) and tell
+        the pool only that they were all there (`hit_on_device`): a pool that reuses
+        experts, with no prestaged copy to settle, under a policy that does not read the
+        lower layers' routing (which would need every forward's ids on the host)."""
+        return self.reuse and not self._prestaged and not self._hinted
+
+    def table(self) -> mx.array:
+        """`slot_of` on the device (expert id -> slot, -1 where not resident), the same
+        array until the slots change."""
+        if self._table is None:
+            self._table = mx.array(self.slot_of)
+        return self._table
+
+    def hit_on_device(self, indices: mx.array) -> None:
+        """A decode forward whose routed experts (`indices`, evaluated) the device found
+        all resident in `table`: accounted by `flush` as `hit` accounts its forwards."""
+        self._pending.append((indices, []))
+        self.last_rows = None  # read by policies of lower-layer hints only, which `hit` serves
+        self.last_prestaged_used = 0
+        self._reader_stream = _current_stream()
+        if len(self._pending) >= MAX_PENDING:
+            self.flush()
+
     def synced(self) -> None:
         """Count a host sync of this layer's forward (without a `flush`: a hit's path)."""
         self._stats.host_syncs += 1
@@ -426,6 +458,8 @@ class ExpertPool:
         if not pending:
             return
         policy, stats = self.policy, self._stats
+        # Ids a forward left on the device (`hit_on_device`) come to the host here.
+        pending = [(r if isinstance(r, np.ndarray) else _host_rows(r), low) for r, low in pending]
         for rows, lower in pending:
             for i, row in enumerate(rows.tolist()):
                 if lower:
@@ -656,6 +690,7 @@ class ExpertPool:
             slot = self._take_slot(protected)
             rows.append((slot, scratch_row[e]))
             self.slot_of[e] = slot
+            self._table = None
             self.expert_in[slot] = e
             self._resident.add(e)
             self.policy.admitted(e)
@@ -687,6 +722,7 @@ class ExpertPool:
             )
         slot = int(self.slot_of[victim])
         self.slot_of[victim] = -1
+        self._table = None
         self._resident.discard(victim)
         self.policy.evicted(victim)
         self.stats.evictions += 1
@@ -699,6 +735,7 @@ class ExpertPool:
         for e in missing:
             slot = self._take_slot(protected)
             self.slot_of[e] = slot
+            self._table = None
             self.expert_in[slot] = e
             self._resident.add(e)
             placements.append((e, slot))
@@ -734,6 +771,7 @@ class ExpertPool:
     def _release(self, expert: int) -> None:
         slot = int(self.slot_of[expert])
         self.slot_of[expert] = -1
+        self._table = None
         self.expert_in[slot] = -1
         self._resident.discard(expert)
         self._free.append(slot)
@@ -840,6 +878,7 @@ class ExpertPool:
             e = int(self.expert_in[was])
             expert_in[new] = e
             self.slot_of[e] = new
+        self._table = None
         self.arrays, self.expert_in, self.capacity = arrays, expert_in, capacity
         self.policy.capacity = capacity
         self._free = [s for s in range(capacity - 1, -1, -1) if expert_in[s] < 0]
