@@ -276,18 +276,16 @@ def _streaming_config(
         before: dict[str, float] = {}
         split: dict[str, float] = {}
         # Each MoE layer's host time in the decode steps (not the prefill's).
-        clock = sm.diagnostics.clock = LayerClock()
+        clock = LayerClock()
 
         def decode_starts() -> None:
             before.update(decode_counters(sm))
             clock.take()
 
-        try:
+        with sm.diagnostics.clocked(clock):
             seconds, tokens = timed_decode(
                 sm.model, prompt, settings.decode_tokens, settings.temp, seed, decode_starts, tick, split
             )
-        finally:
-            sm.diagnostics.clock = None
         layer_host = clock.take()
         if sm.mapped_pool is not None:
             sm.mapped_pool.drain()  # moves still running would slow the next configuration

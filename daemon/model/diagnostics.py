@@ -525,6 +525,15 @@ class Diagnostics:
         finally:
             self.recorder = before
 
+    @contextmanager
+    def clocked(self, clock: LayerClock) -> Iterator[None]:
+        """Time every MoE layer's forward into `clock` inside the block (`bench decode`)."""
+        before, self.clock = self.clock, clock
+        try:
+            yield
+        finally:
+            self.clock = before
+
     def new_recorder(self, requested: bool) -> Recorder | None:
         """A recorder for a request that asked for diagnostics (or any, when on by default)."""
         return Recorder() if requested or self.default else None
