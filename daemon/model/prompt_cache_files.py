@@ -137,14 +137,14 @@ def block_digests(tensors: dict[str, tuple[str, list[int], bytes]], metadata: di
             out[name] = [0, [hashlib.sha256(data).hexdigest()]]
             continue
         rows = np.frombuffer(data, dtype=np.uint8).reshape(shape[0] * shape[1], shape[2], -1)
-        out[name] = [BLOCK_TOKENS, [_digest(rows, j) for j in range(0, shape[2], BLOCK_TOKENS)]]
+        out[name] = [BLOCK_TOKENS, [_digest(rows, j, BLOCK_TOKENS) for j in range(0, shape[2], BLOCK_TOKENS)]]
     return json.dumps(out, separators=(",", ":"))
 
 
-def _digest(rows: np.ndarray, start: int) -> str:
+def _digest(rows: np.ndarray, start: int, width: int) -> str:
     h = hashlib.sha256()
     for row in rows:
-        h.update(row[start : start + BLOCK_TOKENS].tobytes())
+        h.update(row[start : start + width].tobytes())
     return h.hexdigest()
 
 
@@ -228,7 +228,7 @@ def _read_blocks(
             raise ValueError(f"tensor {name}: the file ends early")
         out[r] = np.frombuffer(data, dtype=np.uint8).reshape(span, stride)
     for b, start in enumerate(range(0, span, width)):
-        if _digest(out, start) != digests[b]:
+        if _digest(out, start, width) != digests[b]:
             raise ValueError(f"tensor {name}: block {b}'s digest does not hold")
     return out[:, :want], out.nbytes
 
