@@ -14,7 +14,7 @@ from tiny_vision import VLM_ARCHS, make_tiny_vlm, png
 
 from moestream.daemon.model.generation import render_chat
 from moestream.daemon.model.streaming_model import load_streaming_model
-from moestream.daemon.model.vision import IMAGE_KEY_MARK, ImageError, image_key, prepare, vision_steps
+from moestream.daemon.model.vision import IMAGE_ID_TOP, ImageError, image_key, prepare, vision_steps
 from moestream.daemon.store.convert import VISION_FILE, convert_model
 from moestream.shared import protocol as proto
 from moestream.shared.settings import Settings
@@ -145,7 +145,7 @@ def test_bad_images_are_refused(vlm):
             with pytest.raises(ImageError, match=why):
                 prepare(sm.vision, text, [proto.ImageData(data, "image/png")])
         ids, images = prepare(sm.vision, text, [proto.ImageData(good, "image/png")])
-        assert images.cache_key[0] == IMAGE_KEY_MARK and len(images.cache_key) == len(ids) + 1
+        assert len(images.cache_key) == len(ids) and images.cache_key[0] == -1 - ids[0] < 0
     finally:
         sm.close()
 
@@ -154,6 +154,7 @@ def test_image_key_is_the_content():
     a, b = b"a" * 32, b"b" * 32
     ids = [5, 9, 9, 9, 6]
     assert image_key(ids, 9, [a]) == image_key(ids, 9, [a])
-    assert image_key(ids, 9, [a])[:2] == image_key(ids, 9, [b])[:2] == (IMAGE_KEY_MARK, 5)
-    assert image_key(ids, 9, [a])[2] != image_key(ids, 9, [b])[2]
-    assert all(t < IMAGE_KEY_MARK for t in image_key(ids, 9, [a])[2:5])
+    assert image_key(ids, 9, [a])[:1] == image_key(ids, 9, [b])[:1] == (-6,)
+    assert image_key(ids, 9, [a])[1] != image_key(ids, 9, [b])[1]
+    assert all(t < IMAGE_ID_TOP for t in image_key(ids, 9, [a])[1:4])
+    assert image_key(ids, 9, [a])[4] == 6 and len(set(image_key(ids, 9, [a])[1:4])) == 3

@@ -472,6 +472,10 @@ def _format_status(st: dict[str, Any]) -> str:
         f"moestream daemon {st['version']}: {_state_text(st)} (pid {st['pid']}, up {st['uptime_s']:.0f} s)",
         f"  model      {st['model']}" + (f" (store id {st['store_id']})" if st.get("store_id") else ""),
     ]
+    caps = st.get("capabilities")
+    if caps:
+        takes = ["text", *(name for name in ("tools", "thinking") if caps.get(name))]
+        lines.append(f"  takes      {', '.join(takes)}; " + ("images" if caps.get("vision") else "no images"))
     if st.get("error"):
         lines.append(f"  error      {st['error']}")
     if st.get("store_problem"):

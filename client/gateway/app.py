@@ -82,6 +82,7 @@ from ..dashboard import Dashboard
 from . import anthropic, ollama, responses
 from .call_texts import CallTexts
 from .guard import GuardConfig, GuardMiddleware
+from .images import IMAGE_BODY_BYTES
 from .keep_alive import KEEP_ALIVE_SECONDS, KeepAlive
 from .model_info import capabilities, context_length, model_id
 from .openai import ApiError, ApiRequest, Shaper, finish_reason, parse_request, usage
@@ -95,6 +96,7 @@ _DAEMON_ERRORS: dict[str, tuple[int, str]] = {
     proto.BAD_MESSAGE: (400, "invalid_request_error"),
     proto.TOO_LARGE: (400, "invalid_request_error"),
     proto.TOO_LONG: (400, "invalid_request_error"),
+    proto.BAD_IMAGE: (400, "invalid_request_error"),
     proto.DUPLICATE_ID: (400, "invalid_request_error"),
     proto.BUSY: (429, "rate_limit_error"),
     proto.SHUTTING_DOWN: (503, "server_error"),
@@ -169,6 +171,32 @@ def ready_status(client: Client) -> dict[str, Any]:
             503, f"the moestream daemon is {state}{why}; try again shortly", type="server_error", code=f"daemon_{state}"
         )
     return st
+
+
+def has_images(generate: dict[str, Any]) -> bool:
+    return any(m.get("images") for m in generate.get("messages") or ())
+
+
+def for_model(req: ApiRequest, st: dict[str, Any]) -> dict[str, Any]:
+    """`req`'s Client.generate arguments for the daemon's model (its `status`): a request
+    with images to a model that takes none gets its text-only form (`req.text_only`,
+    Anthropic's placeholders), or ApiError 400 where it has none."""
+    vision = bool((st.get("capabilities") or {}).get("vision"))
+    if req.image_error is not None:
+        if vision:
+            raise req.image_error
+        return req.generate
+    if not has_images(req.generate) or vision:
+        return req.generate
+    if req.text_only is not None:
+        return req.text_only
+    raise ApiError(
+        400,
+        f"the model {model_id(st, None)} takes no images (its store holds no vision tower); send text only, or serve a "
+        "vision-language model",
+        type="invalid_request_error",
+        code="model_takes_no_images",
+    )
 
 
 def check_model(st: dict[str, Any], asked: str | None, demo_store_id: str | None) -> str:
@@ -317,7 +345,9 @@ class DaemonRequest:
     def _run(self) -> None:
         try:
             with Client(self._config.paths, timeout=self._config.daemon_timeout) as client:
-                self._put(check_model(ready_status(client), self._req.model, self._config.demo_store_id))
+                st = ready_status(client)
+                generate = for_model(self._req, st)
+                self._put(check_model(st, self._req.model, self._config.demo_store_id))
                 if self._stop.is_set():
                     return
                 # A streamed answer reports the prefill's progress in its keep-alives.
@@ -327,7 +357,7 @@ class DaemonRequest:
                     client=self._client,
                     cache_scope=self._scope,
                     client_key=self._key,
-                    **self._req.generate,
+                    **generate,
                 )
                 while stream.done is None:
                     # The HTTP client reads nothing: neither does this thread, and the
@@ -516,7 +546,9 @@ class Gateway:
         def call() -> int:
             try:
                 with Client(self.config.paths, timeout=self.config.daemon_timeout) as client:
-                    return client.count_tokens(**req.generate)
+                    needs = has_images(req.generate) or req.image_error is not None
+                    generate = for_model(req, client.status()) if needs else req.generate
+                    return client.count_tokens(**generate)
             except RequestRejected as e:
                 raise _daemon_error(e) from None
             except ClientError as e:
@@ -630,7 +662,8 @@ class Gateway:
 
     async def _complete(self, request: Request, *, chat: bool) -> Response:
         self._authorize(request)
-        req = parse_request(await self._read_json(request), chat=chat, kept=self.call_texts)
+        body = await self._read_json(request, IMAGE_BODY_BYTES if chat else None)
+        req = parse_request(body, chat=chat, kept=self.call_texts)
         opened = await self.open_choices(request, req, "chatcmpl-" if chat else "cmpl-")
         if opened is None:
             return Response(status_code=499)  # nobody is there to read an answer

@@ -42,6 +42,7 @@ from typing import Any, Sequence
 
 from ...shared import protocol as proto
 from ...shared.settings import SettingsError, parse_duration
+from . import images
 from .call_texts import CallTexts
 
 DEFAULT_MAX_TOKENS = 512
@@ -90,6 +91,12 @@ class ApiRequest:
     # Who the request says it comes from (`declared_identity`), or "": the scope of the
     # tool-call texts the gateway keeps (call_texts.py) and of the prompt cache (app.py).
     client: str = ""
+    # For a model that takes no images: `generate` with each image as text (Anthropic's
+    # placeholders); None: such a model refuses a request with images (400).
+    text_only: dict[str, Any] | None = None
+    # Why its images could not be read (then `generate` is `text_only`): the answer to a
+    # model that takes images; None: they were read.
+    image_error: ApiError | None = None
 
     def choice(self, i: int) -> ApiRequest:
         """The request of choice `i` of n: its own seed (s + i) where a seed is given."""
@@ -216,22 +223,48 @@ def _response_format(body: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def _content(value: Any, i: int) -> str:
-    """A message's content: a string, null, or a list of text parts."""
+def image_from(value: Any, where: str, *, url: bool) -> proto.ImageData:
+    """An image part's bytes: from a data URL (`url`; a remote URL is refused) or base64
+    (client/gateway/images.py); 400 for what is not an image within the limits."""
+    try:
+        return images.from_url(value, where) if url else images.from_base64(value, where)
+    except images.ImageRejected as e:
+        raise bad_request(str(e), e.where, e.code) from None
+
+
+def check_image_count(messages: list[dict[str, Any]]) -> None:
+    """400 for a chat with more than MAX_IMAGES images."""
+    try:
+        images.count_images(messages)
+    except images.ImageRejected as e:
+        raise bad_request(str(e), e.where, e.code) from None
+
+
+def _content(value: Any, i: int) -> tuple[str, list[proto.ImageData]]:
+    """A message's content: a string, null, or a list of text and image parts (an
+    image's `image_url` a data URL), as its text and its images."""
     if isinstance(value, str):
-        return value
+        return value, []
     if value is None:
-        return ""
+        return "", []
     if isinstance(value, list):
-        texts = []
+        texts, pictures = [], []
         for j, part in enumerate(value):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url":
+                spec = part.get("image_url")
+                url = spec.get("url") if isinstance(spec, dict) else spec
+                pictures.append(image_from(url, f"messages[{i}].content[{j}].image_url.url", url=True))
+                continue
+            if not (kind == "text" and isinstance(part.get("text"), str)):
                 raise bad_request(
-                    f"messages[{i}].content[{j}]: only text parts are supported", f"messages[{i}].content"
+                    f"messages[{i}].content[{j}]: only text and image_url parts are supported", f"messages[{i}].content"
                 )
             texts.append(part["text"])
-        return "".join(texts)
-    raise bad_request(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+        return "".join(texts), pictures
+    raise bad_request(
+        f"messages[{i}].content must be a string or a list of text and image_url parts", f"messages[{i}].content"
+    )
 
 
 def _tool_call_in(call: Any, where: str) -> dict[str, Any]:
@@ -266,7 +299,10 @@ def _messages(body: dict[str, Any], kept: CallTexts | None = None, client: str =
             raise bad_request(
                 f"messages[{i}].role must be a string such as 'system', 'user' or 'assistant'", f"messages[{i}].role"
             )
-        msg: dict[str, Any] = {"role": role, "content": _content(m.get("content"), i)}
+        text, pictures = _content(m.get("content"), i)
+        msg: dict[str, Any] = {"role": role, "content": text}
+        if pictures:
+            msg["images"] = pictures
         calls = m.get("tool_calls")
         if calls is not None:
             if not isinstance(calls, list):
@@ -290,6 +326,7 @@ def _messages(body: dict[str, Any], kept: CallTexts | None = None, client: str =
                 raise bad_request(f"messages[{i}].reasoning_content must be a string", f"messages[{i}]")
             msg["reasoning"] = reasoning
         out.append(msg)
+    check_image_count(out)
     return out
 
 

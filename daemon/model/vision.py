@@ -15,11 +15,11 @@ prefill), on its own shallow copy of mlx-vlm's language model: that object keeps
 request's multimodal positions between steps (`_rope_deltas`), which two requests
 in turns must not share.
 
-The prompt cache keys such a prompt by `image_key`: a marker first (a prompt with images
-never shares KV with text prompts, which the mlx-lm model computed), then the prompt's
-ids with each image's tokens replaced by ids drawn from the image's content hash: a
-conversation that sends the same screenshot again finds its cached prefix, image included,
-and a different image parts from it at its first token.
+The prompt cache keys such a prompt by `image_key`: the prompt's ids with each image's
+tokens replaced by ids drawn from the image's content hash, and its first id marked (a
+prompt with images never shares KV with text prompts, which the mlx-lm model computed):
+a conversation that sends the same screenshot again finds its cached prefix, image
+included, and a different image parts from it at its first token.
 
 The checks and the processor run on the prompt-check thread (`prepare`): numpy and PIL
 only, no MLX.
@@ -41,10 +41,11 @@ import numpy as np
 from ...shared import protocol as proto
 from ...shared.store_format import Manifest, StoreError
 
-# The first id of every prompt-cache key of a prompt with images (token ids are >= 0).
-IMAGE_KEY_MARK = -1
-# Image tokens' ids in such a key lie below the mark: -2 down to -2**31.
-_IMAGE_ID_SPAN = 2**31 - 2
+# Ids of a prompt-cache key of a prompt with images (`image_key`); token ids are >= 0.
+# A text token t first in such a key is -1 - t (above IMAGE_ID_TOP); an image's tokens
+# are IMAGE_ID_TOP - 1 down to -2**31.
+IMAGE_ID_TOP = -(2**30)
+_IMAGE_ID_SPAN = 2**30
 
 
 class ImageError(ValueError):
@@ -157,7 +158,9 @@ def open_image(image: proto.ImageData, where: str) -> Any:
         with Image.open(io.BytesIO(image.data)) as probe:
             kind = probe.format
             width, height = probe.size
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    except UnidentifiedImageError:
+        raise ImageError(f"{where} is not an image of a known format (PNG, JPEG, GIF or WebP)") from None
+    except (OSError, ValueError) as e:
         raise ImageError(f"{where} is not an image (PNG, JPEG, GIF or WebP): {e}") from None
     if kind not in ("PNG", "JPEG", "GIF", "WEBP"):
         raise ImageError(f"{where} is a {kind} image; send PNG, JPEG, GIF or WebP")
@@ -174,10 +177,12 @@ def open_image(image: proto.ImageData, where: str) -> Any:
 
 
 def image_key(ids: Sequence[int], image_token_id: int, digests: Sequence[bytes]) -> tuple[int, ...]:
-    """The prompt-cache key of a prompt with images: IMAGE_KEY_MARK, then `ids` with the
-    tokens of the i-th image (each maximal run of `image_token_id`) replaced by ids drawn
-    from `digests[i]` and the token's place in it."""
-    key = [IMAGE_KEY_MARK]
+    """The prompt-cache key of a prompt with images, one id per token as the cache's
+    trie takes them: `ids` with the tokens of the i-th image (each maximal run of
+    `image_token_id`) replaced by ids drawn from `digests[i]` and the token's place in
+    it, and a text token first made negative (-1 - t), so that no key of a prompt with
+    images is a text prompt's (whose KV the mlx-lm model computed)."""
+    key = []
     image, place = -1, 0
     previous = None
     for t in ids:
@@ -186,11 +191,13 @@ def image_key(ids: Sequence[int], image_token_id: int, digests: Sequence[bytes])
                 image, place = image + 1, 0
             digest = digests[min(image, len(digests) - 1)]
             h = hashlib.blake2b(digest + place.to_bytes(4, "little"), digest_size=8).digest()
-            key.append(-2 - int.from_bytes(h, "little") % _IMAGE_ID_SPAN)
+            key.append(IMAGE_ID_TOP - 1 - int.from_bytes(h, "little") % _IMAGE_ID_SPAN)
             place += 1
         else:
             key.append(int(t))
         previous = t
+    if key and key[0] >= 0:
+        key[0] = -1 - key[0]
     return tuple(key)
 
 
