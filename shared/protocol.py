@@ -48,6 +48,11 @@ then ends "length": Anthropic's clients ask for 32000 whatever the model); a pro
 leaves no room at all is refused as too long. An assistant's chat message may carry its
 earlier `reasoning`, which the template renders where it renders reasoning (its
 `reasoning_content`).
+A user's chat message may carry `images` ({data, media_type} maps, `data` the image
+file's bytes: never a path or URL), at most MAX_IMAGES a request of MAX_IMAGE_BYTES each;
+a message with images may pass MAX_MESSAGE_BYTES by their bytes. The daemon decodes them
+(MAX_IMAGE_PIXELS) and refuses with `bad_image` an image it cannot use, or any image
+where its model takes none (`status`'s capabilities say `vision`).
 `count_tokens` renders and tokenizes a prompt as `generate` would (its thinking switch,
 tools) and answers with its length in tokens, from the daemon's prompt-check thread: it
 never waits on the model's forwards and runs none (an unloaded model is loaded first).
