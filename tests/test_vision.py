@@ -73,7 +73,7 @@ def _streamed(store, image: bytes, capacity: float) -> tuple[list[int], list[np.
         assert sm.vision is not None
         message = proto.ChatMessage("user", QUESTION, images=(proto.ImageData(image, "image/png"),))
         ids, images = prepare(sm.vision, render_chat(sm.tokenizer, [message]), message.images)
-        cache = make_prompt_cache(sm.model)
+        cache = sm.vision.request_cache(make_prompt_cache(sm.model), fresh=True)
         tokens, logprobs = [], []
         steps = vision_steps(
             sm.vision, ids, images, cache, 0, lambda lp: mx.argmax(lp, axis=-1), TOKENS, prefill_step=PREFILL_STEP
@@ -158,3 +158,43 @@ def test_image_key_is_the_content():
     assert image_key(ids, 9, [a])[1] != image_key(ids, 9, [b])[1]
     assert all(t < IMAGE_ID_TOP for t in image_key(ids, 9, [a])[1:4])
     assert image_key(ids, 9, [a])[4] == 6 and len(set(image_key(ids, 9, [a])[1:4])) == 3
+
+
+def test_a_resent_image_is_served_from_the_prompt_cache_exactly(vlm):
+    """iter_generate with the prompt cache: the same chat with its image again reuses all
+    of its prompt but the last token (the image's tokens among them), a follow-up turn
+    the first turn's prompt and answer, and each answer is the one computed afresh; a
+    linear-attention model's state (qwen3_5_moe) comes back as snapshots."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from moestream.daemon.model.generation import GenerationResult, SamplingParams, iter_generate
+    from moestream.daemon.model.prompt_cache import PromptCache
+
+    _, store = vlm
+    sm = load_streaming_model(store, Settings(capacity=0.25))
+    try:
+        layout = [type(c).__name__ for c in make_prompt_cache(sm.model)]
+        pc = PromptCache("test-store", layout, max_bytes=2**30, max_entries=16)
+        image = proto.ImageData(png(6), "image/png")
+
+        def answer(chat, cache: PromptCache | None) -> GenerationResult:
+            ids, images = prepare(sm.vision, render_chat(sm.tokenizer, chat), [image])
+            result = GenerationResult()
+            for _ in iter_generate(
+                sm, ids, SamplingParams(max_tokens=TOKENS), result, prompt_cache=cache, images=images
+            ):
+                pass
+            result.stats["ids"] = ids
+            return result
+
+        chat = [proto.ChatMessage("user", QUESTION, images=(image,))]
+        first, again, cold = answer(chat, pc), answer(chat, pc), answer(chat, None)
+        n = len(first.stats["ids"])
+        image_at = first.stats["ids"].index(sm.vision.image_token_id)
+        assert first.stats["cached_tokens"] == 0 and again.stats["cached_tokens"] == n - 1 > image_at
+        assert first.tokens == again.tokens == cold.tokens
+        turn = [*chat, proto.ChatMessage("assistant", first.text), proto.ChatMessage("user", "And then?")]
+        follow, follow_cold = answer(turn, pc), answer(turn, None)
+        assert follow.stats["cached_tokens"] > image_at and follow.tokens == follow_cold.tokens
+    finally:
+        sm.close()

@@ -30,7 +30,7 @@ VLM_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 # Vision MoE architectures of mlx-vlm with a tiny config here.
-VLM_ARCHS = ("qwen3_vl_moe",)
+VLM_ARCHS = ("qwen3_vl_moe", "qwen3_5_moe")
 
 
 def _ids() -> dict[str, int]:
@@ -75,6 +75,61 @@ def tiny_vlm_config(arch: str) -> dict[str, Any]:
             "temporal_patch_size": 2,
             "num_position_embeddings": 16,
             "deepstack_visual_indexes": [0],
+            "in_channels": 3,
+        }
+        return {
+            "model_type": arch,
+            "text_config": text,
+            "vision_config": vision,
+            "image_token_id": ids["<|image_pad|>"],
+            "video_token_id": ids["<|video_pad|>"],
+            "vision_start_token_id": ids["<|vision_start|>"],
+            "vision_end_token_id": ids["<|vision_end|>"],
+            "eos_token_id": ids[EOS_TOKEN],
+            "tie_word_embeddings": False,
+        }
+    if arch == "qwen3_5_moe":
+        text = {
+            "model_type": "qwen3_5_moe_text",
+            "num_hidden_layers": 2,
+            "hidden_size": HIDDEN,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "shared_expert_intermediate_size": 64,
+            "moe_intermediate_size": 32,
+            "rms_norm_eps": 1e-6,
+            "vocab_size": VOCAB_SIZE,
+            "max_position_embeddings": 512,
+            "full_attention_interval": 2,
+            "tie_word_embeddings": False,
+            # A rotary part of 8 of head_dim 16, its 4 frequencies in (time, height, width) sections.
+            "rope_parameters": {
+                "type": "default",
+                "mrope_section": [2, 1, 1],
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "mrope_interleaved": True,
+            },
+        }
+        vision = {
+            "model_type": "qwen3_5_moe",
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "out_hidden_size": HIDDEN,
+            "num_heads": 2,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 16,
             "in_channels": 3,
         }
         return {

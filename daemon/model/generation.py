@@ -520,6 +520,7 @@ def image_steps(
 
     # The key holds the images' content hashes: a resent image is part of the prefix.
     cache, start = cache_use.start(sm, images.cache_key) if cache_use is not None else (make_prompt_cache(sm.model), 0)
+    cache = sm.vision.request_cache(cache, fresh=start == 0)
     steps = vision_steps(
         sm.vision,
         prompt_ids,
@@ -531,6 +532,7 @@ def image_steps(
         processors,
         prefill_step=prefill_step,
         on_progress=on_prompt_progress,
+        on_prefilled=None if cache_use is None else lambda c: cache_use.keep_prompt(images.cache_key, c),
     )
     for token, logprobs in steps:
         if token is not None and cache_use is not None:

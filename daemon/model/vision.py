@@ -82,6 +82,25 @@ class Vision:
         model["language_model"] = copy.copy(self.model.language_model)
         return model
 
+    def request_cache(self, cache: list[Any], fresh: bool) -> list[Any]:
+        """A request's cache for mlx-vlm's language model, from `cache` (mlx-lm's classes,
+        as the prompt cache keeps them): its KVCache layers as they are (mlx-vlm's
+        attention takes mlx-lm's KVCache, whose rows the prompt cache shares), any other
+        layer (linear attention's state) in mlx-vlm's own class, with `cache`'s state
+        unless `fresh`."""
+        from mlx_vlm.models.cache import make_prompt_cache
+
+        own = make_prompt_cache(self.model.language_model)
+        out = []
+        for kept, c in zip(cache, own, strict=True):
+            if type(c).__name__ == "KVCache" or type(kept) is type(c):
+                out.append(kept)
+                continue
+            if not fresh:
+                c.state = kept.state  # as mlx-lm's cache objects take their contents
+            out.append(c)
+        return out
+
 
 def _vlm_classes(config: dict[str, Any]) -> tuple[Any, Any]:
     from mlx_vlm.utils import get_model_and_args, update_module_configs
@@ -236,12 +255,15 @@ def vision_steps(
     processors: Sequence[Callable[[mx.array, mx.array], mx.array]] = (),
     prefill_step: int = 2048,
     on_progress: Callable[[int, int], None] | None = None,
+    on_prefilled: Callable[[list[Any]], None] | None = None,
 ) -> Iterator[tuple[mx.array | None, mx.array | None]]:
     """mlx-vlm's `generate_step` on `vision`'s model, for a prompt with images: its
     embeddings (the vision tower's features merged), a prefill in stock's chunks from
     `start` (the tokens `cache` holds already: a cached prefix), then one token a step.
     Yields (None, None) after each prefill chunk, then (token, logprobs) as mlx-lm's
-    `generate_step` does; every token yielded has gone into `cache`."""
+    `generate_step` does; every token yielded has gone into `cache`. `on_prefilled(cache)`
+    once the cache holds the prompt but its last token (the prompt cache's snapshot of a
+    cache that cannot be trimmed back to there later)."""
     model = vision.request_model()
     lm = model.language_model
     ids = mx.array([list(prompt_ids)])
@@ -270,6 +292,8 @@ def vision_steps(
         done += take
         progress(done, n)
         yield None, None
+    if on_prefilled is not None and done > start:
+        on_prefilled(cache)
     history = mx.array(list(prompt_ids[:-1]), dtype=mx.uint32)
 
     def step(y: mx.array, inputs_embeds: mx.array | None, kw: dict[str, Any]) -> tuple[mx.array, mx.array]:
