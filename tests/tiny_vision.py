@@ -29,7 +29,9 @@ VLM_CHAT_TEMPLATE = (
     "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-# Vision MoE architectures of mlx-vlm with a tiny config here.
+# Vision MoE architectures of mlx-vlm with a tiny config here. Not yet: kimi_vl (mlx-lm
+# and mlx-vlm hold its MLA attention in other weights: kv_b_proj split or not, so the
+# vision side cannot run on the streamed model's arrays; convert makes a text-only store).
 VLM_ARCHS = ("qwen3_vl_moe", "qwen3_5_moe")
 
 

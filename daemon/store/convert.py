@@ -200,11 +200,15 @@ def _showing_sanitize_input(get: Callable, sanitize_input: SanitizeInputFn) -> C
     return classes
 
 
-def vision_weights(model_dir: Path, config: dict[str, Any]) -> list[tuple[str, mx.array]]:
+def vision_weights(
+    model_dir: Path, config: dict[str, Any], resident: list[tuple[str, mx.array]], layers: list[SwitchLayer]
+) -> list[tuple[str, mx.array]]:
     """The vision tower and projector of a vision-language model (its config has a
     `vision_config`), as stock mlx-vlm loads them (sanitized, quantized where the folder
     is): every weight of mlx-vlm's model but its language model's, lazily. Empty for a
-    text-only model, or one mlx-vlm does not know (the store then takes no images)."""
+    text-only model, one mlx-vlm does not know, or one whose language model mlx-vlm holds
+    in other weights than mlx-lm's `resident` ones (kimi_vl's attention: the vision side
+    runs on the streamed model's arrays): the store then takes no images."""
     if not config.get("vision_config"):
         return []
     from mlx_vlm.utils import load_model as load_vlm
@@ -213,7 +217,12 @@ def vision_weights(model_dir: Path, config: dict[str, Any]) -> list[tuple[str, m
         model = load_vlm(model_dir, lazy=True)
     except (ValueError, KeyError, TypeError, ImportError, FileNotFoundError):
         return []
-    return [(n, a) for n, a in tree_flatten(model.parameters()) if not n.startswith("language_model.")]
+    flat = tree_flatten(model.parameters())
+    experts = {n for layer in layers for n in layer.parameter_names()}
+    language = {n for n, _ in flat if n.startswith("language_model.") and n not in experts}
+    if not language <= {n for n, _ in resident}:
+        return []
+    return [(n, a) for n, a in flat if not n.startswith("language_model.")]
 
 
 @dataclass
@@ -330,7 +339,7 @@ def convert_model(
         raise StoreError(f"{model_dir}: a layer has fewer experts than the {shard[1]} shards of --shard")
 
     copied = tokenizer_files(model_dir)
-    vision = vision_weights(model_dir, config) if shard is None else []
+    vision = vision_weights(model_dir, config, resident, layers) if shard is None else []
     resident_bytes = sum(a.nbytes for _, a in resident) + sum(a.nbytes for _, a in vision)
     estimate = estimate_store_bytes(layers, resident_bytes + sum(a.nbytes for a in mtp.values()), copied, shard)
     free = disk_free(out_dir.parent)
