@@ -34,6 +34,7 @@ from ..shared.runtime_dir import (
     read_pid,
 )
 from ..shared.settings import Settings
+from ..shared.status import Status
 
 __all__ = [
     "Accepted",
@@ -130,7 +131,7 @@ class Client:
             self.pid = pong.pid
         return pong
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> Status:
         """Pid, uptime, model, pool occupancy, memory, clients, requests, heat, log path."""
         return self._call(proto.Status(id=_new_id()), proto.StatusReply).status
 

@@ -25,14 +25,26 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Iterator
 
 import zmq
 
 from ..shared import protocol as proto
-from ..shared.request_info import RequestInfo
 from ..shared.settings import Settings, format_size
+from ..shared.status import (
+    ClientsStatus,
+    LayerStatus,
+    MemoryStatus,
+    PoolStatus,
+    PrefillOrder,
+    RecentRequest,
+    RequestCounters,
+    RequestInfo,
+    RequestsStatus,
+    RequestStats,
+    Status,
+)
 from .heat import Heat
 from .keep_alive import KeepAlive, trim_heap
 from .limits import FileLimit
@@ -40,13 +52,35 @@ from .pool.elastic import ElasticPool
 from .pool.pressure import pressure_source
 
 if TYPE_CHECKING:
+    from ..shared.status import ContextLimit
     from ..shared.store_format import ManifestStamp
+    from .model.batching import BatchSession
+    from .model.expert_parallel import ExpertShare
+    from .model.generation import GenerationResult, SamplingParams
+    from .model.prompt_cache import PromptCache
+    from .model.reasoning import ReasoningSplitter
+    from .model.streaming_model import StreamingModel
+    from .model.tool_calls import ToolCallSplitter
+    from .prompt_check import Checked, CountRequest, PromptChecker
 
 EXIT_FRAME = b"exit"
 SNAPSHOT_SECONDS = 0.1
 RECENT_REQUESTS = 32
 # Queued requests listed one by one in `status` (all of them are counted).
 LISTED_WAITING = 16
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the engine last published, for the I/O thread's `status` and `stats` replies."""
+
+    at: float  # time.monotonic() when published
+    status: Status  # the engine's part; the I/O thread adds its own (daemon/server.py `Server.status`)
+    stats: dict[str, Any]  # the pool's and the reader's full counters, for `stats`
+    # The store it serves (None: none loaded yet) and its manifest's stat at the load, which
+    # `status` compares with the file's now.
+    served: str | None
+    store_stamp: ManifestStamp | None
 
 
 @dataclass(frozen=True)
@@ -99,7 +133,7 @@ class LoadCmd:
 class CheckDone:
     """The prompt checker (daemon/prompt_check.py) has set this job's `checked`."""
 
-    job: Any
+    job: Job
 
 
 @dataclass(frozen=True)
@@ -116,9 +150,9 @@ class Job:
     received: float
     prompt_ids: list[int] = field(default_factory=list)
     # The prompt checker's outcome (daemon/prompt_check.py `Checked`); None until then.
-    checked: Any = None
+    checked: Checked | None = None
     gen: Iterator[tuple[str, int | None]] | None = None
-    result: Any = None
+    result: GenerationResult | None = None
     started: float | None = None
     stop_reason: str | None = None  # cancelled | disconnected | shutdown
     stop_requested_at: float | None = None
@@ -133,9 +167,9 @@ class Job:
     # of the piece in flight).
     piece_times: deque = field(default_factory=lambda: deque(maxlen=64))
     # A request with tools: its answer's text split into text and parsed tool calls.
-    tools: Any = None
+    tools: ToolCallSplitter | None = None
     # A chat with a thinking model: its text split into reasoning and answer (daemon/model/reasoning.py).
-    reasoning: Any = None
+    reasoning: ReasoningSplitter | None = None
     # Of the result's log-probabilities (a request that asked), those sent in token events.
     logprobs_sent: int = 0
     # Why it has waited in the queue ("batch", "memory"), each counted once in `status`.
@@ -190,7 +224,7 @@ class EngineLoop:
         log: logging.Logger,
         *,
         file_limit: FileLimit | None = None,
-        share: Any = None,
+        share: ExpertShare | None = None,
     ) -> None:
         """`share`: rank 0's share of an expert-parallel group (daemon/model/expert_parallel.py):
         the model is loaded on it, the other ranks follow its forwards; else None."""
@@ -207,23 +241,23 @@ class EngineLoop:
         # on it too, so that it leaves at once (while a long prefill runs here) and in
         # order with the request's later events.
         self._send_lock = threading.Lock()
-        self._sm: Any = None
+        self._sm: StreamingModel | None = None
         # Continuous batching (daemon/model/batching.py) unless max_batch is 1, else None.
-        self._batch: Any = None
+        self._batch: BatchSession | None = None
         # The prompt cache (daemon/model/prompt_cache.py) where prompt_cache_bytes > 0, else None.
-        self._prompt_cache: Any = None
+        self._prompt_cache: PromptCache | None = None
         # This process's heat (daemon/heat.py): rank 0's own experts' in a group.
         self._heat = Heat(settings, log, share)
-        self._checker: Any = None
+        self._checker: PromptChecker | None = None
         # A request's context, found at load (daemon/pool/capacity.py `ContextLimit`).
-        self._context: Any = None
+        self._context: ContextLimit | None = None
         # The served manifest's stat when it was loaded: `status` compares it with the file's now.
         self._store_stamp: ManifestStamp | None = None
         # The served store's path, id and stamp, kept in `status` while the model is unloaded.
         self._identity: dict[str, Any] = {}
         self._pending: deque[Job] = deque()
         # count_tokens requests waiting for a model to be loaded (daemon/prompt_check.py answers them).
-        self._counts: list[Any] = []
+        self._counts: list[CountRequest] = []
         # Load requests, answered at the end of the loop's turn (once loaded, or unloaded).
         self._loads: list[LoadCmd] = []
         self._active: deque[Job] = deque()
@@ -238,21 +272,10 @@ class EngineLoop:
         # with as many running, the one that started one longest ago goes first.
         self._started_at: dict[str, int] = {}
         self._starts = 0
-        self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
-        self._counters = {
-            "requests": 0,
-            "completed": 0,
-            "cancelled": 0,
-            "disconnected": 0,
-            "failed": 0,
-            "tokens": 0,
-            "busy": 0,
-            # Requests that waited in the queue for room in the batch, or under the memory
-            # budget: counted once each, so a wait too short for a `status` poll still shows.
-            "waited_for_batch": 0,
-            "decoded_in_turns": 0,
-            "waited_for_memory": 0,
-        }
+        self._recent: deque[RecentRequest] = deque(maxlen=RECENT_REQUESTS)
+        # By how requests ended, and those that waited in the queue for room in the batch, or
+        # under the memory budget (shared/status.py `RequestCounters`).
+        self._counters = dict.fromkeys((f.name for f in fields(RequestCounters)), 0)
         self._stopping = False
         self._prefetch_logged = False
         self._last_snapshot = 0.0
@@ -263,7 +286,9 @@ class EngineLoop:
         self.state = "loading"
         self.error: str | None = None
         # Replaced whole (never mutated) so the I/O thread can read it without a lock.
-        self.snapshot: dict[str, Any] = {"state": "loading", "at": time.monotonic()}
+        self.snapshot = Snapshot(
+            time.monotonic(), Status(state="loading", model=settings.model, policy=settings.policy), {}, None, None
+        )
 
     # ---- called from the I/O thread ------------------------------------------------
 
@@ -697,7 +722,7 @@ class EngineLoop:
         pool_bytes = max(sm.pool_bytes, self._elastic.made_pool_bytes())
         return memory_held(sm.manifest, sm.resident_bytes, pool_bytes, sm.capacity, self.settings.prompt_cache_bytes)
 
-    def _context_limit(self) -> Any:
+    def _context_limit(self) -> ContextLimit:
         """A request's context (daemon/pool/capacity.py `context_limit`): `max_context`,
         else the model's own, at most what the memory budget (else the device's memory)
         leaves for KV caches."""
@@ -756,7 +781,7 @@ class EngineLoop:
             return self._batch.why_full()
         return self._kv_full(job)
 
-    def _make_generator(self, job: Job, params: Any) -> Iterator[tuple[str, int | None]]:
+    def _make_generator(self, job: Job, params: SamplingParams) -> Iterator[tuple[str, int | None]]:
         from .model.generation import iter_generate
 
         return iter_generate(
@@ -863,14 +888,14 @@ class EngineLoop:
         reason = job.stop_reason or (job.result.finish_reason if job.result is not None else "cancelled")
         result = job.result
         text, tokens = (result.text, list(result.tokens)) if result is not None else ("", [])
-        stats = dict(result.stats) if result is not None else {}
-        stats["finish_reason"] = reason
-        stats["queued_seconds"] = (job.started or time.monotonic()) - job.received
-        if job.stop_reason is not None:
-            stats["prefill_pieces_after_stop"] = job.pieces_after_stop()
-        if result is not None:
+        stats = replace(
+            result.stats if result is not None else RequestStats(),
+            finish_reason=reason,
+            queued_seconds=(job.started or time.monotonic()) - job.received,
+            prefill_pieces_after_stop=job.pieces_after_stop() if job.stop_reason is not None else None,
             # Resizes of the pool under memory pressure while it ran (daemon/pool/elastic.py).
-            stats["pool_resizes"] = self._elastic.resizes - job.resizes_before
+            pool_resizes=self._elastic.resizes - job.resizes_before if result is not None else None,
+        )
         calls: list[dict[str, str]] = []
         reasoning = ""
         if job.reasoning is not None:
@@ -892,7 +917,7 @@ class EngineLoop:
         )
         self._counters[counter] += 1
         self._counters["tokens"] += len(tokens)
-        self._remember(job, reason, len(tokens), stats)
+        self._remember(job, reason, len(tokens), stats if result is not None else None)
         # Publish first, so a client that asks for status on its done event sees this request.
         self._publish(force=True)
         if reason != "disconnected":
@@ -924,20 +949,19 @@ class EngineLoop:
         if job.client in self._started_at and not any(j.client == job.client for j in self._jobs.values()):
             del self._started_at[job.client]
 
-    def _remember(self, job: Job, reason: str, tokens: int, stats: dict[str, Any] | None = None) -> None:
-        # The prompt's figures too: a client of the HTTP gateway, which passes on only the
-        # cached share, finds each request's prefill seconds here (`bench session`).
-        prompt = {k: (stats or {}).get(k) for k in ("prompt_tokens", "cached_tokens", "prompt_seconds")}
+    def _remember(self, job: Job, reason: str, tokens: int, stats: RequestStats | None = None) -> None:
         self._recent.append(
-            {
-                "id": job.msg.id,
-                "finish_reason": reason,
-                "tokens": tokens,
-                "tokens_after_stop": job.tokens_after_stop(),
-                "prefill_pieces_after_stop": job.pieces_after_stop(),
-                "seconds": time.monotonic() - job.received,
-            }
-            | prompt
+            RecentRequest(
+                id=job.msg.id,
+                finish_reason=reason,
+                tokens=tokens,
+                tokens_after_stop=job.tokens_after_stop(),
+                prefill_pieces_after_stop=job.pieces_after_stop(),
+                seconds=time.monotonic() - job.received,
+                prompt_tokens=stats.prompt_tokens if stats is not None else None,
+                cached_tokens=stats.cached_tokens if stats is not None else None,
+                prompt_seconds=stats.prompt_seconds if stats is not None else None,
+            )
         )
 
     def _shutdown_jobs(self) -> None:
@@ -1081,71 +1105,94 @@ class EngineLoop:
     # ---- status ----------------------------------------------------------------------
 
     def _publish(self, *, force: bool = False, state: str | None = None) -> None:
-        """The snapshot `status` reads; `state`: the one it records, where not yet the engine's."""
+        """The snapshot `status` and `stats` read; `state`: the one it records, where not yet the engine's."""
         now = time.monotonic()
         if not force and now - self._last_snapshot < SNAPSHOT_SECONDS:
             return
         self._last_snapshot = now
-        snap: dict[str, Any] = {
-            "state": state or self.state,
-            "error": self.error,
-            "at": now,
-            "requests": {
-                "active": [self._job_info(j, now) for j in self._active],
-                "queued": len(self._pending),
-                # The first of them, for `status`'s list of requests.
-                "waiting": [self._job_info(j, now) for j in itertools.islice(self._pending, LISTED_WAITING)],
-                "why_queued": self._why_queued(),
-                "clients": len({j.peer for j in self._jobs.values()}),
-                "recent": list(self._recent),
-                **self._counters,
-            },
-            "heat": self._heat.health(),
-            "autopin": self._heat.autopin,
-            "keep_alive": self._keep_alive.to_dict(now),
-            "elastic": self._elastic.status().to_dict(),
-        }
         sm = self._sm
-        if sm is None and self._store_stamp is not None:
-            # Unloaded: which store it serves stays known (clients check it by its id).
-            snap.update(self._identity)
+        pools = sm.pool_stats() if sm is not None else {}
+        counters = {
+            "queued": len(self._pending),
+            "why_queued": self._why_queued(),
+            "clients": len({j.peer for j in self._jobs.values()}),
+            **self._counters,
+        }
+        status = Status(
+            state=state or self.state,
+            error=self.error,
+            # Unloaded, which store it serves stays known (clients check it by its id).
+            model=self._identity.get("model", self.settings.model),
+            store_id=self._identity.get("store_id"),
+            capabilities=self._identity.get("capabilities"),
+            policy=self.settings.policy,
+            requests=RequestsStatus(
+                active=len(self._active),
+                queued=len(self._pending),
+                why_queued=counters["why_queued"],
+                running=[self._job_info(j, now) for j in self._active],
+                waiting=[self._job_info(j, now) for j in itertools.islice(self._pending, LISTED_WAITING)],
+                recent=list(self._recent),
+                **self._counters,
+            ),
+            clients=ClientsStatus(with_requests=counters["clients"]),
+            heat=self._heat.health(),
+            autopin=self._heat.autopin,
+            keep_alive=self._keep_alive.status(now),
+            elastic=self._elastic.status(),
+        )
+        stats: dict[str, Any] = {"requests": counters}
         if sm is not None:
             import mlx.core as mx
 
-            pools = sm.pool_stats()
-            snap.update(
-                {
-                    "model": str(sm.store_dir),
-                    "store_id": sm.manifest.store_id,
-                    "store_stamp": self._store_stamp,
-                    "capabilities": self._identity.get("capabilities"),
-                    "capacity": sm.capacity,
-                    "policy": self.settings.policy,
-                    "moe_layers": len(sm.pools),
-                    "experts_per_layer": max((p.layer.num_experts for p in sm.pools), default=0),
-                    "resident_bytes": sm.resident_bytes,
-                    "pool_bytes": sm.pool_bytes,
-                    "pool": pools,
-                    "reader": sm.reader.stats(),
-                    "prefetch": sm.prefetcher.stats() if sm.prefetcher is not None else None,
-                    "batch": self._batch.to_dict() if self._batch is not None else None,
-                    "diagnostics": {
-                        "default": sm.diagnostics.default,
-                        "totals": sm.diagnostics.totals(),
-                    }
-                    if sm.diagnostics is not None
-                    else None,
-                    "prompt_cache": self._prompt_cache.stats.to_dict() if self._prompt_cache is not None else None,
-                    "mlx_active_bytes": mx.get_active_memory(),
-                    "mlx_peak_bytes": mx.get_peak_memory(),
-                    "mlx_cache_bytes": mx.get_cache_memory(),
-                    "kv_bytes": self._kv_bytes(),
-                    "context": self._context.to_dict() if self._context is not None else None,
-                }
+            admission = pools.get("admission", {})
+            status = replace(
+                status,
+                capacity=sm.capacity,
+                moe_layers=len(sm.pools),
+                experts_per_layer=max((p.layer.num_experts for p in sm.pools), default=0),
+                pool=PoolStatus(
+                    hit_rate=pools["hit_rate"],
+                    evictions=pools["evictions"],
+                    bytes_read=pools["bytes_read"],
+                    prestaged=pools["prestaged"],
+                    prestaged_used=pools["prestaged_used"],
+                    layers=[LayerStatus.from_dict(layer) for layer in pools["layers"]],
+                    mapped=pools["mapped"],
+                    mapped_auto=admission.get("mapped_auto"),
+                    mapped_pool=pools.get("mapped_pool"),
+                    prefill=PrefillOrder(
+                        pools["prefill_order"], pools.get("stacked_layers", 0), pools.get("staged_bytes", 0)
+                    ),
+                ),
+                context=self._context,
+                batch=self._batch.to_dict() if self._batch is not None else None,
+                prompt_cache=self._prompt_cache.stats.to_dict() if self._prompt_cache is not None else None,
+                memory=MemoryStatus(
+                    mlx_active_bytes=mx.get_active_memory(),
+                    mlx_peak_bytes=mx.get_peak_memory(),
+                    resident_weights_bytes=sm.resident_bytes,
+                    pool_bytes=sm.pool_bytes,
+                    host_tier_bytes=admission.get("tier_bytes", 0) if admission.get("mode") == "host-tier" else 0,
+                    kv_bytes=self._kv_bytes(),
+                    mlx_cache_bytes=mx.get_cache_memory(),
+                ),
+                expert_parallel=self._ranks() if self._share is not None else None,
             )
-            if self._share is not None:
-                snap["expert_parallel"] = self._ranks()
-        self.snapshot = snap
+            diagnostics = sm.diagnostics
+            stats |= {
+                "model": status.model,
+                "capacity": sm.capacity,
+                "policy": status.policy,
+                "pool": pools,
+                "reader": sm.reader.stats(),
+                "prefetch": sm.prefetcher.stats() if sm.prefetcher is not None else None,
+                "diagnostics": {"default": diagnostics.default, "totals": diagnostics.totals()}
+                if diagnostics is not None
+                else None,
+            }
+        served = self._identity.get("model") if sm is not None or self._store_stamp is not None else None
+        self.snapshot = Snapshot(now, status, stats, served, self._store_stamp)
 
     def _ranks(self) -> dict[str, Any]:
         """Each rank's share, pool, hit rate, bytes read and heat (a collective: every rank
@@ -1178,8 +1225,8 @@ class EngineLoop:
         tokens = sum(len(j.prompt_ids) + (len(j.result.tokens) if j.result is not None else 0) for j in self._active)
         return kv_cache_bytes(self._sm.manifest.config, tokens)
 
-    def _job_info(self, job: Job, now: float) -> dict[str, Any]:
-        """The job as `status` lists it (shared/request_info.py)."""
+    def _job_info(self, job: Job, now: float) -> RequestInfo:
+        """The job as `status` lists it (shared/status.py `RequestInfo`)."""
         tokens = len(job.result.tokens) if job.result is not None else 0
         if job.prompt_ids:
             prompt: int | None = len(job.prompt_ids)
@@ -1199,7 +1246,7 @@ class EngineLoop:
             tokens=tokens,
             max_tokens=job.checked.max_tokens if job.checked is not None else job.msg.max_tokens,
             seconds=now - job.received,
-        ).to_dict()
+        )
 
     # ---- heat ------------------------------------------------------------------------
 

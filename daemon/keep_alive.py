@@ -9,7 +9,7 @@ owns a `KeepAlive`, tells it of each request (`request`) and, while no request i
 flight, asks it whether the time is up (`idle`, `due`); it then unloads and, for the next
 request, loads again (warm from the heat: autopin pins the hottest experts again).
 
-Only the engine thread calls it; `to_dict` goes into the snapshot it publishes.
+Only the engine thread calls it; `status` goes into the snapshot it publishes.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+
+from ..shared.status import KeepAliveStatus, UnloadStats
 
 
 def trim_heap() -> bool:
@@ -35,23 +37,6 @@ def trim_heap() -> bool:
         return False
     trim(0)
     return True
-
-
-@dataclass
-class UnloadStats:
-    """The unloads and reloads so far, and what the last unload gave back."""
-
-    unloads: int = 0
-    reloads: int = 0
-    last_load_seconds: float | None = None
-    # The process's RSS and MLX's active memory just before and just after the last unload.
-    rss_before_bytes: int | None = None
-    rss_after_bytes: int | None = None
-    mlx_active_before_bytes: int | None = None
-    mlx_active_after_bytes: int | None = None
-
-    def to_dict(self) -> dict[str, float | int | None]:
-        return asdict(self)
 
 
 class KeepAlive:
@@ -96,16 +81,16 @@ class KeepAlive:
         self.stats.reloads += 1
         self.stats.last_load_seconds = seconds
 
-    def to_dict(self, now: float) -> dict[str, object]:
+    def status(self, now: float) -> KeepAliveStatus:
         idle = None if self.idle_since is None else now - self.idle_since
         left = None
         if idle is not None and self.unloaded_at is None and self.seconds >= 0:
             left = max(self.seconds - idle, 0.0)
-        return {
-            "keep_alive_s": self.seconds,
-            "setting_s": self.default_s,
-            "idle_s": idle,
-            "unload_in_s": left,
-            "unloaded_s": None if self.unloaded_at is None else now - self.unloaded_at,
-            **self.stats.to_dict(),
-        }
+        return KeepAliveStatus(
+            keep_alive_s=self.seconds,
+            setting_s=self.default_s,
+            idle_s=idle,
+            unload_in_s=left,
+            unloaded_s=None if self.unloaded_at is None else now - self.unloaded_at,
+            **asdict(self.stats),
+        )

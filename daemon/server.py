@@ -37,7 +37,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from .. import __version__
 from ..shared import protocol as proto
 from ..shared.runtime_dir import RuntimePaths
 from ..shared.settings import Settings
+from ..shared.status import ClientsStatus, ServerCounters, Status
 from ..shared.store_format import vanished_store_problem
 from .engine_loop import EXIT_FRAME, EngineLoop
 from .limits import FileLimit
@@ -84,22 +85,6 @@ FD_RECOUNT_SECONDS = 5.0
 # While the socket is renamed away (near the open-file limit), how often the open files
 # are counted to see whether it may come back.
 PAUSED_RECOUNT_SECONDS = 0.2
-
-
-@dataclass
-class ServerCounters:
-    """What the I/O thread refused or dropped, for `status` (clients)."""
-
-    refused_busy: int = 0  # requests of new clients past max_connections
-    shut_near_file_limit: int = 0  # connections shut down at once, near the open-file limit
-    paused_accepting: int = 0  # times the socket was renamed away, near the open-file limit
-    dropped: int = 0  # clients gone, or not reading their replies
-    dropped_not_reading: int = 0  # of them, clients that read nothing held for UNREAD_SECONDS
-    paused: int = 0  # times a client's reply queue filled: its requests paused until it read
-    ignored_messages: int = 0  # messages of dropped clients, not served
-
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 class Server:
@@ -263,7 +248,7 @@ class Server:
             if self._stop_requested and not self._stop_sent:
                 self.log.info(
                     "shutting down: cancelling %d request(s)",
-                    len(engine.snapshot.get("requests", {}).get("active", [])),
+                    engine.snapshot.status.requests.active,
                 )
                 engine.stop()
                 self._stop_sent = True
@@ -568,135 +553,51 @@ class Server:
     def _state(self, engine: EngineLoop) -> str:
         return "stopping" if self._stop_requested else engine.state
 
-    def status(self, engine: EngineLoop) -> dict[str, Any]:
-        """The daemon's state, built from the engine's last snapshot (never waits on it)."""
+    def status(self, engine: EngineLoop) -> Status:
+        """The daemon's state: the engine's last snapshot (never waits on it) with what this
+        thread knows (the process, its connections, its files)."""
         snap = engine.snapshot
         now = time.monotonic()
-        pool = snap.get("pool", {})
-        requests = snap.get("requests", {})
-        s = self.settings
-        # Set when the model folder has gone or changed under the loaded model.
-        problem = vanished_store_problem(snap["model"], snap.get("store_stamp")) if "model" in snap else None
-        return {
-            "pid": os.getpid(),
-            "version": __version__,
-            "protocol": proto.PROTOCOL_VERSION,
-            "state": self._state(engine),
-            "error": engine.error,
-            "uptime_s": now - self.started,
-            "model": snap.get("model", s.model),
-            "store_id": snap.get("store_id"),
-            "store_problem": problem,
-            # chat, tools, thinking, vision: what the model takes (None before its first load).
-            "capabilities": snap.get("capabilities"),
-            "capacity": snap.get("capacity"),
-            "policy": snap.get("policy", s.policy),
-            "moe_layers": snap.get("moe_layers"),
-            "experts_per_layer": snap.get("experts_per_layer"),
-            # Every setting, as `restart` passes them back as flags.
-            "settings": s.flag_values(),
-            "pool": {
-                "hit_rate": pool.get("hit_rate"),
-                "evictions": pool.get("evictions"),
-                "bytes_read": pool.get("bytes_read"),
-                # Experts prefetch copied into a layer's slots ahead of use, and of them
-                # those the layer then routed to (counted among the hits).
-                "prestaged": pool.get("prestaged", 0),
-                "prestaged_used": pool.get("prestaged_used", 0),
-                "layers": pool.get("layers", []),
-                "mapped": pool.get("mapped", False),
-                # With `mapped = auto`: what it chose and why.
-                "mapped_auto": pool.get("admission", {}).get("mapped_auto"),
-                "mapped_pool": pool.get("mapped_pool"),
-                # The prefill's order (daemon/model/prefill.py) and what its layer stacks
-                # staged from the pool's memory (what they read from the store is in
-                # bytes_read).
-                "prefill": {
-                    "order": pool.get("prefill_order"),
-                    "stacked_layers": pool.get("stacked_layers", 0),
-                    "staged_bytes": pool.get("staged_bytes", 0),
-                },
-            },
-            # A request's context (prompt + generated) and how it was found: max_context,
-            # or the model's own at most what the memory left for KV caches holds.
-            "context": snap.get("context"),
-            # Continuous batching: its size now and its totals (None: max_batch 1).
-            "batch": snap.get("batch"),
-            "prompt_cache": snap.get("prompt_cache"),
-            "memory": {
-                "rss_bytes": self._process.memory_info().rss,
-                "mlx_active_bytes": snap.get("mlx_active_bytes"),
-                "mlx_peak_bytes": snap.get("mlx_peak_bytes"),
-                "resident_weights_bytes": snap.get("resident_bytes"),
-                "pool_bytes": snap.get("pool_bytes"),
-                "host_tier_bytes": _host_tier_bytes(pool.get("admission", {})),
-                "kv_bytes": snap.get("kv_bytes"),
-                "mlx_cache_bytes": snap.get("mlx_cache_bytes"),
-            },
-            "clients": {
-                "connected": self._clients,
-                "with_requests": requests.get("clients", 0),
-                # The setting, at most what the open-file limit leaves (daemon/limits.py).
-                "max_connections": self.max_connections(),
-                "accepting": not self._not_accepting,
+        st = snap.status
+        return replace(
+            st,
+            pid=os.getpid(),
+            version=__version__,
+            protocol=proto.PROTOCOL_VERSION,
+            state=self._state(engine),
+            error=engine.error,
+            uptime_s=now - self.started,
+            # Set when the model folder has gone or changed under the loaded model.
+            store_problem=vanished_store_problem(snap.served, snap.store_stamp) if snap.served else None,
+            settings=self.settings.flag_values(),
+            memory=replace(st.memory, rss_bytes=self._process.memory_info().rss),
+            clients=ClientsStatus(
+                connected=self._clients,
+                with_requests=st.clients.with_requests,
+                max_connections=self.max_connections(),
+                accepting=not self._not_accepting,
                 **self.counters.to_dict(),
-            },
-            "requests": {
-                "active": len(requests.get("active", [])),
-                "queued": requests.get("queued", 0),
-                # Why the first queued request waits (max_active, or a full batch).
-                "why_queued": requests.get("why_queued"),
-                # Each as shared/request_info.py `RequestInfo` has it: the active requests,
-                # and the first LISTED_WAITING queued ones.
-                "running": requests.get("active", []),
-                "waiting": requests.get("waiting", []),
-                "recent": requests.get("recent", []),
-                **{
-                    k: requests[k]
-                    for k in (
-                        "requests",
-                        "completed",
-                        "cancelled",
-                        "disconnected",
-                        "failed",
-                        "tokens",
-                        "busy",
-                        "waited_for_batch",
-                        "decoded_in_turns",
-                        "waited_for_memory",
-                    )
-                    if k in requests
-                },
-            },
-            "heat": snap.get("heat", {}),
-            "autopin": snap.get("autopin"),
-            # `--distributed`: each rank's share, pool, hit rate and bytes (docs/scale-out.md), else None.
-            "expert_parallel": snap.get("expert_parallel"),
-            # The idle unload (daemon/keep_alive.py): the clock, and what the last unload gave back.
-            "keep_alive": snap.get("keep_alive"),
-            # The elastic pool (daemon/pool/elastic.py, shared/elastic.py `ElasticStatus`): its
-            # size now, the memory pressure read, and its last resizes with why.
-            "elastic": snap.get("elastic"),
-            "snapshot_age_s": now - snap.get("at", now),
-            "log": str(self.paths.log),
-            "runtime_dir": str(self.paths.dir),
-            "socket": str(self.paths.socket),
-        }
+            ),
+            snapshot_age_s=now - snap.at,
+            log=str(self.paths.log),
+            runtime_dir=str(self.paths.dir),
+            socket=str(self.paths.socket),
+        )
 
     def stats(self, engine: EngineLoop) -> dict[str, Any]:
         """Pool and read-engine statistics (totals and per layer) and request counters."""
         snap = engine.snapshot
         return {
             "state": self._state(engine),
-            "model": snap.get("model"),
-            "capacity": snap.get("capacity"),
-            "policy": snap.get("policy"),
-            "pool": snap.get("pool", {}),
-            "reader": snap.get("reader", {}),
-            "prefetch": snap.get("prefetch"),
-            "diagnostics": snap.get("diagnostics"),
-            "requests": {k: v for k, v in snap.get("requests", {}).items() if k not in ("active", "waiting", "recent")},
-            "snapshot_age_s": time.monotonic() - snap.get("at", time.monotonic()),
+            "model": None,
+            "capacity": None,
+            "policy": None,
+            "pool": {},
+            "reader": {},
+            "prefetch": None,
+            "diagnostics": None,
+            **snap.stats,
+            "snapshot_age_s": time.monotonic() - snap.at,
         }
 
 
@@ -715,10 +616,3 @@ def _request_id(data: bytes) -> str:
         return proto.decode_request(data).id
     except proto.ProtocolError as e:
         return e.request_id
-
-
-def _host_tier_bytes(admission: dict[str, Any]) -> int | None:
-    """The host tier's memory (None: the model is not loaded; 0: no tier)."""
-    if not admission:
-        return None
-    return admission.get("tier_bytes", 0) if admission.get("mode") == "host-tier" else 0

@@ -95,6 +95,9 @@ from typing import Any, Callable, ClassVar, Mapping, Union, get_args
 
 import msgpack
 
+from .status import RequestStats
+from .status import Status as DaemonStatus  # beside the `Status` request below
+
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_PROMPT_CHARS = 256 * 1024
@@ -488,7 +491,7 @@ class Done:
     text: str
     tokens: list[int]
     finish_reason: str  # length | stop | cancelled | shutdown
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: RequestStats = field(default_factory=RequestStats)
     # The request's tool calls ({name, arguments} maps, arguments as JSON text, and the
     # call's `text` where the tool_call event has one), all of them (each was sent as a
     # tool_call event too); `text` then holds the rest.
@@ -529,7 +532,7 @@ class Pong:
 class StatusReply:
     TYPE: ClassVar[str] = "status"
     id: str
-    status: dict[str, Any]
+    status: DaemonStatus
 
 
 @dataclass(frozen=True)
@@ -1147,6 +1150,11 @@ def decode_reply(data: bytes) -> Reply:
         values = {k: body[k] for k in names if k in body}
         if values.get("logprobs") is not None:
             values["logprobs"] = tuple(TokenLogprob.from_wire(m) for m in values["logprobs"])
+        # Typed at the edge (shared/status.py): a client never sees these as plain maps.
+        if cls is Done and "stats" in values:
+            values["stats"] = RequestStats.from_dict(values["stats"])
+        elif cls is StatusReply:
+            values["status"] = DaemonStatus.from_dict(values["status"])
         return cls(id=rid, **values)
     except (TypeError, KeyError, ValueError) as e:
         raise ProtocolError(BAD_MESSAGE, f"malformed {cls.TYPE} reply: {e}", rid) from None

@@ -127,7 +127,7 @@ def test_a_request_in_a_batch_makes_the_tokens_it_makes_alone(converted):
         plain = generate(sm, _prompts()[1], SamplingParams(max_tokens=MAX_TOKENS[1]))
         assert result.tokens == plain.tokens
         # 8 slots of top-4 experts: a step of more than 2 requests could not fit.
-        assert result.stats["batch"]["requested"] == 4 and result.stats["batch"]["max_batch"] == session.max_batch
+        assert result.stats.batch["requested"] == 4 and result.stats.batch["max_batch"] == session.max_batch
         assert session.max_batch == sm.capacity // sm.pools[0].top_k < 4
         session.close()
     finally:

@@ -118,28 +118,28 @@ def test_eight_mixed_clients_in_one_batch_get_their_alone_outputs(store, alone):
         seen = _run_watching(
             paths,
             threads,
-            lambda st: (st["batch"]["size"], st["batch"]["max_batch"], st["requests"]["why_queued"]),
+            lambda st: (st.batch["size"], st.batch["max_batch"], st.requests.why_queued),
         )
         assert not failures, failures
         assert all(size <= bound for size, bound, _ in seen), seen
         # Those that could not join waited, counted once each (a wait can be shorter than
         # a poll), and what a poll saw of a wait says why.
         with Client(paths) as c:
-            assert c.status()["requests"]["waited_for_batch"] >= 1
+            assert c.status().requests.waited_for_batch >= 1
         assert all(why is None or why.startswith(WAIT_WHYS) for _, _, why in seen), seen
         for i, (prompt, _, _, cancel_after) in enumerate(REQUESTS):
             done, want = results[i], alone[prompt]
             if cancel_after is None:
                 assert done.tokens == want.tokens and done.text == want.text, f"request {i} differs from alone"
                 assert done.finish_reason == want.finish_reason
-                assert done.stats["batch"]["requested"] == 4 and 1 < done.stats["batch"]["max_batch"] <= 4
+                assert done.stats.batch["requested"] == 4 and 1 < done.stats.batch["max_batch"] <= 4
             else:
                 # Cancelled: what it got is the start of what it gets alone, and it stopped early.
                 assert done.finish_reason == "cancelled"
                 assert done.tokens == want.tokens[: len(done.tokens)] and len(done.tokens) < len(want.tokens)
         with Client(paths) as c:
             deadline = time.monotonic() + 10
-            while (batch := c.status()["batch"])["size"] and time.monotonic() < deadline:
+            while (batch := c.status().batch)["size"] and time.monotonic() < deadline:
                 time.sleep(0.05)
         # Everyone left the batch (the cancelled ones too), and it ran more than one at a time.
         assert batch["size"] == 0 and batch["max_size"] > 1 and batch["joined"] == batch["left"] == len(REQUESTS)
@@ -147,7 +147,7 @@ def test_eight_mixed_clients_in_one_batch_get_their_alone_outputs(store, alone):
 
 def _recent(client: Client) -> dict[str, dict]:
     """The daemon's recently ended requests, by id."""
-    return {r["id"]: r for r in client.status()["requests"]["recent"]}
+    return {r.id: r.to_dict() for r in client.status().requests.recent}
 
 
 def test_a_client_that_vanishes_leaves_the_batch_within_a_step(store, alone):
@@ -167,11 +167,11 @@ def test_a_client_that_vanishes_leaves_the_batch_within_a_step(store, alone):
             entry = wait_for(lambda: _recent(c).get(vanishing.id), 10, "the vanished request to end")
             list(other)
             done = other.done
-            batch = wait_for(lambda: (b := c.status()["batch"])["size"] == 0 and b, 10, "the batch to empty")
+            batch = wait_for(lambda: (b := c.status().batch)["size"] == 0 and b, 10, "the batch to empty")
     assert entry["finish_reason"] == "disconnected" and entry["tokens"] < long_tokens, entry
     assert entry["tokens_after_stop"] <= 1, entry
     assert done.tokens == alone[prompt].tokens and done.finish_reason == alone[prompt].finish_reason
-    assert done.stats["batch"]["max_batch"] == 2, done.stats["batch"]
+    assert done.stats.batch["max_batch"] == 2, done.stats.batch
     assert batch["joined"] == batch["left"] == 2 and batch["max_size"] == 2, batch
 
 
@@ -202,23 +202,21 @@ def test_requests_whose_kv_caches_would_pass_the_memory_budget_wait_in_the_queue
     env = {"MOESTREAM_MAX_CONTEXT": str(context), "MOESTREAM_PROMPT_CACHE_BYTES": "0"}
     with started_daemon(store, "msbkv", *args, env=env) as paths:
         with Client(paths, timeout=60) as c, Client(paths, timeout=60) as a, Client(paths, timeout=60) as b:
-            assert c.status()["pool"]["layers"][0]["capacity"] == load_manifest(store).layers[0].num_experts
+            assert c.status().pool.layers[0].capacity == load_manifest(store).layers[0].num_experts
             holding = [x.generate(p, max_tokens=hold, sampling=no_end) for x, p in zip((a, b), prompts)]
             for stream in holding:
                 next(e for e in stream if isinstance(e, Token))  # both decode
             third = c.generate(prompts[2], max_tokens=TOKENS)
-            status = wait_for(
-                lambda: (st := c.status())["requests"]["queued"] == 1 and st, 30, "the third request to wait"
-            )
+            status = wait_for(lambda: (st := c.status()).requests.queued == 1 and st, 30, "the third request to wait")
             for stream in holding:
                 stream.cancel()
                 list(stream)
             list(third)
-            counters = c.status()["requests"]
-    assert status["requests"]["why_queued"].startswith(WAIT_WHYS[2]), status["requests"]
+            counters = c.status().requests
+    assert status.requests.why_queued.startswith(WAIT_WHYS[2]), status.requests
     assert third.done.tokens == alone[prompts[2]].tokens
     # Counted once, for memory, and never for the batch (room for four).
-    assert (counters["waited_for_memory"], counters["waited_for_batch"]) == (1, 0), counters
+    assert (counters.waited_for_memory, counters.waited_for_batch) == (1, 0), counters
 
 
 def test_by_default_requests_batch_or_take_turns_as_the_steps_measure_and_get_their_alone_outputs(store, alone):
@@ -233,8 +231,10 @@ def test_by_default_requests_batch_or_take_turns_as_the_steps_measure_and_get_th
             status = c.status()
     for prompt in prompts:
         assert results[prompt].tokens == alone[prompt].tokens, f"{prompt!r} differs from alone"
-    batch = status["batch"]
+    batch = status.batch
     assert batch["auto"] is True and batch["requested"] == 8
     # Each request either joined the batch or decoded in turns, never both or neither.
-    assert batch["joined"] + status["requests"]["decoded_in_turns"] == len(prompts), (batch, status["requests"])
-    assert batch["step_seconds"].get("1") is not None, batch  # lone steps were timed
+    assert batch["joined"] + status.requests.decoded_in_turns == len(prompts), (batch, status.requests)
+    # Steps of the batch were timed (whether lone ones were depends on this machine's load:
+    # requests that arrive together may never step alone; StepCosts' own test holds that).
+    assert batch["joined"] == 0 or batch["step_seconds"], batch

@@ -62,6 +62,14 @@ def test_bench_decode_reports_every_configuration_side_by_side(store):
     assert rows["moestream@0.5+host"]["tier_hit_rate"] is not None
     assert report["mapped_gather"] == [False, True]
     assert rows["moestream@0.5+mapped:g"]["host_syncs_per_token"] == 1.0  # the sampled token alone
+    # Per-layer host microseconds for every streaming row (none for stock, whose layers
+    # are mlx-lm's), and the syncs a token waits for: a slot pool's one per MoE layer.
+    assert rows["stock-mlx-lm"]["host_us_per_layer_median"] is None
+    for name in ("moestream@1", "moestream@0.5", "moestream@0.5+mapped"):
+        r = rows[name]
+        assert 0 < r["host_us_per_layer_median"] <= r["host_us_per_layer_p99"], name
+    assert rows["moestream@1"]["syncs_per_token"] == 1.0
+    assert rows["moestream@0.5"]["syncs_per_token"] >= rows["moestream@0.5"]["host_syncs_per_token"] > 1
     assert rows["moestream@0.5+host"]["host_tier"] == "slots" and rows["moestream@0.5+mapped"]["host_tier"] == "mapped"
     assert rows["moestream@0.5"]["host_tier"] is None and rows["stock-mlx-lm"]["host_tier"] is None
     # Here (MLX on the CPU) the loader keeps a host tier in the slot pool, and says why.

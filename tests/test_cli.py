@@ -7,6 +7,7 @@ One daemon (a tiny store, its own runtime folder) serves the tests that need one
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -32,6 +33,7 @@ from moestream.daemon.policies import POLICIES
 from moestream.daemon.server import Server
 from moestream.shared.runtime_dir import RuntimePaths
 from moestream.shared.settings import POLICY_NAMES, Settings, SettingsError
+from moestream.shared.status import RequestInfo, RequestsStatus
 
 PROMPT = "The farmer counted his hens"
 # One prefill chunk whose routed experts outnumber the half pool's slots, so that it goes
@@ -136,10 +138,10 @@ def test_a_long_prompt_reports_its_prefill_to_the_client_and_in_status(daemon):
     def watch() -> None:
         with Client(daemon) as c:
             while not stop.is_set():
-                for job in c.status()["requests"]["running"]:
-                    if job["prompt_tokens"] == len(LONG_IDS):
-                        seen.append(job["prefilled_tokens"])
-                        shown.add((job["phase"], job["client"], job["prefill_total"]))
+                for job in c.status().requests.running:
+                    if job.prompt_tokens == len(LONG_IDS):
+                        seen.append(job.prefilled_tokens)
+                        shown.add((job.phase, job.client, job.prefill_total))
                 time.sleep(0.02)
 
     watcher = threading.Thread(target=watch)
@@ -158,7 +160,7 @@ def test_a_long_prompt_reports_its_prefill_to_the_client_and_in_status(daemon):
     # A partial pool and a chunk it cannot hold: the prompt but its last token goes layer
     # by layer (daemon/model/prefill.py), with progress after each decoder layer in proportion,
     # then the last token through mlx-lm's generate_step, then the first token.
-    assert st["pool"]["prefill"]["order"].startswith("layer") and st["pool"]["prefill"]["stacked_layers"] > 0
+    assert st.pool.prefill.order.startswith("layer") and st.pool.prefill.stacked_layers > 0
     dones = [d for d, _ in progress]
     assert all(total == n for _, total in progress)
     assert dones[0] == 0 and dones[-2:] == [n - 1, n] and dones == sorted(set(dones))
@@ -187,36 +189,25 @@ def test_status_while_loading_and_its_request_counts_read_plainly(tmp_path):
     assert "loading" in text and "pool       not loaded yet" in text
     assert "None" not in text and "0/0 slots" not in text
 
-    st["requests"].update(
+    requests = RequestsStatus(
         requests=3,
         completed=0,
         cancelled=1,
         disconnected=2,
         failed=0,
         active=0,
-        running=[
-            {
-                "id": "abc",
-                "client": "moestreamctl generate",
-                "phase": "prefill",
-                "tokens": 0,
-                "max_tokens": 8,
-                "prompt_tokens": 3000,
-                "prefilled_tokens": 2048,
-                "prefill_total": 3000,
-                "seconds": 41.0,
-            }
-        ],
-        waiting=[{"id": "def", "client": "0a1b", "phase": "queued", "prompt_tokens": None, "max_tokens": 8}],
+        running=[RequestInfo("abc", "moestreamctl generate", "prefill", 3000, 2048, 3000, 0, 8, 41.0)],
+        waiting=[RequestInfo("def", "0a1b", "queued", None, None, None, 0, 8, 0.0)],
     )
+    st = dataclasses.replace(st, requests=requests)
     text = _format_status(st)
     assert "3 received: 0 completed, 1 cancelled, 2 disconnected, 0 failed" in text
     assert "abc (moestreamctl generate): prefill 2048/3000 prompt tokens (68%), 41 s" in text
     assert "def (0a1b): queued, a prompt of ? tokens, 0 s" in text
     # What the loaded model takes.
-    st["capabilities"] = {"chat": True, "tools": True, "thinking": False, "vision": True}
+    st = dataclasses.replace(st, capabilities={"chat": True, "tools": True, "thinking": False, "vision": True})
     assert "takes      text, tools; images" in _format_status(st)
-    st["capabilities"]["vision"] = False
+    st = dataclasses.replace(st, capabilities={"chat": True, "tools": True, "thinking": False, "vision": False})
     assert "takes      text, tools; no images" in _format_status(st)
 
 

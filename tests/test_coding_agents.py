@@ -36,6 +36,7 @@ from moestream.client.gateway.openai import ApiError
 from moestream.daemon.model.generation import render_chat
 from moestream.shared import protocol as proto
 from moestream.shared.runtime_dir import RuntimePaths
+from moestream.shared.status import RequestStats
 
 KEY = "sk-agents-0123456789"
 DATA = Path(__file__).parent / "data" / "claude_code"
@@ -112,7 +113,7 @@ def clients(served):
 
 def _requests(paths: RuntimePaths) -> int:
     with Client(paths) as c:
-        return c.status()["requests"]["requests"]
+        return c.status().requests.requests
 
 
 def _reference(store: Path, paths: RuntimePaths, tokenizer, thinking: bool | None) -> tuple[str, str]:
@@ -132,7 +133,7 @@ def _reference(store: Path, paths: RuntimePaths, tokenizer, thinking: bool | Non
 def _script() -> list:
     """A thinking model's events: accepted, reasoning, answer, a call, the end."""
     call = {"name": "Read", "arguments": '{"file_path": "/a.py"}'}
-    stats = {"prompt_tokens": 9, "cached_tokens": 4}
+    stats = RequestStats(prompt_tokens=9, cached_tokens=4)
     return [
         Accepted("s", 9),
         Token("s", "Let me", 5, True),
@@ -149,7 +150,7 @@ def _cut_script() -> list:
     return [
         Accepted("s", 9),
         Token("s", "Let me", 5, True),
-        Done("s", "", [5, 6], "length", {"prompt_tokens": 9}, [], "Let me </th"),
+        Done("s", "", [5, 6], "length", RequestStats(prompt_tokens=9), [], "Let me </th"),
     ]
 
 
@@ -163,9 +164,9 @@ def test_each_apis_stream_of_a_thinking_model_reaches_the_packages_accumulators(
     from test_gateway_apis import _Scripted, sse_lines
 
     from moestream.client.gateway import ollama as oll
-    from moestream.client.gateway.app import Gateway as App
     from moestream.client.gateway.app import GatewayConfig
-    from moestream.client.gateway.openai import ApiRequest, Shaper
+    from moestream.client.gateway.daemon_link import Gateway as App
+    from moestream.client.gateway.openai import ApiRequest, OpenAIApi, Shaper
 
     app = App(GatewayConfig(paths=RuntimePaths(dir=tmp_path, log=tmp_path / "log"), demo_store_id=None))
 
@@ -198,7 +199,7 @@ def test_each_apis_stream_of_a_thinking_model_reaches_the_packages_accumulators(
     assert [b.model_dump() for b in whole.content[:2]] == [b.model_dump() for b in snapshot.content[:2]]
 
     req = ApiRequest(chat=True, model=None, stream=True, include_usage=False)
-    sse = run(lambda d, head: app._events(d, Shaper(chat=True, id="c", model="m"), req, head))
+    sse = run(lambda d, head: OpenAIApi(app)._events(d, Shaper(chat=True, id="c", model="m"), req, head))
     chunks = [ChatCompletionChunk.model_validate(e) for e in sse_lines(sse)]
     deltas = [c.choices[0].delta for c in chunks]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Let me look."
@@ -207,7 +208,7 @@ def test_each_apis_stream_of_a_thinking_model_reaches_the_packages_accumulators(
     whole = Shaper(chat=True, id="c", model="m").complete("I'll read it.", "stop", use, None, "Let me look.")
     assert openai.types.chat.ChatCompletion.model_validate(whole).choices[0].message.reasoning_content == "Let me look."
 
-    sse = run(lambda d, head: app._events(d, Shaper(chat=True, id="c", model="m"), req, head), _cut_script)
+    sse = run(lambda d, head: OpenAIApi(app)._events(d, Shaper(chat=True, id="c", model="m"), req, head), _cut_script)
     deltas = [ChatCompletionChunk.model_validate(e).choices[0].delta for e in sse_lines(sse)]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Let me </th"
 
@@ -381,7 +382,7 @@ def test_count_tokens_never_waits_on_the_engine(served, clients, tokenizer):
     whole = json.loads((DATA / "01_first_turn.json").read_text())["body"]  # not shortened: past the context
     count = {k: whole[k] for k in ("model", "system", "messages", "tools", "thinking")}
     with Client(paths) as c:
-        context = c.status()["context"]["tokens"]
+        context = c.status().context.tokens
     assert prompt_tokens(tokenizer, count) > context
     stream = an.beta.messages.create(**body, stream=True)  # returns once the daemon has accepted it
     arrived: dict[str, float] = {}
@@ -508,8 +509,8 @@ def test_any_model_name_and_listings_say_context_and_capabilities(served, client
     an, oa, ol = clients
     with Client(paths) as c:
         st = c.status()
-    assert st["capabilities"] == {"chat": True, "tools": True, "thinking": True, "vision": False}
-    context = st["context"]["tokens"]
+    assert st.capabilities == {"chat": True, "tools": True, "thinking": True, "vision": False}
+    context = st.context.tokens
     listed = oa.models.list().data[0]
     assert listed.context_length == context and listed.capabilities == ["completion", "tools", "thinking"]
     assert oa.models.retrieve("claude-sonnet-4-5").id == "claude-sonnet-4-5"
@@ -529,7 +530,7 @@ def test_the_daemon_sends_accepted_then_reasoning_tokens(served):
         events = list(c.generate(messages=CHAT, max_tokens=N))
     assert isinstance(events[0], Accepted) and events[0].prompt_tokens == n
     done = events[-1]
-    assert isinstance(done, Done) and done.stats["prompt_tokens"] == n
+    assert isinstance(done, Done) and done.stats.prompt_tokens == n
     tokens = [e for e in events if isinstance(e, Token)]
     assert "".join(e.text for e in tokens if e.reasoning) == done.reasoning
     assert "".join(e.text for e in tokens if not e.reasoning) == done.text
@@ -546,9 +547,9 @@ def test_count_tokens_of_an_unloaded_model_loads_it(store):
         with Client(paths) as c:
             first = c.count_tokens(messages=CHAT)
             list(c.generate(messages=CHAT, max_tokens=1))
-            wait_for(lambda: c.status()["state"] == "unloaded", 30, "the model to unload")
+            wait_for(lambda: c.status().state == "unloaded", 30, "the model to unload")
             assert c.count_tokens(messages=CHAT, thinking=False) > first
-            assert c.status()["requests"]["requests"] == 1
+            assert c.status().requests.requests == 1
     finally:
         ctl("stop", "--runtime-dir", str(rt))
         shutil.rmtree(rt)

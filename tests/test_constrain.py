@@ -93,8 +93,8 @@ def test_a_constrained_request_makes_stock_generate_steps_tokens_with_the_same_p
             assert result.tokens == want, f"seed {seed}: tokens differ from stock's with the same processor"
             assert result.finish_reason == "stop", result.text
             jsonschema.validate(json.loads(result.text), SCHEMA)
-            assert result.stats["constraint"]["kind"] == "json_schema"
-            assert result.stats["constraint"]["tokens_checked"] >= len(result.tokens)
+            assert result.stats.constraint.kind == "json_schema"
+            assert result.stats.constraint.tokens_checked >= len(result.tokens)
     finally:
         sm.close()
 

@@ -86,13 +86,13 @@ def test_a_daemon_cuts_max_tokens_to_the_context_and_refuses_a_prompt_that_fills
     (status says so and why); a request for 100000 tokens is served and ends "length"
     where the context is full; a prompt of 512 tokens or more is refused, clearly."""
     with Client(daemon, timeout=120) as c:
-        context = c.status()["context"]
+        context = c.status().context.to_dict()
         assert context["tokens"] == context["model_tokens"] == 512 and context["bound"] == "model"
         assert context["kv_bytes_per_token"] > 0 and context["kv_room_bytes"] > 512 * context["kv_bytes_per_token"]
         prompt = [5, 17, 99, 3, 250, 11, 42]
         done = c.complete(prompt_ids=prompt, max_tokens=100_000, temp=0.0)
         assert done["finish_reason"] == "length"
-        assert done["stats"]["prompt_tokens"] == len(prompt) and len(done["tokens"]) == 512 - len(prompt)
+        assert done["stats"].prompt_tokens == len(prompt) and len(done["tokens"]) == 512 - len(prompt)
         for n in (512, 600):
             with pytest.raises(RequestRejected) as info:
                 c.complete(prompt_ids=[5] * n, max_tokens=1)
@@ -111,9 +111,9 @@ def test_a_budget_says_what_it_leaves_for_kv(store):
     flags = ("--memory-budget", str(budget), "--prompt-cache-bytes", "0")
     with started_daemon(store, "msctx", *flags) as paths, Client(paths, timeout=60) as c:
         st = c.status()
-        context, memory = st["context"], st["memory"]
+        context, memory = st.context.to_dict(), st.memory.to_dict()
         assert context["memory"] == "memory_budget"
-        full = st["capacity"] >= st["experts_per_layer"]  # 64 MiB holds every expert of the tiny model
+        full = st.capacity >= st.experts_per_layer  # 64 MiB holds every expert of the tiny model
         assert full
         assert context["kv_room_bytes"] == budget - memory["resident_weights_bytes"] - memory["pool_bytes"]
         fits = context["kv_room_bytes"] // context["kv_bytes_per_token"]

@@ -49,7 +49,7 @@ def paths_of(rt: Path) -> RuntimePaths:
 
 
 def recent(client: Client) -> dict[str, dict]:
-    return {r["id"]: r for r in client.status()["requests"]["recent"]}
+    return {r.id: r.to_dict() for r in client.status().requests.recent}
 
 
 @pytest.fixture(scope="module")
@@ -131,11 +131,11 @@ def test_prefetch_from_the_host_tier_under_concurrent_clients_changes_no_token(s
             streams = [c.generate(p, max_tokens=N_TOKENS) for p in PROMPTS]
             for s in streams:
                 list(s)
-            pool = c.status()["pool"]
+            pool = c.status().pool
         for prompt, s in zip(PROMPTS, streams):
             assert s.done.tokens == reference[prompt].tokens, f"{prompt!r} differs from the local run"
         assert pool["prestaged"] >= pool["prestaged_used"] > 0
-        assert sum(s.done.stats["prestaged"] for s in streams) > 0
+        assert sum(s.done.stats.prestaged for s in streams) > 0
     finally:
         daemon.stop(15.0)
         shutil.rmtree(rt, ignore_errors=True)
@@ -193,11 +193,11 @@ def test_status_has_its_fields_and_answers_fast_while_generating(daemon, referen
             status = c.status()
             latencies.append(time.perf_counter() - tic)
             time.sleep(0.005)
-        assert status["requests"]["active"] == 1
-        job = status["requests"]["running"][0]
-        assert job["id"] == stream.id and job["phase"] == "decode" and job["tokens"] >= 1
+        assert status.requests.active == 1
+        job = status.requests.running[0]
+        assert job.id == stream.id and job.phase == "decode" and job.tokens >= 1
         # No name given: the connection, as the daemon's log names it (ZeroMQ's 5-byte id, in hex).
-        assert len(job["client"]) == 10 and int(job["client"], 16) >= 0, job
+        assert len(job.client) == 10 and int(job.client, 16) >= 0, job
         stream.close()
     print(
         f"status round trip while generating: max {max(latencies) * 1000:.1f} ms, "
@@ -295,7 +295,7 @@ def test_a_second_daemon_is_refused_and_the_first_keeps_its_socket(daemon, store
     assert again.returncode == 1 and "already running" in again.stderr
     with Client(daemon) as c:
         assert c.ping().pid == pid
-        assert c.status()["state"] == "ready"
+        assert c.status().state == "ready"
 
 
 def test_malformed_and_oversized_messages_get_errors_and_change_nothing(daemon, reference):
@@ -373,7 +373,7 @@ def test_an_unreadable_expert_fails_that_request_and_the_daemon_serves_on(daemon
     assert info.value.code == proto.ENGINE
     assert "layer 0" in info.value.message and "expert" in info.value.message
     with Client(daemon) as c:
-        assert c.status()["requests"]["failed"] >= 1
+        assert c.status().requests.failed >= 1
         result = c.complete(PROMPTS[3], max_tokens=N_TOKENS)
     assert result["tokens"] == reference[PROMPTS[3]].tokens
 
@@ -465,7 +465,7 @@ def test_autostart_crash_recovery_restart_and_clean_sigterm(store, reference):
         assert f"a daemon (pid {crashed}) did not shut down cleanly" in log.read_text()
         with Client(paths) as c:
             st = c.status()
-        assert st["autopin"]["pinned"] > 0 and all(layer["pinned"] > 0 for layer in st["pool"]["layers"])
+        assert st.autopin["pinned"] > 0 and all(layer.pinned > 0 for layer in st.pool.layers)
 
         # SIGTERM while a client streams: it gets its `done` with reason "shutdown".
         with Client(paths) as c:
@@ -483,18 +483,18 @@ def test_autostart_crash_recovery_restart_and_clean_sigterm(store, reference):
         assert ctl("start", "--model", str(store), "--capacity", CAPACITY, "--no-mapped", env=env).returncode == 0
         first = read_pid(paths)
         with Client(paths) as c:
-            before = c.status()["settings"]
+            before = c.status().settings
         out = ctl("restart", env=env)
         assert out.returncode == 0, out.stderr
         with Client(paths) as c:
             st = c.status()
-        assert st["pid"] != first
-        assert st["capacity"] == 4 and Path(st["model"]) == store
+        assert st.pid != first
+        assert st.capacity == 4 and Path(st.model) == store
         # Every setting as before (the log file, left to its default before, is now named).
-        assert {k: v for k, v in st["settings"].items() if k != "log_file"} == {
+        assert {k: v for k, v in st.settings.items() if k != "log_file"} == {
             k: v for k, v in before.items() if k != "log_file"
         }
-        assert st["settings"]["mapped"] is False and st["settings"]["log_file"] == st["log"]
+        assert st.settings["mapped"] is False and st.settings["log_file"] == st.log
         assert ctl("stop", env=env).returncode == 0
         assert not lock_is_held(paths)
         again = ctl("stop", env=env)
@@ -585,12 +585,12 @@ def test_heat_file_holds_exactly_the_routed_counts(store):
         routed = 0
         with Client(paths_of(rt)) as c:
             for prompt in PROMPTS[:3]:  # one at a time: each request's stats are its own
-                routed += c.complete(prompt, max_tokens=16)["stats"]["routed_experts"]
+                routed += c.complete(prompt, max_tokens=16)["stats"].routed_experts
             # Interleaved requests are attributed per request too.
             streams = [c.generate(p, max_tokens=12) for p in PROMPTS]
             for s in streams:
                 list(s)
-            routed += sum(s.done.stats["routed_experts"] for s in streams)
+            routed += sum(s.done.stats.routed_experts for s in streams)
         assert routed > 0
         stopped = ctl("stop", "--runtime-dir", str(rt))
         assert stopped.returncode == 0, stopped.stderr

@@ -29,6 +29,7 @@ from moestream.client.dashboard.app import SAMPLE_SECONDS, History, tokens_made
 from moestream.client.dashboard.png import HIGH, INK, LOW, encode_png, heat_canvas, ramp, write_heat_png
 from moestream.shared.heat_file import write_usage
 from moestream.shared.settings import Settings, demo_store_path
+from moestream.shared.status import RequestsStatus, Status
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # The folder where the browser test leaves its screenshots (docs/dashboard_*.png are theirs).
@@ -36,12 +37,13 @@ SHOT_ENV = "MOESTREAM_TEST_SCREENSHOT"
 
 
 def test_heat_map_rows_from_the_heat_file(tmp_path):
-    status = {
-        "model": str(tmp_path / "store"),
-        "moe_layers": 2,
-        "experts_per_layer": 4,
-        "settings": {**Settings().flag_values(), "heat_dir": str(tmp_path)},
-    }
+    status = Status(
+        state="ready",
+        model=str(tmp_path / "store"),
+        moe_layers=2,
+        experts_per_layer=4,
+        settings={**Settings().flag_values(), "heat_dir": str(tmp_path)},
+    )
     assert heat_map(status)["note"] == "no heat saved yet"
     # An expert-parallel group's rank files (disjoint experts), while no single file is there.
     write_usage(tmp_path / "pool_usage.rank0of2.json", {0: {0: 4}})
@@ -56,13 +58,18 @@ def test_heat_map_rows_from_the_heat_file(tmp_path):
 
 
 def test_tokens_made_count_the_running_requests_tokens():
-    st = {"requests": {"tokens": 961, "running": [{"id": "a", "tokens": 2341}], "waiting": [{"id": "b"}]}}
+    st = Status.from_dict(
+        {
+            "state": "ready",
+            "requests": {"tokens": 961, "running": [{"id": "a", "tokens": 2341}], "waiting": [{"id": "b"}]},
+        }
+    )
     assert tokens_made(st) == 961 + 2341
 
 
 def test_history_draws_rates_and_leaves_gaps_where_nothing_was_sampled():
-    def status(tokens: int, pid: int = 1) -> dict:
-        return {"pid": pid, "requests": {"tokens": tokens, "running": []}}
+    def status(tokens: int, pid: int = 1) -> Status:
+        return Status(state="ready", pid=pid, requests=RequestsStatus(tokens=tokens))
 
     h = History(lambda: None, period=2.0)
     for at, st in [
@@ -79,7 +86,7 @@ def test_history_draws_rates_and_leaves_gaps_where_nothing_was_sampled():
     assert [p["tps"] for p in h.points()] == [None, 5.0, 10.0, None, None, 5.0, None, 0.0]
     assert [p["tokens"] for p in h.points()][3] is None
 
-    def broken() -> dict:
+    def broken() -> Status:
         raise KeyError("pid")
 
     failing = History(broken)
@@ -100,11 +107,13 @@ def test_history_is_sampled_on_its_own_timer_with_no_page_polling():
     reads: list[int] = []
     third = threading.Event()
 
-    def read() -> dict:
+    def read() -> Status:
         reads.append(len(reads))
         if len(reads) == 3:
             third.set()
-        return {"pid": 7, "requests": {"tokens": 4 * len(reads), "running": [{"id": "r", "tokens": 1}]}}
+        return Status.from_dict(
+            {"state": "ready", "pid": 7, "requests": {"tokens": 4 * len(reads), "running": [{"id": "r", "tokens": 1}]}}
+        )
 
     history = History(read, period=0.01)
 

@@ -64,7 +64,7 @@ def diagnosed():
 
 def test_every_diagnostic_is_present_and_consistent(diagnosed):
     result, pool, hub = diagnosed
-    d = result.stats["diagnostics"]
+    d = result.stats.diagnostics
     k = 8  # the demo model's top-k
     # Attribution covers every routed expert exactly once, by the pool's own phases.
     for phase in ("prefill", "decode"):
@@ -104,9 +104,9 @@ def test_every_diagnostic_is_present_and_consistent(diagnosed):
     assert hub.totals()["attribution"] == d["attribution"]
     # Promoted: finished reads, and those still in flight that the layer waited for.
     decode = d["attribution"]["decode"]
-    assert result.stats["prefetch"]["promoted"] == decode["prefetched"] + decode["predicted_not_finished"]
-    assert result.stats["prefetch"]["waited"] <= decode["predicted_not_finished"]
-    json.dumps(result.stats)  # travels as plain data
+    assert result.stats.prefetch["promoted"] == decode["prefetched"] + decode["predicted_not_finished"]
+    assert result.stats.prefetch["waited"] <= decode["predicted_not_finished"]
+    json.dumps(result.stats.to_dict())  # travels as plain data
 
 
 def test_off_changes_neither_output_nor_syncs(diagnosed):
@@ -115,9 +115,9 @@ def test_off_changes_neither_output_nor_syncs(diagnosed):
     prefetched, _, hub_pf = _run("on", False)
     assert plain.tokens == prefetched.tokens == on_result.tokens
     # Prefetch adds no host sync: its prediction is read in the layer's one sync.
-    assert plain.stats["host_syncs_per_token"] == prefetched.stats["host_syncs_per_token"] == 5 + 1
+    assert plain.stats.host_syncs_per_token == prefetched.stats.host_syncs_per_token == 5 + 1
     assert plain_pool["host_syncs"] % 5 == 0
-    assert "diagnostics" not in plain.stats and "diagnostics" not in prefetched.stats
+    assert plain.stats.diagnostics is None and prefetched.stats.diagnostics is None
     assert hub.totals() is None and hub_pf.totals() is None and hub.rec is None
 
 
@@ -140,11 +140,11 @@ def test_daemon_reports_diagnostics_per_request_and_in_stats():
     try:
         with Client(paths_of(rt)) as c:
             plain = c.complete(prompt_ids=PROMPT, max_tokens=8)
-            assert "diagnostics" not in plain["stats"]
+            assert plain["stats"].diagnostics is None
             assert c.stats()["diagnostics"]["totals"] is None
             done = c.complete(prompt_ids=PROMPT, max_tokens=8, diagnostics=True)
             assert done["tokens"] == plain["tokens"]
-            d = done["stats"]["diagnostics"]
+            d = done["stats"].diagnostics
             assert sum(d["attribution"]["decode"].values()) > 0
             # The status snapshot is published just after the done event.
             st = wait_for(
@@ -183,11 +183,11 @@ def test_the_daemon_wide_switch_records_every_request():
     sm = load_streaming_model(demo_store_path(), Settings(capacity=0.25, diagnostics=True, prefetch="off"))
     try:
         result = generate(sm, PROMPT, SamplingParams(max_tokens=4))
-        d = result.stats["diagnostics"]
+        d = result.stats.diagnostics
         # Prefetch off: predictions still feed recall and attribution, nothing is read.
         assert d["attribution"]["decode"]["prefetched"] == 0
         assert d["recall"]["decode"]["routed"] > 0
-        assert result.stats["prefetch"]["submitted"] == 0
+        assert result.stats.prefetch["submitted"] == 0
     finally:
         sm.close()
 
@@ -216,7 +216,7 @@ def test_a_fully_resident_pool_records_the_same_figures_and_tokens():
     diagnosed, pool, _ = _run("off", True, capacity=1.0)
     assert diagnosed.tokens == plain.tokens
     assert pool["host_syncs"] == 0
-    d = diagnosed.stats["diagnostics"]
+    d = diagnosed.stats.diagnostics
     for name in ("outside", "route", "matmul", "combine"):
         assert d["segments"][name]["count"] > 0, name
     for layer in d["layers"].values():

@@ -40,8 +40,8 @@ from moestream.daemon.pool.pressure import (
     pressure_source,
 )
 from moestream.daemon.store.convert import convert_model
-from moestream.shared.elastic import ElasticStatus, ResizeEvent
 from moestream.shared.settings import Settings
+from moestream.shared.status import ElasticStatus, ResizeEvent, Status
 
 TOKENS = 256
 # A prompt of three chunks at this step: the layer-major prefill yields between layers,
@@ -406,7 +406,7 @@ def test_a_daemon_resizes_during_a_decode_refuses_below_the_floor_and_serves_onc
         with Client(daemon.paths, timeout=60) as c, Client(daemon.paths, timeout=60) as other:
 
             def elastic() -> ElasticStatus:
-                return ElasticStatus.from_dict(c.status()["elastic"])
+                return c.status().elastic
 
             st = elastic()
             assert (st.source, st.slots, st.configured_slots, st.floor_slots) == (f"file {level}", 32, 32, 8)
@@ -422,7 +422,7 @@ def test_a_daemon_resizes_during_a_decode_refuses_below_the_floor_and_serves_onc
             wait_for(lambda: elastic().slots == 32, 30, "the pool to grow back")
             # Another request, queued behind it (one at a time).
             queued = other.generate(PROMPT_TEXT, max_tokens=8)
-            wait_for(lambda: c.status()["requests"]["queued"] == 1, 30, "the second request to be queued")
+            wait_for(lambda: c.status().requests.queued == 1, 30, "the second request to be queued")
             # Below the floor: refused, with why.
             level.write_text("critical set by the test\n")
             st = wait_for(lambda: (s := elastic()).refusing and s, 30, "new requests to be refused")
@@ -447,9 +447,9 @@ def test_a_daemon_resizes_during_a_decode_refuses_below_the_floor_and_serves_onc
             stream.cancel()
             list(stream)
             done = stream.done
-            assert done.finish_reason == "cancelled" and done.stats["pool_resizes"] == 3
-            requests = wait_for(lambda: (r := c.status()["requests"])["active"] == 0 and r, 30, "the decode to end")
-            assert requests["queued"] == 1 and "critical memory pressure" in requests["why_queued"]
+            assert done.finish_reason == "cancelled" and done.stats.pool_resizes == 3
+            requests = wait_for(lambda: (r := c.status().requests).active == 0 and r, 30, "the decode to end")
+            assert requests.queued == 1 and "critical memory pressure" in requests.why_queued
             # The pressure passes: the queued request is served, the pool grows back.
             level.write_text("normal\n")
             list(queued)
@@ -457,7 +457,7 @@ def test_a_daemon_resizes_during_a_decode_refuses_below_the_floor_and_serves_onc
             st = elastic()
             assert st.refused == 2 and st.tier_bytes == st.configured_tier_bytes
             assert [(e.slots_from, e.slots_to) for e in st.events] == [(32, 8), (8, 32), (32, 8), (8, 32)]
-            assert c.status()["requests"]["failed"] == 0
+            assert c.status().requests.failed == 0
     finally:
         if gateway is not None:
             gateway.stop()
@@ -479,20 +479,20 @@ def test_the_dashboards_pool_sizes_are_the_resizes_as_steps_with_why():
         ResizeEvent(20.0, "normal", "the memory pressure passed (y)", 8, 32, 1 << 20, 4 << 20, 0, 0, 0, 0.01),
     ]
     st = ElasticStatus("PSI", "rule", "normal", "PSI some avg10 0.0%", 32, 32, 8, 0, 0, False, 0, ev)
-    sizes = pool_sizes({"elastic": st.to_dict()}, 30.0)
+    sizes = pool_sizes(Status(state="ready", elastic=st), 30.0)
     assert [(s["at"], s["slots"]) for s in sizes["steps"]] == [(None, 32), (10.0, 8), (20.0, 32)]
     assert sizes["steps"][1]["reason"] == "memory pressure critical (x)" and sizes["now"] == 30.0
     assert [e["at"] for e in sizes["events"]] == [20.0, 10.0]  # newest first
     assert (sizes["made"], sizes["floor"], sizes["slots"], sizes["refusing"]) == (32, 8, 32, False)
     calm = ElasticStatus("PSI", "rule", "normal", "", 32, 32, 8, 0, 0, False, 0, [])
-    assert pool_sizes({"elastic": calm.to_dict()}, 1.0)["steps"] == [
+    assert pool_sizes(Status(state="ready", elastic=calm), 1.0)["steps"] == [
         {"at": None, "slots": 32, "reason": "unchanged", "level": None}
     ]
     off = ElasticStatus(
         None, "off: a mapped pool keeps every expert in host memory", "normal", "", 0, 0, 0, 0, 0, False, 0
     )
-    assert pool_sizes({"elastic": off.to_dict()}, 1.0) == {"steps": [], "note": off.note}
-    assert pool_sizes({}, 1.0)["steps"] == []
+    assert pool_sizes(Status(state="ready", elastic=off), 1.0) == {"steps": [], "note": off.note}
+    assert pool_sizes(Status(state="ready"), 1.0)["steps"] == [] and pool_sizes(None, 1.0)["steps"] == []
 
 
 @pytest.mark.slow  # a daemon, a gateway and two headless Chromium runs

@@ -29,6 +29,7 @@ from moestream.shared import protocol as proto
 from moestream.shared.protocol import Done
 from moestream.shared.runtime_dir import RuntimePaths
 from moestream.shared.settings import demo_store_path
+from moestream.shared.status import KeepAliveStatus, RequestStats
 
 KEY = "sk-apis-0123456789"
 N = 12
@@ -160,7 +161,9 @@ def test_tools_travel_in_the_protocol_and_are_checked():
     assert "tools" not in msgpack.unpackb(proto.encode(proto.Generate(id="b", prompt="x")))
     reply = proto.ToolCall(id="t", index=0, name="get_weather", arguments='{"city": "Paris"}')
     assert proto.decode_reply(proto.encode(reply)) == reply
-    done = proto.decode_reply(proto.encode(Done("t", "", [1], "stop", {}, [{"name": "f", "arguments": "{}"}])))
+    done = proto.decode_reply(
+        proto.encode(Done("t", "", [1], "stop", RequestStats(), [{"name": "f", "arguments": "{}"}]))
+    )
     assert done.tool_calls == [{"name": "f", "arguments": "{}"}]
 
     def code_of(**fields) -> str:
@@ -199,7 +202,7 @@ def test_tool_calls_come_back_in_each_apis_own_shape():
     from moestream.client.gateway.openai import Shaper, finish_reason
 
     calls = [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
-    done = Done("x", "", [5, 6, 7], "stop", {"prompt_tokens": 9}, calls)
+    done = Done("x", "", [5, 6, 7], "stop", RequestStats(prompt_tokens=9), calls)
     shaper = Shaper(chat=True, id="chatcmpl-1", model="m")
     usage = {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}
     whole = ChatCompletion.model_validate(shaper.complete("", finish_reason("stop", True), usage, calls))
@@ -218,10 +221,10 @@ def test_tool_calls_come_back_in_each_apis_own_shape():
     assert message.stop_reason == "tool_use" and [b.type for b in message.content] == ["tool_use"]
     assert message.content[0].name == "get_weather" and message.content[0].input == {"city": "Paris"}
     assert message.usage.input_tokens == 9 and message.usage.output_tokens == 3
-    stopped = Done("x", "abc", [1], "stop", {"stop_string": "\n\n"})
+    stopped = Done("x", "abc", [1], "stop", RequestStats(stop_string="\n\n"))
     assert anth.stop_reason(stopped) == ("stop_sequence", "\n\n")
-    assert anth.stop_reason(Done("x", "abc", [1], "stop", {})) == ("end_turn", None)
-    assert anth.stop_reason(Done("x", "abc", [1], "length", {})) == ("max_tokens", None)
+    assert anth.stop_reason(Done("x", "abc", [1], "stop", RequestStats())) == ("end_turn", None)
+    assert anth.stop_reason(Done("x", "abc", [1], "length", RequestStats())) == ("max_tokens", None)
 
     reply = ollama.ChatResponse.model_validate(
         {"model": "m", "message": {"role": "assistant", "content": "", "tool_calls": [oll._call_out(calls[0])]}}
@@ -325,14 +328,14 @@ def test_ollama_unloads_on_keep_alive_zero_and_loads_on_a_load_request(served, c
     a load request loads it again, with its keep_alive."""
     ol = clients[2]
     with Client(served[0], timeout=30.0) as c:
-        unloads = c.status()["keep_alive"]["unloads"]
+        unloads = c.status().keep_alive.unloads
         assert ol.generate(model="moestream-demo", prompt="", keep_alive=0).done_reason == "unload"
         assert ol.ps().models == []
         st = c.status()
-        assert st["state"] == "unloaded" and st["keep_alive"]["unloads"] == unloads + 1
+        assert st.state == "unloaded" and st.keep_alive.unloads == unloads + 1
         assert ol.generate(model="moestream-demo", keep_alive="10m").done_reason == "load"  # no prompt: a load
         st = c.status()
-        assert st["state"] == "ready" and st["keep_alive"]["keep_alive_s"] == 600.0
+        assert st.state == "ready" and st.keep_alive.keep_alive_s == 600.0
         running = ol.ps().models
         assert [m.model for m in running] == ["moestream-demo"]
         assert running[0].expires_at <= datetime.now(timezone.utc) + timedelta(minutes=10, seconds=5)
@@ -342,9 +345,9 @@ def test_ollama_unloads_on_keep_alive_zero_and_loads_on_a_load_request(served, c
         assert ol.chat(model="moestream-demo", messages=[], keep_alive=0).done_reason == "unload"
         assert [m.model for m in ol.ps().models] == ["moestream-demo"]
         stream.close()  # cancelled
-        wait_for(lambda: c.status()["state"] == "unloaded", 10, "the unload once the request in flight ended")
+        wait_for(lambda: c.status().state == "unloaded", 10, "the unload once the request in flight ended")
         assert ol.ps().models == []
-        assert c.load().state == "ready" and c.status()["keep_alive"]["keep_alive_s"] == 1800.0  # the setting's
+        assert c.load().state == "ready" and c.status().keep_alive.keep_alive_s == 1800.0  # the setting's
     with pytest.raises(ollama.ResponseError, match="keep_alive"):
         ol.generate(model="moestream-demo", prompt="", keep_alive="soon")
 
@@ -355,9 +358,9 @@ def test_ollama_ps_says_when_the_keep_alive_releases_the_model():
     def seconds_from_now(text: str) -> float:
         return (datetime.fromisoformat(text.replace("Z", "+00:00")) - datetime.now(timezone.utc)).total_seconds()
 
-    assert 95 < seconds_from_now(_expires_at({"unload_in_s": 100.0, "keep_alive_s": 1800.0})) <= 100  # idle
-    assert 1795 < seconds_from_now(_expires_at({"unload_in_s": None, "keep_alive_s": 1800.0})) <= 1800  # busy
-    assert _expires_at({"unload_in_s": None, "keep_alive_s": -1.0}).startswith("9999-")  # never
+    assert 95 < seconds_from_now(_expires_at(KeepAliveStatus(keep_alive_s=1800.0, unload_in_s=100.0))) <= 100  # idle
+    assert 1795 < seconds_from_now(_expires_at(KeepAliveStatus(keep_alive_s=1800.0))) <= 1800  # busy
+    assert _expires_at(KeepAliveStatus(keep_alive_s=-1.0)).startswith("9999-")  # never
 
 
 @pytest.mark.slow  # seven chats with the tools' system turn: minutes on a busy CPU
@@ -668,7 +671,7 @@ def _script() -> list:
         proto.Token("scripted", "Let me look.", 5),
         proto.Token("scripted", "", 6),  # a token of the call's text, held in the daemon
         proto.ToolCall("scripted", 0, call["name"], call["arguments"]),
-        Done("scripted", "Let me look.", [5, 6, 7], "stop", {"prompt_tokens": 9}, [call]),
+        Done("scripted", "Let me look.", [5, 6, 7], "stop", RequestStats(prompt_tokens=9), [call]),
     ]
 
 
@@ -682,9 +685,9 @@ def test_streamed_tool_calls_reach_each_packages_own_accumulators(tmp_path):
 
     from moestream.client.gateway import anthropic as anth
     from moestream.client.gateway import ollama as oll
-    from moestream.client.gateway.app import Gateway as App
     from moestream.client.gateway.app import GatewayConfig
-    from moestream.client.gateway.openai import ApiRequest, Shaper
+    from moestream.client.gateway.daemon_link import Gateway as App
+    from moestream.client.gateway.openai import ApiRequest, OpenAIApi, Shaper
 
     app = App(GatewayConfig(paths=RuntimePaths(dir=tmp_path, log=tmp_path / "log"), demo_store_id=None))
 
@@ -699,7 +702,7 @@ def test_streamed_tool_calls_reach_each_packages_own_accumulators(tmp_path):
         return asyncio.run(go())
 
     req = ApiRequest(chat=True, model=None, stream=True, include_usage=False)
-    sse = run(lambda d, head: app._events(d, Shaper(chat=True, id="chatcmpl-1", model="m"), req, head))
+    sse = run(lambda d, head: OpenAIApi(app)._events(d, Shaper(chat=True, id="chatcmpl-1", model="m"), req, head))
     chunks = [ChatCompletionChunk.model_validate(e) for e in sse_lines(sse)]
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Let me look."
     calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]

@@ -21,6 +21,7 @@ from tiny_models import tiny_store
 
 from moestream.client.client import Client
 from moestream.shared.runtime_dir import RuntimePaths
+from moestream.shared.status import RecentRequest, RequestsStatus
 
 PROMPT = "The farmer counted his hens"
 # The tiny tokenizer's special tokens (tests/tiny_models.py), banned: a request makes
@@ -47,9 +48,9 @@ def served():
             shutil.rmtree(rt)
 
 
-def _daemon_requests(paths: RuntimePaths) -> dict:
+def _daemon_requests(paths: RuntimePaths) -> RequestsStatus:
     with Client(paths) as c:
-        return c.status()["requests"]
+        return c.status().requests
 
 
 def test_one_client_takes_half_the_gateway_and_another_is_served_before_its_queue(served):
@@ -67,12 +68,12 @@ def test_one_client_takes_half_the_gateway_and_another_is_served_before_its_queu
             r = stack.enter_context(greedy.stream("POST", "/v1/completions", json=body))
             streams.append(r)
             if i == 0:  # the first holds the daemon's slot; the others queue behind it
-                first = wait_for(lambda: _daemon_requests(paths)["running"], 30, "the first to run")[0]["id"]
+                first = wait_for(lambda: _daemon_requests(paths).running, 30, "the first to run")[0].id
         codes = [r.status_code for r in streams]
         assert codes == [200] * (SLOTS // 2) + [429], codes
         refused = streams[-1].read().decode()
         assert "127.0.0.1" in refused and f"its share of the gateway's {SLOTS}" in refused, refused
-        wait_for(lambda: _daemon_requests(paths)["queued"] == SLOTS // 2 - 1, 30, "the greedy client's queue")
+        wait_for(lambda: _daemon_requests(paths).queued == SLOTS // 2 - 1, 30, "the greedy client's queue")
 
         other = openai.OpenAI(
             base_url=gateway.url + "/v1",
@@ -82,7 +83,7 @@ def test_one_client_takes_half_the_gateway_and_another_is_served_before_its_queu
             http_client=httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2")),
         )
         answer = other.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=0)
-        recent = [r["id"] for r in _daemon_requests(paths)["recent"]]
+        recent = [r.id for r in _daemon_requests(paths).recent]
         assert recent[-2:] == [first, answer.id], (first, answer.id, recent)
         with Client(paths) as c:  # the same answer as the daemon's own
             assert answer.choices[0].text == c.complete(PROMPT, max_tokens=8)["text"]
@@ -94,7 +95,7 @@ def test_streams_their_client_does_not_read_are_cancelled_and_free_their_slots(s
     gateway stops reading the daemon for them, the daemon pauses them, and within
     UNREAD_SECONDS of the buffers filling they are cancelled, far short of max_tokens;
     their slots come back (they ran to max_tokens, holding them)."""
-    from moestream.client.gateway.app import UNREAD_SECONDS
+    from moestream.client.gateway.daemon_link import UNREAD_SECONDS
 
     paths, gateway = served
     want = 30000
@@ -116,12 +117,12 @@ def test_streams_their_client_does_not_read_are_cancelled_and_free_their_slots(s
             s.sendall((head + request).encode())
             socks.append(s)
 
-        def ended() -> list[dict]:
-            done = [r for r in _daemon_requests(paths)["recent"] if r["tokens"] > LONG]
+        def ended() -> list[RecentRequest]:
+            done = [r for r in _daemon_requests(paths).recent if r.tokens > LONG]
             return done if len(done) >= 2 else []
 
         gone = wait_for(ended, 120 + 2 * UNREAD_SECONDS, "the unread streams to be cancelled")
-        assert all(r["finish_reason"] != "length" and r["tokens"] < want // 4 for r in gone), gone
+        assert all(r.finish_reason != "length" and r.tokens < want // 4 for r in gone), gone
         assert "read nothing for" in (paths.dir / "gateway.log").read_text()
     finally:
         for s in socks:

@@ -7,6 +7,7 @@ import pytest
 from moestream.daemon.model.generation import SamplingParams, generate
 from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.shared.settings import Settings
+from moestream.shared.status import PhaseCounts
 from moestream.shared.store_format import load_manifest
 
 
@@ -22,14 +23,11 @@ def test_generate_stats(store):
     finally:
         sm.close()
     s = r.stats
-    assert len(r.tokens) == s["generated_tokens"] <= 12
-    assert s["misses"]["prefill"] > 0 and s["hits"]["decode"] + s["misses"]["decode"] > 0
-    assert (
-        s["bytes_read"]
-        == (s["misses"]["prefill"] + s["misses"]["decode"]) * load_manifest(store).layers[0].expert_bytes
-    )
+    assert len(r.tokens) == s.generated_tokens <= 12
+    assert s.misses.prefill > 0 and s.hits.decode + s.misses.decode > 0
+    assert s.bytes_read == (s.misses.prefill + s.misses.decode) * load_manifest(store).layers[0].expert_bytes
     n_moe = len(load_manifest(store).layers)
-    assert s["host_syncs_per_token"] == pytest.approx(n_moe + 1)
+    assert s.host_syncs_per_token == pytest.approx(n_moe + 1)
 
 
 def test_an_end_token_ends_the_request_and_is_not_among_its_tokens(store):
@@ -50,7 +48,7 @@ def test_an_end_token_ends_the_request_and_is_not_among_its_tokens(store):
         for batch in (None, BatchSession(sm, max_batch=2)):
             ended = generate(sm, [1, 2, 3, 4, 5], SamplingParams(max_tokens=8), batch=batch)
             assert ended.finish_reason == "stop" and ended.tokens == free.tokens[:at], batch
-            assert ended.stats["generated_tokens"] == at
+            assert ended.stats.generated_tokens == at
     finally:
         sm.close()
 
@@ -115,17 +113,18 @@ def test_a_full_pool_counts_its_routing_with_no_sync_of_its_own(store):
             got = generate(sm, prompt, params)
             assert got.tokens == want.tokens
             s = got.stats
-            assert s["routed_experts"] == want.stats["routed_experts"] > 0
-            assert s["hit_rate"] == 1.0 and s["misses"] == {"prefill": 0, "decode": 0}
+            assert s.routed_experts == want.stats.routed_experts > 0
+            assert s.hit_rate == 1.0 and s.misses == PhaseCounts(prefill=0, decode=0)
             # A hit per distinct expert of a forward: what the partial pool looked up
             # (read back late, the prompt's hits may count among the decode's).
-            looked_up = sum(want.stats["hits"].values()) + sum(want.stats["misses"].values())
-            assert sum(s["hits"].values()) == looked_up
-            assert s["host_syncs_per_token"] == 1.0  # the sampled token alone
+            hits, misses = want.stats.hits, want.stats.misses
+            looked_up = hits.prefill + hits.decode + misses.prefill + misses.decode
+            assert s.hits.prefill + s.hits.decode == looked_up
+            assert s.host_syncs_per_token == 1.0  # the sampled token alone
         layers = sm.pool_stats()["layers"]
         assert all(layer["hit_rate"] == 1.0 for layer in layers)
         # Every count reached the heat, and nothing is left logged on the device.
-        assert sum(int(p.take_routed().sum()) for p in sm.pools) == 2 * want.stats["routed_experts"]
+        assert sum(int(p.take_routed().sum()) for p in sm.pools) == 2 * want.stats.routed_experts
         assert all(p.route_log == [] for p in sm.pools)
     finally:
         sm.close()

@@ -38,7 +38,7 @@ def _generate(client: Client, **kwargs) -> tuple[list[int], list[Progress]]:
 
 
 def _state(client: Client) -> str:
-    return client.status()["state"]
+    return client.status().state
 
 
 def test_the_idle_clock():
@@ -56,7 +56,7 @@ def test_the_idle_clock():
     assert not ka.due(1e9)
     ka.request(None)
     ka.idle(400.0)
-    assert ka.seconds == 10.0 and ka.to_dict(405.0)["unload_in_s"] == pytest.approx(5.0)
+    assert ka.seconds == 10.0 and ka.status(405.0).unload_in_s == pytest.approx(5.0)
 
 
 @pytest.mark.slow  # a real daemon's start, idle times and loads: about 15 s on a shared 2-core machine
@@ -85,19 +85,19 @@ def test_idle_unload_frees_memory_and_the_next_request_loads_warm_and_exact(tmp_
             first, progress = _generate(c)
             assert not [p for p in progress if p.stage == "load"]  # loaded at start
             loaded = c.status()
-            assert loaded["state"] == "ready" and loaded["keep_alive"]["keep_alive_s"] == 1.0
-            assert loaded["memory"]["pool_bytes"] > 0
+            assert loaded.state == "ready" and loaded.keep_alive.keep_alive_s == 1.0
+            assert loaded.memory.pool_bytes > 0
             wait_for(lambda: _state(c) == "unloaded", 10, "the idle unload")
             st = c.status()
-            ka = st["keep_alive"]
-            assert ka["unloads"] == 1 and st["heat"]["state"] == "running"
-            assert st["store_id"] == loaded["store_id"]  # still known, for clients that check it
-            assert st["memory"]["pool_bytes"] is None and st["capacity"] is None
+            ka = st.keep_alive
+            assert ka.unloads == 1 and st.heat["state"] == "running"
+            assert st.store_id == loaded.store_id  # still known, for clients that check it
+            assert st.memory.pool_bytes is None and st.capacity is None
             # MLX gives back (nearly) everything; the process's RSS falls by at least the
             # weights and pool it held.
-            held = loaded["memory"]["resident_weights_bytes"] + loaded["memory"]["pool_bytes"]
-            assert ka["mlx_active_after_bytes"] < 0.05 * ka["mlx_active_before_bytes"], ka
-            assert ka["rss_after_bytes"] < ka["rss_before_bytes"] - held, ka
+            held = loaded.memory.resident_weights_bytes + loaded.memory.pool_bytes
+            assert ka.mlx_active_after_bytes < 0.05 * ka.mlx_active_before_bytes, ka
+            assert ka.rss_after_bytes < ka.rss_before_bytes - held, ka
             text = ctl("status", "--runtime-dir", str(rt), env=env)
             assert "unloaded (idle " in text.stdout and "holds      the socket and the heat keeper" in text.stdout
             print("keep-alive figures:", json.dumps(ka))
@@ -106,10 +106,10 @@ def test_idle_unload_frees_memory_and_the_next_request_loads_warm_and_exact(tmp_
             stages = [(p.done, p.total) for p in progress if p.stage == "load"]
             assert stages == [(0, 2), (1, 2), (2, 2)], progress
             st = c.status()
-            assert st["state"] == "ready" and st["keep_alive"]["reloads"] == 1
+            assert st.state == "ready" and st.keep_alive.reloads == 1
             # Warm: the heat of the first request pinned experts again.
-            assert st["autopin"]["routing_counts"] > 0 and st["autopin"]["pinned"] > 0, st["autopin"]
-            assert sum(layer["pinned"] for layer in st["pool"]["layers"]) == st["autopin"]["pinned"]
+            assert st.autopin["routing_counts"] > 0 and st.autopin["pinned"] > 0, st.autopin
+            assert sum(layer.pinned for layer in st.pool.layers) == st.autopin["pinned"]
             # A request's own keep_alive 0: unloaded as soon as it is done.
             assert _generate(c, keep_alive=0)[0] == first
             wait_for(lambda: _state(c) == "unloaded", 2, "the unload after a request with keep_alive 0")
@@ -117,8 +117,8 @@ def test_idle_unload_frees_memory_and_the_next_request_loads_warm_and_exact(tmp_
             assert _generate(c, keep_alive=-1)[0] == first
             time.sleep(2.0)
             st = c.status()
-            assert st["state"] == "ready" and st["keep_alive"]["unload_in_s"] is None
-            assert st["keep_alive"]["unloads"] == 2 and st["keep_alive"]["reloads"] == 2
+            assert st.state == "ready" and st.keep_alive.unload_in_s is None
+            assert st.keep_alive.unloads == 2 and st.keep_alive.reloads == 2
             with pytest.raises(RequestRejected, match="keep_alive"):
                 c.generate(PROMPT, keep_alive=-2)
     finally:
@@ -139,7 +139,7 @@ def test_the_setting_zero_unloads_after_each_request_and_minus_one_never(tmp_pat
             first, progress = _generate(c)
             assert [p.done for p in progress if p.stage == "load"] == [0, 1, 2]
             wait_for(lambda: _state(c) == "unloaded", 2, "the unload right after the request")
-            assert c.status()["keep_alive"]["unloads"] == 2
+            assert c.status().keep_alive.unloads == 2
     finally:
         assert ctl("stop", "--runtime-dir", str(rt), env=env).returncode == 0
         shutil.rmtree(rt, ignore_errors=True)
@@ -151,8 +151,8 @@ def test_the_setting_zero_unloads_after_each_request_and_minus_one_never(tmp_pat
             assert _generate(c)[0] == first
             time.sleep(1.5)
             st = c.status()
-            assert st["state"] == "ready" and st["keep_alive"]["keep_alive_s"] == -1.0
-            assert st["keep_alive"]["unload_in_s"] is None and st["keep_alive"]["unloads"] == 0
+            assert st.state == "ready" and st.keep_alive.keep_alive_s == -1.0
+            assert st.keep_alive.unload_in_s is None and st.keep_alive.unloads == 0
         text = ctl("status", "--runtime-dir", str(rt), env=env).stdout
         assert "keep-alive never unloads" in text, text
     finally:

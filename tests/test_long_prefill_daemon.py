@@ -77,7 +77,7 @@ def alone(store):
 
 def _counts(paths) -> dict[str, int]:
     with Client(paths) as c:
-        return {k: v for k, v in c.status()["prompt_cache"].items() if k.startswith(("prefill", "suspended"))}
+        return {k: v for k, v in c.status().prompt_cache.items() if k.startswith(("prefill", "suspended"))}
 
 
 def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
@@ -107,7 +107,7 @@ def test_a_cancel_takes_effect_within_a_chunk_and_the_same_prompt_again_takes_th
     done = stream.done
     assert done.finish_reason == "cancelled" and done.tokens == [] and not any(isinstance(e, Token) for e in rest)
     # No chunk began after the cancel: the one in flight was the last.
-    assert done.stats["prefill_pieces_after_stop"] == 0
+    assert done.stats.prefill_pieces_after_stop == 0
     assert _delta(before, _counts(daemon)) == {
         "prefills": 1,
         "prefills_suspended": 1,
@@ -117,19 +117,19 @@ def test_a_cancel_takes_effect_within_a_chunk_and_the_same_prompt_again_takes_th
     with Client(daemon) as c:
         again = c.complete(prompt_ids=prompt, max_tokens=MAX_TOKENS)
     assert again["tokens"] == alone(prompt), "the prefill taken up made other tokens than one alone"
-    assert again["stats"]["prompt_cache"]["resumed"] is True
+    assert again["stats"].prompt_cache.resumed is True
     after = _delta(before, _counts(daemon))
     assert after["prefills_resumed"] == 1 and "suspended" not in after
 
 
 def _running(paths, request_id: str) -> dict | None:
     with Client(paths) as c:
-        return next((r for r in c.status()["requests"]["running"] if r["id"] == request_id), None)
+        return next((r.to_dict() for r in c.status().requests.running if r.id == request_id), None)
 
 
 def _recent(paths, request_id: str) -> dict | None:
     with Client(paths) as c:
-        return next((r for r in c.status()["requests"]["recent"] if r["id"] == request_id), None)
+        return next((r.to_dict() for r in c.status().requests.recent if r.id == request_id), None)
 
 
 def test_a_client_gone_during_a_prefill_stops_it_within_a_chunk(daemon):
@@ -157,7 +157,7 @@ def test_a_client_gone_during_a_prefill_stops_it_within_a_chunk(daemon):
     assert delta["prefills"] == 1 and delta["prefills_suspended"] == 1, delta
     with Client(daemon) as c:  # the engine is free; the same prompt takes the prefill up (and leaves none kept)
         again = c.complete(prompt_ids=prompt, max_tokens=MAX_TOKENS)
-    assert again["stats"]["prompt_cache"]["resumed"] is True and _counts(daemon)["suspended"] == before["suspended"]
+    assert again["stats"].prompt_cache.resumed is True and _counts(daemon)["suspended"] == before["suspended"]
 
 
 def test_a_speculative_request_cancelled_during_its_prefill_stops_within_a_chunk(store, daemon):
@@ -177,7 +177,7 @@ def test_a_speculative_request_cancelled_during_its_prefill_stops_within_a_chunk
         rest = list(stream)
     assert stream.done.finish_reason == "cancelled" and stream.done.tokens == []
     assert not any(isinstance(e, Token) for e in rest)
-    assert stream.done.stats["prefill_pieces_after_stop"] == 0
+    assert stream.done.stats.prefill_pieces_after_stop == 0
 
 
 def test_the_same_prompt_during_its_prefill_shares_it(daemon, alone):
@@ -208,7 +208,7 @@ def test_the_same_prompt_during_its_prefill_shares_it(daemon, alone):
     accepted, at = second["accepted"]
     assert isinstance(accepted, Accepted) and first_token is not None and at < first_token
     assert first.tokens == dup.tokens == alone(prompt)
-    assert dup.stats["prompt_cache"]["joined"] is True and first.stats["prompt_cache"]["joined"] is False
+    assert dup.stats.prompt_cache.joined is True and first.stats.prompt_cache.joined is False
     assert _delta(before, _counts(daemon)) == {"prefills": 1, "prefill_joins": 1}
 
 
@@ -261,7 +261,7 @@ def test_ctrl_c_during_a_prefill_exits_quietly_and_cancels_within_a_chunk(store,
 
     def cancelled() -> list[dict]:
         with Client(daemon) as c:
-            return [r for r in c.status()["requests"]["recent"] if r["finish_reason"] == "cancelled"]
+            return [r.to_dict() for r in c.status().requests.recent if r.finish_reason == "cancelled"]
 
     # The daemon applies the cancel at the end of the chunk in flight (the client did not wait).
     ended = wait_for(cancelled, 60, "the daemon to cancel the request")
@@ -292,7 +292,7 @@ def test_stop_during_a_prefill_ends_the_daemon_within_a_chunk(store):
             took = time.monotonic() - tic
             list(stream)
         assert stopped.returncode == 0, stopped.stderr
-        assert stream.done.finish_reason == "shutdown" and stream.done.stats["prefill_pieces_after_stop"] == 0
+        assert stream.done.finish_reason == "shutdown" and stream.done.stats.prefill_pieces_after_stop == 0
         assert took < 30, took  # the chunk in flight and the daemon's own exit, not the rest of the prefill
         # started_daemon's own stop finds none running.
 
@@ -315,7 +315,7 @@ def test_a_prefill_stopped_with_the_daemon_starts_again_from_its_last_checkpoint
             stopped = ctl("stop", "--runtime-dir", str(paths.dir))
             seen += list(stream)
         assert stopped.returncode == 0, stopped.stderr
-        assert stream.done.stats["prefill_pieces_after_stop"] == 0
+        assert stream.done.stats.prefill_pieces_after_stop == 0
     reached = max(e.done for e in seen if isinstance(e, Progress))
     # Where the stop came before the prefill's end (three chunks after the second checkpoint
     # were left), the last checkpoint it passed; else the whole prompt, kept by its request.
@@ -325,8 +325,8 @@ def test_a_prefill_stopped_with_the_daemon_starts_again_from_its_last_checkpoint
         with Client(paths) as c:
             stream = c.generate(prompt_ids=prompt, max_tokens=MAX_TOKENS)
             list(stream)
-    assert stream.done.stats["cached_tokens"] == want, (reached, stream.done.stats["cached_tokens"])
-    assert stream.done.stats["prompt_cache"]["from_disk"] is True
+    assert stream.done.stats.cached_tokens == want, (reached, stream.done.stats.cached_tokens)
+    assert stream.done.stats.prompt_cache.from_disk is True
     assert stream.done.tokens == alone(prompt)
 
 

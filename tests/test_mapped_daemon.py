@@ -96,7 +96,7 @@ def test_local_mapped_generate_is_stock_mlx_lm(store, reference):
     placement = stats["mapped_pool"]
     # Every routed (token, expert) pair was accounted by the end of the request: as
     # many as the slot pool counts on the host for the same request.
-    assert placement["routed"] == stats["routed_experts"] == reference[prompt].stats["routed_experts"] > 0
+    assert placement["routed"] == stats["routed_experts"] == reference[prompt].stats.routed_experts > 0
     assert 0 < placement["routed_on_gpu"] < placement["routed"] and placement["gpu_slots"] == SLOTS
     assert placement["gpu_hit_rate"] == placement["routed_on_gpu"] / placement["routed"]
     # No sync per layer: the only one per token reads the sampled token.
@@ -121,7 +121,7 @@ def test_no_mapped_overrides_the_environment(store, reference):
     )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
-    assert got["stats"]["mapped"] is False and "mapped_pool" not in got["stats"]
+    assert got["stats"]["mapped"] is False and got["stats"]["mapped_pool"] is None
     assert got["tokens"] == reference[prompt].tokens
 
 
@@ -156,7 +156,7 @@ def test_daemon_mapped_serves_local_output_reports_placement_and_keeps_exact_hea
         first = json.loads(out.stdout)
         assert first["tokens"] == reference[PROMPTS[0]].tokens
         routed = first["stats"]["routed_experts"]
-        assert routed == reference[PROMPTS[0]].stats["routed_experts"]
+        assert routed == reference[PROMPTS[0]].stats.routed_experts
 
         with Client(paths) as c:
             # Interleaved on the engine thread: each gets the tokens it gets alone.
@@ -165,13 +165,13 @@ def test_daemon_mapped_serves_local_output_reports_placement_and_keeps_exact_hea
                 list(s)
         for p, s in zip(PROMPTS, streams):
             assert s.done.tokens == reference[p].tokens, p
-            assert s.done.stats["mapped"] is True and s.done.stats["mapped_pool"]["routed"] > 0
+            assert s.done.stats.mapped is True and s.done.stats.mapped_pool["routed"] > 0
         # A request's last ticks may account another's forwards, but none is lost.
-        interleaved = sum(s.done.stats["routed_experts"] for s in streams)
-        assert interleaved == sum(reference[p].stats["routed_experts"] for p in PROMPTS)
+        interleaved = sum(s.done.stats.routed_experts for s in streams)
+        assert interleaved == sum(reference[p].stats.routed_experts for p in PROMPTS)
         routed += interleaved
         assert routed == first["stats"]["mapped_pool"]["routed"] + sum(
-            s.done.stats["mapped_pool"]["routed"] for s in streams
+            s.done.stats.mapped_pool["routed"] for s in streams
         )
 
         st = json.loads(ctl("status", "--json", env=env).stdout)
@@ -242,8 +242,8 @@ def test_speculative_decoding_on_a_mapped_pool_leaves_the_routing_log_to_the_pla
         # Through generation: a tick per token, settled at the end.
         result = generate(sm, prompt, SamplingParams(max_tokens=N_TOKENS, speculative="mtp", draft_tokens=2))
         assert result.tokens == plain
-        assert result.stats["speculative"]["rounds"] > 0
-        assert result.stats["mapped_pool"]["routed"] == result.stats["routed_experts"] > 0
+        assert result.stats.speculative["rounds"] > 0
+        assert result.stats.mapped_pool["routed"] == result.stats.routed_experts > 0
 
         # The same rounds on a slot pool (which counts routing on the host, forward by
         # forward) and on the mapped pool: the verifies read as many experts, and every
@@ -352,8 +352,8 @@ def test_mapped_auto_chooses_by_gpu_pool_tier_and_host_ram(store):
         assert ctl("start", "--model", str(store), "--capacity", CAPACITY, "--runtime-dir", str(rt)).returncode == 0
         with Client(RuntimePaths(dir=rt, log=rt / "daemon.log")) as c:
             st = c.status()
-        assert st["settings"]["mapped"] == "auto" and st["pool"]["mapped"] is False
-        assert st["pool"]["mapped_auto"] == "off: MLX runs on the CPU"
+        assert st.settings["mapped"] == "auto" and st.pool.mapped is False
+        assert st.pool.mapped_auto == "off: MLX runs on the CPU"
         assert "mapped pool (auto): off: MLX runs on the CPU" in (rt / "daemon.log").read_text()
         text = ctl("status", "--runtime-dir", str(rt))
         assert text.returncode == 0 and "mapped     auto, off: MLX runs on the CPU" in text.stdout
@@ -399,8 +399,8 @@ def test_batched_requests_leave_the_placement_unsettled_while_others_decode():
         assert session.stats.max_size == 2 and session.stats.steps > 0 and settled == [0]
         for p in prompts:
             assert results[p].tokens == alone[p]
-        routed = sum(r.stats["routed_experts"] for r in results.values())
-        assert routed == sum(r.stats["mapped_pool"]["routed"] for r in results.values())
+        routed = sum(r.stats.routed_experts for r in results.values())
+        assert routed == sum(r.stats.mapped_pool["routed"] for r in results.values())
         assert routed == sm.mapped_pool.stats.routed - routed_before > 0
     finally:
         session.close()

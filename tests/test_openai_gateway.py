@@ -35,6 +35,7 @@ from tiny_models import tiny_store
 from moestream.client.client import Client
 from moestream.client.gateway.images import IMAGE_BODY_BYTES
 from moestream.shared.runtime_dir import RuntimePaths
+from moestream.shared.status import Status
 
 KEY = "sk-test-0123456789"
 PROMPT = "The farmer counted his hens"
@@ -198,7 +199,7 @@ def chat_answer(ref: dict, tokenizer) -> tuple[str, int]:
 
 def recent(paths: RuntimePaths) -> dict[str, dict]:
     with Client(paths) as c:
-        return {r["id"]: r for r in c.status()["requests"]["recent"]}
+        return {r.id: r.to_dict() for r in c.status().requests.recent}
 
 
 def sse_events(response: httpx.Response):
@@ -268,8 +269,8 @@ def test_a_copy_of_the_demo_store_anywhere_is_named_the_demo(tmp_path):
     demo = load_manifest(demo_store_path()).store_id
     assert GatewayConfig(paths=RuntimePaths(dir=tmp_path, log=tmp_path / "log")).demo_store_id == demo
     old_install = "/old/site-packages/moestream/daemon/demo/store"
-    assert model_id({"model": old_install, "store_id": demo}, demo) == DEMO_MODEL_ID
-    assert model_id({"model": "/home/me/stores/qwen", "store_id": "0" * 32}, demo) == "qwen"
+    assert model_id(Status(state="ready", model=old_install, store_id=demo), demo) == DEMO_MODEL_ID
+    assert model_id(Status(state="ready", model="/home/me/stores/qwen", store_id="0" * 32), demo) == "qwen"
 
 
 def test_health_is_503_without_a_daemon_and_completions_say_why(tmp_path):
@@ -395,7 +396,7 @@ def test_chat_goes_through_the_models_chat_template(api, served, store, model_na
     ids = tokenizer.encode(text, add_special_tokens=False)
     with Client(served[0]) as c:
         ref = c.complete(prompt_ids=ids, max_tokens=N)
-    assert ref["stats"]["prompt_tokens"] == len(ids)
+    assert ref["stats"].prompt_tokens == len(ids)
     answer, made = chat_answer(ref, tokenizer)
 
     out = api.chat.completions.create(model=model_name, messages=CHAT, max_tokens=N, temperature=0)
@@ -562,7 +563,7 @@ def test_two_gateway_clients_and_generate_at_once_get_their_exact_outputs(api, s
         t.start()
     with Client(paths) as c:
         while any(t.is_alive() for t in threads):
-            peak = max(peak, len(c.status()["requests"]["running"]))
+            peak = max(peak, len(c.status().requests.running))
             time.sleep(0.01)
     assert not failures, failures
     assert results["stream"] == refs[0]["text"]
@@ -603,11 +604,7 @@ def test_a_client_that_disconnects_cancels_its_request_within_a_token(served, mo
 
         def running() -> str | None:
             with Client(paths) as c:
-                ids = [
-                    r["id"]
-                    for r in c.status()["requests"]["running"]
-                    if r["id"].startswith("cmpl-") and r["tokens"] >= 2
-                ]
+                ids = [r.id for r in c.status().requests.running if r.id.startswith("cmpl-") and r.tokens >= 2]
             return ids[0] if ids else None
 
         rid = wait_for(running, 10, "the non-streaming request to run")
@@ -748,7 +745,7 @@ def test_a_daemon_whose_model_folder_is_gone_says_so_in_status_and_health(store)
 
     def problem() -> str | None:
         with Client(paths) as c:
-            return c.status()["store_problem"]
+            return c.status().store_problem
 
     try:
         out = ctl("start", "--model", str(own), "--capacity", "0.25", "--runtime-dir", str(rt))

@@ -192,7 +192,7 @@ def test_a_deeper_prefetch_reads_layers_further_ahead_and_changes_no_token(capsy
             if depth == 2:
                 assert moes[0].next.ahead[0].pool is moes[2].pool
             result = generate(sm, prompt, SamplingParams(max_tokens=16))
-            out[depth] = (result.tokens, result.stats["prefetch"])
+            out[depth] = (result.tokens, result.stats.prefetch)
         finally:
             sm.close()
     assert out[1][0] == out[2][0]

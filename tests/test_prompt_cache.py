@@ -34,6 +34,7 @@ from mlx_lm.sample_utils import make_sampler
 from stock_runs import stepped
 from tiny_models import make_tiny_model
 
+from moestream.daemon.model import prompt_cache_files
 from moestream.daemon.model.batching import BatchSession
 from moestream.daemon.model.generation import CacheUse, GenerationResult, SamplingParams, iter_generate, plain_steps
 from moestream.daemon.model.prompt_cache import PromptCache, read_metadata
@@ -303,6 +304,58 @@ def test_disk_round_trip_and_bad_files(build, arch, tmp_path):
         sm.close()
 
 
+def test_a_prefix_of_a_longer_file_reads_only_the_blocks_it_uses(build, tmp_path, monkeypatch):
+    """A file of 90-odd tokens serving a prompt that shares its first 20 reads the two
+    16-token blocks that hold them, and serves what memory serves; a flipped byte in a
+    later block does not stop that prefix being served, and is caught once the whole file
+    is read (then removed)."""
+    monkeypatch.setattr(prompt_cache_files, "BLOCK_TOKENS", 16)
+    _, store, stock = build("qwen3_moe")
+    sm = load_streaming_model(store, Settings(direct_io=True))
+    folder = tmp_path / "pc"
+    try:
+        first = _prompt(90, seed=11)
+        pc = _new_cache(stock, disk_dir=folder, disk_bytes=2**30)
+        (answer, _), _ = _ours(sm, pc, first)
+        pc.close()
+        (path,) = folder.glob("*.safetensors")
+        size, held = path.stat().st_size, len(json.loads(read_metadata(path)["tokens"]))
+        assert held > 80
+        nxt = first[:20] + _prompt(8, seed=12)
+        memory = _new_cache(stock)
+        _ours(sm, memory, first)
+        from_memory, use = _ours(sm, memory, nxt)
+        assert use.reused == 20
+        again = _new_cache(stock, disk_dir=folder, disk_bytes=2**30)
+        from_disk, use = _ours(sm, again, nxt)
+        again.close()
+        assert use.from_disk and use.reused == 20
+        _same(from_disk, from_memory, "a prefix read from a longer file")
+        arrays = size - 8 - struct.unpack("<Q", path.read_bytes()[:8])[0]
+        read = again.stats.disk_read_bytes
+        assert read < arrays * 40 / held, f"read {read} of {size} bytes for 32 of {held} tokens"
+        # A flipped byte near the file's end: outside the prefix's blocks (the file the
+        # last request left is removed, so that this one serves again).
+        for other in set(folder.glob("*.safetensors")) - {path}:
+            other.unlink()
+        data = bytearray(path.read_bytes())
+        data[-8] ^= 0x40
+        path.write_bytes(bytes(data))
+        again = _new_cache(stock, disk_dir=folder, disk_bytes=2**30)
+        from_disk, use = _ours(sm, again, nxt)
+        again.close()
+        assert use.from_disk and use.reused == 20 and path.exists()
+        _same(from_disk, from_memory, "a prefix read before a changed block")
+        for other in set(folder.glob("*.safetensors")) - {path}:
+            other.unlink()
+        again = _new_cache(stock, disk_dir=folder, disk_bytes=2**30)
+        whole = first + answer + [3]
+        assert again.fetch(whole) is None and not path.exists() and again.stats.disk_skipped == 1
+        again.close()
+    finally:
+        sm.close()
+
+
 def _one_file(sm, stock, folder) -> int:
     """The size of the file one 30-token request leaves in `folder`."""
     probe = _new_cache(stock, disk_dir=folder, disk_bytes=2**30)
@@ -339,13 +392,13 @@ def test_iter_generate_reports_cached_tokens(build):
         list(iter_generate(sm, first, SamplingParams(max_tokens=GEN), r1, prompt_cache=pc))
         r2 = GenerationResult()
         list(iter_generate(sm, first + r1.tokens + [5, 6], SamplingParams(max_tokens=GEN), r2, prompt_cache=pc))
-        assert r1.stats["cached_tokens"] == 0
-        assert r2.stats["cached_tokens"] == len(first) + len(r1.tokens)
-        use = r2.stats["prompt_cache"]
-        assert use["reused_tokens"] == r2.stats["cached_tokens"] and use["from_disk"] is False
-        assert 0 < use["fetch_seconds"] < r2.stats["prompt_seconds"]
+        assert r1.stats.cached_tokens == 0
+        assert r2.stats.cached_tokens == len(first) + len(r1.tokens)
+        use = r2.stats.prompt_cache
+        assert use.reused_tokens == r2.stats.cached_tokens and use.from_disk is False
+        assert 0 < use.fetch_seconds < r2.stats.prompt_seconds
         # The prompt past the cached prefix was prefilled (stock's chunks here: all fits).
-        assert r2.stats["prefill"]["tokens"] == 1 and r2.stats["prefill"]["seconds"] > 0
+        assert r2.stats.prefill["tokens"] == 1 and r2.stats.prefill["seconds"] > 0
         assert pc.stats.to_dict()["hit_rate"] == 0.5
     finally:
         sm.close()

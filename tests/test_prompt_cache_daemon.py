@@ -67,7 +67,7 @@ def test_chat_turns_reuse_the_history_across_a_restart(store):
             # At least the previous turn's prompt (but the token the answer may merge with).
             assert seen[i][1] >= seen[i - 1][0] - 1 and seen[i][1] < seen[i][0], seen
         with Client(paths) as c:
-            pc = c.status()["prompt_cache"]
+            pc = c.status().prompt_cache
         assert pc["entries"] >= 1 and 0 < pc["bytes"] <= pc["max_bytes"]
         assert pc["hits"] == 2 and pc["lookups"] == 3 and pc["hit_rate"] == pytest.approx(2 / 3)
         text = ctl("status", "--runtime-dir", str(rt))
@@ -85,7 +85,7 @@ def test_chat_turns_reuse_the_history_across_a_restart(store):
         _, prompt_tokens, cached = _turn(api, model, messages)
         assert cached >= seen[2][0] - 1 and cached < prompt_tokens, (cached, prompt_tokens, seen)
         with Client(paths) as c:
-            pc = c.status()["prompt_cache"]
+            pc = c.status().prompt_cache
         assert pc["disk_loaded"] == 1 and pc["hits"] == 1 and pc["disk_skipped"] == 0
         written = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
         assert 0 < pc["disk_written_today"] <= written and pc["disk_write_budget"] == 16 * 2**30

@@ -11,6 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moestream.shared import protocol as proto
+from moestream.shared.status import (
+    CacheUseStats,
+    KeepAliveStatus,
+    LayerStatus,
+    PhaseCounts,
+    PoolStatus,
+    RequestInfo,
+    RequestsStatus,
+    RequestStats,
+    Status,
+)
 
 
 def pack(body) -> bytes:
@@ -67,11 +78,24 @@ def test_requests_round_trip(message):
         ),
         proto.Done(id="a", text="", tokens=[], finish_reason="stop", logprobs=()),
         proto.Done(
-            id="a", text="hé", tokens=[5, 6], finish_reason="length", stats={"hit_rate": 0.5, "layers": [{"x": None}]}
+            id="a",
+            text="hé",
+            tokens=[5, 6],
+            finish_reason="length",
+            stats=RequestStats(hit_rate=0.5, hits=PhaseCounts(3, 4), prefill={"layers": [{"x": None}]}),
         ),
         proto.Error(id="a", code=proto.ENGINE, message="cannot read expert 3 of layer 1"),
         proto.Pong(id="p", pid=12, state="ready", version="0.1.0"),
-        proto.StatusReply(id="s", status={"pid": 1}),
+        proto.StatusReply(id="s", status=Status(state="ready", pid=1)),
+        proto.StatusReply(
+            id="s",
+            status=Status(
+                state="ready",
+                pool=PoolStatus(layers=[LayerStatus(0, 3, 4, 1, 0.5, 9)]),
+                requests=RequestsStatus(running=[RequestInfo("r", "c", "decode", 5, None, None, 2, 8, 0.5)]),
+                keep_alive=KeepAliveStatus(keep_alive_s=300.0, setting_s=300.0, unloads=1),
+            ),
+        ),
         proto.StatsReply(id="t", stats={"pool": {}}),
         proto.Cancelled(id="c", target="a", found=True),
         proto.LoadReply(id="l", state="unloaded", in_flight=0),
@@ -80,6 +104,42 @@ def test_requests_round_trip(message):
 )
 def test_replies_round_trip(message):
     assert proto.decode_reply(proto.encode(message)) == message
+
+
+def test_status_and_request_stats_arrive_as_dataclasses_never_as_plain_maps():
+    """A client gets the daemon's status and a request's statistics typed, nested maps
+    too (shared/status.py): a key a newer daemon adds is left out, a field an older one
+    lacks keeps its default, and a nested map of the wrong shape is refused."""
+    wire = {
+        "state": "ready",
+        "pool": {
+            "layers": [
+                {"layer": 0, "resident": 1, "capacity": 2, "pinned": 0, "hit_rate": None, "routed": 5, "new_key": 1}
+            ]
+        },
+        "requests": {"running": [{"id": "r", "tokens": 2}]},
+    }
+    body = {"v": proto.PROTOCOL_VERSION, "type": "status", "id": "s", "status": wire}
+    status = proto.decode_reply(msgpack.packb(body)).status
+    assert isinstance(status, Status) and isinstance(status.pool, PoolStatus)
+    assert status.pool.layers == [LayerStatus(0, 1, 2, 0, None, 5)]
+    assert isinstance(status.requests.running[0], RequestInfo) and status.requests.running[0].tokens == 2
+    assert status.memory.rss_bytes is None and status.keep_alive is None
+    done = {
+        "v": proto.PROTOCOL_VERSION,
+        "type": "done",
+        "id": "d",
+        "text": "",
+        "tokens": [],
+        "finish_reason": "stop",
+        "stats": {"hits": {"prefill": 2, "decode": 3}, "prompt_cache": {"reused_tokens": 7}},
+    }
+    stats = proto.decode_reply(msgpack.packb(done)).stats
+    assert isinstance(stats, RequestStats) and stats.hits == PhaseCounts(2, 3)
+    assert isinstance(stats.prompt_cache, CacheUseStats) and stats.prompt_cache.reused_tokens == 7
+    for bad in ({"state": "ready", "pool": [1]}, {"state": "ready", "requests": {"running": {"id": "r"}}}, {}):
+        with pytest.raises(proto.ProtocolError):
+            proto.decode_reply(msgpack.packb(body | {"status": bad}))
 
 
 def test_numpy_scalars_travel_as_numbers():

@@ -25,14 +25,15 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from test_openai_gateway import served_gateway
 
-from moestream.client.gateway.app import Gateway as App
 from moestream.client.gateway.app import GatewayConfig
+from moestream.client.gateway.daemon_link import Gateway as App
 from moestream.client.gateway.openai import ApiError
 from moestream.client.gateway.responses import DEFAULT_MAX_OUTPUT_TOKENS, Fold, ResponsesApi, parse_request
 from moestream.shared import protocol as proto
 from moestream.shared.protocol import Accepted, Done, Token, ToolCall
 from moestream.shared.runtime_dir import RuntimePaths
 from moestream.shared.settings import demo_store_path
+from moestream.shared.status import RequestStats
 
 DATA = Path(__file__).parent / "data" / "codex"
 KEY = "sk-responses-0123456789"
@@ -167,7 +168,7 @@ def test_tool_choice_reasoning_and_the_fields_accepted_or_refused():
 def _script(rid: str, *, cut: bool = False) -> list:
     """A thinking model's events: reasoning, text, a function call, a free-form tool's call."""
     patch = json.dumps({"input": PATCH})
-    stats = {"prompt_tokens": 9, "cached_tokens": 4}
+    stats = RequestStats(prompt_tokens=9, cached_tokens=4)
     calls = [{"name": "get_weather", "arguments": '{"city": "Paris"}'}, {"name": "apply_patch", "arguments": patch}]
     return [
         Accepted(rid, 9),
@@ -301,17 +302,19 @@ def test_cut_failed_and_held_back_answers(tmp_path):
     assert whole.status == "incomplete" and whole.output[-1].type == "custom_tool_call"
 
     # Text the daemon held back (a start of a call marker that was not one) comes with done.
-    held = _served_by(tmp_path, lambda rid: [Token(rid, "Let me", 1), Done(rid, "Let me look.", [1, 2], "stop", {})])
+    held = _served_by(
+        tmp_path, lambda rid: [Token(rid, "Let me", 1), Done(rid, "Let me look.", [1, 2], "stop", RequestStats())]
+    )
     with held.responses.stream(model="m", input="x") as stream:
         assert stream.get_final_response().output_text == "Let me look."
 
     # Nothing said: still one (empty) assistant message.
-    empty = _served_by(tmp_path, lambda rid: [Done(rid, "", [], "stop", {"prompt_tokens": 3})])
+    empty = _served_by(tmp_path, lambda rid: [Done(rid, "", [], "stop", RequestStats(prompt_tokens=3))])
     out = empty.responses.create(model="m", input="x")
     assert [i.type for i in out.output] == ["message"] and out.output_text == ""
 
     # The daemon shut down after the stream began: response.failed with the reason.
-    gone = _served_by(tmp_path, lambda rid: [Token(rid, "Hi", 1), Done(rid, "Hi", [1], "shutdown", {})])
+    gone = _served_by(tmp_path, lambda rid: [Token(rid, "Hi", 1), Done(rid, "Hi", [1], "shutdown", RequestStats())])
     events = list(gone.responses.create(model="m", input="x", stream=True))
     assert events[-1].type == "response.failed" and events[-1].response.error.code == "server_error"
     assert "shut down" in events[-1].response.error.message

@@ -113,7 +113,7 @@ def test_generate_with_mtp_reports_speculation_and_falls_back_only_on_measuremen
         want = plain_tokens(sm, prompt, 64)
         result = generate(sm, prompt, SamplingParams(max_tokens=64, speculative="mtp", draft_tokens=2))
         assert result.tokens == want
-        spec = result.stats["speculative"]
+        spec = result.stats.speculative
         assert spec["mode"] == "mtp" and spec["draft_tokens"] == 2
         assert 0.0 < spec["acceptance_rate"] <= 1.0
         assert spec["plain_experts_read_per_token"] == 8 * 5  # one token: top_k per MoE layer
@@ -140,13 +140,13 @@ def test_a_penalised_or_logprobs_request_decodes_without_speculation():
         for controls in (proto.SamplingControls(presence_penalty=1.5), proto.SamplingControls(logprobs=0)):
             plain = generate(sm, prompt, SamplingParams(max_tokens=16, controls=controls))
             asked = generate(sm, prompt, SamplingParams(max_tokens=16, controls=controls, speculative="mtp"))
-            assert "speculative" not in asked.stats and "without speculation" in asked.stats["speculative_off"]
+            assert asked.stats.speculative is None and "without speculation" in asked.stats.speculative_off
             assert asked.tokens == plain.tokens
         penalised = generate(
             sm, prompt, SamplingParams(max_tokens=16, controls=proto.SamplingControls(presence_penalty=1.5))
         )
         assert penalised.tokens != generate(sm, prompt, SamplingParams(max_tokens=16)).tokens
-        assert "speculative" in generate(sm, prompt, SamplingParams(max_tokens=16, speculative="mtp")).stats
+        assert generate(sm, prompt, SamplingParams(max_tokens=16, speculative="mtp")).stats.speculative is not None
     finally:
         sm.close()
 
@@ -373,7 +373,7 @@ def test_daemon_serves_speculative_requests():
             for _ in spec:
                 pass
             assert spec.done.tokens == want
-            s = spec.done.stats["speculative"]
+            s = spec.done.stats.speculative
             assert s["mode"] == "mtp" and s["draft_tokens"] == 1  # 16 slots: K shrinks to 1
             assert "shrunk from 2 to 1" in s["reason"] or s["fell_back"]
     finally:
@@ -393,7 +393,7 @@ def test_generate_cli_speculative_flags():
     assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
     a, b = json.loads(plain.stdout), json.loads(spec.stdout)
     assert a["tokens"] == b["tokens"]
-    assert "speculative" not in a["stats"] and b["stats"]["speculative"]["mode"] == "mtp"
+    assert a["stats"]["speculative"] is None and b["stats"]["speculative"]["mode"] == "mtp"
     bad = ctl("generate", "--local", "--speculative", "draft", "x", env=clean_env())
     assert bad.returncode != 0 and "--draft-model" in bad.stderr
 

@@ -229,5 +229,5 @@ def test_a_constrained_request_runs_without_speculation_and_says_so(served):
             runs.append(stream.done)
     plain, spec = runs
     assert spec.tokens == plain.tokens
-    assert spec.stats["constraint"]["speculative"] == "off" and "speculative" not in spec.stats
+    assert spec.stats.constraint.speculative == "off" and spec.stats.speculative is None
     _valid(spec.text)

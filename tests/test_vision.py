@@ -177,24 +177,23 @@ def test_a_resent_image_is_served_from_the_prompt_cache_exactly(vlm):
         pc = PromptCache("test-store", layout, max_bytes=2**30, max_entries=16)
         image = proto.ImageData(png(6), "image/png")
 
-        def answer(chat, cache: PromptCache | None) -> GenerationResult:
+        def answer(chat, cache: PromptCache | None) -> tuple[GenerationResult, list[int]]:
             ids, images = prepare(sm.vision, render_chat(sm.tokenizer, chat), [image])
             result = GenerationResult()
             for _ in iter_generate(
                 sm, ids, SamplingParams(max_tokens=TOKENS), result, prompt_cache=cache, images=images
             ):
                 pass
-            result.stats["ids"] = ids
-            return result
+            return result, ids
 
         chat = [proto.ChatMessage("user", QUESTION, images=(image,))]
-        first, again, cold = answer(chat, pc), answer(chat, pc), answer(chat, None)
-        n = len(first.stats["ids"])
-        image_at = first.stats["ids"].index(sm.vision.image_token_id)
-        assert first.stats["cached_tokens"] == 0 and again.stats["cached_tokens"] == n - 1 > image_at
+        (first, ids), (again, _), (cold, _) = answer(chat, pc), answer(chat, pc), answer(chat, None)
+        n = len(ids)
+        image_at = ids.index(sm.vision.image_token_id)
+        assert first.stats.cached_tokens == 0 and again.stats.cached_tokens == n - 1 > image_at
         assert first.tokens == again.tokens == cold.tokens
         turn = [*chat, proto.ChatMessage("assistant", first.text), proto.ChatMessage("user", "And then?")]
-        follow, follow_cold = answer(turn, pc), answer(turn, None)
-        assert follow.stats["cached_tokens"] > image_at and follow.tokens == follow_cold.tokens
+        (follow, _), (follow_cold, _) = answer(turn, pc), answer(turn, None)
+        assert follow.stats.cached_tokens > image_at and follow.tokens == follow_cold.tokens
     finally:
         sm.close()

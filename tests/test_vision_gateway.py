@@ -86,7 +86,7 @@ def test_every_api_sends_an_image_and_gets_the_daemons_answer(served, clients):
     assert ref != _daemon(served, png(4))["text"]  # the image is seen
     chat = oa.chat.completions.create(model="m", messages=_openai_chat(_data_url(image)), max_tokens=N, temperature=0)
     assert chat.choices[0].message.content == ref["text"]
-    assert chat.usage.prompt_tokens == ref["stats"]["prompt_tokens"]
+    assert chat.usage.prompt_tokens == ref["stats"].prompt_tokens
     msg = an.messages.create(
         model="m", messages=_anthropic_chat(_b64(image)), max_tokens=N, extra_body={"temperature": 0}
     )
@@ -163,7 +163,7 @@ def test_bad_images_get_clear_400s_and_the_daemon_serves_on(served, clients):
 
 def test_status_and_models_say_the_model_takes_images(served):
     with Client(served[0]) as c:
-        assert c.status()["capabilities"]["vision"] is True
+        assert c.status().capabilities["vision"] is True
     url = served[1].url
     headers = {"Authorization": f"Bearer {KEY}"}
     models = httpx.get(url + "/v1/models", headers=headers).json()["data"]
@@ -178,7 +178,7 @@ def test_a_resent_image_hits_the_prompt_cache(served, clients):
     with Client(served[0]) as c:
         # Where the image's tokens lie in the prompt (the processor's expansion).
         first = c.complete(messages=[{"role": "user", "content": "Describe it.", "images": [image]}], max_tokens=N)
-    prompt = first["stats"]["prompt_tokens"]
+    prompt = first["stats"].prompt_tokens
     again = oa.chat.completions.create(
         model="m",
         messages=_openai_chat(_data_url(image), "Describe it."),
@@ -212,7 +212,7 @@ def test_a_resent_image_hits_the_prompt_cache(served, clients):
             max_tokens=N,
             cache_scope="nobody-else",
         )
-    assert cold["stats"]["cached_tokens"] == 0 and cold["text"] == follow.choices[0].message.content
+    assert cold["stats"].cached_tokens == 0 and cold["text"] == follow.choices[0].message.content
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +229,7 @@ def test_a_text_only_model_refuses_images_and_anthropic_reads_placeholders(text_
     with pytest.raises(ollama.ResponseError, match="takes no images"):
         ol.chat(model="m", messages=[{"role": "user", "content": "hi", "images": [image]}])
     with Client(text_only[0]) as c:
-        assert c.status()["capabilities"]["vision"] is False
+        assert c.status().capabilities["vision"] is False
         with pytest.raises(Exception, match="takes no images"):
             c.complete(messages=[{"role": "user", "content": "hi", "images": [image]}], max_tokens=2)
     # Claude Code sends screenshots whatever the model: a placeholder in the image's place.

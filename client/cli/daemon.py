@@ -14,9 +14,7 @@ from typing import Any
 import click
 
 from ...shared import protocol as proto
-from ...shared.elastic import ElasticStatus
 from ...shared.file_lock import lock_exclusive
-from ...shared.request_info import RequestInfo
 from ...shared.runtime_dir import (
     LOG_NAME,
     RuntimeDirError,
@@ -37,6 +35,7 @@ from ...shared.settings import (
     format_size,
     in_scope,
 )
+from ...shared.status import ElasticStatus, KeepAliveStatus, RequestInfo, Status
 from ...shared.store_format import load_manifest
 from ..client import Client, ClientError, DaemonDied, DaemonNotRunning
 from .group import launch_argv, spawn_group, stop_group
@@ -382,12 +381,12 @@ def restart(given, timeout) -> None:
                 running = c.status()
         except ClientError as e:
             raise click.ClickException(f"cannot ask the running daemon for its settings: {e}") from None
-        for name, value in running.get("settings", {}).items():
+        for name, value in running.settings.items():
             if name in given and given[name] is None and value is not None:
                 given[name] = value
-        if given.get("log_file") is None and running.get("log"):
-            given["log_file"] = running["log"]
-        if given.get("model") == running.get("settings", {}).get("model"):
+        if given.get("log_file") is None and running.log:
+            given["log_file"] = running.log
+        if given.get("model") == running.settings.get("model"):
             given["model"] = _served_store_now(running)
         stop_daemon(paths, timeout=30.0)
     settings = _pulled(resolve_settings(given), given)
@@ -413,16 +412,16 @@ def _pulled(settings: Settings, given: dict[str, Any]) -> Settings:
     return resolve_settings(given)
 
 
-def _served_store_now(running: dict[str, Any]) -> str | None:
+def _served_store_now(running: Status) -> str | None:
     """Where the store the daemon serves is now. A reinstall (`pip install -e .` after
     `pip install .`) moves the built-in demo out from under a running daemon: the demo's
     new copy is the same store (by id), so restart starts on it. Another store that is
     gone is refused here, before the running daemon is stopped."""
-    model = running.get("settings", {}).get("model")
+    model = running.settings.get("model")
     if model is None or Path(model).is_dir():
         return model
     demo = demo_store_path()
-    if demo.is_dir() and running.get("store_id") == load_manifest(demo).store_id:
+    if demo.is_dir() and running.store_id == load_manifest(demo).store_id:
         return str(demo)
     raise click.ClickException(
         f"the daemon's store {model} is gone, so it cannot be restarted on it; the daemon keeps running "
@@ -449,7 +448,7 @@ def status(runtime_dir, as_json) -> None:
     except ClientError as e:
         raise click.ClickException(str(e)) from None
     if as_json:
-        click.echo(json.dumps({"running": True, **st}))
+        click.echo(json.dumps({"running": True, **st.to_dict()}))
         return
     click.echo(_format_status(st))
 
@@ -466,45 +465,42 @@ def _rate(x: Any) -> str:
     return f"{100 * x:.1f}%" if isinstance(x, (int, float)) else "-"
 
 
-def _format_status(st: dict[str, Any]) -> str:
-    mem, req, pool, heat = st["memory"], st["requests"], st["pool"], st.get("heat", {})
+def _format_status(st: Status) -> str:
+    mem, req, pool, heat = st.memory, st.requests, st.pool, st.heat
     lines = [
-        f"moestream daemon {st['version']}: {_state_text(st)} (pid {st['pid']}, up {st['uptime_s']:.0f} s)",
-        f"  model      {st['model']}" + (f" (store id {st['store_id']})" if st.get("store_id") else ""),
+        f"moestream daemon {st.version}: {_state_text(st)} (pid {st.pid}, up {st.uptime_s:.0f} s)",
+        f"  model      {st.model}" + (f" (store id {st.store_id})" if st.store_id else ""),
     ]
-    caps = st.get("capabilities")
+    caps = st.capabilities
     if caps:
         takes = ["text", *(name for name in ("tools", "thinking") if caps.get(name))]
         lines.append(f"  takes      {', '.join(takes)}; " + ("images" if caps.get("vision") else "no images"))
-    if st.get("error"):
-        lines.append(f"  error      {st['error']}")
-    if st.get("store_problem"):
-        lines.append(f"  warning    {st['store_problem']}")
-    if st["state"] == "unloaded":
+    if st.error:
+        lines.append(f"  error      {st.error}")
+    if st.store_problem:
+        lines.append(f"  warning    {st.store_problem}")
+    if st.state == "unloaded":
         lines.append("  holds      the socket and the heat keeper; no model, pool, host tier or caches")
-    elif st.get("capacity") is None:
-        lines.append("  pool       not loaded yet" if st["state"] == "loading" else "  pool       none")
+    elif st.capacity is None:
+        lines.append("  pool       not loaded yet" if st.state == "loading" else "  pool       none")
     else:
-        layers = pool.get("layers", [])
-        resident = sum(layer["resident"] for layer in layers)
-        slots = sum(layer["capacity"] for layer in layers)
-        pinned = sum(layer["pinned"] for layer in layers)
+        resident = sum(layer.resident for layer in pool.layers)
+        slots = sum(layer.capacity for layer in pool.layers)
+        pinned = sum(layer.pinned for layer in pool.layers)
         lines.append(
-            f"  pool       {st['capacity']} slots x {st.get('moe_layers')} layers of {st.get('experts_per_layer')} "
-            "experts, "
-            f"policy {st['policy']}; {resident}/{slots} slots used, {pinned} pinned; hit rate "
-            f"{_rate(pool.get('hit_rate'))}"
+            f"  pool       {st.capacity} slots x {st.moe_layers} layers of {st.experts_per_layer} experts, "
+            f"policy {st.policy}; {resident}/{slots} slots used, {pinned} pinned; hit rate {_rate(pool.hit_rate)}"
         )
-    if st.get("elastic") and st.get("capacity") is not None:
-        lines += _elastic_lines(ElasticStatus.from_dict(st["elastic"]))
-    ctx = st.get("context")
+    if st.elastic and st.capacity is not None:
+        lines += _elastic_lines(st.elastic)
+    ctx = st.context
     if ctx:
-        room = f", {_size(ctx['kv_room_bytes'])} of {ctx['memory']} left for KV" if ctx["kv_room_bytes"] else ""
+        room = f", {_size(ctx.kv_room_bytes)} of {ctx.memory} left for KV" if ctx.kv_room_bytes else ""
         lines.append(
-            f"  context    {ctx['tokens']} tokens per request ({ctx['bound']}; the model's "
-            f"{ctx['model_tokens'] or '?'}, KV {_size(ctx['kv_bytes_per_token'])}/token{room})"
+            f"  context    {ctx.tokens} tokens per request ({ctx.bound}; the model's "
+            f"{ctx.model_tokens or '?'}, KV {_size(ctx.kv_bytes_per_token)}/token{room})"
         )
-    batch = st.get("batch")
+    batch = st.batch
     if batch:
         mean = batch.get("mean_size")
         lines.append(
@@ -513,7 +509,7 @@ def _format_status(st: dict[str, Any]) -> str:
             if mean
             else f"  batch      up to {batch['max_batch']} decoding together; {batch['size']} in it now"
         )
-    pc = st.get("prompt_cache")
+    pc = st.prompt_cache
     if pc:
         lines.append(
             f"  cache      {pc['entries']} prompts' KV caches in {pc.get('branches', 0)} branches, "
@@ -527,27 +523,26 @@ def _format_status(st: dict[str, Any]) -> str:
             )
             + (f"; no disk cache: {pc['disk_problem']}" if pc.get("disk_problem") else "")
         )
-    prefill = pool.get("prefill") or {}
-    if prefill.get("order"):
+    if pool.prefill.order:
         lines.append(
-            f"  prefill    {prefill['order']}; {prefill.get('stacked_layers', 0)} layer stacks so far, "
-            f"{_size(prefill.get('staged_bytes'))} staged, {_size(pool.get('bytes_read'))} read in all"
+            f"  prefill    {pool.prefill.order}; {pool.prefill.stacked_layers} layer stacks so far, "
+            f"{_size(pool.prefill.staged_bytes)} staged, {_size(pool.bytes_read)} read in all"
         )
-    if pool.get("mapped_auto"):
+    if pool.mapped_auto:
         # What `mapped = auto` chose, and why (daemon/model/streaming_model.py choose_mapped).
-        lines.append(f"  mapped     auto, {pool['mapped_auto']}")
-    placement = pool.get("mapped_pool")
-    if pool.get("mapped") and placement:
+        lines.append(f"  mapped     auto, {pool.mapped_auto}")
+    placement = pool.mapped_pool
+    if pool.mapped and placement:
         lines.append(
             f"  mapped     every expert in host memory, {placement['gpu_slots']} per layer in GPU memory; "
             f"GPU hit rate {_rate(placement.get('gpu_hit_rate'))}, {placement['moves']} moves"
         )
-    group = st.get("expert_parallel")
+    group = st.expert_parallel
     if group:
         lines.append(f"  ranks      {group['size']} (expert-parallel, experts e % {group['size']} == rank)")
         if group.get("broken"):
             lines.append(f"    broken: {group['broken']}")
-        layers = st.get("moe_layers") or 1
+        layers = st.moe_layers or 1
         for r in group["ranks"]:
             lines.append(
                 f"    rank {r['rank']}: {r['experts'] // layers} experts per layer, pool {r.get('capacity', '-')} "
@@ -556,24 +551,23 @@ def _format_status(st: dict[str, Any]) -> str:
                 f"heat {r.get('heat_state', '-')} ({r.get('heat_file', '-')}: {r.get('heat_sent', 0)} counts sent, "
                 f"{r.get('heat_dropped', 0)} dropped; {r.get('heat_loaded', 0)} loaded at start)"
             )
-    ended = ", ".join(f"{req.get(k, 0)} {k}" for k in ("completed", "cancelled", "disconnected", "failed"))
+    ended = ", ".join(f"{getattr(req, k)} {k}" for k in ("completed", "cancelled", "disconnected", "failed"))
     lines += [
-        f"  memory     RSS {_size(mem['rss_bytes'])}, MLX active {_size(mem['mlx_active_bytes'])}, peak "
-        f"{_size(mem['mlx_peak_bytes'])}",
-        f"  requests   {req['active']} active, {req['queued']} queued, {st['clients']['connected']} clients connected; "
-        f"{req.get('requests', 0)} received: {ended}; {req.get('tokens', 0)} tokens made",
+        f"  memory     RSS {_size(mem.rss_bytes)}, MLX active {_size(mem.mlx_active_bytes)}, peak "
+        f"{_size(mem.mlx_peak_bytes)}",
+        f"  requests   {req.active} active, {req.queued} queued, {st.clients.connected} clients connected; "
+        f"{req.requests} received: {ended}; {req.tokens} tokens made",
     ]
-    if req.get("why_queued"):
-        lines.append(f"    queued: {req['why_queued']}")
-    for job in [*req.get("running", []), *req.get("waiting", [])]:
-        info = RequestInfo.from_dict(job)
+    if req.why_queued:
+        lines.append(f"    queued: {req.why_queued}")
+    for info in [*req.running, *req.waiting]:
         lines.append(f"    {info.id} ({info.client}): {_job_state(info)}, {info.seconds:.0f} s")
-    if st.get("keep_alive"):
-        lines.append(_keep_alive_line(st["keep_alive"]))
+    if st.keep_alive:
+        lines.append(_keep_alive_line(st.keep_alive))
     lines += [
         f"  heat       {heat.get('state', '-')}" + (f" ({heat['note']})" if heat.get("note") else ""),
-        f"  log        {st['log']}",
-        f"  socket     {st['socket']}",
+        f"  log        {st.log}",
+        f"  socket     {st.socket}",
     ]
     return "\n".join(lines)
 
@@ -607,20 +601,19 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds >= 60 else f"{seconds:.0f} s"
 
 
-def _state_text(st: dict[str, Any]) -> str:
+def _state_text(st: Status) -> str:
     """The state; an unloaded daemon's with how long it has been idle: "unloaded (idle 31 min)"."""
-    ka = st.get("keep_alive") or {}
-    if st["state"] == "unloaded" and ka.get("idle_s") is not None:
-        return f"unloaded (idle {_minutes(ka['idle_s'])})"
-    return st["state"]
+    ka = st.keep_alive
+    if st.state == "unloaded" and ka is not None and ka.idle_s is not None:
+        return f"unloaded (idle {_minutes(ka.idle_s)})"
+    return st.state
 
 
-def _keep_alive_line(ka: dict[str, Any]) -> str:
-    seconds = ka["keep_alive_s"]
-    what = "never unloads" if seconds < 0 else f"unloads after {_minutes(seconds)} idle"
-    if ka.get("unload_in_s") is not None:
-        what += f" (in {_minutes(ka['unload_in_s'])})"
-    return f"  keep-alive {what}; {ka.get('unloads', 0)} unloads, {ka.get('reloads', 0)} loads again so far"
+def _keep_alive_line(ka: KeepAliveStatus) -> str:
+    what = "never unloads" if ka.keep_alive_s < 0 else f"unloads after {_minutes(ka.keep_alive_s)} idle"
+    if ka.unload_in_s is not None:
+        what += f" (in {_minutes(ka.unload_in_s)})"
+    return f"  keep-alive {what}; {ka.unloads} unloads, {ka.reloads} loads again so far"
 
 
 def _job_state(job: RequestInfo) -> str:
@@ -648,7 +641,7 @@ def logs(runtime_dir, log_file, lines, follow) -> None:
     if log_file is None and _running(paths):
         try:
             with Client(paths, timeout=2.0) as c:
-                path = Path(c.status()["log"])
+                path = Path(c.status().log)
         except ClientError as e:
             click.echo(f"(the daemon did not say where it logs: {e})", err=True)
     click.echo(f"log: {path}", err=True)

@@ -13,6 +13,7 @@ import click
 
 from ...shared.kernel_cache import KernelCacheError, use_kernel_cache
 from ...shared.settings import GENERATE, LOCAL, Settings, SettingsError, definition, demo_store_path, in_scope
+from ...shared.status import RequestStats, Status
 from ...shared.store_format import same_folder
 from .values import capacity_note, setting_options, store_option
 
@@ -265,34 +266,34 @@ def generate(
     _report(result.text, result.tokens, result.stats, as_json, diagnostics)
 
 
-def _report(text: str, tokens: list[int], stats: dict[str, Any], as_json: bool, diagnostics: bool) -> None:
+def _report(text: str, tokens: list[int], stats: RequestStats, as_json: bool, diagnostics: bool) -> None:
     """The JSON object, or (text already streamed) a diagnostics summary on stderr."""
     if as_json:
-        click.echo(json.dumps({"text": text, "tokens": tokens, "stats": stats}))
+        click.echo(json.dumps({"text": text, "tokens": tokens, "stats": stats.to_dict()}))
         return
     if diagnostics:
         from .daemon import diagnostics_lines
 
-        d = stats.get("diagnostics")
+        d = stats.diagnostics
         lines = diagnostics_lines(d) if d else ["diagnostics: none recorded for this request"]
         for line in lines:
             click.echo(line, err=True)
 
 
-def _check_served_store(model: str, status: dict) -> None:
+def _check_served_store(model: str, status: Status) -> None:
     """Refuse when the daemon serves another store than `model`. Stores are compared by
     their ids, not their paths: two copies of a store (the demo installed twice) are one."""
-    served = status.get("model")
+    served = status.model
     if not served:
         return
     wanted = store_option(model).store_id
-    served_id = status.get("store_id")
+    served_id = status.store_id
     if served_id is None:  # a daemon still loading does not know its store's id yet
         same = same_folder(model, served)  # by device and inode: ~/Models/X is ~/models/x on APFS
     else:
         same = served_id == wanted
     if not same:
-        why = f" ({status['store_problem']})" if status.get("store_problem") else ""
+        why = f" ({status.store_problem})" if status.store_problem else ""
         raise click.ClickException(
             f"the daemon serves the store {served} (id {served_id or 'not known yet'}), not {model} "
             f"(id {wanted}){why}: stop it (`moestreamctl stop`) or use --local"
@@ -346,9 +347,9 @@ def _generate_via_daemon(
             raise click.ClickException(str(e)) from None
         if _model_chosen(settings, given):
             _check_served_store(settings.model, status)
-        if status.get("store_problem"):
-            click.echo(f"warning: {status['store_problem']}", err=True)
-        running = status.get("settings", {})
+        if status.store_problem:
+            click.echo(f"warning: {status.store_problem}", err=True)
+        running = status.settings
         ignored = [
             definition(k).flag
             for k, v in given.items()

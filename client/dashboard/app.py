@@ -16,11 +16,10 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from ...shared.elastic import ElasticStatus
 from ...shared.heat_file import group_usage, peek_usage, usage_path
-from ...shared.request_info import RequestInfo
 from ...shared.runtime_dir import RuntimePaths
 from ...shared.settings import Settings, SettingsError
+from ...shared.status import RequestInfo, Status
 from ..client import Client, ClientError, DaemonNotRunning
 
 log = logging.getLogger("moestream.dashboard")
@@ -42,15 +41,14 @@ class Sample:
     routed: tuple[int, ...] = ()  # each MoE layer's routings so far
 
 
-def requests_of(st: dict[str, Any]) -> list[RequestInfo]:
+def requests_of(st: Status) -> list[RequestInfo]:
     """The daemon's running requests, then the first of its queued ones."""
-    req = st.get("requests", {})
-    return [RequestInfo.from_dict(j) for j in [*req.get("running", []), *req.get("waiting", [])]]
+    return [*st.requests.running, *st.requests.waiting]
 
 
-def tokens_made(st: dict[str, Any]) -> int:
+def tokens_made(st: Status) -> int:
     """Tokens made so far: those of ended requests and of running ones."""
-    return int(st.get("requests", {}).get("tokens", 0)) + sum(j.tokens for j in requests_of(st))
+    return st.requests.tokens + sum(j.tokens for j in requests_of(st))
 
 
 class History:
@@ -59,7 +57,7 @@ class History:
 
     def __init__(
         self,
-        read: Callable[[], dict[str, Any] | None],
+        read: Callable[[], Status | None],
         period: float = SAMPLE_SECONDS,
         keep: int = round(HISTORY_SECONDS / SAMPLE_SECONDS),
     ) -> None:
@@ -67,12 +65,12 @@ class History:
         self.period = period
         self.samples: deque[Sample] = deque(maxlen=keep)
 
-    def add(self, st: dict[str, Any] | None, at: float) -> None:
+    def add(self, st: Status | None, at: float) -> None:
         if st is None:
             self.samples.append(Sample(at, None, None))
         else:
-            routed = tuple(int(la.get("routed", 0)) for la in (st.get("pool") or {}).get("layers", []))
-            self.samples.append(Sample(at, tokens_made(st), st.get("pid"), routed))
+            routed = tuple(la.routed for la in st.pool.layers)
+            self.samples.append(Sample(at, tokens_made(st), st.pid, routed))
 
     def sample(self) -> None:
         try:
@@ -120,14 +118,14 @@ class History:
         return [max(b - a, 0) / dt for a, b in zip(prev.routed, s.routed)]
 
 
-def pool_sizes(st: dict[str, Any], now: float) -> dict[str, Any]:
+def pool_sizes(st: Status | None, now: float) -> dict[str, Any]:
     """The pool's slots per layer over time, from the elastic pool's resizes in `status`
     (daemon/pool/elastic.py): the size before the first resize kept, then a step at each
     (with why), up to its size at `now` (wall-clock seconds); with what it was made with,
     its floor and the pressure read last, for the page's chart and list."""
-    if not st.get("elastic"):
+    el = st.elastic if st is not None else None
+    if el is None:
         return {"steps": [], "note": "no elastic pool (a daemon before it, or not running)"}
-    el = ElasticStatus.from_dict(st["elastic"])
     if el.source is None or not el.configured_slots:
         return {"steps": [], "note": el.note}
     first = el.events[0].slots_from if el.events else el.slots
@@ -148,14 +146,14 @@ def pool_sizes(st: dict[str, Any], now: float) -> dict[str, Any]:
     }
 
 
-def heat_map(st: dict[str, Any]) -> dict[str, Any]:
+def heat_map(st: Status) -> dict[str, Any]:
     """The routing counts of the served store as rows of layers x experts, from the heat
     file (read only: a corrupt one is the daemon's to set aside)."""
-    model, layers, experts = st.get("model"), st.get("moe_layers"), st.get("experts_per_layer")
+    model, layers, experts = st.model, st.moe_layers, st.experts_per_layer
     if not model:
         return {"rows": [], "note": "no model"}
     try:
-        values = {k: v for k, v in (st.get("settings") or {}).items() if v is not None and v != "auto"}
+        values = {k: v for k, v in st.settings.items() if v is not None and v != "auto"}
         folder = Settings.from_values(values).heat_folder(model)
     except SettingsError as e:
         return {"rows": [], "note": f"cannot tell where the heat is: {e}"}
@@ -205,36 +203,36 @@ class Dashboard:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def _status(self, timeout: float) -> dict[str, Any]:
-        """{"running": True, **status}, or {"running": False} (with the error, if any)."""
+    def _status(self, timeout: float) -> tuple[Status | None, str | None]:
+        """The daemon's status, or None and why (None: no daemon running)."""
         try:
             with Client(self.paths, timeout=timeout) as client:
-                st = client.status()
+                return client.status(), None
         except DaemonNotRunning:
-            return {"running": False}
+            return None, None
         except ClientError as e:
-            return {"running": False, "error": str(e)}
-        return {"running": True, **st}
+            return None, str(e)
 
-    def _sampled_status(self) -> dict[str, Any] | None:
-        st = self._status(min(self.timeout, self.history.period))
-        return st if st["running"] else None
+    def _sampled_status(self) -> Status | None:
+        return self._status(min(self.timeout, self.history.period))[0]
 
     async def page(self, request: Request) -> Response:
         return HTMLResponse(PAGE.read_text(encoding="utf-8"), headers={"cache-control": "no-store"})
 
     async def state(self, request: Request) -> Response:
         self.authorize(request)
-        st = await anyio.to_thread.run_sync(self._status, self.timeout)
+        st, error = await anyio.to_thread.run_sync(self._status, self.timeout)
+        # The page reads the status under the names the daemon gives it (shared/status.py).
+        shown = {"running": True, **st.to_dict()} if st is not None else {"running": False}
         body: dict[str, Any] = {
-            "status": st,
+            "status": shown | ({"error": error} if error else {}),
             "history": self.history.points(),
             "layer_rates": self.history.layer_rates(),
             "requests": [],
             "heat": {"rows": []},
             "pool_sizes": pool_sizes(st, time.time()),
         }
-        if st["running"]:
+        if st is not None:
             body["requests"] = [r.to_dict() for r in requests_of(st)]
             body["tokens_made"] = tokens_made(st)
             body["heat"] = await anyio.to_thread.run_sync(heat_map, st)

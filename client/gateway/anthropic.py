@@ -1,4 +1,4 @@
-"""Anthropic's Messages API onto the gateway's one request path (app.py), no MLX, no I/O
+"""Anthropic's Messages API onto the gateway's one request path (daemon_link.py), no MLX, no I/O
 of its own:
 
     POST /v1/messages               system, messages of text / image / document / tool_use /
@@ -56,20 +56,12 @@ from ...shared import protocol as proto
 from ...shared.protocol import Done
 from ..client import Accepted, Token, ToolCall
 from .call_texts import CallTexts
+from .daemon_link import ApiError, ApiRequest, bad_request
 from .keep_alive import KeepAlive
-from .openai import (
-    ApiError,
-    ApiRequest,
-    bad_request,
-    check_image_count,
-    declared_identity,
-    image_from,
-    json_constraint,
-    sampling_controls,
-)
+from .openai import check_image_count, declared_identity, image_from, json_constraint, sampling_controls
 
 if TYPE_CHECKING:
-    from .app import DaemonRequest, Gateway
+    from .daemon_link import DaemonRequest, Gateway
 
 PREFIX = "/v1/messages"
 MAX_TEMPERATURE = 1.0
@@ -448,7 +440,7 @@ def stop_reason(done: Done) -> tuple[str, str | None]:
         return "tool_use", None
     if done.finish_reason == "length":
         return "max_tokens", None
-    hit = done.stats.get("stop_string")
+    hit = done.stats.stop_string
     return ("stop_sequence", hit) if hit else ("end_turn", None)
 
 
@@ -465,7 +457,7 @@ def _tool_use(name: str) -> dict[str, Any]:
 def usage(done: Done) -> dict[str, int]:
     """Anthropic's usage: the prompt's tokens read from the daemon's prompt cache apart
     from the rest (the three input counts add up to the prompt's length)."""
-    prompt, cached = int(done.stats.get("prompt_tokens", 0)), int(done.stats.get("cached_tokens", 0))
+    prompt, cached = done.stats.prompt_tokens, done.stats.cached_tokens
     return {
         "input_tokens": prompt - cached,
         "cache_creation_input_tokens": 0,

@@ -1,32 +1,33 @@
 """The daemon's model as the APIs name and describe it, from its status: shared by the
-OpenAI routes (app.py) and Ollama's (ollama.py), below both."""
+OpenAI routes (openai.py) and Ollama's (ollama.py), below both."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+
+from ...shared.status import Status
 
 MODEL_ALIAS = "moestream"
 DEMO_MODEL_ID = "moestream-demo"
 
 
-def model_id(st: dict[str, Any], demo_store_id: str | None) -> str:
+def model_id(st: Status, demo_store_id: str | None) -> str:
     """The model's id in the API, from the daemon's status: the store folder's name, or
     "moestream-demo" for the built-in demo model wherever its store lies (its id says so)."""
-    store = st.get("model")
+    store = st.model
     if not store:
         return MODEL_ALIAS
-    if demo_store_id is not None and st.get("store_id") == demo_store_id:
+    if demo_store_id is not None and st.store_id == demo_store_id:
         return DEMO_MODEL_ID
     return Path(store).name
 
 
-def capabilities(st: dict[str, Any]) -> list[str]:
+def capabilities(st: Status) -> list[str]:
     """What the daemon's model takes, in Ollama's words (completion, tools, thinking, vision)."""
-    caps = st.get("capabilities") or {}
+    caps = st.capabilities or {}
     return ["completion", *(name for name in ("tools", "thinking", "vision") if caps.get(name))]
 
 
-def context_length(st: dict[str, Any]) -> int | None:
+def context_length(st: Status) -> int | None:
     """Tokens per request, prompt and answer (None before the model's first load)."""
-    return (st.get("context") or {}).get("tokens")
+    return st.context.tokens if st.context is not None else None

@@ -1,4 +1,4 @@
-"""Ollama's API onto the gateway's one request path (app.py), no MLX, no I/O of its own:
+"""Ollama's API onto the gateway's one request path (daemon_link.py), no MLX, no I/O of its own:
 
     POST /api/chat       messages (with tool_calls and `tool` results), tools, options
     POST /api/generate   a text prompt, continued as it is (Ollama's `raw` mode: use
@@ -28,7 +28,7 @@ import json
 import time
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -37,13 +37,12 @@ from starlette.routing import Route
 from ... import __version__
 from ...shared import protocol as proto
 from ...shared.protocol import Done
+from ...shared.status import KeepAliveStatus
 from ..client import Token, ToolCall
+from .daemon_link import ApiError, ApiRequest, bad_request
 from .images import IMAGE_BODY_BYTES
 from .model_info import capabilities, context_length, model_id
 from .openai import (
-    ApiError,
-    ApiRequest,
-    bad_request,
     check_image_count,
     image_from,
     json_constraint,
@@ -54,7 +53,7 @@ from .openai import (
 )
 
 if TYPE_CHECKING:
-    from .app import DaemonRequest, Gateway
+    from .daemon_link import DaemonRequest, Gateway
 
 PREFIX = "/api/"
 DEFAULT_NUM_PREDICT = 512
@@ -76,17 +75,15 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def _expires_at(keep_alive: Mapping[str, Any] | None) -> str:
+def _expires_at(ka: KeepAliveStatus | None) -> str:
     """When the daemon will release the model (its keep-alive clock): idle, after what is
     left; busy, a keep_alive after now at the earliest; never (keep_alive < 0), the far
     future Ollama's clients read as no expiry."""
-    ka = keep_alive or {}
-    left = ka.get("unload_in_s")
+    left = ka.unload_in_s if ka is not None else None
     if left is None:
-        seconds = ka.get("keep_alive_s")
-        if not isinstance(seconds, (int, float)) or seconds < 0:
+        if ka is None or ka.keep_alive_s < 0:
             return "9999-12-31T23:59:59Z"
-        left = seconds
+        left = ka.keep_alive_s
     at = datetime.now(timezone.utc) + timedelta(seconds=float(left))
     return at.isoformat().replace("+00:00", "Z")
 
@@ -312,10 +309,10 @@ def _final(model: str, done: Done, started: float) -> dict[str, Any]:
         "done_reason": "length" if done.finish_reason == "length" else "stop",
         "total_duration": total,
         "load_duration": 0,
-        "prompt_eval_count": int(stats.get("prompt_tokens", 0)),
-        "prompt_eval_duration": int(float(stats.get("prompt_seconds") or 0) * 1e9),
+        "prompt_eval_count": stats.prompt_tokens,
+        "prompt_eval_duration": int(stats.prompt_seconds * 1e9),
         "eval_count": len(done.tokens),
-        "eval_duration": int(float(stats.get("decode_seconds") or 0) * 1e9),
+        "eval_duration": int(stats.decode_seconds * 1e9),
     }
 
 
@@ -456,8 +453,7 @@ class OllamaApi:
     async def _model(self) -> dict[str, Any]:
         st = await self._gw._status()
         name = model_id(st, self._gw.config.demo_store_id)
-        memory = st.get("memory") or {}
-        size = int(memory.get("resident_weights_bytes") or 0) + int(memory.get("pool_bytes") or 0)
+        size = (st.memory.resident_weights_bytes or 0) + (st.memory.pool_bytes or 0)
         details = {
             "format": "moestream",
             "family": "",
@@ -470,7 +466,7 @@ class OllamaApi:
             "model": name,
             "modified_at": _now(),
             "size": size,
-            "digest": st.get("store_id") or "",
+            "digest": st.store_id or "",
             "details": details,
             # Beyond Ollama's listing: what /api/show says, for clients that read the list only.
             "capabilities": capabilities(st),
@@ -484,10 +480,10 @@ class OllamaApi:
     async def ps(self, request: Request) -> Response:
         self._gw._authorize(request)
         st = await self._gw._status()
-        if st.get("state") == "unloaded":  # released after keep_alive: nothing runs (Ollama lists none)
+        if st.state == "unloaded":  # released after keep_alive: nothing runs (Ollama lists none)
             return JSONResponse({"models": []})
         m = await self._model()
-        return JSONResponse({"models": [m | {"expires_at": _expires_at(st.get("keep_alive")), "size_vram": m["size"]}]})
+        return JSONResponse({"models": [m | {"expires_at": _expires_at(st.keep_alive), "size_vram": m["size"]}]})
 
     async def show(self, request: Request) -> Response:
         self._gw._authorize(request)

@@ -38,72 +38,37 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Sequence
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from ...shared import protocol as proto
+from ...shared.protocol import Done
 from ...shared.settings import SettingsError, parse_duration
+from ...shared.status import Status
+from ..client import Token, ToolCall
 from . import images
 from .call_texts import CallTexts
+from .daemon_link import (
+    ApiError,
+    ApiRequest,
+    Choices,
+    DaemonRequest,
+    EventStream,
+    Gateway,
+    bad_request,
+    shutdown_error,
+    sse,
+)
+from .keep_alive import KeepAlive
+from .model_info import capabilities, context_length, model_id
 
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_TEMPERATURE = 1.0
 MAX_TEMPERATURE = 2.0
 MAX_CHOICES = 8  # n
-
-
-class ApiError(Exception):
-    """An HTTP error answered as OpenAI does: `status` and an error object."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
-
-
-@dataclass(frozen=True)
-class ApiRequest:
-    """One validated completion request."""
-
-    chat: bool  # /v1/chat/completions (messages) or /v1/completions (prompt)
-    model: str | None  # as the client named it; None when it gave none
-    stream: bool
-    include_usage: bool
-    generate: dict[str, Any] = field(default_factory=dict)  # keyword arguments of Client.generate
-    n: int = 1  # choices: as many daemon requests
-    # Who the request says it comes from (`declared_identity`), or "": the scope of the
-    # tool-call texts the gateway keeps (call_texts.py) and of the prompt cache (app.py).
-    client: str = ""
-    # For a model that takes no images: `generate` with each image as text (Anthropic's
-    # placeholders); None: such a model refuses a request with images (400).
-    text_only: dict[str, Any] | None = None
-    # Why its images could not be read (then `generate` is `text_only`): the answer to a
-    # model that takes images; None: they were read.
-    image_error: ApiError | None = None
-
-    def choice(self, i: int) -> ApiRequest:
-        """The request of choice `i` of n: its own seed (s + i) where a seed is given."""
-        seed = self.generate.get("seed")
-        if i == 0 or seed is None:
-            return self
-        return replace(self, generate={**self.generate, "seed": (seed + i) % 2**63})
 
 
 # ---- requests ------------------------------------------------------------------------
@@ -762,3 +727,188 @@ class Shaper:
         """The last chunk when stream_options.include_usage: no choices, the usage."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return self._base(obj) | {"choices": [], "usage": use}
+
+
+# ---- the endpoints -------------------------------------------------------------------
+
+
+class OpenAIApi:
+    """OpenAI's endpoints (chat completions, completions, models) onto the gateway's one
+    request path (daemon_link.py)."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self._gw = gw
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            # Clients set up for llama.cpp's or mlx-lm's server may leave out the /v1.
+            Route("/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+        ]
+
+    def _model_object(self, st: Status) -> dict[str, Any]:
+        created = int(time.time() - st.uptime_s)
+        return {
+            "id": model_id(st, self._gw.config.demo_store_id),
+            "object": "model",
+            "created": created,
+            "owned_by": "moestream",
+            # Beyond OpenAI's object, as other local servers add them: tokens per request
+            # (prompt and answer) and what the model takes.
+            "context_length": context_length(st),
+            "capabilities": capabilities(st),
+        }
+
+    async def models(self, request: Request) -> Response:
+        self._gw._authorize(request)
+        st = await self._gw._status()
+        return JSONResponse({"object": "list", "data": [self._model_object(st)]})
+
+    async def model(self, request: Request) -> Response:
+        self._gw._authorize(request)
+        st = await self._gw._status()
+        return JSONResponse(self._model_object(st) | {"id": request.path_params["model"]})
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: Request, *, chat: bool) -> Response:
+        self._gw._authorize(request)
+        body = await self._gw._read_json(request, images.IMAGE_BODY_BYTES if chat else None)
+        req = parse_request(body, chat=chat, kept=self._gw.call_texts)
+        opened = await self._gw.open_choices(request, req, "chatcmpl-" if chat else "cmpl-")
+        if opened is None:
+            return Response(status_code=499)  # nobody is there to read an answer
+        daemons, model = opened
+        shaper = Shaper(chat=chat, id=daemons[0].id, model=model)
+        if not req.stream:
+            answers = []
+            for i, daemon in enumerate(daemons):
+                done = await self._gw.whole(request, daemon)
+                if done is None:
+                    for d in daemons[i + 1 :]:
+                        d.cancel()
+                    return Response(status_code=499)
+                reason = finish_reason(done.finish_reason, bool(done.tool_calls))
+                use = _usage(done)
+                answers.append(
+                    shaper.at(i).complete(done.text, reason, use, done.tool_calls, done.reasoning, done.logprobs)
+                )
+                message = answers[-1]["choices"][0].get("message") or {}  # a chat's (not a completion's)
+                for out, call in zip(message.get("tool_calls") or (), done.tool_calls):
+                    self._gw.call_texts.keep(req.client, out["id"], call["name"], call["arguments"], call.get("text"))
+            body = answers[0]
+            if len(answers) > 1:
+                # One prompt, n completions: the prompt counted once, as OpenAI counts it.
+                completion = sum(a["usage"]["completion_tokens"] for a in answers)
+                body["usage"] |= usage(body["usage"]["prompt_tokens"], completion)
+                body["choices"] = [a["choices"][0] for a in answers]
+            return JSONResponse(body)
+        head = await self._gw.first_event(request, daemons[0])
+        if head is None:
+            for d in daemons:
+                d.cancel()
+            return Response(status_code=499)
+        return EventStream(self._events(daemons[0], shaper, req, head, daemons[1:]), Choices(daemons))
+
+    async def _events(
+        self,
+        daemon: DaemonRequest,
+        shaper: Shaper,
+        req: ApiRequest,
+        event: Any,
+        others: Sequence[DaemonRequest] = (),
+    ) -> AsyncIterator[str]:
+        """The SSE body from the daemon's first `event` on: its choice's chunks, then
+        those of the `others` choices in turn (n > 1: they decode meanwhile, their events
+        waiting), usage, [DONE]."""
+        dones: list[Done] = []
+        for i, daemon in enumerate([daemon, *others]):
+            if i:
+                event = await daemon.next()
+            async for chunk in self._choice_events(daemon, shaper.at(i), req, event, dones):
+                yield chunk
+            if len(dones) <= i:
+                return  # an error ended the stream
+        if req.include_usage:
+            use = _usage(dones[0])
+            use |= usage(use["prompt_tokens"], sum(len(d.tokens) for d in dones))
+            yield sse(shaper.usage_chunk(use))
+        yield "data: [DONE]\n\n"
+
+    async def _choice_events(
+        self, daemon: DaemonRequest, shaper: Shaper, req: ApiRequest, event: Any, dones: list[Done]
+    ) -> AsyncIterator[str]:
+        """One choice's chunks from its daemon's `event` on: a role chunk (chat), text
+        (with the log-probabilities of the tokens it completes, where asked) and
+        tool-call chunks, the finish chunk; its `Done` is added to `dones`."""
+        extra = req.include_usage
+        sampling = req.generate.get("sampling")
+        asked = sampling is not None and sampling.logprobs is not None
+        if shaper.chat:
+            yield sse(shaper.chunk("", first=True, with_usage=extra))
+        sent: list[str] = []
+        thought: list[str] = []
+        calls = 0
+        held: list[proto.TokenLogprob] = []  # entries not sent yet (their text held back)
+        given = 0
+        try:
+            async for event in self._gw.events(daemon, event):
+                if isinstance(event, KeepAlive):
+                    yield event.sse_comment()
+                elif isinstance(event, Token):
+                    if not event.reasoning:  # a thinking model's reasoning has no content logprobs
+                        held.extend(event.logprobs or ())
+                    else:
+                        given += len(event.logprobs or ())
+                    if not event.text:
+                        continue
+                    lp = held if asked and not event.reasoning else None
+                    offset = len("".join(sent))
+                    (thought if event.reasoning else sent).append(event.text)
+                    yield sse(
+                        shaper.text_chunk(
+                            event.text, bool(event.reasoning), with_usage=extra, logprobs=lp, offset=offset
+                        )
+                    )
+                    if lp is not None:
+                        given += len(held)
+                        held = []
+                elif isinstance(event, ToolCall):
+                    call = {"name": event.name, "arguments": event.arguments}
+                    chunk = shaper.tool_chunk(call, calls, with_usage=extra)
+                    call_id = chunk["choices"][0]["delta"]["tool_calls"][0]["id"]
+                    self._gw.call_texts.keep(req.client, call_id, event.name, event.arguments, event.text)
+                    yield sse(chunk)
+                    calls += 1
+        except ApiError as e:
+            yield sse(e.body())  # as OpenAI reports an error after the stream began
+            return
+        if event.finish_reason == "shutdown":
+            yield sse(shutdown_error().body())
+            return
+        rest_lp = list(event.logprobs[given:]) if event.logprobs is not None else None
+        for thinking, rest in (
+            (True, self._gw.rest_of(event.reasoning, thought)),
+            (False, self._gw.rest_of(event.text, sent)),
+        ):
+            if rest:
+                lp = None if thinking else rest_lp
+                offset = len("".join(sent))
+                yield sse(shaper.text_chunk(rest, thinking, with_usage=extra, logprobs=lp, offset=offset))
+                rest_lp = None if lp is not None else rest_lp
+        reason = finish_reason(event.finish_reason, bool(event.tool_calls))
+        yield sse(shaper.chunk(None, reason, with_usage=extra, logprobs=rest_lp or None))
+        dones.append(event)
+
+
+def _usage(done: Done) -> dict[str, Any]:
+    # The prompt tokens the daemon's prompt cache served, as OpenAI reports its own.
+    cached = {"cached_tokens": done.stats.cached_tokens}
+    return usage(done.stats.prompt_tokens, len(done.tokens)) | {"prompt_tokens_details": cached}

@@ -1,5 +1,5 @@
 """OpenAI's Responses API (`POST /v1/responses`, what Codex CLI speaks) onto the gateway's
-one request path (app.py), no MLX, no I/O of its own.
+one request path (daemon_link.py), no MLX, no I/O of its own.
 
 Stateless, as Codex uses it with `store: false`: every request carries the whole
 conversation in `input`. `instructions` and the leading `system`/`developer` messages
@@ -60,16 +60,14 @@ from ...shared import protocol as proto
 from ...shared.protocol import Done
 from ..client import Token, ToolCall
 from .call_texts import CallTexts
+from .daemon_link import ApiError, ApiRequest, bad_request
 from .images import IMAGE_BODY_BYTES
 from .keep_alive import KeepAlive
 from .openai import (
     DEFAULT_TEMPERATURE,
     MAX_TEMPERATURE,
-    ApiError,
-    ApiRequest,
     _is_int,
     _number,
-    bad_request,
     chat_logprobs,
     check_image_count,
     declared_identity,
@@ -82,7 +80,7 @@ from .openai import (
 )
 
 if TYPE_CHECKING:
-    from .app import DaemonRequest, Gateway
+    from .daemon_link import DaemonRequest, Gateway
 
 PATH = "/v1/responses"
 # OpenAI's default is the model's whole output budget; the daemon refuses a prompt whose
@@ -705,13 +703,13 @@ class Fold:
         if not any(item["type"] in ("message", "function_call", "custom_tool_call") for item in self.output):
             events += self._open("message")  # an empty answer is still an assistant message
         events += self._close("incomplete" if cut else "completed")
-        prompt = int(done.stats.get("prompt_tokens", 0))
+        prompt = done.stats.prompt_tokens
         output = len(done.tokens)
-        reasoning = int(done.stats.get("reasoning_tokens", self._thought_events))
+        reasoning = self._thought_events
         usage = {
             "input_tokens": prompt,
             # The daemon does not count what it writes to its prompt cache.
-            "input_tokens_details": {"cached_tokens": int(done.stats.get("cached_tokens", 0)), "cache_write_tokens": 0},
+            "input_tokens_details": {"cached_tokens": done.stats.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": output,
             "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": prompt + output,

@@ -206,7 +206,7 @@ class Gateway:
 
 def _counts(paths: RuntimePaths) -> dict[str, int]:
     with Client(paths, timeout=60) as c:
-        pc = c.status()["prompt_cache"] or {}
+        pc = c.status().prompt_cache or {}
     return {k: int(pc.get(k, 0)) for k in COUNTERS}
 
 
@@ -217,8 +217,8 @@ def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
 def _recent_prefill_seconds(paths: RuntimePaths) -> float | None:
     """The daemon's last finished request's seconds, from its receipt to its end."""
     with Client(paths, timeout=60) as c:
-        recent = c.status()["requests"]["recent"]
-    return recent[-1].get("seconds") if recent else None
+        recent = c.status().requests.recent
+    return recent[-1].seconds if recent else None
 
 
 def run_bench_agent(settings: BenchAgentSettings, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -323,11 +323,11 @@ def _status(paths: RuntimePaths) -> dict[str, Any]:
     with Client(paths, timeout=60) as c:
         st = c.status()
     return {
-        "capacity": st.get("capacity"),
-        "moe_layers": st.get("moe_layers"),
-        "experts_per_layer": st.get("experts_per_layer"),
-        "prefill_order": (st.get("pool") or {}).get("prefill", {}).get("order"),
-        "prompt_cache": {k: (st.get("prompt_cache") or {}).get(k) for k in (*COUNTERS, "suspended", "entries")},
+        "capacity": st.capacity,
+        "moe_layers": st.moe_layers,
+        "experts_per_layer": st.experts_per_layer,
+        "prefill_order": st.pool.prefill.order,
+        "prompt_cache": {k: (st.prompt_cache or {}).get(k) for k in (*COUNTERS, "suspended", "entries")},
     }
 
 

@@ -75,12 +75,12 @@ def _ask(client: Client, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     return {
         "ttft_s": first,
         "tokens": list(done.tokens),
-        "prompt_tokens": int(done.stats.get("prompt_tokens", len(prompt))),
-        "cached_tokens": int(done.stats.get("cached_tokens", 0)),
-        "daemon_prompt_s": done.stats.get("prompt_seconds"),
+        "prompt_tokens": done.stats.prompt_tokens,
+        "cached_tokens": done.stats.cached_tokens,
+        "daemon_prompt_s": done.stats.prompt_seconds,
         # Where the daemon's prompt time went (layer-major phases, bytes read and staged).
-        "prefill": done.stats.get("prefill"),
-        "prompt_cache": done.stats.get("prompt_cache"),
+        "prefill": done.stats.prefill,
+        "prompt_cache": done.stats.prompt_cache.to_dict() if done.stats.prompt_cache is not None else None,
     }
 
 
@@ -123,7 +123,7 @@ def _conversation(
                 turns.append(out)
                 sent.append(prompt)
                 prompt = prompt + out["tokens"] + [rng.randrange(vocab) for _ in range(settings.turn_tokens)]
-            status = client.status().get("prompt_cache")
+            status = client.status().prompt_cache
     finally:
         stop_daemon(paths, timeout=60.0)
         shutil.rmtree(runtime, ignore_errors=True)

@@ -42,6 +42,7 @@ from ...shared.progress import timed_progress
 from ...shared.settings import Settings, default_of, format_size
 from ...shared.store_format import Manifest, load_manifest
 from ..mapped.row_gather import RowGather
+from ..model.diagnostics import LayerClock
 from ..model.generation import SamplingParams, generate
 from ..model.streaming_model import choose_mapped, load_stock_model, load_streaming_model
 from ..planning.bandwidth import (
@@ -221,6 +222,18 @@ def host_split_per_token(split: dict[str, float], steps: int) -> dict[str, float
     }
 
 
+def layer_host_us(samples: tuple[list[float], list[float]]) -> dict[str, float | None]:
+    """The median and 99th percentile of a decode's per-layer host times (LayerClock's
+    wall and CPU samples), in microseconds: the rows' host_us_per_layer_* and
+    host_cpu_us_per_layer_*."""
+    out: dict[str, float | None] = {}
+    for key, values in zip(("host_us_per_layer", "host_cpu_us_per_layer"), samples):
+        us = sorted(1e6 * s for s in values)
+        out[f"{key}_median"] = statistics.median(us) if us else None
+        out[f"{key}_p99"] = us[min(len(us) - 1, math.ceil(0.99 * len(us)) - 1)] if us else None
+    return out
+
+
 def _streaming_config(
     name: str,
     capacity: float | None,
@@ -262,16 +275,18 @@ def _streaming_config(
     def run(seed: int) -> dict[str, Any]:
         before: dict[str, float] = {}
         split: dict[str, float] = {}
-        seconds, tokens = timed_decode(
-            sm.model,
-            prompt,
-            settings.decode_tokens,
-            settings.temp,
-            seed,
-            lambda: before.update(decode_counters(sm)),
-            tick,
-            split,
-        )
+        # Each MoE layer's host time in the decode steps (not the prefill's).
+        clock = LayerClock()
+
+        def decode_starts() -> None:
+            before.update(decode_counters(sm))
+            clock.take()
+
+        with sm.diagnostics.clocked(clock):
+            seconds, tokens = timed_decode(
+                sm.model, prompt, settings.decode_tokens, settings.temp, seed, decode_starts, tick, split
+            )
+        layer_host = clock.take()
         if sm.mapped_pool is not None:
             sm.mapped_pool.drain()  # moves still running would slow the next configuration
         after = decode_counters(sm)
@@ -299,6 +314,10 @@ def _streaming_config(
             "host_to_pool_bytes_per_token": link_bytes / n,
             "admission_bytes_per_s": d["bytes_to_pool"] / d["copy_seconds"] if d["copy_seconds"] > 0 else None,
             "host_syncs_per_token": d["host_syncs"] / n + 1,
+            # Every sync a token waits for: the layers' read-backs, the waits for the
+            # streams before slots are written, and the sampled token.
+            "syncs_per_token": (d["host_syncs"] + d["quiesces"]) / n + 1,
+            **layer_host_us(layer_host),
             # Experts copied ahead into the next layer's slots (prefetch from the host
             # tier), and those of them routed: counted among the hits.
             "prestaged_per_token": d["prestaged"] / n,
@@ -315,14 +334,14 @@ def _streaming_config(
         # One more token than the bench loop decodes: the first comes with the prompt.
         params = SamplingParams(max_tokens=settings.decode_tokens + 1, temp=settings.temp, seed=seed)
         result = generate(sm, prompt, params, grammar=grammar)
-        if result.stats["tokens_per_s"] is None:
+        if result.stats.tokens_per_s is None:
             raise RuntimeError(
                 f"{name}: the generation loop stopped after {len(result.tokens)} token(s) ({result.finish_reason})"
             )
         return {
-            "tokens_per_s": result.stats["tokens_per_s"],
+            "tokens_per_s": result.stats.tokens_per_s,
             "tokens": result.tokens[: settings.decode_tokens],
-            "mask_ms_per_token": result.stats.get("constraint", {}).get("mask_ms_per_token"),
+            "mask_ms_per_token": result.stats.constraint.mask_ms_per_token if result.stats.constraint else None,
         }
 
     def run_constrained(seed: int) -> dict[str, Any]:
@@ -373,6 +392,8 @@ def _stock_config(settings: BenchDecodeSettings, prompt: list[int]) -> Config:
             "host_to_pool_bytes_per_token": 0.0,
             "admission_bytes_per_s": None,
             "host_syncs_per_token": 1.0,
+            "syncs_per_token": 1.0,
+            **layer_host_us(([], [])),
             "prestaged_per_token": None,
             "prestaged_used_per_token": None,
             "prefetch_promoted_per_token": None,
@@ -708,6 +729,11 @@ def run_bench_decode(
             "host_to_pool_bytes_per_token",
             "admission_bytes_per_s",
             "host_syncs_per_token",
+            "syncs_per_token",
+            "host_us_per_layer_median",
+            "host_us_per_layer_p99",
+            "host_cpu_us_per_layer_median",
+            "host_cpu_us_per_layer_p99",
             "prestaged_per_token",
             "prestaged_used_per_token",
             "prefetch_promoted_per_token",
@@ -938,13 +964,17 @@ def format_report(report: dict[str, Any]) -> str:
     for why, names in not_applied.items():
         lines.append(f"{marks[why]}: {', '.join(names)}: {_bound_note(why, report)}")
     lines.append(
-        "host ms per token: model call / launch / wait for the token (on a GPU, a wait near 0 means bound by the host)"
+        "host ms per token: model call / launch / wait for the token (on a GPU, a wait near 0 means bound by the "
+        "host); host us per MoE layer (its forward less MLX's evaluations), wall and the thread's CPU: median / p99; "
+        "syncs per token"
     )
     for r in report["results"]:
         if r.get("host_call_ms_per_token") is not None:
             lines.append(
                 f"{r['name']:<26} {r['host_call_ms_per_token']:>8.2f} {r['host_launch_ms_per_token']:>8.2f} "
-                f"{r['host_wait_ms_per_token']:>8.2f}"
+                f"{r['host_wait_ms_per_token']:>8.2f} {num(r.get('host_us_per_layer_median'), '9.1f')} "
+                f"{num(r.get('host_us_per_layer_p99'), '9.1f')} {num(r.get('host_cpu_us_per_layer_median'), '9.1f')} "
+                f"{num(r.get('host_cpu_us_per_layer_p99'), '9.1f')} {num(r.get('syncs_per_token'), '7.1f')}"
             )
     for r in report["results"]:
         pb = r.get("paired_blocks")

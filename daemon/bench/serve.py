@@ -117,8 +117,8 @@ def _one_request(
         "ttft_s": (stamps[0] - tic) if stamps else None,
         "gaps_s": [b - a for a, b in zip(stamps, stamps[1:])],
         "seconds": end - tic,
-        "daemon_tokens_per_s": done.stats.get("tokens_per_s"),
-        "cached_tokens": done.stats.get("cached_tokens", 0),
+        "daemon_tokens_per_s": done.stats.tokens_per_s,
+        "cached_tokens": done.stats.cached_tokens,
         "timeline_s": [x - t0 for x in (tic, stamps[0] if stamps else end, end)] if t0 is not None else None,
     }
 
@@ -132,7 +132,7 @@ def _counts(paths: RuntimePaths) -> tuple[dict[str, float], dict[str, float]]:
     mapped pool's placement (empty without one)."""
     with Client(paths, timeout=60.0) as client:
         status = client.status()
-    return _numeric(status.get("batch")), _numeric((status.get("pool") or {}).get("mapped_pool"))
+    return _numeric(status.batch), _numeric(status.pool.mapped_pool)
 
 
 def _placement_during(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -360,10 +360,10 @@ def run_bench_serve(settings: BenchServeSettings, progress: Callable[[str], None
     return {
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()},
         "daemon": {
-            "capacity": status.get("capacity"),
-            "mapped": status.get("pool", {}).get("mapped"),
-            "policy": status.get("policy"),
-            "max_batch": (status.get("batch") or {}).get("max_batch", 1),
+            "capacity": status.capacity,
+            "mapped": status.pool.mapped,
+            "policy": status.policy,
+            "max_batch": (status.batch or {}).get("max_batch", 1),
         },
         "levels": levels,
         "same_tokens_at_every_level": same,

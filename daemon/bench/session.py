@@ -295,14 +295,14 @@ class _Run:
 
     def recent(self, request_id: str) -> dict[str, Any]:
         with Client(self.paths, timeout=60) as c:
-            for r in reversed(c.status()["requests"]["recent"]):
-                if r["id"] == request_id:
-                    return r
+            for r in reversed(c.status().requests.recent):
+                if r.id == request_id:
+                    return r.to_dict()
         return {}
 
     def counters(self) -> dict[str, int]:
         with Client(self.paths, timeout=60) as c:
-            pc = c.status().get("prompt_cache") or {}
+            pc = c.status().prompt_cache or {}
         return {k: int(pc.get(k, 0)) for k in COUNTERS}
 
     def ask(self, branch: str, turn: int, body: dict[str, Any]) -> Answer:
@@ -338,10 +338,10 @@ class _Run:
         client = Client(self.paths, timeout=60)
 
         def cut(request_id: str) -> bool:
-            running = [r for r in client.status()["requests"]["running"] if r["id"] == request_id]
+            running = [r for r in client.status().requests.running if r.id == request_id]
             if running:
-                seen.update(running[0])
-                done, total = running[0].get("prefilled_tokens"), running[0].get("prefill_total")
+                seen.update(running[0].to_dict())
+                done, total = running[0].prefilled_tokens, running[0].prefill_total
                 return bool(done and total and done >= CUT_SHARE * total)
             return False
 

@@ -35,16 +35,17 @@ def _timed_request(paths: RuntimePaths, prompt: str, tokens: int) -> dict[str, A
         seconds = time.perf_counter() - tic
         status = client.status()
     stats = result["stats"]
+    placement = stats.mapped_pool or {}
     return {
         "seconds": seconds,
         "tokens": len(result["tokens"]),
         "token_ids": result["tokens"],
         # A mapped pool's hits are the routed experts that were in GPU memory.
-        "hit_rate": stats["mapped_pool"]["gpu_hit_rate"] if stats.get("mapped") else stats.get("hit_rate"),
+        "hit_rate": placement.get("gpu_hit_rate") if stats.mapped else stats.hit_rate,
         # Bytes admitted into the pool, from the host tier or the disk (the pool's
         # `bytes_read`): with a tier, not all of it came from the disk.
-        "bytes_read": stats.get("bytes_read"),
-        "autopin": status.get("autopin"),
+        "bytes_read": stats.bytes_read,
+        "autopin": status.autopin,
     }
 
 

@@ -450,6 +450,46 @@ NULL_RECORDER = NullRecorder()
 AnyRecorder = Recorder | NullRecorder
 
 
+class LayerClock:
+    """Host time of each MoE layer's forward, as `bench decode` reports it: the forward's
+    time less the time in MLX's evaluations it starts (its sync, which waits for what
+    was queued before; the launch of its experts, which on the CPU encodes each op on
+    the host, as stock's launch of the whole token does): the Python a layer costs and
+    the graph it builds. Both on the wall clock and as the thread's CPU time, which a
+    machine shared with other work does not stretch. Off (the hub's `clock` None) the
+    layers read one attribute and time nothing."""
+
+    __slots__ = ("samples", "cpu_samples", "_wall", "_cpu", "_waited", "_waited_cpu")
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self.cpu_samples: list[float] = []
+        self._wall = self._cpu = self._waited = self._waited_cpu = 0.0
+
+    def start(self) -> None:
+        """A layer's forward begins."""
+        self._wall, self._cpu = time.perf_counter(), time.thread_time()
+        self._waited = self._waited_cpu = 0.0
+
+    def stop(self) -> None:
+        """It ends: one sample of each clock."""
+        self.samples.append(time.perf_counter() - self._wall - self._waited)
+        self.cpu_samples.append(time.thread_time() - self._cpu - self._waited_cpu)
+
+    def evaluate(self, run: Any, arrays: Sequence[mx.array]) -> None:
+        """`run(*arrays)` (mx.eval or mx.async_eval), its time left out of the forward's."""
+        wall, cpu = time.perf_counter(), time.thread_time()
+        run(*arrays)
+        self._waited += time.perf_counter() - wall
+        self._waited_cpu += time.thread_time() - cpu
+
+    def take(self) -> tuple[list[float], list[float]]:
+        """The wall and CPU samples since the last take, in seconds."""
+        out = self.samples, self.cpu_samples
+        self.samples, self.cpu_samples = [], []
+        return out
+
+
 class Diagnostics:
     """The switch the streaming layers read, and the totals over finished recorders.
 
@@ -462,6 +502,8 @@ class Diagnostics:
     def __init__(self, default: bool = False) -> None:
         self.default = default
         self.recorder: AnyRecorder = NULL_RECORDER
+        # `bench decode`'s per-layer host clock (LayerClock), None otherwise.
+        self.clock: LayerClock | None = None
         self.total = Recorder()
         self.version = 0
         self._cached: tuple[int, dict[str, Any]] | None = None
@@ -482,6 +524,15 @@ class Diagnostics:
             yield
         finally:
             self.recorder = before
+
+    @contextmanager
+    def clocked(self, clock: LayerClock) -> Iterator[None]:
+        """Time every MoE layer's forward into `clock` inside the block (`bench decode`)."""
+        before, self.clock = self.clock, clock
+        try:
+            yield
+        finally:
+            self.clock = before
 
     def new_recorder(self, requested: bool) -> Recorder | None:
         """A recorder for a request that asked for diagnostics (or any, when on by default)."""

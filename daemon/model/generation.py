@@ -17,6 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from ...shared.protocol import SamplingControls, TokenLogprob, TopLogprob
+from ...shared.status import CacheUseStats, ConstraintStats, PhaseCounts, RequestStats
 from .prefill import PREFILL_STEP, PrefillStats, drained, prefill_pieces
 from .streaming_model import PLACEMENT_COUNTERS, POOL_COUNTERS, StreamingModel
 
@@ -57,7 +58,7 @@ class GenerationResult:
     text: str = ""
     tokens: list[int] = field(default_factory=list)
     finish_reason: str = "length"
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: RequestStats = field(default_factory=RequestStats)
     stop_string: str | None = None  # the stop string that ended the answer, if one did
     # Each token's log-probability, where the request asked (`controls.logprobs`).
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -155,14 +156,8 @@ class CacheUse:
         if self.kv is not None:
             self.prompt_cache.insert([*prompt_ids, *fed], self.kv, persist=True, scope=self.scope)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "reused_tokens": self.reused,
-            "from_disk": self.from_disk,
-            "fetch_seconds": self.fetch_seconds,
-            "joined": self.joined,
-            "resumed": self.resumed,
-        }
+    def stats(self) -> CacheUseStats:
+        return CacheUseStats(self.reused, self.from_disk, self.fetch_seconds, self.joined, self.resumed)
 
 
 def _add(bucket: dict[str, float], before: dict[str, float], after: dict[str, float]) -> None:
@@ -776,69 +771,53 @@ def iter_generate(
     total = {k: prefill.get(k, 0) + decode.get(k, 0) for k in prefill.keys() | decode.keys()}
     routed_hits = total["hits_prefill"] + total["hits_decode"]
     routed_misses = total["misses_prefill"] + total["misses_decode"]
-    result.stats = {
-        "prompt_tokens": len(prompt_ids),
-        # Of them, those served from the prompt cache (not prefilled again).
-        "cached_tokens": use.reused if use is not None else 0,
-        "generated_tokens": len(result.tokens),
-        "prompt_seconds": prompt_seconds,
-        "prompt_tokens_per_s": len(prompt_ids) / prompt_seconds if prompt_seconds else None,
-        "decode_seconds": decode_seconds,
-        "tokens_per_s": decode_tokens / decode_seconds if decode_seconds and decode_tokens else None,
-        # By phase of the request: the prompt and the first token's forward, then the rest.
-        "hits": {
-            "prefill": prefill["hits_prefill"] + prefill["hits_decode"],
-            "decode": decode["hits_prefill"] + decode["hits_decode"],
-        },
-        "misses": {
-            "prefill": prefill["misses_prefill"] + prefill["misses_decode"],
-            "decode": decode["misses_prefill"] + decode["misses_decode"],
-        },
-        "hit_rate": routed_hits / (routed_hits + routed_misses) if routed_hits + routed_misses else None,
-        "bytes_read": total["bytes_read"],
-        "evictions": total["evictions"],
-        # Experts prefetch copied into the next layer's slots ahead of use, and those of
-        # them routed (counted among the hits).
-        "prestaged": total["prestaged"],
-        "prestaged_used": total["prestaged_used"],
-        # Routed (token, expert) pairs counted for heat (pool_usage.json), all layers.
-        "routed_experts": total["routed_total"],
-        # Per decode token: the pool's syncs (one per MoE layer with a partial pool)
-        # plus the one that reads the sampled token.
-        "host_syncs_per_token": (decode["host_syncs"] / decode_tokens + 1.0) if decode_tokens else None,
-        "capacity": sm.capacity,
-        "mapped": sm.mapped_pool is not None,
-        "policy": sm.pools[0].policy.name if sm.pools else None,
-        "peak_memory_bytes": mx.get_peak_memory(),
-        "rss_bytes": psutil.Process().memory_info().rss,
-        "finish_reason": result.finish_reason,
-        "stop_string": result.stop_string,
-    }
-    shared = use.shared_stats if use is not None else None
-    result.stats["prefill"] = _prefill_summary(shared or prefill_stats, prefill)
-    if use is not None:
-        result.stats["prompt_cache"] = use.to_dict()
-    if batch is not None and not alone:
-        # The batch's totals when this request ended (its hits and misses above are the
-        # pool's during the steps this request ran, which served the whole batch).
-        result.stats["batch"] = batch.to_dict()
-    if sm.mapped_pool is not None:
-        result.stats["mapped_pool"] = _placement_stats(total, sm.mapped_pool.gpu_slots)
-    if spec_stats is not None:
-        result.stats["speculative"] = spec_stats.to_dict()
-    if speculative_off is not None:
-        result.stats["speculative_off"] = speculative_off
-    if constrained is not None and grammar is not None:
-        result.stats["constraint"] = {
-            "kind": grammar.what,
-            "tokens_checked": constrained.consumed,
-            # The host's milliseconds per token in the grammar's processor (excluding the
-            # wait for the token it follows, which the mask needs before it can be built).
-            "mask_ms_per_token": 1e3 * constrained.seconds / constrained.calls if constrained.calls else None,
-            "speculative": "off" if params.speculative else None,
-        }
-    if sm.prefetcher is not None:
-        result.stats["prefetch"] = sm.prefetcher.stats()
     if rec is not None:
         sm.diagnostics.finish(rec)
-        result.stats["diagnostics"] = rec.to_dict()
+    shared = use.shared_stats if use is not None else None
+    result.stats = RequestStats(
+        prompt_tokens=len(prompt_ids),
+        cached_tokens=use.reused if use is not None else 0,
+        generated_tokens=len(result.tokens),
+        prompt_seconds=prompt_seconds,
+        prompt_tokens_per_s=len(prompt_ids) / prompt_seconds if prompt_seconds else None,
+        decode_seconds=decode_seconds,
+        tokens_per_s=decode_tokens / decode_seconds if decode_seconds and decode_tokens else None,
+        hits=PhaseCounts(
+            prefill["hits_prefill"] + prefill["hits_decode"], decode["hits_prefill"] + decode["hits_decode"]
+        ),
+        misses=PhaseCounts(
+            prefill["misses_prefill"] + prefill["misses_decode"], decode["misses_prefill"] + decode["misses_decode"]
+        ),
+        hit_rate=routed_hits / (routed_hits + routed_misses) if routed_hits + routed_misses else None,
+        bytes_read=total["bytes_read"],
+        evictions=total["evictions"],
+        prestaged=total["prestaged"],
+        prestaged_used=total["prestaged_used"],
+        routed_experts=total["routed_total"],
+        host_syncs_per_token=(decode["host_syncs"] / decode_tokens + 1.0) if decode_tokens else None,
+        capacity=sm.capacity,
+        mapped=sm.mapped_pool is not None,
+        policy=sm.pools[0].policy.name if sm.pools else None,
+        peak_memory_bytes=mx.get_peak_memory(),
+        rss_bytes=psutil.Process().memory_info().rss,
+        finish_reason=result.finish_reason,
+        stop_string=result.stop_string,
+        prefill=_prefill_summary(shared or prefill_stats, prefill),
+        prompt_cache=use.stats() if use is not None else None,
+        # The batch's totals when this request ended (its hits and misses above are the
+        # pool's during the steps this request ran, which served the whole batch).
+        batch=batch.to_dict() if batch is not None and not alone else None,
+        mapped_pool=_placement_stats(total, sm.mapped_pool.gpu_slots) if sm.mapped_pool is not None else None,
+        speculative=spec_stats.to_dict() if spec_stats is not None else None,
+        speculative_off=speculative_off,
+        constraint=ConstraintStats(
+            kind=grammar.what,
+            tokens_checked=constrained.consumed,
+            mask_ms_per_token=1e3 * constrained.seconds / constrained.calls if constrained.calls else None,
+            speculative="off" if params.speculative else None,
+        )
+        if constrained is not None and grammar is not None
+        else None,
+        prefetch=sm.prefetcher.stats() if sm.prefetcher is not None else None,
+        diagnostics=rec.to_dict() if rec is not None else None,
+    )

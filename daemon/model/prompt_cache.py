@@ -56,7 +56,8 @@ from ...shared.store_format import MANIFEST_NAME
 from .prompt_cache_files import DiskWriter, WriteBudget, host_tensors, load_cache_file, mtime, read_metadata, user_key
 from .prompt_tree import PromptTree, sequence_bytes
 
-FILE_FORMAT = "moestream-prompt-cache/1"
+# 2: a MAC over the metadata, which holds a digest of each block of tokens (read by prefix).
+FILE_FORMAT = "moestream-prompt-cache/2"
 SUFFIX = ".safetensors"
 # Finished requests waiting for an idle moment to be written; older ones are dropped.
 MAX_PENDING_WRITES = 8
@@ -121,6 +122,8 @@ class PromptCacheStats:
     disk_write_budget: int = 0
     disk_over_budget: int = 0
     disk_loaded: int = 0
+    # Bytes read from cache files (a prefix of a longer file reads the blocks it uses).
+    disk_read_bytes: int = 0
     # Files skipped: another store's, unreadable, or not what their name says.
     disk_skipped: int = 0
     disk_dropped: int = 0
@@ -317,14 +320,16 @@ class PromptCache:
                 break
             # A file serves more: into memory with it, then served from there.
             reused, entry = on_disk
-            loaded = self._load(entry)
-            if loaded is None:
+            # A longer (trimmable) file's first `reused` tokens only are read.
+            read = self._load(entry, reused)
+            if read is None:
                 continue  # it failed its checks and is gone: look again without it
-            self.insert(entry.tokens, loaded, scope=scope)
+            loaded, held = read
+            self.insert(entry.tokens[:held], loaded, scope=scope)
             m, snap, trim = tree.best(tokens, limit)
             if m < reused:
                 # Too large to keep in memory: served from the file's own cache.
-                trim_prompt_cache(loaded, len(entry.tokens) - reused)
+                trim_prompt_cache(loaded, held - reused)
                 return self._hit(Reuse(loaded, reused, True))
             from_disk = True
             break
@@ -544,13 +549,18 @@ class PromptCache:
             except OSError as e:
                 self.log.error("prompt cache: cannot remove %s: %s", path, e)
 
-    def _load(self, entry: _Entry) -> list[Any] | None:
-        """Read a disk entry's cache, checked, and keep it in memory where it fits; on a
-        failure drop the file and say why."""
+    def _load(self, entry: _Entry, upto: int) -> tuple[list[Any], int] | None:
+        """Read a disk entry's cache, checked: its first `upto` tokens where the file can
+        give a prefix (attention caches only), else whole; returns it and the tokens it
+        holds. On a failure drop the file and say why."""
         path = entry.path
         try:
-            cache, meta = load_cache_file(path, self._key, self.stats.disk_max_bytes)
-            problem = self._check(cache, meta, entry.tokens, entry.scope)
+            want = min(upto, len(entry.tokens)) if entry.trimmable else len(entry.tokens)
+            cache, meta, nread = load_cache_file(path, self._key, self.stats.disk_max_bytes, want)
+            self.stats.disk_read_bytes += nread
+            # Whole (a file that holds no prefix of itself: not only attention caches), or the prefix.
+            held = len(entry.tokens) if cache_offset_ok(cache, len(entry.tokens)) else want
+            problem = self._check(cache, meta, entry.tokens, entry.scope, held)
         except Exception as e:  # any failure of a file read back is a file not to serve
             problem = f"unreadable ({type(e).__name__}: {e})"
         if problem is not None:
@@ -558,16 +568,18 @@ class PromptCache:
             self._skip(path, problem, remove=True)
             return None
         self.stats.disk_loaded += 1
-        return cache
+        return cache, held
 
-    def _check(self, cache: list[Any], meta: dict[str, str], tokens: tuple[int, ...], scope: str) -> str | None:
+    def _check(
+        self, cache: list[Any], meta: dict[str, str], tokens: tuple[int, ...], scope: str, upto: int
+    ) -> str | None:
         if meta.get("format") != FILE_FORMAT or meta.get("store_id") != self.store_id:
             return "another store's cache"
         if tuple(json.loads(meta.get("tokens", "[]"))) != tokens or meta.get("scope", "") != scope:
             return "not the token list it was indexed with"
         if [type(c).__name__ for c in cache] != self.layout:
             return "a cache of another model's layers"
-        if not cache_offset_ok(cache, len(tokens)):
+        if not cache_offset_ok(cache, upto):
             return "a cache that does not hold its tokens"
         return None
 

@@ -5,6 +5,11 @@ thread that writes them and keeps the folder within its bound.
 The files are what mlx-lm's `save_prompt_cache` writes (its metadata layout, so that its
 `load_prompt_cache` reads them back), written here from host buffers so that the writer
 thread never touches MLX: only the engine thread does (`host_tensors`, while it is idle).
+
+Each file carries a MAC over its metadata, and the metadata a digest of every block of
+BLOCK_TOKENS tokens of each attention cache's keys and values (one digest for any other
+array): a cache served for a prefix of a file's tokens reads and checks that prefix's
+blocks only, not the whole file (a 587 MiB file read whole to reuse one token held 1.2 GiB).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import queue
 import stat
@@ -66,7 +72,13 @@ _NUMPY = {
 }
 # The metadata key of a file's MAC (save_prompt_cache's metadata sits under "0.").
 MAC_KEY = "0.mac"
+# The metadata key of the block digests: {tensor: [tokens per block or 0, [digest, ...]]}.
+BLOCKS_KEY = "0.blocks"
 KEY_BYTES = 32
+# Tokens per checked block of an attention cache's keys and values: a prefix read costs at
+# most this many tokens more than it uses, and the digests of a 128k-token file stay
+# under 100 KB of header per 48 layers.
+BLOCK_TOKENS = 1024
 
 
 def user_key(path: Path) -> bytes:
@@ -91,23 +103,58 @@ def user_key(path: Path) -> bytes:
     return key
 
 
-def file_mac(
-    key: bytes, metadata: dict[str, str], tensors: dict[str, tuple[str, list[int], bytes | memoryview]]
-) -> str:
-    """HMAC-SHA256 over a file's metadata (but the MAC) and every tensor's name, dtype,
-    shape and bytes: a file changed in any of them, or made with another key, fails."""
+def file_mac(key: bytes, metadata: dict[str, str], tensors: dict[str, tuple[str, list[int], Any]]) -> str:
+    """HMAC-SHA256 over a file's metadata (but the MAC: the block digests included) and
+    every tensor's name, dtype and shape: a file changed in any of them, in any block's
+    bytes (its digest no longer holds), or made with another key, fails."""
     mac = hmac.new(key, digestmod=hashlib.sha256)
     mac.update(json.dumps({k: v for k, v in metadata.items() if k != MAC_KEY}, sort_keys=True).encode())
     for name in sorted(tensors):
-        code, shape, data = tensors[name]
-        mac.update(json.dumps([name, code, list(shape), len(data)]).encode())
-        mac.update(data)
+        code, shape, _ = tensors[name]
+        mac.update(json.dumps([name, code, list(shape)]).encode())
     return mac.hexdigest()
 
 
-def load_cache_file(path: Path, key: bytes, limit: int) -> tuple[list[Any], dict[str, str]]:
-    """A cache file read back (as mlx-lm's `load_prompt_cache` reads it) once its MAC
-    holds; raises ValueError for a file that is not one of ours as written."""
+def _token_blocked(name: str, shape: Sequence[int], classes: dict[str, str]) -> bool:
+    """A KVCache layer's keys or values, [batch, heads, tokens, dim]: read by token blocks."""
+    layer = name.split(".", 1)[0]
+    return classes.get(layer) == "KVCache" and len(shape) == 4
+
+
+def _classes(metadata: dict[str, str]) -> dict[str, str]:
+    """Layer index -> cache class name, from save_prompt_cache's metadata ("1.<i>")."""
+    return {k[2:]: v for k, v in metadata.items() if k.startswith("1.")}
+
+
+def block_digests(tensors: dict[str, tuple[str, list[int], bytes]], metadata: dict[str, str]) -> str:
+    """The BLOCKS_KEY entry for a file of `tensors`: the digest of each block of
+    BLOCK_TOKENS tokens of an attention cache's keys and values (every row's slice of the
+    block, in order), and of any other array whole."""
+    classes = _classes(metadata)
+    out: dict[str, list[Any]] = {}
+    for name, (code, shape, data) in tensors.items():
+        if not _token_blocked(name, shape, classes) or not len(data):
+            out[name] = [0, [hashlib.sha256(data).hexdigest()]]
+            continue
+        rows = np.frombuffer(data, dtype=np.uint8).reshape(shape[0] * shape[1], shape[2], -1)
+        out[name] = [BLOCK_TOKENS, [_digest(rows, j) for j in range(0, shape[2], BLOCK_TOKENS)]]
+    return json.dumps(out, separators=(",", ":"))
+
+
+def _digest(rows: np.ndarray, start: int) -> str:
+    h = hashlib.sha256()
+    for row in rows:
+        h.update(row[start : start + BLOCK_TOKENS].tobytes())
+    return h.hexdigest()
+
+
+def load_cache_file(
+    path: Path, key: bytes, limit: int, upto: int | None = None
+) -> tuple[list[Any], dict[str, str], int]:
+    """A cache file read back (as mlx-lm's `load_prompt_cache` reads it) once its MAC and
+    the digests of what was read hold: whole, or with `upto` and a file of attention
+    caches only, its first `upto` tokens (the blocks that hold them). Returns the cache,
+    its metadata and the bytes read; raises ValueError for a file not ours as written."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
@@ -115,31 +162,70 @@ def load_cache_file(path: Path, key: bytes, limit: int) -> tuple[list[Any], dict
             raise ValueError("not a regular file")
         if st.st_size > limit:
             raise ValueError(f"{st.st_size} bytes, more than the folder's bound")
-        blob = f.read(limit + 1)
-    (n,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8 : 8 + n])
-    body = memoryview(blob)[8 + n :]
-    flat = header.pop("__metadata__", {})
-    tensors = {}
-    for name, info in header.items():
-        start, stop = info["data_offsets"]
-        if not 0 <= start <= stop <= len(body):
-            raise ValueError(f"tensor {name} lies outside the file")
-        tensors[name] = (info["dtype"], info["shape"], body[start:stop])
-    if not hmac.compare_digest(str(flat.get(MAC_KEY, "")), file_mac(key, flat, tensors)):
-        raise ValueError("its MAC does not hold (changed since written, or not written with this user's key)")
-    arrays: dict[str, Any] = {}
-    for name, (code, shape, data) in tensors.items():
-        host = np.frombuffer(data, dtype=_NUMPY[code]).reshape(shape)
-        a = mx.array(host)
-        arrays[name] = a.view(mx.bfloat16) if code == "BF16" else a
-    metadata, classes, scalars = tree_unflatten(list(flat.items()))
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError("shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(limit, 64 * 2**20):
+            raise ValueError(f"a header of {n} bytes")
+        header = json.loads(f.read(n))
+        flat = header.pop("__metadata__", {})
+        tensors = {name: (info["dtype"], info["shape"], info["data_offsets"]) for name, info in header.items()}
+        if not hmac.compare_digest(str(flat.get(MAC_KEY, "")), file_mac(key, flat, tensors)):
+            raise ValueError("its MAC does not hold (changed since written, or not written with this user's key)")
+        blocks = json.loads(flat.get(BLOCKS_KEY, "{}"))
+        classes = _classes(flat)
+        if upto is not None and set(classes.values()) != {"KVCache"}:
+            upto = None  # only attention caches hold a prefix of themselves
+        body = 8 + n
+        arrays: dict[str, Any] = {}
+        nread = 8 + n
+        for name, (code, shape, (start, stop)) in tensors.items():
+            width, digests = blocks.get(name, [0, []])
+            item = np.dtype(_NUMPY[code]).itemsize
+            if not 0 <= start <= stop <= st.st_size - body or stop - start != item * math.prod(shape):
+                raise ValueError(f"tensor {name} lies outside the file or is not its shape's size")
+            if width and _token_blocked(name, shape, classes):
+                raw = _read_blocks(fd, body + start, shape, item, width, digests, upto, name)
+                host = raw.view(_NUMPY[code]).reshape(shape[0], shape[1], raw.shape[1], *shape[3:])
+            else:
+                data = os.pread(fd, stop - start, body + start)
+                if len(data) != stop - start or [hashlib.sha256(data).hexdigest()] != digests:
+                    raise ValueError(f"tensor {name}: its digest does not hold")
+                host = np.frombuffer(data, dtype=_NUMPY[code]).reshape(shape)
+            nread += host.nbytes
+            a = mx.array(host)
+            arrays[name] = a.view(mx.bfloat16) if code == "BF16" else a
+    metadata, class_list, scalars = tree_unflatten(list(flat.items()))
     for pos, kind in scalars[1:]:
         a = arrays[pos]
         arrays[pos] = a.item() if kind == "scalar" else "".join(map(chr, a.tolist())) if kind == "string" else None
     states = tree_unflatten(list(arrays.items()))
-    cache = [getattr(mlx_lm_cache, c).from_state(state) for c, state in zip(classes, states)]
-    return cache, metadata
+    cache = [getattr(mlx_lm_cache, c).from_state(state) for c, state in zip(class_list, states)]
+    return cache, metadata, nread
+
+
+def _read_blocks(
+    fd: int, at: int, shape: list[int], item: int, width: int, digests: list[str], upto: int | None, name: str
+) -> np.ndarray:
+    """An attention cache's keys or values, [batch, heads, tokens, dim], read row by row
+    up to the end of the block holding token `upto` (all tokens without it), each block
+    checked against its digest; returned as bytes [rows, upto, dim * item]."""
+    rows, tokens, stride = shape[0] * shape[1], shape[2], math.prod(shape[3:]) * item
+    if len(digests) != -(-tokens // width):
+        raise ValueError(f"tensor {name}: {len(digests)} block digests for {tokens} tokens")
+    want = tokens if upto is None else min(upto, tokens)
+    span = min(tokens, -(-want // width) * width)
+    out = np.empty((rows, span, stride), dtype=np.uint8)
+    for r in range(rows):
+        data = os.pread(fd, span * stride, at + r * tokens * stride)
+        if len(data) != span * stride:
+            raise ValueError(f"tensor {name}: the file ends early")
+        out[r] = np.frombuffer(data, dtype=np.uint8).reshape(span, stride)
+    for b, start in enumerate(range(0, span, width)):
+        if _digest(out, start) != digests[b]:
+            raise ValueError(f"tensor {name}: block {b}'s digest does not hold")
+    return out[:, :want]
 
 
 def mtime(path: Path) -> float:
@@ -304,6 +390,7 @@ class DiskWriter:
                 continue
             tic = time.perf_counter()
             try:
+                job.meta[BLOCKS_KEY] = block_digests(job.tensors, job.meta)
                 job.meta[MAC_KEY] = file_mac(self.key, job.meta, job.tensors)
                 size = write_safetensors(job.path, job.tensors, job.meta)
             except OSError as e:

@@ -175,6 +175,8 @@ class StreamingModel:
             readback = self.mapped_pool if self.mapped_pool is not None else self.resident_routing
             if readback is not None:
                 readback.settle()
+            for p in self.pools:
+                p.flush()  # the forwards' accounting a hit left for later, before the counters go back
             for stats, before in saved:
                 # In place: the pools' readers hold these objects.
                 for f in fields(before):

@@ -185,7 +185,7 @@ class StreamingMoE(nn.Module):
                 pool.route_log.append(counted)
         else:
             ids = np.array(counted)
-            pool.stats.host_syncs += 1
+            pool.synced()
             self._last_ids = ids.reshape(-1, ids.shape[-1])
             pool.note_stacked(self._last_ids, self.hub.recorder)
         assert self._stack is not None
@@ -199,6 +199,23 @@ class StreamingMoE(nn.Module):
     # ---- one forward -----------------------------------------------------------------
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        clock = self.hub.clock
+        if clock is None:
+            return self._forward(x, indices)
+        clock.start()
+        y = self._forward(x, indices)
+        clock.stop()
+        return y
+
+    def _forward(self, x: mx.array, indices: mx.array) -> mx.array:
+        pool = self.pool
+        if pool.identity and self._stack is None and not pool.host_memory and not self._idle and self.share is None:
+            if not self.hub.recorder.active:
+                # A full pool whose slot e holds expert e: stock's call on the pool's arrays,
+                # its ids logged on the device for the heat (`_resident` without diagnostics).
+                if pool.route_log is not None:
+                    pool.route_log.append(indices)
+                return self.inner(x, indices)
         if self._idle:
             # The call's shape, lazily, on slot 0: nothing is read, counted or predicted.
             return self.inner(x, mx.zeros_like(indices))
@@ -210,8 +227,65 @@ class StreamingMoE(nn.Module):
         if self.pool.fully_resident:
             return self._resident(x, indices, rec)
         seq = indices.shape[-2] if indices.ndim >= 2 else 1
+        if seq == 1 and not rec.active and pool.device_lookup and (self.next is None or not self.next.ahead):
+            return self._decode(x, indices)
         rec.wait_for(self.ordinal, "outside", x)
         ids, ranked, ahead = self._route(x, indices, seq, rec)
+        if seq == 1 and not rec.active:
+            # A decode step whose experts are all resident: the lookup, the experts and the
+            # next layers' reads; the accounting waits for the pool's `flush`.
+            slots = self.pool.hit(ids)
+            if slots is not None:
+                y = self.inner(x, mx.array(slots))
+                self._sync(y, wait=False)
+                if ranked is not None:
+                    self._predict_next(ranked, seq, rec, ahead)
+                return y
+        return self._serve(x, indices, ids, ranked, ahead, seq, rec)
+
+    def _decode(self, x: mx.array, indices: mx.array) -> mx.array:
+        """A decode step without diagnostics: the slots looked up on the device in the
+        pool's table, and the next layer's predicted experts in its table, so that the
+        layer's one sync brings the host two numbers (the least slot of each) instead of
+        every id. Where both are slots the experts run on the device's lookup, no read is
+        started and the pool accounts the forward later (`hit_on_device`); else the ids
+        come to the host and the forward goes on as `_route`'s would."""
+        pool, nxt, pf, rec = self.pool, self.next, self.prefetcher, self.hub.recorder
+        slots = pool.table()[indices]
+        reading = pf is not None and pf.enabled and nxt is not None and not nxt.pool.fully_resident
+        ranked = nxt.router.ranked(x, pf.top_k, ordered=False) if reading else None
+        if ranked is None:
+            least = slots.min()
+            self._sync(least, indices)
+            own, predicted = least.item(), 0
+        else:
+            least = mx.stack([slots.min(), nxt.pool.table()[ranked].min()])
+            self._sync(least, indices, ranked)
+            own, predicted = least.tolist()
+        pool.synced()
+        if own < 0:
+            ids = np.array(indices)
+            ranked_np = np.array(ranked).reshape(-1, ranked.shape[-1]) if ranked is not None else None
+            return self._serve(x, indices, ids, ranked_np, (), 1, rec)
+        pool.hit_on_device(indices)
+        y = self.inner(x, slots)
+        self._sync(y, wait=False)
+        if predicted < 0:
+            self._predict_next(np.array(ranked).reshape(-1, ranked.shape[-1]), 1, rec)
+        return y
+
+    def _serve(
+        self,
+        x: mx.array,
+        indices: mx.array,
+        ids: np.ndarray,
+        ranked: np.ndarray | None,
+        ahead: Sequence[tuple[NextLayer, np.ndarray]],
+        seq: int,
+        rec: AnyRecorder,
+    ) -> mx.array:
+        """A forward whose ids are on the host: its misses admitted (or an overflow
+        stack), the experts run, the next layers' reads started."""
         flat = ids.reshape(-1, ids.shape[-1])
         rec.union(self.ordinal, seq, flat)
         if self.pool.fits(flat):
@@ -219,7 +293,7 @@ class StreamingMoE(nn.Module):
             rec.experts(self.ordinal, y, indices)
             # Start the experts now: the host builds the next layer (up to its router,
             # the next sync) while the device computes this one.
-            mx.async_eval(y)
+            self._sync(y, wait=False)
         else:
             y = self._overflow(x, ids, flat, rec)
             rec.experts(self.ordinal, y, indices)
@@ -294,6 +368,7 @@ class StreamingMoE(nn.Module):
         reading = pf is not None and pf.enabled and seq <= MAX_PREFETCH_TOKENS
         with rec.segment(self.ordinal, "route"):
             if nxt is None or nxt.pool.fully_resident or not (reading or rec.active):
+                self._sync(indices)
                 ids = np.array(indices)
                 ranked_np, ahead = None, ()
             else:
@@ -304,12 +379,23 @@ class StreamingMoE(nn.Module):
                 # same input: their reads get more than one layer's compute to finish in.
                 later = [a for a in nxt.ahead if not a.pool.fully_resident] if reading else ()
                 later_ranked = [a.router.ranked(x, pf.top_k, ordered=False) for a in later]
-                mx.eval(indices, ranked, *later_ranked)  # the one host sync of this layer, for all
+                self._sync(indices, ranked, *later_ranked)  # the one host sync of this layer, for all
                 ids = np.array(indices)
                 ranked_np = np.array(ranked).reshape(-1, ranked.shape[-1])
                 ahead = [(a, np.array(r).reshape(-1, r.shape[-1])) for a, r in zip(later, later_ranked)]
-        self.pool.stats.host_syncs += 1
+        self.pool.synced()
         return ids, ranked_np, ahead
+
+    def _sync(self, *arrays: mx.array, wait: bool = True) -> None:
+        """Evaluate `arrays` (a host sync), or with `wait` False only launch them; timed
+        for the hub's clock where it has one (MLX's own time: on the CPU a launch
+        encodes every op on the host, which stock pays in its launch too)."""
+        run = mx.eval if wait else mx.async_eval
+        clock = self.hub.clock
+        if clock is None:
+            run(*arrays)
+            return
+        clock.evaluate(run, arrays)
 
     def _slots(self, x: mx.array, ids: np.ndarray, flat: np.ndarray, decode: bool, rec: AnyRecorder) -> mx.array:
         """The routed experts fit in the pool: admit the missing ones into slots and call
@@ -369,19 +455,25 @@ class StreamingMoE(nn.Module):
         nxt, pf = self.next, self.prefetcher
         ordinal = nxt.pool.layer.ordinal
         with rec.host(ordinal, "predict"):
-            named = np.unique(ranked[:, : pf.top_k])
-            named = named[named >= 0]  # an expert share's ranking names others' experts NOT_HERE
-            prediction = Prediction(ranked=ranked, named=named)
-            nxt.pool.expect(prediction)
+            top = ranked[:, : pf.top_k]
+            if self.share is None and len(top) == 1:
+                named = np.sort(top[0])  # one token's top k are distinct: np.unique's answer
+            else:
+                named = np.unique(top)
+                named = named[named >= 0]  # an expert share's ranking names others' experts NOT_HERE
+            # The prediction is the diagnostics' (recall, attribution, the window) alone.
+            prediction = Prediction(ranked=ranked, named=named) if rec.active else None
+            if prediction is not None:
+                nxt.pool.expect(prediction)
             if not (pf.enabled and seq <= MAX_PREFETCH_TOKENS):
                 return
-            missing = named[nxt.pool.slot_of[named] < 0]
+            missing = named[nxt.pool.slot_of.take(named) < 0]
         with rec.host(ordinal, "submit"):
             if missing.size:
                 # What host memory holds goes straight into layer L+1's slots (this layer's
                 # sync ran every earlier computation, and what it queued since reads only
                 # this layer's pool); the rest is read from the store into the buffer.
-                if nxt.pool.prestage(named):
+                if nxt.pool.prestage(named, missing):
                     missing = missing[nxt.pool.slot_of[missing] < 0]
                 if missing.size:
                     pf.submit(nxt.pool.layer, missing.tolist())
@@ -394,5 +486,6 @@ class StreamingMoE(nn.Module):
                 missing_later = named_later[layer.pool.slot_of[named_later] < 0]
                 if missing_later.size:
                     pf.submit(layer.pool.layer, missing_later.tolist())
-        prediction.submitted = True
-        prediction.submitted_at = rec.now()
+        if prediction is not None:
+            prediction.submitted = True
+            prediction.submitted_at = rec.now()

@@ -166,6 +166,7 @@ def decode_counters(sm: "StreamingModel") -> dict[str, float]:
         "hits_decode": s["hits_decode"],
         "misses_decode": s["misses_decode"],
         "host_syncs": s["host_syncs"],
+        "quiesces": s["quiesces"],
         "prestaged": s["prestaged"],
         "prestaged_used": s["prestaged_used"],
         # The prefetcher's own reads (into its buffer) and promotions into pools.

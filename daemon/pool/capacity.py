@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 from ...shared.settings import format_size
+from ...shared.status import ContextLimit
 from ...shared.store_format import Manifest
 from .expert_pool import PoolCapacityError
 
@@ -116,26 +116,6 @@ def kv_reserve_tokens(config: dict[str, Any], max_context: int | None) -> int:
     if max_context is not None:
         return max_context
     return min(model_context(config) or FALLBACK_CONTEXT, KV_RESERVE_TOKENS)
-
-
-@dataclass(frozen=True)
-class ContextLimit:
-    """A request's context (its prompt and the tokens it makes), and how it was found:
-    `max_context` where set, else the model's own (`model_tokens`), at most what
-    `kv_room_bytes` holds at `kv_bytes_per_token` (`bound` says which bound it)."""
-
-    tokens: int
-    model_tokens: int | None
-    kv_bytes_per_token: int
-    # The memory the budget (or the device) leaves for KV caches once the model holds its
-    # share, and where that memory figure came from.
-    kv_room_bytes: int | None
-    memory: str
-    # "max_context" (set), "model" (the model's own), or "memory" (what the room holds).
-    bound: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def context_limit(

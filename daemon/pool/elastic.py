@@ -30,8 +30,8 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
-from ...shared.elastic import ElasticStatus, ResizeEvent
 from ...shared.settings import format_size
+from ...shared.status import ElasticStatus, ResizeEvent
 from .pressure import Level, Pressure, PressureSource
 
 if TYPE_CHECKING:

@@ -98,8 +98,13 @@ def _here(row: np.ndarray) -> list[int]:
     return [int(e) for e in row if e >= 0]
 
 
-def _current_stream() -> str:
-    return str(mx.default_stream(mx.default_device()))
+def _host_rows(ids: mx.array) -> np.ndarray:
+    """Evaluated expert ids of any shape as [tokens, k] on the host."""
+    return np.array(ids).reshape(-1, ids.shape[-1])
+
+
+def _current_stream() -> mx.Stream:
+    return mx.default_stream(mx.default_device())
 
 
 # A layer-major prefill reads a layer's missing experts ahead once its prompt routes this
@@ -107,6 +112,9 @@ def _current_stream() -> str:
 # were uniform, and real routing at such counts leaves few unrouted (the q30 runs of
 # tests/bench/RESULTS.md route every expert from 512 tokens on).
 READ_AHEAD_ROUTES = 3
+# Decode forwards `hit` keeps for `flush` at most (a benchmark reads no counter for a
+# whole decode): their accounting then runs as one batch.
+MAX_PENDING = 64
 
 
 class PoolCapacityError(ValueError):
@@ -154,14 +162,23 @@ class ExpertPool:
         mx.eval(list(self.arrays.values()))
         admitter.prepare(self.arrays)
         self.slot_of = np.full(layer.num_experts, -1, np.int32)
+        # `slot_of` on the device (`table`), made again after any change.
+        self._table: mx.array | None = None
         self.expert_in = np.full(self.capacity, -1, np.int32)
         self._free = list(range(self.capacity - 1, -1, -1))
         self._resident: set[int] = set()
         self.pinned: set[int] = set()
-        self.stats = PoolStats(routed=np.zeros(layer.num_experts, np.int64))
+        self._stats = PoolStats(routed=np.zeros(layer.num_experts, np.int64))
         # Every forward's routing as LRU stack distances (daemon/pool/reuse.py), for the
         # heat's reuse file, from which `plan` forecasts the hit rate of any pool size.
-        self.stack_distances = StackDistances(layer.num_experts)
+        self._distances = StackDistances(layer.num_experts)
+        # Decode forwards whose experts were all resident (`hit`), not yet told to the
+        # policy, the counts and the stack distances: each [tokens, k] ids with the lower
+        # layers' rows of the same tokens (for a policy that reads them), in order.
+        # `flush` tells them, before anything reads or changes what they change.
+        self._pending: list[tuple[np.ndarray | mx.array, list[np.ndarray]]] = []
+        # Whether the policy reads the lower layers' routing (`observe_lower`).
+        self._hinted = type(policy).observe_lower is not EvictionPolicy.observe_lower
         # Set once every expert is resident: lookups then stay on the device.
         self.remap: mx.array | None = None
         self.identity = False
@@ -190,7 +207,7 @@ class ExpertPool:
         # How many of the last forward's routed experts were resident thanks to prestage.
         self.last_prestaged_used = 0
         # The stream of the forward that last queued a read of this pool's slots.
-        self._reader_stream: str | None = None
+        self._reader_stream: mx.Stream | None = None
         # What uses `arrays` (the layer's StreamingMoEs, the mlx-lm model's and a vision
         # model's, hand their modules the new ones when `resize` replaces them), and the
         # pin order and routings since load that rank experts by heat when a shrink
@@ -205,6 +222,20 @@ class ExpertPool:
         # stream). Not relied on with Metal, whose command buffers of one queue may
         # overlap when they share no tracked buffer (another request's last layer).
         self._ordered_streams = not mx.metal.is_available()
+
+    @property
+    def stats(self) -> PoolStats:
+        """The counters, with every forward so far in them."""
+        if self._pending:
+            self.flush()
+        return self._stats
+
+    @property
+    def stack_distances(self) -> StackDistances:
+        """The stack distances, with every forward so far in them."""
+        if self._pending:
+            self.flush()
+        return self._distances
 
     @property
     def nbytes(self) -> int:
@@ -268,7 +299,7 @@ class ExpertPool:
             self._admit(wanted[::-1], set(wanted) | self.pinned)
         return len(wanted)
 
-    def prestage(self, experts: np.ndarray) -> int:
+    def prestage(self, experts: np.ndarray, absent: np.ndarray | None = None) -> int:
         """Admit those of `experts` (the next forward's prediction) that are missing here
         but held in host memory, copying them into their slots without waiting: the
         copies run while the device computes the layers before this one, and the next
@@ -278,11 +309,18 @@ class ExpertPool:
         Called between this layer's forwards, after a host sync of the same forward at a
         lower layer with only that layer's work queued since: where streams run in order
         and every read of this pool was queued on the current stream, no queued
-        computation reads it any more; elsewhere it waits for the streams first."""
+        computation reads it any more; elsewhere it waits for the streams first.
+        `absent`: those of `experts` not resident, in increasing order, where the caller
+        has them (a decode step's prediction): then an admitter that holds nothing in
+        host memory costs one call."""
         if not self.reuse or self.fully_resident:
             return 0
+        if absent is None:
+            absent = np.array(sorted({int(e) for e in experts if self.slot_of[int(e)] < 0}), np.int64)
+        missing = self.admitter.held(self.layer, absent.tolist())
+        if not missing:
+            return 0
         named = {int(e) for e in experts}
-        missing = self.admitter.held(self.layer, [e for e in sorted(named) if self.slot_of[e] < 0])
         protected = named | self.pinned
         room = len(self._free) + len(self._resident - protected)
         missing = missing[:room]
@@ -325,6 +363,8 @@ class ExpertPool:
     def _account(self, token_experts: np.ndarray, *, decode: bool) -> tuple[np.ndarray, list[int]]:
         """Tell the policy and the statistics what these tokens routed to; return the
         unique experts they need and those of them that are not resident."""
+        if self._pending:
+            self.flush()
         self._settle()
         if not self.reuse:
             for e in list(self._resident - self.pinned):
@@ -357,6 +397,80 @@ class ExpertPool:
             self.stats.hits_prefill += hits
             self.stats.misses_prefill += len(missing)
         return needed, missing
+
+    def hit(self, token_experts: np.ndarray) -> np.ndarray | None:
+        """A decode forward's slot ids ([..., k] expert ids in, the same shape out) where
+        every expert it routes is resident and no prestaged copy waits: the critical path
+        of a hit is this lookup. What `ensure` would account for it (the policy, the
+        heat's counts, the stack distances, the hits) waits in `_pending` for `flush`,
+        which tells it in order before anything reads or changes what it changes, so the
+        totals and every eviction are those of `ensure`. None where some expert is
+        missing (then `ensure`)."""
+        if self._prestaged or not self.reuse:
+            return None
+        slots = self.slot_of.take(token_experts)
+        if min(slots.ravel().tolist()) < 0:  # faster than numpy's min for a few ids
+            return None
+        rows = token_experts.reshape(-1, token_experts.shape[-1])
+        lower: list[np.ndarray] = []
+        if self._hinted:
+            lower = [p.last_rows for p in self.lower if p.last_rows is not None and len(p.last_rows) == len(rows)]
+        self._pending.append((rows, lower))
+        self.last_rows = rows
+        self.last_prestaged_used = 0
+        self._reader_stream = _current_stream()
+        if len(self._pending) >= MAX_PENDING:
+            self.flush()
+        return slots
+
+    @property
+    def device_lookup(self) -> bool:
+        """Whether a decode forward may find its slots on the device (`table`) and tell
+        the pool only that they were all there (`hit_on_device`): a pool that reuses
+        experts, with no prestaged copy to settle, under a policy that does not read the
+        lower layers' routing (which would need every forward's ids on the host)."""
+        return self.reuse and not self._prestaged and not self._hinted
+
+    def table(self) -> mx.array:
+        """`slot_of` on the device (expert id -> slot, -1 where not resident), the same
+        array until the slots change."""
+        if self._table is None:
+            self._table = mx.array(self.slot_of)
+        return self._table
+
+    def hit_on_device(self, indices: mx.array) -> None:
+        """A decode forward whose routed experts (`indices`, evaluated) the device found
+        all resident in `table`: accounted by `flush` as `hit` accounts its forwards."""
+        self._pending.append((indices, []))
+        self.last_rows = None  # read by policies of lower-layer hints only, which `hit` serves
+        self.last_prestaged_used = 0
+        self._reader_stream = _current_stream()
+        if len(self._pending) >= MAX_PENDING:
+            self.flush()
+
+    def synced(self) -> None:
+        """Count a host sync of this layer's forward (without a `flush`: a hit's path)."""
+        self._stats.host_syncs += 1
+
+    def flush(self) -> None:
+        """Tell the policy, the counters and the stack distances the forwards `hit`
+        served, in their order, as `_account` would have told them at each."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        policy, stats = self.policy, self._stats
+        # Ids a forward left on the device (`hit_on_device`) come to the host here.
+        pending = [(r if isinstance(r, np.ndarray) else _host_rows(r), low) for r, low in pending]
+        for rows, lower in pending:
+            for i, row in enumerate(rows.tolist()):
+                if lower:
+                    policy.observe_lower([_here(r[i]) for r in lower])
+                policy.access(row)
+            self._distances.observe_step(rows)
+            stats.hits_decode += int(np.unique(rows).size)
+        routed = np.concatenate([rows.ravel() for rows, _ in pending])
+        stats.routed += np.bincount(routed, minlength=stats.routed.size)
+        stats.routed_total += routed.size
 
     def _account_prefill(
         self, token_experts: np.ndarray, prediction: Prediction | None, rec: AnyRecorder
@@ -577,15 +691,16 @@ class ExpertPool:
             slot = self._take_slot(protected)
             rows.append((slot, scratch_row[e]))
             self.slot_of[e] = slot
+            self._table = None
             self.expert_in[slot] = e
             self._resident.add(e)
             self.policy.admitted(e)
         self.admitter.copy_rows(self.layer, self.arrays, scratch, rows)
 
-    def _reads_drained(self, stream: str) -> bool:
+    def _reads_drained(self, stream: mx.Stream) -> bool:
         """After a sync on `stream` (the current one): whether every read of this pool
         queued before has run (see `ensure`)."""
-        return self._ordered_streams and self._reader_stream in (None, stream)
+        return self._ordered_streams and (self._reader_stream is None or self._reader_stream == stream)
 
     def _quiesce(self) -> None:
         """Work queued earlier (e.g. another request's step, interleaved with this one)
@@ -596,6 +711,8 @@ class ExpertPool:
 
     def _take_slot(self, protected: set[int]) -> int:
         """A free slot, or the slot of the policy's victim (never a protected expert)."""
+        if self._pending:
+            self.flush()
         if self._free:
             return self._free.pop()
         victim = self.policy.victim(self._resident, protected)
@@ -606,6 +723,7 @@ class ExpertPool:
             )
         slot = int(self.slot_of[victim])
         self.slot_of[victim] = -1
+        self._table = None
         self._resident.discard(victim)
         self.policy.evicted(victim)
         self.stats.evictions += 1
@@ -618,6 +736,7 @@ class ExpertPool:
         for e in missing:
             slot = self._take_slot(protected)
             self.slot_of[e] = slot
+            self._table = None
             self.expert_in[slot] = e
             self._resident.add(e)
             placements.append((e, slot))
@@ -653,6 +772,7 @@ class ExpertPool:
     def _release(self, expert: int) -> None:
         slot = int(self.slot_of[expert])
         self.slot_of[expert] = -1
+        self._table = None
         self.expert_in[slot] = -1
         self._resident.discard(expert)
         self._free.append(slot)
@@ -690,6 +810,7 @@ class ExpertPool:
         into new arrays of `capacity` rows, and the old arrays go once nothing holds them:
         a forward queued before still reads them, under the slot ids it was given, and no
         byte of an expert changes, so neither does what the model computes."""
+        self.flush()
         n = self.layer.num_experts
         capacity = max(self.top_k, min(int(capacity), n))
         if capacity == self.capacity or self.host_memory or not self.reuse:
@@ -758,6 +879,7 @@ class ExpertPool:
             e = int(self.expert_in[was])
             expert_in[new] = e
             self.slot_of[e] = new
+        self._table = None
         self.arrays, self.expert_in, self.capacity = arrays, expert_in, capacity
         self.policy.capacity = capacity
         self._free = [s for s in range(capacity - 1, -1, -1) if expert_in[s] < 0]

@@ -246,17 +246,17 @@ def through_daemon(store: Path, capacity: str, host_cache: str, rounds: int) -> 
     try:
         with Client(daemon.paths, timeout=60) as c:
             c.complete(PROMPT, max_tokens=32)
-            made, floor = c.status()["elastic"]["configured_slots"], c.status()["elastic"]["floor_slots"]
+            made, floor = c.status().elastic.configured_slots, c.status().elastic.floor_slots
             for _ in range(rounds):
                 for what, word, target in (("shrink", "critical", floor), ("grow", "normal", made)):
                     tic = time.perf_counter()
                     level.write_text(word + " set by the probe\n")
-                    while (el := c.status()["elastic"])["slots"] != target:
+                    while (el := c.status().elastic).slots != target:
                         if time.perf_counter() - tic > 30:
                             raise RuntimeError(f"no {what} within 30 s")
                         time.sleep(0.005)
                     out[what].append(time.perf_counter() - tic)
-                    out[what + "_resize"].append(el["events"][-1]["seconds"])
+                    out[what + "_resize"].append(el.events[-1].seconds)
                     c.complete(PROMPT, max_tokens=16)
     finally:
         daemon.stop(15.0)

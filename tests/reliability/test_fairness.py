@@ -14,6 +14,7 @@ from daemon_cli import wait_for
 
 from moestream.client.client import Client
 from moestream.shared import protocol as proto
+from moestream.shared.status import RecentRequest, RequestInfo, Status
 
 from .conftest import CASES
 
@@ -41,7 +42,7 @@ def _until(sock: zmq.Socket, kind: type) -> proto.Reply:
             return reply
 
 
-def _status(daemon) -> dict:
+def _status(daemon) -> Status:
     with Client(daemon.paths) as c:
         return c.status()
 
@@ -72,10 +73,10 @@ def test_one_client_on_many_connections_gets_its_share_and_the_next_slot_goes_to
                 assert isinstance(reply, proto.Accepted), reply
         assert isinstance(reply, proto.Error) and reply.code == proto.BUSY, reply
         assert "this client has 65 requests" in reply.message
-        wait_for(lambda: _status(d)["requests"]["queued"] == share - 1, 30, "the greedy client's queue")
+        wait_for(lambda: _status(d).requests.queued == share - 1, 30, "the greedy client's queue")
         with Client(d.paths, timeout=120) as c:
             done = c.complete(prompt, max_tokens=max_tokens)
-            recent = [r["id"] for r in c.status()["requests"]["recent"]]
+            recent = [r.id for r in c.status().requests.recent]
         ref = rel_reference[(prompt, max_tokens)]
         assert tuple(done["tokens"]) == ref.tokens
         # g0 ended, then this one; g1 (LONG tokens, started after it) is still running.
@@ -96,8 +97,8 @@ def test_a_stream_its_client_does_not_read_is_paused_then_cancelled(rel_store, r
         s = stack.enter_context(_dealer(ctx, d.paths.endpoint, reads=False))
         s.send(proto.encode(proto.Generate(id="unread", prompt=CASES[0][0], max_tokens=want, sampling=NO_END)))
 
-        def paused() -> dict | None:
-            return next((r for r in _status(d)["requests"]["running"] if r["phase"] == "paused"), None)
+        def paused() -> RequestInfo | None:
+            return next((r for r in _status(d).requests.running if r.phase == "paused"), None)
 
         seen = wait_for(paused, 120, "the unread stream to be paused")
         prompt, max_tokens = CASES[1]
@@ -105,12 +106,12 @@ def test_a_stream_its_client_does_not_read_is_paused_then_cancelled(rel_store, r
             done = c.complete(prompt, max_tokens=max_tokens)
         assert tuple(done["tokens"]) == rel_reference[(prompt, max_tokens)].tokens
         st = _status(d)
-        assert [r["tokens"] for r in st["requests"]["running"] if r["id"] == "unread"] == [seen["tokens"]]
+        assert [r.tokens for r in st.requests.running if r.id == "unread"] == [seen.tokens]
 
-        def ended() -> dict | None:
-            return next((r for r in _status(d)["requests"]["recent"] if r["id"] == "unread"), None)
+        def ended() -> RecentRequest | None:
+            return next((r for r in _status(d).requests.recent if r.id == "unread"), None)
 
         gone = wait_for(ended, UNREAD_SECONDS + 60, "the unread stream to be cancelled")
-    assert gone["finish_reason"] == "disconnected" and gone["tokens"] == seen["tokens"] < want // 10, gone
-    clients = _status(d)["clients"]
-    assert clients["paused"] >= 1 and clients["dropped_not_reading"] == 1, clients
+    assert gone.finish_reason == "disconnected" and gone.tokens == seen.tokens < want // 10, gone
+    clients = _status(d).clients
+    assert clients.paused >= 1 and clients.dropped_not_reading == 1, clients

@@ -61,20 +61,20 @@ def test_full_disk_under_a_running_daemon(small_tmpfs, rel_store, start_daemon, 
     daemon = start_daemon(store, env={"MOESTREAM_HEAT_FLUSH_SECONDS": "0.1"})
     with Client(daemon.paths, timeout=30) as c:
         c.complete(CASES[0][0], max_tokens=8)
-        _wait(lambda: path.exists() and c.status()["heat"]["last_flush_ok"], "a first heat write")
+        _wait(lambda: path.exists() and c.status().heat["last_flush_ok"], "a first heat write")
         old = path.read_bytes()
         fill(small_tmpfs)
         for case in CASES[:4]:  # served exactly while heat cannot be written
             result = c.complete(case[0], max_tokens=case[1])
             assert tuple(result["tokens"]) == rel_reference[case].tokens
-        _wait(lambda: c.status()["heat"]["last_flush_ok"] is False, "a failed heat write")
-        heat = c.status()["heat"]
+        _wait(lambda: c.status().heat["last_flush_ok"] is False, "a failed heat write")
+        heat = c.status().heat
         assert "No space left on device" in heat["last_error"] and str(path) in heat["last_error"]
         assert path.read_bytes() == old and temp_files(path) == []
         assert heat["alive"], "the keeper survives a failed write"
 
         (small_tmpfs / "filler").unlink()
-        _wait(lambda: c.status()["heat"]["last_flush_ok"] is True, "heat writes to succeed again")
+        _wait(lambda: c.status().heat["last_flush_ok"] is True, "heat writes to succeed again")
         assert sum(sum(d.values()) for d in parse_usage(path.read_bytes()).values()) > sum(
             sum(d.values()) for d in parse_usage(old).values()
         ), "the counts kept in memory during the full disk reach the file"

@@ -39,7 +39,7 @@ def test_expert_ids_past_the_layer_are_set_aside(store_copy, rel_reference, star
     d = start_daemon(store_copy)
     status = _served_exactly(d, rel_reference)
     assert len(_set_aside(store_copy)) == 1
-    assert "past the layer's 16 experts" in (status["autopin"]["problem"] or "")
+    assert "past the layer's 16 experts" in (status.autopin["problem"] or "")
 
 
 def test_a_fifo_heat_file_and_a_planted_lock_symlink(store_copy, rel_reference, start_daemon, workdir):
@@ -53,7 +53,7 @@ def test_a_fifo_heat_file_and_a_planted_lock_symlink(store_copy, rel_reference, 
     status = _served_exactly(d, rel_reference)
     assert victim.read_text() == "precious\n"
     assert len(_set_aside(store_copy)) == 1
-    assert "not a regular file" in (status["autopin"]["problem"] or "")
+    assert "not a regular file" in (status.autopin["problem"] or "")
     # The keeper refuses the lock, says why, and serving goes on.
     deadline = time.monotonic() + 10
     while "lock file" not in d.tail(20000) and time.monotonic() < deadline:
@@ -65,7 +65,7 @@ def test_a_heat_file_linked_to_dev_zero_is_not_read(store_copy, rel_reference, s
     os.symlink("/dev/zero", store_copy / "pool_usage.json")
     d = start_daemon(store_copy)
     status = _served_exactly(d, rel_reference)
-    assert "symbolic link" in (status["autopin"]["problem"] or "")
+    assert "symbolic link" in (status.autopin["problem"] or "")
     assert Path("/dev/zero").exists() and _set_aside(store_copy)
 
 
@@ -101,7 +101,7 @@ def _heat(d, until=lambda heat: True, timeout: float = 15.0) -> dict:
     deadline = time.monotonic() + timeout
     with Client(d.paths, timeout=30) as c:
         while True:
-            heat = c.status()["heat"]
+            heat = c.status().heat
             if until(heat) or time.monotonic() > deadline:
                 return heat
             time.sleep(0.05)
@@ -141,7 +141,7 @@ def test_a_second_daemon_on_the_store_keeps_its_heat_until_the_lock_frees(store_
     assert _file_total(store_copy) == sum(sent), (sent, merged)
     assert not list(store_copy.glob("pool_usage.json.pending-*"))
     with Client(first.paths if first.alive() else second.paths) as c:
-        assert c.status()["heat"]["state"] == "running"
+        assert c.status().heat["state"] == "running"
 
 
 def test_the_read_only_readers_refuse_what_the_daemon_sets_aside(tmp_path):

@@ -40,7 +40,7 @@ def test_2100_idle_connections_leave_the_daemon_serving(rel_store, rel_reference
         assert d.alive(), d.tail()
         _exact(d, rel_reference)
         with Client(d.paths) as c:
-            assert c.status()["clients"]["connected"] >= 2100
+            assert c.status().clients.connected >= 2100
     finally:
         for s in socks:
             s.close()
@@ -145,7 +145,7 @@ def test_a_fixed_routing_id_is_served_again_after_a_disconnect_mid_stream(rel_st
 
         def disconnected() -> bool:
             with Client(d.paths) as c:
-                return c.status()["requests"]["disconnected"] == 1
+                return c.status().requests.disconnected == 1
 
         wait_for(disconnected, 30, "the daemon to stop the request")
         s = connect()
@@ -202,7 +202,7 @@ def _drafts_stay_bounded(store, workdir, reference, start_daemon, n: int) -> Non
         for path in _draft_paths(store, workdir, n):
             done = c.complete(prompt, max_tokens=max_tokens, speculative="draft", draft_model=path)
             assert tuple(done["tokens"]) == ref.tokens
-            active.append(c.status()["memory"]["mlx_active_bytes"])
+            active.append(c.status().memory.mlx_active_bytes)
     one = _store_bytes(store)  # a draft model's weights are at most this
     # Past the first two (the cache's one and what warms up), no draft model stays behind.
     assert active[-1] - active[1] < one, f"MLX memory grew {(active[-1] - active[1]) / one:.1f} draft models"
@@ -253,7 +253,7 @@ def test_oversized_prompts_of_one_client_do_not_hold_up_another(rel_store, rel_r
             codes[reply.code] = codes.get(reply.code, 0) + 1
         assert set(codes) == {"too_long", "busy"} and codes["busy"] == 260 - 72, codes
         with Client(d.paths) as c:
-            assert c.status()["requests"]["busy"] == 260 - 72
+            assert c.status().requests.busy == 260 - 72
     finally:
         flood.close()
         ctx.term()

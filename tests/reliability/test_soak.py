@@ -54,7 +54,7 @@ def test_soak_with_cancels_and_disconnects(rel_store, start_daemon, rel_referenc
     first, second = (r["rss_end_bytes"] for r in reports)
     assert 100.0 * (second - first) / first < 5.0, "the second run of the same soak grew the daemon"
     with Client(daemon.paths) as c:
-        batch = c.status()["batch"]
+        batch = c.status().batch
     assert (batch is None) == (max_batch == "1")
     if batch is not None:
         assert batch["max_batch"] == 4 and 1 < batch["max_size"] <= 4 and batch["joined"] == batch["left"]

@@ -118,7 +118,7 @@ def test_eio_on_an_expert_file_fails_the_request_naming_layer_and_expert(
         gate.unlink()  # the "disk" recovers
         _exact(c, rel_reference)
         assert c.ping().pid == daemon.pid
-        assert c.status()["requests"]["failed"] == 2
+        assert c.status().requests.failed == 2
 
 
 def test_a_store_truncated_before_start_fails_then_serves_once_repaired(store_copy, start_daemon, rel_reference):
@@ -213,7 +213,7 @@ def test_a_store_deleted_under_a_running_daemon(store_copy, start_daemon, rel_re
         _exact(c, rel_reference, CASES[2])
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            heat = c.status()["heat"]
+            heat = c.status().heat
             if heat.get("last_flush_ok") is False:
                 break
             time.sleep(0.1)

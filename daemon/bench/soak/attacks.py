@@ -161,7 +161,7 @@ def connection_churn(
     clients: dict[str, Any] = {}
     if alive:
         with Client(daemon.paths) as c:
-            clients = c.status()["clients"]
+            clients = c.status().clients.to_dict()
     ok = bool(exact and heard and heard[0] in ("pong", proto.BUSY) and clients.get("refused_busy", 0) > 0)
     return {
         "sockets": sockets,

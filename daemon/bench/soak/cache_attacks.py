@@ -99,7 +99,7 @@ class _Cases:
         ref = self.reference[case]
         self.requests += 1
         self.exact += tuple(done["tokens"]) == ref.tokens and done["text"] == ref.text
-        return int(done["stats"].get("cached_tokens") or 0)
+        return done["stats"].cached_tokens
 
 
 def _start(store: Path, runtime: Path, folder: Path, capacity: str) -> DaemonProcess:
@@ -118,7 +118,7 @@ def _wait(what: Callable[[], bool], seconds: float = CACHED_WITHIN_S) -> bool:
 
 def _disk(daemon: DaemonProcess) -> dict[str, Any]:
     with Client(daemon.paths, timeout=30) as c:
-        return c.status()["prompt_cache"]
+        return c.status().prompt_cache or {}
 
 
 def _write_files(

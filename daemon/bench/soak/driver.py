@@ -354,8 +354,8 @@ def _wait_idle(paths: RuntimePaths, timeout: float) -> dict[str, Any]:
     with Client(paths, timeout=10.0) as c:
         while True:
             stats = c.stats()["requests"]
-            status = c.status()["requests"]
-            if (status["active"] == 0 and status["queued"] == 0) or time.monotonic() > deadline:
+            status = c.status().requests
+            if (status.active == 0 and status.queued == 0) or time.monotonic() > deadline:
                 return stats
             time.sleep(0.05)
 

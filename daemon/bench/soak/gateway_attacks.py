@@ -49,7 +49,7 @@ from typing import Any, Mapping
 
 import psutil
 
-from ....client.gateway.app import MAX_BODY_BYTES, MAX_CONCURRENT
+from ....client.gateway.daemon_link import MAX_BODY_BYTES, MAX_CONCURRENT
 from ....shared.settings import default_of
 from .driver import DaemonProcess, Reference, child_env
 

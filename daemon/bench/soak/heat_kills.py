@@ -270,7 +270,7 @@ def daemon_kills(store: Path, runtime: Path, n: int, rng: random.Random, *, capa
         try:
             time.sleep(rng.uniform(0.2, 0.8))
             with Client(daemon.paths, timeout=5.0) as c:
-                heat = c.status()["heat"]
+                heat = c.status().heat
             keeper_pid = heat.get("pid")
             loaded = (heat.get("keeper") or {}).get("loaded_total", previous)
             lower = loaded + heat["sent_counts"] - heat["dropped_counts"] - heat["unconfirmed_counts"]
