@@ -395,7 +395,9 @@ def test_generate_takes_another_spelling_of_the_store_a_loading_daemon_serves(tm
     else:
         (tmp_path / "Models").symlink_to(tmp_path / "models")
         alias = tmp_path / "Models" / "demo"
-    loading = {"model": str(served), "store_id": None}  # a loading daemon knows no id yet
+    from moestream.shared.status import Status
+
+    loading = Status(state="loading", model=str(served), store_id=None)  # a loading daemon knows no id yet
     _check_served_store(str(alias), loading)  # one folder: accepted
     other = tmp_path / "other"
     shutil.copytree(demo_store_path(), other)

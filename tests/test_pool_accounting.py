@@ -79,7 +79,7 @@ def totals(capacity: float, policy: str, diagnostics: bool) -> dict[str, Any]:
             ],
         }
         if diagnostics:
-            out["diagnostics"] = _diagnostics(result.stats["diagnostics"])
+            out["diagnostics"] = _diagnostics(result.stats.diagnostics)
         return out
     finally:
         sm.close()

@@ -312,10 +312,10 @@ def test_a_prefix_of_a_longer_file_reads_only_the_blocks_it_uses(build, tmp_path
     monkeypatch.setattr(prompt_cache_files, "BLOCK_TOKENS", 16)
     _, store, stock = build("qwen3_moe")
     sm = load_streaming_model(store, Settings(direct_io=True))
-    folder = tmp_path / "pc"
+    folder, key = tmp_path / "pc", tmp_path / "state" / "prompt-cache.key"
     try:
         first = _prompt(90, seed=11)
-        pc = _new_cache(stock, disk_dir=folder, disk_bytes=2**30)
+        pc = _new_cache(stock, disk_dir=folder, disk_bytes=2**30, key_file=key)
         (answer, _), _ = _ours(sm, pc, first)
         pc.close()
         (path,) = folder.glob("*.safetensors")
@@ -326,14 +326,22 @@ def test_a_prefix_of_a_longer_file_reads_only_the_blocks_it_uses(build, tmp_path
         _ours(sm, memory, first)
         from_memory, use = _ours(sm, memory, nxt)
         assert use.reused == 20
-        again = _new_cache(stock, disk_dir=folder, disk_bytes=2**30)
+        again = _new_cache(stock, disk_dir=folder, disk_bytes=2**30, key_file=key)
         from_disk, use = _ours(sm, again, nxt)
-        again.close()
         assert use.from_disk and use.reused == 20
         _same(from_disk, from_memory, "a prefix read from a longer file")
-        arrays = size - 8 - struct.unpack("<Q", path.read_bytes()[:8])[0]
-        read = again.stats.disk_read_bytes
-        assert read < arrays * 40 / held, f"read {read} of {size} bytes for 32 of {held} tokens"
+        # What the read put in memory holds those 20 tokens and claims no more (the file
+        # moved aside, so that memory alone answers).
+        path.rename(folder / "aside")
+        kept = again.fetch(first[:60] + [5])
+        assert kept is not None and kept.tokens == 20 and not kept.from_disk
+        again.close()
+        (folder / "aside").rename(path)
+        cache, _, _ = prompt_cache_files.load_cache_file(path, prompt_cache_files.user_key(key), 2**30, 20)
+        assert all(c.offset == 20 == c.keys.shape[2] for c in cache)
+        head = 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
+        read = again.stats.disk_read_bytes - head
+        assert read < (size - head) * 40 / held, f"read {read} of {size - head} array bytes for 32 of {held} tokens"
         # A flipped byte near the file's end: outside the prefix's blocks (the file the
         # last request left is removed, so that this one serves again).
         for other in set(folder.glob("*.safetensors")) - {path}:
@@ -341,14 +349,14 @@ def test_a_prefix_of_a_longer_file_reads_only_the_blocks_it_uses(build, tmp_path
         data = bytearray(path.read_bytes())
         data[-8] ^= 0x40
         path.write_bytes(bytes(data))
-        again = _new_cache(stock, disk_dir=folder, disk_bytes=2**30)
+        again = _new_cache(stock, disk_dir=folder, disk_bytes=2**30, key_file=key)
         from_disk, use = _ours(sm, again, nxt)
         again.close()
         assert use.from_disk and use.reused == 20 and path.exists()
         _same(from_disk, from_memory, "a prefix read before a changed block")
         for other in set(folder.glob("*.safetensors")) - {path}:
             other.unlink()
-        again = _new_cache(stock, disk_dir=folder, disk_bytes=2**30)
+        again = _new_cache(stock, disk_dir=folder, disk_bytes=2**30, key_file=key)
         whole = first + answer + [3]
         assert again.fetch(whole) is None and not path.exists() and again.stats.disk_skipped == 1
         again.close()

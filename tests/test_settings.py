@@ -237,7 +237,7 @@ def test_status_reports_every_setting_as_restart_passes_it_back(tmp_path):
         ctx = zmq.Context()
         try:
             engine = EngineLoop(settings, ctx, "inproc://unused", log)  # not started
-            reported = Server(settings, paths, log, handle_signals=False).status(engine)["settings"]
+            reported = Server(settings, paths, log, handle_signals=False).status(engine).settings
         finally:
             ctx.term()
         assert list(reported) == [d.name for d in SETTINGS]

@@ -48,7 +48,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cache
 
 from ...shared.runtime_dir import RuntimeDirError, ensure_private_dir
 from ...shared.settings import default_state_dir
@@ -82,6 +82,11 @@ def token_hash(tokens: Sequence[int]) -> str:
 def cache_nbytes(cache: Sequence[Any]) -> int:
     """Bytes of a prompt cache's arrays (its buffers, as allocated)."""
     return sum(v.nbytes for _, v in tree_flatten([c.state for c in cache]) if isinstance(v, mx.array))
+
+
+def _attention_only(cache: Sequence[Any]) -> bool:
+    """A cache read back by prefix (load_cache_file): every layer a KVCache."""
+    return all(type(c) is KVCache for c in cache)
 
 
 def cache_offset_ok(cache: Sequence[Any], tokens: int) -> bool:
@@ -559,7 +564,7 @@ class PromptCache:
             cache, meta, nread = load_cache_file(path, self._key, self.stats.disk_max_bytes, want)
             self.stats.disk_read_bytes += nread
             # Whole (a file that holds no prefix of itself: not only attention caches), or the prefix.
-            held = len(entry.tokens) if cache_offset_ok(cache, len(entry.tokens)) else want
+            held = want if entry.trimmable and _attention_only(cache) else len(entry.tokens)
             problem = self._check(cache, meta, entry.tokens, entry.scope, held)
         except Exception as e:  # any failure of a file read back is a file not to serve
             problem = f"unreadable ({type(e).__name__}: {e})"
@@ -579,7 +584,9 @@ class PromptCache:
             return "not the token list it was indexed with"
         if [type(c).__name__ for c in cache] != self.layout:
             return "a cache of another model's layers"
-        if not cache_offset_ok(cache, upto):
+        if not cache_offset_ok(cache, upto) or any(
+            type(c) is KVCache and (c.keys is None or c.keys.shape[2] < c.offset) for c in cache
+        ):
             return "a cache that does not hold its tokens"
         return None
 

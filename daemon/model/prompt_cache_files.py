@@ -186,14 +186,15 @@ def load_cache_file(
             if not 0 <= start <= stop <= st.st_size - body or stop - start != item * math.prod(shape):
                 raise ValueError(f"tensor {name} lies outside the file or is not its shape's size")
             if width and _token_blocked(name, shape, classes):
-                raw = _read_blocks(fd, body + start, shape, item, width, digests, upto, name)
+                raw, took = _read_blocks(fd, body + start, shape, item, width, digests, upto, name)
+                nread += took
                 host = raw.view(_NUMPY[code]).reshape(shape[0], shape[1], raw.shape[1], *shape[3:])
             else:
                 data = os.pread(fd, stop - start, body + start)
                 if len(data) != stop - start or [hashlib.sha256(data).hexdigest()] != digests:
                     raise ValueError(f"tensor {name}: its digest does not hold")
                 host = np.frombuffer(data, dtype=_NUMPY[code]).reshape(shape)
-            nread += host.nbytes
+                nread += len(data)
             a = mx.array(host)
             arrays[name] = a.view(mx.bfloat16) if code == "BF16" else a
     metadata, class_list, scalars = tree_unflatten(list(flat.items()))
@@ -201,16 +202,20 @@ def load_cache_file(
         a = arrays[pos]
         arrays[pos] = a.item() if kind == "scalar" else "".join(map(chr, a.tolist())) if kind == "string" else None
     states = tree_unflatten(list(arrays.items()))
+    if upto is not None:
+        # A prefix: each KVCache's offset (its state's third item) is the tokens read, not the file's.
+        states = [[s[0], s[1], s[0].shape[2], *s[3:]] if len(s) >= 3 else s for s in states]
     cache = [getattr(mlx_lm_cache, c).from_state(state) for c, state in zip(class_list, states)]
     return cache, metadata, nread
 
 
 def _read_blocks(
     fd: int, at: int, shape: list[int], item: int, width: int, digests: list[str], upto: int | None, name: str
-) -> np.ndarray:
+) -> tuple[np.ndarray, int]:
     """An attention cache's keys or values, [batch, heads, tokens, dim], read row by row
     up to the end of the block holding token `upto` (all tokens without it), each block
-    checked against its digest; returned as bytes [rows, upto, dim * item]."""
+    checked against its digest; returned as bytes [rows, upto, dim * item], with the
+    bytes read."""
     rows, tokens, stride = shape[0] * shape[1], shape[2], math.prod(shape[3:]) * item
     if len(digests) != -(-tokens // width):
         raise ValueError(f"tensor {name}: {len(digests)} block digests for {tokens} tokens")
@@ -225,7 +230,7 @@ def _read_blocks(
     for b, start in enumerate(range(0, span, width)):
         if _digest(out, start) != digests[b]:
             raise ValueError(f"tensor {name}: block {b}'s digest does not hold")
-    return out[:, :want]
+    return out[:, :want], out.nbytes
 
 
 def mtime(path: Path) -> float:
