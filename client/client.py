@@ -195,7 +195,9 @@ class Client:
         Give one of `prompt` (text), `prompt_ids` (token ids) and `messages` (a chat of
         {"role", "content"} maps, rendered by the daemon with the model's chat template;
         an assistant's may add `tool_calls` [{name, arguments}] and its earlier
-        `reasoning`, a tool's `tool_call_id` and `name`). `tools` (OpenAI's function schemas) go to the chat template;
+        `reasoning`, a tool's `tool_call_id` and `name`, a user's `images`: `proto.ImageData`
+        or image files' bytes, which a vision model sees before the text). `tools`
+        (OpenAI's function schemas) go to the chat template;
         `tool_choice` is "auto", "none", "required" or {"name": N}; the model's calls
         come as `ToolCall` events and in `Done.tool_calls`, never as `Token` text.
         `constraint` (`proto.Constraint`: json_object, or json_schema with the schema's
@@ -489,11 +491,21 @@ def _chat(messages: Sequence[Mapping[str, Any]] | None) -> tuple[proto.ChatMessa
                 name=m.get("name"),
                 reasoning=m.get("reasoning"),
                 call_texts=tuple(m["call_texts"]) if m.get("call_texts") is not None else None,
+                images=tuple(_image(im) for im in m["images"]) if m.get("images") else None,
             )
             for m in messages
         )
     except (KeyError, TypeError, AttributeError):
         raise RequestRejected(proto.BAD_MESSAGE, "each of 'messages' must be a map with 'role' and 'content'") from None
+
+
+def _image(image: proto.ImageData | bytes) -> proto.ImageData:
+    """A chat message's image: an `ImageData`, or an image file's bytes."""
+    if isinstance(image, proto.ImageData):
+        return image
+    if isinstance(image, (bytes, bytearray)):
+        return proto.ImageData(bytes(image))
+    raise TypeError("an image is an ImageData or the image file's bytes")
 
 
 def _new_id() -> str:

@@ -193,7 +193,12 @@ class Job:
         """Whether it decodes on its own, outside the batch: speculative, constrained
         (daemon/model/generation.py `iter_generate`), or where joining the batch would
         not pay (`in_turns`)."""
-        return self.in_turns or self.msg.speculates() or (self.checked is not None and self.checked.grammar is not None)
+        checked = self.checked
+        return (
+            self.in_turns
+            or self.msg.speculates()
+            or (checked is not None and (checked.grammar is not None or checked.images is not None))
+        )
 
     def tokens_after_stop(self) -> int:
         if self.stop_requested_at is None:
@@ -432,12 +437,12 @@ class EngineLoop:
             "model": str(self._sm.store_dir),
             "store_id": self._sm.manifest.store_id,
             "store_stamp": self._store_stamp,
-            # What the gateway's model listings say the model takes (images: not yet).
+            # What the gateway's model listings say the model takes.
             "capabilities": {
                 "chat": bool(tok.has_chat_template),
                 "tools": bool(tok.has_tool_calling),
                 "thinking": bool(tok.has_thinking),
-                "vision": False,
+                "vision": self._sm.vision is not None,
             },
         }
 
@@ -790,6 +795,7 @@ class EngineLoop:
             prompt_cache=self._prompt_cache,
             cache_scope=job.msg.cache_scope or "",
             grammar=job.checked.grammar,
+            images=job.checked.images,
         )
 
     def _on_prefill(self, job: Job, done: int, total: int) -> None:

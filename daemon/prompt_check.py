@@ -60,6 +60,9 @@ class Checked:
     # The answer's grammar (daemon/model/constrain.py `Grammar`), compiled here, off the
     # engine thread; None where nothing constrains it.
     grammar: Any = None
+    # A chat's images through the model's processor (daemon/model/vision.py
+    # `PreparedImages`), decoded here, off the engine thread; None: no images.
+    images: Any = None
 
 
 @dataclass(frozen=True)
@@ -169,16 +172,32 @@ class PromptChecker:
             if sock is not None:
                 sock.close(linger=0)
 
-    def _encode(self, msg: proto.Generate | proto.CountTokens) -> list[int]:
-        from .model.generation import encode_prompt
+    def _encode(self, msg: proto.Generate | proto.CountTokens) -> tuple[list[int], Any]:
+        """The prompt's ids, and its images as the model's processor made them (None: none)."""
+        from .model.generation import encode_prompt, render_chat
+        from .model.vision import ImageError, prepare
 
-        return encode_prompt(
-            self._sm, msg.prompt, msg.prompt_ids, msg.messages, msg.tools, msg.tool_choice, msg.thinking
-        )
+        images = [im for m in msg.messages or () for im in m.images or ()]
+        if not images:
+            ids = encode_prompt(
+                self._sm, msg.prompt, msg.prompt_ids, msg.messages, msg.tools, msg.tool_choice, msg.thinking
+            )
+            return ids, None
+        if self._sm.vision is None:
+            raise ImageError(
+                f"the loaded model ({Path(self._sm.store_dir).name}) takes no images: its store holds no vision "
+                "tower (convert a vision-language model to send images)"
+            )
+        text = render_chat(self._sm.tokenizer, msg.messages, msg.tools, msg.tool_choice, msg.thinking)
+        return prepare(self._sm.vision, text, images)
 
     def count_reply(self, msg: proto.CountTokens) -> proto.TokenCount | proto.Error:
+        from .model.vision import ImageError
+
         try:
-            return proto.TokenCount(msg.id, len(self._encode(msg)))
+            return proto.TokenCount(msg.id, len(self._encode(msg)[0]))
+        except ImageError as e:
+            return proto.Error(msg.id, proto.BAD_IMAGE, str(e))
         except ValueError as e:
             return proto.Error(msg.id, proto.BAD_MESSAGE, str(e))
         except Exception as e:  # this count fails with the reason; the thread serves on
@@ -188,14 +207,17 @@ class PromptChecker:
 
     def check(self, msg: proto.Generate) -> Checked:
         from .model.reasoning import opens_thinking
+        from .model.vision import ImageError
 
         tic = time.perf_counter()
         problem = self._speculative_problem(msg)
         if problem:
             return Checked(code=proto.BAD_MESSAGE, message=problem)
         try:
-            ids = self._encode(msg)
+            ids, images = self._encode(msg)
             grammar = self._grammar(msg)
+        except ImageError as e:
+            return Checked(code=proto.BAD_IMAGE, message=str(e), seconds=time.perf_counter() - tic)
         except ValueError as e:
             return Checked(code=proto.BAD_MESSAGE, message=str(e), seconds=time.perf_counter() - tic)
         if len(ids) >= self._max_context:
@@ -213,6 +235,7 @@ class PromptChecker:
             seconds=time.perf_counter() - tic,
             opens_thinking=opens,
             grammar=grammar,
+            images=images,
         )
 
     def _grammar(self, msg: proto.Generate) -> Any:

@@ -56,7 +56,7 @@ from .limits import FileLimit
 
 # Hard cap above the protocol's limit: up to it an oversized message gets an error
 # reply; past it ZeroMQ drops the connection without reading the message into memory.
-HARD_MAX_MESSAGE_BYTES = 16 * proto.MAX_MESSAGE_BYTES
+HARD_MAX_MESSAGE_BYTES = 16 * proto.MAX_MESSAGE_BYTES + proto.MAX_IMAGE_MESSAGE_BYTES
 POLL_MS = 500
 # Bounded wait at close so the last `done` events (e.g. finish reason "shutdown") still
 # reach their clients; a stuck client cannot hold the daemon longer than this.

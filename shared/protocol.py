@@ -48,6 +48,11 @@ then ends "length": Anthropic's clients ask for 32000 whatever the model); a pro
 leaves no room at all is refused as too long. An assistant's chat message may carry its
 earlier `reasoning`, which the template renders where it renders reasoning (its
 `reasoning_content`).
+A user's chat message may carry `images` ({data, media_type} maps, `data` the image
+file's bytes: never a path or URL), at most MAX_IMAGES a request of MAX_IMAGE_BYTES each;
+a message with images may pass MAX_MESSAGE_BYTES by their bytes. The daemon decodes them
+(MAX_IMAGE_PIXELS) and refuses with `bad_image` an image it cannot use, or any image
+where its model takes none (`status`'s capabilities say `vision`).
 `count_tokens` renders and tokenizes a prompt as `generate` would (its thinking switch,
 tools) and answers with its length in tokens, from the daemon's prompt-check thread: it
 never waits on the model's forwards and runs none (an unloaded model is loaded first).
@@ -110,6 +115,14 @@ MAX_ROLE_CHARS = 32
 MAX_TOOLS = 128
 MAX_NAME_CHARS = 256
 MAX_JSON_DEPTH = 32
+# Images (a chat message's `images`): bytes of one (Anthropic's own limit), images per
+# request, and the pixels of one (its header's width x height, checked before it is decoded).
+MAX_IMAGE_BYTES = 5 << 20
+MAX_IMAGES = 8
+MAX_IMAGE_PIXELS = 5000 * 5000
+IMAGE_MEDIA_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
+# A message with images may be larger than MAX_MESSAGE_BYTES by its images' bytes.
+MAX_IMAGE_MESSAGE_BYTES = MAX_MESSAGE_BYTES + MAX_IMAGES * MAX_IMAGE_BYTES
 TOOL_CHOICES = ("auto", "none", "required")
 CONSTRAINT_KINDS = ("json_object", "json_schema")
 MAX_KEEP_ALIVE_S = 2**31  # seconds; above it means never, as -1 does
@@ -136,6 +149,9 @@ ENGINE = "engine"  # the model failed on this request (e.g. an unreadable expert
 # (daemon/pool/elastic.py): new requests are refused until it passes.
 MEMORY_PRESSURE = "memory_pressure"
 INTERNAL = "internal"
+# An image the daemon cannot use: not an image, truncated, over the pixel limit, or sent
+# to a model that takes no images (an HTTP gateway answers 400).
+BAD_IMAGE = "bad_image"
 
 
 class ProtocolError(ValueError):
@@ -152,13 +168,23 @@ class ProtocolError(ValueError):
 
 
 @dataclass(frozen=True)
+class ImageData:
+    """One image of a chat message, as its file's bytes (PNG, JPEG, GIF or WebP), never a
+    path or URL: the daemon reads no files and fetches nothing for a client. On the wire
+    a {data, media_type} map, `data` msgpack bin."""
+
+    data: bytes
+    media_type: str = ""
+
+
+@dataclass(frozen=True)
 class ChatMessage:
     """One message of a chat; on the wire a {role, content} map, plus the optional keys
     when set: an assistant's `tool_calls` ({name, arguments} maps, arguments a map), the
     text the model wrote for each (`call_texts`, None where not known) and earlier
     `reasoning`, and a tool result's `tool_call_id` and `name`."""
 
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("tool_calls", "tool_call_id", "name", "reasoning", "call_texts")
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("tool_calls", "tool_call_id", "name", "reasoning", "call_texts", "images")
     role: str
     content: str
     tool_calls: tuple[dict[str, Any], ...] | None = None
@@ -170,10 +196,17 @@ class ChatMessage:
     # serialisation of that call, so that a resent turn's tokens are the ones it sampled
     # (daemon/model/tool_calls.py `render_call_texts`); None: the template's.
     call_texts: tuple[str | None, ...] | None = None
+    # Images of a user's message, shown to the model before its text (a vision model's
+    # chat template places them); None: none.
+    images: tuple[ImageData, ...] | None = None
 
     def to_template(self) -> dict[str, Any]:
         """The message as chat templates (Hugging Face's convention) take it."""
-        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        content: Any = self.content
+        if self.images:
+            # Content parts, as vision models' templates take them: the images, then the text.
+            content = [{"type": "image"} for _ in self.images] + [{"type": "text", "text": self.content}]
+        out: dict[str, Any] = {"role": self.role, "content": content}
         if self.tool_calls:
             out["tool_calls"] = [
                 {"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
@@ -590,8 +623,12 @@ def encode(message: Request | Reply) -> bytes:
 
 
 def _unpack(data: bytes) -> dict[str, Any]:
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(TOO_LARGE, f"message of {len(data)} bytes is over the limit of {MAX_MESSAGE_BYTES}")
+    # A msgpack map may carry images past MAX_MESSAGE_BYTES (their bytes are counted out
+    # once it is read: `_images_field`); anything else over it is refused unread.
+    is_map = bool(data) and (data[0] & 0xF0 == 0x80 or data[0] in (0xDE, 0xDF))
+    limit = MAX_IMAGE_MESSAGE_BYTES if is_map else MAX_MESSAGE_BYTES
+    if len(data) > limit:
+        raise ProtocolError(TOO_LARGE, f"message of {len(data)} bytes is over the limit of {limit}")
     try:
         body = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except (msgpack.UnpackException, ValueError, TypeError, OverflowError) as e:
@@ -682,6 +719,34 @@ def _tool_calls_field(calls: Any, where: str, rid: str) -> tuple[dict[str, Any],
     return tuple(out)
 
 
+def _images_field(images: Any, where: str, rid: str) -> tuple[ImageData, ...]:
+    _check(
+        isinstance(images, list) and 0 < len(images) <= MAX_IMAGES,
+        rid,
+        f"{where} must be a list of 1 to {MAX_IMAGES} {{data, media_type}} maps",
+    )
+    out = []
+    for j, im in enumerate(images):
+        _check(
+            isinstance(im, dict)
+            and set(im) <= {"data", "media_type"}
+            and isinstance(im.get("data"), bytes)
+            and isinstance(im.get("media_type", ""), str)
+            and len(im.get("media_type", "")) <= MAX_NAME_CHARS,
+            rid,
+            f"{where}[{j}] must be a map of 'data' (the image file's bytes) and optionally 'media_type' (a string)",
+        )
+        size = len(im["data"])
+        _check(
+            0 < size <= MAX_IMAGE_BYTES,
+            rid,
+            f"{where}[{j}] has {size} bytes: 1 to {MAX_IMAGE_BYTES} allowed",
+            BAD_IMAGE,
+        )
+        out.append(ImageData(im["data"], im.get("media_type", "")))
+    return tuple(out)
+
+
 def _messages_field(messages: Any, rid: str) -> tuple[ChatMessage, ...]:
     _check(
         isinstance(messages, list) and 0 < len(messages) <= MAX_MESSAGES,
@@ -689,7 +754,7 @@ def _messages_field(messages: Any, rid: str) -> tuple[ChatMessage, ...]:
         f"'messages' must be a list of 1 to {MAX_MESSAGES} {{role, content}} maps",
     )
     out = []
-    chars = 0
+    chars = n_images = 0
     keys = {"role", "content", *ChatMessage.OPTIONAL}
     for i, m in enumerate(messages):
         _check(
@@ -727,11 +792,29 @@ def _messages_field(messages: Any, rid: str) -> tuple[ChatMessage, ...]:
                 f"messages[{i}].call_texts must be a list of strings or nulls, one for each of its tool_calls",
             )
             texts = tuple(texts)
+        images = m.get("images")
+        if images is not None:
+            images = _images_field(images, f"messages[{i}].images", rid)
+            n_images += len(images)
         chars += len(content) + len(reasoning or "") + sum(len(t or "") for t in texts or ())
         ids = {"tool_call_id": m.get("tool_call_id"), "name": m.get("name")}
         out.append(
-            ChatMessage(role=role, content=content, tool_calls=calls, reasoning=reasoning, call_texts=texts, **ids)
+            ChatMessage(
+                role=role,
+                content=content,
+                tool_calls=calls,
+                reasoning=reasoning,
+                call_texts=texts,
+                images=images,
+                **ids,
+            )
         )
+    _check(
+        n_images <= MAX_IMAGES,
+        rid,
+        f"{n_images} images in one request are over the limit of {MAX_IMAGES}",
+        BAD_IMAGE,
+    )
     _check(
         chars <= MAX_PROMPT_CHARS,
         rid,
@@ -1047,6 +1130,14 @@ def decode_request(data: bytes) -> Request:
     _check(not unknown, rid, f"unknown field(s) {unknown} in a {cls.TYPE} message")
     reader = _FIELD_READERS.get(cls)
     values = reader(body, rid) if reader else {}
+    if len(data) > MAX_MESSAGE_BYTES:
+        images = sum(len(im.data) for m in values.get("messages") or () for im in m.images or ())
+        _check(
+            len(data) - images <= MAX_MESSAGE_BYTES,
+            rid,
+            f"message of {len(data) - images} bytes besides its images is over the limit of {MAX_MESSAGE_BYTES}",
+            TOO_LARGE,
+        )
     return cls(id=rid, **values)
 
 

@@ -140,6 +140,13 @@ class Manifest:
     store_id: str | None = None
     # (i, N) for a shard store, which holds only the experts e % N == i; None: every expert.
     shard: tuple[int, int] | None = None
+    # The vision tower and projector of a vision-language model, as mlx-vlm loads them
+    # (resident, beside the language model's weights); empty: the model takes no images.
+    vision_files: tuple[str, ...] = ()
+
+    @property
+    def takes_images(self) -> bool:
+        return bool(self.vision_files)
 
     def holds(self, expert: int) -> bool:
         """Whether this store holds `expert` of every layer (a shard store only its own)."""
@@ -164,6 +171,8 @@ class Manifest:
             head["store_id"] = self.store_id
         if self.shard is not None:
             head["shard"] = list(self.shard)
+        if self.vision_files:
+            head["vision_files"] = list(self.vision_files)
         return {
             **head,
             "model_type": self.model_type,
@@ -223,6 +232,7 @@ class Manifest:
                 version=int(data["version"]),
                 store_id=_store_id_of(data),
                 shard=_shard_of(data),
+                vision_files=tuple(str(f) for f in data.get("vision_files") or ()),
             )
         except StoreError:
             raise

@@ -204,6 +204,11 @@ def test_status_while_loading_and_its_request_counts_read_plainly(tmp_path):
     assert "3 received: 0 completed, 1 cancelled, 2 disconnected, 0 failed" in text
     assert "abc (moestreamctl generate): prefill 2048/3000 prompt tokens (68%), 41 s" in text
     assert "def (0a1b): queued, a prompt of ? tokens, 0 s" in text
+    # What the loaded model takes.
+    st = dataclasses.replace(st, capabilities={"chat": True, "tools": True, "thinking": False, "vision": True})
+    assert "takes      text, tools; images" in _format_status(st)
+    st = dataclasses.replace(st, capabilities={"chat": True, "tools": True, "thinking": False, "vision": False})
+    assert "takes      text, tools; no images" in _format_status(st)
 
 
 def test_status_and_stats_of_a_serving_daemon_name_every_request(daemon, store):

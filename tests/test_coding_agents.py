@@ -68,7 +68,8 @@ def claude_code(name: str) -> dict[str, Any]:
 
 def prompt_tokens(tokenizer, body: dict[str, Any]) -> int:
     """The tokens of a Messages body's prompt as the daemon renders it."""
-    g = anth.parse_request(body, count_only=True).generate
+    req = anth.parse_request(body, count_only=True)
+    g = req.text_only or req.generate  # the model reads text only: images as placeholders
     text = render_chat(tokenizer, g["messages"], g.get("tools"), g.get("tool_choice"), g.get("thinking"))
     return len(tokenizer.encode(text, add_special_tokens=False))
 
@@ -356,7 +357,9 @@ def test_the_later_turns_parts_reach_the_template(tokenizer):
     user text in its place, images as placeholders, the text document's text, earlier
     thinking as the turns' reasoning, no redacted thinking."""
     body = claude_code("04_later_turn.json")["body"]
-    g = anth.parse_request(body, count_only=True).generate
+    req = anth.parse_request(body, count_only=True)
+    g = req.text_only
+    assert g is not None and any(m.get("images") for m in req.generate["messages"])
     text = render_chat(tokenizer, g["messages"], g["tools"], thinking=g["thinking"])
     assert text.count("[image (image/png): not shown, this model reads text only]") == 2
     assert "versions.txt\n\npytest 8.3.3" in text

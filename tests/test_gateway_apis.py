@@ -509,10 +509,16 @@ def _shape_of(path: str, body) -> str:
 
 
 def _body_limit(path: str) -> int:
-    """The gateway's body limit on `path`: Anthropic's own on its routes (Claude Code's images)."""
+    """The gateway's body limit on `path`: Anthropic's own on its routes (Claude Code's images),
+    room for the images a request may send on the other routes that take them."""
     from moestream.client.gateway import anthropic as anth
+    from moestream.client.gateway.images import IMAGE_BODY_BYTES
 
-    return anth.MAX_BODY_BYTES if path.startswith("/v1/messages") else proto.MAX_MESSAGE_BYTES
+    if path.startswith("/v1/messages"):
+        return anth.MAX_BODY_BYTES
+    if path in ("/v1/chat/completions", "/v1/responses", "/api/chat"):
+        return IMAGE_BODY_BYTES
+    return proto.MAX_MESSAGE_BYTES
 
 
 def _api_of(path: str) -> str:

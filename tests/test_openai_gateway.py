@@ -33,6 +33,7 @@ from daemon_cli import clean_env, ctl, wait_for
 from tiny_models import tiny_store
 
 from moestream.client.client import Client
+from moestream.client.gateway.images import IMAGE_BODY_BYTES
 from moestream.shared.runtime_dir import RuntimePaths
 from moestream.shared.status import Status
 
@@ -454,7 +455,7 @@ def test_bad_requests_get_openai_errors_and_the_gateway_serves_on(served, model_
             auth,
             400,
             None,
-            "messages[0].content",
+            "messages[0].content[0].image_url.url",
         ),
         ("temperature", chat, {**ok_body, "temperature": 7}, auth, 400, None, "temperature"),
         ("max_tokens", chat, {**ok_body, "max_tokens": 0}, auth, 400, None, "max_tokens"),
@@ -477,7 +478,8 @@ def test_bad_requests_get_openai_errors_and_the_gateway_serves_on(served, model_
         (
             "oversized body",
             chat,
-            {**ok_body, "messages": [{"role": "user", "content": "x" * (2 << 20)}]},
+            # Past the limit of a route that takes images (client/gateway/images.py).
+            {**ok_body, "messages": [{"role": "user", "content": "x" * (IMAGE_BODY_BYTES + 1)}]},
             auth,
             413,
             "request_too_large",

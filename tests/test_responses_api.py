@@ -140,8 +140,8 @@ def test_tool_choice_reasoning_and_the_fields_accepted_or_refused():
         ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role", "one of"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:"}]}]},
-            "input[0].content",
-            "input_image",
+            "input[0].content[0].image_url",
+            "data URL",
         ),
         ({"input": [{"type": "function_call", "name": "f", "call_id": "c", "arguments": "{"}]}, None, "not valid JSON"),
         ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output", "output"),

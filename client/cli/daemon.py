@@ -471,6 +471,10 @@ def _format_status(st: Status) -> str:
         f"moestream daemon {st.version}: {_state_text(st)} (pid {st.pid}, up {st.uptime_s:.0f} s)",
         f"  model      {st.model}" + (f" (store id {st.store_id})" if st.store_id else ""),
     ]
+    caps = st.capabilities
+    if caps:
+        takes = ["text", *(name for name in ("tools", "thinking") if caps.get(name))]
+        lines.append(f"  takes      {', '.join(takes)}; " + ("images" if caps.get("vision") else "no images"))
     if st.error:
         lines.append(f"  error      {st.error}")
     if st.store_problem:

@@ -58,7 +58,7 @@ from ..client import Accepted, Token, ToolCall
 from .call_texts import CallTexts
 from .daemon_link import ApiError, ApiRequest, bad_request
 from .keep_alive import KeepAlive
-from .openai import declared_identity, json_constraint, sampling_controls
+from .openai import check_image_count, declared_identity, image_from, json_constraint, sampling_controls
 
 if TYPE_CHECKING:
     from .daemon_link import DaemonRequest, Gateway
@@ -139,13 +139,29 @@ def _block_text(block: Any, where: str) -> str | None:
     return None
 
 
-def _text_of(value: Any, where: str) -> str:
-    """A string, or a list of text-like blocks (text, image, document), as one string."""
+def _image(block: dict[str, Any], where: str) -> proto.ImageData:
+    """An image block's bytes: a base64 source (a URL source is refused: never fetched)."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise bad_request(f"{where}: an image block has a 'source'", where)
+    if source.get("type") == "url":
+        return image_from(source.get("url"), f"{where}.source.url", url=True)  # a remote one is a 400
+    if source.get("type") != "base64":
+        raise bad_request(f"{where}.source: an image's source is {{type: 'base64', media_type, data}}", where)
+    return image_from(source.get("data"), f"{where}.source.data", url=False)
+
+
+def _text_of(value: Any, where: str, pictures: list[proto.ImageData] | None = None) -> str:
+    """A string, or a list of text-like blocks (text, image, document), as one string;
+    with `pictures`, its image blocks are added to it instead of their placeholders."""
     if isinstance(value, str):
         return value
     if isinstance(value, list):
         parts = []
         for j, block in enumerate(value):
+            if pictures is not None and isinstance(block, dict) and block.get("type") == "image":
+                pictures.append(_image(block, f"{where}.{j}"))
+                continue
             text = _block_text(block, f"{where}.{j}")
             if text is None:
                 kind = block.get("type") if isinstance(block, dict) else None
@@ -155,10 +171,13 @@ def _text_of(value: Any, where: str) -> str:
     raise bad_request(f"{where} must be a string or a list of content blocks", where)
 
 
-def _message(m: Any, i: int, kept: CallTexts | None = None, client: str = "") -> list[dict[str, Any]]:
+def _message(
+    m: Any, i: int, kept: CallTexts | None = None, client: str = "", vision: bool = True
+) -> list[dict[str, Any]]:
     """One Anthropic message as the protocol's chat messages (tool results are `tool`
     turns; a system message is user text where it stands); a tool_use block whose text
-    `kept` has for `client` comes with it (`call_texts`)."""
+    `kept` has for `client` comes with it (`call_texts`). `vision`: image blocks as the
+    messages' `images`; else as placeholders (a model that reads text only)."""
     where = f"messages.{i}"
     if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
         raise bad_request(f"{where}: a message is {{role: 'user' | 'assistant', content}}", where)
@@ -174,10 +193,14 @@ def _message(m: Any, i: int, kept: CallTexts | None = None, client: str = "") ->
     thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
     sampled: list[str | None] = []  # the text the model wrote for each call, where kept
+    pictures: list[proto.ImageData] = []
     for j, block in enumerate(content):
         at = f"{where}.content.{j}"
-        text = _block_text(block, at)
         kind = block.get("type") if isinstance(block, dict) else None
+        if vision and kind == "image" and role == "user":
+            pictures.append(_image(block, at))
+            continue
+        text = _block_text(block, at)
         if text is not None:
             texts.append(text)
         elif kind == "tool_use" and role == "assistant":
@@ -189,10 +212,13 @@ def _message(m: Any, i: int, kept: CallTexts | None = None, client: str = "") ->
             tool_id = block.get("tool_use_id")
             if not (isinstance(tool_id, str) and 0 < len(tool_id) <= proto.MAX_NAME_CHARS):
                 raise bad_request(f"{at}: a tool_result block has a 'tool_use_id'", at)
-            result = _text_of(block.get("content", ""), f"{at}.content")
+            shown: list[proto.ImageData] | None = [] if vision else None
+            result = _text_of(block.get("content", ""), f"{at}.content", shown)
             if block.get("is_error"):
                 result = f"Error: {result}"
             out.append({"role": "tool", "content": result, "tool_call_id": tool_id})
+            if shown:
+                out[-1]["images"] = shown
         elif kind == "thinking" and role == "assistant":
             if not isinstance(block.get("thinking"), str):
                 raise bad_request(f"{at}: a thinking block has a 'thinking' string", at)
@@ -201,8 +227,10 @@ def _message(m: Any, i: int, kept: CallTexts | None = None, client: str = "") ->
             continue  # encrypted by Anthropic: nothing a template can render
         else:
             raise bad_request(f"{at}: content blocks of type {kind!r} are not supported here", at)
-    if texts or calls or thoughts or not out:
+    if texts or calls or thoughts or pictures or not out:
         msg: dict[str, Any] = {"role": role, "content": "".join(texts)}
+        if pictures:
+            msg["images"] = pictures
         if calls:
             msg["tool_calls"] = calls
         if any(t is not None for t in sampled):
@@ -248,7 +276,9 @@ def _tools(body: dict[str, Any]) -> dict[str, Any]:
     return {"tools": schemas, "tool_choice": mode}
 
 
-def _chat(body: dict[str, Any], kept: CallTexts | None = None, client: str = "") -> list[dict[str, Any]]:
+def _chat(
+    body: dict[str, Any], kept: CallTexts | None = None, client: str = "", vision: bool = True
+) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' is required: a non-empty list of {role, content}", "messages")
@@ -261,13 +291,15 @@ def _chat(body: dict[str, Any], kept: CallTexts | None = None, client: str = "")
         if text:
             chat.append({"role": "system", "content": text})
     for i, m in enumerate(messages):
-        for msg in _message(m, i, kept, client):
+        for msg in _message(m, i, kept, client, vision):
             # Consecutive user turns are one (as Anthropic's API takes them): a folded
             # system message beside the user's own text.
             if chat and _plain_user(chat[-1]) and _plain_user(msg):
                 chat[-1]["content"] = "\n\n".join(filter(None, (chat[-1]["content"], msg["content"])))
             else:
                 chat.append(msg)
+    if vision:
+        check_image_count(chat)
     return chat
 
 
@@ -330,9 +362,27 @@ def parse_request(body: Any, *, count_only: bool = False, kept: CallTexts | None
         raise bad_request("the request body must be a JSON object")
     model = _model(body)
     client = declared_identity(body) or ""
-    kwargs: dict[str, Any] = {"messages": _chat(body, kept, client), **_tools(body), "thinking": _thinking(body)}
+    # A model that takes no images reads placeholders in their place (Claude Code sends
+    # screenshots whatever the model): an image it could not read is no error for it.
+    chat: list[dict[str, Any]] | None = None
+    image_error = None
+    try:
+        chat = _chat(body, kept, client)
+    except ApiError as e:
+        image_error = e
+    text_chat = _chat(body, kept, client, vision=False) if chat is None or any(m.get("images") for m in chat) else None
+    kwargs: dict[str, Any] = {"messages": chat or text_chat, **_tools(body), "thinking": _thinking(body)}
     if count_only:
-        return ApiRequest(chat=True, model=model, stream=False, include_usage=False, generate=kwargs, client=client)
+        return ApiRequest(
+            chat=True,
+            model=model,
+            stream=False,
+            include_usage=False,
+            generate=kwargs,
+            client=client,
+            text_only=None if text_chat is None else kwargs | {"messages": text_chat},
+            image_error=image_error,
+        )
     max_tokens = body.get("max_tokens")
     if not (isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and 1 <= max_tokens):
         raise bad_request("'max_tokens' is required: a whole number of at least 1", "max_tokens")
@@ -369,7 +419,16 @@ def parse_request(body: Any, *, count_only: bool = False, kept: CallTexts | None
         if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**63):
             raise bad_request("seed: must be a whole number in 0..2^63-1", "seed")
         kwargs["seed"] = seed
-    return ApiRequest(chat=True, model=model, stream=stream, include_usage=False, generate=kwargs, client=client)
+    return ApiRequest(
+        chat=True,
+        model=model,
+        stream=stream,
+        include_usage=False,
+        generate=kwargs,
+        client=client,
+        text_only=None if text_chat is None else kwargs | {"messages": text_chat},
+        image_error=image_error,
+    )
 
 
 # ---- responses -----------------------------------------------------------------------

@@ -70,6 +70,7 @@ _DAEMON_ERRORS: dict[str, tuple[int, str]] = {
     proto.BAD_MESSAGE: (400, "invalid_request_error"),
     proto.TOO_LARGE: (400, "invalid_request_error"),
     proto.TOO_LONG: (400, "invalid_request_error"),
+    proto.BAD_IMAGE: (400, "invalid_request_error"),
     proto.DUPLICATE_ID: (400, "invalid_request_error"),
     proto.BUSY: (429, "rate_limit_error"),
     proto.SHUTTING_DOWN: (503, "server_error"),
@@ -158,6 +159,12 @@ class ApiRequest:
     # Who the request says it comes from (`declared_identity`), or "": the scope of the
     # tool-call texts the gateway keeps (call_texts.py) and of the prompt cache (app.py).
     client: str = ""
+    # For a model that takes no images: `generate` with each image as text (Anthropic's
+    # placeholders); None: such a model refuses a request with images (400).
+    text_only: dict[str, Any] | None = None
+    # Why its images could not be read (then `generate` is `text_only`): the answer to a
+    # model that takes images; None: they were read.
+    image_error: ApiError | None = None
 
     def choice(self, i: int) -> ApiRequest:
         """The request of choice `i` of n: its own seed (s + i) where a seed is given."""
@@ -194,6 +201,32 @@ def ready_status(client: Client) -> Status:
             503, f"the moestream daemon is {state}{why}; try again shortly", type="server_error", code=f"daemon_{state}"
         )
     return st
+
+
+def has_images(generate: dict[str, Any]) -> bool:
+    return any(m.get("images") for m in generate.get("messages") or ())
+
+
+def for_model(req: ApiRequest, st: Status) -> dict[str, Any]:
+    """`req`'s Client.generate arguments for the daemon's model (its `status`): a request
+    with images to a model that takes none gets its text-only form (`req.text_only`,
+    Anthropic's placeholders), or ApiError 400 where it has none."""
+    vision = bool((st.capabilities or {}).get("vision"))
+    if req.image_error is not None:
+        if vision:
+            raise req.image_error
+        return req.generate
+    if not has_images(req.generate) or vision:
+        return req.generate
+    if req.text_only is not None:
+        return req.text_only
+    raise ApiError(
+        400,
+        f"the model {model_id(st, None)} takes no images (its store holds no vision tower); send text only, or serve a "
+        "vision-language model",
+        type="invalid_request_error",
+        code="model_takes_no_images",
+    )
 
 
 def check_model(st: Status, asked: str | None, demo_store_id: str | None) -> str:
@@ -342,7 +375,9 @@ class DaemonRequest:
     def _run(self) -> None:
         try:
             with Client(self._config.paths, timeout=self._config.daemon_timeout) as client:
-                self._put(check_model(ready_status(client), self._req.model, self._config.demo_store_id))
+                st = ready_status(client)
+                generate = for_model(self._req, st)
+                self._put(check_model(st, self._req.model, self._config.demo_store_id))
                 if self._stop.is_set():
                     return
                 # A streamed answer reports the prefill's progress in its keep-alives.
@@ -352,7 +387,7 @@ class DaemonRequest:
                     client=self._client,
                     cache_scope=self._scope,
                     client_key=self._key,
-                    **self._req.generate,
+                    **generate,
                 )
                 while stream.done is None:
                     # The HTTP client reads nothing: neither does this thread, and the
@@ -521,8 +556,14 @@ class Gateway:
 
     async def count_tokens(self, req: ApiRequest) -> int:
         """The prompt's length in tokens (`req.generate`: Client.count_tokens's arguments),
-        from the daemon's prompt-check thread: no forward runs."""
-        return await self._ask(lambda client: client.count_tokens(**req.generate))
+        from the daemon's prompt-check thread: no forward runs; a request with images is
+        fitted to the model first (`for_model`)."""
+
+        def ask(client: Client) -> int:
+            needs = has_images(req.generate) or req.image_error is not None
+            return client.count_tokens(**(for_model(req, client.status()) if needs else req.generate))
+
+        return await self._ask(ask)
 
     async def load(self, keep_alive: float | None) -> proto.LoadReply:
         """Ollama's load request to the daemon (keep_alive 0: its unload), answered once done."""

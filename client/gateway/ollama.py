@@ -40,8 +40,17 @@ from ...shared.protocol import Done
 from ...shared.status import KeepAliveStatus
 from ..client import Token, ToolCall
 from .daemon_link import ApiError, ApiRequest, bad_request
+from .images import IMAGE_BODY_BYTES
 from .model_info import capabilities, context_length, model_id
-from .openai import json_constraint, keep_alive_seconds, sampling_controls, top_k, top_logprobs
+from .openai import (
+    check_image_count,
+    image_from,
+    json_constraint,
+    keep_alive_seconds,
+    sampling_controls,
+    top_k,
+    top_logprobs,
+)
 
 if TYPE_CHECKING:
     from .daemon_link import DaemonRequest, Gateway
@@ -224,9 +233,12 @@ def parse_chat(body: Any) -> ApiRequest:
         content = m.get("content") or ""
         if not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string")
-        if m.get("images"):
-            raise bad_request(f"messages[{i}].images: images are not supported by this server")
         msg: dict[str, Any] = {"role": m["role"], "content": content}
+        pictures = m.get("images")
+        if pictures:
+            if not isinstance(pictures, list):
+                raise bad_request(f"messages[{i}].images must be a list of base64 images")
+            msg["images"] = [image_from(p, f"messages[{i}].images[{j}]", url=False) for j, p in enumerate(pictures)]
         if m.get("thinking"):
             if not isinstance(m["thinking"], str):
                 raise bad_request(f"messages[{i}].thinking must be a string")
@@ -237,6 +249,7 @@ def parse_chat(body: Any) -> ApiRequest:
         if isinstance(name, str) and 0 < len(name) <= proto.MAX_NAME_CHARS:
             msg["name"] = name
         chat.append(msg)
+    check_image_count(chat)
     kwargs: dict[str, Any] = {"messages": chat}
     tools = body.get("tools")
     if tools:
@@ -347,7 +360,7 @@ class OllamaApi:
 
     async def _answer(self, request: Request, *, chat: bool) -> Response:
         self._gw._authorize(request)
-        body = await self._gw._read_json(request)
+        body = await self._gw._read_json(request, IMAGE_BODY_BYTES if chat else None)
         if _loads_only(body, chat):
             return await self._load(body, chat)
         req = parse_chat(body) if chat else parse_generate(body)

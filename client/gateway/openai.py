@@ -49,6 +49,7 @@ from ...shared.protocol import Done
 from ...shared.settings import SettingsError, parse_duration
 from ...shared.status import Status
 from ..client import Token, ToolCall
+from . import images
 from .call_texts import CallTexts
 from .daemon_link import (
     ApiError,
@@ -187,22 +188,48 @@ def _response_format(body: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def _content(value: Any, i: int) -> str:
-    """A message's content: a string, null, or a list of text parts."""
+def image_from(value: Any, where: str, *, url: bool) -> proto.ImageData:
+    """An image part's bytes: from a data URL (`url`; a remote URL is refused) or base64
+    (client/gateway/images.py); 400 for what is not an image within the limits."""
+    try:
+        return images.from_url(value, where) if url else images.from_base64(value, where)
+    except images.ImageRejected as e:
+        raise bad_request(str(e), e.where, e.code) from None
+
+
+def check_image_count(messages: list[dict[str, Any]]) -> None:
+    """400 for a chat with more than MAX_IMAGES images."""
+    try:
+        images.count_images(messages)
+    except images.ImageRejected as e:
+        raise bad_request(str(e), e.where, e.code) from None
+
+
+def _content(value: Any, i: int) -> tuple[str, list[proto.ImageData]]:
+    """A message's content: a string, null, or a list of text and image parts (an
+    image's `image_url` a data URL), as its text and its images."""
     if isinstance(value, str):
-        return value
+        return value, []
     if value is None:
-        return ""
+        return "", []
     if isinstance(value, list):
-        texts = []
+        texts, pictures = [], []
         for j, part in enumerate(value):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url":
+                spec = part.get("image_url")
+                url = spec.get("url") if isinstance(spec, dict) else spec
+                pictures.append(image_from(url, f"messages[{i}].content[{j}].image_url.url", url=True))
+                continue
+            if not (kind == "text" and isinstance(part.get("text"), str)):
                 raise bad_request(
-                    f"messages[{i}].content[{j}]: only text parts are supported", f"messages[{i}].content"
+                    f"messages[{i}].content[{j}]: only text and image_url parts are supported", f"messages[{i}].content"
                 )
             texts.append(part["text"])
-        return "".join(texts)
-    raise bad_request(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+        return "".join(texts), pictures
+    raise bad_request(
+        f"messages[{i}].content must be a string or a list of text and image_url parts", f"messages[{i}].content"
+    )
 
 
 def _tool_call_in(call: Any, where: str) -> dict[str, Any]:
@@ -237,7 +264,10 @@ def _messages(body: dict[str, Any], kept: CallTexts | None = None, client: str =
             raise bad_request(
                 f"messages[{i}].role must be a string such as 'system', 'user' or 'assistant'", f"messages[{i}].role"
             )
-        msg: dict[str, Any] = {"role": role, "content": _content(m.get("content"), i)}
+        text, pictures = _content(m.get("content"), i)
+        msg: dict[str, Any] = {"role": role, "content": text}
+        if pictures:
+            msg["images"] = pictures
         calls = m.get("tool_calls")
         if calls is not None:
             if not isinstance(calls, list):
@@ -261,6 +291,7 @@ def _messages(body: dict[str, Any], kept: CallTexts | None = None, client: str =
                 raise bad_request(f"messages[{i}].reasoning_content must be a string", f"messages[{i}]")
             msg["reasoning"] = reasoning
         out.append(msg)
+    check_image_count(out)
     return out
 
 
@@ -749,7 +780,8 @@ class OpenAIApi:
 
     async def _complete(self, request: Request, *, chat: bool) -> Response:
         self._gw._authorize(request)
-        req = parse_request(await self._gw._read_json(request), chat=chat, kept=self._gw.call_texts)
+        body = await self._gw._read_json(request, images.IMAGE_BODY_BYTES if chat else None)
+        req = parse_request(body, chat=chat, kept=self._gw.call_texts)
         opened = await self._gw.open_choices(request, req, "chatcmpl-" if chat else "cmpl-")
         if opened is None:
             return Response(status_code=499)  # nobody is there to read an answer

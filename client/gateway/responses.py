@@ -61,6 +61,7 @@ from ...shared.protocol import Done
 from ..client import Token, ToolCall
 from .call_texts import CallTexts
 from .daemon_link import ApiError, ApiRequest, bad_request
+from .images import IMAGE_BODY_BYTES
 from .keep_alive import KeepAlive
 from .openai import (
     DEFAULT_TEMPERATURE,
@@ -68,7 +69,9 @@ from .openai import (
     _is_int,
     _number,
     chat_logprobs,
+    check_image_count,
     declared_identity,
+    image_from,
     json_constraint,
     sampling_controls,
     tool_call_id,
@@ -120,8 +123,9 @@ class ResponsesRequest:
 # ---- requests ------------------------------------------------------------------------
 
 
-def _text_of(content: Any, where: str) -> str:
-    """A message's content (a string or a list of text parts) as one string."""
+def _text_of(content: Any, where: str, pictures: list[proto.ImageData] | None = None) -> str:
+    """A message's content (a string or a list of text parts) as one string; with
+    `pictures`, its `input_image` parts (data URLs) are added to it."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -133,8 +137,11 @@ def _text_of(content: Any, where: str) -> str:
             texts.append(part["text"])
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             texts.append(part["refusal"])
-        elif kind in ("input_image", "input_file", "input_audio"):
-            raise bad_request(f"{where}[{j}]: {kind} is not supported by this server (its models read text)", where)
+        elif kind in ("input_file", "input_audio") or (kind == "input_image" and pictures is None):
+            raise bad_request(f"{where}[{j}]: {kind} is not supported here (this server reads text and images)", where)
+        elif kind == "input_image":
+            assert pictures is not None
+            pictures.append(image_from(part.get("image_url"), f"{where}[{j}].image_url", url=True))
         else:
             raise bad_request(f"{where}[{j}] must be a text part {{type: 'input_text', text}}, got {kind!r}", where)
     return "".join(texts)
@@ -155,13 +162,16 @@ class _Chat:
         self.messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
         self._names: dict[str, str] = {}  # call_id -> the called tool's name, for its result
 
-    def message(self, role: str, text: str) -> None:
-        if role == "system" and all(m["role"] == "system" for m in self.messages):
+    def message(self, role: str, text: str, pictures: list[proto.ImageData] | None = None) -> None:
+        if role == "system" and all(m["role"] == "system" for m in self.messages) and not pictures:
             # Templates take one system message, first: the leading ones are folded into it.
             if self.messages:
                 self.messages[0]["content"] += "\n\n" + text
                 return
-        self.messages.append({"role": role, "content": text})
+        msg: dict[str, Any] = {"role": role, "content": text}
+        if pictures:
+            msg["images"] = pictures
+        self.messages.append(msg)
 
     def call(self, name: str, arguments: dict[str, Any], call_id: str, text: str | None = None) -> None:
         """A call of the assistant's: with the assistant's message it follows, if any;
@@ -225,7 +235,8 @@ def _input(body: dict[str, Any], kept: CallTexts | None = None, client: str = ""
             role = _ROLES.get(role) if isinstance(role, str) else None
             if role is None:
                 raise bad_request(f"{where}.role must be one of {list(_ROLES)}", f"{where}.role")
-            chat.message(role, _text_of(item.get("content"), f"{where}.content"))
+            pictures: list[proto.ImageData] = []
+            chat.message(role, _text_of(item.get("content"), f"{where}.content", pictures), pictures)
         elif kind == "function_call":
             name = _string(item, "name", where, proto.MAX_NAME_CHARS)
             call_id = _string(item, "call_id", where, proto.MAX_NAME_CHARS)
@@ -248,6 +259,7 @@ def _input(body: dict[str, Any], kept: CallTexts | None = None, client: str = ""
             raise bad_request(f"{where}: input items of type {kind!r} are not supported by this server", where)
     if not any(m["role"] != "system" for m in chat.messages):
         raise bad_request("'input' holds no message, call or tool output to answer", "input")
+    check_image_count(chat.messages)
     return chat.messages
 
 
@@ -735,7 +747,7 @@ class ResponsesApi:
     async def create(self, request: Request) -> Response:
         gw = self._gw
         gw._authorize(request)
-        req = parse_request(await gw._read_json(request), gw.call_texts)
+        req = parse_request(await gw._read_json(request, IMAGE_BODY_BYTES), gw.call_texts)
         opened = await gw.open_request(request, req.api, "resp_")
         if opened is None:
             return Response(status_code=499)

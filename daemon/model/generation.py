@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from .batching import BatchSession
     from .constrain import Grammar
     from .prompt_cache import PromptCache
+    from .vision import PreparedImages
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,11 @@ class CacheUse:
             joined,
         )
         return self.kv
+
+    def hold(self, cache: list[Any]) -> None:
+        """`cache` is the request's, kept at its end (`keep`): a prompt with images, whose
+        cache is its own (daemon/model/vision.py), once it holds the whole prompt."""
+        self.kv = cache
 
     def keep_prompt(self, prompt_ids: Sequence[int], cache: list[Any]) -> None:
         """Keep a copy of `cache`, which holds the prompt but its last token: a snapshot
@@ -489,6 +495,47 @@ def plain_steps(
     )
 
 
+def image_steps(
+    sm: StreamingModel,
+    prompt_ids: Sequence[int],
+    images: PreparedImages,
+    sampler: Callable[[mx.array], mx.array],
+    max_tokens: int,
+    on_prompt_progress: Callable[[int, int], None] | None = None,
+    *,
+    cache_use: CacheUse | None = None,
+    processors: Sequence[LogitsProcessor] = (),
+    prefill_step: int = PREFILL_STEP,
+) -> Iterator[tuple[mx.array | None, mx.array | None]]:
+    """A prompt with images (daemon/model/vision.py `vision_steps`): mlx-vlm's steps on
+    the model's vision side, (None, None) after each prefill chunk. With `cache_use` it
+    starts from the prompt cache's best prefix of the images' key (a resent image is
+    part of it), and its cache is the request's, kept at its end under that key."""
+    from .vision import vision_steps
+
+    # The key holds the images' content hashes: a resent image is part of the prefix.
+    cache, start = cache_use.start(sm, images.cache_key) if cache_use is not None else (make_prompt_cache(sm.model), 0)
+    cache = sm.vision.request_cache(cache, fresh=start == 0)
+    steps = vision_steps(
+        sm.vision,
+        prompt_ids,
+        images,
+        cache,
+        start,
+        sampler,
+        max_tokens,
+        processors,
+        prefill_step=prefill_step,
+        on_progress=on_prompt_progress,
+        on_prefilled=None if cache_use is None else lambda c: cache_use.keep_prompt(images.cache_key, c),
+    )
+    for token, logprobs in steps:
+        if token is not None and cache_use is not None:
+            # Kept once it holds the whole prompt (a request stopped in its prefill keeps none).
+            cache_use.hold(cache)
+        yield token, logprobs
+
+
 def _turns(work: Generator[None, None, Any]) -> Generator[tuple[None, None], None, Any]:
     """`work`'s pieces as turns of a request's steps, (None, None) after each; its value.
     Closed between two, it closes `work` there (a shared prefill is left to its others)."""
@@ -524,6 +571,7 @@ def iter_generate(
     prompt_cache: PromptCache | None = None,
     cache_scope: str = "",
     grammar: Grammar | None = None,
+    images: PreparedImages | None = None,
 ) -> Iterator[tuple[str, int | None]]:
     """Yield (text segment, token id) pairs; fill `result` as it goes. With a `batch`
     (daemon/model/batching.py) the request decodes in it, beside the others (and while
@@ -539,7 +587,10 @@ def iter_generate(
     A `grammar` (daemon/model/constrain.py, compiled for this request) masks each step's
     logits before sampling: the request then decodes on its own (as `generate_step`, with
     the grammar among its logits processors), outside any batch and without speculation,
-    and its statistics say so (`constraint`)."""
+    and its statistics say so (`constraint`).
+
+    `images` (a chat's, daemon/model/vision.py): the request decodes on its own through
+    the model's vision side (`image_steps`), without speculation."""
     tokenizer = sm.tokenizer
     detok = tokenizer.detokenizer
     detok.reset()
@@ -551,6 +602,9 @@ def iter_generate(
         # Speculation verifies drafts against the model's own logits and yields no
         # log-probabilities; such a request decodes without it (its statistics say so).
         speculative_off = "penalties, logit_bias or logprobs asked: decoded without speculation"
+        params = dataclasses.replace(params, speculative=None)
+    if params.speculative and images is not None:
+        speculative_off = "a prompt with images: decoded without speculation"
         params = dataclasses.replace(params, speculative=None)
     mx.reset_peak_memory()
     prefill, decode = dict.fromkeys(POOL_COUNTERS, 0), dict.fromkeys(POOL_COUNTERS, 0)
@@ -573,8 +627,19 @@ def iter_generate(
     # Speculation verifies drafts from logits the grammar has not masked, and a batch
     # step samples every member at once: a constrained request decodes alone, unbatched.
     speculative = params.speculative if grammar is None else None
-    alone = bool(speculative or grammar is not None)
-    if speculative:
+    alone = bool(speculative or grammar is not None or images is not None)
+    if images is not None:
+        steps = image_steps(
+            sm,
+            prompt_ids,
+            images,
+            sampler,
+            params.max_tokens,
+            on_prompt_progress,
+            cache_use=use,
+            processors=processors,
+        )
+    elif speculative:
         use = None
         from .speculative import SpeculativeParams, SpeculativeStats, speculative_steps
 
@@ -689,7 +754,7 @@ def iter_generate(
         result.text = text
     decode_seconds = time.perf_counter() - tic
     if use is not None and (batch is None or alone):
-        use.keep(prompt_ids, fed)
+        use.keep(images.cache_key if images is not None else prompt_ids, fed)
     # A request that broke off (a stop, a cancel) leaves the batch now, not when this
     # generator is collected.
     source.close()

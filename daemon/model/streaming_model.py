@@ -113,6 +113,9 @@ class StreamingModel:
     # Keys of short continuations after a cached prefix are padded to multiples of this
     # (daemon/model/kv_buckets.py `continue_prompt`; CUDA only), else 0.
     continuation_bucket: int = 0
+    # A vision-language store's mlx-vlm model (daemon/model/vision.py), else None: the
+    # model takes no images.
+    vision: Any = None
 
     def mtp_head(self) -> Any:
         """The store's multi-token-prediction head (daemon/model/mtp_head.py), loaded on
@@ -470,6 +473,17 @@ def load_streaming_model(
         _load_resident(model, weights, manifest, store)
         for (parent, key, module), pool, nxt in zip(found, pools, next_layers(pools, routers, settings.prefetch_depth)):
             parent[key] = StreamingMoE(module, pool, diagnostics, nxt, prefetcher, share)
+        vision = None
+        if manifest.takes_images and share is None:
+            from .vision import load_vision
+
+            def stream(vlm: nn.Module) -> None:
+                for layer, pool in zip(manifest.layers, pools):
+                    parent, key, module = _module_at(vlm, layer.module_path)
+                    parent[key] = StreamingMoE(module, pool, diagnostics)
+
+            vision = load_vision(store, manifest, weights, lambda m, w: _quantize(m, config, w, manifest), stream)
+            resident_bytes += vision.nbytes
         mx.eval(model.parameters())
         for pool, full in zip(pools, resident):
             if full:
@@ -504,6 +518,7 @@ def load_streaming_model(
         max_draft_models=settings.max_draft_models,
         share=share,
         continuation_bucket=default_continuation_bucket(),
+        vision=vision,
     )
 
 

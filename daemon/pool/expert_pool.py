@@ -208,11 +208,12 @@ class ExpertPool:
         self.last_prestaged_used = 0
         # The stream of the forward that last queued a read of this pool's slots.
         self._reader_stream: mx.Stream | None = None
-        # What uses `arrays` (the layer's StreamingMoE hands its module the new ones when
-        # `resize` replaces them), and the pin order and routings since load that rank
-        # experts by heat when a shrink unpins or gives them back; the experts a shrink
-        # unpinned, hottest first, pinned again when the pool grows.
-        self.on_arrays: Callable[[dict[str, mx.array]], None] | None = None
+        # What uses `arrays` (the layer's StreamingMoEs, the mlx-lm model's and a vision
+        # model's, hand their modules the new ones when `resize` replaces them), and the
+        # pin order and routings since load that rank experts by heat when a shrink
+        # unpins or gives them back; the experts a shrink unpinned, hottest first, pinned
+        # again when the pool grows.
+        self.on_arrays: list[Callable[[dict[str, mx.array]], None]] = []
         self._pin_rank: dict[int, int] = {}
         self._routed_earlier = np.zeros(layer.num_experts, np.int64)
         self.unpinned: list[int] = []
@@ -788,7 +789,7 @@ class ExpertPool:
     def watch_arrays(self, use: Callable[[dict[str, mx.array]], None]) -> None:
         """`use(arrays)` once `resize` has replaced the arrays (the layer's StreamingMoE
         hands its module the new ones)."""
-        self.on_arrays = use
+        self.on_arrays.append(use)
 
     def hottest_first(self, experts: Iterable[int]) -> list[int]:
         """`experts` by heat: routings since load, then the order they were pinned in
@@ -884,5 +885,5 @@ class ExpertPool:
         self._free = [s for s in range(capacity - 1, -1, -1) if expert_in[s] < 0]
         # Nothing queued reads the new arrays yet.
         self._reader_stream = None
-        if self.on_arrays is not None:
-            self.on_arrays(arrays)
+        for use in self.on_arrays:
+            use(arrays)

@@ -47,6 +47,7 @@ ProgressFn = Callable[[int, int], None]
 DiskFreeFn = Callable[[Path], int]
 
 RESIDENT_SHARD_BYTES = 2 << 30
+VISION_FILE = "vision.safetensors"
 RESIDENT_METADATA = {"format": "mlx"}
 DISK_MARGIN_BYTES = 64 << 20
 DISK_MARGIN_FRACTION = 0.02
@@ -199,6 +200,31 @@ def _showing_sanitize_input(get: Callable, sanitize_input: SanitizeInputFn) -> C
     return classes
 
 
+def vision_weights(
+    model_dir: Path, config: dict[str, Any], resident: list[tuple[str, mx.array]], layers: list[SwitchLayer]
+) -> list[tuple[str, mx.array]]:
+    """The vision tower and projector of a vision-language model (its config has a
+    `vision_config`), as stock mlx-vlm loads them (sanitized, quantized where the folder
+    is): every weight of mlx-vlm's model but its language model's, lazily. Empty for a
+    text-only model, one mlx-vlm does not know, or one whose language model mlx-vlm holds
+    in other weights than mlx-lm's `resident` ones (kimi_vl's attention: the vision side
+    runs on the streamed model's arrays): the store then takes no images."""
+    if not config.get("vision_config"):
+        return []
+    from mlx_vlm.utils import load_model as load_vlm
+
+    try:
+        model = load_vlm(model_dir, lazy=True)
+    except (ValueError, KeyError, TypeError, ImportError, FileNotFoundError):
+        return []
+    flat = tree_flatten(model.parameters())
+    experts = {n for layer in layers for n in layer.parameter_names()}
+    language = {n for n, _ in flat if n.startswith("language_model.") and n not in experts}
+    if not language <= {n for n, _ in resident}:
+        return []
+    return [(n, a) for n, a in flat if not n.startswith("language_model.")]
+
+
 @dataclass
 class ModelParts:
     """A model opened lazily for conversion: its stacked experts and resident weights."""
@@ -313,7 +339,8 @@ def convert_model(
         raise StoreError(f"{model_dir}: a layer has fewer experts than the {shard[1]} shards of --shard")
 
     copied = tokenizer_files(model_dir)
-    resident_bytes = sum(a.nbytes for _, a in resident)
+    vision = vision_weights(model_dir, config, resident, layers) if shard is None else []
+    resident_bytes = sum(a.nbytes for _, a in resident) + sum(a.nbytes for _, a in vision)
     estimate = estimate_store_bytes(layers, resident_bytes + sum(a.nbytes for a in mtp.values()), copied, shard)
     free = disk_free(out_dir.parent)
     if free < required_free_bytes(estimate):
@@ -344,6 +371,13 @@ def convert_model(
             entries = _write_layer(layer, tmp / layer_file_name(ordinal), advance, shard)
             moe_layers.append(moe_layer(ordinal, layer, entries))
         resident_files = _write_resident(resident, tmp, resident_shard_bytes, advance)
+        if vision:
+            mx.save_safetensors(str(tmp / VISION_FILE), dict(vision), metadata=RESIDENT_METADATA)
+            advance(sum(a.nbytes for _, a in vision))
+            # The model's processor (Hugging Face's AutoProcessor) finds its classes by
+            # the config's model_type, which it reads from config.json beside its files.
+            shutil.copy2(model_dir / "config.json", tmp / "config.json")
+            copied.append(model_dir / "config.json")
         for src in copied:
             shutil.copy2(src, tmp / src.name)
         if mtp:
@@ -360,6 +394,7 @@ def convert_model(
             source=source if source is not None else {"model_dir": str(model_dir), **package_versions()},
             store_id=new_store_id(),
             shard=shard,
+            vision_files=(VISION_FILE,) if vision else (),
         )
         manifest.validate(str(tmp / MANIFEST_NAME))
         for f in [*tmp.iterdir(), *(tmp / EXPERTS_DIR).iterdir()]:

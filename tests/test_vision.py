@@ -1,0 +1,199 @@
+"""Images in (daemon/model/vision.py): a vision-language MoE model's vision tower resident
+beside its streamed language model, against stock mlx-vlm on tiny models built from
+mlx-vlm's own classes (tests/tiny_vision.py)."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny_models import make_tiny_model
+from tiny_vision import VLM_ARCHS, make_tiny_vlm, png
+
+from moestream.daemon.model.generation import render_chat
+from moestream.daemon.model.streaming_model import load_streaming_model
+from moestream.daemon.model.vision import IMAGE_ID_TOP, ImageError, image_key, prepare, vision_steps
+from moestream.daemon.store.convert import VISION_FILE, convert_model
+from moestream.shared import protocol as proto
+from moestream.shared.settings import Settings
+from moestream.shared.store_format import load_manifest
+
+QUESTION = "What is in this picture?"
+TOKENS = 8
+# Small chunks: the prompt's prefill takes several, the last one of 2 to 8 tokens
+# (mlx-vlm's SwitchGLU has a path of its own for those).
+PREFILL_STEP = 8
+
+
+@pytest.fixture(scope="module", params=VLM_ARCHS)
+def vlm(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    src = make_tiny_vlm(root / "model", request.param, seed=5)
+    convert_model(src, root / "store")
+    return src, root / "store"
+
+
+def _stock(src, image: bytes) -> tuple[list[int], list[np.ndarray], list[int]]:
+    """Stock mlx-vlm: its load, its prompt, its inputs, its generate_step (greedy)."""
+    import io
+
+    from mlx_vlm.generate.ar import generate_step
+    from mlx_vlm.utils import load, prepare_inputs
+    from PIL import Image
+
+    model, processor = load(str(src))
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+    prompt = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    picture = Image.open(io.BytesIO(image))
+    inputs = prepare_inputs(processor, images=[picture], prompts=[prompt])
+    steps = generate_step(
+        inputs["input_ids"],
+        model,
+        inputs["pixel_values"],
+        inputs["attention_mask"],
+        max_tokens=TOKENS,
+        temperature=0.0,
+        prefill_step_size=PREFILL_STEP,
+        image_grid_thw=inputs["image_grid_thw"],
+    )
+    tokens, logprobs = [], []
+    for token, lp in steps:
+        tokens.append(int(token))
+        logprobs.append(np.array(lp.astype(mx.float32)))
+    return tokens, logprobs, [int(t) for t in np.array(inputs["input_ids"])[0]]
+
+
+def _streamed(store, image: bytes, capacity: float) -> tuple[list[int], list[np.ndarray], list[int]]:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    sm = load_streaming_model(store, Settings(capacity=capacity))
+    try:
+        assert sm.vision is not None
+        message = proto.ChatMessage("user", QUESTION, images=(proto.ImageData(image, "image/png"),))
+        ids, images = prepare(sm.vision, render_chat(sm.tokenizer, [message]), message.images)
+        cache = sm.vision.request_cache(make_prompt_cache(sm.model), fresh=True)
+        tokens, logprobs = [], []
+        steps = vision_steps(
+            sm.vision, ids, images, cache, 0, lambda lp: mx.argmax(lp, axis=-1), TOKENS, prefill_step=PREFILL_STEP
+        )
+        for token, lp in steps:
+            if token is None:
+                continue
+            tokens.append(int(token))
+            logprobs.append(np.array(lp.astype(mx.float32)))
+        misses = sum(p.stats.misses_prefill + p.stats.misses_decode for p in sm.pools)
+        assert capacity == 1.0 or misses > 0, "a partial pool read no expert: the test streams nothing"
+        return tokens, logprobs, ids
+    finally:
+        sm.close()
+
+
+@pytest.mark.parametrize("capacity", [0.25, 1.0])
+def test_streamed_equals_stock_mlx_vlm(vlm, capacity):
+    src, store = vlm
+    image = png(3)
+    want_tokens, want_logprobs, want_ids = _stock(src, image)
+    tokens, logprobs, ids = _streamed(store, image, capacity)
+    assert ids == want_ids  # the same prompt, its image's tokens expanded the same
+    assert tokens == want_tokens
+    assert len(logprobs) == len(want_logprobs) == TOKENS
+    for got, want in zip(logprobs, want_logprobs):
+        assert np.array_equal(got, want)
+    # The image matters: another image gives other logits.
+    assert not np.array_equal(_stock(src, png(4))[1][0], want_logprobs[0])
+
+
+def test_convert_keeps_the_vision_tower_resident(vlm):
+    src, store = vlm
+    manifest = load_manifest(store)
+    assert manifest.takes_images and manifest.vision_files == (VISION_FILE,)
+    names = set(mx.load(str(store / VISION_FILE)))
+    assert names and all(n.startswith("vision_tower.") for n in names)
+    # The language model's experts are in the expert store, not among the resident weights.
+    resident = set().union(*(mx.load(str(store / f)).keys() for f in manifest.resident_files))
+    assert not any("switch_mlp" in n for n in resident)
+    assert {layer.module_path for layer in manifest.layers} == {
+        f"language_model.model.layers.{i}.mlp.switch_mlp" for i in range(2)
+    }
+
+
+def test_a_text_only_store_takes_no_images(tmp_path):
+    src = make_tiny_model(tmp_path / "model", "qwen3_moe", quant="f32")
+    convert_model(src, tmp_path / "store")
+    manifest = load_manifest(tmp_path / "store")
+    assert not manifest.takes_images
+    assert "vision_files" not in json.loads((tmp_path / "store" / "manifest.json").read_text())
+    sm = load_streaming_model(tmp_path / "store", Settings(capacity=1.0))
+    try:
+        assert sm.vision is None
+    finally:
+        sm.close()
+
+
+def test_bad_images_are_refused(vlm):
+    _, store = vlm
+    sm = load_streaming_model(store, Settings(capacity=1.0))
+    try:
+        text = render_chat(sm.tokenizer, [proto.ChatMessage("user", "hi", images=(proto.ImageData(b"x"),))])
+        good = png(1)
+        for data, why in [
+            (b"not an image at all", "not an image"),
+            (good[: len(good) // 2], "cannot be decoded"),
+        ]:
+            with pytest.raises(ImageError, match=why):
+                prepare(sm.vision, text, [proto.ImageData(data, "image/png")])
+        ids, images = prepare(sm.vision, text, [proto.ImageData(good, "image/png")])
+        assert len(images.cache_key) == len(ids) and images.cache_key[0] == -1 - ids[0] < 0
+    finally:
+        sm.close()
+
+
+def test_image_key_is_the_content():
+    a, b = b"a" * 32, b"b" * 32
+    ids = [5, 9, 9, 9, 6]
+    assert image_key(ids, 9, [a]) == image_key(ids, 9, [a])
+    assert image_key(ids, 9, [a])[:1] == image_key(ids, 9, [b])[:1] == (-6,)
+    assert image_key(ids, 9, [a])[1] != image_key(ids, 9, [b])[1]
+    assert all(t < IMAGE_ID_TOP for t in image_key(ids, 9, [a])[1:4])
+    assert image_key(ids, 9, [a])[4] == 6 and len(set(image_key(ids, 9, [a])[1:4])) == 3
+
+
+def test_a_resent_image_is_served_from_the_prompt_cache_exactly(vlm):
+    """iter_generate with the prompt cache: the same chat with its image again reuses all
+    of its prompt but the last token (the image's tokens among them), a follow-up turn
+    the first turn's prompt and answer, and each answer is the one computed afresh; a
+    linear-attention model's state (qwen3_5_moe) comes back as snapshots."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from moestream.daemon.model.generation import GenerationResult, SamplingParams, iter_generate
+    from moestream.daemon.model.prompt_cache import PromptCache
+
+    _, store = vlm
+    sm = load_streaming_model(store, Settings(capacity=0.25))
+    try:
+        layout = [type(c).__name__ for c in make_prompt_cache(sm.model)]
+        pc = PromptCache("test-store", layout, max_bytes=2**30, max_entries=16)
+        image = proto.ImageData(png(6), "image/png")
+
+        def answer(chat, cache: PromptCache | None) -> tuple[GenerationResult, list[int]]:
+            ids, images = prepare(sm.vision, render_chat(sm.tokenizer, chat), [image])
+            result = GenerationResult()
+            for _ in iter_generate(
+                sm, ids, SamplingParams(max_tokens=TOKENS), result, prompt_cache=cache, images=images
+            ):
+                pass
+            return result, ids
+
+        chat = [proto.ChatMessage("user", QUESTION, images=(image,))]
+        (first, ids), (again, _), (cold, _) = answer(chat, pc), answer(chat, pc), answer(chat, None)
+        n = len(ids)
+        image_at = ids.index(sm.vision.image_token_id)
+        assert first.stats.cached_tokens == 0 and again.stats.cached_tokens == n - 1 > image_at
+        assert first.tokens == again.tokens == cold.tokens
+        turn = [*chat, proto.ChatMessage("assistant", first.text), proto.ChatMessage("user", "And then?")]
+        (follow, _), (follow_cold, _) = answer(turn, pc), answer(turn, None)
+        assert follow.stats.cached_tokens > image_at and follow.tokens == follow_cold.tokens
+    finally:
+        sm.close()

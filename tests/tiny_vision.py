@@ -1,0 +1,201 @@
+"""Tiny vision-language MoE models, built from mlx-vlm's own classes.
+
+`make_tiny_vlm(path, arch)` writes a folder that both `mlx_vlm.load(path)` and
+`mlx_lm.load(path)` (the language model alone) load: a `config.json` of mlx-vlm's
+`ModelConfig`, the weights of mlx-vlm's `Model` (float32: the CPU runs gather_mm only
+in float32) in its own layout, the tiny byte-level BPE tokenizer of tests/tiny_models.py
+with the model's vision tokens, a chat template that places `{"type": "image"}` parts,
+and the processor's files. `png(seed)` is a small deterministic test image.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+from tiny_models import EOS_TOKEN, HIDDEN, SPECIAL_TOKENS, VOCAB_SIZE, init_weights, write_tokenizer
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+VLM_SPECIAL_TOKENS = SPECIAL_TOKENS + VISION_TOKENS
+# Qwen-VL's template, reduced to its image and text parts.
+VLM_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Vision MoE architectures of mlx-vlm with a tiny config here. Not yet: kimi_vl (mlx-lm
+# and mlx-vlm hold its MLA attention in other weights: kv_b_proj split or not, so the
+# vision side cannot run on the streamed model's arrays; convert makes a text-only store).
+VLM_ARCHS = ("qwen3_vl_moe", "qwen3_5_moe")
+
+
+def _ids() -> dict[str, int]:
+    return {t: i for i, t in enumerate(VLM_SPECIAL_TOKENS)}
+
+
+def tiny_vlm_config(arch: str) -> dict[str, Any]:
+    """The config.json of a tiny `arch` vision-language MoE model."""
+    ids = _ids()
+    if arch == "qwen3_vl_moe":
+        text = {
+            "model_type": "qwen3_vl_moe_text",
+            "num_hidden_layers": 2,
+            "hidden_size": HIDDEN,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": 32,
+            "rms_norm_eps": 1e-6,
+            "vocab_size": VOCAB_SIZE,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": 512,
+            "norm_topk_prob": True,
+            # Sections of head_dim / 2 (time, height, width), interleaved as Qwen3-VL's.
+            "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+            "tie_word_embeddings": False,
+        }
+        vision = {
+            "model_type": "qwen3_vl_moe",
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "out_hidden_size": HIDDEN,
+            "num_heads": 2,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 16,
+            "deepstack_visual_indexes": [0],
+            "in_channels": 3,
+        }
+        return {
+            "model_type": arch,
+            "text_config": text,
+            "vision_config": vision,
+            "image_token_id": ids["<|image_pad|>"],
+            "video_token_id": ids["<|video_pad|>"],
+            "vision_start_token_id": ids["<|vision_start|>"],
+            "vision_end_token_id": ids["<|vision_end|>"],
+            "eos_token_id": ids[EOS_TOKEN],
+            "tie_word_embeddings": False,
+        }
+    if arch == "qwen3_5_moe":
+        text = {
+            "model_type": "qwen3_5_moe_text",
+            "num_hidden_layers": 2,
+            "hidden_size": HIDDEN,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "shared_expert_intermediate_size": 64,
+            "moe_intermediate_size": 32,
+            "rms_norm_eps": 1e-6,
+            "vocab_size": VOCAB_SIZE,
+            "max_position_embeddings": 512,
+            "full_attention_interval": 2,
+            "tie_word_embeddings": False,
+            # A rotary part of 8 of head_dim 16, its 4 frequencies in (time, height, width) sections.
+            "rope_parameters": {
+                "type": "default",
+                "mrope_section": [2, 1, 1],
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "mrope_interleaved": True,
+            },
+        }
+        vision = {
+            "model_type": "qwen3_5_moe",
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "out_hidden_size": HIDDEN,
+            "num_heads": 2,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 16,
+            "in_channels": 3,
+        }
+        return {
+            "model_type": arch,
+            "text_config": text,
+            "vision_config": vision,
+            "image_token_id": ids["<|image_pad|>"],
+            "video_token_id": ids["<|video_pad|>"],
+            "vision_start_token_id": ids["<|vision_start|>"],
+            "vision_end_token_id": ids["<|vision_end|>"],
+            "eos_token_id": ids[EOS_TOKEN],
+            "tie_word_embeddings": False,
+        }
+    raise ValueError(f"no tiny config for {arch!r} (known: {VLM_ARCHS})")
+
+
+def make_tiny_vlm(path: str | Path, arch: str = "qwen3_vl_moe", *, seed: int = 0) -> Path:
+    """Write a tiny `arch` vision-language MoE model (float32) to `path`; return `path`."""
+    from mlx_vlm.utils import get_model_and_args
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = tiny_vlm_config(arch)
+    module, _ = get_model_and_args(config)
+    model = module.Model(module.ModelConfig.from_dict(json.loads(json.dumps(config))))
+    init_weights(model, seed)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(path, special_tokens=VLM_SPECIAL_TOKENS, chat_template=VLM_CHAT_TEMPLATE)
+    vision = config["vision_config"]
+    (path / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "Qwen3VLImageProcessor",
+                "processor_class": "Qwen3VLProcessor",
+                "patch_size": vision["patch_size"],
+                "temporal_patch_size": vision["temporal_patch_size"],
+                "merge_size": vision["spatial_merge_size"],
+                # Small images: a few image tokens each.
+                "min_pixels": 32 * 32,
+                "max_pixels": 64 * 64 * 4,
+                "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5],
+            }
+        )
+    )
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}))
+    return path
+
+
+def image_array(seed: int = 0, size: tuple[int, int] = (48, 64)) -> np.ndarray:
+    """A deterministic RGB image (height, width, 3) with structure a vision tower can see."""
+    h, w = size
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w]
+    base = np.stack([(x * 4 + seed * 40) % 256, (y * 5) % 256, ((x + y) * 3) % 256], axis=-1)
+    return ((base + rng.integers(0, 32, size=(h, w, 3))) % 256).astype(np.uint8)
+
+
+def png(seed: int = 0, size: tuple[int, int] = (48, 64)) -> bytes:
+    """`image_array(seed, size)` as a PNG file's bytes."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(image_array(seed, size)).save(buf, "PNG")
+    return buf.getvalue()
