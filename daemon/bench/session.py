@@ -73,6 +73,8 @@ class BenchSessionSettings:
     cut: bool = True
     # None: every expert of each layer.
     capacity: str | None = None
+    # The daemons' host-RAM tier (a size such as 20G); None: none.
+    host_cache: str | None = None
     # The daemon's max_context; None: the model's own.
     context: int | None = None
     # Anthropic's tool_choice type: "auto" as Claude Code sends it, or "any" (every answer
@@ -437,6 +439,8 @@ def _session_run(
     mode = "on" if cache_on else "off"
     base = Path(tempfile.mkdtemp(dir="/tmp", prefix="mssess"))
     flags = {} if cache_on else {"prompt_cache_bytes": "0"}
+    if settings.host_cache:
+        flags["host_cache"] = settings.host_cache
     env = {"MOESTREAM_MAX_CONTEXT": str(settings.context)} if settings.context else None
     daemon: DaemonProcess | None = None
     gateway: Gateway | None = None

@@ -286,8 +286,8 @@ EOF
     ;;
   session-q30)
     # Issue 60 run 2's session: reuse and total prefill, cache off against on, per pool
-    # (POOLS as serve-q30's; bench session has no host tier of its own).
-    IFS=';' read -ra pools <<< "${POOLS:-1.0;0.25}"
+    # (POOLS as serve-q30's).
+    IFS=';' read -ra pools <<< "${POOLS:-0.25 --host-cache 20G;0.25}"
     for pool in "${pools[@]}"; do
       name=$(echo "$pool" | tr -d ' -.' )
       # shellcheck disable=SC2086  # a pool's words are bench session's arguments
@@ -297,8 +297,9 @@ EOF
     ;;
   row-batch-q30)
     # Issue 60 run 4's bit-identity check on the q30 model (TRIALS companion sets per batch
-    # size), then the CPU suite's batch-invariance tests under MLX's CUDA build.
-    $py tests/bench/gpu_row_batch_probe.py --store /root/q30/store --capacity 1 --capacity 0.25 --host-cache 20G \
+    # size; CAPACITIES, default "1 0.25", the latter with a 20G host tier), then the CPU
+    # suite's batch-invariance tests under MLX's CUDA build.
+    $py tests/bench/gpu_row_batch_probe.py --store /root/q30/store $(for c in ${CAPACITIES:-1 0.25}; do echo --capacity $c; done) --host-cache 20G \
       --trials ${TRIALS:-1} --mlx-memory-limit ${MLX_LIMIT:-100G} --out "$OUT/row_batch_probe_q30.json" \
       2> "$OUT/row_batch_probe_q30.progress" | tail -3
     grep -c 'same False' "$OUT/row_batch_probe_q30.progress" || true

@@ -38,6 +38,7 @@ from ..values import StorePath, store_option
 @click.option("--max-tokens", default=32, show_default=True, type=click.IntRange(1, None), help="Answered per turn.")
 @click.option("--no-cut", is_flag=True, help="Leave out the request cut during its prefill and sent again.")
 @click.option("--capacity", default=None, help="The daemons' pool capacity (default: every expert).")
+@click.option("--host-cache", default=None, help="The daemons' host-RAM tier (20G); default: none.")
 @click.option(
     "--context", default=None, type=click.IntRange(64, None), help="The daemons' max_context (default: the model's)."
 )
@@ -63,6 +64,7 @@ def bench_session(
     max_tokens,
     no_cut,
     capacity,
+    host_cache,
     context,
     tool_choice,
     template_loss,
@@ -97,6 +99,7 @@ def bench_session(
         max_tokens=max_tokens,
         cut=not no_cut,
         capacity=capacity,
+        host_cache=host_cache,
         context=context,
         tool_choice=tool_choice,
     )
