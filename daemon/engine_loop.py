@@ -66,6 +66,9 @@ if TYPE_CHECKING:
 EXIT_FRAME = b"exit"
 SNAPSHOT_SECONDS = 0.1
 RECENT_REQUESTS = 32
+# A client with no request running may start one past max_active (at most max_active //
+# OVERFLOW_SHARE past it: 2 of the default 8, none below 4) while another client holds several.
+OVERFLOW_SHARE = 4
 # Queued requests listed one by one in `status` (all of them are counted).
 LISTED_WAITING = 16
 
@@ -637,9 +640,9 @@ class EngineLoop:
         from .model.reasoning import reasoning_splitter
         from .model.tool_calls import splitter_for
 
-        while len(self._active) < self.settings.max_active and not self._elastic.refusing:
+        while not self._elastic.refusing:
             job = self._next_checked()
-            if job is None:
+            if job is None or not self._has_slot(job):
                 return
             msg, checked = job.msg, job.checked
             if checked.ids is None:
@@ -679,6 +682,19 @@ class EngineLoop:
                 self._active.insert(len(self._active) - 1, job)
             else:
                 self._active.append(job)
+
+    def _has_slot(self, job: Job) -> bool:
+        """Whether `job` may start: below max_active, or, while another client holds
+        several of the slots, one past it for a client with none running (at most a
+        quarter of max_active past it): one client's long answers hold no other client
+        off until they end (the KV budget and the batch's room still apply)."""
+        n = self.settings.max_active
+        if len(self._active) < n:
+            return True
+        if len(self._active) >= n + n // OVERFLOW_SHARE:
+            return False
+        running = [j.client for j in self._active]
+        return job.client not in running and any(running.count(c) > 1 for c in running)
 
     def _count_wait(self, job: Job, why: str) -> None:
         if why not in job.waited:
@@ -768,11 +784,11 @@ class EngineLoop:
         """Why the next queued request has not started, for `status`."""
         if not self._pending:
             return None
-        if len(self._active) >= self.settings.max_active:
-            return f"{self.settings.max_active} requests decode at once (max_active)"
+        job = self._next_checked()
+        if len(self._active) >= self.settings.max_active and (job is None or not self._has_slot(job)):
+            return f"{len(self._active)} requests decode at once (max_active {self.settings.max_active})"
         if self._elastic.refusing:
             return self._elastic.why_refused()
-        job = self._next_checked()
         if job is None:
             return "its prompt is being checked (tokenized, its length against max_context)"
         if job.checked.ids is None:

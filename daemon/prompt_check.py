@@ -31,7 +31,7 @@ import os
 import sys
 import threading
 import time
-from collections import defaultdict, deque
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -42,6 +42,8 @@ from ..shared import protocol as proto
 
 # Added to the daemon's niceness for the checking thread (Linux: per thread).
 CHECK_NICENESS = 10
+# Clients whose last turn is remembered; past it, only those with prompts waiting are kept.
+SERVED_CLIENTS_KEPT = 1024
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,11 @@ class CountRequest:
     peer: bytes
     msg: proto.CountTokens
 
+    @property
+    def client(self) -> str:
+        """Whose turn it takes among the checker's clients (as a job's `client`)."""
+        return f"peer {self.peer.hex()}"
+
 
 class PromptChecker:
     """One worker thread that checks the prompts of queued jobs, fairly by client, and
@@ -95,7 +102,9 @@ class PromptChecker:
         self._events = events
         self._cond = threading.Condition()
         self._waiting: deque[Any] = deque()
-        self._done_by_peer: defaultdict[bytes, int] = defaultdict(int)
+        # When each client was last served (a count of turns): the one served longest ago goes next.
+        self._served_at: dict[str, int] = {}
+        self._turns = 0
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="prompt-check", daemon=True)
         self._thread.start()
@@ -136,11 +145,16 @@ class PromptChecker:
                 self._cond.wait()
             if self._closed:
                 return None
-            job = min(self._waiting, key=lambda j: self._done_by_peer[j.peer])
+            # By the client the engine's shares count (a gateway's requests come from many
+            # connections but name their client): 32 streams of one client checked before
+            # another client's one request kept it waiting 20x its time alone.
+            job = min(self._waiting, key=lambda j: self._served_at.get(j.client, 0))
             self._waiting.remove(job)
-            self._done_by_peer[job.peer] += 1
-            if not self._waiting:
-                self._done_by_peer.clear()  # turns start again from even
+            self._turns += 1
+            self._served_at[job.client] = self._turns
+            if len(self._served_at) > SERVED_CLIENTS_KEPT:
+                waiting = {j.client for j in self._waiting}
+                self._served_at = {c: t for c, t in self._served_at.items() if c in waiting}
             return job
 
     def _run(self) -> None:

@@ -583,7 +583,14 @@ class Settings:
         "(max_position_embeddings), at most what the memory budget (else the device's memory) leaves for KV caches "
         "once the model and pool are in; status and plan say how much.",
     )
-    max_active: int = setting(8, kind="int", low=1, high=1024, help="Requests decoded at once.")
+    max_active: int = setting(
+        8,
+        kind="int",
+        low=1,
+        high=1024,
+        help="Requests decoded at once (a client with none running may start one past it, by at most a quarter "
+        "of it, while another holds several).",
+    )
     # Off (1) by default: on the H200 a batch pays on a full pool from about 4 clients, but not at 2
     # nor on a mapped pool (tests/bench/RESULTS.md, "Serving several clients").
     # Batching on by default, where it pays: the daemon lets a batch grow only while its own

@@ -135,6 +135,42 @@ def test_the_checker_counts_fits_max_tokens_and_says_where_the_answer_starts(tok
         long.close()
 
 
+def test_the_checker_takes_clients_in_turn_whatever_their_connections(tokenizer):
+    """A gateway's requests come over a connection each but name their client: one client's
+    many requests are checked in turn with another's, not all before it."""
+    import threading
+
+    done: list[str] = []
+    first_held = threading.Event()
+    release = threading.Event()
+
+    def on_done(job) -> None:
+        done.append(job.msg.id)
+        if job.msg.id == "a0":
+            first_held.set()
+            release.wait(10)
+
+    def job(i: int, client: str) -> SimpleNamespace:
+        msg = proto.Generate(id=f"{client}{i}", prompt="def f():", max_tokens=4)
+        return SimpleNamespace(peer=f"{client}{i}".encode(), client=f"key {client}", msg=msg, stop_reason=None)
+
+    checker = PromptChecker(SimpleNamespace(tokenizer=tokenizer), 100, on_done)
+    try:
+        checker.submit(job(0, "a"))
+        assert first_held.wait(10)
+        for i in range(1, 6):
+            checker.submit(job(i, "a"))
+        checker.submit(job(0, "b"))
+        release.set()
+        for _ in range(200):
+            if len(done) == 7:
+                break
+            threading.Event().wait(0.05)
+    finally:
+        checker.close()
+    assert done == ["a0", "b0", "a1", "a2", "a3", "a4", "a5"]
+
+
 def test_the_protocols_count_tokens_reasoning_and_top_k():
     msg = proto.CountTokens(
         id="c",
