@@ -17,6 +17,10 @@ from moestream.shared import protocol as proto
 from moestream.shared.settings import Settings
 
 TOKENS = 24
+# The cancelled requests' max_tokens: neither ends by itself within them (checked alone), so
+# a cancel sent after a few tokens lands first on however loaded a machine (with 24, a slow
+# client's cancel once came after the last token).
+CANCELLED_TOKENS = 400
 # (prompt, temperature, seed, cancel after this many token events or None)
 REQUESTS = [
     ("def route(hidden, gate, k=2):", 0.0, None, None),
@@ -26,7 +30,7 @@ REQUESTS = [
     ("def f(x):", 0.0, None, 3),
     ("# a comment", 0.7, 13, None),
     ("while True:", 0.0, None, None),
-    ("return x", 1.0, 14, 2),
+    ("return x", 1.0, 15, 2),
 ]
 
 # What `status` says while a request waits in the queue for its turn.
@@ -83,9 +87,10 @@ def alone(store):
     sm = load_streaming_model(store, Settings(capacity=0.5))
     try:
         out = {}
-        for prompt, temp, seed, _ in REQUESTS:
+        for prompt, temp, seed, cancel in REQUESTS:
             ids = encode_prompt(sm, prompt, None)
-            out[prompt] = generate(sm, ids, SamplingParams(max_tokens=TOKENS, temp=temp, seed=seed))
+            tokens = TOKENS if cancel is None else CANCELLED_TOKENS
+            out[prompt] = generate(sm, ids, SamplingParams(max_tokens=tokens, temp=temp, seed=seed))
         return out
     finally:
         sm.close()
@@ -102,7 +107,8 @@ def test_eight_mixed_clients_in_one_batch_get_their_alone_outputs(store, alone):
             try:
                 with Client(paths, timeout=60) as c:
                     barrier.wait()
-                    stream = c.generate(prompt, max_tokens=TOKENS, temp=temp, seed=seed)
+                    tokens = TOKENS if cancel_after is None else CANCELLED_TOKENS
+                    stream = c.generate(prompt, max_tokens=tokens, temp=temp, seed=seed)
                     seen = 0
                     for _ in stream:
                         seen += 1
@@ -135,6 +141,7 @@ def test_eight_mixed_clients_in_one_batch_get_their_alone_outputs(store, alone):
                 assert done.stats.batch["requested"] == 4 and 1 < done.stats.batch["max_batch"] <= 4
             else:
                 # Cancelled: what it got is the start of what it gets alone, and it stopped early.
+                assert want.finish_reason == "length" and len(want.tokens) == CANCELLED_TOKENS
                 assert done.finish_reason == "cancelled"
                 assert done.tokens == want.tokens[: len(done.tokens)] and len(done.tokens) < len(want.tokens)
         with Client(paths) as c:
