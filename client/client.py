@@ -285,23 +285,14 @@ class Client:
 
     def complete(
         self, prompt: str | None = None, *, on_text: Callable[[str], None] | None = None, **kwargs: Any
-    ) -> dict[str, Any]:
-        """Run one generate request to its end: {id, text, tokens, finish_reason, stats}."""
+    ) -> proto.Done:
+        """Run one generate request to its end: its `done` (text, tokens, finish reason,
+        statistics, tool calls, reasoning)."""
         stream = self.generate(prompt, **kwargs)
         for event in stream:
             if isinstance(event, Token) and on_text is not None:
                 on_text(event.text)
-        done = stream.done
-        return {
-            "id": done.id,
-            "text": done.text,
-            "tokens": done.tokens,
-            "finish_reason": done.finish_reason,
-            "stats": done.stats,
-            "tool_calls": done.tool_calls,
-            "reasoning": done.reasoning,
-            "logprobs": done.logprobs,
-        }
+        return stream.done
 
     def buffered(self) -> dict[str, int]:
         """{request id: messages received and not yet read} for every id that has some.

@@ -120,7 +120,8 @@ def _reference(store: Path, paths: RuntimePaths, tokenizer, thinking: bool | Non
     """(reasoning, answer) of CHAT's greedy answer: the daemon's text for the rendered
     prompt, split at `</think>` here (the template opens the block where thinking is on)."""
     rendered = render_chat(tokenizer, CHAT, thinking=thinking)
-    text, _ = chat_answer(generate_json(store, paths, rendered, "--max-tokens", str(N)), tokenizer)
+    ref = generate_json(store, paths, rendered, "--max-tokens", str(N))
+    text, _ = chat_answer(ref["text"], ref["tokens"], tokenizer)
     if rendered.endswith("<think>\n"):
         reasoning, _, answer = text.partition(THINK_END)
         return reasoning.lstrip(), answer.lstrip()

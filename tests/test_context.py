@@ -91,8 +91,8 @@ def test_a_daemon_cuts_max_tokens_to_the_context_and_refuses_a_prompt_that_fills
         assert context["kv_bytes_per_token"] > 0 and context["kv_room_bytes"] > 512 * context["kv_bytes_per_token"]
         prompt = [5, 17, 99, 3, 250, 11, 42]
         done = c.complete(prompt_ids=prompt, max_tokens=100_000, temp=0.0)
-        assert done["finish_reason"] == "length"
-        assert done["stats"].prompt_tokens == len(prompt) and len(done["tokens"]) == 512 - len(prompt)
+        assert done.finish_reason == "length"
+        assert done.stats.prompt_tokens == len(prompt) and len(done.tokens) == 512 - len(prompt)
         for n in (512, 600):
             with pytest.raises(RequestRejected) as info:
                 c.complete(prompt_ids=[5] * n, max_tokens=1)
@@ -100,7 +100,7 @@ def test_a_daemon_cuts_max_tokens_to_the_context_and_refuses_a_prompt_that_fills
             assert f"prompt of {n} tokens leaves no room in the daemon's context of 512 tokens" in str(info.value)
         # The longest prompt that fits makes its one token.
         done = c.complete(prompt_ids=[5] * 511, max_tokens=32000, temp=0.0)
-        assert done["finish_reason"] == "length" and len(done["tokens"]) == 1
+        assert done.finish_reason == "length" and len(done.tokens) == 1
 
 
 def test_a_budget_says_what_it_leaves_for_kv(store):

@@ -340,7 +340,7 @@ def test_malformed_and_oversized_messages_get_errors_and_change_nothing(daemon, 
             assert stats["failed"] - before["failed"] == 2
             assert stats["queued"] == 0
             result = c.complete(PROMPTS[2], max_tokens=N_TOKENS)
-        assert result["tokens"] == reference[PROMPTS[2]].tokens
+        assert result.tokens == reference[PROMPTS[2]].tokens
     finally:
         sock.close(linger=0)
 
@@ -375,7 +375,7 @@ def test_an_unreadable_expert_fails_that_request_and_the_daemon_serves_on(daemon
     with Client(daemon) as c:
         assert c.status().requests.failed >= 1
         result = c.complete(PROMPTS[3], max_tokens=N_TOKENS)
-    assert result["tokens"] == reference[PROMPTS[3]].tokens
+    assert result.tokens == reference[PROMPTS[3]].tokens
 
 
 def test_an_open_runtime_folder_or_a_long_socket_path_is_refused():
@@ -585,7 +585,7 @@ def test_heat_file_holds_exactly_the_routed_counts(store):
         routed = 0
         with Client(paths_of(rt)) as c:
             for prompt in PROMPTS[:3]:  # one at a time: each request's stats are its own
-                routed += c.complete(prompt, max_tokens=16)["stats"].routed_experts
+                routed += c.complete(prompt, max_tokens=16).stats.routed_experts
             # Interleaved requests are attributed per request too.
             streams = [c.generate(p, max_tokens=12) for p in PROMPTS]
             for s in streams:

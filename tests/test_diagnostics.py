@@ -140,11 +140,11 @@ def test_daemon_reports_diagnostics_per_request_and_in_stats():
     try:
         with Client(paths_of(rt)) as c:
             plain = c.complete(prompt_ids=PROMPT, max_tokens=8)
-            assert plain["stats"].diagnostics is None
+            assert plain.stats.diagnostics is None
             assert c.stats()["diagnostics"]["totals"] is None
             done = c.complete(prompt_ids=PROMPT, max_tokens=8, diagnostics=True)
-            assert done["tokens"] == plain["tokens"]
-            d = done["stats"].diagnostics
+            assert done.tokens == plain.tokens
+            d = done.stats.diagnostics
             assert sum(d["attribution"]["decode"].values()) > 0
             # The status snapshot is published just after the done event.
             st = wait_for(

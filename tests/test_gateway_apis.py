@@ -256,7 +256,7 @@ def test_greedy_text_through_each_api_equals_generate(served, clients, tokenizer
     rendered = render_chat(tokenizer, CHAT)
     ref = generate_json(demo_store_path(), paths, rendered, "--max-tokens", str(N))
     assert ref["stats"]["prompt_tokens"] == len(tokenizer.encode(rendered, add_special_tokens=False))
-    text, tokens = chat_answer(ref, tokenizer)
+    text, tokens = chat_answer(ref["text"], ref["tokens"], tokenizer)
     assert text
 
     out = oa.chat.completions.create(model="moestream-demo", messages=CHAT, max_tokens=N, temperature=0)

@@ -122,7 +122,7 @@ def test_one_client_takes_half_the_gateway_and_another_is_served_before_its_queu
         recent = [r.id for r in _daemon_requests(paths).recent]
         assert recent[-2:] == [first, answer.id], (first, answer.id, recent)
         with Client(paths) as c:  # the same answer as the daemon's own
-            assert answer.choices[0].text == c.complete(PROMPT, max_tokens=8)["text"]
+            assert answer.choices[0].text == c.complete(PROMPT, max_tokens=8).text
 
 
 def _drain(response: httpx.Response) -> None:
@@ -212,4 +212,4 @@ def test_a_client_with_none_running_starts_while_another_holds_every_slot(four_s
         finally:
             asker.join(120)
     with Client(paths) as c:  # the same answer as the daemon's own
-        assert answers == [c.complete(PROMPT, max_tokens=64)["text"]]
+        assert answers == [c.complete(PROMPT, max_tokens=64).text]

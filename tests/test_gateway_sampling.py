@@ -11,6 +11,7 @@ import pytest
 from test_openai_gateway import real_clients, served_gateway
 
 from moestream.client.client import Client
+from moestream.shared import protocol as proto
 from moestream.shared.protocol import SamplingControls
 from moestream.shared.settings import demo_store_path
 
@@ -33,7 +34,7 @@ def clients(served):
     return real_clients(served[1].url, KEY)
 
 
-def _daemon(served, **kw) -> dict:
+def _daemon(served, **kw) -> proto.Done:
     with Client(served[0]) as c:
         return c.complete(messages=CHAT, max_tokens=N, **kw)
 
@@ -41,7 +42,7 @@ def _daemon(served, **kw) -> dict:
 def test_logit_bias_removes_a_greedy_token_and_logprobs_make_the_text(served, clients):
     oa, _, _ = clients
     greedy = _daemon(served)
-    first = greedy["tokens"][0]
+    first = greedy.tokens[0]
     out = oa.chat.completions.create(
         model="m",
         messages=CHAT,
@@ -52,7 +53,7 @@ def test_logit_bias_removes_a_greedy_token_and_logprobs_make_the_text(served, cl
         top_logprobs=3,
     )
     biased = _daemon(served, sampling=SamplingControls(logit_bias=((first, -100.0),)))
-    assert first not in biased["tokens"] and out.choices[0].message.content == biased["text"] != greedy["text"]
+    assert first not in biased.tokens and out.choices[0].message.content == biased.text != greedy.text
     content = out.choices[0].logprobs.content
     assert "".join(c.token for c in content) == out.choices[0].message.content
     assert all(c.logprob <= 0 and len(c.top_logprobs) == 3 for c in content)
@@ -68,7 +69,7 @@ def test_logit_bias_removes_a_greedy_token_and_logprobs_make_the_text(served, cl
     tokens = "".join(
         e.token for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
     )
-    assert text == tokens == greedy["text"]
+    assert text == tokens == greedy.text
 
 
 def test_completions_logprobs_and_the_cards_settings_on_each_api(served, clients):
@@ -78,8 +79,8 @@ def test_completions_logprobs_and_the_cards_settings_on_each_api(served, clients
     assert "".join(lp.tokens) == out.choices[0].text and all(x <= 0 for x in lp.token_logprobs)
     assert all(len(t) >= 1 for t in lp.top_logprobs) and lp.text_offset[0] == 0
     # The card's settings (seeded) give the daemon's answer to the same controls on each API.
-    want = _daemon(served, temp=0.7, top_p=0.8, top_k=20, seed=4, sampling=CARD_CONTROLS)["text"]
-    plain = _daemon(served, temp=0.7, top_p=0.8, top_k=20, seed=4)["text"]
+    want = _daemon(served, temp=0.7, top_p=0.8, top_k=20, seed=4, sampling=CARD_CONTROLS).text
+    plain = _daemon(served, temp=0.7, top_p=0.8, top_k=20, seed=4).text
     assert want != plain  # the penalty acts
     card = dict(CARD, seed=4)
     chat = oa.chat.completions.create(
@@ -103,7 +104,7 @@ def test_completions_logprobs_and_the_cards_settings_on_each_api(served, clients
     assert reply.message.content == want
     # Ollama's repeat_penalty over repeat_last_n, and its logprobs.
     repeat = SamplingControls(repetition_penalty=1.3, penalty_window=16)
-    want = _daemon(served, sampling=repeat)["text"]
+    want = _daemon(served, sampling=repeat).text
     reply = ol.chat(
         model="m",
         messages=CHAT,
@@ -138,8 +139,8 @@ def test_responses_logprobs(served, clients):
         top_logprobs=2,
     )
     part = out.output[-1].content[0]
-    assert part.text == greedy["text"] == "".join(e.token for e in part.logprobs)
-    assert [e.logprob for e in part.logprobs] == [e.logprob for e in greedy["logprobs"]]
+    assert part.text == greedy.text == "".join(e.token for e in part.logprobs)
+    assert [e.logprob for e in part.logprobs] == [e.logprob for e in greedy.logprobs]
     assert all(len(e.top_logprobs) == 2 for e in part.logprobs)
     deltas = []
     with oa.responses.stream(
@@ -154,7 +155,7 @@ def test_responses_logprobs(served, clients):
         for event in stream:
             if event.type == "response.output_text.delta":
                 deltas += [e.token for e in event.logprobs]
-    assert "".join(deltas) == greedy["text"]
+    assert "".join(deltas) == greedy.text
 
 
 def test_n_choices_are_n_requests_with_seeds_in_turn(served, clients):
@@ -162,9 +163,9 @@ def test_n_choices_are_n_requests_with_seeds_in_turn(served, clients):
     kw = dict(model="m", messages=CHAT, max_tokens=N, temperature=1.0, seed=7)
     out = oa.chat.completions.create(**kw, n=2)
     assert [c.index for c in out.choices] == [0, 1]
-    want = [_daemon(served, temp=1.0, seed=s)["text"] for s in (7, 8)]
+    want = [_daemon(served, temp=1.0, seed=s).text for s in (7, 8)]
     assert [c.message.content for c in out.choices] == want and want[0] != want[1]
-    assert out.usage.completion_tokens == sum(len(_daemon(served, temp=1.0, seed=s)["tokens"]) for s in (7, 8))
+    assert out.usage.completion_tokens == sum(len(_daemon(served, temp=1.0, seed=s).tokens) for s in (7, 8))
     texts = ["", ""]
     for chunk in oa.chat.completions.create(**kw, n=2, stream=True):
         for c in chunk.choices:

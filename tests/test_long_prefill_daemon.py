@@ -116,8 +116,8 @@ def test_a_cancel_takes_effect_within_a_chunk_and_the_same_prompt_again_takes_th
     }
     with Client(daemon) as c:
         again = c.complete(prompt_ids=prompt, max_tokens=MAX_TOKENS)
-    assert again["tokens"] == alone(prompt), "the prefill taken up made other tokens than one alone"
-    assert again["stats"].prompt_cache.resumed is True
+    assert again.tokens == alone(prompt), "the prefill taken up made other tokens than one alone"
+    assert again.stats.prompt_cache.resumed is True
     after = _delta(before, _counts(daemon))
     assert after["prefills_resumed"] == 1 and "suspended" not in after
 
@@ -157,7 +157,7 @@ def test_a_client_gone_during_a_prefill_stops_it_within_a_chunk(daemon):
     assert delta["prefills"] == 1 and delta["prefills_suspended"] == 1, delta
     with Client(daemon) as c:  # the engine is free; the same prompt takes the prefill up (and leaves none kept)
         again = c.complete(prompt_ids=prompt, max_tokens=MAX_TOKENS)
-    assert again["stats"].prompt_cache.resumed is True and _counts(daemon)["suspended"] == before["suspended"]
+    assert again.stats.prompt_cache.resumed is True and _counts(daemon)["suspended"] == before["suspended"]
 
 
 def test_a_speculative_request_cancelled_during_its_prefill_stops_within_a_chunk(store, daemon):
@@ -287,13 +287,12 @@ def test_stop_during_a_prefill_ends_the_daemon_within_a_chunk(store):
         with Client(paths) as c:
             stream = c.generate(prompt_ids=_prompt(4), max_tokens=MAX_TOKENS, progress=True)
             _until_prefilled(stream)
-            tic = time.monotonic()
             stopped = ctl("stop", "--runtime-dir", str(paths.dir))
-            took = time.monotonic() - tic
             list(stream)
         assert stopped.returncode == 0, stopped.stderr
+        # Counted, not timed (a loaded machine once took 34 s for the chunk in flight and the
+        # exit): no prefill piece ran once the stop had arrived.
         assert stream.done.finish_reason == "shutdown" and stream.done.stats.prefill_pieces_after_stop == 0
-        assert took < 30, took  # the chunk in flight and the daemon's own exit, not the rest of the prefill
         # started_daemon's own stop finds none running.
 
 

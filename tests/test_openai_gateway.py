@@ -185,12 +185,12 @@ def generate_json(store: Path, paths: RuntimePaths, prompt: str, *args: str) -> 
     return json.loads(out.stdout)
 
 
-def chat_answer(ref: dict, tokenizer) -> tuple[str, int]:
-    """(text, tokens) of a chat's answer, from a plain request's `ref` for its rendered
-    prompt: a chat ends at the template's end of turn (`turn_end`) where the text has it."""
+def chat_answer(text: str, tokens: list[int], tokenizer) -> tuple[str, int]:
+    """(text, tokens) of a chat's answer, from a plain request's text and tokens for its
+    rendered prompt: a chat ends at the template's end of turn (`turn_end`) where the text has it."""
     from moestream.daemon.model.chat import turn_end
 
-    marker, text, tokens = turn_end(tokenizer), ref["text"], list(ref["tokens"])
+    marker, tokens = turn_end(tokenizer), list(tokens)
     if marker is None or marker not in text:
         return text, len(tokens)
     made = next(k for k in range(1, len(tokens) + 1) if marker in tokenizer.decode(tokens[:k]))
@@ -396,8 +396,8 @@ def test_chat_goes_through_the_models_chat_template(api, served, store, model_na
     ids = tokenizer.encode(text, add_special_tokens=False)
     with Client(served[0]) as c:
         ref = c.complete(prompt_ids=ids, max_tokens=N)
-    assert ref["stats"].prompt_tokens == len(ids)
-    answer, made = chat_answer(ref, tokenizer)
+    assert ref.stats.prompt_tokens == len(ids)
+    answer, made = chat_answer(ref.text, ref.tokens, tokenizer)
 
     out = api.chat.completions.create(model=model_name, messages=CHAT, max_tokens=N, temperature=0)
     assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
@@ -418,10 +418,10 @@ def test_sampling_parameters_seed_and_stop_reach_the_daemon(api, served, model_n
         sampled = c.complete(PROMPT, max_tokens=N, temp=0.9, top_p=0.8, seed=7)
         greedy = c.complete(PROMPTS[0], max_tokens=N)
     out = api.completions.create(model=model_name, prompt=PROMPT, max_tokens=N, temperature=0.9, top_p=0.8, seed=7)
-    assert out.choices[0].text == sampled["text"]
+    assert out.choices[0].text == sampled.text
 
     # A stop string from the middle of the greedy answer: the text ends just before it.
-    text = greedy["text"]
+    text = greedy.text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), text
     expected = text[: text.index(stop)]
@@ -529,7 +529,7 @@ def test_two_gateway_clients_and_generate_at_once_get_their_exact_outputs(api, s
     paths = served[0]
     with Client(paths) as c:
         refs = [c.complete(p, max_tokens=BUSY) for p in PROMPTS]
-    assert all(len(r["tokens"]) > 40 for r in refs), [len(r["tokens"]) for r in refs]
+    assert all(len(r.tokens) > 40 for r in refs), [len(r.tokens) for r in refs]
     results: dict[str, object] = {}
     failures: list[BaseException] = []
     barrier = threading.Barrier(3)
@@ -566,9 +566,9 @@ def test_two_gateway_clients_and_generate_at_once_get_their_exact_outputs(api, s
             peak = max(peak, len(c.status().requests.running))
             time.sleep(0.01)
     assert not failures, failures
-    assert results["stream"] == refs[0]["text"]
-    assert results["whole"] == refs[1]["text"]
-    assert results["cli"]["tokens"] == refs[2]["tokens"] and results["cli"]["text"] == refs[2]["text"]
+    assert results["stream"] == refs[0].text
+    assert results["whole"] == refs[1].text
+    assert results["cli"]["tokens"] == refs[2].tokens and results["cli"]["text"] == refs[2].text
     print(f"requests running at once in the daemon: {peak}")
     assert peak >= 2, "the requests should have overlapped in the daemon"
 
@@ -767,7 +767,7 @@ def test_a_daemon_whose_model_folder_is_gone_says_so_in_status_and_health(store)
         r = httpx.get(gateway.url + "/health")
         assert r.status_code == 503 and r.json() == {"status": "unavailable", "daemon": "ready", "reason": gone}
         with Client(paths) as c:
-            assert c.complete(PROMPT, max_tokens=8)["tokens"]  # what it loaded, it still serves
+            assert c.complete(PROMPT, max_tokens=8).tokens  # what it loaded, it still serves
 
         shutil.copytree(store, own, ignore=shutil.ignore_patterns("pool_usage.json*"))
         assert problem() == (

@@ -59,7 +59,7 @@ def _data_url(data: bytes) -> str:
     return "data:image/png;base64," + _b64(data)
 
 
-def _daemon(served, image: bytes, question: str = QUESTION) -> dict:
+def _daemon(served, image: bytes, question: str = QUESTION) -> proto.Done:
     with Client(served[0]) as c:
         return c.complete(messages=[{"role": "user", "content": question, "images": [image]}], max_tokens=N)
 
@@ -82,21 +82,21 @@ def test_every_api_sends_an_image_and_gets_the_daemons_answer(served, clients):
     oa, an, ol = clients
     image = png(3)
     ref = _daemon(served, image)
-    assert ref["finish_reason"] == "length" and ref["text"]
-    assert ref != _daemon(served, png(4))["text"]  # the image is seen
+    assert ref.finish_reason == "length" and ref.text
+    assert ref.text != _daemon(served, png(4)).text  # the image is seen
     chat = oa.chat.completions.create(model="m", messages=_openai_chat(_data_url(image)), max_tokens=N, temperature=0)
-    assert chat.choices[0].message.content == ref["text"]
-    assert chat.usage.prompt_tokens == ref["stats"].prompt_tokens
+    assert chat.choices[0].message.content == ref.text
+    assert chat.usage.prompt_tokens == ref.stats.prompt_tokens
     msg = an.messages.create(
         model="m", messages=_anthropic_chat(_b64(image)), max_tokens=N, extra_body={"temperature": 0}
     )
-    assert msg.content[0].text == ref["text"]
+    assert msg.content[0].text == ref.text
     out = ol.chat(
         model="m",
         messages=[{"role": "user", "content": QUESTION, "images": [image]}],
         options={"temperature": 0, "num_predict": N},
     )
-    assert out.message.content == ref["text"]
+    assert out.message.content == ref.text
     resp = oa.responses.create(
         model="m",
         input=[
@@ -111,12 +111,12 @@ def test_every_api_sends_an_image_and_gets_the_daemons_answer(served, clients):
         max_output_tokens=N,
         temperature=0,
     )
-    assert resp.output_text == ref["text"]
+    assert resp.output_text == ref.text
     # Streamed, too.
     chunks = oa.chat.completions.create(
         model="m", messages=_openai_chat(_data_url(image)), max_tokens=N, temperature=0, stream=True
     )
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref["text"]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
 
 
 def _big_png() -> bytes:
@@ -156,9 +156,9 @@ def test_bad_images_get_clear_400s_and_the_daemon_serves_on(served, clients):
         ol.chat(model="m", messages=[{"role": "user", "content": "hi", "images": [_b64(b"GIF89a" + b"\0" * 20)]}])
     assert e.value.status_code == 400 and "is not an image" in str(e.value)
     # The daemon served on, exactly.
-    assert _daemon(served, image)["text"] == ref["text"]
+    assert _daemon(served, image).text == ref.text
     chat = oa.chat.completions.create(model="m", messages=_openai_chat(_data_url(image)), max_tokens=N, temperature=0)
-    assert chat.choices[0].message.content == ref["text"]
+    assert chat.choices[0].message.content == ref.text
 
 
 def test_status_and_models_say_the_model_takes_images(served):
@@ -178,7 +178,7 @@ def test_a_resent_image_hits_the_prompt_cache(served, clients):
     with Client(served[0]) as c:
         # Where the image's tokens lie in the prompt (the processor's expansion).
         first = c.complete(messages=[{"role": "user", "content": "Describe it.", "images": [image]}], max_tokens=N)
-    prompt = first["stats"].prompt_tokens
+    prompt = first.stats.prompt_tokens
     again = oa.chat.completions.create(
         model="m",
         messages=_openai_chat(_data_url(image), "Describe it."),
@@ -186,7 +186,7 @@ def test_a_resent_image_hits_the_prompt_cache(served, clients):
         temperature=0,
         user="someone",
     )
-    assert again.choices[0].message.content == first["text"]
+    assert again.choices[0].message.content == first.text
     # A chat that resends the screenshot with a turn after it: its prefix, image included, is cached.
     turn = _openai_chat(_data_url(image), "Describe it.") + [
         {"role": "assistant", "content": again.choices[0].message.content},
@@ -212,7 +212,7 @@ def test_a_resent_image_hits_the_prompt_cache(served, clients):
             max_tokens=N,
             cache_scope="nobody-else",
         )
-    assert cold["stats"].cached_tokens == 0 and cold["text"] == follow.choices[0].message.content
+    assert cold.stats.cached_tokens == 0 and cold.text == follow.choices[0].message.content
 
 
 @pytest.fixture(scope="module")

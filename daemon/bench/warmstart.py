@@ -34,12 +34,12 @@ def _timed_request(paths: RuntimePaths, prompt: str, tokens: int) -> dict[str, A
         result = client.complete(prompt, max_tokens=tokens)
         seconds = time.perf_counter() - tic
         status = client.status()
-    stats = result["stats"]
+    stats = result.stats
     placement = stats.mapped_pool or {}
     return {
         "seconds": seconds,
-        "tokens": len(result["tokens"]),
-        "token_ids": result["tokens"],
+        "tokens": len(result.tokens),
+        "token_ids": result.tokens,
         # A mapped pool's hits are the routed experts that were in GPU memory.
         "hit_rate": placement.get("gpu_hit_rate") if stats.mapped else stats.hit_rate,
         # Bytes admitted into the pool, from the host tier or the disk (the pool's

@@ -78,9 +78,9 @@ def test_one_client_on_many_connections_gets_its_share_and_the_next_slot_goes_to
             done = c.complete(prompt, max_tokens=max_tokens)
             recent = [r.id for r in c.status().requests.recent]
         ref = rel_reference[(prompt, max_tokens)]
-        assert tuple(done["tokens"]) == ref.tokens
+        assert tuple(done.tokens) == ref.tokens
         # g0 ended, then this one; g1 (LONG tokens, started after it) is still running.
-        assert recent[-2:] == ["g0", done["id"]], recent
+        assert recent[-2:] == ["g0", done.id], recent
 
 
 def test_a_stream_its_client_does_not_read_is_paused_then_cancelled(rel_store, rel_reference, start_daemon):
@@ -104,7 +104,7 @@ def test_a_stream_its_client_does_not_read_is_paused_then_cancelled(rel_store, r
         prompt, max_tokens = CASES[1]
         with Client(d.paths, timeout=60) as c:  # served meanwhile
             done = c.complete(prompt, max_tokens=max_tokens)
-        assert tuple(done["tokens"]) == rel_reference[(prompt, max_tokens)].tokens
+        assert tuple(done.tokens) == rel_reference[(prompt, max_tokens)].tokens
         st = _status(d)
         assert [r.tokens for r in st.requests.running if r.id == "unread"] == [seen.tokens]
 

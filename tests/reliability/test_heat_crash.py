@@ -66,7 +66,7 @@ def test_full_disk_under_a_running_daemon(small_tmpfs, rel_store, start_daemon, 
         fill(small_tmpfs)
         for case in CASES[:4]:  # served exactly while heat cannot be written
             result = c.complete(case[0], max_tokens=case[1])
-            assert tuple(result["tokens"]) == rel_reference[case].tokens
+            assert tuple(result.tokens) == rel_reference[case].tokens
         _wait(lambda: c.status().heat["last_flush_ok"] is False, "a failed heat write")
         heat = c.status().heat
         assert "No space left on device" in heat["last_error"] and str(path) in heat["last_error"]

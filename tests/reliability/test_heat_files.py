@@ -26,7 +26,7 @@ def _served_exactly(d, reference) -> dict:
         done = c.complete(prompt, max_tokens=max_tokens)
         status = c.status()
     ref = reference[(prompt, max_tokens)]
-    assert (done["text"], tuple(done["tokens"])) == (ref.text, ref.tokens)
+    assert (done.text, tuple(done.tokens)) == (ref.text, ref.tokens)
     return status
 
 

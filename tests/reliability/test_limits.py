@@ -25,7 +25,7 @@ def _exact(daemon, reference) -> None:
     with Client(daemon.paths, timeout=30) as c:
         done = c.complete(prompt, max_tokens=max_tokens)
     ref = reference[(prompt, max_tokens)]
-    assert (done["text"], tuple(done["tokens"])) == (ref.text, ref.tokens)
+    assert (done.text, tuple(done.tokens)) == (ref.text, ref.tokens)
 
 
 def _open_idle(path: str, n: int) -> list[socket.socket]:
@@ -201,7 +201,7 @@ def _drafts_stay_bounded(store, workdir, reference, start_daemon, n: int) -> Non
     with Client(d.paths, timeout=60) as c:
         for path in _draft_paths(store, workdir, n):
             done = c.complete(prompt, max_tokens=max_tokens, speculative="draft", draft_model=path)
-            assert tuple(done["tokens"]) == ref.tokens
+            assert tuple(done.tokens) == ref.tokens
             active.append(c.status().memory.mlx_active_bytes)
     one = _store_bytes(store)  # a draft model's weights are at most this
     # Past the first two (the cache's one and what warms up), no draft model stays behind.
@@ -243,7 +243,7 @@ def test_oversized_prompts_of_one_client_do_not_hold_up_another(rel_store, rel_r
         with Client(d.paths, timeout=60) as c:
             done = c.complete(prompt, max_tokens=max_tokens)
         waited = time.monotonic() - tic
-        assert tuple(done["tokens"]) == ref.tokens
+        assert tuple(done.tokens) == ref.tokens
         assert waited < 2.0, f"the other client waited {waited:.1f} s"
         # One client's share is max_active (8) + a quarter of max_queued (64): the rest are busy at once.
         codes: dict[str, int] = {}

@@ -34,7 +34,7 @@ def test_tiny_temperature_or_top_p_is_greedy_for_every_seed(daemon, rel_referenc
     with Client(daemon.paths, timeout=30) as c:
         for seed in (1, 2, 3):
             done = c.complete(prompt, max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed)
-            assert tuple(done["tokens"]) == ref.tokens, (temp, top_p, seed)
+            assert tuple(done.tokens) == ref.tokens, (temp, top_p, seed)
 
 
 def test_lone_surrogates_are_refused_clearly(daemon, rel_reference):
@@ -44,7 +44,7 @@ def test_lone_surrogates_are_refused_clearly(daemon, rel_reference):
                 c.generate(max_tokens=4, **kwargs)
             assert e.value.code == "bad_message" and "surrogate" in e.value.message
         prompt, max_tokens = CASES[0]
-        assert tuple(c.complete(prompt, max_tokens=max_tokens)["tokens"]) == rel_reference[(prompt, max_tokens)].tokens
+        assert tuple(c.complete(prompt, max_tokens=max_tokens).tokens) == rel_reference[(prompt, max_tokens)].tokens
 
 
 def test_speculation_this_store_cannot_do_is_a_bad_message(daemon, workdir):

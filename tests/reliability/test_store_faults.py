@@ -40,8 +40,8 @@ WIDE_PROMPT_IDS = list(range(3, 90))
 
 def _exact(client: Client, reference, case=CASES[0]) -> None:
     result = client.complete(case[0], max_tokens=case[1])
-    assert tuple(result["tokens"]) == reference[case].tokens
-    assert result["text"] == reference[case].text
+    assert tuple(result.tokens) == reference[case].tokens
+    assert result.text == reference[case].text
 
 
 def _failing_request(client: Client) -> RequestRejected:

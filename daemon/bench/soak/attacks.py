@@ -30,7 +30,7 @@ def _exact(daemon: DaemonProcess, reference: Mapping[tuple[str, int], Reference]
     (prompt, max_tokens), ref = min(reference.items())
     with Client(daemon.paths, timeout=60) as c:
         done = c.complete(prompt, max_tokens=max_tokens, **kw)
-    return tuple(done["tokens"]) == ref.tokens and done["text"] == ref.text
+    return tuple(done.tokens) == ref.tokens and done.text == ref.text
 
 
 def open_idle(path: str, n: int) -> list[socket.socket]:

@@ -98,8 +98,8 @@ class _Cases:
             done = c.complete(case[0], max_tokens=case[1])
         ref = self.reference[case]
         self.requests += 1
-        self.exact += tuple(done["tokens"]) == ref.tokens and done["text"] == ref.text
-        return done["stats"].cached_tokens
+        self.exact += tuple(done.tokens) == ref.tokens and done.text == ref.text
+        return done.stats.cached_tokens
 
 
 def _start(store: Path, runtime: Path, folder: Path, capacity: str) -> DaemonProcess:

@@ -91,15 +91,15 @@ def main(argv: list[str] | None = None) -> int:
             r = c.complete(
                 messages=[{"role": "user", "content": prompt}], tools=[WEATHER_TOOL], max_tokens=args.max_tokens
             )
-            ok = any(_names_city(call, city) for call in r["tool_calls"])
+            ok = any(_names_city(call, city) for call in r.tool_calls)
             calls += ok
-            answers.append({"prompt": prompt, "ok": ok, "tool_calls": r["tool_calls"], "text": r["text"]})
+            answers.append({"prompt": prompt, "ok": ok, "tool_calls": r.tool_calls, "text": r.text})
             print(f"weather {ok!s:5} {prompt!r}: {r['tool_calls'] or r['text'][:60]!r}", file=sys.stderr, flush=True)
         for q in QUESTIONS:
             r = c.complete(messages=[{"role": "user", "content": q}], tools=[WEATHER_TOOL], max_tokens=args.max_tokens)
-            ok = answered_in_text(r["tool_calls"], r["text"])
+            ok = answered_in_text(r.tool_calls, r.text)
             texts += ok
-            answers.append({"prompt": q, "ok": ok, "tool_calls": r["tool_calls"], "text": r["text"]})
+            answers.append({"prompt": q, "ok": ok, "tool_calls": r.tool_calls, "text": r.text})
             print(f"stdlib  {ok!s:5} {q!r}: {r['text'][:60]!r}", file=sys.stderr, flush=True)
     result = {
         "weather_calls_naming_the_city": calls,
