@@ -9,7 +9,8 @@ from __future__ import annotations
 import shutil
 import socket
 import tempfile
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -32,12 +33,12 @@ LONG = 400  # tokens (the tiny model's context is 512): a request that holds the
 SLOTS = 64  # client/gateway/app.py MAX_CONCURRENT: a client holds half
 
 
-@pytest.fixture(scope="module")
-def served():
-    """(daemon paths, gateway): one slot in the daemon (max_active 1), a context of 32768 tokens."""
-    with tiny_store("msf") as store:
-        rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msf"))
-        env = clean_env(MOESTREAM_MAX_ACTIVE="1", MOESTREAM_MAX_CONTEXT="32768")
+@contextmanager
+def _served(prefix: str, max_active: int) -> Iterator[tuple[RuntimePaths, Gateway]]:
+    """(daemon paths, gateway): a daemon with `max_active` slots and a context of 32768 tokens."""
+    with tiny_store(prefix) as store:
+        rt = Path(tempfile.mkdtemp(dir="/tmp", prefix=prefix))
+        env = clean_env(MOESTREAM_MAX_ACTIVE=str(max_active), MOESTREAM_MAX_CONTEXT="32768")
         out = ctl("start", "--model", str(store), "--capacity", "0.25", "--runtime-dir", str(rt), env=env)
         assert out.returncode == 0, out.stdout + out.stderr
         gateway = Gateway(rt, rt / "gateway.log")
@@ -47,24 +48,32 @@ def served():
             gateway.stop()
             ctl("stop", "--runtime-dir", str(rt))
             shutil.rmtree(rt)
+
+
+@pytest.fixture(scope="module")
+def served():
+    """One slot in the daemon (max_active 1)."""
+    with _served("msf", 1) as both:
+        yield both
 
 
 @pytest.fixture(scope="module")
 def four_slots():
-    """(daemon paths, gateway): four slots in the daemon (max_active 4: one more for a
-    client with none running while another holds several)."""
-    with tiny_store("msf4") as store:
-        rt = Path(tempfile.mkdtemp(dir="/tmp", prefix="msf4"))
-        env = clean_env(MOESTREAM_MAX_ACTIVE="4", MOESTREAM_MAX_CONTEXT="32768")
-        out = ctl("start", "--model", str(store), "--capacity", "0.25", "--runtime-dir", str(rt), env=env)
-        assert out.returncode == 0, out.stdout + out.stderr
-        gateway = Gateway(rt, rt / "gateway.log")
-        try:
-            yield RuntimePaths(dir=rt, log=rt / "daemon.log"), gateway
-        finally:
-            gateway.stop()
-            ctl("stop", "--runtime-dir", str(rt))
-            shutil.rmtree(rt)
+    """Four slots in the daemon (max_active 4: one more for a client with none running
+    while another holds several)."""
+    with _served("msf4", 4) as both:
+        yield both
+
+
+def _other_client(gateway: Gateway) -> openai.OpenAI:
+    """An OpenAI client from 127.0.0.2: a loopback address of its own, as a second machine would have."""
+    return openai.OpenAI(
+        base_url=gateway.url + "/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=120,
+        http_client=httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2")),
+    )
 
 
 def _daemon_requests(paths: RuntimePaths) -> RequestsStatus:
@@ -100,13 +109,7 @@ def test_one_client_takes_half_the_gateway_and_another_is_served_before_its_queu
         assert "127.0.0.1" in refused and f"its share of the gateway's {SLOTS}" in refused, refused
         wait_for(lambda: _daemon_requests(paths).queued == SLOTS // 2 - 1, 30, "the greedy client's queue")
 
-        other = openai.OpenAI(
-            base_url=gateway.url + "/v1",
-            api_key="unused",
-            max_retries=0,
-            timeout=120,
-            http_client=httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2")),
-        )
+        other = _other_client(gateway)
         answers = []
         asker = threading.Thread(
             target=lambda: answers.append(
@@ -189,13 +192,7 @@ def test_a_client_with_none_running_starts_while_another_holds_every_slot(four_s
         for _ in range(5):
             assert stack.enter_context(greedy.stream("POST", "/v1/completions", json=body)).status_code == 200
         wait_for(lambda: (r := _daemon_requests(paths)).active == 4 and r.queued == 1, 30, "four running, one queued")
-        other = openai.OpenAI(
-            base_url=gateway.url + "/v1",
-            api_key="unused",
-            max_retries=0,
-            timeout=120,
-            http_client=httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2")),
-        )
+        other = _other_client(gateway)
 
         def ask() -> None:
             answers.append(
