@@ -134,7 +134,7 @@ def test_prefetch_from_the_host_tier_under_concurrent_clients_changes_no_token(s
             pool = c.status().pool
         for prompt, s in zip(PROMPTS, streams):
             assert s.done.tokens == reference[prompt].tokens, f"{prompt!r} differs from the local run"
-        assert pool["prestaged"] >= pool["prestaged_used"] > 0
+        assert pool.prestaged >= pool.prestaged_used > 0
         assert sum(s.done.stats.prestaged for s in streams) > 0
     finally:
         daemon.stop(15.0)

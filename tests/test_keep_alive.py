@@ -100,7 +100,7 @@ def test_idle_unload_frees_memory_and_the_next_request_loads_warm_and_exact(tmp_
             assert ka.rss_after_bytes < ka.rss_before_bytes - held, ka
             text = ctl("status", "--runtime-dir", str(rt), env=env)
             assert "unloaded (idle " in text.stdout and "holds      the socket and the heat keeper" in text.stdout
-            print("keep-alive figures:", json.dumps(ka))
+            print("keep-alive figures:", json.dumps(ka.to_dict()))
             again, progress = _generate(c)
             assert again == first
             stages = [(p.done, p.total) for p in progress if p.stage == "load"]
