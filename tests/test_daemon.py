@@ -191,19 +191,21 @@ def test_status_has_its_fields_while_generating(daemon, reference):
         next(stream)
         latencies = []
 
-        def running():
+        def timed():
             tic = time.perf_counter()
             status = c.status()
             latencies.append(time.perf_counter() - tic)
+            return status
+
+        def running():
+            status = timed()
             return status if any(j.id == stream.id and j.phase == "decode" for j in status.requests.running) else None
 
         # A snapshot published after its first token lists it decoding (the 300 tokens
         # outlast a snapshot's 0.1 s); the last of 30 polls, on a loaded machine, did not.
         status = wait_for(running, 10, "a status that lists the request decoding")
         for _ in range(30):
-            tic = time.perf_counter()
-            c.status()
-            latencies.append(time.perf_counter() - tic)
+            timed()
         assert status.requests.active == 1
         job = status.requests.running[0]
         assert job.id == stream.id and job.phase == "decode" and job.tokens >= 1

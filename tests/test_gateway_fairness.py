@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 import socket
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -86,8 +87,6 @@ def test_one_client_takes_half_the_gateway_and_another_is_served_before_its_queu
     429 that says so (they took all 64 slots: every other client got 429s). Another
     client's request is served next, before the greedy client's queued 31 (each HTTP
     request was a daemon client of its own: the queue's order served them first)."""
-    import threading
-
     paths, gateway = served
     body = {"model": "m", "prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "stream": True}
     body["logit_bias"] = NO_END
@@ -181,8 +180,6 @@ def test_a_client_with_none_running_starts_while_another_holds_every_slot(four_s
     request starts at once beside them (a fifth slot, for a client with none running),
     not when one of the long answers ends, and is answered as the daemon answers it
     alone. The greedy client's fifth stays queued: the extra slot is not its own."""
-    import threading
-
     paths, gateway = four_slots
     body = {"model": "m", "prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "stream": True}
     body["logit_bias"] = NO_END

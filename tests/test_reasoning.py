@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -138,14 +139,13 @@ def test_the_checker_counts_fits_max_tokens_and_says_where_the_answer_starts(tok
 def test_the_checker_takes_clients_in_turn_whatever_their_connections(tokenizer):
     """A gateway's requests come over a connection each but name their client: one client's
     many requests are checked in turn with another's, not all before it."""
-    import threading
-
     done: list[str] = []
-    first_held = threading.Event()
-    release = threading.Event()
+    first_held, release, all_done = threading.Event(), threading.Event(), threading.Event()
 
     def on_done(job) -> None:
         done.append(job.msg.id)
+        if len(done) == 7:
+            all_done.set()
         if job.msg.id == "a0":
             first_held.set()
             release.wait(10)
@@ -162,10 +162,7 @@ def test_the_checker_takes_clients_in_turn_whatever_their_connections(tokenizer)
             checker.submit(job(i, "a"))
         checker.submit(job(0, "b"))
         release.set()
-        for _ in range(200):
-            if len(done) == 7:
-                break
-            threading.Event().wait(0.05)
+        assert all_done.wait(10), done
     finally:
         checker.close()
     assert done == ["a0", "b0", "a1", "a2", "a3", "a4", "a5"]
