@@ -1,12 +1,14 @@
 """Long prefills survive their clients, through a real daemon (and a real gateway).
 
 The daemon serves a tiny store with every expert in its pool, so a prompt prefills in
-stock's chunks of 2048 tokens: the prompts here take three (about a second or more
-each on a CPU), and whatever a test sends after a chunk has ended (a cancel, a stop, a
-duplicate, Ctrl-C) reaches the daemon while the next one runs, thousands of times
-longer than the message takes. What each test asserts is counted by the daemon, not
-timed: the pieces of a prefill begun after a stop was asked (`prefill_pieces_after_stop`),
-the prompt cache's prefills started, joined, suspended and resumed.
+stock's chunks of 2048 tokens: the prompts here take three (a second or more each on a
+CPU: the store's model has two MoE layers and one attention head, as a chunk of the usual
+tiny model takes 4-10 s there and the chunks are all this file's time), and whatever a
+test sends after a chunk has ended (a cancel, a stop, a duplicate, Ctrl-C) reaches the
+daemon while the next one runs, thousands of times longer than the message takes. What
+each test asserts is counted by the daemon, not timed: the pieces of a prefill begun
+after a stop was asked (`prefill_pieces_after_stop`), the prompt cache's prefills
+started, joined, suspended and resumed.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import numpy as np
 import openai
 import pytest
 from daemon_cli import clean_env, ctl, started_daemon, wait_for
-from tiny_models import tiny_store
+from tiny_models import tiny_config, tiny_store
 
 from moestream.client.client import Accepted, Client, Progress, Token
 
@@ -43,9 +45,13 @@ def _prompt(seed: int, tokens: int = PROMPT_TOKENS) -> list[int]:
     return np.random.default_rng(seed).integers(3, 500, size=tokens).tolist()
 
 
+# The usual tiny qwen3_moe less its dense layer and three of its four attention heads.
+LEAN = {"num_hidden_layers": 2, "mlp_only_layers": [], "num_attention_heads": 1, "num_key_value_heads": 1}
+
+
 @pytest.fixture(scope="module")
 def store():
-    with tiny_store("mslp") as path:
+    with tiny_store("mslp", config=tiny_config("qwen3_moe") | LEAN) as path:
         yield path
 
 

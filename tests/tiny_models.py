@@ -481,9 +481,11 @@ def write_tokenizer(
 
 
 @contextlib.contextmanager
-def tiny_store(prefix: str, arch: str = "qwen3_moe", *, seed: int = 11) -> Iterator[Path]:
-    """A tiny `arch` model converted to an expert store in a short /tmp folder (daemon
-    sockets live near it), removed afterwards."""
+def tiny_store(
+    prefix: str, arch: str = "qwen3_moe", *, seed: int = 11, config: dict[str, Any] | None = None
+) -> Iterator[Path]:
+    """A tiny `arch` model (built from `config`, default `tiny_config(arch)`) converted to
+    an expert store in a short /tmp folder (daemon sockets live near it), removed afterwards."""
     import shutil
     import tempfile
 
@@ -491,7 +493,7 @@ def tiny_store(prefix: str, arch: str = "qwen3_moe", *, seed: int = 11) -> Itera
 
     root = Path(tempfile.mkdtemp(dir="/tmp", prefix=prefix))
     try:
-        src = make_tiny_model(root / "model", arch, quant="4bit", seed=seed)
+        src = make_tiny_model(root / "model", arch, quant="4bit", seed=seed, config=config)
         convert_model(src, root / "store")
         yield root / "store"
     finally:
