@@ -6,8 +6,9 @@ The demo model has learnt neither JSON nor tool calls (tests/test_gateway_apis.p
 it writes here is JSON of the schema, calls of offered tools with arguments of their
 schemas, and no tool-call markup under tool_choice none, only because the daemon's grammar
 masks every other token (daemon/model/constrain.py). Each check runs 20 seeds, sampled at
-temperature 1; the schemas are bounded (short strings, small integers) so that every
-answer ends within its max_tokens.
+temperature 1 (8 in the default run: a constrained request decodes alone, so the seeds take
+turns; `-m slow` runs the 20); the schemas are bounded (short strings, small integers) so
+that every answer ends within its max_tokens.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from moestream.shared import protocol as proto
 from moestream.shared.settings import demo_store_path
 
 KEY = "sk-structured-0123456789"
-SEEDS = range(20)
+# The seeds each check samples: 8 in the default run, the 20 under `-m slow`.
+SEEDS = [pytest.param(range(8), id="8-seeds"), pytest.param(range(20), id="20-seeds", marks=pytest.mark.slow)]
 MAX_TOKENS = 96
 SCHEMA = {
     "type": "object",
@@ -104,8 +106,9 @@ def _json_answer(api: str, clients, seed: int) -> str:
     return resp.output_text
 
 
-def test_json_schema_answers_validate_in_20_of_20_seeds(clients):
-    for seed in SEEDS:
+@pytest.mark.parametrize("seeds", SEEDS)
+def test_json_schema_answers_validate_for_every_seed(clients, seeds):
+    for seed in seeds:
         _valid(_json_answer("openai", clients, seed))
     for api in ("anthropic", "ollama", "responses"):
         for seed in range(3):
@@ -115,7 +118,7 @@ def test_json_schema_answers_validate_in_20_of_20_seeds(clients):
 @pytest.mark.slow
 @pytest.mark.parametrize("api", ["anthropic", "ollama", "responses"])
 def test_json_schema_answers_validate_in_20_of_20_through_every_api(clients, api):
-    for seed in SEEDS:
+    for seed in range(20):
         _valid(_json_answer(api, clients, seed))
 
 
@@ -132,9 +135,10 @@ def test_json_object_and_ollamas_json_give_json_objects(clients):
     assert o.response.startswith("{")
 
 
-def test_tool_choice_required_calls_an_offered_tool_with_valid_arguments(clients):
+@pytest.mark.parametrize("seeds", SEEDS)
+def test_tool_choice_required_calls_an_offered_tool_with_valid_arguments(clients, seeds):
     oa, an, _ = clients
-    for seed in SEEDS:
+    for seed in seeds:
         r = oa.chat.completions.create(
             model="demo",
             messages=ASK,
@@ -180,11 +184,12 @@ def test_tool_choice_required_calls_an_offered_tool_with_valid_arguments(clients
         jsonschema.validate(u.input, PARAMS[u.name])
 
 
-def test_tool_choice_none_never_writes_tool_call_markup(clients):
+@pytest.mark.parametrize("seeds", SEEDS)
+def test_tool_choice_none_never_writes_tool_call_markup(clients, seeds):
     oa, _, _ = clients
     # A prompt that ends inside the markup's start: unconstrained, the demo goes on writing it.
     ask = [{"role": "user", "content": "Call get_weather for Paris. Reply with <tool_call>"}]
-    for seed in SEEDS:
+    for seed in seeds:
         r = oa.chat.completions.create(
             model="demo", messages=ask, tools=TOOLS, tool_choice="none", temperature=1.0, seed=seed, max_tokens=48
         )
