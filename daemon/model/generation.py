@@ -25,8 +25,10 @@ if TYPE_CHECKING:
     from ..mapped.mapped_pool import MappedPool
     from ..pool.resident_routing import ResidentRouting
     from .batching import BatchSession
-    from .constrain import Grammar
+    from .constrain import Grammar, GrammarProcessor
+    from .diagnostics import Recorder
     from .prompt_cache import PromptCache
+    from .speculative import SpeculativeStats
     from .vision import PreparedImages
 
 
@@ -614,7 +616,6 @@ def iter_generate(
     stops = (*params.stop, params.turn_end) if params.turn_end else params.stop
     stop_hold = max((len(s) for s in stops), default=0)
     emitted = 0
-    spec_stats = None
     prefill_stats = PrefillStats()
     rec = sm.diagnostics.new_recorder(params.diagnostics) if sm.diagnostics is not None else None
     use = CacheUse(prompt_cache, cache_scope) if prompt_cache is not None and prompt_cache.enabled else None
@@ -628,63 +629,22 @@ def iter_generate(
     # step samples every member at once: a constrained request decodes alone, unbatched.
     speculative = params.speculative if grammar is None else None
     alone = bool(speculative or grammar is not None or images is not None)
-    if images is not None:
-        steps = image_steps(
-            sm,
-            prompt_ids,
-            images,
-            sampler,
-            params.max_tokens,
-            on_prompt_progress,
-            cache_use=use,
-            processors=processors,
-        )
-    elif speculative:
-        use = None
-        from .speculative import SpeculativeParams, SpeculativeStats, speculative_steps
-
-        spec = SpeculativeParams(
-            mode=params.speculative, draft_tokens=params.draft_tokens, draft_model=params.draft_model
-        )
-        spec_stats = SpeculativeStats(mode=spec.mode, draft_tokens_requested=spec.draft_tokens)
-        steps = speculative_steps(
-            sm,
-            prompt_ids,
-            sampler=sampler,
-            max_tokens=params.max_tokens,
-            spec=spec,
-            stats=spec_stats,
-            on_prompt_progress=on_prompt_progress,
-            pieces=True,
-        )
-    elif batch is not None and not alone:
-        steps = batch.steps(
-            prompt_ids,
-            sampler,
-            params.max_tokens,
-            on_prompt_progress,
-            prefill_stats,
-            use,
-            True,
-            processors=processors,
-            logprobs=want_logprobs is not None,
-        )
-    else:
-        # A request with diagnostics keeps stock's prefill order: they time and attribute
-        # each forward's own path (slots, overflow), and the next layer's prediction
-        # that the layer-major order has no use for.
-        steps = plain_steps(
-            sm,
-            prompt_ids,
-            sampler,
-            params.max_tokens,
-            on_prompt_progress,
-            prefill_stats,
-            layer_major=rec is None,
-            cache_use=use,
-            pieces=True,
-            processors=processors,
-        )
+    if speculative:
+        use = None  # a speculative request keeps caches of its own
+    steps, spec_stats = _step_source(
+        sm,
+        prompt_ids,
+        params,
+        sampler,
+        processors,
+        on_prompt_progress,
+        prefill_stats,
+        use,
+        batch=None if alone else batch,
+        images=images,
+        speculative=speculative,
+        layer_major=rec is None,
+    )
     source = steps
     readback = sm.routing_readback()
     if readback is not None:
@@ -767,19 +727,146 @@ def iter_generate(
         before = sm.counters()
         readback.settle()
         _add(decode, before, sm.counters())
-    decode_tokens = max(n - 1, 0)
+    if rec is not None:
+        sm.diagnostics.finish(rec)
+    result.stats = _request_stats(
+        sm,
+        len(prompt_ids),
+        result,
+        (prefill, decode),
+        (prompt_seconds, decode_seconds),
+        max(n - 1, 0),
+        use,
+        prefill_stats,
+        batch=None if alone else batch,
+        speculative=(spec_stats, speculative_off),
+        constraint=_constraint_stats(grammar, constrained, params),
+        diagnostics=rec,
+    )
+
+
+def _step_source(
+    sm: StreamingModel,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    sampler: Callable[[mx.array], mx.array],
+    processors: Sequence[Any],
+    on_prompt_progress: Callable[[int, int], None] | None,
+    prefill_stats: PrefillStats,
+    use: CacheUse | None,
+    *,
+    batch: BatchSession | None,
+    images: PreparedImages | None,
+    speculative: str | None,
+    layer_major: bool,
+) -> tuple[Iterator, SpeculativeStats | None]:
+    """The request's steps (`(token, logprobs)`, None between prefill pieces), and the
+    speculative statistics they fill (None unless speculative): through the vision side,
+    speculation, the `batch`, or alone."""
+    if images is not None:
+        steps = image_steps(
+            sm,
+            prompt_ids,
+            images,
+            sampler,
+            params.max_tokens,
+            on_prompt_progress,
+            cache_use=use,
+            processors=processors,
+        )
+        return steps, None
+    if speculative:
+        from .speculative import SpeculativeParams, SpeculativeStats, speculative_steps
+
+        spec = SpeculativeParams(mode=speculative, draft_tokens=params.draft_tokens, draft_model=params.draft_model)
+        spec_stats = SpeculativeStats(mode=spec.mode, draft_tokens_requested=spec.draft_tokens)
+        steps = speculative_steps(
+            sm,
+            prompt_ids,
+            sampler=sampler,
+            max_tokens=params.max_tokens,
+            spec=spec,
+            stats=spec_stats,
+            on_prompt_progress=on_prompt_progress,
+            pieces=True,
+        )
+        return steps, spec_stats
+    if batch is not None:
+        steps = batch.steps(
+            prompt_ids,
+            sampler,
+            params.max_tokens,
+            on_prompt_progress,
+            prefill_stats,
+            use,
+            True,
+            processors=processors,
+            logprobs=params.controls.logprobs is not None,
+        )
+        return steps, None
+    # A request with diagnostics keeps stock's prefill order (`layer_major` False): they
+    # time and attribute each forward's own path (slots, overflow), and the next layer's
+    # prediction that the layer-major order has no use for.
+    steps = plain_steps(
+        sm,
+        prompt_ids,
+        sampler,
+        params.max_tokens,
+        on_prompt_progress,
+        prefill_stats,
+        layer_major=layer_major,
+        cache_use=use,
+        pieces=True,
+        processors=processors,
+    )
+    return steps, None
+
+
+def _constraint_stats(
+    grammar: Grammar | None, constrained: GrammarProcessor | None, params: SamplingParams
+) -> ConstraintStats | None:
+    """What a constrained request's grammar checked and cost (None: unconstrained)."""
+    if constrained is None or grammar is None:
+        return None
+    return ConstraintStats(
+        kind=grammar.what,
+        tokens_checked=constrained.consumed,
+        mask_ms_per_token=1e3 * constrained.seconds / constrained.calls if constrained.calls else None,
+        speculative="off" if params.speculative else None,
+    )
+
+
+def _request_stats(
+    sm: StreamingModel,
+    prompt_tokens: int,
+    result: GenerationResult,
+    counted: tuple[dict[str, float], dict[str, float]],
+    seconds: tuple[float, float],
+    decode_tokens: int,
+    use: CacheUse | None,
+    prefill_stats: PrefillStats,
+    *,
+    batch: BatchSession | None,
+    speculative: tuple[SpeculativeStats | None, str | None],
+    constraint: ConstraintStats | None,
+    diagnostics: Recorder | None,
+) -> RequestStats:
+    """A request's statistics once it has ended: the pool's counters during its prefill
+    and its decode (`counted`), its seconds of each, the cache it reused, the totals of
+    the batch it decoded in, speculation's and the grammar's figures."""
+    prefill, decode = counted
+    prompt_seconds, decode_seconds = seconds
+    spec_stats, speculative_off = speculative
     total = {k: prefill.get(k, 0) + decode.get(k, 0) for k in prefill.keys() | decode.keys()}
     routed_hits = total["hits_prefill"] + total["hits_decode"]
     routed_misses = total["misses_prefill"] + total["misses_decode"]
-    if rec is not None:
-        sm.diagnostics.finish(rec)
     shared = use.shared_stats if use is not None else None
-    result.stats = RequestStats(
-        prompt_tokens=len(prompt_ids),
+    return RequestStats(
+        prompt_tokens=prompt_tokens,
         cached_tokens=use.reused if use is not None else 0,
         generated_tokens=len(result.tokens),
         prompt_seconds=prompt_seconds,
-        prompt_tokens_per_s=len(prompt_ids) / prompt_seconds if prompt_seconds else None,
+        prompt_tokens_per_s=prompt_tokens / prompt_seconds if prompt_seconds else None,
         decode_seconds=decode_seconds,
         tokens_per_s=decode_tokens / decode_seconds if decode_seconds and decode_tokens else None,
         hits=PhaseCounts(
@@ -806,18 +893,11 @@ def iter_generate(
         prompt_cache=use.stats() if use is not None else None,
         # The batch's totals when this request ended (its hits and misses above are the
         # pool's during the steps this request ran, which served the whole batch).
-        batch=batch.to_dict() if batch is not None and not alone else None,
+        batch=batch.to_dict() if batch is not None else None,
         mapped_pool=_placement_stats(total, sm.mapped_pool.gpu_slots) if sm.mapped_pool is not None else None,
         speculative=spec_stats.to_dict() if spec_stats is not None else None,
         speculative_off=speculative_off,
-        constraint=ConstraintStats(
-            kind=grammar.what,
-            tokens_checked=constrained.consumed,
-            mask_ms_per_token=1e3 * constrained.seconds / constrained.calls if constrained.calls else None,
-            speculative="off" if params.speculative else None,
-        )
-        if constrained is not None and grammar is not None
-        else None,
+        constraint=constraint,
         prefetch=sm.prefetcher.stats() if sm.prefetcher is not None else None,
-        diagnostics=rec.to_dict() if rec is not None else None,
+        diagnostics=diagnostics.to_dict() if diagnostics is not None else None,
     )

@@ -37,6 +37,7 @@ from ..pool.expert_pool import ExpertPool, PoolCapacityError, PoolStats
 from ..pool.expert_reader import ExpertReader
 from ..pool.resident_routing import ResidentRouting
 from ..prefetch.predictor import make_prefetcher, next_layers, routers_of
+from ..prefetch.prefetcher import Prefetcher
 from ..store.layout import beside_experts
 from ..store.quantize import quantize_like_weights
 from .chat import turn_end
@@ -364,16 +365,9 @@ def load_streaming_model(
     full = load_manifest(store)
     check_shard(full, store, share)
     manifest = full if share is None else share.manifest_view(full)
-    if share is not None:
-        if mapped or settings.mapped:
-            raise PoolCapacityError("expert parallelism runs with the slot pool: drop --mapped")
-        mapped = False
     if host_available is None:
         host_available = psutil.virtual_memory().available
-    mapped = settings.mapped if mapped is None else mapped
-    if mapped:
-        check_mapped_host_cache(manifest, settings.host_cache)
-        check_mapped_host_memory(manifest, host_available)
+    mapped = _mapped_asked(manifest, settings, mapped, share, host_available)
     config = manifest.config
     model, weights = _build_model(store, manifest)
     resident_bytes = sum(v.nbytes for v in weights.values())
@@ -406,27 +400,12 @@ def load_streaming_model(
         )
     else:
         reader = admitter.reader
-    pools: list[ExpertPool] = []
     # mapped_gather auto: where the CUDA copy kernel runs (measured there; see Settings).
     kernel = RowGather.kernel_available()
     use_gather = kernel if settings.mapped_gather is None else settings.mapped_gather
     gather = RowGather(use_kernel=kernel) if mapped and use_gather else None
     try:
-        if mapped:
-            admitter, note = DirectAdmitter(reader), {"mapped": True, "gather": gather is not None}
-            if settings.host_cache:
-                note["host_tier"] = "mapped: it holds every expert, read in place"
-        elif admitter is None:
-            admitter, note = make_admitter(
-                reader,
-                manifest,
-                settings.host_cache,
-                cuda=(copier, cuda_why_not),
-                copy_kernel=settings.copy_kernel,
-                ahead_blocks=settings.prefetch_copy_blocks,
-            )
-        else:
-            note = {"shared": True}
+        admitter, note = _admission(reader, manifest, settings, mapped, gather, admitter, (copier, cuda_why_not))
         if auto_note is not None:
             note["mapped_auto"] = auto_note
         for layer, (_, _, module) in zip(full.layers, found):
@@ -452,22 +431,7 @@ def load_streaming_model(
             depth=settings.prefetch_depth,
             buffer_bytes=settings.prefetch_buffer,
         )
-        for layer, n in zip(manifest.layers, slots):
-            policy = make_policy(settings.policy, layer.num_experts, n)
-            pools.append(
-                ExpertPool(
-                    layer,
-                    n,
-                    policy,
-                    admitter,
-                    top_k=k,
-                    reuse=not naive,
-                    host_memory=mapped,
-                    gather=gather,
-                    lower=pools[:LOWER_HINT_LAYERS],
-                    prefetcher=prefetcher,
-                )
-            )
+        pools = _make_pools(manifest, slots, settings.policy, admitter, k, naive, gather, prefetcher, mapped=mapped)
         # Resident weights first, while the model is as the store's names know it (a
         # module beside the experts, e.g. a norm, sits inside the module wrapped next).
         _load_resident(model, weights, manifest, store)
@@ -475,18 +439,11 @@ def load_streaming_model(
             parent[key] = StreamingMoE(module, pool, diagnostics, nxt, prefetcher, share)
         vision = None
         if manifest.takes_images and share is None:
-            from .vision import load_vision
-
-            def stream(vlm: nn.Module) -> None:
-                for layer, pool in zip(manifest.layers, pools):
-                    parent, key, module = _module_at(vlm, layer.module_path)
-                    parent[key] = StreamingMoE(module, pool, diagnostics)
-
-            vision = load_vision(store, manifest, weights, lambda m, w: _quantize(m, config, w, manifest), stream)
+            vision = _load_vision(store, manifest, weights, pools, diagnostics)
             resident_bytes += vision.nbytes
         mx.eval(model.parameters())
-        for pool, full in zip(pools, resident):
-            if full:
+        for pool, full_pool in zip(pools, resident):
+            if full_pool:
                 pool.load_all()
         mapped_pool = _place(pools, capacity, settings, copier) if mapped else None
         if share is None:
@@ -520,6 +477,100 @@ def load_streaming_model(
         continuation_bucket=default_continuation_bucket(),
         vision=vision,
     )
+
+
+def _mapped_asked(
+    manifest: Manifest, settings: Settings, mapped: bool | None, share: ExpertShare | None, host_available: int
+) -> bool | None:
+    """Whether the load makes a mapped pool (None: `choose_mapped` decides once the
+    capacity is known); one asked for is refused here, before anything is allocated,
+    where host memory or a host tier given with it cannot hold every expert."""
+    if share is not None:
+        if mapped or settings.mapped:
+            raise PoolCapacityError("expert parallelism runs with the slot pool: drop --mapped")
+        return False
+    mapped = settings.mapped if mapped is None else mapped
+    if mapped:
+        check_mapped_host_cache(manifest, settings.host_cache)
+        check_mapped_host_memory(manifest, host_available)
+    return mapped
+
+
+def _make_pools(
+    manifest: Manifest,
+    slots: list[int],
+    policy: str,
+    admitter: Admitter,
+    top_k: int,
+    naive: bool,
+    gather: RowGather | None,
+    prefetcher: Prefetcher | None,
+    *,
+    mapped: bool,
+) -> list[ExpertPool]:
+    """A pool of `slots[i]` slots per MoE layer, each with its eviction policy; the naive
+    baseline's reuse nothing between forwards."""
+    pools: list[ExpertPool] = []
+    for layer, n in zip(manifest.layers, slots):
+        pools.append(
+            ExpertPool(
+                layer,
+                n,
+                make_policy(policy, layer.num_experts, n),
+                admitter,
+                top_k=top_k,
+                reuse=not naive,
+                host_memory=mapped,
+                gather=gather,
+                lower=pools[:LOWER_HINT_LAYERS],
+                prefetcher=prefetcher,
+            )
+        )
+    return pools
+
+
+def _admission(
+    reader: ExpertReader,
+    manifest: Manifest,
+    settings: Settings,
+    mapped: bool,
+    gather: RowGather | None,
+    shared: Admitter | None,
+    cuda: tuple[CudaCopier | None, str | None],
+) -> tuple[Admitter, dict[str, Any]]:
+    """What brings experts into the pools, and the note `status` shows of it: a mapped
+    pool's direct reads, the admitter another model of the store shares, else one made
+    for this load (a host tier, the CUDA copier)."""
+    if mapped:
+        note: dict[str, Any] = {"mapped": True, "gather": gather is not None}
+        if settings.host_cache:
+            note["host_tier"] = "mapped: it holds every expert, read in place"
+        return DirectAdmitter(reader), note
+    if shared is not None:
+        return shared, {"shared": True}
+    return make_admitter(
+        reader,
+        manifest,
+        settings.host_cache,
+        cuda=cuda,
+        copy_kernel=settings.copy_kernel,
+        ahead_blocks=settings.prefetch_copy_blocks,
+    )
+
+
+def _load_vision(
+    store: Path, manifest: Manifest, weights: dict[str, mx.array], pools: list[ExpertPool], diagnostics: Diagnostics
+):
+    """The vision-language model's tower and language model (daemon/model/vision.py),
+    its MoE layers streaming from the same pools as the text model's."""
+    from .vision import load_vision
+
+    def stream(vlm: nn.Module) -> None:
+        for layer, pool in zip(manifest.layers, pools):
+            parent, key, module = _module_at(vlm, layer.module_path)
+            parent[key] = StreamingMoE(module, pool, diagnostics)
+
+    return load_vision(store, manifest, weights, lambda m, w: _quantize(m, manifest.config, w, manifest), stream)
 
 
 def _layer_major(model: nn.Module, settings: Settings) -> tuple[LayerMajorPrefill | None, str]:
