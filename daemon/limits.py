@@ -25,6 +25,14 @@ Importing mlx-lm sets the limit to (2048, 4096) (mlx_lm/utils.py, for models of 
 files), so `FileLimit.raise_soft` runs at start and again after that import. Without
 CAP_SYS_RESOURCE the lowered hard limit cannot be raised again: the daemon then has 4096
 files, room for about 3,300 connections; the guards keep it alive past that.
+
+What the guards cannot promise: libzmq accepts on its own I/O thread, and the file limit's
+guard acts when the daemon's I/O thread reads the accept events. A client that opens
+connections back to back, with no pause, while the machine is loaded enough to keep that
+thread from running while libzmq accepts `BURST_FDS` of them, can still bring an accept to
+EMFILE (on 2 cores with 8 busy processes beside the daemon at nice 19, 250 of the 512
+came in before the guard acted). One that waits a millisecond between connects, as a
+reconnect loop does, meets the guards (tests/reliability/test_limits.py).
 """
 
 from __future__ import annotations

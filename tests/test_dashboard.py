@@ -171,7 +171,11 @@ def test_the_state_of_a_full_pool_shows_the_running_request_and_moving_counts(tm
             oa = openai.OpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0)
             stream = oa.chat.completions.create(
                 model="moestream",
-                messages=[{"role": "user", "content": "Write a long story about zip and map."}],
+                # An answer that runs to max_tokens at this seed (most of the demo's end soon).
+                messages=[
+                    {"role": "system", "content": "You write long stories."},
+                    {"role": "user", "content": "Write a long story about zip and map."},
+                ],
                 max_tokens=2000,
                 temperature=1.0,
                 seed=3,

@@ -468,19 +468,20 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request_within_a_token_for_
     paths, gateway = served
     auth = {"Authorization": f"Bearer {KEY}"}
     # Greedy: the demo's chat answers end at their end of turn, most of them soon, but this
-    # chat's greedy answer runs past LONG (into code).
-    anthropic_body = {"model": "moestream", "system": CHAT[0]["content"], "messages": CHAT[1:], "temperature": 0}
-    responses_body = {"model": "moestream", "instructions": CHAT[0]["content"], "input": CHAT[1:], "temperature": 0}
+    # chat's greedy answer (no system message) runs past LONG.
+    chat = [{"role": "user", "content": "Write a long story about zip and map."}]
+    anthropic_body = {"model": "moestream", "messages": chat, "temperature": 0}
+    responses_body = {"model": "moestream", "input": chat, "temperature": 0}
     ollama_options = {"num_predict": LONG, "temperature": 0}
     cases = [
         (
             "/v1/chat/completions",
-            {"model": "moestream", "messages": CHAT, "max_tokens": LONG, "stream": True, "temperature": 0},
+            {"model": "moestream", "messages": chat, "max_tokens": LONG, "stream": True, "temperature": 0},
             "chatcmpl-",
         ),
         ("/v1/messages", {**anthropic_body, "max_tokens": LONG, "stream": True}, "msg_"),
         ("/v1/responses", {**responses_body, "max_output_tokens": LONG, "stream": True}, "resp_"),
-        ("/api/chat", {"model": "moestream", "messages": CHAT, "options": ollama_options}, "ollama-"),
+        ("/api/chat", {"model": "moestream", "messages": chat, "options": ollama_options}, "ollama-"),
         ("/api/generate", {"model": "moestream", "prompt": "def f(x):", "options": {"num_predict": LONG}}, "ollama-"),
     ]
     for path, body, prefix in cases:

@@ -1004,14 +1004,16 @@ def test_mlx_lm_repetition_context_size_is_the_penalty_window(served, http):
     window of the daemon's penalties: the answer is the daemon's for that window, not
     the default 20's. mlx-lm gives each penalty its own window; the daemon's penalties
     share one, so windows that differ are a 400 rather than a different answer."""
-    body = {"model": "m", "messages": CHAT, "max_tokens": 2 * N, "temperature": 0, "repetition_penalty": 1.5}
+    # A question whose answer repeats tokens further apart than 2 (CHAT's answer repeats none).
+    chat = [{"role": "user", "content": "Show an example of a for loop in Python."}]
+    body = {"model": "m", "messages": chat, "max_tokens": 2 * N, "temperature": 0, "repetition_penalty": 1.5}
     answers = {}
     for window in (2, 20):
         r = http.post("/v1/chat/completions", json=body | {"repetition_context_size": window})
         assert r.status_code == 200, r.text
         answers[window] = r.json()["choices"][0]["message"]["content"]
         controls = SamplingControls(repetition_penalty=1.5, penalty_window=window)
-        assert answers[window] == daemon_answer(served, CHAT, max_tokens=2 * N, sampling=controls).text
+        assert answers[window] == daemon_answer(served, chat, max_tokens=2 * N, sampling=controls).text
     assert answers[2] != answers[20]
     r = http.post("/v1/chat/completions", json=body | {"repetition_context_size": 2, "presence_penalty": 0.5})
     assert r.status_code == 400 and "same context size" in r.json()["error"]["message"], r.text

@@ -244,7 +244,18 @@ def test_probes_are_kept_for_no_probe(tmp_path):
     assert load_bandwidths(tmp_path).read_by_batch == {1: 2e8, 8: 6e8}
     save_compute(tmp_path, "abc", PROBE)
     assert load_compute(tmp_path, "abc") == PROBE and load_compute(tmp_path, "other") is None
-    assert resident_dtype(DEMO, load_manifest(DEMO)) == "bfloat16"
+    # Read from the safetensors headers: the demo's resident weights are float32, a copy
+    # of them cast to bfloat16 is bfloat16.
+    assert resident_dtype(DEMO, load_manifest(DEMO)) == "float32"
+    import mlx.core as mx
+
+    manifest = load_manifest(DEMO)
+    (name,) = manifest.resident_files
+    weights = mx.load(str(DEMO / name))
+    mx.save_safetensors(
+        str(tmp_path / name), {k: v.astype(mx.bfloat16) if v.dtype == mx.float32 else v for k, v in weights.items()}
+    )
+    assert resident_dtype(tmp_path, manifest) == "bfloat16"
 
 
 @pytest.mark.slow  # probes the disk, the link, two random-weight models and a pool: 30 s to minutes on a shared CPU

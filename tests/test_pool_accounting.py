@@ -4,7 +4,9 @@ the diagnostics), the totals after a request are those the path of before issue 
 recorded for the same greedy decode, kept in `tests/data/pool_accounting.json`.
 
 The fixture was written by this module's `main` on the code before the change (commit
-84c4ee8), on the demo store: the diagnostics' prompt, 24 greedy tokens through the
+84c4ee8), on the demo store (written again there for the demo whose resident weights
+became float32, with the same procedure that gives the earlier fixture byte for byte on
+the earlier store): the diagnostics' prompt, 24 greedy tokens through the
 daemon's generation loop, at 25% and 50% with prefetch off (with prefetch on, whether a
 read finished before its layer ran is the machine's timing, so the attribution would be
 too), diagnostics off and on, the LRU policy and the predictive one (which reads the

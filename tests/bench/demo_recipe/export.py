@@ -11,7 +11,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map
+from mlx.utils import tree_map, tree_map_with_path
 
 from demo_recipe.data import tokenizer_file_names
 from demo_recipe.model import DemoShape
@@ -45,10 +45,25 @@ def save_float(
     )
 
 
+def _float32_outside_experts(lm: nn.Module) -> None:
+    """The resident weights (embedding, attention, dense MLP, norms, routers, and the
+    scales of their quantized matrices) back to float32 after quantizing: their values
+    stay bfloat16's, so the model is the same, but it then computes in float32, which
+    MLX's CPU build runs about 7x faster than bfloat16 (a 572-token prefill: 14 s against
+    2.3 s). The experts keep bfloat16 scales: float32 would double their store stride."""
+    lm.update(
+        tree_map_with_path(
+            lambda path, a: a.astype(mx.float32) if a.dtype == mx.bfloat16 and "switch_mlp" not in path else a,
+            lm.parameters(),
+        )
+    )
+
+
 def save_quantized(
     lm: nn.Module, head: MTPHead, config: dict[str, Any], shape: DemoShape, tokenizer_dir: Path, folder: Path
 ) -> None:
-    """Cast to bfloat16 and quantize (as mlx-community ships models), then save.
+    """Cast to bfloat16 and quantize (as mlx-community ships models), the resident
+    weights then kept in float32 (`_float32_outside_experts`), and save.
 
     Changes `lm` and `head` in place: call it after everything that needs the float model.
     """
@@ -58,6 +73,7 @@ def save_quantized(
     _cast(head, mx.bfloat16)
     with contextlib.redirect_stdout(io.StringIO()):  # quantize_model prints bits per weight
         lm, qconfig = quantize_model(lm, dict(config), shape.group_size, shape.bits, mode="affine")
+    _float32_outside_experts(lm)
     quant = quantize_mtp(head, group_size=shape.group_size, bits=shape.bits)
     save_model(folder, lm)
     save_config(qconfig, folder / "config.json")
