@@ -34,7 +34,7 @@ from ..shared.runtime_dir import (
     read_pid,
 )
 from ..shared.settings import Settings
-from ..shared.status import Status
+from ..shared.status import Stats, Status
 
 __all__ = [
     "Accepted",
@@ -135,7 +135,7 @@ class Client:
         """Pid, uptime, model, pool occupancy, memory, clients, requests, heat, log path."""
         return self._call(proto.Status(id=_new_id()), proto.StatusReply).status
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> Stats:
         """Pool statistics (totals and per layer), read engine counters, request counts."""
         return self._call(proto.Stats(id=_new_id()), proto.StatsReply).stats
 

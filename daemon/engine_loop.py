@@ -43,6 +43,8 @@ from ..shared.status import (
     RequestInfo,
     RequestsStatus,
     RequestStats,
+    RequestTotals,
+    Stats,
     Status,
 )
 from .heat import Heat
@@ -79,7 +81,7 @@ class Snapshot:
 
     at: float  # time.monotonic() when published
     status: Status  # the engine's part; the I/O thread adds its own (daemon/server.py `Server.status`)
-    stats: dict[str, Any]  # the pool's and the reader's full counters, for `stats`
+    stats: Stats  # the pool's and the reader's full counters, for `stats`
     # The store it serves (None: none loaded yet) and its manifest's stat at the load, which
     # `status` compares with the file's now.
     served: str | None
@@ -290,7 +292,11 @@ class EngineLoop:
         self.error: str | None = None
         # Replaced whole (never mutated) so the I/O thread can read it without a lock.
         self.snapshot = Snapshot(
-            time.monotonic(), Status(state="loading", model=settings.model, policy=settings.policy), {}, None, None
+            time.monotonic(),
+            Status(state="loading", model=settings.model, policy=settings.policy),
+            Stats(state="loading"),
+            None,
+            None,
         )
 
     # ---- called from the I/O thread ------------------------------------------------
@@ -1128,12 +1134,12 @@ class EngineLoop:
         self._last_snapshot = now
         sm = self._sm
         pools = sm.pool_stats() if sm is not None else {}
-        counters = {
-            "queued": len(self._pending),
-            "why_queued": self._why_queued(),
-            "clients": len({j.peer for j in self._jobs.values()}),
+        totals = RequestTotals(
+            queued=len(self._pending),
+            why_queued=self._why_queued(),
+            clients=len({j.peer for j in self._jobs.values()}),
             **self._counters,
-        }
+        )
         status = Status(
             state=state or self.state,
             error=self.error,
@@ -1145,19 +1151,19 @@ class EngineLoop:
             requests=RequestsStatus(
                 active=len(self._active),
                 queued=len(self._pending),
-                why_queued=counters["why_queued"],
+                why_queued=totals.why_queued,
                 running=[self._job_info(j, now) for j in self._active],
                 waiting=[self._job_info(j, now) for j in itertools.islice(self._pending, LISTED_WAITING)],
                 recent=list(self._recent),
                 **self._counters,
             ),
-            clients=ClientsStatus(with_requests=counters["clients"]),
+            clients=ClientsStatus(with_requests=totals.clients),
             heat=self._heat.health(),
             autopin=self._heat.autopin,
             keep_alive=self._keep_alive.status(now),
             elastic=self._elastic.status(),
         )
-        stats: dict[str, Any] = {"requests": counters}
+        stats = Stats(state=status.state, requests=totals)
         if sm is not None:
             import mlx.core as mx
 
@@ -1196,17 +1202,18 @@ class EngineLoop:
                 expert_parallel=self._ranks() if self._share is not None else None,
             )
             diagnostics = sm.diagnostics
-            stats |= {
-                "model": status.model,
-                "capacity": sm.capacity,
-                "policy": status.policy,
-                "pool": pools,
-                "reader": sm.reader.stats(),
-                "prefetch": sm.prefetcher.stats() if sm.prefetcher is not None else None,
-                "diagnostics": {"default": diagnostics.default, "totals": diagnostics.totals()}
+            stats = replace(
+                stats,
+                model=status.model,
+                capacity=sm.capacity,
+                policy=status.policy,
+                pool=pools,
+                reader=sm.reader.stats(),
+                prefetch=sm.prefetcher.stats() if sm.prefetcher is not None else None,
+                diagnostics={"default": diagnostics.default, "totals": diagnostics.totals()}
                 if diagnostics is not None
                 else None,
-            }
+            )
         served = self._identity.get("model") if sm is not None or self._store_stamp is not None else None
         self.snapshot = Snapshot(now, status, stats, served, self._store_stamp)
 

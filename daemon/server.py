@@ -49,7 +49,7 @@ from .. import __version__
 from ..shared import protocol as proto
 from ..shared.runtime_dir import RuntimePaths
 from ..shared.settings import Settings
-from ..shared.status import ClientsStatus, ServerCounters, Status
+from ..shared.status import ClientsStatus, ServerCounters, Stats, Status
 from ..shared.store_format import vanished_store_problem
 from .engine_loop import EXIT_FRAME, EngineLoop
 from .limits import FileLimit
@@ -584,21 +584,10 @@ class Server:
             socket=str(self.paths.socket),
         )
 
-    def stats(self, engine: EngineLoop) -> dict[str, Any]:
+    def stats(self, engine: EngineLoop) -> Stats:
         """Pool and read-engine statistics (totals and per layer) and request counters."""
         snap = engine.snapshot
-        return {
-            "state": self._state(engine),
-            "model": None,
-            "capacity": None,
-            "policy": None,
-            "pool": {},
-            "reader": {},
-            "prefetch": None,
-            "diagnostics": None,
-            **snap.stats,
-            "snapshot_age_s": time.monotonic() - snap.at,
-        }
+        return replace(snap.stats, state=self._state(engine), snapshot_age_s=time.monotonic() - snap.at)
 
 
 def _bound_send_buffer(fd: int) -> None:

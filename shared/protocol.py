@@ -96,6 +96,7 @@ from typing import Any, Callable, ClassVar, Mapping, Union, get_args
 import msgpack
 
 from .status import RequestStats
+from .status import Stats as DaemonStats  # beside the `Stats` request below
 from .status import Status as DaemonStatus  # beside the `Status` request below
 
 PROTOCOL_VERSION = 1
@@ -539,7 +540,7 @@ class StatusReply:
 class StatsReply:
     TYPE: ClassVar[str] = "stats"
     id: str
-    stats: dict[str, Any]
+    stats: DaemonStats
 
 
 @dataclass(frozen=True)
@@ -1155,6 +1156,8 @@ def decode_reply(data: bytes) -> Reply:
             values["stats"] = RequestStats.from_dict(values["stats"])
         elif cls is StatusReply:
             values["status"] = DaemonStatus.from_dict(values["status"])
+        elif cls is StatsReply:
+            values["stats"] = DaemonStats.from_dict(values["stats"])
         return cls(id=rid, **values)
     except (TypeError, KeyError, ValueError) as e:
         raise ProtocolError(BAD_MESSAGE, f"malformed {cls.TYPE} reply: {e}", rid) from None

@@ -441,3 +441,34 @@ class Status(_Wire):
     log: str = ""
     runtime_dir: str = ""
     socket: str = ""
+
+
+# ---- the `stats` reply ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestTotals(RequestCounters):
+    """`stats`' request counters: the totals, the queue, and the clients with requests."""
+
+    queued: int = 0
+    why_queued: str | None = None  # why the first queued request waits
+    clients: int = 0
+
+
+@dataclass(frozen=True)
+class Stats(_Wire):
+    """The pool's and the read engine's full counters (`moestreamctl stats`); the pool,
+    reader, prefetch and diagnostics reports keep their modules' own shapes (nothing is
+    loaded: empty or None)."""
+
+    state: str
+    requests: RequestTotals = field(default_factory=RequestTotals)
+    model: str | None = None
+    capacity: int | None = None
+    policy: str | None = None
+    # daemon/model/streaming_model.py `pool_stats`: totals, per layer, admission, placement.
+    pool: Report = field(default_factory=dict)
+    reader: Report = field(default_factory=dict)  # the native read engine's counters
+    prefetch: Report | None = None
+    diagnostics: Report | None = None
+    snapshot_age_s: float = 0.0

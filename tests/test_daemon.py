@@ -111,7 +111,7 @@ def test_four_concurrent_clients_get_the_local_output(daemon, reference):
     assert max(r[1] for r in results.values()) < min(r[2] for r in results.values())
     with Client(daemon) as c:
         stats = c.stats()
-    assert stats["pool"]["evictions"] > 0, "capacity 0.25 should evict while serving"
+    assert stats.pool["evictions"] > 0, "capacity 0.25 should evict while serving"
 
 
 @pytest.mark.slow  # 13 s: prefetch from the tier is checked for exactness in tests/test_exactness.py too
@@ -324,7 +324,7 @@ def test_malformed_and_oversized_messages_get_errors_and_change_nothing(daemon, 
 
     try:
         with Client(daemon) as c:
-            before = c.stats()["requests"]
+            before = c.stats().requests
         cases = [
             ((b"\xc1garbage",), proto.BAD_MESSAGE),
             ((pack([1, 2, 3]),), proto.BAD_MESSAGE),
@@ -345,11 +345,11 @@ def test_malformed_and_oversized_messages_get_errors_and_change_nothing(daemon, 
         assert isinstance(reply, proto.Cancelled) and reply.found is False
 
         with Client(daemon) as c:
-            stats = c.stats()["requests"]
+            stats = c.stats().requests
             # Refused before the engine: no request counted, none running.
-            assert stats["requests"] - before["requests"] == 2  # the two the engine refused
-            assert stats["failed"] - before["failed"] == 2
-            assert stats["queued"] == 0
+            assert stats.requests - before.requests == 2  # the two the engine refused
+            assert stats.failed - before.failed == 2
+            assert stats.queued == 0
             result = c.complete(PROMPTS[2], max_tokens=N_TOKENS)
         assert result.tokens == reference[PROMPTS[2]].tokens
     finally:

@@ -141,19 +141,19 @@ def test_daemon_reports_diagnostics_per_request_and_in_stats():
         with Client(paths_of(rt)) as c:
             plain = c.complete(prompt_ids=PROMPT, max_tokens=8)
             assert plain.stats.diagnostics is None
-            assert c.stats()["diagnostics"]["totals"] is None
+            assert c.stats().diagnostics["totals"] is None
             done = c.complete(prompt_ids=PROMPT, max_tokens=8, diagnostics=True)
             assert done.tokens == plain.tokens
             d = done.stats.diagnostics
             assert sum(d["attribution"]["decode"].values()) > 0
             # The status snapshot is published just after the done event.
             st = wait_for(
-                lambda: (lambda s: s if s["diagnostics"]["totals"] else None)(c.stats()), 10, "diagnostics in stats"
+                lambda: (lambda s: s if s.diagnostics["totals"] else None)(c.stats()), 10, "diagnostics in stats"
             )
         # Prefetch is the daemon's to decide (auto: measured at its start); the diagnostics are recorded either way.
-        assert st["prefetch"]["mode"] == "auto"
-        assert st["prefetch"]["enabled"] or st["prefetch"]["submitted"] == 0
-        assert st["diagnostics"]["totals"]["attribution"] == d["attribution"]
+        assert st.prefetch["mode"] == "auto"
+        assert st.prefetch["enabled"] or st.prefetch["submitted"] == 0
+        assert st.diagnostics["totals"]["attribution"] == d["attribution"]
         text = ctl("stats", "--runtime-dir", str(rt), env=env)
         assert text.returncode == 0, text.stderr
         assert "prefetch: auto (" in text.stdout and "diagnostics: recall top_k" in text.stdout

@@ -686,10 +686,10 @@ def stats(runtime_dir, as_json) -> None:
     except ClientError as e:
         raise click.ClickException(str(e)) from None
     if as_json:
-        click.echo(json.dumps(st))
+        click.echo(json.dumps(st.to_dict()))
         return
-    pool, reader, req = st.get("pool", {}), st.get("reader", {}), st.get("requests", {})
-    click.echo(f"model {st.get('model')}: {st.get('capacity')} slots per layer, policy {st.get('policy')}")
+    pool, reader, req = st.pool, st.reader, st.requests
+    click.echo(f"model {st.model}: {st.capacity} slots per layer, policy {st.policy}")
     click.echo(
         f"total: hit rate {_rate(pool.get('hit_rate'))}, hits "
         f"{pool.get('hits_prefill', 0)}+{pool.get('hits_decode', 0)} "
@@ -711,9 +711,9 @@ def stats(runtime_dir, as_json) -> None:
             f"{placement['place_seconds']:.3f} s"
         )
     click.echo(
-        f"requests: {req.get('requests', 0)} received: "
-        + ", ".join(f"{req.get(k, 0)} {k}" for k in ("completed", "cancelled", "disconnected", "failed"))
-        + f"; {req.get('tokens', 0)} tokens made, {req.get('queued', 0)} queued"
+        f"requests: {req.requests} received: "
+        + ", ".join(f"{getattr(req, k)} {k}" for k in ("completed", "cancelled", "disconnected", "failed"))
+        + f"; {req.tokens} tokens made, {req.queued} queued"
     )
     if reader:
         click.echo(
@@ -726,7 +726,7 @@ def stats(runtime_dir, as_json) -> None:
             f"{layer['layer']:>5} {layer['resident']:>9} {layer['capacity']:>9} {layer['pinned']:>7} "
             f"{_rate(layer['hit_rate']):>9}"
         )
-    _echo_prefetch(st.get("prefetch"), st.get("diagnostics"))
+    _echo_prefetch(st.prefetch, st.diagnostics)
 
 
 def _echo_prefetch(pf: dict[str, Any] | None, diag: dict[str, Any] | None) -> None:

@@ -36,6 +36,7 @@ import psutil
 
 from ....client.client import Client, ClientError, RequestRejected, Token
 from ....shared.runtime_dir import RuntimePaths, lock_is_held
+from ....shared.status import RequestTotals
 
 SOAK_PROMPTS = (
     "The farmer counted his hens",
@@ -348,12 +349,12 @@ def _run_request(
     return client, done.finish_reason
 
 
-def _wait_idle(paths: RuntimePaths, timeout: float) -> dict[str, Any]:
+def _wait_idle(paths: RuntimePaths, timeout: float) -> RequestTotals:
     """The daemon's request counters once nothing is active or queued."""
     deadline = time.monotonic() + timeout
     with Client(paths, timeout=10.0) as c:
         while True:
-            stats = c.stats()["requests"]
+            stats = c.stats().requests
             status = c.status().requests
             if (status.active == 0 and status.queued == 0) or time.monotonic() > deadline:
                 return stats
@@ -376,7 +377,7 @@ def run_soak(
     The report's `ok` is true when every check above holds (RSS is reported, the caller
     judges it: `rss_growth_pct`)."""
     with Client(daemon.paths) as c:
-        before = c.stats()["requests"]
+        before = c.stats().requests
     progress = _Progress()
     results: list[SoakTally] = []
     errors: list[str] = []
@@ -411,7 +412,7 @@ def run_soak(
         t.join()
     seconds = time.perf_counter() - tic
     alive = daemon.alive()
-    after = _wait_idle(daemon.paths, 30.0) if alive else {}
+    after = _wait_idle(daemon.paths, 30.0) if alive else RequestTotals()
     rss_end = daemon.rss() if alive else 0
     rss_warm = rss_warm if rss_warm is not None else rss_start
 
@@ -419,7 +420,8 @@ def run_soak(
     for t in results:
         tally.add(t)
     delta = {
-        k: after.get(k, 0) - before.get(k, 0) for k in ("requests", "completed", "cancelled", "disconnected", "failed")
+        k: getattr(after, k) - getattr(before, k)
+        for k in ("requests", "completed", "cancelled", "disconnected", "failed")
     }
     disconnected = delta["disconnected"]
     # A cancel or disconnect may land after the request has already ended: then the
