@@ -402,7 +402,10 @@ def test_a_streamed_answer_gets_its_status_line_at_once_then_keep_alives_until_i
     assert events[0] == "message_start" and events[1:start].count("ping") >= 2 and "ping" not in events[start:]
 
     # Codex CLI's Responses API: SSE comments between the response's first events and its first delta.
-    response = {"model": "gpt-5-codex", "max_output_tokens": MAX_TOKENS, "stream": True, "input": _long_text(7)}
+    # Greedy, as the requests above: sampled, an answer may end at its first token with no
+    # text at all (a loaded CI run drew that once).
+    response = {"model": "gpt-5-codex", "max_output_tokens": MAX_TOKENS, "stream": True, "temperature": 0}
+    response["input"] = _long_text(7)
     _, lines = _timeline(gateway, "/v1/responses", response)
     first = next(i for i, (_, line) in enumerate(lines) if "response.output_text.delta" in line)
     assert lines[0][1] == "event: response.created", lines[:3]

@@ -81,6 +81,10 @@ if ! $py -c "import moestream._native" 2>/dev/null; then
   $py -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 fi
 $py -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
+# The package's imports, checked before any stage: one missing on the machine (greenlet,
+# which the layer-major prefill needs since wave 3) once cost a lease every stage it had.
+$py -c "import importlib.util as u, sys; m = [n for n in sys.argv[1:] if u.find_spec(n) is None]; sys.exit(f'missing here: {m} (stage their cp312 wheels beside MLX\'s)' if m else 0)" \
+  greenlet zmq msgpack click psutil safetensors huggingface_hub mlx_lm
 
 case "$stage" in
   chain)
