@@ -153,7 +153,9 @@ def test_the_bench_replays_the_session_through_real_daemons_and_gateways():
 
     root = Path(tempfile.mkdtemp(dir="/tmp", prefix="mbs"))
     try:
-        store = make_thinking_store(root)
+        # Three layers: a cut lands mid-prefill with layers still to go, so the prefill is
+        # suspended (with the lean model's two it often finished first).
+        store = make_thinking_store(root, lean=False)
         # The recorded session with two short tools, to keep the tiny model's prompts short.
         raw = json.loads(DEFAULT_SESSION.read_text())
         tools = [t for t in raw["body"]["tools"] if t["name"] in ("Read", "Write")]

@@ -151,9 +151,11 @@ def _copy_row(model_dir: Path, src: int, dst: int, gain: float) -> None:
     mx.save_safetensors(str(file), weights, metadata={"format": "mlx"})
 
 
-def make_thinking_model(path: Path) -> Path:
-    """The tiny thinking model in the mlx-community layout at `path` (see the module's doc)."""
-    make_tiny_model(path, "qwen3_moe", quant="4bit", seed=SEED, config=tiny_config("qwen3_moe") | LEAN)
+def make_thinking_model(path: Path, lean: bool = True) -> Path:
+    """The tiny thinking model in the mlx-community layout at `path` (see the module's doc);
+    `lean=False`: the usual tiny qwen3_moe's 3 layers of 4 heads."""
+    config = tiny_config("qwen3_moe") | (LEAN if lean else {})
+    make_tiny_model(path, "qwen3_moe", quant="4bit", seed=SEED, config=config)
     write_thinking_tokenizer(path)
     vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
     end = vocab[THINK_END]
@@ -176,11 +178,11 @@ def make_thinking_model(path: Path) -> Path:
     raise AssertionError(f"no token of the greedy answer {answer} makes the model close its reasoning")
 
 
-def make_thinking_store(root: Path) -> Path:
+def make_thinking_store(root: Path, lean: bool = True) -> Path:
     """`root/store`: the tiny thinking model converted to an expert store."""
     from moestream.daemon.store.convert import convert_model
 
-    convert_model(make_thinking_model(root / "model"), root / "store")
+    convert_model(make_thinking_model(root / "model", lean), root / "store")
     return root / "store"
 
 
