@@ -55,6 +55,7 @@
 #   continuation-q30     q30: a chat turn's continuation after a 2048-token cache, stock's forward against the padded one
 #   mapped-batch         q30: a mapped pool's batched step by requests: the copy's GB/s by rows, steps against a full pool, repeats copied or not, moves, zero-copy
 #   routing-probe        a full pool's routing read-back: the host's microseconds per token (48 layers)
+#   hang-probe           q30: whether stock mlx-lm alone stalls on the GPU here, by MLX launch switch (HANG_ENVS, SECONDS_EACH)
 #   batch-probe          where a batched decode step's time goes at B = 1, 2, 4, 8, and with its attention changed (EXTRA=--parts: one layer's halves; PROBE_STORE: a store's models and the daemon's loop)
 # demo
 #   demo                 train the built-in demo model (tests/bench/demo_recipe, DEMO_MINUTES)
@@ -242,6 +243,25 @@ EOF
       $py tests/bench/gpu_batch_probe.py --layers "${LAYERS:-12}" --steps "${STEPS:-30}" --rounds "${ROUNDS:-3}" ${EXTRA:---attention} \
         --out "$OUT/batch_probe_h200.json" 2>&1 | tail -10
     fi
+    ;;
+  hang-probe)
+    # Two stages stalled waiting on an H200 (2026-12-07), one of them on stock alone. Each
+    # setting of HANG_ENVS (";"-separated, "default" for none) runs gpu_hang_probe.py for
+    # SECONDS_EACH (60) seconds beside nvidia-smi's utilisation, until one runs clean
+    # (STOP_AT_CLEAN=1, the default) or all have run; the clean one is in $OUT/hang_clean.
+    IFS=';' read -ra envs <<< "${HANG_ENVS:-default;MLX_USE_CUDA_GRAPHS=0;MLX_CUDA_USE_CUDNN_SDPA=0}"
+    for e in "${envs[@]}"; do
+      name=$(echo "$e" | tr -c 'A-Za-z0-9_\n' _)
+      nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader -l 2 > "$OUT/hang_smi_$name.txt" 2>&1 &
+      smi=$!
+      rc=0
+      # shellcheck disable=SC2046  # "default" sets nothing
+      env $( [ "$e" = default ] || echo "$e" ) $py tests/bench/gpu_hang_probe.py --store /root/q30/store \
+        --seconds ${SECONDS_EACH:-60} --mlx-memory-limit ${MLX_LIMIT:-100G} > "$OUT/hang_probe_$name.txt" 2>&1 || rc=$?
+      kill $smi 2>/dev/null || true
+      echo "$e: exit $rc; $(grep -c prompt "$OUT/hang_probe_$name.txt") prompts; $(tail -1 "$OUT/hang_probe_$name.txt")"
+      if [ $rc = 0 ]; then echo "$e" > "$OUT/hang_clean"; [ "${STOP_AT_CLEAN:-1}" = 1 ] && break; fi
+    done
     ;;
   mapped-batch)
     $py tests/bench/gpu_mapped_batch_probe.py --store /root/q30/store --out "$OUT/mapped_batch_probe_h200.json" 2>&1 | tail -30

@@ -20,14 +20,17 @@ from .conftest import CASES
 NOBODY = 65534
 
 
-def _served_exactly(d, reference) -> dict:
+def _served_exactly(d, reference):
+    """The daemon's status after it served CASES[0] as `generate --local` does, and the
+    request's routed expert count (what its heat sends, once every push is out)."""
     prompt, max_tokens = CASES[0]
     with Client(d.paths, timeout=30) as c:
         done = c.complete(prompt, max_tokens=max_tokens)
         status = c.status()
     ref = reference[(prompt, max_tokens)]
     assert (done.text, tuple(done.tokens)) == (ref.text, ref.tokens)
-    return status
+    assert done.stats.routed_experts > 0
+    return status, done.stats.routed_experts
 
 
 def _set_aside(store: Path) -> list[Path]:
@@ -37,7 +40,7 @@ def _set_aside(store: Path) -> list[Path]:
 def test_expert_ids_past_the_layer_are_set_aside(store_copy, rel_reference, start_daemon):
     (store_copy / "pool_usage.json").write_text(json.dumps({"0": {"3": 9, "99": 5}, "1": {"2": 4}}))
     d = start_daemon(store_copy)
-    status = _served_exactly(d, rel_reference)
+    status, _ = _served_exactly(d, rel_reference)
     assert len(_set_aside(store_copy)) == 1
     assert "past the layer's 16 experts" in (status.autopin["problem"] or "")
 
@@ -50,7 +53,7 @@ def test_a_fifo_heat_file_and_a_planted_lock_symlink(store_copy, rel_reference, 
     tic = time.monotonic()
     d = start_daemon(store_copy)
     assert time.monotonic() - tic < 30
-    status = _served_exactly(d, rel_reference)
+    status, _ = _served_exactly(d, rel_reference)
     assert victim.read_text() == "precious\n"
     assert len(_set_aside(store_copy)) == 1
     assert "not a regular file" in (status.autopin["problem"] or "")
@@ -64,7 +67,7 @@ def test_a_fifo_heat_file_and_a_planted_lock_symlink(store_copy, rel_reference, 
 def test_a_heat_file_linked_to_dev_zero_is_not_read(store_copy, rel_reference, start_daemon):
     os.symlink("/dev/zero", store_copy / "pool_usage.json")
     d = start_daemon(store_copy)
-    status = _served_exactly(d, rel_reference)
+    status, _ = _served_exactly(d, rel_reference)
     assert "symbolic link" in (status.autopin["problem"] or "")
     assert Path("/dev/zero").exists() and _set_aside(store_copy)
 
@@ -119,18 +122,21 @@ def test_a_second_daemon_on_the_store_keeps_its_heat_until_the_lock_frees(store_
     env = {"MOESTREAM_HEAT_FLUSH_SECONDS": "0.2"}
     first = start_daemon(store_copy, "rt1", env=env)
     second = start_daemon(store_copy, "rt2", env=env)
-    _served_exactly(second, rel_reference)
-    waiting = _heat(second, lambda h: h.get("sent_counts", 0) > 0)
+    # A request's counts go out in several pushes (one every flush, and one after it ends),
+    # so each daemon's figure is read once all its requests' routings are sent: a loaded
+    # machine once read it between two pushes (file 528 against 404 counted).
+    _, routed = _served_exactly(second, rel_reference)
+    waiting = _heat(second, lambda h: h.get("sent_counts", 0) >= routed)
     assert waiting["state"] == "waiting" and "lock" in waiting["note"], waiting
     sent = [waiting["sent_counts"]]
     assert second.stop(30.0) == 0
     assert list(store_copy.glob("pool_usage.json.pending-*")), sorted(p.name for p in store_copy.iterdir())
 
     second = start_daemon(store_copy, "rt2", env=env)
-    _served_exactly(second, rel_reference)
-    sent.append(_heat(second, lambda h: h.get("sent_counts", 0) > 0)["sent_counts"])
-    _served_exactly(first, rel_reference)
-    first_heat = _heat(first, lambda h: h.get("unconfirmed_counts") == 0 and h.get("sent_counts", 0) > 0)
+    _, routed = _served_exactly(second, rel_reference)
+    sent.append(_heat(second, lambda h: h.get("sent_counts", 0) >= routed)["sent_counts"])
+    _, routed = _served_exactly(first, rel_reference)
+    first_heat = _heat(first, lambda h: h.get("unconfirmed_counts") == 0 and h.get("sent_counts", 0) >= routed)
     assert first_heat["state"] == "running" and first_heat["dropped_counts"] == 0, first_heat
     sent.append(first_heat["sent_counts"])
     assert first.stop(30.0) == 0
