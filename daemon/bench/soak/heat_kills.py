@@ -39,6 +39,8 @@ import psutil
 from ....shared.heat_file import UsageCounts, parse_usage, temp_files, usage_path, write_usage
 
 LOG = logging.getLogger("moestream.soak.heat_kills")
+# How long a daemon kill waits for its round's first counts on disk (`daemon_kills`).
+FIRST_WRITE_TIMEOUT_S = 60.0
 
 
 def _total(counts: UsageCounts) -> int:
@@ -238,7 +240,8 @@ def daemon_kills(store: Path, runtime: Path, n: int, rng: random.Random, *, capa
 
     Each round starts a daemon on the same runtime folder (clearing the crashed one's
     leftovers), streams requests from a client thread, reads the daemon's heat accounting
-    from `status`, kills it at a random moment and checks the file."""
+    from `status` once some of the round's counts are on disk, kills it at a random moment
+    after that and checks the file."""
     from ....client.client import Client, ClientError
     from .driver import DaemonProcess
 
@@ -269,11 +272,19 @@ def daemon_kills(store: Path, runtime: Path, n: int, rng: random.Random, *, capa
         worker.start()
         try:
             time.sleep(rng.uniform(0.2, 0.8))
+            # The kill waits for the round's first counts on disk: on a loaded machine the
+            # first request can take longer than the random wait, and a round killed before
+            # any write checks nothing (a loaded test run once ended with no count at all).
+            deadline = time.monotonic() + FIRST_WRITE_TIMEOUT_S
             with Client(daemon.paths, timeout=5.0) as c:
-                heat = c.status().heat
+                while True:
+                    heat = c.status().heat
+                    loaded = (heat.get("keeper") or {}).get("loaded_total", previous)
+                    lower = loaded + heat["sent_counts"] - heat["dropped_counts"] - heat["unconfirmed_counts"]
+                    if lower > previous or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.05)
             keeper_pid = heat.get("pid")
-            loaded = (heat.get("keeper") or {}).get("loaded_total", previous)
-            lower = loaded + heat["sent_counts"] - heat["dropped_counts"] - heat["unconfirmed_counts"]
             time.sleep(rng.uniform(0.0, 0.05))
             daemon.kill()
         finally:
