@@ -34,7 +34,6 @@ from ..shared import protocol as proto
 from ..shared.settings import Settings, format_size
 from ..shared.status import (
     ClientsStatus,
-    LayerStatus,
     MemoryStatus,
     PoolStatus,
     PrefillOrder,
@@ -1133,7 +1132,6 @@ class EngineLoop:
             return
         self._last_snapshot = now
         sm = self._sm
-        pools = sm.pool_stats() if sm is not None else {}
         totals = RequestTotals(
             queued=len(self._pending),
             why_queued=self._why_queued(),
@@ -1167,25 +1165,24 @@ class EngineLoop:
         if sm is not None:
             import mlx.core as mx
 
-            admission = pools.get("admission", {})
+            pools = sm.pool_stats()
+            admission = pools.admission
             status = replace(
                 status,
                 capacity=sm.capacity,
                 moe_layers=len(sm.pools),
                 experts_per_layer=max((p.layer.num_experts for p in sm.pools), default=0),
                 pool=PoolStatus(
-                    hit_rate=pools["hit_rate"],
-                    evictions=pools["evictions"],
-                    bytes_read=pools["bytes_read"],
-                    prestaged=pools["prestaged"],
-                    prestaged_used=pools["prestaged_used"],
-                    layers=[LayerStatus.from_dict(layer) for layer in pools["layers"]],
-                    mapped=pools["mapped"],
+                    hit_rate=pools.hit_rate,
+                    evictions=pools.evictions,
+                    bytes_read=pools.bytes_read,
+                    prestaged=pools.prestaged,
+                    prestaged_used=pools.prestaged_used,
+                    layers=pools.layers,
+                    mapped=pools.mapped,
                     mapped_auto=admission.get("mapped_auto"),
-                    mapped_pool=pools.get("mapped_pool"),
-                    prefill=PrefillOrder(
-                        pools["prefill_order"], pools.get("stacked_layers", 0), pools.get("staged_bytes", 0)
-                    ),
+                    mapped_pool=pools.mapped_pool,
+                    prefill=PrefillOrder(pools.prefill_order, pools.stacked_layers, pools.staged_bytes),
                 ),
                 context=self._context,
                 batch=self._batch.to_dict() if self._batch is not None else None,

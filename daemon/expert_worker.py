@@ -25,13 +25,13 @@ def share_row(sm, heat: Heat | None = None) -> list[int]:
     """This rank's STAT_FIELDS (daemon/model/expert_parallel.py), for rank 0's status;
     without `heat` (a benchmark's group keeps none), its heat fields say off."""
     stats = sm.pool_stats()
-    hits = stats["hits_prefill"] + stats["hits_decode"]
-    misses = stats["misses_prefill"] + stats["misses_decode"]
+    hits = stats.hits_prefill + stats.hits_decode
+    misses = stats.misses_prefill + stats.misses_decode
     experts = sum(p.layer.num_experts for p in sm.pools)
-    layers = stats["layers"]
-    pool = [sm.capacity, sum(lay["resident"] for lay in layers), sum(lay["pinned"] for lay in layers)]
+    layers = stats.layers
+    pool = [sm.capacity, sum(lay.resident for lay in layers), sum(lay.pinned for lay in layers)]
     heat_row = heat.summary() if heat is not None else [state_code("off"), 0, 0, 0, 0]
-    return [stats["bytes_read"], hits, misses, experts, sm.pool_bytes, sm.share.stats.collectives, *pool, *heat_row]
+    return [stats.bytes_read, hits, misses, experts, sm.pool_bytes, sm.share.stats.collectives, *pool, *heat_row]
 
 
 def serve_share(settings: Settings, share: ExpertShare, log: logging.Logger, *, keep_heat: bool = True) -> int:

@@ -297,6 +297,35 @@ class PoolStatus(_Wire):
 
 
 @dataclass(frozen=True)
+class PoolTotals(_Wire):
+    """The pool's counters summed over its layers (daemon/pool/expert_pool.py `PoolStats`,
+    whose names these are), its hit rate, each layer's occupancy, and the admission's
+    and the placement's reports: `stats`' pool, built by `StreamingModel.pool_stats`."""
+
+    hits_prefill: int = 0
+    hits_decode: int = 0
+    misses_prefill: int = 0
+    misses_decode: int = 0
+    evictions: int = 0
+    bytes_read: int = 0
+    host_syncs: int = 0
+    quiesces: int = 0
+    overflow_forwards: int = 0
+    stacked_layers: int = 0
+    staged_bytes: int = 0
+    prestaged: int = 0
+    prestaged_used: int = 0
+    routed_total: int = 0
+    hit_rate: float | None = None
+    layers: list[LayerStatus] = field(default_factory=list)
+    # The admission's own report (daemon/pool/admission.py: mode, host tier, gather).
+    admission: Report = field(default_factory=dict)
+    prefill_order: str | None = None
+    mapped: bool = False
+    mapped_pool: Report | None = None  # the placement's counters (`MappedPoolStats`) and gpu_slots
+
+
+@dataclass(frozen=True)
 class MemoryStatus(_Wire):
     rss_bytes: int | None = None
     mlx_active_bytes: int | None = None
@@ -457,17 +486,16 @@ class RequestTotals(RequestCounters):
 
 @dataclass(frozen=True)
 class Stats(_Wire):
-    """The pool's and the read engine's full counters (`moestreamctl stats`); the pool,
-    reader, prefetch and diagnostics reports keep their modules' own shapes (nothing is
-    loaded: empty or None)."""
+    """The pool's and the read engine's full counters (`moestreamctl stats`); the reader,
+    prefetch and diagnostics reports keep their modules' own shapes (nothing is loaded:
+    empty or None)."""
 
     state: str
     requests: RequestTotals = field(default_factory=RequestTotals)
     model: str | None = None
     capacity: int | None = None
     policy: str | None = None
-    # daemon/model/streaming_model.py `pool_stats`: totals, per layer, admission, placement.
-    pool: Report = field(default_factory=dict)
+    pool: PoolTotals = field(default_factory=PoolTotals)
     reader: Report = field(default_factory=dict)  # the native read engine's counters
     prefetch: Report | None = None
     diagnostics: Report | None = None

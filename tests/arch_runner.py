@@ -117,7 +117,7 @@ def check_streamed(converted: Converted, capacity: str, prefetch: str, prompts: 
     try:
         assert len(sm.pools) == converted.switch_layers > 0, f"{label}: streamed layers != stock's expert layers"
         assert [p.top_k for p in sm.pools] == [arch.top_k] * len(sm.pools), f"{label}: top-k is not {arch.top_k}"
-        order = sm.pool_stats()["prefill_order"]  # what `status` reports as prefill.order
+        order = sm.pool_stats().prefill_order  # what `status` reports as prefill.order
         assert order.split(":")[0] == arch.prefill, f"{label}: status says the prefill order is {order!r}"
         for prompt in prompts:
             ids, (want_tokens, want_logits) = converted.reference(prompt)
@@ -143,7 +143,7 @@ def check_streamed(converted: Converted, capacity: str, prefetch: str, prompts: 
         stats = sm.pool_stats()
         slots = sum(p.capacity for p in sm.pools)
         if capacity == "topk" and slots < sum(p.layer.num_experts for p in sm.pools):
-            misses = stats["misses_prefill"] + stats["misses_decode"]
+            misses = stats.misses_prefill + stats.misses_decode
             assert misses > slots, f"{label}: {misses} misses for {slots} slots, nothing was evicted and read back"
     finally:
         sm.close()

@@ -65,7 +65,7 @@ def test_a_warm_start_fills_the_host_tier_with_the_hottest_experts_first(store):
     try:
         summary = autopin(cold, counts, frac=0.0)
         assert summary.tier_warmed_bytes == summary.bytes_read == summary.preloaded == 0
-        assert cold.pool_stats()["admission"]["tier_resident_experts"] == 0
+        assert cold.pool_stats().admission["tier_resident_experts"] == 0
     finally:
         cold.close()
     sm = load_streaming_model(store, settings)
@@ -74,7 +74,7 @@ def test_a_warm_start_fills_the_host_tier_with_the_hottest_experts_first(store):
         tier = sm.admitter.tier
         expert_bytes = manifest.layers[0].experts[0].length
         assert summary.tier_warmed_bytes == room * expert_bytes
-        stats = sm.pool_stats()["admission"]
+        stats = sm.pool_stats().admission
         # The pools' experts that the tier lacked came from the disk and took the tier
         # slots of the coldest warmed ones; the rest of the pools came from the tier.
         extra = stats["bytes_from_disk"] // expert_bytes - room

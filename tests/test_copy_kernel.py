@@ -62,7 +62,7 @@ def test_a_model_loads_with_copy_kernel_where_there_is_no_copier(tmp_path: Path)
     convert_model(src, tmp_path / "s")
     sm = load_streaming_model(tmp_path / "s", Settings(capacity=0.5, copy_kernel=True, prefetch="off"))
     try:
-        admission = sm.pool_stats()["admission"]
+        admission = sm.pool_stats().admission
         assert admission["mode"] == "direct" and "copy_kernel" not in admission
     finally:
         sm.close()

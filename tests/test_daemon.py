@@ -111,7 +111,7 @@ def test_four_concurrent_clients_get_the_local_output(daemon, reference):
     assert max(r[1] for r in results.values()) < min(r[2] for r in results.values())
     with Client(daemon) as c:
         stats = c.stats()
-    assert stats.pool["evictions"] > 0, "capacity 0.25 should evict while serving"
+    assert stats.pool.evictions > 0, "capacity 0.25 should evict while serving"
 
 
 @pytest.mark.slow  # 13 s: prefetch from the tier is checked for exactness in tests/test_exactness.py too
@@ -244,6 +244,11 @@ def test_status_has_its_fields_while_generating(daemon, reference):
     assert logs.returncode == 0 and f"log: {daemon.log}" in logs.stderr and len(logs.stdout.splitlines()) == 3
     stats = json.loads(ctl("stats", "--json", "--runtime-dir", str(daemon.dir)).stdout)
     assert stats["pool"]["bytes_read"] > 0 and len(stats["pool"]["layers"]) == 2
+    human = ctl("stats", "--runtime-dir", str(daemon.dir)).stdout.splitlines()
+    assert any(line.startswith("total: hit rate ") for line in human), human
+    header = next(i for i, line in enumerate(human) if line.split()[:2] == ["layer", "resident"])
+    shown = [int(line.split()[0]) for line in human[header + 1 : header + 3]]
+    assert shown == [layer["layer"] for layer in stats["pool"]["layers"]], human
 
 
 def test_cancel_stops_within_one_token_while_another_client_continues(daemon, reference):

@@ -70,8 +70,8 @@ def test_every_diagnostic_is_present_and_consistent(diagnosed):
     for phase in ("prefill", "decode"):
         buckets = d["attribution"][phase]
         assert set(buckets) == set(BUCKETS)
-        assert sum(buckets.values()) == pool[f"hits_{phase}"] + pool[f"misses_{phase}"] > 0
-        assert buckets["resident_hit"] == pool[f"hits_{phase}"]
+        assert sum(buckets.values()) == getattr(pool, f"hits_{phase}") + getattr(pool, f"misses_{phase}") > 0
+        assert buckets["resident_hit"] == getattr(pool, f"hits_{phase}")
     assert d["attribution"]["decode"]["prefetched"] > 0
     assert d["attribution"]["prefill"]["prefetched"] == 0  # prefills are not prefetched
     for phase, recall in d["recall"].items():
@@ -116,7 +116,7 @@ def test_off_changes_neither_output_nor_syncs(diagnosed):
     assert plain.tokens == prefetched.tokens == on_result.tokens
     # Prefetch adds no host sync: its prediction is read in the layer's one sync.
     assert plain.stats.host_syncs_per_token == prefetched.stats.host_syncs_per_token == 5 + 1
-    assert plain_pool["host_syncs"] % 5 == 0
+    assert plain_pool.host_syncs % 5 == 0
     assert plain.stats.diagnostics is None and prefetched.stats.diagnostics is None
     assert hub.totals() is None and hub_pf.totals() is None and hub.rec is None
 
@@ -215,7 +215,7 @@ def test_a_fully_resident_pool_records_the_same_figures_and_tokens():
     plain, _, _ = _run("off", False, capacity=1.0)
     diagnosed, pool, _ = _run("off", True, capacity=1.0)
     assert diagnosed.tokens == plain.tokens
-    assert pool["host_syncs"] == 0
+    assert pool.host_syncs == 0
     d = diagnosed.stats.diagnostics
     for name in ("outside", "route", "matmul", "combine"):
         assert d["segments"][name]["count"] > 0, name

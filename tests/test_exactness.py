@@ -149,11 +149,11 @@ def test_logits_identical_at_every_capacity(converted, policy):
             stats = sm.pool_stats()
             if label == "topk":
                 # The 100-token prompt's experts cannot fit: the overflow path ran.
-                assert stats["overflow_forwards"] > 0
+                assert stats.overflow_forwards > 0
             if label == "100%":
-                assert stats["host_syncs"] == 0, "a full pool must not sync with the host"
+                assert stats.host_syncs == 0, "a full pool must not sync with the host"
             else:
-                assert stats["misses_decode"] + stats["misses_prefill"] > 0
+                assert stats.misses_decode + stats.misses_prefill > 0
                 for p in sm.pools:
                     assert (p.slot_of >= 0).sum() <= p.capacity
         finally:
@@ -175,7 +175,7 @@ def test_logits_identical_through_the_host_tier(converted):
         sm = load_streaming_model(store, Settings(capacity=slots, host_cache=tier_bytes))
         try:
             assert_same_as_stock(sm, prompts, label)
-            tier = sm.pool_stats()["admission"]
+            tier = sm.pool_stats().admission
             assert tier["mode"] == "host-tier"
             assert tier["tier_hits"] > 0 and tier["tier_evictions"] > 0
             assert tier["tier_resident_experts"] <= tier["tier_capacity_experts"] == total // 3
@@ -230,8 +230,8 @@ def test_logits_identical_with_prefetch_from_the_host_tier(converted):
             with sm.diagnostics.recording(rec):
                 assert_same_as_stock(sm, prompts, f"{label} with prefetch from the tier")
             stats = sm.pool_stats()
-            assert stats["prestaged"] > 0 and 0 < stats["prestaged_used"] <= stats["prestaged"]
-            assert stats["admission"]["prestaged"] == stats["prestaged"]
+            assert stats.prestaged > 0 and 0 < stats.prestaged_used <= stats.prestaged
+            assert stats.admission["prestaged"] == stats.prestaged
             for p in sm.pools:
                 assert (p.slot_of >= 0).sum() <= p.capacity
                 resident = np.flatnonzero(p.slot_of >= 0)
@@ -240,7 +240,7 @@ def test_logits_identical_with_prefetch_from_the_host_tier(converted):
                 d = rec.to_dict()
                 decode = d["attribution"]["decode"]
                 assert decode["prefetched"] > 0
-                routed = stats["hits_decode"] + stats["misses_decode"]
+                routed = stats.hits_decode + stats.misses_decode
                 assert sum(decode.values()) == routed
         finally:
             sm.close()

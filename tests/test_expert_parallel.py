@@ -155,7 +155,7 @@ def test_two_ranks_decode_what_one_process_decodes(store, tmp_path):
         alone = load_streaming_model(store, Settings(capacity=parse_capacity(capacity)))
         try:
             tokens, digests, _ = greedy(alone.model, PROMPT, STEPS)
-            alone_bytes = alone.pool_stats()["bytes_read"]
+            alone_bytes = alone.pool_stats().bytes_read
         finally:
             alone.close()
         assert (tokens, digests) == (want_tokens, want_digests), f"one process at {capacity} differs from stock"
@@ -433,11 +433,11 @@ def test_a_shard_store_holds_its_ranks_experts_and_serves_only_that_rank(store, 
             assert all(layer.experts[e].offset == ABSENT for e in range(layer.num_experts) if e % RANKS != r)
     settings = Settings(capacity=1.0, verify_checksums=True)
     alone = load_streaming_model(store, settings)
-    whole_bytes = alone.pool_stats()["bytes_read"]
+    whole_bytes = alone.pool_stats().bytes_read
     alone.close()
     rank1 = load_streaming_model(shards[1], settings, share=ExpertShare(None, rank=1, size=RANKS))
     try:
-        assert rank1.pool_stats()["bytes_read"] == whole_bytes // RANKS  # every owned expert, checksums verified
+        assert rank1.pool_stats().bytes_read == whole_bytes // RANKS  # every owned expert, checksums verified
     finally:
         rank1.close()
     with pytest.raises(StoreError, match="shard 1/2 .* one process needs a whole store"):

@@ -27,8 +27,8 @@ def test_full_capacity_needs_no_host_sync(store):
     try:
         assert all(p.fully_resident for p in sm.pools)
         run_tokens(sm)
-        assert sm.pool_stats()["host_syncs"] == 0
-        assert sm.pool_stats()["misses_decode"] == 0
+        assert sm.pool_stats().host_syncs == 0
+        assert sm.pool_stats().misses_decode == 0
     finally:
         sm.close()
 
@@ -88,20 +88,20 @@ def test_admission_waits_for_the_streams_only_when_a_read_may_be_in_flight(store
         want = _logits_run(full)
         got = _logits_run(sm)
         stats = sm.pool_stats()
-        assert stats["misses_decode"] > 0 and stats["overflow_forwards"] == 0
-        assert (stats["quiesces"] == 0) == ordered
+        assert stats.misses_decode > 0 and stats.overflow_forwards == 0
+        assert (stats.quiesces == 0) == ordered
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
         # Another stream: each pool's first admission there waits once, then no more.
-        before = stats["quiesces"]
+        before = stats.quiesces
         other = mx.new_stream(mx.default_device())
         got = _logits_run(sm, stream=other)
-        waited = sm.pool_stats()["quiesces"] - before
+        waited = sm.pool_stats().quiesces - before
         assert 0 < waited and (waited <= len(sm.pools)) == ordered
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
         _logits_run(sm, stream=other)
-        assert (sm.pool_stats()["quiesces"] == before + waited) == ordered
+        assert (sm.pool_stats().quiesces == before + waited) == ordered
     finally:
         sm.close()
         full.close()

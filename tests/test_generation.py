@@ -121,8 +121,8 @@ def test_a_full_pool_counts_its_routing_with_no_sync_of_its_own(store):
             looked_up = hits.prefill + hits.decode + misses.prefill + misses.decode
             assert s.hits.prefill + s.hits.decode == looked_up
             assert s.host_syncs_per_token == 1.0  # the sampled token alone
-        layers = sm.pool_stats()["layers"]
-        assert all(layer["hit_rate"] == 1.0 for layer in layers)
+        layers = sm.pool_stats().layers
+        assert all(layer.hit_rate == 1.0 for layer in layers)
         # Every count reached the heat, and nothing is left logged on the device.
         assert sum(int(p.take_routed().sum()) for p in sm.pools) == 2 * want.stats.routed_experts
         assert all(p.route_log == [] for p in sm.pools)

@@ -37,10 +37,10 @@ def test_host_tier_reads_each_expert_from_disk_at_most_once(varied_store):
     sm = load_streaming_model(store, Settings(capacity=0.25, host_cache=64 << 20, prefetch="on"))
     try:
         run_tokens(sm)
-        first = sm.pool_stats()["admission"]
+        first = sm.pool_stats().admission
         first_prefetch = sm.prefetcher.stats()
         run_tokens(sm)
-        second = sm.pool_stats()["admission"]
+        second = sm.pool_stats().admission
         assert second["bytes_to_pool"] > first["bytes_to_pool"], "the pool kept missing"
         assert second["bytes_from_disk"] == first["bytes_from_disk"]
         # Experts the prefetcher read went into the tier as well: none is read again.

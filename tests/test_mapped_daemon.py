@@ -343,7 +343,7 @@ def test_mapped_auto_chooses_by_gpu_pool_tier_and_host_ram(store):
     assert choose_mapped(manifest, 4, auto, need, "", naive=True)[0] is False
     sm = load_streaming_model(store, Settings(capacity=0.25))
     try:
-        assert sm.mapped_pool is None and sm.pool_stats()["mapped"] is False
+        assert sm.mapped_pool is None and sm.pool_stats().mapped is False
         assert sm.admission_note["mapped_auto"] == "off: MLX runs on the CPU"
     finally:
         sm.close()

@@ -66,8 +66,8 @@ def test_mapped_pool_is_exact_syncs_never_and_keeps_its_budget(store):
         assert got == want
         placement.drain()
         stats = sm.pool_stats()
-        assert stats["host_syncs"] == 0, "a mapped pool never syncs per layer"
-        p = stats["mapped_pool"]
+        assert stats.host_syncs == 0, "a mapped pool never syncs per layer"
+        p = stats.mapped_pool
         top_k, layers = sm.pools[0].top_k, len(sm.pools)
         # Routing is read two forwards late: the prefill and all but the last two decode steps.
         assert p["routed"] >= (STEPS - READBACK_LAG) * top_k * layers
@@ -292,7 +292,7 @@ def test_mapped_gather_is_auto_by_default_and_only_for_mapped_pools(store):
     sm = load_streaming_model(store, Settings(capacity=0.25, prefetch="off"), mapped=True)
     try:
         assert all((p.gather is not None) == here for p in sm.pools)
-        assert sm.pool_stats()["admission"]["gather"] is here
+        assert sm.pool_stats().admission["gather"] is here
     finally:
         sm.close()
     sm = load_streaming_model(store, Settings(capacity=0.25, mapped_gather=True), mapped=False)

@@ -69,15 +69,15 @@ def totals(capacity: float, policy: str, diagnostics: bool) -> dict[str, Any]:
         stats = sm.pool_stats()
         out: dict[str, Any] = {
             "tokens": result.tokens,
-            "counters": {k: stats[k] for k in POOL_COUNTERS if k not in NOT_COMPARED},
+            "counters": {k: getattr(stats, k) for k in POOL_COUNTERS if k not in NOT_COMPARED},
             "layers": [
                 {
                     "routed": p.take_routed().tolist(),
                     "stack_distances": {str(d): int(c) for d, c in enumerate(p.stack_distances.take()) if c},
                     "resident": np.flatnonzero(p.slot_of >= 0).tolist(),
-                    "hit_rate": layer["hit_rate"],
+                    "hit_rate": layer.hit_rate,
                 }
-                for p, layer in zip(sm.pools, stats["layers"])
+                for p, layer in zip(sm.pools, stats.layers)
             ],
         }
         if diagnostics:

@@ -97,7 +97,7 @@ def test_identical_to_stock_generate_step(converted):
     for label, settings in _configs(store):
         sm = load_streaming_model(store, settings)
         try:
-            staged_before = sm.pool_stats()["stacked_layers"]
+            staged_before = sm.pool_stats().stacked_layers
             for n, step in CASES:
                 stats = PrefillStats()
                 got = _streamed(sm, _prompt(n), step, stats)
@@ -121,7 +121,7 @@ def test_identical_to_stock_generate_step(converted):
                     # One chunk whose routed pairs outnumber the slots: one stack per layer.
                     assert stats.chunks == 1 and stats.staged_layers > 0 and stats.read_seconds >= 0, label
             if label == "100%":
-                assert sm.pool_stats()["stacked_layers"] == staged_before, "a full pool stages nothing"
+                assert sm.pool_stats().stacked_layers == staged_before, "a full pool stages nothing"
         finally:
             sm.close()
 
@@ -145,7 +145,7 @@ def test_chunk_order_is_stock_order_too(converted):
     try:
         assert sm.layer_major is None and sm.prefill_note.startswith("chunk")
         _assert_same(_streamed(sm, _prompt(40), SMALL_STEP), _stock(stock, _prompt(40), SMALL_STEP), "chunk")
-        assert sm.pool_stats()["stacked_layers"] == 0
+        assert sm.pool_stats().stacked_layers == 0
     finally:
         sm.close()
 

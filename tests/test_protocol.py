@@ -17,6 +17,7 @@ from moestream.shared.status import (
     LayerStatus,
     PhaseCounts,
     PoolStatus,
+    PoolTotals,
     RequestInfo,
     RequestsStatus,
     RequestStats,
@@ -98,7 +99,10 @@ def test_requests_round_trip(message):
                 keep_alive=KeepAliveStatus(keep_alive_s=300.0, setting_s=300.0, unloads=1),
             ),
         ),
-        proto.StatsReply(id="t", stats=Stats(state="ready", requests=RequestTotals(requests=3, queued=1), pool={})),
+        proto.StatsReply(
+            id="t",
+            stats=Stats(state="ready", requests=RequestTotals(requests=3, queued=1), pool=PoolTotals(evictions=2)),
+        ),
         proto.Cancelled(id="c", target="a", found=True),
         proto.LoadReply(id="l", state="unloaded", in_flight=0),
         proto.ShutdownReply(id="x", pid=12),
@@ -142,11 +146,19 @@ def test_status_and_request_stats_arrive_as_dataclasses_never_as_plain_maps():
     for bad in ({"state": "ready", "pool": [1]}, {"state": "ready", "requests": {"running": {"id": "r"}}}, {}):
         with pytest.raises(proto.ProtocolError):
             proto.decode_reply(msgpack.packb(body | {"status": bad}))
-    # `stats` too: its request counters typed, the modules' reports as they sent them.
+    # `stats` too: its request counters and pool totals typed, the modules' reports as they sent them.
     reply = {"v": proto.PROTOCOL_VERSION, "type": "stats", "id": "t"}
-    wire_stats = {"state": "ready", "requests": {"completed": 4, "queued": 1, "new_key": 0}, "pool": {"hits": 9}}
+    layer = {"layer": 0, "resident": 1, "capacity": 2, "pinned": 0, "hit_rate": 0.5, "routed": 3}
+    wire_stats = {
+        "state": "ready",
+        "requests": {"completed": 4, "queued": 1, "new_key": 0},
+        "pool": {"hits_decode": 9, "layers": [layer], "admission": {"mode": "direct"}, "new_key": 1},
+        "reader": {"reads": 2},
+    }
     got = proto.decode_reply(msgpack.packb(reply | {"stats": wire_stats})).stats
-    assert isinstance(got, Stats) and got.requests == RequestTotals(completed=4, queued=1) and got.pool == {"hits": 9}
+    assert isinstance(got, Stats) and got.requests == RequestTotals(completed=4, queued=1)
+    assert got.pool == PoolTotals(hits_decode=9, layers=[LayerStatus(**layer)], admission={"mode": "direct"})
+    assert got.reader == {"reads": 2}
     with pytest.raises(proto.ProtocolError):
         proto.decode_reply(msgpack.packb(reply | {"stats": {"requests": {}}}))  # no state
 
@@ -154,8 +166,8 @@ def test_status_and_request_stats_arrive_as_dataclasses_never_as_plain_maps():
 def test_numpy_scalars_travel_as_numbers():
     import numpy as np
 
-    data = proto.encode(proto.StatsReply(id="s", stats=Stats("ready", pool={"n": np.int64(3), "f": np.float32(0.5)})))
-    assert proto.decode_reply(data).stats.pool == {"n": 3, "f": 0.5}
+    data = proto.encode(proto.StatsReply(id="s", stats=Stats("ready", reader={"n": np.int64(3), "f": np.float32(0.5)})))
+    assert proto.decode_reply(data).stats.reader == {"n": 3, "f": 0.5}
 
 
 def code_of(data: bytes) -> str:

@@ -691,17 +691,15 @@ def stats(runtime_dir, as_json) -> None:
     pool, reader, req = st.pool, st.reader, st.requests
     click.echo(f"model {st.model}: {st.capacity} slots per layer, policy {st.policy}")
     click.echo(
-        f"total: hit rate {_rate(pool.get('hit_rate'))}, hits "
-        f"{pool.get('hits_prefill', 0)}+{pool.get('hits_decode', 0)} "
-        f"(prefill+decode), misses {pool.get('misses_prefill', 0)}+{pool.get('misses_decode', 0)}, "
-        f"evictions {pool.get('evictions', 0)}, read {_size(pool.get('bytes_read'))}"
+        f"total: hit rate {_rate(pool.hit_rate)}, hits {pool.hits_prefill}+{pool.hits_decode} "
+        f"(prefill+decode), misses {pool.misses_prefill}+{pool.misses_decode}, "
+        f"evictions {pool.evictions}, read {_size(pool.bytes_read)}"
     )
-    if pool.get("prefill_order"):
+    if pool.prefill_order:
         click.echo(
-            f"prefill: {pool['prefill_order']}; {pool.get('stacked_layers', 0)} layer stacks, "
-            f"{_size(pool.get('staged_bytes'))} staged"
+            f"prefill: {pool.prefill_order}; {pool.stacked_layers} layer stacks, {_size(pool.staged_bytes)} staged"
         )
-    placement = pool.get("mapped_pool")
+    placement = pool.mapped_pool
     if placement:
         click.echo(
             f"mapped pool: {placement['gpu_slots']} experts per layer in GPU memory, GPU hit rate "
@@ -721,10 +719,9 @@ def stats(runtime_dir, as_json) -> None:
             + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in reader.items() if _number(v))
         )
     click.echo(f"{'layer':>5} {'resident':>9} {'capacity':>9} {'pinned':>7} {'hit rate':>9}")
-    for layer in pool.get("layers", []):
+    for layer in pool.layers:
         click.echo(
-            f"{layer['layer']:>5} {layer['resident']:>9} {layer['capacity']:>9} {layer['pinned']:>7} "
-            f"{_rate(layer['hit_rate']):>9}"
+            f"{layer.layer:>5} {layer.resident:>9} {layer.capacity:>9} {layer.pinned:>7} {_rate(layer.hit_rate):>9}"
         )
     _echo_prefetch(st.prefetch, st.diagnostics)
 

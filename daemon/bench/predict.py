@@ -347,9 +347,9 @@ def _capacity_run(
         # layer's slots (no read): how many, how many were then routed, and the seconds
         # layers waited for those copies.
         "prestaged": {
-            "experts": pools["prestaged"],
-            "used": pools["prestaged_used"],
-            "wait_seconds": pools["admission"].get("prestage_wait_seconds", 0.0),
+            "experts": pools.prestaged,
+            "used": pools.prestaged_used,
+            "wait_seconds": pools.admission.get("prestage_wait_seconds", 0.0),
         },
     }
 

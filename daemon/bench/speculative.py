@@ -51,7 +51,7 @@ def _greedy(logprobs: mx.array) -> mx.array:
 
 def _pool_moves(sm: StreamingModel) -> tuple[int, int, int]:
     s = sm.pool_stats()
-    return s["hits_prefill"] + s["hits_decode"], s["misses_prefill"] + s["misses_decode"], s["bytes_read"]
+    return s.hits_prefill + s.hits_decode, s.misses_prefill + s.misses_decode, s.bytes_read
 
 
 def _timed(sm: StreamingModel, steps: Any, n: int) -> dict[str, Any]:
@@ -159,7 +159,7 @@ def run_bench_speculative(settings: BenchSpeculativeSettings) -> dict[str, Any]:
                 "tokens_per_s_runs": [s["tokens_per_s"] for s in runs],
                 "speed_vs_plain": tps / plain_tps,
                 "plain_experts_read_per_token": plain_experts,
-                "hit_rate": statistics.median(s["hit_rate"] for s in runs),
+                "hit_rate": statistics.median(s.hit_rate for s in runs),
                 "disk_bytes_per_token": statistics.median(s["disk_bytes_per_token"] for s in runs),
                 "same_tokens_as_plain": all(s["tokens"] == plain_tokens for s in runs),
                 # The first position where a run's tokens differ from plain decode's.

@@ -27,6 +27,7 @@ from mlx_lm.utils import _get_classes, load_tokenizer
 
 from ..._native import CudaCopier
 from ...shared.settings import Settings, format_size
+from ...shared.status import LayerStatus, PoolTotals
 from ...shared.store_format import Manifest, StoreError, load_manifest
 from ..mapped.mapped_pool import CountingMover, MappedPool, MappedPoolStats
 from ..mapped.row_gather import RowGather
@@ -202,36 +203,36 @@ class StreamingModel:
                 totals["placement_" + key] = getattr(self.mapped_pool.stats, key)
         return totals
 
-    def pool_stats(self) -> dict[str, Any]:
+    def pool_stats(self) -> PoolTotals:
         """Totals over layers, plus per-layer occupancy and hit rates."""
-        totals: dict[str, Any] = dict.fromkeys(POOL_COUNTERS, 0)
-        per_layer = []
+        totals = dict.fromkeys(POOL_COUNTERS, 0)
+        layers = []
         for i, p in enumerate(self.pools):
-            d = p.stats.to_dict()
             for key in POOL_COUNTERS:
                 totals[key] += getattr(p.stats, key)
-            layer = {
-                "layer": p.layer.ordinal,
-                "resident": int((p.slot_of >= 0).sum()),
-                "capacity": p.capacity,
-                "pinned": len(p.pinned),
-                "hit_rate": d["hit_rate"],
-                # Routed (token, expert) pairs so far: the dashboard's routings per second.
-                "routed": p.stats.routed_total,
-            }
-            if self.mapped_pool is not None:
-                layer["on_gpu"] = len(self.mapped_pool.on_gpu[i])
-            per_layer.append(layer)
-        hits = totals.get("hits_prefill", 0) + totals.get("hits_decode", 0)
-        misses = totals.get("misses_prefill", 0) + totals.get("misses_decode", 0)
-        totals["hit_rate"] = hits / (hits + misses) if hits + misses else None
-        totals["layers"] = per_layer
-        totals["admission"] = self.admitter.stats() | self.admission_note
-        totals["prefill_order"] = self.prefill_note
-        totals["mapped"] = self.mapped_pool is not None
-        if self.mapped_pool is not None:
-            totals["mapped_pool"] = {"gpu_slots": self.mapped_pool.gpu_slots, **self.mapped_pool.stats.to_dict()}
-        return totals
+            layers.append(
+                LayerStatus(
+                    layer=p.layer.ordinal,
+                    resident=int((p.slot_of >= 0).sum()),
+                    capacity=p.capacity,
+                    pinned=len(p.pinned),
+                    hit_rate=p.stats.hit_rate(),
+                    routed=p.stats.routed_total,
+                    on_gpu=len(self.mapped_pool.on_gpu[i]) if self.mapped_pool is not None else None,
+                )
+            )
+        hits = totals["hits_prefill"] + totals["hits_decode"]
+        misses = totals["misses_prefill"] + totals["misses_decode"]
+        mapped = self.mapped_pool
+        return PoolTotals(
+            **totals,
+            hit_rate=hits / (hits + misses) if hits + misses else None,
+            layers=layers,
+            admission=self.admitter.stats() | self.admission_note,
+            prefill_order=self.prefill_note,
+            mapped=mapped is not None,
+            mapped_pool={"gpu_slots": mapped.gpu_slots, **mapped.stats.to_dict()} if mapped is not None else None,
+        )
 
     def close(self) -> None:
         try:

@@ -160,15 +160,16 @@ def decode_counters(sm: "StreamingModel") -> dict[str, float]:
     """A streaming model's cumulative counters that decode figures are taken from (as
     differences over a decode)."""
     s = sm.pool_stats()
+    placed = s.mapped_pool or {}
     a = sm.admitter.stats()
     pf = sm.prefetcher.stats() if sm.prefetcher is not None else None
     return {
-        "hits_decode": s["hits_decode"],
-        "misses_decode": s["misses_decode"],
-        "host_syncs": s["host_syncs"],
-        "quiesces": s["quiesces"],
-        "prestaged": s["prestaged"],
-        "prestaged_used": s["prestaged_used"],
+        "hits_decode": s.hits_decode,
+        "misses_decode": s.misses_decode,
+        "host_syncs": s.host_syncs,
+        "quiesces": s.quiesces,
+        "prestaged": s.prestaged,
+        "prestaged_used": s.prestaged_used,
         # The prefetcher's own reads (into its buffer) and promotions into pools.
         "prefetch_bytes_read": pf.get("bytes_read", 0) if pf else 0,
         "prefetch_promoted": pf.get("promoted", 0) if pf else 0,
@@ -178,14 +179,13 @@ def decode_counters(sm: "StreamingModel") -> dict[str, float]:
         "copy_seconds": a.get("copy_seconds", 0.0),
         "tier_hits": a.get("tier_hits", 0),
         "tier_misses": a.get("tier_misses", 0),
-        "placed_routed": s.get("mapped_pool", {}).get("routed", 0),
-        "placed_on_gpu": s.get("mapped_pool", {}).get("routed_on_gpu", 0),
-        "placement_moves": s.get("mapped_pool", {}).get("moves", 0),
+        "placed_routed": placed.get("routed", 0),
+        "placed_on_gpu": placed.get("routed_on_gpu", 0),
+        "placement_moves": placed.get("moves", 0),
         # Host time of the decode thread (read-back, counts), and of the placement's
         # worker thread (policies, driver calls), which runs beside it.
-        "placement_seconds": s.get("mapped_pool", {}).get("readback_seconds", 0.0),
-        "placement_worker_seconds": s.get("mapped_pool", {}).get("decide_seconds", 0.0)
-        + s.get("mapped_pool", {}).get("place_seconds", 0.0),
+        "placement_seconds": placed.get("readback_seconds", 0.0),
+        "placement_worker_seconds": placed.get("decide_seconds", 0.0) + placed.get("place_seconds", 0.0),
     }
 
 

@@ -66,15 +66,18 @@ class PoolStats:
     # Routed (token, expert) pairs per expert since the last `take_routed()`, for heat.
     routed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
-    def to_dict(self) -> dict[str, Any]:
+    def hit_rate(self) -> float | None:
         hits = self.hits_prefill + self.hits_decode
         misses = self.misses_prefill + self.misses_decode
+        return hits / (hits + misses) if hits + misses else None
+
+    def to_dict(self) -> dict[str, Any]:
         return {
             "hits_prefill": self.hits_prefill,
             "hits_decode": self.hits_decode,
             "misses_prefill": self.misses_prefill,
             "misses_decode": self.misses_decode,
-            "hit_rate": hits / (hits + misses) if hits + misses else None,
+            "hit_rate": self.hit_rate(),
             "evictions": self.evictions,
             "bytes_read": self.bytes_read,
             "host_syncs": self.host_syncs,

@@ -205,7 +205,7 @@ def main() -> None:
             )
             if not mapped:
                 mode = (
-                    sm.pool_stats()["admission"]["mode"]
+                    sm.pool_stats().admission["mode"]
                     + ("+kernel" if kernel else "")
                     + (f"+b{blocks}" if blocks else "")
                 )
@@ -219,7 +219,7 @@ def main() -> None:
                     "prompt": n,
                     **compared(toks, rows, want[n]),
                     "stock_has_nan": bool(any(np.isnan(w).any() for w in want[n][1])),
-                    "prestaged_so_far": sm.pool_stats()["prestaged"],
+                    "prestaged_so_far": sm.pool_stats().prestaged,
                 }
                 results.append(r)
                 print(json.dumps(r), flush=True)
@@ -232,7 +232,7 @@ def main() -> None:
                     "prompt": n,
                     "loop": "generate_step",
                     **compared(toks, rows, want_long[n]),
-                    "stacked_layers_so_far": sm.pool_stats().get("stacked_layers"),
+                    "stacked_layers_so_far": sm.pool_stats().stacked_layers,
                 }
                 results.append(r)
                 print(json.dumps(r), flush=True)
