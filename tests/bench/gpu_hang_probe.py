@@ -5,7 +5,10 @@ a store's stock model, every one timed on its own line; one that takes longer th
 
 Two stages stalled so on an H200 (2026-12-07): decode-q30 in its first timed round and
 row-batch-q30 in stock's prefill, each waiting on the GPU. gpu_run.sh's hang-probe runs
-this under MLX's switches that change how work reaches the GPU, to tell them apart."""
+this under MLX's switches that change how work reaches the GPU, to tell them apart. The
+next lease (an H100) answered: with --stall 150 the first prefill (171 tokens) finished
+in 118 s, the GPU idle meanwhile, and the decodes after it took 0.07 s: MLX compiling its
+kernels on a fresh machine, not a stall (tests/bench/RESULTS.md, "Wave 3 on the GPU")."""
 
 from __future__ import annotations
 

@@ -55,7 +55,8 @@
 #   continuation-q30     q30: a chat turn's continuation after a 2048-token cache, stock's forward against the padded one
 #   mapped-batch         q30: a mapped pool's batched step by requests: the copy's GB/s by rows, steps against a full pool, repeats copied or not, moves, zero-copy
 #   routing-probe        a full pool's routing read-back: the host's microseconds per token (48 layers)
-#   hang-probe           q30: whether stock mlx-lm alone stalls on the GPU here, by MLX launch switch (HANG_ENVS, SECONDS_EACH)
+#   hang-probe           q30: stock mlx-lm's prefills and decodes timed one by one (a first one compiles MLX's kernels), by MLX launch switch (HANG_ENVS, SECONDS_EACH)
+#   ptx-pack             MLX's compiled CUDA kernels as $OUT/mlx_ptx.tgz, for PTX_TAR in a later lease
 #   batch-probe          where a batched decode step's time goes at B = 1, 2, 4, 8, and with its attention changed (EXTRA=--parts: one layer's halves; PROBE_STORE: a store's models and the daemon's loop)
 # demo
 #   demo                 train the built-in demo model (tests/bench/demo_recipe, DEMO_MINUTES)
@@ -70,6 +71,15 @@ if ! grep -qE "^#   $stage( |\$)" "$0"; then
   echo "unknown stage $stage (bash $0 help lists them)" >&2; exit 2
 fi
 export PYTHONPATH=/opt/mlx:$PWD
+# MLX's CUDA build compiles most kernels (NVRTC) the first time it meets them: on a fresh
+# machine stock's first 171-token prefill took 118 s with the GPU idle (2026-12-07,
+# RESULTS.md "Wave 3 on the GPU"), which stage limits took for stalls. One folder keeps
+# them for every stage, filled from PTX_TAR (what an earlier lease's ptx-pack wrote)
+# where given, so that a lease need not compile them again.
+export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/root/mlx-ptx}
+if [ -n "${PTX_TAR:-}" ] && [ ! -e "$MLX_PTX_CACHE_DIR/.from-tar" ]; then
+  mkdir -p "$MLX_PTX_CACHE_DIR" && tar xzf "$PTX_TAR" -C "$MLX_PTX_CACHE_DIR" && touch "$MLX_PTX_CACHE_DIR/.from-tar"
+fi
 # A native abort then prints the Python stack of every thread.
 export PYTHONFAULTHANDLER=1
 OUT=${OUT:-/tmp/out}
@@ -244,8 +254,13 @@ EOF
         --out "$OUT/batch_probe_h200.json" 2>&1 | tail -10
     fi
     ;;
+  ptx-pack)
+    tar czf "$OUT/mlx_ptx.tgz" -C "$MLX_PTX_CACHE_DIR" --exclude=.from-tar . && ls -la "$OUT/mlx_ptx.tgz"
+    ;;
   hang-probe)
-    # Two stages stalled waiting on an H200 (2026-12-07), one of them on stock alone. Each
+    # Two stages stalled waiting on an H200 (2026-12-07), one of them on stock alone: the
+    # next lease found MLX compiling kernels (a first prefill of 118 s, the GPU idle and its
+    # memory unfilled meanwhile, then 4 decodes in 0.07 s). Each
     # setting of HANG_ENVS (";"-separated, "default" for none) runs gpu_hang_probe.py for
     # SECONDS_EACH (60) seconds beside nvidia-smi's utilisation, until one runs clean
     # (STOP_AT_CLEAN=1, the default) or all have run; the clean one is in $OUT/hang_clean.
