@@ -392,6 +392,61 @@ def _cut_logprobs(entries: list[TokenLogprob], length: int) -> list[TokenLogprob
     return out
 
 
+class _AnswerText:
+    """A request's answer as its tokens come: detokenized, held back where it may be the
+    start of a stop string and cut at one, each token's log-probability kept where the
+    request asked; fills `result`'s tokens, text, log-probabilities and stop string."""
+
+    def __init__(self, tokenizer: Any, params: SamplingParams, result: GenerationResult) -> None:
+        self.tokenizer, self.result = tokenizer, result
+        self.detok = tokenizer.detokenizer
+        self.detok.reset()
+        self.want_logprobs = params.controls.logprobs
+        self.asked_stops = params.stop
+        self.stops = (*params.stop, params.turn_end) if params.turn_end else params.stop
+        self.hold = max((len(s) for s in self.stops), default=0)
+        self.emitted = 0
+
+    def add(self, token: int, logprobs: mx.array) -> tuple[str, bool]:
+        """The text `token` lets out (empty while held back), and whether the answer
+        ended at a stop string with it."""
+        result = self.result
+        result.tokens.append(token)
+        before = len(self.detok.text) if self.want_logprobs is not None else 0
+        self.detok.add_token(token)
+        text = self.detok.text
+        if self.want_logprobs is not None:
+            result.logprobs.append(token_logprob(self.tokenizer, token, logprobs, self.want_logprobs, text[before:]))
+        safe = len(text)
+        if self.stops:
+            hits = [(i, s) for s in self.stops if (i := text.find(s)) >= 0]
+            if hits:
+                hit, found = min(hits)
+                result.stop_string = found if found in self.asked_stops else None
+                result.text = text[:hit]
+                if self.want_logprobs is not None:
+                    result.logprobs = _cut_logprobs(result.logprobs, hit)
+                return text[self.emitted : hit], True
+            # Hold back text that might be the start of a stop string.
+            safe = max(self.emitted, len(text) - self.hold)
+        out = text[self.emitted : safe]
+        self.emitted = max(self.emitted, safe)
+        result.text = text
+        return out, False
+
+    def finish(self) -> str:
+        """The rest of the text once every token came (what the detokenizer and the stop
+        strings held back)."""
+        before = len(self.detok.text)
+        self.detok.finalize()
+        text = self.detok.text
+        if self.result.logprobs and len(text) > before:
+            last = self.result.logprobs[-1]
+            self.result.logprobs[-1] = dataclasses.replace(last, text=last.text + text[before:])
+        self.result.text = text
+        return text[self.emitted :]
+
+
 def request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
     """mlx-lm's sampling (temperature, top-p, min-p, top-k, in `make_sampler`'s order)
     drawing from the request's own key.
@@ -594,11 +649,9 @@ def iter_generate(
     `images` (a chat's, daemon/model/vision.py): the request decodes on its own through
     the model's vision side (`image_steps`), without speculation."""
     tokenizer = sm.tokenizer
-    detok = tokenizer.detokenizer
-    detok.reset()
+    answer = _AnswerText(tokenizer, params, result)
     sampler = request_sampler(params)
     processors = request_processors(params)
-    want_logprobs = params.controls.logprobs
     speculative_off = None
     if params.speculative and params.controls.needs_logits():
         # Speculation verifies drafts against the model's own logits and yields no
@@ -613,9 +666,6 @@ def iter_generate(
     tic = time.perf_counter()
     prompt_seconds = 0.0
     n = 0
-    stops = (*params.stop, params.turn_end) if params.turn_end else params.stop
-    stop_hold = max((len(s) for s in stops), default=0)
-    emitted = 0
     prefill_stats = PrefillStats()
     rec = sm.diagnostics.new_recorder(params.diagnostics) if sm.diagnostics is not None else None
     use = CacheUse(prompt_cache, cache_scope) if prompt_cache is not None and prompt_cache.enabled else None
@@ -672,46 +722,19 @@ def iter_generate(
             result.finish_reason = "stop"
             n -= 1
             break
-        result.tokens.append(token)
-        before = len(detok.text) if want_logprobs is not None else 0
-        detok.add_token(token)
-        text = detok.text
-        if want_logprobs is not None:
-            result.logprobs.append(token_logprob(tokenizer, token, logprobs, want_logprobs, text[before:]))
-        if stops:
-            hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
-            hit = min(hits)[0] if hits else -1
-            if hit >= 0:
-                found = min(hits)[1]
-                result.stop_string = found if found in params.stop else None
-                result.text = text[:hit]
-                if want_logprobs is not None:
-                    result.logprobs = _cut_logprobs(result.logprobs, hit)
-                if hit > emitted:
-                    yield text[emitted:hit], token
-                result.finish_reason = "stop"
-                break
-            # Hold back text that might be the start of a stop string.
-            safe = max(emitted, len(text) - stop_hold)
-        else:
-            safe = len(text)
-        if safe > emitted:
-            yield text[emitted:safe], token
-            emitted = safe
-        result.text = text
+        text, stopped = answer.add(token, logprobs)
+        if text:
+            yield text, token
+        if stopped:
+            result.finish_reason = "stop"
+            break
         if should_stop is not None and should_stop():
             result.finish_reason = "cancelled"
             break
     else:
-        before = len(detok.text)
-        detok.finalize()
-        text = detok.text
-        if result.logprobs and len(text) > before:
-            last = result.logprobs[-1]
-            result.logprobs[-1] = dataclasses.replace(last, text=last.text + text[before:])
-        if len(text) > emitted:
-            yield text[emitted:], result.tokens[-1] if result.tokens else -1
-        result.text = text
+        rest = answer.finish()
+        if rest:
+            yield rest, result.tokens[-1] if result.tokens else -1
     decode_seconds = time.perf_counter() - tic
     if use is not None and (batch is None or alone):
         use.keep(images.cache_key if images is not None else prompt_ids, fed)
