@@ -296,11 +296,10 @@ class PoolStatus(_Wire):
     prefill: PrefillOrder = field(default_factory=PrefillOrder)
 
 
-@dataclass(frozen=True)
-class PoolTotals(_Wire):
-    """The pool's counters summed over its layers (daemon/pool/expert_pool.py `PoolStats`,
-    whose names these are), its hit rate, each layer's occupancy, and the admission's
-    and the placement's reports: `stats`' pool, built by `StreamingModel.pool_stats`."""
+@dataclass
+class PoolCounters:
+    """A pool's counters (daemon/pool/expert_pool.py `PoolStats` counts them per layer,
+    `PoolTotals` carries their sums): counts over unique experts per forward."""
 
     hits_prefill: int = 0
     hits_decode: int = 0
@@ -309,13 +308,31 @@ class PoolTotals(_Wire):
     evictions: int = 0
     bytes_read: int = 0
     host_syncs: int = 0
+    # Waits for the model's streams before writing slots (`_quiesce`): each costs a
+    # round trip to the device even when the streams are idle.
     quiesces: int = 0
+    # Prefill forwards whose experts did not fit in the pool (served from scratch).
     overflow_forwards: int = 0
+    # Layer-major prefills (daemon/model/prefill.py): layers staged into a transient
+    # stack, and the bytes copied into those stacks from the pool's own memory (what
+    # they read from the store is in bytes_read).
     stacked_layers: int = 0
     staged_bytes: int = 0
+    # Experts copied in ahead of use from host memory (`prestage`), and how many of
+    # them the next forward routed to (counted among the hits).
     prestaged: int = 0
     prestaged_used: int = 0
+    # Routed (token, expert) pairs counted for heat: a partial pool's on its way, a fully
+    # resident one's when they are read back (daemon/pool/resident_routing.py).
     routed_total: int = 0
+
+
+@dataclass
+class PoolTotals(PoolCounters, _Wire):
+    """The pool's counters summed over its layers, its hit rate, each layer's occupancy,
+    and the admission's and the placement's reports: `stats`' pool, built by
+    `StreamingModel.pool_stats`."""
+
     hit_rate: float | None = None
     layers: list[LayerStatus] = field(default_factory=list)
     # The admission's own report (daemon/pool/admission.py: mode, host tier, gather).

@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generation_stream
 
+from ...shared.status import PoolCounters
 from ...shared.store_format import MoELayer
 from ..model.diagnostics import NULL_RECORDER, AnyRecorder
 from ..policies.base import EvictionPolicy
@@ -36,33 +37,10 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class PoolStats:
-    """Counts over unique experts per forward (one token in decode, a chunk in prefill)."""
+class PoolStats(PoolCounters):
+    """Counts over unique experts per forward (one token in decode, a chunk in prefill)
+    (`PoolCounters`), and the per-expert routed counts heat takes."""
 
-    hits_prefill: int = 0
-    hits_decode: int = 0
-    misses_prefill: int = 0
-    misses_decode: int = 0
-    evictions: int = 0
-    bytes_read: int = 0
-    host_syncs: int = 0
-    # Waits for the model's streams before writing slots (`_quiesce`): each costs a
-    # round trip to the device even when the streams are idle.
-    quiesces: int = 0
-    # Prefill forwards whose experts did not fit in the pool (served from scratch).
-    overflow_forwards: int = 0
-    # Layer-major prefills (daemon/model/prefill.py): layers staged into a transient
-    # stack, and the bytes copied into those stacks from the pool's own memory (what
-    # they read from the store is in bytes_read).
-    stacked_layers: int = 0
-    staged_bytes: int = 0
-    # Experts copied in ahead of use from host memory (`prestage`), and how many of
-    # them the next forward routed to (counted among the hits).
-    prestaged: int = 0
-    prestaged_used: int = 0
-    # Routed (token, expert) pairs counted for heat: a partial pool's on its way, a fully
-    # resident one's when they are read back (daemon/pool/resident_routing.py).
-    routed_total: int = 0
     # Routed (token, expert) pairs per expert since the last `take_routed()`, for heat.
     routed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
