@@ -17,31 +17,47 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from arch_table import GEMMA4
 from mlx.utils import tree_flatten
 from tiny_models import EOS_TOKEN, HIDDEN, SPECIAL_TOKENS, VOCAB_SIZE, init_weights, write_tokenizer
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# Gemma 4's image, audio and video tokens (its processor's boi/image/eoi names).
+GEMMA4_TOKENS = ("<start_of_image>", "<|image|>", "<end_of_image>", "<|audio|>", "<|video|>")
 VLM_SPECIAL_TOKENS = SPECIAL_TOKENS + VISION_TOKENS
-# Qwen-VL's template, reduced to its image and text parts.
-VLM_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
-    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+
+
+def _template(image: str) -> str:
+    """A chat template reduced to its image and text parts, `image` in each image's place."""
+    return (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+        "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}" + image + ""
+        "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+# Qwen-VL's (its processor expands the pad token) and Gemma 4's (its processor wraps
+# the image token in boi/eoi and repeats it).
+VLM_CHAT_TEMPLATE = _template("<|vision_start|><|image_pad|><|vision_end|>")
+GEMMA4_CHAT_TEMPLATE = _template("<|image|>")
 # Vision MoE architectures of mlx-vlm with a tiny config here. Not yet: kimi_vl (mlx-lm
 # and mlx-vlm hold its MLA attention in other weights: kv_b_proj split or not, so the
 # vision side cannot run on the streamed model's arrays; convert makes a text-only store).
-VLM_ARCHS = ("qwen3_vl_moe", "qwen3_5_moe")
+VLM_ARCHS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4")
 
 
-def _ids() -> dict[str, int]:
-    return {t: i for i, t in enumerate(VLM_SPECIAL_TOKENS)}
+def _special_tokens(arch: str) -> tuple[str, ...]:
+    return SPECIAL_TOKENS + GEMMA4_TOKENS if arch == "gemma4" else VLM_SPECIAL_TOKENS
+
+
+def _ids(arch: str) -> dict[str, int]:
+    return {t: i for i, t in enumerate(_special_tokens(arch))}
 
 
 def tiny_vlm_config(arch: str) -> dict[str, Any]:
     """The config.json of a tiny `arch` vision-language MoE model."""
-    ids = _ids()
+    ids = _ids(arch)
     if arch == "qwen3_vl_moe":
         text = {
             "model_type": "qwen3_vl_moe_text",
@@ -145,24 +161,76 @@ def tiny_vlm_config(arch: str) -> dict[str, Any]:
             "eos_token_id": ids[EOS_TOKEN],
             "tie_word_embeddings": False,
         }
+    if arch == "gemma4":
+        # mlx-lm's gemma4_text MoE (tests/arch_table.py's), its experts beside a dense MLP.
+        text = GEMMA4 | {
+            "model_type": "gemma4_text",
+            "num_hidden_layers": 2,
+            "hidden_size": HIDDEN,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "num_experts": 8,
+            "moe_intermediate_size": 32,
+            "vocab_size": VOCAB_SIZE,
+            "max_position_embeddings": 512,
+            "tie_word_embeddings": True,
+        }
+        vision = {
+            "model_type": "gemma4_vision",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "global_head_dim": 16,
+            "patch_size": 16,
+            "position_embedding_size": 64,
+            "pooling_kernel_size": 2,
+        }
+        return {
+            "model_type": arch,
+            "text_config": text,
+            "vision_config": vision,
+            "vocab_size": VOCAB_SIZE,
+            "hidden_size": HIDDEN,
+            "image_token_id": ids["<|image|>"],
+            "boi_token_id": ids["<start_of_image>"],
+            "eoi_token_id": ids["<end_of_image>"],
+            "audio_token_id": ids["<|audio|>"],
+            "video_token_id": ids["<|video|>"],
+            "eos_token_id": [ids[EOS_TOKEN]],
+            "tie_word_embeddings": True,
+        }
     raise ValueError(f"no tiny config for {arch!r} (known: {VLM_ARCHS})")
 
 
 def make_tiny_vlm(path: str | Path, arch: str = "qwen3_vl_moe", *, seed: int = 0) -> Path:
     """Write a tiny `arch` vision-language MoE model (float32) to `path`; return `path`."""
-    from mlx_vlm.utils import get_model_and_args
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = tiny_vlm_config(arch)
     module, _ = get_model_and_args(config)
-    model = module.Model(module.ModelConfig.from_dict(json.loads(json.dumps(config))))
+    # As mlx-vlm's `load` builds it: the text and vision parts as their own config classes.
+    model_config = module.ModelConfig.from_dict(json.loads(json.dumps(config)))
+    model = module.Model(update_module_configs(model_config, module, config, ["text", "vision"]))
     init_weights(model, seed)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=2))
+    if arch == "gemma4":
+        _write_gemma4_processor(path)
+    else:
+        _write_qwen_vl_processor(path, config["vision_config"])
+    return path
+
+
+def _write_qwen_vl_processor(path: Path, vision: dict[str, Any]) -> None:
     write_tokenizer(path, special_tokens=VLM_SPECIAL_TOKENS, chat_template=VLM_CHAT_TEMPLATE)
-    vision = config["vision_config"]
     (path / "preprocessor_config.json").write_text(
         json.dumps(
             {
@@ -180,7 +248,27 @@ def make_tiny_vlm(path: str | Path, arch: str = "qwen3_vl_moe", *, seed: int = 0
         )
     )
     (path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}))
-    return path
+
+
+def _write_gemma4_processor(path: Path) -> None:
+    """mlx-vlm's Gemma 4 processor's files: the tokenizer names its image tokens, and
+    an image becomes at most 16 soft tokens (2x2 patches of 16 pixels pooled into one)."""
+    write_tokenizer(path, special_tokens=_special_tokens("gemma4"), chat_template=GEMMA4_CHAT_TEMPLATE)
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    tokenizer_config["extra_special_tokens"] = {
+        "image_token": "<|image|>",
+        "boi_token": "<start_of_image>",
+        "eoi_token": "<end_of_image>",
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    (path / "processor_config.json").write_text(
+        json.dumps(
+            {
+                "processor_class": "Gemma4Processor",
+                "image_processor": {"patch_size": 16, "max_soft_tokens": 16, "pooling_kernel_size": 2},
+            }
+        )
+    )
 
 
 def image_array(seed: int = 0, size: tuple[int, int] = (48, 64)) -> np.ndarray:

@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 
 from ...shared import protocol as proto
 from ...shared.store_format import Manifest, StoreError
@@ -128,7 +129,6 @@ def load_vision(
     language model's from `weights` (the streamed model's resident arrays, shared);
     `quantize(model, weights)` quantizes it as the store's weights say, and
     `stream(model)` wraps its MoE layers' expert modules on the pools."""
-    from mlx.utils import tree_flatten
     from mlx_vlm.utils import load_processor
 
     arch, model_config = _vlm_classes(manifest.config)
@@ -143,6 +143,7 @@ def load_vision(
                 f"{store}: vision weights file {name} cannot be read ({e}); convert the store again"
             ) from e
     every = {**weights, **vision}
+    _drop_towers_without_weights(model, every)
     quantize(model, every)
     experts = tuple(
         f"{layer.module_path}.{t.name.rsplit('.', 1)[0]}." for layer in manifest.layers for t in layer.tensors
@@ -162,6 +163,17 @@ def load_vision(
         image_token_id=int(image_token_id),
         nbytes=sum(v.nbytes for v in vision.values()),
     )
+
+
+def _drop_towers_without_weights(model: nn.Module, weights: dict[str, mx.array]) -> None:
+    """Unset the model's top-level towers that `weights` has nothing of (gemma4's audio
+    tower in a checkpoint without one), as mlx-vlm's `load` does: the model then skips
+    them, and no weight of theirs is asked of the store."""
+    present = {k.partition(".")[0] for k in weights}
+    for name, child in list(model.items()):
+        if name != "language_model" and isinstance(child, nn.Module) and name not in present:
+            if tree_flatten(child.parameters()):
+                setattr(model, name, None)
 
 
 # ---- the prompt-check thread: no MLX --------------------------------------------------
