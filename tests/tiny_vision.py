@@ -17,13 +17,23 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from arch_table import GEMMA4
+from arch_table import ARCHS, GEMMA4
 from mlx.utils import tree_flatten
 from tiny_models import EOS_TOKEN, HIDDEN, SPECIAL_TOKENS, VOCAB_SIZE, init_weights, write_tokenizer
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 # Gemma 4's image, audio and video tokens (its processor's boi/image/eoi names).
 GEMMA4_TOKENS = ("<start_of_image>", "<|image|>", "<end_of_image>", "<|audio|>", "<|video|>")
+# Llama 4's: an image's tiles of patch tokens, between start and end, `<|image|>` before
+# its global tile (and the chat's placeholder).
+LLAMA4_TOKENS = (
+    "<|image_start|>",
+    "<|image|>",
+    "<|image_end|>",
+    "<|patch|>",
+    "<|tile_x_separator|>",
+    "<|tile_y_separator|>",
+)
 VLM_SPECIAL_TOKENS = SPECIAL_TOKENS + VISION_TOKENS
 
 
@@ -40,15 +50,15 @@ def _template(image: str) -> str:
 # Qwen-VL's (its processor expands the pad token) and Gemma 4's (its processor wraps
 # the image token in boi/eoi and repeats it).
 VLM_CHAT_TEMPLATE = _template("<|vision_start|><|image_pad|><|vision_end|>")
-GEMMA4_CHAT_TEMPLATE = _template("<|image|>")
+GEMMA4_CHAT_TEMPLATE = LLAMA4_CHAT_TEMPLATE = _template("<|image|>")
 # Vision MoE architectures of mlx-vlm with a tiny config here. Not yet: kimi_vl (mlx-lm
 # and mlx-vlm hold its MLA attention in other weights: kv_b_proj split or not, so the
 # vision side cannot run on the streamed model's arrays; convert makes a text-only store).
-VLM_ARCHS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4")
+VLM_ARCHS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4", "llama4")
 
 
 def _special_tokens(arch: str) -> tuple[str, ...]:
-    return SPECIAL_TOKENS + GEMMA4_TOKENS if arch == "gemma4" else VLM_SPECIAL_TOKENS
+    return SPECIAL_TOKENS + {"gemma4": GEMMA4_TOKENS, "llama4": LLAMA4_TOKENS}.get(arch, VISION_TOKENS)
 
 
 def _ids(arch: str) -> dict[str, int]:
@@ -204,6 +214,53 @@ def tiny_vlm_config(arch: str) -> dict[str, Any]:
             "eos_token_id": [ids[EOS_TOKEN]],
             "tie_word_embeddings": True,
         }
+    if arch == "llama4":
+        # mlx-lm's Llama 4 (tests/arch_table.py's: one expert a token beside a shared
+        # one, chunked attention), and a vision tower of 56-pixel tiles of 14-pixel
+        # patches (the processor's patch size), pixel-shuffled 2x2: 4 tokens a tile.
+        text = ARCHS["llama4"].fields | {
+            "model_type": "llama4_text",
+            "hidden_size": HIDDEN,
+            "intermediate_size": 32,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "num_local_experts": 8,
+            "no_rope_layers": [1, 1, 1, 0],
+            "rms_norm_eps": 1e-5,
+            "vocab_size": VOCAB_SIZE,
+            "max_position_embeddings": 512,
+            "rope_theta": 10000.0,
+            "attention_bias": False,
+        }
+        vision = {
+            "model_type": "llama4_vision_model",
+            "hidden_size": 32,
+            "image_size": 56,
+            "initializer_range": 0.02,
+            "intermediate_size": 128,  # the pixel-shuffled width: hidden_size / 0.5**2
+            "norm_eps": 1e-5,
+            "num_attention_heads": 2,
+            "num_channels": 3,
+            "num_hidden_layers": 2,
+            "patch_size": 14,
+            "pixel_shuffle_ratio": 0.5,
+            "projector_dropout": 0.0,
+            "projector_input_dim": HIDDEN,
+            "projector_output_dim": HIDDEN,
+            "rope_theta": 10000.0,
+            "vision_feature_layer": -1,
+            "vision_feature_select_strategy": "default",
+            "vision_output_dim": HIDDEN,
+        }
+        return {
+            "model_type": arch,
+            "text_config": text,
+            "vision_config": vision,
+            "image_token_index": ids["<|patch|>"],
+            "eos_token_id": [ids[EOS_TOKEN]],
+            "tie_word_embeddings": False,
+        }
     raise ValueError(f"no tiny config for {arch!r} (known: {VLM_ARCHS})")
 
 
@@ -224,6 +281,13 @@ def make_tiny_vlm(path: str | Path, arch: str = "qwen3_vl_moe", *, seed: int = 0
     (path / "config.json").write_text(json.dumps(config, indent=2))
     if arch == "gemma4":
         _write_gemma4_processor(path)
+    elif arch == "llama4":
+        write_tokenizer(path, special_tokens=_special_tokens(arch), chat_template=LLAMA4_CHAT_TEMPLATE)
+        # Tiles of 56 pixels, at most 4 of them besides the global one.
+        (path / "preprocessor_config.json").write_text(
+            json.dumps({"processor_class": "Llama4Processor", "size": {"height": 56, "width": 56}, "max_patches": 4})
+        )
+        (path / "processor_config.json").write_text(json.dumps({"processor_class": "Llama4Processor"}))
     else:
         _write_qwen_vl_processor(path, config["vision_config"])
     return path

@@ -212,7 +212,13 @@ def image_key(ids: Sequence[int], image_token_id: int, digests: Sequence[bytes])
     trie takes them: `ids` with the tokens of the i-th image (each maximal run of
     `image_token_id`) replaced by ids drawn from `digests[i]` and the token's place in
     it, and a text token first made negative (-1 - t), so that no key of a prompt with
-    images is a text prompt's (whose KV the mlx-lm model computed)."""
+    images is a text prompt's (whose KV the mlx-lm model computed).
+
+    An image in several runs (Llama 4's tiles, split by separator tokens) has its later
+    runs keyed by the next images' digests: no two prompts with other images share a
+    key all the same (image i's digest keys run i, at or before the image's first
+    token), but a turn that adds an image reuses the earlier ones' KV up to the end of
+    their i-th run only."""
     key = []
     image, place = -1, 0
     previous = None
