@@ -115,11 +115,16 @@ def test_convert_keeps_the_vision_tower_resident(vlm):
     manifest = load_manifest(store)
     assert manifest.takes_images and manifest.vision_files == (VISION_FILE,)
     source = set(mx.load(str(src / "model.safetensors")))
-    # The vision tower and projector (whatever the model names them), nothing of the language model's.
-    names = set(mx.load(str(store / VISION_FILE)))
-    assert names and names == {n for n in source if not n.startswith("language_model.")}
-    # The language model's experts are in the expert store, not among the resident weights.
     resident = set().union(*(mx.load(str(store / f)).keys() for f in manifest.resident_files))
+    # The vision tower and projector (whatever the model names them), and of the language
+    # model's weights only those mlx-lm holds in others: kimi_vl's attention's kv_b_proj
+    # (split into embed_q and unembed_out among the resident weights), no other arch's.
+    names = set(mx.load(str(store / VISION_FILE)))
+    own = {n for n in source if n.startswith("language_model.") and "kv_b_proj" in n}
+    assert names and names == {n for n in source if not n.startswith("language_model.")} | own
+    assert bool(own) == (manifest.model_type == "kimi_vl") and not own & resident
+    assert {n.replace("kv_b_proj", part) for n in own for part in ("embed_q", "unembed_out")} <= resident
+    # The language model's experts are in the expert store, not among the resident weights.
     # Each MoE layer's stacked experts (Qwen's mlp.switch_mlp, Gemma 4's experts.switch_glu,
     # Llama 4's feed_forward.experts; not a shared expert), by the module that holds them.
     experts = {n.rsplit(".", 2)[0] for n in source if re.search(r"\.(experts|switch_mlp|switch_glu)\.", n)}

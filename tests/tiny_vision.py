@@ -1,7 +1,9 @@
 """Tiny vision-language MoE models, built from mlx-vlm's own classes.
 
 `make_tiny_vlm(path, arch)` writes a folder that both `mlx_vlm.load(path)` and
-`mlx_lm.load(path)` (the language model alone) load: a `config.json` of mlx-vlm's
+`mlx_lm.load(path)` (the language model alone) load, or, kimi_vl's, moestream's convert
+(stock mlx-lm refuses its attention's `kv_b_proj`, which convert splits as mlx-lm's
+deepseek_v3 does, daemon/store/convert.py): a `config.json` of mlx-vlm's
 `ModelConfig`, the weights of mlx-vlm's `Model` (float32: the CPU runs gather_mm only
 in float32) in its own layout, the tiny byte-level BPE tokenizer of tests/tiny_models.py
 with the model's vision tokens, a chat template that places `{"type": "image"}` parts,
@@ -34,6 +36,9 @@ LLAMA4_TOKENS = (
     "<|tile_x_separator|>",
     "<|tile_y_separator|>",
 )
+# Kimi-VL's: an image's pad token (its processor repeats it, one per 2x2 merged patches)
+# inside the media markers of its chat template.
+KIMI_VL_TOKENS = ("<|media_start|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>")
 VLM_SPECIAL_TOKENS = SPECIAL_TOKENS + VISION_TOKENS
 
 
@@ -51,14 +56,14 @@ def _template(image: str) -> str:
 # the image token in boi/eoi and repeats it).
 VLM_CHAT_TEMPLATE = _template("<|vision_start|><|image_pad|><|vision_end|>")
 GEMMA4_CHAT_TEMPLATE = LLAMA4_CHAT_TEMPLATE = _template("<|image|>")
-# Vision MoE architectures of mlx-vlm with a tiny config here. Not yet: kimi_vl (mlx-lm
-# and mlx-vlm hold its MLA attention in other weights: kv_b_proj split or not, so the
-# vision side cannot run on the streamed model's arrays; convert makes a text-only store).
-VLM_ARCHS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4", "llama4")
+KIMI_VL_CHAT_TEMPLATE = _template("<|media_start|>image<|media_content|><|media_pad|><|media_end|>")
+# Vision MoE architectures of mlx-vlm with a tiny config here.
+VLM_ARCHS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4", "llama4", "kimi_vl")
 
 
 def _special_tokens(arch: str) -> tuple[str, ...]:
-    return SPECIAL_TOKENS + {"gemma4": GEMMA4_TOKENS, "llama4": LLAMA4_TOKENS}.get(arch, VISION_TOKENS)
+    own = {"gemma4": GEMMA4_TOKENS, "llama4": LLAMA4_TOKENS, "kimi_vl": KIMI_VL_TOKENS}
+    return SPECIAL_TOKENS + own.get(arch, VISION_TOKENS)
 
 
 def _ids(arch: str) -> dict[str, int]:
@@ -261,6 +266,61 @@ def tiny_vlm_config(arch: str) -> dict[str, Any]:
             "eos_token_id": [ids[EOS_TOKEN]],
             "tie_word_embeddings": False,
         }
+    if arch == "kimi_vl":
+        # mlx-lm's kimi_vl, a deepseek_v3 language model (MLA attention, sigmoid routing
+        # with a shared expert, every layer MoE), and MoonViT: 14-pixel patches merged
+        # 2x2, so the 48x64 test image (cropped to 28x56) is 2 image tokens.
+        text = {
+            "model_type": "deepseek_v3",
+            "vocab_size": VOCAB_SIZE,
+            "hidden_size": HIDDEN,
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "n_shared_experts": 1,
+            "n_routed_experts": 8,
+            "routed_scaling_factor": 2.5,
+            "kv_lora_rank": 32,
+            "q_lora_rank": 64,
+            "qk_rope_head_dim": 16,
+            "v_head_dim": 32,
+            "qk_nope_head_dim": 32,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "norm_topk_prob": True,
+            "n_group": 1,
+            "topk_group": 1,
+            "num_experts_per_tok": 2,
+            "moe_layer_freq": 1,
+            "first_k_dense_replace": 0,
+            "max_position_embeddings": 512,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+        }
+        vision = {
+            "model_type": "moonvit",
+            "depth": 2,
+            "embed_dim": 32,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "patch_size": 14,
+            "init_pos_emb_height": 8,
+            "init_pos_emb_width": 8,
+            "merge_kernel_size": [2, 2],
+        }
+        return {
+            "model_type": arch,
+            "text_config": text,
+            "vision_config": vision,
+            "vocab_size": VOCAB_SIZE,
+            "media_placeholder_token_id": ids["<|media_pad|>"],
+            "eos_token_id": [ids[EOS_TOKEN]],
+            "tie_word_embeddings": False,
+        }
     raise ValueError(f"no tiny config for {arch!r} (known: {VLM_ARCHS})")
 
 
@@ -288,6 +348,10 @@ def make_tiny_vlm(path: str | Path, arch: str = "qwen3_vl_moe", *, seed: int = 0
             json.dumps({"processor_class": "Llama4Processor", "size": {"height": 56, "width": 56}, "max_patches": 4})
         )
         (path / "processor_config.json").write_text(json.dumps({"processor_class": "Llama4Processor"}))
+    elif arch == "kimi_vl":
+        # Its processor reads the patch and merge sizes from config.json's vision_config.
+        write_tokenizer(path, special_tokens=_special_tokens(arch), chat_template=KIMI_VL_CHAT_TEMPLATE)
+        (path / "processor_config.json").write_text(json.dumps({"processor_class": "KimiVLProcessor"}))
     else:
         _write_qwen_vl_processor(path, config["vision_config"])
     return path

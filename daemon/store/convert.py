@@ -1,8 +1,9 @@
 """`moestreamctl convert`: an mlx-lm model folder -> an expert store.
 
 The model is opened with mlx-lm's own loader (`load_model(lazy=True)`), so weights are
-sanitized and quantized exactly as stock mlx-lm would; nothing is read until a tensor is
-evaluated. The stacked expert tensors are then written one MoE layer at a time and
+sanitized and quantized exactly as stock mlx-lm would (kimi_vl's, which stock mlx-lm
+cannot load, with its attention split as mlx-lm's deepseek_v3 splits it); nothing is
+read until a tensor is evaluated. The stacked expert tensors are then written one MoE layer at a time and
 dropped, and the resident weights go out in bounded files, so memory stays near one
 layer whatever the model's size.
 
@@ -172,7 +173,7 @@ def _load(model_dir: Path, mtp_sink: dict[str, mx.array], sanitize_input: Saniti
 
     from ..model.mtp_head import classes_keeping_mtp
 
-    get = classes_keeping_mtp(mtp_sink)
+    get = _splitting_kimi_vl_attention(classes_keeping_mtp(mtp_sink))
     if sanitize_input is not None:
         get = _showing_sanitize_input(get, sanitize_input)
     try:
@@ -200,15 +201,53 @@ def _showing_sanitize_input(get: Callable, sanitize_input: SanitizeInputFn) -> C
     return classes
 
 
+def _splitting_kimi_vl_attention(get: Callable) -> Callable:
+    """`get` (a `get_model_classes`) whose kimi_vl model, after its own sanitize, splits
+    each attention's `kv_b_proj` into the `embed_q` and `unembed_out` its layers hold, by
+    mlx-lm's deepseek_v3 sanitize. kimi_vl's language model is mlx-lm's DeepseekV3Model,
+    but its sanitize only stacks the experts: stock mlx-lm refuses a Kimi-VL checkpoint,
+    whose attention keeps `kv_b_proj` (mlx-lm 0.32, its main branch as of August 2026)."""
+
+    def classes(config: dict) -> tuple[type, type]:
+        model_class, args_class = get(config)
+        if config.get("model_type") != "kimi_vl":
+            return model_class, args_class
+
+        class SplitAttention(model_class):  # type: ignore[misc, valid-type]
+            def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+                from types import SimpleNamespace
+
+                from mlx_lm.models import deepseek_v3
+
+                weights = super().sanitize(weights)
+                prefix = "language_model."
+                attention = [k for k in weights if k.startswith(prefix) and ".self_attn.kv_b_proj." in k]
+                if attention:
+                    text = SimpleNamespace(args=self.args.text_config)
+                    split = deepseek_v3.Model.sanitize(text, {k[len(prefix) :]: weights.pop(k) for k in attention})
+                    weights.update((prefix + k, v) for k, v in split.items())
+                return weights
+
+        SplitAttention.__name__ = model_class.__name__
+        return SplitAttention, args_class
+
+    return classes
+
+
 def vision_weights(
     model_dir: Path, config: dict[str, Any], resident: list[tuple[str, mx.array]], layers: list[SwitchLayer]
 ) -> list[tuple[str, mx.array]]:
-    """The vision tower and projector of a vision-language model (its config has a
-    `vision_config`), as stock mlx-vlm loads them (sanitized, quantized where the folder
-    is): every weight of mlx-vlm's model but its language model's, lazily. Empty for a
-    text-only model, one mlx-vlm does not know, or one whose language model mlx-vlm holds
-    in other weights than mlx-lm's `resident` ones (kimi_vl's attention: the vision side
-    runs on the streamed model's arrays): the store then takes no images."""
+    """The weights a vision-language model (its config has a `vision_config`) needs beside
+    mlx-lm's `resident` ones and its experts, as stock mlx-vlm loads them (sanitized,
+    quantized where the folder is), lazily: the vision tower and projector, and those of
+    mlx-vlm's language model that mlx-lm holds in other weights (kimi_vl's attention keeps
+    `kv_b_proj`, which the mlx-lm model holds split in two). The vision side runs on these and shares the
+    rest of the language model with the streamed one.
+
+    Empty, and the store takes no images, for a text-only model, one mlx-vlm does not
+    know, or one the vision side cannot share the streamed model with: a weight both
+    name but hold in another shape or dtype, or one mlx-vlm needs inside a module the
+    expert store holds (its experts in a layout other than mlx-lm's)."""
     if not config.get("vision_config"):
         return []
     from mlx_vlm.utils import load_model as load_vlm
@@ -219,10 +258,20 @@ def vision_weights(
         return []
     flat = tree_flatten(model.parameters())
     experts = {n for layer in layers for n in layer.parameter_names()}
-    language = {n for n, _ in flat if n.startswith("language_model.") and n not in experts}
-    if not language <= {n for n, _ in resident}:
-        return []
-    return [(n, a) for n, a in flat if not n.startswith("language_model.")]
+    streamed = tuple(f"{layer.module_path}." for layer in layers)
+    shared = dict(resident)
+    own = []
+    for n, a in flat:
+        if not n.startswith("language_model."):
+            own.append((n, a))
+        elif n in shared:
+            if shared[n].shape != a.shape or shared[n].dtype != a.dtype:
+                return []
+        elif n not in experts:
+            if n.startswith(streamed):
+                return []
+            own.append((n, a))
+    return own
 
 
 @dataclass
