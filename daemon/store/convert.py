@@ -3,9 +3,9 @@
 The model is opened with mlx-lm's own loader (`load_model(lazy=True)`), so weights are
 sanitized and quantized exactly as stock mlx-lm would (kimi_vl's, which stock mlx-lm
 cannot load, with its attention split as mlx-lm's deepseek_v3 splits it); nothing is
-read until a tensor is evaluated. The stacked expert tensors are then written one MoE layer at a time and
-dropped, and the resident weights go out in bounded files, so memory stays near one
-layer whatever the model's size.
+read until a tensor is evaluated. The stacked expert tensors are then written one MoE
+layer at a time and dropped, and the resident weights go out in bounded files, so memory
+stays near one layer whatever the model's size.
 
 The store is built in a hidden sibling folder and renamed into place at the end: an
 interrupted convert leaves no half store behind, and a later run cleans up after it.
@@ -241,8 +241,8 @@ def vision_weights(
     mlx-lm's `resident` ones and its experts, as stock mlx-vlm loads them (sanitized,
     quantized where the folder is), lazily: the vision tower and projector, and those of
     mlx-vlm's language model that mlx-lm holds in other weights (kimi_vl's attention keeps
-    `kv_b_proj`, which the mlx-lm model holds split in two). The vision side runs on these and shares the
-    rest of the language model with the streamed one.
+    `kv_b_proj`, which the mlx-lm model holds split in two). The vision side runs on
+    these and shares the rest of the language model with the streamed one.
 
     Empty, and the store takes no images, for a text-only model, one mlx-vlm does not
     know, or one the vision side cannot share the streamed model with: a weight both
