@@ -61,6 +61,18 @@ KIMI_VL_CHAT_TEMPLATE = _template("<|media_start|>image<|media_content|><|media_
 VLM_ARCHS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4", "llama4", "kimi_vl")
 
 
+# The language models' common tiny sizes (each arch adds its own fields).
+TEXT = {
+    "num_hidden_layers": 2,
+    "hidden_size": HIDDEN,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": 512,
+}
+
+
 def _special_tokens(arch: str) -> tuple[str, ...]:
     own = {"gemma4": GEMMA4_TOKENS, "llama4": LLAMA4_TOKENS, "kimi_vl": KIMI_VL_TOKENS}
     return SPECIAL_TOKENS + own.get(arch, VISION_TOKENS)
@@ -74,23 +86,16 @@ def tiny_vlm_config(arch: str) -> dict[str, Any]:
     """The config.json of a tiny `arch` vision-language MoE model."""
     ids = _ids(arch)
     if arch == "qwen3_vl_moe":
-        text = {
+        text = TEXT | {
             "model_type": "qwen3_vl_moe_text",
-            "num_hidden_layers": 2,
-            "hidden_size": HIDDEN,
             "intermediate_size": 128,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
             "num_experts": 8,
             "num_experts_per_tok": 2,
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
             "moe_intermediate_size": 32,
             "rms_norm_eps": 1e-6,
-            "vocab_size": VOCAB_SIZE,
             "rope_theta": 10000.0,
-            "max_position_embeddings": 512,
             "norm_topk_prob": True,
             # Sections of head_dim / 2 (time, height, width), interleaved as Qwen3-VL's.
             "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
@@ -122,13 +127,8 @@ def tiny_vlm_config(arch: str) -> dict[str, Any]:
             "tie_word_embeddings": False,
         }
     if arch == "qwen3_5_moe":
-        text = {
+        text = TEXT | {
             "model_type": "qwen3_5_moe_text",
-            "num_hidden_layers": 2,
-            "hidden_size": HIDDEN,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
             "linear_num_value_heads": 4,
             "linear_num_key_heads": 2,
             "linear_key_head_dim": 16,
@@ -139,8 +139,6 @@ def tiny_vlm_config(arch: str) -> dict[str, Any]:
             "shared_expert_intermediate_size": 64,
             "moe_intermediate_size": 32,
             "rms_norm_eps": 1e-6,
-            "vocab_size": VOCAB_SIZE,
-            "max_position_embeddings": 512,
             "full_attention_interval": 2,
             "tie_word_embeddings": False,
             # A rotary part of 8 of head_dim 16, its 4 frequencies in (time, height, width) sections.
@@ -178,20 +176,17 @@ def tiny_vlm_config(arch: str) -> dict[str, Any]:
         }
     if arch == "gemma4":
         # mlx-lm's gemma4_text MoE (tests/arch_table.py's), its experts beside a dense MLP.
-        text = GEMMA4 | {
-            "model_type": "gemma4_text",
-            "num_hidden_layers": 2,
-            "hidden_size": HIDDEN,
-            "intermediate_size": 128,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "num_experts": 8,
-            "moe_intermediate_size": 32,
-            "vocab_size": VOCAB_SIZE,
-            "max_position_embeddings": 512,
-            "tie_word_embeddings": True,
-        }
+        text = (
+            TEXT
+            | GEMMA4
+            | {
+                "model_type": "gemma4_text",
+                "intermediate_size": 128,
+                "num_experts": 8,
+                "moe_intermediate_size": 32,
+                "tie_word_embeddings": True,
+            }
+        )
         vision = {
             "model_type": "gemma4_vision",
             "hidden_size": 32,
@@ -223,21 +218,19 @@ def tiny_vlm_config(arch: str) -> dict[str, Any]:
         # mlx-lm's Llama 4 (tests/arch_table.py's: one expert a token beside a shared
         # one, chunked attention), and a vision tower of 56-pixel tiles of 14-pixel
         # patches (the processor's patch size), pixel-shuffled 2x2: 4 tokens a tile.
-        text = ARCHS["llama4"].fields | {
-            "model_type": "llama4_text",
-            "hidden_size": HIDDEN,
-            "intermediate_size": 32,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "num_local_experts": 8,
-            "no_rope_layers": [1, 1, 1, 0],
-            "rms_norm_eps": 1e-5,
-            "vocab_size": VOCAB_SIZE,
-            "max_position_embeddings": 512,
-            "rope_theta": 10000.0,
-            "attention_bias": False,
-        }
+        text = (
+            TEXT
+            | ARCHS["llama4"].fields
+            | {
+                "model_type": "llama4_text",
+                "intermediate_size": 32,
+                "num_local_experts": 8,
+                "no_rope_layers": [1, 1, 1, 0],
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0,
+                "attention_bias": False,
+            }
+        )
         vision = {
             "model_type": "llama4_vision_model",
             "hidden_size": 32,
@@ -270,14 +263,10 @@ def tiny_vlm_config(arch: str) -> dict[str, Any]:
         # mlx-lm's kimi_vl, a deepseek_v3 language model (MLA attention, sigmoid routing
         # with a shared expert, every layer MoE), and MoonViT: 14-pixel patches merged
         # 2x2, so the 48x64 test image (cropped to 28x56) is 2 image tokens.
-        text = {
+        text = TEXT | {
             "model_type": "deepseek_v3",
-            "vocab_size": VOCAB_SIZE,
-            "hidden_size": HIDDEN,
             "intermediate_size": 128,
             "moe_intermediate_size": 32,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
             "num_key_value_heads": 4,
             "n_shared_experts": 1,
             "n_routed_experts": 8,
@@ -295,7 +284,6 @@ def tiny_vlm_config(arch: str) -> dict[str, Any]:
             "num_experts_per_tok": 2,
             "moe_layer_freq": 1,
             "first_k_dense_replace": 0,
-            "max_position_embeddings": 512,
             "rms_norm_eps": 1e-6,
             "rope_theta": 10000.0,
             "tie_word_embeddings": False,
