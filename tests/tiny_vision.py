@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 from arch_table import ARCHS, GEMMA4
 from mlx.utils import tree_flatten
-from tiny_models import EOS_TOKEN, HIDDEN, SPECIAL_TOKENS, VOCAB_SIZE, init_weights, write_tokenizer
+from tiny_models import EOS_TOKEN, HIDDEN, SPECIAL_TOKENS, VOCAB_SIZE, init_weights, tiny_config, write_tokenizer
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 # Gemma 4's image, audio and video tokens (its processor's boi/image/eoi names).
@@ -260,32 +260,17 @@ def tiny_vlm_config(arch: str) -> dict[str, Any]:
             "tie_word_embeddings": False,
         }
     if arch == "kimi_vl":
-        # mlx-lm's kimi_vl, a deepseek_v3 language model (MLA attention, sigmoid routing
-        # with a shared expert, every layer MoE), and MoonViT: 14-pixel patches merged
-        # 2x2, so the 48x64 test image (cropped to 28x56) is 2 image tokens.
-        text = TEXT | {
-            "model_type": "deepseek_v3",
-            "intermediate_size": 128,
-            "moe_intermediate_size": 32,
-            "num_key_value_heads": 4,
-            "n_shared_experts": 1,
+        # mlx-lm's kimi_vl, a deepseek_v3 language model (tests/tiny_models.py's: MLA
+        # attention, sigmoid routing with a shared expert), every layer MoE here, and
+        # MoonViT: 14-pixel patches merged 2x2, so the 48x64 test image (cropped to
+        # 28x56) is 2 image tokens.
+        text = tiny_config("deepseek_v3") | {
+            "num_hidden_layers": 2,
             "n_routed_experts": 8,
-            "routed_scaling_factor": 2.5,
-            "kv_lora_rank": 32,
-            "q_lora_rank": 64,
-            "qk_rope_head_dim": 16,
-            "v_head_dim": 32,
-            "qk_nope_head_dim": 32,
-            "topk_method": "noaux_tc",
-            "scoring_func": "sigmoid",
-            "norm_topk_prob": True,
             "n_group": 1,
             "topk_group": 1,
             "num_experts_per_tok": 2,
-            "moe_layer_freq": 1,
             "first_k_dense_replace": 0,
-            "rms_norm_eps": 1e-6,
-            "rope_theta": 10000.0,
             "tie_word_embeddings": False,
         }
         vision = {
