@@ -1161,8 +1161,3 @@ def decode_reply(data: bytes) -> Reply:
         return cls(id=rid, **values)
     except (TypeError, KeyError, ValueError) as e:
         raise ProtocolError(BAD_MESSAGE, f"malformed {cls.TYPE} reply: {e}", rid) from None
-
-
-def error_reply(request_id: str, code: str, message: str) -> bytes:
-    """An encoded `error` message."""
-    return encode(Error(id=request_id, code=code, message=message))

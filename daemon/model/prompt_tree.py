@@ -28,11 +28,6 @@ from mlx_lm.models.cache import KVCache
 Rows = tuple[mx.array, mx.array]
 
 
-def chunked_layers(cache: Sequence[Any]) -> list[bool]:
-    """Per layer: kept as rows (a plain KVCache), or as snapshots."""
-    return [type(c) is KVCache for c in cache]
-
-
 def sequence_bytes(cache: Sequence[Any], tokens: int) -> int:
     """Bytes `cache`'s first `tokens` positions take once kept (rows, and the other
     layers whole)."""

@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple
 
 from ...shared.heat_file import group_usage, peek_usage, read_usage, usage_path
-from ...shared.settings import Settings, format_size
+from ...shared.settings import Settings, demo_store_path, format_size
 from ...shared.store_format import MANIFEST_NAME, POOL_REUSE_NAME, Manifest, load_manifest
 from ..pool.capacity import (
     ContextLimit,
@@ -468,7 +468,7 @@ def _peek_table(path: Path) -> tuple[dict[int, dict[int, int]], int, str]:
 def _shipped_with_the_demo(manifest: Manifest, shipped: Path) -> tuple[dict[int, dict[int, int]], int]:
     """What the package ships for the demo store (`shipped`), where `manifest` is the
     demo's; ({}, 0) for any other store."""
-    demo = load_manifest(Path(__file__).resolve().parent.parent / "demo" / "store")
+    demo = load_manifest(demo_store_path())
     if manifest.store_id != demo.store_id or not shipped.is_file():
         return {}, 0
     load = read_usage(shipped)
