@@ -117,12 +117,13 @@ def test_convert_keeps_the_vision_tower_resident(vlm):
     source = set(mx.load(str(src / "model.safetensors")))
     resident = set().union(*(mx.load(str(store / f)).keys() for f in manifest.resident_files))
     # The vision tower and projector (whatever the model names them), and of the language
-    # model's weights only those mlx-lm holds in others: kimi_vl's attention's kv_b_proj
-    # (split into embed_q and unembed_out among the resident weights), no other arch's.
+    # model's weights only those mlx-lm holds in others: the MLA attention's kv_b_proj of
+    # kimi_vl and mistral3 (Mistral 4), split into embed_q and unembed_out among the
+    # resident weights; no other arch's.
     names = set(mx.load(str(store / VISION_FILE)))
     own = {n for n in source if n.startswith("language_model.") and "kv_b_proj" in n}
     assert names and names == {n for n in source if not n.startswith("language_model.")} | own
-    assert bool(own) == (manifest.model_type == "kimi_vl") and not own & resident
+    assert bool(own) == (manifest.model_type in ("kimi_vl", "mistral3")) and not own & resident
     assert {n.replace("kv_b_proj", part) for n in own for part in ("embed_q", "unembed_out")} <= resident
     # The language model's experts are in the expert store, not among the resident weights.
     # Each MoE layer's stacked experts (Qwen's mlp.switch_mlp, Gemma 4's experts.switch_glu,

@@ -19,7 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from arch_table import ARCHS, GEMMA4
+from arch_table import ARCHS, GEMMA4, MISTRAL4
 from mlx.utils import tree_flatten
 from tiny_models import EOS_TOKEN, HIDDEN, SPECIAL_TOKENS, VOCAB_SIZE, init_weights, tiny_config, write_tokenizer
 
@@ -39,6 +39,9 @@ LLAMA4_TOKENS = (
 # Kimi-VL's: an image's pad token (its processor repeats it, one per 2x2 merged patches)
 # inside the media markers of its chat template.
 KIMI_VL_TOKENS = ("<|media_start|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>")
+# Mistral 3's (Pixtral's): an image's rows of patch tokens, each row but the last ended by
+# a break token, the image by an end token; the chat's placeholder is the patch token.
+MISTRAL3_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
 VLM_SPECIAL_TOKENS = SPECIAL_TOKENS + VISION_TOKENS
 
 
@@ -57,8 +60,9 @@ def _template(image: str) -> str:
 VLM_CHAT_TEMPLATE = _template("<|vision_start|><|image_pad|><|vision_end|>")
 GEMMA4_CHAT_TEMPLATE = LLAMA4_CHAT_TEMPLATE = _template("<|image|>")
 KIMI_VL_CHAT_TEMPLATE = _template("<|media_start|>image<|media_content|><|media_pad|><|media_end|>")
+MISTRAL3_CHAT_TEMPLATE = _template("[IMG]")
 # Vision MoE architectures of mlx-vlm with a tiny config here.
-VLM_ARCHS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4", "llama4", "kimi_vl")
+VLM_ARCHS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4", "llama4", "kimi_vl", "mistral3")
 
 
 # The language models' common tiny sizes (each arch adds its own fields).
@@ -74,7 +78,7 @@ TEXT = {
 
 
 def _special_tokens(arch: str) -> tuple[str, ...]:
-    own = {"gemma4": GEMMA4_TOKENS, "llama4": LLAMA4_TOKENS, "kimi_vl": KIMI_VL_TOKENS}
+    own = {"gemma4": GEMMA4_TOKENS, "llama4": LLAMA4_TOKENS, "kimi_vl": KIMI_VL_TOKENS, "mistral3": MISTRAL3_TOKENS}
     return SPECIAL_TOKENS + own.get(arch, VISION_TOKENS)
 
 
@@ -294,6 +298,48 @@ def tiny_vlm_config(arch: str) -> dict[str, Any]:
             "eos_token_id": [ids[EOS_TOKEN]],
             "tie_word_embeddings": False,
         }
+    if arch == "mistral3":
+        # mlx-lm's mistral3 around mistral4 (tests/arch_table.py's: a deepseek_v3-like
+        # MoE with MLA attention and Llama 4's attention scaling), every layer MoE, and
+        # Pixtral's vision tower: 14-pixel patches merged 2x2, so the 48x64 test image
+        # (resized into 56 pixels and padded to 28-pixel tiles: 56x56) is 2x2 image tokens.
+        text = (
+            tiny_config("deepseek_v3")
+            | MISTRAL4
+            | {
+                "model_type": "mistral4",
+                "num_hidden_layers": 2,
+                "n_routed_experts": 8,
+                "n_group": 1,
+                "topk_group": 1,
+                "num_experts_per_tok": 2,
+                "first_k_dense_replace": 0,
+                "routed_scaling_factor": 1.0,
+                "tie_word_embeddings": False,
+            }
+        )
+        vision = {
+            "model_type": "pixtral",
+            "num_hidden_layers": 2,
+            "hidden_size": 32,
+            "head_dim": 16,
+            "intermediate_size": 64,
+            "num_attention_heads": 2,
+            "image_size": 56,
+            "patch_size": 14,
+            "rope_theta": 10000.0,
+        }
+        return {
+            "model_type": arch,
+            "text_config": text,
+            "vision_config": vision,
+            "image_token_index": ids["[IMG]"],
+            "spatial_merge_size": 2,
+            "vision_feature_layer": -1,
+            "multimodal_projector_bias": False,
+            "eos_token_id": [ids[EOS_TOKEN]],
+            "tie_word_embeddings": False,
+        }
     raise ValueError(f"no tiny config for {arch!r} (known: {VLM_ARCHS})")
 
 
@@ -325,6 +371,14 @@ def make_tiny_vlm(path: str | Path, arch: str = "qwen3_vl_moe", *, seed: int = 0
         # Its processor reads the patch and merge sizes from config.json's vision_config.
         write_tokenizer(path, special_tokens=_special_tokens(arch), chat_template=KIMI_VL_CHAT_TEMPLATE)
         (path / "processor_config.json").write_text(json.dumps({"processor_class": "KimiVLProcessor"}))
+    elif arch == "mistral3":
+        # Its processor reads the patch size from config.json's vision_config and the
+        # merge size from its spatial_merge_size; images fit in 56 pixels.
+        write_tokenizer(path, special_tokens=_special_tokens(arch), chat_template=MISTRAL3_CHAT_TEMPLATE)
+        (path / "preprocessor_config.json").write_text(
+            json.dumps({"image_processor_type": "PixtralImageProcessor", "size": {"longest_edge": 56}})
+        )
+        (path / "processor_config.json").write_text(json.dumps({"processor_class": "Mistral3Processor"}))
     else:
         _write_qwen_vl_processor(path, config["vision_config"])
     return path

@@ -240,8 +240,9 @@ def vision_weights(
     """The weights a vision-language model (its config has a `vision_config`) needs beside
     mlx-lm's `resident` ones and its experts, as stock mlx-vlm loads them (sanitized,
     quantized where the folder is), lazily: the vision tower and projector, and those of
-    mlx-vlm's language model that mlx-lm holds in other weights (kimi_vl's attention keeps
-    `kv_b_proj`, which the mlx-lm model holds split in two). The vision side runs on
+    mlx-vlm's language model that mlx-lm holds in other weights (the MLA attention of
+    kimi_vl and of mistral3's Mistral 4 keeps `kv_b_proj`, which the mlx-lm model holds
+    split in two, `embed_q` and `unembed_out`). The vision side runs on
     these and shares the rest of the language model with the streamed one.
 
     Empty, and the store takes no images, for a text-only model, one mlx-vlm does not
