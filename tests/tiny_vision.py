@@ -36,8 +36,8 @@ LLAMA4_TOKENS = (
     "<|tile_x_separator|>",
     "<|tile_y_separator|>",
 )
-# Kimi-VL's: an image's pad token (its processor repeats it, one per 2x2 merged patches)
-# inside the media markers of its chat template.
+# Kimi-VL's and Kimi K2.5's: an image's pad token (their processors repeat it, one per
+# 2x2 merged patches) inside the media markers of the chat template.
 KIMI_VL_TOKENS = ("<|media_start|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>")
 # Mistral 3's (Pixtral's): an image's rows of patch tokens, each row but the last ended by
 # a break token, the image by an end token; the chat's placeholder is the patch token.
@@ -62,7 +62,7 @@ GEMMA4_CHAT_TEMPLATE = LLAMA4_CHAT_TEMPLATE = _template("<|image|>")
 KIMI_VL_CHAT_TEMPLATE = _template("<|media_start|>image<|media_content|><|media_pad|><|media_end|>")
 MISTRAL3_CHAT_TEMPLATE = _template("[IMG]")
 # Vision MoE architectures of mlx-vlm with a tiny config here.
-VLM_ARCHS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4", "llama4", "kimi_vl", "mistral3")
+VLM_ARCHS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4", "llama4", "kimi_vl", "mistral3", "kimi_k25")
 
 
 # The language models' common tiny sizes (each arch adds its own fields).
@@ -78,7 +78,13 @@ TEXT = {
 
 
 def _special_tokens(arch: str) -> tuple[str, ...]:
-    own = {"gemma4": GEMMA4_TOKENS, "llama4": LLAMA4_TOKENS, "kimi_vl": KIMI_VL_TOKENS, "mistral3": MISTRAL3_TOKENS}
+    own = {
+        "gemma4": GEMMA4_TOKENS,
+        "llama4": LLAMA4_TOKENS,
+        "kimi_vl": KIMI_VL_TOKENS,
+        "mistral3": MISTRAL3_TOKENS,
+        "kimi_k25": KIMI_VL_TOKENS,
+    }
     return SPECIAL_TOKENS + own.get(arch, VISION_TOKENS)
 
 
@@ -340,6 +346,12 @@ def tiny_vlm_config(arch: str) -> dict[str, Any]:
             "eos_token_id": [ids[EOS_TOKEN]],
             "tie_word_embeddings": False,
         }
+    if arch == "kimi_k25":
+        # Kimi-VL's config: mlx-lm's kimi_k25 is a deepseek_v3 language model too (but
+        # mlx-vlm's runs its attention absorbed, as mlx-lm's does), and K2.5's MoonViT
+        # takes the same fields; its processor pads the 48x64 test image to 56x84 (4x6
+        # patches), 6 image tokens.
+        return tiny_vlm_config("kimi_vl") | {"model_type": arch}
     raise ValueError(f"no tiny config for {arch!r} (known: {VLM_ARCHS})")
 
 
@@ -371,6 +383,14 @@ def make_tiny_vlm(path: str | Path, arch: str = "qwen3_vl_moe", *, seed: int = 0
         # Its processor reads the patch and merge sizes from config.json's vision_config.
         write_tokenizer(path, special_tokens=_special_tokens(arch), chat_template=KIMI_VL_CHAT_TEMPLATE)
         (path / "processor_config.json").write_text(json.dumps({"processor_class": "KimiVLProcessor"}))
+    elif arch == "kimi_k25":
+        # Its processor takes the patch and merge sizes from preprocessor_config.json's
+        # media_proc_cfg (the image processor's defaults are K2.5's: 14 and 2x2).
+        write_tokenizer(path, special_tokens=_special_tokens(arch), chat_template=KIMI_VL_CHAT_TEMPLATE)
+        (path / "preprocessor_config.json").write_text(
+            json.dumps({"media_proc_cfg": {"patch_size": 14, "merge_kernel_size": [2, 2]}})
+        )
+        (path / "processor_config.json").write_text(json.dumps({"processor_class": "KimiK25Processor"}))
     elif arch == "mistral3":
         # Its processor reads the patch size from config.json's vision_config and the
         # merge size from its spatial_merge_size; images fit in 56 pixels.
