@@ -42,6 +42,8 @@ KIMI_VL_TOKENS = ("<|media_start|>", "<|media_content|>", "<|media_end|>", "<|me
 # Mistral 3's (Pixtral's): an image's rows of patch tokens, each row but the last ended by
 # a break token, the image by an end token; the chat's placeholder is the patch token.
 MISTRAL3_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+# MiniMax M3's: its processor wraps an image's pad tokens in start and end tokens.
+MINIMAX_M3_TOKENS = ("]<]image[>[", "]<]video[>[", "]<]start of image[>[", "]<]end of image[>[")
 VLM_SPECIAL_TOKENS = SPECIAL_TOKENS + VISION_TOKENS
 
 
@@ -61,8 +63,18 @@ VLM_CHAT_TEMPLATE = _template("<|vision_start|><|image_pad|><|vision_end|>")
 GEMMA4_CHAT_TEMPLATE = LLAMA4_CHAT_TEMPLATE = _template("<|image|>")
 KIMI_VL_CHAT_TEMPLATE = _template("<|media_start|>image<|media_content|><|media_pad|><|media_end|>")
 MISTRAL3_CHAT_TEMPLATE = _template("[IMG]")
-# Vision MoE architectures of mlx-vlm with a tiny config here.
-VLM_ARCHS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4", "llama4", "kimi_vl", "mistral3", "kimi_k25")
+MINIMAX_M3_CHAT_TEMPLATE = _template("]<]image[>[")
+# Vision MoE architectures of mlx-vlm with a tiny config here. A MiniMax M3 checkpoint
+# whose shared expert is as wide as a routed one (as in mlx-vlm's defaults: 3072 both)
+# converts to a text-only store: mlx-vlm then packs the shared expert into the expert
+# bank as expert N, its gate and up projections fused (MiniMaxPackedSwitchGLU), so the
+# weights it needs lie inside the module the store streams in mlx-lm's layout (N
+# experts, gate_proj and up_proj apart, the shared expert resident), and its weighted
+# sum adds the shared expert's output among the routed ones', where mlx-lm adds it
+# after. Running mlx-vlm's arithmetic would take a streamed module that serves the
+# shared expert as expert N with fused weights; there is none. The tiny
+# minimax_m3_vl's shared expert is wider, which mlx-vlm keeps apart, as mlx-lm does.
+VLM_ARCHS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4", "llama4", "kimi_vl", "mistral3", "kimi_k25", "minimax_m3_vl")
 
 
 # The language models' common tiny sizes (each arch adds its own fields).
@@ -84,6 +96,7 @@ def _special_tokens(arch: str) -> tuple[str, ...]:
         "kimi_vl": KIMI_VL_TOKENS,
         "mistral3": MISTRAL3_TOKENS,
         "kimi_k25": KIMI_VL_TOKENS,
+        "minimax_m3_vl": MINIMAX_M3_TOKENS,
     }
     return SPECIAL_TOKENS + own.get(arch, VISION_TOKENS)
 
@@ -352,6 +365,51 @@ def tiny_vlm_config(arch: str) -> dict[str, Any]:
         # takes the same fields; its processor pads the 48x64 test image to 56x84 (4x6
         # patches), 6 image tokens.
         return tiny_vlm_config("kimi_vl") | {"model_type": arch}
+    if arch == "minimax_m3_vl":
+        # mlx-lm's minimax_m3_vl (tests/arch_table.py's: every layer MoE, dense attention),
+        # its shared expert wider than a routed one (mlx-vlm keeps it apart then, as mlx-lm
+        # does; see VLM_ARCHS's comment), and a CLIP-like tower with 3-D RoPE: 14-pixel
+        # patches merged 2x2, so the 48x64 test image (resized to 56x56) is 4 image tokens.
+        compression = {"spatial_merge_size": 2, "temporal_patch_size": 2}
+        text = TEXT | {
+            "model_type": "minimax_m3",
+            "intermediate_size": 32,
+            "shared_intermediate_size": 64,
+            "dense_intermediate_size": 128,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "moe_layer_freq": [1, 1],
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "tie_word_embeddings": False,
+        }
+        vision = {
+            "model_type": "clip_vision_model",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_attention_heads": 2,
+            "num_hidden_layers": 2,
+            "image_size": 56,
+            "patch_size": 14,
+            "projection_dim": HIDDEN,
+            "img_token_compression_config": compression,
+        }
+        return {
+            "model_type": arch,
+            "text_config": text,
+            "vision_config": vision,
+            "image_token_index": ids["]<]image[>["],
+            "video_token_index": ids["]<]video[>["],
+            "vision_start_token_id": ids["]<]start of image[>["],
+            "vision_end_token_id": ids["]<]end of image[>["],
+            "projector_hidden_size": HIDDEN,
+            "img_token_compression_config": compression,
+            "vocab_size": VOCAB_SIZE,
+            "eos_token_id": [ids[EOS_TOKEN]],
+            "tie_word_embeddings": False,
+        }
     raise ValueError(f"no tiny config for {arch!r} (known: {VLM_ARCHS})")
 
 
@@ -391,6 +449,12 @@ def make_tiny_vlm(path: str | Path, arch: str = "qwen3_vl_moe", *, seed: int = 0
             json.dumps({"media_proc_cfg": {"patch_size": 14, "merge_kernel_size": [2, 2]}})
         )
         (path / "processor_config.json").write_text(json.dumps({"processor_class": "KimiK25Processor"}))
+    elif arch == "minimax_m3_vl":
+        # Its processor reads the patch and merge sizes from config.json; images are
+        # resized to multiples of 28 pixels between these bounds.
+        write_tokenizer(path, special_tokens=_special_tokens(arch), chat_template=MINIMAX_M3_CHAT_TEMPLATE)
+        (path / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 28 * 28, "max_pixels": 56 * 56}))
+        (path / "processor_config.json").write_text(json.dumps({"processor_class": "MiniMaxM3VLProcessor"}))
     elif arch == "mistral3":
         # Its processor reads the patch size from config.json's vision_config and the
         # merge size from its spatial_merge_size; images fit in 56 pixels.

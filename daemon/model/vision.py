@@ -88,12 +88,17 @@ class Vision:
         as the prompt cache keeps them): its KVCache layers as they are (mlx-vlm's
         attention takes mlx-lm's KVCache, whose rows the prompt cache shares), any other
         layer (linear attention's state) in mlx-vlm's own class, with `cache`'s state
-        unless `fresh`."""
+        unless `fresh`. A layer mlx-lm keeps as a CacheList of one KVCache where mlx-vlm
+        keeps a KVCache (minimax_m3_vl's dense attention: mlx-lm's sparse layers add
+        their indexer's keys as a second cache) is that KVCache, shared the same way."""
         from mlx_vlm.models.cache import make_prompt_cache
 
         own = make_prompt_cache(self.model.language_model)
         out = []
         for kept, c in zip(cache, own, strict=True):
+            inner = getattr(kept, "caches", ())
+            if type(c).__name__ == "KVCache" and len(inner) == 1 and type(inner[0]).__name__ == "KVCache":
+                kept = inner[0]
             if type(c).__name__ == "KVCache" or type(kept) is type(c):
                 out.append(kept)
                 continue
