@@ -530,47 +530,61 @@ def test_two_gateway_clients_and_generate_at_once_get_their_exact_outputs(api, s
     with Client(paths) as c:
         refs = [c.complete(p, max_tokens=BUSY) for p in PROMPTS]
     assert all(len(r.tokens) > 40 for r in refs), [len(r.tokens) for r in refs]
-    results: dict[str, object] = {}
-    failures: list[BaseException] = []
-    barrier = threading.Barrier(3)
 
-    def gateway_stream() -> None:
-        barrier.wait()
-        chunks = api.completions.create(
-            model=model_name, prompt=PROMPTS[0], max_tokens=BUSY, temperature=0, stream=True
-        )
-        results["stream"] = "".join(c.choices[0].text for c in chunks)
+    def at_once() -> int:
+        """The three requests started together; each answer checked; how many the
+        daemon listed as running at once (status, polled while they ran)."""
+        results: dict[str, object] = {}
+        failures: list[BaseException] = []
+        barrier = threading.Barrier(3)
 
-    def gateway_whole() -> None:
-        barrier.wait()
-        results["whole"] = (
-            api.completions.create(model=model_name, prompt=PROMPTS[1], max_tokens=BUSY, temperature=0).choices[0].text
-        )
+        def gateway_stream() -> None:
+            barrier.wait()
+            chunks = api.completions.create(
+                model=model_name, prompt=PROMPTS[0], max_tokens=BUSY, temperature=0, stream=True
+            )
+            results["stream"] = "".join(c.choices[0].text for c in chunks)
 
-    def cli() -> None:
-        barrier.wait()
-        results["cli"] = generate_json(store, paths, PROMPTS[2], "--max-tokens", str(BUSY))
+        def gateway_whole() -> None:
+            barrier.wait()
+            results["whole"] = (
+                api.completions.create(model=model_name, prompt=PROMPTS[1], max_tokens=BUSY, temperature=0)
+                .choices[0]
+                .text
+            )
 
-    def run(f) -> None:
-        try:
-            f()
-        except BaseException as e:  # reported in the test's thread
-            failures.append(e)
+        def cli() -> None:
+            barrier.wait()
+            results["cli"] = generate_json(store, paths, PROMPTS[2], "--max-tokens", str(BUSY))
 
-    threads = [threading.Thread(target=run, args=(f,)) for f in (gateway_stream, gateway_whole, cli)]
-    peak = 0
-    for t in threads:
-        t.start()
-    with Client(paths) as c:
-        while any(t.is_alive() for t in threads):
-            peak = max(peak, len(c.status().requests.running))
-            time.sleep(0.01)
-    assert not failures, failures
-    assert results["stream"] == refs[0].text
-    assert results["whole"] == refs[1].text
-    assert results["cli"]["tokens"] == refs[2].tokens and results["cli"]["text"] == refs[2].text
-    print(f"requests running at once in the daemon: {peak}")
-    assert peak >= 2, "the requests should have overlapped in the daemon"
+        def run(f) -> None:
+            try:
+                f()
+            except BaseException as e:  # reported in the test's thread
+                failures.append(e)
+
+        threads = [threading.Thread(target=run, args=(f,)) for f in (gateway_stream, gateway_whole, cli)]
+        peak = 0
+        with Client(paths) as c:
+            for t in threads:
+                t.start()
+            while any(t.is_alive() for t in threads):
+                peak = max(peak, len(c.status().requests.running))
+                time.sleep(0.01)
+        assert not failures, failures
+        assert results["stream"] == refs[0].text
+        assert results["whole"] == refs[1].text
+        assert results["cli"]["tokens"] == refs[2].tokens and results["cli"]["text"] == refs[2].text
+        return peak
+
+    # Each round's answers must be exact; that they ran at once is up to the machine's
+    # scheduling (a loaded CI machine once started the CLI's process after the gateway's
+    # requests had ended), so up to three rounds are run until one is seen to overlap.
+    peaks = []
+    while len(peaks) < 3 and max(peaks, default=0) < 2:
+        peaks.append(at_once())
+    print(f"requests running at once in the daemon, by round: {peaks}")
+    assert max(peaks) >= 2, "the requests should have overlapped in the daemon"
 
 
 def test_a_client_that_disconnects_cancels_its_request_within_a_token(served, model_name):
