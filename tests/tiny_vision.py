@@ -88,6 +88,18 @@ TEXT = {
     "max_position_embeddings": 512,
 }
 
+# tests/tiny_models.py's deepseek_v3 (MLA attention, sigmoid routing with a shared
+# expert), 2 layers, every one MoE: the language model of kimi_vl, kimi_k25 and mistral3.
+DEEPSEEK_V3_TEXT = tiny_config("deepseek_v3") | {
+    "num_hidden_layers": 2,
+    "n_routed_experts": 8,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 0,
+    "tie_word_embeddings": False,
+}
+
 
 def _special_tokens(arch: str) -> tuple[str, ...]:
     own = {
@@ -287,15 +299,7 @@ def tiny_vlm_config(arch: str) -> dict[str, Any]:
         # attention, sigmoid routing with a shared expert), every layer MoE here, and
         # MoonViT: 14-pixel patches merged 2x2, so the 48x64 test image (cropped to
         # 28x56) is 2 image tokens.
-        text = tiny_config("deepseek_v3") | {
-            "num_hidden_layers": 2,
-            "n_routed_experts": 8,
-            "n_group": 1,
-            "topk_group": 1,
-            "num_experts_per_tok": 2,
-            "first_k_dense_replace": 0,
-            "tie_word_embeddings": False,
-        }
+        text = DEEPSEEK_V3_TEXT
         vision = {
             "model_type": "moonvit",
             "depth": 2,
@@ -322,21 +326,7 @@ def tiny_vlm_config(arch: str) -> dict[str, Any]:
         # MoE with MLA attention and Llama 4's attention scaling), every layer MoE, and
         # Pixtral's vision tower: 14-pixel patches merged 2x2, so the 48x64 test image
         # (resized into 56 pixels and padded to 28-pixel tiles: 56x56) is 2x2 image tokens.
-        text = (
-            tiny_config("deepseek_v3")
-            | MISTRAL4
-            | {
-                "model_type": "mistral4",
-                "num_hidden_layers": 2,
-                "n_routed_experts": 8,
-                "n_group": 1,
-                "topk_group": 1,
-                "num_experts_per_tok": 2,
-                "first_k_dense_replace": 0,
-                "routed_scaling_factor": 1.0,
-                "tie_word_embeddings": False,
-            }
-        )
+        text = DEEPSEEK_V3_TEXT | MISTRAL4 | {"model_type": "mistral4", "routed_scaling_factor": 1.0}
         vision = {
             "model_type": "pixtral",
             "num_hidden_layers": 2,
