@@ -212,3 +212,49 @@ def test_a_resent_image_is_served_from_the_prompt_cache_exactly(vlm):
         assert follow.stats.cached_tokens > image_at and follow.tokens == follow_cold.tokens
     finally:
         sm.close()
+
+
+def test_a_turn_that_adds_an_image_reuses_the_earlier_one(vlm):
+    """A follow-up turn that sends a second image (of another size) reuses the first
+    image's KV (whole where its tokens are one run; its first run where there are more:
+    Llama 4's tiles of a wide image, Mistral 3's rows) and answers as computed afresh."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from moestream.daemon.model.generation import GenerationResult, SamplingParams, iter_generate
+    from moestream.daemon.model.prompt_cache import PromptCache
+
+    _, store = vlm
+    sm = load_streaming_model(store, Settings(capacity=1.0))
+    try:
+        layout = [type(c).__name__ for c in make_prompt_cache(sm.model)]
+        pc = PromptCache("test-store", layout, max_bytes=2**30, max_entries=16)
+        wide, other = proto.ImageData(png(7, (96, 160)), "image/png"), proto.ImageData(png(8), "image/png")
+
+        def answer(chat, images, cache: PromptCache | None) -> tuple[GenerationResult, list[int]]:
+            ids, prepared = prepare(sm.vision, render_chat(sm.tokenizer, chat), images)
+            result = GenerationResult()
+            for _ in iter_generate(
+                sm, ids, SamplingParams(max_tokens=TOKENS), result, prompt_cache=cache, images=prepared
+            ):
+                pass
+            return result, ids
+
+        chat = [proto.ChatMessage("user", QUESTION, images=(wide,))]
+        first, ids = answer(chat, [wide], pc)
+        image = sm.vision.image_token_id
+        runs = sum(1 for a, b in zip([None, *ids], ids) if b == image and a != b)
+        more = proto.ChatMessage("user", "And this?", images=(other,))
+        turn = [*chat, proto.ChatMessage("assistant", first.text), more]
+        (follow, turn_ids), (cold, _) = answer(turn, [wide, other], pc), answer(turn, [wide, other], None)
+        # Llama 4's wide image is one tile (daemon/model/vision.py: mlx-vlm's processor
+        # gives its tiles no global tile), Mistral 3's image rows of tokens.
+        assert (runs == 1) == (load_manifest(store).model_type != "mistral3"), runs
+        first_run = ids.index(image)
+        while first_run < len(ids) and ids[first_run] == image:
+            first_run += 1
+        whole = max(i for i, t in enumerate(ids) if t == image) + 1
+        assert turn_ids[:whole] == ids[:whole]
+        assert follow.stats.cached_tokens >= (whole if runs == 1 else first_run) > 0
+        assert follow.tokens == cold.tokens
+    finally:
+        sm.close()

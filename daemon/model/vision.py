@@ -57,8 +57,9 @@ class ImageError(ValueError):
 class PreparedImages:
     """A chat's images as the model's processor made them, with the prompt's ids."""
 
-    # The processor's output besides the ids (pixel_values, image_grid_thw, ...), numpy.
-    inputs: dict[str, np.ndarray]
+    # The processor's output besides the ids (pixel_values, image_grid_thw, ...), numpy;
+    # a list of arrays where the images' shapes differ (Gemma 4's pixel_values).
+    inputs: dict[str, np.ndarray | list[np.ndarray]]
     # Each image's content hash (sha256 of its file's bytes), in the prompt's order.
     digests: tuple[bytes, ...]
     # The prompt-cache key (`image_key`).
@@ -161,6 +162,14 @@ def load_vision(
     model.eval()
     stream(model)
     processor = load_processor(store, add_detokenizer=False)
+    if type(processor).__name__ == "Llama4Processor":
+        # mlx-vlm 0.7's Llama 4 processor splits a large image into tiles but makes no
+        # global tile, while the prompt it writes has one: those tokens get no features
+        # of the image's own (the next image's, or values past them: embeddings of 1e11
+        # on the tiny model, and a follow-up turn that reused the cache answered
+        # otherwise than afresh). One tile an image, as it gives any image that fits
+        # one, keeps every image whole.
+        processor.image_processor.max_patches = 1
     image_token_id = getattr(model_config, "image_token_index", None) or getattr(model_config, "image_token_id")
     return Vision(
         model=model,
@@ -219,11 +228,14 @@ def image_key(ids: Sequence[int], image_token_id: int, digests: Sequence[bytes])
     it, and a text token first made negative (-1 - t), so that no key of a prompt with
     images is a text prompt's (whose KV the mlx-lm model computed).
 
-    An image in several runs (Llama 4's tiles, split by separator tokens) has its later
-    runs keyed by the next images' digests: no two prompts with other images share a
-    key all the same (image i's digest keys run i, at or before the image's first
-    token), but a turn that adds an image reuses the earlier ones' KV up to the end of
-    their i-th run only."""
+    An image in several runs (Llama 4's tiles, Mistral 3's rows) has its later runs
+    keyed by the next images' digests: no two prompts with other images share a key all
+    the same (image i's digest keys run i, at or before the image's first token), and a
+    turn that adds an image reuses the earlier ones' KV up to the end of their i-th run
+    only. Keying each image's runs by its own digest would reuse more, but is not exact
+    where a model's image tokens take other images' features: mlx-vlm's Llama 4
+    processor gives a multi-tile image no global tile, so that image's last run takes
+    the next image's features (a prompt's first image alone: other values)."""
     key = []
     image, place = -1, 0
     previous = None
@@ -255,11 +267,14 @@ def prepare(vision: Vision, text: str, images: Sequence[proto.ImageData]) -> tup
     except (ValueError, TypeError) as e:
         raise ImageError(f"the model's processor refused the images: {e}") from None
     ids = [int(t) for t in np.asarray(out["input_ids"])[0]]
-    inputs = {
-        k: np.asarray(v)
-        for k, v in out.items()
-        if k not in ("input_ids", "attention_mask") and v is not None and not isinstance(v, (str, list))
-    }
+    inputs: dict[str, np.ndarray | list[np.ndarray]] = {}
+    for k, v in out.items():
+        if k in ("input_ids", "attention_mask") or v is None or isinstance(v, str):
+            continue
+        if not isinstance(v, list):
+            inputs[k] = np.asarray(v)
+        elif v and all(isinstance(x, np.ndarray) for x in v):
+            inputs[k] = [np.asarray(x) for x in v]  # one array per image, of its own shape
     digests = tuple(hashlib.sha256(im.data).digest() for im in images)
     return ids, PreparedImages(inputs=inputs, digests=digests, cache_key=image_key(ids, vision.image_token_id, digests))
 
@@ -290,8 +305,9 @@ def vision_steps(
     model = vision.request_model()
     lm = model.language_model
     ids = mx.array([list(prompt_ids)])
-    kwargs = {k: mx.array(v) for k, v in images.inputs.items() if k != "pixel_values"}
-    features = model.get_input_embeddings(ids, mx.array(images.inputs["pixel_values"]), mask=None, **kwargs)
+    arrays = {k: [mx.array(x) for x in v] if isinstance(v, list) else mx.array(v) for k, v in images.inputs.items()}
+    kwargs = {k: v for k, v in arrays.items() if k != "pixel_values"}
+    features = model.get_input_embeddings(ids, arrays["pixel_values"], mask=None, **kwargs)
     embeds = features.inputs_embeds
     extra = {k: v for k, v in features.to_dict().items() if k != "inputs_embeds" and v is not None}
     extra.update(kwargs)
