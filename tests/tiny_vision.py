@@ -44,6 +44,8 @@ KIMI_VL_TOKENS = ("<|media_start|>", "<|media_content|>", "<|media_end|>", "<|me
 MISTRAL3_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
 # MiniMax M3's: its processor wraps an image's pad tokens in start and end tokens.
 MINIMAX_M3_TOKENS = ("]<]image[>[", "]<]video[>[", "]<]start of image[>[", "]<]end of image[>[")
+# Kimi K3's: as Kimi-VL's, but its media span begins with `<|media_begin|>`.
+KIMI_K3_TOKENS = ("<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>")
 VLM_SPECIAL_TOKENS = SPECIAL_TOKENS + VISION_TOKENS
 
 
@@ -64,6 +66,7 @@ GEMMA4_CHAT_TEMPLATE = LLAMA4_CHAT_TEMPLATE = _template("<|image|>")
 KIMI_VL_CHAT_TEMPLATE = _template("<|media_start|>image<|media_content|><|media_pad|><|media_end|>")
 MISTRAL3_CHAT_TEMPLATE = _template("[IMG]")
 MINIMAX_M3_CHAT_TEMPLATE = _template("]<]image[>[")
+KIMI_K3_CHAT_TEMPLATE = _template("<|media_begin|>image<|media_content|><|media_pad|><|media_end|>")
 # Vision MoE architectures of mlx-vlm with a tiny config here. A MiniMax M3 checkpoint
 # whose shared expert is as wide as a routed one (as in mlx-vlm's defaults: 3072 both)
 # converts to a text-only store: mlx-vlm then packs the shared expert into the expert
@@ -74,7 +77,17 @@ MINIMAX_M3_CHAT_TEMPLATE = _template("]<]image[>[")
 # after. Running mlx-vlm's arithmetic would take a streamed module that serves the
 # shared expert as expert N with fused weights; there is none. The tiny
 # minimax_m3_vl's shared expert is wider, which mlx-vlm keeps apart, as mlx-lm does.
-VLM_ARCHS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4", "llama4", "kimi_vl", "mistral3", "kimi_k25", "minimax_m3_vl")
+VLM_ARCHS = (
+    "qwen3_vl_moe",
+    "qwen3_5_moe",
+    "gemma4",
+    "llama4",
+    "kimi_vl",
+    "mistral3",
+    "kimi_k25",
+    "minimax_m3_vl",
+    "kimi_k3",
+)
 
 
 # The language models' common tiny sizes (each arch adds its own fields).
@@ -109,6 +122,7 @@ def _special_tokens(arch: str) -> tuple[str, ...]:
         "mistral3": MISTRAL3_TOKENS,
         "kimi_k25": KIMI_VL_TOKENS,
         "minimax_m3_vl": MINIMAX_M3_TOKENS,
+        "kimi_k3": KIMI_K3_TOKENS,
     }
     return SPECIAL_TOKENS + own.get(arch, VISION_TOKENS)
 
@@ -400,6 +414,54 @@ def tiny_vlm_config(arch: str) -> dict[str, Any]:
             "eos_token_id": [ids[EOS_TOKEN]],
             "tie_word_embeddings": False,
         }
+    if arch == "kimi_k3":
+        # mlx-lm's kimi_k3 (tests/arch_table.py's: a KDA linear-attention layer, then an
+        # MLA one, every layer MoE with a shared expert), and K3's MoonViT: 14-pixel
+        # patches merged 2x2 (time-pooled), so the 48x64 test image, which its processor
+        # pads to 56x84 (4x6 patches), is 6 image tokens.
+        text = (
+            TEXT
+            | ARCHS["kimi_k3"].fields
+            | {
+                "model_type": "kimi_linear",
+                "intermediate_size": 64,
+                "moe_intermediate_size": 32,
+                "num_experts": 8,
+                "num_shared_experts": 1,
+                "kv_lora_rank": 32,
+                "q_lora_rank": 64,
+                "qk_rope_head_dim": 16,
+                "qk_nope_head_dim": 32,
+                "v_head_dim": 32,
+                "routed_scaling_factor": 1.5,
+                "rms_norm_eps": 1e-6,
+                "tie_word_embeddings": False,
+            }
+        )
+        vision = {
+            "model_type": "moonvit3d",
+            "patch_size": 14,
+            "init_pos_emb_height": 8,
+            "init_pos_emb_width": 8,
+            "init_pos_emb_time": 4,
+            "vt_num_attention_heads": 2,
+            "vt_num_hidden_layers": 2,
+            "vt_hidden_size": 32,
+            "vt_intermediate_size": 64,
+            "qkv_hidden_size": 32,
+            "merge_kernel_size": [2, 2],
+            "mm_hidden_size": 32,
+            "text_hidden_size": HIDDEN,
+        }
+        return {
+            "model_type": arch,
+            "text_config": text,
+            "vision_config": vision,
+            "vocab_size": VOCAB_SIZE,
+            "media_placeholder_token_id": ids["<|media_pad|>"],
+            "eos_token_id": [ids[EOS_TOKEN]],
+            "tie_word_embeddings": False,
+        }
     raise ValueError(f"no tiny config for {arch!r} (known: {VLM_ARCHS})")
 
 
@@ -439,6 +501,14 @@ def make_tiny_vlm(path: str | Path, arch: str = "qwen3_vl_moe", *, seed: int = 0
             json.dumps({"media_proc_cfg": {"patch_size": 14, "merge_kernel_size": [2, 2]}})
         )
         (path / "processor_config.json").write_text(json.dumps({"processor_class": "KimiK25Processor"}))
+    elif arch == "kimi_k3":
+        # Its processor takes the patch and merge sizes from preprocessor_config.json's
+        # media_proc_cfg, as K2.5's does.
+        write_tokenizer(path, special_tokens=_special_tokens(arch), chat_template=KIMI_K3_CHAT_TEMPLATE)
+        (path / "preprocessor_config.json").write_text(
+            json.dumps({"media_proc_cfg": {"patch_size": 14, "merge_kernel_size": [2, 2]}})
+        )
+        (path / "processor_config.json").write_text(json.dumps({"processor_class": "KimiK3Processor"}))
     elif arch == "minimax_m3_vl":
         # Its processor reads the patch and merge sizes from config.json; images are
         # resized to multiples of 28 pixels between these bounds.
