@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from tiny_models import make_tiny_model
-from tiny_vision import VLM_ARCHS, make_tiny_vlm, png
+from tiny_vision import VLM_ARCHS, make_tiny_deepseek_v41, make_tiny_vlm, png
 
 from moestream.daemon.model.generation import render_chat
 from moestream.daemon.model.streaming_model import load_streaming_model
@@ -140,6 +140,24 @@ def test_a_text_only_store_takes_no_images(tmp_path):
     manifest = load_manifest(tmp_path / "store")
     assert not manifest.takes_images
     assert "vision_files" not in json.loads((tmp_path / "store" / "manifest.json").read_text())
+    sm = load_streaming_model(tmp_path / "store", Settings(capacity=1.0))
+    try:
+        assert sm.vision is None
+    finally:
+        sm.close()
+
+
+def test_a_vlm_whose_experts_mlx_vlm_keeps_elsewhere_converts_text_only(tmp_path):
+    """deepseek_v41: mlx-vlm's language model is its own (tests/tiny_vision.py, above
+    VLM_ARCHS), its experts not at the store's module paths; the store takes no images
+    (its vision file held the whole language model, and the store failed to load)."""
+    src = make_tiny_deepseek_v41(tmp_path / "model", seed=5)
+    convert_model(src, tmp_path / "store")
+    manifest = load_manifest(tmp_path / "store")
+    assert not manifest.takes_images and not (tmp_path / "store" / VISION_FILE).exists()
+    assert [layer.module_path for layer in manifest.layers] == [
+        f"model.layers.{i}.mlp.experts.switch_mlp" for i in (0, 1)
+    ]
     sm = load_streaming_model(tmp_path / "store", Settings(capacity=1.0))
     try:
         assert sm.vision is None

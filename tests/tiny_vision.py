@@ -77,6 +77,23 @@ KIMI_K3_CHAT_TEMPLATE = _template("<|media_begin|>image<|media_content|><|media_
 # after. Running mlx-vlm's arithmetic would take a streamed module that serves the
 # shared expert as expert N with fused weights; there is none. The tiny
 # minimax_m3_vl's shared expert is wider, which mlx-vlm keeps apart, as mlx-lm does.
+#
+# Left out: deepseek_v41. mlx-vlm's DeepSeek V4.1 language model is an implementation of
+# its own, not mlx-lm's: (1) it keeps the checkpoint's names (attn, ffn, hc_attn_fn,
+# head; its experts at language_model.layers.N.ffn.switch_mlp), where mlx-lm renames them
+# (self_attn, mlp, attn_hc.fn, lm_head; model.layers.N.mlp.experts.switch_mlp), so it
+# shares no weight with the streamed model and has no module at the store's expert
+# paths; (2) its experts compute otherwise: DeepseekV41SwitchGLU is called with the
+# routing weights, scales each expert's activation by its weight and rounds it to FP8
+# (fake_quant_fp8_ue8m0) before the down projection, after rounding the layer's input
+# to FP8, where mlx-lm's SwitchGLU(x, indices) rounds nothing and its caller weights
+# the outputs; a StreamingMoE serves mlx-lm's two-argument call; (3) it keeps every
+# layer's state in one DeepseekV41Cache where mlx-lm keeps a LayerCache a layer, which
+# the prompt cache could not hand over; (4) its gate routes image tokens with a bias of
+# their own (bias_vl), which mlx-lm drops. Real V4.1 checkpoints have engram layers,
+# which mlx-lm refuses (its ModelArgs raises: no n-gram hash tables), so they do not
+# convert at all; one without converts to a text-only store (convert's vision_weights,
+# tests/test_vision.py's check on `make_tiny_deepseek_v41`).
 VLM_ARCHS = (
     "qwen3_vl_moe",
     "qwen3_5_moe",
@@ -525,6 +542,74 @@ def make_tiny_vlm(path: str | Path, arch: str = "qwen3_vl_moe", *, seed: int = 0
         (path / "processor_config.json").write_text(json.dumps({"processor_class": "Mistral3Processor"}))
     else:
         _write_qwen_vl_processor(path, config["vision_config"])
+    return path
+
+
+def make_tiny_deepseek_v41(path: str | Path, *, seed: int = 0) -> Path:
+    """Write a tiny deepseek_v41 vision-language model (float32, no engram layers, which
+    mlx-lm refuses) to `path` in the checkpoint's own names, which both mlx-lm's and
+    mlx-vlm's sanitize read (each expert apart, the shared expert's w1/w2/w3, wo_a in
+    two dimensions); return `path`. No processor: it is converted, not run."""
+    import re
+
+    from mlx_vlm.utils import get_model_and_args
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    text = (
+        TEXT
+        | ARCHS["deepseek_v41"].fields
+        | {
+            "model_type": "deepseek_v41",
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "qk_rope_head_dim": 16,
+            "q_lora_rank": 64,
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "rms_norm_eps": 1e-6,
+            "sliding_window": 16,
+            "compress_ratios": [0, 4],
+            "kv_source_layer_ids": [1],
+            "index_source_layer_ids": [1],
+            "candidate_source_layer_id": 1,
+            "candidate_topk_blocks": 4,
+            "candidate_block_size": 4,
+            "engram_layer_ids": [],
+            "hc_mult": 2,
+        }
+    )
+    vision = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
+    config = {
+        "model_type": "deepseek_v41",
+        "text_config": text,
+        "vision_config": vision | {"patch_size": 14, "downsample_ratio": 2},
+        "image_token_id": _ids("deepseek_v41")["<|image_pad|>"],
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": HIDDEN,
+        "eos_token_id": _ids("deepseek_v41")[EOS_TOKEN],
+        "tie_word_embeddings": False,
+    }
+    module, _ = get_model_and_args(config)
+    model = module.Model(module.ModelConfig.from_dict(json.loads(json.dumps(config))))
+    for part in ("language_model", "vision", "aligner"):  # not the image_start marks (no dot)
+        init_weights(model[part], seed)
+    weights = {}
+    shared = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+    for name, value in tree_flatten(model.parameters()):
+        name = name.removeprefix("language_model.").replace("embed_tokens.", "embed.")
+        routed = re.fullmatch(r"(layers\.\d+\.ffn)\.switch_mlp\.(\w+)\.weight", name)
+        if routed:
+            for e in range(value.shape[0]):
+                weights[f"{routed[1]}.experts.{e}.{shared[routed[2]]}.weight"] = value[e]
+            continue
+        for mlx_name, own in shared.items():
+            name = name.replace(f"shared_experts.{mlx_name}.", f"shared_experts.{own}.")
+        weights[name] = value.reshape(-1, value.shape[-1]) if ".wo_a." in name else value
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(path, special_tokens=_special_tokens("deepseek_v41"), chat_template=VLM_CHAT_TEMPLATE)
     return path
 
 

@@ -248,7 +248,13 @@ def vision_weights(
     Empty, and the store takes no images, for a text-only model, one mlx-vlm does not
     know, or one the vision side cannot share the streamed model with: a weight both
     name but hold in another shape or dtype, or one mlx-vlm needs inside a module the
-    expert store holds (its experts in a layout other than mlx-lm's)."""
+    expert store holds (its experts in a layout other than mlx-lm's), or one whose
+    experts are not where the store's are: at load, mlx-vlm's modules at the store's
+    module paths are wrapped on the pools, so its model must name every expert tensor
+    the store streams as mlx-lm does. deepseek_v41's is a model of its own (mlx-vlm
+    keeps the checkpoint's names, its experts at `ffn.switch_mlp` where mlx-lm's are at
+    `mlp.experts.switch_mlp`): without this check its whole language model went into the
+    vision file, and the store then failed to load."""
     if not config.get("vision_config"):
         return []
     from mlx_vlm.utils import load_model as load_vlm
@@ -259,6 +265,8 @@ def vision_weights(
         return []
     flat = tree_flatten(model.parameters())
     experts = {n for layer in layers for n in layer.parameter_names()}
+    if not experts <= {n for n, _ in flat}:
+        return []
     streamed = tuple(f"{layer.module_path}." for layer in layers)
     shared = dict(resident)
     own = []
