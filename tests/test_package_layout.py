@@ -126,6 +126,11 @@ ASSIGNMENT_ALLOWED = {
     ("own", "disk"): "prompt_cache.py's own `_Scope` record of one scope's files",
     ("c", "state"): "mlx-lm's cache objects take their contents through their `state` property",
     ("Shown", "__name__"): "a class the function itself defines, named like the one it extends",
+    ("SplitAttention", "__name__"): "the same, convert's kimi_vl class that splits its attention",
+    ("model", "<setattr>"): "vision.py's own mlx-vlm model, built the line before: a tower the store has no "
+    "weights of is unset before any weight loads, as mlx-vlm's own load does",
+    ("processor", "image_processor"): "vision.py's own Llama 4 processor, just loaded: one tile an image (mlx-vlm "
+    "0.7's tiles lack their global tile; see the comment there)",
     ("plan", "fitted_to"): "plan.py's own `Plan` record, which the function that made it completes",
     ("bar", "note"): "pull.py's own progress line, the file it is on",
     ("state", "crcs"): "pull.py's own `PullState` record, saved after each file",
