@@ -193,31 +193,41 @@ def test_image_key_is_the_content():
     assert image_key(ids, 9, [a])[4] == 6 and len(set(image_key(ids, 9, [a])[1:4])) == 3
 
 
+def _cached_answer(sm, chat, cache) -> tuple:
+    """iter_generate's greedy answer to `chat` (its images those of its messages, in
+    order) with the prompt cache `cache` (None: afresh), and the prompt's ids."""
+    from moestream.daemon.model.generation import GenerationResult, SamplingParams, iter_generate
+
+    images = [im for m in chat for im in m.images or ()]
+    ids, prepared = prepare(sm.vision, render_chat(sm.tokenizer, chat), images)
+    result = GenerationResult()
+    for _ in iter_generate(sm, ids, SamplingParams(max_tokens=TOKENS), result, prompt_cache=cache, images=prepared):
+        pass
+    return result, ids
+
+
+def _prompt_cache(sm):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from moestream.daemon.model.prompt_cache import PromptCache
+
+    layout = [type(c).__name__ for c in make_prompt_cache(sm.model)]
+    return PromptCache("test-store", layout, max_bytes=2**30, max_entries=16)
+
+
 def test_a_resent_image_is_served_from_the_prompt_cache_exactly(vlm):
     """iter_generate with the prompt cache: the same chat with its image again reuses all
     of its prompt but the last token (the image's tokens among them), a follow-up turn
     the first turn's prompt and answer, and each answer is the one computed afresh; a
     linear-attention model's state (qwen3_5_moe) comes back as snapshots."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from moestream.daemon.model.generation import GenerationResult, SamplingParams, iter_generate
-    from moestream.daemon.model.prompt_cache import PromptCache
-
     _, store = vlm
     sm = load_streaming_model(store, Settings(capacity=0.25))
     try:
-        layout = [type(c).__name__ for c in make_prompt_cache(sm.model)]
-        pc = PromptCache("test-store", layout, max_bytes=2**30, max_entries=16)
+        pc = _prompt_cache(sm)
         image = proto.ImageData(png(6), "image/png")
 
-        def answer(chat, cache: PromptCache | None) -> tuple[GenerationResult, list[int]]:
-            ids, images = prepare(sm.vision, render_chat(sm.tokenizer, chat), [image])
-            result = GenerationResult()
-            for _ in iter_generate(
-                sm, ids, SamplingParams(max_tokens=TOKENS), result, prompt_cache=cache, images=images
-            ):
-                pass
-            return result, ids
+        def answer(chat, cache):
+            return _cached_answer(sm, chat, cache)
 
         chat = [proto.ChatMessage("user", QUESTION, images=(image,))]
         (first, ids), (again, _), (cold, _) = answer(chat, pc), answer(chat, pc), answer(chat, None)
@@ -236,34 +246,22 @@ def test_a_turn_that_adds_an_image_reuses_the_earlier_one(vlm):
     """A follow-up turn that sends a second image (of another size) reuses the first
     image's KV (whole where its tokens are one run; its first run where there are more:
     Llama 4's tiles of a wide image, Mistral 3's rows) and answers as computed afresh."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from moestream.daemon.model.generation import GenerationResult, SamplingParams, iter_generate
-    from moestream.daemon.model.prompt_cache import PromptCache
-
     _, store = vlm
     sm = load_streaming_model(store, Settings(capacity=1.0))
     try:
-        layout = [type(c).__name__ for c in make_prompt_cache(sm.model)]
-        pc = PromptCache("test-store", layout, max_bytes=2**30, max_entries=16)
+        pc = _prompt_cache(sm)
         wide, other = proto.ImageData(png(7, (96, 160)), "image/png"), proto.ImageData(png(8), "image/png")
 
-        def answer(chat, images, cache: PromptCache | None) -> tuple[GenerationResult, list[int]]:
-            ids, prepared = prepare(sm.vision, render_chat(sm.tokenizer, chat), images)
-            result = GenerationResult()
-            for _ in iter_generate(
-                sm, ids, SamplingParams(max_tokens=TOKENS), result, prompt_cache=cache, images=prepared
-            ):
-                pass
-            return result, ids
+        def answer(chat, cache):
+            return _cached_answer(sm, chat, cache)
 
         chat = [proto.ChatMessage("user", QUESTION, images=(wide,))]
-        first, ids = answer(chat, [wide], pc)
+        first, ids = answer(chat, pc)
         image = sm.vision.image_token_id
         runs = sum(1 for a, b in zip([None, *ids], ids) if b == image and a != b)
         more = proto.ChatMessage("user", "And this?", images=(other,))
         turn = [*chat, proto.ChatMessage("assistant", first.text), more]
-        (follow, turn_ids), (cold, _) = answer(turn, [wide, other], pc), answer(turn, [wide, other], None)
+        (follow, turn_ids), (cold, _) = answer(turn, pc), answer(turn, None)
         # Llama 4's wide image is one tile (daemon/model/vision.py: mlx-vlm's processor
         # gives its tiles no global tile), Mistral 3's image rows of tokens.
         assert (runs == 1) == (load_manifest(store).model_type != "mistral3"), runs
