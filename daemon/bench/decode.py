@@ -24,6 +24,7 @@ import faulthandler
 import gc
 import json
 import math
+import os
 import random
 import re
 import statistics
@@ -31,12 +32,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import mlx.core as mx
 import psutil
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..._native import ReadEngine
 from ...shared.heat_file import peek_usage, usage_path
 from ...shared.progress import timed_progress
 from ...shared.settings import Settings, default_of, format_size
@@ -45,15 +47,21 @@ from ..mapped.row_gather import RowGather
 from ..model.diagnostics import LayerClock
 from ..model.generation import SamplingParams, generate
 from ..model.streaming_model import choose_mapped, load_stock_model, load_streaming_model
-from ..planning.bandwidth import (
-    format_read_and_link,
-    measure_layer_reads,
-    measure_link_bandwidth,
-    measure_read_bandwidth,
-    page_cache_reason,
-    settle_writes,
+from ..planning.bandwidth import measure_layer_reads, measure_link_bandwidth, measure_read_bandwidth, settle_writes
+from ..planning.plan import (
+    TTFT_PROMPT_TOKENS,
+    Bandwidths,
+    ComputeProbe,
+    Plan,
+    _duration,
+    heat_counts,
+    heat_reuse,
+    make_plan,
+    probe_compute,
+    probe_pools_of,
 )
-from ..planning.pool_probe import decode_counters
+from ..planning.pool_probe import PoolProbe, decode_counters
+from ..planning.probe_models import resident_dtype
 from ..pool.admission import Admitter, cuda_copier, make_admitter
 from ..pool.expert_reader import ExpertReader
 
@@ -1004,4 +1012,162 @@ def format_report(report: dict[str, Any]) -> str:
                 f"cost {100 * j['cost']:.1f}% (paired median); the grammar's own {j['mask_ms_per_token']:.3f} ms a "
                 f"token ({100 * j['mask_share']:.1f}% of an unconstrained token), compiled in {j['compile_ms']:.1f} ms"
             )
+    return "\n".join(lines)
+
+
+def format_read_and_link(
+    read: float, layer_reads: dict[int, float], link_kind: str, link: float, page_cache: bool = False
+) -> str:
+    """The probed bandwidths in one line, as the benchmarks print them."""
+    return (
+        f"read {format_size(read)}/s{' through the page cache' if page_cache else ''} "
+        f"({', '.join(f'{format_size(r)}/s' for r in layer_reads.values())} in batches of "
+        f"{', '.join(map(str, layer_reads))}), {link_kind} {format_size(link)}/s"
+    )
+
+
+def page_cache_reason(store: Path) -> str | None:
+    """Why the store's reads go through the page cache (the read engine's fallback where
+    the filesystem refuses direct I/O), or None where they bypass it. Through the page
+    cache a read costs what its cached pages cost, which the measured read bandwidth, a
+    mix of cache and disk, does not give."""
+    manifest = load_manifest(store)
+    with ReadEngine(threads=1, direct=True) as engine:
+        for file in sorted({layer.file for layer in manifest.layers}):
+            info = engine.file_info(engine.open(str(store / file)))
+            if not info["direct"]:
+                return info["fallback_reason"] or "buffered reads"
+    return None
+
+
+# ---- the plan's forecasts beside the measurements ---------------------------------------
+
+
+def probe_store(
+    store: Path, pools: list[tuple[float, bool]] = (), settings: Settings | None = None
+) -> tuple[ComputeProbe, dict[tuple[float, bool], PoolProbe]]:
+    """The compute probe of a store's architecture, and the pool probes of the (capacity
+    share, mapped) configurations `pools` with `settings` (the policy and prefetch they
+    run with). A benchmark's forecast probes before it loads anything, as `plan` does:
+    probed after its runs, beside what they left behind (threads, pools, a full
+    allocator), the probe timed a decode several times too slow (tests/bench/RESULTS.md,
+    "The compute probe on its own")."""
+    from ...shared.settings import default_state_dir
+
+    manifest = load_manifest(store)
+    dtype = resident_dtype(store, manifest)
+    compute = probe_compute(manifest, dtype)
+    probes = {}
+    if pools:
+        probes = probe_pools_of(
+            store, manifest, dtype, list(pools), settings or Settings(model=str(store)), default_state_dir(os.environ)
+        )
+    return compute, probes
+
+
+def bench_plans(
+    store: Path,
+    configs: list[tuple[str, float | None, int, bool]],
+    bandwidths: Bandwidths,
+    prompt_tokens: int,
+    compute: ComputeProbe,
+    pools: Mapping[tuple[float, bool], PoolProbe] | None = None,
+) -> dict[str, Plan]:
+    """{name: plan} for (name, capacity, host cache, mapped) configurations, each with
+    its pool probe from `pools` where there is one."""
+    manifest = load_manifest(store)
+    counts, source = heat_counts(store, Settings(model=str(store)), manifest)
+    reuse, reuse_source = heat_reuse(store, Settings(model=str(store)), manifest)
+    return {
+        name: make_plan(
+            store,
+            Settings(model=str(store), capacity=capacity, host_cache=host),
+            bandwidths,
+            compute,
+            counts,
+            source,
+            prompt_tokens=prompt_tokens,
+            mapped=mapped,
+            pool=(pools or {}).get((capacity, mapped)) if capacity is not None else None,
+            reuse=reuse,
+            reuse_source=reuse_source,
+        )
+        for name, capacity, host, mapped in configs
+    }
+
+
+def config_plans(
+    store: Path,
+    rows: list[dict[str, Any]],
+    bw: Bandwidths,
+    host: int,
+    compute: ComputeProbe,
+    pools: Mapping[tuple[float, bool], PoolProbe] | None = None,
+) -> dict[str, Plan]:
+    """{name: plan} of `bench decode`'s moestream configurations (rows with a name, a
+    capacity and a host tier: "mapped" (a mapped pool over a tier of `host` bytes),
+    "slots", or None; "+mapped" rows are mapped pools without a tier)."""
+    configs = [
+        (
+            r["name"],
+            r["capacity"],
+            host if r.get("host_tier") else 0,
+            r.get("host_tier") == "mapped" or "+mapped" in r["name"],
+        )
+        for r in rows
+        if r["capacity"] is not None
+    ]
+    return bench_plans(store, configs, bw, TTFT_PROMPT_TOKENS, compute, pools)
+
+
+def decode_forecasts(
+    report: dict[str, Any], compute: ComputeProbe, pools: Mapping[tuple[float, bool], PoolProbe] | None = None
+) -> list[dict[str, Any]]:
+    """The forecast of every moestream row of a `bench decode` report, with the run's own
+    bandwidths, `compute` and `pools` (`probe_store`), beside its measured tok/s."""
+    rows = [r for r in report["results"] if r["capacity"] is not None]
+    bw = Bandwidths(
+        report["read_bandwidth_bytes_per_s"],
+        report["link_bandwidth_bytes_per_s"],
+        report["link_kind"],
+        "this run",
+        # A report from before the batched read probe has none: the bulk rate then.
+        {int(b): float(r) for b, r in (report.get("read_bandwidth_by_batch") or {}).items()},
+    )
+    plans = config_plans(Path(report["store"]), rows, bw, report.get("host_cache_bytes") or 0, compute, pools)
+    return [
+        {
+            "name": r["name"],
+            "measured_tokens_per_s": r["tokens_per_s"],
+            "forecast_tokens_per_s": plans[r["name"]].decode.tokens_per_s,
+            "forecast_bound_tokens_per_s": plans[r["name"]].decode.bound_tokens_per_s,
+            "bound_by": plans[r["name"]].decode.bound_by,
+            "measured_hit_rate": r["hit_rate"],
+            "forecast_hit_rate": plans[r["name"]].hit_rate,
+            "forecast_hit_source": plans[r["name"]].hits.source,
+            "measured_vs_forecast": r["tokens_per_s"] / plans[r["name"]].decode.tokens_per_s,
+            "forecast_terms_ms": {k: 1e3 * v for k, v in plans[r["name"]].decode.terms_s.items()},
+        }
+        for r in rows
+    ]
+
+
+def format_forecast_lines(plans: Mapping[str, Plan]) -> list[str]:
+    """A line per configuration: its forecast, hit rate and terms (before it is timed)."""
+    return [
+        f"forecast {name}: {p.decode.tokens_per_s:.2f} tok/s (bound {p.decode.bound_tokens_per_s:.2f}, "
+        f"{p.decode.bound_by}), hit {p.hit_rate:.3f} from {p.hits.source}; "
+        + ", ".join(f"{k} {_duration(v)}" for k, v in p.decode.terms_s.items() if v)
+        for name, p in plans.items()
+    ]
+
+
+def format_decode_forecasts(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'forecast (plan)':<26} {'tok/s':>8} {'bound':>8} {'by':>8} {'hit':>6} {'measured':>9} {'x fcst':>7}"]
+    for r in rows:
+        lines.append(
+            f"{r['name']:<26} {r['forecast_tokens_per_s']:>8.1f} {r['forecast_bound_tokens_per_s']:>8.1f} "
+            f"{r['bound_by']:>8} {r['forecast_hit_rate']:>6.3f} {r['measured_tokens_per_s']:>9.1f} "
+            f"{r['measured_vs_forecast']:>7.2f}"
+        )
     return "\n".join(lines)

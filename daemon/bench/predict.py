@@ -37,12 +37,13 @@ from ...shared.store_format import load_manifest
 from ..model.diagnostics import Recorder
 from ..model.generation import SamplingParams, generate
 from ..model.streaming_model import StreamingModel, load_streaming_model
-from ..planning.bandwidth import measure_read_bandwidth, page_cache_reason
+from ..planning.bandwidth import measure_read_bandwidth
 from ..planning.pool_probe import decode_counters
 from .decode import (
     BOUND_MIN_MOVE_SHARE,
     format_or_dash,
     host_split_per_token,
+    page_cache_reason,
     paired_blocks,
     timed_decode,
 )

@@ -32,7 +32,9 @@ from ...shared.store_format import load_manifest
 from ..model.generation import plain_steps
 from ..model.prefill import PREFILL_STEP, PrefillStats
 from ..model.streaming_model import StreamingModel, load_stock_model, load_streaming_model
-from ..planning.bandwidth import measure_link_bandwidth, measure_read_bandwidth, page_cache_reason
+from ..planning.bandwidth import measure_link_bandwidth, measure_read_bandwidth
+from ..planning.plan import Bandwidths, ComputeProbe
+from .decode import bench_plans, page_cache_reason
 
 GREEDY = make_sampler(temp=0.0)
 
@@ -321,4 +323,44 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"bound n/a: {note}")
     if report.get("page_cache"):
         lines.append(f"note: the store's reads go through the page cache ({report['page_cache']})")
+    return "\n".join(lines)
+
+
+def prefill_forecasts(report: dict[str, Any], compute: ComputeProbe) -> list[dict[str, Any]]:
+    """The forecast time to first token of every streamed row of a `bench prefill` report,
+    with `compute` (`probe_store`)."""
+    bw = report["bandwidth"]
+    bandwidths = Bandwidths(bw["disk_bytes_per_s"], bw["link_bytes_per_s"], bw["link_kind"], "this run")
+    store = Path(report["settings"]["store"])
+    host = report["settings"].get("host_cache") or 0
+    out = []
+    for c in report["configs"]:
+        if c.get("capacity") is None:
+            continue
+        for r in c["results"]:
+            n = r["prompt_tokens"]
+            config = (c["name"], c["capacity"], host if "host" in c["name"] else 0, bool(c.get("mapped")))
+            p = bench_plans(store, [config], bandwidths, n, compute)
+            t = p[c["name"]].ttft
+            out.append(
+                {
+                    "name": c["name"],
+                    "prompt_tokens": n,
+                    "measured_ttft_s": r["ttft_s"],
+                    "forecast_ttft_s": t.seconds,
+                    "forecast_bound_s": t.bound_seconds,
+                    "bound_by": t.bound_by,
+                    "measured_vs_forecast": r["ttft_s"] / t.seconds,
+                }
+            )
+    return out
+
+
+def format_prefill_forecasts(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'forecast (plan)':<28} {'tokens':>6} {'TTFT':>8} {'bound':>8} {'by':>8} {'measured':>9} {'x fcst':>7}"]
+    for r in rows:
+        lines.append(
+            f"{r['name']:<28} {r['prompt_tokens']:>6} {r['forecast_ttft_s']:>7.2f}s {r['forecast_bound_s']:>7.2f}s "
+            f"{r['bound_by']:>8} {r['measured_ttft_s']:>8.2f}s {r['measured_vs_forecast']:>7.2f}"
+        )
     return "\n".join(lines)

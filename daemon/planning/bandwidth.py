@@ -17,7 +17,6 @@ import numpy as np
 
 from ..._native import ReadEngine
 from ...shared.durable import sync_file
-from ...shared.settings import format_size
 from ...shared.store_format import MoELayer, load_manifest
 from ..pool.admission import cuda_copier
 
@@ -29,17 +28,6 @@ def settle_writes() -> None:
     ran beside such writeback and read slower than the same probe after the rounds:
     tests/bench/RESULTS.md, "The H200 table with the stack distances")."""
     os.sync()
-
-
-def format_read_and_link(
-    read: float, layer_reads: dict[int, float], link_kind: str, link: float, page_cache: bool = False
-) -> str:
-    """The probed bandwidths in one line, as the benchmarks print them."""
-    return (
-        f"read {format_size(read)}/s{' through the page cache' if page_cache else ''} "
-        f"({', '.join(f'{format_size(r)}/s' for r in layer_reads.values())} in batches of "
-        f"{', '.join(map(str, layer_reads))}), {link_kind} {format_size(link)}/s"
-    )
 
 
 def measure_read_bandwidth(
@@ -130,20 +118,6 @@ def scratch_layer(near: Path, layer: MoELayer) -> Iterator[tuple[Path, list[MoEL
                 f.write(block)
             sync_file(f)
         yield Path(tmp), [scratch]
-
-
-def page_cache_reason(store: Path) -> str | None:
-    """Why the store's reads go through the page cache (the read engine's fallback where
-    the filesystem refuses direct I/O), or None where they bypass it. Through the page
-    cache a read costs what its cached pages cost, which the measured read bandwidth, a
-    mix of cache and disk, does not give."""
-    manifest = load_manifest(store)
-    with ReadEngine(threads=1, direct=True) as engine:
-        for file in sorted({layer.file for layer in manifest.layers}):
-            info = engine.file_info(engine.open(str(store / file)))
-            if not info["direct"]:
-                return info["fallback_reason"] or "buffered reads"
-    return None
 
 
 def measure_link_bandwidth() -> tuple[float, str, dict[str, Any]]:

@@ -261,8 +261,7 @@ def bench_decode(
     on_loaded = None
     try:
         if forecast:
-            from ....daemon.bench.decode import pool_configs
-            from ....daemon.planning.plan import probe_store
+            from ....daemon.bench.decode import pool_configs, probe_store
 
             click.echo("probing compute and pools for the forecast", err=True)
             compute, pools = probe_store(
@@ -283,7 +282,7 @@ def bench_decode(
         raise click.ClickException(str(e)) from e
     text = format_report(report)
     if compute is not None:
-        from ....daemon.planning.plan import decode_forecasts, format_decode_forecasts
+        from ....daemon.bench.decode import decode_forecasts, format_decode_forecasts
 
         report["forecast_compute"] = compute.to_dict()
         report["forecast_pools"] = [p.to_dict() for p in pools.values()]
@@ -296,8 +295,8 @@ def _early_forecast(store: Path, io_threads: int, host: int, compute: Any, pools
     """What prints the forecast of every configuration once they are loaded, before any
     is timed, with bandwidths probed now (the report's own forecast, at the end, takes
     the run's, probed after its rounds): a run cut short still shows what was forecast."""
-    from ....daemon.planning.bandwidth import format_read_and_link
-    from ....daemon.planning.plan import config_plans, format_forecast_lines, probe_bandwidths
+    from ....daemon.bench.decode import config_plans, format_forecast_lines, format_read_and_link
+    from ....daemon.planning.plan import probe_bandwidths
 
     click.echo("probing the store's reads and the host->pool link for the forecast", err=True)
     bw = probe_bandwidths(store, io_threads)

@@ -120,7 +120,7 @@ def bench_prefill(
 
     compute = None
     if forecast:
-        from ....daemon.planning.plan import probe_store
+        from ....daemon.bench.decode import probe_store
 
         click.echo("probing compute for the forecast", err=True)
         compute, _ = probe_store(Path(store))
@@ -128,7 +128,7 @@ def bench_prefill(
     report.setdefault("command", command)
     text = format_report(report)
     if compute is not None:
-        from ....daemon.planning.plan import format_prefill_forecasts, prefill_forecasts
+        from ....daemon.bench.prefill import format_prefill_forecasts, prefill_forecasts
 
         report["forecast_compute"] = compute.to_dict()
         report["forecast"] = prefill_forecasts(report, compute)
