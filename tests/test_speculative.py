@@ -17,8 +17,9 @@ import mlx.core as mx
 import pytest
 from tiny_models import make_tiny_model
 
+from moestream.daemon.model.demo_mtp import MTP_FILE
 from moestream.daemon.model.generation import SamplingParams, encode_prompt, generate
-from moestream.daemon.model.mtp_head import has_mtp, load_mtp_head
+from moestream.daemon.model.mtp_head import load_mtp_head
 from moestream.daemon.model.speculative import (
     SpeculativeParams,
     SpeculativeStats,
@@ -174,7 +175,7 @@ def test_convert_keeps_the_qwen3_next_mtp_head(tiny_stores):
     for name in ("next", "next4"):
         loaded = load_mtp_head(tiny_stores[name], load_manifest(tiny_stores[name]).config)
         assert loaded.kind == "qwen3_next"
-    assert not has_mtp(tiny_stores["moe"])
+    assert not (tiny_stores["moe"] / MTP_FILE).is_file()
     sm = load_streaming_model(tiny_stores["moe"], Settings(capacity=1.0))
     try:
         with pytest.raises(Exception, match="has no MTP head"):

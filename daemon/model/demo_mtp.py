@@ -19,11 +19,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.models.qwen3_moe import ModelArgs, Qwen3MoeDecoderLayer
 
 MTP_FILE = "mtp.safetensors"
-_PREFIX = "mtp."
+MTP_PREFIX = "mtp."
 
 
 class MTPHead(nn.Module):
@@ -47,35 +46,9 @@ class MTPHead(nn.Module):
         return self.norm(self.block(z, mask, cache))
 
 
-def save_mtp(
-    path: str | Path,
-    head: MTPHead,
-    *,
-    model_config: dict[str, Any],
-    intermediate_size: int,
-    quantization: dict[str, int] | None,
-) -> None:
-    """Write `head` to `path` with what `load_mtp` needs in the metadata."""
-    config = {k: v for k, v in model_config.items() if k not in ("quantization", "quantization_config")}
-    meta = {"model_config": config, "intermediate_size": intermediate_size, "quantization": quantization}
-    weights = {_PREFIX + k: v for k, v in tree_flatten(head.parameters())}
-    mx.save_safetensors(str(path), weights, metadata={"format": "mlx", "moestream_mtp": json.dumps(meta)})
-
-
-def quantize_mtp(head: MTPHead, *, group_size: int, bits: int) -> dict[str, int]:
-    """Quantize the head's linear layers in place (those whose input splits into
-    groups); return the quantization to record."""
-    nn.quantize(
-        head,
-        group_size,
-        bits,
-        class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % group_size == 0,
-    )
-    return {"group_size": group_size, "bits": bits}
-
-
 def load_mtp(path: str | Path) -> tuple[MTPHead, dict[str, Any]]:
-    """Read an MTP head written by `save_mtp`; return it and its metadata."""
+    """Read an MTP head written by `save_mtp` (tests/bench/demo_recipe/export.py); return it
+    and its metadata."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"MTP head {path} does not exist (train.py writes it as {MTP_FILE})")
@@ -86,8 +59,8 @@ def load_mtp(path: str | Path) -> tuple[MTPHead, dict[str, Any]]:
     head = MTPHead(ModelArgs.from_dict(meta["model_config"]), int(meta["intermediate_size"]))
     quant = meta.get("quantization")
     if quant:
-        quantized = {k[len(_PREFIX) :].rsplit(".", 1)[0] for k in weights if k.endswith(".scales")}
+        quantized = {k[len(MTP_PREFIX) :].rsplit(".", 1)[0] for k in weights if k.endswith(".scales")}
         nn.quantize(head, quant["group_size"], quant["bits"], class_predicate=lambda p, _: p in quantized)
-    head.load_weights([(k[len(_PREFIX) :], v) for k, v in weights.items()], strict=True)
+    head.load_weights([(k[len(MTP_PREFIX) :], v) for k, v in weights.items()], strict=True)
     mx.eval(head.parameters())
     return head, meta

@@ -83,10 +83,6 @@ class LoadedMTP:
     make_cache: Callable[[], Any]
 
 
-def has_mtp(store: str | Path) -> bool:
-    return (Path(store) / MTP_FILE).is_file()
-
-
 def load_mtp_head(store: str | Path, config: dict[str, Any]) -> LoadedMTP:
     """The MTP head of the store at `store` (whose manifest config is `config`)."""
     path = Path(store) / MTP_FILE

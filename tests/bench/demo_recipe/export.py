@@ -5,19 +5,47 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map, tree_map_with_path
+from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
 from demo_recipe.data import tokenizer_file_names
 from demo_recipe.model import DemoShape
-from moestream.daemon.model.demo_mtp import MTP_FILE, MTPHead, quantize_mtp, save_mtp
+from moestream.daemon.model.demo_mtp import MTP_FILE, MTP_PREFIX, MTPHead
 
 SAMPLE_PROMPT = "def fibonacci(n):"
+
+
+def save_mtp(
+    path: str | Path,
+    head: MTPHead,
+    *,
+    model_config: dict[str, Any],
+    intermediate_size: int,
+    quantization: dict[str, int] | None,
+) -> None:
+    """Write `head` to `path` with what `load_mtp` needs in the metadata."""
+    config = {k: v for k, v in model_config.items() if k not in ("quantization", "quantization_config")}
+    meta = {"model_config": config, "intermediate_size": intermediate_size, "quantization": quantization}
+    weights = {MTP_PREFIX + k: v for k, v in tree_flatten(head.parameters())}
+    mx.save_safetensors(str(path), weights, metadata={"format": "mlx", "moestream_mtp": json.dumps(meta)})
+
+
+def quantize_mtp(head: MTPHead, *, group_size: int, bits: int) -> dict[str, int]:
+    """Quantize the head's linear layers in place (those whose input splits into
+    groups); return the quantization to record."""
+    nn.quantize(
+        head,
+        group_size,
+        bits,
+        class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % group_size == 0,
+    )
+    return {"group_size": group_size, "bits": bits}
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> None:
