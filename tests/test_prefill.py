@@ -32,7 +32,8 @@ from moestream.daemon.model.prefill import (
     PrefillStats,
     UnsupportedModel,
     chunk_sizes,
-    prefill_cache,
+    drained,
+    prefill_pieces,
 )
 from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.daemon.pool.capacity import top_k_of
@@ -131,7 +132,7 @@ def test_one_chunk_reports_its_progress_layer_by_layer_at_a_full_pool(converted)
     sm = load_streaming_model(store, Settings(direct_io=True))
     try:
         done: list[int] = []
-        prefill_cache(sm, mx.array(_prompt(200)), PREFILL_STEP, on_progress=done.append)
+        drained(prefill_pieces(sm, mx.array(_prompt(200)), PREFILL_STEP, on_progress=done.append))
         assert done == sorted(done) and done[-1] == 200 and len(done) == len(sm.layer_major.layers) >= 2, done
     finally:
         sm.close()
@@ -158,7 +159,7 @@ def _routed_union_reads(sm, prompt: list[int], step: int) -> tuple[int, int, Pre
     before = [set(np.flatnonzero(p.slot_of >= 0).tolist()) for p in sm.pools]
     read_before = sum(p.stats.bytes_read for p in sm.pools)
     cache = make_prompt_cache(sm.model)
-    stats = sm.layer_major.run(mx.array(prompt[:-1]), cache, step)
+    stats = drained(sm.layer_major.pieces(mx.array(prompt[:-1]), cache, step))
     minimum = 0
     for p, resident in zip(sm.pools, before):
         routed = set(np.flatnonzero(p.take_routed() > 0).tolist())
@@ -236,7 +237,7 @@ def test_a_padded_continuation_layer_by_layer_leaves_stock_cache_tokens_and_coun
             for p in sm.pools:
                 p.take_routed()
             stats = PrefillStats()
-            got_cache = prefill_cache(sm, mx.array(turn), cache=cache, stats=stats)
+            got_cache = drained(prefill_pieces(sm, mx.array(turn), cache=cache, stats=stats))
             settle()
             pad = query_bucket(len(turn)) - len(turn) if plain else 0
             assert stats.padded == int(plain) and stats.pad_tokens == pad, label
@@ -322,11 +323,11 @@ def test_a_forward_that_strays_at_a_prompt_is_refused_before_anything_runs_or_st
     cache = [KVCache(), KVCache()]
     late = LayerMajorPrefill(_Toy(lambda n: [0, 1] if n <= 2 else [1, 0]))
     with pytest.raises(UnsupportedModel, match="each decoder layer once"):
-        late.run(mx.arange(40), cache, step=16)
+        drained(late.pieces(mx.arange(40), cache, step=16))
     assert all(c.offset == 0 and c.keys is None for c in cache)  # untouched
     again = LayerMajorPrefill(_Toy(lambda n: [0, 1] if n <= 2 else [0, 1, 1]))
     with pytest.raises(RuntimeError, match="each decoder layer once"):
-        again.run(mx.arange(40), cache, step=16)
+        drained(again.pieces(mx.arange(40), cache, step=16))
     assert all(isinstance(layer, nn.Linear) for layer in again.layers)  # put back
 
 

@@ -491,7 +491,7 @@ def plain_steps(
     spares a partial pool reads (daemon/model/prefill.py): all of it but the last token,
     in stock's chunks; `generate_step` then takes the last token as its prompt, over the
     filled cache, exactly as stock's does after its own chunks (a model the layer-major
-    prefill refuses is prefilled in stock's chunks there, `prefill_cache`). `prefill_step` is
+    prefill refuses is prefilled in stock's chunks there, `prefill_pieces`). `prefill_step` is
     `generate_step`'s `prefill_step_size`; `layer_major=False` keeps stock's order.
 
     With `cache_use` the prompt starts from the prompt cache's best prefix and only the

@@ -403,27 +403,6 @@ class LayerMajorPrefill:
                 return True
         return False
 
-    def run(
-        self,
-        tokens: mx.array,
-        cache: Sequence[Any],
-        step: int = PREFILL_STEP,
-        on_progress: Callable[[int], None] | None = None,
-        stats: PrefillStats | None = None,
-        pad: int = 0,
-    ) -> PrefillStats:
-        """Prefill `tokens` (1-D: the prompt but its last token) into `cache`, the
-        model's prompt cache, in stock's chunks of `step` (`generate_step`'s
-        `prefill_step_size`); `on_progress(tokens_done)` after each layer, in
-        proportion. `pad`: the last `pad` tokens are a padded continuation's copies
-        (daemon/model/kv_buckets.py), left out of the counts. Returns what it did.
-
-        Raises `UnsupportedModel` before anything is computed or the cache changes
-        where the model's forward does not call its first layer first (the probe at
-        load refused any model that does not call each layer once, in order; one that
-        strays later all the same raises a RuntimeError)."""
-        return drained(self.pieces(tokens, cache, step, on_progress, stats, pad))
-
     def pieces(
         self,
         tokens: mx.array,
@@ -433,9 +412,19 @@ class LayerMajorPrefill:
         stats: PrefillStats | None = None,
         pad: int = 0,
     ) -> Generator[None, None, PrefillStats]:
-        """`run`, one decoder layer per step of the generator (it yields after each;
-        its value is what `run` returns): between two layers nothing of the prefill is
-        in flight, so other work (a batch's decode steps) may use the pools there."""
+        """Prefill `tokens` (1-D: the prompt but its last token) into `cache`, the
+        model's prompt cache, in stock's chunks of `step` (`generate_step`'s
+        `prefill_step_size`); `on_progress(tokens_done)` after each layer, in
+        proportion. `pad`: the last `pad` tokens are a padded continuation's copies
+        (daemon/model/kv_buckets.py), left out of the counts. One decoder layer per step
+        of the generator (it yields after each; its value is what it did): between two
+        layers nothing of the prefill is in flight, so other work (a batch's decode
+        steps) may use the pools there.
+
+        Raises `UnsupportedModel` before anything is computed or the cache changes
+        where the model's forward does not call its first layer first (the probe at
+        load refused any model that does not call each layer once, in order; one that
+        strays later all the same raises a RuntimeError)."""
         stats = stats if stats is not None else PrefillStats()
         tic = time.perf_counter()
         n = int(tokens.size)
@@ -560,24 +549,6 @@ def drained(pieces: Generator[None, None, Any]) -> Any:
             return end.value
 
 
-def prefill_cache(
-    sm: StreamingModel,
-    prompt: mx.array,
-    step: int = PREFILL_STEP,
-    on_progress: Callable[[int], None] | None = None,
-    stats: PrefillStats | None = None,
-    *,
-    cache: list[Any] | None = None,
-    layer_major: bool = True,
-) -> list[Any]:
-    """A prompt cache holding `prompt` (1-D), made as `generate_step` makes it before its
-    last prompt token: layer by layer where the layer-major prefill wants it (and
-    `layer_major`), else in stock's chunks. `on_progress(tokens_done)` as it goes. With
-    `cache` (one that holds a prefix already, from the prompt cache), `prompt` goes on
-    after what it holds, as `generate_step` given that cache would take it."""
-    return drained(prefill_pieces(sm, prompt, step, on_progress, stats, cache=cache, layer_major=layer_major))
-
-
 def prefill_pieces(
     sm: StreamingModel,
     prompt: mx.array,
@@ -588,8 +559,13 @@ def prefill_pieces(
     cache: list[Any] | None = None,
     layer_major: bool = True,
 ) -> Generator[None, None, list[Any]]:
-    """`prefill_cache` in pieces: the generator yields after each decoder layer of a
-    layer-major prefill, or after each of stock's chunks, and its value is the cache.
+    """A prompt cache holding `prompt` (1-D), made as `generate_step` makes it before its
+    last prompt token: layer by layer where the layer-major prefill wants it (and
+    `layer_major`), else in stock's chunks. `on_progress(tokens_done)` as it goes. With
+    `cache` (one that holds a prefix already, from the prompt cache), `prompt` goes on
+    after what it holds, as `generate_step` given that cache would take it. In pieces:
+    the generator yields after each decoder layer of a layer-major prefill, or after
+    each of stock's chunks, and its value is the cache.
     Each piece runs on mlx-lm's generation stream; between pieces the caller's work runs
     on its own (a batch decodes its other requests there, so that a long prompt holds
     them back for one piece at a time)."""
