@@ -234,7 +234,7 @@ def test_memory_stays_within_its_bounds(converted):
         for i in range(6):
             _ours(sm, pc, [i] + _prompt(29, seed=100 + i))  # no two share a first token
             (tree,) = [s.tree for s in pc._scopes.values()]
-            held = [node for _, node in tree.sequences()]
+            held = [node for node in tree._nodes() if node.end]
             assert pc.stats.bytes == sum(n.nbytes for n in tree._nodes())
             assert pc.stats.bytes <= bound and pc.stats.entries <= 3 and pc.stats.entries == len(held)
         assert pc.stats.evicted > 0

@@ -285,16 +285,6 @@ class PromptTree:
         node = path[-1]
         return node if m == len(tokens) and node.stop == m and node.end else None
 
-    def sequences(self) -> Iterator[tuple[tuple[int, ...], Node]]:
-        """Every entry's tokens and end node."""
-        stack: list[tuple[Node, tuple[int, ...]]] = [(self.root, ())]
-        while stack:
-            n, prefix = stack.pop()
-            here = prefix + n.tokens
-            if n.end:
-                yield here, n
-            stack.extend((c, here) for c in n.children.values())
-
     @staticmethod
     def _tokens(path: list[Node]) -> tuple[int, ...]:
         return tuple(t for n in path for t in n.tokens)
