@@ -249,14 +249,6 @@ class MappedPool:
                 if 0 <= e < len(mine):
                     mine[e] += c
 
-    def rebalance(self) -> None:
-        """Set each layer's GPU share to its most routed experts now (on this thread,
-        after the worker's turns so far); returns when the moves are queued."""
-        self._worker.drain()
-        spans = self._rebalance_spans()
-        if spans:
-            self.mover.place_many(spans, False, False)
-
     def _rebalance_spans(self) -> list[Span]:
         self.stats.rebalances += 1
         spans: list[Span] = []
