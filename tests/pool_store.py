@@ -9,6 +9,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from moestream.daemon.pool.pressure import Level, Pressure
+
 
 def make_pool_store(root: Path) -> Path:
     from tiny_models import make_tiny_model
@@ -28,3 +30,19 @@ def run_tokens(sm, n_prompt=20, steps=24):
         token = mx.argmax(logits, axis=-1)
         logits = sm.model(token[None], cache=cache)[:, -1, :]
     mx.eval(logits)
+
+
+class ManualPressure:
+    """A level set by hand: the elastic pool's tests' and benchmarks' pressure source."""
+
+    name = "manual"
+
+    def __init__(self, level: Level = "normal", detail: str = "set by hand") -> None:
+        self.level: Level = level
+        self.detail = detail
+
+    def set(self, level: Level, detail: str = "set by hand") -> None:
+        self.level, self.detail = level, detail
+
+    def read(self) -> Pressure:
+        return Pressure(self.level, self.detail)

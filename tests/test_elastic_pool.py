@@ -24,6 +24,7 @@ import pytest
 from daemon_cli import ctl, wait_for
 from mlx_lm import load as stock_load
 from mlx_lm.generate import generate_step
+from pool_store import ManualPressure
 from stock_runs import GREEDY, LogitsRecorder
 from test_openai_gateway import Gateway
 from tiny_models import make_tiny_model
@@ -36,7 +37,6 @@ from moestream.daemon.pool.pressure import (
     AvailablePressure,
     FilePressure,
     MacPressure,
-    ManualPressure,
     Pressure,
     PsiPressure,
     pressure_source,

@@ -9,7 +9,8 @@ A source answers `read()` with a level, `normal`, `warn` or `critical`, and what
   at WARN_STALL_PCT or more is warn; where the kernel has no PSI, MemAvailable of MemTotal
   (`/proc/meminfo`) below WARN_AVAILABLE / CRITICAL_AVAILABLE.
 - `file:PATH` (the `memory_pressure` bench knob): a level written in a file, which tests
-  and benchmarks write to drive a daemon; `ManualPressure` does the same in-process.
+  and benchmarks write to drive a daemon; tests/pool_store.py's `ManualPressure` does the
+  same in-process.
 
 The Linux levels are left at half their thresholds (a level held until the stall halves,
 or until the available memory doubles), so that a reading near a threshold does not
@@ -55,22 +56,6 @@ class PressureSource(Protocol):
     name: str
 
     def read(self) -> Pressure: ...
-
-
-class ManualPressure:
-    """A level set by hand: the tests' and benchmarks' source."""
-
-    name = "manual"
-
-    def __init__(self, level: Level = "normal", detail: str = "set by hand") -> None:
-        self.level: Level = level
-        self.detail = detail
-
-    def set(self, level: Level, detail: str = "set by hand") -> None:
-        self.level, self.detail = level, detail
-
-    def read(self) -> Pressure:
-        return Pressure(self.level, self.detail)
 
 
 class FilePressure:

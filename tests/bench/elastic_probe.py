@@ -42,12 +42,13 @@ import mlx.core as mx
 import psutil
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # tests/: tiny_models
+sys.path.insert(0, str(HERE.parent))  # tests/: tiny_models, pool_store
+
+from pool_store import ManualPressure  # noqa: E402
 
 from moestream.daemon.model.generation import encode_prompt, plain_steps  # noqa: E402
 from moestream.daemon.model.streaming_model import load_streaming_model  # noqa: E402
 from moestream.daemon.pool.elastic import ElasticPool  # noqa: E402
-from moestream.daemon.pool.pressure import ManualPressure  # noqa: E402
 from moestream.shared.settings import Settings, demo_store_path  # noqa: E402
 
 # Greedy, the demo loops on it and never ends: every phase decodes its whole count.
