@@ -152,14 +152,19 @@ def probe_bandwidths(store: Path | StoreShape, threads: int) -> Bandwidths:
     return Bandwidths(read, link, kind, "probed now", layer_reads)
 
 
-def save_bandwidths(folder: Path, bw: Bandwidths) -> Path:
-    """Keep the probe's figures for `plan --no-probe` (temporary file, then rename)."""
+def _keep_json(folder: Path, name: str, data: Any) -> Path:
+    """Write `data` as JSON to `folder`/`name` (temporary file, then rename)."""
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / BANDWIDTH_FILE
+    path = folder / name
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({**bw.to_dict(), "at": time.time()}))
+    tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
     return path
+
+
+def save_bandwidths(folder: Path, bw: Bandwidths) -> Path:
+    """Keep the probe's figures for `plan --no-probe`."""
+    return _keep_json(folder, BANDWIDTH_FILE, {**bw.to_dict(), "at": time.time()})
 
 
 def load_bandwidths(folder: Path) -> Bandwidths | None:
@@ -801,12 +806,8 @@ def make_plan(
 
 
 def save_compute(folder: Path, store_id: str, compute: ComputeProbe) -> None:
-    """Keep a store's compute probe for `plan --no-probe` (temporary file, then rename)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"compute-{store_id}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(compute.to_dict()))
-    os.replace(tmp, path)
+    """Keep a store's compute probe for `plan --no-probe`."""
+    _keep_json(folder, f"compute-{store_id}.json", compute.to_dict())
 
 
 def load_compute(folder: Path, store_id: str) -> ComputeProbe | None:
@@ -830,13 +831,9 @@ def load_compute(folder: Path, store_id: str) -> ComputeProbe | None:
 
 def save_pool_probes(folder: Path, store_id: str, probes: Mapping[tuple[float, bool], PoolProbe]) -> None:
     """Keep a store's pool probes (with those kept before, by configuration) for `plan
-    --no-probe` (temporary file, then rename)."""
-    folder.mkdir(parents=True, exist_ok=True)
+    --no-probe`."""
     merged = {**load_pool_probes(folder, store_id), **probes}
-    path = folder / f"pools-{store_id}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps([p.to_dict() for p in merged.values()]))
-    os.replace(tmp, path)
+    _keep_json(folder, f"pools-{store_id}.json", [p.to_dict() for p in merged.values()])
 
 
 def load_pool_probes(folder: Path, store_id: str) -> dict[tuple[float, bool], PoolProbe]:
