@@ -46,10 +46,6 @@ class LFUPolicy(EvictionPolicy):
         self._last = [-1] * num_experts
         self._heap = ResidentHeap()
 
-    def decayed_count(self, expert: int) -> float:
-        """Accesses of `expert`, each weighted 2^(-age / half_life)."""
-        return self._count[expert] / self._inc
-
     def access(self, experts: Sequence[int]) -> None:
         self._tick += 1
         self._inc *= self._growth
