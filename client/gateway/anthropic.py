@@ -55,10 +55,11 @@ from starlette.routing import Route
 from ...shared import protocol as proto
 from ...shared.protocol import Done
 from ..client import Accepted, Token, ToolCall
+from . import images
 from .call_texts import CallTexts
 from .daemon_link import ApiError, ApiRequest, bad_request
 from .keep_alive import KeepAlive
-from .openai import check_image_count, declared_identity, image_from, json_constraint, sampling_controls
+from .openai import declared_identity, json_constraint, sampling_controls
 
 if TYPE_CHECKING:
     from .daemon_link import DaemonRequest, Gateway
@@ -145,10 +146,10 @@ def _image(block: dict[str, Any], where: str) -> proto.ImageData:
     if not isinstance(source, dict):
         raise bad_request(f"{where}: an image block has a 'source'", where)
     if source.get("type") == "url":
-        return image_from(source.get("url"), f"{where}.source.url", url=True)  # a remote one is a 400
+        return images.from_url(source.get("url"), f"{where}.source.url")  # a remote one is a 400
     if source.get("type") != "base64":
         raise bad_request(f"{where}.source: an image's source is {{type: 'base64', media_type, data}}", where)
-    return image_from(source.get("data"), f"{where}.source.data", url=False)
+    return images.from_base64(source.get("data"), f"{where}.source.data")
 
 
 def _text_of(value: Any, where: str, pictures: list[proto.ImageData] | None = None) -> str:
@@ -299,7 +300,7 @@ def _chat(
             else:
                 chat.append(msg)
     if vision:
-        check_image_count(chat)
+        images.count_images(chat)
     return chat
 
 

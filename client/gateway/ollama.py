@@ -39,12 +39,10 @@ from ...shared import protocol as proto
 from ...shared.protocol import Done
 from ...shared.status import KeepAliveStatus
 from ..client import Token, ToolCall
+from . import images
 from .daemon_link import ApiError, ApiRequest, bad_request
-from .images import IMAGE_BODY_BYTES
 from .model_info import capabilities, context_length, model_id
 from .openai import (
-    check_image_count,
-    image_from,
     json_constraint,
     keep_alive_seconds,
     sampling_controls,
@@ -238,7 +236,7 @@ def parse_chat(body: Any) -> ApiRequest:
         if pictures:
             if not isinstance(pictures, list):
                 raise bad_request(f"messages[{i}].images must be a list of base64 images")
-            msg["images"] = [image_from(p, f"messages[{i}].images[{j}]", url=False) for j, p in enumerate(pictures)]
+            msg["images"] = [images.from_base64(p, f"messages[{i}].images[{j}]") for j, p in enumerate(pictures)]
         if m.get("thinking"):
             if not isinstance(m["thinking"], str):
                 raise bad_request(f"messages[{i}].thinking must be a string")
@@ -249,7 +247,7 @@ def parse_chat(body: Any) -> ApiRequest:
         if isinstance(name, str) and 0 < len(name) <= proto.MAX_NAME_CHARS:
             msg["name"] = name
         chat.append(msg)
-    check_image_count(chat)
+    images.count_images(chat)
     kwargs: dict[str, Any] = {"messages": chat}
     tools = body.get("tools")
     if tools:
@@ -360,7 +358,7 @@ class OllamaApi:
 
     async def _answer(self, request: Request, *, chat: bool) -> Response:
         self._gw._authorize(request)
-        body = await self._gw._read_json(request, IMAGE_BODY_BYTES if chat else None)
+        body = await self._gw._read_json(request, images.IMAGE_BODY_BYTES if chat else None)
         if _loads_only(body, chat):
             return await self._load(body, chat)
         req = parse_chat(body) if chat else parse_generate(body)

@@ -188,23 +188,6 @@ def _response_format(body: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def image_from(value: Any, where: str, *, url: bool) -> proto.ImageData:
-    """An image part's bytes: from a data URL (`url`; a remote URL is refused) or base64
-    (client/gateway/images.py); 400 for what is not an image within the limits."""
-    try:
-        return images.from_url(value, where) if url else images.from_base64(value, where)
-    except images.ImageRejected as e:
-        raise bad_request(str(e), e.where, e.code) from None
-
-
-def check_image_count(messages: list[dict[str, Any]]) -> None:
-    """400 for a chat with more than MAX_IMAGES images."""
-    try:
-        images.count_images(messages)
-    except images.ImageRejected as e:
-        raise bad_request(str(e), e.where, e.code) from None
-
-
 def _content(value: Any, i: int) -> tuple[str, list[proto.ImageData]]:
     """A message's content: a string, null, or a list of text and image parts (an
     image's `image_url` a data URL), as its text and its images."""
@@ -219,7 +202,7 @@ def _content(value: Any, i: int) -> tuple[str, list[proto.ImageData]]:
             if kind == "image_url":
                 spec = part.get("image_url")
                 url = spec.get("url") if isinstance(spec, dict) else spec
-                pictures.append(image_from(url, f"messages[{i}].content[{j}].image_url.url", url=True))
+                pictures.append(images.from_url(url, f"messages[{i}].content[{j}].image_url.url"))
                 continue
             if not (kind == "text" and isinstance(part.get("text"), str)):
                 raise bad_request(
@@ -291,7 +274,7 @@ def _messages(body: dict[str, Any], kept: CallTexts | None = None, client: str =
                 raise bad_request(f"messages[{i}].reasoning_content must be a string", f"messages[{i}]")
             msg["reasoning"] = reasoning
         out.append(msg)
-    check_image_count(out)
+    images.count_images(out)
     return out
 
 

@@ -59,9 +59,9 @@ from starlette.routing import Route
 from ...shared import protocol as proto
 from ...shared.protocol import Done
 from ..client import Token, ToolCall
+from . import images
 from .call_texts import CallTexts
 from .daemon_link import ApiError, ApiRequest, bad_request
-from .images import IMAGE_BODY_BYTES
 from .keep_alive import KeepAlive
 from .openai import (
     DEFAULT_TEMPERATURE,
@@ -69,9 +69,7 @@ from .openai import (
     _is_int,
     _number,
     chat_logprobs,
-    check_image_count,
     declared_identity,
-    image_from,
     json_constraint,
     sampling_controls,
     tool_call_id,
@@ -141,7 +139,7 @@ def _text_of(content: Any, where: str, pictures: list[proto.ImageData] | None = 
             raise bad_request(f"{where}[{j}]: {kind} is not supported here (this server reads text and images)", where)
         elif kind == "input_image":
             assert pictures is not None
-            pictures.append(image_from(part.get("image_url"), f"{where}[{j}].image_url", url=True))
+            pictures.append(images.from_url(part.get("image_url"), f"{where}[{j}].image_url"))
         else:
             raise bad_request(f"{where}[{j}] must be a text part {{type: 'input_text', text}}, got {kind!r}", where)
     return "".join(texts)
@@ -259,7 +257,7 @@ def _input(body: dict[str, Any], kept: CallTexts | None = None, client: str = ""
             raise bad_request(f"{where}: input items of type {kind!r} are not supported by this server", where)
     if not any(m["role"] != "system" for m in chat.messages):
         raise bad_request("'input' holds no message, call or tool output to answer", "input")
-    check_image_count(chat.messages)
+    images.count_images(chat.messages)
     return chat.messages
 
 
@@ -747,7 +745,7 @@ class ResponsesApi:
     async def create(self, request: Request) -> Response:
         gw = self._gw
         gw._authorize(request)
-        req = parse_request(await gw._read_json(request, IMAGE_BODY_BYTES), gw.call_texts)
+        req = parse_request(await gw._read_json(request, images.IMAGE_BODY_BYTES), gw.call_texts)
         opened = await gw.open_request(request, req.api, "resp_")
         if opened is None:
             return Response(status_code=499)
