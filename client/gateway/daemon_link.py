@@ -622,13 +622,6 @@ class Gateway:
     def stream(content: AsyncIterator[str], daemon: DaemonRequest, media_type: str = "text/event-stream") -> Response:
         return EventStream(content, daemon, media_type)
 
-    @staticmethod
-    def rest_of(text: str, sent: list[str]) -> str:
-        """What of `text` (a done's text or reasoning) was not streamed in `sent` (held
-        back for a possible stop string)."""
-        streamed = "".join(sent)
-        return text[len(streamed) :] if text.startswith(streamed) else ""
-
     async def open_choices(
         self, request: Request, req: ApiRequest, prefix: str
     ) -> tuple[list[DaemonRequest], str] | None:
@@ -727,6 +720,13 @@ class Choices:
     def cancel(self) -> None:
         for d in self.daemons:
             d.cancel()
+
+
+def rest_of(text: str, sent: list[str]) -> str:
+    """What of `text` (a done's text or reasoning) was not streamed in `sent` (held back
+    for a possible stop string)."""
+    streamed = "".join(sent)
+    return text[len(streamed) :] if text.startswith(streamed) else ""
 
 
 def shutdown_error() -> ApiError:

@@ -40,12 +40,14 @@ from ...shared.protocol import Done
 from ...shared.status import KeepAliveStatus
 from ..client import Token, ToolCall
 from . import images
-from .daemon_link import ApiError, ApiRequest, bad_request
+from .daemon_link import ApiError, ApiRequest, bad_request, rest_of
 from .model_info import capabilities, context_length, model_id
 from .openai import (
+    _is_int,
     json_constraint,
     keep_alive_seconds,
     sampling_controls,
+    stop_strings_ok,
     top_k,
     top_logprobs,
 )
@@ -86,10 +88,6 @@ def _expires_at(ka: KeepAliveStatus | None) -> str:
     return at.isoformat().replace("+00:00", "Z")
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _is_number(x: Any) -> bool:
     return (_is_int(x) or isinstance(x, float)) and x == x and abs(x) != float("inf")
 
@@ -127,11 +125,7 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
             out["seed"] = value if value >= 0 else None  # Ollama's -1: a random seed
         elif name == "stop":
             stop = [value] if isinstance(value, str) else value
-            if not (
-                isinstance(stop, list)
-                and len(stop) <= proto.MAX_STOP_STRINGS
-                and all(isinstance(s, str) and 0 < len(s) <= proto.MAX_STOP_CHARS for s in stop)
-            ):
+            if not stop_strings_ok(stop):
                 raise bad_request(f"options.stop must be at most {proto.MAX_STOP_STRINGS} non-empty strings")
             out["stop"] = stop
         elif name not in _CONTROL_OPTIONS:
@@ -438,8 +432,8 @@ class OllamaApi:
             yield _line({"error": "the moestream daemon shut down during this request"})
             return
         for thinking, rest in (
-            (True, self._gw.rest_of(event.reasoning, thought)),
-            (False, self._gw.rest_of(event.text, sent)),
+            (True, rest_of(event.reasoning, thought)),
+            (False, rest_of(event.text, sent)),
         ):
             if rest:
                 yield _line(piece(rest, thinking=thinking))
