@@ -130,19 +130,19 @@ def store_option(path: str | os.PathLike, flag: str = "--model") -> Manifest:
         raise click.UsageError(f"{flag}: {e}{hint}") from None
 
 
-def capacity_note(settings: Settings) -> str | None:
+def capacity_note(settings: Settings) -> None:
     """What a slot count above every layer's expert count becomes (the pool holds each
-    layer's experts, no more), said rather than done silently; None otherwise."""
+    layer's experts, no more), said (a note on stderr) rather than done silently."""
     if not isinstance(settings.capacity, int) or settings.model is None:
-        return None
+        return
     try:
         manifest = load_manifest(settings.model)
     except StoreError:
-        return None  # the command that loads the store says what is wrong with it
+        return  # the command that loads the store says what is wrong with it
     most = max((layer.num_experts for layer in manifest.layers), default=0)
     if most and settings.capacity > most:
-        return (
-            f"--capacity {settings.capacity} is more than the {most} experts of a layer: "
-            f"the pool holds all {most} (100%)"
+        click.echo(
+            f"note: --capacity {settings.capacity} is more than the {most} experts of a layer: "
+            f"the pool holds all {most} (100%)",
+            err=True,
         )
-    return None
