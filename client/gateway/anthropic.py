@@ -57,7 +57,7 @@ from ...shared.protocol import Done
 from ..client import Accepted, Token, ToolCall
 from . import images
 from .call_texts import CallTexts
-from .daemon_link import ApiError, ApiRequest, bad_request, rest_of
+from .daemon_link import ApiError, ApiRequest, EventStream, bad_request, rest_of
 from .keep_alive import KeepAlive
 from .openai import _is_int, _number, declared_identity, json_constraint, sampling_controls, stop_strings_ok
 
@@ -322,13 +322,6 @@ def _thinking(body: dict[str, Any]) -> bool | None:
     return THINKING_TYPES[kind]
 
 
-def _model(body: dict[str, Any]) -> str:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("'model' is required: a string", "model")
-    return model
-
-
 def _output_format(body: dict[str, Any]) -> dict[str, Any]:
     """`output_config.format` (structured outputs: {type: 'json_schema', schema}; the
     beta's top-level `output_format` too) as the daemon's constraint."""
@@ -349,7 +342,9 @@ def parse_request(body: Any, *, count_only: bool = False, kept: CallTexts | None
     comes with the text the model wrote for it where `kept` has it."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    model = _model(body)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required: a string", "model")
     client = declared_identity(body) or ""
     # A model that takes no images reads placeholders in their place (Claude Code sends
     # screenshots whatever the model): an image it could not read is no error for it.
@@ -361,49 +356,40 @@ def parse_request(body: Any, *, count_only: bool = False, kept: CallTexts | None
         image_error = e
     text_chat = _chat(body, kept, client, vision=False) if chat is None or any(m.get("images") for m in chat) else None
     kwargs: dict[str, Any] = {"messages": chat or text_chat, **_tools(body), "thinking": _thinking(body)}
-    if count_only:
-        return ApiRequest(
-            chat=True,
-            model=model,
-            stream=False,
-            include_usage=False,
-            generate=kwargs,
-            client=client,
-            text_only=None if text_chat is None else kwargs | {"messages": text_chat},
-            image_error=image_error,
-        )
-    max_tokens = body.get("max_tokens")
-    if not (_is_int(max_tokens) and 1 <= max_tokens):
-        raise bad_request("'max_tokens' is required: a whole number of at least 1", "max_tokens")
-    if max_tokens > proto.MAX_TOKENS_LIMIT:
-        raise bad_request(f"max_tokens: at most {proto.MAX_TOKENS_LIMIT}", "max_tokens")
-    stop = body.get("stop_sequences") or []
-    if not stop_strings_ok(stop):
-        raise bad_request(
-            f"stop_sequences: at most {proto.MAX_STOP_STRINGS} non-empty strings of at most "
-            f"{proto.MAX_STOP_CHARS} characters",
-            "stop_sequences",
-        )
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad_request("stream: must be true or false", "stream")
-    top_k = body.get("top_k")
-    if top_k is not None and not (_is_int(top_k) and 0 <= top_k < 2**31):
-        raise bad_request("top_k: must be a whole number of at least 0", "top_k")
-    kwargs |= _output_format(body) | {
-        "max_tokens": max_tokens,
-        # Anthropic's default temperature is 1.0, as OpenAI's.
-        "temp": _number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE, head="temperature:"),
-        "top_p": _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True, head="top_p:"),
-        "top_k": top_k or None,
-        "stop": stop,
-        "sampling": sampling_controls(body),
-    }
-    seed = body.get("seed")
-    if seed is not None:
-        if not (_is_int(seed) and 0 <= seed < 2**63):
-            raise bad_request("seed: must be a whole number in 0..2^63-1", "seed")
-        kwargs["seed"] = seed
+    stream = False  # count_tokens: only the prompt
+    if not count_only:
+        max_tokens = body.get("max_tokens")
+        if not (_is_int(max_tokens) and 1 <= max_tokens):
+            raise bad_request("'max_tokens' is required: a whole number of at least 1", "max_tokens")
+        if max_tokens > proto.MAX_TOKENS_LIMIT:
+            raise bad_request(f"max_tokens: at most {proto.MAX_TOKENS_LIMIT}", "max_tokens")
+        stop = body.get("stop_sequences") or []
+        if not stop_strings_ok(stop):
+            raise bad_request(
+                f"stop_sequences: at most {proto.MAX_STOP_STRINGS} non-empty strings of at most "
+                f"{proto.MAX_STOP_CHARS} characters",
+                "stop_sequences",
+            )
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise bad_request("stream: must be true or false", "stream")
+        top_k = body.get("top_k")
+        if top_k is not None and not (_is_int(top_k) and 0 <= top_k < 2**31):
+            raise bad_request("top_k: must be a whole number of at least 0", "top_k")
+        kwargs |= _output_format(body) | {
+            "max_tokens": max_tokens,
+            # Anthropic's default temperature is 1.0, as OpenAI's.
+            "temp": _number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE, head="temperature:"),
+            "top_p": _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True, head="top_p:"),
+            "top_k": top_k or None,
+            "stop": stop,
+            "sampling": sampling_controls(body),
+        }
+        seed = body.get("seed")
+        if seed is not None:
+            if not (_is_int(seed) and 0 <= seed < 2**63):
+                raise bad_request("seed: must be a whole number in 0..2^63-1", "seed")
+            kwargs["seed"] = seed
     return ApiRequest(
         chat=True,
         model=model,
@@ -554,7 +540,7 @@ class AnthropicApi:
         head = await self._gw.first_event(request, daemon)
         if head is None:
             return Response(status_code=499)
-        return self._gw.stream(self._stream(daemon, model, head, req.client), daemon)
+        return EventStream(self._stream(daemon, model, head, req.client), daemon)
 
     async def count_tokens(self, request: Request) -> Response:
         self._gw._authorize(request)

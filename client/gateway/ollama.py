@@ -40,7 +40,7 @@ from ...shared.protocol import Done
 from ...shared.status import KeepAliveStatus
 from ..client import Token, ToolCall
 from . import images
-from .daemon_link import ApiError, ApiRequest, bad_request, rest_of
+from .daemon_link import ApiError, ApiRequest, EventStream, bad_request, rest_of
 from .model_info import capabilities, context_length, model_id
 from .openai import (
     _is_int,
@@ -382,7 +382,7 @@ class OllamaApi:
         head = await self._gw.first_event(request, daemon)
         if head is None:
             return Response(status_code=499)
-        return self._gw.stream(self._lines(daemon, model, head, chat, started), daemon, "application/x-ndjson")
+        return EventStream(self._lines(daemon, model, head, chat, started), daemon, "application/x-ndjson")
 
     async def _load(self, body: dict[str, Any], chat: bool) -> Response:
         """Ollama's "load the model" request (no messages, or no prompt): the daemon loads

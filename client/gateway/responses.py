@@ -61,7 +61,7 @@ from ...shared.protocol import Done
 from ..client import Token, ToolCall
 from . import images
 from .call_texts import CallTexts
-from .daemon_link import ApiError, ApiRequest, bad_request, rest_of, shutdown_error
+from .daemon_link import ApiError, ApiRequest, EventStream, bad_request, rest_of, shutdown_error
 from .keep_alive import KeepAlive
 from .openai import (
     DEFAULT_TEMPERATURE,
@@ -726,7 +726,7 @@ class ResponsesApi:
         head = await gw.first_event(request, daemon)
         if head is None:
             return Response(status_code=499)
-        return gw.stream(self._stream(daemon, fold, head), daemon)
+        return EventStream(self._stream(daemon, fold, head), daemon)
 
     async def _stream(self, daemon: DaemonRequest, fold: Fold, head: Any) -> AsyncIterator[str]:
         for e in fold.start():
