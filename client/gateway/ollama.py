@@ -24,6 +24,7 @@ Errors are `{"error": message}` with the HTTP status.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import replace
@@ -336,19 +337,13 @@ class OllamaApi:
 
     def routes(self) -> list[Route]:
         return [
-            Route("/api/chat", self.chat, methods=["POST"]),
-            Route("/api/generate", self.generate, methods=["POST"]),
+            Route("/api/chat", functools.partial(self._answer, chat=True), methods=["POST"]),
+            Route("/api/generate", functools.partial(self._answer, chat=False), methods=["POST"]),
             Route("/api/tags", self.tags, methods=["GET"]),
             Route("/api/ps", self.ps, methods=["GET"]),
             Route("/api/show", self.show, methods=["POST"]),
             Route("/api/version", self.version, methods=["GET"]),
         ]
-
-    async def chat(self, request: Request) -> Response:
-        return await self._answer(request, chat=True)
-
-    async def generate(self, request: Request) -> Response:
-        return await self._answer(request, chat=False)
 
     async def _answer(self, request: Request, *, chat: bool) -> Response:
         self._gw._authorize(request)

@@ -33,6 +33,7 @@ legacy `functions`) are refused with a 400 rather than ignored; other unknown fi
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -751,11 +752,12 @@ class OpenAIApi:
         self._gw = gw
 
     def routes(self) -> list[Route]:
+        chat_completions = functools.partial(self._complete, chat=True)
         return [
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             # Clients set up for llama.cpp's or mlx-lm's server may leave out the /v1.
-            Route("/chat/completions", self.chat_completions, methods=["POST"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", functools.partial(self._complete, chat=False), methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
         ]
@@ -782,12 +784,6 @@ class OpenAIApi:
         self._gw._authorize(request)
         st = await self._gw._status()
         return JSONResponse(self._model_object(st) | {"id": request.path_params["model"]})
-
-    async def chat_completions(self, request: Request) -> Response:
-        return await self._complete(request, chat=True)
-
-    async def completions(self, request: Request) -> Response:
-        return await self._complete(request, chat=False)
 
     async def _complete(self, request: Request, *, chat: bool) -> Response:
         self._gw._authorize(request)
