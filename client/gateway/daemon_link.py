@@ -410,15 +410,16 @@ class DaemonRequest:
 
 class EventStream(StreamingResponse):
     """A streamed answer (server-sent events, or Ollama's NDJSON) that cancels its daemon
-    request however the response ends (finished, client disconnected, server shutting down)."""
+    requests (those of its choices, n > 1) however the response ends (finished, client
+    disconnected, server shutting down)."""
 
     def __init__(
-        self, content: AsyncIterator[str], request: DaemonRequest | Choices, media_type: str = "text/event-stream"
+        self, content: AsyncIterator[str], *daemons: DaemonRequest, media_type: str = "text/event-stream"
     ) -> None:
         super().__init__(
             content, media_type=media_type, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
-        self._request = request
+        self._daemons = daemons
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def send_or_give_up(message: Message) -> None:
@@ -434,7 +435,8 @@ class EventStream(StreamingResponse):
             # uvicorn closes the connection of an answer left unfinished.
             log.warning("a streamed answer's client read nothing for %g s: cancelled", UNREAD_SECONDS)
         finally:
-            self._request.cancel()
+            for d in self._daemons:
+                d.cancel()
 
 
 class _NotReading(Exception):
@@ -699,17 +701,6 @@ class Gateway:
                 return event
             if on_event is not None:
                 on_event(event)
-
-
-@dataclass(frozen=True)
-class Choices:
-    """The daemon requests of a streamed answer's choices, cancelled together."""
-
-    daemons: list[DaemonRequest]
-
-    def cancel(self) -> None:
-        for d in self.daemons:
-            d.cancel()
 
 
 def rest_of(text: str, sent: list[str]) -> str:

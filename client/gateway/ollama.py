@@ -377,7 +377,7 @@ class OllamaApi:
         head = await self._gw.first_event(request, daemon)
         if head is None:
             return Response(status_code=499)
-        return EventStream(self._lines(daemon, model, head, chat, started), daemon, "application/x-ndjson")
+        return EventStream(self._lines(daemon, model, head, chat, started), daemon, media_type="application/x-ndjson")
 
     async def _load(self, body: dict[str, Any], chat: bool) -> Response:
         """Ollama's "load the model" request (no messages, or no prompt): the daemon loads

@@ -55,7 +55,6 @@ from .call_texts import CallTexts
 from .daemon_link import (
     ApiError,
     ApiRequest,
-    Choices,
     DaemonRequest,
     EventStream,
     Gateway,
@@ -822,7 +821,7 @@ class OpenAIApi:
             for d in daemons:
                 d.cancel()
             return Response(status_code=499)
-        return EventStream(self._events(daemons[0], shaper, req, head, daemons[1:]), Choices(daemons))
+        return EventStream(self._events(daemons[0], shaper, req, head, daemons[1:]), *daemons)
 
     async def _events(
         self,
