@@ -308,7 +308,6 @@ class DaemonRequest:
         prompts it may reuse (`cache_scope`; None: everyone's)."""
         self._config = config
         self._req = req
-        self._id = request_id
         self._key = key
         self._client = client
         self._scope = scope
@@ -377,7 +376,7 @@ class DaemonRequest:
                     return
                 # A streamed answer reports the prefill's progress in its keep-alives.
                 stream = client.generate(
-                    request_id=self._id,
+                    request_id=self.id,
                     progress=self._req.stream,
                     client=self._client,
                     cache_scope=self._scope,
@@ -391,7 +390,7 @@ class DaemonRequest:
                     if self._stop.is_set():
                         if stream.done is None:
                             stream.abandon()  # the client closes next: no need to read up to `done`
-                            log.info("request %s: the HTTP client went away; cancelled in the daemon", self._id)
+                            log.info("request %s: the HTTP client went away; cancelled in the daemon", self.id)
                         return
                     if event is not None:
                         self._put(event)
@@ -402,7 +401,7 @@ class DaemonRequest:
         except ClientError as e:
             self._put(_unavailable(e))
         except Exception as e:  # the HTTP client gets a 500 with the reason; the gateway serves on
-            log.exception("request %s failed", self._id)
+            log.exception("request %s failed", self.id)
             self._put(ApiError(500, f"the gateway failed: {type(e).__name__}: {e}", type="server_error"))
         finally:
             self._slots.give(self._key)
