@@ -43,18 +43,14 @@ class ManagerError(click.ClickException):
     """The service manager is missing or refused a command; exits 1."""
 
 
-def _platform_option(f):
-    return click.option(
-        "--platform",
-        "platform_name",
-        type=click.Choice(sf.PLATFORMS),
-        hidden=True,
-        help="Make the files of this system instead of the running one.",
-    )(f)
-
-
-def _dry_run_option(f):
-    return click.option("--dry-run", is_flag=True, help="Print the file and the commands; change nothing.")(f)
+_platform_option = click.option(
+    "--platform",
+    "platform_name",
+    type=click.Choice(sf.PLATFORMS),
+    hidden=True,
+    help="Make the files of this system instead of the running one.",
+)
+_dry_run_option = click.option("--dry-run", is_flag=True, help="Print the file and the commands; change nothing.")
 
 
 def _openai_option(what: str) -> Callable:
