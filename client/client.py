@@ -410,8 +410,6 @@ class GenerateStream:
         return self
 
     def __next__(self) -> Accepted | Progress | Token | ToolCall | Done:
-        if self.done is not None or self._failed:
-            raise StopIteration
         event = self.next_event()
         assert event is not None
         return event

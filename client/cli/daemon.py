@@ -55,21 +55,14 @@ class StartError(click.ClickException):
     """The daemon could not be started; the message includes its log's tail."""
 
 
-def resolve_settings(given: dict[str, Any]) -> Settings:
-    """Settings from the flags given (None = not given), MOESTREAM_* and the config file."""
-    try:
-        return Settings.resolve(given)
-    except SettingsError as e:
-        raise click.UsageError(str(e)) from None
-
-
-def resolve_lenient(given: dict[str, Any]) -> Settings:
-    """Settings for the commands that only find a running daemon (`status`, `stop`,
+def resolve_settings(given: dict[str, Any], *, lenient: bool = False) -> Settings:
+    """Settings from the flags given (None = not given), MOESTREAM_* and the config file.
+    `lenient`, for the commands that only find a running daemon (`status`, `stop`,
     `logs`, `stats`): a bad value in the config file or the environment is left out with
     a warning, so that they still work when it would stop the daemon from starting."""
     problems: list[str] = []
     try:
-        settings = Settings.resolve(given, problems=problems)
+        settings = Settings.resolve(given, problems=problems if lenient else None)
     except SettingsError as e:
         raise click.UsageError(str(e)) from None
     for problem in problems:
@@ -116,11 +109,7 @@ def start_daemon(
     one at once, one starts it; with `join` (auto-start) the others wait for that daemon
     and use it, without it they are refused as a daemon already running.
     """
-    if settings.model is None:
-        raise click.UsageError(
-            "give --model STORE (an expert store made by `moestreamctl pull` or `convert`), or set MOESTREAM_MODEL"
-        )
-    store_option(settings.model)  # a wrong folder fails here, not in the daemon's log
+    _check_store(settings)
     given = absolute_paths(given)
     paths = _paths(settings)
     old = earlier_runtime_dir(os.environ) if settings.runtime_dir is None else None
@@ -150,6 +139,16 @@ def start_daemon(
         return _spawn(settings, given, paths, timeout, echo)
     finally:
         os.close(start_lock)  # drops the flock
+
+
+def _check_store(settings: Settings) -> None:
+    """The store to serve, checked before the daemon starts: a wrong folder fails here,
+    not in the daemon's log."""
+    if settings.model is None:
+        raise click.UsageError(
+            "give --model STORE (an expert store made by `moestreamctl pull` or `convert`), or set MOESTREAM_MODEL"
+        )
+    store_option(settings.model)
 
 
 def _spawn(settings: Settings, given: dict[str, Any], paths: RuntimePaths, timeout: float, echo: bool) -> int:
@@ -294,13 +293,6 @@ def _wait_stopped(paths: RuntimePaths, pid: int | None, timeout: float) -> bool:
     return True
 
 
-def _client(settings: Settings, timeout: float = 10.0) -> Client:
-    try:
-        return Client(_paths(settings), timeout=timeout)
-    except DaemonNotRunning as e:
-        raise click.ClickException(str(e)) from None
-
-
 # The daemon's settings as options: `start`, `restart` and `service install` take exactly
 # these (START_FLAGS), and hand them on as `given`.
 daemon_setting_options = setting_options(DAEMON)
@@ -329,21 +321,14 @@ def start(given, timeout, foreground, log_to_stderr) -> None:
     A --model of the form OWNER/NAME that is no folder here is a Hugging Face
     repository: its store (where `moestreamctl pull` puts it) is pulled first where it
     is missing, with the pull's progress, and then served."""
-    settings = _pulled(resolve_settings(given), given)
-    note = capacity_note(settings)
-    if note:
-        click.echo(f"note: {note}", err=True)
+    settings = _pulled(given)
     if foreground:
         if settings.distributed != "off":
             raise click.UsageError(
                 "an expert-parallel daemon runs one process per rank: drop --foreground (start runs mlx.launch), "
                 "or run `mlx.launch ... -- python -m moestream.daemon.main --distributed ...` (docs/scale-out.md)"
             )
-        if settings.model is None:
-            raise click.UsageError(
-                "give --model STORE (an expert store made by `moestreamctl pull` or `convert`), or set MOESTREAM_MODEL"
-            )
-        store_option(settings.model)  # a wrong folder fails here, not in the daemon's log
+        _check_store(settings)
         from ...daemon.main import run_daemon
 
         try:
@@ -365,7 +350,7 @@ def start(given, timeout, foreground, log_to_stderr) -> None:
 )
 def stop(runtime_dir, timeout) -> None:
     """Stop the daemon: running requests end with finish reason "shutdown"."""
-    paths = _paths(resolve_lenient({"runtime_dir": runtime_dir}))
+    paths = _paths(resolve_settings({"runtime_dir": runtime_dir}, lenient=True))
     pid = stop_daemon(paths, timeout=timeout)
     click.echo("no moestream daemon is running" if pid is None else f"moestream daemon stopped (pid {pid})", err=True)
 
@@ -389,27 +374,27 @@ def restart(given, timeout) -> None:
         if given.get("model") == running.settings.get("model"):
             given["model"] = _served_store_now(running)
         stop_daemon(paths, timeout=30.0)
-    settings = _pulled(resolve_settings(given), given)
-    note = capacity_note(settings)
-    if note:
-        click.echo(f"note: {note}", err=True)
+    settings = _pulled(given)
     start_daemon(settings, given, timeout=timeout)
 
 
-def _pulled(settings: Settings, given: dict[str, Any]) -> Settings:
-    """`settings` with a model named as a hub repository (OWNER/NAME, no such folder here)
-    replaced by its store, pulled first where it is not there yet (`moestreamctl pull`)."""
+def _pulled(given: dict[str, Any]) -> Settings:
+    """The settings of `given`, a model named as a hub repository (OWNER/NAME, no such
+    folder here) replaced by its store, pulled first where it is not there yet
+    (`moestreamctl pull`); with the note on a capacity over the store's (`capacity_note`)."""
     from ...daemon.store.hub import is_repo_id
 
-    if not is_repo_id(settings.model):
-        return settings
-    from .pull import pull_store
+    settings = resolve_settings(given)
+    if is_repo_id(settings.model):
+        from .pull import pull_store
 
-    try:
-        given["model"] = str(pull_store(str(settings.model)))
-    except click.ClickException as e:
-        raise click.ClickException(f"--model {settings.model}: no such folder here, and pulling it failed: {e}")
-    return resolve_settings(given)
+        try:
+            given["model"] = str(pull_store(str(settings.model)))
+        except click.ClickException as e:
+            raise click.ClickException(f"--model {settings.model}: no such folder here, and pulling it failed: {e}")
+        settings = resolve_settings(given)
+    capacity_note(settings)
+    return settings
 
 
 def _served_store_now(running: Status) -> str | None:
@@ -434,7 +419,7 @@ def _served_store_now(running: Status) -> str | None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def status(runtime_dir, as_json) -> None:
     """Is the daemon running, and how is its pool doing."""
-    settings = resolve_lenient({"runtime_dir": runtime_dir})
+    settings = resolve_settings({"runtime_dir": runtime_dir}, lenient=True)
     paths = _paths(settings)
     if not _running(paths):
         if as_json:
@@ -635,7 +620,7 @@ def _job_state(job: RequestInfo) -> str:
 @click.option("-f", "follow", is_flag=True, help="Keep printing new lines (Ctrl-C to end).")
 def logs(runtime_dir, log_file, lines, follow) -> None:
     """Print the daemon's log path and its last lines."""
-    settings = resolve_lenient({"runtime_dir": runtime_dir, "log_file": log_file})
+    settings = resolve_settings({"runtime_dir": runtime_dir, "log_file": log_file}, lenient=True)
     paths = _paths(settings)
     path = paths.log
     if log_file is None and _running(paths):
@@ -679,9 +664,9 @@ def _follow(path: Path) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def stats(runtime_dir, as_json) -> None:
     """The pool's statistics: hits, misses, evictions and bytes read, per layer."""
-    settings = resolve_lenient({"runtime_dir": runtime_dir})
+    settings = resolve_settings({"runtime_dir": runtime_dir}, lenient=True)
     try:
-        with _client(settings, timeout=5.0) as c:
+        with Client(_paths(settings), timeout=5.0) as c:
             st = c.stats()
     except ClientError as e:
         raise click.ClickException(str(e)) from None

@@ -12,9 +12,10 @@ from typing import Any, Callable, TextIO
 import click
 
 from ...shared.kernel_cache import KernelCacheError, use_kernel_cache
-from ...shared.settings import GENERATE, LOCAL, Settings, SettingsError, definition, demo_store_path, in_scope
+from ...shared.settings import GENERATE, LOCAL, Settings, definition, demo_store_path, in_scope
 from ...shared.status import RequestStats, Status
 from ...shared.store_format import same_folder
+from .daemon import _paths, diagnostics_lines, resolve_settings, start_daemon
 from .values import capacity_note, setting_options, store_option
 
 # Settings of `generate` that a running daemon does not take from it: `model` is checked
@@ -200,13 +201,8 @@ def generate(
         draft_tokens=draft_tokens,
         draft_model=os.path.abspath(draft_model) if draft_model else None,
     )
-    try:
-        settings = Settings.resolve(given)
-    except SettingsError as e:
-        raise click.UsageError(str(e)) from None
-    note = capacity_note(settings)
-    if note:
-        click.echo(f"note: {note}", err=True)
+    settings = resolve_settings(given)
+    capacity_note(settings)
     progress = PrefillProgress(sys.stderr)
     if not local:
         done = _generate_via_daemon(
@@ -272,8 +268,6 @@ def _report(text: str, tokens: list[int], stats: RequestStats, as_json: bool, di
         click.echo(json.dumps({"text": text, "tokens": tokens, "stats": stats.to_dict()}))
         return
     if diagnostics:
-        from .daemon import diagnostics_lines
-
         d = stats.diagnostics
         lines = diagnostics_lines(d) if d else ["diagnostics: none recorded for this request"]
         for line in lines:
@@ -321,15 +315,9 @@ def _generate_via_daemon(
     """Stream from the daemon, starting it first when none runs; returns the `Done` event.
     `given`: the settings given as options; a daemon started here gets those of its
     scope (GENERATE), not the --local ones."""
-    from ...shared.runtime_dir import RuntimeDirError, RuntimePaths
     from ..client import Client, ClientError, DaemonNotRunning, Progress, Token
-    from .daemon import start_daemon
 
-    try:
-        paths = RuntimePaths.from_settings(settings)
-        paths.check_socket_path()
-    except RuntimeDirError as e:
-        raise click.ClickException(str(e)) from None
+    paths = _paths(settings)
     try:
         client = Client(paths)
     except DaemonNotRunning:

@@ -7,7 +7,8 @@ from pathlib import Path
 import click
 
 from ...shared.heat_file import group_usage, peek_usage, usage_path
-from ...shared.settings import Settings, SettingsError, demo_store_path
+from ...shared.settings import Settings, demo_store_path
+from .daemon import resolve_settings
 from .values import StorePath, store_option
 
 # The demo model's recorded routing counts, shipped beside its store (daemon/plan.py reads them too).
@@ -65,11 +66,7 @@ def heatmap(store, out_file, cell) -> None:
     the store's name: the dashboard's heat map, for a file."""
     from ..dashboard.png import write_heat_png
 
-    try:
-        settings = Settings.resolve({"model": store})
-    except SettingsError as e:
-        raise click.UsageError(str(e)) from None
-    rows, source = heat_rows(Path(store), settings)
+    rows, source = heat_rows(Path(store), resolve_settings({"model": store}))
     # The name the gateway's APIs give the model (client/gateway/app.py model_id).
     name = "moestream-demo" if _is_demo(Path(store)) else Path(store).resolve().name
     total = sum(map(sum, rows))

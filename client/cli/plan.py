@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from ...shared.settings import Settings, SettingsError, parse_size
+from ...shared.settings import SettingsError, parse_size
+from .daemon import resolve_settings
 from .values import StorePath, store_option
 
 
@@ -78,10 +79,7 @@ def plan(
     if revision is not None and repo_id is None:
         raise click.UsageError("--revision goes with REPO_ID")
     given = {"capacity": capacity, "memory_budget": memory_budget, "host_cache": host_cache, "max_context": max_context}
-    try:
-        settings = Settings.resolve({"model": store, **given})
-    except SettingsError as e:
-        raise click.UsageError(str(e)) from None
+    settings = resolve_settings({"model": store, **given})
     say = lambda line: click.echo(line, err=True)  # noqa: E731
     machine = mac_memory(memory) if memory is not None else None
     try:

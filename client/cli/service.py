@@ -43,18 +43,14 @@ class ManagerError(click.ClickException):
     """The service manager is missing or refused a command; exits 1."""
 
 
-def _platform_option(f):
-    return click.option(
-        "--platform",
-        "platform_name",
-        type=click.Choice(sf.PLATFORMS),
-        hidden=True,
-        help="Make the files of this system instead of the running one.",
-    )(f)
-
-
-def _dry_run_option(f):
-    return click.option("--dry-run", is_flag=True, help="Print the file and the commands; change nothing.")(f)
+_platform_option = click.option(
+    "--platform",
+    "platform_name",
+    type=click.Choice(sf.PLATFORMS),
+    hidden=True,
+    help="Make the files of this system instead of the running one.",
+)
+_dry_run_option = click.option("--dry-run", is_flag=True, help="Print the file and the commands; change nothing.")
 
 
 def _openai_option(what: str) -> Callable:
@@ -100,11 +96,7 @@ def _run(cmd: list[str], env: Mapping[str, str]) -> subprocess.CompletedProcess[
 
 def _check(cmd: list[str], env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
     """Run `cmd`; ManagerError with its output when it exits non-zero."""
-    done = _run(cmd, env)
-    if done.returncode != 0:
-        said = (done.stderr or done.stdout).strip() or "no output"
-        raise ManagerError(f"`{_show(cmd)}` exited with status {done.returncode}: {said}")
-    return done
+    return check_retrying(cmd, env, busy=None)
 
 
 def _session_hint(platform: str) -> str:
@@ -156,12 +148,13 @@ def check_retrying(
     cmd: list[str],
     env: Mapping[str, str],
     *,
-    busy: int = BOOTSTRAP_BUSY,
+    busy: int | None = BOOTSTRAP_BUSY,
     within_s: float = LAUNCHD_SETTLE_S,
     every_s: float = 0.5,
 ) -> subprocess.CompletedProcess[str]:
-    """`_check`, but an exit with status `busy` is tried again every `every_s` seconds
-    for `within_s` seconds; ManagerError says how many tries failed."""
+    """Run `cmd`; ManagerError with its output when it exits non-zero, but an exit with
+    status `busy` (None: none) is tried again every `every_s` seconds for `within_s`
+    seconds; ManagerError then says how many tries failed."""
     deadline = time.monotonic() + within_s
     tries = 0
     while True:
@@ -363,10 +356,8 @@ def _install(
                 _check(cmd, env)
             _wait_unloaded(platform, uid, env, svc)
         for cmd in load:
-            if platform == "darwin" and cmd[:2] == ["launchctl", "bootstrap"]:
-                check_retrying(cmd, env)
-            else:
-                _check(cmd, env)
+            bootstrap = platform == "darwin" and cmd[:2] == ["launchctl", "bootstrap"]
+            check_retrying(cmd, env, busy=BOOTSTRAP_BUSY if bootstrap else None)
     except ManagerError as e:
         raise ManagerError(
             f"{rendered.path} is written, but loading it failed: {e.message}.\n"

@@ -18,9 +18,7 @@ from ...shared.settings import (
     definition,
     demo_store_path,
     in_scope,
-    knob,
     names_the_demo,
-    parse_size,
 )
 from ...shared.store_format import Manifest, StoreError, load_manifest
 
@@ -67,26 +65,15 @@ class SettingType(click.ParamType):
         return value if self.d.kind in ("size", "capacity", "duration") else coerced
 
 
-def setting_option(d: Definition, *, local_only: bool = False) -> Callable:
-    """The click option of setting `d`; not given is None (the environment, the config file
-    or the default then decide)."""
+def setting_option(d: Definition, *, local_only: bool = False, default: Any = None) -> Callable:
+    """The click option of setting `d`; not given is `default`, None for a setting (the
+    environment, the config file or the default then decide)."""
     text = d.help + (" With --local only: a running daemon keeps its own." if local_only else "")
     text += f" [default: {d.default_text(sys.platform)}{d.range_text() and '; ' + d.range_text()}]"
     if d.kind in ("bool", "auto_bool"):
-        return click.option(d.switch, d.name, default=None, help=text)
+        return click.option(d.switch, d.name, default=default, help=text)
     metavar = f"[{'|'.join(d.choices)}]" if d.kind == "choice" else _METAVARS[d.kind]
-    return click.option(d.flag, d.name, type=SettingType(d), default=None, metavar=metavar, help=text)
-
-
-def knob_option(name: str) -> Callable:
-    """The option of a benchmark for bench knob `name` (`Definition.bench`): its default,
-    its help and its checks come from the definition, as a setting's do."""
-    d = knob(name)
-    text = f"{d.help} [default: {d.default_text(sys.platform)}{d.range_text() and '; ' + d.range_text()}]"
-    if d.kind in ("bool", "auto_bool"):
-        return click.option(d.switch, d.name, default=d.default, help=text)
-    metavar = f"[{'|'.join(d.choices)}]" if d.kind == "choice" else _METAVARS[d.kind]
-    return click.option(d.flag, d.name, type=SettingType(d), default=d.default, metavar=metavar, help=text)
+    return click.option(d.flag, d.name, type=SettingType(d), default=default, metavar=metavar, help=text)
 
 
 def runtime_dir_option(f: Callable) -> Callable:
@@ -132,17 +119,6 @@ def setting_flags(given: Mapping[str, Any]) -> list[str]:
     return flags
 
 
-def size_option(text: str | None, flag: str) -> int | None:
-    """The bytes of a size option such as `--host-cache 20G` (None when not given); a
-    value that is not a size is a usage error naming the option."""
-    if not text:
-        return None
-    try:
-        return parse_size(text)
-    except SettingsError as e:
-        raise click.UsageError(f"{flag}: {e}") from None
-
-
 def store_option(path: str | os.PathLike, flag: str = "--model") -> Manifest:
     """The manifest of the store at `path`, read before a command starts, copies or loads
     it: a folder that is no store, or a manifest that cannot be read, is a usage error
@@ -154,19 +130,19 @@ def store_option(path: str | os.PathLike, flag: str = "--model") -> Manifest:
         raise click.UsageError(f"{flag}: {e}{hint}") from None
 
 
-def capacity_note(settings: Settings) -> str | None:
+def capacity_note(settings: Settings) -> None:
     """What a slot count above every layer's expert count becomes (the pool holds each
-    layer's experts, no more), said rather than done silently; None otherwise."""
+    layer's experts, no more), said (a note on stderr) rather than done silently."""
     if not isinstance(settings.capacity, int) or settings.model is None:
-        return None
+        return
     try:
         manifest = load_manifest(settings.model)
     except StoreError:
-        return None  # the command that loads the store says what is wrong with it
+        return  # the command that loads the store says what is wrong with it
     most = max((layer.num_experts for layer in manifest.layers), default=0)
     if most and settings.capacity > most:
-        return (
-            f"--capacity {settings.capacity} is more than the {most} experts of a layer: "
-            f"the pool holds all {most} (100%)"
+        click.echo(
+            f"note: --capacity {settings.capacity} is more than the {most} experts of a layer: "
+            f"the pool holds all {most} (100%)",
+            err=True,
         )
-    return None

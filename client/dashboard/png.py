@@ -88,14 +88,6 @@ def _encode(width: int, height: int, rgb: bytes) -> bytes:
     )
 
 
-def encode_png(pixels: Sequence[Sequence[tuple[int, int, int]]]) -> bytes:
-    """8-bit RGB PNG of rows of (r, g, b) pixels."""
-    height, width = len(pixels), len(pixels[0]) if pixels else 0
-    if not height or not width or any(len(row) != width for row in pixels):
-        raise ValueError("a PNG needs rows of pixels, all of one non-zero width")
-    return _encode(width, height, bytes(c for row in pixels for px in row for c in px))
-
-
 class Canvas:
     """RGB pixels on white, with rectangles and text."""
 
@@ -111,10 +103,6 @@ class Canvas:
         for row in range(max(y, 0), min(y + h, self.height)):
             start = 3 * (row * self.width + x0)
             self.rgb[start : start + len(line)] = line
-
-    def pixel(self, x: int, y: int) -> tuple[int, int, int]:
-        i = 3 * (y * self.width + x)
-        return (self.rgb[i], self.rgb[i + 1], self.rgb[i + 2])
 
     def text(self, x: int, y: int, text: str, colour: tuple[int, int, int] = INK, align: str = "left") -> None:
         """`text` in capitals with its top at `y`; `x` is its left, centre or right edge."""

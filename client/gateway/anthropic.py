@@ -55,10 +55,11 @@ from starlette.routing import Route
 from ...shared import protocol as proto
 from ...shared.protocol import Done
 from ..client import Accepted, Token, ToolCall
+from . import images
 from .call_texts import CallTexts
-from .daemon_link import ApiError, ApiRequest, bad_request
+from .daemon_link import ApiError, ApiRequest, EventStream, bad_request, rest_of
 from .keep_alive import KeepAlive
-from .openai import check_image_count, declared_identity, image_from, json_constraint, sampling_controls
+from .openai import _is_int, _number, declared_identity, json_constraint, sampling_controls, stop_strings_ok
 
 if TYPE_CHECKING:
     from .daemon_link import DaemonRequest, Gateway
@@ -145,10 +146,10 @@ def _image(block: dict[str, Any], where: str) -> proto.ImageData:
     if not isinstance(source, dict):
         raise bad_request(f"{where}: an image block has a 'source'", where)
     if source.get("type") == "url":
-        return image_from(source.get("url"), f"{where}.source.url", url=True)  # a remote one is a 400
+        return images.from_url(source.get("url"), f"{where}.source.url")  # a remote one is a 400
     if source.get("type") != "base64":
         raise bad_request(f"{where}.source: an image's source is {{type: 'base64', media_type, data}}", where)
-    return image_from(source.get("data"), f"{where}.source.data", url=False)
+    return images.from_base64(source.get("data"), f"{where}.source.data")
 
 
 def _text_of(value: Any, where: str, pictures: list[proto.ImageData] | None = None) -> str:
@@ -299,7 +300,7 @@ def _chat(
             else:
                 chat.append(msg)
     if vision:
-        check_image_count(chat)
+        images.count_images(chat)
     return chat
 
 
@@ -314,30 +315,11 @@ def _thinking(body: dict[str, Any]) -> bool | None:
         return None
     kind = value.get("type") if isinstance(value, dict) else None
     budget = value.get("budget_tokens") if isinstance(value, dict) else None
-    if kind not in THINKING_TYPES or not (
-        budget is None or (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0)
-    ):
+    if kind not in THINKING_TYPES or not (budget is None or (_is_int(budget) and budget >= 0)):
         raise bad_request(
             "thinking: must be {type: 'enabled', budget_tokens}, {type: 'adaptive'} or {type: 'disabled'}", "thinking"
         )
     return THINKING_TYPES[kind]
-
-
-def _number(body: dict[str, Any], name: str, default: float, low: float, high: float, low_open: bool) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (low < value if low_open else low <= value)
-    if not (ok and value <= high):
-        raise bad_request(f"{name}: must be a number in {'(' if low_open else '['}{low}, {high}], got {value!r}", name)
-    return float(value)
-
-
-def _model(body: dict[str, Any]) -> str:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("'model' is required: a string", "model")
-    return model
 
 
 def _output_format(body: dict[str, Any]) -> dict[str, Any]:
@@ -360,7 +342,9 @@ def parse_request(body: Any, *, count_only: bool = False, kept: CallTexts | None
     comes with the text the model wrote for it where `kept` has it."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    model = _model(body)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required: a string", "model")
     client = declared_identity(body) or ""
     # A model that takes no images reads placeholders in their place (Claude Code sends
     # screenshots whatever the model): an image it could not read is no error for it.
@@ -372,53 +356,40 @@ def parse_request(body: Any, *, count_only: bool = False, kept: CallTexts | None
         image_error = e
     text_chat = _chat(body, kept, client, vision=False) if chat is None or any(m.get("images") for m in chat) else None
     kwargs: dict[str, Any] = {"messages": chat or text_chat, **_tools(body), "thinking": _thinking(body)}
-    if count_only:
-        return ApiRequest(
-            chat=True,
-            model=model,
-            stream=False,
-            include_usage=False,
-            generate=kwargs,
-            client=client,
-            text_only=None if text_chat is None else kwargs | {"messages": text_chat},
-            image_error=image_error,
-        )
-    max_tokens = body.get("max_tokens")
-    if not (isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and 1 <= max_tokens):
-        raise bad_request("'max_tokens' is required: a whole number of at least 1", "max_tokens")
-    if max_tokens > proto.MAX_TOKENS_LIMIT:
-        raise bad_request(f"max_tokens: at most {proto.MAX_TOKENS_LIMIT}", "max_tokens")
-    stop = body.get("stop_sequences") or []
-    if not (
-        isinstance(stop, list)
-        and len(stop) <= proto.MAX_STOP_STRINGS
-        and all(isinstance(s, str) and 0 < len(s) <= proto.MAX_STOP_CHARS for s in stop)
-    ):
-        raise bad_request(
-            f"stop_sequences: at most {proto.MAX_STOP_STRINGS} non-empty strings of at most "
-            f"{proto.MAX_STOP_CHARS} characters",
-            "stop_sequences",
-        )
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad_request("stream: must be true or false", "stream")
-    top_k = body.get("top_k")
-    if top_k is not None and not (isinstance(top_k, int) and not isinstance(top_k, bool) and 0 <= top_k < 2**31):
-        raise bad_request("top_k: must be a whole number of at least 0", "top_k")
-    kwargs |= _output_format(body) | {
-        "max_tokens": max_tokens,
-        # Anthropic's default temperature is 1.0, as OpenAI's.
-        "temp": _number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE, False),
-        "top_p": _number(body, "top_p", 1.0, 0.0, 1.0, True),
-        "top_k": top_k or None,
-        "stop": stop,
-        "sampling": sampling_controls(body),
-    }
-    seed = body.get("seed")
-    if seed is not None:
-        if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**63):
-            raise bad_request("seed: must be a whole number in 0..2^63-1", "seed")
-        kwargs["seed"] = seed
+    stream = False  # count_tokens: only the prompt
+    if not count_only:
+        max_tokens = body.get("max_tokens")
+        if not (_is_int(max_tokens) and 1 <= max_tokens):
+            raise bad_request("'max_tokens' is required: a whole number of at least 1", "max_tokens")
+        if max_tokens > proto.MAX_TOKENS_LIMIT:
+            raise bad_request(f"max_tokens: at most {proto.MAX_TOKENS_LIMIT}", "max_tokens")
+        stop = body.get("stop_sequences") or []
+        if not stop_strings_ok(stop):
+            raise bad_request(
+                f"stop_sequences: at most {proto.MAX_STOP_STRINGS} non-empty strings of at most "
+                f"{proto.MAX_STOP_CHARS} characters",
+                "stop_sequences",
+            )
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise bad_request("stream: must be true or false", "stream")
+        top_k = body.get("top_k")
+        if top_k is not None and not (_is_int(top_k) and 0 <= top_k < 2**31):
+            raise bad_request("top_k: must be a whole number of at least 0", "top_k")
+        kwargs |= _output_format(body) | {
+            "max_tokens": max_tokens,
+            # Anthropic's default temperature is 1.0, as OpenAI's.
+            "temp": _number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE, head="temperature:"),
+            "top_p": _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True, head="top_p:"),
+            "top_k": top_k or None,
+            "stop": stop,
+            "sampling": sampling_controls(body),
+        }
+        seed = body.get("seed")
+        if seed is not None:
+            if not (_is_int(seed) and 0 <= seed < 2**63):
+                raise bad_request("seed: must be a whole number in 0..2^63-1", "seed")
+            kwargs["seed"] = seed
     return ApiRequest(
         chat=True,
         model=model,
@@ -569,7 +540,7 @@ class AnthropicApi:
         head = await self._gw.first_event(request, daemon)
         if head is None:
             return Response(status_code=499)
-        return self._gw.stream(self._stream(daemon, model, head, req.client), daemon)
+        return EventStream(self._stream(daemon, model, head, req.client), daemon)
 
     async def count_tokens(self, request: Request) -> Response:
         self._gw._authorize(request)
@@ -599,8 +570,8 @@ class AnthropicApi:
                 elif isinstance(event, Done) and event.finish_reason != "shutdown":
                     # Text held back for a possible stop string or marker: the rest of each.
                     pieces += [
-                        (True, self._gw.rest_of(event.reasoning, thought)),
-                        (False, self._gw.rest_of(event.text, sent)),
+                        (True, rest_of(event.reasoning, thought)),
+                        (False, rest_of(event.text, sent)),
                     ]
                 for thinking, text in pieces:
                     if text:

@@ -229,13 +229,6 @@ def for_model(req: ApiRequest, st: Status) -> dict[str, Any]:
     )
 
 
-def check_model(st: Status, asked: str | None, demo_store_id: str | None) -> str:
-    """The model name to answer with: the one the client asked for (any name is served by
-    the daemon's one model: coding agents ask for theirs, `claude-...`), else the
-    served model's id."""
-    return asked or model_id(st, demo_store_id)
-
-
 class RequestSlots:
     """The gateway's request slots: `total` at once, at most half of them one client's
     (its address), so that one client's requests never leave another a 429."""
@@ -277,9 +270,8 @@ def client_key(request: Request) -> str:
 def client_label(request: Request) -> str:
     """Who an HTTP request came from, as the daemon's `status` lists it: the route, the
     caller's address and its User-Agent, in printable ASCII, cut to the protocol's length."""
-    host = request.client.host if request.client else "?"
     agent = request.headers.get("user-agent")
-    label = f"{request.url.path} from {host}" + (f" ({agent})" if agent else "")
+    label = f"{request.url.path} from {client_key(request)}" + (f" ({agent})" if agent else "")
     return "".join(c if " " <= c <= "~" else "?" for c in label)[: proto.MAX_CLIENT_CHARS]
 
 
@@ -287,7 +279,7 @@ def cache_scope(request: Request, req: ApiRequest) -> str:
     """Whose cached prompts a request may reuse: those of requests that name the same user
     or session, else of those that name none from the same address; a digest, so that the
     daemon never holds the identity itself."""
-    who = f"id:{req.client}" if req.client else f"address:{request.client.host if request.client else '?'}"
+    who = f"id:{req.client}" if req.client else f"address:{client_key(request)}"
     return hashlib.sha256(who.encode()).hexdigest()[:32]
 
 
@@ -316,7 +308,6 @@ class DaemonRequest:
         prompts it may reuse (`cache_scope`; None: everyone's)."""
         self._config = config
         self._req = req
-        self._id = request_id
         self._key = key
         self._client = client
         self._scope = scope
@@ -377,12 +368,15 @@ class DaemonRequest:
             with Client(self._config.paths, timeout=self._config.daemon_timeout) as client:
                 st = ready_status(client)
                 generate = for_model(self._req, st)
-                self._put(check_model(st, self._req.model, self._config.demo_store_id))
+                # The model name to answer with: the one the client asked for (any name is
+                # served by the daemon's one model: coding agents ask for theirs,
+                # `claude-...`), else the served model's id.
+                self._put(self._req.model or model_id(st, self._config.demo_store_id))
                 if self._stop.is_set():
                     return
                 # A streamed answer reports the prefill's progress in its keep-alives.
                 stream = client.generate(
-                    request_id=self._id,
+                    request_id=self.id,
                     progress=self._req.stream,
                     client=self._client,
                     cache_scope=self._scope,
@@ -396,7 +390,7 @@ class DaemonRequest:
                     if self._stop.is_set():
                         if stream.done is None:
                             stream.abandon()  # the client closes next: no need to read up to `done`
-                            log.info("request %s: the HTTP client went away; cancelled in the daemon", self._id)
+                            log.info("request %s: the HTTP client went away; cancelled in the daemon", self.id)
                         return
                     if event is not None:
                         self._put(event)
@@ -407,7 +401,7 @@ class DaemonRequest:
         except ClientError as e:
             self._put(_unavailable(e))
         except Exception as e:  # the HTTP client gets a 500 with the reason; the gateway serves on
-            log.exception("request %s failed", self._id)
+            log.exception("request %s failed", self.id)
             self._put(ApiError(500, f"the gateway failed: {type(e).__name__}: {e}", type="server_error"))
         finally:
             self._slots.give(self._key)
@@ -415,15 +409,16 @@ class DaemonRequest:
 
 class EventStream(StreamingResponse):
     """A streamed answer (server-sent events, or Ollama's NDJSON) that cancels its daemon
-    request however the response ends (finished, client disconnected, server shutting down)."""
+    requests (those of its choices, n > 1) however the response ends (finished, client
+    disconnected, server shutting down)."""
 
     def __init__(
-        self, content: AsyncIterator[str], request: DaemonRequest | Choices, media_type: str = "text/event-stream"
+        self, content: AsyncIterator[str], *daemons: DaemonRequest, media_type: str = "text/event-stream"
     ) -> None:
         super().__init__(
             content, media_type=media_type, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
-        self._request = request
+        self._daemons = daemons
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def send_or_give_up(message: Message) -> None:
@@ -439,7 +434,8 @@ class EventStream(StreamingResponse):
             # uvicorn closes the connection of an answer left unfinished.
             log.warning("a streamed answer's client read nothing for %g s: cancelled", UNREAD_SECONDS)
         finally:
-            self._request.cancel()
+            for d in self._daemons:
+                d.cancel()
 
 
 class _NotReading(Exception):
@@ -600,10 +596,9 @@ class Gateway:
     ) -> Done | None:
         """The daemon's `done` of a non-streaming request (each event before it to
         `on_event`); None when the HTTP client left."""
-        whole = await self._unless_gone(request, daemon, self._collect(daemon, on_event))
-        if whole is _GONE:
+        done = await self._unless_gone(request, daemon, self._collect(daemon, on_event))
+        if done is _GONE:
             return None
-        done = whole[1]
         if done.finish_reason == "shutdown":
             raise shutdown_error()
         return done
@@ -617,17 +612,6 @@ class Gateway:
         if isinstance(head, ApiError):
             raise head
         return None if head is _GONE else head
-
-    @staticmethod
-    def stream(content: AsyncIterator[str], daemon: DaemonRequest, media_type: str = "text/event-stream") -> Response:
-        return EventStream(content, daemon, media_type)
-
-    @staticmethod
-    def rest_of(text: str, sent: list[str]) -> str:
-        """What of `text` (a done's text or reasoning) was not streamed in `sent` (held
-        back for a possible stop string)."""
-        streamed = "".join(sent)
-        return text[len(streamed) :] if text.startswith(streamed) else ""
 
     async def open_choices(
         self, request: Request, req: ApiRequest, prefix: str
@@ -707,26 +691,22 @@ class Gateway:
                 pending.cancel()
 
     @staticmethod
-    async def _collect(daemon: DaemonRequest, on_event: Callable[[Any], Any] | None = None) -> tuple[str, Done]:
+    async def _collect(daemon: DaemonRequest, on_event: Callable[[Any], Any] | None = None) -> Done:
         while True:
             event = await daemon.next()
             if isinstance(event, ApiError):
                 raise event
             if isinstance(event, Done):
-                return event.text, event
+                return event
             if on_event is not None:
                 on_event(event)
 
 
-@dataclass(frozen=True)
-class Choices:
-    """The daemon requests of a streamed answer's choices, cancelled together."""
-
-    daemons: list[DaemonRequest]
-
-    def cancel(self) -> None:
-        for d in self.daemons:
-            d.cancel()
+def rest_of(text: str, sent: list[str]) -> str:
+    """What of `text` (a done's text or reasoning) was not streamed in `sent` (held back
+    for a possible stop string)."""
+    streamed = "".join(sent)
+    return text[len(streamed) :] if text.startswith(streamed) else ""
 
 
 def shutdown_error() -> ApiError:

@@ -32,7 +32,7 @@ import logging
 import resource
 import socket
 from collections import OrderedDict, defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -112,24 +112,11 @@ def _host_of(value: str) -> str:
 
 
 @dataclass
-class GuardCounters:
-    """What the connection guard closed, for the log and tests."""
-
-    header_timeouts: int = 0
-    body_timeouts: int = 0
-    evicted: int = 0  # idle or half-open connections closed to make room
-    refused: int = 0  # new connections closed: every open one was inside a request
-
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-
-@dataclass
 class ConnectionGuard:
     """Every open connection of the gateway, oldest first, and the limits on them."""
 
     config: GuardConfig
-    counters: GuardCounters = field(default_factory=GuardCounters)
+    evicted: int = 0  # idle or half-open connections closed to make room, for the log
     _open: OrderedDict[Any, str] = field(default_factory=OrderedDict)
     _per_client: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
 
@@ -186,19 +173,18 @@ class ConnectionGuard:
     def _make_room(self, new: H11Protocol, client: str | None) -> None:
         for conn, addr in self._open.items():
             if conn is not new and (client is None or addr == client) and _between_requests(conn):
-                self.counters.evicted += 1
+                self.evicted += 1
                 self._close(conn)
-                if self.counters.evicted in (1, 100) or self.counters.evicted % 10_000 == 0:
+                if self.evicted in (1, 100) or self.evicted % 10_000 == 0:
                     log.warning(
                         "%d connections open (limit %d, %d per client): closed %d idle or half-open so far",
                         len(self._open),
                         self.limit(),
                         self.config.max_per_client,
-                        self.counters.evicted,
+                        self.evicted,
                     )
                 return
-        self.counters.refused += 1
-        self._close(new)
+        self._close(new)  # every open connection is inside a request
 
     def _close(self, conn: H11Protocol) -> None:
         self.forget(conn)
@@ -211,11 +197,7 @@ class ConnectionGuard:
         def check() -> None:
             if conn not in self._open:
                 return
-            if body and conn.cycle is cycle and cycle.more_body and not cycle.response_complete:
-                self.counters.body_timeouts += 1
-                self._close(conn)
-            elif not body and conn.cycle is cycle:
-                self.counters.header_timeouts += 1
+            if conn.cycle is cycle and (not body or (cycle.more_body and not cycle.response_complete)):
                 self._close(conn)
 
         conn.loop.call_later(seconds, check)

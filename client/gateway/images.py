@@ -16,23 +16,11 @@ import binascii
 from typing import Any
 
 from ...shared import protocol as proto
+from .daemon_link import bad_request
 
 # The body limit of the routes that take images: Anthropic's own request limit (its
 # Messages API's), base64 images included.
 IMAGE_BODY_BYTES = 32 << 20
-
-
-class ImageRejected(ValueError):
-    """An image part the gateway refuses (each API answers it as its 400)."""
-
-    def __init__(self, message: str, where: str, code: str | None = None) -> None:
-        super().__init__(message)
-        self.where = where
-        self.code = code
-
-
-def bad_request(message: str, where: str, code: str | None = None) -> ImageRejected:
-    return ImageRejected(message, where, code)
 
 
 # A file's first bytes -> its media type (the formats the models' processors read).

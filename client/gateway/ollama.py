@@ -24,6 +24,7 @@ Errors are `{"error": message}` with the HTTP status.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import replace
@@ -39,15 +40,15 @@ from ...shared import protocol as proto
 from ...shared.protocol import Done
 from ...shared.status import KeepAliveStatus
 from ..client import Token, ToolCall
-from .daemon_link import ApiError, ApiRequest, bad_request
-from .images import IMAGE_BODY_BYTES
+from . import images
+from .daemon_link import ApiError, ApiRequest, EventStream, bad_request, rest_of
 from .model_info import capabilities, context_length, model_id
 from .openai import (
-    check_image_count,
-    image_from,
+    _is_int,
     json_constraint,
     keep_alive_seconds,
     sampling_controls,
+    stop_strings_ok,
     top_k,
     top_logprobs,
 )
@@ -88,10 +89,6 @@ def _expires_at(ka: KeepAliveStatus | None) -> str:
     return at.isoformat().replace("+00:00", "Z")
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _is_number(x: Any) -> bool:
     return (_is_int(x) or isinstance(x, float)) and x == x and abs(x) != float("inf")
 
@@ -129,11 +126,7 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
             out["seed"] = value if value >= 0 else None  # Ollama's -1: a random seed
         elif name == "stop":
             stop = [value] if isinstance(value, str) else value
-            if not (
-                isinstance(stop, list)
-                and len(stop) <= proto.MAX_STOP_STRINGS
-                and all(isinstance(s, str) and 0 < len(s) <= proto.MAX_STOP_CHARS for s in stop)
-            ):
+            if not stop_strings_ok(stop):
                 raise bad_request(f"options.stop must be at most {proto.MAX_STOP_STRINGS} non-empty strings")
             out["stop"] = stop
         elif name not in _CONTROL_OPTIONS:
@@ -238,7 +231,7 @@ def parse_chat(body: Any) -> ApiRequest:
         if pictures:
             if not isinstance(pictures, list):
                 raise bad_request(f"messages[{i}].images must be a list of base64 images")
-            msg["images"] = [image_from(p, f"messages[{i}].images[{j}]", url=False) for j, p in enumerate(pictures)]
+            msg["images"] = [images.from_base64(p, f"messages[{i}].images[{j}]") for j, p in enumerate(pictures)]
         if m.get("thinking"):
             if not isinstance(m["thinking"], str):
                 raise bad_request(f"messages[{i}].thinking must be a string")
@@ -249,7 +242,7 @@ def parse_chat(body: Any) -> ApiRequest:
         if isinstance(name, str) and 0 < len(name) <= proto.MAX_NAME_CHARS:
             msg["name"] = name
         chat.append(msg)
-    check_image_count(chat)
+    images.count_images(chat)
     kwargs: dict[str, Any] = {"messages": chat}
     tools = body.get("tools")
     if tools:
@@ -344,23 +337,17 @@ class OllamaApi:
 
     def routes(self) -> list[Route]:
         return [
-            Route("/api/chat", self.chat, methods=["POST"]),
-            Route("/api/generate", self.generate, methods=["POST"]),
+            Route("/api/chat", functools.partial(self._answer, chat=True), methods=["POST"]),
+            Route("/api/generate", functools.partial(self._answer, chat=False), methods=["POST"]),
             Route("/api/tags", self.tags, methods=["GET"]),
             Route("/api/ps", self.ps, methods=["GET"]),
             Route("/api/show", self.show, methods=["POST"]),
             Route("/api/version", self.version, methods=["GET"]),
         ]
 
-    async def chat(self, request: Request) -> Response:
-        return await self._answer(request, chat=True)
-
-    async def generate(self, request: Request) -> Response:
-        return await self._answer(request, chat=False)
-
     async def _answer(self, request: Request, *, chat: bool) -> Response:
         self._gw._authorize(request)
-        body = await self._gw._read_json(request, IMAGE_BODY_BYTES if chat else None)
+        body = await self._gw._read_json(request, images.IMAGE_BODY_BYTES if chat else None)
         if _loads_only(body, chat):
             return await self._load(body, chat)
         req = parse_chat(body) if chat else parse_generate(body)
@@ -390,7 +377,7 @@ class OllamaApi:
         head = await self._gw.first_event(request, daemon)
         if head is None:
             return Response(status_code=499)
-        return self._gw.stream(self._lines(daemon, model, head, chat, started), daemon, "application/x-ndjson")
+        return EventStream(self._lines(daemon, model, head, chat, started), daemon, media_type="application/x-ndjson")
 
     async def _load(self, body: dict[str, Any], chat: bool) -> Response:
         """Ollama's "load the model" request (no messages, or no prompt): the daemon loads
@@ -440,8 +427,8 @@ class OllamaApi:
             yield _line({"error": "the moestream daemon shut down during this request"})
             return
         for thinking, rest in (
-            (True, self._gw.rest_of(event.reasoning, thought)),
-            (False, self._gw.rest_of(event.text, sent)),
+            (True, rest_of(event.reasoning, thought)),
+            (False, rest_of(event.text, sent)),
         ):
             if rest:
                 yield _line(piece(rest, thinking=thinking))

@@ -33,6 +33,7 @@ legacy `functions`) are refused with a 400 rather than ignored; other unknown fi
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -54,11 +55,11 @@ from .call_texts import CallTexts
 from .daemon_link import (
     ApiError,
     ApiRequest,
-    Choices,
     DaemonRequest,
     EventStream,
     Gateway,
     bad_request,
+    rest_of,
     shutdown_error,
     sse,
 )
@@ -90,8 +91,10 @@ def _is_int(x: Any) -> bool:
 
 
 def _number(
-    body: dict[str, Any], name: str, default: float, low: float, high: float, *, low_open: bool = False
+    body: dict[str, Any], name: str, default: float, low: float, high: float, *, low_open: bool = False, head: str = ""
 ) -> float:
+    """A number in [low, high] (`low_open`: (low, high]); 400 otherwise, its message
+    beginning with `head` (default: 'name')."""
     value = body.get(name)
     if value is None:
         return default
@@ -99,19 +102,54 @@ def _number(
     ok = ok and (low < value if low_open else low <= value) and value <= high
     if not ok:
         bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
-        raise bad_request(f"'{name}' must be a number in {bound}, got {value!r}", name)
+        raise bad_request(f"{head or repr(name)} must be a number in {bound}, got {value!r}", name)
     return float(value)
 
 
-def _max_tokens(body: dict[str, Any]) -> int:
-    for name in ("max_completion_tokens", "max_tokens"):
+def _max_tokens(body: dict[str, Any], *names: str) -> int | None:
+    """The first of `names` given, a whole number in 1..MAX_TOKENS_LIMIT; None: none given."""
+    for name in names:
         value = body.get(name)
         if value is None:
             continue
         if not _is_int(value) or not 1 <= value <= proto.MAX_TOKENS_LIMIT:
             raise bad_request(f"'{name}' must be a whole number in 1..{proto.MAX_TOKENS_LIMIT}, got {value!r}", name)
         return value
-    return DEFAULT_MAX_TOKENS
+    return None
+
+
+def _seed(body: dict[str, Any]) -> int | None:
+    seed = body.get("seed")
+    if seed is not None and not (_is_int(seed) and 0 <= seed < 2**63):
+        raise bad_request(f"'seed' must be a whole number in 0..2^63-1, got {seed!r}", "seed")
+    return seed
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"'{name}' must be true or false", name)
+    return value
+
+
+def _object(body: dict[str, Any], name: str) -> dict[str, Any]:
+    value = body.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request(f"'{name}' must be an object", name)
+    return value
+
+
+def stop_strings_ok(stop: Any) -> bool:
+    """Whether `stop` is a list of stop strings the protocol takes."""
+    return (
+        isinstance(stop, list)
+        and len(stop) <= proto.MAX_STOP_STRINGS
+        and all(isinstance(s, str) and 0 < len(s) <= proto.MAX_STOP_CHARS for s in stop)
+    )
 
 
 def _stop(body: dict[str, Any]) -> list[str]:
@@ -120,11 +158,7 @@ def _stop(body: dict[str, Any]) -> list[str]:
         return []
     if isinstance(stop, str):
         stop = [stop]
-    if not (
-        isinstance(stop, list)
-        and len(stop) <= proto.MAX_STOP_STRINGS
-        and all(isinstance(s, str) and 0 < len(s) <= proto.MAX_STOP_CHARS for s in stop)
-    ):
+    if not stop_strings_ok(stop):
         raise bad_request(
             f"'stop' must be a string or a list of at most {proto.MAX_STOP_STRINGS} non-empty strings "
             f"of at most {proto.MAX_STOP_CHARS} characters",
@@ -188,23 +222,6 @@ def _response_format(body: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def image_from(value: Any, where: str, *, url: bool) -> proto.ImageData:
-    """An image part's bytes: from a data URL (`url`; a remote URL is refused) or base64
-    (client/gateway/images.py); 400 for what is not an image within the limits."""
-    try:
-        return images.from_url(value, where) if url else images.from_base64(value, where)
-    except images.ImageRejected as e:
-        raise bad_request(str(e), e.where, e.code) from None
-
-
-def check_image_count(messages: list[dict[str, Any]]) -> None:
-    """400 for a chat with more than MAX_IMAGES images."""
-    try:
-        images.count_images(messages)
-    except images.ImageRejected as e:
-        raise bad_request(str(e), e.where, e.code) from None
-
-
 def _content(value: Any, i: int) -> tuple[str, list[proto.ImageData]]:
     """A message's content: a string, null, or a list of text and image parts (an
     image's `image_url` a data URL), as its text and its images."""
@@ -219,7 +236,7 @@ def _content(value: Any, i: int) -> tuple[str, list[proto.ImageData]]:
             if kind == "image_url":
                 spec = part.get("image_url")
                 url = spec.get("url") if isinstance(spec, dict) else spec
-                pictures.append(image_from(url, f"messages[{i}].content[{j}].image_url.url", url=True))
+                pictures.append(images.from_url(url, f"messages[{i}].content[{j}].image_url.url"))
                 continue
             if not (kind == "text" and isinstance(part.get("text"), str)):
                 raise bad_request(
@@ -237,14 +254,21 @@ def _tool_call_in(call: Any, where: str) -> dict[str, Any]:
     fn = call.get("function") if isinstance(call, dict) else None
     if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]):
         raise bad_request(f"{where} must be {{type: 'function', function: {{name, arguments}}}}", where)
-    args = fn.get("arguments", "{}")
+    return {
+        "name": fn["name"],
+        "arguments": json_arguments(fn.get("arguments", "{}"), f"{where}.function.arguments", where),
+    }
+
+
+def json_arguments(args: Any, where: str, param: str) -> dict[str, Any]:
+    """A call's arguments, a JSON object or its text; 400 for anything else."""
     try:
         parsed = json.loads(args) if isinstance(args, str) else args
     except ValueError:
-        raise bad_request(f"{where}.function.arguments is not valid JSON", where) from None
+        raise bad_request(f"{where} is not valid JSON", param) from None
     if not isinstance(parsed, dict):
-        raise bad_request(f"{where}.function.arguments must be a JSON object", where)
-    return {"name": fn["name"], "arguments": parsed}
+        raise bad_request(f"{where} must be a JSON object", param)
+    return parsed
 
 
 def _messages(body: dict[str, Any], kept: CallTexts | None = None, client: str = "") -> list[dict[str, Any]]:
@@ -291,7 +315,7 @@ def _messages(body: dict[str, Any], kept: CallTexts | None = None, client: str =
                 raise bad_request(f"messages[{i}].reasoning_content must be a string", f"messages[{i}]")
             msg["reasoning"] = reasoning
         out.append(msg)
-    check_image_count(out)
+    images.count_images(out)
     return out
 
 
@@ -303,11 +327,9 @@ def thinking_switch(body: dict[str, Any]) -> bool | None:
     """The chat template's thinking switch a chat request asks for (None: the model's
     default): `chat_template_kwargs.enable_thinking` (vLLM's, SGLang's, mlx-lm's) or its
     `thinking` (DeepSeek's templates), `thinking: {type}`, `reasoning_effort`."""
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    kwargs = _object(body, "chat_template_kwargs")
     for key in ("enable_thinking", "thinking"):
-        value = (kwargs or {}).get(key)
+        value = kwargs.get(key)
         if value is not None:
             if not isinstance(value, bool):
                 raise bad_request(f"'chat_template_kwargs.{key}' must be true or false", "chat_template_kwargs")
@@ -423,15 +445,13 @@ def _penalty_window(body: dict[str, Any], values: dict[str, Any]) -> int | None:
 
 def _openai_logprobs(body: dict[str, Any], chat: bool) -> int | None:
     """Chat's `logprobs` (true) with `top_logprobs`, or completions' `logprobs` (k)."""
-    value = body.get("logprobs")
     if chat:
-        if value is not None and not isinstance(value, bool):
-            raise bad_request("'logprobs' must be true or false", "logprobs")
+        value = _flag(body, "logprobs", False)
         k = top_logprobs(body)
         if k and not value:
             raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         return k if value else None
-    return None if value is None else top_logprobs(body, "logprobs")
+    return None if body.get("logprobs") is None else top_logprobs(body, "logprobs")
 
 
 def _choices(body: dict[str, Any]) -> int:
@@ -507,26 +527,17 @@ def parse_request(body: Any, *, chat: bool, kept: CallTexts | None = None) -> Ap
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise bad_request("'stream' must be true or false", "stream")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise bad_request("'stream_options' must be an object", "stream_options")
-    include_usage = bool(options and options.get("include_usage"))
+    stream = _flag(body, "stream", False)
+    include_usage = bool(_object(body, "stream_options").get("include_usage"))
     _refuse_unsupported(body, chat)
-    seed = body.get("seed")
-    if seed is not None and not (_is_int(seed) and 0 <= seed < 2**63):
-        raise bad_request(f"'seed' must be a whole number in 0..2^63-1, got {seed!r}", "seed")
+    seed = _seed(body)
     kwargs: dict[str, Any] = (
         {"messages": _messages(body, kept, client), **_tools(body), "thinking": thinking_switch(body)}
         if chat
         else _prompt(body)
     )
     kwargs.update(
-        max_tokens=_max_tokens(body),
+        max_tokens=_max_tokens(body, "max_completion_tokens", "max_tokens") or DEFAULT_MAX_TOKENS,
         temp=_number(body, "temperature", DEFAULT_TEMPERATURE, 0.0, MAX_TEMPERATURE),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
         top_k=top_k(body),
@@ -740,11 +751,12 @@ class OpenAIApi:
         self._gw = gw
 
     def routes(self) -> list[Route]:
+        chat_completions = functools.partial(self._complete, chat=True)
         return [
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             # Clients set up for llama.cpp's or mlx-lm's server may leave out the /v1.
-            Route("/chat/completions", self.chat_completions, methods=["POST"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", functools.partial(self._complete, chat=False), methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
         ]
@@ -771,12 +783,6 @@ class OpenAIApi:
         self._gw._authorize(request)
         st = await self._gw._status()
         return JSONResponse(self._model_object(st) | {"id": request.path_params["model"]})
-
-    async def chat_completions(self, request: Request) -> Response:
-        return await self._complete(request, chat=True)
-
-    async def completions(self, request: Request) -> Response:
-        return await self._complete(request, chat=False)
 
     async def _complete(self, request: Request, *, chat: bool) -> Response:
         self._gw._authorize(request)
@@ -815,7 +821,7 @@ class OpenAIApi:
             for d in daemons:
                 d.cancel()
             return Response(status_code=499)
-        return EventStream(self._events(daemons[0], shaper, req, head, daemons[1:]), Choices(daemons))
+        return EventStream(self._events(daemons[0], shaper, req, head, daemons[1:]), *daemons)
 
     async def _events(
         self,
@@ -895,8 +901,8 @@ class OpenAIApi:
             return
         rest_lp = list(event.logprobs[given:]) if event.logprobs is not None else None
         for thinking, rest in (
-            (True, self._gw.rest_of(event.reasoning, thought)),
-            (False, self._gw.rest_of(event.text, sent)),
+            (True, rest_of(event.reasoning, thought)),
+            (False, rest_of(event.text, sent)),
         ):
             if rest:
                 lp = None if thinking else rest_lp

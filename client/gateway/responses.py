@@ -59,19 +59,21 @@ from starlette.routing import Route
 from ...shared import protocol as proto
 from ...shared.protocol import Done
 from ..client import Token, ToolCall
+from . import images
 from .call_texts import CallTexts
-from .daemon_link import ApiError, ApiRequest, bad_request
-from .images import IMAGE_BODY_BYTES
+from .daemon_link import ApiError, ApiRequest, EventStream, bad_request, rest_of, shutdown_error
 from .keep_alive import KeepAlive
 from .openai import (
     DEFAULT_TEMPERATURE,
     MAX_TEMPERATURE,
-    _is_int,
+    _flag,
+    _max_tokens,
     _number,
+    _object,
+    _seed,
     chat_logprobs,
-    check_image_count,
     declared_identity,
-    image_from,
+    json_arguments,
     json_constraint,
     sampling_controls,
     tool_call_id,
@@ -141,7 +143,7 @@ def _text_of(content: Any, where: str, pictures: list[proto.ImageData] | None = 
             raise bad_request(f"{where}[{j}]: {kind} is not supported here (this server reads text and images)", where)
         elif kind == "input_image":
             assert pictures is not None
-            pictures.append(image_from(part.get("image_url"), f"{where}[{j}].image_url", url=True))
+            pictures.append(images.from_url(part.get("image_url"), f"{where}[{j}].image_url"))
         else:
             raise bad_request(f"{where}[{j}] must be a text part {{type: 'input_text', text}}, got {kind!r}", where)
     return "".join(texts)
@@ -194,17 +196,6 @@ class _Chat:
         self.messages.append(msg)
 
 
-def _arguments(item: dict[str, Any], where: str) -> dict[str, Any]:
-    args = item.get("arguments", "{}")
-    try:
-        parsed = json.loads(args) if isinstance(args, str) else args
-    except ValueError:
-        raise bad_request(f"{where}.arguments is not valid JSON", f"{where}.arguments") from None
-    if not isinstance(parsed, dict):
-        raise bad_request(f"{where}.arguments must be a JSON object", f"{where}.arguments")
-    return parsed
-
-
 def _output_text(item: dict[str, Any], where: str) -> str:
     """A tool call's output: a string or a list of text parts."""
     output = item.get("output")
@@ -240,7 +231,7 @@ def _input(body: dict[str, Any], kept: CallTexts | None = None, client: str = ""
         elif kind == "function_call":
             name = _string(item, "name", where, proto.MAX_NAME_CHARS)
             call_id = _string(item, "call_id", where, proto.MAX_NAME_CHARS)
-            arguments = _arguments(item, where)
+            arguments = json_arguments(item.get("arguments", "{}"), f"{where}.arguments", f"{where}.arguments")
             chat.call(name, arguments, call_id, kept.find(client, call_id, name, arguments) if kept else None)
         elif kind == "custom_tool_call":
             name = _string(item, "name", where, proto.MAX_NAME_CHARS)
@@ -259,7 +250,7 @@ def _input(body: dict[str, Any], kept: CallTexts | None = None, client: str = ""
             raise bad_request(f"{where}: input items of type {kind!r} are not supported by this server", where)
     if not any(m["role"] != "system" for m in chat.messages):
         raise bad_request("'input' holds no message, call or tool output to answer", "input")
-    check_image_count(chat.messages)
+    images.count_images(chat.messages)
     return chat.messages
 
 
@@ -350,15 +341,6 @@ def _tool_choice(choice: Any) -> tuple[Any, list[str] | None]:
     )
 
 
-def _object(body: dict[str, Any], name: str) -> dict[str, Any]:
-    value = body.get(name)
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise bad_request(f"'{name}' must be an object", name)
-    return value
-
-
 def _reasoning(body: dict[str, Any]) -> tuple[bool | None, bool, dict[str, Any] | None]:
     """(the template's thinking switch, whether a summary was asked for, the echo)."""
     reasoning = _object(body, "reasoning")
@@ -398,15 +380,6 @@ def _text(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return {"format": fmt, "verbosity": verbosity or "medium"}, constraint
 
 
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad_request(f"'{name}' must be true or false", name)
-    return value
-
-
 def parse_request(body: Any, call_texts: CallTexts | None = None) -> ResponsesRequest:
     """Validate a decoded JSON body of POST /v1/responses; a resent function call comes
     with the text the model wrote for it where `call_texts` has it (for the conversation's
@@ -428,12 +401,7 @@ def parse_request(body: Any, call_texts: CallTexts | None = None) -> ResponsesRe
     key = body.get("prompt_cache_key")
     if key is not None and not isinstance(key, str):
         raise bad_request("'prompt_cache_key' must be a string", "prompt_cache_key")
-    max_output = body.get("max_output_tokens")
-    if max_output is not None and not (_is_int(max_output) and 1 <= max_output <= proto.MAX_TOKENS_LIMIT):
-        raise bad_request(
-            f"'max_output_tokens' must be a whole number in 1..{proto.MAX_TOKENS_LIMIT}, got {max_output!r}",
-            "max_output_tokens",
-        )
+    max_output = _max_tokens(body, "max_output_tokens")
     stream = _flag(body, "stream", False)
     client = declared_identity(body) or ""
     messages = _input(body, call_texts, client)
@@ -444,12 +412,9 @@ def parse_request(body: Any, call_texts: CallTexts | None = None) -> ResponsesRe
     text, constraint = _text(body)
     generate: dict[str, Any] = {"messages": messages, **tools, **constraint}
     generate |= {"max_tokens": max_output or DEFAULT_MAX_OUTPUT_TOKENS, "temp": temperature, "top_p": top_p}
-    seed = body.get("seed")
-    if seed is not None and not (_is_int(seed) and 0 <= seed < 2**63):
-        raise bad_request(f"'seed' must be a whole number in 0..2^63-1, got {seed!r}", "seed")
     generate |= {
         "top_k": top_k(body),
-        "seed": seed,
+        "seed": _seed(body),
         "sampling": sampling_controls(body, logprobs=k if logprobs else None),
     }
     if thinking is not None:
@@ -687,15 +652,13 @@ class Fold:
 
     def _end(self, done: Done) -> list[dict[str, Any]]:
         if done.finish_reason == "shutdown":
-            error = ApiError(503, "the moestream daemon shut down during this request", type="server_error")
-            return self.fail(error)
+            return self.fail(shutdown_error())
         events: list[dict[str, Any]] = []
         if done.logprobs is not None:
             self._held = list(done.logprobs[self._given :])
         # Text held back in the daemon (a call's marker that was not one) comes only with done.
         for kind, whole, streamed in (("reasoning", done.reasoning, self.thought), ("message", done.text, self.sent)):
-            so_far = "".join(streamed)
-            rest = whole[len(so_far) :] if whole.startswith(so_far) else ""
+            rest = rest_of(whole, streamed)
             if rest:
                 streamed.append(rest)
                 events += self._open(kind) + [self._delta(rest)]
@@ -747,7 +710,7 @@ class ResponsesApi:
     async def create(self, request: Request) -> Response:
         gw = self._gw
         gw._authorize(request)
-        req = parse_request(await gw._read_json(request, IMAGE_BODY_BYTES), gw.call_texts)
+        req = parse_request(await gw._read_json(request, images.IMAGE_BODY_BYTES), gw.call_texts)
         opened = await gw.open_request(request, req.api, "resp_")
         if opened is None:
             return Response(status_code=499)
@@ -763,7 +726,7 @@ class ResponsesApi:
         head = await gw.first_event(request, daemon)
         if head is None:
             return Response(status_code=499)
-        return gw.stream(self._stream(daemon, fold, head), daemon)
+        return EventStream(self._stream(daemon, fold, head), daemon)
 
     async def _stream(self, daemon: DaemonRequest, fold: Fold, head: Any) -> AsyncIterator[str]:
         for e in fold.start():

@@ -8,7 +8,8 @@ import json
 import click
 
 from ....shared.settings import default_of
-from ..values import StorePath, size_option, store_option
+from ..values import StorePath, store_option
+from .options import size_option
 
 
 @click.command("chat")

@@ -9,7 +9,8 @@ from typing import Any, Callable
 import click
 
 from ....shared.settings import default_of
-from ..values import StorePath, knob_option, size_option
+from ..values import StorePath
+from .options import knob_option, size_option
 
 
 @click.command("decode")

@@ -7,7 +7,8 @@ import json
 import click
 
 from ....shared.settings import default_of
-from ..values import StorePath, knob_option, size_option
+from ..values import StorePath
+from .options import knob_option, size_option
 
 
 @click.command("predict")
