@@ -186,8 +186,12 @@ def test_bench_decode_rounds_of_a_minimum_time(store):
     )
     assert report["min_round_seconds"] == 0.2
     for r in report["results"]:
-        # Two tokens of a tiny model take milliseconds, so every round decoded again.
-        assert all(n > 1 for n in r["decodes_per_round"]) and r["same_tokens_as_first"], r
+        # Each round decodes until 0.2 s of decoding have passed (two tokens of a tiny
+        # model take milliseconds, so alone on a machine it decodes again; a loaded one
+        # may take the 0.2 s in one decode, which the check allows).
+        seconds = [n * 2 / tps for n, tps in zip(r["decodes_per_round"], r["tokens_per_s_runs"])]
+        assert all(s >= 0.2 - 1e-9 for s in seconds) and r["same_tokens_as_first"], r
+        assert len(seconds) == 2, r
     assert "rounds of at least 0.2 s" in format_report(report)
 
 
