@@ -70,7 +70,8 @@ def resolve_settings(given: dict[str, Any], *, lenient: bool = False) -> Setting
     return settings
 
 
-def _paths(settings: Settings) -> RuntimePaths:
+def runtime_paths(settings: Settings) -> RuntimePaths:
+    """The runtime folder's paths, checked: a click error naming what is wrong."""
     try:
         paths = RuntimePaths.from_settings(settings)
         paths.check_socket_path()
@@ -111,7 +112,7 @@ def start_daemon(
     """
     _check_store(settings)
     given = absolute_paths(given)
-    paths = _paths(settings)
+    paths = runtime_paths(settings)
     old = earlier_runtime_dir(os.environ) if settings.runtime_dir is None else None
     if old is not None and _running(RuntimePaths(dir=old, log=old / LOG_NAME)):
         raise click.ClickException(
@@ -350,7 +351,7 @@ def start(given, timeout, foreground, log_to_stderr) -> None:
 )
 def stop(runtime_dir, timeout) -> None:
     """Stop the daemon: running requests end with finish reason "shutdown"."""
-    paths = _paths(resolve_settings({"runtime_dir": runtime_dir}, lenient=True))
+    paths = runtime_paths(resolve_settings({"runtime_dir": runtime_dir}, lenient=True))
     pid = stop_daemon(paths, timeout=timeout)
     click.echo("no moestream daemon is running" if pid is None else f"moestream daemon stopped (pid {pid})", err=True)
 
@@ -359,7 +360,7 @@ def stop(runtime_dir, timeout) -> None:
 @_start_options
 def restart(given, timeout) -> None:
     """Stop the daemon and start it again; flags not given keep the running daemon's values."""
-    paths = _paths(resolve_settings({"runtime_dir": given["runtime_dir"]}))
+    paths = runtime_paths(resolve_settings({"runtime_dir": given["runtime_dir"]}))
     if _running(paths):
         try:
             with Client(paths, timeout=5.0) as c:
@@ -420,7 +421,7 @@ def _served_store_now(running: Status) -> str | None:
 def status(runtime_dir, as_json) -> None:
     """Is the daemon running, and how is its pool doing."""
     settings = resolve_settings({"runtime_dir": runtime_dir}, lenient=True)
-    paths = _paths(settings)
+    paths = runtime_paths(settings)
     if not _running(paths):
         if as_json:
             click.echo(json.dumps({"running": False, "runtime_dir": str(paths.dir), "log": str(paths.log)}))
@@ -621,7 +622,7 @@ def _job_state(job: RequestInfo) -> str:
 def logs(runtime_dir, log_file, lines, follow) -> None:
     """Print the daemon's log path and its last lines."""
     settings = resolve_settings({"runtime_dir": runtime_dir, "log_file": log_file}, lenient=True)
-    paths = _paths(settings)
+    paths = runtime_paths(settings)
     path = paths.log
     if log_file is None and _running(paths):
         try:
@@ -666,7 +667,7 @@ def stats(runtime_dir, as_json) -> None:
     """The pool's statistics: hits, misses, evictions and bytes read, per layer."""
     settings = resolve_settings({"runtime_dir": runtime_dir}, lenient=True)
     try:
-        with Client(_paths(settings), timeout=5.0) as c:
+        with Client(runtime_paths(settings), timeout=5.0) as c:
             st = c.stats()
     except ClientError as e:
         raise click.ClickException(str(e)) from None

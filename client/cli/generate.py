@@ -15,7 +15,7 @@ from ...shared.kernel_cache import KernelCacheError, use_kernel_cache
 from ...shared.settings import GENERATE, LOCAL, Settings, definition, demo_store_path, in_scope
 from ...shared.status import RequestStats, Status
 from ...shared.store_format import same_folder
-from .daemon import _paths, diagnostics_lines, resolve_settings, start_daemon
+from .daemon import diagnostics_lines, resolve_settings, runtime_paths, start_daemon
 from .values import capacity_note, setting_options, store_option
 
 # Settings of `generate` that a running daemon does not take from it: `model` is checked
@@ -317,7 +317,7 @@ def _generate_via_daemon(
     scope (GENERATE), not the --local ones."""
     from ..client import Client, ClientError, DaemonNotRunning, Progress, Token
 
-    paths = _paths(settings)
+    paths = runtime_paths(settings)
     try:
         client = Client(paths)
     except DaemonNotRunning:
