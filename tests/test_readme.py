@@ -13,7 +13,7 @@ from moestream.daemon.bench.soak.run import reliability_table_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 README_MAX_LINES = 220
-SOAK_REPORT = ROOT / "tests" / "bench" / "results" / "bench_soak_demo_cpu.json"
+SOAK_REPORT = ROOT / "tests" / "bench" / "results" / "soak" / "bench_soak_demo_cpu.json"
 
 
 def test_the_readme_stays_short():
@@ -22,7 +22,7 @@ def test_the_readme_stays_short():
 
 def test_the_reliability_table_is_the_soak_reports():
     """Each figure in the README's table is the committed `bench soak --json` report's
-    (regenerate: python -m moestream.daemon.bench.soak.run tests/bench/results/bench_soak_demo_cpu.json)."""
+    (regenerate: python -m moestream.daemon.bench.soak.run tests/bench/results/soak/bench_soak_demo_cpu.json)."""
     text = (ROOT / "README.md").read_text()
     start = text.index("<!-- reliability-table")
     table = text[text.index("\n", start) + 1 : text.index("<!-- end reliability-table -->")]

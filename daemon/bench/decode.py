@@ -147,7 +147,7 @@ class BenchDecodeSettings:
     # After the rounds, stock and each fully resident configuration also decode in this
     # many blocks of four, A B B A (stock, it, it, stock). On the H200 decode is bound by
     # the host, whose speed swings by up to 1.5x from one second to the next
-    # (tests/bench/results/full_residency_q30_h200.json); a drift within a block
+    # (tests/bench/results/probes/full_residency_q30_h200.json); a drift within a block
     # cancels, so the ratio per block measures the code, not the moment.
     paired_blocks: int = 0
     # Each partial slot pool also with every read verified against the manifest's

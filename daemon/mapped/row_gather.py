@@ -3,7 +3,7 @@
 A mapped pool (daemon/mapped/mapped_pool.py) keeps most experts in host memory, where the expert
 kernels read them over the link as they compute. Those kernels keep too few reads in
 flight to fill the link: on the H200, decode with every row in host memory moved about
-32 GB/s against 55 GB/s for pinned DMA (tests/bench/results/residency_q30_h200.json).
+32 GB/s against 55 GB/s for pinned DMA (tests/bench/results/probes/residency_q30_h200.json).
 A copy kernel that does nothing but wide loads from every block keeps many more reads in
 flight. So for small forwards (decode, a speculative verify) the layer first copies the
 rows of its routed experts, wherever they live, into a stack of `n` rows in GPU memory,

@@ -2,7 +2,7 @@
 
 Why: on MLX's CUDA backend, `mx.fast.scaled_dot_product_attention` with more than one
 query costs about 40 ms the first time it meets a key length, against 0.2-0.4 ms again
-(tests/bench/results/shape_probe_h200.json: a cuDNN graph is built per shape). A
+(tests/bench/results/probes/shape_probe_h200.json: a cuDNN graph is built per shape). A
 speculative verify forwards K+1 tokens, and the MTP head the tokens it accepted, each
 round at a key length never seen before, so every round paid that: speculation ran at a
 tenth of plain decode's speed. Padding the keys up to a multiple of `bucket`, with an
@@ -90,7 +90,7 @@ def bucketed(caches: list[Any], bucket: int) -> list[Any]:
 # A prompt that goes on after a cached prefix (a chat's next turn from the prompt cache)
 # is a forward of a few dozen tokens at a key length never seen before, and of a query
 # length never seen before either: on CUDA each such forward builds a cuDNN graph (25-90
-# ms, as long as the forward itself; tests/bench/results/continuation_probe_h200.json).
+# ms, as long as the forward itself; tests/bench/results/probes/continuation_probe_h200.json).
 # Such continuations of up to MAX_PADDED_CONTINUATION tokens are padded (copies of their
 # last token, trimmed from the cache after the forward) to a power of two of at least
 # MIN_QUERY_BUCKET tokens, their keys to a multiple of CONTINUATION_KEY_BUCKET, so that

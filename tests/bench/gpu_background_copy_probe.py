@@ -5,8 +5,8 @@
 Prefetch only pays where its copies overlap compute. On the H200 it did not pay for
 either pool: mapped prefetch ran 0.54x of gathering alone, and the slot pool's prefetch
 1.05x although it cut the copy wait from 16 to 2 ms per forward
-(tests/bench/results/bench_decode_q30_mapped_prefetch_h200.json,
-bench_predict_q30_kernel_h200.json). Both copy with kernels that launch up to 64 blocks
+(tests/bench/results/decode/bench_decode_q30_mapped_prefetch_h200.json,
+predict/bench_predict_q30_kernel_h200.json). Both copy with kernels that launch up to 64 blocks
 of 256 threads per expert row or span: a few thousand blocks stalled on loads over the
 link, which may hold the GPU's SMs while the layer's own kernels wait for room. This
 probe measures it on one Q30-shaped layer:

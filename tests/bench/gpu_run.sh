@@ -4,8 +4,10 @@
 # Usage: bash tests/bench/gpu_run.sh STAGE (no STAGE, or help: this table).
 #
 # Results go to $OUT (default /tmp/out); the ones kept are committed under
-# tests/bench/results/. Bench stages also write their progress lines beside their JSON
-# (NAME.progress), so a run cut off by a time limit still says what it measured. Each
+# tests/bench/results/, each into its topic's folder (results/README.md says which) and
+# named by what it holds, never by when it ran. Bench stages also write their progress
+# lines beside their JSON (NAME.progress), so a run cut off by a time limit still says
+# what it measured. Each
 # stage is meant to finish within 10 minutes; stages marked q30 need make-q30 first
 # (its model and store are in /root/q30).
 # Environment variables that vary a stage are described at the stage below; MLX_LIMIT
@@ -165,7 +167,7 @@ EOF
     # (with an 8 GB tier, half the prefetched experts were still in flight when used).
     # DEPTHS="1 2" by default, 16 tokens a decode after a 4-token prompt (each decode's
     # prompt reads a few GB at 25%), 3 blocks each: about 4 minutes per depth.
-    # Measured 1.05x, 1.18x, 1.15x at depths 1, 2, 3 (bench_predict_q30_depth*_h200.json);
+    # Measured 1.05x, 1.18x, 1.15x at depths 1, 2, 3 (predict/bench_predict_q30_depth*_h200.json);
     # at depth 3 prefetch read at about 0.95 of the disk's bandwidth, 10 to 12% of it for
     # experts never routed. BUFFERS="0 4G" runs each depth with each prefetch buffer size
     # (0: the default); a buffer that keeps unrouted reads until a later token routes
@@ -195,7 +197,7 @@ EOF
   exactness-mini)
     # ONLY=regex runs the matching cases (labels like 32-slots, 4-tier, 8-mapped+gather);
     # TAG names the output files of one such run. COLLECT=1 releases each model before
-    # the next loads (see the crash notes in tests/bench/results/exactness_gpu_mini_session8_h200.json).
+    # the next loads (see the crash notes in tests/bench/results/exactness/exactness_gpu_mini_mapped_prefetch_h200.json).
     $py tests/bench/gpu_exactness_check.py --out "$OUT/exactness_gpu_mini${TAG:+_$TAG}.json" --steps "${STEPS:-16}" \
       --bits "${BITS:-4,0}" --only="${ONLY:-}" ${COLLECT:+--collect} >"$OUT/exactness_gpu_mini${TAG:+_$TAG}.log" 2>&1 || { tail -30 "$OUT/exactness_gpu_mini${TAG:+_$TAG}.log"; exit 1; }
     tail -3 "$OUT/exactness_gpu_mini${TAG:+_$TAG}.log"
@@ -212,7 +214,7 @@ EOF
     tail -3 "$OUT/exactness_old.log"
     ;;
   crash-matrix)
-    # The slot-pool crash (exactness_gpu_mini_session8_h200.json), REPS runs per
+    # The slot-pool crash (exactness/exactness_gpu_mini_mapped_prefetch_h200.json), REPS runs per
     # variant, 4-bit, 16 steps: the four slot pools in turn (default); each model released
     # before the next loads (collect); the fully resident 32-slot model alone (only32);
     # and collect's three steps one at a time (release: dropped before the next loads;
@@ -384,13 +386,13 @@ EOF
     # it); "+host:slots" is the slot pool with the tier. MAPPED=1 adds "+mapped" runs
     # with MAPPED_MOVES moves per layer per placement turn (the same pool as "+host" at 0).
     # Two untimed rounds by default (WARMUP): a run that timed one caught the pools still
-    # warming up (bench_decode_q30_short_h200.json).
+    # warming up (decode/bench_decode_q30_short_h200.json).
     # Each configuration's round decodes again until MIN_ROUND_S seconds of decoding
     # have passed (default 2): a round of 24 tokens at 70 tok/s lasts 0.35 s, and
     # stock's rounds of one run have swung from 50 to 87 tok/s.
     # Then stock and 100% decode in PAIRED_BLOCKS blocks of A B B A (default 24, about
     # 35 s): decode here is bound by the host, whose speed drifts by 1.5x within seconds
-    # (full_residency_q30_h200.json), and a block cancels that drift.
+    # (probes/full_residency_q30_h200.json), and a block cancels that drift.
     # GEN_LOOP=1 also times each streaming configuration through the daemon's own
     # generation loop (prefetch's auto windows, timed there, once ran the mapped pool at
     # 17-30 tok/s while the bench loop ran it at 27-44).

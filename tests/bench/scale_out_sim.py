@@ -8,7 +8,7 @@ A layer's step waits for the host with the most misses in that layer (each layer
 an all_sum), so the critical path per token is the sum over layers of the per-layer
 maximum over hosts.
 
-    python tests/bench/scale_out_sim.py > tests/bench/results/scale_out_sim.txt
+    python tests/bench/scale_out_sim.py > tests/bench/results/sim/scale_out_sim.txt
 """
 
 from __future__ import annotations
