@@ -135,16 +135,6 @@ def _capacity(text: str | float | int) -> float | int:
     return value
 
 
-def parse_capacity(text: str | float | int | None) -> float | int | None:
-    """'16' -> 16 slots per layer; '0.25' or '25%' -> a fraction of each layer's experts."""
-    if text is None:
-        return None
-    try:
-        return _capacity(text)
-    except SettingsError as e:
-        raise SettingsError(f"--capacity: {e}") from None
-
-
 # The online eviction policies' names (daemon/policies POLICIES, which a test holds to
 # this list): checked here, so a bad name fails in the command, before any daemon runs.
 POLICY_NAMES = ("lru", "lfu", "lfuda", "predictive", "induction", "recall")
@@ -915,12 +905,6 @@ def knob(name: str) -> Definition:
 def in_scope(*scopes: str) -> tuple[Definition, ...]:
     """The settings that the commands of any of `scopes` take as options, in field order."""
     return tuple(d for d in SETTINGS if d.scope & set(scopes))
-
-
-def default_of(name: str) -> Any:
-    """The default of setting or bench knob `name` (for the benches, whose settings start
-    from the daemon's)."""
-    return (_KNOB_BY_NAME.get(name) or definition(name)).default
 
 
 def _coerce(name: str, raw: Any, *, knobs: bool = False) -> Any:
