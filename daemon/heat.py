@@ -52,9 +52,6 @@ class HeatCounters:
     pinned: int = 0
     foreign_entries: int = 0
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"loaded_counts": self.loaded_counts, "pinned": self.pinned, "foreign_entries": self.foreign_entries}
-
 
 class Heat:
     """The heat of one process (the daemon, or one rank of its group)."""
@@ -80,8 +77,7 @@ class Heat:
 
     def pin(self, sm: Any) -> None:
         """Pin each layer's hottest experts (this rank's, in a group) from the saved heat."""
-        from ..shared.heat_file import HeatReadError
-        from .heat_publisher import load_usage
+        from ..shared.heat_file import HeatReadError, read_usage, usage_path
         from .pool.autopin import autopin
 
         heat_dir = self.folder(sm)
@@ -98,7 +94,7 @@ class Heat:
         try:
             # A rank's file holds global ids, which `local_counts` checks against its share.
             shape = {p.layer.ordinal: p.layer.num_experts for p in sm.pools} if self.share is None else None
-            usage = load_usage(heat_dir, shape, self.name)
+            usage = read_usage(usage_path(heat_dir, self.name), shape)
         except HeatReadError as e:
             self.log.error("heat: cannot read the saved heat (%s); starting without pinned experts", e)
             return
