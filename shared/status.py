@@ -47,11 +47,11 @@ def _convert(tp: Any, value: Any, name: str) -> Any:
     if is_dataclass(tp) and isinstance(tp, type):
         own = tp.__dict__.get("from_dict")  # one with its own normalizing (RequestInfo, ElasticStatus)
         return own.__get__(None, tp)(value) if own is not None else from_wire(tp, value)
-    if origin is list:
+    if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"{name}: expected a list, got {type(value).__name__}")
-        (item,) = typing.get_args(tp)
-        return [_convert(item, v, name) for v in value]
+        items = [_convert(typing.get_args(tp)[0], v, name) for v in value]  # list[X], tuple[X, ...]
+        return items if origin is list else tuple(items)
     return value
 
 
