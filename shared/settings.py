@@ -281,43 +281,19 @@ class Definition:
         return out
 
 
-def setting(
-    default: Any,
-    *,
-    kind: str,
-    help: str,
-    scope: tuple[str, ...] = (),
-    low: float | None = None,
-    high: float | None = None,
-    choices: tuple[str, ...] = (),
-    noun: str | None = None,
-    shown_default: str | None = None,
-    shown_default_on: tuple[tuple[str, str], ...] = (),
-    bench: bool = False,
-) -> Any:
-    """A Settings field with its definition (see `Definition`) in its metadata."""
-    if kind not in KINDS:
-        raise ValueError(f"setting kind {kind!r}: use one of {', '.join(KINDS)}")
+def setting(default: Any, *, scope: tuple[str, ...] = (), **definition: Any) -> Any:
+    """A Settings field with its definition (`Definition`'s other fields: kind, help,
+    low, ...) in its metadata."""
+    d = Definition(default=default, scope=frozenset(scope), **definition)
+    if d.kind not in KINDS:
+        raise ValueError(f"setting kind {d.kind!r}: use one of {', '.join(KINDS)}")
     if set(scope) - set(SCOPES):
         raise ValueError(f"setting scope {scope!r}: use {', '.join(SCOPES)}")
-    if kind == "choice" and default not in choices:
-        raise ValueError(f"the default {default!r} is not one of {choices!r}")
-    definition = Definition(
-        kind=kind,
-        help=help,
-        default=default,
-        scope=frozenset(scope),
-        low=low,
-        high=high,
-        choices=choices,
-        noun=noun,
-        shown_default=shown_default,
-        shown_default_on=shown_default_on,
-        bench=bench,
-    )
-    if bench and scope:
+    if d.kind == "choice" and default not in d.choices:
+        raise ValueError(f"the default {default!r} is not one of {d.choices!r}")
+    if d.bench and scope:
         raise ValueError("a bench knob is no option of the commands")
-    return dataclasses.field(default=default, metadata={"setting": definition})
+    return dataclasses.field(default=default, metadata={"setting": d})
 
 
 def default_runtime_dir(env: Mapping[str, str], platform: str | None = None) -> Path:
