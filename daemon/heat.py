@@ -173,7 +173,7 @@ class Heat:
     def save_reuse(self, sm: Any, lock_timeout: float = 0.0) -> bool:
         """Add the stack distances taken since the last save to the reuse file; False
         where it could not (they are kept for the next save, and the log says why)."""
-        from ..shared.heat_file import HeatFileError, HeatLockTimeout, UsageLock, read_usage, write_usage
+        from ..shared.heat_file import HeatFileError, HeatLockTimeout, UsageLock, add_counts, read_usage, write_usage
         from ..shared.store_format import POOL_REUSE_NAME
 
         self._last_reuse_save = time.monotonic()
@@ -189,10 +189,8 @@ class Heat:
                 if saved.problem:
                     self.log.error("heat: %s", saved.problem)
                 table = {layer: dict(d) for layer, d in saved.counts.items()}
-                for layer, histogram in self._reuse.items():
-                    into = table.setdefault(layer, {})
-                    for distance in histogram.nonzero()[0].tolist():
-                        into[distance] = into.get(distance, 0) + int(histogram[distance])
+                taken = {layer: {d: int(h[d]) for d in h.nonzero()[0].tolist()} for layer, h in self._reuse.items()}
+                add_counts(table, taken)
                 write_usage(path, table)
             finally:
                 lock.release()

@@ -120,6 +120,14 @@ def usage_name(rank: int | None = None, size: int | None = None) -> str:
     return f"{stem}.rank{rank}of{size}{dot}{ext}"
 
 
+def add_counts(into: UsageCounts, counts: Mapping[int, Mapping[int, int]]) -> None:
+    """Add `counts` into `into`, layer by layer and expert by expert."""
+    for layer, experts in counts.items():
+        target = into.setdefault(layer, {})
+        for expert, c in experts.items():
+            target[expert] = target.get(expert, 0) + c
+
+
 def usage_path(store_dir: Path | str, name: str = POOL_USAGE_NAME) -> Path:
     return Path(store_dir) / name
 
