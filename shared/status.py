@@ -12,6 +12,7 @@ module's `to_dict`, a map of numbers and words, typed here as `Report`."""
 
 from __future__ import annotations
 
+import functools
 import types
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
@@ -27,7 +28,7 @@ def from_wire(cls: type[T], value: Any) -> T:
     ValueError where a nested map or list is not one."""
     if not isinstance(value, Mapping):
         raise ValueError(f"{cls.__name__}: expected a map, got {type(value).__name__}")
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     given = {f.name: _convert(hints[f.name], value[f.name], f.name) for f in fields(cls) if f.name in value}
     missing = [
         f.name for f in fields(cls) if f.name not in given and f.default is MISSING and f.default_factory is MISSING
@@ -35,6 +36,11 @@ def from_wire(cls: type[T], value: Any) -> T:
     if missing:
         raise ValueError(f"{cls.__name__}: missing {missing}")
     return cls(**given)
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)  # costly: every reply and event a client reads comes through here
 
 
 def _convert(tp: Any, value: Any, name: str) -> Any:
