@@ -338,7 +338,8 @@ class EngineLoop:
             self.error = f"{type(e).__name__}: {e}"
         finally:
             try:
-                self._shutdown_jobs()
+                for job in list(self._active) + list(self._pending):
+                    self._request_stop(job, "shutdown", time.monotonic())
                 self._reject_waiting()
                 self._publish(force=True)
             finally:
@@ -551,7 +552,8 @@ class EngineLoop:
             elif isinstance(cmd, CancelCmd):
                 self._on_cancel(cmd)
             elif isinstance(cmd, CountRequest):
-                self._on_count(cmd)
+                if self._checker is None or not self._checker.count(cmd):
+                    self._counts.append(cmd)  # the next load serves it
             elif isinstance(cmd, LoadCmd):
                 # Its keep_alive counts from now, as a request's does; 0: the idle check
                 # of this turn releases the model, once nothing is in flight.
@@ -600,10 +602,6 @@ class EngineLoop:
         self._counters["requests"] += 1
         if self._checker is not None:  # else the next load checks it
             self._checker.submit(job)
-
-    def _on_count(self, request: CountRequest) -> None:
-        if self._checker is None or not self._checker.count(request):
-            self._counts.append(request)  # the next load serves it
 
     def _on_cancel(self, cmd: CancelCmd) -> None:
         job = self._jobs.get((cmd.peer, cmd.msg.target))
@@ -970,10 +968,6 @@ class EngineLoop:
                 prompt_seconds=stats.prompt_seconds if stats is not None else None,
             )
         )
-
-    def _shutdown_jobs(self) -> None:
-        for job in list(self._active) + list(self._pending):
-            self._request_stop(job, "shutdown", time.monotonic())
 
     def _reject_waiting(self) -> None:
         """Answer the commands nobody will serve now (sent while loading or stopping)."""

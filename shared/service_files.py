@@ -147,10 +147,6 @@ def service_file_path(platform: str, home: Path, service: Service = DAEMON) -> P
     raise ServiceFileError(f"unknown platform {platform!r} (expected one of {', '.join(PLATFORMS)})")
 
 
-def launchd_log_dir(home: Path) -> Path:
-    return home / "Library" / "Logs" / "moestream"
-
-
 def load_template(name: str) -> str:
     """A template from the package's `launchd/` folder."""
     try:
@@ -264,7 +260,7 @@ def render_service_file(
     """The service file for `platform` under `home`, ready to be written."""
     path = service_file_path(platform, home, service)
     if platform == "darwin":
-        logs = launchd_log_dir(home)
+        logs = home / "Library" / "Logs" / "moestream"
         content = render_plist(
             label=service.label,
             argv=argv,
