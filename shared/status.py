@@ -51,7 +51,7 @@ def _convert(tp: Any, value: Any, name: str) -> Any:
         tp = next(a for a in typing.get_args(tp) if a is not type(None))
         origin = typing.get_origin(tp)
     if is_dataclass(tp) and isinstance(tp, type):
-        own = tp.__dict__.get("from_dict")  # one with its own normalizing (RequestInfo, ElasticStatus)
+        own = tp.__dict__.get("from_dict")  # one with its own normalizing (RequestInfo)
         return own.__get__(None, tp)(value) if own is not None else from_wire(tp, value)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
@@ -62,14 +62,10 @@ def _convert(tp: Any, value: Any, name: str) -> Any:
 
 
 class _Wire:
-    """`to_dict` / `from_dict` for the dataclasses below."""
+    """`to_dict` for the dataclasses below (`from_wire` makes them again)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)  # type: ignore[call-overload]
-
-    @classmethod
-    def from_dict(cls: type[T], d: Mapping[str, Any]) -> T:
-        return from_wire(cls, d)
 
 
 # ---- a request's statistics (`done`) -------------------------------------------------
@@ -191,7 +187,7 @@ class RequestInfo(_Wire):
     seconds: float  # since the daemon received it
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> RequestInfo:  # type: ignore[override]
+    def from_dict(cls, d: Mapping[str, Any]) -> RequestInfo:
         """From `status` (a daemon that predates a field leaves it None, or unknown)."""
         known = {f.name for f in fields(cls)}
         values: dict[str, Any] = dict.fromkeys(known)
