@@ -51,6 +51,7 @@ from .keep_alive import KeepAlive, trim_heap
 from .limits import FileLimit
 from .pool.elastic import ElasticPool
 from .pool.pressure import pressure_source
+from .prompt_check import CountRequest
 
 if TYPE_CHECKING:
     from ..shared.status import ContextLimit
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
     from .model.reasoning import ReasoningSplitter
     from .model.streaming_model import StreamingModel
     from .model.tool_calls import ToolCallSplitter
-    from .prompt_check import Checked, CountRequest, PromptChecker
+    from .prompt_check import Checked, PromptChecker
 
 EXIT_FRAME = b"exit"
 SNAPSHOT_SECONDS = 0.1
@@ -115,14 +116,6 @@ class PeerPaused:
 
     peer: bytes
     paused: bool
-
-
-@dataclass(frozen=True)
-class CountCmd:
-    """A count_tokens request that found no prompt checker (the model unloaded or loading)."""
-
-    peer: bytes
-    msg: proto.CountTokens
 
 
 @dataclass(frozen=True)
@@ -307,11 +300,10 @@ class EngineLoop:
         """A count_tokens request: straight to the prompt checker's thread, which answers
         it, never waiting on the engine; through the engine's queue only while there is no
         checker (the model unloaded or loading), which then loads the model for it."""
-        from .prompt_check import CountRequest
-
         checker = self._checker  # one read: the engine thread may replace it meanwhile
-        if checker is None or not checker.count(CountRequest(peer, msg)):
-            self._commands.put(CountCmd(peer, msg))
+        request = CountRequest(peer, msg)
+        if checker is None or not checker.count(request):
+            self._commands.put(request)
 
     def cancel(self, peer: bytes, msg: proto.Cancel) -> None:
         self._commands.put(CancelCmd(peer, msg, time.monotonic()))
@@ -346,7 +338,8 @@ class EngineLoop:
             self.error = f"{type(e).__name__}: {e}"
         finally:
             try:
-                self._shutdown_jobs()
+                for job in list(self._active) + list(self._pending):
+                    self._request_stop(job, "shutdown", time.monotonic())
                 self._reject_waiting()
                 self._publish(force=True)
             finally:
@@ -382,9 +375,6 @@ class EngineLoop:
         expert-parallel snapshot gathers every rank's, which takes a while)."""
         self._publish(force=True, state="ready")
         self.state = "ready"
-        self._log_ready(seconds)
-
-    def _log_ready(self, seconds: float) -> None:
         self.log.info(
             "model ready in %.2f s: %d MoE layers, %d %s per layer, policy %s",
             seconds,
@@ -531,7 +521,7 @@ class EngineLoop:
                 self._active.append(job)
                 self._last_stepped = job
             self._publish()
-            self._heat_tick()
+            self._heat.tick(self._sm)
             self._idle_check()
             self._answer_loads()
 
@@ -561,8 +551,9 @@ class EngineLoop:
                 self._on_submit(cmd)
             elif isinstance(cmd, CancelCmd):
                 self._on_cancel(cmd)
-            elif isinstance(cmd, CountCmd):
-                self._on_count(cmd)
+            elif isinstance(cmd, CountRequest):
+                if self._checker is None or not self._checker.count(cmd):
+                    self._counts.append(cmd)  # the next load serves it
             elif isinstance(cmd, LoadCmd):
                 # Its keep_alive counts from now, as a request's does; 0: the idle check
                 # of this turn releases the model, once nothing is in flight.
@@ -611,13 +602,6 @@ class EngineLoop:
         self._counters["requests"] += 1
         if self._checker is not None:  # else the next load checks it
             self._checker.submit(job)
-
-    def _on_count(self, cmd: CountCmd) -> None:
-        from .prompt_check import CountRequest
-
-        request = CountRequest(cmd.peer, cmd.msg)
-        if self._checker is None or not self._checker.count(request):
-            self._counts.append(request)  # the next load serves it
 
     def _on_cancel(self, cmd: CancelCmd) -> None:
         job = self._jobs.get((cmd.peer, cmd.msg.target))
@@ -985,10 +969,6 @@ class EngineLoop:
             )
         )
 
-    def _shutdown_jobs(self) -> None:
-        for job in list(self._active) + list(self._pending):
-            self._request_stop(job, "shutdown", time.monotonic())
-
     def _reject_waiting(self) -> None:
         """Answer the commands nobody will serve now (sent while loading or stopping)."""
         why = self.error or "the daemon is shutting down"
@@ -999,7 +979,7 @@ class EngineLoop:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(cmd, (Submit, CountCmd)):
+            if isinstance(cmd, (Submit, CountRequest)):
                 self._send(cmd.peer, proto.Error(cmd.msg.id, code, why))
             elif isinstance(cmd, CancelCmd):
                 self._send(cmd.peer, proto.Cancelled(cmd.msg.id, cmd.msg.target, False))
@@ -1269,9 +1249,6 @@ class EngineLoop:
         )
 
     # ---- heat ------------------------------------------------------------------------
-
-    def _heat_tick(self) -> None:
-        self._heat.tick(self._sm)
 
     def _close_model(self) -> None:
         try:

@@ -52,9 +52,6 @@ class HeatCounters:
     pinned: int = 0
     foreign_entries: int = 0
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"loaded_counts": self.loaded_counts, "pinned": self.pinned, "foreign_entries": self.foreign_entries}
-
 
 class Heat:
     """The heat of one process (the daemon, or one rank of its group)."""
@@ -80,8 +77,7 @@ class Heat:
 
     def pin(self, sm: Any) -> None:
         """Pin each layer's hottest experts (this rank's, in a group) from the saved heat."""
-        from ..shared.heat_file import HeatReadError
-        from .heat_publisher import load_usage
+        from ..shared.heat_file import HeatReadError, read_usage, usage_path
         from .pool.autopin import autopin
 
         heat_dir = self.folder(sm)
@@ -98,7 +94,7 @@ class Heat:
         try:
             # A rank's file holds global ids, which `local_counts` checks against its share.
             shape = {p.layer.ordinal: p.layer.num_experts for p in sm.pools} if self.share is None else None
-            usage = load_usage(heat_dir, shape, self.name)
+            usage = read_usage(usage_path(heat_dir, self.name), shape)
         except HeatReadError as e:
             self.log.error("heat: cannot read the saved heat (%s); starting without pinned experts", e)
             return
@@ -177,7 +173,7 @@ class Heat:
     def save_reuse(self, sm: Any, lock_timeout: float = 0.0) -> bool:
         """Add the stack distances taken since the last save to the reuse file; False
         where it could not (they are kept for the next save, and the log says why)."""
-        from ..shared.heat_file import HeatFileError, HeatLockTimeout, UsageLock, read_usage, write_usage
+        from ..shared.heat_file import HeatFileError, HeatLockTimeout, UsageLock, add_counts, read_usage, write_usage
         from ..shared.store_format import POOL_REUSE_NAME
 
         self._last_reuse_save = time.monotonic()
@@ -193,10 +189,8 @@ class Heat:
                 if saved.problem:
                     self.log.error("heat: %s", saved.problem)
                 table = {layer: dict(d) for layer, d in saved.counts.items()}
-                for layer, histogram in self._reuse.items():
-                    into = table.setdefault(layer, {})
-                    for distance in histogram.nonzero()[0].tolist():
-                        into[distance] = into.get(distance, 0) + int(histogram[distance])
+                taken = {layer: {d: int(h[d]) for d in h.nonzero()[0].tolist()} for layer, h in self._reuse.items()}
+                add_counts(table, taken)
                 write_usage(path, table)
             finally:
                 lock.release()

@@ -82,6 +82,7 @@ from ..shared.heat_file import (
     UsageCounts,
     UsageLoad,
     UsageLock,
+    add_counts,
     orphaned_pending_files,
     pending_path,
     read_usage,
@@ -232,7 +233,7 @@ class HeatKeeper:
         for load in [loaded, *(load for _, load in extra)]:
             if load.problem:
                 log.error("%s", load.problem)
-            _add_counts(self.counts, load.counts)
+            add_counts(self.counts, load.counts)
         self.stats.loaded_total += loaded.total + sum(load.total for _, load in extra)
         own = [self.target] if self._pending_lock.held else []  # where this keeper waited
         self._merged = [p for p, _ in extra] + own
@@ -366,13 +367,8 @@ class HeatKeeper:
         if type(seq) is not int or seq < 0:
             raise MalformedMessage("counts: 'seq' must be a non-negative integer")
         layers = parse_counts(message.get("layers"))  # all checks before any count is added
-        total = 0
-        for layer, values in layers.items():
-            target = self.counts.setdefault(layer, {})
-            for expert, c in enumerate(values):
-                if c:
-                    target[expert] = target.get(expert, 0) + c
-                    total += c
+        add_counts(self.counts, {layer: {e: c for e, c in enumerate(values) if c} for layer, values in layers.items()})
+        total = sum(sum(values) for values in layers.values())
         st = self.stats
         if st.last_seq is not None and seq != st.last_seq + 1:
             st.seq_gaps += 1
@@ -458,13 +454,6 @@ class HeatKeeper:
             self.ack.send(pack({"type": kind, "pid": os.getpid(), **fields}), zmq.NOBLOCK)
         except zmq.Again:
             self.stats.acks_dropped += 1
-
-
-def _add_counts(into: UsageCounts, counts: UsageCounts) -> None:
-    for layer, experts in counts.items():
-        target = into.setdefault(layer, {})
-        for expert, c in experts.items():
-            target[expert] = target.get(expert, 0) + c
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -37,7 +37,6 @@ import msgpack
 import numpy as np
 import zmq
 
-from ..shared.heat_file import UsageLoad, read_usage, usage_path
 from ..shared.store_format import POOL_USAGE_NAME
 from .heat_keeper import PROTOCOL_VERSION, pack
 
@@ -45,14 +44,6 @@ HEAT_SOCKET = "heat.sock"
 HEAT_ACK_SOCKET = "heat-ack.sock"
 # sun_path is 108 bytes on Linux and 104 on macOS, the terminating NUL included.
 MAX_IPC_PATH = 103
-
-
-def load_usage(store_dir: Path | str, shape: Mapping[int, int] | None = None, name: str = POOL_USAGE_NAME) -> UsageLoad:
-    """The heat saved beside a store (for autopin); `shape` is {layer: experts} of the
-    model; `name` the file's (a rank's own in a group: `usage_name`). A corrupt file, or
-    one naming layers or experts the model lacks, is set aside and `problem` says so; the
-    caller logs it."""
-    return read_usage(usage_path(store_dir, name), shape)
 
 
 def socket_names(usage_name: str) -> tuple[str, str]:
@@ -477,11 +468,6 @@ class HeatPublisher:
         self._ready = True
 
     # -- health ---------------------------------------------------------------------
-
-    @property
-    def dropped_counts(self) -> int:
-        """Routed counts that never reached the file (see the module docstring)."""
-        return self._dropped
 
     def health(self) -> dict[str, Any]:
         """The keeper's state for `moestreamctl stats` and the daemon's log."""

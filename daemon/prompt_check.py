@@ -109,10 +109,6 @@ class PromptChecker:
         self._thread = threading.Thread(target=self._run, name="prompt-check", daemon=True)
         self._thread.start()
 
-    def _log_warning(self, message: str) -> None:
-        if self._log is not None:
-            self._log.warning(message)
-
     def submit(self, job: Any) -> None:
         with self._cond:
             self._waiting.append(job)
@@ -164,7 +160,8 @@ class PromptChecker:
             try:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), CHECK_NICENESS)
             except OSError as e:
-                self._log_warning(f"cannot lower the prompt check's priority: {e}")
+                if self._log is not None:
+                    self._log.warning(f"cannot lower the prompt check's priority: {e}")
         sock = None
         if self._events is not None:
             ctx, endpoint = self._events

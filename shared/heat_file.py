@@ -120,6 +120,14 @@ def usage_name(rank: int | None = None, size: int | None = None) -> str:
     return f"{stem}.rank{rank}of{size}{dot}{ext}"
 
 
+def add_counts(into: UsageCounts, counts: Mapping[int, Mapping[int, int]]) -> None:
+    """Add `counts` into `into`, layer by layer and expert by expert."""
+    for layer, experts in counts.items():
+        target = into.setdefault(layer, {})
+        for expert, c in experts.items():
+            target[expert] = target.get(expert, 0) + c
+
+
 def usage_path(store_dir: Path | str, name: str = POOL_USAGE_NAME) -> Path:
     return Path(store_dir) / name
 
@@ -158,28 +166,18 @@ def group_usage(folder: Path | str) -> tuple[UsageCounts, list[Path]]:
     return total, paths
 
 
-class NotAHeatFile(ValueError):
-    """The path is a link, not a regular file, or too large to be a heat file."""
-
-
-def _heat_bytes(path: Path) -> bytes:
-    """The file's bytes, opened without following links and without blocking, checked
-    with fstat. FileNotFoundError where it is missing; `NotAHeatFile` for a symlink, a
-    FIFO, a device or a file over MAX_HEAT_BYTES (none of them read); OSError where the
-    OS refuses."""
-    try:
-        return read_small_file(path, MAX_HEAT_BYTES)
-    except NotARegularFile as e:
-        raise NotAHeatFile(str(e)) from None
+# The path is a link, not a regular file, or too large to be a heat file (`read_small_file`
+# opens it without following links and without blocking, and reads none of those).
+NotAHeatFile = NotARegularFile
 
 
 def peek_usage(path: Path | str) -> UsageCounts:
     """The heat file's counts, read only and never set aside (a corrupt file is the
     daemon's to deal with): for `plan`, `heatmap` and the dashboard. FileNotFoundError
     where it is missing; ValueError where it is not a heat file or does not parse; it is
-    opened as the daemon opens it (`_heat_bytes`), so a link planted in its place is not
-    followed."""
-    return parse_usage(_heat_bytes(Path(path)))
+    opened as the daemon opens it (`read_small_file`), so a link planted in its place is
+    not followed."""
+    return parse_usage(read_small_file(path, MAX_HEAT_BYTES))
 
 
 def read_usage(path: Path | str, shape: Mapping[int, int] | None = None) -> UsageLoad:
@@ -188,14 +186,14 @@ def read_usage(path: Path | str, shape: Mapping[int, int] | None = None) -> Usag
     `shape` ({layer: number of experts}, from the manifest) makes a file that names any
     other layer or expert corrupt too (one heat folder shared by two stores). Never
     trusted further than that: a symlink, a FIFO, a device or a file over
-    MAX_HEAT_BYTES is not read at all (`_heat_bytes`) and is set aside like a corrupt file.
+    MAX_HEAT_BYTES is not read at all (`NotAHeatFile`) and is set aside like a corrupt file.
 
     Raises `HeatReadError` only when the file exists but the OS refuses to read it: that
     is not a corrupt file, and moving it aside would hide a failing disk.
     """
     path = Path(path)
     try:
-        raw = _heat_bytes(path)
+        raw = read_small_file(path, MAX_HEAT_BYTES)
     except FileNotFoundError:
         return UsageLoad(path)
     except NotAHeatFile as e:

@@ -90,12 +90,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, ClassVar, Mapping, Union, get_args
 
 import msgpack
 
-from .status import RequestStats
+from .status import RequestStats, from_wire
 from .status import Stats as DaemonStats  # beside the `Stats` request below
 from .status import Status as DaemonStatus  # beside the `Status` request below
 
@@ -185,7 +185,6 @@ class ChatMessage:
     text the model wrote for each (`call_texts`, None where not known) and earlier
     `reasoning`, and a tool result's `tool_call_id` and `name`."""
 
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("tool_calls", "tool_call_id", "name", "reasoning", "call_texts", "images")
     role: str
     content: str
     tool_calls: tuple[dict[str, Any], ...] | None = None
@@ -271,25 +270,9 @@ class Constraint:
 @dataclass(frozen=True)
 class Generate:
     TYPE: ClassVar[str] = "generate"
-    # Fields sent only when they are not None (added after version 1 first shipped).
-    OPTIONAL: ClassVar[tuple[str, ...]] = (
-        "messages",
-        "tools",
-        "tool_choice",
-        "constraint",
-        "speculative",
-        "draft_tokens",
-        "draft_model",
-        "diagnostics",
-        "progress",
-        "keep_alive",
-        "thinking",
-        "top_k",
-        "sampling",
-        "client",
-        "cache_scope",
-        "client_key",
-    )
+    # Sent even when None, as version 1 first shipped them (`encode` leaves out the other
+    # fields whose default is None while they are None: those added since).
+    SENT_AS_NIL: ClassVar[tuple[str, ...]] = ("prompt", "prompt_ids", "seed")
     id: str
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None
@@ -340,7 +323,6 @@ class CountTokens:
     """The length in tokens of a prompt as `generate` would render it (no forward runs)."""
 
     TYPE: ClassVar[str] = "count_tokens"
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("prompt", "prompt_ids", "messages", "tools", "tool_choice", "thinking")
     id: str
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None
@@ -363,7 +345,6 @@ class Load:
     (-1: never; None: the daemon's setting); 0 releases it once nothing is in flight."""
 
     TYPE: ClassVar[str] = "load"
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("keep_alive",)
     id: str
     keep_alive: float | None = None
 
@@ -428,11 +409,6 @@ class TokenLogprob:
     logprob: float
     top: tuple[TopLogprob, ...] = ()
 
-    @classmethod
-    def from_wire(cls, m: Mapping[str, Any]) -> TokenLogprob:
-        top = tuple(TopLogprob(int(t["token"]), str(t["text"]), float(t["logprob"])) for t in m.get("top") or ())
-        return cls(int(m["token"]), str(m["text"]), float(m["logprob"]), top)
-
 
 @dataclass(frozen=True)
 class Token:
@@ -441,7 +417,6 @@ class Token:
     `logprobs` (a request that asked): the tokens made since the last event that carried them."""
 
     TYPE: ClassVar[str] = "token"
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("reasoning", "logprobs")
     id: str
     text: str
     token: int
@@ -457,7 +432,6 @@ class ToolCall:
     several calls, or the answer ended inside it)."""
 
     TYPE: ClassVar[str] = "tool_call"
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("text",)
     id: str
     index: int
     name: str
@@ -471,7 +445,6 @@ class Progress:
     `stage` "load", how far the load of an unloaded model has come."""
 
     TYPE: ClassVar[str] = "progress"
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("stage",)
     id: str
     done: int
     total: int
@@ -487,7 +460,6 @@ class Done:
     end token or a stop string ended it."""
 
     TYPE: ClassVar[str] = "done"
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("logprobs",)
     id: str
     text: str
     tokens: list[int]
@@ -602,12 +574,18 @@ def _plain(obj: Any) -> Any:
     raise TypeError(f"cannot send a {type(obj).__name__} in a message")
 
 
+def _left_out_when_none(cls: type) -> list[str]:
+    """The fields `encode` leaves out while they are None: those whose default is None
+    (added after version 1 first shipped), but for the class's SENT_AS_NIL."""
+    return [f.name for f in fields(cls) if f.default is None and f.name not in getattr(cls, "SENT_AS_NIL", ())]
+
+
 def encode(message: Request | Reply) -> bytes:
     """One message as msgpack bytes; `ProtocolError` for text UTF-8 cannot carry (a lone
     surrogate, as JSON's "\\ud800" decodes to)."""
     body = {"v": PROTOCOL_VERSION, "type": message.TYPE}
     body.update(asdict(message))
-    for name in getattr(message, "OPTIONAL", ()):
+    for name in _left_out_when_none(type(message)):
         if body[name] is None:
             del body[name]
     if body.get("messages"):
@@ -756,13 +734,13 @@ def _messages_field(messages: Any, rid: str) -> tuple[ChatMessage, ...]:
     )
     out = []
     chars = n_images = 0
-    keys = {"role", "content", *ChatMessage.OPTIONAL}
+    optional = _left_out_when_none(ChatMessage)
+    keys = {"role", "content", *optional}
     for i, m in enumerate(messages):
         _check(
             isinstance(m, dict) and {"role", "content"} <= set(m) <= keys,
             rid,
-            f"messages[{i}] must be a map with the keys 'role' and 'content', and optionally "
-            f"{list(ChatMessage.OPTIONAL)}",
+            f"messages[{i}] must be a map with the keys 'role' and 'content', and optionally {optional}",
         )
         role, content = m["role"], m["content"]
         _check(
@@ -1146,18 +1124,9 @@ def decode_reply(data: bytes) -> Reply:
     """Parse one daemon message (the daemon is trusted; only the shape is checked)."""
     body = _unpack(data)
     cls, rid = _header(body, REPLY_TYPES)
-    names = [f for f in cls.__dataclass_fields__ if f != "id"]
     try:
-        values = {k: body[k] for k in names if k in body}
-        if values.get("logprobs") is not None:
-            values["logprobs"] = tuple(TokenLogprob.from_wire(m) for m in values["logprobs"])
-        # Typed at the edge (shared/status.py): a client never sees these as plain maps.
-        if cls is Done and "stats" in values:
-            values["stats"] = RequestStats.from_dict(values["stats"])
-        elif cls is StatusReply:
-            values["status"] = DaemonStatus.from_dict(values["status"])
-        elif cls is StatsReply:
-            values["stats"] = DaemonStats.from_dict(values["stats"])
-        return cls(id=rid, **values)
+        # Typed at the edge (shared/status.py), nested dataclasses too: a client never sees
+        # a status, statistics or log-probabilities as plain maps.
+        return from_wire(cls, {**body, "id": rid})
     except (TypeError, KeyError, ValueError) as e:
         raise ProtocolError(BAD_MESSAGE, f"malformed {cls.TYPE} reply: {e}", rid) from None

@@ -285,10 +285,7 @@ class InstanceLock:
             return
         try:
             for path in (self.paths.pid_file, self.paths.socket, self.paths.paused_socket):
-                try:
-                    path.unlink()
-                except FileNotFoundError:
-                    continue
+                path.unlink(missing_ok=True)
         finally:
             # The lock file itself stays: unlinking it would let two daemons lock two
             # different files of the same name.

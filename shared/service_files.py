@@ -122,18 +122,14 @@ def gateway_argv(python: str, flags: Sequence[str] = ()) -> list[str]:
     return [python, "-m", CLI_MODULE, "serve-openai", *flags]
 
 
-def setting_variables() -> tuple[str, ...]:
-    """The `MOESTREAM_*` names that `Settings.resolve` reads."""
-    return tuple(d.env for d in SETTINGS)
-
-
 def service_environment(env: Mapping[str, str], *, python: str, exclude: Iterable[str] = ()) -> dict[str, str]:
     """The variables the service runs with: the `MOESTREAM_*` settings and
     `XDG_CONFIG_HOME` (where the config file is) as they are in `env`, except the
     names in `exclude` (settings given as flags instead), and a PATH that starts with
     the interpreter's folder, since launchd's default PATH is minimal."""
     skip = set(exclude)
-    out = {k: env[k] for k in (*setting_variables(), "XDG_CONFIG_HOME") if k in env and k not in skip}
+    names = (*(d.env for d in SETTINGS), "XDG_CONFIG_HOME")  # the MOESTREAM_* that `Settings.resolve` reads
+    out = {k: env[k] for k in names if k in env and k not in skip}
     parts = [str(Path(python).parent)]
     for part in (env.get("PATH") or FALLBACK_PATH).split(":"):
         if part and part not in parts:
@@ -149,10 +145,6 @@ def service_file_path(platform: str, home: Path, service: Service = DAEMON) -> P
     if platform == "linux":
         return home / ".config" / "systemd" / "user" / service.unit
     raise ServiceFileError(f"unknown platform {platform!r} (expected one of {', '.join(PLATFORMS)})")
-
-
-def launchd_log_dir(home: Path) -> Path:
-    return home / "Library" / "Logs" / "moestream"
 
 
 def load_template(name: str) -> str:
@@ -268,7 +260,7 @@ def render_service_file(
     """The service file for `platform` under `home`, ready to be written."""
     path = service_file_path(platform, home, service)
     if platform == "darwin":
-        logs = launchd_log_dir(home)
+        logs = home / "Library" / "Logs" / "moestream"
         content = render_plist(
             label=service.label,
             argv=argv,

@@ -135,16 +135,6 @@ def _capacity(text: str | float | int) -> float | int:
     return value
 
 
-def parse_capacity(text: str | float | int | None) -> float | int | None:
-    """'16' -> 16 slots per layer; '0.25' or '25%' -> a fraction of each layer's experts."""
-    if text is None:
-        return None
-    try:
-        return _capacity(text)
-    except SettingsError as e:
-        raise SettingsError(f"--capacity: {e}") from None
-
-
 # The online eviction policies' names (daemon/policies POLICIES, which a test holds to
 # this list): checked here, so a bad name fails in the command, before any daemon runs.
 POLICY_NAMES = ("lru", "lfu", "lfuda", "predictive", "induction", "recall")
@@ -291,43 +281,19 @@ class Definition:
         return out
 
 
-def setting(
-    default: Any,
-    *,
-    kind: str,
-    help: str,
-    scope: tuple[str, ...] = (),
-    low: float | None = None,
-    high: float | None = None,
-    choices: tuple[str, ...] = (),
-    noun: str | None = None,
-    shown_default: str | None = None,
-    shown_default_on: tuple[tuple[str, str], ...] = (),
-    bench: bool = False,
-) -> Any:
-    """A Settings field with its definition (see `Definition`) in its metadata."""
-    if kind not in KINDS:
-        raise ValueError(f"setting kind {kind!r}: use one of {', '.join(KINDS)}")
+def setting(default: Any, *, scope: tuple[str, ...] = (), **definition: Any) -> Any:
+    """A Settings field with its definition (`Definition`'s other fields: kind, help,
+    low, ...) in its metadata."""
+    d = Definition(default=default, scope=frozenset(scope), **definition)
+    if d.kind not in KINDS:
+        raise ValueError(f"setting kind {d.kind!r}: use one of {', '.join(KINDS)}")
     if set(scope) - set(SCOPES):
         raise ValueError(f"setting scope {scope!r}: use {', '.join(SCOPES)}")
-    if kind == "choice" and default not in choices:
-        raise ValueError(f"the default {default!r} is not one of {choices!r}")
-    definition = Definition(
-        kind=kind,
-        help=help,
-        default=default,
-        scope=frozenset(scope),
-        low=low,
-        high=high,
-        choices=choices,
-        noun=noun,
-        shown_default=shown_default,
-        shown_default_on=shown_default_on,
-        bench=bench,
-    )
-    if bench and scope:
+    if d.kind == "choice" and default not in d.choices:
+        raise ValueError(f"the default {default!r} is not one of {d.choices!r}")
+    if d.bench and scope:
         raise ValueError("a bench knob is no option of the commands")
-    return dataclasses.field(default=default, metadata={"setting": definition})
+    return dataclasses.field(default=default, metadata={"setting": d})
 
 
 def default_runtime_dir(env: Mapping[str, str], platform: str | None = None) -> Path:
@@ -915,12 +881,6 @@ def knob(name: str) -> Definition:
 def in_scope(*scopes: str) -> tuple[Definition, ...]:
     """The settings that the commands of any of `scopes` take as options, in field order."""
     return tuple(d for d in SETTINGS if d.scope & set(scopes))
-
-
-def default_of(name: str) -> Any:
-    """The default of setting or bench knob `name` (for the benches, whose settings start
-    from the daemon's)."""
-    return (_KNOB_BY_NAME.get(name) or definition(name)).default
 
 
 def _coerce(name: str, raw: Any, *, knobs: bool = False) -> Any:

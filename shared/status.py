@@ -12,6 +12,7 @@ module's `to_dict`, a map of numbers and words, typed here as `Report`."""
 
 from __future__ import annotations
 
+import functools
 import types
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
@@ -27,7 +28,7 @@ def from_wire(cls: type[T], value: Any) -> T:
     ValueError where a nested map or list is not one."""
     if not isinstance(value, Mapping):
         raise ValueError(f"{cls.__name__}: expected a map, got {type(value).__name__}")
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     given = {f.name: _convert(hints[f.name], value[f.name], f.name) for f in fields(cls) if f.name in value}
     missing = [
         f.name for f in fields(cls) if f.name not in given and f.default is MISSING and f.default_factory is MISSING
@@ -35,6 +36,11 @@ def from_wire(cls: type[T], value: Any) -> T:
     if missing:
         raise ValueError(f"{cls.__name__}: missing {missing}")
     return cls(**given)
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)  # costly: every reply and event a client reads comes through here
 
 
 def _convert(tp: Any, value: Any, name: str) -> Any:
@@ -45,25 +51,21 @@ def _convert(tp: Any, value: Any, name: str) -> Any:
         tp = next(a for a in typing.get_args(tp) if a is not type(None))
         origin = typing.get_origin(tp)
     if is_dataclass(tp) and isinstance(tp, type):
-        own = tp.__dict__.get("from_dict")  # one with its own normalizing (RequestInfo, ElasticStatus)
+        own = tp.__dict__.get("from_dict")  # one with its own normalizing (RequestInfo)
         return own.__get__(None, tp)(value) if own is not None else from_wire(tp, value)
-    if origin is list:
+    if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"{name}: expected a list, got {type(value).__name__}")
-        (item,) = typing.get_args(tp)
-        return [_convert(item, v, name) for v in value]
+        items = [_convert(typing.get_args(tp)[0], v, name) for v in value]  # list[X], tuple[X, ...]
+        return items if origin is list else tuple(items)
     return value
 
 
 class _Wire:
-    """`to_dict` / `from_dict` for the dataclasses below."""
+    """`to_dict` for the dataclasses below (`from_wire` makes them again)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)  # type: ignore[call-overload]
-
-    @classmethod
-    def from_dict(cls: type[T], d: Mapping[str, Any]) -> T:
-        return from_wire(cls, d)
 
 
 # ---- a request's statistics (`done`) -------------------------------------------------
@@ -185,7 +187,7 @@ class RequestInfo(_Wire):
     seconds: float  # since the daemon received it
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> RequestInfo:  # type: ignore[override]
+    def from_dict(cls, d: Mapping[str, Any]) -> RequestInfo:
         """From `status` (a daemon that predates a field leaves it None, or unknown)."""
         known = {f.name for f in fields(cls)}
         values: dict[str, Any] = dict.fromkeys(known)

@@ -84,10 +84,6 @@ class TensorSpec:
     offset: int  # within the expert block
     nbytes: int
 
-    @property
-    def projection(self) -> str:
-        return self.name.rsplit(".", 1)[0]
-
 
 @dataclass(frozen=True)
 class ExpertEntry:
@@ -117,12 +113,6 @@ class MoELayer:
         """Bytes of one expert's tensors, padding between tensors included."""
         last = self.tensors[-1]
         return last.offset + last.nbytes
-
-    def tensor(self, name: str) -> TensorSpec:
-        for t in self.tensors:
-            if t.name == name:
-                return t
-        raise StoreError(f"layer {self.module_path} has no expert tensor {name!r}")
 
 
 @dataclass(frozen=True)

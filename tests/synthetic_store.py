@@ -103,10 +103,10 @@ def make_synthetic_store(
     expert_bytes = specs[-1].offset + specs[-1].nbytes
     stride = align_up(expert_bytes, EXPERT_ALIGN)
     rng = np.random.default_rng(seed)
-    quantized = {t.projection for t in specs if t.name.endswith(".scales")}
+    projections = [t.name.rsplit(".", 1)[0] for t in specs]
+    quantized = {p for p, t in zip(projections, specs) if t.name.endswith(".scales")}
     quantization = {
-        t.projection: ({"group_size": 64, "bits": 4, "mode": "affine"} if t.projection in quantized else None)
-        for t in specs
+        p: ({"group_size": 64, "bits": 4, "mode": "affine"} if p in quantized else None) for p in projections
     }
     moe_layers = []
     for ordinal in range(layers):
@@ -163,10 +163,15 @@ def expert_block(store: str | os.PathLike, layer: int, expert: int) -> bytes:
     return data
 
 
+def tensor_spec(layer: MoELayer, name: str) -> TensorSpec:
+    """The spec of the per-expert tensor `name` (`gate_proj.scales`) of `layer`."""
+    return next(t for t in layer.tensors if t.name == name)
+
+
 def tensor_bytes(store: str | os.PathLike, layer: int, expert: int, tensor_name: str) -> bytes:
     """The original bytes of one tensor of one expert (`layer` is the MoE ordinal)."""
     folder, moe = _layer(store, layer)
-    spec = moe.tensor(tensor_name)
+    spec = tensor_spec(moe, tensor_name)
     entry = moe.experts[expert]
     with open(folder / moe.file, "rb") as f:
         f.seek(entry.offset + spec.offset)

@@ -24,6 +24,7 @@ from click.testing import CliRunner
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear, SwitchMLP
 from mlx_lm.utils import _get_classes, load_config
+from synthetic_store import tensor_spec
 from tiny_models import MOE_ARCHS, make_tiny_model
 
 from moestream.client.cli import main as cli
@@ -217,7 +218,7 @@ def test_flipped_byte_changes_the_checksum(converted):
     entry = layer.experts[5]
     data = bytearray((out / layer.file).read_bytes()[entry.offset : entry.offset + entry.length])
     assert zlib.crc32(data) == entry.crc32
-    data[layer.tensor("down_proj.scales").offset + 3] ^= 0x01
+    data[tensor_spec(layer, "down_proj.scales").offset + 3] ^= 0x01
     assert zlib.crc32(data) != entry.crc32
 
 

@@ -29,7 +29,7 @@ from moestream.client.dashboard.app import SAMPLE_SECONDS, History, tokens_made
 from moestream.client.dashboard.png import HIGH, INK, LOW, heat_canvas, ramp, write_heat_png
 from moestream.shared.heat_file import write_usage
 from moestream.shared.settings import Settings, demo_store_path
-from moestream.shared.status import RequestsStatus, Status
+from moestream.shared.status import RequestsStatus, Status, from_wire
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # The folder where the browser test leaves its screenshots (docs/dashboard_*.png are theirs).
@@ -58,11 +58,12 @@ def test_heat_map_rows_from_the_heat_file(tmp_path):
 
 
 def test_tokens_made_count_the_running_requests_tokens():
-    st = Status.from_dict(
+    st = from_wire(
+        Status,
         {
             "state": "ready",
             "requests": {"tokens": 961, "running": [{"id": "a", "tokens": 2341}], "waiting": [{"id": "b"}]},
-        }
+        },
     )
     assert tokens_made(st) == 961 + 2341
 
@@ -111,8 +112,9 @@ def test_history_is_sampled_on_its_own_timer_with_no_page_polling():
         reads.append(len(reads))
         if len(reads) == 3:
             third.set()
-        return Status.from_dict(
-            {"state": "ready", "pid": 7, "requests": {"tokens": 4 * len(reads), "running": [{"id": "r", "tokens": 1}]}}
+        return from_wire(
+            Status,
+            {"state": "ready", "pid": 7, "requests": {"tokens": 4 * len(reads), "running": [{"id": "r", "tokens": 1}]}},
         )
 
     history = History(read, period=0.01)

@@ -43,7 +43,7 @@ from moestream.daemon.pool.pressure import (
 )
 from moestream.daemon.store.convert import convert_model
 from moestream.shared.settings import Settings
-from moestream.shared.status import ElasticStatus, ResizeEvent, Status
+from moestream.shared.status import ElasticStatus, ResizeEvent, Status, from_wire
 
 TOKENS = 256
 # A prompt of three chunks at this step: the layer-major prefill yields between layers,
@@ -308,7 +308,7 @@ def test_the_rule_halves_under_warn_floors_under_critical_refuses_after_and_grow
         assert el.tick() is None and el.slots() == 4  # pressure seen less than a settle time ago
         clock.now += 1.0
         assert el.tick().slots_to == 12
-        st = ElasticStatus.from_dict(el.status().to_dict())  # as it crosses the socket
+        st = from_wire(ElasticStatus, el.status().to_dict())  # as it crosses the socket
         assert st == el.status() and [e.slots_to for e in st.events] == [8, 6, 4, 12]
         assert (st.slots, st.configured_slots, st.floor_slots, st.source) == (12, 12, 4, "manual")
         el.detach()

@@ -33,12 +33,13 @@ from daemon_cli import clean_env, ctl, wait_for
 from tiny_models import make_tiny_model
 
 from moestream.client.cli.group import launch_argv
+from moestream.daemon.bench.common import parse_capacity
 from moestream.daemon.bench.expert_parallel import greedy
 from moestream.daemon.model.expert_parallel import CONTROL_SECONDS, NOT_HERE, ExpertShare
 from moestream.daemon.model.streaming_model import load_stock_model, load_streaming_model
 from moestream.daemon.store.convert import convert_model
 from moestream.shared.heat_file import parse_usage, usage_name, write_usage
-from moestream.shared.settings import Settings, parse_capacity
+from moestream.shared.settings import Settings
 from moestream.shared.store_format import ABSENT, POOL_USAGE_NAME, StoreError, load_manifest
 
 RANKS = 2

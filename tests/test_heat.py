@@ -26,7 +26,7 @@ import zmq
 from tmpfs import fill, mounted_tmpfs
 
 from moestream.daemon.bench.soak.heat_kills import durable_marks
-from moestream.daemon.heat_publisher import HeatPublisher, load_usage
+from moestream.daemon.heat_publisher import HeatPublisher
 from moestream.shared.heat_file import (
     HeatWriteError,
     UsageCounts,
@@ -116,7 +116,7 @@ def test_write_read_roundtrip_and_hottest(dirs):
     counts = {3: {0: 5, 7: 9, 2: 9, 4: 0}, 0: {1: 1}}
     write_usage(path, counts)
     assert json.loads(path.read_text()) == {"0": {"1": 1}, "3": {"0": 5, "2": 9, "7": 9}}
-    loaded = load_usage(store)
+    loaded = read_usage(usage_path(store))
     assert loaded.problem is None and loaded.counts == nonzero(counts) and loaded.total == 24
     assert hottest(loaded.counts, 3, 2) == [2, 7]  # ties broken by expert id
     assert hottest(loaded.counts, 3, 10) == [2, 7, 0]  # never-routed experts are not pinned
@@ -175,7 +175,7 @@ def test_counts_sum_exactly_across_flushes_and_restart(dirs, publisher):
         assert pub.flush(5.0)
         assert file_counts(store) == nonzero(expected)
     assert pub.close(5.0)
-    assert pub.dropped_counts == 0
+    assert pub.health()["dropped_counts"] == 0
     assert list(runtime.iterdir()) == []  # socket files removed
 
     # A new keeper continues from the file; this one also writes every 5 batches.
@@ -237,7 +237,7 @@ def test_kill9_keeper_midrun_restarts_and_reports_drops(dirs, publisher):
     assert pub.health()["keeper"]["loaded_total"] > 0
     assert pub.close(5.0)
     assert file_counts(store) == nonzero(durable)
-    assert pub.dropped_counts == lost
+    assert pub.health()["dropped_counts"] == lost
 
 
 # Kills per run: six in the default run, 50 with `-m slow`.
@@ -280,7 +280,7 @@ def test_kill9_keeper_while_it_writes_many_times(dirs, publisher, kills):
     wait_ready(pub)
     assert pub.close(5.0)
     final = total_of(file_counts(store))
-    lost = pub.dropped_counts - refused
+    lost = pub.health()["dropped_counts"] - refused
     assert seed_total + accepted - lost <= final <= seed_total + accepted
     assert temp_files(path) == []
     LOG.info("kills that landed mid-write: %d of %d", mid_write, kills)
@@ -423,7 +423,7 @@ def test_full_disk_fails_loudly_keeps_old_file_and_counts(small_tmpfs, publisher
     finally:
         closed = pub.close(5.0)
         shutil.rmtree(runtime)
-    assert closed and pub.dropped_counts == 0
+    assert closed and pub.health()["dropped_counts"] == 0
     assert sorted(p.name for p in store.iterdir()) == ["pool_usage.json", "pool_usage.json.lock"]
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from synthetic_store import QWEN3_30B_A3B_4BIT_TENSORS, expert_block, make_synthetic_store, tensor_bytes
+from synthetic_store import QWEN3_30B_A3B_4BIT_TENSORS, expert_block, make_synthetic_store, tensor_bytes, tensor_spec
 
 from moestream._native import DIRECT_ALIGN, ReadEngine, crc32
 from moestream.shared.store_format import Manifest
@@ -284,8 +284,8 @@ def test_reads_into_numpy_with_offsets_and_subranges(store: tuple[Path, Manifest
     entry = layer.experts[4]
     block = expert_block(path, 0, 4)
     out = np.zeros(3 * entry.length, dtype=np.uint8)
-    words = np.zeros(layer.tensor("down_proj.weight").nbytes // 4, dtype=np.uint32)
-    spec = layer.tensor("down_proj.weight")
+    words = np.zeros(tensor_spec(layer, "down_proj.weight").nbytes // 4, dtype=np.uint32)
+    spec = tensor_spec(layer, "down_proj.weight")
     with ReadEngine(threads=2) as eng:
         fid = eng.open(str(path / layer.file))
         rid = eng.submit(
@@ -296,7 +296,7 @@ def test_reads_into_numpy_with_offsets_and_subranges(store: tuple[Path, Manifest
         )
         (c,) = eng.wait([rid])
         # An unaligned offset that is not a block start: a tensor in the middle.
-        t = layer.tensor("up_proj.scales")
+        t = tensor_spec(layer, "up_proj.scales")
         sub = bytearray(t.nbytes)
         (c2,) = eng.wait([eng.submit(fid, entry.offset + t.offset, t.nbytes, [(sub, 0, 0, t.nbytes)])])
     assert c.ok and c2.ok

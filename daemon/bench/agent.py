@@ -39,9 +39,9 @@ from typing import Any, Callable
 from urllib.parse import urlsplit
 
 from ...client.client import Client
-from ...shared.progress import timed_progress
 from ...shared.runtime_dir import RuntimePaths
 from ...shared.store_format import load_manifest
+from .common import timed_progress
 from .soak.driver import DaemonProcess, child_env
 
 # What the acceptance asks: the status line within this, no gap longer than this before

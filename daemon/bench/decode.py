@@ -40,8 +40,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..._native import ReadEngine
 from ...shared.heat_file import peek_usage, usage_path
-from ...shared.progress import timed_progress
-from ...shared.settings import Settings, default_of, format_size
+from ...shared.settings import Settings, format_size
 from ...shared.store_format import Manifest, load_manifest
 from ..mapped.row_gather import RowGather
 from ..model.diagnostics import LayerClock
@@ -64,6 +63,7 @@ from ..planning.pool_probe import PoolProbe, decode_counters
 from ..planning.probe_models import resident_dtype
 from ..pool.admission import Admitter, cuda_copier, make_admitter
 from ..pool.expert_reader import ExpertReader
+from .common import default_of, timed_progress
 
 # With fresh text, round r's decodes seed from seed + (r + 1) * this (warm-ups below 0).
 FRESH_SEED_STRIDE = 1000

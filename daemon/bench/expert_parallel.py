@@ -29,10 +29,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from ...shared.settings import Settings, parse_capacity
+from ...shared.settings import Settings
 from ..expert_worker import serve_share, share_row
 from ..model.expert_parallel import STAT_FIELDS, ExpertShare, join_group
 from ..model.streaming_model import StreamingModel, load_streaming_model
+from .common import parse_capacity
 
 
 def greedy(model: nn.Module, prompt: list[int], steps: int) -> tuple[list[int], list[str], float]:

@@ -31,14 +31,14 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from ...shared.progress import timed_progress
-from ...shared.settings import Settings, default_of, format_size
+from ...shared.settings import Settings, format_size
 from ...shared.store_format import load_manifest
 from ..model.diagnostics import Recorder
 from ..model.generation import SamplingParams, generate
 from ..model.streaming_model import StreamingModel, load_streaming_model
 from ..planning.bandwidth import measure_read_bandwidth
 from ..planning.pool_probe import decode_counters
+from .common import default_of, timed_progress
 from .decode import (
     BOUND_MIN_MOVE_SHARE,
     format_or_dash,

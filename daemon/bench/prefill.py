@@ -27,13 +27,14 @@ import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
-from ...shared.settings import Settings, default_of, format_size
+from ...shared.settings import Settings, format_size
 from ...shared.store_format import load_manifest
 from ..model.generation import plain_steps
 from ..model.prefill import PREFILL_STEP, PrefillStats
 from ..model.streaming_model import StreamingModel, load_stock_model, load_streaming_model
 from ..planning.bandwidth import measure_link_bandwidth, measure_read_bandwidth
 from ..planning.plan import Bandwidths, ComputeProbe
+from .common import default_of
 from .decode import bench_plans, page_cache_reason
 
 GREEDY = make_sampler(temp=0.0)

@@ -33,10 +33,10 @@ from typing import Any, Callable
 from ...client.cli.daemon import start_daemon, stop_daemon
 from ...client.client import Client
 from ...shared import protocol as proto
-from ...shared.progress import timed_progress
 from ...shared.runtime_dir import RuntimePaths
-from ...shared.settings import Settings, default_of
+from ...shared.settings import Settings
 from ...shared.store_format import load_manifest
+from .common import default_of, timed_progress
 
 
 @dataclass(frozen=True)

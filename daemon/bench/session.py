@@ -46,9 +46,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ...client.client import Client
-from ...shared.progress import timed_progress
 from ...shared.runtime_dir import RuntimePaths
 from .agent import COUNTERS, Gateway, post_json
+from .common import timed_progress
 from .soak.driver import DaemonProcess
 
 # In a checkout (or an editable install): the recorded session beside the tests.

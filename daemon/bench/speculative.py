@@ -22,9 +22,10 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from ...shared.settings import Settings, default_of
+from ...shared.settings import Settings
 from ..model.speculative import SpeculativeParams, SpeculativeStats, speculative_steps
 from ..model.streaming_model import StreamingModel, load_streaming_model
+from .common import default_of
 from .decode import format_or_dash
 
 DEFAULT_PROMPT = 'import os\nimport sys\n\n\ndef read_lines(path):\n    """Return the lines of the file at path."""\n'

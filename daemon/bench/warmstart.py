@@ -22,10 +22,10 @@ from typing import Any, Callable
 
 from ...client.cli.daemon import start_daemon, stop_daemon
 from ...client.client import Client
-from ...shared.progress import timed_progress
 from ...shared.runtime_dir import RuntimePaths
-from ...shared.settings import Settings, default_of
+from ...shared.settings import Settings
 from ...shared.store_format import POOL_USAGE_NAME
+from .common import default_of, timed_progress
 
 
 def _timed_request(paths: RuntimePaths, prompt: str, tokens: int) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import click
 
-from ....shared.settings import default_of
+from ....daemon.bench.common import default_of
 from ..values import StorePath
 from .options import knob_option, size_option
 

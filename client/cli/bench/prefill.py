@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from ....shared.settings import default_of
+from ....daemon.bench.common import default_of
 from ..values import StorePath, store_option
 from .options import size_option
 

@@ -60,8 +60,9 @@ def bench_soak(
 ) -> None:
     """Reliability figures: messages fuzzed, crashes, lost responses, RSS growth after
     warm-up, kills survived and invalid heat files. Exits 1 if any check fails."""
+    from ....daemon.bench.common import parse_capacity
     from ....daemon.bench.soak.run import SoakSetupError, format_report, run_bench_soak
-    from ....shared.settings import SettingsError, demo_store_path, parse_capacity
+    from ....shared.settings import SettingsError, demo_store_path
 
     store = store or str(demo_store_path())
     try:

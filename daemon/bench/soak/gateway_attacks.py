@@ -50,7 +50,7 @@ from typing import Any, Mapping
 import psutil
 
 from ....client.gateway.daemon_link import MAX_BODY_BYTES, MAX_CONCURRENT
-from ....shared.settings import default_of
+from ..common import default_of
 from .driver import DaemonProcess, Reference, child_env
 
 # The file limit most systems give a process (ulimit -n): the gateway's own limit during

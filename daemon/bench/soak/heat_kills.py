@@ -130,7 +130,7 @@ def keeper_kills(store: Path, runtime: Path, n: int, rng: random.Random) -> dict
         "kills_mid_write": mid_write,
         "counts_sent": accepted,
         "counts_lost": lost,
-        "counts_lost_reported": pub.dropped_counts - refused,
+        "counts_lost_reported": pub.health()["dropped_counts"] - refused,
         "final_write_ok": closed,
         "temp_files_left": len(temp_files(path)),
         "examples": examples[:10],
