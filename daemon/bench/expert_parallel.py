@@ -17,6 +17,7 @@ group runs it (rank 0 decodes, the others follow its MoE layers).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     for capacity in args.capacity or [None]:
         settings = Settings(capacity=parse_capacity(capacity), prefetch=args.prefetch)
         sm = load_streaming_model(store, settings, share=share)
-        since = share.stats.to_dict() if share is not None else None
+        since = dataclasses.asdict(share.stats) if share is not None else None
         try:
             tokens, digests, decode_s = greedy(sm.model, prompt, args.steps)
             run = report(sm, tokens, digests, decode_s, since)

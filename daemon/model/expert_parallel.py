@@ -47,20 +47,11 @@ class ShareStats:
 
     collectives: int = 0
     collective_bytes: int = 0
-    broadcasts: int = 0
-    broadcast_bytes: int = 0
     # Seconds inside the all_sums, measured only by a share made with `timed=True` (each
     # all_sum then runs alone between two syncs, which costs the overlap it would have).
     collective_seconds: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "collectives": self.collectives,
-            "collective_bytes": self.collective_bytes,
-            "collective_seconds": self.collective_seconds,
-            "broadcasts": self.broadcasts,
-            "broadcast_bytes": self.broadcast_bytes,
-        }
+    broadcasts: int = 0
+    broadcast_bytes: int = 0
 
 
 # How the ranks of a group take part in a forward. Replicated: every rank runs the whole
@@ -336,7 +327,7 @@ class ExpertShare:
             "mode": self.mode,
             "ownership": "e % size == rank",
             "broken": self.broken,
-            **self.stats.to_dict(),
+            **dataclasses.asdict(self.stats),
         }
 
 
