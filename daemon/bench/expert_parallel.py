@@ -36,6 +36,23 @@ from ..model.expert_parallel import STAT_FIELDS, ExpertShare, join_group
 from ..model.streaming_model import StreamingModel, load_streaming_model
 
 
+class TimedShare(ExpertShare):
+    """A share that measures the seconds inside each all_sum (`--time-collectives`:
+    `ShareStats.collective_seconds`): each then runs alone between two syncs, which costs
+    the overlap it would have."""
+
+    def combine(self, y: mx.array, mine: mx.array) -> mx.array:
+        part = self._after(mx.where(mine[..., None], y, mx.zeros_like(y)))
+        self.stats.collectives += 1
+        self.stats.collective_bytes += part.nbytes
+        mx.eval(part)
+        tic = time.perf_counter()
+        out = self._chain(mx.distributed.all_sum(part, group=self.group))
+        mx.eval(out)
+        self.stats.collective_seconds += time.perf_counter() - tic
+        return out
+
+
 def greedy(model: nn.Module, prompt: list[int], steps: int) -> tuple[list[int], list[str], float]:
     """The tokens, each step's logits digest, and the decode seconds (after the prefill)."""
     cache = make_prompt_cache(model)
@@ -128,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     prompt = [int(t) for t in args.prompt.split(",")]
-    share = join_group(args.backend, timed=args.time_collectives)
+    share = join_group(args.backend)
+    if share is not None and args.time_collectives:
+        share = TimedShare(share.group)
     rank = 0 if share is None else share.rank
     store = Path(args.store.format(rank=rank))
     results = []
