@@ -32,7 +32,6 @@ from moestream.daemon.model.prefill import (
     PrefillStats,
     UnsupportedModel,
     chunk_sizes,
-    drained,
     prefill_pieces,
 )
 from moestream.daemon.model.streaming_model import load_streaming_model
@@ -44,6 +43,15 @@ from moestream.shared.store_format import load_manifest
 STEPS = 3
 SMALL_STEP = 16
 GREEDY = make_sampler(temp=0.0)
+
+
+def drained(pieces):
+    """Run a generator of pieces to its end; its return value."""
+    while True:
+        try:
+            next(pieces)
+        except StopIteration as end:
+            return end.value
 
 
 def _stock(model, prompt: list[int], step: int):

@@ -17,6 +17,7 @@ group runs it (rank 0 decodes, the others follow its MoE layers).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
@@ -34,6 +35,23 @@ from ..expert_worker import serve_share, share_row
 from ..model.expert_parallel import STAT_FIELDS, ExpertShare, join_group
 from ..model.streaming_model import StreamingModel, load_streaming_model
 from .common import parse_capacity
+
+
+class TimedShare(ExpertShare):
+    """A share that measures the seconds inside each all_sum (`--time-collectives`:
+    `ShareStats.collective_seconds`): each then runs alone between two syncs, which costs
+    the overlap it would have."""
+
+    def combine(self, y: mx.array, mine: mx.array) -> mx.array:
+        part = self._after(mx.where(mine[..., None], y, mx.zeros_like(y)))
+        self.stats.collectives += 1
+        self.stats.collective_bytes += part.nbytes
+        mx.eval(part)
+        tic = time.perf_counter()
+        out = self._chain(mx.distributed.all_sum(part, group=self.group))
+        mx.eval(out)
+        self.stats.collective_seconds += time.perf_counter() - tic
+        return out
 
 
 def greedy(model: nn.Module, prompt: list[int], steps: int) -> tuple[list[int], list[str], float]:
@@ -128,14 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     prompt = [int(t) for t in args.prompt.split(",")]
-    share = join_group(args.backend, timed=args.time_collectives)
+    share = join_group(args.backend)
+    if share is not None and args.time_collectives:
+        share = TimedShare(share.group)
     rank = 0 if share is None else share.rank
     store = Path(args.store.format(rank=rank))
     results = []
     for capacity in args.capacity or [None]:
         settings = Settings(capacity=parse_capacity(capacity), prefetch=args.prefetch)
         sm = load_streaming_model(store, settings, share=share)
-        since = share.stats.to_dict() if share is not None else None
+        since = dataclasses.asdict(share.stats) if share is not None else None
         try:
             tokens, digests, decode_s = greedy(sm.model, prompt, args.steps)
             run = report(sm, tokens, digests, decode_s, since)

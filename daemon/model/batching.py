@@ -338,9 +338,7 @@ class BatchSession:
         n = int(prompt.size)
         stats = prefill_stats if prefill_stats is not None else PrefillStats()
         if cache_use is not None:
-            work = cache_use.prefilled(
-                self.sm, prompt_ids, self.prefill_step, True, progress, stats, fetched=(cache, m)
-            )
+            work = cache_use.prefilled(self.sm, prompt_ids, self.prefill_step, True, progress, stats, (cache, m))
         else:
             work = prefill_pieces(
                 self.sm, prompt[m:-1], self.prefill_step, on_progress=lambda done: progress(m + done, n), stats=stats

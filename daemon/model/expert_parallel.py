@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -47,20 +46,11 @@ class ShareStats:
 
     collectives: int = 0
     collective_bytes: int = 0
+    # Seconds inside the all_sums, measured only by the benchmark's timed share
+    # (daemon/bench/expert_parallel.py `--time-collectives`).
+    collective_seconds: float = 0.0
     broadcasts: int = 0
     broadcast_bytes: int = 0
-    # Seconds inside the all_sums, measured only by a share made with `timed=True` (each
-    # all_sum then runs alone between two syncs, which costs the overlap it would have).
-    collective_seconds: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "collectives": self.collectives,
-            "collective_bytes": self.collective_bytes,
-            "collective_seconds": self.collective_seconds,
-            "broadcasts": self.broadcasts,
-            "broadcast_bytes": self.broadcast_bytes,
-        }
 
 
 # How the ranks of a group take part in a forward. Replicated: every rank runs the whole
@@ -126,11 +116,8 @@ class ExpertShare:
         rank: int | None = None,
         size: int | None = None,
         mode: str = "replicated",
-        timed: bool = False,
     ):
-        """`group`: an `mx.distributed` group (`rank`/`size` default to its own); `timed`:
-        measure the time inside each all_sum (benchmarks: `ShareStats.collective_seconds`)."""
-        self.timed = timed
+        """`group`: an `mx.distributed` group (`rank`/`size` default to its own)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         self.group = group
@@ -208,15 +195,7 @@ class ExpertShare:
         part = mx.where(mine[..., None], y, mx.zeros_like(y))
         self.stats.collectives += 1
         self.stats.collective_bytes += part.nbytes
-        if not self.timed:
-            return self._chain(mx.distributed.all_sum(self._after(part), group=self.group))
-        part = self._after(part)
-        mx.eval(part)
-        tic = time.perf_counter()
-        out = self._chain(mx.distributed.all_sum(part, group=self.group))
-        mx.eval(out)
-        self.stats.collective_seconds += time.perf_counter() - tic
-        return out
+        return self._chain(mx.distributed.all_sum(self._after(part), group=self.group))
 
     # ---- leader and followers ----------------------------------------------------------
 
@@ -336,11 +315,11 @@ class ExpertShare:
             "mode": self.mode,
             "ownership": "e % size == rank",
             "broken": self.broken,
-            **self.stats.to_dict(),
+            **dataclasses.asdict(self.stats),
         }
 
 
-def join_group(backend: str = "any", mode: str = "replicated", timed: bool = False) -> ExpertShare | None:
+def join_group(backend: str = "any", mode: str = "replicated") -> ExpertShare | None:
     """This process's share in the group `mlx.launch` started it in, or None when it runs
     alone (a group of one: the ordinary single-process paths). In a daemon's group
     (`mode` "leader") rank 0 leads and the others follow."""
@@ -349,4 +328,4 @@ def join_group(backend: str = "any", mode: str = "replicated", timed: bool = Fal
         return None
     if mode == "leader" and group.rank() != 0:
         mode = "follower"
-    return ExpertShare(group, mode=mode, timed=timed)
+    return ExpertShare(group, mode=mode)

@@ -18,7 +18,8 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 
 from ...shared.protocol import SamplingControls, TokenLogprob, TopLogprob
 from ...shared.status import CacheUseStats, ConstraintStats, PhaseCounts, RequestStats
-from .prefill import PREFILL_STEP, PrefillStats, drained, prefill_pieces
+from .prefill import PREFILL_STEP, PrefillStats, prefill_pieces
+from .shared_prefill import SharedPrefill, prefill_key
 from .streaming_model import PLACEMENT_COUNTERS, POOL_COUNTERS, StreamingModel
 
 if TYPE_CHECKING:
@@ -106,37 +107,44 @@ class CacheUse:
         layer_major: bool,
         progress: Callable[[int, int], None],
         stats: PrefillStats,
-        fetched: tuple[list[Any] | None, int] | None = None,
+        fetched: tuple[list[Any], int] | None = None,
     ) -> Generator[None, None, list[Any]]:
-        """The request's cache holding the prompt but its last token, one prefill piece
-        per yield: the prefill of the same prompt in flight or suspended where there is
-        one, else its own from the best cached prefix (`shared_prefill.prefilled`), or
-        from `fetched` (a cache and its tokens, fetched already; None: none)."""
-        from .shared_prefill import prefilled
-
-        def joined(shared: Any, suspended: bool) -> None:
+        """The request's cache, holding its prompt but the last token, yielding after each
+        piece of the prefill it waits on (daemon/model/shared_prefill.py): one of the same
+        prompt in flight or suspended (`joined`, `resumed`), else its own, started from
+        `fetched` (a cache and the tokens it holds, fetched already) or else from the best
+        cached prefix (`start`), and registered for others to join. `progress(done, total)`
+        at the start and after each piece. A request closed while it waits leaves the
+        prefill to the others, or suspended in the prompt cache where none is left."""
+        n = len(prompt_ids)
+        key = prefill_key(prompt_ids, layer_major, step, self.scope)
+        shared, suspended = self.prompt_cache.prefill_of(key)
+        if shared is not None:
             self.reused, self.joined, self.resumed = shared.start, not suspended, suspended
             self.shared_stats = shared.stats
-
-        def fetch() -> tuple[list[Any], int]:
-            if fetched is None:
-                return self.start(sm, prompt_ids)
-            cache, m = fetched
-            return (cache if cache is not None else make_prompt_cache(sm.model)), m
-
-        self.kv = yield from prefilled(
-            sm,
-            self.prompt_cache,
-            prompt_ids,
-            self.scope,
-            step,
-            layer_major,
-            progress,
-            stats,
-            fetch,
-            joined,
-        )
-        return self.kv
+        else:
+            cache, start = fetched if fetched is not None else self.start(sm, prompt_ids)
+            shared = SharedPrefill(
+                sm, self.prompt_cache, key, prompt_ids, cache, start, step, layer_major, stats, self.scope
+            )
+            if start < n - 1:
+                self.prompt_cache.prefill_started(shared)
+        shared.join()
+        try:
+            reported = shared.done
+            progress(reported, n)
+            while not shared.finished:
+                shared.advance()
+                if shared.done != reported:  # the last piece's too
+                    reported = shared.done
+                    progress(reported, n)
+                if not shared.finished:
+                    yield
+            self.kv = shared.take()
+            return self.kv
+        finally:
+            if shared.leave():
+                self.prompt_cache.suspend_prefill(shared)
 
     def hold(self, cache: list[Any]) -> None:
         """`cache` is the request's, kept at its end (`keep`): a prompt with images, whose
@@ -167,16 +175,6 @@ def _add(bucket: dict[str, float], before: dict[str, float], after: dict[str, fl
         bucket[key] = bucket.get(key, 0) + value - before[key]
 
 
-def _ticked(steps: Iterator, readback: MappedPool | ResidentRouting) -> Iterator:
-    """Pass `steps` through, letting the routing read-back of the fully resident pools
-    (a mapped pool's placement, or a full pool's counts) account the forwards queued for
-    each token (`tick`) before the token is handed on, so that its work counts for the
-    step that caused it."""
-    for item in steps:
-        readback.tick()
-        yield item
-
-
 def _placement_stats(counts: dict[str, float], gpu_slots: int) -> dict[str, Any]:
     """A request's share of the placement's work, as `MappedPoolStats.to_dict` names it."""
     out: dict[str, Any] = {key: counts.get("placement_" + key, 0) for key in PLACEMENT_COUNTERS}
@@ -186,11 +184,18 @@ def _placement_stats(counts: dict[str, float], gpu_slots: int) -> dict[str, Any]
 
 
 def _attributed(
-    sm: StreamingModel, steps: Iterator, buckets: tuple[dict[str, float], dict[str, float]], rec: Any = None
+    sm: StreamingModel,
+    steps: Iterator,
+    buckets: tuple[dict[str, float], dict[str, float]],
+    rec: Any,
+    readback: MappedPool | ResidentRouting | None,
 ) -> Iterator:
     """Pass `steps` through, adding the pool counters that moved while each step ran to
     buckets[0] (the prompt and the first token) or buckets[1] (every later token), and
     pointing the diagnostics at this request's recorder `rec` (None: off) meanwhile.
+    The routing `readback` of the fully resident pools (a mapped pool's placement, or a
+    full pool's counts) accounts the forwards queued for each step (`tick`) before its
+    item is handed on, so that their work counts for the step that caused it.
 
     Requests interleaved on one thread only run between their own resume and yield, so
     this attributes the shared pools' work to the request that caused it. Decode steps
@@ -206,6 +211,8 @@ def _attributed(
                 item = next(steps)
             except StopIteration:
                 item = None
+            if item is not None and readback is not None:
+                readback.tick()
         if phase == 1 and item is not None and governor is not None and rec is None:
             governor.observe(time.perf_counter() - tic)
         _add(buckets[phase], before, sm.counters())
@@ -537,10 +544,7 @@ def plain_steps(
             stats=stats,
             layer_major=layer_major,
         )
-    if pieces:
-        cache = yield from _turns(work)
-    else:
-        cache = drained(work)
+    cache = yield from _turns(work, pieces)
     yield from generate_step(
         prompt[-1:],
         sm.model,
@@ -593,16 +597,18 @@ def image_steps(
         yield token, logprobs
 
 
-def _turns(work: Generator[None, None, Any]) -> Generator[tuple[None, None], None, Any]:
-    """`work`'s pieces as turns of a request's steps, (None, None) after each; its value.
-    Closed between two, it closes `work` there (a shared prefill is left to its others)."""
+def _turns(work: Generator[None, None, Any], pieces: bool) -> Generator[tuple[None, None], None, Any]:
+    """`work` run to its end, its value; with `pieces`, its pieces as turns of a request's
+    steps, (None, None) after each. Closed between two, it closes `work` there (a shared
+    prefill is left to its others)."""
     try:
         while True:
             try:
                 next(work)
             except StopIteration as end:
                 return end.value
-            yield None, None
+            if pieces:
+                yield None, None
     finally:
         work.close()
 
@@ -678,28 +684,67 @@ def iter_generate(
     # Speculation verifies drafts from logits the grammar has not masked, and a batch
     # step samples every member at once: a constrained request decodes alone, unbatched.
     speculative = params.speculative if grammar is None else None
-    alone = bool(speculative or grammar is not None or images is not None)
+    if speculative or grammar is not None or images is not None:
+        batch = None  # it decodes alone
     if speculative:
         use = None  # a speculative request keeps caches of its own
-    steps, spec_stats = _step_source(
-        sm,
-        prompt_ids,
-        params,
-        sampler,
-        processors,
-        on_prompt_progress,
-        prefill_stats,
-        use,
-        batch=None if alone else batch,
-        images=images,
-        speculative=speculative,
-        layer_major=rec is None,
-    )
-    source = steps
+    spec_stats = None
+    if images is not None:
+        steps = image_steps(
+            sm,
+            prompt_ids,
+            images,
+            sampler,
+            params.max_tokens,
+            on_prompt_progress,
+            cache_use=use,
+            processors=processors,
+        )
+    elif speculative:
+        from .speculative import SpeculativeParams, SpeculativeStats, speculative_steps
+
+        spec = SpeculativeParams(mode=speculative, draft_tokens=params.draft_tokens, draft_model=params.draft_model)
+        spec_stats = SpeculativeStats(mode=spec.mode, draft_tokens_requested=spec.draft_tokens)
+        steps = speculative_steps(
+            sm,
+            prompt_ids,
+            sampler=sampler,
+            max_tokens=params.max_tokens,
+            spec=spec,
+            stats=spec_stats,
+            on_prompt_progress=on_prompt_progress,
+            pieces=True,
+        )
+    elif batch is not None:
+        steps = batch.steps(
+            prompt_ids,
+            sampler,
+            params.max_tokens,
+            on_prompt_progress,
+            prefill_stats,
+            use,
+            True,
+            processors=processors,
+            logprobs=params.controls.logprobs is not None,
+        )
+    else:
+        # A request with diagnostics keeps stock's prefill order (`layer_major` False): they
+        # time and attribute each forward's own path (slots, overflow), and the next layer's
+        # prediction that the layer-major order has no use for.
+        steps = plain_steps(
+            sm,
+            prompt_ids,
+            sampler,
+            params.max_tokens,
+            on_prompt_progress,
+            prefill_stats,
+            layer_major=rec is None,
+            cache_use=use,
+            pieces=True,
+            processors=processors,
+        )
     readback = sm.routing_readback()
-    if readback is not None:
-        steps = _ticked(steps, readback)
-    for token, logprobs in _attributed(sm, steps, (prefill, decode), rec):
+    for token, logprobs in _attributed(sm, steps, (prefill, decode), rec, readback):
         if token is None:
             # The prompt between two pieces of its prefill: the turn goes back to the
             # engine loop, which reads its commands and steps the others meanwhile; a
@@ -736,12 +781,12 @@ def iter_generate(
         if rest:
             yield rest, result.tokens[-1] if result.tokens else -1
     decode_seconds = time.perf_counter() - tic
-    if use is not None and (batch is None or alone):
+    if use is not None and batch is None:
         use.keep(images.cache_key if images is not None else prompt_ids, fed)
     # A request that broke off (a stop, a cancel) leaves the batch now, not when this
     # generator is collected.
-    source.close()
-    if readback is not None and (batch is None or alone or not batch.decoding()):
+    steps.close()
+    if readback is not None and (batch is None or not batch.decoding()):
         # Account what is still pending (this request's last forwards, and those of
         # requests interleaved with it), so that its statistics and the heat include it.
         # Not while others decode in the batch: that waits for the forward in flight (and
@@ -761,88 +806,11 @@ def iter_generate(
         max(n - 1, 0),
         use,
         prefill_stats,
-        batch=None if alone else batch,
+        batch=batch,
         speculative=(spec_stats, speculative_off),
         constraint=_constraint_stats(grammar, constrained, params),
         diagnostics=rec,
     )
-
-
-def _step_source(
-    sm: StreamingModel,
-    prompt_ids: Sequence[int],
-    params: SamplingParams,
-    sampler: Callable[[mx.array], mx.array],
-    processors: Sequence[Any],
-    on_prompt_progress: Callable[[int, int], None] | None,
-    prefill_stats: PrefillStats,
-    use: CacheUse | None,
-    *,
-    batch: BatchSession | None,
-    images: PreparedImages | None,
-    speculative: str | None,
-    layer_major: bool,
-) -> tuple[Iterator, SpeculativeStats | None]:
-    """The request's steps (`(token, logprobs)`, None between prefill pieces), and the
-    speculative statistics they fill (None unless speculative): through the vision side,
-    speculation, the `batch`, or alone."""
-    if images is not None:
-        steps = image_steps(
-            sm,
-            prompt_ids,
-            images,
-            sampler,
-            params.max_tokens,
-            on_prompt_progress,
-            cache_use=use,
-            processors=processors,
-        )
-        return steps, None
-    if speculative:
-        from .speculative import SpeculativeParams, SpeculativeStats, speculative_steps
-
-        spec = SpeculativeParams(mode=speculative, draft_tokens=params.draft_tokens, draft_model=params.draft_model)
-        spec_stats = SpeculativeStats(mode=spec.mode, draft_tokens_requested=spec.draft_tokens)
-        steps = speculative_steps(
-            sm,
-            prompt_ids,
-            sampler=sampler,
-            max_tokens=params.max_tokens,
-            spec=spec,
-            stats=spec_stats,
-            on_prompt_progress=on_prompt_progress,
-            pieces=True,
-        )
-        return steps, spec_stats
-    if batch is not None:
-        steps = batch.steps(
-            prompt_ids,
-            sampler,
-            params.max_tokens,
-            on_prompt_progress,
-            prefill_stats,
-            use,
-            True,
-            processors=processors,
-            logprobs=params.controls.logprobs is not None,
-        )
-        return steps, None
-    # A request with diagnostics keeps stock's prefill order (`layer_major` False): they
-    # time and attribute each forward's own path (slots, overflow), and the next layer's
-    # prediction that the layer-major order has no use for.
-    steps = plain_steps(
-        sm,
-        prompt_ids,
-        sampler,
-        params.max_tokens,
-        on_prompt_progress,
-        prefill_stats,
-        layer_major=layer_major,
-        cache_use=use,
-        pieces=True,
-        processors=processors,
-    )
-    return steps, None
 
 
 def _constraint_stats(

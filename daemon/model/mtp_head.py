@@ -20,21 +20,18 @@ the tokens at t+2. The Qwen3-Next MTP layer's experts stay resident: one layer's
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache
 
 from ...shared.store_format import StoreError, vanished_store_problem
 from ..store.quantize import quantize_like_weights
-from .demo_mtp import MTP_FILE, load_mtp
+from .demo_mtp import MTP_FILE, MTP_PREFIX, load_mtp
 
 QWEN3_NEXT = "qwen3_next"
-MTP_PREFIX = "mtp."
 MTP_MODEL_TYPES = (QWEN3_NEXT,)
 # Norms that mlx-lm's qwen3_next sanitize shifts by +1 when it reads a HF checkpoint.
 _SHIFTED_NORMS = (
@@ -74,17 +71,9 @@ class Qwen3NextMTP(nn.Module):
         return self.norm(self.layers[0](z, mask=mask, cache=cache))
 
 
-@dataclass
-class LoadedMTP:
-    """An MTP head ready to draft: `head` as described above, `make_cache` for its layer."""
-
-    head: nn.Module
-    kind: str
-    make_cache: Callable[[], Any]
-
-
-def load_mtp_head(store: str | Path, config: dict[str, Any]) -> LoadedMTP:
-    """The MTP head of the store at `store` (whose manifest config is `config`)."""
+def load_mtp_head(store: str | Path, config: dict[str, Any]) -> nn.Module:
+    """The MTP head of the store at `store` (whose manifest config is `config`), as
+    described above; its layer's cache is a KVCache."""
     path = Path(store) / MTP_FILE
     if not path.is_file():
         gone = vanished_store_problem(store, None)  # the model folder itself went away
@@ -98,11 +87,7 @@ def load_mtp_head(store: str | Path, config: dict[str, Any]) -> LoadedMTP:
     meta = json.loads(metadata.get("moestream_mtp", "null") or "null")
     if not isinstance(meta, dict):
         raise StoreError(f"{path} is not a moestream MTP head: its metadata has no 'moestream_mtp' entry")
-    loaded = (
-        LoadedMTP(_load_qwen3_next(path, config), QWEN3_NEXT, KVCache)
-        if meta.get("kind") == QWEN3_NEXT
-        else LoadedMTP(load_mtp(path)[0], "demo", KVCache)
-    )
+    loaded = _load_qwen3_next(path, config) if meta.get("kind") == QWEN3_NEXT else load_mtp(path)[0]
     mx.eval(mx.random.state)  # its initial draws (streaming_model.py `_build_model`)
     return loaded
 

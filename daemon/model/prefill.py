@@ -396,12 +396,7 @@ class LayerMajorPrefill:
             return False
         if len(sizes) == 1 and prompt_tokens >= LAYER_PROGRESS_TOKENS:
             return True
-        for moe in self.moes:
-            if moe is None:
-                continue
-            if moe.stacks_for(sizes):
-                return True
-        return False
+        return any(moe is not None and moe.stacks_for(sizes) for moe in self.moes)
 
     def pieces(
         self,
@@ -540,15 +535,6 @@ def release_staged(sm: StreamingModel) -> None:
             moe.drop_ahead()
 
 
-def drained(pieces: Generator[None, None, Any]) -> Any:
-    """Run a generator of pieces to its end; its return value."""
-    while True:
-        try:
-            next(pieces)
-        except StopIteration as end:
-            return end.value
-
-
 def prefill_pieces(
     sm: StreamingModel,
     prompt: mx.array,
@@ -585,18 +571,16 @@ def prefill_pieces(
         try:
             with mx.stream(generation_stream):
                 next(layers)
-        except UnsupportedModel:
-            pass  # refused before anything ran: stock's chunks below
-        except StopIteration:
-            return _ended(cache, views, pad, stats)
-        else:
             while True:
                 yield
-                try:
-                    with mx.stream(generation_stream):
-                        next(layers)
-                except StopIteration:
-                    return _ended(cache, views, pad, stats)
+                with mx.stream(generation_stream):
+                    next(layers)
+        except UnsupportedModel:
+            # Refused before anything ran (once a layer has run, `pieces` raises a
+            # RuntimeError instead): stock's chunks below.
+            pass
+        except StopIteration:
+            return _ended(cache, views, pad, stats)
     for start in range(0, n, step):
         if start:
             yield

@@ -155,12 +155,9 @@ class _Entry:
 
     tokens: tuple[int, ...]
     trimmable: bool
-    path: Path | None = None
-    disk_bytes: int = 0
-    scope: str = ""
-
-    def stored(self, path: Path | None, size: int = 0) -> None:
-        self.path, self.disk_bytes = path, size
+    path: Path
+    disk_bytes: int
+    scope: str
 
 
 def scope_tag(scope: str) -> str:
@@ -178,65 +175,55 @@ class Reuse:
     from_disk: bool = False
 
 
-class _Node:
-    __slots__ = ("children", "entry")
-
-    def __init__(self) -> None:
-        self.children: dict[int, _Node] = {}
-        self.entry: _Entry | None = None
-
-    def put(self, entry: _Entry | None) -> _Entry | None:
-        prev, self.entry = self.entry, entry
-        return prev
-
-
 class _Trie:
-    """Entries by token sequence; a node holds at most one entry."""
+    """Entries by token sequence, in nested dicts by token; a node holds at most one entry,
+    under the key None."""
 
     def __init__(self) -> None:
-        self.root = _Node()
+        self.root: dict[int | None, Any] = {}
 
     def add(self, entry: _Entry) -> _Entry | None:
         node = self.root
         for t in entry.tokens:
-            node = node.children.setdefault(t, _Node())
-        return node.put(entry)
+            node = node.setdefault(t, {})
+        prev, node[None] = node.get(None), entry
+        return prev
 
     def remove(self, tokens: tuple[int, ...]) -> None:
         path = [self.root]
         for t in tokens:
-            nxt = path[-1].children.get(t)
+            nxt = path[-1].get(t)
             if nxt is None:
                 return
             path.append(nxt)
-        path[-1].put(None)
+        path[-1].pop(None, None)
         for i in range(len(tokens), 0, -1):
-            if path[i].children or path[i].entry is not None:
+            if path[i]:
                 break
-            del path[i - 1].children[tokens[i - 1]]
+            del path[i - 1][tokens[i - 1]]
 
-    def walk(self, tokens: Sequence[int]) -> tuple[list[_Entry], int, _Node]:
+    def walk(self, tokens: Sequence[int]) -> tuple[list[_Entry], int, dict[int | None, Any]]:
         """The entries on the prompt's path (prefixes of it, shortest first), how far
         the prompt follows the trie, and the node where it stops."""
         node, found, depth = self.root, [], 0
         for t in tokens:
-            nxt = node.children.get(t)
+            nxt = node.get(t)
             if nxt is None:
                 break
             node, depth = nxt, depth + 1
-            if node.entry is not None:
-                found.append(node.entry)
+            if None in node:
+                found.append(node[None])
         return found, depth, node
 
     @staticmethod
-    def nearest_trimmable(node: _Node) -> _Entry | None:
+    def nearest_trimmable(node: dict[int | None, Any]) -> _Entry | None:
         """The shortest trimmable entry at or below `node` (the least to copy)."""
         level = [node]
         while level:
             for n in level:
-                if n.entry is not None and n.entry.trimmable:
-                    return n.entry
-            level = [c for n in level for c in n.children.values()]
+                if None in n and n[None].trimmable:
+                    return n[None]
+            level = [c for n in level for t, c in n.items() if t is not None]
         return None
 
 
@@ -497,7 +484,7 @@ class PromptCache:
         self._writer.start()
         # The files indexed now, other stores' too (the bound is the folder's), oldest
         # first, so that the writer bounds the folder.
-        mine = [e for s in self._scopes.values() for e in s.disk.values() if e.path is not None]
+        mine = [e for s in self._scopes.values() for e in s.disk.values()]
         known = [(e.path, e.disk_bytes) for e in mine] + others
         self._writer.known(sorted(known, key=lambda p: mtime(p[0])))
 
@@ -530,7 +517,7 @@ class PromptCache:
             if path.name != self._file_name(tag, tokens):
                 self._skip(path, "its tokens are not those its name says", remove=True)
                 continue
-            entry = _Entry(tokens, meta.get("trimmable") == "1", path=path, disk_bytes=path.stat().st_size, scope=tag)
+            entry = _Entry(tokens, meta.get("trimmable") == "1", path, path.stat().st_size, tag)
             own = self._scope(tag)
             own.disk[tokens] = entry
             if own.trie.add(entry) is not None:
@@ -594,7 +581,6 @@ class PromptCache:
         own = self._scope(entry.scope)
         own.disk.pop(entry.tokens, None)
         own.trie.remove(entry.tokens)
-        entry.stored(None)
         self._count()
 
     def _prefix(self) -> str:

@@ -14,6 +14,7 @@ blocks only, not the whole file (a 587 MiB file read whole to reuse one token he
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -28,7 +29,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -39,37 +40,23 @@ from mlx_lm.models.cache import KVCache
 from ...shared.durable import fsync_dir, sync_file
 from ...shared.small_file import read_small_file
 
-# safetensors' dtype names; bfloat16 goes out as its 16-bit pattern.
-_DTYPES = {
-    mx.float32: "F32",
-    mx.float16: "F16",
-    mx.bfloat16: "BF16",
-    mx.int32: "I32",
-    mx.uint32: "U32",
-    mx.int64: "I64",
-    mx.uint64: "U64",
-    mx.int16: "I16",
-    mx.uint16: "U16",
-    mx.int8: "I8",
-    mx.uint8: "U8",
-    mx.bool_: "BOOL",
+# safetensors' dtype names, and the numpy dtype each is read as; bfloat16 goes out as its
+# 16-bit pattern.
+_CODES = {
+    mx.float32: ("F32", np.float32),
+    mx.float16: ("F16", np.float16),
+    mx.bfloat16: ("BF16", np.uint16),
+    mx.int32: ("I32", np.int32),
+    mx.uint32: ("U32", np.uint32),
+    mx.int64: ("I64", np.int64),
+    mx.uint64: ("U64", np.uint64),
+    mx.int16: ("I16", np.int16),
+    mx.uint16: ("U16", np.uint16),
+    mx.int8: ("I8", np.int8),
+    mx.uint8: ("U8", np.uint8),
+    mx.bool_: ("BOOL", np.bool_),
 }
-
-
-_NUMPY = {
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": np.uint16,
-    "I32": np.int32,
-    "U32": np.uint32,
-    "I64": np.int64,
-    "U64": np.uint64,
-    "I16": np.int16,
-    "U16": np.uint16,
-    "I8": np.int8,
-    "U8": np.uint8,
-    "BOOL": np.bool_,
-}
+_NUMPY = dict(_CODES.values())
 # The metadata key of a file's MAC (save_prompt_cache's metadata sits under "0.").
 MAC_KEY = "0.mac"
 # The metadata key of the block digests: {tensor: [tokens per block or 0, [digest, ...]]}.
@@ -155,20 +142,11 @@ def load_cache_file(
     the digests of what was read hold: whole, or with `upto` and a file of attention
     caches only, its first `upto` tokens (the blocks that hold them). Returns the cache,
     its metadata and the bytes read; raises ValueError for a file not ours as written."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError("not a regular file")
+    with _opened(path) as (f, st):
+        fd = f.fileno()
         if st.st_size > limit:
             raise ValueError(f"{st.st_size} bytes, more than the folder's bound")
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError("shorter than a safetensors header")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(limit, 64 * 2**20):
-            raise ValueError(f"a header of {n} bytes")
-        header = json.loads(f.read(n))
+        header, n = _header(f, limit)
         flat = header.pop("__metadata__", {})
         tensors = {name: (info["dtype"], info["shape"], info["data_offsets"]) for name, info in header.items()}
         if not hmac.compare_digest(str(flat.get(MAC_KEY, "")), file_mac(key, flat, tensors)):
@@ -267,9 +245,9 @@ def host_tensors(
             raise ValueError(f"cache state of type {type(data).__name__} cannot be saved")
     mx.eval(list(arrays.values()))
     for key, a in arrays.items():
-        code = _DTYPES.get(a.dtype)
-        if code is None:
+        if a.dtype not in _CODES:
             raise ValueError(f"cache array of dtype {a.dtype} cannot be saved")
+        code = _CODES[a.dtype][0]
         host = np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a, copy=True)
         tensors[key] = (code, list(a.shape), host.tobytes())
     meta = dict(tree_flatten([metadata, [type(c).__name__ for c in cache], scalars]))
@@ -284,22 +262,34 @@ def _compact(c: Any) -> Any:
     return c
 
 
+@contextlib.contextmanager
+def _opened(path: Path) -> Iterator[tuple[Any, os.stat_result]]:
+    """`path` open for reading, a regular file only, opened without following a link or
+    blocking (a FIFO put here would hang the engine for good); and its stat."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        yield f, st
+
+
+def _header(f: Any, limit: int) -> tuple[dict[str, Any], int]:
+    """The JSON header of the safetensors file `f` (read from its start), and its bytes."""
+    head = f.read(8)
+    if len(head) != 8:
+        raise ValueError("shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", head)
+    if n > min(limit, 64 * 2**20):
+        raise ValueError(f"a header of {n} bytes")
+    return json.loads(f.read(n)), n
+
+
 def read_metadata(path: Path) -> dict[str, str]:
     """The `__metadata__` of a safetensors file (what `save_prompt_cache` calls metadata:
     the entries under "0."), read from its header alone."""
-    # Regular files only, opened without following a link or blocking (a FIFO put here
-    # would hang the engine for good).
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError("not a regular file")
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError("shorter than a safetensors header")
-        (n,) = struct.unpack("<Q", head)
-        if n > 64 * 2**20:
-            raise ValueError(f"a header of {n} bytes")
-        header = json.loads(f.read(n))
+    with _opened(path) as (f, _):
+        header, _ = _header(f, 64 * 2**20)
     meta = header.get("__metadata__", {})
     if not isinstance(meta, dict):
         raise ValueError("no metadata")

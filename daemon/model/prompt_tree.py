@@ -45,9 +45,11 @@ def _bytes(tree: Any) -> int:
     return sum(v.nbytes for _, v in tree_flatten(tree) if isinstance(v, mx.array))
 
 
-def _rows(c: KVCache, start: int, stop: int) -> Rows:
+def _rows(rows: Rows | None, start: int, stop: int | None) -> Rows | None:
     # A copy, not a view: a view would keep the request's whole buffer alive.
-    return mx.contiguous(c.keys[..., start:stop, :]), mx.contiguous(c.values[..., start:stop, :])
+    if rows is None:
+        return None
+    return mx.contiguous(rows[0][..., start:stop, :]), mx.contiguous(rows[1][..., start:stop, :])
 
 
 @dataclass(eq=False)
@@ -179,26 +181,19 @@ class PromptTree:
         no kept sequence holds yet are copied; a snapshot of the other layers at its end.
         Returns the end node and the bytes added."""
         added = 0
-        node, m = self.root, 0
-        node.used = used
-        while m < len(tokens):
-            child = node.children.get(tokens[m])
-            if child is None:
-                rows = [_rows(c, m, len(tokens)) if r else None for c, r in zip(cache, self.chunked)]
-                mx.eval([r for r in rows if r is not None])
-                child = Node(tokens[m:], m, rows, node)
-                node.children[tokens[m]] = child
-                added += child.nbytes
-                m = len(tokens)
-            else:
-                k = 0
-                while k < len(child.tokens) and m + k < len(tokens) and child.tokens[k] == tokens[m + k]:
-                    k += 1
-                if k < len(child.tokens):
-                    child = self._split(child, k)
-                m += k
-            node = child
-            node.used = used
+        path, m = self._walk(tokens)
+        node = path[-1]
+        if node.stop > m:  # the sequence leaves the segment, or ends inside it: cut it there
+            node = path[-1] = self._split(node, m - node.start)
+        if m < len(tokens):
+            rows = [_rows((c.keys, c.values), m, len(tokens)) if r else None for c, r in zip(cache, self.chunked)]
+            mx.eval([r for r in rows if r is not None])
+            node = Node(tokens[m:], m, rows, node)
+            node.parent.children[tokens[m]] = node
+            added += node.nbytes
+            path.append(node)
+        for n in path:
+            n.used = used
         if not node.end:
             node.end = True
             self.entries += 1
@@ -221,16 +216,8 @@ class PromptTree:
 
     def _split(self, node: Node, k: int) -> Node:
         """Cut `node`'s segment after its first k tokens; the new upper node is returned."""
-        upper_rows: list[Rows | None] = []
-        lower_rows: list[Rows | None] = []
-        for r in node.rows:
-            if r is None:
-                upper_rows.append(None)
-                lower_rows.append(None)
-                continue
-            keys, values = r
-            upper_rows.append((mx.contiguous(keys[..., :k, :]), mx.contiguous(values[..., :k, :])))
-            lower_rows.append((mx.contiguous(keys[..., k:, :]), mx.contiguous(values[..., k:, :])))
+        upper_rows = [_rows(r, 0, k) for r in node.rows]
+        lower_rows = [_rows(r, k, None) for r in node.rows]
         mx.eval([r for r in upper_rows + lower_rows if r is not None])
         parent = node.parent
         assert parent is not None

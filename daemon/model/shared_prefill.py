@@ -35,8 +35,7 @@ from a checkpoint prefills the chunks after it, as they were.
 from __future__ import annotations
 
 import copy
-import time
-from typing import TYPE_CHECKING, Any, Callable, Generator, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Generator, Hashable, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache
@@ -104,7 +103,6 @@ class SharedPrefill:
         # Requests waiting on it, and those of them that have not taken their cache yet.
         self.waiting = 0
         self.result: list[Any] | None = None
-        self.parked_at: float | None = None
         # What ended it, where a piece raised.
         self.error: Exception | None = None
         self._segment = segment_tokens(step)
@@ -190,7 +188,6 @@ class SharedPrefill:
         """No request waits on it any more: it stops between two pieces. What a mapped
         pool's layer-major prefill staged for its next layer goes (taken up again, that
         layer stages its own)."""
-        self.parked_at = time.monotonic()
         release_staged(self.sm)
 
     def close(self) -> None:
@@ -198,49 +195,3 @@ class SharedPrefill:
         if self._pieces is not None:
             self._pieces.close()
             self._pieces = None
-
-
-def prefilled(
-    sm: StreamingModel,
-    prompt_cache: PromptCache,
-    prompt_ids: Sequence[int],
-    scope: str,
-    step: int,
-    layer_major: bool,
-    progress: Callable[[int, int], None],
-    stats: PrefillStats,
-    fetch: Callable[[], tuple[list[Any], int]],
-    on_join: Callable[[SharedPrefill, bool], None],
-) -> Generator[None, None, list[Any]]:
-    """The request's cache, holding its prompt but the last token, yielding after each
-    piece of the prefill it waits on: one of the same prompt in flight or suspended
-    (`on_join(prefill, suspended)` says which), else its own, started from `fetch()`
-    (the prompt cache's best prefix: a cache and the tokens it holds) and registered for
-    others to join. `progress(done, total)` at the start and after each piece. A request
-    closed while it waits leaves the prefill to the others, or suspended in the prompt
-    cache where none is left."""
-    n = len(prompt_ids)
-    key = prefill_key(prompt_ids, layer_major, step, scope)
-    shared, suspended = prompt_cache.prefill_of(key)
-    if shared is not None:
-        on_join(shared, suspended)
-    else:
-        cache, start = fetch()
-        shared = SharedPrefill(sm, prompt_cache, key, prompt_ids, cache, start, step, layer_major, stats, scope)
-        if start < n - 1:
-            prompt_cache.prefill_started(shared)
-    shared.join()
-    try:
-        reported = shared.done
-        progress(reported, n)
-        while not shared.finished:
-            shared.advance()
-            if shared.done != reported:  # the last piece's too
-                reported = shared.done
-                progress(reported, n)
-            if not shared.finished:
-                yield
-        return shared.take()
-    finally:
-        if shared.leave():
-            prompt_cache.suspend_prefill(shared)

@@ -54,7 +54,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from .decider import ABBA
 from .kv_buckets import bucketed, default_key_bucket
@@ -189,12 +189,6 @@ def _forward(
     return hidden, output_head(model, hidden)
 
 
-def _needs_hidden_model(model: nn.Module, why: str) -> None:
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "embed_tokens") or not hasattr(model, "args"):
-        raise ValueError(f"{why}: the model ({type(model).__module__}) has no model.embed_tokens / args")
-
-
 class _MainCache:
     """The main model's cache, with the rewind that a rejected draft needs."""
 
@@ -231,11 +225,13 @@ class MTPDrafter:
 
     need_hidden = True
 
-    def __init__(self, model: nn.Module, loaded: Any, key_bucket: int = 0) -> None:
-        _needs_hidden_model(model, "--speculative mtp")
+    def __init__(self, model: nn.Module, head: nn.Module, key_bucket: int = 0) -> None:
+        if not hasattr(getattr(model, "model", None), "embed_tokens") or not hasattr(model, "args"):
+            why = f"the model ({type(model).__module__}) has no model.embed_tokens / args"
+            raise ValueError(f"--speculative mtp: {why}")
         self.model = model
-        self.head = loaded.head
-        self.cache = bucketed([loaded.make_cache()], key_bucket)[0]
+        self.head = head
+        self.cache = bucketed([KVCache()], key_bucket)[0]
         self.chained = 0  # cache entries of chained drafts, trimmed at the next observe
         self.last: mx.array | None = None
 
@@ -334,7 +330,9 @@ def make_drafter(sm: StreamingModel, spec: SpeculativeParams, key_bucket: int = 
     def load(key: str) -> nn.Module:
         model = load_draft_model(key)
         main_vocab = sm.manifest.config.get("text_config", sm.manifest.config).get("vocab_size")
-        draft_vocab = _vocab_size(model)
+        args = getattr(model, "args", None)
+        text = getattr(args, "text_config", None)
+        draft_vocab = getattr(args, "vocab_size", None) or getattr(text, "vocab_size", None)
         if main_vocab is not None and draft_vocab is not None and draft_vocab != main_vocab:
             raise ValueError(
                 f"draft model {spec.draft_model} has a vocabulary of {draft_vocab}, the model {main_vocab}"
@@ -342,11 +340,6 @@ def make_drafter(sm: StreamingModel, spec: SpeculativeParams, key_bucket: int = 
         return model
 
     return ModelDrafter(sm.draft_model(str(Path(spec.draft_model).resolve()), load), key_bucket)
-
-
-def _vocab_size(model: nn.Module) -> int | None:
-    args = getattr(model, "args", None)
-    return getattr(args, "vocab_size", None) or getattr(getattr(args, "text_config", None), "vocab_size", None)
 
 
 def effective_draft_tokens(sm: StreamingModel, k: int) -> tuple[int, str | None]:
@@ -614,13 +607,14 @@ def speculative_steps(
                 stats.switches += 1
                 kind_before = kind
             start_tokens, start_s = emitted, clock.busy
-            marks: list[float] = []
+            # (tokens emitted, busy seconds) after each round of a speculative block, after
+            # each token of a plain one.
+            marks: list[tuple[int, float]] = []
             if measuring and not spec.alternate:
                 # Blocks of at least three rounds' tokens, so that a speculative block
                 # has two rounds timed in steady state, and a plain block as many tokens.
                 budget = min(max(budget, 3 * (k + 1)), max_tokens - emitted)
             if kind == "spec":
-                rounds: list[tuple[float, int]] = []  # (busy seconds, tokens emitted) after each round
                 if pending is not None:
                     drafter.observe(*pending)
                     pending = None
@@ -644,14 +638,7 @@ def speculative_steps(
                         clock.resume()
                         if emitted == max_tokens:
                             break
-                    rounds.append((stats.latest[1], emitted))
-                # Steady state, as for a plain block: from the end of the block's first
-                # round on (that round also carries the drafter's catch-up on the plain
-                # block before it, which steady speculation never pays).
-                if len(rounds) >= 2:
-                    seconds, measured = rounds[-1][0] - rounds[0][0], rounds[-1][1] - rounds[0][1]
-                else:
-                    seconds, measured = clock.busy - start_s, emitted - start_tokens
+                    marks.append(stats.latest)
             else:
                 # Hidden states are kept only while speculation may resume.
                 keep = not stats.fell_back
@@ -662,18 +649,21 @@ def speculative_steps(
                     outs.append(t)
                     stats.plain_tokens += 1
                     stats.latest = (emitted, clock.pause())
-                    marks.append(stats.latest[1])
+                    marks.append(stats.latest)
                     yield t, None
                     clock.resume()
                     y = mx.array([t], mx.uint32)
                 if keep:
                     pending = (mx.concatenate(hiddens, axis=1) if hiddens else None, mx.array(outs, mx.uint32))
-                # Steady state, as plain decode runs: from the block's first token on (the
-                # first step of a block cannot overlap with a step before it).
-                if len(marks) >= 2:
-                    seconds, measured = marks[-1] - marks[0], len(marks) - 1
-                else:
-                    seconds, measured = clock.busy - start_s, emitted - start_tokens
+            # Steady state: a plain block from its first token on, as plain decode runs (the
+            # first step of a block cannot overlap with a step before it); a speculative
+            # block from the end of its first round on (that round also carries the
+            # drafter's catch-up on the plain block before it, which steady speculation
+            # never pays).
+            if len(marks) >= 2:
+                seconds, measured = marks[-1][1] - marks[0][1], marks[-1][0] - marks[0][0]
+            else:
+                seconds, measured = clock.busy - start_s, emitted - start_tokens
             if measuring:
                 probe.record(kind, measured, seconds, stats)
                 if not probe.probing:
