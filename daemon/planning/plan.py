@@ -169,14 +169,9 @@ def load_bandwidths(folder: Path) -> Bandwidths | None:
     try:
         data = json.loads((folder / BANDWIDTH_FILE).read_text())
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(data["at"])))
-        return Bandwidths(
-            float(data["read_bytes_per_s"]),
-            float(data["link_bytes_per_s"]),
-            str(data["link_kind"]),
-            f"last probed {when}",
-            # JSON's keys are strings; a file from before the batched probe has none.
-            {int(b): float(r) for b, r in data.get("read_by_batch", {}).items()},
-        )
+        # JSON's keys are strings; a file from before the batched probe has none.
+        batches = {int(b): float(r) for b, r in data.get("read_by_batch", {}).items()}
+        return from_json(Bandwidths, {**data, "source": f"last probed {when}", "read_by_batch": batches})
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
