@@ -446,11 +446,6 @@ class Diagnostics:
         self.version = 0
         self._cached: tuple[int, dict[str, Any]] | None = None
 
-    @property
-    def rec(self) -> Recorder | None:
-        r = self.recorder
-        return r if isinstance(r, Recorder) else None
-
     @contextmanager
     def recording(self, rec: Recorder | None) -> Iterator[None]:
         """Record into `rec` (None: nothing) inside the block, and into what was recorded
