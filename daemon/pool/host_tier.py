@@ -237,10 +237,8 @@ class TieredAdmitter:
                 jobs.append(ReadJob(layer, e, [(self.tier.buffer, slot * self.tier.stride, 0, entry.length)]))
             slots[e] = slot
         failed = self.reader.read(jobs)
-        self.s.bytes_from_disk += sum(layer.experts[j.expert].length for j in jobs) - sum(
-            layer.experts[j.expert].length for j, _ in failed
-        )
         bad = {job.expert for job, _ in failed}
+        self.s.bytes_from_disk += sum(layer.experts[j.expert].length for j in jobs if j.expert not in bad)
         for e in bad:
             self.tier.forget((layer.ordinal, e))
         spans = [
@@ -307,14 +305,10 @@ class TieredAdmitter:
         todo.reverse()
         for i in range(0, len(todo), batch):
             jobs = []
-            for key in todo[i : i + batch]:
-                slot, _ = self.tier.assign(key, set())
-                layer = layer_of[key[0]]
-                jobs.append(
-                    ReadJob(
-                        layer, key[1], [(self.tier.buffer, slot * self.tier.stride, 0, layer.experts[key[1]].length)]
-                    )
-                )
+            for ordinal, e in todo[i : i + batch]:
+                slot, _ = self.tier.assign((ordinal, e), set())
+                length = layer_of[ordinal].experts[e].length
+                jobs.append(ReadJob(layer_of[ordinal], e, [(self.tier.buffer, slot * self.tier.stride, 0, length)]))
             failed = {(job.layer.ordinal, job.expert) for job, _ in self.reader.read(jobs)}
             for key in failed:
                 self.tier.forget(key)
