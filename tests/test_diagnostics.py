@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from test_daemon import clean_env, ctl, paths_of, wait_for
 
-from moestream.daemon.model.diagnostics import BUCKETS, SEGMENTS
+from moestream.daemon.model.diagnostics import BUCKETS, NULL_RECORDER, SEGMENTS
 from moestream.daemon.model.generation import SamplingParams, generate
 from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.shared.settings import Settings, demo_store_path
@@ -100,7 +100,7 @@ def test_every_diagnostic_is_present_and_consistent(diagnosed):
     assert layers["0"]["recall"]["decode"]["routed"] == 0
     assert layers["1"]["recall"]["decode"]["routed"] > 0
     # The request's recorder went into the totals, and the switch is off again.
-    assert hub.rec is None
+    assert hub.recorder is NULL_RECORDER
     assert hub.totals()["attribution"] == d["attribution"]
     # Promoted: finished reads, and those still in flight that the layer waited for.
     decode = d["attribution"]["decode"]
@@ -118,7 +118,7 @@ def test_off_changes_neither_output_nor_syncs(diagnosed):
     assert plain.stats.host_syncs_per_token == prefetched.stats.host_syncs_per_token == 5 + 1
     assert plain_pool.host_syncs % 5 == 0
     assert plain.stats.diagnostics is None and prefetched.stats.diagnostics is None
-    assert hub.totals() is None and hub_pf.totals() is None and hub.rec is None
+    assert hub.totals() is None and hub_pf.totals() is None and hub.recorder is NULL_RECORDER
 
 
 def test_daemon_reports_diagnostics_per_request_and_in_stats():
@@ -198,15 +198,15 @@ def test_off_the_hot_path_records_into_a_recorder_that_does_nothing():
     from moestream.daemon.model.diagnostics import Diagnostics, NullRecorder, Recorder
 
     hub = Diagnostics()
-    assert hub.rec is None and isinstance(hub.recorder, NullRecorder) and not hub.recorder.active
+    assert hub.recorder is NULL_RECORDER and isinstance(hub.recorder, NullRecorder) and not hub.recorder.active
     assert hub.recorder.segment(0, "read") is hub.recorder.host(1, "predict")
     rec = Recorder()
     with hub.recording(rec):
-        assert hub.rec is rec and hub.recorder is rec and rec.active
+        assert hub.recorder is rec and rec.active
         with hub.recording(None):  # a request without diagnostics, inside
-            assert hub.rec is None and isinstance(hub.recorder, NullRecorder)
-        assert hub.rec is rec
-    assert hub.rec is None and isinstance(hub.recorder, NullRecorder)
+            assert hub.recorder is NULL_RECORDER
+        assert hub.recorder is rec
+    assert hub.recorder is NULL_RECORDER
 
 
 def test_a_fully_resident_pool_records_the_same_figures_and_tokens():

@@ -32,7 +32,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import mlx.core as mx
 import psutil
@@ -43,7 +43,6 @@ from ...shared.heat_file import peek_usage, usage_path
 from ...shared.settings import Settings, format_size
 from ...shared.store_format import Manifest, load_manifest
 from ..mapped.row_gather import RowGather
-from ..model.diagnostics import LayerClock
 from ..model.generation import SamplingParams, generate
 from ..model.streaming_model import choose_mapped, load_stock_model, load_streaming_model
 from ..planning.bandwidth import measure_layer_reads, measure_link_bandwidth, measure_read_bandwidth, settle_writes
@@ -67,6 +66,46 @@ from .common import default_of, timed_progress
 
 # With fresh text, round r's decodes seed from seed + (r + 1) * this (warm-ups below 0).
 FRESH_SEED_STRIDE = 1000
+
+
+class LayerClock:
+    """Host time of each MoE layer's forward, as `bench decode` reports it: the forward's
+    time less the time in MLX's evaluations it starts (its sync, which waits for what
+    was queued before; the launch of its experts, which on the CPU encodes each op on
+    the host, as stock's launch of the whole token does): the Python a layer costs and
+    the graph it builds. Both on the wall clock and as the thread's CPU time, which a
+    machine shared with other work does not stretch. Off (the hub's `clock` None) the
+    layers read one attribute and time nothing."""
+
+    __slots__ = ("samples", "cpu_samples", "_wall", "_cpu", "_waited", "_waited_cpu")
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self.cpu_samples: list[float] = []
+        self._wall = self._cpu = self._waited = self._waited_cpu = 0.0
+
+    def start(self) -> None:
+        """A layer's forward begins."""
+        self._wall, self._cpu = time.perf_counter(), time.thread_time()
+        self._waited = self._waited_cpu = 0.0
+
+    def stop(self) -> None:
+        """It ends: one sample of each clock."""
+        self.samples.append(time.perf_counter() - self._wall - self._waited)
+        self.cpu_samples.append(time.thread_time() - self._cpu - self._waited_cpu)
+
+    def evaluate(self, run: Any, arrays: Sequence[mx.array]) -> None:
+        """`run(*arrays)` (mx.eval or mx.async_eval), its time left out of the forward's."""
+        wall, cpu = time.perf_counter(), time.thread_time()
+        run(*arrays)
+        self._waited += time.perf_counter() - wall
+        self._waited_cpu += time.thread_time() - cpu
+
+    def take(self) -> tuple[list[float], list[float]]:
+        """The wall and CPU samples since the last take, in seconds."""
+        out = self.samples, self.cpu_samples
+        self.samples, self.cpu_samples = [], []
+        return out
 
 
 def constrained_schema(decode_tokens: int) -> dict[str, Any]:

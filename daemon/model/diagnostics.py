@@ -43,8 +43,8 @@ import mlx.core as mx
 import numpy as np
 
 if TYPE_CHECKING:
+    from ..pool.expert_pool import ExpertPool
     from ..prefetch.predictor import Prediction
-    from ..prefetch.prefetcher import Prefetcher
 
 SEGMENTS = ("outside", "route", "lookup", "read", "admit", "matmul", "combine")
 HOST_TIMES = ("predict", "submit", "promote_take", "promote_route", "promote_place")
@@ -285,22 +285,21 @@ class Recorder:
 
     def attribute(
         self,
-        ordinal: int,
+        pool: ExpertPool,
         decode: bool,
         needed: np.ndarray,
         missing: Sequence[int],
-        prestaged_used: int,
         prediction: Prediction | None,
-        prefetcher: Prefetcher | None,
-        top_k: int,
         *,
         promotable: bool,
     ) -> None:
-        """Attribute each expert a forward needed to a bucket (BUCKETS), and record the
-        prediction's recall and compute window. `needed`: the forward's unique experts;
-        `missing`: those of them not resident; `prestaged_used`: resident only thanks to
-        prestage; `prefetcher`: whose buffer may hold the missing ones (`promotable`:
-        the forward promotes from it; an overflow forward reads every miss itself)."""
+        """Attribute each expert a forward of `pool` needed to a bucket (BUCKETS), and
+        record the prediction's recall and compute window. `needed`: the forward's unique
+        experts; `missing`: those of them not resident (its `last_prestaged_used`:
+        resident only thanks to prestage); its prefetcher's buffer may hold the missing
+        ones (`promotable`: the forward promotes from it; an overflow forward reads every
+        miss itself)."""
+        ordinal, prestaged_used, prefetcher = pool.layer.ordinal, pool.last_prestaged_used, pool.prefetcher
         count = self.layer(ordinal).attribution[_phase(decode)]
         count["resident_hit"] += len(needed) - len(missing) - prestaged_used
         count["prefetched"] += prestaged_used
@@ -319,7 +318,7 @@ class Recorder:
         if prefetcher is not None:
             prefetcher.forget_dropped(ordinal)
         if prediction is not None:
-            self.recall(ordinal, decode, top_k, needed, prediction.ranked)
+            self.recall(ordinal, decode, pool.top_k, needed, prediction.ranked)
             if prediction.submitted:
                 self.window(ordinal, time.perf_counter() - prediction.submitted_at)
 
@@ -353,41 +352,22 @@ class Recorder:
 
     def to_dict(self) -> dict[str, Any]:
         """Totals over layers, then each layer's figures."""
-        layers = {str(o): d.to_dict() for o, d in sorted(self.layers.items())}
-        total_attr = {p: dict.fromkeys(BUCKETS, 0) for p in ("prefill", "decode")}
-        total_recall = {p: {m: [0, 0] for m in RECALL_AT} for p in ("prefill", "decode")}
-        segments = {s: _Timer() for s in SEGMENTS}
-        host = {s: _Timer() for s in HOST_TIMES}
-        window, read_wait = _Timer(), _Timer()
+        total = LayerDiagnostics()
         for d in self.layers.values():
-            for p, b in d.attribution.items():
-                for k, n in b.items():
-                    total_attr[p][k] += n
-            for p, by_k in d.recall.items():
-                for m, (hit, tot) in by_k.items():
-                    total_recall[p][m][0] += hit
-                    total_recall[p][m][1] += tot
-            for s, t in d.segments.items():
-                segments[s].merge(t)
-            for s, t in d.host.items():
-                host[s].merge(t)
-            window.merge(d.window_total)
-            read_wait.merge(d.read_wait)
+            total.merge(d)
+        recall = total.recall
         both = {
-            m: [
-                total_recall["prefill"][m][0] + total_recall["decode"][m][0],
-                total_recall["prefill"][m][1] + total_recall["decode"][m][1],
-            ]
+            m: [recall["prefill"][m][0] + recall["decode"][m][0], recall["prefill"][m][1] + recall["decode"][m][1]]
             for m in RECALL_AT
         }
         return {
-            "attribution": total_attr,
-            "recall": {"all": _recall(both), **{p: _recall(by_k) for p, by_k in total_recall.items()}},
-            "segments": {k: v.to_dict() for k, v in segments.items()},
-            "host": {k: v.to_dict() for k, v in host.items()},
-            "window": window.to_dict(),
-            "read_wait": read_wait.to_dict(),
-            "layers": layers,
+            "attribution": total.attribution,
+            "recall": {"all": _recall(both), **{p: _recall(by_k) for p, by_k in recall.items()}},
+            "segments": {k: v.to_dict() for k, v in total.segments.items()},
+            "host": {k: v.to_dict() for k, v in total.host.items()},
+            "window": total.window_total.to_dict(),
+            "read_wait": total.read_wait.to_dict(),
+            "layers": {str(o): d.to_dict() for o, d in sorted(self.layers.items())},
         }
 
 
@@ -426,14 +406,11 @@ class NullRecorder:
 
     def attribute(
         self,
-        ordinal: int,
+        pool: ExpertPool,
         decode: bool,
         needed: np.ndarray,
         missing: Sequence[int],
-        prestaged_used: int,
         prediction: Prediction | None,
-        prefetcher: Prefetcher | None,
-        top_k: int,
         *,
         promotable: bool,
     ) -> None:
@@ -450,46 +427,6 @@ NULL_RECORDER = NullRecorder()
 AnyRecorder = Recorder | NullRecorder
 
 
-class LayerClock:
-    """Host time of each MoE layer's forward, as `bench decode` reports it: the forward's
-    time less the time in MLX's evaluations it starts (its sync, which waits for what
-    was queued before; the launch of its experts, which on the CPU encodes each op on
-    the host, as stock's launch of the whole token does): the Python a layer costs and
-    the graph it builds. Both on the wall clock and as the thread's CPU time, which a
-    machine shared with other work does not stretch. Off (the hub's `clock` None) the
-    layers read one attribute and time nothing."""
-
-    __slots__ = ("samples", "cpu_samples", "_wall", "_cpu", "_waited", "_waited_cpu")
-
-    def __init__(self) -> None:
-        self.samples: list[float] = []
-        self.cpu_samples: list[float] = []
-        self._wall = self._cpu = self._waited = self._waited_cpu = 0.0
-
-    def start(self) -> None:
-        """A layer's forward begins."""
-        self._wall, self._cpu = time.perf_counter(), time.thread_time()
-        self._waited = self._waited_cpu = 0.0
-
-    def stop(self) -> None:
-        """It ends: one sample of each clock."""
-        self.samples.append(time.perf_counter() - self._wall - self._waited)
-        self.cpu_samples.append(time.thread_time() - self._cpu - self._waited_cpu)
-
-    def evaluate(self, run: Any, arrays: Sequence[mx.array]) -> None:
-        """`run(*arrays)` (mx.eval or mx.async_eval), its time left out of the forward's."""
-        wall, cpu = time.perf_counter(), time.thread_time()
-        run(*arrays)
-        self._waited += time.perf_counter() - wall
-        self._waited_cpu += time.thread_time() - cpu
-
-    def take(self) -> tuple[list[float], list[float]]:
-        """The wall and CPU samples since the last take, in seconds."""
-        out = self.samples, self.cpu_samples
-        self.samples, self.cpu_samples = [], []
-        return out
-
-
 class Diagnostics:
     """The switch the streaming layers read, and the totals over finished recorders.
 
@@ -502,16 +439,12 @@ class Diagnostics:
     def __init__(self, default: bool = False) -> None:
         self.default = default
         self.recorder: AnyRecorder = NULL_RECORDER
-        # `bench decode`'s per-layer host clock (LayerClock), None otherwise.
-        self.clock: LayerClock | None = None
+        # `bench decode`'s per-layer host clock (daemon/bench/decode.py `LayerClock`: the
+        # streaming layers call its `start`, `stop` and `evaluate`), None otherwise.
+        self.clock: Any = None
         self.total = Recorder()
         self.version = 0
         self._cached: tuple[int, dict[str, Any]] | None = None
-
-    @property
-    def rec(self) -> Recorder | None:
-        r = self.recorder
-        return r if isinstance(r, Recorder) else None
 
     @contextmanager
     def recording(self, rec: Recorder | None) -> Iterator[None]:
@@ -526,7 +459,7 @@ class Diagnostics:
             self.recorder = before
 
     @contextmanager
-    def clocked(self, clock: LayerClock) -> Iterator[None]:
+    def clocked(self, clock: Any) -> Iterator[None]:
         """Time every MoE layer's forward into `clock` inside the block (`bench decode`)."""
         before, self.clock = self.clock, clock
         try:

@@ -25,7 +25,6 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes, load_tokenizer
 
-from ..._native import CudaCopier
 from ...shared.settings import Settings, format_size
 from ...shared.status import LayerStatus, PoolTotals
 from ...shared.store_format import Manifest, StoreError, load_manifest
@@ -38,7 +37,6 @@ from ..pool.expert_pool import ExpertPool, PoolCapacityError, PoolStats
 from ..pool.expert_reader import ExpertReader
 from ..pool.resident_routing import ResidentRouting
 from ..prefetch.predictor import make_prefetcher, next_layers, routers_of
-from ..prefetch.prefetcher import Prefetcher
 from ..store.layout import beside_experts
 from ..store.quantize import quantize_like_weights
 from .chat import turn_end
@@ -205,11 +203,10 @@ class StreamingModel:
 
     def pool_stats(self) -> PoolTotals:
         """Totals over layers, plus per-layer occupancy and hit rates."""
-        totals = dict.fromkeys(POOL_COUNTERS, 0)
+        counters = self.counters()
+        totals = {key: counters[key] for key in POOL_COUNTERS}
         layers = []
         for i, p in enumerate(self.pools):
-            for key in POOL_COUNTERS:
-                totals[key] += getattr(p.stats, key)
             layers.append(
                 LayerStatus(
                     layer=p.layer.ordinal,
@@ -221,12 +218,10 @@ class StreamingModel:
                     on_gpu=len(self.mapped_pool.on_gpu[i]) if self.mapped_pool is not None else None,
                 )
             )
-        hits = totals["hits_prefill"] + totals["hits_decode"]
-        misses = totals["misses_prefill"] + totals["misses_decode"]
         mapped = self.mapped_pool
         return PoolTotals(
             **totals,
-            hit_rate=hits / (hits + misses) if hits + misses else None,
+            hit_rate=PoolStats(**totals).hit_rate(),
             layers=layers,
             admission=self.admitter.stats() | self.admission_note,
             prefill_order=self.prefill_note,
@@ -406,7 +401,25 @@ def load_streaming_model(
     use_gather = kernel if settings.mapped_gather is None else settings.mapped_gather
     gather = RowGather(use_kernel=kernel) if mapped and use_gather else None
     try:
-        admitter, note = _admission(reader, manifest, settings, mapped, gather, admitter, (copier, cuda_why_not))
+        # What brings experts into the pools, and the note `status` shows of it: a mapped
+        # pool's direct reads, the admitter another model of the store shares, else one
+        # made for this load (a host tier, the CUDA copier).
+        if mapped:
+            note: dict[str, Any] = {"mapped": True, "gather": gather is not None}
+            if settings.host_cache:
+                note["host_tier"] = "mapped: it holds every expert, read in place"
+            admitter = DirectAdmitter(reader)
+        elif admitter is not None:
+            note = {"shared": True}
+        else:
+            admitter, note = make_admitter(
+                reader,
+                manifest,
+                settings.host_cache,
+                cuda=(copier, cuda_why_not),
+                copy_kernel=settings.copy_kernel,
+                ahead_blocks=settings.prefetch_copy_blocks,
+            )
         if auto_note is not None:
             note["mapped_auto"] = auto_note
         for layer, (_, _, module) in zip(full.layers, found):
@@ -432,7 +445,24 @@ def load_streaming_model(
             depth=settings.prefetch_depth,
             buffer_bytes=settings.prefetch_buffer,
         )
-        pools = _make_pools(manifest, slots, settings.policy, admitter, k, naive, gather, prefetcher, mapped=mapped)
+        # A pool per MoE layer, each with its eviction policy; the naive baseline's reuse
+        # nothing between forwards.
+        pools: list[ExpertPool] = []
+        for layer, n in zip(manifest.layers, slots):
+            pools.append(
+                ExpertPool(
+                    layer,
+                    n,
+                    make_policy(settings.policy, layer.num_experts, n),
+                    admitter,
+                    top_k=k,
+                    reuse=not naive,
+                    host_memory=mapped,
+                    gather=gather,
+                    lower=pools[:LOWER_HINT_LAYERS],
+                    prefetcher=prefetcher,
+                )
+            )
         # Resident weights first, while the model is as the store's names know it (a
         # module beside the experts, e.g. a norm, sits inside the module wrapped next).
         _load_resident(model, weights, manifest, store)
@@ -446,7 +476,11 @@ def load_streaming_model(
         for pool, full_pool in zip(pools, resident):
             if full_pool:
                 pool.load_all()
-        mapped_pool = _place(pools, capacity, settings, copier) if mapped else None
+        mapped_pool = None
+        if mapped:
+            mover = copier if copier is not None else CountingMover()
+            mapped_pool = MappedPool(pools, capacity, mover, rebalance_tokens=settings.mapped_rebalance_tokens)
+            mapped_pool.place_initial()
         if share is None:
             layer_major, prefill_note = _layer_major(model, settings)
         else:
@@ -491,72 +525,30 @@ def _mapped_asked(
             raise PoolCapacityError("expert parallelism runs with the slot pool: drop --mapped")
         return False
     mapped = settings.mapped if mapped is None else mapped
+    need, host_cache = manifest.expert_bytes_total, settings.host_cache
+    if mapped and host_cache and host_cache < need:
+        # A host tier given with `--mapped` is the mapped pool, so it must hold every
+        # expert; a smaller one asks for the slot pool's tier, which `--mapped` is not.
+        raise PoolCapacityError(
+            f"--mapped keeps every expert ({format_size(need)}) in host memory, more than --host-cache "
+            f"{format_size(host_cache)}: give a --host-cache of at least that, or drop --mapped "
+            "(the slot pool then keeps a tier of that size)"
+        )
     if mapped:
-        check_mapped_host_cache(manifest, settings.host_cache)
         check_mapped_host_memory(manifest, host_available)
     return mapped
 
 
-def _make_pools(
-    manifest: Manifest,
-    slots: list[int],
-    policy: str,
-    admitter: Admitter,
-    top_k: int,
-    naive: bool,
-    gather: RowGather | None,
-    prefetcher: Prefetcher | None,
-    *,
-    mapped: bool,
-) -> list[ExpertPool]:
-    """A pool of `slots[i]` slots per MoE layer, each with its eviction policy; the naive
-    baseline's reuse nothing between forwards."""
-    pools: list[ExpertPool] = []
-    for layer, n in zip(manifest.layers, slots):
-        pools.append(
-            ExpertPool(
-                layer,
-                n,
-                make_policy(policy, layer.num_experts, n),
-                admitter,
-                top_k=top_k,
-                reuse=not naive,
-                host_memory=mapped,
-                gather=gather,
-                lower=pools[:LOWER_HINT_LAYERS],
-                prefetcher=prefetcher,
-            )
+def check_mapped_host_memory(manifest: Manifest, available: int, margin: int = MAPPED_HOST_MARGIN) -> None:
+    """Raise `PoolCapacityError` when `available` bytes of host memory cannot hold every
+    expert of the store plus `margin`."""
+    need = manifest.expert_bytes_total
+    if available < need + margin:
+        raise PoolCapacityError(
+            f"--mapped keeps every expert in host memory: the store's experts take {format_size(need)} "
+            f"(+ {format_size(margin)} to spare), but only {format_size(available)} is available; "
+            "use --host-cache SIZE (a cache of the hottest experts in host memory) or drop --mapped"
         )
-    return pools
-
-
-def _admission(
-    reader: ExpertReader,
-    manifest: Manifest,
-    settings: Settings,
-    mapped: bool,
-    gather: RowGather | None,
-    shared: Admitter | None,
-    cuda: tuple[CudaCopier | None, str | None],
-) -> tuple[Admitter, dict[str, Any]]:
-    """What brings experts into the pools, and the note `status` shows of it: a mapped
-    pool's direct reads, the admitter another model of the store shares, else one made
-    for this load (a host tier, the CUDA copier)."""
-    if mapped:
-        note: dict[str, Any] = {"mapped": True, "gather": gather is not None}
-        if settings.host_cache:
-            note["host_tier"] = "mapped: it holds every expert, read in place"
-        return DirectAdmitter(reader), note
-    if shared is not None:
-        return shared, {"shared": True}
-    return make_admitter(
-        reader,
-        manifest,
-        settings.host_cache,
-        cuda=cuda,
-        copy_kernel=settings.copy_kernel,
-        ahead_blocks=settings.prefetch_copy_blocks,
-    )
 
 
 def _load_vision(
@@ -582,30 +574,6 @@ def _layer_major(model: nn.Module, settings: Settings) -> tuple[LayerMajorPrefil
         return prefill, "layer: a partial pool's prompt goes through one layer at a time"
     except UnsupportedModel as e:
         return None, f"chunk: {e}"
-
-
-def check_mapped_host_memory(manifest: Manifest, available: int, margin: int = MAPPED_HOST_MARGIN) -> None:
-    """Raise `PoolCapacityError` when `available` bytes of host memory cannot hold every
-    expert of the store plus `margin`."""
-    need = manifest.expert_bytes_total
-    if available < need + margin:
-        raise PoolCapacityError(
-            f"--mapped keeps every expert in host memory: the store's experts take {format_size(need)} "
-            f"(+ {format_size(margin)} to spare), but only {format_size(available)} is available; "
-            "use --host-cache SIZE (a cache of the hottest experts in host memory) or drop --mapped"
-        )
-
-
-def check_mapped_host_cache(manifest: Manifest, host_cache: int) -> None:
-    """A host tier given with `--mapped` must hold every expert: the mapped pool is then
-    that tier. A smaller one asks for the slot pool's tier, which `--mapped` is not."""
-    need = manifest.expert_bytes_total
-    if host_cache and host_cache < need:
-        raise PoolCapacityError(
-            f"--mapped keeps every expert ({format_size(need)}) in host memory, more than --host-cache "
-            f"{format_size(host_cache)}: give a --host-cache of at least that, or drop --mapped "
-            "(the slot pool then keeps a tier of that size)"
-        )
 
 
 def choose_mapped(
@@ -648,17 +616,6 @@ def choose_mapped(
     if settings.host_cache:
         return True, "on: an NVIDIA GPU, a partial pool and a host tier that holds every expert, read in place"
     return True, "on: an NVIDIA GPU, a partial pool and host RAM for every expert"
-
-
-def _place(pools: list[ExpertPool], gpu_slots: int, settings: Settings, copier: CudaCopier | None) -> MappedPool:
-    placement = MappedPool(
-        pools,
-        gpu_slots,
-        copier if copier is not None else CountingMover(),
-        rebalance_tokens=settings.mapped_rebalance_tokens,
-    )
-    placement.place_initial()
-    return placement
 
 
 def check_shard(manifest: Manifest, store: Path, share: ExpertShare | None) -> None:

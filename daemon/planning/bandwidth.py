@@ -44,14 +44,19 @@ def measure_read_bandwidth(
             layer = rng.choice(layers)
             e = layer.experts[rng.randrange(layer.num_experts)]
             batch.append((fids[layer.file], e.offset, e.length, [], None))
-        tic = time.perf_counter()
-        ids = engine.submit_batch(batch)
-        done = engine.wait(ids)
-        seconds = time.perf_counter() - tic
+        nbytes, seconds = _timed_reads(engine, batch)
+    return nbytes / seconds
+
+
+def _timed_reads(engine: ReadEngine, requests: list[tuple]) -> tuple[int, float]:
+    """Submit `requests` together and wait for them: (bytes read, seconds taken)."""
+    tic = time.perf_counter()
+    done = engine.wait(engine.submit_batch(requests))
+    seconds = time.perf_counter() - tic
     bad = [c.error for c in done if not c.ok]
     if bad:
         raise OSError(f"reading the store failed: {bad[0]}")
-    return sum(c.nbytes for c in done) / seconds
+    return sum(c.nbytes for c in done), seconds
 
 
 # The batch sizes of `measure_layer_reads`: a decode step's misses in one layer are a few
@@ -83,14 +88,8 @@ def measure_layer_reads(
                 layer = rng.choice(layers)
                 picked = rng.sample(range(layer.num_experts), min(batch, layer.num_experts))
                 experts = [layer.experts[e] for e in picked]
-                requests = [(fids[layer.file], e.offset, e.length, [], None) for e in experts]
-                tic = time.perf_counter()
-                done = engine.wait(engine.submit_batch(requests))
-                seconds += time.perf_counter() - tic
-                bad = [c.error for c in done if not c.ok]
-                if bad:
-                    raise OSError(f"reading the store failed: {bad[0]}")
-                nbytes += sum(c.nbytes for c in done)
+                read, took = _timed_reads(engine, [(fids[layer.file], e.offset, e.length, [], None) for e in experts])
+                nbytes, seconds = nbytes + read, seconds + took
             out[batch] = nbytes / seconds
     return out
 

@@ -83,7 +83,7 @@ from ..pool.capacity import (
     top_k_of,
 )
 from ..pool.reuse import lru_hit_rate
-from .pool_probe import PoolProbe
+from .pool_probe import PoolProbe, from_json
 from .probe_models import probe_config, random_model, resident_dtype
 
 TTFT_PROMPT_TOKENS = 2048
@@ -121,9 +121,6 @@ class Bandwidths:
             if batch <= b1:
                 return r0 + (r1 - r0) * math.log(batch / b0) / math.log(b1 / b0)
         return points[-1][1]
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def probe_bandwidths(store: Path | StoreShape, threads: int) -> Bandwidths:
@@ -164,7 +161,7 @@ def _keep_json(folder: Path, name: str, data: Any) -> Path:
 
 def save_bandwidths(folder: Path, bw: Bandwidths) -> Path:
     """Keep the probe's figures for `plan --no-probe`."""
-    return _keep_json(folder, BANDWIDTH_FILE, {**bw.to_dict(), "at": time.time()})
+    return _keep_json(folder, BANDWIDTH_FILE, {**asdict(bw), "at": time.time()})
 
 
 def load_bandwidths(folder: Path) -> Bandwidths | None:
@@ -172,14 +169,9 @@ def load_bandwidths(folder: Path) -> Bandwidths | None:
     try:
         data = json.loads((folder / BANDWIDTH_FILE).read_text())
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(data["at"])))
-        return Bandwidths(
-            float(data["read_bytes_per_s"]),
-            float(data["link_bytes_per_s"]),
-            str(data["link_kind"]),
-            f"last probed {when}",
-            # JSON's keys are strings; a file from before the batched probe has none.
-            {int(b): float(r) for b, r in data.get("read_by_batch", {}).items()},
-        )
+        # JSON's keys are strings; a file from before the batched probe has none.
+        batches = {int(b): float(r) for b, r in data.get("read_by_batch", {}).items()}
+        return from_json(Bandwidths, {**data, "source": f"last probed {when}", "read_by_batch": batches})
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -591,9 +583,6 @@ class Forecast:
     bound_seconds: float | None = None
     terms_s: dict[str, float] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass
 class Plan:
@@ -633,18 +622,11 @@ class Plan:
         return statistics.fmean(self.hits.pool_hit)
 
     def to_dict(self) -> dict[str, Any]:
-        skip = ("hits", "bandwidths", "compute", "decode", "ttft", "pool_probe")
-        out = {k: v for k, v in asdict(self).items() if k not in skip}
-        out.update(
-            pool_probe=self.pool_probe.to_dict() if self.pool_probe is not None else None,
-            hit_rate=self.hit_rate,
-            hits=self.hits.to_dict(),
-            bandwidths=self.bandwidths.to_dict(),
-            compute=self.compute.to_dict(),
-            decode=self.decode.to_dict(),
-            ttft=self.ttft.to_dict(),
-        )
-        return out
+        d = asdict(self)
+        nested = ("bandwidths", "compute", "decode", "ttft")
+        out = {k: v for k, v in d.items() if k not in ("hits", "pool_probe", *nested)}
+        out.update(pool_probe=d["pool_probe"], hit_rate=self.hit_rate, hits=self.hits.to_dict())
+        return out | {k: d[k] for k in nested}
 
 
 # Below this share of a core, `plan` says the machine was busy while it probed.
@@ -813,18 +795,8 @@ def save_compute(folder: Path, store_id: str, compute: ComputeProbe) -> None:
 def load_compute(folder: Path, store_id: str) -> ComputeProbe | None:
     """The last compute probe of the store, or None where there is none (or it cannot be read)."""
     try:
-        d = json.loads((folder / f"compute-{store_id}.json").read_text())
-        return ComputeProbe(
-            tuple(d["layers"]),
-            tuple(d["decode_s"]),
-            tuple(d["prefill_s"]),
-            tuple(d["synced_decode_s"]),
-            tuple(d["layered_prefill_s"]),  # a probe from before them: probed again
-            float(d["prefill_growth"]),
-            d["device"],
-            d["dtype"],
-            float(d["cpu_share"]),
-        )
+        # A probe from before a field was added lacks it: probed again.
+        return from_json(ComputeProbe, json.loads((folder / f"compute-{store_id}.json").read_text()))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -31,9 +31,9 @@ import math
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 
 from ...shared.settings import Settings
 from ...shared.store_format import Manifest
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 # residual stream of a random model (tests/bench/make_random_moe.py measured an LRU hit
 # rate at 25% of 0.29 at 64 on the q30 shape, near a real model's 0.30).
 PROBE_EMBED_SCALE = 64.0
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -81,19 +82,14 @@ class PoolProbe:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> PoolProbe:
-        return cls(
-            float(d["capacity"]),
-            bool(d["mapped"]),
-            tuple(int(x) for x in d["moe_layers"]),
-            tuple(float(x) for x in d["plain_s"]),
-            tuple(float(x) for x in d["pooled_s"]),
-            float(d["misses_per_layer"]),
-            float(d["hit_rate"]),
-            int(d["expert_bytes"]),
-            int(d["slots"]),
-            int(d["experts"]),
-        )
+    def from_dict(cls, d: Mapping[str, Any]) -> PoolProbe:
+        return from_json(cls, d)
+
+
+def from_json(cls: type[T], d: Mapping[str, Any]) -> T:
+    """The dataclass `cls` from its `asdict` read back from JSON (its lists made tuples
+    again); KeyError for a field it lacks, other keys left out."""
+    return cls(**{f.name: tuple(d[f.name]) if isinstance(d[f.name], list) else d[f.name] for f in fields(cls)})
 
 
 def write_probe_store(config: dict[str, Any], dtype: str, folder: Path, tokenizer: list[Path]) -> Path:

@@ -71,5 +71,4 @@ class LFUPolicy(EvictionPolicy):
         scale = self._inc
         self._count = [c / scale for c in self._count]
         self._inc = 1.0
-        resident = [e for e in range(self.num_experts) if e in self._heap]
-        self._heap.rekey({e: (self._count[e], self._last[e]) for e in resident})
+        self._heap.rekey({e: (self._count[e], self._last[e]) for e in range(self.num_experts) if e in self._heap})

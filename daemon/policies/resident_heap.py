@@ -36,8 +36,7 @@ class ResidentHeap:
         self._key[expert] = key
         heapq.heappush(self._heap, (key, expert))
         if len(self._heap) > 2 * len(self._key) + 64:
-            self._heap = [(k, e) for e, k in self._key.items()]
-            heapq.heapify(self._heap)
+            self.rekey(self._key)
 
     def discard(self, expert: int) -> None:
         self._key.pop(expert, None)

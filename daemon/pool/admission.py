@@ -24,7 +24,7 @@ from ..._native import CudaCopier
 from ...shared.settings import SettingsError
 from ...shared.store_format import Manifest, MoELayer
 from .expert_reader import ExpertReader, ReadJob
-from .host_tier import HostTier, TieredAdmitter, expert_stride, memcpy_rows
+from .host_tier import HostTier, TieredAdmitter, expert_stride, memcpy_spans, row_spans
 
 # (expert id, destination row): where `fill` writes an expert (a pool slot, or a row of a
 # stack or a scratch). Not daemon/mapped/mapped_pool.py's `MappedPool`.
@@ -79,7 +79,7 @@ class DirectAdmitter:
     def copy_rows(
         self, layer: MoELayer, dst: dict[str, mx.array], src: dict[str, mx.array], rows: Sequence[tuple[int, int]]
     ) -> None:
-        memcpy_rows(layer, dst, src, rows)
+        memcpy_spans(row_spans(layer, dst, src, rows))
 
     def prepare(self, arrays: dict[str, mx.array]) -> None:
         return None

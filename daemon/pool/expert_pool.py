@@ -16,7 +16,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -48,25 +48,6 @@ class PoolStats(PoolCounters):
         hits = self.hits_prefill + self.hits_decode
         misses = self.misses_prefill + self.misses_decode
         return hits / (hits + misses) if hits + misses else None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "hits_prefill": self.hits_prefill,
-            "hits_decode": self.hits_decode,
-            "misses_prefill": self.misses_prefill,
-            "misses_decode": self.misses_decode,
-            "hit_rate": self.hit_rate(),
-            "evictions": self.evictions,
-            "bytes_read": self.bytes_read,
-            "host_syncs": self.host_syncs,
-            "quiesces": self.quiesces,
-            "overflow_forwards": self.overflow_forwards,
-            "stacked_layers": self.stacked_layers,
-            "staged_bytes": self.staged_bytes,
-            "prestaged": self.prestaged,
-            "prestaged_used": self.prestaged_used,
-            "routed_total": self.routed_total,
-        }
 
 
 def _take_rows(arrays: Sequence[mx.array], rows: mx.array) -> list[mx.array]:
@@ -396,12 +377,8 @@ class ExpertPool:
         lower: list[np.ndarray] = []
         if self._hinted:
             lower = [p.last_rows for p in self.lower if p.last_rows is not None and len(p.last_rows) == len(rows)]
-        self._pending.append((rows, lower))
+        self._pend(rows, lower)
         self.last_rows = rows
-        self.last_prestaged_used = 0
-        self._reader_stream = _current_stream()
-        if len(self._pending) >= MAX_PENDING:
-            self.flush()
         return slots
 
     @property
@@ -422,8 +399,12 @@ class ExpertPool:
     def hit_on_device(self, indices: mx.array) -> None:
         """A decode forward whose routed experts (`indices`, evaluated) the device found
         all resident in `table`: accounted by `flush` as `hit` accounts its forwards."""
-        self._pending.append((indices, []))
+        self._pend(indices, [])
         self.last_rows = None  # read by policies of lower-layer hints only, which `hit` serves
+
+    def _pend(self, rows: np.ndarray | mx.array, lower: list[np.ndarray]) -> None:
+        """Keep a forward served from the slots for `flush` (flushed every MAX_PENDING)."""
+        self._pending.append((rows, lower))
         self.last_prestaged_used = 0
         self._reader_stream = _current_stream()
         if len(self._pending) >= MAX_PENDING:
@@ -459,17 +440,7 @@ class ExpertPool:
         """`_account` for a prefill forward that is not served from slots (an overflow
         or stacked one), its misses attributed by the forward's diagnostics `rec`."""
         needed, missing = self._account(token_experts, decode=False)
-        rec.attribute(
-            self.layer.ordinal,
-            False,
-            needed,
-            missing,
-            self.last_prestaged_used,
-            prediction,
-            self.prefetcher,
-            self.top_k,
-            promotable=False,
-        )
+        rec.attribute(self, False, needed, missing, prediction, promotable=False)
         return needed, missing
 
     def ensure(
@@ -488,17 +459,7 @@ class ExpertPool:
         ordinal = self.layer.ordinal
         with rec.segment(ordinal, "lookup"):
             needed, missing = self._account(token_experts, decode=decode)
-        rec.attribute(
-            ordinal,
-            decode,
-            needed,
-            missing,
-            self.last_prestaged_used,
-            prediction,
-            self.prefetcher,
-            self.top_k,
-            promotable=True,
-        )
+        rec.attribute(self, decode, needed, missing, prediction, promotable=True)
         stream = _current_stream()
         if missing:
             self._admit(
@@ -555,12 +516,8 @@ class ExpertPool:
         self._stack_missing = set()
         if self.host_memory:
             everything = mx.arange(n, dtype=mx.uint32)
-            if self.gather is None:
-                rows = _take_rows(arrays, everything)
-            elif blocks is None:
-                rows = self.gather(arrays, everything)
-            else:
-                rows = self.gather(arrays, everything, max_blocks=blocks)
+            cap = {} if blocks is None else {"max_blocks": blocks}
+            rows = _take_rows(arrays, everything) if self.gather is None else self.gather(arrays, everything, **cap)
             staged = n
         else:
             self._settle()
@@ -664,19 +621,11 @@ class ExpertPool:
                 break
             keep |= row_set
         self._quiesce()
-        protected = keep | self.pinned
-        rows = []
-        for e in sorted(keep):
-            if self.slot_of[e] >= 0:
-                continue
-            slot = self._take_slot(protected)
-            rows.append((slot, scratch_row[e]))
-            self.slot_of[e] = slot
-            self._table = None
-            self.expert_in[slot] = e
-            self._resident.add(e)
+        missing = [e for e in sorted(keep) if self.slot_of[e] < 0]
+        placements = self._assign_slots(missing, keep | self.pinned)
+        for e in missing:
             self.policy.admitted(e)
-        self.admitter.copy_rows(self.layer, self.arrays, scratch, rows)
+        self.admitter.copy_rows(self.layer, self.arrays, scratch, [(slot, scratch_row[e]) for e, slot in placements])
 
     def _reads_drained(self, stream: mx.Stream) -> bool:
         """After a sync on `stream` (the current one): whether every read of this pool

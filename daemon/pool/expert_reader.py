@@ -85,9 +85,10 @@ class ExpertReader:
             self._stamps[layer.file] = stamp
             self._layers[layer.file] = layer
 
-    def file_id(self, layer: MoELayer) -> int:
-        """The engine's id of this layer's expert file (for reads submitted directly)."""
-        return self._fids[layer.file]
+    def request(self, layer: MoELayer, expert: int, targets: Sequence[tuple[Any, int, int, int]]) -> tuple:
+        """The engine's read of `expert` into `targets` (`ReadJob.targets`), for `submit`."""
+        entry = layer.experts[expert]
+        return (self._fids[layer.file], entry.offset, entry.length, list(targets), entry.crc32 if self.verify else None)
 
     def read(self, jobs: Sequence[ReadJob]) -> list[tuple[ReadJob, str]]:
         """Read every job, in parallel; return the jobs that failed with their errors."""
@@ -111,15 +112,7 @@ class ExpertReader:
                 )
                 continue
             submitted.append(job)
-            batch.append(
-                (
-                    self._fids[job.layer.file],
-                    entry.offset,
-                    entry.length,
-                    list(job.targets),
-                    entry.crc32 if self.verify else None,
-                )
-            )
+            batch.append(self.request(job.layer, job.expert, job.targets))
         if not batch:
             return failed
         ids = self.engine.submit_batch(batch)
@@ -225,9 +218,3 @@ class ExpertReader:
 
     def close(self) -> None:
         self.engine.close()
-
-    def __enter__(self) -> "ExpertReader":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

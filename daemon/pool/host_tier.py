@@ -33,23 +33,19 @@ if TYPE_CHECKING:
 _ALIGN = 4096
 
 
-def _bytes_of(array: mx.array) -> memoryview:
-    return memoryview(array).cast("B")
-
-
-def memcpy_rows(
+def row_spans(
     layer: MoELayer, dst: dict[str, mx.array], src: dict[str, mx.array], rows: Sequence[tuple[int, int]]
-) -> None:
-    for t in layer.tensors:
-        d, s = _bytes_of(dst[t.name]), _bytes_of(src[t.name])
-        for dr, sr in rows:
-            d[dr * t.nbytes : (dr + 1) * t.nbytes] = s[sr * t.nbytes : (sr + 1) * t.nbytes]
+) -> list[tuple[Any, int, Any, int, int]]:
+    """The (dst, offset, src, offset, bytes) spans that copy (dst row, src row) pairs."""
+    return [
+        (dst[t.name], dr * t.nbytes, src[t.name], sr * t.nbytes, t.nbytes) for dr, sr in rows for t in layer.tensors
+    ]
 
 
 def memcpy_spans(spans: Sequence[tuple[Any, int, Any, int, int]]) -> None:
     views: dict[int, memoryview] = {}
     for dst, doff, src, soff, n in spans:
-        d = views.setdefault(id(dst), _bytes_of(dst))
+        d = views.setdefault(id(dst), memoryview(dst).cast("B"))
         s = views.setdefault(id(src), memoryview(src).cast("B"))
         d[doff : doff + n] = s[soff : soff + n]
 
@@ -241,10 +237,8 @@ class TieredAdmitter:
                 jobs.append(ReadJob(layer, e, [(self.tier.buffer, slot * self.tier.stride, 0, entry.length)]))
             slots[e] = slot
         failed = self.reader.read(jobs)
-        self.s.bytes_from_disk += sum(layer.experts[j.expert].length for j in jobs) - sum(
-            layer.experts[j.expert].length for j, _ in failed
-        )
         bad = {job.expert for job, _ in failed}
+        self.s.bytes_from_disk += sum(layer.experts[j.expert].length for j in jobs if j.expert not in bad)
         for e in bad:
             self.tier.forget((layer.ordinal, e))
         spans = [
@@ -311,14 +305,10 @@ class TieredAdmitter:
         todo.reverse()
         for i in range(0, len(todo), batch):
             jobs = []
-            for key in todo[i : i + batch]:
-                slot, _ = self.tier.assign(key, set())
-                layer = layer_of[key[0]]
-                jobs.append(
-                    ReadJob(
-                        layer, key[1], [(self.tier.buffer, slot * self.tier.stride, 0, layer.experts[key[1]].length)]
-                    )
-                )
+            for ordinal, e in todo[i : i + batch]:
+                slot, _ = self.tier.assign((ordinal, e), set())
+                length = layer_of[ordinal].experts[e].length
+                jobs.append(ReadJob(layer_of[ordinal], e, [(self.tier.buffer, slot * self.tier.stride, 0, length)]))
             failed = {(job.layer.ordinal, job.expert) for job, _ in self.reader.read(jobs)}
             for key in failed:
                 self.tier.forget(key)
@@ -342,15 +332,13 @@ class TieredAdmitter:
         self, layer: MoELayer, dst: dict[str, mx.array], src: dict[str, mx.array], rows: Sequence[tuple[int, int]]
     ) -> None:
         self.settle()
-        spans = [
-            (dst[t.name], dr * t.nbytes, src[t.name], sr * t.nbytes, t.nbytes) for dr, sr in rows for t in layer.tensors
-        ]
+        spans = row_spans(layer, dst, src, rows)
         if self.copier is not None:
             # Not batched: a batch's location hints say host to GPU, and these copies
             # run from GPU to GPU (and only on the rare overflow path).
             self.copier.copy(spans)
         else:
-            memcpy_rows(layer, dst, src, rows)
+            memcpy_spans(spans)
 
     def prepare(self, arrays: dict[str, mx.array]) -> None:
         if self.copier is not None:

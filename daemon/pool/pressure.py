@@ -109,8 +109,10 @@ class _ProcFile:
     """A Linux source: a file of /proc read at each reading, and its two levels, each held
     with its hysteresis."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    default_path: Path
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or self.default_path
         self._warn = self._critical = False
 
     def _judge(self, warn: tuple[float, float], critical: tuple[float, float], detail: str) -> Pressure:
@@ -125,9 +127,7 @@ class PsiPressure(_ProcFile):
     """Linux pressure stall information for memory."""
 
     name = "PSI"
-
-    def __init__(self, path: Path = PSI_PATH) -> None:
-        super().__init__(path)
+    default_path = PSI_PATH
 
     def available(self) -> bool:
         try:
@@ -157,9 +157,7 @@ class AvailablePressure(_ProcFile):
     """Linux without PSI: MemAvailable as a share of MemTotal."""
 
     name = "MemAvailable"
-
-    def __init__(self, path: Path = MEMINFO_PATH) -> None:
-        super().__init__(path)
+    default_path = MEMINFO_PATH
 
     def read(self) -> Pressure:
         try:

@@ -38,7 +38,7 @@ from ...shared.store_format import Manifest, MoELayer
 from ..model.decider import ABBA
 from ..model.diagnostics import NULL_RECORDER, AnyRecorder
 from ..pool.expert_reader import ExpertReader
-from ..pool.host_tier import expert_stride
+from ..pool.host_tier import expert_stride, memcpy_spans
 
 PENDING, DONE, FAILED = 0, 1, 2
 PREFETCH_MODES = ("on", "off", "auto")
@@ -130,7 +130,6 @@ class Prefetcher:
         """Start reading these experts of `layer` (those not already buffered); never
         waits. Returns how many reads were started."""
         batch, keys = [], []
-        fid = self.reader.file_id(layer)
         for e in experts:
             key = (layer.ordinal, int(e))
             if key in self._entries:
@@ -142,16 +141,8 @@ class Prefetcher:
             if slot is None:
                 self.s.no_room += 1
                 continue
-            entry = layer.experts[key[1]]
-            batch.append(
-                (
-                    fid,
-                    entry.offset,
-                    entry.length,
-                    [(self.buffer, slot * self.stride, 0, entry.length)],
-                    entry.crc32 if self.reader.verify else None,
-                )
-            )
+            length = layer.experts[key[1]].length
+            batch.append(self.reader.request(layer, key[1], [(self.buffer, slot * self.stride, 0, length)]))
             keys.append((key, slot))
             self._dropped.discard(key)
         if not batch:
@@ -259,10 +250,15 @@ class Prefetcher:
                 else:
                     served.append((e, entry))
                     base = entry.slot * self.stride
-                    spans += [(arrays[t.name], row * t.nbytes, base + t.offset, t.nbytes) for t in layer.tensors]
+                    spans += [
+                        (arrays[t.name], row * t.nbytes, self.buffer, base + t.offset, t.nbytes) for t in layer.tensors
+                    ]
                 self._free.append(entry.slot)
         with rec.host(ordinal, "promote_place"):
-            self._copy(spans)
+            if self.copier is not None and spans:
+                self.copier.copy(spans)
+            else:
+                memcpy_spans(spans)
             if self.tier is not None:
                 self._keep_in_tier(layer, served)
         self.s.promoted += len(served)
@@ -283,18 +279,6 @@ class Prefetcher:
             view[slot * tier.stride : slot * tier.stride + n] = self._view[
                 entry.slot * stride : entry.slot * stride + n
             ]
-
-    def _copy(self, spans: list[tuple[mx.array, int, int, int]]) -> None:
-        if not spans:
-            return
-        if self.copier is not None:
-            self.copier.copy([(dst, doff, self.buffer, soff, n) for dst, doff, soff, n in spans])
-            return
-        views: dict[int, memoryview] = {}
-        src = self._view
-        for dst, doff, soff, n in spans:
-            d = views.setdefault(id(dst), memoryview(dst).cast("B"))
-            d[doff : doff + n] = src[soff : soff + n]
 
     def drain(self) -> None:
         """Wait for every read in flight (before the buffer or the engine goes away)."""

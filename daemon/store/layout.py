@@ -8,6 +8,7 @@ resident. Anything else that looks like experts is refused rather than guessed a
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -173,10 +174,7 @@ def tensor_specs(names: list[str], arrays: list[mx.array]) -> tuple[TensorSpec, 
     for name, a in zip(names, arrays):
         dtype = dtype_name(a.dtype)
         shape = tuple(int(s) for s in a.shape[1:])
-        count = 1
-        for s in shape:
-            count *= s
-        nbytes = count * DTYPE_SIZES[dtype]
+        nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
         offset = align_up(offset, TENSOR_ALIGN)
         specs.append(TensorSpec(name=name, dtype=dtype, shape=shape, offset=offset, nbytes=nbytes))
         offset += nbytes

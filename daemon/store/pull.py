@@ -344,17 +344,12 @@ def _lay_out_files(out: Path, layout: StoreLayout) -> None:
     """The store's weight files at their sizes (holes until filled), each resident file
     with its header; files a stopped pull made are kept as they are."""
     (out / EXPERTS_DIR).mkdir(parents=True, exist_ok=True)
-    for layer in layout.layers:
-        path = out / layer.file
-        if not path.exists():
-            with open(path, "wb") as f:
-                f.truncate(layer.num_experts * layer.stride)
-    for name, file in layout.resident:
-        path = out / name
-        if not path.exists():
-            with open(path, "wb") as f:
-                f.write(file.header)
-                f.truncate(file.size)
+    layer_files = [(layer.file, b"", layer.num_experts * layer.stride) for layer in layout.layers]
+    for name, header, size in layer_files + [(name, f.header, f.size) for name, f in layout.resident]:
+        if not (out / name).exists():
+            with open(out / name, "wb") as f:
+                f.write(header)
+                f.truncate(size)
 
 
 def _headers(work: Path, listing: RepoListing, endpoint: str | None) -> dict[str, WeightHeader]:
