@@ -118,23 +118,26 @@ def quantized(tmp_path_factory):
 
 
 class _KernelSwitch:
-    """A stand-in for CUDA's dense quantized matmul, which takes another kernel from 8
-    rows: from 8 rows on, its results are off in their last bits (other sums)."""
+    """A stand-in for a CUDA matmul that takes another kernel from `rows` rows on: its
+    results are off in their last bits there (other sums). Dense quantized matmuls switch
+    at 8 rows; unquantized ones at 2 (the matrix-vector kernel serves one row only)."""
+
+    def __init__(self, layer: type[nn.Module], rows: int) -> None:
+        self.layer, self.rows = layer, rows
 
     def __enter__(self) -> _KernelSwitch:
-        self.original = nn.QuantizedLinear.__call__
-        original = self.original
+        self.original = self.layer.__call__
+        original, switch = self.original, self.rows
 
         def call(layer, x):
             y = original(layer, x)
-            rows = math.prod(x.shape[:-1])
-            return y * (1 + 2**-6) if rows >= 8 else y
+            return y * (1 + 2**-6) if math.prod(x.shape[:-1]) >= switch else y
 
-        nn.QuantizedLinear.__call__ = call
+        self.layer.__call__ = call
         return self
 
     def __exit__(self, *exc) -> None:
-        nn.QuantizedLinear.__call__ = self.original
+        self.layer.__call__ = self.original
 
 
 def _stock_style_step(model, prompts: list[list[int]]) -> np.ndarray:
@@ -148,19 +151,30 @@ def _stock_style_step(model, prompts: list[list[int]]) -> np.ndarray:
     return np.array(logits.astype(mx.float32))
 
 
-def test_every_dense_matmul_stays_on_the_lone_tokens_side_of_a_kernel_switch(quantized):
-    _, model = quantized
+def _stays_on_the_lone_side(model, switch: _KernelSwitch) -> None:
     prompts = _prompts(8)
-    with _KernelSwitch():
+    with switch:
         alone = _alone(model, prompts[0])
         rows = RowBatch(model)
         got = _together(rows, model, prompts)[0]
         stock_style = _stock_style_step(model, prompts)
-    _same(got, alone, "request 0 in a batch of 8, every matmul on at most ROW_LIMIT rows")
-    assert ROW_LIMIT < 8
+    _same(got, alone, f"request 0 in a batch of 8, {switch.layer.__name__} switching at {switch.rows} rows")
     assert not np.array_equal(stock_style, alone[0]), "the stand-in changed nothing: the test cannot tell"
     # Without the stand-in, on the CPU, stock's batch is exact too (why the stand-in is needed).
     assert np.array_equal(_stock_style_step(model, prompts), _alone(model, prompts[0])[0])
+
+
+def test_every_dense_quantized_matmul_stays_on_the_lone_tokens_side_of_a_kernel_switch(quantized):
+    assert ROW_LIMIT < 8
+    _stays_on_the_lone_side(quantized[1], _KernelSwitch(nn.QuantizedLinear, 8))
+
+
+def test_every_unquantized_matmul_stays_on_the_lone_tokens_side_of_a_kernel_switch():
+    """CUDA's float matmul runs its matrix-vector kernel for one row only: a batch of 2
+    rows through one call is off there (a CUDA run of the test above found it on a float32
+    model); the step calls such a layer a row at a time."""
+    model, _ = build_tiny_model("qwen3_moe", config=tiny_arch_config("qwen3_moe"))
+    _stays_on_the_lone_side(model, _KernelSwitch(nn.Linear, 2))
 
 
 @pytest.mark.parametrize("capacity", [0.25, 1.0])

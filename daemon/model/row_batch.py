@@ -6,9 +6,11 @@ modules called with `cache`) runs per request, on that request's own mlx-lm cach
 the very call a lone token makes (its projections, RoPE at its own offset, attention over
 its own keys, no mask). What lies between them (embeddings, norms, the router, the
 streamed experts, the LM head) runs batched: those compute each row on its own, except
-that a kernel may change with the row count (on CUDA, dense quantized matmuls switch from
-8 rows), so while a step runs, every dense matmul is called on at most ROW_LIMIT rows at a
-time, the lone token's side of that switch.
+that a kernel may change with the row count, so while a step runs, every dense matmul is
+called on the lone token's side of its switch: a quantized one on at most ROW_LIMIT rows at
+a time (CUDA's takes another kernel from 8 rows), an unquantized one on one row at a time
+(CUDA's matrix-vector kernel serves one row only; from 2 rows cuBLAS's gemm sums otherwise,
+as a CUDA run of tests/test_row_batch.py found on a float32 model).
 
 So a request's logits are the same alone or in any company, whatever its companions'
 lengths; on the CPU, where every kernel sums element by element, also equal to stock
@@ -31,8 +33,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-# Rows a dense matmul is called on at once while a step runs (CUDA's quantized matmul
-# takes another kernel from 8 rows, whose sums differ from the lone token's).
+# Rows a dense quantized matmul is called on at once while a step runs (CUDA's quantized
+# matmul takes another kernel from 8 rows, whose sums differ from the lone token's). An
+# unquantized one takes one row a call: MLX's CUDA matmul runs its matrix-vector kernel
+# only where the rows are one (`can_use_gemv`), else cuBLAS's gemm.
 ROW_LIMIT = 7
 
 
@@ -131,25 +135,33 @@ def _join(outs: list[Any], name: str) -> Any:
 
 @contextlib.contextmanager
 def _rows_limited() -> Iterator[None]:
-    """Dense matmuls on at most ROW_LIMIT rows a call while the step runs."""
-    originals = {cls: cls.__call__ for cls in (nn.Linear, nn.QuantizedLinear)}
+    """Dense matmuls on the lone token's side of their kernel switch while the step runs:
+    quantized ones (linear layers, tied quantized LM heads) on at most ROW_LIMIT rows a
+    call, unquantized ones on one."""
+    limits = {
+        (nn.QuantizedLinear, "__call__"): ROW_LIMIT,
+        (nn.QuantizedEmbedding, "as_linear"): ROW_LIMIT,
+        (nn.Linear, "__call__"): 1,
+        (nn.Embedding, "as_linear"): 1,
+    }
+    originals = {key: getattr(*key) for key in limits}
 
-    def limited(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    def limited(original: Callable[..., mx.array], limit: int) -> Callable[..., mx.array]:
         def call(self: nn.Module, x: mx.array) -> mx.array:
-            if x.ndim < 2 or x.shape[0] <= ROW_LIMIT:
+            if x.ndim < 2 or x.shape[0] <= limit:
                 return original(self, x)
-            parts = [original(self, x[i : i + ROW_LIMIT]) for i in range(0, x.shape[0], ROW_LIMIT)]
+            parts = [original(self, x[i : i + limit]) for i in range(0, x.shape[0], limit)]
             return mx.concatenate(parts, axis=0)
 
         return call
 
-    for cls, original in originals.items():
-        cls.__call__ = limited(original)  # type: ignore[method-assign]
+    for (cls, name), limit in limits.items():
+        setattr(cls, name, limited(originals[cls, name], limit))
     try:
         yield
     finally:
-        for cls, original in originals.items():
-            cls.__call__ = original  # type: ignore[method-assign]
+        for (cls, name), original in originals.items():
+            setattr(cls, name, original)
 
 
 class RowBatch:
