@@ -37,7 +37,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -427,6 +427,18 @@ NULL_RECORDER = NullRecorder()
 AnyRecorder = Recorder | NullRecorder
 
 
+class LayerClock(Protocol):
+    """A per-layer host clock the streaming layers feed (`bench decode`'s, in
+    daemon/bench/decode.py): a forward's start and stop, and the MLX evaluations inside
+    it, whose time it leaves out."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def evaluate(self, run: Callable[..., Any], arrays: Sequence[mx.array]) -> None: ...
+
+
 class Diagnostics:
     """The switch the streaming layers read, and the totals over finished recorders.
 
@@ -439,9 +451,8 @@ class Diagnostics:
     def __init__(self, default: bool = False) -> None:
         self.default = default
         self.recorder: AnyRecorder = NULL_RECORDER
-        # `bench decode`'s per-layer host clock (daemon/bench/decode.py `LayerClock`: the
-        # streaming layers call its `start`, `stop` and `evaluate`), None otherwise.
-        self.clock: Any = None
+        # `bench decode`'s per-layer host clock, None otherwise.
+        self.clock: LayerClock | None = None
         self.total = Recorder()
         self.version = 0
         self._cached: tuple[int, dict[str, Any]] | None = None
@@ -459,7 +470,7 @@ class Diagnostics:
             self.recorder = before
 
     @contextmanager
-    def clocked(self, clock: Any) -> Iterator[None]:
+    def clocked(self, clock: LayerClock) -> Iterator[None]:
         """Time every MoE layer's forward into `clock` inside the block (`bench decode`)."""
         before, self.clock = self.clock, clock
         try:

@@ -688,61 +688,20 @@ def iter_generate(
         batch = None  # it decodes alone
     if speculative:
         use = None  # a speculative request keeps caches of its own
-    spec_stats = None
-    if images is not None:
-        steps = image_steps(
-            sm,
-            prompt_ids,
-            images,
-            sampler,
-            params.max_tokens,
-            on_prompt_progress,
-            cache_use=use,
-            processors=processors,
-        )
-    elif speculative:
-        from .speculative import SpeculativeParams, SpeculativeStats, speculative_steps
-
-        spec = SpeculativeParams(mode=speculative, draft_tokens=params.draft_tokens, draft_model=params.draft_model)
-        spec_stats = SpeculativeStats(mode=spec.mode, draft_tokens_requested=spec.draft_tokens)
-        steps = speculative_steps(
-            sm,
-            prompt_ids,
-            sampler=sampler,
-            max_tokens=params.max_tokens,
-            spec=spec,
-            stats=spec_stats,
-            on_prompt_progress=on_prompt_progress,
-            pieces=True,
-        )
-    elif batch is not None:
-        steps = batch.steps(
-            prompt_ids,
-            sampler,
-            params.max_tokens,
-            on_prompt_progress,
-            prefill_stats,
-            use,
-            True,
-            processors=processors,
-            logprobs=params.controls.logprobs is not None,
-        )
-    else:
-        # A request with diagnostics keeps stock's prefill order (`layer_major` False): they
-        # time and attribute each forward's own path (slots, overflow), and the next layer's
-        # prediction that the layer-major order has no use for.
-        steps = plain_steps(
-            sm,
-            prompt_ids,
-            sampler,
-            params.max_tokens,
-            on_prompt_progress,
-            prefill_stats,
-            layer_major=rec is None,
-            cache_use=use,
-            pieces=True,
-            processors=processors,
-        )
+    steps, spec_stats = _step_source(
+        sm,
+        prompt_ids,
+        params,
+        sampler,
+        processors,
+        on_prompt_progress,
+        prefill_stats,
+        use,
+        batch=batch,
+        images=images,
+        speculative=speculative,
+        layer_major=rec is None,
+    )
     readback = sm.routing_readback()
     for token, logprobs in _attributed(sm, steps, (prefill, decode), rec, readback):
         if token is None:
@@ -811,6 +770,83 @@ def iter_generate(
         constraint=_constraint_stats(grammar, constrained, params),
         diagnostics=rec,
     )
+
+
+def _step_source(
+    sm: StreamingModel,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    sampler: Callable[[mx.array], mx.array],
+    processors: Sequence[Any],
+    on_prompt_progress: Callable[[int, int], None] | None,
+    prefill_stats: PrefillStats,
+    use: CacheUse | None,
+    *,
+    batch: BatchSession | None,
+    images: PreparedImages | None,
+    speculative: str | None,
+    layer_major: bool,
+) -> tuple[Iterator, SpeculativeStats | None]:
+    """The request's steps (`(token, logprobs)`, None between prefill pieces), and the
+    speculative statistics they fill (None unless speculative): through the vision side,
+    speculation, the `batch`, or alone."""
+    if images is not None:
+        steps = image_steps(
+            sm,
+            prompt_ids,
+            images,
+            sampler,
+            params.max_tokens,
+            on_prompt_progress,
+            cache_use=use,
+            processors=processors,
+        )
+        return steps, None
+    if speculative:
+        from .speculative import SpeculativeParams, SpeculativeStats, speculative_steps
+
+        spec = SpeculativeParams(mode=speculative, draft_tokens=params.draft_tokens, draft_model=params.draft_model)
+        spec_stats = SpeculativeStats(mode=spec.mode, draft_tokens_requested=spec.draft_tokens)
+        steps = speculative_steps(
+            sm,
+            prompt_ids,
+            sampler=sampler,
+            max_tokens=params.max_tokens,
+            spec=spec,
+            stats=spec_stats,
+            on_prompt_progress=on_prompt_progress,
+            pieces=True,
+        )
+        return steps, spec_stats
+    if batch is not None:
+        steps = batch.steps(
+            prompt_ids,
+            sampler,
+            params.max_tokens,
+            on_prompt_progress,
+            prefill_stats,
+            use,
+            True,
+            processors=processors,
+            logprobs=params.controls.logprobs is not None,
+        )
+        return steps, None
+    # A request with diagnostics keeps stock's prefill order (`layer_major` False): they
+    # time and attribute each forward's own path (slots, overflow), and the next layer's
+    # prediction that the layer-major order has no use for.
+    steps = plain_steps(
+        sm,
+        prompt_ids,
+        sampler,
+        params.max_tokens,
+        on_prompt_progress,
+        prefill_stats,
+        layer_major=layer_major,
+        cache_use=use,
+        pieces=True,
+        processors=processors,
+    )
+    return steps, None
 
 
 def _constraint_stats(

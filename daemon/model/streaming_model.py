@@ -25,6 +25,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes, load_tokenizer
 
+from ..._native import CudaCopier
 from ...shared.settings import Settings, format_size
 from ...shared.status import LayerStatus, PoolTotals
 from ...shared.store_format import Manifest, StoreError, load_manifest
@@ -37,6 +38,7 @@ from ..pool.expert_pool import ExpertPool, PoolCapacityError, PoolStats
 from ..pool.expert_reader import ExpertReader
 from ..pool.resident_routing import ResidentRouting
 from ..prefetch.predictor import make_prefetcher, next_layers, routers_of
+from ..prefetch.prefetcher import Prefetcher
 from ..store.layout import beside_experts
 from ..store.quantize import quantize_like_weights
 from .chat import turn_end
@@ -401,25 +403,7 @@ def load_streaming_model(
     use_gather = kernel if settings.mapped_gather is None else settings.mapped_gather
     gather = RowGather(use_kernel=kernel) if mapped and use_gather else None
     try:
-        # What brings experts into the pools, and the note `status` shows of it: a mapped
-        # pool's direct reads, the admitter another model of the store shares, else one
-        # made for this load (a host tier, the CUDA copier).
-        if mapped:
-            note: dict[str, Any] = {"mapped": True, "gather": gather is not None}
-            if settings.host_cache:
-                note["host_tier"] = "mapped: it holds every expert, read in place"
-            admitter = DirectAdmitter(reader)
-        elif admitter is not None:
-            note = {"shared": True}
-        else:
-            admitter, note = make_admitter(
-                reader,
-                manifest,
-                settings.host_cache,
-                cuda=(copier, cuda_why_not),
-                copy_kernel=settings.copy_kernel,
-                ahead_blocks=settings.prefetch_copy_blocks,
-            )
+        admitter, note = _admission(reader, manifest, settings, mapped, gather, admitter, (copier, cuda_why_not))
         if auto_note is not None:
             note["mapped_auto"] = auto_note
         for layer, (_, _, module) in zip(full.layers, found):
@@ -445,24 +429,7 @@ def load_streaming_model(
             depth=settings.prefetch_depth,
             buffer_bytes=settings.prefetch_buffer,
         )
-        # A pool per MoE layer, each with its eviction policy; the naive baseline's reuse
-        # nothing between forwards.
-        pools: list[ExpertPool] = []
-        for layer, n in zip(manifest.layers, slots):
-            pools.append(
-                ExpertPool(
-                    layer,
-                    n,
-                    make_policy(settings.policy, layer.num_experts, n),
-                    admitter,
-                    top_k=k,
-                    reuse=not naive,
-                    host_memory=mapped,
-                    gather=gather,
-                    lower=pools[:LOWER_HINT_LAYERS],
-                    prefetcher=prefetcher,
-                )
-            )
+        pools = _make_pools(manifest, slots, settings.policy, admitter, k, naive, gather, prefetcher, mapped=mapped)
         # Resident weights first, while the model is as the store's names know it (a
         # module beside the experts, e.g. a norm, sits inside the module wrapped next).
         _load_resident(model, weights, manifest, store)
@@ -476,11 +443,7 @@ def load_streaming_model(
         for pool, full_pool in zip(pools, resident):
             if full_pool:
                 pool.load_all()
-        mapped_pool = None
-        if mapped:
-            mover = copier if copier is not None else CountingMover()
-            mapped_pool = MappedPool(pools, capacity, mover, rebalance_tokens=settings.mapped_rebalance_tokens)
-            mapped_pool.place_initial()
+        mapped_pool = _place(pools, capacity, settings, copier) if mapped else None
         if share is None:
             layer_major, prefill_note = _layer_major(model, settings)
         else:
@@ -537,6 +500,76 @@ def _mapped_asked(
     if mapped:
         check_mapped_host_memory(manifest, host_available)
     return mapped
+
+
+def _make_pools(
+    manifest: Manifest,
+    slots: list[int],
+    policy: str,
+    admitter: Admitter,
+    top_k: int,
+    naive: bool,
+    gather: RowGather | None,
+    prefetcher: Prefetcher | None,
+    *,
+    mapped: bool,
+) -> list[ExpertPool]:
+    """A pool of `slots[i]` slots per MoE layer, each with its eviction policy; the naive
+    baseline's reuse nothing between forwards."""
+    pools: list[ExpertPool] = []
+    for layer, n in zip(manifest.layers, slots):
+        pools.append(
+            ExpertPool(
+                layer,
+                n,
+                make_policy(policy, layer.num_experts, n),
+                admitter,
+                top_k=top_k,
+                reuse=not naive,
+                host_memory=mapped,
+                gather=gather,
+                lower=pools[:LOWER_HINT_LAYERS],
+                prefetcher=prefetcher,
+            )
+        )
+    return pools
+
+
+def _admission(
+    reader: ExpertReader,
+    manifest: Manifest,
+    settings: Settings,
+    mapped: bool,
+    gather: RowGather | None,
+    shared: Admitter | None,
+    cuda: tuple[CudaCopier | None, str | None],
+) -> tuple[Admitter, dict[str, Any]]:
+    """What brings experts into the pools, and the note `status` shows of it: a mapped
+    pool's direct reads, the admitter another model of the store shares, else one made
+    for this load (a host tier, the CUDA copier)."""
+    if mapped:
+        note: dict[str, Any] = {"mapped": True, "gather": gather is not None}
+        if settings.host_cache:
+            note["host_tier"] = "mapped: it holds every expert, read in place"
+        return DirectAdmitter(reader), note
+    if shared is not None:
+        return shared, {"shared": True}
+    return make_admitter(
+        reader,
+        manifest,
+        settings.host_cache,
+        cuda=cuda,
+        copy_kernel=settings.copy_kernel,
+        ahead_blocks=settings.prefetch_copy_blocks,
+    )
+
+
+def _place(pools: list[ExpertPool], gpu_slots: int, settings: Settings, copier: CudaCopier | None) -> MappedPool:
+    """The mapped pool's placement of every layer's hottest experts in GPU memory."""
+    mover = copier if copier is not None else CountingMover()
+    placement = MappedPool(pools, gpu_slots, mover, rebalance_tokens=settings.mapped_rebalance_tokens)
+    placement.place_initial()
+    return placement
 
 
 def check_mapped_host_memory(manifest: Manifest, available: int, margin: int = MAPPED_HOST_MARGIN) -> None:
