@@ -17,7 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from arch_table import arch_of, tiny_arch_config
+from arch_table import NOT_REPLAYED, arch_of, tiny_arch_config
 from mlx_lm.generate import generate_step
 from stock_runs import GREEDY, LogitsRecorder
 from tiny_models import make_tiny_model
@@ -98,22 +98,32 @@ def capacity_slots(converted: Converted, capacity: str) -> int | float:
     return 0.5 if math.ceil(0.5 * experts) >= k else k
 
 
-def check_streamed(converted: Converted, capacity: str, prefetch: str, prompts: tuple[Prompt, ...] = SHORT) -> None:
+def check_streamed(
+    converted: Converted, capacity: str, prefetch: str, prompts: tuple[Prompt, ...] = SHORT, optimistic: str = "rule"
+) -> None:
     """Stream the store at `capacity` ("topk" or "half") with prefetch on or off and
     otherwise default settings: the model's top-k is the table's, every
     SwitchGLU/SwitchMLP of stock's model is streamed, `status` reports the prefill order
     the table expects and each prompt's prefill went that way, a top-k pool smaller than
     its layer read experts back after evicting them, and every token and logit equals
-    stock mlx-lm's."""
+    stock mlx-lm's. `optimistic` "always": every decode forward that can checks residency
+    every few layers and is redone from a layer that missed (daemon/model/optimistic.py),
+    whatever the miss rule says, and did (where the model's caches can be rewound)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
     from moestream.daemon.model.generation import plain_steps
+    from moestream.daemon.model.optimistic import REWINDABLE
     from moestream.daemon.model.streaming_model import load_streaming_model
     from moestream.shared.settings import Settings
 
-    label = f"{converted.model_type} {converted.quant} {capacity} prefetch {prefetch}"
+    label = f"{converted.model_type} {converted.quant} {capacity} prefetch {prefetch} optimistic {optimistic}"
     arch = arch_of(converted.model_type)
     sm = load_streaming_model(
         converted.store, Settings(capacity=capacity_slots(converted, capacity), prefetch=prefetch, direct_io=True)
     )
+    if optimistic == "always" and sm.optimistic is not None:
+        sm.optimistic.force(True)
+
     try:
         assert len(sm.pools) == converted.switch_layers > 0, f"{label}: streamed layers != stock's expert layers"
         assert [p.top_k for p in sm.pools] == [arch.top_k] * len(sm.pools), f"{label}: top-k is not {arch.top_k}"
@@ -145,5 +155,13 @@ def check_streamed(converted: Converted, capacity: str, prefetch: str, prompts: 
         if capacity == "topk" and slots < sum(p.layer.num_experts for p in sm.pools):
             misses = stats.misses_prefill + stats.misses_decode
             assert misses > slots, f"{label}: {misses} misses for {slots} slots, nothing was evicted and read back"
+        ctl = sm.optimistic
+        rewindable = all(type(c) in REWINDABLE for c in make_prompt_cache(sm.model))
+        if optimistic == "always" and ctl is not None and rewindable:
+            # A model whose blocks pass an object along that each changes is never replayed.
+            assert (ctl.why_not is not None) == (converted.model_type in NOT_REPLAYED), f"{label}: {ctl.why_not}"
+            assert ctl.forwards > 0 or ctl.why_not, f"{label}: no decode forward ran optimistically"
+            if stats.misses_decode and ctl.why_not is None:
+                assert ctl.redos > 0, f"{label}: decode steps missed, yet no forward was redone"
     finally:
         sm.close()

@@ -389,6 +389,11 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 
+# Models whose decoder blocks pass along an object each of them changes (kimi_k3's
+# attention residuals): their decode forwards are not replayed from a block that missed
+# (daemon/model/optimistic.py `_plain`), so they stay on the per-layer path.
+NOT_REPLAYED = {"kimi_k3+attn_res"}
+
 
 def arch_of(name: str) -> Arch:
     """The table's entry of a model_type or a variant's."""

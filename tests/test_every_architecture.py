@@ -7,8 +7,11 @@ expert store and streamed with default settings at top-k capacity and at half of
 experts, prefetch on and off, 4-bit and float32, through the daemon's own path (the
 layer-major prefill, which each prompt takes): greedy tokens and every step's logits
 equal stock mlx-lm's `generate_step` bit for bit, and the prefill went the way `status`
-says (tests/arch_runner.py). The default run takes every architecture at 4-bit, top-k,
-prefetch on, short prompts; `-m slow` runs the rest of the matrix, and a 600-token
+says (tests/arch_runner.py). Each decode forward is also forced through the optimistic
+path (daemon/model/optimistic.py: residency checked every few layers, the forward redone
+from a layer that missed), which at top-k redoes forwards in most tokens. The default run
+takes every architecture at 4-bit, top-k, short prompts, prefetch on by the miss rule and
+prefetch off forced optimistic; `-m slow` runs the rest of the matrix, and a 600-token
 prompt at every quantization and capacity. An architecture that fails is an expected
 failure (strict) with its reason in the table, so a fix shows up as an unexpected pass.
 """
@@ -26,6 +29,10 @@ QUANTS = ("4bit", "f32")
 CAPACITIES = ("topk", "half")
 PREFETCH = ("on", "off")
 PROMPTS = {"short": SHORT, "long": LONG}
+# "rule": decode forwards check residency every few layers where the miss rule says so;
+# "always": wherever they can, redone from each layer that missed (prefetch off, short prompts).
+OPTIMISTIC = ("rule", "always")
+DEFAULT_RUN = {("4bit", "topk", "on", "short", "rule"), ("4bit", "topk", "off", "short", "always")}
 
 
 def _cases() -> list:
@@ -36,25 +43,19 @@ def _cases() -> list:
             for capacity in CAPACITIES:
                 for prefetch in PREFETCH:
                     for prompts in PROMPTS:
-                        if prompts == "long" and prefetch == "off":
-                            continue
-                        marks = []
-                        if (quant, capacity, prefetch, prompts) != ("4bit", "topk", "on", "short"):
-                            marks.append(pytest.mark.slow)
-                        reason = arch.xfail_reason(quant) if arch is not None else None
-                        if reason is not None:
-                            marks.append(pytest.mark.xfail(strict=True, reason=reason))
-                        cases.append(
-                            pytest.param(
-                                model_type,
-                                quant,
-                                capacity,
-                                prefetch,
-                                prompts,
-                                id=f"{model_type}-{quant}-{capacity}-{prefetch}-{prompts}",
-                                marks=marks,
-                            )
-                        )
+                        for optimistic in OPTIMISTIC:
+                            if prompts == "long" and prefetch == "off":
+                                continue
+                            if optimistic == "always" and (prefetch, prompts) != ("off", "short"):
+                                continue
+                            case = (quant, capacity, prefetch, prompts, optimistic)
+                            marks = []
+                            if case not in DEFAULT_RUN:
+                                marks.append(pytest.mark.slow)
+                            reason = arch.xfail_reason(quant) if arch is not None else None
+                            if reason is not None:
+                                marks.append(pytest.mark.xfail(strict=True, reason=reason))
+                            cases.append(pytest.param(model_type, *case, id="-".join((model_type, *case)), marks=marks))
     return cases
 
 
@@ -89,14 +90,14 @@ def test_the_table_knows_every_model_file_with_stacked_experts():
     assert not gone, f"tests/arch_table.py has entries for files mlx-lm no longer has with stacked experts: {gone}"
 
 
-@pytest.mark.parametrize("model_type,quant,capacity,prefetch,prompts", _cases())
-def test_streamed_exactly(converted_arch, model_type, quant, capacity, prefetch, prompts):
+@pytest.mark.parametrize("model_type,quant,capacity,prefetch,prompts,optimistic", _cases())
+def test_streamed_exactly(converted_arch, model_type, quant, capacity, prefetch, prompts, optimistic):
     if model_type not in ARCHS and model_type not in VARIANTS:
         pytest.fail(
             f"mlx-lm's models/{model_type}.py keeps stacked experts, but tests/arch_table.py does not know it: "
             "add a tiny config for it to ARCHS"
         )
-    check_streamed(converted_arch(model_type, quant), capacity, prefetch, PROMPTS[prompts])
+    check_streamed(converted_arch(model_type, quant), capacity, prefetch, PROMPTS[prompts], optimistic)
 
 
 def test_the_supported_list():

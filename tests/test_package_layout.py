@@ -134,9 +134,11 @@ ASSIGNMENT_ALLOWED = {
     ("plan", "fitted_to"): "plan.py's own `Plan` record, which the function that made it completes",
     ("bar", "note"): "pull.py's own progress line, the file it is on",
     ("state", "crcs"): "pull.py's own `PullState` record, saved after each file",
+    ("now", "*"): "optimistic.py's own `_Forward` record of the decode forward it runs",
     # Known exception: the model's own cache-keeping modules are run per request by
     # switching their class to a subclass whose call splits the batch (row_batch.py);
     # nothing else of the module changes, and no copy of mlx-lm's attention is needed.
+    # The same for the decoder blocks and the model whose calls optimistic.py replays.
     ("module", "__class__"): "known exception, see above",
     # To go: the CUDA copier's kernel switch is set after construction by make_admitter
     # (daemon/pool/admission.py); cuda_copier() should take it instead.

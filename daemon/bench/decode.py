@@ -193,6 +193,11 @@ class BenchDecodeSettings:
     # checksums (the bench knob verify_checksums), as "+crc"; with paired_blocks, paired
     # against the same pool without.
     checksums: bool = False
+    # Each partial slot pool also on the per-layer path (a host sync at every MoE layer,
+    # daemon/model/streaming_moe.py `_decode`) instead of the optimistic forwards that
+    # check every few layers (daemon/model/optimistic.py), as ":per-layer"; with
+    # paired_blocks, paired against the same pool optimistic.
+    per_layer: bool = False
 
 
 @dataclass
@@ -292,6 +297,7 @@ def _streaming_config(
     mapped_gather: bool = False,
     host_cache: int = 0,
     verify: bool = False,
+    per_layer: bool = False,
 ) -> Config:
     sm = load_streaming_model(
         settings.store,
@@ -311,6 +317,8 @@ def _streaming_config(
         admitter=admitter,
         mapped=mapped,
     )
+    if per_layer and sm.optimistic is not None:
+        sm.optimistic.force(False)
     # What the daemon's generation loop does after each token (the routing of the fully
     # resident pools read back: a mapped pool's placement, or a full pool's counts).
     readback = sm.routing_readback()
@@ -326,8 +334,12 @@ def _streaming_config(
         clock = LayerClock()
 
         def decode_starts() -> None:
+            nonlocal redos_before
             before.update(decode_counters(sm))
+            redos_before = sm.optimistic.redos if sm.optimistic is not None else 0
             clock.take()
+
+        redos_before = 0
 
         with sm.diagnostics.clocked(clock):
             seconds, tokens = timed_decode(
@@ -338,6 +350,7 @@ def _streaming_config(
             sm.mapped_pool.drain()  # moves still running would slow the next configuration
         after = decode_counters(sm)
         d = {k: after[k] - before[k] for k in before}
+        redos = sm.optimistic.redos - redos_before if sm.optimistic is not None else 0
         n = settings.decode_tokens
         hits, misses = d["hits_decode"], d["misses_decode"]
         tier = d["tier_hits"] + d["tier_misses"]
@@ -364,6 +377,8 @@ def _streaming_config(
             # Every sync a token waits for: the layers' read-backs, the waits for the
             # streams before slots are written, and the sampled token.
             "syncs_per_token": (d["host_syncs"] + d["quiesces"]) / n + 1,
+            # Optimistic forwards run again from a layer that missed (daemon/model/optimistic.py).
+            "redos_per_token": redos / n,
             **layer_host_us(layer_host),
             # Experts copied ahead into the next layer's slots (prefetch from the host
             # tier), and those of them routed: counted among the hits.
@@ -440,6 +455,7 @@ def _stock_config(settings: BenchDecodeSettings, prompt: list[int]) -> Config:
             "admission_bytes_per_s": None,
             "host_syncs_per_token": 1.0,
             "syncs_per_token": 1.0,
+            "redos_per_token": None,
             **layer_host_us(([], [])),
             "prestaged_per_token": None,
             "prestaged_used_per_token": None,
@@ -634,6 +650,8 @@ def run_bench_decode(
                 configs.append(_streaming_config(f"moestream@{c:g}", c, settings, prompt))
                 if settings.checksums and c < 1:
                     configs.append(_streaming_config(f"moestream@{c:g}+crc", c, settings, prompt, verify=True))
+                if settings.per_layer and c < 1:
+                    configs.append(_streaming_config(f"moestream@{c:g}:per-layer", c, settings, prompt, per_layer=True))
             if tier is not None and c < 1:
                 if tier_mapped:
                     configs.append(
@@ -733,9 +751,11 @@ def run_bench_decode(
         paired: dict[str, dict[str, Any]] = {}
         by_name = {c.name: c for c in configs}
         # (the configuration, the one it is paired against): stock against each full pool,
-        # each "+crc" pool against the same pool without checksums.
+        # each "+crc" pool against the same pool without checksums, each ":per-layer" pool
+        # against the same pool optimistic.
         pairs = [(c, configs[0]) for c in configs if c.capacity == 1.0 and settings.stock]
         pairs += [(c, by_name[c.name.removesuffix("+crc")]) for c in configs if c.name.endswith("+crc")]
+        pairs += [(c, by_name[c.name.removesuffix(":per-layer")]) for c in configs if c.name.endswith(":per-layer")]
         for c, base in pairs if settings.paired_blocks else ():
             gc.collect()
             paired[c.name] = paired_blocks(
@@ -777,6 +797,7 @@ def run_bench_decode(
             "admission_bytes_per_s",
             "host_syncs_per_token",
             "syncs_per_token",
+            "redos_per_token",
             "host_us_per_layer_median",
             "host_us_per_layer_p99",
             "host_cpu_us_per_layer_median",
@@ -841,6 +862,7 @@ def run_bench_decode(
         "constrained": settings.constrained,
         "paired_blocks": settings.paired_blocks,
         "checksums": settings.checksums,
+        "per_layer": settings.per_layer,
         "host_cache_bytes": settings.host_cache,
         "host_tier_mapped": tier_note,
         # Bytes read into the host tier before timing (`warm_tier`).

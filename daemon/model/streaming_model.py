@@ -46,6 +46,7 @@ from .diagnostics import Diagnostics
 from .expert_parallel import ExpertShare
 from .kv_buckets import default_continuation_bucket
 from .mtp_head import load_mtp_head
+from .optimistic import OptimisticDecode
 from .prefill import LayerMajorPrefill, UnsupportedModel
 from .streaming_moe import StreamingMoE
 
@@ -118,6 +119,9 @@ class StreamingModel:
     # A vision-language store's mlx-vlm model (daemon/model/vision.py), else None: the
     # model takes no images.
     vision: Any = None
+    # The optimistic decode forwards of a model with partial slot pools
+    # (daemon/model/optimistic.py), else None.
+    optimistic: OptimisticDecode | None = None
 
     def mtp_head(self) -> Any:
         """The store's multi-token-prediction head (daemon/model/mtp_head.py), loaded on
@@ -433,8 +437,15 @@ def load_streaming_model(
         # Resident weights first, while the model is as the store's names know it (a
         # module beside the experts, e.g. a norm, sits inside the module wrapped next).
         _load_resident(model, weights, manifest, store)
+        # Decode forwards that check residency every few layers instead of at each: a
+        # slot pool's, where some layer is partial.
+        optimistic = None if mapped or naive or share is not None or all(resident) else OptimisticDecode(diagnostics)
+        streaming = []
         for (parent, key, module), pool, nxt in zip(found, pools, next_layers(pools, routers, settings.prefetch_depth)):
-            parent[key] = StreamingMoE(module, pool, diagnostics, nxt, prefetcher, share)
+            parent[key] = StreamingMoE(module, pool, diagnostics, nxt, prefetcher, share, optimistic)
+            streaming.append((parent[key], pool.layer.module_path))
+        if optimistic is not None and not optimistic.install(model, streaming):
+            optimistic = None
         vision = None
         if manifest.takes_images and share is None:
             vision = _load_vision(store, manifest, weights, pools, diagnostics)
@@ -474,6 +485,7 @@ def load_streaming_model(
         share=share,
         continuation_bucket=default_continuation_bucket(),
         vision=vision,
+        optimistic=optimistic,
     )
 
 

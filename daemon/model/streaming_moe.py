@@ -17,7 +17,9 @@ of the whole layer (`_stacked`), which the pool fills once for all of them.
 Otherwise a forward takes one of three paths: `_resident` (every expert has a slot: nothing leaves
 the device), `_slots` (the routed experts fit in the pool: misses are admitted into
 slots) and `_overflow` (they do not: a transient stack). The last two share the layer's
-one host sync, `_route`.
+one host sync, `_route`. In a decode forward that daemon/model/optimistic.py runs, a
+partial pool's layer syncs not at all: it runs on the device's slot lookup and the
+forward checks every few layers.
 
 With a partial pool and a predictor (daemon/prefetch/predictor.py), layer L also ranks the
 experts of layer L+1 in the same evaluation as its own ids, and once its experts are
@@ -41,6 +43,7 @@ from ..prefetch.predictor import NextLayer, Prediction
 from ..prefetch.prefetcher import MAX_PREFETCH_TOKENS, Prefetcher
 from .diagnostics import AnyRecorder, Diagnostics
 from .expert_parallel import ExpertShare
+from .optimistic import OptimisticDecode
 
 
 class StreamingMoE(nn.Module):
@@ -52,12 +55,14 @@ class StreamingMoE(nn.Module):
         nxt: NextLayer | None = None,
         prefetcher: Prefetcher | None = None,
         share: ExpertShare | None = None,
+        optimistic: OptimisticDecode | None = None,
     ) -> None:
         """`inner`: mlx-lm's module; `hub`: the model's diagnostics switch; `nxt`: the next
         layer as this one predicts for it, with the `prefetcher` that reads its experts
         (both None without prediction); `share`: this rank's share of the experts in an
         expert-parallel group (daemon/model/expert_parallel.py), whose pool holds only
-        those, else None."""
+        those, else None; `optimistic`: the model's optimistic decode forwards
+        (daemon/model/optimistic.py), else None."""
         super().__init__()
         self.inner = inner
         self.pool = pool
@@ -78,6 +83,7 @@ class StreamingMoE(nn.Module):
         # The layer-major prefill's probe of the model's forward at load (`idle`).
         self._idle = False
         self._last_ids: np.ndarray | None = None
+        self.optimistic = optimistic
         self._use(pool.arrays)
         # A resize of the pool (daemon/pool/elastic.py) hands the module its new arrays at
         # once, so that the old ones go with the last forward queued on them.
@@ -203,9 +209,10 @@ class StreamingMoE(nn.Module):
         if clock is None:
             return self._forward(x, indices)
         clock.start()
-        y = self._forward(x, indices)
-        clock.stop()
-        return y
+        try:
+            return self._forward(x, indices)
+        finally:
+            clock.stop()
 
     def _forward(self, x: mx.array, indices: mx.array) -> mx.array:
         pool = self.pool
@@ -227,6 +234,18 @@ class StreamingMoE(nn.Module):
         if self.pool.fully_resident:
             return self._resident(x, indices, rec)
         seq = indices.shape[-2] if indices.ndim >= 2 else 1
+        ctl = self.optimistic
+        if ctl is not None and ctl.active:
+            if seq == 1 and ctl.takes(self) and pool.device_lookup:
+                # A decode step that does not stop here (daemon/model/optimistic.py): the
+                # experts run on the device's lookup, a missing one's -1 as slot 0, and
+                # the least slot waits for the next check.
+                slots = pool.table()[indices]
+                ctl.ran(self, slots.min(), indices, self._sync)
+                return self.inner(x, mx.maximum(slots, 0))
+            # This layer's ids come to the host below: the layers under it checked first,
+            # so that a miss there is found before ids computed from it are acted on.
+            ctl.settle(self._sync)
         if seq == 1 and not rec.active and pool.device_lookup and (self.next is None or not self.next.ahead):
             return self._decode(x, indices)
         rec.wait_for(self.ordinal, "outside", x)
@@ -235,6 +254,8 @@ class StreamingMoE(nn.Module):
             # A decode step whose experts are all resident: the lookup, the experts and the
             # next layers' reads; the accounting waits for the pool's `flush`.
             slots = self.pool.hit(ids)
+            if slots is None and self.optimistic is not None:
+                self.optimistic.missed()
             if slots is not None:
                 y = self.inner(x, mx.array(slots))
                 self._sync(y, wait=False)
@@ -264,6 +285,8 @@ class StreamingMoE(nn.Module):
             own, predicted = least.tolist()
         pool.synced()
         if own < 0:
+            if self.optimistic is not None:
+                self.optimistic.missed()
             ids = np.array(indices)
             ranked_np = np.array(ranked).reshape(-1, ranked.shape[-1]) if ranked is not None else None
             return self._serve(x, indices, ids, ranked_np, (), 1, rec)

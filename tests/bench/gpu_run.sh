@@ -24,6 +24,7 @@
 # decode (bench decode)
 #   decode-q30           q30: stock, 100%, 25% (+host mapped, +host:slots), naive; 100% vs stock in A B B A blocks
 #   decode-q30-table     q30: 50% and 12.5%, with and without the host tier
+#   optimistic-q30       q30: pools near full checking residency every few layers against a sync at every layer
 #   plan-q30             q30: `moestreamctl plan`'s forecast beside bench decode at 50% and 25%, with and without the host tier
 #   heat-q30             q30: requests through a daemon at 25% + 20G host tier, for the heat and reuse files plan-q30 reads
 #   gen-demo             the daemon's generation loop against the bench loop, demo model
@@ -422,6 +423,25 @@ EOF
     ctl bench decode --model daemon/demo/store --capacity 1 --capacity 0.25 --host-cache 64M --no-naive --generation-loop \
       --min-round-seconds 1 --rounds ${ROUNDS:-3} --decode-tokens 64 --prompt-tokens 8 --temp 0 --mlx-memory-limit 16G \
       --json >"$f" 2> >(tee "$f.progress" >&2)
+    $py - "$f" <<'EOF'
+import json, sys
+from moestream.daemon.bench.decode import format_report
+print(format_report(json.load(open(sys.argv[1]))))
+EOF
+    ;;
+  optimistic-q30)
+    # Issue 55 on the GPU: partial slot pools (no host tier: misses read from the disk)
+    # whose decode forwards check residency every few layers, against the same pools with
+    # a sync at every layer (":per-layer"), each pair in PAIRED_BLOCKS A B B A blocks
+    # (and 100% against stock). Pools near full (CAPACITIES, default 1 0.95 0.8), where
+    # the hit rate leaves a token few layers that miss: the miss rule runs the rest on the
+    # per-layer path.
+    f="$OUT/bench_decode_q30_optimistic${TAG:+_$TAG}.json"
+    ctl bench decode --model /root/q30/store $(for c in ${CAPACITIES:-1 0.95 0.8}; do echo --capacity $c; done) \
+      --per-layer --no-naive ${EXTRA:-} --temp 1 --warmup-rounds ${WARMUP:-2} \
+      --prompt-tokens ${PROMPT_TOKENS:-4} --decode-tokens ${DECODE_TOKENS:-24} --rounds ${ROUNDS:-3} \
+      --min-round-seconds ${MIN_ROUND_S:-2} --paired-blocks ${PAIRED_BLOCKS:-12} --mlx-memory-limit ${MLX_LIMIT:-100G} \
+      --no-forecast --json >"$f" 2> >(tee "$f.progress" >&2)
     $py - "$f" <<'EOF'
 import json, sys
 from moestream.daemon.bench.decode import format_report

@@ -63,6 +63,12 @@ from .options import knob_option, size_option
     "verify_checksums, '+crc'), and with --paired-blocks against the same pool without, A B B A.",
 )
 @click.option(
+    "--per-layer",
+    is_flag=True,
+    help="Also time each partial slot pool with a host sync at every MoE layer (':per-layer') instead of a check "
+    "every few layers, and with --paired-blocks against the same pool checking every few, A B B A.",
+)
+@click.option(
     "--generation-loop",
     is_flag=True,
     help="Also time each streaming configuration through the daemon's own generation loop (in process): what a "
@@ -176,6 +182,7 @@ def bench_decode(
     min_round_seconds,
     paired_blocks,
     checksums,
+    per_layer,
     generation_loop,
     constrained,
     io_threads,
@@ -240,6 +247,7 @@ def bench_decode(
         constrained=constrained,
         paired_blocks=paired_blocks,
         checksums=checksums,
+        per_layer=per_layer,
         policy=policy,
         io_threads=io_threads,
         stock=not no_stock,
