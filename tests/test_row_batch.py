@@ -177,18 +177,26 @@ def test_every_unquantized_matmul_stays_on_the_lone_tokens_side_of_a_kernel_swit
     _stays_on_the_lone_side(model, _KernelSwitch(nn.Linear, 2))
 
 
-@pytest.mark.parametrize("capacity", [0.25, 1.0])
-def test_on_the_streaming_model_too(quantized, capacity):
+@pytest.mark.parametrize("capacity,optimistic", [(0.25, None), (0.25, True), (1.0, None)])
+def test_on_the_streaming_model_too(quantized, capacity, optimistic):
+    """`optimistic` True: every decode forward, alone and batched, checks residency every
+    few layers and is run again from a layer that missed (daemon/model/optimistic.py)."""
     store, stock = quantized
     prompts = _prompts(5)
     want = [_alone(stock, p) for p in prompts]
     sm = load_streaming_model(store, Settings(capacity=capacity, direct_io=True))
+    if optimistic:
+        sm.optimistic.force(True)
     try:
         alone = [_alone(sm.model, p) for p in prompts]
         rows = RowBatch(sm.model)
         assert rows.probe()
+        forwards = sm.optimistic.forwards if optimistic else 0
+        redos = sm.optimistic.redos if optimistic else 0
         for i, got in enumerate(_together(rows, sm.model, prompts)):
             _same(alone[i], want[i], f"request {i} alone at {capacity:g}, against stock")
             _same(got, alone[i], f"request {i} in a batch of 5 at {capacity:g}")
+        if optimistic:
+            assert sm.optimistic.forwards >= forwards + STEPS and sm.optimistic.redos > redos
     finally:
         sm.close()

@@ -17,9 +17,10 @@ the layers after it looked up on the device again.
 Each pool is told about each of its forwards once, in order, so the policy, the heat's
 counts, the stack distances and the hit counts are the per-layer path's.
 
-Used where it pays: a forward of one token per sequence over caches whose state can be
-put back (`REWINDABLE`), no diagnostics, every block with at most one streaming layer
-and arguments a replay can hand it again (`_plain`, seen in the model's first decode
+Used where it pays: a forward of one token per sequence (a lone request's, or a batch
+step's, daemon/model/row_batch.py) over caches whose state can be put back
+(`REWINDABLE`), no diagnostics, every block with at most one streaming layer and
+arguments a replay can hand it again (`_plain`, seen in the model's first decode
 forward, which runs on the per-layer path), and few misses lately: on average fewer
 layers that miss a token than half its checks (`MISS_WEIGHT`'s running mean). Past that,
 the layers computed twice cost more than the syncs saved, and the per-layer path's
@@ -37,6 +38,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, _BaseCache
 
 from .diagnostics import Diagnostics
+from .row_batch import RowCaches
 
 if TYPE_CHECKING:
     from .streaming_moe import StreamingMoE
@@ -95,18 +97,22 @@ class _Forward:
 
 def _plain(value: Any) -> bool:
     """Whether a block's argument is one a replay can hand it again as it was: an array
-    (which the block does not write into), a cache (rewound apart), a constant, or a
-    tuple of those. Anything else (kimi_k3's attention residuals pass an object that each
-    block changes and returns) may hold what a thrown-away run wrote."""
-    if value is None or isinstance(value, (mx.array, _BaseCache, str, bool, int, float)):
+    (which the block does not write into), a cache (rewound apart, as are the caches of a
+    batch step's `RowCaches`), a constant, or a tuple of those. Anything else (kimi_k3's
+    attention residuals pass an object that each block changes and returns) may hold what
+    a thrown-away run wrote."""
+    if value is None or isinstance(value, (mx.array, _BaseCache, RowCaches, str, bool, int, float)):
         return True
     return isinstance(value, tuple) and all(_plain(v) for v in value)
 
 
+def _rows(cache: Any) -> list[Any]:
+    """A layer's caches: a batch step's requests' (daemon/model/row_batch.py), or the one."""
+    return cache.rows if isinstance(cache, RowCaches) else [cache]
+
+
 def _caches_in(args: Sequence[Any], kwargs: dict[str, Any]) -> list[_BaseCache]:
-    found = [a for a in args if isinstance(a, _BaseCache)]
-    found += [v for v in kwargs.values() if isinstance(v, _BaseCache)]
-    return found
+    return [c for a in [*args, *kwargs.values()] for c in _rows(a) if isinstance(c, _BaseCache)]
 
 
 def _snapshot(caches: list[_BaseCache]) -> list[_Snapshot]:
@@ -202,11 +208,12 @@ class OptimisticDecode:
         return self.miss_mean < math.ceil(partial / CHECK_EVERY) / 2
 
     def applies(self, inputs: mx.array, cache: Any) -> bool:
-        """Whether a forward is a decode step over rewindable caches (then `forward`
-        runs it, optimistically where the miss rule says so)."""
+        """Whether a forward is a decode step (alone, or a batch step's one token per
+        request) over rewindable caches (then `forward` runs it, optimistically where
+        the miss rule says so)."""
         if self._now is not None or inputs.ndim < 1 or inputs.shape[-1] != 1 or not isinstance(cache, list):
             return False
-        return all(type(c) in REWINDABLE for c in cache)
+        return all(type(r) in REWINDABLE for c in cache for r in _rows(c))
 
     def missed(self) -> None:
         """A layer of the current decode forward missed on the per-layer path."""
