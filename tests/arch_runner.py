@@ -123,7 +123,6 @@ def check_streamed(
     )
     if optimistic == "always" and sm.optimistic is not None:
         sm.optimistic.force(True)
-
     try:
         assert len(sm.pools) == converted.switch_layers > 0, f"{label}: streamed layers != stock's expert layers"
         assert [p.top_k for p in sm.pools] == [arch.top_k] * len(sm.pools), f"{label}: top-k is not {arch.top_k}"

@@ -29,6 +29,7 @@ prefetch reads the next layer's experts ahead.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -323,6 +324,8 @@ def _checking_class(cls: type) -> type:
         return made
     base_call = cls.__call__
 
+    # The base call's name, docs and signature stay visible (`inspect.signature`).
+    @functools.wraps(base_call)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         ctl: OptimisticDecode = self._optimistic
         index = self._optimistic_block
