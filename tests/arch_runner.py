@@ -112,7 +112,6 @@ def check_streamed(
     from mlx_lm.models.cache import make_prompt_cache
 
     from moestream.daemon.model.generation import plain_steps
-    from moestream.daemon.model.optimistic import REWINDABLE
     from moestream.daemon.model.streaming_model import load_streaming_model
     from moestream.shared.settings import Settings
 
@@ -155,8 +154,7 @@ def check_streamed(
             misses = stats.misses_prefill + stats.misses_decode
             assert misses > slots, f"{label}: {misses} misses for {slots} slots, nothing was evicted and read back"
         ctl = sm.optimistic
-        rewindable = all(type(c) in REWINDABLE for c in make_prompt_cache(sm.model))
-        if optimistic == "always" and ctl is not None and rewindable:
+        if optimistic == "always" and ctl is not None and ctl.applies(mx.array([[0]]), make_prompt_cache(sm.model)):
             # A model whose blocks pass an object along that each changes is never replayed.
             assert (ctl.why_not is not None) == (converted.model_type in NOT_REPLAYED), f"{label}: {ctl.why_not}"
             assert ctl.forwards > 0 or ctl.why_not, f"{label}: no decode forward ran optimistically"

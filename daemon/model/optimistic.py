@@ -9,8 +9,8 @@ slot 0, a wrong row) and keeps the least slot; every CHECK_EVERY such layers, an
 end of the forward, one sync reads those. All >= 0: each layer ran on its own experts,
 bit for bit what the per-layer path computes. A layer with a miss: what it and the layers
 after it computed is thrown away. The decoder blocks from the one that holds it are
-rewound (their caches put back as they were before the token), the blocks below hand
-back the outputs they already computed, and the forward runs again from that block:
+rewound (every cache put back as it was before the token), the blocks below hand
+back the outputs they already computed (and their caches as they left them), and the forward runs again from that block:
 that layer through the per-layer path (its misses read and counted as they always are),
 the layers after it looked up on the device again.
 
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, _BaseCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, _BaseCache
 
 from .diagnostics import Diagnostics
 from .row_batch import RowCaches
@@ -52,7 +52,8 @@ MISS_WEIGHT = 0.125
 # Caches whose state a shallow copy of their attributes puts back: a KVCache's writes past
 # the restored offset are never read (and the next token writes over them); an
 # ArraysCache replaces its arrays rather than writing into them. A RotatingKVCache writes
-# over its oldest keys, so it cannot be rewound this way.
+# over its oldest keys, so it cannot be rewound this way. A `CacheList` is rewound
+# through its parts (`_leaves`).
 REWINDABLE = (KVCache, QuantizedKVCache, ArraysCache)
 
 
@@ -83,12 +84,13 @@ class _Forward:
 
     # False: the per-layer path, its misses counted for the rule.
     optimistic: bool
+    # Every cache of the forward (with its attributes) before the token: the model's code
+    # may change one before its blocks run (longcat_flash_ngram's n-gram context).
+    start: list[_Snapshot] = field(default_factory=list)
     # Blocks below this one hand back `outputs` (computed by an earlier run) and put their
-    # caches as that run left them.
+    # caches as that run left them (`after`).
     replay_from: int = 0
     outputs: dict[int, Any] = field(default_factory=dict)
-    # Each block's caches (with their attributes) before and after its run.
-    before: dict[int, list[_Snapshot]] = field(default_factory=dict)
     after: dict[int, list[_Snapshot]] = field(default_factory=dict)
     pending: list[_Ran] = field(default_factory=list)
     # Layers that take the per-layer path in the runs left (they missed).
@@ -107,24 +109,36 @@ def _plain(value: Any) -> bool:
     return isinstance(value, tuple) and all(_plain(v) for v in value)
 
 
-def _rows(cache: Any) -> list[Any]:
-    """A layer's caches: a batch step's requests' (daemon/model/row_batch.py), or the one."""
-    return cache.rows if isinstance(cache, RowCaches) else [cache]
+def _leaves(cache: Any) -> list[Any]:
+    """The caches that hold a layer's state: a batch step's requests' (daemon/model/row_batch.py
+    `RowCaches`), the parts of mlx-lm's `CacheList` (an attention's keys beside its
+    indexer's, deepseek_v32's), or the one."""
+    if isinstance(cache, RowCaches):
+        return [leaf for row in cache.rows for leaf in _leaves(row)]
+    if isinstance(cache, CacheList):
+        return [leaf for part in cache.caches for leaf in _leaves(part)]
+    return [cache]
 
 
 def _caches_in(args: Sequence[Any], kwargs: dict[str, Any]) -> list[_BaseCache]:
-    return [c for a in [*args, *kwargs.values()] for c in _rows(a) if isinstance(c, _BaseCache)]
+    return [c for a in [*args, *kwargs.values()] for c in _leaves(a) if isinstance(c, _BaseCache)]
+
+
+def _copied(attrs: dict[str, Any]) -> dict[str, Any]:
+    # Lists copied: an ArraysCache sets its arrays into its list, which must not be the
+    # snapshot's own (a snapshot may be put back more than once).
+    return {k: list(v) if isinstance(v, list) else v for k, v in attrs.items()}
 
 
 def _snapshot(caches: list[_BaseCache]) -> list[_Snapshot]:
-    return [(c, {k: list(v) if isinstance(v, list) else v for k, v in vars(c).items()}) for c in caches]
+    return [(c, _copied(vars(c))) for c in caches]
 
 
 def _restore(saved: list[_Snapshot]) -> None:
     for cache, state in saved:
         attrs = vars(cache)
         attrs.clear()
-        attrs.update(state)
+        attrs.update(_copied(state))
 
 
 class OptimisticDecode:
@@ -214,16 +228,17 @@ class OptimisticDecode:
         the miss rule says so)."""
         if self._now is not None or inputs.ndim < 1 or inputs.shape[-1] != 1 or not isinstance(cache, list):
             return False
-        return all(type(r) in REWINDABLE for c in cache for r in _rows(c))
+        return all(type(leaf) in REWINDABLE for c in cache for leaf in _leaves(c))
 
     def missed(self) -> None:
         """A layer of the current decode forward missed on the per-layer path."""
         if self._now is not None:
             self._now.misses += 1
 
-    def forward(self, run: Callable[[], Any]) -> Any:
-        """Run a decode forward (`run`): optimistically, again from the block of each miss
-        its checks find, or on the per-layer path; its misses go into the rule's mean."""
+    def forward(self, cache: list[Any], run: Callable[[], Any]) -> Any:
+        """Run a decode forward (`run`, over `cache`): optimistically, again from the block
+        of each miss its checks find, or on the per-layer path; its misses go into the
+        rule's mean."""
         self._now = now = _Forward(optimistic=self._worth_it())
         try:
             if not now.optimistic:
@@ -231,6 +246,7 @@ class OptimisticDecode:
                 self.probed = True
             else:
                 self.forwards += 1
+                now.start = _snapshot([leaf for c in cache for leaf in _leaves(c)])
                 while True:
                     try:
                         out = run()
@@ -276,15 +292,14 @@ class OptimisticDecode:
             ran.layer.pool.hit_on_device(ran.indices)
 
     def _rewind(self, now: _Forward, layer: StreamingMoE) -> None:
-        """Every cache back as it was before the token (what the model's code reads before
-        its blocks is then what it read the first time), and the next run computed from
-        `layer`'s block (that layer on the per-layer path); the blocks below replay."""
+        """Every cache back as it was before the token (what the model's code reads and
+        changes before its blocks is then as the first time), and the next run computed
+        from `layer`'s block (that layer on the per-layer path); the blocks below replay."""
         self.redos += 1
         start = self._block_of[id(layer)]
-        for block in sorted(now.before, reverse=True):
-            _restore(now.before[block])
+        _restore(now.start)
         for block in [b for b in now.outputs if b >= start]:
-            del now.outputs[block], now.before[block], now.after[block]
+            del now.outputs[block], now.after[block]
         now.replay_from = start
         now.synced.add(id(layer))
 
@@ -299,16 +314,14 @@ class OptimisticDecode:
     def block(self, index: int, call: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         """Block `index` of a forward running optimistically: where the run starts above
         it, its caches as its earlier run left them and that run's output; else computed,
-        its caches' state kept before and after."""
+        its caches' state kept after it."""
         now = self._now
         assert now is not None
         if index < now.replay_from:
             _restore(now.after[index])
             return now.outputs[index]
-        caches = _caches_in(args, kwargs)
-        now.before[index] = _snapshot(caches)
         out = call(*args, **kwargs)
-        now.after[index] = _snapshot(caches)
+        now.after[index] = _snapshot(_caches_in(args, kwargs))
         now.outputs[index] = out
         return out
 
@@ -334,7 +347,7 @@ def _checking_class(cls: type) -> type:
             cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
             if not isinstance(inputs, mx.array) or not ctl.applies(inputs, cache):
                 return base_call(self, *args, **kwargs)
-            return ctl.forward(lambda: base_call(self, *args, **kwargs))
+            return ctl.forward(cache, lambda: base_call(self, *args, **kwargs))
         if not ctl.active:
             if not ctl.probed:
                 ctl.probe(index, args, kwargs)
