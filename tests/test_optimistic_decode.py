@@ -2,18 +2,19 @@
 
 Their exactness is checked on every architecture (tests/test_every_architecture.py, forced
 on at top-k, where most tokens redo a forward) and their accounting against the per-layer
-path's fixture (tests/test_pool_accounting.py); here, the rule that picks the path.
+path's fixture (tests/test_pool_accounting.py); here, the rule that picks the path, and a rotating window put back.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from stock_runs import GREEDY
 
 from moestream.daemon.model.generation import SamplingParams, generate
-from moestream.daemon.model.streaming_model import load_streaming_model
+from moestream.daemon.model.streaming_model import load_stock_model, load_streaming_model
 from moestream.shared.settings import Settings, demo_store_path
 
 PROMPT = "The history of the city"
@@ -51,19 +52,23 @@ def test_a_pool_that_holds_what_it_routes_skips_the_per_layer_syncs():
     assert tokens == _decode(0.95, False)[0]
 
 
-def test_a_cache_that_cannot_be_put_back_keeps_the_per_layer_path():
-    # A rotating window (mlx-lm's cache with max_kv_size) writes over its oldest keys.
-    sm = load_streaming_model(demo_store_path(), Settings(capacity=0.95, prefetch="off"))
+def test_a_rotating_window_is_put_back_exactly():
+    # mlx-lm's cache with max_kv_size is a rotating window, which writes each token over
+    # its oldest keys: at 25% nearly every forward is run again from a layer that missed
+    # after the window has wrapped, and each step's log-probabilities are stock's.
+    stock = load_stock_model(demo_store_path())
+    sm = load_streaming_model(demo_store_path(), Settings(capacity=0.25, prefetch="off"))
     try:
         sm.optimistic.force(True)
-        cache = make_prompt_cache(sm.model, max_kv_size=16)
-        assert not sm.optimistic.applies(mx.array([[1]]), cache)
         prompt = mx.array(sm.tokenizer.encode(PROMPT))
-        steps = generate_step(prompt, sm.model, prompt_cache=cache, max_tokens=TOKENS, sampler=GREEDY)
-        assert len([int(t) for t, _ in steps]) == TOKENS
-        assert sm.optimistic.forwards == 0
-        # The same model over caches that can be put back runs optimistically.
-        steps = generate_step(prompt, sm.model, prompt_cache=make_prompt_cache(sm.model), max_tokens=4)
-        assert len(list(steps)) == 4 and sm.optimistic.forwards > 0
+        runs = []
+        for model in (stock, sm.model):
+            cache = make_prompt_cache(model, max_kv_size=8)
+            steps = generate_step(prompt, model, prompt_cache=cache, max_tokens=TOKENS, sampler=GREEDY)
+            runs.append([(int(t), np.array(lp)) for t, lp in steps])
+        assert [t for t, _ in runs[1]] == [t for t, _ in runs[0]]
+        for step, ((_, want), (_, got)) in enumerate(zip(*runs)):
+            assert np.array_equal(got, want), f"step {step}"
+        assert sm.optimistic.forwards >= TOKENS - 2 and sm.optimistic.redos > TOKENS
     finally:
         sm.close()

@@ -36,7 +36,15 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, _BaseCache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    ChunkedKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    _BaseCache,
+)
 
 from .diagnostics import Diagnostics
 from .row_batch import RowCaches
@@ -49,12 +57,13 @@ if TYPE_CHECKING:
 CHECK_EVERY = 8
 # Weight of the latest forward in the running mean of missed layers per token.
 MISS_WEIGHT = 0.125
-# Caches whose state a shallow copy of their attributes puts back: a KVCache's writes past
-# the restored offset are never read (and the next token writes over them); an
-# ArraysCache replaces its arrays rather than writing into them. A RotatingKVCache writes
-# over its oldest keys, so it cannot be rewound this way. A `CacheList` is rewound
-# through its parts (`_leaves`).
-REWINDABLE = (KVCache, QuantizedKVCache, ArraysCache)
+# Caches whose state a shallow copy of their attributes puts back: a KVCache's (and a
+# chunked one's) writes past the restored offset are never read, and the token run again
+# writes over them; a rotating window's decode write lands in the one slot whose keys
+# leave the window with this token, which the token run again writes over in turn (a
+# trim or a growth makes new arrays); an ArraysCache replaces its arrays rather than
+# writing into them. A `CacheList` is rewound through its parts (`_leaves`).
+REWINDABLE = (KVCache, QuantizedKVCache, RotatingKVCache, ChunkedKVCache, ArraysCache)
 
 
 class RouteMiss(Exception):
