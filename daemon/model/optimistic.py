@@ -8,11 +8,11 @@ the device (`ExpertPool.table`), runs its experts on them (a missing expert's -1
 slot 0, a wrong row) and keeps the least slot; every CHECK_EVERY such layers, and at the
 end of the forward, one sync reads those. All >= 0: each layer ran on its own experts,
 bit for bit what the per-layer path computes. A layer with a miss: what it and the layers
-after it computed is thrown away. The decoder blocks from the one that holds it are
-rewound (every cache put back as it was before the token), the blocks below hand
-back the outputs they already computed (and their caches as they left them), and the forward runs again from that block:
-that layer through the per-layer path (its misses read and counted as they always are),
-the layers after it looked up on the device again.
+after it computed is thrown away. Every cache is put back as it was before the token,
+the blocks below the one that holds that layer hand back the outputs they computed (and
+their caches as they left them), and the forward runs again from that block: that layer
+through the per-layer path (its misses read and counted as they always are), the layers
+after it looked up on the device again.
 
 Each pool is told about each of its forwards once, in order, so the policy, the heat's
 counts, the stack distances and the hit counts are the per-layer path's.
