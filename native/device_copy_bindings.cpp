@@ -97,6 +97,44 @@ size_t as_size(py::handle v, const std::string& what) {
   return static_cast<size_t>(x);
 }
 
+// One (dst, dst_offset, src, src_offset, nbytes) span, its buffers exported into `exports`
+// and its bounds checked; "[call] span i: " prefixes what is wrong with it.
+struct HostSpan {
+  char* dst;
+  const char* src;
+  size_t nbytes;
+  const void* dst_buffer;  // the buffers' starts (what the CUDA copier asks the driver about)
+  const void* src_buffer;
+};
+
+HostSpan host_span(py::handle item, Exports& exports, const std::string& what) {
+  py::sequence s = py::reinterpret_borrow<py::sequence>(item);
+  if (s.size() != 5) throw py::value_error(what + "expected (dst, dst_offset, src, src_offset, nbytes)");
+  Py_buffer* dst = exports.of(s[0], true, what + "dst");
+  Py_buffer* src = exports.of(s[2], false, what + "src");
+  const size_t doff = as_size(s[1], what + "dst_offset");
+  const size_t soff = as_size(s[3], what + "src_offset");
+  const size_t n = as_size(s[4], what + "nbytes");
+  if (doff + n > static_cast<size_t>(dst->len) || soff + n > static_cast<size_t>(src->len))
+    throw py::value_error(what + "out of bounds: dst " + std::to_string(doff) + "+" + std::to_string(n) + " of " +
+                          std::to_string(dst->len) + ", src " + std::to_string(soff) + "+" + std::to_string(n) +
+                          " of " + std::to_string(src->len));
+  return {static_cast<char*>(dst->buf) + doff, static_cast<const char*>(src->buf) + soff, n, dst->buf, src->buf};
+}
+
+// Host memory to host memory (a CPU or Apple GPU's arrays, the prefetch buffer, the host
+// tier): every span in one call, so that a decode layer's promotion of a few experts'
+// tensors is one crossing into C++ rather than a Python slice copy per tensor.
+void copy_spans(const py::sequence& spans) {
+  Exports exports;
+  std::vector<HostSpan> out;
+  out.reserve(spans.size());
+  size_t i = 0;
+  for (py::handle item : spans) out.push_back(host_span(item, exports, "[copy_spans] span " + std::to_string(i++) + ": "));
+  py::gil_scoped_release nogil;
+  for (const HostSpan& c : out) std::memmove(c.dst, c.src, c.nbytes);
+}
+
 class CudaCopier {
  public:
   explicit CudaCopier(int streams) {
@@ -126,20 +164,8 @@ class CudaCopier {
     out.reserve(spans.size());
     size_t i = 0;
     for (py::handle item : spans) {
-      const std::string what = "[copy] span " + std::to_string(i++) + ": ";
-      py::sequence s = py::reinterpret_borrow<py::sequence>(item);
-      if (s.size() != 5) throw py::value_error(what + "expected (dst, dst_offset, src, src_offset, nbytes)");
-      Py_buffer* dst = exports.of(s[0], true, what + "dst");
-      Py_buffer* src = exports.of(s[2], false, what + "src");
-      const size_t doff = as_size(s[1], what + "dst_offset");
-      const size_t soff = as_size(s[3], what + "src_offset");
-      const size_t n = as_size(s[4], what + "nbytes");
-      if (doff + n > static_cast<size_t>(dst->len) || soff + n > static_cast<size_t>(src->len))
-        throw py::value_error(what + "out of bounds: dst " + std::to_string(doff) + "+" + std::to_string(n) + " of " +
-                              std::to_string(dst->len) + ", src " + std::to_string(soff) + "+" + std::to_string(n) +
-                              " of " + std::to_string(src->len));
-      out.push_back({static_cast<char*>(dst->buf) + doff, static_cast<const char*>(src->buf) + soff, n,
-                     use_kernel && gpu_visible(dst->buf) && gpu_visible(src->buf)});
+      const HostSpan c = host_span(item, exports, "[copy] span " + std::to_string(i++) + ": ");
+      out.push_back({c.dst, c.src, c.nbytes, use_kernel && gpu_visible(c.dst_buffer) && gpu_visible(c.src_buffer)});
     }
     // The Python side of the call: reading the spans and exporting the buffers.
     bind_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -257,6 +283,11 @@ class CudaCopier {
 }  // namespace
 
 void bind_device_copy(py::module_& m) {
+  m.def("copy_spans", &copy_spans, py::arg("spans"),
+        "copy_spans([(dst, dst_offset, src, src_offset, nbytes), ...])\n\n"
+        "Copy every span between host buffers (HostBuffer, numpy or MLX arrays in host memory), "
+        "the GIL released for the copies. Raises ValueError for a span out of its buffers' "
+        "bounds or a read-only dst, before anything is copied.");
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

@@ -5,9 +5,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import pytest
 from pool_store import run_tokens
 
+from moestream._native import HostBuffer, copy_spans
 from moestream.daemon.model.streaming_model import load_streaming_model
 from moestream.daemon.store.convert import convert_model
 from moestream.shared.settings import Settings
@@ -50,3 +53,21 @@ def test_host_tier_reads_each_expert_from_disk_at_most_once(varied_store):
         assert second["tier_evictions"] == 0
     finally:
         sm.close()
+
+
+def test_copy_spans_copies_host_buffers_and_refuses_a_bad_span_before_copying():
+    # The host-to-host copy every promotion, tier copy and scratch fill goes through.
+    src = np.arange(64, dtype=np.uint8)
+    dst = mx.zeros((2, 32), dtype=mx.uint8)
+    mx.eval(dst)
+    buf = HostBuffer(4096)
+    copy_spans([(dst, 0, src, 8, 4), (dst, 32, src, 60, 4), (buf, 100, src, 0, 2)])
+    got = np.array(dst).ravel()
+    assert got[:4].tolist() == [8, 9, 10, 11] and got[32:36].tolist() == [60, 61, 62, 63]
+    assert got[4:32].sum() == 0 and got[36:].sum() == 0
+    assert bytes(memoryview(buf).cast("B")[100:102]) == b"\x00\x01"
+    with pytest.raises(ValueError, match=r"span 1: out of bounds"):
+        copy_spans([(dst, 4, src, 0, 4), (dst, 62, src, 0, 4)])
+    assert np.array(dst).ravel()[4:8].sum() == 0  # the good span before it was not copied either
+    with pytest.raises(BufferError, match="not writable"):
+        copy_spans([(bytes(8), 0, src, 0, 4)])

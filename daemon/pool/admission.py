@@ -20,11 +20,11 @@ from typing import Any, Protocol, Sequence
 
 import mlx.core as mx
 
-from ..._native import CudaCopier
+from ..._native import CudaCopier, copy_spans
 from ...shared.settings import SettingsError
 from ...shared.store_format import Manifest, MoELayer
 from .expert_reader import ExpertReader, ReadJob
-from .host_tier import HostTier, TieredAdmitter, expert_stride, memcpy_spans, row_spans
+from .host_tier import HostTier, TieredAdmitter, expert_stride, row_spans
 
 # (expert id, destination row): where `fill` writes an expert (a pool slot, or a row of a
 # stack or a scratch). Not daemon/mapped/mapped_pool.py's `MappedPool`.
@@ -79,7 +79,7 @@ class DirectAdmitter:
     def copy_rows(
         self, layer: MoELayer, dst: dict[str, mx.array], src: dict[str, mx.array], rows: Sequence[tuple[int, int]]
     ) -> None:
-        memcpy_spans(row_spans(layer, dst, src, rows))
+        copy_spans(row_spans(layer, dst, src, rows))
 
     def prepare(self, arrays: dict[str, mx.array]) -> None:
         return None

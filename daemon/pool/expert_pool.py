@@ -334,17 +334,18 @@ class ExpertPool:
                 self.policy.evicted(e)
         # Only rows of this forward count (a resident layer records none).
         lower = [p.last_rows for p in self.lower if p.last_rows is not None and len(p.last_rows) == len(token_experts)]
-        for i, row in enumerate(token_experts):
+        policy = self.policy
+        for i, row in enumerate(token_experts.tolist()):
             if lower:
-                self.policy.observe_lower([_here(rows[i]) for rows in lower])
-            self.policy.access(_here(row))
+                policy.observe_lower([_here(rows[i]) for rows in lower])
+            policy.access([e for e in row if e >= 0])
         self.last_rows = token_experts
         routed = token_experts[token_experts >= 0]
         needed = np.unique(routed)
-        np.add.at(self.stats.routed, routed, 1)
+        self.stats.routed += np.bincount(routed, minlength=self.stats.routed.size)
         self.stats.routed_total += routed.size
         self.stack_distances.observe_step(routed)
-        missing = [int(e) for e in needed if self.slot_of[e] < 0]
+        missing = needed[self.slot_of[needed] < 0].tolist()
         hits = len(needed) - len(missing)
         if self._prestaged:
             self.last_prestaged_used = sum(1 for e in needed if int(e) in self._prestaged)
@@ -469,6 +470,8 @@ class ExpertPool:
 
     def fits(self, token_experts: np.ndarray) -> bool:
         """Whether the experts of these tokens fit in the pool at once."""
+        if token_experts.size <= self.capacity - len(self.pinned):
+            return True  # a decode step's few: no set to build
         needed = set(np.unique(token_experts[token_experts >= 0]).tolist())
         return len(needed - self.pinned) <= self.capacity - len(self.pinned)
 

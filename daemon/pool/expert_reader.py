@@ -34,7 +34,7 @@ class FileStamp:
     mtime_ns: int
 
     @classmethod
-    def of(cls, path: Path) -> "FileStamp":
+    def of(cls, path: str | Path) -> "FileStamp":
         st = os.stat(path)
         return cls(st.st_ino, st.st_size, st.st_mtime_ns)
 
@@ -68,6 +68,8 @@ class ExpertReader:
         self._sizes: dict[str, int] = {}
         self._stamps: dict[str, FileStamp] = {}
         self._layers: dict[str, MoELayer] = {}
+        # Each file's path as a string: `changed` stats it after every batch of reads.
+        self._paths: dict[str, str] = {}
         # Files found changed and not as the manifest describes them: the stamp seen, and why.
         self._refused: dict[str, tuple[FileStamp, str]] = {}
         for layer in manifest.layers:
@@ -84,6 +86,7 @@ class ExpertReader:
             self._sizes[layer.file] = int(self.engine.file_info(fid)["size"])
             self._stamps[layer.file] = stamp
             self._layers[layer.file] = layer
+            self._paths[layer.file] = str(path)
 
     def request(self, layer: MoELayer, expert: int, targets: Sequence[tuple[Any, int, int, int]]) -> tuple:
         """The engine's read of `expert` into `targets` (`ReadJob.targets`), for `submit`."""
@@ -130,7 +133,7 @@ class ExpertReader:
     def changed(self, name: str) -> str | None:
         """Why file `name` can no longer be read for its experts (written over in place
         since it was opened, and not as the manifest describes it), else None."""
-        path = self.store_dir / name
+        path = self._paths[name]
         try:
             now = FileStamp.of(path)
         except OSError:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import mlx.core as mx
 
-from ..._native import CudaCopier, HostBuffer
+from ..._native import CudaCopier, HostBuffer, copy_spans
 from ...shared.store_format import Manifest, MoELayer
 from .expert_reader import ExpertReader, ReadJob
 
@@ -40,14 +40,6 @@ def row_spans(
     return [
         (dst[t.name], dr * t.nbytes, src[t.name], sr * t.nbytes, t.nbytes) for dr, sr in rows for t in layer.tensors
     ]
-
-
-def memcpy_spans(spans: Sequence[tuple[Any, int, Any, int, int]]) -> None:
-    views: dict[int, memoryview] = {}
-    for dst, doff, src, soff, n in spans:
-        d = views.setdefault(id(dst), memoryview(dst).cast("B"))
-        s = views.setdefault(id(src), memoryview(src).cast("B"))
-        d[doff : doff + n] = s[soff : soff + n]
 
 
 @dataclass
@@ -257,7 +249,7 @@ class TieredAdmitter:
             seconds = self.copier.copy(spans)
         else:
             tic = time.perf_counter()
-            memcpy_spans(spans)
+            copy_spans(spans)
             seconds = time.perf_counter() - tic
         self.s.copy_seconds += seconds
         self.s.bytes_to_pool += sum(span[4] for span in spans)
@@ -286,7 +278,7 @@ class TieredAdmitter:
         # no copy time of their own to measure bandwidth by.
         self.s.prestage_bytes += sum(span[4] for span in spans)
         if self.copier is None:
-            memcpy_spans(spans)
+            copy_spans(spans)
             return
         self.copier.copy(spans, wait=False, blocks=self.ahead_blocks)
         self._in_flight = True
@@ -338,7 +330,7 @@ class TieredAdmitter:
             # run from GPU to GPU (and only on the rare overflow path).
             self.copier.copy(spans)
         else:
-            memcpy_spans(spans)
+            copy_spans(spans)
 
     def prepare(self, arrays: dict[str, mx.array]) -> None:
         if self.copier is not None:

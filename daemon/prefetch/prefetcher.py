@@ -33,12 +33,12 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from ..._native import CudaCopier, HostBuffer
+from ..._native import CudaCopier, HostBuffer, copy_spans
 from ...shared.store_format import Manifest, MoELayer
 from ..model.decider import ABBA
 from ..model.diagnostics import NULL_RECORDER, AnyRecorder
 from ..pool.expert_reader import ExpertReader
-from ..pool.host_tier import expert_stride, memcpy_spans
+from ..pool.host_tier import expert_stride
 
 PENDING, DONE, FAILED = 0, 1, 2
 PREFETCH_MODES = ("on", "off", "auto")
@@ -258,7 +258,7 @@ class Prefetcher:
             if self.copier is not None and spans:
                 self.copier.copy(spans)
             else:
-                memcpy_spans(spans)
+                copy_spans(spans)
             if self.tier is not None:
                 self._keep_in_tier(layer, served)
         self.s.promoted += len(served)
