@@ -287,7 +287,7 @@ void bind_device_copy(py::module_& m) {
         "copy_spans([(dst, dst_offset, src, src_offset, nbytes), ...])\n\n"
         "Copy every span between host buffers (HostBuffer, numpy or MLX arrays in host memory), "
         "the GIL released for the copies. Raises ValueError for a span out of its buffers' "
-        "bounds or a read-only dst, before anything is copied.");
+        "bounds and BufferError for a dst that cannot be written, before anything is copied.");
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

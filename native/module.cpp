@@ -10,8 +10,8 @@ void bind_device_copy(py::module_& m);   // device_copy_bindings.cpp
 PYBIND11_MODULE(_native, m) {
   m.doc() =
       "moestream native read engine: a C++ thread pool that reads whole expert blocks with "
-      "pread, bypassing the page cache, into caller-owned buffers; and the CUDA copier, "
-      "which loads the CUDA runtime at run time.";
+      "pread, bypassing the page cache, into caller-owned buffers; host-to-host copies of "
+      "byte spans (copy_spans); and the CUDA copier, which loads the CUDA runtime at run time.";
   bind_read_engine(m);
   bind_device_copy(m);
 }
