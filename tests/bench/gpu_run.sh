@@ -35,6 +35,7 @@
 # serving (bench serve)
 #   serve-q30            q30: 1, 2, 4, 8 clients through a real daemon at 100% and at 25% + 20G host tier
 #   row-batch-q30        q30: a request's logits bit for bit alone and in batches of 2-8 (stock, 100%, 25% + host), then tests/test_row_batch.py
+#   batch-bound-q30      q30: a batch step of 1 and 4 on partial pools (CAPACITIES, default "0.9 0.25") against its bound, A B B A
 # agents (bench agent)
 #   agent-q30            q30: a coding agent's 16k-token prompt through a daemon and gateway at 25% + 20G host, then 25% disk only
 #   session-q30          q30: a Claude Code session replayed through a daemon and gateway, prompt cache off then on, 100% and 25% disk
@@ -346,6 +347,16 @@ EOF
       2> "$OUT/row_batch_probe_q30.progress" | tail -3
     grep -c 'same False' "$OUT/row_batch_probe_q30.progress" || true
     $py -m pytest -q -p no:cacheprovider tests/test_row_batch.py 2>&1 | tee "$OUT/test_row_batch_cuda.txt" | tail -8
+    ;;
+  batch-bound-q30)
+    # Issue 56 point 5: the daemon's batch step on a partial pool (misses read from the
+    # disk) against the same step on a full pool plus its bytes over the store's measured
+    # bandwidth; both models loaded at once (about 32 GB at 0.9).
+    for c in ${CAPACITIES:-0.9 0.25}; do
+      f="$OUT/batch_bound_probe_q30_${c/./}.json"
+      $py tests/bench/batch_bound_probe.py --store /root/q30/store --capacity "$c" --batch 1 --batch 4 \
+        --steps ${STEPS:-16} --blocks ${BLOCKS:-4} --out "$f" 2> "$f.progress" | tail -40 || tail -5 "$f.progress"
+    done
     ;;
   agent-q30)
     # Issue 60 run 2: status line, gaps before the first token, a cut request sent again and
