@@ -80,18 +80,18 @@ def main() -> None:
             mx.eval(full.model(mx.array(p[:-1])[None], cache=cache))
             caches.append(cache)
         tokens = [p[-1] for p in prompts]
-        rows = {id(sm): RowBatch(sm.model) for sm in (full, part)}
-        assert b == 1 or all(r.probe() for r in rows.values())
-        for sm in (full, part):  # warm-up: the pool fills, the kernels of this size compile
-            _run(sm, rows[id(sm)], caches, tokens, args.steps, 0)
+        full_side, part_side = (full, RowBatch(full.model)), (part, RowBatch(part.model))
+        assert b == 1 or (full_side[1].probe() and part_side[1].probe())
+        for side in (full_side, part_side):  # warm-up: the pool fills, the kernels of this size compile
+            _run(*side, caches, tokens, args.steps, 0)
         seconds = {"full": [], "part": []}
         read, same = [], True
         for block in range(args.blocks):
             seed = 1 + block
-            a1, ta, _ = _run(full, rows[id(full)], caches, tokens, args.steps, seed)
-            b1, tb, r1 = _run(part, rows[id(part)], caches, tokens, args.steps, seed)
-            b2, _, r2 = _run(part, rows[id(part)], caches, tokens, args.steps, seed)
-            a2, _, _ = _run(full, rows[id(full)], caches, tokens, args.steps, seed)
+            a1, ta, _ = _run(*full_side, caches, tokens, args.steps, seed)
+            b1, tb, r1 = _run(*part_side, caches, tokens, args.steps, seed)
+            b2, _, r2 = _run(*part_side, caches, tokens, args.steps, seed)
+            a2, _, _ = _run(*full_side, caches, tokens, args.steps, seed)
             same = same and ta == tb
             seconds["full"].append((a1 + a2) / 2)
             seconds["part"].append((b1 + b2) / 2)
