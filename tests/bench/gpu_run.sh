@@ -34,7 +34,8 @@
 #   prefill-q30          q30: time to first token at 512/2048/8192 tokens: stock, 100%, 25% disk (and chunk order), 25% + 20G host
 # serving (bench serve)
 #   serve-q30            q30: 1, 2, 4, 8 clients through a real daemon at 100% and at 25% + 20G host tier
-#   row-batch-q30        q30: a request's logits bit for bit alone and in batches of 2-8 (stock, 100%, 25% + host), then tests/test_row_batch.py
+#   row-batch-q30        q30: a request's logits bit for bit alone and in batches of 2-8 (stock, 100%, 25% + host), then row-batch-cuda
+#   row-batch-cuda       tests/test_row_batch.py under MLX's CUDA build (every architecture's tiny model)
 #   batch-bound-q30      q30: a batch step of 1 and 4 on partial pools (CAPACITIES, default "0.9 0.25") against its bound, A B B A
 # agents (bench agent)
 #   agent-q30            q30: a coding agent's 16k-token prompt through a daemon and gateway at 25% + 20G host, then 25% disk only
@@ -316,12 +317,14 @@ EOF
     # measures one pool; pools are separated by ";", as in the default (a pool given alone
     # with its words, "0.25 --host-cache 20G", is one pool, not three). ROUNDS runs every
     # level that many times, every other round in reverse, for medians (the host's pace drifts).
-    # AGAINST_TURNS=1 runs each level through a second daemon whose requests take turns too.
+    # AGAINST_TURNS=1 runs each level through a second daemon whose requests take turns too;
+    # CLIENTS ("1 4") the levels (default 1 2 4 8).
     IFS=';' read -ra pools <<< "${POOLS:-1.0;0.25 --host-cache 20G}"
     for pool in "${pools[@]}"; do
       name=$(echo "$pool" | cut -d' ' -f1)
       # shellcheck disable=SC2086  # a pool's words are bench serve's arguments
       $py -m moestream.client.cli bench serve --model /root/q30/store --capacity $pool --requests ${REQUESTS:-16} \
+        $(for c in ${CLIENTS:-}; do echo --clients $c; done) \
         --max-batch ${MAX_BATCH:-0} --max-tokens 64 --rounds ${ROUNDS:-1} ${AGAINST_TURNS:+--against-turns} --json > "$OUT/bench_serve_q30_${name}_h200.json" \
         2> "$OUT/bench_serve_q30_${name}_h200.progress" \
         || tail -5 "$OUT/bench_serve_q30_${name}_h200.progress"
@@ -346,7 +349,16 @@ EOF
       --trials ${TRIALS:-1} --mlx-memory-limit ${MLX_LIMIT:-100G} --out "$OUT/row_batch_probe_q30.json" \
       2> "$OUT/row_batch_probe_q30.progress" | tail -3
     grep -c 'same False' "$OUT/row_batch_probe_q30.progress" || true
-    $py -m pytest -q -p no:cacheprovider tests/test_row_batch.py 2>&1 | tee "$OUT/test_row_batch_cuda.txt" | tail -8
+    bash "$0" row-batch-cuda
+    ;;
+  row-batch-cuda)
+    # tests/test_row_batch.py under MLX's CUDA build, each test's verdict written as it
+    # ends (a run cut by its limit still says how far it got; through a pipe, pytest's
+    # buffered output once came back empty), spread over WORKERS processes (default 8)
+    # where pytest-xdist is there: the first run of each tiny model compiles its kernels.
+    n=$($py -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}")
+    $py -u -m pytest -vv -p no:cacheprovider $n tests/test_row_batch.py >"$OUT/test_row_batch_cuda.txt" 2>&1
+    tail -8 "$OUT/test_row_batch_cuda.txt"
     ;;
   batch-bound-q30)
     # Issue 56 point 5: the daemon's batch step on a partial pool (misses read from the
