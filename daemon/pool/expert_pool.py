@@ -335,30 +335,37 @@ class ExpertPool:
         # Only rows of this forward count (a resident layer records none).
         lower = [p.last_rows for p in self.lower if p.last_rows is not None and len(p.last_rows) == len(token_experts)]
         policy = self.policy
+        # Python lists, not numpy: a decode step's few ids cost several numpy calls'
+        # overhead each (np.unique alone 6 us a layer here), on the path of every miss.
+        routed: list[int] = []
         for i, row in enumerate(token_experts.tolist()):
             if lower:
                 policy.observe_lower([_here(rows[i]) for rows in lower])
-            policy.access([e for e in row if e >= 0])
+            here = [e for e in row if e >= 0]
+            policy.access(here)
+            routed += here
         self.last_rows = token_experts
-        routed = token_experts[token_experts >= 0]
-        needed = np.unique(routed)
-        self.stats.routed += np.bincount(routed, minlength=self.stats.routed.size)
-        self.stats.routed_total += routed.size
-        self.stack_distances.observe_step(routed)
-        missing = needed[self.slot_of[needed] < 0].tolist()
-        hits = len(needed) - len(missing)
+        unique = sorted(set(routed))
+        needed = np.array(unique, dtype=np.int64)
+        stats = self._stats  # flushed above: the property's check, once
+        stats.routed += np.bincount(routed, minlength=stats.routed.size)
+        stats.routed_total += len(routed)
+        self._distances.observe_step(needed)
+        slot_of = self.slot_of
+        missing = [e for e in unique if slot_of[e] < 0]
+        hits = len(unique) - len(missing)
         if self._prestaged:
-            self.last_prestaged_used = sum(1 for e in needed if int(e) in self._prestaged)
-            self.stats.prestaged_used += self.last_prestaged_used
+            self.last_prestaged_used = sum(1 for e in unique if e in self._prestaged)
+            stats.prestaged_used += self.last_prestaged_used
             self._prestaged = set()
         else:
             self.last_prestaged_used = 0
         if decode:
-            self.stats.hits_decode += hits
-            self.stats.misses_decode += len(missing)
+            stats.hits_decode += hits
+            stats.misses_decode += len(missing)
         else:
-            self.stats.hits_prefill += hits
-            self.stats.misses_prefill += len(missing)
+            stats.hits_prefill += hits
+            stats.misses_prefill += len(missing)
         return needed, missing
 
     def hit(self, token_experts: np.ndarray) -> np.ndarray | None:
