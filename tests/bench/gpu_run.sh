@@ -367,7 +367,8 @@ EOF
     for c in ${CAPACITIES:-0.9 0.25}; do
       f="$OUT/batch_bound_probe_q30_${c/./}.json"
       $py tests/bench/batch_bound_probe.py --store /root/q30/store --capacity "$c" --batch 1 --batch 4 \
-        --steps ${STEPS:-16} --blocks ${BLOCKS:-4} --out "$f" 2> "$f.progress" | tail -40 || tail -5 "$f.progress"
+        --steps ${STEPS:-16} --blocks ${BLOCKS:-4} --out "$f" >"$f.txt" 2>"$f.progress" \
+        && tail -40 "$f.txt" || tail -5 "$f.progress"
     done
     ;;
   agent-q30)
